@@ -1,0 +1,23 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install demo test mutants
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m tldsl.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+	$(PY) -m tldsl.testing.mutants
+
+mutants: $(VENV)/.installed
+	$(PY) -m tldsl.testing.mutants

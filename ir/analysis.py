@@ -1,0 +1,150 @@
+"""Static channel analysis: which (rank, signal, channel) every notify and wait touches.
+
+It evaluates only index arithmetic, for every rank and task, skipping regions without
+signals. Waits whose channel can be computed must be reachable by enough notifies,
+otherwise the kernel would hang: that is reported at the wait's line before anything runs.
+Values read from run-time tables are unknown; waits and notifies that depend on them are
+left to the simulator's dynamic deadlock detection.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from ..errors import VerificationError
+from .core import Block, Kernel
+from .opdefs import NOTIFY_OPS, WAIT_OPS
+from .semantics import ARITH, wrap_i32
+
+
+class _Unknown:
+    def __repr__(self):
+        return "?"
+
+
+UNKNOWN = _Unknown()
+
+
+def _has_sync(block: Block, memo: dict) -> bool:
+    if id(block) not in memo:
+        memo[id(block)] = any(op.name in NOTIFY_OPS or op.name in WAIT_OPS or
+                              any(_has_sync(r, memo) for r in op.regions) for op in block.ops)
+    return memo[id(block)]
+
+
+class SyncSites:
+    def __init__(self):
+        self.notifies: Counter = Counter()       # (sig id, target rank, channel) -> possible count
+        self.dynamic_signals: set[int] = set()   # signals with a notify at an unknown channel/rank
+        self.waits: list = []                    # (op, rank, task, channel, count)
+
+
+def collect(kernel: Kernel, max_iterations: int = 2_000_000) -> SyncSites:
+    sites = SyncSites()
+    memo: dict = {}
+    budget = [max_iterations]
+    for part in kernel.parts:
+        if not _has_sync(part.body, memo):
+            continue
+        for rank in range(kernel.world_size):
+            for task in itertools.product(*(range(g) for g in part.grid)):
+                _eval_block(part.body, {}, rank, task, sites, memo, budget)
+                if budget[0] <= 0:
+                    return sites
+    return sites
+
+
+def _val(env, v):
+    return env.get(v.id, UNKNOWN)
+
+
+def _eval_block(block, env, rank, task, sites, memo, budget):
+    budget[0] -= 1
+    for op in block.ops:
+        name = op.name
+        if name == "const":
+            env[op.result.id] = op.attrs["value"]
+        elif name == "program_id":
+            env[op.result.id] = task[op.attrs["axis"]]
+        elif name == "rank":
+            env[op.result.id] = rank
+        elif name == "arith":
+            a, b = (_val(env, v) for v in op.operands)
+            try:
+                env[op.result.id] = UNKNOWN if UNKNOWN in (a, b) else wrap_i32(ARITH[op.attrs["op"]](a, b))
+            except ZeroDivisionError:
+                env[op.result.id] = UNKNOWN
+        elif name == "select":
+            c, a, b = (_val(env, v) for v in op.operands)
+            env[op.result.id] = UNKNOWN if c is UNKNOWN else (a if c else b)
+        elif name == "for":
+            if not _has_sync(op.regions[0], memo):
+                continue
+            lo, hi, st = (_val(env, v) for v in op.operands)
+            body = op.regions[0]
+            if UNKNOWN in (lo, hi, st) or st <= 0:
+                env[body.args[0].id] = UNKNOWN
+                _eval_block(body, env, rank, task, sites, memo, budget)   # sites inside become dynamic
+                continue
+            for i in range(lo, hi, st):
+                env[body.args[0].id] = i
+                _eval_block(body, env, rank, task, sites, memo, budget)
+                if budget[0] <= 0:
+                    return
+        elif name == "if":
+            c = _val(env, op.operands[0])
+            if c is UNKNOWN or c:
+                if _has_sync(op.regions[0], memo):
+                    _eval_block(op.regions[0], env, rank, task, sites, memo, budget)
+        elif name in NOTIFY_OPS:
+            sig = op.operands[0].id
+            ch = _val(env, op.operands[1])
+            target = rank if name == "producer_tile_notify" else _val(env, op.operands[2])
+            if UNKNOWN in (ch, target):
+                sites.dynamic_signals.add(sig)
+            else:
+                sites.notifies[(sig, target, ch)] += 1
+        elif name in WAIT_OPS:
+            ch = _val(env, op.operands[1])
+            cnt = _val(env, op.operands[2])
+            sites.waits.append((op, rank, task, ch, cnt))
+        else:
+            for r in op.results:
+                env[r.id] = UNKNOWN
+
+
+def check_channels(kernel: Kernel) -> None:
+    """Raise at the first wait that cannot receive enough notifies in a launch."""
+    sites = collect(kernel)
+    for op, rank, task, ch, cnt in sites.waits:
+        sig = op.operands[0]
+        if sig.id in sites.dynamic_signals or UNKNOWN in (ch, cnt):
+            continue
+        if not 0 <= ch < sig.type.slots:
+            raise VerificationError(
+                f"{op.name} on rank {rank}, task {task}: channel {ch} is outside signal "
+                f"'{sig.hint}' ({sig.type.slots} slots)", op.loc)
+        have = sites.notifies.get((sig.id, rank, ch), 0)
+        if have < cnt:
+            reached = sorted(c for (s, r, c) in sites.notifies if s == sig.id and r == rank)
+            span = f"channels {_ranges(reached)}" if reached else "no channel"
+            raise VerificationError(
+                f"{op.name} on rank {rank}, task {task} waits for {cnt} notif{'y' if cnt == 1 else 'ies'} "
+                f"on channel {ch} of signal '{sig.hint}', but only {have} can arrive in a launch "
+                f"(notifies reach {span} of rank {rank}): this wait would hang", op.loc)
+
+
+def _ranges(xs):
+    xs = sorted(set(xs))
+    out, start, prev = [], None, None
+    for x in xs:
+        if start is None:
+            start = prev = x
+        elif x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}..{prev}" if start != prev else str(start))
+            start = prev = x
+    if start is not None:
+        out.append(f"{start}..{prev}" if start != prev else str(start))
+    return ", ".join(out)

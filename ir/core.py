@@ -1,0 +1,160 @@
+"""The IR's containers: values, ops, blocks, parts and the kernel.
+
+A kernel owns buffers (tensors in global or symmetric memory), signals, and *parts*.
+A part is a grid of tasks with one body: the **compute** part is the tile program
+(runs on SMs, ordered by the compute schedule); **comm** parts move data and are
+placed by the communication schedule (SMs or the copy engine). Parts talk to each
+other only through signals, which is what lets either schedule change alone.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .location import Location
+from .types import SignalType, TensorType
+
+_ids = itertools.count()
+
+
+class Value:
+    """An SSA value: the result of one op, a block argument, or a kernel-level handle."""
+    __slots__ = ("type", "hint", "id", "owner")
+
+    def __init__(self, type, hint: str | None = None, owner=None):
+        self.type = type
+        self.hint = hint
+        self.id = next(_ids)
+        self.owner = owner  # the Op defining it, or a Buffer / Signal / Block
+
+    def __repr__(self) -> str:
+        return f"Value({self.hint or self.id}: {self.type})"
+
+
+@dataclass(eq=False)
+class Block:
+    ops: list["Op"] = field(default_factory=list)
+    args: list[Value] = field(default_factory=list)
+
+    def walk(self) -> Iterator["Op"]:
+        for op in self.ops:
+            yield op
+            for region in op.regions:
+                yield from region.walk()
+
+
+@dataclass(eq=False)
+class Op:
+    name: str
+    operands: list[Value]
+    results: list[Value]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    regions: list[Block] = field(default_factory=list)
+    loc: Location | None = None
+
+    @property
+    def result(self) -> Value:
+        assert len(self.results) == 1, self.name
+        return self.results[0]
+
+    def __repr__(self) -> str:
+        return f"Op({self.name} @ {self.loc.short() if self.loc else '?'})"
+
+
+@dataclass(eq=False)
+class Buffer:
+    """A tensor argument or a kernel-owned workspace."""
+    name: str
+    type: TensorType
+    kind: str          # "arg" (the caller passes it) | "workspace" (the kernel owns it, persists across launches)
+    value: Value = None
+    loc: Location | None = None
+
+    def __post_init__(self):
+        if self.value is None:
+            self.value = Value(self.type, self.name, owner=self)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.type.space.value == "symmetric"
+
+
+@dataclass(eq=False)
+class Signal:
+    """An array of counters. Notifies add to a slot (release); waits spin until it reaches a count (acquire)."""
+    name: str
+    type: SignalType
+    value: Value = None
+    loc: Location | None = None
+
+    def __post_init__(self):
+        if self.value is None:
+            self.value = Value(self.type, self.name, owner=self)
+
+
+@dataclass(eq=False)
+class Part:
+    name: str
+    role: str                 # "compute" | "comm"
+    grid: tuple[int, ...]
+    engine: str               # "sm" | "copy_engine"
+    body: Block
+    loc: Location | None = None
+    lanes: int | None = None  # comm parts: how many tasks may run at once (SMs or CE streams)
+
+    @property
+    def num_tasks(self) -> int:
+        n = 1
+        for g in self.grid:
+            n *= g
+        return n
+
+    def walk(self) -> Iterator[Op]:
+        return self.body.walk()
+
+
+@dataclass(eq=False)
+class Kernel:
+    name: str
+    world_size: int
+    buffers: list[Buffer]
+    signals: list[Signal]
+    parts: list[Part]
+    compute_schedule: Any = None
+    comm_schedule: Any = None
+    mappings: list[Any] = field(default_factory=list)
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    loc: Location | None = None
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    @property
+    def args(self) -> list[Buffer]:
+        return [b for b in self.buffers if b.kind == "arg"]
+
+    @property
+    def workspaces(self) -> list[Buffer]:
+        return [b for b in self.buffers if b.kind == "workspace"]
+
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def walk(self) -> Iterator[tuple[Part, Op]]:
+        for p in self.parts:
+            for op in p.walk():
+                yield p, op
+
+    def __str__(self) -> str:
+        from .printer import format_kernel
+        return format_kernel(self)
+
+    def _repr_pretty_(self, p, cycle):  # IPython / notebooks
+        p.text(str(self))

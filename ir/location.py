@@ -1,0 +1,62 @@
+"""Source locations: every IR op remembers the user's line that created it."""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+
+# Frames inside these directories are the compiler's own and are skipped.
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INTERNAL = tuple(os.path.join(_PKG_ROOT, d) + os.sep for d in ("tldsl", "ir", "codegen", "runtime"))
+_LIBRARY_OPS = os.path.join(_PKG_ROOT, "tldsl", "ops") + os.sep
+
+
+@dataclass(frozen=True)
+class Location:
+    filename: str
+    lineno: int
+    col: int = 0
+
+    @property
+    def source(self) -> str:
+        return linecache.getline(self.filename, self.lineno).rstrip("\n")
+
+    def short(self) -> str:
+        return f"{os.path.basename(self.filename)}:{self.lineno}"
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+    def excerpt(self) -> str:
+        """The source line with a caret under its first non-blank character."""
+        line = self.source
+        if not line:
+            return ""
+        col = self.col if self.col else len(line) - len(line.lstrip())
+        return f"    {line}\n    {' ' * col}^"
+
+
+def _is_internal(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    if f.startswith(_LIBRARY_OPS):
+        return False  # the op library is user code written in the DSL
+    return f.startswith(_INTERNAL) or f.startswith("<frozen")
+
+
+def user_location(skip: int = 1) -> Location | None:
+    """The innermost frame outside the compiler: the line of the user's tile program."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        if not _is_internal(frame.f_code.co_filename):
+            col = 0
+            try:  # Python 3.11+: exact column of the call
+                positions = list(frame.f_code.co_positions())
+                idx = frame.f_lasti // 2
+                if 0 <= idx < len(positions) and positions[idx][2] is not None:
+                    col = positions[idx][2]
+            except Exception:
+                pass
+            return Location(frame.f_code.co_filename, frame.f_lineno, col)
+        frame = frame.f_back
+    return None

@@ -1,0 +1,134 @@
+"""Schedules: how a kernel runs, never what it computes.
+
+The **compute schedule** shapes and orders the compute part's tiles; the **communication
+schedule** sizes, orders and places the communication. Both are frozen values stored in
+the IR beside the parts, so either can change without touching the tile program; each
+validates itself, and :func:`check_compatible` rejects combinations that cannot work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import ScheduleError
+
+COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
+COMM_ORDERS = ("ring", "full_mesh")
+COMM_MODES = ("push", "pull")
+COMM_ENGINES = ("sm", "copy_engine")
+
+
+def _pow2(x: int) -> bool:
+    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class ComputeSchedule:
+    """tile=(BM, BN, BK); order of output tiles; software-pipeline stages; swizzle group."""
+    tile: tuple[int, int, int] = (128, 128, 64)
+    order: str = "row_major"
+    stages: int = 3
+    group_m: int = 8
+
+    def __post_init__(self):
+        t = tuple(self.tile)
+        object.__setattr__(self, "tile", t)
+        if len(t) != 3 or not all(_pow2(x) and 8 <= x <= 256 for x in t):
+            raise ScheduleError(f"compute tile {t}: need three powers of two between 8 and 256 (BM, BN, BK)")
+        if self.order not in COMPUTE_ORDERS:
+            raise ScheduleError(f"compute order {self.order!r}: choose one of {COMPUTE_ORDERS}")
+        if not (isinstance(self.stages, int) and 1 <= self.stages <= 8):
+            raise ScheduleError(f"pipeline stages {self.stages}: need 1..8")
+        if not (isinstance(self.group_m, int) and self.group_m >= 1):
+            raise ScheduleError(f"group_m {self.group_m}: need a positive int")
+
+    @property
+    def BM(self): return self.tile[0]
+    @property
+    def BN(self): return self.tile[1]
+    @property
+    def BK(self): return self.tile[2]
+
+    def with_(self, **kw) -> "ComputeSchedule":
+        return replace(self, **kw)
+
+    def tile_order(self, grid: tuple[int, ...], rank: int, world_size: int, align_shift: int = 0):
+        """The sequence in which a persistent kernel visits the grid's tiles on ``rank``."""
+        if len(grid) == 1:
+            return [(i,) for i in range(grid[0])]
+        gm, gn = grid[0], grid[1]
+        rest = grid[2:]
+        if self.order == "row_major":
+            seq = [(m, n) for m in range(gm) for n in range(gn)]
+        elif self.order == "swizzled":
+            seq = []
+            g = self.group_m
+            for first in range(0, gm, g):
+                size = min(g, gm - first)
+                for n in range(gn):
+                    for m in range(first, first + size):
+                        seq.append((m, n))
+        else:  # comm_aligned: start on the rows whose data this rank has (or needs) first
+            start = (((rank + align_shift) % world_size) * gm) // world_size
+            seq = [((start + i) % gm, n) for i in range(gm) for n in range(gn)]
+        if rest:
+            import itertools
+            seq = [s + r for s in seq for r in itertools.product(*(range(x) for x in rest))]
+        return seq
+
+
+@dataclass(frozen=True)
+class CommSchedule:
+    """tile_m: rows per communication tile (None = a whole rank's chunk);
+    order: ``ring`` (one peer at a time: rank+1, rank+2, ...) or ``full_mesh`` (all peers
+    at once, tile by tile); mode: ``push`` (owners write to peers) or ``pull`` (consumers
+    read from peers); engine: ``sm`` (tile_push/pull_data on ``sms`` SMs) or ``copy_engine``
+    (rank_copy_data on DMA engines, no SMs)."""
+    tile_m: int | None = None
+    order: str = "ring"
+    mode: str = "pull"
+    engine: str = "sm"
+    sms: int | None = None
+
+    def __post_init__(self):
+        if self.order not in COMM_ORDERS:
+            raise ScheduleError(f"communication order {self.order!r}: choose one of {COMM_ORDERS}")
+        if self.mode not in COMM_MODES:
+            raise ScheduleError(f"communication mode {self.mode!r}: choose one of {COMM_MODES}")
+        if self.engine not in COMM_ENGINES:
+            raise ScheduleError(f"communication engine {self.engine!r}: choose one of {COMM_ENGINES}")
+        if self.tile_m is not None and not _pow2(self.tile_m):
+            raise ScheduleError(f"communication tile_m {self.tile_m}: need a power of two (or None for whole chunks)")
+        if self.engine == "copy_engine":
+            if self.tile_m is not None:
+                raise ScheduleError("the copy engine moves whole rank chunks: set tile_m=None with engine='copy_engine'")
+            if self.sms not in (None, 0):
+                raise ScheduleError(f"the copy engine uses no SMs: sms={self.sms} makes no sense with engine='copy_engine'")
+        elif self.sms is not None and not (isinstance(self.sms, int) and 1 <= self.sms <= 132):
+            raise ScheduleError(f"sms={self.sms}: SM communication needs 1..132 SMs")
+
+    @property
+    def lanes(self) -> int:
+        """How many communication tasks run at once on one rank."""
+        if self.engine == "copy_engine":
+            return 1
+        return self.sms if self.sms is not None else 2
+
+    def with_(self, **kw) -> "CommSchedule":
+        return replace(self, **kw)
+
+    def task_order(self, grid: tuple[int, ...]):
+        """Order of a comm part's tasks; axis 0 of the grid is the peer step."""
+        import itertools
+        seq = list(itertools.product(*(range(g) for g in grid)))
+        if self.order == "full_mesh" and len(grid) >= 2:
+            seq.sort(key=lambda c: (c[1:], c[0]))
+        return seq
+
+
+def check_compatible(compute: ComputeSchedule, comm: CommSchedule) -> None:
+    """Reject schedule pairs whose tiles cannot be linked by one channel mapping."""
+    if comm.tile_m is not None:
+        bm = compute.BM
+        if bm % comm.tile_m and comm.tile_m % bm:
+            raise ScheduleError(f"communication tile_m={comm.tile_m} and compute BM={bm}: one must divide "
+                                "the other so that a channel mapping can link the tiles")

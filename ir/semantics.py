@@ -1,0 +1,49 @@
+"""The meaning of scalar ops, shared by the static analysis and the simulator."""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+
+def _floordiv(a, b):
+    if b == 0:
+        raise ZeroDivisionError("integer division by zero in index arithmetic")
+    return a // b
+
+
+def _mod(a, b):
+    if b == 0:
+        raise ZeroDivisionError("modulo by zero in index arithmetic")
+    return a % b
+
+
+ARITH = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+    "floordiv": _floordiv, "mod": _mod, "min": min, "max": max,
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne,
+    "and": lambda a, b: bool(a) and bool(b), "or": lambda a, b: bool(a) or bool(b),
+}
+
+EWISE = {
+    "neg": np.negative, "exp": np.exp, "exp2": np.exp2, "log": np.log, "abs": np.abs,
+    "sqrt": np.sqrt, "recip": np.reciprocal, "not": np.logical_not,
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+    "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal,
+    "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
+    "and": np.logical_and, "or": np.logical_or, "floordiv": np.floor_divide, "mod": np.mod,
+    "where": np.where,
+}
+
+REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def wrap_i32(x):
+    """Index arithmetic is 32-bit on the GPU: wrap like it does."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        x = int(x) & 0xFFFFFFFF
+        return x - (1 << 32) if x >= (1 << 31) else x
+    return x

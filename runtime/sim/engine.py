@@ -1,0 +1,231 @@
+"""Tasks, signals and the seeded scheduler: one launch of a kernel on W simulated ranks.
+
+Happens-before is tracked with vector clocks. Each task has a clock with one entry per
+task of the launch. A notify (release) folds the notifier's clock into the signal slot
+and then advances the notifier's own entry; a wait (acquire) folds the slot's clock into
+the waiter's. A release at ``gpu`` scope is only folded into waiters on the same rank: a
+peer that acquires it gets no ordering, exactly as on the hardware.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
+from .interpreter import Interpreter
+from .memory import Memory
+
+
+class Task:
+    __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch")
+
+    def __init__(self, tid, rank, part, coords, ntasks, launch):
+        self.tid, self.rank, self.part, self.coords, self.launch = tid, rank, part, coords, launch
+        self.vc = np.zeros(ntasks, np.int64)
+        self.vc[tid] = 1
+        self.gen = None
+        self.state = "queued"
+        self.wait_info = None
+        self.started = None
+
+    def __str__(self):
+        c = ",".join(str(x) for x in self.coords)
+        return f"rank {self.rank} {self.part.role} task {self.part.name}({c})"
+
+
+class SignalSlotClocks:
+    """Per signal (on one rank): slot values and the clocks released into each slot."""
+
+    def __init__(self, slots: int):
+        self.values = np.zeros(slots, np.int64)
+        self.start = np.zeros(slots, np.int64)
+        self.sys: dict[int, np.ndarray] = {}
+        self.gpu: dict[tuple[int, int], np.ndarray] = {}   # (slot, releasing rank) -> clock
+
+
+class Engine:
+    """Runs launches; owns memory, signals, the scheduler and the event log."""
+
+    def __init__(self, kernel, memory: Memory, options, rng: np.random.Generator):
+        self.kernel, self.memory, self.options, self.rng = kernel, memory, options, rng
+        W = kernel.world_size
+        self.signals = [{s.name: SignalSlotClocks(s.type.slots) for s in kernel.signals} for _ in range(W)]
+        self.interp = Interpreter(self)
+        self.events: list[tuple] = []
+        self.steps = 0
+        self.launch = 0
+        self.waiters: dict[tuple, list[Task]] = {}
+        self.ready: list[Task] = []
+
+    # -- signals -----------------------------------------------------------------------------------
+    def _slot(self, task, op, rank, name, ch):
+        if not 0 <= rank < self.kernel.world_size:
+            raise OutOfBoundsError(f"{task} ({op.name} at {op.loc.short()}): rank {rank} is outside the "
+                                   f"group of {self.kernel.world_size}", rank=task.rank, tile=task.coords,
+                                   primitive=op.name)
+        sig = self.signals[rank][name]
+        if not 0 <= ch < sig.values.shape[0]:
+            raise OutOfBoundsError(f"{task} ({op.name} at {op.loc.short()}): channel {ch} is outside signal "
+                                   f"'{name}' ({sig.values.shape[0]} slots)", rank=task.rank,
+                                   tile=task.coords, primitive=op.name, signal=name)
+        return sig
+
+    def notify(self, task: Task, op, name, rank, ch, scope):
+        sig = self._slot(task, op, rank, name, ch)
+        sig.values[ch] += 1
+        if scope == "sys":
+            cur = sig.sys.get(ch)
+            sig.sys[ch] = task.vc.copy() if cur is None else np.maximum(cur, task.vc)
+        else:
+            key = (ch, task.rank)
+            cur = sig.gpu.get(key)
+            sig.gpu[key] = task.vc.copy() if cur is None else np.maximum(cur, task.vc)
+        task.vc[task.tid] += 1
+        self._log(task, "notify", f"{name}[{ch}]@{rank}")
+        for w in self.waiters.pop((rank, name, ch), []):
+            if w.state == "blocked":
+                target = w.wait_info[4]
+                if sig.values[ch] >= target:
+                    w.state = "ready"
+                    self.ready.append(w)
+                else:
+                    self.waiters.setdefault((rank, name, ch), []).append(w)
+
+    def wait(self, task: Task, op, name, ch, count, epoch):
+        sig = self._slot(task, op, task.rank, name, ch)
+        if count <= 0:
+            raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} must be positive")
+        target = count * self.launch if epoch else count
+        if sig.values[ch] < target:
+            task.wait_info = (op, name, ch, count, target)
+            yield ("wait", (task.rank, name, ch), target)
+            task.wait_info = None
+        if sig.start[ch] >= target:
+            raise StaleSignalError(
+                f"{task} ({op.name} at {op.loc.short()}) was satisfied by a stale signal: "
+                f"'{name}'[{ch}] already held {int(sig.start[ch])} when launch {self.launch} began, and the "
+                f"wait needs {target}; notifies of an earlier launch let it through. Count per launch "
+                f"(epoch=True) and notify exactly `count` times per launch, or reset the signal",
+                rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
+        cur = sig.sys.get(ch)
+        if cur is not None:
+            np.maximum(task.vc, cur, out=task.vc)
+        cur = sig.gpu.get((ch, task.rank))
+        if cur is not None:
+            np.maximum(task.vc, cur, out=task.vc)
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def _orders(self, part, rank):
+        k = self.kernel
+        if part.role == "compute" and k.compute_schedule is not None:
+            return k.compute_schedule.tile_order(part.grid, rank, k.world_size,
+                                                 getattr(part, "align_shift", 0))
+        if part.role == "comm" and k.comm_schedule is not None:
+            return k.comm_schedule.task_order(part.grid)
+        import itertools
+        return list(itertools.product(*(range(g) for g in part.grid)))
+
+    def _log(self, task, what, detail=""):
+        if self.options.record_timeline:
+            self.events.append((self.steps, self.launch, task.rank, task.part.name, task.part.role,
+                                task.coords, what, detail))
+
+    def run_launch(self):
+        """Run one launch of the kernel on every rank to completion."""
+        self.launch += 1
+        k, opts = self.kernel, self.options
+        self.memory.new_launch(opts.repoison)
+        for rank_sigs in self.signals:
+            for s in rank_sigs.values():
+                s.start[:] = s.values
+                s.sys.clear()
+                s.gpu.clear()
+        plan = []
+        for rank in range(k.world_size):
+            for part in k.parts:
+                plan.append((rank, part, self._orders(part, rank)))
+        ntasks = sum(len(o) for _, _, o in plan)
+        queues = []
+        tid = 0
+        for rank, part, order in plan:
+            tasks = []
+            for coords in order:
+                tasks.append(Task(tid, rank, part, tuple(coords), ntasks, self.launch))
+                tid += 1
+            limit = part.lanes if part.role == "comm" else opts.compute_slots
+            queues.append([tasks, 0, limit or len(tasks), 0])   # tasks, next index, limit, running
+        self.waiters, self.ready = {}, []
+        owner = {}
+        for q in queues:
+            for t in q[0]:
+                owner[t.tid] = q
+            self._admit(q)
+        unfinished = ntasks
+        rng = self.rng
+        while unfinished:
+            if not self.ready:
+                raise self._deadlock(queues)
+            i = int(rng.integers(len(self.ready)))
+            task = self.ready[i]
+            self.ready[i] = self.ready[-1]
+            self.ready.pop()
+            self.steps += 1
+            if self.steps > opts.max_steps:
+                raise SimulationError(f"gave up after {opts.max_steps} scheduler steps (livelock?)")
+            try:
+                req = next(task.gen)
+            except StopIteration:
+                task.state = "done"
+                unfinished -= 1
+                self._log(task, "end")
+                q = owner[task.tid]
+                q[3] -= 1
+                self._admit(q)
+                continue
+            if req[0] == "wait":
+                _, key, target = req
+                sig = self.signals[key[0]][key[1]]
+                if sig.values[key[2]] >= target:
+                    self.ready.append(task)
+                else:
+                    task.state = "blocked"
+                    self._log(task, "block", f"{key[1]}[{key[2]}]")
+                    self.waiters.setdefault(key, []).append(task)
+            else:
+                self.ready.append(task)
+        self.memory.finish_launch()
+
+    def _admit(self, q):
+        tasks, nxt, limit, running = q
+        while nxt < len(tasks) and running < limit:
+            t = tasks[nxt]
+            t.gen = self.interp.run(t)
+            t.state = "ready"
+            t.started = self.steps
+            self.ready.append(t)
+            self._log(t, "start")
+            nxt += 1
+            running += 1
+        q[1], q[3] = nxt, running
+
+    def _deadlock(self, queues) -> DeadlockError:
+        blocked = [t for q in queues for t in q[0][: q[1]] if t.state == "blocked"]
+        queued = sum(len(q[0]) - q[1] for q in queues)
+        lines = []
+        for t in blocked[:12]:
+            op, name, ch, count, target = t.wait_info
+            val = int(self.signals[t.rank][name].values[ch])
+            lines.append(f"  {t}: {op.name} on '{name}'[{ch}] at {op.loc.short() if op.loc else '?'} — "
+                         f"has {val}, needs {target} ({count} per launch, launch {self.launch})")
+        if len(blocked) > 12:
+            lines.append(f"  ... and {len(blocked) - 12} more blocked tasks")
+        if queued:
+            lines.append(f"  {queued} task(s) cannot start: every slot of their part is held by a blocked task "
+                         f"(compute_slots / communication lanes)")
+        first = blocked[0] if blocked else None
+        details = {}
+        if first is not None:
+            op, name, ch, count, target = first.wait_info
+            details = dict(rank=first.rank, tile=first.coords, signal=name, channel=ch, primitive=op.name)
+        return DeadlockError(f"deadlock in launch {self.launch}: every unfinished task waits on a signal "
+                             f"nothing left will notify\n" + "\n".join(lines),
+                             blocked=[str(t) for t in blocked], **details)

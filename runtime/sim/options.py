@@ -1,0 +1,38 @@
+"""The simulator's one options object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the simulator runs a kernel.
+
+    launches: how many times the kernel is launched back to back (signals and workspaces
+        persist, so stale signals of an earlier launch are caught); a group barrier
+        separates launches, as the host-side stream order of the GPU runtime does.
+    compute_slots: how many compute tasks of a rank may be resident at once (None = all),
+        in the compute schedule's tile order: models a persistent kernel's CTAs, so a wait
+        on a tile that can only start later is a deadlock, as on the GPU.
+    check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace
+        memory nothing wrote).
+    static_checks: run the static channel analysis before simulating (a wait nothing can
+        satisfy is reported at its line without running).
+    repoison: refill workspaces with NaN before every launch (kernels may not rely on
+        workspace contents from an earlier launch).
+    max_steps: scheduler steps before giving up (a livelock guard).
+    """
+    launches: int = 2
+    compute_slots: int | None = None
+    check_races: bool = True
+    check_uninitialized: bool = True
+    static_checks: bool = True
+    repoison: bool = True
+    record_timeline: bool = True
+    max_steps: int = 5_000_000
+
+    def __post_init__(self):
+        if not isinstance(self.launches, int) or self.launches < 1:
+            raise ValueError(f"launches must be a positive int, got {self.launches}")
+        if self.compute_slots is not None and (not isinstance(self.compute_slots, int) or self.compute_slots < 1):
+            raise ValueError(f"compute_slots must be None or a positive int, got {self.compute_slots}")

@@ -1,0 +1,143 @@
+"""``tl.simulate``: check inputs, build W ranks' memory, run the launches, return results."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import InputError
+from ...ir import core
+from ...ir.types import dtype_of
+from .engine import Engine
+from .memory import Memory, poison_value, to_storage
+from .options import SimOptions
+from .timeline import format_timeline
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced: every rank's argument buffers after the last launch,
+    the event log, and counters."""
+    kernel: core.Kernel
+    outputs: list[dict[str, np.ndarray]]
+    workspaces: list[dict[str, np.ndarray]]
+    events: list[tuple] = field(repr=False)
+    steps: int = 0
+    launches: int = 1
+    seed: int = 0
+
+    def __getitem__(self, rank: int) -> dict[str, np.ndarray]:
+        return self.outputs[rank]
+
+    def timeline(self, width: int = 64) -> str:
+        """A per-rank text timeline of communication and compute tasks (last launch)."""
+        return format_timeline(self, width)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(f"SimResult({self.kernel.name}, W={self.kernel.world_size}, steps={self.steps}, "
+               f"launches={self.launches}, seed={self.seed})")
+
+
+def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):
+    if inputs is None:
+        raise InputError("simulate needs inputs: one dict (or sequence, in argument order) per rank")
+    if isinstance(inputs, dict):
+        raise InputError("inputs must be a list with one entry per rank, not a single dict")
+    inputs = list(inputs)
+    if len(inputs) != world_size:
+        raise InputError(f"got inputs for {len(inputs)} ranks but world_size is {world_size}")
+    per_rank = []
+    for r, inp in enumerate(inputs):
+        if isinstance(inp, dict):
+            missing = [a for a in kernel_args if a not in inp]
+            extra = [a for a in inp if a not in kernel_args]
+            if missing:
+                raise InputError(f"rank {r}: missing argument(s) {missing} (the kernel takes {kernel_args})")
+            if extra:
+                raise InputError(f"rank {r}: unknown argument(s) {extra} (the kernel takes {kernel_args})")
+            per_rank.append([inp[a] for a in kernel_args])
+        else:
+            inp = list(inp)
+            if len(inp) != len(kernel_args):
+                raise InputError(f"rank {r}: {len(inp)} arrays for arguments {kernel_args}")
+            per_rank.append(inp)
+    return per_rank
+
+
+def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
+             options: SimOptions | None = None, **kwargs) -> SimResult:
+    """Run ``kernel`` on ``world_size`` simulated ranks.
+
+    ``kernel`` is a ``@tl.kernel`` function (traced here for the inputs' shapes/dtypes and the
+    keyword values in ``kwargs``, e.g. schedules) or an already traced IR kernel.
+    ``inputs`` has one entry per rank: a dict name -> array, or arrays in argument order.
+    Arrays are copied; outputs come back in the result. Raises the simulator's typed errors
+    (RaceError, DeadlockError, StaleSignalError, UninitializedReadError, OutOfBoundsError).
+    """
+    from ...kernel import KernelFunction
+    options = options or SimOptions()
+    if isinstance(kernel, KernelFunction):
+        if world_size is None:
+            raise InputError("simulate needs world_size")
+        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+            raise InputError(f"world size must be a positive int, got {world_size!r}")
+        per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
+        _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
+        ir = kernel.trace(world_size, *per_rank[0], **kwargs)
+    elif isinstance(kernel, core.Kernel):
+        if kwargs:
+            raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
+        ir = kernel
+        if world_size is not None and world_size != ir.world_size:
+            raise InputError(f"kernel was traced for {ir.world_size} ranks, simulate got world_size={world_size}")
+        world_size = ir.world_size
+        names = [b.name for b in ir.args]
+        per_rank = _per_rank_inputs(names, inputs, world_size)
+        _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
+        for b, arr in zip(ir.args, per_rank[0]):
+            if tuple(np.shape(arr)) != b.type.shape:
+                raise InputError(f"argument '{b.name}': shape {np.shape(arr)}, the kernel was traced for {b.type.shape}")
+        if options.static_checks:
+            from ...ir.verifier import verify
+            verify(ir)
+    else:
+        raise InputError(f"simulate needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
+
+    memory = Memory(world_size, options.check_races, options.check_uninitialized)
+    for r in range(world_size):
+        for b, arr in zip(ir.args, per_rank[r]):
+            data = to_storage(np.array(arr, copy=True), b.type.dtype).copy()
+            memory.add(r, b.name, b.type.dtype, data, True, b.symmetric)
+        for b in ir.workspaces:
+            data = np.full(b.type.shape, poison_value(b.type.dtype), b.type.dtype.np)
+            memory.add(r, b.name, b.type.dtype, data, False, b.symmetric)
+    engine = Engine(ir, memory, options, np.random.default_rng(seed))
+    for _ in range(options.launches):
+        engine.events.clear()
+        engine.run_launch()
+    outputs = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.args} for r in range(world_size)]
+    workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
+    return SimResult(ir, outputs, workspaces, list(engine.events), engine.steps, options.launches, seed)
+
+
+def _check_uniform(names, per_rank, symmetric):
+    """One compiled kernel serves every rank: shapes and dtypes must agree across ranks."""
+    for i, name in enumerate(names):
+        ref = per_rank[0][i]
+        if not hasattr(ref, "shape") or not hasattr(ref, "dtype"):
+            raise InputError(f"argument '{name}' on rank 0 is a {type(ref).__name__}, not an array")
+        try:
+            dtype_of(ref.dtype)
+        except TypeError as e:
+            raise InputError(f"argument '{name}': {e}") from None
+        for r, arrs in enumerate(per_rank[1:], 1):
+            a = arrs[i]
+            if not hasattr(a, "shape") or tuple(a.shape) != tuple(ref.shape):
+                kind = "symmetric buffer" if name in symmetric else "argument"
+                raise InputError(f"non-uniform {kind} '{name}': shape {tuple(ref.shape)} on rank 0 but "
+                                 f"{tuple(getattr(a, 'shape', ()))} on rank {r}"
+                                 + (" (symmetric buffers must have the same shape on every rank)"
+                                    if name in symmetric else " (one kernel is compiled for every rank)"))
+            if dtype_of(a.dtype) != dtype_of(ref.dtype):
+                raise InputError(f"argument '{name}': dtype {ref.dtype} on rank 0 but {a.dtype} on rank {r}")

@@ -1,0 +1,36 @@
+"""tldsl: tile programs that overlap computation with communication across GPUs.
+
+    import tldsl as tl
+
+    @tl.kernel
+    def my_kernel(a: tl.Symmetric, b, c, *, compute: tl.ComputeSchedule, comm: tl.CommSchedule):
+        ...  # declare signals/workspaces, then @tl.comm_part and @tl.compute_part functions
+
+    result = tl.simulate(my_kernel, world_size=4, inputs=[...], seed=0)
+"""
+from pathlib import Path as _Path
+
+# Source-tree fallback: the distribution maps ir/, codegen/ and runtime/ into this namespace
+# (pyproject's package-dir); from a plain checkout, find them beside this folder.
+_root = _Path(__file__).resolve().parent.parent
+if (_root / "ir" / "__init__.py").exists() and str(_root) not in __path__:
+    __path__.append(str(_root))
+
+from .errors import (TldslError, CompilationError, VerificationError, ScheduleError, InputError,  # noqa: E402
+                     SimulationError, RaceError, DeadlockError, StaleSignalError,
+                     UninitializedReadError, OutOfBoundsError)
+from .ir.types import float16, bfloat16, float32, int32, bool_  # noqa: E402
+from .ir.schedule import ComputeSchedule, CommSchedule  # noqa: E402
+from .tracing import cdiv, minimum, maximum, select  # noqa: E402
+from .language import (constexpr, Symmetric, rank, world_size, range, static_range, when,  # noqa: E402
+                       load, load_rows, load_scalar, store, full, zeros, fragment, iota, ewise,
+                       exp, exp2, log, sqrt, abs, where, cast, sum, max, min, expand_dims,
+                       broadcast_to, trans, dot, symmetric_buffer, local_buffer, signal, static_assert)
+from .primitives import (producer_tile_notify, consumer_tile_wait, peer_tile_notify,  # noqa: E402
+                         peer_tile_wait, rank_notify, rank_wait, tile_push_data, tile_pull_data,
+                         rank_copy_data)
+from .kernel import kernel, compute_part, comm_part, TensorSpec, KernelFunction  # noqa: E402
+from .mappings import StaticMapping, DynamicMapping  # noqa: E402
+from .runtime.sim import simulate, SimOptions, SimResult  # noqa: E402
+
+__version__ = "0.1.0"

@@ -1,0 +1,64 @@
+"""Every error tldsl raises, in one hierarchy, each pointing at the user's line where it can."""
+from __future__ import annotations
+
+
+class TldslError(Exception):
+    """Base class of every tldsl error."""
+
+
+class CompilationError(TldslError):
+    """A tile program is wrong: raised while tracing or verifying, before anything runs.
+
+    The message shows ``file:line``, the user's source line and a caret under it.
+    """
+
+    def __init__(self, message: str, loc=None):
+        self.raw_message = message
+        self.loc = loc
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        if self.loc is None:
+            return self.raw_message
+        excerpt = self.loc.excerpt()
+        return f"{self.loc}: {self.raw_message}" + (f"\n{excerpt}" if excerpt else "")
+
+
+class VerificationError(CompilationError):
+    """The IR breaks a rule of the language (types, scopes, a wait nothing can satisfy...)."""
+
+
+class ScheduleError(TldslError):
+    """A compute or communication schedule is invalid, alone or combined with the program."""
+
+
+class InputError(TldslError):
+    """The arguments given to a kernel (shapes, dtypes, world size, buffers) do not fit it."""
+
+
+class SimulationError(TldslError):
+    """Base class of what the simulator finds while running a kernel."""
+
+    def __init__(self, message: str, **details):
+        self.details = details
+        super().__init__(message)
+
+
+class RaceError(SimulationError):
+    """Two accesses to one region, at least one a write, not ordered by a notify -> wait chain."""
+
+
+class DeadlockError(SimulationError):
+    """Every unfinished task is blocked on a wait that nothing left can satisfy."""
+
+
+class StaleSignalError(SimulationError):
+    """A wait was satisfied by notifies of an earlier launch of the kernel."""
+
+
+class UninitializedReadError(SimulationError):
+    """A kernel read workspace memory that nothing has written."""
+
+
+class OutOfBoundsError(SimulationError):
+    """An access outside a buffer (tables, explicit ranks, channels)."""

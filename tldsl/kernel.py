@@ -1,0 +1,185 @@
+"""``@tl.kernel``: specialise a Python tile program on world size, tensor shapes, dtypes,
+constexprs and schedules, trace it once into an IR :class:`~tldsl.ir.Kernel`, verify it
+and cache the result."""
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CompilationError, InputError
+from .ir import core, types as T
+from .ir.location import Location, user_location
+from .ir.schedule import CommSchedule, ComputeSchedule, check_compatible
+from .language import Symmetric
+from .tracing import Builder, Scalar, TensorRef, current, fail, tracing
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a kernel is specialised on for one tensor argument."""
+    shape: tuple[int, ...]
+    dtype: T.DType
+
+    @staticmethod
+    def of(x) -> "TensorSpec":
+        if isinstance(x, TensorSpec):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return TensorSpec(tuple(int(s) for s in x.shape), T.dtype_of(x.dtype))
+        raise InputError(f"expected an array or tl.TensorSpec, got {type(x).__name__}")
+
+
+class KernelFunction:
+    """A traced tile program. Positional parameters are tensors (annotate ``tl.Symmetric``
+    for symmetric ones); keyword-only parameters are compile-time values, and the ones named
+    ``compute`` and ``comm`` receive the schedules."""
+
+    def __init__(self, fn, name: str | None = None):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = name or fn.__name__
+        sig = inspect.signature(fn)
+        self.tensor_params = [p for p in sig.parameters.values()
+                              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.kw_params = {p.name: p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        self.symmetric = {p.name for p in self.tensor_params if p.annotation is Symmetric
+                          or p.annotation == "tl.Symmetric" or p.annotation == "Symmetric"}
+        self._cache: dict = {}
+        code = fn.__code__
+        self.loc = Location(code.co_filename, code.co_firstlineno)
+
+    @property
+    def arg_names(self) -> list[str]:
+        return [p.name for p in self.tensor_params]
+
+    def default_schedules(self, **kwargs):
+        compute = kwargs.get("compute")
+        comm = kwargs.get("comm")
+        if "compute" in self.kw_params and compute is None:
+            d = self.kw_params["compute"].default
+            compute = ComputeSchedule() if d is inspect.Parameter.empty or d is None else d
+        if "comm" in self.kw_params and comm is None:
+            d = self.kw_params["comm"].default
+            comm = CommSchedule() if d is inspect.Parameter.empty or d is None else d
+        return compute, comm
+
+    def trace(self, world_size: int, *specs, **kwargs) -> core.Kernel:
+        """Trace (or fetch from cache) the IR for these argument specs and keyword values."""
+        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+            raise InputError(f"world size must be a positive int, got {world_size!r}")
+        if len(specs) != len(self.tensor_params):
+            raise InputError(f"kernel '{self.name}' takes {len(self.tensor_params)} tensors "
+                             f"({', '.join(self.arg_names)}), got {len(specs)}")
+        specs = tuple(TensorSpec.of(s) for s in specs)
+        unknown = set(kwargs) - set(self.kw_params)
+        if unknown:
+            raise InputError(f"kernel '{self.name}' has no keyword parameter(s) {sorted(unknown)}")
+        compute, comm = self.default_schedules(**kwargs)
+        if compute is not None:
+            kwargs["compute"] = compute
+        if comm is not None:
+            kwargs["comm"] = comm
+        for k, v in kwargs.items():
+            try:
+                hash(v)
+            except TypeError:
+                raise InputError(f"keyword '{k}' of kernel '{self.name}' is compile-time and must be "
+                                 f"hashable (got {type(v).__name__})") from None
+        key = (world_size, specs, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
+        if key not in self._cache:
+            self._cache[key] = self._trace(world_size, specs, kwargs, compute, comm)
+        return self._cache[key]
+
+    def _trace(self, world_size, specs, kwargs, compute, comm) -> core.Kernel:
+        if compute is not None and comm is not None:
+            check_compatible(compute, comm)
+        b = Builder(self.name, world_size)
+        b.compute_schedule, b.comm_schedule = compute, comm
+        refs = []
+        for p, s in zip(self.tensor_params, specs):
+            space = T.MemSpace.SYMMETRIC if p.name in self.symmetric else T.MemSpace.GLOBAL
+            buf = core.Buffer(p.name, T.TensorType(s.shape, s.dtype, space), "arg", loc=self.loc)
+            b.buffers.append(buf)
+            refs.append(TensorRef(buf))
+        with tracing(b):
+            self.fn(*refs, **kwargs)
+        if not any(p.role == "compute" for p in b.parts) and not b.parts:
+            raise CompilationError(f"kernel '{self.name}' defines no parts: decorate its tile "
+                                   "functions with @tl.compute_part / @tl.comm_part", self.loc)
+        kernel = core.Kernel(self.name, world_size, b.buffers, b.signals, b.parts, compute, comm,
+                             b.mappings, {k: v for k, v in kwargs.items() if k not in ("compute", "comm")},
+                             self.loc)
+        from .ir.verifier import verify
+        verify(kernel)
+        return kernel
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"'{self.name}' is a tile program: run it with tl.simulate({self.name}, ...) "
+                        "or inspect it with .trace(world_size, *specs)")
+
+    def __repr__(self):
+        return f"<tl.kernel {self.name}({', '.join(self.arg_names)})>"
+
+
+def kernel(fn=None, *, name: str | None = None):
+    """Decorator turning a Python function into a traced tile program."""
+    if fn is None:
+        return lambda f: KernelFunction(f, name)
+    return KernelFunction(fn, name)
+
+
+def _grid(grid) -> tuple[int, ...]:
+    if isinstance(grid, numbers.Integral):
+        grid = (grid,)
+    grid = tuple(grid)
+    if not grid or not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) for g in grid):
+        fail(f"a part's grid must be Python ints (static), got {grid}")
+    if any(g <= 0 for g in grid):
+        fail(f"a part's grid must be positive, got {grid} (is a tensor dimension zero?)")
+    return tuple(int(g) for g in grid)
+
+
+def _part(fn, grid, role, name, engine, lanes, align_shift):
+    b = current()
+    if b.blocks:
+        fail("parts cannot be nested: define every part in the kernel body")
+    grid = _grid(grid)
+    loc = user_location()
+    body = core.Block()
+    part = core.Part(b.unique(name or fn.__name__, b.parts), role, grid, engine, body, loc, lanes)
+    part.align_shift = align_shift
+    b.parts.append(part)
+    b.part_role, b.part_engine = role, engine
+    with b.region(body):
+        pids = [Scalar(b.emit("program_id", [], [T.i32], {"axis": a}, hints=[f"pid{a}"]).result)
+                for a in range(len(grid))]
+        fn(*pids)
+    b.part_role = b.part_engine = None
+    return part
+
+
+def compute_part(grid, *, name: str | None = None, align_shift: int = 0):
+    """Decorate the compute tile function; it is called once per grid point, with the
+    program ids as arguments, in the order the compute schedule chooses. ``align_shift``
+    tells the ``comm_aligned`` order which rank's rows to start on (rank + shift)."""
+    def deco(fn):
+        return _part(fn, grid, "compute", name, "sm", None, align_shift)
+    return deco
+
+
+def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes: int | None = None):
+    """Decorate a communication tile function. ``engine``/``lanes`` default to the kernel's
+    communication schedule (``engine``, ``sms``). Axis 0 of the grid is the peer step,
+    which the schedule's ring / full-mesh order walks."""
+    def deco(fn):
+        sched = current().comm_schedule
+        eng = engine or (sched.engine if sched else "sm")
+        if eng not in ("sm", "copy_engine"):
+            fail(f"comm part engine must be 'sm' or 'copy_engine', got {eng!r}")
+        ln = lanes or (sched.lanes if sched else (1 if eng == "copy_engine" else 2))
+        return _part(fn, grid, "comm", name, eng, ln, 0)
+    return deco

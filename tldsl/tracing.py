@@ -1,0 +1,435 @@
+"""Tracing: Python runs the tile program once with proxy values, and every operation
+on a proxy appends an op to the IR. No AST rewriting: loops are ``tl.range`` iterators
+that open an IR loop region, run the body once with a symbolic index, and close it.
+"""
+from __future__ import annotations
+
+import contextvars
+import numbers
+from contextlib import contextmanager
+
+import numpy as np
+
+from .errors import CompilationError
+from .ir import core, types as T
+from .ir.location import user_location
+
+_CURRENT: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("tldsl_builder", default=None)
+
+
+class Builder:
+    """Collects the pieces of one kernel while its Python function runs."""
+
+    def __init__(self, name: str, world_size: int):
+        self.name = name
+        self.world_size = world_size
+        self.buffers: list[core.Buffer] = []
+        self.signals: list[core.Signal] = []
+        self.parts: list[core.Part] = []
+        self.mappings: list = []
+        self.blocks: list[core.Block] = []   # the innermost open block is last
+        self.part_role: str | None = None
+        self.part_engine: str | None = None
+        self.compute_schedule = None
+        self.comm_schedule = None
+
+    # -- op emission ---------------------------------------------------------------
+    def emit(self, name: str, operands, result_types=(), attrs=None, regions=(), hints=()):
+        if not self.blocks:
+            raise CompilationError(f"'{name}' can only be used inside a compute or comm part "
+                                   "(a function decorated with tl.compute_part / tl.comm_part)",
+                                   user_location())
+        op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
+        for i, t in enumerate(result_types):
+            op.results.append(core.Value(t, hints[i] if i < len(hints) else None, owner=op))
+        self.blocks[-1].ops.append(op)
+        return op
+
+    @contextmanager
+    def region(self, block: core.Block):
+        self.blocks.append(block)
+        try:
+            yield block
+        finally:
+            self.blocks.pop()
+
+    def unique(self, name: str, taken) -> str:
+        names = {x.name for x in taken}
+        if name not in names:
+            return name
+        i = 1
+        while f"{name}_{i}" in names:
+            i += 1
+        return f"{name}_{i}"
+
+
+def current() -> Builder:
+    b = _CURRENT.get()
+    if b is None:
+        raise CompilationError("tldsl language functions can only be called while a @tl.kernel "
+                               "is being traced", user_location())
+    return b
+
+
+def in_part() -> bool:
+    b = _CURRENT.get()
+    return b is not None and bool(b.blocks)
+
+
+@contextmanager
+def tracing(builder: Builder):
+    token = _CURRENT.set(builder)
+    try:
+        yield builder
+    finally:
+        _CURRENT.reset(token)
+
+
+def fail(message: str):
+    raise CompilationError(message, user_location())
+
+
+# ----------------------------------------------------------------------------------
+# Proxies
+# ----------------------------------------------------------------------------------
+
+def _scalar_dtype(x) -> T.DType:
+    if isinstance(x, (bool, np.bool_)):
+        return T.bool_
+    if isinstance(x, numbers.Integral):
+        return T.int32
+    return T.float32
+
+
+def const(x, dtype: T.DType | None = None) -> "Scalar":
+    dtype = dtype or _scalar_dtype(x)
+    if dtype == T.int32 and not (-2**31 <= int(x) < 2**31):
+        fail(f"integer constant {x} does not fit in i32")
+    value = bool(x) if dtype == T.bool_ else (int(x) if dtype.kind == "int" else float(x))
+    op = current().emit("const", [], [T.ScalarType(dtype)], {"value": value, "dtype": dtype})
+    return Scalar(op.result)
+
+
+def as_scalar(x) -> "Scalar":
+    if isinstance(x, Scalar):
+        return x
+    if isinstance(x, (numbers.Number, np.number, bool)):
+        return const(x)
+    fail(f"expected a scalar (int, float or traced scalar), got {type(x).__name__}")
+
+
+def _arith(op: str, a, b) -> "Scalar":
+    a, b = as_scalar(a), as_scalar(b)
+    if a.dtype != b.dtype:
+        if {a.dtype, b.dtype} <= {T.int32, T.bool_}:
+            pass
+        else:
+            fail(f"scalar '{op}' of {a.dtype} and {b.dtype}: cast one side first")
+    rdt = T.bool_ if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or") else a.dtype
+    res = current().emit("arith", [a.value, b.value], [T.ScalarType(rdt)], {"op": op})
+    return Scalar(res.result)
+
+
+class Scalar:
+    """A traced scalar (index arithmetic, ranks, loop counters, table entries)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: core.Value):
+        self.value = value
+
+    @property
+    def dtype(self) -> T.DType:
+        return self.value.type.dtype
+
+    def __bool__(self):
+        fail("a traced scalar has no Python truth value while tracing: use tl.when(cond) for a "
+             "guarded region, tl.where for a select, or a constexpr for a static choice")
+
+    def __index__(self):
+        fail("a traced scalar cannot be used as a Python int (e.g. in range() or a shape): "
+             "use tl.range for loops and constexprs for shapes")
+
+    def __int__(self):
+        self.__index__()
+
+    def __hash__(self):
+        return id(self)
+
+    def __add__(self, o): return _arith("add", self, o)
+    def __radd__(self, o): return _arith("add", o, self)
+    def __sub__(self, o): return _arith("sub", self, o)
+    def __rsub__(self, o): return _arith("sub", o, self)
+    def __mul__(self, o): return _arith("mul", self, o)
+    def __rmul__(self, o): return _arith("mul", o, self)
+    def __floordiv__(self, o): return _arith("floordiv", self, o)
+    def __rfloordiv__(self, o): return _arith("floordiv", o, self)
+    def __mod__(self, o): return _arith("mod", self, o)
+    def __rmod__(self, o): return _arith("mod", o, self)
+    def __lt__(self, o): return _arith("lt", self, o)
+    def __le__(self, o): return _arith("le", self, o)
+    def __gt__(self, o): return _arith("gt", self, o)
+    def __ge__(self, o): return _arith("ge", self, o)
+    def __eq__(self, o): return _arith("eq", self, o)  # noqa: PLE0302
+    def __ne__(self, o): return _arith("ne", self, o)
+    def __and__(self, o): return _arith("and", self, o)
+    def __rand__(self, o): return _arith("and", o, self)
+    def __or__(self, o): return _arith("or", self, o)
+    def __ror__(self, o): return _arith("or", o, self)
+
+    def __truediv__(self, o):
+        fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
+
+    def __repr__(self):
+        return f"Scalar({self.value.type})"
+
+
+def minimum(a, b):
+    """Scalar minimum (tile minimum: tl.min_ / tl.minimum on tiles)."""
+    if isinstance(a, Tile) or isinstance(b, Tile):
+        from .language import ewise
+        return ewise("min", a, b)
+    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        return min(a, b)
+    return _arith("min", a, b)
+
+
+def maximum(a, b):
+    if isinstance(a, Tile) or isinstance(b, Tile):
+        from .language import ewise
+        return ewise("max", a, b)
+    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        return max(a, b)
+    return _arith("max", a, b)
+
+
+def cdiv(a, b):
+    """Ceiling division; stays a Python int when both sides are Python ints."""
+    if isinstance(a, Scalar) or isinstance(b, Scalar):
+        return (a + (b - 1)) // b
+    return -(-a // b)
+
+
+def select(cond, a, b) -> Scalar:
+    c, a, b = as_scalar(cond), as_scalar(a), as_scalar(b)
+    if a.dtype != b.dtype:
+        fail(f"select of {a.dtype} and {b.dtype}")
+    return Scalar(current().emit("select", [c.value, a.value, b.value], [a.value.type]).result)
+
+
+class Tile:
+    """A traced, immutable tile with a static shape (lives in shared memory or registers)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: core.Value):
+        self.value = value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.type.shape
+
+    @property
+    def dtype(self) -> T.DType:
+        return self.value.type.dtype
+
+    @property
+    def space(self) -> T.MemSpace:
+        return self.value.type.space
+
+    def __bool__(self):
+        fail("a tile has no Python truth value: use tl.where for elementwise choices")
+
+    def _e(self, op, other, swap=False):
+        from .language import ewise
+        return ewise(op, other, self) if swap else ewise(op, self, other)
+
+    def __add__(self, o): return self._e("add", o)
+    def __radd__(self, o): return self._e("add", o, True)
+    def __sub__(self, o): return self._e("sub", o)
+    def __rsub__(self, o): return self._e("sub", o, True)
+    def __mul__(self, o): return self._e("mul", o)
+    def __rmul__(self, o): return self._e("mul", o, True)
+    def __truediv__(self, o): return self._e("div", o)
+    def __rtruediv__(self, o): return self._e("div", o, True)
+    def __floordiv__(self, o): return self._e("floordiv", o)
+    def __mod__(self, o): return self._e("mod", o)
+    def __lt__(self, o): return self._e("lt", o)
+    def __le__(self, o): return self._e("le", o)
+    def __gt__(self, o): return self._e("gt", o)
+    def __ge__(self, o): return self._e("ge", o)
+    def __eq__(self, o): return self._e("eq", o)  # noqa: PLE0302
+    def __ne__(self, o): return self._e("ne", o)
+    def __and__(self, o): return self._e("and", o)
+    def __or__(self, o): return self._e("or", o)
+    def __neg__(self):
+        from .language import ewise
+        return ewise("neg", self)
+    __hash__ = object.__hash__
+
+    @property
+    def T(self) -> "Tile":
+        from .language import trans
+        return trans(self)
+
+    def __getitem__(self, idx):
+        """``t[:, None]`` / ``t[None, :]`` insert unit axes (for broadcasting)."""
+        from .language import expand_dims
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        out, axis = self, 0
+        for s in idx:
+            if s is None:
+                out = expand_dims(out, axis)
+                axis += 1
+            elif isinstance(s, slice) and s == slice(None):
+                axis += 1
+            else:
+                fail("tiles support only ':' and None in indexing; use tl.load/tl.where for the rest")
+        return out
+
+    def to(self, dtype) -> "Tile":
+        from .language import cast
+        return cast(self, dtype)
+
+    def __repr__(self):
+        return f"Tile({self.value.type})"
+
+
+class Fragment:
+    """A mutable register tile, e.g. an accumulator that a loop updates in place."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: core.Value):
+        self.value = value
+
+    @property
+    def shape(self):
+        return self.value.type.shape
+
+    @property
+    def dtype(self):
+        return self.value.type.dtype
+
+    def read(self) -> Tile:
+        return Tile(current().emit("frag_read", [self.value],
+                                   [T.TileType(self.shape, self.dtype, T.MemSpace.REG)]).result)
+
+    def write(self, tile) -> None:
+        from .language import as_tile, cast
+        tile = as_tile(tile, like=self)
+        if tile.shape != self.shape:
+            if np.broadcast_shapes(tile.shape, self.shape) != self.shape:
+                fail(f"cannot write a {tile.shape} tile into a {self.shape} fragment")
+            from .language import broadcast_to
+            tile = broadcast_to(tile, self.shape)
+        if tile.dtype != self.dtype:
+            tile = cast(tile, self.dtype)
+        current().emit("frag_write", [self.value, tile.value])
+
+    def __getitem__(self, idx):
+        if idx is Ellipsis or idx == slice(None):
+            return self.read()
+        return self.read()[idx]
+
+    def __setitem__(self, idx, tile):
+        if idx is not Ellipsis and idx != slice(None):
+            fail("fragments are written whole: use frag[...] = tile")
+        self.write(tile)
+
+    def __iadd__(self, other):
+        self.write(self.read() + other)
+        return self
+
+    def __isub__(self, other):
+        self.write(self.read() - other)
+        return self
+
+    def __imul__(self, other):
+        self.write(self.read() * other)
+        return self
+
+    def __repr__(self):
+        return f"Fragment({self.value.type})"
+
+
+class TensorRef:
+    """A tensor argument or workspace as seen by the tile program."""
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: core.Buffer):
+        self.buffer = buffer
+
+    @property
+    def value(self):
+        return self.buffer.value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.buffer.type.shape
+
+    @property
+    def dtype(self) -> T.DType:
+        return self.buffer.type.dtype
+
+    @property
+    def name(self) -> str:
+        return self.buffer.name
+
+    @property
+    def symmetric(self) -> bool:
+        return self.buffer.symmetric
+
+    def at(self, rank) -> "RemoteRef":
+        """This symmetric tensor as allocated on ``rank`` (remote memory is a view, not an op)."""
+        if not self.symmetric:
+            fail(f"'{self.name}' is not symmetric: only symmetric tensors (tl.Symmetric arguments "
+                 "or tl.symmetric_buffer workspaces) can be addressed on another rank")
+        return RemoteRef(self, rank)
+
+    def __repr__(self):
+        return f"TensorRef({self.name}: {self.buffer.type})"
+
+
+class RemoteRef:
+    """``tensor.at(rank)``: the copy of a symmetric tensor that lives on ``rank``."""
+    __slots__ = ("tensor", "rank")
+
+    def __init__(self, tensor: TensorRef, rank):
+        self.tensor = tensor
+        self.rank = rank
+
+    @property
+    def shape(self):
+        return self.tensor.shape
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+    def __repr__(self):
+        return f"{self.tensor.name}.at({self.rank})"
+
+
+class SignalRef:
+    __slots__ = ("signal",)
+
+    def __init__(self, signal: core.Signal):
+        self.signal = signal
+
+    @property
+    def value(self):
+        return self.signal.value
+
+    @property
+    def slots(self) -> int:
+        return self.signal.type.slots
+
+    @property
+    def scope(self) -> str:
+        return self.signal.type.scope.value
+
+    @property
+    def name(self):
+        return self.signal.name
+
+    def __repr__(self):
+        return f"SignalRef({self.name}: {self.signal.type})"

@@ -38,3 +38,45 @@ def reference(a_shards, b):
     """numpy: every rank's output of all_gather(A) @ B (fp32 accumulation)."""
     a = np.concatenate([np.asarray(x, np.float32) for x in a_shards], axis=0)
     return a @ np.asarray(b, np.float32)
+
+
+# -- registration for the tests ------------------------------------------------------------
+
+def make_case(rng, world_size, *, rows_per_rank, n, k, compute, comm, dtype="float16"):
+    from tldsl.testing import OpCase
+    W = world_size
+    shards = [rng.standard_normal((rows_per_rank, k)).astype(dtype) for _ in range(W)]
+    b = rng.standard_normal((k, n)).astype(dtype)
+    inputs = [{"a": shards[r], "b": b, "c": np.full((W * rows_per_rank, n), np.nan, dtype)} for r in range(W)]
+    ref = reference(shards, b)
+    return OpCase(inputs, [{"c": ref} for _ in range(W)], {"compute": compute, "comm": comm},
+                  rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(k) / 4),
+                  description=f"allgather_gemm A=[{W}x{rows_per_rank}, {k}] B=[{k}, {n}] {compute} {comm}")
+
+
+def _params(world_size):
+    from hypothesis import strategies as st
+    from tldsl.testing import strategies as tst
+
+    @st.composite
+    def params(draw):
+        compute = draw(tst.compute_schedules())
+        return dict(rows_per_rank=draw(tst.dims(1, 40)), n=draw(tst.dims(1, 40)), k=draw(tst.dims(1, 40)),
+                    compute=compute, comm=draw(tst.comm_schedules(compute=compute)))
+    return params()
+
+
+def _mutant_params():
+    c = tl.ComputeSchedule(tile=(16, 16, 16), order="comm_aligned")
+    base = dict(world_size=3, rows_per_rank=12, n=16, k=24, compute=c)
+    return [dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull")),
+            dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push"))]
+
+
+from tldsl.ops import register  # noqa: E402
+from tldsl.testing import OpSpec  # noqa: E402
+
+SPEC = register(OpSpec("allgather_gemm", allgather_gemm, make_case, _params, _mutant_params(),
+                       doc="C = all_gather(A) @ B"))

@@ -1,0 +1,55 @@
+"""Hypothesis strategies for tile programs: shapes (not multiples of the tile), tiles,
+world sizes and schedules. Use them to property-test your own kernels:
+
+    from hypothesis import given
+    from tldsl.testing import strategies as tst
+
+    @given(compute=tst.compute_schedules(), comm=tst.comm_schedules(), world_size=tst.world_sizes())
+    def test_mine(compute, comm, world_size): ...
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from ..ir.schedule import COMPUTE_ORDERS, CommSchedule, ComputeSchedule
+
+TILE_SIZES = (8, 16, 32)
+
+
+def world_sizes(min_size: int = 1, max_size: int = 8):
+    return st.integers(min_size, max_size)
+
+
+def dims(min_value: int = 1, max_value: int = 48):
+    """A tensor extent; most draws are not multiples of any tile."""
+    return st.integers(min_value, max_value)
+
+
+def tile_sizes(choices=TILE_SIZES):
+    return st.sampled_from(choices)
+
+
+@st.composite
+def compute_schedules(draw, tiles=TILE_SIZES, orders=COMPUTE_ORDERS):
+    return ComputeSchedule(tile=(draw(tile_sizes(tiles)), draw(tile_sizes(tiles)), draw(tile_sizes(tiles))),
+                           order=draw(st.sampled_from(orders)),
+                           stages=draw(st.integers(1, 4)),
+                           group_m=draw(st.integers(1, 4)))
+
+
+@st.composite
+def comm_schedules(draw, engines=("sm", "copy_engine"), modes=("push", "pull"), tiles=TILE_SIZES,
+                   compute: ComputeSchedule | None = None):
+    """Valid communication schedules (compatible with ``compute`` when given)."""
+    engine = draw(st.sampled_from(engines))
+    mode = draw(st.sampled_from(modes))
+    order = draw(st.sampled_from(("ring", "full_mesh")))
+    if engine == "copy_engine":
+        return CommSchedule(tile_m=None, order=order, mode=mode, engine=engine)
+    options = [t for t in tiles if compute is None or compute.BM % t == 0 or t % compute.BM == 0]
+    tile_m = draw(st.sampled_from(options + [None]))
+    return CommSchedule(tile_m=tile_m, order=order, mode=mode, engine=engine, sms=draw(st.integers(1, 4)))
+
+
+def seeds():
+    return st.integers(0, 2**31 - 1)

@@ -37,7 +37,9 @@ class Location:
         return f"    {line}\n    {' ' * col}^"
 
 
-def _is_internal(filename: str) -> bool:
+def _is_internal(filename: str, func: str = "") -> bool:
+    if filename == "<string>" and func in ("__init__", "__post_init__"):
+        return True   # dataclass-generated constructors of our frozen schedules
     f = os.path.abspath(filename)
     if f.startswith(_LIBRARY_OPS):
         return False  # the op library is user code written in the DSL
@@ -48,7 +50,7 @@ def user_location(skip: int = 1) -> Location | None:
     """The innermost frame outside the compiler: the line of the user's tile program."""
     frame = sys._getframe(skip)
     while frame is not None:
-        if not _is_internal(frame.f_code.co_filename):
+        if not _is_internal(frame.f_code.co_filename, frame.f_code.co_name):
             col = 0
             try:  # Python 3.11+: exact column of the call
                 positions = list(frame.f_code.co_positions())

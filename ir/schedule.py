@@ -96,8 +96,9 @@ class CommSchedule:
             raise ScheduleError(f"communication mode {self.mode!r}: choose one of {COMM_MODES}")
         if self.engine not in COMM_ENGINES:
             raise ScheduleError(f"communication engine {self.engine!r}: choose one of {COMM_ENGINES}")
-        if self.tile_m is not None and not _pow2(self.tile_m):
-            raise ScheduleError(f"communication tile_m {self.tile_m}: need a power of two (or None for whole chunks)")
+        if self.tile_m is not None and not (isinstance(self.tile_m, int) and not isinstance(self.tile_m, bool)
+                                            and self.tile_m > 0):
+            raise ScheduleError(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
         if self.engine == "copy_engine":
             if self.tile_m is not None:
                 raise ScheduleError("the copy engine moves whole rank chunks: set tile_m=None with engine='copy_engine'")

@@ -10,11 +10,22 @@
 """
 from pathlib import Path as _Path
 
-# Source-tree fallback: the distribution maps ir/, codegen/ and runtime/ into this namespace
-# (pyproject's package-dir); from a plain checkout, find them beside this folder.
-_root = _Path(__file__).resolve().parent.parent
-if (_root / "ir" / "__init__.py").exists() and str(_root) not in __path__:
-    __path__.append(str(_root))
+
+def _source_tree_fallback():
+    """The distribution maps ir/, codegen/ and runtime/ into this namespace (pyproject's
+    package-dir). From a checkout that is not installed, find them beside this folder."""
+    from importlib import metadata
+    try:
+        metadata.distribution("tldsl")
+        return
+    except metadata.PackageNotFoundError:
+        pass
+    root = _Path(__file__).resolve().parent.parent
+    if (root / "ir" / "__init__.py").exists() and str(root) not in __path__:
+        __path__.append(str(root))
+
+
+_source_tree_fallback()
 
 from .errors import (TldslError, CompilationError, VerificationError, ScheduleError, InputError,  # noqa: E402
                      SimulationError, RaceError, DeadlockError, StaleSignalError,

@@ -6,13 +6,17 @@ engine or the communication tile size changes only the schedule, never the progr
 """
 from __future__ import annotations
 
+import numbers
+
+from .errors import ScheduleError
+from .ir.location import user_location
 from .ir.schedule import CommSchedule
 from .language import signal, static_range, world_size
 from .mappings import StaticMapping
 from .primitives import (consumer_tile_wait, peer_tile_notify, peer_tile_wait, producer_tile_notify,
                          rank_copy_data, rank_notify, rank_wait, tile_pull_data, tile_push_data)
 from .kernel import comm_part
-from .tracing import fail
+from .tracing import cdiv, fail, minimum
 from . import language as tl
 
 
@@ -86,4 +90,147 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
     return AllGather(mapping, ready, peer_tile_wait)
 
 
-_ = static_range
+class ReduceScatter:
+    """Handle of a reduce-scatter along rows: rank ``r`` ends with the sum over ranks of
+    rows ``[r*Ms, (r+1)*Ms)`` of their ``partial``. A producer (compute) tile calls
+    ``notify_rows(lo, hi)`` after storing rows ``[lo, hi)`` of ``partial``.
+
+    ``align_shift`` is the shift to give ``tl.compute_part(..., align_shift=...)``: with the
+    ``comm_aligned`` compute order, the producer then finishes the segments in the order
+    the communication consumes them (rank+1, rank+2, ..., rank)."""
+
+    align_shift = 1
+
+    def __init__(self, mapping: StaticMapping, ready, tile_rows: int):
+        self.mapping, self.ready, self.tile_rows = mapping, ready, tile_rows
+
+    def notify_rows(self, row_lo, row_hi):
+        self.mapping.notify_rows(self.ready, row_lo, row_hi)
+
+
+def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter", *,
+                   producer_rows: int, producers_per_row: int = 1) -> ReduceScatter:
+    """Sum every rank's ``partial`` ([M, N], written by this kernel's producer tiles) and give
+    rank ``r`` rows ``[r*M/W, (r+1)*M/W)`` of the sum in ``out`` ([M/W, N]).
+
+    Producers write tiles of ``producer_rows`` rows aligned at multiples of it,
+    ``producers_per_row`` tiles per row block, and call ``notify_rows`` after each. The
+    communication runs on SMs (it adds), in tiles of ``comm.tile_m`` rows (None: a whole
+    segment of M/W rows) by the full width N, one task per tile of a segment:
+
+    * ``order='ring'``: W steps; at step ``s`` rank ``r`` reduces segment ``(r+s+1) % W``:
+      its own partial tile plus the running sum its right neighbour sent at step ``s-1``,
+      and hands the new sum to its left neighbour (the last step, on segment ``r``, stores
+      into ``out``). ``mode='push'`` writes the sum into the left neighbour's receive slot
+      (``tile_push_data``); ``mode='pull'`` stores it into this rank's send slot and the left
+      neighbour reads it (``tile_pull_data``). Each rank sends (W-1)/W of the partials over
+      one link, adding on the way.
+    * ``order='full_mesh'``: direct (one-hop) reduce-scatter: each rank sends its partial
+      tile of segment ``p`` straight to rank ``p`` (peers ``r+1, r+2, ...`` in turn), then sums
+      its own tile and the W-1 it received. Same traffic, one hop instead of W-1, all links
+      at once; ``mode`` chooses push into the owner's receive slots or a pull by the owner
+      from the sender's send slots. The owner adds in the ring's order, so ``ring`` and
+      ``full_mesh`` (and push/pull, any ``tile_m``) give bitwise identical results.
+
+    Ring traffic and the staging workspace have ``partial``'s dtype (use fp32 partials for
+    an fp32 sum). The staging workspace is symmetric, ``((W-1) * slot, N)`` with ``slot`` =
+    M/W rounded up to whole communication tiles: one slot per step, so no memory is reused
+    within a launch (launches are separated by the host's stream order).
+    """
+    W = world_size()
+    if comm.engine != "sm":
+        loc = user_location()
+        msg = (f"{name}: a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
+               f"use CommSchedule(engine='sm', ...), got engine={comm.engine!r}")
+        excerpt = loc.excerpt() if loc is not None else ""
+        raise ScheduleError(f"{loc}: {msg}" + (f"\n{excerpt}" if excerpt else "") if loc is not None else msg)
+    for what, v in (("producer_rows", producer_rows), ("producers_per_row", producers_per_row)):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+            fail(f"{name}: {what} must be a positive Python int, got {v!r}")
+    if len(partial.shape) != 2 or len(out.shape) != 2:
+        fail(f"{name}: partial and out must be 2-d, got '{partial.name}' {list(partial.shape)} and "
+             f"'{out.name}' {list(out.shape)}")
+    M, N = partial.shape
+    tl.static_assert(M % W == 0, f"{name}: the {M} rows of '{partial.name}' cannot be split evenly over "
+                                 f"{W} ranks (M must be divisible by the world size)")
+    Ms = M // W
+    tl.static_assert(tuple(out.shape) == (Ms, N), f"{name}: '{out.name}' must be [{Ms}, {N}] (M/W rows of "
+                                                  f"'{partial.name}' [{M}, {N}]), got {list(out.shape)}")
+    if not (partial.dtype.is_float and out.dtype.is_float):
+        fail(f"{name}: partial and out must be floating point, got {partial.dtype} and {out.dtype}")
+    t = Ms if comm.tile_m is None else min(comm.tile_m, Ms)
+    mapping = StaticMapping(f"{name}_rows", partial, Ms, t)
+    tpr = mapping.tiles_per_rank
+    slot = tpr * t                      # a staging slot: one segment, padded to whole tiles
+    ready = signal(f"{name}_ready", mapping.num_tiles, scope="local")
+    if W > 1:
+        stage = tl.symmetric_buffer(((W - 1) * slot, N), partial.dtype,
+                                    f"{name}_recv" if comm.mode == "push" else f"{name}_send")
+        arrived = signal(f"{name}_arrived", (W - 1) * tpr, scope="symmetric")
+    BM, per_row = int(producer_rows), int(producers_per_row)
+
+    def wait_partial(seg, j):
+        """Acquire tile j of segment seg of ``partial``: every producer tile overlapping it."""
+        lo = seg * Ms + j * t
+        hi = seg * Ms + minimum(j * t + t, Ms)
+        consumer_tile_wait(ready, mapping.tile_id(seg, j), count=(cdiv(hi, BM) - lo // BM) * per_row)
+
+    def load_partial(seg, j):
+        """Tile j of segment seg, rows past the segment read as zero (never the next segment's)."""
+        if Ms % t == 0:
+            return tl.load(partial, (seg * Ms + j * t, 0), (t, N))
+        local = tl.iota(t) + j * t
+        return tl.load_rows(partial, tl.where(local < Ms, local + seg * Ms, -1), 0, N)
+
+    def send(acc, step, j, dest):
+        """Hand ``acc`` to ``dest`` through staging slot ``step``, then notify it."""
+        r0 = step * slot + j * t
+        if comm.mode == "push":
+            tile_push_data(stage.at(dest), (r0, 0), acc)
+        else:
+            tl.store(stage, (r0, 0), acc)
+        peer_tile_notify(arrived, step * tpr + j, dest)
+
+    def receive(step, j, src):
+        """What ``src`` handed over through staging slot ``step``, after its notify."""
+        peer_tile_wait(arrived, step * tpr + j)
+        r0 = step * slot + j * t
+        if comm.mode == "push":
+            return tl.load(stage, (r0, 0), (t, N))
+        return tile_pull_data(stage.at(src), (r0, 0), (t, N))
+
+    # Both orders add in the same sequence, so they agree to the last bit: the sum of segment
+    # p is P[p] + (P[p+1] + (... + (P[p-2] + P[p-1]))), P[q] being rank q's partial.
+
+    if comm.order == "ring":
+        @comm_part(grid=(tpr,), name=name)
+        def ring(j):
+            me = tl.rank()
+            left, right = (me + (W - 1)) % W, (me + 1) % W
+            for s in static_range(W):
+                seg = (me + (s + 1)) % W
+                wait_partial(seg, j)
+                acc = load_partial(seg, j)
+                if s > 0:
+                    acc = acc + receive(s - 1, j, right)
+                if s < W - 1:
+                    send(acc, s, j, left)
+                else:
+                    tl.store(out, (j * t, 0), acc)
+    else:
+        @comm_part(grid=(tpr,), name=name)
+        def full_mesh(j):
+            me = tl.rank()
+            for s in static_range(1, W):
+                dest = (me + s) % W
+                wait_partial(dest, j)
+                send(load_partial(dest, j), s - 1, j, dest)
+            acc = None
+            for s in static_range(1, W):       # from rank me-1, me-2, ..., me+1
+                got = receive(s - 1, j, (me + (W - s)) % W)
+                acc = got if acc is None else got + acc
+            wait_partial(me, j)
+            own = load_partial(me, j)
+            tl.store(out, (j * t, 0), own if acc is None else own + acc)
+
+    return ReduceScatter(mapping, ready, t)

@@ -28,8 +28,16 @@ class VerificationError(CompilationError):
     """The IR breaks a rule of the language (types, scopes, a wait nothing can satisfy...)."""
 
 
-class ScheduleError(TldslError):
-    """A compute or communication schedule is invalid, alone or combined with the program."""
+class ScheduleError(CompilationError):
+    """A compute or communication schedule is invalid, alone or combined with the program.
+
+    Raised before anything runs; points at the user's line that built or used the schedule."""
+
+    def __init__(self, message: str, loc=None):
+        if loc is None:
+            from .ir.location import user_location
+            loc = user_location()
+        super().__init__(message, loc)
 
 
 class InputError(TldslError):

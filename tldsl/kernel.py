@@ -68,7 +68,14 @@ class KernelFunction:
         return compute, comm
 
     def trace(self, world_size: int, *specs, **kwargs) -> core.Kernel:
-        """Trace (or fetch from cache) the IR for these argument specs and keyword values."""
+        """Trace (or fetch from cache) the IR for these argument specs and keyword values,
+        and verify it, including the static channel analysis."""
+        return self.trace_checked(world_size, specs, kwargs, channels=True)
+
+    def trace_checked(self, world_size: int, specs, kwargs: dict, *, channels: bool = True) -> core.Kernel:
+        """:meth:`trace` with the static channel analysis optional (the simulator's
+        ``static_checks=False`` turns it off to exercise its dynamic detectors)."""
+        kwargs = dict(kwargs)
         if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
             raise InputError(f"world size must be a positive int, got {world_size!r}")
         if len(specs) != len(self.tensor_params):
@@ -78,6 +85,13 @@ class KernelFunction:
         unknown = set(kwargs) - set(self.kw_params)
         if unknown:
             raise InputError(f"kernel '{self.name}' has no keyword parameter(s) {sorted(unknown)}")
+        for name, p in self.kw_params.items():   # defaults are part of the specialisation
+            if name not in kwargs and name not in ("compute", "comm") and p.default is not inspect.Parameter.empty:
+                kwargs[name] = p.default
+        missing = [n for n, p in self.kw_params.items() if n not in kwargs and n not in ("compute", "comm")
+                   and p.default is inspect.Parameter.empty]
+        if missing:
+            raise InputError(f"kernel '{self.name}' needs keyword value(s) {missing}")
         compute, comm = self.default_schedules(**kwargs)
         if compute is not None:
             kwargs["compute"] = compute
@@ -89,12 +103,12 @@ class KernelFunction:
             except TypeError:
                 raise InputError(f"keyword '{k}' of kernel '{self.name}' is compile-time and must be "
                                  f"hashable (got {type(v).__name__})") from None
-        key = (world_size, specs, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
+        key = (world_size, specs, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), channels)
         if key not in self._cache:
-            self._cache[key] = self._trace(world_size, specs, kwargs, compute, comm)
+            self._cache[key] = self._trace(world_size, specs, kwargs, compute, comm, channels)
         return self._cache[key]
 
-    def _trace(self, world_size, specs, kwargs, compute, comm) -> core.Kernel:
+    def _trace(self, world_size, specs, kwargs, compute, comm, channels=True) -> core.Kernel:
         if compute is not None and comm is not None:
             check_compatible(compute, comm)
         b = Builder(self.name, world_size)
@@ -114,7 +128,7 @@ class KernelFunction:
                              b.mappings, {k: v for k, v in kwargs.items() if k not in ("compute", "comm")},
                              self.loc)
         from .ir.verifier import verify
-        verify(kernel)
+        verify(kernel, channels=channels)
         return kernel
 
     def __call__(self, *args, **kwargs):

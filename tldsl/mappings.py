@@ -76,6 +76,20 @@ class StaticMapping:
             for j in tl_range(lo // tile, cdiv(hi, tile)):
                 wait(signal, q * tpr + j, count=count)
 
+    def notify_rows(self, signal, row_lo, row_hi, notify=None):
+        """Notify every tile overlapping rows ``[row_lo, row_hi)`` once (e.g. after a producer
+        tile stored them): the mirror of :meth:`wait_rows`, whose waiters then expect one
+        notify per overlapping producer tile. ``notify`` is the primitive to use
+        (``producer_tile_notify`` by default)."""
+        from .primitives import producer_tile_notify
+        notify = notify or producer_tile_notify
+        R, tile, tpr = self.rows_per_rank, self.tile, self.tiles_per_rank
+        for q in tl_range(row_lo // R, cdiv(row_hi, R)):
+            lo = maximum(row_lo - q * R, 0)
+            hi = minimum(row_hi - q * R, R)
+            for j in tl_range(lo // tile, cdiv(hi, tile)):
+                notify(signal, q * tpr + j)
+
     def __str__(self):
         return (f"{self.name}: static rows of '{self.tensor.name}' — {self.world_size} shards x "
                 f"{self.rows_per_rank} rows, tile {self.tile} rows -> {self.num_tiles} tiles; "

@@ -36,8 +36,9 @@ class Builder:
     # -- op emission ---------------------------------------------------------------
     def emit(self, name: str, operands, result_types=(), attrs=None, regions=(), hints=()):
         if not self.blocks:
-            raise CompilationError(f"'{name}' can only be used inside a compute or comm part "
-                                   "(a function decorated with tl.compute_part / tl.comm_part)",
+            raise CompilationError("tile operations (loads, stores, math, traced scalars, primitives) can "
+                                   "only be used inside a compute or comm part (a function decorated with "
+                                   f"tl.compute_part / tl.comm_part); this line needed IR op '{name}'",
                                    user_location())
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
         for i, t in enumerate(result_types):

@@ -87,6 +87,7 @@ class Engine:
                 if sig.values[ch] >= target:
                     w.state = "ready"
                     self.ready.append(w)
+                    self._log(w, "resume", f"{name}[{ch}]")
                 else:
                     self.waiters.setdefault((rank, name, ch), []).append(w)
 

@@ -110,7 +110,8 @@ class Memory:
         if not 0 <= rank < self.world_size:
             raise OutOfBoundsError(
                 f"{_who(task, op)}: rank {rank} is outside the group of {self.world_size} ranks",
-                rank=rank)
+                rank=task.rank if task is not None else None, target_rank=rank,
+                tile=task.coords if task is not None else None, primitive=op.name if op is not None else None)
         return self.ranks[rank][name]
 
     def finish_launch(self):
@@ -154,7 +155,8 @@ class Memory:
                     f"{_who(task, op)} reads {buf.name}{_box(lo, hi)} on rank {rank}, but element "
                     f"{first} was not written before it in this launch, and no unordered write "
                     f"followed (missing data movement, or a read ordered before its write?)",
-                    rank=task.rank, tile=task.coords, buffer=buf.name, region=(tuple(lo), tuple(hi)),
+                    rank=task.rank, tile=task.coords, buffer=buf.name,
+                    region=(tuple(int(x) for x in lo), tuple(int(x) for x in hi)),
                     primitive=op.name))
         if kind == WRITE and buf.written is not None:
             buf.written[tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))] = True
@@ -172,7 +174,7 @@ class Memory:
                 f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
                 f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
                 f"release at too narrow a scope)",
-                rank=rank, buffer=buf.name, region=(tuple(lo), tuple(hi)), tile=task.coords,
+                rank=rank, buffer=buf.name, region=(tuple(int(x) for x in lo), tuple(int(x) for x in hi)), tile=task.coords,
                 task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
 
 

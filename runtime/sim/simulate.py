@@ -84,7 +84,7 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
             raise InputError(f"world size must be a positive int, got {world_size!r}")
         per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
         _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
-        ir = kernel.trace(world_size, *per_rank[0], **kwargs)
+        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=options.static_checks)
     elif isinstance(kernel, core.Kernel):
         if kwargs:
             raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")

@@ -1,4 +1,10 @@
-"""Text timelines of a simulation: which tasks ran when, per rank and part."""
+"""Text timelines of a simulation: which tasks ran when, per rank and part.
+
+Each task's life is cut into segments by its events: ``start`` and ``resume`` open a
+running segment, ``block`` closes it and opens a blocked one, ``end`` closes the last.
+A cell shows ``#`` if some task of the part was running (or ready) then, ``~`` if the
+part's resident tasks were all blocked on waits, ``.`` if none was resident.
+"""
 from __future__ import annotations
 
 
@@ -14,25 +20,24 @@ def format_timeline(result, width: int = 64) -> str:
              f"#=running, ~=blocked on a wait, .=idle)"]
     for rank in range(k.world_size):
         for part in k.parts:
-            running = [0] * width
-            blocked = [0] * width
-            active = {}
-            status = {}
+            cells = {"run": [0] * width, "block": [0] * width}
+            status = {}          # coords -> (kind of the open segment, its first step)
             order = []
             for step, _launch, r, pname, _role, coords, what, _d in events:
                 if r != rank or pname != part.name:
                     continue
                 if what == "start":
-                    active[coords] = step
                     status[coords] = ("run", step)
                     order.append(coords)
-                elif what == "block":
-                    status[coords] = ("block", step)
-                elif what == "end":
-                    _mark(running, blocked, status.pop(coords, ("run", step)), step, t0, span, width)
-                    active.pop(coords, None)
-                elif what == "notify" and status.get(coords, ("",))[0] == "block":
-                    pass
+                elif what in ("block", "resume", "end"):
+                    seg = status.pop(coords, None)
+                    if seg is not None:
+                        _mark(cells[seg[0]], seg[1], step, t0, span, width)
+                    if what != "end":
+                        status[coords] = ("block" if what == "block" else "run", step)
+            for kind, start in status.values():      # segments still open when the log ends
+                _mark(cells[kind], start, t1, t0, span, width)
+            running, blocked = cells["run"], cells["block"]
             row = "".join("#" if running[i] else ("~" if blocked[i] else ".") for i in range(width))
             first = " ".join(",".join(map(str, c)) for c in order[:6])
             more = " ..." if len(order) > 6 else ""
@@ -40,9 +45,9 @@ def format_timeline(result, width: int = 64) -> str:
     return "\n".join(lines)
 
 
-def _mark(running, blocked, status, end, t0, span, width):
-    kind, start = status
+def _mark(counts, start, end, t0, span, width):
+    """Count the segment [start, end) of scheduler steps in the cells it covers (at least one)."""
     a = (start - t0) * width // span
     b = max(a + 1, (end - t0) * width // span)
     for i in range(a, min(b, width)):
-        running[i] += 1
+        counts[i] += 1

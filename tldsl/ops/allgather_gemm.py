@@ -34,6 +34,26 @@ def allgather_gemm(a: tl.Symmetric, b, c, *, compute: tl.ComputeSchedule = None,
         tl.store(c, (r0, c0), acc)
 
 
+def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int = 0, options=None):
+    """User-facing AG+GEMM on the simulator, with PyTorch's ``fused_all_gather_matmul``
+    semantics: returns, per rank, ``(A_gathered, A_gathered @ B)``.
+
+    ``a_shards``: one [Ms, K] array per rank; ``b``: [K, N] (the same on every rank, or a
+    list with one per rank). The GPU backend will take torch tensors with the same meaning.
+    """
+    W = len(a_shards)
+    bs = list(b) if isinstance(b, (list, tuple)) else [b] * W
+    if len(bs) != W:
+        raise tl.InputError(f"got {W} A shards but {len(bs)} B matrices")
+    Ms = np.shape(a_shards[0])[0]
+    N = np.shape(bs[0])[1]
+    dtype = np.asarray(a_shards[0]).dtype
+    inputs = [{"a": a_shards[r], "b": bs[r], "c": np.full((W * Ms, N), np.nan, dtype)} for r in range(W)]
+    kwargs = {k: v for k, v in (("compute", compute), ("comm", comm)) if v is not None}
+    res = tl.simulate(allgather_gemm, W, inputs, seed=seed, options=options, **kwargs)
+    return [(res.workspaces[r]["a_gathered"], res[r]["c"]) for r in range(W)]
+
+
 def reference(a_shards, b):
     """numpy: every rank's output of all_gather(A) @ B (fp32 accumulation)."""
     a = np.concatenate([np.asarray(x, np.float32) for x in a_shards], axis=0)

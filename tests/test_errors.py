@@ -1,0 +1,210 @@
+"""Programs and inputs tldsl must reject, with messages that point at the problem.
+
+``tests/rejected/`` holds small tile programs, one mistake each (Halide's test/error idea).
+Every file defines one ``@tl.kernel``, a ``trace()`` that traces it, ``ERROR`` (the exact
+error type) and ``MESSAGE`` (a fragment of the message), and marks the offending line with
+``# <-- error``. Tracing must raise that error, and its message must name the file and line
+and show the line with a caret under it.
+
+The second half checks ``tl.simulate``'s input validation: bad world sizes and per-rank
+inputs raise :class:`tl.InputError` naming the problem, before anything is traced or run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.kernel import KernelFunction
+
+REJECTED = Path(__file__).resolve().parent / "rejected"
+MARK = "# <-- error"
+FILES = sorted(REJECTED.glob("*.py"))
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"rejected_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rejected_folder_is_populated():
+    # a glob that silently finds nothing would make the parametrized test below vacuous
+    assert len(FILES) >= 15, [f.name for f in FILES]
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_rejected_program(path: Path):
+    module = _load(path)
+    assert module.__doc__, f"{path.name}: say in a docstring what is wrong with the program"
+    assert isinstance(module.ERROR, type) and issubclass(module.ERROR, tl.TldslError), path.name
+    assert isinstance(module.MESSAGE, str) and module.MESSAGE, path.name
+    kernels = [v for v in vars(module).values() if isinstance(v, KernelFunction)]
+    assert len(kernels) == 1, f"{path.name}: define exactly one @tl.kernel, found {len(kernels)}"
+
+    source = path.read_text().splitlines()
+    marked = [i + 1 for i, line in enumerate(source) if line.rstrip().endswith(MARK)]
+    assert len(marked) == 1, f"{path.name}: mark exactly one line with '{MARK}'"
+    lineno = marked[0]
+
+    with pytest.raises(tl.TldslError) as info:
+        module.trace()
+    err = info.value
+    message = str(err)
+    assert type(err) is module.ERROR, f"{path.name}: raised {type(err).__name__}, expected " \
+                                      f"{module.ERROR.__name__}:\n{message}"
+    assert module.MESSAGE in message, f"{path.name}: message lacks {module.MESSAGE!r}:\n{message}"
+
+    # file:line of the user's code, then the line itself, then a caret under it
+    assert f"{path}:{lineno}:" in message, \
+        f"{path.name}: the message does not name {path.name}:{lineno}:\n{message}"
+    lines = message.splitlines()
+    src = source[lineno - 1].rstrip()
+    shown = [i for i, line in enumerate(lines) if line.strip() == src.strip()]
+    assert shown, f"{path.name}: the message does not show line {lineno} ({src.strip()!r}):\n{message}"
+    i = shown[0]
+    assert i + 1 < len(lines) and re.fullmatch(r" *\^", lines[i + 1]), \
+        f"{path.name}: no caret line under the source line:\n{message}"
+    col = len(lines[i + 1]) - 1
+    assert col < len(lines[i]) and not lines[i][col].isspace(), \
+        f"{path.name}: the caret points at blank space:\n{message}"
+
+
+# -- tl.simulate input validation ---------------------------------------------------------------
+
+@tl.kernel
+def gather_scale(a: tl.Symmetric, scale, out):
+    """out = 2 * scale[0] * all_gather(a) on every rank (a: [R, C] shard, out: [W*R, C])."""
+    W = tl.world_size()
+    R, C = a.shape
+    gathered = tl.local_buffer((W * R, C), a.dtype, "gathered")
+    ready = tl.signal("ready", W)
+
+    @tl.comm_part(grid=(W,), name="gather")
+    def gather(step):
+        peer = (tl.rank() + step) % W
+        tl.tile_pull_data(a.at(peer), (0, 0), (R, C), gathered, (peer * R, 0))
+        tl.producer_tile_notify(ready, peer)
+
+    @tl.compute_part(grid=(W,), name="scale")
+    def scale_rows(q):
+        tl.consumer_tile_wait(ready, q)
+        s = tl.load(scale, (0,), (C,))
+        tl.store(out, (q * R, 0), tl.load(gathered, (q * R, 0), (R, C)) * s[None, :] * 2.0)
+
+
+def _inputs(W, R=3, C=4, dtype=np.float32):
+    rng = np.random.default_rng(7)
+    return [{"a": rng.standard_normal((R, C)).astype(dtype), "scale": np.full(C, 0.5, dtype),
+             "out": np.zeros((W * R, C), dtype)} for _ in range(W)]
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail the test if simulate gets as far as tracing the kernel or building the engine."""
+    def no_trace(self, *a, **k):
+        raise AssertionError("the kernel was traced before the inputs were rejected")
+
+    class NoEngine:
+        def __init__(self, *a, **k):
+            raise AssertionError("the simulator started before the inputs were rejected")
+
+    # (the package re-exports the function `simulate` under the module's name: fetch the module)
+    sim_module = importlib.import_module("tldsl.runtime.sim.simulate")
+    monkeypatch.setattr(KernelFunction, "trace", no_trace)
+    monkeypatch.setattr(sim_module, "Engine", NoEngine)
+
+
+def test_valid_inputs_run():
+    # the control: the same kernel and inputs, unbroken, simulate and compute the right thing
+    inputs = _inputs(3)
+    res = tl.simulate(gather_scale, 3, inputs, seed=1)
+    want = np.concatenate([x["a"] for x in inputs])
+    for r in range(3):
+        np.testing.assert_allclose(res[r]["out"], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [0, -1, -4])
+def test_world_size_must_be_positive(nothing_runs, world_size):
+    with pytest.raises(tl.InputError, match=rf"world size must be a positive int, got {world_size}"):
+        tl.simulate(gather_scale, world_size, _inputs(2))
+
+
+def test_world_size_must_be_an_int(nothing_runs):
+    with pytest.raises(tl.InputError, match=r"world size must be a positive int, got 2\.0"):
+        tl.simulate(gather_scale, 2.0, _inputs(2))
+
+
+@pytest.mark.parametrize("given", [1, 3])
+def test_one_input_per_rank(nothing_runs, given):
+    with pytest.raises(tl.InputError, match=rf"got inputs for {given} ranks but world_size is 2"):
+        tl.simulate(gather_scale, 2, _inputs(given))
+
+
+def test_inputs_must_be_a_list_per_rank(nothing_runs):
+    with pytest.raises(tl.InputError, match="one entry per rank, not a single dict"):
+        tl.simulate(gather_scale, 2, _inputs(2)[0])
+
+
+def test_missing_argument(nothing_runs):
+    inputs = _inputs(2)
+    del inputs[1]["scale"]
+    with pytest.raises(tl.InputError, match=r"rank 1: missing argument\(s\) \['scale'\]"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_unknown_argument(nothing_runs):
+    inputs = _inputs(2)
+    inputs[0]["bias"] = np.zeros(4, np.float32)
+    with pytest.raises(tl.InputError, match=r"rank 0: unknown argument\(s\) \['bias'\]"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_wrong_number_of_positional_arrays(nothing_runs):
+    inputs = [[x["a"], x["out"]] for x in _inputs(2)]
+    with pytest.raises(tl.InputError, match=r"rank 0: 2 arrays for arguments \['a', 'scale', 'out'\]"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_symmetric_buffer_shapes_must_agree(nothing_runs):
+    inputs = _inputs(3)
+    inputs[2]["a"] = np.zeros((5, 4), np.float32)
+    with pytest.raises(tl.InputError) as info:
+        tl.simulate(gather_scale, 3, inputs)
+    msg = str(info.value)
+    assert "non-uniform symmetric buffer 'a'" in msg
+    assert "(3, 4) on rank 0 but (5, 4) on rank 2" in msg
+    assert "same shape on every rank" in msg
+
+
+def test_plain_argument_shapes_must_agree(nothing_runs):
+    inputs = _inputs(2)
+    inputs[1]["scale"] = np.zeros(6, np.float32)
+    with pytest.raises(tl.InputError, match=r"non-uniform argument 'scale': shape \(4,\) on rank 0 but \(6,\) on rank 1"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_dtypes_must_agree_across_ranks(nothing_runs):
+    inputs = _inputs(2)
+    inputs[1]["a"] = inputs[1]["a"].astype(np.float16)
+    with pytest.raises(tl.InputError, match="argument 'a': dtype float32 on rank 0 but float16 on rank 1"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_unsupported_dtype(nothing_runs):
+    inputs = [{k: v.astype(np.float64) for k, v in x.items()} for x in _inputs(2)]
+    with pytest.raises(tl.InputError, match="argument 'a': unsupported dtype"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_non_array_argument(nothing_runs):
+    inputs = _inputs(2)
+    for x in inputs:
+        x["scale"] = [0.5] * 4
+    with pytest.raises(tl.InputError, match="argument 'scale' on rank 0 is a list, not an array"):
+        tl.simulate(gather_scale, 2, inputs)

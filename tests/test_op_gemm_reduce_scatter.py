@@ -1,0 +1,224 @@
+"""GEMM + ReduceScatter and the reduce_scatter collective: results against numpy for many
+world sizes, shapes and schedules, the compute order the ring relies on, bad inputs
+rejected before anything runs, and the mutation check of every synchronisation primitive.
+(Random shapes and schedules from the op's hypothesis strategy run in test_properties.py.)"""
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.collectives import reduce_scatter
+from tldsl.ops.gemm_reduce_scatter import SPEC, gemm_reduce_scatter, reference
+from tldsl.testing import check_case
+
+
+def _case(W, rows, n, k, compute, comm, seed=0, dtype="float16"):
+    return SPEC.make_case(np.random.default_rng(seed), W, rows_per_rank=rows, n=n, k_per_rank=k,
+                          compute=compute, comm=comm, dtype=dtype)
+
+
+C16 = tl.ComputeSchedule(tile=(16, 16, 16), order="comm_aligned")
+C8 = tl.ComputeSchedule(tile=(8, 32, 8), order="swizzled", group_m=2)
+C32 = tl.ComputeSchedule(tile=(32, 8, 16), order="row_major")
+
+# (compute, comm): comm tile smaller than BM, equal, larger (and larger than a segment), whole
+# segments; ring and full mesh; push and pull
+SCHEDULES = [
+    (C16, tl.CommSchedule(tile_m=8, order="ring", mode="push")),
+    (C16, tl.CommSchedule(tile_m=32, order="ring", mode="pull", sms=1)),
+    (C8, tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
+    (C8, tl.CommSchedule(tile_m=None, order="ring", mode="push", sms=3)),
+    (C32, tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull")),
+    (C32, tl.CommSchedule(tile_m=8, order="ring", mode="pull")),
+]
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("sched", range(len(SCHEDULES)))
+def test_matches_numpy(W, sched):
+    compute, comm = SCHEDULES[sched]
+    rows, n, k = {1: (21, 37, 19), 2: (13, 20, 33), 3: (11, 17, 9), 5: (7, 23, 12), 8: (5, 11, 7)}[W]
+    case = _case(W, rows, n, k, compute, comm, seed=W + 10 * sched)
+    check_case(SPEC, case, W, seed=sched)
+
+
+def test_fp32_operands():
+    case = _case(3, 10, 12, 24, C16, tl.CommSchedule(tile_m=8, mode="push"), dtype="float32")
+    case.rtol, case.atol = 1e-5, 1e-4
+    check_case(SPEC, case, 3, seed=0)
+
+
+def test_single_resident_task_one_lane_many_launches():
+    """A persistent kernel with one compute CTA and one communication SM, launched three
+    times: no deadlock, no stale signal, same result."""
+    for order in ("ring", "full_mesh"):
+        for mode in ("push", "pull"):
+            case = _case(4, 12, 16, 16, C8, tl.CommSchedule(tile_m=8, order=order, mode=mode, sms=1))
+            check_case(SPEC, case, 4, seed=5, options=tl.SimOptions(compute_slots=1, launches=3))
+
+
+def test_partials_and_ring_traffic_are_fp32():
+    W, rows, n = 3, 10, 12
+    case = _case(W, rows, n, 8, C16, tl.CommSchedule(tile_m=8, mode="push"))
+    res = check_case(SPEC, case, W, seed=0)
+    ws = res.workspaces[0]
+    assert ws["partial"].dtype == np.float32 and ws["partial"].shape == (W * rows, n)
+    # one staging slot per ring step, each a segment padded to whole communication tiles
+    assert ws["reduce_scatter_recv"].dtype == np.float32
+    assert ws["reduce_scatter_recv"].shape == ((W - 1) * 16, n)
+
+
+def test_single_rank_needs_no_staging_or_peer_signals():
+    case = _case(1, 9, 10, 11, C16, tl.CommSchedule(tile_m=8))
+    res = check_case(SPEC, case, 1, seed=0)
+    assert set(res.workspaces[0]) == {"partial"}
+    assert [s.type.scope.value for s in res.kernel.signals] == ["local"]
+
+
+@pytest.mark.parametrize("order", ["ring", "full_mesh"])
+def test_compute_order_matches_the_order_segments_are_reduced(order):
+    """With the comm_aligned order, rank r computes segments r+1, r+2, ..., r: the order in
+    which the ring (and the full mesh's sends) consume them."""
+    W, rows = 4, 16
+    case = _case(W, rows, 16, 8, C16, tl.CommSchedule(tile_m=16, order=order))
+    kernel = gemm_reduce_scatter.trace(W, *[case.inputs[0][a] for a in gemm_reduce_scatter.arg_names],
+                                       **case.kwargs)
+    gemm = next(p for p in kernel.parts if p.role == "compute")
+    for r in range(W):
+        seq = C16.tile_order(gemm.grid, r, W, gemm.align_shift)
+        segs = []
+        for pm, _ in seq:
+            seg = pm * 16 // rows
+            if not segs or segs[-1] != seg:
+                segs.append(seg)
+        assert segs == [(r + s + 1) % W for s in range(W)], (r, segs)
+
+
+def test_matches_reference_for_a_hand_computed_case():
+    """W=2, integers: out on rank r is rows r of a_0 @ b_0 + a_1 @ b_1, exactly."""
+    a = [np.arange(8, dtype=np.float32).reshape(4, 2), np.ones((4, 2), np.float32)]
+    b = [np.eye(2, 3, dtype=np.float32), np.full((2, 3), 2, np.float32)]
+    want = reference(a, b)
+    assert want[0].tolist() == [4.0, 5.0, 4.0]
+    inputs = [{"a": a[r], "b": b[r], "out": np.full((2, 3), np.nan, np.float32)} for r in range(2)]
+    res = tl.simulate(gemm_reduce_scatter, 2, inputs, seed=1, compute=C8,
+                      comm=tl.CommSchedule(tile_m=8, mode="push"))
+    np.testing.assert_array_equal(res[0]["out"], want[:2])
+    np.testing.assert_array_equal(res[1]["out"], want[2:])
+
+
+@pytest.mark.parametrize("W", [2, 3, 5])
+def test_every_communication_schedule_gives_the_same_bits(W):
+    """Ring and full mesh add the partials in the same order: push/pull, ring/full mesh and
+    the communication tile size change how the sum travels, never a bit of it."""
+    outs = []
+    for comm in [tl.CommSchedule(tile_m=8, order="ring", mode="push"),
+                 tl.CommSchedule(tile_m=None, order="ring", mode="pull", sms=1),
+                 tl.CommSchedule(tile_m=32, order="full_mesh", mode="push"),
+                 tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull", sms=3)]:
+        case = _case(W, 19, 13, 29, C8, comm, seed=7)
+        res = check_case(SPEC, case, W, seed=W)
+        outs.append([res[r]["out"] for r in range(W)])
+    for other in outs[1:]:
+        for r in range(W):
+            assert np.array_equal(outs[0][r], other[r]), r
+
+
+# -- bad input: rejected while tracing, before anything runs -------------------------------
+
+def _trace(W, M, K, Kb, N, out_rows, comm=None, compute=C16):
+    specs = [tl.TensorSpec((M, K), tl.float16), tl.TensorSpec((Kb, N), tl.float16),
+             tl.TensorSpec((out_rows, N), tl.float16)]
+    return gemm_reduce_scatter.trace(W, *specs, compute=compute, comm=comm or tl.CommSchedule(tile_m=8))
+
+
+def test_rows_not_divisible_by_world_size():
+    with pytest.raises(tl.CompilationError, match=r"A has 10 rows, which 3 ranks cannot split evenly"):
+        _trace(3, 10, 8, 8, 16, 3)
+    inputs = [{"a": np.zeros((10, 8), np.float16), "b": np.zeros((8, 16), np.float16),
+               "out": np.zeros((3, 16), np.float16)} for _ in range(3)]
+    with pytest.raises(tl.CompilationError, match="M must be divisible by the world size"):
+        tl.simulate(gemm_reduce_scatter, 3, inputs, compute=C16, comm=tl.CommSchedule(tile_m=8))
+
+
+def test_mismatched_inner_dimension():
+    with pytest.raises(tl.CompilationError, match=r"A is \[12, 8\] but B is \[9, 16\] \(inner dimensions differ\)"):
+        _trace(3, 12, 8, 9, 16, 4)
+
+
+def test_wrong_output_shape():
+    with pytest.raises(tl.CompilationError, match=r"out must be \[4, 16\] \(M/W rows\), got \[12, 16\]"):
+        _trace(3, 12, 8, 8, 16, 12)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_copy_engine_is_rejected(mode):
+    comm = tl.CommSchedule(engine="copy_engine", mode=mode)
+    with pytest.raises(tl.ScheduleError, match=r"which the copy engine cannot do: use CommSchedule\(engine='sm'") as info:
+        _trace(2, 8, 8, 8, 16, 4, comm=comm)
+    assert "gemm_reduce_scatter.py:" in str(info.value)    # points at the reduce_scatter call
+
+
+# -- the collective on its own (the API other ops reuse) -----------------------------------
+
+@tl.kernel
+def plain_reduce_scatter(x, out, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+    """out = reduce_scatter(x): the producer only copies x into the partial workspace."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+    partial = tl.local_buffer((M, N), tl.float32, "partial")
+    rs = reduce_scatter(partial, out, comm, name="rs", producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift)
+    def copy(pm, pn):
+        tl.store(partial, (pm * BM, pn * BN), tl.load(x, (pm * BM, pn * BN), (BM, BN)))
+        rs.notify_rows(pm * BM, tl.minimum(pm * BM + BM, M))
+
+
+@pytest.mark.parametrize("W,rows,n,bm,tile_m,order,mode", [
+    (3, 7, 19, 8, 16, "ring", "push"),        # producer tiles span segments, comm tile > segment
+    (4, 20, 9, 16, 8, "ring", "pull"),        # comm tiles smaller than producer tiles, short last tile
+    (5, 6, 40, 32, None, "full_mesh", "push"),
+    (2, 33, 5, 8, 32, "full_mesh", "pull"),
+])
+def test_collective_alone(W, rows, n, bm, tile_m, order, mode):
+    rng = np.random.default_rng(W)
+    xs = [rng.standard_normal((W * rows, n)).astype(np.float32) for _ in range(W)]
+    total = np.sum(xs, axis=0)
+    inputs = [{"x": xs[r], "out": np.full((rows, n), np.nan, np.float32)} for r in range(W)]
+    res = tl.simulate(plain_reduce_scatter, W, inputs, seed=2,
+                      compute=tl.ComputeSchedule(tile=(bm, 16, 8), order="comm_aligned"),
+                      comm=tl.CommSchedule(tile_m=tile_m, order=order, mode=mode))
+    for r in range(W):
+        np.testing.assert_allclose(res[r]["out"], total[r * rows:(r + 1) * rows], rtol=1e-5, atol=1e-5)
+
+
+def test_collective_rejects_bad_arguments():
+    @tl.kernel
+    def bad(x, out, *, producer_rows: tl.constexpr = 8, comm: tl.CommSchedule = None):
+        partial = tl.local_buffer(x.shape, tl.float32, "partial")
+        rs = reduce_scatter(partial, out, comm, producer_rows=producer_rows)
+
+        @tl.compute_part(grid=(1,))
+        def noop(i):
+            rs.notify_rows(0, 1)
+
+    f32 = tl.float32
+    with pytest.raises(tl.CompilationError, match="producer_rows must be a positive Python int, got 0"):
+        bad.trace(2, tl.TensorSpec((8, 4), f32), tl.TensorSpec((4, 4), f32), producer_rows=0)
+    with pytest.raises(tl.CompilationError, match=r"the 9 rows of 'partial' cannot be split evenly over 2 ranks"):
+        bad.trace(2, tl.TensorSpec((9, 4), f32), tl.TensorSpec((4, 4), f32))
+    with pytest.raises(tl.CompilationError, match=r"'out' must be \[4, 4\] .* got \[4, 5\]"):
+        bad.trace(2, tl.TensorSpec((8, 4), f32), tl.TensorSpec((4, 5), f32))
+
+
+# -- every synchronisation primitive is necessary ----------------------------------------------
+
+def test_mutation_check_catches_every_deleted_primitive():
+    from tldsl.testing.mutants import run
+    caught, total, mutants = run(op_filter=["gemm_reduce_scatter"], seeds=1)
+    missed = [f"{m.variant}: {m.primitive} #{m.index} -> {m.outcome}" for m in mutants if not m.caught]
+    assert not missed, missed
+    variants = {m.variant for m in mutants}
+    assert {v.split()[0].rsplit("/tile_m", 1)[0] for v in variants} == {
+        "sm/push/ring", "sm/pull/ring", "sm/push/full_mesh", "sm/pull/full_mesh"}
+    assert caught == total > 0

@@ -1,0 +1,407 @@
+"""AllGather+MoE and MoE+ReduceScatter (tensor-parallel MoE with run-time mappings):
+the routing tables, both kernels against numpy for fixed cases, the whole layer end to end,
+and bad inputs rejected before anything is simulated."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.ops.moe import (allgather_moe, moe_num_tiles, moe_reduce_scatter, moe_routing, random_routing,
+                           reference_allgather_moe, reference_moe, reference_moe_reduce_scatter,
+                           simulate_allgather_moe, simulate_moe_reduce_scatter)
+
+F16 = np.float16
+
+
+def _compute(BM=8, BN=8, BK=8, order="row_major"):
+    return tl.ComputeSchedule(tile=(BM, BN, BK), order=order)
+
+
+# -- the routing tables ----------------------------------------------------------------------------
+
+def _check_tables(rt, ids):
+    """Every invariant the kernels rely on, checked from scratch."""
+    T, topk = ids.shape
+    BM, E = rt.block_m, rt.num_experts
+    assert rt.num_tiles == moe_num_tiles(T * topk, E, BM)
+    for name in ("sorted_token_ids", "tile_expert", "tile_valid_rows", "tile_tokens", "tile_ranks",
+                 "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers"):
+        assert getattr(rt, name).dtype == np.int32, name
+    # every routed (t, k) has one sorted row, in a tile of its expert
+    row_of = rt.row_of
+    assert sorted(row_of.ravel().tolist()) == sorted(set(row_of.ravel().tolist()))
+    for t in range(T):
+        for k in range(topk):
+            r = row_of[t, k]
+            assert rt.sorted_token_ids[r] == t
+            assert rt.tile_expert[r // BM] == ids[t, k]
+    assert (rt.sorted_token_ids >= 0).sum() == T * topk
+    assert np.array_equal(rt.expert_counts, np.bincount(ids.ravel(), minlength=E))
+    producers = np.zeros_like(rt.token_tile_producers)
+    used = rt.tile_expert >= 0
+    # used tiles first, experts ascending; unused tiles are all padding
+    assert not np.any(used[1:] & ~used[:-1])
+    assert np.all(np.diff(rt.tile_expert[used]) >= 0)
+    for i in range(rt.num_tiles):
+        toks = rt.sorted_token_ids[i * BM:(i + 1) * BM]
+        n = rt.tile_valid_rows[i]
+        assert np.all(toks[n:] == -1) and np.all(toks[:n] >= 0)
+        if not used[i]:
+            assert n == 0 and list(rt.tile_tokens[i]) == [0, 0] and rt.tile_num_token_tiles[i] == 0
+            assert np.all(rt.tile_token_tiles[i] == -1)
+            continue
+        real = toks[:n]
+        assert np.all(np.diff(real) > 0), "tokens of an expert tile must increase"
+        assert list(rt.tile_tokens[i]) == [real.min(), real.max() + 1]
+        assert list(rt.tile_ranks[i]) == [real.min() // rt.rows_per_rank, real.max() // rt.rows_per_rank + 1]
+        tts = np.unique(real // BM)
+        m = rt.tile_num_token_tiles[i]
+        assert m == tts.size and np.array_equal(rt.tile_token_tiles[i, :m], tts)
+        assert np.all(rt.tile_token_tiles[i, m:] == -1)
+        producers[tts] += 1
+    # each expert's rows start on a tile boundary and fill ceil(count / BM) tiles
+    for e in range(E):
+        assert (rt.tile_expert == e).sum() == -(-rt.expert_counts[e] // BM)
+    assert np.array_equal(producers, rt.token_tile_producers)
+    assert np.all(rt.token_tile_producers >= 1)
+
+
+@pytest.mark.parametrize("W,Ms,E,topk,BM,kind", [
+    (1, 5, 3, 1, 8, "random"), (3, 7, 5, 2, 8, "random"), (4, 12, 6, 3, 16, "random"),
+    (8, 12, 6, 3, 8, "random"), (2, 9, 4, 1, 8, "concentrated"), (5, 3, 6, 3, 32, "concentrated"),
+    (2, 12, 1, 1, 8, "random")])
+def test_routing_tables(W, Ms, E, topk, BM, kind):
+    rng = np.random.default_rng(W * 100 + Ms)
+    ids, wts = random_routing(rng, W * Ms, E, topk, kind)
+    assert np.allclose(wts.sum(axis=1), 1) and np.all(wts > 0)
+    assert all(len(set(row)) == topk for row in ids.tolist())
+    _check_tables(moe_routing(ids, E, W, Ms, BM), ids)
+
+
+def test_routing_tables_by_hand():
+    # 2 ranks x 3 tokens, topk 2, 4 experts (expert 2 gets no token), BM = 2
+    ids = np.array([[0, 1], [3, 0], [1, 0], [0, 3], [1, 3], [0, 1]], np.int32)
+    rt = moe_routing(ids, 4, 2, 3, 2)
+    assert rt.expert_counts.tolist() == [5, 4, 0, 3]
+    assert rt.num_tiles == min(12, (12 + 4 * 1) // 2) == 8
+    # expert 0: tokens 0 1 2 3 5 -> 3 tiles; expert 1: 0 2 4 5 -> 2 tiles; expert 3: 1 3 4 -> 2 tiles
+    assert rt.tile_expert.tolist() == [0, 0, 0, 1, 1, 3, 3, -1]
+    assert rt.sorted_token_ids.tolist() == [0, 1, 2, 3, 5, -1, 0, 2, 4, 5, 1, 3, 4, -1, -1, -1]
+    assert rt.tile_valid_rows.tolist() == [2, 2, 1, 2, 2, 2, 1, 0]
+    assert rt.tile_tokens.tolist() == [[0, 2], [2, 4], [5, 6], [0, 3], [4, 6], [1, 4], [4, 5], [0, 0]]
+    assert rt.tile_ranks.tolist() == [[0, 1], [0, 2], [1, 2], [0, 1], [1, 2], [0, 2], [1, 2], [0, 0]]
+    assert rt.row_of.tolist() == [[0, 6], [10, 1], [7, 2], [3, 11], [8, 12], [4, 9]]
+    # token tiles of 2 tokens: {0,1}, {2,3}, {4,5}
+    assert rt.tile_token_tiles.tolist() == [[0, -1], [1, -1], [2, -1], [0, 1], [2, -1], [0, 1], [2, -1],
+                                            [-1, -1]]
+    assert rt.token_tile_producers.tolist() == [3, 3, 3]      # e.g. tokens {4, 5}: tiles 2, 4 and 6
+    assert rt.num_rows == 16
+    _check_tables(rt, ids)
+
+
+def test_num_tiles_bound_is_the_worst_case():
+    # every expert one row past a tile boundary: the bound is reached exactly
+    BM, E = 8, 3
+    counts = [BM + 1, 1, 2 * BM + 1]
+    ids = np.concatenate([np.full(c, e) for e, c in enumerate(counts)]).astype(np.int32)[:, None]
+    rt = moe_routing(ids, E, 1, ids.shape[0], BM)
+    assert (rt.tile_expert >= 0).sum() == rt.num_tiles == 2 + 1 + 3
+    # and no routing of the same sizes needs more tiles
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        T, E, BM = int(rng.integers(1, 30)), int(rng.integers(1, 7)), int(rng.choice([8, 16]))
+        topk = int(rng.integers(1, E + 1))
+        ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)])
+        rt = moe_routing(ids, E, 1, T, BM)
+        assert (rt.tile_expert >= 0).sum() == sum(-(-c // BM) for c in rt.expert_counts) <= rt.num_tiles
+
+
+# -- AllGather + MoE -------------------------------------------------------------------------------
+
+def _allgather_inputs(rng, W, Ms, K, Nr, E, ids, BM):
+    rt = moe_routing(ids, E, W, Ms, BM)
+    xs = [rng.standard_normal((Ms, K)).astype(F16) for _ in range(W)]
+    w1 = [rng.standard_normal((E, K, Nr)).astype(F16) for _ in range(W)]
+    inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, Nr), np.nan, F16), **rt.allgather_tables())
+              for r in range(W)]
+    return rt, xs, w1, inputs
+
+
+def _check_h(res, rt, xs, w1, W):
+    for r in range(W):
+        want = reference_allgather_moe(xs, w1[r], rt)
+        got = res[r]["h"].astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=3e-2)
+        pad = rt.sorted_token_ids < 0
+        assert np.all(got[pad] == 0), "padding rows and unused tiles of h must be zero"
+
+
+AG_COMMS = [tl.CommSchedule(tile_m=8, mode="pull"), tl.CommSchedule(tile_m=8, mode="push", order="full_mesh"),
+            tl.CommSchedule(tile_m=None, mode="pull", order="full_mesh", sms=1),
+            tl.CommSchedule(tile_m=16, mode="push", sms=3),
+            tl.CommSchedule(engine="copy_engine", mode="pull"), tl.CommSchedule(engine="copy_engine", mode="push")]
+
+
+@pytest.mark.parametrize("comm", AG_COMMS, ids=str)
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind", [
+    (1, 11, 20, 13, 4, 2, "random"), (3, 7, 20, 13, 5, 2, "random"), (8, 2, 24, 10, 6, 3, "random"),
+    (4, 5, 9, 24, 6, 1, "concentrated")])
+def test_allgather_moe_matches_numpy(W, Ms, K, Nr, E, topk, kind, comm):
+    rng = np.random.default_rng(W * 7 + K)
+    ids, _ = random_routing(rng, W * Ms, E, topk, kind)
+    compute = _compute(BM=8, BN=8 if Nr < 16 else 16, BK=8)
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, compute.BM)
+    res = tl.simulate(allgather_moe, W, inputs, seed=W, compute=compute, comm=comm)
+    _check_h(res, rt, xs, w1, W)
+
+
+def test_allgather_moe_empty_experts_and_one_expert():
+    W, Ms, K, Nr, E = 3, 6, 12, 16, 6
+    rng = np.random.default_rng(5)
+    compute = _compute(16, 16, 16)
+    for ids in (np.full((W * Ms, 1), 4, np.int32),                                  # all tokens -> expert 4
+                np.stack([[1, 3] if t % 2 else [3, 1] for t in range(W * Ms)]).astype(np.int32)):
+        rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, compute.BM)
+        assert (rt.expert_counts == 0).sum() >= 4
+        res = tl.simulate(allgather_moe, W, inputs, seed=1, compute=compute,
+                          comm=tl.CommSchedule(tile_m=8, mode="push"))
+        _check_h(res, rt, xs, w1, W)
+
+
+def test_allgather_moe_one_kernel_serves_every_routing():
+    W, Ms, K, Nr, E, topk = 2, 6, 16, 8, 4, 2
+    compute, comm = _compute(8, 8, 8), tl.CommSchedule(tile_m=8)
+    rng = np.random.default_rng(11)
+    traced = set()
+    for kind in ("random", "concentrated", "random"):
+        ids, _ = random_routing(rng, W * Ms, E, topk, kind)
+        rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, compute.BM)
+        traced.add(id(allgather_moe.trace(W, *[inputs[0][a] for a in allgather_moe.arg_names],
+                                          compute=compute, comm=comm)))
+        _check_h(tl.simulate(allgather_moe, W, inputs, seed=2, compute=compute, comm=comm), rt, xs, w1, W)
+    assert len(traced) == 1, "the routing lives in table arguments: one compiled kernel for all of them"
+
+
+def test_allgather_moe_persistent_kernel_with_few_slots():
+    # two resident compute tiles per rank: waits on tokens that arrive late must not starve others
+    W, Ms, K, Nr, E = 4, 3, 8, 8, 3
+    rng = np.random.default_rng(3)
+    ids, _ = random_routing(rng, W * Ms, E, 2, "random")
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, 8)
+    res = tl.simulate(allgather_moe, W, inputs, seed=4, options=tl.SimOptions(compute_slots=2),
+                      compute=_compute(8, 8, 8), comm=tl.CommSchedule(tile_m=8, mode="pull", sms=1))
+    _check_h(res, rt, xs, w1, W)
+
+
+def test_allgather_moe_waits_only_for_the_rows_in_the_tables():
+    # a tile whose token range is cut short reads rows it never waited for: a race
+    W, Ms, K, Nr, E = 3, 4, 8, 8, 2
+    ids = np.zeros((W * Ms, 1), np.int32)                 # one expert, tokens 0..11, BM=16: one tile
+    rng = np.random.default_rng(0)
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, 16)
+    assert rt.tile_tokens[0].tolist() == [0, 12]
+    compute = _compute(16, 8, 8)
+    for comm in (tl.CommSchedule(tile_m=8, mode="pull"), tl.CommSchedule(engine="copy_engine", mode="push")):
+        tl.simulate(allgather_moe, W, inputs, compute=compute, comm=comm)    # the right tables: clean
+        for r in range(W):
+            inputs[r]["tile_tokens"] = np.array([[0, 5]] + [[0, 0]] * (rt.num_tiles - 1), np.int32)
+        with pytest.raises(tl.RaceError, match="x_gathered"):
+            tl.simulate(allgather_moe, W, inputs, compute=compute, comm=comm)
+        for r in range(W):
+            inputs[r]["tile_tokens"] = rt.tile_tokens
+
+
+# -- MoE + ReduceScatter ---------------------------------------------------------------------------
+
+def _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, BM):
+    rt = moe_routing(ids, E, W, Ms, BM)
+    hs = [rng.standard_normal((rt.num_rows, Nr)).astype(F16) for _ in range(W)]
+    w2 = [rng.standard_normal((E, Nr, K)).astype(F16) for _ in range(W)]
+    inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts, out=np.full((Ms, K), np.nan, F16),
+                   **rt.reduce_scatter_tables()) for r in range(W)]
+    return rt, hs, w2, inputs
+
+
+def _check_out(res, rt, hs, w2, wts, W, Ms):
+    want = reference_moe_reduce_scatter(hs, w2, wts, rt)
+    tol = 2e-2 * max(1.0, np.sqrt(W * hs[0].shape[1]) / 4)
+    for r in range(W):
+        np.testing.assert_allclose(res[r]["out"].astype(np.float32), want[r * Ms:(r + 1) * Ms], rtol=2e-2, atol=tol)
+
+
+RS_COMMS = [tl.CommSchedule(tile_m=8, order="ring", mode="push"), tl.CommSchedule(order="ring", mode="pull"),
+            tl.CommSchedule(tile_m=8, order="full_mesh", mode="pull", sms=1),
+            tl.CommSchedule(order="full_mesh", mode="push", sms=3)]
+
+
+@pytest.mark.parametrize("comm", RS_COMMS, ids=str)
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind", [
+    (1, 9, 20, 13, 4, 2, "random"), (3, 7, 20, 13, 5, 2, "random"), (8, 2, 10, 24, 6, 3, "random"),
+    (4, 5, 24, 9, 6, 1, "concentrated")])
+def test_moe_reduce_scatter_matches_numpy(W, Ms, K, Nr, E, topk, kind, comm):
+    rng = np.random.default_rng(W * 13 + K)
+    ids, wts = random_routing(rng, W * Ms, E, topk, kind)
+    compute = _compute(BM=8, BN=8 if K < 16 else 16, BK=8, order="comm_aligned")
+    rt, hs, w2, inputs = _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, compute.BM)
+    res = tl.simulate(moe_reduce_scatter, W, inputs, seed=W, compute=compute, comm=comm)
+    _check_out(res, rt, hs, w2, wts, W, Ms)
+
+
+def test_moe_reduce_scatter_all_tokens_to_one_expert():
+    W, Ms, K, Nr, E = 3, 5, 12, 10, 5
+    rng = np.random.default_rng(8)
+    ids = np.full((W * Ms, 1), 2, np.int32)
+    wts = np.ones((W * Ms, 1), np.float32)
+    rt, hs, w2, inputs = _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, 8)
+    assert (rt.expert_counts > 0).sum() == 1
+    res = tl.simulate(moe_reduce_scatter, W, inputs, seed=0, compute=_compute(8, 16, 8),
+                      comm=tl.CommSchedule(tile_m=8, mode="pull"))
+    _check_out(res, rt, hs, w2, wts, W, Ms)
+
+
+def test_moe_reduce_scatter_combine_waits_for_its_producers():
+    # the producer counts are the combine's wait counts: one too many hangs, one too few races
+    W, Ms, K, Nr, E = 2, 8, 8, 8, 3
+    rng = np.random.default_rng(2)
+    ids, wts = random_routing(rng, W * Ms, E, 2, "random")
+    rt, hs, w2, inputs = _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, 8)
+    kw = dict(compute=_compute(8, 8, 8), comm=tl.CommSchedule(tile_m=8))
+    tl.simulate(moe_reduce_scatter, W, inputs, **kw)
+    j = int(np.argmax(rt.token_tile_producers))
+    assert rt.token_tile_producers[j] >= 2
+    for delta, error in ((1, tl.DeadlockError), (-1, tl.RaceError)):
+        bad = rt.token_tile_producers.copy()
+        bad[j] += delta
+        with pytest.raises(error):
+            tl.simulate(moe_reduce_scatter, W, [dict(i, token_tile_producers=bad) for i in inputs], **kw)
+
+
+# -- the whole layer --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("W,Ms,K,N,E,topk", [(1, 6, 16, 12, 3, 2), (2, 5, 12, 8, 4, 2), (4, 3, 8, 16, 5, 3),
+                                            (8, 1, 16, 8, 6, 2)])
+def test_tensor_parallel_moe_layer_end_to_end(W, Ms, K, N, E, topk):
+    """x -> AllGather+MoE -> activation (elementwise, so it commutes with the N split) ->
+    MoE+ReduceScatter equals the unsplit MoE layer computed from scratch."""
+    rng = np.random.default_rng(W + K)
+    Nr = N // W if N % W == 0 else N
+    xs = [(rng.standard_normal((Ms, K)) / 2).astype(F16) for _ in range(W)]
+    w1 = [(rng.standard_normal((E, K, Nr)) / np.sqrt(K)).astype(F16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, Nr, K)) / np.sqrt(Nr)).astype(F16) for _ in range(W)]
+    ids, wts = random_routing(rng, W * Ms, E, topk, "random")
+    compute = _compute(8, 8, 8)
+    rt, h = simulate_allgather_moe(xs, w1, ids, compute=compute, comm=tl.CommSchedule(tile_m=8, mode="push"))
+
+    def act(v):
+        return np.maximum(v, 0)
+
+    h_act = [act(x.astype(np.float32)).astype(F16) for x in h]
+    out = simulate_moe_reduce_scatter(h_act, w2, wts, rt, compute=compute,
+                                      comm=tl.CommSchedule(tile_m=8, order="ring", mode="pull"))
+    want = reference_moe(xs, w1, w2, ids, wts, activation=act)
+    for r in range(W):
+        np.testing.assert_allclose(out[r].astype(np.float32), want[r * Ms:(r + 1) * Ms], rtol=3e-2, atol=3e-2)
+
+
+# -- bad inputs ---------------------------------------------------------------------------------------
+
+def test_routing_rejects_bad_ids_and_shapes():
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    with pytest.raises(tl.InputError, match=r"topk_ids\[1, 1\] = 3 is not an expert id \(there are 3 experts"):
+        moe_routing(ids, 3, 1, 2, 8)
+    with pytest.raises(tl.InputError, match=r"topk_ids\[0, 0\] = -1 is not an expert id"):
+        moe_routing(np.array([[-1]]), 3, 1, 1, 8)
+    with pytest.raises(tl.InputError, match=r"topk_ids must be \[4, topk\] \(2 ranks x 2 tokens\)"):
+        moe_routing(ids, 4, 2, 2, 8)
+    with pytest.raises(tl.InputError, match="must be integers"):
+        moe_routing(ids.astype(np.float32), 4, 1, 2, 8)
+    with pytest.raises(tl.InputError, match="num_experts must be a positive int"):
+        moe_routing(ids, 0, 1, 2, 8)
+    with pytest.raises(tl.InputError, match="BM must be a positive int"):
+        moe_routing(ids, 4, 1, 2, 0)
+    with pytest.raises(tl.InputError, match=r"topk_ids must be \[2, topk\]"):
+        moe_routing(np.zeros((2, 0), np.int32), 4, 1, 2, 8)
+
+
+def test_simulate_helpers_reject_out_of_range_routing_before_running():
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((3, 8)).astype(F16) for _ in range(2)]
+    w1 = [rng.standard_normal((4, 8, 8)).astype(F16) for _ in range(2)]
+    with pytest.raises(tl.InputError, match="= 4 is not an expert id"):
+        simulate_allgather_moe(xs, w1, np.full((6, 1), 4), compute=_compute())
+    rt = moe_routing(np.zeros((6, 1), np.int32), 4, 2, 3, 8)
+    h = [np.zeros((rt.num_rows, 8), F16)] * 2
+    with pytest.raises(tl.InputError, match="routing was built for BM=8"):
+        simulate_moe_reduce_scatter(h, [np.zeros((4, 8, 8), F16)] * 2, np.ones((6, 1), np.float32), rt,
+                                    compute=_compute(16, 8, 8))
+    with pytest.raises(tl.InputError, match="routing has 4 experts but the w2 slices hold 3"):
+        simulate_moe_reduce_scatter(h, [np.zeros((3, 8, 8), F16)] * 2, np.ones((6, 1), np.float32), rt,
+                                    compute=_compute())
+    with pytest.raises(tl.InputError, match=r"topk_weights must be \[6, 1\]"):
+        simulate_moe_reduce_scatter(h, [np.zeros((4, 8, 8), F16)] * 2, np.ones((6, 2), np.float32), rt,
+                                    compute=_compute())
+
+
+def _ag_case(W=2, Ms=3, K=8, Nr=8, E=3, BM=8):
+    rng = np.random.default_rng(1)
+    ids, _ = random_routing(rng, W * Ms, E, 2, "random")
+    return _allgather_inputs(rng, W, Ms, K, Nr, E, ids, BM)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda i, rt: dict(i, w1=np.zeros((3, 9, 8), F16)), r"w1 is \[3, 9, 8\]: w1's K must be 8"),
+    (lambda i, rt: dict(i, w1=np.zeros((8, 8), F16)), r"w1 must be \[E, K, Nr\]"),
+    (lambda i, rt: dict(i, w1=i["w1"].astype(np.float32)), "x is f16 but w1 is f32"),
+    (lambda i, rt: dict(i, h=np.zeros((rt.num_rows, 9), F16)), r"h must be \[\d+, 8\]"),
+    (lambda i, rt: dict(i, sorted_token_ids=i["sorted_token_ids"][:-8]), r"moe_routing\(\.\.\., BM=8\)"),
+    (lambda i, rt: dict(i, tile_tokens=i["tile_tokens"][:, :1].copy()), r"tile_tokens' must be \[\d+, 2\]"),
+    (lambda i, rt: dict(i, tile_expert=i["tile_expert"].astype(np.float32)), "'tile_expert' must be int32"),
+])
+def test_allgather_moe_rejects_bad_shapes_at_compile_time(change, message):
+    rt, xs, w1, inputs = _ag_case()
+    bad = [change(i, rt) for i in inputs]
+    with pytest.raises(tl.CompilationError, match=message):
+        tl.simulate(allgather_moe, 2, bad, compute=_compute(), comm=tl.CommSchedule(tile_m=8))
+
+
+def test_tables_must_be_int32_arrays():
+    rt, xs, w1, inputs = _ag_case()
+    bad = [dict(i, tile_tokens=i["tile_tokens"].astype(np.int64)) for i in inputs]
+    with pytest.raises(tl.InputError, match="argument 'tile_tokens': unsupported dtype"):
+        tl.simulate(allgather_moe, 2, bad, compute=_compute(), comm=tl.CommSchedule(tile_m=8))
+
+
+def test_allgather_moe_rejects_tables_for_another_block_size():
+    rt, xs, w1, inputs = _ag_case(BM=16)
+    with pytest.raises(tl.CompilationError, match=r"were the tables built with moe_routing\(\.\.\., BM=8\)"):
+        tl.simulate(allgather_moe, 2, inputs, compute=_compute(8, 8, 8), comm=tl.CommSchedule(tile_m=8))
+
+
+def _rs_case(W=2, Ms=3, K=8, Nr=8, E=3, BM=8):
+    rng = np.random.default_rng(1)
+    ids, wts = random_routing(rng, W * Ms, E, 2, "random")
+    return _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, BM)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda i: dict(i, w2=np.zeros((3, 9, 8), F16)), r"w2 is \[3, 9, 8\]: w2's Nr must be 8"),
+    (lambda i: dict(i, out=np.zeros((3, 9), F16)), r"out must be \[3, 8\] \(K of w2\)"),
+    (lambda i: dict(i, out=np.zeros((4, 8), F16)), "topk_weights has 6 tokens but 2 ranks x 4 rows"),
+    (lambda i: dict(i, topk_weights=i["topk_weights"].astype(np.int32)), "topk_weights must be floating"),
+    (lambda i: dict(i, token_pos=i["token_pos"][:-1]), r"token_pos' must be \[12\].*topk=2 x 6 tokens"),
+    (lambda i: dict(i, h=i["h"][:-8]), r"h must have \d+ rows"),
+    (lambda i: dict(i, tile_token_tiles=i["tile_token_tiles"].T.copy()), "tile_token_tiles' must be"),
+    (lambda i: dict(i, token_tile_producers=np.ones(2, np.int32)), r"token_tile_producers' must be \[1\]"),
+])
+def test_moe_reduce_scatter_rejects_bad_shapes_at_compile_time(change, message):
+    rt, hs, w2, inputs = _rs_case()
+    with pytest.raises(tl.CompilationError, match=message):
+        tl.simulate(moe_reduce_scatter, 2, [change(i) for i in inputs], compute=_compute(),
+                    comm=tl.CommSchedule(tile_m=8))
+
+
+def test_moe_reduce_scatter_rejects_the_copy_engine():
+    rt, hs, w2, inputs = _rs_case()
+    with pytest.raises(tl.ScheduleError, match="copy engine"):
+        tl.simulate(moe_reduce_scatter, 2, inputs, compute=_compute(), comm=tl.CommSchedule(engine="copy_engine"))

@@ -1,0 +1,479 @@
+"""The simulator's detectors, each driven by a small purpose-written kernel, plus its
+determinism, schedule independence, the IR printer and the timeline.
+
+Every broken kernel comes with its fixed twin, run under the same seeds, so a detector that
+fires on everything would fail here as surely as one that fires on nothing.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.ops.allgather_gemm import allgather_gemm
+
+SEEDS = range(6)
+F32 = np.float32
+
+
+def _line(fn, text: str) -> int:
+    """The line number (in this file) of the line of ``fn``'s source that contains ``text``."""
+    lines, first = inspect.getsourcelines(fn.fn if isinstance(fn, tl.KernelFunction) else fn)
+    hits = [first + i for i, line in enumerate(lines) if text in line]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
+
+
+def _vec_inputs(W, n=8, **extra):
+    return [dict({"a": np.arange(n, dtype=F32) + 100 * r, "c": np.zeros(n, F32)}, **extra) for r in range(W)]
+
+
+# -- races ---------------------------------------------------------------------------------------
+
+@tl.kernel
+def fetch_then_use(a: tl.Symmetric, c, *, wait: tl.constexpr = True):
+    """The comm part pulls the next rank's ``a`` into ``got``; the compute part doubles it."""
+    W = tl.world_size()
+    n = a.shape[0]
+    got = tl.local_buffer((n,), a.dtype, "got")
+    ready = tl.signal("ready", 1)
+
+    @tl.comm_part(grid=(1,), name="fetch")
+    def fetch(i):
+        tl.tile_pull_data(a.at((tl.rank() + 1) % W), (0,), (n,), got, (0,))
+        tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(1,), name="use")
+    def use(i):
+        if wait:
+            tl.consumer_tile_wait(ready, 0)
+        tl.store(c, (0,), tl.load(got, (0,), (n,)) * 2.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_missing_wait_is_a_race(seed):
+    W = 3
+    inputs = _vec_inputs(W)
+    good = tl.simulate(fetch_then_use, W, inputs, seed=seed)
+    for r in range(W):
+        np.testing.assert_array_equal(good[r]["c"], 2 * inputs[(r + 1) % W]["a"])
+
+    with pytest.raises(tl.RaceError) as info:
+        tl.simulate(fetch_then_use, W, inputs, seed=seed, wait=False)
+    err, msg = info.value, str(info.value)
+    rank = err.details["rank"]
+    pull = f"rank {rank} comm task fetch(0) (tile_pull_data at test_simulator.py:" \
+           f"{_line(fetch_then_use, 'tl.tile_pull_data(')})"
+    load = f"rank {rank} compute task use(0) (load at test_simulator.py:" \
+           f"{_line(fetch_then_use, 'tl.load(got')})"
+    assert msg.startswith(f"race on got of rank {rank} ")
+    assert re.search(r"^  write got\[0:8\] by " + re.escape(pull) + "$", msg, re.M), msg
+    assert re.search(r"^  read  got\[0:8\] by " + re.escape(load) + "$", msg, re.M), msg
+    assert "no notify -> wait chain orders them" in msg
+    assert {err.details["primitive"], err.details["other_primitive"]} == {"tile_pull_data", "load"}
+    assert err.details["buffer"] == "got"
+    assert tuple(map(tuple, err.details["region"])) == ((0,), (8,))
+
+
+def test_race_is_found_whichever_access_ran_first():
+    # vector clocks, not luck: across seeds the scheduler runs the read before the write and
+    # after it, and the race is reported either way
+    orders = set()
+    for seed in range(12):
+        with pytest.raises(tl.RaceError) as info:
+            tl.simulate(fetch_then_use, 3, _vec_inputs(3), seed=seed, wait=False)
+        orders.add("read ran before the write" in str(info.value))
+    assert orders == {True, False}
+
+
+@tl.kernel
+def push_with_scope(a: tl.Symmetric, c, *, scope: tl.constexpr = "sys"):
+    """Each rank pushes ``a`` into the next rank's ``inbox`` and notifies it at ``scope``."""
+    W = tl.world_size()
+    n = a.shape[0]
+    inbox = tl.symmetric_buffer((n,), a.dtype, "inbox")
+    arrived = tl.signal("arrived", 1, scope="symmetric")
+
+    @tl.comm_part(grid=(1,), name="send")
+    def send(i):
+        peer = (tl.rank() + 1) % W
+        tl.tile_push_data(inbox.at(peer), (0,), a, (0,), (n,))
+        tl.peer_tile_notify(arrived, 0, peer, scope=scope)
+
+    @tl.compute_part(grid=(1,), name="recv")
+    def recv(i):
+        tl.peer_tile_wait(arrived, 0)
+        tl.store(c, (0,), tl.load(inbox, (0,), (n,)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpu_scope_release_does_not_order_a_peer(seed):
+    W = 3
+    inputs = _vec_inputs(W)
+    good = tl.simulate(push_with_scope, W, inputs, seed=seed, scope="sys")
+    for r in range(W):
+        np.testing.assert_array_equal(good[r]["c"], inputs[(r - 1) % W]["a"])
+
+    with pytest.raises(tl.RaceError) as info:
+        tl.simulate(push_with_scope, W, inputs, seed=seed, scope="gpu")
+    err, msg = info.value, str(info.value)
+    reader = err.details["rank"]
+    writer = (reader - 1) % W
+    push = f"rank {writer} comm task send(0) (tile_push_data at test_simulator.py:" \
+           f"{_line(push_with_scope, 'tl.tile_push_data(')})"
+    load = f"rank {reader} compute task recv(0) (load at test_simulator.py:" \
+           f"{_line(push_with_scope, 'tl.load(inbox')})"
+    assert msg.startswith(f"race on inbox of rank {reader} "), msg
+    assert re.search(r"^  write inbox\[0:8\] by " + re.escape(push) + "$", msg, re.M), msg
+    assert re.search(r"^  read  inbox\[0:8\] by " + re.escape(load) + "$", msg, re.M), msg
+    assert "too narrow a scope" in msg
+
+
+# -- deadlocks ---------------------------------------------------------------------------------------
+
+@tl.kernel
+def crossed_handshake(a, c):
+    """Each part waits for the other before notifying it: a cycle no static count can see."""
+    to_mover = tl.signal("to_mover", 2)
+    to_math = tl.signal("to_math", 2)
+
+    @tl.comm_part(grid=(1,), name="mover")
+    def mover(i):
+        tl.consumer_tile_wait(to_mover, 1)
+        tl.producer_tile_notify(to_math, 0)
+
+    @tl.compute_part(grid=(1,), name="math")
+    def math(i):
+        tl.consumer_tile_wait(to_math, 0)
+        tl.producer_tile_notify(to_mover, 1)
+        tl.store(c, (0,), tl.load(a, (0,), (8,)))
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_deadlock_names_rank_tile_signal_and_channel(seed):
+    with pytest.raises(tl.DeadlockError) as info:
+        tl.simulate(crossed_handshake, 2, _vec_inputs(2), seed=seed)
+    err, msg = info.value, str(info.value)
+    assert msg.startswith("deadlock in launch 1")
+    for rank in range(2):
+        assert (f"rank {rank} comm task mover(0): consumer_tile_wait on 'to_mover'[1] at "
+                f"test_simulator.py:{_line(crossed_handshake, 'tl.consumer_tile_wait(to_mover')}"
+                " — has 0, needs 1") in msg
+        assert (f"rank {rank} compute task math(0): consumer_tile_wait on 'to_math'[0] at "
+                f"test_simulator.py:{_line(crossed_handshake, 'tl.consumer_tile_wait(to_math')}"
+                " — has 0, needs 1") in msg
+    d = err.details
+    assert (d["rank"], d["tile"], d["primitive"]) == (0, (0,), "consumer_tile_wait")
+    assert (d["signal"], d["channel"]) in {("to_mover", 1), ("to_math", 0)}
+    assert len(d["blocked"]) == 4
+
+
+@tl.kernel
+def later_tile_produces(a, c):
+    """Compute tile 0 consumes what compute tile 1 of the same part produces."""
+    n = a.shape[0]
+    done = tl.signal("done", 1)
+    scratch = tl.local_buffer((n,), a.dtype, "scratch")
+
+    @tl.compute_part(grid=(2,), name="tiles")
+    def tiles(t):
+        with tl.when(t == 0):
+            tl.consumer_tile_wait(done, 0)
+            tl.store(c, (0,), tl.load(scratch, (0,), (n,)) + 1.0)
+        with tl.when(t == 1):
+            tl.store(scratch, (0,), tl.load(a, (0,), (n,)))
+            tl.producer_tile_notify(done, 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_deadlock_only_with_one_compute_slot(seed):
+    W = 2
+    inputs = _vec_inputs(W)
+    for slots in (None, 2):      # every tile resident: tile 1 runs while tile 0 waits
+        res = tl.simulate(later_tile_produces, W, inputs, seed=seed, options=tl.SimOptions(compute_slots=slots))
+        for r in range(W):
+            np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
+    # one resident tile at a time, in tile order: tile 0 holds the only slot, tile 1 never starts
+    with pytest.raises(tl.DeadlockError) as info:
+        tl.simulate(later_tile_produces, W, inputs, seed=seed, options=tl.SimOptions(compute_slots=1))
+    msg = str(info.value)
+    assert "compute task tiles(0): consumer_tile_wait on 'done'[0]" in msg
+    assert "2 task(s) cannot start: every slot of their part is held by a blocked task" in msg
+    assert "compute_slots" in msg
+
+
+# -- stale signals -------------------------------------------------------------------------------------
+
+@tl.kernel
+def staged_handoff(a, c, *, epoch: tl.constexpr = True, notifies: tl.constexpr = 1):
+    """The comm part stages ``a`` and notifies ``notifies`` times; compute waits for one."""
+    n = a.shape[0]
+    ready = tl.signal("ready", 1)
+    staged = tl.local_buffer((n,), a.dtype, "staged")
+
+    @tl.comm_part(grid=(1,), name="stage")
+    def stage(i):
+        tl.store(staged, (0,), tl.load(a, (0,), (n,)))
+        for _ in tl.static_range(notifies):
+            tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(1,), name="use")
+    def use(i):
+        tl.consumer_tile_wait(ready, 0, epoch=epoch)
+        tl.store(c, (0,), tl.load(staged, (0,), (n,)))
+
+
+def _launches(n):
+    return tl.SimOptions(launches=n)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_epoch_counting_keeps_launches_apart(seed):
+    inputs = _vec_inputs(2)
+    res = tl.simulate(staged_handoff, 2, inputs, seed=seed, options=_launches(4))
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"])
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_absolute_wait_is_stale_in_the_second_launch(seed):
+    inputs = _vec_inputs(2)
+    res = tl.simulate(staged_handoff, 2, inputs, seed=seed, epoch=False, options=_launches(1))
+    np.testing.assert_array_equal(res[1]["c"], inputs[1]["a"])
+    with pytest.raises(tl.StaleSignalError) as info:
+        tl.simulate(staged_handoff, 2, inputs, seed=seed, epoch=False, options=_launches(2))
+    msg = str(info.value)
+    line = _line(staged_handoff, "tl.consumer_tile_wait(")
+    assert re.match(rf"rank \d compute task use\(0\) \(consumer_tile_wait at test_simulator.py:{line}\) "
+                    r"was satisfied by a stale signal", msg), msg
+    assert "'ready'[0] already held 1 when launch 2 began, and the wait needs 1" in msg
+    d = info.value.details
+    assert (d["signal"], d["channel"], d["primitive"]) == ("ready", 0, "consumer_tile_wait")
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_over_notifying_is_stale_with_epoch_counting(seed):
+    inputs = _vec_inputs(2)
+    tl.simulate(staged_handoff, 2, inputs, seed=seed, notifies=2, options=_launches(1))
+    with pytest.raises(tl.StaleSignalError) as info:
+        tl.simulate(staged_handoff, 2, inputs, seed=seed, notifies=2, options=_launches(2))
+    assert "'ready'[0] already held 2 when launch 2 began, and the wait needs 2" in str(info.value)
+
+
+# -- uninitialised reads and out-of-bounds ranks -----------------------------------------------------
+
+@tl.kernel
+def read_scratch(a, c, *, fill: tl.constexpr = False):
+    n = a.shape[0]
+    scratch = tl.local_buffer((n,), a.dtype, "scratch")
+
+    @tl.compute_part(grid=(1,), name="use")
+    def use(i):
+        if fill:
+            tl.store(scratch, (0,), tl.load(a, (0,), (n,)))
+        tl.store(c, (0,), tl.load(scratch, (0,), (n,)))
+
+
+def test_uninitialised_workspace_read():
+    inputs = _vec_inputs(2)
+    res = tl.simulate(read_scratch, 2, inputs, fill=True)
+    np.testing.assert_array_equal(res[1]["c"], inputs[1]["a"])
+    with pytest.raises(tl.UninitializedReadError) as info:
+        tl.simulate(read_scratch, 2, inputs)
+    msg = str(info.value)
+    line = _line(read_scratch, "tl.load(scratch")
+    assert re.match(rf"rank (\d) compute task use\(0\) \(load at test_simulator.py:{line}\) reads "
+                    r"scratch\[0:8\] on rank \1, but element \(0,\) was not written", msg), msg
+    assert info.value.details["buffer"] == "scratch"
+
+
+@tl.kernel
+def pull_from_next(a: tl.Symmetric, c, *, wrap: tl.constexpr = True):
+    W = tl.world_size()
+    n = a.shape[0]
+
+    @tl.compute_part(grid=(1,), name="use")
+    def use(i):
+        peer = (tl.rank() + 1) % W if wrap else tl.rank() + 1
+        tl.store(c, (0,), tl.load(a.at(peer), (0,), (n,)))
+
+
+def test_dynamic_rank_outside_the_group():
+    inputs = _vec_inputs(3)
+    res = tl.simulate(pull_from_next, 3, inputs)
+    np.testing.assert_array_equal(res[2]["c"], inputs[0]["a"])
+    with pytest.raises(tl.OutOfBoundsError) as info:
+        tl.simulate(pull_from_next, 3, inputs, wrap=False)
+    msg = str(info.value)
+    line = _line(pull_from_next, "tl.load(a.at(peer)")
+    assert msg == (f"rank 2 compute task use(0) (tile_pull_data at test_simulator.py:{line}): "
+                   "rank 3 is outside the group of 3 ranks")
+
+
+@tl.kernel
+def notify_past_the_end(a, c):
+    ready = tl.signal("ready", 2)
+
+    @tl.comm_part(grid=(3,), name="stage")
+    def stage(t):
+        tl.producer_tile_notify(ready, t)     # t = 2 is past the signal's last slot
+
+    @tl.compute_part(grid=(2,), name="use")
+    def use(t):
+        tl.consumer_tile_wait(ready, t)
+        tl.store(c, (0,), tl.load(a, (0,), (8,)))
+
+
+def test_dynamic_channel_outside_the_signal():
+    with pytest.raises(tl.OutOfBoundsError) as info:
+        tl.simulate(notify_past_the_end, 1, _vec_inputs(1))
+    assert "comm task stage(2) (producer_tile_notify at test_simulator.py:" in str(info.value)
+    assert "channel 2 is outside signal 'ready' (2 slots)" in str(info.value)
+
+
+# -- determinism and exploration ------------------------------------------------------------------------
+
+def _ag_case(W=3, Ms=20, K=24, N=20, seed=0):
+    """Integer-valued f16 inputs: every product and sum is exact, so any two correct runs agree bit for bit."""
+    rng = np.random.default_rng(seed)
+    shards = [rng.integers(-3, 4, (Ms, K)).astype(np.float16) for _ in range(W)]
+    b = rng.integers(-3, 4, (K, N)).astype(np.float16)
+    inputs = [{"a": s, "b": b, "c": np.full((W * Ms, N), np.nan, np.float16)} for s in shards]
+    ref = (np.concatenate(shards).astype(np.float64) @ b.astype(np.float64)).astype(np.float16)
+    return inputs, ref
+
+
+AG_SCHED = dict(compute=tl.ComputeSchedule(tile=(16, 16, 8)), comm=tl.CommSchedule(tile_m=8))
+
+
+def test_same_seed_same_event_log():
+    inputs, _ = _ag_case()
+    a = tl.simulate(allgather_gemm, 3, inputs, seed=11, **AG_SCHED)
+    b = tl.simulate(allgather_gemm, 3, inputs, seed=11, **AG_SCHED)
+    assert len(a.events) > 50
+    assert a.events == b.events and a.steps == b.steps
+    assert a.timeline() == b.timeline()
+
+
+def test_different_seeds_explore_different_orders():
+    inputs, ref = _ag_case()
+    logs = []
+    for seed in range(6):
+        res = tl.simulate(allgather_gemm, 3, inputs, seed=seed, **AG_SCHED)
+        for r in range(3):
+            np.testing.assert_array_equal(res[r]["c"], ref)
+        # the order in which tasks ran (steps and task identities), not just the step counts
+        logs.append(tuple((e[2], e[3], e[5], e[6]) for e in res.events))
+    assert len(set(logs)) == len(logs)
+
+
+# -- schedules change how, never what ----------------------------------------------------------------
+
+COMPUTE_SCHEDULES = [
+    tl.ComputeSchedule(tile=(16, 16, 8)),
+    tl.ComputeSchedule(tile=(8, 32, 16), order="swizzled", group_m=2),
+    tl.ComputeSchedule(tile=(32, 8, 32), order="comm_aligned"),
+]
+COMM_SCHEDULES = [
+    tl.CommSchedule(tile_m=8),
+    tl.CommSchedule(tile_m=16, order="full_mesh", mode="push", sms=3),
+    tl.CommSchedule(tile_m=32, mode="pull", sms=1),
+    tl.CommSchedule(engine="copy_engine", mode="pull"),
+    tl.CommSchedule(engine="copy_engine", mode="push", order="full_mesh"),
+]
+
+
+def test_allgather_gemm_outputs_do_not_depend_on_the_schedule():
+    inputs, ref = _ag_case()
+    seen = set()
+    for i, compute in enumerate(COMPUTE_SCHEDULES):
+        for j, comm in enumerate(COMM_SCHEDULES):
+            res = tl.simulate(allgather_gemm, 3, inputs, seed=i * 10 + j, compute=compute, comm=comm)
+            for r in range(3):
+                np.testing.assert_array_equal(res[r]["c"], ref, err_msg=f"{compute} {comm} rank {r}")
+            seen.add(tuple((e[2], e[3], e[5]) for e in res.events if e[6] == "start"))
+    # the schedules really ran differently
+    assert len(seen) == len(COMPUTE_SCHEDULES) * len(COMM_SCHEDULES)
+
+
+# -- the IR printer -----------------------------------------------------------------------------------------
+
+def test_printed_ir_names_parts_schedules_buffers_and_lines():
+    ir = fetch_then_use.trace(2, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32), wait=True)
+    text = str(ir)
+    assert text.splitlines()[0] == "kernel @fetch_then_use  world_size=2"
+    assert "constexprs wait=True" in text
+    assert "  arg       %a : tensor<8xf32, symmetric>" in text
+    assert "  arg       %c : tensor<8xf32, global>" in text
+    assert "  workspace %got : tensor<8xf32, global>" in text
+    assert "  signal    %ready : signal<1, local>" in text
+    assert "  comm part @fetch grid=(1,) engine=sm" in text and "// communication" in text
+    assert "  compute part @use grid=(1,) engine=sm {  // computation" in text
+    pull = _line(fetch_then_use, "tl.tile_pull_data(")
+    wait = _line(fetch_then_use, "tl.consumer_tile_wait(")
+    assert re.search(rf"^    tile_pull_data .*%a, .*%got, .*  // test_simulator\.py:{pull}$", text, re.M), text
+    assert re.search(rf"^    consumer_tile_wait {{epoch=True}} %ready, 0, 1  // test_simulator\.py:{wait}$",
+                     text, re.M), text
+    # the comm part comes before the compute part, as declared
+    assert text.index("@fetch") < text.index("@use")
+
+
+def test_printed_ir_shows_schedules():
+    inputs, _ = _ag_case()
+    ir = allgather_gemm.trace(3, *(inputs[0][k] for k in ("a", "b", "c")),
+                              compute=tl.ComputeSchedule(tile=(16, 16, 8), order="swizzled"),
+                              comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh"))
+    text = str(ir)
+    assert "  compute schedule: tile=(16, 16, 8) order=swizzled" in text
+    assert "  comm schedule:    tile_m=8 order=full_mesh mode=push engine=sm" in text
+    assert "  workspace %a_gathered : tensor<60x24xf16, symmetric>" in text
+    assert re.search(r"^  comm part @\w+ grid=\(3, 3\) engine=sm lanes=2 \{  // communication$", text, re.M)
+    assert re.search(r"^  compute part @gemm grid=\(4, 2\) engine=sm \{  // computation$", text, re.M)
+    assert "// allgather_gemm.py:" in text
+
+
+# -- the timeline --------------------------------------------------------------------------------------------
+
+@tl.kernel
+def slow_producer(a: tl.Symmetric, c):
+    """The comm part copies ``a`` one element per step; the consumer waits for all of it."""
+    n = a.shape[0]
+    staged = tl.local_buffer((n,), a.dtype, "staged")
+    ready = tl.signal("ready", 1)
+
+    @tl.comm_part(grid=(1,), name="slow")
+    def slow(i):
+        for k in tl.range(0, n):
+            tl.tile_pull_data(a.at(tl.rank()), (k,), (1,), staged, (k,))
+        tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(1,), name="consumer")
+    def consumer(i):
+        tl.consumer_tile_wait(ready, 0)
+        tl.store(c, (0,), tl.load(staged, (0,), (n,)))
+
+
+def test_timeline_shows_a_blocked_consumer():
+    inputs = _vec_inputs(1, n=40)
+    res = tl.simulate(slow_producer, 1, inputs, seed=0)
+    np.testing.assert_array_equal(res[0]["c"], inputs[0]["a"])
+    kinds = [e[6] for e in res.events if e[3] == "consumer"]
+    assert kinds == ["start", "block", "resume", "end"]
+    rows = {line.split("|")[0].split()[-1]: line.split("|")[1] for line in res.timeline().splitlines()[1:]}
+    assert set(rows) == {"slow", "consumer"}
+    # the consumer runs briefly, is blocked while the producer copies, then finishes
+    assert re.fullmatch(r"#+~{40,}#+\.*", rows["consumer"]), rows["consumer"]
+    assert re.fullmatch(r"#+\.*", rows["slow"]), rows["slow"]
+    assert len(rows["consumer"]) == 64
+
+
+def test_timeline_without_waits_shows_no_blocking():
+    res = tl.simulate(read_scratch, 2, _vec_inputs(2), seed=0, fill=True)
+    assert all(e[6] in ("start", "end") for e in res.events)
+    timeline = res.timeline(width=32)
+    rows = timeline.splitlines()[1:]
+    assert len(rows) == 2 and all(re.fullmatch(r"#+\.*", line.split("|")[1]) for line in rows), timeline
+    assert all(len(line.split("|")[1]) == 32 for line in rows)

@@ -1,0 +1,68 @@
+"""Every notebook in tutorials/ runs top to bottom without a cell error.
+
+Notebooks are executed with nbclient on the ``python3`` kernel, in ``tutorials/``. The kernel
+is ipykernel's own ``python3`` spec, which runs this interpreter (``sys.executable``), where
+tldsl is installed (editable) in CI; a ``python3`` kernelspec installed elsewhere on the
+machine (pointing at another Python) is not consulted. The kernel's ``PYTHONPATH`` also gets
+the repository root, so a plain checkout run as ``PYTHONPATH=. pytest`` works too (a relative
+``.`` would point into ``tutorials/`` once the kernel runs there).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+import tldsl
+
+ROOT = Path(__file__).resolve().parent.parent
+TUTORIALS = ROOT / "tutorials"
+NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
+
+
+def _kernel_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(ROOT)] + [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    return env
+
+
+def test_there_are_tutorials():
+    assert any(p.name == "01_allgather_gemm.ipynb" for p in NOTEBOOKS), NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    # tutorials are committed clean: outputs come from running them, not from the file
+    stale = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not stale, f"{path.name}: clear the outputs of code cells {stale} before committing"
+
+    # one extra cell, in memory only: which interpreter and which tldsl the kernel used
+    nb.cells.append(nbformat.v4.new_code_cell("import sys, tldsl; print(sys.executable); print(tldsl.__file__)"))
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
+    client = NotebookClient(nb, km=km, kernel_name="python3", timeout=120,
+                            resources={"metadata": {"path": str(TUTORIALS)}})
+    try:
+        client.execute(env=_kernel_env())
+    except CellExecutionError as e:
+        pytest.fail(f"{path.name} failed:\n{e}", pytrace=False)
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code)
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    executable, package = "".join(o.get("text", "") for o in code[-1].outputs).split()
+    assert os.path.realpath(executable) == os.path.realpath(sys.executable)
+    assert package == tldsl.__file__

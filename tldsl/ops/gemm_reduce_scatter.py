@@ -1,0 +1,105 @@
+"""GEMM + ReduceScatter: ``out = reduce_scatter(A @ B, dim=0)`` (the second GEMM of a
+tensor-parallel MLP, row-parallel over K). Every rank multiplies its own K slice,
+``A_r [M, Kr] @ B_r [Kr, N]``, into an fp32 partial; rank ``r`` ends with rows
+``[r*M/W, (r+1)*M/W)`` of the sum of all ranks' partials. The communication part starts
+reducing a segment as soon as the compute tiles that cover it are stored, so the
+reduce-scatter overlaps the GEMM.
+
+Precision: partial sums are accumulated in fp32 and stay fp32 in the workspace and on the
+ring (twice the traffic of fp16, but the sum over W ranks is not rounded at every hop);
+only the final ``out`` store converts to the output dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import tldsl as tl
+from tldsl.collectives import reduce_scatter
+
+
+@tl.kernel
+def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
+                        comm: tl.CommSchedule = None):
+    """a: [M, Kr] (this rank's K slice); b: [Kr, N]; out: [M/W, N] = this rank's rows of sum_r a_r @ b_r."""
+    W = tl.world_size()
+    M, K = a.shape
+    Kb, N = b.shape
+    tl.static_assert(M % W == 0, f"gemm_reduce_scatter: A has {M} rows, which {W} ranks cannot split evenly "
+                                 f"(M must be divisible by the world size)")
+    tl.static_assert(K == Kb, f"gemm_reduce_scatter: A is [{M}, {K}] but B is [{Kb}, {N}] (inner dimensions differ)")
+    tl.static_assert(tuple(out.shape) == (M // W, N),
+                     f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
+    BM, BN, BK = compute.tile
+
+    partial = tl.local_buffer((M, N), tl.float32, "partial")
+    rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
+                        producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift)
+    def gemm(pm, pn):
+        r0, c0 = pm * BM, pn * BN
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
+        tl.store(partial, (r0, c0), acc)
+        rs.notify_rows(r0, tl.minimum(r0 + BM, M))
+
+
+def reference(a_slices, b_slices):
+    """numpy: the full reduced product sum_r a_r @ b_r (fp32); rank r's out is rows r*M/W:(r+1)*M/W."""
+    return sum(np.asarray(a, np.float32) @ np.asarray(b, np.float32) for a, b in zip(a_slices, b_slices))
+
+
+# -- registration for the tests ------------------------------------------------------------
+
+def make_case(rng, world_size, *, rows_per_rank, n, k_per_rank, compute, comm, dtype="float16"):
+    from tldsl.testing import OpCase
+    W, Ms = world_size, rows_per_rank
+    M = W * Ms
+    a = [rng.standard_normal((M, k_per_rank)).astype(dtype) for _ in range(W)]
+    b = [rng.standard_normal((k_per_rank, n)).astype(dtype) for _ in range(W)]
+    inputs = [{"a": a[r], "b": b[r], "out": np.full((Ms, n), np.nan, dtype)} for r in range(W)]
+    ref = reference(a, b)
+    expected = [{"out": ref[r * Ms:(r + 1) * Ms]} for r in range(W)]
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+                  rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(W * k_per_rank) / 4),
+                  description=f"gemm_reduce_scatter W={W} A=[{M}, {k_per_rank}] B=[{k_per_rank}, {n}] "
+                              f"{compute} {comm}")
+
+
+def _params(world_size):
+    from hypothesis import strategies as st
+    from tldsl.testing import strategies as tst
+
+    # the work grows with W * M = W^2 * rows_per_rank: keep the largest draws at W=8 (8x8x8
+    # tiles) well under half a second of simulation
+    max_rows = min(24, 72 // world_size)
+    max_nk = 40 if world_size <= 4 else 24
+
+    @st.composite
+    def params(draw):
+        compute = draw(tst.compute_schedules())
+        comm = draw(tst.comm_schedules(engines=("sm",), compute=compute))
+        return dict(rows_per_rank=draw(tst.dims(1, max_rows)), n=draw(tst.dims(1, max_nk)),
+                    k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm)
+    return params()
+
+
+def _mutant_params():
+    # rows_per_rank is a multiple of BM: no compute tile spans two segments, so every wait on a
+    # segment guards tiles that no earlier wait of the same task has already ordered (where a
+    # compute tile does span two segments, the second wait on it is legitimately redundant).
+    # tile_m=16 over 24-row segments gives a short last tile (the masked load_rows path).
+    c = tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned")
+    base = dict(n=24, k_per_rank=20, compute=c)
+    return [dict(base, world_size=3, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="ring", mode="push")),
+            dict(base, world_size=4, rows_per_rank=16, comm=tl.CommSchedule(tile_m=None, order="ring", mode="pull")),
+            dict(base, world_size=3, rows_per_rank=16, comm=tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
+            dict(base, world_size=4, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull"))]
+
+
+from tldsl.ops import register  # noqa: E402
+from tldsl.testing import OpSpec  # noqa: E402
+
+SPEC = register(OpSpec("gemm_reduce_scatter", gemm_reduce_scatter, make_case, _params, _mutant_params(),
+                       doc="out = reduce_scatter(A @ B) over the K-parallel ranks"))

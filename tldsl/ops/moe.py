@@ -1,0 +1,554 @@
+"""Tensor-parallel MoE with run-time (dynamic) mappings: AllGather+MoE and MoE+ReduceScatter.
+
+Setting (TileLink's TP MoE). Tokens are sharded by rank: ``x`` is ``[Ms, K]`` on every rank
+(symmetric), ``T = W * Ms`` tokens in all, token ``t`` on rank ``t // Ms``. Every rank holds
+all ``E`` experts, but only its ``1/W`` slice of the intermediate dimension:
+``w1 [E, K, Nr]`` and ``w2 [E, Nr, K]``. The routing (``topk_ids [T, topk]``, distinct
+experts per token, and ``topk_weights [T, topk]``) is global and the same on every rank.
+
+* ``allgather_moe``: all-gather the token shards (any communication schedule of
+  :func:`~tldsl.collectives.all_gather`), gather each routed ``(token, k)`` row by expert and
+  run a grouped GEMM with this rank's ``w1`` slice: ``h [R_pad, Nr]`` in expert-sorted order.
+* ``moe_reduce_scatter``: grouped GEMM ``h @ w2[expert]`` into a workspace, the top-k
+  weighted combine per token into a partial ``[T, K]``, then a reduce-scatter, so rank ``r``
+  gets ``out [Ms, K]`` = the MoE output of its own tokens, summed over the ranks' slices.
+
+**Expert-sorted order.** The routed rows ``(t, k)`` are sorted by expert (stable, so inside
+an expert tokens increase), and each expert's rows are padded up to a multiple of ``BM``
+(the compute tile's rows): row tile ``i`` covers sorted rows ``[i*BM, (i+1)*BM)``, all of one
+expert. Tiles after the last expert's are unused. Their number is static for given sizes:
+:func:`moe_num_tiles` bounds it by the worst case over all routings, so one compiled kernel
+serves every routing with the same sizes. :func:`moe_routing` fills the tables (the
+dynamic mapping) on the host; padding rows and unused tiles of ``h`` hold zeros.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+import tldsl as tl
+from tldsl.collectives import all_gather, reduce_scatter
+from tldsl.errors import InputError
+
+
+# -- host side: the routing tables -----------------------------------------------------------
+
+def moe_num_tiles(num_routed_rows: int, num_experts: int, BM: int) -> int:
+    """Worst-case number of ``BM``-row tiles of the expert-sorted rows, over every routing of
+    ``num_routed_rows`` rows (``T * topk``) to ``num_experts`` experts. An expert with ``c``
+    rows fills ``ceil(c / BM)`` tiles, so the total is at most
+    ``(rows + E * (BM - 1)) // BM``, and never more than one tile per row."""
+    return max(1, min(num_routed_rows, (num_routed_rows + num_experts * (BM - 1)) // BM))
+
+
+@dataclass(frozen=True, eq=False)
+class MoERouting:
+    """The run-time tables of one routing (all int32; ``NT`` = :attr:`num_tiles`,
+    ``R_pad = NT * BM``, ``TT = ceil(T / BM)`` token tiles of ``BM`` tokens).
+
+    ``sorted_token_ids [R_pad]``
+        token of every expert-sorted row, -1 for padding (the grouped GEMM gathers these).
+    ``tile_expert [NT]``
+        expert of row tile ``i``, -1 for an unused tile.
+    ``tile_valid_rows [NT]``
+        routed (non-padding) rows in tile ``i``; they come first in the tile.
+    ``tile_tokens [NT, 2]``
+        ``[min token, max token + 1)`` of tile ``i`` (``[0, 0)`` when unused): the rows of the
+        gathered tokens it reads, so it waits only for the communication tiles holding them.
+    ``tile_ranks [NT, 2]``
+        ``[first, last + 1)`` source rank of those tokens (``[0, 0)`` when unused).
+    ``token_pos [topk * T]``
+        sorted row of ``(t, k)`` at ``k * T + t`` (k-major, so one ``k`` of a token tile is
+        contiguous): where the combine finds token ``t``'s ``k``-th expert output.
+    ``tile_token_tiles [NT, min(BM, TT)]``
+        the token tiles (``token // BM``) whose tokens row tile ``i`` holds, ascending,
+        -1 padded: the combine channels its GEMM tiles notify.
+    ``tile_num_token_tiles [NT]``
+        how many entries of ``tile_token_tiles[i]`` are used (0 for an unused tile).
+    ``token_tile_producers [TT]``
+        how many row tiles hold tokens of token tile ``j`` (the combine's wait count).
+    """
+    num_experts: int
+    world_size: int
+    rows_per_rank: int
+    topk: int
+    block_m: int
+    expert_counts: np.ndarray
+    sorted_token_ids: np.ndarray
+    tile_expert: np.ndarray
+    tile_valid_rows: np.ndarray
+    tile_tokens: np.ndarray
+    tile_ranks: np.ndarray
+    token_pos: np.ndarray
+    tile_token_tiles: np.ndarray
+    tile_num_token_tiles: np.ndarray
+    token_tile_producers: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return self.world_size * self.rows_per_rank
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_expert.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """``R_pad``: rows of ``h`` (expert-sorted, padded)."""
+        return self.num_tiles * self.block_m
+
+    @property
+    def row_of(self) -> np.ndarray:
+        """``[T, topk]``: the sorted row of token ``t``'s ``k``-th routed copy."""
+        return self.token_pos.reshape(self.topk, self.num_tokens).T.copy()
+
+    def allgather_tables(self) -> dict[str, np.ndarray]:
+        """The table arguments of :func:`allgather_moe`."""
+        return {"tile_expert": self.tile_expert, "tile_tokens": self.tile_tokens,
+                "sorted_token_ids": self.sorted_token_ids}
+
+    def reduce_scatter_tables(self) -> dict[str, np.ndarray]:
+        """The table arguments of :func:`moe_reduce_scatter`."""
+        return {"tile_expert": self.tile_expert, "token_pos": self.token_pos,
+                "tile_token_tiles": self.tile_token_tiles, "tile_num_token_tiles": self.tile_num_token_tiles,
+                "token_tile_producers": self.token_tile_producers}
+
+
+def _positive_int(name, v):
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+        raise InputError(f"moe_routing: {name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int, BM: int) -> MoERouting:
+    """Sort the routed rows by expert and fill the dynamic mapping's tables (see
+    :class:`MoERouting`).
+
+    ``topk_ids [W * rows_per_rank, topk]``: the experts of every token (global, identical on
+    every rank); ``BM``: the compute tile's rows (``compute.tile[0]``) of the kernels that use
+    the tables. Raises :class:`~tldsl.InputError` on ids outside ``[0, num_experts)`` or a
+    shape that does not fit."""
+    E = _positive_int("num_experts", num_experts)
+    W = _positive_int("world_size", world_size)
+    Ms = _positive_int("rows_per_rank", rows_per_rank)
+    BM = _positive_int("BM", BM)
+    ids = np.asarray(topk_ids)
+    T = W * Ms
+    if ids.ndim != 2 or ids.shape[0] != T or ids.shape[1] < 1:
+        raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), "
+                         f"got shape {list(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"moe_routing: topk_ids must be integers, got {ids.dtype}")
+    bad = (ids < 0) | (ids >= E)
+    if bad.any():
+        t, k = (int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"moe_routing: topk_ids[{t}, {k}] = {int(ids[t, k])} is not an expert id "
+                         f"(there are {E} experts: 0..{E - 1})")
+    topk = ids.shape[1]
+    if T * topk + E * BM >= 2**31:
+        raise InputError("moe_routing: too many routed rows for 32-bit tables")
+    flat = ids.reshape(-1).astype(np.int64)                    # routed row p = t * topk + k
+    order = np.argsort(flat, kind="stable")                    # expert-major, then token
+    counts = np.bincount(flat, minlength=E)
+    NT = moe_num_tiles(T * topk, E, BM)
+    TT = -(-T // BM)
+    width = min(BM, TT)
+    sorted_tok = np.full(NT * BM, -1, np.int32)
+    tile_expert = np.full(NT, -1, np.int32)
+    tile_valid = np.zeros(NT, np.int32)
+    tile_tokens = np.zeros((NT, 2), np.int32)
+    tile_ranks = np.zeros((NT, 2), np.int32)
+    token_pos = np.full(topk * T, -1, np.int32)
+    tile_tt = np.full((NT, width), -1, np.int32)
+    tile_ntt = np.zeros(NT, np.int32)
+    producers = np.zeros(TT, np.int32)
+    tile, start = 0, 0
+    for e in range(E):
+        rows = order[start:start + counts[e]]
+        start += counts[e]
+        for c0 in range(0, rows.size, BM):
+            chunk = rows[c0:c0 + BM]
+            tok, k = chunk // topk, chunk % topk
+            r0 = tile * BM
+            sorted_tok[r0:r0 + chunk.size] = tok
+            token_pos[k * T + tok] = r0 + np.arange(chunk.size)
+            tile_expert[tile] = e
+            tile_valid[tile] = chunk.size
+            tile_tokens[tile] = (tok.min(), tok.max() + 1)
+            tile_ranks[tile] = (tok.min() // Ms, tok.max() // Ms + 1)
+            tts = np.unique(tok // BM)
+            tile_tt[tile, :tts.size] = tts
+            tile_ntt[tile] = tts.size
+            producers[tts] += 1
+            tile += 1
+    assert tile <= NT and (token_pos >= 0).all()
+    return MoERouting(E, W, Ms, topk, BM, counts.astype(np.int32), sorted_tok, tile_expert, tile_valid,
+                      tile_tokens, tile_ranks, token_pos, tile_tt, tile_ntt, producers)
+
+
+# -- the kernels ----------------------------------------------------------------------------------
+
+def _expert_box(w, expert, r0, c0, rows: int, cols: int):
+    """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix ``w[expert]`` at
+    ``(r0, c0)`` (out of bounds reads zero): a ``[1, rows, cols]`` box, unit axis dropped."""
+    return tl.sum(tl.load(w, (expert, r0, c0), (1, rows, cols)), 0)
+
+
+def _check_table(t, shape, what, hint=""):
+    tl.static_assert(t.dtype == tl.int32, f"{what}: table '{t.name}' must be int32, got {t.dtype}")
+    tl.static_assert(tuple(t.shape) == tuple(shape),
+                     f"{what}: table '{t.name}' must be {list(shape)}, got {list(t.shape)}{hint}")
+
+
+@tl.kernel
+def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_ids, h, *,
+                  compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+    """x: [Ms, K] token shard (symmetric); w1: [E, K, Nr] (this rank's slice of every expert);
+    tables from :func:`moe_routing` (``allgather_tables()``); h: [R_pad, Nr] =
+    ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order."""
+    W = tl.world_size()
+    Ms, K = x.shape
+    BM, BN, BK = compute.tile
+    tl.static_assert(len(w1.shape) == 3, f"allgather_moe: w1 must be [E, K, Nr], got {list(w1.shape)}")
+    E, Kw, Nr = w1.shape
+    tl.static_assert(Kw == K, f"allgather_moe: the token shard x is [{Ms}, {K}] but w1 is "
+                              f"[{E}, {Kw}, {Nr}]: w1's K must be {K}")
+    tl.static_assert(w1.dtype == x.dtype, f"allgather_moe: x is {x.dtype} but w1 is {w1.dtype}")
+    tl.static_assert(len(tile_expert.shape) == 1,
+                     f"allgather_moe: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
+    NT = tile_expert.shape[0]
+    _check_table(tile_expert, (NT,), "allgather_moe")
+    _check_table(tile_tokens, (NT, 2), "allgather_moe")
+    _check_table(sorted_token_ids, (NT * BM,), "allgather_moe",
+                 f" ({NT} tiles of BM={BM} rows: were the tables built with moe_routing(..., BM={BM})?)")
+    tl.static_assert(tuple(h.shape) == (NT * BM, Nr),
+                     f"allgather_moe: h must be [{NT * BM}, {Nr}] ({NT} tiles of BM={BM} sorted rows, "
+                     f"Nr={Nr}), got {list(h.shape)}")
+    T = W * Ms
+
+    x_full = tl.symmetric_buffer((T, K), x.dtype, "x_gathered")
+    gathered = all_gather(x, x_full, comm, name="gather_x")
+    tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, tokens=tile_tokens)
+
+    @tl.compute_part(grid=(NT, tl.cdiv(Nr, BN)))
+    def grouped_gemm(i, pn):
+        r0, c0 = i * BM, pn * BN
+        expert = tiles["expert", i]
+        acc = tl.fragment((BM, BN), tl.float32)
+        with tl.when(expert >= 0):
+            # tokens of one expert tile increase: waiting on their row range covers them all
+            gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])
+            rows = tl.load(sorted_token_ids, (r0,), (BM,))
+            for k in tl.range(0, K, BK):
+                acc += tl.dot(tl.load_rows(x_full, rows, k, BK), _expert_box(w1, expert, k, c0, BK, BN))
+        tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
+
+
+@tl.kernel
+def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_tiles, tile_num_token_tiles,
+                       token_tile_producers, out, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+    """h: [R_pad, Nr] expert-sorted rows (this rank's slice of the intermediate activations);
+    w2: [E, Nr, K] (this rank's slice); topk_weights: [T, topk] (float, global); tables from
+    :func:`moe_routing` (``reduce_scatter_tables()``); out: [Ms, K] = for this rank's tokens,
+    sum over ranks and k of ``topk_weights[t, k] * (h @ w2[expert])[row of (t, k)]``.
+
+    Three stages, linked by tile-granular signals: the grouped GEMM writes ``y_sorted``; the
+    combine task of token tile ``j`` (``BM`` tokens) and column tile ``pn`` waits on channel
+    ``(j, pn)`` for exactly the GEMM tiles holding its tokens (their number is a table
+    entry, each of them notifies the channels of the token tiles it touches), gathers every
+    token's ``topk`` rows, weights and sums them into the fp32 ``partial [T, K]``, and hands
+    its rows to the reduce-scatter (an SM ring or a direct full mesh)."""
+    W = tl.world_size()
+    BM, BN, BK = compute.tile
+    tl.static_assert(len(h.shape) == 2, f"moe_reduce_scatter: h must be [R_pad, Nr], got {list(h.shape)}")
+    tl.static_assert(len(w2.shape) == 3, f"moe_reduce_scatter: w2 must be [E, Nr, K], got {list(w2.shape)}")
+    tl.static_assert(len(topk_weights.shape) == 2,
+                     f"moe_reduce_scatter: topk_weights must be [T, topk], got {list(topk_weights.shape)}")
+    tl.static_assert(len(out.shape) == 2, f"moe_reduce_scatter: out must be [Ms, K], got {list(out.shape)}")
+    R, Nr = h.shape
+    E, Nw, K = w2.shape
+    T, topk = topk_weights.shape
+    Ms = out.shape[0]
+    tl.static_assert(Nw == Nr, f"moe_reduce_scatter: h is [{R}, {Nr}] but w2 is [{E}, {Nw}, {K}]: "
+                               f"w2's Nr must be {Nr}")
+    tl.static_assert(w2.dtype == h.dtype, f"moe_reduce_scatter: h is {h.dtype} but w2 is {w2.dtype}")
+    tl.static_assert(topk_weights.dtype.is_float,
+                     f"moe_reduce_scatter: topk_weights must be floating point, got {topk_weights.dtype}")
+    tl.static_assert(T == W * Ms, f"moe_reduce_scatter: topk_weights has {T} tokens but {W} ranks x "
+                                  f"{Ms} rows of out make {W * Ms}")
+    tl.static_assert(tuple(out.shape) == (Ms, K), f"moe_reduce_scatter: out must be [{Ms}, {K}] "
+                                                  f"(K of w2), got {list(out.shape)}")
+    tl.static_assert(len(tile_expert.shape) == 1,
+                     f"moe_reduce_scatter: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
+    NT = tile_expert.shape[0]
+    TT = tl.cdiv(T, BM)                      # token tiles: the combine's rows
+    NC = tl.cdiv(K, BN)
+    tl.static_assert(R == NT * BM, f"moe_reduce_scatter: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
+                                   f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
+    _check_table(tile_expert, (NT,), "moe_reduce_scatter")
+    _check_table(token_pos, (topk * T,), "moe_reduce_scatter", f" (topk={topk} x {T} tokens)")
+    _check_table(tile_token_tiles, (NT, min(BM, TT)), "moe_reduce_scatter",
+                 f" ({NT} tiles x min(BM={BM}, {TT} token tiles))")
+    _check_table(tile_num_token_tiles, (NT,), "moe_reduce_scatter")
+    _check_table(token_tile_producers, (TT,), "moe_reduce_scatter", f" ({T} tokens in tiles of BM={BM})")
+
+    y = tl.local_buffer((R, K), tl.float32, "y_sorted")
+    partial = tl.local_buffer((T, K), tl.float32, "partial")
+    y_ready = tl.signal("y_ready", TT * NC, scope="local")
+    rs = reduce_scatter(partial, out, comm, name="reduce_scatter", producer_rows=BM, producers_per_row=NC)
+    gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, token_tiles=tile_token_tiles,
+                                   num_token_tiles=tile_num_token_tiles)
+    token_tiles = tl.DynamicMapping("token_tiles", TT, producers=token_tile_producers)
+
+    @tl.compute_part(grid=(NT, NC))
+    def grouped_gemm(i, pn):
+        r0, c0 = i * BM, pn * BN
+        expert = gemm_tiles["expert", i]
+        with tl.when(expert >= 0):
+            acc = tl.fragment((BM, BN), tl.float32)
+            for k in tl.range(0, Nr, BK):
+                acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
+            tl.store(y, (r0, c0), acc)
+            for s in tl.range(0, gemm_tiles["num_token_tiles", i]):
+                tl.producer_tile_notify(y_ready, gemm_tiles["token_tiles", i, s] * NC + pn)
+
+    @tl.compute_part(grid=(TT, NC), align_shift=rs.align_shift)
+    def combine(j, pn):
+        m0, c0 = j * BM, pn * BN
+        tl.consumer_tile_wait(y_ready, j * NC + pn, count=token_tiles["producers", j])
+        in_range = tl.iota(BM) + m0 < T          # the last token tile may be short
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, topk):
+            rows = tl.where(in_range, tl.load(token_pos, (k * T + m0,), (BM,)), -1)
+            acc += tl.load_rows(y, rows, c0, BN) * tl.load(topk_weights, (m0, k), (BM, 1))
+        tl.store(partial, (m0, c0), acc)
+        rs.notify_rows(m0, tl.minimum(m0 + BM, T))
+
+
+# -- numpy references ---------------------------------------------------------------------------------
+
+def reference_allgather_moe(x_shards, w1, routing: MoERouting):
+    """numpy: one rank's ``h [R_pad, Nr]`` (fp32) for its ``w1`` slice."""
+    x = np.concatenate([np.asarray(s, np.float32) for s in x_shards], axis=0)
+    w1 = np.asarray(w1, np.float32)
+    h = np.zeros((routing.num_rows, w1.shape[2]), np.float32)
+    for i, e in enumerate(routing.tile_expert):
+        if e < 0:
+            continue
+        rows = slice(i * routing.block_m, i * routing.block_m + routing.tile_valid_rows[i])
+        h[rows] = x[routing.sorted_token_ids[rows]] @ w1[e]
+    return h
+
+
+def reference_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoERouting):
+    """numpy: the combined MoE output of every token, summed over the ranks' slices:
+    ``[T, K]`` (fp32); rank ``r``'s ``out`` is rows ``[r*Ms, (r+1)*Ms)``."""
+    wts = np.asarray(topk_weights, np.float32)
+    row_of = routing.row_of
+    out = 0
+    for h, w2 in zip(h_slices, w2_slices):
+        h, w2 = np.asarray(h, np.float32), np.asarray(w2, np.float32)
+        y = np.zeros((h.shape[0], w2.shape[2]), np.float32)
+        for i, e in enumerate(routing.tile_expert):
+            if e >= 0:
+                rows = slice(i * routing.block_m, (i + 1) * routing.block_m)
+                y[rows] = h[rows] @ w2[e]
+        out = out + np.einsum("tk,tkn->tn", wts, y[row_of])
+    return out
+
+
+def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activation=None):
+    """numpy: the whole tensor-parallel MoE layer from scratch (no tables): for every token,
+    ``sum_k weight * act(x @ W1[e]) @ W2[e]`` with ``W1``/``W2`` the ranks' slices joined
+    along the intermediate dimension. ``[T, K]`` (fp32)."""
+    x = np.concatenate([np.asarray(s, np.float32) for s in x_shards], axis=0)
+    w1 = np.concatenate([np.asarray(w, np.float32) for w in w1_slices], axis=2)
+    w2 = np.concatenate([np.asarray(w, np.float32) for w in w2_slices], axis=1)
+    act = activation or (lambda v: v)
+    ids, wts = np.asarray(topk_ids), np.asarray(topk_weights, np.float32)
+    out = np.zeros((x.shape[0], w2.shape[2]), np.float32)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            out[t] += wts[t, k] * (act(x[t] @ w1[e]) @ w2[e])
+    return out
+
+
+# -- host side: run a layer on the simulator ---------------------------------------------------------
+
+def _per_rank(name, arrays, W):
+    arrays = list(arrays)
+    if len(arrays) != W:
+        raise InputError(f"{name}: got {len(arrays)} arrays for {W} ranks")
+    return [np.asarray(a) for a in arrays]
+
+
+def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=None, seed: int = 0,
+                           options=None):
+    """AllGather+MoE on the simulator: route on the host (:func:`moe_routing`), run
+    :func:`allgather_moe` on ``len(x_shards)`` ranks and return ``(routing, [h of every rank])``.
+
+    ``x_shards``: one ``[Ms, K]`` token shard per rank; ``w1_slices``: one ``[E, K, Nr]`` per
+    rank; ``topk_ids``: ``[W * Ms, topk]``."""
+    W = len(x_shards)
+    if W < 1:
+        raise InputError("simulate_allgather_moe: need at least one token shard")
+    xs = [np.asarray(x) for x in x_shards]
+    w1 = _per_rank("simulate_allgather_moe: w1_slices", w1_slices, W)
+    if xs[0].ndim != 2 or w1[0].ndim != 3:
+        raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices [E, K, Nr], got "
+                         f"{list(xs[0].shape)} and {list(w1[0].shape)}")
+    compute, comm = allgather_moe.default_schedules(compute=compute, comm=comm)
+    rt = moe_routing(topk_ids, w1[0].shape[0], W, xs[0].shape[0], compute.BM)
+    inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, w1[r].shape[2]), np.nan, xs[r].dtype),
+                   **rt.allgather_tables()) for r in range(W)]
+    res = tl.simulate(allgather_moe, W, inputs, seed=seed, options=options, compute=compute, comm=comm)
+    return rt, [res[r]["h"] for r in range(W)]
+
+
+def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoERouting, *, compute=None,
+                                comm=None, seed: int = 0, options=None):
+    """MoE+ReduceScatter on the simulator: run :func:`moe_reduce_scatter` with the tables of
+    ``routing`` and return every rank's ``out [Ms, K]``. ``compute.BM`` must be the block
+    the routing was built for."""
+    if not isinstance(routing, MoERouting):
+        raise InputError(f"simulate_moe_reduce_scatter: routing must come from moe_routing, got "
+                         f"{type(routing).__name__}")
+    W = routing.world_size
+    hs = _per_rank("simulate_moe_reduce_scatter: h_slices", h_slices, W)
+    w2 = _per_rank("simulate_moe_reduce_scatter: w2_slices", w2_slices, W)
+    compute, comm = moe_reduce_scatter.default_schedules(compute=compute, comm=comm)
+    if compute.BM != routing.block_m:
+        raise InputError(f"simulate_moe_reduce_scatter: the routing was built for BM={routing.block_m}, "
+                         f"the compute tile has BM={compute.BM}")
+    wts = np.asarray(topk_weights)
+    if wts.shape != (routing.num_tokens, routing.topk):
+        raise InputError(f"simulate_moe_reduce_scatter: topk_weights must be [{routing.num_tokens}, "
+                         f"{routing.topk}] like the routing, got {list(wts.shape)}")
+    if w2[0].ndim != 3:
+        raise InputError(f"simulate_moe_reduce_scatter: w2 slices must be [E, Nr, K], got {list(w2[0].shape)}")
+    if w2[0].shape[0] != routing.num_experts:
+        raise InputError(f"simulate_moe_reduce_scatter: the routing has {routing.num_experts} experts but the "
+                         f"w2 slices hold {w2[0].shape[0]}")
+    K = w2[0].shape[2]
+    inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts,
+                   out=np.full((routing.rows_per_rank, K), np.nan, hs[r].dtype), **routing.reduce_scatter_tables())
+              for r in range(W)]
+    res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm)
+    return [res[r]["out"] for r in range(W)]
+
+
+# -- registration for the tests ----------------------------------------------------------------------
+
+ROUTINGS = ("random", "concentrated")
+
+
+def random_routing(rng, num_tokens: int, num_experts: int, topk: int, kind: str = "random"):
+    """Test routings: ``topk`` distinct experts per token and positive weights.
+
+    ``random``: tokens choose among a random subset of at least ``topk`` experts (so some
+    experts usually get no token); ``concentrated``: every token picks the same ``topk``
+    experts (with ``topk=1``, all tokens go to one expert)."""
+    E = num_experts
+    if not 1 <= topk <= E:
+        raise InputError(f"random_routing: need 1 <= topk <= num_experts, got topk={topk}, E={E}")
+    if kind == "random":
+        active = rng.choice(E, int(rng.integers(topk, E + 1)), replace=False)
+        ids = np.stack([rng.choice(active, topk, replace=False) for _ in range(num_tokens)])
+    elif kind == "concentrated":
+        ids = np.tile(rng.choice(E, topk, replace=False), (num_tokens, 1))
+    else:
+        raise InputError(f"random_routing: unknown kind {kind!r}, choose one of {ROUTINGS}")
+    weights = rng.random((num_tokens, topk)).astype(np.float32) + 0.05
+    weights /= weights.sum(axis=1, keepdims=True)
+    return ids.astype(np.int32), weights
+
+
+def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
+                        routing="random", dtype="float16"):
+    from tldsl.testing import OpCase
+    W, Ms, E = world_size, rows_per_rank, num_experts
+    ids, _ = random_routing(rng, W * Ms, E, topk, routing)
+    rt = moe_routing(ids, E, W, Ms, compute.BM)
+    xs = [rng.standard_normal((Ms, k)).astype(dtype) for _ in range(W)]
+    w1 = [rng.standard_normal((E, k, n)).astype(dtype) for _ in range(W)]
+    inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, n), np.nan, dtype), **rt.allgather_tables())
+              for r in range(W)]
+    expected = [{"h": reference_allgather_moe(xs, w1[r], rt)} for r in range(W)]
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+                  rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(k) / 4),
+                  description=f"allgather_moe W={W} x=[{Ms}, {k}] w1=[{E}, {k}, {n}] topk={topk} "
+                              f"{routing} routing (experts {rt.expert_counts.tolist()}) {compute} {comm}")
+
+
+def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
+                             routing="random", dtype="float16"):
+    from tldsl.testing import OpCase
+    W, Ms, E = world_size, rows_per_rank, num_experts
+    ids, wts = random_routing(rng, W * Ms, E, topk, routing)
+    rt = moe_routing(ids, E, W, Ms, compute.BM)
+    hs = [rng.standard_normal((rt.num_rows, n)).astype(dtype) for _ in range(W)]
+    w2 = [rng.standard_normal((E, n, k)).astype(dtype) for _ in range(W)]
+    inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts, out=np.full((Ms, k), np.nan, dtype),
+                   **rt.reduce_scatter_tables()) for r in range(W)]
+    ref = reference_moe_reduce_scatter(hs, w2, wts, rt)
+    expected = [{"out": ref[r * Ms:(r + 1) * Ms]} for r in range(W)]
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+                  rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(W * n) / 4),
+                  description=f"moe_reduce_scatter W={W} h=[{rt.num_rows}, {n}] w2=[{E}, {n}, {k}] "
+                              f"out=[{Ms}, {k}] topk={topk} {routing} routing "
+                              f"(experts {rt.expert_counts.tolist()}) {compute} {comm}")
+
+
+def _params(engines):
+    def params_for(world_size):
+        from hypothesis import strategies as st
+        from tldsl.testing import strategies as tst
+
+        # every rank works on all W * Ms tokens, so the simulated work grows with W^2 * Ms: cap
+        # Ms so that the largest draws (8x8x8 tiles, topk=3, K=N=24) simulate in ~0.2 s
+        max_rows = min(12, max(1, 96 // (world_size * world_size)))
+
+        @st.composite
+        def params(draw):
+            compute = draw(tst.compute_schedules())
+            E = draw(st.integers(1, 6))
+            return dict(rows_per_rank=draw(tst.dims(1, max_rows)), k=draw(tst.dims(1, 24)), n=draw(tst.dims(1, 24)),
+                        num_experts=E, topk=draw(st.integers(1, min(3, E))),
+                        routing=draw(st.sampled_from(ROUTINGS)), compute=compute,
+                        comm=draw(tst.comm_schedules(engines=engines, compute=compute)))
+        return params()
+    return params_for
+
+
+def _allgather_mutant_params():
+    c = tl.ComputeSchedule(tile=(8, 16, 16))
+    base = dict(world_size=3, rows_per_rank=7, k=20, n=24, num_experts=5, topk=2, compute=c)
+    return [dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull")),
+            dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push"))]
+
+
+def _reduce_scatter_mutant_params():
+    # rows_per_rank is a multiple of BM: no combine tile spans two reduce-scatter segments, so
+    # no wait of the reduce-scatter guards rows an earlier wait of the same task already ordered
+    c = tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned")
+    base = dict(rows_per_rank=8, k=20, n=24, num_experts=5, topk=2, compute=c)
+    return [dict(base, world_size=3, comm=tl.CommSchedule(tile_m=8, order="ring", mode="push")),
+            dict(base, world_size=4, comm=tl.CommSchedule(tile_m=None, order="ring", mode="pull")),
+            dict(base, world_size=3, comm=tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
+            dict(base, world_size=2, comm=tl.CommSchedule(tile_m=None, order="full_mesh", mode="pull"))]
+
+
+from tldsl.ops import register  # noqa: E402
+from tldsl.testing import OpSpec  # noqa: E402
+
+AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine")),
+                          _allgather_mutant_params(),
+                          doc="h = grouped GEMM of all_gather(x) rows sorted by expert, with w1[expert]"))
+RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case, _params(("sm",)),
+                          _reduce_scatter_mutant_params(),
+                          doc="out = reduce_scatter(top-k combine(grouped GEMM of h with w2[expert]))"))

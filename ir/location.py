@@ -37,7 +37,14 @@ class Location:
         return f"    {line}\n    {' ' * col}^"
 
 
+import contextlib as _contextlib
+
+_STDLIB_HELPERS = (os.path.abspath(_contextlib.__file__),)
+
+
 def _is_internal(filename: str, func: str = "") -> bool:
+    if os.path.abspath(filename) in _STDLIB_HELPERS:
+        return True   # `with tl.when(...)` enters through contextlib
     if filename == "<string>" and func in ("__init__", "__post_init__"):
         return True   # dataclass-generated constructors of our frozen schedules
     f = os.path.abspath(filename)

@@ -20,7 +20,8 @@ _settings = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
 
 def test_all_five_workloads_are_registered():
     # AllGather+GEMM, GEMM+ReduceScatter, AllGather+MoE, MoE+ReduceScatter, SP attention
-    assert set(OPS) >= {"allgather_gemm"}, OPS
+    assert set(OPS) >= {"allgather_gemm", "gemm_reduce_scatter", "allgather_moe", "moe_reduce_scatter",
+                        "sp_attention"}, OPS
 
 
 @pytest.mark.parametrize("name", OPS)

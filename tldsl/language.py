@@ -122,6 +122,9 @@ def _rank_value(r):
 def load(ref, offsets, shape) -> Tile:
     """Load a tile (global/symmetric -> shared memory). Out-of-bounds elements read as zero.
 
+    ``shape`` may have fewer axes than the tensor: the leading axes then have extent 1 and are
+    dropped from the tile (``tl.load(w, (expert, k, n), (BK, BN))`` on ``w [E, K, N]``).
+
     ``ref.at(r)`` loads from a peer (the ``tile_pull_data`` primitive).
     """
     if isinstance(ref, RemoteRef):
@@ -130,9 +133,17 @@ def load(ref, offsets, shape) -> Tile:
     if not isinstance(ref, TensorRef):
         fail(f"tl.load needs a tensor, got {type(ref).__name__}")
     offs = _offsets(ref, offsets, "tl.load")
-    shape = _tile_shape(shape, len(ref.shape), "tl.load")
-    op = current().emit("load", [ref.value, *offs], [T.TileType(shape, ref.dtype, T.MemSpace.SHARED)],
-                        {"shape": shape})
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
+    tile_rank = len(tuple(shape))
+    if 0 < tile_rank < len(ref.shape):
+        # a lower-rank tile of a higher-rank tensor: leading axes are batch coordinates
+        # (e.g. the expert of a grouped GEMM's [E, K, N] weights) and have extent 1
+        shape = (1,) * (len(ref.shape) - tile_rank) + tuple(shape)
+    box = _tile_shape(shape, len(ref.shape), "tl.load")
+    tile_shape = box[len(box) - tile_rank:]
+    op = current().emit("load", [ref.value, *offs], [T.TileType(tile_shape, ref.dtype, T.MemSpace.SHARED)],
+                        {"shape": box})
     return Tile(op.result)
 
 

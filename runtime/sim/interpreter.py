@@ -101,7 +101,8 @@ class Interpreter:
 
     def op_load(self, op, env, task):
         t, *offs = op.operands
-        env[op.result.id] = self._read_box(task.rank, t, [env[o.id] for o in offs], op.attrs["shape"], task, op)
+        tile = self._read_box(task.rank, t, [env[o.id] for o in offs], op.attrs["shape"], task, op)
+        env[op.result.id] = tile.reshape(op.result.type.shape)
 
     def op_store(self, op, env, task):
         t, *offs, v = op.operands

@@ -192,8 +192,8 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
 
 def _expert_box(w, expert, r0, c0, rows: int, cols: int):
     """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix ``w[expert]`` at
-    ``(r0, c0)`` (out of bounds reads zero): a ``[1, rows, cols]`` box, unit axis dropped."""
-    return tl.sum(tl.load(w, (expert, r0, c0), (1, rows, cols)), 0)
+    ``(r0, c0)`` (out of bounds reads zero): a 2-d tile of the 3-d weights."""
+    return tl.load(w, (expert, r0, c0), (rows, cols))
 
 
 def _check_table(t, shape, what, hint=""):

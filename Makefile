@@ -6,7 +6,8 @@ PY     := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,nvrtc]'
+	$(PY) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 	touch $@
 
 .PHONY: install demo test mutants

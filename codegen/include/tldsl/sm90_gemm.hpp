@@ -1,0 +1,336 @@
+// tldsl: a warp-specialized, persistent TMA + WGMMA GEMM mainloop for Hopper (sm_90a),
+// written on CuTe's *arch-level* ops only (cute/arch: SM90 TMA copies, SM90 GMMA ops;
+// cutlass/arch: mbarriers, named barriers, register reconfiguration). No CuTe layout
+// algebra: tile coordinates, shared-memory offsets and GMMA descriptors are plain integer
+// arithmetic fixed at compile time, which keeps NVRTC compiles short and lets the Python
+// side (codegen/lower_gemm.py) compute the same numbers for the host (TMA descriptors,
+// dynamic shared memory) — the generated code static_asserts that both agree.
+//
+//   C[M, N] = A[M, K] @ B[K, N]      A row-major (K contiguous, "K-major" for WGMMA)
+//                                    B row-major (N contiguous, "MN-major" for WGMMA)
+//                                    C row-major, fp32 accumulation, converted on store
+//
+// CTA = 1 producer warpgroup + kConsumerWGs consumer warpgroups (128 threads each).
+//  * producer: one elected thread of warp 0 walks this CTA's tiles in the schedule's order;
+//    per tile it first runs the tile's waits (Waits::operator(), generated from the tile
+//    program: acquire loads on signal slots, then fence.proxy.async.global), then streams the
+//    K loop through kStages shared-memory stages with TMA (full barrier: 1 arrival +
+//    transaction bytes; empty barrier: one arrival per consumer warpgroup).
+//  * consumers: warpgroup w owns rows [w*BM/kConsumerWGs, (w+1)*BM/kConsumerWGs) of the tile,
+//    as MB = BM/(64*kConsumerWGs) m64 blocks of 64 x BN fp32 accumulators; per stage it issues
+//    BK/16 WGMMAs per m64 block, keeps one batch in flight (wgmma.wait_group 1) and releases
+//    the previous stage. Epilogue: fp32 -> output type, staged through 128-byte-swizzled
+//    shared memory, TMA store per 64 x EC chunk (OOB rows/cols are clipped by TMA).
+//  * out-of-bounds loads read zero (TMA), so M, N, K need not be tile multiples; TMA needs
+//    16-byte aligned base addresses and row pitches (K, N multiples of 8 for 16-bit types).
+//
+// Shared memory (from a 1024-byte aligned base): A stages | B stages | C staging | barriers.
+// A stage: BK/EA chunks, each BM rows x SA bytes (SA = min(128, 2*BK), swizzle SA bytes);
+// B stage: BN/EB chunks, each BK rows x SB bytes (SB = min(128, 2*BN), swizzle SB bytes).
+#pragma once
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/utility>
+
+#include "tldsl/signals.hpp"
+#include "tldsl/tile_order.hpp"
+
+namespace tldsl {
+namespace sm90 {
+
+using GmmaMajor = cute::SM90::GMMA::Major;
+
+// GMMA shared-memory descriptor "layout type" field (bits 62-63) for a swizzle width in bytes.
+__host__ __device__ constexpr int gmma_layout_type(int swizzle_bytes) {
+  return swizzle_bytes == 128 ? 1 : swizzle_bytes == 64 ? 2 : swizzle_bytes == 32 ? 3 : 0;
+}
+
+// The constant part of a GMMA descriptor: layout type, stride byte offset, leading byte offset
+// (both in 16-byte units). The start address (bits 0-13, 16-byte units) is added per use.
+__host__ __device__ constexpr uint64_t gmma_desc_bits(int swizzle_bytes, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return (uint64_t(gmma_layout_type(swizzle_bytes)) << 62) | (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) |
+         (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16);
+}
+
+__host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// Everything derived from the generated configuration `Cfg`:
+//   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64xBNx16_F32xx_SS<K, MN>),
+//   Cfg::BM, BN, BK, kStages, kConsumerWGs, kEpiBuffers, kOrder, kGroupM, kWorldSize,
+//   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration).
+template <class Cfg>
+struct GemmTraits {
+  static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
+  static constexpr int kConsumerWGs = Cfg::kConsumerWGs;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kElemBytes = int(sizeof(typename Cfg::ElemAB));
+  static constexpr int kOutBytes = int(sizeof(typename Cfg::ElemC));
+  static_assert(kElemBytes == 2, "the SM90 GEMM lowering supports 16-bit A/B (f16, bf16)");
+  static_assert(BM % (64 * kConsumerWGs) == 0, "BM must be a multiple of 64 per consumer warpgroup");
+  static_assert(BK % 16 == 0 && BK <= 256, "BK must be a multiple of 16 (WGMMA K) and <= 256 (TMA box)");
+  static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16 and <= 256 (WGMMA N)");
+  static_assert(BM <= 256, "BM <= 256 (TMA box)");
+  static constexpr int MB = BM / (64 * kConsumerWGs);          // m64 blocks per consumer warpgroup
+  static constexpr int kAccPerBlock = BN / 2;                  // fp32 accumulators per thread per m64 block
+
+  // A: K-major, chunks of EA elements (SA bytes) along K
+  static constexpr int SA = cmin(128, BK * kElemBytes);
+  static constexpr int EA = SA / kElemBytes;
+  static constexpr int kChunksA = BK / EA;
+  static constexpr int kChunkBytesA = BM * SA;
+  static constexpr int kStageBytesA = BM * BK * kElemBytes;
+  // B: MN-major, chunks of EB elements (SB bytes) along N
+  static constexpr int SB = cmin(128, BN * kElemBytes);
+  static constexpr int EB = SB / kElemBytes;
+  static constexpr int kChunksB = BN / EB;
+  static constexpr int kChunkBytesB = BK * SB;
+  static constexpr int kStageBytesB = BK * BN * kElemBytes;
+  static constexpr int kTxBytes = kStageBytesA + kStageBytesB;
+  // C staging: 64 rows x EC columns (SC bytes per row), swizzled SC bytes
+  static constexpr int SC = cmin(128, BN * kOutBytes);
+  static constexpr int EC = SC / kOutBytes;
+  static constexpr int kChunksC = BN / EC;
+  static constexpr int kEpiBufBytes = round_up(64 * SC, 1024);
+  static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
+
+  static_assert(SA >= 32 && SB >= 32 && SC >= 32, "swizzle widths below 32 bytes are not used");
+  static_assert(kStageBytesA % 1024 == 0, "A stages must keep 1024-byte alignment");
+
+  // shared-memory map (offsets from the 1024-byte aligned base)
+  static constexpr int kOffA = 0;
+  static constexpr int kOffB = kOffA + kStages * kStageBytesA;
+  static constexpr int kOffC = round_up(kOffB + kStages * kStageBytesB, 1024);
+  static constexpr int kOffBar = kOffC + kConsumerWGs * kEpiBuffers * kEpiBufBytes;
+  static constexpr int kSmemUsed = kOffBar + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kSmemUsed + 1024;        // + slack to align the dynamic base
+  static_assert(kSmemBytes <= 232448, "shared memory over the sm_90 limit of 227 KiB per block");
+
+  // GMMA descriptors (start address added per stage / m64 block / k16 step)
+  static constexpr uint64_t kDescA = gmma_desc_bits(SA, 16, 8 * SA);             // K-major: LBO unused (1)
+  static constexpr uint64_t kDescB = gmma_desc_bits(SB, kChunkBytesB, 8 * SB);   // MN-major: LBO = chunk stride
+};
+
+// One WGMMA on an m64 block: D[64 x BN] += A(desc_a) * B(desc_b), D in this thread's registers.
+template <class Op, int... I>
+__device__ __forceinline__ void gmma(uint64_t desc_a, uint64_t desc_b, float* d,
+                                     cuda::std::integer_sequence<int, I...>) {
+  Op::fma(desc_a, desc_b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+__device__ __forceinline__ uint32_t swizzle(uint32_t offset, int swizzle_bytes) {
+  // TMA / GMMA swizzle on shared-memory byte offsets (1024-byte aligned region):
+  // 16-byte unit bits [4, 4+b) ^= bits [7, 7+b), b = log2(swizzle_bytes / 16).
+  const uint32_t mask = uint32_t(swizzle_bytes / 16 - 1) << 4;
+  return offset ^ ((offset >> 3) & mask);
+}
+
+template <class T>
+__device__ __forceinline__ void store_pair(uint32_t smem_addr, float x, float y);
+
+template <>
+__device__ __forceinline__ void store_pair<__half>(uint32_t smem_addr, float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  uint32_t bits = *reinterpret_cast<uint32_t*>(&h);
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(bits));
+}
+
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(uint32_t smem_addr, float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  uint32_t bits = *reinterpret_cast<uint32_t*>(&h);
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(bits));
+}
+
+template <>
+__device__ __forceinline__ void store_pair<float>(uint32_t smem_addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y));
+}
+
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// No per-tile waits (a GEMM whose tile program has none).
+struct NoWaits {
+  static constexpr bool kEnabled = false;
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+
+// The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads.
+template <class Cfg, class Waits>
+__device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, const cute::TmaDescriptor* tma_b,
+                                            const cute::TmaDescriptor* tma_c, int M, int N, int K, int rank,
+                                            const Waits& waits) {
+  using Tr = GemmTraits<Cfg>;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+  extern __shared__ unsigned char tldsl_smem_raw[];
+  const uint32_t raw = cute::cast_smem_ptr_to_uint(tldsl_smem_raw);
+  const uint32_t pad = ((raw + 1023u) & ~1023u) - raw;
+  unsigned char* smem = tldsl_smem_raw + pad;
+  const uint32_t smem_u32 = raw + pad;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Tr::kOffBar);
+  uint64_t* empty_bar = full_bar + Tr::kStages;
+
+  const int warp = int(threadIdx.x) / 32;
+  const int wg = int(threadIdx.x) / 128;
+  const int gm = cdiv(M, Tr::BM), gn = cdiv(N, Tr::BN);
+  const int num_tiles = gm * gn;
+  const int k_tiles = cdiv(K, Tr::BK);
+  const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(tma_a);
+    cute::prefetch_tma_descriptor(tma_b);
+    cute::prefetch_tma_descriptor(tma_c);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      FullBar::init(&full_bar[s], 1);
+      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer warpgroup ----------------
+    if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp == 0 && cute::elect_one_sync()) {
+      int it = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
+        if constexpr (Waits::kEnabled) {
+          waits(tc.m, tc.n);               // acquire: every signal this tile's data depends on
+          fence_proxy_async_global();      // ... before the async proxy (TMA) reads that data
+        }
+        const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % Tr::kStages;
+          const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+          EmptyBar::wait(&empty_bar[s], phase ^ 1u);
+          FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
+          const int k0 = kt * Tr::BK;
+          unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
+          unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
+#pragma unroll
+          for (int c = 0; c < Tr::kChunksA; ++c)
+            cute::SM90_TMA_LOAD_2D::copy(tma_a, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
+                                         k0 + c * Tr::EA, m0);
+#pragma unroll
+          for (int c = 0; c < Tr::kChunksB; ++c)
+            cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
+                                         n0 + c * Tr::EB, k0);
+        }
+      }
+    }
+  } else {
+    // ---------------- consumer warpgroups ----------------
+    if constexpr (Cfg::kConsumerRegs > 0) cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    const int cw = wg - 1;                        // consumer index
+    const int tid = int(threadIdx.x) % 128;       // thread in the warpgroup
+    const int lane = tid % 32, wq = tid / 32;
+    const uint32_t bar_id = 1 + cw;               // named barrier of this warpgroup (0 = __syncthreads)
+    const uint32_t stage_a0 = smem_u32 + Tr::kOffA + cw * Tr::MB * 64 * Tr::SA;
+    const uint32_t stage_b0 = smem_u32 + Tr::kOffB;
+    const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
+    int it = 0;
+    int epi_count = 0;
+    float acc[Tr::MB][Tr::kAccPerBlock];
+
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
+#pragma unroll
+      for (int mb = 0; mb < Tr::MB; ++mb)
+#pragma unroll
+        for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
+
+      int prev_stage = -1;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % Tr::kStages;
+        const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+        FullBar::wait(&full_bar[s], phase);
+#pragma unroll
+        for (int mb = 0; mb < Tr::MB; ++mb)
+#pragma unroll
+          for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < Tr::BK / 16; ++kk) {
+          const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
+          const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
+          const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
+#pragma unroll
+          for (int mb = 0; mb < Tr::MB; ++mb) {
+            const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
+            const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
+            gmma<typename Cfg::Gmma>(desc_a, desc_b, acc[mb],
+                                     cuda::std::make_integer_sequence<int, Tr::kAccPerBlock>{});
+          }
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
+#pragma unroll
+        for (int mb = 0; mb < Tr::MB; ++mb)
+#pragma unroll
+          for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+        if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);   // ... release it
+        prev_stage = s;
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int mb = 0; mb < Tr::MB; ++mb)
+#pragma unroll
+        for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+      if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);
+
+      // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
+      const int m0 = tc.m * Tr::BM + cw * Tr::MB * 64, n0 = tc.n * Tr::BN;
+#pragma unroll
+      for (int mb = 0; mb < Tr::MB; ++mb) {
+#pragma unroll
+        for (int q = 0; q < Tr::kChunksC; ++q) {
+          const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
+          if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
+          cutlass::arch::NamedBarrier::sync(128, bar_id);
+#pragma unroll
+          for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
+            const int j = q * (Tr::EC / 8) + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = wq * 16 + lane / 4 + 8 * h;
+              const int col = 8 * j + 2 * (lane % 4) - q * Tr::EC;
+              const uint32_t off = swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
+              store_pair<typename Cfg::ElemC>(buf + off, acc[mb][4 * j + 2 * h], acc[mb][4 * j + 2 * h + 1]);
+            }
+          }
+          cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA
+          cutlass::arch::NamedBarrier::sync(128, bar_id);
+          if (tid == 0) {
+            cute::SM90_TMA_STORE_2D::copy(tma_c, smem + (buf - smem_u32), n0 + q * Tr::EC, m0 + mb * 64);
+            cute::tma_store_arrive();              // commit this store as one bulk group
+          }
+          ++epi_count;
+        }
+      }
+    }
+    if (tid == 0) bulk_wait_all();
+  }
+}
+
+}  // namespace sm90
+}  // namespace tldsl

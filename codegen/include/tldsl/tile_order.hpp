@@ -1,0 +1,47 @@
+// tldsl: the order in which a persistent kernel visits a 2-D grid of output tiles.
+//
+// Mirrors tldsl.ir.schedule.ComputeSchedule.tile_order exactly (the simulator's order), so a
+// schedule means the same thing on the CPU and on the GPU:
+//   row_major     t -> (t / gn, t % gn)
+//   swizzled      groups of `group_m` tile rows; inside a group, column by column
+//   comm_aligned  row-major, rotated to start at row ((rank + align_shift) % W) * gm / W
+// A persistent CTA b of P visits t = b, b + P, b + 2P, ... of this sequence.
+//
+// Plain C++ (no CUDA headers) so that the host test suite can compile and check it.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define TLDSL_HD __host__ __device__ __forceinline__
+#else
+#define TLDSL_HD inline
+#endif
+
+namespace tldsl {
+
+enum TileOrderKind : int { kRowMajor = 0, kSwizzled = 1, kCommAligned = 2 };
+
+struct TileCoord {
+  int m;
+  int n;
+};
+
+// First tile row of the comm_aligned order on `rank`.
+TLDSL_HD constexpr int comm_aligned_start(int gm, int rank, int world_size, int align_shift) {
+  return (((rank + align_shift) % world_size) * gm) / world_size;
+}
+
+// The t-th tile (0 <= t < gm * gn) of the order `kind`.
+TLDSL_HD constexpr TileCoord tile_at(int kind, int t, int gm, int gn, int group_m, int start_row) {
+  if (kind == kSwizzled) {
+    const int first = (t / (group_m * gn)) * group_m;       // first row of t's group
+    const int rows = (gm - first) < group_m ? (gm - first) : group_m;
+    const int r = t - first * gn;                             // index inside the group
+    return TileCoord{first + r % rows, r / rows};
+  }
+  if (kind == kCommAligned) {
+    return TileCoord{(start_row + t / gn) % gm, t % gn};
+  }
+  return TileCoord{t / gn, t % gn};
+}
+
+}  // namespace tldsl

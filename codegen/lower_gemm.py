@@ -1,0 +1,730 @@
+"""Lower the compute part of a GEMM-shaped tile program to a Hopper (sm_90a) CUDA kernel.
+
+Recognised shape (the ``gemm`` part of :mod:`tldsl.ops.allgather_gemm`)::
+
+    @tl.compute_part(grid=(cdiv(M, BM), cdiv(N, BN)))
+    def gemm(pm, pn):
+        <scalar code and waits>                      # prologue: any mix of arith/for/if/waits
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm*BM, k), (BM, BK)), tl.load(b, (k, pn*BN), (BK, BN)))
+        tl.store(c, (pm*BM, pn*BN), acc)             # converts to c's type
+
+with ``(BM, BN, BK)`` the compute schedule's tile, ``a: [M, K]`` and ``b: [K, N]`` 16-bit floats
+(f16 / bf16) and ``c: [M, N]`` f16 / bf16 / f32.
+
+Design choice — **our own mainloop on CuTe's arch-level ops, not CUTLASS's collective**:
+the kernel (``codegen/include/tldsl/sm90_gemm.hpp``) calls ``cute::SM90_TMA_LOAD_2D`` /
+``SM90_TMA_STORE_2D``, the ``cute::SM90::GMMA::MMA_64xNx16_*_SS`` ops and
+``cutlass::arch`` mbarriers directly, with every shared-memory offset, GMMA descriptor and TMA
+coordinate computed by plain integer arithmetic. Reasons:
+
+* the kernel ABI must be flat (``extern "C"``, pointers, ints, ``__grid_constant__`` TMA
+  descriptors encoded in Python): CUTLASS's collectives carry their TMA descriptors inside
+  ``Params`` structs made by C++ host code (``make_tma_copy``), which NVRTC (device-only)
+  cannot run for us;
+* the TileLink primitives need hooks at places a collective does not expose: the producer
+  spins on a tile's signals *between* the tile scheduler and that tile's TMA loads (then
+  ``fence.proxy.async.global``), the tile order is the schedule's (``row_major``, ``swizzled``,
+  ``comm_aligned`` per rank), and later epilogues will notify after their stores;
+* NVRTC time: the arch-level headers parse in ~1.6 s, the whole kernel compiles in ~2-3 s on
+  2 cores, against ~14 s for a CollectiveBuilder GEMM and ~10 s for the CuTe-layout probe;
+* the host must know the exact TMA boxes and shared-memory size; computing them once in
+  Python (:class:`GemmConfig`) and ``static_assert``-ing the C++ side against it keeps the two
+  from drifting.
+
+The price is owning the pipeline's correctness and speed (the structure follows the
+warp-specialized persistent design that reaches cuBLAS speed: a TMA producer warp, two
+consumer warpgroups, mbarrier stage ring, one WGMMA batch in flight, TMA-store epilogue).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from ..errors import CompilationError
+from ..ir import core
+from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, WAIT_OPS
+from ..ir.schedule import ComputeSchedule
+
+SMEM_LIMIT = 232448           # dynamic shared memory per block on sm_90 (227 KiB)
+ACC_LIMIT = 128               # fp32 accumulators per consumer thread we allow (register file)
+ORDERS = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}
+
+_DTYPE_C = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+_DTYPE_GMMA = {"f16": "F32F16F16", "bf16": "F32BF16BF16"}
+_DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+_TMA_DATA_TYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+                  "f32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+_SWIZZLE = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+
+
+class LoweringError(CompilationError):
+    """The tile program (or its schedule) is outside what this lowering handles."""
+
+
+# -- host-side description ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TmaDescriptorSpec:
+    """Arguments of ``cuTensorMapEncodeTiled`` for one kernel parameter (dims innermost first,
+    strides in bytes for dims 1..rank-1, as the driver API takes them)."""
+    param: str                      # kernel parameter, e.g. "tma_a"
+    buffer: str                     # IR buffer it describes
+    role: str                       # "A" | "B" | "C"
+    dtype: str                      # IR dtype name
+    data_type: str                  # CUtensorMapDataType enumerator name
+    global_dims: tuple[int, ...]
+    global_strides: tuple[int, ...]
+    box_dims: tuple[int, ...]
+    element_strides: tuple[int, ...]
+    swizzle: str
+    interleave: str = "CU_TENSOR_MAP_INTERLEAVE_NONE"
+    l2_promotion: str = "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"
+    oob_fill: str = "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"   # out-of-bounds elements read as zero
+
+    @property
+    def rank(self) -> int:
+        return len(self.global_dims)
+
+    def encode(self, address: int) -> bytes:
+        """The 128-byte ``CUtensorMap`` for a tensor at device ``address`` (needs the CUDA driver)."""
+        from cuda.bindings import driver as cu
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            getattr(cu.CUtensorMapDataType, self.data_type), self.rank, address,
+            [cu.cuuint64_t(x) for x in self.global_dims], [cu.cuuint64_t(x) for x in self.global_strides],
+            [cu.cuuint32_t(x) for x in self.box_dims], [cu.cuuint32_t(x) for x in self.element_strides],
+            getattr(cu.CUtensorMapInterleave, self.interleave), getattr(cu.CUtensorMapSwizzle, self.swizzle),
+            getattr(cu.CUtensorMapL2promotion, self.l2_promotion), getattr(cu.CUtensorMapFloatOOBfill, self.oob_fill))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled({self.param}) failed: {err}")
+        import ctypes
+        return ctypes.string_at(tmap.getPtr(), 128)
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    """One entry of the flat ``extern "C"`` parameter list, in order."""
+    name: str
+    ctype: str          # C++ spelling
+    kind: str           # "tma" | "i32" | "u64" | "ptr"
+    source: str         # what the runtime passes: "tma:<param>", "M", "N", "K", "rank", "launch",
+                        # "signal:<name>" (this rank's copy), "buffer:<name>" (a table's address)
+    value: int | None = None   # the value fixed by the trace (M, N, K), else None
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile configuration, and every number the host and the C++ template must agree on."""
+    BM: int
+    BN: int
+    BK: int
+    stages: int
+    order: str
+    group_m: int
+    cluster: tuple[int, int]
+    consumer_wgs: int
+    epi_buffers: int
+    producer_regs: int
+    consumer_regs: int
+    in_dtype: str
+    out_dtype: str
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumer_wgs)
+
+    @property
+    def elem_bytes(self) -> int:
+        return _DTYPE_BYTES[self.in_dtype]
+
+    @property
+    def out_bytes(self) -> int:
+        return _DTYPE_BYTES[self.out_dtype]
+
+    # swizzle widths (bytes) and chunk widths (elements) of the A, B and C shared-memory tiles
+    @property
+    def SA(self) -> int: return min(128, self.BK * self.elem_bytes)
+    @property
+    def EA(self) -> int: return self.SA // self.elem_bytes
+    @property
+    def SB(self) -> int: return min(128, self.BN * self.elem_bytes)
+    @property
+    def EB(self) -> int: return self.SB // self.elem_bytes
+    @property
+    def SC(self) -> int: return min(128, self.BN * self.out_bytes)
+    @property
+    def EC(self) -> int: return self.SC // self.out_bytes
+    @property
+    def acc_per_thread(self) -> int:
+        return (self.BM // (64 * self.consumer_wgs)) * self.BN // 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory the launch must request (mirrors GemmTraits::kSmemBytes)."""
+        return _smem_bytes(self.BM, self.BN, self.BK, self.stages, self.consumer_wgs, self.epi_buffers,
+                           self.elem_bytes, self.out_bytes)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
+    stage_a, stage_b = BM * BK * eb, BK * BN * eb
+    epi_buf = _round_up(64 * min(128, BN * ob), 1024)
+    off_c = _round_up(stages * (stage_a + stage_b), 1024)
+    used = off_c + wgs * epi_buffers * epi_buf + 2 * stages * 8
+    return used + 1024
+
+
+@dataclass(frozen=True)
+class LoweredGemm:
+    """A generated kernel: CUDA source, entry point, launch shape and host-side descriptions."""
+    kernel_name: str                 # the IR kernel
+    part: str                        # the compute part
+    entry: str                       # extern "C" symbol
+    source: str                      # one self-contained CUDA C++ translation unit
+    config: GemmConfig
+    params: tuple[KernelParam, ...]
+    tma: tuple[TmaDescriptorSpec, ...]
+    M: int
+    N: int
+    K: int
+    grid_tiles: tuple[int, int]
+    world_size: int
+    align_shift: int
+    waits: int                       # number of wait ops in the tile program's prologue
+    signals: tuple[str, ...]         # signals the waits read (kernel params "sig_<name>")
+    options: tuple[str, ...] = ()    # extra NVRTC options (defines)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_tiles(self) -> int:
+        return self.grid_tiles[0] * self.grid_tiles[1]
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.config.threads, 1, 1)
+
+    @property
+    def cluster_dims(self) -> tuple[int, int, int]:
+        return (self.config.cluster[0] * self.config.cluster[1], 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.config.smem_bytes
+
+    def grid(self, sm_count: int) -> tuple[int, int, int]:
+        """Persistent launch: one CTA per SM, never more CTAs than tiles."""
+        return (max(1, min(self.num_tiles, sm_count)), 1, 1)
+
+    def compile(self, **kw):
+        """Compile with NVRTC (cached); keyword arguments go to :func:`.compiler.compile_cuda`."""
+        from .compiler import compile_cuda
+        opts = tuple(self.options) + tuple(kw.pop("options", ()))
+        return compile_cuda(self.source, self.entry, options=opts, **kw)
+
+    def describe(self) -> str:
+        c = self.config
+        lines = [f"{self.entry}: {self.kernel_name}.{self.part}  C[{self.M}x{self.N}] = A[{self.M}x{self.K}] @ "
+                 f"B[{self.K}x{self.N}]  {c.in_dtype}->{c.out_dtype}",
+                 f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
+                 f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads), "
+                 f"{c.acc_per_thread} fp32 acc/thread, smem {c.smem_bytes} B",
+                 f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
+                 f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}",
+                 "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
+        for t in self.tma:
+            lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
+                         f"box={list(t.box_dims)} {t.swizzle}")
+        return "\n".join(lines)
+
+
+# -- recognising the GEMM ----------------------------------------------------------------------
+
+def _fail(msg: str, op_or_loc=None) -> LoweringError:
+    loc = getattr(op_or_loc, "loc", op_or_loc)
+    return LoweringError(f"GEMM lowering: {msg}", loc)
+
+
+class _Affine:
+    """Affine forms over the grid ids and the K-loop variable: {symbol: coeff, "": const}."""
+
+    def __init__(self, ivars: dict[int, str]):
+        self.ivars = ivars
+
+    def __call__(self, v: core.Value) -> dict[str, int] | None:
+        if v.id in self.ivars:
+            return {self.ivars[v.id]: 1}
+        op = v.owner
+        if not isinstance(op, core.Op):
+            return None
+        if op.name == "const":
+            val = op.attrs["value"]
+            return {"": int(val)} if isinstance(val, int) and not isinstance(val, bool) else None
+        if op.name == "program_id":
+            return {f"pid{op.attrs['axis']}": 1}
+        if op.name == "arith" and op.attrs["op"] in ("add", "sub", "mul"):
+            a, b = self(op.operands[0]), self(op.operands[1])
+            if a is None or b is None:
+                return None
+            kind = op.attrs["op"]
+            if kind == "add":
+                return _norm({k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)})
+            if kind == "sub":
+                return _norm({k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)})
+            ca, cb = _const_of(a), _const_of(b)
+            if ca is not None:
+                return _norm({k: ca * x for k, x in b.items()})
+            if cb is not None:
+                return _norm({k: cb * x for k, x in a.items()})
+        return None
+
+
+def _norm(d: dict[str, int]) -> dict[str, int]:
+    return {k: x for k, x in d.items() if x != 0}
+
+
+def _const_of(d: dict[str, int]) -> int | None:
+    if set(d) <= {""}:
+        return d.get("", 0)
+    return None
+
+
+def _const_value(v: core.Value):
+    op = v.owner
+    if isinstance(op, core.Op) and op.name == "const":
+        return op.attrs["value"]
+    return None
+
+
+@dataclass
+class _Match:
+    a: core.Buffer
+    b: core.Buffer
+    c: core.Buffer
+    prologue: list[core.Op]
+    loop: core.Op
+    dot: core.Op
+    store: core.Op
+    out_dtype: str
+    frag: core.Op
+
+
+def _buffer_of(v: core.Value, what: str, op) -> core.Buffer:
+    if not isinstance(v.owner, core.Buffer):
+        raise _fail(f"{what} must be a kernel tensor (argument or workspace)", op)
+    return v.owner
+
+
+def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
+    """Check that ``part`` is the recognised GEMM; raise :class:`LoweringError` at the op that is not."""
+    ops = part.body.ops
+    fa = [i for i, op in enumerate(ops) if op.name == "frag_alloc"]
+    if len(fa) != 1:
+        raise _fail(f"expected exactly one tl.fragment accumulator in compute part '{part.name}', "
+                    f"found {len(fa)}", part)
+    i0 = fa[0]
+    prologue, rest = ops[:i0], ops[i0:]
+    allowed_pro = {"const", "program_id", "rank", "arith", "select", "for", "if", "load_scalar"} | WAIT_OPS
+    for op in prologue:
+        for sub in [op, *[o for r in op.regions for o in r.walk()]]:
+            if sub.name not in allowed_pro:
+                raise _fail(f"'{sub.name}' before the accumulator is not supported by the GEMM lowering "
+                            "(only index arithmetic, loops and waits may precede it)", sub)
+    frag = rest[0]
+    if frag.result.type.dtype.name != "f32" or frag.attrs.get("value", 0) != 0:
+        raise _fail("the accumulator must be an f32 fragment initialised to 0", frag)
+    loops = [op for op in rest if op.name == "for"]
+    if len(loops) != 1:
+        raise _fail(f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
+    loop = loops[0]
+    tail = [op for op in rest[1:] if op is not loop and op.name not in ("const", "arith")]
+    names = [op.name for op in tail]
+    if names not in (["frag_read", "cast", "store"], ["frag_read", "store"]):
+        raise _fail("after the K loop expected `tl.store(c, (pm*BM, pn*BN), acc)` and nothing else, got "
+                    f"{names}", tail[0] if tail else loop)
+    store = tail[-1]
+    if tail[0].operands[0] is not frag.result:
+        raise _fail("the store must write the accumulator", store)
+
+    # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic)
+    body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith")]
+    if [op.name for op in body] != ["load", "load", "dot", "frag_read", "ewise", "frag_write"]:
+        raise _fail("the K loop must be `acc += tl.dot(tl.load(a, ...), tl.load(b, ...))`, got "
+                    f"{[op.name for op in body]}", loop)
+    la, lb, dot, fr, add, fw = body
+    if dot.operands[0] is not la.result or dot.operands[1] is not lb.result:
+        raise _fail("tl.dot must multiply the two tiles loaded in the loop, A first", dot)
+    if add.attrs.get("op") != "add" or {add.operands[0].id, add.operands[1].id} != {fr.result.id, dot.result.id}:
+        raise _fail("the loop must accumulate: acc += tl.dot(...)", add)
+    if fr.operands[0] is not frag.result or fw.operands[0] is not frag.result or fw.operands[1] is not add.result:
+        raise _fail("the loop must read and write the same accumulator", fw)
+
+    a, b = _buffer_of(la.operands[0], "A", la), _buffer_of(lb.operands[0], "B", lb)
+    c = _buffer_of(store.operands[0], "C", store)
+    out_dtype = c.type.dtype.name
+    return _Match(a, b, c, prologue, loop, dot, store, out_dtype, frag)
+
+
+def _check_shapes(kernel: core.Kernel, part: core.Part, m: _Match, sched: ComputeSchedule):
+    BM, BN, BK = sched.tile
+    a, b, c = m.a.type, m.b.type, m.c.type
+    if len(a.shape) != 2 or len(b.shape) != 2 or len(c.shape) != 2:
+        raise _fail("A, B and C must be 2-d", m.dot)
+    M, K = a.shape
+    K2, N = b.shape
+    if K2 != K or tuple(c.shape) != (M, N):
+        raise _fail(f"shapes do not form a GEMM: A {list(a.shape)}, B {list(b.shape)}, C {list(c.shape)}", m.dot)
+    la, lb = m.dot.operands[0].owner, m.dot.operands[1].owner
+    if la.attrs["shape"] != (BM, BK) or lb.attrs["shape"] != (BK, BN) or m.frag.attrs["shape"] != (BM, BN):
+        raise _fail(f"tile shapes A {la.attrs['shape']}, B {lb.attrs['shape']}, acc {m.frag.attrs['shape']} do "
+                    f"not match the compute schedule's tile {(BM, BN, BK)}", m.dot)
+    lo, hi, st = (_const_value(v) for v in m.loop.operands)
+    if (lo, hi, st) != (0, K, BK):
+        raise _fail(f"the K loop must be tl.range(0, {K}, {BK}) (K of A/B, step BK), got ({lo}, {hi}, {st})", m.loop)
+    iv = m.loop.regions[0].args[0]
+    aff = _Affine({iv.id: "k"})
+    want = {"a": ({"pid0": BM}, {"k": 1}), "b": ({"k": 1}, {"pid1": BN}), "c": ({"pid0": BM}, {"pid1": BN})}
+    for key, op, offs in (("a", la, la.operands[1:]), ("b", lb, lb.operands[1:]),
+                          ("c", m.store, m.store.operands[1:3])):
+        got = tuple(aff(v) for v in offs)
+        if got != want[key]:
+            raise _fail(f"{key.upper()} tile offsets must be {_fmt_aff(want[key])} (grid ids pid0, pid1; "
+                        f"K loop variable k), got {_fmt_aff(got)}", op)
+    if tuple(part.grid) != (-(-M // BM), -(-N // BN)):
+        raise _fail(f"the grid must be (cdiv(M, BM), cdiv(N, BN)) = {(-(-M // BM), -(-N // BN))}, "
+                    f"got {part.grid}", part)
+    in_dt = a.dtype.name
+    if in_dt != b.dtype.name or in_dt not in _DTYPE_GMMA:
+        raise _fail(f"A and B must both be f16 or both bf16 for WGMMA, got {a.dtype} and {b.dtype}", m.dot)
+    if m.out_dtype not in _DTYPE_C:
+        raise _fail(f"C must be f16, bf16 or f32, got {c.dtype}", m.store)
+    eb, ob = _DTYPE_BYTES[in_dt], _DTYPE_BYTES[m.out_dtype]
+    for name, pitch in (("A", K * eb), ("B", N * eb), ("C", N * ob)):
+        if pitch % 16:
+            raise _fail(f"TMA needs 16-byte aligned rows: {name}'s row pitch is {pitch} bytes "
+                        f"(pad K and N to multiples of {16 // eb})", m.dot)
+    return M, N, K
+
+
+def _fmt_aff(forms) -> str:
+    def one(f):
+        if f is None:
+            return "<not affine>"
+        parts = [f"{v}*{k}" if k and v != 1 else (k or str(v)) for k, v in sorted(f.items())]
+        return " + ".join(parts) or "0"
+    return "(" + ", ".join(one(f) for f in forms) + ")"
+
+
+def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None) -> GemmConfig:
+    BM, BN, BK = sched.tile
+    cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
+    if BM < 64:
+        raise _fail(f"BM={BM}: WGMMA works on 64-row blocks, so BM must be 64, 128 or 256", loc)
+    if BK < 16:
+        raise _fail(f"BK={BK}: WGMMA consumes K in steps of 16, so BK must be >= 16", loc)
+    if BN < 16:
+        raise _fail(f"BN={BN}: this lowering needs BN >= 16", loc)
+    if cl != (1, 1):
+        raise _fail(f"cluster {cl}: thread-block clusters with TMA multicast are not lowered yet; use (1, 1)", loc)
+    wgs = 2 if BM >= 128 else 1
+    cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
+               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype)
+    acc = (BM // (64 * wgs)) * BN // 2
+    if acc > ACC_LIMIT:
+        raise _fail(f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} fit "
+                    "the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
+    eb, ob = _DTYPE_BYTES[in_dtype], _DTYPE_BYTES[out_dtype]
+    for bufs in (2, 1):
+        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob) <= SMEM_LIMIT:
+            break
+    else:
+        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob)
+        raise _fail(f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
+                    f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
+    regs = (40, 232) if wgs == 2 else (0, 0)
+    return GemmConfig(**cfg, epi_buffers=bufs, producer_regs=regs[0], consumer_regs=regs[1])
+
+
+# -- emitting C++ ------------------------------------------------------------------------------
+
+def _marker(loc) -> str:
+    return f"  // tldsl: {loc.filename}:{loc.lineno}" if loc is not None else ""
+
+
+def _cident(s: str) -> str:
+    s = re.sub(r"[^0-9A-Za-z_]", "_", s)
+    return s if s and not s[0].isdigit() else "_" + s
+
+
+class _WaitEmitter:
+    """C++ for the prologue: only the ops that feed a wait (or contain one), in order."""
+
+    _INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+              "eq": "==", "ne": "!="}
+
+    def __init__(self, kernel: core.Kernel, ops: list[core.Op]):
+        self.kernel = kernel
+        self.ops = ops
+        self.names: dict[int, str] = {}
+        self.n = 0
+        self.signals: list[core.Signal] = []
+        self.tables: list[core.Buffer] = []
+        self.waits = 0
+        self.needed = self._needed()
+
+    def _needed(self) -> set[int]:
+        """ids of ops to emit: waits, their operands' producers (transitively), enclosing control ops."""
+        need: set[int] = set()
+        parent: dict[int, core.Op] = {}
+
+        def index(block, owner):
+            for op in block.ops:
+                if owner is not None:
+                    parent[id(op)] = owner
+                for r in op.regions:
+                    index(r, op)
+        blk = core.Block(list(self.ops))
+        index(blk, None)
+        work = [op for op in blk.walk() if op.name in WAIT_OPS]
+        while work:
+            op = work.pop()
+            if id(op) in need:
+                continue
+            need.add(id(op))
+            if id(op) in parent:
+                work.append(parent[id(op)])
+            # operands' producers (a loop variable's loop is already an enclosing op of its uses)
+            work.extend(v.owner for v in op.operands if isinstance(v.owner, core.Op))
+        return need
+
+    def name(self, v: core.Value) -> str:
+        op = v.owner
+        if isinstance(op, core.Op) and op.name == "const":
+            val = op.attrs["value"]
+            if isinstance(val, bool):
+                return "true" if val else "false"
+            return str(int(val))
+        if v.id not in self.names:
+            raise _fail(f"internal: value {v} used before it was emitted")
+        return self.names[v.id]
+
+    def define(self, v: core.Value) -> str:
+        base = _cident(v.hint or "t")
+        nm = f"{base}_{self.n}"
+        self.n += 1
+        self.names[v.id] = nm
+        return nm
+
+    def emit(self, indent: str = "    ") -> list[str]:
+        lines: list[str] = []
+        self._block(self.ops, indent, lines)
+        return lines
+
+    def _block(self, ops, ind, lines):
+        for op in ops:
+            if id(op) not in self.needed or op.name == "const":
+                continue
+            self._op(op, ind, lines)
+
+    def _op(self, op: core.Op, ind: str, lines: list[str]):
+        mk = _marker(op.loc)
+        n = op.name
+        if n == "program_id":
+            axis = op.attrs["axis"]
+            if axis > 1:
+                raise _fail("the GEMM grid is 2-d", op)
+            lines.append(f"{ind}const int {self.define(op.result)} = pid{axis};{mk}")
+        elif n == "rank":
+            lines.append(f"{ind}const int {self.define(op.result)} = rank;{mk}")
+        elif n == "arith":
+            a, b = (self.name(v) for v in op.operands)
+            kind = op.attrs["op"]
+            is_bool = op.result.type.dtype.name == "i1"
+            if kind in self._INFIX:
+                expr = f"({a} {self._INFIX[kind]} {b})"
+            elif kind == "floordiv":
+                expr = f"tldsl::floordiv({a}, {b})"
+            elif kind == "mod":
+                expr = f"tldsl::floormod({a}, {b})"
+            elif kind == "min":
+                expr = f"tldsl::imin({a}, {b})"
+            elif kind == "max":
+                expr = f"tldsl::imax({a}, {b})"
+            elif kind in ("and", "or"):
+                both_bool = all(v.type.dtype.name == "i1" for v in op.operands)
+                sym = {"and": "&&", "or": "||"}[kind] if both_bool else {"and": "&", "or": "|"}[kind]
+                expr = f"({a} {sym} {b})"
+            else:
+                raise _fail(f"scalar op '{kind}' is not supported in the GEMM prologue", op)
+            ctype = "bool" if is_bool else "int"
+            lines.append(f"{ind}const {ctype} {self.define(op.result)} = {expr};{mk}")
+        elif n == "select":
+            c, a, b = (self.name(v) for v in op.operands)
+            ctype = "bool" if op.result.type.dtype.name == "i1" else "int"
+            lines.append(f"{ind}const {ctype} {self.define(op.result)} = {c} ? {a} : {b};{mk}")
+        elif n == "load_scalar":
+            buf = op.operands[0].owner
+            if buf not in self.tables:
+                self.tables.append(buf)
+            shape = buf.type.shape
+            idx = [self.name(v) for v in op.operands[1:]]
+            terms, stride = [], 1
+            for d in reversed(range(len(shape))):
+                terms.append(f"{idx[d]} * {stride}" if stride != 1 else idx[d])
+                stride *= shape[d]
+            lines.append(f"{ind}const int {self.define(op.result)} = tbl_{_cident(buf.name)}"
+                         f"[{' + '.join(reversed(terms))}];{mk}")
+        elif n == "for":
+            lo, hi, st = (self.name(v) for v in op.operands)
+            iv = self.define(op.regions[0].args[0])
+            lines.append(f"{ind}for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st}) {{{mk}")
+            self._block(op.regions[0].ops, ind + "  ", lines)
+            lines.append(f"{ind}}}")
+        elif n == "if":
+            lines.append(f"{ind}if ({self.name(op.operands[0])}) {{{mk}")
+            self._block(op.regions[0].ops, ind + "  ", lines)
+            lines.append(f"{ind}}}")
+        elif n in WAIT_OPS:
+            sig = op.operands[0].owner
+            if sig not in self.signals:
+                self.signals.append(sig)
+            ch, count = self.name(op.operands[1]), self.name(op.operands[2])
+            scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
+            target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
+                      else f"(unsigned long long)({count})")
+            lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});"
+                         f"  // {n}{mk}")
+            self.waits += 1
+        else:
+            raise _fail(f"'{n}' is not supported in the GEMM prologue", op)
+
+
+def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
+               wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGemm:
+    """Lower ``kernel``'s compute part (the only one, or the one named) to a Hopper GEMM kernel.
+
+    ``cluster`` overrides the schedule's cluster shape (``ComputeSchedule.cluster`` when the
+    schedule has one, else ``(1, 1)``); ``wait_timeout_ns`` compiles the waits with a timeout
+    that traps (debugging hangs)."""
+    if part is None:
+        parts = [p for p in kernel.parts if p.role == "compute"]
+        if len(parts) != 1:
+            raise _fail(f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower", kernel.loc)
+        p = parts[0]
+    else:
+        p = kernel.part(part) if isinstance(part, str) else part
+    if p.role != "compute":
+        raise _fail(f"part '{p.name}' is a {p.role} part; lower_gemm lowers compute parts", p)
+    sched = kernel.compute_schedule or ComputeSchedule()
+    m = match_gemm(kernel, p)
+    M, N, K = _check_shapes(kernel, p, m, sched)
+    in_dt = m.a.type.dtype.name
+    cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=p.loc)
+    em = _WaitEmitter(kernel, m.prologue)
+    wait_lines = em.emit("    ")
+
+    entry = entry or _cident(f"tldsl_{kernel.name}_{p.name}")
+    align_shift = int(getattr(p, "align_shift", 0))
+    params = [KernelParam("tma_a", "const __grid_constant__ cute::TmaDescriptor", "tma", "tma:tma_a"),
+              KernelParam("tma_b", "const __grid_constant__ cute::TmaDescriptor", "tma", "tma:tma_b"),
+              KernelParam("tma_c", "const __grid_constant__ cute::TmaDescriptor", "tma", "tma:tma_c"),
+              KernelParam("M", "int", "i32", "M", M), KernelParam("N", "int", "i32", "N", N),
+              KernelParam("K", "int", "i32", "K", K), KernelParam("rank", "int", "i32", "rank"),
+              KernelParam("launch", "unsigned long long", "u64", "launch")]
+    for s in em.signals:
+        params.append(KernelParam(f"sig_{_cident(s.name)}", "const unsigned long long* __restrict__", "ptr",
+                                  f"signal:{s.name}"))
+    for t in em.tables:
+        params.append(KernelParam(f"tbl_{_cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}"))
+
+    tma = _tma_specs(cfg, m, M, N, K)
+    source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K)
+    options = []
+    if wait_timeout_ns is not None:
+        options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
+    return LoweredGemm(kernel.name, p.name, entry, source, cfg, tuple(params), tma, M, N, K,
+                       tuple(p.grid), kernel.world_size, align_shift, em.waits,
+                       tuple(s.name for s in em.signals), tuple(options))
+
+
+def _tma_specs(cfg: GemmConfig, m: _Match, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
+    eb, ob = cfg.elem_bytes, cfg.out_bytes
+    a = TmaDescriptorSpec("tma_a", m.a.name, "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (K, M), (K * eb,),
+                          (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA])
+    b = TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (N, K), (N * eb,),
+                          (cfg.EB, cfg.BK), (1, 1), _SWIZZLE[cfg.SB])
+    c = TmaDescriptorSpec("tma_c", m.c.name, "C", cfg.out_dtype, _TMA_DATA_TYPE[cfg.out_dtype], (N, M), (N * ob,),
+                          (cfg.EC, 64), (1, 1), _SWIZZLE[cfg.SC], l2_promotion="CU_TENSOR_MAP_L2_PROMOTION_NONE")
+    return (a, b, c)
+
+
+def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
+                 align_shift, M, N, K) -> str:
+    gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
+            "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
+    part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
+    digest = hashlib.sha256(repr((kernel.name, part.name, cfg)).encode()).hexdigest()[:12]
+    L = [
+        f"// Generated by tldsl.codegen.lower_gemm — do not edit. Kernel '{kernel.name}', compute part "
+        f"'{part.name}' ({part.loc}).",
+        f"// C[{M}x{N}] {cfg.out_dtype} = A[{M}x{K}] {cfg.in_dtype} ('{m.a.name}') @ B[{K}x{N}] {cfg.in_dtype} "
+        f"('{m.b.name}') -> '{m.c.name}'",
+        f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}, cluster {cfg.cluster}; "
+        f"config {digest}",
+        '#include "tldsl/sm90_gemm.hpp"',
+        "",
+        "namespace {",
+        "",
+        "struct Cfg {",
+        f"  using ElemAB = {_DTYPE_C[cfg.in_dtype]};",
+        f"  using ElemC = {_DTYPE_C[cfg.out_dtype]};",
+        f"  using Gmma = {gmma};{dot_mk}",
+        f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
+        f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
+        f"kEpiBuffers = {cfg.epi_buffers};",
+        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
+        f"kWorldSize = {kernel.world_size}, kAlignShift = {align_shift};",
+        f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+        "};",
+        "using Tr = tldsl::sm90::GemmTraits<Cfg>;",
+        "// The host computed these (TMA boxes, dynamic shared memory); the template must agree.",
+        f"static_assert(Tr::kSmemBytes == {cfg.smem_bytes}, \"host/device shared-memory size mismatch\");",
+        f"static_assert(Tr::EA == {cfg.EA} && Tr::EB == {cfg.EB} && Tr::EC == {cfg.EC}, "
+        "\"host/device TMA box mismatch\");",
+        f"static_assert(Tr::kThreads == {cfg.threads}, \"host/device block size mismatch\");",
+        "",
+    ]
+    if em.waits:
+        members = ["  int rank;", "  unsigned long long launch;"]
+        members += [f"  const unsigned long long* sig_{_cident(s.name)};" for s in em.signals]
+        members += [f"  const int* tbl_{_cident(t.name)};" for t in em.tables]
+        L += ["// The tile program's waits, run by the producer before each tile's TMA loads.",
+              "struct TileWaits {",
+              "  static constexpr bool kEnabled = true;",
+              *members,
+              "  __device__ __forceinline__ void operator()(int pid0, int pid1) const {",
+              "    (void)pid0; (void)pid1;",
+              *wait_lines,
+              "  }",
+              "};",
+              ""]
+        init = ["rank", "launch"] + [f"sig_{_cident(s.name)}" for s in em.signals] + \
+               [f"tbl_{_cident(t.name)}" for t in em.tables]
+        waits_expr = "TileWaits{" + ", ".join(init) + "}"
+    else:
+        waits_expr = "tldsl::sm90::NoWaits{}"
+    L += ["}  // namespace", ""]
+    plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
+    L += [f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)',
+          f"{entry}(",
+          f"    {plist}) {{",
+          "  (void)launch;",
+          f"  tldsl::sm90::gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, M, N, K, rank, {waits_expr});{dot_mk}",
+          f"  // stores: {m.c.name}{store_mk}",
+          "}",
+          ""]
+    return "\n".join(L)

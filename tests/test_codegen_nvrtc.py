@@ -1,0 +1,161 @@
+"""Generated Hopper GEMMs compiled with NVRTC for sm_90a (no GPU needed), checked on their SASS.
+
+Skipped — with the reason — only where the CUDA wheels are missing (see
+``tldsl.codegen.toolchain.REQUIREMENTS``); CI installs them.
+
+SASS expectations for every generated GEMM: WGMMA ran as tensor-core code (``HGMMA``), TMA
+loads and stores (``UTMALDG``, ``UTMASTG``), mbarriers (``SYNCS``), no trap (``BPT.TRAP``), and
+the spill budget below. A GEMM whose tile program waits also has the acquire loads of its
+signals (``LDG.E.64.STRONG.SYS`` / ``.GPU``) and the async-proxy fence (``FENCE.VIEW.ASYNC.G``).
+"""
+import time
+
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.cache import KernelCache
+from tldsl.codegen.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
+from tldsl.codegen.lower_gemm import lower_gemm
+
+from test_codegen_host import trace_ag, trace_plain
+
+_OK, _WHY = tcm.toolchain_available()
+pytestmark = [pytest.mark.nvrtc,
+              pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")]
+
+#: Spill budget: no bytes of spill stores/loads, no local-memory instructions, no stack.
+SPILL_BUDGET_BYTES = 0
+#: The launch bound of a 384-thread CTA caps ptxas at 168 registers (consumers raise theirs with setmaxnreg).
+MAX_REGISTERS = 168
+
+needs_cuobjdump = pytest.mark.skipif(_OK and tcm.find_toolchain().cuobjdump is None,
+                                     reason="cuobjdump missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return KernelCache(tmp_path / "cache")
+
+
+def test_toolchain_found_with_pinned_versions():
+    tc = tcm.find_toolchain()
+    assert tc.nvrtc_version.startswith("13.0")
+    assert tc.cccl_version in tcm.CCCL_TESTED
+    assert (tc.cutlass_include / "cute" / "arch" / "mma_sm90_gmma.hpp").exists()
+    assert (tc.cuda_include / "crt" / "mma.h").exists()
+    _, major, minor = tc.nvrtc().nvrtcVersion()
+    assert (major, minor) == (13, 0)
+    assert "NVRTC 13.0" in str(tc)
+
+
+def check_sass(ck, *, waits_scope=None):
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] <= SPILL_BUDGET_BYTES and info["spill_load_bytes"] <= SPILL_BUDGET_BYTES, info
+    assert info["stack_bytes"] == 0 and info["registers"] <= MAX_REGISTERS, info
+    for warning in ("C7510", "C7514", "C7515"):       # serialised WGMMA pipelines
+        assert warning not in ck.log, ck.log
+    if tcm.find_toolchain().cuobjdump is None:
+        return None
+    k = ck.sass()[ck.name]
+    s = k.summary()
+    assert s["HGMMA"] > 0 and s["UTMALDG"] > 0 and s["UTMASTG"] > 0 and s["SYNCS"] > 0, s
+    assert s["BPT.TRAP"] == 0 and s["LDL/STL"] == 0 and s["local_bytes"] == 0, s
+    assert k.count("USETMAXREG") in (0, 2)
+    acquires = k.count("LDG.E.64.STRONG.SYS") + k.count("LDG.E.64.STRONG.GPU")
+    if waits_scope is None:
+        assert acquires == 0 and k.count("FENCE.VIEW.ASYNC.G") == 0
+    else:
+        assert k.count(f"LDG.E.64.STRONG.{waits_scope}") > 0, sorted(k.mnemonics)
+        assert k.count("FENCE.VIEW.ASYNC.G") > 0
+    return k
+
+
+SCHEDULES = [
+    dict(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, odt=tl.float16),
+    dict(tile=(128, 256, 64), stages=4, order="swizzled", dt=tl.bfloat16, odt=tl.bfloat16),
+    dict(tile=(64, 128, 32), stages=6, order="comm_aligned", dt=tl.float16, odt=tl.float32),
+]
+
+
+@needs_cuobjdump
+def test_generated_gemms_compile_for_sm90a(cache):
+    lgs = [lower_gemm(trace_plain(M=1000, N=776, K=520, **s)) for s in SCHEDULES]
+    events = []
+    t0 = time.perf_counter()
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lgs], cache=cache,
+                       progress=events.append)
+    wall = time.perf_counter() - t0
+    for lg, ck in zip(lgs, cks):
+        assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
+        k = check_sass(ck)
+        assert k.count(f"HGMMA.64x{lg.config.BN}x16.F32") > 0     # the tile's N reached the instruction
+        print(f"{lg.config.BM}x{lg.config.BN}x{lg.config.BK}: {ck.compile_seconds:.1f} s {ck.timings} "
+              f"{k.summary()}")
+    print(f"{len(lgs)} kernels in {wall:.1f} s")
+    stages = {e.stage for e in events}
+    assert {"cache-miss", "queued", "done"} <= stages
+    assert all(e.elapsed >= 0 and e.kernel for e in events)
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("comm,scope", [
+    (tl.CommSchedule(tile_m=64, mode="push", order="full_mesh"), "SYS"),     # peer_tile_wait
+    (tl.CommSchedule(tile_m=128, mode="pull"), "GPU"),                       # consumer_tile_wait
+])
+def test_gemm_with_waits_compiles(cache, comm, scope):
+    lg = lower_gemm(trace_ag(W=4, comm=comm, tile=(128, 128, 64), stages=4, order="comm_aligned"))
+    ck = lg.compile(cache=cache, progress=False)
+    check_sass(ck, waits_scope=scope)
+
+
+def test_cache_hit_is_fast_and_keyed_on_options(cache):
+    lg = lower_gemm(trace_plain(tile=(128, 64, 64), stages=3))
+    first = lg.compile(cache=cache, progress=False)
+    assert not first.cached
+    t0 = time.perf_counter()
+    hit = lg.compile(cache=cache, progress=False)
+    elapsed = time.perf_counter() - t0
+    assert hit.cached and hit.cubin == first.cubin and hit.key == first.key
+    assert elapsed < 0.05, f"cache hit took {elapsed * 1000:.1f} ms"
+    assert hit.compile_seconds == pytest.approx(first.compile_seconds)
+    other = lg.compile(cache=cache, progress=False, options=["-DTLDSL_UNUSED_FLAG=1"])
+    assert not other.cached and other.key != first.key
+    assert other.options != first.options
+
+
+def test_compile_error_points_at_generated_line_and_dsl_line(cache):
+    lg = lower_gemm(trace_ag(comm=tl.CommSchedule(tile_m=64, mode="pull")))
+    needle = "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_gather_a_ready"
+    assert needle in lg.source
+    bad = lg.source.replace(needle, "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_not_declared")
+    line = next(i for i, l in enumerate(bad.splitlines(), 1) if "sig_not_declared" in l)
+    with pytest.raises(CudaCompileError) as ei:
+        compile_cuda(bad, lg.entry, cache=cache, progress=False)
+    e = ei.value
+    assert isinstance(e, tl.CompilationError)
+    assert line in e.sites
+    assert e.loc is not None and e.loc.filename.endswith("allgather_gemm.py")
+    assert "wait_rows" in e.loc.source                           # the tile program's line
+    msg = str(e)
+    assert 'identifier "sig_not_declared" is undefined' in msg and f">{line} |" in msg.replace("  >", ">")
+
+
+def test_template_error_reports_instantiation_site(cache):
+    lg = lower_gemm(trace_plain())
+    bad = lg.source.replace(f"Tr::kSmemBytes == {lg.smem_bytes}", f"Tr::kSmemBytes == {lg.smem_bytes + 1}")
+    with pytest.raises(CudaCompileError) as ei:
+        compile_cuda(bad, lg.entry, cache=cache, progress=False)
+    assert "host/device shared-memory size mismatch" in str(ei.value)
+
+
+def test_progress_reports_every_stage(cache):
+    events = []
+    src = 'extern "C" __global__ void tldsl_tiny(float* x) { x[threadIdx.x] *= 2.f; }\n'
+    ck = compile_cuda(src, "tldsl_tiny", cache=cache, progress=events.append)
+    assert [e.stage for e in events][:2] == ["cache-miss", "queued"] and events[-1].stage == "done"
+    assert any(e.stage == "nvrtc-phase" for e in events)
+    assert "front_end" in ck.timings and "ptxas" in ck.timings
+    assert str(events[-1]).startswith("[tldsl] tldsl_tiny: compiled in")
+    events.clear()
+    assert compile_cuda(src, "tldsl_tiny", cache=cache, progress=events.append).cached and events == []

@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 	touch $@
 
-.PHONY: install demo test mutants
+.PHONY: install demo test mutants gpu-test
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -22,3 +22,7 @@ test: $(VENV)/.installed
 
 mutants: $(VENV)/.installed
 	$(PY) -m tldsl.testing.mutants
+
+# On a GPU host (torch + cuda-python + an H200): the GPU tests, then the GEMM benchmark.
+gpu-test:
+	python3 -m pytest -q -m gpu tests

@@ -71,6 +71,13 @@ def test_waits_block_until_flags_are_set():
     b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
     c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     sig = {s: torch.zeros(64, device="cuda", dtype=torch.int64) for s in lw.signals}
+    # Everything that runs while the kernel spins must already be loaded: with CUDA's lazy
+    # module loading, loading a kernel waits for the spinning one, which waits for it.
+    torch.cuda._sleep(1000)
+    assert torch.isnan(c).all().item()
+    for s in sig.values():
+        s.fill_(0)
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         kern({"a_gathered": a, "b": b, "c": c}, signals=sig)

@@ -728,3 +728,18 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
           "}",
           ""]
     return "\n".join(L)
+
+
+def matches(kernel: core.Kernel, part: core.Part) -> bool:
+    """Whether :func:`lower_gemm` recognises ``part`` (a GEMM-shaped compute part)."""
+    if part.role != "compute":
+        return False
+    try:
+        match_gemm(kernel, part)
+    except LoweringError:
+        return False
+    return True
+
+
+def lower(kernel: core.Kernel, part: core.Part, **options) -> LoweredGemm:
+    return lower_gemm(kernel, part, **options)

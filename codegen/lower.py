@@ -1,0 +1,38 @@
+"""One entry point from a part of a kernel's IR to generated CUDA: each lowering module says
+which parts it recognises; the first that matches lowers the part.
+
+Lowerings (one module each): ``lower_gemm`` (GEMM-shaped compute parts). Others register
+here as they are written; a part no lowering recognises gets a LoweringError naming it.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..ir import core
+from .lower_gemm import LoweringError
+
+#: module names under tldsl.codegen, tried in order; each has ``matches(kernel, part) -> bool``
+#: and ``lower(kernel, part, **options)``.
+LOWERINGS: list[str] = ["lower_gemm"]
+
+
+def _module(name):
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def lower(kernel: core.Kernel, part: str | core.Part, **options):
+    """Lower one part of ``kernel`` with the first lowering that recognises it."""
+    p = kernel.part(part) if isinstance(part, str) else part
+    tried = []
+    for name in LOWERINGS:
+        mod = _module(name)
+        if mod.matches(kernel, p):
+            return mod.lower(kernel, p, **options)
+        tried.append(name)
+    raise LoweringError(f"no lowering recognises {p.role} part '{p.name}' of kernel '{kernel.name}' "
+                        f"(tried {', '.join(tried)})", p.loc)
+
+
+def lower_all(kernel: core.Kernel, **options) -> dict:
+    """Every part of ``kernel`` lowered: {part name: lowered kernel}."""
+    return {p.name: lower(kernel, p, **options) for p in kernel.parts}

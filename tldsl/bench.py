@@ -47,6 +47,26 @@ def _time(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def _time_interleaved(fns, iters: int, warmup: int = 5) -> list[float]:
+    """Median ms of each function, timed alternately launch by launch so that clock and
+    thermal drift hit all of them alike."""
+    import torch
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for f, ts in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            f()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end))
+    return [statistics.median(ts) for ts in times]
+
+
 def _schedule(c):
     import tldsl as tl
     BM, BN, BK, stages, order, group_m = c
@@ -132,7 +152,13 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
         kw(buffers, signals=sig)
         torch.cuda.synchronize()
         bad = _check(cbuf, ref, f"{M}x{N}x{K} with waits")
-        t_waits = _time(lambda: kw(buffers, signals=sig), iters) if not bad else None
+        t_waits = None
+        if not bad:   # plain vs waits, interleaved, with torch in the same rounds
+            best_kern = GemmKernel(lowered[cands.index(c)], compiled[cands.index(c)])
+            cplain = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
+            t_ours, t_waits, t_torch = _time_interleaved(
+                [lambda: best_kern(a=a, b=b, c=cplain), lambda: kw(buffers, signals=sig),
+                 lambda: torch.matmul(a, b)], iters)
         flops = 2 * M * N * K
         rows.append(dict(M=M, N=N, K=K, schedule=list(c), torch_ms=t_torch, ours_ms=t_ours, waits_ms=t_waits,
                          torch_tflops=flops / t_torch / 1e9, ours_tflops=flops / t_ours / 1e9,

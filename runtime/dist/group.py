@@ -1,0 +1,54 @@
+"""Who we are in the process group, and the symmetric-memory backend."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from ...errors import InputError
+from ..gpu.device import require_gpu
+
+# NVLink multicast can take a shared host's GPUs out of service: keep it off everywhere.
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    device: int
+    group: object
+    group_name: str
+    backend: str          # symmetric-memory backend in use
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_backend() -> str:
+    """torch's NVSHMEM symmetric-memory backend when available (device-initiated puts and
+    nvshmem_ptr for generated kernels, one NVSHMEM runtime shared with torch), else CUDA IPC."""
+    import torch.distributed._symmetric_memory as symm_mem
+    try:
+        if getattr(symm_mem, "is_nvshmem_available", lambda: False)():
+            symm_mem.set_backend("NVSHMEM")
+            return "NVSHMEM"
+    except Exception:   # noqa: BLE001 - fall back to the CUDA backend, which always exists
+        pass
+    return "CUDA"
+
+
+def dist_context(group=None) -> DistContext:
+    """The current rank's view of ``group`` (default: WORLD). torch.distributed must be
+    initialised (torchrun + ``dist.init_process_group('nccl')``)."""
+    import torch
+    import torch.distributed as dist
+    for k, v in _SAFE_ENV.items():
+        if os.environ.get(k, v) != v:
+            raise InputError(f"{k}={os.environ[k]}: tldsl needs {k}={v} (NVLink multicast must stay off)")
+        os.environ[k] = v
+    require_gpu()
+    if not dist.is_initialized():
+        raise InputError("torch.distributed is not initialised: run under torchrun and call "
+                         "torch.distributed.init_process_group('nccl') first")
+    group = group or dist.group.WORLD
+    return DistContext(dist.get_rank(group), dist.get_world_size(group), torch.cuda.current_device(), group,
+                       group.group_name, _choose_backend())

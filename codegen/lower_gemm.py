@@ -43,10 +43,11 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from ..errors import CompilationError
 from ..ir import core
-from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, WAIT_OPS
+from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
+from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident as _cident, marker as _marker
+from .scalars import needed_ops
 
 SMEM_LIMIT = 232448           # dynamic shared memory per block on sm_90 (227 KiB)
 ACC_LIMIT = 128               # fp32 accumulators per consumer thread we allow (register file)
@@ -60,8 +61,6 @@ _TMA_DATA_TYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_M
 _SWIZZLE = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
 
-class LoweringError(CompilationError):
-    """The tile program (or its schedule) is outside what this lowering handles."""
 
 
 # -- host-side description ----------------------------------------------------------------------
@@ -199,6 +198,8 @@ class LoweredGemm:
     signals: tuple[str, ...]         # signals the waits read (kernel params "sig_<name>")
     options: tuple[str, ...] = ()    # extra NVRTC options (defines)
     notes: tuple[str, ...] = field(default=())
+    notifies: int = 0                # notify ops in the tile program's epilogue (after the store)
+    notify_signals: tuple[str, ...] = ()   # signals they add to (params "sig_<name>" / "sig_<name>_peers")
 
     @property
     def num_tiles(self) -> int:
@@ -234,7 +235,8 @@ class LoweredGemm:
                  f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads), "
                  f"{c.acc_per_thread} fp32 acc/thread, smem {c.smem_bytes} B",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
-                 f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}",
+                 f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}; "
+                 f"{self.notifies} notify(s) on {list(self.notify_signals) or 'no signals'} after the tile's stores",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         for t in self.tma:
             lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
@@ -311,6 +313,7 @@ class _Match:
     store: core.Op
     out_dtype: str
     frag: core.Op
+    epilogue: list[core.Op] = field(default_factory=list)   # after the store: index code + notifies
 
 
 def _buffer_of(v: core.Value, what: str, op) -> core.Buffer:
@@ -337,6 +340,16 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
     frag = rest[0]
     if frag.result.type.dtype.name != "f32" or frag.attrs.get("value", 0) != 0:
         raise _fail("the accumulator must be an f32 fragment initialised to 0", frag)
+    # after the first top-level store: the epilogue (index code and notifies only)
+    si = next((i for i, op in enumerate(rest) if op.name == "store"), None)
+    epilogue = rest[si + 1:] if si is not None else []
+    rest = rest[:si + 1] if si is not None else rest
+    allowed_epi = SCALAR_OPS | CONTROL_OPS | NOTIFY_OPS
+    for op in epilogue:
+        for sub in [op, *[o for r in op.regions for o in r.walk()]]:
+            if sub.name not in allowed_epi:
+                raise _fail(f"'{sub.name}' after the tile's store is not supported by the GEMM lowering (only "
+                            "index arithmetic, loops, conditions and notifies may follow the store)", sub)
     loops = [op for op in rest if op.name == "for"]
     if len(loops) != 1:
         raise _fail(f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
@@ -366,7 +379,7 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
     a, b = _buffer_of(la.operands[0], "A", la), _buffer_of(lb.operands[0], "B", lb)
     c = _buffer_of(store.operands[0], "C", store)
     out_dtype = c.type.dtype.name
-    return _Match(a, b, c, prologue, loop, dot, store, out_dtype, frag)
+    return _Match(a, b, c, prologue, loop, dot, store, out_dtype, frag, epilogue)
 
 
 def _check_shapes(kernel: core.Kernel, part: core.Part, m: _Match, sched: ComputeSchedule):
@@ -451,156 +464,98 @@ def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, clus
 
 # -- emitting C++ ------------------------------------------------------------------------------
 
-def _marker(loc) -> str:
-    return f"  // tldsl: {loc.filename}:{loc.lineno}" if loc is not None else ""
+class _SyncEmitter(ScalarEmitter):
+    """C++ for one end of a GEMM tile: only the sync ops of ``roots`` (waits before the tile's
+    loads, notifies after its stores), the index code that feeds them and the loops and
+    conditions around them, in program order (see :mod:`.scalars`)."""
 
-
-def _cident(s: str) -> str:
-    s = re.sub(r"[^0-9A-Za-z_]", "_", s)
-    return s if s and not s[0].isdigit() else "_" + s
-
-
-class _WaitEmitter:
-    """C++ for the prologue: only the ops that feed a wait (or contain one), in order."""
-
-    _INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
-              "eq": "==", "ne": "!="}
+    roots: frozenset = frozenset()
+    what = "the GEMM lowering"
 
     def __init__(self, kernel: core.Kernel, ops: list[core.Op]):
+        super().__init__(needed_ops(ops, lambda op: op.name in self.roots))
         self.kernel = kernel
         self.ops = ops
-        self.names: dict[int, str] = {}
-        self.n = 0
-        self.signals: list[core.Signal] = []
-        self.tables: list[core.Buffer] = []
-        self.waits = 0
-        self.needed = self._needed()
+        self.signals: list[core.Signal] = []        # this rank's copy: params sig_<name>
+        self.peer_signals: list[core.Signal] = []   # every rank's copy: params sig_<name>_peers
 
-    def _needed(self) -> set[int]:
-        """ids of ops to emit: waits, their operands' producers (transitively), enclosing control ops."""
-        need: set[int] = set()
-        parent: dict[int, core.Op] = {}
+    def fail(self, msg, op=None):
+        return _fail(msg, op)
 
-        def index(block, owner):
-            for op in block.ops:
-                if owner is not None:
-                    parent[id(op)] = owner
-                for r in op.regions:
-                    index(r, op)
-        blk = core.Block(list(self.ops))
-        index(blk, None)
-        work = [op for op in blk.walk() if op.name in WAIT_OPS]
-        while work:
-            op = work.pop()
-            if id(op) in need:
-                continue
-            need.add(id(op))
-            if id(op) in parent:
-                work.append(parent[id(op)])
-            # operands' producers (a loop variable's loop is already an enclosing op of its uses)
-            work.extend(v.owner for v in op.operands if isinstance(v.owner, core.Op))
-        return need
-
-    def name(self, v: core.Value) -> str:
-        op = v.owner
-        if isinstance(op, core.Op) and op.name == "const":
-            val = op.attrs["value"]
-            if isinstance(val, bool):
-                return "true" if val else "false"
-            return str(int(val))
-        if v.id not in self.names:
-            raise _fail(f"internal: value {v} used before it was emitted")
-        return self.names[v.id]
-
-    def define(self, v: core.Value) -> str:
-        base = _cident(v.hint or "t")
-        nm = f"{base}_{self.n}"
-        self.n += 1
-        self.names[v.id] = nm
-        return nm
+    def pid_expr(self, axis, op):
+        if axis > 1:
+            raise _fail("the GEMM grid is 2-d", op)
+        return f"pid{axis}"
 
     def emit(self, indent: str = "    ") -> list[str]:
-        lines: list[str] = []
-        self._block(self.ops, indent, lines)
-        return lines
+        return super().emit(self.ops, indent)
 
-    def _block(self, ops, ind, lines):
-        for op in ops:
-            if id(op) not in self.needed or op.name == "const":
-                continue
-            self._op(op, ind, lines)
+    def _use(self, sig: core.Signal, peers: bool = False):
+        lst = self.peer_signals if peers else self.signals
+        if sig not in lst:
+            lst.append(sig)
 
-    def _op(self, op: core.Op, ind: str, lines: list[str]):
-        mk = _marker(op.loc)
+
+class _WaitEmitter(_SyncEmitter):
+    """The tile program's prologue: the waits a tile's loads depend on."""
+
+    roots = WAIT_OPS
+
+    def __init__(self, kernel: core.Kernel, ops: list[core.Op]):
+        super().__init__(kernel, ops)
+        self.waits = 0
+
+    def emit_other(self, op, ind, lines):
         n = op.name
-        if n == "program_id":
-            axis = op.attrs["axis"]
-            if axis > 1:
-                raise _fail("the GEMM grid is 2-d", op)
-            lines.append(f"{ind}const int {self.define(op.result)} = pid{axis};{mk}")
-        elif n == "rank":
-            lines.append(f"{ind}const int {self.define(op.result)} = rank;{mk}")
-        elif n == "arith":
-            a, b = (self.name(v) for v in op.operands)
-            kind = op.attrs["op"]
-            is_bool = op.result.type.dtype.name == "i1"
-            if kind in self._INFIX:
-                expr = f"({a} {self._INFIX[kind]} {b})"
-            elif kind == "floordiv":
-                expr = f"tldsl::floordiv({a}, {b})"
-            elif kind == "mod":
-                expr = f"tldsl::floormod({a}, {b})"
-            elif kind == "min":
-                expr = f"tldsl::imin({a}, {b})"
-            elif kind == "max":
-                expr = f"tldsl::imax({a}, {b})"
-            elif kind in ("and", "or"):
-                both_bool = all(v.type.dtype.name == "i1" for v in op.operands)
-                sym = {"and": "&&", "or": "||"}[kind] if both_bool else {"and": "&", "or": "|"}[kind]
-                expr = f"({a} {sym} {b})"
-            else:
-                raise _fail(f"scalar op '{kind}' is not supported in the GEMM prologue", op)
-            ctype = "bool" if is_bool else "int"
-            lines.append(f"{ind}const {ctype} {self.define(op.result)} = {expr};{mk}")
-        elif n == "select":
-            c, a, b = (self.name(v) for v in op.operands)
-            ctype = "bool" if op.result.type.dtype.name == "i1" else "int"
-            lines.append(f"{ind}const {ctype} {self.define(op.result)} = {c} ? {a} : {b};{mk}")
-        elif n == "load_scalar":
-            buf = op.operands[0].owner
-            if buf not in self.tables:
-                self.tables.append(buf)
-            shape = buf.type.shape
-            idx = [self.name(v) for v in op.operands[1:]]
-            terms, stride = [], 1
-            for d in reversed(range(len(shape))):
-                terms.append(f"{idx[d]} * {stride}" if stride != 1 else idx[d])
-                stride *= shape[d]
-            lines.append(f"{ind}const int {self.define(op.result)} = tbl_{_cident(buf.name)}"
-                         f"[{' + '.join(reversed(terms))}];{mk}")
-        elif n == "for":
-            lo, hi, st = (self.name(v) for v in op.operands)
-            iv = self.define(op.regions[0].args[0])
-            lines.append(f"{ind}for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st}) {{{mk}")
-            self._block(op.regions[0].ops, ind + "  ", lines)
-            lines.append(f"{ind}}}")
-        elif n == "if":
-            lines.append(f"{ind}if ({self.name(op.operands[0])}) {{{mk}")
-            self._block(op.regions[0].ops, ind + "  ", lines)
-            lines.append(f"{ind}}}")
-        elif n in WAIT_OPS:
-            sig = op.operands[0].owner
-            if sig not in self.signals:
-                self.signals.append(sig)
-            ch, count = self.name(op.operands[1]), self.name(op.operands[2])
-            scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-            target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-                      else f"(unsigned long long)({count})")
-            lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});"
-                         f"  // {n}{mk}")
-            self.waits += 1
-        else:
+        if n not in WAIT_OPS:
             raise _fail(f"'{n}' is not supported in the GEMM prologue", op)
+        sig = op.operands[0].owner
+        self._use(sig)
+        ch, count = self.name(op.operands[1], op), self.name(op.operands[2], op)
+        scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
+        target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
+                  else f"(unsigned long long)({count})")
+        lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});"
+                     f"  // {n}{_marker(op.loc)}")
+        self.waits += 1
+
+
+class _NotifyEmitter(_SyncEmitter):
+    """The tile program's epilogue: the notifies after a tile's store (e.g. GEMM +
+    ReduceScatter's ``notify_rows``). Run by one thread once the tile's TMA stores are
+    complete, after one ``fence.acq_rel`` at the widest scope of the notifies; each notify is
+    then a relaxed (strong) atomic add at its own scope — together a release pattern."""
+
+    roots = NOTIFY_OPS
+
+    def __init__(self, kernel: core.Kernel, ops: list[core.Op]):
+        super().__init__(kernel, ops)
+        self.notifies = 0
+        self.sys_scope = False
+
+    def emit_other(self, op, ind, lines):
+        n = op.name
+        if n not in NOTIFY_OPS:
+            raise _fail(f"'{n}' after the tile's store is not supported by the GEMM lowering (only index "
+                        "arithmetic, loops and notifies may follow the store)", op)
+        sig = op.operands[0].owner
+        ch = self.name(op.operands[1], op)
+        scope = op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n])
+        self.sys_scope |= scope == "sys"
+        cscope = "tldsl::kScopeSys" if scope == "sys" else "tldsl::kScopeGpu"
+        if n == "producer_tile_notify" or _is_this_rank(op.operands[2]):
+            self._use(sig)
+            slot = f"sig_{_cident(sig.name)} + {ch}"
+        else:
+            self._use(sig, peers=True)
+            slot = f"sig_{_cident(sig.name)}_peers[{self.name(op.operands[2], op)}] + {ch}"
+        lines.append(f"{ind}tldsl::red_relaxed_add<{cscope}>({slot}, 1ull);  // {n}{_marker(op.loc)}")
+        self.notifies += 1
+
+
+def _is_this_rank(v: core.Value) -> bool:
+    """Whether a rank operand is ``tl.rank()`` itself (the access is local)."""
+    return isinstance(v.owner, core.Op) and v.owner.name == "rank"
 
 
 def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
@@ -626,6 +581,10 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=p.loc)
     em = _WaitEmitter(kernel, m.prologue)
     wait_lines = em.emit("    ")
+    # the epilogue's index code may use values of the prologue or between the loop and the store
+    between = [op for op in p.body.ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
+    ne = _NotifyEmitter(kernel, list(m.prologue) + between + list(m.epilogue))
+    notify_lines = ne.emit("    ")
 
     entry = entry or _cident(f"tldsl_{kernel.name}_{p.name}")
     align_shift = int(getattr(p, "align_shift", 0))
@@ -635,20 +594,31 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
               KernelParam("M", "int", "i32", "M", M), KernelParam("N", "int", "i32", "N", N),
               KernelParam("K", "int", "i32", "K", K), KernelParam("rank", "int", "i32", "rank"),
               KernelParam("launch", "unsigned long long", "u64", "launch")]
-    for s in em.signals:
-        params.append(KernelParam(f"sig_{_cident(s.name)}", "const unsigned long long* __restrict__", "ptr",
-                                  f"signal:{s.name}"))
-    for t in em.tables:
+    for s in em.signals:   # waited on (and maybe notified): this rank's copy
+        ctype = ("unsigned long long* __restrict__" if s in ne.signals
+                 else "const unsigned long long* __restrict__")
+        params.append(KernelParam(f"sig_{_cident(s.name)}", ctype, "ptr", f"signal:{s.name}"))
+    for s in ne.signals:   # notified only
+        if s not in em.signals:
+            params.append(KernelParam(f"sig_{_cident(s.name)}", "unsigned long long* __restrict__", "ptr",
+                                      f"signal:{s.name}"))
+    for s in ne.peer_signals:
+        params.append(KernelParam(f"sig_{_cident(s.name)}_peers", "unsigned long long* const* __restrict__", "ptr",
+                                  f"peer_signals:{s.name}"))
+    tables = list(em.tables) + [t for t in ne.tables if t not in em.tables]
+    for t in tables:
         params.append(KernelParam(f"tbl_{_cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}"))
 
     tma = _tma_specs(cfg, m, M, N, K)
-    source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K)
+    source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
+    notified = [s.name for s in ne.signals] + [s.name for s in ne.peer_signals if s not in ne.signals]
     return LoweredGemm(kernel.name, p.name, entry, source, cfg, tuple(params), tma, M, N, K,
                        tuple(p.grid), kernel.world_size, align_shift, em.waits,
-                       tuple(s.name for s in em.signals), tuple(options))
+                       tuple(s.name for s in em.signals), tuple(options),
+                       notifies=ne.notifies, notify_signals=tuple(notified))
 
 
 def _tma_specs(cfg: GemmConfig, m: _Match, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
@@ -663,7 +633,7 @@ def _tma_specs(cfg: GemmConfig, m: _Match, M: int, N: int, K: int) -> tuple[TmaD
 
 
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
-                 align_shift, M, N, K) -> str:
+                 align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=()) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
@@ -717,13 +687,35 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         waits_expr = "TileWaits{" + ", ".join(init) + "}"
     else:
         waits_expr = "tldsl::sm90::NoWaits{}"
+    notifies_arg = ""
+    if ne is not None and ne.notifies:
+        members = ["  int rank;"]
+        members += [f"  unsigned long long* sig_{_cident(s.name)};" for s in ne.signals]
+        members += [f"  unsigned long long* const* sig_{_cident(s.name)}_peers;" for s in ne.peer_signals]
+        members += [f"  const int* tbl_{_cident(t.name)};" for t in ne.tables]
+        scope = "tldsl::kScopeSys" if ne.sys_scope else "tldsl::kScopeGpu"
+        L += ["// The tile program's notifies after its store, run by one consumer thread once the tile's",
+              "// TMA stores are complete, after fence.acq_rel at kScope (each add is then a release).",
+              "struct TileNotifies {",
+              "  static constexpr bool kEnabled = true;",
+              f"  static constexpr int kScope = {scope};",
+              *members,
+              "  __device__ __forceinline__ void operator()(int pid0, int pid1) const {",
+              "    (void)pid0; (void)pid1;",
+              *notify_lines,
+              "  }",
+              "};",
+              ""]
+        init = ["rank"] + [f"sig_{_cident(s.name)}" for s in ne.signals] + \
+               [f"sig_{_cident(s.name)}_peers" for s in ne.peer_signals] + [f"tbl_{_cident(t.name)}" for t in ne.tables]
+        notifies_arg = ", TileNotifies{" + ", ".join(init) + "}"
     L += ["}  // namespace", ""]
     plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
     L += [f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)',
           f"{entry}(",
           f"    {plist}) {{",
           "  (void)launch;",
-          f"  tldsl::sm90::gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, M, N, K, rank, {waits_expr});{dot_mk}",
+          f"  tldsl::sm90::gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, M, N, K, rank, {waits_expr}{notifies_arg});{dot_mk}",
           f"  // stores: {m.c.name}{store_mk}",
           "}",
           ""]

@@ -54,7 +54,10 @@ class AllGatherMatmul:
         spec = tl.TensorSpec
         self.ir = allgather_gemm.trace(W, spec((self.Ms, self.K), ir_dtype), spec((self.K, self.N), ir_dtype),
                                        spec((W * self.Ms, self.N), ir_dtype), compute=self.compute, comm=comm)
-        self.lowered = lower(self.ir, "gemm")
+        import os
+        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
+        self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
+        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         self.gemm = GemmKernel(self.lowered, progress=progress)
         (self.signal,) = self.lowered.signals
         dev = torch.device("cuda", self.ctx.device)
@@ -97,6 +100,9 @@ class AllGatherMatmul:
         self.handle.barrier(channel=0)              # every shard of launch L is in place
         self.copy_stream.wait_stream(cur)
         cs = self.copy_stream.cuda_stream
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {self.ctx.rank}] launch {L}: shards in place; flags {self.flags.tolist()}", flush=True)
         nbytes = self.Ms * self.K * es
         for p in self.order:
             dst = a_full.data_ptr() + p * nbytes
@@ -109,4 +115,7 @@ class AllGatherMatmul:
                   launch_index=L, rank=self.ctx.rank)
         cur.wait_stream(self.copy_stream)
         a_full.record_stream(self.copy_stream)
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c

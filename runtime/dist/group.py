@@ -24,16 +24,17 @@ class DistContext:
 
 @functools.lru_cache(maxsize=None)
 def _choose_backend() -> str:
-    """torch's NVSHMEM symmetric-memory backend when available (device-initiated puts and
-    nvshmem_ptr for generated kernels, one NVSHMEM runtime shared with torch), else CUDA IPC."""
-    import torch.distributed._symmetric_memory as symm_mem
-    try:
-        if getattr(symm_mem, "is_nvshmem_available", lambda: False)():
-            symm_mem.set_backend("NVSHMEM")
-            return "NVSHMEM"
-    except Exception:   # noqa: BLE001 - fall back to the CUDA backend, which always exists
-        pass
-    return "CUDA"
+    """torch's default (CUDA) symmetric-memory backend, unless TLDSL_SYMM_BACKEND=NVSHMEM.
+
+    Why: the copy-engine path only needs every rank's address of a symmetric buffer
+    (``buffer_ptrs``), which the CUDA backend gives; switching torch's process-wide backend
+    to NVSHMEM breaks torch's own async-TP ops in the same process (measured: their
+    allocations then fail), and users run both side by side."""
+    backend = os.environ.get("TLDSL_SYMM_BACKEND", "CUDA").upper()
+    if backend == "NVSHMEM":
+        import torch.distributed._symmetric_memory as symm_mem
+        symm_mem.set_backend("NVSHMEM")
+    return backend
 
 
 def dist_context(group=None) -> DistContext:

@@ -1,26 +1,63 @@
-// tldsl: device side of the TileLink signal primitives (waits, for now).
+// tldsl: device side of the TileLink signal primitives.
 //
 // A signal is an array of 64-bit counters in global memory (symmetric signals: this rank's
-// copy). Notifies add to a slot with release semantics; a wait spins with an *acquire* load of
-// the slot until it reaches its target. Targets count per launch ("epoch" counting): with
-// epoch=True the target is count * launch (launch is 1-based and passed by the host), so
-// counters are never reset and a value left by an earlier launch cannot satisfy a wait.
+// copy; a peer's copy through its mapping of the symmetric allocation). Notifies add to a
+// slot with release semantics; a wait spins with an *acquire* load of the slot until it
+// reaches its target. Targets count per launch ("epoch" counting): with epoch=True the target
+// is count * launch (launch is 1-based and passed by the host), so counters are never reset
+// and a value left by an earlier launch cannot satisfy a wait.
 //
-// Memory scope: consumer_tile_wait acquires at .gpu scope (producers on this GPU);
-// peer_tile_wait / rank_wait at .sys scope (peers over NVLink, the copy engine).
+// Memory scope: consumer_tile_wait / producer_tile_notify at .gpu scope (this GPU);
+// peer_tile_* / rank_* at .sys scope (peers over NVLink, the copy engine), unless the tile
+// program asked for another scope on a notify.
+//
+// A notify is a release pattern: fence_acq_rel<S>() then red_relaxed_add<S>() (one fence may
+// cover several adds), issued by one thread after the data it publishes is complete — after
+// a CTA barrier for data written by the whole CTA, after cp.async.bulk.wait_group 0 and
+// fence.proxy.async for data written by TMA stores.
 //
 // A wait that guards TMA loads must be followed by fence_proxy_async_global(): the acquire
 // is made through the generic proxy, TMA reads global memory through the async proxy.
 //
 // Debug builds may define TLDSL_WAIT_TIMEOUT_NS: a wait that spins longer prints the slot,
 // the value and the target, then traps (a hang becomes an error).
+//
+// TLDSL_HOST_EMULATION (the test suite's CPU emulation of communication kernels, built by a
+// host C++ compiler): the same functions on host atomics (acquire loads, relaxed adds,
+// sequentially consistent fences), so generated code can run on CPU threads.
 #pragma once
 
+#if defined(TLDSL_HOST_EMULATION)
+#include <thread>
+#else
 #include <cuda/std/cstdint>
+#endif
 
 namespace tldsl {
 
 enum Scope : int { kScopeGpu = 0, kScopeSys = 1 };
+
+#if defined(TLDSL_HOST_EMULATION)
+
+template <int S>
+inline unsigned long long ld_acquire(const unsigned long long* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+template <int S>
+inline void fence_acq_rel() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+template <int S>
+inline void red_relaxed_add(unsigned long long* p, unsigned long long v) {
+  __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+template <int S>
+inline void wait_at_least(const unsigned long long* slot, unsigned long long target) {
+  while (ld_acquire<S>(slot) < target) std::this_thread::yield();
+}
+inline void fence_proxy_async_global() {}
+
+#else
 
 template <int S>
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
@@ -31,6 +68,26 @@ __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long lon
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   }
   return v;
+}
+
+// The fence half of a release pattern at scope S (MEMBAR.ALL.GPU / .SYS in SASS).
+template <int S>
+__device__ __forceinline__ void fence_acq_rel() {
+  if constexpr (S == kScopeSys) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  } else {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
+}
+
+// The strong write half: a relaxed atomic add at scope S (RED.E.ADD.64.STRONG.GPU / .SYS).
+template <int S>
+__device__ __forceinline__ void red_relaxed_add(unsigned long long* p, unsigned long long v) {
+  if constexpr (S == kScopeSys) {
+    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  } else {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
 }
 
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
@@ -59,19 +116,28 @@ __device__ __forceinline__ void wait_at_least(const unsigned long long* slot, un
   }
 }
 
-// Order this thread's acquired view before its later TMA (async-proxy) reads of global memory.
+// Order this thread's acquired view before its later TMA (async-proxy) reads of global memory,
+// and its completed TMA (async-proxy) writes before its later generic-proxy release.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+#endif  // TLDSL_HOST_EMULATION
+
+#if defined(TLDSL_HOST_EMULATION)
+#define TLDSL_SIG_HD inline
+#else
+#define TLDSL_SIG_HD __host__ __device__ __forceinline__
+#endif
+
 // Python's floor division and modulo on ints (the IR's `floordiv` / `mod`).
-__host__ __device__ __forceinline__ constexpr int floordiv(int a, int b) {
+TLDSL_SIG_HD constexpr int floordiv(int a, int b) {
   return (a / b) - (((a % b) != 0) && ((a < 0) != (b < 0)) ? 1 : 0);
 }
-__host__ __device__ __forceinline__ constexpr int floormod(int a, int b) {
+TLDSL_SIG_HD constexpr int floormod(int a, int b) {
   return a - floordiv(a, b) * b;
 }
-__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
-__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+TLDSL_SIG_HD constexpr int imin(int a, int b) { return a < b ? a : b; }
+TLDSL_SIG_HD constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 }  // namespace tldsl

@@ -20,7 +20,10 @@
 //    as MB = BM/(64*kConsumerWGs) m64 blocks of 64 x BN fp32 accumulators; per stage it issues
 //    BK/16 WGMMAs per m64 block, keeps one batch in flight (wgmma.wait_group 1) and releases
 //    the previous stage. Epilogue: fp32 -> output type, staged through 128-byte-swizzled
-//    shared memory, TMA store per 64 x EC chunk (OOB rows/cols are clipped by TMA).
+//    shared memory, TMA store per 64 x EC chunk (OOB rows/cols are clipped by TMA); then, if
+//    the tile program notifies after its store (GEMM + ReduceScatter), the tile's release:
+//    stores complete (cp.async.bulk.wait_group 0), fence.proxy.async, named barrier of the
+//    consumer warpgroups, fence.acq_rel at the notifies' scope, one red per notify.
 //  * out-of-bounds loads read zero (TMA), so M, N, K need not be tile multiples; TMA needs
 //    16-byte aligned base addresses and row pitches (K, N multiples of 8 for 16-bit types).
 //
@@ -170,11 +173,22 @@ struct NoWaits {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
 
-// The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads.
-template <class Cfg, class Waits>
+// No per-tile notifies: the epilogue compiles to exactly the plain GEMM's.
+struct NoNotifies {
+  static constexpr bool kEnabled = false;
+  static constexpr int kScope = kScopeGpu;
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+
+// The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads;
+// `notifies(pm, pn)` on one consumer thread once the tile's TMA stores are complete (every
+// consumer warpgroup's storing thread waits for its bulk async-groups and fences the async
+// proxy, the consumer warpgroups meet at a named barrier, then one thread fences at
+// Notifies::kScope and adds to the signal slots).
+template <class Cfg, class Waits, class Notifies = NoNotifies>
 __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, const cute::TmaDescriptor* tma_b,
                                             const cute::TmaDescriptor* tma_c, int M, int N, int K, int rank,
-                                            const Waits& waits) {
+                                            const Waits& waits, const Notifies& notifies = Notifies{}) {
   using Tr = GemmTraits<Cfg>;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
@@ -325,6 +339,19 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
             cute::tma_store_arrive();              // commit this store as one bulk group
           }
           ++epi_count;
+        }
+      }
+      if constexpr (Notifies::kEnabled) {
+        // release the tile: its stores complete (both warpgroups' halves), then one thread notifies
+        constexpr uint32_t kNotifyBar = 1 + Tr::kConsumerWGs;   // after the per-warpgroup barriers
+        if (tid == 0) {
+          bulk_wait_all();                       // this warpgroup's TMA stores of the tile are done
+          fence_proxy_async_global();            // async-proxy writes -> before the generic release
+        }
+        if constexpr (Tr::kConsumerWGs > 1) cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, kNotifyBar);
+        if (cw == 0 && tid == 0) {
+          fence_acq_rel<Notifies::kScope>();
+          notifies(tc.m, tc.n);
         }
       }
     }

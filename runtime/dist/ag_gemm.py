@@ -58,7 +58,8 @@ class AllGatherMatmul:
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
         self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
-        self.gemm = GemmKernel(self.lowered, progress=progress)
+        self.gemm = GemmKernel(self.lowered, progress=progress,
+                               reserve_sms=int(os.environ.get("TLDSL_RESERVE_SMS", "0")))
         (self.signal,) = self.lowered.signals
         dev = torch.device("cuda", self.ctx.device)
         # collective points: symmetric shard buffer + rendezvous

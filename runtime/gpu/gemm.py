@@ -17,12 +17,14 @@ class GemmKernel:
     the waits count in.
     """
 
-    def __init__(self, lowered, compiled=None, progress=None):
+    def __init__(self, lowered, compiled=None, progress=None, reserve_sms: int = 0):
+        """``reserve_sms`` leaves that many SMs free of this persistent kernel (for work that
+        must run beside it on SMs while it waits, e.g. copies the driver runs as kernels)."""
         require_gpu()
         self.lowered = lowered
         self.compiled = compiled if compiled is not None else lowered.compile(progress=progress)
         self.kernel = load_kernel(self.compiled.cubin, lowered.entry, lowered.smem_bytes)
-        self.grid = lowered.grid(sm_count())
+        self.grid = lowered.grid(max(1, sm_count() - int(reserve_sms)))
         self._tma_cache: dict = {}
 
     def _tensor(self, buffers, spec):

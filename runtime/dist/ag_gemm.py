@@ -8,8 +8,10 @@ so they are never reset and an old value can never satisfy a wait):
 
 1. group barrier: every rank finished launch L-1 (its copies out of our shard are done);
 2. copy this call's shard into our symmetric buffer; group barrier: every shard is in place;
-3. copy stream, in ring order from our own shard: copy shard p into rows [p*Ms, (p+1)*Ms)
-   of A_gathered, then write L into flag p (cuStreamWriteValue64, after the copy completes);
+3. compute stream: copy our own shard into its rows of A_gathered and write L into its flag
+   (a same-GPU copy runs on SMs, so it must finish before the GEMM holds them all); copy
+   stream, in ring order: peer copies of shard p (NVLink copy engine) into rows
+   [p*Ms, (p+1)*Ms), each followed by writing L into flag p (cuStreamWriteValue64);
 4. compute stream: the GEMM, launch index L; it spins (acquire, system scope) on flag p
    before loading rows of shard p;
 5. the compute stream waits for the copy stream, so launch L+1 starts after both.
@@ -99,6 +101,14 @@ class AllGatherMatmul:
         self.handle.barrier(channel=0)              # peers are done reading our shard (launch L-1)
         self.shard.copy_(a_shard)
         self.handle.barrier(channel=0)              # every shard of launch L is in place
+        # Our own shard: a same-GPU copy, which the driver runs as an SM kernel; it must not
+        # run beside the persistent GEMM (which holds every SM while it waits), so it goes on
+        # the compute stream, before the GEMM, with its flag.
+        me = self.ctx.rank
+        a_full[me * self.Ms:(me + 1) * self.Ms].copy_(a_shard)
+        check(cu.cuStreamWriteValue64(cur.cuda_stream, self.flags.data_ptr() + 8 * me, L,
+                                      cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+              "cuStreamWriteValue64(own flag)")
         self.copy_stream.wait_stream(cur)
         cs = self.copy_stream.cuda_stream
         if self.debug:
@@ -106,6 +116,8 @@ class AllGatherMatmul:
             print(f"[rank {self.ctx.rank}] launch {L}: shards in place; flags {self.flags.tolist()}", flush=True)
         nbytes = self.Ms * self.K * es
         for p in self.order:
+            if p == me:
+                continue
             dst = a_full.data_ptr() + p * nbytes
             check(cu.cuMemcpyAsync(dst, self.peer_ptrs[p], nbytes, cs), "cuMemcpyAsync(shard)")
             check(cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L,

@@ -13,7 +13,7 @@ from .lower_gemm import LoweringError
 
 #: module names under tldsl.codegen, tried in order; each has ``matches(kernel, part) -> bool``
 #: and ``lower(kernel, part, **options)``.
-LOWERINGS: list[str] = ["lower_gemm", "lower_grouped_gemm", "lower_attention"]
+LOWERINGS: list[str] = ["lower_gemm", "lower_grouped_gemm", "lower_attention", "lower_comm"]
 
 
 def _module(name):

@@ -11,7 +11,13 @@ Recognised shape (the ``gemm`` part of :mod:`tldsl.ops.allgather_gemm`)::
         tl.store(c, (pm*BM, pn*BN), acc)             # converts to c's type
 
 with ``(BM, BN, BK)`` the compute schedule's tile, ``a: [M, K]`` and ``b: [K, N]`` 16-bit floats
-(f16 / bf16) and ``c: [M, N]`` f16 / bf16 / f32.
+(f16 / bf16) and ``c: [M, N]`` f16 / bf16 / f32. After the store the tile program may notify
+(GEMM + ReduceScatter's ``rs.notify_rows(...)``: index code, loops, conditions and
+``*_notify`` ops): that code becomes ``TileNotifies``, run by one consumer thread once the
+tile's TMA stores are complete (``cp.async.bulk.wait_group 0`` + ``fence.proxy.async`` by each
+storing thread, a named barrier of the consumer warpgroups, ``fence.acq_rel`` at the widest
+notify scope, one ``red.relaxed.add`` per notify). A GEMM without notifies compiles to the
+same code as before (``NoNotifies``).
 
 Design choice — **our own mainloop on CuTe's arch-level ops, not CUTLASS's collective**:
 the kernel (``codegen/include/tldsl/sm90_gemm.hpp``) calls ``cute::SM90_TMA_LOAD_2D`` /
@@ -40,7 +46,6 @@ consumer warpgroups, mbarrier stage ring, one WGMMA batch in flight, TMA-store e
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass, field
 
 from ..ir import core

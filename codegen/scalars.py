@@ -1,0 +1,252 @@
+"""Scalar (index) code from the IR, shared by the lowerings.
+
+A tile program's index arithmetic — ``const``, ``program_id``, ``rank``, ``arith``,
+``select``, ``load_scalar`` and the structured ``for`` / ``if`` regions around them — becomes
+plain C++ statements, one per op, each ending in a ``// tldsl: file:line`` marker so that a
+compile error points at the tile program. :class:`ScalarEmitter` handles those ops and hands
+every other op to :meth:`ScalarEmitter.emit_other`, which each lowering overrides (waits in a
+GEMM prologue, notifies in its epilogue, whole communication parts in ``lower_comm``).
+
+Values are scoped like the IR's regions: a value defined inside a ``for`` / ``if`` body is
+out of scope after it, and using it there raises :class:`LoweringError` (C++ would reject
+the generated code anyway, at a line far from the cause).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Iterable
+
+from ..errors import CompilationError
+from ..ir import core
+
+#: scalar ops every emitter handles itself
+SCALAR_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "load_scalar"})
+CONTROL_OPS = frozenset({"for", "if"})
+
+
+class LoweringError(CompilationError):
+    """The tile program (or its schedule) is outside what a lowering handles."""
+
+
+def marker(loc) -> str:
+    """The trailing comment that maps a generated line back to the tile program."""
+    return f"  // tldsl: {loc.filename}:{loc.lineno}" if loc is not None else ""
+
+
+def cident(s: str) -> str:
+    """A C identifier made from an IR name."""
+    s = re.sub(r"[^0-9A-Za-z_]", "_", s)
+    return s if s and not s[0].isdigit() else "_" + s
+
+
+def const_value(v: core.Value):
+    """The Python value of a ``const`` op's result, else None."""
+    op = v.owner
+    if isinstance(op, core.Op) and op.name == "const":
+        return op.attrs["value"]
+    return None
+
+
+def c_literal(val) -> str:
+    """A C++ literal for a Python scalar (bool, int, float: ``float`` precision)."""
+    if isinstance(val, bool):
+        return "true" if val else "false"
+    if isinstance(val, int):
+        return str(int(val))
+    f = float(val)
+    if math.isnan(f):
+        return "__int_as_float(0x7fc00000)"
+    if math.isinf(f):
+        return "__int_as_float(0x7f800000)" if f > 0 else "__int_as_float(0xff800000)"
+    return repr(f) + "f" if ("e" in repr(f) or "." in repr(f)) else repr(f) + ".0f"
+
+
+def ctype_of(dtype) -> str:
+    name = dtype.name
+    if name == "i1":
+        return "bool"
+    if name == "i32":
+        return "int"
+    if name == "f32":
+        return "float"
+    raise LoweringError(f"internal: no scalar C type for {dtype}")
+
+
+def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> set[int]:
+    """ids of the ops to emit for the roots: the roots, the producers of their operands
+    (transitively) and the control ops enclosing any of them."""
+    need: set[int] = set()
+    parent: dict[int, core.Op] = {}
+
+    def index(block, owner):
+        for op in block.ops:
+            if owner is not None:
+                parent[id(op)] = owner
+            for r in op.regions:
+                index(r, op)
+    blk = core.Block(list(ops))
+    index(blk, None)
+    work = [op for op in blk.walk() if is_root(op)]
+    while work:
+        op = work.pop()
+        if id(op) in need:
+            continue
+        need.add(id(op))
+        if id(op) in parent:
+            work.append(parent[id(op)])
+        work.extend(v.owner for v in op.operands if isinstance(v.owner, core.Op))
+    return need
+
+
+class ScalarEmitter:
+    """Emit the scalar ops of a list of IR ops as C++ statements.
+
+    ``needed``: ids of the ops to emit (see :func:`needed_ops`); None emits every op.
+    Subclasses override :meth:`pid_expr`, :meth:`rank_expr`, :meth:`table_expr` (how the
+    kernel reaches program ids, the rank and ``load_scalar`` tables) and :meth:`emit_other`
+    (every op that is not scalar or control), and may override :meth:`fail`."""
+
+    INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+             "eq": "==", "ne": "!="}
+    what = "this lowering"
+
+    def __init__(self, needed: set[int] | None = None):
+        self.needed = needed
+        self.names: dict[int, str] = {}
+        self.n = 0
+        self.tables: list[core.Buffer] = []
+        self._scopes: list[list[int]] = [[]]
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def fail(self, msg: str, op=None) -> LoweringError:
+        return LoweringError(msg, getattr(op, "loc", op))
+
+    def pid_expr(self, axis: int, op: core.Op) -> str:
+        return f"pid{axis}"
+
+    def rank_expr(self) -> str:
+        return "rank"
+
+    def table_expr(self, buf: core.Buffer) -> str:
+        return f"tbl_{cident(buf.name)}"
+
+    def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        raise self.fail(f"'{op.name}' is not supported by {self.what}", op)
+
+    # -- names ---------------------------------------------------------------------------------
+    def name(self, v: core.Value, op: core.Op | None = None) -> str:
+        val = const_value(v)
+        if val is not None:
+            return c_literal(val)
+        if v.id not in self.names:
+            raise self.fail(f"a scalar value ({v.hint or 'unnamed'}) is used outside the region that defines it; "
+                            f"{self.what} needs values defined where they are used", op)
+        return self.names[v.id]
+
+    def define(self, v: core.Value) -> str:
+        base = cident(v.hint or "t")
+        nm = f"{base}_{self.n}"
+        self.n += 1
+        self.names[v.id] = nm
+        self._scopes[-1].append(v.id)
+        return nm
+
+    def bind(self, v: core.Value, expr: str) -> None:
+        """Name ``v`` by an existing C expression (e.g. a program id computed elsewhere)."""
+        self.names[v.id] = expr
+        self._scopes[-1].append(v.id)
+
+    # -- emission ------------------------------------------------------------------------------
+    def emit(self, ops, indent: str = "    ") -> list[str]:
+        lines: list[str] = []
+        self.emit_block(ops, indent, lines)
+        return lines
+
+    def emit_block(self, ops, ind: str, lines: list[str]) -> None:
+        for op in ops:
+            if self.needed is not None and id(op) not in self.needed:
+                continue
+            if op.name == "const":
+                continue
+            self.emit_op(op, ind, lines)
+
+    def _region(self, block: core.Block, ind: str, lines: list[str]) -> None:
+        self._scopes.append([])
+        try:
+            self.enter_region(block)
+            self.emit_block(block.ops, ind, lines)
+            self.leave_region(block)
+        finally:
+            for vid in self._scopes.pop():
+                self.names.pop(vid, None)
+
+    def enter_region(self, block: core.Block) -> None:
+        """Called before a region's body is emitted (subclasses track state here)."""
+
+    def leave_region(self, block: core.Block) -> None:
+        """Called after a region's body is emitted."""
+
+    def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        mk = marker(op.loc)
+        n = op.name
+        if n == "program_id":
+            lines.append(f"{ind}const int {self.define(op.result)} = {self.pid_expr(op.attrs['axis'], op)};{mk}")
+        elif n == "rank":
+            lines.append(f"{ind}const int {self.define(op.result)} = {self.rank_expr()};{mk}")
+        elif n == "arith":
+            lines.append(f"{ind}const {ctype_of(op.result.type.dtype)} {self.define(op.result)} = "
+                         f"{self.arith_expr(op)};{mk}")
+        elif n == "select":
+            c, a, b = (self.name(v, op) for v in op.operands)
+            lines.append(f"{ind}const {ctype_of(op.result.type.dtype)} {self.define(op.result)} = "
+                         f"{c} ? {a} : {b};{mk}")
+        elif n == "load_scalar":
+            buf = op.operands[0].owner
+            if buf not in self.tables:
+                self.tables.append(buf)
+            shape = buf.type.shape
+            idx = [self.name(v, op) for v in op.operands[1:]]
+            terms, stride = [], 1
+            for d in reversed(range(len(shape))):
+                terms.append(f"{idx[d]} * {stride}" if stride != 1 else idx[d])
+                stride *= shape[d]
+            lines.append(f"{ind}const int {self.define(op.result)} = {self.table_expr(buf)}"
+                         f"[{' + '.join(reversed(terms))}];{mk}")
+        elif n == "for":
+            lo, hi, st = (self.name(v, op) for v in op.operands)
+            self._scopes.append([])
+            iv = self.define(op.regions[0].args[0])
+            lines.append(f"{ind}for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st}) {{{mk}")
+            try:
+                self._region(op.regions[0], ind + "  ", lines)
+            finally:
+                for vid in self._scopes.pop():
+                    self.names.pop(vid, None)
+            lines.append(f"{ind}}}")
+        elif n == "if":
+            lines.append(f"{ind}if ({self.name(op.operands[0], op)}) {{{mk}")
+            self._region(op.regions[0], ind + "  ", lines)
+            lines.append(f"{ind}}}")
+        else:
+            self.emit_other(op, ind, lines)
+
+    def arith_expr(self, op: core.Op) -> str:
+        a, b = (self.name(v, op) for v in op.operands)
+        kind = op.attrs["op"]
+        is_float = op.operands[0].type.dtype.name == "f32"
+        if kind in self.INFIX:
+            return f"({a} {self.INFIX[kind]} {b})"
+        if kind == "floordiv":
+            return f"floorf({a} / {b})" if is_float else f"tldsl::floordiv({a}, {b})"
+        if kind == "mod":
+            return f"({a} - floorf({a} / {b}) * {b})" if is_float else f"tldsl::floormod({a}, {b})"
+        if kind == "min":
+            return f"fminf({a}, {b})" if is_float else f"tldsl::imin({a}, {b})"
+        if kind == "max":
+            return f"fmaxf({a}, {b})" if is_float else f"tldsl::imax({a}, {b})"
+        if kind in ("and", "or"):
+            both_bool = all(v.type.dtype.name == "i1" for v in op.operands)
+            sym = {"and": "&&", "or": "||"}[kind] if both_bool else {"and": "&", "or": "|"}[kind]
+            return f"({a} {sym} {b})"
+        raise self.fail(f"scalar op '{kind}' is not supported by {self.what}", op)

@@ -1,0 +1,101 @@
+"""Run a generated flash-attention kernel (``codegen.lower_attention``) on torch tensors:
+validate, encode the TMA descriptors (2-D for Q and O, 3-D ``[shards, L, width]`` views for the
+gathered K and V), launch persistent CTAs."""
+from __future__ import annotations
+
+from ...errors import InputError
+from .device import require_gpu, sm_count
+from .launch import ArgPack, launch
+from .module import load_kernel
+
+_TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+class AttentionKernel:
+    """A lowered attention compute part, compiled and loaded, callable with tensors.
+
+    ``kernel(q=..., k_gathered=..., v_gathered=..., o=..., signals={...}, launch_index=1,
+    rank=r)``: buffers by their IR names (``kernel.lowered.buffers``); signals (u64 counters,
+    int64 CUDA tensors) by signal name; ``launch_index`` is the 1-based epoch the waits count in;
+    ``rank`` is this process's rank (the key-block order and the causal positions depend on it).
+    ``reserve_sms`` leaves that many SMs free of this persistent kernel (for communication that
+    must run beside it on SMs while it waits), as for :class:`GemmKernel`; ``max_ctas`` caps the
+    persistent grid further (tests use it to run several tiles per CTA).
+    """
+
+    def __init__(self, lowered, compiled=None, progress=None, reserve_sms: int = 0, max_ctas: int | None = None):
+        require_gpu()
+        self.lowered = lowered
+        self.compiled = compiled if compiled is not None else lowered.compile(progress=progress)
+        self.kernel = load_kernel(self.compiled.cubin, lowered.entry, lowered.smem_bytes)
+        sms = max(1, sm_count() - int(reserve_sms))
+        if max_ctas is not None:
+            sms = max(1, min(sms, int(max_ctas)))
+        self.grid = lowered.grid(sms)
+        self._tma_cache: dict = {}
+
+    def _tensor(self, buffers, spec):
+        import torch
+        t = buffers.get(spec.buffer)
+        if t is None:
+            raise InputError(f"{self.lowered.entry}: missing tensor '{spec.buffer}'")
+        want_shape, dt = self.lowered.buffers[spec.buffer]
+        want_dtype = getattr(torch, _TORCH_DTYPE[dt])
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            raise InputError(f"'{spec.buffer}' must be a CUDA torch tensor")
+        if tuple(t.shape) != tuple(want_shape):
+            raise InputError(f"'{spec.buffer}' has shape {tuple(t.shape)}; the kernel was built for {tuple(want_shape)}")
+        if t.dtype != want_dtype:
+            raise InputError(f"'{spec.buffer}' is {t.dtype}; the kernel was built for {want_dtype}")
+        if not t.is_contiguous():
+            raise InputError(f"'{spec.buffer}' must be contiguous (row-major)")
+        if t.data_ptr() % 16:
+            raise InputError(f"'{spec.buffer}' must be 16-byte aligned for TMA")
+        return t
+
+    def args(self, buffers: dict, signals: dict | None = None, launch_index: int = 1, rank: int = 0) -> ArgPack:
+        import torch
+        if not 0 <= rank < self.lowered.world_size:
+            raise InputError(f"rank {rank} is outside the kernel's world of {self.lowered.world_size}")
+        pack = ArgPack()
+        tensors = {s.param: self._tensor(buffers, s) for s in self.lowered.tma}
+        specs = {s.param: s for s in self.lowered.tma}
+        for p in self.lowered.params:
+            src = p.source
+            if src.startswith("tma:"):
+                name = src[4:]
+                t = tensors[name]
+                key = (name, t.data_ptr())
+                desc = self._tma_cache.get(key)
+                if desc is None:
+                    desc = specs[name].encode(t.data_ptr())
+                    self._tma_cache[key] = desc
+                pack.add("tma", desc)
+            elif src == "rank":
+                pack.add("i32", rank)
+            elif src == "launch":
+                pack.add("u64", launch_index)
+            elif src.startswith("signal:"):
+                name = src[7:]
+                sig = (signals or {}).get(name)
+                if sig is None or not isinstance(sig, torch.Tensor) or sig.dtype != torch.int64 or not sig.is_cuda:
+                    raise InputError(f"{self.lowered.entry} waits on signal '{name}': pass signals={{'{name}': "
+                                     "an int64 CUDA tensor of counters}")
+                pack.add("ptr", sig.data_ptr())
+            elif src.startswith("buffer:"):
+                name = src[7:]
+                t = buffers.get(name)
+                if t is None or t.dtype != torch.int32 or not t.is_cuda:
+                    raise InputError(f"{self.lowered.entry} reads table '{name}': pass it as an int32 CUDA tensor")
+                pack.add("ptr", t.data_ptr())
+            else:
+                raise InputError(f"unknown kernel parameter source {src!r}")
+        return pack
+
+    def __call__(self, buffers: dict | None = None, *, signals=None, launch_index: int = 1, rank: int = 0,
+                 stream=None, **named):
+        import torch
+        buffers = dict(buffers or {}, **named)
+        pack = self.args(buffers, signals, launch_index, rank)
+        s = stream if stream is not None else torch.cuda.current_stream()
+        launch(self.kernel, self.grid, self.lowered.block, pack, s.cuda_stream, self.lowered.cluster_dims)

@@ -1,0 +1,886 @@
+"""Communication lowering (``codegen/lower_comm.py``) and the GEMM epilogue's notifies
+(``codegen/lower_gemm.py``), checked three ways without a GPU:
+
+* **NVRTC + SASS** (marker ``nvrtc``; skipped only where the CUDA wheels are missing): every
+  communication variant the library ops use is lowered and compiled for sm_90a; its SASS must
+  show the release reductions of its notifies (``REDG.E.ADD.64.STRONG.GPU`` / ``.SYS`` after a
+  ``MEMBAR.ALL.GPU`` / ``.SYS``), the acquire loads of its waits (``LDG.E.64.STRONG.GPU`` /
+  ``.SYS``), 16-byte vector loads / stores, no ``BPT.TRAP`` and the spill budget below.
+* **CPU emulation** (needs ``g++``): the same generated source, compiled by the host compiler
+  with ``TLDSL_HOST_EMULATION`` (one ``std::thread`` per CUDA thread, a ``std::barrier`` per
+  CTA, host atomics for signals), runs every rank's CTAs at once; its results and signal
+  counters must equal the simulator's bit for bit. This executes the generated index code,
+  clipping, tails, vector / element paths, waits and notifies for real.
+* **Copy-engine plans** are executed in numpy (raw bytes, the plan's offsets and pitches)
+  and compared with the simulator.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.cache import KernelCache
+from tldsl.codegen.compiler import CompileJob, compile_many
+from tldsl.codegen.lower import lower, lower_all
+from tldsl.codegen.lower_comm import (CeCopy, CeSignalWrite, CopyEnginePlan, LoweredComm, lower_comm,
+                                      plan_copy_engine, task_decode)
+from tldsl.codegen.lower_gemm import LoweringError, lower_gemm
+from tldsl.kernel import TensorSpec as S
+from tldsl.ops.allgather_gemm import allgather_gemm
+from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from tldsl.ops.moe import allgather_moe, moe_num_tiles
+from tldsl.ops.sp_attention import sp_attention
+from tldsl.runtime.sim.engine import Engine
+from tldsl.runtime.sim.memory import Memory, poison_value, to_storage
+from tldsl.runtime.sim.options import SimOptions
+
+INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
+
+_OK, _WHY = tcm.toolchain_available()
+needs_cuobjdump = pytest.mark.skipif(not _OK or tcm.find_toolchain().cuobjdump is None,
+                                     reason=f"CUDA wheels missing (NVRTC + cuobjdump): {_WHY or 'no cuobjdump'}")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++) for the CPU emulation")
+
+#: Spill budget of every generated kernel: no spill bytes, no stack, no local-memory instructions.
+SPILL_BUDGET_BYTES = 0
+#: Communication kernels: 256 threads per CTA, so ptxas may use up to 255 registers.
+COMM_MAX_REGISTERS = 255
+#: The plain GEMM's SASS size (instructions) for tile 128x256x64, 4 stages, bf16, measured before the
+#: epilogue notifies existed; NoNotifies must compile to the same code (tolerance for toolchain noise).
+PLAIN_GEMM_INSTRUCTIONS = 1328
+
+
+# =================================================================================================
+# the variants the library ops use
+# =================================================================================================
+
+def ag_kernel(W=4, comm=None, Ms=1000, K=512, dt=tl.float16, tile=(128, 128, 64)):
+    return allgather_gemm.trace(W, S((Ms, K), dt), S((K, 768), dt), S((W * Ms, 768), dt),
+                                compute=tl.ComputeSchedule(tile=tile), comm=comm)
+
+
+def rs_kernel(W=4, comm=None, Ms=250, N=768, K=512, dt=tl.float16, tile=(128, 128, 64), **sched):
+    return gemm_reduce_scatter.trace(W, S((W * Ms, K), dt), S((K, N), dt), S((Ms, N), dt),
+                                     compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm)
+
+
+def moe_kernel(W=4, comm=None, Ms=64, K=256, E=8, topk=2, BM=64):
+    NT = moe_num_tiles(W * Ms * topk, E, BM)
+    return allgather_moe.trace(W, S((Ms, K), tl.bfloat16), S((E, K, 128), tl.bfloat16), S((NT,), tl.int32),
+                               S((NT, 2), tl.int32), S((NT * BM,), tl.int32), S((NT * BM, 128), tl.bfloat16),
+                               compute=tl.ComputeSchedule(tile=(BM, 128, 64)), comm=comm)
+
+
+def spa_kernel(W=4, comm=None, Sl=512, H=4, D=64, dt=tl.bfloat16):
+    return sp_attention.trace(W, S((Sl, H * D), dt), S((Sl, H * D), dt), S((Sl, H * D), dt),
+                              S((Sl, H * D), dt), heads=H, compute=tl.ComputeSchedule(tile=(64, 64, 64)), comm=comm)
+
+
+AG_SM = [tl.CommSchedule(tile_m=64, mode=m, order=o, sms=8) for m in ("pull", "push") for o in ("ring", "full_mesh")]
+RS_SM = [tl.CommSchedule(tile_m=64, mode=m, order=o, sms=8) for m in ("push", "pull") for o in ("ring", "full_mesh")]
+CE = [tl.CommSchedule(engine="copy_engine", mode=m) for m in ("pull", "push")]
+
+
+def _name(c: tl.CommSchedule) -> str:
+    return f"{c.engine}-{c.mode}-{c.order}-{c.tile_m}"
+
+
+def comm_parts(k):
+    return [p for p in k.parts if p.role == "comm"]
+
+
+# =================================================================================================
+# host-side lowering: structure, parameters, errors
+# =================================================================================================
+
+def test_task_decode_matches_schedule_order():
+    for grid in [(4,), (3, 5), (4, 2, 3), (1, 7), (5, 1)]:
+        for order in ("ring", "full_mesh"):
+            dec = task_decode(grid, order)
+            got = []
+            for t in range(int(np.prod(grid))):
+                c = [0] * len(grid)
+                for axis, div, mod in dec:
+                    c[axis] = t // div if mod is None else (t // div) % mod
+                got.append(tuple(c))
+            assert got == tl.CommSchedule(order=order).task_order(grid), (grid, order)
+
+
+@pytest.mark.parametrize("comm", AG_SM, ids=_name)
+def test_allgather_sm_parameters(comm):
+    k = ag_kernel(W=4, comm=comm)
+    lc = lower(k, comm_parts(k)[0])
+    assert isinstance(lc, LoweredComm)
+    src = {p.name: p.source for p in lc.params}
+    assert src["rank"] == "rank" and src["launch"] == "launch"
+    assert lc.grid() == (8, 1, 1) and lc.block == (256, 1, 1) and lc.smem_bytes == 0
+    assert lc.num_tasks == 4 * 16 and lc.order == comm.order and lc.lanes == 8
+    if comm.mode == "pull":      # read peers' shards, write this rank's gathered buffer, local notify
+        assert src["buf_a_peers"] == "peers:a" and src["buf_a_gathered"] == "buffer:a_gathered"
+        assert src["sig_gather_a_ready"] == "signal:gather_a_ready"
+        assert "tldsl::comm::cta_notify<tldsl::kScopeGpu>(sig_gather_a_ready + " in lc.source
+    else:                        # read the local shard, write peers' gathered buffers, notify peers
+        assert src["buf_a"] == "buffer:a" and src["buf_a_gathered_peers"] == "peers:a_gathered"
+        assert src["sig_gather_a_ready_peers"] == "peer_signals:gather_a_ready"
+        assert "tldsl::comm::cta_notify<tldsl::kScopeSys>(sig_gather_a_ready_peers[" in lc.source
+    ptr_types = {p.name: p.ctype for p in lc.params}
+    assert all("__restrict__" in t for n, t in ptr_types.items() if n.endswith("_peers"))
+    assert not any("__restrict__" in t for n, t in ptr_types.items() if n.startswith("buf_") and
+                   not n.endswith("_peers")), "data pointers must not be restrict (no non-coherent loads)"
+    assert lc.transfers == 1 and lc.notifies == 1 and lc.waits == 0
+    # every generated index line carries the tile program's line
+    body = [l for l in lc.source.splitlines() if l.strip().startswith("const int t_")]
+    assert body and all("// tldsl: " in l and "allgather_gemm.py:" in l for l in body)
+
+
+@pytest.mark.parametrize("comm", RS_SM, ids=_name)
+def test_reduce_scatter_sm_parameters(comm):
+    k = rs_kernel(W=4, comm=comm)
+    lc = lower_comm(k)
+    src = {p.name: p.source for p in lc.params}
+    stage = "reduce_scatter_recv" if comm.mode == "push" else "reduce_scatter_send"
+    assert src["buf_partial"] == "buffer:partial" and src["buf_out"] == "buffer:out"
+    assert src["sig_reduce_scatter_ready"] == "signal:reduce_scatter_ready"
+    assert src["sig_reduce_scatter_arrived"] == "signal:reduce_scatter_arrived"
+    assert src["sig_reduce_scatter_arrived_peers"] == "peer_signals:reduce_scatter_arrived"
+    assert src[f"buf_{stage}_peers"] == f"peers:{stage}"
+    ctypes = {p.name: p.ctype for p in lc.params}
+    assert ctypes["buf_partial"] == "const float*" and ctypes["buf_out"] == "tldsl::comm::f16*"
+    assert "tldsl::comm::cta_wait<tldsl::kScopeGpu>(sig_reduce_scatter_ready + " in lc.source      # consumer
+    assert "tldsl::comm::cta_wait<tldsl::kScopeSys>(sig_reduce_scatter_arrived + " in lc.source    # peer
+    assert "* launch);" in lc.source                                                                # epochs
+    assert lc.waits == 2 * 4 - 1 and lc.notifies == 3 and lc.num_tasks == 4
+
+
+def test_lower_all_gives_gemm_and_comm_kernels():
+    from tldsl.codegen.lower_gemm import LoweredGemm
+    out = lower_all(rs_kernel(W=4, comm=RS_SM[0]))
+    assert isinstance(out["gemm"], LoweredGemm) and out["gemm"].notifies == 1
+    assert isinstance(out["reduce_scatter"], LoweredComm)
+    out = lower_all(ag_kernel(W=4, comm=AG_SM[0]), wait_timeout_ns=10**9)
+    assert out["gather_a"].options == ("-DTLDSL_WAIT_TIMEOUT_NS=1000000000ull",)
+
+
+def test_copy_engine_part_lowers_to_a_plan():
+    k = ag_kernel(W=4, comm=CE[0])
+    out = lower_all(k)
+    assert isinstance(out["gather_a"], CopyEnginePlan)
+    with pytest.raises(LoweringError, match="copy engine"):
+        lower_comm(k, "gather_a")
+
+
+# -- what the lowering refuses, at the user's line -----------------------------------------------------
+
+@tl.kernel
+def comm_with_dot(x: tl.Symmetric, y, *, comm: tl.CommSchedule = None):
+    W = tl.world_size()
+    n = x.shape[0]
+
+    @tl.comm_part(grid=(W,))
+    def mix(s):
+        t = tl.load(x.at((tl.rank() + s) % W), (0, 0), (n, n))
+        tl.store(y, (s * n, 0), tl.dot(t, t))                                   # not elementwise
+
+
+@tl.kernel
+def comm_load_then_notify(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
+    W = tl.world_size()
+    n = x.shape[0]
+    done = tl.signal("done", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,))
+    def send(s):
+        peer = (tl.rank() + s) % W
+        t = tl.load(x, (0, 0), (n, n))
+        tl.peer_tile_notify(done, tl.rank(), peer)                               # release ...
+        tl.store(y.at(peer), (tl.rank() * n, 0), t)                              # ... then the data
+
+
+@tl.kernel
+def comm_tile_across_loop(x, y, *, comm: tl.CommSchedule = None):
+    n = x.shape[0]
+
+    @tl.comm_part(grid=(1,))
+    def rep(s):
+        t = tl.load(x, (0, 0), (n, n))
+        for i in tl.range(0, 4):
+            tl.store(y, (i * n, 0), t)
+
+
+@tl.kernel
+def gemm_store_after_store(a, b, c, d, *, compute: tl.ComputeSchedule = None):
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def mm(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        tl.store(c, (pm * BM, pn * BN), acc)
+        tl.store(d, (pm * BM, pn * BN), acc)
+
+
+def _raises_here(fn, text):
+    with pytest.raises(LoweringError) as ei:
+        fn()
+    e = ei.value
+    assert text in str(e), str(e)
+    assert e.loc is not None and e.loc.filename == __file__, e.loc
+    return e
+
+
+def test_lowering_errors_name_the_op_and_line():
+    f16 = tl.float16
+    comm = tl.CommSchedule()
+    e = _raises_here(lambda: lower_comm(comm_with_dot.trace(2, S((16, 16), f16), S((32, 16), f16), comm=comm)),
+                     "'dot' is not supported in a communication part on SMs")
+    assert "tl.dot(t, t)" in e.loc.source
+    e = _raises_here(lambda: lower_comm(comm_load_then_notify.trace(2, S((16, 16), f16), S((32, 16), f16),
+                                                                    comm=comm)), "after a notify")
+    assert "tl.load(x, (0, 0), (n, n))" in e.loc.source
+    _raises_here(lambda: lower_comm(comm_tile_across_loop.trace(1, S((8, 8), f16), S((32, 8), f16), comm=comm)),
+                 "inside a tl.range loop")
+    sched = tl.ComputeSchedule(tile=(128, 128, 64))
+    k = gemm_store_after_store.trace(1, S((256, 128), f16), S((128, 256), f16), S((256, 256), f16),
+                                     S((256, 256), f16), compute=sched)
+    e = _raises_here(lambda: lower_gemm(k), "after the tile's store is not supported")
+    assert "tl.store(d" in e.loc.source
+
+
+# =================================================================================================
+# GEMM + ReduceScatter: the compute part's notifies in the epilogue
+# =================================================================================================
+
+@pytest.mark.parametrize("tile,tile_m", [((128, 256, 64), 64), ((64, 128, 64), 128), ((128, 128, 64), None)])
+def test_gemm_epilogue_notifies_from_the_ir(tile, tile_m):
+    k = rs_kernel(W=4, comm=tl.CommSchedule(tile_m=tile_m, order="ring", mode="push"), Ms=256, tile=tile, stages=3)
+    lg = lower_gemm(k)
+    assert lg.waits == 0 and lg.notifies == 1 and lg.notify_signals == ("reduce_scatter_ready",)
+    p = {q.name: q for q in lg.params}
+    assert p["sig_reduce_scatter_ready"].source == "signal:reduce_scatter_ready"
+    assert p["sig_reduce_scatter_ready"].ctype.startswith("unsigned long long*")      # written
+    assert "struct TileNotifies" in lg.source and "kScope = tldsl::kScopeGpu" in lg.source
+    assert "tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_reduce_scatter_ready + " in lg.source
+    assert "TileNotifies{rank, sig_reduce_scatter_ready}" in lg.source
+    notify = lg.source.split("struct TileNotifies")[1].split("};")[0]
+    code = [l for l in notify.splitlines() if "const int" in l or "for (" in l or "red_relaxed" in l]
+    assert code and all("gemm_reduce_scatter.py:" in l for l in code)
+    assert "notify(s) on ['reduce_scatter_ready']" in lg.describe()
+
+
+def test_plain_gemm_source_has_no_notify_code():
+    from test_codegen_host import trace_plain
+    lg = lower_gemm(trace_plain())
+    assert lg.notifies == 0 and "TileNotifies" not in lg.source
+    assert "tldsl::sm90::NoWaits{});" in lg.source                # the call is unchanged: NoNotifies default
+
+
+_NOTIFY_HARNESS = """\
+#define TLDSL_HOST_EMULATION 1
+#include <cstdio>
+#include "tldsl/comm.hpp"
+namespace {{
+{struct}
+}}
+int main() {{
+  static unsigned long long sig[{W}][{slots}] = {{}};
+  for (int r = 0; r < {W}; ++r) {{
+    TileNotifies n{{r, sig[r]}};
+    for (int pm = 0; pm < {gm}; ++pm)
+      for (int pn = 0; pn < {gn}; ++pn) n(pm, pn);
+  }}
+  for (int r = 0; r < {W}; ++r)
+    for (int s = 0; s < {slots}; ++s) std::printf("%llu\\n", sig[r][s]);
+  return 0;
+}}
+"""
+
+
+@needs_gxx
+@pytest.mark.parametrize("W,Ms,tile,tile_m", [(4, 20, (8, 16, 16), 8), (3, 24, (16, 16, 16), None),
+                                               (2, 40, (32, 16, 16), 16), (2, 100, (64, 16, 16), 32),
+                                               (3, 80, (128, 16, 16), 64)])
+def test_emulated_gemm_epilogue_notifies_match_simulator(tmp_path, W, Ms, tile, tile_m):
+    """The generated TileNotifies, run on the host for every tile of every rank, adds to the
+    same slots as the simulator's producer notifies. For BM >= 64 it is the struct of the
+    lowered GEMM's source itself; smaller tiles (which WGMMA cannot run) get it from the same
+    emitter."""
+    N, Kr = 24, 16
+    comm = tl.CommSchedule(tile_m=tile_m, order="ring", mode="push")
+    k = gemm_reduce_scatter.trace(W, S((W * Ms, Kr), tl.float16), S((Kr, N), tl.float16), S((Ms, N), tl.float16),
+                                  compute=tl.ComputeSchedule(tile=tile), comm=comm)
+    part = k.part("gemm")
+    if tile[0] >= 64:
+        src = lower_gemm(k).source
+        struct = "struct TileNotifies {" + src.split("struct TileNotifies {")[1].split("\n};")[0] + "\n};"
+    else:
+        from tldsl.codegen.lower_gemm import _NotifyEmitter, match_gemm
+        from tldsl.codegen.scalars import SCALAR_OPS
+        m = match_gemm(k, part)
+        between = [op for op in part.body.ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
+        lines = _NotifyEmitter(k, list(m.prologue) + between + list(m.epilogue)).emit("    ")
+        struct = "\n".join(["struct TileNotifies {", "  int rank;", "  unsigned long long* sig_reduce_scatter_ready;",
+                             "  void operator()(int pid0, int pid1) const {", "    (void)pid0; (void)pid1;", *lines,
+                             "  }", "};"])
+    slots = k.signals[0].type.slots
+    gm, gn = part.grid
+    cpp = tmp_path / "n.cpp"
+    cpp.write_text(_NOTIFY_HARNESS.format(struct=struct, W=W, slots=slots, gm=gm, gn=gn))
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", f"-I{INCLUDE}", str(cpp), "-o", str(tmp_path / "n")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.array(subprocess.run([str(tmp_path / "n")], capture_output=True, text=True, check=True).stdout.split(),
+                   np.int64).reshape(W, slots)
+    rng = np.random.default_rng(0)
+    inputs = [{"a": rng.standard_normal((W * Ms, Kr)).astype(np.float16),
+               "b": rng.standard_normal((Kr, N)).astype(np.float16),
+               "out": np.zeros((Ms, N), np.float16)} for _ in range(W)]
+    _, eng = sim_state(k, inputs)
+    want = np.stack([eng.signals[r]["reduce_scatter_ready"].values for r in range(W)])
+    assert np.array_equal(got, want) and want.sum() > 0
+
+
+# =================================================================================================
+# NVRTC: compile every variant, check SASS
+# =================================================================================================
+
+def _sass_ok(ck, *, max_regs):
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] <= SPILL_BUDGET_BYTES and info["spill_load_bytes"] <= SPILL_BUDGET_BYTES, info
+    assert info["stack_bytes"] == 0 and info["registers"] <= max_regs, info
+    k = ck.sass()[ck.name]
+    s = k.summary()
+    assert s["BPT.TRAP"] == 0 and s["LDL/STL"] == 0 and s["local_bytes"] == 0, s
+    return k
+
+
+def _check_comm_sass(k, lc: LoweredComm, *, notify_scopes, wait_scopes, vector=True):
+    for scope in notify_scopes:
+        assert k.count(f"REDG.E.ADD.64.STRONG.{scope}") > 0, sorted(k.mnemonics)
+        assert k.count(f"MEMBAR.ALL.{scope}") > 0, sorted(k.mnemonics)
+    for scope in wait_scopes:
+        assert k.count(f"LDG.E.64.STRONG.{scope}") > 0, sorted(k.mnemonics)
+    assert k.count("BAR.SYNC") > 0
+    if vector:   # 16-byte vectors: LDG/STG, or generic LD/ST through pointers read from a peer table
+        assert k.count("LDG.E.128") + k.count("LD.E.128") > 0, sorted(k.mnemonics)
+        assert k.count("STG.E.128") + k.count("ST.E.128") > 0, sorted(k.mnemonics)
+    # data loads are weak, never non-coherent (read-only cache): peers write these buffers while the
+    # kernel runs; only the pointer tables (64-bit entries) may be read through the constant path
+    nc = [o for o in k.opcodes if o.startswith("LDG") and "CONSTANT" in o and o != "LDG.E.64.CONSTANT"]
+    assert not nc, nc
+    assert lc.params[-2].name == "rank" and lc.params[-1].name == "launch"
+
+
+def _variants():
+    """(label, kernel, part name, notify scopes, wait scopes) for every communication variant."""
+    out = []
+    for c in AG_SM:
+        k = ag_kernel(W=8, comm=c)
+        out.append((f"allgather_gemm/{_name(c)}", k, "gather_a", ["GPU"] if c.mode == "pull" else ["SYS"], []))
+    for c in RS_SM:
+        k = rs_kernel(W=8, comm=c, Ms=125)
+        out.append((f"gemm_reduce_scatter/{_name(c)}", k, "reduce_scatter", ["SYS"], ["GPU", "SYS"]))
+    for c in (AG_SM[0], AG_SM[3]):
+        k = moe_kernel(W=4, comm=c)
+        out.append((f"allgather_moe/{_name(c)}", k, "gather_x", ["GPU"] if c.mode == "pull" else ["SYS"], []))
+        k = spa_kernel(W=4, comm=c)
+        for part in ("gather_k", "gather_v"):
+            out.append((f"sp_attention.{part}/{_name(c)}", k, part, ["GPU"] if c.mode == "pull" else ["SYS"], []))
+    return out
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
+def test_every_comm_variant_compiles_with_release_and_acquire_sass(tmp_path):
+    variants = _variants()
+    lcs = [lower_comm(k, part) for _, k, part, _, _ in variants]
+    t0 = time.perf_counter()
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lcs], cache=KernelCache(tmp_path),
+                       progress=False)
+    wall = time.perf_counter() - t0
+    for (label, k, part, nscopes, wscopes), lc, ck in zip(variants, lcs, cks):
+        sass = _sass_ok(ck, max_regs=COMM_MAX_REGISTERS)
+        _check_comm_sass(sass, lc, notify_scopes=nscopes, wait_scopes=wscopes)
+        print(f"{label}: {ck.compile_seconds:.2f} s, {ck.ptxas_info()[ck.name]['registers']} regs, "
+              f"{len(sass.instructions)} instructions")
+    print(f"{len(lcs)} communication kernels in {wall:.1f} s")
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
+def test_comm_kernel_debug_build_with_wait_timeout(tmp_path):
+    lc = lower_comm(rs_kernel(W=4, comm=RS_SM[1]), wait_timeout_ns=2 * 10**9)
+    ck = lc.compile(cache=KernelCache(tmp_path), progress=False)
+    k = ck.sass()[ck.name]
+    assert k.count("BPT.TRAP") > 0            # a wait that spins too long reports and traps (debug only)
+    assert ck.ptxas_info()[ck.name]["spill_store_bytes"] == 0
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
+def test_gemm_rs_epilogue_sass_and_plain_gemm_unchanged(tmp_path):
+    from test_codegen_host import trace_plain
+    plain = lower_gemm(trace_plain(M=1000, N=776, K=520, tile=(128, 256, 64), stages=4, dt=tl.bfloat16,
+                                   odt=tl.bfloat16))
+    rs = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), Ms=256,
+                              dt=tl.bfloat16, tile=(128, 256, 64), stages=4))
+    rs64 = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=128, order="full_mesh", mode="pull"), Ms=256,
+                                dt=tl.float16, tile=(64, 128, 64), stages=4))
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in (plain, rs, rs64)],
+                       cache=KernelCache(tmp_path), progress=False)
+    kp, kr, kr64 = (_sass_ok(ck, max_regs=168) for ck in cks)
+    # plain GEMM: no notify code at all, same size as before the epilogue hook existed
+    assert kp.count("REDG") == 0 and kp.count("MEMBAR.ALL.GPU") == 0 and kp.count("FENCE.VIEW.ASYNC.G") == 0
+    assert abs(len(kp.instructions) - PLAIN_GEMM_INSTRUCTIONS) <= 0.03 * PLAIN_GEMM_INSTRUCTIONS, len(kp.instructions)
+    for k in (kr, kr64):
+        s = k.summary()
+        assert s["HGMMA"] > 0 and s["UTMALDG"] > 0 and s["UTMASTG"] > 0
+        assert k.count("REDG.E.ADD.64.STRONG.GPU") > 0 and k.count("MEMBAR.ALL.GPU") > 0
+        assert k.count("FENCE.VIEW.ASYNC.G") > 0           # async-proxy writes ordered before the release
+        assert k.count("DEPBAR") > 0                        # cp.async.bulk.wait_group before it
+    # the notify costs a little code, not a different kernel
+    assert len(kr.instructions) < 1.25 * len(kp.instructions)
+    for ck in cks:
+        assert "C7510" not in ck.log and "C7515" not in ck.log
+
+
+# =================================================================================================
+# CPU emulation of the generated kernels, against the simulator
+# =================================================================================================
+
+def sim_state(kernel_ir, inputs, seed=0):
+    """Run one launch in the simulator; return its memory and engine (signal counters)."""
+    W = kernel_ir.world_size
+    memory = Memory(W, True, True)
+    for r in range(W):
+        for b in kernel_ir.args:
+            data = to_storage(np.array(inputs[r][b.name], copy=True), b.type.dtype).copy()
+            memory.add(r, b.name, b.type.dtype, data, True, b.symmetric)
+        for b in kernel_ir.workspaces:
+            memory.add(r, b.name, b.type.dtype, np.full(b.type.shape, poison_value(b.type.dtype), b.type.dtype.np),
+                       False, b.symmetric)
+    eng = Engine(kernel_ir, memory, SimOptions(launches=1), np.random.default_rng(seed))
+    eng.run_launch()
+    return memory, eng
+
+
+def device_layout(arr, dtype_name):
+    """A simulator array in device layout (bf16 as its 16-bit pattern)."""
+    if dtype_name == "bf16":
+        return (np.ascontiguousarray(arr, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(arr)
+
+
+_HARNESS = """\
+#define TLDSL_HOST_EMULATION 1
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#include "tldsl/comm.hpp"
+
+{source}
+
+static void* load_file(const char* path, size_t n) {{
+  void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
+  FILE* f = std::fopen(path, "rb");
+  if (!f || std::fread(p, 1, n, f) != n) {{ std::fprintf(stderr, "cannot read %s\\n", path); std::exit(2); }}
+  std::fclose(f);
+  return p;
+}}
+static void save_file(const char* path, const void* p, size_t n) {{
+  FILE* f = std::fopen(path, "wb");
+  std::fwrite(p, 1, n, f);
+  std::fclose(f);
+}}
+
+int main(int argc, char** argv) {{
+  const unsigned long long launch = std::strtoull(argv[1], nullptr, 10);
+  const int threads = std::atoi(argv[2]);
+  const int grid = std::atoi(argv[3]);
+{loads}
+  std::vector<std::thread> pool;
+  std::vector<std::barrier<>*> bars;
+  for (int r = 0; r < {W}; ++r)
+    for (int b = 0; b < grid; ++b) {{
+      auto* bar = new std::barrier<>(threads);
+      bars.push_back(bar);
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([=] {{
+          tldsl_emu::thread_idx.x = t;
+          tldsl_emu::block_idx.x = b;
+          tldsl_emu::block_dim.x = threads;
+          tldsl_emu::grid_dim.x = grid;
+          tldsl_emu::cta_barrier = bar;
+          switch (r) {{
+{calls}
+          }}
+        }});
+    }}
+  for (auto& th : pool) th.join();
+{saves}
+  return 0;
+}}
+"""
+
+
+def emulate(kernel_ir, lc: LoweredComm, memory, signals, tmp_path: Path, *, launch=1, threads=32, grid=None,
+            timeout=300):
+    """Run ``lc`` on CPU threads for every rank at once. ``memory[r][name]`` / ``signals[r][name]``:
+    device-layout numpy arrays, updated in place."""
+    W = kernel_ir.world_size
+    used_b, used_s = [], []
+    for p in lc.params:
+        kind, _, name = p.source.partition(":")
+        if kind in ("buffer", "peers") and name not in used_b:
+            used_b.append(name)
+        if kind in ("signal", "peer_signals") and name not in used_s:
+            used_s.append(name)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    loads, saves, files = [], [], []
+    for r in range(W):
+        for n in used_b:
+            arr = np.ascontiguousarray(memory[r][n])
+            f = tmp_path / f"m_{r}_{n}.bin"
+            f.write_bytes(arr.tobytes())
+            loads.append(f'  void* m_{r}_{n} = load_file("{f}", {arr.nbytes});')
+            saves.append(f'  save_file("{f}", m_{r}_{n}, {arr.nbytes});')
+            files.append((f, memory[r], n, arr.dtype, arr.shape))
+        for n in used_s:
+            arr = np.ascontiguousarray(signals[r][n], dtype=np.uint64)
+            f = tmp_path / f"s_{r}_{n}.bin"
+            f.write_bytes(arr.tobytes())
+            loads.append(f'  void* s_{r}_{n} = load_file("{f}", {arr.nbytes});')
+            saves.append(f'  save_file("{f}", s_{r}_{n}, {arr.nbytes});')
+            files.append((f, signals[r], n, np.uint64, arr.shape))
+    for n in used_b:
+        loads.append(f"  void* t_{n}[{W}] = {{{', '.join(f'm_{r}_{n}' for r in range(W))}}};")
+    for n in used_s:
+        loads.append(f"  void* ts_{n}[{W}] = {{{', '.join(f's_{r}_{n}' for r in range(W))}}};")
+    calls = []
+    for r in range(W):
+        args = []
+        for p in lc.params:
+            kind, _, name = p.source.partition(":")
+            ct = p.ctype.replace("__restrict__", "").strip()
+            args.append({"buffer": f"({ct})m_{r}_{name}", "peers": f"({ct})t_{name}",
+                         "signal": f"({ct})s_{r}_{name}", "peer_signals": f"({ct})ts_{name}",
+                         "rank": str(r), "launch": "launch"}[kind])
+        calls.append(f"            case {r}: {lc.entry}({', '.join(args)}); break;")
+    src = _HARNESS.format(source=lc.source, loads="\n".join(loads), saves="\n".join(saves), calls="\n".join(calls),
+                          W=W)
+    cpp = tmp_path / "harness.cpp"
+    cpp.write_text(src)
+    exe = tmp_path / "harness"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    grid = grid or lc.grid()[0]
+    r = subprocess.run([str(exe), str(launch), str(threads), str(grid)], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for f, store, n, dt, shape in files:
+        store[n] = np.frombuffer(f.read_bytes(), dtype=dt).reshape(shape).copy()
+
+
+def _state_from_sim(kernel_ir, mem, eng):
+    W = kernel_ir.world_size
+    memory = [{b.name: device_layout(mem.ranks[r][b.name].data, b.type.dtype.name) for b in kernel_ir.buffers}
+              for r in range(W)]
+    signals = [{s.name: eng.signals[r][s.name].values.astype(np.uint64) for s in kernel_ir.signals} for r in range(W)]
+    return memory, signals
+
+
+def _same(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f":
+        return np.array_equal(a, b, equal_nan=True)
+    return np.array_equal(a, b)
+
+
+AG_EMU = [
+    (3, 20, 24, tl.CommSchedule(tile_m=8, mode="pull", order="ring", sms=2), "float16"),
+    (4, 13, 12, tl.CommSchedule(tile_m=8, mode="push", order="full_mesh", sms=3), "float16"),     # K*2 = 24 B rows
+    (3, 16, 40, tl.CommSchedule(tile_m=16, mode="pull", order="full_mesh", sms=4), "float32"),
+    (2, 9, 16, tl.CommSchedule(tile_m=None, mode="push", order="ring", sms=1), "float16"),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("W,Ms,K,comm,dt", AG_EMU, ids=lambda x: _name(x) if isinstance(x, tl.CommSchedule) else str(x))
+def test_emulated_allgather_matches_simulator(tmp_path, W, Ms, K, comm, dt):
+    rng = np.random.default_rng(W * 100 + Ms)
+    N = 16
+    npdt = np.float16 if dt == "float16" else np.float32
+    shards = [rng.standard_normal((Ms, K)).astype(npdt) for _ in range(W)]
+    b = rng.standard_normal((K, N)).astype(npdt)
+    inputs = [{"a": shards[r], "b": b, "c": np.zeros((W * Ms, N), npdt)} for r in range(W)]
+    k = allgather_gemm.trace(W, S((Ms, K), getattr(tl, dt)), S((K, N), getattr(tl, dt)), S((W * Ms, N), getattr(tl, dt)),
+                             compute=tl.ComputeSchedule(tile=(16, 16, 16)), comm=comm)
+    mem, eng = sim_state(k, inputs)
+    want_mem, want_sig = _state_from_sim(k, mem, eng)
+    # the comm part alone: the gathered buffer starts poisoned, the ready counters at zero
+    memory = [{"a": shards[r].copy(), "a_gathered": np.full((W * Ms, K), np.nan, npdt)} for r in range(W)]
+    signals = [{"gather_a_ready": np.zeros(k.signals[0].type.slots, np.uint64)} for r in range(W)]
+    lc = lower_comm(k, "gather_a")
+    emulate(k, lc, memory, signals, tmp_path)
+    for r in range(W):
+        assert _same(memory[r]["a_gathered"], want_mem[r]["a_gathered"]), r
+        assert _same(memory[r]["a_gathered"], np.concatenate(shards))
+        assert np.array_equal(signals[r]["gather_a_ready"], want_sig[r]["gather_a_ready"]), r
+        assert (signals[r]["gather_a_ready"] == 1).all()
+    # a second launch: counters count on (epochs), data the same
+    emulate(k, lc, memory, signals, tmp_path / "2", launch=2)
+    for r in range(W):
+        assert (signals[r]["gather_a_ready"] == 2).all()
+
+
+RS_EMU = [
+    (3, 20, 24, tl.CommSchedule(tile_m=8, mode="push", order="ring", sms=2)),          # short last tile: load_rows
+    (4, 16, 24, tl.CommSchedule(tile_m=None, mode="pull", order="ring", sms=1)),
+    (3, 16, 20, tl.CommSchedule(tile_m=8, mode="push", order="full_mesh", sms=2)),     # N=20: f16 tails, no vectors
+    (4, 24, 32, tl.CommSchedule(tile_m=16, mode="pull", order="full_mesh", sms=3)),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("W,Ms,N,comm", RS_EMU, ids=lambda x: _name(x) if isinstance(x, tl.CommSchedule) else str(x))
+def test_emulated_reduce_scatter_matches_simulator(tmp_path, W, Ms, N, comm):
+    rng = np.random.default_rng(W * 1000 + Ms * 10 + N)
+    Kr = 24
+    a = [rng.standard_normal((W * Ms, Kr)).astype(np.float16) for _ in range(W)]
+    b = [rng.standard_normal((Kr, N)).astype(np.float16) for _ in range(W)]
+    inputs = [{"a": a[r], "b": b[r], "out": np.full((Ms, N), np.nan, np.float16)} for r in range(W)]
+    k = gemm_reduce_scatter.trace(W, S((W * Ms, Kr), tl.float16), S((Kr, N), tl.float16), S((Ms, N), tl.float16),
+                                  compute=tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned"), comm=comm)
+    mem, eng = sim_state(k, inputs)
+    want_mem, want_sig = _state_from_sim(k, mem, eng)
+    stage = "reduce_scatter_recv" if comm.mode == "push" else "reduce_scatter_send"
+    # the comm part alone: partials as the GEMM left them, `ready` as its notifies left it
+    memory = [{"partial": want_mem[r]["partial"].copy(), "out": np.full((Ms, N), np.nan, np.float16),
+               stage: np.full(k.buffer(stage).type.shape, np.nan, np.float32)} for r in range(W)]
+    signals = [{"reduce_scatter_ready": want_sig[r]["reduce_scatter_ready"].copy(),
+                "reduce_scatter_arrived": np.zeros_like(want_sig[r]["reduce_scatter_arrived"])} for r in range(W)]
+    lc = lower_comm(k, "reduce_scatter")
+    emulate(k, lc, memory, signals, tmp_path)
+    for r in range(W):
+        assert _same(memory[r]["out"], want_mem[r]["out"]), (r, memory[r]["out"], want_mem[r]["out"])
+        assert _same(memory[r][stage], want_mem[r][stage]), r
+        assert np.array_equal(signals[r]["reduce_scatter_arrived"], want_sig[r]["reduce_scatter_arrived"]), r
+    ref = sum(x.astype(np.float32) @ y.astype(np.float32) for x, y in zip(a, b))
+    for r in range(W):
+        np.testing.assert_allclose(memory[r]["out"].astype(np.float32), ref[r * Ms:(r + 1) * Ms], rtol=2e-2, atol=5e-2)
+    # launch 2: the partials' producers notify again; the waits need 2x now, the arrivals count on
+    for r in range(W):
+        signals[r]["reduce_scatter_ready"] = 2 * want_sig[r]["reduce_scatter_ready"]
+        memory[r]["out"][...] = np.nan
+    emulate(k, lc, memory, signals, tmp_path / "2", launch=2, threads=64)
+    for r in range(W):
+        assert _same(memory[r]["out"], want_mem[r]["out"]), r
+        assert np.array_equal(signals[r]["reduce_scatter_arrived"], 2 * want_sig[r]["reduce_scatter_arrived"]), r
+
+
+@needs_gxx
+def test_emulated_sp_attention_gathers_bf16(tmp_path):
+    W, Sl, H, D = 3, 10, 2, 8
+    comm = tl.CommSchedule(tile_m=4, mode="push", order="full_mesh", sms=2)
+    rng = np.random.default_rng(7)
+    bf = tl.bfloat16
+    qs, ks, vs = ([to_storage(rng.standard_normal((Sl, H * D)).astype(np.float32), bf).copy() for _ in range(W)]
+                  for _ in range(3))
+    inputs = [{"q": qs[r], "k": ks[r], "v": vs[r], "o": np.zeros((Sl, H * D), np.float32)} for r in range(W)]
+    k = sp_attention.trace(W, *(S((Sl, H * D), bf) for _ in range(4)), heads=H,
+                           compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)
+    mem, eng = sim_state(k, inputs)
+    want_mem, want_sig = _state_from_sim(k, mem, eng)
+    for part, src, dst, sig in (("gather_k", "k", "k_gathered", "gather_k_ready"),
+                                ("gather_v", "v", "v_gathered", "gather_v_ready")):
+        memory = [{src: device_layout(inputs[r][src], "bf16"),
+                   dst: np.full((W * Sl, H * D), 0x7fc0, np.uint16)} for r in range(W)]
+        signals = [{sig: np.zeros(k.signals[0].type.slots, np.uint64)} for r in range(W)]
+        emulate(k, lower_comm(k, part), memory, signals, tmp_path / part)
+        for r in range(W):
+            assert np.array_equal(memory[r][dst], want_mem[r][dst]), (part, r)
+            assert np.array_equal(signals[r][sig], want_sig[r][sig]), (part, r)
+
+
+@tl.kernel
+def comm_mix(x: tl.Symmetric, v, y: tl.Symmetric, x2, z, *, comm: tl.CommSchedule = None):
+    """Every streamed construct at once: a lower-rank load of a 3-d tensor, broadcasting, float
+    and integer scalars, iota / where, a bf16 push to a peer, a clipped 3-d copy from a peer and
+    a 1-d store."""
+    W = tl.world_size()
+    ready = tl.signal("mix_ready", W * 4, scope="symmetric")
+
+    @tl.comm_part(grid=(W, 4))
+    def mix(s, j):
+        me = tl.rank()
+        peer = (me + s) % W
+        t = tl.load(x, (j, 0, 0), (6, 10))                                   # [6, 10] of x[j]
+        w = t * 2.5 + tl.load(v, (0,), (10,)).to(tl.float32)[None, :] - j
+        w = tl.where(tl.iota(6)[:, None] < 4, w, -w)
+        tl.store(y.at(peer), ((me * 4 + j) * 6, 0), w)                       # bf16 on the peer
+        tl.tile_pull_data(x.at(peer), (j, 3, 5), (1, 4, 7), x2, (s * 4 + j, 0, 0))   # rows / cols clipped
+        tl.store(z, ((s * 4 + j) * 10,), tl.load(v, (0,), (10,)) + 1.0)
+        tl.peer_tile_notify(ready, me * 4 + j, peer)
+
+
+@needs_gxx
+def test_emulated_general_statements_match_simulator(tmp_path):
+    W = 2
+    rng = np.random.default_rng(3)
+    f32, f16, bf = tl.float32, tl.float16, tl.bfloat16
+    xs = [rng.standard_normal((4, 6, 10)).astype(np.float32) for _ in range(W)]
+    vv = [rng.standard_normal(10).astype(np.float16) for _ in range(W)]
+    inputs = [{"x": xs[r], "v": vv[r], "y": np.zeros((W * 4 * 6, 10), np.float32),
+               "x2": np.zeros((W * 4, 5, 7), np.float32), "z": np.zeros(W * 4 * 10, np.float16)} for r in range(W)]
+    comm = tl.CommSchedule(order="full_mesh", sms=3)
+    k = comm_mix.trace(W, S((4, 6, 10), f32), S((10,), f16), S((W * 24, 10), bf), S((W * 4, 5, 7), f32),
+                       S((W * 40,), f16), comm=comm)
+    mem, eng = sim_state(k, inputs)
+    want_mem, want_sig = _state_from_sim(k, mem, eng)
+    memory = [{"x": xs[r].copy(), "v": vv[r].copy(), "y": np.zeros((W * 24, 10), np.uint16),
+               "x2": np.zeros((W * 4, 5, 7), np.float32), "z": np.zeros(W * 40, np.float16)} for r in range(W)]
+    signals = [{"mix_ready": np.zeros(W * 4, np.uint64)} for _ in range(W)]
+    lc = lower_comm(k)
+    assert lc.transfers == 3 and lc.notifies == 1
+    emulate(k, lc, memory, signals, tmp_path, threads=32)
+    for r in range(W):
+        for n in ("y", "x2", "z"):
+            assert _same(memory[r][n], want_mem[r][n]), (r, n)
+        assert np.array_equal(signals[r]["mix_ready"], want_sig[r]["mix_ready"])
+    assert (memory[0]["x2"][:, 3:, :] == 0).all() and (memory[0]["x2"][:, :, 5:] == 0).all()   # clipped
+
+
+# =================================================================================================
+# copy-engine plans, executed in numpy
+# =================================================================================================
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("W,Ms,K,dt", [(3, 5, 6, np.float16), (4, 7, 5, np.float32)])
+def test_copy_engine_allgather_plan_matches_simulator(mode, W, Ms, K, dt):
+    comm = tl.CommSchedule(engine="copy_engine", mode=mode)
+    rng = np.random.default_rng(W + Ms)
+    tdt = tl.float16 if dt == np.float16 else tl.float32
+    shards = [rng.standard_normal((Ms, K)).astype(dt) for _ in range(W)]
+    N = 4
+    b = rng.standard_normal((K, N)).astype(dt)
+    inputs = [{"a": shards[r], "b": b, "c": np.zeros((W * Ms, N), dt)} for r in range(W)]
+    k = allgather_gemm.trace(W, S((Ms, K), tdt), S((K, N), tdt), S((W * Ms, N), tdt),
+                             compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)
+    plan = lower(k, "gather_a")
+    assert isinstance(plan, CopyEnginePlan) and plan.world_size == W
+    eb = np.dtype(dt).itemsize
+    for r in range(W):
+        copies = plan.copies(r)
+        assert len(copies) == W                                         # one copy per peer (and self)
+        acts = plan.actions[r]
+        assert all(isinstance(acts[2 * i], CeCopy) and isinstance(acts[2 * i + 1], CeSignalWrite) for i in range(W))
+        peers = []
+        for step, c in enumerate(copies):
+            assert c.nbytes == Ms * K * eb and c.height == Ms and c.width_bytes == K * eb
+            assert c.src_pitch == c.dst_pitch == K * eb
+            if mode == "pull":
+                peer = (r + step) % W
+                assert (c.src, c.src_rank, c.src_byte_offset) == ("a", peer, 0)
+                assert (c.dst, c.dst_rank, c.dst_byte_offset) == ("a_gathered", r, peer * Ms * K * eb)
+            else:
+                peer = (r + W - step) % W
+                assert (c.src, c.src_rank, c.src_byte_offset) == ("a", r, 0)
+                assert (c.dst, c.dst_rank, c.dst_byte_offset) == ("a_gathered", peer, r * Ms * K * eb)
+            peers.append(peer)
+            w = acts[2 * step + 1]
+            assert w.signal == "gather_a_ready" and w.value(1) == 1 and w.value(3) == 3
+            assert (w.rank, w.slot) == ((r, peer) if mode == "pull" else (peer, r))
+        assert sorted(peers) == list(range(W))
+    mem, eng = sim_state(k, inputs)
+    memory = [{"a": shards[r].copy(), "a_gathered": np.full((W * Ms, K), np.nan, dt)} for r in range(W)]
+    signals = [{"gather_a_ready": np.zeros(W, np.uint64)} for r in range(W)]
+    plan.run_numpy(memory, signals, launch=1)
+    for r in range(W):
+        assert _same(memory[r]["a_gathered"], mem.ranks[r]["a_gathered"].data)
+        assert np.array_equal(signals[r]["gather_a_ready"], eng.signals[r]["gather_a_ready"].values)
+    plan.run_numpy(memory, signals, launch=2)
+    assert all((s["gather_a_ready"] == 2).all() for s in signals)
+    assert "copy a@" in plan.describe()
+
+
+@tl.kernel
+def ce_blocks(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
+    """A 3-d copy-engine transfer, clipped at the source's edge, then a rank notify."""
+    W = tl.world_size()
+    got = tl.signal("got", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,), engine="copy_engine", lanes=1)
+    def blocks(s):
+        me = tl.rank()
+        peer = (me + s) % W
+        tl.rank_copy_data(y, (peer * 3, 0, 0), x.at(peer), (1, 2, 1), (3, 4, 5))   # x is [3, 5, 4]
+        tl.rank_notify(got, peer)
+
+
+def test_copy_engine_plan_nd_clipped_copy_matches_simulator():
+    W = 3
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((3, 5, 4)).astype(np.float32) for _ in range(W)]
+    inputs = [{"x": xs[r], "y": np.zeros((W * 3, 4, 5), np.float32)} for r in range(W)]
+    k = ce_blocks.trace(W, S((3, 5, 4), tl.float32), S((W * 3, 4, 5), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
+    plan = plan_copy_engine(k)
+    c = plan.copies(0)
+    # source box [1:4, 2:6, 1:6] clipped to [1:3, 2:5, 1:4]: 2 planes of 3 rows x 3 elements
+    assert len(c) == 2 * W and c[0].shape == (2, 3, 3) and c[0].height == 3 and c[0].width_bytes == 12
+    assert c[0].src_pitch == 16 and c[0].dst_pitch == 20
+    assert c[0].src_byte_offset == ((1 * 5 + 2) * 4 + 1) * 4 and c[1].src_byte_offset == ((2 * 5 + 2) * 4 + 1) * 4
+    mem, eng = sim_state(k, inputs)
+    memory = [{"x": xs[r].copy(), "y": np.zeros((W * 3, 4, 5), np.float32)} for r in range(W)]
+    signals = [{"got": np.zeros(W, np.uint64)} for _ in range(W)]
+    plan.run_numpy(memory, signals)
+    for r in range(W):
+        assert np.array_equal(memory[r]["y"], mem.ranks[r]["y"].data)
+        assert np.array_equal(signals[r]["got"], eng.signals[r]["got"].values)
+
+
+@tl.kernel
+def ce_shared_slot(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
+    W = tl.world_size()
+    got = tl.signal("got", 1, scope="symmetric")
+
+    @tl.comm_part(grid=(1,), engine="copy_engine", lanes=1)
+    def send(s):
+        tl.rank_copy_data(y.at(0), (tl.rank() * 2, 0), x, (0, 0), (2, 4))
+        tl.rank_notify(got, 0, 0)                              # every rank adds to rank 0's slot 0
+
+    @tl.comm_part(grid=(1,), engine="copy_engine", lanes=1)
+    def wait(s):
+        with tl.when(tl.rank() == 0):
+            tl.rank_wait(got, 0, count=W)
+
+
+def test_copy_engine_plan_rejects_a_slot_written_by_several_ranks():
+    k = ce_shared_slot.trace(2, S((2, 4), tl.float32), S((4, 4), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
+    e = _raises_here(lambda: plan_copy_engine(k, "send"), "one rank must own each slot")
+    assert "tl.rank_notify(got, 0, 0)" in e.loc.source
+    w = plan_copy_engine(k, "wait")                            # a wait alone is fine: GEQ on the counter
+    assert w.actions[0][0].target(3) == 6 and w.actions[1] == ()
+
+
+def test_copy_engine_plans_of_sp_attention_and_moe():
+    for k, parts in ((spa_kernel(W=4, comm=CE[1], Sl=64, H=2, D=16), {"gather_k": "k_gathered",
+                                                                       "gather_v": "v_gathered"}),
+                     (moe_kernel(W=4, comm=CE[0], Ms=32, K=64), {"gather_x": "x_gathered"})):
+        for part, dst in parts.items():
+            plan = plan_copy_engine(k, part)
+            rows, width = k.buffer(dst).type.shape
+            for r in range(4):
+                cs = plan.copies(r)
+                assert len(cs) == 4 and {c.dst for c in cs} == {dst}
+                assert sum(c.nbytes for c in cs) == rows * width * 2          # the whole gathered buffer, bf16

@@ -1,0 +1,707 @@
+"""The MoE compute parts lowered by ``codegen.lower_grouped_gemm``.
+
+* Host-side (no CUDA): recognition of AllGather+MoE's and MoE+ReduceScatter's compute parts,
+  the kernel parameter contract (order, sources, TMA descriptors, tables, signals), the
+  schedule reaching the C++ template, and rejections that name the op and the user's line.
+* Generated code run on the host (needs ``g++``): the generated ``Prog`` members — the guard,
+  the expert, the gathered row ids, the waits and notifies with their loops, and the whole
+  combine body — compiled against a small host shim of the device helpers and run over every
+  tile, then compared with the IR's own meaning (a Python walk of the scalar ops using the
+  simulator's arithmetic) and with numpy.
+* NVRTC (marker ``nvrtc``): every kernel compiled for sm_90a for three schedules and checked
+  on its SASS. Spill budget: 0 bytes of spill stores/loads, no stack, no local-memory
+  instructions; the grouped GEMMs stay within the 168 registers the launch bound of a
+  384-thread CTA allows (consumers raise theirs with setmaxnreg), the combine under 64.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.cache import KernelCache
+from tldsl.codegen.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
+from tldsl.codegen.lower import lower as dispatch_lower
+from tldsl.codegen.lower_gemm import LoweringError
+from tldsl.codegen.lower_grouped_gemm import (LoweredCombine, LoweredGroupedGemm, lower_combine, lower_grouped_gemm,
+                                              match_combine, match_grouped_gemm, matches)
+from tldsl.ir import core
+from tldsl.ir.opdefs import NOTIFY_OPS, WAIT_OPS, DEFAULT_MEMORY_SCOPE
+from tldsl.ir.semantics import ARITH, wrap_i32
+from tldsl.kernel import TensorSpec as S
+from tldsl.ops.moe import (allgather_moe, make_allgather_case, moe_num_tiles, moe_reduce_scatter, moe_routing,
+                           random_routing)
+
+INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
+_OK, _WHY = tcm.toolchain_available()
+needs_nvrtc = pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
+
+#: Spill budget of every generated MoE kernel.
+SPILL_BUDGET_BYTES = 0
+MAX_REGISTERS_GEMM = 168
+MAX_REGISTERS_COMBINE = 64
+
+
+# -- traced kernels ------------------------------------------------------------------------------
+
+def trace_ag(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
+             topk=2, comm=None, group_m=8):
+    BM = tile[0]
+    T = W * Ms
+    NT = moe_num_tiles(T * topk, E, BM)
+    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m)
+    return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT, 2), tl.int32),
+                               S((NT * BM,), tl.int32), S((NT * BM, Nr), dt), compute=c,
+                               comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
+
+
+def trace_rs(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
+             topk=2, comm=None, group_m=8):
+    BM = tile[0]
+    T = W * Ms
+    NT = moe_num_tiles(T * topk, E, BM)
+    TT = -(-T // BM)
+    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m)
+    return moe_reduce_scatter.trace(
+        W, S((NT * BM, Nr), dt), S((E, Nr, K), dt), S((T, topk), tl.float32), S((NT,), tl.int32),
+        S((topk * T,), tl.int32), S((NT, min(BM, TT)), tl.int32), S((NT,), tl.int32), S((TT,), tl.int32),
+        S((Ms, K), dt), compute=c, comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+
+
+# -- host side: recognition and the parameter contract ---------------------------------------------
+
+def test_allgather_moe_lowering_contract():
+    k = trace_ag()
+    lw = lower_grouped_gemm(k, "grouped_gemm")
+    assert isinstance(lw, LoweredGroupedGemm) and lw.kind == "grouped_gemm"
+    c = lw.config
+    assert (c.BM, c.BN, c.BK, c.stages, c.consumer_wgs, c.threads) == (128, 128, 64, 4, 2, 384)
+    assert (c.producer_regs, c.consumer_regs) == (56, 224)          # the gathering producer keeps row ids
+    assert lw.gather and lw.batched and lw.store_inactive           # h's unused tiles get zeros
+    assert (lw.M, lw.N, lw.K) == (1024, 384, 512) and lw.grid_tiles == (k.part("grouped_gemm").grid)
+    assert [p.name for p in lw.params] == ["tma_b", "tma_c", "ptr_x_gathered", "rank", "launch",
+                                          "sig_gather_x_ready", "tbl_tile_expert", "tbl_sorted_token_ids",
+                                          "tbl_tile_tokens"]
+    assert [p.source for p in lw.params] == ["tma:tma_b", "tma:tma_c", "buffer:x_gathered", "rank", "launch",
+                                            "signal:gather_x_ready", "buffer:tile_expert",
+                                            "buffer:sorted_token_ids", "buffer:tile_tokens"]
+    assert [p.kind for p in lw.params] == ["tma", "tma", "ptr", "i32", "u64", "ptr", "ptr", "ptr", "ptr"]
+    assert lw.signals == ("gather_x_ready",) and lw.signal_slots == {"gather_x_ready": 16}
+    assert lw.tables == ("tile_expert", "sorted_token_ids", "tile_tokens")
+    assert lw.buffers["x_gathered"] == ((1024, 512), "f16") and lw.buffers["tile_tokens"] == ((23, 2), "i32")
+    b, cc = lw.tma
+    # w1 [E, K, Nr] as a 3-d TMA tensor, one expert's (BK, BN) box at a time
+    assert (b.buffer, b.global_dims, b.global_strides, b.box_dims, b.swizzle) == \
+        ("w1", (384, 512, 8), (768, 512 * 768), (64, 64, 1), "CU_TENSOR_MAP_SWIZZLE_128B")
+    assert (cc.buffer, cc.global_dims, cc.box_dims) == ("h", (384, 23 * 128), (64, 64))
+    assert lw.waits == 1 and lw.notifies == 0 and lw.wait_scopes == ("gpu",)
+    src = lw.source
+    assert "kGather = true, kBatched = true, kStoreInactive = true" in src
+    assert f"Tr::kSmemBytes == {lw.smem_bytes}" in src and "Tr::kFullArrivals == 129" in src
+    assert "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_gather_x_ready + " in src and "* launch" in src
+    assert "tldsl::grouped::ld1(tbl_sorted_token_ids, " in src            # the gathered rows, bounds-checked
+    assert "void notifies" not in src                                     # nothing to notify
+    # every generated line of the Prog members points at the tile program
+    prog = src.split("struct Prog {")[1].split("\n};")[0]
+    code = [l for l in prog.splitlines() if l.startswith("    ") and l.strip().startswith(("const ", "tldsl::",
+                                                                                        "for ", "if "))]
+    assert code and all("// tldsl: " in l and "moe.py:" in l for l in code)
+    assert lw.grid(132) == (69, 1, 1) and lw.block == (384, 1, 1)
+    assert "grouped GEMM, A gathered rows (cp.async)" in lw.describe()
+
+
+@pytest.mark.parametrize("comm,wait,scope", [
+    (tl.CommSchedule(tile_m=64, mode="push", order="full_mesh"), "peer_tile_wait", "sys"),
+    (tl.CommSchedule(tile_m=128, mode="pull"), "consumer_tile_wait", "gpu"),
+    (tl.CommSchedule(engine="copy_engine"), "rank_wait", "sys"),
+])
+def test_allgather_moe_waits_follow_the_comm_schedule(comm, wait, scope):
+    lw = lower_grouped_gemm(trace_ag(comm=comm), "grouped_gemm")
+    assert lw.wait_scopes == (scope,) and f"// {wait}" in lw.source
+    assert f"tldsl::wait_at_least<tldsl::kScope{scope.capitalize()}>" in lw.source
+
+
+def test_moe_reduce_scatter_gemm_contract():
+    k = trace_rs()
+    lw = lower_grouped_gemm(k, "grouped_gemm")
+    assert not lw.gather and lw.batched and not lw.store_inactive     # skipped tiles store nothing
+    assert lw.config.out_dtype == "f32" and (lw.config.producer_regs, lw.config.consumer_regs) == (40, 232)
+    assert [p.name for p in lw.params] == ["tma_a", "tma_b", "tma_c", "rank", "launch", "sig_y_ready",
+                                          "tbl_tile_expert", "tbl_tile_num_token_tiles", "tbl_tile_token_tiles"]
+    a, b, c = lw.tma
+    assert (a.buffer, a.global_dims, a.box_dims) == ("h", (384, 23 * 128), (64, 128))
+    assert (b.buffer, b.global_dims, b.box_dims) == ("w2", (512, 384, 8), (64, 64, 1))
+    assert (c.buffer, c.data_type, c.box_dims) == ("y_sorted", "CU_TENSOR_MAP_DATA_TYPE_FLOAT32", (32, 64))
+    assert lw.waits == 0 and lw.notifies == 1 and lw.signals == ("y_ready",)
+    src = lw.source
+    assert "kStoreInactive = false" in src and "void waits" not in src
+    notifies = src.split("void notifies")[1].split("\n  }\n")[0]
+    assert notifies.index("release_fence<tldsl::kScopeGpu>") < notifies.index("signal_add_relaxed")
+    assert "#pragma unroll 1" in notifies                                  # table-driven loop stays a loop
+
+
+def test_combine_contract():
+    k = trace_rs(comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), order="comm_aligned")
+    lw = lower_combine(k, "combine")
+    assert isinstance(lw, LoweredCombine) and lw.kind == "combine"
+    assert [p.name for p in lw.params] == ["ptr_y_sorted", "out_partial", "rank", "launch", "sig_y_ready",
+                                          "sig_reduce_scatter_ready", "tbl_token_tile_producers", "tbl_token_pos",
+                                          "ptr_topk_weights"]
+    ctypes = {p.name: p.ctype for p in lw.params}
+    # y_sorted is written by the grouped GEMM while the combine runs: never __restrict__ / non-coherent
+    assert ctypes["ptr_y_sorted"] == "const float*" and ctypes["out_partial"] == "float* __restrict__"
+    assert ctypes["tbl_token_pos"] == "const int* __restrict__"
+    assert lw.buffers == {"y_sorted": ((23 * 128, 512), "f32"), "partial": ((1024, 512), "f32"),
+                          "token_tile_producers": ((8,), "i32"), "token_pos": ((2048,), "i32"),
+                          "topk_weights": ((1024, 2), "f32")}
+    assert lw.grid_tiles == (8, 4) and lw.tile == (128, 128) and lw.block == (256, 1, 1) and lw.smem_bytes == 0
+    assert lw.align_shift == k.part("combine").align_shift == 1 and "kOrder = 2" in lw.source
+    assert lw.waits == 1 and lw.notifies == 1 and lw.wait_scopes == ("gpu",)
+    assert lw.signal_slots == {"y_ready": 32, "reduce_scatter_ready": 16}
+    assert lw.grid(132) == (32, 1, 1) and lw.grid(4, ctas_per_sm=2) == (8, 1, 1)
+
+
+def test_dispatcher_routes_the_moe_parts():
+    kag, krs = trace_ag(), trace_rs()
+    assert matches(kag, kag.part("grouped_gemm")) and matches(krs, krs.part("combine"))
+    assert not matches(kag, kag.part("gather_x")) and not matches(krs, krs.part("reduce_scatter"))
+    assert isinstance(dispatch_lower(kag, "grouped_gemm"), LoweredGroupedGemm)
+    assert isinstance(dispatch_lower(krs, "grouped_gemm"), LoweredGroupedGemm)
+    assert isinstance(dispatch_lower(krs, "combine", cluster=(1, 1)), LoweredCombine)
+
+
+def test_schedule_drives_the_template():
+    for order, code in (("row_major", 0), ("swizzled", 1), ("comm_aligned", 2)):
+        for trace in (trace_ag, trace_rs):
+            lw = lower_grouped_gemm(trace(order=order, group_m=4, tile=(128, 64, 32), stages=6), "grouped_gemm")
+            assert f"kOrder = {code}, kGroupM = 4" in lw.source
+            assert "BM = 128, BN = 64, BK = 32" in lw.source and "kStages = 6" in lw.source
+            assert lw.config.SA == 64                                       # 32 halfs of K: 64-byte swizzle
+    lw = lower_grouped_gemm(trace_ag(tile=(64, 128, 64)), "grouped_gemm")
+    assert lw.config.consumer_wgs == 1 and (lw.config.producer_regs, lw.config.consumer_regs) == (0, 0)
+    assert "Tr::kUnitsA == 8 && Tr::kRowStep == 16" in lw.source
+
+
+def _raises(fn, *texts):
+    with pytest.raises(LoweringError) as ei:
+        fn()
+    for t in texts:
+        assert t in str(ei.value), str(ei.value)
+    return ei.value
+
+
+def test_schedule_limits_are_reported():
+    _raises(lambda: lower_grouped_gemm(trace_ag(tile=(32, 128, 64)), "grouped_gemm"), "BM=32")
+    _raises(lambda: lower_grouped_gemm(trace_ag(tile=(128, 256, 128), stages=4), "grouped_gemm"), "shared memory")
+    _raises(lambda: lower_grouped_gemm(trace_ag(K=516), "grouped_gemm"), "16-byte aligned rows")
+    _raises(lambda: lower_grouped_gemm(trace_ag(dt=tl.float32), "grouped_gemm"), "f16 or both bf16")
+    _raises(lambda: lower_grouped_gemm(trace_rs(K=514), "grouped_gemm"), "16-byte aligned rows")
+    _raises(lambda: lower_combine(trace_rs(K=514), "combine"), "multiple of 4")
+
+
+# -- rejections point at the user's line -------------------------------------------------------------
+
+@tl.kernel
+def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, variant: tl.constexpr = "ok"):
+    T, K = x.shape
+    E, _, N = w.shape
+    BM, BN, BK = compute.tile
+    NT = tile_expert.shape[0]
+    ready = tl.signal("ready", NT)
+    done = tl.signal("done", NT)
+    done2 = tl.signal("done2", NT, scope="symmetric") if variant == "peer_notify" else None
+
+    @tl.comm_part(grid=(NT,))
+    def feed(t):
+        tl.producer_tile_notify(ready, t)
+
+    @tl.compute_part(grid=(NT, tl.cdiv(N, BN)))
+    def gg(i, pn):
+        e = tl.load_scalar(tile_expert, (i,))
+        acc = tl.fragment((BM, BN), tl.float32)
+        if variant == "wait_outside":
+            tl.consumer_tile_wait(ready, i)
+        with tl.when(e >= 0):
+            if variant not in ("wait_after", "wait_outside"):
+                tl.consumer_tile_wait(ready, i)
+            if variant == "notify_before":
+                tl.producer_tile_notify(done, i)
+            rows = tl.load(ids, (i * BM,), (BM,))
+            for k in tl.range(0, K, BK):
+                ex = tl.minimum(e, k) if variant == "expert_in_loop" else e
+                bc = pn * BN + 8 if variant == "shifted_b" else pn * BN
+                acc += tl.dot(tl.load_rows(x, rows, k, BK), tl.load(w, (ex, k, bc), (BK, BN)))
+            if variant == "wait_after":
+                tl.consumer_tile_wait(ready, i)
+        tl.store(h, (i * BM, pn * BN), tl.exp(acc) if variant == "exp" else acc)
+        if variant == "peer_notify":
+            tl.peer_tile_notify(done2, i, 0)
+        elif variant != "notify_before":
+            tl.producer_tile_notify(done, i)
+
+    @tl.compute_part(grid=(NT,))
+    def after(i):
+        if variant != "peer_notify":
+            tl.consumer_tile_wait(done, i, count=tl.cdiv(N, BN))
+
+
+def _trace_gathered(variant):
+    specs = (S((512, 256), tl.float16), S((4, 256, 256), tl.float16), S((8,), tl.int32), S((8 * 128,), tl.int32),
+             S((8 * 128, 256), tl.float16))
+    return gathered.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(128, 128, 64)), variant=variant),
+                                  channels=False)
+
+
+def test_gathered_gemm_lowers_with_waits_and_notifies():
+    lw = lower_grouped_gemm(_trace_gathered("ok"), "gg")
+    assert lw.gather and lw.store_inactive and lw.waits == 1 and lw.notifies == 1
+    assert lw.signals == ("ready", "done")
+    # the notify sits after the (outside-the-guard) store: it runs for inactive tiles too
+    notifies = lw.source.split("void notifies")[1].split("\n  }\n")[0]
+    assert "if (" not in notifies and "signal_add_relaxed<tldsl::kScopeGpu>(sig_done + pid0, 1ull)" in notifies
+
+
+@pytest.mark.parametrize("variant,texts", [
+    ("wait_after", ("'consumer_tile_wait' after the K loop",)),
+    ("wait_outside", ("'consumer_tile_wait' outside the `tl.when` guard",)),
+    ("notify_before", ("'producer_tile_notify' before the accumulator's store",)),
+    ("expert_in_loop", ("must not depend on the K loop",)),
+    ("shifted_b", ("B tile offsets must be (e, k, pid1*128)",)),
+    ("exp", ("accumulator to be read once after the K loop",)),
+])
+def test_grouped_gemm_rejections_name_the_op_and_line(variant, texts):
+    e = _raises(lambda: lower_grouped_gemm(_trace_gathered(variant), "gg"), "grouped GEMM lowering", *texts)
+    assert e.loc is not None and e.loc.filename == __file__
+
+
+def test_peer_notify_in_a_compute_part_is_rejected():
+    k = _trace_gathered("peer_notify")
+    e = _raises(lambda: lower_grouped_gemm(k, "gg"), "'peer_tile_notify' notifies another rank's copy")
+    assert e.loc.filename == __file__ and "peer_tile_notify" in e.loc.source
+
+
+@tl.kernel
+def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, variant: tl.constexpr = "ok"):
+    R, Kc = y.shape
+    T, topk = wts.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(T, BM), tl.cdiv(Kc, BN)))
+    def comb(j, pn):
+        m0, c0 = j * BM, pn * BN
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, topk):
+            rows = tl.load(pos, (k * T + m0,), (BM,))
+            col = c0 + 2 if variant == "odd_col" else c0
+            g = tl.load_rows(y, rows, col, BN)
+            if variant == "per_col":
+                s = tl.load(wts, (k, c0), (1, BN))
+            elif variant == "f16":
+                s = tl.cast(tl.load(wts, (m0, k), (BM, 1)), tl.float16)
+            elif variant == "dot":
+                s = tl.dot(tl.load(wts, (m0, k), (BM, 1)), tl.load(wts, (k, 0), (1, 1)))
+            else:
+                s = tl.load(wts, (m0, k), (BM, 1))
+            acc += g * s
+        tl.store(out, (m0, c0), acc)
+
+
+def _trace_combine(variant, ydt=tl.float32):
+    specs = (S((512, 256), ydt), S((2 * 300,), tl.int32), S((300, 2), tl.float32), S((300, 256), tl.float32))
+    return combine_like.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16)), variant=variant),
+                                      channels=False)
+
+
+def test_combine_like_part_lowers():
+    lw = lower_combine(_trace_combine("ok"))
+    assert lw.waits == 0 and lw.notifies == 0 and lw.signals == ()
+    assert "void waits" not in lw.source and "void notifies" not in lw.source
+    assert [p.name for p in lw.params] == ["ptr_y", "out_out", "rank", "launch", "tbl_pos", "ptr_wts"]
+    assert lw.params[0].ctype == "const float*"             # gathered rows: coherent loads, never .nc
+
+
+@pytest.mark.parametrize("variant,ydt,texts", [
+    ("per_col", tl.float32, ("per row",)),
+    ("f16", tl.float16, ("computed in f16", "only f32 accumulation")),
+    ("odd_col", tl.float32, ("multiples of 4",)),
+    ("dot", tl.float32, ("tl.dot belongs to a GEMM",)),
+])
+def test_combine_rejections_name_the_op_and_line(variant, ydt, texts):
+    e = _raises(lambda: lower_combine(_trace_combine(variant, ydt)), "row-gather combine lowering", *texts)
+    assert e.loc is not None and e.loc.filename == __file__
+
+
+def test_lowering_needs_a_compute_part():
+    k = trace_ag()
+    _raises(lambda: lower_grouped_gemm(k, "gather_x"), "is a comm part")
+    _raises(lambda: match_combine(k, k.part("grouped_gemm")), "tl.dot belongs to a GEMM")
+    _raises(lambda: match_grouped_gemm(trace_rs(), trace_rs().part("combine")), "exactly one tl.dot")
+
+
+# -- the generated Prog members, run on the host --------------------------------------------------
+
+SHIM = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <string>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+namespace tldsl {
+enum Scope : int { kScopeGpu = 0, kScopeSys = 1 };
+inline int floordiv(int a, int b) { return (a / b) - (((a % b) != 0) && ((a < 0) != (b < 0)) ? 1 : 0); }
+inline int floormod(int a, int b) { return a - floordiv(a, b) * b; }
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline int imax(int a, int b) { return a > b ? a : b; }
+struct Sig { const char* name; unsigned long long* base; int n; };
+static std::vector<Sig> g_sigs;
+static const Sig& sig_of(const unsigned long long* p) {
+  for (const Sig& s : g_sigs) if (p >= s.base && p < s.base + s.n) return s;
+  fprintf(stderr, "signal slot out of range\n"); exit(3);
+}
+template <int S> void wait_at_least(const unsigned long long* slot, unsigned long long target) {
+  const Sig& s = sig_of(slot);
+  printf("wait %s %d %llu %s\n", s.name, int(slot - s.base), target, S == kScopeSys ? "sys" : "gpu");
+}
+namespace grouped {
+static int g_fences = 0;
+template <int S> void release_fence() { ++g_fences; }
+template <int S> void signal_add_relaxed(unsigned long long* slot, unsigned long long v) {
+  const Sig& s = sig_of(slot);
+  if (g_fences == 0) { fprintf(stderr, "notify before its release fence\n"); exit(4); }
+  printf("notify %s %d %s\n", s.name, int(slot - s.base), S == kScopeSys ? "sys" : "gpu");
+  *slot += v;
+}
+inline float value_of(float x) { return x; }
+inline int value_of(int x) { return x; }
+template <class T> T ld_coherent(const T* p) { return *p; }
+template <bool C = false, class T> auto ld1(const T* p, int i, int n) -> decltype(value_of(T())) {
+  return (unsigned)i < (unsigned)n ? value_of(p[i]) : decltype(value_of(T()))(0);
+}
+template <bool C = false, class T> auto ld2(const T* p, int i, int j, int n0, int n1) -> decltype(value_of(T())) {
+  return ((unsigned)i < (unsigned)n0 && (unsigned)j < (unsigned)n1) ? value_of(p[(long long)i * n1 + j])
+                                                                    : decltype(value_of(T()))(0);
+}
+inline void load4(const float* p, int row, int rows, int col, int cols, float (&x)[4]) {
+  for (int q = 0; q < 4; ++q)
+    x[q] = ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
+               ? p[(long long)row * cols + col + q] : 0.f;
+}
+inline void store4(float* p, int row, int rows, int col, int cols, const float (&x)[4]) {
+  if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
+    for (int q = 0; q < 4; ++q) p[(long long)row * cols + col + q] = x[q];
+}
+}  // namespace grouped
+}  // namespace tldsl
+template <class T> std::vector<T> read_file(const char* path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = fopen(path, "rb");
+  if (!f || fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "cannot read %s\n", path); exit(2); }
+  fclose(f);
+  return v;
+}
+"""
+
+
+def _prog_struct(source: str) -> str:
+    return "struct Prog {" + source.split("struct Prog {")[1].split("\n};\n")[0] + "\n};\n"
+
+
+def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=None):
+    """Compile the lowered kernel's Prog on the host and run it over every tile: returns the
+    printed events and (combine) the stored tensor."""
+    decls = []
+    for p in lw.params:
+        if p.kind == "tma" or (gemm and lw.gather and p.name.startswith("ptr_")):
+            continue
+        if p.name == "rank":
+            decls.append(f"  int rank = {rank};")
+        elif p.name == "launch":
+            decls.append(f"  unsigned long long launch = {launch}ull;")
+        elif p.source.startswith("signal:"):
+            name = p.source[7:]
+            n = lw.signal_slots[name]
+            decls.append(f"  std::vector<unsigned long long> store_{p.name}({n}, 0ull);")
+            decls.append(f"  unsigned long long* {p.name} = store_{p.name}.data();")
+            decls.append(f"  tldsl::g_sigs.push_back({{\"{name}\", {p.name}, {n}}});")
+        else:
+            name = p.source[7:]
+            arr = np.ascontiguousarray(arrays[name])
+            path = tmp_path / f"{name}.bin"
+            arr.tofile(path)
+            ct = "int" if arr.dtype == np.int32 else "float"
+            assert arr.dtype in (np.int32, np.float32), (name, arr.dtype)
+            decls.append(f"  std::vector<{ct}> v_{p.name} = read_file<{ct}>(\"{path}\", {arr.size});")
+            decls.append(f"  {p.ctype.replace('__restrict__', '')} {p.name} = v_{p.name}.data();")
+    init = lw.source.split("const Prog prog{")[1].split("};")[0]
+    g0, g1 = lw.grid_tiles
+    loop = [f"  for (int pid0 = 0; pid0 < {g0}; ++pid0) for (int pid1 = 0; pid1 < {g1}; ++pid1) {{",
+            "    printf(\"tile %d %d\\n\", pid0, pid1);"]
+    if gemm:
+        loop.append("    const bool act = prog.active(pid0, pid1);")
+        loop.append("    printf(\"active %d batch %d\\n\", int(act), act ? prog.batch(pid0, pid1) : -1);")
+        if lw.gather:
+            loop.append(f"    if (act) {{ printf(\"rows\"); for (int r = 0; r < {bm}; ++r) "
+                        "printf(\" %d\", prog.row(pid0, pid1, r)); printf(\"\\n\"); }")
+    if lw.waits:
+        loop.append("    prog.waits(pid0, pid1);")
+    if not gemm:
+        loop.append(f"    for (int tid = 0; tid < {lw.threads}; ++tid) prog.body(pid0, pid1, tid);")
+    if lw.notifies:
+        loop.append("    prog.notifies(pid0, pid1);")
+    loop.append("  }")
+    out_dump = []
+    if not gemm:
+        dst = next(p for p in lw.params if p.name.startswith("out_"))
+        out_dump = [f"  FILE* fo = fopen(\"{tmp_path / 'out.bin'}\", \"wb\");",
+                    f"  fwrite({dst.name}, sizeof(float), v_{dst.name}.size(), fo);", "  fclose(fo);"]
+    main = ["int main() {", *decls, f"  const Prog prog{{{init}}};", *loop, *out_dump, "  return 0;", "}"]
+    src = tmp_path / "prog.cpp"
+    src.write_text(SHIM + _prog_struct(lw.source) + "\n".join(main) + "\n")
+    exe = tmp_path / "prog"
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(src), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = np.fromfile(tmp_path / "out.bin", np.float32) if not gemm else None
+    return run.stdout.splitlines(), out
+
+
+def _ir_signal_events(part: core.Part, tables: dict, pid, rank: int, launch: int):
+    """What the tile program's scalar code and signal ops do for one tile, by the IR's meaning
+    (the simulator's arithmetic): ([waits], [notifies]) in program order."""
+    env: dict[int, object] = {}
+    waits, notifies = [], []
+
+    def val(v):
+        op = v.owner
+        if isinstance(op, core.Op) and op.name == "const":
+            return op.attrs["value"]
+        return env[v.id]
+
+    def run(ops):
+        for op in ops:
+            n = op.name
+            if n == "program_id":
+                env[op.result.id] = pid[op.attrs["axis"]]
+            elif n == "rank":
+                env[op.result.id] = rank
+            elif n == "arith":
+                env[op.result.id] = wrap_i32(ARITH[op.attrs["op"]](val(op.operands[0]), val(op.operands[1])))
+            elif n == "select":
+                c, a, b = (val(x) for x in op.operands)
+                env[op.result.id] = a if c else b
+            elif n == "load_scalar":
+                t = tables[op.operands[0].owner.name]
+                env[op.result.id] = int(t[tuple(val(x) for x in op.operands[1:])])
+            elif n == "for":
+                lo, hi, st = (val(x) for x in op.operands)
+                for i in range(lo, hi, st):
+                    env[op.regions[0].args[0].id] = i
+                    run(op.regions[0].ops)
+            elif n == "if":
+                if val(op.operands[0]):
+                    run(op.regions[0].ops)
+            elif n in WAIT_OPS:
+                count = val(op.operands[2])
+                target = count * launch if op.attrs.get("epoch", True) else count
+                waits.append(f"wait {op.operands[0].owner.name} {val(op.operands[1])} {target} "
+                             f"{DEFAULT_MEMORY_SCOPE[n]}")
+            elif n in NOTIFY_OPS:
+                notifies.append(f"notify {op.operands[0].owner.name} {val(op.operands[1])} {op.attrs['scope']}")
+    run(part.body.ops)
+    return waits, notifies
+
+
+def _split_tiles(lines):
+    tiles, cur = {}, None
+    for l in lines:
+        if l.startswith("tile "):
+            cur = tuple(int(x) for x in l.split()[1:])
+            tiles[cur] = []
+        else:
+            tiles[cur].append(l)
+    return tiles
+
+
+@needs_gxx
+@pytest.mark.parametrize("comm", [tl.CommSchedule(tile_m=16, mode="pull"),
+                                  tl.CommSchedule(tile_m=32, mode="push", order="full_mesh"),
+                                  tl.CommSchedule(engine="copy_engine")])
+def test_allgather_moe_generated_prog_runs_like_the_ir(tmp_path, comm):
+    W, launch = 3, 2
+    compute = tl.ComputeSchedule(tile=(64, 32, 32))
+    case = make_allgather_case(np.random.default_rng(1), W, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2,
+                               compute=compute, comm=comm, routing="random")
+    inp = case.inputs[0]
+    k = allgather_moe.trace(W, *[S.of(inp[n]) for n in allgather_moe.arg_names], compute=compute, comm=comm)
+    lw = lower_grouped_gemm(k, "grouped_gemm")
+    lines, _ = _run_host(tmp_path, lw, inp, launch=launch, rank=1, bm=64)
+    tiles = _split_tiles(lines)
+    part = k.part("grouped_gemm")
+    te, ids = inp["tile_expert"], inp["sorted_token_ids"]
+    assert len(tiles) == part.grid[0] * part.grid[1]
+    for (i, pn), ev in tiles.items():
+        e = int(te[i])
+        assert ev[0] == f"active {int(e >= 0)} batch {e if e >= 0 else -1}"
+        rest = ev[1:]
+        if e >= 0:
+            assert rest[0] == "rows " + " ".join(str(int(x)) for x in ids[i * 64:(i + 1) * 64])
+            rest = rest[1:]
+        waits, notifies = _ir_signal_events(part, inp, (i, pn), 1, launch)
+        assert rest == waits + notifies, (i, pn)
+        assert (len(waits) > 0) == (e >= 0)
+
+
+@needs_gxx
+def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
+    """The grouped GEMM's guard, expert and notifies, and the whole combine (waits, the
+    gather-weight-sum body on every thread, the store's clipping, the reduce-scatter notifies)
+    run on the host against the IR and numpy; T = 120 tokens is not a multiple of BM = 64."""
+    W, Ms, K, Nr, E, topk, BM, launch = 3, 40, 40, 48, 5, 2, 64, 1
+    compute = tl.ComputeSchedule(tile=(BM, 32, 16), order="comm_aligned")
+    comm = tl.CommSchedule(tile_m=8, order="ring", mode="push")
+    rng = np.random.default_rng(7)
+    ids, wts = random_routing(rng, W * Ms, E, topk, "random")
+    rt = moe_routing(ids, E, W, Ms, BM)
+    T, R = W * Ms, rt.num_rows
+    tables = rt.reduce_scatter_tables()
+    k = moe_reduce_scatter.trace(W, S((R, Nr), tl.float16), S((E, Nr, K), tl.float16), S.of(wts),
+                                 *[S.of(tables[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles",
+                                                             "tile_num_token_tiles", "token_tile_producers")],
+                                 S((Ms, K), tl.float16), compute=compute, comm=comm)
+    # grouped GEMM: guard, expert, notifies
+    lg = lower_grouped_gemm(k, "grouped_gemm")
+    (tmp_path / "g").mkdir()
+    lines, _ = _run_host(tmp_path / "g", lg, tables, launch=launch)
+    gpart = k.part("grouped_gemm")
+    for (i, pn), ev in _split_tiles(lines).items():
+        e = int(rt.tile_expert[i])
+        assert ev[0] == f"active {int(e >= 0)} batch {e if e >= 0 else -1}"
+        waits, notifies = _ir_signal_events(gpart, tables, (i, pn), 0, launch)
+        assert waits == [] and ev[1:] == notifies
+        assert len(notifies) == int(rt.tile_num_token_tiles[i])
+    # combine: waits, body, notifies, on every tile
+    y = rng.standard_normal((R, K)).astype(np.float32)
+    partial = np.full((T, K), np.nan, np.float32)
+    arrays = dict(tables, y_sorted=y, partial=partial, topk_weights=wts)
+    lc = lower_combine(k, "combine")
+    (tmp_path / "c").mkdir()
+    lines, out = _run_host(tmp_path / "c", lc, arrays, launch=launch, rank=2, gemm=False)
+    ref = np.einsum("tk,tkn->tn", wts, y[rt.row_of])
+    np.testing.assert_allclose(out.reshape(T, K), ref, rtol=1e-5, atol=1e-5)
+    cpart = k.part("combine")
+    tiles = _split_tiles(lines)
+    assert len(tiles) == cpart.grid[0] * cpart.grid[1]
+    for (j, pn), ev in tiles.items():
+        waits, notifies = _ir_signal_events(cpart, tables, (j, pn), 2, launch)
+        assert ev == waits + notifies
+        assert waits == [f"wait y_ready {j * cpart.grid[1] + pn} {int(rt.token_tile_producers[j]) * launch} gpu"]
+
+
+# -- NVRTC: compile for sm_90a, check the SASS -------------------------------------------------------
+
+COMPILE_SCHEDULES = [
+    dict(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16),
+    dict(tile=(128, 256, 64), stages=3, order="swizzled", dt=tl.bfloat16),
+    dict(tile=(64, 128, 32), stages=6, order="comm_aligned", dt=tl.float16),
+]
+
+
+def _check_common(ck, max_regs):
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] <= SPILL_BUDGET_BYTES and info["spill_load_bytes"] <= SPILL_BUDGET_BYTES, info
+    assert info["stack_bytes"] == 0 and info["registers"] <= max_regs, info
+    for warning in ("C7510", "C7514", "C7515"):       # serialised WGMMA pipelines
+        assert warning not in ck.log, ck.log
+    k = ck.sass()[ck.name]
+    s = k.summary()
+    assert s["BPT.TRAP"] == 0 and s["LDL/STL"] == 0 and s["local_bytes"] == 0, s
+    return k
+
+
+def check_grouped_gemm_sass(ck, lw):
+    k = _check_common(ck, MAX_REGISTERS_GEMM)
+    s = k.summary()
+    assert s["HGMMA"] > 0 and k.count(f"HGMMA.64x{lw.config.BN}x16.F32") > 0, s
+    assert s["UTMALDG"] > 0 and s["UTMASTG"] > 0 and s["SYNCS"] > 0, s
+    assert k.count("UTMALDG.3D") > 0                                  # the expert's weights: 3-d TMA
+    assert k.count("USETMAXREG") in (0, 2)
+    if lw.gather:
+        assert k.count("LDGSTS.E.BYPASS.128") > 0, sorted(k.mnemonics)  # cp.async gather, 16 B, L2 only
+        assert k.count("ARRIVES.LDGSTSBAR.64") > 0                     # cp.async.mbarrier.arrive
+        assert k.count("FENCE.VIEW.ASYNC.S") > 0                       # cp.async data -> WGMMA's proxy
+        assert k.count("UTMALDG.2D") == 0                              # no TMA for A
+    else:
+        assert k.count("LDGSTS") == 0 and k.count("UTMALDG.2D") > 0
+    acquires = {sc: k.count(f"LDG.E.64.STRONG.{sc.upper()}") for sc in ("gpu", "sys")}
+    for sc in ("gpu", "sys"):
+        assert (acquires[sc] > 0) == (sc in lw.wait_scopes), (acquires, lw.wait_scopes)
+    if lw.waits:
+        assert k.count("FENCE.VIEW.ASYNC.G") > 0                       # acquire -> TMA's proxy
+    assert (k.count("REDG.E.ADD.64.STRONG.GPU") > 0) == (lw.notifies > 0)
+    if lw.notifies:
+        assert k.count("MEMBAR.ALL.GPU") > 0                           # the release fence
+    return k
+
+
+def check_combine_sass(ck, lw):
+    k = _check_common(ck, MAX_REGISTERS_COMBINE)
+    assert k.count("HGMMA") == 0 and k.count("LDGSTS") == 0
+    assert k.count("LDG.E.128") > 0, sorted(k.opcodes)                  # coherent 16-byte gathers of y_sorted
+    assert k.count("LDG.E.128.CONSTANT") == 0                          # ... never through the .nc path
+    assert k.count("STG.E.128") > 0
+    assert k.count("LDG.E.64.STRONG.GPU") > 0 and k.count("REDG.E.ADD.64.STRONG.GPU") > 0
+    return k
+
+
+@pytest.mark.parametrize("sched", COMPILE_SCHEDULES, ids=lambda s: "x".join(map(str, s["tile"])))
+@pytest.mark.nvrtc
+@needs_nvrtc
+def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
+    kag, krs = trace_ag(**sched), trace_rs(**sched)
+    lws = [lower_grouped_gemm(kag, "grouped_gemm"), lower_grouped_gemm(krs, "grouped_gemm"),
+           lower_combine(krs, "combine")]
+    t0 = time.perf_counter()
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lws], cache=KernelCache(tmp_path),
+                       progress=False)
+    wall = time.perf_counter() - t0
+    for lw, ck in zip(lws, cks):
+        assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
+        k = check_combine_sass(ck, lw) if lw.kind == "combine" else check_grouped_gemm_sass(ck, lw)
+        print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
+    print(f"3 kernels in {wall:.1f} s")
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
+@pytest.mark.parametrize("comm", [tl.CommSchedule(tile_m=64, mode="push", order="full_mesh"),
+                                  tl.CommSchedule(engine="copy_engine")], ids=["push", "copy_engine"])
+def test_allgather_moe_sys_waits_compile(tmp_path, comm):
+    lw = lower_grouped_gemm(trace_ag(comm=comm), "grouped_gemm")
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    check_grouped_gemm_sass(ck, lw)
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
+def test_moe_compile_error_points_at_the_tile_program(tmp_path):
+    lw = lower_combine(trace_rs(), "combine")
+    needle = "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_y_ready"
+    assert needle in lw.source
+    bad = lw.source.replace(needle, "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_not_declared")
+    with pytest.raises(CudaCompileError) as ei:
+        compile_cuda(bad, lw.entry, cache=KernelCache(tmp_path), progress=False)
+    e = ei.value
+    assert e.loc is not None and e.loc.filename.endswith("moe.py") and "consumer_tile_wait" in e.loc.source

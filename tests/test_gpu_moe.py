@@ -1,0 +1,275 @@
+"""The generated MoE kernels (``codegen.lower_grouped_gemm``) on a GPU, against numpy
+references of the ops' meaning (skipped where there is no GPU).
+
+Run on a GPU host with: ``python -m pytest -q -m gpu tests/test_gpu_moe.py``.
+
+* AllGather+MoE's grouped GEMM: ``h`` from the all-gathered tokens (``x_gathered``, filled
+  directly: this runs the compute part alone, its waits satisfied by pre-set flags), every
+  tile checked — routed rows, padding rows and unused tiles (zeros) — after poisoning ``h``
+  with NaN.
+* MoE+ReduceScatter's grouped GEMM then its combine: ``y_sorted`` (used tiles), ``partial``,
+  and the signal counters both leave (``y_ready``, ``reduce_scatter_ready``) against the
+  counts the tile program's scalar code gives; a second launch (epoch 2) gives the same
+  results and doubles the counters.
+* Waits really wait: with their flags short, the AllGather+MoE GEMM and the combine write
+  nothing while they spin on a side stream; raising the flags lets the same launch finish
+  correctly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tldsl.runtime.gpu import gpu_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="needs an sm_90 GPU with torch and cuda-python")]
+
+
+def _dt(name):
+    import tldsl as tl
+    return {"float16": tl.float16, "bfloat16": tl.bfloat16}[name]
+
+
+def _routing(W, Ms, E, topk, BM, kind, seed):
+    from tldsl.ops.moe import moe_routing, random_routing
+    rng = np.random.default_rng(seed)
+    ids, wts = random_routing(rng, W * Ms, E, topk, kind)
+    return moe_routing(ids, E, W, Ms, BM), wts
+
+
+def _cuda(a):
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def _randn(shape, dtype, gen, scale=1.0):
+    import torch
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32, generator=gen) * scale).to(getattr(torch, dtype))
+
+
+def _np(t):
+    return t.float().cpu().numpy()
+
+
+def _close(got, ref, what, rel):
+    tol = rel * float(np.abs(ref).max()) + 1e-2
+    err = float(np.abs(got - ref).max()) if got.size else 0.0
+    assert err <= tol, f"{what}: max |err| {err:.3g} > {tol:.3g}"
+
+
+# -- AllGather+MoE ------------------------------------------------------------------------------------
+
+def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
+    import tldsl as tl
+    from tldsl.codegen.lower_grouped_gemm import lower_grouped_gemm
+    from tldsl.kernel import TensorSpec as S
+    from tldsl.ops.moe import allgather_moe
+    dt = _dt(dtype)
+    tabs = rt.allgather_tables()
+    k = allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S.of(tabs["tile_expert"]),
+                            S.of(tabs["tile_tokens"]), S.of(tabs["sorted_token_ids"]), S((rt.num_rows, Nr), dt),
+                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
+                            comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
+    return lower_grouped_gemm(k, "grouped_gemm")
+
+
+def _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = _randn((W * Ms, K), dtype, g)
+    w1 = _randn((E, K, Nr), dtype, g, 1.0 / np.sqrt(K))
+    h = torch.full((rt.num_rows, Nr), float("nan"), device="cuda", dtype=x.dtype)
+    bufs = {"x_gathered": x, "w1": w1, "h": h, **{n: _cuda(a) for n, a in rt.allgather_tables().items()}}
+    return bufs
+
+
+def _ag_reference(rt, bufs):
+    from tldsl.ops.moe import reference_allgather_moe
+    return reference_allgather_moe([_np(bufs["x_gathered"])], _np(bufs["w1"]), rt)
+
+
+AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16"),
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16"),
+    (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16"),
+    (3, 333, 1024, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype", AG_CASES)
+def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order, dtype):
+    import torch
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms)
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype)
+    kern = GroupedKernel(lw)
+    bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K)
+    slots = lw.signal_slots["gather_x_ready"]
+    for launch in (1, 2):                 # epoch counting: the flags say "launch n arrived"
+        bufs["h"].fill_(float("nan"))
+        sig = {"gather_x_ready": torch.full((slots,), launch, device="cuda", dtype=torch.int64)}
+        kern(bufs, signals=sig, launch_index=launch, rank=W - 1)
+        torch.cuda.synchronize()
+        h = _np(bufs["h"])
+        assert not np.isnan(h).any(), f"launch {launch}: rows never written: {np.argwhere(np.isnan(h))[:4]}"
+        ref = _ag_reference(rt, bufs)
+        _close(h, ref, f"{lw.describe().splitlines()[0]} launch {launch}", 2e-2)
+        unused = np.repeat(rt.tile_expert < 0, rt.block_m)
+        assert (h[unused] == 0).all()                                   # unused tiles: zeros
+        padding = rt.sorted_token_ids < 0
+        assert (h[padding] == 0).all()                                  # padding rows: zeros
+
+
+def test_allgather_moe_waits_block_until_flags_are_set():
+    """The grouped GEMM waits per tile on the all-gather's flags: with them at 0 no routed row
+    is written; once raised the same launch completes and is correct."""
+    import torch
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    W, Ms, K, Nr, E, topk = 2, 128, 256, 256, 4, 2       # 14 tiles: most SMs stay free for the flag writes
+    rt, _ = _routing(W, Ms, E, topk, 128, "random", seed=5)
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16")
+    assert lw.num_tiles < 100
+    kern = GroupedKernel(lw)
+    bufs = _ag_inputs(rt, W, Ms, K, Nr, E, "float16", seed=3)
+    used = torch.from_numpy(np.repeat(rt.tile_expert >= 0, rt.block_m)).cuda()
+    sig = {"gather_x_ready": torch.zeros(lw.signal_slots["gather_x_ready"], device="cuda", dtype=torch.int64)}
+    # Everything that runs while the kernel spins must already be loaded (lazy module loading).
+    torch.cuda._sleep(1000)
+    assert torch.isnan(bufs["h"][used]).all().item()
+    sig["gather_x_ready"].fill_(0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        kern(bufs, signals=sig, launch_index=1)
+    torch.cuda._sleep(50_000_000)
+    assert torch.isnan(bufs["h"][used]).all().item(), "routed rows were computed before their tokens arrived"
+    sig["gather_x_ready"].fill_(1)
+    torch.cuda.synchronize()
+    _close(_np(bufs["h"]), _ag_reference(rt, bufs), "after the flags", 2e-2)
+
+
+# -- MoE+ReduceScatter ---------------------------------------------------------------------------------
+
+def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
+    import tldsl as tl
+    from tldsl.codegen.lower_grouped_gemm import lower_combine, lower_grouped_gemm
+    from tldsl.kernel import TensorSpec as S
+    from tldsl.ops.moe import moe_reduce_scatter
+    dt = _dt(dtype)
+    tabs = rt.reduce_scatter_tables()
+    k = moe_reduce_scatter.trace(
+        W, S((rt.num_rows, Nr), dt), S((E, Nr, K), dt), S.of(wts),
+        *[S.of(tabs[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
+                                  "token_tile_producers")],
+        S((Ms, K), dt), compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
+        comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+    return k, lower_grouped_gemm(k, "grouped_gemm"), lower_combine(k, "combine")
+
+
+def _expected_counts(k, part_name, tables, W, rank, slots):
+    """Signal counters after one launch: every notify the part's tiles make (by the IR)."""
+    from test_codegen_moe import _ir_signal_events
+    part = k.part(part_name)
+    counts = {name: np.zeros(n, np.int64) for name, n in slots.items()}
+    g1 = part.grid[1] if len(part.grid) > 1 else 1
+    for p0 in range(part.grid[0]):
+        for p1 in range(g1):
+            _, notifies = _ir_signal_events(part, tables, (p0, p1), rank, 1)
+            for ev in notifies:
+                _, name, ch, _ = ev.split()
+                counts[name][int(ch)] += 1
+    return counts
+
+
+RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16"),
+    (2, 1000, 1400, 1032, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16"),
+    (8, 100, 200, 520, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16"),
+]
+
+
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype", RS_CASES)
+def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order,
+                                                             dtype):
+    import torch
+    from tldsl.ops.moe import reference_moe_reduce_scatter
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    rt, wts = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 7 + Ms)
+    rank = 1
+    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype)
+    gk, ck = GroupedKernel(lg), GroupedKernel(lc)
+    g = torch.Generator(device="cuda").manual_seed(K + Nr)
+    T, R = W * Ms, rt.num_rows
+    tabs = rt.reduce_scatter_tables()
+    bufs = {"h": _randn((R, Nr), dtype, g), "w2": _randn((E, Nr, K), dtype, g, 1.0 / np.sqrt(Nr)),
+            "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
+            "y_sorted": torch.empty((R, K), device="cuda", dtype=torch.float32),
+            "partial": torch.empty((T, K), device="cuda", dtype=torch.float32)}
+    slots = {**lg.signal_slots, **lc.signal_slots}
+    sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64) for n, s in slots.items()}
+    exp_y = _expected_counts(k, "grouped_gemm", tabs, W, rank, {"y_ready": slots["y_ready"]})["y_ready"]
+    exp_rs = _expected_counts(k, "combine", tabs, W, rank, {"reduce_scatter_ready": slots["reduce_scatter_ready"]})
+    assert (exp_y.reshape(-1, lc.grid_tiles[1]) == rt.token_tile_producers[:, None]).all()
+
+    h, w2 = _np(bufs["h"]), _np(bufs["w2"])
+    used = np.repeat(rt.tile_expert >= 0, rt.block_m)
+    y_ref = np.zeros((R, K), np.float32)
+    for i, e in enumerate(rt.tile_expert):
+        if e >= 0:
+            rows = slice(i * rt.block_m, (i + 1) * rt.block_m)
+            y_ref[rows] = h[rows] @ w2[e]
+    p_ref = reference_moe_reduce_scatter([h], [w2], wts, rt)
+    for launch in (1, 2):
+        bufs["y_sorted"].fill_(float("nan"))
+        bufs["partial"].fill_(float("nan"))
+        gk(bufs, signals=sigs, launch_index=launch, rank=rank)
+        ck(bufs, signals=sigs, launch_index=launch, rank=rank)
+        torch.cuda.synchronize()
+        y = bufs["y_sorted"].cpu().numpy()
+        assert not np.isnan(y[used]).any() and np.isnan(y[~used]).all()    # unused tiles: not stored
+        _close(y[used], y_ref[used], f"y_sorted launch {launch}", 1e-2)
+        p = bufs["partial"].cpu().numpy()
+        assert not np.isnan(p).any()
+        _close(p, p_ref, f"partial launch {launch}", 1e-2)
+        assert (sigs["y_ready"].cpu().numpy() == launch * exp_y).all()
+        assert (sigs["reduce_scatter_ready"].cpu().numpy() == launch * exp_rs["reduce_scatter_ready"]).all()
+
+
+def test_combine_waits_block_until_flags_are_set():
+    """The combine waits for every grouped-GEMM tile holding its tokens: short by one launch's
+    notifies it writes nothing; once they are added it completes the same launch."""
+    import torch
+    from tldsl.ops.moe import reference_moe_reduce_scatter
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    W, Ms, K, Nr, E, topk = 4, 128, 512, 256, 8, 2
+    rt, wts = _routing(W, Ms, E, topk, 128, "random", seed=11)
+    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16")
+    gk, ck = GroupedKernel(lg), GroupedKernel(lc)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tabs = rt.reduce_scatter_tables()
+    bufs = {"h": _randn((rt.num_rows, Nr), "float16", g), "w2": _randn((E, Nr, K), "float16", g, 1 / 16),
+            "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
+            "y_sorted": torch.zeros((rt.num_rows, K), device="cuda", dtype=torch.float32),
+            "partial": torch.zeros((W * Ms, K), device="cuda", dtype=torch.float32)}
+    sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64)
+            for n, s in {**lg.signal_slots, **lc.signal_slots}.items()}
+    gk(bufs, signals=sigs, launch_index=1)
+    ck(bufs, signals=sigs, launch_index=1)
+    torch.cuda.synchronize()
+    once = sigs["y_ready"].clone()            # one launch's notifies per channel
+    # Everything that runs while the combine spins must already be loaded (lazy module loading).
+    torch.cuda._sleep(1000)
+    assert not torch.isnan(bufs["partial"]).all().item()
+    bufs["partial"].fill_(float("nan"))
+    sigs["y_ready"].add_(torch.zeros_like(once))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ck(bufs, signals=sigs, launch_index=2)          # needs 2 launches' notifies, has 1
+    torch.cuda._sleep(50_000_000)
+    assert torch.isnan(bufs["partial"]).all().item(), "the combine ran before its GEMM tiles were notified"
+    sigs["y_ready"].add_(once)
+    torch.cuda.synchronize()
+    ref = reference_moe_reduce_scatter([_np(bufs["h"])], [_np(bufs["w2"])], wts, rt)
+    _close(bufs["partial"].cpu().numpy(), ref, "after the notifies", 1e-2)

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import core
+from .lowered import LoweredKernel, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, DATA_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from ..ir.types import FragmentType, TileType
@@ -154,7 +155,7 @@ def _c_float(x: float) -> str:
 
 
 @dataclass(frozen=True)
-class LoweredAttention:
+class LoweredAttention(LoweredKernel):
     """A generated kernel: CUDA source, entry point, launch shape and host-side descriptions."""
     kernel_name: str                 # the IR kernel
     part: str                        # the compute part
@@ -182,28 +183,6 @@ class LoweredAttention:
     def num_tiles(self) -> int:
         return self.config.num_tiles
 
-    @property
-    def block(self) -> tuple[int, int, int]:
-        return (self.config.threads, 1, 1)
-
-    @property
-    def cluster_dims(self) -> tuple[int, int, int]:
-        return (1, 1, 1)
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.config.smem_bytes
-
-    def grid(self, sm_count: int) -> tuple[int, int, int]:
-        """Persistent launch: at most one CTA per SM (``sm_count`` may be lowered to leave SMs
-        to communication kernels), never more CTAs than tiles."""
-        return (max(1, min(self.num_tiles, sm_count)), 1, 1)
-
-    def compile(self, **kw):
-        """Compile with NVRTC (cached); keyword arguments go to :func:`.compiler.compile_cuda`."""
-        from .compiler import compile_cuda
-        opts = tuple(self.options) + tuple(kw.pop("options", ()))
-        return compile_cuda(self.source, self.entry, options=opts, **kw)
 
     def describe(self) -> str:
         c = self.config
@@ -1013,13 +992,7 @@ def _emit_source(kernel, part, m: _Match, cfg: AttentionConfig, entry, params, c
 
 def matches(kernel: core.Kernel, part: core.Part) -> bool:
     """Whether :func:`lower_attention` recognises ``part`` (a flash-attention compute part)."""
-    if part.role != "compute":
-        return False
-    try:
-        match_attention(kernel, part)
-    except LoweringError:
-        return False
-    return True
+    return recognises(match_attention, kernel, part)
 
 
 def lower(kernel: core.Kernel, part: core.Part, **options) -> LoweredAttention:

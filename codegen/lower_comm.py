@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import core
+from .lowered import LoweredKernel, recognises  # noqa: F401
 from ..ir import types as T
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS, data_operands
 from ..ir.semantics import ARITH, wrap_i32
@@ -102,7 +103,7 @@ def _where(op) -> str:
 # =================================================================================================
 
 @dataclass(frozen=True)
-class LoweredComm:
+class LoweredComm(LoweredKernel):
     """A communication part lowered to a persistent CUDA kernel (see the module docstring for
     the parameter contract)."""
     kernel_name: str
@@ -134,20 +135,10 @@ class LoweredComm:
     def smem_bytes(self) -> int:
         return 0
 
-    @property
-    def cluster_dims(self) -> tuple[int, int, int]:
-        return (1, 1, 1)
-
     def grid(self, sm_count: int | None = None) -> tuple[int, int, int]:
         """``lanes`` persistent CTAs, never more than tasks (``sm_count`` is accepted for the
         runtime's uniform call and does not change the answer)."""
         return (max(1, min(self.lanes, self.num_tasks)), 1, 1)
-
-    def compile(self, **kw):
-        """Compile with NVRTC (cached); keyword arguments go to :func:`.compiler.compile_cuda`."""
-        from .compiler import compile_cuda
-        opts = tuple(self.options) + tuple(kw.pop("options", ()))
-        return compile_cuda(self.source, self.entry, options=opts, **kw)
 
     def describe(self) -> str:
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  communication part on SMs",

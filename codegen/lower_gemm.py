@@ -49,6 +49,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir import core
+from .lowered import LoweredKernel, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident as _cident, marker as _marker
@@ -184,7 +185,7 @@ def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
 
 
 @dataclass(frozen=True)
-class LoweredGemm:
+class LoweredGemm(LoweredKernel):
     """A generated kernel: CUDA source, entry point, launch shape and host-side descriptions."""
     kernel_name: str                 # the IR kernel
     part: str                        # the compute part
@@ -211,26 +212,8 @@ class LoweredGemm:
         return self.grid_tiles[0] * self.grid_tiles[1]
 
     @property
-    def block(self) -> tuple[int, int, int]:
-        return (self.config.threads, 1, 1)
-
-    @property
     def cluster_dims(self) -> tuple[int, int, int]:
         return (self.config.cluster[0] * self.config.cluster[1], 1, 1)
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.config.smem_bytes
-
-    def grid(self, sm_count: int) -> tuple[int, int, int]:
-        """Persistent launch: one CTA per SM, never more CTAs than tiles."""
-        return (max(1, min(self.num_tiles, sm_count)), 1, 1)
-
-    def compile(self, **kw):
-        """Compile with NVRTC (cached); keyword arguments go to :func:`.compiler.compile_cuda`."""
-        from .compiler import compile_cuda
-        opts = tuple(self.options) + tuple(kw.pop("options", ()))
-        return compile_cuda(self.source, self.entry, options=opts, **kw)
 
     def describe(self) -> str:
         c = self.config
@@ -729,13 +712,7 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
 
 def matches(kernel: core.Kernel, part: core.Part) -> bool:
     """Whether :func:`lower_gemm` recognises ``part`` (a GEMM-shaped compute part)."""
-    if part.role != "compute":
-        return False
-    try:
-        match_gemm(kernel, part)
-    except LoweringError:
-        return False
-    return True
+    return recognises(match_gemm, kernel, part)
 
 
 def lower(kernel: core.Kernel, part: core.Part, **options) -> LoweredGemm:

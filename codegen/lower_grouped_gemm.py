@@ -84,6 +84,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..ir import core
+from .lowered import LoweredKernel, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS, DATA_OPS
 from ..ir.schedule import ComputeSchedule
 from ..ir.types import TileType
@@ -721,7 +722,7 @@ def _check_gg_shapes(m: _GGMatch, sched: ComputeSchedule):
 
 
 @dataclass(frozen=True)
-class LoweredGroupedGemm:
+class LoweredGroupedGemm(LoweredKernel):
     """A generated grouped-GEMM kernel, and what the host needs to launch it."""
     kernel_name: str
     part: str
@@ -755,26 +756,6 @@ class LoweredGroupedGemm:
     def num_tiles(self) -> int:
         return self.grid_tiles[0] * self.grid_tiles[1]
 
-    @property
-    def block(self) -> tuple[int, int, int]:
-        return (self.config.threads, 1, 1)
-
-    @property
-    def cluster_dims(self) -> tuple[int, int, int]:
-        return (1, 1, 1)
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.config.smem_bytes
-
-    def grid(self, sm_count: int) -> tuple[int, int, int]:
-        """Persistent launch: one CTA per SM, never more CTAs than tiles."""
-        return (max(1, min(self.num_tiles, sm_count)), 1, 1)
-
-    def compile(self, **kw):
-        from .compiler import compile_cuda
-        opts = tuple(self.options) + tuple(kw.pop("options", ()))
-        return compile_cuda(self.source, self.entry, options=opts, **kw)
 
     def describe(self) -> str:
         c = self.config
@@ -1172,7 +1153,7 @@ def _check_cb(m: _CBMatch):
 
 
 @dataclass(frozen=True)
-class LoweredCombine:
+class LoweredCombine(LoweredKernel):
     """A generated row-gather combine kernel, and what the host needs to launch it."""
     kernel_name: str
     part: str
@@ -1206,21 +1187,12 @@ class LoweredCombine:
         return (self.threads, 1, 1)
 
     @property
-    def cluster_dims(self) -> tuple[int, int, int]:
-        return (1, 1, 1)
-
-    @property
     def smem_bytes(self) -> int:
         return 0
 
     def grid(self, sm_count: int, ctas_per_sm: int = 1) -> tuple[int, int, int]:
         """Persistent launch: ``ctas_per_sm`` CTAs per SM, never more CTAs than tiles."""
         return (max(1, min(self.num_tiles, sm_count * ctas_per_sm)), 1, 1)
-
-    def compile(self, **kw):
-        from .compiler import compile_cuda
-        opts = tuple(self.options) + tuple(kw.pop("options", ()))
-        return compile_cuda(self.source, self.entry, options=opts, **kw)
 
     def describe(self) -> str:
         return "\n".join([

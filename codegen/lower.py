@@ -29,8 +29,17 @@ def lower(kernel: core.Kernel, part: str | core.Part, **options):
         if mod.matches(kernel, p):
             return mod.lower(kernel, p, **options)
         tried.append(name)
-    raise LoweringError(f"no lowering recognises {p.role} part '{p.name}' of kernel '{kernel.name}' "
-                        f"(tried {', '.join(tried)})", p.loc)
+    reasons = []
+    for name in tried:   # say why each lowering declined, at the line it objected to
+        try:
+            _module(name).lower(kernel, p)
+        except LoweringError as e:
+            where = f" ({e.loc.short()})" if getattr(e, "loc", None) is not None else ""
+            reasons.append(f"  {name}: {getattr(e, 'raw_message', str(e))}{where}")
+        except Exception as e:  # noqa: BLE001 - a lowering that does not apply may fail differently
+            reasons.append(f"  {name}: {type(e).__name__}: {e}")
+    raise LoweringError(f"no lowering recognises {p.role} part '{p.name}' of kernel '{kernel.name}':\n"
+                        + "\n".join(reasons), p.loc)
 
 
 def lower_all(kernel: core.Kernel, **options) -> dict:

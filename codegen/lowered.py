@@ -16,8 +16,15 @@ class LoweredKernel:
     Expects ``source``, ``entry``, ``options``, and for the defaults below ``num_tiles`` and a
     ``config`` with ``threads`` and ``smem_bytes``."""
 
+    def job(self):
+        """This kernel as a :class:`.compiler.CompileJob` (for ``compile_many``)."""
+        from .compiler import CompileJob
+        return CompileJob(self.source, self.entry, tuple(self.options))
+
     def compile(self, **kw):
-        """Compile with NVRTC (cached); keyword arguments go to :func:`.compiler.compile_cuda`."""
+        """Compile with NVRTC (cached). Keyword arguments go to :func:`.compiler.compile_cuda`:
+        ``progress`` (True, False, or a callable such as ``print`` in notebooks), ``cache``,
+        ``heartbeat`` (seconds between progress lines of a long compile)."""
         from .compiler import compile_cuda
         opts = tuple(self.options) + tuple(kw.pop("options", ()))
         return compile_cuda(self.source, self.entry, options=opts, **kw)

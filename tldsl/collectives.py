@@ -139,11 +139,9 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     """
     W = world_size()
     if comm.engine != "sm":
-        loc = user_location()
-        msg = (f"{name}: a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
-               f"use CommSchedule(engine='sm', ...), got engine={comm.engine!r}")
-        excerpt = loc.excerpt() if loc is not None else ""
-        raise ScheduleError(f"{loc}: {msg}" + (f"\n{excerpt}" if excerpt else "") if loc is not None else msg)
+        raise ScheduleError(f"{name}: a reduce-scatter adds partial sums on the way, which the copy engine "
+                            f"cannot do: use CommSchedule(engine='sm', ...), got engine={comm.engine!r}",
+                            user_location())
     for what, v in (("producer_rows", producer_rows), ("producers_per_row", producers_per_row)):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
             fail(f"{name}: {what} must be a positive Python int, got {v!r}")

@@ -24,7 +24,6 @@ from .sass import SassReport, KernelSass, analyze_cubin, parse_sass, parse_ptxas
 from .lower_gemm import (GemmConfig, KernelParam, LoweredGemm, LoweringError, TmaDescriptorSpec, lower_gemm,
                          match_gemm)
 
-from .lower import lower, lower_all, LOWERINGS
-from .lowered import LoweredKernel
+from .lowered import LoweredKernel   # `tldsl.codegen.lower` stays the dispatcher module
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,12 +1,22 @@
 """Distributed benchmarks (run under torchrun): our fused ops beside the peers, one run.
 
     torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm [--shapes MxNxK,...] [--iters 20]
+    torchrun --nproc_per_node=2 -m tldsl.bench gemm_rs [--shapes MxNxK,...] [--iters 20]
+    torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm --sweep [--shapes ...]   # every candidate schedule
+    torchrun --nproc_per_node=2 -m tldsl.bench gemm_rs --tune                    # ours = the tuned schedule
 
-Columns: ours, sequential NCCL all-gather + cuBLAS, PyTorch async-TP
-(``torch.ops.symm_mem.fused_all_gather_matmul``), NCCL comm alone, cuBLAS GEMM alone,
-ideal = max(comm, gemm), and ratios. M, N, K are the global sizes: A shards are
-[M/W, K], B is the column shard [K, N/W] (tensor-parallel MLP up-projection).
-Each time is the median over iterations of the slowest rank (barrier before each).
+Columns: ours, sequential NCCL collective + cuBLAS, PyTorch async-TP
+(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``), NCCL comm
+alone, cuBLAS GEMM alone, ideal = max(comm, gemm), and ratios. M, N, K are the global sizes.
+AG+GEMM: A shards are [M/W, K], B is the column shard [K, N/W] (tensor-parallel MLP
+up-projection). GEMM+RS: A is [M, K/W], B the row shard [K/W, N], the [M, N] partial sums are
+reduce-scattered to [M/W, N] (down-projection). Each time is the median over iterations of the
+slowest rank (barrier before each).
+
+``--sweep`` runs the autotuner (:mod:`tldsl.runtime.dist.autotune`) over the candidate
+(compute, comm) schedules — copy engine vs SMs, push vs pull, two compute tile orders — printing
+every candidate's time (each checked for correctness first) and storing the winner in the
+cache; ``--tune`` uses the cached winner (tuning on a miss) as "ours".
 """
 from __future__ import annotations
 
@@ -14,6 +24,7 @@ import statistics
 import sys
 
 AG_SHAPES = [(m, n, 8192) for n in (28672, 8192) for m in (2048, 4096, 8192, 16384)]
+RS_SHAPES = [(m, n, k) for (n, k) in ((8192, 28672), (8192, 8192)) for m in (2048, 4096, 8192, 16384)]
 
 
 def _bench(fn, iters=20, warm=5):
@@ -38,17 +49,22 @@ def _bench(fn, iters=20, warm=5):
     return t.item()
 
 
-def bench_ag_gemm(shapes, iters, out=sys.stdout):
-    import torch
-    import torch.distributed as dist
-    from tldsl.runtime.dist import AllGatherMatmul
-    r, W = dist.get_rank(), dist.get_world_size()
-    gname = dist.group.WORLD.group_name
+def _enable_symm_mem(gname):
     try:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
         enable_symm_mem_for_group(gname)
     except Exception:   # noqa: BLE001 - newer torch needs no enabling
         pass
+
+
+def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
+    """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm)."""
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import AllGatherMatmul
+    r, W = dist.get_rank(), dist.get_world_size()
+    gname = dist.group.WORLD.group_name
+    _enable_symm_mem(gname)
     dt = torch.bfloat16
     rows = []
     for (M, N, K) in shapes:
@@ -56,7 +72,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout):
         a = torch.randn(M // W, K, device="cuda", dtype=dt)
         b = torch.randn(K, N // W, device="cuda", dtype=dt)
         ag = torch.empty(M, K, device="cuda", dtype=dt)
-        op = AllGatherMatmul(M // W, K, N // W, dt)
+        op = AllGatherMatmul(M // W, K, N // W, dt, **_ag_kwargs(schedule(M, N, K) if schedule else None))
         # correctness first: against NCCL all-gather + cuBLAS, workspace poisoned
         got_a, got_c = op(a, b, poison_workspace=True)
         dist.all_gather_into_tensor(ag, a)
@@ -77,21 +93,198 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout):
         t_ours = _bench(lambda: op(a, b), iters)
         ideal = max(t_ag, t_gemm)
         rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_ag, gemm=t_gemm,
-                         ideal=ideal, correct=ok, max_err=err))
+                         ideal=ideal, correct=ok, max_err=err,
+                         schedule=f"{op.compute}, {op.comm}" if schedule else None))
         if r == 0:
             print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
                   f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
         del op
+        _release()
     if r == 0:
-        print("\n| M | N | K | ours ms | NCCL+cuBLAS seq ms | torch async-TP ms | NCCL AG ms | cuBLAS GEMM ms | "
-              "ideal ms | ours/ideal | ours/seq | ours/async-TP | correct |", file=out)
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=out)
-        for d in rows:
-            print(f"| {d['M']} | {d['N']} | {d['K']} | {d['ours']:.3f} | {d['seq']:.3f} | {d['asynctp']:.3f} | "
-                  f"{d['comm']:.3f} | {d['gemm']:.3f} | {d['ideal']:.3f} | {d['ours'] / d['ideal']:.3f} | "
-                  f"{d['ours'] / d['seq']:.3f} | {d['ours'] / d['asynctp']:.3f} | {'yes' if d['correct'] else 'NO'} |",
-                  file=out)
+        _table(rows, "NCCL AG ms", out)
     return rows
+
+
+def _release():
+    """Free a dropped op's symmetric memory now, where nothing spins (its free synchronises)."""
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+def _table(rows, comm_col, out):
+    print(f"\n| M | N | K | ours ms | NCCL+cuBLAS seq ms | torch async-TP ms | {comm_col} | cuBLAS GEMM ms | "
+          "ideal ms | ours/ideal | ours/seq | ours/async-TP | correct |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=out)
+    for d in rows:
+        print(f"| {d['M']} | {d['N']} | {d['K']} | {d['ours']:.3f} | {d['seq']:.3f} | {d['asynctp']:.3f} | "
+              f"{d['comm']:.3f} | {d['gemm']:.3f} | {d['ideal']:.3f} | {d['ours'] / d['ideal']:.3f} | "
+              f"{d['ours'] / d['seq']:.3f} | {d['ours'] / d['asynctp']:.3f} | {'yes' if d['correct'] else 'NO'} |",
+              file=out)
+    if any(d.get("schedule") for d in rows):
+        print("", file=out)
+        for d in rows:
+            print(f"* {d['M']}x{d['N']}x{d['K']}: {d.get('schedule') or 'defaults'}", file=out)
+
+
+def _ag_kwargs(cand):
+    """AllGatherMatmul keyword arguments for a (compute, comm) candidate (None: defaults)."""
+    if cand is None:
+        return {}
+    compute, comm = cand
+    kw = {"compute": compute, "comm": comm}
+    if comm.engine == "copy_engine" and comm.mode == "push":
+        kw["ce_executor"] = "plan"
+    return kw
+
+
+def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
+    """GEMM+ReduceScatter: ours (MatmulReduceScatter) beside NCCL reduce-scatter + cuBLAS in
+    sequence and torch async-TP ``fused_matmul_reduce_scatter``; ``schedule`` as for ag_gemm."""
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import MatmulReduceScatter
+    from tldsl.testing.dist_check import compare
+    r, W = dist.get_rank(), dist.get_world_size()
+    gname = dist.group.WORLD.group_name
+    _enable_symm_mem(gname)
+    dt = torch.bfloat16
+    rows = []
+    for (M, N, K) in shapes:
+        if M % W or K % W:
+            raise SystemExit(f"{M}x{N}x{K}: M and K must be divisible by the world size {W}")
+        torch.manual_seed(4321 + r)
+        a = torch.randn(M, K // W, device="cuda", dtype=dt)
+        b = torch.randn(K // W, N, device="cuda", dtype=dt)
+        rs_out = torch.empty(M // W, N, device="cuda", dtype=dt)
+        cand = schedule(M, N, K) if schedule else None
+        op = MatmulReduceScatter(M, K // W, N, dt, **({"compute": cand[0], "comm": cand[1]} if cand else {}))
+        # correctness first: workspaces full of noise, output poisoned, against NCCL + fp32 matmul
+        for t in op.workspace_tensors().values():
+            t.normal_()
+        got = torch.full((M // W, N), float("nan"), device="cuda", dtype=dt)
+        torch.cuda.synchronize()
+        dist.barrier()
+        op(a, b, out=got)
+        ref = torch.empty(M // W, N, device="cuda", dtype=torch.float32)
+        dist.reduce_scatter_tensor(ref, torch.mm(a.float(), b.float()))
+        torch.cuda.synchronize()
+        res = compare(got, ref)
+        ok = torch.tensor([1.0 if res["ok"] else 0.0], device="cuda")
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        ok = ok.item() > 0.5
+        if not res["ok"]:
+            print(f"# [rank {r}] {M}x{N}x{K}: WRONG: {res['detail']}", file=sys.stderr, flush=True)
+        c = torch.mm(a, b)
+        t_rs = _bench(lambda: dist.reduce_scatter_tensor(rs_out, c), iters)
+        t_gemm = _bench(lambda: torch.mm(a, b), iters)
+        t_seq = _bench(lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), iters)
+        try:
+            t_atp = _bench(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
+                                                                                  group_name=gname), iters)
+        except Exception as ex:   # noqa: BLE001
+            print(f"# async-TP failed: {ex!r:.200}", file=sys.stderr)
+            t_atp = float("nan")
+        t_ours = _bench(lambda: op(a, b), iters)
+        ideal = max(t_rs, t_gemm)
+        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm,
+                         ideal=ideal, correct=ok, max_err=res["max_err"],
+                         schedule=f"{op.compute}, {op.comm}" if cand else None))
+        if r == 0:
+            print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
+                  f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+        del op, c
+        _release()
+    if r == 0:
+        _table(rows, "NCCL RS ms", out)
+    return rows
+
+
+# -- schedule sweep / autotuning ------------------------------------------------------------------
+
+def candidates(what):
+    """(compute, comm) candidates: copy engine vs SMs, push vs pull, two compute tile orders."""
+    from tldsl.ir.schedule import CommSchedule, ComputeSchedule
+    computes = [ComputeSchedule(tile=(128, 256, 64), stages=4, order=o) for o in ("comm_aligned", "swizzled")]
+    if what == "ag_gemm":
+        comms = [CommSchedule(engine="copy_engine", mode="pull"), CommSchedule(engine="copy_engine", mode="push"),
+                 CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
+                 CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
+    else:
+        comms = [CommSchedule(engine="sm", mode="push", tile_m=128, sms=16),
+                 CommSchedule(engine="sm", mode="pull", tile_m=128, sms=16),
+                 CommSchedule(engine="sm", mode="push", tile_m=128, sms=8),
+                 CommSchedule(engine="copy_engine", mode="push")]     # cannot add: listed as not applicable
+    return [(cp, cm) for cm in comms for cp in computes]
+
+
+def tune(what, shape, iters, *, force, out=sys.stdout):
+    """Autotune the schedule of ``what`` at global ``shape`` (M, N, K); returns the TuneResult."""
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import AllGatherMatmul, MatmulReduceScatter
+    from tldsl.runtime.dist.autotune import Autotuner, TorchCollective, cuda_event_timings
+    from tldsl.testing.dist_check import compare
+    r, W = dist.get_rank(), dist.get_world_size()
+    M, N, K = shape
+    dt = torch.bfloat16
+    torch.manual_seed(999 + r)
+    if what == "ag_gemm":
+        a = torch.randn(M // W, K, device="cuda", dtype=dt)
+        b = torch.randn(K, N // W, device="cuda", dtype=dt)
+        gathered = torch.empty(M, K, device="cuda", dtype=dt)
+        dist.all_gather_into_tensor(gathered, a)
+        ref = torch.mm(gathered.float(), b.float())
+    else:
+        a = torch.randn(M, K // W, device="cuda", dtype=dt)
+        b = torch.randn(K // W, N, device="cuda", dtype=dt)
+        ref = torch.empty(M // W, N, device="cuda", dtype=torch.float32)
+        dist.reduce_scatter_tensor(ref, torch.mm(a.float(), b.float()))
+    torch.cuda.synchronize()
+
+    def measure(cand):
+        compute, comm = cand
+        holder = {}
+        if what == "ag_gemm":
+            holder["op"] = AllGatherMatmul(M // W, K, N // W, dt, **_ag_kwargs(cand))
+            run = lambda: holder["op"](a, b)[1]          # noqa: E731
+        else:
+            holder["op"] = MatmulReduceScatter(M, K // W, N, dt, compute=compute, comm=comm)
+            run = lambda: holder["op"](a, b)             # noqa: E731
+        op = holder["op"]
+        try:
+            for t in op.workspace_tensors().values():
+                t.normal_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            res = compare(run(), ref)
+            torch.cuda.synchronize()
+            bad = torch.tensor([0.0 if res["ok"] else 1.0], device="cuda")
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)          # every rank stops here alike
+            if bad.item() > 0:
+                raise AssertionError(f"wrong result (this rank: {res['detail'] or 'ok'})")
+            return cuda_event_timings(run, iters=iters, warmup=3, before_each=dist.barrier)
+        finally:
+            holder.clear()
+            del op
+            _release()
+
+    def log(trial):
+        if r == 0:
+            t = f"{trial.median_ms:.3f} ms" if trial.ok else f"FAILED: {trial.error}"
+            print(f"#   {trial.label}: {t}", file=out, flush=True)
+
+    if r == 0:
+        print(f"# tuning {what} {M}x{N}x{K} over {len(candidates(what))} candidates", file=out, flush=True)
+    tuner = Autotuner(collective=TorchCollective())
+    res = tuner.tune(what, [list(shape)], "bfloat16", W, torch.cuda.get_device_name(), candidates(what), measure,
+                     force=force, log=log)
+    if r == 0:
+        print(f"\n{what} {M}x{N}x{K}{' (cached choice)' if res.cached else ''}: best {res.best_label}"
+              f"{f' at {res.median_ms:.3f} ms' if res.median_ms else ''}\n{res.table()}\n(cache: {res.path})\n",
+              file=out, flush=True)
+    return res
 
 
 def main(what, argv):
@@ -104,15 +297,28 @@ def main(what, argv):
     ap = argparse.ArgumentParser(prog=f"torchrun ... -m tldsl.bench {what}")
     ap.add_argument("--shapes", default=None, help="MxNxK,... (global sizes)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
+    ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
     args = ap.parse_args(argv)
+    if what not in ("ag_gemm", "gemm_rs"):
+        raise SystemExit(f"unknown distributed benchmark {what!r}")
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else AG_SHAPES
+    default = AG_SHAPES if what == "ag_gemm" else RS_SHAPES
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else default
     try:
+        if args.sweep:
+            for shape in shapes:
+                tune(what, shape, args.iters, force=True)
+            return 0
+        schedule = None
+        if args.tune:
+            chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
+            schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731
         if what == "ag_gemm":
-            bench_ag_gemm(shapes, args.iters)
+            bench_ag_gemm(shapes, args.iters, schedule=schedule)
         else:
-            raise SystemExit(f"unknown distributed benchmark {what!r}")
+            bench_gemm_rs(shapes, args.iters, schedule=schedule)
     finally:
         dist.destroy_process_group()
     return 0

@@ -15,6 +15,11 @@ so they are never reset and an old value can never satisfy a wait):
 4. compute stream: the GEMM, launch index L; it spins (acquire, system scope) on flag p
    before loading rows of shard p;
 5. the compute stream waits for the copy stream, so launch L+1 starts after both.
+
+That is the default (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
+:class:`_FusedAllGather`: ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
+SMs, push or pull) and the copy engine driven by the codegen plan
+(:class:`~.plan_exec.PlanExecutor`: ``ce_executor="plan"``, and always for push).
 """
 from __future__ import annotations
 
@@ -34,7 +39,13 @@ class AllGatherMatmul:
     must build it, in the same order as any other collective."""
 
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
-                 compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None):
+                 compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
+                 engine: str | None = None, sms: int | None = None, ce_executor: str = "direct"):
+        """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
+        ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
+        others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
+        measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
+        :class:`~.plan_exec.PlanExecutor`; always used for copy-engine push)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -47,7 +58,17 @@ class AllGatherMatmul:
         self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
         tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self.dtype = tdtype
-        comm = comm or CommSchedule(engine="copy_engine", mode="pull", order="ring")
+        comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
+        self.hooks: dict = {}
+        self._engine = None
+        if ce_executor not in ("direct", "plan"):
+            raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
+        if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
+            self.comm = comm
+            self.compute = compute or DEFAULT_COMPUTE
+            self.launches = 0
+            self._engine = _FusedAllGather(self, tdtype, progress)
+            return
         if comm.engine != "copy_engine" or comm.mode != "pull":
             raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
         self.comm = comm
@@ -86,10 +107,15 @@ class AllGatherMatmul:
         if not b.is_contiguous():
             raise InputError("B must be contiguous (row-major [K, N])")
 
-    def __call__(self, a_shard, b, *, poison_workspace: bool = False):
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
+        """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
         import torch
         from cuda.bindings import driver as cu
+        if self._engine is not None:
+            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         self._check(a_shard, b)
+        if out is not None:
+            self._check_out(out)
         self.launches += 1
         L = self.launches
         W = self.ctx.world_size
@@ -115,6 +141,8 @@ class AllGatherMatmul:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: shards in place; flags {self.flags.tolist()}", flush=True)
         nbytes = self.Ms * self.K * es
+        if self.hooks:
+            self._hook("before_comm", self.copy_stream)
         for p in self.order:
             if p == me:
                 continue
@@ -123,7 +151,9 @@ class AllGatherMatmul:
             check(cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L,
                                           cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
                   "cuStreamWriteValue64(flag)")
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shard.device)
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shard.device) if out is None else out
+        if self.hooks:
+            self._hook("before_compute", cur)
         self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags},
                   launch_index=L, rank=self.ctx.rank)
         cur.wait_stream(self.copy_stream)
@@ -131,4 +161,271 @@ class AllGatherMatmul:
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
+        return a_full, c
+
+    def _check_out(self, out):
+        import torch
+        want = (self.ctx.world_size * self.Ms, self.N)
+        if not isinstance(out, torch.Tensor) or not out.is_cuda or tuple(out.shape) != want or \
+                out.dtype != self.dtype or not out.is_contiguous() or out.data_ptr() % 16:
+            raise InputError(f"out must be a contiguous, 16-byte aligned CUDA tensor {want} of {self.dtype}")
+
+    # -- hooks and introspection (every engine) ---------------------------------------------------
+    def _hook(self, name, stream):
+        h = self.hooks.get(name)
+        if h is not None:
+            h(self, self.launches, stream)
+
+    @property
+    def engine(self) -> str:
+        """``copy_engine`` (the direct pull path), ``copy_engine-plan`` or ``sm``."""
+        return self._engine.name if self._engine is not None else "copy_engine"
+
+    def workspace_tensors(self) -> dict:
+        """The data workspaces a launch overwrites (the distributed checks fill them with noise)."""
+        if self._engine is not None:
+            return self._engine.workspace_tensors()
+        return {"a": self.shard}
+
+    def signal_map(self) -> list[tuple[str, int, int, str]]:
+        """``(signal, address, slots, note)`` of this rank's counters (decodes a device
+        ``wait timed out: slot 0x...`` line, see :func:`~.comm_kernel.explain_address`)."""
+        if self._engine is not None:
+            return self._engine.signal_map()
+        return [(self.signal, self.flags.data_ptr(), self.flags.numel(),
+                 f"rank {self.ctx.rank}, local: the copy stream writes one flag per shard, the GEMM waits; "
+                 f"slot s = A_gathered rows [s * {self.Ms}, (s + 1) * {self.Ms})")]
+
+    def signal_tensors(self) -> dict:
+        """This rank's counter tensors (int64 CUDA), by signal name."""
+        if self._engine is not None:
+            return dict(self._engine.signals)
+        return {self.signal: self.flags}
+
+    def signal_counters(self) -> dict[str, list[int]]:
+        return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
+
+    def describe(self) -> str:
+        head = (f"AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
+                f"B [{self.K}, {self.N}] {self.dtype}; engine {self.engine}; {self.compute}; {self.comm}")
+        if self._engine is not None:
+            return head + "\n" + self._engine.describe()
+        return head + "\n" + self.lowered.describe()
+
+
+DEFAULT_SM_LANES = 8
+
+
+def resolve_comm(comm: CommSchedule | None, engine: str | None, sms: int | None,
+                 compute: ComputeSchedule) -> CommSchedule:
+    """The communication schedule from ``comm`` and / or the ``engine`` / ``sms`` shortcuts."""
+    if engine not in (None, "copy_engine", "sm"):
+        raise InputError(f"engine={engine!r}: choose 'copy_engine' or 'sm'")
+    if comm is not None:
+        if engine is not None and comm.engine != engine:
+            raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
+        if sms is not None and comm.sms != sms:
+            raise InputError(f"sms={sms} contradicts the communication schedule {comm}")
+        return comm
+    if engine == "sm":
+        return CommSchedule(engine="sm", mode="pull", order="ring", tile_m=compute.BM, sms=sms or DEFAULT_SM_LANES)
+    if sms is not None:
+        raise InputError(f"sms={sms}: the copy engine uses no SMs (pass engine='sm')")
+    return CommSchedule(engine="copy_engine", mode="pull", order="ring")
+
+
+class _FusedAllGather:
+    """AG+GEMM with the all-gather run by the generated SM kernel (``engine='sm'``, push or pull)
+    or by the codegen copy-engine plan (:class:`~.plan_exec.PlanExecutor`, push or pull).
+
+    Launch protocol (launch ``L``; counters only grow, waits target ``count * L``):
+
+    * pull: compute stream: barrier (peers finished reading our shard in ``L-1``), our shard into
+      the symmetric ``a``, barrier (every shard of ``L`` in place); a fresh local ``A_gathered``;
+    * push: ``A_gathered`` and the flags are symmetric (peers write them); the barrier runs on the
+      communication stream, after this rank's ``L-1`` (its GEMM read ``A_gathered``) is done;
+    * event ``E`` on the compute stream, then: SM engine — the all-gather kernel on ``lanes`` CTAs
+      (communication stream, after ``E``), the GEMM on ``SMs - lanes`` CTAs (compute stream); plan
+      engine — the plan's same-GPU copies and their flags on the compute stream (a same-GPU copy
+      runs on SMs and must not queue behind the persistent GEMM), the peer copies and flags on
+      the communication stream (after ``E``), then the GEMM on all SMs;
+    * the compute stream waits for the communication stream.
+    """
+
+    def __init__(self, op, tdtype, progress):
+        import os
+        import torch
+        import tldsl as tl
+        from ...codegen.lower import lower
+        from ..gpu.gemm import GemmKernel
+        from ...ops.allgather_gemm import allgather_gemm
+        from .comm_kernel import CommKernel, SymmetricWorkspace, kernel_specs
+        from .plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
+
+        import weakref
+        self.op = weakref.proxy(op)         # no cycle: dropping the op frees its symmetric memory at once
+        ctx = op.ctx
+        W, r = ctx.world_size, ctx.rank
+        comm, compute = op.comm, op.compute
+        self.mode = comm.mode
+        self.name = "sm" if comm.engine == "sm" else "copy_engine-plan"
+        ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
+        spec = tl.TensorSpec
+        self.ir = allgather_gemm.trace(W, spec((op.Ms, op.K), ir_dtype), spec((op.K, op.N), ir_dtype),
+                                       spec((W * op.Ms, op.N), ir_dtype), compute=compute, comm=comm)
+        op.ir = self.ir
+        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+        self.wait_timeout_ns = int(timeout) if timeout else None
+        opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
+        self.lowered_gemm = lower(self.ir, "gemm", **opts)
+        op.lowered = self.lowered_gemm
+        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
+        bufs, slots = kernel_specs(self.ir)
+        self.bufs = bufs
+        dev = torch.device("cuda", ctx.device)
+        self.device = dev
+        if comm.engine == "sm":
+            self.lowered_comm = lower(self.ir, "gather_a", **opts)
+            comp = self.lowered_comm.compile(progress=progress)     # before any collective (see gemm_rs)
+            self.lanes = self.lowered_comm.grid()[0]
+            sources = {p.source for p in self.lowered_comm.params}
+            sym_b = {nm for nm in bufs if f"peers:{nm}" in sources}
+            sym_s = {nm for nm in slots if f"peer_signals:{nm}" in sources}
+        else:
+            self.plan = lower(self.ir, "gather_a")
+            self.lanes = 0
+            sym_b, sym_s = plan_symmetric_names(self.plan)
+        if self.mode == "pull":
+            sym_b.add("a")                  # peers read our shard: it is staged in symmetric memory
+        self.gemm = GemmKernel(self.lowered_gemm, progress=progress, reserve_sms=self.lanes)
+        self.sym_b, self.sym_s = sorted(sym_b), sorted(sym_s)
+        specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in self.sym_b] + \
+                [(nm, "signal", (slots[nm],), "u64") for nm in self.sym_s]
+        self.ws = SymmetricWorkspace(ctx, specs)                            # collective
+        self.signals = {nm: (self.ws.tensor(nm) if nm in sym_s else torch.zeros(slots[nm], dtype=torch.int64,
+                                                                                  device=dev)) for nm in slots}
+        (self.signal,) = self.lowered_gemm.signals
+        if comm.engine == "sm":
+            self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
+                                          peers={nm: self.ws.peers(nm) for nm in self.sym_b},
+                                          peer_signals={nm: self.ws.peers(nm) for nm in self.sym_s}, compiled=comp)
+            self.executor = None
+        else:
+            table = PointerTable(W, r)
+            per_call = []
+            for nm, (shape, dt) in bufs.items():
+                if nm not in ("a", "a_gathered"):
+                    continue
+                nbytes = self._nbytes(shape, dt)
+                if nm in sym_b:
+                    table.add_symmetric(nm, self.ws.peers(nm), nbytes)
+                else:
+                    table.add_local(nm, 0, nbytes)          # this call's tensor, given per call
+                    per_call.append(nm)
+            for nm, t in self.signals.items():
+                if nm in sym_s:
+                    table.add_symmetric(nm, self.ws.peers(nm), 8 * slots[nm])
+                else:
+                    table.add_local(nm, t.data_ptr(), 8 * slots[nm])
+            self.executor = PlanExecutor(self.plan, r, table, per_call=per_call)
+            self.comm_kernel = None
+        self.comm_stream = torch.cuda.Stream(device=dev)
+        torch.cuda.synchronize()
+
+    @staticmethod
+    def _nbytes(shape, dt):
+        n = {"bf16": 2, "f16": 2, "f32": 4}[dt]
+        for x in shape:
+            n *= x
+        return n
+
+    def workspace_tensors(self) -> dict:
+        return {nm: self.ws.tensor(nm) for nm in self.sym_b}
+
+    def signal_map(self):
+        who = {"sm": "the all-gather kernel", "copy_engine-plan": "the copy stream"}[self.name]
+        Ms = self.op.Ms
+        tm = self.op.comm.tile_m if self.name == "sm" else None
+        tile = Ms if tm is None else tm
+        tpr = -(-Ms // tile)
+        rows = f"slot s = A_gathered rows [(s // {tpr}) * {Ms} + (s % {tpr}) * {tile}, +{tile})"
+        out = []
+        for nm, t in self.signals.items():
+            where = "symmetric: peers notify" if nm in self.sym_s else f"local: {who} notifies"
+            out.append((nm, t.data_ptr(), t.numel(), f"rank {self.op.ctx.rank}, {where}, the GEMM waits; {rows}"))
+        return out
+
+    def describe(self) -> str:
+        lines = [f"  {self.name} {self.mode}: GEMM on {self.gemm.grid[0]} CTAs, communication on "
+                 f"{self.lanes or 'no'} SM(s)", self.lowered_gemm.describe()]
+        lines.append(self.lowered_comm.describe() if self.comm_kernel is not None else self.executor.describe())
+        lines.append(self.ws.describe())
+        return "\n".join(lines)
+
+    def _barrier(self, stream):
+        import torch
+        kw = {}
+        if self.wait_timeout_ns:
+            kw["timeout_ms"] = max(1, -(-self.wait_timeout_ns // 1_000_000))
+        with torch.cuda.stream(stream):
+            self.ws.handle.barrier(channel=0, **kw)
+
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, copy_gathered: bool = True, out=None):
+        import torch
+        op = self.op
+        op._check(a_shard, b)
+        if out is not None:
+            op._check_out(out)
+        op.launches += 1
+        L = op.launches
+        W, r = op.ctx.world_size, op.ctx.rank
+        cur = torch.cuda.current_stream(self.device)
+        if self.mode == "pull":
+            a_full = torch.empty((W * op.Ms, op.K), dtype=op.dtype, device=self.device)
+            if poison_workspace:
+                a_full.fill_(float("nan"))
+            self._barrier(cur)                      # peers finished reading our shard (launch L-1)
+            self.ws.tensor("a").copy_(a_shard)
+            self._barrier(cur)                      # every shard of launch L is in place
+            a_src = self.ws.tensor("a")
+        else:
+            a_full = self.ws.tensor("a_gathered")
+            if poison_workspace:
+                a_full.fill_(float("nan"))
+            a_src = a_shard if (a_shard.is_contiguous() and a_shard.data_ptr() % 16 == 0) else a_shard.contiguous()
+            a_src.record_stream(self.comm_stream)
+        c = torch.empty((W * op.Ms, op.N), dtype=op.dtype, device=self.device) if out is None else out
+        ev = torch.cuda.Event()
+        ev.record(cur)
+        # producers before consumers: once the GEMM (which spins on the flags) is enqueued, everything
+        # this rank contributes to launch L is already enqueued, so no later host-side stall (a
+        # garbage-collected symmetric buffer synchronises the device) can wait for a spinning kernel
+        if self.comm_kernel is not None:
+            op._hook("before_comm", self.comm_stream)
+            self.comm_stream.wait_event(ev)
+            if self.mode == "push":
+                self._barrier(self.comm_stream)     # peers' GEMMs of launch L-1 no longer read their A_gathered
+            self.comm_kernel(self.comm_stream.cuda_stream, {"a": a_src, "a_gathered": a_full}, self.signals, L)
+            op._hook("before_compute", cur)
+            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
+                      launch_index=L, rank=r, stream=cur)
+        else:
+            op._hook("before_comm", self.comm_stream)
+            self.comm_stream.wait_event(ev)
+            if self.mode == "push":
+                self._barrier(self.comm_stream)
+            per_call = {nm: (a_src if nm == "a" else a_full).data_ptr() for nm in self.executor.per_call}
+            self.executor.enqueue(self.comm_stream.cuda_stream, L, local_stream=cur.cuda_stream, per_call=per_call)
+            op._hook("before_compute", cur)
+            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
+                      launch_index=L, rank=r, stream=cur)
+        cur.wait_stream(self.comm_stream)
+        if self.mode == "pull":
+            a_full.record_stream(self.comm_stream)  # written on the communication stream (SM kernel / copies)
+        if self.mode == "push" and copy_gathered:
+            a_full = a_full.clone()                 # the symmetric buffer is overwritten by the next launch
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {r}] ag_gemm {self.name}-{self.mode} launch {L}: done; counters "
+                  f"{ {nm: t.tolist() for nm, t in self.signals.items()} }", flush=True)
         return a_full, c

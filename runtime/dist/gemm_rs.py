@@ -1,0 +1,280 @@
+"""GEMM + ReduceScatter on GPUs: ``out = reduce_scatter(A @ B, "sum", scatter_dim=0)`` — the
+semantics of ``torch.ops.symm_mem.fused_matmul_reduce_scatter(A, B, "sum", scatter_dim=0,
+group_name)``: every rank multiplies its own ``A [M, K] @ B [K, N]`` (K = this rank's slice of
+a row-parallel layer); rank ``r`` gets rows ``[r*M/W, (r+1)*M/W)`` of the sum over ranks, in A's
+dtype.
+
+Two generated kernels of the ``tldsl.ops.gemm_reduce_scatter`` tile program run side by side:
+
+* the **GEMM** (compute part; ``codegen.lower_gemm``, persistent, on ``SMs - lanes`` CTAs) stores
+  fp32 partial tiles into a local workspace and, after each tile's TMA stores complete, adds 1
+  (release) to the ``reduce_scatter_ready`` counter of every communication tile it covers;
+* the **reduce-scatter** (communication part; ``codegen.lower_comm``, ``lanes`` = the comm
+  schedule's ``sms`` CTAs, on a second stream) waits per tile for those counters, adds partial
+  tiles along the ring / full mesh through a symmetric staging buffer (peer notifies on the
+  symmetric ``reduce_scatter_arrived`` counters) and stores this rank's rows of the sum into
+  ``out``.
+
+Launch protocol (launch ``L`` counted from 1; counters are never reset, every wait targets
+``count * L``, so a value from an earlier launch can never satisfy it):
+
+1. validate the inputs (shapes, dtypes, devices, contiguity, alignment): nothing is enqueued
+   for invalid inputs;
+2. compute stream: record event ``E`` (inputs ready; launch ``L-1`` finished on this rank, since
+   the compute stream waited for the communication stream at the end of ``L-1``), then the
+   GEMM of launch ``L``;
+3. communication stream: wait ``E``; **group barrier** (torch symmetric memory's stream barrier:
+   every rank finished launch ``L-1``'s communication, so the staging slots it is about to
+   overwrite — a peer's receive slots (push) or its own send slots that peers read (pull) — are
+   free); the reduce-scatter kernel of launch ``L``;
+4. the compute stream waits for the communication stream (``out`` is ready for the caller, and
+   launch ``L+1`` cannot overwrite the partials or the staging slots early).
+
+Producers are enqueued before their consumers (the GEMM before the reduce-scatter that waits for
+it), so once a kernel that spins is enqueued, everything it waits for on this rank is enqueued
+too: a host-side stall in between (torch frees symmetric memory with a device synchronise) can
+never wait for a spinning kernel.
+
+Building the op is **collective** (symmetric staging buffer and counters, one rendezvous): every
+rank of the group must build it, at the same point, before any call. Nothing is allocated
+collectively on a call.
+
+Debugging: ``TLDSL_WAIT_TIMEOUT_NS`` (read when the op is built) compiles both kernels with
+waits that print their slot address and trap after that long, and gives the group barrier a
+timeout; :meth:`MatmulReduceScatter.signal_map` names the address. ``TLDSL_DEBUG=1``
+synchronises after each call and prints the counters.
+"""
+from __future__ import annotations
+
+import os
+
+from ...errors import InputError
+from ...ir.schedule import CommSchedule, ComputeSchedule
+from .group import dist_context
+
+DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
+DEFAULT_SMS = 16
+_IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"}
+
+
+def default_comm(compute: ComputeSchedule, sms: int | None = None) -> CommSchedule:
+    """The default reduce-scatter schedule: SM ring, push, communication tiles of one compute
+    tile row block, ``sms`` (default 16) SMs."""
+    return CommSchedule(engine="sm", mode="push", order="ring", tile_m=compute.BM, sms=sms or DEFAULT_SMS)
+
+
+def dtype_name(dtype) -> str:
+    """``bf16`` / ``f16`` for a torch dtype or its name; InputError otherwise."""
+    s = str(dtype).replace("torch.", "")
+    if s not in _IR_DTYPES:
+        raise InputError(f"dtype {dtype}: GEMM+ReduceScatter runs on bfloat16 or float16 inputs")
+    return _IR_DTYPES[s]
+
+
+def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
+    """Shape rules of the op, checked when it is built; returns the IR dtype name."""
+    dt = dtype_name(dtype)
+    for name, v in (("M", m), ("K", k), ("N", n)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise InputError(f"{name}={v!r} must be a positive int")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world size {world_size!r} must be a positive int")
+    if m % world_size:
+        raise InputError(f"M={m} rows cannot be scattered evenly over {world_size} ranks "
+                         f"(M must be divisible by the world size)")
+    if k % 8:
+        raise InputError(f"K={k}: A's rows must be a multiple of 16 bytes for TMA (K a multiple of 8)")
+    if n % 8:
+        raise InputError(f"N={n}: B's and the output's rows must be a multiple of 16 bytes for TMA "
+                         f"(N a multiple of 8)")
+    return dt
+
+
+def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None = None, op: str = "MatmulReduceScatter"):
+    """Every problem with ``A [m, k]`` and ``B [k, n]`` at once, as one InputError (nothing runs)."""
+    problems = []
+    for name, t, shape in (("A", a, (m, k)), ("B", b, (k, n))):
+        if not (hasattr(t, "shape") and hasattr(t, "dtype") and hasattr(t, "is_contiguous")):
+            problems.append(f"{name} must be a torch tensor, got {type(t).__name__}")
+            continue
+        if not getattr(t, "is_cuda", False):
+            problems.append(f"{name} must be a CUDA tensor (it is on {t.device})")
+        elif device is not None and t.device.index != device:
+            problems.append(f"{name} is on {t.device}; this op runs on cuda:{device}")
+        if tuple(t.shape) != shape:
+            problems.append(f"{name} has shape {tuple(t.shape)}; this op was built for {shape}")
+        if t.dtype != dtype:
+            problems.append(f"{name} is {t.dtype}; this op was built for {dtype}")
+        if not t.is_contiguous():
+            problems.append(f"{name} must be contiguous (row-major; call .contiguous())")
+        elif getattr(t, "is_cuda", False) and t.data_ptr() % 16:
+            problems.append(f"{name} must start 16-byte aligned for TMA (it starts at {t.data_ptr():#x})")
+    if problems:
+        raise InputError(f"{op}: " + "; ".join(problems))
+
+
+def validate_output(out, shape, dtype, device: int | None = None):
+    ok = hasattr(out, "is_cuda") and out.is_cuda and tuple(out.shape) == tuple(shape) and out.dtype == dtype and \
+        out.is_contiguous() and out.data_ptr() % 16 == 0 and (device is None or out.device.index == device)
+    if not ok:
+        raise InputError(f"out must be a contiguous, 16-byte aligned CUDA tensor {tuple(shape)} of {dtype}"
+                         + (f" on cuda:{device}" if device is not None else ""))
+
+
+class MatmulReduceScatter:
+    """``reduce_scatter(A @ B, "sum", scatter_dim=0)`` for a fixed ``A [m, k]``, ``B [k, n]``, dtype.
+
+    ``m`` is the full row count (every rank's A has ``m`` rows; the output ``m / W``), ``k``
+    this rank's slice of the reduction dimension. ``compute`` / ``comm``: the tile program's
+    schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`). ``hooks``: optional
+    callables ``hooks['before_compute'](op, launch, stream)`` / ``hooks['before_comm'](...)`` run
+    on the host just before the GEMM / the communication is enqueued (the distributed checks use
+    them to inject stragglers).
+    """
+
+    def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
+                 comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None):
+        import torch
+        import tldsl as tl
+        from ...codegen.lower import lower
+        from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
+        from ..gpu.gemm import GemmKernel
+        from .comm_kernel import CommKernel, SymmetricWorkspace, kernel_specs
+
+        if reduce_op != "sum":
+            raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
+        if scatter_dim != 0:
+            raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
+        self.ctx = dist_context(group)
+        W, r = self.ctx.world_size, self.ctx.rank
+        dt = check_problem(m, k, n, W, dtype)
+        self.M, self.K, self.N = m, k, n
+        self.Ms = m // W
+        self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        self.compute = compute or DEFAULT_COMPUTE
+        self.comm = comm or default_comm(self.compute)
+        if self.comm.engine != "sm":
+            raise InputError("a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
+                             f"use CommSchedule(engine='sm', ...), got {self.comm}")
+        ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
+        spec = tl.TensorSpec
+        self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
+                                            compute=self.compute, comm=self.comm)
+        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+        self.wait_timeout_ns = int(timeout) if timeout else None
+        opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
+        self.lowered_gemm = lower(self.ir, "gemm", **opts)
+        self.lowered_comm = lower(self.ir, "reduce_scatter", **opts)
+        self.lanes = self.lowered_comm.grid()[0]
+        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
+        # compile and load both kernels before the collective allocation: a compile error then
+        # fails every rank at the same point instead of leaving peers in a rendezvous
+        comp_comm = self.lowered_comm.compile(progress=progress)
+        self.gemm = GemmKernel(self.lowered_gemm, progress=progress, reserve_sms=self.lanes)
+        bufs, slots = kernel_specs(self.ir)
+        sym_bufs = [b.name for b in self.ir.buffers if b.symmetric]
+        sym_sigs = [s.name for s in self.ir.signals if s.type.scope.value == "symmetric"]
+        dev = torch.device("cuda", self.ctx.device)
+        self.device = dev
+        specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
+                [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
+        self.ws = SymmetricWorkspace(self.ctx, specs) if specs else None     # collective
+        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32, device=dev)
+        self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
+                                                                                     device=dev))
+                        for nm in slots}
+        (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
+        self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
+                                      peers={nm: self.ws.peers(nm) for nm in sym_bufs},
+                                      peer_signals={nm: self.ws.peers(nm) for nm in sym_sigs}, compiled=comp_comm)
+        self.sym_bufs, self.sym_sigs = sym_bufs, sym_sigs
+        self.comm_stream = torch.cuda.Stream(device=dev)
+        self.launches = 0
+        self.hooks: dict = {}
+        torch.cuda.synchronize()
+
+    # -- introspection (debugging and the distributed checks) -------------------------------------
+    def workspace_tensors(self) -> dict:
+        """The data workspaces a launch overwrites (fp32 partials, symmetric staging slots)."""
+        out = {"partial": self.partial}
+        for nm in self.sym_bufs:
+            out[nm] = self.ws.tensor(nm)
+        return out
+
+    def signal_map(self) -> list[tuple[str, int, int, str]]:
+        """``(signal, address, slots, note)`` of this rank's counters, to decode a device
+        ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
+        tile = self.Ms if self.comm.tile_m is None else min(self.comm.tile_m, self.Ms)
+        tpr = -(-self.Ms // tile)
+        out = []
+        for nm, t in self.signals.items():
+            if nm in self.sym_sigs:
+                note = (f"symmetric: peers' reduce-scatter notifies, this rank's reduce-scatter waits; "
+                        f"slot s = step s // {tpr}, tile s % {tpr} ({tile} rows)")
+            else:
+                note = (f"local: the GEMM's tiles notify, the reduce-scatter waits; slot s = partial rows "
+                        f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")
+            out.append((nm, t.data_ptr(), t.numel(), f"rank {self.ctx.rank}, {note}"))
+        return out
+
+    def signal_tensors(self) -> dict:
+        """This rank's counter tensors (int64 CUDA), by signal name."""
+        return dict(self.signals)
+
+    def signal_counters(self) -> dict[str, list[int]]:
+        return {nm: t.tolist() for nm, t in self.signals.items()}
+
+    def describe(self) -> str:
+        lines = [f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
+                 f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}",
+                 f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}; launches so far {self.launches}",
+                 self.lowered_gemm.describe(), self.lowered_comm.describe()]
+        if self.ws is not None:
+            lines.append(self.ws.describe())
+        return "\n".join(lines)
+
+    def _hook(self, name, stream):
+        h = self.hooks.get(name)
+        if h is not None:
+            h(self, self.launches, stream)
+
+    # -- a launch --------------------------------------------------------------------------------
+    def __call__(self, a, b, *, out=None):
+        """This rank's rows of ``sum_r A_r @ B_r``: ``[M / W, N]`` in A's dtype (written into
+        ``out`` when given: contiguous, that shape and dtype, on this device)."""
+        import torch
+        validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
+        if out is not None:
+            validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
+        self.launches += 1
+        L = self.launches
+        cur = torch.cuda.current_stream(self.device)
+        if out is None:
+            out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
+        ev = torch.cuda.Event()
+        ev.record(cur)
+        self._hook("before_compute", cur)
+        self.gemm({"a": a, "b": b, "partial": self.partial}, signals={self.ready: self.signals[self.ready]},
+                  launch_index=L, rank=self.ctx.rank, stream=cur)
+        self._hook("before_comm", self.comm_stream)
+        self.comm_stream.wait_event(ev)
+        if self.ws is not None:
+            self._barrier(self.comm_stream)
+        bufs = {"partial": self.partial, "out": out}
+        for nm in self.sym_bufs:
+            bufs[nm] = self.ws.tensor(nm)
+        self.comm_kernel(self.comm_stream.cuda_stream, bufs, self.signals, L)
+        cur.wait_stream(self.comm_stream)
+        out.record_stream(self.comm_stream)
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {self.ctx.rank}] gemm_rs launch {L}: done; counters {self.signal_counters()}", flush=True)
+        return out
+
+    def _barrier(self, stream):
+        import torch
+        kw = {}
+        if self.wait_timeout_ns:
+            kw["timeout_ms"] = max(1, -(-self.wait_timeout_ns // 1_000_000))
+        with torch.cuda.stream(stream):
+            self.ws.handle.barrier(channel=0, **kw)

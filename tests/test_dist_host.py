@@ -1,0 +1,1313 @@
+"""The distributed runtime's host-side pieces, tested without a GPU and without torch.
+
+The only fake is the CUDA driver (:class:`FakeDriver`): a flat fake address space backed by
+numpy bytes (each rank sees every symmetric buffer at its own virtual address, aliasing the same
+bytes, as peer mappings do), per-stream queues, and real semantics for the calls the runtime
+issues — ``cuMemcpyAsync`` / ``cuMemcpy2DAsync`` move bytes with the given pitches,
+``cuStreamWriteValue64`` stores, ``cuStreamWaitValue64`` blocks its stream until the (cyclic)
+``>=`` holds, ``cuLaunchKernel`` records the packed parameter array. Streams run interleaved by
+:meth:`FakeDriver.run`, so cross-rank ordering bugs deadlock here as they would on GPUs.
+
+What is checked: the copy-engine plan executor against the plan's own numpy reference
+(``CopyEnginePlan.run_numpy``: same bytes, offsets, pitches and signal values) on every rank
+and launch, the calls and streams it issues, its validation; the communication-kernel launcher's
+pointer tables (built once, uploaded to device memory), parameter order and values, grid and
+errors; symmetric-workspace layout and addresses; the autotuner; the GEMM+RS and AG+GEMM
+input validation; the stuck-wait explainer of the distributed checks.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen.lower import lower
+from tldsl.codegen.lower_comm import CeCopy, CeSignalWrite, CeWait, lower_comm, plan_copy_engine
+from tldsl.kernel import TensorSpec as S
+from tldsl.ops.allgather_gemm import allgather_gemm
+from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from tldsl.runtime.dist.comm_kernel import (CommKernel, decode_args, explain_address, kernel_specs, layout_regions)
+from tldsl.runtime.dist.plan_exec import (DeviceArray, PlanExecutor, PointerTable, plan_symmetric_names,
+                                          symmetric_addresses)
+from tldsl.runtime.gpu.device import CudaDriverError
+
+
+# =================================================================================================
+# the fake driver
+# =================================================================================================
+
+class FakeCUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
+
+
+class FakeMemcpy2D:
+    """The fields of CUDA_MEMCPY2D the runtime may set (a typo raises, like the real struct)."""
+    __slots__ = ("srcMemoryType", "srcDevice", "srcHost", "srcArray", "srcXInBytes", "srcY", "srcPitch",
+                 "dstMemoryType", "dstDevice", "dstHost", "dstArray", "dstXInBytes", "dstY", "dstPitch",
+                 "WidthInBytes", "Height")
+
+    def __init__(self):
+        for s in self.__slots__:
+            setattr(self, s, 0)
+
+
+class FakeDriver:
+    CUresult = FakeCUresult
+    CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_HOST=1, CU_MEMORYTYPE_DEVICE=2)
+    CUstreamWriteValue_flags = SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT=0)
+    CUstreamWaitValue_flags = SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ=0)
+    CUDA_MEMCPY2D = FakeMemcpy2D
+
+    def __init__(self):
+        self.maps: list[tuple[int, int, np.ndarray]] = []     # (address, nbytes, uint8 view of the backing)
+        self.next = 0x7f0000000000
+        self.queues: dict[int, deque] = {}
+        self.calls: list[tuple] = []
+        self.fail: dict[str, FakeCUresult] = {}
+        self.launches: list[dict] = []
+
+    # -- memory ----------------------------------------------------------------------------------
+    def map(self, arr: np.ndarray) -> int:
+        """A fresh virtual address for the bytes of ``arr`` (C-contiguous; several maps alias)."""
+        assert arr.flags.c_contiguous
+        addr = self.next
+        self.next += -(-max(arr.nbytes, 1) // 4096) * 4096 + 4096
+        self.maps.append((addr, arr.nbytes, arr.reshape(-1).view(np.uint8)))
+        return addr
+
+    def bytes(self, addr: int, n: int) -> np.ndarray:
+        for base, size, view in self.maps:
+            if base <= addr and addr + n <= base + size:
+                return view[addr - base:addr - base + n]
+        raise AssertionError(f"fake GPU: access [{addr:#x}, +{n}) is outside every mapped buffer")
+
+    def upload_u64(self, values):
+        arr = np.array([int(v) for v in values], np.uint64)
+        self._keep = getattr(self, "_keep", []) + [arr]
+        return DeviceArray(self.map(arr), (len(arr),), "u64", owner=arr)
+
+    def read_u64(self, addr: int, n: int) -> list[int]:
+        return [int(x) for x in self.bytes(addr, 8 * n).view(np.uint64)]
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _call(self, name, stream, op, record):
+        self.calls.append((name, stream) + record)
+        if name in self.fail:
+            return (self.fail[name],)
+        if op is not None:
+            self.queues.setdefault(int(stream), deque()).append((name, op))
+        return (FakeCUresult.CUDA_SUCCESS,)
+
+    def cuMemcpyAsync(self, dst, src, n, stream):
+        dst, src, n = int(dst), int(src), int(n)
+
+        def op():
+            self.bytes(dst, n)[:] = self.bytes(src, n)
+        return self._call("cuMemcpyAsync", stream, op, (dst, src, n))
+
+    def cuMemcpy2DAsync(self, p, stream):
+        assert int(p.srcMemoryType) == int(self.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        assert int(p.dstMemoryType) == int(self.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+        src, dst = int(p.srcDevice) + int(p.srcXInBytes), int(p.dstDevice) + int(p.dstXInBytes)
+        sp, dp, w, h = int(p.srcPitch), int(p.dstPitch), int(p.WidthInBytes), int(p.Height)
+        assert int(p.srcY) == 0 and int(p.dstY) == 0
+        if w > sp or w > dp:
+            return self._call("cuMemcpy2DAsync", stream, None, (dst, dp, src, sp, w, h)) and \
+                (FakeCUresult.CUDA_ERROR_INVALID_VALUE,)
+
+        def op():
+            for row in range(h):
+                self.bytes(dst + row * dp, w)[:] = self.bytes(src + row * sp, w)
+        return self._call("cuMemcpy2DAsync", stream, op, (dst, dp, src, sp, w, h))
+
+    def cuStreamWriteValue64(self, stream, addr, value, flags):
+        addr, value = int(addr), int(value)
+        assert flags == self.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+
+        def op():
+            self.bytes(addr, 8).view(np.uint64)[0] = value
+        return self._call("cuStreamWriteValue64", stream, op, (addr, value))
+
+    def cuStreamWaitValue64(self, stream, addr, value, flags):
+        addr, value = int(addr), int(value)
+        assert flags == self.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+
+        def op():   # the driver's cyclic >=: (int64_t)(*addr - value) >= 0
+            cur = int(self.bytes(addr, 8).view(np.uint64)[0])
+            return ((cur - value) & ((1 << 64) - 1)) < (1 << 63)
+        return self._call("cuStreamWaitValue64", stream, op, (addr, value))
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.launches.append(dict(function=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream,
+                                  params=int(params), decoded=self._decode(fn, int(params))))
+        return self._call("cuLaunchKernel", stream, None, (fn, (gx, gy, gz), (bx, by, bz)))
+
+    def _decode(self, fn, params):
+        kinds = getattr(fn, "kinds", None)
+        return decode_args(params, kinds) if kinds else None
+
+    def cuGetErrorName(self, err):
+        return (FakeCUresult.CUDA_SUCCESS, FakeCUresult(err).name.encode())
+
+    def cuGetErrorString(self, err):
+        return (FakeCUresult.CUDA_SUCCESS, b"fake driver error")
+
+    # -- the device ------------------------------------------------------------------------------
+    def run(self, max_rounds=100000):
+        """Run every stream's queue; a wait blocks its stream until satisfied."""
+        for _ in range(max_rounds):
+            progressed = False
+            for s, q in self.queues.items():
+                while q:
+                    name, op = q[0]
+                    done = op()
+                    if name == "cuStreamWaitValue64" and not done:
+                        break
+                    q.popleft()
+                    progressed = True
+            if all(not q for q in self.queues.values()):
+                return
+            if not progressed:
+                raise AssertionError("fake GPU deadlock: every non-empty stream waits: "
+                                     + str({s: q[0][0] for s, q in self.queues.items() if q}))
+        raise AssertionError("fake GPU did not finish")
+
+
+# =================================================================================================
+# copy-engine plans on the fake driver, against CopyEnginePlan.run_numpy
+# =================================================================================================
+
+def _device_memory(plan, W, rng, dtypes):
+    """Per-rank numpy tensors for every buffer of the plan (device layout), random contents."""
+    mem = []
+    for r in range(W):
+        d = {}
+        for name, (shape, dt, eb) in plan.buffers.items():
+            npdt = dtypes.get(dt, np.float32)
+            d[name] = (rng.standard_normal(shape) * 10).astype(npdt)
+        mem.append(d)
+    sigs = [{name: np.zeros(slots, np.uint64) for name, slots in plan.signals.items()} for _ in range(W)]
+    return mem, sigs
+
+
+def _map_everything(drv, plan, mem, sigs):
+    """Map the arrays: symmetric ones once per viewing rank (aliases), local ones for their owner.
+    Returns one PointerTable per rank."""
+    W = plan.world_size
+    sym_b, sym_s = plan_symmetric_names(plan)
+    tables = [PointerTable(W, r) for r in range(W)]
+    for name in plan.buffers:
+        for r in range(W):
+            if name in sym_b:
+                tables[r].add_symmetric(name, [drv.map(mem[q][name]) for q in range(W)], mem[r][name].nbytes)
+            else:
+                tables[r].add_local(name, drv.map(mem[r][name]), mem[r][name].nbytes)
+    for name in plan.signals:
+        for r in range(W):
+            if name in sym_s:
+                tables[r].add_symmetric(name, [drv.map(sigs[q][name]) for q in range(W)], sigs[r][name].nbytes)
+            else:
+                tables[r].add_local(name, drv.map(sigs[r][name]), sigs[r][name].nbytes)
+    return tables
+
+
+def _ag_plan(W, Ms, K, mode, dt=tl.float16):
+    k = allgather_gemm.trace(W, S((Ms, K), dt), S((K, 8), dt), S((W * Ms, 8), dt),
+                             compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+                             comm=tl.CommSchedule(engine="copy_engine", mode=mode))
+    return lower(k, "gather_a")
+
+
+@tl.kernel
+def ce_blocks(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
+    """3-d copies clipped at the source's edge (pitched 2-D copies), then rank notifies."""
+    W = tl.world_size()
+    got = tl.signal("got", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,), engine="copy_engine", lanes=1)
+    def blocks(s):
+        me = tl.rank()
+        peer = (me + s) % W
+        tl.rank_copy_data(y, (peer * 3, 0, 0), x.at(peer), (1, 2, 1), (3, 4, 5))   # x is [3, 5, 4]
+        tl.rank_notify(got, peer)
+
+
+@tl.kernel
+def ce_relay(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
+    """A chain through the ranks on the copy engine: rank r waits for rank r-1's block to arrive
+    in its y, forwards it to rank r+1, then notifies r+1 (stream waits across ranks)."""
+    W = tl.world_size()
+    got = tl.signal("got", 1, scope="symmetric")
+
+    @tl.comm_part(grid=(1,), engine="copy_engine", lanes=1)
+    def relay(s):
+        me = tl.rank()
+        nxt = (me + 1) % W
+        with tl.when(me == 0):
+            tl.rank_copy_data(y.at(nxt), (0, 0), x, (0, 0), (2, 6))
+            tl.rank_notify(got, 0, nxt)
+        with tl.when(me > 0):
+            tl.rank_wait(got, 0, count=1)
+            with tl.when(me < W - 1):
+                tl.rank_copy_data(y.at(nxt), (0, 0), y, (0, 0), (2, 6))
+                tl.rank_notify(got, 0, nxt)
+
+
+def _ce_blocks_plan(W):
+    k = ce_blocks.trace(W, S((3, 5, 4), tl.float32), S((W * 3, 4, 5), tl.float32),
+                        comm=tl.CommSchedule(engine="copy_engine"))
+    return plan_copy_engine(k)
+
+
+def _ce_relay_plan(W):
+    k = ce_relay.trace(W, S((2, 6), tl.float32), S((2, 6), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
+    return plan_copy_engine(k)
+
+
+PLANS = {
+    "ag-pull-f16": lambda: _ag_plan(3, 5, 6, "pull"),
+    "ag-push-f16": lambda: _ag_plan(3, 5, 6, "push"),
+    "ag-push-f32-W4": lambda: _ag_plan(4, 7, 5, "push", tl.float32),
+    "nd-clipped": lambda: _ce_blocks_plan(3),
+    "relay-waits": lambda: _ce_relay_plan(4),
+}
+
+
+def _run_plan_on_fake(plan, launches=(1, 2), local_split=False, seed=0):
+    W = plan.world_size
+    rng = np.random.default_rng(seed)
+    dtypes = {"f16": np.float16, "f32": np.float32}
+    mem, sigs = _device_memory(plan, W, rng, dtypes)
+    want_mem = [{k: v.copy() for k, v in m.items()} for m in mem]
+    want_sig = [{k: v.copy() for k, v in s.items()} for s in sigs]
+    drv = FakeDriver()
+    tables = _map_everything(drv, plan, mem, sigs)
+    execs = [PlanExecutor(plan, r, tables[r], driver=drv) for r in range(W)]
+    issued = []
+    for L in launches:
+        # ranks enqueue in reverse order: the device, not enqueue order, must sort out waits
+        for r in reversed(range(W)):
+            issued.append(execs[r].enqueue(100 + r, L, local_stream=(200 + r) if local_split else None))
+        drv.run()
+        plan.run_numpy(want_mem, want_sig, launch=L)
+        for r in range(W):
+            for name in plan.buffers:
+                assert mem[r][name].tobytes() == want_mem[r][name].tobytes(), (L, r, name)
+            for name in plan.signals:
+                assert np.array_equal(sigs[r][name], want_sig[r][name]), (L, r, name, sigs[r][name])
+    return drv, execs, tables, issued, mem, sigs
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_plan_executor_matches_run_numpy(name):
+    plan = PLANS[name]()
+    drv, execs, tables, issued, *_ = _run_plan_on_fake(plan)
+    W = plan.world_size
+    # one driver call per action, in the plan's order, and nothing else
+    per_rank = [[c for c in drv.calls if c[1] == 100 + r] for r in range(W)]
+    for r in range(W):
+        acts = plan.actions[r]
+        assert len(per_rank[r]) == 2 * len(acts)        # two launches
+        for (call, a) in zip(per_rank[r], list(acts) * 2):
+            kind = {CeCopy: ("cuMemcpyAsync", "cuMemcpy2DAsync"), CeSignalWrite: ("cuStreamWriteValue64",),
+                    CeWait: ("cuStreamWaitValue64",)}[type(a)]
+            assert call[0] in kind, (call, a)
+
+
+def test_plan_executor_addresses_offsets_pitches_and_epochs():
+    """The exact arguments: peer addresses from rank r's own table, the plan's byte offsets and
+    pitches, a 1-D copy for whole rows, absolute epoch values for the flags."""
+    plan = PLANS["ag-pull-f16"]()
+    drv, execs, tables, issued, mem, sigs = _run_plan_on_fake(plan, launches=(1, 2, 3))
+    W, Ms, K = 3, 5, 6
+    r = 1
+    launch3 = issued[-W:][W - 1 - r]          # rank 1's calls of launch 3 (ranks enqueued in reverse)
+    t = tables[r]
+    for step in range(W):
+        peer = (r + step) % W
+        copy, write = launch3[2 * step], launch3[2 * step + 1]
+        assert copy == ("cuMemcpyAsync", 101, t.address("a_gathered", r) + peer * Ms * K * 2,
+                        t.address("a", peer), Ms * K * 2)
+        assert write == ("cuStreamWriteValue64", 101, t.address("gather_a_ready", r) + 8 * peer, 3)
+    # rank 1 reads rank 0's shard through rank 1's own mapping of it (not rank 0's address)
+    assert t.address("a", 0) != tables[0].address("a", 0)
+    # the pitched case: 2-D copies with the plan's pitches
+    plan = PLANS["nd-clipped"]()
+    drv, *_ = _run_plan_on_fake(plan, launches=(1,))
+    c2 = [c for c in drv.calls if c[0] == "cuMemcpy2DAsync"]
+    assert len(c2) == 2 * 3 * 3 and all(c[3] == 20 and c[5] == 16 and c[6] == 12 and c[7] == 3 for c in c2)  # dst pitch, src pitch
+
+
+def test_plan_executor_waits_block_across_ranks():
+    """Rank r > 0 waits (cuStreamWaitValue64) for rank r-1's notify: the chain completes only in
+    rank order however the ranks enqueue, and the targets count in launches."""
+    plan = PLANS["relay-waits"]()
+    drv, execs, tables, issued, mem, sigs = _run_plan_on_fake(plan, launches=(1, 2))
+    waits = [c for c in drv.calls if c[0] == "cuStreamWaitValue64"]
+    assert sorted((c[1], c[3]) for c in waits) == sorted((100 + r, L) for r in (1, 2, 3) for L in (1, 2))
+    for r in range(1, 4):
+        assert np.array_equal(mem[r]["y"], mem[0]["x"])
+    # without the notify the wait blocks: drop rank 0's enqueue and the fake GPU deadlocks
+    drv2 = FakeDriver()
+    mem2, sigs2 = _device_memory(plan, 4, np.random.default_rng(1), {})
+    t2 = _map_everything(drv2, plan, mem2, sigs2)
+    for r in (1, 2, 3):
+        PlanExecutor(plan, r, t2[r], driver=drv2).enqueue(100 + r, 1)
+    with pytest.raises(AssertionError, match="deadlock"):
+        drv2.run()
+
+
+def test_plan_executor_local_segments_go_to_the_local_stream():
+    """Same-GPU copies run on SMs: with local_stream they (and their flag) go there, the rest
+    stays on the communication stream; results still match the plan."""
+    plan = PLANS["ag-push-f16"]()
+    drv, execs, *_ = _run_plan_on_fake(plan, launches=(1, 2), local_split=True)
+    for r in range(3):
+        segs = execs[r].segments
+        assert [local for local, _ in segs] == [True, False, False]
+        local_calls = [c for c in drv.calls if c[1] == 200 + r]
+        assert [c[0] for c in local_calls] == ["cuMemcpyAsync", "cuStreamWriteValue64"] * 2
+        assert "local" in execs[r].describe()
+    # a plan whose first segment is remote keeps everything on the communication stream
+    pull = PLANS["ag-pull-f16"]()
+    assert [loc for loc, _ in PlanExecutor(pull, 0, _map_everything(FakeDriver(), pull, *_device_memory(
+        pull, 3, np.random.default_rng(0), {}))[0], driver=FakeDriver()).segments] == [True, False, False]
+
+
+def test_plan_executor_per_call_tensor():
+    """A local tensor given per call (a fresh output each launch): its address comes with enqueue."""
+    plan = PLANS["ag-pull-f16"]()
+    W = 3
+    rng = np.random.default_rng(3)
+    mem, sigs = _device_memory(plan, W, rng, {"f16": np.float16})
+    drv = FakeDriver()
+    tables = _map_everything(drv, plan, mem, sigs)
+    ex = PlanExecutor(plan, 0, tables[0], per_call=("a_gathered",), driver=drv)
+    fresh = np.zeros_like(mem[0]["a_gathered"])
+    addr = drv.map(fresh)
+    calls = ex.enqueue(5, 1, per_call={"a_gathered": addr})
+    assert all(c[2] >= addr and c[2] < addr + fresh.nbytes for c in calls if c[0] == "cuMemcpyAsync")
+    with pytest.raises(tl.InputError, match="holds 8 bytes; the plan needs"):
+        ex.enqueue(5, 1, per_call={"a_gathered": DeviceArray(addr, (4,), "f16")})
+    assert ex.enqueue(5, 2, per_call={"a_gathered": DeviceArray(addr, fresh.shape, "f16")})[1][3] == 2
+    with pytest.raises(tl.InputError, match="missing"):
+        ex.enqueue(5, 1)
+    with pytest.raises(tl.InputError, match="not per-call"):
+        ex.enqueue(5, 1, per_call={"a_gathered": addr, "a": 1})
+
+
+def test_plan_executor_rejects_bad_tables_before_enqueueing():
+    plan = PLANS["ag-pull-f16"]()
+    W = 3
+    mem, sigs = _device_memory(plan, W, np.random.default_rng(0), {"f16": np.float16})
+    drv = FakeDriver()
+    t = _map_everything(drv, plan, mem, sigs)[1]
+    # a peer-read buffer given only locally
+    bad = PointerTable(W, 1, dict(t.entries), dict(t.sizes))
+    bad.add_local("a", t.address("a", 1), t.sizes["a"])
+    with pytest.raises(tl.InputError, match="not addressable from rank 1: it must be symmetric"):
+        PlanExecutor(plan, 1, bad, driver=drv)
+    # a buffer smaller than the plan's copies
+    small = PointerTable(W, 1, dict(t.entries), dict(t.sizes))
+    small.sizes["a_gathered"] = 10
+    with pytest.raises(tl.InputError, match="'a_gathered' holds 10 bytes"):
+        PlanExecutor(plan, 1, small, driver=drv)
+    # wrong rank / world
+    with pytest.raises(tl.InputError, match="pointer table is for rank 1"):
+        PlanExecutor(plan, 0, t, driver=drv)
+    ex = PlanExecutor(plan, 1, t, driver=drv)
+    with pytest.raises(tl.InputError, match="count from 1"):
+        ex.enqueue(7, 0)
+    assert drv.calls == []                                    # nothing reached the driver
+
+
+def test_plan_executor_checks_every_driver_call():
+    plan = PLANS["ag-push-f16"]()
+    mem, sigs = _device_memory(plan, 3, np.random.default_rng(0), {"f16": np.float16})
+    drv = FakeDriver()
+    t = _map_everything(drv, plan, mem, sigs)
+    drv.fail["cuStreamWriteValue64"] = FakeCUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CudaDriverError, match=r"cuStreamWriteValue64: rank 2: gather_a_ready\[2\]@2 = 1 "
+                                              r"\(.*allgather_gemm.py:\d+\) failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        PlanExecutor(plan, 2, t[2], driver=drv).enqueue(3, 1)
+    drv.fail = {"cuMemcpyAsync": FakeCUresult.CUDA_ERROR_INVALID_VALUE}
+    with pytest.raises(CudaDriverError, match="cuMemcpyAsync: rank 0: copy a@0 -> a_gathered@0"):
+        PlanExecutor(plan, 0, t[0], driver=drv).enqueue(3, 1)
+
+
+def test_plan_executor_with_real_cuda_bindings_structs():
+    """The executor's struct fields and enum names exist in cuda-python (no GPU needed: only the
+    structs and enums are real, the calls go to the fake)."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+
+    class Hybrid(FakeDriver):
+        CUresult = cu.CUresult
+        CUmemorytype = cu.CUmemorytype
+        CUstreamWriteValue_flags = cu.CUstreamWriteValue_flags
+        CUstreamWaitValue_flags = cu.CUstreamWaitValue_flags
+        CUDA_MEMCPY2D = cu.CUDA_MEMCPY2D
+
+        def _call(self, name, stream, op, record):
+            self.calls.append((name, stream) + record)
+            if op is not None:
+                self.queues.setdefault(int(stream), deque()).append((name, op))
+            return (cu.CUresult.CUDA_SUCCESS,)
+
+    plan = PLANS["nd-clipped"]()
+    mem, sigs = _device_memory(plan, 3, np.random.default_rng(2), {})
+    want_m = [{k: v.copy() for k, v in m.items()} for m in mem]
+    want_s = [{k: v.copy() for k, v in s.items()} for s in sigs]
+    drv = Hybrid()
+    t = _map_everything(drv, plan, mem, sigs)
+    for r in range(3):
+        PlanExecutor(plan, r, t[r], driver=drv).enqueue(10 + r, 1)
+    drv.run()
+    plan.run_numpy(want_m, want_s, 1)
+    assert all(mem[r]["y"].tobytes() == want_m[r]["y"].tobytes() for r in range(3))
+    for name in ("cuMemcpyAsync", "cuMemcpy2DAsync", "cuStreamWriteValue64", "cuStreamWaitValue64",
+                 "cuLaunchKernel", "cuGetErrorName", "cuGetErrorString"):
+        assert callable(getattr(cu, name))
+
+
+def test_symmetric_addresses():
+    bp = [0x1000_0000, 0x2000_0000, 0x3000_0000]
+    # the tensor lies 512 bytes into its block (a pool allocation); a region 1024 bytes further in
+    got = symmetric_addresses(bp, 1, 0x2000_0200, 4096, handle_offset=512, buffer_size=1 << 20, region_offset=1024)
+    assert got == (0x1000_0600, 0x2000_0600, 0x3000_0600)
+    assert symmetric_addresses(bp, 0, bp[0], 16) == tuple(bp)
+    with pytest.raises(tl.InputError, match="handle says"):
+        symmetric_addresses(bp, 1, 0x2000_0200, 16, handle_offset=0)
+    with pytest.raises(tl.InputError, match="runs past"):
+        symmetric_addresses(bp, 1, bp[1], 4096, buffer_size=4000)
+    with pytest.raises(tl.InputError, match="null"):
+        symmetric_addresses([bp[0], 0], 0, bp[0], 16)
+    with pytest.raises(tl.InputError, match="before its block"):
+        symmetric_addresses(bp, 2, bp[2] - 16, 16)
+
+
+def test_layout_regions():
+    regs, total = layout_regions([("stage", "buffer", (3, 5), "f32"), ("arrived", "signal", (7,), "u64"),
+                                  ("a", "buffer", (4, 8), "bf16")], align=512)
+    assert [(r.name, r.offset, r.nbytes) for r in regs] == [("stage", 0, 60), ("arrived", 512, 56), ("a", 1024, 64)]
+    assert total == 1536 and all(r.offset % 512 == 0 for r in regs)
+    with pytest.raises(tl.InputError, match="twice"):
+        layout_regions([("x", "buffer", (1,), "f32"), ("x", "signal", (1,), "u64")])
+    with pytest.raises(tl.InputError, match="u64 counters"):
+        layout_regions([("s", "signal", (4,), "f32")])
+    with pytest.raises(tl.InputError, match="empty shape"):
+        layout_regions([("s", "buffer", (0, 4), "f32")])
+
+
+# =================================================================================================
+# communication kernels: pointer tables, parameter packing, launch
+# =================================================================================================
+
+class FakeKernel:
+    """What load_kernel returns; ``kinds`` lets the fake driver decode the packed parameters."""
+
+    def __init__(self, lowered):
+        self.name = lowered.entry
+        self.function = self
+        self.smem_bytes = 0
+        self.kinds = [p.kind for p in lowered.params]
+
+
+def _rs_ir(W=2, Ms=20, N=24, comm=None):
+    comm = comm or tl.CommSchedule(tile_m=8, mode="push", order="ring", sms=3)
+    return gemm_reduce_scatter.trace(W, S((W * Ms, 16), tl.float16), S((16, N), tl.float16), S((Ms, N), tl.float16),
+                                     compute=tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned"), comm=comm)
+
+
+def _fake_array(drv, shape, dtype):
+    npdt = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "u64": np.uint64, "i64": np.int64}[dtype]
+    arr = np.zeros(shape, npdt)
+    return DeviceArray(drv.map(arr), shape, dtype, owner=arr)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_comm_kernel_tables_params_and_grid(mode):
+    W, Ms, N = 3, 20, 24
+    k = _rs_ir(W, Ms, N, tl.CommSchedule(tile_m=8, mode=mode, order="full_mesh", sms=2))
+    lc = lower_comm(k, "reduce_scatter")
+    bufs, slots = kernel_specs(k)
+    stage = "reduce_scatter_recv" if mode == "push" else "reduce_scatter_send"
+    drv = FakeDriver()
+    rank = 1
+    # every rank's copy of the symmetric stage buffer / arrived signal, as mapped on rank 1
+    stage_copies = [_fake_array(drv, bufs[stage][0], "f32") for _ in range(W)]
+    arrived_copies = [_fake_array(drv, (slots["reduce_scatter_arrived"],), "u64") for _ in range(W)]
+    uploads = []
+
+    def uploader(values):
+        uploads.append(tuple(values))
+        return drv.upload_u64(values)
+    ck = CommKernel(lc, rank=rank, world_size=W, buffers=bufs, signal_slots=slots,
+                    peers={stage: [a.ptr for a in stage_copies]},
+                    peer_signals={"reduce_scatter_arrived": [a.ptr for a in arrived_copies]},
+                    kernel=FakeKernel(lc), driver=drv, uploader=uploader)
+    # the tables: uploaded once, W entries each, entry q = rank q's copy
+    assert sorted(uploads) == sorted([tuple(a.ptr for a in stage_copies), tuple(a.ptr for a in arrived_copies)])
+    assert drv.read_u64(ck.tables[f"peers:{stage}"].ptr, W) == [a.ptr for a in stage_copies]
+    assert drv.read_u64(ck.tables["peer_signals:reduce_scatter_arrived"].ptr, W) == [a.ptr for a in arrived_copies]
+    partial = _fake_array(drv, bufs["partial"][0], "f32")
+    ready = _fake_array(drv, (slots["reduce_scatter_ready"],), "i64")
+    for launch in (1, 2, 7):
+        out = _fake_array(drv, bufs["out"][0], "f16")
+        ck(stream=42, buffers={"partial": partial, "out": out, stage: stage_copies[rank]},
+           signals={"reduce_scatter_ready": ready, "reduce_scatter_arrived": arrived_copies[rank]}, launch_index=launch)
+        got = drv.launches[-1]
+        assert got["grid"] == (2, 1, 1) == lc.grid() and got["block"] == lc.block and got["stream"] == 42
+        assert got["smem"] == 0
+        want = {"buffer:partial": partial.ptr, "buffer:out": out.ptr, f"buffer:{stage}": stage_copies[rank].ptr,
+                f"peers:{stage}": ck.tables[f"peers:{stage}"].ptr,
+                "signal:reduce_scatter_ready": ready.ptr, "signal:reduce_scatter_arrived": arrived_copies[rank].ptr,
+                "peer_signals:reduce_scatter_arrived": ck.tables["peer_signals:reduce_scatter_arrived"].ptr,
+                "rank": rank, "launch": launch}
+        assert got["decoded"] == [want[p.source] for p in lc.params]      # the contract's order
+    assert len(uploads) == 2                                            # not rebuilt per launch
+
+
+def test_comm_kernel_rejects_wrong_arguments():
+    W = 2
+    k = _rs_ir(W)
+    lc = lower_comm(k, "reduce_scatter")
+    bufs, slots = kernel_specs(k)
+    drv = FakeDriver()
+    stage = [_fake_array(drv, bufs["reduce_scatter_recv"][0], "f32") for _ in range(W)]
+    arrived = [_fake_array(drv, (slots["reduce_scatter_arrived"],), "u64") for _ in range(W)]
+    common = dict(rank=0, world_size=W, buffers=bufs, signal_slots=slots, kernel=FakeKernel(lc), driver=drv,
+                  uploader=drv.upload_u64)
+    with pytest.raises(tl.InputError, match="reaches 'reduce_scatter_recv' on other ranks"):
+        CommKernel(lc, peer_signals={"reduce_scatter_arrived": [a.ptr for a in arrived]}, **common)
+    with pytest.raises(tl.InputError, match="3 entries for a world of 2"):
+        CommKernel(lc, peers={"reduce_scatter_recv": [stage[0].ptr] * 3},
+                   peer_signals={"reduce_scatter_arrived": [a.ptr for a in arrived]}, **common)
+    with pytest.raises(tl.InputError, match="not 16-byte aligned"):
+        CommKernel(lc, peers={"reduce_scatter_recv": [stage[0].ptr + 4, stage[1].ptr]},
+                   peer_signals={"reduce_scatter_arrived": [a.ptr for a in arrived]}, **common)
+    with pytest.raises(tl.InputError, match="traced for 2 ranks"):
+        CommKernel(lc, **dict(common, world_size=3))
+    ck = CommKernel(lc, peers={"reduce_scatter_recv": [s.ptr for s in stage]},
+                    peer_signals={"reduce_scatter_arrived": [a.ptr for a in arrived]}, **common)
+    partial = _fake_array(drv, bufs["partial"][0], "f32")
+    out = _fake_array(drv, bufs["out"][0], "f16")
+    ready = _fake_array(drv, (slots["reduce_scatter_ready"],), "i64")
+    good_b = {"partial": partial, "out": out, "reduce_scatter_recv": stage[0]}
+    good_s = {"reduce_scatter_ready": ready, "reduce_scatter_arrived": arrived[0]}
+    cases = [
+        (dict(good_b, out=_fake_array(drv, (3, 3), "f16")), good_s, 1, "'out' has shape"),
+        (dict(good_b, out=_fake_array(drv, bufs["out"][0], "f32")), good_s, 1, "'out' is f32"),
+        (dict(good_b, out=DeviceArray(out.ptr + 2, out.shape, "f16")), good_s, 1, "16-byte aligned"),
+        ({k: v for k, v in good_b.items() if k != "partial"}, good_s, 1, "missing tensor 'partial'"),
+        (dict(good_b, reduce_scatter_recv=stage[1]), good_s, 1, "pointer table gives rank 0's copy"),
+        (good_b, dict(good_s, reduce_scatter_ready=_fake_array(drv, (1,), "i64")), 1, "counters"),
+        (good_b, dict(good_s, reduce_scatter_arrived=arrived[1]), 1, "pointer table gives rank 0's copy"),
+        (good_b, good_s, 0, "count from 1"),
+        (dict(good_b, out=np.zeros(3)), good_s, 1, "must be a CUDA torch tensor"),
+    ]
+    for b, s, L, msg in cases:
+        with pytest.raises(tl.InputError, match=msg):
+            ck(stream=1, buffers=b, signals=s, launch_index=L)
+    assert drv.launches == []
+    drv.fail["cuLaunchKernel"] = FakeCUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaDriverError, match=r"cuLaunchKernel\(tldsl_gemm_reduce_scatter_reduce_scatter, grid"):
+        ck(stream=1, buffers=good_b, signals=good_s, launch_index=3)
+
+
+def test_comm_kernel_allgather_push_tables():
+    """AG push: the kernel reads the local shard and writes every rank's gathered buffer and
+    flags through the tables; the pull variant reads peers' shards and notifies locally."""
+    W = 2
+    for mode, want in (("push", {"buffer:a", "peers:a_gathered", "peer_signals:gather_a_ready", "rank", "launch"}),
+                       ("pull", {"peers:a", "buffer:a_gathered", "signal:gather_a_ready", "rank", "launch"})):
+        k = allgather_gemm.trace(W, S((40, 16), tl.bfloat16), S((16, 32), tl.bfloat16), S((80, 32), tl.bfloat16),
+                                 compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+                                 comm=tl.CommSchedule(tile_m=16, mode=mode, sms=4))
+        lc = lower(k, "gather_a")
+        assert {p.source for p in lc.params} == want
+        bufs, slots = kernel_specs(k)
+        drv = FakeDriver()
+        sym = "a_gathered" if mode == "push" else "a"
+        copies = [_fake_array(drv, bufs[sym][0], "bf16") for _ in range(W)]
+        flags = [_fake_array(drv, (slots["gather_a_ready"],), "u64") for _ in range(W)]
+        ck = CommKernel(lc, rank=1, world_size=W, buffers=bufs, signal_slots=slots,
+                        peers={sym: [c.ptr for c in copies]},
+                        peer_signals={"gather_a_ready": [f.ptr for f in flags]} if mode == "push" else None,
+                        kernel=FakeKernel(lc), driver=drv, uploader=drv.upload_u64)
+        other = "a" if mode == "push" else "a_gathered"
+        vals = ck(stream=9, buffers={other: _fake_array(drv, bufs[other][0], "bf16"), sym: copies[1]},
+                  signals={"gather_a_ready": flags[1]}, launch_index=4)
+        assert dict(vals)["launch"] == 4 and dict(vals)["rank"] == 1
+        assert drv.launches[-1]["grid"] == (4, 1, 1)
+
+
+def test_explain_address():
+    entries = [("reduce_scatter_ready", 0x1000, 4, "local: GEMM tiles notify"), ("reduce_scatter_arrived", 0x2000, 2, "")]
+    assert explain_address(0x1018, entries) == "reduce_scatter_ready[3] (local: GEMM tiles notify)"
+    assert explain_address(0x2008, entries) == "reduce_scatter_arrived[1]"
+    assert explain_address(0x1020, entries) is None and explain_address(0x1004, entries) is None
+
+
+# =================================================================================================
+# the autotuner
+# =================================================================================================
+
+from tldsl.runtime.dist.autotune import (AutotuneError, Autotuner, candidate_label, tune_key)  # noqa: E402
+
+CANDS = [(tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order=o), tl.CommSchedule(**c))
+         for o in ("comm_aligned", "swizzled")
+         for c in (dict(engine="copy_engine", mode="pull"), dict(engine="sm", mode="push", tile_m=128, sms=8))]
+KEY = ("ag_gemm", [[8192, 28672, 8192]], "bfloat16", 2, "NVIDIA H200")
+
+
+class FakeTimer:
+    """Per-candidate CUDA-event times in ms (what cuda_event_timings would return)."""
+
+    def __init__(self, times):
+        self.times = times
+        self.calls = []
+
+    def __call__(self, cand):
+        self.calls.append(cand)
+        t = self.times[CANDS.index(cand)]
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+
+def test_autotune_picks_the_fastest_median_and_caches(tmp_path):
+    # candidate 2 has the lowest median (one slow outlier does not matter), candidate 0 the lowest mean-killer
+    timer = FakeTimer([[1.0, 1.0, 9.0], [1.2, 1.1, 1.3], [0.9, 5.0, 0.95, 0.97, 0.96], [1.0, 0.99, 1.01]])
+    tuner = Autotuner(tmp_path, version="0.1.0")
+    logged = []
+    res = tuner.tune(*KEY, CANDS, timer, log=logged.append)
+    assert res.best is CANDS[2] and not res.cached and res.median_ms == pytest.approx(0.96)
+    assert timer.calls == CANDS and [t.label for t in logged] == [candidate_label(c) for c in CANDS]
+    assert res.path.exists() and res.path.parent == tmp_path / "autotune"
+    assert "**best**" in res.table() and res.table().count("\n") == len(CANDS) + 1
+    # a second tuner (another process) finds it: nothing is measured
+    timer2 = FakeTimer([[0.1]] * 4)
+    res2 = Autotuner(tmp_path, version="0.1.0").tune(*KEY, CANDS, timer2)
+    assert res2.cached and res2.best is CANDS[2] and timer2.calls == []
+    assert [t.median_ms for t in res2.trials][2] == pytest.approx(0.96)
+    # force re-measures
+    assert Autotuner(tmp_path, version="0.1.0").tune(*KEY, CANDS, timer2, force=True).best is CANDS[0]
+
+
+@pytest.mark.parametrize("change", ["op", "shapes", "dtype", "world", "gpu", "version"])
+def test_autotune_key_changes_miss_the_cache(tmp_path, change):
+    Autotuner(tmp_path, version="0.1.0").tune(*KEY, CANDS, FakeTimer([[1.0], [2.0], [3.0], [4.0]]))
+    op, shapes, dtype, world, gpu = KEY
+    version = "0.1.0"
+    if change == "op":
+        op = "gemm_rs"
+    elif change == "shapes":
+        shapes = [[4096, 28672, 8192]]
+    elif change == "dtype":
+        dtype = "float16"
+    elif change == "world":
+        world = 4
+    elif change == "gpu":
+        gpu = "NVIDIA H100 80GB HBM3"
+    else:
+        version = "0.2.0"
+    assert tune_key(op, shapes, dtype, world, gpu, version) != tune_key(*KEY, "0.1.0")
+    timer = FakeTimer([[4.0], [3.0], [2.0], [1.0]])
+    res = Autotuner(tmp_path, version=version).tune(op, shapes, dtype, world, gpu, CANDS, timer)
+    assert not res.cached and res.best is CANDS[3] and len(timer.calls) == 4
+
+
+def test_autotune_cache_dir_is_the_kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path / "kc"))
+    res = Autotuner().tune(*KEY, CANDS, FakeTimer([[1.0]] * 4))
+    assert res.path.parent == tmp_path / "kc" / "autotune" and res.best is CANDS[0]
+
+
+def test_autotune_stale_or_broken_cache_entries(tmp_path):
+    tuner = Autotuner(tmp_path, version="0.1.0")
+    res = tuner.tune(*KEY, CANDS, FakeTimer([[1.0], [2.0], [3.0], [4.0]]))
+    # the cached winner is no longer a candidate: measure again among the others
+    timer = FakeTimer([None, [2.0], [3.0], [1.5]])
+    res2 = tuner.tune(*KEY, CANDS[1:], timer)
+    assert not res2.cached and res2.best is CANDS[3] and timer.calls == CANDS[1:]
+    # a damaged file is a miss and gets rewritten
+    res.path.write_text("{not json")
+    res3 = tuner.tune(*KEY, CANDS, FakeTimer([[5.0], [1.0], [5.0], [5.0]]))
+    assert not res3.cached and res3.best is CANDS[1]
+    assert tuner.tune(*KEY, CANDS, FakeTimer([[9.0]] * 4)).cached
+
+
+def test_autotune_failures_are_skipped_and_all_failing_raises(tmp_path):
+    tuner = Autotuner(tmp_path, version="0.1.0")
+    timer = FakeTimer([RuntimeError("lowering rejected it"), [2.0], [float("nan")], [1.5]])
+    res = tuner.tune(*KEY, CANDS, timer)
+    assert res.best is CANDS[3]
+    errs = {t.label: t.error for t in res.trials}
+    assert "lowering rejected it" in errs[candidate_label(CANDS[0])] and "no usable times" in errs[candidate_label(CANDS[2])]
+    with pytest.raises(AutotuneError, match="every candidate failed"):
+        Autotuner(tmp_path / "x").tune(*KEY, CANDS, FakeTimer([RuntimeError("no")] * 4))
+    with pytest.raises(AutotuneError, match="duplicate"):
+        tuner.tune(*KEY, [CANDS[0], CANDS[0]], timer)
+
+
+class FakeCollective:
+    """Rank ``rank`` of two: the other rank's medians and flags are given; rank 0's cache
+    lookup result is what broadcast returns on rank 1."""
+
+    def __init__(self, rank, other_medians, other_ok, rank0_doc=None):
+        self.rank = rank
+        self.other_medians = list(other_medians)
+        self.other_ok = list(other_ok)
+        self.rank0_doc = rank0_doc
+        self.calls = []
+
+    def broadcast(self, obj):
+        self.calls.append("broadcast")
+        return obj if self.rank == 0 else self.rank0_doc
+
+    def max(self, x):
+        self.calls.append("max")
+        return max(x, self.other_medians.pop(0))
+
+    def all_ok(self, ok):
+        self.calls.append("all_ok")
+        return ok and self.other_ok.pop(0)
+
+
+def test_autotune_agrees_across_ranks(tmp_path):
+    # rank 1: locally candidate 0 is fastest, but the slowest rank's medians make candidate 1 win;
+    # candidate 2 failed on the other rank only; the other rank's fails do not reach max()
+    coll = FakeCollective(1, [5.0, 2.0, 2.5], [True, True, False, True])
+    timer = FakeTimer([[1.0], [1.5], [0.5], [1.8]])
+    res = Autotuner(tmp_path, collective=coll, version="0.1.0").tune(*KEY, CANDS, timer)
+    assert res.best is CANDS[1] and res.median_ms == 2.0
+    assert [t.error for t in res.trials][2] == "failed on another rank"
+    assert coll.calls == ["broadcast", "all_ok", "max", "all_ok", "max", "all_ok", "all_ok", "max"]
+    assert not (tmp_path / "autotune").exists()                 # only rank 0 writes
+    # rank 1 without a local file follows rank 0's cached choice
+    doc = {"format": 1, "key": tune_key(*KEY, "0.1.0"), "best": candidate_label(CANDS[3]), "median_ms": 1.0}
+    coll = FakeCollective(1, [], [], rank0_doc=doc)
+    t2 = FakeTimer([[1.0]] * 4)
+    res = Autotuner(tmp_path, collective=coll, version="0.1.0").tune(*KEY, CANDS, t2)
+    assert res.cached and res.best is CANDS[3] and t2.calls == []
+
+
+# =================================================================================================
+# GEMM+RS and AG+GEMM: what is decided before anything touches a GPU
+# =================================================================================================
+
+from tldsl.runtime.dist.ag_gemm import resolve_comm  # noqa: E402
+from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, check_problem, default_comm, validate_operands  # noqa: E402
+
+
+def test_gemm_rs_problem_checks():
+    assert check_problem(4091 * 2, 1032, 3000, 2, "bfloat16") == "bf16"
+    assert check_problem(64, 64, 64, 4, "torch.float16") == "f16"
+    for args, msg in [((4091, 1032, 3000, 2, "bfloat16"), "M must be divisible by the world size"),
+                      ((8, 1030, 64, 2, "bfloat16"), "K a multiple of 8"),
+                      ((8, 1024, 60, 2, "bfloat16"), "N a multiple of 8"),
+                      ((8, 64, 64, 2, "float32"), "bfloat16 or float16"),
+                      ((0, 64, 64, 2, "bfloat16"), "positive int"),
+                      ((8, 64, 64, 0, "bfloat16"), "world size")]:
+        with pytest.raises(tl.InputError, match=msg):
+            check_problem(*args)
+    c = default_comm(DEFAULT_COMPUTE)
+    assert (c.engine, c.mode, c.tile_m, c.sms) == ("sm", "push", DEFAULT_COMPUTE.BM, 16)
+
+
+def test_gemm_rs_default_schedules_lower():
+    """The default schedules of the op lower for the odd-M shape the checks use (W=2): a GEMM with
+    one notify per tile and a reduce-scatter kernel on `sms` CTAs, its tables as the runtime builds."""
+    W, M, K, N = 2, 4091 * 2, 1032, 3000
+    comm = default_comm(DEFAULT_COMPUTE)
+    k = gemm_reduce_scatter.trace(W, S((M, K), tl.bfloat16), S((K, N), tl.bfloat16), S((M // W, N), tl.bfloat16),
+                                  compute=DEFAULT_COMPUTE, comm=comm)
+    g, c = lower(k, "gemm"), lower(k, "reduce_scatter")
+    assert g.notifies == 1 and g.signals == () and g.notify_signals == ("reduce_scatter_ready",)
+    assert c.grid() == (16, 1, 1) and {p.source for p in c.params} >= {"peers:reduce_scatter_recv",
+                                                                        "peer_signals:reduce_scatter_arrived"}
+    assert [b.name for b in k.buffers if b.symmetric] == ["reduce_scatter_recv"]
+
+
+def test_gemm_rs_validate_operands_reports_every_problem():
+    torch = pytest.importorskip("torch")
+    a = torch.zeros(16, 8, dtype=torch.bfloat16)
+    b = torch.zeros(8, 24, dtype=torch.float16).t()          # wrong dtype, transposed (not contiguous)
+    with pytest.raises(tl.InputError) as e:
+        validate_operands(a, b, m=16, k=8, n=32, dtype=torch.bfloat16)
+    msg = str(e.value)
+    assert "A must be a CUDA tensor" in msg and "B must be a CUDA tensor" in msg
+    assert "B has shape (24, 8); this op was built for (8, 32)" in msg
+    assert "B is torch.float16" in msg and "B must be contiguous" in msg
+    with pytest.raises(tl.InputError, match="A must be a torch tensor"):
+        validate_operands(np.zeros((16, 8)), a, m=16, k=8, n=8, dtype=torch.bfloat16)
+
+
+def test_allgather_engine_choices():
+    c = DEFAULT_COMPUTE
+    assert resolve_comm(None, None, None, c) == tl.CommSchedule(engine="copy_engine", mode="pull", order="ring")
+    sm = resolve_comm(None, "sm", 12, c)
+    assert (sm.engine, sm.mode, sm.tile_m, sm.sms) == ("sm", "pull", 128, 12)
+    assert resolve_comm(None, "sm", None, c).sms == 8
+    push = tl.CommSchedule(engine="sm", mode="push", tile_m=64, sms=4)
+    assert resolve_comm(push, "sm", 4, c) is push
+    for args, msg in [((push, "copy_engine", None), "contradicts"), ((push, None, 8), "contradicts"),
+                      ((None, None, 8), "uses no SMs"), ((None, "nvlink", None), "choose 'copy_engine' or 'sm'")]:
+        with pytest.raises(tl.InputError, match=msg):
+            resolve_comm(*args, c)
+
+
+# =================================================================================================
+# the distributed checks' host-side logic
+# =================================================================================================
+
+from tldsl.testing import dist_check as dc  # noqa: E402
+
+
+def test_explain_log_decodes_stuck_waits():
+    log = "\n".join([
+        dc.map_line(0, "reduce_scatter_ready", 0x7f0000001000, 64, "rank 0, local: the GEMM's tiles notify"),
+        dc.map_line(0, "reduce_scatter_arrived", 0x7f0000200000, 32, "rank 0, symmetric: peers notify"),
+        dc.map_line(1, "reduce_scatter_ready", 0x7f0000005000, 64, "rank 1, local"),
+        "[rank1]: some other output",
+        "tldsl: wait timed out: slot 0x7f0000200018 holds 4, needs 5 (block 3, thread 0)",
+        "tldsl: wait timed out: slot 0x7f0000005010 holds 6, needs 9 (block 0, thread 0)",
+        "tldsl: wait timed out: slot 0x7f00deadbeef holds 0, needs 1 (block 0, thread 0)",
+    ])
+    out = dc.explain_log(log)
+    assert out[0].endswith("reduce_scatter_arrived[3] of rank 0 (rank 0, symmetric: peers notify) — 1 notify(s) missing")
+    assert "reduce_scatter_ready[2] of rank 1 (rank 1, local) — 3 notify(s) missing" in out[1]
+    assert "not in any printed signal map" in out[2]
+    assert dc.explain_log("[FATAL] CUDASymmetricMemory::barrier: rank 0 failed")[-1].startswith("a torch symmetric")
+    assert dc.explain_log("nothing here") == []
+
+
+def test_explain_command(tmp_path, capsys):
+    f = tmp_path / "log.txt"
+    f.write_text(dc.map_line(2, "gather_a_ready", 0x1000, 4) + "\n"
+                 "tldsl: wait timed out: slot 0x1008 holds 0, needs 2 (block 7, thread 0)\n")
+    assert dc.main(["explain", str(f)]) == 0
+    assert "gather_a_ready[1] of rank 2 — 2 notify(s) missing" in capsys.readouterr().out
+
+
+def test_missing_notifies():
+    per = {"ready": [2, 2, 1], "arrived": [1]}
+    got = dc.missing_notifies({"ready": [6, 5, 3], "arrived": [2]}, per, 3)
+    assert got == ["ready[1] = 5 < 6 (2 per launch)", "arrived[0] = 2 < 3 (1 per launch)"]
+    assert dc.missing_notifies({"ready": [0]}, None, 1) == []
+
+
+def test_compare_finds_unwritten_and_wrong_tiles():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(300, 64, generator=g)
+    good = ref.to(torch.bfloat16)
+    res = dc.compare(good, ref)
+    assert res["ok"] and res["n_bad"] == 0 and res["max_err"] < 0.02
+    bad = good.clone()
+    bad[130:140] = float("nan")
+    bad[290, 5] += 1.0
+    res = dc.compare(bad, ref)
+    assert not res["ok"] and res["n_nan"] == 640 and res["n_bad"] == 641
+    assert "row blocks [128, 256), [256, 384)" in res["detail"] and "first at (130, 0)" in res["detail"]
+    assert not dc.compare(good[:10], ref)["ok"]
+
+
+def test_dist_check_lists_variants_without_a_gpu(capsys):
+    assert dc.main(["all", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
+                                              "ag_gemm/sm-pull", "ag_gemm/sm-push", "gemm_rs/sm-push", "gemm_rs/sm-pull",
+                                              "gemm_rs/sm-push-full_mesh"]
+    assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0
+    assert capsys.readouterr().out.startswith("gemm_rs/sm-pull:")
+    with pytest.raises(SystemExit, match="unknown check"):
+        dc.main(["ag_gemm", "--checks", "odd_m,nope"])
+    with pytest.raises(SystemExit, match="unknown variant"):
+        dc.main(["ag_gemm", "--variants", "sm-sideways", "--list"])
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_dist_check_variants_lower_at_their_sizes(op):
+    """Every variant the checks build traces and lowers at the checks' sizes (W=2): what can fail
+    without a GPU fails here, not on the GPU host."""
+    from tldsl.runtime.dist.ag_gemm import DEFAULT_COMPUTE as AG_COMPUTE
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE as RS_COMPUTE
+    W = 2
+    for v in dc.variants(op):
+        kw = dict(v.kwargs)
+        for check in dc.CHECKS:
+            rows, k, n = dc.sizes(check, W)
+            if op == "ag_gemm":
+                comm = resolve_comm(kw.get("comm"), kw.get("engine"), None, AG_COMPUTE)
+                ir = allgather_gemm.trace(W, S((rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
+                                          S((W * rows, n), tl.bfloat16), compute=AG_COMPUTE, comm=comm)
+                comm_part = "gather_a"
+            else:
+                comm = kw.get("comm") or default_comm(RS_COMPUTE)
+                ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
+                                               S((rows, n), tl.bfloat16), compute=RS_COMPUTE, comm=comm)
+                comm_part = "reduce_scatter"
+            g = lower(ir, "gemm")
+            c = lower(ir, comm_part)
+            assert g.M == (W * rows) and g.N == n and g.K == k
+            if v.sm_comm:
+                assert c.grid()[0] == min(comm.sms, c.num_tasks)      # lanes, never more than tasks
+            else:
+                assert c.world_size == W and len(c.actions[0]) == 2 * W
+
+
+# =================================================================================================
+# launch protocols of the fused ops, with the device layer faked
+# =================================================================================================
+# torch's stream / event calls (cuStreamWaitEvent, cuEventRecord...), its symmetric memory and the
+# GEMM launcher are replaced by recorders writing into the fake driver's call log, next to the
+# driver calls the real CommKernel / PlanExecutor issue; tensors are CPU tensors. The assertions
+# are the protocols of the module docstrings: what each launch enqueues, on which stream, in which
+# order, with which launch index.
+
+class _Proto:
+    def __init__(self, monkeypatch):
+        torch = pytest.importorskip("torch")
+        from tldsl.runtime.dist import ag_gemm as agm, comm_kernel as ckm, gemm_rs as grs, plan_exec as pem
+        from tldsl.runtime.gpu import gemm as gkm, module as modm
+        from tldsl.codegen import lower_comm as lcm
+        self.torch, self.drv = torch, FakeDriver()
+        log = self.drv.calls
+        nums = itertools.count(1)
+        proto = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.cuda_stream = 1000 + next(nums)
+
+            def wait_event(self, ev):
+                log.append(("cuStreamWaitEvent", self.cuda_stream, ev.n))
+
+            def wait_stream(self, other):
+                log.append(("wait_stream", self.cuda_stream, other.cuda_stream))
+
+        class Event:
+            def __init__(self):
+                self.n = next(nums)
+
+            def record(self, s=None):
+                log.append(("cuEventRecord", (s or proto.cur).cuda_stream, self.n))
+
+        self.cur = Stream()
+        self.current = [self.cur]
+
+        class _StreamCtx:
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                proto.current.append(self.s)
+
+            def __exit__(self, *a):
+                proto.current.pop()
+
+        def cpu(f):
+            def g(*a, **k):
+                k.pop("device", None)
+                return f(*a, **k)
+            return g
+        mp = monkeypatch
+        mp.setattr(torch.cuda, "Stream", Stream)
+        mp.setattr(torch.cuda, "Event", Event)
+        mp.setattr(torch.cuda, "current_stream", lambda device=None: proto.current[-1])
+        mp.setattr(torch.cuda, "stream", _StreamCtx)
+        mp.setattr(torch.cuda, "synchronize", lambda *a: log.append(("synchronize",)))
+        mp.setattr(torch.Tensor, "record_stream", lambda t, s: None)
+        for name in ("empty", "zeros", "full"):
+            mp.setattr(torch, name, cpu(getattr(torch, name)))
+
+        class Ctx:
+            rank, world_size, device, group, group_name, backend = 1, 2, 0, None, "g", "CUDA"
+        for m in (grs, agm):
+            mp.setattr(m, "dist_context", lambda group=None: Ctx())
+
+        class Gemm:
+            def __init__(self, lowered, compiled=None, progress=None, reserve_sms=0):
+                self.lowered, self.reserve = lowered, reserve_sms
+                self.grid = (132 - reserve_sms, 1, 1)
+
+            def __call__(self, buffers=None, *, signals=None, launch_index=1, rank=0, stream=None):
+                for spec in self.lowered.tma:
+                    assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
+                assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
+                log.append(("GEMM", (stream or proto.current[-1]).cuda_stream, launch_index, self.grid[0], rank))
+        mp.setattr(gkm, "GemmKernel", Gemm)
+
+        class Handle:
+            def __init__(self, raw):
+                self.buffer_ptrs = [raw.data_ptr() if q == 1 else 0x7100_0000_0000 + q * 0x1_0000_0000 for q in range(2)]
+                self.offset, self.buffer_size = 0, raw.numel()
+
+            def barrier(self, channel=0, timeout_ms=0):
+                log.append(("BARRIER", proto.current[-1].cuda_stream))
+
+        class Workspace(ckm.SymmetricWorkspace):
+            def __init__(self, ctx, specs, align=512):
+                self.ctx = ctx
+                self.regions, self.total_bytes = ckm.layout_regions(specs, align)
+                raw = torch.empty(self.total_bytes + 512, dtype=torch.uint8)
+                pad = (-raw.data_ptr()) % 512
+                self.raw = raw[pad:pad + self.total_bytes]
+                self.handle = Handle(self.raw)
+                self.addresses, self.tensors = {}, {}
+                for r in self.regions:
+                    self.addresses[r.name] = pem.symmetric_addresses(self.handle.buffer_ptrs, 1, self.raw.data_ptr(),
+                                                                     r.nbytes, region_offset=r.offset)
+                    t = self.raw[r.offset:r.offset + r.nbytes].view(getattr(torch, ckm._TORCH_DTYPES[r.dtype]))
+                    self.tensors[r.name] = t.view(r.shape)
+                    if r.kind == "signal":
+                        t.zero_()
+                log.append(("rendezvous", tuple(r.name for r in self.regions)))
+        mp.setattr(ckm, "SymmetricWorkspace", Workspace)
+        mp.setattr(ckm, "torch_uploader", self.drv.upload_u64)
+        mp.setattr(lcm.LoweredComm, "compile", lambda self, **kw: SimpleNamespace(cubin=self.entry.encode()))
+        kinds = {}
+
+        def load_kernel(cubin, name, smem=0):
+            return SimpleNamespace(name=name, function=SimpleNamespace(kinds=kinds[name]), smem_bytes=0)
+        mp.setattr(modm, "load_kernel", load_kernel)
+        real_lower_comm = lcm.lower_comm
+
+        def lower_comm_recording(*a, **k):
+            lc = real_lower_comm(*a, **k)
+            kinds[lc.entry] = [p.kind for p in lc.params]
+            return lc
+        mp.setattr(lcm, "lower_comm", lower_comm_recording)
+
+        def as_array(x, what="tensor"):
+            if isinstance(x, DeviceArray):
+                return x
+            return DeviceArray(x.data_ptr(), tuple(x.shape), pem._TORCH_TO_IR[str(x.dtype)], owner=x)
+        mp.setattr(ckm, "as_device_array", as_array)
+        mp.setattr(ckm, "load_driver", lambda: self.drv)
+        mp.setattr(pem, "load_driver", lambda: self.drv)
+        mp.setattr(grs, "validate_operands", lambda *a, **k: None)        # CPU tensors: tested separately
+        mp.setattr(agm.AllGatherMatmul, "_check", lambda self, a, b: None)
+
+    def events(self):
+        out = [c for c in self.drv.calls if c[0] not in ("synchronize",)]
+        self.drv.calls.clear()
+        return out
+
+
+@pytest.fixture
+def proto(monkeypatch):
+    return _Proto(monkeypatch)
+
+
+def test_gemm_rs_launch_protocol(proto):
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16")
+    init = proto.events()
+    assert ("rendezvous", ("reduce_scatter_recv", "reduce_scatter_arrived")) in init
+    assert op.lanes == 16 and op.gemm.reserve == 16                       # GEMM on SMs - lanes
+    cs, cur = op.comm_stream.cuda_stream, proto.cur.cuda_stream
+    a, b = torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
+    seen = []
+    op.hooks = {"before_compute": lambda o, L, s: seen.append(("compute", L, s.cuda_stream)),
+                "before_comm": lambda o, L, s: seen.append(("comm", L, s.cuda_stream))}
+    for L in (1, 2, 3):
+        out = op(a, b)
+        assert tuple(out.shape) == (4091, 3000) and out.dtype == torch.bfloat16
+        ev = proto.events()
+        names = [e[0] for e in ev]
+        assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "BARRIER", "cuLaunchKernel", "wait_stream"]
+        assert ev[0][1] == cur and ev[1] == ("GEMM", cur, L, 116, 1)          # producer first, launch index L
+        assert ev[2] == ("cuStreamWaitEvent", cs, ev[0][2]) and ev[3] == ("BARRIER", cs)
+        assert ev[4][1] == cs and ev[5] == ("wait_stream", cur, cs)
+        launch = proto.drv.launches[-1]
+        assert launch["grid"] == (16, 1, 1) and launch["stream"] == cs
+        vals = dict(zip([p.source for p in op.lowered_comm.params], launch["decoded"]))
+        assert vals["launch"] == L and vals["rank"] == 1 and vals["buffer:out"] == out.data_ptr()
+        assert vals["buffer:partial"] == op.partial.data_ptr()
+        assert proto.drv.read_u64(vals["peers:reduce_scatter_recv"], 2) == list(op.ws.peers("reduce_scatter_recv"))
+        assert proto.drv.read_u64(vals["peer_signals:reduce_scatter_arrived"], 2) == \
+            list(op.ws.peers("reduce_scatter_arrived"))
+        assert op.ws.peers("reduce_scatter_recv")[1] == vals["buffer:reduce_scatter_recv"]
+    assert seen == [(k, L, s) for L in (1, 2, 3) for k, s in (("compute", cur), ("comm", cs))]
+    # a wrong output tensor (here: not on the GPU) stops the call before anything is enqueued
+    with pytest.raises(tl.InputError, match="out must be a contiguous, 16-byte aligned CUDA tensor"):
+        op(a, b, out=torch.empty(4091, 3000, dtype=torch.bfloat16))
+    assert proto.events() == [] and op.launches == 3
+    assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
+    assert [s[0] for s in op.signal_map()] == ["reduce_scatter_ready", "reduce_scatter_arrived"]
+
+
+@pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])
+def test_allgather_launch_protocols(proto, variant):
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    kw = {"sm-pull": dict(engine="sm"),
+          "sm-push": dict(comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)),
+          "plan-pull": dict(ce_executor="plan"),
+          "plan-push": dict(comm=tl.CommSchedule(engine="copy_engine", mode="push"))}[variant]
+    op = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, **kw)
+    init = proto.events()
+    mode = variant.split("-")[1]
+    assert ("rendezvous", ("a",) if mode == "pull" else ("a_gathered", "gather_a_ready")) in init
+    sm = variant.startswith("sm")
+    assert op.engine == ("sm" if sm else "copy_engine-plan") and op._engine.gemm.reserve == (8 if sm else 0)
+    cs, cur = op._engine.comm_stream.cuda_stream, proto.cur.cuda_stream
+    a, b = torch.randn(4091, 1032).to(torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
+    for L in (1, 2):
+        ga, c = op(a, b, poison_workspace=True)
+        assert tuple(ga.shape) == (8182, 1032) and tuple(c.shape) == (8182, 3000)
+        ev = proto.events()
+        names = [e[0] for e in ev]
+        stage = ["BARRIER", "BARRIER"] if mode == "pull" else []                    # shard staged between them
+        if sm:
+            comm = ["cuLaunchKernel"]
+        else:
+            comm = ["cuMemcpyAsync", "cuStreamWriteValue64", "cuMemcpyAsync", "cuStreamWriteValue64"]
+        barrier = ["BARRIER"] if mode == "push" else []
+        assert names == stage + ["cuEventRecord", "cuStreamWaitEvent"] + barrier + comm + ["GEMM", "wait_stream"]
+        if stage:
+            assert ev[0] == ev[1] == ("BARRIER", cur)
+            assert torch.equal(op._engine.ws.tensor("a"), a)                      # our shard, staged
+        if barrier:
+            assert ev[names.index("BARRIER")] == ("BARRIER", cs)
+        gemm = ev[names.index("GEMM")]
+        assert gemm == ("GEMM", cur, L, 124 if sm else 132, 1)                     # consumer last
+        if sm:
+            launch = proto.drv.launches[-1]
+            assert launch["stream"] == cs and launch["grid"] == (8, 1, 1)
+            vals = dict(zip([p.source for p in op._engine.lowered_comm.params], launch["decoded"]))
+            assert vals["launch"] == L and vals["rank"] == 1
+        else:
+            copies = [e for e in ev if e[0] in ("cuMemcpyAsync", "cuStreamWriteValue64")]
+            # rank 1's own shard (a same-GPU copy) and its flag on the compute stream, the peer's on the copy stream
+            assert [e[1] for e in copies] == [cur, cur, cs, cs]
+            assert [e[3] for e in copies if e[0] == "cuStreamWriteValue64"] == [L, L]
+
+
+# =================================================================================================
+# the distributed checks themselves, against CPU stand-ins of the ops (one rank)
+# =================================================================================================
+
+class StandIn:
+    """A correct (or deliberately broken) CPU op with the fused ops' interface: hooks, workspaces,
+    epoch counters that grow per launch."""
+
+    def __init__(self, kind, rows, k, n, bug=None):
+        import torch
+        self.torch, self.kind, self.bug = torch, kind, bug
+        self.launches, self.hooks = 0, {}
+        self.stage = torch.zeros(rows, k)
+        self.counters = [0, 0, 0, 0]
+
+    def workspace_tensors(self):
+        return {"stage": self.stage}
+
+    def signal_counters(self):
+        return {"ready": list(self.counters)}
+
+    def signal_map(self):
+        return [("ready", 0x1000, 4, "stand-in")]
+
+    def __call__(self, a, b, poison_workspace=False, out=None):
+        torch = self.torch
+        self.launches += 1
+        L = self.launches
+        for h in ("before_comm", "before_compute"):
+            if h in self.hooks:
+                self.hooks[h](self, L, f"{h}-stream")
+        c = (a.float() @ b.float()).to(torch.bfloat16)
+        if self.bug == "unwritten" and L == 2:
+            c[8:16] = float("nan")
+        if self.bug == "stale" and L == 3:
+            c[:, 3] += 5.0
+        if out is not None:
+            out.copy_(c)
+            c = out
+        for i in range(4):
+            if not (self.bug == "skip" and L == 7 and i == 3):
+                self.counters[i] += i % 2 + 1
+        gathered = a.clone()
+        if self.bug == "gather":
+            gathered[2] += 1
+        return (gathered, c) if self.kind == "ag_gemm" else c
+
+
+class CpuEnv(dc.Env):
+    """One CPU rank: the checks' logic runs for real; devices, NCCL and sizes are scaled down."""
+
+    def __init__(self, bug=None, **args):
+        import torch
+        self.args = SimpleNamespace(**dict(dict(iters=3, straggler_iters=4, launches=20, seed=1), **args))
+        self.torch, self.dist, self.rank, self.W = torch, None, 0, 1
+        self.debug, self.bug = False, bug
+        self.state = dc.CheckState("cpu")
+        self.sleeps = []
+
+    def barrier(self):
+        pass
+
+    def sync(self):
+        pass
+
+    def generator(self, seed):
+        return self.torch.Generator().manual_seed(seed)
+
+    def sizes(self, check):
+        return (40, 24, 16) if check != "back_to_back" else (16, 8, 8)
+
+    def device_sleep(self, stream, cycles):
+        self.sleeps.append((stream, cycles))
+
+    def build(self, v, rows, k, n):
+        op = StandIn(v.op, rows, k, n, self.bug)
+        self.state.op, self.state.per_launch = op, None
+        return op
+
+    def inputs(self, v, rows, k, n, seed):
+        g = self.generator(seed)
+        return (self.torch.randn(rows, k, generator=g).to(self.torch.bfloat16),
+                self.torch.randn(k, n, generator=g).to(self.torch.bfloat16))
+
+    def reference(self, v, a, b):
+        ref = a.float() @ b.float()
+        return (a.clone(), ref) if v.op == "ag_gemm" else (None, ref)
+
+    def out_like(self, v, rows, n):
+        return self.torch.full((rows, n), float("nan"), dtype=self.torch.bfloat16)
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_checks_pass_a_correct_op(op, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(dc.time, "sleep", lambda s: None)
+    for v in dc.variants(op)[:2]:
+        env = CpuEnv()
+        for c in dc.CHECKS:
+            ok, info, worst = dc.CHECK_FNS[c](env, v)
+            assert ok, (c, info)
+        # the straggler hooks ran: a device sleep before the compute on every iteration
+        assert [s for s, _ in env.sleeps].count("before_compute-stream") == 4
+        assert [s for s, _ in env.sleeps].count("before_comm-stream") == (4 if v.sm_comm else 0)
+
+
+@pytest.mark.parametrize("bug,check,want", [
+    ("unwritten", "odd_m", "iteration 1: 128 element(s) out of tolerance (128 NaN: never written), first at (8, 0)"),
+    ("stale", "odd_m", "iteration 2:"),
+    ("gather", "odd_m", "A_gathered differs from NCCL's all-gather in 1 row(s), first [2]"),
+    ("skip", "back_to_back", "signal ready: slots [3] hold [38], want [40] after 20 launches (first launch: [2])"),
+])
+def test_checks_catch_broken_ops(bug, check, want):
+    pytest.importorskip("torch")
+    env = CpuEnv(bug=bug)
+    ok, info, _ = dc.CHECK_FNS[check](env, dc.variants("ag_gemm")[0])
+    assert not ok and want in info, info

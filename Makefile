@@ -8,6 +8,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,nvrtc]'
 	$(PY) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+	# torch (a CPU build is enough) lets the distributed runtime's host-side tests run without a GPU
+	$(PY) -m pip install -q torch==2.13.0
 	touch $@
 
 .PHONY: install demo test mutants gpu-test

@@ -75,23 +75,13 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // Notifies. A tile's notifies all happen at one point (after its stores), so the generated code
 // issues one release fence at the widest scope needed, then relaxed adds: fence.acq_rel followed
 // by a strong write is a release pattern in the PTX memory model, and one fence is cheaper than
-// a release per add. notify_add is the single-add form (a release reduction).
+// a release per add (the two halves live in signals.hpp). notify_add is the single-add form.
 template <int S>
-__device__ __forceinline__ void release_fence() {
-  if constexpr (S == kScopeSys) {
-    asm volatile("fence.acq_rel.sys;\n" ::: "memory");
-  } else {
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-  }
-}
+__device__ __forceinline__ void release_fence() { ::tldsl::fence_acq_rel<S>(); }
 
 template <int S>
 __device__ __forceinline__ void signal_add_relaxed(unsigned long long* slot, unsigned long long v) {
-  if constexpr (S == kScopeSys) {
-    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;\n" ::"l"(slot), "l"(v) : "memory");
-  } else {
-    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;\n" ::"l"(slot), "l"(v) : "memory");
-  }
+  ::tldsl::red_relaxed_add<S>(slot, v);
 }
 
 template <int S>

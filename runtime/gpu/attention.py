@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from ...errors import InputError
 from .device import require_gpu, sm_count
-from .launch import ArgPack, launch
+from .launch import ArgPack
 from .module import load_kernel
+from .launcher import Launcher, signal_pointer
 
 _TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
-class AttentionKernel:
+class AttentionKernel(Launcher):
     """A lowered attention compute part, compiled and loaded, callable with tensors.
 
     ``kernel(q=..., k_gathered=..., v_gathered=..., o=..., signals={...}, launch_index=1,
@@ -77,11 +78,7 @@ class AttentionKernel:
                 pack.add("u64", launch_index)
             elif src.startswith("signal:"):
                 name = src[7:]
-                sig = (signals or {}).get(name)
-                if sig is None or not isinstance(sig, torch.Tensor) or sig.dtype != torch.int64 or not sig.is_cuda:
-                    raise InputError(f"{self.lowered.entry} waits on signal '{name}': pass signals={{'{name}': "
-                                     "an int64 CUDA tensor of counters}")
-                pack.add("ptr", sig.data_ptr())
+                pack.add("ptr", signal_pointer(self.lowered.entry, name, signals))
             elif src.startswith("buffer:"):
                 name = src[7:]
                 t = buffers.get(name)
@@ -91,11 +88,3 @@ class AttentionKernel:
             else:
                 raise InputError(f"unknown kernel parameter source {src!r}")
         return pack
-
-    def __call__(self, buffers: dict | None = None, *, signals=None, launch_index: int = 1, rank: int = 0,
-                 stream=None, **named):
-        import torch
-        buffers = dict(buffers or {}, **named)
-        pack = self.args(buffers, signals, launch_index, rank)
-        s = stream if stream is not None else torch.cuda.current_stream()
-        launch(self.kernel, self.grid, self.lowered.block, pack, s.cuda_stream, self.lowered.cluster_dims)

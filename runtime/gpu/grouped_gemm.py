@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from ...errors import InputError
 from .device import require_gpu, sm_count
-from .launch import ArgPack, launch
+from .launch import ArgPack
 from .module import load_kernel
+from .launcher import Launcher, signal_pointer
 
 _TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
 
 
-class GroupedKernel:
+class GroupedKernel(Launcher):
     """A lowered grouped GEMM or combine, compiled and loaded, callable with tensors.
 
     ``kernel(buffers, signals={...}, launch_index=1, rank=0)``: ``buffers`` maps IR tensor
@@ -71,13 +72,7 @@ class GroupedKernel:
                 pack.add("u64", launch_index)
             elif src.startswith("signal:"):
                 name = src[7:]
-                sig = (signals or {}).get(name)
-                slots = lw.signal_slots[name]
-                if sig is None or not isinstance(sig, torch.Tensor) or sig.dtype != torch.int64 or not sig.is_cuda \
-                        or not sig.is_contiguous() or sig.numel() < slots:
-                    raise InputError(f"{lw.entry} uses signal '{name}': pass signals={{'{name}': a contiguous int64 "
-                                     f"CUDA tensor of at least {slots} counters}}")
-                pack.add("ptr", sig.data_ptr())
+                pack.add("ptr", signal_pointer(lw.entry, name, signals, lw.signal_slots[name]))
             elif src.startswith("buffer:"):
                 name = src[7:]
                 shape, dtype = lw.buffers[name]
@@ -85,11 +80,3 @@ class GroupedKernel:
             else:
                 raise InputError(f"unknown kernel parameter source {src!r}")
         return pack
-
-    def __call__(self, buffers: dict | None = None, *, signals=None, launch_index: int = 1, rank: int = 0,
-                 stream=None, **named):
-        import torch
-        buffers = dict(buffers or {}, **named)
-        pack = self.args(buffers, signals, launch_index, rank)
-        s = stream if stream is not None else torch.cuda.current_stream()
-        launch(self.kernel, self.grid, self.lowered.block, pack, s.cuda_stream, self.lowered.cluster_dims)

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import core
-from .lowered import LoweredKernel, recognises  # noqa: F401
+from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, DATA_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from ..ir.types import FragmentType, TileType
@@ -978,15 +978,10 @@ def _emit_source(kernel, part, m: _Match, cfg: AttentionConfig, entry, params, c
         "}  // namespace",
         "",
     ]
-    plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
     init = ", ".join(["rank", "launch"] + [p.name for p in params if p.name.startswith(("sig_", "tbl_"))])
-    L += [f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)',
-          f"{entry}(",
-          f"    {plist}) {{",
-          f"  const Prog prog{{{init}}};",
-          f"  tldsl::sm90::attention_kernel<Cfg>(&tma_q, &tma_k, &tma_v, &tma_o, prog);{marker(part.loc)}",
-          "}",
-          ""]
+    L += kernel_entry(entry, cfg.threads, params, [
+        f"  const Prog prog{{{init}}};",
+        f"  tldsl::sm90::attention_kernel<Cfg>(&tma_q, &tma_k, &tma_v, &tma_o, prog);{marker(part.loc)}"])
     return "\n".join(L)
 
 

@@ -167,38 +167,35 @@ def task_decode(grid: tuple[int, ...], order: str) -> list[tuple[int, int, int |
     return sorted(out)
 
 
-class _Box:
+class _Access:
+    """An access of a tensor through a base pointer expression."""
+    buf: core.Buffer
+
+    @property
+    def dims(self):
+        return self.buf.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.buf.type.dtype.name
+
+
+class _Box(_Access):
     """A box access of a tensor: base pointer expression, offsets, and how many trailing
     tensor axes the tile spans."""
 
     def __init__(self, buf: core.Buffer, ptr: str, offs: list[str], tile_rank: int):
         self.buf, self.ptr, self.offs, self.tile_rank = buf, ptr, offs, tile_rank
 
-    @property
-    def dims(self):
-        return self.buf.type.shape
-
-    @property
-    def dtype(self) -> str:
-        return self.buf.type.dtype.name
-
     def col_offset(self) -> str:
         return self.offs[-1]
 
 
-class _Rows:
+class _Rows(_Access):
     """A ``load_rows`` access: rows from an i32 tile, a column offset."""
 
     def __init__(self, buf: core.Buffer, ptr: str, rows: core.Value, col: str):
         self.buf, self.ptr, self.rows, self.col = buf, ptr, rows, col
-
-    @property
-    def dims(self):
-        return self.buf.type.shape
-
-    @property
-    def dtype(self) -> str:
-        return self.buf.type.dtype.name
 
     def col_offset(self) -> str:
         return self.col

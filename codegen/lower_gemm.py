@@ -49,7 +49,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir import core
-from .lowered import LoweredKernel, recognises  # noqa: F401
+from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident as _cident, marker as _marker
@@ -620,6 +620,24 @@ def _tma_specs(cfg: GemmConfig, m: _Match, M: int, N: int, K: int) -> tuple[TmaD
     return (a, b, c)
 
 
+def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: int,
+                    dot_mk: str = "", part_mk: str = "") -> list[str]:
+    """The opening of the ``struct Cfg`` every WGMMA GEMM template (plain and grouped) reads:
+    element types, GMMA atom, tile, pipeline, tile order and register split."""
+    return [
+        "struct Cfg {",
+        f"  using ElemAB = {_DTYPE_C[cfg.in_dtype]};",
+        f"  using ElemC = {_DTYPE_C[cfg.out_dtype]};",
+        f"  using Gmma = {gmma};{dot_mk}",
+        f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
+        f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
+        f"kEpiBuffers = {cfg.epi_buffers};",
+        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
+        f"kWorldSize = {world_size}, kAlignShift = {align_shift};",
+        f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+    ]
+
+
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
                  align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=()) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
@@ -637,16 +655,7 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         "",
         "namespace {",
         "",
-        "struct Cfg {",
-        f"  using ElemAB = {_DTYPE_C[cfg.in_dtype]};",
-        f"  using ElemC = {_DTYPE_C[cfg.out_dtype]};",
-        f"  using Gmma = {gmma};{dot_mk}",
-        f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
-        f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
-        f"kEpiBuffers = {cfg.epi_buffers};",
-        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
-        f"kWorldSize = {kernel.world_size}, kAlignShift = {align_shift};",
-        f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+        *gemm_cfg_fields(cfg, gmma, kernel.world_size, align_shift, dot_mk, part_mk),
         "};",
         "using Tr = tldsl::sm90::GemmTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory); the template must agree.",
@@ -698,15 +707,10 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
                [f"sig_{_cident(s.name)}_peers" for s in ne.peer_signals] + [f"tbl_{_cident(t.name)}" for t in ne.tables]
         notifies_arg = ", TileNotifies{" + ", ".join(init) + "}"
     L += ["}  // namespace", ""]
-    plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
-    L += [f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)',
-          f"{entry}(",
-          f"    {plist}) {{",
-          "  (void)launch;",
-          f"  tldsl::sm90::gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, M, N, K, rank, {waits_expr}{notifies_arg});{dot_mk}",
-          f"  // stores: {m.c.name}{store_mk}",
-          "}",
-          ""]
+    L += kernel_entry(entry, cfg.threads, params, [
+        "  (void)launch;",
+        f"  tldsl::sm90::gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, M, N, K, rank, {waits_expr}{notifies_arg});{dot_mk}",
+        f"  // stores: {m.c.name}{store_mk}"])
     return "\n".join(L)
 
 

@@ -84,13 +84,13 @@ import math
 from dataclasses import dataclass, field
 
 from ..ir import core
-from .lowered import LoweredKernel, recognises  # noqa: F401
+from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS, DATA_OPS
 from ..ir.schedule import ComputeSchedule
 from ..ir.types import TileType
 from .lower_gemm import (ORDERS, GemmConfig, KernelParam, LoweringError, TmaDescriptorSpec, _Affine, _DTYPE_BYTES,
                          _DTYPE_C, _DTYPE_GMMA, _SWIZZLE, _TMA_DATA_TYPE, _cident, _const_value, _fmt_aff, _marker,
-                         choose_config)
+                         choose_config, gemm_cfg_fields)
 
 COMBINE_THREADS = 256
 #: producer / consumer registers after ``setmaxnreg`` when A is gathered (the producer warpgroup
@@ -937,16 +937,7 @@ def _gg_source(kernel, part, m: _GGMatch, cfg: GemmConfig, entry, params, em: _E
         "",
         "namespace {",
         "",
-        "struct Cfg {",
-        f"  using ElemAB = {_DTYPE_C[cfg.in_dtype]};",
-        f"  using ElemC = {_DTYPE_C[cfg.out_dtype]};",
-        f"  using Gmma = {gmma};{dot_mk}",
-        f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
-        f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
-        f"kEpiBuffers = {cfg.epi_buffers};",
-        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
-        f"kWorldSize = {kernel.world_size}, kAlignShift = {align_shift};",
-        f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+        *gemm_cfg_fields(cfg, gmma, kernel.world_size, align_shift, dot_mk, part_mk),
         f"  static constexpr bool kGather = {'true' if m.gather else 'false'}, "
         f"kBatched = {'true' if m.batched else 'false'}, "
         f"kStoreInactive = {'false' if m.store_inside else 'true'};",
@@ -974,17 +965,12 @@ def _gg_source(kernel, part, m: _GGMatch, cfg: GemmConfig, entry, params, em: _E
         "}  // namespace",
         "",
     ]
-    plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
     a_tma = "nullptr" if m.gather else "&tma_a"
     a_ptr = f"ptr_{_cident(m.a.name)}" if m.gather else "nullptr"
-    L += [f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)',
-          f"{entry}(",
-          f"    {plist}) {{",
-          f"  const Prog prog{{{', '.join(init)}}};",
-          f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({a_tma}, &tma_b, &tma_c, {a_ptr}, rank, prog);{dot_mk}",
-          f"  // stores: {m.c.name}{store_mk}",
-          "}",
-          ""]
+    L += kernel_entry(entry, cfg.threads, params, [
+        f"  const Prog prog{{{', '.join(init)}}};",
+        f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({a_tma}, &tma_b, &tma_c, {a_ptr}, rank, prog);{dot_mk}",
+        f"  // stores: {m.c.name}{store_mk}"])
     return "\n".join(L)
 
 

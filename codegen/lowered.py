@@ -47,6 +47,14 @@ class LoweredKernel:
         return (max(1, min(self.num_tiles, sm_count)), 1, 1)
 
 
+def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:
+    """The ``extern "C"`` entry of a generated kernel: launch bounds (one CTA per SM), the flat
+    parameter list in the lowering's order, and ``body`` (already indented)."""
+    plist = ",\n    ".join(f"{p.ctype} {p.name}" for p in params)
+    return [f'extern "C" __global__ void __launch_bounds__({threads}, 1)', f"{entry}(", f"    {plist}) {{",
+            *body, "}", ""]
+
+
 def recognises(match, kernel: core.Kernel, part: core.Part, role: str = "compute") -> bool:
     """Whether ``match(kernel, part)`` accepts ``part`` (it raises LoweringError otherwise)."""
     if part.role != role:

@@ -59,17 +59,18 @@ class ComputeSchedule:
         rest = grid[2:]
         if self.order == "row_major":
             seq = [(m, n) for m in range(gm) for n in range(gn)]
-        elif self.order == "swizzled":
+        else:
+            # swizzled: groups of group_m tile rows, column by column inside a group (a wave
+            # of CTAs shares A row blocks and B column blocks in L2); comm_aligned: the same,
+            # over the rows rotated to start where this rank's data is (or is needed) first
+            start = 0 if self.order == "swizzled" else (((rank + align_shift) % world_size) * gm) // world_size
             seq = []
             g = self.group_m
             for first in range(0, gm, g):
                 size = min(g, gm - first)
                 for n in range(gn):
                     for m in range(first, first + size):
-                        seq.append((m, n))
-        else:  # comm_aligned: start on the rows whose data this rank has (or needs) first
-            start = (((rank + align_shift) % world_size) * gm) // world_size
-            seq = [((start + i) % gm, n) for i in range(gm) for n in range(gn)]
+                        seq.append(((start + m) % gm, n))
         if rest:
             import itertools
             seq = [s + r for s in seq for r in itertools.product(*(range(x) for x in rest))]

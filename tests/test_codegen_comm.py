@@ -66,9 +66,11 @@ def ag_kernel(W=4, comm=None, Ms=1000, K=512, dt=tl.float16, tile=(128, 128, 64)
                                 compute=tl.ComputeSchedule(tile=tile), comm=comm)
 
 
-def rs_kernel(W=4, comm=None, Ms=250, N=768, K=512, dt=tl.float16, tile=(128, 128, 64), **sched):
+def rs_kernel(W=4, comm=None, Ms=250, N=768, K=512, dt=tl.float16, tile=(128, 128, 64), partial_dtype="f32",
+              **sched):
     return gemm_reduce_scatter.trace(W, S((W * Ms, K), dt), S((K, N), dt), S((Ms, N), dt),
-                                     compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm)
+                                     compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm,
+                                     partial_dtype=partial_dtype)
 
 
 def moe_kernel(W=4, comm=None, Ms=64, K=256, E=8, topk=2, BM=64):
@@ -156,7 +158,11 @@ def test_reduce_scatter_sm_parameters(comm):
     assert "tldsl::comm::cta_wait<tldsl::kScopeGpu>(sig_reduce_scatter_ready + " in lc.source      # consumer
     assert "tldsl::comm::cta_wait<tldsl::kScopeSys>(sig_reduce_scatter_arrived + " in lc.source    # peer
     assert "* launch);" in lc.source                                                                # epochs
-    assert lc.waits == 2 * 4 - 1 and lc.notifies == 3 and lc.num_tasks == 4
+    tpr = lc.num_tasks // (4 if comm.order == "ring" else 2)
+    if comm.order == "ring":    # (step, tile) tasks: a ready wait, then one branch per step kind
+        assert (lc.waits, lc.notifies, lc.num_tasks) == (3, 2, 4 * tpr)
+    else:                       # send phase (3 waits, 3 notifies), then the sum (3 + 1 waits)
+        assert (lc.waits, lc.notifies, lc.num_tasks) == (2 * 4 - 1, 3, 2 * tpr)
 
 
 def test_lower_all_gives_gemm_and_comm_kernels():
@@ -387,7 +393,7 @@ def _variants():
         k = ag_kernel(W=8, comm=c)
         out.append((f"allgather_gemm/{_name(c)}", k, "gather_a", ["GPU"] if c.mode == "pull" else ["SYS"], []))
     for c in RS_SM:
-        k = rs_kernel(W=8, comm=c, Ms=125)
+        k = rs_kernel(W=8, comm=c, Ms=125, partial_dtype="out" if c.mode == "pull" else "f32")
         out.append((f"gemm_reduce_scatter/{_name(c)}", k, "reduce_scatter", ["SYS"], ["GPU", "SYS"]))
     for c in (AG_SM[0], AG_SM[3]):
         k = moe_kernel(W=4, comm=c)
@@ -434,7 +440,7 @@ def test_gemm_rs_epilogue_sass_and_plain_gemm_unchanged(tmp_path):
     rs = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), Ms=256,
                               dt=tl.bfloat16, tile=(128, 256, 64), stages=4))
     rs64 = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=128, order="full_mesh", mode="pull"), Ms=256,
-                                dt=tl.float16, tile=(64, 128, 64), stages=4))
+                                dt=tl.float16, tile=(64, 128, 64), stages=4, partial_dtype="out"))
     cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in (plain, rs, rs64)],
                        cache=KernelCache(tmp_path), progress=False)
     kp, kr, kr64 = (_sass_ok(ck, max_regs=168) for ck in cks)
@@ -644,30 +650,34 @@ def test_emulated_allgather_matches_simulator(tmp_path, W, Ms, K, comm, dt):
         assert (signals[r]["gather_a_ready"] == 2).all()
 
 
-RS_EMU = [
-    (3, 20, 24, tl.CommSchedule(tile_m=8, mode="push", order="ring", sms=2)),          # short last tile: load_rows
-    (4, 16, 24, tl.CommSchedule(tile_m=None, mode="pull", order="ring", sms=1)),
-    (3, 16, 20, tl.CommSchedule(tile_m=8, mode="push", order="full_mesh", sms=2)),     # N=20: f16 tails, no vectors
-    (4, 24, 32, tl.CommSchedule(tile_m=16, mode="pull", order="full_mesh", sms=3)),
+RS_EMU = [  # (W, Ms, N, comm, partial dtype)
+    (3, 20, 24, tl.CommSchedule(tile_m=8, mode="push", order="ring", sms=2), "f32"),   # short last tile: load_rows
+    (4, 16, 24, tl.CommSchedule(tile_m=None, mode="pull", order="ring", sms=1), "out"),
+    (3, 16, 20, tl.CommSchedule(tile_m=8, mode="push", order="full_mesh", sms=2), "out"),  # N=20: f16 tails
+    (4, 24, 32, tl.CommSchedule(tile_m=16, mode="pull", order="full_mesh", sms=3), "f32"),
+    (3, 20, 24, tl.CommSchedule(tile_m=8, mode="pull", order="ring", sms=2), "out"),
 ]
 
 
 @needs_gxx
-@pytest.mark.parametrize("W,Ms,N,comm", RS_EMU, ids=lambda x: _name(x) if isinstance(x, tl.CommSchedule) else str(x))
-def test_emulated_reduce_scatter_matches_simulator(tmp_path, W, Ms, N, comm):
+@pytest.mark.parametrize("W,Ms,N,comm,partial_dtype", RS_EMU,
+                         ids=lambda x: _name(x) if isinstance(x, tl.CommSchedule) else str(x))
+def test_emulated_reduce_scatter_matches_simulator(tmp_path, W, Ms, N, comm, partial_dtype):
     rng = np.random.default_rng(W * 1000 + Ms * 10 + N)
     Kr = 24
     a = [rng.standard_normal((W * Ms, Kr)).astype(np.float16) for _ in range(W)]
     b = [rng.standard_normal((Kr, N)).astype(np.float16) for _ in range(W)]
     inputs = [{"a": a[r], "b": b[r], "out": np.full((Ms, N), np.nan, np.float16)} for r in range(W)]
     k = gemm_reduce_scatter.trace(W, S((W * Ms, Kr), tl.float16), S((Kr, N), tl.float16), S((Ms, N), tl.float16),
-                                  compute=tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned"), comm=comm)
+                                  compute=tl.ComputeSchedule(tile=(8, 16, 16), order="comm_aligned"), comm=comm,
+                                  partial_dtype=partial_dtype)
     mem, eng = sim_state(k, inputs)
     want_mem, want_sig = _state_from_sim(k, mem, eng)
     stage = "reduce_scatter_recv" if comm.mode == "push" else "reduce_scatter_send"
     # the comm part alone: partials as the GEMM left them, `ready` as its notifies left it
     memory = [{"partial": want_mem[r]["partial"].copy(), "out": np.full((Ms, N), np.nan, np.float16),
-               stage: np.full(k.buffer(stage).type.shape, np.nan, np.float32)} for r in range(W)]
+               stage: np.full(k.buffer(stage).type.shape, np.nan,
+                              np.float32 if partial_dtype == "f32" else np.float16)} for r in range(W)]
     signals = [{"reduce_scatter_ready": want_sig[r]["reduce_scatter_ready"].copy(),
                 "reduce_scatter_arrived": np.zeros_like(want_sig[r]["reduce_scatter_arrived"])} for r in range(W)]
     lc = lower_comm(k, "reduce_scatter")

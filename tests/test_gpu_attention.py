@@ -170,7 +170,7 @@ def test_inputs_are_validated():
     o = torch.empty_like(q)
     with pytest.raises(InputError, match="k_gathered' has shape"):
         kern({"q": q, "k_gathered": k_all[:100], "v_gathered": v_all, "o": o}, signals=_signals(k, la, 1))
-    with pytest.raises(InputError, match="waits on signal"):
+    with pytest.raises(InputError, match="waits on or notifies signal"):
         kern({"q": q, "k_gathered": k_all, "v_gathered": v_all, "o": o})
     with pytest.raises(InputError, match="rank 2 is outside"):
         kern({"q": q, "k_gathered": k_all, "v_gathered": v_all, "o": o}, signals=_signals(k, la, 1), rank=2)

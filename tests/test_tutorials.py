@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
-from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import KernelManager
+nbformat = pytest.importorskip("nbformat", reason="the test extra (nbformat, nbclient, ipykernel) runs the tutorials")
+from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import CellExecutionError  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
 
 import tldsl
 

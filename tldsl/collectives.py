@@ -200,35 +200,46 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     # Both orders add in the same sequence, so they agree to the last bit: the sum of segment
     # p is P[p] + (P[p+1] + (... + (P[p-2] + P[p-1]))), P[q] being rank q's partial.
 
+    # Tasks are (step, tile) pairs walked step-major: a lane finishes every tile of step s
+    # before any of step s+1, so the sends of early steps (the segments the GEMM finishes
+    # first) never queue behind a wait for this rank's own segment (which it finishes last).
+
     if comm.order == "ring":
-        @comm_part(grid=(tpr,), name=name)
-        def ring(j):
+        @comm_part(grid=(W, tpr), name=name)
+        def ring(s, j):
             me = tl.rank()
             left, right = (me + (W - 1)) % W, (me + 1) % W
-            for s in static_range(W):
-                seg = (me + (s + 1)) % W
-                wait_partial(seg, j)
-                acc = load_partial(seg, j)
-                if s > 0:
-                    acc = acc + receive(s - 1, j, right)
-                if s < W - 1:
-                    send(acc, s, j, left)
-                else:
-                    tl.store(out, (j * t, 0), acc)
+            seg = (me + (s + 1)) % W
+            wait_partial(seg, j)
+            if W == 1:
+                tl.store(out, (j * t, 0), load_partial(seg, j))
+                return
+            with tl.when(s == 0):
+                send(load_partial(seg, j), s, j, left)
+            if W > 2:
+                with tl.when(s > 0):
+                    with tl.when(s < W - 1):
+                        send(load_partial(seg, j) + receive(s - 1, j, right), s, j, left)
+            with tl.when(s == W - 1):
+                tl.store(out, (j * t, 0), load_partial(seg, j) + receive(s - 1, j, right))
     else:
-        @comm_part(grid=(tpr,), name=name)
-        def full_mesh(j):
+        @comm_part(grid=(2 * tpr,), name=name)
+        def full_mesh(i):
+            # tasks [0, tpr): send tile j of every peer's segment; [tpr, 2 tpr): sum tile j of ours
             me = tl.rank()
-            for s in static_range(1, W):
-                dest = (me + s) % W
-                wait_partial(dest, j)
-                send(load_partial(dest, j), s - 1, j, dest)
-            acc = None
-            for s in static_range(1, W):       # from rank me-1, me-2, ..., me+1
-                got = receive(s - 1, j, (me + (W - s)) % W)
-                acc = got if acc is None else got + acc
-            wait_partial(me, j)
-            own = load_partial(me, j)
-            tl.store(out, (j * t, 0), own if acc is None else own + acc)
+            j = i % tpr
+            with tl.when(i < tpr):
+                for s in static_range(1, W):
+                    dest = (me + s) % W
+                    wait_partial(dest, j)
+                    send(load_partial(dest, j), s - 1, j, dest)
+            with tl.when(i >= tpr):
+                acc = None
+                for s in static_range(1, W):       # from rank me-1, me-2, ..., me+1
+                    got = receive(s - 1, j, (me + (W - s)) % W)
+                    acc = got if acc is None else got + acc
+                wait_partial(me, j)
+                own = load_partial(me, j)
+                tl.store(out, (j * t, 0), own if acc is None else own + acc)
 
     return ReduceScatter(mapping, ready, t)

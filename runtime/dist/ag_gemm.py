@@ -4,17 +4,23 @@ AllGather+GEMM tile program's compute part — waits per tile for exactly the fl
 need. The GEMM starts on the local shard at once.
 
 Launch protocol (``launch`` = L, counted from 1; flags hold the last launch that wrote them,
-so they are never reset and an old value can never satisfy a wait):
+so they are never reset and an old value can never satisfy a wait). Our shard is staged in a
+double-buffered symmetric buffer, slot ``L % 2``:
 
-1. group barrier: every rank finished launch L-1 (its copies out of our shard are done);
-2. copy this call's shard into our symmetric buffer; group barrier: every shard is in place;
-3. compute stream: copy our own shard into its rows of A_gathered and write L into its flag
-   (a same-GPU copy runs on SMs, so it must finish before the GEMM holds them all); copy
-   stream, in ring order: peer copies of shard p (NVLink copy engine) into rows
-   [p*Ms, (p+1)*Ms), each followed by writing L into flag p (cuStreamWriteValue64);
-4. compute stream: the GEMM, launch index L; it spins (acquire, system scope) on flag p
-   before loading rows of shard p;
-5. the compute stream waits for the copy stream, so launch L+1 starts after both.
+1. compute stream: copy this call's shard into slot ``L % 2``; copy it into its rows of
+   A_gathered and write L into its flag (same-GPU copies run on SMs, so they must finish
+   before the persistent GEMM holds them); record that point for the copy stream;
+2. copy stream: **one group barrier** — every rank's shard of launch L is staged, and every
+   rank finished launch L-1 (so nobody still reads the slot written at L+1); then, in ring
+   order, peer copies of shard p (NVLink copy engine, no SM) into rows [p*Ms, (p+1)*Ms), each
+   followed by writing L into flag p (``cuStreamWriteValue64``);
+3. compute stream, without waiting for the barrier: the GEMM, launch index L, on all SMs but
+   one (the barrier kernel runs beside it there); it starts on our own rows and spins
+   (acquire, system scope) on flag p before loading rows of shard p;
+4. the compute stream waits for the copy stream, so launch L+1 starts after both.
+
+Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
+every peer reaches only after its copy stream finished launch L-2's reads of that slot.
 
 That is the default (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
 :class:`_FusedAllGather`: ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
-from ..gpu.device import check
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -60,6 +65,7 @@ class AllGatherMatmul:
         self.dtype = tdtype
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
         self.hooks: dict = {}
+        self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self._engine = None
         if ce_executor not in ("direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
@@ -81,13 +87,14 @@ class AllGatherMatmul:
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
         self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
+        # one SM stays free of the persistent GEMM: the group barrier's kernel runs there, beside it
         self.gemm = GemmKernel(self.lowered, progress=progress,
-                               reserve_sms=int(os.environ.get("TLDSL_RESERVE_SMS", "0")))
+                               reserve_sms=max(1, int(os.environ.get("TLDSL_RESERVE_SMS", "1"))))
         (self.signal,) = self.lowered.signals
         dev = torch.device("cuda", self.ctx.device)
-        # collective points: symmetric shard buffer + rendezvous
-        self.shard = symm_mem.empty((self.Ms, self.K), dtype=tdtype, device=dev)
-        self.handle = symm_mem.rendezvous(self.shard, self.ctx.group_name)
+        # collective points: the double-buffered symmetric shard + rendezvous
+        self.shards = symm_mem.empty((2, self.Ms, self.K), dtype=tdtype, device=dev)
+        self.handle = symm_mem.rendezvous(self.shards, self.ctx.group_name)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
         self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev)
@@ -110,9 +117,11 @@ class AllGatherMatmul:
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
         import torch
-        from cuda.bindings import driver as cu
+        from . import plan_exec
         if self._engine is not None:
             return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
+        cu = plan_exec.load_driver()
+        write_default = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._check(a_shard, b)
         if out is not None:
             self._check_out(out)
@@ -120,42 +129,53 @@ class AllGatherMatmul:
         L = self.launches
         W = self.ctx.world_size
         cur = torch.cuda.current_stream()
-        es = self.shard.element_size()
-        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=self.shard.device)
+        es = self.shards.element_size()
+        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=self.shards.device)
         if poison_workspace:
             a_full.fill_(float("nan"))
-        self.handle.barrier(channel=0)              # peers are done reading our shard (launch L-1)
-        self.shard.copy_(a_shard)
-        self.handle.barrier(channel=0)              # every shard of launch L is in place
-        # Our own shard: a same-GPU copy, which the driver runs as an SM kernel; it must not
-        # run beside the persistent GEMM (which holds every SM while it waits), so it goes on
-        # the compute stream, before the GEMM, with its flag.
+        slot = L % 2
         me = self.ctx.rank
+        tl_ = self.timeline
+        if tl_ is not None:
+            tl_.mark("start", cur, "compute")
+        self.shards[slot].copy_(a_shard)
+        # Our own rows: a same-GPU copy, which the driver runs as an SM kernel; it must not run
+        # beside the persistent GEMM (which holds the SMs while it waits), so it goes on the
+        # compute stream, before the GEMM, with its flag.
         a_full[me * self.Ms:(me + 1) * self.Ms].copy_(a_shard)
-        check(cu.cuStreamWriteValue64(cur.cuda_stream, self.flags.data_ptr() + 8 * me, L,
-                                      cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-              "cuStreamWriteValue64(own flag)")
+        plan_exec.checked(cu, cu.cuStreamWriteValue64(cur.cuda_stream, self.flags.data_ptr() + 8 * me, L,
+                                                      write_default), "cuStreamWriteValue64(own flag)")
+        if tl_ is not None:
+            tl_.mark("staged", cur, "compute")
         self.copy_stream.wait_stream(cur)
         cs = self.copy_stream.cuda_stream
+        if self.hooks:
+            self._hook("before_comm", self.copy_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self.handle.barrier(channel=0)          # every shard of launch L staged; launch L-1 done everywhere
+        if tl_ is not None:
+            tl_.mark("barrier", self.copy_stream, "copy")
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: shards in place; flags {self.flags.tolist()}", flush=True)
         nbytes = self.Ms * self.K * es
-        if self.hooks:
-            self._hook("before_comm", self.copy_stream)
         for p in self.order:
             if p == me:
                 continue
             dst = a_full.data_ptr() + p * nbytes
-            check(cu.cuMemcpyAsync(dst, self.peer_ptrs[p], nbytes, cs), "cuMemcpyAsync(shard)")
-            check(cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L,
-                                          cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-                  "cuStreamWriteValue64(flag)")
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shard.device) if out is None else out
+            plan_exec.checked(cu, cu.cuMemcpyAsync(dst, self.peer_ptrs[p] + slot * nbytes, nbytes, cs),
+                              f"cuMemcpyAsync(shard of rank {p})")
+            plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, write_default),
+                              f"cuStreamWriteValue64(flag of rank {p})")
+            if tl_ is not None:
+                tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shards.device) if out is None else out
         if self.hooks:
             self._hook("before_compute", cur)
         self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags},
                   launch_index=L, rank=self.ctx.rank)
+        if tl_ is not None:
+            tl_.mark("gemm done", cur, "compute")
         cur.wait_stream(self.copy_stream)
         a_full.record_stream(self.copy_stream)
         if self.debug:
@@ -169,6 +189,26 @@ class AllGatherMatmul:
         if not isinstance(out, torch.Tensor) or not out.is_cuda or tuple(out.shape) != want or \
                 out.dtype != self.dtype or not out.is_contiguous() or out.data_ptr() % 16:
             raise InputError(f"out must be a contiguous, 16-byte aligned CUDA tensor {want} of {self.dtype}")
+
+    def compute_only(self, a_gathered, b, *, out=None):
+        """Only this op's GEMM (same kernel, schedule and SM count) on an already gathered A,
+        its waits satisfied by scratch counters: what the fused op would cost if communication
+        were free. For benchmarks and diagnosis; the op's own counters are not touched."""
+        import torch
+        W = self.ctx.world_size
+        want = (W * self.Ms, self.K)
+        if not isinstance(a_gathered, torch.Tensor) or tuple(a_gathered.shape) != want or \
+                a_gathered.dtype != self.dtype or not a_gathered.is_contiguous():
+            raise InputError(f"A_gathered must be a contiguous {want} tensor of {self.dtype}")
+        self._check(a_gathered[:self.Ms], b)
+        gemm, sig = (self._engine.gemm, self._engine.signal) if self._engine is not None else (self.gemm, self.signal)
+        slots = self.signal_tensors()[sig].numel()
+        if getattr(self, "_scratch", None) is None or self._scratch.numel() != slots:
+            self._scratch = torch.full((slots,), 1 << 40, dtype=torch.int64, device=a_gathered.device)
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out
+        gemm({"a_gathered": a_gathered, "b": b, "c": c}, signals={sig: self._scratch}, launch_index=1,
+             rank=self.ctx.rank)
+        return c
 
     # -- hooks and introspection (every engine) ---------------------------------------------------
     def _hook(self, name, stream):
@@ -185,7 +225,7 @@ class AllGatherMatmul:
         """The data workspaces a launch overwrites (the distributed checks fill them with noise)."""
         if self._engine is not None:
             return self._engine.workspace_tensors()
-        return {"a": self.shard}
+        return {"a": self.shards}
 
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters (decodes a device

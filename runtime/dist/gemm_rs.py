@@ -7,7 +7,8 @@ dtype.
 Two generated kernels of the ``tldsl.ops.gemm_reduce_scatter`` tile program run side by side:
 
 * the **GEMM** (compute part; ``codegen.lower_gemm``, persistent, on ``SMs - lanes`` CTAs) stores
-  fp32 partial tiles into a local workspace and, after each tile's TMA stores complete, adds 1
+  partial tiles (A's dtype, or fp32 with ``partial_dtype="f32"``) into a local workspace and,
+  after each tile's TMA stores complete, adds 1
   (release) to the ``reduce_scatter_ready`` counter of every communication tile it covers;
 * the **reduce-scatter** (communication part; ``codegen.lower_comm``, ``lanes`` = the comm
   schedule's ``sms`` CTAs, on a second stream) waits per tile for those counters, adds partial
@@ -126,14 +127,17 @@ class MatmulReduceScatter:
 
     ``m`` is the full row count (every rank's A has ``m`` rows; the output ``m / W``), ``k``
     this rank's slice of the reduction dimension. ``compute`` / ``comm``: the tile program's
-    schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`). ``hooks``: optional
+    schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`). ``partial_dtype``:
+    ``"out"`` (default: each rank's product rounded to A's dtype before the sum, the numerics
+    of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials). ``hooks``: optional
     callables ``hooks['before_compute'](op, launch, stream)`` / ``hooks['before_comm'](...)`` run
     on the host just before the GEMM / the communication is enqueued (the distributed checks use
     them to inject stragglers).
     """
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
-                 comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None):
+                 comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None,
+                 partial_dtype: str = "out"):
         import torch
         import tldsl as tl
         from ...codegen.lower import lower
@@ -158,8 +162,12 @@ class MatmulReduceScatter:
                              f"use CommSchedule(engine='sm', ...), got {self.comm}")
         ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
         spec = tl.TensorSpec
+        if partial_dtype not in ("out", "f32"):
+            raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in A's dtype, as NCCL + "
+                             f"cuBLAS and torch async-TP) or 'f32' (fp32 partials, twice the traffic)")
+        self.partial_dtype = partial_dtype
         self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
-                                            compute=self.compute, comm=self.comm)
+                                            compute=self.compute, comm=self.comm, partial_dtype=partial_dtype)
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
         self.wait_timeout_ns = int(timeout) if timeout else None
         opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
@@ -179,7 +187,8 @@ class MatmulReduceScatter:
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
         self.ws = SymmetricWorkspace(self.ctx, specs) if specs else None     # collective
-        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32, device=dev)
+        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
+                                   device=dev)
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
                                                                                      device=dev))
                         for nm in slots}
@@ -191,11 +200,12 @@ class MatmulReduceScatter:
         self.comm_stream = torch.cuda.Stream(device=dev)
         self.launches = 0
         self.hooks: dict = {}
+        self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         torch.cuda.synchronize()
 
     # -- introspection (debugging and the distributed checks) -------------------------------------
     def workspace_tensors(self) -> dict:
-        """The data workspaces a launch overwrites (fp32 partials, symmetric staging slots)."""
+        """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
         out = {"partial": self.partial}
         for nm in self.sym_bufs:
             out[nm] = self.ws.tensor(nm)
@@ -251,25 +261,46 @@ class MatmulReduceScatter:
         cur = torch.cuda.current_stream(self.device)
         if out is None:
             out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
+        tl_ = self.timeline
+        if tl_ is not None:
+            tl_.mark("start", cur, "compute")
         ev = torch.cuda.Event()
         ev.record(cur)
         self._hook("before_compute", cur)
         self.gemm({"a": a, "b": b, "partial": self.partial}, signals={self.ready: self.signals[self.ready]},
                   launch_index=L, rank=self.ctx.rank, stream=cur)
+        if tl_ is not None:
+            tl_.mark("gemm done", cur, "compute")
         self._hook("before_comm", self.comm_stream)
         self.comm_stream.wait_event(ev)
         if self.ws is not None:
             self._barrier(self.comm_stream)
+        if tl_ is not None:
+            tl_.mark("barrier", self.comm_stream, "comm")
         bufs = {"partial": self.partial, "out": out}
         for nm in self.sym_bufs:
             bufs[nm] = self.ws.tensor(nm)
         self.comm_kernel(self.comm_stream.cuda_stream, bufs, self.signals, L)
+        if tl_ is not None:
+            tl_.mark("reduce-scatter done", self.comm_stream, "comm")
         cur.wait_stream(self.comm_stream)
         out.record_stream(self.comm_stream)
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] gemm_rs launch {L}: done; counters {self.signal_counters()}", flush=True)
         return out
+
+    def compute_only(self, a, b):
+        """Only this op's GEMM (same kernel, schedule and SM count) into its partial workspace,
+        notifying scratch counters: what the fused op would cost if communication were free.
+        For benchmarks and diagnosis; the op's own counters are not touched."""
+        import torch
+        validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = torch.zeros_like(self.signals[self.ready])
+        self.gemm({"a": a, "b": b, "partial": self.partial}, signals={self.ready: self._scratch},
+                  launch_index=1, rank=self.ctx.rank)
+        return self.partial
 
     def _barrier(self, stream):
         import torch

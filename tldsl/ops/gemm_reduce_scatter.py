@@ -5,9 +5,12 @@ tensor-parallel MLP, row-parallel over K). Every rank multiplies its own K slice
 reducing a segment as soon as the compute tiles that cover it are stored, so the
 reduce-scatter overlaps the GEMM.
 
-Precision: partial sums are accumulated in fp32 and stay fp32 in the workspace and on the
-ring (twice the traffic of fp16, but the sum over W ranks is not rounded at every hop);
-only the final ``out`` store converts to the output dtype.
+Precision (``partial_dtype``): every rank accumulates its product in fp32. With ``"f32"``
+(default) the partial stays fp32 in the workspace and on the ring — twice the traffic of
+fp16, but the sum over W ranks is rounded once, at the ``out`` store. With ``"out"`` the
+partial is rounded to the output dtype when stored and travels in it (half the bytes):
+the numerics of ``all_reduce``/``reduce_scatter`` of a bf16 ``matmul`` — what NCCL + cuBLAS
+and PyTorch's ``fused_matmul_reduce_scatter`` compute; each hop adds in fp32 and rounds.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from tldsl.collectives import reduce_scatter
 
 @tl.kernel
 def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
-                        comm: tl.CommSchedule = None):
-    """a: [M, Kr] (this rank's K slice); b: [Kr, N]; out: [M/W, N] = this rank's rows of sum_r a_r @ b_r."""
+                        comm: tl.CommSchedule = None, partial_dtype: str = "f32"):
+    """a: [M, Kr] (this rank's K slice); b: [Kr, N]; out: [M/W, N] = this rank's rows of sum_r a_r @ b_r.
+    ``partial_dtype``: ``"f32"`` or ``"out"`` (the partial products in out's dtype)."""
     W = tl.world_size()
     M, K = a.shape
     Kb, N = b.shape
@@ -31,7 +35,9 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
 
-    partial = tl.local_buffer((M, N), tl.float32, "partial")
+    if partial_dtype not in ("f32", "out"):
+        tl.static_assert(False, f"gemm_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
+    partial = tl.local_buffer((M, N), tl.float32 if partial_dtype == "f32" else out.dtype, "partial")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
                         producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
 
@@ -52,7 +58,7 @@ def reference(a_slices, b_slices):
 
 # -- registration for the tests ------------------------------------------------------------
 
-def make_case(rng, world_size, *, rows_per_rank, n, k_per_rank, compute, comm, dtype="float16"):
+def make_case(rng, world_size, *, rows_per_rank, n, k_per_rank, compute, comm, dtype="float16", partial_dtype="f32"):
     from tldsl.testing import OpCase
     W, Ms = world_size, rows_per_rank
     M = W * Ms
@@ -61,10 +67,10 @@ def make_case(rng, world_size, *, rows_per_rank, n, k_per_rank, compute, comm, d
     inputs = [{"a": a[r], "b": b[r], "out": np.full((Ms, n), np.nan, dtype)} for r in range(W)]
     ref = reference(a, b)
     expected = [{"out": ref[r * Ms:(r + 1) * Ms]} for r in range(W)]
-    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm, "partial_dtype": partial_dtype},
                   rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(W * k_per_rank) / 4),
                   description=f"gemm_reduce_scatter W={W} A=[{M}, {k_per_rank}] B=[{k_per_rank}, {n}] "
-                              f"{compute} {comm}")
+                              f"{compute} {comm} partial {partial_dtype}")
 
 
 def _params(world_size):
@@ -81,7 +87,8 @@ def _params(world_size):
         compute = draw(tst.compute_schedules())
         comm = draw(tst.comm_schedules(engines=("sm",), compute=compute))
         return dict(rows_per_rank=draw(tst.dims(1, max_rows)), n=draw(tst.dims(1, max_nk)),
-                    k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm)
+                    k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm,
+                    partial_dtype=draw(st.sampled_from(("f32", "out"))))
     return params()
 
 

@@ -93,8 +93,9 @@ def explain_log(text: str) -> list[str]:
     return out
 
 
-def compare(got, ref, rtol: float = RTOL, atol_rms: float = ATOL_RMS, row_block: int = 128) -> dict:
-    """Elementwise ``|got - ref| <= rtol |ref| + atol_rms * rms(ref)`` (torch tensors, any device).
+def compare(got, ref, rtol: float = RTOL, atol_rms: float = ATOL_RMS, row_block: int = 128, slack=None) -> dict:
+    """Elementwise ``|got - ref| <= rtol |ref| + atol_rms * rms(ref) + slack`` (torch tensors, any
+    device; ``slack`` an optional elementwise bound of rounding the op does and ``ref`` does not).
     Returns ok, max error, the worst element's tolerance, NaN / bad counts and the bad row blocks."""
     import torch
     g, r = got.float(), ref.float()
@@ -103,6 +104,8 @@ def compare(got, ref, rtol: float = RTOL, atol_rms: float = ATOL_RMS, row_block:
     rms = float(r.pow(2).mean().sqrt().item()) if r.numel() else 0.0
     err = (g - r).abs()
     tol = rtol * r.abs() + atol_rms * max(rms, 1e-6)
+    if slack is not None:
+        tol = tol + slack
     nan = torch.isnan(g)
     bad = (err > tol) | nan
     n_bad, n_nan = int(bad.sum().item()), int(nan.sum().item())
@@ -117,6 +120,25 @@ def compare(got, ref, rtol: float = RTOL, atol_rms: float = ATOL_RMS, row_block:
         out["detail"] = (f"{n_bad} element(s) out of tolerance ({n_nan} NaN: never written), first at {first} "
                          f"got {float(g[first].item()):.4g} want {float(r[first].item()):.4g}; row blocks {shown}")
     return out
+
+
+def rs_reference(a, b, world_size: int, partial_dtype: str = "out"):
+    """``(slack, ref)`` of GEMM+ReduceScatter on this rank (under torch.distributed): ``ref`` the
+    fp32 reduce-scatter of the products — each rounded to A's dtype first when the op keeps its
+    partials in that dtype (``partial_dtype="out"``, NCCL + cuBLAS's numerics) — and ``slack``
+    (None for fp32 partials) ``2^-7 * sum_r |P_r|``: one ulp of every rounded partial, the most
+    a different fp32 accumulation order can change it by."""
+    import torch
+    import torch.distributed as dist
+    full = torch.matmul(a.float(), b.float())
+    ref = torch.empty(a.shape[0] // world_size, b.shape[1], device=a.device, dtype=torch.float32)
+    if partial_dtype == "f32":
+        dist.reduce_scatter_tensor(ref, full)
+        return None, ref
+    slack = torch.empty_like(ref)
+    dist.reduce_scatter_tensor(slack, full.abs())
+    dist.reduce_scatter_tensor(ref, full.to(a.dtype).float())
+    return slack.mul_(2.0 ** -7), ref
 
 
 def missing_notifies(counters: dict, per_launch: dict | None, launch: int, limit: int = 24) -> list[str]:
@@ -162,6 +184,7 @@ def variants(op: str) -> list[Variant]:
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True)]
     if op == "gemm_rs":
         return [Variant("gemm_rs", "sm-push", (), True),
+                Variant("gemm_rs", "sm-push-f32", (("partial_dtype", "f32"),), True),
                 Variant("gemm_rs", "sm-pull",
                         (("comm", CommSchedule(engine="sm", mode="pull", order="ring", tile_m=128, sms=16)),), True),
                 Variant("gemm_rs", "sm-push-full_mesh",
@@ -279,16 +302,18 @@ class Env:
         return a, b
 
     def reference(self, v: Variant, a, b):
-        """AG: (NCCL-gathered A, fp32 gathered @ B); RS: (None, NCCL fp32 reduce-scatter of A @ B)."""
+        """AG: (NCCL-gathered A, fp32 gathered @ B); RS: (slack, NCCL fp32 reduce-scatter of A @ B).
+
+        RS with partials in A's dtype (the default ``partial_dtype="out"``): every rank's product
+        is rounded to bf16 before the sum, as NCCL + cuBLAS do; the reference is the fp32 sum of
+        those rounded products, and the slack ``2^-7 * sum_r |P_r|`` bounds the one-ulp
+        difference that a different fp32 accumulation order can make to each rounded partial."""
         torch, dist = self.torch, self.dist
         if v.op == "ag_gemm":
             gathered = torch.empty(self.W * a.shape[0], a.shape[1], device="cuda", dtype=a.dtype)
             dist.all_gather_into_tensor(gathered, a)
             return gathered, torch.matmul(gathered.float(), b.float())
-        full = torch.matmul(a.float(), b.float())
-        ref = torch.empty(a.shape[0] // self.W, b.shape[1], device="cuda", dtype=torch.float32)
-        dist.reduce_scatter_tensor(ref, full)
-        return None, ref
+        return rs_reference(a, b, self.W, dict(v.kwargs).get("partial_dtype", "out"))
 
     def out_like(self, v: Variant, rows, n):
         torch = self.torch
@@ -303,6 +328,8 @@ class Env:
     def verify(self, v: Variant, got, ref) -> dict:
         got_a, got_c = got
         ref_a, ref_c = ref
+        if v.op == "gemm_rs":
+            return compare(got_c, ref_c, slack=ref_a)
         res = compare(got_c, ref_c)
         if ref_a is not None and not self.torch.equal(got_a, ref_a):
             diff = (got_a != ref_a).any(dim=1).nonzero()

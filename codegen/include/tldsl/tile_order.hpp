@@ -4,7 +4,7 @@
 // schedule means the same thing on the CPU and on the GPU:
 //   row_major     t -> (t / gn, t % gn)
 //   swizzled      groups of `group_m` tile rows; inside a group, column by column
-//   comm_aligned  row-major, rotated to start at row ((rank + align_shift) % W) * gm / W
+//   comm_aligned  swizzled over the tile rows rotated to start at ((rank + align_shift) % W) * gm / W
 // A persistent CTA b of P visits t = b, b + P, b + 2P, ... of this sequence.
 //
 // Plain C++ (no CUDA headers) so that the host test suite can compile and check it.
@@ -32,14 +32,12 @@ TLDSL_HD constexpr int comm_aligned_start(int gm, int rank, int world_size, int 
 
 // The t-th tile (0 <= t < gm * gn) of the order `kind`.
 TLDSL_HD constexpr TileCoord tile_at(int kind, int t, int gm, int gn, int group_m, int start_row) {
-  if (kind == kSwizzled) {
+  if (kind == kSwizzled || kind == kCommAligned) {
     const int first = (t / (group_m * gn)) * group_m;       // first row of t's group
     const int rows = (gm - first) < group_m ? (gm - first) : group_m;
     const int r = t - first * gn;                             // index inside the group
-    return TileCoord{first + r % rows, r / rows};
-  }
-  if (kind == kCommAligned) {
-    return TileCoord{(start_row + t / gn) % gm, t % gn};
+    const int m = first + r % rows;
+    return TileCoord{kind == kSwizzled ? m : (start_row + m) % gm, r / rows};
   }
   return TileCoord{t / gn, t % gn};
 }

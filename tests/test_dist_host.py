@@ -1209,7 +1209,8 @@ def test_allgather_launch_protocols(proto, variant):
 def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     """The default AG+GEMM path: shard staged in slot L % 2 and our rows + flag on the compute
     stream, ONE barrier on the copy stream, peer copies from the peer's slot L % 2 with their
-    flags, and the GEMM (on all SMs but one, never behind the barrier) on the compute stream."""
+    flags, and the GEMM (on all SMs but one, never behind the barrier) on the compute stream,
+    enqueued before the copy stream's work with garbage collection paused until it is all in."""
     import torch.distributed._symmetric_memory as sm
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     torch = proto.torch
@@ -1217,7 +1218,7 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
     Ms, K, N = 4091, 1032, 3000
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16)
-    proto.events()
+    assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
     assert op.engine == "copy_engine" and op.gemm.reserve == 1 and tuple(op.shards.shape) == (2, Ms, K)
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
@@ -1225,17 +1226,23 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
         a = torch.randn(Ms, K).to(torch.bfloat16)
         ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16), poison_workspace=True)
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuStreamWriteValue64", "wait_stream", "BARRIER", "cuMemcpyAsync",
-                                      "cuStreamWriteValue64", "GEMM", "wait_stream"]
+        assert [e[0] for e in ev] == ["cuStreamWriteValue64", "wait_stream", "GEMM", "BARRIER", "cuMemcpyAsync",
+                                      "cuStreamWriteValue64", "wait_stream"]
         flags = op.flags.data_ptr()
         assert ev[0] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)          # our own rows: rank 1
-        assert ev[1] == ("wait_stream", cs, cur) and ev[2] == ("BARRIER", cs)
-        assert ev[3] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
-        assert ev[4] == ("cuStreamWriteValue64", cs, flags, L)
-        assert ev[5] == ("GEMM", cur, L, 131, 1) and ev[6] == ("wait_stream", cur, cs)
+        assert ev[1] == ("wait_stream", cs, cur)
+        assert ev[2] == ("GEMM", cur, L, 131, 1) and ev[3] == ("BARRIER", cs)    # GEMM first, never behind the barrier
+        assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[5] == ("cuStreamWriteValue64", cs, flags, L) and ev[6] == ("wait_stream", cur, cs)
         assert torch.equal(op.shards[L % 2], a) and torch.equal(ga[Ms:], a)       # staged, and our rows
         assert torch.isnan(ga[:Ms].float()).all()                                  # the copy engine's part
     assert set(op.workspace_tensors()) == {"a"}
+    # garbage collection is paused only inside the window, and restored after it
+    import gc
+    seen = []
+    op.hooks = {"before_comm": lambda o, L, s: seen.append(gc.isenabled())}
+    op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+    assert seen == [False] and gc.isenabled()
 
 
 # =================================================================================================
@@ -1370,3 +1377,21 @@ def test_bench_schedule_spec_parses_into_schedules():
         parse_schedule("ag_gemm", "warp_size=64")
     with pytest.raises(tl.InputError, match="not key=value"):
         parse_schedule("gemm_rs", "sms")
+
+
+def test_phase_timeline_segments_and_text():
+    from tldsl.runtime.dist.timeline import format_phases, segments
+    ag = [("start", "compute", 0.0), ("staged", "compute", 0.2), ("barrier", "copy", 0.4),
+          ("shard 0 copied", "copy", 0.7), ("gemm done", "compute", 3.0)]
+    assert segments(ag) == [("compute", "stage", 0.0, 0.2), ("copy", "barrier", 0.2, 0.4),
+                            ("copy", "copy 0", 0.4, 0.7), ("compute", "GEMM", 0.2, 3.0)]
+    # a stream's first phase starts at the latest earlier mark that is not later in time
+    rs = [("start", "compute", 0.0), ("gemm done", "compute", 1.7), ("barrier", "comm", 0.2),
+          ("reduce-scatter done", "comm", 2.1)]
+    assert segments(rs) == [("compute", "GEMM", 0.0, 1.7), ("comm", "barrier", 0.0, 0.2),
+                            ("comm", "reduce-scatter", 0.2, 2.1)]
+    text = format_phases([ag, ag], width=30).splitlines()
+    assert text[0].strip().startswith("0 ms") and text[0].endswith("3.000 ms")
+    assert text[1] == "rank 0 compute |" + "ss" + "G" * 28 + "|"
+    assert text[2].startswith("rank 0    copy |..bb") and "ccc" in text[2]
+    assert len(text) == 6 and text[-1].startswith("s staging")

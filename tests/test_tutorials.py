@@ -43,7 +43,8 @@ def _kernel_env() -> dict[str, str]:
 
 def test_there_are_tutorials():
     names = {p.name for p in NOTEBOOKS}
-    assert {"01_allgather_gemm.ipynb", "02_from_tile_program_to_cuda.ipynb"} <= names, NOTEBOOKS
+    assert {"01_allgather_gemm.ipynb", "02_from_tile_program_to_cuda.ipynb",
+            "03_fused_allgather_gemm_on_gpus.ipynb"} <= names, NOTEBOOKS
 
 
 def _missing_requirement(nb) -> str | None:

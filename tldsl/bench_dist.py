@@ -94,9 +94,9 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
             t_atp = float("nan")
         t_ours = _bench(lambda: op(a, b), iters)
         t_own = _bench(lambda: op.compute_only(ag, b), iters)
-        _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
+        phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
         ideal = max(t_ag, t_gemm)
-        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_ag, gemm=t_gemm, own=t_own,
+        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_ag, gemm=t_gemm, own=t_own, phases=phases,
                          ideal=ideal, correct=ok, max_err=err,
                          schedule=f"{op.compute}, {op.comm}" if schedule else None))
         if r == 0:
@@ -111,7 +111,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
 
 def _phases(op, fn, label, out=sys.stdout):
     """One more launch with its phases marked (:class:`~tldsl.runtime.dist.timeline.PhaseTimeline`);
-    every rank prints where its time went."""
+    every rank prints where its time went; returns every rank's ``[(label, stream, ms), ...]``."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist.timeline import PhaseTimeline
@@ -120,9 +120,13 @@ def _phases(op, fn, label, out=sys.stdout):
     dist.barrier()
     fn()
     torch.cuda.synchronize()
+    mine = op.timeline.phases()
     line = op.timeline.format(f"# [rank {dist.get_rank()}] {label} phases: ")
     op.timeline = None
     print(line, file=out, flush=True)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _release():
@@ -208,9 +212,9 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
             t_atp = float("nan")
         t_ours = _bench(lambda: op(a, b), iters)
         t_own = _bench(lambda: op.compute_only(a, b), iters)
-        _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
+        phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
         ideal = max(t_rs, t_gemm)
-        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm, own=t_own,
+        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm, own=t_own, phases=phases,
                          ideal=ideal, correct=ok, max_err=res["max_err"],
                          schedule=f"{op.compute}, {op.comm}" if cand else None))
         if r == 0:
@@ -309,6 +313,18 @@ def tune(what, shape, iters, *, force, out=sys.stdout):
     return res
 
 
+def write_json(path, what, rows, *, gpu, argv):
+    """The benchmark's rows (times in ms, phases per rank) as one JSON document."""
+    import datetime
+    import json
+    import torch
+    import torch.distributed as dist
+    doc = {"op": what, "date": datetime.date.today().isoformat(), "gpu": gpu, "world_size": dist.get_world_size(),
+           "torch": torch.__version__, "argv": list(argv), "rows": rows}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
 def parse_schedule(what: str, spec: str):
     """``(compute, comm)`` from ``key=value,...``: compute keys ``tile`` (BMxBNxBK), ``stages``,
     ``compute_order``, ``group_m``; comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
@@ -367,6 +383,8 @@ def main(what, argv):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
     ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 also writes the rows (with every "
+                    "rank's phase timeline) as JSON")
     ap.add_argument("--schedule", default=None, metavar="SPEC",
                     help="ours = this schedule, e.g. 'engine=sm,mode=push,sms=8,order=ring,tile=128x256x64,"
                          "stages=4,compute_order=comm_aligned' (unset keys: the op's defaults)")
@@ -390,9 +408,11 @@ def main(what, argv):
             chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731
         if what == "ag_gemm":
-            bench_ag_gemm(shapes, args.iters, schedule=schedule)
+            rows = bench_ag_gemm(shapes, args.iters, schedule=schedule)
         else:
-            bench_gemm_rs(shapes, args.iters, schedule=schedule)
+            rows = bench_gemm_rs(shapes, args.iters, schedule=schedule)
+        if args.json and dist.get_rank() == 0:
+            write_json(args.json, what, rows, gpu=torch.cuda.get_device_name(), argv=argv)
     finally:
         dist.destroy_process_group()
     return 0

@@ -10,13 +10,15 @@ double-buffered symmetric buffer, slot ``L % 2``:
 1. compute stream: copy this call's shard into slot ``L % 2``; copy it into its rows of
    A_gathered and write L into its flag (same-GPU copies run on SMs, so they must finish
    before the persistent GEMM holds them); record that point for the copy stream;
-2. copy stream: **one group barrier** — every rank's shard of launch L is staged, and every
-   rank finished launch L-1 (so nobody still reads the slot written at L+1); then, in ring
-   order, peer copies of shard p (NVLink copy engine, no SM) into rows [p*Ms, (p+1)*Ms), each
-   followed by writing L into flag p (``cuStreamWriteValue64``);
-3. compute stream, without waiting for the barrier: the GEMM, launch index L, on all SMs but
-   one (the barrier kernel runs beside it there); it starts on our own rows and spins
-   (acquire, system scope) on flag p before loading rows of shard p;
+2. compute stream, at once: the GEMM, launch index L, on all SMs but one (the barrier kernel
+   runs beside it there); it starts on our own rows and spins (acquire, system scope) on
+   flag p before loading rows of shard p;
+3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
+   staged, and every rank finished launch L-1 (so nobody still reads the slot written at
+   L+1); then, in ring order, peer copies of shard p (NVLink copy engine, no SM) into rows
+   [p*Ms, (p+1)*Ms), each followed by writing L into flag p (``cuStreamWriteValue64``).
+   Between enqueueing the GEMM and the last copy the host never waits for the device
+   (garbage collection is paused: freeing symmetric memory synchronises);
 4. the compute stream waits for the copy stream, so launch L+1 starts after both.
 
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
@@ -96,6 +98,9 @@ class AllGatherMatmul:
         self.shards = symm_mem.empty((2, self.Ms, self.K), dtype=tdtype, device=dev)
         self.handle = symm_mem.rendezvous(self.shards, self.ctx.group_name)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        # load the barrier kernel now (collective, like the construction): a module CUDA loads
+        # lazily while a GEMM spins beside it would wait for that GEMM
+        self.handle.barrier(channel=0)
         self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev)
         self.launches = 0
@@ -116,6 +121,7 @@ class AllGatherMatmul:
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
+        import gc
         import torch
         from . import plan_exec
         if self._engine is not None:
@@ -149,33 +155,39 @@ class AllGatherMatmul:
             tl_.mark("staged", cur, "compute")
         self.copy_stream.wait_stream(cur)
         cs = self.copy_stream.cuda_stream
-        if self.hooks:
-            self._hook("before_comm", self.copy_stream)
-        with torch.cuda.stream(self.copy_stream):
-            self.handle.barrier(channel=0)          # every shard of launch L staged; launch L-1 done everywhere
-        if tl_ is not None:
-            tl_.mark("barrier", self.copy_stream, "copy")
-        if self.debug:
-            torch.cuda.synchronize()
-            print(f"[rank {self.ctx.rank}] launch {L}: shards in place; flags {self.flags.tolist()}", flush=True)
-        nbytes = self.Ms * self.K * es
-        for p in self.order:
-            if p == me:
-                continue
-            dst = a_full.data_ptr() + p * nbytes
-            plan_exec.checked(cu, cu.cuMemcpyAsync(dst, self.peer_ptrs[p] + slot * nbytes, nbytes, cs),
-                              f"cuMemcpyAsync(shard of rank {p})")
-            plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, write_default),
-                              f"cuStreamWriteValue64(flag of rank {p})")
-            if tl_ is not None:
-                tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shards.device) if out is None else out
-        if self.hooks:
-            self._hook("before_compute", cur)
-        self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags},
-                  launch_index=L, rank=self.ctx.rank)
-        if tl_ is not None:
-            tl_.mark("gemm done", cur, "compute")
+        nbytes = self.Ms * self.K * es
+        # The GEMM goes first, so the GPU does not idle while the host enqueues the copies; it
+        # spins until they land, so nothing between here and the last copy may wait for the
+        # device: no garbage collection (freeing another op's symmetric memory synchronises).
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            if self.hooks:
+                self._hook("before_compute", cur)
+            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags},
+                      launch_index=L, rank=self.ctx.rank)
+            if tl_ is not None:
+                tl_.mark("gemm done", cur, "compute")
+            if self.hooks:
+                self._hook("before_comm", self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                self.handle.barrier(channel=0)      # every shard of launch L staged; launch L-1 done everywhere
+            if tl_ is not None:
+                tl_.mark("barrier", self.copy_stream, "copy")
+            for p in self.order:
+                if p == me:
+                    continue
+                dst = a_full.data_ptr() + p * nbytes
+                plan_exec.checked(cu, cu.cuMemcpyAsync(dst, self.peer_ptrs[p] + slot * nbytes, nbytes, cs),
+                                  f"cuMemcpyAsync(shard of rank {p})")
+                plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, write_default),
+                                  f"cuStreamWriteValue64(flag of rank {p})")
+                if tl_ is not None:
+                    tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+        finally:
+            if gc_was_on:
+                gc.enable()
         cur.wait_stream(self.copy_stream)
         a_full.record_stream(self.copy_stream)
         if self.debug:

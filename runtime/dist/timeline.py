@@ -32,3 +32,80 @@ class PhaseTimeline:
 
     def format(self, prefix: str = "") -> str:
         return prefix + ", ".join(f"{label} @{ms:.3f} ({name})" for label, name, ms in self.phases())
+
+
+def segments(phases) -> list[tuple[str, str, float, float]]:
+    """``(stream, phase, t0, t1)`` from one rank's marks: a mark ends the phase that began at the
+    previous mark of its stream, or — for a stream's first mark — at the latest mark recorded
+    before it that is not later in time (the point that stream waited for)."""
+    out, last = [], {}
+    seen: list[tuple[str, float]] = []
+    for label, stream, ms in phases:
+        if stream in last:
+            t0 = last[stream]
+        else:
+            earlier = [t for _, t in seen if t <= ms]
+            t0 = max(earlier) if earlier else ms
+        if seen:
+            out.append((stream, _phase_name(label), t0, ms))
+        last[stream] = ms
+        seen.append((label, ms))
+    return out
+
+
+def _phase_name(label: str) -> str:
+    if label.startswith("shard ") and label.endswith(" copied"):
+        return "copy " + label[len("shard "):-len(" copied")]
+    return {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter"}.get(label, label)
+
+
+_GLYPH = {"stage": "s", "barrier": "b", "GEMM": "G", "reduce-scatter": "R"}
+
+
+def format_phases(every_rank, width: int = 72) -> str:
+    """A text timeline of one launch on every rank: a row per (rank, stream), one glyph per
+    ``span / width`` ms — ``s`` staging copies, ``b`` waiting in the group barrier, ``c`` an
+    NVLink copy, ``G`` the GEMM, ``R`` the reduce-scatter kernel, ``.`` idle."""
+    segs = [segments(ph) for ph in every_rank]
+    span = max((t1 for s in segs for *_, t1 in s), default=0.0) or 1.0
+    end = f"{span:.3f} ms"
+    lines = [f"{'':16}0 ms{end:>{width - 3}}"]
+    for r, s in enumerate(segs):
+        for stream in dict.fromkeys(st for st, *_ in s):
+            row = ["."] * width
+            for st, phase, t0, t1 in s:
+                if st != stream:
+                    continue
+                a = min(width - 1, int(t0 / span * width))
+                b = max(a + 1, min(width, round(t1 / span * width)))
+                g = "c" if phase.startswith("copy") else _GLYPH.get(phase, "?")
+                for i in range(a, b):
+                    row[i] = g
+            lines.append(f"rank {r} {stream:>7} |{''.join(row)}|")
+    lines.append("s staging copies, b group barrier, c NVLink copy of a peer's shard, G GEMM, R reduce-scatter")
+    return "\n".join(lines)
+
+
+def plot_phases(every_rank, title: str = "", ax=None):
+    """The same timeline as horizontal bars (needs matplotlib); returns the axes."""
+    import matplotlib.pyplot as plt
+    colors = {"stage": "tab:gray", "barrier": "tab:red", "GEMM": "tab:blue", "reduce-scatter": "tab:green"}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * sum(len({s for s, *_ in segments(p)}) for p in every_rank)))
+    labels, y = [], 0
+    for r, ph in enumerate(every_rank):
+        segs = segments(ph)
+        for stream in dict.fromkeys(st for st, *_ in segs):
+            for st, phase, t0, t1 in segs:
+                if st == stream:
+                    ax.broken_barh([(t0, t1 - t0)], (y - 0.4, 0.8),
+                                   color=colors.get(phase, "tab:orange" if phase.startswith("copy") else "k"))
+                    ax.text((t0 + t1) / 2, y, phase, ha="center", va="center", fontsize=8, color="white")
+            labels.append(f"rank {r} {stream}")
+            y += 1
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the launch's first event")
+    if title:
+        ax.set_title(title)
+    return ax

@@ -798,6 +798,8 @@ class _Control(ScalarEmitter):
 def choose_config(m: _Match, sched: ComputeSchedule, grid, in_dtype: str, out_dtype: str, *,
                   stages: int | None = None, overlap: bool | None = None, loc=None) -> AttentionConfig:
     BM, BN, D = m.BM, m.BN, m.D
+    if tuple(getattr(sched, "cluster", (1, 1))) != (1, 1):
+        raise _fail(f"cluster {sched.cluster}: the attention lowering runs one CTA per tile (use (1, 1))", loc)
     if D not in HEAD_DIMS:
         raise _fail(f"head dim D={D}: the WGMMA kernel supports D in {HEAD_DIMS} (D is the K extent of Q K^T, "
                     "a multiple of 16, and the N extent of P V)", loc)

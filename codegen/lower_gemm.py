@@ -215,6 +215,14 @@ class LoweredGemm(LoweredKernel):
     def cluster_dims(self) -> tuple[int, int, int]:
         return (self.config.cluster[0] * self.config.cluster[1], 1, 1)
 
+    def grid(self, sm_count: int) -> tuple[int, int, int]:
+        """Persistent launch: at most one CTA per SM, never more clusters than cluster tiles,
+        and a whole number of clusters (each needs ``cluster`` CTAs at once)."""
+        cm = self.config.cluster[0]
+        cluster_tiles = -(-self.grid_tiles[0] // cm) * self.grid_tiles[1]
+        clusters = max(1, min(cluster_tiles, sm_count // cm))
+        return (clusters * cm, 1, 1)
+
     def describe(self) -> str:
         c = self.config
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  C[{self.M}x{self.N}] = A[{self.M}x{self.K}] @ "
@@ -420,7 +428,8 @@ def _fmt_aff(forms) -> str:
     return "(" + ", ".join(one(f) for f in forms) + ")"
 
 
-def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None) -> GemmConfig:
+def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None,
+                  clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
     BM, BN, BK = sched.tile
     cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
     if BM < 64:
@@ -429,8 +438,8 @@ def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, clus
         raise _fail(f"BK={BK}: WGMMA consumes K in steps of 16, so BK must be >= 16", loc)
     if BN < 16:
         raise _fail(f"BN={BN}: this lowering needs BN >= 16", loc)
-    if cl != (1, 1):
-        raise _fail(f"cluster {cl}: thread-block clusters with TMA multicast are not lowered yet; use (1, 1)", loc)
+    if cl not in clusters_lowered:
+        raise _fail(f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
     wgs = 2 if BM >= 128 else 1
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
                consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype)
@@ -635,6 +644,7 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
         f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
         f"kWorldSize = {world_size}, kAlignShift = {align_shift};",
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+        f"  static constexpr int kClusterM = {cfg.cluster[0]};",
     ]
 
 

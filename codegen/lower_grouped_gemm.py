@@ -792,7 +792,7 @@ def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None,
     m = match_grouped_gemm(kernel, p)
     M, N, K = _check_gg_shapes(m, sched)
     in_dt = m.a.type.dtype.name
-    cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=p.loc)
+    cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=p.loc, clusters_lowered=((1, 1),))
     if m.gather and cfg.consumer_wgs == 2:
         from dataclasses import replace
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])

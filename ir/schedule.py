@@ -13,6 +13,7 @@ from ..errors import ScheduleError
 
 COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
 COMM_ORDERS = ("ring", "full_mesh")
+CLUSTER_SHAPES = ((1, 1), (2, 1))
 COMM_MODES = ("push", "pull")
 COMM_ENGINES = ("sm", "copy_engine")
 
@@ -23,11 +24,15 @@ def _pow2(x: int) -> bool:
 
 @dataclass(frozen=True)
 class ComputeSchedule:
-    """tile=(BM, BN, BK); order of output tiles; software-pipeline stages; swizzle group."""
+    """tile=(BM, BN, BK); order of output tiles; software-pipeline stages; swizzle group;
+    cluster=(CM, 1): thread-block clusters of CM CTAs on vertically adjacent tiles that share
+    their B tile (loaded once per cluster, TMA multicast on GPUs). The order then walks
+    *cluster tiles* (CM tile rows each), and a cluster's CTAs take its rows in turn."""
     tile: tuple[int, int, int] = (128, 128, 64)
     order: str = "row_major"
     stages: int = 3
     group_m: int = 8
+    cluster: tuple[int, int] = (1, 1)
 
     def __post_init__(self):
         t = tuple(self.tile)
@@ -40,6 +45,11 @@ class ComputeSchedule:
             raise ScheduleError(f"pipeline stages {self.stages}: need 1..8")
         if not (isinstance(self.group_m, int) and self.group_m >= 1):
             raise ScheduleError(f"group_m {self.group_m}: need a positive int")
+        cl = tuple(self.cluster) if isinstance(self.cluster, (tuple, list)) else self.cluster
+        object.__setattr__(self, "cluster", cl)
+        if cl not in CLUSTER_SHAPES:
+            raise ScheduleError(f"cluster {self.cluster!r}: choose one of {CLUSTER_SHAPES} (CTAs along M sharing "
+                                "their B tile)")
 
     @property
     def BM(self): return self.tile[0]
@@ -55,6 +65,13 @@ class ComputeSchedule:
         """The sequence in which a persistent kernel visits the grid's tiles on ``rank``."""
         if len(grid) == 1:
             return [(i,) for i in range(grid[0])]
+        cm = self.cluster[0]
+        if cm > 1:
+            # cluster tiles of cm rows in this order; a cluster's CTAs take its rows in turn
+            # (on a GPU, rows past the grid are computed on zeros and dropped; here, skipped)
+            inner = replace(self, cluster=(1, 1)).tile_order(((grid[0] + cm - 1) // cm,) + tuple(grid[1:]),
+                                                             rank, world_size, align_shift)
+            return [(c[0] * cm + i,) + tuple(c[1:]) for c in inner for i in range(cm) if c[0] * cm + i < grid[0]]
         gm, gn = grid[0], grid[1]
         rest = grid[2:]
         if self.order == "row_major":

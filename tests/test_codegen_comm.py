@@ -61,9 +61,9 @@ PLAIN_GEMM_INSTRUCTIONS = 1328
 # the variants the library ops use
 # =================================================================================================
 
-def ag_kernel(W=4, comm=None, Ms=1000, K=512, dt=tl.float16, tile=(128, 128, 64)):
+def ag_kernel(W=4, comm=None, Ms=1000, K=512, dt=tl.float16, tile=(128, 128, 64), **sched):
     return allgather_gemm.trace(W, S((Ms, K), dt), S((K, 768), dt), S((W * Ms, 768), dt),
-                                compute=tl.ComputeSchedule(tile=tile), comm=comm)
+                                compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm)
 
 
 def rs_kernel(W=4, comm=None, Ms=250, N=768, K=512, dt=tl.float16, tile=(128, 128, 64), partial_dtype="f32",
@@ -353,6 +353,48 @@ def test_emulated_gemm_epilogue_notifies_match_simulator(tmp_path, W, Ms, tile, 
     _, eng = sim_state(k, inputs)
     want = np.stack([eng.signals[r]["reduce_scatter_ready"].values for r in range(W)])
     assert np.array_equal(got, want) and want.sum() > 0
+
+
+def test_clusters_are_rejected_where_not_lowered():
+    from tldsl.codegen.lower_attention import lower_attention
+    from tldsl.codegen.lower_grouped_gemm import lower_grouped_gemm
+    NT = moe_num_tiles(4 * 64 * 2, 8, 64)
+    moe = allgather_moe.trace(4, S((64, 256), tl.bfloat16), S((8, 256, 128), tl.bfloat16), S((NT,), tl.int32),
+                              S((NT, 2), tl.int32), S((NT * 64,), tl.int32), S((NT * 64, 128), tl.bfloat16),
+                              compute=tl.ComputeSchedule(tile=(64, 128, 64), cluster=(2, 1)), comm=AG_SM[0])
+    with pytest.raises(LoweringError, match="cluster"):
+        lower_grouped_gemm(moe)
+    spa = sp_attention.trace(4, *(S((512, 256), tl.bfloat16),) * 4, heads=4,
+                             compute=tl.ComputeSchedule(tile=(64, 64, 64), cluster=(2, 1)), comm=AG_SM[0])
+    with pytest.raises(Exception, match="cluster"):
+        lower_attention(spa)
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
+def test_cluster_gemm_multicasts_b_and_syncs_the_cluster(tmp_path):
+    """cluster (2, 1): B chunks arrive by TMA multicast, stages are released on both CTAs
+    (remote mbarrier arrive), the cluster meets at start and end; waits and notifies stay.
+    The (1, 1) GEMM has none of it. Grid: whole clusters, never more than cluster tiles."""
+    ag = lower_gemm(ag_kernel(W=2, comm=AG_SM[0], tile=(128, 256, 64), stages=4, dt=tl.bfloat16, cluster=(2, 1)))
+    rs = lower_gemm(rs_kernel(W=2, comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"), Ms=1000,
+                              dt=tl.bfloat16, tile=(128, 256, 64), stages=4, cluster=(2, 1), partial_dtype="out"))
+    one = lower_gemm(ag_kernel(W=2, comm=AG_SM[0], tile=(128, 256, 64), stages=4, dt=tl.bfloat16))
+    assert ag.cluster_dims == (2, 1, 1) and one.cluster_dims == (1, 1, 1)
+    assert "kClusterM = 2;" in ag.source and "kClusterM = 1;" in one.source
+    gm, gn = ag.grid_tiles
+    assert ag.grid(132) == (min(132, 2 * (-(-gm // 2)) * gn), 1, 1) and ag.grid(131)[0] % 2 == 0
+    assert rs.grid(7) == (6, 1, 1)
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in (ag, rs, one)],
+                       cache=KernelCache(tmp_path), progress=False)
+    ka, kr, k1 = (_sass_ok(ck, max_regs=168) for ck in cks)
+    for k in (ka, kr):
+        assert k.count("UTMALDG.2D.MULTICAST") > 0 and k.count("UTMALDG.2D") > 0      # B multicast, A own
+        assert k.count("UCGABAR_ARV") > 0 and k.count("UCGABAR_WAIT") > 0              # cluster barrier
+        assert k.count("SYNCS.ARRIVE.TRANS64.RED.A1T0") > 0                           # remote stage release
+    assert ka.count("LDG.E.64.STRONG.GPU") + ka.count("LDG.E.64.STRONG.SYS") > 0       # the AG waits survive
+    assert kr.count("REDG.E.ADD.64.STRONG.GPU") > 0                                    # the RS notifies survive
+    assert k1.count("UTMALDG.2D.MULTICAST") == 0 and k1.count("UCGABAR_ARV") == 0
 
 
 # =================================================================================================

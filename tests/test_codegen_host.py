@@ -258,7 +258,7 @@ def test_lowering_rejects_with_reasons():
     _raises_at(lambda: lower_gemm(trace_plain(tile=(128, 256, 128), stages=4)), "shared memory")
     _raises_at(lambda: lower_gemm(trace_plain(K=260)), "16-byte aligned rows")
     _raises_at(lambda: lower_gemm(trace_plain(dt=tl.float32, odt=tl.float32)), "f16 or both bf16")
-    _raises_at(lambda: lower_gemm(trace_plain(), cluster=(2, 1)), "cluster (2, 1)")
+    _raises_at(lambda: lower_gemm(trace_plain(), cluster=(4, 1)), "cluster (4, 1)")
 
 
 @tl.kernel
@@ -306,11 +306,14 @@ TILE_ORDER_MAIN = r"""
 #include <cstdlib>
 int main(int argc, char** argv) {
   int kind = atoi(argv[1]), gm = atoi(argv[2]), gn = atoi(argv[3]), g = atoi(argv[4]);
-  int rank = atoi(argv[5]), W = atoi(argv[6]), shift = atoi(argv[7]);
-  int start = tldsl::comm_aligned_start(gm, rank, W, shift);
-  for (int t = 0; t < gm * gn; ++t) {
-    tldsl::TileCoord c = tldsl::tile_at(kind, t, gm, gn, g, start);
-    printf("%d %d\n", c.m, c.n);
+  int rank = atoi(argv[5]), W = atoi(argv[6]), shift = atoi(argv[7]), cm = atoi(argv[8]);
+  // as sm90_gemm.hpp walks it: cluster tiles of cm rows, the cluster's CTAs take its rows in turn
+  int gmc = (gm + cm - 1) / cm;
+  int start = tldsl::comm_aligned_start(gmc, rank, W, shift);
+  for (int t = 0; t < gmc * gn; ++t) {
+    tldsl::TileCoord c = tldsl::tile_at(kind, t, gmc, gn, g, start);
+    for (int i = 0; i < cm; ++i)
+      if (c.m * cm + i < gm) printf("%d %d\n", c.m * cm + i, c.n);
   }
   return 0;
 }
@@ -325,10 +328,22 @@ def test_cpp_tile_order_matches_schedule(tmp_path):
     subprocess.run(["g++", "-std=c++17", "-O1", f"-I{INCLUDE}", str(src), "-o", str(exe)], check=True)
     cases = [("row_major", 5, 3, 8, 0, 1, 0), ("swizzled", 7, 4, 3, 0, 1, 0), ("swizzled", 16, 2, 8, 0, 1, 0),
              ("comm_aligned", 9, 3, 8, 2, 4, 0), ("comm_aligned", 8, 5, 8, 3, 4, 1), ("comm_aligned", 3, 2, 8, 1, 2, 0)]
-    for order, gm, gn, g, rank, W, shift in cases:
+    cases = [c + (1,) for c in cases] + [c + (2,) for c in cases]        # clusters (1, 1) and (2, 1)
+    for order, gm, gn, g, rank, W, shift, cm in cases:
         kind = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}[order]
-        out = subprocess.run([str(exe), *map(str, (kind, gm, gn, g, rank, W, shift))], check=True,
+        out = subprocess.run([str(exe), *map(str, (kind, gm, gn, g, rank, W, shift, cm))], check=True,
                              capture_output=True, text=True).stdout
         got = [tuple(map(int, l.split())) for l in out.splitlines()]
-        want = tl.ComputeSchedule(order=order, group_m=g).tile_order((gm, gn), rank, W, shift)
-        assert got == want, (order, gm, gn, g, rank, W, shift)
+        want = tl.ComputeSchedule(order=order, group_m=g, cluster=(cm, 1)).tile_order((gm, gn), rank, W, shift)
+        assert got == want, (order, gm, gn, g, rank, W, shift, cm)
+        assert sorted(got) == [(m, n) for m in range(gm) for n in range(gn)]     # every tile once
+
+
+def test_cluster_schedule_validation_and_order():
+    with pytest.raises(tl.ScheduleError, match="cluster"):
+        tl.ComputeSchedule(cluster=(1, 2))
+    c = tl.ComputeSchedule(order="row_major", cluster=[2, 1])
+    assert c.cluster == (2, 1) and hash(c) == hash(tl.ComputeSchedule(order="row_major", cluster=(2, 1)))
+    # cluster tiles (2 rows each) row-major; the last cluster tile has one row (gm = 5)
+    assert c.tile_order((5, 2), 0, 1) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1),
+                                          (4, 0), (4, 1)]

@@ -1371,6 +1371,8 @@ def test_bench_schedule_spec_parses_into_schedules():
     assert (comm.engine, comm.mode, comm.order, comm.sms, comm.tile_m) == ("sm", "pull", "full_mesh", 8, 128)
     compute, comm = parse_schedule("ag_gemm", "engine=sm,mode=push")
     assert (comm.engine, comm.mode, comm.sms, comm.tile_m) == ("sm", "push", 8, 128)
+    compute, _ = parse_schedule("ag_gemm", "cluster=2")
+    assert compute.cluster == (2, 1)
     _, comm = parse_schedule("ag_gemm", "compute_order=swizzled")
     assert comm.engine == "copy_engine" and comm.tile_m is None
     with pytest.raises(tl.InputError, match="unknown key"):

@@ -21,13 +21,15 @@ import time
 LLAMA70B_MLP = [(m, 28672, 8192) for m in (2048, 4096, 8192, 16384)]
 DEFAULT_SHAPES = [(8192, 8192, 8192)] + LLAMA70B_MLP
 
-CANDIDATES = [  # (BM, BN, BK, stages, order, group_m)
+CANDIDATES = [  # (BM, BN, BK, stages, order, group_m[, cluster M])
     (128, 256, 64, 4, "swizzled", 8),
     (128, 256, 64, 3, "swizzled", 8),
     (256, 128, 64, 4, "swizzled", 8),
     (128, 128, 64, 5, "swizzled", 8),
     (128, 256, 64, 4, "row_major", 8),
     (128, 256, 64, 4, "swizzled", 16),
+    (128, 256, 64, 4, "swizzled", 8, 2),      # clusters of 2 CTAs, B multicast
+    (128, 256, 64, 3, "swizzled", 8, 2),
 ]
 
 
@@ -70,8 +72,9 @@ def _time_interleaved(fns, iters: int, warmup: int = 5) -> list[float]:
 
 def _schedule(c):
     import tldsl as tl
-    BM, BN, BK, stages, order, group_m = c
-    return tl.ComputeSchedule(tile=(BM, BN, BK), stages=stages, order=order, group_m=group_m)
+    BM, BN, BK, stages, order, group_m, *cl = c
+    return tl.ComputeSchedule(tile=(BM, BN, BK), stages=stages, order=order, group_m=group_m,
+                              cluster=(cl[0] if cl else 1, 1))
 
 
 def _lower_plain(M, N, K, sched):

@@ -327,7 +327,7 @@ def write_json(path, what, rows, *, gpu, argv):
 
 def parse_schedule(what: str, spec: str):
     """``(compute, comm)`` from ``key=value,...``: compute keys ``tile`` (BMxBNxBK), ``stages``,
-    ``compute_order``, ``group_m``; comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
+    ``compute_order``, ``group_m``, ``cluster`` (CTAs per cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
     (``none`` for whole chunks). Unset keys take the op's defaults."""
     from tldsl.errors import InputError
     from tldsl.ir.schedule import CommSchedule
@@ -347,6 +347,8 @@ def parse_schedule(what: str, spec: str):
             ckw[name] = int(kv.pop(k))
     if "compute_order" in kv:
         ckw["order"] = kv.pop("compute_order")
+    if "cluster" in kv:
+        ckw["cluster"] = (int(kv.pop("cluster")), 1)
     compute = compute.with_(**ckw)
     comm = (ag_gemm.resolve_comm(None, None, None, compute) if what == "ag_gemm" else gemm_rs.default_comm(compute))
     mkw = {}

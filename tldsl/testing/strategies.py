@@ -34,7 +34,8 @@ def compute_schedules(draw, tiles=TILE_SIZES, orders=COMPUTE_ORDERS):
     return ComputeSchedule(tile=(draw(tile_sizes(tiles)), draw(tile_sizes(tiles)), draw(tile_sizes(tiles))),
                            order=draw(st.sampled_from(orders)),
                            stages=draw(st.integers(1, 4)),
-                           group_m=draw(st.integers(1, 4)))
+                           group_m=draw(st.integers(1, 4)),
+                           cluster=draw(st.sampled_from(((1, 1), (2, 1)))))
 
 
 @st.composite

@@ -26,6 +26,16 @@
 //    consumer warpgroups, fence.acq_rel at the notifies' scope, one red per notify.
 //  * out-of-bounds loads read zero (TMA), so M, N, K need not be tile multiples; TMA needs
 //    16-byte aligned base addresses and row pitches (K, N multiples of 8 for 16-bit types).
+//  * thread-block clusters (Cfg::kClusterM = 2, the schedule's cluster (2, 1)): the two CTAs
+//    of a cluster compute vertically adjacent tiles (rows 2*cm and 2*cm + 1 of the same tile
+//    column), walking *cluster tiles* (cm, n) of a (ceil(gm / 2), gn) grid in the schedule's
+//    order. Both need the same B tile: each CTA loads half of its chunks and multicasts them to
+//    both (TMA .multicast::cluster), so B crosses L2 -> SM once per cluster. A stage of either
+//    CTA is then written by both producers, so its empty barrier counts the consumer
+//    warpgroups of both CTAs, and a consumer releases a stage on both CTAs (remote mbarrier
+//    arrive). A CTA whose row is past the last tile row (odd gm) still loads, multicasts and
+//    computes zeros in step with its partner, but runs no waits, stores nothing (TMA clips the
+//    box) and notifies nothing.
 //
 // Shared memory (from a 1024-byte aligned base): A stages | B stages | C staging | barriers.
 // A stage: BK/EA chunks, each BM rows x SA bytes (SA = min(128, 2*BK), swizzle SA bytes);
@@ -73,6 +83,8 @@ __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 template <class Cfg>
 struct GemmTraits {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
+  static constexpr int kClusterM = Cfg::kClusterM;
+  static_assert(kClusterM == 1 || kClusterM == 2, "cluster shapes (1, 1) and (2, 1) are lowered");
   static constexpr int kConsumerWGs = Cfg::kConsumerWGs;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kElemBytes = int(sizeof(typename Cfg::ElemAB));
@@ -167,6 +179,18 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+// A consumer warpgroup is done with a stage: one arrival on its empty barrier in every CTA of
+// the cluster (each CTA's producer multicasts into all of them).
+template <int kCl>
+__device__ __forceinline__ void release_stage(uint64_t* empty_bar, int tid) {
+  if constexpr (kCl == 1) {
+    if (tid == 0) cutlass::arch::ClusterBarrier::arrive(empty_bar);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kCl; ++c) cutlass::arch::ClusterBarrier::arrive(empty_bar, uint32_t(c), uint32_t(tid == 0));
+  }
+}
+
 // No per-tile waits (a GEMM whose tile program has none).
 struct NoWaits {
   static constexpr bool kEnabled = false;
@@ -205,9 +229,14 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
   const int warp = int(threadIdx.x) / 32;
   const int wg = int(threadIdx.x) / 128;
   const int gm = cdiv(M, Tr::BM), gn = cdiv(N, Tr::BN);
-  const int num_tiles = gm * gn;
   const int k_tiles = cdiv(K, Tr::BK);
-  const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
+  // the tile grid the schedule orders: cluster tiles (kClusterM tile rows each) x tile columns
+  constexpr int kCl = Tr::kClusterM;
+  const int gmc = cdiv(gm, kCl);
+  const int num_tiles = gmc * gn;
+  const int start_row = comm_aligned_start(gmc, rank, Cfg::kWorldSize, Cfg::kAlignShift);
+  const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
+  const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(tma_a);
@@ -215,22 +244,29 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], 1);
-      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs);
+      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl);   // both CTAs' consumers release a stage
     }
   }
   cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  if constexpr (kCl > 1) {
+    cute::cluster_sync();                  // the partner's barriers exist before any multicast / remote arrive
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     // ---------------- producer warpgroup ----------------
     if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
+      for (int t = first_tile; t < num_tiles; t += tile_step) {
+        const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
+        const TileCoord tc{ct.m * kCl + cl_rank, ct.n};
         if constexpr (Waits::kEnabled) {
-          waits(tc.m, tc.n);               // acquire: every signal this tile's data depends on
-          fence_proxy_async_global();      // ... before the async proxy (TMA) reads that data
+          if (tc.m < gm) {
+            waits(tc.m, tc.n);             // acquire: every signal this tile's data depends on
+            fence_proxy_async_global();    // ... before the async proxy (TMA) reads that data
+          }
         }
         const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -245,10 +281,20 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           for (int c = 0; c < Tr::kChunksA; ++c)
             cute::SM90_TMA_LOAD_2D::copy(tma_a, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
                                          k0 + c * Tr::EA, m0);
+          if constexpr (kCl == 1) {
 #pragma unroll
-          for (int c = 0; c < Tr::kChunksB; ++c)
-            cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
-                                         n0 + c * Tr::EB, k0);
+            for (int c = 0; c < Tr::kChunksB; ++c)
+              cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
+                                           n0 + c * Tr::EB, k0);
+          } else {
+            // B chunk c comes from CTA c % kCl of the cluster, into both CTAs' stage s
+            constexpr uint16_t kMask = uint16_t((1u << kCl) - 1u);
+#pragma unroll
+            for (int c = 0; c < Tr::kChunksB; ++c)
+              if (c % kCl == cl_rank)
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(tma_b, &full_bar[s], kMask, kCacheHint,
+                                                       sb + c * Tr::kChunkBytesB, n0 + c * Tr::EB, k0);
+          }
         }
       }
     }
@@ -266,8 +312,9 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
 
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
+    for (int t = first_tile; t < num_tiles; t += tile_step) {
+      const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
+      const TileCoord tc{ct.m * kCl + cl_rank, ct.n};
 #pragma unroll
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
@@ -302,7 +349,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
           for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);   // ... release it
+        if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
         prev_stage = s;
       }
       cute::warpgroup_wait<0>();
@@ -310,7 +357,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-      if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);
+      if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
 
       // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
       const int m0 = tc.m * Tr::BM + cw * Tr::MB * 64, n0 = tc.n * Tr::BN;
@@ -342,6 +389,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         }
       }
       if constexpr (Notifies::kEnabled) {
+        if (tc.m >= gm) continue;                // a cluster partner past the last tile row
         // release the tile: its stores complete (both warpgroups' halves), then one thread notifies
         constexpr uint32_t kNotifyBar = 1 + Tr::kConsumerWGs;   // after the per-warpgroup barriers
         if (tid == 0) {
@@ -357,6 +405,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     }
     if (tid == 0) bulk_wait_all();
   }
+  if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it
 }
 
 }  // namespace sm90

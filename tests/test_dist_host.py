@@ -819,7 +819,7 @@ def test_gemm_rs_problem_checks():
         with pytest.raises(tl.InputError, match=msg):
             check_problem(*args)
     c = default_comm(DEFAULT_COMPUTE)
-    assert (c.engine, c.mode, c.tile_m, c.sms) == ("sm", "push", DEFAULT_COMPUTE.BM, 16)
+    assert (c.engine, c.mode, c.tile_m, c.sms) == ("sm", "push", 64, 16)
 
 
 def test_gemm_rs_default_schedules_lower():
@@ -1121,12 +1121,13 @@ def proto(monkeypatch):
 
 
 def test_gemm_rs_launch_protocol(proto):
-    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter, default_comm
     torch = proto.torch
     op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16")
     init = proto.events()
     assert ("rendezvous", ("reduce_scatter_recv", "reduce_scatter_arrived")) in init
-    assert op.lanes == 16 and op.gemm.reserve == 16                       # GEMM on SMs - lanes
+    assert op.comm == default_comm(op.compute, m=8182, k=1032) and op.comm.sms == 24    # short K: 24 SMs
+    assert op.lanes == 24 and op.gemm.reserve == 24                       # GEMM on SMs - lanes
     cs, cur = op.comm_stream.cuda_stream, proto.cur.cuda_stream
     a, b = torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
     seen = []
@@ -1138,11 +1139,11 @@ def test_gemm_rs_launch_protocol(proto):
         ev = proto.events()
         names = [e[0] for e in ev]
         assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "BARRIER", "cuLaunchKernel", "wait_stream"]
-        assert ev[0][1] == cur and ev[1] == ("GEMM", cur, L, 116, 1)          # producer first, launch index L
+        assert ev[0][1] == cur and ev[1] == ("GEMM", cur, L, 108, 1)          # producer first, launch index L
         assert ev[2] == ("cuStreamWaitEvent", cs, ev[0][2]) and ev[3] == ("BARRIER", cs)
         assert ev[4][1] == cs and ev[5] == ("wait_stream", cur, cs)
         launch = proto.drv.launches[-1]
-        assert launch["grid"] == (16, 1, 1) and launch["stream"] == cs
+        assert launch["grid"] == (24, 1, 1) and launch["stream"] == cs
         vals = dict(zip([p.source for p in op.lowered_comm.params], launch["decoded"]))
         assert vals["launch"] == L and vals["rank"] == 1 and vals["buffer:out"] == out.data_ptr()
         assert vals["buffer:partial"] == op.partial.data_ptr()
@@ -1366,19 +1367,30 @@ def test_checks_catch_broken_ops(bug, check, want):
 
 def test_bench_schedule_spec_parses_into_schedules():
     from tldsl.bench_dist import parse_schedule
-    compute, comm = parse_schedule("gemm_rs", "sms=8,order=full_mesh,mode=pull,tile=128x128x64,stages=5")
+    compute, comm = parse_schedule("gemm_rs", "sms=8,order=full_mesh,mode=pull,tile=128x128x64,stages=5")(8192, 8192, 8192)
     assert compute.tile == (128, 128, 64) and compute.stages == 5 and compute.order == "comm_aligned"
-    assert (comm.engine, comm.mode, comm.order, comm.sms, comm.tile_m) == ("sm", "pull", "full_mesh", 8, 128)
-    compute, comm = parse_schedule("ag_gemm", "engine=sm,mode=push")
+    assert (comm.engine, comm.mode, comm.order, comm.sms, comm.tile_m) == ("sm", "pull", "full_mesh", 8, 32)
+    compute, comm = parse_schedule("ag_gemm", "engine=sm,mode=push")(8192, 8192, 8192)
     assert (comm.engine, comm.mode, comm.sms, comm.tile_m) == ("sm", "push", 8, 128)
-    compute, _ = parse_schedule("ag_gemm", "cluster=2")
+    compute, _ = parse_schedule("ag_gemm", "cluster=2")(8192, 8192, 8192)
     assert compute.cluster == (2, 1)
-    _, comm = parse_schedule("ag_gemm", "compute_order=swizzled")
+    _, comm = parse_schedule("ag_gemm", "compute_order=swizzled")(8192, 8192, 8192)
     assert comm.engine == "copy_engine" and comm.tile_m is None
     with pytest.raises(tl.InputError, match="unknown key"):
         parse_schedule("ag_gemm", "warp_size=64")
     with pytest.raises(tl.InputError, match="not key=value"):
         parse_schedule("gemm_rs", "sms")
+
+
+def test_gemm_rs_default_schedule_follows_the_shape():
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, default_comm
+    heavy = default_comm(DEFAULT_COMPUTE, m=8192, k=4096)       # short K per rank: more SMs, small tiles
+    light = default_comm(DEFAULT_COMPUTE, m=8192, k=14336)
+    small = default_comm(DEFAULT_COMPUTE, m=2048, k=4096)
+    assert (heavy.sms, heavy.tile_m) == (24, 32) and (light.sms, light.tile_m) == (16, 64)
+    assert (small.sms, small.tile_m) == (16, 64)
+    assert default_comm(DEFAULT_COMPUTE, sms=8, m=8192, k=4096).sms == 8
+    assert default_comm(DEFAULT_COMPUTE).tile_m == 64
 
 
 def test_phase_timeline_segments_and_text():

@@ -216,7 +216,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
         ideal = max(t_rs, t_gemm)
         rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm, own=t_own, phases=phases,
                          ideal=ideal, correct=ok, max_err=res["max_err"],
-                         schedule=f"{op.compute}, {op.comm}" if cand else None))
+                         schedule=f"{op.compute}, {op.comm}"))     # the defaults depend on the shape
         if r == 0:
             print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
                   f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
@@ -238,8 +238,9 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:
-        comms = [CommSchedule(engine="sm", mode="push", tile_m=128, sms=16),
-                 CommSchedule(engine="sm", mode="pull", tile_m=128, sms=16),
+        comms = [CommSchedule(engine="sm", mode="push", tile_m=64, sms=16),
+                 CommSchedule(engine="sm", mode="push", tile_m=32, sms=24),
+                 CommSchedule(engine="sm", mode="pull", tile_m=64, sms=16),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8),
                  CommSchedule(engine="copy_engine", mode="push")]     # cannot add: listed as not applicable
     return [(cp, cm) for cm in comms for cp in computes]
@@ -326,11 +327,11 @@ def write_json(path, what, rows, *, gpu, argv):
 
 
 def parse_schedule(what: str, spec: str):
-    """``(compute, comm)`` from ``key=value,...``: compute keys ``tile`` (BMxBNxBK), ``stages``,
-    ``compute_order``, ``group_m``, ``cluster`` (CTAs per cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
-    (``none`` for whole chunks). Unset keys take the op's defaults."""
+    """A function ``(M, N, K) -> (compute, comm)`` (global sizes) from ``key=value,...``: compute
+    keys ``tile`` (BMxBNxBK), ``stages``, ``compute_order``, ``group_m``, ``cluster`` (CTAs per
+    cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
+    (``none`` for whole chunks). Unset keys take the op's defaults for the shape."""
     from tldsl.errors import InputError
-    from tldsl.ir.schedule import CommSchedule
     from tldsl.runtime.dist import ag_gemm, gemm_rs
     kv = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -338,19 +339,16 @@ def parse_schedule(what: str, spec: str):
             raise InputError(f"--schedule: {item!r} is not key=value")
         k, v = item.split("=", 1)
         kv[k.strip()] = v.strip()
-    compute = (ag_gemm.DEFAULT_COMPUTE if what == "ag_gemm" else gemm_rs.DEFAULT_COMPUTE)
     ckw = {}
     if "tile" in kv:
         ckw["tile"] = tuple(int(x) for x in kv.pop("tile").split("x"))
-    for k, name in (("stages", "stages"), ("group_m", "group_m")):
+    for k in ("stages", "group_m"):
         if k in kv:
-            ckw[name] = int(kv.pop(k))
+            ckw[k] = int(kv.pop(k))
     if "compute_order" in kv:
         ckw["order"] = kv.pop("compute_order")
     if "cluster" in kv:
         ckw["cluster"] = (int(kv.pop("cluster")), 1)
-    compute = compute.with_(**ckw)
-    comm = (ag_gemm.resolve_comm(None, None, None, compute) if what == "ag_gemm" else gemm_rs.default_comm(compute))
     mkw = {}
     for k in ("engine", "mode", "order"):
         if k in kv:
@@ -362,15 +360,24 @@ def parse_schedule(what: str, spec: str):
         mkw["tile_m"] = None if v.lower() == "none" else int(v)
     if kv:
         raise InputError(f"--schedule: unknown key(s) {sorted(kv)}")
-    if mkw.get("engine") == "copy_engine":
-        mkw.setdefault("tile_m", None)
-        mkw.setdefault("sms", None)
-        if comm.engine == "sm":
-            comm = comm.with_(tile_m=None, sms=None)
-    elif mkw.get("engine") == "sm" and comm.engine == "copy_engine":
-        mkw.setdefault("tile_m", compute.BM)
-        mkw.setdefault("sms", 8)
-    return compute, comm.with_(**mkw)
+
+    def schedule(M, N, K):
+        import torch.distributed as dist
+        W = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
+        compute = (ag_gemm.DEFAULT_COMPUTE if what == "ag_gemm" else gemm_rs.DEFAULT_COMPUTE).with_(**ckw)
+        if what == "ag_gemm":
+            comm = ag_gemm.resolve_comm(None, None, None, compute)
+        else:
+            comm = gemm_rs.default_comm(compute, m=M, k=K // W)
+        kw = dict(mkw)
+        if kw.get("engine") == "copy_engine":
+            kw.setdefault("tile_m", None)
+            kw.setdefault("sms", None)
+        elif kw.get("engine") == "sm" and comm.engine == "copy_engine":
+            kw.setdefault("tile_m", compute.BM)
+            kw.setdefault("sms", 8)
+        return compute, comm.with_(**kw)
+    return schedule
 
 
 def main(what, argv):
@@ -404,8 +411,7 @@ def main(what, argv):
             return 0
         schedule = None
         if args.schedule:
-            fixed = parse_schedule(what, args.schedule)
-            schedule = lambda M, N, K: fixed     # noqa: E731
+            schedule = parse_schedule(what, args.schedule)
         if args.tune:
             chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731

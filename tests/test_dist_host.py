@@ -1409,3 +1409,11 @@ def test_phase_timeline_segments_and_text():
     assert text[1] == "rank 0 compute |" + "ss" + "G" * 28 + "|"
     assert text[2].startswith("rank 0    copy |..bb") and "ccc" in text[2]
     assert len(text) == 6 and text[-1].startswith("s staging")
+
+
+def test_bench_shapes_take_model_names():
+    from tldsl.bench_dist import parse_shapes
+    assert parse_shapes("ag_gemm", "llama8b, 4096x8192x8192") == [(8192, 14336, 4096), (4096, 8192, 8192)]
+    assert parse_shapes("gemm_rs", "llama405b") == [(8192, 16384, 53248)]
+    with pytest.raises(tl.InputError, match="neither"):
+        parse_shapes("ag_gemm", "llama9b")

@@ -25,6 +25,9 @@ from __future__ import annotations
 import statistics
 import sys
 
+#: (N, K) of tensor-parallel MLP layers (the up-projection; GEMM+RS runs the down-projection,
+#: N and K swapped), for ``--shapes NAME`` at M = 8192
+MODELS = {"llama8b": (14336, 4096), "llama70b": (28672, 8192), "llama405b": (53248, 16384)}
 AG_SHAPES = [(m, n, 8192) for n in (28672, 8192) for m in (2048, 4096, 8192, 16384)]
 RS_SHAPES = [(m, n, k) for (n, k) in ((8192, 28672), (8192, 8192)) for m in (2048, 4096, 8192, 16384)]
 
@@ -314,6 +317,24 @@ def tune(what, shape, iters, *, force, out=sys.stdout):
     return res
 
 
+def parse_shapes(what: str, text: str) -> list[tuple[int, int, int]]:
+    """``MxNxK`` items, or model names from :data:`MODELS` (M = 8192; for gemm_rs the layer's
+    down-projection: N and K swapped)."""
+    from tldsl.errors import InputError
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item in MODELS:
+            n, k = MODELS[item]
+            out.append((8192, n, k) if what == "ag_gemm" else (8192, k, n))
+            continue
+        try:
+            m, n, k = (int(x) for x in item.split("x"))
+        except ValueError:
+            raise InputError(f"--shapes: {item!r} is neither MxNxK nor one of {sorted(MODELS)}") from None
+        out.append((m, n, k))
+    return out
+
+
 def write_json(path, what, rows, *, gpu, argv):
     """The benchmark's rows (times in ms, phases per rank) as one JSON document."""
     import datetime
@@ -388,7 +409,8 @@ def main(what, argv):
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
     ap = argparse.ArgumentParser(prog=f"torchrun ... -m tldsl.bench {what}")
-    ap.add_argument("--shapes", default=None, help="MxNxK,... (global sizes)")
+    ap.add_argument("--shapes", default=None, help="MxNxK,... (global sizes) or model names "
+                    f"({', '.join(MODELS)}: their MLP layer at M=8192)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
     ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
@@ -403,7 +425,7 @@ def main(what, argv):
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     default = AG_SHAPES if what == "ag_gemm" else RS_SHAPES
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else default
+    shapes = parse_shapes(what, args.shapes) if args.shapes else default
     try:
         if args.sweep:
             for shape in shapes:

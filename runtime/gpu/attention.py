@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from ...errors import InputError
 from .device import require_gpu, sm_count
-from .launch import ArgPack
 from .module import load_kernel
-from .launcher import Launcher, signal_pointer
+from .launcher import Launcher
 
 _TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
@@ -33,9 +32,8 @@ class AttentionKernel(Launcher):
         if max_ctas is not None:
             sms = max(1, min(sms, int(max_ctas)))
         self.grid = lowered.grid(sms)
-        self._tma_cache: dict = {}
 
-    def _tensor(self, buffers, spec):
+    def tma_tensor(self, buffers, spec):
         import torch
         t = buffers.get(spec.buffer)
         if t is None:
@@ -54,37 +52,7 @@ class AttentionKernel(Launcher):
             raise InputError(f"'{spec.buffer}' must be 16-byte aligned for TMA")
         return t
 
-    def args(self, buffers: dict, signals: dict | None = None, launch_index: int = 1, rank: int = 0) -> ArgPack:
-        import torch
+    def check_call(self, rank, launch_index):
+        super().check_call(rank, launch_index)
         if not 0 <= rank < self.lowered.world_size:
             raise InputError(f"rank {rank} is outside the kernel's world of {self.lowered.world_size}")
-        pack = ArgPack()
-        tensors = {s.param: self._tensor(buffers, s) for s in self.lowered.tma}
-        specs = {s.param: s for s in self.lowered.tma}
-        for p in self.lowered.params:
-            src = p.source
-            if src.startswith("tma:"):
-                name = src[4:]
-                t = tensors[name]
-                key = (name, t.data_ptr())
-                desc = self._tma_cache.get(key)
-                if desc is None:
-                    desc = specs[name].encode(t.data_ptr())
-                    self._tma_cache[key] = desc
-                pack.add("tma", desc)
-            elif src == "rank":
-                pack.add("i32", rank)
-            elif src == "launch":
-                pack.add("u64", launch_index)
-            elif src.startswith("signal:"):
-                name = src[7:]
-                pack.add("ptr", signal_pointer(self.lowered.entry, name, signals))
-            elif src.startswith("buffer:"):
-                name = src[7:]
-                t = buffers.get(name)
-                if t is None or t.dtype != torch.int32 or not t.is_cuda:
-                    raise InputError(f"{self.lowered.entry} reads table '{name}': pass it as an int32 CUDA tensor")
-                pack.add("ptr", t.data_ptr())
-            else:
-                raise InputError(f"unknown kernel parameter source {src!r}")
-        return pack

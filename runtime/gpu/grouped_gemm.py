@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from ...errors import InputError
 from .device import require_gpu, sm_count
-from .launch import ArgPack
 from .module import load_kernel
-from .launcher import Launcher, signal_pointer
+from .launcher import Launcher
 
 _TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
 
@@ -29,7 +28,6 @@ class GroupedKernel(Launcher):
         self.kernel = load_kernel(self.compiled.cubin, lowered.entry, lowered.smem_bytes)
         sms = sm_count()
         self.grid = lowered.grid(sms, ctas_per_sm) if getattr(lowered, "kind", "") == "combine" else lowered.grid(sms)
-        self._tma_cache: dict = {}
 
     def _tensor(self, buffers: dict, name: str, shape, dtype: str, *, tma: bool = False):
         import torch
@@ -49,34 +47,12 @@ class GroupedKernel(Launcher):
             raise InputError(f"'{name}' must be 16-byte aligned" + (" for TMA" if tma else " (vector access)"))
         return t
 
-    def args(self, buffers: dict, signals: dict | None = None, launch_index: int = 1, rank: int = 0) -> ArgPack:
-        import torch
-        lw = self.lowered
-        specs = {s.param: s for s in lw.tma}
-        pack = ArgPack()
-        for p in lw.params:
-            src = p.source
-            if src.startswith("tma:"):
-                spec = specs[src[4:]]
-                t = self._tensor(buffers, spec.buffer, tuple(reversed(spec.global_dims)), spec.dtype, tma=True)
-                key = (spec.param, t.data_ptr())
-                desc = self._tma_cache.get(key)
-                if desc is None:
-                    desc = self._tma_cache[key] = spec.encode(t.data_ptr())
-                pack.add("tma", desc)
-            elif src == "rank":
-                pack.add("i32", rank)
-            elif src == "launch":
-                if launch_index < 1:
-                    raise InputError("launch_index counts launches from 1")
-                pack.add("u64", launch_index)
-            elif src.startswith("signal:"):
-                name = src[7:]
-                pack.add("ptr", signal_pointer(lw.entry, name, signals, lw.signal_slots[name]))
-            elif src.startswith("buffer:"):
-                name = src[7:]
-                shape, dtype = lw.buffers[name]
-                pack.add("ptr", self._tensor(buffers, name, shape, dtype).data_ptr())
-            else:
-                raise InputError(f"unknown kernel parameter source {src!r}")
-        return pack
+    def tma_tensor(self, buffers, spec):
+        return self._tensor(buffers, spec.buffer, tuple(reversed(spec.global_dims)), spec.dtype, tma=True)
+
+    def table_pointer(self, buffers, name):
+        shape, dtype = self.lowered.buffers[name]
+        return self._tensor(buffers, name, shape, dtype).data_ptr()
+
+    def signal_slots(self, name):
+        return self.lowered.signal_slots[name]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ...errors import InputError
-from .launch import launch
+from .launch import ArgPack, launch
 
 
 def signal_pointer(entry: str, name: str, signals, slots: int | None = None) -> int:
@@ -18,8 +18,10 @@ def signal_pointer(entry: str, name: str, signals, slots: int | None = None) -> 
 
 
 class Launcher:
-    """Base of the kernel launchers: subclasses provide ``args(buffers, signals, launch_index,
-    rank)`` (an ArgPack, after validating every input), ``kernel``, ``grid`` and ``lowered``."""
+    """Base of the kernel launchers: the call, and the packing of the lowered kernel's flat
+    parameter list. Subclasses provide ``kernel``, ``grid``, ``lowered`` and
+    ``tma_tensor(buffers, spec)`` (the validated tensor behind a TMA descriptor); they may
+    refine ``check_call``, ``table_pointer``, ``signal_slots`` and ``scalar``."""
 
     def __call__(self, buffers: dict | None = None, *, signals=None, launch_index: int = 1, rank: int = 0,
                  stream=None, **named):
@@ -30,3 +32,63 @@ class Launcher:
         pack = self.args(buffers, signals, launch_index, rank)
         s = stream if stream is not None else torch.cuda.current_stream()
         launch(self.kernel, self.grid, self.lowered.block, pack, s.cuda_stream, self.lowered.cluster_dims)
+
+    def args(self, buffers: dict, signals: dict | None = None, launch_index: int = 1, rank: int = 0) -> ArgPack:
+        """The kernel's arguments, in the lowering's order, after validating every input."""
+        self.check_call(rank, launch_index)
+        lw = self.lowered
+        specs = {s.param: s for s in lw.tma}
+        pack = ArgPack()
+        for p in lw.params:
+            src = p.source
+            if src.startswith("tma:"):
+                spec = specs[src[4:]]
+                t = self.tma_tensor(buffers, spec)
+                key = (spec.param, t.data_ptr())
+                desc = self._tma_cache.get(key)
+                if desc is None:
+                    desc = self._tma_cache[key] = spec.encode(t.data_ptr())
+                pack.add("tma", desc)
+            elif src == "rank":
+                pack.add("i32", rank)
+            elif src == "launch":
+                pack.add("u64", launch_index)
+            elif src.startswith("signal:"):
+                name = src[7:]
+                pack.add("ptr", signal_pointer(lw.entry, name, signals, self.signal_slots(name)))
+            elif src.startswith("buffer:"):
+                pack.add("ptr", self.table_pointer(buffers, src[7:]))
+            else:
+                value = self.scalar(p)
+                if value is None:
+                    raise InputError(f"unknown kernel parameter source {src!r}")
+                pack.add("i32", value)
+        return pack
+
+    @property
+    def _tma_cache(self) -> dict:
+        """Encoded TMA descriptors by (parameter, base address): the encode is paid once."""
+        cache = self.__dict__.get("_tma_descriptors")
+        if cache is None:
+            cache = self.__dict__["_tma_descriptors"] = {}
+        return cache
+
+    def check_call(self, rank: int, launch_index: int) -> None:
+        if launch_index < 1:
+            raise InputError("launch_index counts launches from 1")
+
+    def signal_slots(self, name: str) -> int | None:
+        """The fewest counters signal ``name`` needs (None: not checked)."""
+        return None
+
+    def table_pointer(self, buffers: dict, name: str) -> int:
+        """Address of an i32 table the kernel reads (``buffer:<name>`` parameters)."""
+        import torch
+        t = buffers.get(name)
+        if t is None or not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or not t.is_cuda:
+            raise InputError(f"{self.lowered.entry} reads table '{name}': pass it as an int32 CUDA tensor")
+        return t.data_ptr()
+
+    def scalar(self, param) -> int | None:
+        """The value of a compile-time scalar parameter (None: not one)."""
+        return None

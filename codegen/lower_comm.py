@@ -44,6 +44,14 @@ runtime passes):
 * ``tbl_<name>`` ``const int*`` — ``buffer:<name>``: an i32 table read by ``load_scalar``;
 * ``rank`` ``int`` — ``rank``; ``launch`` ``unsigned long long`` — ``launch`` (1-based epoch).
 
+**Transport** (``CommSchedule.transport``): ``ptr`` (above: peer-pointer tables) or ``nvshmem``
+— NVSHMEM device calls, header-only (``include/tldsl/comm_nvshmem.hpp``,
+``-D__NVSHMEM_NUMBA_SUPPORT__``): peer data through ``nvshmem_ptr(buf_<name>, pe)`` on the
+device and peer notifies through ``nvshmemx_signal_op`` (after a system-scope fence and
+``nvshmem_fence``), so the kernel takes no ``_peers`` tables, only this rank's symmetric
+addresses, which must come from ``nvshmem_malloc``; the host must call
+``nvshmemx_cumodule_init`` on the loaded module. Waits are the same acquire spins.
+
 Launch: grid ``(min(lanes, tasks), 1, 1)``, block ``(threads, 1, 1)`` (512 by default; any
 block size works, the code reads ``blockDim.x``), no dynamic shared memory. All pointers must be
 16-byte aligned (the vector path assumes it).
@@ -122,10 +130,21 @@ class LoweredComm(LoweredKernel):
     signals: tuple[str, ...]
     options: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    transport: str = "ptr"            # ptr: peer-pointer tables; nvshmem: NVSHMEM device calls
 
     @property
     def num_tasks(self) -> int:
         return math.prod(self.grid_shape)
+
+    def compile(self, **kw):
+        """As :meth:`LoweredKernel.compile`; an NVSHMEM-transport kernel needs NVSHMEM's headers,
+        and their version joins the cache key."""
+        if self.transport == "nvshmem":
+            from .toolchain import find_toolchain
+            tc = find_toolchain()
+            tc.require_nvshmem()
+            kw["options"] = tuple(kw.pop("options", ())) + (f"-DTLDSL_NVSHMEM_VERSION=\"{tc.nvshmem_version}\"",)
+        return super().compile(**kw)
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -252,9 +271,10 @@ def _ctype(dtype) -> str:
 class _CommEmitter(ScalarEmitter):
     what = "the communication lowering"
 
-    def __init__(self, kernel: core.Kernel, part: core.Part):
+    def __init__(self, kernel: core.Kernel, part: core.Part, transport: str = "ptr"):
         super().__init__(None)
         self.kernel, self.part = kernel, part
+        self.transport = transport
         self.pre: dict[int, int] = {}
         self.parent: dict[int, core.Op | None] = {}
         self.block_of: dict[int, int] = {}
@@ -313,6 +333,9 @@ class _CommEmitter(ScalarEmitter):
             return f"buf_{cident(buf.name)}"
         if not buf.symmetric:
             raise _fail(f"'{buf.name}' is addressed on another rank but is not symmetric", op)
+        if self.transport == "nvshmem":       # this rank's symmetric address, mapped on the device
+            self.local_bufs.setdefault(id(buf), (buf, set()))[1].add(mode)
+            return f"tldsl::comm::peer(buf_{cident(buf.name)}, {self.name(rank, op)})"
         self.peer_bufs.setdefault(id(buf), (buf, set()))[1].add(mode)
         return f"buf_{cident(buf.name)}_peers[{self.name(rank, op)}]"
 
@@ -364,8 +387,12 @@ class _CommEmitter(ScalarEmitter):
             rank = None if n == "producer_tile_notify" else op.operands[2]
             scope = op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n])
             cscope = "tldsl::kScopeSys" if scope == "sys" else "tldsl::kScopeGpu"
-            slot = self._sig_ptr(op, rank, "w")
-            lines.append(f"{ind}tldsl::comm::cta_notify<{cscope}>({slot});  // {n}{mk}")
+            if self.transport == "nvshmem" and rank is not None and not _is_this_rank(rank):
+                slot = self._sig_ptr(op, None, "w")        # the symmetric counter; NVSHMEM finds rank's copy
+                lines.append(f"{ind}tldsl::comm::cta_notify_peer({slot}, {self.name(rank, op)});  // {n}{mk}")
+            else:
+                slot = self._sig_ptr(op, rank, "w")
+                lines.append(f"{ind}tldsl::comm::cta_notify<{cscope}>({slot});  // {n}{mk}")
             self.notifies += 1
             self.pending = False
         elif self._is_sink(op):
@@ -740,7 +767,8 @@ def lower_comm(kernel: core.Kernel, part: str | core.Part | None = None, *, thre
     sched = kernel.comm_schedule
     order = sched.order if sched is not None else "ring"
     lanes = int(p.lanes or (sched.lanes if sched is not None else 1))
-    em = _CommEmitter(kernel, p)
+    transport = sched.transport if sched is not None else "ptr"
+    em = _CommEmitter(kernel, p, transport)
     decode = task_decode(tuple(p.grid), order)
     body = em.emit(p.body.ops, "    ")
     entry = entry or cident(f"tldsl_{kernel.name}_{p.name}")
@@ -773,7 +801,7 @@ def lower_comm(kernel: core.Kernel, part: str | core.Part | None = None, *, thre
          f"'{p.name}' ({p.loc}).",
          f"// tasks: grid {tuple(p.grid)} = {ntasks}, {order} order; {lanes} lane(s): CTA b runs tasks b, "
          f"b + gridDim.x, ...; world size {kernel.world_size}; config {digest}",
-         '#include "tldsl/comm.hpp"',
+         '#include "tldsl/comm_nvshmem.hpp"' if transport == "nvshmem" else '#include "tldsl/comm.hpp"',
          "",
          f'extern "C" __global__ void __launch_bounds__({threads}, 1)',
          f"{entry}(",
@@ -795,9 +823,12 @@ def lower_comm(kernel: core.Kernel, part: str | core.Part | None = None, *, thre
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
+    if transport == "nvshmem":
+        options.append("-D__NVSHMEM_NUMBA_SUPPORT__")       # header-only NVSHMEM: no device library to link
     sigs = [s.name for s in kernel.signals if id(s) in em.local_sigs or id(s) in em.peer_sigs]
     return LoweredComm(kernel.name, p.name, entry, "\n".join(L), tuple(params), threads, lanes, tuple(p.grid), order,
-                       kernel.world_size, em.waits, em.notifies, em.transfers, tuple(sigs), tuple(options))
+                       kernel.world_size, em.waits, em.notifies, em.transfers, tuple(sigs), tuple(options),
+                       transport=transport)
 
 
 # =================================================================================================

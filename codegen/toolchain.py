@@ -114,11 +114,21 @@ class Toolchain:
     cuobjdump: Path | None
     tldsl_include: Path = INCLUDE_DIR
     notes: tuple[str, ...] = field(default=())
+    nvshmem_include: Path | None = None     # NVSHMEM's headers (optional: NVSHMEM-transport kernels only)
+    nvshmem_version: str | None = None
 
     @property
     def include_dirs(self) -> list[Path]:
-        """Include order that works for CuTe under NVRTC: ours, CUTLASS, cu13, cu13/cccl."""
-        return [self.tldsl_include, self.cutlass_include, self.cuda_include, self.cccl_include]
+        """Include order that works for CuTe under NVRTC: ours, CUTLASS, cu13, cu13/cccl (then
+        NVSHMEM's, where installed)."""
+        dirs = [self.tldsl_include, self.cutlass_include, self.cuda_include, self.cccl_include]
+        return dirs + ([self.nvshmem_include] if self.nvshmem_include is not None else [])
+
+    def require_nvshmem(self) -> None:
+        if self.nvshmem_include is None:
+            raise _missing("NVSHMEM's headers (nvidia/nvshmem/include/nvshmem.h) were not found: a kernel with "
+                           "transport='nvshmem' includes them", "pip install --no-deps nvidia-nvshmem-cu13==3.4.5 "
+                           "(the version the GPU hosts' torch links; device headers must match the host library)")
 
     def versions(self) -> dict[str, str]:
         return {"nvrtc": self.nvrtc_version, "cutlass": self.cutlass_version, "cccl": self.cccl_version,
@@ -219,8 +229,13 @@ def find_toolchain() -> Toolchain:
         except (ImportError, ValueError):
             raise _missing("cuda.bindings (Python bindings for NVRTC) is not installed", "pip install cuda-bindings") from None
 
+    env = os.environ.get("TLDSL_NVSHMEM_INCLUDE")
+    nvshmem_inc = Path(env) if env else _nvidia_namespace_dir(os.path.join("nvshmem", "include"), "nvshmem.h")
+    if nvshmem_inc is not None and not (nvshmem_inc / "nvshmem.h").exists():
+        raise _missing(f"TLDSL_NVSHMEM_INCLUDE={env} holds no nvshmem.h", "point it at NVSHMEM's include/")
+    nvshmem_version = _dist_version("nvidia-nvshmem-cu13") if nvshmem_inc is not None else None
     return Toolchain(cutlass_inc, cuda_inc, cccl_inc, cutlass_version, cccl_version, nvrtc_version,
-                     _find_cuobjdump(), INCLUDE_DIR, tuple(notes))
+                     _find_cuobjdump(), INCLUDE_DIR, tuple(notes), nvshmem_inc, nvshmem_version)
 
 
 def _find_cuobjdump() -> Path | None:

@@ -14,6 +14,7 @@ from ..errors import ScheduleError
 COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
 COMM_ORDERS = ("ring", "full_mesh")
 CLUSTER_SHAPES = ((1, 1), (2, 1))
+COMM_TRANSPORTS = ("ptr", "nvshmem")
 COMM_MODES = ("push", "pull")
 COMM_ENGINES = ("sm", "copy_engine")
 
@@ -100,12 +101,17 @@ class CommSchedule:
     order: ``ring`` (one peer at a time: rank+1, rank+2, ...) or ``full_mesh`` (all peers
     at once, tile by tile); mode: ``push`` (owners write to peers) or ``pull`` (consumers
     read from peers); engine: ``sm`` (tile_push/pull_data on ``sms`` SMs) or ``copy_engine``
-    (rank_copy_data on DMA engines, no SMs)."""
+    (rank_copy_data on DMA engines, no SMs); transport (SM engine): how a communication kernel
+    reaches peers — ``ptr`` (loads / stores through a table of peer pointers the runtime
+    passes: torch symmetric memory's ``buffer_ptrs``, or ``nvshmem_ptr`` on the host) or
+    ``nvshmem`` (NVSHMEM device calls compiled in header-only mode: ``nvshmem_ptr`` on the device
+    for peer data, ``nvshmemx_signal_op`` for peer notifies; needs NVSHMEM-allocated buffers)."""
     tile_m: int | None = None
     order: str = "ring"
     mode: str = "pull"
     engine: str = "sm"
     sms: int | None = None
+    transport: str = "ptr"
 
     def __post_init__(self):
         if self.order not in COMM_ORDERS:
@@ -117,6 +123,10 @@ class CommSchedule:
         if self.tile_m is not None and not (isinstance(self.tile_m, int) and not isinstance(self.tile_m, bool)
                                             and self.tile_m > 0):
             raise ScheduleError(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
+        if self.transport not in COMM_TRANSPORTS:
+            raise ScheduleError(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
+        if self.engine == "copy_engine" and self.transport != "ptr":
+            raise ScheduleError("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
         if self.engine == "copy_engine":
             if self.tile_m is not None:
                 raise ScheduleError("the copy engine moves whole rank chunks: set tile_m=None with engine='copy_engine'")

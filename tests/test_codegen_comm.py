@@ -355,6 +355,56 @@ def test_emulated_gemm_epilogue_notifies_match_simulator(tmp_path, W, Ms, tile, 
     assert np.array_equal(got, want) and want.sum() > 0
 
 
+NVSHMEM = [tl.CommSchedule(tile_m=64, mode=m, order=o, sms=8, transport="nvshmem")
+           for m in ("push", "pull") for o in ("ring", "full_mesh")]
+
+
+def test_transport_is_a_communication_schedule_choice():
+    with pytest.raises(tl.ScheduleError, match="transport"):
+        tl.CommSchedule(transport="mpi")
+    with pytest.raises(tl.ScheduleError, match="needs engine='sm'"):
+        tl.CommSchedule(engine="copy_engine", transport="nvshmem")
+    # the simulator does not care how peers are reached: same result as the pointer transport
+    W, Ms = 2, 24
+    rng = np.random.default_rng(5)
+    a = [rng.integers(-3, 4, (Ms, 16)).astype(np.float16) for _ in range(W)]
+    b = rng.integers(-3, 4, (16, 32)).astype(np.float16)
+    inputs = [{"a": a[r], "b": b, "c": np.full((W * Ms, 32), np.nan, np.float16)} for r in range(W)]
+    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
+    got = [tl.simulate(allgather_gemm, W, inputs, compute=c16, comm=tl.CommSchedule(tile_m=8, transport=t))[0]["c"]
+           for t in ("ptr", "nvshmem")]
+    assert np.array_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("comm", NVSHMEM, ids=_name)
+def test_nvshmem_transport_lowers_to_device_calls(comm):
+    """transport='nvshmem': no peer-pointer tables; peer data through nvshmem_ptr on the device,
+    peer notifies through nvshmemx_signal_op, header-only NVSHMEM."""
+    for k, part in ((ag_kernel(W=4, comm=comm), "gather_a"), (rs_kernel(W=4, comm=comm, partial_dtype="out"),
+                                                              "reduce_scatter")):
+        lc = lower_comm(k, part)
+        assert lc.transport == "nvshmem" and "-D__NVSHMEM_NUMBA_SUPPORT__" in lc.options
+        assert '#include "tldsl/comm_nvshmem.hpp"' in lc.source
+        assert not any(p.source.startswith(("peers:", "peer_signals:")) for p in lc.params)
+        assert "tldsl::comm::peer(buf_" in lc.source
+        if "tile_push" in lc.source or comm.mode == "push" or part == "reduce_scatter":
+            assert "tldsl::comm::cta_notify_peer(sig_" in lc.source
+        same = comm.with_(transport="ptr")
+        ptr = lower_comm(ag_kernel(W=4, comm=same) if part == "gather_a" else
+                         rs_kernel(W=4, comm=same, partial_dtype="out"), part)
+        assert (lc.waits, lc.notifies, lc.transfers) == (ptr.waits, ptr.notifies, ptr.transfers)
+
+
+def test_runtime_refuses_nvshmem_transport_before_anything_runs():
+    from tldsl.runtime.dist.comm_kernel import CommKernel, check_transport
+    check_transport("ptr")
+    with pytest.raises(tl.InputError, match="nvshmem"):
+        check_transport("nvshmem")
+    lc = lower_comm(ag_kernel(W=2, comm=NVSHMEM[0]), "gather_a")
+    with pytest.raises(tl.InputError, match="transport='nvshmem'"):
+        CommKernel(lc, rank=0, world_size=2, buffers={}, signal_slots={})
+
+
 def test_clusters_are_rejected_where_not_lowered():
     from tldsl.codegen.lower_attention import lower_attention
     from tldsl.codegen.lower_grouped_gemm import lower_grouped_gemm
@@ -368,6 +418,25 @@ def test_clusters_are_rejected_where_not_lowered():
                              compute=tl.ComputeSchedule(tile=(64, 64, 64), cluster=(2, 1)), comm=AG_SM[0])
     with pytest.raises(Exception, match="cluster"):
         lower_attention(spa)
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
+def test_nvshmem_transport_compiles_header_only(tmp_path):
+    """Every NVSHMEM-transport variant compiles with NVRTC against NVSHMEM 3.4.5's headers in
+    header-only mode: the acquire waits and the peer stores stay; no spills."""
+    tcm.find_toolchain().require_nvshmem()
+    lcs = [lower_comm(ag_kernel(W=4, comm=c), "gather_a") for c in NVSHMEM] + \
+          [lower_comm(rs_kernel(W=4, comm=c, partial_dtype="out"), "reduce_scatter") for c in NVSHMEM]
+    cks = [lc.compile(cache=KernelCache(tmp_path), progress=False) for lc in lcs]
+    for lc, ck in zip(lcs, cks):
+        info = ck.ptxas_info()[ck.name]
+        assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0, (lc.entry, info)
+        k = ck.sass()[ck.name]
+        assert k.count("LDG.E.64.STRONG.GPU") + k.count("LDG.E.64.STRONG.SYS") > 0 or lc.waits == 0
+        assert {"ST", "STG"} & set(k.mnemonics), sorted(k.mnemonics)          # stores (to peers via nvshmem_ptr)
+        assert {"ATOM", "ATOMG", "RED", "REDG"} & set(k.mnemonics) or lc.notifies == 0   # nvshmemx_signal_op
+        assert "TLDSL_NVSHMEM_VERSION" in " ".join(ck.options)
 
 
 @pytest.mark.nvrtc

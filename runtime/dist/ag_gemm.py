@@ -66,6 +66,8 @@ class AllGatherMatmul:
         tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self.dtype = tdtype
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
+        from .comm_kernel import check_transport
+        check_transport(comm.transport)
         self.hooks: dict = {}
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self._engine = None

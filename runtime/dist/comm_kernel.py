@@ -67,6 +67,16 @@ def _check_u64_table(name: str, values, world_size: int, align: int) -> tuple[in
     return vals
 
 
+def check_transport(transport: str) -> None:
+    """The runtime maps symmetric memory through torch (CUDA backend) and hands kernels peer-pointer
+    tables; a kernel compiled for NVSHMEM device calls would read NVSHMEM state that nothing
+    initialised. Refused before anything is allocated or launched."""
+    if transport != "ptr":
+        raise InputError(f"transport={transport!r}: the distributed runtime runs transport='ptr' kernels (peer "
+                         "pointers from torch symmetric memory). NVSHMEM-transport kernels compile (tldsl.codegen) "
+                         "but need nvshmem_malloc'ed buffers and nvshmemx_cumodule_init, which it does not set up yet")
+
+
 class CommKernel:
     """A lowered communication part, loaded, with its pointer tables on the device.
 
@@ -81,6 +91,7 @@ class CommKernel:
                  peer_signals: Mapping[str, Sequence[int]] | None = None, kernel=None, compiled=None,
                  progress=None, driver=None, uploader=None):
         self.lowered = lowered
+        check_transport(getattr(lowered, "transport", "ptr"))
         self.rank, self.world_size = int(rank), int(world_size)
         if lowered.world_size != self.world_size:
             raise InputError(f"{lowered.entry} was traced for {lowered.world_size} ranks, not {self.world_size}")

@@ -152,7 +152,7 @@ class MatmulReduceScatter:
         from ...codegen.lower import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
         from ..gpu.gemm import GemmKernel
-        from .comm_kernel import CommKernel, SymmetricWorkspace, kernel_specs
+        from .comm_kernel import CommKernel, SymmetricWorkspace, check_transport, kernel_specs
 
         if reduce_op != "sum":
             raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
@@ -169,6 +169,7 @@ class MatmulReduceScatter:
         if self.comm.engine != "sm":
             raise InputError("a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
                              f"use CommSchedule(engine='sm', ...), got {self.comm}")
+        check_transport(self.comm.transport)
         ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
         spec = tl.TensorSpec
         if partial_dtype not in ("out", "f32"):

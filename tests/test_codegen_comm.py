@@ -395,14 +395,19 @@ def test_nvshmem_transport_lowers_to_device_calls(comm):
         assert (lc.waits, lc.notifies, lc.transfers) == (ptr.waits, ptr.notifies, ptr.transfers)
 
 
-def test_runtime_refuses_nvshmem_transport_before_anything_runs():
-    from tldsl.runtime.dist.comm_kernel import CommKernel, check_transport
-    check_transport("ptr")
-    with pytest.raises(tl.InputError, match="nvshmem"):
-        check_transport("nvshmem")
-    lc = lower_comm(ag_kernel(W=2, comm=NVSHMEM[0]), "gather_a")
-    with pytest.raises(tl.InputError, match="transport='nvshmem'"):
-        CommKernel(lc, rank=0, world_size=2, buffers={}, signal_slots={})
+def test_nvshmem_comm_kernel_needs_the_library_and_inits_its_module():
+    from types import SimpleNamespace
+    from tldsl.runtime.dist.comm_kernel import CommKernel, kernel_specs
+    k = ag_kernel(W=2, comm=NVSHMEM[0])
+    lc = lower_comm(k, "gather_a")
+    bufs, slots = kernel_specs(k)
+    with pytest.raises(tl.InputError, match="nvshmem="):
+        CommKernel(lc, rank=0, world_size=2, buffers=bufs, signal_slots=slots)
+    inited = []
+    nv = SimpleNamespace(init_module=inited.append)
+    kern = SimpleNamespace(module=0xABC, function=None, smem_bytes=0, name=lc.entry)
+    ck = CommKernel(lc, rank=0, world_size=2, buffers=bufs, signal_slots=slots, kernel=kern, nvshmem=nv)
+    assert inited == [0xABC] and ck.tables == {}          # no peer tables: NVSHMEM finds peers on the device
 
 
 def test_clusters_are_rejected_where_not_lowered():

@@ -933,7 +933,8 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert dc.main(["all", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
-                                              "ag_gemm/sm-pull", "ag_gemm/sm-push", "gemm_rs/sm-push", "gemm_rs/sm-push-f32",
+                                              "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
+                                              "gemm_rs/sm-push", "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
     assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0
@@ -1417,3 +1418,156 @@ def test_bench_shapes_take_model_names():
     assert parse_shapes("gemm_rs", "llama405b") == [(8192, 16384, 53248)]
     with pytest.raises(tl.InputError, match="neither"):
         parse_shapes("ag_gemm", "llama9b")
+
+
+# =================================================================================================
+# NVSHMEM runtime (transport='nvshmem'): the ABI, the bootstrap, the workspace — with a fake library
+# =================================================================================================
+
+ABI_MAIN = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <device_host/nvshmem_types.h>
+int main() {
+  printf("%zu %zu %zu %zu ", sizeof(nvshmemx_uniqueid_t), sizeof(nvshmemx_uniqueid_args_t),
+         sizeof(nvshmemx_init_args_t), sizeof(nvshmemx_init_attr_t));
+  printf("%zu %zu %zu %zu %zu %zu\n", offsetof(nvshmemx_init_attr_t, mpi_comm), offsetof(nvshmemx_init_attr_t, args),
+         offsetof(nvshmemx_init_attr_t, args.uid_args), offsetof(nvshmemx_init_attr_t, args.uid_args.id),
+         offsetof(nvshmemx_init_attr_t, args.uid_args.myrank), offsetof(nvshmemx_init_attr_t, args.uid_args.nranks));
+  return 0;
+}
+"""
+
+
+def test_nvshmem_ctypes_structs_match_the_headers(tmp_path):
+    """Our ctypes mirrors of NVSHMEM 3.4's init structs have the headers' sizes and offsets
+    (compiled on the host against the installed nvidia-nvshmem-cu13 headers)."""
+    import ctypes
+    import shutil
+    import subprocess
+    from tldsl.codegen.toolchain import find_toolchain
+    from tldsl.runtime.dist import nvshmem as nvm
+    for name, size in nvm.ABI_SIZES.items():
+        assert ctypes.sizeof(getattr(nvm, name)) == size, name
+    try:
+        inc = find_toolchain().nvshmem_include
+    except Exception:   # noqa: BLE001 - no CUDA wheels: the sizes above are still checked
+        inc = None
+    if inc is None or shutil.which("g++") is None:
+        pytest.skip("needs g++ and NVSHMEM's headers (the nvrtc extra installs them)")
+    src = tmp_path / "abi.cpp"
+    src.write_text(ABI_MAIN)
+    subprocess.run(["g++", f"-I{inc}", str(src), "-o", str(tmp_path / "abi")], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "abi")], capture_output=True, text=True,
+                                          check=True).stdout.split()]
+    A, I, U = nvm.InitAttr, nvm.InitArgs, nvm.UniqueIdArgs
+    uid = A.args.offset + I.uid_args.offset
+    assert got == [128, 24, 128, 144, A.mpi_comm.offset, A.args.offset, uid, uid + U.id.offset,
+                   uid + U.myrank.offset, uid + U.nranks.offset]
+
+
+class FakeNvshmemLib:
+    """The host calls Nvshmem makes, recorded; PE numbers and heap addresses made up."""
+
+    def __init__(self, pe, n):
+        self.pe, self.n, self.calls, self.heap = pe, n, [], 0x7a00_0000_0000
+        for name in ("nvshmemx_get_uniqueid", "nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr",
+                     "nvshmemx_hostlib_finalize", "nvshmem_my_pe", "nvshmem_n_pes", "nvshmem_malloc", "nvshmem_free",
+                     "nvshmem_ptr", "nvshmemx_cumodule_init", "nvshmemx_barrier_all_on_stream"):
+            setattr(self, name, self._fn(name))
+
+    def _fn(self, name):
+        def call(*args):
+            self.calls.append((name,) + args)
+            return getattr(self, "_" + name, lambda *a: 0)(*args)
+        return call
+
+    def _nvshmemx_get_uniqueid(self, ref):
+        ref._obj.internal = b"rank0-secret"
+        return 0
+
+    def _nvshmem_my_pe(self):
+        return self.pe
+
+    def _nvshmem_n_pes(self):
+        return self.n
+
+    def _nvshmem_malloc(self, n):
+        self.heap += 1 << 20
+        return self.heap
+
+    def _nvshmem_ptr(self, p, pe):
+        return p.value + (pe + 1) * 0x1_0000_0000_0000
+
+
+def test_nvshmem_bootstrap_over_the_process_group(monkeypatch):
+    from types import SimpleNamespace
+    from tldsl.runtime.dist import nvshmem as nvm
+    monkeypatch.setattr(nvm.Nvshmem, "_instance", None)
+    sent = []
+
+    def bcast(objs):                 # rank 0's id reaches rank 1
+        sent.append(objs[0])
+        objs[0] = bytes(nvm.new_unique_id().__class__.from_buffer_copy(sent[0]))
+    lib0 = FakeNvshmemLib(0, 2)
+    nv = nvm.Nvshmem.get(SimpleNamespace(rank=0, world_size=2, group=None), lib=lib0, broadcast=bcast)
+    names = [c[0] for c in lib0.calls]
+    assert names[:3] == ["nvshmemx_get_uniqueid", "nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr"]
+    _, myrank, nranks, uid_ref, attr_ref = lib0.calls[1]
+    assert (myrank, nranks) == (0, 2) and uid_ref._obj.internal.startswith(b"rank0-secret")
+    attr = attr_ref._obj
+    assert attr.version == (1 << 16) + 144 and attr.args.version == (1 << 16) + 128
+    assert attr.args.uid_args.version == (1 << 16) + 24
+    assert lib0.calls[2][1] == nvm.INIT_WITH_UNIQUEID and nv.rank == 0
+    assert nvm.Nvshmem.get(SimpleNamespace(rank=0, world_size=2)) is nv           # once per process
+    with pytest.raises(tl.InputError, match="already initialised"):
+        nvm.Nvshmem.get(SimpleNamespace(rank=1, world_size=4))
+    # a rank that is not rank 0 does not make an id; a PE numbering that disagrees is an error
+    monkeypatch.setattr(nvm.Nvshmem, "_instance", None)
+    lib1 = FakeNvshmemLib(0, 2)
+    with pytest.raises(nvm.NvshmemError, match="PE 0 of 2, but this is rank 1"):
+        nvm.Nvshmem.get(SimpleNamespace(rank=1, world_size=2), lib=lib1, broadcast=lambda objs: None)
+    assert "nvshmemx_get_uniqueid" not in [c[0] for c in lib1.calls]
+    monkeypatch.setattr(nvm.Nvshmem, "_instance", None)
+    bad = FakeNvshmemLib(0, 2)
+    bad._nvshmemx_hostlib_init_attr = lambda *a: 7
+    with pytest.raises(nvm.NvshmemError, match="nvshmemx_hostlib_init_attr failed with status 7"):
+        nvm.Nvshmem.get(SimpleNamespace(rank=0, world_size=2), lib=bad, broadcast=lambda objs: None)
+
+
+def test_nvshmem_workspace_regions_peers_and_collective_free(monkeypatch):
+    from types import SimpleNamespace
+    torch = pytest.importorskip("torch")
+    from tldsl.runtime.dist import nvshmem as nvm
+    lib = FakeNvshmemLib(1, 2)
+    nv = nvm.Nvshmem(nvm._bind(lib), 1, 2)
+    made = {}
+
+    def as_tensor(ptr, shape, dtype, device):
+        t = torch.full(tuple(shape), 5, dtype=torch.int64 if dtype == "u64" else torch.float32)
+        made[ptr] = t
+        return t
+    monkeypatch.setattr(nvm, "_synchronize", lambda: None)
+    monkeypatch.setattr(nvm.NvshmemWorkspace, "barrier", lambda self, *a, **k: lib.calls.append(("barrier",)))
+    ctx = SimpleNamespace(rank=1, world_size=2, device=0)
+    ws = nvm.NvshmemWorkspace(ctx, [("recv", "buffer", (64, 8), "f32"), ("arrived", "signal", (4,), "u64")],
+                              nvshmem=nv, as_tensor=as_tensor)
+    base = ws.base
+    r_recv, r_arr = ws.regions
+    assert ws.peers("recv")[1] == base + r_recv.offset and ws.peers("arrived")[1] == base + r_arr.offset
+    assert ws.peers("recv")[0] == base + r_recv.offset + 0x1_0000_0000_0000           # nvshmem_ptr(sym, 0)
+    assert torch.equal(ws.tensor("arrived"), torch.zeros(4, dtype=torch.int64))     # counters zeroed ...
+    assert [c[0] for c in lib.calls][-1] == "barrier"                               # ... before anyone notifies
+    assert (r_recv.offset % 512, r_arr.offset % 512) == (0, 0)
+    ws.close()
+    ws.close()
+    frees = [c for c in lib.calls if c[0] == "nvshmem_free"]
+    assert len(frees) == 1 and frees[0][1].value == base and ws.closed            # freed once, explicitly
+    # an unreachable peer is an error at construction, not a null pointer on the device
+    lib._nvshmem_ptr = lambda p, pe: 0
+    with pytest.raises(nvm.NvshmemError, match="not reachable"):
+        nvm.NvshmemWorkspace(ctx, [("recv", "buffer", (8,), "f32")], nvshmem=nv, as_tensor=as_tensor)
+    nv.init_module(0x55)
+    nv.init_module(0x55)
+    assert [c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"][0][1].value == 0x55
+    assert len([c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"]) == 1      # once per module

@@ -105,6 +105,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
         if r == 0:
             print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
                   f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+        op.close()                      # collective (NVSHMEM heap); a no-op for torch symmetric memory
         del op
         _release()
     if r == 0:
@@ -223,6 +224,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
         if r == 0:
             print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
                   f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+        op.close()
         del op, c
         _release()
     if r == 0:
@@ -296,6 +298,8 @@ def tune(what, shape, iters, *, force, out=sys.stdout):
                 raise AssertionError(f"wrong result (this rank: {res['detail'] or 'ok'})")
             return cuda_event_timings(run, iters=iters, warmup=3, before_each=dist.barrier)
         finally:
+            torch.cuda.synchronize()
+            op.close()
             holder.clear()
             del op
             _release()
@@ -350,7 +354,8 @@ def write_json(path, what, rows, *, gpu, argv):
 def parse_schedule(what: str, spec: str):
     """A function ``(M, N, K) -> (compute, comm)`` (global sizes) from ``key=value,...``: compute
     keys ``tile`` (BMxBNxBK), ``stages``, ``compute_order``, ``group_m``, ``cluster`` (CTAs per
-    cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``sms``, ``tile_m``
+    cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``transport`` (``ptr`` or
+    ``nvshmem``), ``sms``, ``tile_m``
     (``none`` for whole chunks). Unset keys take the op's defaults for the shape."""
     from tldsl.errors import InputError
     from tldsl.runtime.dist import ag_gemm, gemm_rs
@@ -371,7 +376,7 @@ def parse_schedule(what: str, spec: str):
     if "cluster" in kv:
         ckw["cluster"] = (int(kv.pop("cluster")), 1)
     mkw = {}
-    for k in ("engine", "mode", "order"):
+    for k in ("engine", "mode", "order", "transport"):
         if k in kv:
             mkw[k] = kv.pop(k)
     if "sms" in kv:

@@ -66,8 +66,6 @@ class AllGatherMatmul:
         tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self.dtype = tdtype
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
-        from .comm_kernel import check_transport
-        check_transport(comm.transport)
         self.hooks: dict = {}
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self._engine = None
@@ -197,6 +195,12 @@ class AllGatherMatmul:
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
 
+    def close(self) -> None:
+        """Release the symmetric workspace (collective: every rank, same point; required for
+        NVSHMEM's heap, which is never freed by garbage collection)."""
+        if self._engine is not None:
+            self._engine.ws.close()
+
     def _check_out(self, out):
         import torch
         want = (self.ctx.world_size * self.Ms, self.N)
@@ -313,7 +317,7 @@ class _FusedAllGather:
         from ...codegen.lower import lower
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
-        from .comm_kernel import CommKernel, SymmetricWorkspace, kernel_specs
+        from .comm_kernel import CommKernel, kernel_specs, make_workspace
         from .plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
 
         import weakref
@@ -355,14 +359,15 @@ class _FusedAllGather:
         self.sym_b, self.sym_s = sorted(sym_b), sorted(sym_s)
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in self.sym_b] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in self.sym_s]
-        self.ws = SymmetricWorkspace(ctx, specs)                            # collective
+        self.ws = make_workspace(ctx, specs, comm.transport)                # collective
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_s else torch.zeros(slots[nm], dtype=torch.int64,
                                                                                   device=dev)) for nm in slots}
         (self.signal,) = self.lowered_gemm.signals
         if comm.engine == "sm":
             self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
                                           peers={nm: self.ws.peers(nm) for nm in self.sym_b},
-                                          peer_signals={nm: self.ws.peers(nm) for nm in self.sym_s}, compiled=comp)
+                                          peer_signals={nm: self.ws.peers(nm) for nm in self.sym_s}, compiled=comp,
+                                          nvshmem=getattr(self.ws, "nv", None))
             self.executor = None
         else:
             table = PointerTable(W, r)
@@ -417,12 +422,8 @@ class _FusedAllGather:
         return "\n".join(lines)
 
     def _barrier(self, stream):
-        import torch
-        kw = {}
-        if self.wait_timeout_ns:
-            kw["timeout_ms"] = max(1, -(-self.wait_timeout_ns // 1_000_000))
-        with torch.cuda.stream(stream):
-            self.ws.handle.barrier(channel=0, **kw)
+        timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
+        self.ws.barrier(stream, timeout_ms=timeout)
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, copy_gathered: bool = True, out=None):
         import torch

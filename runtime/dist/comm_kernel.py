@@ -67,14 +67,16 @@ def _check_u64_table(name: str, values, world_size: int, align: int) -> tuple[in
     return vals
 
 
-def check_transport(transport: str) -> None:
-    """The runtime maps symmetric memory through torch (CUDA backend) and hands kernels peer-pointer
-    tables; a kernel compiled for NVSHMEM device calls would read NVSHMEM state that nothing
-    initialised. Refused before anything is allocated or launched."""
+def make_workspace(ctx, specs, transport: str):
+    """The symmetric workspace a transport needs (collective): torch symmetric memory for ``ptr``
+    kernels (peer-pointer tables), NVSHMEM's heap for ``nvshmem`` kernels (``nvshmem_ptr`` on the
+    device only finds addresses inside it)."""
+    if transport == "nvshmem":
+        from .nvshmem import NvshmemWorkspace
+        return NvshmemWorkspace(ctx, specs)
     if transport != "ptr":
-        raise InputError(f"transport={transport!r}: the distributed runtime runs transport='ptr' kernels (peer "
-                         "pointers from torch symmetric memory). NVSHMEM-transport kernels compile (tldsl.codegen) "
-                         "but need nvshmem_malloc'ed buffers and nvshmemx_cumodule_init, which it does not set up yet")
+        raise InputError(f"transport={transport!r}: choose 'ptr' or 'nvshmem'")
+    return SymmetricWorkspace(ctx, specs)
 
 
 class CommKernel:
@@ -89,9 +91,12 @@ class CommKernel:
     def __init__(self, lowered, *, rank: int, world_size: int, buffers: Mapping[str, tuple],
                  signal_slots: Mapping[str, int], peers: Mapping[str, Sequence[int]] | None = None,
                  peer_signals: Mapping[str, Sequence[int]] | None = None, kernel=None, compiled=None,
-                 progress=None, driver=None, uploader=None):
+                 progress=None, driver=None, uploader=None, nvshmem=None):
         self.lowered = lowered
-        check_transport(getattr(lowered, "transport", "ptr"))
+        self.transport = getattr(lowered, "transport", "ptr")
+        if self.transport == "nvshmem" and nvshmem is None:
+            raise InputError(f"{lowered.entry} was compiled for transport='nvshmem': pass nvshmem= (the initialised "
+                             "library, e.g. NvshmemWorkspace(...).nv) so its module gets nvshmemx_cumodule_init")
         self.rank, self.world_size = int(rank), int(world_size)
         if lowered.world_size != self.world_size:
             raise InputError(f"{lowered.entry} was traced for {lowered.world_size} ranks, not {self.world_size}")
@@ -143,6 +148,8 @@ class CommKernel:
             comp = compiled if compiled is not None else lowered.compile(progress=progress)
             kernel = load_kernel(comp.cubin, lowered.entry, 0)
         self.kernel = kernel
+        if self.transport == "nvshmem":
+            nvshmem.init_module(kernel.module)      # the module's copy of NVSHMEM's device state, before any launch
 
     @property
     def driver(self):
@@ -323,15 +330,19 @@ class SymmetricWorkspace:
     def peers(self, name: str) -> tuple[int, ...]:
         return self.addresses[name]
 
-    def barrier(self, stream=None, channel: int = 0):
+    def barrier(self, stream=None, channel: int = 0, timeout_ms: int | None = None):
         """A stream-ordered barrier of the group (torch's barrier kernel on ``stream``, default
         the current stream): work after it on every rank starts after work before it on all."""
         import torch
+        kw = {"timeout_ms": timeout_ms} if timeout_ms else {}
         if stream is None:
-            self.handle.barrier(channel=channel)
+            self.handle.barrier(channel=channel, **kw)
         else:
             with torch.cuda.stream(stream):
-                self.handle.barrier(channel=channel)
+                self.handle.barrier(channel=channel, **kw)
+
+    def close(self) -> None:
+        """Nothing to do: torch frees its symmetric memory when the tensors are dropped."""
 
     def describe(self) -> str:
         lines = [f"symmetric workspace: {self.total_bytes} bytes on rank {self.ctx.rank} of {self.ctx.world_size}"]

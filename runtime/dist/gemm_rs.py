@@ -152,7 +152,7 @@ class MatmulReduceScatter:
         from ...codegen.lower import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
         from ..gpu.gemm import GemmKernel
-        from .comm_kernel import CommKernel, SymmetricWorkspace, check_transport, kernel_specs
+        from .comm_kernel import CommKernel, kernel_specs, make_workspace
 
         if reduce_op != "sum":
             raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
@@ -169,7 +169,7 @@ class MatmulReduceScatter:
         if self.comm.engine != "sm":
             raise InputError("a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
                              f"use CommSchedule(engine='sm', ...), got {self.comm}")
-        check_transport(self.comm.transport)
+
         ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
         spec = tl.TensorSpec
         if partial_dtype not in ("out", "f32"):
@@ -196,7 +196,7 @@ class MatmulReduceScatter:
         self.device = dev
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
-        self.ws = SymmetricWorkspace(self.ctx, specs) if specs else None     # collective
+        self.ws = make_workspace(self.ctx, specs, self.comm.transport) if specs else None     # collective
         self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
                                    device=dev)
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
@@ -205,7 +205,8 @@ class MatmulReduceScatter:
         (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
         self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
                                       peers={nm: self.ws.peers(nm) for nm in sym_bufs},
-                                      peer_signals={nm: self.ws.peers(nm) for nm in sym_sigs}, compiled=comp_comm)
+                                      peer_signals={nm: self.ws.peers(nm) for nm in sym_sigs}, compiled=comp_comm,
+                                      nvshmem=getattr(self.ws, "nv", None))
         self.sym_bufs, self.sym_sigs = sym_bufs, sym_sigs
         self.comm_stream = torch.cuda.Stream(device=dev)
         self.launches = 0
@@ -313,9 +314,11 @@ class MatmulReduceScatter:
         return self.partial
 
     def _barrier(self, stream):
-        import torch
-        kw = {}
-        if self.wait_timeout_ns:
-            kw["timeout_ms"] = max(1, -(-self.wait_timeout_ns // 1_000_000))
-        with torch.cuda.stream(stream):
-            self.ws.handle.barrier(channel=0, **kw)
+        timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
+        self.ws.barrier(stream, timeout_ms=timeout)
+
+    def close(self) -> None:
+        """Release the symmetric workspace (collective: every rank, same point; required for
+        NVSHMEM's heap, which is never freed by garbage collection)."""
+        if self.ws is not None:
+            self.ws.close()

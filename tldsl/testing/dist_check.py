@@ -181,10 +181,16 @@ def variants(op: str) -> list[Variant]:
                 Variant("ag_gemm", "copy_engine-push", (("comm", CommSchedule(engine="copy_engine", mode="push")),)),
                 Variant("ag_gemm", "sm-pull", (("engine", "sm"),), True),
                 Variant("ag_gemm", "sm-push",
-                        (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True)]
+                        (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True),
+                Variant("ag_gemm", "sm-push-nvshmem",
+                        (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8,
+                                               transport="nvshmem")),), True)]
     if op == "gemm_rs":
         return [Variant("gemm_rs", "sm-push", (), True),
                 Variant("gemm_rs", "sm-push-f32", (("partial_dtype", "f32"),), True),
+                Variant("gemm_rs", "sm-push-nvshmem",
+                        (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=64, sms=16,
+                                               transport="nvshmem")),), True),
                 Variant("gemm_rs", "sm-pull",
                         (("comm", CommSchedule(engine="sm", mode="pull", order="ring", tile_m=128, sms=16)),), True),
                 Variant("gemm_rs", "sm-push-full_mesh",
@@ -586,6 +592,10 @@ def run(argv=None) -> int:
             env.say(f"dist_check {v.label} {c}: {'PASS' if all_ok else 'FAIL'} ({info if ok else 'see rank lines'}; "
                     f"{time.time() - t0:.1f} s)")
             failures += not all_ok
+            if env.state.op is not None and hasattr(env.state.op, "close"):
+                torch.cuda.synchronize()
+                env.barrier()
+                env.state.op.close()    # collective: NVSHMEM's heap is only freed explicitly
             env.state.op = None
             env.state.reader = None
             gc.collect()                # free the op's symmetric memory here, where nothing spins

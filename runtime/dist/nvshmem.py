@@ -1,0 +1,279 @@
+"""NVSHMEM for ``transport='nvshmem'`` communication kernels: the host library brought up with
+the unique-id bootstrap over a torch.distributed group, symmetric memory from its heap, and
+``nvshmemx_cumodule_init`` for every module compiled in NVSHMEM's header-only mode.
+
+Why the unique-id bootstrap rather than torch's NVSHMEM symmetric-memory backend: that backend
+is process-global (``set_backend("NVSHMEM")``), and once selected torch's own async-TP ops fail
+in the same process (measured on 2x H200, BENCHMARKS.md). Bootstrapping NVSHMEM ourselves
+leaves torch's symmetric memory on its CUDA backend — async-TP keeps working beside us — and
+uses the very library torch links (``libnvshmem_host.so.3`` of ``nvidia-nvshmem-cu13``, the
+version whose device headers our kernels compile against).
+
+Collective points (every rank of the group, same order): :meth:`Nvshmem.get` the first time
+in a process (init), :class:`NvshmemWorkspace` construction (``nvshmem_malloc``) and its
+:meth:`~NvshmemWorkspace.close` (``nvshmem_free``). Nothing is freed by garbage collection:
+``nvshmem_free`` is a collective, so a workspace is released only by an explicit ``close``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+from ...errors import InputError, TldslError
+
+#: ``NVSHMEMX_INIT_WITH_UNIQUEID`` (host/nvshmemx_api.h)
+INIT_WITH_UNIQUEID = 1 << 3
+
+
+class NvshmemError(TldslError):
+    """The NVSHMEM host library is missing or one of its calls failed."""
+
+
+# -- the ABI structs of NVSHMEM 3.4 (bootstrap_device_host/nvshmem_uniqueid.h, device_host/nvshmem_types.h)
+
+class UniqueId(ctypes.Structure):
+    """``nvshmemx_uniqueid_v1`` (128 bytes)."""
+    _fields_ = [("version", ctypes.c_int), ("internal", ctypes.c_char * 124)]
+
+
+class UniqueIdArgs(ctypes.Structure):
+    """``nvshmemx_uniqueid_args_v1`` (24 bytes)."""
+    _fields_ = [("version", ctypes.c_int), ("id", ctypes.POINTER(UniqueId)), ("myrank", ctypes.c_int),
+                ("nranks", ctypes.c_int)]
+
+
+class InitArgs(ctypes.Structure):
+    """``nvshmemx_init_args_v1`` (128 bytes)."""
+    _fields_ = [("version", ctypes.c_int), ("uid_args", UniqueIdArgs), ("content", ctypes.c_char * 96)]
+
+
+class InitAttr(ctypes.Structure):
+    """``nvshmemx_init_attr_v1`` (144 bytes)."""
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgs)]
+
+
+ABI_SIZES = {"UniqueId": 128, "UniqueIdArgs": 24, "InitArgs": 128, "InitAttr": 144}
+
+
+def _struct_version(struct) -> int:
+    """NVSHMEM's versioned-struct tag: ``(1 << 16) + sizeof``."""
+    return (1 << 16) + ctypes.sizeof(struct)
+
+
+def new_unique_id() -> UniqueId:
+    uid = UniqueId()
+    uid.version = _struct_version(UniqueId)
+    return uid
+
+
+def init_attr() -> InitAttr:
+    """An ``nvshmemx_init_attr_t`` with the version tags ``nvshmemx_init_init_attr_ver_only`` sets."""
+    attr = InitAttr()
+    attr.version = _struct_version(InitAttr)
+    attr.args.version = _struct_version(InitArgs)
+    attr.args.uid_args.version = _struct_version(UniqueIdArgs)
+    return attr
+
+
+def find_host_library() -> str:
+    """``libnvshmem_host.so.3`` of the installed ``nvidia-nvshmem-cu13`` (or ``$TLDSL_NVSHMEM_HOSTLIB``)."""
+    env = os.environ.get("TLDSL_NVSHMEM_HOSTLIB")
+    if env:
+        if not os.path.exists(env):
+            raise NvshmemError(f"TLDSL_NVSHMEM_HOSTLIB={env} does not exist")
+        return env
+    try:
+        import nvidia
+        roots = list(nvidia.__path__)
+    except ImportError:
+        roots = []
+    for r in roots:
+        cand = os.path.join(r, "nvshmem", "lib", "libnvshmem_host.so.3")
+        if os.path.exists(cand):
+            return cand
+    raise NvshmemError("libnvshmem_host.so.3 not found: pip install nvidia-nvshmem-cu13==3.4.5 (the version the "
+                       "kernels' NVSHMEM headers and torch use)")
+
+
+def _bind(lib):
+    """Declare the signatures of the host calls used here (wrong ones would corrupt silently)."""
+    sig = {
+        "nvshmemx_get_uniqueid": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
+        "nvshmemx_set_attr_uniqueid_args": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(UniqueId),
+                                                           ctypes.POINTER(InitAttr)]),
+        "nvshmemx_hostlib_init_attr": (ctypes.c_int, [ctypes.c_uint, ctypes.POINTER(InitAttr)]),
+        "nvshmemx_hostlib_finalize": (None, []),
+        "nvshmem_my_pe": (ctypes.c_int, []),
+        "nvshmem_n_pes": (ctypes.c_int, []),
+        "nvshmem_malloc": (ctypes.c_void_p, [ctypes.c_size_t]),
+        "nvshmem_free": (None, [ctypes.c_void_p]),
+        "nvshmem_ptr": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int]),
+        "nvshmemx_cumodule_init": (ctypes.c_int, [ctypes.c_void_p]),
+        "nvshmemx_barrier_all_on_stream": (None, [ctypes.c_void_p]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+class Nvshmem:
+    """The process's NVSHMEM host library, initialised over one torch.distributed group."""
+
+    _instance: "Nvshmem | None" = None
+
+    def __init__(self, lib, rank: int, world_size: int, group=None):
+        self.lib, self.rank, self.world_size, self.group = lib, rank, world_size, group
+        self._modules: set[int] = set()
+
+    @classmethod
+    def get(cls, ctx, *, lib=None, broadcast=None) -> "Nvshmem":
+        """The initialised library (collective the first time: rank 0's unique id reaches every
+        rank through ``broadcast``, default ``torch.distributed.broadcast_object_list``)."""
+        if cls._instance is not None:
+            inst = cls._instance
+            if (inst.rank, inst.world_size) != (ctx.rank, ctx.world_size):
+                raise InputError(f"NVSHMEM is already initialised for rank {inst.rank} of {inst.world_size} in this "
+                                 f"process; this op's group is rank {ctx.rank} of {ctx.world_size}")
+            return inst
+        if lib is None:
+            lib = ctypes.CDLL(find_host_library(), mode=ctypes.RTLD_GLOBAL)
+        lib = _bind(lib)
+        uid = new_unique_id()
+        if ctx.rank == 0:
+            _ok(lib.nvshmemx_get_uniqueid(ctypes.byref(uid)), "nvshmemx_get_uniqueid")
+        raw = [bytes(uid)]
+        (broadcast or _torch_broadcast(ctx))(raw)
+        uid = UniqueId.from_buffer_copy(raw[0])
+        attr = init_attr()
+        _ok(lib.nvshmemx_set_attr_uniqueid_args(ctx.rank, ctx.world_size, ctypes.byref(uid), ctypes.byref(attr)),
+            "nvshmemx_set_attr_uniqueid_args")
+        _ok(lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, ctypes.byref(attr)), "nvshmemx_hostlib_init_attr")
+        pe, n = lib.nvshmem_my_pe(), lib.nvshmem_n_pes()
+        if (pe, n) != (ctx.rank, ctx.world_size):
+            raise NvshmemError(f"NVSHMEM came up as PE {pe} of {n}, but this is rank {ctx.rank} of {ctx.world_size}")
+        cls._instance = cls(lib, pe, n, getattr(ctx, "group", None))
+        return cls._instance
+
+    def malloc(self, nbytes: int) -> int:
+        """``nvshmem_malloc`` (collective; same size on every rank)."""
+        p = self.lib.nvshmem_malloc(int(nbytes))
+        if not p:
+            raise NvshmemError(f"nvshmem_malloc({nbytes}) failed: the symmetric heap is too small "
+                               "(raise NVSHMEM_SYMMETRIC_SIZE)")
+        return int(p)
+
+    def free(self, ptr: int) -> None:
+        self.lib.nvshmem_free(ctypes.c_void_p(int(ptr)))
+
+    def peer_address(self, sym: int, pe: int) -> int:
+        """``nvshmem_ptr(sym, pe)``: rank ``pe``'s copy as mapped here (NVLink peers only)."""
+        p = self.lib.nvshmem_ptr(ctypes.c_void_p(int(sym)), int(pe))
+        if not p:
+            raise NvshmemError(f"rank {pe} is not reachable by load/store from rank {self.rank} (nvshmem_ptr "
+                               "returned null): transport='nvshmem' kernels need NVLink peers")
+        return int(p)
+
+    def init_module(self, module) -> None:
+        """``nvshmemx_cumodule_init`` once per loaded module: fills the module's copy of NVSHMEM's
+        device state (header-only mode) before any launch."""
+        handle = int(module)
+        if handle in self._modules:
+            return
+        _ok(self.lib.nvshmemx_cumodule_init(ctypes.c_void_p(handle)), "nvshmemx_cumodule_init")
+        self._modules.add(handle)
+
+    def barrier_on_stream(self, stream: int) -> None:
+        """Stream-ordered barrier of every PE (NVSHMEM's own kernel)."""
+        self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(int(stream)))
+
+
+def _ok(status: int, what: str) -> None:
+    if status != 0:
+        raise NvshmemError(f"{what} failed with status {status}")
+
+
+def _torch_broadcast(ctx):
+    def bcast(objs):
+        import torch.distributed as dist
+        dist.broadcast_object_list(objs, src=0, group=getattr(ctx, "group", None))
+    return bcast
+
+
+class NvshmemWorkspace:
+    """The :class:`~.comm_kernel.SymmetricWorkspace` interface on NVSHMEM's symmetric heap: one
+    ``nvshmem_malloc`` carved into named regions, torch views of them, every rank's address
+    (``nvshmem_ptr``). Building it is collective; so is :meth:`close`, the only way it is freed."""
+
+    def __init__(self, ctx, specs: Sequence[tuple[str, str, Sequence[int], str]], *, align: int = 512,
+                 nvshmem: Nvshmem | None = None, as_tensor=None):
+        from .comm_kernel import layout_regions
+        self.ctx = ctx
+        self.nv = nvshmem or Nvshmem.get(ctx)
+        self.regions, self.total_bytes = layout_regions(specs, align)
+        self.base = self.nv.malloc(self.total_bytes)
+        self.closed = False
+        view = as_tensor or _torch_view
+        self.addresses: dict[str, tuple[int, ...]] = {}
+        self.tensors: dict[str, object] = {}
+        for r in self.regions:
+            sym = self.base + r.offset
+            self.addresses[r.name] = tuple(sym if q == ctx.rank else self.nv.peer_address(sym, q)
+                                           for q in range(ctx.world_size))
+            t = view(sym, r.shape, r.dtype, ctx.device)
+            self.tensors[r.name] = t
+            if r.kind == "signal":
+                t.zero_()
+        self.barrier()                       # nobody notifies a counter before its owner zeroed it
+        _synchronize()
+
+    def tensor(self, name: str):
+        return self.tensors[name]
+
+    def peers(self, name: str) -> tuple[int, ...]:
+        return self.addresses[name]
+
+    def barrier(self, stream=None, channel: int = 0, timeout_ms: int | None = None):
+        """Stream-ordered barrier of every PE on ``stream`` (default: the current stream)."""
+        import torch
+        s = stream if stream is not None else torch.cuda.current_stream()
+        self.nv.barrier_on_stream(s.cuda_stream)
+
+    def close(self) -> None:
+        """Free the heap allocation (collective: every rank, same point)."""
+        if not self.closed:
+            _synchronize()
+            self.nv.free(self.base)
+            self.closed = True
+
+    def describe(self) -> str:
+        lines = [f"NVSHMEM workspace: {self.total_bytes} bytes at {self.base:#x} on rank {self.ctx.rank} of "
+                 f"{self.ctx.world_size}"]
+        for r in self.regions:
+            lines.append(f"  {r.kind} {r.name} {list(r.shape)} {r.dtype} at +{r.offset}: "
+                         + ", ".join(f"rank {q} {a:#x}" for q, a in enumerate(self.addresses[r.name])))
+        return "\n".join(lines)
+
+
+_TYPESTR = {"f16": "<f2", "f32": "<f4", "i32": "<i4", "u64": "<i8", "u8": "|u1"}
+
+
+def _torch_view(ptr: int, shape, dtype: str, device: int):
+    """A torch tensor over device memory torch did not allocate (``__cuda_array_interface__``);
+    bf16 goes through an int16 view (the interface has no bf16 type)."""
+    import torch
+
+    class _Mem:
+        def __init__(self, typestr):
+            self.__cuda_array_interface__ = {"shape": tuple(int(x) for x in shape), "typestr": typestr,
+                                             "data": (int(ptr), False), "version": 3, "strides": None}
+    with torch.cuda.device(device):
+        if dtype == "bf16":
+            return torch.as_tensor(_Mem("<i2"), device=f"cuda:{device}").view(torch.bfloat16)
+        return torch.as_tensor(_Mem(_TYPESTR[dtype]), device=f"cuda:{device}")
+
+
+def _synchronize():
+    import torch
+    torch.cuda.synchronize()

@@ -49,7 +49,8 @@ def comm_schedules(draw, engines=("sm", "copy_engine"), modes=("push", "pull"), 
         return CommSchedule(tile_m=None, order=order, mode=mode, engine=engine)
     options = [t for t in tiles if compute is None or compute.BM % t == 0 or t % compute.BM == 0]
     tile_m = draw(st.sampled_from(options + [None]))
-    return CommSchedule(tile_m=tile_m, order=order, mode=mode, engine=engine, sms=draw(st.integers(1, 4)))
+    return CommSchedule(tile_m=tile_m, order=order, mode=mode, engine=engine, sms=draw(st.integers(1, 4)),
+                        transport=draw(st.sampled_from(("ptr", "nvshmem"))))
 
 
 def seeds():

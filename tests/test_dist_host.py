@@ -1571,3 +1571,12 @@ def test_nvshmem_workspace_regions_peers_and_collective_free(monkeypatch):
     nv.init_module(0x55)
     assert [c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"][0][1].value == 0x55
     assert len([c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"]) == 1      # once per module
+
+
+def test_nvshmem_single_node_defaults_respect_the_user():
+    from tldsl.runtime.dist.nvshmem import single_node_defaults
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0"}
+    assert single_node_defaults(env) == {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth0"                   # the user's choice stays
+    multi = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert single_node_defaults(multi) == {} and "NVSHMEM_REMOTE_TRANSPORT" not in multi

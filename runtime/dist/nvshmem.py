@@ -137,6 +137,7 @@ class Nvshmem:
                 raise InputError(f"NVSHMEM is already initialised for rank {inst.rank} of {inst.world_size} in this "
                                  f"process; this op's group is rank {ctx.rank} of {ctx.world_size}")
             return inst
+        single_node_defaults()
         if lib is None:
             lib = ctypes.CDLL(find_host_library(), mode=ctypes.RTLD_GLOBAL)
         lib = _bind(lib)
@@ -187,6 +188,22 @@ class Nvshmem:
     def barrier_on_stream(self, stream: int) -> None:
         """Stream-ordered barrier of every PE (NVSHMEM's own kernel)."""
         self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(int(stream)))
+
+
+def single_node_defaults(environ=None) -> dict:
+    """When every rank runs on this host (torchrun's ``WORLD_SIZE == LOCAL_WORLD_SIZE``): no
+    remote transport (NVLink and loopback sockets are all it needs; probing for InfiniBand
+    libraries is slow or fails on hosts without them), bootstrap sockets on the loopback
+    interface, and no NVLink multicast (NVLS) — each only where the user set nothing."""
+    env = os.environ if environ is None else environ
+    set_ = {}
+    if env.get("WORLD_SIZE") and env.get("WORLD_SIZE") == env.get("LOCAL_WORLD_SIZE"):
+        for k, v in (("NVSHMEM_REMOTE_TRANSPORT", "none"), ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+            if k not in env:
+                env[k] = v
+                set_[k] = v
+    return set_
 
 
 def _ok(status: int, what: str) -> None:

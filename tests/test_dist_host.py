@@ -932,7 +932,8 @@ def test_compare_finds_unwritten_and_wrong_tiles():
 def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert dc.main(["all", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
+    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-memops",
+                                              "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/sm-push", "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
@@ -1239,6 +1240,7 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
         assert torch.equal(op.shards[L % 2], a) and torch.equal(ga[Ms:], a)       # staged, and our rows
         assert torch.isnan(ga[:Ms].float()).all()                                  # the copy engine's part
     assert set(op.workspace_tensors()) == {"a"}
+    assert set(op.signal_tensors()) == {op.signal}
     # garbage collection is paused only inside the window, and restored after it
     import gc
     seen = []
@@ -1364,6 +1366,35 @@ def test_checks_catch_broken_ops(bug, check, want):
     env = CpuEnv(bug=bug)
     ok, info, _ = dc.CHECK_FNS[check](env, dc.variants("ag_gemm")[0])
     assert not ok and want in info, info
+
+
+def test_allgather_memops_handshake(proto, monkeypatch):
+    """handshake='memops': no barrier kernel and no reserved SM; the copy stream writes the
+    launch number into this rank's slot on every peer, then waits for every peer's slot here."""
+    import torch.distributed._symmetric_memory as sm
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    monkeypatch.setattr(sm, "empty", lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
+    monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
+    Ms, K, N = 4091, 1032, 3000
+    with pytest.raises(tl.InputError, match="handshake"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
+    with pytest.raises(tl.InputError, match="applies to the direct copy-engine pull path"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", handshake="memops")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="memops")
+    proto.events()
+    assert op.gemm.reserve == 0 and torch.equal(op.arrive, torch.zeros(2, dtype=torch.int64))
+    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    for L in (1, 2):
+        ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+        ev = proto.events()
+        assert [e[0] for e in ev] == ["cuStreamWriteValue64", "wait_stream", "GEMM", "cuStreamWriteValue64",
+                                      "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64", "wait_stream"]
+        assert ev[2] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
+        assert ev[3] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
+        assert ev[4][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
+        assert "BARRIER" not in [e[0] for e in ev]
+    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
 
 
 def test_bench_schedule_spec_parses_into_schedules():

@@ -62,8 +62,9 @@ def _enable_symm_mem(gname):
         pass
 
 
-def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
-    """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm)."""
+def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake="kernel"):
+    """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm);
+    ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``)."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul
@@ -77,7 +78,10 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None):
         a = torch.randn(M // W, K, device="cuda", dtype=dt)
         b = torch.randn(K, N // W, device="cuda", dtype=dt)
         ag = torch.empty(M, K, device="cuda", dtype=dt)
-        op = AllGatherMatmul(M // W, K, N // W, dt, **_ag_kwargs(schedule(M, N, K) if schedule else None))
+        kw = _ag_kwargs(schedule(M, N, K) if schedule else None)
+        if handshake != "kernel":
+            kw["handshake"] = handshake
+        op = AllGatherMatmul(M // W, K, N // W, dt, **kw)
         # correctness first: against NCCL all-gather + cuBLAS, workspace poisoned
         got_a, got_c = op(a, b, poison_workspace=True)
         dist.all_gather_into_tensor(ag, a)
@@ -419,6 +423,9 @@ def main(what, argv):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
     ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
+    ap.add_argument("--ag-handshake", default="kernel", choices=("kernel", "memops"),
+                    help="ag_gemm: the per-launch barrier as torch's barrier kernel (one SM kept free) or as "
+                         "stream memory operations (no SM)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 also writes the rows (with every "
                     "rank's phase timeline) as JSON")
     ap.add_argument("--schedule", default=None, metavar="SPEC",
@@ -443,7 +450,7 @@ def main(what, argv):
             chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731
         if what == "ag_gemm":
-            rows = bench_ag_gemm(shapes, args.iters, schedule=schedule)
+            rows = bench_ag_gemm(shapes, args.iters, schedule=schedule, handshake=args.ag_handshake)
         else:
             rows = bench_gemm_rs(shapes, args.iters, schedule=schedule)
         if args.json and dist.get_rank() == 0:

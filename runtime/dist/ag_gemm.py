@@ -47,12 +47,17 @@ class AllGatherMatmul:
 
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
-                 engine: str | None = None, sms: int | None = None, ce_executor: str = "direct"):
+                 engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
+                 handshake: str = "kernel"):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
         measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
-        :class:`~.plan_exec.PlanExecutor`; always used for copy-engine push)."""
+        :class:`~.plan_exec.PlanExecutor`; always used for copy-engine push). ``handshake`` (the
+        direct path's one barrier per launch): ``"kernel"`` (torch symmetric memory's barrier
+        kernel, on one SM kept free of the GEMM) or ``"memops"`` (stream memory operations:
+        each rank writes the launch number into a symmetric slot on every peer and its copy
+        stream waits for theirs — no kernel, no SM, so the GEMM gets every SM)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -71,7 +76,13 @@ class AllGatherMatmul:
         self._engine = None
         if ce_executor not in ("direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
+        if handshake not in ("kernel", "memops"):
+            raise InputError(f"handshake={handshake!r}: choose 'kernel' or 'memops'")
+        self.handshake = handshake
         if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
+            if handshake != "kernel":
+                raise InputError(f"handshake={handshake!r} applies to the direct copy-engine pull path; this "
+                                 f"schedule ({comm}, ce_executor={ce_executor!r}) synchronises through its own kernels")
             self.comm = comm
             self.compute = compute or DEFAULT_COMPUTE
             self.launches = 0
@@ -89,17 +100,24 @@ class AllGatherMatmul:
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
         self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
-        # one SM stays free of the persistent GEMM: the group barrier's kernel runs there, beside it
+        # with the barrier kernel, one SM stays free of the persistent GEMM: the kernel runs there
+        least = 1 if handshake == "kernel" else 0
         self.gemm = GemmKernel(self.lowered, progress=progress,
-                               reserve_sms=max(1, int(os.environ.get("TLDSL_RESERVE_SMS", "1"))))
+                               reserve_sms=max(least, int(os.environ.get("TLDSL_RESERVE_SMS", str(least)))))
         (self.signal,) = self.lowered.signals
         dev = torch.device("cuda", self.ctx.device)
         # collective points: the double-buffered symmetric shard + rendezvous
         self.shards = symm_mem.empty((2, self.Ms, self.K), dtype=tdtype, device=dev)
         self.handle = symm_mem.rendezvous(self.shards, self.ctx.group_name)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
+        if handshake == "memops":         # slot q: the last launch whose shard rank q has staged
+            self.arrive = symm_mem.empty((max(W, 1),), dtype=torch.int64, device=dev)
+            self.arrive.zero_()
+            self._arrive_handle = symm_mem.rendezvous(self.arrive, self.ctx.group_name)
+            self.arrive_peers = [int(p) for p in self._arrive_handle.buffer_ptrs]
         # load the barrier kernel now (collective, like the construction): a module CUDA loads
-        # lazily while a GEMM spins beside it would wait for that GEMM
+        # lazily while a GEMM spins beside it would wait for that GEMM. It also orders every
+        # rank's zeroed arrival slots before any peer's first write into them.
         self.handle.barrier(channel=0)
         self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev)
@@ -171,8 +189,12 @@ class AllGatherMatmul:
                 tl_.mark("gemm done", cur, "compute")
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
-            with torch.cuda.stream(self.copy_stream):
-                self.handle.barrier(channel=0)      # every shard of launch L staged; launch L-1 done everywhere
+            # every shard of launch L staged; launch L-1 done everywhere
+            if self.handshake == "kernel":
+                with torch.cuda.stream(self.copy_stream):
+                    self.handle.barrier(channel=0)
+            else:
+                self._memop_handshake(cu, cs, L, write_default)
             if tl_ is not None:
                 tl_.mark("barrier", self.copy_stream, "copy")
             for p in self.order:
@@ -194,6 +216,23 @@ class AllGatherMatmul:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
+
+    def _memop_handshake(self, cu, stream, L, write_default):
+        """The barrier as stream memory operations on the copy stream: write L into our slot on
+        every peer (each write is ordered after this stream's earlier work, and the driver's
+        default write is preceded by a memory barrier), then wait until every peer's slot here
+        holds L or more."""
+        from . import plan_exec
+        me, W = self.ctx.rank, self.ctx.world_size
+        for p in range(W):
+            if p != me:
+                plan_exec.checked(cu, cu.cuStreamWriteValue64(stream, self.arrive_peers[p] + 8 * me, L, write_default),
+                                  f"cuStreamWriteValue64(arrival of rank {me} on rank {p})")
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        for p in range(W):
+            if p != me:
+                plan_exec.checked(cu, cu.cuStreamWaitValue64(stream, self.arrive.data_ptr() + 8 * p, L, geq),
+                                  f"cuStreamWaitValue64(arrival of rank {p})")
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for
@@ -250,15 +289,23 @@ class AllGatherMatmul:
         ``wait timed out: slot 0x...`` line, see :func:`~.comm_kernel.explain_address`)."""
         if self._engine is not None:
             return self._engine.signal_map()
-        return [(self.signal, self.flags.data_ptr(), self.flags.numel(),
-                 f"rank {self.ctx.rank}, local: the copy stream writes one flag per shard, the GEMM waits; "
-                 f"slot s = A_gathered rows [s * {self.Ms}, (s + 1) * {self.Ms})")]
+        out = [(self.signal, self.flags.data_ptr(), self.flags.numel(),
+                f"rank {self.ctx.rank}, local: the copy stream writes one flag per shard, the GEMM waits; "
+                f"slot s = A_gathered rows [s * {self.Ms}, (s + 1) * {self.Ms})")]
+        if self.handshake == "memops":
+            out.append(("handshake_arrive", self.arrive.data_ptr(), self.arrive.numel(),
+                        f"rank {self.ctx.rank}, symmetric: slot q = the last launch rank q staged its shard for; "
+                        "this rank's copy stream waits on it"))
+        return out
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
         if self._engine is not None:
             return dict(self._engine.signals)
-        return {self.signal: self.flags}
+        out = {self.signal: self.flags}
+        if self.handshake == "memops":
+            out["handshake_arrive"] = self.arrive
+        return out
 
     def signal_counters(self) -> dict[str, list[int]]:
         return {nm: t.tolist() for nm, t in self.signal_tensors().items()}

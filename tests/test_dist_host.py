@@ -1611,3 +1611,30 @@ def test_nvshmem_single_node_defaults_respect_the_user():
     assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth0"                   # the user's choice stays
     multi = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
     assert single_node_defaults(multi) == {} and "NVSHMEM_REMOTE_TRANSPORT" not in multi
+
+
+def test_interleaved_timing_rotates_and_agrees_on_failures(capsys):
+    from tldsl.bench_dist import bench_interleaved
+    calls = []
+    cost = {"a": 1.0, "b": 2.0, "c": 3.0}
+
+    def make(n):
+        return lambda: calls.append(n)
+
+    def timer(fn):
+        fn()
+        return cost[calls[-1]] + 0.01 * len(calls)     # a slow drift: interleaving spreads it over all
+    fns = {"a": make("a"), "b": make("b"), "c": make("c"), "bad": lambda: 1 / 0}
+    got = bench_interleaved(fns, iters=3, warm=1, timer=timer, reduce_max=lambda v: list(v))
+    assert [c for c in calls[3:]] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]     # rotated per iteration
+    assert got["a"] < got["b"] < got["c"] and got["bad"] != got["bad"]              # NaN for the broken one
+    assert "bad failed" in capsys.readouterr().err
+    # a failure on another rank removes the candidate everywhere (collectives must match)
+    rounds = []
+
+    def peer_failed_b(values):           # the first reduction carries the failure flags; a peer's "b" failed
+        rounds.append(list(values))
+        return [values[0], 1.0] if len(rounds) == 1 else list(values)
+    got = bench_interleaved({"a": make("a"), "b": make("b")}, iters=2, warm=1, timer=timer, reduce_max=peer_failed_b)
+    assert rounds[0] == [0.0, 0.0] and len(rounds[1]) == 1                        # only "a" was timed
+    assert got["b"] != got["b"] and got["a"] == got["a"]

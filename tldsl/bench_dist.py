@@ -13,7 +13,8 @@ ideal = max(comm, gemm), and ratios. M, N, K are the global sizes.
 AG+GEMM: A shards are [M/W, K], B is the column shard [K, N/W] (tensor-parallel MLP
 up-projection). GEMM+RS: A is [M, K/W], B the row shard [K/W, N], the [M, N] partial sums are
 reduce-scattered to [M/W, N] (down-projection). Each time is the median over iterations of the
-slowest rank (barrier before each).
+slowest rank (barrier + synchronise before each call), all columns timed interleaved
+(:func:`bench_interleaved`).
 
 ``--sweep`` runs the autotuner (:mod:`tldsl.runtime.dist.autotune`) over the candidate
 (compute, comm) schedules — copy engine vs SMs, push vs pull, two compute tile orders — printing
@@ -32,26 +33,56 @@ AG_SHAPES = [(m, n, 8192) for n in (28672, 8192) for m in (2048, 4096, 8192, 163
 RS_SHAPES = [(m, n, k) for (n, k) in ((8192, 28672), (8192, 8192)) for m in (2048, 4096, 8192, 16384)]
 
 
-def _bench(fn, iters=20, warm=5):
+def _cuda_event_timer(fn) -> float:
+    """Milliseconds of one call of ``fn`` between CUDA events, every rank starting together."""
     import torch
     import torch.distributed as dist
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     dist.barrier()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        torch.cuda.synchronize()
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    t = torch.tensor([statistics.median(ts)], device="cuda")
+    torch.cuda.synchronize()
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor(values, device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
+
+
+def bench_interleaved(fns: dict, iters: int = 20, warm: int = 5, *, timer=None, reduce_max=None) -> dict:
+    """Median milliseconds of every callable in ``fns``, timed **interleaved**: each iteration
+    times each of them once, in an order rotated by one per iteration, so that clock and
+    temperature drift, and the idle gap before a call, fall on all of them alike (timing one
+    after the other in blocks favoured whichever ran first by up to 15%). Each rank's median,
+    then the slowest rank's. A callable whose warm-up raises gets NaN (on every rank: the
+    failure is agreed on before anything is timed)."""
+    timer = timer or _cuda_event_timer
+    reduce_max = reduce_max or _max_over_ranks
+    names, broken = list(fns), set()
+    for name in names:
+        try:
+            for _ in range(warm):
+                fns[name]()
+        except Exception as ex:   # noqa: BLE001 - a peer that cannot run here (e.g. async-TP)
+            print(f"# {name} failed: {ex!r:.200}", file=sys.stderr)
+            broken.add(name)
+    failed = reduce_max([1.0 if n in broken else 0.0 for n in names])
+    live = [n for n, f in zip(names, failed) if f == 0.0]
+    times = {n: [] for n in live}
+    for i in range(iters):
+        for j in range(len(live)):
+            n = live[(i + j) % len(live)]
+            times[n].append(timer(fns[n]))
+    medians = reduce_max([statistics.median(times[n]) for n in live]) if live else []
+    out = {n: float("nan") for n in names}
+    out.update(dict(zip(live, medians)))
+    return out
 
 
 def _enable_symm_mem(gname):
@@ -90,17 +121,14 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake="kerne
         ok_a = torch.equal(got_a, ag)
         err = (got_c.float() - ref.float()).abs().max().item()
         ok = ok_a and err <= 2e-2 * ref.float().abs().max().item() + 1e-2 and not torch.isnan(got_c).any().item()
-        t_ag = _bench(lambda: dist.all_gather_into_tensor(ag, a), iters)
-        t_gemm = _bench(lambda: torch.mm(ag, b), iters)
-        t_seq = _bench(lambda: (dist.all_gather_into_tensor(ag, a), torch.mm(ag, b)), iters)
-        try:
-            t_atp = _bench(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0,
-                                                                              group_name=gname), iters)
-        except Exception as ex:   # noqa: BLE001
-            print(f"# async-TP failed: {ex!r:.200}", file=sys.stderr)
-            t_atp = float("nan")
-        t_ours = _bench(lambda: op(a, b), iters)
-        t_own = _bench(lambda: op.compute_only(ag, b), iters)
+        t = bench_interleaved({
+            "comm": lambda: dist.all_gather_into_tensor(ag, a),
+            "gemm": lambda: torch.mm(ag, b),
+            "seq": lambda: (dist.all_gather_into_tensor(ag, a), torch.mm(ag, b)),
+            "asynctp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname),
+            "ours": lambda: op(a, b),
+            "own": lambda: op.compute_only(ag, b)}, iters)
+        t_ag, t_gemm, t_seq, t_atp, t_ours, t_own = (t[k] for k in ("comm", "gemm", "seq", "asynctp", "ours", "own"))
         phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
         ideal = max(t_ag, t_gemm)
         rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_ag, gemm=t_gemm, own=t_own, phases=phases,
@@ -209,17 +237,15 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
         if not res["ok"]:
             print(f"# [rank {r}] {M}x{N}x{K}: WRONG: {res['detail']}", file=sys.stderr, flush=True)
         c = torch.mm(a, b)
-        t_rs = _bench(lambda: dist.reduce_scatter_tensor(rs_out, c), iters)
-        t_gemm = _bench(lambda: torch.mm(a, b), iters)
-        t_seq = _bench(lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), iters)
-        try:
-            t_atp = _bench(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
-                                                                                  group_name=gname), iters)
-        except Exception as ex:   # noqa: BLE001
-            print(f"# async-TP failed: {ex!r:.200}", file=sys.stderr)
-            t_atp = float("nan")
-        t_ours = _bench(lambda: op(a, b), iters)
-        t_own = _bench(lambda: op.compute_only(a, b), iters)
+        t = bench_interleaved({
+            "comm": lambda: dist.reduce_scatter_tensor(rs_out, c),
+            "gemm": lambda: torch.mm(a, b),
+            "seq": lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)),
+            "asynctp": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
+                                                                             group_name=gname),
+            "ours": lambda: op(a, b),
+            "own": lambda: op.compute_only(a, b)}, iters)
+        t_rs, t_gemm, t_seq, t_atp, t_ours, t_own = (t[k] for k in ("comm", "gemm", "seq", "asynctp", "ours", "own"))
         phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
         ideal = max(t_rs, t_gemm)
         rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm, own=t_own, phases=phases,

@@ -10,12 +10,15 @@ double-buffered symmetric buffer, slot ``L % 2``:
 1. compute stream: copy this call's shard into slot ``L % 2``; copy it into its rows of
    A_gathered and write L into its flag (same-GPU copies run on SMs, so they must finish
    before the persistent GEMM holds them); record that point for the copy stream;
-2. compute stream, at once: the GEMM, launch index L, on all SMs but one (the barrier kernel
-   runs beside it there); it starts on our own rows and spins (acquire, system scope) on
+2. compute stream, at once: the GEMM, launch index L (on all SMs but one with the barrier
+   kernel, which runs beside it there); it starts on our own rows and spins (acquire, system scope) on
    flag p before loading rows of shard p;
 3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
-   L+1); then, in ring order, peer copies of shard p (NVLink copy engine, no SM) into rows
+   L+1). ``handshake="kernel"``: torch symmetric memory's barrier kernel (hence the free SM);
+   ``"memops"``: stream memory operations — write L into this rank's slot of every peer's
+   symmetric arrival array, then wait (GEQ) for every peer's slot here; no kernel, no SM, and
+   the GEMM takes every SM. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM) into rows
    [p*Ms, (p+1)*Ms), each followed by writing L into flag p (``cuStreamWriteValue64``).
    Between enqueueing the GEMM and the last copy the host never waits for the device
    (garbage collection is paused: freeing symmetric memory synchronises);
@@ -36,7 +39,6 @@ from ...ir.schedule import CommSchedule, ComputeSchedule
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
-_TORCH = {"bf16": "bfloat16", "f16": "float16"}
 
 
 class AllGatherMatmul:

@@ -36,6 +36,7 @@ def _torchrun(args, tmp_path: Path, name: str, timeout: int):
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "tldsl.testing.dist_check", *args]
     try:

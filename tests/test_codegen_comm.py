@@ -387,8 +387,10 @@ def test_nvshmem_transport_lowers_to_device_calls(comm):
         assert '#include "tldsl/comm_nvshmem.hpp"' in lc.source
         assert not any(p.source.startswith(("peers:", "peer_signals:")) for p in lc.params)
         assert "tldsl::comm::peer(buf_" in lc.source
-        if "tile_push" in lc.source or comm.mode == "push" or part == "reduce_scatter":
-            assert "tldsl::comm::cta_notify_peer(sig_" in lc.source
+        # peers are notified by a push all-gather and by every reduce-scatter; a pull all-gather
+        # notifies only this rank's own counters
+        peer_notifies = comm.mode == "push" or part == "reduce_scatter"
+        assert ("tldsl::comm::cta_notify_peer(sig_" in lc.source) == peer_notifies
         same = comm.with_(transport="ptr")
         ptr = lower_comm(ag_kernel(W=4, comm=same) if part == "gather_a" else
                          rs_kernel(W=4, comm=same, partial_dtype="out"), part)

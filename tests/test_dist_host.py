@@ -1209,16 +1209,21 @@ def test_allgather_launch_protocols(proto, variant):
             assert [e[3] for e in copies if e[0] == "cuStreamWriteValue64"] == [L, L]
 
 
+def _fake_torch_symmetric_memory(proto, monkeypatch):
+    """torch's symm_mem.empty / rendezvous as CPU tensors and the fixture's fake handle."""
+    import torch.distributed._symmetric_memory as sm
+    monkeypatch.setattr(sm, "empty", lambda size, dtype=None, device=None: proto.torch.empty(size, dtype=dtype))
+    monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
+
+
 def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     """The default AG+GEMM path: shard staged in slot L % 2 and our rows + flag on the compute
     stream, ONE barrier on the copy stream, peer copies from the peer's slot L % 2 with their
     flags, and the GEMM (on all SMs but one, never behind the barrier) on the compute stream,
     enqueued before the copy stream's work with garbage collection paused until it is all in."""
-    import torch.distributed._symmetric_memory as sm
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     torch = proto.torch
-    monkeypatch.setattr(sm, "empty", lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
-    monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
+    _fake_torch_symmetric_memory(proto, monkeypatch)
     Ms, K, N = 4091, 1032, 3000
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16)
     assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
@@ -1371,11 +1376,9 @@ def test_checks_catch_broken_ops(bug, check, want):
 def test_allgather_memops_handshake(proto, monkeypatch):
     """handshake='memops': no barrier kernel and no reserved SM; the copy stream writes the
     launch number into this rank's slot on every peer, then waits for every peer's slot here."""
-    import torch.distributed._symmetric_memory as sm
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     torch = proto.torch
-    monkeypatch.setattr(sm, "empty", lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
-    monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
+    _fake_torch_symmetric_memory(proto, monkeypatch)
     Ms, K, N = 4091, 1032, 3000
     with pytest.raises(tl.InputError, match="handshake"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
@@ -1638,3 +1641,16 @@ def test_interleaved_timing_rotates_and_agrees_on_failures(capsys):
     got = bench_interleaved({"a": make("a"), "b": make("b")}, iters=2, warm=1, timer=timer, reduce_max=peer_failed_b)
     assert rounds[0] == [0.0, 0.0] and len(rounds[1]) == 1                        # only "a" was timed
     assert got["b"] != got["b"] and got["a"] == got["a"]
+
+
+def test_bench_row_and_table():
+    import io
+    from tldsl.bench_dist import _row, _table
+    times = {"comm": 0.3, "gemm": 2.5, "seq": 2.9, "asynctp": 2.95, "ours": 2.75, "own": 2.6}
+    out = io.StringIO()
+    row = _row(8192, 8192, 8192, 2, times, [], True, 0.01, None, out, rank=0)
+    assert row["ideal"] == 2.5 and row["ours"] == 2.75 and "ours 2.750 ms" in out.getvalue()
+    assert _row(8192, 8192, 8192, 2, times, [], False, 9.0, None, io.StringIO(), rank=1)["correct"] is False
+    _table([row], "NCCL AG ms", out)
+    last = out.getvalue().strip().splitlines()[-1]
+    assert last == "| 8192 | 8192 | 8192 | 2.750 | 2.900 | 2.950 | 0.300 | 2.500 | 2.600 | 2.500 | 1.100 | 0.948 | 0.932 | yes |"

@@ -128,21 +128,25 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake="kerne
             "asynctp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname),
             "ours": lambda: op(a, b),
             "own": lambda: op.compute_only(ag, b)}, iters)
-        t_ag, t_gemm, t_seq, t_atp, t_ours, t_own = (t[k] for k in ("comm", "gemm", "seq", "asynctp", "ours", "own"))
-        phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
-        ideal = max(t_ag, t_gemm)
-        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_ag, gemm=t_gemm, own=t_own, phases=phases,
-                         ideal=ideal, correct=ok, max_err=err,
-                         schedule=f"{op.compute}, {op.comm}" if schedule else None))
-        if r == 0:
-            print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
-                  f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+        rows.append(_row(M, N, K, W, t, _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, err,
+                         f"{op.compute}, {op.comm}" if schedule else None, out, r))
         op.close()                      # collective (NVSHMEM heap); a no-op for torch symmetric memory
         del op
         _release()
     if r == 0:
         _table(rows, "NCCL AG ms", out)
     return rows
+
+
+def _row(M, N, K, W, times: dict, phases, ok: bool, max_err: float, schedule, out, rank: int) -> dict:
+    """One table row from :func:`bench_interleaved`'s times (keys comm, gemm, seq, asynctp,
+    ours, own); rank 0 prints a progress line."""
+    row = dict(M=M, N=N, K=K, W=W, **times, ideal=max(times["comm"], times["gemm"]), phases=phases, correct=ok,
+               max_err=max_err, schedule=schedule)
+    if rank == 0:
+        print(f"# {M}x{N}x{K}: ours {row['ours']:.3f} ms, seq {row['seq']:.3f}, async-TP {row['asynctp']:.3f}, "
+              f"ideal {row['ideal']:.3f}{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+    return row
 
 
 def _phases(op, fn, label, out=sys.stdout):
@@ -245,15 +249,8 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
                                                                              group_name=gname),
             "ours": lambda: op(a, b),
             "own": lambda: op.compute_only(a, b)}, iters)
-        t_rs, t_gemm, t_seq, t_atp, t_ours, t_own = (t[k] for k in ("comm", "gemm", "seq", "asynctp", "ours", "own"))
-        phases = _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out)
-        ideal = max(t_rs, t_gemm)
-        rows.append(dict(M=M, N=N, K=K, W=W, ours=t_ours, seq=t_seq, asynctp=t_atp, comm=t_rs, gemm=t_gemm, own=t_own, phases=phases,
-                         ideal=ideal, correct=ok, max_err=res["max_err"],
-                         schedule=f"{op.compute}, {op.comm}"))     # the defaults depend on the shape
-        if r == 0:
-            print(f"# {M}x{N}x{K}: ours {t_ours:.3f} ms, seq {t_seq:.3f}, async-TP {t_atp:.3f}, ideal {ideal:.3f}"
-                  f"{'' if ok else '  WRONG RESULT'}", file=out, flush=True)
+        rows.append(_row(M, N, K, W, t, _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, res["max_err"],
+                         f"{op.compute}, {op.comm}", out, r))     # always: the RS defaults depend on the shape
         op.close()
         del op, c
         _release()

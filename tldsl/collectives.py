@@ -116,7 +116,8 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     Producers write tiles of ``producer_rows`` rows aligned at multiples of it,
     ``producers_per_row`` tiles per row block, and call ``notify_rows`` after each. The
     communication runs on SMs (it adds), in tiles of ``comm.tile_m`` rows (None: a whole
-    segment of M/W rows) by the full width N, one task per tile of a segment:
+    segment of M/W rows) by the full width N. Tasks are walked step-major (every tile of one
+    step before any tile of the next), so early sends never wait behind this rank's own rows:
 
     * ``order='ring'``: W steps; at step ``s`` rank ``r`` reduces segment ``(r+s+1) % W``:
       its own partial tile plus the running sum its right neighbour sent at step ``s-1``,

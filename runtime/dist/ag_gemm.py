@@ -10,18 +10,18 @@ double-buffered symmetric buffer, slot ``L % 2``:
 1. compute stream: copy this call's shard into slot ``L % 2``; copy it into its rows of
    A_gathered and write L into its flag (same-GPU copies run on SMs, so they must finish
    before the persistent GEMM holds them); record that point for the copy stream;
-2. compute stream, at once: the GEMM, launch index L (on all SMs but one with the barrier
-   kernel, which runs beside it there); it starts on our own rows and spins (acquire, system scope) on
-   flag p before loading rows of shard p;
+2. compute stream, at once: the GEMM, launch index L (on every SM but one when the barrier
+   is a kernel, which runs beside it there); it starts on our own rows and spins (acquire,
+   system scope) on flag p before loading rows of shard p;
 3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
-   L+1). ``handshake="kernel"``: torch symmetric memory's barrier kernel (hence the free SM);
-   ``"memops"``: stream memory operations — write L into this rank's slot of every peer's
-   symmetric arrival array, then wait (GEQ) for every peer's slot here; no kernel, no SM, and
-   the GEMM takes every SM. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM) into rows
-   [p*Ms, (p+1)*Ms), each followed by writing L into flag p (``cuStreamWriteValue64``).
-   Between enqueueing the GEMM and the last copy the host never waits for the device
-   (garbage collection is paused: freeing symmetric memory synchronises);
+   L+1). ``handshake="kernel"``: torch symmetric memory's barrier kernel; ``"memops"``:
+   stream memory operations — write L into this rank's slot of every peer's symmetric
+   arrival array, then wait (GEQ) for every peer's slot here: no kernel, no SM, the GEMM
+   takes every SM. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
+   into rows [p*Ms, (p+1)*Ms), each followed by writing L into flag p
+   (``cuStreamWriteValue64``). Between enqueueing the GEMM and the last copy the host never
+   waits for the device (garbage collection is paused: freeing symmetric memory synchronises);
 4. the compute stream waits for the copy stream, so launch L+1 starts after both.
 
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
@@ -224,17 +224,17 @@ class AllGatherMatmul:
         every peer (each write is ordered after this stream's earlier work, and the driver's
         default write is preceded by a memory barrier), then wait until every peer's slot here
         holds L or more."""
-        from . import plan_exec
+        from .plan_exec import checked
         me, W = self.ctx.rank, self.ctx.world_size
         for p in range(W):
             if p != me:
-                plan_exec.checked(cu, cu.cuStreamWriteValue64(stream, self.arrive_peers[p] + 8 * me, L, write_default),
-                                  f"cuStreamWriteValue64(arrival of rank {me} on rank {p})")
+                checked(cu, cu.cuStreamWriteValue64(stream, self.arrive_peers[p] + 8 * me, L, write_default),
+                        f"cuStreamWriteValue64(arrival of rank {me} on rank {p})")
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         for p in range(W):
             if p != me:
-                plan_exec.checked(cu, cu.cuStreamWaitValue64(stream, self.arrive.data_ptr() + 8 * p, L, geq),
-                                  f"cuStreamWaitValue64(arrival of rank {p})")
+                checked(cu, cu.cuStreamWaitValue64(stream, self.arrive.data_ptr() + 8 * p, L, geq),
+                        f"cuStreamWaitValue64(arrival of rank {p})")
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for

@@ -282,7 +282,35 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": 
                  "i64": "int64", "u8": "uint8"}
 
 
-class SymmetricWorkspace:
+class RegionWorkspace:
+    """What every symmetric workspace offers: named regions (:func:`layout_regions`) with a
+    torch view and every rank's address of each. Subclasses fill ``ctx``, ``regions``,
+    ``total_bytes``, ``tensors`` and ``addresses`` and provide ``barrier`` / ``close``."""
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def tensor(self, name: str):
+        return self.tensors[name]
+
+    def peers(self, name: str) -> tuple[int, ...]:
+        return self.addresses[name]
+
+    def _title(self) -> str:
+        return f"symmetric workspace: {self.total_bytes} bytes"
+
+    def describe(self) -> str:
+        lines = [f"{self._title()} on rank {self.ctx.rank} of {self.ctx.world_size}"]
+        for r in self.regions:
+            lines.append(f"  {r.kind} {r.name} {list(r.shape)} {r.dtype} at +{r.offset}: "
+                         + ", ".join(f"rank {q} {a:#x}" for q, a in enumerate(self.addresses[r.name])))
+        return "\n".join(lines)
+
+
+class SymmetricWorkspace(RegionWorkspace):
     """One symmetric allocation carved into named regions, with every rank's address of each.
 
     Building it is **collective** (``symm_mem.rendezvous``): every rank of ``ctx.group`` must
@@ -318,18 +346,6 @@ class SymmetricWorkspace:
         self.handle.barrier(channel=0)
         torch.cuda.synchronize()
 
-    def region(self, name: str) -> Region:
-        for r in self.regions:
-            if r.name == name:
-                return r
-        raise KeyError(name)
-
-    def tensor(self, name: str):
-        return self.tensors[name]
-
-    def peers(self, name: str) -> tuple[int, ...]:
-        return self.addresses[name]
-
     def barrier(self, stream=None, channel: int = 0, timeout_ms: int | None = None):
         """A stream-ordered barrier of the group (torch's barrier kernel on ``stream``, default
         the current stream): work after it on every rank starts after work before it on all."""
@@ -343,13 +359,6 @@ class SymmetricWorkspace:
 
     def close(self) -> None:
         """Nothing to do: torch frees its symmetric memory when the tensors are dropped."""
-
-    def describe(self) -> str:
-        lines = [f"symmetric workspace: {self.total_bytes} bytes on rank {self.ctx.rank} of {self.ctx.world_size}"]
-        for r in self.regions:
-            lines.append(f"  {r.kind} {r.name} {list(r.shape)} {r.dtype} at +{r.offset}: "
-                         + ", ".join(f"rank {q} {a:#x}" for q, a in enumerate(self.addresses[r.name])))
-        return "\n".join(lines)
 
 
 def signal_map(entries: Sequence[tuple[str, int, int, str]]) -> list[tuple[str, int, int, str]]:

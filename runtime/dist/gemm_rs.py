@@ -138,10 +138,10 @@ class MatmulReduceScatter:
     this rank's slice of the reduction dimension. ``compute`` / ``comm``: the tile program's
     schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`). ``partial_dtype``:
     ``"out"`` (default: each rank's product rounded to A's dtype before the sum, the numerics
-    of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials). ``hooks``: optional
-    callables ``hooks['before_compute'](op, launch, stream)`` / ``hooks['before_comm'](...)`` run
-    on the host just before the GEMM / the communication is enqueued (the distributed checks use
-    them to inject stragglers).
+    of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials).
+    ``hooks``: optional callables ``hooks['before_compute'](op, launch, stream)`` /
+    ``hooks['before_comm'](...)`` run on the host just before the GEMM / the communication is
+    enqueued (the distributed checks use them to inject stragglers).
     """
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,

@@ -21,6 +21,7 @@ import os
 from typing import Sequence
 
 from ...errors import InputError, TldslError
+from .comm_kernel import RegionWorkspace, layout_regions
 
 #: ``NVSHMEMX_INIT_WITH_UNIQUEID`` (host/nvshmemx_api.h)
 INIT_WITH_UNIQUEID = 1 << 3
@@ -218,14 +219,13 @@ def _torch_broadcast(ctx):
     return bcast
 
 
-class NvshmemWorkspace:
+class NvshmemWorkspace(RegionWorkspace):
     """The :class:`~.comm_kernel.SymmetricWorkspace` interface on NVSHMEM's symmetric heap: one
     ``nvshmem_malloc`` carved into named regions, torch views of them, every rank's address
     (``nvshmem_ptr``). Building it is collective; so is :meth:`close`, the only way it is freed."""
 
     def __init__(self, ctx, specs: Sequence[tuple[str, str, Sequence[int], str]], *, align: int = 512,
                  nvshmem: Nvshmem | None = None, as_tensor=None):
-        from .comm_kernel import layout_regions
         self.ctx = ctx
         self.nv = nvshmem or Nvshmem.get(ctx)
         self.regions, self.total_bytes = layout_regions(specs, align)
@@ -245,14 +245,10 @@ class NvshmemWorkspace:
         self.barrier()                       # nobody notifies a counter before its owner zeroed it
         _synchronize()
 
-    def tensor(self, name: str):
-        return self.tensors[name]
-
-    def peers(self, name: str) -> tuple[int, ...]:
-        return self.addresses[name]
-
     def barrier(self, stream=None, channel: int = 0, timeout_ms: int | None = None):
-        """Stream-ordered barrier of every PE on ``stream`` (default: the current stream)."""
+        """Stream-ordered barrier of every PE on ``stream`` (default: the current stream).
+        NVSHMEM's barrier has no timeout: ``timeout_ms`` is accepted for the interface and
+        ignored (the kernels' own debug wait timeouts still report a stuck rank)."""
         import torch
         s = stream if stream is not None else torch.cuda.current_stream()
         self.nv.barrier_on_stream(s.cuda_stream)
@@ -264,13 +260,8 @@ class NvshmemWorkspace:
             self.nv.free(self.base)
             self.closed = True
 
-    def describe(self) -> str:
-        lines = [f"NVSHMEM workspace: {self.total_bytes} bytes at {self.base:#x} on rank {self.ctx.rank} of "
-                 f"{self.ctx.world_size}"]
-        for r in self.regions:
-            lines.append(f"  {r.kind} {r.name} {list(r.shape)} {r.dtype} at +{r.offset}: "
-                         + ", ".join(f"rank {q} {a:#x}" for q, a in enumerate(self.addresses[r.name])))
-        return "\n".join(lines)
+    def _title(self) -> str:
+        return f"NVSHMEM workspace: {self.total_bytes} bytes at {self.base:#x}"
 
 
 _TYPESTR = {"f16": "<f2", "f32": "<f4", "i32": "<i4", "u64": "<i8", "u8": "|u1"}

@@ -131,6 +131,8 @@ class LoweredComm(LoweredKernel):
     options: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
     transport: str = "ptr"            # ptr: peer-pointer tables; nvshmem: NVSHMEM device calls
+    remote_buffers: tuple[str, ...] = ()   # tensors addressed on other ranks: they must be symmetric
+    remote_signals: tuple[str, ...] = ()   # signals notified on other ranks (either transport)
 
     @property
     def num_tasks(self) -> int:
@@ -301,6 +303,8 @@ class _CommEmitter(ScalarEmitter):
         self.peer_bufs: dict[int, tuple[core.Buffer, set]] = {}
         self.local_sigs: dict[int, tuple[core.Signal, set]] = {}
         self.peer_sigs: dict[int, core.Signal] = {}
+        self.remote_bufs: dict[int, core.Buffer] = {}     # addressed on another rank (either transport)
+        self.remote_sigs: dict[int, core.Signal] = {}
         self.pending = False           # a statement ran since the last CTA barrier
         self.waits = self.notifies = self.transfers = 0
         self._has_sink: dict[int, bool] = {}
@@ -333,6 +337,7 @@ class _CommEmitter(ScalarEmitter):
             return f"buf_{cident(buf.name)}"
         if not buf.symmetric:
             raise _fail(f"'{buf.name}' is addressed on another rank but is not symmetric", op)
+        self.remote_bufs[id(buf)] = buf
         if self.transport == "nvshmem":       # this rank's symmetric address, mapped on the device
             self.local_bufs.setdefault(id(buf), (buf, set()))[1].add(mode)
             return f"tldsl::comm::peer(buf_{cident(buf.name)}, {self.name(rank, op)})"
@@ -346,6 +351,7 @@ class _CommEmitter(ScalarEmitter):
             self.local_sigs.setdefault(id(sig), (sig, set()))[1].add(mode)
             return f"sig_{cident(sig.name)} + {ch}"
         self.peer_sigs[id(sig)] = sig
+        self.remote_sigs[id(sig)] = sig
         return f"sig_{cident(sig.name)}_peers[{self.name(rank, op)}] + {ch}"
 
     def _region_has_sink(self, block: core.Block) -> bool:
@@ -389,6 +395,8 @@ class _CommEmitter(ScalarEmitter):
             cscope = "tldsl::kScopeSys" if scope == "sys" else "tldsl::kScopeGpu"
             if self.transport == "nvshmem" and rank is not None and not _is_this_rank(rank):
                 slot = self._sig_ptr(op, None, "w")        # the symmetric counter; NVSHMEM finds rank's copy
+                sig = op.operands[0].owner
+                self.remote_sigs[id(sig)] = sig
                 lines.append(f"{ind}tldsl::comm::cta_notify_peer({slot}, {self.name(rank, op)});  // {n}{mk}")
             else:
                 slot = self._sig_ptr(op, rank, "w")
@@ -828,7 +836,9 @@ def lower_comm(kernel: core.Kernel, part: str | core.Part | None = None, *, thre
     sigs = [s.name for s in kernel.signals if id(s) in em.local_sigs or id(s) in em.peer_sigs]
     return LoweredComm(kernel.name, p.name, entry, "\n".join(L), tuple(params), threads, lanes, tuple(p.grid), order,
                        kernel.world_size, em.waits, em.notifies, em.transfers, tuple(sigs), tuple(options),
-                       transport=transport)
+                       transport=transport,
+                       remote_buffers=tuple(b.name for b in kernel.buffers if id(b) in em.remote_bufs),
+                       remote_signals=tuple(x.name for x in kernel.signals if id(x) in em.remote_sigs))
 
 
 # =================================================================================================

@@ -395,6 +395,10 @@ def test_nvshmem_transport_lowers_to_device_calls(comm):
         ptr = lower_comm(ag_kernel(W=4, comm=same) if part == "gather_a" else
                          rs_kernel(W=4, comm=same, partial_dtype="out"), part)
         assert (lc.waits, lc.notifies, lc.transfers) == (ptr.waits, ptr.notifies, ptr.transfers)
+        # the runtime puts exactly these on the symmetric heap: the same names for both transports
+        assert (lc.remote_buffers, lc.remote_signals) == (ptr.remote_buffers, ptr.remote_signals)
+        assert lc.remote_buffers and set(lc.remote_buffers) <= {b.name for b in k.buffers if b.symmetric}
+        assert bool(lc.remote_signals) == peer_notifies
 
 
 def test_nvshmem_comm_kernel_needs_the_library_and_inits_its_module():

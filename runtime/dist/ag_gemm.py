@@ -395,9 +395,8 @@ class _FusedAllGather:
             self.lowered_comm = lower(self.ir, "gather_a", **opts)
             comp = self.lowered_comm.compile(progress=progress)     # before any collective (see gemm_rs)
             self.lanes = self.lowered_comm.grid()[0]
-            sources = {p.source for p in self.lowered_comm.params}
-            sym_b = {nm for nm in bufs if f"peers:{nm}" in sources}
-            sym_s = {nm for nm in slots if f"peer_signals:{nm}" in sources}
+            sym_b = set(self.lowered_comm.remote_buffers)       # either transport
+            sym_s = set(self.lowered_comm.remote_signals)
         else:
             self.plan = lower(self.ir, "gather_a")
             self.lanes = 0

@@ -1056,7 +1056,15 @@ class _Proto:
                     assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
                 assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
                 log.append(("GEMM", (stream or proto.current[-1]).cuda_stream, launch_index, self.grid[0], rank))
+
+            def prepare(self, buffers, signals=None, rank=0):
+                for spec in self.lowered.tma:
+                    assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
+                assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
+                proto.prepared += 1
+                return SimpleNamespace(launch=lambda stream, L: log.append(("GEMM", stream, L, self.grid[0], rank)))
         mp.setattr(gkm, "GemmKernel", Gemm)
+        self.prepared = 0
 
         class Handle:
             def __init__(self, raw):
@@ -1140,10 +1148,11 @@ def test_gemm_rs_launch_protocol(proto):
         assert tuple(out.shape) == (4091, 3000) and out.dtype == torch.bfloat16
         ev = proto.events()
         names = [e[0] for e in ev]
-        assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "BARRIER", "cuLaunchKernel", "wait_stream"]
+        assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "BARRIER", "cuLaunchKernel", "cuEventRecord",
+                         "cuStreamWaitEvent"]
         assert ev[0][1] == cur and ev[1] == ("GEMM", cur, L, 108, 1)          # producer first, launch index L
         assert ev[2] == ("cuStreamWaitEvent", cs, ev[0][2]) and ev[3] == ("BARRIER", cs)
-        assert ev[4][1] == cs and ev[5] == ("wait_stream", cur, cs)
+        assert ev[4][1] == cs and ev[5][1] == cs and ev[6] == ("cuStreamWaitEvent", cur, ev[5][2])
         launch = proto.drv.launches[-1]
         assert launch["grid"] == (24, 1, 1) and launch["stream"] == cs
         vals = dict(zip([p.source for p in op.lowered_comm.params], launch["decoded"]))
@@ -1230,20 +1239,39 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     assert op.engine == "copy_engine" and op.gemm.reserve == 1 and tuple(op.shards.shape) == (2, Ms, K)
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
+    b = torch.zeros(K, N, dtype=torch.bfloat16)
     for L in (1, 2, 3):
         a = torch.randn(Ms, K).to(torch.bfloat16)
-        ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16), poison_workspace=True)
+        ga, c = op(a, b, poison_workspace=True)
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuStreamWriteValue64", "wait_stream", "GEMM", "BARRIER", "cuMemcpyAsync",
-                                      "cuStreamWriteValue64", "wait_stream"]
+        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord",
+                                      "cuStreamWaitEvent", "GEMM", "BARRIER", "cuMemcpyAsync",
+                                      "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         flags = op.flags.data_ptr()
-        assert ev[0] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)          # our own rows: rank 1
-        assert ev[1] == ("wait_stream", cs, cur)
-        assert ev[2] == ("GEMM", cur, L, 131, 1) and ev[3] == ("BARRIER", cs)    # GEMM first, never behind the barrier
-        assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
-        assert ev[5] == ("cuStreamWriteValue64", cs, flags, L) and ev[6] == ("wait_stream", cur, cs)
-        assert torch.equal(op.shards[L % 2], a) and torch.equal(ga[Ms:], a)       # staged, and our rows
-        assert torch.isnan(ga[:Ms].float()).all()                                  # the copy engine's part
+        # our shard into our symmetric slot L % 2 and into our own rows (rank 1), then our flag
+        assert ev[0] == ("cuMemcpyAsync", cur, op.peer_ptrs[1] + (L % 2) * nbytes, a.data_ptr(), nbytes)
+        assert ev[1] == ("cuMemcpyAsync", cur, ga.data_ptr() + nbytes, a.data_ptr(), nbytes)
+        assert ev[2] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)
+        assert ev[3][1] == cur and ev[4] == ("cuStreamWaitEvent", cs, ev[3][2])  # the copy stream after staging
+        assert ev[5] == ("GEMM", cur, L, 131, 1) and ev[6] == ("BARRIER", cs)    # GEMM first, never behind the barrier
+        assert ev[7] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[8] == ("cuStreamWriteValue64", cs, flags, L)
+        assert ev[9][1] == cs and ev[10] == ("cuStreamWaitEvent", cur, ev[9][2])  # launch L+1 after the copies
+    # the GEMM's arguments are packed once per set of tensor addresses (the caching allocator
+    # hands back the same A_gathered and C): later launches only set the epoch
+    assert proto.prepared <= 3
+    before = proto.prepared
+    monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out: None)     # a CPU tensor stands in
+    out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
+    op(torch.randn(Ms, K).to(torch.bfloat16), b, out=out)
+    op(torch.randn(Ms, K).to(torch.bfloat16), b, out=out)
+    assert proto.prepared - before <= 2
+    # a non-contiguous shard is made contiguous before the raw copies read it
+    at = torch.randn(K, Ms).to(torch.bfloat16).t()
+    proto.events()
+    op(at, b)
+    ev = proto.events()
+    assert ev[0][3] != at.data_ptr() and ev[0][4] == nbytes
     assert set(op.workspace_tensors()) == {"a"}
     assert set(op.signal_tensors()) == {op.signal}
     # garbage collection is paused only inside the window, and restored after it
@@ -1391,11 +1419,15 @@ def test_allgather_memops_handshake(proto, monkeypatch):
     for L in (1, 2):
         ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuStreamWriteValue64", "wait_stream", "GEMM", "cuStreamWriteValue64",
-                                      "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64", "wait_stream"]
-        assert ev[2] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
-        assert ev[3] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
-        assert ev[4][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
+        # the copy stream's few driver calls go first, the GEMM last: the peer copies can start
+        # while the host still enqueues the GEMM
+        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord",
+                                      "cuStreamWaitEvent", "cuStreamWriteValue64", "cuStreamWaitValue64",
+                                      "cuMemcpyAsync", "cuStreamWriteValue64", "GEMM", "cuEventRecord",
+                                      "cuStreamWaitEvent"]
+        assert ev[9] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
+        assert ev[5] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
+        assert ev[6][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
         assert "BARRIER" not in [e[0] for e in ev]
     assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
 

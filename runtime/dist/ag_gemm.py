@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
+from ..gpu.launch import LaunchCache
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -123,6 +124,8 @@ class AllGatherMatmul:
         self.handle.barrier(channel=0)
         self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev)
+        self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
+        self._gemm_launches = LaunchCache()        # prepared GEMM launches by tensor addresses
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
             [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
@@ -132,6 +135,8 @@ class AllGatherMatmul:
         for name, t, shape in (("A shard", a_shard, (self.Ms, self.K)), ("B", b, (self.K, self.N))):
             if not isinstance(t, torch.Tensor) or not t.is_cuda:
                 raise InputError(f"{name} must be a CUDA tensor")
+            if t.device.index != self.ctx.device:
+                raise InputError(f"{name} is on {t.device}; this rank's op runs on cuda:{self.ctx.device}")
             if tuple(t.shape) != shape:
                 raise InputError(f"{name} has shape {tuple(t.shape)}; this op was built for {shape}")
             if t.dtype != self.dtype:
@@ -154,9 +159,10 @@ class AllGatherMatmul:
         self.launches += 1
         L = self.launches
         W = self.ctx.world_size
-        cur = torch.cuda.current_stream()
-        es = self.shards.element_size()
-        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=self.shards.device)
+        cur = torch.cuda.current_stream(self.ctx.device)
+        cur_h = cur.cuda_stream
+        dev = self.shards.device
+        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=dev)
         if poison_workspace:
             a_full.fill_(float("nan"))
         slot = L % 2
@@ -164,31 +170,38 @@ class AllGatherMatmul:
         tl_ = self.timeline
         if tl_ is not None:
             tl_.mark("start", cur, "compute")
-        self.shards[slot].copy_(a_shard)
-        # Our own rows: a same-GPU copy, which the driver runs as an SM kernel; it must not run
-        # beside the persistent GEMM (which holds the SMs while it waits), so it goes on the
-        # compute stream, before the GEMM, with its flag.
-        a_full[me * self.Ms:(me + 1) * self.Ms].copy_(a_shard)
-        plan_exec.checked(cu, cu.cuStreamWriteValue64(cur.cuda_stream, self.flags.data_ptr() + 8 * me, L,
-                                                      write_default), "cuStreamWriteValue64(own flag)")
+        nbytes = self.Ms * self.K * self.shards.element_size()
+        if not a_shard.is_contiguous():
+            a_shard = a_shard.contiguous()
+        src = a_shard.data_ptr()
+        # Our shard into the symmetric slot and into our own rows of A_gathered, then our flag.
+        # Same-GPU copies run before the GEMM on the compute stream: they must not queue behind
+        # the persistent GEMM, which holds the SMs while it waits.
+        plan_exec.checked(cu, cu.cuMemcpyAsync(self.peer_ptrs[me] + slot * nbytes, src, nbytes, cur_h),
+                          "cuMemcpyAsync(stage our shard)")
+        plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + me * nbytes, src, nbytes, cur_h),
+                          "cuMemcpyAsync(our rows)")
+        plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, self.flags.data_ptr() + 8 * me, L, write_default),
+                          "cuStreamWriteValue64(own flag)")
         if tl_ is not None:
             tl_.mark("staged", cur, "compute")
-        self.copy_stream.wait_stream(cur)
+        self._staged.record(cur)
+        self.copy_stream.wait_event(self._staged)
         cs = self.copy_stream.cuda_stream
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=self.shards.device) if out is None else out
-        nbytes = self.Ms * self.K * es
-        # The GEMM goes first, so the GPU does not idle while the host enqueues the copies; it
-        # spins until they land, so nothing between here and the last copy may wait for the
-        # device: no garbage collection (freeing another op's symmetric memory synchronises).
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
+        gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
+            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
+        # With the stream-memop handshake the copy stream's work is enqueued first (a few driver
+        # calls, no SM): the peer copies start as soon as both ranks are staged, while the host
+        # enqueues the GEMM. With the barrier kernel the GEMM goes first, so that the GPU does not
+        # idle while the host runs torch's barrier. Either way, nothing between enqueueing the GEMM
+        # and the last copy may wait for the device: no garbage collection (freeing another op's
+        # symmetric memory synchronises) — the GEMM spins until the copies land.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            if self.hooks:
-                self._hook("before_compute", cur)
-            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags},
-                      launch_index=L, rank=self.ctx.rank)
-            if tl_ is not None:
-                tl_.mark("gemm done", cur, "compute")
+            if self.handshake == "kernel":
+                self._enqueue_gemm(gemm, cur, L)
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
             # every shard of launch L staged; launch L-1 done everywhere
@@ -209,15 +222,25 @@ class AllGatherMatmul:
                                   f"cuStreamWriteValue64(flag of rank {p})")
                 if tl_ is not None:
                     tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+            if self.handshake != "kernel":
+                self._enqueue_gemm(gemm, cur, L)
         finally:
             if gc_was_on:
                 gc.enable()
-        cur.wait_stream(self.copy_stream)
+        self._copied.record(self.copy_stream)
+        cur.wait_event(self._copied)
         a_full.record_stream(self.copy_stream)
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
+
+    def _enqueue_gemm(self, gemm, cur, L):
+        if self.hooks:
+            self._hook("before_compute", cur)
+        gemm.launch(cur.cuda_stream, L)
+        if self.timeline is not None:
+            self.timeline.mark("gemm done", cur, "compute")
 
     def _memop_handshake(self, cu, stream, L, write_default):
         """The barrier as stream memory operations on the copy stream: write L into our slot on
@@ -437,6 +460,7 @@ class _FusedAllGather:
             self.executor = PlanExecutor(self.plan, r, table, per_call=per_call)
             self.comm_kernel = None
         self.comm_stream = torch.cuda.Stream(device=dev)
+        self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
         torch.cuda.synchronize()
 
     @staticmethod
@@ -473,6 +497,12 @@ class _FusedAllGather:
         timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
         self.ws.barrier(stream, timeout_ms=timeout)
 
+    def _launch_gemm(self, a_full, b, c, stream, L):
+        """The GEMM, its arguments packed once per set of tensor addresses."""
+        self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
+            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
+            rank=self.op.ctx.rank)).launch(stream.cuda_stream, L)
+
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, copy_gathered: bool = True, out=None):
         import torch
         op = self.op
@@ -508,10 +538,10 @@ class _FusedAllGather:
             self.comm_stream.wait_event(ev)
             if self.mode == "push":
                 self._barrier(self.comm_stream)     # peers' GEMMs of launch L-1 no longer read their A_gathered
-            self.comm_kernel(self.comm_stream.cuda_stream, {"a": a_src, "a_gathered": a_full}, self.signals, L)
+            self._comm_launches.get((a_src.data_ptr(), a_full.data_ptr()), lambda: self.comm_kernel.prepare(
+                {"a": a_src, "a_gathered": a_full}, self.signals)).launch(self.comm_stream.cuda_stream, L)
             op._hook("before_compute", cur)
-            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
-                      launch_index=L, rank=r, stream=cur)
+            self._launch_gemm(a_full, b, c, cur, L)
         else:
             op._hook("before_comm", self.comm_stream)
             self.comm_stream.wait_event(ev)
@@ -520,8 +550,7 @@ class _FusedAllGather:
             per_call = {nm: (a_src if nm == "a" else a_full).data_ptr() for nm in self.executor.per_call}
             self.executor.enqueue(self.comm_stream.cuda_stream, L, local_stream=cur.cuda_stream, per_call=per_call)
             op._hook("before_compute", cur)
-            self.gemm({"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
-                      launch_index=L, rank=r, stream=cur)
+            self._launch_gemm(a_full, b, c, cur, L)
         cur.wait_stream(self.comm_stream)
         if self.mode == "pull":
             a_full.record_stream(self.comm_stream)  # written on the communication stream (SM kernel / copies)

@@ -213,6 +213,14 @@ class CommKernel:
                                  f"at {self.table_values[src][self.rank]:#x}: pass the symmetric workspace's tensor")
         return pack, values
 
+    def prepare(self, buffers: Mapping[str, object], signals: Mapping[str, object]):
+        """Validate and pack the arguments once (:class:`~..gpu.launch.PreparedLaunch`): the ops
+        cache these per set of tensor addresses and launch with only the epoch."""
+        from ..gpu.launch import PreparedLaunch
+        pack, _ = self.args(buffers, signals, 1)
+        slot = next(i for i, p in enumerate(self.lowered.params) if p.source == "launch")
+        return PreparedLaunch(self.kernel, self.grid, self.block, pack, slot, driver=self.driver)
+
     def __call__(self, stream: int, buffers: Mapping[str, object], signals: Mapping[str, object],
                  launch_index: int) -> list[tuple[str, object]]:
         """Launch on ``stream`` (a CUstream handle). Returns the parameter values passed."""

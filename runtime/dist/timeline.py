@@ -11,12 +11,20 @@ class PhaseTimeline:
 
     def __init__(self):
         self.marks: list[tuple[str, str, object]] = []
+        self.host: list[float] = []     # host clock (s) when each mark was enqueued
 
     def mark(self, label: str, stream, stream_name: str) -> None:
+        import time
         import torch
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         self.marks.append((label, stream_name, ev))
+        self.host.append(time.perf_counter())
+
+    def host_ms(self) -> list[float]:
+        """Milliseconds since the first mark at which the host had enqueued each mark: where a
+        device time equals its host time, the device was waiting for the host."""
+        return [1e3 * (t - self.host[0]) for t in self.host] if self.host else []
 
     def phases(self) -> list[tuple[str, str, float]]:
         """``(label, stream name, ms since the first mark)``, in recording order."""
@@ -30,8 +38,11 @@ class PhaseTimeline:
             out.append((label, name, first.elapsed_time(ev)))
         return out
 
-    def format(self, prefix: str = "") -> str:
-        return prefix + ", ".join(f"{label} @{ms:.3f} ({name})" for label, name, ms in self.phases())
+    def format(self, prefix: str = "", host: bool = False) -> str:
+        """``label @ms (stream)``; ``host=True`` adds when the host had enqueued it."""
+        hs = self.host_ms() if host else None
+        return prefix + ", ".join(f"{label} @{ms:.3f} ({name}{f'; host {hs[i]:.3f}' if hs else ''})"
+                                  for i, (label, name, ms) in enumerate(self.phases()))
 
 
 def segments(phases) -> list[tuple[str, str, float, float]]:

@@ -3,7 +3,18 @@ from __future__ import annotations
 
 import ctypes
 
-from .device import check
+from .device import CudaDriverError, check
+
+
+_DRIVER = None
+
+
+def _driver():
+    global _DRIVER
+    if _DRIVER is None:
+        from cuda.bindings import driver
+        _DRIVER = driver
+    return _DRIVER
 
 
 class ArgPack:
@@ -11,6 +22,7 @@ class ArgPack:
 
     def __init__(self):
         self.holders: list = []
+        self._arr = None
 
     def add(self, kind: str, value):
         if kind == "ptr":
@@ -26,17 +38,65 @@ class ArgPack:
         else:
             raise ValueError(f"unknown kernel parameter kind {kind!r}")
         self.holders.append(h)
+        self._arr = None
+
+    def set(self, index: int, value: int) -> None:
+        """Change a scalar argument in place (the launch epoch of a cached pack)."""
+        self.holders[index].value = int(value)
 
     def address(self) -> int:
-        self._arr = (ctypes.c_void_p * len(self.holders))(*[ctypes.addressof(h) for h in self.holders])
+        if self._arr is None:
+            self._arr = (ctypes.c_void_p * len(self.holders))(*[ctypes.addressof(h) for h in self.holders])
         return ctypes.addressof(self._arr)
 
 
-def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1)):
-    from cuda.bindings import driver as cu
+class PreparedLaunch:
+    """A kernel with its arguments packed and validated once: :meth:`launch` sets the launch
+    epoch (when the kernel takes one) and enqueues it — one driver call, no Python-side
+    checks. The ops cache these per set of tensor addresses, because the host time of a
+    launch is on the critical path of a fused op when the device is idle."""
+
+    def __init__(self, kernel, grid, block, pack: ArgPack, launch_slot: int | None, cluster=(1, 1, 1),
+                 driver=None):
+        self.kernel, self.grid, self.block, self.pack = kernel, tuple(grid), tuple(block), pack
+        self.launch_slot = launch_slot
+        self.cluster = tuple(cluster)
+        self.driver = driver
+
+    def launch(self, stream: int, launch_index: int | None = None) -> None:
+        if self.launch_slot is not None:
+            if launch_index is None or launch_index < 1:
+                raise ValueError("this kernel counts launches: pass launch_index >= 1")
+            self.pack.set(self.launch_slot, launch_index)
+        launch(self.kernel, self.grid, self.block, self.pack, stream, self.cluster, self.driver)
+
+
+class LaunchCache:
+    """A few :class:`PreparedLaunch` objects by key (tensor addresses); least recently used out."""
+
+    def __init__(self, size: int = 8):
+        self.size, self.items = int(size), {}
+
+    def get(self, key, build):
+        hit = self.items.pop(key, None)
+        if hit is None:
+            hit = build()
+            if len(self.items) >= self.size:
+                self.items.pop(next(iter(self.items)))
+        self.items[key] = hit
+        return hit
+
+
+def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1), driver=None):
+    """``driver``: the cuda-python driver module to call (default: the real one)."""
+    cu = driver or _driver()
     if tuple(cluster) == (1, 1, 1):
-        check(cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0),
-              f"cuLaunchKernel({kernel.name})")
+        res = cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0)
+        err = res[0] if isinstance(res, tuple) else res
+        if err != cu.CUresult.CUDA_SUCCESS:
+            if driver is None:
+                check(res, f"cuLaunchKernel({kernel.name}, grid {tuple(grid)})")
+            raise CudaDriverError(f"cuLaunchKernel({kernel.name}, grid {tuple(grid)}) failed: {err}")
         return
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid

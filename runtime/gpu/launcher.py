@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ...errors import InputError
-from .launch import ArgPack, launch
+from .launch import ArgPack, PreparedLaunch
 
 
 def signal_pointer(entry: str, name: str, signals, slots: int | None = None) -> int:
@@ -29,9 +29,15 @@ class Launcher:
         by name, ``launch_index`` the 1-based epoch the waits count in."""
         import torch
         buffers = dict(buffers or {}, **named)
-        pack = self.args(buffers, signals, launch_index, rank)
+        self.check_call(rank, launch_index)
         s = stream if stream is not None else torch.cuda.current_stream()
-        launch(self.kernel, self.grid, self.lowered.block, pack, s.cuda_stream, self.lowered.cluster_dims)
+        self.prepare(buffers, signals, rank).launch(s.cuda_stream, launch_index)
+
+    def prepare(self, buffers: dict, signals: dict | None = None, rank: int = 0) -> PreparedLaunch:
+        """Validate and pack every argument now; the result launches with only an epoch."""
+        pack = self.args(buffers, signals, 1, rank)
+        slot = next((i for i, p in enumerate(self.lowered.params) if p.source == "launch"), None)
+        return PreparedLaunch(self.kernel, self.grid, self.lowered.block, pack, slot, self.lowered.cluster_dims)
 
     def args(self, buffers: dict, signals: dict | None = None, launch_index: int = 1, rank: int = 0) -> ArgPack:
         """The kernel's arguments, in the lowering's order, after validating every input."""

@@ -1419,15 +1419,12 @@ def test_allgather_memops_handshake(proto, monkeypatch):
     for L in (1, 2):
         ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
         ev = proto.events()
-        # the copy stream's few driver calls go first, the GEMM last: the peer copies can start
-        # while the host still enqueues the GEMM
         assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord",
-                                      "cuStreamWaitEvent", "cuStreamWriteValue64", "cuStreamWaitValue64",
-                                      "cuMemcpyAsync", "cuStreamWriteValue64", "GEMM", "cuEventRecord",
-                                      "cuStreamWaitEvent"]
-        assert ev[9] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
-        assert ev[5] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
-        assert ev[6][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
+                                      "cuStreamWaitEvent", "GEMM", "cuStreamWriteValue64", "cuStreamWaitValue64",
+                                      "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
+        assert ev[5] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
+        assert ev[6] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
+        assert ev[7][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
         assert "BARRIER" not in [e[0] for e in ev]
     assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
 

@@ -191,17 +191,14 @@ class AllGatherMatmul:
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
             {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
-        # With the stream-memop handshake the copy stream's work is enqueued first (a few driver
-        # calls, no SM): the peer copies start as soon as both ranks are staged, while the host
-        # enqueues the GEMM. With the barrier kernel the GEMM goes first, so that the GPU does not
-        # idle while the host runs torch's barrier. Either way, nothing between enqueueing the GEMM
-        # and the last copy may wait for the device: no garbage collection (freeing another op's
-        # symmetric memory synchronises) — the GEMM spins until the copies land.
+        # The GEMM goes first (one driver call: its arguments are prepared), so the GPU computes
+        # our own rows while the host enqueues the handshake and the copies. Nothing between
+        # enqueueing the GEMM and the last copy may wait for the device: no garbage collection
+        # (freeing another op's symmetric memory synchronises) — the GEMM spins until the copies land.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            if self.handshake == "kernel":
-                self._enqueue_gemm(gemm, cur, L)
+            self._enqueue_gemm(gemm, cur, L)
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
             # every shard of launch L staged; launch L-1 done everywhere
@@ -222,8 +219,6 @@ class AllGatherMatmul:
                                   f"cuStreamWriteValue64(flag of rank {p})")
                 if tl_ is not None:
                     tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
-            if self.handshake != "kernel":
-                self._enqueue_gemm(gemm, cur, L)
         finally:
             if gc_was_on:
                 gc.enable()
@@ -288,8 +283,11 @@ class AllGatherMatmul:
         if getattr(self, "_scratch", None) is None or self._scratch.numel() != slots:
             self._scratch = torch.full((slots,), 1 << 40, dtype=torch.int64, device=a_gathered.device)
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out
-        gemm({"a_gathered": a_gathered, "b": b, "c": c}, signals={sig: self._scratch}, launch_index=1,
-             rank=self.ctx.rank)
+        if getattr(self, "_compute_only", None) is None:
+            self._compute_only = LaunchCache()
+        self._compute_only.get((a_gathered.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: gemm.prepare(
+            {"a_gathered": a_gathered, "b": b, "c": c}, signals={sig: self._scratch}, rank=self.ctx.rank)).launch(
+            torch.cuda.current_stream(self.ctx.device).cuda_stream, 1)      # launched like the fused op's GEMM
         return c
 
     # -- hooks and introspection (every engine) ---------------------------------------------------

@@ -932,7 +932,7 @@ def test_compare_finds_unwritten_and_wrong_tiles():
 def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert dc.main(["all", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-memops",
+    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/sm-push", "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
@@ -1234,7 +1234,7 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     torch = proto.torch
     _fake_torch_symmetric_memory(proto, monkeypatch)
     Ms, K, N = 4091, 1032, 3000
-    op = AllGatherMatmul(Ms, K, N, torch.bfloat16)
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="kernel")
     assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
     assert op.engine == "copy_engine" and op.gemm.reserve == 1 and tuple(op.shards.shape) == (2, Ms, K)
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
@@ -1412,7 +1412,8 @@ def test_allgather_memops_handshake(proto, monkeypatch):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
     with pytest.raises(tl.InputError, match="applies to the direct copy-engine pull path"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", handshake="memops")
-    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="memops")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16)                        # memops: the default
+    assert op.handshake == "memops"
     proto.events()
     assert op.gemm.reserve == 0 and torch.equal(op.arrive, torch.zeros(2, dtype=torch.int64))
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream

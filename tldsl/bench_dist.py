@@ -93,7 +93,7 @@ def _enable_symm_mem(gname):
         pass
 
 
-def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake="kernel"):
+def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None):
     """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm);
     ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``)."""
     import torch
@@ -110,7 +110,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake="kerne
         b = torch.randn(K, N // W, device="cuda", dtype=dt)
         ag = torch.empty(M, K, device="cuda", dtype=dt)
         kw = _ag_kwargs(schedule(M, N, K) if schedule else None)
-        if handshake != "kernel":
+        if handshake is not None:
             kw["handshake"] = handshake
         op = AllGatherMatmul(M // W, K, N // W, dt, **kw)
         # correctness first: against NCCL all-gather + cuBLAS, workspace poisoned
@@ -446,9 +446,9 @@ def main(what, argv):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
     ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
-    ap.add_argument("--ag-handshake", default="kernel", choices=("kernel", "memops"),
+    ap.add_argument("--ag-handshake", default=None, choices=("kernel", "memops"),
                     help="ag_gemm: the per-launch barrier as torch's barrier kernel (one SM kept free) or as "
-                         "stream memory operations (no SM)")
+                         "stream memory operations (no SM; the default)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 also writes the rows (with every "
                     "rank's phase timeline) as JSON")
     ap.add_argument("--schedule", default=None, metavar="SPEC",

@@ -935,7 +935,8 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
-                                              "gemm_rs/sm-push", "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
+                                              "gemm_rs/sm-push", "gemm_rs/copy_engine", "gemm_rs/sm-push-f32",
+                                              "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
     assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0
@@ -951,7 +952,7 @@ def test_dist_check_variants_lower_at_their_sizes(op):
     """Every variant the checks build traces and lowers at the checks' sizes (W=2): what can fail
     without a GPU fails here, not on the GPU host."""
     from tldsl.runtime.dist.ag_gemm import DEFAULT_COMPUTE as AG_COMPUTE
-    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE as RS_COMPUTE
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE as RS_COMPUTE, traced_comm
     W = 2
     for v in dc.variants(op):
         kw = dict(v.kwargs)
@@ -965,9 +966,13 @@ def test_dist_check_variants_lower_at_their_sizes(op):
             else:
                 comm = kw.get("comm") or default_comm(RS_COMPUTE)
                 ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
-                                               S((rows, n), tl.bfloat16), compute=RS_COMPUTE, comm=comm)
-                comm_part = "reduce_scatter"
+                                               S((rows, n), tl.bfloat16), compute=RS_COMPUTE,
+                                               comm=traced_comm(comm, rows, RS_COMPUTE))
+                comm_part = "reduce_scatter" if comm.engine == "sm" else None    # copy engine: the runtime's copies
             g = lower(ir, "gemm")
+            if comm_part is None:
+                assert g.M == (W * rows) and g.notifies > 0
+                continue
             c = lower(ir, comm_part)
             assert g.M == (W * rows) and g.N == n and g.K == k
             if v.sm_comm:
@@ -1169,6 +1174,59 @@ def test_gemm_rs_launch_protocol(proto):
     assert proto.events() == [] and op.launches == 3
     assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
     assert [s[0] for s in op.signal_map()] == ["reduce_scatter_ready", "reduce_scatter_arrived"]
+
+
+def test_gemm_rs_copy_engine_protocol(proto):
+    """engine='copy_engine': the GEMM on every SM; the copy stream's handshake, then per chunk of
+    the peer's rows a wait on the GEMM's ready counter (the count of producer tiles overlapping
+    the chunk, times L) and one NVLink copy into slot `rank` of the peer's receive buffer, then
+    the peer's done slot; the compute stream waits for every peer's done slot and sums."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    with pytest.raises(tl.InputError, match="mode='push'"):
+        MatmulReduceScatter(8182, 1032, 3000, "bfloat16", comm=tl.CommSchedule(engine="copy_engine"))
+    M, K, N = 4091 * 2, 1032, 3000
+    op = MatmulReduceScatter(M, K, N, "bfloat16", comm=tl.CommSchedule(engine="copy_engine", mode="push"))
+    eng = op._engine
+    assert op.gemm.reserve == 0 and op.lanes == 0                    # the GEMM gets every SM
+    assert (eng.rows, eng.tpr) == (1024, 4)                          # 4091 rows: 4 chunks of whole 128-row tiles
+    # the ready counts, recomputed from the GEMM's tile grid: tiles overlapping each chunk
+    BM, BN = op.compute.BM, op.compute.BN
+    tn = -(-N // BN)
+    for p in range(2):
+        for j in range(eng.tpr):
+            lo, hi = p * op.Ms + j * eng.rows, p * op.Ms + min((j + 1) * eng.rows, op.Ms)
+            want = sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo)
+            assert eng.counts[j][p] == want
+    proto.events()
+    cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
+    a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+    arrive, done, recv = eng.ws.peers("arrive"), eng.ws.peers("done"), eng.ws.peers("recv")
+    ready, part, rb = op.signals[op.ready].data_ptr(), op.partial.data_ptr(), N * 2
+    for L in (1, 2):
+        op.partial.copy_(torch.randn(M, N).to(torch.bfloat16))
+        eng.recv[0].copy_(torch.randn(op.Ms, N).to(torch.bfloat16))     # what rank 0 sent us
+        out = op(a, b)
+        ev = proto.events()
+        names = [e[0] for e in ev]
+        assert names == (["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWriteValue64", "cuStreamWaitValue64"]
+                         + ["cuStreamWaitValue64", "cuMemcpyAsync"] * 4
+                         + ["cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventRecord", "cuStreamWaitEvent"])
+        assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
+        assert ev[3] == ("cuStreamWriteValue64", cs, arrive[0] + 8 * 1, L)      # our slot on rank 0
+        assert ev[4][:4] == ("cuStreamWaitValue64", cs, arrive[1] + 8 * 0, L)   # rank 0's slot here
+        for j in range(4):
+            w, c = ev[5 + 2 * j], ev[6 + 2 * j]
+            assert w[:4] == ("cuStreamWaitValue64", cs, ready + 8 * j, eng.counts[j][0] * L)
+            n = min(1024, op.Ms - 1024 * j)
+            assert c == ("cuMemcpyAsync", cs, recv[0] + (1 * op.Ms + 1024 * j) * rb, part + 1024 * j * rb, n * rb)
+        assert ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, L)
+        assert ev[14][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, L)    # the sum waits for rank 0's rows
+        assert ev[15][1] == cs and ev[16] == ("cuStreamWaitEvent", cur, ev[15][2])
+        want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
+        assert torch.equal(out, want)                                   # our rows + what rank 0 sent
+    assert {"partial", "recv"} == set(op.workspace_tensors())
+    assert [s[0] for s in op.signal_map()] == ["reduce_scatter_ready", "rs_arrive", "rs_done"]
 
 
 @pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])

@@ -74,6 +74,21 @@ def default_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | N
     return CommSchedule(engine="sm", mode="push", order="ring", tile_m=tile, sms=n_sms)
 
 
+def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule, ce_chunks: int = 4) -> CommSchedule:
+    """The communication schedule the tile program is traced with. For the copy engine
+    (:mod:`.gemm_rs_copy`: it pushes each peer's partial rows, this rank's rows are summed after
+    the GEMM) only the tile program's compute part runs, with one ready counter per copied chunk:
+    a push schedule with chunk-sized tiles gives exactly that."""
+    if comm.engine != "copy_engine":
+        return comm
+    from .gemm_rs_copy import chunk_rows
+    if comm.mode != "push":
+        raise InputError(f"the copy-engine reduce-scatter pushes partial rows to their owners: use "
+                         f"CommSchedule(engine='copy_engine', mode='push'), got {comm}")
+    return CommSchedule(engine="sm", mode="push", order="full_mesh", sms=1,
+                        tile_m=chunk_rows(rows_per_rank, compute.BM, ce_chunks))
+
+
 def dtype_name(dtype) -> str:
     """``bf16`` / ``f16`` for a torch dtype or its name; InputError otherwise."""
     s = str(dtype).replace("torch.", "")
@@ -147,7 +162,7 @@ class MatmulReduceScatter:
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
                  comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None,
-                 partial_dtype: str = "out"):
+                 partial_dtype: str = "out", ce_chunks: int = 4):
         import torch
         import tldsl as tl
         from ...codegen.lower import lower
@@ -167,9 +182,8 @@ class MatmulReduceScatter:
         self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         self.compute = compute or DEFAULT_COMPUTE
         self.comm = comm or default_comm(self.compute, m=m, k=k)
-        if self.comm.engine != "sm":
-            raise InputError("a reduce-scatter adds partial sums on the way, which the copy engine cannot do: "
-                             f"use CommSchedule(engine='sm', ...), got {self.comm}")
+        copy_engine = self.comm.engine == "copy_engine"
+        trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 
         ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
         spec = tl.TensorSpec
@@ -178,14 +192,32 @@ class MatmulReduceScatter:
                              f"cuBLAS and torch async-TP) or 'f32' (fp32 partials, twice the traffic)")
         self.partial_dtype = partial_dtype
         self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
-                                            compute=self.compute, comm=self.comm, partial_dtype=partial_dtype)
+                                            compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
         self.wait_timeout_ns = int(timeout) if timeout else None
         opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
         self.lowered_gemm = lower(self.ir, "gemm", **opts)
+        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
+        self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
+        self.hooks: dict = {}
+        self.launches = 0
+        self._engine = None
+        if copy_engine:
+            from .gemm_rs_copy import CopyEngineReduceScatter
+            self.lanes, self.lowered_comm, self.comm_kernel, self.ws = 0, None, None, None
+            self.sym_bufs, self.sym_sigs = [], []
+            self.gemm = GemmKernel(self.lowered_gemm, progress=progress)          # every SM
+            self.device = torch.device("cuda", self.ctx.device)
+            bufs, slots = kernel_specs(self.ir)
+            self.partial = torch.empty(bufs["partial"][0], device=self.device,
+                                       dtype=torch.float32 if partial_dtype == "f32" else self.dtype)
+            (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
+            self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=self.device)}
+            self._engine = CopyEngineReduceScatter(self, ce_chunks)                 # collective
+            torch.cuda.synchronize()
+            return
         self.lowered_comm = lower(self.ir, "reduce_scatter", **opts)
         self.lanes = self.lowered_comm.grid()[0]
-        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         # compile and load both kernels before the collective allocation: a compile error then
         # fails every rank at the same point instead of leaving peers in a rendezvous
         comp_comm = self.lowered_comm.compile(progress=progress)
@@ -212,15 +244,14 @@ class MatmulReduceScatter:
         self.comm_stream = torch.cuda.Stream(device=dev)
         self._start, self._done = torch.cuda.Event(), torch.cuda.Event()      # reused every launch
         self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
-        self.launches = 0
-        self.hooks: dict = {}
-        self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         torch.cuda.synchronize()
 
     # -- introspection (debugging and the distributed checks) -------------------------------------
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
         out = {"partial": self.partial}
+        if self._engine is not None:
+            out["recv"] = self._engine.recv
         for nm in self.sym_bufs:
             out[nm] = self.ws.tensor(nm)
         return out
@@ -239,20 +270,28 @@ class MatmulReduceScatter:
                 note = (f"local: the GEMM's tiles notify, the reduce-scatter waits; slot s = partial rows "
                         f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")
             out.append((nm, t.data_ptr(), t.numel(), f"rank {self.ctx.rank}, {note}"))
+        if self._engine is not None:
+            out += self._engine.signal_entries()
         return out
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
-        return dict(self.signals)
+        out = dict(self.signals)
+        if self._engine is not None:
+            out.update(self._engine.signal_tensors())
+        return out
 
     def signal_counters(self) -> dict[str, list[int]]:
-        return {nm: t.tolist() for nm, t in self.signals.items()}
+        return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
 
     def describe(self) -> str:
         lines = [f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
                  f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}",
                  f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}; launches so far {self.launches}",
-                 self.lowered_gemm.describe(), self.lowered_comm.describe()]
+                 self.lowered_gemm.describe()]
+        if self._engine is not None:
+            return "\n".join(lines + [self._engine.describe()])
+        lines.append(self.lowered_comm.describe())
         if self.ws is not None:
             lines.append(self.ws.describe())
         return "\n".join(lines)
@@ -272,9 +311,21 @@ class MatmulReduceScatter:
             validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
         self.launches += 1
         L = self.launches
-        cur = torch.cuda.current_stream(self.device)
         if out is None:
             out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
+        if self._engine is not None:
+            self._engine(a, b, out, L)
+        else:
+            self._launch_sm(a, b, out, L)
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {self.ctx.rank}] gemm_rs launch {L}: done; counters {self.signal_counters()}", flush=True)
+        return out
+
+    def _launch_sm(self, a, b, out, L):
+        """The SM schedule's launch (module docstring)."""
+        import torch
+        cur = torch.cuda.current_stream(self.device)
         tl_ = self.timeline
         if tl_ is not None:
             tl_.mark("start", cur, "compute")
@@ -305,10 +356,6 @@ class MatmulReduceScatter:
         self._done.record(self.comm_stream)
         cur.wait_event(self._done)
         out.record_stream(self.comm_stream)
-        if self.debug:
-            torch.cuda.synchronize()
-            print(f"[rank {self.ctx.rank}] gemm_rs launch {L}: done; counters {self.signal_counters()}", flush=True)
-        return out
 
     def compute_only(self, a, b):
         """Only this op's GEMM (same kernel, schedule and SM count) into its partial workspace,
@@ -334,3 +381,5 @@ class MatmulReduceScatter:
         NVSHMEM's heap, which is never freed by garbage collection)."""
         if self.ws is not None:
             self.ws.close()
+        if self._engine is not None:
+            self._engine.ws.close()

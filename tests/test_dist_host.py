@@ -804,7 +804,7 @@ def test_autotune_agrees_across_ranks(tmp_path):
 # =================================================================================================
 
 from tldsl.runtime.dist.ag_gemm import resolve_comm  # noqa: E402
-from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, check_problem, default_comm, validate_operands  # noqa: E402
+from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, check_problem, default_comm, default_sm_comm, validate_operands  # noqa: E402
 
 
 def test_gemm_rs_problem_checks():
@@ -819,14 +819,17 @@ def test_gemm_rs_problem_checks():
         with pytest.raises(tl.InputError, match=msg):
             check_problem(*args)
     c = default_comm(DEFAULT_COMPUTE)
+    assert (c.engine, c.mode) == ("copy_engine", "push")                   # the measured default
+    c = default_sm_comm(DEFAULT_COMPUTE)
     assert (c.engine, c.mode, c.tile_m, c.sms) == ("sm", "push", 64, 16)
+    assert default_comm(DEFAULT_COMPUTE, sms=8) == default_sm_comm(DEFAULT_COMPUTE, 8)
 
 
 def test_gemm_rs_default_schedules_lower():
     """The default schedules of the op lower for the odd-M shape the checks use (W=2): a GEMM with
     one notify per tile and a reduce-scatter kernel on `sms` CTAs, its tables as the runtime builds."""
     W, M, K, N = 2, 4091 * 2, 1032, 3000
-    comm = default_comm(DEFAULT_COMPUTE)
+    comm = default_sm_comm(DEFAULT_COMPUTE)
     k = gemm_reduce_scatter.trace(W, S((M, K), tl.bfloat16), S((K, N), tl.bfloat16), S((M // W, N), tl.bfloat16),
                                   compute=DEFAULT_COMPUTE, comm=comm)
     g, c = lower(k, "gemm"), lower(k, "reduce_scatter")
@@ -935,8 +938,8 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
-                                              "gemm_rs/sm-push", "gemm_rs/copy_engine", "gemm_rs/sm-push-f32",
-                                              "gemm_rs/sm-push-nvshmem",
+                                              "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32", "gemm_rs/sm-push",
+                                              "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
     assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0
@@ -964,7 +967,7 @@ def test_dist_check_variants_lower_at_their_sizes(op):
                                           S((W * rows, n), tl.bfloat16), compute=AG_COMPUTE, comm=comm)
                 comm_part = "gather_a"
             else:
-                comm = kw.get("comm") or default_comm(RS_COMPUTE)
+                comm = kw.get("comm") or (default_sm_comm if kw.get("engine") == "sm" else default_comm)(RS_COMPUTE)
                 ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
                                                S((rows, n), tl.bfloat16), compute=RS_COMPUTE,
                                                comm=traced_comm(comm, rows, RS_COMPUTE))
@@ -1136,12 +1139,15 @@ def proto(monkeypatch):
 
 
 def test_gemm_rs_launch_protocol(proto):
-    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter, default_comm
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter, default_sm_comm
     torch = proto.torch
-    op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16")
+    with pytest.raises(tl.InputError, match="contradicts"):
+        MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm",
+                            comm=tl.CommSchedule(engine="copy_engine", mode="push"))
+    op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
     init = proto.events()
     assert ("rendezvous", ("reduce_scatter_recv", "reduce_scatter_arrived")) in init
-    assert op.comm == default_comm(op.compute, m=8182, k=1032) and op.comm.sms == 24    # short K: 24 SMs
+    assert op.comm == default_sm_comm(op.compute, m=8182, k=1032) and op.comm.sms == 24    # short K: 24 SMs
     assert op.lanes == 24 and op.gemm.reserve == 24                       # GEMM on SMs - lanes
     cs, cur = op.comm_stream.cuda_stream, proto.cur.cuda_stream
     a, b = torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
@@ -1186,8 +1192,9 @@ def test_gemm_rs_copy_engine_protocol(proto):
     with pytest.raises(tl.InputError, match="mode='push'"):
         MatmulReduceScatter(8182, 1032, 3000, "bfloat16", comm=tl.CommSchedule(engine="copy_engine"))
     M, K, N = 4091 * 2, 1032, 3000
-    op = MatmulReduceScatter(M, K, N, "bfloat16", comm=tl.CommSchedule(engine="copy_engine", mode="push"))
+    op = MatmulReduceScatter(M, K, N, "bfloat16")                   # the copy engine: the default
     eng = op._engine
+    assert op.comm == tl.CommSchedule(engine="copy_engine", mode="push")
     assert op.gemm.reserve == 0 and op.lanes == 0                    # the GEMM gets every SM
     assert (eng.rows, eng.tpr) == (1024, 4)                          # 4091 rows: 4 chunks of whole 128-row tiles
     # the ready counts, recomputed from the GEMM's tile grid: tiles overlapping each chunk
@@ -1506,7 +1513,7 @@ def test_bench_schedule_spec_parses_into_schedules():
 
 
 def test_gemm_rs_default_schedule_follows_the_shape():
-    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, default_comm
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, default_sm_comm as default_comm
     heavy = default_comm(DEFAULT_COMPUTE, m=8192, k=4096)       # short K per rank: more SMs, small tiles
     light = default_comm(DEFAULT_COMPUTE, m=8192, k=14336)
     small = default_comm(DEFAULT_COMPUTE, m=2048, k=4096)

@@ -4,7 +4,16 @@ group_name)``: every rank multiplies its own ``A [M, K] @ B [K, N]`` (K = this r
 a row-parallel layer); rank ``r`` gets rows ``[r*M/W, (r+1)*M/W)`` of the sum over ranks, in A's
 dtype.
 
-Two generated kernels of the ``tldsl.ops.gemm_reduce_scatter`` tile program run side by side:
+Two communication engines (the communication schedule's ``engine``):
+
+* ``copy_engine`` (the default, :mod:`.gemm_rs_copy`): the tile program's GEMM on every SM; the
+  copy engine pushes each peer's partial rows into its receive buffer as the GEMM stores them
+  (stream waits on the GEMM's per-chunk counters); this rank's rows are summed after the GEMM;
+* ``sm`` (below): the reduce-scatter is the tile program's communication part, a generated
+  kernel on ``sms`` reserved SMs, running beside the GEMM.
+
+With ``engine="sm"``, two generated kernels of the ``tldsl.ops.gemm_reduce_scatter`` tile
+program run side by side:
 
 * the **GEMM** (compute part; ``codegen.lower_gemm``, persistent, on ``SMs - lanes`` CTAs) stores
   partial tiles (A's dtype, or fp32 with ``partial_dtype="f32"``) into a local workspace and,
@@ -61,7 +70,18 @@ _IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"
 
 def default_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | None = None,
                  k: int | None = None) -> CommSchedule:
-    """The default reduce-scatter schedule: SM ring, push. For the problem ``A [m, k]`` (k this
+    """The default reduce-scatter schedule: the copy engine pushes the partial rows
+    (:mod:`.gemm_rs_copy`; the GEMM keeps every SM) — on 2x H200 it beat the SM schedule, NCCL +
+    cuBLAS and torch async-TP at every benchmark shape (BENCHMARKS.md). ``sms`` given: the SM
+    schedule with that many SMs (:func:`default_sm_comm`)."""
+    if sms is not None:
+        return default_sm_comm(compute, sms, m=m, k=k)
+    return CommSchedule(engine="copy_engine", mode="push")
+
+
+def default_sm_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | None = None,
+                    k: int | None = None) -> CommSchedule:
+    """The SM reduce-scatter schedule: ring, push. For the problem ``A [m, k]`` (k this
     rank's slice) when given: a communication-heavy one (``k <= 4096`` and ``m >= 4096``: little
     GEMM work per byte reduced) gets 24 SMs and 32-row communication tiles, the others 16 SMs and
     64-row tiles. Small tiles matter because this rank's own rows are computed last and each
@@ -152,7 +172,8 @@ class MatmulReduceScatter:
 
     ``m`` is the full row count (every rank's A has ``m`` rows; the output ``m / W``), ``k``
     this rank's slice of the reduction dimension. ``compute`` / ``comm``: the tile program's
-    schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`). ``partial_dtype``:
+    schedules (default: :data:`DEFAULT_COMPUTE`, :func:`default_comm`; ``engine="sm"``: the SM
+    schedule of :func:`default_sm_comm`). ``partial_dtype``:
     ``"out"`` (default: each rank's product rounded to A's dtype before the sum, the numerics
     of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials).
     ``hooks``: optional callables ``hooks['before_compute'](op, launch, stream)`` /
@@ -162,7 +183,7 @@ class MatmulReduceScatter:
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
                  comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None,
-                 partial_dtype: str = "out", ce_chunks: int = 4):
+                 partial_dtype: str = "out", ce_chunks: int = 4, engine: str | None = None):
         import torch
         import tldsl as tl
         from ...codegen.lower import lower
@@ -181,7 +202,12 @@ class MatmulReduceScatter:
         self.Ms = m // W
         self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         self.compute = compute or DEFAULT_COMPUTE
-        self.comm = comm or default_comm(self.compute, m=m, k=k)
+        if engine not in (None, "sm", "copy_engine"):
+            raise InputError(f"engine={engine!r}: choose 'copy_engine' or 'sm'")
+        if comm is not None and engine is not None and comm.engine != engine:
+            raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
+        self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
+                             else default_comm(self.compute, m=m, k=k))
         copy_engine = self.comm.engine == "copy_engine"
         trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 

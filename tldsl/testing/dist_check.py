@@ -187,9 +187,10 @@ def variants(op: str) -> list[Variant]:
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8,
                                                transport="nvshmem")),), True)]
     if op == "gemm_rs":
-        return [Variant("gemm_rs", "sm-push", (), True),
-                Variant("gemm_rs", "copy_engine", (("comm", CommSchedule(engine="copy_engine", mode="push")),)),
-                Variant("gemm_rs", "sm-push-f32", (("partial_dtype", "f32"),), True),
+        return [Variant("gemm_rs", "copy_engine"),
+                Variant("gemm_rs", "copy_engine-f32", (("partial_dtype", "f32"),)),
+                Variant("gemm_rs", "sm-push", (("engine", "sm"),), True),
+                Variant("gemm_rs", "sm-push-f32", (("engine", "sm"), ("partial_dtype", "f32")), True),
                 Variant("gemm_rs", "sm-push-nvshmem",
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=64, sms=16,
                                                transport="nvshmem")),), True),

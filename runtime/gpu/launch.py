@@ -12,8 +12,8 @@ _DRIVER = None
 def _driver():
     global _DRIVER
     if _DRIVER is None:
-        from cuda.bindings import driver
-        _DRIVER = driver
+        from .fast_driver import fast_driver
+        _DRIVER = fast_driver()
     return _DRIVER
 
 

@@ -43,10 +43,9 @@ ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4, "u64": 8, "i64": 8, "u8":
 
 
 def load_driver():
-    """``cuda.bindings.driver`` (cuda-python), its hot calls through ctypes
-    (:func:`~..gpu.fast_driver.fast_driver`)."""
-    from ..gpu.fast_driver import fast_driver
-    return fast_driver()
+    """``cuda.bindings.driver`` (cuda-python)."""
+    from cuda.bindings import driver
+    return driver
 
 
 def checked(drv, result, what: str):

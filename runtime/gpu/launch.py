@@ -12,8 +12,8 @@ _DRIVER = None
 def _driver():
     global _DRIVER
     if _DRIVER is None:
-        from .fast_driver import fast_driver
-        _DRIVER = fast_driver()
+        from cuda.bindings import driver
+        _DRIVER = driver
     return _DRIVER
 
 

@@ -1534,6 +1534,13 @@ def test_phase_timeline_segments_and_text():
           ("reduce-scatter done", "comm", 2.1)]
     assert segments(rs) == [("compute", "GEMM", 0.0, 1.7), ("comm", "barrier", 0.0, 0.2),
                             ("comm", "reduce-scatter", 0.2, 2.1)]
+    # the copy-engine reduce-scatter: a push of the peer's rows, and the sum after the GEMM
+    ce = [("start", "compute", 0.0), ("gemm done", "compute", 2.0), ("barrier", "copy", 0.1),
+          ("rows of 1 sent", "copy", 1.2), ("reduced", "compute", 2.2)]
+    assert segments(ce) == [("compute", "GEMM", 0.0, 2.0), ("copy", "barrier", 0.0, 0.1),
+                            ("copy", "copy 1", 0.1, 1.2), ("compute", "sum", 2.0, 2.2)]
+    ce_text = format_phases([ce], width=22).splitlines()
+    assert ce_text[1] == "rank 0 compute |" + "G" * 20 + "++|"
     text = format_phases([ag, ag], width=30).splitlines()
     assert text[0].strip().startswith("0 ms") and text[0].endswith("3.000 ms")
     assert text[1] == "rank 0 compute |" + "ss" + "G" * 28 + "|"

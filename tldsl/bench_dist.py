@@ -270,11 +270,11 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:
-        comms = [CommSchedule(engine="sm", mode="push", tile_m=64, sms=16),
+        comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default
+                 CommSchedule(engine="sm", mode="push", tile_m=64, sms=16),
                  CommSchedule(engine="sm", mode="push", tile_m=32, sms=24),
                  CommSchedule(engine="sm", mode="pull", tile_m=64, sms=16),
-                 CommSchedule(engine="sm", mode="push", tile_m=128, sms=8),
-                 CommSchedule(engine="copy_engine", mode="push")]     # cannot add: listed as not applicable
+                 CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     return [(cp, cm) for cm in comms for cp in computes]
 
 

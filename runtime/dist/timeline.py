@@ -65,18 +65,22 @@ def segments(phases) -> list[tuple[str, str, float, float]]:
 
 
 def _phase_name(label: str) -> str:
-    if label.startswith("shard ") and label.endswith(" copied"):
+    if label.startswith("shard ") and label.endswith(" copied"):          # AG: a peer's shard pulled
         return "copy " + label[len("shard "):-len(" copied")]
-    return {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter"}.get(label, label)
+    if label.startswith("rows of ") and label.endswith(" sent"):          # RS: a peer's partial rows pushed
+        return "copy " + label[len("rows of "):-len(" sent")]
+    return {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter",
+            "reduced": "sum"}.get(label, label)
 
 
-_GLYPH = {"stage": "s", "barrier": "b", "GEMM": "G", "reduce-scatter": "R"}
+_GLYPH = {"stage": "s", "barrier": "b", "GEMM": "G", "reduce-scatter": "R", "sum": "+"}
 
 
 def format_phases(every_rank, width: int = 72) -> str:
     """A text timeline of one launch on every rank: a row per (rank, stream), one glyph per
     ``span / width`` ms — ``s`` staging copies, ``b`` waiting in the group barrier, ``c`` an
-    NVLink copy, ``G`` the GEMM, ``R`` the reduce-scatter kernel, ``.`` idle."""
+    NVLink copy, ``G`` the GEMM, ``R`` the reduce-scatter kernel, ``+`` the sum of this rank's
+    rows after the GEMM, ``.`` idle."""
     segs = [segments(ph) for ph in every_rank]
     span = max((t1 for s in segs for *_, t1 in s), default=0.0) or 1.0
     end = f"{span:.3f} ms"
@@ -93,14 +97,16 @@ def format_phases(every_rank, width: int = 72) -> str:
                 for i in range(a, b):
                     row[i] = g
             lines.append(f"rank {r} {stream:>7} |{''.join(row)}|")
-    lines.append("s staging copies, b group barrier, c NVLink copy of a peer's shard, G GEMM, R reduce-scatter")
+    lines.append("s staging copies, b group barrier, c NVLink copy (a peer's rows), G GEMM, R reduce-scatter kernel, "
+                 "+ sum of this rank's rows")
     return "\n".join(lines)
 
 
 def plot_phases(every_rank, title: str = "", ax=None):
     """The same timeline as horizontal bars (needs matplotlib); returns the axes."""
     import matplotlib.pyplot as plt
-    colors = {"stage": "tab:gray", "barrier": "tab:red", "GEMM": "tab:blue", "reduce-scatter": "tab:green"}
+    colors = {"stage": "tab:gray", "barrier": "tab:red", "GEMM": "tab:blue", "reduce-scatter": "tab:green",
+              "sum": "tab:purple"}
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * sum(len({s for s, *_ in segments(p)}) for p in every_rank)))
     labels, y = [], 0

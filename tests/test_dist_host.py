@@ -1233,7 +1233,9 @@ def test_gemm_rs_copy_engine_protocol(proto):
         want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
         assert torch.equal(out, want)                                   # our rows + what rank 0 sent
     assert {"partial", "recv"} == set(op.workspace_tensors())
-    assert [s[0] for s in op.signal_map()] == ["reduce_scatter_ready", "rs_arrive", "rs_done"]
+    smap = op.signal_map()
+    assert [s[0] for s in smap] == ["reduce_scatter_ready", "rs_arrive", "rs_done"]
+    assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
 
 
 @pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])

@@ -15,13 +15,15 @@ double-buffered symmetric buffer, slot ``L % 2``:
    system scope) on flag p before loading rows of shard p;
 3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
-   L+1). ``handshake="kernel"``: torch symmetric memory's barrier kernel; ``"memops"``:
-   stream memory operations — write L into this rank's slot of every peer's symmetric
-   arrival array, then wait (GEQ) for every peer's slot here: no kernel, no SM, the GEMM
-   takes every SM. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
+   L+1). ``handshake="memops"`` (the default): stream memory operations — write L into this
+   rank's slot of every peer's symmetric arrival array, then wait (GEQ) for every peer's slot
+   here: no kernel, no SM, the GEMM takes every SM; ``"kernel"``: torch symmetric memory's
+   barrier kernel. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
    into rows [p*Ms, (p+1)*Ms), each followed by writing L into flag p
    (``cuStreamWriteValue64``). Between enqueueing the GEMM and the last copy the host never
-   waits for the device (garbage collection is paused: freeing symmetric memory synchronises);
+   waits for the device (garbage collection is paused: freeing symmetric memory synchronises),
+   and a launch's host work is a few driver calls: the GEMM's arguments are packed once per set
+   of tensor addresses (:class:`~..gpu.launch.LaunchCache`);
 4. the compute stream waits for the copy stream, so launch L+1 starts after both.
 
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which

@@ -176,6 +176,8 @@ class MatmulReduceScatter:
     schedule of :func:`default_sm_comm`). ``partial_dtype``:
     ``"out"`` (default: each rank's product rounded to A's dtype before the sum, the numerics
     of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials).
+    ``engine``: a shortcut for the default schedule of that engine. ``ce_chunks``: with the
+    copy engine, the copies per peer (each a whole number of GEMM tile rows).
     ``hooks``: optional callables ``hooks['before_compute'](op, launch, stream)`` /
     ``hooks['before_comm'](...)`` run on the host just before the GEMM / the communication is
     enqueued (the distributed checks use them to inject stragglers).
@@ -285,7 +287,10 @@ class MatmulReduceScatter:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters, to decode a device
         ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
-        tile = self.Ms if self.comm.tile_m is None else min(self.comm.tile_m, self.Ms)
+        if self._engine is not None:                    # the copy engine: one counter per copied chunk
+            tile = self._engine.rows
+        else:
+            tile = self.Ms if self.comm.tile_m is None else min(self.comm.tile_m, self.Ms)
         tpr = -(-self.Ms // tile)
         out = []
         for nm, t in self.signals.items():
@@ -293,7 +298,8 @@ class MatmulReduceScatter:
                 note = (f"symmetric: peers' reduce-scatter notifies, this rank's reduce-scatter waits; "
                         f"slot s = step s // {tpr}, tile s % {tpr} ({tile} rows)")
             else:
-                note = (f"local: the GEMM's tiles notify, the reduce-scatter waits; slot s = partial rows "
+                waiter = "the copy stream" if self._engine is not None else "the reduce-scatter"
+                note = (f"local: the GEMM's tiles notify, {waiter} waits; slot s = partial rows "
                         f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")
             out.append((nm, t.data_ptr(), t.numel(), f"rank {self.ctx.rank}, {note}"))
         if self._engine is not None:

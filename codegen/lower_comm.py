@@ -1015,12 +1015,13 @@ def _ce_eval(block, env, rank, task, out, kernel):
                         env[drank.id], [env[o.id] for o in doffs], tuple(op.attrs["shape"]), task))
         elif n == "rank_notify":
             out.append(("notify", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id], task))
-        elif n == "rank_wait":
+        elif n in ("rank_wait", "consumer_tile_wait"):        # a stream wait on this rank's counters
             out.append(("wait", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id],
                         bool(op.attrs.get("epoch", True)), task))
         else:
             raise _fail(f"'{n}' cannot run on the copy engine (a plan of copies and stream memory operations is "
-                        "made on the host: index code, rank_copy_data, rank_notify and rank_wait only)", op)
+                        "made on the host: index code, rank_copy_data, rank_notify, rank_wait and "
+                        "consumer_tile_wait only)", op)
 
 
 def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> list[CeCopy]:

@@ -80,9 +80,10 @@ DEFAULT_MEMORY_SCOPE = {
     "producer_tile_notify": "gpu", "peer_tile_notify": "sys", "rank_notify": "sys",
     "consumer_tile_wait": "gpu", "peer_tile_wait": "sys", "rank_wait": "sys",
 }
-# Ops a copy-engine part may contain: it is a stream of DMA copies and stream memory ops.
+# Ops a copy-engine part may contain: it is a stream of DMA copies and stream memory ops
+# (a consumer_tile_wait there is a stream wait on this rank's counters, e.g. the GEMM's tiles).
 COPY_ENGINE_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "for", "if",
-                             "rank_copy_data", "rank_notify", "rank_wait"})
+                             "rank_copy_data", "rank_notify", "rank_wait", "consumer_tile_wait"})
 
 ARITH_OPS = {"add", "sub", "mul", "floordiv", "mod", "min", "max",
              "lt", "le", "gt", "ge", "eq", "ne", "and", "or"}

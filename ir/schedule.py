@@ -97,7 +97,8 @@ class ComputeSchedule:
 
 @dataclass(frozen=True)
 class CommSchedule:
-    """tile_m: rows per communication tile (None = a whole rank's chunk);
+    """tile_m: rows per communication tile (None = a whole rank's chunk; on the copy engine:
+    rows per copy, where the collective copies in pieces — the reduce-scatter does);
     order: ``ring`` (one peer at a time: rank+1, rank+2, ...) or ``full_mesh`` (all peers
     at once, tile by tile); mode: ``push`` (owners write to peers) or ``pull`` (consumers
     read from peers); engine: ``sm`` (tile_push/pull_data on ``sms`` SMs) or ``copy_engine``
@@ -128,8 +129,6 @@ class CommSchedule:
         if self.engine == "copy_engine" and self.transport != "ptr":
             raise ScheduleError("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
         if self.engine == "copy_engine":
-            if self.tile_m is not None:
-                raise ScheduleError("the copy engine moves whole rank chunks: set tile_m=None with engine='copy_engine'")
             if self.sms not in (None, 0):
                 raise ScheduleError(f"the copy engine uses no SMs: sms={self.sms} makes no sense with engine='copy_engine'")
         elif self.sms is not None and not (isinstance(self.sms, int) and 1 <= self.sms <= 132):

@@ -64,7 +64,7 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
     name = op.name
     if part.engine == "copy_engine" and name not in COPY_ENGINE_OPS:
         _err(f"'{name}' cannot run on the copy engine: a copy-engine part holds only "
-             "rank_copy_data, rank_notify, rank_wait and index arithmetic", op)
+             "rank_copy_data, rank_notify, rank_wait, consumer_tile_wait and index arithmetic", op)
     if name == "rank_copy_data" and part.engine != "copy_engine":
         _err("rank_copy_data runs on the copy engine: put it in a comm part with engine='copy_engine' "
              "(or use tile_push_data / tile_pull_data on SMs)", op)
@@ -82,10 +82,13 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
     elif name in ("tile_push_data", "tile_pull_data", "rank_copy_data"):
         src, srank, soffs, dst, drank, doffs, tile = data_operands(op)
         remote = []
-        if name in ("tile_pull_data", "rank_copy_data"):
+        if name == "tile_pull_data":
             remote.append(src)
-        if name in ("tile_push_data", "rank_copy_data"):
+        if name == "tile_push_data":
             remote.append(dst)
+        if name == "rank_copy_data":        # either side may be this rank's own (any) tensor
+            remote += [b for b, r in ((src, srank), (dst, drank))
+                       if not (isinstance(r.owner, Op) and r.owner.name == "rank")]
         for buf in remote:
             if not (isinstance(buf.type, TensorType) and buf.type.space == MemSpace.SYMMETRIC):
                 _err(f"{name} addresses '{buf.hint}' on another rank, but it is not a symmetric buffer", op)

@@ -517,6 +517,10 @@ def _variants():
     for c in RS_SM:
         k = rs_kernel(W=8, comm=c, Ms=125, partial_dtype="out" if c.mode == "pull" else "f32")
         out.append((f"gemm_reduce_scatter/{_name(c)}", k, "reduce_scatter", ["SYS"], ["GPU", "SYS"]))
+    for ms in (125, 128):          # the copy-engine reduce-scatter's SM part: the sum of this rank's rows
+        k = rs_kernel(W=8, comm=tl.CommSchedule(engine="copy_engine", mode="push", tile_m=64), Ms=ms,
+                      partial_dtype="out")
+        out.append((f"gemm_reduce_scatter.sum/copy_engine/Ms{ms}", k, "reduce_scatter_sum", [], ["GPU", "SYS"]))
     for c in (AG_SM[0], AG_SM[3]):
         k = moe_kernel(W=4, comm=c)
         out.append((f"allgather_moe/{_name(c)}", k, "gather_x", ["GPU"] if c.mode == "pull" else ["SYS"], []))
@@ -1016,3 +1020,18 @@ def test_copy_engine_plans_of_sp_attention_and_moe():
                 cs = plan.copies(r)
                 assert len(cs) == 4 and {c.dst for c in cs} == {dst}
                 assert sum(c.nbytes for c in cs) == rows * width * 2          # the whole gathered buffer, bf16
+
+
+def test_copy_engine_reduce_scatter_keeps_the_gemm_kernel():
+    """The GEMM of GEMM+ReduceScatter is the same kernel whichever engine reduces: only the
+    communication parts change with the schedule (the copy-engine schedule's GEMM is the one
+    measured on GPUs with the SM schedule's chunk counters)."""
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE
+    W, Ms, K, N = 2, 4091, 1032, 3000
+    srcs = []
+    for comm in (tl.CommSchedule(engine="sm", mode="push", order="full_mesh", sms=1, tile_m=1024),
+                 tl.CommSchedule(engine="copy_engine", mode="push", tile_m=1024)):
+        k = gemm_reduce_scatter.trace(W, S((W * Ms, K), tl.bfloat16), S((K, N), tl.bfloat16), S((Ms, N), tl.bfloat16),
+                                      compute=DEFAULT_COMPUTE, comm=comm, partial_dtype="out")
+        srcs.append(lower_gemm(k).source)
+    assert srcs[0] == srcs[1]

@@ -1197,18 +1197,21 @@ def test_gemm_rs_copy_engine_protocol(proto):
     assert op.comm == tl.CommSchedule(engine="copy_engine", mode="push")
     assert op.gemm.reserve == 0 and op.lanes == 0                    # the GEMM gets every SM
     assert (eng.rows, eng.tpr) == (1024, 4)                          # 4091 rows: 4 chunks of whole 128-row tiles
-    # the ready counts, recomputed from the GEMM's tile grid: tiles overlapping each chunk
+    assert op.ir.comm_schedule == op.comm.with_(tile_m=1024)          # the tile program the simulator checks
+    # the plan's waits, recomputed from the GEMM's tile grid: tiles overlapping each chunk of rank 0's rows
     BM, BN = op.compute.BM, op.compute.BN
     tn = -(-N // BN)
-    for p in range(2):
-        for j in range(eng.tpr):
-            lo, hi = p * op.Ms + j * eng.rows, p * op.Ms + min((j + 1) * eng.rows, op.Ms)
-            want = sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo)
-            assert eng.counts[j][p] == want
+    counts = []
+    for j in range(eng.tpr):
+        lo, hi = j * eng.rows, min((j + 1) * eng.rows, op.Ms)
+        counts.append(sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo))
+    assert [st for st in eng.steps if st[0] == "wait"] == [("wait", j, counts[j]) for j in range(4)]
+    assert eng.arrivals == [(0, 4)]                                   # rank 0 notifies 4 chunks per launch
     proto.events()
     cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
     a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
-    arrive, done, recv = eng.ws.peers("arrive"), eng.ws.peers("done"), eng.ws.peers("recv")
+    arrive, done = eng.ws.peers("handshake_arrive"), eng.ws.peers("reduce_scatter_done")
+    recv = eng.ws.peers("reduce_scatter_recv")
     ready, part, rb = op.signals[op.ready].data_ptr(), op.partial.data_ptr(), N * 2
     for L in (1, 2):
         op.partial.copy_(torch.randn(M, N).to(torch.bfloat16))
@@ -1224,17 +1227,17 @@ def test_gemm_rs_copy_engine_protocol(proto):
         assert ev[4][:4] == ("cuStreamWaitValue64", cs, arrive[1] + 8 * 0, L)   # rank 0's slot here
         for j in range(4):
             w, c = ev[5 + 2 * j], ev[6 + 2 * j]
-            assert w[:4] == ("cuStreamWaitValue64", cs, ready + 8 * j, eng.counts[j][0] * L)
+            assert w[:4] == ("cuStreamWaitValue64", cs, ready + 8 * j, counts[j] * L)
             n = min(1024, op.Ms - 1024 * j)
             assert c == ("cuMemcpyAsync", cs, recv[0] + (1 * op.Ms + 1024 * j) * rb, part + 1024 * j * rb, n * rb)
-        assert ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, L)
-        assert ev[14][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, L)    # the sum waits for rank 0's rows
+        assert ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, 4 * L)  # the plan's 4 notifies, coalesced
+        assert ev[14][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, 4 * L)    # the sum waits for rank 0's rows
         assert ev[15][1] == cs and ev[16] == ("cuStreamWaitEvent", cur, ev[15][2])
         want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
         assert torch.equal(out, want)                                   # our rows + what rank 0 sent
     assert {"partial", "recv"} == set(op.workspace_tensors())
     smap = op.signal_map()
-    assert [s[0] for s in smap] == ["reduce_scatter_ready", "rs_arrive", "rs_done"]
+    assert [s[0] for s in smap] == ["reduce_scatter_ready", "reduce_scatter_done", "handshake_arrive"]
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
 
 

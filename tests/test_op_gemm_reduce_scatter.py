@@ -150,12 +150,42 @@ def test_wrong_output_shape():
         _trace(3, 12, 8, 8, 16, 12)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_copy_engine_is_rejected(mode):
-    comm = tl.CommSchedule(engine="copy_engine", mode=mode)
-    with pytest.raises(tl.ScheduleError, match=r"which the copy engine cannot do: use CommSchedule\(engine='sm'") as info:
+def test_copy_engine_pull_is_rejected():
+    comm = tl.CommSchedule(engine="copy_engine", mode="pull")
+    with pytest.raises(tl.ScheduleError, match=r"the owner adds them on SMs: use CommSchedule\(engine='copy_engine', "
+                                               r"mode='push'\)") as info:
         _trace(2, 8, 8, 8, 16, 4, comm=comm)
     assert "gemm_reduce_scatter.py:" in str(info.value)    # points at the reduce_scatter call
+
+
+def test_copy_engine_push_parts_and_plan():
+    """engine='copy_engine': a copy-engine part that waits for the GEMM's chunk counters, copies
+    each chunk into block `rank` of the owner's receive buffer and notifies it after every
+    chunk; an SM part that sums this rank's rows once every peer's chunks are in. The plan of
+    the copy part is what the runtime enqueues."""
+    from tldsl.codegen.lower import lower
+    from tldsl.codegen.lower_comm import CeCopy, CeSignalWrite, CeWait
+    W, Ms, K, N = 2, 40, 16, 24
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=16)
+    k = _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=tl.ComputeSchedule(tile=(8, 8, 16)))
+    parts = {p.name: (p.engine, tuple(p.grid)) for p in k.parts}
+    assert parts == {"gemm": ("sm", (10, 3)), "reduce_scatter": ("copy_engine", (1, 3)),
+                     "reduce_scatter_sum": ("sm", (3,))}
+    plan = lower(k, "reduce_scatter")
+    acts = plan.actions[1]                      # rank 1 pushes rows [0, 40) of its partial to rank 0
+    assert [type(a) for a in acts] == [CeWait, CeCopy, CeSignalWrite] * 3
+    waits, copies, writes = acts[0::3], acts[1::3], acts[2::3]
+    # chunk j covers partial rows [16 j, min(16 j + 16, 40)): producer tiles of 8 rows x 3 columns
+    assert [(w.signal, w.slot, w.count) for w in waits] == [("reduce_scatter_ready", j, c) for j, c in
+                                                              ((0, 6), (1, 6), (2, 3))]
+    assert [(c.src, c.src_rank, c.dst, c.dst_rank, c.height) for c in copies] == \
+        [("partial", 1, "reduce_scatter_recv", 0, h) for h in (16, 16, 8)]
+    assert [c.dst_byte_offset for c in copies] == [(Ms + 16 * j) * N * 4 for j in range(3)]   # block 1 on rank 0 (f32)
+    assert [(w.signal, w.rank, w.slot, w.value(2)) for w in writes] == \
+        [("reduce_scatter_done", 0, 1, 3 + j) for j in (1, 2, 3)]            # launch 2: counts 4, 5, 6
+    # the sum part is an SM kernel (waits: its own chunk's producers, then every peer's count)
+    s = lower(k, "reduce_scatter_sum")
+    assert s.waits == 2 and s.transfers == 1 and s.notifies == 0
 
 
 # -- the collective on its own (the API other ops reuse) -----------------------------------
@@ -220,5 +250,5 @@ def test_mutation_check_catches_every_deleted_primitive():
     assert not missed, missed
     variants = {m.variant for m in mutants}
     assert {v.split()[0].rsplit("/tile_m", 1)[0] for v in variants} == {
-        "sm/push/ring", "sm/pull/ring", "sm/push/full_mesh", "sm/pull/full_mesh"}
+        "sm/push/ring", "sm/pull/ring", "sm/push/full_mesh", "sm/pull/full_mesh", "copy_engine/push/ring"}
     assert caught == total > 0

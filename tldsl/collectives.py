@@ -40,6 +40,9 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
         fail(f"all_gather: source '{src.name}' must be symmetric (peers read it)")
     if tuple(dst.shape) != (W * rows,) + tuple(src.shape[1:]):
         fail(f"all_gather: destination '{dst.name}' has shape {dst.shape}, expected {(W * rows,) + tuple(src.shape[1:])}")
+    if comm.engine == "copy_engine" and comm.tile_m is not None:
+        raise ScheduleError("the copy-engine all-gather copies whole shards: set tile_m=None with "
+                            "engine='copy_engine'", user_location())
     tile = comm.tile_m if comm.engine == "sm" else None
     mapping = StaticMapping(f"{name}_rows", dst, rows, tile)
     tail = tuple(src.shape[1:])
@@ -139,10 +142,10 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     within a launch (launches are separated by the host's stream order).
     """
     W = world_size()
-    if comm.engine != "sm":
-        raise ScheduleError(f"{name}: a reduce-scatter adds partial sums on the way, which the copy engine "
-                            f"cannot do: use CommSchedule(engine='sm', ...), got engine={comm.engine!r}",
-                            user_location())
+    if comm.engine == "copy_engine" and comm.mode != "push":
+        raise ScheduleError(f"{name}: on the copy engine the reduce-scatter pushes each owner its rows and the "
+                            f"owner adds them on SMs: use CommSchedule(engine='copy_engine', mode='push'), got "
+                            f"mode={comm.mode!r}", user_location())
     for what, v in (("producer_rows", producer_rows), ("producers_per_row", producers_per_row)):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
             fail(f"{name}: {what} must be a positive Python int, got {v!r}")
@@ -162,6 +165,9 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     tpr = mapping.tiles_per_rank
     slot = tpr * t                      # a staging slot: one segment, padded to whole tiles
     ready = signal(f"{name}_ready", mapping.num_tiles, scope="local")
+    if comm.engine == "copy_engine":
+        _reduce_scatter_copy_engine(partial, out, name, mapping, ready, int(producer_rows), int(producers_per_row))
+        return ReduceScatter(mapping, ready, t)
     if W > 1:
         stage = tl.symmetric_buffer(((W - 1) * slot, N), partial.dtype,
                                     f"{name}_recv" if comm.mode == "push" else f"{name}_send")
@@ -244,3 +250,57 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
                 tl.store(out, (j * t, 0), own if acc is None else own + acc)
 
     return ReduceScatter(mapping, ready, t)
+
+
+def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, ready, BM: int, per_row: int):
+    """The copy-engine reduce-scatter (``CommSchedule(engine='copy_engine', mode='push')``):
+    the producers (e.g. a GEMM on every SM) keep all SMs while the copy engine pushes each
+    peer's rows, chunk by chunk (``comm.tile_m`` rows, None: the whole segment) as soon as the
+    producer tiles covering the chunk are stored, into block ``rank`` of the owner's symmetric
+    receive buffer, notifying the owner after each chunk. The owner's sum part (on SMs) adds
+    its own rows and the W-1 received blocks, chunk by chunk, once all of a peer's chunks are
+    in — on GPUs the runtime runs it once every producer is done, as one elementwise kernel,
+    and, its copy stream being in order, writes each peer's count once, after the last chunk.
+    ``partial``'s dtype travels (fp32 partials: fp32 traffic)."""
+    W = world_size()
+    M, N = partial.shape
+    Ms, t, tpr = M // W, mapping.tile, mapping.tiles_per_rank
+    last = Ms - (tpr - 1) * t                   # rows of the last chunk of a segment
+
+    def producers(seg, j):
+        lo = seg * Ms + j * t
+        hi = seg * Ms + minimum(j * t + t, Ms)
+        return (cdiv(hi, BM) - lo // BM) * per_row
+
+    def own_chunk(src_rows_at, j):
+        """Chunk j of a segment starting at row ``src_rows_at``: rows past the segment read as zero."""
+        if Ms % t == 0:
+            return tl.load(src_rows_at[0], (src_rows_at[1] + j * t, 0), (t, N))
+        local = tl.iota(t) + j * t
+        return tl.load_rows(src_rows_at[0], tl.where(local < Ms, local + src_rows_at[1], -1), 0, N)
+
+    if W > 1:
+        recv = tl.symmetric_buffer((W * Ms, N), partial.dtype, f"{name}_recv")    # block q: rows from rank q
+        done = signal(f"{name}_done", W, scope="symmetric")                       # slot q: rank q's rows are here
+
+        @comm_part(grid=(W - 1, tpr), name=name, engine="copy_engine")
+        def push_rows(s, j):
+            me = tl.rank()
+            dest = (me + s + 1) % W
+            consumer_tile_wait(ready, mapping.tile_id(dest, j), count=producers(dest, j))
+            with tl.when(j < tpr - 1):
+                rank_copy_data(recv.at(dest), (me * Ms + j * t, 0), partial, (dest * Ms + j * t, 0), (t, N))
+            with tl.when(j == tpr - 1):
+                rank_copy_data(recv.at(dest), (me * Ms + j * t, 0), partial, (dest * Ms + j * t, 0), (last, N))
+            rank_notify(done, me, dest)
+
+    @comm_part(grid=(tpr,), name=f"{name}_sum", engine="sm", lanes=min(tpr, 8))
+    def sum_rows(j):
+        me = tl.rank()
+        consumer_tile_wait(ready, mapping.tile_id(me, j), count=producers(me, j))
+        acc = own_chunk((partial, me * Ms), j)
+        for s in static_range(1, W):               # from rank me+1, me+2, ...
+            src = (me + s) % W
+            rank_wait(done, src, count=tpr)           # every chunk of src's rows is here
+            acc = acc + own_chunk((recv, src * Ms), j)
+        tl.store(out, (j * t, 0), acc)

@@ -110,8 +110,6 @@ def _local_or_remote(ref, what):
     if isinstance(ref, RemoteRef):
         return ref.tensor, _rank_value(ref.rank)
     if isinstance(ref, TensorRef):
-        if not ref.symmetric and what == "rank_copy_data":
-            fail(f"rank_copy_data moves symmetric buffers; '{ref.name}' is not symmetric")
         return ref, _rank().value
     fail(f"{what}: expected a tensor or tensor.at(rank), got {type(ref).__name__}")
 
@@ -163,12 +161,10 @@ def tile_pull_data(src, src_offsets, shape, dst=None, dst_offsets=None):
 
 
 def rank_copy_data(dst, dst_offsets, src, src_offsets, shape) -> None:
-    """Copy engine: move a (rank-sized) region between symmetric buffers of any two ranks."""
+    """Copy engine: move a region between buffers of any two ranks; a buffer on another rank
+    (``tensor.at(rank)``, symmetric by construction) or this rank's own tensor."""
     sref, srank = _local_or_remote(src, "rank_copy_data")
     dref, drank = _local_or_remote(dst, "rank_copy_data")
-    for r in (sref, dref):
-        if not r.symmetric:
-            fail(f"rank_copy_data moves symmetric buffers; '{r.name}' is not symmetric")
     _check_same_dtype(sref, dref, "rank_copy_data")
     shape = _tile_shape(shape, len(sref.shape), "rank_copy_data")
     soffs = _offsets(sref, src_offsets, "rank_copy_data")

@@ -95,18 +95,16 @@ def default_sm_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int 
 
 
 def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule, ce_chunks: int = 4) -> CommSchedule:
-    """The communication schedule the tile program is traced with. For the copy engine
-    (:mod:`.gemm_rs_copy`: it pushes each peer's partial rows, this rank's rows are summed after
-    the GEMM) only the tile program's compute part runs, with one ready counter per copied chunk:
-    a push schedule with chunk-sized tiles gives exactly that."""
+    """The communication schedule the tile program is traced with: for the copy engine
+    (:mod:`.gemm_rs_copy`) without ``tile_m``, ``ce_chunks`` copies per peer, each a whole
+    number of GEMM tile rows."""
     if comm.engine != "copy_engine":
         return comm
     from .gemm_rs_copy import chunk_rows
     if comm.mode != "push":
         raise InputError(f"the copy-engine reduce-scatter pushes partial rows to their owners: use "
                          f"CommSchedule(engine='copy_engine', mode='push'), got {comm}")
-    return CommSchedule(engine="sm", mode="push", order="full_mesh", sms=1,
-                        tile_m=chunk_rows(rows_per_rank, compute.BM, ce_chunks))
+    return comm if comm.tile_m is not None else comm.with_(tile_m=chunk_rows(rows_per_rank, compute.BM, ce_chunks))
 
 
 def dtype_name(dtype) -> str:
@@ -241,7 +239,7 @@ class MatmulReduceScatter:
                                        dtype=torch.float32 if partial_dtype == "f32" else self.dtype)
             (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
             self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=self.device)}
-            self._engine = CopyEngineReduceScatter(self, ce_chunks)                 # collective
+            self._engine = CopyEngineReduceScatter(self, bufs, slots)                # collective
             torch.cuda.synchronize()
             return
         self.lowered_comm = lower(self.ir, "reduce_scatter", **opts)

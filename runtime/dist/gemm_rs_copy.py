@@ -7,25 +7,34 @@ the same generated kernel) gets **every SM**, the copy engine pushes each peer's
 partials as soon as the GEMM has stored them, and this rank's rows are summed once, after the
 GEMM, by one elementwise kernel:
 
+The tile program says it all (``tldsl.collectives.reduce_scatter`` with
+``CommSchedule(engine="copy_engine", mode="push", tile_m=rows per copy)``): its copy-engine
+part waits for the GEMM's counters of a chunk of a peer's rows, copies the chunk into block
+``rank`` of the peer's symmetric receive buffer and notifies the peer; its SM part sums this
+rank's rows once every peer's chunks are in. The simulator checks that program (races,
+deadlocks, results); here it runs as:
+
 1. compute stream: event ``E``; the GEMM of launch ``L`` (partials into the local workspace;
    after each tile's TMA stores, +1 on the ``ready`` counter of every chunk it covers);
 2. copy stream (after ``E``): a handshake of stream memory operations — write ``L`` into this
-   rank's slot of every peer's symmetric ``arrive`` array, wait until every peer's slot here
-   holds ``L`` (every rank finished launch ``L-1``, so its receive buffer is free); then per peer
-   ``p`` in ring order (the order the ``comm_aligned`` GEMM stores them), per chunk of ``p``'s
-   rows: wait until the chunk's ``ready`` counter reaches ``count * L``, copy the chunk into
-   slot ``rank`` of ``p``'s symmetric receive buffer (NVLink, no SM), and after ``p``'s last
-   chunk write ``L`` into this rank's slot of ``p``'s ``done`` array;
-3. compute stream (after the GEMM): wait until every peer's ``done`` slot here holds ``L``, then
-   ``out = partial[own rows] + sum of the received slots`` (fp32 arithmetic, one rounding);
+   rank's slot of every peer's symmetric ``handshake_arrive`` array, wait until every peer's
+   slot here holds ``L`` (every rank finished launch ``L-1``, so its receive buffer is free);
+   then the copy-engine part's plan for this rank (:func:`~tldsl.codegen.lower_comm.plan_copy_engine`),
+   in its order: per chunk a stream wait for ``count * L`` on its ``ready`` counter and one
+   NVLink copy; the plan's notifies of one peer are coalesced into its last (the stream is in
+   order), which writes the launch's final count ``chunks * L`` into this rank's slot of the
+   peer's ``reduce_scatter_done``;
+3. compute stream (after the GEMM): wait until every peer's slot here holds its final count,
+   then ``out = partial[own rows] + sum of the received blocks`` (one elementwise kernel, fp32
+   arithmetic, one rounding) — the sum part's work, once every producer is done;
 4. the compute stream waits for the copy stream (launch ``L+1`` cannot overwrite the partials
    while they are being copied).
 
 Counters only grow (every wait targets ``count * L``), so nothing is reset and no stale value
 can satisfy a wait. Between enqueueing the GEMM and the last copy the host never waits for the
-device (garbage collection is paused). Rows are chunked for the copies (``chunks`` per peer,
-whole producer tiles each): the first copy starts after a ``1/chunks`` of the peer's rows are
-stored, the last ends soon after its rows are, and the host issues few driver calls.
+device (garbage collection is paused). Rows are chunked for the copies (``tile_m``; the op's
+default is ``ce_chunks`` = 4 per peer, whole producer tiles each): the first copy starts after
+a quarter of the peer's rows are stored, and the host issues few driver calls.
 """
 from __future__ import annotations
 
@@ -45,33 +54,58 @@ def chunk_rows(rows_per_rank: int, tile_rows: int, chunks: int) -> int:
 
 class CopyEngineReduceScatter:
     """The copy-engine launch protocol of :class:`~.gemm_rs.MatmulReduceScatter` (see the module
-    docstring). Building it is collective (one symmetric workspace)."""
+    docstring): the tile program's copy-engine part, planned for this rank
+    (:func:`~tldsl.codegen.lower_comm.plan_copy_engine`), executed on the copy stream after a
+    handshake, then the sum part's work as one elementwise kernel. Building it is collective
+    (one symmetric workspace)."""
 
     name = "copy_engine"
 
-    def __init__(self, op, chunks: int = 4):
+    def __init__(self, op, bufs: dict, slots: dict):
         import torch
+        from ...codegen.lower import lower
+        from ...codegen.lower_comm import CeCopy, CeSignalWrite, CeWait
         from .comm_kernel import make_workspace
         self.op = op
         ctx = op.ctx
-        W, r = ctx.world_size, ctx.rank
-        self.rows = chunk_rows(op.Ms, op.compute.BM, chunks)
+        W, me = ctx.world_size, ctx.rank
+        self.plan = lower(op.ir, "reduce_scatter")
+        self.rows = op.ir.comm_schedule.tile_m
         self.tpr = -(-op.Ms // self.rows)
-        BM, tn = op.compute.BM, -(-op.N // op.compute.BN)
-        # producer tiles (BM rows x full width) overlapping chunk j of a segment: its ready count
-        self.counts = []
-        for j in range(self.tpr):
-            lo, hi = j * self.rows, min(j * self.rows + self.rows, op.Ms)
-            self.counts.append(tuple((-(-(s * op.Ms + hi) // BM) - (s * op.Ms + lo) // BM) * tn for s in range(W)))
+        recv, done = "reduce_scatter_recv", "reduce_scatter_done"
+        # this rank's stream: (wait, slot, count) / (copy, dest, src byte offset, dst byte offset, bytes) /
+        # (notify, dest, slot, per-launch count) — a peer's notifies of one launch coalesced into the
+        # last one (the stream is in order, so its value implies every earlier chunk landed)
+        self.steps = []
+        for a in self.plan.actions[me]:
+            if isinstance(a, CeWait):
+                if a.signal != op.ready or not a.epoch:
+                    raise InputError(f"copy-engine reduce-scatter: unexpected wait {a}")
+                self.steps.append(("wait", a.slot, a.count))
+            elif isinstance(a, CeCopy):
+                if a.src != "partial" or a.src_rank != me or a.dst != recv or \
+                        not a.width_bytes == a.src_pitch == a.dst_pitch:
+                    raise InputError(f"copy-engine reduce-scatter: unexpected copy {a}")
+                self.steps.append(("copy", a.dst_rank, a.src_byte_offset, a.dst_byte_offset, a.nbytes))
+            elif isinstance(a, CeSignalWrite):
+                if a.signal != done:
+                    raise InputError(f"copy-engine reduce-scatter: unexpected notify {a}")
+                if a.index == a.per_launch:
+                    self.steps.append(("notify", a.rank, a.slot, a.per_launch))
+        # what this rank's sum waits for: every peer's last notify of its slot here
+        self.arrivals = [(p, w.per_launch) for p in range(W) if p != me for w in self.plan.actions[p]
+                         if isinstance(w, CeSignalWrite) and w.rank == me and w.index == w.per_launch]
         pdt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[op.partial.dtype]
-        self.ws = make_workspace(ctx, [("recv", "buffer", (W, op.Ms, op.N), pdt),
-                                       ("arrive", "signal", (W,), "u64"),
-                                       ("done", "signal", (W,), "u64")], "ptr")      # collective
-        self.recv = self.ws.tensor("recv")
-        self.eb = op.partial.element_size()
+        if bufs[recv] != ((W * op.Ms, op.N), pdt) or slots[done] != W:
+            raise InputError(f"copy-engine reduce-scatter: unexpected workspace {bufs[recv]}, {slots[done]}")
+        self.ws = make_workspace(ctx, [(recv, "buffer", (W, op.Ms, op.N), pdt),
+                                       (done, "signal", (W,), "u64"),
+                                       ("handshake_arrive", "signal", (W,), "u64")], "ptr")      # collective
+        self.recv = self.ws.tensor(recv)
+        self._recv_peers, self._done = self.ws.peers(recv), done
         self.copy_stream = torch.cuda.Stream(device=op.device)
         self._start, self._copied = torch.cuda.Event(), torch.cuda.Event()
-        self.order = [(r + s) % W for s in range(1, W)]      # the comm_aligned GEMM's segment order
+        self.order = [(me + s) % W for s in range(1, W)]
         self._gemm_launches = LaunchCache()
 
     # -- a launch ------------------------------------------------------------------------------
@@ -104,31 +138,34 @@ class CopyEngineReduceScatter:
             if op.hooks:
                 op._hook("before_comm", self.copy_stream)
             self.copy_stream.wait_event(self._start)
-            arrive, done = self.ws.peers("arrive"), self.ws.peers("done")
+            arrive, done = self.ws.peers("handshake_arrive"), self.ws.peers(self._done)
             for p in self.order:
                 ck(cu, cu.cuStreamWriteValue64(cs, arrive[p] + 8 * me, L, wr), f"cuStreamWriteValue64(arrive on {p})")
             for p in self.order:
                 ck(cu, cu.cuStreamWaitValue64(cs, arrive[me] + 8 * p, L, geq), f"cuStreamWaitValue64(arrive of {p})")
             if tl_ is not None:
                 tl_.mark("barrier", self.copy_stream, "copy")
-            recv = self.ws.peers("recv")
-            base, ready_ptr, row_bytes = op.partial.data_ptr(), ready.data_ptr(), N * self.eb
-            for p in self.order:
-                for j in range(self.tpr):
-                    lo = j * self.rows
-                    n = min(self.rows, Ms - lo)
-                    ck(cu, cu.cuStreamWaitValue64(cs, ready_ptr + 8 * (p * self.tpr + j), self.counts[j][p] * L, geq),
-                       f"cuStreamWaitValue64(ready {p}/{j})")
-                    ck(cu, cu.cuMemcpyAsync(recv[p] + (me * Ms + lo) * row_bytes, base + (p * Ms + lo) * row_bytes,
-                                            n * row_bytes, cs), f"cuMemcpyAsync(rows of rank {p})")
-                ck(cu, cu.cuStreamWriteValue64(cs, done[p] + 8 * me, L, wr), f"cuStreamWriteValue64(done on {p})")
-                if tl_ is not None:
-                    tl_.mark(f"rows of {p} sent", self.copy_stream, "copy")
+            base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()
+            for step in self.steps:                          # the tile program's copy-engine plan
+                if step[0] == "wait":
+                    ck(cu, cu.cuStreamWaitValue64(cs, ready_ptr + 8 * step[1], step[2] * L, geq),
+                       f"cuStreamWaitValue64(ready[{step[1]}])")
+                elif step[0] == "copy":
+                    _, dest, src_off, dst_off, n = step
+                    ck(cu, cu.cuMemcpyAsync(self._recv_peers[dest] + dst_off, base + src_off, n, cs),
+                       f"cuMemcpyAsync(rows of rank {dest})")
+                else:
+                    _, dest, slot, per_launch = step
+                    ck(cu, cu.cuStreamWriteValue64(cs, done[dest] + 8 * slot, per_launch * L, wr),
+                       f"cuStreamWriteValue64(done on {dest})")
+                    if tl_ is not None:
+                        tl_.mark(f"rows of {dest} sent", self.copy_stream, "copy")
         finally:
             if gc_was_on:
                 gc.enable()
-        for p in self.order:
-            ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, L, geq), f"cuStreamWaitValue64(done of {p})")
+        for p, per_launch in self.arrivals:
+            ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
+               f"cuStreamWaitValue64(done of {p})")
         own = op.partial[me * Ms:(me + 1) * Ms]
         if W == 2:
             torch.add(own, self.recv[self.order[0]], out=out)
@@ -144,13 +181,13 @@ class CopyEngineReduceScatter:
     # -- introspection -------------------------------------------------------------------------
     def signal_entries(self) -> list[tuple[str, int, int, str]]:
         me, W = self.op.ctx.rank, self.op.ctx.world_size
-        return [("rs_arrive", self.ws.peers("arrive")[me], W,
-                 f"rank {me}, symmetric: slot q = the last launch rank q's copy stream started"),
-                ("rs_done", self.ws.peers("done")[me], W,
-                 f"rank {me}, symmetric: slot q = the last launch whose rows rank q has copied here")]
+        return [(self._done, self.ws.peers(self._done)[me], W,
+                 f"rank {me}, symmetric: slot q = chunks rank q has copied here ({self.tpr} per launch)"),
+                ("handshake_arrive", self.ws.peers("handshake_arrive")[me], W,
+                 f"rank {me}, symmetric: slot q = the last launch rank q's copy stream started")]
 
     def signal_tensors(self) -> dict:
-        return {"rs_arrive": self.ws.tensor("arrive"), "rs_done": self.ws.tensor("done")}
+        return {self._done: self.ws.tensor(self._done), "handshake_arrive": self.ws.tensor("handshake_arrive")}
 
     def describe(self) -> str:
         return (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}\n"

@@ -85,7 +85,10 @@ def _params(world_size):
     @st.composite
     def params(draw):
         compute = draw(tst.compute_schedules())
-        comm = draw(tst.comm_schedules(engines=("sm",), compute=compute))
+        # SMs (any mode / order / tile) or the copy engine (push; rows per copy or whole segments)
+        comm = draw(st.one_of(tst.comm_schedules(engines=("sm",), compute=compute),
+                              st.sampled_from((None, 8, 16)).map(
+                                  lambda t: tl.CommSchedule(engine="copy_engine", mode="push", tile_m=t))))
         return dict(rows_per_rank=draw(tst.dims(1, max_rows)), n=draw(tst.dims(1, max_nk)),
                     k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm,
                     partial_dtype=draw(st.sampled_from(("f32", "out"))))
@@ -102,7 +105,9 @@ def _mutant_params():
     return [dict(base, world_size=3, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="ring", mode="push")),
             dict(base, world_size=4, rows_per_rank=16, comm=tl.CommSchedule(tile_m=None, order="ring", mode="pull")),
             dict(base, world_size=3, rows_per_rank=16, comm=tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
-            dict(base, world_size=4, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull"))]
+            dict(base, world_size=4, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull")),
+            dict(base, world_size=3, rows_per_rank=24,
+                 comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine"))]
 
 
 from tldsl.ops import register  # noqa: E402

@@ -18,6 +18,7 @@ def format_timeline(result, width: int = 64) -> str:
     k = result.kernel
     lines = [f"timeline of launch {events[-1][1]} ({span} scheduler steps; "
              f"#=running, ~=blocked on a wait, .=idle)"]
+    name_w = max([10] + [len(p.name) for p in k.parts])      # the bars line up
     for rank in range(k.world_size):
         for part in k.parts:
             cells = {"run": [0] * width, "block": [0] * width}
@@ -41,7 +42,7 @@ def format_timeline(result, width: int = 64) -> str:
             row = "".join("#" if running[i] else ("~" if blocked[i] else ".") for i in range(width))
             first = " ".join(",".join(map(str, c)) for c in order[:6])
             more = " ..." if len(order) > 6 else ""
-            lines.append(f"rank {rank} {part.role:<7} {part.name:<10} |{row}|  order: {first}{more}")
+            lines.append(f"rank {rank} {part.role:<7} {part.name:<{name_w}} |{row}|  order: {first}{more}")
     return "\n".join(lines)
 
 

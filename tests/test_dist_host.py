@@ -1241,6 +1241,25 @@ def test_gemm_rs_copy_engine_protocol(proto):
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
 
 
+def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
+    """One rank: nothing to move, no symmetric workspace; the output is this rank's partial."""
+    from tldsl.runtime.dist import gemm_rs as grs
+    torch = proto.torch
+
+    class One:
+        rank, world_size, device, group, group_name, backend = 0, 1, 0, None, "g", "CUDA"
+    monkeypatch.setattr(grs, "dist_context", lambda group=None: One())
+    op = grs.MatmulReduceScatter(1000, 1032, 3000, "bfloat16")
+    assert op._engine.ws is None and op.signal_map()[0][0] == "reduce_scatter_ready"
+    proto.events()
+    op.partial.copy_(torch.randn(1000, 3000).to(torch.bfloat16))
+    out = op(torch.zeros(1000, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
+    assert torch.equal(out, op.partial)
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
+                                               "cuStreamWaitEvent"]
+    op.close()
+
+
 @pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])
 def test_allgather_launch_protocols(proto, variant):
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul

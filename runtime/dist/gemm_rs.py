@@ -276,7 +276,7 @@ class MatmulReduceScatter:
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
         out = {"partial": self.partial}
-        if self._engine is not None:
+        if self._engine is not None and self._engine.recv is not None:
             out["recv"] = self._engine.recv
         for nm in self.sym_bufs:
             out[nm] = self.ws.tensor(nm)
@@ -411,5 +411,5 @@ class MatmulReduceScatter:
         NVSHMEM's heap, which is never freed by garbage collection)."""
         if self.ws is not None:
             self.ws.close()
-        if self._engine is not None:
+        if self._engine is not None and self._engine.ws is not None:
             self._engine.ws.close()

@@ -69,10 +69,18 @@ class CopyEngineReduceScatter:
         self.op = op
         ctx = op.ctx
         W, me = ctx.world_size, ctx.rank
-        self.plan = lower(op.ir, "reduce_scatter")
         self.rows = op.ir.comm_schedule.tile_m
         self.tpr = -(-op.Ms // self.rows)
+        self.copy_stream = torch.cuda.Stream(device=op.device)
+        self._start, self._copied = torch.cuda.Event(), torch.cuda.Event()
+        self.order = [(me + s) % W for s in range(1, W)]
+        self._gemm_launches = LaunchCache()
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
+        self._done = done
+        if W == 1:                      # nothing to move: the sum is this rank's partial
+            self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
+            return
+        self.plan = lower(op.ir, "reduce_scatter")
         # this rank's stream: (wait, slot, count) / (copy, dest, src byte offset, dst byte offset, bytes) /
         # (notify, dest, slot, per-launch count) — a peer's notifies of one launch coalesced into the
         # last one (the stream is in order, so its value implies every earlier chunk landed)
@@ -102,11 +110,7 @@ class CopyEngineReduceScatter:
                                        (done, "signal", (W,), "u64"),
                                        ("handshake_arrive", "signal", (W,), "u64")], "ptr")      # collective
         self.recv = self.ws.tensor(recv)
-        self._recv_peers, self._done = self.ws.peers(recv), done
-        self.copy_stream = torch.cuda.Stream(device=op.device)
-        self._start, self._copied = torch.cuda.Event(), torch.cuda.Event()
-        self.order = [(me + s) % W for s in range(1, W)]
-        self._gemm_launches = LaunchCache()
+        self._recv_peers = self.ws.peers(recv)
 
     # -- a launch ------------------------------------------------------------------------------
     def __call__(self, a, b, out, L: int):
@@ -138,7 +142,7 @@ class CopyEngineReduceScatter:
             if op.hooks:
                 op._hook("before_comm", self.copy_stream)
             self.copy_stream.wait_event(self._start)
-            arrive, done = self.ws.peers("handshake_arrive"), self.ws.peers(self._done)
+            arrive, done = (self.ws.peers("handshake_arrive"), self.ws.peers(self._done)) if W > 1 else ((), ())
             for p in self.order:
                 ck(cu, cu.cuStreamWriteValue64(cs, arrive[p] + 8 * me, L, wr), f"cuStreamWriteValue64(arrive on {p})")
             for p in self.order:
@@ -167,7 +171,9 @@ class CopyEngineReduceScatter:
             ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
                f"cuStreamWaitValue64(done of {p})")
         own = op.partial[me * Ms:(me + 1) * Ms]
-        if W == 2:
+        if W == 1:
+            out.copy_(own)
+        elif W == 2:
             torch.add(own, self.recv[self.order[0]], out=out)
         else:
             self.recv[me].copy_(own)
@@ -181,14 +187,18 @@ class CopyEngineReduceScatter:
     # -- introspection -------------------------------------------------------------------------
     def signal_entries(self) -> list[tuple[str, int, int, str]]:
         me, W = self.op.ctx.rank, self.op.ctx.world_size
+        if self.ws is None:
+            return []
         return [(self._done, self.ws.peers(self._done)[me], W,
                  f"rank {me}, symmetric: slot q = chunks rank q has copied here ({self.tpr} per launch)"),
                 ("handshake_arrive", self.ws.peers("handshake_arrive")[me], W,
                  f"rank {me}, symmetric: slot q = the last launch rank q's copy stream started")]
 
     def signal_tensors(self) -> dict:
+        if self.ws is None:
+            return {}
         return {self._done: self.ws.tensor(self._done), "handshake_arrive": self.ws.tensor("handshake_arrive")}
 
     def describe(self) -> str:
-        return (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}\n"
-                + self.ws.describe())
+        head = f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}"
+        return head if self.ws is None else head + "\n" + self.plan.describe() + "\n" + self.ws.describe()

@@ -121,7 +121,7 @@ class CopyEngineReduceScatter:
         wr = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         ck = plan_exec.checked
-        W, me, Ms, N = op.ctx.world_size, op.ctx.rank, op.Ms, op.N
+        W, me, Ms = op.ctx.world_size, op.ctx.rank, op.Ms
         cur = torch.cuda.current_stream(op.ctx.device)
         cur_h, cs = cur.cuda_stream, self.copy_stream.cuda_stream
         tl_ = op.timeline

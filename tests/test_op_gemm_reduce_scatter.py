@@ -252,3 +252,21 @@ def test_mutation_check_catches_every_deleted_primitive():
     assert {v.split()[0].rsplit("/tile_m", 1)[0] for v in variants} == {
         "sm/push/ring", "sm/pull/ring", "sm/push/full_mesh", "sm/pull/full_mesh", "copy_engine/push/ring"}
     assert caught == total > 0
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("partial_dtype", ["out", "f32"])
+def test_copy_engine_sums_in_the_sm_schedules_order(W, partial_dtype):
+    """A schedule changes how, never what: the copy-engine reduce-scatter's sum associates like
+    the SM ring and full mesh, P[r] + (P[r+1] + (... + P[r-1])), so all agree to the last bit."""
+    compute = tl.ComputeSchedule(tile=(8, 8, 8), order="row_major", stages=1, group_m=1)
+    outs = []
+    for comm in (tl.CommSchedule(engine="copy_engine", mode="push", tile_m=16),
+                 tl.CommSchedule(tile_m=8, order="ring", mode="push", sms=1),
+                 tl.CommSchedule(order="full_mesh", mode="pull", sms=2)):
+        case = SPEC.make_case(np.random.default_rng(3), W, rows_per_rank=20, n=12, k_per_rank=9, compute=compute,
+                              comm=comm, partial_dtype=partial_dtype)
+        res = tl.simulate(gemm_reduce_scatter, W, case.inputs, seed=1, **case.kwargs)
+        outs.append([res[r]["out"] for r in range(W)])
+    for other in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(outs[0], other))

@@ -296,11 +296,14 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, read
 
     @comm_part(grid=(tpr,), name=f"{name}_sum", engine="sm", lanes=min(tpr, 8))
     def sum_rows(j):
+        # the SM schedules' association, to the last bit: P[me] + (P[me+1] + (... + P[me-1]))
         me = tl.rank()
-        consumer_tile_wait(ready, mapping.tile_id(me, j), count=producers(me, j))
-        acc = own_chunk((partial, me * Ms), j)
-        for s in static_range(1, W):               # from rank me+1, me+2, ...
-            src = (me + s) % W
+        acc = None
+        for s in static_range(1, W):               # from rank me-1, me-2, ..., me+1
+            src = (me + (W - s)) % W
             rank_wait(done, src, count=tpr)           # every chunk of src's rows is here
-            acc = acc + own_chunk((recv, src * Ms), j)
-        tl.store(out, (j * t, 0), acc)
+            got = own_chunk((recv, src * Ms), j)
+            acc = got if acc is None else got + acc
+        consumer_tile_wait(ready, mapping.tile_id(me, j), count=producers(me, j))
+        own = own_chunk((partial, me * Ms), j)
+        tl.store(out, (j * t, 0), own if acc is None else own + acc)

@@ -25,8 +25,9 @@ deadlocks, results); here it runs as:
    order), which writes the launch's final count ``chunks * L`` into this rank's slot of the
    peer's ``reduce_scatter_done``;
 3. compute stream (after the GEMM): wait until every peer's slot here holds its final count,
-   then ``out = partial[own rows] + sum of the received blocks`` (one elementwise kernel, fp32
-   arithmetic, one rounding) — the sum part's work, once every producer is done;
+   then ``out = partial[own rows] + (received blocks, summed in the tile program's order)`` (for
+   two ranks one elementwise kernel, fp32 arithmetic, one rounding) — the sum part's work,
+   once every producer is done;
 4. the compute stream waits for the copy stream (launch ``L+1`` cannot overwrite the partials
    while they are being copied).
 
@@ -173,11 +174,11 @@ class CopyEngineReduceScatter:
         own = op.partial[me * Ms:(me + 1) * Ms]
         if W == 1:
             out.copy_(own)
-        elif W == 2:
-            torch.add(own, self.recv[self.order[0]], out=out)
-        else:
-            self.recv[me].copy_(own)
-            torch.sum(self.recv, dim=0, out=out)
+        else:       # the tile program's association (every schedule's): P[me] + (P[me+1] + (... + P[me-1]))
+            acc = self.recv[(me + W - 1) % W]
+            for s in range(2, W):
+                acc = self.recv[(me + W - s) % W] + acc
+            torch.add(own, acc, out=out)
         if tl_ is not None:
             tl_.mark("reduced", cur, "compute")
         self._copied.record(self.copy_stream)

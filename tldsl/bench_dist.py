@@ -262,7 +262,8 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
 # -- schedule sweep / autotuning ------------------------------------------------------------------
 
 def candidates(what):
-    """(compute, comm) candidates: copy engine vs SMs, push vs pull, two compute tile orders."""
+    """(compute, comm) candidates: copy engine vs SMs, push vs pull, two compute tile orders (and,
+    for GEMM+RS on the copy engine, three copy sizes)."""
     from tldsl.ir.schedule import CommSchedule, ComputeSchedule
     computes = [ComputeSchedule(tile=(128, 256, 64), stages=4, order=o) for o in ("comm_aligned", "swizzled")]
     if what == "ag_gemm":
@@ -270,7 +271,9 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:
-        comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default
+        comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default: 4 copies per peer
+                 CommSchedule(engine="copy_engine", mode="push", tile_m=512),
+                 CommSchedule(engine="copy_engine", mode="push", tile_m=2048),
                  CommSchedule(engine="sm", mode="push", tile_m=64, sms=16),
                  CommSchedule(engine="sm", mode="push", tile_m=32, sms=24),
                  CommSchedule(engine="sm", mode="pull", tile_m=64, sms=16),

@@ -70,7 +70,7 @@ class CopyEngineReduceScatter:
         self.op = op
         ctx = op.ctx
         W, me = ctx.world_size, ctx.rank
-        self.rows = op.ir.comm_schedule.tile_m
+        self.rows = min(op.ir.comm_schedule.tile_m, op.Ms)     # rows per copy (the mapping's tile)
         self.tpr = -(-op.Ms // self.rows)
         self.copy_stream = torch.cuda.Stream(device=op.device)
         self._start, self._copied = torch.cuda.Event(), torch.cuda.Event()

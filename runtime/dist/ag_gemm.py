@@ -209,7 +209,7 @@ class AllGatherMatmul:
                 with torch.cuda.stream(self.copy_stream):
                     self.handle.barrier(channel=0)
             else:
-                self._memop_handshake(cu, cs, L, write_default)
+                plan_exec.stream_handshake(cu, cs, self.arrive_peers, me, L)
             if tl_ is not None:
                 tl_.mark("barrier", self.copy_stream, "copy")
             for p in self.order:
@@ -239,23 +239,6 @@ class AllGatherMatmul:
         gemm.launch(cur.cuda_stream, L)
         if self.timeline is not None:
             self.timeline.mark("gemm done", cur, "compute")
-
-    def _memop_handshake(self, cu, stream, L, write_default):
-        """The barrier as stream memory operations on the copy stream: write L into our slot on
-        every peer (each write is ordered after this stream's earlier work, and the driver's
-        default write is preceded by a memory barrier), then wait until every peer's slot here
-        holds L or more."""
-        from .plan_exec import checked
-        me, W = self.ctx.rank, self.ctx.world_size
-        for p in range(W):
-            if p != me:
-                checked(cu, cu.cuStreamWriteValue64(stream, self.arrive_peers[p] + 8 * me, L, write_default),
-                        f"cuStreamWriteValue64(arrival of rank {me} on rank {p})")
-        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        for p in range(W):
-            if p != me:
-                checked(cu, cu.cuStreamWaitValue64(stream, self.arrive.data_ptr() + 8 * p, L, geq),
-                        f"cuStreamWaitValue64(arrival of rank {p})")
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for

@@ -143,11 +143,9 @@ class CopyEngineReduceScatter:
             if op.hooks:
                 op._hook("before_comm", self.copy_stream)
             self.copy_stream.wait_event(self._start)
-            arrive, done = (self.ws.peers("handshake_arrive"), self.ws.peers(self._done)) if W > 1 else ((), ())
-            for p in self.order:
-                ck(cu, cu.cuStreamWriteValue64(cs, arrive[p] + 8 * me, L, wr), f"cuStreamWriteValue64(arrive on {p})")
-            for p in self.order:
-                ck(cu, cu.cuStreamWaitValue64(cs, arrive[me] + 8 * p, L, geq), f"cuStreamWaitValue64(arrive of {p})")
+            done = self.ws.peers(self._done) if W > 1 else ()
+            if W > 1:
+                plan_exec.stream_handshake(cu, cs, self.ws.peers("handshake_arrive"), me, L)
             if tl_ is not None:
                 tl_.mark("barrier", self.copy_stream, "copy")
             base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()

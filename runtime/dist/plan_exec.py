@@ -48,6 +48,24 @@ def load_driver():
     return driver
 
 
+def stream_handshake(drv, stream: int, arrive: Sequence[int], rank: int, launch: int) -> None:
+    """A group barrier as stream memory operations on ``stream``, no kernel and no SM: write
+    ``launch`` into slot ``rank`` of every peer's symmetric arrival array (``arrive[q]``: rank
+    ``q``'s array as mapped here; each write is ordered after the stream's earlier work and
+    preceded by a memory barrier), then wait until every peer's slot here holds ``launch`` or
+    more. Counters only grow, so an earlier launch's value never satisfies the wait."""
+    W = len(arrive)
+    peers = [(rank + s) % W for s in range(1, W)]
+    wr = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    for p in peers:
+        checked(drv, drv.cuStreamWriteValue64(stream, arrive[p] + 8 * rank, launch, wr),
+                f"cuStreamWriteValue64(arrival of rank {rank} on rank {p})")
+    for p in peers:
+        checked(drv, drv.cuStreamWaitValue64(stream, arrive[rank] + 8 * p, launch, geq),
+                f"cuStreamWaitValue64(arrival of rank {p})")
+
+
 def checked(drv, result, what: str):
     """Unwrap a cuda-python ``(CUresult, *values)`` result of ``drv``; raise on any error."""
     err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())

@@ -159,3 +159,23 @@ def test_progress_reports_every_stage(cache):
     assert str(events[-1]).startswith("[tldsl] tldsl_tiny: compiled in")
     events.clear()
     assert compile_cuda(src, "tldsl_tiny", cache=cache, progress=events.append).cached and events == []
+
+
+def test_compile_benchmark_reports_a_cold_compile_and_a_cache_hit(tmp_path, capsys, monkeypatch):
+    """`python -m tldsl.bench compile`: a cold NVRTC compile, then a second process served by the
+    cache (the issue's compile figures come from this command)."""
+    from tldsl.bench import main
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path / "unused"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert main(["compile", "--shape", "1024x1024x512", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    cold = next(line for line in out if line.startswith("cold:"))
+    hit = next(line for line in out if line.startswith("cache hit:"))
+    compile_s = float(cold.split("compile ")[1].split(" s")[0])
+    lookup_ms = float(hit.split("lookup ")[1].split(" ms")[0])
+    assert compile_s > 0.2 and lookup_ms < 1e3 * compile_s / 5       # NVRTC ran once; the hit compiled nothing
+    assert any(p.is_file() for p in cache.rglob("*"))                 # the cubin went into the given cache
+    (cache / "extra").write_text("x")
+    with pytest.raises(SystemExit, match="not empty"):
+        main(["compile", "--cache-dir", str(cache)])

@@ -2,6 +2,7 @@
 
     python -m tldsl.bench gemm [--shapes 8192x8192x8192,...] [--tune] [--iters 30]
     torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm      (see tldsl.bench_dist)
+    python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
 
 ``gemm``: the generated Hopper GEMM (a tile program lowered by ``tldsl.codegen``) against
 ``torch.matmul`` (cuBLAS), bf16, CUDA-event timing (median of ``--iters`` after warm-up),
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
     if argv and argv[0] in ("ag_gemm", "gemm_rs"):
         from .bench_dist import main as dist_main
         return dist_main(argv[0], argv[1:])
+    if argv and argv[0] == "compile":
+        from .bench_compile import main as compile_main
+        return compile_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)

@@ -1,0 +1,77 @@
+"""Compile cost of a generated GEMM: cold (NVRTC) and from the on-disk cache (no GPU needed).
+
+    python -m tldsl.bench compile [--shape 8192x8192x8192] [--cache-dir DIR]
+
+A fresh cache directory (a temporary one unless ``--cache-dir``) is used for both steps:
+
+* **cold**: this process traces the GEMM tile program, lowers it and compiles it with NVRTC
+  (front end / optimizer / ptxas as NVRTC reports them);
+* **cache hit**: a second Python process traces, lowers and compiles the same kernel — the
+  content-addressed cache answers, so nothing is compiled (the figure starts after the
+  process's imports; the whole process's wall time is printed beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SCHEDULE = (128, 256, 64, 4, "swizzled", 8)      # the GEMM benchmark's first candidate
+
+
+def _trace_lower_compile(M: int, N: int, K: int) -> dict:
+    from .bench import _lower_plain, _schedule
+    t0 = time.perf_counter()
+    lowered = _lower_plain(M, N, K, _schedule(SCHEDULE))
+    t1 = time.perf_counter()
+    compiled = lowered.compile(progress=False)
+    t2 = time.perf_counter()
+    return {"trace_lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
+            "nvrtc_s": compiled.compile_seconds, "cubin_bytes": len(compiled.cubin)}
+
+
+def _hit_main(shape: str) -> None:
+    """The second process: trace + lower + cache lookup, after its imports."""
+    from . import codegen  # noqa: F401
+    M, N, K = (int(x) for x in shape.split("x"))
+    print(json.dumps(_trace_lower_compile(M, N, K)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tldsl.bench compile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8192x8192x8192", help="MxNxK")
+    ap.add_argument("--cache-dir", default=None, help="an empty directory for the cache (default: a new temporary one)")
+    ap.add_argument("--hit", action="store_true", help=argparse.SUPPRESS)      # the second process
+    args = ap.parse_args(argv)
+    if args.hit:
+        _hit_main(args.shape)
+        return 0
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="tldsl-compile-bench-")
+    if os.listdir(cache):
+        raise SystemExit(f"--cache-dir {cache} is not empty: a cold compile needs an empty cache")
+    os.environ["TLDSL_CACHE_DIR"] = cache
+    M, N, K = (int(x) for x in args.shape.split("x"))
+    from .codegen.toolchain import find_toolchain
+    tc = find_toolchain()
+    cold = _trace_lower_compile(M, N, K)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tldsl.bench_compile", "--hit", "--shape", args.shape],
+                          capture_output=True, text=True, env=dict(os.environ), check=True)
+    wall = time.perf_counter() - t0
+    hit = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"# {args.shape} GEMM, schedule {SCHEDULE}; NVRTC {tc.nvrtc_version}, {os.cpu_count()} CPU(s); cache {cache}")
+    print(f"cold:      trace+lower {1e3 * cold['trace_lower_s']:.1f} ms, compile {cold['compile_s']:.2f} s "
+          f"(NVRTC {cold['nvrtc_s']:.2f} s), cubin {cold['cubin_bytes'] // 1024} KiB")
+    print(f"cache hit: trace+lower {1e3 * hit['trace_lower_s']:.1f} ms, lookup {1e3 * hit['compile_s']:.1f} ms, "
+          f"end to end {1e3 * hit['total_s']:.1f} ms (a second process, after its imports; the whole process "
+          f"including Python's start and the imports: {wall:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1780,3 +1780,26 @@ def test_bench_row_and_table():
     _table([row], "NCCL AG ms", out)
     last = out.getvalue().strip().splitlines()[-1]
     assert last == "| 8192 | 8192 | 8192 | 2.750 | 2.900 | 2.950 | 0.300 | 2.500 | 2.600 | 2.500 | 1.100 | 0.948 | 0.932 | yes |"
+
+
+def test_launchers_check_their_tensors_before_launch():
+    """Every launcher (GEMM, grouped GEMM, attention) checks its tensors through one base method:
+    missing, not on the GPU, wrong shape, wrong dtype — each named, before anything launches."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from tldsl.runtime.gpu.launcher import Launcher
+
+    class CudaLike(torch.Tensor):        # a CPU tensor that says it is on the GPU
+        is_cuda = True
+
+    launcher = Launcher()
+    launcher.lowered = SimpleNamespace(entry="tldsl_k")
+    ok = torch.zeros(4, 8, dtype=torch.bfloat16).as_subclass(CudaLike)
+    assert launcher.checked_tensor({"a": ok}, "a", (4, 8), "bf16", tma=True) is ok
+    for bufs, shape, dt, msg in (({}, (4, 8), "bf16", "tldsl_k: missing tensor 'a'"),
+                                 ({"a": torch.zeros(4, 8, dtype=torch.bfloat16)}, (4, 8), "bf16", "CUDA torch tensor"),
+                                 ({"a": ok}, (8, 4), "bf16", r"shape \(4, 8\); the kernel was built for \(8, 4\)"),
+                                 ({"a": ok}, (4, 8), "f16", "is torch.bfloat16; the kernel was built for torch.float16"),
+                                 ({"a": ok.t()}, (8, 4), "bf16", "contiguous")):
+        with pytest.raises(tl.InputError, match=msg):
+            launcher.checked_tensor(bufs, "a", shape, dt)

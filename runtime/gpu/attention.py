@@ -8,8 +8,6 @@ from .device import require_gpu, sm_count
 from .module import load_kernel
 from .launcher import Launcher
 
-_TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
-
 
 class AttentionKernel(Launcher):
     """A lowered attention compute part, compiled and loaded, callable with tensors.
@@ -34,23 +32,8 @@ class AttentionKernel(Launcher):
         self.grid = lowered.grid(sms)
 
     def tma_tensor(self, buffers, spec):
-        import torch
-        t = buffers.get(spec.buffer)
-        if t is None:
-            raise InputError(f"{self.lowered.entry}: missing tensor '{spec.buffer}'")
-        want_shape, dt = self.lowered.buffers[spec.buffer]
-        want_dtype = getattr(torch, _TORCH_DTYPE[dt])
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
-            raise InputError(f"'{spec.buffer}' must be a CUDA torch tensor")
-        if tuple(t.shape) != tuple(want_shape):
-            raise InputError(f"'{spec.buffer}' has shape {tuple(t.shape)}; the kernel was built for {tuple(want_shape)}")
-        if t.dtype != want_dtype:
-            raise InputError(f"'{spec.buffer}' is {t.dtype}; the kernel was built for {want_dtype}")
-        if not t.is_contiguous():
-            raise InputError(f"'{spec.buffer}' must be contiguous (row-major)")
-        if t.data_ptr() % 16:
-            raise InputError(f"'{spec.buffer}' must be 16-byte aligned for TMA")
-        return t
+        shape, dtype = self.lowered.buffers[spec.buffer]
+        return self.checked_tensor(buffers, spec.buffer, shape, dtype, tma=True)
 
     def check_call(self, rank, launch_index):
         super().check_call(rank, launch_index)

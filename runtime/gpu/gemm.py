@@ -1,12 +1,9 @@
 """Run a generated GEMM kernel on torch tensors: validate, encode TMA descriptors, launch."""
 from __future__ import annotations
 
-from ...errors import InputError
 from .device import require_gpu, sm_count
 from .module import load_kernel
 from .launcher import Launcher
-
-_TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
 class GemmKernel(Launcher):
@@ -27,23 +24,7 @@ class GemmKernel(Launcher):
         self.grid = lowered.grid(max(1, sm_count() - int(reserve_sms)))
 
     def tma_tensor(self, buffers, spec):
-        import torch
-        t = buffers.get(spec.buffer)
-        if t is None:
-            raise InputError(f"{self.lowered.entry}: missing tensor '{spec.buffer}'")
-        want_shape = tuple(reversed(spec.global_dims))
-        want_dtype = getattr(torch, _TORCH_DTYPE[spec.dtype])
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
-            raise InputError(f"'{spec.buffer}' must be a CUDA torch tensor")
-        if tuple(t.shape) != want_shape:
-            raise InputError(f"'{spec.buffer}' has shape {tuple(t.shape)}; the kernel was built for {want_shape}")
-        if t.dtype != want_dtype:
-            raise InputError(f"'{spec.buffer}' is {t.dtype}; the kernel was built for {want_dtype}")
-        if not t.is_contiguous():
-            raise InputError(f"'{spec.buffer}' must be contiguous (row-major)")
-        if t.data_ptr() % 16:
-            raise InputError(f"'{spec.buffer}' must be 16-byte aligned for TMA")
-        return t
+        return self.checked_tensor(buffers, spec.buffer, tuple(reversed(spec.global_dims)), spec.dtype, tma=True)
 
     def scalar(self, param):
         return param.value if param.source in ("M", "N", "K") else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 from ...errors import InputError
 from .launch import ArgPack, PreparedLaunch
 
+_TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
+
 
 def signal_pointer(entry: str, name: str, signals, slots: int | None = None) -> int:
     """Device address of this rank's counters of signal ``name`` (an int64 CUDA tensor)."""
@@ -78,6 +80,26 @@ class Launcher:
         if cache is None:
             cache = self.__dict__["_tma_descriptors"] = {}
         return cache
+
+    def checked_tensor(self, buffers: dict, name: str, shape, dtype: str, *, tma: bool = False):
+        """``buffers[name]``, checked against the traced shape and IR dtype: a contiguous,
+        16-byte aligned CUDA tensor (what TMA and the vector accesses need)."""
+        import torch
+        t = buffers.get(name)
+        if t is None:
+            raise InputError(f"{self.lowered.entry}: missing tensor '{name}'")
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            raise InputError(f"'{name}' must be a CUDA torch tensor")
+        if tuple(t.shape) != tuple(shape):
+            raise InputError(f"'{name}' has shape {tuple(t.shape)}; the kernel was built for {tuple(shape)}")
+        want = getattr(torch, _TORCH_DTYPE[dtype])
+        if t.dtype != want:
+            raise InputError(f"'{name}' is {t.dtype}; the kernel was built for {want}")
+        if not t.is_contiguous():
+            raise InputError(f"'{name}' must be contiguous (row-major)")
+        if t.data_ptr() % 16:
+            raise InputError(f"'{name}' must be 16-byte aligned" + (" for TMA" if tma else " (vector access)"))
+        return t
 
     def check_call(self, rank: int, launch_index: int) -> None:
         if launch_index < 1:

@@ -36,6 +36,8 @@ from tldsl.runtime.dist.plan_exec import (DeviceArray, PlanExecutor, PointerTabl
                                           symmetric_addresses)
 from tldsl.runtime.gpu.device import CudaDriverError
 
+from test_codegen_comm import ce_blocks      # the n-d clipped copy-engine kernel, planned here too
+
 
 # =================================================================================================
 # the fake driver
@@ -223,20 +225,6 @@ def _ag_plan(W, Ms, K, mode, dt=tl.float16):
                              compute=tl.ComputeSchedule(tile=(16, 16, 16)),
                              comm=tl.CommSchedule(engine="copy_engine", mode=mode))
     return lower(k, "gather_a")
-
-
-@tl.kernel
-def ce_blocks(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = None):
-    """3-d copies clipped at the source's edge (pitched 2-D copies), then rank notifies."""
-    W = tl.world_size()
-    got = tl.signal("got", W, scope="symmetric")
-
-    @tl.comm_part(grid=(W,), engine="copy_engine", lanes=1)
-    def blocks(s):
-        me = tl.rank()
-        peer = (me + s) % W
-        tl.rank_copy_data(y, (peer * 3, 0, 0), x.at(peer), (1, 2, 1), (3, 4, 5))   # x is [3, 5, 4]
-        tl.rank_notify(got, peer)
 
 
 @tl.kernel
@@ -1235,7 +1223,7 @@ def test_gemm_rs_copy_engine_protocol(proto):
         assert ev[15][1] == cs and ev[16] == ("cuStreamWaitEvent", cur, ev[15][2])
         want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
         assert torch.equal(out, want)                                   # our rows + what rank 0 sent
-    assert {"partial", "recv"} == set(op.workspace_tensors())
+    assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
     smap = op.signal_map()
     assert [s[0] for s in smap] == ["reduce_scatter_ready", "reduce_scatter_done", "handshake_arrive"]
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]

@@ -228,17 +228,17 @@ class MatmulReduceScatter:
         self.hooks: dict = {}
         self.launches = 0
         self._engine = None
+        bufs, slots = kernel_specs(self.ir)
+        dev = self.device = torch.device("cuda", self.ctx.device)
+        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
+                                   device=dev)
+        (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
         if copy_engine:
             from .gemm_rs_copy import CopyEngineReduceScatter
             self.lanes, self.lowered_comm, self.comm_kernel, self.ws = 0, None, None, None
             self.sym_bufs, self.sym_sigs = [], []
             self.gemm = GemmKernel(self.lowered_gemm, progress=progress)          # every SM
-            self.device = torch.device("cuda", self.ctx.device)
-            bufs, slots = kernel_specs(self.ir)
-            self.partial = torch.empty(bufs["partial"][0], device=self.device,
-                                       dtype=torch.float32 if partial_dtype == "f32" else self.dtype)
-            (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
-            self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=self.device)}
+            self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=dev)}
             self._engine = CopyEngineReduceScatter(self, bufs, slots)                # collective
             torch.cuda.synchronize()
             return
@@ -248,20 +248,14 @@ class MatmulReduceScatter:
         # fails every rank at the same point instead of leaving peers in a rendezvous
         comp_comm = self.lowered_comm.compile(progress=progress)
         self.gemm = GemmKernel(self.lowered_gemm, progress=progress, reserve_sms=self.lanes)
-        bufs, slots = kernel_specs(self.ir)
         sym_bufs = [b.name for b in self.ir.buffers if b.symmetric]
         sym_sigs = [s.name for s in self.ir.signals if s.type.scope.value == "symmetric"]
-        dev = torch.device("cuda", self.ctx.device)
-        self.device = dev
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
         self.ws = make_workspace(self.ctx, specs, self.comm.transport) if specs else None     # collective
-        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
-                                   device=dev)
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
                                                                                      device=dev))
                         for nm in slots}
-        (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
         self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
                                       peers={nm: self.ws.peers(nm) for nm in sym_bufs},
                                       peer_signals={nm: self.ws.peers(nm) for nm in sym_sigs}, compiled=comp_comm,
@@ -277,7 +271,7 @@ class MatmulReduceScatter:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
         out = {"partial": self.partial}
         if self._engine is not None and self._engine.recv is not None:
-            out["recv"] = self._engine.recv
+            out["reduce_scatter_recv"] = self._engine.recv
         for nm in self.sym_bufs:
             out[nm] = self.ws.tensor(nm)
         return out
@@ -285,10 +279,8 @@ class MatmulReduceScatter:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters, to decode a device
         ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
-        if self._engine is not None:                    # the copy engine: one counter per copied chunk
-            tile = self._engine.rows
-        else:
-            tile = self.Ms if self.comm.tile_m is None else min(self.comm.tile_m, self.Ms)
+        traced = self.ir.comm_schedule                  # the copy engine's carries its rows per copy
+        tile = self.Ms if traced.tile_m is None else min(traced.tile_m, self.Ms)
         tpr = -(-self.Ms // tile)
         out = []
         for nm, t in self.signals.items():

@@ -219,17 +219,20 @@ class CommKernel:
         from ..gpu.launch import PreparedLaunch
         pack, _ = self.args(buffers, signals, 1)
         slot = next(i for i, p in enumerate(self.lowered.params) if p.source == "launch")
-        return PreparedLaunch(self.kernel, self.grid, self.block, pack, slot, driver=self.driver)
+        return PreparedLaunch(self.kernel, self.grid, self.block, pack, slot, enqueue=self._enqueue)
 
     def __call__(self, stream: int, buffers: Mapping[str, object], signals: Mapping[str, object],
                  launch_index: int) -> list[tuple[str, object]]:
         """Launch on ``stream`` (a CUstream handle). Returns the parameter values passed."""
         pack, values = self.args(buffers, signals, launch_index)
+        self._enqueue(stream, pack, launch_index)
+        return values
+
+    def _enqueue(self, stream: int, pack, launch_index: int) -> None:
         k = self.kernel
         checked(self.driver, self.driver.cuLaunchKernel(k.function, *self.grid, *self.block, k.smem_bytes, stream,
                                                         pack.address(), 0),
                 f"cuLaunchKernel({self.lowered.entry}, grid {self.grid}, block {self.block}, launch {launch_index})")
-        return values
 
 
 def decode_args(address: int, kinds: Sequence[str]) -> list[int]:

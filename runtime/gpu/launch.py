@@ -3,18 +3,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .device import CudaDriverError, check
-
-
-_DRIVER = None
-
-
-def _driver():
-    global _DRIVER
-    if _DRIVER is None:
-        from cuda.bindings import driver
-        _DRIVER = driver
-    return _DRIVER
+from .device import check
 
 
 class ArgPack:
@@ -57,18 +46,22 @@ class PreparedLaunch:
     launch is on the critical path of a fused op when the device is idle."""
 
     def __init__(self, kernel, grid, block, pack: ArgPack, launch_slot: int | None, cluster=(1, 1, 1),
-                 driver=None):
+                 enqueue=None):
+        """``enqueue(stream, pack, launch_index)``: how to launch, when not :func:`launch`."""
         self.kernel, self.grid, self.block, self.pack = kernel, tuple(grid), tuple(block), pack
         self.launch_slot = launch_slot
         self.cluster = tuple(cluster)
-        self.driver = driver
+        self.enqueue = enqueue
 
     def launch(self, stream: int, launch_index: int | None = None) -> None:
         if self.launch_slot is not None:
             if launch_index is None or launch_index < 1:
                 raise ValueError("this kernel counts launches: pass launch_index >= 1")
             self.pack.set(self.launch_slot, launch_index)
-        launch(self.kernel, self.grid, self.block, self.pack, stream, self.cluster, self.driver)
+        if self.enqueue is not None:
+            self.enqueue(stream, self.pack, launch_index)
+        else:
+            launch(self.kernel, self.grid, self.block, self.pack, stream, self.cluster)
 
 
 class LaunchCache:
@@ -87,16 +80,11 @@ class LaunchCache:
         return hit
 
 
-def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1), driver=None):
-    """``driver``: the cuda-python driver module to call (default: the real one)."""
-    cu = driver or _driver()
+def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1)):
+    from cuda.bindings import driver as cu
     if tuple(cluster) == (1, 1, 1):
-        res = cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0)
-        err = res[0] if isinstance(res, tuple) else res
-        if err != cu.CUresult.CUDA_SUCCESS:
-            if driver is None:
-                check(res, f"cuLaunchKernel({kernel.name}, grid {tuple(grid)})")
-            raise CudaDriverError(f"cuLaunchKernel({kernel.name}, grid {tuple(grid)}) failed: {err}")
+        check(cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0),
+              f"cuLaunchKernel({kernel.name})")
         return
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid

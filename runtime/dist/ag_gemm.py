@@ -201,7 +201,11 @@ class AllGatherMatmul:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            self._enqueue_gemm(gemm, cur, L)
+            if self.hooks:
+                self._hook("before_compute", cur)
+            gemm.launch(cur_h, L)
+            if tl_ is not None:
+                tl_.mark("gemm done", cur, "compute")
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
             # every shard of launch L staged; launch L-1 done everywhere
@@ -232,13 +236,6 @@ class AllGatherMatmul:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
-
-    def _enqueue_gemm(self, gemm, cur, L):
-        if self.hooks:
-            self._hook("before_compute", cur)
-        gemm.launch(cur.cuda_stream, L)
-        if self.timeline is not None:
-            self.timeline.mark("gemm done", cur, "compute")
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for

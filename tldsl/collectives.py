@@ -165,13 +165,6 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     tpr = mapping.tiles_per_rank
     slot = tpr * t                      # a staging slot: one segment, padded to whole tiles
     ready = signal(f"{name}_ready", mapping.num_tiles, scope="local")
-    if comm.engine == "copy_engine":
-        _reduce_scatter_copy_engine(partial, out, name, mapping, ready, int(producer_rows), int(producers_per_row))
-        return ReduceScatter(mapping, ready, t)
-    if W > 1:
-        stage = tl.symmetric_buffer(((W - 1) * slot, N), partial.dtype,
-                                    f"{name}_recv" if comm.mode == "push" else f"{name}_send")
-        arrived = signal(f"{name}_arrived", (W - 1) * tpr, scope="symmetric")
     BM, per_row = int(producer_rows), int(producers_per_row)
 
     def wait_partial(seg, j):
@@ -180,12 +173,24 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
         hi = seg * Ms + minimum(j * t + t, Ms)
         consumer_tile_wait(ready, mapping.tile_id(seg, j), count=(cdiv(hi, BM) - lo // BM) * per_row)
 
-    def load_partial(seg, j):
-        """Tile j of segment seg, rows past the segment read as zero (never the next segment's)."""
+    def load_segment_tile(buf, seg, j):
+        """Tile j of segment seg of ``buf`` ([W*Ms, N] in segments), rows past the segment read
+        as zero (never the next segment's)."""
         if Ms % t == 0:
-            return tl.load(partial, (seg * Ms + j * t, 0), (t, N))
+            return tl.load(buf, (seg * Ms + j * t, 0), (t, N))
         local = tl.iota(t) + j * t
-        return tl.load_rows(partial, tl.where(local < Ms, local + seg * Ms, -1), 0, N)
+        return tl.load_rows(buf, tl.where(local < Ms, local + seg * Ms, -1), 0, N)
+
+    def load_partial(seg, j):
+        return load_segment_tile(partial, seg, j)
+
+    if comm.engine == "copy_engine":
+        _reduce_scatter_copy_engine(partial, out, name, mapping, wait_partial, load_segment_tile)
+        return ReduceScatter(mapping, ready, t)
+    if W > 1:
+        stage = tl.symmetric_buffer(((W - 1) * slot, N), partial.dtype,
+                                    f"{name}_recv" if comm.mode == "push" else f"{name}_send")
+        arrived = signal(f"{name}_arrived", (W - 1) * tpr, scope="symmetric")
 
     def send(acc, step, j, dest):
         """Hand ``acc`` to ``dest`` through staging slot ``step``, then notify it."""
@@ -252,7 +257,7 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     return ReduceScatter(mapping, ready, t)
 
 
-def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, ready, BM: int, per_row: int):
+def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait_partial, load_segment_tile):
     """The copy-engine reduce-scatter (``CommSchedule(engine='copy_engine', mode='push')``):
     the producers (e.g. a GEMM on every SM) keep all SMs while the copy engine pushes each
     peer's rows, chunk by chunk (``comm.tile_m`` rows, None: the whole segment) as soon as the
@@ -261,23 +266,12 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, read
     its own rows and the W-1 received blocks, chunk by chunk, once all of a peer's chunks are
     in — on GPUs the runtime runs it once every producer is done, as one elementwise kernel,
     and, its copy stream being in order, writes each peer's count once, after the last chunk.
-    ``partial``'s dtype travels (fp32 partials: fp32 traffic)."""
+    ``partial``'s dtype travels (fp32 partials: fp32 traffic). ``wait_partial`` /
+    ``load_segment_tile``: the SM schedules' chunk wait and masked chunk load."""
     W = world_size()
     M, N = partial.shape
     Ms, t, tpr = M // W, mapping.tile, mapping.tiles_per_rank
     last = Ms - (tpr - 1) * t                   # rows of the last chunk of a segment
-
-    def producers(seg, j):
-        lo = seg * Ms + j * t
-        hi = seg * Ms + minimum(j * t + t, Ms)
-        return (cdiv(hi, BM) - lo // BM) * per_row
-
-    def own_chunk(src_rows_at, j):
-        """Chunk j of a segment starting at row ``src_rows_at``: rows past the segment read as zero."""
-        if Ms % t == 0:
-            return tl.load(src_rows_at[0], (src_rows_at[1] + j * t, 0), (t, N))
-        local = tl.iota(t) + j * t
-        return tl.load_rows(src_rows_at[0], tl.where(local < Ms, local + src_rows_at[1], -1), 0, N)
 
     if W > 1:
         recv = tl.symmetric_buffer((W * Ms, N), partial.dtype, f"{name}_recv")    # block q: rows from rank q
@@ -287,7 +281,7 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, read
         def push_rows(s, j):
             me = tl.rank()
             dest = (me + s + 1) % W
-            consumer_tile_wait(ready, mapping.tile_id(dest, j), count=producers(dest, j))
+            wait_partial(dest, j)
             with tl.when(j < tpr - 1):
                 rank_copy_data(recv.at(dest), (me * Ms + j * t, 0), partial, (dest * Ms + j * t, 0), (t, N))
             with tl.when(j == tpr - 1):
@@ -302,8 +296,8 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, read
         for s in static_range(1, W):               # from rank me-1, me-2, ..., me+1
             src = (me + (W - s)) % W
             rank_wait(done, src, count=tpr)           # every chunk of src's rows is here
-            got = own_chunk((recv, src * Ms), j)
+            got = load_segment_tile(recv, src, j)
             acc = got if acc is None else got + acc
-        consumer_tile_wait(ready, mapping.tile_id(me, j), count=producers(me, j))
-        own = own_chunk((partial, me * Ms), j)
+        wait_partial(me, j)
+        own = load_segment_tile(partial, me, j)
         tl.store(out, (j * t, 0), own if acc is None else own + acc)

@@ -425,7 +425,7 @@ def parse_schedule(what: str, spec: str):
             comm = ag_gemm.resolve_comm(None, None, None, compute)
         else:
             sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
-            on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # SM-only keys imply the SM schedule
+            on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
             comm = (gemm_rs.default_sm_comm if on_sms else gemm_rs.default_comm)(compute, m=M, k=K // W)
         kw = dict(mkw)
         if kw.get("engine") == "copy_engine":

@@ -49,6 +49,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from ..ir import core
+from ..ir import types as T
 from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
@@ -206,6 +207,8 @@ class LoweredGemm(LoweredKernel):
     notes: tuple[str, ...] = field(default=())
     notifies: int = 0                # notify ops in the tile program's epilogue (after the store)
     notify_signals: tuple[str, ...] = ()   # signals they add to (params "sig_<name>" / "sig_<name>_peers")
+    epilogue_waits: int = 0          # waits in a generated epilogue (before its sums)
+    data_buffers: tuple[tuple[str, tuple[int, ...], str], ...] = ()   # (name, shape, dtype) it loads: "data:<name>"
 
     @property
     def num_tiles(self) -> int:
@@ -231,7 +234,9 @@ class LoweredGemm(LoweredKernel):
                  f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads), "
                  f"{c.acc_per_thread} fp32 acc/thread, smem {c.smem_bytes} B",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
-                 f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}; "
+                 f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}"
+                 + (f" ({self.epilogue_waits} more in the epilogue, before its sums of "
+                    f"{[d[0] for d in self.data_buffers]})" if self.epilogue_waits else "") + "; "
                  f"{self.notifies} notify(s) on {list(self.notify_signals) or 'no signals'} after the tile's stores",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         for t in self.tma:
@@ -310,6 +315,7 @@ class _Match:
     out_dtype: str
     frag: core.Op
     epilogue: list[core.Op] = field(default_factory=list)   # after the store: index code + notifies
+    extras: list[core.Op] = field(default_factory=list)     # a generated epilogue's other stores (sums)
 
 
 def _buffer_of(v: core.Value, what: str, op) -> core.Buffer:
@@ -338,6 +344,8 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
         raise _fail("the accumulator must be an f32 fragment initialised to 0", frag)
     # after the first top-level store: the epilogue (index code and notifies only)
     si = next((i for i, op in enumerate(rest) if op.name == "store"), None)
+    if si is None and any(op.name == "if" for op in rest):
+        return _match_split(part, prologue, rest, frag)
     epilogue = rest[si + 1:] if si is not None else []
     rest = rest[:si + 1] if si is not None else rest
     allowed_epi = SCALAR_OPS | CONTROL_OPS | NOTIFY_OPS
@@ -346,10 +354,7 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
             if sub.name not in allowed_epi:
                 raise _fail(f"'{sub.name}' after the tile's store is not supported by the GEMM lowering (only "
                             "index arithmetic, loops, conditions and notifies may follow the store)", sub)
-    loops = [op for op in rest if op.name == "for"]
-    if len(loops) != 1:
-        raise _fail(f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
-    loop = loops[0]
+    loop = _k_loop(rest, frag)
     tail = [op for op in rest[1:] if op is not loop and op.name not in ("const", "arith")]
     names = [op.name for op in tail]
     if names not in (["frag_read", "cast", "store"], ["frag_read", "store"]):
@@ -358,7 +363,22 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
     store = tail[-1]
     if tail[0].operands[0] is not frag.result:
         raise _fail("the store must write the accumulator", store)
+    la, lb, dot = _k_body(loop, frag)
+    a, b = _buffer_of(la.operands[0], "A", la), _buffer_of(lb.operands[0], "B", lb)
+    c = _buffer_of(store.operands[0], "C", store)
+    out_dtype = c.type.dtype.name
+    return _Match(a, b, c, prologue, loop, dot, store, out_dtype, frag, epilogue)
 
+
+def _k_loop(rest: list[core.Op], frag: core.Op) -> core.Op:
+    loops = [op for op in rest if op.name == "for"]
+    if len(loops) != 1:
+        raise _fail(f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
+    return loops[0]
+
+
+def _k_body(loop: core.Op, frag: core.Op):
+    """The K-loop body's A load, B load and dot (checked: ``acc += tl.dot(load A, load B)``)."""
     # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic)
     body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith")]
     if [op.name for op in body] != ["load", "load", "dot", "frag_read", "ewise", "frag_write"]:
@@ -371,11 +391,58 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> _Match:
         raise _fail("the loop must accumulate: acc += tl.dot(...)", add)
     if fr.operands[0] is not frag.result or fw.operands[0] is not frag.result or fw.operands[1] is not add.result:
         raise _fail("the loop must read and write the same accumulator", fw)
+    return la, lb, dot
 
+
+#: what a generated epilogue may contain besides index code: stores, their elementwise values
+#: (the accumulator, loaded tiles, adds, casts), waits before them and notifies after them
+_EPILOGUE_OPS = SCALAR_OPS | CONTROL_OPS | NOTIFY_OPS | WAIT_OPS | {"store", "frag_read", "load", "ewise", "cast"}
+_EPILOGUE_EWISE = {"add": "__fadd_rn", "sub": "__fsub_rn", "mul": "__fmul_rn"}
+
+
+def _acc_value(v: core.Value, frag: core.Op) -> bool:
+    """Whether ``v`` is the accumulator itself (read, maybe cast)."""
+    op = v.owner
+    if isinstance(op, core.Op) and op.name == "cast":
+        op = op.operands[0].owner
+    return isinstance(op, core.Op) and op.name == "frag_read" and op.operands[0] is frag.result
+
+
+def _match_split(part: core.Part, prologue, rest, frag) -> _Match:
+    """A tile program whose code after the K loop chooses per tile what to store (e.g. GEMM +
+    ReduceScatter summing in the epilogue: other ranks' rows into the partials, then notified;
+    this rank's rows, after waits, plus the tiles peers sent, into the output). Exactly one
+    store writes the accumulator itself at the tile's place (C, the GEMM's output); after it
+    may come one more store of an elementwise expression of the accumulator and loaded tiles."""
+    loop = _k_loop(rest, frag)
+    post = rest[rest.index(loop) + 1:]
+    stores: list[core.Op] = []
+
+    def walk(ops, in_loop):
+        for op in ops:
+            if op.name not in _EPILOGUE_OPS:
+                raise _fail(f"'{op.name}' after the K loop is not supported by the GEMM lowering (a generated "
+                            "epilogue has stores of the accumulator and loaded tiles, waits, notifies and index "
+                            "code)", op)
+            if op.name == "store":
+                if in_loop:
+                    raise _fail("a store in a loop after the K loop is not supported by the GEMM lowering", op)
+                stores.append(op)
+            for r in op.regions:
+                walk(r.ops, in_loop or op.name == "for")
+    walk(post, False)
+    main = [st for st in stores if _acc_value(st.operands[-1], frag)]
+    if len(main) != 1:
+        raise _fail(f"a generated GEMM epilogue needs exactly one store of the accumulator itself (the GEMM's "
+                    f"output C), found {len(main)}", stores[0] if stores else loop)
+    extras = [st for st in stores if st is not main[0]]
+    if len(extras) > 1 or (extras and stores[-1] is not extras[0]):
+        raise _fail("a generated GEMM epilogue may store one elementwise sum of the accumulator, after its store "
+                    "of the accumulator itself", extras[-1] if extras else main[0])
+    la, lb, dot = _k_body(loop, frag)
     a, b = _buffer_of(la.operands[0], "A", la), _buffer_of(lb.operands[0], "B", lb)
-    c = _buffer_of(store.operands[0], "C", store)
-    out_dtype = c.type.dtype.name
-    return _Match(a, b, c, prologue, loop, dot, store, out_dtype, frag, epilogue)
+    c = _buffer_of(main[0].operands[0], "C", main[0])
+    return _Match(a, b, c, prologue, loop, dot, main[0], c.type.dtype.name, frag, post, extras)
 
 
 def _check_shapes(kernel: core.Kernel, part: core.Part, m: _Match, sched: ComputeSchedule):
@@ -416,7 +483,62 @@ def _check_shapes(kernel: core.Kernel, part: core.Part, m: _Match, sched: Comput
         if pitch % 16:
             raise _fail(f"TMA needs 16-byte aligned rows: {name}'s row pitch is {pitch} bytes "
                         f"(pad K and N to multiples of {16 // eb})", m.dot)
+    for st in m.extras:
+        _check_epilogue_store(st, m, aff, sched, ob)
     return M, N, K
+
+
+def _check_epilogue_store(st: core.Op, m: _Match, aff: "_Affine", sched: ComputeSchedule, c_bytes: int):
+    """A generated epilogue's sum store: a 2-d TMA-storable buffer, the tile's columns, a value
+    built from the accumulator and (BM, BN) tiles loaded at the tile's columns."""
+    BM, BN, _ = sched.tile
+    buf = _buffer_of(st.operands[0], "an epilogue store's target", st)
+    dt = buf.type.dtype.name
+    if len(buf.type.shape) != 2 or dt not in _DTYPE_C:
+        raise _fail(f"an epilogue store needs a 2-d f16 / bf16 / f32 tensor, got '{buf.name}' "
+                    f"{list(buf.type.shape)} {dt}", st)
+    if buf.type.shape[1] * _DTYPE_BYTES[dt] % 16:
+        raise _fail(f"TMA needs 16-byte aligned rows: '{buf.name}' rows are {buf.type.shape[1] * _DTYPE_BYTES[dt]} "
+                    "bytes", st)
+    if 64 * min(128, BN * _DTYPE_BYTES[dt]) > _round_up(64 * min(128, BN * c_bytes), 1024):
+        raise _fail(f"the epilogue stages '{buf.name}' ({dt}) in C's buffers, which are too small for it at BN={BN}; "
+                    "store the sum in a type no wider than C's", st)
+    col = aff(st.operands[2])
+    if col != {"pid1": BN}:
+        raise _fail(f"an epilogue store must write the tile's columns (pid1*BN), got {_fmt_aff((col,))}", st)
+
+    def check(v: core.Value):
+        op = v.owner
+        if _acc_value(v, m.frag) and op.name == "frag_read":
+            return
+        if not isinstance(op, core.Op):
+            raise _fail("an epilogue value must be computed from the accumulator and loaded tiles", st)
+        if op.name == "cast":
+            check(op.operands[0])
+        elif op.name == "ewise":
+            if op.attrs["op"] not in _EPILOGUE_EWISE:
+                raise _fail(f"elementwise '{op.attrs['op']}' in a GEMM epilogue: only {sorted(_EPILOGUE_EWISE)} "
+                            "are lowered", op)
+            for x in op.operands:
+                if not isinstance(x.type, T.TileType):
+                    raise _fail("scalars in an epilogue sum are not lowered", op)
+                check(x)
+        elif op.name == "load":
+            lb = _buffer_of(op.operands[0], "an epilogue load's source", op)
+            ldt = lb.type.dtype.name
+            if len(lb.type.shape) != 2 or ldt not in _DTYPE_C or lb.type.shape[1] % 2:
+                raise _fail(f"an epilogue load needs a 2-d f16 / bf16 / f32 tensor with an even row length, got "
+                            f"'{lb.name}' {list(lb.type.shape)} {ldt}", op)
+            if tuple(op.attrs["shape"]) != (BM, BN):
+                raise _fail(f"an epilogue load must read a whole ({BM}, {BN}) tile, got {op.attrs['shape']}", op)
+            if aff(op.operands[2]) != {"pid1": BN}:
+                raise _fail(f"an epilogue load must read the tile's columns (pid1*BN), got "
+                            f"{_fmt_aff((aff(op.operands[2]),))}", op)
+        else:
+            raise _fail(f"'{op.name}' in an epilogue sum: the GEMM lowering adds loaded tiles to the accumulator", op)
+    if tuple(st.operands[-1].type.shape) != (BM, BN):
+        raise _fail(f"an epilogue store must write a whole ({BM}, {BN}) tile", st)
+    check(st.operands[-1])
 
 
 def _fmt_aff(forms) -> str:
@@ -550,6 +672,123 @@ class _NotifyEmitter(_SyncEmitter):
         self.notifies += 1
 
 
+class _EpilogueEmitter(_SyncEmitter):
+    """A generated epilogue (the tile program's code after the K loop, when it chooses per tile
+    what to store): run by every consumer thread with the template's ``EpilogueCtx``. The store
+    of the accumulator becomes ``ctx.store`` (then, when notifies follow, ``ctx.release``: the
+    tile's stores complete, a fence at their widest scope); waits spin on every thread (acquire:
+    the loads after them see what the waited-for writers wrote); a sum store becomes
+    ``ctx.apply`` (per accumulator pair: the elementwise expression, with guarded L2 loads)
+    then ``ctx.store`` of the sum; notifies add on one thread."""
+
+    roots = NOTIFY_OPS | WAIT_OPS | {"store"}
+
+    def __init__(self, kernel: core.Kernel, ops: list[core.Op], m: _Match):
+        super().__init__(kernel, ops)
+        self.m = m
+        self.waits = self.notifies = 0
+        self.notify_scope_sys = any(op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[op.name]) == "sys"
+                                    for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]]
+                                    if op.name in NOTIFY_OPS)
+        self.has_notifies = any(op.name in NOTIFY_OPS for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]])
+        self.waited: list[core.Signal] = []
+        self.loaded: list[core.Buffer] = []       # params buf_<name>
+        self.stored: list[core.Buffer] = []       # sum stores' targets: params tma_<name>
+        self.stores_done = 0
+
+    def emit_other(self, op, ind, lines):
+        n = op.name
+        mk = _marker(op.loc)
+        if n in ("frag_read", "load", "ewise", "cast"):
+            return                                   # part of a store's value: emitted there
+        if n in WAIT_OPS:
+            sig = op.operands[0].owner
+            self._use(sig)
+            if sig not in self.waited:
+                self.waited.append(sig)
+            ch, count = self.name(op.operands[1], op), self.name(op.operands[2], op)
+            scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
+            target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
+                      else f"(unsigned long long)({count})")
+            lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});  // {n}{mk}")
+            self.waits += 1
+            return
+        if n in NOTIFY_OPS:
+            if not self.stores_done:
+                raise _fail("a notify before the tile's store in a generated GEMM epilogue", op)
+            sig = op.operands[0].owner
+            ch = self.name(op.operands[1], op)
+            scope = "tldsl::kScopeSys" if op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n]) == "sys" else "tldsl::kScopeGpu"
+            if n == "producer_tile_notify" or _is_this_rank(op.operands[2]):
+                self._use(sig)
+                slot = f"sig_{_cident(sig.name)} + {ch}"
+            else:
+                self._use(sig, peers=True)
+                slot = f"sig_{_cident(sig.name)}_peers[{self.name(op.operands[2], op)}] + {ch}"
+            lines.append(f"{ind}if (ctx.notifier()) tldsl::red_relaxed_add<{scope}>({slot}, 1ull);  // {n}{mk}")
+            self.notifies += 1
+            return
+        if n != "store":
+            raise _fail(f"'{n}' is not supported in a generated GEMM epilogue", op)
+        buf = op.operands[0].owner
+        row, col = self.name(op.operands[1], op), self.name(op.operands[2], op)
+        et = _DTYPE_C[buf.type.dtype.name]
+        self.stores_done += 1
+        if op is self.m.store:
+            lines.append(f"{ind}ctx.template store<{et}>(&tma_c, {col}, {row});  // store {buf.name}{mk}")
+            if self.has_notifies:
+                scope = "tldsl::kScopeSys" if self.notify_scope_sys else "tldsl::kScopeGpu"
+                lines.append(f"{ind}ctx.template release<{scope}>();")
+            return
+        if buf not in self.stored:
+            self.stored.append(buf)
+        self._fetches: list[str] = []         # this store's loads: members v0, v1, ... of its fetched pair
+        y0, y1 = self._expr(op.operands[-1], "lo", "x0", op), self._expr(op.operands[-1], "hi", "x1", op)
+        k = self.stores_done
+        members = " ".join(f"{t} v{i};" for i, (t, _) in enumerate(self._fetches))
+        loads = " ".join(f"f.v{i} = {e};" for i, (_, e) in enumerate(self._fetches))
+        lines += [f"{ind}struct Fetched{k} {{ {members or 'int unused;'} }};",
+                  f"{ind}ctx.apply([&](int r, int c) {{  // {buf.name} = the sum: loads ...{mk}",
+                  f"{ind}  Fetched{k} f; {loads}",
+                  f"{ind}  (void)r; (void)c; return f;",
+                  f"{ind}}}, [&](float& x0, float& x1, const Fetched{k}& f) {{  // ... then arithmetic",
+                  f"{ind}  (void)f;",
+                  f"{ind}  const float y0 = {y0};",
+                  f"{ind}  const float y1 = {y1};",
+                  f"{ind}  x0 = y0;",
+                  f"{ind}  x1 = y1;",
+                  f"{ind}}});",
+                  f"{ind}ctx.template store<{et}>(&tma_{_cident(buf.name)}, {col}, {row});  // store {buf.name}{mk}"]
+
+    def _expr(self, v: core.Value, half: str, x: str, at) -> str:
+        """C++ float expression of tile value ``v`` at one element of a pair (``half``: ``lo`` or
+        ``hi``); ``x`` names the accumulator element there. Loads become members of the pair's
+        fetched values (one per load op, shared by both halves)."""
+        op = v.owner
+        rdt = v.type.dtype.name
+        if op.name == "frag_read":
+            return x
+        if op.name == "cast":
+            inner = self._expr(op.operands[0], half, x, at)
+            return inner if rdt == "f32" else f"tldsl::sm90::epi_round<{_DTYPE_C[rdt]}>({inner})"
+        if op.name == "ewise":
+            a, b = (self._expr(o, half, x, at) for o in op.operands)
+            e = f"{_EPILOGUE_EWISE[op.attrs['op']]}({a}, {b})"
+            return e if rdt == "f32" else f"tldsl::sm90::epi_round<{_DTYPE_C[rdt]}>({e})"
+        if op.name == "load":
+            buf = op.operands[0].owner
+            if buf not in self.loaded:
+                self.loaded.append(buf)
+            rows, cols = buf.type.shape
+            r0, c0 = self.name(op.operands[1], at), self.name(op.operands[2], at)
+            load = f"tldsl::sm90::epi_load2(buf_{_cident(buf.name)}, {r0} + r, {c0} + c, {rows}, {cols})"
+            ptype = f"tldsl::sm90::EpiPair<{_DTYPE_C[buf.type.dtype.name]}>::type"
+            if (ptype, load) not in self._fetches:
+                self._fetches.append((ptype, load))
+            return f"tldsl::sm90::epi_{half}(f.v{self._fetches.index((ptype, load))})"
+        raise _fail(f"'{op.name}' in a GEMM epilogue sum", op)
+
+
 def _is_this_rank(v: core.Value) -> bool:
     """Whether a rank operand is ``tl.rank()`` itself (the access is local)."""
     return isinstance(v.owner, core.Op) and v.owner.name == "rank"
@@ -580,8 +819,12 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     wait_lines = em.emit("    ")
     # the epilogue's index code may use values of the prologue or between the loop and the store
     between = [op for op in p.body.ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
-    ne = _NotifyEmitter(kernel, list(m.prologue) + between + list(m.epilogue))
-    notify_lines = ne.emit("    ")
+    if m.extras:
+        ne = _EpilogueEmitter(kernel, list(m.prologue) + between + list(m.epilogue), m)
+        notify_lines = ne.emit("      ")
+    else:
+        ne = _NotifyEmitter(kernel, list(m.prologue) + between + list(m.epilogue))
+        notify_lines = ne.emit("    ")
 
     entry = entry or _cident(f"tldsl_{kernel.name}_{p.name}")
     align_shift = int(getattr(p, "align_shift", 0))
@@ -591,31 +834,60 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
               KernelParam("M", "int", "i32", "M", M), KernelParam("N", "int", "i32", "N", N),
               KernelParam("K", "int", "i32", "K", K), KernelParam("rank", "int", "i32", "rank"),
               KernelParam("launch", "unsigned long long", "u64", "launch")]
+    ep_waited = list(getattr(ne, "waited", ()))
+    notified = [s for s in ne.signals if s not in ep_waited or _notifies_signal(m.epilogue, s)]
     for s in em.signals:   # waited on (and maybe notified): this rank's copy
-        ctype = ("unsigned long long* __restrict__" if s in ne.signals
+        ctype = ("unsigned long long* __restrict__" if s in notified
                  else "const unsigned long long* __restrict__")
         params.append(KernelParam(f"sig_{_cident(s.name)}", ctype, "ptr", f"signal:{s.name}"))
-    for s in ne.signals:   # notified only
+    for s in ne.signals:   # in the epilogue only: notified (or waited on, by a generated epilogue)
         if s not in em.signals:
-            params.append(KernelParam(f"sig_{_cident(s.name)}", "unsigned long long* __restrict__", "ptr",
-                                      f"signal:{s.name}"))
+            ctype = "unsigned long long* __restrict__" if s in notified else "const unsigned long long*"
+            params.append(KernelParam(f"sig_{_cident(s.name)}", ctype, "ptr", f"signal:{s.name}"))
     for s in ne.peer_signals:
         params.append(KernelParam(f"sig_{_cident(s.name)}_peers", "unsigned long long* const* __restrict__", "ptr",
                                   f"peer_signals:{s.name}"))
     tables = list(em.tables) + [t for t in ne.tables if t not in em.tables]
     for t in tables:
         params.append(KernelParam(f"tbl_{_cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}"))
+    data = []
+    if m.extras:      # a generated epilogue: its sum stores' descriptors, the tensors it loads
+        for b in ne.stored:
+            params.append(KernelParam(f"tma_{_cident(b.name)}", "const __grid_constant__ cute::TmaDescriptor", "tma",
+                                      f"tma:tma_{_cident(b.name)}"))
+        for b in ne.loaded:   # peers write these during the kernel: plain (L2) loads, never the read-only path
+            params.append(KernelParam(f"buf_{_cident(b.name)}", f"const {_DTYPE_C[b.type.dtype.name]}*", "ptr",
+                                      f"data:{b.name}"))
+            data.append((b.name, tuple(b.type.shape), b.type.dtype.name))
 
-    tma = _tma_specs(cfg, m, M, N, K)
+    tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in getattr(ne, "stored", ()))
     source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
-    notified = [s.name for s in ne.signals] + [s.name for s in ne.peer_signals if s not in ne.signals]
+    notified_names = [s.name for s in notified] + [s.name for s in ne.peer_signals if s not in notified]
+    waited = list(em.signals) + [s for s in ep_waited if s not in em.signals]
     return LoweredGemm(kernel.name, p.name, entry, source, cfg, tuple(params), tma, M, N, K,
                        tuple(p.grid), kernel.world_size, align_shift, em.waits,
-                       tuple(s.name for s in em.signals), tuple(options),
-                       notifies=ne.notifies, notify_signals=tuple(notified))
+                       tuple(s.name for s in waited), tuple(options),
+                       notifies=ne.notifies, notify_signals=tuple(notified_names),
+                       epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data))
+
+
+def _notifies_signal(ops, sig) -> bool:
+    return any(op.name in NOTIFY_OPS and op.operands[0].owner is sig
+               for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]])
+
+
+def _store_spec(cfg: GemmConfig, buf: core.Buffer) -> TmaDescriptorSpec:
+    """The TMA descriptor of a generated epilogue's sum store (64-row boxes, like C's)."""
+    dt = buf.type.dtype.name
+    ob = _DTYPE_BYTES[dt]
+    rows, cols = buf.type.shape
+    sc = min(128, cfg.BN * ob)
+    return TmaDescriptorSpec(f"tma_{_cident(buf.name)}", buf.name, "C", dt, _TMA_DATA_TYPE[dt], (cols, rows),
+                             (cols * ob,), (sc // ob, 64), (1, 1), _SWIZZLE[sc],
+                             l2_promotion="CU_TENSOR_MAP_L2_PROMOTION_NONE")
 
 
 def _tma_specs(cfg: GemmConfig, m: _Match, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
@@ -695,7 +967,46 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
     else:
         waits_expr = "tldsl::sm90::NoWaits{}"
     notifies_arg = ""
-    if ne is not None and ne.notifies:
+    if isinstance(ne, _EpilogueEmitter):
+        members = ["  int rank;", "  unsigned long long launch;",
+                   "  const cute::TmaDescriptor* tma_c_ptr;"]
+        init = ["rank", "launch", "&tma_c"]
+        for s in ne.signals:
+            const = "" if _notifies_signal(m.epilogue, s) else "const "
+            members.append(f"  {const}unsigned long long* sig_{_cident(s.name)};")
+            init.append(f"sig_{_cident(s.name)}")
+        for s in ne.peer_signals:
+            members.append(f"  unsigned long long* const* sig_{_cident(s.name)}_peers;")
+            init.append(f"sig_{_cident(s.name)}_peers")
+        for t in ne.tables:
+            members.append(f"  const int* tbl_{_cident(t.name)};")
+            init.append(f"tbl_{_cident(t.name)}")
+        for b in ne.stored:
+            members.append(f"  const cute::TmaDescriptor* tma_{_cident(b.name)}_ptr;")
+            init.append(f"&tma_{_cident(b.name)}")
+        for b in ne.loaded:
+            members.append(f"  const {_DTYPE_C[b.type.dtype.name]}* buf_{_cident(b.name)};")
+            init.append(f"buf_{_cident(b.name)}")
+        aliases = ["    const cute::TmaDescriptor& tma_c = *tma_c_ptr;"] + \
+                  [f"    const cute::TmaDescriptor& tma_{_cident(b.name)} = *tma_{_cident(b.name)}_ptr;" for b in ne.stored]
+        L += ["// The tile program's code after the K loop, run by every consumer thread: which stores a tile",
+              "// makes (the accumulator into C; or, after waits, its elementwise sum with loaded tiles),",
+              "// and the notifies after the accumulator's store.",
+              "struct TileEpilogue {",
+              "  static constexpr bool kEnabled = true;",
+              *members,
+              "  template <class Ctx>",
+              "  __device__ __forceinline__ void operator()(Ctx& ctx, int pid0, int pid1) const {",
+              "    (void)pid0; (void)pid1;",
+              *aliases,
+              "    {",
+              *notify_lines,
+              "    }",
+              "  }",
+              "};",
+              ""]
+        notifies_arg = ", tldsl::sm90::NoNotifies{}, TileEpilogue{" + ", ".join(init) + "}"
+    elif ne is not None and ne.notifies:
         members = ["  int rank;"]
         members += [f"  unsigned long long* sig_{_cident(s.name)};" for s in ne.signals]
         members += [f"  unsigned long long* const* sig_{_cident(s.name)}_peers;" for s in ne.peer_signals]

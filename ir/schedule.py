@@ -17,6 +17,7 @@ CLUSTER_SHAPES = ((1, 1), (2, 1))
 COMM_TRANSPORTS = ("ptr", "nvshmem")
 COMM_MODES = ("push", "pull")
 COMM_ENGINES = ("sm", "copy_engine")
+REDUCE_PLACES = ("comm", "epilogue")
 
 
 def _pow2(x: int) -> bool:
@@ -106,13 +107,17 @@ class CommSchedule:
     reaches peers — ``ptr`` (loads / stores through a table of peer pointers the runtime
     passes: torch symmetric memory's ``buffer_ptrs``, or ``nvshmem_ptr`` on the host) or
     ``nvshmem`` (NVSHMEM device calls compiled in header-only mode: ``nvshmem_ptr`` on the device
-    for peer data, ``nvshmemx_signal_op`` for peer notifies; needs NVSHMEM-allocated buffers)."""
+    for peer data, ``nvshmemx_signal_op`` for peer notifies; needs NVSHMEM-allocated buffers);
+    reduce_in (reductions): where this rank's rows are summed — ``comm`` (a communication part
+    adds them) or ``epilogue`` (the compute part adds what peers sent into its own tiles before
+    storing them: no pass over the rows after the GEMM; the copy-engine push reduce-scatter)."""
     tile_m: int | None = None
     order: str = "ring"
     mode: str = "pull"
     engine: str = "sm"
     sms: int | None = None
     transport: str = "ptr"
+    reduce_in: str = "comm"
 
     def __post_init__(self):
         if self.order not in COMM_ORDERS:
@@ -126,6 +131,12 @@ class CommSchedule:
             raise ScheduleError(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
         if self.transport not in COMM_TRANSPORTS:
             raise ScheduleError(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
+        if self.reduce_in not in REDUCE_PLACES:
+            raise ScheduleError(f"reduce_in={self.reduce_in!r}: choose one of {REDUCE_PLACES}")
+        if self.reduce_in == "epilogue" and (self.engine, self.mode) != ("copy_engine", "push"):
+            raise ScheduleError("reduce_in='epilogue' (peers' rows added in the compute part's epilogue) is the "
+                                f"copy-engine push schedule: engine='copy_engine', mode='push'; got engine="
+                                f"{self.engine!r}, mode={self.mode!r}")
         if self.engine == "copy_engine" and self.transport != "ptr":
             raise ScheduleError("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
         if self.engine == "copy_engine":

@@ -926,7 +926,9 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
-                                              "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32", "gemm_rs/sm-push",
+                                              "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
+                                                  "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
+                                                  "gemm_rs/sm-push",
                                               "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
@@ -948,14 +950,15 @@ def test_dist_check_variants_lower_at_their_sizes(op):
     for v in dc.variants(op):
         kw = dict(v.kwargs)
         for check in dc.CHECKS:
-            rows, k, n = dc.sizes(check, W)
+            rows, k, n = dc.sizes(check, W, v)
             if op == "ag_gemm":
                 comm = resolve_comm(kw.get("comm"), kw.get("engine"), None, AG_COMPUTE)
                 ir = allgather_gemm.trace(W, S((rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
                                           S((W * rows, n), tl.bfloat16), compute=AG_COMPUTE, comm=comm)
                 comm_part = "gather_a"
             else:
-                comm = kw.get("comm") or (default_sm_comm if kw.get("engine") == "sm" else default_comm)(RS_COMPUTE)
+                comm = kw.get("comm") or (default_sm_comm(RS_COMPUTE) if kw.get("engine") == "sm" else
+                                          default_comm(RS_COMPUTE, m=W * rows, k=k, world_size=W))
                 ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
                                                S((rows, n), tl.bfloat16), compute=RS_COMPUTE,
                                                comm=traced_comm(comm, rows, RS_COMPUTE))
@@ -1056,8 +1059,11 @@ class _Proto:
             def prepare(self, buffers, signals=None, rank=0):
                 for spec in self.lowered.tma:
                     assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
+                for name, shape, _ in getattr(self.lowered, "data_buffers", ()):
+                    assert tuple(buffers[name].shape) == shape, name
                 assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
                 proto.prepared += 1
+                proto.gemm_args = (buffers, signals)
                 return SimpleNamespace(launch=lambda stream, L: log.append(("GEMM", stream, L, self.grid[0], rank)))
         mp.setattr(gkm, "GemmKernel", Gemm)
         self.prepared = 0
@@ -1227,6 +1233,46 @@ def test_gemm_rs_copy_engine_protocol(proto):
     smap = op.signal_map()
     assert [s[0] for s in smap] == ["reduce_scatter_ready", "reduce_scatter_done", "handshake_arrive"]
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
+
+
+def test_gemm_rs_copy_engine_epilogue_protocol(proto):
+    """reduce_in='epilogue': the same copy stream (handshake, per chunk a wait and a copy, the
+    coalesced done write), but no sum after the GEMM: the GEMM gets ``out``, the receive buffer and
+    the done counters (its own-row tiles wait on them and add), and the compute stream only joins
+    the copy stream."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    M, K, N = 2048 * 2, 1032, 3000
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
+    op = MatmulReduceScatter(M, K, N, "bfloat16", comm=comm)
+    eng = op._engine
+    assert eng.fused and op.ir.comm_schedule == comm.with_(tile_m=512)
+    assert {p.name for p in op.ir.parts} == {"gemm", "reduce_scatter"}          # no sum part
+    assert "summed in the GEMM epilogue" in op.describe()
+    proto.events()
+    cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
+    a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+    done = eng.ws.peers("reduce_scatter_done")
+    for L in (1, 2):
+        out = op(a, b)
+        ev = proto.events()
+        assert [e[0] for e in ev] == (["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWriteValue64",
+                                       "cuStreamWaitValue64"] + ["cuStreamWaitValue64", "cuMemcpyAsync"] * 4
+                                      + ["cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"])
+        assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, 4 * L)
+        assert ev[-1] == ("cuStreamWaitEvent", cur, ev[-2][2])          # nothing waits on done on the host side
+        bufs, sigs = proto.gemm_args
+        assert bufs["out"] is out and bufs["partial"] is op.partial
+        assert bufs["reduce_scatter_recv"].data_ptr() == eng.recv.data_ptr()
+        assert sigs["reduce_scatter_done"].data_ptr() == done[1]        # this rank's counters
+    # the GEMM alone: the op's buffers with scratch counters whose waits are already satisfied
+    op.compute_only(a, b)
+    bufs, sigs = proto.gemm_args
+    assert sigs["reduce_scatter_done"].min().item() >= 1 << 62 and sigs["reduce_scatter_ready"].sum().item() == 0
+    assert sigs["reduce_scatter_ready"].data_ptr() != op.signals[op.ready].data_ptr()
+    # whole tiles per rank: 4091 rows per rank cannot sum in the epilogue, and say why before anything runs
+    with pytest.raises(tl.ScheduleError, match="not a multiple of the producer tile"):
+        MatmulReduceScatter(4091 * 2, K, N, "bfloat16", comm=comm)
 
 
 def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
@@ -1427,7 +1473,7 @@ class CpuEnv(dc.Env):
     def generator(self, seed):
         return self.torch.Generator().manual_seed(seed)
 
-    def sizes(self, check):
+    def sizes(self, check, v=None):
         return (40, 24, 16) if check != "back_to_back" else (16, 8, 8)
 
     def device_sleep(self, stream, cycles):

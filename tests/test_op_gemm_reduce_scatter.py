@@ -251,6 +251,7 @@ def test_mutation_check_catches_every_deleted_primitive():
     variants = {m.variant for m in mutants}
     assert {v.split()[0].rsplit("/tile_m", 1)[0] for v in variants} == {
         "sm/push/ring", "sm/pull/ring", "sm/push/full_mesh", "sm/pull/full_mesh", "copy_engine/push/ring"}
+    assert any(v.split()[0].endswith("/reduce_in=epilogue") for v in variants)     # the GEMM's epilogue sum too
     assert caught == total > 0
 
 
@@ -270,3 +271,49 @@ def test_copy_engine_sums_in_the_sm_schedules_order(W, partial_dtype):
         outs.append([res[r]["out"] for r in range(W)])
     for other in outs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(outs[0], other))
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_epilogue_sum_agrees_with_every_schedule_to_the_last_bit(W):
+    """reduce_in='epilogue': the GEMM adds what peers sent to its own tiles, in the SM schedules'
+    order, its own term rounded to the partials' dtype as if stored: the same bits as the other
+    schedules, for fp32 partials and for partials in the output's dtype."""
+    compute = tl.ComputeSchedule(tile=(8, 8, 8), order="comm_aligned", stages=1, group_m=1)
+    outs = {}
+    for pdt in ("f32", "out"):
+        for name, comm in (("epilogue", tl.CommSchedule(engine="copy_engine", mode="push", tile_m=8,
+                                                        reduce_in="epilogue")),
+                           ("ring", tl.CommSchedule(tile_m=8, order="ring", mode="push", sms=1))):
+            case = SPEC.make_case(np.random.default_rng(5), W, rows_per_rank=16, n=12, k_per_rank=9,
+                                  compute=compute, comm=comm, partial_dtype=pdt)
+            res = tl.simulate(gemm_reduce_scatter, W, case.inputs, seed=2, **case.kwargs)
+            outs[pdt, name] = [np.asarray(res[r]["out"], np.float32) for r in range(W)]
+            for r in range(W):
+                np.testing.assert_allclose(outs[pdt, name][r], case.expected[r]["out"], rtol=case.rtol, atol=case.atol)
+    for pdt in ("f32", "out"):
+        assert all(np.array_equal(a, b) for a, b in zip(outs[pdt, "epilogue"], outs[pdt, "ring"]))
+
+
+def test_epilogue_sum_parts_and_rules():
+    """No sum part: the copy-engine part pushes, the GEMM's own-row tiles wait for every peer's
+    rows and add them. It needs whole GEMM tiles per rank and the copy-engine push schedule."""
+    W, Ms, K, N = 2, 16, 16, 24
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=8, reduce_in="epilogue")
+    compute = tl.ComputeSchedule(tile=(8, 8, 16))
+    k = _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=compute)
+    assert {p.name: p.engine for p in k.parts} == {"gemm": "sm", "reduce_scatter": "copy_engine"}
+    with pytest.raises(tl.ScheduleError, match=r"M/W = 12 is not a multiple of the producer tile's 8 rows") as info:
+        _trace(W, W * 12, K, K, N, 12, comm=comm, compute=compute)
+    assert "gemm_reduce_scatter.py:" in str(info.value)
+    with pytest.raises(tl.ScheduleError, match=r"reduce_in='epilogue' .* engine='copy_engine', mode='push'"):
+        tl.CommSchedule(engine="sm", mode="push", reduce_in="epilogue")
+    with pytest.raises(tl.ScheduleError, match=r"reduce_in='sm'"):
+        tl.CommSchedule(reduce_in="sm")
+
+
+def test_all_gather_has_nothing_to_reduce():
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
+    with pytest.raises(tl.ScheduleError, match="all_gather has nothing to reduce"):
+        allgather_gemm.trace(2, tl.TensorSpec((16, 16), tl.float16), tl.TensorSpec((16, 16), tl.float16),
+                             tl.TensorSpec((32, 16), tl.float16), compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)

@@ -3,6 +3,7 @@
     python -m tldsl.bench gemm [--shapes 8192x8192x8192,...] [--tune] [--iters 30]
     torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm      (see tldsl.bench_dist)
     python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
+    python -m tldsl.bench probe copy_engine|epilogue|rs_reduce_in   (see tldsl.bench_probes)
 
 ``gemm``: the generated Hopper GEMM (a tile program lowered by ``tldsl.codegen``) against
 ``torch.matmul`` (cuBLAS), bf16, CUDA-event timing (median of ``--iters`` after warm-up),
@@ -199,6 +200,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "compile":
         from .bench_compile import main as compile_main
         return compile_main(argv[1:])
+    if argv and argv[0] == "probe":
+        from .bench_probes import main as probe_main
+        return probe_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)

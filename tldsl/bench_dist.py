@@ -272,6 +272,8 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:
         comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default: 4 copies per peer
+                 CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"),   # rows summed in the GEMM
+                 CommSchedule(engine="copy_engine", mode="push", tile_m=512, reduce_in="epilogue"),
                  CommSchedule(engine="copy_engine", mode="push", tile_m=512),
                  CommSchedule(engine="copy_engine", mode="push", tile_m=2048),
                  CommSchedule(engine="sm", mode="push", tile_m=64, sms=16),
@@ -386,7 +388,7 @@ def parse_schedule(what: str, spec: str):
     keys ``tile`` (BMxBNxBK), ``stages``, ``compute_order``, ``group_m``, ``cluster`` (CTAs per
     cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``transport`` (``ptr`` or
     ``nvshmem``), ``sms``, ``tile_m``
-    (``none`` for whole chunks). Unset keys take the op's defaults for the shape."""
+    (``none`` for whole chunks), ``reduce_in`` (gemm_rs on the copy engine: ``epilogue`` or ``comm``). Unset keys take the op's defaults for the shape."""
     from tldsl.errors import InputError
     from tldsl.runtime.dist import ag_gemm, gemm_rs
     kv = {}
@@ -406,7 +408,7 @@ def parse_schedule(what: str, spec: str):
     if "cluster" in kv:
         ckw["cluster"] = (int(kv.pop("cluster")), 1)
     mkw = {}
-    for k in ("engine", "mode", "order", "transport"):
+    for k in ("engine", "mode", "order", "transport", "reduce_in"):
         if k in kv:
             mkw[k] = kv.pop(k)
     if "sms" in kv:
@@ -426,7 +428,8 @@ def parse_schedule(what: str, spec: str):
         else:
             sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
             on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
-            comm = (gemm_rs.default_sm_comm if on_sms else gemm_rs.default_comm)(compute, m=M, k=K // W)
+            comm = (gemm_rs.default_sm_comm(compute, m=M, k=K // W) if on_sms else
+                    gemm_rs.default_comm(compute, m=M, k=K // W, world_size=W))
         kw = dict(mkw)
         if kw.get("engine") == "copy_engine":
             kw.setdefault("tile_m", None)
@@ -434,6 +437,7 @@ def parse_schedule(what: str, spec: str):
         elif kw.get("engine") == "sm" and comm.engine == "copy_engine":
             kw.setdefault("tile_m", compute.BM)
             kw.setdefault("sms", 8)
+            kw.setdefault("reduce_in", "comm")
         return compute, comm.with_(**kw)
     return schedule
 

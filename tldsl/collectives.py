@@ -40,6 +40,9 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
         fail(f"all_gather: source '{src.name}' must be symmetric (peers read it)")
     if tuple(dst.shape) != (W * rows,) + tuple(src.shape[1:]):
         fail(f"all_gather: destination '{dst.name}' has shape {dst.shape}, expected {(W * rows,) + tuple(src.shape[1:])}")
+    if comm.reduce_in != "comm":
+        raise ScheduleError(f"all_gather has nothing to reduce: reduce_in={comm.reduce_in!r} applies to "
+                            "reduce-scatters", user_location())
     if comm.engine == "copy_engine" and comm.tile_m is not None:
         raise ScheduleError("the copy-engine all-gather copies whole shards: set tile_m=None with "
                             "engine='copy_engine'", user_location())
@@ -95,8 +98,9 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
 
 class ReduceScatter:
     """Handle of a reduce-scatter along rows: rank ``r`` ends with the sum over ranks of
-    rows ``[r*Ms, (r+1)*Ms)`` of their ``partial``. A producer (compute) tile calls
-    ``notify_rows(lo, hi)`` after storing rows ``[lo, hi)`` of ``partial``.
+    rows ``[r*Ms, (r+1)*Ms)`` of their ``partial``. A producer (compute) tile hands its result
+    over with ``store_tile(acc, row, col)`` (or stores rows ``[lo, hi)`` of ``partial`` itself
+    and calls ``notify_rows(lo, hi)``).
 
     ``align_shift`` is the shift to give ``tl.compute_part(..., align_shift=...)``: with the
     ``comm_aligned`` compute order, the producer then finishes the segments in the order
@@ -104,11 +108,48 @@ class ReduceScatter:
 
     align_shift = 1
 
-    def __init__(self, mapping: StaticMapping, ready, tile_rows: int):
+    def __init__(self, mapping: StaticMapping, ready, tile_rows: int, *, partial=None, out=None,
+                 producer_rows: int = 0, epilogue=None):
         self.mapping, self.ready, self.tile_rows = mapping, ready, tile_rows
+        self.partial, self.out, self.producer_rows = partial, out, producer_rows
+        self._epilogue = epilogue       # (recv, done, chunks per peer) where reduce_in='epilogue'
 
     def notify_rows(self, row_lo, row_hi):
         self.mapping.notify_rows(self.ready, row_lo, row_hi)
+
+    def store_tile(self, acc, row, col):
+        """Hand over the producer tile ``acc`` at (``row``, ``col``) of ``partial``.
+
+        Summing in the communication part (``reduce_in='comm'``): store it into ``partial`` and
+        notify its rows. Summing in the epilogue (``reduce_in='epilogue'``): a tile of another
+        rank's rows is stored and notified the same way (the copy engine sends it); a tile of
+        this rank's own rows waits until every peer's copy of those rows has arrived, adds them
+        in the SM schedules' order, ``P[me] + (P[me+1] + (... + P[me-1]))``, with this rank's term
+        rounded to ``partial``'s dtype as if it had been stored, and stores the sum straight into
+        ``out``: bit for bit what the other schedules compute."""
+        M = self.partial.shape[0]
+        BM = self.producer_rows
+        if self._epilogue is None:
+            tl.store(self.partial, (row, col), acc)
+            self.notify_rows(row, minimum(row + BM, M))
+            return
+        recv, done, tpr = self._epilogue
+        W = world_size()
+        Ms = M // W
+        me = tl.rank()
+        lo = me * Ms
+        with tl.when((row < lo) | (row >= lo + Ms)):
+            tl.store(self.partial, (row, col), acc)
+            self.notify_rows(row, minimum(row + BM, M))
+        with tl.when((row >= lo) & (row < lo + Ms)):
+            total = None
+            for s in static_range(1, W):               # from rank me-1, me-2, ..., me+1
+                src = (me + (W - s)) % W
+                rank_wait(done, src, count=tpr)          # every chunk of src's copy of our rows is here
+                got = tl.load(recv, (src * Ms + (row - lo), col), tuple(acc.shape))
+                total = got if total is None else got + total
+            own = acc if self.partial.dtype == tl.float32 else acc.read().to(self.partial.dtype)
+            tl.store(self.out, (row - lo, col), own if total is None else own + total)
 
 
 def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter", *,
@@ -184,9 +225,15 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     def load_partial(seg, j):
         return load_segment_tile(partial, seg, j)
 
+    handle = dict(partial=partial, out=out, producer_rows=BM)
     if comm.engine == "copy_engine":
-        _reduce_scatter_copy_engine(partial, out, name, mapping, wait_partial, load_segment_tile)
-        return ReduceScatter(mapping, ready, t)
+        if comm.reduce_in == "epilogue" and Ms % BM:
+            raise ScheduleError(f"{name}: reduce_in='epilogue' adds peers' rows into this rank's own producer "
+                                f"tiles, so a tile must not straddle two ranks' rows: M/W = {Ms} is not a multiple of "
+                                f"the producer tile's {BM} rows (use reduce_in='comm')", user_location())
+        fused = _reduce_scatter_copy_engine(partial, out, name, mapping, wait_partial, load_segment_tile,
+                                            sum_part=comm.reduce_in == "comm")
+        return ReduceScatter(mapping, ready, t, epilogue=fused, **handle)
     if W > 1:
         stage = tl.symmetric_buffer(((W - 1) * slot, N), partial.dtype,
                                     f"{name}_recv" if comm.mode == "push" else f"{name}_send")
@@ -254,10 +301,11 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
                 own = load_partial(me, j)
                 tl.store(out, (j * t, 0), own if acc is None else own + acc)
 
-    return ReduceScatter(mapping, ready, t)
+    return ReduceScatter(mapping, ready, t, **handle)
 
 
-def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait_partial, load_segment_tile):
+def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait_partial, load_segment_tile,
+                                sum_part: bool = True):
     """The copy-engine reduce-scatter (``CommSchedule(engine='copy_engine', mode='push')``):
     the producers (e.g. a GEMM on every SM) keep all SMs while the copy engine pushes each
     peer's rows, chunk by chunk (``comm.tile_m`` rows, None: the whole segment) as soon as the
@@ -267,7 +315,11 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait
     in — on GPUs the runtime runs it once every producer is done, as one elementwise kernel,
     and, its copy stream being in order, writes each peer's count once, after the last chunk.
     ``partial``'s dtype travels (fp32 partials: fp32 traffic). ``wait_partial`` /
-    ``load_segment_tile``: the SM schedules' chunk wait and masked chunk load."""
+    ``load_segment_tile``: the SM schedules' chunk wait and masked chunk load.
+
+    ``sum_part=False`` (``reduce_in='epilogue'``): no sum part; the producers add the received
+    blocks into their own tiles (:meth:`ReduceScatter.store_tile`). Returns what they need,
+    ``(recv, done, chunks per peer)``, or None with a sum part."""
     W = world_size()
     M, N = partial.shape
     Ms, t, tpr = M // W, mapping.tile, mapping.tiles_per_rank
@@ -288,6 +340,9 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait
                 rank_copy_data(recv.at(dest), (me * Ms + j * t, 0), partial, (dest * Ms + j * t, 0), (last, N))
             rank_notify(done, me, dest)
 
+    if not sum_part:
+        return (recv, done, tpr) if W > 1 else (None, None, tpr)
+
     @comm_part(grid=(tpr,), name=f"{name}_sum", engine="sm", lanes=min(tpr, 8))
     def sum_rows(j):
         # the SM schedules' association, to the last bit: P[me] + (P[me+1] + (... + P[me-1]))
@@ -301,3 +356,4 @@ def _reduce_scatter_copy_engine(partial, out, name, mapping: StaticMapping, wait
         wait_partial(me, j)
         own = load_segment_tile(partial, me, j)
         tl.store(out, (j * t, 0), own if acc is None else own + acc)
+    return None

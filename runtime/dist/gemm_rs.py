@@ -69,11 +69,15 @@ _IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"
 
 
 def default_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | None = None,
-                 k: int | None = None) -> CommSchedule:
+                 k: int | None = None, world_size: int | None = None) -> CommSchedule:
     """The default reduce-scatter schedule: the copy engine pushes the partial rows
     (:mod:`.gemm_rs_copy`; the GEMM keeps every SM) — on 2x H200 it beat the SM schedule, NCCL +
-    cuBLAS and torch async-TP at every benchmark shape (BENCHMARKS.md). ``sms`` given: the SM
-    schedule with that many SMs (:func:`default_sm_comm`)."""
+    cuBLAS and torch async-TP at every benchmark shape (BENCHMARKS.md). This rank's rows are
+    summed after the GEMM (``reduce_in="comm"``): summing them in the GEMM's epilogue
+    (``reduce_in="epilogue"``) was measured slower on 2x H200 at every benchmark shape, its
+    own-row tiles paying more than the pass it saves (BENCHMARKS.md). ``sms`` given: the SM
+    schedule with that many SMs (:func:`default_sm_comm`). ``world_size`` is accepted for
+    schedules that depend on it."""
     if sms is not None:
         return default_sm_comm(compute, sms, m=m, k=k)
     return CommSchedule(engine="copy_engine", mode="push")
@@ -207,7 +211,7 @@ class MatmulReduceScatter:
         if comm is not None and engine is not None and comm.engine != engine:
             raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
         self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
-                             else default_comm(self.compute, m=m, k=k))
+                             else default_comm(self.compute, m=m, k=k, world_size=W))
         copy_engine = self.comm.engine == "copy_engine"
         trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 
@@ -386,12 +390,19 @@ class MatmulReduceScatter:
         import torch
         validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
         if getattr(self, "_scratch", None) is None:
-            self._scratch = torch.zeros_like(self.signals[self.ready])
-        if getattr(self, "_compute_only", None) is None:
+            # the op's buffers, its counters replaced by scratch ones: notifies land there, and
+            # waits (the epilogue sum's) find their counts already reached
+            bufs, sigs = (self._engine.gemm_buffers(a, b, torch.empty((self.Ms, self.N), dtype=self.dtype,
+                                                                      device=self.device))
+                          if self._engine is not None else ({"a": a, "b": b, "partial": self.partial},
+                                                            {self.ready: self.signals[self.ready]}))
+            self._scratch = (bufs, {nm: torch.zeros_like(t) if nm == self.ready else torch.full_like(t, 1 << 62)
+                                    for nm, t in sigs.items()})
             self._compute_only = LaunchCache()
-        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: self.gemm.prepare(
-            {"a": a, "b": b, "partial": self.partial}, signals={self.ready: self._scratch}, rank=self.ctx.rank)).launch(
-            torch.cuda.current_stream(self.device).cuda_stream, 1)         # launched like the fused op's GEMM
+        bufs, sigs = self._scratch
+        bufs = dict(bufs, a=a, b=b)
+        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: self.gemm.prepare(bufs, sigs, rank=self.ctx.rank)
+                               ).launch(torch.cuda.current_stream(self.device).cuda_stream, 1)   # like the fused op's GEMM
         return self.partial
 
     def _barrier(self, stream):

@@ -31,6 +31,15 @@ deadlocks, results); here it runs as:
 4. the compute stream waits for the copy stream (launch ``L+1`` cannot overwrite the partials
    while they are being copied).
 
+Summing in the epilogue (``CommSchedule(..., reduce_in="epilogue")``; M/W whole GEMM tiles): there is no
+step 3. The GEMM's tiles of this rank's own rows (computed last in the ``comm_aligned`` order)
+wait in their epilogue until every peer's final count is here, add the received blocks to their
+accumulators and store the sum straight into ``out``; the other tiles are stored into the
+partials and notified as before. No pass over this rank's rows after the GEMM, and the GEMM
+reads each received row once, as its tile is stored. The handshake also orders the receive
+buffer: a peer's copies of launch ``L`` start after this rank's GEMM of launch ``L-1`` (which
+read that buffer) is done.
+
 Counters only grow (every wait targets ``count * L``), so nothing is reset and no stale value
 can satisfy a wait. Between enqueueing the GEMM and the last copy the host never waits for the
 device (garbage collection is paused). Rows are chunked for the copies (``tile_m``; the op's
@@ -78,6 +87,7 @@ class CopyEngineReduceScatter:
         self._gemm_launches = LaunchCache()
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
         self._done = done
+        self.fused = op.ir.comm_schedule.reduce_in == "epilogue"    # the GEMM's epilogue sums our rows
         if W == 1:                      # nothing to move: the sum is this rank's partial
             self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
             return
@@ -113,6 +123,19 @@ class CopyEngineReduceScatter:
         self.recv = self.ws.tensor(recv)
         self._recv_peers = self.ws.peers(recv)
 
+    def gemm_buffers(self, a, b, out) -> tuple[dict, dict]:
+        """The GEMM's tensors and counters: with the epilogue sum also ``out``, the receive
+        buffer it adds from and the ``done`` counters it waits on."""
+        op = self.op
+        bufs = {"a": a, "b": b, "partial": op.partial}
+        sigs = {op.ready: op.signals[op.ready]}
+        if self.fused:
+            bufs["out"] = out
+            if self.recv is not None:
+                bufs["reduce_scatter_recv"] = self.recv.view(op.ctx.world_size * op.Ms, op.N)
+                sigs[self._done] = self.ws.tensor(self._done)
+        return bufs, sigs
+
     # -- a launch ------------------------------------------------------------------------------
     def __call__(self, a, b, out, L: int):
         import torch
@@ -130,8 +153,8 @@ class CopyEngineReduceScatter:
             tl_.mark("start", cur, "compute")
         self._start.record(cur)
         ready = op.signals[op.ready]
-        gemm = self._gemm_launches.get((a.data_ptr(), b.data_ptr()), lambda: op.gemm.prepare(
-            {"a": a, "b": b, "partial": op.partial}, signals={op.ready: ready}, rank=me))
+        key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
+        gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
         try:
@@ -166,19 +189,20 @@ class CopyEngineReduceScatter:
         finally:
             if gc_was_on:
                 gc.enable()
-        for p, per_launch in self.arrivals:
-            ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
-               f"cuStreamWaitValue64(done of {p})")
-        own = op.partial[me * Ms:(me + 1) * Ms]
-        if W == 1:
-            out.copy_(own)
-        else:       # the tile program's association (every schedule's): P[me] + (P[me+1] + (... + P[me-1]))
-            acc = self.recv[(me + W - 1) % W]
-            for s in range(2, W):
-                acc = self.recv[(me + W - s) % W] + acc
-            torch.add(own, acc, out=out)
-        if tl_ is not None:
-            tl_.mark("reduced", cur, "compute")
+        if not self.fused:
+            for p, per_launch in self.arrivals:
+                ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
+                   f"cuStreamWaitValue64(done of {p})")
+            own = op.partial[me * Ms:(me + 1) * Ms]
+            if W == 1:
+                out.copy_(own)
+            else:   # the tile program's association (every schedule's): P[me] + (P[me+1] + (... + P[me-1]))
+                acc = self.recv[(me + W - 1) % W]
+                for s in range(2, W):
+                    acc = self.recv[(me + W - s) % W] + acc
+                torch.add(own, acc, out=out)
+            if tl_ is not None:
+                tl_.mark("reduced", cur, "compute")
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         return out
@@ -199,5 +223,6 @@ class CopyEngineReduceScatter:
         return {self._done: self.ws.tensor(self._done), "handshake_arrive": self.ws.tensor("handshake_arrive")}
 
     def describe(self) -> str:
-        head = f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}"
+        head = (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}; this rank's "
+                f"rows summed {'in the GEMM epilogue' if self.fused else 'after the GEMM'}")
         return head if self.ws is None else head + "\n" + self.plan.describe() + "\n" + self.ws.describe()

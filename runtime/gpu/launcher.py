@@ -66,6 +66,8 @@ class Launcher:
                 pack.add("ptr", signal_pointer(lw.entry, name, signals, self.signal_slots(name)))
             elif src.startswith("buffer:"):
                 pack.add("ptr", self.table_pointer(buffers, src[7:]))
+            elif src.startswith("data:"):
+                pack.add("ptr", self.data_pointer(buffers, src[5:]))
             else:
                 value = self.scalar(p)
                 if value is None:
@@ -108,6 +110,15 @@ class Launcher:
     def signal_slots(self, name: str) -> int | None:
         """The fewest counters signal ``name`` needs (None: not checked)."""
         return None
+
+    def data_pointer(self, buffers: dict, name: str) -> int:
+        """Address of a tensor the kernel reads element by element (``data:<name>``), checked
+        against its traced shape and dtype."""
+        spec = {n: (shape, dt) for n, shape, dt in getattr(self.lowered, "data_buffers", ())}
+        if name not in spec:
+            raise InputError(f"{self.lowered.entry}: unknown data parameter '{name}'")
+        shape, dt = spec[name]
+        return self.checked_tensor(buffers, name, shape, dt).data_ptr()
 
     def table_pointer(self, buffers: dict, name: str) -> int:
         """Address of an i32 table the kernel reads (``buffer:<name>`` parameters)."""

@@ -47,8 +47,7 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, K, BK):
             acc += tl.dot(tl.load(a, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
-        tl.store(partial, (r0, c0), acc)
-        rs.notify_rows(r0, tl.minimum(r0 + BM, M))
+        rs.store_tile(acc, r0, c0)       # store + notify (or, reducing in the epilogue, own rows summed here)
 
 
 def reference(a_slices, b_slices):
@@ -86,10 +85,16 @@ def _params(world_size):
     def params(draw):
         compute = draw(tst.compute_schedules())
         # SMs (any mode / order / tile) or the copy engine (push; rows per copy or whole segments)
+        # or the copy engine summing this rank's rows in the GEMM's epilogue (whole tiles per rank)
         comm = draw(st.one_of(tst.comm_schedules(engines=("sm",), compute=compute),
-                              st.sampled_from((None, 8, 16)).map(
-                                  lambda t: tl.CommSchedule(engine="copy_engine", mode="push", tile_m=t))))
-        return dict(rows_per_rank=draw(tst.dims(1, max_rows)), n=draw(tst.dims(1, max_nk)),
+                              st.tuples(st.sampled_from((None, 8, 16)), st.sampled_from(("comm", "epilogue"))).map(
+                                  lambda t: tl.CommSchedule(engine="copy_engine", mode="push", tile_m=t[0],
+                                                            reduce_in=t[1]))))
+        if comm.reduce_in == "epilogue":
+            rows = compute.BM * draw(st.integers(1, max(1, max_rows // compute.BM)))
+        else:
+            rows = draw(tst.dims(1, max_rows))
+        return dict(rows_per_rank=rows, n=draw(tst.dims(1, max_nk)),
                     k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm,
                     partial_dtype=draw(st.sampled_from(("f32", "out"))))
     return params()
@@ -107,7 +112,9 @@ def _mutant_params():
             dict(base, world_size=3, rows_per_rank=16, comm=tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
             dict(base, world_size=4, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull")),
             dict(base, world_size=3, rows_per_rank=24,
-                 comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine"))]
+                 comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine")),
+            dict(base, world_size=3, rows_per_rank=24,
+                 comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine", reduce_in="epilogue"))]
 
 
 from tldsl.ops import register  # noqa: E402

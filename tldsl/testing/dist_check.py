@@ -167,6 +167,7 @@ class Variant:
     name: str
     kwargs: tuple = ()       # constructor keyword arguments (name, value) pairs
     sm_comm: bool = False    # the communication runs on reserved SMs (device delays are safe there)
+    rows: int | None = None  # rows per rank of the odd-size checks, where the schedule needs whole tiles
 
     @property
     def label(self) -> str:
@@ -187,8 +188,14 @@ def variants(op: str) -> list[Variant]:
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8,
                                                transport="nvshmem")),), True)]
     if op == "gemm_rs":
+        epilogue = CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
         return [Variant("gemm_rs", "copy_engine"),
                 Variant("gemm_rs", "copy_engine-f32", (("partial_dtype", "f32"),)),
+                # this rank's rows summed in the GEMM epilogue (M/W must be whole tiles:
+                # here at every check, K and N still odd multiples of 8)
+                Variant("gemm_rs", "copy_engine-epilogue", (("comm", epilogue),), rows=4096),
+                Variant("gemm_rs", "copy_engine-epilogue-f32", (("comm", epilogue), ("partial_dtype", "f32")),
+                        rows=4096),
                 Variant("gemm_rs", "sm-push", (("engine", "sm"),), True),
                 Variant("gemm_rs", "sm-push-f32", (("engine", "sm"), ("partial_dtype", "f32")), True),
                 Variant("gemm_rs", "sm-push-nvshmem",
@@ -202,10 +209,12 @@ def variants(op: str) -> list[Variant]:
     raise SystemExit(f"unknown op {op!r}: ag_gemm, gemm_rs or all")
 
 
-def sizes(check: str, W: int) -> tuple[int, int, int]:
+def sizes(check: str, W: int, v: Variant | None = None) -> tuple[int, int, int]:
     """(rows per rank, K, N) — AG: A shard [rows, K], B [K, N]; RS: A [W*rows, K], B [K, N]."""
     if check == "back_to_back":
         return 1024, 1024, 1024
+    if v is not None and v.rows is not None:
+        return v.rows, 1032, 3000    # the variant's rows; K, N not multiples of the tile
     return 4091, 1032, 3000          # odd rows; K, N not multiples of the tile either
 
 
@@ -278,8 +287,8 @@ class Env:
     def generator(self, seed: int):
         return self.torch.Generator(device="cuda").manual_seed(seed)
 
-    def sizes(self, check: str) -> tuple[int, int, int]:
-        return sizes(check, self.W)
+    def sizes(self, check: str, v: Variant | None = None) -> tuple[int, int, int]:
+        return sizes(check, self.W, v)
 
     def device_sleep(self, stream, cycles: int):
         with self.torch.cuda.stream(stream):
@@ -362,7 +371,7 @@ def _fill_workspaces(env: Env, op, gen):
 
 
 def check_odd_m(env: Env, v: Variant) -> tuple[bool, str, float]:
-    rows, k, n = env.sizes("odd_m")
+    rows, k, n = env.sizes("odd_m", v)
     op = env.build(v, rows, k, n)
     worst, details = 0.0, []
     for it in range(env.args.iters):
@@ -387,7 +396,7 @@ def check_odd_m(env: Env, v: Variant) -> tuple[bool, str, float]:
 
 
 def check_straggler(env: Env, v: Variant) -> tuple[bool, str, float]:
-    rows, k, n = env.sizes("straggler")
+    rows, k, n = env.sizes("straggler", v)
     op = env.build(v, rows, k, n)
     worst, details, injected = 0.0, [], []
     for it in range(env.args.straggler_iters):
@@ -428,7 +437,7 @@ def check_straggler(env: Env, v: Variant) -> tuple[bool, str, float]:
 
 
 def check_back_to_back(env: Env, v: Variant) -> tuple[bool, str, float]:
-    rows, k, n = env.sizes("back_to_back")
+    rows, k, n = env.sizes("back_to_back", v)
     op = env.build(v, rows, k, n)
     a, b = env.inputs(v, rows, k, n, env.args.seed * 65537 + env.rank)
     ref = env.reference(v, a, b)

@@ -67,7 +67,8 @@ def _variant_name(params: dict) -> str:
     compute = params.get("compute")
     bits = []
     if comm is not None:
-        bits.append(f"{comm.engine}/{comm.mode}/{comm.order}" + (f"/tile_m={comm.tile_m}" if comm.tile_m else ""))
+        bits.append(f"{comm.engine}/{comm.mode}/{comm.order}" + (f"/tile_m={comm.tile_m}" if comm.tile_m else "")
+                    + (f"/reduce_in={comm.reduce_in}" if comm.reduce_in != "comm" else ""))
     if compute is not None:
         bits.append(f"{compute.order}")
     rest = [f"{k}={v}" for k, v in params.items() if k not in ("comm", "compute", "world_size")

@@ -51,6 +51,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda/std/utility>
+#include <cuda/std/type_traits>
 
 #include "tldsl/signals.hpp"
 #include "tldsl/tile_order.hpp"
@@ -75,6 +76,7 @@ __host__ __device__ constexpr uint64_t gmma_desc_bits(int swizzle_bytes, uint32_
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // Everything derived from the generated configuration `Cfg`:
 //   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64xBNx16_F32xx_SS<K, MN>),
@@ -191,6 +193,147 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_bar, int tid) {
   }
 }
 
+// The accumulators of one consumer warpgroup (rows m0 .. m0 + 64*MB of the tile, n0 .. n0 + BN)
+// stored as ElemOut: converted into 128-byte-swizzled shared memory, one TMA store per 64 x E
+// chunk (E = SC / sizeof(ElemOut), SC = min(128, BN * sizeof(ElemOut))), through kEpiBuffers
+// rotating buffers (a buffer is rewritten once the store that last used it has read it).
+template <class Tr, class ElemOut>
+__device__ __forceinline__ void store_acc(float (&acc)[Tr::MB][Tr::kAccPerBlock], const cute::TmaDescriptor* tma,
+                                          unsigned char* smem, uint32_t smem_u32, uint32_t epi0, int& epi_count,
+                                          uint32_t bar_id, int tid, int wq, int lane, int n0, int m0) {
+  constexpr int kBytes = int(sizeof(ElemOut));
+  constexpr int SC = cmin(128, Tr::BN * kBytes);
+  constexpr int EC = SC / kBytes;
+  static_assert(64 * SC <= Tr::kEpiBufBytes, "the output type's staging chunk must fit an epilogue buffer");
+#pragma unroll
+  for (int mb = 0; mb < Tr::MB; ++mb) {
+#pragma unroll
+    for (int q = 0; q < Tr::BN / EC; ++q) {
+      const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
+      if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
+      cutlass::arch::NamedBarrier::sync(128, bar_id);
+#pragma unroll
+      for (int jj = 0; jj < EC / 8; ++jj) {       // constant trip counts: acc stays in registers
+        const int j = q * (EC / 8) + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = wq * 16 + lane / 4 + 8 * h;
+          const int col = 8 * j + 2 * (lane % 4) - q * EC;
+          const uint32_t off = swizzle(uint32_t(row * SC + col * kBytes), SC);
+          store_pair<ElemOut>(buf + off, acc[mb][4 * j + 2 * h], acc[mb][4 * j + 2 * h + 1]);
+        }
+      }
+      cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA
+      cutlass::arch::NamedBarrier::sync(128, bar_id);
+      if (tid == 0) {
+        cute::SM90_TMA_STORE_2D::copy(tma, smem + (buf - smem_u32), n0 + q * EC, m0 + mb * 64);
+        cute::tma_store_arrive();              // commit this store as one bulk group
+      }
+      ++epi_count;
+    }
+  }
+}
+
+// What a generated epilogue (`Epilogue::operator()(ctx, pm, pn)`) works with: this consumer
+// thread's accumulators and the epilogue's staging state. Every consumer thread runs the
+// epilogue (its conditions depend on the tile and the rank only, so all take the same path).
+template <class Tr, int kCl>
+struct EpilogueCtx {
+  float (&acc)[Tr::MB][Tr::kAccPerBlock];
+  unsigned char* smem;
+  uint32_t smem_u32, epi0;
+  int& epi_count;
+  uint32_t bar_id;
+  int tid, wq, lane, cw;
+
+  // Store the accumulators as ElemOut at (row m0, column n0) of the TMA descriptor's tensor.
+  template <class ElemOut>
+  __device__ __forceinline__ void store(const cute::TmaDescriptor* tma, int n0, int m0) {
+    store_acc<Tr, ElemOut>(acc, tma, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane, n0,
+                           m0 + cw * Tr::MB * 64);
+  }
+
+  // The tile's stores are complete and visible (every consumer warpgroup's), then a fence at
+  // scope S on the notifying thread: its relaxed adds that follow are releases.
+  template <int S>
+  __device__ __forceinline__ void release() {
+    constexpr uint32_t kNotifyBar = 1 + Tr::kConsumerWGs;   // after the per-warpgroup barriers
+    if (tid == 0) {
+      bulk_wait_all();
+      fence_proxy_async_global();
+    }
+    if constexpr (Tr::kConsumerWGs > 1) cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, kNotifyBar);
+    if (notifier()) fence_acq_rel<S>();
+  }
+
+  __device__ __forceinline__ bool notifier() const { return cw == 0 && tid == 0; }
+
+  // For each of this thread's accumulator pairs (tile row `row`, columns col and col + 1):
+  // v = fetch(row, col) (the loads), then combine(x0, x1, v) (the arithmetic). The loads of a
+  // batch of pairs are issued before any of their arithmetic, so their latencies overlap (at most
+  // 256 bytes of fetched values per thread in flight: a few dozen registers).
+  template <class Fetch, class Combine>
+  __device__ __forceinline__ void apply(Fetch&& fetch, Combine&& combine) {
+    using V = decltype(fetch(0, 0));
+    constexpr int kPerJ = 2 * int(sizeof(V));                      // bytes fetched per column block j
+    constexpr int kBatch = cmin(Tr::BN / 8, cmax(1, 256 / kPerJ));  // column blocks per batch
+    static_assert((Tr::BN / 8) % kBatch == 0, "batches must tile the accumulator columns");
+#pragma unroll
+    for (int mb = 0; mb < Tr::MB; ++mb) {
+#pragma unroll
+      for (int j0 = 0; j0 < Tr::BN / 8; j0 += kBatch) {
+        V v[kBatch][2];
+#pragma unroll
+        for (int jj = 0; jj < kBatch; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            v[jj][h] = fetch(cw * Tr::MB * 64 + mb * 64 + wq * 16 + lane / 4 + 8 * h, 8 * (j0 + jj) + 2 * (lane % 4));
+#pragma unroll
+        for (int jj = 0; jj < kBatch; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            combine(acc[mb][4 * (j0 + jj) + 2 * h], acc[mb][4 * (j0 + jj) + 2 * h + 1], v[jj][h]);
+      }
+    }
+  }
+};
+
+// Elementwise epilogue math: float arithmetic rounded like the simulator (no contraction, 16-bit
+// results rounded at every op) and guarded element loads (out of bounds reads 0).
+template <class T>
+__device__ __forceinline__ float epi_round(float x) {
+  if constexpr (cuda::std::is_same_v<T, __half>) return __half2float(__float2half_rn(x));
+  else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(__float2bfloat16_rn(x));
+  else return x;
+}
+
+// A pair of adjacent elements (columns col, col + 1) of a row-major [rows, cols] tensor, zero
+// outside it (cols is even and col too, so a pair is all in or all out). Loads go through L2 only
+// (ld.global.cg): other GPUs write these tensors while the kernel runs, before the waits that
+// precede the loads.
+template <class T> struct EpiPair;
+template <> struct EpiPair<float> { using type = float2; };
+template <> struct EpiPair<__half> { using type = __half2; };
+template <> struct EpiPair<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <class T>
+__device__ __forceinline__ typename EpiPair<T>::type epi_load2(const T* p, int row, int col, int rows, int cols) {
+  using P = typename EpiPair<T>::type;
+  if ((unsigned)row >= (unsigned)rows || (unsigned)col >= (unsigned)cols) {
+    P z;
+    *reinterpret_cast<typename cuda::std::conditional<sizeof(P) == 8, unsigned long long, unsigned>::type*>(&z) = 0;
+    return z;
+  }
+  return __ldcg(reinterpret_cast<const P*>(p + (long long)row * cols + col));
+}
+
+__device__ __forceinline__ float epi_lo(float2 v) { return v.x; }
+__device__ __forceinline__ float epi_hi(float2 v) { return v.y; }
+__device__ __forceinline__ float epi_lo(__half2 v) { return __low2float(v); }
+__device__ __forceinline__ float epi_hi(__half2 v) { return __high2float(v); }
+__device__ __forceinline__ float epi_lo(__nv_bfloat162 v) { return __low2float(v); }
+__device__ __forceinline__ float epi_hi(__nv_bfloat162 v) { return __high2float(v); }
+
 // No per-tile waits (a GEMM whose tile program has none).
 struct NoWaits {
   static constexpr bool kEnabled = false;
@@ -204,15 +347,27 @@ struct NoNotifies {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
 
+// No generated epilogue: the tile is stored into C (then notified, with Notifies).
+struct NoEpilogue {
+  static constexpr bool kEnabled = false;
+  template <class Ctx>
+  __device__ __forceinline__ void operator()(Ctx&, int, int) const {}
+};
+
 // The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads;
 // `notifies(pm, pn)` on one consumer thread once the tile's TMA stores are complete (every
 // consumer warpgroup's storing thread waits for its bulk async-groups and fences the async
 // proxy, the consumer warpgroups meet at a named barrier, then one thread fences at
 // Notifies::kScope and adds to the signal slots).
-template <class Cfg, class Waits, class Notifies = NoNotifies>
+//
+// With a generated Epilogue (the tile program's code after the K loop: conditional stores,
+// waits, elementwise sums of the accumulator with loaded tiles, notifies), every consumer
+// thread runs `epilogue(ctx, pm, pn)` instead of the store into C and the notifies.
+template <class Cfg, class Waits, class Notifies = NoNotifies, class Epilogue = NoEpilogue>
 __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, const cute::TmaDescriptor* tma_b,
                                             const cute::TmaDescriptor* tma_c, int M, int N, int K, int rank,
-                                            const Waits& waits, const Notifies& notifies = Notifies{}) {
+                                            const Waits& waits, const Notifies& notifies = Notifies{},
+                                            const Epilogue& epilogue = Epilogue{}) {
   using Tr = GemmTraits<Cfg>;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
@@ -359,35 +514,17 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
       if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
 
-      // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
-      const int m0 = tc.m * Tr::BM + cw * Tr::MB * 64, n0 = tc.n * Tr::BN;
-#pragma unroll
-      for (int mb = 0; mb < Tr::MB; ++mb) {
-#pragma unroll
-        for (int q = 0; q < Tr::kChunksC; ++q) {
-          const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
-          if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
-          cutlass::arch::NamedBarrier::sync(128, bar_id);
-#pragma unroll
-          for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
-            const int j = q * (Tr::EC / 8) + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int row = wq * 16 + lane / 4 + 8 * h;
-              const int col = 8 * j + 2 * (lane % 4) - q * Tr::EC;
-              const uint32_t off = swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
-              store_pair<typename Cfg::ElemC>(buf + off, acc[mb][4 * j + 2 * h], acc[mb][4 * j + 2 * h + 1]);
-            }
-          }
-          cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA
-          cutlass::arch::NamedBarrier::sync(128, bar_id);
-          if (tid == 0) {
-            cute::SM90_TMA_STORE_2D::copy(tma_c, smem + (buf - smem_u32), n0 + q * Tr::EC, m0 + mb * 64);
-            cute::tma_store_arrive();              // commit this store as one bulk group
-          }
-          ++epi_count;
+      if constexpr (Epilogue::kEnabled) {
+        // the tile program's own epilogue (stores, waits, elementwise sums, notifies)
+        if (tc.m < gm) {
+          EpilogueCtx<Tr, kCl> ctx{acc, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane, cw};
+          epilogue(ctx, tc.m, tc.n);
         }
+        continue;
       }
+      // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
+      store_acc<Tr, typename Cfg::ElemC>(acc, tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane,
+                                         tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);
       if constexpr (Notifies::kEnabled) {
         if (tc.m >= gm) continue;                // a cluster partner past the last tile row
         // release the tile: its stores complete (both warpgroups' halves), then one thread notifies

@@ -1,0 +1,218 @@
+"""Probes: small GPU measurements behind design choices, kept runnable so their figures have a command.
+
+    python -m tldsl.bench probe copy_engine                    # one GPU
+    python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
+    torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
+
+* ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
+  ``cuMemcpyAsync`` and ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``,
+  alone and enqueued on a second stream right after a cuBLAS GEMM: if the copy ends about when the
+  GEMM does, it waited for SMs (same-GPU copies are SM kernels), which is why the fused ops stage
+  their own rows before their persistent GEMM, never beside it.
+* ``epilogue``: GEMM + ReduceScatter's GEMM summing this rank's rows in its epilogue
+  (``reduce_in='epilogue'``), with parts of the generated epilogue cut out of its source (the
+  waits, the loads, the sums, the own-row branch), against the GEMM that only stores partials
+  (``reduce_in='comm'``); waits pre-satisfied, so only the kernel is timed.
+* ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
+  phases each (device times; host enqueue times in parentheses).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+
+
+def _median_ms(fn, iters=30, warm=5):
+    import torch
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+# -- copy engine ------------------------------------------------------------------------------------
+
+def _batch_copy(cu, dst, src, nbytes, stream, flags):
+    attr = cu.CUmemcpyAttributes()
+    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attr.flags = flags
+    loc = cu.CUmemLocation()
+    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = 0
+    attr.srcLocHint = attr.dstLocHint = loc
+    (err,) = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(dst)], [cu.CUdeviceptr(src)], [nbytes], 1, [attr], [0], 1, stream)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+
+
+def probe_copy_engine(out=sys.stdout):
+    import torch
+    from cuda.bindings import driver as cu
+    torch.cuda.set_device(0)
+    main = torch.cuda.Stream()              # batch copies refuse the legacy default stream
+    side = torch.cuda.Stream()
+    overlap = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    print("| MiB | copy | alone us | GB/s | beside a GEMM: GEMM ms | copy ends ms after the GEMM starts |", file=out)
+    print("|---|---|---|---|---|---|", file=out)
+    with torch.cuda.stream(main):
+        for mib in (16, 64, 128):
+            n = mib * 2**20 // 2
+            a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            d = torch.empty_like(a)
+            copies = {"cuMemcpyAsync": lambda h: cu.cuMemcpyAsync(d.data_ptr(), a.data_ptr(), 2 * n, h),
+                      "cuMemcpyBatchAsync + PREFER_OVERLAP": lambda h: _batch_copy(cu, d.data_ptr(), a.data_ptr(), 2 * n,
+                                                                                   h, overlap)}
+            for name, copy in copies.items():
+                d.zero_()
+                copy(main.cuda_stream)
+                torch.cuda.synchronize()
+                if not torch.equal(d, a):
+                    raise RuntimeError(f"{name} copied wrong data")
+                alone = _median_ms(lambda: copy(main.cuda_stream))
+                ends, gemms = [], []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    g0, g1, c1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                    g0.record(main)
+                    x @ x
+                    g1.record(main)
+                    copy(side.cuda_stream)
+                    c1.record(side)
+                    torch.cuda.synchronize()
+                    gemms.append(g0.elapsed_time(g1))
+                    ends.append(g0.elapsed_time(c1))
+                print(f"| {mib} | {name} | {1e3 * alone:.1f} | {mib * 2**20 / alone / 1e6:.0f} | "
+                      f"{statistics.median(gemms):.3f} | {statistics.median(ends):.3f} |", file=out, flush=True)
+
+
+# -- the epilogue sum, taken apart ---------------------------------------------------------------------
+
+def _rs_gemm(M, N, Kr, reduce_in, W=2):
+    import tldsl as tl
+    from tldsl.codegen.lower import lower
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, traced_comm
+    Ms = M // W
+    comm = traced_comm(tl.CommSchedule(engine="copy_engine", mode="push", reduce_in=reduce_in), Ms, DEFAULT_COMPUTE)
+    ir = gemm_reduce_scatter.trace(W, tl.TensorSpec((M, Kr), tl.bfloat16), tl.TensorSpec((Kr, N), tl.bfloat16),
+                                   tl.TensorSpec((Ms, N), tl.bfloat16), compute=DEFAULT_COMPUTE, comm=comm,
+                                   partial_dtype="out")
+    return lower(ir, "gemm")
+
+
+def epilogue_ablations(source: str) -> dict[str, str]:
+    """The epilogue-sum GEMM's source with parts cut out (for timing only: the results of the
+    cut variants are wrong by design)."""
+    out = {"fused": source}
+    out["no waits"] = re.sub(r"\n\s*tldsl::wait_at_least<[^\n]*", "", source)
+    out["no loads"] = re.sub(r"(f\.v\d+) = tldsl::sm90::epi_load2\([^;]*;", r"\1 = {};", out["no waits"])
+    out["no sums"] = re.sub(r"ctx\.apply\(.*?\n\s*\}\);\n", "\n", out["no waits"], flags=re.S)
+    out["no own-row stores"] = re.sub(r"ctx\.template store<([^>]*)>\(&tma_out", r"if (false) ctx.template store<\1>(&tma_out",
+                                      out["no sums"])
+    return out
+
+
+def probe_epilogue(shapes, out=sys.stdout):
+    import dataclasses
+    import torch
+    from tldsl.runtime.gpu import GemmKernel
+    W = 2
+    names = ["reduce_in=comm", "fused", "no waits", "no loads", "no sums", "no own-row stores"]
+    print("| M x N x K per rank | " + " | ".join(f"{n} ms" for n in names) + " |", file=out)
+    print("|---" * (len(names) + 1) + "|", file=out)
+    for (M, N, Kr) in shapes:
+        dt = torch.bfloat16
+        a, b = torch.randn(M, Kr, device="cuda", dtype=dt), torch.randn(Kr, N, device="cuda", dtype=dt)
+        partial, res = torch.empty(M, N, device="cuda", dtype=dt), torch.empty(M // W, N, device="cuda", dtype=dt)
+        recv = torch.randn(M, N, device="cuda", dtype=dt)
+        ready = torch.zeros(4096, device="cuda", dtype=torch.int64)
+        done = torch.full((W,), 1 << 62, device="cuda", dtype=torch.int64)        # every wait already satisfied
+        plain = GemmKernel(_rs_gemm(M, N, Kr, "comm"))
+        fns = {"reduce_in=comm": lambda: plain({"a": a, "b": b, "partial": partial},
+                                               signals={"reduce_scatter_ready": ready})}
+        lg = _rs_gemm(M, N, Kr, "epilogue")
+        for name, src in epilogue_ablations(lg.source).items():
+            k = GemmKernel(dataclasses.replace(lg, source=src))
+            fns[name] = (lambda k=k: k({"a": a, "b": b, "partial": partial, "out": res, "reduce_scatter_recv": recv},
+                                       signals={"reduce_scatter_ready": ready, "reduce_scatter_done": done}))
+        # two rounds, each variant's median, the better round kept (clock drift falls on all alike)
+        rounds = [{n: _median_ms(f) for n, f in fns.items()} for _ in range(2)]
+        best = {n: min(r[n] for r in rounds) for n in fns}
+        assert list(fns) == names
+        print(f"| {M}x{N}x{Kr} | " + " | ".join(f"{best[n]:.3f}" for n in fns) + " |", file=out, flush=True)
+
+
+def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
+    import torch
+    import torch.distributed as dist
+    from tldsl.bench_dist import bench_interleaved
+    from tldsl.ir.schedule import CommSchedule
+    from tldsl.runtime.dist import MatmulReduceScatter
+    from tldsl.runtime.dist.timeline import PhaseTimeline
+    dist.init_process_group("nccl")
+    r, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(r)
+    dt = torch.bfloat16
+    try:
+        for (M, N, K) in shapes:
+            torch.manual_seed(1 + r)
+            a, b = torch.randn(M, K // W, device="cuda", dtype=dt), torch.randn(K // W, N, device="cuda", dtype=dt)
+            ops = {red: MatmulReduceScatter(M, K // W, N, dt, comm=CommSchedule(engine="copy_engine", mode="push",
+                                                                                 reduce_in=red))
+                   for red in ("epilogue", "comm")}
+            outs = {red: torch.empty(M // W, N, device="cuda", dtype=dt) for red in ops}
+            fns = {}
+            for red, op in ops.items():
+                fns[f"op {red}"] = (lambda op=op, o=outs[red]: op(a, b, out=o))
+                fns[f"GEMM alone {red}"] = (lambda op=op: op.compute_only(a, b))
+            fns["cuBLAS"] = lambda: torch.mm(a, b)
+            t = bench_interleaved(fns, iters)
+            if r == 0:
+                print(f"{M}x{N}x{K}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()), file=out, flush=True)
+            for red, op in ops.items():
+                op.timeline = PhaseTimeline()
+                torch.cuda.synchronize()
+                dist.barrier()
+                op(a, b, out=outs[red])
+                torch.cuda.synchronize()
+                if r == 0:
+                    print(op.timeline.format(f"  [rank 0] {red}: ", host=True), file=out, flush=True)
+                op.timeline = None
+            for op in ops.values():
+                op.close()
+            del ops
+            torch.cuda.synchronize()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv) -> int:
+    from .bench import _parse_shapes
+    ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in"))
+    ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    if args.what == "copy_engine":
+        probe_copy_engine()
+    elif args.what == "epilogue":
+        probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)])
+    else:
+        import os
+        for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+            os.environ.setdefault(k, v)
+        probe_rs_reduce_in(args.shapes or [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672),
+                                           (16384, 8192, 28672)], args.iters)
+    return 0

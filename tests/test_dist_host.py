@@ -1367,15 +1367,16 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
         a = torch.randn(Ms, K).to(torch.bfloat16)
         ga, c = op(a, b, poison_workspace=True)
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord",
-                                      "cuStreamWaitEvent", "GEMM", "BARRIER", "cuMemcpyAsync",
+        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync",
+                                      "cuStreamWriteValue64", "GEMM", "BARRIER", "cuMemcpyAsync",
                                       "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         flags = op.flags.data_ptr()
-        # our shard into our symmetric slot L % 2 and into our own rows (rank 1), then our flag
+        # our shard into our symmetric slot L % 2 (the copy stream may start from there), then
+        # into our own rows (rank 1), then our flag
         assert ev[0] == ("cuMemcpyAsync", cur, op.peer_ptrs[1] + (L % 2) * nbytes, a.data_ptr(), nbytes)
-        assert ev[1] == ("cuMemcpyAsync", cur, ga.data_ptr() + nbytes, a.data_ptr(), nbytes)
-        assert ev[2] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)
-        assert ev[3][1] == cur and ev[4] == ("cuStreamWaitEvent", cs, ev[3][2])  # the copy stream after staging
+        assert ev[1][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[1][2])  # the copy stream after the slot
+        assert ev[3] == ("cuMemcpyAsync", cur, ga.data_ptr() + nbytes, a.data_ptr(), nbytes)
+        assert ev[4] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)
         assert ev[5] == ("GEMM", cur, L, 131, 1) and ev[6] == ("BARRIER", cs)    # GEMM first, never behind the barrier
         assert ev[7] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
         assert ev[8] == ("cuStreamWriteValue64", cs, flags, L)
@@ -1543,14 +1544,24 @@ def test_allgather_memops_handshake(proto, monkeypatch):
     for L in (1, 2):
         ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord",
-                                      "cuStreamWaitEvent", "GEMM", "cuStreamWriteValue64", "cuStreamWaitValue64",
+        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync",
+                                      "cuStreamWriteValue64", "GEMM", "cuStreamWriteValue64", "cuStreamWaitValue64",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[5] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
         assert ev[6] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
         assert ev[7][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
         assert "BARRIER" not in [e[0] for e in ev]
     assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
+    # enqueue="comm_first": the same calls, the handshake and the copies before the GEMM
+    with pytest.raises(tl.InputError, match="enqueue='later'"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="later")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="comm_first")
+    proto.events()
+    op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+    assert [e[0] for e in proto.events()] == ["cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync",
+                                              "cuStreamWriteValue64", "cuStreamWriteValue64", "cuStreamWaitValue64",
+                                              "cuMemcpyAsync", "cuStreamWriteValue64", "GEMM", "cuEventRecord",
+                                              "cuStreamWaitEvent"]
 
 
 def test_bench_schedule_spec_parses_into_schedules():

@@ -3,6 +3,7 @@
     python -m tldsl.bench probe copy_engine                    # one GPU
     python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
 
 * ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
   ``cuMemcpyAsync`` and ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``,
@@ -15,6 +16,8 @@
   (``reduce_in='comm'``); waits pre-satisfied, so only the kernel is timed.
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
+* ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
+  handshake and copies first, timed the same way.
 """
 from __future__ import annotations
 
@@ -152,41 +155,39 @@ def probe_epilogue(shapes, out=sys.stdout):
         print(f"| {M}x{N}x{Kr} | " + " | ".join(f"{best[n]:.3f}" for n in fns) + " |", file=out, flush=True)
 
 
-def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
+def _interleaved_ops(make, variants, shapes, iters, out):
+    """``make(name, M, N, K)`` -> (the op with its operands bound, cuBLAS on the same problem) for
+    each variant name; times each op, its GEMM alone and cuBLAS interleaved, and prints one
+    launch's phases of each (rank 0)."""
     import torch
     import torch.distributed as dist
     from tldsl.bench_dist import bench_interleaved
-    from tldsl.ir.schedule import CommSchedule
-    from tldsl.runtime.dist import MatmulReduceScatter
     from tldsl.runtime.dist.timeline import PhaseTimeline
     dist.init_process_group("nccl")
-    r, W = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
     torch.cuda.set_device(r)
-    dt = torch.bfloat16
     try:
         for (M, N, K) in shapes:
             torch.manual_seed(1 + r)
-            a, b = torch.randn(M, K // W, device="cuda", dtype=dt), torch.randn(K // W, N, device="cuda", dtype=dt)
-            ops = {red: MatmulReduceScatter(M, K // W, N, dt, comm=CommSchedule(engine="copy_engine", mode="push",
-                                                                                 reduce_in=red))
-                   for red in ("epilogue", "comm")}
-            outs = {red: torch.empty(M // W, N, device="cuda", dtype=dt) for red in ops}
+            ops, cublas = {}, None
+            for name in variants:
+                ops[name], cublas = make(name, M, N, K)
             fns = {}
-            for red, op in ops.items():
-                fns[f"op {red}"] = (lambda op=op, o=outs[red]: op(a, b, out=o))
-                fns[f"GEMM alone {red}"] = (lambda op=op: op.compute_only(a, b))
-            fns["cuBLAS"] = lambda: torch.mm(a, b)
+            for name, op in ops.items():
+                fns[f"op {name}"] = op
+                fns[f"GEMM alone {name}"] = op.compute_only
+            fns["cuBLAS"] = cublas
             t = bench_interleaved(fns, iters)
             if r == 0:
                 print(f"{M}x{N}x{K}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()), file=out, flush=True)
-            for red, op in ops.items():
+            for name, op in ops.items():
                 op.timeline = PhaseTimeline()
                 torch.cuda.synchronize()
                 dist.barrier()
-                op(a, b, out=outs[red])
+                op()
                 torch.cuda.synchronize()
                 if r == 0:
-                    print(op.timeline.format(f"  [rank 0] {red}: ", host=True), file=out, flush=True)
+                    print(op.timeline.format(f"  [rank 0] {name}: ", host=True), file=out, flush=True)
                 op.timeline = None
             for op in ops.values():
                 op.close()
@@ -197,11 +198,71 @@ def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
         dist.destroy_process_group()
 
 
+def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
+    import torch
+    import torch.distributed as dist
+    from tldsl.ir.schedule import CommSchedule
+    from tldsl.runtime.dist import MatmulReduceScatter
+
+    def make(red, M, N, K):
+        W = dist.get_world_size()
+        a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K // W, N, device="cuda", dtype=torch.bfloat16)
+        op = MatmulReduceScatter(M, K // W, N, torch.bfloat16,
+                                 comm=CommSchedule(engine="copy_engine", mode="push", reduce_in=red))
+        res = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
+        return _Bound(op, a, b, out=res), (lambda: torch.mm(a, b))
+    _interleaved_ops(make, ("epilogue", "comm"), shapes, iters, out)
+
+
+def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import AllGatherMatmul
+    made = {}
+
+    def make(order, M, N, K):
+        W = dist.get_world_size()
+        if (M, N, K) not in made:
+            made.clear()
+            made[M, N, K] = (torch.randn(M // W, K, device="cuda", dtype=torch.bfloat16),
+                             torch.randn(K, N // W, device="cuda", dtype=torch.bfloat16))
+        a, b = made[M, N, K]
+        full = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, enqueue=order)
+        return _Bound(op, a, b, gemm_a=full), (lambda: torch.mm(full, b))
+    _interleaved_ops(make, ("gemm_first", "comm_first"), shapes, iters, out)
+
+
+class _Bound:
+    """An op with its operands bound: ``(op)()`` runs it, ``compute_only()`` its GEMM alone."""
+
+    def __init__(self, op, a, b, out=None, gemm_a=None):
+        self.op, self.a, self.b, self.out, self.gemm_a = op, a, b, out, gemm_a
+
+    def __call__(self):
+        return self.op(self.a, self.b, out=self.out) if self.out is not None else self.op(self.a, self.b)
+
+    def compute_only(self):        # AG's GEMM alone takes the gathered A
+        return self.op.compute_only(self.a if self.gemm_a is None else self.gemm_a, self.b)
+
+    @property
+    def timeline(self):
+        return self.op.timeline
+
+    @timeline.setter
+    def timeline(self, t):
+        self.op.timeline = t
+
+    def close(self):
+        self.op.close()
+
+
 def main(argv) -> int:
     from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in"))
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "ag_enqueue"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -213,6 +274,10 @@ def main(argv) -> int:
         import os
         for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
             os.environ.setdefault(k, v)
-        probe_rs_reduce_in(args.shapes or [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672),
-                                           (16384, 8192, 28672)], args.iters)
+        if args.what == "rs_reduce_in":
+            probe_rs_reduce_in(args.shapes or [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672),
+                                               (16384, 8192, 28672)], args.iters)
+        else:
+            probe_ag_enqueue(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192),
+                                             (2048, 28672, 8192)], args.iters)
     return 0

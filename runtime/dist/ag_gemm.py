@@ -7,13 +7,13 @@ Launch protocol (``launch`` = L, counted from 1; flags hold the last launch that
 so they are never reset and an old value can never satisfy a wait). Our shard is staged in a
 double-buffered symmetric buffer, slot ``L % 2``:
 
-1. compute stream: copy this call's shard into slot ``L % 2``; copy it into its rows of
-   A_gathered and write L into its flag (same-GPU copies run on SMs, so they must finish
-   before the persistent GEMM holds them); record that point for the copy stream;
+1. compute stream: copy this call's shard into slot ``L % 2`` and record that point for the
+   copy stream; copy it into its rows of A_gathered and write L into its flag (same-GPU copies
+   run on SMs, so they must finish before the persistent GEMM holds them);
 2. compute stream, at once: the GEMM, launch index L (on every SM but one when the barrier
    is a kernel, which runs beside it there); it starts on our own rows and spins (acquire,
    system scope) on flag p before loading rows of shard p;
-3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
+3. copy stream (after the slot copy of step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
    L+1). ``handshake="memops"`` (the default): stream memory operations — write L into this
    rank's slot of every peer's symmetric arrival array, then wait (GEQ) for every peer's slot
@@ -53,7 +53,7 @@ class AllGatherMatmul:
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
-                 handshake: str | None = None):
+                 handshake: str | None = None, enqueue: str = "gemm_first"):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
@@ -62,7 +62,10 @@ class AllGatherMatmul:
         direct path's one barrier per launch): ``"memops"`` (the default: stream memory
         operations — each rank writes the launch number into a symmetric slot on every peer and
         its copy stream waits for theirs; no kernel, no SM, so the GEMM gets every SM) or
-        ``"kernel"`` (torch symmetric memory's barrier kernel, on one SM kept free of the GEMM)."""
+        ``"kernel"`` (torch symmetric memory's barrier kernel, on one SM kept free of the GEMM).
+        ``enqueue`` (the direct path's host order): ``"gemm_first"`` (the GEMM, then the
+        handshake and copies) or ``"comm_first"`` (the reverse: peers' shards move one GEMM launch
+        earlier, the GEMM starts one handshake later)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -83,6 +86,9 @@ class AllGatherMatmul:
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
         if handshake not in (None, "kernel", "memops"):
             raise InputError(f"handshake={handshake!r}: choose 'kernel' or 'memops'")
+        if enqueue not in ("gemm_first", "comm_first"):
+            raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
+        self.enqueue = enqueue
         if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
             self.handshake = "kernel"
             if handshake is not None and handshake != "kernel":
@@ -177,35 +183,43 @@ class AllGatherMatmul:
         if not a_shard.is_contiguous():
             a_shard = a_shard.contiguous()
         src = a_shard.data_ptr()
-        # Our shard into the symmetric slot and into our own rows of A_gathered, then our flag.
+        # Our shard into the symmetric slot, then into our own rows of A_gathered and our flag.
         # Same-GPU copies run before the GEMM on the compute stream: they must not queue behind
-        # the persistent GEMM, which holds the SMs while it waits.
+        # the persistent GEMM, which holds the SMs while it waits. The copy stream (handshake,
+        # peers' shards) starts once the slot holds our shard, beside the second copy.
         plan_exec.checked(cu, cu.cuMemcpyAsync(self.peer_ptrs[me] + slot * nbytes, src, nbytes, cur_h),
                           "cuMemcpyAsync(stage our shard)")
+        self._staged.record(cur)
+        self.copy_stream.wait_event(self._staged)
         plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + me * nbytes, src, nbytes, cur_h),
                           "cuMemcpyAsync(our rows)")
         plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, self.flags.data_ptr() + 8 * me, L, write_default),
                           "cuStreamWriteValue64(own flag)")
         if tl_ is not None:
             tl_.mark("staged", cur, "compute")
-        self._staged.record(cur)
-        self.copy_stream.wait_event(self._staged)
         cs = self.copy_stream.cuda_stream
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
             {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
-        # The GEMM goes first (one driver call: its arguments are prepared), so the GPU computes
-        # our own rows while the host enqueues the handshake and the copies. Nothing between
-        # enqueueing the GEMM and the last copy may wait for the device: no garbage collection
-        # (freeing another op's symmetric memory synchronises) — the GEMM spins until the copies land.
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
+        # enqueue="gemm_first" (the default): the GEMM goes first (one driver call: its arguments
+        # are prepared), so the GPU computes our own rows while the host enqueues the handshake
+        # and the copies; "comm_first": the handshake and copies first, so peers' shards start
+        # moving one GEMM launch earlier. Nothing between enqueueing the GEMM and the last copy
+        # may wait for the device: no garbage collection (freeing another op's symmetric memory
+        # synchronises) — the GEMM spins until the copies land.
+
+        def launch_gemm():
             if self.hooks:
                 self._hook("before_compute", cur)
             gemm.launch(cur_h, L)
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
+
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            if self.enqueue == "gemm_first":
+                launch_gemm()
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
             # every shard of launch L staged; launch L-1 done everywhere
@@ -226,6 +240,8 @@ class AllGatherMatmul:
                                   f"cuStreamWriteValue64(flag of rank {p})")
                 if tl_ is not None:
                     tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+            if self.enqueue == "comm_first":
+                launch_gemm()
         finally:
             if gc_was_on:
                 gc.enable()

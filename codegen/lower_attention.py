@@ -65,11 +65,11 @@ import numpy as np
 
 from ..ir import core
 from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
-from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, DATA_OPS, WAIT_OPS
+from ..ir.opdefs import NOTIFY_OPS, DATA_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from ..ir.types import FragmentType, TileType
 from .lower_gemm import SMEM_LIMIT, KernelParam, TmaDescriptorSpec
-from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident, marker, needed_ops
+from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident, marker, needed_ops, wait_call
 
 ORDERS = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}
 HEAD_DIMS = (16, 32, 64, 128)
@@ -747,11 +747,7 @@ class _Control(ScalarEmitter):
         if sig not in self.signals:
             self.signals.append(sig)
         ch, count = self.name(op.operands[1], op), self.name(op.operands[2], op)
-        scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-        target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-                  else f"(unsigned long long)({count})")
-        lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{cident(sig.name)} + {ch}, {target});  "
-                     f"// {n}{marker(op.loc)}")
+        lines.append(ind + wait_call(op, f"sig_{cident(sig.name)}", ch, count))
         self.waits += 1
 
     # emission ------------------------------------------------------------------------------------

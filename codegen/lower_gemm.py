@@ -54,7 +54,7 @@ from .lowered import LoweredKernel, kernel_entry, recognises  # noqa: F401
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
 from ..ir.schedule import ComputeSchedule
 from .scalars import CONTROL_OPS, SCALAR_OPS, LoweringError, ScalarEmitter, cident as _cident, marker as _marker
-from .scalars import needed_ops
+from .scalars import needed_ops, wait_call
 
 SMEM_LIMIT = 232448           # dynamic shared memory per block on sm_90 (227 KiB)
 ACC_LIMIT = 128               # fp32 accumulators per consumer thread we allow (register file)
@@ -614,6 +614,28 @@ class _SyncEmitter(ScalarEmitter):
         if sig not in lst:
             lst.append(sig)
 
+    def wait_statement(self, op) -> str:
+        """A wait op on this rank's copy of its signal (a ``sig_<name>`` parameter)."""
+        sig = op.operands[0].owner
+        self._use(sig)
+        return wait_call(op, f"sig_{_cident(sig.name)}", self.name(op.operands[1], op), self.name(op.operands[2], op))
+
+    def notify_add(self, op) -> tuple[str, str]:
+        """A notify op as (its scope, the relaxed add at that scope): on this rank's copy of the
+        signal, or through the table of every rank's copies when it targets another rank."""
+        n = op.name
+        sig = op.operands[0].owner
+        ch = self.name(op.operands[1], op)
+        scope = op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n])
+        cscope = "tldsl::kScopeSys" if scope == "sys" else "tldsl::kScopeGpu"
+        if n == "producer_tile_notify" or _is_this_rank(op.operands[2]):
+            self._use(sig)
+            slot = f"sig_{_cident(sig.name)} + {ch}"
+        else:
+            self._use(sig, peers=True)
+            slot = f"sig_{_cident(sig.name)}_peers[{self.name(op.operands[2], op)}] + {ch}"
+        return scope, f"tldsl::red_relaxed_add<{cscope}>({slot}, 1ull);  // {n}{_marker(op.loc)}"
+
 
 class _WaitEmitter(_SyncEmitter):
     """The tile program's prologue: the waits a tile's loads depend on."""
@@ -628,14 +650,7 @@ class _WaitEmitter(_SyncEmitter):
         n = op.name
         if n not in WAIT_OPS:
             raise _fail(f"'{n}' is not supported in the GEMM prologue", op)
-        sig = op.operands[0].owner
-        self._use(sig)
-        ch, count = self.name(op.operands[1], op), self.name(op.operands[2], op)
-        scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-        target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-                  else f"(unsigned long long)({count})")
-        lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});"
-                     f"  // {n}{_marker(op.loc)}")
+        lines.append(ind + self.wait_statement(op))
         self.waits += 1
 
 
@@ -657,18 +672,9 @@ class _NotifyEmitter(_SyncEmitter):
         if n not in NOTIFY_OPS:
             raise _fail(f"'{n}' after the tile's store is not supported by the GEMM lowering (only index "
                         "arithmetic, loops and notifies may follow the store)", op)
-        sig = op.operands[0].owner
-        ch = self.name(op.operands[1], op)
-        scope = op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n])
+        scope, add = self.notify_add(op)
         self.sys_scope |= scope == "sys"
-        cscope = "tldsl::kScopeSys" if scope == "sys" else "tldsl::kScopeGpu"
-        if n == "producer_tile_notify" or _is_this_rank(op.operands[2]):
-            self._use(sig)
-            slot = f"sig_{_cident(sig.name)} + {ch}"
-        else:
-            self._use(sig, peers=True)
-            slot = f"sig_{_cident(sig.name)}_peers[{self.name(op.operands[2], op)}] + {ch}"
-        lines.append(f"{ind}tldsl::red_relaxed_add<{cscope}>({slot}, 1ull);  // {n}{_marker(op.loc)}")
+        lines.append(ind + add)
         self.notifies += 1
 
 
@@ -702,30 +708,15 @@ class _EpilogueEmitter(_SyncEmitter):
         if n in ("frag_read", "load", "ewise", "cast"):
             return                                   # part of a store's value: emitted there
         if n in WAIT_OPS:
-            sig = op.operands[0].owner
-            self._use(sig)
-            if sig not in self.waited:
-                self.waited.append(sig)
-            ch, count = self.name(op.operands[1], op), self.name(op.operands[2], op)
-            scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-            target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-                      else f"(unsigned long long)({count})")
-            lines.append(f"{ind}tldsl::wait_at_least<{scope}>(sig_{_cident(sig.name)} + {ch}, {target});  // {n}{mk}")
+            if op.operands[0].owner not in self.waited:
+                self.waited.append(op.operands[0].owner)
+            lines.append(ind + self.wait_statement(op))      # every thread: each acquires what it loads
             self.waits += 1
             return
         if n in NOTIFY_OPS:
             if not self.stores_done:
                 raise _fail("a notify before the tile's store in a generated GEMM epilogue", op)
-            sig = op.operands[0].owner
-            ch = self.name(op.operands[1], op)
-            scope = "tldsl::kScopeSys" if op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[n]) == "sys" else "tldsl::kScopeGpu"
-            if n == "producer_tile_notify" or _is_this_rank(op.operands[2]):
-                self._use(sig)
-                slot = f"sig_{_cident(sig.name)} + {ch}"
-            else:
-                self._use(sig, peers=True)
-                slot = f"sig_{_cident(sig.name)}_peers[{self.name(op.operands[2], op)}] + {ch}"
-            lines.append(f"{ind}if (ctx.notifier()) tldsl::red_relaxed_add<{scope}>({slot}, 1ull);  // {n}{mk}")
+            lines.append(f"{ind}if (ctx.notifier()) {self.notify_add(op)[1]}")
             self.notifies += 1
             return
         if n != "store":

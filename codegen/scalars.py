@@ -99,6 +99,18 @@ def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> se
     return need
 
 
+def wait_call(op: core.Op, signal_ptr: str, channel: str, count: str) -> str:
+    """The C++ statement of a wait op (``consumer_tile_wait`` / ``peer_tile_wait`` / ``rank_wait``):
+    spin until the slot holds ``count`` (times the launch index when the wait counts in epochs),
+    acquiring at the op's scope."""
+    from ..ir.opdefs import DEFAULT_MEMORY_SCOPE
+    n = op.name
+    scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
+    target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
+              else f"(unsigned long long)({count})")
+    return f"tldsl::wait_at_least<{scope}>({signal_ptr} + {channel}, {target});  // {n}{marker(op.loc)}"
+
+
 class ScalarEmitter:
     """Emit the scalar ops of a list of IR ops as C++ statements.
 

@@ -27,19 +27,9 @@ import statistics
 import sys
 
 
-def _median_ms(fn, iters=30, warm=5):
-    import torch
-    for _ in range(warm):
-        fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+def _median_ms(fn, iters=30):
+    from .bench import _time
+    return _time(fn, iters)
 
 
 # -- copy engine ------------------------------------------------------------------------------------

@@ -179,3 +179,14 @@ def test_compile_benchmark_reports_a_cold_compile_and_a_cache_hit(tmp_path, caps
     (cache / "extra").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         main(["compile", "--cache-dir", str(cache)])
+
+
+@needs_cuobjdump
+def test_allgather_staging_kernel_moves_16_byte_vectors(cache):
+    """AG+GEMM's staging kernel (one pass: the shard into its symmetric slot and its rows of
+    A_gathered, and the flag) compiles to 128-bit loads and stores, no local memory."""
+    from tldsl.runtime.dist import staging
+    ck = compile_cuda(staging.SOURCE, staging.ENTRY, cache=cache)
+    k = ck.sass()[ck.name]
+    assert k.count("LDG.E.128") >= 4 and k.count("STG.E.128") >= 8, sorted(k.mnemonics)
+    assert k.local_bytes == 0 and k.count("BPT.TRAP") == 0

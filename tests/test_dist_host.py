@@ -1105,6 +1105,15 @@ class _Proto:
         mp.setattr(modm, "load_kernel", load_kernel)
         real_lower_comm = lcm.lower_comm
 
+        from tldsl.codegen import compiler as cpm
+        from tldsl.runtime.dist import staging as stm
+        kinds[stm.ENTRY] = ["ptr", "ptr", "ptr", "u64", "ptr", "u64"]
+        real_compile = cpm.compile_cuda
+        mp.setattr(cpm, "compile_cuda", lambda src, entry, **kw: SimpleNamespace(cubin=entry.encode())
+                   if entry == stm.ENTRY else real_compile(src, entry, **kw))
+        from tldsl.runtime.gpu import device as devm
+        mp.setattr(devm, "sm_count", lambda: 132)
+
         def lower_comm_recording(*a, **k):
             lc = real_lower_comm(*a, **k)
             kinds[lc.entry] = [p.kind for p in lc.params]
@@ -1367,20 +1376,18 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
         a = torch.randn(Ms, K).to(torch.bfloat16)
         ga, c = op(a, b, poison_workspace=True)
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync",
-                                      "cuStreamWriteValue64", "GEMM", "BARRIER", "cuMemcpyAsync",
-                                      "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
+        assert [e[0] for e in ev] == ["cuLaunchKernel", "cuEventRecord", "cuStreamWaitEvent", "GEMM", "BARRIER",
+                                      "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         flags = op.flags.data_ptr()
-        # our shard into our symmetric slot L % 2 (the copy stream may start from there), then
-        # into our own rows (rank 1), then our flag
-        assert ev[0] == ("cuMemcpyAsync", cur, op.peer_ptrs[1] + (L % 2) * nbytes, a.data_ptr(), nbytes)
-        assert ev[1][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[1][2])  # the copy stream after the slot
-        assert ev[3] == ("cuMemcpyAsync", cur, ga.data_ptr() + nbytes, a.data_ptr(), nbytes)
-        assert ev[4] == ("cuStreamWriteValue64", cur, flags + 8 * 1, L)
-        assert ev[5] == ("GEMM", cur, L, 131, 1) and ev[6] == ("BARRIER", cs)    # GEMM first, never behind the barrier
-        assert ev[7] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
-        assert ev[8] == ("cuStreamWriteValue64", cs, flags, L)
-        assert ev[9][1] == cs and ev[10] == ("cuStreamWaitEvent", cur, ev[9][2])  # launch L+1 after the copies
+        # one staging pass: our shard into our symmetric slot L % 2 and into our own rows (rank 1),
+        # and L into our flag; the copy stream starts after it
+        assert ev[0][1] == cur and proto.drv.launches[-1]["decoded"] == [
+            a.data_ptr(), op.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16, flags + 8 * 1, L]
+        assert ev[1][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[1][2])
+        assert ev[3] == ("GEMM", cur, L, 131, 1) and ev[4] == ("BARRIER", cs)    # GEMM first, never behind the barrier
+        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[6] == ("cuStreamWriteValue64", cs, flags, L)
+        assert ev[7][1] == cs and ev[8] == ("cuStreamWaitEvent", cur, ev[7][2])  # launch L+1 after the copies
     # the GEMM's arguments are packed once per set of tensor addresses (the caching allocator
     # hands back the same A_gathered and C): later launches only set the epoch
     assert proto.prepared <= 3
@@ -1394,8 +1401,9 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
     at = torch.randn(K, Ms).to(torch.bfloat16).t()
     proto.events()
     op(at, b)
-    ev = proto.events()
-    assert ev[0][3] != at.data_ptr() and ev[0][4] == nbytes
+    proto.events()
+    staged = proto.drv.launches[-1]["decoded"]
+    assert staged[0] != at.data_ptr() and staged[3] == nbytes // 16
     assert set(op.workspace_tensors()) == {"a"}
     assert set(op.signal_tensors()) == {op.signal}
     # garbage collection is paused only inside the window, and restored after it
@@ -1536,7 +1544,7 @@ def test_allgather_memops_handshake(proto, monkeypatch):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
     with pytest.raises(tl.InputError, match="applies to the direct copy-engine pull path"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", handshake="memops")
-    op = AllGatherMatmul(Ms, K, N, torch.bfloat16)                        # memops: the default
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="copies")     # memops: the default
     assert op.handshake == "memops"
     proto.events()
     assert op.gemm.reserve == 0 and torch.equal(op.arrive, torch.zeros(2, dtype=torch.int64))
@@ -1555,7 +1563,9 @@ def test_allgather_memops_handshake(proto, monkeypatch):
     # enqueue="comm_first": the same calls, the handshake and the copies before the GEMM
     with pytest.raises(tl.InputError, match="enqueue='later'"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="later")
-    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="comm_first")
+    with pytest.raises(tl.InputError, match="staging='dma'"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="dma")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="comm_first", staging="copies")
     proto.events()
     op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
     assert [e[0] for e in proto.events()] == ["cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync",

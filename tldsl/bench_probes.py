@@ -4,6 +4,7 @@
     python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
 
 * ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
   ``cuMemcpyAsync`` and ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``,
@@ -18,6 +19,8 @@
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
   handshake and copies first, timed the same way.
+* ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel (the
+  default) or with two ``cuMemcpyAsync`` and a stream write, timed the same way.
 """
 from __future__ import annotations
 
@@ -206,12 +209,23 @@ def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
 
 
 def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
+    _ag_variants({"gemm_first": {"enqueue": "gemm_first"}, "comm_first": {"enqueue": "comm_first"}},
+                 shapes, iters, out)
+
+
+def probe_ag_staging(shapes, iters=20, out=sys.stdout):
+    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging copies": {"staging": "copies"}},
+                 shapes, iters, out)
+
+
+def _ag_variants(variants: dict, shapes, iters, out):
+    """AllGatherMatmul built with each variant's keyword arguments, timed interleaved."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul
     made = {}
 
-    def make(order, M, N, K):
+    def make(name, M, N, K):
         W = dist.get_world_size()
         if (M, N, K) not in made:
             made.clear()
@@ -219,9 +233,9 @@ def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
                              torch.randn(K, N // W, device="cuda", dtype=torch.bfloat16))
         a, b = made[M, N, K]
         full = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, enqueue=order)
+        op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, **variants[name])
         return _Bound(op, a, b, gemm_a=full), (lambda: torch.mm(full, b))
-    _interleaved_ops(make, ("gemm_first", "comm_first"), shapes, iters, out)
+    _interleaved_ops(make, tuple(variants), shapes, iters, out)
 
 
 class _Bound:
@@ -252,7 +266,7 @@ def main(argv) -> int:
     from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "ag_enqueue"))
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "ag_enqueue", "ag_staging"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -268,6 +282,7 @@ def main(argv) -> int:
             probe_rs_reduce_in(args.shapes or [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672),
                                                (16384, 8192, 28672)], args.iters)
         else:
-            probe_ag_enqueue(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192),
-                                             (2048, 28672, 8192)], args.iters)
+            probe = probe_ag_enqueue if args.what == "ag_enqueue" else probe_ag_staging
+            probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
+                                  (2048, 28672, 8192)], args.iters)
     return 0

@@ -7,13 +7,14 @@ Launch protocol (``launch`` = L, counted from 1; flags hold the last launch that
 so they are never reset and an old value can never satisfy a wait). Our shard is staged in a
 double-buffered symmetric buffer, slot ``L % 2``:
 
-1. compute stream: copy this call's shard into slot ``L % 2`` and record that point for the
-   copy stream; copy it into its rows of A_gathered and write L into its flag (same-GPU copies
-   run on SMs, so they must finish before the persistent GEMM holds them);
+1. compute stream: this call's shard into slot ``L % 2`` and into its rows of A_gathered, and
+   L into its flag — one pass of the staging kernel (:mod:`.staging`); same-GPU copies run on
+   SMs, so they must finish before the persistent GEMM holds them; record that point for the
+   copy stream;
 2. compute stream, at once: the GEMM, launch index L (on every SM but one when the barrier
    is a kernel, which runs beside it there); it starts on our own rows and spins (acquire,
    system scope) on flag p before loading rows of shard p;
-3. copy stream (after the slot copy of step 1): **one group barrier** — every rank's shard of launch L is
+3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
    L+1). ``handshake="memops"`` (the default): stream memory operations — write L into this
    rank's slot of every peer's symmetric arrival array, then wait (GEQ) for every peer's slot
@@ -53,7 +54,7 @@ class AllGatherMatmul:
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
-                 handshake: str | None = None, enqueue: str = "gemm_first"):
+                 handshake: str | None = None, enqueue: str = "gemm_first", staging: str = "kernel"):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
@@ -65,7 +66,10 @@ class AllGatherMatmul:
         ``"kernel"`` (torch symmetric memory's barrier kernel, on one SM kept free of the GEMM).
         ``enqueue`` (the direct path's host order): ``"gemm_first"`` (the GEMM, then the
         handshake and copies) or ``"comm_first"`` (the reverse: peers' shards move one GEMM launch
-        earlier, the GEMM starts one handshake later)."""
+        earlier, the GEMM starts one handshake later). ``staging`` (the direct path): ``"kernel"``
+        (one pass of :mod:`.staging`'s kernel writes the shard into its symmetric slot and into
+        this rank's rows of A_gathered, and this rank's flag) or ``"copies"`` (two
+        ``cuMemcpyAsync`` and a stream write)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -88,7 +92,9 @@ class AllGatherMatmul:
             raise InputError(f"handshake={handshake!r}: choose 'kernel' or 'memops'")
         if enqueue not in ("gemm_first", "comm_first"):
             raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
-        self.enqueue = enqueue
+        if staging not in ("kernel", "copies"):
+            raise InputError(f"staging={staging!r}: choose 'kernel' or 'copies'")
+        self.enqueue, self.staging = enqueue, staging
         if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
             self.handshake = "kernel"
             if handshake is not None and handshake != "kernel":
@@ -135,6 +141,10 @@ class AllGatherMatmul:
         self.copy_stream = torch.cuda.Stream(device=dev)
         self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
         self._gemm_launches = LaunchCache()        # prepared GEMM launches by tensor addresses
+        if staging == "kernel":
+            from ..gpu.device import sm_count
+            from .staging import ShardStager
+            self._stager = ShardStager(sm_count(), progress=progress)
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
             [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
@@ -183,18 +193,23 @@ class AllGatherMatmul:
         if not a_shard.is_contiguous():
             a_shard = a_shard.contiguous()
         src = a_shard.data_ptr()
-        # Our shard into the symmetric slot, then into our own rows of A_gathered and our flag.
-        # Same-GPU copies run before the GEMM on the compute stream: they must not queue behind
-        # the persistent GEMM, which holds the SMs while it waits. The copy stream (handshake,
-        # peers' shards) starts once the slot holds our shard, beside the second copy.
-        plan_exec.checked(cu, cu.cuMemcpyAsync(self.peer_ptrs[me] + slot * nbytes, src, nbytes, cur_h),
-                          "cuMemcpyAsync(stage our shard)")
-        self._staged.record(cur)
-        self.copy_stream.wait_event(self._staged)
-        plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + me * nbytes, src, nbytes, cur_h),
-                          "cuMemcpyAsync(our rows)")
-        plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, self.flags.data_ptr() + 8 * me, L, write_default),
-                          "cuStreamWriteValue64(own flag)")
+        # Our shard into the symmetric slot and into our own rows of A_gathered, and our flag.
+        # Same-GPU copies run on SMs, so before the GEMM on the compute stream: they must not
+        # queue behind the persistent GEMM, which holds the SMs while it waits. The copy stream
+        # (handshake, peers' shards) starts once the slot holds our shard.
+        slot_ptr, own_rows, own_flag = self.peer_ptrs[me] + slot * nbytes, a_full.data_ptr() + me * nbytes, \
+            self.flags.data_ptr() + 8 * me
+        if self.staging == "kernel" and self._stager.usable(src, slot_ptr, own_rows, nbytes):
+            self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)   # one pass
+            self._staged.record(cur)
+            self.copy_stream.wait_event(self._staged)
+        else:
+            plan_exec.checked(cu, cu.cuMemcpyAsync(slot_ptr, src, nbytes, cur_h), "cuMemcpyAsync(stage our shard)")
+            self._staged.record(cur)
+            self.copy_stream.wait_event(self._staged)
+            plan_exec.checked(cu, cu.cuMemcpyAsync(own_rows, src, nbytes, cur_h), "cuMemcpyAsync(our rows)")
+            plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, own_flag, L, write_default),
+                              "cuStreamWriteValue64(own flag)")
         if tl_ is not None:
             tl_.mark("staged", cur, "compute")
         cs = self.copy_stream.cuda_stream

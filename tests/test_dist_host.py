@@ -1209,6 +1209,14 @@ def test_gemm_rs_copy_engine_protocol(proto):
         lo, hi = j * eng.rows, min((j + 1) * eng.rows, op.Ms)
         counts.append(sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo))
     assert [st for st in eng.steps if st[0] == "wait"] == [("wait", j, counts[j]) for j in range(4)]
+    # and for our own chunks (rows [4091, 8182): not tile-aligned, so other counts)
+    own_counts = []
+    for j in range(eng.tpr):
+        lo, hi = op.Ms + j * eng.rows, op.Ms + min((j + 1) * eng.rows, op.Ms)
+        own_counts.append(sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo))
+    assert [c for c, _, _ in eng.own_chunks] == own_counts
+    assert not eng.early_sum                  # 24 MiB of our rows: all of the sum after the GEMM by default ...
+    eng.early_sum = True                      # ... the early sum (the default from 64 MiB) checked here
     assert eng.arrivals == [(0, 4)]                                   # rank 0 notifies 4 chunks per launch
     proto.events()
     cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
@@ -1224,7 +1232,8 @@ def test_gemm_rs_copy_engine_protocol(proto):
         names = [e[0] for e in ev]
         assert names == (["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWriteValue64", "cuStreamWaitValue64"]
                          + ["cuStreamWaitValue64", "cuMemcpyAsync"] * 4
-                         + ["cuStreamWriteValue64", "cuStreamWaitValue64", "cuEventRecord", "cuStreamWaitEvent"])
+                         + ["cuStreamWriteValue64"] + ["cuStreamWaitValue64"] * 4 + ["cuEventRecord"]
+                         + ["cuStreamWaitValue64", "cuStreamWaitEvent", "cuEventRecord", "cuStreamWaitEvent"])
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         assert ev[3] == ("cuStreamWriteValue64", cs, arrive[0] + 8 * 1, L)      # our slot on rank 0
         assert ev[4][:4] == ("cuStreamWaitValue64", cs, arrive[1] + 8 * 0, L)   # rank 0's slot here
@@ -1234,14 +1243,27 @@ def test_gemm_rs_copy_engine_protocol(proto):
             n = min(1024, op.Ms - 1024 * j)
             assert c == ("cuMemcpyAsync", cs, recv[0] + (1 * op.Ms + 1024 * j) * rb, part + 1024 * j * rb, n * rb)
         assert ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, 4 * L)  # the plan's 4 notifies, coalesced
-        assert ev[14][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, 4 * L)    # the sum waits for rank 0's rows
-        assert ev[15][1] == cs and ev[16] == ("cuStreamWaitEvent", cur, ev[15][2])
+        # our first 3 chunks, summed on the side stream once the GEMM stored them (ready slots 4..6:
+        # segment 1) and rank 0's rows are here; the last chunk on the compute stream
+        ss = eng.sum_stream.cuda_stream
+        assert [e[:4] for e in ev[14:17]] == [("cuStreamWaitValue64", ss, ready + 8 * (4 + j), own_counts[j] * L)
+                                               for j in range(3)]
+        assert ev[17][:4] == ("cuStreamWaitValue64", ss, done[1] + 8 * 0, 4 * L) and ev[18][1] == ss
+        assert ev[19][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, 4 * L)    # the sum waits for rank 0's rows
+        assert ev[20] == ("cuStreamWaitEvent", cur, ev[18][2])                          # ... and for the side stream
+        assert ev[21][1] == cs and ev[22] == ("cuStreamWaitEvent", cur, ev[21][2])
         want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
         assert torch.equal(out, want)                                   # our rows + what rank 0 sent
     assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
     smap = op.signal_map()
     assert [s[0] for s in smap] == ["reduce_scatter_ready", "reduce_scatter_done", "handshake_arrive"]
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
+
+
+def test_gemm_rs_early_sum_from_64_mib_of_rows(proto):
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    assert MatmulReduceScatter(2 * 4096, 1032, 8192, "bfloat16")._engine.early_sum             # 64 MiB
+    assert not MatmulReduceScatter(2 * 4088, 1032, 8192, "bfloat16")._engine.early_sum          # just under
 
 
 def test_gemm_rs_copy_engine_epilogue_protocol(proto):

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe rs_early_sum [--shapes MxNxK,...]
 
 * ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
   ``cuMemcpyAsync`` and ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``,
@@ -21,6 +22,8 @@
   handshake and copies first, timed the same way.
 * ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel (the
   default) or with two ``cuMemcpyAsync`` and a stream write, timed the same way.
+* ``rs_early_sum``: GEMM+ReduceScatter (copy engine, sum after the GEMM) summing the chunks the
+  GEMM finished first on a side stream beside its last wave (the default), or all after it.
 """
 from __future__ import annotations
 
@@ -208,6 +211,22 @@ def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
     _interleaved_ops(make, ("epilogue", "comm"), shapes, iters, out)
 
 
+def probe_rs_early_sum(shapes, iters=20, out=sys.stdout):
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import MatmulReduceScatter
+
+    def make(name, M, N, K):
+        W = dist.get_world_size()
+        a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K // W, N, device="cuda", dtype=torch.bfloat16)
+        op = MatmulReduceScatter(M, K // W, N, torch.bfloat16)
+        op._engine.early_sum = name == "early sum"
+        res = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
+        return _Bound(op, a, b, out=res), (lambda: torch.mm(a, b))
+    _interleaved_ops(make, ("early sum", "sum after the GEMM"), shapes, iters, out)
+
+
 def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
     _ag_variants({"gemm_first": {"enqueue": "gemm_first"}, "comm_first": {"enqueue": "comm_first"}},
                  shapes, iters, out)
@@ -266,7 +285,8 @@ def main(argv) -> int:
     from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "ag_enqueue", "ag_staging"))
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
+                                     "ag_staging"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -278,9 +298,11 @@ def main(argv) -> int:
         import os
         for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
             os.environ.setdefault(k, v)
+        rs_shapes = [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672), (16384, 8192, 28672)]
         if args.what == "rs_reduce_in":
-            probe_rs_reduce_in(args.shapes or [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672),
-                                               (16384, 8192, 28672)], args.iters)
+            probe_rs_reduce_in(args.shapes or rs_shapes, args.iters)
+        elif args.what == "rs_early_sum":
+            probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
         else:
             probe = probe_ag_enqueue if args.what == "ag_enqueue" else probe_ag_staging
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),

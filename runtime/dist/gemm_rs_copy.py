@@ -24,10 +24,15 @@ deadlocks, results); here it runs as:
    NVLink copy; the plan's notifies of one peer are coalesced into its last (the stream is in
    order), which writes the launch's final count ``chunks * L`` into this rank's slot of the
    peer's ``reduce_scatter_done``;
-3. compute stream (after the GEMM): wait until every peer's slot here holds its final count,
-   then ``out = partial[own rows] + (received blocks, summed in the tile program's order)`` (for
-   two ranks one elementwise kernel, fp32 arithmetic, one rounding) — the sum part's work,
-   once every producer is done;
+3. the sum part's work, ``out = partial[own rows] + (received blocks, summed in the tile
+   program's order)`` (for two ranks one elementwise kernel, fp32 arithmetic, one rounding),
+   once every peer's slot here holds its final count: for all but this rank's last chunk on a
+   side stream, after stream waits on the GEMM's counters of those chunks — its kernel gets the
+   SMs the GEMM's CTAs free as they finish, during the GEMM's last, partial wave (it cannot take
+   an SM the GEMM still needs: every GEMM CTA is resident from the start, one per SM, before
+   any of these counters moves); the last chunk on the compute stream after the GEMM. Where
+   this rank's rows are small (under ``EARLY_SUM_BYTES``) the extra host calls cost more than
+   the overlap gains, and all of the sum runs after the GEMM;
 4. the compute stream waits for the copy stream (launch ``L+1`` cannot overwrite the partials
    while they are being copied).
 
@@ -52,6 +57,9 @@ import gc
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
+
+
+EARLY_SUM_BYTES = 64 << 20    # this rank's rows of the partials, from which the early sum pays
 
 
 def chunk_rows(rows_per_rank: int, tile_rows: int, chunks: int) -> int:
@@ -88,6 +96,10 @@ class CopyEngineReduceScatter:
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
         self._done = done
         self.fused = op.ir.comm_schedule.reduce_in == "epilogue"    # the GEMM's epilogue sums our rows
+        # reduce_in="comm": sum the chunks the GEMM finished first beside its last wave, where this
+        # rank's rows are large enough for that to beat the two extra stream waits and launch on the
+        # host (2x H200: 2-3% faster from 64 MiB of rows, up to 14% slower at 16 MiB — BENCHMARKS.md)
+        self.early_sum = op.Ms * op.N * op.partial.element_size() >= EARLY_SUM_BYTES
         if W == 1:                      # nothing to move: the sum is this rank's partial
             self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
             return
@@ -114,6 +126,15 @@ class CopyEngineReduceScatter:
         # what this rank's sum waits for: every peer's last notify of its slot here
         self.arrivals = [(p, w.per_launch) for p in range(W) if p != me for w in self.plan.actions[p]
                          if isinstance(w, CeSignalWrite) and w.rank == me and w.index == w.per_launch]
+        # ... and the GEMM's counters of this rank's own chunks: the producer tiles covering a chunk
+        # are the same whoever sends it, so the peers' plans (their waits for the copies of these
+        # rows) give the counts
+        own = {a.slot: a.count for p in range(W) if p != me for a in self.plan.actions[p]
+               if isinstance(a, CeWait) and me * self.tpr <= a.slot < (me + 1) * self.tpr}
+        self.own_chunks = [(own[me * self.tpr + j], j * self.rows, min((j + 1) * self.rows, op.Ms))
+                           for j in range(self.tpr)]
+        self.sum_stream = torch.cuda.Stream(device=op.device)
+        self._summed = torch.cuda.Event()
         pdt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[op.partial.dtype]
         if bufs[recv] != ((W * op.Ms, op.N), pdt) or slots[done] != W:
             raise InputError(f"copy-engine reduce-scatter: unexpected workspace {bufs[recv]}, {slots[done]}")
@@ -189,23 +210,48 @@ class CopyEngineReduceScatter:
         finally:
             if gc_was_on:
                 gc.enable()
-        if not self.fused:
+        if not self.fused and W == 1:
+            out.copy_(op.partial)
+        elif not self.fused:
+            early = self.early_sum and self.tpr > 1
+            if early:
+                # All but this rank's last chunk, summed on a side stream once the GEMM has stored
+                # them (stream waits on its counters: no SM held while waiting): its kernel runs on
+                # the SMs the GEMM's finished CTAs free during its last, partial wave.
+                ss = self.sum_stream.cuda_stream
+                for count, lo, hi in self.own_chunks[:-1]:
+                    ck(cu, cu.cuStreamWaitValue64(ss, ready.data_ptr() + 8 * (me * self.tpr + lo // self.rows),
+                                                  count * L, geq), "cuStreamWaitValue64(own ready)")
+                for p, per_launch in self.arrivals:
+                    ck(cu, cu.cuStreamWaitValue64(ss, done[me] + 8 * p, per_launch * L, geq),
+                       f"cuStreamWaitValue64(done of {p})")
+                split = self.own_chunks[-1][1]
+                with torch.cuda.stream(self.sum_stream):
+                    self._sum_rows(out, 0, split)
+                out.record_stream(self.sum_stream)
+                self._summed.record(self.sum_stream)
             for p, per_launch in self.arrivals:
                 ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
                    f"cuStreamWaitValue64(done of {p})")
-            own = op.partial[me * Ms:(me + 1) * Ms]
-            if W == 1:
-                out.copy_(own)
-            else:   # the tile program's association (every schedule's): P[me] + (P[me+1] + (... + P[me-1]))
-                acc = self.recv[(me + W - 1) % W]
-                for s in range(2, W):
-                    acc = self.recv[(me + W - s) % W] + acc
-                torch.add(own, acc, out=out)
+            self._sum_rows(out, split if early else 0, Ms)
+            if early:
+                cur.wait_event(self._summed)
             if tl_ is not None:
                 tl_.mark("reduced", cur, "compute")
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         return out
+
+    def _sum_rows(self, out, lo: int, hi: int) -> None:
+        """``out[lo:hi]`` = this rank's rows ``lo:hi`` of the sum, on the current stream, in the tile
+        program's association (every schedule's): P[me] + (P[me+1] + (... + P[me-1]))."""
+        import torch
+        op = self.op
+        W, me, Ms = op.ctx.world_size, op.ctx.rank, op.Ms
+        acc = self.recv[(me + W - 1) % W, lo:hi]
+        for s in range(2, W):
+            acc = self.recv[(me + W - s) % W, lo:hi] + acc
+        torch.add(op.partial[me * Ms + lo:me * Ms + hi], acc, out=out[lo:hi])
 
     # -- introspection -------------------------------------------------------------------------
     def signal_entries(self) -> list[tuple[str, int, int, str]]:

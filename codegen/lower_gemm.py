@@ -959,25 +959,18 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         waits_expr = "tldsl::sm90::NoWaits{}"
     notifies_arg = ""
     if isinstance(ne, _EpilogueEmitter):
-        members = ["  int rank;", "  unsigned long long launch;",
-                   "  const cute::TmaDescriptor* tma_c_ptr;"]
-        init = ["rank", "launch", "&tma_c"]
-        for s in ne.signals:
-            const = "" if _notifies_signal(m.epilogue, s) else "const "
-            members.append(f"  {const}unsigned long long* sig_{_cident(s.name)};")
-            init.append(f"sig_{_cident(s.name)}")
-        for s in ne.peer_signals:
-            members.append(f"  unsigned long long* const* sig_{_cident(s.name)}_peers;")
-            init.append(f"sig_{_cident(s.name)}_peers")
-        for t in ne.tables:
-            members.append(f"  const int* tbl_{_cident(t.name)};")
-            init.append(f"tbl_{_cident(t.name)}")
-        for b in ne.stored:
-            members.append(f"  const cute::TmaDescriptor* tma_{_cident(b.name)}_ptr;")
-            init.append(f"&tma_{_cident(b.name)}")
-        for b in ne.loaded:
-            members.append(f"  const {_DTYPE_C[b.type.dtype.name]}* buf_{_cident(b.name)};")
-            init.append(f"buf_{_cident(b.name)}")
+        c = _cident
+        fields = [("int rank", "rank"), ("unsigned long long launch", "launch"),
+                  ("const cute::TmaDescriptor* tma_c_ptr", "&tma_c")]      # (member, its value in the kernel)
+        fields += [(f"{'' if _notifies_signal(m.epilogue, s) else 'const '}unsigned long long* sig_{c(s.name)}",
+                    f"sig_{c(s.name)}") for s in ne.signals]
+        fields += [(f"unsigned long long* const* sig_{c(s.name)}_peers", f"sig_{c(s.name)}_peers")
+                   for s in ne.peer_signals]
+        fields += [(f"const int* tbl_{c(t.name)}", f"tbl_{c(t.name)}") for t in ne.tables]
+        fields += [(f"const cute::TmaDescriptor* tma_{c(b.name)}_ptr", f"&tma_{c(b.name)}") for b in ne.stored]
+        fields += [(f"const {_DTYPE_C[b.type.dtype.name]}* buf_{c(b.name)}", f"buf_{c(b.name)}") for b in ne.loaded]
+        members = [f"  {decl};" for decl, _ in fields]
+        init = [value for _, value in fields]
         aliases = ["    const cute::TmaDescriptor& tma_c = *tma_c_ptr;"] + \
                   [f"    const cute::TmaDescriptor& tma_{_cident(b.name)} = *tma_{_cident(b.name)}_ptr;" for b in ne.stored]
         L += ["// The tile program's code after the K loop, run by every consumer thread: which stores a tile",

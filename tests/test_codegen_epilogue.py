@@ -50,17 +50,23 @@ def test_without_the_epilogue_sum_the_gemm_is_unchanged():
     assert lg.data_buffers == () and lg.epilogue_waits == 0
 
 
+def _accumulate(a, b, pm, pn, compute):
+    """The GEMM's K loop (traced into the caller's compute part): the accumulator of tile (pm, pn)."""
+    K = a.shape[1]
+    BM, BN, BK = compute.tile
+    acc = tl.fragment((BM, BN), tl.float32)
+    for k in tl.range(0, K, BK):
+        acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+    return acc
+
+
 @tl.kernel
 def sum_first(a, b, c, d, e, *, compute: tl.ComputeSchedule = None):
-    M, K = a.shape
-    N = b.shape[1]
-    BM, BN, BK = compute.tile
+    BM, BN, _ = compute.tile
 
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    @tl.compute_part(grid=(tl.cdiv(a.shape[0], BM), tl.cdiv(b.shape[1], BN)))
     def mm(pm, pn):
-        acc = tl.fragment((BM, BN), tl.float32)
-        for k in tl.range(0, K, BK):
-            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        acc = _accumulate(a, b, pm, pn, compute)
         with tl.when(pm >= 1):
             tl.store(e, (pm * BM - BM, pn * BN), acc + tl.load(d, (pm * BM, pn * BN), (BM, BN)))
         with tl.when(pm < 1):
@@ -69,15 +75,11 @@ def sum_first(a, b, c, d, e, *, compute: tl.ComputeSchedule = None):
 
 @tl.kernel
 def max_sum(a, b, c, d, e, *, compute: tl.ComputeSchedule = None):
-    M, K = a.shape
-    N = b.shape[1]
-    BM, BN, BK = compute.tile
+    BM, BN, _ = compute.tile
 
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    @tl.compute_part(grid=(tl.cdiv(a.shape[0], BM), tl.cdiv(b.shape[1], BN)))
     def mm(pm, pn):
-        acc = tl.fragment((BM, BN), tl.float32)
-        for k in tl.range(0, K, BK):
-            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        acc = _accumulate(a, b, pm, pn, compute)
         with tl.when(pm < 1):
             tl.store(c, (pm * BM, pn * BN), acc)
         with tl.when(pm >= 1):

@@ -411,9 +411,9 @@ def _acc_value(v: core.Value, frag: core.Op) -> bool:
 def _match_split(part: core.Part, prologue, rest, frag) -> _Match:
     """A tile program whose code after the K loop chooses per tile what to store (e.g. GEMM +
     ReduceScatter summing in the epilogue: other ranks' rows into the partials, then notified;
-    this rank's rows, after waits, plus the tiles peers sent, into the output). Exactly one
-    store writes the accumulator itself at the tile's place (C, the GEMM's output); after it
-    may come one more store of an elementwise expression of the accumulator and loaded tiles."""
+    this rank's rows, after waits, plus the tiles peers sent, into the output). The first store
+    of the accumulator itself is C's (at the tile's place: the GEMM's output); after it may come
+    one more store, of an elementwise expression of the accumulator and loaded tiles."""
     loop = _k_loop(rest, frag)
     post = rest[rest.index(loop) + 1:]
     stores: list[core.Op] = []
@@ -431,10 +431,10 @@ def _match_split(part: core.Part, prologue, rest, frag) -> _Match:
             for r in op.regions:
                 walk(r.ops, in_loop or op.name == "for")
     walk(post, False)
-    main = [st for st in stores if _acc_value(st.operands[-1], frag)]
-    if len(main) != 1:
-        raise _fail(f"a generated GEMM epilogue needs exactly one store of the accumulator itself (the GEMM's "
-                    f"output C), found {len(main)}", stores[0] if stores else loop)
+    main = [st for st in stores if _acc_value(st.operands[-1], frag)][:1]     # the first: C
+    if not main:
+        raise _fail("a generated GEMM epilogue needs a store of the accumulator itself (the GEMM's output C)",
+                    stores[0] if stores else loop)
     extras = [st for st in stores if st is not main[0]]
     if len(extras) > 1 or (extras and stores[-1] is not extras[0]):
         raise _fail("a generated GEMM epilogue may store one elementwise sum of the accumulator, after its store "

@@ -1323,6 +1323,14 @@ def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
     assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
                                                "cuStreamWaitEvent"]
     op.close()
+    # summing in the epilogue on one rank: every tile is this rank's, the GEMM stores into out
+    fused = grs.MatmulReduceScatter(1024, 1032, 3000, "bfloat16",
+                                    comm=tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"))
+    proto.events()
+    out = fused(torch.zeros(1024, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
+    assert proto.gemm_args[0]["out"] is out and set(proto.gemm_args[1]) == {"reduce_scatter_ready"}
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
+                                               "cuStreamWaitEvent"]
 
 
 @pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])

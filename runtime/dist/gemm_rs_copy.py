@@ -166,7 +166,7 @@ class CopyEngineReduceScatter:
         wr = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         ck = plan_exec.checked
-        W, me, Ms = op.ctx.world_size, op.ctx.rank, op.Ms
+        W, me = op.ctx.world_size, op.ctx.rank
         cur = torch.cuda.current_stream(op.ctx.device)
         cur_h, cs = cur.cuda_stream, self.copy_stream.cuda_stream
         tl_ = op.timeline
@@ -176,6 +176,7 @@ class CopyEngineReduceScatter:
         ready = op.signals[op.ready]
         key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
         gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
+        done = self.ws.peers(self._done) if W > 1 else ()
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
         try:
@@ -187,7 +188,6 @@ class CopyEngineReduceScatter:
             if op.hooks:
                 op._hook("before_comm", self.copy_stream)
             self.copy_stream.wait_event(self._start)
-            done = self.ws.peers(self._done) if W > 1 else ()
             if W > 1:
                 plan_exec.stream_handshake(cu, cs, self.ws.peers("handshake_arrive"), me, L)
             if tl_ is not None:
@@ -213,34 +213,45 @@ class CopyEngineReduceScatter:
         if not self.fused and W == 1:
             out.copy_(op.partial)
         elif not self.fused:
-            early = self.early_sum and self.tpr > 1
-            if early:
-                # All but this rank's last chunk, summed on a side stream once the GEMM has stored
-                # them (stream waits on its counters: no SM held while waiting): its kernel runs on
-                # the SMs the GEMM's finished CTAs free during its last, partial wave.
-                ss = self.sum_stream.cuda_stream
-                for count, lo, hi in self.own_chunks[:-1]:
-                    ck(cu, cu.cuStreamWaitValue64(ss, ready.data_ptr() + 8 * (me * self.tpr + lo // self.rows),
-                                                  count * L, geq), "cuStreamWaitValue64(own ready)")
-                for p, per_launch in self.arrivals:
-                    ck(cu, cu.cuStreamWaitValue64(ss, done[me] + 8 * p, per_launch * L, geq),
-                       f"cuStreamWaitValue64(done of {p})")
-                split = self.own_chunks[-1][1]
-                with torch.cuda.stream(self.sum_stream):
-                    self._sum_rows(out, 0, split)
-                out.record_stream(self.sum_stream)
-                self._summed.record(self.sum_stream)
-            for p, per_launch in self.arrivals:
-                ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
-                   f"cuStreamWaitValue64(done of {p})")
-            self._sum_rows(out, split if early else 0, Ms)
-            if early:
-                cur.wait_event(self._summed)
-            if tl_ is not None:
-                tl_.mark("reduced", cur, "compute")
+            self._enqueue_sum(cu, cur, out, ready, done, L)
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         return out
+
+    def _enqueue_sum(self, cu, cur, out, ready, done, L: int) -> None:
+        """Step 3 of the launch protocol (module docstring): this rank's rows of the sum, after
+        every peer's rows are here — the early chunks on the side stream where that pays."""
+        import torch
+        from . import plan_exec
+        op = self.op
+        ck = plan_exec.checked
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        me, Ms, cur_h, tl_ = op.ctx.rank, op.Ms, cur.cuda_stream, op.timeline
+        early = self.early_sum and self.tpr > 1
+        if early:
+            # All but this rank's last chunk, summed on a side stream once the GEMM has stored
+            # them (stream waits on its counters: no SM held while waiting): its kernel runs on
+            # the SMs the GEMM's finished CTAs free during its last, partial wave.
+            ss = self.sum_stream.cuda_stream
+            for count, lo, hi in self.own_chunks[:-1]:
+                ck(cu, cu.cuStreamWaitValue64(ss, ready.data_ptr() + 8 * (me * self.tpr + lo // self.rows),
+                                              count * L, geq), "cuStreamWaitValue64(own ready)")
+            for p, per_launch in self.arrivals:
+                ck(cu, cu.cuStreamWaitValue64(ss, done[me] + 8 * p, per_launch * L, geq),
+                   f"cuStreamWaitValue64(done of {p})")
+            split = self.own_chunks[-1][1]
+            with torch.cuda.stream(self.sum_stream):
+                self._sum_rows(out, 0, split)
+            out.record_stream(self.sum_stream)
+            self._summed.record(self.sum_stream)
+        for p, per_launch in self.arrivals:
+            ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),
+               f"cuStreamWaitValue64(done of {p})")
+        self._sum_rows(out, split if early else 0, Ms)
+        if early:
+            cur.wait_event(self._summed)
+        if tl_ is not None:
+            tl_.mark("reduced", cur, "compute")
 
     def _sum_rows(self, out, lo: int, hi: int) -> None:
         """``out[lo:hi]`` = this rank's rows ``lo:hi`` of the sum, on the current stream, in the tile

@@ -693,10 +693,9 @@ class _EpilogueEmitter(_SyncEmitter):
         super().__init__(kernel, ops)
         self.m = m
         self.waits = self.notifies = 0
-        self.notify_scope_sys = any(op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[op.name]) == "sys"
-                                    for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]]
-                                    if op.name in NOTIFY_OPS)
-        self.has_notifies = any(op.name in NOTIFY_OPS for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]])
+        notifies = [op for op in _all_ops(ops) if op.name in NOTIFY_OPS]
+        self.has_notifies = bool(notifies)
+        self.notify_scope_sys = any(op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[op.name]) == "sys" for op in notifies)
         self.waited: list[core.Signal] = []
         self.loaded: list[core.Buffer] = []       # params buf_<name>
         self.stored: list[core.Buffer] = []       # sum stores' targets: params tma_<name>
@@ -733,7 +732,7 @@ class _EpilogueEmitter(_SyncEmitter):
             return
         if buf not in self.stored:
             self.stored.append(buf)
-        self._fetches: list[str] = []         # this store's loads: members v0, v1, ... of its fetched pair
+        self._fetches: list[tuple[str, str]] = []   # this store's loads (type, expression): members v0, v1, ...
         y0, y1 = self._expr(op.operands[-1], "lo", "x0", op), self._expr(op.operands[-1], "hi", "x1", op)
         k = self.stores_done
         members = " ".join(f"{t} v{i};" for i, (t, _) in enumerate(self._fetches))
@@ -826,7 +825,7 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
               KernelParam("K", "int", "i32", "K", K), KernelParam("rank", "int", "i32", "rank"),
               KernelParam("launch", "unsigned long long", "u64", "launch")]
     ep_waited = list(getattr(ne, "waited", ()))
-    notified = [s for s in ne.signals if s not in ep_waited or _notifies_signal(m.epilogue, s)]
+    notified = [s for s in ne.signals if _notifies_signal(m.epilogue, s)]
     for s in em.signals:   # waited on (and maybe notified): this rank's copy
         ctype = ("unsigned long long* __restrict__" if s in notified
                  else "const unsigned long long* __restrict__")
@@ -865,9 +864,16 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
                        epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data))
 
 
+def _all_ops(ops):
+    """Every op of ``ops`` and of the regions nested in them, in program order."""
+    for x in ops:
+        yield x
+        for r in x.regions:
+            yield from r.walk()
+
+
 def _notifies_signal(ops, sig) -> bool:
-    return any(op.name in NOTIFY_OPS and op.operands[0].owner is sig
-               for x in ops for op in [x, *[o for r in x.regions for o in r.walk()]])
+    return any(op.name in NOTIFY_OPS and op.operands[0].owner is sig for op in _all_ops(ops))
 
 
 def _store_spec(cfg: GemmConfig, buf: core.Buffer) -> TmaDescriptorSpec:

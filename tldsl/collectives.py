@@ -128,10 +128,12 @@ class ReduceScatter:
         rounded to ``partial``'s dtype as if it had been stored, and stores the sum straight into
         ``out``: bit for bit what the other schedules compute."""
         M = self.partial.shape[0]
-        BM = self.producer_rows
-        if self._epilogue is None:
+
+        def store_partial():
             tl.store(self.partial, (row, col), acc)
-            self.notify_rows(row, minimum(row + BM, M))
+            self.notify_rows(row, minimum(row + self.producer_rows, M))
+        if self._epilogue is None:
+            store_partial()
             return
         recv, done, tpr = self._epilogue
         W = world_size()
@@ -139,8 +141,7 @@ class ReduceScatter:
         me = tl.rank()
         lo = me * Ms
         with tl.when((row < lo) | (row >= lo + Ms)):
-            tl.store(self.partial, (row, col), acc)
-            self.notify_rows(row, minimum(row + BM, M))
+            store_partial()
         with tl.when((row >= lo) & (row < lo + Ms)):
             total = None
             for s in static_range(1, W):               # from rank me-1, me-2, ..., me+1

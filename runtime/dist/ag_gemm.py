@@ -199,14 +199,14 @@ class AllGatherMatmul:
         # (handshake, peers' shards) starts once the slot holds our shard.
         slot_ptr, own_rows, own_flag = self.peer_ptrs[me] + slot * nbytes, a_full.data_ptr() + me * nbytes, \
             self.flags.data_ptr() + 8 * me
-        if self.staging == "kernel" and self._stager.usable(src, slot_ptr, own_rows, nbytes):
-            self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)   # one pass
-            self._staged.record(cur)
-            self.copy_stream.wait_event(self._staged)
+        one_pass = self.staging == "kernel" and self._stager.usable(src, slot_ptr, own_rows, nbytes)
+        if one_pass:
+            self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)
         else:
             plan_exec.checked(cu, cu.cuMemcpyAsync(slot_ptr, src, nbytes, cur_h), "cuMemcpyAsync(stage our shard)")
-            self._staged.record(cur)
-            self.copy_stream.wait_event(self._staged)
+        self._staged.record(cur)
+        self.copy_stream.wait_event(self._staged)
+        if not one_pass:
             plan_exec.checked(cu, cu.cuMemcpyAsync(own_rows, src, nbytes, cur_h), "cuMemcpyAsync(our rows)")
             plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, own_flag, L, write_default),
                               "cuStreamWriteValue64(own flag)")

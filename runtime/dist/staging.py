@@ -37,6 +37,7 @@ tldsl_stage_shard(const uint4* __restrict__ src, uint4* __restrict__ dst0, uint4
 
 THREADS = 256
 BLOCKS_PER_SM = 4
+_VALUE_ARG = 5             # the flag's value among the kernel's arguments: the launch number
 
 
 class ShardStager:
@@ -73,5 +74,5 @@ class ShardStager:
             def enqueue(stream, pack, _launch):
                 checked(cu, cu.cuLaunchKernel(self.kernel.function, blocks, 1, 1, THREADS, 1, 1, 0, stream,
                                               pack.address(), 0), "cuLaunchKernel(stage shard)")
-            return PreparedLaunch(self.kernel, (blocks, 1, 1), (THREADS, 1, 1), pack, 5, enqueue=enqueue)
+            return PreparedLaunch(self.kernel, (blocks, 1, 1), (THREADS, 1, 1), pack, _VALUE_ARG, enqueue=enqueue)
         return self._prepared.get((src, dst0, dst1, nbytes, flag), build)

@@ -32,10 +32,9 @@ import re
 import statistics
 import sys
 
+from .bench import _time
 
-def _median_ms(fn, iters=30):
-    from .bench import _time
-    return _time(fn, iters)
+
 
 
 # -- copy engine ------------------------------------------------------------------------------------
@@ -77,7 +76,7 @@ def probe_copy_engine(out=sys.stdout):
                 torch.cuda.synchronize()
                 if not torch.equal(d, a):
                     raise RuntimeError(f"{name} copied wrong data")
-                alone = _median_ms(lambda: copy(main.cuda_stream))
+                alone = _time(lambda: copy(main.cuda_stream), 30)
                 ends, gemms = [], []
                 for _ in range(5):
                     torch.cuda.synchronize()
@@ -145,7 +144,7 @@ def probe_epilogue(shapes, out=sys.stdout):
             fns[name] = (lambda k=k: k({"a": a, "b": b, "partial": partial, "out": res, "reduce_scatter_recv": recv},
                                        signals={"reduce_scatter_ready": ready, "reduce_scatter_done": done}))
         # two rounds, each variant's median, the better round kept (clock drift falls on all alike)
-        rounds = [{n: _median_ms(f) for n, f in fns.items()} for _ in range(2)]
+        rounds = [{n: _time(f, 30) for n, f in fns.items()} for _ in range(2)]
         best = {n: min(r[n] for r in rounds) for n in fns}
         assert list(fns) == names
         print(f"| {M}x{N}x{Kr} | " + " | ".join(f"{best[n]:.3f}" for n in fns) + " |", file=out, flush=True)
@@ -195,36 +194,34 @@ def _interleaved_ops(make, variants, shapes, iters, out):
 
 
 def probe_rs_reduce_in(shapes, iters=20, out=sys.stdout):
-    import torch
-    import torch.distributed as dist
     from tldsl.ir.schedule import CommSchedule
-    from tldsl.runtime.dist import MatmulReduceScatter
-
-    def make(red, M, N, K):
-        W = dist.get_world_size()
-        a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(K // W, N, device="cuda", dtype=torch.bfloat16)
-        op = MatmulReduceScatter(M, K // W, N, torch.bfloat16,
-                                 comm=CommSchedule(engine="copy_engine", mode="push", reduce_in=red))
-        res = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
-        return _Bound(op, a, b, out=res), (lambda: torch.mm(a, b))
-    _interleaved_ops(make, ("epilogue", "comm"), shapes, iters, out)
+    _rs_variants({red: ({"comm": CommSchedule(engine="copy_engine", mode="push", reduce_in=red)}, {})
+                  for red in ("epilogue", "comm")}, shapes, iters, out)
 
 
 def probe_rs_early_sum(shapes, iters=20, out=sys.stdout):
+    _rs_variants({"early sum": ({}, {"early_sum": True}), "sum after the GEMM": ({}, {"early_sum": False})},
+                 shapes, iters, out)
+
+
+def _rs_variants(variants: dict, shapes, iters, out):
+    """MatmulReduceScatter built with each variant's (keyword arguments, engine attributes),
+    timed interleaved."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import MatmulReduceScatter
 
     def make(name, M, N, K):
         W = dist.get_world_size()
+        kwargs, engine_attrs = variants[name]
         a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K // W, N, device="cuda", dtype=torch.bfloat16)
-        op = MatmulReduceScatter(M, K // W, N, torch.bfloat16)
-        op._engine.early_sum = name == "early sum"
+        op = MatmulReduceScatter(M, K // W, N, torch.bfloat16, **kwargs)
+        for attr, value in engine_attrs.items():
+            setattr(op._engine, attr, value)
         res = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
         return _Bound(op, a, b, out=res), (lambda: torch.mm(a, b))
-    _interleaved_ops(make, ("early sum", "sum after the GEMM"), shapes, iters, out)
+    _interleaved_ops(make, tuple(variants), shapes, iters, out)
 
 
 def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):

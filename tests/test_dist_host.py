@@ -957,8 +957,7 @@ def test_dist_check_variants_lower_at_their_sizes(op):
                                           S((W * rows, n), tl.bfloat16), compute=AG_COMPUTE, comm=comm)
                 comm_part = "gather_a"
             else:
-                comm = kw.get("comm") or (default_sm_comm(RS_COMPUTE) if kw.get("engine") == "sm" else
-                                          default_comm(RS_COMPUTE, m=W * rows, k=k, world_size=W))
+                comm = kw.get("comm") or (default_sm_comm if kw.get("engine") == "sm" else default_comm)(RS_COMPUTE)
                 ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
                                                S((rows, n), tl.bfloat16), compute=RS_COMPUTE,
                                                comm=traced_comm(comm, rows, RS_COMPUTE))

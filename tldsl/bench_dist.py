@@ -428,8 +428,7 @@ def parse_schedule(what: str, spec: str):
         else:
             sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
             on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
-            comm = (gemm_rs.default_sm_comm(compute, m=M, k=K // W) if on_sms else
-                    gemm_rs.default_comm(compute, m=M, k=K // W, world_size=W))
+            comm = (gemm_rs.default_sm_comm if on_sms else gemm_rs.default_comm)(compute, m=M, k=K // W)
         kw = dict(mkw)
         if kw.get("engine") == "copy_engine":
             kw.setdefault("tile_m", None)

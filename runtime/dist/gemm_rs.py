@@ -69,15 +69,14 @@ _IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"
 
 
 def default_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | None = None,
-                 k: int | None = None, world_size: int | None = None) -> CommSchedule:
+                 k: int | None = None) -> CommSchedule:
     """The default reduce-scatter schedule: the copy engine pushes the partial rows
     (:mod:`.gemm_rs_copy`; the GEMM keeps every SM) — on 2x H200 it beat the SM schedule, NCCL +
     cuBLAS and torch async-TP at every benchmark shape (BENCHMARKS.md). This rank's rows are
     summed after the GEMM (``reduce_in="comm"``): summing them in the GEMM's epilogue
     (``reduce_in="epilogue"``) was measured slower on 2x H200 at every benchmark shape, its
     own-row tiles paying more than the pass it saves (BENCHMARKS.md). ``sms`` given: the SM
-    schedule with that many SMs (:func:`default_sm_comm`). ``world_size`` is accepted for
-    schedules that depend on it."""
+    schedule with that many SMs (:func:`default_sm_comm`)."""
     if sms is not None:
         return default_sm_comm(compute, sms, m=m, k=k)
     return CommSchedule(engine="copy_engine", mode="push")
@@ -211,7 +210,7 @@ class MatmulReduceScatter:
         if comm is not None and engine is not None and comm.engine != engine:
             raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
         self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
-                             else default_comm(self.compute, m=m, k=k, world_size=W))
+                             else default_comm(self.compute, m=m, k=k))
         copy_engine = self.comm.engine == "copy_engine"
         trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 

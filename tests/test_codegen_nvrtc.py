@@ -190,3 +190,19 @@ def test_allgather_staging_kernel_moves_16_byte_vectors(cache):
     k = ck.sass()[ck.name]
     assert k.count("LDG.E.128") >= 4 and k.count("STG.E.128") >= 8, sorted(k.mnemonics)
     assert k.local_bytes == 0 and k.count("BPT.TRAP") == 0
+
+
+@needs_cuobjdump
+def test_allgather_publishing_staging_kernel(cache):
+    """handshake='device': the staging kernel that is also the launch's handshake keeps the
+    plain kernel's 128-bit copy loop, counts its blocks with one atomic each, publishes with a
+    system-scope fence; with a debug timeout its wait can trap, without one it cannot."""
+    from tldsl.runtime.dist import staging
+    ck = compile_cuda(staging.PUBLISH_SOURCE, staging.PUBLISH_ENTRY, cache=cache)
+    k = ck.sass()[ck.name]
+    assert k.count("LDG.E.128") >= 4 and k.count("STG.E.128") >= 8, sorted(k.mnemonics)
+    assert k.count("ATOMG") == 1 and k.count("MEMBAR") >= 2 and k.count("NANOSLEEP") >= 1
+    assert k.local_bytes == 0 and k.count("BPT.TRAP") == 0
+    dbg = compile_cuda(staging.PUBLISH_SOURCE, staging.PUBLISH_ENTRY, options=("-DTLDSL_WAIT_TIMEOUT_NS=1000000ull",),
+                       cache=cache)
+    assert dbg.sass()[dbg.name].count("BPT.TRAP") == 1

@@ -924,6 +924,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert dc.main(["all", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
+                                              "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
@@ -1107,9 +1108,10 @@ class _Proto:
         from tldsl.codegen import compiler as cpm
         from tldsl.runtime.dist import staging as stm
         kinds[stm.ENTRY] = ["ptr", "ptr", "ptr", "u64", "ptr", "u64"]
+        kinds[stm.PUBLISH_ENTRY] = kinds[stm.ENTRY] + ["ptr", "ptr", "i32", "i32", "ptr"]
         real_compile = cpm.compile_cuda
         mp.setattr(cpm, "compile_cuda", lambda src, entry, **kw: SimpleNamespace(cubin=entry.encode())
-                   if entry == stm.ENTRY else real_compile(src, entry, **kw))
+                   if entry in (stm.ENTRY, stm.PUBLISH_ENTRY) else real_compile(src, entry, **kw))
         from tldsl.runtime.gpu import device as devm
         mp.setattr(devm, "sm_count", lambda: 132)
 
@@ -1601,6 +1603,59 @@ def test_allgather_memops_handshake(proto, monkeypatch):
                                               "cuStreamWriteValue64", "cuStreamWriteValue64", "cuStreamWaitValue64",
                                               "cuMemcpyAsync", "cuStreamWriteValue64", "GEMM", "cuEventRecord",
                                               "cuStreamWaitEvent"]
+
+
+def test_allgather_device_handshake(proto, monkeypatch):
+    """handshake='device': the staging kernel is the handshake (it waits for every peer's
+    arrival at L-1, stages, and publishes L on every peer); the copy stream follows the call's
+    start and only waits for peer p's arrival at L before copying shard p — no host call between
+    a peer's staging and its copy."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist import staging as stm
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 4091, 1032, 3000
+    with pytest.raises(tl.InputError, match="staging='copies' has none"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="device", staging="copies")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16)         # the default with the staging kernel
+    assert op.handshake == "device" and op.gemm.reserve == 0 and op._stager.kernel.name == stm.PUBLISH_ENTRY
+    assert op._arrive_table.tolist() == op.arrive_peers
+    proto.events()
+    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    nbytes = Ms * K * 2
+    for L in (1, 2, 3):
+        a = torch.randn(Ms, K).to(torch.bfloat16)
+        ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16))
+        ev = proto.events()
+        assert [e[0] for e in ev] == ["cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernel", "GEMM",
+                                      "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
+                                      "cuEventRecord", "cuStreamWaitEvent"]
+        assert ev[0][1] == cur and ev[1] == ("cuStreamWaitEvent", cs, ev[0][2])    # the copy stream: from the start
+        assert ev[2][1] == cur and proto.drv.launches[-1]["decoded"] == [
+            a.data_ptr(), op.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16,
+            op.flags.data_ptr() + 8, L, op.arrive.data_ptr(), op._arrive_table.data_ptr(), 1, 2,
+            op._blocks_done.data_ptr()]
+        assert ev[3] == ("GEMM", cur, L, 132, 1)
+        assert ev[4][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
+        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[6] == ("cuStreamWriteValue64", cs, op.flags.data_ptr(), L)
+        assert "BARRIER" not in [e[0] for e in ev]
+    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
+    # a shard at an address the kernel cannot move in 16-byte vectors is copied first: the
+    # publishing kernel must run every launch
+    raw = torch.randn(Ms * K + 8).to(torch.bfloat16)
+    odd = raw[1:1 + Ms * K].view(Ms, K)
+    assert odd.data_ptr() % 16
+    op(odd, torch.zeros(K, N, dtype=torch.bfloat16))
+    assert [e[0] for e in proto.events()][2] == "cuLaunchKernel"
+    assert proto.drv.launches[-1]["decoded"][0] % 16 == 0
+    # enqueue="comm_first": the copy stream's waits and copies between the staging and the GEMM
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="device", enqueue="comm_first")
+    proto.events()
+    op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernel",
+                                              "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
+                                              "GEMM", "cuEventRecord", "cuStreamWaitEvent"]
 
 
 def test_bench_schedule_spec_parses_into_schedules():

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_handshake [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_early_sum [--shapes MxNxK,...]
 
 * ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
@@ -22,6 +23,10 @@
   handshake and copies first, timed the same way.
 * ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel (the
   default) or with two ``cuMemcpyAsync`` and a stream write, timed the same way.
+* ``ag_handshake``: AllGather+GEMM's handshake as stream memory operations enqueued after the
+  GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
+  waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
+  same way.
 * ``rs_early_sum``: GEMM+ReduceScatter (copy engine, sum after the GEMM) summing the chunks the
   GEMM finished first on a side stream beside its last wave (the default), or all after it.
 """
@@ -234,6 +239,11 @@ def probe_ag_staging(shapes, iters=20, out=sys.stdout):
                  shapes, iters, out)
 
 
+def probe_ag_handshake(shapes, iters=20, out=sys.stdout):
+    _ag_variants({"memops": {"handshake": "memops"}, "device": {"handshake": "device"},
+                  "device, copies first": {"handshake": "device", "enqueue": "comm_first"}}, shapes, iters, out)
+
+
 def _ag_variants(variants: dict, shapes, iters, out):
     """AllGatherMatmul built with each variant's keyword arguments, timed interleaved."""
     import torch
@@ -283,7 +293,7 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging"))
+                                     "ag_staging", "ag_handshake"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -301,7 +311,8 @@ def main(argv) -> int:
         elif args.what == "rs_early_sum":
             probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
         else:
-            probe = probe_ag_enqueue if args.what == "ag_enqueue" else probe_ag_staging
+            probe = {"ag_enqueue": probe_ag_enqueue, "ag_staging": probe_ag_staging,
+                     "ag_handshake": probe_ag_handshake}[args.what]
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
                                   (2048, 28672, 8192)], args.iters)
     return 0

@@ -16,10 +16,15 @@ double-buffered symmetric buffer, slot ``L % 2``:
    system scope) on flag p before loading rows of shard p;
 3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
    staged, and every rank finished launch L-1 (so nobody still reads the slot written at
-   L+1). ``handshake="memops"`` (the default): stream memory operations — write L into this
-   rank's slot of every peer's symmetric arrival array, then wait (GEQ) for every peer's slot
-   here: no kernel, no SM, the GEMM takes every SM; ``"kernel"``: torch symmetric memory's
-   barrier kernel. Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
+   L+1). ``handshake="device"`` (the default): the staging kernel itself is the barrier (it
+   waits for every peer's arrival at L-1 before writing the slot and, once staged, writes L
+   into this rank's slot of every peer's symmetric arrival array), so the copy stream —
+   ordered after the call's start, not after step 1 — only waits (GEQ) for peer p's slot
+   before copying shard p: no host call stands between a peer's staging and its copy;
+   ``"memops"``: stream memory operations on the copy stream after step 1 — write L into this
+   rank's slot of every peer's arrival array, then wait for every peer's slot here; both use
+   no SM, the GEMM takes every SM; ``"kernel"``: torch symmetric memory's barrier kernel.
+   Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
    into rows [p*Ms, (p+1)*Ms), each followed by writing L into flag p
    (``cuStreamWriteValue64``). Between enqueueing the GEMM and the last copy the host never
    waits for the device (garbage collection is paused: freeing symmetric memory synchronises),
@@ -60,10 +65,13 @@ class AllGatherMatmul:
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
         measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
         :class:`~.plan_exec.PlanExecutor`; always used for copy-engine push). ``handshake`` (the
-        direct path's one barrier per launch): ``"memops"`` (the default: stream memory
-        operations — each rank writes the launch number into a symmetric slot on every peer and
-        its copy stream waits for theirs; no kernel, no SM, so the GEMM gets every SM) or
-        ``"kernel"`` (torch symmetric memory's barrier kernel, on one SM kept free of the GEMM).
+        direct path's one barrier per launch): ``"device"`` (the default with the staging kernel:
+        that kernel publishes the launch number into this rank's slot on every peer once the
+        shard is staged, and the copy stream waits for each peer's slot with a stream memory
+        operation), ``"memops"`` (the default with ``staging="copies"``: stream memory operations
+        only — the copy stream writes the launch number into a symmetric slot on every peer and
+        waits for theirs; neither uses a kernel of its own or an SM, so the GEMM gets every SM)
+        or ``"kernel"`` (torch symmetric memory's barrier kernel, on one SM kept free of the GEMM).
         ``enqueue`` (the direct path's host order): ``"gemm_first"`` (the GEMM, then the
         handshake and copies) or ``"comm_first"`` (the reverse: peers' shards move one GEMM launch
         earlier, the GEMM starts one handshake later). ``staging`` (the direct path): ``"kernel"``
@@ -88,8 +96,10 @@ class AllGatherMatmul:
         self._engine = None
         if ce_executor not in ("direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
-        if handshake not in (None, "kernel", "memops"):
-            raise InputError(f"handshake={handshake!r}: choose 'kernel' or 'memops'")
+        if handshake not in (None, "kernel", "memops", "device"):
+            raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
+        if handshake == "device" and staging != "kernel":
+            raise InputError(f"handshake='device' is the staging kernel's own handshake; staging={staging!r} has none")
         if enqueue not in ("gemm_first", "comm_first"):
             raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
         if staging not in ("kernel", "copies"):
@@ -107,7 +117,9 @@ class AllGatherMatmul:
             return
         if comm.engine != "copy_engine" or comm.mode != "pull":
             raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
-        handshake = self.handshake = handshake or "memops"      # measured: faster or equal at 6 of 8 shapes
+        # measured (``probe ag_handshake``): "device" equal or faster at every shape, 8% at the
+        # smallest; "memops" where the shard is staged by copies (no kernel to publish the arrival)
+        handshake = self.handshake = handshake or ("device" if staging == "kernel" else "memops")
         self.comm = comm
         self.compute = compute or DEFAULT_COMPUTE
         ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
@@ -128,7 +140,7 @@ class AllGatherMatmul:
         self.shards = symm_mem.empty((2, self.Ms, self.K), dtype=tdtype, device=dev)
         self.handle = symm_mem.rendezvous(self.shards, self.ctx.group_name)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
-        if handshake == "memops":         # slot q: the last launch whose shard rank q has staged
+        if handshake in ("memops", "device"):   # slot q: the last launch whose shard rank q has staged
             self.arrive = symm_mem.empty((max(W, 1),), dtype=torch.int64, device=dev)
             self.arrive.zero_()
             self._arrive_handle = symm_mem.rendezvous(self.arrive, self.ctx.group_name)
@@ -144,7 +156,15 @@ class AllGatherMatmul:
         if staging == "kernel":
             from ..gpu.device import sm_count
             from .staging import ShardStager
-            self._stager = ShardStager(sm_count(), progress=progress)
+            publish = None
+            if handshake == "device":           # the staging kernel publishes this rank's arrival itself
+                self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
+                self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
+                self._blocks_done = torch.zeros(1, dtype=torch.int64, device=dev)
+                publish = (self.arrive.data_ptr(), self._arrive_table.data_ptr(), r, W, self._blocks_done.data_ptr(),
+                           int(timeout) if timeout else None)
+                self._start = torch.cuda.Event()
+            self._stager = ShardStager(sm_count(), progress=progress, publish=publish)
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
             [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
@@ -199,13 +219,23 @@ class AllGatherMatmul:
         # (handshake, peers' shards) starts once the slot holds our shard.
         slot_ptr, own_rows, own_flag = self.peer_ptrs[me] + slot * nbytes, a_full.data_ptr() + me * nbytes, \
             self.flags.data_ptr() + 8 * me
+        device = self.handshake == "device"
+        if device:
+            # the copy stream's waits and copies are enqueued before the staging finishes: they
+            # follow the compute stream's earlier work (A_gathered's memory may be in use there)
+            self._start.record(cur)
+            self.copy_stream.wait_event(self._start)
+            if src % 16:                        # the publishing kernel must run: an aligned copy
+                a_shard = a_shard.clone()
+                src = a_shard.data_ptr()
         one_pass = self.staging == "kernel" and self._stager.usable(src, slot_ptr, own_rows, nbytes)
         if one_pass:
             self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)
         else:
             plan_exec.checked(cu, cu.cuMemcpyAsync(slot_ptr, src, nbytes, cur_h), "cuMemcpyAsync(stage our shard)")
-        self._staged.record(cur)
-        self.copy_stream.wait_event(self._staged)
+        if not device:
+            self._staged.record(cur)
+            self.copy_stream.wait_event(self._staged)
         if not one_pass:
             plan_exec.checked(cu, cu.cuMemcpyAsync(own_rows, src, nbytes, cur_h), "cuMemcpyAsync(our rows)")
             plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, own_flag, L, write_default),
@@ -241,13 +271,17 @@ class AllGatherMatmul:
             if self.handshake == "kernel":
                 with torch.cuda.stream(self.copy_stream):
                     self.handle.barrier(channel=0)
-            else:
+            elif not device:
                 plan_exec.stream_handshake(cu, cs, self.arrive_peers, me, L)
-            if tl_ is not None:
+            if tl_ is not None and not device:
                 tl_.mark("barrier", self.copy_stream, "copy")
+            geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
             for p in self.order:
                 if p == me:
                     continue
+                if device:                      # rank p's staging kernel has published launch L
+                    plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, geq),
+                                      f"cuStreamWaitValue64(arrival of rank {p})")
                 dst = a_full.data_ptr() + p * nbytes
                 plan_exec.checked(cu, cu.cuMemcpyAsync(dst, self.peer_ptrs[p] + slot * nbytes, nbytes, cs),
                                   f"cuMemcpyAsync(shard of rank {p})")
@@ -329,7 +363,7 @@ class AllGatherMatmul:
         out = [(self.signal, self.flags.data_ptr(), self.flags.numel(),
                 f"rank {self.ctx.rank}, local: the copy stream writes one flag per shard, the GEMM waits; "
                 f"slot s = A_gathered rows [s * {self.Ms}, (s + 1) * {self.Ms})")]
-        if self.handshake == "memops":
+        if self.handshake in ("memops", "device"):
             out.append(("handshake_arrive", self.arrive.data_ptr(), self.arrive.numel(),
                         f"rank {self.ctx.rank}, symmetric: slot q = the last launch rank q staged its shard for; "
                         "this rank's copy stream waits on it"))
@@ -340,7 +374,7 @@ class AllGatherMatmul:
         if self._engine is not None:
             return dict(self._engine.signals)
         out = {self.signal: self.flags}
-        if self.handshake == "memops":
+        if self.handshake in ("memops", "device"):
             out["handshake_arrive"] = self.arrive
         return out
 

@@ -180,6 +180,8 @@ def variants(op: str) -> list[Variant]:
     if op == "ag_gemm":
         return [Variant("ag_gemm", "copy_engine"),
                 Variant("ag_gemm", "copy_engine-kernel", (("handshake", "kernel"),)),
+                Variant("ag_gemm", "copy_engine-memops", (("handshake", "memops"),)),
+                Variant("ag_gemm", "copy_engine-comm_first", (("enqueue", "comm_first"),)),
                 Variant("ag_gemm", "copy_engine-plan", (("ce_executor", "plan"),)),
                 Variant("ag_gemm", "copy_engine-push", (("comm", CommSchedule(engine="copy_engine", mode="push")),)),
                 Variant("ag_gemm", "sm-pull", (("engine", "sm"),), True),

@@ -6,6 +6,7 @@
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_handshake [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe rs_order [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_early_sum [--shapes MxNxK,...]
 
 * ``copy_engine``: does a same-GPU copy run beside a kernel that holds every SM? Plain
@@ -27,6 +28,10 @@
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
   same way.
+* ``rs_order``: GEMM+ReduceScatter (copy engine) with this rank's half of the handshake enqueued
+  after the GEMM (the first protocol) or before it, and the GEMM's tile rows grouped by 8
+  (the default swizzle) or by one copy chunk (so the chunks are finished one after another and
+  their copies start earlier), timed the same way.
 * ``rs_early_sum``: GEMM+ReduceScatter (copy engine, sum after the GEMM) summing the chunks the
   GEMM finished first on a side stream beside its last wave (the default), or all after it.
 """
@@ -219,6 +224,8 @@ def _rs_variants(variants: dict, shapes, iters, out):
     def make(name, M, N, K):
         W = dist.get_world_size()
         kwargs, engine_attrs = variants[name]
+        if callable(kwargs):            # keyword arguments that depend on the shape
+            kwargs = kwargs(M, W)
         a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K // W, N, device="cuda", dtype=torch.bfloat16)
         op = MatmulReduceScatter(M, K // W, N, torch.bfloat16, **kwargs)
@@ -227,6 +234,20 @@ def _rs_variants(variants: dict, shapes, iters, out):
         res = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
         return _Bound(op, a, b, out=res), (lambda: torch.mm(a, b))
     _interleaved_ops(make, tuple(variants), shapes, iters, out)
+
+
+def probe_rs_order(shapes, iters=20, out=sys.stdout):
+    import dataclasses
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE
+    from tldsl.runtime.dist.gemm_rs_copy import chunk_rows
+
+    def compute_by_chunk(M, W):
+        rows = chunk_rows(M // W, DEFAULT_COMPUTE.BM, 4)
+        return dataclasses.replace(DEFAULT_COMPUTE, group_m=max(1, min(8, rows // DEFAULT_COMPUTE.BM)))
+    _rs_variants({"arrive after the GEMM": ({}, {"arrive_first": False}),
+                  "arrive first": ({}, {"arrive_first": True}),
+                  "arrive first, group = chunk": (lambda M, W: {"compute": compute_by_chunk(M, W)},
+                                                  {"arrive_first": True})}, shapes, iters, out)
 
 
 def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
@@ -293,7 +314,7 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging", "ag_handshake"))
+                                     "ag_staging", "ag_handshake", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -308,6 +329,9 @@ def main(argv) -> int:
         rs_shapes = [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672), (16384, 8192, 28672)]
         if args.what == "rs_reduce_in":
             probe_rs_reduce_in(args.shapes or rs_shapes, args.iters)
+        elif args.what == "rs_order":
+            probe_rs_order(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192),
+                                           (2048, 8192, 28672), (4096, 8192, 28672)], args.iters)
         elif args.what == "rs_early_sum":
             probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
         else:

@@ -100,6 +100,8 @@ class CopyEngineReduceScatter:
         # rank's rows are large enough for that to beat the two extra stream waits and launch on the
         # host (2x H200: 2-3% faster from 64 MiB of rows, up to 14% slower at 16 MiB — BENCHMARKS.md)
         self.early_sum = op.Ms * op.N * op.partial.element_size() >= EARLY_SUM_BYTES
+        # this rank's arrival written before the GEMM is enqueued (``probe rs_order``), or after it
+        self.arrive_first = False
         if W == 1:                      # nothing to move: the sum is this rank's partial
             self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
             return
@@ -180,16 +182,28 @@ class CopyEngineReduceScatter:
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
         try:
+            arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
+            if self.arrive_first:
+                # this rank's half of the handshake before the GEMM on the host: a peer's copies
+                # wait for it, and it depends only on this rank's earlier work (the call's start)
+                if op.hooks:
+                    op._hook("before_comm", self.copy_stream)
+                self.copy_stream.wait_event(self._start)
+                if W > 1:
+                    plan_exec.stream_arrive(cu, cs, arrive, me, L)
             if op.hooks:
                 op._hook("before_compute", cur)
             gemm.launch(cur_h, L)
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
-            if op.hooks:
-                op._hook("before_comm", self.copy_stream)
-            self.copy_stream.wait_event(self._start)
+            if not self.arrive_first:
+                if op.hooks:
+                    op._hook("before_comm", self.copy_stream)
+                self.copy_stream.wait_event(self._start)
+                if W > 1:
+                    plan_exec.stream_arrive(cu, cs, arrive, me, L)
             if W > 1:
-                plan_exec.stream_handshake(cu, cs, self.ws.peers("handshake_arrive"), me, L)
+                plan_exec.stream_await(cu, cs, arrive, me, L)
             if tl_ is not None:
                 tl_.mark("barrier", self.copy_stream, "copy")
             base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()

@@ -54,14 +54,26 @@ def stream_handshake(drv, stream: int, arrive: Sequence[int], rank: int, launch:
     ``q``'s array as mapped here; each write is ordered after the stream's earlier work and
     preceded by a memory barrier), then wait until every peer's slot here holds ``launch`` or
     more. Counters only grow, so an earlier launch's value never satisfies the wait."""
+    stream_arrive(drv, stream, arrive, rank, launch)
+    stream_await(drv, stream, arrive, rank, launch)
+
+
+def stream_arrive(drv, stream: int, arrive: Sequence[int], rank: int, launch: int) -> None:
+    """The first half of :func:`stream_handshake`: ``launch`` into slot ``rank`` of every peer's
+    arrival array (a host may enqueue it early, the wait later)."""
     W = len(arrive)
-    peers = [(rank + s) % W for s in range(1, W)]
     wr = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    for p in peers:
+    for p in ((rank + s) % W for s in range(1, W)):
         checked(drv, drv.cuStreamWriteValue64(stream, arrive[p] + 8 * rank, launch, wr),
                 f"cuStreamWriteValue64(arrival of rank {rank} on rank {p})")
-    for p in peers:
+
+
+def stream_await(drv, stream: int, arrive: Sequence[int], rank: int, launch: int) -> None:
+    """The second half of :func:`stream_handshake`: wait until every peer's slot here holds
+    ``launch`` or more."""
+    W = len(arrive)
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    for p in ((rank + s) % W for s in range(1, W)):
         checked(drv, drv.cuStreamWaitValue64(stream, arrive[rank] + 8 * p, launch, geq),
                 f"cuStreamWaitValue64(arrival of rank {p})")
 

@@ -1261,6 +1261,21 @@ def test_gemm_rs_copy_engine_protocol(proto):
     assert "copy stream waits" in smap[0][3] and "% 4) * 1024" in smap[0][3]
 
 
+def test_gemm_rs_copy_chunks_never_split_a_group_of_tile_rows(proto):
+    """By default up to 4 copies per peer, but no two inside one group of the compute order's
+    tile rows (finished together, they would only add host calls); ce_chunks overrides."""
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, MatmulReduceScatter
+    from tldsl.runtime.dist.gemm_rs_copy import default_chunk_rows
+    assert DEFAULT_COMPUTE.group_m * DEFAULT_COMPUTE.BM == 1024
+    assert [default_chunk_rows(ms, DEFAULT_COMPUTE) for ms in (1024, 2048, 4096, 8192, 1500, 1000)] == \
+        [1024, 1024, 1024, 2048, 1024, 256]                           # under one group: whole tiles, as before
+    row_major = tl.ComputeSchedule(tile=(128, 256, 64), order="row_major")
+    assert default_chunk_rows(2048, row_major) == 512                  # rows finish one by one there
+    assert MatmulReduceScatter(2 * 1024, 1032, 3000, "bfloat16")._engine.tpr == 1
+    assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16")._engine.tpr == 2
+    assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16", ce_chunks=4)._engine.tpr == 4
+
+
 def test_gemm_rs_early_sum_from_64_mib_of_rows(proto):
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
     assert MatmulReduceScatter(2 * 4096, 1032, 8192, "bfloat16")._engine.early_sum             # 64 MiB
@@ -1276,7 +1291,7 @@ def test_gemm_rs_copy_engine_epilogue_protocol(proto):
     torch = proto.torch
     M, K, N = 2048 * 2, 1032, 3000
     comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
-    op = MatmulReduceScatter(M, K, N, "bfloat16", comm=comm)
+    op = MatmulReduceScatter(M, K, N, "bfloat16", comm=comm, ce_chunks=4)     # 4 chunks asked for
     eng = op._engine
     assert eng.fused and op.ir.comm_schedule == comm.with_(tile_m=512)
     assert {p.name for p in op.ir.parts} == {"gemm", "reduce_scatter"}          # no sum part

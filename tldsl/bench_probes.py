@@ -28,10 +28,11 @@
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
   same way.
-* ``rs_order``: GEMM+ReduceScatter (copy engine) with this rank's half of the handshake enqueued
-  after the GEMM (the first protocol) or before it, and the GEMM's tile rows grouped by 8
-  (the default swizzle) or by one copy chunk (so the chunks are finished one after another and
-  their copies start earlier), timed the same way.
+* ``rs_order``: GEMM+ReduceScatter (copy engine) with its defaults; with 4 copies per peer even
+  where a group of tile rows holds several (the earlier default); with the sum's waits and kernel
+  enqueued before the copies; with this rank's half of the handshake enqueued before the GEMM;
+  and that with the GEMM's tile rows grouped by one copy chunk (so the chunks finish one after
+  another), timed the same way.
 * ``rs_early_sum``: GEMM+ReduceScatter (copy engine, sum after the GEMM) summing the chunks the
   GEMM finished first on a side stream beside its last wave (the default), or all after it.
 """
@@ -244,9 +245,11 @@ def probe_rs_order(shapes, iters=20, out=sys.stdout):
     def compute_by_chunk(M, W):
         rows = chunk_rows(M // W, DEFAULT_COMPUTE.BM, 4)
         return dataclasses.replace(DEFAULT_COMPUTE, group_m=max(1, min(8, rows // DEFAULT_COMPUTE.BM)))
-    _rs_variants({"arrive after the GEMM": ({}, {"arrive_first": False}),
+    _rs_variants({"default": ({}, {}),
+                  "4 chunks": ({"ce_chunks": 4}, {}),
+                  "sum before the copies": ({}, {"sum_first": True}),
                   "arrive first": ({}, {"arrive_first": True}),
-                  "arrive first, group = chunk": (lambda M, W: {"compute": compute_by_chunk(M, W)},
+                  "arrive first, group = chunk": (lambda M, W: {"compute": compute_by_chunk(M, W), "ce_chunks": 4},
                                                   {"arrive_first": True})}, shapes, iters, out)
 
 

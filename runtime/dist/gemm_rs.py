@@ -97,17 +97,22 @@ def default_sm_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int 
     return CommSchedule(engine="sm", mode="push", order="ring", tile_m=tile, sms=n_sms)
 
 
-def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule, ce_chunks: int = 4) -> CommSchedule:
+def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule,
+                ce_chunks: int | None = None) -> CommSchedule:
     """The communication schedule the tile program is traced with: for the copy engine
     (:mod:`.gemm_rs_copy`) without ``tile_m``, ``ce_chunks`` copies per peer, each a whole
-    number of GEMM tile rows."""
+    number of GEMM tile rows (``None``: :func:`~.gemm_rs_copy.default_chunk_rows`)."""
     if comm.engine != "copy_engine":
         return comm
-    from .gemm_rs_copy import chunk_rows
+    from .gemm_rs_copy import chunk_rows, default_chunk_rows
     if comm.mode != "push":
         raise InputError(f"the copy-engine reduce-scatter pushes partial rows to their owners: use "
                          f"CommSchedule(engine='copy_engine', mode='push'), got {comm}")
-    return comm if comm.tile_m is not None else comm.with_(tile_m=chunk_rows(rows_per_rank, compute.BM, ce_chunks))
+    if comm.tile_m is not None:
+        return comm
+    rows = default_chunk_rows(rows_per_rank, compute) if ce_chunks is None else \
+        chunk_rows(rows_per_rank, compute.BM, ce_chunks)
+    return comm.with_(tile_m=rows)
 
 
 def dtype_name(dtype) -> str:
@@ -178,7 +183,8 @@ class MatmulReduceScatter:
     ``"out"`` (default: each rank's product rounded to A's dtype before the sum, the numerics
     of NCCL + cuBLAS and torch async-TP, half the traffic) or ``"f32"`` (fp32 partials).
     ``engine``: a shortcut for the default schedule of that engine. ``ce_chunks``: with the
-    copy engine, the copies per peer (each a whole number of GEMM tile rows).
+    copy engine, the copies per peer (each a whole number of GEMM tile rows; default: up to 4,
+    never two in one group of tile rows that the compute order finishes together).
     ``hooks``: optional callables ``hooks['before_compute'](op, launch, stream)`` /
     ``hooks['before_comm'](...)`` run on the host just before the GEMM / the communication is
     enqueued (the distributed checks use them to inject stragglers).
@@ -186,7 +192,7 @@ class MatmulReduceScatter:
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
                  comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None,
-                 partial_dtype: str = "out", ce_chunks: int = 4, engine: str | None = None):
+                 partial_dtype: str = "out", ce_chunks: int | None = None, engine: str | None = None):
         import torch
         import tldsl as tl
         from ...codegen.lower import lower

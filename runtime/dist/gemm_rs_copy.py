@@ -47,9 +47,10 @@ read that buffer) is done.
 
 Counters only grow (every wait targets ``count * L``), so nothing is reset and no stale value
 can satisfy a wait. Between enqueueing the GEMM and the last copy the host never waits for the
-device (garbage collection is paused). Rows are chunked for the copies (``tile_m``; the op's
-default is ``ce_chunks`` = 4 per peer, whole producer tiles each): the first copy starts after
-a quarter of the peer's rows are stored, and the host issues few driver calls.
+device (garbage collection is paused). Rows are chunked for the copies (``tile_m``; by default
+up to 4 per peer, whole producer tiles each, and no smaller than a group of tile rows of the
+compute order — :func:`default_chunk_rows`): the first copy starts after a quarter of the peer's
+rows are stored, and the host issues few driver calls.
 """
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ from ..gpu.launch import LaunchCache
 
 
 EARLY_SUM_BYTES = 64 << 20    # this rank's rows of the partials, from which the early sum pays
+
+
+def default_chunk_rows(rows_per_rank: int, compute) -> int:
+    """Rows per copy by default: up to 4 copies per peer, but never smaller than a group of the
+    compute order (``group_m`` tile rows, visited column by column): every tile of a group
+    finishes in the same stretch of the GEMM, so smaller chunks would be ready together and
+    only add host calls (two per chunk) to a launch whose small shapes wait for the host."""
+    rows = chunk_rows(rows_per_rank, compute.BM, 4)
+    group = compute.group_m * compute.BM
+    if compute.order in ("swizzled", "comm_aligned") and rows < group <= rows_per_rank:
+        rows = group
+    return rows
 
 
 def chunk_rows(rows_per_rank: int, tile_rows: int, chunks: int) -> int:
@@ -100,8 +113,10 @@ class CopyEngineReduceScatter:
         # rank's rows are large enough for that to beat the two extra stream waits and launch on the
         # host (2x H200: 2-3% faster from 64 MiB of rows, up to 14% slower at 16 MiB — BENCHMARKS.md)
         self.early_sum = op.Ms * op.N * op.partial.element_size() >= EARLY_SUM_BYTES
-        # this rank's arrival written before the GEMM is enqueued (``probe rs_order``), or after it
+        # host order (``probe rs_order``): this rank's arrival written before the GEMM is enqueued
+        # (or after it); the sum's waits and kernel enqueued right after the GEMM (or after the copies)
         self.arrive_first = False
+        self.sum_first = False
         if W == 1:                      # nothing to move: the sum is this rank's partial
             self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
             return
@@ -136,6 +151,7 @@ class CopyEngineReduceScatter:
         self.own_chunks = [(own[me * self.tpr + j], j * self.rows, min((j + 1) * self.rows, op.Ms))
                            for j in range(self.tpr)]
         self.sum_stream = torch.cuda.Stream(device=op.device)
+        self._sum_views: dict = {}
         self._summed = torch.cuda.Event()
         pdt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[op.partial.dtype]
         if bufs[recv] != ((W * op.Ms, op.N), pdt) or slots[done] != W:
@@ -196,6 +212,9 @@ class CopyEngineReduceScatter:
             gemm.launch(cur_h, L)
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
+            sum_first = self.sum_first and not self.fused and W > 1
+            if sum_first:                   # the sum's waits and kernel before the copies, on the host
+                self._enqueue_sum(cu, cur, out, ready, done, L)
             if not self.arrive_first:
                 if op.hooks:
                     op._hook("before_comm", self.copy_stream)
@@ -226,7 +245,7 @@ class CopyEngineReduceScatter:
                 gc.enable()
         if not self.fused and W == 1:
             out.copy_(op.partial)
-        elif not self.fused:
+        elif not self.fused and not sum_first:
             self._enqueue_sum(cu, cur, out, ready, done, L)
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
@@ -273,10 +292,15 @@ class CopyEngineReduceScatter:
         import torch
         op = self.op
         W, me, Ms = op.ctx.world_size, op.ctx.rank, op.Ms
-        acc = self.recv[(me + W - 1) % W, lo:hi]
-        for s in range(2, W):
-            acc = self.recv[(me + W - s) % W, lo:hi] + acc
-        torch.add(op.partial[me * Ms + lo:me * Ms + hi], acc, out=out[lo:hi])
+        views = self._sum_views.get((lo, hi))
+        if views is None:               # the workspace views, made once (this runs on the host's critical path)
+            views = self._sum_views[lo, hi] = (op.partial[me * Ms + lo:me * Ms + hi],
+                                               [self.recv[(me + W - s) % W, lo:hi] for s in range(1, W)])
+        own, received = views
+        acc = received[0]
+        for r in received[1:]:
+            acc = r + acc
+        torch.add(own, acc, out=out if (lo, hi) == (0, Ms) else out[lo:hi])
 
     # -- introspection -------------------------------------------------------------------------
     def signal_entries(self) -> list[tuple[str, int, int, str]]:

@@ -1642,11 +1642,12 @@ def test_allgather_device_handshake(proto, monkeypatch):
         a = torch.randn(Ms, K).to(torch.bfloat16)
         ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16))
         ev = proto.events()
-        assert [e[0] for e in ev] == ["cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernel", "GEMM",
+        assert [e[0] for e in ev] == ["cuEventRecord", "cuLaunchKernel", "cuStreamWaitEvent", "GEMM",
                                       "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
                                       "cuEventRecord", "cuStreamWaitEvent"]
-        assert ev[0][1] == cur and ev[1] == ("cuStreamWaitEvent", cs, ev[0][2])    # the copy stream: from the start
-        assert ev[2][1] == cur and proto.drv.launches[-1]["decoded"] == [
+        # the copy stream follows the call's start (recorded before the staging), not the staging
+        assert ev[0][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
+        assert ev[1][1] == cur and proto.drv.launches[-1]["decoded"] == [
             a.data_ptr(), op.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16,
             op.flags.data_ptr() + 8, L, op.arrive.data_ptr(), op._arrive_table.data_ptr(), 1, 2,
             op._blocks_done.data_ptr()]
@@ -1662,13 +1663,13 @@ def test_allgather_device_handshake(proto, monkeypatch):
     odd = raw[1:1 + Ms * K].view(Ms, K)
     assert odd.data_ptr() % 16
     op(odd, torch.zeros(K, N, dtype=torch.bfloat16))
-    assert [e[0] for e in proto.events()][2] == "cuLaunchKernel"
+    assert [e[0] for e in proto.events()][1] == "cuLaunchKernel"
     assert proto.drv.launches[-1]["decoded"][0] % 16 == 0
     # enqueue="comm_first": the copy stream's waits and copies between the staging and the GEMM
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="device", enqueue="comm_first")
     proto.events()
     op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
-    assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernel",
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuLaunchKernel", "cuStreamWaitEvent",
                                               "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
                                               "GEMM", "cuEventRecord", "cuStreamWaitEvent"]
 

@@ -191,7 +191,8 @@ class AllGatherMatmul:
         if self._engine is not None:
             return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         cu = plan_exec.load_driver()
-        write_default = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        consts = plan_exec.driver_constants(cu)
+        write_default = consts.write_default
         self._check(a_shard, b)
         if out is not None:
             self._check_out(out)
@@ -223,8 +224,7 @@ class AllGatherMatmul:
         if device:
             # the copy stream's waits and copies are enqueued before the staging finishes: they
             # follow the compute stream's earlier work (A_gathered's memory may be in use there)
-            self._start.record(cur)
-            self.copy_stream.wait_event(self._start)
+            self._start.record(cur)             # the copy stream waits for it once the staging is enqueued
             if src % 16:                        # the publishing kernel must run: an aligned copy
                 a_shard = a_shard.clone()
                 src = a_shard.data_ptr()
@@ -233,7 +233,9 @@ class AllGatherMatmul:
             self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)
         else:
             plan_exec.checked(cu, cu.cuMemcpyAsync(slot_ptr, src, nbytes, cur_h), "cuMemcpyAsync(stage our shard)")
-        if not device:
+        if device:
+            self.copy_stream.wait_event(self._start)
+        else:
             self._staged.record(cur)
             self.copy_stream.wait_event(self._staged)
         if not one_pass:
@@ -275,7 +277,7 @@ class AllGatherMatmul:
                 plan_exec.stream_handshake(cu, cs, self.arrive_peers, me, L)
             if tl_ is not None and not device:
                 tl_.mark("barrier", self.copy_stream, "copy")
-            geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            geq = consts.wait_geq
             for p in self.order:
                 if p == me:
                     continue

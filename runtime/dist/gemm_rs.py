@@ -342,15 +342,19 @@ class MatmulReduceScatter:
             validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
         self.launches += 1
         L = self.launches
+        if self._engine is not None:
+            return self._finish(self._engine(a, b, out, L))     # allocates `out` once the GEMM is enqueued
         if out is None:
             out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
-        if self._engine is not None:
-            self._engine(a, b, out, L)
-        else:
-            self._launch_sm(a, b, out, L)
+        self._launch_sm(a, b, out, L)
+        return self._finish(out)
+
+    def _finish(self, out):
         if self.debug:
+            import torch
             torch.cuda.synchronize()
-            print(f"[rank {self.ctx.rank}] gemm_rs launch {L}: done; counters {self.signal_counters()}", flush=True)
+            print(f"[rank {self.ctx.rank}] gemm_rs launch {self.launches}: done; counters {self.signal_counters()}",
+                  flush=True)
         return out
 
     def _launch_sm(self, a, b, out, L):

@@ -177,12 +177,14 @@ class CopyEngineReduceScatter:
 
     # -- a launch ------------------------------------------------------------------------------
     def __call__(self, a, b, out, L: int):
+        """Launch ``L`` into ``out`` (``None``: a new tensor, allocated once the GEMM is enqueued
+        unless the GEMM's epilogue writes it); returns ``out``."""
         import torch
         from . import plan_exec
         op = self.op
         cu = plan_exec.load_driver()
-        wr = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        consts = plan_exec.driver_constants(cu)
+        wr, geq = consts.write_default, consts.wait_geq
         ck = plan_exec.checked
         W, me = op.ctx.world_size, op.ctx.rank
         cur = torch.cuda.current_stream(op.ctx.device)
@@ -192,6 +194,8 @@ class CopyEngineReduceScatter:
             tl_.mark("start", cur, "compute")
         self._start.record(cur)
         ready = op.signals[op.ready]
+        if out is None and self.fused:
+            out = self._new_out()
         key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
         gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
         done = self.ws.peers(self._done) if W > 1 else ()
@@ -212,6 +216,8 @@ class CopyEngineReduceScatter:
             gemm.launch(cur_h, L)
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
+            if out is None:             # only the sum writes it: allocated off the GEMM's critical path
+                out = self._new_out()
             sum_first = self.sum_first and not self.fused and W > 1
             if sum_first:                   # the sum's waits and kernel before the copies, on the host
                 self._enqueue_sum(cu, cur, out, ready, done, L)
@@ -251,6 +257,10 @@ class CopyEngineReduceScatter:
         cur.wait_event(self._copied)
         return out
 
+    def _new_out(self):
+        import torch
+        return torch.empty((self.op.Ms, self.op.N), dtype=self.op.dtype, device=self.op.device)
+
     def _enqueue_sum(self, cu, cur, out, ready, done, L: int) -> None:
         """Step 3 of the launch protocol (module docstring): this rank's rows of the sum, after
         every peer's rows are here — the early chunks on the side stream where that pays."""
@@ -258,7 +268,7 @@ class CopyEngineReduceScatter:
         from . import plan_exec
         op = self.op
         ck = plan_exec.checked
-        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        geq = plan_exec.driver_constants(cu).wait_geq
         me, Ms, cur_h, tl_ = op.ctx.rank, op.Ms, cur.cuda_stream, op.timeline
         early = self.early_sum and self.tpr > 1
         if early:

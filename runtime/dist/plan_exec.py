@@ -34,7 +34,7 @@ fake that executes the calls on numpy memory).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from ...errors import InputError
 from ..gpu.device import CudaDriverError
@@ -46,6 +46,28 @@ def load_driver():
     """``cuda.bindings.driver`` (cuda-python)."""
     from cuda.bindings import driver
     return driver
+
+
+class DriverConstants(NamedTuple):
+    drv: object
+    write_default: object     # CU_STREAM_WRITE_VALUE_DEFAULT
+    wait_geq: object          # CU_STREAM_WAIT_VALUE_GEQ
+    success: object           # CUDA_SUCCESS
+
+
+_CONSTANTS: dict = {}
+
+
+def driver_constants(drv) -> DriverConstants:
+    """The enum values a launch passes or compares, looked up once per driver module:
+    cuda-python builds a new enum object at every attribute access, and a launch makes a
+    dozen of them on the host's critical path."""
+    c = _CONSTANTS.get(id(drv))
+    if c is None or c.drv is not drv:
+        c = _CONSTANTS[id(drv)] = DriverConstants(drv, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
+                                                  drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+                                                  drv.CUresult.CUDA_SUCCESS)
+    return c
 
 
 def stream_handshake(drv, stream: int, arrive: Sequence[int], rank: int, launch: int) -> None:
@@ -62,7 +84,7 @@ def stream_arrive(drv, stream: int, arrive: Sequence[int], rank: int, launch: in
     """The first half of :func:`stream_handshake`: ``launch`` into slot ``rank`` of every peer's
     arrival array (a host may enqueue it early, the wait later)."""
     W = len(arrive)
-    wr = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    wr = driver_constants(drv).write_default
     for p in ((rank + s) % W for s in range(1, W)):
         checked(drv, drv.cuStreamWriteValue64(stream, arrive[p] + 8 * rank, launch, wr),
                 f"cuStreamWriteValue64(arrival of rank {rank} on rank {p})")
@@ -72,7 +94,7 @@ def stream_await(drv, stream: int, arrive: Sequence[int], rank: int, launch: int
     """The second half of :func:`stream_handshake`: wait until every peer's slot here holds
     ``launch`` or more."""
     W = len(arrive)
-    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    geq = driver_constants(drv).wait_geq
     for p in ((rank + s) % W for s in range(1, W)):
         checked(drv, drv.cuStreamWaitValue64(stream, arrive[rank] + 8 * p, launch, geq),
                 f"cuStreamWaitValue64(arrival of rank {p})")
@@ -81,7 +103,7 @@ def stream_await(drv, stream: int, arrive: Sequence[int], rank: int, launch: int
 def checked(drv, result, what: str):
     """Unwrap a cuda-python ``(CUresult, *values)`` result of ``drv``; raise on any error."""
     err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    if err != drv.CUresult.CUDA_SUCCESS:
+    if err != driver_constants(drv).success:
         try:
             name = drv.cuGetErrorName(err)[1]
             desc = drv.cuGetErrorString(err)[1]

@@ -2,6 +2,7 @@
 
     python -m tldsl.bench probe copy_engine                    # one GPU
     python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
+    python -m tldsl.bench probe ag_group [--shapes MxNxK,...]   # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -18,6 +19,10 @@
   (``reduce_in='epilogue'``), with parts of the generated epilogue cut out of its source (the
   waits, the loads, the sums, the own-row branch), against the GEMM that only stores partials
   (``reduce_in='comm'``); waits pre-satisfied, so only the kernel is timed.
+* ``ag_group``: AllGather+GEMM's GEMM (its waits satisfied; M, N, K as the GEMM sees them: the
+  gathered rows, this rank's columns) with the ``comm_aligned`` order's tile rows grouped by 8
+  (the default) or by all of this rank's rows (two ranks), so that the first wave of tiles
+  touches every one of this rank's rows, against cuBLAS; timed interleaved.
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -46,6 +51,32 @@ import sys
 from .bench import _time
 
 
+
+
+# -- AG+GEMM's tile-row groups ----------------------------------------------------------------------
+
+def probe_ag_group(shapes, iters=30, out=sys.stdout):
+    import dataclasses
+    import torch
+    from tldsl.bench import _lower_with_waits, _time_interleaved
+    from tldsl.runtime.gpu import GemmKernel, require_gpu
+    from tldsl.runtime.dist.ag_gemm import DEFAULT_COMPUTE
+    require_gpu()
+    print("| M x N x K | group 8 ms | group = own rows ms | cuBLAS ms |", file=out)
+    print("|---|---|---|---|", file=out)
+    for (M, N, K) in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        fns = []
+        for g in (DEFAULT_COMPUTE.group_m, max(1, (M // 2) // DEFAULT_COMPUTE.BM)):
+            lw, _ = _lower_with_waits(M, N, K, dataclasses.replace(DEFAULT_COMPUTE, group_m=g))
+            kern = GemmKernel(lw)
+            sig = {s: torch.full((4096,), 1 << 40, device="cuda", dtype=torch.int64) for s in lw.signals}
+            c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            fns.append(lambda kern=kern, sig=sig, c=c: kern({"a_gathered": a, "b": b, "c": c}, signals=sig))
+        fns.append(lambda: torch.matmul(a, b))
+        t = _time_interleaved(fns, iters)
+        print(f"| {M}x{N}x{K} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} |", file=out, flush=True)
 
 
 # -- copy engine ------------------------------------------------------------------------------------
@@ -316,13 +347,16 @@ def main(argv) -> int:
     from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
                                      "ag_staging", "ag_handshake", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
     if args.what == "copy_engine":
         probe_copy_engine()
+    elif args.what == "ag_group":
+        probe_ag_group(args.shapes or [(4096, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
+                                       (8192, 14336, 8192), (16384, 14336, 8192)])
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)])
     else:

@@ -209,6 +209,7 @@ class LoweredGemm(LoweredKernel):
     notify_signals: tuple[str, ...] = ()   # signals they add to (params "sig_<name>" / "sig_<name>_peers")
     epilogue_waits: int = 0          # waits in a generated epilogue (before its sums)
     data_buffers: tuple[tuple[str, tuple[int, ...], str], ...] = ()   # (name, shape, dtype) it loads: "data:<name>"
+    own_rows: bool = False           # this rank's rows of A read from "a_shard", staged into "a_slot" and A
 
     @property
     def num_tiles(self) -> int:
@@ -237,7 +238,9 @@ class LoweredGemm(LoweredKernel):
                  f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}"
                  + (f" ({self.epilogue_waits} more in the epilogue, before its sums of "
                     f"{[d[0] for d in self.data_buffers]})" if self.epilogue_waits else "") + "; "
-                 f"{self.notifies} notify(s) on {list(self.notify_signals) or 'no signals'} after the tile's stores",
+                 f"{self.notifies} notify(s) on {list(self.notify_signals) or 'no signals'} after the tile's stores"
+                 + ("; this rank's rows of A read from its shard and staged by the GEMM (own_rows)"
+                    if self.own_rows else ""),
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         for t in self.tma:
             lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
@@ -785,12 +788,18 @@ def _is_this_rank(v: core.Value) -> bool:
 
 
 def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
-               wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGemm:
+               wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False) -> LoweredGemm:
     """Lower ``kernel``'s compute part (the only one, or the one named) to a Hopper GEMM kernel.
 
     ``cluster`` overrides the schedule's cluster shape (``ComputeSchedule.cluster`` when the
     schedule has one, else ``(1, 1)``); ``wait_timeout_ns`` compiles the waits with a timeout
-    that traps (debugging hangs)."""
+    that traps (debugging hangs). ``own_rows`` (AllGather+GEMM, the runtime's staging="gemm"):
+    this rank's rows of A (``[rank * M/W, (rank + 1) * M/W)``, whole tiles) are read from the
+    tensor ``a_shard`` instead of A, without their waits, and the GEMM stages them itself as it
+    loads them — into ``a_slot`` (the symmetric slot peers pull from) and A — counting staged
+    tile rows in signal ``own_staged`` and publishing the launch into slot ``rank`` of every
+    peer's arrival array (``own_arrive_peers``: their addresses; ``own_arrive``: this rank's,
+    waited on before the slot is overwritten): ``tldsl::sm90::OwnRows``."""
     if part is None:
         parts = [p for p in kernel.parts if p.role == "compute"]
         if len(parts) != 1:
@@ -851,7 +860,10 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
             data.append((b.name, tuple(b.type.shape), b.type.dtype.name))
 
     tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in getattr(ne, "stored", ()))
-    source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines)
+    if own_rows:
+        tma += _own_rows(kernel, p, m, cfg, M, K, ne, params)
+    source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines,
+                          own_rows)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
@@ -861,7 +873,36 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
                        tuple(p.grid), kernel.world_size, align_shift, em.waits,
                        tuple(s.name for s in waited), tuple(options),
                        notifies=ne.notifies, notify_signals=tuple(notified_names),
-                       epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data))
+                       epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data), own_rows=own_rows)
+
+
+_OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arrive", "const unsigned long long*"),
+                   ("own_arrive_peers", "unsigned long long* const* __restrict__"))
+#: the int64 tensors an ``own_rows`` GEMM takes among its signals (``signal:<name>`` parameters)
+OWN_ROW_SIGNALS = tuple(name for name, _ in _OWN_ROW_PARAMS)
+
+
+def _own_rows(kernel, part, m: _Match, cfg: GemmConfig, M: int, K: int, ne, params: list) -> tuple:
+    """``own_rows``: check the GEMM can stage this rank's rows itself, add the parameters, and
+    return the shard's and the slot's TMA descriptors (A's boxes: a staged stage is stored as
+    it was loaded)."""
+    W = kernel.world_size
+    if M % W or (M // W) % cfg.BM:
+        raise _fail(f"own_rows: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
+                    part)
+    if cfg.cluster != (1, 1):
+        raise _fail(f"own_rows: the GEMM stages its rows without thread-block clusters (got {cfg.cluster})", part)
+    if ne.notifies or m.extras:
+        raise _fail("own_rows: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
+                    "part does neither)", part)
+    grid = "const __grid_constant__ cute::TmaDescriptor"
+    params += [KernelParam("tma_a_own", grid, "tma", "tma:tma_a_own"),
+               KernelParam("tma_a_slot", grid, "tma", "tma:tma_a_slot")]
+    params += [KernelParam(name, ctype, "ptr", f"signal:{name}") for name, ctype in _OWN_ROW_PARAMS]
+    eb, rows = cfg.elem_bytes, M // W
+    return tuple(TmaDescriptorSpec(param, buf, "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (K, rows), (K * eb,),
+                                   (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA])
+                 for param, buf in (("tma_a_own", "a_shard"), ("tma_a_slot", "a_slot")))
 
 
 def _all_ops(ops):
@@ -918,7 +959,7 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
 
 
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
-                 align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=()) -> str:
+                 align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=(), own_rows=False) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
@@ -1017,6 +1058,9 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         init = ["rank"] + [f"sig_{_cident(s.name)}" for s in ne.signals] + \
                [f"sig_{_cident(s.name)}_peers" for s in ne.peer_signals] + [f"tbl_{_cident(t.name)}" for t in ne.tables]
         notifies_arg = ", TileNotifies{" + ", ".join(init) + "}"
+    if own_rows:      # no notifies, no generated epilogue (checked): the plain store, then this rank's rows
+        notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, tldsl::sm90::OwnRows<Cfg::kWorldSize>{"
+                        "&tma_a_own, &tma_a_slot, " + ", ".join(n for n, _ in _OWN_ROW_PARAMS) + ", launch}")
     L += ["}  // namespace", ""]
     L += kernel_entry(entry, cfg.threads, params, [
         "  (void)launch;",

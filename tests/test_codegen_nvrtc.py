@@ -19,6 +19,9 @@ from tldsl.codegen.compiler import CompileJob, CudaCompileError, compile_cuda, c
 from tldsl.codegen.lower_gemm import lower_gemm
 
 from test_codegen_host import trace_ag, trace_plain
+from tldsl.ops.allgather_gemm import allgather_gemm
+
+S = tl.TensorSpec
 
 _OK, _WHY = tcm.toolchain_available()
 pytestmark = [pytest.mark.nvrtc,
@@ -107,6 +110,32 @@ def test_gemm_with_waits_compiles(cache, comm, scope):
     lg = lower_gemm(trace_ag(W=4, comm=comm, tile=(128, 128, 64), stages=4, order="comm_aligned"))
     ck = lg.compile(cache=cache, progress=False)
     check_sass(ck, waits_scope=scope)
+
+
+@needs_cuobjdump
+def test_gemm_staging_its_own_rows_compiles(cache):
+    """own_rows (AG+GEMM's staging='gemm'): the same SASS checks, more TMA stores (the staged A
+    stages, to the slot and to A_gathered), the arrivals published with system-scope stores after
+    a fence; with a debug timeout the slot wait can trap. Rows that are not whole tiles, or
+    clusters, are refused at lowering."""
+    from tldsl.codegen.scalars import LoweringError
+    comm = tl.CommSchedule(engine="copy_engine", mode="pull", order="ring")
+    ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    plain = lower_gemm(ir, "gemm")
+    lg = lower_gemm(ir, "gemm", own_rows=True)
+    assert lg.own_rows and [t.buffer for t in lg.tma[3:]] == ["a_shard", "a_slot"]
+    assert [t.global_dims for t in lg.tma[3:]] == [(512, 1024)] * 2 and lg.tma[3].box_dims == lg.tma[0].box_dims
+    k0 = plain.compile(cache=cache, progress=False).sass()[plain.entry]
+    k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")    # flags the copy engine writes
+    assert k.count("UTMASTG") > k0.count("UTMASTG") and k.count("ATOMG") >= 1 and k.count("STG.E.64.STRONG.SYS") >= 1
+    dbg = lower_gemm(ir, "gemm", own_rows=True, wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
+    assert dbg.sass()[lg.entry].count("BPT.TRAP") >= 1
+    with pytest.raises(LoweringError, match="whole 128-row tiles"):
+        lower_gemm(allgather_gemm.trace(2, S((1000, 512), tl.float16), S((512, 768), tl.float16),
+                                        S((2000, 768), tl.float16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
+                                        comm=comm), "gemm", own_rows=True)
+    with pytest.raises(LoweringError, match="without thread-block clusters"):
+        lower_gemm(ir, "gemm", own_rows=True, cluster=(2, 1))
 
 
 def test_cache_hit_is_fast_and_keyed_on_options(cache):

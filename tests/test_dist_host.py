@@ -23,6 +23,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
+from tldsl.codegen.lower_gemm import OWN_ROW_SIGNALS
 import pytest
 
 import tldsl as tl
@@ -925,6 +926,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
+                                              "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
@@ -1061,7 +1063,8 @@ class _Proto:
                     assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
                 for name, shape, _ in getattr(self.lowered, "data_buffers", ()):
                     assert tuple(buffers[name].shape) == shape, name
-                assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
+                own = OWN_ROW_SIGNALS if getattr(self.lowered, "own_rows", False) else ()
+                assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals + own)
                 proto.prepared += 1
                 proto.gemm_args = (buffers, signals)
                 return SimpleNamespace(launch=lambda stream, L: log.append(("GEMM", stream, L, self.grid[0], rank)))
@@ -1672,6 +1675,52 @@ def test_allgather_device_handshake(proto, monkeypatch):
     assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuLaunchKernel", "cuStreamWaitEvent",
                                               "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
                                               "GEMM", "cuEventRecord", "cuStreamWaitEvent"]
+
+
+def test_allgather_gemm_staging(proto, monkeypatch):
+    """staging='gemm': no staging pass before the GEMM. The GEMM (lowered with own_rows) reads
+    this rank's rows from the shard and stages them into slot L % 2 and A_gathered itself,
+    publishing the arrival; the copy stream follows the call's start and per peer waits for its
+    arrival, copies, writes the flag. This rank's tile rows make one group of the order."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 1024, 1032, 3000
+    with pytest.raises(tl.InputError, match="whole 128-row tiles"):
+        AllGatherMatmul(4091, K, N, torch.bfloat16, staging="gemm")
+    with pytest.raises(tl.InputError, match="publishes the launch's arrival itself"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="gemm", handshake="memops")
+    with pytest.raises(tl.InputError, match="the GEMM goes first"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="gemm", enqueue="comm_first")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="gemm")
+    assert op.handshake == "device" and op.lowered.own_rows and op.compute.group_m == Ms // 128
+    assert "staged by the GEMM" in op.lowered.describe()
+    assert "OwnRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_slot, own_staged, own_arrive, own_arrive_peers, launch}" \
+        in op.lowered.source
+    proto.events()
+    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    nbytes = Ms * K * 2
+    for L in (1, 2, 3):
+        a = torch.randn(Ms, K).to(torch.bfloat16)
+        ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16))
+        ev = proto.events()
+        assert [e[0] for e in ev] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                                      "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
+        assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
+        bufs, sigs = proto.gemm_args
+        assert bufs["a_shard"] is a and bufs["a_slot"].data_ptr() == op.shards[L % 2].data_ptr()
+        assert bufs["a_gathered"] is ga and sigs["own_arrive"] is op.arrive
+        assert sigs["own_arrive_peers"].tolist() == op.arrive_peers
+        assert ev[3][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
+        assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[5] == ("cuStreamWriteValue64", cs, op.flags.data_ptr(), L)
+    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive", "own_staged"}
+    # the GEMM alone: scratch slot and arrival, this rank's rows read from A_gathered itself
+    full = torch.randn(2 * Ms, K).to(torch.bfloat16)
+    op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
+    bufs, sigs = proto.gemm_args
+    assert bufs["a_shard"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op.shards.data_ptr()
+    assert sigs["own_arrive"] is not op.arrive and sigs["own_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
 
 
 def test_bench_schedule_spec_parses_into_schedules():

@@ -27,8 +27,10 @@
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
   handshake and copies first, timed the same way.
-* ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel (the
-  default) or with two ``cuMemcpyAsync`` and a stream write, timed the same way.
+* ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel before
+  the GEMM, or by the GEMM itself as it loads this rank's rows (``staging="gemm"``), timed the
+  same way. (The fourth session's run compared the kernel with two ``cuMemcpyAsync`` and a
+  stream write, ``staging="copies"``.)
 * ``ag_handshake``: AllGather+GEMM's handshake as stream memory operations enqueued after the
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
@@ -290,7 +292,7 @@ def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
 
 
 def probe_ag_staging(shapes, iters=20, out=sys.stdout):
-    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging copies": {"staging": "copies"}},
+    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging by the GEMM": {"staging": "gemm"}},
                  shapes, iters, out)
 
 

@@ -42,6 +42,8 @@ SMs, push or pull) and the copy engine driven by the codegen plan
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
@@ -98,12 +100,22 @@ class AllGatherMatmul:
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
         if handshake not in (None, "kernel", "memops", "device"):
             raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
-        if handshake == "device" and staging != "kernel":
+        if handshake == "device" and staging == "copies":
             raise InputError(f"handshake='device' is the staging kernel's own handshake; staging={staging!r} has none")
         if enqueue not in ("gemm_first", "comm_first"):
             raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
-        if staging not in ("kernel", "copies"):
-            raise InputError(f"staging={staging!r}: choose 'kernel' or 'copies'")
+        if staging not in ("kernel", "copies", "gemm"):
+            raise InputError(f"staging={staging!r}: choose 'kernel', 'copies' or 'gemm'")
+        if staging == "gemm":
+            if handshake not in (None, "device"):
+                raise InputError(f"staging='gemm': the GEMM publishes the launch's arrival itself (handshake "
+                                 f"'device'), not {handshake!r}")
+            bm = (compute or DEFAULT_COMPUTE).BM
+            if self.Ms % bm or (compute is not None and compute.cluster != (1, 1)):
+                raise InputError(f"staging='gemm': this rank's {self.Ms} rows must be whole {bm}-row tiles and the "
+                                 f"GEMM must run without clusters; use staging='kernel'")
+            if enqueue != "gemm_first":
+                raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
         self.enqueue, self.staging = enqueue, staging
         if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
             self.handshake = "kernel"
@@ -119,16 +131,20 @@ class AllGatherMatmul:
             raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
         # measured (``probe ag_handshake``): "device" equal or faster at every shape, 8% at the
         # smallest; "memops" where the shard is staged by copies (no kernel to publish the arrival)
-        handshake = self.handshake = handshake or ("device" if staging == "kernel" else "memops")
+        handshake = self.handshake = handshake or ("memops" if staging == "copies" else "device")
         self.comm = comm
-        self.compute = compute or DEFAULT_COMPUTE
+        # staging="gemm": all of this rank's tile rows in one group of the order, so the first wave
+        # of tiles loads (and stages) every one of them (``probe ag_group``: no slower)
+        self.compute = compute or (DEFAULT_COMPUTE if staging != "gemm" else
+                                   dataclasses.replace(DEFAULT_COMPUTE, group_m=self.Ms // DEFAULT_COMPUTE.BM))
         ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
         self.ir = allgather_gemm.trace(W, spec((self.Ms, self.K), ir_dtype), spec((self.K, self.N), ir_dtype),
                                        spec((W * self.Ms, self.N), ir_dtype), compute=self.compute, comm=comm)
         import os
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
-        self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
+        self.lowered = lower(self.ir, "gemm", own_rows=staging == "gemm",
+                             **({"wait_timeout_ns": int(timeout)} if timeout else {}))
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         # with the barrier kernel, one SM stays free of the persistent GEMM: the kernel runs there
         least = 1 if handshake == "kernel" else 0
@@ -152,7 +168,13 @@ class AllGatherMatmul:
         self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
         self.copy_stream = torch.cuda.Stream(device=dev)
         self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
-        self._gemm_launches = LaunchCache()        # prepared GEMM launches by tensor addresses
+        self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
+        if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
+            self._start = torch.cuda.Event()
+            self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
+            self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
+            self._own_signals = {self.signal: self.flags, "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
+                                 "own_arrive": self.arrive, "own_arrive_peers": self._arrive_table}
         if staging == "kernel":
             from ..gpu.device import sm_count
             from .staging import ShardStager
@@ -198,6 +220,8 @@ class AllGatherMatmul:
             self._check_out(out)
         self.launches += 1
         L = self.launches
+        if self.staging == "gemm":
+            return self._call_gemm_staged(a_shard, b, out, poison_workspace, L)
         W = self.ctx.world_size
         cur = torch.cuda.current_stream(self.ctx.device)
         cur_h = cur.cuda_stream
@@ -304,6 +328,71 @@ class AllGatherMatmul:
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
 
+    def _call_gemm_staged(self, a_shard, b, out, poison_workspace: bool, L: int):
+        """``staging="gemm"``: no staging pass. The GEMM reads this rank's rows from the shard,
+        stores them (as it loads them) into the symmetric slot ``L % 2`` and into A_gathered, and
+        publishes the launch into this rank's slot of every peer's arrival array once all are
+        stored (``tldsl::sm90::OwnRows``); the copy stream, ordered after the call's start, waits
+        for each peer's arrival and copies its shard, then writes its flag."""
+        import gc
+        import torch
+        from . import plan_exec
+        cu = plan_exec.load_driver()
+        consts = plan_exec.driver_constants(cu)
+        W, me = self.ctx.world_size, self.ctx.rank
+        cur = torch.cuda.current_stream(self.ctx.device)
+        cur_h, cs = cur.cuda_stream, self.copy_stream.cuda_stream
+        dev = self.shards.device
+        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=dev)
+        if poison_workspace:
+            a_full.fill_(float("nan"))
+        tl_ = self.timeline
+        if tl_ is not None:
+            tl_.mark("start", cur, "compute")
+        if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA reads it
+            a_shard = a_shard.clone(memory_format=torch.contiguous_format)
+        slot = L % 2
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
+        self._start.record(cur)
+        gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
+                                       lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
+                                                                  "a_shard": a_shard, "a_slot": self.shards[slot]},
+                                                                 signals=self._own_signals, rank=me))
+        nbytes = self.Ms * self.K * a_full.element_size()
+        gc_was_on = gc.isenabled()
+        gc.disable()                # the GEMM spins on the copies' flags: no host stall until they are enqueued
+        try:
+            if self.hooks:
+                self._hook("before_compute", cur)
+            gemm.launch(cur_h, L)
+            if tl_ is not None:
+                tl_.mark("gemm done", cur, "compute")
+            if self.hooks:
+                self._hook("before_comm", self.copy_stream)
+            self.copy_stream.wait_event(self._start)
+            for p in self.order:
+                if p == me:
+                    continue
+                plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, consts.wait_geq),
+                                  f"cuStreamWaitValue64(arrival of rank {p})")
+                plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + p * nbytes, self.peer_ptrs[p] + slot * nbytes,
+                                                       nbytes, cs), f"cuMemcpyAsync(shard of rank {p})")
+                plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L,
+                                                              consts.write_default),
+                                  f"cuStreamWriteValue64(flag of rank {p})")
+                if tl_ is not None:
+                    tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+        finally:
+            if gc_was_on:
+                gc.enable()
+        self._copied.record(self.copy_stream)
+        cur.wait_event(self._copied)
+        a_full.record_stream(self.copy_stream)
+        if self.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {me}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
+        return a_full, c
+
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for
         NVSHMEM's heap, which is never freed by garbage collection)."""
@@ -335,8 +424,22 @@ class AllGatherMatmul:
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out
         if getattr(self, "_compute_only", None) is None:
             self._compute_only = LaunchCache()
+        buffers, signals = {"a_gathered": a_gathered, "b": b, "c": c}, {sig: self._scratch}
+        if self.staging == "gemm" and self._engine is None:
+            # the GEMM staging this rank's rows, into scratch: it reads them from A_gathered's own
+            # rows and stores the same bytes back there, the slot and the arrival are scratch
+            me, dev = self.ctx.rank, a_gathered.device
+            if getattr(self, "_scratch_own", None) is None:
+                publish = torch.zeros(W, dtype=torch.int64, device=dev)
+                table = torch.full((W,), publish.data_ptr(), dtype=torch.int64, device=dev)
+                self._scratch_own = (torch.empty(self.Ms, self.K, dtype=self.dtype, device=dev), {
+                    "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
+                    "own_arrive": torch.full((W,), 1 << 40, dtype=torch.int64, device=dev),
+                    "own_arrive_peers": table}, publish)
+            buffers.update(a_shard=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0])
+            signals.update(self._scratch_own[1])
         self._compute_only.get((a_gathered.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: gemm.prepare(
-            {"a_gathered": a_gathered, "b": b, "c": c}, signals={sig: self._scratch}, rank=self.ctx.rank)).launch(
+            buffers, signals=signals, rank=self.ctx.rank)).launch(
             torch.cuda.current_stream(self.ctx.device).cuda_stream, 1)      # launched like the fused op's GEMM
         return c
 
@@ -378,6 +481,8 @@ class AllGatherMatmul:
         out = {self.signal: self.flags}
         if self.handshake in ("memops", "device"):
             out["handshake_arrive"] = self.arrive
+        if self.staging == "gemm":
+            out["own_staged"] = self._own_signals["own_staged"]
         return out
 
     def signal_counters(self) -> dict[str, list[int]]:

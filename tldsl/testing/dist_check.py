@@ -182,6 +182,8 @@ def variants(op: str) -> list[Variant]:
                 Variant("ag_gemm", "copy_engine-kernel", (("handshake", "kernel"),)),
                 Variant("ag_gemm", "copy_engine-memops", (("handshake", "memops"),)),
                 Variant("ag_gemm", "copy_engine-comm_first", (("enqueue", "comm_first"),)),
+                # the GEMM stages this rank's rows itself (whole tiles per rank)
+                Variant("ag_gemm", "copy_engine-gemm_staging", (("staging", "gemm"),), rows=4096),
                 Variant("ag_gemm", "copy_engine-plan", (("ce_executor", "plan"),)),
                 Variant("ag_gemm", "copy_engine-push", (("comm", CommSchedule(engine="copy_engine", mode="push")),)),
                 Variant("ag_gemm", "sm-pull", (("engine", "sm"),), True),

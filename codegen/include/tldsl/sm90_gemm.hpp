@@ -354,6 +354,55 @@ struct NoEpilogue {
   __device__ __forceinline__ void operator()(Ctx&, int, int) const {}
 };
 
+// This rank's rows of A come from A_gathered like every other row (the plain GEMM).
+struct NoOwnRows {
+  static constexpr bool kEnabled = false;
+  __device__ __forceinline__ bool owns(int, int, int) const { return false; }
+};
+
+// AllGather+GEMM staging its shard itself (the runtime's staging="gemm"): this rank's rows of
+// A_gathered, [rank * M/W, (rank + 1) * M/W), are loaded from the shard (`shard`, [M/W, K]) —
+// no staging pass before the GEMM, and no waits for them — and the tile of each of those tile
+// rows in tile column 0 stores every A stage it loads, by TMA from shared memory, into the
+// symmetric slot peers pull the shard from (`slot`) and into A_gathered's rows. Before its first
+// store into the slot a CTA waits until every peer has arrived at launch - 1 (its copies of
+// launch - 2, the last reads of this slot, are done); once a tile's stores are complete it adds
+// 1 to `staged`, and whoever completes the launch's count writes `launch` into this rank's slot
+// of every peer's arrival array (their copy streams wait for it). M/W must be whole tiles.
+template <int kWorld>
+struct OwnRows {
+  static constexpr bool kEnabled = true;
+  const cute::TmaDescriptor* shard;
+  const cute::TmaDescriptor* slot;
+  unsigned long long* staged;
+  const unsigned long long* arrive;
+  unsigned long long* const* peer_arrive;
+  unsigned long long launch;
+
+  __device__ __forceinline__ bool owns(int m0, int M, int rank) const {
+    const int rows = M / kWorld;
+    return m0 >= rank * rows && m0 < (rank + 1) * rows;
+  }
+  __device__ __forceinline__ void wait_slot_free(int rank) const {
+    if (launch > 1)
+      for (int p = 0; p < kWorld; ++p)
+        if (p != rank) wait_at_least<kScopeSys>(arrive + p, launch - 1);
+  }
+  // One staged tile row (its stores complete); the last of the launch's publishes the arrival.
+  __device__ __forceinline__ void staged_row(int rank, unsigned long long rows_per_launch) const {
+    bulk_wait_all();
+    fence_proxy_async_global();          // the TMA stores (async proxy) before the release
+    fence_acq_rel<kScopeSys>();
+    const unsigned long long done = atomicAdd(staged, 1ull) + 1ull;
+    if (done % rows_per_launch == 0) {
+      fence_acq_rel<kScopeSys>();
+      for (int p = 0; p < kWorld; ++p)
+        if (p != rank)
+          asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(peer_arrive[p] + rank), "l"(launch) : "memory");
+    }
+  }
+};
+
 // The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads;
 // `notifies(pm, pn)` on one consumer thread once the tile's TMA stores are complete (every
 // consumer warpgroup's storing thread waits for its bulk async-groups and fences the async
@@ -363,12 +412,13 @@ struct NoEpilogue {
 // With a generated Epilogue (the tile program's code after the K loop: conditional stores,
 // waits, elementwise sums of the accumulator with loaded tiles, notifies), every consumer
 // thread runs `epilogue(ctx, pm, pn)` instead of the store into C and the notifies.
-template <class Cfg, class Waits, class Notifies = NoNotifies, class Epilogue = NoEpilogue>
+template <class Cfg, class Waits, class Notifies = NoNotifies, class Epilogue = NoEpilogue, class Own = NoOwnRows>
 __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, const cute::TmaDescriptor* tma_b,
                                             const cute::TmaDescriptor* tma_c, int M, int N, int K, int rank,
                                             const Waits& waits, const Notifies& notifies = Notifies{},
-                                            const Epilogue& epilogue = Epilogue{}) {
+                                            const Epilogue& epilogue = Epilogue{}, const Own& own = Own{}) {
   using Tr = GemmTraits<Cfg>;
+  static_assert(!Own::kEnabled || Cfg::kClusterM == 1, "a GEMM staging its own rows runs without clusters");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -417,13 +467,22 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
         const TileCoord tc{ct.m * kCl + cl_rank, ct.n};
+        // with Own, this rank's own rows come from its shard (no waits: nothing else writes them)
         if constexpr (Waits::kEnabled) {
-          if (tc.m < gm) {
+          if (tc.m < gm && !own.owns(tc.m * Tr::BM, M, rank)) {
             waits(tc.m, tc.n);             // acquire: every signal this tile's data depends on
             fence_proxy_async_global();    // ... before the async proxy (TMA) reads that data
           }
         }
         const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
+        const cute::TmaDescriptor* ta = tma_a;
+        int am0 = m0;
+        if constexpr (Own::kEnabled) {
+          if (own.owns(m0, M, rank)) {
+            ta = own.shard;
+            am0 = m0 - rank * (M / Cfg::kWorldSize);
+          }
+        }
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
@@ -434,8 +493,8 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
 #pragma unroll
           for (int c = 0; c < Tr::kChunksA; ++c)
-            cute::SM90_TMA_LOAD_2D::copy(tma_a, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
-                                         k0 + c * Tr::EA, m0);
+            cute::SM90_TMA_LOAD_2D::copy(ta, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
+                                         k0 + c * Tr::EA, am0);
           if constexpr (kCl == 1) {
 #pragma unroll
             for (int c = 0; c < Tr::kChunksB; ++c)
@@ -465,6 +524,8 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
     int it = 0;
     int epi_count = 0;
+    bool slot_free = false;                       // Own: peers are done with the slot (checked once)
+    (void)slot_free;
     float acc[Tr::MB][Tr::kAccPerBlock];
 
     for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -475,11 +536,31 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
+      // with Own: the tile of one of this rank's tile rows in column 0 stages the A it loads
+      const bool stage_tile = Own::kEnabled && cw == 0 && tid == 0 && tc.n == 0 && own.owns(tc.m * Tr::BM, M, rank);
       int prev_stage = -1;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % Tr::kStages;
         const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
         FullBar::wait(&full_bar[s], phase);
+        if constexpr (Own::kEnabled) {
+          if (stage_tile) {
+            if (!slot_free) {
+              own.wait_slot_free(rank);
+              slot_free = true;
+            }
+            cute::tma_store_fence();
+            unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
+            const int m0 = tc.m * Tr::BM, rows = M / Cfg::kWorldSize;
+#pragma unroll
+            for (int c = 0; c < Tr::kChunksA; ++c) {
+              cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA,
+                                            m0 - rank * rows);
+              cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0);
+            }
+            cute::tma_store_arrive();        // one bulk group per stage
+          }
+        }
 #pragma unroll
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
@@ -504,6 +585,9 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
           for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+        if constexpr (Own::kEnabled) {
+          if (stage_tile) bulk_wait_read<1>();   // the previous stage's stores have read it
+        }
         if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
         prev_stage = s;
       }
@@ -512,7 +596,13 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+      if constexpr (Own::kEnabled) {
+        if (stage_tile) bulk_wait_read<0>();
+      }
       if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
+      if constexpr (Own::kEnabled) {
+        if (stage_tile) own.staged_row(rank, (unsigned long long)((M / Cfg::kWorldSize) / Tr::BM));
+      }
 
       if constexpr (Epilogue::kEnabled) {
         // the tile program's own epilogue (stores, waits, elementwise sums, notifies)

@@ -796,8 +796,8 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     that traps (debugging hangs). ``own_rows`` (AllGather+GEMM, the runtime's staging="gemm"):
     this rank's rows of A (``[rank * M/W, (rank + 1) * M/W)``, whole tiles) are read from the
     tensor ``a_shard`` instead of A, without their waits, and the GEMM stages them itself as it
-    loads them — into ``a_slot`` (the symmetric slot peers pull from) and A — counting staged
-    tile rows in signal ``own_staged`` and publishing the launch into slot ``rank`` of every
+    loads them — into ``a_slot`` (the symmetric slot peers pull from) and A, spread over the
+    first ``own_cols`` tile columns (a launch argument) — counting staged tiles in ``own_staged`` and publishing the launch into slot ``rank`` of every
     peer's arrival array (``own_arrive_peers``: their addresses; ``own_arrive``: this rank's,
     waited on before the slot is overwritten): ``tldsl::sm90::OwnRows``."""
     if part is None:
@@ -878,6 +878,8 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
 
 _OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arrive", "const unsigned long long*"),
                    ("own_arrive_peers", "unsigned long long* const* __restrict__"))
+#: the scalar an ``own_rows`` GEMM takes: how many tile columns share the staging (``scalar:own_cols``)
+OWN_COLS = "own_cols"
 #: the int64 tensors an ``own_rows`` GEMM takes among its signals (``signal:<name>`` parameters)
 OWN_ROW_SIGNALS = tuple(name for name, _ in _OWN_ROW_PARAMS)
 
@@ -899,6 +901,7 @@ def _own_rows(kernel, part, m: _Match, cfg: GemmConfig, M: int, K: int, ne, para
     params += [KernelParam("tma_a_own", grid, "tma", "tma:tma_a_own"),
                KernelParam("tma_a_slot", grid, "tma", "tma:tma_a_slot")]
     params += [KernelParam(name, ctype, "ptr", f"signal:{name}") for name, ctype in _OWN_ROW_PARAMS]
+    params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
     eb, rows = cfg.elem_bytes, M // W
     return tuple(TmaDescriptorSpec(param, buf, "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (K, rows), (K * eb,),
                                    (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA])
@@ -1060,7 +1063,7 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         notifies_arg = ", TileNotifies{" + ", ".join(init) + "}"
     if own_rows:      # no notifies, no generated epilogue (checked): the plain store, then this rank's rows
         notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, tldsl::sm90::OwnRows<Cfg::kWorldSize>{"
-                        "&tma_a_own, &tma_a_slot, " + ", ".join(n for n, _ in _OWN_ROW_PARAMS) + ", launch}")
+                        "&tma_a_own, &tma_a_slot, " + ", ".join(n for n, _ in _OWN_ROW_PARAMS) + f", launch, {OWN_COLS}}}")
     L += ["}  // namespace", ""]
     L += kernel_entry(entry, cfg.threads, params, [
         "  (void)launch;",

@@ -1695,8 +1695,12 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="gemm")
     assert op.handshake == "device" and op.lowered.own_rows and op.compute.group_m == Ms // 128
     assert "staged by the GEMM" in op.lowered.describe()
-    assert "OwnRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_slot, own_staged, own_arrive, own_arrive_peers, launch}" \
-        in op.lowered.source
+    assert "OwnRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_slot, own_staged, own_arrive, own_arrive_peers, launch, " \
+           "own_cols}" in op.lowered.source
+    # the staging spread over the columns of two waves: 132 CTAs, 8 tile rows -> 33 (of 12 tile columns)
+    from tldsl.runtime.dist.ag_gemm import stage_columns
+    assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 4
+    assert stage_columns(8192, 14336, op.compute, 132) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
     proto.events()
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
@@ -1709,7 +1713,7 @@ def test_allgather_gemm_staging(proto, monkeypatch):
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         bufs, sigs = proto.gemm_args
         assert bufs["a_shard"] is a and bufs["a_slot"].data_ptr() == op.shards[L % 2].data_ptr()
-        assert bufs["a_gathered"] is ga and sigs["own_arrive"] is op.arrive
+        assert bufs["a_gathered"] is ga and sigs["own_arrive"] is op.arrive and bufs["own_cols"] == 12
         assert sigs["own_arrive_peers"].tolist() == op.arrive_peers
         assert ev[3][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
         assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)

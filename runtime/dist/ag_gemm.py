@@ -171,6 +171,7 @@ class AllGatherMatmul:
         self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
         if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
             self._start = torch.cuda.Event()
+            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0])
             self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
             self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
             self._own_signals = {self.signal: self.flags, "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
@@ -356,7 +357,8 @@ class AllGatherMatmul:
         self._start.record(cur)
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
                                        lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
-                                                                  "a_shard": a_shard, "a_slot": self.shards[slot]},
+                                                                  "a_shard": a_shard, "a_slot": self.shards[slot],
+                                                                  "own_cols": self.stage_cols},
                                                                  signals=self._own_signals, rank=me))
         nbytes = self.Ms * self.K * a_full.element_size()
         gc_was_on = gc.isenabled()
@@ -436,7 +438,8 @@ class AllGatherMatmul:
                     "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
                     "own_arrive": torch.full((W,), 1 << 40, dtype=torch.int64, device=dev),
                     "own_arrive_peers": table}, publish)
-            buffers.update(a_shard=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0])
+            buffers.update(a_shard=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0],
+                           own_cols=self.stage_cols)
             signals.update(self._scratch_own[1])
         self._compute_only.get((a_gathered.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: gemm.prepare(
             buffers, signals=signals, rank=self.ctx.rank)).launch(
@@ -497,6 +500,20 @@ class AllGatherMatmul:
 
 
 DEFAULT_SM_LANES = 8
+
+#: staging="gemm": the staging is spread over the tile columns of this many waves of the GEMM
+STAGE_WAVES = 2
+
+
+def stage_columns(rows_per_rank: int, n: int, compute: ComputeSchedule, ctas: int, waves: int = STAGE_WAVES) -> int:
+    """staging="gemm": how many tile columns of each of this rank's tile rows share its staging
+    (column j stores the A stages k with k % cols == j). With all of this rank's tile rows in one
+    group of the order, the first ``ctas`` tiles cover ``ctas // rows`` columns of every row: the
+    staging is spread over the first ``waves`` waves of tiles — few enough that the shard is
+    published early in the GEMM, enough that no tile adds much store traffic to its own."""
+    tile_rows = -(-rows_per_rank // compute.BM)
+    tile_cols = -(-n // compute.BN)
+    return max(1, min(tile_cols, waves * ctas // tile_rows))
 
 
 def resolve_comm(comm: CommSchedule | None, engine: str | None, sms: int | None,

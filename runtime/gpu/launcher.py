@@ -68,6 +68,11 @@ class Launcher:
                 pack.add("ptr", self.table_pointer(buffers, src[7:]))
             elif src.startswith("data:"):
                 pack.add("ptr", self.data_pointer(buffers, src[5:]))
+            elif src.startswith("scalar:"):      # a launch argument the caller gives by name
+                value = buffers.get(src[7:])
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise InputError(f"{lw.entry} takes the int '{src[7:]}': pass it with the tensors")
+                pack.add("i32", value)
             else:
                 value = self.scalar(p)
                 if value is None:

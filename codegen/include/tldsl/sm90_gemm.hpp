@@ -362,13 +362,15 @@ struct NoOwnRows {
 
 // AllGather+GEMM staging its shard itself (the runtime's staging="gemm"): this rank's rows of
 // A_gathered, [rank * M/W, (rank + 1) * M/W), are loaded from the shard (`shard`, [M/W, K]) —
-// no staging pass before the GEMM, and no waits for them — and the tile of each of those tile
-// rows in tile column 0 stores every A stage it loads, by TMA from shared memory, into the
-// symmetric slot peers pull the shard from (`slot`) and into A_gathered's rows. Before its first
+// no staging pass before the GEMM, and no waits for them — and the tiles of each of those tile
+// rows in columns n < `cols` store the A stages they load, by TMA from shared memory, into the
+// symmetric slot peers pull the shard from (`slot`) and into A_gathered's rows: column n the
+// stages k with k % cols == n, so the staging traffic is spread over `cols` tiles. Before its first
 // store into the slot a CTA waits until every peer has arrived at launch - 1 (its copies of
 // launch - 2, the last reads of this slot, are done); once a tile's stores are complete it adds
-// 1 to `staged`, and whoever completes the launch's count writes `launch` into this rank's slot
-// of every peer's arrival array (their copy streams wait for it). M/W must be whole tiles.
+// 1 to `staged`, and whoever completes the launch's count (tile rows x cols) writes `launch`
+// into this rank's slot of every peer's arrival array (their copy streams wait for it). M/W must
+// be whole tiles.
 template <int kWorld>
 struct OwnRows {
   static constexpr bool kEnabled = true;
@@ -378,6 +380,7 @@ struct OwnRows {
   const unsigned long long* arrive;
   unsigned long long* const* peer_arrive;
   unsigned long long launch;
+  int cols;                                // tile columns that stage (1 <= cols <= the grid's columns)
 
   __device__ __forceinline__ bool owns(int m0, int M, int rank) const {
     const int rows = M / kWorld;
@@ -537,14 +540,19 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
       // with Own: the tile of one of this rank's tile rows in column 0 stages the A it loads
-      const bool stage_tile = Own::kEnabled && cw == 0 && tid == 0 && tc.n == 0 && own.owns(tc.m * Tr::BM, M, rank);
+      bool stage_tile = false;
+      int stage_cols = 1;
+      if constexpr (Own::kEnabled) {
+        stage_cols = own.cols < gn ? own.cols : gn;
+        stage_tile = cw == 0 && tid == 0 && tc.n < stage_cols && own.owns(tc.m * Tr::BM, M, rank);
+      }
       int prev_stage = -1;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % Tr::kStages;
         const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
         FullBar::wait(&full_bar[s], phase);
         if constexpr (Own::kEnabled) {
-          if (stage_tile) {
+          if (stage_tile && kt % stage_cols == tc.n) {
             if (!slot_free) {
               own.wait_slot_free(rank);
               slot_free = true;
@@ -601,7 +609,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       }
       if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
       if constexpr (Own::kEnabled) {
-        if (stage_tile) own.staged_row(rank, (unsigned long long)((M / Cfg::kWorldSize) / Tr::BM));
+        if (stage_tile) own.staged_row(rank, (unsigned long long)((M / Cfg::kWorldSize) / Tr::BM * stage_cols));
       }
 
       if constexpr (Epilogue::kEnabled) {

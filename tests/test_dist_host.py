@@ -1701,6 +1701,16 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     from tldsl.runtime.dist.ag_gemm import stage_columns
     assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 4
     assert stage_columns(8192, 14336, op.compute, 132) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
+    # the default: the GEMM stages from 12 waves of tiles (132 SMs), where it can
+    from tldsl.runtime.dist.ag_gemm import default_staging, resolve_comm
+    ce = resolve_comm(None, None, None, op.compute)
+    waves = {(ms, n): default_staging(ms, n, 2, None, ce, None, "gemm_first", "direct")
+             for ms, n in ((1024, 4096), (4096, 4096), (8192, 4096), (2048, 14336), (8192, 14336), (4091, 14336))}
+    assert waves == {(1024, 4096): "kernel", (4096, 4096): "kernel", (8192, 4096): "gemm", (2048, 14336): "gemm",
+                     (8192, 14336): "gemm", (4091, 14336): "kernel"}
+    assert default_staging(8192, 4096, 2, None, ce, "memops", "gemm_first", "direct") == "kernel"
+    assert default_staging(8192, 4096, 2, None, ce, None, "comm_first", "direct") == "kernel"
+    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16).staging == "gemm"
     proto.events()
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2

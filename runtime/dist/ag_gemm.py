@@ -35,6 +35,11 @@ double-buffered symmetric buffer, slot ``L % 2``:
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
 every peer reaches only after its copy stream finished launch L-2's reads of that slot.
 
+With ``staging="gemm"`` (the default where the GEMM has at least :data:`GEMM_STAGING_WAVES`
+waves of tiles) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
+as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
+publishes L into this rank's slot on every peer (step 3's handshake, from the device).
+
 That is the default (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
 :class:`_FusedAllGather`: ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
 SMs, push or pull) and the copy engine driven by the codegen plan
@@ -61,7 +66,7 @@ class AllGatherMatmul:
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
-                 handshake: str | None = None, enqueue: str = "gemm_first", staging: str = "kernel"):
+                 handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
@@ -78,8 +83,10 @@ class AllGatherMatmul:
         handshake and copies) or ``"comm_first"`` (the reverse: peers' shards move one GEMM launch
         earlier, the GEMM starts one handshake later). ``staging`` (the direct path): ``"kernel"``
         (one pass of :mod:`.staging`'s kernel writes the shard into its symmetric slot and into
-        this rank's rows of A_gathered, and this rank's flag) or ``"copies"`` (two
-        ``cuMemcpyAsync`` and a stream write)."""
+        this rank's rows of A_gathered, and this rank's flag), ``"gemm"`` (no pass before the GEMM:
+        the GEMM reads this rank's rows from the shard and stores them, as it loads them, into the
+        slot and A_gathered — ``tldsl::sm90::OwnRows``; whole tiles of rows per rank, no clusters)
+        or ``"copies"`` (two ``cuMemcpyAsync`` and a stream write); default: :func:`default_staging`."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -98,6 +105,8 @@ class AllGatherMatmul:
         self._engine = None
         if ce_executor not in ("direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
+        if staging is None:
+            staging = default_staging(self.Ms, self.N, W, compute, comm, handshake, enqueue, ce_executor)
         if handshake not in (None, "kernel", "memops", "device"):
             raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
         if handshake == "device" and staging == "copies":
@@ -503,6 +512,25 @@ DEFAULT_SM_LANES = 8
 
 #: staging="gemm": the staging is spread over the tile columns of this many waves of the GEMM
 STAGE_WAVES = 2
+#: the default staging is "gemm" from this many waves of GEMM tiles (2x H200, ``probe ag_staging``:
+#: faster at 13.6-54 waves, slower at 1.9-7.8 — the shard must reach the peers before they have
+#: computed their own rows, and a staging spread over the GEMM's first waves needs enough of them)
+GEMM_STAGING_WAVES = 12
+
+
+def default_staging(rows_per_rank: int, n: int, world_size: int, compute: ComputeSchedule | None,
+                    comm: CommSchedule, handshake, enqueue: str, ce_executor: str) -> str:
+    """``"gemm"`` where the GEMM can stage this rank's rows (the direct copy-engine pull path, whole
+    tiles of rows per rank, no clusters, the GEMM enqueued first) and has at least
+    :data:`GEMM_STAGING_WAVES` waves of tiles; ``"kernel"`` otherwise."""
+    from ..gpu.device import sm_count
+    c = compute or DEFAULT_COMPUTE
+    direct = comm.engine == "copy_engine" and comm.mode == "pull" and ce_executor == "direct"
+    if not direct or handshake not in (None, "device") or enqueue != "gemm_first" or rows_per_rank % c.BM \
+            or c.cluster != (1, 1):
+        return "kernel"
+    tiles = -(-world_size * rows_per_rank // c.BM) * -(-n // c.BN)
+    return "gemm" if tiles >= GEMM_STAGING_WAVES * sm_count() else "kernel"
 
 
 def stage_columns(rows_per_rank: int, n: int, compute: ComputeSchedule, ctas: int, waves: int = STAGE_WAVES) -> int:

@@ -1711,6 +1711,9 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert default_staging(8192, 4096, 2, None, ce, "memops", "gemm_first", "direct") == "kernel"
     assert default_staging(8192, 4096, 2, None, ce, None, "comm_first", "direct") == "kernel"
     assert AllGatherMatmul(8192, K, 4096, torch.bfloat16).staging == "gemm"
+    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=1).stage_cols == 2
+    with pytest.raises(tl.InputError, match="stage_waves"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)
     proto.events()
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2

@@ -28,8 +28,8 @@
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
   handshake and copies first, timed the same way.
 * ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel before
-  the GEMM, or by the GEMM itself as it loads this rank's rows (``staging="gemm"``), timed the
-  same way. (The fourth session's run compared the kernel with two ``cuMemcpyAsync`` and a
+  the GEMM, or by the GEMM itself as it loads this rank's rows (``staging="gemm"``, spread over
+  the tiles of two waves or of one), timed the same way. (The fourth session's run compared the kernel with two ``cuMemcpyAsync`` and a
   stream write, ``staging="copies"``.)
 * ``ag_handshake``: AllGather+GEMM's handshake as stream memory operations enqueued after the
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
@@ -292,8 +292,8 @@ def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
 
 
 def probe_ag_staging(shapes, iters=20, out=sys.stdout):
-    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging by the GEMM": {"staging": "gemm"}},
-                 shapes, iters, out)
+    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging by the GEMM": {"staging": "gemm"},
+                  "staging by the GEMM, 1 wave": {"staging": "gemm", "stage_waves": 1}}, shapes, iters, out)
 
 
 def probe_ag_handshake(shapes, iters=20, out=sys.stdout):

@@ -66,7 +66,8 @@ class AllGatherMatmul:
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
-                 handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None):
+                 handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
+                 stage_waves: int | None = None):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
@@ -86,7 +87,9 @@ class AllGatherMatmul:
         this rank's rows of A_gathered, and this rank's flag), ``"gemm"`` (no pass before the GEMM:
         the GEMM reads this rank's rows from the shard and stores them, as it loads them, into the
         slot and A_gathered — ``tldsl::sm90::OwnRows``; whole tiles of rows per rank, no clusters)
-        or ``"copies"`` (two ``cuMemcpyAsync`` and a stream write); default: :func:`default_staging`."""
+        or ``"copies"`` (two ``cuMemcpyAsync`` and a stream write); default: :func:`default_staging`.
+        ``stage_waves`` (``staging="gemm"``): over how many waves of tiles the GEMM spreads the
+        staging (default :data:`STAGE_WAVES`; :func:`stage_columns`)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -115,6 +118,8 @@ class AllGatherMatmul:
             raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
         if staging not in ("kernel", "copies", "gemm"):
             raise InputError(f"staging={staging!r}: choose 'kernel', 'copies' or 'gemm'")
+        if stage_waves is not None and (staging != "gemm" or not isinstance(stage_waves, int) or stage_waves < 1):
+            raise InputError(f"stage_waves={stage_waves!r}: a positive int, with staging='gemm' (got {staging!r})")
         if staging == "gemm":
             if handshake not in (None, "device"):
                 raise InputError(f"staging='gemm': the GEMM publishes the launch's arrival itself (handshake "
@@ -180,7 +185,8 @@ class AllGatherMatmul:
         self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
         if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
             self._start = torch.cuda.Event()
-            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0])
+            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0],
+                                            stage_waves or STAGE_WAVES)
             self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
             self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
             self._own_signals = {self.signal: self.flags, "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),

@@ -1219,8 +1219,8 @@ def test_gemm_rs_copy_engine_protocol(proto):
         lo, hi = op.Ms + j * eng.rows, op.Ms + min((j + 1) * eng.rows, op.Ms)
         own_counts.append(sum(tn for pm in range(-(-M // BM)) if pm * BM < hi and min(pm * BM + BM, M) > lo))
     assert [c for c, _, _ in eng.own_chunks] == own_counts
-    assert not eng.early_sum                  # 24 MiB of our rows: all of the sum after the GEMM by default ...
-    eng.early_sum = True                      # ... the early sum (the default from 64 MiB) checked here
+    assert not eng.early_sum                  # 24 MiB of our rows (under 32): the sum after the GEMM by default ...
+    eng.early_sum = True                      # ... the early sum (the default from 32 MiB) checked here
     assert eng.arrivals == [(0, 4)]                                   # rank 0 notifies 4 chunks per launch
     proto.events()
     cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
@@ -1279,10 +1279,10 @@ def test_gemm_rs_copy_chunks_never_split_a_group_of_tile_rows(proto):
     assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16", ce_chunks=4)._engine.tpr == 4
 
 
-def test_gemm_rs_early_sum_from_64_mib_of_rows(proto):
+def test_gemm_rs_early_sum_from_32_mib_of_rows(proto):
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
-    assert MatmulReduceScatter(2 * 4096, 1032, 8192, "bfloat16")._engine.early_sum             # 64 MiB
-    assert not MatmulReduceScatter(2 * 4088, 1032, 8192, "bfloat16")._engine.early_sum          # just under
+    assert MatmulReduceScatter(2 * 2048, 1032, 8192, "bfloat16")._engine.early_sum             # 32 MiB
+    assert not MatmulReduceScatter(2 * 2040, 1032, 8192, "bfloat16")._engine.early_sum          # just under
 
 
 def test_gemm_rs_copy_engine_epilogue_protocol(proto):
@@ -1701,16 +1701,20 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     from tldsl.runtime.dist.ag_gemm import stage_columns
     assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 4
     assert stage_columns(8192, 14336, op.compute, 132) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
-    # the default: the GEMM stages from 12 waves of tiles (132 SMs), where it can
+    # the default: the GEMM stages where the shard, staged over its first 2 (else 1) waves and then
+    # copied, reaches the peers before they computed their own rows (132 SMs; the benchmark's shapes)
     from tldsl.runtime.dist.ag_gemm import default_staging, resolve_comm
     ce = resolve_comm(None, None, None, op.compute)
-    waves = {(ms, n): default_staging(ms, n, 2, None, ce, None, "gemm_first", "direct")
-             for ms, n in ((1024, 4096), (4096, 4096), (8192, 4096), (2048, 14336), (8192, 14336), (4091, 14336))}
-    assert waves == {(1024, 4096): "kernel", (4096, 4096): "kernel", (8192, 4096): "gemm", (2048, 14336): "gemm",
-                     (8192, 14336): "gemm", (4091, 14336): "kernel"}
-    assert default_staging(8192, 4096, 2, None, ce, "memops", "gemm_first", "direct") == "kernel"
-    assert default_staging(8192, 4096, 2, None, ce, None, "comm_first", "direct") == "kernel"
-    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16).staging == "gemm"
+    plans = {(ms, n): default_staging(ms, n, 8192, 2, None, ce, None, "gemm_first", "direct")
+             for ms, n in ((1024, 4096), (2048, 4096), (4096, 4096), (8192, 4096), (1024, 14336), (2048, 14336),
+                           (8192, 14336), (4091, 14336))}
+    assert plans == {(1024, 4096): ("kernel", None), (2048, 4096): ("kernel", None), (4096, 4096): ("gemm", 1),
+                     (8192, 4096): ("gemm", 2), (1024, 14336): ("gemm", 2), (2048, 14336): ("gemm", 2),
+                     (8192, 14336): ("gemm", 2), (4091, 14336): ("kernel", None)}
+    assert default_staging(8192, 4096, 8192, 2, None, ce, "memops", "gemm_first", "direct") == ("kernel", None)
+    assert default_staging(8192, 4096, 8192, 2, None, ce, None, "comm_first", "direct") == ("kernel", None)
+    big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16)
+    assert big.staging == "gemm" and big.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
     assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=1).stage_cols == 2
     with pytest.raises(tl.InputError, match="stage_waves"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)

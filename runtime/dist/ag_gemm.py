@@ -35,8 +35,8 @@ double-buffered symmetric buffer, slot ``L % 2``:
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
 every peer reaches only after its copy stream finished launch L-2's reads of that slot.
 
-With ``staging="gemm"`` (the default where the GEMM has at least :data:`GEMM_STAGING_WAVES`
-waves of tiles) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
+With ``staging="gemm"`` (the default where the shard still reaches the peers in time:
+:func:`default_staging`) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
 as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
 publishes L into this rank's slot on every peer (step 3's handshake, from the device).
 
@@ -109,7 +109,9 @@ class AllGatherMatmul:
         if ce_executor not in ("direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
         if staging is None:
-            staging = default_staging(self.Ms, self.N, W, compute, comm, handshake, enqueue, ce_executor)
+            staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
+                                                     ce_executor)
+            stage_waves = stage_waves if stage_waves is not None or staging != "gemm" else planned_waves
         if handshake not in (None, "kernel", "memops", "device"):
             raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
         if handshake == "device" and staging == "copies":
@@ -518,25 +520,35 @@ DEFAULT_SM_LANES = 8
 
 #: staging="gemm": the staging is spread over the tile columns of this many waves of the GEMM
 STAGE_WAVES = 2
-#: the default staging is "gemm" from this many waves of GEMM tiles (2x H200, ``probe ag_staging``:
-#: faster at 13.6-54 waves, slower at 1.9-7.8 — the shard must reach the peers before they have
-#: computed their own rows, and a staging spread over the GEMM's first waves needs enough of them)
-GEMM_STAGING_WAVES = 12
+#: the machine figures the default staging is planned with (2x H200): NVLink copy-engine
+#: bandwidth one way (BENCHMARKS.md, 366 GB/s) and dense bf16 FLOP/s per SM (cuBLAS ~764 TFLOP/s
+#: over 132 SMs)
+NVLINK_BYTES_PER_S = 366e9
+SM_FLOPS = 5.8e12
 
 
-def default_staging(rows_per_rank: int, n: int, world_size: int, compute: ComputeSchedule | None,
-                    comm: CommSchedule, handshake, enqueue: str, ce_executor: str) -> str:
-    """``"gemm"`` where the GEMM can stage this rank's rows (the direct copy-engine pull path, whole
-    tiles of rows per rank, no clusters, the GEMM enqueued first) and has at least
-    :data:`GEMM_STAGING_WAVES` waves of tiles; ``"kernel"`` otherwise."""
+def default_staging(rows_per_rank: int, n: int, k: int, world_size: int, compute: ComputeSchedule | None,
+                    comm: CommSchedule, handshake, enqueue: str, ce_executor: str) -> tuple[str, int | None]:
+    """``("gemm", waves)`` where the GEMM can stage this rank's rows (the direct copy-engine pull
+    path, whole tiles of rows per rank, no clusters, the GEMM enqueued first) and the shard, staged
+    over the GEMM's first ``waves`` (2, else 1) waves of tiles and then copied, still reaches the
+    peers before they have computed their own rows (half of the GEMM's waves; times in tile
+    times, with a tenth of one to spare); ``("kernel", None)`` otherwise. Measured (``probe
+    ag_staging``): the GEMM staging is faster exactly where this holds."""
     from ..gpu.device import sm_count
     c = compute or DEFAULT_COMPUTE
     direct = comm.engine == "copy_engine" and comm.mode == "pull" and ce_executor == "direct"
     if not direct or handshake not in (None, "device") or enqueue != "gemm_first" or rows_per_rank % c.BM \
             or c.cluster != (1, 1):
-        return "kernel"
+        return "kernel", None
     tiles = -(-world_size * rows_per_rank // c.BM) * -(-n // c.BN)
-    return "gemm" if tiles >= GEMM_STAGING_WAVES * sm_count() else "kernel"
+    half = tiles / sm_count() / 2                                   # waves before the peers need the shard
+    tile_s = 2 * c.BM * c.BN * k / SM_FLOPS
+    copy = rows_per_rank * k * 2 / NVLINK_BYTES_PER_S / tile_s      # the copy, in tile times
+    for waves in (2, 1):
+        if half >= waves + copy + 0.1:
+            return "gemm", waves
+    return "kernel", None
 
 
 def stage_columns(rows_per_rank: int, n: int, compute: ComputeSchedule, ctas: int, waves: int = STAGE_WAVES) -> int:

@@ -60,7 +60,7 @@ from ...errors import InputError
 from ..gpu.launch import LaunchCache
 
 
-EARLY_SUM_BYTES = 64 << 20    # this rank's rows of the partials, from which the early sum pays
+EARLY_SUM_BYTES = 32 << 20    # this rank's rows of the partials, from which the early sum pays
 
 
 def default_chunk_rows(rows_per_rank: int, compute) -> int:
@@ -111,7 +111,8 @@ class CopyEngineReduceScatter:
         self.fused = op.ir.comm_schedule.reduce_in == "epilogue"    # the GEMM's epilogue sums our rows
         # reduce_in="comm": sum the chunks the GEMM finished first beside its last wave, where this
         # rank's rows are large enough for that to beat the two extra stream waits and launch on the
-        # host (2x H200: 2-3% faster from 64 MiB of rows, up to 14% slower at 16 MiB — BENCHMARKS.md)
+        # host (2x H200: 2-3% faster from 64 MiB of rows, 0.5-1% at 32 MiB, up to 14% slower at
+        # 16 MiB — BENCHMARKS.md)
         self.early_sum = op.Ms * op.N * op.partial.element_size() >= EARLY_SUM_BYTES
         # host order (``probe rs_order``): this rank's arrival written before the GEMM is enqueued
         # (or after it); the sum's waits and kernel enqueued right after the GEMM (or after the copies)

@@ -539,8 +539,9 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
-      // with Own: the tile of one of this rank's tile rows in column 0 stages the A it loads
-      bool stage_tile = false;
+      // with Own: the tiles of this rank's tile rows in the first `cols` columns stage the A they
+      // load (one thread: consumer warpgroup 0's storing thread, which also releases its stages)
+      bool stage_tile = false, stored_prev = false;
       int stage_cols = 1;
       if constexpr (Own::kEnabled) {
         stage_cols = own.cols < gn ? own.cols : gn;
@@ -551,8 +552,10 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         const int s = it % Tr::kStages;
         const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
         FullBar::wait(&full_bar[s], phase);
+        bool stored_now = false;
         if constexpr (Own::kEnabled) {
           if (stage_tile && kt % stage_cols == tc.n) {
+            stored_now = true;
             if (!slot_free) {
               own.wait_slot_free(rank);
               slot_free = true;
@@ -594,10 +597,14 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
           for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
         if constexpr (Own::kEnabled) {
-          if (stage_tile) bulk_wait_read<1>();   // the previous stage's stores have read it
+          if (stored_prev) {                     // the previous stage's stores have read it (this
+            if (stored_now) bulk_wait_read<1>(); // stage's, the newest group, may still be reading)
+            else bulk_wait_read<0>();
+          }
         }
         if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
         prev_stage = s;
+        stored_prev = stored_now;
       }
       cute::warpgroup_wait<0>();
 #pragma unroll
@@ -605,7 +612,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
       if constexpr (Own::kEnabled) {
-        if (stage_tile) bulk_wait_read<0>();
+        if (stored_prev) bulk_wait_read<0>();
       }
       if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
       if constexpr (Own::kEnabled) {

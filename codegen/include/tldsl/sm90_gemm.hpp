@@ -363,7 +363,8 @@ struct NoOwnRows {
 // AllGather+GEMM staging its shard itself (the runtime's staging="gemm"): this rank's rows of
 // A_gathered, [rank * M/W, (rank + 1) * M/W), are loaded from the shard (`shard`, [M/W, K]) —
 // no staging pass before the GEMM, and no waits for them — and the tiles of each of those tile
-// rows in columns n < `cols` store the A stages they load, by TMA from shared memory, into the
+// rows in columns n < `cols` store the A stages they load (a stager thread in the producer
+// warpgroup, between a stage's arrival and its release), by TMA from shared memory, into the
 // symmetric slot peers pull the shard from (`slot`) and into A_gathered's rows: column n the
 // stages k with k % cols == n, so the staging traffic is spread over `cols` tiles. Before its first
 // store into the slot a CTA waits until every peer has arrived at launch - 1 (its copies of
@@ -452,7 +453,8 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], 1);
-      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl);   // both CTAs' consumers release a stage
+      // both CTAs' consumers release a stage (with Own, the stager thread too)
+      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl + (Own::kEnabled ? 1 : 0));
     }
   }
   cutlass::arch::fence_barrier_init();
@@ -515,6 +517,44 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         }
       }
     }
+    if constexpr (Own::kEnabled) {
+      // ---- the stager (Own): warp 1 of the producer warpgroup follows every stage (so its
+      // arrival, counted by the empty barriers, paces it) and stores the stages of this rank's
+      // tile rows that the first `cols` tile columns load: the consumers never wait for a store.
+      if (warp == 1 && cute::elect_one_sync()) {
+        const int cols = own.cols < gn ? own.cols : gn;
+        const int rows = M / Cfg::kWorldSize;
+        bool slot_free = false;
+        int it = 0;
+        for (int t = first_tile; t < num_tiles; t += tile_step) {
+          const TileCoord tc = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
+          const int m0 = tc.m * Tr::BM;
+          const bool stage_tile = tc.n < cols && own.owns(m0, M, rank);
+          for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            const int s = it % Tr::kStages;
+            FullBar::wait(&full_bar[s], uint32_t(it / Tr::kStages) & 1u);
+            if (stage_tile && kt % cols == tc.n) {
+              if (!slot_free) {
+                own.wait_slot_free(rank);
+                slot_free = true;
+              }
+              cute::tma_store_fence();
+              unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
+#pragma unroll
+              for (int c = 0; c < Tr::kChunksA; ++c) {
+                cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA,
+                                              m0 - rank * rows);
+                cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0);
+              }
+              cute::tma_store_arrive();
+              bulk_wait_read<0>();           // the stores have read the stage ...
+            }
+            EmptyBar::arrive(&empty_bar[s]);  // ... before it is released
+          }
+          if (stage_tile) own.staged_row(rank, (unsigned long long)(rows / Tr::BM * cols));
+        }
+      }
+    }
   } else {
     // ---------------- consumer warpgroups ----------------
     if constexpr (Cfg::kConsumerRegs > 0) cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -527,8 +567,6 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
     int it = 0;
     int epi_count = 0;
-    bool slot_free = false;                       // Own: peers are done with the slot (checked once)
-    (void)slot_free;
     float acc[Tr::MB][Tr::kAccPerBlock];
 
     for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -539,39 +577,11 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
-      // with Own: the tiles of this rank's tile rows in the first `cols` columns stage the A they
-      // load (one thread: consumer warpgroup 0's storing thread, which also releases its stages)
-      bool stage_tile = false, stored_prev = false;
-      int stage_cols = 1;
-      if constexpr (Own::kEnabled) {
-        stage_cols = own.cols < gn ? own.cols : gn;
-        stage_tile = cw == 0 && tid == 0 && tc.n < stage_cols && own.owns(tc.m * Tr::BM, M, rank);
-      }
       int prev_stage = -1;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % Tr::kStages;
         const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
         FullBar::wait(&full_bar[s], phase);
-        bool stored_now = false;
-        if constexpr (Own::kEnabled) {
-          if (stage_tile && kt % stage_cols == tc.n) {
-            stored_now = true;
-            if (!slot_free) {
-              own.wait_slot_free(rank);
-              slot_free = true;
-            }
-            cute::tma_store_fence();
-            unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
-            const int m0 = tc.m * Tr::BM, rows = M / Cfg::kWorldSize;
-#pragma unroll
-            for (int c = 0; c < Tr::kChunksA; ++c) {
-              cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA,
-                                            m0 - rank * rows);
-              cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0);
-            }
-            cute::tma_store_arrive();        // one bulk group per stage
-          }
-        }
 #pragma unroll
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
@@ -596,28 +606,15 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
           for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        if constexpr (Own::kEnabled) {
-          if (stored_prev) {                     // the previous stage's stores have read it (this
-            if (stored_now) bulk_wait_read<1>(); // stage's, the newest group, may still be reading)
-            else bulk_wait_read<0>();
-          }
-        }
         if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
         prev_stage = s;
-        stored_prev = stored_now;
       }
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-      if constexpr (Own::kEnabled) {
-        if (stored_prev) bulk_wait_read<0>();
-      }
       if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
-      if constexpr (Own::kEnabled) {
-        if (stage_tile) own.staged_row(rank, (unsigned long long)((M / Cfg::kWorldSize) / Tr::BM * stage_cols));
-      }
 
       if constexpr (Epilogue::kEnabled) {
         // the tile program's own epilogue (stores, waits, elementwise sums, notifies)

@@ -1697,25 +1697,25 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert "staged by the GEMM" in op.lowered.describe()
     assert "OwnRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_slot, own_staged, own_arrive, own_arrive_peers, launch, " \
            "own_cols}" in op.lowered.source
-    # the staging spread over the columns of two waves: 132 CTAs, 8 tile rows -> 33 (of 12 tile columns)
+    # the staging spread over the columns of one wave: 132 CTAs, 8 tile rows -> 16 (of 12 tile columns)
     from tldsl.runtime.dist.ag_gemm import stage_columns
-    assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 4
-    assert stage_columns(8192, 14336, op.compute, 132) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
-    # the default: the GEMM stages where the shard, staged over its first 2 (else 1) waves and then
-    # copied, reaches the peers before they computed their own rows (132 SMs; the benchmark's shapes)
+    assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 2
+    assert stage_columns(8192, 14336, op.compute, 132, 2) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
+    # the default: the GEMM stages where the shard, staged over its first wave and then copied,
+    # reaches the peers before they computed their own rows (132 SMs; the benchmark's shapes)
     from tldsl.runtime.dist.ag_gemm import default_staging, resolve_comm
     ce = resolve_comm(None, None, None, op.compute)
     plans = {(ms, n): default_staging(ms, n, 8192, 2, None, ce, None, "gemm_first", "direct")
              for ms, n in ((1024, 4096), (2048, 4096), (4096, 4096), (8192, 4096), (1024, 14336), (2048, 14336),
                            (8192, 14336), (4091, 14336))}
     assert plans == {(1024, 4096): ("kernel", None), (2048, 4096): ("kernel", None), (4096, 4096): ("gemm", 1),
-                     (8192, 4096): ("gemm", 2), (1024, 14336): ("gemm", 2), (2048, 14336): ("gemm", 2),
-                     (8192, 14336): ("gemm", 2), (4091, 14336): ("kernel", None)}
+                     (8192, 4096): ("gemm", 1), (1024, 14336): ("gemm", 1), (2048, 14336): ("gemm", 1),
+                     (8192, 14336): ("gemm", 1), (4091, 14336): ("kernel", None)}
     assert default_staging(8192, 4096, 8192, 2, None, ce, "memops", "gemm_first", "direct") == ("kernel", None)
     assert default_staging(8192, 4096, 8192, 2, None, ce, None, "comm_first", "direct") == ("kernel", None)
     big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16)
     assert big.staging == "gemm" and big.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
-    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=1).stage_cols == 2
+    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2).stage_cols == 4
     with pytest.raises(tl.InputError, match="stage_waves"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)
     proto.events()

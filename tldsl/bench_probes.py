@@ -292,7 +292,8 @@ def probe_ag_enqueue(shapes, iters=20, out=sys.stdout):
 
 
 def probe_ag_staging(shapes, iters=20, out=sys.stdout):
-    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging by the GEMM": {"staging": "gemm"},
+    _ag_variants({"staging kernel": {"staging": "kernel"}, "staging by the GEMM, 2 waves": {"staging": "gemm",
+                                                                                          "stage_waves": 2},
                   "staging by the GEMM, 1 wave": {"staging": "gemm", "stage_waves": 1}}, shapes, iters, out)
 
 

@@ -519,7 +519,8 @@ class AllGatherMatmul:
 DEFAULT_SM_LANES = 8
 
 #: staging="gemm": the staging is spread over the tile columns of this many waves of the GEMM
-STAGE_WAVES = 2
+#: (``probe ag_staging``: one wave as fast as two or faster, and the shard reaches the peers earlier)
+STAGE_WAVES = 1
 #: the machine figures the default staging is planned with (2x H200): NVLink copy-engine
 #: bandwidth one way (BENCHMARKS.md, 366 GB/s) and dense bf16 FLOP/s per SM (cuBLAS ~764 TFLOP/s
 #: over 132 SMs)
@@ -531,7 +532,7 @@ def default_staging(rows_per_rank: int, n: int, k: int, world_size: int, compute
                     comm: CommSchedule, handshake, enqueue: str, ce_executor: str) -> tuple[str, int | None]:
     """``("gemm", waves)`` where the GEMM can stage this rank's rows (the direct copy-engine pull
     path, whole tiles of rows per rank, no clusters, the GEMM enqueued first) and the shard, staged
-    over the GEMM's first ``waves`` (2, else 1) waves of tiles and then copied, still reaches the
+    over the GEMM's first :data:`STAGE_WAVES` waves of tiles and then copied, still reaches the
     peers before they have computed their own rows (half of the GEMM's waves; times in tile
     times, with a tenth of one to spare); ``("kernel", None)`` otherwise. Measured (``probe
     ag_staging``): the GEMM staging is faster exactly where this holds."""
@@ -545,9 +546,8 @@ def default_staging(rows_per_rank: int, n: int, k: int, world_size: int, compute
     half = tiles / sm_count() / 2                                   # waves before the peers need the shard
     tile_s = 2 * c.BM * c.BN * k / SM_FLOPS
     copy = rows_per_rank * k * 2 / NVLINK_BYTES_PER_S / tile_s      # the copy, in tile times
-    for waves in (2, 1):
-        if half >= waves + copy + 0.1:
-            return "gemm", waves
+    if half >= STAGE_WAVES + copy + 0.1:
+        return "gemm", STAGE_WAVES
     return "kernel", None
 
 

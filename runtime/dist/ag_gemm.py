@@ -319,20 +319,7 @@ class AllGatherMatmul:
                 plan_exec.stream_handshake(cu, cs, self.arrive_peers, me, L)
             if tl_ is not None and not device:
                 tl_.mark("barrier", self.copy_stream, "copy")
-            geq = consts.wait_geq
-            for p in self.order:
-                if p == me:
-                    continue
-                if device:                      # rank p's staging kernel has published launch L
-                    plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, geq),
-                                      f"cuStreamWaitValue64(arrival of rank {p})")
-                dst = a_full.data_ptr() + p * nbytes
-                plan_exec.checked(cu, cu.cuMemcpyAsync(dst, self.peer_ptrs[p] + slot * nbytes, nbytes, cs),
-                                  f"cuMemcpyAsync(shard of rank {p})")
-                plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, write_default),
-                                  f"cuStreamWriteValue64(flag of rank {p})")
-                if tl_ is not None:
-                    tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+            self._enqueue_pulls(cu, a_full, slot, L, wait_arrivals=device)
             if self.enqueue == "comm_first":
                 launch_gemm()
         finally:
@@ -346,6 +333,27 @@ class AllGatherMatmul:
             print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
         return a_full, c
 
+    def _enqueue_pulls(self, cu, a_full, slot: int, L: int, *, wait_arrivals: bool) -> None:
+        """The copy stream's part of launch ``L``: per peer in ring order, (with a device-side
+        handshake) a wait until the peer has published ``L``, the NVLink copy of its shard from its
+        slot into its rows of ``a_full``, and ``L`` into its flag (the GEMM's tiles wait on it)."""
+        from . import plan_exec
+        consts = plan_exec.driver_constants(cu)
+        cs, me, tl_ = self.copy_stream.cuda_stream, self.ctx.rank, self.timeline
+        nbytes = self.Ms * self.K * a_full.element_size()
+        for p in self.order:
+            if p == me:
+                continue
+            if wait_arrivals:
+                plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, consts.wait_geq),
+                                  f"cuStreamWaitValue64(arrival of rank {p})")
+            plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + p * nbytes, self.peer_ptrs[p] + slot * nbytes,
+                                                   nbytes, cs), f"cuMemcpyAsync(shard of rank {p})")
+            plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, consts.write_default),
+                              f"cuStreamWriteValue64(flag of rank {p})")
+            if tl_ is not None:
+                tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+
     def _call_gemm_staged(self, a_shard, b, out, poison_workspace: bool, L: int):
         """``staging="gemm"``: no staging pass. The GEMM reads this rank's rows from the shard,
         stores them (as it loads them) into the symmetric slot ``L % 2`` and into A_gathered, and
@@ -356,10 +364,9 @@ class AllGatherMatmul:
         import torch
         from . import plan_exec
         cu = plan_exec.load_driver()
-        consts = plan_exec.driver_constants(cu)
         W, me = self.ctx.world_size, self.ctx.rank
         cur = torch.cuda.current_stream(self.ctx.device)
-        cur_h, cs = cur.cuda_stream, self.copy_stream.cuda_stream
+        cur_h = cur.cuda_stream
         dev = self.shards.device
         a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=dev)
         if poison_workspace:
@@ -377,7 +384,6 @@ class AllGatherMatmul:
                                                                   "a_shard": a_shard, "a_slot": self.shards[slot],
                                                                   "own_cols": self.stage_cols},
                                                                  signals=self._own_signals, rank=me))
-        nbytes = self.Ms * self.K * a_full.element_size()
         gc_was_on = gc.isenabled()
         gc.disable()                # the GEMM spins on the copies' flags: no host stall until they are enqueued
         try:
@@ -389,18 +395,7 @@ class AllGatherMatmul:
             if self.hooks:
                 self._hook("before_comm", self.copy_stream)
             self.copy_stream.wait_event(self._start)
-            for p in self.order:
-                if p == me:
-                    continue
-                plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, consts.wait_geq),
-                                  f"cuStreamWaitValue64(arrival of rank {p})")
-                plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + p * nbytes, self.peer_ptrs[p] + slot * nbytes,
-                                                       nbytes, cs), f"cuMemcpyAsync(shard of rank {p})")
-                plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L,
-                                                              consts.write_default),
-                                  f"cuStreamWriteValue64(flag of rank {p})")
-                if tl_ is not None:
-                    tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
+            self._enqueue_pulls(cu, a_full, slot, L, wait_arrivals=True)
         finally:
             if gc_was_on:
                 gc.enable()

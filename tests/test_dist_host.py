@@ -1623,6 +1623,17 @@ def test_allgather_memops_handshake(proto, monkeypatch):
                                               "cuStreamWaitEvent"]
 
 
+def _each_launch(proto, op, Ms, K, N, n=3):
+    """Launches 1..n of an AG+GEMM op on fresh shards: ``(L, shard, A_gathered, events enqueued)``."""
+    torch = proto.torch
+    proto.events()
+    b = torch.zeros(K, N, dtype=torch.bfloat16)
+    for L in range(1, n + 1):
+        a = torch.randn(Ms, K).to(torch.bfloat16)
+        ga, _ = op(a, b)
+        yield L, a, ga, proto.events()
+
+
 def test_allgather_device_handshake(proto, monkeypatch):
     """handshake='device': the staging kernel is the handshake (it waits for every peer's
     arrival at L-1, stages, and publishes L on every peer); the copy stream follows the call's
@@ -1638,13 +1649,9 @@ def test_allgather_device_handshake(proto, monkeypatch):
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16)         # the default with the staging kernel
     assert op.handshake == "device" and op.gemm.reserve == 0 and op._stager.kernel.name == stm.PUBLISH_ENTRY
     assert op._arrive_table.tolist() == op.arrive_peers
-    proto.events()
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
-    for L in (1, 2, 3):
-        a = torch.randn(Ms, K).to(torch.bfloat16)
-        ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16))
-        ev = proto.events()
+    for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert [e[0] for e in ev] == ["cuEventRecord", "cuLaunchKernel", "cuStreamWaitEvent", "GEMM",
                                       "cuStreamWaitValue64", "cuMemcpyAsync", "cuStreamWriteValue64",
                                       "cuEventRecord", "cuStreamWaitEvent"]
@@ -1718,13 +1725,9 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2).stage_cols == 4
     with pytest.raises(tl.InputError, match="stage_waves"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)
-    proto.events()
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
-    for L in (1, 2, 3):
-        a = torch.randn(Ms, K).to(torch.bfloat16)
-        ga, c = op(a, torch.zeros(K, N, dtype=torch.bfloat16))
-        ev = proto.events()
+    for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert [e[0] for e in ev] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])

@@ -241,17 +241,12 @@ class AllGatherMatmul:
         if self.staging == "gemm":
             return self._call_gemm_staged(a_shard, b, out, poison_workspace, L)
         W = self.ctx.world_size
-        cur = torch.cuda.current_stream(self.ctx.device)
+        cur, a_full = self._begin(poison_workspace)
         cur_h = cur.cuda_stream
         dev = self.shards.device
-        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=dev)
-        if poison_workspace:
-            a_full.fill_(float("nan"))
         slot = L % 2
         me = self.ctx.rank
         tl_ = self.timeline
-        if tl_ is not None:
-            tl_.mark("start", cur, "compute")
         nbytes = self.Ms * self.K * self.shards.element_size()
         if not a_shard.is_contiguous():
             a_shard = a_shard.contiguous()
@@ -325,6 +320,24 @@ class AllGatherMatmul:
         finally:
             if gc_was_on:
                 gc.enable()
+        return self._join(cur, a_full, c, L)
+
+    def _begin(self, poison_workspace: bool):
+        """A launch's start on the host: the compute stream, a fresh A_gathered (NaN-filled with
+        ``poison_workspace``) and the timeline's first mark."""
+        import torch
+        cur = torch.cuda.current_stream(self.ctx.device)
+        a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype, device=self.shards.device)
+        if poison_workspace:
+            a_full.fill_(float("nan"))
+        if self.timeline is not None:
+            self.timeline.mark("start", cur, "compute")
+        return cur, a_full
+
+    def _join(self, cur, a_full, c, L: int):
+        """The end of launch ``L``: the compute stream waits for the copy stream (launch ``L+1``
+        starts after both), and A_gathered, written on the copy stream, is marked in use there."""
+        import torch
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         a_full.record_stream(self.copy_stream)
@@ -365,15 +378,10 @@ class AllGatherMatmul:
         from . import plan_exec
         cu = plan_exec.load_driver()
         W, me = self.ctx.world_size, self.ctx.rank
-        cur = torch.cuda.current_stream(self.ctx.device)
+        cur, a_full = self._begin(poison_workspace)
         cur_h = cur.cuda_stream
         dev = self.shards.device
-        a_full = torch.empty((W * self.Ms, self.K), dtype=self.dtype, device=dev)
-        if poison_workspace:
-            a_full.fill_(float("nan"))
         tl_ = self.timeline
-        if tl_ is not None:
-            tl_.mark("start", cur, "compute")
         if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA reads it
             a_shard = a_shard.clone(memory_format=torch.contiguous_format)
         slot = L % 2
@@ -399,13 +407,7 @@ class AllGatherMatmul:
         finally:
             if gc_was_on:
                 gc.enable()
-        self._copied.record(self.copy_stream)
-        cur.wait_event(self._copied)
-        a_full.record_stream(self.copy_stream)
-        if self.debug:
-            torch.cuda.synchronize()
-            print(f"[rank {me}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
-        return a_full, c
+        return self._join(cur, a_full, c, L)
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for

@@ -366,8 +366,7 @@ struct NoOwnRows {
 // rows in columns n < `cols` store the A stages they load (a stager thread in the producer
 // warpgroup, between a stage's arrival and its release), by TMA from shared memory, into the
 // symmetric slot peers pull the shard from (`slot`) and into A_gathered's rows: column n the
-// n-th of `cols` even parts of K, which its K loop — rotated to start there — loads first, so
-// the shard is staged within the first 1/cols of those tiles' time. Before its first
+// stages k with k % cols == n, so the staging traffic is spread over `cols` tiles. Before its first
 // store into the slot a CTA waits until every peer has arrived at launch - 1 (its copies of
 // launch - 2, the last reads of this slot, are done); once a tile's stores are complete it adds
 // 1 to `staged`, and whoever completes the launch's count (tile rows x cols) writes `launch`
@@ -387,15 +386,6 @@ struct OwnRows {
   __device__ __forceinline__ bool owns(int m0, int M, int rank) const {
     const int rows = M / kWorld;
     return m0 >= rank * rows && m0 < (rank + 1) * rows;
-  }
-  // The K tiles a staging tile stores: [lo, lo + span) of its row's, split evenly over the first
-  // `cols` columns. A staging tile starts its K loop at lo (it runs rotated), so every stage of
-  // the shard is stored within the first 1/cols of a tile's time, not as late as its last stage.
-  __device__ __forceinline__ int2 k_range(int n, int m0, int M, int rank, int k_tiles, int gn) const {
-    const int c = cols < gn ? cols : gn;
-    if (n >= c || !owns(m0, M, rank)) return make_int2(0, 0);
-    const int lo = n * k_tiles / c;
-    return make_int2(lo, (n + 1) * k_tiles / c - lo);
   }
   __device__ __forceinline__ void wait_slot_free(int rank) const {
     if (launch > 1)
@@ -491,12 +481,11 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         }
         const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
         const cute::TmaDescriptor* ta = tma_a;
-        int am0 = m0, k_lo = 0;
+        int am0 = m0;
         if constexpr (Own::kEnabled) {
           if (own.owns(m0, M, rank)) {
             ta = own.shard;
             am0 = m0 - rank * (M / Cfg::kWorldSize);
-            k_lo = own.k_range(tc.n, m0, M, rank, k_tiles, gn).x;   // a staging tile's K loop starts there
           }
         }
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -504,8 +493,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           EmptyBar::wait(&empty_bar[s], phase ^ 1u);
           FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
-          const int kr = kt + k_lo < k_tiles ? kt + k_lo : kt + k_lo - k_tiles;
-          const int k0 = kr * Tr::BK;
+          const int k0 = kt * Tr::BK;
           unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
           unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
 #pragma unroll
@@ -542,11 +530,10 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           const TileCoord tc = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
           const int m0 = tc.m * Tr::BM;
           const bool stage_tile = tc.n < cols && own.owns(m0, M, rank);
-          const int2 kr = own.k_range(tc.n, m0, M, rank, k_tiles, gn);   // its first kr.y stages: K tiles kr.x...
           for (int kt = 0; kt < k_tiles; ++kt, ++it) {
             const int s = it % Tr::kStages;
             FullBar::wait(&full_bar[s], uint32_t(it / Tr::kStages) & 1u);
-            if (kt < kr.y) {
+            if (stage_tile && kt % cols == tc.n) {
               if (!slot_free) {
                 own.wait_slot_free(rank);
                 slot_free = true;
@@ -555,9 +542,9 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
               unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
 #pragma unroll
               for (int c = 0; c < Tr::kChunksA; ++c) {
-                const int k0 = (kr.x + kt) * Tr::BK + c * Tr::EA;
-                cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, k0, m0 - rank * rows);
-                cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, k0, m0);
+                cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA,
+                                              m0 - rank * rows);
+                cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0);
               }
               cute::tma_store_arrive();
               bulk_wait_read<0>();           // the stores have read the stage ...

@@ -102,3 +102,51 @@ def test_waits_block_until_flags_are_set():
     torch.cuda.synchronize()
     ref = a.float() @ b.float()
     assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+
+
+@pytest.mark.parametrize("rank,cols", [(0, 1), (1, 3), (1, 16)])
+def test_gemm_staging_its_own_rows(rank, cols):
+    """own_rows (AG+GEMM's staging='gemm') on one GPU, the peers stood in for by memory: this
+    rank's rows are read from the shard (A_gathered's own rows start as NaN, so reading them
+    would show), stored into the slot and into A_gathered, the staging tiles counted, and the
+    launch published into this rank's slot of every peer's arrival array (here one scratch
+    array). Launch 2 needs the peers' arrival at launch 1 before it overwrites the slot."""
+    import torch
+    import tldsl as tl
+    from tldsl.codegen.lower import lower
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.runtime.gpu import GemmKernel
+    W, Ms, K, N = 2, 512, 520, 3000
+    bf = tl.bfloat16
+    ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
+                              compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned",
+                                                         group_m=Ms // 128),
+                              comm=tl.CommSchedule(engine="copy_engine", mode="pull", order="ring"))
+    lg = lower(ir, "gemm", own_rows=True, wait_timeout_ns=2_000_000_000)     # a stuck wait traps, never hangs
+    kern = GemmKernel(lg)
+    dev = "cuda"
+    own = slice(rank * Ms, (rank + 1) * Ms)
+    b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+    flags = {s: torch.full((W,), 1 << 40, device=dev, dtype=torch.int64) for s in lg.signals}   # peers' rows: here
+    staged = torch.zeros(1, device=dev, dtype=torch.int64)
+    arrive = torch.zeros(W, device=dev, dtype=torch.int64)
+    published = torch.zeros(W, device=dev, dtype=torch.int64)
+    table = torch.full((W,), published.data_ptr(), device=dev, dtype=torch.int64)
+    signals = dict(flags, own_staged=staged, own_arrive=arrive, own_arrive_peers=table)
+    per_launch = (Ms // 128) * min(cols, -(-N // 256))
+    for launch in (1, 2):
+        shard = torch.randn(Ms, K, device=dev, dtype=torch.bfloat16)
+        a_full = torch.randn(W * Ms, K, device=dev, dtype=torch.bfloat16)
+        a_full[own] = float("nan")
+        slot = torch.full((Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
+        c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        arrive.fill_(launch - 1)                     # the peers have staged the previous launch
+        kern({"a_gathered": a_full, "b": b, "c": c, "a_shard": shard, "a_slot": slot, "own_cols": cols},
+             signals=signals, launch_index=launch, rank=rank)
+        torch.cuda.synchronize()
+        assert torch.equal(slot, shard) and torch.equal(a_full[own], shard)
+        ref = a_full.float() @ b.float()
+        assert not torch.isnan(c).any()
+        assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+        assert staged.item() == launch * per_launch
+        assert published[rank].item() == launch and published[1 - rank].item() == 0

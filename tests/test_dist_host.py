@@ -1722,6 +1722,10 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert default_staging(8192, 4096, 8192, 2, None, ce, None, "comm_first", "direct") == ("kernel", None)
     swizzled = tl.ComputeSchedule(tile=(128, 256, 64), order="swizzled")
     assert default_staging(8192, 4096, 8192, 2, swizzled, ce, None, "gemm_first", "direct") == ("kernel", None)
+    grouped = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned")           # groups of 8 tile rows
+    assert default_staging(8192, 4096, 8192, 2, grouped, ce, None, "gemm_first", "direct") == ("kernel", None)
+    whole = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=64)
+    assert default_staging(8192, 4096, 8192, 2, whole, ce, None, "gemm_first", "direct") == ("gemm", 1)
     big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16)
     assert big.staging == "gemm" and big.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
     assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2).stage_cols == 4

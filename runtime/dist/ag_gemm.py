@@ -529,17 +529,20 @@ def default_staging(rows_per_rank: int, n: int, k: int, world_size: int, compute
                     comm: CommSchedule, handshake, enqueue: str, ce_executor: str) -> tuple[str, int | None]:
     """``("gemm", waves)`` where the GEMM can stage this rank's rows (the direct copy-engine pull
     path, whole tiles of rows per rank, no clusters, the GEMM enqueued first, the ``comm_aligned``
-    order that computes this rank's rows first) and the shard, staged over the GEMM's first
-    :data:`STAGE_WAVES` waves of tiles and then copied, still reaches the peers before they have
-    computed their own rows (half of the GEMM's waves; times in tile times, with a tenth of one
-    to spare); ``("kernel", None)`` otherwise. Measured (``probe ag_staging``): the GEMM staging
-    is faster exactly where this holds."""
+    order that computes this rank's rows first, in one group — the default schedule for this
+    staging) and the shard, staged over the GEMM's first :data:`STAGE_WAVES` waves of tiles and
+    then copied, still reaches the peers before they have computed their own rows (half of the
+    GEMM's waves; times in tile times, with a tenth of one to spare); ``("kernel", None)``
+    otherwise. Measured (``probe ag_staging``): the GEMM staging is faster exactly where this
+    holds."""
     from ..gpu.device import sm_count
     c = compute or DEFAULT_COMPUTE
     direct = comm.engine == "copy_engine" and comm.mode == "pull" and ce_executor == "direct"
     if not direct or handshake not in (None, "device") or enqueue != "gemm_first" or rows_per_rank % c.BM \
             or c.cluster != (1, 1) or c.order != "comm_aligned":    # (this rank's rows first: the plan's premise)
         return "kernel", None
+    if compute is not None and compute.group_m * c.BM < rows_per_rank:
+        return "kernel", None       # a given schedule whose first wave does not reach all of this rank's rows
     tiles = -(-world_size * rows_per_rank // c.BM) * -(-n // c.BN)
     half = tiles / sm_count() / 2                                   # waves before the peers need the shard
     tile_s = 2 * c.BM * c.BN * k / SM_FLOPS

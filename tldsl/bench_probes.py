@@ -29,8 +29,8 @@
   handshake and copies first, timed the same way.
 * ``ag_staging``: AllGather+GEMM staging its shard with one pass of the staging kernel before
   the GEMM, or by the GEMM itself as it loads this rank's rows (``staging="gemm"``, spread over
-  the tiles of two waves or of one), timed the same way. (The fourth session's run compared the kernel with two ``cuMemcpyAsync`` and a
-  stream write, ``staging="copies"``.)
+  the tiles of two waves or of one), timed the same way. (Earlier runs compared the kernel with
+  two ``cuMemcpyAsync`` and a stream write, ``staging="copies"``.)
 * ``ag_handshake``: AllGather+GEMM's handshake as stream memory operations enqueued after the
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
@@ -41,7 +41,8 @@
   and that with the GEMM's tile rows grouped by one copy chunk (so the chunks finish one after
   another), timed the same way.
 * ``rs_early_sum``: GEMM+ReduceScatter (copy engine, sum after the GEMM) summing the chunks the
-  GEMM finished first on a side stream beside its last wave (the default), or all after it.
+  GEMM finished first on a side stream beside its last wave (the default from 32 MiB of this
+  rank's rows), or all after it.
 """
 from __future__ import annotations
 

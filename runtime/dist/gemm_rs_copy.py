@@ -202,16 +202,20 @@ class CopyEngineReduceScatter:
         done = self.ws.peers(self._done) if W > 1 else ()
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
+        arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
+
+        def start_copy_stream():
+            # this rank's half of the handshake: it depends only on this rank's earlier work (the
+            # call's start), so the host may enqueue it before the GEMM (arrive_first) or after
+            if op.hooks:
+                op._hook("before_comm", self.copy_stream)
+            self.copy_stream.wait_event(self._start)
+            if W > 1:
+                plan_exec.stream_arrive(cu, cs, arrive, me, L)
+
         try:
-            arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
             if self.arrive_first:
-                # this rank's half of the handshake before the GEMM on the host: a peer's copies
-                # wait for it, and it depends only on this rank's earlier work (the call's start)
-                if op.hooks:
-                    op._hook("before_comm", self.copy_stream)
-                self.copy_stream.wait_event(self._start)
-                if W > 1:
-                    plan_exec.stream_arrive(cu, cs, arrive, me, L)
+                start_copy_stream()
             if op.hooks:
                 op._hook("before_compute", cur)
             gemm.launch(cur_h, L)
@@ -223,11 +227,7 @@ class CopyEngineReduceScatter:
             if sum_first:                   # the sum's waits and kernel before the copies, on the host
                 self._enqueue_sum(cu, cur, out, ready, done, L)
             if not self.arrive_first:
-                if op.hooks:
-                    op._hook("before_comm", self.copy_stream)
-                self.copy_stream.wait_event(self._start)
-                if W > 1:
-                    plan_exec.stream_arrive(cu, cs, arrive, me, L)
+                start_copy_stream()
             if W > 1:
                 plan_exec.stream_await(cu, cs, arrive, me, L)
             if tl_ is not None:

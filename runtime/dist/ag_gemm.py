@@ -111,7 +111,8 @@ class AllGatherMatmul:
         if staging is None:
             staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
                                                      ce_executor)
-            stage_waves = stage_waves if stage_waves is not None or staging != "gemm" else planned_waves
+            if staging == "gemm" and stage_waves is None:
+                stage_waves = planned_waves
         if handshake not in (None, "kernel", "memops", "device"):
             raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
         if handshake == "device" and staging == "copies":
@@ -185,12 +186,13 @@ class AllGatherMatmul:
         self.copy_stream = torch.cuda.Stream(device=dev)
         self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
         self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
-        if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
-            self._start = torch.cuda.Event()
-            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0],
-                                            stage_waves or STAGE_WAVES)
+        if handshake == "device":   # the stager (the staging kernel or the GEMM) publishes the arrival itself:
+            self._start = torch.cuda.Event()        # every rank's arrival array, as mapped here
             self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
             self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
+        if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
+            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0],
+                                            stage_waves or STAGE_WAVES)
             self._own_signals = {self.signal: self.flags, "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
                                  "own_arrive": self.arrive, "own_arrive_peers": self._arrive_table}
         if staging == "kernel":
@@ -198,12 +200,9 @@ class AllGatherMatmul:
             from .staging import ShardStager
             publish = None
             if handshake == "device":           # the staging kernel publishes this rank's arrival itself
-                self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
-                self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
                 self._blocks_done = torch.zeros(1, dtype=torch.int64, device=dev)
                 publish = (self.arrive.data_ptr(), self._arrive_table.data_ptr(), r, W, self._blocks_done.data_ptr(),
                            int(timeout) if timeout else None)
-                self._start = torch.cuda.Event()
             self._stager = ShardStager(sm_count(), progress=progress, publish=publish)
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \

@@ -66,15 +66,8 @@ tldsl_stage_shard_publish(const uint4* __restrict__ src, uint4* __restrict__ dst
   __syncthreads();""" + _COPY_LOOP + r"""
   tldsl::fence_acq_rel<tldsl::kScopeGpu>();        // every thread's stores before ...
   __syncthreads();
-  if (threadIdx.x == 0) {                           // ... its block's count
-    const unsigned long long done = atomicAdd(blocks_done, 1ull) + 1ull;
-    if (done % gridDim.x == 0) {          // the last block of this launch (earlier launches are complete)
-      tldsl::fence_acq_rel<tldsl::kScopeSys>();    // every block's stores before the peers' view of the arrival
-      for (int p = 0; p < world; ++p)
-        if (p != rank)
-          asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(peer_arrive[p] + rank), "l"(value) : "memory");
-    }
-  }
+  if (threadIdx.x == 0)                             // ... its block's count; the last block publishes
+    tldsl::arrive_on_peers_when_done(blocks_done, gridDim.x, peer_arrive, rank, world, value);
 }
 """
 

@@ -116,6 +116,22 @@ __device__ __forceinline__ void wait_at_least(const unsigned long long* slot, un
   }
 }
 
+// A launch's work split into parts, each part finished by one thread after it has made its own
+// stores visible (fenced): count the part in `parts_done` (all launches; an earlier launch is
+// complete before a later one starts), and the part that completes the launch's
+// `parts_per_launch` releases everyone's stores at system scope and writes `value` into slot
+// `rank` of every peer's arrival array (`peer_arrive[p]`: rank p's array as mapped here).
+__device__ __forceinline__ void arrive_on_peers_when_done(unsigned long long* parts_done,
+                                                          unsigned long long parts_per_launch,
+                                                          unsigned long long* const* peer_arrive, int rank, int world,
+                                                          unsigned long long value) {
+  const unsigned long long done = atomicAdd(parts_done, 1ull) + 1ull;
+  if (done % parts_per_launch != 0) return;
+  fence_acq_rel<kScopeSys>();
+  for (int p = 0; p < world; ++p)
+    if (p != rank) asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(peer_arrive[p] + rank), "l"(value) : "memory");
+}
+
 // Order this thread's acquired view before its later TMA (async-proxy) reads of global memory,
 // and its completed TMA (async-proxy) writes before its later generic-proxy release.
 __device__ __forceinline__ void fence_proxy_async_global() {

@@ -397,13 +397,7 @@ struct OwnRows {
     bulk_wait_all();
     fence_proxy_async_global();          // the TMA stores (async proxy) before the release
     fence_acq_rel<kScopeSys>();
-    const unsigned long long done = atomicAdd(staged, 1ull) + 1ull;
-    if (done % rows_per_launch == 0) {
-      fence_acq_rel<kScopeSys>();
-      for (int p = 0; p < kWorld; ++p)
-        if (p != rank)
-          asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(peer_arrive[p] + rank), "l"(launch) : "memory");
-    }
+    arrive_on_peers_when_done(staged, rows_per_launch, peer_arrive, rank, kWorld, launch);
   }
 };
 

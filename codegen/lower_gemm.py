@@ -210,6 +210,7 @@ class LoweredGemm(LoweredKernel):
     epilogue_waits: int = 0          # waits in a generated epilogue (before its sums)
     data_buffers: tuple[tuple[str, tuple[int, ...], str], ...] = ()   # (name, shape, dtype) it loads: "data:<name>"
     own_rows: bool = False           # this rank's rows of A read from "a_shard", staged into "a_slot" and A
+    gather_rows: bool = False        # this rank's rows of A read from "a_shard", every row stored into "a_copy"
 
     @property
     def num_tiles(self) -> int:
@@ -240,7 +241,9 @@ class LoweredGemm(LoweredKernel):
                     f"{[d[0] for d in self.data_buffers]})" if self.epilogue_waits else "") + "; "
                  f"{self.notifies} notify(s) on {list(self.notify_signals) or 'no signals'} after the tile's stores"
                  + ("; this rank's rows of A read from its shard and staged by the GEMM (own_rows)"
-                    if self.own_rows else ""),
+                    if self.own_rows else "")
+                 + ("; this rank's rows of A read from its shard, the peers' from A (pushed there), every row "
+                    "stored into A_gathered by the GEMM (gather_rows)" if self.gather_rows else ""),
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         for t in self.tma:
             lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
@@ -788,7 +791,8 @@ def _is_this_rank(v: core.Value) -> bool:
 
 
 def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
-               wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False) -> LoweredGemm:
+               wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False,
+               gather_rows: bool = False) -> LoweredGemm:
     """Lower ``kernel``'s compute part (the only one, or the one named) to a Hopper GEMM kernel.
 
     ``cluster`` overrides the schedule's cluster shape (``ComputeSchedule.cluster`` when the
@@ -799,7 +803,12 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     loads them — into ``a_slot`` (the symmetric slot peers pull from) and A, spread over the
     first ``own_cols`` tile columns (a launch argument) — counting staged tiles in ``own_staged`` and publishing the launch into slot ``rank`` of every
     peer's arrival array (``own_arrive_peers``: their addresses; ``own_arrive``: this rank's,
-    waited on before the slot is overwritten): ``tldsl::sm90::OwnRows``."""
+    waited on before the slot is overwritten): ``tldsl::sm90::OwnRows``. ``gather_rows``
+    (AllGather+GEMM with the copy engines pushing the shards): this rank's rows of A are read
+    from ``a_shard`` without their waits, every other row from A itself (the landing buffer the
+    peers push into), and the GEMM stores every A stage it loads — spread over the first
+    ``own_cols`` tile columns — into ``a_copy`` (the gathered A the op returns):
+    ``tldsl::sm90::GatherRows``."""
     if part is None:
         parts = [p for p in kernel.parts if p.role == "compute"]
         if len(parts) != 1:
@@ -860,10 +869,12 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
             data.append((b.name, tuple(b.type.shape), b.type.dtype.name))
 
     tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in getattr(ne, "stored", ()))
-    if own_rows:
-        tma += _own_rows(kernel, p, m, cfg, M, K, ne, params)
+    if own_rows and gather_rows:
+        raise _fail("own_rows and gather_rows are two ways to load this rank's rows: choose one", p)
+    if own_rows or gather_rows:
+        tma += _own_rows(kernel, p, m, cfg, M, K, ne, params, "gather_rows" if gather_rows else "own_rows")
     source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines,
-                          own_rows)
+                          own_rows, gather_rows)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
@@ -873,7 +884,8 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
                        tuple(p.grid), kernel.world_size, align_shift, em.waits,
                        tuple(s.name for s in waited), tuple(options),
                        notifies=ne.notifies, notify_signals=tuple(notified_names),
-                       epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data), own_rows=own_rows)
+                       epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data), own_rows=own_rows,
+                       gather_rows=gather_rows)
 
 
 _OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arrive", "const unsigned long long*"),
@@ -882,30 +894,40 @@ _OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arr
 OWN_COLS = "own_cols"
 #: the int64 tensors an ``own_rows`` GEMM takes among its signals (``signal:<name>`` parameters)
 OWN_ROW_SIGNALS = tuple(name for name, _ in _OWN_ROW_PARAMS)
+#: the buffer a ``gather_rows`` GEMM stores every A stage into (the gathered A the op returns)
+GATHER_COPY = "a_copy"
 
 
-def _own_rows(kernel, part, m: _Match, cfg: GemmConfig, M: int, K: int, ne, params: list) -> tuple:
-    """``own_rows``: check the GEMM can stage this rank's rows itself, add the parameters, and
-    return the shard's and the slot's TMA descriptors (A's boxes: a staged stage is stored as
-    it was loaded)."""
+def _own_rows(kernel, part, m: _Match, cfg: GemmConfig, M: int, K: int, ne, params: list, what: str) -> tuple:
+    """``own_rows`` / ``gather_rows``: check the GEMM can load this rank's rows from its shard
+    and store the A stages itself, add the parameters, and return the TMA descriptors of the
+    shard and of where the stages go (A's boxes: a stage is stored as it was loaded) — the slot
+    (``own_rows``, this rank's rows) or the gathered copy (``gather_rows``, every row)."""
     W = kernel.world_size
     if M % W or (M // W) % cfg.BM:
-        raise _fail(f"own_rows: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
+        raise _fail(f"{what}: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
                     part)
     if cfg.cluster != (1, 1):
-        raise _fail(f"own_rows: the GEMM stages its rows without thread-block clusters (got {cfg.cluster})", part)
+        raise _fail(f"{what}: the GEMM stores A stages without thread-block clusters (got {cfg.cluster})", part)
     if ne.notifies or m.extras:
-        raise _fail("own_rows: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
+        raise _fail(f"{what}: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
                     "part does neither)", part)
     grid = "const __grid_constant__ cute::TmaDescriptor"
+    eb, rows = cfg.elem_bytes, M // W
+
+    def a_like(param, buf, nrows):
+        return TmaDescriptorSpec(param, buf, "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (K, nrows), (K * eb,),
+                                 (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA])
+    if what == "gather_rows":
+        params += [KernelParam("tma_a_own", grid, "tma", "tma:tma_a_own"),
+                   KernelParam("tma_a_copy", grid, "tma", "tma:tma_a_copy")]
+        params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
+        return a_like("tma_a_own", "a_shard", rows), a_like("tma_a_copy", GATHER_COPY, M)
     params += [KernelParam("tma_a_own", grid, "tma", "tma:tma_a_own"),
                KernelParam("tma_a_slot", grid, "tma", "tma:tma_a_slot")]
     params += [KernelParam(name, ctype, "ptr", f"signal:{name}") for name, ctype in _OWN_ROW_PARAMS]
     params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
-    eb, rows = cfg.elem_bytes, M // W
-    return tuple(TmaDescriptorSpec(param, buf, "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype], (K, rows), (K * eb,),
-                                   (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA])
-                 for param, buf in (("tma_a_own", "a_shard"), ("tma_a_slot", "a_slot")))
+    return a_like("tma_a_own", "a_shard", rows), a_like("tma_a_slot", "a_slot", rows)
 
 
 def _all_ops(ops):
@@ -962,7 +984,8 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
 
 
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
-                 align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=(), own_rows=False) -> str:
+                 align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=(), own_rows=False,
+                 gather_rows=False) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
@@ -1064,6 +1087,9 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
     if own_rows:      # no notifies, no generated epilogue (checked): the plain store, then this rank's rows
         notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, tldsl::sm90::OwnRows<Cfg::kWorldSize>{"
                         "&tma_a_own, &tma_a_slot, " + ", ".join(n for n, _ in _OWN_ROW_PARAMS) + f", launch, {OWN_COLS}}}")
+    if gather_rows:   # the same, every row's stages stored into the gathered copy
+        notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, "
+                        f"tldsl::sm90::GatherRows<Cfg::kWorldSize>{{&tma_a_own, &tma_a_copy, {OWN_COLS}}}")
     L += ["}  // namespace", ""]
     L += kernel_entry(entry, cfg.threads, params, [
         "  (void)launch;",

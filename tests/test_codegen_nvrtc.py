@@ -138,6 +138,31 @@ def test_gemm_staging_its_own_rows_compiles(cache):
         lower_gemm(ir, "gemm", own_rows=True, cluster=(2, 1))
 
 
+@needs_cuobjdump
+def test_gemm_gathering_pushed_rows_compiles(cache):
+    """gather_rows (AG+GEMM with the copy engines pushing): this rank's rows from its shard, the
+    peers' from A (the landing buffer) behind system-scope waits on the flags the peers' copy
+    engines write, every A stage stored into the gathered copy: more TMA stores than the plain
+    GEMM, no atomics or remote stores (nothing is published). Refused together with own_rows,
+    and for rows that are not whole tiles."""
+    from tldsl.codegen.scalars import LoweringError
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+    ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    plain = lower_gemm(ir, "gemm")
+    lg = lower_gemm(ir, "gemm", gather_rows=True)
+    assert lg.gather_rows and not lg.own_rows and [t.buffer for t in lg.tma[3:]] == ["a_shard", "a_copy"]
+    assert [t.global_dims for t in lg.tma[3:]] == [(512, 1024), (512, 2048)]
+    k0 = plain.compile(cache=cache, progress=False).sass()[plain.entry]
+    k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
+    assert k.count("UTMASTG") > k0.count("UTMASTG") and k.count("ATOMG") == 0 and k.count("STG.E.64.STRONG.SYS") == 0
+    with pytest.raises(LoweringError, match="choose one"):
+        lower_gemm(ir, "gemm", gather_rows=True, own_rows=True)
+    with pytest.raises(LoweringError, match="gather_rows: this rank's rows"):
+        lower_gemm(allgather_gemm.trace(2, S((1000, 512), tl.float16), S((512, 768), tl.float16),
+                                        S((2000, 768), tl.float16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
+                                        comm=comm), "gemm", gather_rows=True)
+
+
 def test_cache_hit_is_fast_and_keyed_on_options(cache):
     lg = lower_gemm(trace_plain(tile=(128, 64, 64), stages=3))
     first = lg.compile(cache=cache, progress=False)

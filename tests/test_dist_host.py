@@ -66,6 +66,7 @@ class FakeDriver:
     CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_HOST=1, CU_MEMORYTYPE_DEVICE=2)
     CUstreamWriteValue_flags = SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT=0)
     CUstreamWaitValue_flags = SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ=0)
+    CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUDA_MEMCPY2D = FakeMemcpy2D
 
     def __init__(self):
@@ -146,6 +147,20 @@ class FakeDriver:
             cur = int(self.bytes(addr, 8).view(np.uint64)[0])
             return ((cur - value) & ((1 << 64) - 1)) < (1 << 63)
         return self._call("cuStreamWaitValue64", stream, op, (addr, value))
+
+    # events: recorded in the call log like torch's (the streams here run their queues in any order)
+    def cuEventCreate(self, flags):
+        self._events = getattr(self, "_events", 5000) + 1
+        return (FakeCUresult.CUDA_SUCCESS, self._events)
+
+    def cuEventDestroy(self, ev):
+        return (FakeCUresult.CUDA_SUCCESS,)
+
+    def cuEventRecord(self, ev, stream):
+        return self._call("cuEventRecord", stream, None, (int(ev),))
+
+    def cuStreamWaitEvent(self, stream, ev, flags):
+        return self._call("cuStreamWaitEvent", stream, None, (int(ev),))
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         self.launches.append(dict(function=fn, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream,
@@ -928,6 +943,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
+                                              "ag_gemm/copy_engine-push-direct",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
                                                   "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
@@ -1036,6 +1052,7 @@ class _Proto:
         mp.setattr(torch.cuda, "Stream", Stream)
         mp.setattr(torch.cuda, "Event", Event)
         mp.setattr(torch.cuda, "current_stream", lambda device=None: proto.current[-1])
+        mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: proto.current[-1].cuda_stream, raising=False)
         mp.setattr(torch.cuda, "stream", _StreamCtx)
         mp.setattr(torch.cuda, "synchronize", lambda *a: log.append(("synchronize",)))
         mp.setattr(torch.Tensor, "record_stream", lambda t, s: None)
@@ -1726,7 +1743,7 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert default_staging(8192, 4096, 8192, 2, grouped, ce, None, "gemm_first", "direct") == ("kernel", None)
     whole = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=64)
     assert default_staging(8192, 4096, 8192, 2, whole, ce, None, "gemm_first", "direct") == ("gemm", 1)
-    big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16)
+    big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16, comm=ce)      # the pull (whole tiles: push by default)
     assert big.staging == "gemm" and big.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
     assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2).stage_cols == 4
     with pytest.raises(tl.InputError, match="stage_waves"):
@@ -1751,6 +1768,87 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     bufs, sigs = proto.gemm_args
     assert bufs["a_shard"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op.shards.data_ptr()
     assert sigs["own_arrive"] is not op.arrive and sigs["own_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
+
+
+def test_allgather_copy_engine_push(proto, monkeypatch):
+    """Copy-engine push, direct: nothing staged, no handshake kernel. Per peer in ring order the
+    copy stream waits until the peer finished launch L-2 (it read landing slot L % 2 then), pushes
+    the shard straight from the caller's tensor into the peer's landing slot, and writes L into
+    the peer's flag; after the GEMM (lowered with gather_rows: this rank's rows from the shard,
+    every stage stored into A_gathered) the compute stream writes L into this rank's slot of
+    every peer's consumed array."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 1024, 1032, 3000
+    push = tl.CommSchedule(engine="copy_engine", mode="push")
+    for bad, match in ((dict(staging="gemm"), "staging='gemm': the copy-engine push stages nothing"),
+                       (dict(handshake="device"), "handshake='device'"),
+                       (dict(stage_waves=1), "stage_waves=1")):
+        with pytest.raises(tl.InputError, match=match):
+            AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push, **bad)
+    with pytest.raises(tl.InputError, match="whole 128-row tiles"):
+        AllGatherMatmul(4091, K, N, torch.bfloat16, comm=push, ce_executor="direct")
+    assert AllGatherMatmul(4091, K, N, torch.bfloat16, comm=push).engine == "copy_engine-plan"   # odd rows: the plan
+    # the default where this rank's rows are whole tiles; the pull elsewhere
+    assert AllGatherMatmul(Ms, K, N, torch.bfloat16).engine == "copy_engine-push"
+    assert AllGatherMatmul(4091, K, N, torch.bfloat16).engine == "copy_engine"
+    assert AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel").engine == "copy_engine"
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push)
+    eng = op._engine
+    # every launch's GEMM arguments as prepared for it (CPU tensors reuse addresses across launches)
+    monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
+    assert op.engine == "copy_engine-push" and op.lowered.gather_rows and not op.lowered.own_rows
+    assert "GatherRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_copy, own_cols}" in op.lowered.source
+    assert "pushed there" in op.lowered.describe() and "landing buffer (2, 2048, 1032)" in op.describe()
+    assert tuple(eng.landing.shape) == (2, 2 * Ms, K) and eng.cols == 12 and eng.gemm.reserve == 0
+    assert torch.equal(eng.counters, torch.zeros(2, 2, dtype=torch.int64))
+    cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
+    nbytes = Ms * K * 2
+    for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
+        assert [e[0] for e in ev] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                                      "cuMemcpyAsync", "cuStreamWriteValue64", "cuStreamWriteValue64",
+                                      "cuEventRecord", "cuStreamWaitEvent"]
+        assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
+        bufs, sigs = proto.gemm_args
+        assert bufs["a_shard"].data_ptr() == a.data_ptr() and bufs["a_copy"].data_ptr() == ga.data_ptr()
+        assert bufs["own_cols"] == 12
+        assert bufs["a_gathered"].data_ptr() == eng.landing[L % 2].data_ptr()
+        assert list(sigs) == [eng.signal] and sigs[eng.signal] is eng.flags
+        assert ev[3][:4] == ("cuStreamWaitValue64", cs, eng.consumed.data_ptr() + 8 * 0, max(L - 2, 0))
+        # rank 1's shard into rows [Ms, 2 Ms) of rank 0's landing slot L % 2, then its flag 1 there
+        assert ev[4] == ("cuMemcpyAsync", cs, eng.landing_peers[0] + (L % 2) * 2 * nbytes + nbytes, a.data_ptr(),
+                         nbytes)
+        assert ev[5] == ("cuStreamWriteValue64", cs, eng.flag_peers[0] + 8 * 1, L)
+        # behind the push: this rank's GEMM of launch L-1 is done (it came before the call's start)
+        assert ev[6] == ("cuStreamWriteValue64", cs, eng.consumed_peers[0] + 8 * 1, L - 1)
+        assert ev[7][1] == cs and ev[8] == ("cuStreamWaitEvent", cur, ev[7][2])   # nothing after the GEMM
+        assert "BARRIER" not in [e[0] for e in ev]
+    assert eng.consumed_peers[1] == eng.counters[1].data_ptr() and eng.flag_peers[1] == eng.flags.data_ptr()
+    assert set(op.signal_tensors()) == {eng.signal, "push_consumed"} and set(op.workspace_tensors()) == {"landing"}
+    # a shard the copy engine and TMA cannot read in place is made contiguous first
+    at = torch.randn(K, Ms).to(torch.bfloat16).t()
+    op(at, torch.zeros(K, N, dtype=torch.bfloat16))
+    assert proto.gemm_args[0]["a_shard"].is_contiguous()
+    # comm_first: the pushes before the GEMM; the consumed writes still after it
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push, enqueue="comm_first")
+    proto.events()
+    op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                                              "cuMemcpyAsync", "cuStreamWriteValue64", "cuStreamWriteValue64", "GEMM",
+                                              "cuEventRecord", "cuStreamWaitEvent"]
+    # the peers told right after the GEMM instead (kept to measure against)
+    op._engine.done_after_gemm = True
+    op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
+    assert [e[0] for e in proto.events()] == ["cuEventRecord", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                                              "cuMemcpyAsync", "cuStreamWriteValue64", "GEMM", "cuStreamWriteValue64",
+                                              "cuEventRecord", "cuStreamWaitEvent"]
+    # the GEMM alone: this rank's rows read from A_gathered itself, the copy into scratch
+    full = torch.randn(2 * Ms, K).to(torch.bfloat16)
+    op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
+    bufs, _ = proto.gemm_args
+    assert bufs["a_gathered"] is full and bufs["a_shard"].data_ptr() == full[Ms:].data_ptr()
+    assert bufs["a_copy"].data_ptr() != full.data_ptr()
 
 
 def test_bench_schedule_spec_parses_into_schedules():

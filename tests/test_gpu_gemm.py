@@ -150,3 +150,43 @@ def test_gemm_staging_its_own_rows(rank, cols):
         assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
         assert staged.item() == launch * per_launch
         assert published[rank].item() == launch and published[1 - rank].item() == 0
+
+
+@pytest.mark.parametrize("rank,cols", [(0, 1), (1, 5), (1, 12)])
+def test_gemm_gathering_pushed_rows(rank, cols):
+    """gather_rows (AG+GEMM with the copy engines pushing) on one GPU, the peers stood in for by
+    memory: this rank's rows come from the shard (the landing buffer's own rows are NaN, so
+    reading them would show), every other row from the landing buffer behind its flag, and every
+    A stage is stored into the gathered copy (NaN-poisoned before): it equals [landing rows with
+    the shard in this rank's place] exactly."""
+    import torch
+    import tldsl as tl
+    from tldsl.codegen.lower import lower
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.runtime.gpu import GemmKernel
+    W, Ms, K, N = 2, 512, 520, 3000
+    bf = tl.bfloat16
+    ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
+                              compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned"),
+                              comm=tl.CommSchedule(engine="copy_engine", mode="push", order="ring"))
+    lg = lower(ir, "gemm", gather_rows=True, wait_timeout_ns=2_000_000_000)     # a stuck wait traps, never hangs
+    kern = GemmKernel(lg)
+    dev = "cuda"
+    own = slice(rank * Ms, (rank + 1) * Ms)
+    b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+    for launch in (1, 2):
+        flags = {s: torch.full((W,), launch, device=dev, dtype=torch.int64) for s in lg.signals}   # every shard landed
+        shard = torch.randn(Ms, K, device=dev, dtype=torch.bfloat16)
+        landing = torch.randn(W * Ms, K, device=dev, dtype=torch.bfloat16)
+        landing[own] = float("nan")
+        copy = torch.full((W * Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
+        c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        kern({"a_gathered": landing, "b": b, "c": c, "a_shard": shard, "a_copy": copy, "own_cols": cols},
+             signals=flags, launch_index=launch, rank=rank)
+        torch.cuda.synchronize()
+        want = landing.clone()
+        want[own] = shard
+        assert torch.equal(copy, want)
+        ref = want.float() @ b.float()
+        assert not torch.isnan(c).any()
+        assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2

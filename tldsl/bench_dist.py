@@ -198,10 +198,7 @@ def _ag_kwargs(cand):
     if cand is None:
         return {}
     compute, comm = cand
-    kw = {"compute": compute, "comm": comm}
-    if comm.engine == "copy_engine" and comm.mode == "push":
-        kw["ce_executor"] = "plan"
-    return kw
+    return {"compute": compute, "comm": comm}     # copy-engine push: direct where it can run, else the plan
 
 
 def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):

@@ -3,10 +3,12 @@
     python -m tldsl.bench probe copy_engine                    # one GPU
     python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
     python -m tldsl.bench probe ag_group [--shapes MxNxK,...]   # one GPU
+    python -m tldsl.bench probe ag_gather [--shapes MxNxK,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_handshake [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_push [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_order [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_early_sum [--shapes MxNxK,...]
 
@@ -23,6 +25,12 @@
   gathered rows, this rank's columns) with the ``comm_aligned`` order's tile rows grouped by 8
   (the default) or by all of this rank's rows (two ranks), so that the first wave of tiles
   touches every one of this rank's rows, against cuBLAS; timed interleaved.
+* ``ag_gather``: what AllGather+GEMM's GEMM pays for storing the A stages it loads into
+  A_gathered (``gather_rows``, the copy-engine push): the plain GEMM with the same waits (all
+  satisfied), and the gathering GEMM — its producer storing a stage before refilling it (the
+  default) with no column storing and with every column storing its share, and a stager thread
+  storing each stage as it lands (``GatherRows<W, false>``); one GPU, timed interleaved with
+  cuBLAS.
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -35,6 +43,13 @@
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
   same way.
+* ``ag_push``: AllGather+GEMM pulling the shards (the default: each rank stages its shard into
+  symmetric memory — by the staging kernel, or by its GEMM — and the peers' copy engines pull it)
+  against pushing them (each rank's copy engine writes its shard straight from its tensor into
+  the peers' landing buffers; the GEMM reads its own rows from the shard and stores every row
+  into A_gathered) — telling the peers a landing slot is free at the next launch's start on the
+  copy stream (the default) or right after the GEMM, and with the pushes enqueued before the
+  GEMM — timed the same way.
 * ``rs_order``: GEMM+ReduceScatter (copy engine) with its defaults; with 4 copies per peer even
   where a group of tile rows holds several (the earlier default); with the sum's waits and kernel
   enqueued before the copies; with this rank's half of the handshake enqueued before the GEMM;
@@ -80,6 +95,45 @@ def probe_ag_group(shapes, iters=30, out=sys.stdout):
         fns.append(lambda: torch.matmul(a, b))
         t = _time_interleaved(fns, iters)
         print(f"| {M}x{N}x{K} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} |", file=out, flush=True)
+
+
+def probe_ag_gather(shapes, iters=30, out=sys.stdout):
+    import dataclasses
+    import torch
+    import tldsl as tl
+    from tldsl.bench import _time_interleaved
+    from tldsl.codegen import lower_gemm
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.runtime.gpu import GemmKernel, require_gpu
+    from tldsl.runtime.dist.ag_gemm import DEFAULT_COMPUTE
+    require_gpu()
+    W, bf = 2, tl.bfloat16
+    print("| M x N x K | plain ms | gathering on refill, no column stores ms | on refill, every column ms "
+          "| stager thread, every column ms | cuBLAS ms |", file=out)
+    print("|---|---|---|---|---|---|", file=out)
+    for (M, N, K) in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        ir = allgather_gemm.trace(W, tl.TensorSpec((M // W, K), bf), tl.TensorSpec((K, N), bf),
+                                  tl.TensorSpec((M, N), bf), compute=DEFAULT_COMPUTE,
+                                  comm=tl.CommSchedule(engine="copy_engine", mode="push"))
+        lg = lower_gemm(ir, "gemm", gather_rows=True)
+        stager = dataclasses.replace(lg, source=lg.source.replace("GatherRows<Cfg::kWorldSize>",
+                                                                  "GatherRows<Cfg::kWorldSize, false>"))
+        assert stager.source != lg.source
+        plain, gather, staging = GemmKernel(lower_gemm(ir, "gemm")), GemmKernel(lg), GemmKernel(stager)
+        sig = {s: torch.full((W,), 1 << 40, device="cuda", dtype=torch.int64) for s in plain.lowered.signals}
+        c, copy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(a)
+        gn = -(-N // DEFAULT_COMPUTE.BN)
+        # prepared launches, as the op makes them: one driver call each (no descriptors encoded per call)
+        runs = [plain.prepare({"a_gathered": a, "b": b, "c": c}, signals=sig, rank=1)]
+        for kern, cols in ((gather, 0), (gather, gn), (staging, gn)):
+            runs.append(kern.prepare({"a_gathered": a, "b": b, "c": c, "a_shard": a[M // W:], "a_copy": copy,
+                                      "own_cols": cols}, signals=sig, rank=1))
+        fns = [lambda run=run: run.launch(torch.cuda.current_stream().cuda_stream, 1) for run in runs]
+        fns.append(lambda: torch.matmul(a, b))
+        t = _time_interleaved(fns, iters)
+        print(f"| {M}x{N}x{K} | " + " | ".join(f"{x:.3f}" for x in t) + " |", file=out, flush=True)
 
 
 # -- copy engine ------------------------------------------------------------------------------------
@@ -303,8 +357,21 @@ def probe_ag_handshake(shapes, iters=20, out=sys.stdout):
                   "device, copies first": {"handshake": "device", "enqueue": "comm_first"}}, shapes, iters, out)
 
 
+def probe_ag_push(shapes, iters=20, out=sys.stdout):
+    from tldsl.ir.schedule import CommSchedule
+    push = CommSchedule(engine="copy_engine", mode="push")
+    _ag_variants({"pull (default staging)": {"comm": CommSchedule(engine="copy_engine", mode="pull")},
+                  "pull, staging kernel": {"staging": "kernel"},
+                  "push": {"comm": push, "ce_executor": "direct"},
+                  "push, done flag after the GEMM": ({"comm": push, "ce_executor": "direct"},
+                                                     {"done_after_gemm": True}),
+                  "push, copies first": {"comm": push, "ce_executor": "direct", "enqueue": "comm_first"}},
+                 shapes, iters, out)
+
+
 def _ag_variants(variants: dict, shapes, iters, out):
-    """AllGatherMatmul built with each variant's keyword arguments, timed interleaved."""
+    """AllGatherMatmul built with each variant's keyword arguments (or (keyword arguments, engine
+    attributes)), timed interleaved."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul
@@ -318,7 +385,10 @@ def _ag_variants(variants: dict, shapes, iters, out):
                              torch.randn(K, N // W, device="cuda", dtype=torch.bfloat16))
         a, b = made[M, N, K]
         full = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, **variants[name])
+        kwargs, attrs = variants[name] if isinstance(variants[name], tuple) else (variants[name], {})
+        op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, **kwargs)
+        for attr, value in attrs.items():
+            setattr(op._engine, attr, value)
         return _Bound(op, a, b, gemm_a=full), (lambda: torch.mm(full, b))
     _interleaved_ops(make, tuple(variants), shapes, iters, out)
 
@@ -351,8 +421,8 @@ def main(argv) -> int:
     from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging", "ag_handshake", "rs_order"))
+    ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
+                                     "ag_staging", "ag_handshake", "ag_push", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -361,6 +431,9 @@ def main(argv) -> int:
     elif args.what == "ag_group":
         probe_ag_group(args.shapes or [(4096, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
                                        (8192, 14336, 8192), (16384, 14336, 8192)])
+    elif args.what == "ag_gather":
+        probe_ag_gather(args.shapes or [(2048, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
+                                        (2048, 14336, 8192), (8192, 14336, 8192)])
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)])
     else:
@@ -377,7 +450,7 @@ def main(argv) -> int:
             probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
         else:
             probe = {"ag_enqueue": probe_ag_enqueue, "ag_staging": probe_ag_staging,
-                     "ag_handshake": probe_ag_handshake}[args.what]
+                     "ag_handshake": probe_ag_handshake, "ag_push": probe_ag_push}[args.what]
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
                                   (2048, 28672, 8192)], args.iters)
     return 0

@@ -65,14 +65,16 @@ class AllGatherMatmul:
 
     def __init__(self, rows_per_rank: int, k: int, n: int, dtype="bfloat16", *, group=None,
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
-                 engine: str | None = None, sms: int | None = None, ce_executor: str = "direct",
+                 engine: str | None = None, sms: int | None = None, ce_executor: str | None = None,
                  handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
                  stage_waves: int | None = None):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
         ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
         others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
         measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
-        :class:`~.plan_exec.PlanExecutor`; always used for copy-engine push). ``handshake`` (the
+        :class:`~.plan_exec.PlanExecutor`); default: direct, except copy-engine push where this
+        rank's rows are not whole tiles (or with clusters), which only the plan runs — the direct
+        push is :class:`~.ag_push.PushAllGather`. ``handshake`` (the
         direct path's one barrier per launch): ``"device"`` (the default with the staging kernel:
         that kernel publishes the launch number into this rank's slot on every peer once the
         shard is staged, and the copy stream waits for each peer's slot with a stream memory
@@ -102,12 +104,19 @@ class AllGatherMatmul:
         self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
         tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self.dtype = tdtype
+        if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):
+            comm = PUSH
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
         self.hooks: dict = {}
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self._engine = None
-        if ce_executor not in ("direct", "plan"):
+        if ce_executor not in (None, "direct", "plan"):
             raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
+        c0 = compute or DEFAULT_COMPUTE
+        push = comm.engine == "copy_engine" and comm.mode == "push"
+        if ce_executor is None:
+            ce_executor = "plan" if push and (self.Ms % c0.BM or c0.cluster != (1, 1)) else "direct"
+        staging_given = staging
         if staging is None:
             staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
                                                      ce_executor)
@@ -134,7 +143,19 @@ class AllGatherMatmul:
             if enqueue != "gemm_first":
                 raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
         self.enqueue, self.staging = enqueue, staging
-        if comm.engine == "sm" or comm.mode == "push" or ce_executor == "plan":
+        if push and ce_executor == "direct":
+            for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
+                if given is not None:
+                    raise InputError(f"{what}={given!r}: the copy-engine push stages nothing and needs no handshake "
+                                     f"(each rank pushes its shard from its own tensor)")
+            from .ag_push import PushAllGather
+            import os
+            timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+            self.comm, self.compute, self.handshake, self.staging = comm, c0, None, None
+            self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
+            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue)
+            return
+        if comm.engine == "sm" or push or ce_executor == "plan":
             self.handshake = "kernel"
             if handshake is not None and handshake != "kernel":
                 raise InputError(f"handshake={handshake!r} applies to the direct copy-engine pull path; this "
@@ -326,7 +347,8 @@ class AllGatherMatmul:
         ``poison_workspace``) and the timeline's first mark."""
         import torch
         cur = torch.cuda.current_stream(self.ctx.device)
-        a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype, device=self.shards.device)
+        a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype,
+                             device=torch.device("cuda", self.ctx.device))
         if poison_workspace:
             a_full.fill_(float("nan"))
         if self.timeline is not None:
@@ -342,7 +364,7 @@ class AllGatherMatmul:
         a_full.record_stream(self.copy_stream)
         if self.debug:
             torch.cuda.synchronize()
-            print(f"[rank {self.ctx.rank}] launch {L}: done; flags {self.flags.tolist()}", flush=True)
+            print(f"[rank {self.ctx.rank}] launch {L}: done; counters {self.signal_counters()}", flush=True)
         return a_full, c
 
     def _enqueue_pulls(self, cu, a_full, slot: int, L: int, *, wait_arrivals: bool) -> None:
@@ -412,7 +434,7 @@ class AllGatherMatmul:
         """Release the symmetric workspace (collective: every rank, same point; required for
         NVSHMEM's heap, which is never freed by garbage collection)."""
         if self._engine is not None:
-            self._engine.ws.close()
+            self._engine.close()
 
     def _check_out(self, out):
         import torch
@@ -424,22 +446,38 @@ class AllGatherMatmul:
     def compute_only(self, a_gathered, b, *, out=None):
         """Only this op's GEMM (same kernel, schedule and SM count) on an already gathered A,
         its waits satisfied by scratch counters: what the fused op would cost if communication
-        were free. For benchmarks and diagnosis; the op's own counters are not touched."""
+        were free. For benchmarks and diagnosis; the op's own counters are not touched. Its host
+        path is as lean as the op's (checks, one allocation, one driver call), so that timing it
+        beside the op compares the GPUs' work."""
         import torch
         W = self.ctx.world_size
         want = (W * self.Ms, self.K)
-        if not isinstance(a_gathered, torch.Tensor) or tuple(a_gathered.shape) != want or \
+        if not isinstance(a_gathered, torch.Tensor) or a_gathered.shape != want or \
                 a_gathered.dtype != self.dtype or not a_gathered.is_contiguous():
             raise InputError(f"A_gathered must be a contiguous {want} tensor of {self.dtype}")
-        self._check(a_gathered[:self.Ms], b)
+        if b.shape != (self.K, self.N) or b.dtype != self.dtype or b.get_device() != self.ctx.device or \
+                a_gathered.get_device() != self.ctx.device or not b.is_contiguous():
+            self._check(a_gathered[:self.Ms], b)
+        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out
+        if getattr(self, "_compute_only", None) is None:
+            self._compute_only = LaunchCache()
+        self._compute_only.get((a_gathered.data_ptr(), b.data_ptr(), c.data_ptr()),
+                               lambda: self._prepare_compute_only(a_gathered, b, c)).launch(
+            torch.cuda.current_stream(self.ctx.device).cuda_stream, 1)      # launched like the fused op's GEMM
+        return c
+
+    def _prepare_compute_only(self, a_gathered, b, c):
+        """The GEMM alone's prepared launch: scratch counters that satisfy every wait (and, for
+        the GEMMs that load this rank's rows from the shard, scratch for what they store)."""
+        import torch
+        W = self.ctx.world_size
         gemm, sig = (self._engine.gemm, self._engine.signal) if self._engine is not None else (self.gemm, self.signal)
         slots = self.signal_tensors()[sig].numel()
         if getattr(self, "_scratch", None) is None or self._scratch.numel() != slots:
             self._scratch = torch.full((slots,), 1 << 40, dtype=torch.int64, device=a_gathered.device)
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out
-        if getattr(self, "_compute_only", None) is None:
-            self._compute_only = LaunchCache()
         buffers, signals = {"a_gathered": a_gathered, "b": b, "c": c}, {sig: self._scratch}
+        if hasattr(self._engine, "compute_only_buffers"):       # the push path's GEMM: its extra tensors
+            buffers.update(self._engine.compute_only_buffers(a_gathered))
         if self.staging == "gemm" and self._engine is None:
             # the GEMM staging this rank's rows, into scratch: it reads them from A_gathered's own
             # rows and stores the same bytes back there, the slot and the arrival are scratch
@@ -454,10 +492,7 @@ class AllGatherMatmul:
             buffers.update(a_shard=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0],
                            own_cols=self.stage_cols)
             signals.update(self._scratch_own[1])
-        self._compute_only.get((a_gathered.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: gemm.prepare(
-            buffers, signals=signals, rank=self.ctx.rank)).launch(
-            torch.cuda.current_stream(self.ctx.device).cuda_stream, 1)      # launched like the fused op's GEMM
-        return c
+        return gemm.prepare(buffers, signals=signals, rank=self.ctx.rank)
 
     # -- hooks and introspection (every engine) ---------------------------------------------------
     def _hook(self, name, stream):
@@ -467,7 +502,8 @@ class AllGatherMatmul:
 
     @property
     def engine(self) -> str:
-        """``copy_engine`` (the direct pull path), ``copy_engine-plan`` or ``sm``."""
+        """``copy_engine`` (the direct pull path), ``copy_engine-push`` (the direct push path),
+        ``copy_engine-plan`` or ``sm``."""
         return self._engine.name if self._engine is not None else "copy_engine"
 
     def workspace_tensors(self) -> dict:
@@ -522,6 +558,23 @@ STAGE_WAVES = 1
 #: over 132 SMs)
 NVLINK_BYTES_PER_S = 366e9
 SM_FLOPS = 5.8e12
+
+
+#: the copy-engine push schedule (the direct path, :mod:`.ag_push`)
+PUSH = CommSchedule(engine="copy_engine", mode="push", order="ring")
+
+
+def default_push(rows_per_rank: int, compute: ComputeSchedule | None, engine, sms, ce_executor, staging, handshake,
+                 stage_waves) -> bool:
+    """Whether an op built without a communication schedule pushes: the direct copy-engine push
+    runs where this rank's rows are whole tiles and the GEMM has no clusters, and nothing asks
+    for the pull path's own options (staging, handshake, the plan executor, SMs). Measured
+    (``probe ag_push``, BENCHMARKS.md): faster than or equal to the pull at every benchmark shape,
+    up to 10% at the smallest."""
+    c = compute or DEFAULT_COMPUTE
+    pull_options = (staging, handshake, stage_waves, sms)
+    return (engine in (None, "copy_engine") and ce_executor != "plan" and all(o is None for o in pull_options)
+            and rows_per_rank % c.BM == 0 and c.cluster == (1, 1))
 
 
 def default_staging(rows_per_rank: int, n: int, k: int, world_size: int, compute: ComputeSchedule | None,
@@ -685,6 +738,9 @@ class _FusedAllGather:
         for x in shape:
             n *= x
         return n
+
+    def close(self) -> None:
+        self.ws.close()
 
     def workspace_tensors(self) -> dict:
         return {nm: self.ws.tensor(nm) for nm in self.sym_b}

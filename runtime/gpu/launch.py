@@ -80,11 +80,18 @@ class LaunchCache:
         return hit
 
 
+_DRIVER: list = []     # (cuda.bindings.driver, CUDA_SUCCESS), looked up once: a launch is on the host's critical path
+
+
 def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1)):
-    from cuda.bindings import driver as cu
-    if tuple(cluster) == (1, 1, 1):
-        check(cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0),
-              f"cuLaunchKernel({kernel.name})")
+    if not _DRIVER:
+        from cuda.bindings import driver
+        _DRIVER.append((driver, driver.CUresult.CUDA_SUCCESS))
+    cu, ok = _DRIVER[0]
+    if cluster == (1, 1, 1):
+        res = cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0)
+        if res[0] != ok:
+            check(res, f"cuLaunchKernel({kernel.name})")
         return
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid

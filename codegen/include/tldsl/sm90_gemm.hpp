@@ -172,6 +172,17 @@ __device__ __forceinline__ void store_pair<float>(uint32_t smem_addr, float x, f
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y));
 }
 
+// A TMA store whose lines L2 evicts first: data written for later (A_gathered's copy) must not
+// push the GEMM's reused A and B tiles out of L2.
+__device__ __forceinline__ void tma_store_2d_evict_first(const cute::TmaDescriptor* desc, const void* smem, int c0,
+                                                         int c1) {
+  constexpr uint64_t kEvictFirst = uint64_t(cute::TMA::CacheHintSm90::EVICT_FIRST);
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;"
+               ::"l"(reinterpret_cast<uint64_t>(desc)), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1),
+               "l"(kEvictFirst)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
@@ -357,6 +368,8 @@ struct NoEpilogue {
 // This rank's rows of A come from A_gathered like every other row (the plain GEMM).
 struct NoOwnRows {
   static constexpr bool kEnabled = false;
+  static constexpr bool kStoresOnRefill = false;
+  static constexpr int cols = 0;
   __device__ __forceinline__ bool owns(int, int, int) const { return false; }
 };
 
@@ -375,6 +388,7 @@ struct NoOwnRows {
 template <int kWorld>
 struct OwnRows {
   static constexpr bool kEnabled = true;
+  static constexpr bool kStoresOnRefill = false;   // a stager thread stores each stage as it lands
   const cute::TmaDescriptor* shard;
   const cute::TmaDescriptor* slot;
   unsigned long long* staged;
@@ -392,14 +406,69 @@ struct OwnRows {
       for (int p = 0; p < kWorld; ++p)
         if (p != rank) wait_at_least<kScopeSys>(arrive + p, launch - 1);
   }
+  // Tiles that stage: this rank's rows.
+  __device__ __forceinline__ bool stages(int m0, int M, int rank) const { return owns(m0, M, rank); }
+  // Before a CTA's first store: the slot must be free.
+  __device__ __forceinline__ void before_first_store(int rank) const { wait_slot_free(rank); }
+  // One chunk of a staged stage (loaded at A_gathered row m0), into the slot and into A_gathered.
+  __device__ __forceinline__ void store(const cute::TmaDescriptor* tma_a, void* chunk, int k, int m0, int M,
+                                        int rank) const {
+    cute::SM90_TMA_STORE_2D::copy(slot, chunk, k, m0 - rank * (M / kWorld));
+    cute::SM90_TMA_STORE_2D::copy(tma_a, chunk, k, m0);
+  }
   // One staged tile row (its stores complete); the last of the launch's publishes the arrival.
-  __device__ __forceinline__ void staged_row(int rank, unsigned long long rows_per_launch) const {
+  // (`cols`: the tile columns that stage, clamped to the grid's)
+  __device__ __forceinline__ void staged_row(int rank, int M, int bm, int cols) const {
     bulk_wait_all();
     fence_proxy_async_global();          // the TMA stores (async proxy) before the release
     fence_acq_rel<kScopeSys>();
-    arrive_on_peers_when_done(staged, rows_per_launch, peer_arrive, rank, kWorld, launch);
+    arrive_on_peers_when_done(staged, (unsigned long long)(M / kWorld / bm * cols), peer_arrive, rank, kWorld,
+                              launch);
   }
 };
+
+// AllGather+GEMM with the peers pushing their shards (the runtime's copy-engine push): every
+// peer's copy engine writes its shard straight from its own tensor into this rank's landing
+// buffer (A's descriptor, rows [p * M/W, (p + 1) * M/W), each shard behind its flag), and this
+// rank's rows come from its shard (`shard`, no waits). Nobody stages anything before the GEMM:
+// the tiles in columns n < `cols` store the A stages they load — every row, column n the stages
+// k with k % cols == n — into the A_gathered the op returns (`gathered`). The producer stores a
+// stage when it is about to refill it (the consumers are done with it, its data still there),
+// so no stage is held for a store while it could be computed on and no other thread follows
+// the pipeline; the stores are marked evict-first in L2. With kOnRefill = false the stager
+// thread of OwnRows stores each stage as it lands instead (kept to measure the two against each
+// other: `probe ag_gather`). Nothing is published: the copy streams' flags are the handshake.
+template <int kWorld, bool kOnRefill = true>
+struct GatherRows {
+  static constexpr bool kEnabled = true;
+  static constexpr bool kStoresOnRefill = kOnRefill;
+  const cute::TmaDescriptor* shard;
+  const cute::TmaDescriptor* gathered;
+  int cols;                                // tile columns that store (1 <= cols <= the grid's columns)
+
+  __device__ __forceinline__ bool owns(int m0, int M, int rank) const {
+    const int rows = M / kWorld;
+    return m0 >= rank * rows && m0 < (rank + 1) * rows;
+  }
+  __device__ __forceinline__ bool stages(int, int, int) const { return true; }
+  __device__ __forceinline__ void before_first_store(int) const {}
+  __device__ __forceinline__ void store(const cute::TmaDescriptor*, void* chunk, int k, int m0, int, int) const {
+    tma_store_2d_evict_first(gathered, chunk, k, m0);
+  }
+  __device__ __forceinline__ void staged_row(int, int, int, int) const {}
+};
+
+// One A stage (loaded at A_gathered row m0, column k) stored by Own, its stores having read the
+// stage before this returns (the caller releases or refills it next).
+template <class Tr, class Own>
+__device__ __forceinline__ void store_stage(const Own& own, const cute::TmaDescriptor* tma_a, unsigned char* sa, int k,
+                                            int m0, int M, int rank) {
+  cute::tma_store_fence();
+#pragma unroll
+  for (int c = 0; c < Tr::kChunksA; ++c) own.store(tma_a, sa + c * Tr::kChunkBytesA, k + c * Tr::EA, m0, M, rank);
+  cute::tma_store_arrive();
+  bulk_wait_read<0>();
+}
 
 // The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads;
 // `notifies(pm, pn)` on one consumer thread once the tile's TMA stores are complete (every
@@ -447,8 +516,8 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], 1);
-      // both CTAs' consumers release a stage (with Own, the stager thread too)
-      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl + (Own::kEnabled ? 1 : 0));
+      // both CTAs' consumers release a stage (with Own's stager thread, it too)
+      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl + (Own::kEnabled && !Own::kStoresOnRefill ? 1 : 0));
     }
   }
   cutlass::arch::fence_barrier_init();
@@ -463,6 +532,12 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       int it = 0;
+      // Own::kStoresOnRefill: what each stage holds that is still to be stored (row, k; row -1: nothing)
+      int pend_m[Tr::kStages], pend_k[Tr::kStages];
+#pragma unroll
+      for (int s = 0; s < Tr::kStages; ++s) pend_m[s] = -1, pend_k[s] = 0;
+      const int store_cols = own.cols < gn ? own.cols : gn;
+      (void)store_cols;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
         const TileCoord tc{ct.m * kCl + cl_rank, ct.n};
@@ -482,14 +557,30 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
             am0 = m0 - rank * (M / Cfg::kWorldSize);
           }
         }
+        int kmod = 0;                        // kt % store_cols, counted (Own::kStoresOnRefill)
+        (void)kmod;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           EmptyBar::wait(&empty_bar[s], phase ^ 1u);
-          FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
           const int k0 = kt * Tr::BK;
           unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
           unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
+          if constexpr (Own::kStoresOnRefill) {
+            // (the pending arrays indexed by constants only, so they stay in registers)
+            const bool store_next = tc.n < store_cols && kmod == tc.n && own.stages(m0, M, rank);
+            if (++kmod == store_cols) kmod = 0;
+            int pm = -1, pk = 0;
+#pragma unroll
+            for (int j = 0; j < Tr::kStages; ++j)
+              if (j == s) {
+                pm = pend_m[j], pk = pend_k[j];
+                pend_m[j] = store_next ? m0 : -1, pend_k[j] = k0;
+              }
+            // the consumers are done with the stage: store what it held, then refill it
+            if (pm >= 0) store_stage<Tr>(own, tma_a, sa, pk, pm, M, rank);
+          }
+          FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
 #pragma unroll
           for (int c = 0; c < Tr::kChunksA; ++c)
             cute::SM90_TMA_LOAD_2D::copy(ta, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
@@ -510,43 +601,58 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           }
         }
       }
+      if constexpr (Own::kStoresOnRefill) {
+        // the last fills: each stored once the consumers are done with it
+#pragma unroll
+        for (int j = 0; j < Tr::kStages; ++j) {
+          const int i = it - Tr::kStages + j;   // stage i % kStages holds iteration i's fill
+          if (i < 0) continue;
+          const int s = i % Tr::kStages;
+          int pm = -1, pk = 0;
+#pragma unroll
+          for (int q = 0; q < Tr::kStages; ++q)
+            if (q == s) pm = pend_m[q], pk = pend_k[q];
+          if (pm < 0) continue;
+          EmptyBar::wait(&empty_bar[s], uint32_t(i / Tr::kStages) & 1u);
+          store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
+        }
+        bulk_wait_all();                     // every store of A complete before the CTA exits
+      }
     }
-    if constexpr (Own::kEnabled) {
+    if constexpr (Own::kEnabled && !Own::kStoresOnRefill) {
       // ---- the stager (Own): warp 1 of the producer warpgroup follows every stage (so its
-      // arrival, counted by the empty barriers, paces it) and stores the stages of this rank's
-      // tile rows that the first `cols` tile columns load: the consumers never wait for a store.
+      // arrival, counted by the empty barriers, paces it) and stores the stages of the tile rows
+      // Own stages (OwnRows: this rank's; GatherRows: all) that the first `cols` tile columns
+      // load: the consumers never wait for a store.
       if (warp == 1 && cute::elect_one_sync()) {
         const int cols = own.cols < gn ? own.cols : gn;
-        const int rows = M / Cfg::kWorldSize;
-        bool slot_free = false;
+        bool first_store = true;
         int it = 0;
         for (int t = first_tile; t < num_tiles; t += tile_step) {
           const TileCoord tc = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
           const int m0 = tc.m * Tr::BM;
-          const bool stage_tile = tc.n < cols && own.owns(m0, M, rank);
+          const bool stage_tile = tc.n < cols && own.stages(m0, M, rank);
           for (int kt = 0; kt < k_tiles; ++kt, ++it) {
             const int s = it % Tr::kStages;
             FullBar::wait(&full_bar[s], uint32_t(it / Tr::kStages) & 1u);
             if (stage_tile && kt % cols == tc.n) {
-              if (!slot_free) {
-                own.wait_slot_free(rank);
-                slot_free = true;
+              if (first_store) {
+                own.before_first_store(rank);
+                first_store = false;
               }
               cute::tma_store_fence();
               unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
 #pragma unroll
-              for (int c = 0; c < Tr::kChunksA; ++c) {
-                cute::SM90_TMA_STORE_2D::copy(own.slot, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA,
-                                              m0 - rank * rows);
-                cute::SM90_TMA_STORE_2D::copy(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0);
-              }
+              for (int c = 0; c < Tr::kChunksA; ++c)
+                own.store(tma_a, sa + c * Tr::kChunkBytesA, kt * Tr::BK + c * Tr::EA, m0, M, rank);
               cute::tma_store_arrive();
               bulk_wait_read<0>();           // the stores have read the stage ...
             }
             EmptyBar::arrive(&empty_bar[s]);  // ... before it is released
           }
-          if (stage_tile) own.staged_row(rank, (unsigned long long)(rows / Tr::BM * cols));
+          if (stage_tile) own.staged_row(rank, M, Tr::BM, cols);
         }
+        bulk_wait_all();                       // every store of A complete before the CTA exits
       }
     }
   } else {

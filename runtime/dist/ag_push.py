@@ -1,0 +1,260 @@
+"""AllGather+GEMM with the copy engines **pushing** the shards (``CommSchedule(engine="copy_engine",
+mode="push")``, the direct executor): nothing is staged before the GEMM, and no host call
+stands between a launch's start and its shard moving.
+
+Every rank's copy stream writes its shard, straight from the caller's tensor, into its rows of
+every peer's **landing buffer** (symmetric, double-buffered: slot ``L % 2``), and then ``L`` into
+its flag there (``cuStreamWriteValue64`` on the peer's symmetric flag array). The generated GEMM
+(lowered with ``gather_rows``, ``tldsl::sm90::GatherRows``) reads this rank's rows from the shard
+itself (no waits), every peer's rows from the landing slot once its flag holds ``L`` (system-scope
+acquire), and stores every A stage it loads into the A_gathered the op returns — spread over the
+tile columns, by the producer warpgroup's stager thread, so the consumers never wait for it.
+
+Launch ``L`` (counted from 1; counters hold the last launch that wrote them and only grow):
+
+1. compute stream: the GEMM (every SM);
+2. copy stream, after the call's start: per peer ``p`` in ring order, wait until ``p``'s GEMM of
+   launch ``L-2`` is done (``consumed[p] >= L-2``: it read landing slot ``L % 2``), push the shard
+   into ``p``'s slot ``L % 2``, write ``L`` into ``p``'s flag ``rank``; then ``L-1`` into this
+   rank's slot of every peer's ``consumed`` array (this rank's GEMM of launch ``L-1``, before the
+   call's start on the compute stream, no longer reads landing slot ``(L-1) % 2``);
+3. the compute stream waits for the copy stream — nothing follows the GEMM on it.
+
+Deadlock-free: launch ``L``'s waits need only the copy streams of the peers' launch ``L-1``,
+which wait for nothing of launch ``L``. Needs whole ``BM``-row tiles per rank and no clusters
+(the GEMM tells this rank's tiles from the peers' by their rows).
+"""
+from __future__ import annotations
+
+import gc
+
+from ...errors import InputError
+from ..gpu.launch import LaunchCache
+from . import plan_exec
+
+
+class PushAllGather:
+    """The direct copy-engine push path of :class:`~.ag_gemm.AllGatherMatmul` (built by it)."""
+
+    name = "copy_engine-push"
+
+    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str):
+        import torch
+        import torch.distributed._symmetric_memory as symm_mem
+        import tldsl as tl
+        from ...codegen.lower import lower
+        from ...ops.allgather_gemm import allgather_gemm
+        from ..gpu.gemm import GemmKernel
+        import weakref
+
+        self.op = weakref.proxy(op)         # no cycle: dropping the op frees its symmetric memory at once
+        ctx = op.ctx
+        W, Ms, K, N = ctx.world_size, op.Ms, op.K, op.N
+        compute = op.compute
+        if Ms % compute.BM or compute.cluster != (1, 1):
+            raise InputError(f"copy-engine push (direct): this rank's {Ms} rows must be whole {compute.BM}-row tiles "
+                             f"and the GEMM must run without clusters; use ce_executor='plan'")
+        self.enqueue = enqueue
+        ir_dtype = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
+        spec = tl.TensorSpec
+        self.ir = allgather_gemm.trace(W, spec((Ms, K), ir_dtype), spec((K, N), ir_dtype),
+                                       spec((W * Ms, N), ir_dtype), compute=compute, comm=op.comm)
+        op.ir = self.ir
+        opts = {"wait_timeout_ns": wait_timeout_ns} if wait_timeout_ns else {}
+        self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, **opts)
+        self.gemm = GemmKernel(self.lowered, progress=progress)
+        (self.signal,) = self.lowered.signals
+        #: tile columns sharing the stores of A_gathered (column j stores the stages k % cols == j):
+        #: every column, so each tile adds the fewest stores to its own loads
+        self.cols = -(-N // compute.BN)
+        dev = torch.device("cuda", ctx.device)
+        # collective points: the double-buffered landing buffer, the flags and the consumed counters
+        self.landing = symm_mem.empty((2, W * Ms, K), dtype=op.dtype, device=dev)
+        self._landing_handle = symm_mem.rendezvous(self.landing, ctx.group_name)
+        self.landing_peers = [int(p) for p in self._landing_handle.buffer_ptrs]
+        self.counters = symm_mem.empty((2, max(W, 1)), dtype=torch.int64, device=dev)   # [flags, consumed]
+        self.counters.zero_()
+        self._counter_handle = symm_mem.rendezvous(self.counters, ctx.group_name)
+        base = [int(p) for p in self._counter_handle.buffer_ptrs]
+        self.flags, self.consumed = self.counters[0], self.counters[1]
+        self.flag_peers = base
+        self.consumed_peers = [p + 8 * max(W, 1) for p in base]
+        # every rank's counters are zero before any peer's first write into them
+        self._counter_handle.barrier(channel=0)
+        op.copy_stream = self.copy_stream = torch.cuda.Stream(device=dev)
+        self._cs = self.copy_stream.cuda_stream
+        self._torch, self._dev, self._dev_index = torch, dev, ctx.device
+        self._a_shape, self._b_shape = torch.Size((Ms, K)), torch.Size((K, N))
+        self._full_shape, self._c_shape = (W * Ms, K), (W * Ms, N)
+        self._cu = plan_exec.load_driver()
+        self._consts = plan_exec.driver_constants(self._cu)
+        # the launch's host path works on raw handles: the current stream's (torch's accessor for
+        # it, where this build has one) and two driver events (start of the call, end of the copies)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        cu = self._cu
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._ev_start = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate")
+        self._ev_copied = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate")
+        weakref.finalize(self, _destroy_events, cu, (self._ev_start, self._ev_copied))
+        self._gemm_launches = LaunchCache(16)
+        #: where this rank tells its peers its GEMM is done with a landing slot: False (the default)
+        #: on the next launch's copy stream, behind its pushes (nothing after the GEMM on the
+        #: compute stream, nothing before a push); True right after the GEMM on the compute stream
+        #: (kept to measure against: ``probe ag_push``)
+        self.done_after_gemm = False
+        self.order = [(ctx.rank + s) % W for s in range(1, W)]          # ring order, peers only
+        self._plan_addresses(W, ctx.rank, Ms, K, self.landing.element_size())
+
+    # -- a launch ---------------------------------------------------------------------------------
+    def _plan_addresses(self, W: int, me: int, Ms: int, K: int, elem: int) -> None:
+        """Every address a launch's driver calls use, computed once: per peer (in ring order) the
+        consumed slot waited on here, where this rank's shard lands in each landing slot, and the
+        flag written there; this rank's slot of every peer's consumed array."""
+        self._nbytes = Ms * K * elem
+        slot_bytes = W * self._nbytes
+        consumed = self.consumed.data_ptr()
+        self._peer_plan = [(p, consumed + 8 * p,
+                            (self.landing_peers[p] + me * self._nbytes,
+                             self.landing_peers[p] + slot_bytes + me * self._nbytes),
+                            self.flag_peers[p] + 8 * me) for p in self.order]
+        self._consumed_writes = [self.consumed_peers[p] + 8 * me for p in self.order]
+
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
+        """One launch. The host's work before the GEMM is enqueued is on the critical path (the
+        device is idle when a call starts), so it is kept to checks, two allocations, one event
+        and one driver call; every address is precomputed and driver results are checked without
+        building messages unless one failed."""
+        op, torch = self.op, self._torch
+        dt = op.dtype
+        if (a_shard.shape != self._a_shape or b.shape != self._b_shape or a_shard.dtype != dt or b.dtype != dt
+                or a_shard.get_device() != self._dev_index or b.get_device() != self._dev_index
+                or not b.is_contiguous()):
+            op._check(a_shard, b)            # the precise error
+        if out is not None:
+            op._check_out(out)
+        op.launches += 1
+        L = op.launches
+        cu, consts = self._cu, self._consts
+        ok = consts.success
+        cur_h = self._raw_stream(self._dev_index)
+        tl_, hooks = op.timeline, op.hooks
+        cur = torch.cuda.current_stream(self._dev_index) if (tl_ is not None or hooks) else None
+        a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)
+        if poison_workspace:
+            a_full.fill_(float("nan"))
+        if tl_ is not None:
+            tl_.mark("start", cur, "compute")
+        if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA and the copy engine read it
+            a_shard = a_shard.clone(memory_format=torch.contiguous_format)
+        slot = L & 1
+        c = torch.empty(self._c_shape, dtype=dt, device=self._dev) if out is None else out
+        res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copies read a_shard after it
+        if res[0] != ok:
+            plan_exec.checked(cu, res, "cuEventRecord(start)")
+        src = a_shard.data_ptr()
+        gemm = self._gemm_launches.get(
+            (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), src, slot),
+            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, "a_shard": a_shard,
+                                       "a_copy": a_full, "own_cols": self.cols},
+                                      signals={self.signal: self.flags}, rank=op.ctx.rank))
+        gc_was_on = gc.isenabled()
+        gc.disable()                # the GEMM spins on the peers' flags: no host stall until the pushes are enqueued
+        try:
+            if self.enqueue == "gemm_first":
+                if hooks:
+                    op._hook("before_compute", cur)
+                gemm.launch(cur_h, L)
+                if tl_ is not None:
+                    tl_.mark("gemm done", cur, "compute")
+            if hooks:
+                op._hook("before_comm", self.copy_stream)
+            cs = self._cs
+            res = cu.cuStreamWaitEvent(cs, self._ev_start, 0)
+            if res[0] != ok:
+                plan_exec.checked(cu, res, "cuStreamWaitEvent(start)")
+            done, nbytes, wr, geq = max(L - 2, 0), self._nbytes, consts.write_default, consts.wait_geq
+            for p, consumed, dst, flag in self._peer_plan:
+                r1 = cu.cuStreamWaitValue64(cs, consumed, done, geq)
+                r2 = cu.cuMemcpyAsync(dst[slot], src, nbytes, cs)
+                r3 = cu.cuStreamWriteValue64(cs, flag, L, wr)
+                if r1[0] != ok or r2[0] != ok or r3[0] != ok:
+                    for res, what in ((r1, f"cuStreamWaitValue64(rank {p} done with launch {L - 2})"),
+                                      (r2, f"cuMemcpyAsync(our shard to rank {p})"),
+                                      (r3, f"cuStreamWriteValue64(our flag on rank {p})")):
+                        plan_exec.checked(cu, res, what)
+                if tl_ is not None:
+                    tl_.mark(f"shard pushed to {p}", self.copy_stream, "copy")
+            if not self.done_after_gemm:
+                # behind the pushes (never delaying them): this rank's GEMM of launch L-1, before the
+                # call's start, no longer reads its landing slot
+                for addr in self._consumed_writes:
+                    res = cu.cuStreamWriteValue64(cs, addr, L - 1, wr)
+                    if res[0] != ok:
+                        plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
+            if self.enqueue == "comm_first":
+                if hooks:
+                    op._hook("before_compute", cur)
+                gemm.launch(cur_h, L)
+                if tl_ is not None:
+                    tl_.mark("gemm done", cur, "compute")
+            if self.done_after_gemm:
+                # after the GEMM: it no longer reads landing slot L % 2 (peers push launch L+2 there)
+                for addr in self._consumed_writes:
+                    res = cu.cuStreamWriteValue64(cur_h, addr, L, wr)
+                    if res[0] != ok:
+                        plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
+        finally:
+            if gc_was_on:
+                gc.enable()
+        # the compute stream waits for the copies (they read a_shard); A_gathered and C are
+        # written by the GEMM on the compute stream itself
+        r1 = cu.cuEventRecord(self._ev_copied, self._cs)
+        r2 = cu.cuStreamWaitEvent(cur_h, self._ev_copied, 0)
+        if r1[0] != ok or r2[0] != ok:
+            plan_exec.checked(cu, r1, "cuEventRecord(copied)")
+            plan_exec.checked(cu, r2, "cuStreamWaitEvent(copied)")
+        if op.debug:
+            torch.cuda.synchronize()
+            print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
+        return a_full, c
+
+    # -- introspection ----------------------------------------------------------------------------
+    def compute_only_buffers(self, a_gathered) -> dict:
+        """The GEMM alone: this rank's rows read from A_gathered itself, the gathered copy into scratch."""
+        import torch
+        op = self.op
+        me = op.ctx.rank
+        if getattr(self, "_scratch_copy", None) is None or self._scratch_copy.shape != a_gathered.shape:
+            self._scratch_copy = torch.empty_like(a_gathered)
+        return {"a_shard": a_gathered[me * op.Ms:(me + 1) * op.Ms], "a_copy": self._scratch_copy,
+                "own_cols": self.cols}
+
+    @property
+    def signals(self) -> dict:
+        return {self.signal: self.flags, "push_consumed": self.consumed}
+
+    def workspace_tensors(self) -> dict:
+        return {"landing": self.landing}
+
+    def signal_map(self):
+        op = self.op
+        return [(self.signal, self.flags.data_ptr(), self.flags.numel(),
+                 f"rank {op.ctx.rank}, symmetric: peer p's copy stream writes slot p once its shard landed; the GEMM "
+                 f"waits; slot s = landing rows [s * {op.Ms}, (s + 1) * {op.Ms})"),
+                ("push_consumed", self.consumed.data_ptr(), self.consumed.numel(),
+                 f"rank {op.ctx.rank}, symmetric: slot p = the last launch rank p's GEMM finished; this rank's copy "
+                 "stream waits on it before pushing into p's landing slot")]
+
+    def describe(self) -> str:
+        return (f"  copy_engine push (direct): GEMM on {self.gemm.grid[0]} CTAs, every shard pushed by its owner's "
+                f"copy engine into the peers' landing buffer {tuple(self.landing.shape)}; A_gathered stored by the "
+                f"GEMM over {self.cols} tile column(s)\n" + self.lowered.describe())
+
+    def close(self) -> None:
+        """Nothing to release explicitly: torch's symmetric memory frees with the tensors."""
+
+
+def _destroy_events(cu, events) -> None:
+    for ev in events:
+        cu.cuEventDestroy(ev)

@@ -457,6 +457,7 @@ def check_back_to_back(env: Env, v: Variant) -> tuple[bool, str, float]:
     env.barrier()
     got = env.call(v, op, a, b)
     env.sync()
+    env.barrier()                  # counters read with every rank done and none further (peers write them)
     env.after_launch(op)
     per_launch = env.state.per_launch
     N = env.args.launches
@@ -464,8 +465,10 @@ def check_back_to_back(env: Env, v: Variant) -> tuple[bool, str, float]:
     kept = {1: got}
     second = per_launch
     if N >= 2:                     # launch 2 alone too: every counter's step per launch
+        env.barrier()
         got = env.call(v, op, a, b)
         env.sync()
+        env.barrier()
         second = op.signal_counters()
         if 2 in keep_at:
             kept[2] = got
@@ -477,6 +480,7 @@ def check_back_to_back(env: Env, v: Variant) -> tuple[bool, str, float]:
             kept[L] = got
     env.sync()
     dt = (time.time() - t0) / max(1, N - 2)
+    env.barrier()                  # every rank's streams done: nothing writes the counters any more
     env.after_launch(op)
     details, worst = [], 0.0
     for L, g in sorted(kept.items()):

@@ -1895,6 +1895,10 @@ def test_phase_timeline_segments_and_text():
           ("rows of 1 sent", "copy", 1.2), ("reduced", "compute", 2.2)]
     assert segments(ce) == [("compute", "GEMM", 0.0, 2.0), ("copy", "barrier", 0.0, 0.1),
                             ("copy", "copy 1", 0.1, 1.2), ("compute", "sum", 2.0, 2.2)]
+    # the copy-engine AG push: this rank's shard to a peer, beside the GEMM
+    push = [("start", "compute", 0.0), ("gemm done", "compute", 2.0), ("shard pushed to 1", "copy", 0.3)]
+    assert segments(push) == [("compute", "GEMM", 0.0, 2.0), ("copy", "copy to 1", 0.0, 0.3)]
+    assert format_phases([push], width=20).splitlines()[2] == "rank 0    copy |ccc" + "." * 17 + "|"
     ce_text = format_phases([ce], width=22).splitlines()
     assert ce_text[1] == "rank 0 compute |" + "G" * 20 + "++|"
     text = format_phases([ag, ag], width=30).splitlines()

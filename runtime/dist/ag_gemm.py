@@ -3,7 +3,12 @@ copies, each followed by a stream write of its flag), while the generated GEMM â
 AllGather+GEMM tile program's compute part â€” waits per tile for exactly the flags its rows
 need. The GEMM starts on the local shard at once.
 
-Launch protocol (``launch`` = L, counted from 1; flags hold the last launch that wrote them,
+The default where this rank's rows are whole tiles (and nothing asks for the pull's options:
+:func:`default_push`) is the copy engines **pushing** the shards, :mod:`.ag_push`: no staging
+at all, each rank's shard copied straight from its tensor into the peers' landing buffers, the
+GEMM gathering A_gathered as it loads. Elsewhere, the pull described here.
+
+Pull launch protocol (``launch`` = L, counted from 1; flags hold the last launch that wrote them,
 so they are never reset and an old value can never satisfy a wait). Our shard is staged in a
 double-buffered symmetric buffer, slot ``L % 2``:
 
@@ -40,10 +45,11 @@ With ``staging="gemm"`` (the default where the shard still reaches the peers in 
 as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
 publishes L into this rank's slot on every peer (step 3's handshake, from the device).
 
-That is the default (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
+That is the direct pull (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
 :class:`_FusedAllGather`: ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
 SMs, push or pull) and the copy engine driven by the codegen plan
-(:class:`~.plan_exec.PlanExecutor`: ``ce_executor="plan"``, and always for push).
+(:class:`~.plan_exec.PlanExecutor`: ``ce_executor="plan"``, and for a push whose rows are not
+whole tiles).
 """
 from __future__ import annotations
 

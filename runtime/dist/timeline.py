@@ -67,6 +67,8 @@ def segments(phases) -> list[tuple[str, str, float, float]]:
 def _phase_name(label: str) -> str:
     if label.startswith("shard ") and label.endswith(" copied"):          # AG: a peer's shard pulled
         return "copy " + label[len("shard "):-len(" copied")]
+    if label.startswith("shard pushed to "):                              # AG push: this rank's shard to a peer
+        return "copy to " + label[len("shard pushed to "):]
     if label.startswith("rows of ") and label.endswith(" sent"):          # RS: a peer's partial rows pushed
         return "copy " + label[len("rows of "):-len(" sent")]
     return {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter",

@@ -337,7 +337,15 @@ class MatmulReduceScatter:
         """This rank's rows of ``sum_r A_r @ B_r``: ``[M / W, N]`` in A's dtype (written into
         ``out`` when given: contiguous, that shape and dtype, on this device)."""
         import torch
-        validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
+        dev, dt = self.ctx.device, self.dtype
+        try:        # the common case in a few compares (the host's time before the GEMM is the op's)
+            fine = (a.shape == (self.M, self.K) and b.shape == (self.K, self.N) and a.dtype == dt and b.dtype == dt
+                    and a.get_device() == dev and b.get_device() == dev and a.is_contiguous() and b.is_contiguous()
+                    and not a.data_ptr() % 16 and not b.data_ptr() % 16)
+        except AttributeError:
+            fine = False
+        if not fine:
+            validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
             validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
         self.launches += 1

@@ -103,7 +103,19 @@ class CopyEngineReduceScatter:
         self.rows = min(op.ir.comm_schedule.tile_m, op.Ms)     # rows per copy (the mapping's tile)
         self.tpr = -(-op.Ms // self.rows)
         self.copy_stream = torch.cuda.Stream(device=op.device)
-        self._start, self._copied = torch.cuda.Event(), torch.cuda.Event()
+        self._copied = torch.cuda.Event()
+        # the host's work before the GEMM is handed to the driver is on the critical path: the
+        # current stream as a raw handle (torch's accessor for it, where this build has one), the
+        # call's start as a driver event, the driver and its constants looked up once
+        from . import plan_exec
+        self._cu = plan_exec.load_driver()
+        self._consts = plan_exec.driver_constants(self._cu)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        self._ev_start = plan_exec.checked(self._cu, self._cu.cuEventCreate(
+            self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        import weakref
+        weakref.finalize(self, _destroy_event, self._cu, self._ev_start)
         self.order = [(me + s) % W for s in range(1, W)]
         self._gemm_launches = LaunchCache()
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
@@ -183,35 +195,33 @@ class CopyEngineReduceScatter:
         import torch
         from . import plan_exec
         op = self.op
-        cu = plan_exec.load_driver()
-        consts = plan_exec.driver_constants(cu)
+        cu, consts = self._cu, self._consts
         wr, geq = consts.write_default, consts.wait_geq
         ck = plan_exec.checked
         W, me = op.ctx.world_size, op.ctx.rank
-        cur = torch.cuda.current_stream(op.ctx.device)
-        cur_h, cs = cur.cuda_stream, self.copy_stream.cuda_stream
+        cur_h, cs = self._raw_stream(op.ctx.device), self.copy_stream.cuda_stream
         tl_ = op.timeline
+        cur = torch.cuda.current_stream(op.ctx.device) if (tl_ is not None or op.hooks) else None
         if tl_ is not None:
             tl_.mark("start", cur, "compute")
-        self._start.record(cur)
-        ready = op.signals[op.ready]
+        res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copy stream follows it
+        if res[0] != consts.success:
+            ck(cu, res, "cuEventRecord(start)")
         if out is None and self.fused:
             out = self._new_out()
         key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
         gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
-        done = self.ws.peers(self._done) if W > 1 else ()
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
-        arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
 
         def start_copy_stream():
             # this rank's half of the handshake: it depends only on this rank's earlier work (the
             # call's start), so the host may enqueue it before the GEMM (arrive_first) or after
             if op.hooks:
                 op._hook("before_comm", self.copy_stream)
-            self.copy_stream.wait_event(self._start)
+            ck(cu, cu.cuStreamWaitEvent(cs, self._ev_start, 0), "cuStreamWaitEvent(start)")
             if W > 1:
-                plan_exec.stream_arrive(cu, cs, arrive, me, L)
+                plan_exec.stream_arrive(cu, cs, self.ws.peers("handshake_arrive"), me, L)
 
         try:
             if self.arrive_first:
@@ -219,6 +229,11 @@ class CopyEngineReduceScatter:
             if op.hooks:
                 op._hook("before_compute", cur)
             gemm.launch(cur_h, L)
+            if cur is None:             # the torch stream object, for what follows (off the critical path)
+                cur = torch.cuda.current_stream(op.ctx.device)
+            ready = op.signals[op.ready]
+            done = self.ws.peers(self._done) if W > 1 else ()
+            arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
             if out is None:             # only the sum writes it: allocated off the GEMM's critical path
@@ -332,3 +347,7 @@ class CopyEngineReduceScatter:
         head = (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}; this rank's "
                 f"rows summed {'in the GEMM epilogue' if self.fused else 'after the GEMM'}")
         return head if self.ws is None else head + "\n" + self.plan.describe() + "\n" + self.ws.describe()
+
+
+def _destroy_event(cu, ev) -> None:
+    cu.cuEventDestroy(ev)

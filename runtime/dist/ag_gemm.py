@@ -74,9 +74,10 @@ class AllGatherMatmul:
                  engine: str | None = None, sms: int | None = None, ce_executor: str | None = None,
                  handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
                  stage_waves: int | None = None):
-        """``engine``: ``None`` / ``"copy_engine"`` (default: the copy-engine pull schedule) or
-        ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the GEMM on the
-        others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
+        """``engine``: ``None`` / ``"copy_engine"`` (default: the copy engines push where this
+        rank's rows are whole tiles and no pull option is given — :func:`default_push` — and pull
+        elsewhere) or ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the
+        GEMM on the others); ``comm`` gives a full schedule instead. ``ce_executor``: ``"direct"`` (the
         measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
         :class:`~.plan_exec.PlanExecutor`); default: direct, except copy-engine push where this
         rank's rows are not whole tiles (or with clusters), which only the plan runs — the direct
@@ -461,7 +462,8 @@ class AllGatherMatmul:
         if not isinstance(a_gathered, torch.Tensor) or a_gathered.shape != want or \
                 a_gathered.dtype != self.dtype or not a_gathered.is_contiguous():
             raise InputError(f"A_gathered must be a contiguous {want} tensor of {self.dtype}")
-        if b.shape != (self.K, self.N) or b.dtype != self.dtype or b.get_device() != self.ctx.device or \
+        if not isinstance(b, torch.Tensor) or b.shape != (self.K, self.N) or b.dtype != self.dtype or \
+                b.get_device() != self.ctx.device or \
                 a_gathered.get_device() != self.ctx.device or not b.is_contiguous():
             self._check(a_gathered[:self.Ms], b)
         c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=a_gathered.device) if out is None else out

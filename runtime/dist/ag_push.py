@@ -84,6 +84,7 @@ class PushAllGather:
         op.copy_stream = self.copy_stream = torch.cuda.Stream(device=dev)
         self._cs = self.copy_stream.cuda_stream
         self._torch, self._dev, self._dev_index = torch, dev, ctx.device
+        self._tensor_type = torch.Tensor         # (a subclass or anything else: the full check)
         self._a_shape, self._b_shape = torch.Size((Ms, K)), torch.Size((K, N))
         self._full_shape, self._c_shape = (W * Ms, K), (W * Ms, N)
         self._cu = plan_exec.load_driver()
@@ -127,7 +128,9 @@ class PushAllGather:
         building messages unless one failed."""
         op, torch = self.op, self._torch
         dt = op.dtype
-        if (a_shard.shape != self._a_shape or b.shape != self._b_shape or a_shard.dtype != dt or b.dtype != dt
+        tensor = self._tensor_type
+        if (type(a_shard) is not tensor or type(b) is not tensor
+                or a_shard.shape != self._a_shape or b.shape != self._b_shape or a_shard.dtype != dt or b.dtype != dt
                 or a_shard.get_device() != self._dev_index or b.get_device() != self._dev_index
                 or not b.is_contiguous()):
             op._check(a_shard, b)            # the precise error

@@ -104,6 +104,22 @@ def test_waits_block_until_flags_are_set():
     assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
 
 
+def _ag_gemm_kernel(W, Ms, K, N, mode, *, group_m=8, **lowering):
+    """AllGather+GEMM's compute part (bf16, 128x256x64 tiles, comm_aligned order, the copy
+    engine pulling or pushing) lowered with ``lowering`` and loaded; a stuck wait traps."""
+    import tldsl as tl
+    from tldsl.codegen.lower import lower
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.runtime.gpu import GemmKernel
+    bf = tl.bfloat16
+    ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
+                              compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned",
+                                                         group_m=group_m),
+                              comm=tl.CommSchedule(engine="copy_engine", mode=mode, order="ring"))
+    lg = lower(ir, "gemm", wait_timeout_ns=2_000_000_000, **lowering)
+    return lg, GemmKernel(lg)
+
+
 @pytest.mark.parametrize("rank,cols", [(0, 1), (1, 3), (1, 16)])
 def test_gemm_staging_its_own_rows(rank, cols):
     """own_rows (AG+GEMM's staging='gemm') on one GPU, the peers stood in for by memory: this
@@ -112,18 +128,8 @@ def test_gemm_staging_its_own_rows(rank, cols):
     launch published into this rank's slot of every peer's arrival array (here one scratch
     array). Launch 2 needs the peers' arrival at launch 1 before it overwrites the slot."""
     import torch
-    import tldsl as tl
-    from tldsl.codegen.lower import lower
-    from tldsl.ops.allgather_gemm import allgather_gemm
-    from tldsl.runtime.gpu import GemmKernel
     W, Ms, K, N = 2, 512, 520, 3000
-    bf = tl.bfloat16
-    ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
-                              compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned",
-                                                         group_m=Ms // 128),
-                              comm=tl.CommSchedule(engine="copy_engine", mode="pull", order="ring"))
-    lg = lower(ir, "gemm", own_rows=True, wait_timeout_ns=2_000_000_000)     # a stuck wait traps, never hangs
-    kern = GemmKernel(lg)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "pull", group_m=Ms // 128, own_rows=True)
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
@@ -160,17 +166,8 @@ def test_gemm_gathering_pushed_rows(rank, cols):
     A stage is stored into the gathered copy (NaN-poisoned before): it equals [landing rows with
     the shard in this rank's place] exactly."""
     import torch
-    import tldsl as tl
-    from tldsl.codegen.lower import lower
-    from tldsl.ops.allgather_gemm import allgather_gemm
-    from tldsl.runtime.gpu import GemmKernel
     W, Ms, K, N = 2, 512, 520, 3000
-    bf = tl.bfloat16
-    ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
-                              compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned"),
-                              comm=tl.CommSchedule(engine="copy_engine", mode="push", order="ring"))
-    lg = lower(ir, "gemm", gather_rows=True, wait_timeout_ns=2_000_000_000)     # a stuck wait traps, never hangs
-    kern = GemmKernel(lg)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", gather_rows=True)
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)

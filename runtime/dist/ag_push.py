@@ -165,11 +165,7 @@ class PushAllGather:
         gc.disable()                # the GEMM spins on the peers' flags: no host stall until the pushes are enqueued
         try:
             if self.enqueue == "gemm_first":
-                if hooks:
-                    op._hook("before_compute", cur)
-                gemm.launch(cur_h, L)
-                if tl_ is not None:
-                    tl_.mark("gemm done", cur, "compute")
+                self._launch_gemm(gemm, cur, cur_h, L)
             if hooks:
                 op._hook("before_comm", self.copy_stream)
             cs = self._cs
@@ -191,22 +187,12 @@ class PushAllGather:
             if not self.done_after_gemm:
                 # behind the pushes (never delaying them): this rank's GEMM of launch L-1, before the
                 # call's start, no longer reads its landing slot
-                for addr in self._consumed_writes:
-                    res = cu.cuStreamWriteValue64(cs, addr, L - 1, wr)
-                    if res[0] != ok:
-                        plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
+                self._tell_done(cs, L - 1)
             if self.enqueue == "comm_first":
-                if hooks:
-                    op._hook("before_compute", cur)
-                gemm.launch(cur_h, L)
-                if tl_ is not None:
-                    tl_.mark("gemm done", cur, "compute")
+                self._launch_gemm(gemm, cur, cur_h, L)
             if self.done_after_gemm:
                 # after the GEMM: it no longer reads landing slot L % 2 (peers push launch L+2 there)
-                for addr in self._consumed_writes:
-                    res = cu.cuStreamWriteValue64(cur_h, addr, L, wr)
-                    if res[0] != ok:
-                        plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
+                self._tell_done(cur_h, L)
         finally:
             if gc_was_on:
                 gc.enable()
@@ -221,6 +207,22 @@ class PushAllGather:
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
         return a_full, c
+
+    def _launch_gemm(self, gemm, cur, cur_h: int, L: int) -> None:
+        op = self.op
+        if op.hooks:
+            op._hook("before_compute", cur)
+        gemm.launch(cur_h, L)
+        if op.timeline is not None:
+            op.timeline.mark("gemm done", cur, "compute")
+
+    def _tell_done(self, stream: int, launch: int) -> None:
+        """``launch`` into this rank's slot of every peer's ``consumed`` array, on ``stream``."""
+        cu, consts = self._cu, self._consts
+        for addr in self._consumed_writes:
+            res = cu.cuStreamWriteValue64(stream, addr, launch, consts.write_default)
+            if res[0] != consts.success:
+                plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
 
     # -- introspection ----------------------------------------------------------------------------
     def compute_only_buffers(self, a_gathered) -> dict:

@@ -1830,6 +1830,12 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     at = torch.randn(K, Ms).to(torch.bfloat16).t()
     op(at, torch.zeros(K, N, dtype=torch.bfloat16))
     assert proto.gemm_args[0]["a_shard"].is_contiguous()
+    # out= is the GEMM's C; a poisoned A_gathered starts as NaN (the GEMM writes every row of it)
+    monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out: None)      # a CPU tensor stands in
+    out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
+    ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16), out=out,
+               poison_workspace=True)
+    assert c is out and proto.gemm_args[0]["c"] is out and torch.isnan(ga).all()
     # comm_first: the pushes before the GEMM; the consumed writes still after it
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push, enqueue="comm_first")
     proto.events()

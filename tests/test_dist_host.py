@@ -1857,6 +1857,39 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     assert bufs["a_copy"].data_ptr() != full.data_ptr()
 
 
+def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
+    """Launches run in call order whatever stream each call is made on: a call on another stream
+    than the previous one first makes its stream wait for the previous stream's work (one event
+    record there, one wait here); calls on one stream add nothing. AG pull, AG push, GEMM+RS."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 1024, 1032, 3000
+    pull = tl.CommSchedule(engine="copy_engine", mode="pull")
+    ops = [(AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull), (Ms, K), (K, N)),
+           (AllGatherMatmul(Ms, K, N, torch.bfloat16), (Ms, K), (K, N)),
+           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16), (2 * Ms, K), (K, N))]
+    for op, sa, sb in ops:
+        a, b = torch.randn(*sa).to(torch.bfloat16), torch.zeros(*sb, dtype=torch.bfloat16)
+        first = proto.current[-1].cuda_stream
+        op(a, b)
+        op(a, b)
+        assert "cuStreamWaitEvent" not in [e[0] for e in proto.events()[:2]]     # one stream: nothing added
+        other = torch.cuda.Stream()
+        proto.current.append(other)
+        try:
+            op(a, b)
+        finally:
+            proto.current.pop()
+        ev = proto.events()
+        assert ev[0][:2] == ("cuEventRecord", first) and ev[1][:3] == ("cuStreamWaitEvent", other.cuda_stream,
+                                                                       ev[0][2]), ev[:3]
+        op(a, b)                          # back on the first stream: it waits for the other one
+        ev = proto.events()
+        assert ev[0][:2] == ("cuEventRecord", other.cuda_stream) and ev[1][:2] == ("cuStreamWaitEvent", first)
+
+
 def test_bench_schedule_spec_parses_into_schedules():
     from tldsl.bench_dist import parse_schedule
     compute, comm = parse_schedule("gemm_rs", "sms=8,order=full_mesh,mode=pull,tile=128x128x64,stages=5")(8192, 8192, 8192)

@@ -58,6 +58,7 @@ import dataclasses
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
+from .call_order import CallOrder
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -214,6 +215,7 @@ class AllGatherMatmul:
         self.copy_stream = torch.cuda.Stream(device=dev)
         self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
         self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
+        self._order = CallOrder()
         if handshake == "device":   # the stager (the staging kernel or the GEMM) publishes the arrival itself:
             self._start = torch.cuda.Event()        # every rank's arrival array, as mapped here
             self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
@@ -353,7 +355,10 @@ class AllGatherMatmul:
         """A launch's start on the host: the compute stream, a fresh A_gathered (NaN-filled with
         ``poison_workspace``) and the timeline's first mark."""
         import torch
+        from . import plan_exec
         cur = torch.cuda.current_stream(self.ctx.device)
+        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
+            self._order.follow(plan_exec.load_driver(), cur.cuda_stream)
         a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype,
                              device=torch.device("cuda", self.ctx.device))
         if poison_workspace:

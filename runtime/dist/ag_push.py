@@ -21,7 +21,10 @@ Launch ``L`` (counted from 1; counters hold the last launch that wrote them and 
 3. the compute stream waits for the copy stream — nothing follows the GEMM on it.
 
 Deadlock-free: launch ``L``'s waits need only the copy streams of the peers' launch ``L-1``,
-which wait for nothing of launch ``L``. Needs whole ``BM``-row tiles per rank and no clusters
+which wait for nothing of launch ``L``. Both the "done" promise (written at launch ``L``'s copy
+stream about launch ``L-1``'s GEMM) and the counters assume the launches run in call order:
+a call on another stream than the previous one first waits for it (:mod:`.call_order`). The
+protocol runs on two simulated ranks under random schedules in tests/test_dist_push_protocol.py. Needs whole ``BM``-row tiles per rank and no clusters
 (the GEMM tells this rank's tiles from the peers' by their rows).
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ import gc
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from . import plan_exec
+from .call_order import CallOrder
 
 
 class PushAllGather:
@@ -99,6 +103,7 @@ class PushAllGather:
         self._ev_copied = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate")
         weakref.finalize(self, _destroy_events, cu, (self._ev_start, self._ev_copied))
         self._gemm_launches = LaunchCache(16)
+        self._order = CallOrder()
         #: where this rank tells its peers its GEMM is done with a landing slot: False (the default)
         #: on the next launch's copy stream, behind its pushes (nothing after the GEMM on the
         #: compute stream, nothing before a push); True right after the GEMM on the compute stream
@@ -141,6 +146,8 @@ class PushAllGather:
         cu, consts = self._cu, self._consts
         ok = consts.success
         cur_h = self._raw_stream(self._dev_index)
+        if cur_h != self._order._last:
+            self._order.follow(cu, cur_h)    # a new stream: it waits for the previous call's (call_order)
         tl_, hooks = op.timeline, op.hooks
         cur = torch.cuda.current_stream(self._dev_index) if (tl_ is not None or hooks) else None
         a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)

@@ -58,6 +58,7 @@ import gc
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
+from .call_order import CallOrder
 
 
 EARLY_SUM_BYTES = 32 << 20    # this rank's rows of the partials, from which the early sum pays
@@ -104,6 +105,7 @@ class CopyEngineReduceScatter:
         self.tpr = -(-op.Ms // self.rows)
         self.copy_stream = torch.cuda.Stream(device=op.device)
         self._copied = torch.cuda.Event()
+        self._order = CallOrder()
         # the host's work before the GEMM is handed to the driver is on the critical path: the
         # current stream as a raw handle (torch's accessor for it, where this build has one), the
         # call's start as a driver event, the driver and its constants looked up once
@@ -200,6 +202,8 @@ class CopyEngineReduceScatter:
         ck = plan_exec.checked
         W, me = op.ctx.world_size, op.ctx.rank
         cur_h, cs = self._raw_stream(op.ctx.device), self.copy_stream.cuda_stream
+        if cur_h != self._order._last:       # a new stream waits for the previous call's (call_order)
+            self._order.follow(cu, cur_h)
         tl_ = op.timeline
         cur = torch.cuda.current_stream(op.ctx.device) if (tl_ is not None or op.hooks) else None
         if tl_ is not None:

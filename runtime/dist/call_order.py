@@ -1,0 +1,36 @@
+"""Launches of one fused op run on the device in the order they were called, whatever stream
+each call is made on.
+
+Every fused op's protocol counts launches: a counter holding L says "launch L (and so every
+launch before it) got this far", and buffers are reused every other launch on that promise. A
+caller that switches streams between calls would let launch L+1 overtake launch L on the device
+(a counter would then vouch for a launch that has not run — the two-rank protocol model in
+tests/test_dist_push_protocol.py finds the overwritten landing slot within a few dozen random
+schedules). So a call on another stream than the previous call's first makes its stream wait for
+everything enqueued on the previous one: one event record and one stream wait, only when the
+stream changes (never on the measured path, which calls on one stream).
+"""
+from __future__ import annotations
+
+from . import plan_exec
+
+
+class CallOrder:
+    """The stream of an op's previous call, and the event that orders the next call after it."""
+
+    def __init__(self):
+        self._last: int | None = None
+        self._event = None
+
+    def follow(self, cu, stream: int) -> None:
+        """Before a call's first work on ``stream`` (a raw handle): if the previous call used
+        another stream, ``stream`` waits for all of that stream's work enqueued so far."""
+        last = self._last
+        self._last = stream
+        if last is None or last == stream:
+            return
+        if self._event is None:
+            flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._event = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate(call order)")
+        plan_exec.checked(cu, cu.cuEventRecord(self._event, last), "cuEventRecord(previous call's stream)")
+        plan_exec.checked(cu, cu.cuStreamWaitEvent(stream, self._event, 0), "cuStreamWaitEvent(previous call)")

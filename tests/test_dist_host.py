@@ -1860,7 +1860,8 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
 def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
     """Launches run in call order whatever stream each call is made on: a call on another stream
     than the previous one first makes its stream wait for the previous stream's work (one event
-    record there, one wait here); calls on one stream add nothing. AG pull, AG push, GEMM+RS."""
+    record there, one wait here); calls on one stream add nothing. AG pull, push and SM; GEMM+RS
+    on the copy engine and on SMs."""
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
     torch = proto.torch
@@ -1869,7 +1870,9 @@ def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
     pull = tl.CommSchedule(engine="copy_engine", mode="pull")
     ops = [(AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull), (Ms, K), (K, N)),
            (AllGatherMatmul(Ms, K, N, torch.bfloat16), (Ms, K), (K, N)),
-           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16), (2 * Ms, K), (K, N))]
+           (AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm"), (Ms, K), (K, N)),
+           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16), (2 * Ms, K), (K, N)),
+           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, engine="sm"), (2 * Ms, K), (K, N))]
     for op, sa, sb in ops:
         a, b = torch.randn(*sa).to(torch.bfloat16), torch.zeros(*sb, dtype=torch.bfloat16)
         first = proto.current[-1].cuda_stream

@@ -743,6 +743,7 @@ class _FusedAllGather:
             self.comm_kernel = None
         self.comm_stream = torch.cuda.Stream(device=dev)
         self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
+        self._order = CallOrder()
         torch.cuda.synchronize()
 
     @staticmethod
@@ -798,6 +799,9 @@ class _FusedAllGather:
         L = op.launches
         W, r = op.ctx.world_size, op.ctx.rank
         cur = torch.cuda.current_stream(self.device)
+        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
+            from .plan_exec import load_driver
+            self._order.follow(load_driver(), cur.cuda_stream)
         if self.mode == "pull":
             a_full = torch.empty((W * op.Ms, op.K), dtype=op.dtype, device=self.device)
             if poison_workspace:

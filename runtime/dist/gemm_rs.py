@@ -61,6 +61,7 @@ import os
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
+from .call_order import CallOrder
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -273,6 +274,7 @@ class MatmulReduceScatter:
         self.comm_stream = torch.cuda.Stream(device=dev)
         self._start, self._done = torch.cuda.Event(), torch.cuda.Event()      # reused every launch
         self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
+        self._order = CallOrder()
         torch.cuda.synchronize()
 
     # -- introspection (debugging and the distributed checks) -------------------------------------
@@ -369,6 +371,9 @@ class MatmulReduceScatter:
         """The SM schedule's launch (module docstring)."""
         import torch
         cur = torch.cuda.current_stream(self.device)
+        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
+            from .plan_exec import load_driver
+            self._order.follow(load_driver(), cur.cuda_stream)
         tl_ = self.timeline
         if tl_ is not None:
             tl_.mark("start", cur, "compute")

@@ -1533,7 +1533,8 @@ class CpuEnv(dc.Env):
 
     def __init__(self, bug=None, **args):
         import torch
-        self.args = SimpleNamespace(**dict(dict(iters=3, straggler_iters=4, launches=20, seed=1), **args))
+        self.args = SimpleNamespace(**dict(dict(iters=3, straggler_iters=4, launches=20, stream_launches=6, seed=1),
+                                           **args))
         self.torch, self.dist, self.rank, self.W = torch, None, 0, 1
         self.debug, self.bug = False, bug
         self.state = dc.CheckState("cpu")
@@ -1553,6 +1554,17 @@ class CpuEnv(dc.Env):
 
     def device_sleep(self, stream, cycles):
         self.sleeps.append((stream, cycles))
+
+    def current_stream(self):
+        return "first-stream"
+
+    def new_stream(self):
+        return "second-stream"
+
+    def on_stream(self, stream):
+        import contextlib
+        self.sleeps.append((stream, "on"))
+        return contextlib.nullcontext()
 
     def build(self, v, rows, k, n):
         op = StandIn(v.op, rows, k, n, self.bug)
@@ -1591,6 +1603,7 @@ def test_checks_pass_a_correct_op(op, monkeypatch):
     ("stale", "odd_m", "iteration 2:"),
     ("gather", "odd_m", "A_gathered differs from NCCL's all-gather in 1 row(s), first [2]"),
     ("skip", "back_to_back", "signal ready: slots [3] hold [38], want [40] after 20 launches (first launch: [2])"),
+    ("stale", "streams", "launch 3 (stream 1): 40 element(s) out of tolerance"),
 ])
 def test_checks_catch_broken_ops(bug, check, want):
     pytest.importorskip("torch")
@@ -1750,6 +1763,9 @@ def test_allgather_gemm_staging(proto, monkeypatch):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
+    # every launch's GEMM arguments as prepared for it (CPU tensors reuse addresses across launches,
+    # so a cached launch could show an earlier launch's tensors at the same addresses)
+    monkeypatch.setattr(op._gemm_launches, "get", lambda key, build: build())
     for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert [e[0] for e in ev] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]

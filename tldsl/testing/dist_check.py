@@ -1,8 +1,8 @@
 """Correctness and stress checks of the fused distributed ops on GPUs (run under torchrun).
 
     torchrun --standalone --nproc_per_node=2 -m tldsl.testing.dist_check [ag_gemm|gemm_rs|all]
-        [--variants NAME,...] [--checks odd_m,straggler,back_to_back] [--iters 5]
-        [--launches 1000] [--timeout 300] [--debug-timeout-ns N] [--seed 0]
+        [--variants NAME,...] [--checks odd_m,straggler,back_to_back,streams] [--iters 5]
+        [--launches 1000] [--stream-launches 24] [--timeout 300] [--debug-timeout-ns N] [--seed 0]
     python -m tldsl.testing.dist_check explain LOGFILE     # decode stuck-wait lines of a log
 
 Checks (each on a freshly built op, for every variant of the op: its engines / schedules):
@@ -25,6 +25,12 @@ Checks (each on a freshly built op, for every variant of the op: its engines / s
   have moved by the same step every launch: its value after launch 1 plus (launches - 1) times
   its step from launch 1 to 2 (epochs never reset, never skip; a counter may lag one launch, like
   the copy-engine push's "this rank is done with the landing slot", written at the next launch).
+
+* ``streams`` — ``--stream-launches`` launches without synchronising, alternating between the
+  current stream and a second one, some of them behind a device sleep on their stream (so the
+  other stream's next launch could run ahead); every launch's output checked. The ops promise
+  that launches run in call order whatever stream each call is made on
+  (``runtime/dist/call_order.py``): their counters and reused buffers depend on it.
 
 Every check prints one summary line (rank 0) and the process exits non-zero on any failure.
 
@@ -49,7 +55,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-CHECKS = ("odd_m", "straggler", "back_to_back")
+CHECKS = ("odd_m", "straggler", "back_to_back", "streams")
 RTOL, ATOL_RMS = 1e-2, 1e-2
 
 
@@ -223,7 +229,7 @@ def variants(op: str) -> list[Variant]:
 
 def sizes(check: str, W: int, v: Variant | None = None) -> tuple[int, int, int]:
     """(rows per rank, K, N) — AG: A shard [rows, K], B [K, N]; RS: A [W*rows, K], B [K, N]."""
-    if check == "back_to_back":
+    if check in ("back_to_back", "streams"):
         return 1024, 1024, 1024
     if v is not None and v.rows is not None:
         return v.rows, 1032, 3000    # the variant's rows; K, N not multiples of the tile
@@ -305,6 +311,17 @@ class Env:
     def device_sleep(self, stream, cycles: int):
         with self.torch.cuda.stream(stream):
             self.torch.cuda._sleep(cycles)
+
+    def current_stream(self):
+        return self.torch.cuda.current_stream()
+
+    def new_stream(self):
+        return self.torch.cuda.Stream()
+
+    def on_stream(self, stream):
+        """Work after this on ``stream`` (a context), which first waits for the current stream."""
+        stream.wait_stream(self.torch.cuda.current_stream())
+        return self.torch.cuda.stream(stream)
 
     def build(self, v: Variant, rows: int, k: int, n: int):
         from tldsl.runtime.dist import AllGatherMatmul, MatmulReduceScatter
@@ -502,7 +519,40 @@ def check_back_to_back(env: Env, v: Variant) -> tuple[bool, str, float]:
     return not details, info + ("; " + "; ".join(details) if details else ""), worst
 
 
-CHECK_FNS = {"odd_m": check_odd_m, "straggler": check_straggler, "back_to_back": check_back_to_back}
+def check_streams(env: Env, v: Variant) -> tuple[bool, str, float]:
+    rows, k, n = env.sizes("streams", v)
+    op = env.build(v, rows, k, n)
+    first = env.current_stream()
+    streams = [first, env.new_stream()]
+    env.device_sleep(first, 1)       # loaded before any launch (lazy loading beside a spinning kernel)
+    env.barrier()
+    N = env.args.stream_launches
+    runs, slept = [], 0
+    for L in range(1, N + 1):
+        rng = random.Random(env.args.seed * 104729 + L)          # the same draws on every rank
+        a, b = env.inputs(v, rows, k, n, env.args.seed * 7 + L * 13 + env.rank)
+        s = streams[L % 2]
+        with env.on_stream(s):
+            if rng.random() < 0.3 and rng.randrange(env.W) == env.rank:
+                env.device_sleep(s, rng.randrange(1_000_000, 5_000_000))   # this stream falls behind
+                slept += 1
+            got = env.call(v, op, a, b, out=env.out_like(v, rows, n))
+        runs.append((a, b, got))
+    env.sync()
+    env.after_launch(op)
+    worst, details = 0.0, []
+    for L, (a, b, got) in enumerate(runs, start=1):
+        res = env.verify(v, got, env.reference(v, a, b))
+        worst = max(worst, res["max_err"] / max(res.get("rms", 1.0), 1e-6))
+        if not res["ok"]:
+            details.append(f"launch {L} (stream {L % 2}): {res['detail']}")
+    info = (f"{N} launches alternating between two streams, {slept} behind a device sleep on this rank, every "
+            f"output checked, max |err|/rms {worst:.2e}")
+    return not details, info + ("; " + "; ".join(details[:4]) if details else ""), worst
+
+
+CHECK_FNS = {"odd_m": check_odd_m, "straggler": check_straggler, "back_to_back": check_back_to_back,
+             "streams": check_streams}
 
 
 def _report_state(env: Env, why: str):
@@ -564,6 +614,7 @@ def run(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--straggler-iters", type=int, default=10)
     ap.add_argument("--launches", type=int, default=1000)
+    ap.add_argument("--stream-launches", type=int, default=24, help="launches of the streams check")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per check before the watchdog reports")
     ap.add_argument("--debug-timeout-ns", type=int, default=None,
                     help="compile waits with this timeout (prints the stuck slot and traps)")

@@ -24,7 +24,7 @@ Deadlock-free: launch ``L``'s waits need only the copy streams of the peers' lau
 which wait for nothing of launch ``L``. Both the "done" promise (written at launch ``L``'s copy
 stream about launch ``L-1``'s GEMM) and the counters assume the launches run in call order:
 a call on another stream than the previous one first waits for it (:mod:`.call_order`). The
-protocol runs on two simulated ranks under random schedules in tests/test_dist_push_protocol.py. Needs whole ``BM``-row tiles per rank and no clusters
+protocol runs on two simulated ranks under random schedules in tests/test_dist_protocols.py. Needs whole ``BM``-row tiles per rank and no clusters
 (the GEMM tells this rank's tiles from the peers' by their rows).
 """
 from __future__ import annotations

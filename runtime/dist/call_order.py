@@ -5,7 +5,7 @@ Every fused op's protocol counts launches: a counter holding L says "launch L (a
 launch before it) got this far", and buffers are reused every other launch on that promise. A
 caller that switches streams between calls would let launch L+1 overtake launch L on the device
 (a counter would then vouch for a launch that has not run — the two-rank protocol model in
-tests/test_dist_push_protocol.py finds the overwritten landing slot within a few dozen random
+tests/test_dist_protocols.py finds the overwritten landing slot within a few dozen random
 schedules). So a call on another stream than the previous call's first makes its stream wait for
 everything enqueued on the previous one: one event record and one stream wait, only when the
 stream changes (never on the measured path, which calls on one stream).

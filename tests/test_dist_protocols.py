@@ -1,12 +1,14 @@
-"""The copy-engine push protocol of AllGather+GEMM (runtime/dist/ag_push.py), executed on two
-simulated ranks: both ranks' real ``PushAllGather`` objects enqueue their launches into a fake
-driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in a
-random order (a stream op runs only when its stream waits, event waits and the GEMM's flag
-waits allow). The GEMM is a stand-in with the generated kernel's contract: it waits until every
-peer's flag holds the launch, then reads the peers' rows from the landing slot and its own rows
-from the shard into A_gathered. Every launch's A_gathered must be exactly the launch's shards,
-whatever the order the streams ran in: a landing slot overwritten before its GEMM read it, a
-flag written before its data, or a deadlock, fails.
+"""The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
+copy-engine push (runtime/dist/ag_push.py) and GEMM+ReduceScatter on the copy engine
+(runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
+driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
+orders, some starving streams for a while (a stream op runs only when its stream waits, event
+waits and the GEMM's counter waits allow). The GEMMs are stand-ins with the generated kernels'
+contracts (AG: wait for every peer's flag, gather the landing slot's rows and the shard's; RS:
+chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
+must be exact whatever order the streams ran in: a buffer overwritten before it was read, a
+counter written before its data, or a deadlock, fails — and each test shows the model catching
+a protocol with one of its waits or its call order removed.
 """
 from __future__ import annotations
 
@@ -171,22 +173,25 @@ class _Gemm:
 
 
 class _Ranks:
-    """Two ranks' ops built in two threads (construction is collective), then driven from one."""
+    """Two ranks' ops built in two threads (construction is collective), then driven from one.
+    torch's streams, events and stream contexts are the simulated driver's; every tensor the ops
+    allocate lives in its memory."""
 
-    def __init__(self, monkeypatch, Ms=128, K=16, N=24, W=2):
-        from tldsl.runtime.dist import ag_gemm as agm, ag_push, plan_exec
+    def __init__(self, monkeypatch, make, gemm, W=2):
+        """``make(rank)``: the rank's op; ``gemm(ranks)``: the stand-in for ``GemmKernel``."""
+        from tldsl.runtime.dist import ag_gemm as agm, gemm_rs as grs, plan_exec
         from tldsl.runtime.gpu import gemm as gemm_mod
         import torch.distributed._symmetric_memory as symm_mem
-        self.W, self.Ms, self.K, self.N = W, Ms, K, N
+        self.W = W
         self.device = dev = Device()
         self.local = threading.local()
         self.streams = iter(range(1, 10 ** 6))
-        self.current = {}                                  # rank -> its current (raw) stream
+        self.current = {}                                  # rank -> its stack of current (raw) streams
         barrier = threading.Barrier(W)
         rendezvous: dict = {}
         mp = monkeypatch
         mp.setattr(plan_exec, "load_driver", lambda: dev)
-        mp.setattr(gemm_mod, "GemmKernel", _Gemm(dev, W))
+        mp.setattr(gemm_mod, "GemmKernel", gemm(self))
         mp.setattr(agm.AllGatherMatmul, "_check", lambda self, a, b: None)       # CPU tensors stand in
         ranks = self
 
@@ -194,9 +199,8 @@ class _Ranks:
             return types.SimpleNamespace(rank=ranks.local.rank, world_size=W, device=0, group=None, group_name="g",
                                          backend="CUDA")
         mp.setattr(agm, "dist_context", ctx)
-
-        def empty(size, dtype=None, device=None):
-            return dev.register(torch.empty(size, dtype=dtype))
+        mp.setattr(grs, "dist_context", ctx)
+        mp.setattr(grs, "validate_operands", lambda *a, **k: None)
 
         class Handle:
             def __init__(self, t):
@@ -208,26 +212,57 @@ class _Ranks:
 
             def barrier(self, channel=0):
                 barrier.wait()
-        mp.setattr(symm_mem, "empty", empty)
+        mp.setattr(symm_mem, "empty", lambda size, dtype=None, device=None: dev.register(torch.empty(size, dtype=dtype)))
         mp.setattr(symm_mem, "rendezvous", lambda t, group_name: Handle(t))
+        mp.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: None, raising=False)
 
         class Stream:
             def __init__(self, device=None, stream_id=None):
                 self.cuda_stream = next(ranks.streams) if stream_id is None else stream_id
+
+            def wait_event(self, ev):
+                dev.cuStreamWaitEvent(self.cuda_stream, ev.id, 0)
+
+            def wait_stream(self, other):
+                ev = Event()
+                ev.record(other)
+                self.wait_event(ev)
+
+        class Event:
+            def __init__(self, *a, **k):
+                self.id = dev.cuEventCreate(0)[1]
+
+            def record(self, stream=None):
+                dev.cuEventRecord(self.id, (stream or torch.cuda.current_stream()).cuda_stream)
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                ranks.current[ranks.local.rank].append(self.stream.cuda_stream)
+
+            def __exit__(self, *exc):
+                ranks.current[ranks.local.rank].pop()
         mp.setattr(torch.cuda, "Stream", Stream)
-        mp.setattr(torch.cuda, "current_stream", lambda device=None: Stream(stream_id=ranks.current[ranks.local.rank]))
-        mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ranks.current[ranks.local.rank],
-                   raising=False)
-        real_empty = torch.empty
-        mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **{x: v for x, v in k.items() if x != "device"}))
+        mp.setattr(torch.cuda, "Event", Event)
+        mp.setattr(torch.cuda, "stream", StreamContext)
+        mp.setattr(torch.cuda, "current_stream", lambda device=None: Stream(stream_id=ranks.raw_stream()))
+        mp.setattr(torch.cuda, "synchronize", lambda *a: None)
+        mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ranks.raw_stream(), raising=False)
+        mp.setattr(torch.Tensor, "record_stream", lambda t, s: None)
+        for name in ("empty", "zeros", "full"):        # every tensor an op allocates is device memory
+            real = getattr(torch, name)
+            mp.setattr(torch, name, lambda *a, real=real, **k: dev.register(
+                real(*a, **{x: v for x, v in k.items() if x != "device"})))
         self.ops = [None] * W
         errors = []
 
         def build(r):
             try:
                 self.local.rank, self.local.calls = r, 0
-                self.current[r] = next(self.streams)
-                self.ops[r] = agm.AllGatherMatmul(Ms, K, N, torch.bfloat16)
+                self.current[r] = [next(self.streams)]
+                self.ops[r] = make(r)
             except BaseException as ex:   # noqa: BLE001 - re-raised in the test's thread
                 errors.append(ex)
                 barrier.abort()
@@ -238,18 +273,30 @@ class _Ranks:
             t.join()
         if errors:
             raise errors[0]
-        assert all(isinstance(op._engine, ag_push.PushAllGather) for op in self.ops)
 
-    def call(self, r: int, shard, b, stream: int | None = None):
+    def raw_stream(self) -> int:
+        return self.current[self.local.rank][-1]
+
+    def call(self, r: int, *args, stream: int | None = None):
         self.local.rank = r
         if stream is not None:
-            self.current[r] = stream
-        return self.ops[r](shard, b)
+            self.current[r][0] = stream
+        return self.ops[r](*args)
+
+
+def _push_ranks(monkeypatch, Ms=128, K=16, N=24):
+    """Two ranks of AllGatherMatmul's default (the push), with the gathering GEMM's stand-in."""
+    from tldsl.runtime.dist import ag_gemm as agm, ag_push
+    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16),
+                   lambda ranks: _Gemm(ranks.device, 2))
+    ranks.Ms, ranks.K, ranks.N = Ms, K, N
+    assert all(isinstance(op._engine, ag_push.PushAllGather) for op in ranks.ops)
+    return ranks
 
 
 def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1):
     rng = random.Random(seed)
-    ranks = _Ranks(monkeypatch)
+    ranks = _push_ranks(monkeypatch)
     W, Ms, K, N = ranks.W, ranks.Ms, ranks.K, ranks.N
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
     b = torch.zeros(K, N, dtype=torch.bfloat16)
@@ -260,7 +307,7 @@ def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: i
         outs = []
         for r in rng.sample(range(W), W):                  # the hosts enqueue in either order
             stream = own_streams[r][(L - 1) % streams_per_rank]
-            outs.append((r, ranks.call(r, shards[r], b, stream)[0]))
+            outs.append((r, ranks.call(r, shards[r], b, stream=stream)[0]))
         got.append(dict(outs))
     ranks.device.run(rng)
     for L, (want, per_rank) in enumerate(zip(expected, got), start=1):
@@ -312,3 +359,130 @@ def test_the_model_catches_broken_protocols(monkeypatch):
     assert _failing_seeds(monkeypatch, other_slot, seeds=range(4)) == list(range(4))
     assert _failing_seeds(monkeypatch, unordered, streams_per_rank=2)
     assert not _failing_seeds(monkeypatch, lambda mp: None, streams_per_rank=2, seeds=range(10))
+
+
+# -- GEMM + ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py) --------------------------
+
+class _RsGemm:
+    """The partial-product GEMM's contract: chunk by chunk (peers' rows first), its rows of the
+    bf16 partial A @ B, then the chunk's ``ready`` counter up by its tiles."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
+        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
+        ranks = self.ranks
+
+        def prepare(buffers, signals=None, rank=0):
+            op = ranks.ops[rank]
+            eng = op._engine
+            a, b, partial = buffers["a"], buffers["b"], buffers["partial"]
+            (ready,) = signals.values()
+            counts = {step[1]: step[2] for step in eng.steps if step[0] == "wait"}      # ("wait", slot, count)
+            counts.update({rank * eng.tpr + lo // eng.rows: count for count, lo, hi in eng.own_chunks})
+            own = range(rank * eng.tpr, (rank + 1) * eng.tpr)
+            order = [s for s in sorted(counts) if s not in own] + list(own)
+
+            def launch(stream, L):
+                for slot in order:
+                    p, j = divmod(slot, eng.tpr)
+                    lo = p * op.Ms + j * eng.rows
+                    hi = min(lo + eng.rows, (p + 1) * op.Ms)
+
+                    def piece(lo=lo, hi=hi, slot=slot):
+                        partial[lo:hi] = (a[lo:hi].float() @ b.float()).to(partial.dtype)
+                        ready[slot] += counts[slot]
+                        return True
+                    ranks.device._enqueue(stream, f"GEMM {L} rows {lo}", piece)
+            return types.SimpleNamespace(launch=launch)
+        gemm.prepare = prepare
+        return gemm
+
+
+def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
+    from tldsl.runtime.dist import gemm_rs as grs
+    from tldsl.runtime.dist.gemm_rs_copy import CopyEngineReduceScatter
+    real_sum = CopyEngineReduceScatter._sum_rows
+    holder = {}
+
+    def deferred_sum(self, out, lo, hi):          # torch ops run on the host here: run it in stream order
+        ranks = holder["ranks"]
+        ranks.device._enqueue(ranks.raw_stream(), f"sum {lo}:{hi}", lambda: real_sum(self, out, lo, hi) or True)
+    monkeypatch.setattr(CopyEngineReduceScatter, "_sum_rows", deferred_sum)
+    ranks = _Ranks(monkeypatch, lambda r: grs.MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, ce_chunks=4),
+                   _RsGemm)
+    holder["ranks"] = ranks
+    ranks.Ms, ranks.K, ranks.N = Ms, K, N
+    for op in ranks.ops:
+        assert op._engine.tpr == 4
+        op._engine.early_sum = early_sum
+    return ranks
+
+
+def _run_rs_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1, early_sum=False):
+    rng = random.Random(seed)
+    ranks = _rs_ranks(monkeypatch, early_sum=early_sum)
+    W, Ms, K, N = ranks.W, ranks.Ms, ranks.K, ranks.N
+    own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
+    expected, got = [], []
+    for L in range(1, launches + 1):
+        ab = [(ranks.device.register(torch.randn(W * Ms, K).to(torch.bfloat16)),
+               ranks.device.register(torch.randn(K, N).to(torch.bfloat16))) for _ in range(W)]
+        partials = [(a.float() @ b.float()).to(torch.bfloat16) for a, b in ab]
+        expected.append([partials[r][r * Ms:(r + 1) * Ms] + partials[1 - r][r * Ms:(r + 1) * Ms] for r in range(W)])
+        outs = {}
+        for r in rng.sample(range(W), W):
+            outs[r] = ranks.call(r, *ab[r], stream=own_streams[r][(L - 1) % streams_per_rank])
+        got.append(outs)
+    ranks.device.run(rng)
+    for L, (want, per_rank) in enumerate(zip(expected, got), start=1):
+        for r, out in per_rank.items():
+            assert torch.equal(out, want[r]), f"seed {seed}: rank {r}'s rows of launch {L} are wrong"
+    return ranks
+
+
+@pytest.mark.parametrize("early_sum", [False, True])
+@pytest.mark.parametrize("streams_per_rank", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_reduce_scatter_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_rank, early_sum):
+    """GEMM+RS on the copy engine: the GEMM's chunks (peers' rows first), the handshake, the
+    copies of each chunk once its counter allows, the notifies, and this rank's sum (all after
+    the GEMM, or its early chunks on the side stream) — every launch's rows exact."""
+    _run_rs_launches(monkeypatch, seed, streams_per_rank=streams_per_rank, early_sum=early_sum)
+
+
+def test_the_reduce_scatter_model_can_fail(monkeypatch):
+    """Copies that do not wait for their chunk's counter, a sum that does not wait for the
+    peers' copies, or calls on alternating streams without the call order, give some schedule
+    wrong rows."""
+    from tldsl.runtime.dist import call_order
+    from tldsl.runtime.dist.gemm_rs_copy import CopyEngineReduceScatter
+
+    def no_chunk_waits(mp):
+        init = CopyEngineReduceScatter.__init__
+
+        def patched(self, *a, **k):
+            init(self, *a, **k)
+            self.steps = [s for s in self.steps if s[0] != "wait"]
+        mp.setattr(CopyEngineReduceScatter, "__init__", patched)
+
+    def no_arrival_waits(mp):
+        init = CopyEngineReduceScatter.__init__
+
+        def patched(self, *a, **k):
+            init(self, *a, **k)
+            self.arrivals = []
+        mp.setattr(CopyEngineReduceScatter, "__init__", patched)
+    def unordered(mp):
+        mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
+    for break_it, streams in ((no_chunk_waits, 1), (no_arrival_waits, 1), (unordered, 2)):
+        failed = 0
+        for seed in range(20):
+            with monkeypatch.context() as mp:
+                break_it(mp)
+                try:
+                    _run_rs_launches(mp, seed, launches=3, streams_per_rank=streams)
+                except AssertionError:
+                    failed += 1
+        assert failed, break_it.__name__

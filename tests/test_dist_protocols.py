@@ -1,11 +1,13 @@
 """The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
-copy-engine push (runtime/dist/ag_push.py) and GEMM+ReduceScatter on the copy engine
-(runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
+copy-engine push (runtime/dist/ag_push.py) and pull with the staging kernel as the handshake
+(runtime/dist/ag_gemm.py, the default where rows are not whole tiles), and GEMM+ReduceScatter on
+the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
 orders, some starving streams for a while (a stream op runs only when its stream waits, event
 waits and the GEMM's counter waits allow). The GEMMs are stand-ins with the generated kernels'
-contracts (AG: wait for every peer's flag, gather the landing slot's rows and the shard's; RS:
-chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
+contracts (AG push: wait for every peer's flag, gather the landing slot's rows and the shard's;
+AG pull: the staging kernel's waits, copies, flag and published arrival, then a GEMM waiting for
+every flag; RS: chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
 must be exact whatever order the streams ran in: a buffer overwritten before it was read, a
 counter written before its data, or a deadlock, fails — and each test shows the model catching
 a protocol with one of its waits or its call order removed.
@@ -483,6 +485,134 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
                 break_it(mp)
                 try:
                     _run_rs_launches(mp, seed, launches=3, streams_per_rank=streams)
+                except AssertionError:
+                    failed += 1
+        assert failed, break_it.__name__
+
+
+# -- AllGather+GEMM pulling (runtime/dist/ag_gemm.py: staging kernel, device handshake) --------------
+
+class _Stager:
+    """The publishing staging kernel's contract: wait until every peer has staged the previous
+    launch, copy the shard into the symmetric slot and this rank's rows of A_gathered, write this
+    rank's flag, then publish the launch into this rank's slot of every peer's arrival array."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def __call__(self, sm_count, progress=None, publish=None):
+        device = self.ranks.device
+        stager = types.SimpleNamespace(kernel=types.SimpleNamespace(name="tldsl_stage_shard_publish"),
+                                       usable=lambda *a: all(int(x) % 16 == 0 for x in a))
+        arrive, table, rank, world, _, _ = publish
+
+        def prepare(cu, src, dst0, dst1, nbytes, flag):
+            def launch(stream, L):
+                def op():
+                    if any(int(device.u64(arrive + 8 * p)[0]) < L - 1 for p in range(world) if p != rank):
+                        return False
+                    device.bytes(dst0, nbytes)[:] = device.bytes(src, nbytes)
+                    device.bytes(dst1, nbytes)[:] = device.bytes(src, nbytes)
+                    device.u64(flag)[0] = L
+                    for p in range(world):
+                        if p != rank:
+                            device.u64(int(device.u64(table + 8 * p)[0]) + 8 * rank)[0] = L
+                    return True
+                device._enqueue(stream, f"stage {L}", op)
+            return types.SimpleNamespace(launch=launch)
+        stager.prepare = prepare
+        return stager
+
+
+class _PullGemm:
+    """The pulling GEMM's contract: once every shard's flag holds the launch, C = A_gathered @ B."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
+        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
+        device, W = self.ranks.device, self.ranks.W
+
+        def prepare(buffers, signals=None, rank=0):
+            (flags,) = signals.values()
+            a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
+
+            def launch(stream, L):
+                def op():
+                    if any(int(flags[p]) < L for p in range(W)):
+                        return False
+                    c[:] = (a_full.float() @ b.float()).to(c.dtype)
+                    return True
+                device._enqueue(stream, f"GEMM {L}", op)
+            return types.SimpleNamespace(launch=launch)
+        gemm.prepare = prepare
+        return gemm
+
+
+def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1, Ms=200, K=16, N=24):
+    from tldsl.runtime.dist import ag_gemm as agm, staging
+    from tldsl.runtime.gpu import device as device_mod
+    rng = random.Random(seed)
+    holder = {}
+    monkeypatch.setattr(staging, "ShardStager", lambda *a, **k: _Stager(holder["ranks"])(*a, **k))
+    monkeypatch.setattr(device_mod, "sm_count", lambda: 132)
+
+    def gemm(ranks):
+        holder["ranks"] = ranks
+        return _PullGemm(ranks)
+    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), gemm)
+    W = ranks.W
+    assert all(op.engine == "copy_engine" and op.staging == "kernel" and op.handshake == "device" for op in ranks.ops)
+    own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
+    b = ranks.device.register(torch.randn(K, N).to(torch.bfloat16))
+    expected, got = [], []
+    for L in range(1, launches + 1):
+        shards = [ranks.device.register(torch.randn(Ms, K).to(torch.bfloat16)) for _ in range(W)]
+        gathered = torch.cat(shards)
+        expected.append((gathered, (gathered.float() @ b.float()).to(torch.bfloat16)))
+        outs = {}
+        for r in rng.sample(range(W), W):
+            outs[r] = ranks.call(r, shards[r], b, stream=own_streams[r][(L - 1) % streams_per_rank])
+        got.append(outs)
+    ranks.device.run(rng)
+    for L, ((want_a, want_c), per_rank) in enumerate(zip(expected, got), start=1):
+        for r, (a_full, c) in per_rank.items():
+            assert torch.equal(a_full, want_a), f"seed {seed}: rank {r}'s A_gathered of launch {L} is wrong"
+            assert torch.equal(c, want_c), f"seed {seed}: rank {r}'s C of launch {L} is wrong"
+
+
+@pytest.mark.parametrize("streams_per_rank", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_pull_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_rank):
+    """AG+GEMM's pull with the staging kernel as the handshake (the default where rows are not
+    whole tiles): the staging waits for the peers' previous launch, the copy streams wait for
+    each peer's published arrival, the GEMM for every flag — every launch's A_gathered and C
+    exact."""
+    _run_pull_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
+
+
+def test_the_pull_model_can_fail(monkeypatch):
+    """Copies that do not wait for the peer's published arrival (they read a slot the peer has
+    not staged yet), or calls on alternating streams without the call order, give some schedule
+    a wrong result. (The staging kernel's own wait for the peers' previous launch is implied by
+    the call order and the handshake of the launch before; removing it is not caught, rightly.)"""
+    from tldsl.runtime.dist import ag_gemm as agm, call_order
+
+    def no_arrival_wait(mp):
+        pulls = agm.AllGatherMatmul._enqueue_pulls
+        mp.setattr(agm.AllGatherMatmul, "_enqueue_pulls",
+                   lambda self, cu, a_full, slot, L, wait_arrivals: pulls(self, cu, a_full, slot, L, wait_arrivals=False))
+
+    def unordered(mp):
+        mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
+    for break_it, streams in ((no_arrival_wait, 1), (unordered, 2)):
+        failed = 0
+        for seed in range(20):
+            with monkeypatch.context() as mp:
+                break_it(mp)
+                try:
+                    _run_pull_launches(mp, seed, launches=4, streams_per_rank=streams)
                 except AssertionError:
                     failed += 1
         assert failed, break_it.__name__

@@ -64,6 +64,15 @@ class Device:
     def u64(self, addr: int):
         return self.bytes(addr, 8).view("<u8")
 
+    def kernel(self, stream: int, name: str, work, ready=lambda: True) -> None:
+        """A stand-in kernel on ``stream``: ``work()`` once ``ready()`` (its spin-waits) holds."""
+        def op():
+            if not ready():
+                return False
+            work()
+            return True
+        self._enqueue(stream, name, op)
+
     # -- driver calls ------------------------------------------------------------------------------
     def _enqueue(self, stream: int, name: str, op):
         self.queues.setdefault(int(stream), deque()).append((name, op))
@@ -161,14 +170,12 @@ class _Gemm:
             Ms = shard.shape[0]
 
             def launch(stream, L):
-                def op():
-                    if any(int(flags[p]) < L for p in range(W) if p != rank):
-                        return False
+                def gather():
                     for p in range(W):
                         rows = slice(p * Ms, (p + 1) * Ms)
                         copy[rows] = shard if p == rank else landing[rows]
-                    return True
-                device._enqueue(stream, f"GEMM {L}", op)
+                device.kernel(stream, f"GEMM {L}", gather,
+                              ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
             return types.SimpleNamespace(launch=launch)
         gemm.prepare = prepare
         return gemm
@@ -330,13 +337,16 @@ def test_push_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_ran
         assert op._engine.consumed.tolist() == [5 if p != r else 0 for p in range(2)]
 
 
-def _failing_seeds(monkeypatch, break_it, streams_per_rank=1, seeds=range(30)) -> list[int]:
+def _failing_seeds(monkeypatch, break_it, streams_per_rank=1, seeds=range(30), run=None, **kw) -> list[int]:
+    """The seeds whose schedule gives a wrong result with the protocol broken by ``break_it(mp)``
+    (``run``: the op's launch runner, default the AG push's)."""
+    run = run or _run_launches
     failed = []
     for seed in seeds:
         with monkeypatch.context() as mp:
             break_it(mp)
             try:
-                _run_launches(mp, seed, streams_per_rank=streams_per_rank)
+                run(mp, seed, streams_per_rank=streams_per_rank, **kw)
             except AssertionError:
                 failed.append(seed)
     return failed
@@ -395,8 +405,7 @@ class _RsGemm:
                     def piece(lo=lo, hi=hi, slot=slot):
                         partial[lo:hi] = (a[lo:hi].float() @ b.float()).to(partial.dtype)
                         ready[slot] += counts[slot]
-                        return True
-                    ranks.device._enqueue(stream, f"GEMM {L} rows {lo}", piece)
+                    ranks.device.kernel(stream, f"GEMM {L} rows {lo}", piece)
             return types.SimpleNamespace(launch=launch)
         gemm.prepare = prepare
         return gemm
@@ -410,7 +419,7 @@ def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
 
     def deferred_sum(self, out, lo, hi):          # torch ops run on the host here: run it in stream order
         ranks = holder["ranks"]
-        ranks.device._enqueue(ranks.raw_stream(), f"sum {lo}:{hi}", lambda: real_sum(self, out, lo, hi) or True)
+        ranks.device.kernel(ranks.raw_stream(), f"sum {lo}:{hi}", lambda: real_sum(self, out, lo, hi))
     monkeypatch.setattr(CopyEngineReduceScatter, "_sum_rows", deferred_sum)
     ranks = _Ranks(monkeypatch, lambda r: grs.MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, ce_chunks=4),
                    _RsGemm)
@@ -479,15 +488,8 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
     def unordered(mp):
         mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
     for break_it, streams in ((no_chunk_waits, 1), (no_arrival_waits, 1), (unordered, 2)):
-        failed = 0
-        for seed in range(20):
-            with monkeypatch.context() as mp:
-                break_it(mp)
-                try:
-                    _run_rs_launches(mp, seed, launches=3, streams_per_rank=streams)
-                except AssertionError:
-                    failed += 1
-        assert failed, break_it.__name__
+        assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_rs_launches, launches=3), \
+            break_it.__name__
 
 
 # -- AllGather+GEMM pulling (runtime/dist/ag_gemm.py: staging kernel, device handshake) --------------
@@ -508,17 +510,15 @@ class _Stager:
 
         def prepare(cu, src, dst0, dst1, nbytes, flag):
             def launch(stream, L):
-                def op():
-                    if any(int(device.u64(arrive + 8 * p)[0]) < L - 1 for p in range(world) if p != rank):
-                        return False
+                def stage():
                     device.bytes(dst0, nbytes)[:] = device.bytes(src, nbytes)
                     device.bytes(dst1, nbytes)[:] = device.bytes(src, nbytes)
                     device.u64(flag)[0] = L
                     for p in range(world):
                         if p != rank:
                             device.u64(int(device.u64(table + 8 * p)[0]) + 8 * rank)[0] = L
-                    return True
-                device._enqueue(stream, f"stage {L}", op)
+                device.kernel(stream, f"stage {L}", stage, ready=lambda: all(
+                    int(device.u64(arrive + 8 * p)[0]) >= L - 1 for p in range(world) if p != rank))
             return types.SimpleNamespace(launch=launch)
         stager.prepare = prepare
         return stager
@@ -539,12 +539,9 @@ class _PullGemm:
             a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
 
             def launch(stream, L):
-                def op():
-                    if any(int(flags[p]) < L for p in range(W)):
-                        return False
+                def multiply():
                     c[:] = (a_full.float() @ b.float()).to(c.dtype)
-                    return True
-                device._enqueue(stream, f"GEMM {L}", op)
+                device.kernel(stream, f"GEMM {L}", multiply, ready=lambda: all(int(flags[p]) >= L for p in range(W)))
             return types.SimpleNamespace(launch=launch)
         gemm.prepare = prepare
         return gemm
@@ -607,12 +604,5 @@ def test_the_pull_model_can_fail(monkeypatch):
     def unordered(mp):
         mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
     for break_it, streams in ((no_arrival_wait, 1), (unordered, 2)):
-        failed = 0
-        for seed in range(20):
-            with monkeypatch.context() as mp:
-                break_it(mp)
-                try:
-                    _run_pull_launches(mp, seed, launches=4, streams_per_rank=streams)
-                except AssertionError:
-                    failed += 1
-        assert failed, break_it.__name__
+        assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_pull_launches, launches=4), \
+            break_it.__name__

@@ -1,13 +1,13 @@
 """The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
-copy-engine push (runtime/dist/ag_push.py) and pull with the staging kernel as the handshake
-(runtime/dist/ag_gemm.py, the default where rows are not whole tiles), and GEMM+ReduceScatter on
-the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
+copy-engine push (runtime/dist/ag_push.py) and pull (runtime/dist/ag_gemm.py) — with the staging
+kernel as the handshake (the default where rows are not whole tiles) or with the GEMM staging its
+own rows — and GEMM+ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
 orders, some starving streams for a while (a stream op runs only when its stream waits, event
 waits and the GEMM's counter waits allow). The GEMMs are stand-ins with the generated kernels'
 contracts (AG push: wait for every peer's flag, gather the landing slot's rows and the shard's;
 AG pull: the staging kernel's waits, copies, flag and published arrival, then a GEMM waiting for
-every flag; RS: chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
+every flag, or the GEMM's own-row phase staging and publishing, then its peers' rows; RS: chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
 must be exact whatever order the streams ran in: a buffer overwritten before it was read, a
 counter written before its data, or a deadlock, fails — and each test shows the model catching
 a protocol with one of its waits or its call order removed.
@@ -153,32 +153,38 @@ class Device:
         raise AssertionError("simulation did not finish")
 
 
-class _Gemm:
-    """The gathering GEMM's contract (``GatherRows``): wait for every peer's flag, read the peers'
-    rows from the landing slot and this rank's from the shard into A_gathered."""
+class _StandInGemm:
+    """A stand-in for ``GemmKernel``: ``prepare(buffers, signals, rank)`` gives a launch whose
+    ``launch(stream, L)`` enqueues :meth:`enqueue`'s stand-in kernels on the simulated device."""
 
-    def __init__(self, device, world_size):
-        self.device, self.W = device, world_size
+    def __init__(self, ranks):
+        self.ranks = ranks
 
     def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
         gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
-        device, W = self.device, self.W
-
-        def prepare(buffers, signals=None, rank=0):
-            (flags,) = signals.values()
-            landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
-            Ms = shard.shape[0]
-
-            def launch(stream, L):
-                def gather():
-                    for p in range(W):
-                        rows = slice(p * Ms, (p + 1) * Ms)
-                        copy[rows] = shard if p == rank else landing[rows]
-                device.kernel(stream, f"GEMM {L}", gather,
-                              ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
-            return types.SimpleNamespace(launch=launch)
-        gemm.prepare = prepare
+        gemm.prepare = lambda buffers, signals=None, rank=0: types.SimpleNamespace(
+            launch=lambda stream, L: self.enqueue(stream, L, lowered, buffers, signals, rank))
         return gemm
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        raise NotImplementedError
+
+
+class _Gemm(_StandInGemm):
+    """The gathering GEMM's contract (``GatherRows``): wait for every peer's flag, read the peers'
+    rows from the landing slot and this rank's from the shard into A_gathered."""
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        device, W = self.ranks.device, self.ranks.W
+        (flags,) = signals.values()
+        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
+        Ms = shard.shape[0]
+
+        def gather():
+            for p in range(W):
+                rows = slice(p * Ms, (p + 1) * Ms)
+                copy[rows] = shard if p == rank else landing[rows]
+        device.kernel(stream, f"GEMM {L}", gather, ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
 
 
 class _Ranks:
@@ -296,8 +302,7 @@ class _Ranks:
 def _push_ranks(monkeypatch, Ms=128, K=16, N=24):
     """Two ranks of AllGatherMatmul's default (the push), with the gathering GEMM's stand-in."""
     from tldsl.runtime.dist import ag_gemm as agm, ag_push
-    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16),
-                   lambda ranks: _Gemm(ranks.device, 2))
+    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), _Gemm)
     ranks.Ms, ranks.K, ranks.N = Ms, K, N
     assert all(isinstance(op._engine, ag_push.PushAllGather) for op in ranks.ops)
     return ranks
@@ -375,40 +380,27 @@ def test_the_model_catches_broken_protocols(monkeypatch):
 
 # -- GEMM + ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py) --------------------------
 
-class _RsGemm:
+class _RsGemm(_StandInGemm):
     """The partial-product GEMM's contract: chunk by chunk (peers' rows first), its rows of the
     bf16 partial A @ B, then the chunk's ``ready`` counter up by its tiles."""
 
-    def __init__(self, ranks):
-        self.ranks = ranks
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        op = self.ranks.ops[rank]
+        eng = op._engine
+        a, b, partial = buffers["a"], buffers["b"], buffers["partial"]
+        (ready,) = signals.values()
+        counts = {step[1]: step[2] for step in eng.steps if step[0] == "wait"}      # ("wait", slot, count)
+        counts.update({rank * eng.tpr + lo // eng.rows: count for count, lo, hi in eng.own_chunks})
+        own = range(rank * eng.tpr, (rank + 1) * eng.tpr)
+        for slot in [s for s in sorted(counts) if s not in own] + list(own):
+            p, j = divmod(slot, eng.tpr)
+            lo = p * op.Ms + j * eng.rows
+            hi = min(lo + eng.rows, (p + 1) * op.Ms)
 
-    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
-        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
-        ranks = self.ranks
-
-        def prepare(buffers, signals=None, rank=0):
-            op = ranks.ops[rank]
-            eng = op._engine
-            a, b, partial = buffers["a"], buffers["b"], buffers["partial"]
-            (ready,) = signals.values()
-            counts = {step[1]: step[2] for step in eng.steps if step[0] == "wait"}      # ("wait", slot, count)
-            counts.update({rank * eng.tpr + lo // eng.rows: count for count, lo, hi in eng.own_chunks})
-            own = range(rank * eng.tpr, (rank + 1) * eng.tpr)
-            order = [s for s in sorted(counts) if s not in own] + list(own)
-
-            def launch(stream, L):
-                for slot in order:
-                    p, j = divmod(slot, eng.tpr)
-                    lo = p * op.Ms + j * eng.rows
-                    hi = min(lo + eng.rows, (p + 1) * op.Ms)
-
-                    def piece(lo=lo, hi=hi, slot=slot):
-                        partial[lo:hi] = (a[lo:hi].float() @ b.float()).to(partial.dtype)
-                        ready[slot] += counts[slot]
-                    ranks.device.kernel(stream, f"GEMM {L} rows {lo}", piece)
-            return types.SimpleNamespace(launch=launch)
-        gemm.prepare = prepare
-        return gemm
+            def piece(lo=lo, hi=hi, slot=slot):
+                partial[lo:hi] = (a[lo:hi].float() @ b.float()).to(partial.dtype)
+                ready[slot] += counts[slot]
+            self.ranks.device.kernel(stream, f"GEMM {L} rows {lo}", piece)
 
 
 def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
@@ -524,33 +516,45 @@ class _Stager:
         return stager
 
 
-class _PullGemm:
+class _PullGemm(_StandInGemm):
     """The pulling GEMM's contract: once every shard's flag holds the launch, C = A_gathered @ B."""
 
-    def __init__(self, ranks):
-        self.ranks = ranks
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        (flags,) = signals.values()
+        a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
 
-    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
-        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
-        device, W = self.ranks.device, self.ranks.W
+        def multiply():
+            c[:] = (a_full.float() @ b.float()).to(c.dtype)
+        self.ranks.device.kernel(stream, f"GEMM {L}", multiply,
+                                 ready=lambda: all(int(flags[p]) >= L for p in range(self.ranks.W)))
 
-        def prepare(buffers, signals=None, rank=0):
-            (flags,) = signals.values()
-            a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
 
-            def launch(stream, L):
-                def multiply():
-                    c[:] = (a_full.float() @ b.float()).to(c.dtype)
-                device.kernel(stream, f"GEMM {L}", multiply, ready=lambda: all(int(flags[p]) >= L for p in range(W)))
-            return types.SimpleNamespace(launch=launch)
-        gemm.prepare = prepare
-        return gemm
+def _run_gathering_launches(monkeypatch, seed: int, ranks, Ms: int, K: int, N: int, launches: int,
+                            streams_per_rank: int) -> None:
+    """Launches of two ranks' AllGatherMatmul (any path) on fresh shards, every stream run in a
+    random order; each launch's A_gathered and C must be exact."""
+    rng = random.Random(seed)
+    W = ranks.W
+    own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
+    b = ranks.device.register(torch.randn(K, N).to(torch.bfloat16))
+    expected, got = [], []
+    for L in range(1, launches + 1):
+        shards = [ranks.device.register(torch.randn(Ms, K).to(torch.bfloat16)) for _ in range(W)]
+        gathered = torch.cat(shards)
+        expected.append((gathered, (gathered.float() @ b.float()).to(torch.bfloat16)))
+        got.append({r: ranks.call(r, shards[r], b, stream=own_streams[r][(L - 1) % streams_per_rank])
+                    for r in rng.sample(range(W), W)})
+    ranks.device.run(rng)
+    for L, ((want_a, want_c), per_rank) in enumerate(zip(expected, got), start=1):
+        for r, (a_full, c) in per_rank.items():
+            assert torch.equal(a_full, want_a), f"seed {seed}: rank {r}'s A_gathered of launch {L} is wrong"
+            assert torch.equal(c, want_c), f"seed {seed}: rank {r}'s C of launch {L} is wrong"
 
 
 def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1, Ms=200, K=16, N=24):
+    """The pull with the publishing staging kernel (the default at rows that are not whole tiles)."""
     from tldsl.runtime.dist import ag_gemm as agm, staging
     from tldsl.runtime.gpu import device as device_mod
-    rng = random.Random(seed)
     holder = {}
     monkeypatch.setattr(staging, "ShardStager", lambda *a, **k: _Stager(holder["ranks"])(*a, **k))
     monkeypatch.setattr(device_mod, "sm_count", lambda: 132)
@@ -559,24 +563,8 @@ def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_ra
         holder["ranks"] = ranks
         return _PullGemm(ranks)
     ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), gemm)
-    W = ranks.W
     assert all(op.engine == "copy_engine" and op.staging == "kernel" and op.handshake == "device" for op in ranks.ops)
-    own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
-    b = ranks.device.register(torch.randn(K, N).to(torch.bfloat16))
-    expected, got = [], []
-    for L in range(1, launches + 1):
-        shards = [ranks.device.register(torch.randn(Ms, K).to(torch.bfloat16)) for _ in range(W)]
-        gathered = torch.cat(shards)
-        expected.append((gathered, (gathered.float() @ b.float()).to(torch.bfloat16)))
-        outs = {}
-        for r in rng.sample(range(W), W):
-            outs[r] = ranks.call(r, shards[r], b, stream=own_streams[r][(L - 1) % streams_per_rank])
-        got.append(outs)
-    ranks.device.run(rng)
-    for L, ((want_a, want_c), per_rank) in enumerate(zip(expected, got), start=1):
-        for r, (a_full, c) in per_rank.items():
-            assert torch.equal(a_full, want_a), f"seed {seed}: rank {r}'s A_gathered of launch {L} is wrong"
-            assert torch.equal(c, want_c), f"seed {seed}: rank {r}'s C of launch {L} is wrong"
+    _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
 
 
 @pytest.mark.parametrize("streams_per_rank", [1, 2])
@@ -594,15 +582,77 @@ def test_the_pull_model_can_fail(monkeypatch):
     not staged yet), or calls on alternating streams without the call order, give some schedule
     a wrong result. (The staging kernel's own wait for the peers' previous launch is implied by
     the call order and the handshake of the launch before; removing it is not caught, rightly.)"""
-    from tldsl.runtime.dist import ag_gemm as agm, call_order
-
-    def no_arrival_wait(mp):
-        pulls = agm.AllGatherMatmul._enqueue_pulls
-        mp.setattr(agm.AllGatherMatmul, "_enqueue_pulls",
-                   lambda self, cu, a_full, slot, L, wait_arrivals: pulls(self, cu, a_full, slot, L, wait_arrivals=False))
-
-    def unordered(mp):
-        mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
-    for break_it, streams in ((no_arrival_wait, 1), (unordered, 2)):
+    for break_it, streams in ((_no_arrival_wait, 1), (_unordered, 2)):
         assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_pull_launches, launches=4), \
+            break_it.__name__
+
+
+def _no_arrival_wait(mp):
+    """The pull's copies stop waiting for the peer's published arrival."""
+    from tldsl.runtime.dist import ag_gemm as agm
+    pulls = agm.AllGatherMatmul._enqueue_pulls
+    mp.setattr(agm.AllGatherMatmul, "_enqueue_pulls",
+               lambda self, cu, a_full, slot, L, wait_arrivals: pulls(self, cu, a_full, slot, L, wait_arrivals=False))
+
+
+def _unordered(mp):
+    """Calls on a new stream no longer wait for the previous call's stream."""
+    from tldsl.runtime.dist import call_order
+    mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
+
+
+class _StagingGemm(_StandInGemm):
+    """The GEMM that stages its own rows (``OwnRows``, the pull's ``staging="gemm"``), in its two
+    phases: this rank's tiles — once every peer has arrived at the previous launch, its rows from
+    the shard into the slot and A_gathered, then the launch published on every peer — and the
+    peers' tiles once their flags hold the launch (C = A_gathered @ B)."""
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        device, W = self.ranks.device, self.ranks.W
+        a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
+        shard, slot = buffers["a_shard"], buffers["a_slot"]
+        arrive, table = signals["own_arrive"], signals["own_arrive_peers"]
+        flags = signals[lowered.signals[0]]
+        Ms = shard.shape[0]
+
+        def stage():
+            slot[:] = shard
+            a_full[rank * Ms:(rank + 1) * Ms] = shard
+            for p in range(W):
+                if p != rank:
+                    device.u64(int(table[p]) + 8 * rank)[0] = L
+
+        def multiply():
+            c[:] = (a_full.float() @ b.float()).to(c.dtype)
+        device.kernel(stream, f"GEMM {L}: own rows", stage,
+                      ready=lambda: all(int(arrive[p]) >= L - 1 for p in range(W) if p != rank))
+        device.kernel(stream, f"GEMM {L}: peers' rows", multiply,
+                      ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
+
+
+def _run_gemm_staging_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1):
+    """The pull with the GEMM staging its own rows (whole tiles per rank, asked for)."""
+    from tldsl.runtime.dist import ag_gemm as agm
+    from tldsl.runtime.gpu import device as device_mod
+    monkeypatch.setattr(device_mod, "sm_count", lambda: 132)
+    pull = tl.CommSchedule(engine="copy_engine", mode="pull")
+    Ms, K, N = 256, 16, 24
+    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull, staging="gemm"),
+                   _StagingGemm)
+    assert all(op.staging == "gemm" and op.handshake == "device" for op in ranks.ops)
+    _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
+
+
+@pytest.mark.parametrize("streams_per_rank", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_gemm_staging_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_rank):
+    """The pull whose GEMM stages this rank's rows and publishes the arrival itself: every
+    launch's A_gathered and C exact; with the copies not waiting for the published arrival, or
+    alternating streams without the call order, some schedule is wrong."""
+    _run_gemm_staging_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
+
+
+def test_the_gemm_staging_model_can_fail(monkeypatch):
+    for break_it, streams in ((_no_arrival_wait, 1), (_unordered, 2)):
+        assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_gemm_staging_launches, launches=4), \
             break_it.__name__

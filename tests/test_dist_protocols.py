@@ -361,7 +361,7 @@ def test_the_model_catches_broken_protocols(monkeypatch):
     """The model can fail: pushing into the landing slot the peer is reading, or letting a call
     on a new stream overtake the previous call (its counters would vouch for a launch that has
     not run), gives some schedule a wrong A_gathered."""
-    from tldsl.runtime.dist import ag_push, call_order
+    from tldsl.runtime.dist import ag_push
 
     def other_slot(mp):
         plan = ag_push.PushAllGather._plan_addresses
@@ -370,11 +370,8 @@ def test_the_model_catches_broken_protocols(monkeypatch):
             plan(self, *a)
             self._peer_plan = [(p, c, (d[1], d[0]), f) for p, c, d, f in self._peer_plan]
         mp.setattr(ag_push.PushAllGather, "_plan_addresses", swapped)
-
-    def unordered(mp):
-        mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
     assert _failing_seeds(monkeypatch, other_slot, seeds=range(4)) == list(range(4))
-    assert _failing_seeds(monkeypatch, unordered, streams_per_rank=2)
+    assert _failing_seeds(monkeypatch, _unordered, streams_per_rank=2)
     assert not _failing_seeds(monkeypatch, lambda mp: None, streams_per_rank=2, seeds=range(10))
 
 
@@ -459,7 +456,6 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
     """Copies that do not wait for their chunk's counter, a sum that does not wait for the
     peers' copies, or calls on alternating streams without the call order, give some schedule
     wrong rows."""
-    from tldsl.runtime.dist import call_order
     from tldsl.runtime.dist.gemm_rs_copy import CopyEngineReduceScatter
 
     def no_chunk_waits(mp):
@@ -477,9 +473,7 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
             init(self, *a, **k)
             self.arrivals = []
         mp.setattr(CopyEngineReduceScatter, "__init__", patched)
-    def unordered(mp):
-        mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
-    for break_it, streams in ((no_chunk_waits, 1), (no_arrival_waits, 1), (unordered, 2)):
+    for break_it, streams in ((no_chunk_waits, 1), (no_arrival_waits, 1), (_unordered, 2)):
         assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_rs_launches, launches=3), \
             break_it.__name__
 
@@ -598,7 +592,7 @@ def _no_arrival_wait(mp):
 def _unordered(mp):
     """Calls on a new stream no longer wait for the previous call's stream."""
     from tldsl.runtime.dist import call_order
-    mp.setattr(call_order.CallOrder, "follow", lambda self, cu, stream: None)
+    mp.setattr(call_order.CallOrder, "follow", lambda self, stream: None)
 
 
 class _StagingGemm(_StandInGemm):

@@ -254,11 +254,11 @@ class AllGatherMatmul:
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
+        if self._engine is not None:        # (first: the push's host path is the op's time)
+            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         import gc
         import torch
         from . import plan_exec
-        if self._engine is not None:
-            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         cu = plan_exec.load_driver()
         consts = plan_exec.driver_constants(cu)
         write_default = consts.write_default
@@ -355,10 +355,8 @@ class AllGatherMatmul:
         """A launch's start on the host: the compute stream, a fresh A_gathered (NaN-filled with
         ``poison_workspace``) and the timeline's first mark."""
         import torch
-        from . import plan_exec
         cur = torch.cuda.current_stream(self.ctx.device)
-        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
-            self._order.follow(plan_exec.load_driver(), cur.cuda_stream)
+        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
         a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype,
                              device=torch.device("cuda", self.ctx.device))
         if poison_workspace:
@@ -799,9 +797,7 @@ class _FusedAllGather:
         L = op.launches
         W, r = op.ctx.world_size, op.ctx.rank
         cur = torch.cuda.current_stream(self.device)
-        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
-            from .plan_exec import load_driver
-            self._order.follow(load_driver(), cur.cuda_stream)
+        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
         if self.mode == "pull":
             a_full = torch.empty((W * op.Ms, op.K), dtype=op.dtype, device=self.device)
             if poison_workspace:

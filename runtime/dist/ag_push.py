@@ -93,15 +93,11 @@ class PushAllGather:
         self._full_shape, self._c_shape = (W * Ms, K), (W * Ms, N)
         self._cu = plan_exec.load_driver()
         self._consts = plan_exec.driver_constants(self._cu)
-        # the launch's host path works on raw handles: the current stream's (torch's accessor for
-        # it, where this build has one) and two driver events (start of the call, end of the copies)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
-        cu = self._cu
-        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self._ev_start = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate")
-        self._ev_copied = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate")
-        weakref.finalize(self, _destroy_events, cu, (self._ev_start, self._ev_copied))
+        # the launch's host path works on raw handles: the current stream's and two driver events
+        # (start of the call, end of the copies)
+        self._raw_stream = plan_exec.raw_stream_getter(torch)
+        self._ev_start = plan_exec.driver_event(self._cu, self)
+        self._ev_copied = plan_exec.driver_event(self._cu, self)
         self._gemm_launches = LaunchCache(16)
         self._order = CallOrder()
         #: where this rank tells its peers its GEMM is done with a landing slot: False (the default)
@@ -146,8 +142,7 @@ class PushAllGather:
         cu, consts = self._cu, self._consts
         ok = consts.success
         cur_h = self._raw_stream(self._dev_index)
-        if cur_h != self._order._last:
-            self._order.follow(cu, cur_h)    # a new stream: it waits for the previous call's (call_order)
+        self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
         tl_, hooks = op.timeline, op.hooks
         cur = torch.cuda.current_stream(self._dev_index) if (tl_ is not None or hooks) else None
         a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)
@@ -265,8 +260,3 @@ class PushAllGather:
 
     def close(self) -> None:
         """Nothing to release explicitly: torch's symmetric memory frees with the tensors."""
-
-
-def _destroy_events(cu, events) -> None:
-    for ev in events:
-        cu.cuEventDestroy(ev)

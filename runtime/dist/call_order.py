@@ -22,15 +22,17 @@ class CallOrder:
         self._last: int | None = None
         self._event = None
 
-    def follow(self, cu, stream: int) -> None:
+    def follow(self, stream: int) -> None:
         """Before a call's first work on ``stream`` (a raw handle): if the previous call used
         another stream, ``stream`` waits for all of that stream's work enqueued so far."""
         last = self._last
-        self._last = stream
-        if last is None or last == stream:
+        if last == stream:
             return
+        self._last = stream
+        if last is None:
+            return
+        cu = plan_exec.load_driver()
         if self._event is None:
-            flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._event = plan_exec.checked(cu, cu.cuEventCreate(flags), "cuEventCreate(call order)")
+            self._event = plan_exec.driver_event(cu, self)
         plan_exec.checked(cu, cu.cuEventRecord(self._event, last), "cuEventRecord(previous call's stream)")
         plan_exec.checked(cu, cu.cuStreamWaitEvent(stream, self._event, 0), "cuStreamWaitEvent(previous call)")

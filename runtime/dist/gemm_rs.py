@@ -371,9 +371,7 @@ class MatmulReduceScatter:
         """The SM schedule's launch (module docstring)."""
         import torch
         cur = torch.cuda.current_stream(self.device)
-        if cur.cuda_stream != self._order._last:      # a new stream waits for the previous call's (call_order)
-            from .plan_exec import load_driver
-            self._order.follow(load_driver(), cur.cuda_stream)
+        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
         tl_ = self.timeline
         if tl_ is not None:
             tl_.mark("start", cur, "compute")

@@ -112,12 +112,8 @@ class CopyEngineReduceScatter:
         from . import plan_exec
         self._cu = plan_exec.load_driver()
         self._consts = plan_exec.driver_constants(self._cu)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._raw_stream = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
-        self._ev_start = plan_exec.checked(self._cu, self._cu.cuEventCreate(
-            self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        import weakref
-        weakref.finalize(self, _destroy_event, self._cu, self._ev_start)
+        self._raw_stream = plan_exec.raw_stream_getter(torch)
+        self._ev_start = plan_exec.driver_event(self._cu, self)
         self.order = [(me + s) % W for s in range(1, W)]
         self._gemm_launches = LaunchCache()
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
@@ -202,8 +198,7 @@ class CopyEngineReduceScatter:
         ck = plan_exec.checked
         W, me = op.ctx.world_size, op.ctx.rank
         cur_h, cs = self._raw_stream(op.ctx.device), self.copy_stream.cuda_stream
-        if cur_h != self._order._last:       # a new stream waits for the previous call's (call_order)
-            self._order.follow(cu, cur_h)
+        self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
         tl_ = op.timeline
         cur = torch.cuda.current_stream(op.ctx.device) if (tl_ is not None or op.hooks) else None
         if tl_ is not None:
@@ -215,6 +210,7 @@ class CopyEngineReduceScatter:
             out = self._new_out()
         key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
         gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
+        arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
 
@@ -225,7 +221,7 @@ class CopyEngineReduceScatter:
                 op._hook("before_comm", self.copy_stream)
             ck(cu, cu.cuStreamWaitEvent(cs, self._ev_start, 0), "cuStreamWaitEvent(start)")
             if W > 1:
-                plan_exec.stream_arrive(cu, cs, self.ws.peers("handshake_arrive"), me, L)
+                plan_exec.stream_arrive(cu, cs, arrive, me, L)
 
         try:
             if self.arrive_first:
@@ -237,7 +233,6 @@ class CopyEngineReduceScatter:
                 cur = torch.cuda.current_stream(op.ctx.device)
             ready = op.signals[op.ready]
             done = self.ws.peers(self._done) if W > 1 else ()
-            arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
             if tl_ is not None:
                 tl_.mark("gemm done", cur, "compute")
             if out is None:             # only the sum writes it: allocated off the GEMM's critical path
@@ -351,7 +346,3 @@ class CopyEngineReduceScatter:
         head = (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}; this rank's "
                 f"rows summed {'in the GEMM epilogue' if self.fused else 'after the GEMM'}")
         return head if self.ws is None else head + "\n" + self.plan.describe() + "\n" + self.ws.describe()
-
-
-def _destroy_event(cu, ev) -> None:
-    cu.cuEventDestroy(ev)

@@ -117,6 +117,21 @@ def checked(drv, result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+def raw_stream_getter(torch):
+    """``f(device_index) -> int``: the current stream's raw handle, by torch's accessor for it
+    where this build has one (no Stream object built: a fused op's launch is host-bound)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+
+def driver_event(drv, owner):
+    """A driver event without timing, destroyed when ``owner`` is collected."""
+    import weakref
+    ev = checked(drv, drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    weakref.finalize(owner, drv.cuEventDestroy, ev)
+    return ev
+
+
 # =================================================================================================
 # device memory descriptors and pointer tables
 # =================================================================================================

@@ -1873,6 +1873,58 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     assert bufs["a_copy"].data_ptr() != full.data_ptr()
 
 
+def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch):
+    """spare_outputs: a push call ends by allocating the next call's A_gathered and C on its
+    stream, and the next call on that stream writes them (no allocation before its GEMM). Each
+    spare is handed out once; a call on another stream, or with ``out=``, allocates (and gets
+    no spare C); off, or above the size limit by default, nothing is held."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist import spare_outputs as spm
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 128, 64, 96
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16)
+    eng = op._engine
+    assert eng._spares.enabled and "next call's outputs allocated at the end" in op.describe()
+    monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
+    a, b = torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+    first = op(a, b)
+    held = dict(eng._spares._spares)
+    assert set(held) == {"a_gathered", "c"} and eng._spares.held_bytes == (2 * Ms * K + 2 * Ms * N) * 2
+    assert all(t.data_ptr() not in (first[0].data_ptr(), first[1].data_ptr()) for t in held.values())
+    second = op(a, b)
+    assert second[0] is held["a_gathered"] and second[1] is held["c"]          # written by this call's GEMM
+    assert proto.gemm_args[0]["a_copy"] is held["a_gathered"] and proto.gemm_args[0]["c"] is held["c"]
+    third = op(a, b)
+    ptrs = {t.data_ptr() for t in (*first, *second, *third)}
+    assert len(ptrs) == 6                                                       # never one tensor twice
+    # another stream: the spares allocated for the old one are dropped, fresh ones allocated
+    held = dict(eng._spares._spares)
+    other = torch.cuda.Stream()
+    proto.current.append(other)
+    try:
+        got = op(a, b)
+    finally:
+        proto.current.pop()
+    assert got[0] is not held["a_gathered"] and got[1] is not held["c"]
+    # out=: the caller's C, and no spare C kept for the next call
+    monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out: None)  # a CPU tensor stands in
+    out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
+    assert op(a, b, out=out)[1] is out and set(eng._spares._spares) == {"a_gathered"}
+    op.close()
+    assert eng._spares.held_bytes == 0
+    # off, and the default by size
+    assert not AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs=False)._engine._spares.enabled
+    monkeypatch.setattr(spm, "SPARE_LIMIT_BYTES", (2 * Ms * K + 2 * Ms * N) * 2 - 1)
+    assert not AllGatherMatmul(Ms, K, N, torch.bfloat16)._engine._spares.enabled
+    assert AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs=True)._engine._spares.enabled
+    with pytest.raises(tl.InputError, match="spare_outputs='yes'"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs="yes")
+    with pytest.raises(tl.InputError, match="only the direct copy-engine push keeps spare outputs"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
+                        spare_outputs=True)
+
+
 def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
     """Launches run in call order whatever stream each call is made on: a call on another stream
     than the previous one first makes its stream wait for the previous stream's work (one event

@@ -54,6 +54,7 @@ def main(argv=None) -> None:
     from tldsl.runtime.gpu import launch as launch_mod
     pull = CommSchedule(engine="copy_engine", mode="pull")
     ops = {"ag_gemm (default)": (lambda: AllGatherMatmul(M // W, K, N // W, dt), (a, b)),
+           "ag_gemm (no spare outputs)": (lambda: AllGatherMatmul(M // W, K, N // W, dt, spare_outputs=False), (a, b)),
            "ag_gemm pull": (lambda: AllGatherMatmul(M // W, K, N // W, dt, comm=pull), (a, b)),
            "gemm_rs": (lambda: MatmulReduceScatter(M, K // W, N, dt), (a2, b2))}
     mm = []

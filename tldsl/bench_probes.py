@@ -369,6 +369,11 @@ def probe_ag_push(shapes, iters=20, out=sys.stdout):
                  shapes, iters, out)
 
 
+def probe_ag_spares(shapes, iters=20, out=sys.stdout):
+    _ag_variants({"push, outputs allocated per call": {"spare_outputs": False},
+                  "push, spare outputs": {"spare_outputs": True}}, shapes, iters, out)
+
+
 def _ag_variants(variants: dict, shapes, iters, out):
     """AllGatherMatmul built with each variant's keyword arguments (or (keyword arguments, engine
     attributes)), timed interleaved."""
@@ -422,7 +427,7 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging", "ag_handshake", "ag_push", "rs_order"))
+                                     "ag_staging", "ag_handshake", "ag_push", "ag_spares", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -450,7 +455,8 @@ def main(argv) -> int:
             probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
         else:
             probe = {"ag_enqueue": probe_ag_enqueue, "ag_staging": probe_ag_staging,
-                     "ag_handshake": probe_ag_handshake, "ag_push": probe_ag_push}[args.what]
+                     "ag_handshake": probe_ag_handshake, "ag_push": probe_ag_push,
+                     "ag_spares": probe_ag_spares}[args.what]
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
                                   (2048, 28672, 8192)], args.iters)
     return 0

@@ -59,6 +59,7 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
+from .spare_outputs import keep_spares
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -74,7 +75,7 @@ class AllGatherMatmul:
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str | None = None,
                  handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
-                 stage_waves: int | None = None):
+                 stage_waves: int | None = None, spare_outputs: bool | None = None):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy engines push where this
         rank's rows are whole tiles and no pull option is given — :func:`default_push` — and pull
         elsewhere) or ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the
@@ -99,7 +100,11 @@ class AllGatherMatmul:
         slot and A_gathered — ``tldsl::sm90::OwnRows``; whole tiles of rows per rank, no clusters)
         or ``"copies"`` (two ``cuMemcpyAsync`` and a stream write); default: :func:`default_staging`.
         ``stage_waves`` (``staging="gemm"``): over how many waves of tiles the GEMM spreads the
-        staging (default :data:`STAGE_WAVES`; :func:`stage_columns`)."""
+        staging (default :data:`STAGE_WAVES`; :func:`stage_columns`). ``spare_outputs`` (the
+        direct copy-engine push): each call ends by allocating the next call's A_gathered and C,
+        so the next GEMM is handed to the driver without waiting for the allocator
+        (:mod:`.spare_outputs`); ``None`` (default): where both together are at most
+        :data:`~.spare_outputs.SPARE_LIMIT_BYTES`."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -112,6 +117,7 @@ class AllGatherMatmul:
         self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
         tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
         self.dtype = tdtype
+        keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
         if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):
             comm = PUSH
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
@@ -161,8 +167,11 @@ class AllGatherMatmul:
             timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
             self.comm, self.compute, self.handshake, self.staging = comm, c0, None, None
             self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
-            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue)
+            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs)
             return
+        if spare_outputs:
+            raise InputError("spare_outputs=True: only the direct copy-engine push keeps spare outputs (this "
+                             f"schedule: {comm}, ce_executor={ce_executor!r})")
         if comm.engine == "sm" or push or ce_executor == "plan":
             self.handshake = "kernel"
             if handshake is not None and handshake != "kernel":

@@ -35,6 +35,7 @@ from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from . import plan_exec
 from .call_order import CallOrder
+from .spare_outputs import SpareOutputs, keep_spares
 
 
 class PushAllGather:
@@ -42,7 +43,7 @@ class PushAllGather:
 
     name = "copy_engine-push"
 
-    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str):
+    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str, spare_outputs: bool | None = None):
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -100,6 +101,12 @@ class PushAllGather:
         self._ev_copied = plan_exec.driver_event(self._cu, self)
         self._gemm_launches = LaunchCache(16)
         self._order = CallOrder()
+        out_bytes = (W * Ms * K + W * Ms * N) * self.landing.element_size()
+        dt, full_shape, c_shape = op.dtype, self._full_shape, self._c_shape     # (no reference to the op)
+        self._spares = SpareOutputs(
+            {"a_gathered": lambda: torch.empty(full_shape, dtype=dt, device=dev),
+             "c": lambda: torch.empty(c_shape, dtype=dt, device=dev)},
+            keep_spares(spare_outputs, out_bytes))
         #: where this rank tells its peers its GEMM is done with a landing slot: False (the default)
         #: on the next launch's copy stream, behind its pushes (nothing after the GEMM on the
         #: compute stream, nothing before a push); True right after the GEMM on the compute stream
@@ -124,8 +131,8 @@ class PushAllGather:
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """One launch. The host's work before the GEMM is enqueued is on the critical path (the
-        device is idle when a call starts), so it is kept to checks, two allocations, one event
-        and one driver call; every address is precomputed and driver results are checked without
+        device is idle when a call starts), so it is kept to checks, one event and one driver
+        call (the outputs were allocated at the end of the previous call: :mod:`.spare_outputs`); every address is precomputed and driver results are checked without
         building messages unless one failed."""
         op, torch = self.op, self._torch
         dt = op.dtype
@@ -145,7 +152,10 @@ class PushAllGather:
         self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
         tl_, hooks = op.timeline, op.hooks
         cur = torch.cuda.current_stream(self._dev_index) if (tl_ is not None or hooks) else None
-        a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)
+        spare = self._spares.take(cur_h)     # allocated at the end of the previous call (spare_outputs)
+        a_full = spare.get("a_gathered")
+        if a_full is None:
+            a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)
         if poison_workspace:
             a_full.fill_(float("nan"))
         if tl_ is not None:
@@ -153,7 +163,9 @@ class PushAllGather:
         if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA and the copy engine read it
             a_shard = a_shard.clone(memory_format=torch.contiguous_format)
         slot = L & 1
-        c = torch.empty(self._c_shape, dtype=dt, device=self._dev) if out is None else out
+        c = out if out is not None else spare.get("c")
+        if c is None:
+            c = torch.empty(self._c_shape, dtype=dt, device=self._dev)
         res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copies read a_shard after it
         if res[0] != ok:
             plan_exec.checked(cu, res, "cuEventRecord(start)")
@@ -205,6 +217,8 @@ class PushAllGather:
         if r1[0] != ok or r2[0] != ok:
             plan_exec.checked(cu, r1, "cuEventRecord(copied)")
             plan_exec.checked(cu, r2, "cuStreamWaitEvent(copied)")
+        # the next call's outputs, now that everything of this one is enqueued
+        self._spares.refill(cur_h, ("a_gathered",) if out is not None else ("a_gathered", "c"))
         if op.debug:
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
@@ -256,7 +270,10 @@ class PushAllGather:
     def describe(self) -> str:
         return (f"  copy_engine push (direct): GEMM on {self.gemm.grid[0]} CTAs, every shard pushed by its owner's "
                 f"copy engine into the peers' landing buffer {tuple(self.landing.shape)}; A_gathered stored by the "
-                f"GEMM over {self.cols} tile column(s)\n" + self.lowered.describe())
+                f"GEMM over {self.cols} tile column(s); "
+                + ("the next call's outputs allocated at the end of each call\n" if self._spares.enabled
+                   else "outputs allocated per call\n") + self.lowered.describe())
 
     def close(self) -> None:
-        """Nothing to release explicitly: torch's symmetric memory frees with the tensors."""
+        """The spare outputs go; torch's symmetric memory frees with the tensors."""
+        self._spares.clear()

@@ -1,0 +1,60 @@
+"""The next call's output tensors, allocated at the end of this call.
+
+A fused op's GEMM takes its outputs' addresses as arguments, so they must exist before it is
+handed to the driver — and with the device idle when the op is called, the host's time until
+then is the op's. ``torch.empty`` costs 6–6.5 µs a tensor on the benchmark machine (2× H200,
+measured beside the driver calls in BENCHMARKS.md), two of them a sixth of AG+GEMM's host path.
+So a call ends by allocating the next call's outputs on its stream, off the critical path (the
+GEMM is already enqueued), and the next call on that stream takes them. The semantics are those of
+allocating at the call's start: the caching allocator orders memory by stream, and a call on
+another stream allocates afresh (the spares are freed).
+
+The price is one call's outputs held between calls; :func:`keep_spares` keeps them only where
+they are small, which is where a GEMM is short enough for the host's microseconds to matter.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+#: outputs up to this size are kept spare by default (an H200 has 141 GB; at this size a GEMM
+#: takes ~1 ms or less, so 13 µs of allocation is 1% or more of it)
+SPARE_LIMIT_BYTES = 256 << 20
+
+
+def keep_spares(requested: bool | None, nbytes: int) -> bool:
+    """``requested`` if given, else whether ``nbytes`` of outputs are small enough to keep spare."""
+    if requested is None:
+        return nbytes <= SPARE_LIMIT_BYTES
+    if not isinstance(requested, bool):
+        from ...errors import InputError
+        raise InputError(f"spare_outputs={requested!r}: True, False or None (by size)")
+    return requested
+
+
+class SpareOutputs:
+    """Spare output tensors by name, for the next call on the same stream."""
+
+    def __init__(self, makers: dict[str, Callable[[], object]], enabled: bool):
+        self.makers, self.enabled = dict(makers), bool(enabled)
+        self._stream: int | None = None
+        self._spares: dict = {}
+
+    def take(self, stream: int) -> dict:
+        """The spares allocated for a call on ``stream`` (empty if none, or another stream's:
+        those are dropped). Each is handed out once."""
+        spares, self._spares = self._spares, {}
+        return spares if self._stream == stream else {}
+
+    def refill(self, stream: int, names) -> None:
+        """After a call on ``stream`` that used fresh outputs ``names``: allocate the next
+        call's (a call that wrote into a caller's ``out`` does not get a spare for it)."""
+        if self.enabled:
+            self._stream = stream
+            self._spares = {n: self.makers[n]() for n in names}
+
+    def clear(self) -> None:
+        self._spares = {}
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._spares.values())

@@ -209,6 +209,7 @@ class MatmulReduceScatter:
         W, r = self.ctx.world_size, self.ctx.rank
         dt = check_problem(m, k, n, W, dtype)
         self.M, self.K, self.N = m, k, n
+        self._tensor_type, self._a_size, self._b_size = torch.Tensor, torch.Size((m, k)), torch.Size((k, n))
         self.Ms = m // W
         self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         self.compute = compute or DEFAULT_COMPUTE
@@ -338,15 +339,13 @@ class MatmulReduceScatter:
     def __call__(self, a, b, *, out=None):
         """This rank's rows of ``sum_r A_r @ B_r``: ``[M / W, N]`` in A's dtype (written into
         ``out`` when given: contiguous, that shape and dtype, on this device)."""
-        import torch
         dev, dt = self.ctx.device, self.dtype
-        try:        # the common case in a few compares (the host's time before the GEMM is the op's)
-            fine = (a.shape == (self.M, self.K) and b.shape == (self.K, self.N) and a.dtype == dt and b.dtype == dt
-                    and a.get_device() == dev and b.get_device() == dev and a.is_contiguous() and b.is_contiguous()
-                    and not a.data_ptr() % 16 and not b.data_ptr() % 16)
-        except AttributeError:
-            fine = False
-        if not fine:
+        tensor = self._tensor_type
+        if (type(a) is not tensor or type(b) is not tensor or a.shape != self._a_size or b.shape != self._b_size
+                or a.dtype != dt or b.dtype != dt or a.get_device() != dev or b.get_device() != dev
+                or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16):
+            # the common case above in a few compares (the host's time before the GEMM is the op's);
+            # anything else (a subclass, a view, a wrong operand) gets the full check and its error
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
             validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
@@ -355,6 +354,7 @@ class MatmulReduceScatter:
         if self._engine is not None:
             return self._finish(self._engine(a, b, out, L))     # allocates `out` once the GEMM is enqueued
         if out is None:
+            import torch
             out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
         self._launch_sm(a, b, out, L)
         return self._finish(out)

@@ -58,6 +58,7 @@ import gc
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
+from . import plan_exec
 from .call_order import CallOrder
 
 
@@ -109,11 +110,12 @@ class CopyEngineReduceScatter:
         # the host's work before the GEMM is handed to the driver is on the critical path: the
         # current stream as a raw handle (torch's accessor for it, where this build has one), the
         # call's start as a driver event, the driver and its constants looked up once
-        from . import plan_exec
         self._cu = plan_exec.load_driver()
         self._consts = plan_exec.driver_constants(self._cu)
         self._raw_stream = plan_exec.raw_stream_getter(torch)
         self._ev_start = plan_exec.driver_event(self._cu, self)
+        self._torch, self._dev_index, self._cs = torch, ctx.device, self.copy_stream.cuda_stream
+        self._W, self._me, self._arrive = W, me, ()
         self.order = [(me + s) % W for s in range(1, W)]
         self._gemm_launches = LaunchCache()
         recv, done = "reduce_scatter_recv", "reduce_scatter_done"
@@ -172,6 +174,7 @@ class CopyEngineReduceScatter:
                                        ("handshake_arrive", "signal", (W,), "u64")], "ptr")      # collective
         self.recv = self.ws.tensor(recv)
         self._recv_peers = self.ws.peers(recv)
+        self._arrive = self.ws.peers("handshake_arrive")
 
     def gemm_buffers(self, a, b, out) -> tuple[dict, dict]:
         """The GEMM's tensors and counters: with the epilogue sum also ``out``, the receive
@@ -189,85 +192,101 @@ class CopyEngineReduceScatter:
     # -- a launch ------------------------------------------------------------------------------
     def __call__(self, a, b, out, L: int):
         """Launch ``L`` into ``out`` (``None``: a new tensor, allocated once the GEMM is enqueued
-        unless the GEMM's epilogue writes it); returns ``out``."""
-        import torch
-        from . import plan_exec
+        unless the GEMM's epilogue writes it); returns ``out``. Everything before the GEMM is
+        handed to the driver is the op's time when the device is idle: it reads only what
+        ``__init__`` looked up, and the copy stream's work waits until the GEMM is enqueued."""
         op = self.op
         cu, consts = self._cu, self._consts
-        wr, geq = consts.write_default, consts.wait_geq
-        ck = plan_exec.checked
-        W, me = op.ctx.world_size, op.ctx.rank
-        cur_h, cs = self._raw_stream(op.ctx.device), self.copy_stream.cuda_stream
+        cur_h = self._raw_stream(self._dev_index)
         self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
         tl_ = op.timeline
-        cur = torch.cuda.current_stream(op.ctx.device) if (tl_ is not None or op.hooks) else None
+        cur = self._torch.cuda.current_stream(self._dev_index) if (tl_ is not None or op.hooks) else None
         if tl_ is not None:
             tl_.mark("start", cur, "compute")
         res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copy stream follows it
         if res[0] != consts.success:
-            ck(cu, res, "cuEventRecord(start)")
+            plan_exec.checked(cu, res, "cuEventRecord(start)")
         if out is None and self.fused:
             out = self._new_out()
-        key = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0)
-        gemm = self._gemm_launches.get(key, lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=me))
-        arrive = self.ws.peers("handshake_arrive") if W > 1 else ()
+        gemm = self._gemm_launches.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0),
+                                       lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=self._me))
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
-
-        def start_copy_stream():
-            # this rank's half of the handshake: it depends only on this rank's earlier work (the
-            # call's start), so the host may enqueue it before the GEMM (arrive_first) or after
-            if op.hooks:
-                op._hook("before_comm", self.copy_stream)
-            ck(cu, cu.cuStreamWaitEvent(cs, self._ev_start, 0), "cuStreamWaitEvent(start)")
-            if W > 1:
-                plan_exec.stream_arrive(cu, cs, arrive, me, L)
-
         try:
             if self.arrive_first:
-                start_copy_stream()
+                self._start_copy_stream(L)
             if op.hooks:
                 op._hook("before_compute", cur)
             gemm.launch(cur_h, L)
-            if cur is None:             # the torch stream object, for what follows (off the critical path)
-                cur = torch.cuda.current_stream(op.ctx.device)
-            ready = op.signals[op.ready]
-            done = self.ws.peers(self._done) if W > 1 else ()
-            if tl_ is not None:
-                tl_.mark("gemm done", cur, "compute")
-            if out is None:             # only the sum writes it: allocated off the GEMM's critical path
-                out = self._new_out()
-            sum_first = self.sum_first and not self.fused and W > 1
-            if sum_first:                   # the sum's waits and kernel before the copies, on the host
-                self._enqueue_sum(cu, cur, out, ready, done, L)
-            if not self.arrive_first:
-                start_copy_stream()
-            if W > 1:
-                plan_exec.stream_await(cu, cs, arrive, me, L)
-            if tl_ is not None:
-                tl_.mark("barrier", self.copy_stream, "copy")
-            base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()
-            for step in self.steps:                          # the tile program's copy-engine plan
-                if step[0] == "wait":
-                    ck(cu, cu.cuStreamWaitValue64(cs, ready_ptr + 8 * step[1], step[2] * L, geq),
-                       f"cuStreamWaitValue64(ready[{step[1]}])")
-                elif step[0] == "copy":
-                    _, dest, src_off, dst_off, n = step
-                    ck(cu, cu.cuMemcpyAsync(self._recv_peers[dest] + dst_off, base + src_off, n, cs),
-                       f"cuMemcpyAsync(rows of rank {dest})")
-                else:
-                    _, dest, slot, per_launch = step
-                    ck(cu, cu.cuStreamWriteValue64(cs, done[dest] + 8 * slot, per_launch * L, wr),
-                       f"cuStreamWriteValue64(done on {dest})")
-                    if tl_ is not None:
-                        tl_.mark(f"rows of {dest} sent", self.copy_stream, "copy")
+            cur, out, sum_first = self._after_gemm(cur, out, L)
         finally:
             if gc_was_on:
                 gc.enable()
-        if not self.fused and W == 1:
+        return self._finish(cur, out, sum_first, L)
+
+    def _start_copy_stream(self, L: int) -> None:
+        """This rank's half of the handshake: it depends only on this rank's earlier work (the
+        call's start), so the host may enqueue it before the GEMM (``arrive_first``) or after."""
+        op, cu, cs = self.op, self._cu, self._cs
+        if op.hooks:
+            op._hook("before_comm", self.copy_stream)
+        plan_exec.checked(cu, cu.cuStreamWaitEvent(cs, self._ev_start, 0), "cuStreamWaitEvent(start)")
+        if self._W > 1:
+            plan_exec.stream_arrive(cu, cs, self._arrive, self._me, L)
+
+    def _after_gemm(self, cur, out, L: int):
+        """With the GEMM enqueued: the copy stream's handshake and plan (and, with ``sum_first``,
+        the sum) — nothing here waits for the device. Returns (compute stream, out, sum_first)."""
+        import torch
+        op = self.op
+        cu, consts, cs = self._cu, self._consts, self._cs
+        wr, geq = consts.write_default, consts.wait_geq
+        ck = plan_exec.checked
+        W, me = self._W, self._me
+        if cur is None:             # the torch stream object, for what follows (off the critical path)
+            cur = torch.cuda.current_stream(self._dev_index)
+        tl_ = op.timeline
+        ready = op.signals[op.ready]
+        done = self.ws.peers(self._done) if W > 1 else ()
+        if tl_ is not None:
+            tl_.mark("gemm done", cur, "compute")
+        if out is None:             # only the sum writes it: allocated off the GEMM's critical path
+            out = self._new_out()
+        sum_first = self.sum_first and not self.fused and W > 1
+        if sum_first:                   # the sum's waits and kernel before the copies, on the host
+            self._enqueue_sum(cu, cur, out, ready, done, L)
+        if not self.arrive_first:
+            self._start_copy_stream(L)
+        if W > 1:
+            plan_exec.stream_await(cu, cs, self._arrive, me, L)
+        if tl_ is not None:
+            tl_.mark("barrier", self.copy_stream, "copy")
+        base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()
+        for step in self.steps:                          # the tile program's copy-engine plan
+            if step[0] == "wait":
+                ck(cu, cu.cuStreamWaitValue64(cs, ready_ptr + 8 * step[1], step[2] * L, geq),
+                   f"cuStreamWaitValue64(ready[{step[1]}])")
+            elif step[0] == "copy":
+                _, dest, src_off, dst_off, n = step
+                ck(cu, cu.cuMemcpyAsync(self._recv_peers[dest] + dst_off, base + src_off, n, cs),
+                   f"cuMemcpyAsync(rows of rank {dest})")
+            else:
+                _, dest, slot, per_launch = step
+                ck(cu, cu.cuStreamWriteValue64(cs, done[dest] + 8 * slot, per_launch * L, wr),
+                   f"cuStreamWriteValue64(done on {dest})")
+                if tl_ is not None:
+                    tl_.mark(f"rows of {dest} sent", self.copy_stream, "copy")
+        return cur, out, sum_first
+
+    def _finish(self, cur, out, sum_first: bool, L: int):
+        """The sum after the copies (unless enqueued first) and the compute stream's wait for the
+        copy stream; returns the output."""
+        op = self.op
+        if not self.fused and self._W == 1:
             out.copy_(op.partial)
         elif not self.fused and not sum_first:
-            self._enqueue_sum(cu, cur, out, ready, done, L)
+            self._enqueue_sum(self._cu, cur, out, op.signals[op.ready],
+                              self.ws.peers(self._done) if self._W > 1 else (), L)
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         return out

@@ -52,6 +52,7 @@ class PreparedLaunch:
         self.launch_slot = launch_slot
         self.cluster = tuple(cluster)
         self.enqueue = enqueue
+        self._config = None
 
     def launch(self, stream: int, launch_index: int | None = None) -> None:
         if self.launch_slot is not None:
@@ -60,8 +61,13 @@ class PreparedLaunch:
             self.pack.set(self.launch_slot, launch_index)
         if self.enqueue is not None:
             self.enqueue(stream, self.pack, launch_index)
-        else:
-            launch(self.kernel, self.grid, self.block, self.pack, stream, self.cluster)
+        elif self.cluster == (1, 1, 1):
+            launch(self.kernel, self.grid, self.block, self.pack, stream)
+        else:                           # the launch configuration built once (7 µs a call in cuda-python)
+            if self._config is None or self._config[0] != self.kernel.smem_bytes:
+                self._config = (self.kernel.smem_bytes,
+                                cluster_config(self.kernel, self.grid, self.block, self.cluster))
+            launch_with(self._config[1], self.kernel, self.pack, stream)
 
 
 class LaunchCache:
@@ -83,24 +89,42 @@ class LaunchCache:
 _DRIVER: list = []     # (cuda.bindings.driver, CUDA_SUCCESS), looked up once: a launch is on the host's critical path
 
 
-def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1)):
+def _driver():
     if not _DRIVER:
         from cuda.bindings import driver
         _DRIVER.append((driver, driver.CUresult.CUDA_SUCCESS))
-    cu, ok = _DRIVER[0]
+    return _DRIVER[0]
+
+
+def launch(kernel, grid, block, args: ArgPack, stream: int, cluster=(1, 1, 1)):
+    cu, ok = _driver()
     if cluster == (1, 1, 1):
         res = cu.cuLaunchKernel(kernel.function, *grid, *block, kernel.smem_bytes, stream, args.address(), 0)
         if res[0] != ok:
             check(res, f"cuLaunchKernel({kernel.name})")
         return
+    launch_with(cluster_config(kernel, grid, block, cluster), kernel, args, stream)
+
+
+def cluster_config(kernel, grid, block, cluster):
+    """A ``CUlaunchConfig`` for ``kernel`` with a thread-block cluster (its stream set per launch)."""
+    cu = _driver()[0]
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
     cfg.sharedMemBytes = kernel.smem_bytes
-    cfg.hStream = stream
     attr = cu.CUlaunchAttribute()
     attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
     cfg.attrs = [attr]
     cfg.numAttrs = 1
-    check(cu.cuLaunchKernelEx(cfg, kernel.function, args.address(), 0), f"cuLaunchKernelEx({kernel.name})")
+    return cfg
+
+
+def launch_with(cfg, kernel, args: ArgPack, stream: int) -> None:
+    """``cuLaunchKernelEx`` with a prepared configuration, on ``stream``."""
+    cu, ok = _driver()
+    cfg.hStream = stream
+    res = cu.cuLaunchKernelEx(cfg, kernel.function, args.address(), 0)
+    if res[0] != ok:
+        check(res, f"cuLaunchKernelEx({kernel.name})")

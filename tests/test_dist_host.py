@@ -878,6 +878,23 @@ def test_allgather_engine_choices():
 from tldsl.testing import dist_check as dc  # noqa: E402
 
 
+def test_summarize_log_reads_a_dist_check_run():
+    """The GPU test's verdict on a dist_check log (lines as a 2x H200 run printed them, some
+    prefixed by torchrun): every check PASS and the closing line, or it failed."""
+    from tldsl.testing import dist_check as dc
+    good = ("W1130 05:10:01.123 torch/distributed/run.py: Setting OMP_NUM_THREADS\n"
+            "dist_check ag_gemm/copy_engine odd_m: PASS (5 iterations, max err 0.0039)\n"
+            "[rank0]: dist_check ag_gemm/copy_engine streams: PASS (24 launches)\n"
+            "[tldsl] tldsl_allgather_gemm_gemm: compiled in 2.6 s\n"
+            "dist_check: all passed\n")
+    lines, passed = dc.summarize_log(good)
+    assert passed and len(lines) == 3 and lines[1].startswith("[rank0]: dist_check ag_gemm/copy_engine streams")
+    assert not dc.summarize_log(good.replace("streams: PASS", "streams: FAIL"))[1]
+    assert not dc.summarize_log(good.replace("dist_check: all passed", "dist_check: 1 check(s) FAILED"))[1]
+    assert not dc.summarize_log("dist_check: all passed\n")[1]              # no check ran
+    assert not dc.summarize_log(good.rsplit("dist_check:", 1)[0])[1]        # cut off before the end
+
+
 def test_explain_log_decodes_stuck_waits():
     log = "\n".join([
         dc.map_line(0, "reduce_scatter_ready", 0x7f0000001000, 64, "rank 0, local: the GEMM's tiles notify"),

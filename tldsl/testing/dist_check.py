@@ -74,6 +74,17 @@ def map_line(rank: int, name: str, addr: int, slots: int, note: str = "") -> str
     return f"[rank {rank}] signal {name} @ {addr:#x} x {slots}" + (f" ({note})" if note else "")
 
 
+def summarize_log(text: str) -> tuple[list[str], bool]:
+    """A dist_check log's result lines (``dist_check <op>/<variant> <check>: PASS|FAIL ...``, and
+    the closing ``dist_check: ...``), and whether it closed with every check passed. torchrun may
+    prefix lines (``[rank0]:``), so lines are matched anywhere."""
+    lines = [line.strip() for line in text.splitlines() if "dist_check " in line or "dist_check:" in line]
+    results = [line for line in lines if ": PASS" in line or ": FAIL" in line]
+    passed = bool(results) and all(": PASS" in line for line in results) and \
+        any(line.endswith("dist_check: all passed") for line in lines)
+    return lines, passed
+
+
 def explain_log(text: str) -> list[str]:
     """Decode every stuck-wait line of a log with the signal maps printed in the same log."""
     maps = []

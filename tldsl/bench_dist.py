@@ -459,11 +459,17 @@ def main(what, argv):
     ap.add_argument("--schedule", default=None, metavar="SPEC",
                     help="ours = this schedule, e.g. 'engine=sm,mode=push,sms=8,order=ring,tile=128x256x64,"
                          "stages=4,compute_order=comm_aligned' (unset keys: the op's defaults)")
+    ap.add_argument("--bind", action="store_true", help="pin each rank to the CPU cores local to its GPU "
+                    "(every candidate alike; tldsl/cpu_binding.py)")
     args = ap.parse_args(argv)
     if what not in ("ag_gemm", "gemm_rs"):
         raise SystemExit(f"unknown distributed benchmark {what!r}")
     dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    torch.cuda.set_device(local)
+    if args.bind:
+        from .cpu_binding import bind_to_gpu
+        print(f"# [rank {dist.get_rank()}] {bind_to_gpu(local)}", file=sys.stderr, flush=True)
     default = AG_SHAPES if what == "ag_gemm" else RS_SHAPES
     shapes = parse_shapes(what, args.shapes) if args.shapes else default
     try:

@@ -132,8 +132,9 @@ class PushAllGather:
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """One launch. The host's work before the GEMM is enqueued is on the critical path (the
         device is idle when a call starts), so it is kept to checks, one event and one driver
-        call (the outputs were allocated at the end of the previous call: :mod:`.spare_outputs`); every address is precomputed and driver results are checked without
-        building messages unless one failed."""
+        call: the outputs were allocated at the end of the previous call (:mod:`.spare_outputs`),
+        every address is precomputed, and driver results are checked without building messages
+        unless one failed."""
         op, torch = self.op, self._torch
         dt = op.dtype
         tensor = self._tensor_type

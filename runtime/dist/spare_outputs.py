@@ -3,7 +3,8 @@
 A fused op's GEMM takes its outputs' addresses as arguments, so they must exist before it is
 handed to the driver — and with the device idle when the op is called, the host's time until
 then is the op's. ``torch.empty`` costs 6–6.5 µs a tensor on the benchmark machine (2× H200,
-measured beside the driver calls in BENCHMARKS.md), two of them a sixth of AG+GEMM's host path.
+measured beside the driver calls in BENCHMARKS.md): two of them were half of AG+GEMM's host
+time before its GEMM was handed over.
 So a call ends by allocating the next call's outputs on its stream, off the critical path (the
 GEMM is already enqueued), and the next call on that stream takes them. The semantics are those of
 allocating at the call's start: the caching allocator orders memory by stream, and a call on

@@ -1937,9 +1937,40 @@ def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch
     assert AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs=True)._engine._spares.enabled
     with pytest.raises(tl.InputError, match="spare_outputs='yes'"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs="yes")
-    with pytest.raises(tl.InputError, match="only the direct copy-engine push keeps spare outputs"):
-        AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
-                        spare_outputs=True)
+    with pytest.raises(tl.InputError, match="the direct copy-engine push and pull keep spare outputs"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", spare_outputs=True)
+
+
+@pytest.mark.parametrize("staging", ["kernel", "gemm"])
+def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch, staging):
+    """The direct pull keeps spare outputs too (both of its launch paths: a staging pass, or the
+    GEMM staging its own rows): the GEMM of the next call on the same stream writes them."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 128, 64, 96
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
+                         staging=staging)
+    assert op._engine is None and op._spares.enabled
+    monkeypatch.setattr(op._gemm_launches, "get", lambda key, build: build())
+    a, b = torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
+    first = op(a, b)
+    held = dict(op._spares._spares)
+    assert set(held) == {"a_gathered", "c"}
+    second = op(a, b)
+    assert second[0] is held["a_gathered"] and second[1] is held["c"]
+    assert proto.gemm_args[0]["a_gathered"] is held["a_gathered"] and proto.gemm_args[0]["c"] is held["c"]
+    third = op(a, b)
+    assert len({t.data_ptr() for t in (*first, *second, *third)}) == 6
+    monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out: None)  # a CPU tensor stands in
+    out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
+    assert op(a, b, out=out)[1] is out and set(op._spares._spares) == {"a_gathered"}
+    op.close()
+    assert op._spares.held_bytes == 0
+    off = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
+                          spare_outputs=False)
+    off(a, b)
+    assert not off._spares.enabled and off._spares.held_bytes == 0
 
 
 def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):

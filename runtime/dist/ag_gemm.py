@@ -59,7 +59,7 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
-from .spare_outputs import keep_spares
+from .spare_outputs import SpareOutputs, keep_spares
 from .group import dist_context
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -101,7 +101,7 @@ class AllGatherMatmul:
         or ``"copies"`` (two ``cuMemcpyAsync`` and a stream write); default: :func:`default_staging`.
         ``stage_waves`` (``staging="gemm"``): over how many waves of tiles the GEMM spreads the
         staging (default :data:`STAGE_WAVES`; :func:`stage_columns`). ``spare_outputs`` (the
-        direct copy-engine push): each call ends by allocating the next call's A_gathered and C,
+        direct copy-engine push and pull): each call ends by allocating the next call's A_gathered and C,
         so the next GEMM is handed to the driver without waiting for the allocator
         (:mod:`.spare_outputs`); ``None`` (default): where both together are at most
         :data:`~.spare_outputs.SPARE_LIMIT_BYTES`."""
@@ -169,10 +169,10 @@ class AllGatherMatmul:
             self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
             self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs)
             return
-        if spare_outputs:
-            raise InputError("spare_outputs=True: only the direct copy-engine push keeps spare outputs (this "
-                             f"schedule: {comm}, ce_executor={ce_executor!r})")
         if comm.engine == "sm" or push or ce_executor == "plan":
+            if spare_outputs:
+                raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
+                                 f"this schedule ({comm}, ce_executor={ce_executor!r}) allocates per call")
             self.handshake = "kernel"
             if handshake is not None and handshake != "kernel":
                 raise InputError(f"handshake={handshake!r} applies to the direct copy-engine pull path; this "
@@ -243,6 +243,12 @@ class AllGatherMatmul:
                 publish = (self.arrive.data_ptr(), self._arrive_table.data_ptr(), r, W, self._blocks_done.data_ptr(),
                            int(timeout) if timeout else None)
             self._stager = ShardStager(sm_count(), progress=progress, publish=publish)
+        full, c_shape = (W * self.Ms, self.K), (W * self.Ms, self.N)       # (closures: no cycle through the op)
+        out_bytes = W * self.Ms * (self.K + self.N) * self.shards.element_size()
+        self._spares = SpareOutputs({"a_gathered": lambda: torch.empty(full, dtype=tdtype, device=dev),
+                                     "c": lambda: torch.empty(c_shape, dtype=tdtype, device=dev)},
+                                    keep_spares(spare_outputs, out_bytes))
+        self._spare: dict = {}
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
             [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
@@ -320,7 +326,7 @@ class AllGatherMatmul:
         if tl_ is not None:
             tl_.mark("staged", cur, "compute")
         cs = self.copy_stream.cuda_stream
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
+        c = self._output_c(out)
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
             {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
         # enqueue="gemm_first" (the default): the GEMM goes first (one driver call: its arguments
@@ -358,7 +364,7 @@ class AllGatherMatmul:
         finally:
             if gc_was_on:
                 gc.enable()
-        return self._join(cur, a_full, c, L)
+        return self._join(cur, a_full, c, L, fresh_c=out is None)
 
     def _begin(self, poison_workspace: bool):
         """A launch's start on the host: the compute stream, a fresh A_gathered (NaN-filled with
@@ -366,21 +372,34 @@ class AllGatherMatmul:
         import torch
         cur = torch.cuda.current_stream(self.ctx.device)
         self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
-        a_full = torch.empty((self.ctx.world_size * self.Ms, self.K), dtype=self.dtype,
-                             device=torch.device("cuda", self.ctx.device))
+        self._spare = self._spares.take(cur.cuda_stream)   # allocated at the end of the previous call
+        a_full = self._spare.get("a_gathered")
+        if a_full is None:
+            a_full = self._spares.makers["a_gathered"]()
         if poison_workspace:
             a_full.fill_(float("nan"))
         if self.timeline is not None:
             self.timeline.mark("start", cur, "compute")
         return cur, a_full
 
-    def _join(self, cur, a_full, c, L: int):
+    def _output_c(self, out):
+        """C: the caller's ``out``, else the spare the previous call allocated, else a new one."""
+        if out is not None:
+            return out
+        c = self._spare.get("c")
+        return c if c is not None else self._spares.makers["c"]()
+
+    def _join(self, cur, a_full, c, L: int, fresh_c: bool = True):
         """The end of launch ``L``: the compute stream waits for the copy stream (launch ``L+1``
-        starts after both), and A_gathered, written on the copy stream, is marked in use there."""
+        starts after both), A_gathered, written on the copy stream, is marked in use there, and
+        the next call's outputs are allocated (:mod:`.spare_outputs`; ``fresh_c``: this call
+        allocated its C, i.e. no ``out=``)."""
         import torch
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
         a_full.record_stream(self.copy_stream)
+        self._spare = {}
+        self._spares.refill(cur.cuda_stream, ("a_gathered", "c") if fresh_c else ("a_gathered",))
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; counters {self.signal_counters()}", flush=True)
@@ -425,7 +444,7 @@ class AllGatherMatmul:
         if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA reads it
             a_shard = a_shard.clone(memory_format=torch.contiguous_format)
         slot = L % 2
-        c = torch.empty((W * self.Ms, self.N), dtype=self.dtype, device=dev) if out is None else out
+        c = self._output_c(out)
         self._start.record(cur)
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
                                        lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
@@ -447,13 +466,15 @@ class AllGatherMatmul:
         finally:
             if gc_was_on:
                 gc.enable()
-        return self._join(cur, a_full, c, L)
+        return self._join(cur, a_full, c, L, fresh_c=out is None)
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for
         NVSHMEM's heap, which is never freed by garbage collection)."""
         if self._engine is not None:
             self._engine.close()
+        else:
+            self._spares.clear()
 
     def _check_out(self, out):
         import torch

@@ -211,6 +211,7 @@ class LoweredGemm(LoweredKernel):
     data_buffers: tuple[tuple[str, tuple[int, ...], str], ...] = ()   # (name, shape, dtype) it loads: "data:<name>"
     own_rows: bool = False           # this rank's rows of A read from "a_shard", staged into "a_slot" and A
     gather_rows: bool = False        # this rank's rows of A read from "a_shard", every row stored into "a_copy"
+    push_rows: bool = False          # gather_rows, and this rank's rows pushed into every peer's landing buffer
 
     @property
     def num_tiles(self) -> int:
@@ -243,7 +244,9 @@ class LoweredGemm(LoweredKernel):
                  + ("; this rank's rows of A read from its shard and staged by the GEMM (own_rows)"
                     if self.own_rows else "")
                  + ("; this rank's rows of A read from its shard, the peers' from A (pushed there), every row "
-                    "stored into A_gathered by the GEMM (gather_rows)" if self.gather_rows else ""),
+                    "stored into A_gathered by the GEMM (gather_rows)" if self.gather_rows else "")
+                 + ("; the GEMM pushes this rank's rows into the peers' landing buffers and publishes them "
+                    "(push_rows)" if self.push_rows else ""),
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         for t in self.tma:
             lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
@@ -792,7 +795,7 @@ def _is_this_rank(v: core.Value) -> bool:
 
 def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
                wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False,
-               gather_rows: bool = False) -> LoweredGemm:
+               gather_rows: bool = False, push_rows: bool = False) -> LoweredGemm:
     """Lower ``kernel``'s compute part (the only one, or the one named) to a Hopper GEMM kernel.
 
     ``cluster`` overrides the schedule's cluster shape (``ComputeSchedule.cluster`` when the
@@ -808,7 +811,12 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     from ``a_shard`` without their waits, every other row from A itself (the landing buffer the
     peers push into), and the GEMM stores every A stage it loads — spread over the first
     ``own_cols`` tile columns — into ``a_copy`` (the gathered A the op returns):
-    ``tldsl::sm90::GatherRows``."""
+    ``tldsl::sm90::GatherRows``. ``push_rows`` (with ``gather_rows``; no copy engine): the GEMM
+    also stores this rank's stages into every peer's landing buffer (``push_landing_<q>``: peer
+    ``(rank + 1 + q) % W``'s, both slots, ``[2 M, K]``; rows of the slot ``launch % 2``), counts its
+    storing tiles in ``push_count`` and, with the launch's last, writes ``launch`` into slot
+    ``rank`` of every peer's flag array (``push_flag_peers``: their addresses) — the flag the
+    peers' GEMMs wait on, as the copy engine's push writes it."""
     if part is None:
         parts = [p for p in kernel.parts if p.role == "compute"]
         if len(parts) != 1:
@@ -871,10 +879,14 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in getattr(ne, "stored", ()))
     if own_rows and gather_rows:
         raise _fail("own_rows and gather_rows are two ways to load this rank's rows: choose one", p)
+    if push_rows and not gather_rows:
+        raise _fail("push_rows: the GEMM pushes the rows it gathers; lower with gather_rows=True", p)
     if own_rows or gather_rows:
         tma += _own_rows(kernel, p, m, cfg, M, K, ne, params, "gather_rows" if gather_rows else "own_rows")
+    if push_rows:
+        tma += _push_rows(kernel, cfg, M, K, params)
     source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines,
-                          own_rows, gather_rows)
+                          own_rows, gather_rows, push_rows)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
@@ -885,7 +897,7 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
                        tuple(s.name for s in waited), tuple(options),
                        notifies=ne.notifies, notify_signals=tuple(notified_names),
                        epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data), own_rows=own_rows,
-                       gather_rows=gather_rows)
+                       gather_rows=gather_rows, push_rows=push_rows)
 
 
 _OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arrive", "const unsigned long long*"),
@@ -928,6 +940,31 @@ def _own_rows(kernel, part, m: _Match, cfg: GemmConfig, M: int, K: int, ne, para
     params += [KernelParam(name, ctype, "ptr", f"signal:{name}") for name, ctype in _OWN_ROW_PARAMS]
     params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
     return a_like("tma_a_own", "a_shard", rows), a_like("tma_a_slot", "a_slot", rows)
+
+
+#: the counter and the peer table a ``push_rows`` GEMM takes among its signals (``signal:<name>``)
+PUSH_ROW_SIGNALS = ("push_count", "push_flag_peers")
+
+
+def push_landing(q: int) -> str:
+    """The buffer a ``push_rows`` GEMM pushes into for its ``q``-th peer (ring order after it)."""
+    return f"push_landing_{q}"
+
+
+def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list) -> tuple:
+    """``push_rows``: the parameters and the descriptors of the peers' landing buffers (both
+    slots, ``[2 M, K]``; stored with A's boxes, as the stages were loaded)."""
+    W = kernel.world_size
+    grid = "const __grid_constant__ cute::TmaDescriptor"
+    specs = []
+    for q in range(W - 1):
+        params.append(KernelParam(f"tma_push_{q}", grid, "tma", f"tma:tma_push_{q}"))
+        specs.append(TmaDescriptorSpec(f"tma_push_{q}", push_landing(q), "A", cfg.in_dtype, _TMA_DATA_TYPE[cfg.in_dtype],
+                                       (K, 2 * M), (K * cfg.elem_bytes,), (cfg.EA, cfg.BM), (1, 1), _SWIZZLE[cfg.SA]))
+    params += [KernelParam("push_count", "unsigned long long* __restrict__", "ptr", "signal:push_count"),
+               KernelParam("push_flag_peers", "unsigned long long* const* __restrict__", "ptr",
+                           "signal:push_flag_peers")]
+    return tuple(specs)
 
 
 def _all_ops(ops):
@@ -985,7 +1022,7 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
 
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
                  align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=(), own_rows=False,
-                 gather_rows=False) -> str:
+                 gather_rows=False, push_rows=False) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
@@ -1087,9 +1124,17 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
     if own_rows:      # no notifies, no generated epilogue (checked): the plain store, then this rank's rows
         notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, tldsl::sm90::OwnRows<Cfg::kWorldSize>{"
                         "&tma_a_own, &tma_a_slot, " + ", ".join(n for n, _ in _OWN_ROW_PARAMS) + f", launch, {OWN_COLS}}}")
-    if gather_rows:   # the same, every row's stages stored into the gathered copy
+    if gather_rows and not push_rows:   # the same, every row's stages stored into the gathered copy
         notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, "
                         f"tldsl::sm90::GatherRows<Cfg::kWorldSize>{{&tma_a_own, &tma_a_copy, {OWN_COLS}}}")
+    if push_rows:     # ... and this rank's rows pushed into the peers' landing buffers, then published
+        pushes = ", ".join(f"&tma_push_{q}" for q in range(kernel.world_size - 1)) or "nullptr"
+        notifies_arg = (", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, "
+                        "tldsl::sm90::GatherRows<Cfg::kWorldSize, true, true>{&tma_a_own, &tma_a_copy, "
+                        f"{OWN_COLS}, {{{pushes}}}, push_count, push_flag_peers, launch, "
+                        "int(launch & 1ull) * M, (unsigned long long)(M / Cfg::kWorldSize / Cfg::BM) * "
+                        f"(unsigned long long)({OWN_COLS} < (N + Cfg::BN - 1) / Cfg::BN ? {OWN_COLS} : "
+                        "(N + Cfg::BN - 1) / Cfg::BN)}")
     L += ["}  // namespace", ""]
     L += kernel_entry(entry, cfg.threads, params, [
         "  (void)launch;",

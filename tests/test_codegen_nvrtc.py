@@ -163,6 +163,34 @@ def test_gemm_gathering_pushed_rows_compiles(cache):
                                         comm=comm), "gemm", gather_rows=True)
 
 
+@needs_cuobjdump
+@pytest.mark.parametrize("W", [2, 4])
+def test_gemm_pushing_its_rows_compiles(cache, W):
+    """push_rows (AG+GEMM with the GEMM pushing this rank's rows, no copy engine): the stages of
+    this rank's rows also stored into each peer's landing buffer (one descriptor per peer, both
+    slots), the storing tiles counted and the launch's last one publishing the flag on every
+    peer (a system-scope fence, an atomic add, remote stores). The descriptors and parameters
+    follow the world size; push_rows needs gather_rows."""
+    from tldsl.codegen.scalars import LoweringError
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+    ir = trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    gather = lower_gemm(ir, "gemm", gather_rows=True)
+    lg = lower_gemm(ir, "gemm", gather_rows=True, push_rows=True)
+    assert lg.push_rows and "(push_rows)" in lg.describe()
+    pushes = [t for t in lg.tma if t.param.startswith("tma_push_")]
+    assert [t.buffer for t in pushes] == [f"push_landing_{q}" for q in range(W - 1)]
+    assert all(t.global_dims == (512, 2 * W * 1024) for t in pushes)      # both slots of [W * 1024, 512]
+    assert [p.source for p in lg.params[-2:]] == ["signal:push_count", "signal:push_flag_peers"]
+    assert "GatherRows<Cfg::kWorldSize, true, true>" in lg.source and "int(launch & 1ull) * M" in lg.source
+    k0 = check_sass(gather.compile(cache=cache, progress=False), waits_scope="SYS")
+    k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
+    assert k.count("UTMASTG") > k0.count("UTMASTG")
+    assert k.count("MEMBAR") > k0.count("MEMBAR") and k.count("ATOMG") >= 1 and k0.count("ATOMG") == 0
+    assert k.count("STG.E.64.STRONG.SYS") >= 1 and k0.count("STG.E.64.STRONG.SYS") == 0
+    with pytest.raises(LoweringError, match="lower with gather_rows=True"):
+        lower_gemm(ir, "gemm", push_rows=True)
+
+
 def test_cache_hit_is_fast_and_keyed_on_options(cache):
     lg = lower_gemm(trace_plain(tile=(128, 64, 64), stages=3))
     first = lg.compile(cache=cache, progress=False)

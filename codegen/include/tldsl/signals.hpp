@@ -116,16 +116,17 @@ __device__ __forceinline__ void wait_at_least(const unsigned long long* slot, un
   }
 }
 
-// A launch's work split into parts, each part finished by one thread after it has made its own
-// stores visible (fenced): count the part in `parts_done` (all launches; an earlier launch is
-// complete before a later one starts), and the part that completes the launch's
-// `parts_per_launch` releases everyone's stores at system scope and writes `value` into slot
-// `rank` of every peer's arrival array (`peer_arrive[p]`: rank p's array as mapped here).
+// A launch's work split into parts, finished by threads after they have made their own stores
+// visible (fenced): count the `parts` this thread finished in `parts_done` (all launches; an
+// earlier launch is complete before a later one starts, so within a launch only its last add
+// reaches a multiple of `parts_per_launch`), and the thread that completes the launch releases
+// everyone's stores at system scope and writes `value` into slot `rank` of every peer's arrival
+// array (`peer_arrive[p]`: rank p's array as mapped here).
 __device__ __forceinline__ void arrive_on_peers_when_done(unsigned long long* parts_done,
                                                           unsigned long long parts_per_launch,
                                                           unsigned long long* const* peer_arrive, int rank, int world,
-                                                          unsigned long long value) {
-  const unsigned long long done = atomicAdd(parts_done, 1ull) + 1ull;
+                                                          unsigned long long value, unsigned long long parts = 1ull) {
+  const unsigned long long done = atomicAdd(parts_done, parts) + parts;
   if (done % parts_per_launch != 0) return;
   fence_acq_rel<kScopeSys>();
   for (int p = 0; p < world; ++p)

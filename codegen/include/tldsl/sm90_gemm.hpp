@@ -369,6 +369,7 @@ struct NoEpilogue {
 struct NoOwnRows {
   static constexpr bool kEnabled = false;
   static constexpr bool kStoresOnRefill = false;
+  static constexpr bool kPushes = false;
   static constexpr int cols = 0;
   __device__ __forceinline__ bool owns(int, int, int) const { return false; }
 };
@@ -389,6 +390,7 @@ template <int kWorld>
 struct OwnRows {
   static constexpr bool kEnabled = true;
   static constexpr bool kStoresOnRefill = false;   // a stager thread stores each stage as it lands
+  static constexpr bool kPushes = false;
   const cute::TmaDescriptor* shard;
   const cute::TmaDescriptor* slot;
   unsigned long long* staged;
@@ -438,13 +440,33 @@ struct OwnRows {
 // the pipeline; the stores are marked evict-first in L2. With kOnRefill = false the stager
 // thread of OwnRows stores each stage as it lands instead (kept to measure the two against each
 // other: `probe ag_gather`). Nothing is published: the copy streams' flags are the handshake.
-template <int kWorld, bool kOnRefill = true>
+//
+// kPush (the runtime's pusher="gemm"): no copy engine either — the GEMM pushes this rank's rows
+// itself. Each stage of this rank's rows that a tile stores into A_gathered it also stores into
+// every peer's landing buffer (`push[q]`: peer (rank + 1 + q) % kWorld's, both slots; rows from
+// `push_row0`, the slot of this launch). A CTA leaving this rank's rows (or ending) stores what it
+// still holds, waits for its stores, and counts its storing tiles in `pushed`; the tile that
+// completes the launch's `tiles_per_launch` writes `launch` into this rank's flag on every peer
+// (`peer_flags`) — the flag a copy engine would have written. The landing slot is free by call
+// order: this launch runs after this rank's previous GEMM, which waited for every peer's previous
+// push, made during the peer's previous GEMM, which started after the peer's GEMM two launches
+// back (the last reader of this slot) had finished.
+template <int kWorld, bool kOnRefill = true, bool kPush = false>
 struct GatherRows {
   static constexpr bool kEnabled = true;
   static constexpr bool kStoresOnRefill = kOnRefill;
+  static constexpr bool kPushes = kPush;
+  static_assert(!kPush || kOnRefill, "the GEMM pushes the stages its producer stores on refill");
   const cute::TmaDescriptor* shard;
   const cute::TmaDescriptor* gathered;
   int cols;                                // tile columns that store (1 <= cols <= the grid's columns)
+  // kPush only (left zero otherwise)
+  const cute::TmaDescriptor* push[kWorld > 1 ? kWorld - 1 : 1];
+  unsigned long long* pushed;              // this rank's storing tiles pushed, all launches
+  unsigned long long* const* peer_flags;   // every rank's flag array, as mapped here
+  unsigned long long launch;
+  int push_row0;                           // the landing slot's first row: (launch % 2) * M
+  unsigned long long tiles_per_launch;     // this rank's storing tiles: (M / kWorld / BM) * cols
 
   __device__ __forceinline__ bool owns(int m0, int M, int rank) const {
     const int rows = M / kWorld;
@@ -452,10 +474,25 @@ struct GatherRows {
   }
   __device__ __forceinline__ bool stages(int, int, int) const { return true; }
   __device__ __forceinline__ void before_first_store(int) const {}
-  __device__ __forceinline__ void store(const cute::TmaDescriptor*, void* chunk, int k, int m0, int, int) const {
+  __device__ __forceinline__ void store(const cute::TmaDescriptor*, void* chunk, int k, int m0, int M,
+                                        int rank) const {
     tma_store_2d_evict_first(gathered, chunk, k, m0);
+    if constexpr (kPush) {
+      if (owns(m0, M, rank))
+#pragma unroll
+        for (int q = 0; q < kWorld - 1; ++q) cute::SM90_TMA_STORE_2D::copy(push[q], chunk, k, push_row0 + m0);
+    }
   }
   __device__ __forceinline__ void staged_row(int, int, int, int) const {}
+  // `tiles` storing tiles of this rank's rows, every store issued: complete them, then count them
+  // (the launch's last publishes it to the peers).
+  __device__ __forceinline__ void publish(int tiles, int rank) const {
+    bulk_wait_all();
+    fence_proxy_async_global();          // the TMA stores (async proxy) before the release
+    fence_acq_rel<kScopeSys>();
+    arrive_on_peers_when_done(pushed, tiles_per_launch, peer_flags, rank, kWorld, launch,
+                              (unsigned long long)tiles);
+  }
 };
 
 // One A stage (loaded at A_gathered row m0, column k) stored by Own, its stores having read the
@@ -538,9 +575,34 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       for (int s = 0; s < Tr::kStages; ++s) pend_m[s] = -1, pend_k[s] = 0;
       const int store_cols = own.cols < gn ? own.cols : gn;
       (void)store_cols;
+      int push_tiles = 0;                    // Own::kPushes: storing tiles of this rank's rows not yet published
+      (void)push_tiles;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
         const TileCoord tc{ct.m * kCl + cl_rank, ct.n};
+        if constexpr (Own::kPushes) {
+          // leaving this rank's rows: store every stage still held, complete the stores and
+          // publish them — before this tile's waits (the peers' GEMMs may wait for this publish)
+          const bool own_tile = own.owns(tc.m * Tr::BM, M, rank);
+          if (push_tiles > 0 && !own_tile) {
+#pragma unroll
+            for (int j = 0; j < Tr::kStages; ++j) {
+              const int i = it - Tr::kStages + j;   // stage i % kStages holds iteration i's fill
+              if (i < 0) continue;
+              const int s = i % Tr::kStages;
+              int pm = -1, pk = 0;
+#pragma unroll
+              for (int q = 0; q < Tr::kStages; ++q)
+                if (q == s) pm = pend_m[q], pk = pend_k[q], pend_m[q] = -1;
+              if (pm < 0) continue;
+              EmptyBar::wait(&empty_bar[s], uint32_t(i / Tr::kStages) & 1u);
+              store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
+            }
+            own.publish(push_tiles, rank);
+            push_tiles = 0;
+          }
+          if (own_tile && tc.n < store_cols) ++push_tiles;
+        }
         // with Own, this rank's own rows come from its shard (no waits: nothing else writes them)
         if constexpr (Waits::kEnabled) {
           if (tc.m < gm && !own.owns(tc.m * Tr::BM, M, rank)) {
@@ -617,6 +679,9 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
         }
         bulk_wait_all();                     // every store of A complete before the CTA exits
+        if constexpr (Own::kPushes) {
+          if (push_tiles > 0) own.publish(push_tiles, rank);
+        }
       }
     }
     if constexpr (Own::kEnabled && !Own::kStoresOnRefill) {

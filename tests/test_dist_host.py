@@ -23,7 +23,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
-from tldsl.codegen.lower_gemm import OWN_ROW_SIGNALS
+from tldsl.codegen.lower_gemm import OWN_ROW_SIGNALS, PUSH_ROW_SIGNALS
 import pytest
 
 import tldsl as tl
@@ -960,7 +960,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
-                                              "ag_gemm/copy_engine-push-direct",
+                                              "ag_gemm/copy_engine-push-direct", "ag_gemm/gemm-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
                                                   "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
@@ -1098,6 +1098,7 @@ class _Proto:
                 for name, shape, _ in getattr(self.lowered, "data_buffers", ()):
                     assert tuple(buffers[name].shape) == shape, name
                 own = OWN_ROW_SIGNALS if getattr(self.lowered, "own_rows", False) else ()
+                own += PUSH_ROW_SIGNALS if getattr(self.lowered, "push_rows", False) else ()
                 assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals + own)
                 proto.prepared += 1
                 proto.gemm_args = (buffers, signals)
@@ -1113,7 +1114,14 @@ class _Proto:
             def barrier(self, channel=0, timeout_ms=0):
                 log.append(("BARRIER", proto.current[-1].cuda_stream))
 
+            def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+                """A peer's buffer as a tensor: a CPU tensor stands in (its contents are not checked)."""
+                t = torch.empty(sizes, dtype=dtype)
+                proto.peer_buffers[rank] = t
+                return t
+
         self.Handle = Handle
+        self.peer_buffers = {}
 
         class Workspace(ckm.SymmetricWorkspace):
             def __init__(self, ctx, specs, align=512):
@@ -1888,6 +1896,45 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     bufs, _ = proto.gemm_args
     assert bufs["a_gathered"] is full and bufs["a_shard"].data_ptr() == full[Ms:].data_ptr()
     assert bufs["a_copy"].data_ptr() != full.data_ptr()
+
+
+def test_allgather_push_by_the_gemm(proto, monkeypatch):
+    """pusher="gemm": the launch is the GEMM alone (lowered with push_rows) — no copy stream, no
+    event, no memop: it gets the peer's landing buffer (both slots) to push into, this rank's
+    landing slot L % 2 to read from, every rank's flag address and a push counter. The GEMM alone
+    (compute_only) is the same gathering GEMM without the pushes."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 1024, 1032, 3000
+    with pytest.raises(tl.InputError, match="pusher='dma': choose 'copy_engine' or 'gemm'"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, pusher="dma")
+    with pytest.raises(tl.InputError, match="only the direct copy-engine push has a pusher"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", pusher="gemm")
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, pusher="gemm")
+    eng = op._engine
+    assert op.engine == "gemm-push" and op.lowered.push_rows and op.lowered.gather_rows
+    assert "GEMM (as it loads it; no copy engine)" in op.describe()
+    assert eng._push_buffers["push_landing_0"] is proto.peer_buffers[0]          # rank 0's, the only peer
+    assert tuple(proto.peer_buffers[0].shape) == (2 * 2 * Ms, K)
+    assert eng._push_signals["push_flag_peers"].tolist() == eng.flag_peers
+    monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
+    cur = proto.cur.cuda_stream
+    for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
+        assert ev == [("GEMM", cur, L, 132, 1)]                                  # the launch is the GEMM
+        bufs, sigs = proto.gemm_args
+        assert bufs["a_gathered"].data_ptr() == eng.landing[L % 2].data_ptr()
+        assert bufs["a_shard"].data_ptr() == a.data_ptr() and bufs["a_copy"].data_ptr() == ga.data_ptr()
+        assert bufs["push_landing_0"] is proto.peer_buffers[0] and bufs["own_cols"] == 12
+        assert sigs[eng.signal] is eng.flags and sigs["push_count"] is eng._push_signals["push_count"]
+    assert set(op.signal_tensors()) == {eng.signal, "push_count"}
+    assert [m[0] for m in op.signal_map()] == [eng.signal, "push_count"]
+    # the GEMM alone: the plain gathering GEMM (no pushes), its waits satisfied by scratch
+    full = torch.randn(2 * Ms, K).to(torch.bfloat16)
+    op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
+    assert eng.compute_gemm is not eng.gemm and not eng.compute_gemm.lowered.push_rows
+    bufs, _ = proto.gemm_args
+    assert "push_landing_0" not in bufs and bufs["a_gathered"] is full
 
 
 def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch):

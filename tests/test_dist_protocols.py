@@ -1,5 +1,6 @@
 """The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
-copy-engine push (runtime/dist/ag_push.py) and pull (runtime/dist/ag_gemm.py) — with the staging
+copy-engine push (runtime/dist/ag_push.py; or the GEMM pushing its own rows, pusher="gemm") and pull
+(runtime/dist/ag_gemm.py) — with the staging
 kernel as the handshake (the default where rows are not whole tiles) or with the GEMM staging its
 own rows — and GEMM+ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
@@ -221,12 +222,16 @@ class _Ranks:
             def __init__(self, t):
                 me, key = ranks.local.rank, ranks.local.calls
                 ranks.local.calls += 1
-                rendezvous.setdefault(key, {})[me] = t.data_ptr()
+                rendezvous.setdefault(key, {})[me] = t
                 barrier.wait()
-                self.buffer_ptrs = [rendezvous[key][q] for q in range(W)]
+                self.tensors = [rendezvous[key][q] for q in range(W)]
+                self.buffer_ptrs = [x.data_ptr() for x in self.tensors]
 
             def barrier(self, channel=0):
                 barrier.wait()
+
+            def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+                return self.tensors[rank].view(dtype).reshape(sizes)      # the peer's memory itself
         mp.setattr(symm_mem, "empty", lambda size, dtype=None, device=None: dev.register(torch.empty(size, dtype=dtype)))
         mp.setattr(symm_mem, "rendezvous", lambda t, group_name: Handle(t))
         mp.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: None, raising=False)
@@ -299,18 +304,19 @@ class _Ranks:
         return self.ops[r](*args)
 
 
-def _push_ranks(monkeypatch, Ms=128, K=16, N=24):
-    """Two ranks of AllGatherMatmul's default (the push), with the gathering GEMM's stand-in."""
+def _push_ranks(monkeypatch, Ms=128, K=16, N=24, make=None, gemm=None):
+    """Two ranks of AllGatherMatmul's default (the push), with the gathering GEMM's stand-in (or
+    ``make(rank)``'s op with ``gemm``'s)."""
     from tldsl.runtime.dist import ag_gemm as agm, ag_push
-    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), _Gemm)
+    ranks = _Ranks(monkeypatch, make or (lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16)), gemm or _Gemm)
     ranks.Ms, ranks.K, ranks.N = Ms, K, N
     assert all(isinstance(op._engine, ag_push.PushAllGather) for op in ranks.ops)
     return ranks
 
 
-def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1):
+def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1, make=None, gemm=None):
     rng = random.Random(seed)
-    ranks = _push_ranks(monkeypatch)
+    ranks = _push_ranks(monkeypatch, make=make, gemm=gemm)
     W, Ms, K, N = ranks.W, ranks.Ms, ranks.K, ranks.N
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
     b = torch.zeros(K, N, dtype=torch.bfloat16)
@@ -355,6 +361,62 @@ def _failing_seeds(monkeypatch, break_it, streams_per_rank=1, seeds=range(30), r
             except AssertionError:
                 failed.append(seed)
     return failed
+
+
+class _PushingGemm(_StandInGemm):
+    """The pushing GEMM's contract (``GatherRows<W, true, true>``): first this rank's rows — stored
+    into every peer's landing slot L % 2, then (the launch's last tile) L into this rank's flag on
+    every peer — then, once every peer's flag here holds L, the peers' rows from this rank's
+    landing slot; every row into A_gathered."""
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        device, W = self.ranks.device, self.ranks.W
+        flags, table = signals[lowered.signals[0]], signals["push_flag_peers"]
+        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
+        Ms = shard.shape[0]
+        peers = [(rank + 1 + q) % W for q in range(W - 1)]
+
+        def push():
+            for q, p in enumerate(peers):
+                row0 = (L % 2) * W * Ms + rank * Ms         # the kernel's push_row0 + this rank's rows
+                buffers[f"push_landing_{q}"][row0:row0 + Ms] = shard
+            for p in peers:
+                device.u64(int(table[p]) + 8 * rank)[0] = L
+
+        def gather():
+            for p in range(W):
+                rows = slice(p * Ms, (p + 1) * Ms)
+                copy[rows] = shard if p == rank else landing[rows]
+        device.kernel(stream, f"GEMM {L} own rows", push)
+        device.kernel(stream, f"GEMM {L} peers' rows", gather, ready=lambda: all(int(flags[p]) >= L for p in peers))
+
+
+def _run_gemm_push_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1):
+    from tldsl.runtime.dist import ag_gemm as agm
+    return _run_launches(monkeypatch, seed, launches, streams_per_rank,
+                         make=lambda r: agm.AllGatherMatmul(128, 16, 24, torch.bfloat16, pusher="gemm"),
+                         gemm=_PushingGemm)
+
+
+@pytest.mark.parametrize("streams_per_rank", [1, 2])
+@pytest.mark.parametrize("seed", range(10))
+def test_gemm_push_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_rank):
+    """pusher="gemm": the GEMM pushes this rank's rows into the peers' landing slot L % 2 with no
+    wait of its own — the slot is free by call order (the launch before it waited for the peer's
+    previous push, made after the peer's GEMM two launches back had finished)."""
+    ranks = _run_gemm_push_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
+    for r, op in enumerate(ranks.ops):
+        assert op.engine == "gemm-push"
+        assert op._engine.flags.tolist() == [6 if p != r else 0 for p in range(2)]
+
+
+def test_the_gemm_push_model_can_fail(monkeypatch):
+    """Without the call order (a call on a new stream overtaking the previous one), a launch's
+    push overwrites the landing slot a peer's earlier launch still reads, or the peer reads a
+    later launch's rows: some schedules get a wrong A_gathered."""
+    assert _failing_seeds(monkeypatch, _unordered, streams_per_rank=2, run=_run_gemm_push_launches)
+    assert not _failing_seeds(monkeypatch, lambda mp: None, streams_per_rank=2, seeds=range(10),
+                              run=_run_gemm_push_launches)
 
 
 def test_the_model_catches_broken_protocols(monkeypatch):

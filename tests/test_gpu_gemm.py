@@ -187,3 +187,53 @@ def test_gemm_gathering_pushed_rows(rank, cols):
         ref = want.float() @ b.float()
         assert not torch.isnan(c).any()
         assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+
+
+@pytest.mark.parametrize("rank,cols", [(0, 12), (1, 5), (1, 1)])
+def test_gemm_pushing_its_rows(rank, cols):
+    """push_rows (the GEMM pushes this rank's rows, pusher="gemm") on one GPU, the peer stood in
+    for by memory: besides the gathering GEMM's results, this rank's shard lands in the peer's
+    landing buffer (NaN-poisoned) at slot launch % 2, rows of this rank — exactly, nothing else
+    touched — this rank's flag on the peer holds the launch, and the push counter counts every
+    storing tile of this rank's rows once per launch."""
+    import torch
+    W, Ms, K, N = 2, 512, 520, 3000
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", gather_rows=True, push_rows=True)
+    dev = "cuda"
+    own = slice(rank * Ms, (rank + 1) * Ms)
+    peer = 1 - rank
+    b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
+    peer_landing = torch.full((2 * W * Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
+    peer_flags = torch.zeros(W, device=dev, dtype=torch.int64)
+    my_flags = torch.zeros(W, device=dev, dtype=torch.int64)
+    table = torch.zeros(W, device=dev, dtype=torch.int64)
+    table[peer], table[rank] = peer_flags.data_ptr(), my_flags.data_ptr()
+    count = torch.zeros(1, device=dev, dtype=torch.int64)
+    tiles = (Ms // 128) * min(cols, -(-N // 256))
+    for launch in (1, 2, 3):
+        my_flags[peer] = launch                                   # the peer's shard has landed here
+        shard = torch.randn(Ms, K, device=dev, dtype=torch.bfloat16)
+        landing = torch.randn(W * Ms, K, device=dev, dtype=torch.bfloat16)
+        landing[own] = float("nan")
+        copy = torch.full((W * Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
+        c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        before = peer_landing.clone()
+        kern({"a_gathered": landing, "b": b, "c": c, "a_shard": shard, "a_copy": copy, "own_cols": cols,
+              "push_landing_0": peer_landing},
+             signals={lg.signals[0]: my_flags, "push_count": count, "push_flag_peers": table},
+             launch_index=launch, rank=rank)
+        torch.cuda.synchronize()
+        want = landing.clone()
+        want[own] = shard
+        assert torch.equal(copy, want)
+        ref = want.float() @ b.float()
+        assert not torch.isnan(c).any()
+        assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+        row0 = (launch % 2) * W * Ms + rank * Ms
+        pushed = slice(row0, row0 + Ms)
+        assert torch.equal(peer_landing[pushed], shard)
+        rest = torch.ones(2 * W * Ms, dtype=torch.bool, device=dev)
+        rest[pushed] = False
+        assert torch.equal(peer_landing[rest].isnan(), before[rest].isnan())     # nothing else written
+        assert peer_flags.tolist() == [launch if q == rank else 0 for q in range(W)]
+        assert count.item() == tiles * launch

@@ -365,7 +365,8 @@ def probe_ag_push(shapes, iters=20, out=sys.stdout):
                   "push": {"comm": push, "ce_executor": "direct"},
                   "push, done flag after the GEMM": ({"comm": push, "ce_executor": "direct"},
                                                      {"done_after_gemm": True}),
-                  "push, copies first": {"comm": push, "ce_executor": "direct", "enqueue": "comm_first"}},
+                  "push, copies first": {"comm": push, "ce_executor": "direct", "enqueue": "comm_first"},
+                  "push by the GEMM": {"comm": push, "ce_executor": "direct", "pusher": "gemm"}},
                  shapes, iters, out)
 
 

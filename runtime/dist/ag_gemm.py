@@ -75,7 +75,7 @@ class AllGatherMatmul:
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str | None = None,
                  handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
-                 stage_waves: int | None = None, spare_outputs: bool | None = None):
+                 stage_waves: int | None = None, spare_outputs: bool | None = None, pusher: str | None = None):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy engines push where this
         rank's rows are whole tiles and no pull option is given — :func:`default_push` — and pull
         elsewhere) or ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the
@@ -104,7 +104,9 @@ class AllGatherMatmul:
         direct copy-engine push and pull): each call ends by allocating the next call's A_gathered and C,
         so the next GEMM is handed to the driver without waiting for the allocator
         (:mod:`.spare_outputs`); ``None`` (default): where both together are at most
-        :data:`~.spare_outputs.SPARE_LIMIT_BYTES`."""
+        :data:`~.spare_outputs.SPARE_LIMIT_BYTES`. ``pusher`` (the direct copy-engine push): who writes
+        this rank's shard into the peers — ``"copy_engine"`` (default) or ``"gemm"`` (the GEMM as it
+        loads it: :class:`~.ag_push.PushAllGather`; not yet measured on GPUs)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -167,8 +169,12 @@ class AllGatherMatmul:
             timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
             self.comm, self.compute, self.handshake, self.staging = comm, c0, None, None
             self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
-            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs)
+            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs,
+                                         pusher or "copy_engine")
             return
+        if pusher is not None:
+            raise InputError(f"pusher={pusher!r}: only the direct copy-engine push has a pusher to choose (this "
+                             f"schedule: {comm}, ce_executor={ce_executor!r})")
         if comm.engine == "sm" or push or ce_executor == "plan":
             if spare_outputs:
                 raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
@@ -512,7 +518,8 @@ class AllGatherMatmul:
         the GEMMs that load this rank's rows from the shard, scratch for what they store)."""
         import torch
         W = self.ctx.world_size
-        gemm, sig = (self._engine.gemm, self._engine.signal) if self._engine is not None else (self.gemm, self.signal)
+        gemm, sig = ((getattr(self._engine, "compute_gemm", None) or self._engine.gemm, self._engine.signal)
+                     if self._engine is not None else (self.gemm, self.signal))
         slots = self.signal_tensors()[sig].numel()
         if getattr(self, "_scratch", None) is None or self._scratch.numel() != slots:
             self._scratch = torch.full((slots,), 1 << 40, dtype=torch.int64, device=a_gathered.device)
@@ -544,7 +551,7 @@ class AllGatherMatmul:
     @property
     def engine(self) -> str:
         """``copy_engine`` (the direct pull path), ``copy_engine-push`` (the direct push path),
-        ``copy_engine-plan`` or ``sm``."""
+        ``gemm-push`` (the direct push, the GEMM pushing), ``copy_engine-plan`` or ``sm``."""
         return self._engine.name if self._engine is not None else "copy_engine"
 
     def workspace_tensors(self) -> dict:

@@ -43,7 +43,12 @@ class PushAllGather:
 
     name = "copy_engine-push"
 
-    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str, spare_outputs: bool | None = None):
+    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str, spare_outputs: bool | None = None,
+                 pusher: str = "copy_engine"):
+        """``pusher``: who writes this rank's shard into the peers' landing buffers —
+        ``"copy_engine"`` (the measured default: the copy stream, after the GEMM is enqueued) or
+        ``"gemm"`` (the GEMM itself, as it loads the shard: ``lower_gemm(push_rows=True)``; no copy
+        stream, no host call but the GEMM's launch; not yet measured on GPUs)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -66,8 +71,16 @@ class PushAllGather:
                                        spec((W * Ms, N), ir_dtype), compute=compute, comm=op.comm)
         op.ir = self.ir
         opts = {"wait_timeout_ns": wait_timeout_ns} if wait_timeout_ns else {}
-        self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, **opts)
+        if pusher not in ("copy_engine", "gemm"):
+            raise InputError(f"pusher={pusher!r}: choose 'copy_engine' or 'gemm'")
+        self.pusher = pusher
+        self.name = "copy_engine-push" if pusher == "copy_engine" else "gemm-push"
+        self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, push_rows=pusher == "gemm", **opts)
         self.gemm = GemmKernel(self.lowered, progress=progress)
+        #: the GEMM alone (``compute_only``) must not push: the plain gathering GEMM, built on first use
+        ir = self.ir                                # (the closure holds no reference to this object)
+        self._plain_gemm = None if pusher == "gemm" else self.gemm
+        self._lower_plain = lambda: GemmKernel(lower(ir, "gemm", gather_rows=True, **opts), progress=progress)
         (self.signal,) = self.lowered.signals
         #: tile columns sharing the stores of A_gathered (column j stores the stages k % cols == j):
         #: every column, so each tile adds the fewest stores to its own loads
@@ -114,6 +127,17 @@ class PushAllGather:
         self.done_after_gemm = False
         self.order = [(ctx.rank + s) % W for s in range(1, W)]          # ring order, peers only
         self._plan_addresses(W, ctx.rank, Ms, K, self.landing.element_size())
+        self._gemm_pushes = pusher == "gemm"
+        if self._gemm_pushes:
+            # what the GEMM pushes into and publishes with: every peer's landing buffer (both slots,
+            # ring order), every rank's flag array as mapped here, this rank's count of pushed tiles
+            from ...codegen.lower_gemm import push_landing
+            self._push_buffers = {push_landing(q): self._landing_handle.get_buffer(p, (2 * W * Ms, K), op.dtype)
+                                  for q, p in enumerate(self.order)}
+            flag_table = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
+            flag_table.copy_(torch.tensor(self.flag_peers, dtype=torch.int64))
+            self._push_signals = {self.signal: self.flags, "push_count": torch.zeros(1, dtype=torch.int64, device=dev),
+                                  "push_flag_peers": flag_table}
 
     # -- a launch ---------------------------------------------------------------------------------
     def _plan_addresses(self, W: int, me: int, Ms: int, K: int, elem: int) -> None:
@@ -167,6 +191,8 @@ class PushAllGather:
         c = out if out is not None else spare.get("c")
         if c is None:
             c = torch.empty(self._c_shape, dtype=dt, device=self._dev)
+        if self._gemm_pushes:
+            return self._launch_pushing_gemm(a_shard, b, a_full, c, cur, cur_h, L, out is None)
         res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copies read a_shard after it
         if res[0] != ok:
             plan_exec.checked(cu, res, "cuEventRecord(start)")
@@ -225,6 +251,35 @@ class PushAllGather:
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
         return a_full, c
 
+    def _launch_pushing_gemm(self, a_shard, b, a_full, c, cur, cur_h: int, L: int, fresh_c: bool):
+        """``pusher="gemm"``: the launch is the GEMM alone — it pushes this rank's rows into the
+        peers' landing slot ``L % 2`` and publishes them itself (``GatherRows<W, true, true>``); the
+        slot is free by call order (see that template). Nothing runs on the copy stream."""
+        op = self.op
+        slot = L & 1
+        gemm = self._gemm_launches.get(
+            (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
+            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, "a_shard": a_shard,
+                                       "a_copy": a_full, "own_cols": self.cols, **self._push_buffers},
+                                      signals=self._push_signals, rank=op.ctx.rank))
+        if op.hooks:
+            op._hook("before_comm", cur)        # (the GEMM is the communication too)
+        self._launch_gemm(gemm, cur, cur_h, L)
+        self._spares.refill(cur_h, ("a_gathered", "c") if fresh_c else ("a_gathered",))
+        if op.debug:
+            self._torch.cuda.synchronize()
+            print(f"[rank {op.ctx.rank}] ag_gemm gemm-push launch {L}: done; counters {op.signal_counters()}",
+                  flush=True)
+        return a_full, c
+
+    @property
+    def compute_gemm(self):
+        """The GEMM that ``compute_only`` times: the launch's, or (when the GEMM pushes) the same
+        gathering GEMM without the pushes."""
+        if self._plain_gemm is None:
+            self._plain_gemm = self._lower_plain()
+        return self._plain_gemm
+
     def _launch_gemm(self, gemm, cur, cur_h: int, L: int) -> None:
         op = self.op
         if op.hooks:
@@ -254,6 +309,8 @@ class PushAllGather:
 
     @property
     def signals(self) -> dict:
+        if self._gemm_pushes:
+            return {self.signal: self.flags, "push_count": self._push_signals["push_count"]}
         return {self.signal: self.flags, "push_consumed": self.consumed}
 
     def workspace_tensors(self) -> dict:
@@ -261,16 +318,22 @@ class PushAllGather:
 
     def signal_map(self):
         op = self.op
-        return [(self.signal, self.flags.data_ptr(), self.flags.numel(),
-                 f"rank {op.ctx.rank}, symmetric: peer p's copy stream writes slot p once its shard landed; the GEMM "
-                 f"waits; slot s = landing rows [s * {op.Ms}, (s + 1) * {op.Ms})"),
-                ("push_consumed", self.consumed.data_ptr(), self.consumed.numel(),
-                 f"rank {op.ctx.rank}, symmetric: slot p = the last launch rank p's GEMM finished; this rank's copy "
-                 "stream waits on it before pushing into p's landing slot")]
+        writer = "copy stream" if not self._gemm_pushes else "GEMM (its last pushed tile)"
+        flags = (self.signal, self.flags.data_ptr(), self.flags.numel(),
+                 f"rank {op.ctx.rank}, symmetric: peer p's {writer} writes slot p once its shard landed; the GEMM "
+                 f"waits; slot s = landing rows [s * {op.Ms}, (s + 1) * {op.Ms})")
+        if self._gemm_pushes:
+            count = self._push_signals["push_count"]
+            return [flags, ("push_count", count.data_ptr(), 1,
+                            f"rank {op.ctx.rank}: this rank's storing tiles pushed to the peers, all launches")]
+        return [flags, ("push_consumed", self.consumed.data_ptr(), self.consumed.numel(),
+                        f"rank {op.ctx.rank}, symmetric: slot p = the last launch rank p's GEMM finished; this rank's "
+                        "copy stream waits on it before pushing into p's landing slot")]
 
     def describe(self) -> str:
-        return (f"  copy_engine push (direct): GEMM on {self.gemm.grid[0]} CTAs, every shard pushed by its owner's "
-                f"copy engine into the peers' landing buffer {tuple(self.landing.shape)}; A_gathered stored by the "
+        who = "copy engine" if not self._gemm_pushes else "GEMM (as it loads it; no copy engine)"
+        return (f"  {self.name} (direct): GEMM on {self.gemm.grid[0]} CTAs, every shard pushed by its owner's "
+                f"{who} into the peers' landing buffer {tuple(self.landing.shape)}; A_gathered stored by the "
                 f"GEMM over {self.cols} tile column(s); "
                 + ("the next call's outputs allocated at the end of each call\n" if self._spares.enabled
                    else "outputs allocated per call\n") + self.lowered.describe())

@@ -210,6 +210,10 @@ def variants(op: str) -> list[Variant]:
                 Variant("ag_gemm", "copy_engine-push-direct",
                         (("comm", CommSchedule(engine="copy_engine", mode="push")), ("ce_executor", "direct")),
                         rows=4096),
+                # the GEMM pushes this rank's rows itself (no copy engine; whole tiles per rank)
+                Variant("ag_gemm", "gemm-push",
+                        (("comm", CommSchedule(engine="copy_engine", mode="push")), ("ce_executor", "direct"),
+                         ("pusher", "gemm")), rows=4096),
                 Variant("ag_gemm", "sm-pull", (("engine", "sm"),), True),
                 Variant("ag_gemm", "sm-push",
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True),

@@ -884,6 +884,7 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     if own_rows or gather_rows:
         tma += _own_rows(kernel, p, m, cfg, M, K, ne, params, "gather_rows" if gather_rows else "own_rows")
     if push_rows:
+        _check_push_order(kernel, p, sched, M, cfg)
         tma += _push_rows(kernel, cfg, M, K, params)
     source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines,
                           own_rows, gather_rows, push_rows)
@@ -949,6 +950,19 @@ PUSH_ROW_SIGNALS = ("push_count", "push_flag_peers")
 def push_landing(q: int) -> str:
     """The buffer a ``push_rows`` GEMM pushes into for its ``q``-th peer (ring order after it)."""
     return f"push_landing_{q}"
+
+
+def _check_push_order(kernel, part, sched, M: int, cfg: GemmConfig) -> None:
+    """``push_rows``: every rank's GEMM waits for the others' pushes, and a CTA publishes its
+    pushes only as it leaves this rank's rows — so every CTA must visit all its tiles of this
+    rank's rows before any other: the ``comm_aligned`` order (it starts at this rank's rows) with
+    those rows whole groups of ``group_m`` tile rows (a group straddling them would interleave
+    this rank's tiles with a peer's in one CTA's sequence: a cross-rank deadlock)."""
+    rows = M // kernel.world_size // cfg.BM
+    if sched.order != "comm_aligned" or int(getattr(part, "align_shift", 0)) != 0 or rows % sched.group_m:
+        raise _fail(f"push_rows: each CTA must push its tiles of this rank's rows before it waits for a peer's, so the "
+                    f"order must be 'comm_aligned' starting at this rank's rows with its {rows} tile rows whole groups "
+                    f"(group_m dividing {rows}); got order={sched.order!r}, group_m={sched.group_m}", part)
 
 
 def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list) -> tuple:

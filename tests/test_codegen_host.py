@@ -347,3 +347,35 @@ def test_cluster_schedule_validation_and_order():
     # cluster tiles (2 rows each) row-major; the last cluster tile has one row (gm = 5)
     assert c.tile_order((5, 2), 0, 1) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1),
                                           (4, 0), (4, 1)]
+
+
+def test_pushing_gemm_orders_each_ctas_own_tiles_first():
+    """The GEMM that pushes this rank's rows (push_rows) publishes them as a CTA leaves them, and
+    every rank waits for the others: no CTA may reach a peer's tile before its last tile of this
+    rank's rows. The order lower_gemm accepts for it (comm_aligned, this rank's tile rows whole
+    groups) guarantees that on every rank for any number of CTAs; a group straddling this rank's
+    rows, which it refuses, does not."""
+    from hypothesis import given, settings, strategies as st
+
+    def first_peer_before_own(sched, gm, gn, W, rank, ctas):
+        rows = gm // W
+        own = range(rank * rows, (rank + 1) * rows)
+        seq = sched.tile_order((gm, gn), rank, W)
+        for b in range(ctas):
+            mine = [seq[t][0] in own for t in range(b, len(seq), ctas)]
+            if True in mine and False in mine[:len(mine) - mine[::-1].index(True)]:
+                return True
+        return False
+
+    @settings(max_examples=200, deadline=None)
+    @given(W=st.sampled_from([2, 4, 8]), rows=st.integers(1, 12), gn=st.integers(1, 20), group=st.integers(1, 8),
+           ctas=st.integers(1, 160), data=st.data())
+    def check(W, rows, gn, group, ctas, data):
+        rank = data.draw(st.integers(0, W - 1))
+        sched = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=group)
+        if rows % group == 0:
+            assert not first_peer_before_own(sched, rows * W, gn, W, rank, ctas)
+    check()
+    # a group straddling this rank's rows: some CTA meets a peer's tile first
+    straddling = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=8)
+    assert first_peer_before_own(straddling, 12 * 2, 16, 2, 0, 20)      # 12 tile rows per rank, 20 CTAs

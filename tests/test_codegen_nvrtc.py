@@ -189,6 +189,10 @@ def test_gemm_pushing_its_rows_compiles(cache, W):
     assert k.count("STG.E.64.STRONG.SYS") >= 1 and k0.count("STG.E.64.STRONG.SYS") == 0
     with pytest.raises(LoweringError, match="lower with gather_rows=True"):
         lower_gemm(ir, "gemm", push_rows=True)
+    for order, group_m in (("swizzled", 8), ("comm_aligned", 3)):        # 8 tile rows per rank: not 3's multiple
+        bad = trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order=order, group_m=group_m)
+        with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
+            lower_gemm(bad, "gemm", gather_rows=True, push_rows=True)
 
 
 def test_cache_hit_is_fast_and_keyed_on_options(cache):

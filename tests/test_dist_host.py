@@ -1911,9 +1911,17 @@ def test_allgather_push_by_the_gemm(proto, monkeypatch):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, pusher="dma")
     with pytest.raises(tl.InputError, match="only the direct copy-engine push has a pusher"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", pusher="gemm")
+    # every CTA must push its tiles of this rank's rows before it waits for a peer's: the default
+    # compute order is fitted (3 tile rows per rank: groups of 1), a schedule that is not refused
+    assert AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm").compute.group_m == 1
+    from tldsl.codegen.scalars import LoweringError
+    with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
+        AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm",
+                        compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=2))
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, pusher="gemm")
     eng = op._engine
     assert op.engine == "gemm-push" and op.lowered.push_rows and op.lowered.gather_rows
+    assert op.compute.group_m == 8
     assert "GEMM (as it loads it; no copy engine)" in op.describe()
     assert eng._push_buffers["push_landing_0"] is proto.peer_buffers[0]          # rank 0's, the only peer
     assert tuple(proto.peer_buffers[0].shape) == (2 * 2 * Ms, K)

@@ -165,8 +165,13 @@ class AllGatherMatmul:
                     raise InputError(f"{what}={given!r}: the copy-engine push stages nothing and needs no handshake "
                                      f"(each rank pushes its shard from its own tensor)")
             from .ag_push import PushAllGather
+            import math
             import os
             timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+            if pusher == "gemm" and compute is None:
+                # the GEMM publishes its pushes as each CTA leaves this rank's rows: those rows must
+                # be whole groups of the order (lower_gemm's push_rows check)
+                c0 = dataclasses.replace(c0, group_m=math.gcd(self.Ms // c0.BM, c0.group_m))
             self.comm, self.compute, self.handshake, self.staging = comm, c0, None, None
             self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
             self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs,

@@ -507,6 +507,32 @@ __device__ __forceinline__ void store_stage(const Own& own, const cute::TmaDescr
   bulk_wait_read<0>();
 }
 
+// Own::kStoresOnRefill: store what the last kStages fills before iteration `it` still hold (their
+// pending rows and columns), each once the consumers are done with it — and, with kClear, mark
+// them stored (more fills follow). (The pending arrays are indexed by constants only, so they
+// stay in registers.)
+template <class Tr, bool kClear, class Own>
+__device__ __forceinline__ void store_held_stages(const Own& own, const cute::TmaDescriptor* tma_a, unsigned char* smem,
+                                                  uint64_t* empty_bar, int it, int (&pend_m)[Tr::kStages],
+                                                  const int (&pend_k)[Tr::kStages], int M, int rank) {
+#pragma unroll
+  for (int j = 0; j < Tr::kStages; ++j) {
+    const int i = it - Tr::kStages + j;   // stage i % kStages holds iteration i's fill
+    if (i < 0) continue;
+    const int s = i % Tr::kStages;
+    int pm = -1, pk = 0;
+#pragma unroll
+    for (int q = 0; q < Tr::kStages; ++q)
+      if (q == s) {
+        pm = pend_m[q], pk = pend_k[q];
+        if constexpr (kClear) pend_m[q] = -1;
+      }
+    if (pm < 0) continue;
+    cutlass::arch::ClusterBarrier::wait(&empty_bar[s], uint32_t(i / Tr::kStages) & 1u);
+    store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
+  }
+}
+
 // The kernel body. `waits(pm, pn)` runs on the producer thread before tile (pm, pn)'s loads;
 // `notifies(pm, pn)` on one consumer thread once the tile's TMA stores are complete (every
 // consumer warpgroup's storing thread waits for its bulk async-groups and fences the async
@@ -585,19 +611,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           // publish them — before this tile's waits (the peers' GEMMs may wait for this publish)
           const bool own_tile = own.owns(tc.m * Tr::BM, M, rank);
           if (push_tiles > 0 && !own_tile) {
-#pragma unroll
-            for (int j = 0; j < Tr::kStages; ++j) {
-              const int i = it - Tr::kStages + j;   // stage i % kStages holds iteration i's fill
-              if (i < 0) continue;
-              const int s = i % Tr::kStages;
-              int pm = -1, pk = 0;
-#pragma unroll
-              for (int q = 0; q < Tr::kStages; ++q)
-                if (q == s) pm = pend_m[q], pk = pend_k[q], pend_m[q] = -1;
-              if (pm < 0) continue;
-              EmptyBar::wait(&empty_bar[s], uint32_t(i / Tr::kStages) & 1u);
-              store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
-            }
+            store_held_stages<Tr, true>(own, tma_a, smem, empty_bar, it, pend_m, pend_k, M, rank);
             own.publish(push_tiles, rank);
             push_tiles = 0;
           }
@@ -665,19 +679,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
       }
       if constexpr (Own::kStoresOnRefill) {
         // the last fills: each stored once the consumers are done with it
-#pragma unroll
-        for (int j = 0; j < Tr::kStages; ++j) {
-          const int i = it - Tr::kStages + j;   // stage i % kStages holds iteration i's fill
-          if (i < 0) continue;
-          const int s = i % Tr::kStages;
-          int pm = -1, pk = 0;
-#pragma unroll
-          for (int q = 0; q < Tr::kStages; ++q)
-            if (q == s) pm = pend_m[q], pk = pend_k[q];
-          if (pm < 0) continue;
-          EmptyBar::wait(&empty_bar[s], uint32_t(i / Tr::kStages) & 1u);
-          store_stage<Tr>(own, tma_a, smem + Tr::kOffA + s * Tr::kStageBytesA, pk, pm, M, rank);
-        }
+        store_held_stages<Tr, false>(own, tma_a, smem, empty_bar, it, pend_m, pend_k, M, rank);
         bulk_wait_all();                     // every store of A complete before the CTA exits
         if constexpr (Own::kPushes) {
           if (push_tiles > 0) own.publish(push_tiles, rank);

@@ -158,6 +158,18 @@ def test_gemm_staging_its_own_rows(rank, cols):
         assert published[rank].item() == launch and published[1 - rank].item() == 0
 
 
+def _check_gathered(copy, c, landing, shard, own, b):
+    """A gathering GEMM's results: the gathered copy is the landing rows with the shard in this
+    rank's place, exactly, and C is that times B (no NaN left from the poisoned outputs)."""
+    import torch
+    want = landing.clone()
+    want[own] = shard
+    assert torch.equal(copy, want)
+    ref = want.float() @ b.float()
+    assert not torch.isnan(c).any()
+    assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+
+
 @pytest.mark.parametrize("rank,cols", [(0, 1), (1, 5), (1, 12)])
 def test_gemm_gathering_pushed_rows(rank, cols):
     """gather_rows (AG+GEMM with the copy engines pushing) on one GPU, the peers stood in for by
@@ -181,12 +193,7 @@ def test_gemm_gathering_pushed_rows(rank, cols):
         kern({"a_gathered": landing, "b": b, "c": c, "a_shard": shard, "a_copy": copy, "own_cols": cols},
              signals=flags, launch_index=launch, rank=rank)
         torch.cuda.synchronize()
-        want = landing.clone()
-        want[own] = shard
-        assert torch.equal(copy, want)
-        ref = want.float() @ b.float()
-        assert not torch.isnan(c).any()
-        assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+        _check_gathered(copy, c, landing, shard, own, b)
 
 
 @pytest.mark.parametrize("rank,cols", [(0, 12), (1, 5), (1, 1)])
@@ -223,12 +230,7 @@ def test_gemm_pushing_its_rows(rank, cols):
              signals={lg.signals[0]: my_flags, "push_count": count, "push_flag_peers": table},
              launch_index=launch, rank=rank)
         torch.cuda.synchronize()
-        want = landing.clone()
-        want[own] = shard
-        assert torch.equal(copy, want)
-        ref = want.float() @ b.float()
-        assert not torch.isnan(c).any()
-        assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
+        _check_gathered(copy, c, landing, shard, own, b)
         row0 = (launch % 2) * W * Ms + rank * Ms
         pushed = slice(row0, row0 + Ms)
         assert torch.equal(peer_landing[pushed], shard)

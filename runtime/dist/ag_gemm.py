@@ -295,10 +295,8 @@ class AllGatherMatmul:
         L = self.launches
         if self.staging == "gemm":
             return self._call_gemm_staged(a_shard, b, out, poison_workspace, L)
-        W = self.ctx.world_size
         cur, a_full = self._begin(poison_workspace)
         cur_h = cur.cuda_stream
-        dev = self.shards.device
         slot = L % 2
         me = self.ctx.rank
         tl_ = self.timeline
@@ -447,10 +445,9 @@ class AllGatherMatmul:
         import torch
         from . import plan_exec
         cu = plan_exec.load_driver()
-        W, me = self.ctx.world_size, self.ctx.rank
+        me = self.ctx.rank
         cur, a_full = self._begin(poison_workspace)
         cur_h = cur.cuda_stream
-        dev = self.shards.device
         tl_ = self.timeline
         if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA reads it
             a_shard = a_shard.clone(memory_format=torch.contiguous_format)

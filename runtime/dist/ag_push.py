@@ -26,6 +26,17 @@ stream about launch ``L-1``'s GEMM) and the counters assume the launches run in 
 a call on another stream than the previous one first waits for it (:mod:`.call_order`). The
 protocol runs on two simulated ranks under random schedules in tests/test_dist_protocols.py. Needs whole ``BM``-row tiles per rank and no clusters
 (the GEMM tells this rank's tiles from the peers' by their rows).
+
+``pusher="gemm"`` (not yet measured on GPUs): no copy engine and no copy stream. The GEMM
+(``lower_gemm(push_rows=True)``, ``GatherRows<W, true, true>``) stores each stage of this rank's
+rows it loads into every peer's landing slot ``L % 2`` too, and the launch's last pushed tile
+writes ``L`` into this rank's flag on every peer — the same flag, the same waits. Its CTAs must
+push all their tiles of this rank's rows before they wait for a peer's (the ``comm_aligned`` order
+with this rank's rows whole groups: checked when lowering). The slot needs no ``consumed`` wait:
+launch ``L`` runs after this rank's launch ``L-1``, which waited for every peer's push of ``L-1``,
+made by the peer's GEMM ``L-1``, which started after the peer's GEMM ``L-2`` (the slot's last
+reader) had finished. The launch is one driver call: nothing of the shard's path waits for the
+host once the GEMM is enqueued.
 """
 from __future__ import annotations
 

@@ -93,9 +93,10 @@ def _enable_symm_mem(gname):
         pass
 
 
-def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None):
+def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, pusher=None):
     """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm);
-    ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``)."""
+    ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``); ``pusher``: who pushes
+    the shards on the copy-engine push path (``copy_engine`` or ``gemm``)."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul
@@ -112,6 +113,8 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None):
         kw = _ag_kwargs(schedule(M, N, K) if schedule else None)
         if handshake is not None:
             kw["handshake"] = handshake
+        if pusher is not None:
+            kw["pusher"] = pusher
         op = AllGatherMatmul(M // W, K, N // W, dt, **kw)
         # correctness first: against NCCL all-gather + cuBLAS, workspace poisoned
         got_a, got_c = op(a, b, poison_workspace=True)
@@ -451,6 +454,9 @@ def main(what, argv):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every candidate schedule (autotuner, re-measured)")
     ap.add_argument("--tune", action="store_true", help="ours = the autotuned schedule (cached; tuned on a miss)")
+    ap.add_argument("--ag-pusher", default=None, choices=("copy_engine", "gemm"),
+                    help="ag_gemm, where the copy engines push: who writes each shard into the peers — the copy "
+                         "engine (the default) or the GEMM itself as it loads it")
     ap.add_argument("--ag-handshake", default=None, choices=("kernel", "memops"),
                     help="ag_gemm: the per-launch barrier as torch's barrier kernel (one SM kept free) or as "
                          "stream memory operations (no SM; the default)")
@@ -484,7 +490,8 @@ def main(what, argv):
             chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731
         if what == "ag_gemm":
-            rows = bench_ag_gemm(shapes, args.iters, schedule=schedule, handshake=args.ag_handshake)
+            rows = bench_ag_gemm(shapes, args.iters, schedule=schedule, handshake=args.ag_handshake,
+                                 pusher=args.ag_pusher)
         else:
             rows = bench_gemm_rs(shapes, args.iters, schedule=schedule)
         if args.json and dist.get_rank() == 0:

@@ -1992,6 +1992,17 @@ def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch
     assert AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs=True)._engine._spares.enabled
     with pytest.raises(tl.InputError, match="spare_outputs='yes'"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs="yes")
+    # the environment decides for ops that were not told (the torch custom ops among them)
+    monkeypatch.setenv("TLDSL_SPARE_OUTPUTS", "1")
+    assert AllGatherMatmul(Ms, K, N, torch.bfloat16)._engine._spares.enabled              # above the limit
+    assert not AllGatherMatmul(Ms, K, N, torch.bfloat16, spare_outputs=False)._engine._spares.enabled
+    monkeypatch.setenv("TLDSL_SPARE_OUTPUTS", "0")
+    monkeypatch.setattr(spm, "SPARE_LIMIT_BYTES", 1 << 40)
+    assert not AllGatherMatmul(Ms, K, N, torch.bfloat16)._engine._spares.enabled
+    monkeypatch.setenv("TLDSL_SPARE_OUTPUTS", "yes")
+    with pytest.raises(tl.InputError, match="TLDSL_SPARE_OUTPUTS='yes'"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16)
+    monkeypatch.delenv("TLDSL_SPARE_OUTPUTS")
     with pytest.raises(tl.InputError, match="the direct copy-engine push and pull keep spare outputs"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", spare_outputs=True)
 

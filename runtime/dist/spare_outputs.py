@@ -12,6 +12,8 @@ another stream allocates afresh (the spares are freed).
 
 The price is one call's outputs held between calls; :func:`keep_spares` keeps them only where
 they are small, which is where a GEMM is short enough for the host's microseconds to matter.
+``spare_outputs=`` on the op decides by hand; ``TLDSL_SPARE_OUTPUTS=0`` (or ``1``) decides for every
+op that was not told (the torch custom ops among them).
 """
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ SPARE_LIMIT_BYTES = 256 << 20
 
 
 def keep_spares(requested: bool | None, nbytes: int) -> bool:
-    """``requested`` if given, else whether ``nbytes`` of outputs are small enough to keep spare."""
+    """``requested`` if given, else ``TLDSL_SPARE_OUTPUTS`` if set, else whether ``nbytes`` of
+    outputs are small enough to keep spare."""
     if requested is None:
+        import os
+        env = os.environ.get("TLDSL_SPARE_OUTPUTS", "").strip()
+        if env:
+            if env not in ("0", "1"):
+                from ...errors import InputError
+                raise InputError(f"TLDSL_SPARE_OUTPUTS={env!r}: 0 (never keep spare outputs) or 1 (always)")
+            return env == "1"
         return nbytes <= SPARE_LIMIT_BYTES
     if not isinstance(requested, bool):
         from ...errors import InputError

@@ -254,11 +254,7 @@ class AllGatherMatmul:
                 publish = (self.arrive.data_ptr(), self._arrive_table.data_ptr(), r, W, self._blocks_done.data_ptr(),
                            int(timeout) if timeout else None)
             self._stager = ShardStager(sm_count(), progress=progress, publish=publish)
-        full, c_shape = (W * self.Ms, self.K), (W * self.Ms, self.N)       # (closures: no cycle through the op)
-        out_bytes = W * self.Ms * (self.K + self.N) * self.shards.element_size()
-        self._spares = SpareOutputs({"a_gathered": lambda: torch.empty(full, dtype=tdtype, device=dev),
-                                     "c": lambda: torch.empty(c_shape, dtype=tdtype, device=dev)},
-                                    keep_spares(spare_outputs, out_bytes))
+        self._spares = SpareOutputs((W * self.Ms, self.K), (W * self.Ms, self.N), tdtype, dev, spare_outputs)
         self._spare: dict = {}
         self.launches = 0
         self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
@@ -384,7 +380,7 @@ class AllGatherMatmul:
         self._spare = self._spares.take(cur.cuda_stream)   # allocated at the end of the previous call
         a_full = self._spare.get("a_gathered")
         if a_full is None:
-            a_full = self._spares.makers["a_gathered"]()
+            a_full = self._spares.new("a_gathered")
         if poison_workspace:
             a_full.fill_(float("nan"))
         if self.timeline is not None:
@@ -396,7 +392,7 @@ class AllGatherMatmul:
         if out is not None:
             return out
         c = self._spare.get("c")
-        return c if c is not None else self._spares.makers["c"]()
+        return c if c is not None else self._spares.new("c")
 
     def _join(self, cur, a_full, c, L: int, fresh_c: bool = True):
         """The end of launch ``L``: the compute stream waits for the copy stream (launch ``L+1``
@@ -408,7 +404,7 @@ class AllGatherMatmul:
         cur.wait_event(self._copied)
         a_full.record_stream(self.copy_stream)
         self._spare = {}
-        self._spares.refill(cur.cuda_stream, ("a_gathered", "c") if fresh_c else ("a_gathered",))
+        self._spares.refill(cur.cuda_stream, with_c=fresh_c)
         if self.debug:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; counters {self.signal_counters()}", flush=True)

@@ -46,7 +46,7 @@ from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from . import plan_exec
 from .call_order import CallOrder
-from .spare_outputs import SpareOutputs, keep_spares
+from .spare_outputs import SpareOutputs
 
 
 class PushAllGather:
@@ -89,9 +89,8 @@ class PushAllGather:
         self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, push_rows=pusher == "gemm", **opts)
         self.gemm = GemmKernel(self.lowered, progress=progress)
         #: the GEMM alone (``compute_only``) must not push: the plain gathering GEMM, built on first use
-        ir = self.ir                                # (the closure holds no reference to this object)
         self._plain_gemm = None if pusher == "gemm" else self.gemm
-        self._lower_plain = lambda: GemmKernel(lower(ir, "gemm", gather_rows=True, **opts), progress=progress)
+        self._lowering_opts, self._progress = opts, progress
         (self.signal,) = self.lowered.signals
         #: tile columns sharing the stores of A_gathered (column j stores the stages k % cols == j):
         #: every column, so each tile adds the fewest stores to its own loads
@@ -125,12 +124,7 @@ class PushAllGather:
         self._ev_copied = plan_exec.driver_event(self._cu, self)
         self._gemm_launches = LaunchCache(16)
         self._order = CallOrder()
-        out_bytes = (W * Ms * K + W * Ms * N) * self.landing.element_size()
-        dt, full_shape, c_shape = op.dtype, self._full_shape, self._c_shape     # (no reference to the op)
-        self._spares = SpareOutputs(
-            {"a_gathered": lambda: torch.empty(full_shape, dtype=dt, device=dev),
-             "c": lambda: torch.empty(c_shape, dtype=dt, device=dev)},
-            keep_spares(spare_outputs, out_bytes))
+        self._spares = SpareOutputs(self._full_shape, self._c_shape, op.dtype, dev, spare_outputs)
         #: where this rank tells its peers its GEMM is done with a landing slot: False (the default)
         #: on the next launch's copy stream, behind its pushes (nothing after the GEMM on the
         #: compute stream, nothing before a push); True right after the GEMM on the compute stream
@@ -191,7 +185,7 @@ class PushAllGather:
         spare = self._spares.take(cur_h)     # allocated at the end of the previous call (spare_outputs)
         a_full = spare.get("a_gathered")
         if a_full is None:
-            a_full = torch.empty(self._full_shape, dtype=dt, device=self._dev)
+            a_full = self._spares.new("a_gathered")
         if poison_workspace:
             a_full.fill_(float("nan"))
         if tl_ is not None:
@@ -201,7 +195,7 @@ class PushAllGather:
         slot = L & 1
         c = out if out is not None else spare.get("c")
         if c is None:
-            c = torch.empty(self._c_shape, dtype=dt, device=self._dev)
+            c = self._spares.new("c")
         if self._gemm_pushes:
             return self._launch_pushing_gemm(a_shard, b, a_full, c, cur, cur_h, L, out is None)
         res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copies read a_shard after it
@@ -256,7 +250,7 @@ class PushAllGather:
             plan_exec.checked(cu, r1, "cuEventRecord(copied)")
             plan_exec.checked(cu, r2, "cuStreamWaitEvent(copied)")
         # the next call's outputs, now that everything of this one is enqueued
-        self._spares.refill(cur_h, ("a_gathered",) if out is not None else ("a_gathered", "c"))
+        self._spares.refill(cur_h, with_c=out is None)
         if op.debug:
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
@@ -276,7 +270,7 @@ class PushAllGather:
         if op.hooks:
             op._hook("before_comm", cur)        # (the GEMM is the communication too)
         self._launch_gemm(gemm, cur, cur_h, L)
-        self._spares.refill(cur_h, ("a_gathered", "c") if fresh_c else ("a_gathered",))
+        self._spares.refill(cur_h, with_c=fresh_c)
         if op.debug:
             self._torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm gemm-push launch {L}: done; counters {op.signal_counters()}",
@@ -288,7 +282,10 @@ class PushAllGather:
         """The GEMM that ``compute_only`` times: the launch's, or (when the GEMM pushes) the same
         gathering GEMM without the pushes."""
         if self._plain_gemm is None:
-            self._plain_gemm = self._lower_plain()
+            from ...codegen.lower import lower
+            from ..gpu.gemm import GemmKernel
+            self._plain_gemm = GemmKernel(lower(self.ir, "gemm", gather_rows=True, **self._lowering_opts),
+                                          progress=self._progress)
         return self._plain_gemm
 
     def _launch_gemm(self, gemm, cur, cur_h: int, L: int) -> None:

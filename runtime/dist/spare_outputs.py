@@ -17,8 +17,6 @@ op that was not told (the torch custom ops among them).
 """
 from __future__ import annotations
 
-from typing import Callable
-
 #: outputs up to this size are kept spare by default (an H200 has 141 GB; at this size a GEMM
 #: takes ~1 ms or less, so 13 µs of allocation is 1% or more of it)
 SPARE_LIMIT_BYTES = 256 << 20
@@ -43,12 +41,24 @@ def keep_spares(requested: bool | None, nbytes: int) -> bool:
 
 
 class SpareOutputs:
-    """Spare output tensors by name, for the next call on the same stream."""
+    """The spare A_gathered and C of an AllGather+GEMM, for its next call on the same stream.
+    Holds plain values only (shapes, dtype, device): no reference back to the op, so dropping the
+    op frees its symmetric memory at once."""
 
-    def __init__(self, makers: dict[str, Callable[[], object]], enabled: bool):
-        self.makers, self.enabled = dict(makers), bool(enabled)
+    NAMES = ("a_gathered", "c")
+
+    def __init__(self, gathered_shape, c_shape, dtype, device, requested: bool | None):
+        self.shapes = {"a_gathered": tuple(gathered_shape), "c": tuple(c_shape)}
+        self.dtype, self.device = dtype, device
+        nbytes = sum(_numel(shape) for shape in self.shapes.values()) * dtype.itemsize
+        self.enabled = keep_spares(requested, nbytes)
         self._stream: int | None = None
         self._spares: dict = {}
+
+    def new(self, name: str):
+        """A fresh output ``name``, allocated now on the current stream."""
+        import torch
+        return torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
 
     def take(self, stream: int) -> dict:
         """The spares allocated for a call on ``stream`` (empty if none, or another stream's:
@@ -56,12 +66,12 @@ class SpareOutputs:
         spares, self._spares = self._spares, {}
         return spares if self._stream == stream else {}
 
-    def refill(self, stream: int, names) -> None:
-        """After a call on ``stream`` that used fresh outputs ``names``: allocate the next
-        call's (a call that wrote into a caller's ``out`` does not get a spare for it)."""
+    def refill(self, stream: int, with_c: bool) -> None:
+        """After a call on ``stream``: allocate the next call's outputs (C only if this call
+        allocated its own — a caller passing ``out=`` gets no spare C)."""
         if self.enabled:
             self._stream = stream
-            self._spares = {n: self.makers[n]() for n in names}
+            self._spares = {n: self.new(n) for n in (self.NAMES if with_c else self.NAMES[:1])}
 
     def clear(self) -> None:
         self._spares = {}
@@ -69,3 +79,10 @@ class SpareOutputs:
     @property
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._spares.values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n

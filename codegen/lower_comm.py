@@ -78,9 +78,9 @@ from ..ir import core
 from .lowered import LoweredKernel, recognises  # noqa: F401
 from ..ir import types as T
 from ..ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS, data_operands
-from ..ir.semantics import ARITH, wrap_i32
+from ..ir.semantics import ARITH, wait_target, wrap_i32
 from .lower_gemm import KernelParam
-from .scalars import LoweringError, ScalarEmitter, c_literal, cident, marker
+from .scalars import LoweringError, ScalarEmitter, c_literal, cident, marker, wait_target_expr
 
 DEFAULT_THREADS = 256
 MAX_UNROLL = 8
@@ -384,8 +384,7 @@ class _CommEmitter(ScalarEmitter):
             scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
             slot = self._sig_ptr(op, None, "r")
             count = self.name(op.operands[2], op)
-            target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-                      else f"(unsigned long long)({count})")
+            target = wait_target_expr(op, count)
             lines.append(f"{ind}tldsl::comm::cta_wait<{scope}>({slot}, {target});  // {n}{mk}")
             self.waits += 1
             self.pending = False
@@ -906,9 +905,10 @@ class CeWait:
     epoch: bool
     task: tuple[int, ...]
     loc: str = ""
+    per_launch: int | None = None
 
     def target(self, launch: int) -> int:
-        return self.count * launch if self.epoch else self.count
+        return wait_target(self.count, launch, self.epoch, self.per_launch)
 
 
 @dataclass(frozen=True)
@@ -939,7 +939,8 @@ class CopyEnginePlan:
                 elif isinstance(a, CeSignalWrite):
                     out.append(f"    write {a.signal}[{a.slot}]@{a.rank} = (launch-1)*{a.per_launch}+{a.index}")
                 else:
-                    out.append(f"    wait {a.signal}[{a.slot}] >= {a.count}{' * launch' if a.epoch else ''}")
+                    out.append(f"    wait {a.signal}[{a.slot}] >= "
+                               f"{a.count if not a.epoch else (f'{a.count} * launch' if a.per_launch is None else f'{a.per_launch} * (launch - 1) + {a.count}')}")
         return "\n".join(out)
 
     def run_numpy(self, memory: list[dict], signals: list[dict], launch: int = 1) -> None:
@@ -1017,7 +1018,7 @@ def _ce_eval(block, env, rank, task, out, kernel):
             out.append(("notify", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id], task))
         elif n in ("rank_wait", "consumer_tile_wait"):        # a stream wait on this rank's counters
             out.append(("wait", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id],
-                        bool(op.attrs.get("epoch", True)), task))
+                        bool(op.attrs.get("epoch", True)), op.attrs.get("per_launch"), task))
         else:
             raise _fail(f"'{n}' cannot run on the copy engine (a plan of copies and stream memory operations is "
                         "made on the host: index code, rank_copy_data, rank_notify, rank_wait and "
@@ -1119,10 +1120,10 @@ def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None) -
                 seen[key] = seen.get(key, 0) + 1
                 acts.append(CeSignalWrite(sig.name, target, ch, len(owners[key]), seen[key], tuple(task), _where(op)))
             else:
-                _, op, sig, ch, count, epoch, task = e
+                _, op, sig, ch, count, epoch, per_launch, task = e
                 if not 0 <= ch < sig.type.slots:
                     raise _fail(f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}'", op)
-                acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), _where(op)))
+                acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), _where(op), per_launch))
         actions.append(tuple(acts))
     bufs = {b.name: (b.type.shape, b.type.dtype.name, _BYTES.get(b.type.dtype.name)) for b in kernel.buffers}
     sigs = {s.name: s.type.slots for s in kernel.signals}

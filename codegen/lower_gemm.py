@@ -386,10 +386,23 @@ def _k_loop(rest: list[core.Op], frag: core.Op) -> core.Op:
     return loops[0]
 
 
+def _is_stage_wait(op: core.Op) -> bool:
+    """A wait in the K loop (maybe under conditions, with its index code): run by the producer
+    before it loads the step's stage — e.g. a column-sliced all-gather's ``wait_cols``."""
+    if op.name in WAIT_OPS:
+        return True
+    if op.name not in CONTROL_OPS:
+        return False
+    subs = [o for r in op.regions for o in r.walk()]
+    return (any(o.name in WAIT_OPS for o in subs)
+            and all(o.name in SCALAR_OPS | CONTROL_OPS | WAIT_OPS for o in subs))
+
+
 def _k_body(loop: core.Op, frag: core.Op):
     """The K-loop body's A load, B load and dot (checked: ``acc += tl.dot(load A, load B)``)."""
-    # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic)
-    body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith")]
+    # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic and
+    # the stage waits before the loads)
+    body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith") and not _is_stage_wait(op)]
     if [op.name for op in body] != ["load", "load", "dot", "frag_read", "ewise", "frag_write"]:
         raise _fail("the K loop must be `acc += tl.dot(tl.load(a, ...), tl.load(b, ...))`, got "
                     f"{[op.name for op in body]}", loop)
@@ -663,6 +676,24 @@ class _WaitEmitter(_SyncEmitter):
         self.waits += 1
 
 
+class _StageWaitEmitter(_WaitEmitter):
+    """The waits in the K loop (``TileWaits::stage``): run by the producer before it loads the
+    stage of K offset ``k0`` (the loop variable), with the prologue's index code they use."""
+
+    def __init__(self, kernel: core.Kernel, m: "_Match"):
+        body = list(m.loop.regions[0].ops)
+        super().__init__(kernel, [op for op in m.prologue if op.name in SCALAR_OPS] + body)
+        self._stage_roots = {id(o) for op in body for o in [op, *[x for r in op.regions for x in r.walk()]]
+                             if o.name in WAIT_OPS}
+        self.needed = needed_ops([op for op in m.prologue if op.name in SCALAR_OPS] + body,
+                                 lambda op: id(op) in self._stage_roots)
+        self.bind(m.loop.regions[0].args[0], "k0")
+
+    def emit_other(self, op, ind, lines):
+        super().emit_other(op, ind, lines)
+        lines.append(ind + "++waited;")
+
+
 class _NotifyEmitter(_SyncEmitter):
     """The tile program's epilogue: the notifies after a tile's store (e.g. GEMM +
     ReduceScatter's ``notify_rows``). Run by one thread once the tile's TMA stores are
@@ -833,6 +864,8 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
     cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=p.loc)
     em = _WaitEmitter(kernel, m.prologue)
     wait_lines = em.emit("    ")
+    sm = _StageWaitEmitter(kernel, m)
+    stage_lines = sm.emit("    ")
     # the epilogue's index code may use values of the prologue or between the loop and the store
     between = [op for op in p.body.ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
     if m.extras:
@@ -852,18 +885,20 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
               KernelParam("launch", "unsigned long long", "u64", "launch")]
     ep_waited = list(getattr(ne, "waited", ()))
     notified = [s for s in ne.signals if _notifies_signal(m.epilogue, s)]
-    for s in em.signals:   # waited on (and maybe notified): this rank's copy
+    waited_sigs = list(em.signals) + [s for s in sm.signals if s not in em.signals]
+    for s in waited_sigs:   # waited on (and maybe notified): this rank's copy
         ctype = ("unsigned long long* __restrict__" if s in notified
                  else "const unsigned long long* __restrict__")
         params.append(KernelParam(f"sig_{_cident(s.name)}", ctype, "ptr", f"signal:{s.name}"))
     for s in ne.signals:   # in the epilogue only: notified (or waited on, by a generated epilogue)
-        if s not in em.signals:
+        if s not in waited_sigs:
             ctype = "unsigned long long* __restrict__" if s in notified else "const unsigned long long*"
             params.append(KernelParam(f"sig_{_cident(s.name)}", ctype, "ptr", f"signal:{s.name}"))
     for s in ne.peer_signals:
         params.append(KernelParam(f"sig_{_cident(s.name)}_peers", "unsigned long long* const* __restrict__", "ptr",
                                   f"peer_signals:{s.name}"))
-    tables = list(em.tables) + [t for t in ne.tables if t not in em.tables]
+    tables = list(em.tables) + [t for t in sm.tables if t not in em.tables]
+    tables += [t for t in ne.tables if t not in tables]
     for t in tables:
         params.append(KernelParam(f"tbl_{_cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}"))
     data = []
@@ -887,14 +922,14 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
         _check_push_order(kernel, p, sched, M, cfg)
         tma += _push_rows(kernel, cfg, M, K, params)
     source = _emit_source(kernel, p, m, cfg, entry, params, em, wait_lines, align_shift, M, N, K, ne, notify_lines,
-                          own_rows, gather_rows, push_rows)
+                          own_rows, gather_rows, push_rows, sm, stage_lines)
     options = []
     if wait_timeout_ns is not None:
         options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
     notified_names = [s.name for s in notified] + [s.name for s in ne.peer_signals if s not in notified]
-    waited = list(em.signals) + [s for s in ep_waited if s not in em.signals]
+    waited = waited_sigs + [s for s in ep_waited if s not in waited_sigs]
     return LoweredGemm(kernel.name, p.name, entry, source, cfg, tuple(params), tma, M, N, K,
-                       tuple(p.grid), kernel.world_size, align_shift, em.waits,
+                       tuple(p.grid), kernel.world_size, align_shift, em.waits + sm.waits,
                        tuple(s.name for s in waited), tuple(options),
                        notifies=ne.notifies, notify_signals=tuple(notified_names),
                        epilogue_waits=getattr(ne, "waits", 0), data_buffers=tuple(data), own_rows=own_rows,
@@ -1036,7 +1071,7 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
 
 def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _WaitEmitter, wait_lines,
                  align_shift, M, N, K, ne: _NotifyEmitter | None = None, notify_lines=(), own_rows=False,
-                 gather_rows=False, push_rows=False) -> str:
+                 gather_rows=False, push_rows=False, sm: _StageWaitEmitter | None = None, stage_lines=()) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{_DTYPE_GMMA[cfg.in_dtype]}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = _marker(part.loc), _marker(m.dot.loc), _marker(m.store.loc)
@@ -1062,22 +1097,36 @@ def _emit_source(kernel, part, m: _Match, cfg: GemmConfig, entry, params, em: _W
         f"static_assert(Tr::kThreads == {cfg.threads}, \"host/device block size mismatch\");",
         "",
     ]
-    if em.waits:
+    staged = sm is not None and sm.waits > 0
+    if em.waits or staged:
+        sigs = list(em.signals) + [s for s in (sm.signals if staged else ()) if s not in em.signals]
+        tbls = list(em.tables) + [t for t in (sm.tables if staged else ()) if t not in em.tables]
         members = ["  int rank;", "  unsigned long long launch;"]
-        members += [f"  const unsigned long long* sig_{_cident(s.name)};" for s in em.signals]
-        members += [f"  const int* tbl_{_cident(t.name)};" for t in em.tables]
+        members += [f"  const unsigned long long* sig_{_cident(s.name)};" for s in sigs]
+        members += [f"  const int* tbl_{_cident(t.name)};" for t in tbls]
+        stage = ["  // the waits in the K loop, run by the producer before it loads the stage at K offset k0;",
+                 "  // returns how many ran (the producer then fences before its TMA reads)",
+                 "  __device__ __forceinline__ int stage(int pid0, int pid1, int k0) const {",
+                 "    (void)pid0; (void)pid1; (void)k0;",
+                 "    int waited = 0;",
+                 *stage_lines,
+                 "    return waited;",
+                 "  }"] if staged else \
+                ["  __device__ __forceinline__ int stage(int, int, int) const { return 0; }"]
         L += ["// The tile program's waits, run by the producer before each tile's TMA loads.",
               "struct TileWaits {",
-              "  static constexpr bool kEnabled = true;",
+              f"  static constexpr bool kEnabled = {'true' if em.waits else 'false'};",
+              f"  static constexpr bool kStaged = {'true' if staged else 'false'};",
               *members,
               "  __device__ __forceinline__ void operator()(int pid0, int pid1) const {",
               "    (void)pid0; (void)pid1;",
               *wait_lines,
               "  }",
+              *stage,
               "};",
               ""]
-        init = ["rank", "launch"] + [f"sig_{_cident(s.name)}" for s in em.signals] + \
-               [f"tbl_{_cident(t.name)}" for t in em.tables]
+        init = ["rank", "launch"] + [f"sig_{_cident(s.name)}" for s in sigs] + \
+               [f"tbl_{_cident(t.name)}" for t in tbls]
         waits_expr = "TileWaits{" + ", ".join(init) + "}"
     else:
         waits_expr = "tldsl::sm90::NoWaits{}"

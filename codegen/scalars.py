@@ -99,15 +99,25 @@ def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> se
     return need
 
 
+def wait_target_expr(op: core.Op, count: str, launch: str = "launch") -> str:
+    """The C++ expression of a wait op's target (:func:`tldsl.ir.semantics.wait_target`): ``count``
+    times the launch index when the wait counts in epochs, ``per_launch * (launch - 1) + count``
+    when it waits for the first ``count`` of a slot's ``per_launch`` notifies, else ``count``."""
+    if not op.attrs.get("epoch", True):
+        return f"(unsigned long long)({count})"
+    per = op.attrs.get("per_launch")
+    if per is None:
+        return f"(unsigned long long)({count}) * {launch}"
+    return f"{int(per)}ull * ({launch} - 1ull) + (unsigned long long)({count})"
+
+
 def wait_call(op: core.Op, signal_ptr: str, channel: str, count: str) -> str:
     """The C++ statement of a wait op (``consumer_tile_wait`` / ``peer_tile_wait`` / ``rank_wait``):
-    spin until the slot holds ``count`` (times the launch index when the wait counts in epochs),
-    acquiring at the op's scope."""
+    spin until the slot holds the op's target (:func:`wait_target_expr`), acquiring at its scope."""
     from ..ir.opdefs import DEFAULT_MEMORY_SCOPE
     n = op.name
     scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-    target = (f"(unsigned long long)({count}) * launch" if op.attrs.get("epoch", True)
-              else f"(unsigned long long)({count})")
+    target = wait_target_expr(op, count)
     return f"tldsl::wait_at_least<{scope}>({signal_ptr} + {channel}, {target});  // {n}{marker(op.loc)}"
 
 

@@ -110,7 +110,11 @@ class CommSchedule:
     for peer data, ``nvshmemx_signal_op`` for peer notifies; needs NVSHMEM-allocated buffers);
     reduce_in (reductions): where this rank's rows are summed — ``comm`` (a communication part
     adds them) or ``epilogue`` (the compute part adds what peers sent into its own tiles before
-    storing them: no pass over the rows after the GEMM; the copy-engine push reduce-scatter)."""
+    storing them: no pass over the rows after the GEMM; the copy-engine push reduce-scatter);
+    col_tile (the copy-engine all-gather): columns per slice — each shard moves in column
+    slices of this width, each behind its own notify, and a compute tile waits for a slice only
+    when its K loop reaches it, so a late peer's shard lets tiles start on its first slice while
+    the rest still moves (None: whole shards)."""
     tile_m: int | None = None
     order: str = "ring"
     mode: str = "pull"
@@ -118,6 +122,7 @@ class CommSchedule:
     sms: int | None = None
     transport: str = "ptr"
     reduce_in: str = "comm"
+    col_tile: int | None = None
 
     def __post_init__(self):
         if self.order not in COMM_ORDERS:
@@ -129,6 +134,12 @@ class CommSchedule:
         if self.tile_m is not None and not (isinstance(self.tile_m, int) and not isinstance(self.tile_m, bool)
                                             and self.tile_m > 0):
             raise ScheduleError(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
+        if self.col_tile is not None:
+            if not (isinstance(self.col_tile, int) and not isinstance(self.col_tile, bool) and self.col_tile > 0):
+                raise ScheduleError(f"col_tile {self.col_tile!r}: need a positive int (or None for whole shards)")
+            if self.engine != "copy_engine":
+                raise ScheduleError(f"col_tile={self.col_tile}: column slices are the copy-engine all-gather's; "
+                                    f"got engine={self.engine!r} (the SM engine's tiles are rows: tile_m)")
         if self.transport not in COMM_TRANSPORTS:
             raise ScheduleError(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
         if self.reduce_in not in REDUCE_PLACES:

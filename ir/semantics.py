@@ -47,3 +47,14 @@ def wrap_i32(x):
         x = int(x) & 0xFFFFFFFF
         return x - (1 << 32) if x >= (1 << 31) else x
     return x
+
+
+def wait_target(count: int, launch: int, epoch: bool = True, per_launch: int | None = None) -> int:
+    """The value a wait spins for. Signals are counters never reset: with epoch counting a
+    slot notified ``per_launch`` times per launch (default ``count``: the wait needs all of
+    them) holds ``per_launch * (launch - 1)`` when launch ``launch`` (1-based) begins, so the
+    wait needs ``per_launch * (launch - 1) + count``; ``epoch=False`` waits for ``count`` itself."""
+    if not epoch:
+        return count
+    per = count if per_launch is None else per_launch
+    return per * (launch - 1) + count

@@ -232,7 +232,7 @@ def test_lower_allgather_gemm_waits(comm, wait, scope, nsig):
     assert f"// {wait}" in lg.source and "* launch" in lg.source          # epoch counting
     assert "kWorldSize = 4" in lg.source
     # every generated prologue line carries the tile program's line
-    prologue = lg.source.split("void operator()")[1].split("};")[0]
+    prologue = lg.source.split("void operator()")[1].split("};")[0].split("__device__")[0]
     code = [l for l in prologue.splitlines()[2:] if l.strip() not in ("}", "")]
     assert code and all("// tldsl: " in l and "allgather_gemm.py:" in l for l in code)
     assert k.signals[0].type.slots == nsig

@@ -164,6 +164,32 @@ def test_gemm_gathering_pushed_rows_compiles(cache):
 
 
 @needs_cuobjdump
+def test_gemm_waiting_per_column_slice_compiles(cache):
+    """A column-sliced copy-engine all-gather (col_tile): the tile program's waits sit in its K
+    loop, so the producer runs them per stage (TileWaits::stage, system-scope acquires at the
+    slices' first steps: target per_launch * (launch - 1) + slice + 1) and nothing before the
+    tile; the gathering GEMM keeps its stores. Without col_tile the same program compiles to the
+    whole-shard waits before the tile, and no stage waits."""
+    sliced = tl.CommSchedule(engine="copy_engine", mode="push", order="ring", col_tile=128)
+    whole = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+    lg = lower_gemm(trace_ag(W=2, comm=sliced, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
+                    "gemm", gather_rows=True)
+    assert "kStaged = true" in lg.source and "kEnabled = false" in lg.source
+    assert "4ull * (launch - 1ull) + (unsigned long long)(" in lg.source      # 512 columns: 4 slices
+    assert "tldsl::floormod(k0, 128)" in lg.source and lg.waits == 1
+    plain = lower_gemm(trace_ag(W=2, comm=whole, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
+                       "gemm", gather_rows=True)
+    assert "kStaged = false" in plain.source and "kEnabled = true" in plain.source
+    assert "per_launch" not in plain.source and "(launch - 1ull)" not in plain.source
+    k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
+    k0 = check_sass(plain.compile(cache=cache, progress=False), waits_scope="SYS")
+    assert k.count("UTMASTG") >= 2 and k0.count("UTMASTG") >= 2          # the gathered copy's stores, both ways
+    dbg = lower_gemm(trace_ag(W=2, comm=sliced, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
+                     "gemm", gather_rows=True, wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
+    assert dbg.sass()[lg.entry].count("BPT.TRAP") >= 1
+
+
+@needs_cuobjdump
 @pytest.mark.parametrize("W", [2, 4])
 def test_gemm_pushing_its_rows_compiles(cache, W):
     """push_rows (AG+GEMM with the GEMM pushing this rank's rows, no copy engine): the stages of

@@ -960,7 +960,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
-                                              "ag_gemm/copy_engine-push-direct", "ag_gemm/gemm-push",
+                                              "ag_gemm/copy_engine-push-direct", "ag_gemm/copy_engine-push-sliced", "ag_gemm/copy_engine-push-sliced-plan", "ag_gemm/gemm-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
                                                   "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
@@ -1007,7 +1007,8 @@ def test_dist_check_variants_lower_at_their_sizes(op):
             if v.sm_comm:
                 assert c.grid()[0] == min(comm.sms, c.num_tasks)      # lanes, never more than tasks
             else:
-                assert c.world_size == W and len(c.actions[0]) == 2 * W
+                slices = 1 if comm.col_tile is None else -(-k // comm.col_tile)      # a copy + a write each
+                assert c.world_size == W and len(c.actions[0]) == 2 * W * slices
 
 
 # =================================================================================================
@@ -1896,6 +1897,43 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     bufs, _ = proto.gemm_args
     assert bufs["a_gathered"] is full and bufs["a_shard"].data_ptr() == full[Ms:].data_ptr()
     assert bufs["a_copy"].data_ptr() != full.data_ptr()
+
+
+def test_allgather_copy_engine_push_in_column_slices(proto, monkeypatch):
+    """col_tile: per peer the copy stream pushes the shard in column slices — one 2-D copy per
+    slice (both pitches a row of K, the last slice narrower), each followed by the flag's count
+    of slices landed, slices * (L - 1) + j + 1 — and the GEMM waits per slice in its K loop
+    (target slices * (launch - 1) + slice + 1). A col_tile of K or more moves whole shards; the
+    direct pull and the GEMM pusher take no slices."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    Ms, K, N = 1024, 1032, 3000
+    push = tl.CommSchedule(engine="copy_engine", mode="push")
+    with pytest.raises(tl.InputError, match="pusher='gemm' pushes whole tiles of rows"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push.with_(col_tile=512), pusher="gemm")
+    with pytest.raises(tl.InputError, match="the direct copy-engine pull moves whole shards"):
+        AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull",
+                                                                       col_tile=512))
+    assert AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push.with_(col_tile=K))._engine.slices == 1
+    op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push.with_(col_tile=512))
+    eng = op._engine
+    assert op.engine == "copy_engine-push" and eng.slices == 3 and eng.col_tile == 512
+    assert "3ull * (launch - 1ull)" in op.lowered.source and "kStaged = true" in op.lowered.source
+    monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
+    cs = eng.copy_stream.cuda_stream
+    nbytes, pitch = Ms * K * 2, K * 2
+    for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
+        names = [e[0] for e in ev]
+        assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
+                         *["cuMemcpy2DAsync", "cuStreamWriteValue64"] * 3, "cuStreamWriteValue64",
+                         "cuEventRecord", "cuStreamWaitEvent"]
+        dst = eng.landing_peers[0] + (L % 2) * 2 * nbytes + nbytes         # rank 1's rows of rank 0's slot
+        for j, (c0, width) in enumerate(((0, 512), (512, 512), (1024, 8))):
+            copy, flag = ev[4 + 2 * j], ev[5 + 2 * j]
+            assert copy == ("cuMemcpy2DAsync", cs, dst + 2 * c0, pitch, a.data_ptr() + 2 * c0, pitch, 2 * width, Ms)
+            assert flag == ("cuStreamWriteValue64", cs, eng.flag_peers[0] + 8 * 1, 3 * (L - 1) + j + 1)
+        assert ev[10] == ("cuStreamWriteValue64", cs, eng.consumed_peers[0] + 8 * 1, L - 1)
 
 
 def test_allgather_push_by_the_gemm(proto, monkeypatch):

@@ -119,6 +119,22 @@ class Device:
             return True
         return self._enqueue(stream, "copy", op)
 
+    class CUDA_MEMCPY2D:
+        """The fields the runtime sets (read at the call, like the driver's)."""
+
+    CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+
+    def cuMemcpy2DAsync(self, p, stream):
+        assert p.srcMemoryType == p.dstMemoryType == self.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        assert p.srcXInBytes == p.srcY == p.dstXInBytes == p.dstY == 0
+        src, dst, sp, dp, w, h = p.srcDevice, p.dstDevice, p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height
+
+        def op():
+            for row in range(h):
+                self.bytes(dst + row * dp, w)[:] = self.bytes(src + row * sp, w)
+            return True
+        return self._enqueue(stream, "copy 2d", op)
+
     def cuGetErrorName(self, err):
         return (0, b"simulated error")
 
@@ -314,9 +330,10 @@ def _push_ranks(monkeypatch, Ms=128, K=16, N=24, make=None, gemm=None):
     return ranks
 
 
-def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1, make=None, gemm=None):
+def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1, make=None, gemm=None,
+                  K=16):
     rng = random.Random(seed)
-    ranks = _push_ranks(monkeypatch, make=make, gemm=gemm)
+    ranks = _push_ranks(monkeypatch, K=K, make=make, gemm=gemm)
     W, Ms, K, N = ranks.W, ranks.Ms, ranks.K, ranks.N
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
     b = torch.zeros(K, N, dtype=torch.bfloat16)
@@ -435,6 +452,72 @@ def test_the_model_catches_broken_protocols(monkeypatch):
     assert _failing_seeds(monkeypatch, other_slot, seeds=range(4)) == list(range(4))
     assert _failing_seeds(monkeypatch, _unordered, streams_per_rank=2)
     assert not _failing_seeds(monkeypatch, lambda mp: None, streams_per_rank=2, seeds=range(10))
+
+
+class _SlicedGemm(_StandInGemm):
+    """The gathering GEMM with column-sliced waits (``col_tile``): column slice j of a peer's rows
+    is read once that peer's flag here holds ``slices * (L - 1) + j + 1`` — one stand-in kernel
+    per slice, in K order, as the GEMM's K loop reaches them."""
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        device, W = self.ranks.device, self.ranks.W
+        (flags,) = signals.values()
+        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
+        Ms, K = shard.shape
+        ct = self.ranks.col_tile
+        S = -(-K // ct)
+        for j in range(S):
+            cols = slice(j * ct, min((j + 1) * ct, K))
+
+            def gather(cols=cols):
+                for p in range(W):
+                    rows = slice(p * Ms, (p + 1) * Ms)
+                    copy[rows, cols] = shard[:, cols] if p == rank else landing[rows, cols]
+            device.kernel(stream, f"GEMM {L} slice {j}", gather,
+                          ready=lambda j=j: all(int(flags[p]) >= S * (L - 1) + j + 1 for p in range(W) if p != rank))
+
+
+def _run_sliced_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1, col_tile=128,
+                         K=320):
+    from tldsl.runtime.dist import ag_gemm as agm
+    push = tl.CommSchedule(engine="copy_engine", mode="push", col_tile=col_tile)
+
+    class Gemm(_SlicedGemm):
+        def __init__(self, ranks):
+            super().__init__(ranks)
+            ranks.col_tile = col_tile
+    return _run_launches(monkeypatch, seed, launches, streams_per_rank,
+                         make=lambda r: agm.AllGatherMatmul(128, K, 24, torch.bfloat16, comm=push), gemm=Gemm, K=K)
+
+
+@pytest.mark.parametrize("streams_per_rank", [1, 2])
+@pytest.mark.parametrize("seed", range(8))
+def test_column_sliced_push_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_rank):
+    """col_tile: each shard pushed in column slices (320 columns in slices of 128: 128, 128, 64), each
+    followed by the flag's count of slices landed; the GEMM reads each slice once its count is
+    there. After 6 launches every peer's flag here holds 3 * 6."""
+    ranks = _run_sliced_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
+    for r, op in enumerate(ranks.ops):
+        assert op._engine.slices == 3
+        assert op._engine.flags.tolist() == [18 if p != r else 0 for p in range(2)]
+
+
+def test_the_column_sliced_model_can_fail(monkeypatch):
+    """Each flag written before its slice's copy instead of after lets the GEMM read a slice that
+    has not landed: some schedules get a wrong A_gathered."""
+    from tldsl.runtime.dist import ag_push
+
+    def flag_first(mp):
+        def push(self, cs, p, slot, src, flag, L):
+            cu, wr = self._cu, self._consts.write_default
+            for j, (offset, m) in enumerate(self._slice_plan[(p, slot)]):
+                cu.cuStreamWriteValue64(cs, flag, self.slices * (L - 1) + j + 1, wr)
+                m.srcDevice = src + offset
+                cu.cuMemcpy2DAsync(m, cs)
+            return (0,), (0,)
+        mp.setattr(ag_push.PushAllGather, "_push_slices", push)
+    assert _failing_seeds(monkeypatch, flag_first, seeds=range(12), run=_run_sliced_launches)
+    assert not _failing_seeds(monkeypatch, lambda mp: None, seeds=range(6), run=_run_sliced_launches)
 
 
 # -- GEMM + ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py) --------------------------

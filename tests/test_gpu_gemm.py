@@ -205,7 +205,7 @@ def test_gemm_pushing_its_rows(rank, cols):
     storing tile of this rank's rows once per launch."""
     import torch
     W, Ms, K, N = 2, 512, 520, 3000
-    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", gather_rows=True, push_rows=True)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", group_m=Ms // 128, gather_rows=True, push_rows=True)
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     peer = 1 - rank

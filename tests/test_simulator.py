@@ -477,3 +477,67 @@ def test_timeline_without_waits_shows_no_blocking():
     rows = timeline.splitlines()[1:]
     assert len(rows) == 2 and all(re.fullmatch(r"#+\.*", line.split("|")[1]) for line in rows), timeline
     assert all(len(line.split("|")[1]) == 32 for line in rows)
+
+
+# -- waits for the first pieces of a transfer (per_launch) ------------------------------------------
+
+@tl.kernel
+def pieces_then_use(a: tl.Symmetric, c, *, short: tl.constexpr = False):
+    """The comm part pulls the next rank's ``a`` in two halves, notifying after each; the compute
+    part waits for the first half (count 1 of 2 per launch) before reading it, then for both —
+    or, ``short``, reads the second half after waiting for the first only."""
+    W = tl.world_size()
+    n = a.shape[0]
+    h = n // 2
+    got = tl.local_buffer((n,), a.dtype, "got")
+    ready = tl.signal("ready", 1)
+
+    @tl.comm_part(grid=(1,), name="fetch")
+    def fetch(i):
+        for lo in (0, h):
+            tl.tile_pull_data(a.at((tl.rank() + 1) % W), (lo,), (h,), got, (lo,))
+            tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(1,), name="use")
+    def use(i):
+        tl.consumer_tile_wait(ready, 0, count=1, per_launch=2)
+        tl.store(c, (0,), tl.load(got, (0,), (h,)) * 2.0)
+        tl.consumer_tile_wait(ready, 0, count=1 if short else 2, per_launch=2)
+        tl.store(c, (h,), tl.load(got, (h,), (h,)) * 2.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+def test_waiting_for_the_first_pieces_of_a_transfer(seed):
+    """per_launch: the wait for the first of a slot's two notifies per launch targets
+    2 * (launch - 1) + 1 — right over four launches; waiting for one piece and reading both is a
+    race (the second piece's copy is not ordered before the read)."""
+    W = 2
+    inputs = _vec_inputs(W)
+    res = tl.simulate(pieces_then_use, W, inputs, seed=seed, options=_launches(4))
+    for r in range(W):
+        np.testing.assert_array_equal(res[r]["c"], 2 * inputs[(r + 1) % W]["a"])
+    with pytest.raises(tl.RaceError) as info:
+        for s in range(12):           # some schedule reads before the second half landed
+            tl.simulate(pieces_then_use, W, inputs, seed=seed + 100 * s, short=True)
+    assert info.value.details["buffer"] == "got"
+
+
+def test_per_launch_waits_are_checked_when_traced():
+    with pytest.raises(tl.CompilationError, match="count 3 exceeds per_launch=2"):
+        _trace_one_wait(count=3, per_launch=2)
+    with pytest.raises(tl.CompilationError, match="per_launch must be a positive int"):
+        _trace_one_wait(count=1, per_launch=0)
+    with pytest.raises(tl.CompilationError, match="it needs epoch=True"):
+        _trace_one_wait(count=1, per_launch=2, epoch=False)
+
+
+def _trace_one_wait(**wait):
+    @tl.kernel
+    def k(a, c):
+        ready = tl.signal("ready", 1)
+
+        @tl.compute_part(grid=(1,), name="use")
+        def use(i):
+            tl.consumer_tile_wait(ready, 0, **wait)
+            tl.store(c, (0,), tl.load(a, (0,), (8,)))
+    return k.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32))

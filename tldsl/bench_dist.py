@@ -388,7 +388,7 @@ def parse_schedule(what: str, spec: str):
     keys ``tile`` (BMxBNxBK), ``stages``, ``compute_order``, ``group_m``, ``cluster`` (CTAs per
     cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``transport`` (``ptr`` or
     ``nvshmem``), ``sms``, ``tile_m``
-    (``none`` for whole chunks), ``reduce_in`` (gemm_rs on the copy engine: ``epilogue`` or ``comm``). Unset keys take the op's defaults for the shape."""
+    (``none`` for whole chunks), ``col_tile`` (ag_gemm's copy-engine push: columns per slice), ``reduce_in`` (gemm_rs on the copy engine: ``epilogue`` or ``comm``). Unset keys take the op's defaults for the shape."""
     from tldsl.errors import InputError
     from tldsl.runtime.dist import ag_gemm, gemm_rs
     kv = {}
@@ -413,9 +413,10 @@ def parse_schedule(what: str, spec: str):
             mkw[k] = kv.pop(k)
     if "sms" in kv:
         mkw["sms"] = int(kv.pop("sms"))
-    if "tile_m" in kv:
-        v = kv.pop("tile_m")
-        mkw["tile_m"] = None if v.lower() == "none" else int(v)
+    for k in ("tile_m", "col_tile"):
+        if k in kv:
+            v = kv.pop(k)
+            mkw[k] = None if v.lower() == "none" else int(v)
     if kv:
         raise InputError(f"--schedule: unknown key(s) {sorted(kv)}")
 

@@ -50,6 +50,14 @@
   into A_gathered) — telling the peers a landing slot is free at the next launch's start on the
   copy stream (the default) or right after the GEMM, and with the pushes enqueued before the
   GEMM — timed the same way.
+* ``ag_slices``: AllGather+GEMM's copy-engine push moving each shard whole (the default) or in
+  column slices of ``col_tile`` columns, each behind its own flag, the GEMM waiting for a slice
+  only when its K loop reaches it (a late peer's first slice starts the tiles that need it),
+  timed the same way.
+* ``ag_skew``: how much a rank starting late slows its peer: AllGather+GEMM's push with whole
+  shards and in column slices, timed per call as the benchmark does (every rank released by a
+  barrier and a synchronise), each call's host start on both ranks recorded (one host clock);
+  the early rank's median time per bin of the two ranks' start skew.
 * ``rs_order``: GEMM+ReduceScatter (copy engine) with its defaults; with 4 copies per peer even
   where a group of tile rows holds several (the earlier default); with the sum's waits and kernel
   enqueued before the copies; with this rank's half of the handshake enqueued before the GEMM;
@@ -375,6 +383,77 @@ def probe_ag_spares(shapes, iters=20, out=sys.stdout):
                   "push, spare outputs": {"spare_outputs": True}}, shapes, iters, out)
 
 
+def probe_ag_slices(shapes, iters=20, out=sys.stdout):
+    from tldsl.ir.schedule import CommSchedule
+    push = CommSchedule(engine="copy_engine", mode="push")
+    _ag_variants({"push, whole shards": {"comm": push, "ce_executor": "direct"},
+                  **{f"push, col_tile {c}": {"comm": push.with_(col_tile=c), "ce_executor": "direct"}
+                     for c in (2048, 1024)}},
+                 shapes, iters, out)
+
+
+def probe_ag_skew(shapes, iters=80, out=sys.stdout):
+    import torch
+    import torch.distributed as dist
+    from tldsl.ir.schedule import CommSchedule
+    from tldsl.bench_dist import _enable_symm_mem
+    push = CommSchedule(engine="copy_engine", mode="push")
+    dist.init_process_group("nccl")
+    r, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(r)
+    _enable_symm_mem(dist.group.WORLD.group_name)
+    try:
+        _skew_table(shapes, iters, out, push, r, W)
+    finally:
+        dist.destroy_process_group()
+
+
+def _skew_table(shapes, iters, out, push, r, W):
+    import time
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist import AllGatherMatmul
+    bins = ((0, 10), (10, 20), (20, 30), (30, 40), (40, 60), (60, float("inf")))
+    for (M, N, K) in shapes:
+        a = torch.randn(M // W, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N // W, device="cuda", dtype=torch.bfloat16)
+        for name, comm in (("whole shards", push), ("col_tile 2048", push.with_(col_tile=2048)),
+                           ("col_tile 1024", push.with_(col_tile=1024))):
+            op = AllGatherMatmul(M // W, K, N // W, torch.bfloat16, comm=comm, ce_executor="direct")
+            for _ in range(5):
+                op(a, b)
+            mine = []
+            for _ in range(iters):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                dist.barrier()
+                torch.cuda.synchronize()
+                h0 = time.perf_counter()          # CLOCK_MONOTONIC: one clock for every rank of the host
+                s.record()
+                op(a, b)
+                e.record()
+                torch.cuda.synchronize()
+                mine.append((h0 * 1e6, s.elapsed_time(e)))
+            every = [None] * W
+            dist.all_gather_object(every, mine)
+            op.close()
+            del op
+            if r == 0:
+                pts = []                       # (|skew| us, the early rank's ms)
+                for i in range(iters):
+                    starts = [every[q][i][0] for q in range(W)]
+                    early = starts.index(min(starts))
+                    pts.append((max(starts) - min(starts), every[early][i][1]))
+                cells = []
+                for lo, hi in bins:
+                    sel = [t for sk, t in pts if lo <= sk < hi]
+                    if sel:
+                        cells.append(f"skew {lo}-{hi if hi != float('inf') else ''} us: {statistics.median(sel):.3f} ms"
+                                     f" (n={len(sel)})")
+                print(f"{M}x{N}x{K} {name}: median {statistics.median(t for _, t in pts):.3f} ms; "
+                      f"|skew| median {statistics.median(sk for sk, _ in pts):.1f} us; " + "; ".join(cells),
+                      file=out, flush=True)
+
+
 def _ag_variants(variants: dict, shapes, iters, out):
     """AllGatherMatmul built with each variant's keyword arguments (or (keyword arguments, engine
     attributes)), timed interleaved."""
@@ -428,7 +507,7 @@ def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging", "ag_handshake", "ag_push", "ag_spares", "rs_order"))
+                                     "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
@@ -457,7 +536,8 @@ def main(argv) -> int:
         else:
             probe = {"ag_enqueue": probe_ag_enqueue, "ag_staging": probe_ag_staging,
                      "ag_handshake": probe_ag_handshake, "ag_push": probe_ag_push,
-                     "ag_spares": probe_ag_spares}[args.what]
+                     "ag_spares": probe_ag_spares, "ag_slices": probe_ag_slices,
+                     "ag_skew": probe_ag_skew}[args.what]
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
                                   (2048, 28672, 8192)], args.iters)
     return 0

@@ -23,13 +23,37 @@ from . import language as tl
 class AllGather:
     """Handle of an all-gather along rows: ``dst`` holds every rank's ``src`` shard, row block
     ``r`` from rank ``r``. ``wait_rows(lo, hi)`` makes a compute tile wait for exactly the
-    communication tiles its rows need."""
+    communication its rows need (every column slice of them, where the schedule moves shards in
+    column slices: ``col_tile``). A tile whose K loop reads the columns in order can instead call
+    ``wait_rows(lo, hi, then_cols=True)`` before the loop and ``wait_cols(lo, hi, k, step)`` in
+    it: with column slices it waits for each slice only as the loop reaches it (without, the
+    rows are waited for before the loop, as before). The program is the same for every schedule."""
 
-    def __init__(self, mapping: StaticMapping, ready, wait):
+    def __init__(self, mapping: StaticMapping, ready, wait, col_tile: int | None = None, slices: int = 1):
         self.mapping, self.ready, self._wait = mapping, ready, wait
+        self.col_tile, self.slices = col_tile, slices
 
-    def wait_rows(self, row_lo, row_hi):
-        self.mapping.wait_rows(self.ready, row_lo, row_hi, wait=self._wait)
+    def wait_rows(self, row_lo, row_hi, *, then_cols: bool = False):
+        if self.col_tile is None:
+            self.mapping.wait_rows(self.ready, row_lo, row_hi, wait=self._wait)
+        elif not then_cols:
+            self.mapping.wait_rows(self.ready, row_lo, row_hi, wait=self._wait, count=self.slices,
+                                   per_launch=self.slices)
+
+    def wait_cols(self, row_lo, row_hi, k, step: int):
+        """Before reading columns ``[k, k + step)`` of rows ``[row_lo, row_hi)`` (``k`` a multiple
+        of ``step``, a constant dividing the schedule's ``col_tile``), after
+        ``wait_rows(..., then_cols=True)``: with column slices, where ``k`` starts a slice, wait
+        until the slices up to it have landed (a peer's slices are notified in order); without,
+        nothing (``wait_rows`` waited for the whole rows)."""
+        if self.col_tile is None:
+            return
+        if not isinstance(step, numbers.Integral) or step <= 0 or self.col_tile % step:
+            fail(f"all_gather: the compute loop's step ({step}) must divide the communication's col_tile "
+                 f"({self.col_tile}), so that each slice starts at a step")
+        with tl.when(k % self.col_tile == 0):
+            self.mapping.wait_rows(self.ready, row_lo, row_hi, wait=self._wait,
+                                   count=k // self.col_tile + 1, per_launch=self.slices)
 
 
 def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGather:
@@ -44,8 +68,14 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
         raise ScheduleError(f"all_gather has nothing to reduce: reduce_in={comm.reduce_in!r} applies to "
                             "reduce-scatters", user_location())
     if comm.engine == "copy_engine" and comm.tile_m is not None:
-        raise ScheduleError("the copy-engine all-gather copies whole shards: set tile_m=None with "
-                            "engine='copy_engine'", user_location())
+        raise ScheduleError("the copy-engine all-gather copies whole shards (in column slices with col_tile): set "
+                            "tile_m=None with engine='copy_engine'", user_location())
+    cols = int(src.shape[1]) if len(src.shape) == 2 else None
+    if comm.col_tile is not None and cols is None:
+        raise ScheduleError(f"col_tile slices the columns of 2-D shards; '{src.name}' has shape {tuple(src.shape)}",
+                            user_location())
+    col_tile = None if comm.col_tile is None or comm.col_tile >= cols else comm.col_tile
+    slices = 1 if col_tile is None else -(-cols // col_tile)
     tile = comm.tile_m if comm.engine == "sm" else None
     mapping = StaticMapping(f"{name}_rows", dst, rows, tile)
     tail = tuple(src.shape[1:])
@@ -55,19 +85,24 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
     if comm.engine == "copy_engine":
         ready = signal(f"{name}_ready", W, scope="symmetric")
 
+        # whole shards, or column slices [c0, c0 + width) in order, each notified
+        pieces = [((0,) + zeros_tail, (rows,) + tail)] if col_tile is None else \
+            [((0, c0), (rows, min(col_tile, cols - c0))) for c0 in range(0, cols, col_tile)]
+
         @comm_part(grid=(W,), name=name)
         def copy_chunks(step):
             me = tl.rank()
-            if comm.mode == "pull":
-                peer = (me + step) % W
-                rank_copy_data(dst, (peer * rows,) + zeros_tail, src.at(peer), (0,) + zeros_tail, (rows,) + tail)
-                rank_notify(ready, peer)
-            else:
-                peer = (me + (W - step)) % W
-                rank_copy_data(dst.at(peer), (me * rows,) + zeros_tail, src, (0,) + zeros_tail, (rows,) + tail)
-                rank_notify(ready, me, peer)
+            for offs, shape in pieces:
+                if comm.mode == "pull":
+                    peer = (me + step) % W
+                    rank_copy_data(dst, (peer * rows + offs[0],) + offs[1:], src.at(peer), offs, shape)
+                    rank_notify(ready, peer)
+                else:
+                    peer = (me + (W - step)) % W
+                    rank_copy_data(dst.at(peer), (me * rows + offs[0],) + offs[1:], src, offs, shape)
+                    rank_notify(ready, me, peer)
 
-        return AllGather(mapping, ready, rank_wait)
+        return AllGather(mapping, ready, rank_wait, col_tile, slices)
 
     if comm.mode == "pull":
         ready = signal(f"{name}_ready", mapping.num_tiles, scope="local")
@@ -184,6 +219,9 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     within a launch (launches are separated by the host's stream order).
     """
     W = world_size()
+    if comm.col_tile is not None:
+        raise ScheduleError(f"{name}: col_tile={comm.col_tile} slices the copy-engine all-gather's columns; the "
+                            "reduce-scatter moves rows (tile_m)", user_location())
     if comm.engine == "copy_engine" and comm.mode != "push":
         raise ScheduleError(f"{name}: on the copy engine the reduce-scatter pushes each owner its rows and the "
                             f"owner adds them on SMs: use CommSchedule(engine='copy_engine', mode='push'), got "

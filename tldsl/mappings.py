@@ -63,10 +63,12 @@ class StaticMapping:
         """Rows in local tile ``j`` (the last tile of a shard may be short)."""
         return minimum(self.tile, self.rows_per_rank - j * self.tile)
 
-    def wait_rows(self, signal, row_lo, row_hi, wait=None, count=1):
+    def wait_rows(self, signal, row_lo, row_hi, wait=None, count=1, per_launch=None):
         """Wait on every tile overlapping rows ``[row_lo, row_hi)`` (e.g. one compute tile's rows).
 
-        ``wait`` is the primitive to use (``consumer_tile_wait`` by default)."""
+        ``wait`` is the primitive to use (``consumer_tile_wait`` by default); ``count`` and
+        ``per_launch`` are passed on (a slot notified ``per_launch`` times per launch, its first
+        ``count`` notifies)."""
         from .primitives import consumer_tile_wait
         wait = wait or consumer_tile_wait
         R, tile, tpr = self.rows_per_rank, self.tile, self.tiles_per_rank
@@ -74,7 +76,10 @@ class StaticMapping:
             lo = maximum(row_lo - q * R, 0)
             hi = minimum(row_hi - q * R, R)
             for j in tl_range(lo // tile, cdiv(hi, tile)):
-                wait(signal, q * tpr + j, count=count)
+                if per_launch is None:
+                    wait(signal, q * tpr + j, count=count)
+                else:
+                    wait(signal, q * tpr + j, count=count, per_launch=per_launch)
 
     def notify_rows(self, signal, row_lo, row_hi, notify=None):
         """Notify every tile overlapping rows ``[row_lo, row_hi)`` once (e.g. after a producer

@@ -9,7 +9,10 @@ Memory-ordering contract (what the simulator checks and the code generator must 
 * every ``*_wait`` is an **acquire**: nothing after it (loads, TMA, stores) happens before
   it. It blocks until the slot received ``count`` notifies *in this launch*: signals are
   counters that are never reset, and the target is ``launch_index * count`` (epoch
-  counting), so no reset kernel is needed and a stale value cannot satisfy a wait.
+  counting), so no reset kernel is needed and a stale value cannot satisfy a wait. A slot
+  notified ``per_launch`` times per launch can be waited on for its first ``count`` of them
+  (``count <= per_launch``; target ``per_launch * (launch_index - 1) + count``): a consumer
+  starts on the first pieces of a transfer while the rest is still moving.
   ``epoch=False`` waits for an absolute value instead (the simulator reports a stale
   signal when a later launch is satisfied by an earlier one's notifies).
 * data primitives move memory only; they order nothing by themselves.
@@ -62,9 +65,17 @@ def _notify(prim, sig, channel, rank, scope):
     current().emit(prim, operands, [], {"scope": scope})
 
 
-def _wait(prim, sig, channel, count, epoch):
-    current().emit(prim, [sig.value, _channel(sig, channel, prim), _count(count, prim)], [],
-                   {"epoch": bool(epoch)})
+def _wait(prim, sig, channel, count, epoch, per_launch=None):
+    attrs = {"epoch": bool(epoch)}
+    if per_launch is not None:
+        if not isinstance(per_launch, numbers.Integral) or isinstance(per_launch, bool) or per_launch <= 0:
+            fail(f"{prim}: per_launch must be a positive int (the slot's notifies per launch), got {per_launch!r}")
+        if not epoch:
+            fail(f"{prim}: per_launch counts notifies per launch; it needs epoch=True")
+        if isinstance(count, numbers.Integral) and count > per_launch:
+            fail(f"{prim}: count {count} exceeds per_launch={per_launch} (the slot's notifies per launch)")
+        attrs["per_launch"] = int(per_launch)
+    current().emit(prim, [sig.value, _channel(sig, channel, prim), _count(count, prim)], [], attrs)
 
 
 # -- signals ------------------------------------------------------------------------
@@ -74,9 +85,9 @@ def producer_tile_notify(signal, channel, *, scope: str = "gpu") -> None:
     _notify("producer_tile_notify", _signal(signal, "producer_tile_notify", "local"), channel, None, scope)
 
 
-def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True) -> None:
+def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
     """Acquire: block until ``channel`` got ``count`` producer notifies in this launch."""
-    _wait("consumer_tile_wait", _signal(signal, "consumer_tile_wait", "local"), channel, count, epoch)
+    _wait("consumer_tile_wait", _signal(signal, "consumer_tile_wait", "local"), channel, count, epoch, per_launch)
 
 
 def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
@@ -84,9 +95,9 @@ def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
     _notify("peer_tile_notify", _signal(signal, "peer_tile_notify", "symmetric"), channel, rank, scope)
 
 
-def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True) -> None:
+def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
     """Acquire from peers: block until this rank's slot got ``count`` notifies in this launch."""
-    _wait("peer_tile_wait", _signal(signal, "peer_tile_wait", "symmetric"), channel, count, epoch)
+    _wait("peer_tile_wait", _signal(signal, "peer_tile_wait", "symmetric"), channel, count, epoch, per_launch)
 
 
 def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
@@ -97,9 +108,9 @@ def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
             _rank() if rank is None else rank, scope)
 
 
-def rank_wait(signal, channel, *, count=1, epoch: bool = True) -> None:
+def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
     """Acquire at rank granularity."""
-    _wait("rank_wait", _signal(signal, "rank_wait", "symmetric"), channel, count, epoch)
+    _wait("rank_wait", _signal(signal, "rank_wait", "symmetric"), channel, count, epoch, per_launch)
 
 
 # -- data -----------------------------------------------------------------------------

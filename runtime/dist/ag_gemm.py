@@ -106,7 +106,9 @@ class AllGatherMatmul:
         (:mod:`.spare_outputs`); ``None`` (default): where both together are at most
         :data:`~.spare_outputs.SPARE_LIMIT_BYTES`. ``pusher`` (the direct copy-engine push): who writes
         this rank's shard into the peers — ``"copy_engine"`` (default) or ``"gemm"`` (the GEMM as it
-        loads it: :class:`~.ag_push.PushAllGather`; not yet measured on GPUs)."""
+        loads it: :class:`~.ag_push.PushAllGather`; correct on GPUs but slower: ``probe ag_push``).
+        The default push moves each shard in column slices (:func:`default_col_tile`; a ``comm``
+        with its own ``col_tile`` decides by hand)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -121,7 +123,7 @@ class AllGatherMatmul:
         self.dtype = tdtype
         keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
         if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):
-            comm = PUSH
+            comm = PUSH if pusher == "gemm" else PUSH.with_(col_tile=default_col_tile(self.K, compute or DEFAULT_COMPUTE))
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
         self.hooks: dict = {}
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
@@ -195,6 +197,9 @@ class AllGatherMatmul:
             return
         if comm.engine != "copy_engine" or comm.mode != "pull":
             raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
+        if comm.col_tile is not None and comm.col_tile < self.K:
+            raise InputError(f"col_tile={comm.col_tile}: the direct copy-engine pull moves whole shards; column "
+                             f"slices run on the direct push (mode='push') or ce_executor='plan'")
         # measured (``probe ag_handshake``): "device" equal or faster at every shape, 8% at the
         # smallest; "memops" where the shard is staged by copies (no kernel to publish the arrival)
         handshake = self.handshake = handshake or ("memops" if staging == "copies" else "device")
@@ -608,6 +613,20 @@ SM_FLOPS = 5.8e12
 
 #: the copy-engine push schedule (the direct path, :mod:`.ag_push`)
 PUSH = CommSchedule(engine="copy_engine", mode="push", order="ring")
+
+
+#: columns per slice of the default push (``CommSchedule.col_tile``): measured (``probe ag_slices``,
+#: BENCHMARKS.md) as fast as whole shards where ranks start together and far less slowed where one
+#: starts late — at 2048x8192x8192 no slower with a peer 30-40 us late (whole shards: +40 us)
+DEFAULT_COL_TILE = 1024
+
+
+def default_col_tile(k: int, compute: ComputeSchedule) -> int | None:
+    """The default push's column slices: :data:`DEFAULT_COL_TILE` columns where the shard is wider
+    and the compute tile's K step divides it; whole shards (None) otherwise."""
+    if k <= DEFAULT_COL_TILE or DEFAULT_COL_TILE % compute.BK:
+        return None
+    return DEFAULT_COL_TILE
 
 
 def default_push(rows_per_rank: int, compute: ComputeSchedule | None, engine, sms, ce_executor, staging, handshake,

@@ -27,7 +27,13 @@ a call on another stream than the previous one first waits for it (:mod:`.call_o
 protocol runs on two simulated ranks under random schedules in tests/test_dist_protocols.py. Needs whole ``BM``-row tiles per rank and no clusters
 (the GEMM tells this rank's tiles from the peers' by their rows).
 
-``pusher="gemm"`` (not yet measured on GPUs): no copy engine and no copy stream. The GEMM
+Column slices (``comm.col_tile``, the default's :data:`~.ag_gemm.DEFAULT_COL_TILE`): each push is one
+2-D copy per slice of ``col_tile`` columns, each followed by the flag's count of slices landed,
+``slices * (L - 1) + j + 1``; the GEMM waits for a slice only when its K loop reaches it (the tile
+program's ``wait_cols``), so a peer that starts late holds the GEMM up by its first slice, not its
+whole shard.
+
+``pusher="gemm"`` (correct on GPUs, slower than the copy engine: ``probe ag_push``): no copy engine and no copy stream. The GEMM
 (``lower_gemm(push_rows=True)``, ``GatherRows<W, true, true>``) stores each stage of this rank's
 rows it loads into every peer's landing slot ``L % 2`` too, and the launch's last pushed tile
 writes ``L`` into this rank's flag on every peer — the same flag, the same waits. Its CTAs must
@@ -59,7 +65,7 @@ class PushAllGather:
         """``pusher``: who writes this rank's shard into the peers' landing buffers —
         ``"copy_engine"`` (the measured default: the copy stream, after the GEMM is enqueued) or
         ``"gemm"`` (the GEMM itself, as it loads the shard: ``lower_gemm(push_rows=True)``; no copy
-        stream, no host call but the GEMM's launch; not yet measured on GPUs)."""
+        stream, no host call but the GEMM's launch; correct on GPUs, slower: ``probe ag_push``)."""
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
@@ -86,6 +92,14 @@ class PushAllGather:
             raise InputError(f"pusher={pusher!r}: choose 'copy_engine' or 'gemm'")
         self.pusher = pusher
         self.name = "copy_engine-push" if pusher == "copy_engine" else "gemm-push"
+        #: column slices (``comm.col_tile``): the shard moves in this many copies of ``col_tile``
+        #: columns, each followed by its flag write, and the GEMM waits per slice
+        col_tile = op.comm.col_tile
+        self.slices = 1 if col_tile is None or col_tile >= K else -(-K // col_tile)
+        self.col_tile = K if self.slices == 1 else col_tile
+        if pusher == "gemm" and self.slices > 1:
+            raise InputError(f"pusher='gemm' pushes whole tiles of rows and publishes them once: it takes no column "
+                             f"slices (col_tile={col_tile}); use pusher='copy_engine' with col_tile")
         self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, push_rows=pusher == "gemm", **opts)
         self.gemm = GemmKernel(self.lowered, progress=progress)
         #: the GEMM alone (``compute_only``) must not push: the plain gathering GEMM, built on first use
@@ -157,6 +171,27 @@ class PushAllGather:
                              self.landing_peers[p] + slot_bytes + me * self._nbytes),
                             self.flag_peers[p] + 8 * me) for p in self.order]
         self._consumed_writes = [self.consumed_peers[p] + 8 * me for p in self.order]
+        # column slices: per slice its byte offset in a row and its 2-D copy (both pitches a row of
+        # K; the source address set per call), per (peer, landing slot)
+        self._slice_plan = None
+        if self.slices > 1:
+            cu = self._cu
+            pitch = K * elem
+            self._slice_plan = {}
+            for p, _, dst, _ in self._peer_plan:
+                for slot in (0, 1):
+                    copies = []
+                    for j in range(self.slices):
+                        c0 = j * self.col_tile
+                        width = min(self.col_tile, K - c0) * elem
+                        m = cu.CUDA_MEMCPY2D()
+                        m.srcMemoryType = m.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+                        m.srcXInBytes = m.srcY = m.dstXInBytes = m.dstY = 0
+                        m.srcPitch = m.dstPitch = pitch
+                        m.dstDevice = dst[slot] + c0 * elem
+                        m.WidthInBytes, m.Height = width, Ms
+                        copies.append((c0 * elem, m))
+                    self._slice_plan[(p, slot)] = copies
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """One launch. The host's work before the GEMM is enqueued is on the critical path (the
@@ -221,8 +256,11 @@ class PushAllGather:
             done, nbytes, wr, geq = max(L - 2, 0), self._nbytes, consts.write_default, consts.wait_geq
             for p, consumed, dst, flag in self._peer_plan:
                 r1 = cu.cuStreamWaitValue64(cs, consumed, done, geq)
-                r2 = cu.cuMemcpyAsync(dst[slot], src, nbytes, cs)
-                r3 = cu.cuStreamWriteValue64(cs, flag, L, wr)
+                if self._slice_plan is None:
+                    r2 = cu.cuMemcpyAsync(dst[slot], src, nbytes, cs)
+                    r3 = cu.cuStreamWriteValue64(cs, flag, L, wr)
+                else:
+                    r2, r3 = self._push_slices(cs, p, slot, src, flag, L)
                 if r1[0] != ok or r2[0] != ok or r3[0] != ok:
                     for res, what in ((r1, f"cuStreamWaitValue64(rank {p} done with launch {L - 2})"),
                                       (r2, f"cuMemcpyAsync(our shard to rank {p})"),
@@ -255,6 +293,21 @@ class PushAllGather:
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
         return a_full, c
+
+    def _push_slices(self, cs: int, p: int, slot: int, src: int, flag: int, L: int):
+        """The shard into peer ``p``'s landing slot in column slices, each followed by the flag's
+        count of slices landed, ``slices * (L - 1) + j + 1`` (counters only grow: the GEMM's wait for
+        slice ``j`` targets exactly that). Returns the first failing (copy, write) results, or the last."""
+        cu, ok, wr = self._cu, self._consts.success, self._consts.write_default
+        base = self.slices * (L - 1)
+        r2 = r3 = (ok,)
+        for j, (offset, m) in enumerate(self._slice_plan[(p, slot)]):
+            m.srcDevice = src + offset
+            r2 = cu.cuMemcpy2DAsync(m, cs)
+            r3 = cu.cuStreamWriteValue64(cs, flag, base + j + 1, wr)
+            if r2[0] != ok or r3[0] != ok:
+                break
+        return r2, r3
 
     def _launch_pushing_gemm(self, a_shard, b, a_full, c, cur, cur_h: int, L: int, fresh_c: bool):
         """``pusher="gemm"``: the launch is the GEMM alone — it pushes this rank's rows into the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
+from ...ir.semantics import wait_target
 from .interpreter import Interpreter
 from .memory import Memory
 
@@ -91,11 +92,14 @@ class Engine:
                 else:
                     self.waiters.setdefault((rank, name, ch), []).append(w)
 
-    def wait(self, task: Task, op, name, ch, count, epoch):
+    def wait(self, task: Task, op, name, ch, count, epoch, per_launch=None):
         sig = self._slot(task, op, task.rank, name, ch)
         if count <= 0:
             raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} must be positive")
-        target = count * self.launch if epoch else count
+        if per_launch is not None and count > per_launch:
+            raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} exceeds the slot's "
+                                  f"{per_launch} notifies per launch (per_launch): it would wait into the next launch")
+        target = wait_target(count, self.launch, epoch, per_launch)
         if sig.values[ch] < target:
             task.wait_info = (op, name, ch, count, target)
             yield ("wait", (task.rank, name, ch), target)

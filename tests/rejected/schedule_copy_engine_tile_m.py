@@ -3,7 +3,7 @@ import tldsl as tl
 from tldsl.collectives import all_gather
 
 ERROR = tl.ScheduleError
-MESSAGE = "the copy-engine all-gather copies whole shards: set tile_m=None with engine='copy_engine'"
+MESSAGE = "the copy-engine all-gather copies whole shards (in column slices with col_tile): set tile_m=None"
 
 
 @tl.kernel

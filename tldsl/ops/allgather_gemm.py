@@ -27,9 +27,11 @@ def allgather_gemm(a: tl.Symmetric, b, c, *, compute: tl.ComputeSchedule = None,
     @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=0)
     def gemm(pm, pn):
         r0, c0 = pm * BM, pn * BN
-        gathered.wait_rows(r0, tl.minimum(r0 + BM, M))
+        r1 = tl.minimum(r0 + BM, M)
+        gathered.wait_rows(r0, r1, then_cols=True)
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, K, BK):
+            gathered.wait_cols(r0, r1, k, BK)          # column-sliced schedules: each slice as the loop reaches it
             acc += tl.dot(tl.load(a_full, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
         tl.store(c, (r0, c0), acc)
 
@@ -82,7 +84,7 @@ def _params(world_size):
     def params(draw):
         compute = draw(tst.compute_schedules())
         return dict(rows_per_rank=draw(tst.dims(1, 40)), n=draw(tst.dims(1, 40)), k=draw(tst.dims(1, 40)),
-                    compute=compute, comm=draw(tst.comm_schedules(compute=compute)))
+                    compute=compute, comm=draw(tst.comm_schedules(compute=compute, col_tiles=True)))
     return params()
 
 
@@ -92,7 +94,8 @@ def _mutant_params():
     return [dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull")),
             dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
-            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push"))]
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push")),
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push", col_tile=16))]
 
 
 from tldsl.ops import register  # noqa: E402

@@ -210,6 +210,14 @@ def variants(op: str) -> list[Variant]:
                 Variant("ag_gemm", "copy_engine-push-direct",
                         (("comm", CommSchedule(engine="copy_engine", mode="push")), ("ce_executor", "direct")),
                         rows=4096),
+                # the push in column slices, each waited for as the GEMM's K loop reaches it: direct
+                # (whole tiles per rank) and the plan (any M); 1032 / 1024 columns: 5 / 4 slices
+                Variant("ag_gemm", "copy_engine-push-sliced",
+                        (("comm", CommSchedule(engine="copy_engine", mode="push", col_tile=256)),
+                         ("ce_executor", "direct")), rows=4096),
+                Variant("ag_gemm", "copy_engine-push-sliced-plan",
+                        (("comm", CommSchedule(engine="copy_engine", mode="push", col_tile=256)),
+                         ("ce_executor", "plan"))),
                 # the GEMM pushes this rank's rows itself (no copy engine; whole tiles per rank)
                 Variant("ag_gemm", "gemm-push",
                         (("comm", CommSchedule(engine="copy_engine", mode="push")), ("ce_executor", "direct"),

@@ -40,13 +40,17 @@ def compute_schedules(draw, tiles=TILE_SIZES, orders=COMPUTE_ORDERS):
 
 @st.composite
 def comm_schedules(draw, engines=("sm", "copy_engine"), modes=("push", "pull"), tiles=TILE_SIZES,
-                   compute: ComputeSchedule | None = None):
-    """Valid communication schedules (compatible with ``compute`` when given)."""
+                   compute: ComputeSchedule | None = None, col_tiles: bool = False):
+    """Valid communication schedules (compatible with ``compute`` when given). ``col_tiles``: the
+    copy engine may move column slices (the all-gather's ``col_tile``: one or two of the compute
+    tile's K steps, or whole shards)."""
     engine = draw(st.sampled_from(engines))
     mode = draw(st.sampled_from(modes))
     order = draw(st.sampled_from(("ring", "full_mesh")))
     if engine == "copy_engine":
-        return CommSchedule(tile_m=None, order=order, mode=mode, engine=engine)
+        bk = compute.BK if compute is not None else 16
+        col_tile = draw(st.sampled_from((None, bk, 2 * bk))) if col_tiles else None
+        return CommSchedule(tile_m=None, order=order, mode=mode, engine=engine, col_tile=col_tile)
     options = [t for t in tiles if compute is None or compute.BM % t == 0 or t % compute.BM == 0]
     tile_m = draw(st.sampled_from(options + [None]))
     return CommSchedule(tile_m=tile_m, order=order, mode=mode, engine=engine, sms=draw(st.integers(1, 4)),

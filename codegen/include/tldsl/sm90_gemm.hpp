@@ -348,7 +348,9 @@ __device__ __forceinline__ float epi_hi(__nv_bfloat162 v) { return __high2float(
 // No per-tile waits (a GEMM whose tile program has none).
 struct NoWaits {
   static constexpr bool kEnabled = false;
+  static constexpr bool kStaged = false;      // no waits in the K loop
   __device__ __forceinline__ void operator()(int, int) const {}
+  __device__ __forceinline__ int stage(int, int, int) const { return 0; }
 };
 
 // No per-tile notifies: the epilogue compiles to exactly the plain GEMM's.
@@ -624,6 +626,10 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
             fence_proxy_async_global();    // ... before the async proxy (TMA) reads that data
           }
         }
+        // the tile program's waits in its K loop (Waits::kStaged: e.g. a column-sliced all-gather,
+        // each slice waited for when the loop reaches it), not for this rank's rows read from its shard
+        const bool stage_waits = Waits::kStaged && tc.m < gm && !own.owns(tc.m * Tr::BM, M, rank);
+        (void)stage_waits;
         const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
         const cute::TmaDescriptor* ta = tma_a;
         int am0 = m0;
@@ -638,6 +644,10 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+          if constexpr (Waits::kStaged) {
+            // acquire: the data of this stage has landed, before the async proxy (TMA) reads it
+            if (stage_waits && waits.stage(tc.m, tc.n, kt * Tr::BK) > 0) fence_proxy_async_global();
+          }
           EmptyBar::wait(&empty_bar[s], phase ^ 1u);
           const int k0 = kt * Tr::BK;
           unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;

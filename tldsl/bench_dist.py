@@ -263,11 +263,14 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
 
 def candidates(what):
     """(compute, comm) candidates: copy engine vs SMs, push vs pull, two compute tile orders (and,
-    for GEMM+RS on the copy engine, three copy sizes)."""
+    for AG+GEMM's copy-engine push, whole shards or the default's column slices; for GEMM+RS on
+    the copy engine, three copy sizes)."""
     from tldsl.ir.schedule import CommSchedule, ComputeSchedule
     computes = [ComputeSchedule(tile=(128, 256, 64), stages=4, order=o) for o in ("comm_aligned", "swizzled")]
     if what == "ag_gemm":
+        from tldsl.runtime.dist.ag_gemm import DEFAULT_COL_TILE
         comms = [CommSchedule(engine="copy_engine", mode="pull"), CommSchedule(engine="copy_engine", mode="push"),
+                 CommSchedule(engine="copy_engine", mode="push", col_tile=DEFAULT_COL_TILE),
                  CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:

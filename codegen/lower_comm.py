@@ -910,6 +910,14 @@ class CeWait:
     def target(self, launch: int) -> int:
         return wait_target(self.count, launch, self.epoch, self.per_launch)
 
+    def target_text(self) -> str:
+        """:meth:`target` as a formula of ``launch``."""
+        if not self.epoch:
+            return str(self.count)
+        if self.per_launch is None:
+            return f"{self.count} * launch"
+        return f"{self.per_launch} * (launch - 1) + {self.count}"
+
 
 @dataclass(frozen=True)
 class CopyEnginePlan:
@@ -939,8 +947,7 @@ class CopyEnginePlan:
                 elif isinstance(a, CeSignalWrite):
                     out.append(f"    write {a.signal}[{a.slot}]@{a.rank} = (launch-1)*{a.per_launch}+{a.index}")
                 else:
-                    out.append(f"    wait {a.signal}[{a.slot}] >= "
-                               f"{a.count if not a.epoch else (f'{a.count} * launch' if a.per_launch is None else f'{a.per_launch} * (launch - 1) + {a.count}')}")
+                    out.append(f"    wait {a.signal}[{a.slot}] >= {a.target_text()}")
         return "\n".join(out)
 
     def run_numpy(self, memory: list[dict], signals: list[dict], launch: int = 1) -> None:

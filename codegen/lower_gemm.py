@@ -682,11 +682,11 @@ class _StageWaitEmitter(_WaitEmitter):
 
     def __init__(self, kernel: core.Kernel, m: "_Match"):
         body = list(m.loop.regions[0].ops)
-        super().__init__(kernel, [op for op in m.prologue if op.name in SCALAR_OPS] + body)
-        self._stage_roots = {id(o) for op in body for o in [op, *[x for r in op.regions for x in r.walk()]]
-                             if o.name in WAIT_OPS}
-        self.needed = needed_ops([op for op in m.prologue if op.name in SCALAR_OPS] + body,
-                                 lambda op: id(op) in self._stage_roots)
+        ops = [op for op in m.prologue if op.name in SCALAR_OPS] + body
+        super().__init__(kernel, ops)
+        # the roots: the loop's waits only (the prologue's own run before the tile)
+        roots = {id(o) for op in body for o in [op, *[x for r in op.regions for x in r.walk()]] if o.name in WAIT_OPS}
+        self.needed = needed_ops(ops, lambda op: id(op) in roots)
         self.bind(m.loop.regions[0].args[0], "k0")
 
     def emit_other(self, op, ind, lines):

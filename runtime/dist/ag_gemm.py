@@ -615,9 +615,10 @@ SM_FLOPS = 5.8e12
 PUSH = CommSchedule(engine="copy_engine", mode="push", order="ring")
 
 
-#: columns per slice of the default push (``CommSchedule.col_tile``): measured (``probe ag_slices``,
-#: BENCHMARKS.md) as fast as whole shards where ranks start together and far less slowed where one
-#: starts late — at 2048x8192x8192 no slower with a peer 30-40 us late (whole shards: +40 us)
+#: columns per slice of the default push (``CommSchedule.col_tile``): measured (BENCHMARKS.md) as
+#: fast as whole shards or faster (``probe ag_slices``; 2048 columns within noise of it) and less
+#: slowed where a peer starts late (``probe ag_skew`` at 2048x8192x8192, a peer 30-40 us late:
+#: +23 us, whole shards +40 us); every benchmark row <= 1.05x ideal in five full runs with it
 DEFAULT_COL_TILE = 1024
 
 

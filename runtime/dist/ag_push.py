@@ -263,7 +263,7 @@ class PushAllGather:
                     r2, r3 = self._push_slices(cs, p, slot, src, flag, L)
                 if r1[0] != ok or r2[0] != ok or r3[0] != ok:
                     for res, what in ((r1, f"cuStreamWaitValue64(rank {p} done with launch {L - 2})"),
-                                      (r2, f"cuMemcpyAsync(our shard to rank {p})"),
+                                      (r2, f"cuMemcpyAsync / cuMemcpy2DAsync(our shard to rank {p})"),
                                       (r3, f"cuStreamWriteValue64(our flag on rank {p})")):
                         plan_exec.checked(cu, res, what)
                 if tl_ is not None:

@@ -38,13 +38,15 @@ class Location:
 
 
 import contextlib as _contextlib
+import dataclasses as _dataclasses
 
-_STDLIB_HELPERS = (os.path.abspath(_contextlib.__file__),)
+# `with tl.when(...)` enters through contextlib; `schedule.with_(...)` builds through dataclasses.replace
+_STDLIB_HELPERS = (os.path.abspath(_contextlib.__file__), os.path.abspath(_dataclasses.__file__))
 
 
 def _is_internal(filename: str, func: str = "") -> bool:
     if os.path.abspath(filename) in _STDLIB_HELPERS:
-        return True   # `with tl.when(...)` enters through contextlib
+        return True   # contextlib (tl.when) or dataclasses.replace (with_)
     if filename == "<string>" and func in ("__init__", "__post_init__"):
         return True   # dataclass-generated constructors of our frozen schedules
     f = os.path.abspath(filename)

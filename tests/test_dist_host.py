@@ -1936,6 +1936,23 @@ def test_allgather_copy_engine_push_in_column_slices(proto, monkeypatch):
         assert ev[10] == ("cuStreamWriteValue64", cs, eng.consumed_peers[0] + 8 * 1, L - 1)
 
 
+def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
+    """The default push moves 1024-column slices where K is wider and the compute tile's K step
+    divides 1024 (whole shards otherwise, and for the GEMM pusher); the autotuner's candidates
+    hold the default push both ways, so a tuned choice can only be as fast or faster."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul, DEFAULT_COMPUTE, default_col_tile
+    from tldsl.bench_dist import candidates
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    assert default_col_tile(8192, DEFAULT_COMPUTE) == 1024
+    assert default_col_tile(1024, DEFAULT_COMPUTE) is None                        # one slice: whole
+    op = AllGatherMatmul(1024, 2056, 3000, torch.bfloat16)
+    assert op.comm.col_tile == 1024 and op._engine.slices == 3                   # 1024, 1024, 8
+    assert AllGatherMatmul(1024, 2056, 3000, torch.bfloat16, pusher="gemm").comm.col_tile is None
+    comms = [cm for _, cm in candidates("ag_gemm")]
+    assert op.comm in comms and op.comm.with_(col_tile=None) in comms
+
+
 def test_allgather_push_by_the_gemm(proto, monkeypatch):
     """pusher="gemm": the launch is the GEMM alone (lowered with push_rows) — no copy stream, no
     event, no memop: it gets the peer's landing buffer (both slots) to push into, this rank's

@@ -208,3 +208,15 @@ def test_non_array_argument(nothing_runs):
         x["scale"] = [0.5] * 4
     with pytest.raises(tl.InputError, match="argument 'scale' on rank 0 is a list, not an array"):
         tl.simulate(gather_scale, 2, inputs)
+
+
+def test_schedule_errors_point_at_the_users_line_through_with_():
+    """A schedule derived with ``with_`` (dataclasses.replace underneath) reports the caller's
+    line, not the standard library's."""
+    base = tl.CommSchedule(engine="copy_engine", mode="push")
+    with pytest.raises(tl.ScheduleError) as info:
+        base.with_(engine="sm", col_tile=1024)          # the line the error must name
+    err = info.value
+    assert "column slices are the copy-engine all-gather's" in str(err)
+    assert err.loc is not None and err.loc.filename == __file__
+    assert "base.with_(engine=\"sm\", col_tile=1024)" in err.loc.source

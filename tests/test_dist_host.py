@@ -811,6 +811,17 @@ from tldsl.runtime.dist.ag_gemm import resolve_comm  # noqa: E402
 from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, check_problem, default_comm, default_sm_comm, validate_operands  # noqa: E402
 
 
+def test_allgather_dtype_is_checked_before_anything_is_built(proto, monkeypatch, fake_ag):
+    """AllGather+GEMM takes bfloat16 or float16 (torch dtypes or their names); anything else is an
+    InputError before any memory is allocated — not an fp16 kernel reading other bytes."""
+    AllGatherMatmul, torch = fake_ag
+    for bad in (torch.float32, "int8", "float64", "bogus"):
+        with pytest.raises(tl.InputError, match="AllGather\\+GEMM runs on bfloat16 or float16"):
+            AllGatherMatmul(1024, 1032, 3000, bad)
+    assert AllGatherMatmul(1024, 1032, 3000, "float16").dtype == torch.float16
+    assert AllGatherMatmul(1024, 1032, 3000, torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_gemm_rs_problem_checks():
     assert check_problem(4091 * 2, 1032, 3000, 2, "bfloat16") == "bf16"
     assert check_problem(64, 64, 64, 4, "torch.float16") == "f16"
@@ -960,9 +971,9 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
-                                              "ag_gemm/copy_engine-push-direct", "ag_gemm/copy_engine-push-sliced", "ag_gemm/copy_engine-push-sliced-plan", "ag_gemm/gemm-push",
+                                              "ag_gemm/copy_engine-push-direct", "ag_gemm/copy_engine-push-sliced", "ag_gemm/copy_engine-push-sliced-plan", "ag_gemm/copy_engine-f16", "ag_gemm/copy_engine-push-sliced-f16", "ag_gemm/gemm-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
-                                              "gemm_rs/copy_engine", "gemm_rs/copy_engine-f32",
+                                              "gemm_rs/copy_engine", "gemm_rs/copy_engine-f16", "gemm_rs/copy_engine-f32",
                                                   "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
                                                   "gemm_rs/sm-push",
                                               "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
@@ -985,17 +996,18 @@ def test_dist_check_variants_lower_at_their_sizes(op):
     W = 2
     for v in dc.variants(op):
         kw = dict(v.kwargs)
+        dt = {"bfloat16": tl.bfloat16, "float16": tl.float16}[v.dtype]
         for check in dc.CHECKS:
             rows, k, n = dc.sizes(check, W, v)
             if op == "ag_gemm":
                 comm = resolve_comm(kw.get("comm"), kw.get("engine"), None, AG_COMPUTE)
-                ir = allgather_gemm.trace(W, S((rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
-                                          S((W * rows, n), tl.bfloat16), compute=AG_COMPUTE, comm=comm)
+                ir = allgather_gemm.trace(W, S((rows, k), dt), S((k, n), dt),
+                                          S((W * rows, n), dt), compute=AG_COMPUTE, comm=comm)
                 comm_part = "gather_a"
             else:
                 comm = kw.get("comm") or (default_sm_comm if kw.get("engine") == "sm" else default_comm)(RS_COMPUTE)
-                ir = gemm_reduce_scatter.trace(W, S((W * rows, k), tl.bfloat16), S((k, n), tl.bfloat16),
-                                               S((rows, n), tl.bfloat16), compute=RS_COMPUTE,
+                ir = gemm_reduce_scatter.trace(W, S((W * rows, k), dt), S((k, n), dt),
+                                               S((rows, n), dt), compute=RS_COMPUTE,
                                                comm=traced_comm(comm, rows, RS_COMPUTE))
                 comm_part = "reduce_scatter" if comm.engine == "sm" else None    # copy engine: the runtime's copies
             g = lower(ir, "gemm")
@@ -1442,6 +1454,15 @@ def test_allgather_launch_protocols(proto, variant):
             assert [e[3] for e in copies if e[0] == "cuStreamWriteValue64"] == [L, L]
 
 
+
+@pytest.fixture
+def fake_ag(proto, monkeypatch):
+    """``(AllGatherMatmul, torch)`` with torch symmetric memory faked over ``proto``'s driver."""
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    return AllGatherMatmul, proto.torch
+
+
 def _fake_torch_symmetric_memory(proto, monkeypatch):
     """torch's symm_mem.empty / rendezvous as CPU tensors and the fixture's fake handle."""
     import torch.distributed._symmetric_memory as sm
@@ -1449,14 +1470,12 @@ def _fake_torch_symmetric_memory(proto, monkeypatch):
     monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: proto.Handle(t))
 
 
-def test_allgather_direct_copy_engine_protocol(proto, monkeypatch):
+def test_allgather_direct_copy_engine_protocol(proto, monkeypatch, fake_ag):
     """The default AG+GEMM path: shard staged in slot L % 2 and our rows + flag on the compute
     stream, ONE barrier on the copy stream, peer copies from the peer's slot L % 2 with their
     flags, and the GEMM (on all SMs but one, never behind the barrier) on the compute stream,
     enqueued before the copy stream's work with garbage collection paused until it is all in."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 4091, 1032, 3000
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="kernel")
     assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
@@ -1638,12 +1657,10 @@ def test_checks_catch_broken_ops(bug, check, want):
     assert not ok and want in info, info
 
 
-def test_allgather_memops_handshake(proto, monkeypatch):
+def test_allgather_memops_handshake(proto, monkeypatch, fake_ag):
     """handshake='memops': no barrier kernel and no reserved SM; the copy stream writes the
     launch number into this rank's slot on every peer, then waits for every peer's slot here."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 4091, 1032, 3000
     with pytest.raises(tl.InputError, match="handshake"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
@@ -1740,14 +1757,12 @@ def test_allgather_device_handshake(proto, monkeypatch):
                                               "GEMM", "cuEventRecord", "cuStreamWaitEvent"]
 
 
-def test_allgather_gemm_staging(proto, monkeypatch):
+def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
     """staging='gemm': no staging pass before the GEMM. The GEMM (lowered with own_rows) reads
     this rank's rows from the shard and stages them into slot L % 2 and A_gathered itself,
     publishing the arrival; the copy stream follows the call's start and per peer waits for its
     arrival, copies, writes the flag. This rank's tile rows make one group of the order."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 1024, 1032, 3000
     with pytest.raises(tl.InputError, match="whole 128-row tiles"):
         AllGatherMatmul(4091, K, N, torch.bfloat16, staging="gemm")
@@ -1812,16 +1827,14 @@ def test_allgather_gemm_staging(proto, monkeypatch):
     assert sigs["own_arrive"] is not op.arrive and sigs["own_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
 
 
-def test_allgather_copy_engine_push(proto, monkeypatch):
+def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
     """Copy-engine push, direct: nothing staged, no handshake kernel. Per peer in ring order the
     copy stream waits until the peer finished launch L-2 (it read landing slot L % 2 then), pushes
     the shard straight from the caller's tensor into the peer's landing slot, and writes L into
     the peer's flag; after the GEMM (lowered with gather_rows: this rank's rows from the shard,
     every stage stored into A_gathered) the compute stream writes L into this rank's slot of
     every peer's consumed array."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 1024, 1032, 3000
     push = tl.CommSchedule(engine="copy_engine", mode="push")
     for bad, match in ((dict(staging="gemm"), "staging='gemm': the copy-engine push stages nothing"),
@@ -1899,15 +1912,13 @@ def test_allgather_copy_engine_push(proto, monkeypatch):
     assert bufs["a_copy"].data_ptr() != full.data_ptr()
 
 
-def test_allgather_copy_engine_push_in_column_slices(proto, monkeypatch):
+def test_allgather_copy_engine_push_in_column_slices(proto, monkeypatch, fake_ag):
     """col_tile: per peer the copy stream pushes the shard in column slices — one 2-D copy per
     slice (both pitches a row of K, the last slice narrower), each followed by the flag's count
     of slices landed, slices * (L - 1) + j + 1 — and the GEMM waits per slice in its K loop
     (target slices * (launch - 1) + slice + 1). A col_tile of K or more moves whole shards; the
     direct pull and the GEMM pusher take no slices."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 1024, 1032, 3000
     push = tl.CommSchedule(engine="copy_engine", mode="push")
     with pytest.raises(tl.InputError, match="pusher='gemm' pushes whole tiles of rows"):
@@ -1953,14 +1964,12 @@ def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
     assert op.comm in comms and op.comm.with_(col_tile=None) in comms
 
 
-def test_allgather_push_by_the_gemm(proto, monkeypatch):
+def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):
     """pusher="gemm": the launch is the GEMM alone (lowered with push_rows) — no copy stream, no
     event, no memop: it gets the peer's landing buffer (both slots) to push into, this rank's
     landing slot L % 2 to read from, every rank's flag address and a push counter. The GEMM alone
     (compute_only) is the same gathering GEMM without the pushes."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 1024, 1032, 3000
     with pytest.raises(tl.InputError, match="pusher='dma': choose 'copy_engine' or 'gemm'"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, pusher="dma")
@@ -2063,12 +2072,10 @@ def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch
 
 
 @pytest.mark.parametrize("staging", ["kernel", "gemm"])
-def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch, staging):
+def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch, fake_ag, staging):
     """The direct pull keeps spare outputs too (both of its launch paths: a staging pass, or the
     GEMM staging its own rows): the GEMM of the next call on the same stream writes them."""
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)
+    AllGatherMatmul, torch = fake_ag
     Ms, K, N = 128, 64, 96
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
                          staging=staging)

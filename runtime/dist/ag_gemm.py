@@ -60,7 +60,7 @@ from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
-from .group import dist_context
+from .group import dist_context, dtype_name
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
@@ -119,7 +119,7 @@ class AllGatherMatmul:
         self.ctx = dist_context(group)
         W, r = self.ctx.world_size, self.ctx.rank
         self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
-        tdtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+        tdtype = torch.bfloat16 if dtype_name(dtype, "AllGather+GEMM") == "bf16" else torch.float16
         self.dtype = tdtype
         keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
         if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):

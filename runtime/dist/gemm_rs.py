@@ -62,11 +62,10 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
-from .group import dist_context
+from .group import dist_context, dtype_name
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 DEFAULT_SMS = 16
-_IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"}
 
 
 def default_comm(compute: ComputeSchedule, sms: int | None = None, *, m: int | None = None,
@@ -116,17 +115,9 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
     return comm.with_(tile_m=rows)
 
 
-def dtype_name(dtype) -> str:
-    """``bf16`` / ``f16`` for a torch dtype or its name; InputError otherwise."""
-    s = str(dtype).replace("torch.", "")
-    if s not in _IR_DTYPES:
-        raise InputError(f"dtype {dtype}: GEMM+ReduceScatter runs on bfloat16 or float16 inputs")
-    return _IR_DTYPES[s]
-
-
 def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
     """Shape rules of the op, checked when it is built; returns the IR dtype name."""
-    dt = dtype_name(dtype)
+    dt = dtype_name(dtype, "GEMM+ReduceScatter")
     for name, v in (("M", m), ("K", k), ("N", n)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise InputError(f"{name}={v!r} must be a positive int")

@@ -53,3 +53,15 @@ def dist_context(group=None) -> DistContext:
     group = group or dist.group.WORLD
     return DistContext(dist.get_rank(group), dist.get_world_size(group), torch.cuda.current_device(), group,
                        group.group_name, _choose_backend())
+
+
+_IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"}
+
+
+def dtype_name(dtype, op: str) -> str:
+    """``bf16`` / ``f16`` for a torch dtype or its name — the fused ops' input dtypes;
+    InputError naming ``op`` otherwise (before anything is built)."""
+    s = str(dtype).replace("torch.", "")
+    if s not in _IR_DTYPES:
+        raise InputError(f"dtype {dtype}: {op} runs on bfloat16 or float16 inputs")
+    return _IR_DTYPES[s]

@@ -146,8 +146,8 @@ def rs_reference(a, b, world_size: int, partial_dtype: str = "out"):
     """``(slack, ref)`` of GEMM+ReduceScatter on this rank (under torch.distributed): ``ref`` the
     fp32 reduce-scatter of the products — each rounded to A's dtype first when the op keeps its
     partials in that dtype (``partial_dtype="out"``, NCCL + cuBLAS's numerics) — and ``slack``
-    (None for fp32 partials) ``2^-7 * sum_r |P_r|``: one ulp of every rounded partial, the most
-    a different fp32 accumulation order can change it by."""
+    (None for fp32 partials) ``2^-7 * sum_r |P_r|`` (bf16; ``2^-10`` for fp16): one ulp of every
+    rounded partial, the most a different fp32 accumulation order can change it by."""
     import torch
     import torch.distributed as dist
     full = torch.matmul(a.float(), b.float())
@@ -158,7 +158,7 @@ def rs_reference(a, b, world_size: int, partial_dtype: str = "out"):
     slack = torch.empty_like(ref)
     dist.reduce_scatter_tensor(slack, full.abs())
     dist.reduce_scatter_tensor(ref, full.to(a.dtype).float())
-    return slack.mul_(2.0 ** -7), ref
+    return slack.mul_(2.0 ** (-10 if a.dtype == torch.float16 else -7)), ref
 
 
 def missing_notifies(counters: dict, per_launch: dict | None, launch: int, limit: int = 24) -> list[str]:
@@ -188,6 +188,7 @@ class Variant:
     kwargs: tuple = ()       # constructor keyword arguments (name, value) pairs
     sm_comm: bool = False    # the communication runs on reserved SMs (device delays are safe there)
     rows: int | None = None  # rows per rank of the odd-size checks, where the schedule needs whole tiles
+    dtype: str = "bfloat16"  # the inputs' and outputs' torch dtype (bfloat16 or float16)
 
     @property
     def label(self) -> str:
@@ -218,6 +219,9 @@ def variants(op: str) -> list[Variant]:
                 Variant("ag_gemm", "copy_engine-push-sliced-plan",
                         (("comm", CommSchedule(engine="copy_engine", mode="push", col_tile=256)),
                          ("ce_executor", "plan"))),
+                # fp16: the defaults at odd M (the pull) and at whole tiles per rank (the sliced push)
+                Variant("ag_gemm", "copy_engine-f16", dtype="float16"),
+                Variant("ag_gemm", "copy_engine-push-sliced-f16", rows=4096, dtype="float16"),
                 # the GEMM pushes this rank's rows itself (no copy engine; whole tiles per rank)
                 Variant("ag_gemm", "gemm-push",
                         (("comm", CommSchedule(engine="copy_engine", mode="push")), ("ce_executor", "direct"),
@@ -231,6 +235,7 @@ def variants(op: str) -> list[Variant]:
     if op == "gemm_rs":
         epilogue = CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
         return [Variant("gemm_rs", "copy_engine"),
+                Variant("gemm_rs", "copy_engine-f16", dtype="float16"),
                 Variant("gemm_rs", "copy_engine-f32", (("partial_dtype", "f32"),)),
                 # this rank's rows summed in the GEMM epilogue (M/W must be whole tiles:
                 # here at every check, K and N still odd multiples of 8)
@@ -350,9 +355,9 @@ class Env:
         from tldsl.runtime.dist import AllGatherMatmul, MatmulReduceScatter
         kw = dict(v.kwargs)
         if v.op == "ag_gemm":
-            op = AllGatherMatmul(rows, k, n, self.torch.bfloat16, **kw)
+            op = AllGatherMatmul(rows, k, n, getattr(self.torch, v.dtype), **kw)
         else:
-            op = MatmulReduceScatter(self.W * rows, k, n, self.torch.bfloat16, **kw)
+            op = MatmulReduceScatter(self.W * rows, k, n, getattr(self.torch, v.dtype), **kw)
         st = self.state
         st.op = op
         st.reader = CounterReader(op)
@@ -367,8 +372,9 @@ class Env:
         torch = self.torch
         g = self.generator(seed)
         m = rows if v.op == "ag_gemm" else self.W * rows
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        dt = getattr(torch, v.dtype)
+        a = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+        b = torch.randn(k, n, device="cuda", dtype=dt, generator=g)
         return a, b
 
     def reference(self, v: Variant, a, b):
@@ -388,7 +394,7 @@ class Env:
     def out_like(self, v: Variant, rows, n):
         torch = self.torch
         m = self.W * rows if v.op == "ag_gemm" else rows
-        return torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        return torch.full((m, n), float("nan"), device="cuda", dtype=getattr(torch, v.dtype))
 
     def call(self, v: Variant, op, a, b, out=None, poison=False):
         if v.op == "ag_gemm":

@@ -967,7 +967,8 @@ def test_compare_finds_unwritten_and_wrong_tiles():
 def test_dist_check_lists_variants_without_a_gpu(capsys):
     assert dc.main(["all", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [l.split(":")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
+    assert "ag_gemm/copy_engine-f16 (float16): defaults" in out and "gemm_rs/sm-pull (bfloat16)" in "\n".join(out)
+    assert [l.split(" (")[0] for l in out] == ["ag_gemm/copy_engine", "ag_gemm/copy_engine-kernel",
                                               "ag_gemm/copy_engine-memops", "ag_gemm/copy_engine-comm_first",
                                               "ag_gemm/copy_engine-gemm_staging",
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
@@ -980,7 +981,7 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
     assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0
-    assert capsys.readouterr().out.startswith("gemm_rs/sm-pull:")
+    assert capsys.readouterr().out.startswith("gemm_rs/sm-pull (bfloat16):")
     with pytest.raises(SystemExit, match="unknown check"):
         dc.main(["ag_gemm", "--checks", "odd_m,nope"])
     with pytest.raises(SystemExit, match="unknown variant"):
@@ -2399,8 +2400,10 @@ def test_bench_row_and_table():
     row = _row(8192, 8192, 8192, 2, times, [], True, 0.01, None, out, rank=0)
     assert row["ideal"] == 2.5 and row["ours"] == 2.75 and "ours 2.750 ms" in out.getvalue()
     assert _row(8192, 8192, 8192, 2, times, [], False, 9.0, None, io.StringIO(), rank=1)["correct"] is False
-    _table([row], "NCCL AG ms", out)
-    last = out.getvalue().strip().splitlines()[-1]
+    _table([row], "NCCL AG ms", out, "float16")
+    lines = out.getvalue().strip().splitlines()
+    assert "float16, world size 2:" in lines            # the table says which dtype it timed
+    last = lines[-1]
     assert last == "| 8192 | 8192 | 8192 | 2.750 | 2.900 | 2.950 | 0.300 | 2.500 | 2.600 | 2.500 | 1.100 | 0.948 | 0.932 | yes |"
 
 

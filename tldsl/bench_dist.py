@@ -93,17 +93,18 @@ def _enable_symm_mem(gname):
         pass
 
 
-def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, pusher=None):
+def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, pusher=None, dtype="bfloat16"):
     """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm);
     ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``); ``pusher``: who pushes
-    the shards on the copy-engine push path (``copy_engine`` or ``gemm``)."""
+    the shards on the copy-engine push path (``copy_engine`` or ``gemm``); ``dtype``: ``bfloat16``
+    or ``float16`` (ours and every peer alike)."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul
     r, W = dist.get_rank(), dist.get_world_size()
     gname = dist.group.WORLD.group_name
     _enable_symm_mem(gname)
-    dt = torch.bfloat16
+    dt = getattr(torch, dtype)
     rows = []
     for (M, N, K) in shapes:
         torch.manual_seed(1234 + r)
@@ -137,7 +138,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, 
         del op
         _release()
     if r == 0:
-        _table(rows, "NCCL AG ms", out)
+        _table(rows, "NCCL AG ms", out, dtype)
     return rows
 
 
@@ -180,8 +181,9 @@ def _release():
     torch.cuda.synchronize()
 
 
-def _table(rows, comm_col, out):
-    print(f"\n| M | N | K | ours ms | NCCL+cuBLAS seq ms | torch async-TP ms | {comm_col} | cuBLAS GEMM ms | "
+def _table(rows, comm_col, out, dtype="bfloat16"):
+    print(f"\n{dtype}, world size {rows[0]['W'] if rows else '?'}:", file=out)
+    print(f"| M | N | K | ours ms | NCCL+cuBLAS seq ms | torch async-TP ms | {comm_col} | cuBLAS GEMM ms | "
           "our GEMM alone ms | ideal ms | ours/ideal | ours/seq | ours/async-TP | correct |", file=out)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for d in rows:
@@ -204,7 +206,7 @@ def _ag_kwargs(cand):
     return {"compute": compute, "comm": comm}     # copy-engine push: direct where it can run, else the plan
 
 
-def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
+def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None, dtype="bfloat16"):
     """GEMM+ReduceScatter: ours (MatmulReduceScatter) beside NCCL reduce-scatter + cuBLAS in
     sequence and torch async-TP ``fused_matmul_reduce_scatter``; ``schedule`` as for ag_gemm."""
     import torch
@@ -214,7 +216,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
     r, W = dist.get_rank(), dist.get_world_size()
     gname = dist.group.WORLD.group_name
     _enable_symm_mem(gname)
-    dt = torch.bfloat16
+    dt = getattr(torch, dtype)
     rows = []
     for (M, N, K) in shapes:
         if M % W or K % W:
@@ -255,7 +257,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None):
         del op, c
         _release()
     if r == 0:
-        _table(rows, "NCCL RS ms", out)
+        _table(rows, "NCCL RS ms", out, dtype)
     return rows
 
 
@@ -286,7 +288,7 @@ def candidates(what):
     return [(cp, cm) for cm in comms for cp in computes]
 
 
-def tune(what, shape, iters, *, force, out=sys.stdout):
+def tune(what, shape, iters, *, force, out=sys.stdout, dtype="bfloat16"):
     """Autotune the schedule of ``what`` at global ``shape`` (M, N, K); returns the TuneResult."""
     import torch
     import torch.distributed as dist
@@ -295,7 +297,7 @@ def tune(what, shape, iters, *, force, out=sys.stdout):
     from tldsl.testing.dist_check import compare, rs_reference
     r, W = dist.get_rank(), dist.get_world_size()
     M, N, K = shape
-    dt = torch.bfloat16
+    dt = getattr(torch, dtype)
     torch.manual_seed(999 + r)
     if what == "ag_gemm":
         a = torch.randn(M // W, K, device="cuda", dtype=dt)
@@ -345,9 +347,9 @@ def tune(what, shape, iters, *, force, out=sys.stdout):
             print(f"#   {trial.label}: {t}", file=out, flush=True)
 
     if r == 0:
-        print(f"# tuning {what} {M}x{N}x{K} over {len(candidates(what))} candidates", file=out, flush=True)
+        print(f"# tuning {what} {M}x{N}x{K} {dtype} over {len(candidates(what))} candidates", file=out, flush=True)
     tuner = Autotuner(collective=TorchCollective())
-    res = tuner.tune(what, [list(shape)], "bfloat16", W, torch.cuda.get_device_name(), candidates(what), measure,
+    res = tuner.tune(what, [list(shape)], dtype, W, torch.cuda.get_device_name(), candidates(what), measure,
                      force=force, log=log)
     if r == 0:
         print(f"\n{what} {M}x{N}x{K}{' (cached choice)' if res.cached else ''}: best {res.best_label}"
@@ -374,13 +376,13 @@ def parse_shapes(what: str, text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def write_json(path, what, rows, *, gpu, argv):
+def write_json(path, what, rows, *, gpu, argv, dtype="bfloat16"):
     """The benchmark's rows (times in ms, phases per rank) as one JSON document."""
     import datetime
     import json
     import torch
     import torch.distributed as dist
-    doc = {"op": what, "date": datetime.date.today().isoformat(), "gpu": gpu, "world_size": dist.get_world_size(),
+    doc = {"op": what, "dtype": dtype, "date": datetime.date.today().isoformat(), "gpu": gpu, "world_size": dist.get_world_size(),
            "torch": torch.__version__, "argv": list(argv), "rows": rows}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -469,6 +471,8 @@ def main(what, argv):
     ap.add_argument("--schedule", default=None, metavar="SPEC",
                     help="ours = this schedule, e.g. 'engine=sm,mode=push,sms=8,order=ring,tile=128x256x64,"
                          "stages=4,compute_order=comm_aligned' (unset keys: the op's defaults)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                    help="element type of A, B and the outputs (ours and the peers alike)")
     ap.add_argument("--bind", action="store_true", help="pin each rank to the CPU cores local to its GPU "
                     "(every candidate alike; tldsl/cpu_binding.py)")
     args = ap.parse_args(argv)
@@ -485,21 +489,21 @@ def main(what, argv):
     try:
         if args.sweep:
             for shape in shapes:
-                tune(what, shape, args.iters, force=True)
+                tune(what, shape, args.iters, force=True, dtype=args.dtype)
             return 0
         schedule = None
         if args.schedule:
             schedule = parse_schedule(what, args.schedule)
         if args.tune:
-            chosen = {shape: tune(what, shape, args.iters, force=False).best for shape in shapes}
+            chosen = {shape: tune(what, shape, args.iters, force=False, dtype=args.dtype).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731
         if what == "ag_gemm":
             rows = bench_ag_gemm(shapes, args.iters, schedule=schedule, handshake=args.ag_handshake,
-                                 pusher=args.ag_pusher)
+                                 pusher=args.ag_pusher, dtype=args.dtype)
         else:
-            rows = bench_gemm_rs(shapes, args.iters, schedule=schedule)
+            rows = bench_gemm_rs(shapes, args.iters, schedule=schedule, dtype=args.dtype)
         if args.json and dist.get_rank() == 0:
-            write_json(args.json, what, rows, gpu=torch.cuda.get_device_name(), argv=argv)
+            write_json(args.json, what, rows, gpu=torch.cuda.get_device_name(), argv=argv, dtype=args.dtype)
     finally:
         dist.destroy_process_group()
     return 0

@@ -665,7 +665,7 @@ def run(argv=None) -> int:
         todo = [v for v in todo if v.name in want or v.label in want]
     if args.list:
         for v in todo:
-            print(f"{v.label}: {dict(v.kwargs) or 'defaults'}")
+            print(f"{v.label} ({v.dtype}): {dict(v.kwargs) or 'defaults'}")
         return 0
     for k, val in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, val)

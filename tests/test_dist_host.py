@@ -974,10 +974,12 @@ def test_dist_check_lists_variants_without_a_gpu(capsys):
                                               "ag_gemm/copy_engine-plan", "ag_gemm/copy_engine-push",
                                               "ag_gemm/copy_engine-push-direct", "ag_gemm/copy_engine-push-sliced", "ag_gemm/copy_engine-push-sliced-plan", "ag_gemm/copy_engine-f16", "ag_gemm/copy_engine-push-sliced-f16", "ag_gemm/gemm-push",
                                               "ag_gemm/sm-pull", "ag_gemm/sm-push", "ag_gemm/sm-push-nvshmem",
+                                              "ag_gemm/sm-push-f16",
                                               "gemm_rs/copy_engine", "gemm_rs/copy_engine-f16", "gemm_rs/copy_engine-f32",
                                                   "gemm_rs/copy_engine-epilogue", "gemm_rs/copy_engine-epilogue-f32",
                                                   "gemm_rs/sm-push",
-                                              "gemm_rs/sm-push-f32", "gemm_rs/sm-push-nvshmem",
+                                              "gemm_rs/sm-push-f32", "gemm_rs/sm-push-f16", "gemm_rs/copy_engine-epilogue-f16",
+                                              "gemm_rs/sm-push-nvshmem",
                                               "gemm_rs/sm-pull",
                                               "gemm_rs/sm-push-full_mesh"]
     assert dc.main(["gemm_rs", "--variants", "gemm_rs/sm-pull", "--list"]) == 0

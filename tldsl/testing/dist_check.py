@@ -231,7 +231,10 @@ def variants(op: str) -> list[Variant]:
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True),
                 Variant("ag_gemm", "sm-push-nvshmem",
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8,
-                                               transport="nvshmem")),), True)]
+                                               transport="nvshmem")),), True),
+                Variant("ag_gemm", "sm-push-f16",
+                        (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=128, sms=8)),), True,
+                        dtype="float16")]
     if op == "gemm_rs":
         epilogue = CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
         return [Variant("gemm_rs", "copy_engine"),
@@ -244,6 +247,9 @@ def variants(op: str) -> list[Variant]:
                         rows=4096),
                 Variant("gemm_rs", "sm-push", (("engine", "sm"),), True),
                 Variant("gemm_rs", "sm-push-f32", (("engine", "sm"), ("partial_dtype", "f32")), True),
+                # fp16 sums in the communication kernel and in the GEMM's epilogue
+                Variant("gemm_rs", "sm-push-f16", (("engine", "sm"),), True, dtype="float16"),
+                Variant("gemm_rs", "copy_engine-epilogue-f16", (("comm", epilogue),), rows=4096, dtype="float16"),
                 Variant("gemm_rs", "sm-push-nvshmem",
                         (("comm", CommSchedule(engine="sm", mode="push", order="ring", tile_m=64, sms=16,
                                                transport="nvshmem")),), True),

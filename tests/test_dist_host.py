@@ -2151,6 +2151,20 @@ def test_bench_schedule_spec_parses_into_schedules():
     assert compute.cluster == (2, 1)
     _, comm = parse_schedule("ag_gemm", "compute_order=swizzled")(8192, 8192, 8192)
     assert comm.engine == "copy_engine" and comm.tile_m is None
+    # unset keys are what the op itself does at the shape: the push in column slices at whole
+    # tiles per rank, the pull elsewhere; a push asked for by hand gets the op's slices too
+    from tldsl.runtime.dist.ag_gemm import DEFAULT_COL_TILE
+    _, comm = parse_schedule("ag_gemm", "stages=3")(8192, 8192, 8192)
+    assert (comm.engine, comm.mode, comm.col_tile) == ("copy_engine", "push", DEFAULT_COL_TILE)
+    _, comm = parse_schedule("ag_gemm", "stages=3")(8190, 8192, 8192)          # 4095 rows per rank
+    assert (comm.engine, comm.mode, comm.col_tile) == ("copy_engine", "pull", None)
+    assert parse_schedule("ag_gemm", "mode=push")(8190, 8192, 8192)[1].col_tile == DEFAULT_COL_TILE
+    assert parse_schedule("ag_gemm", "mode=push,col_tile=none")(8192, 8192, 8192)[1].col_tile is None
+    assert parse_schedule("ag_gemm", "mode=pull")(8192, 8192, 8192)[1].col_tile is None
+    _, comm = parse_schedule("ag_gemm", "tile_m=32")(8192, 8192, 8192)          # SM keys mean the SM engine
+    assert (comm.engine, comm.mode, comm.tile_m, comm.col_tile) == ("sm", "pull", 32, None)
+    _, comm = parse_schedule("ag_gemm", "engine=sm")(8192, 8192, 8192)
+    assert (comm.engine, comm.mode, comm.tile_m) == ("sm", "pull", 128)
     with pytest.raises(tl.InputError, match="unknown key"):
         parse_schedule("ag_gemm", "warp_size=64")
     with pytest.raises(tl.InputError, match="not key=value"):
@@ -2430,3 +2444,23 @@ def test_launchers_check_their_tensors_before_launch():
                                  ({"a": ok.t()}, (8, 4), "bf16", "contiguous")):
         with pytest.raises(tl.InputError, match=msg):
             launcher.checked_tensor(bufs, "a", shape, dt)
+
+
+def test_probes_take_their_own_iteration_counts_unless_told(monkeypatch):
+    """``--iters`` reaches a probe only when given; otherwise each probe keeps its own default
+    (ag_skew's 80 calls, the one-GPU probes' 30)."""
+    import inspect
+    import tldsl.bench_probes as bp
+    own = {name: inspect.signature(getattr(bp, f"probe_{name}")).parameters["iters"].default
+           for name in ("ag_skew", "epilogue", "rs_order")}
+    assert own == {"ag_skew": 80, "epilogue": 30, "rs_order": 20}
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
+    seen = []
+    for name in own:
+        monkeypatch.setattr(bp, f"probe_{name}", lambda shapes, name=name, **kw: seen.append((name, kw)))
+    bp.main(["ag_skew"])
+    bp.main(["ag_skew", "--iters", "7"])
+    bp.main(["epilogue"])
+    bp.main(["rs_order", "--iters", "5"])
+    assert seen == [("ag_skew", {}), ("ag_skew", {"iters": 7}), ("epilogue", {}), ("rs_order", {"iters": 5})]

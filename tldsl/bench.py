@@ -3,7 +3,7 @@
     python -m tldsl.bench gemm [--shapes 8192x8192x8192,...] [--tune] [--iters 30]
     torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm      (see tldsl.bench_dist)
     python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
-    python -m tldsl.bench probe copy_engine|epilogue|rs_reduce_in   (see tldsl.bench_probes)
+    python -m tldsl.bench probe NAME                         (see tldsl.bench_probes for NAME)
 
 ``gemm``: the generated Hopper GEMM (a tile program lowered by ``tldsl.codegen``) against
 ``torch.matmul`` (cuBLAS), bf16, CUDA-event timing (median of ``--iters`` after warm-up),

@@ -95,7 +95,7 @@ def _enable_symm_mem(gname):
 
 def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, pusher=None, dtype="bfloat16"):
     """``schedule``: None (the op's defaults) or a function (M, N, K) -> (compute, comm);
-    ``handshake``: the copy-engine path's barrier (``kernel`` or ``memops``); ``pusher``: who pushes
+    ``handshake``: the copy-engine pull's barrier (``device``, ``memops`` or ``kernel``); ``pusher``: who pushes
     the shards on the copy-engine push path (``copy_engine`` or ``gemm``); ``dtype``: ``bfloat16``
     or ``float16`` (ours and every peer alike)."""
     import torch
@@ -276,7 +276,7 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="pull", tile_m=128, sms=8),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
     else:
-        comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default: 4 copies per peer
+        comms = [CommSchedule(engine="copy_engine", mode="push"),           # the default: up to 4 copies per peer
                  CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"),   # rows summed in the GEMM
                  CommSchedule(engine="copy_engine", mode="push", tile_m=512, reduce_in="epilogue"),
                  CommSchedule(engine="copy_engine", mode="push", tile_m=512),
@@ -429,21 +429,23 @@ def parse_schedule(what: str, spec: str):
         import torch.distributed as dist
         W = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
         compute = (ag_gemm.DEFAULT_COMPUTE if what == "ag_gemm" else gemm_rs.DEFAULT_COMPUTE).with_(**ckw)
+        sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
+        on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
+        # the base: what the op itself does at this shape (with engine="sm", for SM keys)
         if what == "ag_gemm":
-            comm = ag_gemm.resolve_comm(None, None, None, compute)
+            comm = (ag_gemm.resolve_comm(None, "sm", None, compute) if on_sms
+                    else ag_gemm.default_comm(M // W, K, compute))
         else:
-            sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
-            on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
             comm = (gemm_rs.default_sm_comm if on_sms else gemm_rs.default_comm)(compute, m=M, k=K // W)
         kw = dict(mkw)
         if kw.get("engine") == "copy_engine":
             kw.setdefault("tile_m", None)
             kw.setdefault("sms", None)
-        elif kw.get("engine") == "sm" and comm.engine == "copy_engine":
-            kw.setdefault("tile_m", compute.BM)
-            kw.setdefault("sms", 8)
-            kw.setdefault("reduce_in", "comm")
-        return compute, comm.with_(**kw)
+        comm = comm.with_(**kw)
+        if what == "ag_gemm" and "col_tile" not in kw:      # the op's slices wherever the copy engines push
+            ce_push = comm.engine == "copy_engine" and comm.mode == "push"
+            comm = comm.with_(col_tile=ag_gemm.default_col_tile(K, compute) if ce_push else None)
+        return compute, comm
     return schedule
 
 
@@ -463,9 +465,10 @@ def main(what, argv):
     ap.add_argument("--ag-pusher", default=None, choices=("copy_engine", "gemm"),
                     help="ag_gemm, where the copy engines push: who writes each shard into the peers — the copy "
                          "engine (the default) or the GEMM itself as it loads it")
-    ap.add_argument("--ag-handshake", default=None, choices=("kernel", "memops"),
-                    help="ag_gemm: the per-launch barrier as torch's barrier kernel (one SM kept free) or as "
-                         "stream memory operations (no SM; the default)")
+    ap.add_argument("--ag-handshake", default=None, choices=("device", "memops", "kernel"),
+                    help="ag_gemm, the copy-engine pull (giving it makes the op pull: the push has no handshake): "
+                         "the per-launch barrier published by the staging kernel (device, the pull's default), as "
+                         "stream memory operations (memops) or as torch's barrier kernel (kernel, one SM kept free)")
     ap.add_argument("--json", default=None, metavar="PATH", help="rank 0 also writes the rows (with every "
                     "rank's phase timeline) as JSON")
     ap.add_argument("--schedule", default=None, metavar="SPEC",

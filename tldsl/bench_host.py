@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 -m tldsl.bench_host [--shape 2048x8192x8192]
 
-For each fused op (AG+GEMM with its default schedule and pulling, GEMM+RS): the host time of one
+For each fused op (AG+GEMM with its default schedule, without spare outputs and pulling; GEMM+RS): the host time of one
 call with the device idle before it (the benchmark's condition) and, within it, the host time
 until the op's first kernel is handed to the driver and until that call returned (torch.mm's
 whole call beside it, for scale), the time per launch back to back, and three phase timelines with the host time at which each phase was enqueued

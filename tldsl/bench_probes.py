@@ -9,6 +9,9 @@
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_handshake [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_push [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_spares [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_slices [--shapes MxNxK,...]
+    torchrun --nproc_per_node=2 -m tldsl.bench probe ag_skew [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_order [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_early_sum [--shapes MxNxK,...]
 
@@ -43,15 +46,17 @@
   GEMM (``memops``) or published by the staging kernel itself (``device``; the copy stream's
   waits and copies enqueued after the GEMM, or between the staging and the GEMM), timed the
   same way.
-* ``ag_push``: AllGather+GEMM pulling the shards (the default: each rank stages its shard into
-  symmetric memory — by the staging kernel, or by its GEMM — and the peers' copy engines pull it)
-  against pushing them (each rank's copy engine writes its shard straight from its tensor into
-  the peers' landing buffers; the GEMM reads its own rows from the shard and stores every row
-  into A_gathered) — telling the peers a landing slot is free at the next launch's start on the
+* ``ag_push``: AllGather+GEMM pulling the shards (each rank stages its shard into symmetric
+  memory — by the staging kernel, or by its GEMM — and the peers' copy engines pull it) against
+  pushing them whole (each rank's copy engine writes its shard straight from its tensor into the
+  peers' landing buffers; the GEMM reads its own rows from the shard and stores every row into
+  A_gathered; the op's default where rows are whole tiles, now in column slices: ``ag_slices``) — telling the peers a landing slot is free at the next launch's start on the
   copy stream (the default) or right after the GEMM, and with the pushes enqueued before the
   GEMM — timed the same way.
-* ``ag_slices``: AllGather+GEMM's copy-engine push moving each shard whole (the default) or in
-  column slices of ``col_tile`` columns, each behind its own flag, the GEMM waiting for a slice
+* ``ag_spares``: AllGather+GEMM allocating its outputs in each call, or ending each call by
+  allocating the next call's (spare outputs, the default up to 256 MiB of them), timed the same way.
+* ``ag_slices``: AllGather+GEMM's copy-engine push moving each shard whole or in column slices of
+  ``col_tile`` columns (2048, and 1024: the default), each behind its own flag, the GEMM waiting for a slice
   only when its K loop reaches it (a late peer's first slice starts the tiles that need it),
   timed the same way.
 * ``ag_skew``: how much a rank starting late slows its peer: AllGather+GEMM's push with whole
@@ -227,7 +232,7 @@ def epilogue_ablations(source: str) -> dict[str, str]:
     return out
 
 
-def probe_epilogue(shapes, out=sys.stdout):
+def probe_epilogue(shapes, iters=30, out=sys.stdout):
     import dataclasses
     import torch
     from tldsl.runtime.gpu import GemmKernel
@@ -251,7 +256,7 @@ def probe_epilogue(shapes, out=sys.stdout):
             fns[name] = (lambda k=k: k({"a": a, "b": b, "partial": partial, "out": res, "reduce_scatter_recv": recv},
                                        signals={"reduce_scatter_ready": ready, "reduce_scatter_done": done}))
         # two rounds, each variant's median, the better round kept (clock drift falls on all alike)
-        rounds = [{n: _time(f, 30) for n, f in fns.items()} for _ in range(2)]
+        rounds = [{n: _time(f, iters) for n, f in fns.items()} for _ in range(2)]
         best = {n: min(r[n] for r in rounds) for n in fns}
         assert list(fns) == names
         print(f"| {M}x{N}x{Kr} | " + " | ".join(f"{best[n]:.3f}" for n in fns) + " |", file=out, flush=True)
@@ -509,35 +514,38 @@ def main(argv) -> int:
     ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
                                      "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order"))
     ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
+                         "probes, 80 for ag_skew, 20 for the others)")
     args = ap.parse_args(argv)
+    its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
         probe_copy_engine()
     elif args.what == "ag_group":
         probe_ag_group(args.shapes or [(4096, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
-                                       (8192, 14336, 8192), (16384, 14336, 8192)])
+                                       (8192, 14336, 8192), (16384, 14336, 8192)], **its)
     elif args.what == "ag_gather":
         probe_ag_gather(args.shapes or [(2048, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
-                                        (2048, 14336, 8192), (8192, 14336, 8192)])
+                                        (2048, 14336, 8192), (8192, 14336, 8192)], **its)
     elif args.what == "epilogue":
-        probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)])
+        probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:
         import os
         for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
             os.environ.setdefault(k, v)
         rs_shapes = [(2048, 8192, 8192), (16384, 8192, 8192), (2048, 8192, 28672), (16384, 8192, 28672)]
         if args.what == "rs_reduce_in":
-            probe_rs_reduce_in(args.shapes or rs_shapes, args.iters)
+            probe_rs_reduce_in(args.shapes or rs_shapes, **its)
         elif args.what == "rs_order":
             probe_rs_order(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192),
-                                           (2048, 8192, 28672), (4096, 8192, 28672)], args.iters)
+                                           (2048, 8192, 28672), (4096, 8192, 28672)], **its)
         elif args.what == "rs_early_sum":
-            probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, args.iters)
+            probe_rs_early_sum(args.shapes or [(8192, 8192, 8192)] + rs_shapes, **its)
         else:
             probe = {"ag_enqueue": probe_ag_enqueue, "ag_staging": probe_ag_staging,
                      "ag_handshake": probe_ag_handshake, "ag_push": probe_ag_push,
                      "ag_spares": probe_ag_spares, "ag_slices": probe_ag_slices,
                      "ag_skew": probe_ag_skew}[args.what]
             probe(args.shapes or [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
-                                  (2048, 28672, 8192)], args.iters)
+                                  (2048, 28672, 8192)], **its)
     return 0

@@ -123,7 +123,7 @@ class AllGatherMatmul:
         self.dtype = tdtype
         keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
         if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):
-            comm = PUSH if pusher == "gemm" else PUSH.with_(col_tile=default_col_tile(self.K, compute or DEFAULT_COMPUTE))
+            comm = push_comm(self.K, compute, pusher)
         comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
         self.hooks: dict = {}
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
@@ -628,6 +628,20 @@ def default_col_tile(k: int, compute: ComputeSchedule) -> int | None:
     if k <= DEFAULT_COL_TILE or DEFAULT_COL_TILE % compute.BK:
         return None
     return DEFAULT_COL_TILE
+
+
+def push_comm(k: int, compute: ComputeSchedule | None, pusher: str | None = None) -> CommSchedule:
+    """The default push's communication schedule: whole shards where the GEMM pushes them
+    (``pusher="gemm"``), else the copy engines' column slices (:func:`default_col_tile`)."""
+    return PUSH if pusher == "gemm" else PUSH.with_(col_tile=default_col_tile(k, compute or DEFAULT_COMPUTE))
+
+
+def default_comm(rows_per_rank: int, k: int, compute: ComputeSchedule | None = None) -> CommSchedule:
+    """The communication schedule of an op built with no ``comm`` and none of the pull path's
+    options: the push where :func:`default_push` allows it, else the copy-engine pull."""
+    if default_push(rows_per_rank, compute, None, None, None, None, None, None):
+        return push_comm(k, compute)
+    return resolve_comm(None, None, None, compute or DEFAULT_COMPUTE)
 
 
 def default_push(rows_per_rank: int, compute: ComputeSchedule | None, engine, sms, ce_executor, staging, handshake,

@@ -8,7 +8,8 @@ its flag there (``cuStreamWriteValue64`` on the peer's symmetric flag array). Th
 (lowered with ``gather_rows``, ``tldsl::sm90::GatherRows``) reads this rank's rows from the shard
 itself (no waits), every peer's rows from the landing slot once its flag holds ``L`` (system-scope
 acquire), and stores every A stage it loads into the A_gathered the op returns — spread over the
-tile columns, by the producer warpgroup's stager thread, so the consumers never wait for it.
+tile columns, by the producer as it is about to refill that stage (no extra thread; a stager
+thread storing each stage as it lands, ``GatherRows<W, false>``, is kept for ``probe ag_gather``).
 
 Launch ``L`` (counted from 1; counters hold the last launch that wrote them and only grow):
 

@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	$(PY) -m tldsl.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q
 	$(PY) -m tldsl.testing.mutants
 
 mutants: $(VENV)/.installed
@@ -27,4 +27,4 @@ mutants: $(VENV)/.installed
 
 # On a GPU host (torch + cuda-python + an H200): the GPU tests, then the GEMM benchmark.
 gpu-test:
-	python3 -m pytest -q -m gpu tests
+	python3 -m pytest -q -rs -m gpu tests

@@ -364,16 +364,30 @@ def test_transport_is_a_communication_schedule_choice():
         tl.CommSchedule(transport="mpi")
     with pytest.raises(tl.ScheduleError, match="needs engine='sm'"):
         tl.CommSchedule(engine="copy_engine", transport="nvshmem")
-    # the simulator does not care how peers are reached: same result as the pointer transport
+    # transport is a codegen choice only: the traced IR differs in the schedule line alone
     W, Ms = 2, 24
+    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
+    ks = {t: allgather_gemm.trace(W, S((Ms, 16), tl.float16), S((16, 32), tl.float16), S((W * Ms, 32), tl.float16),
+                                  compute=c16, comm=tl.CommSchedule(tile_m=8, transport=t)) for t in ("ptr", "nvshmem")}
+    ir = {t: str(k).splitlines() for t, k in ks.items()}
+    assert len(ir["ptr"]) == len(ir["nvshmem"])
+    diff = [(x, y) for x, y in zip(ir["ptr"], ir["nvshmem"]) if x != y]
+    assert len(diff) == 1 and diff[0][0].lstrip().startswith("comm schedule:"), diff
+    assert "transport=ptr" in diff[0][0] and "transport=nvshmem" in diff[0][1]
+    # ... but the lowering does change: same transfers, different way to reach the peers
+    lc = {t: lower_comm(k, "gather_a") for t, k in ks.items()}
+    assert lc["ptr"].source != lc["nvshmem"].source and lc["nvshmem"].transport == "nvshmem"
+    assert (lc["ptr"].transfers, lc["ptr"].notifies) == (lc["nvshmem"].transfers, lc["nvshmem"].notifies)
+    # each simulated run gives the exact all_gather(A) @ B: small integers, exact in fp16
     rng = np.random.default_rng(5)
     a = [rng.integers(-3, 4, (Ms, 16)).astype(np.float16) for _ in range(W)]
     b = rng.integers(-3, 4, (16, 32)).astype(np.float16)
-    inputs = [{"a": a[r], "b": b, "c": np.full((W * Ms, 32), np.nan, np.float16)} for r in range(W)]
-    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
-    got = [tl.simulate(allgather_gemm, W, inputs, compute=c16, comm=tl.CommSchedule(tile_m=8, transport=t))[0]["c"]
-           for t in ("ptr", "nvshmem")]
-    assert np.array_equal(got[0], got[1])
+    want = (np.concatenate(a).astype(np.float32) @ b.astype(np.float32)).astype(np.float16)
+    for t, k in ks.items():
+        inputs = [{"a": a[r], "b": b, "c": np.full((W * Ms, 32), np.nan, np.float16)} for r in range(W)]
+        res = tl.simulate(k, W, inputs)
+        for r in range(W):
+            assert np.array_equal(res[r]["c"], want), (t, r)
 
 
 @pytest.mark.parametrize("comm", NVSHMEM, ids=_name)
@@ -755,7 +769,7 @@ def test_emulated_allgather_matches_simulator(tmp_path, W, Ms, K, comm, dt):
     npdt = np.float16 if dt == "float16" else np.float32
     shards = [rng.standard_normal((Ms, K)).astype(npdt) for _ in range(W)]
     b = rng.standard_normal((K, N)).astype(npdt)
-    inputs = [{"a": shards[r], "b": b, "c": np.zeros((W * Ms, N), npdt)} for r in range(W)]
+    inputs = [{"a": shards[r], "b": b, "c": np.full((W * Ms, N), np.nan, npdt)} for r in range(W)]
     k = allgather_gemm.trace(W, S((Ms, K), getattr(tl, dt)), S((K, N), getattr(tl, dt)), S((W * Ms, N), getattr(tl, dt)),
                              compute=tl.ComputeSchedule(tile=(16, 16, 16)), comm=comm)
     mem, eng = sim_state(k, inputs)
@@ -770,9 +784,18 @@ def test_emulated_allgather_matches_simulator(tmp_path, W, Ms, K, comm, dt):
         assert _same(memory[r]["a_gathered"], np.concatenate(shards))
         assert np.array_equal(signals[r]["gather_a_ready"], want_sig[r]["gather_a_ready"]), r
         assert (signals[r]["gather_a_ready"] == 1).all()
-    # a second launch: counters count on (epochs), data the same
+    # a second launch with fresh shards into a re-poisoned buffer: counters count on (epochs),
+    # and every row must be copied again (stale launch-1 rows would show)
+    shards2 = [rng.standard_normal((Ms, K)).astype(npdt) for _ in range(W)]
+    mem2, eng2 = sim_state(k, [{**inputs[r], "a": shards2[r]} for r in range(W)])
+    want2, _ = _state_from_sim(k, mem2, eng2)
+    for r in range(W):
+        memory[r]["a"] = shards2[r].copy()
+        memory[r]["a_gathered"][...] = np.nan
     emulate(k, lc, memory, signals, tmp_path / "2", launch=2)
     for r in range(W):
+        assert _same(memory[r]["a_gathered"], want2[r]["a_gathered"]), r
+        assert np.array_equal(memory[r]["a_gathered"], np.concatenate(shards2)), r
         assert (signals[r]["gather_a_ready"] == 2).all()
 
 
@@ -815,14 +838,29 @@ def test_emulated_reduce_scatter_matches_simulator(tmp_path, W, Ms, N, comm, par
     ref = sum(x.astype(np.float32) @ y.astype(np.float32) for x, y in zip(a, b))
     for r in range(W):
         np.testing.assert_allclose(memory[r]["out"].astype(np.float32), ref[r * Ms:(r + 1) * Ms], rtol=2e-2, atol=5e-2)
-    # launch 2: the partials' producers notify again; the waits need 2x now, the arrivals count on
+    # launch 2: new partials, their producers notify again (the waits need 2x now), the arrivals
+    # count on; staging and out re-poisoned, so a skipped transfer or a wait on launch 1's count
+    # (reading the stage before the peers wrote it) shows up as NaN or stale data
+    a2 = [rng.standard_normal((W * Ms, Kr)).astype(np.float16) for _ in range(W)]
+    b2 = [rng.standard_normal((Kr, N)).astype(np.float16) for _ in range(W)]
+    mem2, eng2 = sim_state(k, [{"a": a2[r], "b": b2[r], "out": inputs[r]["out"]} for r in range(W)])
+    want2_mem, want2_sig = _state_from_sim(k, mem2, eng2)
     for r in range(W):
-        signals[r]["reduce_scatter_ready"] = 2 * want_sig[r]["reduce_scatter_ready"]
+        assert not _same(want2_mem[r]["partial"], want_mem[r]["partial"])
+        memory[r]["partial"] = want2_mem[r]["partial"].copy()
+        signals[r]["reduce_scatter_ready"] = want_sig[r]["reduce_scatter_ready"] + want2_sig[r]["reduce_scatter_ready"]
         memory[r]["out"][...] = np.nan
+        memory[r][stage][...] = np.nan
     emulate(k, lc, memory, signals, tmp_path / "2", launch=2, threads=64)
     for r in range(W):
-        assert _same(memory[r]["out"], want_mem[r]["out"]), r
-        assert np.array_equal(signals[r]["reduce_scatter_arrived"], 2 * want_sig[r]["reduce_scatter_arrived"]), r
+        assert _same(memory[r]["out"], want2_mem[r]["out"]), r
+        assert _same(memory[r][stage], want2_mem[r][stage]), r
+        assert np.array_equal(signals[r]["reduce_scatter_arrived"],
+                              want_sig[r]["reduce_scatter_arrived"] + want2_sig[r]["reduce_scatter_arrived"]), r
+        assert (want2_sig[r]["reduce_scatter_arrived"] > 0).any()
+    ref2 = sum(x.astype(np.float32) @ y.astype(np.float32) for x, y in zip(a2, b2))
+    for r in range(W):
+        np.testing.assert_allclose(memory[r]["out"].astype(np.float32), ref2[r * Ms:(r + 1) * Ms], rtol=2e-2, atol=5e-2)
 
 
 @needs_gxx
@@ -877,15 +915,17 @@ def test_emulated_general_statements_match_simulator(tmp_path):
     f32, f16, bf = tl.float32, tl.float16, tl.bfloat16
     xs = [rng.standard_normal((4, 6, 10)).astype(np.float32) for _ in range(W)]
     vv = [rng.standard_normal(10).astype(np.float16) for _ in range(W)]
-    inputs = [{"x": xs[r], "v": vv[r], "y": np.zeros((W * 4 * 6, 10), np.float32),
-               "x2": np.zeros((W * 4, 5, 7), np.float32), "z": np.zeros(W * 4 * 10, np.float16)} for r in range(W)]
+    # outputs poisoned on both sides: a clipped copy must leave the rest untouched, not zero it
+    inputs = [{"x": xs[r], "v": vv[r], "y": np.full((W * 4 * 6, 10), np.nan, np.float32),
+               "x2": np.full((W * 4, 5, 7), np.nan, np.float32), "z": np.full(W * 4 * 10, np.nan, np.float16)}
+              for r in range(W)]
     comm = tl.CommSchedule(order="full_mesh", sms=3)
     k = comm_mix.trace(W, S((4, 6, 10), f32), S((10,), f16), S((W * 24, 10), bf), S((W * 4, 5, 7), f32),
                        S((W * 40,), f16), comm=comm)
     mem, eng = sim_state(k, inputs)
     want_mem, want_sig = _state_from_sim(k, mem, eng)
-    memory = [{"x": xs[r].copy(), "v": vv[r].copy(), "y": np.zeros((W * 24, 10), np.uint16),
-               "x2": np.zeros((W * 4, 5, 7), np.float32), "z": np.zeros(W * 40, np.float16)} for r in range(W)]
+    memory = [{"x": xs[r].copy(), "v": vv[r].copy(), "y": device_layout(inputs[r]["y"], "bf16"),
+               "x2": inputs[r]["x2"].copy(), "z": inputs[r]["z"].copy()} for r in range(W)]
     signals = [{"mix_ready": np.zeros(W * 4, np.uint64)} for _ in range(W)]
     lc = lower_comm(k)
     assert lc.transfers == 3 and lc.notifies == 1
@@ -894,7 +934,14 @@ def test_emulated_general_statements_match_simulator(tmp_path):
         for n in ("y", "x2", "z"):
             assert _same(memory[r][n], want_mem[r][n]), (r, n)
         assert np.array_equal(signals[r]["mix_ready"], want_sig[r]["mix_ready"])
-    assert (memory[0]["x2"][:, 3:, :] == 0).all() and (memory[0]["x2"][:, :, 5:] == 0).all()   # clipped
+    for r in range(W):
+        # y and z are written whole; x2 only where x[j, 3:, 5:] exists (3 rows x 5 cols), the rest still NaN
+        assert not any(np.isnan(np.asarray(mem.ranks[r][n].data, np.float32)).any() for n in ("y", "z"))
+        x2 = memory[r]["x2"]
+        assert np.isnan(x2[:, 3:, :]).all() and np.isnan(x2[:, :, 5:]).all()
+        for s in range(W):
+            for j in range(4):
+                assert np.array_equal(x2[s * 4 + j, :3, :5], xs[(r + s) % W][j, 3:, 5:]), (r, s, j)
 
 
 # =================================================================================================
@@ -968,7 +1015,8 @@ def test_copy_engine_plan_nd_clipped_copy_matches_simulator():
     W = 3
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((3, 5, 4)).astype(np.float32) for _ in range(W)]
-    inputs = [{"x": xs[r], "y": np.zeros((W * 3, 4, 5), np.float32)} for r in range(W)]
+    # y poisoned on both sides: the clipped box must leave the rest of y untouched, not zero it
+    inputs = [{"x": xs[r], "y": np.full((W * 3, 4, 5), np.nan, np.float32)} for r in range(W)]
     k = ce_blocks.trace(W, S((3, 5, 4), tl.float32), S((W * 3, 4, 5), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
     plan = plan_copy_engine(k)
     c = plan.copies(0)
@@ -977,12 +1025,19 @@ def test_copy_engine_plan_nd_clipped_copy_matches_simulator():
     assert c[0].src_pitch == 16 and c[0].dst_pitch == 20
     assert c[0].src_byte_offset == ((1 * 5 + 2) * 4 + 1) * 4 and c[1].src_byte_offset == ((2 * 5 + 2) * 4 + 1) * 4
     mem, eng = sim_state(k, inputs)
-    memory = [{"x": xs[r].copy(), "y": np.zeros((W * 3, 4, 5), np.float32)} for r in range(W)]
+    memory = [{"x": xs[r].copy(), "y": np.full((W * 3, 4, 5), np.nan, np.float32)} for r in range(W)]
     signals = [{"got": np.zeros(W, np.uint64)} for _ in range(W)]
     plan.run_numpy(memory, signals)
     for r in range(W):
-        assert np.array_equal(memory[r]["y"], mem.ranks[r]["y"].data)
+        assert _same(memory[r]["y"], mem.ranks[r]["y"].data)
         assert np.array_equal(signals[r]["got"], eng.signals[r]["got"].values)
+        for y in (memory[r]["y"], mem.ranks[r]["y"].data):
+            # y[p*3 : p*3+2, :3, :3] = x_p[1:3, 2:5, 1:4] for every peer p; the rest still NaN
+            written = np.zeros(y.shape, bool)
+            for p in range(W):
+                assert np.array_equal(y[p * 3:p * 3 + 2, :3, :3], xs[p][1:3, 2:5, 1:4]), (r, p)
+                written[p * 3:p * 3 + 2, :3, :3] = True
+            assert np.isnan(y[~written]).all(), r
 
 
 @tl.kernel

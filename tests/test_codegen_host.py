@@ -367,14 +367,29 @@ def test_pushing_gemm_orders_each_ctas_own_tiles_first():
                 return True
         return False
 
+    def lower_pushing(W, rows, group):
+        """lower_gemm of AllGather+GEMM pushing this rank's ``rows`` tile rows (BM = 128)."""
+        comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+        k = allgather_gemm.trace(W, S((rows * 128, 64), tl.float16), S((64, 256), tl.float16),
+                                 S((W * rows * 128, 256), tl.float16), comm=comm,
+                                 compute=tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=group))
+        return lower_gemm(k, "gemm", gather_rows=True, push_rows=True)
+
     @settings(max_examples=200, deadline=None)
-    @given(W=st.sampled_from([2, 4, 8]), rows=st.integers(1, 12), gn=st.integers(1, 20), group=st.integers(1, 8),
-           ctas=st.integers(1, 160), data=st.data())
-    def check(W, rows, gn, group, ctas, data):
-        rank = data.draw(st.integers(0, W - 1))
+    @given(W=st.sampled_from([2, 4, 8]), group=st.integers(1, 8), gn=st.integers(1, 20), ctas=st.integers(1, 160),
+           data=st.data())
+    def check(W, group, gn, ctas, data):
+        # this rank's tile rows whole groups (up to 12 rows), the orders lower_gemm accepts: every
+        # example checks the order
+        rows = group * data.draw(st.integers(1, max(1, 12 // group)), label="groups per rank")
+        rank = data.draw(st.integers(0, W - 1), label="rank")
         sched = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=group)
-        if rows % group == 0:
-            assert not first_peer_before_own(sched, rows * W, gn, W, rank, ctas)
+        assert not first_peer_before_own(sched, rows * W, gn, W, rank, ctas)
+        assert lower_pushing(W, rows, group).push_rows
+        if group > 1:   # a group straddling this rank's rows (a few rows more): refused
+            straddling = rows + data.draw(st.integers(1, group - 1), label="extra rows")
+            with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
+                lower_pushing(W, straddling, group)
     check()
     # a group straddling this rank's rows: some CTA meets a peer's tile first
     straddling = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=8)

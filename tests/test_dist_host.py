@@ -296,6 +296,10 @@ def _run_plan_on_fake(plan, launches=(1, 2), local_split=False, seed=0):
     execs = [PlanExecutor(plan, r, tables[r], driver=drv) for r in range(W)]
     issued = []
     for L in launches:
+        if L != launches[0]:        # fresh contents everywhere: a copy skipped at launch L shows
+            for r in range(W):
+                for name, arr in mem[r].items():
+                    arr[...] = want_mem[r][name][...] = (rng.standard_normal(arr.shape) * 10).astype(arr.dtype)
         # ranks enqueue in reverse order: the device, not enqueue order, must sort out waits
         for r in reversed(range(W)):
             issued.append(execs[r].enqueue(100 + r, L, local_stream=(200 + r) if local_split else None))

@@ -99,9 +99,10 @@ def gather_scale(a: tl.Symmetric, scale, out):
 
 
 def _inputs(W, R=3, C=4, dtype=np.float32):
+    # a different scale per column (so dropping it or mixing columns shows); out poisoned (NaN)
     rng = np.random.default_rng(7)
-    return [{"a": rng.standard_normal((R, C)).astype(dtype), "scale": np.full(C, 0.5, dtype),
-             "out": np.zeros((W * R, C), dtype)} for _ in range(W)]
+    return [{"a": rng.standard_normal((R, C)).astype(dtype), "scale": np.linspace(0.5, 2.0, C).astype(dtype),
+             "out": np.full((W * R, C), np.nan, dtype)} for _ in range(W)]
 
 
 @pytest.fixture
@@ -124,8 +125,10 @@ def test_valid_inputs_run():
     # the control: the same kernel and inputs, unbroken, simulate and compute the right thing
     inputs = _inputs(3)
     res = tl.simulate(gather_scale, 3, inputs, seed=1)
-    want = np.concatenate([x["a"] for x in inputs])
+    gathered = np.concatenate([x["a"] for x in inputs])
     for r in range(3):
+        want = 2 * inputs[r]["scale"][None, :] * gathered
+        assert not np.isnan(res[r]["out"]).any(), f"rank {r}: elements of 'out' left unwritten"
         np.testing.assert_allclose(res[r]["out"], want, rtol=1e-6)
 
 

@@ -136,7 +136,7 @@ def test_allgather_moe_waits_block_until_flags_are_set():
     sig = {"gather_x_ready": torch.zeros(lw.signal_slots["gather_x_ready"], device="cuda", dtype=torch.int64)}
     # Everything that runs while the kernel spins must already be loaded (lazy module loading).
     torch.cuda._sleep(1000)
-    assert torch.isnan(bufs["h"][used]).all().item()
+    torch.isnan(bufs["h"][used]).all().item()     # loads the kernels of the check made while it spins
     sig["gather_x_ready"].fill_(0)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
@@ -250,26 +250,32 @@ def test_combine_waits_block_until_flags_are_set():
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": _randn((rt.num_rows, Nr), "float16", g), "w2": _randn((E, Nr, K), "float16", g, 1 / 16),
             "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
-            "y_sorted": torch.zeros((rt.num_rows, K), device="cuda", dtype=torch.float32),
-            "partial": torch.zeros((W * Ms, K), device="cuda", dtype=torch.float32)}
+            "y_sorted": torch.full((rt.num_rows, K), float("nan"), device="cuda", dtype=torch.float32),
+            "partial": torch.full((W * Ms, K), float("nan"), device="cuda", dtype=torch.float32)}
     sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64)
             for n, s in {**lg.signal_slots, **lc.signal_slots}.items()}
+    ref = reference_moe_reduce_scatter([_np(bufs["h"])], [_np(bufs["w2"])], wts, rt)
     gk(bufs, signals=sigs, launch_index=1)
     ck(bufs, signals=sigs, launch_index=1)
     torch.cuda.synchronize()
+    _close(bufs["partial"].cpu().numpy(), ref, "launch 1", 1e-2)      # every element written, and right
     once = sigs["y_ready"].clone()            # one launch's notifies per channel
+    exp_y = _expected_counts(k, "grouped_gemm", tabs, W, 0,
+                             {"y_ready": {**lg.signal_slots, **lc.signal_slots}["y_ready"]})["y_ready"]
+    assert (once.cpu().numpy() == exp_y).all() and exp_y.any()
     # Everything that runs while the combine spins must already be loaded (lazy module loading).
     torch.cuda._sleep(1000)
-    assert not torch.isnan(bufs["partial"]).all().item()
     bufs["partial"].fill_(float("nan"))
-    sigs["y_ready"].add_(torch.zeros_like(once))
+    torch.isnan(bufs["partial"]).all().item()     # loads the kernels of the check made while it spins
+    sigs["y_ready"].add_(torch.zeros_like(once))  # ... and of the add that releases it (adds nothing)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         ck(bufs, signals=sigs, launch_index=2)          # needs 2 launches' notifies, has 1
     torch.cuda._sleep(50_000_000)
-    assert torch.isnan(bufs["partial"]).all().item(), "the combine ran before its GEMM tiles were notified"
-    sigs["y_ready"].add_(once)
-    torch.cuda.synchronize()
-    ref = reference_moe_reduce_scatter([_np(bufs["h"])], [_np(bufs["w2"])], wts, rt)
+    try:
+        assert torch.isnan(bufs["partial"]).all().item(), "the combine ran before its GEMM tiles were notified"
+    finally:
+        sigs["y_ready"].add_(once)            # released even where the check failed: a failure, not a hang
+        torch.cuda.synchronize()
     _close(bufs["partial"].cpu().numpy(), ref, "after the notifies", 1e-2)

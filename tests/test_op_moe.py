@@ -401,7 +401,15 @@ def test_moe_reduce_scatter_rejects_bad_shapes_at_compile_time(change, message):
                     comm=tl.CommSchedule(tile_m=8))
 
 
-def test_moe_reduce_scatter_rejects_the_copy_engine():
+def test_moe_reduce_scatter_rejects_the_copy_engine_pull_and_the_epilogue_sum():
+    """The copy engine only pushes; and the combine stores its tiles itself (tl.store +
+    notify_rows), so the epilogue sum — which needs every tile handed over by store_tile —
+    is refused when traced instead of leaving ``out`` unwritten."""
     rt, hs, w2, inputs = _rs_case()
     with pytest.raises(tl.ScheduleError, match="copy engine"):
         tl.simulate(moe_reduce_scatter, 2, inputs, compute=_compute(), comm=tl.CommSchedule(engine="copy_engine"))
+    whole = tl.ComputeSchedule(tile=(8, 8, 8), order="comm_aligned")
+    rt, hs, w2, inputs = _rs_case(Ms=8)        # whole tiles per rank: where the epilogue sum is otherwise allowed
+    with pytest.raises(tl.ScheduleError, match="store_tile"):
+        tl.simulate(moe_reduce_scatter, 2, inputs, compute=whole,
+                    comm=tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"))

@@ -150,6 +150,16 @@ class ReduceScatter:
         self._epilogue = epilogue       # (recv, done, chunks per peer) where reduce_in='epilogue'
 
     def notify_rows(self, row_lo, row_hi):
+        """Rows ``[row_lo, row_hi)`` of ``partial`` are stored. Refused where the epilogue sums
+        (``reduce_in='epilogue'``): this rank's own rows must reach ``out`` through
+        :meth:`store_tile`, or nothing would ever write them."""
+        if self._epilogue is not None:
+            raise ScheduleError("reduce_in='epilogue' sums this rank's own rows in the producer's epilogue: hand "
+                                "each tile over with store_tile(acc, row, col), not tl.store + notify_rows "
+                                "(or use reduce_in='comm')", user_location())
+        self._notify(row_lo, row_hi)
+
+    def _notify(self, row_lo, row_hi):
         self.mapping.notify_rows(self.ready, row_lo, row_hi)
 
     def store_tile(self, acc, row, col):
@@ -166,7 +176,7 @@ class ReduceScatter:
 
         def store_partial():
             tl.store(self.partial, (row, col), acc)
-            self.notify_rows(row, minimum(row + self.producer_rows, M))
+            self._notify(row, minimum(row + self.producer_rows, M))
         if self._epilogue is None:
             store_partial()
             return

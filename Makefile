@@ -27,4 +27,4 @@ mutants: $(VENV)/.installed
 
 # On a GPU host (torch + cuda-python + an H200): the GPU tests, then the GEMM benchmark.
 gpu-test:
-	python3 -m pytest -q -rs -m gpu tests
+	TLDSL_REQUIRE_GPU=1 python3 -m pytest -q -rs -m gpu tests

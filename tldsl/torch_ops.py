@@ -53,19 +53,39 @@ def _check_rs(a: torch.Tensor, b: torch.Tensor, reduce_op: str, scatter_dim: int
         raise InputError(f"A and B must both be bf16 or fp16, got {a.dtype} and {b.dtype}")
 
 
+def _check_devices(what: str, tensors) -> None:
+    """Every operand on this rank's current GPU, before an op is built for them (building one is
+    collective: compiles and allocates symmetric memory)."""
+    here = torch.cuda.current_device() if torch.cuda.is_available() else None
+    for name, t in tensors:
+        if not t.is_cuda:
+            raise InputError(f"{what}: {name} must be a CUDA tensor (it is on {t.device})")
+        if t.device.index != here:
+            raise InputError(f"{what}: {name} is on {t.device}, but this rank's current device is cuda:{here} "
+                             f"(torch.cuda.set_device(local_rank) before the call)")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where TMA and the copy engines can read it (contiguous, 16-byte aligned), else
+    a copy: the drop-in ops take any view, as PyTorch's do."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("tldsl::fused_all_gather_matmul", mutates_args=())
 def fused_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int,
                             group_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(all_gather(A_shard, dim=0), [A_gathered @ B for B in bs])``: the first product is fused
     with the all-gather (per-tile waits); the others reuse the gathered A."""
     _check_ag(a_shard, bs, gather_dim)
+    group = _group(group_name)
+    _check_devices("fused_all_gather_matmul", [("A shard", a_shard)] + [(f"B[{i}]", b) for i, b in enumerate(bs)])
     from .runtime.dist import AllGatherMatmul
     key = ("ag", tuple(a_shard.shape), tuple(bs[0].shape), a_shard.dtype, group_name)
     op = _OPS.get(key)
     if op is None:
         op = _OPS[key] = AllGatherMatmul(a_shard.shape[0], a_shard.shape[1], bs[0].shape[1], a_shard.dtype,
-                                         group=_group(group_name))
-    a_full, c0 = op(a_shard.contiguous(), bs[0].contiguous())
+                                         group=group)
+    a_full, c0 = op(a_shard, _dense(bs[0]))            # (a strided or unaligned shard: the op copies it)
     return a_full, [c0] + [torch.mm(a_full, b) for b in bs[1:]]
 
 
@@ -83,12 +103,14 @@ def fused_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str
                                 group_name: str) -> torch.Tensor:
     """``reduce_scatter(A @ B, reduce_op, dim=0)`` with the reduction fused behind the GEMM."""
     _check_rs(a, b, reduce_op, scatter_dim)
+    group = _group(group_name)
+    _check_devices("fused_matmul_reduce_scatter", [("A", a), ("B", b)])
     from .runtime.dist import MatmulReduceScatter
     key = ("rs", tuple(a.shape), tuple(b.shape), a.dtype, group_name)
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = MatmulReduceScatter(a.shape[0], a.shape[1], b.shape[1], a.dtype, group=_group(group_name))
-    out = op(a.contiguous(), b.contiguous())
+        op = _OPS[key] = MatmulReduceScatter(a.shape[0], a.shape[1], b.shape[1], a.dtype, group=group)
+    out = op(_dense(a), _dense(b))
     if reduce_op == "avg":
         out = out / op.ctx.world_size
     return out

@@ -60,7 +60,8 @@ from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
-from .group import dist_context, dtype_name
+from .group import check_agreement, dist_context, dtype_name
+from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
@@ -116,6 +117,11 @@ class AllGatherMatmul:
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
 
+        check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
+        if k % 8 or n % 8:
+            raise InputError(f"AllGatherMatmul: K={k} and N={n} must be multiples of 8 (A's, B's and C's rows "
+                             f"whole 16-byte units for TMA)")
+        self._closed = False
         self.ctx = dist_context(group)
         W, r = self.ctx.world_size, self.ctx.rank
         self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
@@ -161,6 +167,10 @@ class AllGatherMatmul:
             if enqueue != "gemm_first":
                 raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
         self.enqueue, self.staging = enqueue, staging
+        check_agreement(self.ctx, "AllGatherMatmul", dict(
+            rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute, comm=comm,
+            ce_executor=ce_executor, staging=staging, handshake=handshake, enqueue=enqueue, pusher=pusher,
+            stage_waves=stage_waves))
         if push and ce_executor == "direct":
             for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
                 if given is not None:
@@ -266,18 +276,11 @@ class AllGatherMatmul:
             [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
 
     def _check(self, a_shard, b):
-        import torch
-        for name, t, shape in (("A shard", a_shard, (self.Ms, self.K)), ("B", b, (self.K, self.N))):
-            if not isinstance(t, torch.Tensor) or not t.is_cuda:
-                raise InputError(f"{name} must be a CUDA tensor")
-            if t.device.index != self.ctx.device:
-                raise InputError(f"{name} is on {t.device}; this rank's op runs on cuda:{self.ctx.device}")
-            if tuple(t.shape) != shape:
-                raise InputError(f"{name} has shape {tuple(t.shape)}; this op was built for {shape}")
-            if t.dtype != self.dtype:
-                raise InputError(f"{name} is {t.dtype}; this op was built for {self.dtype}")
-        if not b.is_contiguous():
-            raise InputError("B must be contiguous (row-major [K, N])")
+        """Every problem with the operands, before anything is enqueued (the A shard may be a
+        strided or unaligned view: the op copies it first)."""
+        check_open("AllGatherMatmul", self._closed)
+        check_operands("AllGatherMatmul", (("A shard", a_shard, (self.Ms, self.K)), ("B", b, (self.K, self.N))),
+                       self.dtype, self.ctx.device, strided_ok=("A shard",))
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
         """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
@@ -291,7 +294,7 @@ class AllGatherMatmul:
         write_default = consts.write_default
         self._check(a_shard, b)
         if out is not None:
-            self._check_out(out)
+            self._check_out(out, a_shard, b)
         self.launches += 1
         L = self.launches
         if self.staging == "gemm":
@@ -479,18 +482,16 @@ class AllGatherMatmul:
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for
-        NVSHMEM's heap, which is never freed by garbage collection)."""
+        NVSHMEM's heap, which is never freed by garbage collection). Calls after it raise."""
+        self._closed = True
         if self._engine is not None:
             self._engine.close()
         else:
             self._spares.clear()
 
-    def _check_out(self, out):
-        import torch
-        want = (self.ctx.world_size * self.Ms, self.N)
-        if not isinstance(out, torch.Tensor) or not out.is_cuda or tuple(out.shape) != want or \
-                out.dtype != self.dtype or not out.is_contiguous() or out.data_ptr() % 16:
-            raise InputError(f"out must be a contiguous, 16-byte aligned CUDA tensor {want} of {self.dtype}")
+    def _check_out(self, out, a_shard, b):
+        check_output("AllGatherMatmul", out, (self.ctx.world_size * self.Ms, self.N), self.dtype, self.ctx.device,
+                     (("the A shard", a_shard), ("B", b)))
 
     def compute_only(self, a_gathered, b, *, out=None):
         """Only this op's GEMM (same kernel, schedule and SM count) on an already gathered A,
@@ -499,6 +500,7 @@ class AllGatherMatmul:
         path is as lean as the op's (checks, one allocation, one driver call), so that timing it
         beside the op compares the GPUs' work."""
         import torch
+        check_open("AllGatherMatmul", self._closed)
         W = self.ctx.world_size
         want = (W * self.Ms, self.K)
         if not isinstance(a_gathered, torch.Tensor) or a_gathered.shape != want or \
@@ -861,7 +863,7 @@ class _FusedAllGather:
         op = self.op
         op._check(a_shard, b)
         if out is not None:
-            op._check_out(out)
+            op._check_out(out, a_shard, b)
         op.launches += 1
         L = op.launches
         W, r = op.ctx.world_size, op.ctx.rank

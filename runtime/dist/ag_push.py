@@ -206,10 +206,10 @@ class PushAllGather:
         if (type(a_shard) is not tensor or type(b) is not tensor
                 or a_shard.shape != self._a_shape or b.shape != self._b_shape or a_shard.dtype != dt or b.dtype != dt
                 or a_shard.get_device() != self._dev_index or b.get_device() != self._dev_index
-                or not b.is_contiguous()):
+                or not b.is_contiguous() or b.data_ptr() % 16 or op._closed):
             op._check(a_shard, b)            # the precise error
         if out is not None:
-            op._check_out(out)
+            op._check_out(out, a_shard, b)
         op.launches += 1
         L = op.launches
         cu, consts = self._cu, self._consts

@@ -62,7 +62,8 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
-from .group import dist_context, dtype_name
+from .group import check_agreement, dist_context, dtype_name
+from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 DEFAULT_SMS = 16
@@ -118,9 +119,7 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
 def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
     """Shape rules of the op, checked when it is built; returns the IR dtype name."""
     dt = dtype_name(dtype, "GEMM+ReduceScatter")
-    for name, v in (("M", m), ("K", k), ("N", n)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise InputError(f"{name}={v!r} must be a positive int")
+    check_sizes("GEMM+ReduceScatter", M=m, K=k, N=n)
     if not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size {world_size!r} must be a positive int")
     if m % world_size:
@@ -136,33 +135,7 @@ def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
 
 def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None = None, op: str = "MatmulReduceScatter"):
     """Every problem with ``A [m, k]`` and ``B [k, n]`` at once, as one InputError (nothing runs)."""
-    problems = []
-    for name, t, shape in (("A", a, (m, k)), ("B", b, (k, n))):
-        if not (hasattr(t, "shape") and hasattr(t, "dtype") and hasattr(t, "is_contiguous")):
-            problems.append(f"{name} must be a torch tensor, got {type(t).__name__}")
-            continue
-        if not getattr(t, "is_cuda", False):
-            problems.append(f"{name} must be a CUDA tensor (it is on {t.device})")
-        elif device is not None and t.device.index != device:
-            problems.append(f"{name} is on {t.device}; this op runs on cuda:{device}")
-        if tuple(t.shape) != shape:
-            problems.append(f"{name} has shape {tuple(t.shape)}; this op was built for {shape}")
-        if t.dtype != dtype:
-            problems.append(f"{name} is {t.dtype}; this op was built for {dtype}")
-        if not t.is_contiguous():
-            problems.append(f"{name} must be contiguous (row-major; call .contiguous())")
-        elif getattr(t, "is_cuda", False) and t.data_ptr() % 16:
-            problems.append(f"{name} must start 16-byte aligned for TMA (it starts at {t.data_ptr():#x})")
-    if problems:
-        raise InputError(f"{op}: " + "; ".join(problems))
-
-
-def validate_output(out, shape, dtype, device: int | None = None):
-    ok = hasattr(out, "is_cuda") and out.is_cuda and tuple(out.shape) == tuple(shape) and out.dtype == dtype and \
-        out.is_contiguous() and out.data_ptr() % 16 == 0 and (device is None or out.device.index == device)
-    if not ok:
-        raise InputError(f"out must be a contiguous, 16-byte aligned CUDA tensor {tuple(shape)} of {dtype}"
-                         + (f" on cuda:{device}" if device is not None else ""))
+    check_operands(op, (("A", a, (m, k)), ("B", b, (k, n))), dtype, device)
 
 
 class MatmulReduceScatter:
@@ -196,6 +169,7 @@ class MatmulReduceScatter:
             raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
         if scatter_dim != 0:
             raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
+        self._closed = False
         self.ctx = dist_context(group)
         W, r = self.ctx.world_size, self.ctx.rank
         dt = check_problem(m, k, n, W, dtype)
@@ -219,6 +193,8 @@ class MatmulReduceScatter:
             raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in A's dtype, as NCCL + "
                              f"cuBLAS and torch async-TP) or 'f32' (fp32 partials, twice the traffic)")
         self.partial_dtype = partial_dtype
+        check_agreement(self.ctx, "MatmulReduceScatter", dict(M=m, K=k, N=n, dtype=dt, compute=self.compute,
+                                                              comm=trace_comm, partial_dtype=partial_dtype))
         self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
                                             compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
@@ -332,6 +308,8 @@ class MatmulReduceScatter:
         ``out`` when given: contiguous, that shape and dtype, on this device)."""
         dev, dt = self.ctx.device, self.dtype
         tensor = self._tensor_type
+        if self._closed:
+            check_open("MatmulReduceScatter", True)
         if (type(a) is not tensor or type(b) is not tensor or a.shape != self._a_size or b.shape != self._b_size
                 or a.dtype != dt or b.dtype != dt or a.get_device() != dev or b.get_device() != dev
                 or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16):
@@ -339,7 +317,7 @@ class MatmulReduceScatter:
             # anything else (a subclass, a view, a wrong operand) gets the full check and its error
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
-            validate_output(out, (self.Ms, self.N), self.dtype, self.ctx.device)
+            check_output("MatmulReduceScatter", out, (self.Ms, self.N), dt, dev, (("A", a), ("B", b)))
         self.launches += 1
         L = self.launches
         if self._engine is not None:
@@ -399,6 +377,7 @@ class MatmulReduceScatter:
         notifying scratch counters: what the fused op would cost if communication were free.
         For benchmarks and diagnosis; the op's own counters are not touched."""
         import torch
+        check_open("MatmulReduceScatter", self._closed)
         validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
         if getattr(self, "_scratch", None) is None:
             # the op's buffers, its counters replaced by scratch ones: notifies land there, and
@@ -422,7 +401,8 @@ class MatmulReduceScatter:
 
     def close(self) -> None:
         """Release the symmetric workspace (collective: every rank, same point; required for
-        NVSHMEM's heap, which is never freed by garbage collection)."""
+        NVSHMEM's heap, which is never freed by garbage collection). Calls after it raise."""
+        self._closed = True
         if self.ws is not None:
             self.ws.close()
         if self._engine is not None and self._engine.ws is not None:

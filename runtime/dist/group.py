@@ -65,3 +65,36 @@ def dtype_name(dtype, op: str) -> str:
     if s not in _IR_DTYPES:
         raise InputError(f"dtype {dtype}: {op} runs on bfloat16 or float16 inputs")
     return _IR_DTYPES[s]
+
+
+def disagreements(configs: list[dict]) -> list[str]:
+    """``key: rank r has x, rank q has y`` for every key the ranks' configurations differ in."""
+    out = []
+    for key in configs[0]:
+        vals = [c.get(key) for c in configs]
+        if any(v != vals[0] for v in vals):
+            groups: list[tuple[object, list[int]]] = []      # (value, its ranks), in rank order
+            for r, v in enumerate(vals):
+                for gv, rs in groups:
+                    if gv == v:
+                        rs.append(r)
+                        break
+                else:
+                    groups.append((v, [r]))
+            out.append(f"{key}: " + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} {v}"
+                                              for v, rs in groups))
+    return out
+
+
+def check_agreement(ctx: DistContext, op: str, config: dict) -> None:
+    """Every rank of the group built ``op`` with the same sizes, dtype and schedule — else an
+    InputError on every rank alike (one collective, when the op is built: ranks that disagree
+    would otherwise exchange mismatched buffers, or wait for each other for ever)."""
+    if ctx.world_size == 1:
+        return
+    import torch.distributed as dist
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, {k: repr(v) for k, v in config.items()}, group=ctx.group)
+    diff = disagreements(every)
+    if diff:
+        raise InputError(f"{op}: the ranks built it differently — " + "; ".join(diff))

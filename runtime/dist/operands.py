@@ -1,0 +1,74 @@
+"""Checks of the fused ops' sizes, operands and outputs, shared by AllGather+GEMM and
+GEMM+ReduceScatter: every problem found at once, as one InputError, before anything is enqueued
+(a launch that fails half-way leaves the peers waiting for this rank's flags)."""
+from __future__ import annotations
+
+import numbers
+
+from ...errors import InputError
+
+
+def check_sizes(op: str, **sizes) -> None:
+    """Every size a positive integer (not a float truncated, not a bool)."""
+    for name, v in sizes.items():
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+            raise InputError(f"{op}: {name}={v!r} must be a positive int")
+
+
+def byte_span(t) -> tuple[int, int]:
+    """``[first, last)`` bytes a tensor's elements occupy (for any strides >= 0)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def overlaps(x, y) -> bool:
+    (a0, a1), (b0, b1) = byte_span(x), byte_span(y)
+    return a0 < b1 and b0 < a1
+
+
+def check_operands(op: str, operands, dtype, device: int | None, *, strided_ok: tuple[str, ...] = ()) -> None:
+    """``operands``: ``(name, tensor, shape)``; each a CUDA tensor on ``device`` of that shape and
+    dtype, contiguous and 16-byte aligned (TMA and the copy engines read it) — unless its name is
+    in ``strided_ok`` (the op copies such an operand first)."""
+    problems = []
+    for name, t, shape in operands:
+        if not (hasattr(t, "shape") and hasattr(t, "dtype") and hasattr(t, "is_contiguous")):
+            problems.append(f"{name} must be a torch tensor, got {type(t).__name__}")
+            continue
+        if not getattr(t, "is_cuda", False):
+            problems.append(f"{name} must be a CUDA tensor (it is on {t.device})")
+        elif device is not None and t.device.index != device:
+            problems.append(f"{name} is on {t.device}; this op runs on cuda:{device}")
+        if tuple(t.shape) != tuple(shape):
+            problems.append(f"{name} has shape {tuple(t.shape)}; this op was built for {tuple(shape)}")
+        if t.dtype != dtype:
+            problems.append(f"{name} is {t.dtype}; this op was built for {dtype}")
+        if name in strided_ok:
+            continue
+        if not t.is_contiguous():
+            problems.append(f"{name} must be contiguous (row-major; call .contiguous())")
+        elif getattr(t, "is_cuda", False) and t.data_ptr() % 16:
+            problems.append(f"{name} must start 16-byte aligned for TMA (it starts at {t.data_ptr():#x})")
+    if problems:
+        raise InputError(f"{op}: " + "; ".join(problems))
+
+
+def check_output(op: str, out, shape, dtype, device: int | None, inputs=()) -> None:
+    """``out``: a contiguous, 16-byte aligned CUDA tensor of ``shape`` and ``dtype`` on ``device``
+    that shares no byte with ``inputs`` (the op writes it while it still reads them)."""
+    ok = hasattr(out, "is_cuda") and out.is_cuda and tuple(out.shape) == tuple(shape) and out.dtype == dtype and \
+        out.is_contiguous() and out.data_ptr() % 16 == 0 and (device is None or out.device.index == device)
+    if not ok:
+        raise InputError(f"{op}: out must be a contiguous, 16-byte aligned CUDA tensor {tuple(shape)} of {dtype}"
+                         + (f" on cuda:{device}" if device is not None else ""))
+    for name, t in inputs:
+        if overlaps(out, t):
+            raise InputError(f"{op}: out overlaps {name} in memory; the op writes out while it still reads "
+                             f"{name} — pass a separate tensor")
+
+
+def check_open(op: str, closed: bool) -> None:
+    if closed:
+        raise InputError(f"{op} was closed (its symmetric workspace is released); build a new one")

@@ -1,0 +1,134 @@
+"""The fused ops' checks of sizes, operands, outputs and of the ranks agreeing
+(runtime/dist/operands.py, group.check_agreement): every one an InputError before anything is
+enqueued. CUDA-looking CPU tensors stand in for device tensors (no GPU needed)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tldsl.errors import InputError  # noqa: E402
+from tldsl.runtime.dist import group as grp  # noqa: E402
+from tldsl.runtime.dist import operands as ops  # noqa: E402
+
+
+class OnGpu0(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0."""
+    is_cuda = True
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def gpu(t):
+    return t.as_subclass(OnGpu0)
+
+
+def _aligned(shape, dtype=torch.bfloat16):
+    """A tensor whose data starts 16-byte aligned (and one element later: not)."""
+    n = int(np.prod(shape))
+    raw = torch.empty(n + 64, dtype=dtype)
+    skip = (-raw.data_ptr() % 16) // raw.element_size()
+    return raw[skip:skip + n].view(shape), raw[skip + 1:skip + 1 + n].view(shape)
+
+
+def test_operands_every_problem_at_once():
+    a, _ = _aligned((4, 8))
+    with pytest.raises(InputError) as e:
+        ops.check_operands("Op", (("A", torch.zeros(4, 8, dtype=torch.bfloat16), (4, 8)),
+                                  ("B", gpu(torch.zeros(8, 3, dtype=torch.float16)), (8, 16)),
+                                  ("C", "not a tensor", (1,))), torch.bfloat16, 0)
+    msg = str(e.value)
+    assert msg.startswith("Op: ") and "A must be a CUDA tensor (it is on cpu)" in msg
+    assert "B has shape (8, 3); this op was built for (8, 16)" in msg and "B is torch.float16" in msg
+    assert "C must be a torch tensor, got str" in msg
+    ops.check_operands("Op", (("A", gpu(a), (4, 8)),), torch.bfloat16, 0)          # all well: no error
+
+
+def test_operands_alignment_contiguity_and_the_copied_shard():
+    good, unaligned = _aligned((4, 8))
+    with pytest.raises(InputError, match="B must start 16-byte aligned"):
+        ops.check_operands("Op", (("B", gpu(unaligned), (4, 8)),), torch.bfloat16, 0)
+    with pytest.raises(InputError, match="B must be contiguous"):
+        ops.check_operands("Op", (("B", gpu(good.t().contiguous().t()), (4, 8)),), torch.bfloat16, 0)
+    with pytest.raises(InputError, match=r"B is on cuda:0; this op runs on cuda:1"):
+        ops.check_operands("Op", (("B", gpu(good), (4, 8)),), torch.bfloat16, 1)
+    # the AG's shard may be strided or unaligned: the op copies it
+    ops.check_operands("Op", (("A shard", gpu(unaligned), (4, 8)), ("A shard", gpu(good.t().contiguous().t()),
+                                                                        (4, 8))),
+                       torch.bfloat16, 0, strided_ok=("A shard",))
+
+
+def test_output_checks_and_overlap_with_the_inputs():
+    big, _ = _aligned((16, 8))
+    a, b = big[:4], big[8:16]                   # one allocation, disjoint rows
+    out_ok, _ = _aligned((4, 8))
+    ops.check_output("Op", gpu(out_ok), (4, 8), torch.bfloat16, 0, (("A", a), ("B", b)))
+    with pytest.raises(InputError, match="out overlaps B in memory"):
+        ops.check_output("Op", gpu(big[8:12]), (4, 8), torch.bfloat16, 0, (("A", a), ("B", b)))
+    ops.check_output("Op", gpu(big[4:8]), (4, 8), torch.bfloat16, 0, (("A", a), ("B", b)))   # between them
+    with pytest.raises(InputError, match=r"out must be .* \(4, 8\) of torch.bfloat16 on cuda:1"):
+        ops.check_output("Op", gpu(out_ok), (4, 8), torch.bfloat16, 1)
+    with pytest.raises(InputError, match="out must be"):
+        ops.check_output("Op", out_ok, (4, 8), torch.bfloat16, 0)                  # on the CPU
+
+
+def test_byte_spans_of_strided_views():
+    x = torch.zeros(6, 10, dtype=torch.float32)
+    col = x[:, 2]                                # one column: 6 elements, 10 apart
+    assert ops.byte_span(col) == (x.data_ptr() + 8, x.data_ptr() + 8 + (5 * 10 + 1) * 4)
+    assert ops.overlaps(col, x[5:, :3]) and not ops.overlaps(x[:2], x[2:])
+    lo, hi = ops.byte_span(x[:0])
+    assert lo == hi and not ops.overlaps(x[:0], x)                                   # nothing: overlaps nothing
+
+
+def test_sizes_are_positive_integers():
+    ops.check_sizes("Op", M=4, K=np.int64(8))
+    for bad in (1024.9, True, 0, -8, "64", None):
+        with pytest.raises(InputError, match=r"Op: K=.* must be a positive int"):
+            ops.check_sizes("Op", M=4, K=bad)
+
+
+def test_allgather_matmul_refuses_its_sizes_before_touching_the_process_group():
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    with pytest.raises(InputError, match="rows_per_rank=1024.9 must be a positive int"):
+        AllGatherMatmul(1024.9, 64, 64, torch.bfloat16)
+    with pytest.raises(InputError, match="K=60 and N=64 must be multiples of 8"):
+        AllGatherMatmul(1024, 60, 64, torch.bfloat16)
+
+
+def test_ops_refuse_calls_after_close():
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    a, b = gpu(torch.zeros(4, 8, dtype=torch.bfloat16)), gpu(torch.zeros(8, 8, dtype=torch.bfloat16))
+    closed = SimpleNamespace(_closed=True)
+    with pytest.raises(InputError, match="AllGatherMatmul was closed"):
+        AllGatherMatmul._check(closed, a, b)
+    with pytest.raises(InputError, match="AllGatherMatmul was closed"):
+        AllGatherMatmul.compute_only(closed, a, b)
+    with pytest.raises(InputError, match="MatmulReduceScatter was closed"):
+        MatmulReduceScatter.compute_only(closed, a, b)
+    with pytest.raises(InputError, match="MatmulReduceScatter was closed"):
+        MatmulReduceScatter.__call__(SimpleNamespace(_closed=True, ctx=SimpleNamespace(device=0),
+                                                     dtype=torch.bfloat16, _tensor_type=torch.Tensor), a, b)
+
+
+def test_ranks_that_built_an_op_differently_all_get_the_same_error(monkeypatch):
+    configs = [dict(M=4096, K=1024, dtype="bf16"), dict(M=4096, K=1024, dtype="f16"),
+               dict(M=4096, K=2048, dtype="f16")]
+    assert grp.disagreements(configs) == ["K: ranks 0,1 1024, rank 2 2048", "dtype: rank 0 bf16, ranks 1,2 f16"]
+    assert grp.disagreements([configs[0], dict(configs[0])]) == []
+    import torch.distributed as dist
+    errors = []
+    for me in range(3):                          # each rank sees every rank's configuration
+        monkeypatch.setattr(dist, "all_gather_object",
+                            lambda out, obj, group=None: out.__setitem__(slice(None), [
+                                {k: repr(v) for k, v in c.items()} for c in configs]))
+        ctx = grp.DistContext(me, 3, 0, None, "g", "CUDA")
+        with pytest.raises(InputError, match="Op: the ranks built it differently") as e:
+            grp.check_agreement(ctx, "Op", configs[me])
+        errors.append(str(e.value))
+    assert len(set(errors)) == 1 and "dtype: rank 0 'bf16', ranks 1,2 'f16'" in errors[0]      # (reprs)
+    grp.check_agreement(grp.DistContext(0, 1, 0, None, "g", "CUDA"), "Op", configs[0])    # alone: nothing to ask

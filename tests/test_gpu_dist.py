@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more sm_90 GPUs with torch and cuda-python")]
 
 
-def _torchrun(args, tmp_path: Path, name: str, timeout: int):
+def _torchrun(args, tmp_path: Path, name: str, timeout: int, module: str = "tldsl.testing.dist_check"):
     from tldsl.testing.dist_check import explain_log, summarize_log
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -38,7 +38,7 @@ def _torchrun(args, tmp_path: Path, name: str, timeout: int):
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tldsl.testing.dist_check", *args]
+           "-m", module, *args]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         log, rc = r.stdout + "\n" + r.stderr, r.returncode
@@ -68,3 +68,11 @@ def test_dist_check_debug_build(tmp_path):
     summary, _ = _torchrun(["gemm_rs", "--variants", "sm-push", "--checks", "odd_m", "--iters", "2",
                             "--debug-timeout-ns", "20000000000", "--timeout", "120"], tmp_path, "debug", timeout=600)
     assert any("gemm_rs/sm-push odd_m: PASS" in line for line in summary), "\n".join(summary)
+
+
+def test_torch_ops_beside_async_tp(tmp_path):
+    """torch.ops.tldsl.* in bf16 and fp16 (dense, strided and unaligned inputs; "sum" and "avg"),
+    eager and under torch.compile, against NCCL + fp32 matmul and shaped as torch async-TP's."""
+    _, _ = _torchrun(["--iters", "3"], tmp_path, "torch_ops", timeout=600, module="tldsl.testing.torch_ops_check")
+    log = (tmp_path / "torch_ops.log").read_text()
+    assert "torch_ops_check: all passed" in log and ": FAIL" not in log, log[-6000:]

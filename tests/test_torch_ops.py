@@ -48,3 +48,21 @@ def test_without_a_process_group_the_error_says_so():
     b = torch.randn(64, 32).to(torch.bfloat16)
     with pytest.raises(tldsl.InputError, match="torch.distributed is not initialised"):
         torch.ops.tldsl.fused_all_gather_matmul(a, [b], 0, "0")
+
+
+def test_close_all_releases_every_built_op_once(monkeypatch):
+    from tldsl import torch_ops
+    closed = []
+
+    class Op:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+    monkeypatch.setattr(torch_ops, "_OPS", {("ag", 1): Op("ag"), ("rs", 2): Op("rs")})
+    assert [o.name for o in torch_ops.built_ops()] == ["ag", "rs"]
+    torch_ops.close_all()
+    assert closed == ["ag", "rs"] and torch_ops.built_ops() == []
+    torch_ops.close_all()                                # nothing left: nothing closed twice
+    assert closed == ["ag", "rs"]

@@ -7,7 +7,8 @@ them in for ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_redu
 
 Each distinct (shapes, dtype, group) builds one op object the first time it is called — a
 collective point (symmetric allocation), which every rank reaches because the op itself is
-collective. Fake (meta) implementations give torch.compile the output shapes.
+collective — and keeps it until :func:`close_all` (also collective). Fake (meta)
+implementations give torch.compile the output shapes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ import torch
 from .errors import InputError
 
 _OPS: dict = {}
+
+
+def built_ops() -> list:
+    """The op objects the torch ops have built so far (one per shapes, dtype and group)."""
+    return list(_OPS.values())
+
+
+def close_all() -> None:
+    """Release every op the torch ops built (collective: every rank at the same point, as
+    ``torch.distributed.destroy_process_group``); the next call builds afresh."""
+    ops = list(_OPS.values())
+    _OPS.clear()
+    for op in ops:
+        op.close()
 
 
 def _group(group_name: str):

@@ -168,7 +168,7 @@ class AllGatherMatmul:
                 raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
         self.enqueue, self.staging = enqueue, staging
         check_agreement(self.ctx, "AllGatherMatmul", dict(
-            rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute, comm=comm,
+            rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute or DEFAULT_COMPUTE, comm=comm,
             ce_executor=ce_executor, staging=staging, handshake=handshake, enqueue=enqueue, pusher=pusher,
             stage_waves=stage_waves))
         if push and ce_executor == "direct":

@@ -1,5 +1,5 @@
 """The fused ops' checks of sizes, operands, outputs and of the ranks agreeing
-(runtime/dist/operands.py, group.check_agreement): every one an InputError before anything is
+(runtime/dist/operands.py, group.built_alike): every one an InputError before anything is
 enqueued. CUDA-looking CPU tensors stand in for device tensors (no GPU needed)."""
 from types import SimpleNamespace
 
@@ -115,20 +115,69 @@ def test_ops_refuse_calls_after_close():
                                                      dtype=torch.bfloat16, _tensor_type=torch.Tensor), a, b)
 
 
-def test_ranks_that_built_an_op_differently_all_get_the_same_error(monkeypatch):
+def _three_ranks(monkeypatch, builds):
+    """Run ``builds[r](build)`` inside ``built_alike`` as each of three ranks would, every rank
+    seeing every rank's payload; returns each rank's error text (None: built)."""
+    import torch.distributed as dist
+    payloads = []
+    for fn in builds:                             # what each rank sends
+        sent = {}
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+        monkeypatch.setattr(dist, "all_gather_object",
+                            lambda out, obj, group=None: (sent.update(obj), out.__setitem__(slice(None), [obj] * 3)))
+        try:
+            with grp.built_alike("Op", group=object()) as build:
+                fn(build)
+        except Exception:   # noqa: BLE001 - only the payload matters here
+            pass
+        payloads.append(dict(sent))
+    results = []
+    for me, fn in enumerate(builds):              # each rank again, now seeing all three payloads
+        monkeypatch.setattr(dist, "all_gather_object",
+                            lambda out, obj, group=None: out.__setitem__(slice(None), payloads))
+        try:
+            with grp.built_alike("Op", group=object()) as build:
+                fn(build)
+            results.append(None)
+        except Exception as e:   # noqa: BLE001
+            results.append(f"{type(e).__name__}: {e}")
+    return results
+
+
+def _config(**kw):
+    def fn(build):
+        build.config = kw
+    return fn
+
+
+def _fails(build):
+    raise InputError("K=60 must be a multiple of 8")
+
+
+def test_ranks_leave_an_op_s_construction_alike(monkeypatch):
+    same = _three_ranks(monkeypatch, [_config(M=4096, dtype="bf16")] * 3)
+    assert same == [None, None, None]
+    differ = _three_ranks(monkeypatch, [_config(M=4096, K=1024, dtype="bf16"), _config(M=4096, K=1024, dtype="f16"),
+                                        _config(M=4096, K=2048, dtype="f16")])
+    assert len(set(differ)) == 1 and differ[0].startswith("InputError: Op: the ranks built it differently")
+    assert "K: ranks 0,1 1024, rank 2 2048" in differ[0] and "dtype: rank 0 'bf16', ranks 1,2 'f16'" in differ[0]
+    # one rank's error: it raises its own, its peers one naming it (none waits in the next collective)
+    one = _three_ranks(monkeypatch, [_config(M=4096), _fails, _config(M=4096)])
+    assert one[1] == "InputError: K=60 must be a multiple of 8"
+    assert one[0] == one[2] == "InputError: Op: rank 1 could not build it (InputError: K=60 must be a multiple of 8)"
+
+
+def test_disagreements_name_the_ranks():
     configs = [dict(M=4096, K=1024, dtype="bf16"), dict(M=4096, K=1024, dtype="f16"),
                dict(M=4096, K=2048, dtype="f16")]
     assert grp.disagreements(configs) == ["K: ranks 0,1 1024, rank 2 2048", "dtype: rank 0 bf16, ranks 1,2 f16"]
     assert grp.disagreements([configs[0], dict(configs[0])]) == []
-    import torch.distributed as dist
-    errors = []
-    for me in range(3):                          # each rank sees every rank's configuration
-        monkeypatch.setattr(dist, "all_gather_object",
-                            lambda out, obj, group=None: out.__setitem__(slice(None), [
-                                {k: repr(v) for k, v in c.items()} for c in configs]))
-        ctx = grp.DistContext(me, 3, 0, None, "g", "CUDA")
-        with pytest.raises(InputError, match="Op: the ranks built it differently") as e:
-            grp.check_agreement(ctx, "Op", configs[me])
-        errors.append(str(e.value))
-    assert len(set(errors)) == 1 and "dtype: rank 0 'bf16', ranks 1,2 'f16'" in errors[0]      # (reprs)
-    grp.check_agreement(grp.DistContext(0, 1, 0, None, "g", "CUDA"), "Op", configs[0])    # alone: nothing to ask
+
+
+def test_built_alike_costs_nothing_without_a_process_group():
+    with grp.built_alike("Op") as build:           # torch.distributed not initialised here
+        build.config = {"M": 1}
+    with pytest.raises(InputError, match="own error"):
+        with grp.built_alike("Op"):
+            raise InputError("own error")

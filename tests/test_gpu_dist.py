@@ -76,3 +76,11 @@ def test_torch_ops_beside_async_tp(tmp_path):
     _, _ = _torchrun(["--iters", "3"], tmp_path, "torch_ops", timeout=600, module="tldsl.testing.torch_ops_check")
     log = (tmp_path / "torch_ops.log").read_text()
     assert "torch_ops_check: all passed" in log and ": FAIL" not in log, log[-6000:]
+
+
+def test_ranks_that_build_differently_all_raise(tmp_path):
+    """Mismatched dtypes, one rank's invalid K, mismatched K, a call after close(): an InputError
+    on every rank, no hang."""
+    _torchrun([], tmp_path, "build", timeout=300, module="tldsl.testing.build_check")
+    log = (tmp_path / "build.log").read_text()
+    assert "build_check: all passed" in log and ": FAIL" not in log, log[-6000:]

@@ -60,7 +60,7 @@ from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
-from .group import check_agreement, dist_context, dtype_name
+from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -117,60 +117,63 @@ class AllGatherMatmul:
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
 
-        check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
-        if k % 8 or n % 8:
-            raise InputError(f"AllGatherMatmul: K={k} and N={n} must be multiples of 8 (A's, B's and C's rows "
-                             f"whole 16-byte units for TMA)")
-        self._closed = False
-        self.ctx = dist_context(group)
-        W, r = self.ctx.world_size, self.ctx.rank
-        self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
-        tdtype = torch.bfloat16 if dtype_name(dtype, "AllGather+GEMM") == "bf16" else torch.float16
-        self.dtype = tdtype
-        keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
-        if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake, stage_waves):
-            comm = push_comm(self.K, compute, pusher)
-        comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
-        self.hooks: dict = {}
-        self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
-        self._engine = None
-        if ce_executor not in (None, "direct", "plan"):
-            raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
-        c0 = compute or DEFAULT_COMPUTE
-        push = comm.engine == "copy_engine" and comm.mode == "push"
-        if ce_executor is None:
-            ce_executor = "plan" if push and (self.Ms % c0.BM or c0.cluster != (1, 1)) else "direct"
-        staging_given = staging
-        if staging is None:
-            staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
-                                                     ce_executor)
-            if staging == "gemm" and stage_waves is None:
-                stage_waves = planned_waves
-        if handshake not in (None, "kernel", "memops", "device"):
-            raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
-        if handshake == "device" and staging == "copies":
-            raise InputError(f"handshake='device' is the staging kernel's own handshake; staging={staging!r} has none")
-        if enqueue not in ("gemm_first", "comm_first"):
-            raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
-        if staging not in ("kernel", "copies", "gemm"):
-            raise InputError(f"staging={staging!r}: choose 'kernel', 'copies' or 'gemm'")
-        if stage_waves is not None and (staging != "gemm" or not isinstance(stage_waves, int) or stage_waves < 1):
-            raise InputError(f"stage_waves={stage_waves!r}: a positive int, with staging='gemm' (got {staging!r})")
-        if staging == "gemm":
-            if handshake not in (None, "device"):
-                raise InputError(f"staging='gemm': the GEMM publishes the launch's arrival itself (handshake "
-                                 f"'device'), not {handshake!r}")
-            bm = (compute or DEFAULT_COMPUTE).BM
-            if self.Ms % bm or (compute is not None and compute.cluster != (1, 1)):
-                raise InputError(f"staging='gemm': this rank's {self.Ms} rows must be whole {bm}-row tiles and the "
-                                 f"GEMM must run without clusters; use staging='kernel'")
-            if enqueue != "gemm_first":
-                raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
-        self.enqueue, self.staging = enqueue, staging
-        check_agreement(self.ctx, "AllGatherMatmul", dict(
-            rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute or DEFAULT_COMPUTE, comm=comm,
-            ce_executor=ce_executor, staging=staging, handshake=handshake, enqueue=enqueue, pusher=pusher,
-            stage_waves=stage_waves))
+        with built_alike("AllGatherMatmul", group) as build:      # every rank leaves it alike (group.py)
+            check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
+            if k % 8 or n % 8:
+                raise InputError(f"AllGatherMatmul: K={k} and N={n} must be multiples of 8 (A's, B's and C's rows "
+                                 f"whole 16-byte units for TMA)")
+            self._closed = False
+            self.ctx = dist_context(group)
+            W, r = self.ctx.world_size, self.ctx.rank
+            self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
+            tdtype = torch.bfloat16 if dtype_name(dtype, "AllGather+GEMM") == "bf16" else torch.float16
+            self.dtype = tdtype
+            keep_spares(spare_outputs, 0)       # (its type checked before anything is built)
+            if comm is None and default_push(self.Ms, compute, engine, sms, ce_executor, staging, handshake,
+                                             stage_waves):
+                comm = push_comm(self.K, compute, pusher)
+            comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
+            self.hooks: dict = {}
+            self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
+            self._engine = None
+            if ce_executor not in (None, "direct", "plan"):
+                raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
+            c0 = compute or DEFAULT_COMPUTE
+            push = comm.engine == "copy_engine" and comm.mode == "push"
+            if ce_executor is None:
+                ce_executor = "plan" if push and (self.Ms % c0.BM or c0.cluster != (1, 1)) else "direct"
+            staging_given = staging
+            if staging is None:
+                staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
+                                                         ce_executor)
+                if staging == "gemm" and stage_waves is None:
+                    stage_waves = planned_waves
+            if handshake not in (None, "kernel", "memops", "device"):
+                raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")
+            if handshake == "device" and staging == "copies":
+                raise InputError(f"handshake='device' is the staging kernel's own handshake; staging={staging!r} "
+                                 f"has none")
+            if enqueue not in ("gemm_first", "comm_first"):
+                raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
+            if staging not in ("kernel", "copies", "gemm"):
+                raise InputError(f"staging={staging!r}: choose 'kernel', 'copies' or 'gemm'")
+            if stage_waves is not None and (staging != "gemm" or not isinstance(stage_waves, int) or stage_waves < 1):
+                raise InputError(f"stage_waves={stage_waves!r}: a positive int, with staging='gemm' (got {staging!r})")
+            if staging == "gemm":
+                if handshake not in (None, "device"):
+                    raise InputError(f"staging='gemm': the GEMM publishes the launch's arrival itself (handshake "
+                                     f"'device'), not {handshake!r}")
+                bm = (compute or DEFAULT_COMPUTE).BM
+                if self.Ms % bm or (compute is not None and compute.cluster != (1, 1)):
+                    raise InputError(f"staging='gemm': this rank's {self.Ms} rows must be whole {bm}-row tiles and the "
+                                     f"GEMM must run without clusters; use staging='kernel'")
+                if enqueue != "gemm_first":
+                    raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
+            self.enqueue, self.staging = enqueue, staging
+            build.config = dict(
+                rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute or DEFAULT_COMPUTE, comm=comm,
+                ce_executor=ce_executor, staging=staging, handshake=handshake, enqueue=enqueue, pusher=pusher,
+                stage_waves=stage_waves)
         if push and ce_executor == "direct":
             for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
                 if given is not None:

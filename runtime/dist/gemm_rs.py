@@ -62,7 +62,7 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
-from .group import check_agreement, dist_context, dtype_name
+from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -165,42 +165,43 @@ class MatmulReduceScatter:
         from ..gpu.gemm import GemmKernel
         from .comm_kernel import CommKernel, kernel_specs, make_workspace
 
-        if reduce_op != "sum":
-            raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
-        if scatter_dim != 0:
-            raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
-        self._closed = False
-        self.ctx = dist_context(group)
-        W, r = self.ctx.world_size, self.ctx.rank
-        dt = check_problem(m, k, n, W, dtype)
-        self.M, self.K, self.N = m, k, n
-        self._tensor_type, self._a_size, self._b_size = torch.Tensor, torch.Size((m, k)), torch.Size((k, n))
-        self.Ms = m // W
-        self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
-        self.compute = compute or DEFAULT_COMPUTE
-        if engine not in (None, "sm", "copy_engine"):
-            raise InputError(f"engine={engine!r}: choose 'copy_engine' or 'sm'")
-        if comm is not None and engine is not None and comm.engine != engine:
-            raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
-        self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
-                             else default_comm(self.compute, m=m, k=k))
-        copy_engine = self.comm.engine == "copy_engine"
-        trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
+        with built_alike("MatmulReduceScatter", group) as build:      # every rank leaves it alike (group.py)
+            if reduce_op != "sum":
+                raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
+            if scatter_dim != 0:
+                raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
+            self._closed = False
+            self.ctx = dist_context(group)
+            W, r = self.ctx.world_size, self.ctx.rank
+            dt = check_problem(m, k, n, W, dtype)
+            self.M, self.K, self.N = m, k, n
+            self._tensor_type, self._a_size, self._b_size = torch.Tensor, torch.Size((m, k)), torch.Size((k, n))
+            self.Ms = m // W
+            self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+            self.compute = compute or DEFAULT_COMPUTE
+            if engine not in (None, "sm", "copy_engine"):
+                raise InputError(f"engine={engine!r}: choose 'copy_engine' or 'sm'")
+            if comm is not None and engine is not None and comm.engine != engine:
+                raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
+            self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
+                                 else default_comm(self.compute, m=m, k=k))
+            copy_engine = self.comm.engine == "copy_engine"
+            trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 
-        ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
-        spec = tl.TensorSpec
-        if partial_dtype not in ("out", "f32"):
-            raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in A's dtype, as NCCL + "
-                             f"cuBLAS and torch async-TP) or 'f32' (fp32 partials, twice the traffic)")
-        self.partial_dtype = partial_dtype
-        check_agreement(self.ctx, "MatmulReduceScatter", dict(M=m, K=k, N=n, dtype=dt, compute=self.compute,
-                                                              comm=trace_comm, partial_dtype=partial_dtype))
-        self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
-                                            compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
-        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
-        self.wait_timeout_ns = int(timeout) if timeout else None
-        opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
-        self.lowered_gemm = lower(self.ir, "gemm", **opts)
+            ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
+            spec = tl.TensorSpec
+            if partial_dtype not in ("out", "f32"):
+                raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in A's dtype, as NCCL + "
+                                 f"cuBLAS and torch async-TP) or 'f32' (fp32 partials, twice the traffic)")
+            self.partial_dtype = partial_dtype
+            build.config = dict(M=m, K=k, N=n, dtype=dt, compute=self.compute, comm=trace_comm,
+                                partial_dtype=partial_dtype)
+            self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
+                                                compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
+            timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+            self.wait_timeout_ns = int(timeout) if timeout else None
+            opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
+            self.lowered_gemm = lower(self.ir, "gemm", **opts)
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self.hooks: dict = {}

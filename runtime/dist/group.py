@@ -1,6 +1,7 @@
 """Who we are in the process group, and the symmetric-memory backend."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -86,15 +87,48 @@ def disagreements(configs: list[dict]) -> list[str]:
     return out
 
 
-def check_agreement(ctx: DistContext, op: str, config: dict) -> None:
-    """Every rank of the group built ``op`` with the same sizes, dtype and schedule — else an
-    InputError on every rank alike (one collective, when the op is built: ranks that disagree
-    would otherwise exchange mismatched buffers, or wait for each other for ever)."""
-    if ctx.world_size == 1:
-        return
+class _Build:
+    """What :func:`built_alike` compares: set ``config`` once the op's sizes, dtype and schedule
+    are resolved."""
+    config: dict | None = None
+
+
+@contextlib.contextmanager
+def built_alike(op: str, group=None):
+    """Wrap the part of an op's construction that validates and resolves it (everything before
+    its first collective allocation), so that every rank leaves it alike: one collective at its
+    end exchanges each rank's resolved configuration — or its error. A rank that failed raises
+    its own error; its peers raise an InputError naming it (instead of entering the allocation
+    and waiting for it for ever); ranks that resolved different sizes, dtypes or schedules all
+    raise the same InputError. Without torch.distributed, or alone, it costs nothing."""
+    build = _Build()
+    try:
+        yield build
+    except Exception as e:
+        _exchange(op, group, None, e)
+        raise
+    _exchange(op, group, build.config, None)
+
+
+def _exchange(op: str, group, config: dict | None, error: Exception | None) -> None:
     import torch.distributed as dist
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, {k: repr(v) for k, v in config.items()}, group=ctx.group)
-    diff = disagreements(every)
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    group = group or dist.group.WORLD
+    W = dist.get_world_size(group)
+    if W == 1:
+        return
+    mine = {"error": f"{type(error).__name__}: {error}" if error is not None else None,
+            "config": {k: repr(v) for k, v in (config or {}).items()}}
+    every = [None] * W
+    dist.all_gather_object(every, mine, group=group)
+    if error is not None:
+        return                                   # this rank raises its own error
+    failed = [(q, e["error"]) for q, e in enumerate(every) if e["error"] is not None]
+    if failed:
+        q, why = failed[0]
+        raise InputError(f"{op}: rank {q} could not build it ({why.splitlines()[0]})"
+                         + (f"; and {len(failed) - 1} more rank(s)" if len(failed) > 1 else ""))
+    diff = disagreements([e["config"] for e in every])
     if diff:
         raise InputError(f"{op}: the ranks built it differently — " + "; ".join(diff))

@@ -1,0 +1,69 @@
+"""Ranks that build a fused op differently, or call one after ``close()``, on GPUs (run under
+torchrun): every rank must raise an InputError — none may hang in the op's collectives.
+
+    torchrun --nproc_per_node=2 -m tldsl.testing.build_check
+
+One PASS/FAIL line per case; exit status 1 on any failure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def cases(torch, r: int):
+    """(name, build, what every rank's error must say) — rank 0 and the others differ."""
+    from tldsl.runtime.dist import AllGatherMatmul, MatmulReduceScatter
+    return [
+        ("AllGatherMatmul, dtypes differ",
+         lambda: AllGatherMatmul(1024, 1024, 1024, torch.bfloat16 if r == 0 else torch.float16),
+         "the ranks built it differently — dtype"),
+        ("AllGatherMatmul, one rank's K is invalid",
+         lambda: AllGatherMatmul(1024, 1024 if r == 0 else 1020, 1024, torch.bfloat16),
+         "K=1020" if r else "could not build it"),
+        ("MatmulReduceScatter, K differs",
+         lambda: MatmulReduceScatter(2048, 1024 if r == 0 else 2048, 1024, torch.bfloat16),
+         "the ranks built it differently — K"),
+    ]
+
+
+def run(argv=None) -> int:
+    for key, val in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(key, val)
+    import torch
+    import torch.distributed as dist
+    from tldsl.errors import InputError
+    from tldsl.runtime.dist import AllGatherMatmul
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    r = dist.get_rank()
+    results = []
+    for name, build, want in cases(torch, r):
+        try:
+            build()
+            results.append((name, False, "built"))
+        except InputError as e:
+            results.append((name, want in str(e), str(e)))
+    op = AllGatherMatmul(1024, 1024, 1024, torch.bfloat16)
+    op.close()
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    try:
+        op(x, x)
+        results.append(("a call after close()", False, "ran"))
+    except InputError as e:
+        results.append(("a call after close()", "was closed" in str(e), str(e)))
+    ok = torch.tensor([float(all(good for _, good, _ in results))], device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    for name, good, text in results:
+        if r == 0 or not good:
+            print(f"build_check {name}: {'PASS' if good else 'FAIL'} [rank {r}] {text}", flush=True)
+    dist.barrier()
+    if r == 0:
+        print(f"build_check: {'all passed' if ok.item() > 0.5 else 'FAILED'}", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok.item() > 0.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -47,8 +47,8 @@ def strict_failure(report, is_gpu: bool):
     """The failure text for a skip that strict mode refuses, or None where the skip may stand."""
     if not STRICT or not report.skipped or is_gpu or hasattr(report, "wasxfail"):
         return None
-    return (f"skipped outside the GPU tests under TLDSL_STRICT_SKIPS=1 (a dependency that `make install` "
-            f"provides is missing or broken): {_skip_reason(report)}")
+    return (f"skipped outside the GPU tests under TLDSL_STRICT_SKIPS=1 (a dependency — what `make install` "
+            f"provides, or the system's g++ — is missing or broken): {_skip_reason(report)}")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -2153,15 +2153,22 @@ def test_bench_schedule_spec_parses_into_schedules():
     assert (comm.engine, comm.mode, comm.sms, comm.tile_m) == ("sm", "push", 8, 128)
     compute, _ = parse_schedule("ag_gemm", "cluster=2")(8192, 8192, 8192)
     assert compute.cluster == (2, 1)
-    _, comm = parse_schedule("ag_gemm", "compute_order=swizzled")(8192, 8192, 8192)
+    _, comm = parse_schedule("ag_gemm", "compute_order=swizzled,engine=copy_engine")(8192, 8192, 8192)
     assert comm.engine == "copy_engine" and comm.tile_m is None
     # unset keys are what the op itself does at the shape: the push in column slices at whole
     # tiles per rank, the pull elsewhere; a push asked for by hand gets the op's slices too
     from tldsl.runtime.dist.ag_gemm import DEFAULT_COL_TILE
-    _, comm = parse_schedule("ag_gemm", "stages=3")(8192, 8192, 8192)
+    assert parse_schedule("ag_gemm", "stages=3")(8192, 8192, 8192)[1] is None     # no comm key: the op decides
+    _, comm = parse_schedule("ag_gemm", "order=ring")(8192, 8192, 8192)
     assert (comm.engine, comm.mode, comm.col_tile) == ("copy_engine", "push", DEFAULT_COL_TILE)
-    _, comm = parse_schedule("ag_gemm", "stages=3")(8190, 8192, 8192)          # 4095 rows per rank
+    _, comm = parse_schedule("ag_gemm", "order=ring")(8190, 8192, 8192)          # 4095 rows per rank
     assert (comm.engine, comm.mode, comm.col_tile) == ("copy_engine", "pull", None)
+    # no compute key: no compute schedule given (the op treats that apart), else the one asked for
+    assert parse_schedule("ag_gemm", "mode=push")(8192, 8192, 8192)[0] is None
+    assert parse_schedule("ag_gemm", "stages=3")(8192, 8192, 8192)[0].stages == 3
+    # the benchmark's --ag-pusher gemm pushes whole shards; --ag-handshake makes the base the pull
+    assert parse_schedule("ag_gemm", "mode=push", pusher="gemm")(8192, 8192, 8192)[1].col_tile is None
+    assert parse_schedule("ag_gemm", "order=ring", handshake="memops")(8192, 8192, 8192)[1].mode == "pull"
     assert parse_schedule("ag_gemm", "mode=push")(8190, 8192, 8192)[1].col_tile == DEFAULT_COL_TILE
     assert parse_schedule("ag_gemm", "mode=push,col_tile=none")(8192, 8192, 8192)[1].col_tile is None
     assert parse_schedule("ag_gemm", "mode=pull")(8192, 8192, 8192)[1].col_tile is None

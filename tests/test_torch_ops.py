@@ -66,3 +66,21 @@ def test_close_all_releases_every_built_op_once(monkeypatch):
     assert closed == ["ag", "rs"] and torch_ops.built_ops() == []
     torch_ops.close_all()                                # nothing left: nothing closed twice
     assert closed == ["ag", "rs"]
+
+
+def test_close_all_closes_the_rest_when_one_fails(monkeypatch):
+    from tldsl import torch_ops
+    closed = []
+
+    class Op:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} failed")
+    monkeypatch.setattr(torch_ops, "_OPS", {1: Op("a"), 2: Op("b", fails=True), 3: Op("c")})
+    with pytest.raises(RuntimeError, match="b failed"):
+        torch_ops.close_all()
+    assert closed == ["a", "b", "c"] and torch_ops.built_ops() == []

@@ -388,12 +388,15 @@ def write_json(path, what, rows, *, gpu, argv, dtype="bfloat16"):
         json.dump(doc, f, indent=1, default=str)
 
 
-def parse_schedule(what: str, spec: str):
+def parse_schedule(what: str, spec: str, *, pusher: str | None = None, handshake: str | None = None):
     """A function ``(M, N, K) -> (compute, comm)`` (global sizes) from ``key=value,...``: compute
     keys ``tile`` (BMxBNxBK), ``stages``, ``compute_order``, ``group_m``, ``cluster`` (CTAs per
     cluster along M: 1 or 2); comm keys ``engine``, ``mode``, ``order``, ``transport`` (``ptr`` or
-    ``nvshmem``), ``sms``, ``tile_m``
-    (``none`` for whole chunks), ``col_tile`` (ag_gemm's copy-engine push: columns per slice), ``reduce_in`` (gemm_rs on the copy engine: ``epilogue`` or ``comm``). Unset keys take the op's defaults for the shape."""
+    ``nvshmem``), ``sms``, ``tile_m`` (``none`` for whole chunks), ``col_tile`` (ag_gemm's
+    copy-engine push: columns per slice),
+    ``reduce_in`` (gemm_rs on the copy engine: ``epilogue`` or ``comm``). Unset keys take the op's
+    defaults for the shape (and for ag_gemm's ``pusher`` / ``handshake``, the benchmark's flags):
+    no compute key, no compute schedule given; no comm key, none given — the op decides."""
     from tldsl.errors import InputError
     from tldsl.runtime.dist import ag_gemm, gemm_rs
     kv = {}
@@ -429,12 +432,15 @@ def parse_schedule(what: str, spec: str):
         import torch.distributed as dist
         W = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
         compute = (ag_gemm.DEFAULT_COMPUTE if what == "ag_gemm" else gemm_rs.DEFAULT_COMPUTE).with_(**ckw)
+        given = compute if ckw else None          # the op treats "no compute schedule" apart (ag_gemm)
+        if not mkw:
+            return given, None
         sm_keys = mkw.get("sms") is not None or mkw.get("tile_m") is not None or mkw.get("transport") == "nvshmem"
         on_sms = mkw.get("engine", "sm" if sm_keys else None) == "sm"      # without engine=, these mean SMs
         # the base: what the op itself does at this shape (with engine="sm", for SM keys)
         if what == "ag_gemm":
             comm = (ag_gemm.resolve_comm(None, "sm", None, compute) if on_sms
-                    else ag_gemm.default_comm(M // W, K, compute))
+                    else ag_gemm.default_comm(M // W, K, given, pusher=pusher, handshake=handshake))
         else:
             comm = (gemm_rs.default_sm_comm if on_sms else gemm_rs.default_comm)(compute, m=M, k=K // W)
         kw = dict(mkw)
@@ -443,9 +449,9 @@ def parse_schedule(what: str, spec: str):
             kw.setdefault("sms", None)
         comm = comm.with_(**kw)
         if what == "ag_gemm" and "col_tile" not in kw:      # the op's slices wherever the copy engines push
-            ce_push = comm.engine == "copy_engine" and comm.mode == "push"
+            ce_push = comm.engine == "copy_engine" and comm.mode == "push" and pusher != "gemm"
             comm = comm.with_(col_tile=ag_gemm.default_col_tile(K, compute) if ce_push else None)
-        return compute, comm
+        return given, comm
     return schedule
 
 
@@ -496,7 +502,7 @@ def main(what, argv):
             return 0
         schedule = None
         if args.schedule:
-            schedule = parse_schedule(what, args.schedule)
+            schedule = parse_schedule(what, args.schedule, pusher=args.ag_pusher, handshake=args.ag_handshake)
         if args.tune:
             chosen = {shape: tune(what, shape, args.iters, force=False, dtype=args.dtype).best for shape in shapes}
             schedule = lambda M, N, K: chosen[(M, N, K)]     # noqa: E731

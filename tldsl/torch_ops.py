@@ -29,8 +29,14 @@ def close_all() -> None:
     ``torch.distributed.destroy_process_group``); the next call builds afresh."""
     ops = list(_OPS.values())
     _OPS.clear()
-    for op in ops:
-        op.close()
+    first = None
+    for op in ops:                  # every one, even after one fails; then the first error
+        try:
+            op.close()
+        except Exception as e:      # noqa: BLE001 - re-raised below
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def _group(group_name: str):

@@ -170,10 +170,10 @@ class AllGatherMatmul:
                 if enqueue != "gemm_first":
                     raise InputError("staging='gemm': nothing is staged before the GEMM, so the GEMM goes first")
             self.enqueue, self.staging = enqueue, staging
-            build.config = dict(
-                rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute or DEFAULT_COMPUTE, comm=comm,
-                ce_executor=ce_executor, staging=staging, handshake=handshake, enqueue=enqueue, pusher=pusher,
-                stage_waves=stage_waves)
+            build.config = dict(    # as given where the op treats "not given" apart (compute, staging)
+                rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute, comm=comm,
+                ce_executor=ce_executor, staging=staging, staging_given=staging_given, handshake=handshake,
+                enqueue=enqueue, pusher=pusher, stage_waves=stage_waves, spare_outputs=spare_outputs)
         if push and ce_executor == "direct":
             for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
                 if given is not None:
@@ -641,11 +641,12 @@ def push_comm(k: int, compute: ComputeSchedule | None, pusher: str | None = None
     return PUSH if pusher == "gemm" else PUSH.with_(col_tile=default_col_tile(k, compute or DEFAULT_COMPUTE))
 
 
-def default_comm(rows_per_rank: int, k: int, compute: ComputeSchedule | None = None) -> CommSchedule:
-    """The communication schedule of an op built with no ``comm`` and none of the pull path's
-    options: the push where :func:`default_push` allows it, else the copy-engine pull."""
-    if default_push(rows_per_rank, compute, None, None, None, None, None, None):
-        return push_comm(k, compute)
+def default_comm(rows_per_rank: int, k: int, compute: ComputeSchedule | None = None, *,
+                 pusher: str | None = None, handshake: str | None = None) -> CommSchedule:
+    """The communication schedule of an op built with no ``comm`` (and these options): the push
+    where :func:`default_push` allows it, else the copy-engine pull."""
+    if default_push(rows_per_rank, compute, None, None, None, None, handshake, None):
+        return push_comm(k, compute, pusher)
     return resolve_comm(None, None, None, compute or DEFAULT_COMPUTE)
 
 
@@ -884,7 +885,8 @@ class _FusedAllGather:
             a_full = self.ws.tensor("a_gathered")
             if poison_workspace:
                 a_full.fill_(float("nan"))
-            a_src = a_shard if (a_shard.is_contiguous() and a_shard.data_ptr() % 16 == 0) else a_shard.contiguous()
+            a_src = a_shard if (a_shard.is_contiguous() and a_shard.data_ptr() % 16 == 0) else \
+                a_shard.clone(memory_format=torch.contiguous_format)      # (.contiguous() keeps an unaligned view)
             a_src.record_stream(self.comm_stream)
         c = torch.empty((W * op.Ms, op.N), dtype=op.dtype, device=self.device) if out is None else out
         ev = torch.cuda.Event()

@@ -174,6 +174,7 @@ class MatmulReduceScatter:
             self.ctx = dist_context(group)
             W, r = self.ctx.world_size, self.ctx.rank
             dt = check_problem(m, k, n, W, dtype)
+            m, k, n = int(m), int(k), int(n)                  # (numpy integers too)
             self.M, self.K, self.N = m, k, n
             self._tensor_type, self._a_size, self._b_size = torch.Tensor, torch.Size((m, k)), torch.Size((k, n))
             self.Ms = m // W

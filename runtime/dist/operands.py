@@ -17,15 +17,21 @@ def check_sizes(op: str, **sizes) -> None:
 
 def byte_span(t) -> tuple[int, int]:
     """``[first, last)`` bytes a tensor's elements occupy (for any strides >= 0)."""
+    p = t.data_ptr()
+    if t.is_contiguous():                        # the common case, on the host path before a launch
+        return p, p + t.numel() * t.element_size()
     if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+        return p, p
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return p, p + (last + 1) * t.element_size()
 
 
 def overlaps(x, y) -> bool:
-    (a0, a1), (b0, b1) = byte_span(x), byte_span(y)
-    return a0 < b1 and b0 < a1
+    return _meet(byte_span(x), byte_span(y))
+
+
+def _meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
 def check_operands(op: str, operands, dtype, device: int | None, *, strided_ok: tuple[str, ...] = ()) -> None:
@@ -63,8 +69,9 @@ def check_output(op: str, out, shape, dtype, device: int | None, inputs=()) -> N
     if not ok:
         raise InputError(f"{op}: out must be a contiguous, 16-byte aligned CUDA tensor {tuple(shape)} of {dtype}"
                          + (f" on cuda:{device}" if device is not None else ""))
+    span = byte_span(out)
     for name, t in inputs:
-        if overlaps(out, t):
+        if _meet(span, byte_span(t)):
             raise InputError(f"{op}: out overlaps {name} in memory; the op writes out while it still reads "
                              f"{name} — pass a separate tensor")
 

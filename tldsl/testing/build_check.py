@@ -1,5 +1,7 @@
 """Ranks that build a fused op differently, or call one after ``close()``, on GPUs (run under
-torchrun): every rank must raise an InputError — none may hang in the op's collectives.
+torchrun): every rank must raise an InputError — none may hang in the op's collectives. And the
+inputs an op copies rather than refuses: an unaligned A shard on every AllGather+GEMM path
+(the default push, the pull, the SM push) gives the right result.
 
     torchrun --nproc_per_node=2 -m tldsl.testing.build_check
 
@@ -45,6 +47,25 @@ def run(argv=None) -> int:
             results.append((name, False, "built"))
         except InputError as e:
             results.append((name, want in str(e), str(e)))
+    from tldsl.ir.schedule import CommSchedule
+    from .dist_check import compare
+    W = dist.get_world_size()
+    for name, kw in (("the default push", {}), ("the pull", {"comm": CommSchedule(engine="copy_engine", mode="pull")}),
+                     ("the SM push", {"comm": CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)})):
+        op = AllGatherMatmul(1024, 1024, 512, torch.bfloat16, **kw)
+        a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) / 8
+        raw = torch.empty(a.numel() + 1, device="cuda", dtype=torch.bfloat16)
+        shard = raw[1:].view(1024, 1024)            # 2 bytes past an aligned start
+        shard.copy_(a)
+        got_a, got_c = op(shard, b)
+        ref_a = torch.empty(W * 1024, 1024, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(ref_a, a)
+        res = compare(got_c, ref_a.float() @ b.float())
+        good = torch.equal(got_a, ref_a) and res["ok"]
+        results.append((f"an unaligned A shard, {name}", good, "right" if good else res["detail"] or "A differs"))
+        torch.cuda.synchronize()
+        op.close()
     op = AllGatherMatmul(1024, 1024, 1024, torch.bfloat16)
     op.close()
     x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)

@@ -2,14 +2,15 @@
 
     torchrun --nproc_per_node=2 -m tldsl.testing.torch_ops_check [--iters 3]
 
-For bf16 and fp16, with odd rows per rank: ``torch.ops.tldsl.fused_all_gather_matmul(a, [b0, b1],
-0, group)`` — the gathered A bit for bit NCCL's all-gather, every product against an fp32 matmul,
-the outputs shaped as ``torch.ops.symm_mem.fused_all_gather_matmul``'s — and
-``torch.ops.tldsl.fused_matmul_reduce_scatter`` with ``"sum"`` and ``"avg"`` against NCCL's
-reduce-scatter of the products (:func:`~.dist_check.rs_reference`), shaped as async-TP's; each
-call with fresh inputs and the op's workspaces refilled with noise first; inputs given as a
-strided and an unaligned view (the ops copy them); and both ops traced by ``torch.compile``
-(``aot_eager``: the fake implementations give the shapes, the real ones run). One PASS/FAIL line
+For bf16 and fp16, with odd rows per rank (the pull) and whole tiles (the default push):
+``torch.ops.tldsl.fused_all_gather_matmul(a, [b0, b1], 0, group)`` — the gathered A bit for bit
+NCCL's all-gather, every product against an fp32 matmul, the outputs shaped as
+``torch.ops.symm_mem.fused_all_gather_matmul``'s — and ``torch.ops.tldsl.fused_matmul_reduce_scatter``
+with ``"sum"`` and ``"avg"`` against NCCL's reduce-scatter of the products
+(:func:`~.dist_check.rs_reference`), shaped as async-TP's; each call with fresh inputs and the
+ops' workspaces refilled with noise first; inputs also given as strided and unaligned views (the
+ops copy them); and both ops traced by ``torch.compile`` (``aot_eager``: the fake
+implementations give the shapes, the real ones run). One PASS/FAIL line
 per check; exit status 1 on any failure.
 """
 from __future__ import annotations
@@ -122,9 +123,11 @@ def run(argv=None) -> int:
     rows, k, n, n2 = 4091, 1032, 3000, 520           # odd rows per rank; K, N whole 16-byte rows
     checks = []
     for dt in (torch.bfloat16, torch.float16):
-        for how in ("dense", "strided", "unaligned"):
-            checks.append((f"fused_all_gather_matmul {dt} {how}",
-                           lambda dt=dt, how=how: check_all_gather(torch, dist, gname, dt, rows, k, (n, n2), how)))
+        for ag_rows, path in ((rows, "pull"), (1024, "push")):      # whole tiles per rank: the default push
+            for how in ("dense", "strided", "unaligned"):
+                checks.append((f"fused_all_gather_matmul {dt} {how}, {ag_rows} rows per rank ({path})",
+                               lambda dt=dt, how=how, ag_rows=ag_rows:
+                               check_all_gather(torch, dist, gname, dt, ag_rows, k, (n, n2), how)))
         for op in ("sum", "avg"):
             checks.append((f"fused_matmul_reduce_scatter {op} {dt}",
                            lambda dt=dt, op=op: check_reduce_scatter(torch, dist, gname, dt, W * rows, k, n,

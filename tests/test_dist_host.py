@@ -1403,7 +1403,10 @@ def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
     assert torch.equal(out, op.partial)
     assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
                                                "cuStreamWaitEvent"]
+    assert repr(op).startswith("<MatmulReduceScatter rank 0/1: A [1000, 1032] @ B [1032, 3000] -> out [1000, 3000] "
+                               "torch.bfloat16, ComputeSchedule(") and repr(op).endswith("1 launches>")
     op.close()
+    assert repr(op).endswith("1 launches, closed>")
     # summing in the epilogue on one rank: every tile is this rank's, the GEMM stores into out
     fused = grs.MatmulReduceScatter(1024, 1032, 3000, "bfloat16",
                                     comm=tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"))
@@ -1486,6 +1489,8 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch, fake_ag):
     Ms, K, N = 4091, 1032, 3000
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="kernel")
     assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
+    assert repr(op).startswith(f"<AllGatherMatmul rank 1/2: A shard [{Ms}, {K}] @ B [{K}, {N}] torch.bfloat16, "
+                               "ComputeSchedule(") and "mode='pull'" in repr(op) and repr(op).endswith("0 launches>")
     assert op.engine == "copy_engine" and op.gemm.reserve == 1 and tuple(op.shards.shape) == (2, Ms, K)
     cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2

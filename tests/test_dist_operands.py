@@ -104,6 +104,8 @@ def test_ops_refuse_calls_after_close():
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
     a, b = gpu(torch.zeros(4, 8, dtype=torch.bfloat16)), gpu(torch.zeros(8, 8, dtype=torch.bfloat16))
     closed = SimpleNamespace(_closed=True)
+    assert repr(object.__new__(AllGatherMatmul)) == "<AllGatherMatmul (not built)>"       # (a failed build)
+    assert repr(object.__new__(MatmulReduceScatter)) == "<MatmulReduceScatter (not built)>"
     with pytest.raises(InputError, match="AllGatherMatmul was closed"):
         AllGatherMatmul._check(closed, a, b)
     with pytest.raises(InputError, match="AllGatherMatmul was closed"):

@@ -596,6 +596,15 @@ class AllGatherMatmul:
     def signal_counters(self) -> dict[str, list[int]]:
         return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
 
+    def __repr__(self) -> str:
+        """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
+        try:
+            return (f"<AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
+                    f"B [{self.K}, {self.N}] {self.dtype}, {self.compute}, {self.comm}, {self.launches} launches"
+                    f"{', closed' if self._closed else ''}>")
+        except AttributeError:      # a construction that failed part-way
+            return "<AllGatherMatmul (not built)>"
+
     def describe(self) -> str:
         head = (f"AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
                 f"B [{self.K}, {self.N}] {self.dtype}; engine {self.engine}; {self.compute}; {self.comm}")

@@ -287,6 +287,15 @@ class MatmulReduceScatter:
     def signal_counters(self) -> dict[str, list[int]]:
         return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
 
+    def __repr__(self) -> str:
+        """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
+        try:
+            return (f"<MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
+                    f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}, {self.compute}, {self.comm}, "
+                    f"{self.launches} launches{', closed' if self._closed else ''}>")
+        except AttributeError:      # a construction that failed part-way
+            return "<MatmulReduceScatter (not built)>"
+
     def describe(self) -> str:
         lines = [f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
                  f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}",

@@ -22,6 +22,13 @@ def _module(name):
 
 def lower(kernel: core.Kernel, part: str | core.Part, **options):
     """Lower one part of ``kernel`` with the first lowering that recognises it."""
+    if not isinstance(kernel, core.Kernel):
+        raise LoweringError(f"lower() takes a traced kernel (a tldsl IR Kernel), got {type(kernel).__name__}: "
+                            f"trace it first — kernel_fn.trace(world_size, *tensor_specs, compute=..., comm=...) "
+                            f"— or take result.kernel from tl.simulate(...)")
+    if isinstance(part, str) and part not in [q.name for q in kernel.parts]:
+        raise LoweringError(f"kernel '{kernel.name}' has no part {part!r}; its parts: "
+                            + ", ".join(f"'{q.name}' ({q.role})" for q in kernel.parts))
     p = kernel.part(part) if isinstance(part, str) else part
     tried = []
     for name in LOWERINGS:

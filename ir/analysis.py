@@ -38,6 +38,7 @@ class SyncSites:
         self.notifies: Counter = Counter()       # (sig id, target rank, channel) -> possible count
         self.dynamic_signals: set[int] = set()   # signals with a notify at an unknown channel/rank
         self.waits: list = []                    # (op, rank, task, channel, count)
+        self.stray: list = []                    # (op, rank, task, channel): notifies outside their signal
 
 
 def collect(kernel: Kernel, max_iterations: int = 2_000_000) -> SyncSites:
@@ -106,6 +107,8 @@ def _eval_block(block, env, rank, task, sites, memo, budget):
                 sites.dynamic_signals.add(sig)
             else:
                 sites.notifies[(sig, target, ch)] += 1
+                if not 0 <= ch < op.operands[0].type.slots:
+                    sites.stray.append((op, rank, task, ch))
         elif name in WAIT_OPS:
             ch = _val(env, op.operands[1])
             cnt = _val(env, op.operands[2])
@@ -116,10 +119,16 @@ def _eval_block(block, env, rank, task, sites, memo, budget):
 
 
 def check_channels(kernel: Kernel) -> None:
-    """Raise at the first wait that cannot receive enough notifies in a launch."""
+    """Raise at the first notify outside its signal's channels, then at the first wait that
+    cannot receive enough notifies in a launch."""
     sites = collect(kernel)
     if not sites.complete:
         return   # too large to enumerate here: the simulator's dynamic detector still applies
+    for op, rank, task, ch in sites.stray[:1]:          # at the notify's line, before any wait it misleads
+        sig = op.operands[0]
+        raise VerificationError(
+            f"{op.name} on rank {rank}, task {task}: channel {ch} is outside signal '{sig.hint}' "
+            f"({sig.type.slots} slots)", op.loc)
     for op, rank, task, ch, cnt in sites.waits:
         sig = op.operands[0]
         if sig.id in sites.dynamic_signals or UNKNOWN in (ch, cnt):

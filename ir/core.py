@@ -145,7 +145,7 @@ class Kernel:
         for p in self.parts:
             if p.name == name:
                 return p
-        raise KeyError(name)
+        raise KeyError(f"kernel '{self.name}' has no part {name!r}; its parts: {[p.name for p in self.parts]}")
 
     def walk(self) -> Iterator[tuple[Part, Op]]:
         for p in self.parts:

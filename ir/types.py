@@ -53,7 +53,7 @@ def dtype_of(x) -> DType:
         if x in _NP_ALIASES:
             return _NP_ALIASES[x]
         raise TypeError(f"unknown dtype {x!r}")
-    if hasattr(x, "dtype") and not isinstance(x, np.dtype):
+    if hasattr(x, "dtype") and not isinstance(x, (np.dtype, type)):     # an array or tensor (not np.float64)
         return dtype_of(x.dtype)
     name = str(x).replace("torch.", "")
     try:
@@ -62,7 +62,7 @@ def dtype_of(x) -> DType:
         pass
     if name in _NP_ALIASES:
         return _NP_ALIASES[name]
-    raise TypeError(f"unsupported dtype {x!r}: tldsl supports f16, bf16, f32, i32, i1")
+    raise TypeError(f"unsupported dtype {name}: tldsl supports f16, bf16, f32, i32, i1")
 
 
 class MemSpace(str, enum.Enum):

@@ -223,3 +223,32 @@ def test_schedule_errors_point_at_the_users_line_through_with_():
     assert "column slices are the copy-engine all-gather's" in str(err)
     assert err.loc is not None and err.loc.filename == __file__
     assert "base.with_(engine=\"sm\", col_tile=1024)" in err.loc.source
+
+
+def test_common_slips_get_tldsl_errors_not_python_ones():
+    """Swapped schedules, lower() on the undecorated-trace kernel function or an unknown part,
+    and a numpy dtype tldsl has not: each a tldsl error that says what to do."""
+    from tldsl.codegen.lower import lower
+
+    @tl.kernel
+    def copy(x, y, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+        @tl.compute_part(grid=(1,))
+        def t(i):
+            tl.store(y, (0,), tl.cast(tl.load(x, (0,), (4,)), np.float64))
+
+    f32 = tl.TensorSpec((4,), tl.float32)
+    with pytest.raises(tl.InputError, match=r"compute= takes a tl.ComputeSchedule, got CommSchedule "
+                                            r"\(compute and comm swapped\?\)"):
+        copy.trace(1, f32, f32, compute=tl.CommSchedule(), comm=tl.ComputeSchedule(tile=(16, 16, 16)))
+    with pytest.raises(tl.CompilationError, match="tl.cast: unsupported dtype float64"):
+        copy.trace(1, f32, f32)
+    with pytest.raises(tl.CompilationError, match="lower\\(\\) takes a traced kernel .* got KernelFunction"):
+        lower(copy, "t")
+
+    @tl.kernel
+    def fine(x, y):
+        @tl.compute_part(grid=(1,))
+        def t(i):
+            tl.store(y, (0,), tl.load(x, (0,), (4,)))
+    with pytest.raises(tl.CompilationError, match=r"kernel 'fine' has no part 'nosuch'; its parts: 't' \(compute\)"):
+        lower(fine.trace(1, f32, f32), "nosuch")

@@ -109,6 +109,11 @@ class KernelFunction:
         return self._cache[key]
 
     def _trace(self, world_size, specs, kwargs, compute, comm, channels=True) -> core.Kernel:
+        for key, val, want in (("compute", compute, ComputeSchedule), ("comm", comm, CommSchedule)):
+            if val is not None and not isinstance(val, want):
+                raise InputError(f"kernel '{self.name}': {key}= takes a tl.{want.__name__}, got "
+                                 f"{type(val).__name__}" + (" (compute and comm swapped?)"
+                                                            if isinstance(val, (ComputeSchedule, CommSchedule)) else ""))
         if compute is not None and comm is not None:
             check_compatible(compute, comm)
         b = Builder(self.name, world_size)
@@ -176,10 +181,19 @@ def _part(fn, grid, role, name, engine, lanes, align_shift):
     return part
 
 
+def _grid_given(grid, what: str) -> None:
+    """``@tl.compute_part`` without its ``(grid=...)`` would take the function for the grid and
+    silently drop the part: refuse it at the decorator's line."""
+    if callable(grid):
+        fail(f"@tl.{what} needs its grid: write @tl.{what}(grid=(...)) above def {getattr(grid, '__name__', '')}")
+
+
 def compute_part(grid, *, name: str | None = None, align_shift: int = 0):
     """Decorate the compute tile function; it is called once per grid point, with the
     program ids as arguments, in the order the compute schedule chooses. ``align_shift``
     tells the ``comm_aligned`` order which rank's rows to start on (rank + shift)."""
+    _grid_given(grid, "compute_part")
+
     def deco(fn):
         return _part(fn, grid, "compute", name, "sm", None, align_shift)
     return deco
@@ -189,6 +203,8 @@ def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes
     """Decorate a communication tile function. ``engine``/``lanes`` default to the kernel's
     communication schedule (``engine``, ``sms``). Axis 0 of the grid is the peer step,
     which the schedule's ring / full-mesh order walks."""
+    _grid_given(grid, "comm_part")
+
     def deco(fn):
         sched = current().comm_schedule
         eng = engine or (sched.engine if sched else "sm")

@@ -308,7 +308,10 @@ def where(cond, a, b) -> Tile:
 
 def cast(x, dtype) -> Tile:
     x = as_tile(x)
-    dtype = T.dtype_of(dtype)
+    try:
+        dtype = T.dtype_of(dtype)
+    except TypeError as e:
+        fail(f"tl.cast: {e}")
     if x.dtype == dtype:
         return x
     return Tile(current().emit("cast", [x.value], [T.TileType(x.shape, dtype)], {"dtype": dtype}).result)

@@ -139,6 +139,7 @@ def tile_push_data(dst, dst_offsets, src, src_offsets=None, shape=None) -> None:
         sref, srank = _local_or_remote(src, "tile_push_data")
         shape = _tile_shape(shape, len(sref.shape), "tile_push_data")
         _check_same_dtype(sref, dref, "tile_push_data")
+        _check_same_rank(sref, dref, "tile_push_data")
         soffs = _offsets(sref, src_offsets, "tile_push_data")
         b.emit("tile_push_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
                {"form": "copy", "shape": shape})
@@ -165,6 +166,7 @@ def tile_pull_data(src, src_offsets, shape, dst=None, dst_offsets=None):
     if dst_offsets is None:
         fail("tile_pull_data into a tensor needs dst_offsets")
     _check_same_dtype(sref, dref, "tile_pull_data")
+    _check_same_rank(sref, dref, "tile_pull_data")
     doffs = _offsets(dref, dst_offsets, "tile_pull_data")
     b.emit("tile_pull_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
            {"form": "copy", "shape": shape})
@@ -177,11 +179,20 @@ def rank_copy_data(dst, dst_offsets, src, src_offsets, shape) -> None:
     sref, srank = _local_or_remote(src, "rank_copy_data")
     dref, drank = _local_or_remote(dst, "rank_copy_data")
     _check_same_dtype(sref, dref, "rank_copy_data")
+    _check_same_rank(sref, dref, "rank_copy_data")
     shape = _tile_shape(shape, len(sref.shape), "rank_copy_data")
     soffs = _offsets(sref, src_offsets, "rank_copy_data")
     doffs = _offsets(dref, dst_offsets, "rank_copy_data")
     current().emit("rank_copy_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
                    {"form": "copy", "shape": shape})
+
+
+def _check_same_rank(src: TensorRef, dst: TensorRef, prim):
+    """A copy moves a box between tensors of the same rank (a tile, ``tl.load``-ed first, may
+    be stored into a tensor with more axes)."""
+    if len(src.shape) != len(dst.shape):
+        fail(f"{prim}: a copy moves a box between tensors of the same rank, but '{src.name}' is "
+             f"{len(src.shape)}-d and '{dst.name}' is {len(dst.shape)}-d (load a tile and store that instead)")
 
 
 def _check_same_dtype(a: TensorRef, b: TensorRef, prim):

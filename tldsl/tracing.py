@@ -38,7 +38,7 @@ class Builder:
         if not self.blocks:
             raise CompilationError("tile operations (loads, stores, math, traced scalars, primitives) can "
                                    "only be used inside a compute or comm part (a function decorated with "
-                                   f"tl.compute_part / tl.comm_part); this line needed IR op '{name}'",
+                                   "tl.compute_part / tl.comm_part)",
                                    user_location())
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
         for i, t in enumerate(result_types):
@@ -205,6 +205,9 @@ def maximum(a, b):
 
 def cdiv(a, b):
     """Ceiling division; stays a Python int when both sides are Python ints."""
+    if a is None or b is None:
+        fail(f"cdiv({a}, {b}): a size is None — a schedule field left unset? (CommSchedule.tile_m is None "
+             f"by default: pass tile_m=..., or handle None for whole chunks)")
     if isinstance(a, Scalar) or isinstance(b, Scalar):
         return (a + (b - 1)) // b
     return -(-a // b)

@@ -403,11 +403,19 @@ def _k_body(loop: core.Op, frag: core.Op):
     # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic and
     # the stage waits before the loads)
     body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith") and not _is_stage_wait(op)]
-    if [op.name for op in body] != ["load", "load", "dot", "frag_read", "ewise", "frag_write"]:
+    names = [op.name for op in body]
+    # `acc += tl.dot(la, lb)`, `acc.write(tl.dot(la, lb, acc.read()))` and
+    # `acc.write(acc.read() + tl.dot(la, lb))` trace to the same ops, the read placed differently
+    if sorted(names) != sorted(["load", "load", "dot", "frag_read", "ewise", "frag_write"]) or \
+            names[-2:] != ["ewise", "frag_write"] or names.index("dot") < max(i for i, n in enumerate(names)
+                                                                            if n == "load"):
         raise _fail("the K loop must be `acc += tl.dot(tl.load(a, ...), tl.load(b, ...))`, got "
-                    f"{[op.name for op in body]}", loop)
-    la, lb, dot, fr, add, fw = body
-    if dot.operands[0] is not la.result or dot.operands[1] is not lb.result:
+                    f"{names}", loop)
+    dot, fr = body[names.index("dot")], body[names.index("frag_read")]
+    add, fw = body[-2], body[-1]
+    la, lb = (v.owner for v in dot.operands[:2])
+    loads = [op for op in body if op.name == "load"]
+    if la not in loads or lb not in loads or la is lb:
         raise _fail("tl.dot must multiply the two tiles loaded in the loop, A first", dot)
     if add.attrs.get("op") != "add" or {add.operands[0].id, add.operands[1].id} != {fr.result.id, dot.result.id}:
         raise _fail("the loop must accumulate: acc += tl.dot(...)", add)

@@ -22,7 +22,8 @@ INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
 
 
 @tl.kernel
-def plain_gemm(a, b, c, *, compute: tl.ComputeSchedule = None):
+def plain_gemm(a, b, c, *, compute: tl.ComputeSchedule = None, accumulate: str = "+="):
+    """``accumulate``: how the K loop is written — ``+=``, ``dot(acc=)`` or ``read + dot``."""
     M, K = a.shape
     N = b.shape[1]
     BM, BN, BK = compute.tile
@@ -31,7 +32,13 @@ def plain_gemm(a, b, c, *, compute: tl.ComputeSchedule = None):
     def mm(pm, pn):
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, K, BK):
-            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+            x, y = tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN))
+            if accumulate == "+=":
+                acc += tl.dot(x, y)
+            elif accumulate == "dot(acc=)":
+                acc.write(tl.dot(x, y, acc.read()))
+            else:
+                acc.write(acc.read() + tl.dot(x, y))
         tl.store(c, (pm * BM, pn * BN), acc)
 
 
@@ -396,32 +403,6 @@ def test_pushing_gemm_orders_each_ctas_own_tiles_first():
     assert first_peer_before_own(straddling, 12 * 2, 16, 2, 0, 20)      # 12 tile rows per rank, 20 CTAs
 
 
-def _gemm_written(form: str):
-    """A GEMM whose K loop accumulates in one of the three ways the language allows."""
-    @tl.kernel
-    def g(a, b, c, *, compute: tl.ComputeSchedule = None):
-        M, K = a.shape
-        N = b.shape[1]
-        BM, BN, BK = compute.tile
-
-        @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-        def gemm(pm, pn):
-            r0, c0 = pm * BM, pn * BN
-            acc = tl.fragment((BM, BN), tl.float32)
-            for k in tl.range(0, K, BK):
-                x, y = tl.load(a, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN))
-                if form == "+=":
-                    acc += tl.dot(x, y)
-                elif form == "dot(acc=)":
-                    acc.write(tl.dot(x, y, acc.read()))
-                else:
-                    acc.write(acc.read() + tl.dot(x, y))
-            tl.store(c, (r0, c0), acc)
-    S = tl.TensorSpec
-    return g.trace(1, S((256, 128), tl.bfloat16), S((128, 256), tl.bfloat16), S((256, 256), tl.bfloat16),
-                   compute=tl.ComputeSchedule(tile=(128, 256, 64)))
-
-
 def test_every_way_of_accumulating_lowers_to_the_same_gemm():
     """`acc += tl.dot(x, y)`, `acc.write(tl.dot(x, y, acc.read()))` and `acc.write(acc.read() +
     tl.dot(x, y))` trace to the same ops in different orders: all three are the GEMM kernel, with
@@ -429,7 +410,10 @@ def test_every_way_of_accumulating_lowers_to_the_same_gemm():
     import re
     from tldsl.codegen.lower import lower
     from tldsl.codegen.lower_gemm import LoweredGemm
-    lowered = [lower(_gemm_written(form), "gemm") for form in ("+=", "dot(acc=)", "read + dot")]
+    lowered = [lower(plain_gemm.trace(1, S((256, 128), tl.bfloat16), S((128, 256), tl.bfloat16),
+                                      S((256, 256), tl.bfloat16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
+                                      accumulate=form), "mm")
+               for form in ("+=", "dot(acc=)", "read + dot")]
     assert all(isinstance(lg, LoweredGemm) for lg in lowered)
     plain = [re.sub(r"//[^\n]*", "", lg.source) for lg in lowered]
     assert plain[0] == plain[1] == plain[2]

@@ -133,6 +133,9 @@ def test_gpu_scope_release_does_not_order_a_peer(seed):
     assert re.search(r"^  write inbox\[0:8\] by " + re.escape(push) + "$", msg, re.M), msg
     assert re.search(r"^  read  inbox\[0:8\] by " + re.escape(load) + "$", msg, re.M), msg
     assert "too narrow a scope" in msg
+    # the report names the wait the reader did, and the release that could not order it
+    assert f"rank {reader} compute task recv(0) had waited on: arrived[0]" in msg, msg
+    assert f"arrived[0] by rank {writer} was released at scope='gpu'" in msg, msg
 
 
 # -- deadlocks ---------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from .memory import Memory
 
 
 class Task:
-    __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch")
+    __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch",
+                 "waited", "narrow")
 
     def __init__(self, tid, rank, part, coords, ntasks, launch):
         self.tid, self.rank, self.part, self.coords, self.launch = tid, rank, part, coords, launch
@@ -27,6 +28,8 @@ class Task:
         self.state = "queued"
         self.wait_info = None
         self.started = None
+        self.waited: list[str] = []     # the signal slots it waited on (for race reports)
+        self.narrow: list[str] = []     # ... of those, released by another rank at too narrow a scope
 
     def __str__(self):
         c = ",".join(str(x) for x in self.coords)
@@ -117,6 +120,8 @@ class Engine:
         cur = sig.gpu.get((ch, task.rank))
         if cur is not None:
             np.maximum(task.vc, cur, out=task.vc)
+        task.waited.append(f"{name}[{ch}]")
+        task.narrow.extend(f"{name}[{ch}] by rank {r}" for (c, r) in sig.gpu if c == ch and r != task.rank)
 
     # -- scheduling -------------------------------------------------------------------------------
     def _orders(self, part, rank):

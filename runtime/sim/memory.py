@@ -173,9 +173,21 @@ class Memory:
                 f"  {_KIND[kind]:5} {buf.name}{_box(lo, hi)} by {_who(task, op)}\n"
                 f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
                 f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
-                f"release at too narrow a scope)",
+                f"release at too narrow a scope)" + _hints(task),
                 rank=rank, buffer=buf.name, region=(tuple(int(x) for x in lo), tuple(int(x) for x in hi)), tile=task.coords,
                 task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
+
+
+def _hints(task) -> str:
+    """What the later task waited on, and which of those releases could not order it."""
+    waited = getattr(task, "waited", None)
+    if waited is None:
+        return ""
+    out = f"\n  {task} had waited on: {', '.join(dict.fromkeys(waited)) or 'nothing'}"
+    for n in dict.fromkeys(task.narrow):
+        out += (f"\n  {n} was released at scope='gpu', which orders only that rank's own tasks: "
+                f"a peer's wait needs scope='sys'")
+    return out
 
 
 def _box(lo, hi) -> str:

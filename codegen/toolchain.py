@@ -68,14 +68,17 @@ def _dist_version(name: str) -> str | None:
 
 
 def _site_dirs() -> list[Path]:
+    """Where wheels' files may lie: the interpreter's site directories, then every directory on
+    ``sys.path`` (``pip install --target`` + ``PYTHONPATH``, ``.pth`` paths)."""
+    import sys
     dirs = []
     for key in ("purelib", "platlib"):
         p = sysconfig.get_paths().get(key)
         if p and Path(p) not in dirs:
             dirs.append(Path(p))
     import site
-    for p in getattr(site, "getsitepackages", lambda: [])() + [site.getusersitepackages()]:
-        if p and Path(p) not in dirs:
+    for p in getattr(site, "getsitepackages", lambda: [])() + [site.getusersitepackages()] + sys.path:
+        if p and Path(p) not in dirs and Path(p).is_dir():
             dirs.append(Path(p))
     return dirs
 

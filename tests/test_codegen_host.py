@@ -417,3 +417,22 @@ def test_every_way_of_accumulating_lowers_to_the_same_gemm():
     assert all(isinstance(lg, LoweredGemm) for lg in lowered)
     plain = [re.sub(r"//[^\n]*", "", lg.source) for lg in lowered]
     assert plain[0] == plain[1] == plain[2]
+
+
+def test_toolchain_wheels_are_found_on_sys_path_too(tmp_path, monkeypatch):
+    """Wheels installed with ``pip install --target DIR`` and reached through ``PYTHONPATH``
+    (not a site directory) are found like installed ones."""
+    import sys
+    from tldsl.codegen import toolchain
+    inc = tmp_path / "cutlass_library" / "source" / "include" / "cute"
+    inc.mkdir(parents=True)
+    (inc / "tensor.hpp").write_text("// stand-in")
+    import site
+    import sysconfig
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {})            # no site directory holds them
+    monkeypatch.setattr(site, "getsitepackages", lambda: [])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: "")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p])
+    assert toolchain._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") is None
+    monkeypatch.setattr(sys, "path", sys.path + [str(tmp_path)])
+    assert toolchain._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") == inc.parent

@@ -183,3 +183,31 @@ def test_built_alike_costs_nothing_without_a_process_group():
     with pytest.raises(InputError, match="own error"):
         with grp.built_alike("Op"):
             raise InputError("own error")
+
+
+def test_dense_copies_only_what_tma_cannot_read():
+    good, unaligned = _aligned((4, 8))
+    good.copy_(torch.arange(32).view(4, 8))
+    unaligned.copy_(torch.arange(32).view(4, 8))
+    assert ops.dense(good) is good
+    for view in (unaligned, good.t().contiguous().t()):
+        d = ops.dense(view)
+        assert d is not view and d.is_contiguous() and d.data_ptr() % 16 == 0 and torch.equal(d, view)
+
+
+def test_init_ranks_starts_a_torchrun_script(monkeypatch):
+    """Multicast off where unset (a value already set is kept), the NCCL group, this rank's GPU
+    from LOCAL_RANK, WORLD's name back."""
+    import os
+    import types
+    import torch.distributed as dist
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", d)))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)           # (LOCAL_RANK wins)
+    monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=types.SimpleNamespace(group_name="0")))
+    assert grp.init_ranks() == "0"
+    assert calls == [("init", "nccl"), ("device", 1)] and os.environ["NCCL_NVLS_ENABLE"] == "0"

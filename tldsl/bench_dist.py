@@ -457,11 +457,9 @@ def parse_schedule(what: str, spec: str, *, pusher: str | None = None, handshake
 
 def main(what, argv):
     import argparse
-    import os
     import torch
     import torch.distributed as dist
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
+    from tldsl.runtime.dist.group import init_ranks
     ap = argparse.ArgumentParser(prog=f"torchrun ... -m tldsl.bench {what}")
     ap.add_argument("--shapes", default=None, help="MxNxK,... (global sizes) or model names "
                     f"({', '.join(MODELS)}: their MLP layer at M=8192)")
@@ -487,9 +485,8 @@ def main(what, argv):
     args = ap.parse_args(argv)
     if what not in ("ag_gemm", "gemm_rs"):
         raise SystemExit(f"unknown distributed benchmark {what!r}")
-    dist.init_process_group("nccl")
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    torch.cuda.set_device(local)
+    init_ranks()
+    local = torch.cuda.current_device()
     if args.bind:
         from .cpu_binding import bind_to_gpu
         print(f"# [rank {dist.get_rank()}] {bind_to_gpu(local)}", file=sys.stderr, flush=True)

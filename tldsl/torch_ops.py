@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .runtime.dist.operands import dense
 
 _OPS: dict = {}
 
@@ -86,12 +87,6 @@ def _check_devices(what: str, tensors) -> None:
                              f"(torch.cuda.set_device(local_rank) before the call)")
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself where TMA and the copy engines can read it (contiguous, 16-byte aligned), else
-    a copy: the drop-in ops take any view, as PyTorch's do."""
-    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-
-
 @torch.library.custom_op("tldsl::fused_all_gather_matmul", mutates_args=())
 def fused_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int,
                             group_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -106,7 +101,7 @@ def fused_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gathe
     if op is None:
         op = _OPS[key] = AllGatherMatmul(a_shard.shape[0], a_shard.shape[1], bs[0].shape[1], a_shard.dtype,
                                          group=group)
-    a_full, c0 = op(a_shard, _dense(bs[0]))            # (a strided or unaligned shard: the op copies it)
+    a_full, c0 = op(a_shard, dense(bs[0]))            # (a strided or unaligned shard: the op copies it)
     return a_full, [c0] + [torch.mm(a_full, b) for b in bs[1:]]
 
 
@@ -131,7 +126,7 @@ def fused_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str
     op = _OPS.get(key)
     if op is None:
         op = _OPS[key] = MatmulReduceScatter(a.shape[0], a.shape[1], b.shape[1], a.dtype, group=group)
-    out = op(_dense(a), _dense(b))
+    out = op(dense(a), dense(b))
     if reduce_op == "avg":
         out = out / op.ctx.world_size
     return out

@@ -61,7 +61,7 @@ from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
 from .group import built_alike, dist_context, dtype_name
-from .operands import check_open, check_operands, check_output, check_sizes
+from .operands import check_open, check_operands, check_output, check_sizes, dense
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
@@ -449,15 +449,13 @@ class AllGatherMatmul:
         stored (``tldsl::sm90::OwnRows``); the copy stream, ordered after the call's start, waits
         for each peer's arrival and copies its shard, then writes its flag."""
         import gc
-        import torch
         from . import plan_exec
         cu = plan_exec.load_driver()
         me = self.ctx.rank
         cur, a_full = self._begin(poison_workspace)
         cur_h = cur.cuda_stream
         tl_ = self.timeline
-        if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA reads it
-            a_shard = a_shard.clone(memory_format=torch.contiguous_format)
+        a_shard = dense(a_shard)            # TMA reads it
         slot = L % 2
         c = self._output_c(out)
         self._start.record(cur)
@@ -894,8 +892,7 @@ class _FusedAllGather:
             a_full = self.ws.tensor("a_gathered")
             if poison_workspace:
                 a_full.fill_(float("nan"))
-            a_src = a_shard if (a_shard.is_contiguous() and a_shard.data_ptr() % 16 == 0) else \
-                a_shard.clone(memory_format=torch.contiguous_format)      # (.contiguous() keeps an unaligned view)
+            a_src = dense(a_shard)
             a_src.record_stream(self.comm_stream)
         c = torch.empty((W * op.Ms, op.N), dtype=op.dtype, device=self.device) if out is None else out
         ev = torch.cuda.Event()

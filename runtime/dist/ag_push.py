@@ -53,6 +53,7 @@ from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from . import plan_exec
 from .call_order import CallOrder
+from .operands import dense
 from .spare_outputs import SpareOutputs
 
 
@@ -226,8 +227,7 @@ class PushAllGather:
             a_full.fill_(float("nan"))
         if tl_ is not None:
             tl_.mark("start", cur, "compute")
-        if not a_shard.is_contiguous() or a_shard.data_ptr() % 16:      # TMA and the copy engine read it
-            a_shard = a_shard.clone(memory_format=torch.contiguous_format)
+        a_shard = dense(a_shard)            # TMA and the copy engine read it
         slot = L & 1
         c = out if out is not None else spare.get("c")
         if c is None:

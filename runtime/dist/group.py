@@ -132,3 +132,25 @@ def _exchange(op: str, group, config: dict | None, error: Exception | None) -> N
     diff = disagreements([e["config"] for e in every])
     if diff:
         raise InputError(f"{op}: the ranks built it differently — " + "; ".join(diff))
+
+
+def init_ranks() -> str:
+    """The start of a torchrun script (the checks, the benchmarks): NVLink multicast off where
+    nothing says otherwise, the NCCL process group, this rank's GPU (``LOCAL_RANK``), torch
+    symmetric memory enabled for WORLD (older torch needs it). Returns WORLD's group name."""
+    import torch
+    import torch.distributed as dist
+    for k, v in _SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    name = dist.group.WORLD.group_name
+    try:
+        import warnings
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)      # newer torch: deprecated, not needed
+            enable_symm_mem_for_group(name)
+    except Exception:   # noqa: BLE001 - newer torch needs no enabling
+        pass
+    return name

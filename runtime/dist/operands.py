@@ -76,6 +76,15 @@ def check_output(op: str, out, shape, dtype, device: int | None, inputs=()) -> N
                              f"{name} — pass a separate tensor")
 
 
+def dense(t):
+    """``t`` itself where TMA and the copy engines can read it (contiguous and 16-byte aligned),
+    else a dense copy (``.contiguous()`` would keep an unaligned view as it is)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    import torch
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def check_open(op: str, closed: bool) -> None:
     if closed:
         raise InputError(f"{op} was closed (its symmetric workspace is released); build a new one")

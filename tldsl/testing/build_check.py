@@ -9,7 +9,6 @@ One PASS/FAIL line per case; exit status 1 on any failure.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 
@@ -30,15 +29,12 @@ def cases(torch, r: int):
 
 
 def run(argv=None) -> int:
-    for key, val in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(key, val)
     import torch
     import torch.distributed as dist
     from tldsl.errors import InputError
     from tldsl.runtime.dist import AllGatherMatmul
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    from tldsl.runtime.dist.group import init_ranks
+    init_ranks()
     r = dist.get_rank()
     results = []
     for name, build, want in cases(torch, r):

@@ -673,21 +673,14 @@ def run(argv=None) -> int:
         for v in todo:
             print(f"{v.label} ({v.dtype}): {dict(v.kwargs) or 'defaults'}")
         return 0
-    for k, val in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, val)
     if args.debug_timeout_ns:
         os.environ["TLDSL_WAIT_TIMEOUT_NS"] = str(args.debug_timeout_ns)
     import torch
     import torch.distributed as dist
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    from tldsl.runtime.dist.group import init_ranks
+    init_ranks()
     env = Env(args)
     _warm_up(torch)
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-        enable_symm_mem_for_group(dist.group.WORLD.group_name)
-    except Exception:   # noqa: BLE001 - newer torch needs no enabling
-        pass
     env.say(f"dist_check: {env.W} rank(s) on {torch.cuda.get_device_name()}, torch {torch.__version__}; "
             f"{len(todo)} variant(s) x {len(checks)} check(s)" + ("; waits time out (debug)" if env.debug else ""))
     failures = 0

@@ -16,7 +16,6 @@ per check; exit status 1 on any failure.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -104,20 +103,11 @@ def run(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=2 -m tldsl.testing.torch_ops_check")
     ap.add_argument("--iters", type=int, default=3, help="calls per check, each with fresh inputs")
     args = ap.parse_args(argv)
-    for key, val in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(key, val)
     import torch
     import torch.distributed as dist
     import tldsl.torch_ops  # noqa: F401 - registers torch.ops.tldsl.*
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    gname = dist.group.WORLD.group_name
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-        enable_symm_mem_for_group(gname)
-    except Exception:   # noqa: BLE001 - newer torch needs no enabling
-        pass
+    from tldsl.runtime.dist.group import init_ranks
+    gname = init_ranks()
     r, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(7 + r)
     rows, k, n, n2 = 4091, 1032, 3000, 520           # odd rows per rank; K, N whole 16-byte rows

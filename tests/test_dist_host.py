@@ -39,6 +39,16 @@ from tldsl.runtime.gpu.device import CudaDriverError
 
 from test_codegen_comm import ce_blocks      # the n-d clipped copy-engine kernel, planned here too
 
+# many tests build an op on fakes and drop it: that warns (symmetric.py), which is not their subject
+pytestmark = pytest.mark.filterwarnings("ignore::tldsl.runtime.dist.symmetric.SymmetricMemoryWarning")
+
+
+@pytest.fixture(autouse=True)
+def _own_symmetric_ledger(monkeypatch):
+    """Each test starts with no symmetric memory held, and what it drops is not kept for the next."""
+    from tldsl.runtime.dist import symmetric as sym
+    monkeypatch.setattr(sym, "_LEDGER", {})
+
 
 # =================================================================================================
 # the fake driver
@@ -1049,6 +1059,9 @@ class _Proto:
         log = self.drv.calls
         nums = itertools.count(1)
         proto = self
+        import torch.distributed._symmetric_memory as sm     # allocations through a lease: CPU tensors here
+        monkeypatch.setattr(sm, "empty", lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
+        monkeypatch.setattr(sm, "rendezvous", lambda t, group_name: None)
 
         class Stream:
             def __init__(self, device=None):
@@ -1144,10 +1157,13 @@ class _Proto:
         self.peer_buffers = {}
 
         class Workspace(ckm.SymmetricWorkspace):
-            def __init__(self, ctx, specs, align=512):
+            def __init__(self, ctx, specs, align=512, lease=None):
+                from tldsl.runtime.dist.symmetric import Lease
                 self.ctx = ctx
                 self.regions, self.total_bytes = ckm.layout_regions(specs, align)
-                raw = torch.empty(self.total_bytes + 512, dtype=torch.uint8)
+                self._own_lease = lease is None
+                self.lease = lease or Lease(ctx, "workspace", self)
+                raw, _ = self.lease.empty(self.total_bytes + 512, torch.uint8)
                 pad = (-raw.data_ptr()) % 512
                 self.raw = raw[pad:pad + self.total_bytes]
                 self.handle = Handle(self.raw)
@@ -2480,3 +2496,61 @@ def test_probes_take_their_own_iteration_counts_unless_told(monkeypatch):
     bp.main(["epilogue"])
     bp.main(["rs_order", "--iters", "5"])
     assert seen == [("ag_skew", {}), ("ag_skew", {"iters": 7}), ("epilogue", {}), ("rs_order", {"iters": 5})]
+
+
+def _op_blocks(op):
+    """Weak references to the storages of every symmetric block ``op``'s lease holds."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from tldsl.runtime.dist import symmetric as sym
+    blocks = sym._LEDGER[op._lease.key].blocks
+    assert blocks and all(b.tensor is not None for b in blocks)
+    return [StorageWeakRef(b.tensor.untyped_storage()) for b in blocks]
+
+
+@pytest.mark.parametrize("build", ["ag pull", "ag push", "ag gemm-push", "ag sm", "ag plan push", "rs copy_engine",
+                                   "rs epilogue", "rs sm"])
+def test_ops_free_their_symmetric_memory_at_close_and_never_when_dropped(proto, monkeypatch, build):
+    """Every op's symmetric blocks (shard slots, landing buffers, counters, workspaces) are freed
+    by close() — right there, nothing of them left in the op or its engine — and an op dropped
+    without close() warns and frees nothing until release_unclosed()."""
+    import gc
+    import warnings
+    from tldsl.runtime.dist import symmetric as sym
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)
+    push = tl.CommSchedule(engine="copy_engine", mode="push")
+    make = {"ag pull": lambda: AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, handshake="device"),
+            "ag push": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16),
+            "ag gemm-push": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16, pusher="gemm"),
+            "ag sm": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16, engine="sm"),
+            "ag plan push": lambda: AllGatherMatmul(1000, 1032, 3000, torch.bfloat16, comm=push),
+            "rs copy_engine": lambda: MatmulReduceScatter(4096 * 2, 1032, 3000, "bfloat16"),
+            "rs epilogue": lambda: MatmulReduceScatter(2048 * 2, 1032, 3000, "bfloat16",
+                                                       comm=push.with_(reduce_in="epilogue")),
+            "rs sm": lambda: MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")}[build]
+    op = make()
+    engine = getattr(op, "_engine", None)
+    refs = _op_blocks(op)
+    rows, k, n = (op.Ms, op.K, op.N) if build.startswith("ag") else (op.M, op.K, op.N)
+    for _ in range(3):                                  # calls leave prepared launches, spares, views
+        op(torch.randn(rows, k).to(torch.bfloat16), torch.randn(k, n).to(torch.bfloat16))
+    proto.gemm_args = None                              # (the fake GEMM's record of its last buffers)
+    key = op._lease.key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # a clean close warns of nothing
+        op.close()
+    assert all(r.expired() for r in refs), build        # freed at close, no view of them left behind
+    assert key not in sym._LEDGER
+    assert repr(op).endswith("closed>")                 # (calls after it raise: test_dist_operands)
+    op.close()                                          # twice: nothing more to do
+    del op, engine
+    # dropped without close(): nothing is freed, however the op goes
+    op = make()
+    refs = _op_blocks(op)
+    with pytest.warns(sym.SymmetricMemoryWarning, match="dropped without close"):
+        del op
+        gc.collect()
+    assert not any(r.expired() for r in refs)
+    assert sym.release_unclosed() == 1 and all(r.expired() for r in refs)

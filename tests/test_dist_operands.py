@@ -205,9 +205,11 @@ def test_init_ranks_starts_a_torchrun_script(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
-    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setenv("RANK", "3")                                        # (LOCAL_RANK wins)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, device_id=None: calls.append(("init", backend, str(device_id))))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("device", d)))
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)           # (LOCAL_RANK wins)
     monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=types.SimpleNamespace(group_name="0")))
     assert grp.init_ranks() == "0"
-    assert calls == [("init", "nccl"), ("device", 1)] and os.environ["NCCL_NVLS_ENABLE"] == "0"
+    # the group is bound to this rank's GPU (its barriers need not guess the device)
+    assert calls == [("device", 1), ("init", "nccl", "cuda:1")] and os.environ["NCCL_NVLS_ENABLE"] == "0"

@@ -84,3 +84,11 @@ def test_ranks_that_build_differently_all_raise(tmp_path):
     _torchrun([], tmp_path, "build", timeout=300, module="tldsl.testing.build_check")
     log = (tmp_path / "build.log").read_text()
     assert "build_check: all passed" in log and ": FAIL" not in log, log[-6000:]
+
+
+def test_symmetric_memory_is_freed_only_at_collective_points(tmp_path):
+    """Each op and engine: close() gives its symmetric memory back to the driver at once; an op
+    dropped without close() keeps it through garbage collection, until release_unclosed()."""
+    _torchrun([], tmp_path, "lifetime", timeout=400, module="tldsl.testing.lifetime_check")
+    log = (tmp_path / "lifetime.log").read_text()
+    assert "lifetime_check: all passed" in log and ": FAIL" not in log, log[-6000:]

@@ -86,11 +86,8 @@ def bench_interleaved(fns: dict, iters: int = 20, warm: int = 5, *, timer=None, 
 
 
 def _enable_symm_mem(gname):
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-        enable_symm_mem_for_group(gname)
-    except Exception:   # noqa: BLE001 - newer torch needs no enabling
-        pass
+    from tldsl.runtime.dist.group import enable_symmetric_memory
+    enable_symmetric_memory(gname)
 
 
 def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, pusher=None, dtype="bfloat16"):
@@ -134,7 +131,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, 
             "own": lambda: op.compute_only(ag, b)}, iters)
         rows.append(_row(M, N, K, W, t, _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, err,
                          f"{op.compute}, {op.comm}" if schedule else None, out, r))
-        op.close()                      # collective (NVSHMEM heap); a no-op for torch symmetric memory
+        op.close()                      # collective: frees the op's symmetric memory
         del op
         _release()
     if r == 0:
@@ -174,7 +171,8 @@ def _phases(op, fn, label, out=sys.stdout):
 
 
 def _release():
-    """Free a dropped op's symmetric memory now, where nothing spins (its free synchronises)."""
+    """Between shapes, where nothing spins: the caching allocator's garbage of the last shape
+    goes now (the op's symmetric memory went with its close())."""
     import gc
     import torch
     gc.collect()

@@ -5,8 +5,10 @@ a few SMs (generated communication kernels, :mod:`.comm_kernel`) feeding generat
 wait per tile: :class:`AllGatherMatmul` (AllGather+GEMM), :class:`MatmulReduceScatter`
 (GEMM+ReduceScatter); :mod:`.autotune` picks their schedules.
 
-Allocation of symmetric memory is collective: it happens only when an op object is built
-(an explicit, documented point every rank reaches), never on a call or from garbage collection.
+Symmetric memory is allocated and freed only at explicit collective points every rank reaches
+in the same order (:mod:`.symmetric`): allocated when an op object is built, freed by its
+``close()`` — never on a call or from garbage collection. An op dropped without ``close()``
+keeps its memory (with a :class:`SymmetricMemoryWarning`) until :func:`release_unclosed`.
 """
 from .group import DistContext, dist_context
 from .ag_gemm import AllGatherMatmul
@@ -14,6 +16,8 @@ from .gemm_rs import MatmulReduceScatter
 from .plan_exec import DeviceArray, PlanExecutor, PointerTable, symmetric_addresses
 from .comm_kernel import CommKernel, SymmetricWorkspace
 from .autotune import Autotuner, AutotuneError
+from .symmetric import SymmetricMemoryWarning, outstanding, release_unclosed
 
 __all__ = ["DistContext", "dist_context", "AllGatherMatmul", "MatmulReduceScatter", "DeviceArray", "PlanExecutor",
-           "PointerTable", "symmetric_addresses", "CommKernel", "SymmetricWorkspace", "Autotuner", "AutotuneError"]
+           "PointerTable", "symmetric_addresses", "CommKernel", "SymmetricWorkspace", "Autotuner", "AutotuneError",
+           "SymmetricMemoryWarning", "outstanding", "release_unclosed"]

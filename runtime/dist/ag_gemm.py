@@ -62,6 +62,7 @@ from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
 from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes, dense
+from .symmetric import Lease
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
@@ -111,7 +112,6 @@ class AllGatherMatmul:
         The default push moves each shard in column slices (:func:`default_col_tile`; a ``comm``
         with its own ``col_tile`` decides by hand)."""
         import torch
-        import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
         from ...codegen.lower import lower
         from ..gpu.gemm import GemmKernel
@@ -174,6 +174,8 @@ class AllGatherMatmul:
                 rows_per_rank=self.Ms, K=self.K, N=self.N, dtype=tdtype, compute=compute, comm=comm,
                 ce_executor=ce_executor, staging=staging, staging_given=staging_given, handshake=handshake,
                 enqueue=enqueue, pusher=pusher, stage_waves=stage_waves, spare_outputs=spare_outputs)
+        # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
+        self._lease = Lease(self.ctx, f"AllGatherMatmul({self.Ms}, {self.K}, {self.N})", self)
         if push and ce_executor == "direct":
             for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
                 if given is not None:
@@ -237,13 +239,11 @@ class AllGatherMatmul:
         (self.signal,) = self.lowered.signals
         dev = torch.device("cuda", self.ctx.device)
         # collective points: the double-buffered symmetric shard + rendezvous
-        self.shards = symm_mem.empty((2, self.Ms, self.K), dtype=tdtype, device=dev)
-        self.handle = symm_mem.rendezvous(self.shards, self.ctx.group_name)
+        self.shards, self.handle = self._lease.empty((2, self.Ms, self.K), tdtype)
         self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
         if handshake in ("memops", "device"):   # slot q: the last launch whose shard rank q has staged
-            self.arrive = symm_mem.empty((max(W, 1),), dtype=torch.int64, device=dev)
+            self.arrive, self._arrive_handle = self._lease.empty((max(W, 1),), torch.int64)
             self.arrive.zero_()
-            self._arrive_handle = symm_mem.rendezvous(self.arrive, self.ctx.group_name)
             self.arrive_peers = [int(p) for p in self._arrive_handle.buffer_ptrs]
         # load the barrier kernel now (collective, like the construction): a module CUDA loads
         # lazily while a GEMM spins beside it would wait for that GEMM. It also orders every
@@ -482,13 +482,18 @@ class AllGatherMatmul:
         return self._join(cur, a_full, c, L, fresh_c=out is None)
 
     def close(self) -> None:
-        """Release the symmetric workspace (collective: every rank, same point; required for
-        NVSHMEM's heap, which is never freed by garbage collection). Calls after it raise."""
+        """Free the op's symmetric memory — the only point it is freed (collective: every rank
+        of the group calls it at the same point; it synchronises this GPU and waits for the
+        peers to do the same, so no kernel anywhere still touches it). An op dropped without
+        ``close()`` keeps its memory, with a warning, until
+        :func:`~.symmetric.release_unclosed`. Calls after it raise; a second close does nothing."""
         self._closed = True
         if self._engine is not None:
             self._engine.close()
         else:
             self._spares.clear()
+        self._lease.forget(self)
+        self._lease.release()
 
     def _check_out(self, out, a_shard, b):
         check_output("AllGatherMatmul", out, (self.ctx.world_size * self.Ms, self.N), self.dtype, self.ctx.device,
@@ -755,7 +760,7 @@ class _FusedAllGather:
         from .plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
 
         import weakref
-        self.op = weakref.proxy(op)         # no cycle: dropping the op frees its symmetric memory at once
+        self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         ctx = op.ctx
         W, r = ctx.world_size, ctx.rank
         comm, compute = op.comm, op.compute
@@ -792,7 +797,7 @@ class _FusedAllGather:
         self.sym_b, self.sym_s = sorted(sym_b), sorted(sym_s)
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in self.sym_b] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in self.sym_s]
-        self.ws = make_workspace(ctx, specs, comm.transport)                # collective
+        self.ws = make_workspace(ctx, specs, comm.transport, lease=op._lease)      # collective
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_s else torch.zeros(slots[nm], dtype=torch.int64,
                                                                                   device=dev)) for nm in slots}
         (self.signal,) = self.lowered_gemm.signals
@@ -835,6 +840,7 @@ class _FusedAllGather:
 
     def close(self) -> None:
         self.ws.close()
+        self.op._lease.forget(self)
 
     def workspace_tensors(self) -> dict:
         return {nm: self.ws.tensor(nm) for nm in self.sym_b}

@@ -69,14 +69,13 @@ class PushAllGather:
         ``"gemm"`` (the GEMM itself, as it loads the shard: ``lower_gemm(push_rows=True)``; no copy
         stream, no host call but the GEMM's launch; correct on GPUs, slower: ``probe ag_push``)."""
         import torch
-        import torch.distributed._symmetric_memory as symm_mem
         import tldsl as tl
         from ...codegen.lower import lower
         from ...ops.allgather_gemm import allgather_gemm
         from ..gpu.gemm import GemmKernel
         import weakref
 
-        self.op = weakref.proxy(op)         # no cycle: dropping the op frees its symmetric memory at once
+        self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         ctx = op.ctx
         W, Ms, K, N = ctx.world_size, op.Ms, op.K, op.N
         compute = op.compute
@@ -113,12 +112,10 @@ class PushAllGather:
         self.cols = -(-N // compute.BN)
         dev = torch.device("cuda", ctx.device)
         # collective points: the double-buffered landing buffer, the flags and the consumed counters
-        self.landing = symm_mem.empty((2, W * Ms, K), dtype=op.dtype, device=dev)
-        self._landing_handle = symm_mem.rendezvous(self.landing, ctx.group_name)
+        self.landing, self._landing_handle = op._lease.empty((2, W * Ms, K), op.dtype)
         self.landing_peers = [int(p) for p in self._landing_handle.buffer_ptrs]
-        self.counters = symm_mem.empty((2, max(W, 1)), dtype=torch.int64, device=dev)   # [flags, consumed]
+        self.counters, self._counter_handle = op._lease.empty((2, max(W, 1)), torch.int64)   # [flags, consumed]
         self.counters.zero_()
-        self._counter_handle = symm_mem.rendezvous(self.counters, ctx.group_name)
         base = [int(p) for p in self._counter_handle.buffer_ptrs]
         self.flags, self.consumed = self.counters[0], self.counters[1]
         self.flag_peers = base
@@ -401,5 +398,6 @@ class PushAllGather:
                    else "outputs allocated per call\n") + self.lowered.describe())
 
     def close(self) -> None:
-        """The spare outputs go; torch's symmetric memory frees with the tensors."""
+        """The spare outputs go, and every view of the op's symmetric memory (its close frees it)."""
         self._spares.clear()
+        self.op._lease.forget(self)

@@ -67,16 +67,17 @@ def _check_u64_table(name: str, values, world_size: int, align: int) -> tuple[in
     return vals
 
 
-def make_workspace(ctx, specs, transport: str):
+def make_workspace(ctx, specs, transport: str, lease=None):
     """The symmetric workspace a transport needs (collective): torch symmetric memory for ``ptr``
     kernels (peer-pointer tables), NVSHMEM's heap for ``nvshmem`` kernels (``nvshmem_ptr`` on the
-    device only finds addresses inside it)."""
+    device only finds addresses inside it). ``lease``: the owning op's
+    :class:`~.symmetric.Lease`, which frees it when the op is closed (default: its own)."""
     if transport == "nvshmem":
         from .nvshmem import NvshmemWorkspace
-        return NvshmemWorkspace(ctx, specs)
+        return NvshmemWorkspace(ctx, specs, lease=lease)
     if transport != "ptr":
         raise InputError(f"transport={transport!r}: choose 'ptr' or 'nvshmem'")
-    return SymmetricWorkspace(ctx, specs)
+    return SymmetricWorkspace(ctx, specs, lease=lease)
 
 
 class CommKernel:
@@ -328,20 +329,21 @@ class SymmetricWorkspace(RegionWorkspace):
     build the same layout at the same point. Signal regions are zeroed, then the group
     synchronises (a barrier on the handle, which also loads torch's barrier kernel before any
     persistent kernel can be spinning), so no rank notifies a counter before its owner zeroed it.
+    Its memory is held by ``lease`` (:mod:`.symmetric`): freed when that lease is released —
+    by :meth:`close` if the workspace has its own — never by garbage collection.
     """
 
-    def __init__(self, ctx, specs: Sequence[tuple[str, str, Sequence[int], str]], *, align: int = 512):
+    def __init__(self, ctx, specs: Sequence[tuple[str, str, Sequence[int], str]], *, align: int = 512,
+                 lease=None):
         import torch
-        import torch.distributed._symmetric_memory as symm_mem
+        from .group import enable_symmetric_memory
+        from .symmetric import Lease
         self.ctx = ctx
         self.regions, self.total_bytes = layout_regions(specs, align)
-        dev = torch.device("cuda", ctx.device)
-        try:        # older torch (< 2.8) needs the group enabled for symmetric memory; newer ones ignore it
-            symm_mem.enable_symm_mem_for_group(ctx.group_name)
-        except Exception:   # noqa: BLE001
-            pass
-        self.raw = symm_mem.empty(self.total_bytes, dtype=torch.uint8, device=dev)
-        self.handle = symm_mem.rendezvous(self.raw, ctx.group_name)
+        enable_symmetric_memory(ctx.group_name)
+        self._own_lease = lease is None
+        self.lease = lease or Lease(ctx, f"symmetric workspace of {self.total_bytes} bytes", self)
+        self.raw, self.handle = self.lease.empty(self.total_bytes, torch.uint8)
         ptrs = [int(p) for p in self.handle.buffer_ptrs]
         off = getattr(self.handle, "offset", None)
         size = getattr(self.handle, "buffer_size", None)
@@ -369,7 +371,13 @@ class SymmetricWorkspace(RegionWorkspace):
                 self.handle.barrier(channel=channel, **kw)
 
     def close(self) -> None:
-        """Nothing to do: torch frees its symmetric memory when the tensors are dropped."""
+        """Drop this workspace's views of its memory; with its own lease, free it now
+        (collective: every rank, same point), else its op's ``close()`` does."""
+        lease = getattr(self, "lease", None)
+        if lease is not None:
+            lease.forget(self)
+            if self._own_lease:
+                lease.release()
 
 
 def signal_map(entries: Sequence[tuple[str, int, int, str]]) -> list[tuple[str, int, int, str]]:

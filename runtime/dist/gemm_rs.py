@@ -63,6 +63,7 @@ from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .group import built_alike, dist_context, dtype_name
+from .symmetric import Lease
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -203,6 +204,8 @@ class MatmulReduceScatter:
             self.wait_timeout_ns = int(timeout) if timeout else None
             opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
             self.lowered_gemm = lower(self.ir, "gemm", **opts)
+        # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
+        self._lease = Lease(self.ctx, f"MatmulReduceScatter({m}, {k}, {n})", self)
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self.hooks: dict = {}
@@ -232,7 +235,7 @@ class MatmulReduceScatter:
         sym_sigs = [s.name for s in self.ir.signals if s.type.scope.value == "symmetric"]
         specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
                 [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
-        self.ws = make_workspace(self.ctx, specs, self.comm.transport) if specs else None     # collective
+        self.ws = make_workspace(self.ctx, specs, self.comm.transport, lease=self._lease) if specs else None
         self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
                                                                                      device=dev))
                         for nm in slots}
@@ -411,10 +414,17 @@ class MatmulReduceScatter:
         self.ws.barrier(stream, timeout_ms=timeout)
 
     def close(self) -> None:
-        """Release the symmetric workspace (collective: every rank, same point; required for
-        NVSHMEM's heap, which is never freed by garbage collection). Calls after it raise."""
+        """Free the op's symmetric memory — the only point it is freed (collective: every rank
+        of the group calls it at the same point; it synchronises this GPU and waits for the
+        peers to do the same, so no kernel anywhere still touches it). An op dropped without
+        ``close()`` keeps its memory, with a warning, until
+        :func:`~.symmetric.release_unclosed`. Calls after it raise; a second close does nothing."""
         self._closed = True
         if self.ws is not None:
             self.ws.close()
-        if self._engine is not None and self._engine.ws is not None:
-            self._engine.ws.close()
+        if self._engine is not None:
+            if self._engine.ws is not None:
+                self._engine.ws.close()
+            self._lease.forget(self._engine)
+        self._lease.forget(self)
+        self._lease.release()

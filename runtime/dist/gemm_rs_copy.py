@@ -171,7 +171,7 @@ class CopyEngineReduceScatter:
             raise InputError(f"copy-engine reduce-scatter: unexpected workspace {bufs[recv]}, {slots[done]}")
         self.ws = make_workspace(ctx, [(recv, "buffer", (W, op.Ms, op.N), pdt),
                                        (done, "signal", (W,), "u64"),
-                                       ("handshake_arrive", "signal", (W,), "u64")], "ptr")      # collective
+                                       ("handshake_arrive", "signal", (W,), "u64")], "ptr", lease=op._lease)
         self.recv = self.ws.tensor(recv)
         self._recv_peers = self.ws.peers(recv)
         self._arrive = self.ws.peers("handshake_arrive")

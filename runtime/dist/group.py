@@ -142,15 +142,22 @@ def init_ranks() -> str:
     import torch.distributed as dist
     for k, v in _SAFE_ENV.items():
         os.environ.setdefault(k, v)
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))   # barriers know their GPU
     name = dist.group.WORLD.group_name
+    enable_symmetric_memory(name)
+    return name
+
+
+def enable_symmetric_memory(group_name: str) -> None:
+    """Older torch (< 2.8) needs a group enabled for symmetric memory; newer ones need nothing
+    and deprecate the call (its warning silenced here)."""
     try:
         import warnings
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)      # newer torch: deprecated, not needed
-            enable_symm_mem_for_group(name)
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(group_name)
     except Exception:   # noqa: BLE001 - newer torch needs no enabling
         pass
-    return name

@@ -10,9 +10,10 @@ uses the very library torch links (``libnvshmem_host.so.3`` of ``nvidia-nvshmem-
 version whose device headers our kernels compile against).
 
 Collective points (every rank of the group, same order): :meth:`Nvshmem.get` the first time
-in a process (init), :class:`NvshmemWorkspace` construction (``nvshmem_malloc``) and its
-:meth:`~NvshmemWorkspace.close` (``nvshmem_free``). Nothing is freed by garbage collection:
-``nvshmem_free`` is a collective, so a workspace is released only by an explicit ``close``.
+in a process (init), :class:`NvshmemWorkspace` construction (``nvshmem_malloc``) and the
+release of its lease (``nvshmem_free``: its op's ``close()``, or its own
+:meth:`~NvshmemWorkspace.close` when it has no op; :mod:`.symmetric`). Nothing is freed by
+garbage collection: ``nvshmem_free`` is a collective.
 """
 from __future__ import annotations
 
@@ -225,11 +226,17 @@ class NvshmemWorkspace(RegionWorkspace):
     (``nvshmem_ptr``). Building it is collective; so is :meth:`close`, the only way it is freed."""
 
     def __init__(self, ctx, specs: Sequence[tuple[str, str, Sequence[int], str]], *, align: int = 512,
-                 nvshmem: Nvshmem | None = None, as_tensor=None):
+                 nvshmem: Nvshmem | None = None, as_tensor=None, lease=None):
+        import functools
+        from .symmetric import Lease
         self.ctx = ctx
         self.nv = nvshmem or Nvshmem.get(ctx)
         self.regions, self.total_bytes = layout_regions(specs, align)
+        self._own_lease = lease is None
+        self.lease = lease or Lease(ctx, f"NVSHMEM workspace of {self.total_bytes} bytes", self)
         self.base = self.nv.malloc(self.total_bytes)
+        self.lease.hold(f"NVSHMEM heap, {self.total_bytes} bytes", functools.partial(self.nv.free, self.base),
+                        spans=[(self.base, self.base + self.total_bytes)])
         self.closed = False
         view = as_tensor or _torch_view
         self.addresses: dict[str, tuple[int, ...]] = {}
@@ -254,11 +261,13 @@ class NvshmemWorkspace(RegionWorkspace):
         self.nv.barrier_on_stream(s.cuda_stream)
 
     def close(self) -> None:
-        """Free the heap allocation (collective: every rank, same point)."""
+        """Drop this workspace's views of the heap; with its own lease free the allocation now
+        (collective: every rank, same point), else its op's ``close()`` does."""
         if not self.closed:
-            _synchronize()
-            self.nv.free(self.base)
             self.closed = True
+            self.lease.forget(self)
+            if self._own_lease:
+                self.lease.release()
 
     def _title(self) -> str:
         return f"NVSHMEM workspace: {self.total_bytes} bytes at {self.base:#x}"

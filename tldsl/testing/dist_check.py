@@ -711,10 +711,10 @@ def run(argv=None) -> int:
             if env.state.op is not None and hasattr(env.state.op, "close"):
                 torch.cuda.synchronize()
                 env.barrier()
-                env.state.op.close()    # collective: NVSHMEM's heap is only freed explicitly
+                env.state.op.close()    # collective: the op's symmetric memory is freed here
             env.state.op = None
             env.state.reader = None
-            gc.collect()                # free the op's symmetric memory here, where nothing spins
+            gc.collect()                # the rest of the check's garbage, here where nothing spins
             torch.cuda.synchronize()
             env.barrier()
     env.say(f"dist_check: {'all passed' if not failures else f'{failures} check(s) FAILED'}")

@@ -567,6 +567,7 @@ class AllGatherMatmul:
 
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (the distributed checks fill them with noise)."""
+        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
         if self._engine is not None:
             return self._engine.workspace_tensors()
         return {"a": self.shards}
@@ -574,6 +575,7 @@ class AllGatherMatmul:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters (decodes a device
         ``wait timed out: slot 0x...`` line, see :func:`~.comm_kernel.explain_address`)."""
+        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
         if self._engine is not None:
             return self._engine.signal_map()
         out = [(self.signal, self.flags.data_ptr(), self.flags.numel(),
@@ -587,6 +589,7 @@ class AllGatherMatmul:
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
+        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
         if self._engine is not None:
             return dict(self._engine.signals)
         out = {self.signal: self.flags}
@@ -611,6 +614,8 @@ class AllGatherMatmul:
     def describe(self) -> str:
         head = (f"AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
                 f"B [{self.K}, {self.N}] {self.dtype}; engine {self.engine}; {self.compute}; {self.comm}")
+        if self._closed:
+            return head + f"\n  closed after {self.launches} launches: its symmetric memory is freed"
         if self._engine is not None:
             return head + "\n" + self._engine.describe()
         return head + "\n" + self.lowered.describe()

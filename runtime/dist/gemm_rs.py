@@ -253,6 +253,7 @@ class MatmulReduceScatter:
     # -- introspection (debugging and the distributed checks) -------------------------------------
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
+        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
         out = {"partial": self.partial}
         if self._engine is not None and self._engine.recv is not None:
             out["reduce_scatter_recv"] = self._engine.recv
@@ -263,6 +264,7 @@ class MatmulReduceScatter:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters, to decode a device
         ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
+        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
         traced = self.ir.comm_schedule                  # the copy engine's carries its rows per copy
         tile = self.Ms if traced.tile_m is None else min(traced.tile_m, self.Ms)
         tpr = -(-self.Ms // tile)
@@ -282,6 +284,7 @@ class MatmulReduceScatter:
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
+        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
         out = dict(self.signals)
         if self._engine is not None:
             out.update(self._engine.signal_tensors())
@@ -300,8 +303,11 @@ class MatmulReduceScatter:
             return "<MatmulReduceScatter (not built)>"
 
     def describe(self) -> str:
-        lines = [f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
-                 f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}",
+        head = (f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
+                f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}")
+        if self._closed:
+            return head + f"\n  closed after {self.launches} launches: its symmetric memory is freed"
+        lines = [head,
                  f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}; launches so far {self.launches}",
                  self.lowered_gemm.describe()]
         if self._engine is not None:

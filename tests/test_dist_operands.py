@@ -213,3 +213,26 @@ def test_init_ranks_starts_a_torchrun_script(monkeypatch):
     assert grp.init_ranks() == "0"
     # the group is bound to this rank's GPU (its barriers need not guess the device)
     assert calls == [("device", 1), ("init", "nccl", "cuda:1")] and os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.mark.parametrize("rank, peer_ok", [(0, True), (0, False), (1, True)])
+def test_check_scripts_agree_on_one_verdict(monkeypatch, capsys, rank, peer_ok):
+    """A torchrun check's end: the verdict is every rank's (a peer's failure fails rank 0 too),
+    rank 0 prints every case, a peer only its own failures."""
+    import torch.distributed as dist
+    from tldsl.testing.verdict import report
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: t.clamp_(max=1.0 if peer_ok else 0.0))
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    results = [("case a", True, "right"), ("case b", rank == 0, "wrong" if rank else "right")]
+    status = report("some_check", results, device="cpu")
+    out = capsys.readouterr().out.splitlines()
+    passed = peer_ok and rank == 0
+    assert status == (0 if passed else 1) and calls == ["barrier", "destroy"]
+    if rank == 0:
+        assert out == ["some_check case a: PASS [rank 0] right", "some_check case b: PASS [rank 0] right",
+                       f"some_check: {'all passed' if passed else 'FAILED'}"]
+    else:
+        assert out == ["some_check case b: FAIL [rank 1] wrong"]

@@ -34,6 +34,7 @@ def run(argv=None) -> int:
     from tldsl.errors import InputError
     from tldsl.runtime.dist import AllGatherMatmul
     from tldsl.runtime.dist.group import init_ranks
+    from .verdict import report
     init_ranks()
     r = dist.get_rank()
     results = []
@@ -70,16 +71,7 @@ def run(argv=None) -> int:
         results.append(("a call after close()", False, "ran"))
     except InputError as e:
         results.append(("a call after close()", "was closed" in str(e), str(e)))
-    ok = torch.tensor([float(all(good for _, good, _ in results))], device="cuda")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    for name, good, text in results:
-        if r == 0 or not good:
-            print(f"build_check {name}: {'PASS' if good else 'FAIL'} [rank {r}] {text}", flush=True)
-    dist.barrier()
-    if r == 0:
-        print(f"build_check: {'all passed' if ok.item() > 0.5 else 'FAILED'}", flush=True)
-    dist.destroy_process_group()
-    return 0 if ok.item() > 0.5 else 1
+    return report("build_check", results)
 
 
 if __name__ == "__main__":

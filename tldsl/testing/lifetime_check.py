@@ -54,13 +54,17 @@ def _held(op) -> tuple[int, int]:
     return sum(b.tensor.untyped_storage().nbytes() for b in blocks if b.tensor is not None), len(blocks)
 
 
-def _use(op, torch, shape):
+def _fresh(build, torch, dist, shape):
+    """An op built and called three times; the bytes and blocks its lease holds, its key, and
+    the driver's free memory now."""
+    op = build()
     rows, k, n = shape
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         op(a, b)
-    torch.cuda.synchronize()
+    held, blocks = _held(op)
+    return op, held, blocks, op._lease.key, _free_bytes(torch, dist)
 
 
 def check(name, build, shape, torch, dist) -> list[tuple[str, bool, str]]:
@@ -68,11 +72,7 @@ def check(name, build, shape, torch, dist) -> list[tuple[str, bool, str]]:
     MiB = 2 ** 20
     out = []
     # close(): freed then and there, nothing lingers, nothing warns
-    op = build()
-    _use(op, torch, shape)
-    held, blocks = _held(op)
-    key = op._lease.key
-    before = _free_bytes(torch, dist)
+    op, held, blocks, key, before = _fresh(build, torch, dist, shape)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         op.close()
@@ -83,11 +83,7 @@ def check(name, build, shape, torch, dist) -> list[tuple[str, bool, str]]:
                 f"held, {back / MiB:.1f} MiB back to the driver at close(){'; ' + warned[0] if warned else ''}"))
     del op
     # dropped without close(): through the collector nothing goes; release_unclosed() frees it
-    op = build()
-    _use(op, torch, shape)
-    held, blocks = _held(op)
-    key = op._lease.key
-    before = _free_bytes(torch, dist)
+    op, held, blocks, key, before = _fresh(build, torch, dist, shape)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         del op
@@ -111,24 +107,15 @@ def run(argv=None) -> int:
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist.group import init_ranks
+    from .verdict import report
     init_ranks()
-    r = dist.get_rank()
     results = []
     for name, build, shape in builds(torch):
         try:
             results += check(name, build, shape, torch, dist)
         except Exception as e:      # noqa: BLE001 - a failed case is reported, the others still run
             results.append((name, False, f"{type(e).__name__}: {e}"))
-    ok = torch.tensor([float(all(good for _, good, _ in results))], device="cuda")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    for name, good, text in results:
-        if r == 0 or not good:
-            print(f"lifetime_check {name}: {'PASS' if good else 'FAIL'} [rank {r}] {text}", flush=True)
-    dist.barrier()
-    if r == 0:
-        print(f"lifetime_check: {'all passed' if ok.item() > 0.5 else 'FAILED'}", flush=True)
-    dist.destroy_process_group()
-    return 0 if ok.item() > 0.5 else 1
+    return report("lifetime_check", results)
 
 
 if __name__ == "__main__":

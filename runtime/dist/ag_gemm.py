@@ -492,7 +492,7 @@ class AllGatherMatmul:
             self._engine.close()
         else:
             self._spares.clear()
-        self._lease.forget(self)
+        self._lease.forget(self, self._engine)
         self._lease.release()
 
     def _check_out(self, out, a_shard, b):
@@ -612,10 +612,9 @@ class AllGatherMatmul:
             return "<AllGatherMatmul (not built)>"
 
     def describe(self) -> str:
-        head = (f"AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
-                f"B [{self.K}, {self.N}] {self.dtype}; engine {self.engine}; {self.compute}; {self.comm}")
+        head = f"{repr(self)[1:-1]}; engine {self.engine}"
         if self._closed:
-            return head + f"\n  closed after {self.launches} launches: its symmetric memory is freed"
+            return head + ": its symmetric memory is freed"
         if self._engine is not None:
             return head + "\n" + self._engine.describe()
         return head + "\n" + self.lowered.describe()
@@ -845,7 +844,6 @@ class _FusedAllGather:
 
     def close(self) -> None:
         self.ws.close()
-        self.op._lease.forget(self)
 
     def workspace_tensors(self) -> dict:
         return {nm: self.ws.tensor(nm) for nm in self.sym_b}

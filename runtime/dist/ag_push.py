@@ -398,6 +398,5 @@ class PushAllGather:
                    else "outputs allocated per call\n") + self.lowered.describe())
 
     def close(self) -> None:
-        """The spare outputs go, and every view of the op's symmetric memory (its close frees it)."""
+        """The spare outputs go (the op's close then frees its symmetric memory)."""
         self._spares.clear()
-        self.op._lease.forget(self)

@@ -373,11 +373,9 @@ class SymmetricWorkspace(RegionWorkspace):
     def close(self) -> None:
         """Drop this workspace's views of its memory; with its own lease, free it now
         (collective: every rank, same point), else its op's ``close()`` does."""
-        lease = getattr(self, "lease", None)
-        if lease is not None:
-            lease.forget(self)
-            if self._own_lease:
-                lease.release()
+        self.lease.forget(self)
+        if self._own_lease:
+            self.lease.release()
 
 
 def signal_map(entries: Sequence[tuple[str, int, int, str]]) -> list[tuple[str, int, int, str]]:

@@ -303,12 +303,11 @@ class MatmulReduceScatter:
             return "<MatmulReduceScatter (not built)>"
 
     def describe(self) -> str:
-        head = (f"MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
-                f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}; {self.compute}; {self.comm}")
+        head = repr(self)[1:-1]
         if self._closed:
-            return head + f"\n  closed after {self.launches} launches: its symmetric memory is freed"
+            return head + ": its symmetric memory is freed"
         lines = [head,
-                 f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}; launches so far {self.launches}",
+                 f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}",
                  self.lowered_gemm.describe()]
         if self._engine is not None:
             return "\n".join(lines + [self._engine.describe()])
@@ -428,9 +427,7 @@ class MatmulReduceScatter:
         self._closed = True
         if self.ws is not None:
             self.ws.close()
-        if self._engine is not None:
-            if self._engine.ws is not None:
-                self._engine.ws.close()
-            self._lease.forget(self._engine)
-        self._lease.forget(self)
+        if self._engine is not None and self._engine.ws is not None:
+            self._engine.ws.close()
+        self._lease.forget(self, self._engine)
         self._lease.release()

@@ -104,16 +104,18 @@ class Lease:
         as mapped here): ``free`` runs at the release."""
         self._entry.blocks.append(_Block(what, free=free, spans=tuple(spans)))
 
-    def forget(self, obj) -> None:
-        """Drop ``obj``'s attributes that reach this lease's blocks — a tensor viewing a block
-        here or on a peer, a block's handle, a dict, list or tuple holding one — so that
-        :meth:`release` can free them: what an owner's ``close()`` does first."""
+    def forget(self, *objs) -> None:
+        """Drop the attributes of ``objs`` (an op, its engine; ``None`` skipped) that reach this
+        lease's blocks — a tensor viewing a block here or on a peer, a block's handle, a dict,
+        list or tuple holding one — so that :meth:`release` can free them: what an owner's
+        ``close()`` does first."""
         blocks = _LEDGER[self.key].blocks if self.key in _LEDGER else []
         spans = [s for b in blocks for s in b.spans]
         handles = {id(b.handle) for b in blocks if b.handle is not None}
-        for name, value in list(vars(obj).items()):
-            if _reaches(value, spans, handles, 3):
-                setattr(obj, name, None)
+        for obj in objs:
+            for name, value in list(vars(obj).items() if obj is not None else ()):
+                if _reaches(value, spans, handles, 3):
+                    setattr(obj, name, None)
 
     def release(self) -> None:
         """Free the blocks now (collective: every rank of the group, same point). Idempotent."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .location import Location
+from .printer import format_kernel
 from .types import SignalType, TensorType
 
 _ids = itertools.count()
@@ -153,7 +154,6 @@ class Kernel:
                 yield p, op
 
     def __str__(self) -> str:
-        from .printer import format_kernel
         return format_kernel(self)
 
     def _repr_pretty_(self, p, cycle):  # IPython / notebooks

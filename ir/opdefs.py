@@ -1,9 +1,11 @@
 """The op table: one entry per IR op, saying what class of op it is and what it means.
 
 Each op is defined once here (name, category, doc); its type rule lives in the frontend
-builder (checked while tracing, so errors point at the user's line) and again in
-:mod:`.verifier`; its meaning lives in the simulator's rule table
-(``tldsl.runtime.sim.rules``); its lowering will live in ``tldsl.codegen``.
+(``tldsl.language``, ``tldsl.tiles``, ``tldsl.primitives``: checked while tracing, so errors
+point at the user's line) and again in :mod:`.verifier`; its meaning lives in the simulator's
+rule table, the ``op_<name>`` methods of ``tldsl.runtime.sim.interpreter.Interpreter`` (scalar
+arithmetic and wait targets in :mod:`.semantics`, which the code generator shares); its
+lowering lives in ``tldsl.codegen`` (``tldsl.codegen.lower.lower`` picks a part's lowering).
 """
 from __future__ import annotations
 

@@ -1,8 +1,12 @@
 """Readable text for a kernel: schedules, buffers, signals, then each part's ops with the
-user's source line beside every op. Communication and compute parts are labelled."""
+user's source line beside every op. Communication and compute parts are labelled.
+
+It reads the IR's objects (:mod:`.core`) by their fields and imports nothing from there:
+``Kernel.__str__`` prints through this module, so core depends on the printer, not back.
+"""
 from __future__ import annotations
 
-from .core import Block, Kernel, Op, Value
+from dataclasses import fields
 
 _INLINE_CONST = True
 
@@ -13,7 +17,7 @@ class _Names:
         self.used: set[str] = set()
         self.n = 0
 
-    def define(self, v: Value) -> str:
+    def define(self, v) -> str:
         base = v.hint
         if base:
             name = base
@@ -28,21 +32,22 @@ class _Names:
         self.names[v.id] = "%" + name
         return self.names[v.id]
 
-    def __call__(self, v: Value) -> str:
+    def __call__(self, v) -> str:
         owner = v.owner
-        if _INLINE_CONST and isinstance(owner, Op) and owner.name == "const":
+        is_op = getattr(owner, "attrs", None) is not None      # not a block argument, buffer or signal
+        if _INLINE_CONST and is_op and owner.name == "const":
             return repr(owner.attrs["value"])
         return self.names.get(v.id, f"%?{v.id}")
 
 
-def _attrs(op: Op) -> str:
+def _attrs(op) -> str:
     skip = {"shape", "dtype"} if op.name in ("load", "full", "frag_alloc", "load_rows") else set()
     skip |= {"form"}
     items = [f"{k}={v}" for k, v in op.attrs.items() if k not in skip]
     return (" {" + ", ".join(items) + "}") if items else ""
 
 
-def _format_op(op: Op, names: _Names, indent: str, lines: list[str]):
+def _format_op(op, names: _Names, indent: str, lines: list[str]):
     operands = ", ".join(names(v) for v in op.operands)
     loc = f"  // {op.loc.short()}" if op.loc else ""
     if op.name == "for":
@@ -75,12 +80,13 @@ def _format_op(op: Op, names: _Names, indent: str, lines: list[str]):
         lines.append(f"{indent}{text}{loc}")
 
 
-def _format_block(block: Block, names: _Names, indent: str, lines: list[str]):
+def _format_block(block, names: _Names, indent: str, lines: list[str]):
     for op in block.ops:
         _format_op(op, names, indent, lines)
 
 
-def format_kernel(k: Kernel) -> str:
+def format_kernel(k) -> str:
+    """The text of a :class:`~.core.Kernel` (what ``str(kernel)`` gives)."""
     names = _Names()
     lines = [f"kernel @{k.name}  world_size={k.world_size}"]
     if k.constexprs:
@@ -106,5 +112,4 @@ def format_kernel(k: Kernel) -> str:
 
 
 def _sched(s) -> str:
-    from dataclasses import fields
     return " ".join(f"{f.name}={getattr(s, f.name)}" for f in fields(s))

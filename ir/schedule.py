@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ScheduleError
+from .location import user_location
 
 COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
 COMM_ORDERS = ("ring", "full_mesh")
@@ -18,6 +19,11 @@ COMM_TRANSPORTS = ("ptr", "nvshmem")
 COMM_MODES = ("push", "pull")
 COMM_ENGINES = ("sm", "copy_engine")
 REDUCE_PLACES = ("comm", "epilogue")
+
+
+def _invalid(message: str) -> ScheduleError:
+    """The error for a schedule that cannot be, at the user's line that built or used it."""
+    return ScheduleError(message, user_location())
 
 
 def _pow2(x: int) -> bool:
@@ -40,18 +46,18 @@ class ComputeSchedule:
         t = tuple(self.tile)
         object.__setattr__(self, "tile", t)
         if len(t) != 3 or not all(_pow2(x) and 8 <= x <= 256 for x in t):
-            raise ScheduleError(f"compute tile {t}: need three powers of two between 8 and 256 (BM, BN, BK)")
+            raise _invalid(f"compute tile {t}: need three powers of two between 8 and 256 (BM, BN, BK)")
         if self.order not in COMPUTE_ORDERS:
-            raise ScheduleError(f"compute order {self.order!r}: choose one of {COMPUTE_ORDERS}")
+            raise _invalid(f"compute order {self.order!r}: choose one of {COMPUTE_ORDERS}")
         if not (isinstance(self.stages, int) and 1 <= self.stages <= 8):
-            raise ScheduleError(f"pipeline stages {self.stages}: need 1..8")
+            raise _invalid(f"pipeline stages {self.stages}: need 1..8")
         if not (isinstance(self.group_m, int) and self.group_m >= 1):
-            raise ScheduleError(f"group_m {self.group_m}: need a positive int")
+            raise _invalid(f"group_m {self.group_m}: need a positive int")
         cl = tuple(self.cluster) if isinstance(self.cluster, (tuple, list)) else self.cluster
         object.__setattr__(self, "cluster", cl)
         if cl not in CLUSTER_SHAPES:
-            raise ScheduleError(f"cluster {self.cluster!r}: choose one of {CLUSTER_SHAPES} (CTAs along M sharing "
-                                "their B tile)")
+            raise _invalid(f"cluster {self.cluster!r}: choose one of {CLUSTER_SHAPES} (CTAs along M sharing "
+                           "their B tile)")
 
     @property
     def BM(self): return self.tile[0]
@@ -126,35 +132,35 @@ class CommSchedule:
 
     def __post_init__(self):
         if self.order not in COMM_ORDERS:
-            raise ScheduleError(f"communication order {self.order!r}: choose one of {COMM_ORDERS}")
+            raise _invalid(f"communication order {self.order!r}: choose one of {COMM_ORDERS}")
         if self.mode not in COMM_MODES:
-            raise ScheduleError(f"communication mode {self.mode!r}: choose one of {COMM_MODES}")
+            raise _invalid(f"communication mode {self.mode!r}: choose one of {COMM_MODES}")
         if self.engine not in COMM_ENGINES:
-            raise ScheduleError(f"communication engine {self.engine!r}: choose one of {COMM_ENGINES}")
+            raise _invalid(f"communication engine {self.engine!r}: choose one of {COMM_ENGINES}")
         if self.tile_m is not None and not (isinstance(self.tile_m, int) and not isinstance(self.tile_m, bool)
                                             and self.tile_m > 0):
-            raise ScheduleError(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
+            raise _invalid(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
         if self.col_tile is not None:
             if not (isinstance(self.col_tile, int) and not isinstance(self.col_tile, bool) and self.col_tile > 0):
-                raise ScheduleError(f"col_tile {self.col_tile!r}: need a positive int (or None for whole shards)")
+                raise _invalid(f"col_tile {self.col_tile!r}: need a positive int (or None for whole shards)")
             if self.engine != "copy_engine":
-                raise ScheduleError(f"col_tile={self.col_tile}: column slices are the copy-engine all-gather's; "
-                                    f"got engine={self.engine!r} (the SM engine's tiles are rows: tile_m)")
+                raise _invalid(f"col_tile={self.col_tile}: column slices are the copy-engine all-gather's; "
+                               f"got engine={self.engine!r} (the SM engine's tiles are rows: tile_m)")
         if self.transport not in COMM_TRANSPORTS:
-            raise ScheduleError(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
+            raise _invalid(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
         if self.reduce_in not in REDUCE_PLACES:
-            raise ScheduleError(f"reduce_in={self.reduce_in!r}: choose one of {REDUCE_PLACES}")
+            raise _invalid(f"reduce_in={self.reduce_in!r}: choose one of {REDUCE_PLACES}")
         if self.reduce_in == "epilogue" and (self.engine, self.mode) != ("copy_engine", "push"):
-            raise ScheduleError("reduce_in='epilogue' (peers' rows added in the compute part's epilogue) is the "
-                                f"copy-engine push schedule: engine='copy_engine', mode='push'; got engine="
-                                f"{self.engine!r}, mode={self.mode!r}")
+            raise _invalid("reduce_in='epilogue' (peers' rows added in the compute part's epilogue) is the "
+                           f"copy-engine push schedule: engine='copy_engine', mode='push'; got engine="
+                           f"{self.engine!r}, mode={self.mode!r}")
         if self.engine == "copy_engine" and self.transport != "ptr":
-            raise ScheduleError("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
+            raise _invalid("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
         if self.engine == "copy_engine":
             if self.sms not in (None, 0):
-                raise ScheduleError(f"the copy engine uses no SMs: sms={self.sms} makes no sense with engine='copy_engine'")
+                raise _invalid(f"the copy engine uses no SMs: sms={self.sms} makes no sense with engine='copy_engine'")
         elif self.sms is not None and not (isinstance(self.sms, int) and 1 <= self.sms <= 132):
-            raise ScheduleError(f"sms={self.sms}: SM communication needs 1..132 SMs")
+            raise _invalid(f"sms={self.sms}: SM communication needs 1..132 SMs")
 
     @property
     def lanes(self) -> int:
@@ -180,5 +186,5 @@ def check_compatible(compute: ComputeSchedule, comm: CommSchedule) -> None:
     if comm.tile_m is not None:
         bm = compute.BM
         if bm % comm.tile_m and comm.tile_m % bm:
-            raise ScheduleError(f"communication tile_m={comm.tile_m} and compute BM={bm}: one must divide "
-                                "the other so that a channel mapping can link the tiles")
+            raise _invalid(f"communication tile_m={comm.tile_m} and compute BM={bm}: one must divide "
+                           "the other so that a channel mapping can link the tiles")

@@ -1,4 +1,5 @@
-"""The meaning of scalar ops, shared by the static analysis and the simulator."""
+"""The meaning of scalar ops and wait targets, shared by the static analysis, the simulator and the
+code generator."""
 from __future__ import annotations
 
 import operator

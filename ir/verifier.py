@@ -5,6 +5,7 @@ trust what they are given."""
 from __future__ import annotations
 
 from ..errors import VerificationError
+from .analysis import check_channels
 from .core import Block, Kernel, Op, Part
 from .opdefs import (COPY_ENGINE_OPS, NOTIFY_OPS, OPS, SIGNAL_SCOPE, WAIT_OPS, data_operands)
 from .types import FragmentType, MemSpace, ScalarType, SignalType, TensorType, TileType
@@ -39,7 +40,6 @@ def verify(kernel: Kernel, *, channels: bool = True) -> None:
         _verify_block(part.body, set(visible), part, kernel)
     _verify_signal_pairs(kernel)
     if channels:
-        from .analysis import check_channels
         check_channels(kernel)
 
 

@@ -119,7 +119,7 @@ def test_epilogue_sum_compiles_without_spills(partial_dtype):
 def test_epilogue_probe_cuts_what_it_names():
     """`python -m tldsl.bench probe epilogue` times the epilogue-sum GEMM with parts cut out of
     its source: each cut removes what it says and nothing else."""
-    from tldsl.bench_probes import _rs_gemm, epilogue_ablations
+    from tldsl.bench.probes import _rs_gemm, epilogue_ablations
     cuts = epilogue_ablations(_rs_gemm(2048, 8192, 4096, "epilogue").source)
     count = {n: (s.count("wait_at_least<"), s.count("epi_load2("), s.count("ctx.apply("), s.count("if (false)"))
              for n, s in cuts.items()}

@@ -32,9 +32,10 @@ from tldsl.codegen.lower_comm import CeCopy, CeSignalWrite, CeWait, lower_comm, 
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
-from tldsl.runtime.dist.comm_kernel import (CommKernel, decode_args, explain_address, kernel_specs, layout_regions)
+from tldsl.runtime.dist.comm_kernel import CommKernel, decode_args, explain_address, kernel_specs
 from tldsl.runtime.dist.plan_exec import (DeviceArray, PlanExecutor, PointerTable, plan_symmetric_names,
                                           symmetric_addresses)
+from tldsl.runtime.dist.regions import layout_regions
 from tldsl.runtime.gpu.device import CudaDriverError
 
 from test_codegen_comm import ce_blocks      # the n-d clipped copy-engine kernel, planned here too
@@ -900,13 +901,13 @@ def test_allgather_engine_choices():
 # the distributed checks' host-side logic
 # =================================================================================================
 
-from tldsl.testing import dist_check as dc  # noqa: E402
+from tldsl.checks import dist_check as dc  # noqa: E402
 
 
 def test_summarize_log_reads_a_dist_check_run():
     """The GPU test's verdict on a dist_check log (lines as a 2x H200 run printed them, some
     prefixed by torchrun): every check PASS and the closing line, or it failed."""
-    from tldsl.testing import dist_check as dc
+    from tldsl.checks import dist_check as dc
     good = ("W1130 05:10:01.123 torch/distributed/run.py: Setting OMP_NUM_THREADS\n"
             "dist_check ag_gemm/copy_engine odd_m: PASS (5 iterations, max err 0.0039)\n"
             "[rank0]: dist_check ag_gemm/copy_engine streams: PASS (24 launches)\n"
@@ -1160,7 +1161,7 @@ class _Proto:
             def __init__(self, ctx, specs, align=512, lease=None):
                 from tldsl.runtime.dist.symmetric import Lease
                 self.ctx = ctx
-                self.regions, self.total_bytes = ckm.layout_regions(specs, align)
+                self.regions, self.total_bytes = layout_regions(specs, align)
                 self._own_lease = lease is None
                 self.lease = lease or Lease(ctx, "workspace", self)
                 raw, _ = self.lease.empty(self.total_bytes + 512, torch.uint8)
@@ -1980,7 +1981,7 @@ def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
     divides 1024 (whole shards otherwise, and for the GEMM pusher); the autotuner's candidates
     hold the default push both ways, so a tuned choice can only be as fast or faster."""
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul, DEFAULT_COMPUTE, default_col_tile
-    from tldsl.bench_dist import candidates
+    from tldsl.bench.dist import candidates
     torch = proto.torch
     _fake_torch_symmetric_memory(proto, monkeypatch)
     assert default_col_tile(8192, DEFAULT_COMPUTE) == 1024
@@ -2166,7 +2167,7 @@ def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
 
 
 def test_bench_schedule_spec_parses_into_schedules():
-    from tldsl.bench_dist import parse_schedule
+    from tldsl.bench.dist import parse_schedule
     compute, comm = parse_schedule("gemm_rs", "sms=8,order=full_mesh,mode=pull,tile=128x128x64,stages=5")(8192, 8192, 8192)
     assert compute.tile == (128, 128, 64) and compute.stages == 5 and compute.order == "comm_aligned"
     assert (comm.engine, comm.mode, comm.order, comm.sms, comm.tile_m) == ("sm", "pull", "full_mesh", 8, 32)
@@ -2244,7 +2245,7 @@ def test_phase_timeline_segments_and_text():
 
 
 def test_bench_shapes_take_model_names():
-    from tldsl.bench_dist import parse_shapes
+    from tldsl.bench.dist import parse_shapes
     assert parse_shapes("ag_gemm", "llama8b, 4096x8192x8192") == [(8192, 14336, 4096), (4096, 8192, 8192)]
     assert parse_shapes("gemm_rs", "llama405b") == [(8192, 16384, 53248)]
     with pytest.raises(tl.InputError, match="neither"):
@@ -2414,7 +2415,7 @@ def test_nvshmem_single_node_defaults_respect_the_user():
 
 
 def test_interleaved_timing_rotates_and_agrees_on_failures(capsys):
-    from tldsl.bench_dist import bench_interleaved
+    from tldsl.bench.dist import bench_interleaved
     calls = []
     cost = {"a": 1.0, "b": 2.0, "c": 3.0}
 
@@ -2442,7 +2443,7 @@ def test_interleaved_timing_rotates_and_agrees_on_failures(capsys):
 
 def test_bench_row_and_table():
     import io
-    from tldsl.bench_dist import _row, _table
+    from tldsl.bench.dist import _row, _table
     times = {"comm": 0.3, "gemm": 2.5, "seq": 2.9, "asynctp": 2.95, "ours": 2.75, "own": 2.6}
     out = io.StringIO()
     row = _row(8192, 8192, 8192, 2, times, [], True, 0.01, None, out, rank=0)
@@ -2482,7 +2483,7 @@ def test_probes_take_their_own_iteration_counts_unless_told(monkeypatch):
     """``--iters`` reaches a probe only when given; otherwise each probe keeps its own default
     (ag_skew's 80 calls, the one-GPU probes' 30)."""
     import inspect
-    import tldsl.bench_probes as bp
+    import tldsl.bench.probes as bp
     own = {name: inspect.signature(getattr(bp, f"probe_{name}")).parameters["iters"].default
            for name in ("ag_skew", "epilogue", "rs_order")}
     assert own == {"ag_skew": 80, "epilogue": 30, "rs_order": 20}

@@ -220,7 +220,7 @@ def test_check_scripts_agree_on_one_verdict(monkeypatch, capsys, rank, peer_ok):
     """A torchrun check's end: the verdict is every rank's (a peer's failure fails rank 0 too),
     rank 0 prints every case, a peer only its own failures."""
     import torch.distributed as dist
-    from tldsl.testing.verdict import report
+    from tldsl.checks.verdict import report
     calls = []
     monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: t.clamp_(max=1.0 if peer_ok else 0.0))

@@ -182,7 +182,7 @@ def test_speed_report(causal):
     on the same gathered K/V (W=2, Sl=4096 per rank, 16 heads of 128), after checking it."""
     import torch
     import torch.nn.functional as F
-    from tldsl.bench import _time_interleaved
+    from tldsl.bench.timing import interleaved_ms
     from tldsl.runtime.gpu.attention import AttentionKernel
     W, rank, Sl, H, D = 2, 1, 4096, 16, 128
     k, la = _lower(W, Sl, H, D, (128, 128, 64), causal, "bfloat16")
@@ -202,7 +202,7 @@ def test_speed_report(causal):
     if causal:   # global positions: rank 1's queries see shard 0 whole and their own shard causally
         qpos = rank * Sl + torch.arange(Sl, device="cuda")[:, None]
         mask = torch.arange(W * Sl, device="cuda")[None, :] <= qpos
-    ms_ours, ms_torch = _time_interleaved(
+    ms_ours, ms_torch = interleaved_ms(
         [lambda: kern(bufs, signals=sig, rank=rank),
          lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)], iters=20)
     pairs = sum(min(W * Sl, rank * Sl + i + 1) for i in range(Sl)) if causal else Sl * W * Sl

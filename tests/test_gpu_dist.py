@@ -1,4 +1,4 @@
-"""The fused distributed ops on two or more GPUs: ``tldsl.testing.dist_check`` under torchrun, in a
+"""The fused distributed ops on two or more GPUs: ``tldsl.checks.dist_check`` under torchrun, in a
 subprocess (skipped unless torch sees at least 2 sm_90 GPUs).
 
 Run on a GPU host with: ``python -m pytest -q -m gpu tests/test_gpu_dist.py``. Each check prints
@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more sm_90 GPUs with torch and cuda-python")]
 
 
-def _torchrun(args, tmp_path: Path, name: str, timeout: int, module: str = "tldsl.testing.dist_check"):
-    from tldsl.testing.dist_check import explain_log, summarize_log
+def _torchrun(args, tmp_path: Path, name: str, timeout: int, module: str = "tldsl.checks.dist_check"):
+    from tldsl.checks.dist_check import explain_log, summarize_log
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -73,7 +73,7 @@ def test_dist_check_debug_build(tmp_path):
 def test_torch_ops_beside_async_tp(tmp_path):
     """torch.ops.tldsl.* in bf16 and fp16 (dense, strided and unaligned inputs; "sum" and "avg"),
     eager and under torch.compile, against NCCL + fp32 matmul and shaped as torch async-TP's."""
-    _, _ = _torchrun(["--iters", "3"], tmp_path, "torch_ops", timeout=600, module="tldsl.testing.torch_ops_check")
+    _, _ = _torchrun(["--iters", "3"], tmp_path, "torch_ops", timeout=600, module="tldsl.checks.torch_ops_check")
     log = (tmp_path / "torch_ops.log").read_text()
     assert "torch_ops_check: all passed" in log and ": FAIL" not in log, log[-6000:]
 
@@ -81,7 +81,7 @@ def test_torch_ops_beside_async_tp(tmp_path):
 def test_ranks_that_build_differently_all_raise(tmp_path):
     """Mismatched dtypes, one rank's invalid K, mismatched K, a call after close(): an InputError
     on every rank, no hang."""
-    _torchrun([], tmp_path, "build", timeout=300, module="tldsl.testing.build_check")
+    _torchrun([], tmp_path, "build", timeout=300, module="tldsl.checks.build_check")
     log = (tmp_path / "build.log").read_text()
     assert "build_check: all passed" in log and ": FAIL" not in log, log[-6000:]
 
@@ -89,6 +89,6 @@ def test_ranks_that_build_differently_all_raise(tmp_path):
 def test_symmetric_memory_is_freed_only_at_collective_points(tmp_path):
     """Each op and engine: close() gives its symmetric memory back to the driver at once; an op
     dropped without close() keeps it through garbage collection, until release_unclosed()."""
-    _torchrun([], tmp_path, "lifetime", timeout=400, module="tldsl.testing.lifetime_check")
+    _torchrun([], tmp_path, "lifetime", timeout=400, module="tldsl.checks.lifetime_check")
     log = (tmp_path / "lifetime.log").read_text()
     assert "lifetime_check: all passed" in log and ": FAIL" not in log, log[-6000:]

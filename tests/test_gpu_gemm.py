@@ -76,10 +76,10 @@ def test_waits_block_until_flags_are_set():
     once the flags are raised the same launch completes and is correct."""
     import torch
     import tldsl as tl
-    from tldsl.bench import _lower_with_waits
+    from tldsl.bench.gemm import lower_with_waits
     from tldsl.runtime.gpu import GemmKernel
     M, N, K = 1024, 512, 256
-    lw, _ = _lower_with_waits(M, N, K, tl.ComputeSchedule(tile=(128, 128, 64), stages=4), world_size=2, comm_tile=128)
+    lw, _ = lower_with_waits(M, N, K, tl.ComputeSchedule(tile=(128, 128, 64), stages=4), world_size=2, comm_tile=128)
     kern = GemmKernel(lw)
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)

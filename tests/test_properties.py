@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tldsl.testing import check_case, describe, registry
+from tldsl.ops import OPS as REGISTRY
+from tldsl.testing import check_case, describe
 from tldsl.testing import strategies as tst
 
 EXAMPLES = int(os.environ.get("TLDSL_EXAMPLES", "20"))
-OPS = sorted(registry())
+OPS = sorted(REGISTRY)
 _settings = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -28,7 +29,7 @@ def test_all_five_workloads_are_registered():
 @_settings
 @given(data=st.data())
 def test_op_matches_numpy_reference(name, data):
-    spec = registry()[name]
+    spec = REGISTRY[name]
     world_size = data.draw(tst.world_sizes(1, 8), label="world_size")
     params = data.draw(spec.params(world_size), label="params")
     seed = data.draw(tst.seeds(), label="seed")
@@ -68,7 +69,7 @@ def test_comm_schedule_never_changes_a_bit(name, data):
     """Halide's rule: a schedule changes how, never what. Only the communication schedule
     varies here, so outputs must be bitwise identical — and both must match the numpy
     reference, so an element neither schedule wrote (still NaN poison) fails."""
-    spec = registry()[name]
+    spec = REGISTRY[name]
     world_size = data.draw(tst.world_sizes(1, 4), label="world_size")
     params = data.draw(spec.params(world_size), label="params")
     assert "comm" in params, f"{name}: every op of the library takes a communication schedule"

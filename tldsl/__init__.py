@@ -32,7 +32,8 @@ from .errors import (TldslError, CompilationError, VerificationError, ScheduleEr
                      UninitializedReadError, OutOfBoundsError)
 from .ir.types import float16, bfloat16, float32, int32, bool_  # noqa: E402
 from .ir.schedule import ComputeSchedule, CommSchedule  # noqa: E402
-from .tracing import cdiv, minimum, maximum, select  # noqa: E402
+from .tracing import cdiv, select  # noqa: E402
+from .tiles import minimum, maximum  # noqa: E402
 from .language import (constexpr, Symmetric, rank, world_size, range, static_range, when,  # noqa: E402
                        load, load_rows, load_scalar, store, full, zeros, fragment, iota, ewise,
                        exp, exp2, log, sqrt, abs, where, cast, sum, max, min, expand_dims,

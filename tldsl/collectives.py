@@ -16,7 +16,8 @@ from .mappings import StaticMapping
 from .primitives import (consumer_tile_wait, peer_tile_notify, peer_tile_wait, producer_tile_notify,
                          rank_copy_data, rank_notify, rank_wait, tile_pull_data, tile_push_data)
 from .kernel import comm_part
-from .tracing import cdiv, fail, minimum
+from .tiles import minimum
+from .tracing import cdiv, fail
 from . import language as tl
 
 

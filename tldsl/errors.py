@@ -31,13 +31,8 @@ class VerificationError(CompilationError):
 class ScheduleError(CompilationError):
     """A compute or communication schedule is invalid, alone or combined with the program.
 
-    Raised before anything runs; points at the user's line that built or used the schedule."""
-
-    def __init__(self, message: str, loc=None):
-        if loc is None:
-            from .ir.location import user_location
-            loc = user_location()
-        super().__init__(message, loc)
+    Raised before anything runs; points at the user's line that built or used the schedule
+    (its raisers pass that line: this module imports nothing, so that every other can import it)."""
 
 
 class InputError(TldslError):

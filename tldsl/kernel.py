@@ -14,6 +14,7 @@ from .errors import CompilationError, InputError
 from .ir import core, types as T
 from .ir.location import Location, user_location
 from .ir.schedule import CommSchedule, ComputeSchedule, check_compatible
+from .ir.verifier import verify
 from .language import Symmetric
 from .tracing import Builder, Scalar, TensorRef, current, fail, tracing
 
@@ -132,7 +133,6 @@ class KernelFunction:
         kernel = core.Kernel(self.name, world_size, b.buffers, b.signals, b.parts, compute, comm,
                              b.mappings, {k: v for k, v in kwargs.items() if k not in ("compute", "comm")},
                              self.loc)
-        from .ir.verifier import verify
         verify(kernel, channels=channels)
         return kernel
 

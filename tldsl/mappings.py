@@ -14,7 +14,9 @@ from __future__ import annotations
 import numbers
 
 from .language import load_scalar, range as tl_range
-from .tracing import TensorRef, cdiv, current, fail, maximum, minimum
+from .primitives import consumer_tile_wait, producer_tile_notify
+from .tiles import maximum, minimum
+from .tracing import TensorRef, cdiv, current, fail
 
 
 class StaticMapping:
@@ -69,7 +71,6 @@ class StaticMapping:
         ``wait`` is the primitive to use (``consumer_tile_wait`` by default); ``count`` and
         ``per_launch`` are passed on (a slot notified ``per_launch`` times per launch, its first
         ``count`` notifies)."""
-        from .primitives import consumer_tile_wait
         wait = wait or consumer_tile_wait
         R, tile, tpr = self.rows_per_rank, self.tile, self.tiles_per_rank
         for q in tl_range(row_lo // R, cdiv(row_hi, R)):
@@ -86,7 +87,6 @@ class StaticMapping:
         tile stored them): the mirror of :meth:`wait_rows`, whose waiters then expect one
         notify per overlapping producer tile. ``notify`` is the primitive to use
         (``producer_tile_notify`` by default)."""
-        from .primitives import producer_tile_notify
         notify = notify or producer_tile_notify
         R, tile, tpr = self.rows_per_rank, self.tile, self.tiles_per_rank
         for q in tl_range(row_lo // R, cdiv(row_hi, R)):

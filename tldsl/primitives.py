@@ -22,8 +22,9 @@ from __future__ import annotations
 import numbers
 
 from .ir import core, types as T
-from .language import _name, _offsets, _rank_value, _store_tile, _tile_shape, as_tile
-from .tracing import RemoteRef, Scalar, SignalRef, Tile, TensorRef, as_scalar, current, fail
+from .operands import check_tile_shape, offset_values, rank_value
+from .tiles import Tile, as_tile, tile_for_store
+from .tracing import RemoteRef, SignalRef, TensorRef, as_scalar, current, fail, rank as this_rank
 
 _SCOPES = ("gpu", "sys")
 
@@ -61,7 +62,7 @@ def _notify(prim, sig, channel, rank, scope):
         fail(f"{prim}: scope must be one of {_SCOPES}, got {scope!r}")
     operands = [sig.value, _channel(sig, channel, prim)]
     if rank is not None:
-        operands.append(_rank_value(rank))
+        operands.append(rank_value(rank))
     current().emit(prim, operands, [], {"scope": scope})
 
 
@@ -103,9 +104,8 @@ def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: 
 def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
     """Release at rank granularity (a whole chunk, e.g. after a copy-engine transfer).
     ``rank`` defaults to this rank."""
-    from .language import rank as _rank
     _notify("rank_notify", _signal(signal, "rank_notify", "symmetric"), channel,
-            _rank() if rank is None else rank, scope)
+            this_rank() if rank is None else rank, scope)
 
 
 def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
@@ -117,11 +117,10 @@ def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int |
 
 def _local_or_remote(ref, what):
     """(tensor ref, rank value) of a local tensor or ``tensor.at(rank)``."""
-    from .language import rank as _rank
     if isinstance(ref, RemoteRef):
-        return ref.tensor, _rank_value(ref.rank)
+        return ref.tensor, rank_value(ref.rank)
     if isinstance(ref, TensorRef):
-        return ref, _rank().value
+        return ref, this_rank().value
     fail(f"{what}: expected a tensor or tensor.at(rank), got {type(ref).__name__}")
 
 
@@ -130,21 +129,21 @@ def tile_push_data(dst, dst_offsets, src, src_offsets=None, shape=None) -> None:
     tensor with ``src_offsets`` and ``shape`` (a memory-to-memory copy)."""
     if not isinstance(dst, RemoteRef):
         fail("tile_push_data writes to a peer: pass dst as symmetric_tensor.at(rank)")
-    dref, drank = dst.tensor, _rank_value(dst.rank)
-    doffs = _offsets(dref, dst_offsets, "tile_push_data")
+    dref, drank = dst.tensor, rank_value(dst.rank)
+    doffs = offset_values(dref, dst_offsets, "tile_push_data")
     b = current()
     if isinstance(src, TensorRef):
         if src_offsets is None or shape is None:
             fail("tile_push_data from a tensor needs src_offsets and shape")
         sref, srank = _local_or_remote(src, "tile_push_data")
-        shape = _tile_shape(shape, len(sref.shape), "tile_push_data")
+        shape = check_tile_shape(shape, len(sref.shape), "tile_push_data")
         _check_same_dtype(sref, dref, "tile_push_data")
         _check_same_rank(sref, dref, "tile_push_data")
-        soffs = _offsets(sref, src_offsets, "tile_push_data")
+        soffs = offset_values(sref, src_offsets, "tile_push_data")
         b.emit("tile_push_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
                {"form": "copy", "shape": shape})
     else:
-        tile = _store_tile(dref, as_tile(src), "tile_push_data")
+        tile = tile_for_store(dref, as_tile(src), "tile_push_data")
         b.emit("tile_push_data", [tile.value, dref.value, drank, *doffs], [],
                {"form": "tile", "shape": tile.shape})
 
@@ -154,9 +153,9 @@ def tile_pull_data(src, src_offsets, shape, dst=None, dst_offsets=None):
     into the local tensor ``dst`` at ``dst_offsets`` when given."""
     if not isinstance(src, RemoteRef):
         fail("tile_pull_data reads from a peer: pass src as symmetric_tensor.at(rank)")
-    sref, srank = src.tensor, _rank_value(src.rank)
-    soffs = _offsets(sref, src_offsets, "tile_pull_data")
-    shape = _tile_shape(shape, len(sref.shape), "tile_pull_data")
+    sref, srank = src.tensor, rank_value(src.rank)
+    soffs = offset_values(sref, src_offsets, "tile_pull_data")
+    shape = check_tile_shape(shape, len(sref.shape), "tile_pull_data")
     b = current()
     if dst is None:
         op = b.emit("tile_pull_data", [sref.value, srank, *soffs],
@@ -167,7 +166,7 @@ def tile_pull_data(src, src_offsets, shape, dst=None, dst_offsets=None):
         fail("tile_pull_data into a tensor needs dst_offsets")
     _check_same_dtype(sref, dref, "tile_pull_data")
     _check_same_rank(sref, dref, "tile_pull_data")
-    doffs = _offsets(dref, dst_offsets, "tile_pull_data")
+    doffs = offset_values(dref, dst_offsets, "tile_pull_data")
     b.emit("tile_pull_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
            {"form": "copy", "shape": shape})
     return None
@@ -180,9 +179,9 @@ def rank_copy_data(dst, dst_offsets, src, src_offsets, shape) -> None:
     dref, drank = _local_or_remote(dst, "rank_copy_data")
     _check_same_dtype(sref, dref, "rank_copy_data")
     _check_same_rank(sref, dref, "rank_copy_data")
-    shape = _tile_shape(shape, len(sref.shape), "rank_copy_data")
-    soffs = _offsets(sref, src_offsets, "rank_copy_data")
-    doffs = _offsets(dref, dst_offsets, "rank_copy_data")
+    shape = check_tile_shape(shape, len(sref.shape), "rank_copy_data")
+    soffs = offset_values(sref, src_offsets, "rank_copy_data")
+    doffs = offset_values(dref, dst_offsets, "rank_copy_data")
     current().emit("rank_copy_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
                    {"form": "copy", "shape": shape})
 
@@ -202,4 +201,3 @@ def _check_same_dtype(a: TensorRef, b: TensorRef, prim):
 
 __all__ = ["producer_tile_notify", "consumer_tile_wait", "peer_tile_notify", "peer_tile_wait",
            "rank_notify", "rank_wait", "tile_push_data", "tile_pull_data", "rank_copy_data"]
-_ = Scalar, _name

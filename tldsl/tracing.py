@@ -1,6 +1,10 @@
 """Tracing: Python runs the tile program once with proxy values, and every operation
 on a proxy appends an op to the IR. No AST rewriting: loops are ``tl.range`` iterators
 that open an IR loop region, run the body once with a symbolic index, and close it.
+
+This module holds the builder, the scalar proxies (with their arithmetic), the rank and
+world size, and the proxies of tensors and signals; the tile proxies and their math build on
+it in :mod:`.tiles`.
 """
 from __future__ import annotations
 
@@ -119,7 +123,8 @@ def as_scalar(x) -> "Scalar":
     fail(f"expected a scalar (int, float or traced scalar), got {type(x).__name__}")
 
 
-def _arith(op: str, a, b) -> "Scalar":
+def scalar_op(op: str, a, b) -> "Scalar":
+    """The traced scalar ``a <op> b`` (arithmetic, comparison, min/max); numbers become constants."""
     a, b = as_scalar(a), as_scalar(b)
     if a.dtype != b.dtype:
         if {a.dtype, b.dtype} <= {T.int32, T.bool_}:
@@ -156,51 +161,32 @@ class Scalar:
     def __hash__(self):
         return id(self)
 
-    def __add__(self, o): return _arith("add", self, o)
-    def __radd__(self, o): return _arith("add", o, self)
-    def __sub__(self, o): return _arith("sub", self, o)
-    def __rsub__(self, o): return _arith("sub", o, self)
-    def __mul__(self, o): return _arith("mul", self, o)
-    def __rmul__(self, o): return _arith("mul", o, self)
-    def __floordiv__(self, o): return _arith("floordiv", self, o)
-    def __rfloordiv__(self, o): return _arith("floordiv", o, self)
-    def __mod__(self, o): return _arith("mod", self, o)
-    def __rmod__(self, o): return _arith("mod", o, self)
-    def __lt__(self, o): return _arith("lt", self, o)
-    def __le__(self, o): return _arith("le", self, o)
-    def __gt__(self, o): return _arith("gt", self, o)
-    def __ge__(self, o): return _arith("ge", self, o)
-    def __eq__(self, o): return _arith("eq", self, o)  # noqa: PLE0302
-    def __ne__(self, o): return _arith("ne", self, o)
-    def __and__(self, o): return _arith("and", self, o)
-    def __rand__(self, o): return _arith("and", o, self)
-    def __or__(self, o): return _arith("or", self, o)
-    def __ror__(self, o): return _arith("or", o, self)
+    def __add__(self, o): return scalar_op("add", self, o)
+    def __radd__(self, o): return scalar_op("add", o, self)
+    def __sub__(self, o): return scalar_op("sub", self, o)
+    def __rsub__(self, o): return scalar_op("sub", o, self)
+    def __mul__(self, o): return scalar_op("mul", self, o)
+    def __rmul__(self, o): return scalar_op("mul", o, self)
+    def __floordiv__(self, o): return scalar_op("floordiv", self, o)
+    def __rfloordiv__(self, o): return scalar_op("floordiv", o, self)
+    def __mod__(self, o): return scalar_op("mod", self, o)
+    def __rmod__(self, o): return scalar_op("mod", o, self)
+    def __lt__(self, o): return scalar_op("lt", self, o)
+    def __le__(self, o): return scalar_op("le", self, o)
+    def __gt__(self, o): return scalar_op("gt", self, o)
+    def __ge__(self, o): return scalar_op("ge", self, o)
+    def __eq__(self, o): return scalar_op("eq", self, o)  # noqa: PLE0302
+    def __ne__(self, o): return scalar_op("ne", self, o)
+    def __and__(self, o): return scalar_op("and", self, o)
+    def __rand__(self, o): return scalar_op("and", o, self)
+    def __or__(self, o): return scalar_op("or", self, o)
+    def __ror__(self, o): return scalar_op("or", o, self)
 
     def __truediv__(self, o):
         fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
 
     def __repr__(self):
         return f"Scalar({self.value.type})"
-
-
-def minimum(a, b):
-    """Scalar minimum (tile minimum: tl.min_ / tl.minimum on tiles)."""
-    if isinstance(a, Tile) or isinstance(b, Tile):
-        from .language import ewise
-        return ewise("min", a, b)
-    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
-        return min(a, b)
-    return _arith("min", a, b)
-
-
-def maximum(a, b):
-    if isinstance(a, Tile) or isinstance(b, Tile):
-        from .language import ewise
-        return ewise("max", a, b)
-    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
-        return max(a, b)
-    return _arith("max", a, b)
 
 
 def cdiv(a, b):
@@ -220,140 +206,23 @@ def select(cond, a, b) -> Scalar:
     return Scalar(current().emit("select", [c.value, a.value, b.value], [a.value.type]).result)
 
 
-class Tile:
-    """A traced, immutable tile with a static shape (lives in shared memory or registers)."""
-    __slots__ = ("value",)
+# ----------------------------------------------------------------------------------
+# The group
+# ----------------------------------------------------------------------------------
 
-    def __init__(self, value: core.Value):
-        self.value = value
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.value.type.shape
-
-    @property
-    def dtype(self) -> T.DType:
-        return self.value.type.dtype
-
-    @property
-    def space(self) -> T.MemSpace:
-        return self.value.type.space
-
-    def __bool__(self):
-        fail("a tile has no Python truth value: use tl.where for elementwise choices")
-
-    def _e(self, op, other, swap=False):
-        from .language import ewise
-        return ewise(op, other, self) if swap else ewise(op, self, other)
-
-    def __add__(self, o): return self._e("add", o)
-    def __radd__(self, o): return self._e("add", o, True)
-    def __sub__(self, o): return self._e("sub", o)
-    def __rsub__(self, o): return self._e("sub", o, True)
-    def __mul__(self, o): return self._e("mul", o)
-    def __rmul__(self, o): return self._e("mul", o, True)
-    def __truediv__(self, o): return self._e("div", o)
-    def __rtruediv__(self, o): return self._e("div", o, True)
-    def __floordiv__(self, o): return self._e("floordiv", o)
-    def __mod__(self, o): return self._e("mod", o)
-    def __lt__(self, o): return self._e("lt", o)
-    def __le__(self, o): return self._e("le", o)
-    def __gt__(self, o): return self._e("gt", o)
-    def __ge__(self, o): return self._e("ge", o)
-    def __eq__(self, o): return self._e("eq", o)  # noqa: PLE0302
-    def __ne__(self, o): return self._e("ne", o)
-    def __and__(self, o): return self._e("and", o)
-    def __or__(self, o): return self._e("or", o)
-    def __neg__(self):
-        from .language import ewise
-        return ewise("neg", self)
-    __hash__ = object.__hash__
-
-    @property
-    def T(self) -> "Tile":
-        from .language import trans
-        return trans(self)
-
-    def __getitem__(self, idx):
-        """``t[:, None]`` / ``t[None, :]`` insert unit axes (for broadcasting)."""
-        from .language import expand_dims
-        if not isinstance(idx, tuple):
-            idx = (idx,)
-        out, axis = self, 0
-        for s in idx:
-            if s is None:
-                out = expand_dims(out, axis)
-                axis += 1
-            elif isinstance(s, slice) and s == slice(None):
-                axis += 1
-            else:
-                fail("tiles support only ':' and None in indexing; use tl.load/tl.where for the rest")
-        return out
-
-    def to(self, dtype) -> "Tile":
-        from .language import cast
-        return cast(self, dtype)
-
-    def __repr__(self):
-        return f"Tile({self.value.type})"
+def rank() -> Scalar:
+    """This rank's index in the process group (a traced scalar)."""
+    return Scalar(current().emit("rank", [], [T.i32], hints=["rank"]).result)
 
 
-class Fragment:
-    """A mutable register tile, e.g. an accumulator that a loop updates in place."""
-    __slots__ = ("value",)
+def world_size() -> int:
+    """The number of ranks: a Python int, because kernels are specialised per world size."""
+    return current().world_size
 
-    def __init__(self, value: core.Value):
-        self.value = value
 
-    @property
-    def shape(self):
-        return self.value.type.shape
-
-    @property
-    def dtype(self):
-        return self.value.type.dtype
-
-    def read(self) -> Tile:
-        return Tile(current().emit("frag_read", [self.value],
-                                   [T.TileType(self.shape, self.dtype, T.MemSpace.REG)]).result)
-
-    def write(self, tile) -> None:
-        from .language import as_tile, cast
-        tile = as_tile(tile, like=self)
-        if tile.shape != self.shape:
-            if np.broadcast_shapes(tile.shape, self.shape) != self.shape:
-                fail(f"cannot write a {tile.shape} tile into a {self.shape} fragment")
-            from .language import broadcast_to
-            tile = broadcast_to(tile, self.shape)
-        if tile.dtype != self.dtype:
-            tile = cast(tile, self.dtype)
-        current().emit("frag_write", [self.value, tile.value])
-
-    def __getitem__(self, idx):
-        if idx is Ellipsis or idx == slice(None):
-            return self.read()
-        return self.read()[idx]
-
-    def __setitem__(self, idx, tile):
-        if idx is not Ellipsis and idx != slice(None):
-            fail("fragments are written whole: use frag[...] = tile")
-        self.write(tile)
-
-    def __iadd__(self, other):
-        self.write(self.read() + other)
-        return self
-
-    def __isub__(self, other):
-        self.write(self.read() - other)
-        return self
-
-    def __imul__(self, other):
-        self.write(self.read() * other)
-        return self
-
-    def __repr__(self):
-        return f"Fragment({self.value.type})"
-
+# ----------------------------------------------------------------------------------
+# Tensors and signals
+# ----------------------------------------------------------------------------------
 
 class TensorRef:
     """A tensor argument or workspace as seen by the tile program."""

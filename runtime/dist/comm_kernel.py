@@ -21,7 +21,8 @@ packs this call's tensors, the rank and the launch index. Grid: ``lanes`` CTAs
 carved into named regions — the symmetric buffers and signals of a tile program — with every
 rank's address of each region (:func:`~.plan_exec.symmetric_addresses`). Signals are zeroed
 and the group synchronised before anyone can notify them. Region layout is pure
-(:func:`layout_regions`) and host-tested.
+(:func:`~.regions.layout_regions`) and host-tested; :func:`make_workspace` picks this
+workspace or NVSHMEM's (:mod:`.nvshmem`) by the kernel's transport.
 
 The driver (``cuda.bindings.driver``), the kernel loader and the table uploader can be passed
 in; the host tests pass fakes that record what would reach the GPU.
@@ -29,14 +30,13 @@ in; the host tests pass fakes that record what would reach the GPU.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ...errors import InputError
 from ..gpu.launch import ArgPack
-from .plan_exec import ELEM_BYTES, DeviceArray, as_device_array, checked, load_driver, symmetric_addresses
-
-SIGNAL_DTYPES = ("u64", "i64")
+from .nvshmem import NvshmemWorkspace
+from .plan_exec import DeviceArray, as_device_array, checked, load_driver, symmetric_addresses
+from .regions import SIGNAL_DTYPES, RegionWorkspace, layout_regions
 
 
 def kernel_specs(kernel_ir) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, int]]:
@@ -73,7 +73,6 @@ def make_workspace(ctx, specs, transport: str, lease=None):
     device only finds addresses inside it). ``lease``: the owning op's
     :class:`~.symmetric.Lease`, which frees it when the op is closed (default: its own)."""
     if transport == "nvshmem":
-        from .nvshmem import NvshmemWorkspace
         return NvshmemWorkspace(ctx, specs, lease=lease)
     if transport != "ptr":
         raise InputError(f"transport={transport!r}: choose 'ptr' or 'nvshmem'")
@@ -251,75 +250,8 @@ def decode_args(address: int, kinds: Sequence[str]) -> list[int]:
 # the symmetric workspace
 # =================================================================================================
 
-@dataclass(frozen=True)
-class Region:
-    """A named region of a symmetric allocation: a buffer (IR dtype) or a signal (u64 slots)."""
-    name: str
-    kind: str                   # "buffer" | "signal"
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-
-def layout_regions(specs: Sequence[tuple[str, str, Sequence[int], str]], align: int = 512
-                   ) -> tuple[tuple[Region, ...], int]:
-    """Place ``(name, kind, shape, dtype)`` regions one after another, each ``align``-byte
-    aligned; returns the regions and the total bytes (at least ``align``)."""
-    if align < 16 or align & (align - 1):
-        raise InputError(f"region alignment {align} must be a power of two >= 16")
-    out, off, seen = [], 0, set()
-    for name, kind, shape, dtype in specs:
-        if name in seen:
-            raise InputError(f"region '{name}' is declared twice")
-        seen.add(name)
-        if kind not in ("buffer", "signal"):
-            raise InputError(f"region '{name}': kind {kind!r} must be 'buffer' or 'signal'")
-        if kind == "signal" and dtype not in SIGNAL_DTYPES:
-            raise InputError(f"signal region '{name}' must hold u64 counters, not {dtype}")
-        if dtype not in ELEM_BYTES:
-            raise InputError(f"region '{name}': unknown dtype {dtype!r}")
-        shape = tuple(int(x) for x in shape)
-        if any(x <= 0 for x in shape):
-            raise InputError(f"region '{name}' has an empty shape {shape}")
-        n = ELEM_BYTES[dtype]
-        for x in shape:
-            n *= x
-        out.append(Region(name, kind, shape, dtype, off, n))
-        off += -(-n // align) * align
-    return tuple(out), max(off, align)
-
-
 _TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32", "u64": "int64",
                  "i64": "int64", "u8": "uint8"}
-
-
-class RegionWorkspace:
-    """What every symmetric workspace offers: named regions (:func:`layout_regions`) with a
-    torch view and every rank's address of each. Subclasses fill ``ctx``, ``regions``,
-    ``total_bytes``, ``tensors`` and ``addresses`` and provide ``barrier`` / ``close``."""
-
-    def region(self, name: str) -> Region:
-        for r in self.regions:
-            if r.name == name:
-                return r
-        raise KeyError(name)
-
-    def tensor(self, name: str):
-        return self.tensors[name]
-
-    def peers(self, name: str) -> tuple[int, ...]:
-        return self.addresses[name]
-
-    def _title(self) -> str:
-        return f"symmetric workspace: {self.total_bytes} bytes"
-
-    def describe(self) -> str:
-        lines = [f"{self._title()} on rank {self.ctx.rank} of {self.ctx.world_size}"]
-        for r in self.regions:
-            lines.append(f"  {r.kind} {r.name} {list(r.shape)} {r.dtype} at +{r.offset}: "
-                         + ", ".join(f"rank {q} {a:#x}" for q, a in enumerate(self.addresses[r.name])))
-        return "\n".join(lines)
 
 
 class SymmetricWorkspace(RegionWorkspace):

@@ -22,7 +22,7 @@ import os
 from typing import Sequence
 
 from ...errors import InputError, TldslError
-from .comm_kernel import RegionWorkspace, layout_regions
+from .regions import RegionWorkspace, layout_regions
 
 #: ``NVSHMEMX_INIT_WITH_UNIQUEID`` (host/nvshmemx_api.h)
 INIT_WITH_UNIQUEID = 1 << 3

@@ -7,6 +7,8 @@ import numpy as np
 
 import tldsl as tl
 from tldsl.collectives import all_gather
+from tldsl.ops.registry import register
+from tldsl.testing import OpCase, OpSpec
 
 
 @tl.kernel
@@ -65,7 +67,6 @@ def reference(a_shards, b):
 # -- registration for the tests ------------------------------------------------------------
 
 def make_case(rng, world_size, *, rows_per_rank, n, k, compute, comm, dtype="float16"):
-    from tldsl.testing import OpCase
     W = world_size
     shards = [rng.standard_normal((rows_per_rank, k)).astype(dtype) for _ in range(W)]
     b = rng.standard_normal((k, n)).astype(dtype)
@@ -97,9 +98,6 @@ def _mutant_params():
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push", col_tile=16))]
 
-
-from tldsl.ops import register  # noqa: E402
-from tldsl.testing import OpSpec  # noqa: E402
 
 SPEC = register(OpSpec("allgather_gemm", allgather_gemm, make_case, _params, _mutant_params(),
                        doc="C = all_gather(A) @ B"))

@@ -18,6 +18,8 @@ import numpy as np
 
 import tldsl as tl
 from tldsl.collectives import reduce_scatter
+from tldsl.ops.registry import register
+from tldsl.testing import OpCase, OpSpec
 
 
 @tl.kernel
@@ -58,7 +60,6 @@ def reference(a_slices, b_slices):
 # -- registration for the tests ------------------------------------------------------------
 
 def make_case(rng, world_size, *, rows_per_rank, n, k_per_rank, compute, comm, dtype="float16", partial_dtype="f32"):
-    from tldsl.testing import OpCase
     W, Ms = world_size, rows_per_rank
     M = W * Ms
     a = [rng.standard_normal((M, k_per_rank)).astype(dtype) for _ in range(W)]
@@ -116,9 +117,6 @@ def _mutant_params():
             dict(base, world_size=3, rows_per_rank=24,
                  comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine", reduce_in="epilogue"))]
 
-
-from tldsl.ops import register  # noqa: E402
-from tldsl.testing import OpSpec  # noqa: E402
 
 SPEC = register(OpSpec("gemm_reduce_scatter", gemm_reduce_scatter, make_case, _params, _mutant_params(),
                        doc="out = reduce_scatter(A @ B) over the K-parallel ranks"))

@@ -31,6 +31,8 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import all_gather, reduce_scatter
 from tldsl.errors import InputError
+from tldsl.ops.registry import register
+from tldsl.testing import OpCase, OpSpec
 
 
 # -- host side: the routing tables -----------------------------------------------------------
@@ -468,7 +470,6 @@ def random_routing(rng, num_tokens: int, num_experts: int, topk: int, kind: str 
 
 def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
                         routing="random", dtype="float16"):
-    from tldsl.testing import OpCase
     W, Ms, E = world_size, rows_per_rank, num_experts
     ids, _ = random_routing(rng, W * Ms, E, topk, routing)
     rt = moe_routing(ids, E, W, Ms, compute.BM)
@@ -485,7 +486,6 @@ def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, to
 
 def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
                              routing="random", dtype="float16"):
-    from tldsl.testing import OpCase
     W, Ms, E = world_size, rows_per_rank, num_experts
     ids, wts = random_routing(rng, W * Ms, E, topk, routing)
     rt = moe_routing(ids, E, W, Ms, compute.BM)
@@ -542,9 +542,6 @@ def _reduce_scatter_mutant_params():
             dict(base, world_size=3, comm=tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")),
             dict(base, world_size=2, comm=tl.CommSchedule(tile_m=None, order="full_mesh", mode="pull"))]
 
-
-from tldsl.ops import register  # noqa: E402
-from tldsl.testing import OpSpec  # noqa: E402
 
 AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine")),
                           _allgather_mutant_params(),

@@ -33,6 +33,10 @@ import numpy as np
 
 import tldsl as tl
 from tldsl.collectives import all_gather
+from tldsl.ir.types import dtype_of
+from tldsl.ops.registry import register
+from tldsl.runtime.sim.memory import to_storage
+from tldsl.testing import OpCase, OpSpec
 
 # Masked scores: finite, so ``m_old - m_new`` and ``s - m`` never become ``-inf - -inf``.
 NEG_BIG = -1.0e30
@@ -141,19 +145,15 @@ def reference(q_shards, k_shards, v_shards, heads: int, causal: bool = False, sc
 # -- registration for the tests ------------------------------------------------------------
 
 def _random(rng, shape, dtype):
-    from tldsl.ir.types import dtype_of
-    from tldsl.runtime.sim.memory import to_storage
     dt = dtype_of(dtype)
     return to_storage(rng.standard_normal(shape).astype(np.float32), dt).copy()
 
 
 def make_case(rng, world_size, *, seq_per_rank, heads, head_dim, causal, compute, comm, dtype="float16"):
-    from tldsl.testing import OpCase
     W, Sl, width = world_size, seq_per_rank, heads * head_dim
     qs = [_random(rng, (Sl, width), dtype) for _ in range(W)]
     ks = [_random(rng, (Sl, width), dtype) for _ in range(W)]
     vs = [_random(rng, (Sl, width), dtype) for _ in range(W)]
-    from tldsl.ir.types import dtype_of
     store = dtype_of(dtype).np
     inputs = [{"q": qs[r], "k": ks[r], "v": vs[r], "o": np.full((Sl, width), np.nan, store)}
               for r in range(W)]
@@ -193,9 +193,6 @@ def _mutant_params():
             dict(base, causal=False, comm=push), dict(base, causal=True, comm=push),
             dict(base, causal=False, comm=ce_push), dict(base, causal=True, comm=ce_pull)]
 
-
-from tldsl.ops import register  # noqa: E402
-from tldsl.testing import OpSpec  # noqa: E402
 
 SPEC = register(OpSpec("sp_attention", sp_attention, make_case, _params, _mutant_params(),
                        doc="o = softmax(q all_gather(k)^T / sqrt(D) [causal]) all_gather(v), sequence-parallel"))

@@ -19,6 +19,8 @@ import numpy as np
 from ..errors import DeadlockError, RaceError, SimulationError, StaleSignalError
 from ..ir.core import Block, Kernel
 from ..ir.opdefs import SYNC_OPS
+from ..ops import OPS
+from ..runtime.sim import SimOptions, simulate
 
 CAUGHT = (RaceError, DeadlockError, StaleSignalError)
 
@@ -77,11 +79,9 @@ def _variant_name(params: dict) -> str:
 
 
 def run(op_filter=None, seeds=2, verbose=False, out=sys.stdout) -> tuple[int, int, list[Mutant]]:
-    from . import registry
-    from ..runtime.sim import SimOptions, simulate
     options = SimOptions(static_checks=False, launches=2)
     mutants: list[Mutant] = []
-    for name, spec in sorted(registry().items()):
+    for name, spec in sorted(OPS.items()):
         if op_filter and name not in op_filter:
             continue
         for params in spec.mutant_params:

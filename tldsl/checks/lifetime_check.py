@@ -5,7 +5,7 @@ there, and an op dropped without ``close()`` keeps it — through garbage collec
 memory sits outside its caching allocator; NVSHMEM's heap is reserved up front, so there the
 ledger and the heap's free calls are what is checked).
 
-    torchrun --nproc_per_node=2 -m tldsl.testing.lifetime_check
+    torchrun --nproc_per_node=2 -m tldsl.checks.lifetime_check
 
 One PASS/FAIL line per case; exit status 1 on any failure.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+
+from .verdict import report
 
 
 def builds(torch):
@@ -107,7 +109,6 @@ def run(argv=None) -> int:
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist.group import init_ranks
-    from .verdict import report
     init_ranks()
     results = []
     for name, build, shape in builds(torch):

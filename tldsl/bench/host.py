@@ -1,6 +1,6 @@
 """Where a fused launch's time goes on the host (run under torchrun).
 
-    torchrun --nproc_per_node=2 -m tldsl.bench_host [--shape 2048x8192x8192]
+    torchrun --nproc_per_node=2 -m tldsl.bench host [--shape 2048x8192x8192]
 
 For each fused op (AG+GEMM with its default schedule, without spare outputs and pulling; GEMM+RS): the host time of one
 call with the device idle before it (the benchmark's condition) and, within it, the host time
@@ -13,7 +13,6 @@ host-bound, and shaving Python off the launch path moves the op's time one for o
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 
@@ -30,13 +29,13 @@ def _event_ms(fn, n: int = 20) -> float:
     return s.elapsed_time(e) / n
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     import argparse
     import torch
     import torch.distributed as dist
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
-    ap = argparse.ArgumentParser(prog="torchrun ... -m tldsl.bench_host")
+    ap = argparse.ArgumentParser(prog="torchrun ... -m tldsl.bench host")
     ap.add_argument("--shape", default="2048x8192x8192", help="global MxNxK")
     args = ap.parse_args(argv)
     M, N, K = (int(x) for x in args.shape.lower().split("x"))
@@ -113,7 +112,5 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
         dist.barrier()
     dist.destroy_process_group()
+    return 0
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,9 +1,9 @@
 """Correctness and stress checks of the fused distributed ops on GPUs (run under torchrun).
 
-    torchrun --standalone --nproc_per_node=2 -m tldsl.testing.dist_check [ag_gemm|gemm_rs|all]
+    torchrun --standalone --nproc_per_node=2 -m tldsl.checks.dist_check [ag_gemm|gemm_rs|all]
         [--variants NAME,...] [--checks odd_m,straggler,back_to_back,streams] [--iters 5]
         [--launches 1000] [--stream-launches 24] [--timeout 300] [--debug-timeout-ns N] [--seed 0]
-    python -m tldsl.testing.dist_check explain LOGFILE     # decode stuck-wait lines of a log
+    python -m tldsl.checks.dist_check explain LOGFILE     # decode stuck-wait lines of a log
 
 Checks (each on a freshly built op, for every variant of the op: its engines / schedules):
 
@@ -641,7 +641,7 @@ def _warm_up(torch):
 
 
 def run(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=W -m tldsl.testing.dist_check",
+    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=W -m tldsl.checks.dist_check",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("op", nargs="?", default="all", help="ag_gemm, gemm_rs or all")
     ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all of the op)")
@@ -698,7 +698,7 @@ def run(argv=None) -> int:
                 _report_state(env, f"FAIL {v.label} {c}: {type(e).__name__}: {e}")
                 print(f"dist_check {v.label} {c}: FAIL on rank {env.rank} ({type(e).__name__}; the process stops: "
                       "an error on the device leaves its context unusable; a 'tldsl: wait timed out' line above is "
-                      "decoded by: python -m tldsl.testing.dist_check explain LOGFILE)", flush=True)
+                      "decoded by: python -m tldsl.checks.dist_check explain LOGFILE)", flush=True)
                 sys.stdout.flush()
                 os._exit(1)
             dog.cancel()
@@ -726,7 +726,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "explain":
         if len(argv) != 2:
-            raise SystemExit("usage: python -m tldsl.testing.dist_check explain LOGFILE")
+            raise SystemExit("usage: python -m tldsl.checks.dist_check explain LOGFILE")
         with open(argv[1], errors="replace") as f:
             lines = explain_log(f.read())
         print("\n".join(lines) if lines else "no stuck-wait or barrier-timeout lines found")

@@ -1,6 +1,6 @@
 """The drop-in torch ops on GPUs, beside PyTorch's own async-TP ops (run under torchrun):
 
-    torchrun --nproc_per_node=2 -m tldsl.testing.torch_ops_check [--iters 3]
+    torchrun --nproc_per_node=2 -m tldsl.checks.torch_ops_check [--iters 3]
 
 For bf16 and fp16, with odd rows per rank (the pull) and whole tiles (the default push):
 ``torch.ops.tldsl.fused_all_gather_matmul(a, [b0, b1], 0, group)`` — the gathered A bit for bit
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from .dist_check import compare, rs_reference
 
 
 def _noise_in_workspaces():
@@ -44,7 +46,6 @@ def _views(torch, x, how: str):
 
 
 def check_all_gather(torch, dist, gname, dt, rows, k, ns, how, compiled=False):
-    from .dist_check import compare
     W = dist.get_world_size()
     a = torch.randn(rows, k, device="cuda", dtype=dt)
     bs = [torch.randn(k, n, device="cuda", dtype=dt) / 8 for n in ns]
@@ -74,7 +75,6 @@ def check_all_gather(torch, dist, gname, dt, rows, k, ns, how, compiled=False):
 
 
 def check_reduce_scatter(torch, dist, gname, dt, m, k, n, how, reduce_op, compiled=False):
-    from .dist_check import compare, rs_reference
     W = dist.get_world_size()
     a = torch.randn(m, k, device="cuda", dtype=dt)
     b = torch.randn(k, n, device="cuda", dtype=dt) / 8
@@ -100,7 +100,7 @@ def check_reduce_scatter(torch, dist, gname, dt, m, k, n, how, reduce_op, compil
 
 
 def run(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=2 -m tldsl.testing.torch_ops_check")
+    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=2 -m tldsl.checks.torch_ops_check")
     ap.add_argument("--iters", type=int, default=3, help="calls per check, each with fresh inputs")
     args = ap.parse_args(argv)
     import torch

@@ -20,13 +20,14 @@ import sys
 import tempfile
 import time
 
-SCHEDULE = (128, 256, 64, 4, "swizzled", 8)      # the GEMM benchmark's first candidate
+from .gemm import CANDIDATES, candidate_schedule, lower_plain
+
+SCHEDULE = CANDIDATES[0]      # the GEMM benchmark's first candidate
 
 
 def _trace_lower_compile(M: int, N: int, K: int) -> dict:
-    from .bench import _lower_plain, _schedule
     t0 = time.perf_counter()
-    lowered = _lower_plain(M, N, K, _schedule(SCHEDULE))
+    lowered = lower_plain(M, N, K, candidate_schedule(SCHEDULE))
     t1 = time.perf_counter()
     compiled = lowered.compile(progress=False)
     t2 = time.perf_counter()
@@ -59,11 +60,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--cache-dir {cache} is not empty: a cold compile needs an empty cache")
     os.environ["TLDSL_CACHE_DIR"] = cache
     M, N, K = (int(x) for x in args.shape.split("x"))
-    from .codegen.toolchain import find_toolchain
+    from ..codegen.toolchain import find_toolchain
     tc = find_toolchain()
     cold = _trace_lower_compile(M, N, K)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tldsl.bench_compile", "--hit", "--shape", args.shape],
+    proc = subprocess.run([sys.executable, "-m", "tldsl.bench", "compile", "--hit", "--shape", args.shape],
                           capture_output=True, text=True, env=dict(os.environ), check=True)
     wall = time.perf_counter() - t0
     hit = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -74,7 +75,3 @@ def main(argv=None) -> int:
           f"end to end {1e3 * hit['total_s']:.1f} ms (a second process, after its imports; the whole process "
           f"including Python's start and the imports: {wall:.2f} s)")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

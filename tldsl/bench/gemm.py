@@ -1,11 +1,8 @@
-"""Benchmarks on the GPU, with the peers measured in the same run.
+"""The GEMM benchmark on one GPU, with the peer measured in the same run.
 
     python -m tldsl.bench gemm [--shapes 8192x8192x8192,...] [--tune] [--iters 30]
-    torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm      (see tldsl.bench_dist)
-    python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
-    python -m tldsl.bench probe NAME                         (see tldsl.bench_probes for NAME)
 
-``gemm``: the generated Hopper GEMM (a tile program lowered by ``tldsl.codegen``) against
+The generated Hopper GEMM (a tile program lowered by ``tldsl.codegen``) against
 ``torch.matmul`` (cuBLAS), bf16, CUDA-event timing (median of ``--iters`` after warm-up),
 TFLOP/s and ratios; and the same GEMM with the per-tile waits of AllGather+GEMM compiled in
 (their flags set before the launch), which must cost almost nothing. Every output is checked
@@ -13,12 +10,11 @@ against torch, after poisoning it with NaN.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import sys
 import time
+
+from .timing import interleaved_ms, median_ms
 
 LLAMA70B_MLP = [(m, 28672, 8192) for m in (2048, 4096, 8192, 16384)]
 DEFAULT_SHAPES = [(8192, 8192, 8192)] + LLAMA70B_MLP
@@ -35,51 +31,15 @@ CANDIDATES = [  # (BM, BN, BK, stages, order, group_m[, cluster M])
 ]
 
 
-def _time(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` launches, timed with CUDA events."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _time_interleaved(fns, iters: int, warmup: int = 5) -> list[float]:
-    """Median ms of each function, timed alternately launch by launch so that clock and
-    thermal drift hit all of them alike."""
-    import torch
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for f, ts in zip(fns, times):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            f()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end))
-    return [statistics.median(ts) for ts in times]
-
-
-def _schedule(c):
+def candidate_schedule(c):
+    """The compute schedule of one :data:`CANDIDATES` entry."""
     import tldsl as tl
     BM, BN, BK, stages, order, group_m, *cl = c
     return tl.ComputeSchedule(tile=(BM, BN, BK), stages=stages, order=order, group_m=group_m,
                               cluster=(cl[0] if cl else 1, 1))
 
 
-def _lower_plain(M, N, K, sched):
+def lower_plain(M, N, K, sched):
     import tldsl as tl
     from tldsl.codegen import lower_gemm
     from tldsl.ops.gemm import gemm
@@ -88,7 +48,7 @@ def _lower_plain(M, N, K, sched):
     return lower_gemm(k)
 
 
-def _lower_with_waits(M, N, K, sched, world_size=2, comm_tile=128):
+def lower_with_waits(M, N, K, sched, world_size=2, comm_tile=128):
     """The compute part of AllGather+GEMM (its per-tile waits included) for the same shape."""
     import tldsl as tl
     from tldsl.codegen import lower_gemm
@@ -125,9 +85,9 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         ref = torch.matmul(a, b)
-        t_torch = _time(lambda: torch.matmul(a, b), iters)
+        t_torch = median_ms(lambda: torch.matmul(a, b), iters)
         cands = CANDIDATES if tune else CANDIDATES[:1]
-        lowered = [_lower_plain(M, N, K, _schedule(c)) for c in cands]
+        lowered = [lower_plain(M, N, K, candidate_schedule(c)) for c in cands]
         t0 = time.perf_counter()
         compiled = compile_many([CompileJob(lg.source, lg.entry, tuple(lg.options)) for lg in lowered], progress=False)
         t_compile = time.perf_counter() - t0
@@ -141,7 +101,7 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
             if bad:
                 print(f"# WRONG: {bad}", file=out)
                 continue
-            t = _time(lambda: kern(a=a, b=b, c=cbuf), iters)
+            t = median_ms(lambda: kern(a=a, b=b, c=cbuf), iters)
             print(f"#   {M}x{N}x{K} {c}: {t:.3f} ms ({2 * M * N * K / t / 1e9:.0f} TFLOP/s)", file=out)
             if best is None or t < best[0]:
                 best = (t, c)
@@ -150,7 +110,7 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
             continue
         t_ours, c = best
         # the same GEMM with AllGather+GEMM's per-tile waits compiled in, flags already set
-        lw, _ = _lower_with_waits(M, N, K, _schedule(c))
+        lw, _ = lower_with_waits(M, N, K, candidate_schedule(c))
         kw = GemmKernel(lw)
         sig = {s: torch.full((4096,), 1 << 40, device="cuda", dtype=torch.int64) for s in lw.signals}
         cbuf = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -162,7 +122,7 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
         if not bad:   # plain vs waits, interleaved, with torch in the same rounds
             best_kern = GemmKernel(lowered[cands.index(c)], compiled[cands.index(c)])
             cplain = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
-            t_ours, t_waits, t_torch = _time_interleaved(
+            t_ours, t_waits, t_torch = interleaved_ms(
                 [lambda: best_kern(a=a, b=b, c=cplain), lambda: kw(buffers, signals=sig),
                  lambda: torch.matmul(a, b)], iters)
         flops = 2 * M * N * K
@@ -188,35 +148,6 @@ def bench_gemm(shapes, iters, tune, out=sys.stdout, json_path=None):
     return rows
 
 
-def _parse_shapes(text):
+def parse_shapes(text):
+    """``MxNxK,MxNxK,...`` -> [(M, N, K), ...]."""
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("ag_gemm", "gemm_rs"):
-        from .bench_dist import main as dist_main
-        return dist_main(argv[0], argv[1:])
-    if argv and argv[0] == "compile":
-        from .bench_compile import main as compile_main
-        return compile_main(argv[1:])
-    if argv and argv[0] == "probe":
-        from .bench_probes import main as probe_main
-        return probe_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True)
-    g = sub.add_parser("gemm", help="generated GEMM vs torch.matmul")
-    g.add_argument("--shapes", type=_parse_shapes, default=DEFAULT_SHAPES, help="MxNxK,MxNxK,...")
-    g.add_argument("--iters", type=int, default=30)
-    g.add_argument("--tune", action="store_true", help="try every candidate schedule, keep the fastest")
-    g.add_argument("--json", help="also write the rows as JSON here")
-    args = ap.parse_args(argv)
-    if args.what == "gemm":
-        bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json)
-    return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    raise SystemExit(main())

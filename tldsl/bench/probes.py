@@ -79,9 +79,9 @@ import re
 import statistics
 import sys
 
-from .bench import _time
-
-
+from .dist import bench_interleaved
+from .gemm import lower_with_waits, parse_shapes
+from .timing import interleaved_ms, median_ms
 
 
 # -- AG+GEMM's tile-row groups ----------------------------------------------------------------------
@@ -89,7 +89,6 @@ from .bench import _time
 def probe_ag_group(shapes, iters=30, out=sys.stdout):
     import dataclasses
     import torch
-    from tldsl.bench import _lower_with_waits, _time_interleaved
     from tldsl.runtime.gpu import GemmKernel, require_gpu
     from tldsl.runtime.dist.ag_gemm import DEFAULT_COMPUTE
     require_gpu()
@@ -100,13 +99,13 @@ def probe_ag_group(shapes, iters=30, out=sys.stdout):
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         fns = []
         for g in (DEFAULT_COMPUTE.group_m, max(1, (M // 2) // DEFAULT_COMPUTE.BM)):
-            lw, _ = _lower_with_waits(M, N, K, dataclasses.replace(DEFAULT_COMPUTE, group_m=g))
+            lw, _ = lower_with_waits(M, N, K, dataclasses.replace(DEFAULT_COMPUTE, group_m=g))
             kern = GemmKernel(lw)
             sig = {s: torch.full((4096,), 1 << 40, device="cuda", dtype=torch.int64) for s in lw.signals}
             c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             fns.append(lambda kern=kern, sig=sig, c=c: kern({"a_gathered": a, "b": b, "c": c}, signals=sig))
         fns.append(lambda: torch.matmul(a, b))
-        t = _time_interleaved(fns, iters)
+        t = interleaved_ms(fns, iters)
         print(f"| {M}x{N}x{K} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} |", file=out, flush=True)
 
 
@@ -114,7 +113,6 @@ def probe_ag_gather(shapes, iters=30, out=sys.stdout):
     import dataclasses
     import torch
     import tldsl as tl
-    from tldsl.bench import _time_interleaved
     from tldsl.codegen import lower_gemm
     from tldsl.ops.allgather_gemm import allgather_gemm
     from tldsl.runtime.gpu import GemmKernel, require_gpu
@@ -145,7 +143,7 @@ def probe_ag_gather(shapes, iters=30, out=sys.stdout):
                                       "own_cols": cols}, signals=sig, rank=1))
         fns = [lambda run=run: run.launch(torch.cuda.current_stream().cuda_stream, 1) for run in runs]
         fns.append(lambda: torch.matmul(a, b))
-        t = _time_interleaved(fns, iters)
+        t = interleaved_ms(fns, iters)
         print(f"| {M}x{N}x{K} | " + " | ".join(f"{x:.3f}" for x in t) + " |", file=out, flush=True)
 
 
@@ -188,7 +186,7 @@ def probe_copy_engine(out=sys.stdout):
                 torch.cuda.synchronize()
                 if not torch.equal(d, a):
                     raise RuntimeError(f"{name} copied wrong data")
-                alone = _time(lambda: copy(main.cuda_stream), 30)
+                alone = median_ms(lambda: copy(main.cuda_stream), 30)
                 ends, gemms = [], []
                 for _ in range(5):
                     torch.cuda.synchronize()
@@ -256,7 +254,7 @@ def probe_epilogue(shapes, iters=30, out=sys.stdout):
             fns[name] = (lambda k=k: k({"a": a, "b": b, "partial": partial, "out": res, "reduce_scatter_recv": recv},
                                        signals={"reduce_scatter_ready": ready, "reduce_scatter_done": done}))
         # two rounds, each variant's median, the better round kept (clock drift falls on all alike)
-        rounds = [{n: _time(f, iters) for n, f in fns.items()} for _ in range(2)]
+        rounds = [{n: median_ms(f, iters) for n, f in fns.items()} for _ in range(2)]
         best = {n: min(r[n] for r in rounds) for n in fns}
         assert list(fns) == names
         print(f"| {M}x{N}x{Kr} | " + " | ".join(f"{best[n]:.3f}" for n in fns) + " |", file=out, flush=True)
@@ -268,7 +266,6 @@ def _interleaved_ops(make, variants, shapes, iters, out):
     launch's phases of each (rank 0)."""
     import torch
     import torch.distributed as dist
-    from tldsl.bench_dist import bench_interleaved
     from tldsl.runtime.dist.timeline import PhaseTimeline
     dist.init_process_group("nccl")
     r = dist.get_rank()
@@ -401,12 +398,12 @@ def probe_ag_skew(shapes, iters=80, out=sys.stdout):
     import torch
     import torch.distributed as dist
     from tldsl.ir.schedule import CommSchedule
-    from tldsl.bench_dist import _enable_symm_mem
+    from tldsl.runtime.dist.group import enable_symmetric_memory
     push = CommSchedule(engine="copy_engine", mode="push")
     dist.init_process_group("nccl")
     r, W = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(r)
-    _enable_symm_mem(dist.group.WORLD.group_name)
+    enable_symmetric_memory(dist.group.WORLD.group_name)
     try:
         _skew_table(shapes, iters, out, push, r, W)
     finally:
@@ -508,12 +505,11 @@ class _Bound:
 
 
 def main(argv) -> int:
-    from .bench import _parse_shapes
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
                                      "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order"))
-    ap.add_argument("--shapes", type=_parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
+    ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
                          "probes, 80 for ag_skew, 20 for the others)")

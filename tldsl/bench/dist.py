@@ -210,7 +210,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None, dtype="bfloat16"
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist import MatmulReduceScatter
-    from tldsl.testing.dist_check import compare, rs_reference
+    from tldsl.checks.dist_check import compare, rs_reference
     r, W = dist.get_rank(), dist.get_world_size()
     gname = dist.group.WORLD.group_name
     _enable_symm_mem(gname)
@@ -292,7 +292,7 @@ def tune(what, shape, iters, *, force, out=sys.stdout, dtype="bfloat16"):
     import torch.distributed as dist
     from tldsl.runtime.dist import AllGatherMatmul, MatmulReduceScatter
     from tldsl.runtime.dist.autotune import Autotuner, TorchCollective, cuda_event_timings
-    from tldsl.testing.dist_check import compare, rs_reference
+    from tldsl.checks.dist_check import compare, rs_reference
     r, W = dist.get_rank(), dist.get_world_size()
     M, N, K = shape
     dt = getattr(torch, dtype)
@@ -486,7 +486,7 @@ def main(what, argv):
     init_ranks()
     local = torch.cuda.current_device()
     if args.bind:
-        from .cpu_binding import bind_to_gpu
+        from ..cpu_binding import bind_to_gpu
         print(f"# [rank {dist.get_rank()}] {bind_to_gpu(local)}", file=sys.stderr, flush=True)
     default = AG_SHAPES if what == "ag_gemm" else RS_SHAPES
     shapes = parse_shapes(what, args.shapes) if args.shapes else default

@@ -3,13 +3,16 @@ torchrun): every rank must raise an InputError — none may hang in the op's col
 inputs an op copies rather than refuses: an unaligned A shard on every AllGather+GEMM path
 (the default push, the pull, the SM push) gives the right result.
 
-    torchrun --nproc_per_node=2 -m tldsl.testing.build_check
+    torchrun --nproc_per_node=2 -m tldsl.checks.build_check
 
 One PASS/FAIL line per case; exit status 1 on any failure.
 """
 from __future__ import annotations
 
 import sys
+
+from .dist_check import compare
+from .verdict import report
 
 
 def cases(torch, r: int):
@@ -34,7 +37,6 @@ def run(argv=None) -> int:
     from tldsl.errors import InputError
     from tldsl.runtime.dist import AllGatherMatmul
     from tldsl.runtime.dist.group import init_ranks
-    from .verdict import report
     init_ranks()
     r = dist.get_rank()
     results = []
@@ -45,7 +47,6 @@ def run(argv=None) -> int:
         except InputError as e:
             results.append((name, want in str(e), str(e)))
     from tldsl.ir.schedule import CommSchedule
-    from .dist_check import compare
     W = dist.get_world_size()
     for name, kw in (("the default push", {}), ("the pull", {"comm": CommSchedule(engine="copy_engine", mode="pull")}),
                      ("the SM push", {"comm": CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)})):

@@ -1,0 +1,42 @@
+"""Benchmarks on the GPU, with the peers measured in the same run.
+
+    python -m tldsl.bench gemm [--shapes 8192x8192x8192,...] [--tune] [--iters 30]   (see tldsl.bench.gemm)
+    torchrun --nproc_per_node=2 -m tldsl.bench ag_gemm|gemm_rs  (see tldsl.bench.dist)
+    python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
+    python -m tldsl.bench probe NAME                         (see tldsl.bench.probes for NAME)
+    torchrun --nproc_per_node=2 -m tldsl.bench host         (see tldsl.bench.host)
+
+This module only picks the subcommand; each parses its own flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import compile as compile_bench
+from . import dist, gemm, host, probes
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("ag_gemm", "gemm_rs"):
+        return dist.main(argv[0], argv[1:])
+    if argv and argv[0] == "compile":
+        return compile_bench.main(argv[1:])
+    if argv and argv[0] == "probe":
+        return probes.main(argv[1:])
+    if argv and argv[0] == "host":
+        return host.main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("gemm", help="generated GEMM vs torch.matmul", description=gemm.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--shapes", type=gemm.parse_shapes, default=gemm.DEFAULT_SHAPES, help="MxNxK,MxNxK,...")
+    g.add_argument("--iters", type=int, default=30)
+    g.add_argument("--tune", action="store_true", help="try every candidate schedule, keep the fastest")
+    g.add_argument("--json", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if args.what == "gemm":
+        gemm.bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json)
+    return 0

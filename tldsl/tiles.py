@@ -1,0 +1,295 @@
+"""Tiles while tracing: the :class:`Tile` and :class:`Fragment` proxies and the math their
+operators emit (elementwise ops, casts, shape changes). A tile's ``+`` and ``tl.ewise("add")``
+are one thing, so they live in one module; :mod:`.language` exports them to tile programs.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .ir import core, types as T
+from .ir.opdefs import BINARY_OPS, UNARY_OPS
+from .operands import check_tile_shape, tensor_name
+from .tracing import Scalar, scalar_op, const, current, fail
+
+
+class Tile:
+    """A traced, immutable tile with a static shape (lives in shared memory or registers)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: core.Value):
+        self.value = value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.type.shape
+
+    @property
+    def dtype(self) -> T.DType:
+        return self.value.type.dtype
+
+    @property
+    def space(self) -> T.MemSpace:
+        return self.value.type.space
+
+    def __bool__(self):
+        fail("a tile has no Python truth value: use tl.where for elementwise choices")
+
+    def _e(self, op, other, swap=False):
+        return ewise(op, other, self) if swap else ewise(op, self, other)
+
+    def __add__(self, o): return self._e("add", o)
+    def __radd__(self, o): return self._e("add", o, True)
+    def __sub__(self, o): return self._e("sub", o)
+    def __rsub__(self, o): return self._e("sub", o, True)
+    def __mul__(self, o): return self._e("mul", o)
+    def __rmul__(self, o): return self._e("mul", o, True)
+    def __truediv__(self, o): return self._e("div", o)
+    def __rtruediv__(self, o): return self._e("div", o, True)
+    def __floordiv__(self, o): return self._e("floordiv", o)
+    def __mod__(self, o): return self._e("mod", o)
+    def __lt__(self, o): return self._e("lt", o)
+    def __le__(self, o): return self._e("le", o)
+    def __gt__(self, o): return self._e("gt", o)
+    def __ge__(self, o): return self._e("ge", o)
+    def __eq__(self, o): return self._e("eq", o)  # noqa: PLE0302
+    def __ne__(self, o): return self._e("ne", o)
+    def __and__(self, o): return self._e("and", o)
+    def __or__(self, o): return self._e("or", o)
+    def __neg__(self):
+        return ewise("neg", self)
+    __hash__ = object.__hash__
+
+    @property
+    def T(self) -> "Tile":
+        return trans(self)
+
+    def __getitem__(self, idx):
+        """``t[:, None]`` / ``t[None, :]`` insert unit axes (for broadcasting)."""
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        out, axis = self, 0
+        for s in idx:
+            if s is None:
+                out = expand_dims(out, axis)
+                axis += 1
+            elif isinstance(s, slice) and s == slice(None):
+                axis += 1
+            else:
+                fail("tiles support only ':' and None in indexing; use tl.load/tl.where for the rest")
+        return out
+
+    def to(self, dtype) -> "Tile":
+        return cast(self, dtype)
+
+    def __repr__(self):
+        return f"Tile({self.value.type})"
+
+
+class Fragment:
+    """A mutable register tile, e.g. an accumulator that a loop updates in place."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: core.Value):
+        self.value = value
+
+    @property
+    def shape(self):
+        return self.value.type.shape
+
+    @property
+    def dtype(self):
+        return self.value.type.dtype
+
+    def read(self) -> Tile:
+        return Tile(current().emit("frag_read", [self.value],
+                                   [T.TileType(self.shape, self.dtype, T.MemSpace.REG)]).result)
+
+    def write(self, tile) -> None:
+        tile = as_tile(tile, like=self)
+        if tile.shape != self.shape:
+            if np.broadcast_shapes(tile.shape, self.shape) != self.shape:
+                fail(f"cannot write a {tile.shape} tile into a {self.shape} fragment")
+            tile = broadcast_to(tile, self.shape)
+        if tile.dtype != self.dtype:
+            tile = cast(tile, self.dtype)
+        current().emit("frag_write", [self.value, tile.value])
+
+    def __getitem__(self, idx):
+        if idx is Ellipsis or idx == slice(None):
+            return self.read()
+        return self.read()[idx]
+
+    def __setitem__(self, idx, tile):
+        if idx is not Ellipsis and idx != slice(None):
+            fail("fragments are written whole: use frag[...] = tile")
+        self.write(tile)
+
+    def __iadd__(self, other):
+        self.write(self.read() + other)
+        return self
+
+    def __isub__(self, other):
+        self.write(self.read() - other)
+        return self
+
+    def __imul__(self, other):
+        self.write(self.read() * other)
+        return self
+
+    def __repr__(self):
+        return f"Fragment({self.value.type})"
+
+
+# ----------------------------------------------------------------------------------
+# Tile math
+# ----------------------------------------------------------------------------------
+
+def full(shape, value, dtype=T.float32) -> Tile:
+    shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.full")
+    dtype = T.dtype_of(dtype)
+    op = current().emit("full", [], [T.TileType(shape, dtype)], {"shape": shape, "value": value, "dtype": dtype})
+    return Tile(op.result)
+
+
+def zeros(shape, dtype=T.float32) -> Tile:
+    return full(shape, 0, dtype)
+
+
+def as_tile(x, like=None) -> Tile:
+    if isinstance(x, Tile):
+        return x
+    if isinstance(x, Fragment):
+        return x.read()
+    if isinstance(x, (numbers.Number, Scalar)):
+        shape = like.shape if like is not None else ()
+        dtype = like.dtype if like is not None else T.float32
+        if isinstance(x, Scalar):
+            return broadcast_to(ewise("add", zeros(shape or (1,), x.dtype), x), shape) if shape else fail(
+                "a scalar needs a tile shape here")
+        return full(shape, x, dtype)
+    fail(f"expected a tile, got {type(x).__name__}")
+
+
+def _promote(dtypes):
+    floats = [d for d in dtypes if d.is_float]
+    if not floats:
+        return T.int32 if T.int32 in dtypes else T.bool_
+    if len(set(floats)) == 1:
+        return floats[0]
+    return T.float32
+
+
+def ewise(op: str, *args) -> Tile:
+    """Elementwise math with numpy broadcasting; Python numbers adopt the tile's type."""
+    if op not in UNARY_OPS | BINARY_OPS | {"where"}:
+        fail(f"unknown elementwise op '{op}'")
+    tiles = [a for a in args if isinstance(a, (Tile, Fragment))]
+    if not tiles:
+        fail(f"'{op}' needs at least one tile operand")
+    tiles = [as_tile(a) for a in tiles]
+    tile_dtypes = [t.dtype for t in tiles]
+    scal_dtypes = [a.dtype for a in args if isinstance(a, Scalar)]
+    if op == "where":
+        dtype = _promote([t.dtype for t in tiles[1:]] + scal_dtypes) if len(tiles) > 1 else _promote(scal_dtypes or [T.float32])
+    else:
+        dtype = _promote(tile_dtypes + scal_dtypes)
+    if any(isinstance(a, float) for a in args) and not dtype.is_float:
+        dtype = T.float32
+    try:
+        shape = np.broadcast_shapes(*[t.shape for t in tiles])
+    except ValueError:
+        fail(f"'{op}': tile shapes {[t.shape for t in tiles]} do not broadcast")
+    vals = []
+    for a in args:
+        if isinstance(a, (Tile, Fragment)):
+            vals.append(as_tile(a).value)
+        elif isinstance(a, Scalar):
+            vals.append(a.value)
+        elif isinstance(a, (numbers.Number, np.number)):
+            cd = T.bool_ if isinstance(a, bool) else (dtype if dtype.is_float or isinstance(a, numbers.Integral) else T.float32)
+            vals.append(const(a, cd if cd.kind != "bool" else T.bool_).value)
+        else:
+            fail(f"'{op}': unsupported operand {type(a).__name__}")
+    if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"):
+        rdt = T.bool_
+    else:
+        rdt = dtype
+    if op in ("exp", "exp2", "log", "sqrt", "recip", "div") and not rdt.is_float:
+        rdt = T.float32
+    if op == "where":
+        rdt = dtype
+    res = current().emit("ewise", vals, [T.TileType(tuple(shape), rdt)], {"op": op})
+    return Tile(res.result)
+
+
+def cast(x, dtype) -> Tile:
+    x = as_tile(x)
+    try:
+        dtype = T.dtype_of(dtype)
+    except TypeError as e:
+        fail(f"tl.cast: {e}")
+    if x.dtype == dtype:
+        return x
+    return Tile(current().emit("cast", [x.value], [T.TileType(x.shape, dtype)], {"dtype": dtype}).result)
+
+
+def expand_dims(x, axis: int) -> Tile:
+    x = as_tile(x)
+    shape = list(x.shape)
+    shape.insert(axis, 1)
+    return Tile(current().emit("expand_dims", [x.value], [T.TileType(tuple(shape), x.dtype)],
+                               {"axis": axis}).result)
+
+
+def broadcast_to(x, shape) -> Tile:
+    x = as_tile(x)
+    shape = tuple(shape)
+    try:
+        if np.broadcast_shapes(x.shape, shape) != shape:
+            raise ValueError
+    except ValueError:
+        fail(f"cannot broadcast a {x.shape} tile to {shape}")
+    if x.shape == shape:
+        return x
+    return Tile(current().emit("broadcast", [x.value], [T.TileType(shape, x.dtype)], {"shape": shape}).result)
+
+
+def trans(x) -> Tile:
+    x = as_tile(x)
+    if len(x.shape) != 2:
+        fail("tl.trans needs a 2-d tile")
+    return Tile(current().emit("trans", [x.value], [T.TileType(x.shape[::-1], x.dtype, x.space)]).result)
+
+
+def minimum(a, b):
+    """The smaller of two scalars (two Python numbers stay one), or the elementwise minimum
+    when either is a tile."""
+    if isinstance(a, Tile) or isinstance(b, Tile):
+        return ewise("min", a, b)
+    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        return min(a, b)
+    return scalar_op("min", a, b)
+
+
+def maximum(a, b):
+    """The larger of two scalars, or the elementwise maximum when either is a tile."""
+    if isinstance(a, Tile) or isinstance(b, Tile):
+        return ewise("max", a, b)
+    if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        return max(a, b)
+    return scalar_op("max", a, b)
+
+
+def tile_for_store(ref, tile, what) -> Tile:
+    """``tile`` as a store into ``ref`` takes it: as many axes, floats converted to its type."""
+    tile = as_tile(tile)
+    if len(tile.shape) != len(ref.shape):
+        fail(f"{what}: a {len(tile.shape)}-d tile into the {len(ref.shape)}-d tensor '{tensor_name(ref)}'")
+    if tile.dtype != ref.dtype:
+        if tile.dtype.is_float and ref.dtype.is_float:
+            tile = cast(tile, ref.dtype)
+        else:
+            fail(f"{what}: cannot store a {tile.dtype} tile into '{tensor_name(ref)}' of {ref.dtype}")
+    return tile

@@ -1,29 +1,46 @@
-"""IR -> CUDA C++ for Hopper (sm_90a), compiled by NVRTC from PyPI wheels (no GPU needed to build).
+"""The code generator: a part of a traced kernel → CUDA C++ for Hopper (sm_90a) → a cubin.
 
-Stages, each usable on its own:
+One pipeline (:mod:`.pipeline`, ``lower(kernel, part)``), its stages visible in the folders:
 
-* :mod:`.toolchain` — finds NVRTC 13.0, the CuTe/CUTLASS headers, the CUDA 13 / CCCL / CRT
-  headers and ``cuobjdump``; one :class:`ToolchainError` names what is missing.
-* :mod:`.lower_gemm` — recognises a GEMM-shaped compute part and emits a warp-specialized,
-  persistent TMA + WGMMA kernel (``include/tldsl/sm90_gemm.hpp``) whose producer runs the tile
-  program's waits before each tile's loads; plus the host-side description (TMA descriptors,
-  flat parameter list, launch shape).
-* :mod:`.compiler` — NVRTC in a spawn process pool, progress lines, errors that point at the
-  generated line and the tile program's line.
-* :mod:`.cache` — content-addressed cubin cache (``$TLDSL_CACHE_DIR``).
-* :mod:`.sass` — ``cuobjdump`` SASS / resource checks (HGMMA, UTMALDG, traps, spills).
+* :mod:`.match` — each recipe's recogniser: a part's IR → a match, or a LoweringError at the
+  user's line (:mod:`.match.affine`: affine forms of index expressions, shared);
+* :mod:`.plan` — from a match and the schedules to a configuration and the kernel's ABI
+  (tiles, stages, shared memory, parameters, TMA boxes; :mod:`.plan.wgmma` is the WGMMA
+  mainloop both GEMM recipes plan);
+* :mod:`.rules` — the C++ of one IR op each: index code (:mod:`.rules.scalars`), the TileLink
+  primitives (:mod:`.rules.primitives`, each primitive in exactly one function), the hooks'
+  signal emitter (:mod:`.rules.sync`);
+* :mod:`.recipes` — the kernels the pipeline can build, in one table with priorities: the
+  warp-specialised GEMM, the MoE grouped GEMM and combine, flash attention, the SM
+  communication kernel and the copy-engine plan; each renders its template
+  (``include/tldsl/*.hpp``) with its hooks through the rules;
+* :mod:`.toolchain` — NVRTC (spawn pool, errors at the tile program's line), the
+  content-addressed cubin cache, SASS checks.
 
-The simulator (``tldsl.runtime.sim``) consumes the same IR; the GPU runtime that loads and
-launches these cubins is the next piece.
+Shared by all stages: :mod:`.abi` (parameters, TMA descriptors, names — what the GPU launcher
+reads), :mod:`.dtypes` (the one dtype table), :mod:`.errors`. The simulator
+(``tldsl.runtime.sim``) executes the same IR; ``tldsl.runtime.gpu`` launches the cubins.
 """
-from .toolchain import Toolchain, ToolchainError, find_toolchain, toolchain_available, REQUIREMENTS
-from .cache import KernelCache, cache_dir, cache_key
-from .compiler import (CompileJob, CompiledKernel, CudaCompileError, ProgressEvent, compile_cuda, compile_many,
-                       nvrtc_options, shutdown_pool)
-from .sass import SassReport, KernelSass, analyze_cubin, parse_sass, parse_ptxas_log
-from .lower_gemm import (GemmConfig, KernelParam, LoweredGemm, LoweringError, TmaDescriptorSpec, lower_gemm,
-                         match_gemm)
-
-from .lowered import LoweredKernel   # `tldsl.codegen.lower` stays the dispatcher module
+from .toolchain import (REQUIREMENTS, CompileJob, CompiledKernel, CudaCompileError, KernelCache, KernelSass,
+                        ProgressEvent, SassReport, Toolchain, ToolchainError, analyze_cubin, cache_dir, cache_key,
+                        compile_cuda, compile_many, find_toolchain, nvrtc_options, parse_ptxas_log, parse_sass,
+                        shutdown_pool, toolchain_available)
+from .abi import KernelParam, LoweredKernel, TmaDescriptorSpec
+from .errors import LoweringError
+from .pipeline import lower, lower_all
+from .recipes import RECIPES, Recipe
+from .match.gemm import match_gemm
+from .plan.wgmma import GemmConfig
+from .recipes.gemm import LoweredGemm, lower_gemm
+from .match.attention import match_attention
+from .plan.attention import AttentionConfig
+from .recipes.attention import LoweredAttention, lower_attention
+from .match.grouped_gemm import match_grouped_gemm
+from .recipes.grouped_gemm import LoweredGroupedGemm, lower_grouped_gemm
+from .match.combine import match_combine
+from .recipes.combine import LoweredCombine, lower_combine
+from .match.comm import match_copy_engine, match_sm_comm
+from .plan.copy_engine import CeCopy, CeSignalWrite, CeWait, CopyEnginePlan, plan_copy_engine
+from .recipes.sm_comm import LoweredComm, lower_comm
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -5,7 +5,7 @@ Each op is defined once here (name, category, doc); its type rule lives in the f
 point at the user's line) and again in :mod:`.verifier`; its meaning lives in the simulator's
 rule table, the ``op_<name>`` methods of ``tldsl.runtime.sim.interpreter.Interpreter`` (scalar
 arithmetic and wait targets in :mod:`.semantics`, which the code generator shares); its
-lowering lives in ``tldsl.codegen`` (``tldsl.codegen.lower.lower`` picks a part's lowering).
+lowering lives in ``tldsl.codegen`` (``tldsl.codegen.lower`` runs a part through the pipeline: match a recipe, plan, render).
 """
 from __future__ import annotations
 

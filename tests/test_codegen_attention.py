@@ -1,4 +1,4 @@
-"""The flash-attention lowering (``tldsl.codegen.lower_attention``): pattern matching, host-side
+"""The flash-attention recipe (``tldsl.codegen.recipes.attention``): pattern matching, host-side
 numbers, the generated control code (compiled with the host C++ compiler and run against the
 simulator: same key blocks, same rows, same waits, same causal mask, in the same order), clear
 errors at the user's line, and -- where the CUDA wheels are installed -- NVRTC compiles for
@@ -24,9 +24,9 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
-from tldsl.codegen.cache import KernelCache
-from tldsl.codegen.compiler import CompileJob, compile_many
-from tldsl.codegen.lower_attention import LoweredAttention, LoweringError, lower_attention
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.codegen.toolchain.compiler import CompileJob, compile_many
+from tldsl.codegen import LoweredAttention, LoweringError, lower_attention
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.sp_attention import SPEC, sp_attention
 
@@ -169,16 +169,15 @@ def test_stages_and_overlap_options():
     assert lower_attention(trace_sp(), overlap=False).config.overlap is False
 
 
-def test_dispatcher_picks_the_attention_lowering():
-    from tldsl.codegen import lower as dispatch
-    from tldsl.codegen.lower_attention import matches
+def test_the_pipeline_picks_the_attention_recipe():
+    from tldsl.codegen import pipeline
     k = trace_sp()
-    assert "lower_attention" in dispatch.LOWERINGS
-    assert isinstance(dispatch.lower(k, "attention"), LoweredAttention)
+    assert pipeline.match(k, k.part("attention")).recipe.name == "attention"
+    assert isinstance(pipeline.lower(k, "attention"), LoweredAttention)
     from test_codegen_host import trace_plain
     g = trace_plain()
-    assert not matches(g, g.parts[0])
-    assert not matches(k, k.part("gather_k"))
+    assert pipeline.match(g, g.parts[0]).recipe.name == "gemm"
+    assert pipeline.match(k, k.part("gather_k")).recipe.role == "comm"
 
 
 # -- errors at the user's line ------------------------------------------------------------------------
@@ -503,7 +502,7 @@ def test_attention_without_waits_and_small_head_dims_compile(cache):
 @pytest.mark.nvrtc
 @pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
 def test_attention_compile_error_points_at_the_tile_program(cache):
-    from tldsl.codegen.compiler import CudaCompileError, compile_cuda
+    from tldsl.codegen.toolchain.compiler import CudaCompileError, compile_cuda
     la = lower_attention(trace_sp())
     needle = "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_gather_k_ready"
     assert needle in la.source

@@ -1,5 +1,5 @@
-"""Communication lowering (``codegen/lower_comm.py``) and the GEMM epilogue's notifies
-(``codegen/lower_gemm.py``), checked three ways without a GPU:
+"""Communication lowering (recipes ``sm_comm`` and ``copy_engine``) and the GEMM epilogue's notifies
+(recipe ``gemm``), checked three ways without a GPU:
 
 * **NVRTC + SASS** (marker ``nvrtc``; skipped only where the CUDA wheels are missing): every
   communication variant the library ops use is lowered and compiled for sm_90a; its SASS must
@@ -26,12 +26,12 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
-from tldsl.codegen.cache import KernelCache
-from tldsl.codegen.compiler import CompileJob, compile_many
-from tldsl.codegen.lower import lower, lower_all
-from tldsl.codegen.lower_comm import (CeCopy, CeSignalWrite, CopyEnginePlan, LoweredComm, lower_comm,
-                                      plan_copy_engine, task_decode)
-from tldsl.codegen.lower_gemm import LoweringError, lower_gemm
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.codegen.toolchain.compiler import CompileJob, compile_many
+from tldsl.codegen import lower, lower_all
+from tldsl.codegen import CeCopy, CeSignalWrite, CopyEnginePlan, LoweredComm, lower_comm, plan_copy_engine
+from tldsl.codegen.plan.comm import task_decode
+from tldsl.codegen import LoweringError, lower_gemm, match_gemm
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -166,7 +166,7 @@ def test_reduce_scatter_sm_parameters(comm):
 
 
 def test_lower_all_gives_gemm_and_comm_kernels():
-    from tldsl.codegen.lower_gemm import LoweredGemm
+    from tldsl.codegen import LoweredGemm
     out = lower_all(rs_kernel(W=4, comm=RS_SM[0]))
     assert isinstance(out["gemm"], LoweredGemm) and out["gemm"].notifies == 1
     assert isinstance(out["reduce_scatter"], LoweredComm)
@@ -329,11 +329,9 @@ def test_emulated_gemm_epilogue_notifies_match_simulator(tmp_path, W, Ms, tile, 
         src = lower_gemm(k).source
         struct = "struct TileNotifies {" + src.split("struct TileNotifies {")[1].split("\n};")[0] + "\n};"
     else:
-        from tldsl.codegen.lower_gemm import _NotifyEmitter, match_gemm
-        from tldsl.codegen.scalars import SCALAR_OPS
-        m = match_gemm(k, part)
-        between = [op for op in part.body.ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
-        lines = _NotifyEmitter(k, list(m.prologue) + between + list(m.epilogue)).emit("    ")
+        from tldsl.codegen.plan.gemm import epilogue_hook
+        from tldsl.codegen.recipes.gemm import NotifyEmitter
+        lines = NotifyEmitter(k, epilogue_hook(match_gemm(k, part))).emit("    ")
         struct = "\n".join(["struct TileNotifies {", "  int rank;", "  unsigned long long* sig_reduce_scatter_ready;",
                              "  void operator()(int pid0, int pid1) const {", "    (void)pid0; (void)pid1;", *lines,
                              "  }", "};"])
@@ -431,8 +429,7 @@ def test_nvshmem_comm_kernel_needs_the_library_and_inits_its_module():
 
 
 def test_clusters_are_rejected_where_not_lowered():
-    from tldsl.codegen.lower_attention import lower_attention
-    from tldsl.codegen.lower_grouped_gemm import lower_grouped_gemm
+    from tldsl.codegen import lower_attention, lower_grouped_gemm
     NT = moe_num_tiles(4 * 64 * 2, 8, 64)
     moe = allgather_moe.trace(4, S((64, 256), tl.bfloat16), S((8, 256, 128), tl.bfloat16), S((NT,), tl.int32),
                               S((NT, 2), tl.int32), S((NT * 64,), tl.int32), S((NT * 64, 128), tl.bfloat16),

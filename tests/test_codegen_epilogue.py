@@ -5,8 +5,8 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
-from tldsl.codegen.lower_gemm import lower_gemm
-from tldsl.codegen.scalars import LoweringError
+from tldsl.codegen import lower_gemm
+from tldsl.codegen import LoweringError
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
 
 S = tl.TensorSpec

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import tldsl as tl
-from tldsl.codegen import cache as kc
-from tldsl.codegen.compiler import CudaCompileError, dsl_location, parse_diagnostics, source_excerpt
-from tldsl.codegen.lower_gemm import LoweringError, lower_gemm
-from tldsl.codegen.sass import parse_ptxas_log, parse_resource_usage, parse_sass, KernelSass
+from tldsl.codegen.toolchain import cache as kc
+from tldsl.codegen.toolchain.compiler import CudaCompileError, dsl_location, parse_diagnostics, source_excerpt
+from tldsl.codegen import LoweringError, lower_gemm
+from tldsl.codegen.toolchain.sass import parse_ptxas_log, parse_resource_usage, parse_sass, KernelSass
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 
@@ -408,8 +408,8 @@ def test_every_way_of_accumulating_lowers_to_the_same_gemm():
     tl.dot(x, y))` trace to the same ops in different orders: all three are the GEMM kernel, with
     the same source (but for the lines its comments point at) — not the grouped-GEMM fallback."""
     import re
-    from tldsl.codegen.lower import lower
-    from tldsl.codegen.lower_gemm import LoweredGemm
+    from tldsl.codegen import lower
+    from tldsl.codegen import LoweredGemm
     lowered = [lower(plain_gemm.trace(1, S((256, 128), tl.bfloat16), S((128, 256), tl.bfloat16),
                                       S((256, 256), tl.bfloat16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
                                       accumulate=form), "mm")
@@ -423,7 +423,7 @@ def test_toolchain_wheels_are_found_on_sys_path_too(tmp_path, monkeypatch):
     """Wheels installed with ``pip install --target DIR`` and reached through ``PYTHONPATH``
     (not a site directory) are found like installed ones."""
     import sys
-    from tldsl.codegen import toolchain
+    from tldsl.codegen.toolchain import locate
     inc = tmp_path / "cutlass_library" / "source" / "include" / "cute"
     inc.mkdir(parents=True)
     (inc / "tensor.hpp").write_text("// stand-in")
@@ -433,6 +433,6 @@ def test_toolchain_wheels_are_found_on_sys_path_too(tmp_path, monkeypatch):
     monkeypatch.setattr(site, "getsitepackages", lambda: [])
     monkeypatch.setattr(site, "getusersitepackages", lambda: "")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "site-packages" not in p])
-    assert toolchain._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") is None
+    assert locate._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") is None
     monkeypatch.setattr(sys, "path", sys.path + [str(tmp_path)])
-    assert toolchain._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") == inc.parent
+    assert locate._find_under_site("cutlass_library/source/include", "cute/tensor.hpp") == inc.parent

@@ -1,4 +1,4 @@
-"""The MoE compute parts lowered by ``codegen.lower_grouped_gemm``.
+"""The MoE compute parts lowered by the ``grouped_gemm`` and ``combine`` recipes.
 
 * Host-side (no CUDA): recognition of AllGather+MoE's and MoE+ReduceScatter's compute parts,
   the kernel parameter contract (order, sources, TMA descriptors, tables, signals), the
@@ -7,7 +7,8 @@
   the expert, the gathered row ids, the waits and notifies with their loops, and the whole
   combine body — compiled against a small host shim of the device helpers and run over every
   tile, then compared with the IR's own meaning (a Python walk of the scalar ops using the
-  simulator's arithmetic) and with numpy.
+  simulator's arithmetic and wait targets) and with numpy — over two launches where a wait
+  counts ``per_launch`` notifies, the simulator and the generated code agree on its target.
 * NVRTC (marker ``nvrtc``): every kernel compiled for sm_90a for three schedules and checked
   on its SASS. Spill budget: 0 bytes of spill stores/loads, no stack, no local-memory
   instructions; the grouped GEMMs stay within the 168 registers the launch bound of a
@@ -25,15 +26,14 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
-from tldsl.codegen.cache import KernelCache
-from tldsl.codegen.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
-from tldsl.codegen.lower import lower as dispatch_lower
-from tldsl.codegen.lower_gemm import LoweringError
-from tldsl.codegen.lower_grouped_gemm import (LoweredCombine, LoweredGroupedGemm, lower_combine, lower_grouped_gemm,
-                                              match_combine, match_grouped_gemm, matches)
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
+from tldsl.codegen import (LoweredCombine, LoweredGroupedGemm, LoweringError, lower_combine, lower_grouped_gemm,
+                           match_combine, match_grouped_gemm)
+from tldsl.codegen.pipeline import lower as dispatch_lower, match as pick_recipe
 from tldsl.ir import core
 from tldsl.ir.opdefs import NOTIFY_OPS, WAIT_OPS, DEFAULT_MEMORY_SCOPE
-from tldsl.ir.semantics import ARITH, wrap_i32
+from tldsl.ir.semantics import ARITH, wait_target, wrap_i32
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.moe import (allgather_moe, make_allgather_case, moe_num_tiles, moe_reduce_scatter, moe_routing,
                            random_routing)
@@ -143,7 +143,7 @@ def test_moe_reduce_scatter_gemm_contract():
     src = lw.source
     assert "kStoreInactive = false" in src and "void waits" not in src
     notifies = src.split("void notifies")[1].split("\n  }\n")[0]
-    assert notifies.index("release_fence<tldsl::kScopeGpu>") < notifies.index("signal_add_relaxed")
+    assert notifies.index("tldsl::fence_acq_rel<tldsl::kScopeGpu>") < notifies.index("tldsl::red_relaxed_add")
     assert "#pragma unroll 1" in notifies                                  # table-driven loop stays a loop
 
 
@@ -170,8 +170,12 @@ def test_combine_contract():
 
 def test_dispatcher_routes_the_moe_parts():
     kag, krs = trace_ag(), trace_rs()
-    assert matches(kag, kag.part("grouped_gemm")) and matches(krs, krs.part("combine"))
-    assert not matches(kag, kag.part("gather_x")) and not matches(krs, krs.part("reduce_scatter"))
+    assert pick_recipe(kag, kag.part("grouped_gemm")).recipe.name == "grouped_gemm"
+    assert pick_recipe(krs, krs.part("grouped_gemm")).recipe.name == "grouped_gemm"
+    assert pick_recipe(krs, krs.part("combine")).recipe.name == "combine"
+    for k, comm in ((kag, "gather_x"), (krs, "reduce_scatter")):
+        for match in (match_grouped_gemm, match_combine):
+            _raises(lambda: match(k, k.part(comm)), "is a comm part")
     assert isinstance(dispatch_lower(kag, "grouped_gemm"), LoweredGroupedGemm)
     assert isinstance(dispatch_lower(krs, "grouped_gemm"), LoweredGroupedGemm)
     assert isinstance(dispatch_lower(krs, "combine", cluster=(1, 1)), LoweredCombine)
@@ -265,7 +269,7 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     assert lw.signals == ("ready", "done")
     # the notify sits after the (outside-the-guard) store: it runs for inactive tiles too
     notifies = lw.source.split("void notifies")[1].split("\n  }\n")[0]
-    assert "if (" not in notifies and "signal_add_relaxed<tldsl::kScopeGpu>(sig_done + pid0, 1ull)" in notifies
+    assert "if (" not in notifies and "tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in notifies
 
 
 @pytest.mark.parametrize("variant,texts", [
@@ -373,15 +377,15 @@ template <int S> void wait_at_least(const unsigned long long* slot, unsigned lon
   const Sig& s = sig_of(slot);
   printf("wait %s %d %llu %s\n", s.name, int(slot - s.base), target, S == kScopeSys ? "sys" : "gpu");
 }
-namespace grouped {
 static int g_fences = 0;
-template <int S> void release_fence() { ++g_fences; }
-template <int S> void signal_add_relaxed(unsigned long long* slot, unsigned long long v) {
+template <int S> void fence_acq_rel() { ++g_fences; }
+template <int S> void red_relaxed_add(unsigned long long* slot, unsigned long long v) {
   const Sig& s = sig_of(slot);
   if (g_fences == 0) { fprintf(stderr, "notify before its release fence\n"); exit(4); }
   printf("notify %s %d %s\n", s.name, int(slot - s.base), S == kScopeSys ? "sys" : "gpu");
   *slot += v;
 }
+namespace grouped {
 inline float value_of(float x) { return x; }
 inline int value_of(int x) { return x; }
 template <class T> T ld_coherent(const T* p) { return *p; }
@@ -514,8 +518,8 @@ def _ir_signal_events(part: core.Part, tables: dict, pid, rank: int, launch: int
                 if val(op.operands[0]):
                     run(op.regions[0].ops)
             elif n in WAIT_OPS:
-                count = val(op.operands[2])
-                target = count * launch if op.attrs.get("epoch", True) else count
+                target = wait_target(val(op.operands[2]), launch, op.attrs.get("epoch", True),
+                                     op.attrs.get("per_launch"))
                 waits.append(f"wait {op.operands[0].owner.name} {val(op.operands[1])} {target} "
                              f"{DEFAULT_MEMORY_SCOPE[n]}")
             elif n in NOTIFY_OPS:
@@ -610,6 +614,111 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
         assert waits == [f"wait y_ready {j * cpart.grid[1] + pn} {int(rt.token_tile_producers[j]) * launch} gpu"]
 
 
+# -- a wait for the first of several notifies per launch (per_launch) ------------------------------
+
+@tl.kernel
+def sliced_feed(xs, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None):
+    """A gathered grouped GEMM whose tiles start on the first of two slices: the feed copies a
+    tile's rows of A and notifies, then notifies the same slot again (a second slice the GEMM
+    does not read), so the slot gains two per launch and the wait needs ``2 * (launch - 1) + 1``."""
+    T, K = xs.shape
+    E, _, N = w.shape
+    BM, BN, BK = compute.tile
+    NT = tile_expert.shape[0]
+    x = tl.symmetric_buffer((T, K), xs.dtype, "x")
+    ready = tl.signal("ready", NT)
+
+    @tl.comm_part(grid=(NT,))
+    def feed(t):
+        tl.tile_push_data(x.at(tl.rank()), (t * BM, 0), xs, (t * BM, 0), (BM, K))
+        tl.producer_tile_notify(ready, t)           # slice 1: the tile's rows
+        tl.producer_tile_notify(ready, t)           # slice 2
+
+    @tl.compute_part(grid=(NT, tl.cdiv(N, BN)))
+    def gg(i, pn):
+        e = tl.load_scalar(tile_expert, (i,))
+        acc = tl.fragment((BM, BN), tl.float32)
+        with tl.when(e >= 0):
+            tl.consumer_tile_wait(ready, i, per_launch=2)
+            rows = tl.load(ids, (i * BM,), (BM,))
+            for k in tl.range(0, K, BK):
+                acc += tl.dot(tl.load_rows(x, rows, k, BK), tl.load(w, (e, k, pn * BN), (BK, BN)))
+        tl.store(h, (i * BM, pn * BN), acc)
+
+
+SLICED = dict(NT=4, BM=64, K=128, N=128, E=2)
+
+
+def _sliced_case():
+    NT, BM, K, N, E = (SLICED[k] for k in ("NT", "BM", "K", "N", "E"))
+    rng = np.random.default_rng(3)
+    te = np.array([0, -1, 1, 0], np.int32)
+    ids = np.concatenate([rng.permutation(np.arange(i * BM, (i + 1) * BM)) for i in range(NT)]).astype(np.int32)
+    ids[5] = -1                                      # a padding row: reads zero
+    inputs = dict(xs=(rng.standard_normal((NT * BM, K)) * 0.25).astype(np.float16),
+                  w=(rng.standard_normal((E, K, N)) * 0.25).astype(np.float16), tile_expert=te, ids=ids,
+                  h=np.zeros((NT * BM, N), np.float16))
+    xg = np.where(ids[:, None] >= 0, inputs["xs"].astype(np.float32)[np.maximum(ids, 0)], 0)
+    ref = np.zeros((NT * BM, N), np.float32)
+    for i, e in enumerate(te):
+        if e >= 0:
+            ref[i * BM:(i + 1) * BM] = xg[i * BM:(i + 1) * BM] @ inputs["w"][e].astype(np.float32)
+    return inputs, ref
+
+
+def _sliced_compute():
+    return tl.ComputeSchedule(tile=(SLICED["BM"], 64, 64))
+
+
+def test_sliced_wait_counts_the_launch_in_the_simulator(monkeypatch):
+    """Over two launches the wait's target on launch 2 is ``per_launch * 1 + count`` = 3 and the
+    product is right; with the target the old grouped-GEMM emitter computed (``count * launch``
+    = 2), the slot's two notifies of launch 1 would satisfy the wait before launch 2's feed
+    wrote the rows: the simulator reports exactly that."""
+    from tldsl.runtime.sim import engine
+    inputs, ref = _sliced_case()
+    targets = []
+
+    def spy(count, launch, epoch=True, per_launch=None):
+        targets.append((launch, wait_target(count, launch, epoch, per_launch)))
+        return targets[-1][1]
+    monkeypatch.setattr(engine, "wait_target", spy)
+    res = tl.simulate(sliced_feed, 1, [inputs], compute=_sliced_compute(), options=tl.SimOptions(launches=2))
+    np.testing.assert_allclose(res[0]["h"].astype(np.float32), ref, rtol=1e-2, atol=1e-2)
+    assert {t for launch, t in targets if launch == 1} == {1} and {t for launch, t in targets if launch == 2} == {3}
+
+    monkeypatch.setattr(engine, "wait_target", lambda count, launch, epoch=True, per_launch=None:
+                        count * launch if epoch else count)
+    with pytest.raises(tl.StaleSignalError, match=r"'ready'\[\d\] already held 2 when launch 2 began, and the "
+                                                  r"wait needs 2"):
+        tl.simulate(sliced_feed, 1, [inputs], compute=_sliced_compute(), options=tl.SimOptions(launches=2))
+
+
+def _sliced_lowered():
+    inputs, _ = _sliced_case()
+    k = sliced_feed.trace(1, *[S.of(inputs[n]) for n in sliced_feed.arg_names], compute=_sliced_compute())
+    return k, inputs, lower_grouped_gemm(k, "gg")
+
+
+def test_sliced_wait_target_in_the_generated_code():
+    _, _, lw = _sliced_lowered()
+    waits = lw.source.split("void waits")[1].split("\n  }\n")[0]
+    assert "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_ready + pid0_0, " \
+           "2ull * (launch - 1ull) + (unsigned long long)(1));" in waits
+
+
+@needs_gxx
+def test_sliced_wait_runs_like_the_simulator_on_launch_2(tmp_path):
+    """The generated waits() run on the host at launch 2 spin for the simulator's target."""
+    k, inputs, lw = _sliced_lowered()
+    lines, _ = _run_host(tmp_path, lw, inputs, launch=2, bm=SLICED["BM"])
+    part = k.part("gg")
+    for (i, pn), ev in _split_tiles(lines).items():
+        waits, _ = _ir_signal_events(part, inputs, (i, pn), 0, 2)
+        assert [e for e in ev if e.startswith("wait ")] == waits
+        assert waits == ([f"wait ready {i} 3 gpu"] if inputs["tile_expert"][i] >= 0 else [])
+
+
 # -- NVRTC: compile for sm_90a, check the SASS -------------------------------------------------------
 
 COMPILE_SCHEDULES = [
@@ -690,6 +799,14 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
                                   tl.CommSchedule(engine="copy_engine")], ids=["push", "copy_engine"])
 def test_allgather_moe_sys_waits_compile(tmp_path, comm):
     lw = lower_grouped_gemm(trace_ag(comm=comm), "grouped_gemm")
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    check_grouped_gemm_sass(ck, lw)
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
+def test_sliced_wait_compiles(tmp_path):
+    _, _, lw = _sliced_lowered()
     ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
     check_grouped_gemm_sass(ck, lw)
 

@@ -14,9 +14,9 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
-from tldsl.codegen.cache import KernelCache
-from tldsl.codegen.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
-from tldsl.codegen.lower_gemm import lower_gemm
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_cuda, compile_many
+from tldsl.codegen import lower_gemm
 
 from test_codegen_host import trace_ag, trace_plain
 from tldsl.ops.allgather_gemm import allgather_gemm
@@ -118,7 +118,7 @@ def test_gemm_staging_its_own_rows_compiles(cache):
     stages, to the slot and to A_gathered), the arrivals published with system-scope stores after
     a fence; with a debug timeout the slot wait can trap. Rows that are not whole tiles, or
     clusters, are refused at lowering."""
-    from tldsl.codegen.scalars import LoweringError
+    from tldsl.codegen import LoweringError
     comm = tl.CommSchedule(engine="copy_engine", mode="pull", order="ring")
     ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
     plain = lower_gemm(ir, "gemm")
@@ -145,7 +145,7 @@ def test_gemm_gathering_pushed_rows_compiles(cache):
     engines write, every A stage stored into the gathered copy: more TMA stores than the plain
     GEMM, no atomics or remote stores (nothing is published). Refused together with own_rows,
     and for rows that are not whole tiles."""
-    from tldsl.codegen.scalars import LoweringError
+    from tldsl.codegen import LoweringError
     comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
     ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
     plain = lower_gemm(ir, "gemm")
@@ -197,7 +197,7 @@ def test_gemm_pushing_its_rows_compiles(cache, W):
     slots), the storing tiles counted and the launch's last one publishing the flag on every
     peer (a system-scope fence, an atomic add, remote stores). The descriptors and parameters
     follow the world size; push_rows needs gather_rows."""
-    from tldsl.codegen.scalars import LoweringError
+    from tldsl.codegen import LoweringError
     comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
     ir = trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
     gather = lower_gemm(ir, "gemm", gather_rows=True)

@@ -23,12 +23,12 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
-from tldsl.codegen.lower_gemm import OWN_ROW_SIGNALS, PUSH_ROW_SIGNALS
+from tldsl.codegen.plan.gemm import OWN_ROW_SIGNALS, PUSH_ROW_SIGNALS
 import pytest
 
 import tldsl as tl
-from tldsl.codegen.lower import lower
-from tldsl.codegen.lower_comm import CeCopy, CeSignalWrite, CeWait, lower_comm, plan_copy_engine
+from tldsl.codegen import lower
+from tldsl.codegen import CeCopy, CeSignalWrite, CeWait, lower_comm, plan_copy_engine
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -1055,7 +1055,7 @@ class _Proto:
         torch = pytest.importorskip("torch")
         from tldsl.runtime.dist import ag_gemm as agm, comm_kernel as ckm, gemm_rs as grs, plan_exec as pem
         from tldsl.runtime.gpu import gemm as gkm, module as modm
-        from tldsl.codegen import lower_comm as lcm
+        from tldsl.codegen import LoweredComm
         self.torch, self.drv = torch, FakeDriver()
         log = self.drv.calls
         nums = itertools.count(1)
@@ -1179,15 +1179,18 @@ class _Proto:
                 log.append(("rendezvous", tuple(r.name for r in self.regions)))
         mp.setattr(ckm, "SymmetricWorkspace", Workspace)
         mp.setattr(ckm, "torch_uploader", self.drv.upload_u64)
-        mp.setattr(lcm.LoweredComm, "compile", lambda self, **kw: SimpleNamespace(cubin=self.entry.encode()))
         kinds = {}
+
+        def compile_comm(lc, **kw):          # every communication kernel is compiled before it is loaded
+            kinds[lc.entry] = [p.kind for p in lc.params]
+            return SimpleNamespace(cubin=lc.entry.encode())
+        mp.setattr(LoweredComm, "compile", compile_comm)
 
         def load_kernel(cubin, name, smem=0):
             return SimpleNamespace(name=name, function=SimpleNamespace(kinds=kinds[name]), smem_bytes=0)
         mp.setattr(modm, "load_kernel", load_kernel)
-        real_lower_comm = lcm.lower_comm
 
-        from tldsl.codegen import compiler as cpm
+        from tldsl.codegen.toolchain import compiler as cpm
         from tldsl.runtime.dist import staging as stm
         kinds[stm.ENTRY] = ["ptr", "ptr", "ptr", "u64", "ptr", "u64"]
         kinds[stm.PUBLISH_ENTRY] = kinds[stm.ENTRY] + ["ptr", "ptr", "i32", "i32", "ptr"]
@@ -1196,12 +1199,6 @@ class _Proto:
                    if entry in (stm.ENTRY, stm.PUBLISH_ENTRY) else real_compile(src, entry, **kw))
         from tldsl.runtime.gpu import device as devm
         mp.setattr(devm, "sm_count", lambda: 132)
-
-        def lower_comm_recording(*a, **k):
-            lc = real_lower_comm(*a, **k)
-            kinds[lc.entry] = [p.kind for p in lc.params]
-            return lc
-        mp.setattr(lcm, "lower_comm", lower_comm_recording)
 
         def as_array(x, what="tensor"):
             if isinstance(x, DeviceArray):
@@ -2007,7 +2004,7 @@ def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):
     # every CTA must push its tiles of this rank's rows before it waits for a peer's: the default
     # compute order is fitted (3 tile rows per rank: groups of 1), a schedule that is not refused
     assert AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm").compute.group_m == 1
-    from tldsl.codegen.scalars import LoweringError
+    from tldsl.codegen import LoweringError
     with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
         AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm",
                         compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=2))

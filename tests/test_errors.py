@@ -228,7 +228,7 @@ def test_schedule_errors_point_at_the_users_line_through_with_():
 def test_common_slips_get_tldsl_errors_not_python_ones():
     """Swapped schedules, lower() on the undecorated-trace kernel function or an unknown part,
     and a numpy dtype tldsl has not: each a tldsl error that says what to do."""
-    from tldsl.codegen.lower import lower
+    from tldsl.codegen import lower
 
     @tl.kernel
     def copy(x, y, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):

@@ -22,7 +22,7 @@ PULL = dict(tile_m=128, mode="pull")
 
 def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None):
     import tldsl as tl
-    from tldsl.codegen.lower_attention import lower_attention
+    from tldsl.codegen import lower_attention
     from tldsl.ops.sp_attention import sp_attention
     dt = tl.ir.dtype_of(dtype)
     k = sp_attention.trace(W, *[tl.TensorSpec((Sl, H * D), dt)] * 4, heads=H, causal=causal,

@@ -108,7 +108,7 @@ def _ag_gemm_kernel(W, Ms, K, N, mode, *, group_m=8, **lowering):
     """AllGather+GEMM's compute part (bf16, 128x256x64 tiles, comm_aligned order, the copy
     engine pulling or pushing) lowered with ``lowering`` and loaded; a stuck wait traps."""
     import tldsl as tl
-    from tldsl.codegen.lower import lower
+    from tldsl.codegen import lower
     from tldsl.ops.allgather_gemm import allgather_gemm
     from tldsl.runtime.gpu import GemmKernel
     bf = tl.bfloat16

@@ -1,5 +1,5 @@
-"""The generated MoE kernels (``codegen.lower_grouped_gemm``) on a GPU, against numpy
-references of the ops' meaning (skipped where there is no GPU).
+"""The generated MoE kernels (the ``grouped_gemm`` and ``combine`` recipes) on a GPU, against
+numpy references of the ops' meaning (skipped where there is no GPU).
 
 Run on a GPU host with: ``python -m pytest -q -m gpu tests/test_gpu_moe.py``.
 
@@ -62,7 +62,7 @@ def _close(got, ref, what, rel):
 
 def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
     import tldsl as tl
-    from tldsl.codegen.lower_grouped_gemm import lower_grouped_gemm
+    from tldsl.codegen import lower_grouped_gemm
     from tldsl.kernel import TensorSpec as S
     from tldsl.ops.moe import allgather_moe
     dt = _dt(dtype)
@@ -153,7 +153,7 @@ def test_allgather_moe_waits_block_until_flags_are_set():
 
 def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
     import tldsl as tl
-    from tldsl.codegen.lower_grouped_gemm import lower_combine, lower_grouped_gemm
+    from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.kernel import TensorSpec as S
     from tldsl.ops.moe import moe_reduce_scatter
     dt = _dt(dtype)

@@ -163,8 +163,8 @@ def test_copy_engine_push_parts_and_plan():
     each chunk into block `rank` of the owner's receive buffer and notifies it after every
     chunk; an SM part that sums this rank's rows once every peer's chunks are in. The plan of
     the copy part is what the runtime enqueues."""
-    from tldsl.codegen.lower import lower
-    from tldsl.codegen.lower_comm import CeCopy, CeSignalWrite, CeWait
+    from tldsl.codegen import lower
+    from tldsl.codegen import CeCopy, CeSignalWrite, CeWait
     W, Ms, K, N = 2, 40, 16, 24
     comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=16)
     k = _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=tl.ComputeSchedule(tile=(8, 8, 16)))

@@ -113,7 +113,7 @@ class AllGatherMatmul:
         with its own ``col_tile`` decides by hand)."""
         import torch
         import tldsl as tl
-        from ...codegen.lower import lower
+        from ...codegen import lower
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
 
@@ -757,7 +757,7 @@ class _FusedAllGather:
         import os
         import torch
         import tldsl as tl
-        from ...codegen.lower import lower
+        from ...codegen import lower
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
         from .comm_kernel import CommKernel, kernel_specs, make_workspace

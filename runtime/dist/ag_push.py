@@ -70,7 +70,7 @@ class PushAllGather:
         stream, no host call but the GEMM's launch; correct on GPUs, slower: ``probe ag_push``)."""
         import torch
         import tldsl as tl
-        from ...codegen.lower import lower
+        from ...codegen import lower
         from ...ops.allgather_gemm import allgather_gemm
         from ..gpu.gemm import GemmKernel
         import weakref
@@ -149,7 +149,7 @@ class PushAllGather:
         if self._gemm_pushes:
             # what the GEMM pushes into and publishes with: every peer's landing buffer (both slots,
             # ring order), every rank's flag array as mapped here, this rank's count of pushed tiles
-            from ...codegen.lower_gemm import push_landing
+            from ...codegen.plan.gemm import push_landing
             self._push_buffers = {push_landing(q): self._landing_handle.get_buffer(p, (2 * W * Ms, K), op.dtype)
                                   for q, p in enumerate(self.order)}
             flag_table = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
@@ -333,7 +333,7 @@ class PushAllGather:
         """The GEMM that ``compute_only`` times: the launch's, or (when the GEMM pushes) the same
         gathering GEMM without the pushes."""
         if self._plain_gemm is None:
-            from ...codegen.lower import lower
+            from ...codegen import lower
             from ..gpu.gemm import GemmKernel
             self._plain_gemm = GemmKernel(lower(self.ir, "gemm", gather_rows=True, **self._lowering_opts),
                                           progress=self._progress)

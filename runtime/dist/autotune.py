@@ -169,7 +169,7 @@ class Autotuner:
 
     def __init__(self, cache_dir: str | os.PathLike | None = None, collective=None, version: str | None = None):
         if cache_dir is None:
-            from ...codegen.cache import cache_dir as default_dir
+            from ...codegen.toolchain.cache import cache_dir as default_dir
             cache_dir = default_dir()
         self.root = Path(cache_dir) / "autotune"
         self.collective = collective or LocalCollective()

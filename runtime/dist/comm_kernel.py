@@ -1,4 +1,4 @@
-"""Launch a lowered SM communication kernel (:class:`tldsl.codegen.lower_comm.LoweredComm`), and
+"""Launch a lowered SM communication kernel (:class:`tldsl.codegen.recipes.sm_comm.LoweredComm`), and
 the symmetric workspace its pointer tables point into.
 
 **Parameter contract** (``LoweredComm.params``, in order; the launcher passes exactly these):

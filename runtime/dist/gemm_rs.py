@@ -15,11 +15,11 @@ Two communication engines (the communication schedule's ``engine``):
 With ``engine="sm"``, two generated kernels of the ``tldsl.ops.gemm_reduce_scatter`` tile
 program run side by side:
 
-* the **GEMM** (compute part; ``codegen.lower_gemm``, persistent, on ``SMs - lanes`` CTAs) stores
+* the **GEMM** (compute part; ``codegen.recipes.gemm``, persistent, on ``SMs - lanes`` CTAs) stores
   partial tiles (A's dtype, or fp32 with ``partial_dtype="f32"``) into a local workspace and,
   after each tile's TMA stores complete, adds 1
   (release) to the ``reduce_scatter_ready`` counter of every communication tile it covers;
-* the **reduce-scatter** (communication part; ``codegen.lower_comm``, ``lanes`` = the comm
+* the **reduce-scatter** (communication part; recipe ``sm_comm``, ``lanes`` = the comm
   schedule's ``sms`` CTAs, on a second stream) waits per tile for those counters, adds partial
   tiles along the ring / full mesh through a symmetric staging buffer (peer notifies on the
   symmetric ``reduce_scatter_arrived`` counters) and stores this rank's rows of the sum into
@@ -161,7 +161,7 @@ class MatmulReduceScatter:
                  partial_dtype: str = "out", ce_chunks: int | None = None, engine: str | None = None):
         import torch
         import tldsl as tl
-        from ...codegen.lower import lower
+        from ...codegen import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
         from ..gpu.gemm import GemmKernel
         from .comm_kernel import CommKernel, kernel_specs, make_workspace

@@ -1,4 +1,4 @@
-"""Execute a copy-engine plan (:class:`tldsl.codegen.lower_comm.CopyEnginePlan`) on CUDA streams.
+"""Execute a copy-engine plan (:class:`tldsl.codegen.plan.copy_engine.CopyEnginePlan`) on CUDA streams.
 
 A plan lists, per rank, what that rank enqueues on one communication stream per launch:
 copies (:class:`CeCopy`), signal writes (:class:`CeSignalWrite`) and stream waits
@@ -302,7 +302,7 @@ class PlanExecutor:
     the size recorded in the table for them."""
 
     def __init__(self, plan, rank: int, pointers: PointerTable, *, per_call: Sequence[str] = (), driver=None):
-        from ...codegen.lower_comm import CeCopy, CeSignalWrite, CeWait
+        from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
         self._kinds = (CeCopy, CeSignalWrite, CeWait)
         if pointers.world_size != plan.world_size or pointers.rank != rank:
             raise InputError(f"pointer table is for rank {pointers.rank} of {pointers.world_size}; the plan needs "
@@ -492,7 +492,7 @@ class PlanExecutor:
 def plan_symmetric_names(plan) -> tuple[set[str], set[str]]:
     """(buffers, signals) that some rank of ``plan`` addresses on another rank: they must live in
     symmetric memory; every other name of the plan can be a plain local tensor."""
-    from ...codegen.lower_comm import CeCopy, CeSignalWrite
+    from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite
     bufs, sigs = set(), set()
     for r, acts in enumerate(plan.actions):
         for a in acts:

@@ -87,7 +87,7 @@ class ShardStager:
     first): the publishing variant (module docstring)."""
 
     def __init__(self, sm_count: int, progress=None, publish=None):
-        from ...codegen import compiler
+        from ...codegen.toolchain import compiler
         from ..gpu import module
         self.publish = publish
         if publish is None:

@@ -1,4 +1,4 @@
-"""Run a generated flash-attention kernel (``codegen.lower_attention``) on torch tensors:
+"""Run a generated flash-attention kernel (``codegen.recipes.attention``) on torch tensors:
 validate, encode the TMA descriptors (2-D for Q and O, 3-D ``[shards, L, width]`` views for the
 gathered K and V), launch persistent CTAs."""
 from __future__ import annotations

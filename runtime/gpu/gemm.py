@@ -7,7 +7,7 @@ from .launcher import Launcher
 
 
 class GemmKernel(Launcher):
-    """A lowered GEMM (``codegen.lower_gemm``), compiled and loaded, callable with tensors.
+    """A lowered GEMM (``codegen.recipes.gemm``), compiled and loaded, callable with tensors.
 
     ``kernel(a=..., b=..., c=..., signals={...}, launch=1)``: buffers by their IR names;
     signals (u64 counters, int64 tensors) by signal name; ``launch`` is the 1-based epoch

@@ -1,6 +1,7 @@
-"""Run a generated MoE kernel — a grouped GEMM or a row-gather combine
-(``codegen.lower_grouped_gemm``) — on torch tensors: validate every argument against the
-lowered kernel's parameter contract, encode the TMA descriptors, launch persistently."""
+"""Run a generated MoE kernel — a grouped GEMM or a row-gather combine (the
+``codegen.recipes.grouped_gemm`` / ``.combine`` recipes) — on torch tensors: validate every
+argument against the lowered kernel's parameter contract, encode the TMA descriptors, launch
+persistently."""
 from __future__ import annotations
 
 from .device import require_gpu, sm_count

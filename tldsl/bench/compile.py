@@ -39,7 +39,7 @@ def _hit_main(shape: str) -> None:
     """The second process: trace + lower + cache lookup, after importing the modules they use
     (a once-per-process cost, like importing tldsl, printed apart by the caller)."""
     import importlib
-    for mod in ("tldsl.ops.gemm", "tldsl.codegen.lower_gemm", "tldsl.codegen.compiler", "tldsl.codegen.cache"):
+    for mod in ("tldsl.ops.gemm", "tldsl.codegen.recipes.gemm", "tldsl.codegen.toolchain.compiler", "tldsl.codegen.toolchain.cache"):
         importlib.import_module(mod)
     M, N, K = (int(x) for x in shape.split("x"))
     print(json.dumps(_trace_lower_compile(M, N, K)))

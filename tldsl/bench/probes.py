@@ -207,7 +207,7 @@ def probe_copy_engine(out=sys.stdout):
 
 def _rs_gemm(M, N, Kr, reduce_in, W=2):
     import tldsl as tl
-    from tldsl.codegen.lower import lower
+    from tldsl.codegen import lower
     from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
     from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, traced_comm
     Ms = M // W

@@ -1,4 +1,4 @@
-// tldsl: device side of communication parts on SMs (codegen/lower_comm.py).
+// tldsl: device side of communication parts on SMs (codegen/recipes/sm_comm.py).
 //
 // A communication part becomes one persistent kernel: `lanes` CTAs, CTA b running tasks
 // b, b + gridDim.x, ... of the communication schedule's task order. Every thread evaluates the

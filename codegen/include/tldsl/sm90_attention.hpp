@@ -1,5 +1,5 @@
 // tldsl: a warp-specialized, persistent TMA + WGMMA flash-attention forward kernel for Hopper
-// (sm_90a), driven by generated control code (codegen/lower_attention.py), on CuTe's arch-level
+// (sm_90a), driven by generated control code (codegen/recipes/attention.py), on CuTe's arch-level
 // ops only (TMA copies, GMMA ops, mbarriers, named barriers, register reconfiguration) -- the
 // same building blocks, descriptor arithmetic and conventions as sm90_gemm.hpp.
 //

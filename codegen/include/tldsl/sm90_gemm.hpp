@@ -3,8 +3,8 @@
 // cutlass/arch: mbarriers, named barriers, register reconfiguration). No CuTe layout
 // algebra: tile coordinates, shared-memory offsets and GMMA descriptors are plain integer
 // arithmetic fixed at compile time, which keeps NVRTC compiles short and lets the Python
-// side (codegen/lower_gemm.py) compute the same numbers for the host (TMA descriptors,
-// dynamic shared memory) — the generated code static_asserts that both agree.
+// side (codegen/plan/wgmma.py, codegen/plan/gemm.py) compute the same numbers for the host
+// (TMA descriptors, dynamic shared memory) — the generated code static_asserts that both agree.
 //
 //   C[M, N] = A[M, K] @ B[K, N]      A row-major (K contiguous, "K-major" for WGMMA)
 //                                    B row-major (N contiguous, "MN-major" for WGMMA)

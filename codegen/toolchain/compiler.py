@@ -31,10 +31,11 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from ..errors import CompilationError
-from ..ir.location import Location
+from ...errors import CompilationError
+from ...ir.location import Location
 from .cache import KernelCache, cache_key
-from .toolchain import ARCH, Toolchain, find_toolchain
+from .locate import ARCH, Toolchain, _load_nvrtc, find_toolchain
+from .sass import analyze_cubin, parse_ptxas_log
 
 #: The DSL marker the code generator puts at the end of a generated line.
 MARKER_RE = re.compile(r"//\s*tldsl:\s*(?P<file>.+?):(?P<line>\d+)\s*$")
@@ -62,12 +63,10 @@ class CompiledKernel:
 
     def sass(self):
         """SASS mnemonics and resource usage (needs cuobjdump); see :mod:`.sass`."""
-        from .sass import analyze_cubin
         return analyze_cubin(self.cubin)
 
     def ptxas_info(self) -> dict:
         """Registers / spills / stack per function parsed from the ptxas -v lines of the log."""
-        from .sass import parse_ptxas_log
         return parse_ptxas_log(self.log)
 
 
@@ -208,7 +207,6 @@ def nvrtc_compile(source: str, program: str, options: Sequence[str]) -> dict:
     """Compile in *this* process. Returns ``ok, cubin, log, seconds, timings`` (never raises on
     a compile error: the parent turns the log into a :class:`CudaCompileError`)."""
     import tempfile
-    from .toolchain import _load_nvrtc
     nvrtc = _load_nvrtc()
 
     def check(res, what):

@@ -1,43 +1,34 @@
-"""Scalar (index) code from the IR, shared by the lowerings.
+"""The rule for index code: scalar IR ops → C++ statements, shared by every recipe.
 
 A tile program's index arithmetic — ``const``, ``program_id``, ``rank``, ``arith``,
 ``select``, ``load_scalar`` and the structured ``for`` / ``if`` regions around them — becomes
 plain C++ statements, one per op, each ending in a ``// tldsl: file:line`` marker so that a
 compile error points at the tile program. :class:`ScalarEmitter` handles those ops and hands
-every other op to :meth:`ScalarEmitter.emit_other`, which each lowering overrides (waits in a
-GEMM prologue, notifies in its epilogue, whole communication parts in ``lower_comm``).
+every other op to :meth:`ScalarEmitter.emit_other`, which each recipe overrides (waits in a
+GEMM prologue, notifies in its epilogue, whole communication parts), rendering the primitives
+through :mod:`.primitives`.
 
 Values are scoped like the IR's regions: a value defined inside a ``for`` / ``if`` body is
 out of scope after it, and using it there raises :class:`LoweringError` (C++ would reject
-the generated code anyway, at a line far from the cause).
+the generated code anyway, at a line far from the cause). A hook that needs values where the
+tile program's structure is not kept (a per-tile guard or expert, row ids inside a template's
+loop) emits them with :meth:`ScalarEmitter.emit_values` instead: index code is pure, so it
+may be computed outside its ``if``.
 """
 from __future__ import annotations
 
 import math
-import re
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
-from ..errors import CompilationError
-from ..ir import core
+from ...ir import core
+from ..abi import cident, marker
+from ..dtypes import scalar_ctype
+from ..errors import LoweringError
 
 #: scalar ops every emitter handles itself
 SCALAR_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "load_scalar"})
 CONTROL_OPS = frozenset({"for", "if"})
-
-
-class LoweringError(CompilationError):
-    """The tile program (or its schedule) is outside what a lowering handles."""
-
-
-def marker(loc) -> str:
-    """The trailing comment that maps a generated line back to the tile program."""
-    return f"  // tldsl: {loc.filename}:{loc.lineno}" if loc is not None else ""
-
-
-def cident(s: str) -> str:
-    """A C identifier made from an IR name."""
-    s = re.sub(r"[^0-9A-Za-z_]", "_", s)
-    return s if s and not s[0].isdigit() else "_" + s
 
 
 def const_value(v: core.Value):
@@ -60,17 +51,6 @@ def c_literal(val) -> str:
     if math.isinf(f):
         return "__int_as_float(0x7f800000)" if f > 0 else "__int_as_float(0xff800000)"
     return repr(f) + "f" if ("e" in repr(f) or "." in repr(f)) else repr(f) + ".0f"
-
-
-def ctype_of(dtype) -> str:
-    name = dtype.name
-    if name == "i1":
-        return "bool"
-    if name == "i32":
-        return "int"
-    if name == "f32":
-        return "float"
-    raise LoweringError(f"internal: no scalar C type for {dtype}")
 
 
 def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> set[int]:
@@ -99,26 +79,22 @@ def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> se
     return need
 
 
-def wait_target_expr(op: core.Op, count: str, launch: str = "launch") -> str:
-    """The C++ expression of a wait op's target (:func:`tldsl.ir.semantics.wait_target`): ``count``
-    times the launch index when the wait counts in epochs, ``per_launch * (launch - 1) + count``
-    when it waits for the first ``count`` of a slot's ``per_launch`` notifies, else ``count``."""
-    if not op.attrs.get("epoch", True):
-        return f"(unsigned long long)({count})"
-    per = op.attrs.get("per_launch")
-    if per is None:
-        return f"(unsigned long long)({count}) * {launch}"
-    return f"{int(per)}ull * ({launch} - 1ull) + (unsigned long long)({count})"
-
-
-def wait_call(op: core.Op, signal_ptr: str, channel: str, count: str) -> str:
-    """The C++ statement of a wait op (``consumer_tile_wait`` / ``peer_tile_wait`` / ``rank_wait``):
-    spin until the slot holds the op's target (:func:`wait_target_expr`), acquiring at its scope."""
-    from ..ir.opdefs import DEFAULT_MEMORY_SCOPE
-    n = op.name
-    scope = "tldsl::kScopeSys" if DEFAULT_MEMORY_SCOPE[n] == "sys" else "tldsl::kScopeGpu"
-    target = wait_target_expr(op, count)
-    return f"tldsl::wait_at_least<{scope}>({signal_ptr} + {channel}, {target});  // {n}{marker(op.loc)}"
+def producers(values: Iterable[core.Value], ops: Iterable[core.Op], named=frozenset()) -> list[core.Op]:
+    """The ops among ``ops`` (walked in program order, into regions) that compute ``values``,
+    directly or through their operands, without the loops and conditions around them and
+    stopping at values in ``named`` (ids): what a hook emits when it needs values where the
+    tile program's structure is not kept (a guard, an expert, row ids, per tile). Index code is
+    pure, so computing it outside its ``if`` or before its point in the program changes nothing."""
+    want: set[int] = set()
+    work = list(values)
+    while work:
+        v = work.pop()
+        op = v.owner
+        if v.id in named or not isinstance(op, core.Op) or id(op) in want:
+            continue
+        want.add(id(op))
+        work.extend(op.operands)
+    return [op for op in core.Block(list(ops)).walk() if id(op) in want]
 
 
 class ScalarEmitter:
@@ -132,6 +108,8 @@ class ScalarEmitter:
     INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
              "eq": "==", "ne": "!="}
     what = "this lowering"
+    #: a line put before every emitted ``for`` (e.g. ``#pragma unroll 1``: a table-driven loop stays a loop)
+    loop_pragma = ""
 
     def __init__(self, needed: set[int] | None = None):
         self.needed = needed
@@ -152,6 +130,10 @@ class ScalarEmitter:
 
     def table_expr(self, buf: core.Buffer) -> str:
         return f"tbl_{cident(buf.name)}"
+
+    def table_read(self, buf: core.Buffer, index: str) -> str:
+        """C++ reading element ``index`` (flat) of a ``load_scalar`` table."""
+        return f"{self.table_expr(buf)}[{index}]"
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         raise self.fail(f"'{op.name}' is not supported by {self.what}", op)
@@ -179,7 +161,25 @@ class ScalarEmitter:
         self.names[v.id] = expr
         self._scopes[-1].append(v.id)
 
+    @contextmanager
+    def scope(self):
+        """A C++ block the recipe opens itself (not an IR region): names defined inside it are
+        out of scope after it."""
+        self._scopes.append([])
+        try:
+            yield
+        finally:
+            for vid in self._scopes.pop():
+                self.names.pop(vid, None)
+
     # -- emission ------------------------------------------------------------------------------
+    def emit_values(self, values, ops, ind: str, lines: list[str]) -> None:
+        """Emit what computing ``values`` takes and is not named yet: their :func:`producers`
+        among ``ops``, in program order, outside the tile program's regions."""
+        for op in producers(values, ops, self.names.keys()):
+            if op.name != "const":
+                self.emit_op(op, ind, lines)
+
     def emit(self, ops, indent: str = "    ") -> list[str]:
         lines: list[str] = []
         self.emit_block(ops, indent, lines)
@@ -217,11 +217,11 @@ class ScalarEmitter:
         elif n == "rank":
             lines.append(f"{ind}const int {self.define(op.result)} = {self.rank_expr()};{mk}")
         elif n == "arith":
-            lines.append(f"{ind}const {ctype_of(op.result.type.dtype)} {self.define(op.result)} = "
+            lines.append(f"{ind}const {scalar_ctype(op.result.type.dtype)} {self.define(op.result)} = "
                          f"{self.arith_expr(op)};{mk}")
         elif n == "select":
             c, a, b = (self.name(v, op) for v in op.operands)
-            lines.append(f"{ind}const {ctype_of(op.result.type.dtype)} {self.define(op.result)} = "
+            lines.append(f"{ind}const {scalar_ctype(op.result.type.dtype)} {self.define(op.result)} = "
                          f"{c} ? {a} : {b};{mk}")
         elif n == "load_scalar":
             buf = op.operands[0].owner
@@ -233,12 +233,14 @@ class ScalarEmitter:
             for d in reversed(range(len(shape))):
                 terms.append(f"{idx[d]} * {stride}" if stride != 1 else idx[d])
                 stride *= shape[d]
-            lines.append(f"{ind}const int {self.define(op.result)} = {self.table_expr(buf)}"
-                         f"[{' + '.join(reversed(terms))}];{mk}")
+            lines.append(f"{ind}const int {self.define(op.result)} = "
+                         f"{self.table_read(buf, ' + '.join(reversed(terms)))};{mk}")
         elif n == "for":
             lo, hi, st = (self.name(v, op) for v in op.operands)
             self._scopes.append([])
             iv = self.define(op.regions[0].args[0])
+            if self.loop_pragma:
+                lines.append(f"{ind}{self.loop_pragma}")
             lines.append(f"{ind}for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st}) {{{mk}")
             try:
                 self._region(op.regions[0], ind + "  ", lines)
@@ -254,9 +256,11 @@ class ScalarEmitter:
             self.emit_other(op, ind, lines)
 
     def arith_expr(self, op: core.Op) -> str:
+        """C++ of a binary ``arith`` op — or of an ``ewise`` op of the same kind on values a recipe
+        renders element by element (per-row index and scale expressions)."""
         a, b = (self.name(v, op) for v in op.operands)
         kind = op.attrs["op"]
-        is_float = op.operands[0].type.dtype.name == "f32"
+        is_float = any(v.type.dtype.is_float for v in op.operands)   # an elementwise op may mix i32 and f32
         if kind in self.INFIX:
             return f"({a} {self.INFIX[kind]} {b})"
         if kind == "floordiv":

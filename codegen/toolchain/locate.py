@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from ..errors import TldslError
+from ...errors import TldslError
 
 ARCH = "sm_90a"
 NVRTC_REQUIRED = (13, 0)
@@ -53,7 +53,7 @@ REQUIREMENTS = (
     "nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm (optional: SASS checks)",
 )
 
-INCLUDE_DIR = Path(__file__).resolve().parent / "include"   # tldsl's own C++ headers
+INCLUDE_DIR = Path(__file__).resolve().parent.parent / "include"   # tldsl's own C++ headers
 
 
 class ToolchainError(TldslError):

@@ -20,7 +20,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .toolchain import ToolchainError, find_toolchain
+from .locate import ToolchainError, find_toolchain
 
 
 @dataclass

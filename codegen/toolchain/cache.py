@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CODEGEN_DIR = Path(__file__).resolve().parent
+CODEGEN_DIR = Path(__file__).resolve().parent.parent   # the whole code generator, templates included
 FORMAT = 1   # bump when the entry layout changes
 
 

@@ -1,0 +1,99 @@
+"""The code generator as one pipeline: a part of a traced kernel → a lowered kernel.
+
+Stages, in order (each a function below; data flows one way):
+
+1. :func:`select` — the part exists and the kernel is traced;
+2. :func:`match` — the recipes for the part's role (``recipes.RECIPES``), highest priority
+   first; the first whose matcher accepts the part wins. Each matcher runs once; when none
+   accepts, the error is the refusal of the one recipe made for this kind of part (at the
+   user's line), or every recipe's reason;
+3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
+   and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes);
+4. :func:`render` — the recipe fills its template, every IR op inside it rendered by the
+   rules (``rules.scalars``, ``rules.primitives``);
+5. compile (``LoweredKernel.compile`` → ``toolchain``): NVRTC, content-addressed cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir import core
+from .errors import LoweringError, NotApplicable
+from .recipes import RECIPES, Recipe
+
+
+@dataclass
+class Selected:
+    """What :func:`match` found: the recipe and its match, plus why the others declined."""
+    kernel: core.Kernel
+    part: core.Part
+    recipe: Recipe
+    match: Any
+    declined: list[tuple[str, LoweringError]] = field(default_factory=list)
+
+
+def select(kernel: core.Kernel, part: str | core.Part) -> core.Part:
+    """Stage 1: the part to lower (a LoweringError naming the parts when there is no such part)."""
+    if not isinstance(kernel, core.Kernel):
+        raise LoweringError(f"lower() takes a traced kernel (a tldsl IR Kernel), got {type(kernel).__name__}: "
+                            f"trace it first — kernel_fn.trace(world_size, *tensor_specs, compute=..., comm=...) "
+                            f"— or take result.kernel from tl.simulate(...)")
+    names = [q.name for q in kernel.parts]
+    if isinstance(part, core.Part) and any(part is q for q in kernel.parts):
+        return part
+    if isinstance(part, str) and part in names:
+        return kernel.part(part)
+    raise LoweringError(f"kernel '{kernel.name}' has no part {part!r}; its parts: "
+                        + ", ".join(f"'{q.name}' ({q.role})" for q in kernel.parts)
+                        + " — pass a part's name or one of kernel.parts")
+
+
+def match(kernel: core.Kernel, part: core.Part, recipes=RECIPES) -> Selected:
+    """Stage 2: the first recipe, by priority, whose matcher accepts ``part``."""
+    declined: list[tuple[str, LoweringError]] = []
+    for recipe in sorted((r for r in recipes if r.role == part.role), key=lambda r: -r.priority):
+        try:
+            m = recipe.match(kernel, part)
+        except LoweringError as e:
+            declined.append((recipe.name, e))
+            continue
+        return Selected(kernel, part, recipe, m, declined)
+    relevant = [(name, e) for name, e in declined if not isinstance(e, NotApplicable)]
+    if len(relevant) == 1:          # one recipe is for this kind of part: its refusal, at the user's line
+        raise relevant[0][1]
+    reasons = [f"  {name}: {getattr(e, 'raw_message', str(e))}"
+               + (f" ({e.loc.short()})" if getattr(e, "loc", None) is not None else "") for name, e in relevant or declined]
+    raise LoweringError(f"no lowering recognises {part.role} part '{part.name}' of kernel '{kernel.name}'"
+                        + (":\n" + "\n".join(reasons) if reasons else ""), part.loc)
+
+
+def plan(sel: Selected, options: dict) -> Any:
+    """Stage 3: the recipe's plan (its configuration and ABI) for the match."""
+    return sel.recipe.plan(sel.kernel, sel.part, sel.match, **sel.recipe.take(options))
+
+
+def render(sel: Selected, the_plan: Any):
+    """Stage 4: the lowered kernel (CUDA source and host-side description) of a plan."""
+    return sel.recipe.render(the_plan)
+
+
+def lower(kernel: core.Kernel, part: str | core.Part, **options):
+    """Lower one part of ``kernel``: select → match → plan → render."""
+    p = select(kernel, part)
+    _check_options(options)
+    sel = match(kernel, p)
+    return render(sel, plan(sel, options))
+
+
+def lower_all(kernel: core.Kernel, **options) -> dict:
+    """Every part of ``kernel`` lowered: {part name: lowered kernel}. One set of options for
+    every part: each recipe takes the ones it knows."""
+    return {p.name: lower(kernel, p, **options) for p in kernel.parts}
+
+
+def _check_options(options: dict) -> None:
+    known = set().union(*(r.options for r in RECIPES))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LoweringError(f"unknown lowering option(s) {unknown}; the recipes take {sorted(known)}")

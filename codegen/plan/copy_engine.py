@@ -1,0 +1,313 @@
+"""Planning a copy-engine part (``engine='copy_engine'``: ``rank_copy_data`` + ``rank_notify`` /
+``rank_wait``): it is not a kernel. Its index code is evaluated on the host for every rank,
+giving a :class:`CopyEnginePlan` — per rank, the ordered actions for one communication stream:
+:class:`CeCopy` (``cuMemcpy2DAsync``), :class:`CeSignalWrite` (``cuStreamWriteValue64``,
+ordered after the copies before it), :class:`CeWait` (``cuStreamWaitValue64`` GEQ).
+:meth:`CopyEnginePlan.run_numpy` executes a plan on numpy arrays (the reference the runtime,
+``tldsl.runtime.dist.plan_exec``, must match). For this recipe the plan is the output."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...ir import core
+from ...ir.opdefs import NOTIFY_OPS, data_operands
+from ...ir.semantics import ARITH, wait_target, wrap_i32
+from ..dtypes import elem_bytes
+from ..errors import fail
+from ..match.comm import WHAT, CopyEngineMatch, match_copy_engine, where
+from ..rules.primitives import wait_target_formula
+
+
+def _fail(msg: str, at=None):
+    return fail(WHAT, msg, at)
+
+
+@dataclass(frozen=True)
+class CeCopy:
+    """``cuMemcpy2DAsync`` on the rank's communication stream: ``height`` rows of
+    ``width_bytes`` from rank ``src_rank``'s ``src`` (first byte ``src_byte_offset`` from its
+    base, rows ``src_pitch`` bytes apart) to rank ``dst_rank``'s ``dst``. Offsets and ``shape``
+    are in elements, already clipped to both tensors (the simulator's rule)."""
+    src: str
+    src_rank: int
+    src_offsets: tuple[int, ...]
+    dst: str
+    dst_rank: int
+    dst_offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    elem_bytes: int
+    src_byte_offset: int
+    dst_byte_offset: int
+    width_bytes: int
+    height: int
+    src_pitch: int
+    dst_pitch: int
+    task: tuple[int, ...]
+    loc: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.width_bytes * self.height
+
+
+@dataclass(frozen=True)
+class CeSignalWrite:
+    """``cuStreamWriteValue64(stream, <rank's copy of signal> + 8 * slot, value(launch),
+    CU_STREAM_WRITE_VALUE_DEFAULT)``: ordered after every earlier action of the stream (the
+    default flags include the memory barrier). Counters only grow: the ``index``-th of the
+    ``per_launch`` notifies of this slot in a launch writes ``(launch - 1) * per_launch + index``,
+    what ``index`` atomic adds would have left (one rank owns each slot, so no add is lost)."""
+    signal: str
+    rank: int
+    slot: int
+    per_launch: int
+    index: int
+    task: tuple[int, ...]
+    loc: str = ""
+
+    def value(self, launch: int) -> int:
+        return (launch - 1) * self.per_launch + self.index
+
+    @property
+    def byte_offset(self) -> int:
+        return 8 * self.slot
+
+
+@dataclass(frozen=True)
+class CeWait:
+    """``cuStreamWaitValue64(stream, <this rank's copy of signal> + 8 * slot, target(launch),
+    CU_STREAM_WAIT_VALUE_GEQ)``."""
+    signal: str
+    slot: int
+    count: int
+    epoch: bool
+    task: tuple[int, ...]
+    loc: str = ""
+    per_launch: int | None = None
+
+    def target(self, launch: int) -> int:
+        return wait_target(self.count, launch, self.epoch, self.per_launch)
+
+    def target_text(self) -> str:
+        """:meth:`target` as a formula of ``launch``."""
+        return wait_target_formula(self.count, self.epoch, self.per_launch, cpp=False)
+
+
+@dataclass(frozen=True)
+class CopyEnginePlan:
+    """A copy-engine part as host actions: ``actions[r]`` is what rank ``r`` enqueues, in order,
+    on one communication stream per launch (see the module docstring). Pointers: a symmetric
+    buffer / signal on rank ``q`` is addressed through rank ``q``'s mapping as seen from the
+    executing rank (``nvshmem_ptr`` / symmetric memory ``buffer_ptrs[q]``)."""
+    kernel_name: str
+    part: str
+    world_size: int
+    actions: tuple[tuple[CeCopy | CeSignalWrite | CeWait, ...], ...]
+    buffers: dict = field(default_factory=dict)      # name -> (shape, dtype name, element bytes)
+    signals: dict = field(default_factory=dict)      # name -> slots
+
+    def copies(self, rank: int) -> list[CeCopy]:
+        return [a for a in self.actions[rank] if isinstance(a, CeCopy)]
+
+    def describe(self) -> str:
+        out = [f"{self.kernel_name}.{self.part}: copy-engine plan, {self.world_size} rank(s)"]
+        for r, acts in enumerate(self.actions):
+            out.append(f"  rank {r}:")
+            for a in acts:
+                if isinstance(a, CeCopy):
+                    out.append(f"    copy {a.src}@{a.src_rank}{list(a.src_offsets)} -> {a.dst}@{a.dst_rank}"
+                               f"{list(a.dst_offsets)} {'x'.join(map(str, a.shape))}: {a.height} x {a.width_bytes} B "
+                               f"(+{a.src_byte_offset} pitch {a.src_pitch} -> +{a.dst_byte_offset} pitch {a.dst_pitch})")
+                elif isinstance(a, CeSignalWrite):
+                    out.append(f"    write {a.signal}[{a.slot}]@{a.rank} = (launch-1)*{a.per_launch}+{a.index}")
+                else:
+                    out.append(f"    wait {a.signal}[{a.slot}] >= {a.target_text()}")
+        return "\n".join(out)
+
+    def run_numpy(self, memory: list[dict], signals: list[dict], launch: int = 1) -> None:
+        """Execute the plan on numpy arrays in device layout (C-contiguous; 16-bit floats as
+        2-byte items): ``memory[r][name]`` is rank ``r``'s tensor, ``signals[r][name]`` its u64
+        counters. Copies move raw bytes with the plan's offsets and pitches — what the driver
+        will do. Ranks' streams interleave; a wait blocks its stream until satisfied."""
+        pos = [0] * self.world_size
+        while True:
+            progressed = False
+            for r in range(self.world_size):
+                while pos[r] < len(self.actions[r]):
+                    a = self.actions[r][pos[r]]
+                    if isinstance(a, CeWait):
+                        if int(signals[r][a.signal][a.slot]) < a.target(launch):
+                            break
+                    elif isinstance(a, CeSignalWrite):
+                        signals[a.rank][a.signal][a.slot] = a.value(launch)
+                    else:
+                        _numpy_copy(a, memory)
+                    pos[r] += 1
+                    progressed = True
+            if all(p == len(acts) for p, acts in zip(pos, self.actions)):
+                return
+            if not progressed:
+                stuck = {r: self.actions[r][pos[r]] for r in range(self.world_size) if pos[r] < len(self.actions[r])}
+                raise RuntimeError(f"copy-engine plan deadlocked: every unfinished stream waits ({stuck})")
+
+
+def _numpy_copy(a: CeCopy, memory):
+    src, dst = memory[a.src_rank][a.src], memory[a.dst_rank][a.dst]
+    for arr, name in ((src, a.src), (dst, a.dst)):
+        if not arr.flags.c_contiguous or arr.itemsize != a.elem_bytes:
+            raise ValueError(f"'{name}' must be C-contiguous with {a.elem_bytes}-byte elements (device layout)")
+    sb, db = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+    w = a.width_bytes
+    for h in range(a.height):
+        s0, d0 = a.src_byte_offset + h * a.src_pitch, a.dst_byte_offset + h * a.dst_pitch
+        db[d0:d0 + w] = sb[s0:s0 + w]
+
+
+def _ce_eval(block, env, rank, task, out, kernel):
+    for op in block.ops:
+        n = op.name
+        if n == "const":
+            env[op.result.id] = op.attrs["value"]
+        elif n == "program_id":
+            env[op.result.id] = task[op.attrs["axis"]]
+        elif n == "rank":
+            env[op.result.id] = rank
+        elif n == "arith":
+            a, b = env[op.operands[0].id], env[op.operands[1].id]
+            try:
+                env[op.result.id] = wrap_i32(ARITH[op.attrs["op"]](a, b))
+            except ZeroDivisionError as e:
+                raise _fail(f"rank {rank} task {task}: {e}", op) from None
+        elif n == "select":
+            c, a, b = (env[v.id] for v in op.operands)
+            env[op.result.id] = a if c else b
+        elif n == "for":
+            lo, hi, st = (env[v.id] for v in op.operands)
+            if st <= 0:
+                raise _fail(f"loop step {st} must be positive", op)
+            for i in range(lo, hi, st):
+                env[op.regions[0].args[0].id] = i
+                _ce_eval(op.regions[0], env, rank, task, out, kernel)
+        elif n == "if":
+            if env[op.operands[0].id]:
+                _ce_eval(op.regions[0], env, rank, task, out, kernel)
+        elif n == "rank_copy_data":
+            src, srank, soffs, dst, drank, doffs, _ = data_operands(op)
+            out.append(("copy", op, src.owner, env[srank.id], [env[o.id] for o in soffs], dst.owner,
+                        env[drank.id], [env[o.id] for o in doffs], tuple(op.attrs["shape"]), task))
+        elif n == "rank_notify":
+            out.append(("notify", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id], task))
+        elif n in ("rank_wait", "consumer_tile_wait"):        # a stream wait on this rank's counters
+            out.append(("wait", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id],
+                        bool(op.attrs.get("epoch", True)), op.attrs.get("per_launch"), task))
+        else:
+            raise _fail(f"internal: '{n}' reached the copy-engine evaluator unmatched", op)
+
+
+def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> list[CeCopy]:
+    for who, r in (("source", srank), ("destination", drank)):
+        if not 0 <= r < W:
+            raise _fail(f"task {task}: {who} rank {r} is outside the group of {W}", op)
+    sd, dd = sbuf.type.shape, dbuf.type.shape
+    ext = []
+    for s_o, d_o, nn, s_d, d_d in zip(soffs, doffs, shape, sd, dd):
+        ext.append((max(0, -s_o, -d_o), min(nn, s_d - s_o, d_d - d_o)))
+    if any(hi <= lo for lo, hi in ext):
+        return []
+    eb = elem_bytes(sbuf.type.dtype)
+    nd = len(shape)
+    sstr = [math.prod(sd[a + 1:]) for a in range(nd)]
+    dstr = [math.prod(dd[a + 1:]) for a in range(nd)]
+    s_lo = [s + lo for s, (lo, _) in zip(soffs, ext)]
+    d_lo = [d + lo for d, (lo, _) in zip(doffs, ext)]
+    cshape = tuple(hi - lo for lo, hi in ext)
+    width = cshape[-1] * eb
+    height = cshape[-2] if nd >= 2 else 1
+    spitch = sd[-1] * eb
+    dpitch = dd[-1] * eb
+    out = []
+    lead = [range(n) for n in cshape[:-2]]
+    for idx in itertools.product(*lead):
+        so = sum((s_lo[a] + (idx[a] if a < nd - 2 else 0)) * sstr[a] for a in range(nd)) * eb
+        do = sum((d_lo[a] + (idx[a] if a < nd - 2 else 0)) * dstr[a] for a in range(nd)) * eb
+        out.append(CeCopy(sbuf.name, srank, tuple(s_lo), dbuf.name, drank, tuple(d_lo), cshape, eb, so, do, width,
+                          height, spitch, dpitch, tuple(task), where(op)))
+    return out
+
+
+def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None,
+                     match: CopyEngineMatch | None = None) -> CopyEnginePlan:
+    """Evaluate a copy-engine part (the only one, or the one named) for every rank into a
+    :class:`CopyEnginePlan`. ``match``: the part's match (the pipeline passes it; else the part
+    is matched here)."""
+    if part is None:
+        parts = [q for q in kernel.parts if q.role == "comm" and q.engine == "copy_engine"]
+        if len(parts) != 1:
+            raise _fail(f"kernel '{kernel.name}' has {len(parts)} copy-engine parts; name the one to plan", kernel.loc)
+        p = parts[0]
+    else:
+        p = kernel.part(part) if isinstance(part, str) else part
+    if match is None:
+        match_copy_engine(kernel, p)
+    W = kernel.world_size
+    sched = kernel.comm_schedule
+    order = sched.task_order(tuple(p.grid)) if sched is not None else \
+        list(itertools.product(*(range(g) for g in p.grid)))
+    events = []
+    for r in range(W):
+        ev = []
+        for task in order:
+            _ce_eval(p.body, {}, r, tuple(task), ev, kernel)
+        events.append(ev)
+    # each (signal, target rank, slot) must be notified by one rank only: its stream writes absolute values
+    owners: dict = {}
+    for r, ev in enumerate(events):
+        for e in ev:
+            if e[0] == "notify":
+                _, op, sig, ch, target, task = e
+                if not 0 <= target < W:
+                    raise _fail(f"rank {r} task {task}: rank_notify to rank {target}, outside the group of {W}", op)
+                if not 0 <= ch < sig.type.slots:
+                    raise _fail(f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}' "
+                                f"({sig.type.slots} slots)", op)
+                key = (sig.name, target, ch)
+                owners.setdefault(key, []).append((r, op))
+    for key, lst in owners.items():
+        ranks = sorted({r for r, _ in lst})
+        if len(ranks) > 1:
+            raise _fail(f"ranks {ranks} all notify slot {key[2]} of '{key[0]}' on rank {key[1]}; the copy engine "
+                        "writes signal values (cuStreamWriteValue64) instead of adding, so one rank must own each slot",
+                        lst[0][1])
+    for other in kernel.parts:
+        if other is p:
+            continue
+        for op in other.walk():
+            if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners):
+                raise _fail(f"signal '{op.operands[0].owner.name}' is notified by the copy engine (absolute writes) "
+                            f"and by part '{other.name}' (atomic adds); give each its own signal", op)
+    seen: dict = {}
+    actions = []
+    for r, ev in enumerate(events):
+        acts = []
+        for e in ev:
+            if e[0] == "copy":
+                _, op, sb, sr, so, db, dr, do, shape, task = e
+                acts.extend(_ce_copies(op, sb, sr, so, db, dr, do, shape, task, W))
+            elif e[0] == "notify":
+                _, op, sig, ch, target, task = e
+                key = (sig.name, target, ch)
+                seen[key] = seen.get(key, 0) + 1
+                acts.append(CeSignalWrite(sig.name, target, ch, len(owners[key]), seen[key], tuple(task), where(op)))
+            else:
+                _, op, sig, ch, count, epoch, per_launch, task = e
+                if not 0 <= ch < sig.type.slots:
+                    raise _fail(f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}'", op)
+                acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), where(op), per_launch))
+        actions.append(tuple(acts))
+    bufs = {b.name: (b.type.shape, b.type.dtype.name, elem_bytes(b.type.dtype)) for b in kernel.buffers}
+    sigs = {s.name: s.type.slots for s in kernel.signals}
+    return CopyEnginePlan(kernel.name, p.name, W, tuple(actions), bufs, sigs)

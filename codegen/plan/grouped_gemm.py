@@ -1,0 +1,175 @@
+"""Planning a grouped GEMM: the shapes and tile offsets the template supports, the WGMMA
+configuration (:mod:`.wgmma`, with more producer registers when A is gathered), the TMA
+descriptors, and the kernel's parameters — the template's, then what the tile program's
+hooks read (:mod:`.prog_params`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ...ir import core
+from ...ir.opdefs import WAIT_OPS, NOTIFY_OPS
+from ...ir.schedule import ComputeSchedule
+from ..abi import KernelParam, TmaDescriptorSpec, cident
+from ..dtypes import SWIZZLE, c_type, ctype
+from ..errors import fail
+from ..match import affine as aff
+from ..match.grouped_gemm import WHAT, GroupedGemmMatch
+from ..match.per_row import depends_on
+from ..rules.primitives import scope_of
+from ..rules.scalars import const_value
+from .prog_params import (signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook,
+                          written_buffers)
+from .wgmma import GemmConfig, check_operands, choose_config
+
+#: producer / consumer registers after ``setmaxnreg`` when A is gathered (the producer warpgroup
+#: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 <= 65536;
+#: 224 still holds the 128 accumulators of a 128x256 tile without spills (checked in the tests).
+GATHER_REGS = (56, 224)
+_TMA = "const __grid_constant__ cute::TmaDescriptor"
+
+
+def _fail(msg, at=None):
+    return fail(WHAT, msg, at)
+
+
+@dataclass(frozen=True)
+class GroupedGemmPlan:
+    """Everything the renderer needs: the match, the configuration and the kernel's ABI."""
+    kernel: core.Kernel
+    part: core.Part
+    match: GroupedGemmMatch
+    config: GemmConfig
+    M: int                          # rows of A (gathered: rows that may be gathered)
+    N: int
+    K: int
+    entry: str
+    align_shift: int
+    params: tuple[KernelParam, ...]
+    tma: tuple[TmaDescriptorSpec, ...]
+    buffers: dict                   # IR name -> (shape, dtype name) of every tensor passed by pointer
+    signals: tuple[core.Signal, ...]        # waited on / notified: params sig_<name>
+    tensors: tuple[core.Buffer, ...]        # read by the hooks: tbl_<name> / ptr_<name>
+    written: frozenset[str]                 # tensors another part writes: read coherently
+    waits: int
+    notifies: int
+    wait_scopes: tuple[str, ...]            # memory scopes of the waits' acquires ("gpu", "sys")
+    options: tuple[str, ...]                # NVRTC options
+
+
+def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
+                      wait_timeout_ns: int | None = None, entry: str | None = None) -> GroupedGemmPlan:
+    """The plan of a matched grouped GEMM under the kernel's compute schedule."""
+    sched = kernel.compute_schedule or ComputeSchedule()
+    M, N, K = _check_shapes(m, sched)
+    in_dt = m.a.type.dtype.name
+    cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc, clusters_lowered=((1, 1),))
+    if m.gather and cfg.consumer_wgs == 2:
+        cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
+
+    ops = part.body.ops
+    written = written_buffers(kernel)
+    signals = signals_used(ops)
+    # the hooks in the order the renderer emits them: active, batch, row, waits, notifies
+    tensors = tensors_read(ops, [value_hook(ops, [m.guard.operands[0]] if m.guard is not None else []),
+                                 value_hook(ops, [m.batch] if m.batched else []),
+                                 value_hook(ops, [m.rows] if m.gather else []),
+                                 signal_hook(ops, WAIT_OPS), signal_hook(ops, NOTIFY_OPS)])
+    params = [] if m.gather else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
+    params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
+    buffers = {}
+    if m.gather:
+        params.append(KernelParam(f"ptr_{cident(m.a.name)}", f"const {c_type(in_dt)}* __restrict__", "ptr",
+                                  f"buffer:{m.a.name}"))
+        buffers[m.a.name] = (tuple(m.a.type.shape), in_dt)
+    params += [KernelParam("rank", "int", "i32", "rank"), KernelParam("launch", "unsigned long long", "u64", "launch")]
+    params += signal_params(signals)
+    for b in tensors:
+        params.append(tensor_param(b, written))
+        buffers[b.name] = (tuple(b.type.shape), b.type.dtype.name)
+    walk = list(part.walk())
+    waits = [op for op in walk if op.name in WAIT_OPS]
+    options = () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
+    return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry or cident(f"tldsl_{kernel.name}_{part.name}"),
+                           int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
+                           buffers, signals, tensors, written, len(waits),
+                           sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
+                           options)
+
+
+def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int, int]:
+    """(M, N, K), once the tensors, tiles, offsets and dtypes fit the template."""
+    BM, BN, BK = sched.tile
+    at, bt, ct = m.a.type, m.b.type, m.c.type
+    if len(at.shape) != 2 or len(ct.shape) != 2 or len(bt.shape) not in (2, 3):
+        raise _fail(f"A and C must be 2-d and B 2-d or 3-d ([E, K, N]); got A {list(at.shape)}, B {list(bt.shape)}, "
+                    f"C {list(ct.shape)}", m.dot)
+    Ma, K = at.shape
+    Kb, N = bt.shape[-2:]
+    if Kb != K or ct.shape[1] != N:
+        raise _fail(f"shapes do not form a GEMM: A {list(at.shape)}, B {list(bt.shape)}, C {list(ct.shape)}", m.dot)
+    frag_shape = tuple(m.frag.attrs["shape"])
+    a_shape = tuple(m.a_load.attrs["shape"])
+    b_tile = tuple(m.b_load.result.type.shape)
+    if a_shape != (BM, BK) or b_tile != (BK, BN) or frag_shape != (BM, BN):
+        raise _fail(f"tile shapes A {a_shape}, B {b_tile}, acc {frag_shape} do not match the compute schedule's "
+                    f"tile {(BM, BN, BK)}", m.dot)
+    lo, hi, st = (const_value(v) for v in m.loop.operands)
+    if (lo, hi, st) != (0, K, BK):
+        raise _fail(f"the K loop must be tl.range(0, {K}, {BK}) (K of A/B, step BK), got ({lo}, {hi}, {st})", m.loop)
+    iv = m.loop.regions[0].args[0]
+    sym = {iv.id: "k"}
+    if m.gather:
+        if tuple(m.rows.type.shape) != (BM,) or m.rows.type.dtype.name != "i32":
+            raise _fail(f"the gathered row ids must be a ({BM},) i32 tile, got {m.rows.type}", m.a_load)
+        col = aff.affine(m.a_load.operands[2], sym)
+        if col != {"k": 1}:
+            raise _fail(f"the gather must read columns (k, k + BK): its column offset must be k, got "
+                        f"{aff.fmt_all((col,))}", m.a_load)
+        if depends_on(m.rows, iv):
+            raise _fail("the gathered row ids must not depend on the K loop", m.a_load)
+    else:
+        got = tuple(aff.affine(v, sym) for v in m.a_load.operands[1:])
+        if got != ({"pid0": BM}, {"k": 1}):
+            raise _fail(f"A tile offsets must be (pid0*{BM}, k), got {aff.fmt_all(got)}", m.a_load)
+    b_offs = m.b_load.operands[1:]
+    if m.batched:
+        if tuple(m.b_load.attrs["shape"]) != (1, BK, BN):
+            raise _fail(f"B must be loaded as one expert's (BK, BN) tile: box (1, {BK}, {BN}), got "
+                        f"{m.b_load.attrs['shape']}", m.b_load)
+        if depends_on(m.batch, iv):
+            raise _fail("B's expert coordinate must not depend on the K loop", m.b_load)
+        b_offs = b_offs[1:]
+    got = tuple(aff.affine(v, sym) for v in b_offs)
+    if got != ({"k": 1}, {"pid1": BN}):
+        raise _fail(f"B tile offsets must be ({'e, ' if m.batched else ''}k, pid1*{BN}), got {aff.fmt_all(got)}",
+                    m.b_load)
+    got = tuple(aff.affine(v, sym) for v in m.store.operands[1:3])
+    if got != ({"pid0": BM}, {"pid1": BN}):
+        raise _fail(f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
+    if tuple(m.store.operands[-1].type.shape) != (BM, BN):
+        raise _fail(f"the stored tile must be the ({BM}, {BN}) accumulator", m.store)
+    check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async")
+    return Ma, N, K
+
+
+def _tma_specs(cfg: GemmConfig, m: GroupedGemmMatch, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
+    """A (dense only: a gathered A is copied by cp.async), B (3-D over [E, K, N] with a box of
+    one expert when batched) and C."""
+    eb, ob = cfg.elem_bytes, cfg.out_bytes
+    dt = ctype(cfg.in_dtype).tma
+    out = []
+    if not m.gather:
+        out.append(TmaDescriptorSpec("tma_a", m.a.name, "A", cfg.in_dtype, dt, (K, M), (K * eb,), (cfg.EA, cfg.BM),
+                                     (1, 1), SWIZZLE[cfg.SA]))
+    if m.batched:
+        E = m.b.type.shape[0]
+        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (N, K, E), (N * eb, K * N * eb),
+                                     (cfg.EB, cfg.BK, 1), (1, 1, 1), SWIZZLE[cfg.SB]))
+    else:
+        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (N, K), (N * eb,), (cfg.EB, cfg.BK),
+                                     (1, 1), SWIZZLE[cfg.SB]))
+    Mc = m.c.type.shape[0]
+    out.append(TmaDescriptorSpec("tma_c", m.c.name, "C", cfg.out_dtype, ctype(cfg.out_dtype).tma, (N, Mc),
+                                 (N * ob,), (cfg.EC, 64), (1, 1), SWIZZLE[cfg.SC],
+                                 l2_promotion="CU_TENSOR_MAP_L2_PROMOTION_NONE"))
+    return tuple(out)

@@ -1,0 +1,139 @@
+"""Planning the WGMMA mainloop both GEMM recipes share (plain and grouped): the tile
+configuration and every number the host and the C++ template must agree on (shared memory,
+registers, epilogue buffers), chosen from the compute schedule within sm_90's limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import MMA_INPUTS, elem_bytes
+from ..errors import fail
+from ...ir.schedule import ComputeSchedule
+
+SMEM_LIMIT = 232448           # dynamic shared memory per block on sm_90 (227 KiB)
+ACC_LIMIT = 128               # fp32 accumulators per consumer thread we allow (register file)
+ORDERS = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}   # tile orders (tile_order.hpp)
+
+
+def _fail(msg, at=None):
+    return fail("GEMM lowering", msg, at)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile configuration, and every number the host and the C++ template must agree on."""
+    BM: int
+    BN: int
+    BK: int
+    stages: int
+    order: str
+    group_m: int
+    cluster: tuple[int, int]
+    consumer_wgs: int
+    epi_buffers: int
+    producer_regs: int
+    consumer_regs: int
+    in_dtype: str
+    out_dtype: str
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumer_wgs)
+
+    @property
+    def elem_bytes(self) -> int:
+        return elem_bytes(self.in_dtype)
+
+    @property
+    def out_bytes(self) -> int:
+        return elem_bytes(self.out_dtype)
+
+    # swizzle widths (bytes) and chunk widths (elements) of the A, B and C shared-memory tiles
+    @property
+    def SA(self) -> int: return min(128, self.BK * self.elem_bytes)
+    @property
+    def EA(self) -> int: return self.SA // self.elem_bytes
+    @property
+    def SB(self) -> int: return min(128, self.BN * self.elem_bytes)
+    @property
+    def EB(self) -> int: return self.SB // self.elem_bytes
+    @property
+    def SC(self) -> int: return min(128, self.BN * self.out_bytes)
+    @property
+    def EC(self) -> int: return self.SC // self.out_bytes
+    @property
+    def acc_per_thread(self) -> int:
+        return (self.BM // (64 * self.consumer_wgs)) * self.BN // 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory the launch must request (mirrors GemmTraits::kSmemBytes)."""
+        return _smem_bytes(self.BM, self.BN, self.BK, self.stages, self.consumer_wgs, self.epi_buffers,
+                           self.elem_bytes, self.out_bytes)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def epilogue_buffer_bytes(BN: int, out_bytes: int) -> int:
+    """Shared memory of one epilogue buffer (64 rows of C, swizzle-aligned): what a store
+    staged through C's buffers must fit."""
+    return _round_up(64 * min(128, BN * out_bytes), 1024)
+
+
+def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
+    stage_a, stage_b = BM * BK * eb, BK * BN * eb
+    epi_buf = epilogue_buffer_bytes(BN, ob)
+    off_c = _round_up(stages * (stage_a + stage_b), 1024)
+    used = off_c + wgs * epi_buffers * epi_buf + 2 * stages * 8
+    return used + 1024
+
+
+def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None,
+                  clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
+    BM, BN, BK = sched.tile
+    cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
+    if BM < 64:
+        raise _fail(f"BM={BM}: WGMMA works on 64-row blocks, so BM must be 64, 128 or 256", loc)
+    if BK < 16:
+        raise _fail(f"BK={BK}: WGMMA consumes K in steps of 16, so BK must be >= 16", loc)
+    if BN < 16:
+        raise _fail(f"BN={BN}: this lowering needs BN >= 16", loc)
+    if cl not in clusters_lowered:
+        raise _fail(f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
+    wgs = 2 if BM >= 128 else 1
+    cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
+               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype)
+    acc = (BM // (64 * wgs)) * BN // 2
+    if acc > ACC_LIMIT:
+        raise _fail(f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} fit "
+                    "the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
+    eb, ob = elem_bytes(in_dtype), elem_bytes(out_dtype)
+    for bufs in (2, 1):
+        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob) <= SMEM_LIMIT:
+            break
+    else:
+        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob)
+        raise _fail(f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
+                    f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
+    regs = (40, 232) if wgs == 2 else (0, 0)
+    return GemmConfig(**cfg, epi_buffers=bufs, producer_regs=regs[0], consumer_regs=regs[1])
+
+
+#: the output dtypes both WGMMA epilogues store
+STORE_DTYPES = ("f16", "bf16", "f32")
+
+
+def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, store, loaders: str = "TMA") -> None:
+    """The operands the WGMMA mainloop takes: A and B both f16 or both bf16, C f16/bf16/f32, and
+    rows 16-byte aligned (``loaders`` name what copies them: TMA, cp.async)."""
+    in_dt = a_dt.name
+    if in_dt != b_dt.name or in_dt not in MMA_INPUTS:
+        raise fail(what, f"A and B must both be f16 or both bf16 for WGMMA, got {a_dt} and {b_dt}", dot)
+    if out_dt not in STORE_DTYPES:
+        raise fail(what, f"C must be f16, bf16 or f32, got {out_dt}", store)
+    eb, ob = elem_bytes(in_dt), elem_bytes(out_dt)
+    for name, pitch in (("A", K * eb), ("B", N * eb), ("C", N * ob)):
+        if pitch % 16:
+            raise fail(what, f"{loaders} needs 16-byte aligned rows: {name}'s row pitch is {pitch} bytes "
+                             f"(pad K and N to multiples of {16 // eb})", dot)

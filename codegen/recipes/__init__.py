@@ -1,0 +1,15 @@
+"""Recipes: the kernels the pipeline can build, one module each, in one table.
+
+The pipeline (:mod:`tldsl.codegen.pipeline`) tries the recipes of a part's role by
+``priority``, highest first. A new kind of kernel costs one recipe module and one line here.
+"""
+from __future__ import annotations
+
+from .recipe import Recipe
+from . import attention, combine, copy_engine, gemm, grouped_gemm, sm_comm
+
+#: every recipe, the pipeline's one table
+RECIPES: tuple[Recipe, ...] = (gemm.RECIPE, grouped_gemm.RECIPE, combine.RECIPE, attention.RECIPE, sm_comm.RECIPE,
+                               copy_engine.RECIPE)
+
+__all__ = ["Recipe", "RECIPES"]

@@ -1,0 +1,213 @@
+"""The row-gather combine recipe: the MoE top-k combine becomes a plain CUDA kernel
+(``combine_kernel`` of ``codegen/include/tldsl/sm90_grouped_gemm.hpp``).
+
+Recognised shape (``moe_reduce_scatter.combine`` of :mod:`tldsl.ops.moe`)::
+
+    @tl.compute_part(grid=(G0, G1))
+    def part(j, pn):
+        <scalar code and waits>
+        acc = tl.fragment((BM, BN), tl.float32, fill)
+        for k in tl.range(lo, hi, step):
+            rows = <per-row i32 expression>            # e.g. tl.where(in_range, tl.load(pos, ...), -1)
+            acc += tl.load_rows(y, rows, col, BN) [* <per-row scale, e.g. tl.load(w, (m0, k), (BM, 1))>]
+        tl.store(out, (row0, col0), acc)
+        <scalar code, loops and notifies>
+
+No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 consecutive columns of a
+tile row (vector loads and stores, fp32 math), tiles visited persistently in the schedule's
+order (with the part's ``align_shift``). The generated ``Prog`` (:mod:`.prog_hooks`) holds
+the waits (one thread spins, then the CTA meets), the body (the per-row index and scale
+expressions, element by element) and the notifies (the CTA meets, then one thread releases).
+Rows < 0 of the gather read zero and out-of-bounds stores are dropped, as in the simulator.
+
+**Kernel parameters** (:attr:`LoweredCombine.params`, in order): ``ptr_<y>`` (the gathered
+tensor: another part writes it during the launch, so never ``__restrict__``), ``out_<out>``
+(the stored tensor), ``rank``, ``launch``, ``sig_<name>``..., then every other tensor the
+hooks read (``tbl_<name>`` for i32 tables, ``ptr_<name>`` for the rest), first use first.
+
+Stages: :mod:`..match.combine`, :mod:`..plan.combine`, :func:`render_combine`.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ...ir import core
+from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+from ..abi import KernelParam, LoweredKernel, marker
+from ..dtypes import c_type
+from ..errors import fail
+from ..match.combine import WHAT, match_combine
+from ..plan.combine import COMBINE_THREADS, CombinePlan, plan_combine
+from ..plan.wgmma import ORDERS
+from ..rules.scalars import c_literal
+from .prog_hooks import HookEmitter, hook_fn, prog_members
+from .recipe import Recipe
+
+
+@dataclass(frozen=True)
+class LoweredCombine(LoweredKernel):
+    """A generated row-gather combine kernel, and what the host needs to launch it."""
+    kernel_name: str
+    part: str
+    entry: str
+    source: str
+    threads: int
+    tile: tuple[int, int]
+    params: tuple[KernelParam, ...]
+    buffers: dict                   # IR name -> (shape, dtype name) of every tensor passed by pointer
+    signals: tuple[str, ...]
+    signal_slots: dict
+    tables: tuple[str, ...]
+    grid_tiles: tuple[int, int]
+    world_size: int
+    align_shift: int
+    order: str
+    waits: int
+    notifies: int
+    wait_scopes: tuple[str, ...]
+    options: tuple[str, ...] = ()
+    tma: tuple = ()
+
+    kind = "combine"
+
+    @property
+    def num_tiles(self) -> int:
+        return self.grid_tiles[0] * self.grid_tiles[1]
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 0
+
+    def grid(self, sm_count: int, ctas_per_sm: int = 1) -> tuple[int, int, int]:
+        """Persistent launch: ``ctas_per_sm`` CTAs per SM, never more CTAs than tiles."""
+        return (max(1, min(self.num_tiles, sm_count * ctas_per_sm)), 1, 1)
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"{self.entry}: {self.kernel_name}.{self.part}  row-gather combine, tile {self.tile[0]}x{self.tile[1]}, "
+            f"{self.threads} threads, order {self.order}",
+            f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; {self.waits} wait(s), "
+            f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
+            "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)])
+
+
+def render_combine(plan: CombinePlan) -> LoweredCombine:
+    """The kernel of a plan: the ``Cfg``, the ``Prog`` hooks, the entry point."""
+    m = plan.match
+    fns = HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
+    fns += hook_fn("void body(int pid0, int pid1, int tid)", _body(plan))
+    fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
+    sched = plan.schedule
+    return LoweredCombine(plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), COMBINE_THREADS,
+                          (m.BMf, m.BNf), plan.params, plan.buffers, tuple(s.name for s in plan.signals),
+                          {s.name: s.type.slots for s in plan.signals},
+                          tuple(b.name for b in plan.tensors if b.type.dtype.name == "i32"), plan.grid_tiles,
+                          plan.kernel.world_size, plan.align_shift, sched.order, plan.waits, plan.notifies,
+                          plan.wait_scopes, plan.options)
+
+
+def _body(plan: CombinePlan) -> list[str]:
+    """``body()``: every thread owns 4 consecutive columns of one tile row at a time; per row,
+    the loop gathers (and scales) the rows and sums them, then stores the 4 columns."""
+    m = plan.match
+    em = HookEmitter(plan, WHAT, rows=m.BMf)
+    L: list[str] = []
+    em.emit_values(plan.per_tile, em.ops, "    ", L)       # once per tile: the store's offsets, the loop's bounds
+    o0, o1 = em.name(m.store.operands[1]), em.name(m.store.operands[2])
+    lo, hi, st = (em.name(v) for v in m.loop.operands)
+    fill = c_literal(float(m.frag.attrs.get("value", 0.0)))
+    V = m.BNf // 4
+    src, dst = m.src.type.shape, m.dst.type.shape
+    L.append(f"    for (int item = tid; item < {m.BMf * V}; item += {COMBINE_THREADS}) {{")
+    with em.scope():
+        L += [f"      const int r = item / {V};",
+              f"      const int cv = (item - r * {V}) * 4;",
+              f"      float acc[4] = {{{fill}, {fill}, {fill}, {fill}}};"]
+        k = em.define(m.loop.regions[0].args[0])
+        L.append(f"      for (int {k} = {lo}; {k} < {hi}; {k} += {st}) {{{marker(m.loop.loc)}")
+        with em.scope():
+            em.row = "r"
+            em.emit_values(plan.per_row, em.ops, "        ", L)    # per gathered row: its id (and column)
+            row, col = em.name(m.rows), em.name(m.gather.operands[2])
+            L += ["        float x[4];",
+                  f"        tldsl::grouped::load4({plan.src_param}, {row}, {src[0]}, {col} + cv, {src[1]}, x);"
+                  f"{marker(m.gather.loc)}"]
+            if m.scale is not None:
+                em.emit_values(plan.scale, em.ops, "        ", L)
+                L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
+            L += ["        #pragma unroll",
+                  f"        for (int q = 0; q < 4; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
+        L.append("      }")
+    L += [f"      tldsl::grouped::store4({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc);"
+          f"{marker(m.store.loc)}",
+          "    }"]
+    return L
+
+
+def _source(plan: CombinePlan, fns: list[str]) -> str:
+    kernel, part, m, sched = plan.kernel, plan.part, plan.match, plan.schedule
+    sdt, ddt = c_type(m.src.type.dtype), c_type(m.dst.type.dtype)
+    members, init = prog_members(plan, [(f"const {sdt}*", plan.src_param), (f"{ddt}*", plan.dst_param)])
+    digest = hashlib.sha256(repr((kernel.name, part.name, sched, m.BMf, m.BNf)).encode()).hexdigest()[:12]
+    plist = ",\n    ".join(f"{q.ctype} {q.name}" for q in plan.params)
+    gm, gn = plan.grid_tiles
+    return "\n".join([
+        f"// Generated by tldsl.codegen, recipe combine — do not edit. Kernel '{kernel.name}', compute part "
+        f"'{part.name}' ({part.loc}).",
+        f"// {m.dst.name}[{m.BMf}x{m.BNf} tiles] = sum over the loop of gather_rows({m.src.name})"
+        f"{' * scale' if m.scale is not None else ''}; order {sched.order}; config {digest}",
+        '#include "tldsl/sm90_grouped_gemm.hpp"',
+        "",
+        "namespace {",
+        "",
+        "struct Cfg {",
+        f"  static constexpr int kThreads = {COMBINE_THREADS}, BM = {m.BMf}, BN = {m.BNf};{marker(part.loc)}",
+        f"  static constexpr int kGridM = {gm}, kGridN = {gn};",
+        f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {sched.group_m}, "
+        f"kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
+        "};",
+        "// The host launches kThreads threads per CTA; the generated body strides over BM x BN/4 items by it.",
+        f"static_assert(Cfg::kThreads == {COMBINE_THREADS} && Cfg::BN % 4 == 0 && Cfg::BM * (Cfg::BN / 4) == "
+        f"{m.BMf * (m.BNf // 4)}, \"host/device combine mapping mismatch\");",
+        "",
+        "struct Prog {",
+        f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
+        f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
+        *members,
+        *fns,
+        "};",
+        "",
+        "}  // namespace",
+        "",
+        f'extern "C" __global__ void __launch_bounds__({COMBINE_THREADS})',
+        f"{plan.entry}(",
+        f"    {plist}) {{",
+        f"  const Prog prog{{{', '.join(init)}}};",
+        "  tldsl::grouped::combine_kernel<Cfg>(rank, prog);",
+        "}",
+        ""])
+
+
+RECIPE = Recipe("combine", "compute", 20, match_combine, plan_combine, render_combine,
+                options=frozenset({"wait_timeout_ns", "entry"}), summary="row-gather weighted combine")
+
+
+def lower_combine(kernel: core.Kernel, part: str | core.Part | None = None, *, wait_timeout_ns: int | None = None,
+                  entry: str | None = None) -> LoweredCombine:
+    """Lower ``kernel``'s row-gather combine compute part (the only one, or the one named) to a
+    CUDA kernel: this recipe's match → plan → render, with the matcher's error (at the user's
+    line) when the part does not fit."""
+    if part is None:
+        parts = [q for q in kernel.parts if q.role == "compute"]
+        if len(parts) != 1:
+            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower",
+                       kernel.loc)
+        part = parts[0]
+    p = kernel.part(part) if isinstance(part, str) else part
+    m = RECIPE.match(kernel, p)
+    return RECIPE.render(RECIPE.plan(kernel, p, m, wait_timeout_ns=wait_timeout_ns, entry=entry))

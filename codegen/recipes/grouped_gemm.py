@@ -1,0 +1,235 @@
+"""The grouped GEMM recipe: the MoE expert GEMMs over run-time tile tables become Hopper
+(sm_90a) kernels (``codegen/include/tldsl/sm90_grouped_gemm.hpp``).
+
+Recognised shape (``allgather_moe.grouped_gemm`` and ``moe_reduce_scatter.grouped_gemm`` of
+:mod:`tldsl.ops.moe`, and any tile program of the same form)::
+
+    @tl.compute_part(grid=(G, cdiv(N, BN)))
+    def part(i, pn):
+        <scalar code: index arithmetic, table reads (load_scalar), waits>
+        [acc = tl.fragment((BM, BN), tl.float32)]
+        with tl.when(<guard>):                         # optional: the tile runs only where it holds
+            <scalar code, loops and waits>             # the tile's prologue
+            [rows = <per-row i32 expression, e.g. tl.load(ids, (i*BM,), (BM,))>]
+            [acc = tl.fragment((BM, BN), tl.float32)]
+            for k in tl.range(0, K, BK):
+                acc += tl.dot(A, B)
+            [tl.store(c, (i*BM, pn*BN), acc)]          # here: tiles outside the guard store nothing
+            [<scalar code, loops and notifies>]        # after the store
+        [tl.store(c, (i*BM, pn*BN), acc)]              # here: tiles outside the guard store zeros
+
+    A = tl.load_rows(a, rows, k, BK)       (gathered rows, by index; negative rows read 0)
+      | tl.load(a, (i*BM, k), (BM, BK))    (dense)
+    B = tl.load(w, (e, k, pn*BN), (BK, BN))   on w [E, K, N], e any scalar (the expert)
+      | tl.load(w, (k, pn*BN), (BK, BN))      on w [K, N]
+
+The kernel is the persistent warp-specialized TMA + WGMMA design of ``sm90_gemm.hpp``
+(whose traits, swizzle, WGMMA call and epilogue it reuses by ``#include``): one producer
+warpgroup, one or two consumer warpgroups, a ``stages``-deep mbarrier ring, tiles visited in
+the compute schedule's order (``tile_at``), a TMA-store epilogue. What the tile program
+adds is generated into a ``Prog`` struct (:mod:`.prog_hooks`): ``active`` (the guard, e.g.
+``tile_expert[i] >= 0``, read from the run-time table by producer and consumers alike, so
+skipped tiles cost one load), ``batch`` (the expert: B's TMA is 3-D over ``[E, K, N]`` with a
+box of 1 along E), ``row`` (the gathered row ids), ``waits`` (acquire spins, before the tile's
+loads; the guard and loops around them kept) and ``notifies`` (after the tile's TMA stores
+completed: one ``fence.acq_rel``, then relaxed ``red.add`` operations — a release pattern).
+Gathered A rows are copied by the producer warpgroup's 128 threads with 16-byte ``cp.async``
+(zero-fill for padding rows and columns past K) straight into the swizzled layout TMA would
+produce, completing the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``;
+consumers fence the async proxy before their WGMMAs.
+
+**Semantics kept from the simulator**: out-of-bounds tile loads (tables, weights, TMA boxes)
+read zero, out-of-bounds stores are dropped, rows < 0 of a gather read zero, tiles outside
+the guard store zeros where the program stores them outside the guard. Where the simulator
+raises (a gathered row past the end of its tensor, a table index out of range), the kernel
+reads zero (gathers) or is undefined (``load_scalar``): the simulator is the place to find
+those bugs.
+
+**Kernel parameters** (:attr:`LoweredGroupedGemm.params`, in order): ``tma_a`` (dense A
+only), ``tma_b`` (2-D or 3-D), ``tma_c``; ``ptr_<a>`` (gathered A only: its base pointer);
+``rank`` (i32); ``launch`` (u64, the 1-based epoch the waits count in); ``sig_<name>`` (u64
+counters: this rank's copy of every signal waited on, then notified); ``tbl_<name>``
+(``const int*``: every i32 table the hooks read, in the order they run). Shapes are
+compile-time constants of the generated ``Cfg`` (the trace fixes them); the host and the C++
+side agree on shared memory, TMA boxes, thread counts and the gather's thread mapping
+through ``static_assert``\\ s, as in the GEMM recipe.
+
+Stages: :mod:`..match.grouped_gemm`, :mod:`..plan.grouped_gemm`, :func:`render_grouped_gemm`.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from ...ir import core
+from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, cident, kernel_entry, marker
+from ..dtypes import ctype
+from ..errors import fail
+from ..match.grouped_gemm import WHAT, match_grouped_gemm
+from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
+from ..plan.wgmma import GemmConfig
+from .prog_hooks import HookEmitter, hook_fn, prog_members
+from .recipe import Recipe
+from .wgmma import gemm_cfg_fields
+
+
+@dataclass(frozen=True)
+class LoweredGroupedGemm(LoweredKernel):
+    """A generated grouped-GEMM kernel, and what the host needs to launch it."""
+    kernel_name: str
+    part: str
+    entry: str
+    source: str
+    config: GemmConfig
+    params: tuple[KernelParam, ...]
+    tma: tuple[TmaDescriptorSpec, ...]
+    buffers: dict                    # IR name -> (shape, dtype name) of every tensor passed by pointer
+    signals: tuple[str, ...]         # signals waited on / notified (kernel params "sig_<name>")
+    signal_slots: dict               # signal name -> slots
+    tables: tuple[str, ...]          # i32 tables read (kernel params "tbl_<name>")
+    M: int                           # rows of A (gathered: rows that may be gathered)
+    N: int
+    K: int
+    grid_tiles: tuple[int, int]
+    world_size: int
+    align_shift: int
+    gather: bool
+    batched: bool
+    store_inactive: bool
+    waits: int
+    notifies: int
+    wait_scopes: tuple[str, ...]     # memory scopes of the waits' acquires ("gpu", "sys")
+    options: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    kind = "grouped_gemm"
+
+    @property
+    def num_tiles(self) -> int:
+        return self.grid_tiles[0] * self.grid_tiles[1]
+
+    def describe(self) -> str:
+        c = self.config
+        a = "gathered rows (cp.async)" if self.gather else "dense (TMA)"
+        lines = [f"{self.entry}: {self.kernel_name}.{self.part}  grouped GEMM, A {a} [{self.M}x{self.K}], "
+                 f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
+                 f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, {c.consumer_wgs} consumer "
+                 f"warpgroups + 1 producer ({c.threads} threads), smem {c.smem_bytes} B",
+                 f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
+                 f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
+                 f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
+                 "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
+        for t in self.tma:
+            lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
+                         f"box={list(t.box_dims)} {t.swizzle}")
+        return "\n".join(lines)
+
+
+def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
+    """The kernel of a plan: the template's ``Cfg``, the ``Prog`` hooks, the entry point."""
+    m = plan.match
+    # active(): the guard; batch(): the expert; row(): the gathered row ids (one emitter each:
+    # their names are the function's)
+    L: list[str] = []
+    cond = HookEmitter(plan, WHAT).value(m.guard.operands[0], "    ", L) if m.guard is not None else "true"
+    fns = hook_fn("bool active(int pid0, int pid1)", L + [f"    return {cond};"])
+    L = []
+    e = HookEmitter(plan, WHAT).value(m.batch, "    ", L) if m.batched else "0"
+    fns += hook_fn("int batch(int pid0, int pid1)", L + [f"    return {e};"])
+    if m.gather:
+        em = HookEmitter(plan, WHAT, rows=plan.config.BM)
+        em.row = "r"
+        L = []
+        r = em.value(m.rows, "    ", L)
+        fns += hook_fn("int row(int pid0, int pid1, int r)", L + [f"    return {r};"])
+    # waits() and notifies(), with their guards and loops
+    fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
+    fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
+    return LoweredGroupedGemm(
+        plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), plan.config, plan.params, plan.tma,
+        plan.buffers, tuple(s.name for s in plan.signals), {s.name: s.type.slots for s in plan.signals},
+        tuple(b.name for b in plan.tensors), plan.M, plan.N, plan.K, tuple(plan.part.grid), plan.kernel.world_size,
+        plan.align_shift, m.gather, m.batched, not m.store_inside, plan.waits, plan.notifies, plan.wait_scopes,
+        plan.options)
+
+
+def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
+    kernel, part, m, cfg = plan.kernel, plan.part, plan.match, plan.config
+    M, N, K = plan.M, plan.N, plan.K
+    gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{ctype(cfg.in_dtype).gmma}_SS<"
+            "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
+    part_mk, dot_mk, store_mk = marker(part.loc), marker(m.dot.loc), marker(m.store.loc)
+    digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, m.batched)).encode()).hexdigest()[:12]
+    units = cfg.BK * cfg.elem_bytes // 16
+    row_step = 128 // units
+    a_param = f"ptr_{cident(m.a.name)}"
+    members, init = prog_members(plan)
+    E = m.b.type.shape[0] if m.batched else 1
+    L = [
+        f"// Generated by tldsl.codegen, recipe grouped_gemm — do not edit. Kernel '{kernel.name}', compute part "
+        f"'{part.name}' ({part.loc}).",
+        f"// C[{part.grid[0]}x{cfg.BM} rows, {N}] {cfg.out_dtype} ('{m.c.name}') = "
+        f"{'gather_rows' if m.gather else 'tile'}(A[{M}x{K}] {cfg.in_dtype} '{m.a.name}') @ "
+        f"{'B[e]' if m.batched else 'B'} ('{m.b.name}' {list(m.b.type.shape)})",
+        f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}; config {digest}",
+        '#include "tldsl/sm90_grouped_gemm.hpp"',
+        "",
+        "namespace {",
+        "",
+        *gemm_cfg_fields(cfg, gmma, kernel.world_size, plan.align_shift, dot_mk, part_mk),
+        f"  static constexpr bool kGather = {'true' if m.gather else 'false'}, "
+        f"kBatched = {'true' if m.batched else 'false'}, "
+        f"kStoreInactive = {'false' if m.store_inside else 'true'};",
+        f"  static constexpr int kM = {M}, kK = {K}, kGridM = {part.grid[0]}, kGridN = {part.grid[1]};"
+        f"  // N = {N}, E = {E}",
+        "};",
+        "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",
+        "// The host computed these (TMA boxes, dynamic shared memory, the gather's thread map); the template",
+        "// must agree.",
+        f"static_assert(Tr::kSmemBytes == {cfg.smem_bytes}, \"host/device shared-memory size mismatch\");",
+        f"static_assert(Tr::EA == {cfg.EA} && Tr::EB == {cfg.EB} && Tr::EC == {cfg.EC}, "
+        "\"host/device TMA box mismatch\");",
+        f"static_assert(Tr::kThreads == {cfg.threads}, \"host/device block size mismatch\");",
+        f"static_assert(Tr::kUnitsA == {units} && Tr::kRowStep == {row_step} && Tr::kFullArrivals == "
+        f"{129 if m.gather else 1}, \"host/device gather mapping mismatch\");",
+        "",
+        "// What the tile program adds around the GEMM: guard, expert, gathered rows, waits, notifies.",
+        "struct Prog {",
+        f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
+        f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
+        *members,
+        *fns,
+        "};",
+        "",
+        "}  // namespace",
+        "",
+    ]
+    L += kernel_entry(plan.entry, cfg.threads, plan.params, [
+        f"  const Prog prog{{{', '.join(init)}}};",
+        f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({'nullptr' if m.gather else '&tma_a'}, &tma_b, &tma_c, "
+        f"{a_param if m.gather else 'nullptr'}, rank, prog);{dot_mk}",
+        f"  // stores: {m.c.name}{store_mk}"])
+    return "\n".join(L)
+
+
+RECIPE = Recipe("grouped_gemm", "compute", 30, match_grouped_gemm, plan_grouped_gemm, render_grouped_gemm,
+                options=frozenset({"cluster", "wait_timeout_ns", "entry"}),
+                summary="grouped GEMM over per-tile tables (MoE)")
+
+
+def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
+                       wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGroupedGemm:
+    """Lower ``kernel``'s grouped-GEMM compute part (the only one, or the one named) to a Hopper
+    kernel: this recipe's match → plan → render, with the matcher's error (at the user's line)
+    when the part does not fit. ``cluster`` overrides the schedule's (only (1, 1) is lowered);
+    ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs)."""
+    if part is None:
+        parts = [q for q in kernel.parts if q.role == "compute"]
+        if len(parts) != 1:
+            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower",
+                       kernel.loc)
+        part = parts[0]
+    p = kernel.part(part) if isinstance(part, str) else part
+    m = RECIPE.match(kernel, p)
+    return RECIPE.render(RECIPE.plan(kernel, p, m, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry))

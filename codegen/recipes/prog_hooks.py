@@ -1,0 +1,196 @@
+"""The ``Prog`` struct both MoE templates take (``include/tldsl/sm90_grouped_gemm.hpp``):
+what the tile program adds around the template's work, as member functions the template
+calls per tile — the guard, the expert, the gathered row ids, the waits, the notifies, the
+combine's body.
+
+Index code comes from the shared rules (:mod:`..rules.scalars`), waits and notifies from
+:mod:`..rules.primitives` through :class:`..rules.sync.SignalEmitter`. What only these
+templates have is rendered here: per-row tile expressions (a ``(BM,)`` or ``(BM, 1)`` tile
+such as ``tl.where(in_range, tl.load(pos, ...), -1)``), computed element by element for the
+template's row ``r``, and coherent reads of tensors another part writes during the launch."""
+from __future__ import annotations
+
+from ...ir import core
+from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+from ..abi import marker, signal_param
+from ..dtypes import c_type, scalar_ctype
+from ..match.per_row import ROW_TILE_OPS
+from ..plan.prog_params import tensor_name
+from ..rules.primitives import release_fence, widest_scope
+from ..rules.scalars import c_literal
+from ..rules.sync import SignalEmitter
+
+_UNARY_F = {"exp": "expf", "exp2": "exp2f", "log": "logf", "sqrt": "sqrtf"}
+
+
+def hook_fn(signature: str, body: list[str]) -> list[str]:
+    """A ``Prog`` member function of the tile ``(pid0, pid1)``."""
+    return [f"  __device__ __forceinline__ {signature} const {{", "    (void)pid0; (void)pid1;", *body, "  }"]
+
+
+def prog_members(plan, first: list[tuple[str, str]] = ()) -> tuple[list[str], list[str]]:
+    """(member declarations, initialiser names) of the ``Prog`` struct: ``rank``, ``launch``,
+    ``first`` ((C type, name) pairs the template adds), the signals, then the tensors the
+    hooks read — the kernel parameters of the same names."""
+    members = [("int", "rank"), ("unsigned long long", "launch"), *first]
+    members += [("unsigned long long*", signal_param(s)) for s in plan.signals]
+    members += [(f"const {c_type(b.type.dtype)}*", tensor_name(b)) for b in plan.tensors]
+    return [f"  {t} {n};" for t, n in members], [n for _, n in members]
+
+
+class HookEmitter(SignalEmitter):
+    """Renders one ``Prog`` hook of a plan: the ops of ``roots`` (waits or notifies) with the
+    index code, loops and guards around them (:meth:`emit`), or values the tile program
+    computes (:meth:`value`), per-row tile expressions included."""
+
+    loop_pragma = "#pragma unroll 1"          # table-driven loops stay loops
+
+    def __init__(self, plan, what: str, roots=frozenset(), rows: int = 0):
+        self.roots = frozenset(roots)
+        super().__init__(plan.kernel, list(plan.part.body.ops), what)
+        self.plan = plan
+        self.rows = rows                      # tile rows of a per-row value
+        self.row: str | None = None           # the C++ row index while rendering per-row values
+        self.notifies = 0
+        self.notify_scopes: list[str] = []
+
+    # -- the plan's parameters -----------------------------------------------------------------
+    def table_expr(self, buf: core.Buffer) -> str:
+        if buf not in self.plan.tensors:
+            raise self.fail(f"internal: the plan has no parameter for tensor '{buf.name}'")
+        return tensor_name(buf)
+
+    def table_read(self, buf: core.Buffer, index: str) -> str:
+        p = self.table_expr(buf)
+        return f"tldsl::grouped::ld_coherent({p} + {index})" if buf.name in self.plan.written else f"{p}[{index}]"
+
+    def use(self, sig: core.Signal, peers: bool = False) -> None:
+        if peers or sig not in self.plan.signals:
+            raise self.fail(f"internal: the plan has no parameter for signal '{sig.name}'")
+        super().use(sig, peers)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def value(self, v: core.Value, ind: str, lines: list[str]) -> str:
+        """The C++ name of ``v``, emitting what computes it first (outside the tile program's
+        loops and guards: index code is pure)."""
+        self.emit_values([v], self.ops, ind, lines)
+        return self.name(v)
+
+    def signal_fn(self, name: str) -> list[str]:
+        """The ``waits`` / ``notifies`` member (nothing when the part has none): the roots with
+        their loops and guards; notifies after one release fence at their widest scope."""
+        body = self.emit()
+        if not body:
+            return []
+        if self.notifies:
+            body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
+                                                  "the tile's stores before its notifies"))
+        return hook_fn(f"void {name}(int pid0, int pid1)", body)
+
+    def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        if op.name in WAIT_OPS:
+            lines.append(ind + self.wait_statement(op))
+        elif op.name in NOTIFY_OPS:
+            scope, stmt = self.notify_statement(op, note=", released by the fence above")
+            self.notify_scopes.append(scope)
+            lines.append(ind + stmt)
+            self.notifies += 1
+        elif op.name in ROW_TILE_OPS and self.row is not None:
+            ctype, expr = self._row_op(op)
+            lines.append(f"{ind}const {ctype} {self.define(op.result)} = {expr};{marker(op.loc)}")
+        else:
+            raise self.fail(f"'{op.name}' is not scalar code: only index arithmetic, table reads (load_scalar), "
+                            "loops, guards and signal ops are lowered around the tile's work", op)
+
+    # -- per-row tile expressions -------------------------------------------------------------
+    @staticmethod
+    def _ctype(v: core.Value) -> str:
+        """C type of a per-row value's element (16-bit floats are read as float)."""
+        dt = v.type.dtype
+        return "float" if dt.is_float else scalar_ctype(dt)
+
+    def _row_op(self, op: core.Op) -> tuple[str, str]:
+        """(C type, C++ expression) of element ``self.row`` of a per-row tile op: a tile of shape
+        ``(rows,)``, ``(rows, 1)`` or all ones (the same value for every row)."""
+        v = op.result
+        shape = tuple(v.type.shape)
+        if not (all(s == 1 for s in shape) or (shape[0] == self.rows and all(s == 1 for s in shape[1:]))):
+            raise self.fail(f"'{op.name}' makes a {list(shape)} tile; only per-row values ({self.rows} rows, one "
+                            "column) are lowered here", op)
+        r = self.row if shape[0] == self.rows else None
+        dt = v.type.dtype.name
+        n = op.name
+        a = [self.name(x, op) for x in op.operands] if n != "load" else []
+        if n == "iota":
+            return "int", r or "0"
+        if n == "full":
+            if dt not in ("i32", "i1", "f32"):
+                raise self.fail(f"a {dt} tl.full is not lowered here", op)
+            val = op.attrs["value"]
+            return scalar_ctype(dt), c_literal(bool(val) if dt == "i1" else int(val) if dt == "i32" else float(val))
+        if n == "load":
+            return self._load(op, r)
+        if n in ("broadcast", "expand_dims"):
+            return self._ctype(op.operands[0]), a[0]
+        if n == "cast":
+            if dt not in ("f32", "i32", "i1"):
+                raise self.fail(f"a cast to {dt} is not lowered in a per-row expression (its rounding would be "
+                                "lost)", op)
+            return scalar_ctype(dt), {"f32": f"(float)({a[0]})", "i32": f"(int)({a[0]})", "i1": f"(({a[0]}) != 0)"}[dt]
+        # ewise
+        kind = op.attrs["op"]
+        if dt not in ("i32", "i1", "f32"):
+            raise self.fail(f"'{kind}' computes in {dt} here; only i32, bool and f32 arithmetic is lowered "
+                            "exactly (cast to tl.float32 first)", op)
+        ct = scalar_ctype(dt)
+        if kind == "where":
+            return ct, f"({a[0]} ? ({ct})({a[1]}) : ({ct})({a[2]}))"
+        if kind == "neg":
+            return ct, f"(-{a[0]})"
+        if kind == "not":
+            return ct, f"(!{a[0]})"
+        if kind == "abs":
+            return ct, f"fabsf({a[0]})" if ct == "float" else f"abs({a[0]})"
+        if kind == "recip":
+            return ct, f"(1.0f / (float)({a[0]}))"
+        if kind in _UNARY_F:
+            return ct, f"{_UNARY_F[kind]}((float)({a[0]}))"
+        if kind == "div":
+            return ct, f"((float)({a[0]}) / (float)({a[1]}))"
+        return ct, self.arith_expr(op)
+
+    def _load(self, op: core.Op, r: str | None) -> tuple[str, str]:
+        """A per-row ``tl.load``: one element per tile row, out-of-bounds reads zero."""
+        buf = op.operands[0].owner
+        if not isinstance(buf, core.Buffer):
+            raise self.fail("tl.load must read a kernel tensor", op)
+        dt = buf.type.dtype.name
+        if dt not in ("i32", "f32", "f16", "bf16"):
+            raise self.fail(f"a load of {dt} is not lowered in a per-row expression", op)
+        box = tuple(op.attrs["shape"])
+        row_axis = len(box) - len(op.result.type.shape)
+        for d, ext in enumerate(box):
+            if d != row_axis and ext != 1:
+                raise self.fail(f"tl.load of a {list(box)} box: only one row per tile row is lowered here", op)
+        offs = [self.name(x, op) for x in op.operands[1:]]
+        idx = [f"({o} + {r})" if (d == row_axis and r is not None) else o for d, o in enumerate(offs)]
+        dims = buf.type.shape
+        p = self.table_expr(buf)
+        coherent = buf.name in self.plan.written
+        coh = "<true>" if coherent else ""
+        if len(dims) == 1:
+            expr = f"tldsl::grouped::ld1{coh}({p}, {idx[0]}, {dims[0]})"
+        elif len(dims) == 2:
+            expr = f"tldsl::grouped::ld2{coh}({p}, {idx[0]}, {idx[1]}, {dims[0]}, {dims[1]})"
+        else:
+            conds = " && ".join(f"(unsigned)({i}) < {d}u" for i, d in zip(idx, dims))
+            flat, stride = [], 1
+            for d in reversed(range(len(dims))):
+                flat.append(f"(long long)({idx[d]}) * {stride}")
+                stride *= dims[d]
+            zero = "0" if dt == "i32" else "0.0f"
+            elem = (f"tldsl::grouped::ld_coherent({p} + {' + '.join(flat)})" if coherent
+                    else f"{p}[{' + '.join(flat)}]")
+            expr = f"(({conds}) ? tldsl::grouped::value_of({elem}) : {zero})"
+        return ("int" if dt == "i32" else "float"), expr
+

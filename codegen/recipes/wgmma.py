@@ -1,0 +1,25 @@
+"""Rendering what both WGMMA GEMM templates (plain and grouped) read: the head of their
+``struct Cfg``."""
+from __future__ import annotations
+
+from ..dtypes import c_type
+from ..plan.wgmma import ORDERS, GemmConfig
+
+
+def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: int,
+                    dot_mk: str = "", part_mk: str = "") -> list[str]:
+    """The opening of the ``struct Cfg`` every WGMMA GEMM template (plain and grouped) reads:
+    element types, GMMA atom, tile, pipeline, tile order and register split."""
+    return [
+        "struct Cfg {",
+        f"  using ElemAB = {c_type(cfg.in_dtype)};",
+        f"  using ElemC = {c_type(cfg.out_dtype)};",
+        f"  using Gmma = {gmma};{dot_mk}",
+        f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
+        f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
+        f"kEpiBuffers = {cfg.epi_buffers};",
+        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
+        f"kWorldSize = {world_size}, kAlignShift = {align_shift};",
+        f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
+        f"  static constexpr int kClusterM = {cfg.cluster[0]};",
+    ]

@@ -1,0 +1,105 @@
+"""The code generator's pipeline: one table of recipes tried by priority, each primitive's C++
+written in one rule, and errors that reach the user's line."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import RECIPES, LoweringError, lower, pipeline
+
+CODEGEN = pathlib.Path(tl.codegen.__file__).resolve().parent
+PRIMITIVES = CODEGEN / "rules" / "primitives.py"
+
+#: C++ spellings that only the primitives' rules may write (helpers of signals.hpp / comm.hpp)
+PRIMITIVE_CPP = ["wait_at_least", "red_relaxed_add", "fence_acq_rel", "cta_wait", "cta_notify", "cta_notify_peer",
+                 "load_chunk", "store_chunk", "load_elem", r"\* \{?launch\}?\b", r"launch\}? - \{?one\}?\)|launch - 1ull"]
+
+
+def _sources():
+    return [p for p in CODEGEN.rglob("*.py") if p != PRIMITIVES]
+
+
+@pytest.mark.parametrize("spelling", PRIMITIVE_CPP)
+def test_each_primitive_is_rendered_by_one_rule(spelling):
+    assert re.search(spelling, PRIMITIVES.read_text()), f"rules/primitives.py no longer renders {spelling}"
+    elsewhere = [f"{p.relative_to(CODEGEN)}:{i}" for p in _sources()
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(spelling, line)]
+    assert not elsewhere, f"{spelling!r} is spelled outside rules/primitives.py: {elsewhere}"
+
+
+def test_one_table_of_recipes_with_distinct_names_and_priorities():
+    names = [r.name for r in RECIPES]
+    assert len(set(names)) == len(names)
+    for role in ("compute", "comm"):
+        prios = [r.priority for r in RECIPES if r.role == role]
+        assert len(set(prios)) == len(prios), f"two {role} recipes share a priority: the order would be arbitrary"
+    assert {"gemm", "grouped_gemm", "combine", "attention", "sm_comm", "copy_engine"} <= set(names)
+
+
+def _scale_rows():
+    @tl.kernel
+    def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
+        M, N = x.shape
+        BM, BN, BK = compute.tile
+
+        @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+        def part(pm, pn):
+            t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
+            tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
+    spec = tl.TensorSpec((64, 64), tl.float16)
+    return scale_rows.trace(1, spec, spec, compute=tl.ComputeSchedule(tile=(64, 64, 32)))
+
+
+def test_the_part_is_matched_once(monkeypatch):
+    from test_codegen_host import trace_plain
+    k = trace_plain()
+    calls = []
+    recipes = tuple(r.__class__(**{**r.__dict__, "match": (lambda m, n: lambda *a: (calls.append(n), m(*a))[1])(
+        r.match, r.name)}) for r in RECIPES)
+    sel = pipeline.match(k, k.parts[0], recipes)
+    assert sel.recipe.name == "gemm" and calls == ["gemm"]
+
+
+@pytest.mark.parametrize("part", [0, None, 1.5, "nope"])
+def test_a_part_that_is_not_a_part_is_a_lowering_error(part):
+    k = _scale_rows()
+    with pytest.raises(LoweringError, match="has no part"):
+        lower(k, part)
+
+
+def test_unknown_options_are_refused_before_matching():
+    k = _scale_rows()
+    with pytest.raises(LoweringError, match="unknown lowering option"):
+        lower(k, "part", clustr=(2, 1))
+
+
+def test_when_no_recipe_matches_every_relevant_reason_is_given():
+    k = _scale_rows()
+    with pytest.raises(LoweringError) as e:
+        lower(k, "part")
+    msg = str(e.value)
+    assert "no lowering recognises compute part 'part'" in msg
+    for name in ("gemm", "grouped_gemm", "combine", "attention"):    # none is made for it: each says why
+        assert f"  {name}: " in msg
+
+
+def test_an_sm_comm_part_is_refused_at_the_users_line():
+    """Only one recipe is made for SM communication parts: its refusal is the error, at the op."""
+    @tl.kernel
+    def bad_comm(a: tl.Symmetric, c, *, comm: tl.CommSchedule = None):
+        W = tl.world_size()
+        Ms, K = a.shape
+
+        @tl.comm_part(grid=(W,), engine="sm")
+        def push(p):
+            t = tl.load(a, (0, 0), (Ms, K))
+            tl.store(c, (p * Ms, 0), tl.dot(t, tl.trans(t)))      # no dot in communication kernels
+    spec = tl.TensorSpec((16, 16), tl.float16)
+    k = bad_comm.trace(2, spec, tl.TensorSpec((32, 16), tl.float16), comm=tl.CommSchedule())
+    with pytest.raises(LoweringError) as e:
+        lower(k, "push")
+    assert "communication lowering" in str(e.value)
+    assert e.value.loc is not None and e.value.loc.lineno != k.part("push").loc.lineno

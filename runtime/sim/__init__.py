@@ -2,6 +2,7 @@
 every rank's compute and communication tasks under a seeded scheduler, and reports
 races (vector clocks), deadlocks, stale signals and reads of uninitialised memory."""
 from .options import SimOptions
+from .progress import LongSimulationWarning, SimProgress
 from .simulate import simulate, SimResult
 
-__all__ = ["simulate", "SimOptions", "SimResult"]
+__all__ = ["simulate", "SimOptions", "SimResult", "SimProgress", "LongSimulationWarning"]

@@ -1,10 +1,10 @@
 """Tasks, signals and the seeded scheduler: one launch of a kernel on W simulated ranks.
 
-Happens-before is tracked with vector clocks. Each task has a clock with one entry per
-task of the launch. A notify (release) folds the notifier's clock into the signal slot
-and then advances the notifier's own entry; a wait (acquire) folds the slot's clock into
-the waiter's. A release at ``gpu`` scope is only folded into waiters on the same rank: a
-peer that acquires it gets no ordering, exactly as on the hardware.
+Happens-before is tracked with vector clocks (:mod:`.clocks`): each task's clock has an entry
+per task of the launch it is ordered after. A notify (release) folds the notifier's clock into
+the signal slot and then advances the notifier's own entry; a wait (acquire) folds the slot's
+clock into the waiter's. A release at ``gpu`` scope is only folded into waiters on the same
+rank: a peer that acquires it gets no ordering, exactly as on the hardware.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
 from ...ir.semantics import wait_target
+from .clocks import join_into, new_clock
 from .interpreter import Interpreter
 from .memory import Memory
 
@@ -20,10 +21,9 @@ class Task:
     __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch",
                  "waited", "narrow")
 
-    def __init__(self, tid, rank, part, coords, ntasks, launch):
+    def __init__(self, tid, rank, part, coords, launch):
         self.tid, self.rank, self.part, self.coords, self.launch = tid, rank, part, coords, launch
-        self.vc = np.zeros(ntasks, np.int64)
-        self.vc[tid] = 1
+        self.vc = new_clock(tid)
         self.gen = None
         self.state = "queued"
         self.wait_info = None
@@ -42,8 +42,8 @@ class SignalSlotClocks:
     def __init__(self, slots: int):
         self.values = np.zeros(slots, np.int64)
         self.start = np.zeros(slots, np.int64)
-        self.sys: dict[int, np.ndarray] = {}
-        self.gpu: dict[tuple[int, int], np.ndarray] = {}   # (slot, releasing rank) -> clock
+        self.sys: dict[int, dict] = {}                       # slot -> clock
+        self.gpu: dict[int, dict[int, dict]] = {}            # slot -> releasing rank -> clock
 
 
 class Engine:
@@ -59,6 +59,12 @@ class Engine:
         self.launch = 0
         self.waiters: dict[tuple, list[Task]] = {}
         self.ready: list[Task] = []
+        self.progress = None             # a ProgressReporter, asked every CHECK_EVERY steps
+        self._check_at = float("inf")
+
+    def report_progress(self, reporter):
+        self.progress = reporter
+        self._check_at = self.steps + reporter.CHECK_EVERY
 
     # -- signals -----------------------------------------------------------------------------------
     def _slot(self, task, op, rank, name, ch):
@@ -76,13 +82,13 @@ class Engine:
     def notify(self, task: Task, op, name, rank, ch, scope):
         sig = self._slot(task, op, rank, name, ch)
         sig.values[ch] += 1
-        if scope == "sys":
-            cur = sig.sys.get(ch)
-            sig.sys[ch] = task.vc.copy() if cur is None else np.maximum(cur, task.vc)
+        slots = sig.sys if scope == "sys" else sig.gpu.setdefault(ch, {})
+        key = ch if scope == "sys" else task.rank
+        cur = slots.get(key)
+        if cur is None:
+            slots[key] = dict(task.vc)
         else:
-            key = (ch, task.rank)
-            cur = sig.gpu.get(key)
-            sig.gpu[key] = task.vc.copy() if cur is None else np.maximum(cur, task.vc)
+            join_into(cur, task.vc)
         task.vc[task.tid] += 1
         self._log(task, "notify", f"{name}[{ch}]@{rank}")
         for w in self.waiters.pop((rank, name, ch), []):
@@ -116,12 +122,14 @@ class Engine:
                 rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
         cur = sig.sys.get(ch)
         if cur is not None:
-            np.maximum(task.vc, cur, out=task.vc)
-        cur = sig.gpu.get((ch, task.rank))
-        if cur is not None:
-            np.maximum(task.vc, cur, out=task.vc)
+            join_into(task.vc, cur)
+        released = sig.gpu.get(ch)
+        if released is not None:
+            cur = released.get(task.rank)
+            if cur is not None:
+                join_into(task.vc, cur)
+            task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in released if r != task.rank)
         task.waited.append(f"{name}[{ch}]")
-        task.narrow.extend(f"{name}[{ch}] by rank {r}" for (c, r) in sig.gpu if c == ch and r != task.rank)
 
     # -- scheduling -------------------------------------------------------------------------------
     def _orders(self, part, rank):
@@ -159,7 +167,7 @@ class Engine:
         for rank, part, order in plan:
             tasks = []
             for coords in order:
-                tasks.append(Task(tid, rank, part, tuple(coords), ntasks, self.launch))
+                tasks.append(Task(tid, rank, part, tuple(coords), self.launch))
                 tid += 1
             limit = part.lanes if part.role == "comm" else opts.compute_slots
             queues.append([tasks, 0, limit or len(tasks), 0])   # tasks, next index, limit, running
@@ -181,6 +189,9 @@ class Engine:
             self.steps += 1
             if self.steps > opts.max_steps:
                 raise SimulationError(f"gave up after {opts.max_steps} scheduler steps (livelock?)")
+            if self.steps >= self._check_at:
+                self._check_at = self.steps + self.progress.CHECK_EVERY
+                self.progress.check(self.steps, self.launch)
             try:
                 req = next(task.gen)
             except StopIteration:

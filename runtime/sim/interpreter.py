@@ -3,7 +3,9 @@
 A task's body runs as a Python generator. It yields to the scheduler before every
 signal and data primitive (so other tasks interleave at tile granularity) and when a wait
 cannot proceed yet. Plain loads/stores and math run without yielding: the race detector
-does not depend on the interleaving, so finer steps would only cost time.
+does not depend on the interleaving, so finer steps would only cost time. For the same
+reason a loop that never yields may run in bulk (:mod:`.bulk_loop`): its loads as regions,
+its tile math in one numpy call, with the results and reports of running it op by op.
 """
 from __future__ import annotations
 
@@ -13,9 +15,15 @@ from ...errors import OutOfBoundsError, SimulationError
 from ...ir.opdefs import data_operands
 from ...ir.semantics import ARITH, EWISE, REDUCE, wrap_i32
 from ...ir.types import MemSpace
+from .bulk_loop import BulkLoops
+from .fast_scalars import compile_scalar
 from .memory import READ, WRITE, Memory, to_storage
 
 STEP = ("step",)
+#: the rules the bulk path computes itself: where one is replaced (a test recording what a
+#: task loads, say), loops run op by op through the replacement
+BULK_REPLACES = ("op_load", "op_dot", "op_ewise", "op_cast", "op_trans", "op_expand_dims", "op_broadcast")
+SCALAR_RULES = ("op_const", "op_program_id", "op_rank", "op_arith", "op_select")
 
 
 class Interpreter:
@@ -23,20 +31,34 @@ class Interpreter:
         self.engine = engine
         self.mem: Memory = engine.memory
         self.rules = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
+        own = all(getattr(type(self), name) is _OWN_RULES[name] for name in BULK_REPLACES)
+        self.bulk = BulkLoops(self) if own and engine.options.bulk_loops else None
+        self.fast_scalars = all(getattr(type(self), name) is _OWN_RULES[name] for name in SCALAR_RULES)
+        self.compiled: dict[int, list] = {}       # id(block) -> [(function, op)]
 
     def run(self, task):
         env: dict[int, object] = {}
         yield from self.block(task.part.body, env, task)
 
     def block(self, block, env, task):
-        rules = self.rules
-        for op in block.ops:
-            rule = rules.get(op.name)
-            if rule is None:
-                raise SimulationError(f"the simulator has no rule for op '{op.name}'")
+        compiled = self.compiled.get(id(block))
+        if compiled is None:
+            compiled = self.compiled[id(block)] = self._compile(block)
+        for rule, op in compiled:
             out = rule(op, env, task)
             if out is not None:          # a generator: the op may yield to the scheduler
                 yield from out
+
+    def _compile(self, block):
+        """(function, op) per op of ``block``."""
+        return [(self.compile_op(op), op) for op in block.ops]
+
+    def compile_op(self, op):
+        """What runs ``op``: its rule, or its index arithmetic compiled (:mod:`.fast_scalars`)."""
+        rule = self.rules.get(op.name)
+        if rule is None:
+            return _no_rule
+        return (compile_scalar(op, rule) if self.fast_scalars else None) or rule
 
     # -- scalars ----------------------------------------------------------------------------
     def op_const(self, op, env, task):
@@ -64,6 +86,9 @@ class Interpreter:
         lo, hi, st = (env[v.id] for v in op.operands)
         if st <= 0:
             raise SimulationError(f"{task}: loop step {st} at {op.loc.short()} must be positive")
+        plan = self.bulk.plan(op) if self.bulk is not None else None
+        if plan is not None and self.bulk.run(plan, env, task, lo, hi, st):
+            return None
         return self._loop(op, env, task, lo, hi, st)
 
     def _loop(self, op, env, task, lo, hi, st):
@@ -97,7 +122,7 @@ class Interpreter:
         lo, hi, bsl, tsl, empty = Memory.clip(buf, offsets, tile.shape)
         if not empty:
             self.mem.access(rank, buf, lo, hi, WRITE, task, op)
-            buf.data[bsl] = to_storage(tile[tsl], buf.dtype)
+            buf.write(bsl, to_storage(tile[tsl], buf.dtype))
 
     def op_load(self, op, env, task):
         t, *offs = op.operands
@@ -254,9 +279,14 @@ class Interpreter:
             self.mem.access(srank_v, sbuf, s_lo, s_hi, READ, task, op)
             data = sbuf.data[tuple(slice(a, b) for a, b in zip(s_lo, s_hi))].copy()
             self.mem.access(drank_v, dbuf, d_lo, d_hi, WRITE, task, op)
-            dbuf.data[tuple(slice(a, b) for a, b in zip(d_lo, d_hi))] = to_storage(data, dbuf.dtype)
+            dbuf.write(tuple(slice(a, b) for a, b in zip(d_lo, d_hi)), to_storage(data, dbuf.dtype))
 
     op_tile_push_data = op_tile_pull_data = op_rank_copy_data = _data
 
 
+def _no_rule(op, env, task):
+    raise SimulationError(f"the simulator has no rule for op '{op.name}'")
+
+
+_OWN_RULES = {name: getattr(Interpreter, name) for name in BULK_REPLACES + SCALAR_RULES}
 _ = MemSpace

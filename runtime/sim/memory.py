@@ -1,9 +1,10 @@
 """Simulated memory: every rank's buffers, plus the shadow state the detectors need.
 
 For each (rank, buffer) the simulator keeps a log of accesses as boxes with the accessing
-task and its clock, and checks every new access against the log with vector clocks: a
-conflicting pair (same region, one a write, different tasks) not ordered by happens-before
-is a race, whatever order the scheduler happened to pick.
+task and its clock (:mod:`.access_log`), and checks every new access against the log with
+vector clocks: a conflicting pair (same region, one a write, different tasks) not ordered by
+happens-before is a race, whatever order the scheduler happened to pick. Workspaces also keep
+which elements this launch wrote, for the uninitialised-read report.
 """
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import numpy as np
 
 from ...errors import OutOfBoundsError, RaceError, UninitializedReadError
 from ...ir.types import DType, bfloat16
+from .access_log import READ, WRITE, Access, AccessLog
+from .dot_stacks import DotStacks
 
-READ, WRITE = 0, 1
 _KIND = {READ: "read", WRITE: "write"}
 
 
 def to_storage(x, dtype: DType) -> np.ndarray:
     """Convert values to how a dtype is stored, rounding to bf16 where needed."""
     arr = np.asarray(x)
-    if dtype == bfloat16:
+    if dtype.name == bfloat16.name:
         f = arr.astype(np.float32, copy=True)
         bits = f.view(np.uint32)
         nan = np.isnan(f)
@@ -28,8 +30,11 @@ def to_storage(x, dtype: DType) -> np.ndarray:
         bits &= np.uint32(0xFFFF0000)
         f[nan] = np.nan
         return f
+    target = dtype.np
+    if arr.dtype == target:
+        return arr
     with np.errstate(invalid="ignore", over="ignore"):
-        return arr.astype(dtype.np, copy=False)
+        return arr.astype(target, copy=False)
 
 
 def poison_value(dtype: DType):
@@ -40,58 +45,24 @@ def poison_value(dtype: DType):
     return True
 
 
-class AccessLog:
-    """Boxes accessed in one buffer of one rank during the current launch."""
-
-    def __init__(self, ndim: int):
-        self.ndim = ndim
-        self.n = 0
-        cap = 64
-        self.lo = np.zeros((cap, ndim), np.int64)
-        self.hi = np.zeros((cap, ndim), np.int64)
-        self.task = np.zeros(cap, np.int64)
-        self.clock = np.zeros(cap, np.int64)
-        self.kind = np.zeros(cap, np.int8)
-        self.info: list = []
-
-    def clear(self):
-        self.n = 0
-        self.info.clear()
-
-    def _grow(self):
-        cap = self.lo.shape[0] * 2
-        for name in ("lo", "hi", "task", "clock", "kind"):
-            old = getattr(self, name)
-            new = np.zeros((cap,) + old.shape[1:], old.dtype)
-            new[: self.n] = old[: self.n]
-            setattr(self, name, new)
-
-    def check_and_add(self, lo, hi, task, clock, kind, vc, info):
-        n = self.n
-        if n:
-            ov = np.all(self.lo[:n] < hi, axis=1) & np.all(self.hi[:n] > lo, axis=1)
-            ov &= self.task[:n] != task
-            if kind == READ:
-                ov &= self.kind[:n] == WRITE
-            if ov.any():
-                idx = np.nonzero(ov)[0]
-                unordered = self.clock[idx] > vc[self.task[idx]]
-                if unordered.any():
-                    return self.info[idx[np.argmax(unordered)]]
-        if n == self.lo.shape[0]:
-            self._grow()
-        self.lo[n], self.hi[n] = lo, hi
-        self.task[n], self.clock[n], self.kind[n] = task, clock, kind
-        self.info.append(info)
-        self.n = n + 1
-        return None
-
-
 class Buffer:
+    """One rank's tensor. Write it through :meth:`write` / :meth:`fill` (never ``data[...] =``):
+    they drop the float32 stacks of the tiles they overwrite (:mod:`.dot_stacks`)."""
+
     def __init__(self, name: str, dtype: DType, data: np.ndarray, initialized: bool, symmetric: bool):
         self.name, self.dtype, self.data, self.symmetric = name, dtype, data, symmetric
         self.written = None if initialized else np.zeros(data.shape, bool)
-        self.log = AccessLog(data.ndim)
+        self.log = AccessLog(data.shape)
+        self.dot_stacks = DotStacks(data)
+
+    def write(self, sl, values):
+        """``data[sl] = values``; ``sl`` a tuple of slices."""
+        self.data[sl] = values
+        self.dot_stacks.written(sl)
+
+    def fill(self, value):
+        self.data[...] = value
+        self.dot_stacks.written(())
 
 
 class Memory:
@@ -102,6 +73,7 @@ class Memory:
         self.ranks: list[dict[str, Buffer]] = [dict() for _ in range(world_size)]
         self.check_races, self.check_uninit = check_races, check_uninit
         self.uninit: list[UninitializedReadError] = []
+        self.seq = 0             # orders the accesses of a launch (the race report names the earliest)
 
     def add(self, rank: int, name: str, dtype: DType, data: np.ndarray, initialized: bool, symmetric: bool):
         self.ranks[rank][name] = Buffer(name, dtype, data, initialized, symmetric)
@@ -127,55 +99,86 @@ class Memory:
             for b in bufs.values():
                 b.log.clear()
                 if repoison and b.written is not None:
-                    b.data[...] = poison_value(b.dtype)
+                    b.fill(poison_value(b.dtype))
                     b.written[...] = False
 
     @staticmethod
     def clip(buf: Buffer, offsets, shape):
         """The in-bounds part of a box: (lo, hi) in the buffer, and the slices into the tile."""
-        dims = buf.data.shape
-        lo = np.array([max(int(o), 0) for o in offsets], np.int64)
-        hi = np.array([min(int(o) + s, d) for o, s, d in zip(offsets, shape, dims)], np.int64)
-        empty = bool(np.any(hi <= lo))
-        tile_sl = tuple(slice(int(l - o), int(h - o)) for l, h, o in zip(lo, hi, offsets))
-        buf_sl = tuple(slice(int(l), int(h)) for l, h in zip(lo, hi))
-        return lo, hi, buf_sl, tile_sl, empty
+        lo, hi, buf_sl, tile_sl, empty = [], [], [], [], False
+        for o, s, d in zip(offsets, shape, buf.data.shape):
+            o = int(o)
+            a, b = (o if o > 0 else 0), (o + s if o + s < d else d)
+            empty = empty or b <= a
+            lo.append(a)
+            hi.append(b)
+            buf_sl.append(slice(a, b))
+            tile_sl.append(slice(a - o, b - o))
+        return tuple(lo), tuple(hi), tuple(buf_sl), tuple(tile_sl), empty
 
     def access(self, rank: int, buf: Buffer, lo, hi, kind: int, task, op):
         """Record an access; raise on a race or a read of uninitialised workspace memory."""
+        lo, hi = tuple(int(x) for x in lo), tuple(int(x) for x in hi)
         if kind == READ and self.check_uninit and buf.written is not None and not self.uninit:
-            sl = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))
-            w = buf.written[sl]
-            if not w.all():
-                # Not raised yet: if a write of this region follows without ordering, the race
-                # detector names both sides; only a read that nothing ever writes is reported
-                # as uninitialised, at the end of the launch.
-                first = tuple(int(a) + int(i) for a, i in zip(lo, np.argwhere(~w)[0]))
-                self.uninit.append(UninitializedReadError(
-                    f"{_who(task, op)} reads {buf.name}{_box(lo, hi)} on rank {rank}, but element "
-                    f"{first} was not written before it in this launch, and no unordered write "
-                    f"followed (missing data movement, or a read ordered before its write?)",
-                    rank=task.rank, tile=task.coords, buffer=buf.name,
-                    region=(tuple(int(x) for x in lo), tuple(int(x) for x in hi)),
-                    primitive=op.name))
+            self._check_written(rank, buf, lo, hi, task, op)
         if kind == WRITE and buf.written is not None:
-            buf.written[tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))] = True
+            buf.written[tuple(slice(a, b) for a, b in zip(lo, hi))] = True
         if not self.check_races:
             return
-        prev = buf.log.check_and_add(lo, hi, task.tid, task.vc[task.tid], kind, task.vc,
-                                     (task, op, kind, tuple(lo), tuple(hi)))
+        clock = task.vc[task.tid]
+        prev = buf.log.first_conflict(lo, hi, task.tid, kind, task.vc)
         if prev is not None:
-            ptask, pop, pkind, plo, phi = prev
-            order = ("the read ran before the write it needs" if pkind == READ and kind == WRITE
-                     else "unordered accesses")
-            raise RaceError(
-                f"race on {buf.name} of rank {rank} ({order}):\n"
-                f"  {_KIND[kind]:5} {buf.name}{_box(lo, hi)} by {_who(task, op)}\n"
-                f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
-                f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
-                f"release at too narrow a scope)" + _hints(task),
-                rank=rank, buffer=buf.name, region=(tuple(int(x) for x in lo), tuple(int(x) for x in hi)), tile=task.coords,
-                task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
+            raise _race(rank, buf, lo, hi, kind, task, op, prev)
+        self.seq += 1
+        buf.log.add(Access(self.seq, lo, hi, task.tid, clock, kind, (task, op, kind, lo, hi), 0))
+
+    def _check_written(self, rank, buf, lo, hi, task, op):
+        w = buf.written[tuple(slice(a, b) for a, b in zip(lo, hi))]
+        if not w.all():
+            # Not raised yet: if a write of this region follows without ordering, the race
+            # detector names both sides; only a read that nothing ever writes is reported
+            # as uninitialised, at the end of the launch.
+            first = tuple(a + int(i) for a, i in zip(lo, np.argwhere(~w)[0]))
+            self.uninit.append(UninitializedReadError(
+                f"{_who(task, op)} reads {buf.name}{_box(lo, hi)} on rank {rank}, but element "
+                f"{first} was not written before it in this launch, and no unordered write "
+                f"followed (missing data movement, or a read ordered before its write?)",
+                rank=task.rank, tile=task.coords, buffer=buf.name, region=(lo, hi), primitive=op.name))
+
+    # -- the reads of a loop run in bulk (see .bulk_loop) -------------------------------------------
+    def bulk_read_is_clean(self, buf: Buffer, lo, hi, task) -> bool:
+        """Whether reading the box [lo, hi) now can report nothing: every element is written
+        (or no uninitialised read is being looked for), and no write races with it. Then its
+        loads may be recorded as one entry; otherwise they are replayed one by one."""
+        if self.check_uninit and buf.written is not None and not self.uninit:
+            if not buf.written[tuple(slice(a, b) for a, b in zip(lo, hi))].all():
+                return False
+        return not self.check_races or buf.log.first_conflict(lo, hi, task.tid, READ, task.vc) is None
+
+    def reserve_seq(self, count: int) -> int:
+        """The first of ``count`` sequence numbers, for accesses recorded in bulk."""
+        first = self.seq + 1
+        self.seq += count
+        return first
+
+    def record_bulk_read(self, buf: Buffer, lo, hi, task, op, run, seq: int, stride: int):
+        """Log one load's boxes over a loop's iterations (``run``) with bounding box [lo, hi)."""
+        if self.check_races:
+            buf.log.add(Access(seq, lo, hi, task.tid, task.vc[task.tid], READ, (task, op, READ), 0, run, stride))
+
+
+def _race(rank, buf, lo, hi, kind, task, op, prev) -> RaceError:
+    ptask, pop, pkind, plo, phi = prev
+    order = ("the read ran before the write it needs" if pkind == READ and kind == WRITE
+             else "unordered accesses")
+    return RaceError(
+        f"race on {buf.name} of rank {rank} ({order}):\n"
+        f"  {_KIND[kind]:5} {buf.name}{_box(lo, hi)} by {_who(task, op)}\n"
+        f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
+        f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
+        f"release at too narrow a scope)" + _hints(task),
+        rank=rank, buffer=buf.name, region=(lo, hi), tile=task.coords,
+        task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
 
 
 def _hints(task) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class SimOptions:
     repoison: refill workspaces with NaN before every launch (kernels may not rely on
         workspace contents from an earlier launch).
     max_steps: scheduler steps before giving up (a livelock guard).
+    warn_steps: simulate estimates the scheduler steps before it runs; above this many it warns
+        (``LongSimulationWarning``, with the estimate) and shows progress. None: never.
+    progress: None (progress lines on stderr when the run was warned about), True (always),
+        False (never), or a function called with a ``SimProgress`` at each interval — in a
+        notebook, to drive a progress bar.
+    progress_interval_s: seconds between progress reports.
+    bulk_loops: run a loop that never yields to the scheduler in bulk — its loads as regions,
+        its tile math in one numpy call (runtime/sim/bulk_loop.py). False runs it op by op:
+        slower, with the same results to the bit and the same reports.
     """
     launches: int = 2
     compute_slots: int | None = None
@@ -30,9 +40,15 @@ class SimOptions:
     repoison: bool = True
     record_timeline: bool = True
     max_steps: int = 5_000_000
+    warn_steps: int | None = 200_000
+    progress: bool | Callable | None = None
+    progress_interval_s: float = 5.0
+    bulk_loops: bool = True
 
     def __post_init__(self):
         if not isinstance(self.launches, int) or self.launches < 1:
             raise ValueError(f"launches must be a positive int, got {self.launches}")
         if self.compute_slots is not None and (not isinstance(self.compute_slots, int) or self.compute_slots < 1):
             raise ValueError(f"compute_slots must be None or a positive int, got {self.compute_slots}")
+        if self.progress is not None and not isinstance(self.progress, bool) and not callable(self.progress):
+            raise ValueError(f"progress must be None, True, False or a function of a SimProgress, got {self.progress!r}")

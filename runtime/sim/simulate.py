@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,9 +10,12 @@ import numpy as np
 from ...errors import InputError
 from ...ir import core
 from ...ir.types import dtype_of
+from .blas_threads import one_blas_thread
 from .engine import Engine
 from .memory import Memory, poison_value, to_storage
 from .options import SimOptions
+from .progress import LongSimulationWarning, ProgressReporter, long_run_message, print_progress
+from .step_estimate import estimate_steps
 from .timeline import format_timeline
 
 
@@ -26,6 +30,7 @@ class SimResult:
     steps: int = 0
     launches: int = 1
     seed: int = 0
+    expected_steps: int = 0      # estimated before the run (SimOptions.warn_steps)
 
     def __getitem__(self, rank: int) -> dict[str, np.ndarray]:
         return self.outputs[rank]
@@ -84,7 +89,9 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
             raise InputError(f"world size must be a positive int, got {world_size!r}")
         per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
         _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
-        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=options.static_checks)
+        # traced without the static channel analysis first: at large W the analysis takes a
+        # while, and the warning about the run's length should come before it
+        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=False)
     elif isinstance(kernel, core.Kernel):
         if kwargs:
             raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
@@ -100,25 +107,60 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
                 raise InputError(f"argument '{b.name}': shape {np.shape(arr)}, the kernel was traced for {b.type.shape}")
         if options.static_checks:
             from ...ir.verifier import verify
-            verify(ir)
+            verify(ir, channels=False)
     else:
         raise InputError(f"simulate needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
 
-    memory = Memory(world_size, options.check_races, options.check_uninitialized)
-    for r in range(world_size):
-        for b, arr in zip(ir.args, per_rank[r]):
+    memory = _memory(ir, per_rank, options)
+    estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1)
+    long_run = options.warn_steps is not None and estimate.steps > options.warn_steps
+    if long_run:
+        warnings.warn(long_run_message(world_size, estimate.steps, estimate.tasks, options.launches,
+                                       options.max_steps, options.static_checks), LongSimulationWarning, stacklevel=2)
+    if options.static_checks:
+        if isinstance(kernel, KernelFunction):
+            ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=True)   # cached once checked
+        else:
+            from ...ir.analysis import check_channels
+            check_channels(ir)
+    engine = Engine(ir, memory, options, np.random.default_rng(seed))
+    reporter = _reporter(options, estimate.steps, long_run)
+    if reporter is not None:
+        engine.report_progress(reporter)
+    with one_blas_thread():
+        for _ in range(options.launches):
+            engine.events.clear()
+            engine.run_launch()
+    if reporter is not None:
+        reporter.finish(engine.steps)
+    outputs = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.args} for r in range(world_size)]
+    workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
+    return SimResult(ir, outputs, workspaces, list(engine.events), engine.steps, options.launches, seed,
+                     estimate.steps)
+
+
+def _memory(ir, per_rank, options) -> Memory:
+    """Every rank's arguments (copied) and workspaces (poisoned)."""
+    memory = Memory(len(per_rank), options.check_races, options.check_uninitialized)
+    for r, arrays in enumerate(per_rank):
+        for b, arr in zip(ir.args, arrays):
             data = to_storage(np.array(arr, copy=True), b.type.dtype).copy()
             memory.add(r, b.name, b.type.dtype, data, True, b.symmetric)
         for b in ir.workspaces:
             data = np.full(b.type.shape, poison_value(b.type.dtype), b.type.dtype.np)
             memory.add(r, b.name, b.type.dtype, data, False, b.symmetric)
-    engine = Engine(ir, memory, options, np.random.default_rng(seed))
-    for _ in range(options.launches):
-        engine.events.clear()
-        engine.run_launch()
-    outputs = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.args} for r in range(world_size)]
-    workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
-    return SimResult(ir, outputs, workspaces, list(engine.events), engine.steps, options.launches, seed)
+    return memory
+
+
+def _reporter(options: SimOptions, expected_steps: int, long_run: bool):
+    """Who hears of progress: the caller's function, stderr, or nobody (see SimOptions.progress)."""
+    show = options.progress
+    if show is None:
+        show = long_run
+    if show is False:
+        return None
+    callback = print_progress if show is True else show
+    return ProgressReporter(callback, options.progress_interval_s, expected_steps, options.launches)
 
 
 def _check_uniform(names, per_rank, symmetric):

@@ -5,6 +5,7 @@
     python -m tldsl.bench compile                           (cold compile and cache hit; no GPU needed)
     python -m tldsl.bench probe NAME                         (see tldsl.bench.probes for NAME)
     torchrun --nproc_per_node=2 -m tldsl.bench host         (see tldsl.bench.host)
+    python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
 
 This module only picks the subcommand; each parses its own flags.
 """
@@ -14,7 +15,7 @@ import argparse
 import sys
 
 from . import compile as compile_bench
-from . import dist, gemm, host, probes
+from . import dist, gemm, host, probes, sim
 
 
 def main(argv=None) -> int:
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
         return probes.main(argv[1:])
     if argv and argv[0] == "host":
         return host.main(argv[1:])
+    if argv and argv[0] == "sim":
+        return sim.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)

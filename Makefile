@@ -3,13 +3,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
+# The install: tldsl[test,cpu] (the suite; NVRTC and the headers, README "Install") and a CPU
+# build of torch (enough for the distributed runtime's host-side tests), then `pip check`.
+# pip's own output goes to $(LOG) (this machine's package indexes make pip warn about each
+# package one of them lacks); a step that fails prints the whole log.
+LOG    := $(VENV)/install.log
+QUIET   = >>$(LOG) 2>&1 || { cat $(LOG); echo "pip failed: the log above is $(LOG)"; exit 1; }
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,nvrtc]'
-	$(PY) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
-	# torch (a CPU build is enough) lets the distributed runtime's host-side tests run without a GPU
-	$(PY) -m pip install -q torch==2.13.0
+	@: > $(LOG)
+	@echo "pip install --upgrade pip"
+	@$(PY) -m pip install --upgrade pip $(QUIET)
+	@echo "pip install -e '.[test,cpu]' torch==2.13.0   (pip's log: $(LOG))"
+	@$(PY) -m pip install -e '.[test,cpu]' torch==2.13.0 $(QUIET)
+	$(PY) -m pip check
 	touch $@
 
 .PHONY: install demo test mutants gpu-test

@@ -37,6 +37,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ...errors import TldslError
+from .nvshmem_match import NVSHMEM_PINNED, header_version as nvshmem_header_version, mismatch as nvshmem_mismatch
 
 ARCH = "sm_90a"
 NVRTC_REQUIRED = (13, 0)
@@ -49,7 +50,7 @@ REQUIREMENTS = (
     "nvidia-cuda-runtime",
     "nvidia-cuda-crt",
     "cuda-bindings",
-    "nvidia-cutlass==4.2.0.0 (headers only: pip install --no-deps)",
+    "nvidia-cutlass==4.2.0.0 (only its headers are used)",
     "nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm (optional: SASS checks)",
 )
 
@@ -128,10 +129,14 @@ class Toolchain:
         return dirs + ([self.nvshmem_include] if self.nvshmem_include is not None else [])
 
     def require_nvshmem(self) -> None:
+        """NVSHMEM's headers are here, and of the NVSHMEM the installed torch links (when it links one)."""
         if self.nvshmem_include is None:
             raise _missing("NVSHMEM's headers (nvidia/nvshmem/include/nvshmem.h) were not found: a kernel with "
-                           "transport='nvshmem' includes them", "pip install --no-deps nvidia-nvshmem-cu13==3.4.5 "
+                           "transport='nvshmem' includes them", f"pip install nvidia-nvshmem-cu13=={NVSHMEM_PINNED} "
                            "(the version the GPU hosts' torch links; device headers must match the host library)")
+        problem = nvshmem_mismatch(self.nvshmem_include)
+        if problem:
+            raise ToolchainError(problem)
 
     def versions(self) -> dict[str, str]:
         return {"nvrtc": self.nvrtc_version, "cutlass": self.cutlass_version, "cccl": self.cccl_version,
@@ -156,7 +161,7 @@ def _missing(what: str, hint: str) -> ToolchainError:
         "tldsl compiles device code with NVRTC from PyPI wheels; install them with\n"
         "  pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-runtime "
         "nvidia-cuda-crt cuda-bindings nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm\n"
-        "  pip install --no-deps nvidia-cutlass==4.2.0.0")
+        "  pip install nvidia-cutlass==4.2.0.0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,7 +195,7 @@ def find_toolchain() -> Toolchain:
         cutlass_inc = _find_under_site(os.path.join("cutlass_library", "source", "include"), "cute/tensor.hpp")
         if cutlass_inc is None:
             raise _missing("the CUTLASS/CuTe headers (cute/tensor.hpp) were not found",
-                           "pip install --no-deps nvidia-cutlass==4.2.0.0")
+                           "pip install nvidia-cutlass==4.2.0.0")
     cutlass_version = _dist_version("nvidia-cutlass") or _header_version(cutlass_inc / "cutlass" / "version.h")
 
     # CUDA runtime + CCCL + CRT headers
@@ -236,7 +241,8 @@ def find_toolchain() -> Toolchain:
     nvshmem_inc = Path(env) if env else _nvidia_namespace_dir(os.path.join("nvshmem", "include"), "nvshmem.h")
     if nvshmem_inc is not None and not (nvshmem_inc / "nvshmem.h").exists():
         raise _missing(f"TLDSL_NVSHMEM_INCLUDE={env} holds no nvshmem.h", "point it at NVSHMEM's include/")
-    nvshmem_version = _dist_version("nvidia-nvshmem-cu13") if nvshmem_inc is not None else None
+    nvshmem_version = ((_dist_version("nvidia-nvshmem-cu13") or nvshmem_header_version(nvshmem_inc))
+                       if nvshmem_inc is not None else None)
     return Toolchain(cutlass_inc, cuda_inc, cccl_inc, cutlass_version, cccl_version, nvrtc_version,
                      _find_cuobjdump(), INCLUDE_DIR, tuple(notes), nvshmem_inc, nvshmem_version)
 

@@ -1,0 +1,195 @@
+"""``python -m tldsl``: every command, and the one-line answers where one cannot run here.
+
+Most tests call :func:`tldsl.cli.main` in this process; the entry point itself, and the
+refusals on a machine without a GPU, run as subprocesses (``CUDA_VISIBLE_DEVICES=""`` hides any
+GPU, so they say the same on a GPU host)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from tldsl.cli import gates, main
+from tldsl.codegen.toolchain import KernelCache, Toolchain, ToolchainError
+from tldsl.codegen.toolchain import nvshmem_match
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("demo", "bench", "check", "mutants", "fuzz", "cache", "version", "doctor")
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "tldsl", *args], capture_output=True, text=True, timeout=300,
+                          env={**clean, **env})
+
+
+def _one_line_refusal(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and proc.stdout == "", (proc.stdout, proc.stderr)
+    return lines[0]
+
+
+def test_help_lists_every_command_benchmark_check_and_cache_action():
+    proc = _run("--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in (*COMMANDS, *gates.BENCHMARKS, *gates.CHECKS, "cache info", "cache clear"):
+        assert name in proc.stdout, name
+
+
+def test_the_tables_name_every_benchmark_and_check_there_is():
+    from tldsl.bench import cli as bench_cli
+    benchmarks = {name for names in re.findall(r"-m tldsl\.bench ([\w|]+)", bench_cli.__doc__)
+                  for name in names.split("|")}
+    assert benchmarks == set(gates.BENCHMARKS)
+    checks = {p.stem for p in (ROOT / "tldsl" / "checks").glob("*_check.py")}
+    assert checks == set(gates.CHECKS)
+
+
+def test_unknown_command_is_one_line():
+    proc = _run("frobnicate")
+    assert proc.returncode == 2
+    assert "frobnicate" in _one_line_refusal(proc)
+
+
+def test_version(capsys):
+    import tldsl
+    assert main(["version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tldsl {tldsl.__version__}"
+
+
+def test_demo_and_mutants_are_forwarded(capsys):
+    assert main(["demo", "--world-size", "2", "--rows-per-rank", "12"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["mutants", "--op", "allgather_gemm", "--seeds", "1"]) == 0
+    assert "caught" in capsys.readouterr().out
+
+
+def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path) in out and "TLDSL_CACHE_DIR" in out and "nothing" in out
+    KernelCache(tmp_path).put("ab" * 32, b"\0" * 1000, {"kernel": "k"})
+    KernelCache(tmp_path).put("cd" * 32, b"\0" * 3000, {"kernel": "k2"})
+    (tmp_path / "autotune").mkdir()
+    (tmp_path / "autotune" / "winner.json").write_text("{}")
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert "2 compiled kernels, 1 autotuned schedule (5 files, " in out and "KiB" in out
+    assert main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"removing 2 compiled kernels, 1 autotuned schedule (5 files, ") and str(tmp_path) in out
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert main(["cache", "clear"]) == 0
+    assert "nothing to remove" in capsys.readouterr().out
+
+
+def test_doctor_reports_every_piece_one_line_each():
+    proc = _run("doctor")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    labels = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert labels == ["tldsl", "python", "numpy", "torch", "cuda-python", "NVRTC", "SASS", "NVSHMEM", "GPU",
+                      "torchrun"]
+
+
+def test_doctor_and_compiling_refuse_a_torch_whose_nvshmem_differs_from_the_headers(tmp_path, monkeypatch, capsys):
+    include = tmp_path / "nvshmem" / "include"
+    (include / "non_abi").mkdir(parents=True)
+    (include / "nvshmem.h").write_text("")
+    (include / "non_abi" / "nvshmem_version.h").write_text(
+        "#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n"
+        "#define NVSHMEM_VENDOR_PATCH_VERSION 5\n")
+    monkeypatch.setattr(nvshmem_match, "torch_nvshmem", lambda: ("2.14.0", "nvidia-nvshmem-cu13", "3.7.1"))
+    why = nvshmem_match.mismatch(include)
+    assert "torch 2.14.0 links NVSHMEM 3.7.1" in why and "are 3.4.5" in why and "Choose one" in why
+    toolchain = Toolchain(tmp_path, tmp_path, tmp_path, "4.2.0.0", "13.0.85", "13.0.88", None,
+                          nvshmem_include=include, nvshmem_version="3.4.5")
+    with pytest.raises(ToolchainError, match="links NVSHMEM 3.7.1"):
+        toolchain.require_nvshmem()
+
+    from tldsl.cli import doctor
+    monkeypatch.setattr(doctor, "findings", lambda: [doctor.nvshmem()])
+    monkeypatch.setattr("tldsl.codegen.toolchain.find_toolchain", lambda: toolchain)
+    assert doctor.main() == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("NVSHMEM  MISMATCH: torch 2.14.0 links NVSHMEM 3.7.1") and "1 problem" in err
+
+    monkeypatch.setattr(nvshmem_match, "torch_nvshmem", lambda: ("2.11.0", "nvidia-nvshmem-cu13", "3.4.5"))
+    assert nvshmem_match.mismatch(include) is None
+    toolchain.require_nvshmem()
+
+
+def test_torchs_nvshmem_is_read_from_its_metadata(tmp_path, monkeypatch):
+    meta = tmp_path / "torch-2.14.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.14.0\n"
+                                   "Requires-Dist: filelock\n"
+                                   'Requires-Dist: nvidia-nvshmem-cu13==3.7.1; platform_system == "Linux"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        installed = metadata.version("nvidia-nvshmem-cu13")      # the library torch would load
+    except metadata.PackageNotFoundError:
+        installed = "3.7.1"                                      # else the version torch names
+    assert nvshmem_match.torch_nvshmem() == ("2.14.0", "nvidia-nvshmem-cu13", installed)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["bench", "gemm"], "bench gemm needs a Hopper GPU (sm_90a): no CUDA device here"),
+    (["bench", "probe", "epilogue"], "bench probe epilogue needs a Hopper GPU"),
+    (["bench", "ag_gemm", "--iters", "3"],
+     "bench ag_gemm runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 -m tldsl bench ag_gemm --iters 3"),
+    (["bench", "probe", "rs_order"], "torchrun --nproc_per_node=2 -m tldsl bench probe rs_order"),
+    (["check", "dist_check", "ag_gemm"], "torchrun --nproc_per_node=2 -m tldsl check dist_check ag_gemm"),
+    (["check", "torch_ops_check"], "check torch_ops_check runs on 2 GPUs under torchrun"),
+])
+def test_what_cannot_run_here_says_why_in_one_line(args, says, monkeypatch, capsys):
+    monkeypatch.setattr(gates, "gpu_missing", lambda: "no CUDA device here")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_under_torchrun_without_a_gpu_and_without_nvrtc(monkeypatch, capsys):
+    monkeypatch.setattr(gates, "gpu_missing", lambda: "no CUDA device here")
+    monkeypatch.setattr(gates, "toolchain_missing", lambda: "CUDA toolchain incomplete: no NVRTC")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["check", "build_check"]) == 1
+    assert "needs a Hopper GPU (sm_90a) on every rank: no CUDA device here" in capsys.readouterr().err
+    assert main(["bench", "compile"]) == 1
+    assert "bench compile needs the NVRTC toolchain (CUDA toolchain incomplete: no NVRTC)" in capsys.readouterr().err
+
+
+def test_unknown_check_and_bare_check(capsys):
+    assert main(["check", "nope"]) == 2
+    assert "unknown check 'nope'" in capsys.readouterr().err
+    assert main(["check"]) == 2
+    usage = capsys.readouterr().out
+    assert all(name in usage for name in gates.CHECKS)
+
+
+def test_a_check_runs_as_its_module_where_it_needs_no_gpu(tmp_path, capsys):
+    log = tmp_path / "rank0.log"
+    log.write_text("nothing stuck\n")
+    assert main(["check", "dist_check", "explain", str(log)]) == 0
+    assert "no stuck-wait" in capsys.readouterr().out
+
+
+def test_help_of_a_forwarded_command_needs_no_gpu(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "gemm", "--help"])
+    assert done.value.code == 0 and "--shapes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [("bench", "gemm"), ("check", "lifetime_check")])
+def test_without_a_gpu_the_entry_point_refuses_in_one_line(args):
+    line = _one_line_refusal(_run(*args, CUDA_VISIBLE_DEVICES=""))
+    assert line.startswith(f"python -m tldsl {' '.join(args)} ") and ("GPU" in line or "torchrun" in line)

@@ -1,0 +1,84 @@
+"""What a benchmark or a check needs before it starts — a Hopper GPU, torchrun, the NVRTC
+toolchain — checked up front, so that where it cannot run it says why in one line instead of
+failing with a traceback halfway in."""
+from __future__ import annotations
+
+import os
+
+
+class Unavailable(Exception):
+    """The command cannot run on this machine; the message says why, in one line."""
+
+
+#: Each benchmark of ``tldsl.bench`` and what it needs: "gpu" (one Hopper GPU), "torchrun" (two
+#: GPUs, one process each), "nvrtc" (the compile toolchain, no GPU) or "" (nothing).
+BENCHMARKS = {
+    "gemm": "gpu", "compile": "nvrtc", "sim": "", "probe": "gpu",
+    "ag_gemm": "torchrun", "gemm_rs": "torchrun", "host": "torchrun",
+}
+#: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.
+ONE_GPU_PROBES = ("copy_engine", "epilogue", "ag_group", "ag_gather")
+#: The checks of ``tldsl.checks``, each a script run under torchrun on two GPUs.
+CHECKS = ("dist_check", "build_check", "lifetime_check", "torch_ops_check")
+
+
+def under_torchrun() -> bool:
+    """torchrun (torch.distributed.run) gives every process these."""
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def gpu_missing() -> str | None:
+    """Why no kernel can be launched here, or None where a Hopper GPU is usable."""
+    from ..runtime.gpu.device import GPUUnavailableError, require_gpu
+    try:
+        require_gpu()
+    except GPUUnavailableError as ex:
+        return str(ex).removeprefix("no GPU to run on: ")
+    return None
+
+
+def toolchain_missing() -> str | None:
+    """Why nothing can be compiled here (the first line of it), or None where NVRTC and the headers are found."""
+    from ..codegen.toolchain import toolchain_available
+    ok, why = toolchain_available()
+    return None if ok else why.strip().splitlines()[0]
+
+
+def _require(what: str, need: str, launch: str) -> None:
+    if need == "nvrtc":
+        why = toolchain_missing()
+        if why:
+            raise Unavailable(f"{what} needs the NVRTC toolchain ({why}): pip install -e '.[cpu]'")
+    elif need == "gpu":
+        why = gpu_missing()
+        if why:
+            raise Unavailable(f"{what} needs a Hopper GPU (sm_90a): {why}")
+    elif need == "torchrun":
+        why = gpu_missing()
+        if not under_torchrun():
+            here = f" (here: {why})" if why else ""
+            raise Unavailable(f"{what} runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 {launch}{here}")
+        if why:
+            raise Unavailable(f"{what} needs a Hopper GPU (sm_90a) on every rank: {why}")
+
+
+def _asks_for_help(args: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in args)
+
+
+def require_for_benchmark(args: list[str]) -> None:
+    """Raise :class:`Unavailable` unless ``python -m tldsl bench ARGS`` can run here."""
+    if not args or _asks_for_help(args) or args[0] not in BENCHMARKS or args == ["probe"]:
+        return                      # usage and unknown names: the benchmarks' own parser answers
+    name, need = args[0], BENCHMARKS[args[0]]
+    if name == "probe" and args[1] not in ONE_GPU_PROBES:
+        need = "torchrun"
+    what = " ".join(["bench"] + args[:2 if name == "probe" else 1])
+    _require(what, need, " ".join(["-m tldsl bench"] + args))
+
+
+def require_for_check(name: str, args: list[str]) -> None:
+    """Raise :class:`Unavailable` unless ``python -m tldsl check NAME ARGS`` can run here."""
+    if _asks_for_help(args) or (name == "dist_check" and args[:1] == ["explain"]):
+        return                      # help, and decoding a log, need no GPU
+    _require(f"check {name}", "torchrun", " ".join(["-m tldsl check", name] + args))

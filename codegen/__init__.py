@@ -18,8 +18,12 @@ One pipeline (:mod:`.pipeline`, ``lower(kernel, part)``), its stages visible in 
   content-addressed cubin cache, SASS checks.
 
 Shared by all stages: :mod:`.abi` (parameters, TMA descriptors, names — what the GPU launcher
-reads), :mod:`.dtypes` (the one dtype table), :mod:`.errors`. The simulator
-(``tldsl.runtime.sim``) executes the same IR; ``tldsl.runtime.gpu`` launches the cubins.
+reads), :mod:`.dtypes` (the one dtype table), :mod:`.errors`, :mod:`.ir_queries` (what every
+stage asks of the IR: index-code ops, enclosing ops, what a root needs, signal scopes). They
+and the toolchain import no stage; a stage imports no stage after it (one exception: the
+copy-engine plan describes its waits with the wait rule's own formula,
+:func:`.rules.primitives.wait_target_formula`). The simulator (``tldsl.runtime.sim``) executes
+the same IR; ``tldsl.runtime.gpu`` launches the cubins.
 """
 from .toolchain import (REQUIREMENTS, CompileJob, CompiledKernel, CudaCompileError, KernelCache, KernelSass,
                         ProgressEvent, SassReport, Toolchain, ToolchainError, analyze_cubin, cache_dir, cache_key,

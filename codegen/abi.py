@@ -60,6 +60,29 @@ def table_param(buf: core.Buffer) -> str:
     return f"tbl_{cident(buf.name)}"
 
 
+def pointer_param(buf: core.Buffer) -> str:
+    """Kernel parameter holding the base pointer of a tensor a template reads by pointer (a
+    gathered A, per-row operands, the combine's gathered tensor)."""
+    return f"ptr_{cident(buf.name)}"
+
+
+def output_param(buf: core.Buffer) -> str:
+    """Kernel parameter holding the base pointer of a tensor a template stores by pointer."""
+    return f"out_{cident(buf.name)}"
+
+
+def tma_param(buf: core.Buffer) -> str:
+    """Kernel parameter holding the TMA descriptor of a tensor named by its IR name (a
+    generated epilogue's stores; the fixed operands are ``tma_a``, ``tma_b``, ...)."""
+    return f"tma_{cident(buf.name)}"
+
+
+def entry_name(kernel: core.Kernel, part: core.Part, entry: str | None = None) -> str:
+    """The ``extern "C"`` symbol of a part's kernel: ``entry`` when given, else
+    ``tldsl_<kernel>_<part>``."""
+    return entry or cident(f"tldsl_{kernel.name}_{part.name}")
+
+
 def is_this_rank(v: core.Value | None) -> bool:
     """Whether a primitive's rank operand is absent or ``tl.rank()`` itself (this rank's copy)."""
     return v is None or (isinstance(v.owner, core.Op) and v.owner.name == "rank")
@@ -105,15 +128,53 @@ class TmaDescriptorSpec:
         return ctypes.string_at(tmap.getPtr(), 128)
 
 
+#: what the runtime passes for a parameter, by the kind of its ``source`` ("<kind>:<name>" or
+#: "<kind>"): every launcher binds arguments by this table, so a recipe needs no launcher code
+SOURCES = {
+    "tma": "the encoded TMA descriptor of the kernel's TmaDescriptorSpec <name>",
+    "signal": "the address of this rank's counters of signal <name> (int64)",
+    "peer_signals": "the address of a table of every rank's addresses of signal <name>",
+    "peers": "the address of a table of every rank's addresses of symmetric tensor <name>",
+    "buffer": "the address of tensor <name> (an i32 table, or a tensor read by pointer)",
+    "data": "the address of tensor <name>, read element by element while peers write it",
+    "scalar": "an int the caller passes by name with the tensors",
+    "rank": "this rank", "launch": "the 1-based launch index (epoch)",
+    "M": "a size fixed by the trace", "N": "a size fixed by the trace", "K": "a size fixed by the trace",
+}
+_NAMED = {"tma", "signal", "peer_signals", "peers", "buffer", "data", "scalar"}
+
+
 @dataclass(frozen=True)
 class KernelParam:
     """One entry of the flat ``extern "C"`` parameter list, in order."""
     name: str
     ctype: str          # C++ spelling
     kind: str           # "tma" | "i32" | "u64" | "ptr"
-    source: str         # what the runtime passes: "tma:<param>", "M", "N", "K", "rank", "launch",
-                        # "signal:<name>" (this rank's copy), "buffer:<name>" (a table's address)
+    source: str         # what the runtime passes (:data:`SOURCES`): "tma:<param>", "signal:<name>", "rank", ...
     value: int | None = None   # the value fixed by the trace (M, N, K), else None
+
+    def __post_init__(self):
+        kind, name = self.origin
+        if kind not in SOURCES or (kind in _NAMED) != bool(name):
+            raise ValueError(f"internal: kernel parameter {self.name} has source {self.source!r}; sources are "
+                             + ", ".join(f"'{k}:<name>'" if k in _NAMED else f"'{k}'" for k in SOURCES))
+
+    @property
+    def origin(self) -> tuple[str, str | None]:
+        """The source as (kind, name): ``("signal", "ready")``, ``("launch", None)``."""
+        kind, sep, name = self.source.partition(":")
+        return kind, (name if sep else None)
+
+
+#: the parameters every generated kernel takes: this rank, and the launch index its waits count in
+RANK_PARAM = KernelParam("rank", "int", "i32", "rank")
+LAUNCH_PARAM = KernelParam("launch", "unsigned long long", "u64", "launch")
+
+
+def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:
+    """The NVRTC options of a debug build whose waits trap after ``wait_timeout_ns``
+    (``signals.hpp``); none without a timeout."""
+    return () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
 
 
 def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:
@@ -157,3 +218,8 @@ class LoweredKernel:
         """Persistent launch: at most one CTA per SM (``sm_count`` may be lowered to leave SMs
         to communication kernels), never more CTAs than tiles."""
         return (max(1, min(self.num_tiles, sm_count)), 1, 1)
+
+    def describe_tma(self) -> list[str]:
+        """``describe()`` 's lines for the kernel's TMA descriptors (``tma``), one each."""
+        return [f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
+                f"box={list(t.box_dims)} {t.swizzle}" for t in self.tma]

@@ -32,6 +32,9 @@ TABLE: dict[str, CType] = {t.name: t for t in (
 #: the 16-bit floats WGMMA multiplies (f32 accumulate)
 MMA_INPUTS = tuple(n for n, t in TABLE.items() if t.gmma is not None)
 
+#: the dtypes of scalar (index code) values, and of the per-row values the MoE hooks compute
+SCALARS = ("i1", "i32", "f32")
+
 #: TMA swizzle mode by swizzle width in bytes
 SWIZZLE = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
@@ -56,6 +59,6 @@ def elem_bytes(dtype) -> int:
 def scalar_ctype(dtype) -> str:
     """The C++ type of a scalar (index code) value: bool, int or float."""
     name = getattr(dtype, "name", dtype)
-    if name not in ("i1", "i32", "f32"):
+    if name not in SCALARS:
         raise LoweringError(f"internal: no scalar C type for {name}")
     return TABLE[name].c

@@ -79,17 +79,26 @@ def render(sel: Selected, the_plan: Any):
 
 
 def lower(kernel: core.Kernel, part: str | core.Part, **options):
-    """Lower one part of ``kernel``: select → match → plan → render."""
-    p = select(kernel, part)
-    _check_options(options)
-    sel = match(kernel, p)
-    return render(sel, plan(sel, options))
+    """Lower one part of ``kernel``: select → match → plan → render. An option the chosen
+    recipe does not take is an error (it would change nothing)."""
+    return _lower(kernel, part, options, strict=True)
 
 
 def lower_all(kernel: core.Kernel, **options) -> dict:
     """Every part of ``kernel`` lowered: {part name: lowered kernel}. One set of options for
-    every part: each recipe takes the ones it knows."""
-    return {p.name: lower(kernel, p, **options) for p in kernel.parts}
+    every part: each recipe takes the ones it knows (an option no recipe knows is an error)."""
+    return {p.name: _lower(kernel, p, options, strict=False) for p in kernel.parts}
+
+
+def _lower(kernel, part, options: dict, strict: bool):
+    p = select(kernel, part)
+    _check_options(options)
+    sel = match(kernel, p)
+    ignored = sorted(set(options) - set(sel.recipe.options))
+    if strict and ignored:
+        raise LoweringError(f"the {sel.recipe.name} recipe lowers part '{p.name}' and takes no option "
+                            f"{', '.join(ignored)}; it takes: {', '.join(sorted(sel.recipe.options)) or 'none'}", p.loc)
+    return render(sel, plan(sel, options))
 
 
 def _check_options(options: dict) -> None:

@@ -86,8 +86,24 @@ def max_sum(a, b, c, d, e, *, compute: tl.ComputeSchedule = None):
             tl.store(e, (pm * BM - BM, pn * BN), tl.maximum(acc, tl.load(d, (pm * BM, pn * BN), (BM, BN))))
 
 
+@tl.kernel
+def notify_first(a, b, c, d, e, *, compute: tl.ComputeSchedule = None):
+    BM, BN, _ = compute.tile
+    done = tl.signal("done", 4)
+
+    @tl.compute_part(grid=(tl.cdiv(a.shape[0], BM), tl.cdiv(b.shape[1], BN)))
+    def mm(pm, pn):
+        acc = _accumulate(a, b, pm, pn, compute)
+        with tl.when(pm < 1):
+            tl.producer_tile_notify(done, pn)           # nothing stored yet: it would release nothing
+            tl.store(c, (pm * BM, pn * BN), acc)
+        with tl.when(pm >= 1):
+            tl.store(e, (pm * BM - BM, pn * BN), acc + tl.load(d, (pm * BM, pn * BN), (BM, BN)))
+
+
 @pytest.mark.parametrize("kernel,text", [(sum_first, "after its store of the accumulator itself"),
-                                         (max_sum, "elementwise 'max' in a GEMM epilogue")])
+                                         (max_sum, "elementwise 'max' in a GEMM epilogue"),
+                                         (notify_first, "a notify before the tile's store")])
 def test_unsupported_epilogues_are_rejected_at_the_user_line(kernel, text):
     specs = [S((256, 128), tl.float16), S((128, 256), tl.float16), S((256, 256), tl.float16),
              S((256, 256), tl.float16), S((128, 256), tl.float16)]

@@ -178,7 +178,9 @@ def test_dispatcher_routes_the_moe_parts():
             _raises(lambda: match(k, k.part(comm)), "is a comm part")
     assert isinstance(dispatch_lower(kag, "grouped_gemm"), LoweredGroupedGemm)
     assert isinstance(dispatch_lower(krs, "grouped_gemm"), LoweredGroupedGemm)
-    assert isinstance(dispatch_lower(krs, "combine", cluster=(1, 1)), LoweredCombine)
+    assert isinstance(dispatch_lower(krs, "combine"), LoweredCombine)
+    with pytest.raises(LoweringError, match="combine recipe .* takes no option cluster"):
+        dispatch_lower(krs, "combine", cluster=(1, 1))          # a combine has no clusters: not ignored silently
 
 
 def test_schedule_drives_the_template():

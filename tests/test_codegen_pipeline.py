@@ -103,3 +103,82 @@ def test_an_sm_comm_part_is_refused_at_the_users_line():
         lower(k, "push")
     assert "communication lowering" in str(e.value)
     assert e.value.loc is not None and e.value.loc.lineno != k.part("push").loc.lineno
+
+
+def test_kernel_parameter_sources_are_the_abi_the_launchers_bind():
+    from tldsl.codegen.abi import SOURCES, KernelParam
+    assert KernelParam("sig_x", "int*", "ptr", "signal:x").origin == ("signal", "x")
+    assert KernelParam("launch", "unsigned long long", "u64", "launch").origin == ("launch", None)
+    for bad in ("signal", "launch:3", "sgnal:x", ""):
+        with pytest.raises(ValueError, match="sources are"):
+            KernelParam("p", "int", "i32", bad)
+    assert {"tma", "signal", "peer_signals", "peers", "buffer", "data", "scalar", "rank", "launch"} <= set(SOURCES)
+
+
+#: codegen's stages in pipeline order; the shared modules and the toolchain come before every stage
+STAGES = ("match", "plan", "rules", "recipes", "pipeline")
+SHARED = ("abi", "dtypes", "errors", "ir_queries", "toolchain")
+#: the one import against the order: the copy-engine plan describes its waits with the wait rule's formula
+LATER_STAGE_IMPORTS = {("tldsl.codegen.plan.copy_engine", "tldsl.codegen.rules.primitives"),
+                       ("tldsl.codegen.plan.copy_engine", "tldsl.codegen.rules")}
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["tldsl", "codegen"] or len(parts) < 3:
+        return None
+    if parts[2] in SHARED:
+        return -1
+    return STAGES.index(parts[2]) if parts[2] in STAGES else None
+
+
+def test_stages_import_no_later_stage():
+    """Matching asks nothing of planning or rendering, planning nothing of the rules or the
+    recipes, the rules nothing of the recipes; the shared modules and the toolchain no stage."""
+    from test_import_layering import import_graph
+    backwards = []
+    for module, targets in import_graph().items():
+        mine = _layer(module)
+        if mine is None:
+            continue
+        for target, line in targets.items():
+            theirs = _layer(target)
+            if theirs is not None and theirs > mine and (module, target) not in LATER_STAGE_IMPORTS:
+                backwards.append(f"{module} -> {target} (line {line})")
+    assert not backwards, "codegen imports against the pipeline's order:\n" + "\n".join(backwards)
+
+
+@tl.kernel
+def _fixed_tile_gemm(a, b, c, *, compute: tl.ComputeSchedule = None, k_end: int = 0):
+    """A GEMM whose tiles (128 x 128 x 64) and K loop are written out, not read from the schedule."""
+    M, K = a.shape
+    N = b.shape[1]
+
+    @tl.compute_part(grid=(tl.cdiv(M, 128), tl.cdiv(N, 128)))
+    def mm(pm, pn):
+        acc = tl.fragment((128, 128), tl.float32)
+        for k in tl.range(0, k_end or K, 64):
+            acc += tl.dot(tl.load(a, (pm * 128, k), (128, 64)), tl.load(b, (k, pn * 128), (64, 128)))
+        tl.store(c, (pm * 128, pn * 128), acc)
+
+
+@pytest.mark.parametrize("tile,k_end,text", [
+    ((128, 128, 32), 0, "tile shapes A (128, 64), B (64, 128), acc (128, 128) do not match the compute schedule's "
+                        "tile (128, 128, 32)"),
+    ((128, 128, 64), 128, "the K loop must be tl.range(0, 256, 64) (K of A/B, step BK), got (0, 128, 64)")])
+def test_the_wgmma_planners_check_tiles_and_the_k_loop_at_the_users_line(tile, k_end, text):
+    from tldsl.codegen import lower_gemm
+    spec = tl.TensorSpec((256, 256), tl.float16)
+    k = _fixed_tile_gemm.trace(1, spec, spec, spec, compute=tl.ComputeSchedule(tile=tile), k_end=k_end)
+    with pytest.raises(LoweringError) as e:
+        lower_gemm(k)
+    assert f"GEMM lowering: {text}" in str(e.value) and e.value.loc.filename == __file__
+
+
+def test_an_option_the_chosen_recipe_does_not_take_is_refused_but_lower_all_shares_one_set():
+    from test_codegen_host import trace_plain
+    from tldsl.codegen import lower_all
+    k = trace_plain()
+    with pytest.raises(LoweringError, match="gemm recipe lowers part .* takes no option stages"):
+        lower(k, k.parts[0].name, stages=2)                  # attention's option: it would change nothing
+    assert set(lower_all(k, stages=2, wait_timeout_ns=10**9)) == {p.name for p in k.parts}

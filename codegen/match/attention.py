@@ -39,7 +39,7 @@ from ...ir import core
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ...ir.types import FragmentType, TileType
 from ..errors import fail, not_applicable
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS, const_value
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, const_value
 from .affine import affine, combine, fmt
 
 WHAT = "attention lowering"
@@ -166,8 +166,8 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
             raise fail(WHAT, f"{describe(op)} in the compute part is not supported (notifies and data primitives "
                              "belong to communication parts)", op)
     if len(accs) != 1 or len(vecs) != 2:
-        raise not_applicable(WHAT, f"expected one 2-d accumulator and two 1-d fragments (running max, running sum), got "
-                         f"{len(accs)} 2-d and {len(vecs)} 1-d fragments", allocs[0] if allocs else part)
+        raise not_applicable(WHAT, f"expected one 2-d accumulator and two 1-d fragments (running max, running sum), "
+                             f"got {len(accs)} 2-d and {len(vecs)} 1-d fragments", allocs[0] if allocs else part)
     acc = accs[0]
     writes = [op for op in all_ops if op.name == "frag_write" and _frag_of(op) is acc]
     if len(writes) != 1:

@@ -9,14 +9,10 @@ from dataclasses import dataclass
 from ...ir import core
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ..errors import fail, not_applicable
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS
-from .per_row import ROW_TILE_OPS, check_this_rank_notify, enclosing, is_tile, kernel_tensor, tile_producers
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, enclosing, kernel_tensor
+from .per_row import ROW_TILE_OPS, check_this_rank_notify, is_tile, tile_producers
 
 WHAT = "row-gather combine lowering"
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass
@@ -39,9 +35,9 @@ class CombineMatch:
 def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
     """Check that ``part`` is a row-gather combine; raise :class:`LoweringError` at the op that is not."""
     if part.role != "compute":
-        raise _fail(f"part '{part.name}' is a {part.role} part; only compute parts are lowered", part)
+        raise fail(WHAT, f"part '{part.name}' is a {part.role} part; only compute parts are lowered", part)
     if len(part.grid) not in (1, 2):
-        raise _fail(f"the grid must be 1-d or 2-d, got {part.grid}", part)
+        raise fail(WHAT, f"the grid must be 1-d or 2-d, got {part.grid}", part)
     order = list(part.body.walk())
     dots = [op for op in order if op.name == "dot"]
     if dots:
@@ -54,20 +50,20 @@ def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
     parent = enclosing(part.body)
     loop = parent.get(id(g))
     if loop is None or loop.name != "for" or loop not in part.body.ops:
-        raise _fail("tl.load_rows must be in a `for` loop at the top of the part (the loop over the rows to "
-                    "combine)", g)
+        raise fail(WHAT, "tl.load_rows must be in a `for` loop at the top of the part (the loop over the rows to "
+                   "combine)", g)
     fws = [op for op in loop.regions[0].ops if op.name == "frag_write"]
     if len(fws) != 1:
-        raise _fail("the loop must accumulate once: acc += tl.load_rows(...) [* scale]", loop)
+        raise fail(WHAT, "the loop must accumulate once: acc += tl.load_rows(...) [* scale]", loop)
     fw = fws[0]
     frag = fw.operands[0].owner
     add = fw.operands[1].owner
     if not (isinstance(add, core.Op) and add.name == "ewise" and add.attrs["op"] == "add"):
-        raise _fail("the loop must accumulate: acc += ...", fw)
+        raise fail(WHAT, "the loop must accumulate: acc += ...", fw)
     fr = next((x.owner for x in add.operands if isinstance(x.owner, core.Op) and x.owner.name == "frag_read"
                and x.owner.operands[0].owner is frag), None)
     if fr is None:
-        raise _fail("the loop must accumulate into the fragment it writes", add)
+        raise fail(WHAT, "the loop must accumulate into the fragment it writes", add)
     term = next(x for x in add.operands if x is not fr.result)
     mul, scale = None, None
     if term is g.result:
@@ -77,29 +73,29 @@ def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
         mul = term.owner
         scale = next(x for x in mul.operands if x is not g.result)
     else:
-        raise _fail("the loop must add tl.load_rows(...) or tl.load_rows(...) * <per-row scale> to the accumulator",
-                    add)
+        raise fail(WHAT, "the loop must add tl.load_rows(...) or tl.load_rows(...) * <per-row scale> to the "
+                   "accumulator", add)
     if not isinstance(frag, core.Op) or frag.name != "frag_alloc" or frag not in part.body.ops:
-        raise _fail("the accumulator must be a tl.fragment allocated at the top of the part", fw)
+        raise fail(WHAT, "the accumulator must be a tl.fragment allocated at the top of the part", fw)
     BMf, BNf = frag.attrs["shape"] if len(frag.attrs["shape"]) == 2 else (None, None)
     if BMf is None or frag.result.type.dtype.name != "f32":
-        raise _fail("the accumulator must be a 2-d f32 fragment", frag)
+        raise fail(WHAT, "the accumulator must be a 2-d f32 fragment", frag)
     if tuple(g.result.type.shape) != (BMf, BNf):
-        raise _fail(f"the gathered tile {list(g.result.type.shape)} must have the accumulator's shape "
-                    f"{[BMf, BNf]}", g)
+        raise fail(WHAT, f"the gathered tile {list(g.result.type.shape)} must have the accumulator's shape "
+                   f"{[BMf, BNf]}", g)
     for v, what in ((add.result, "the sum"), ) + (((mul.result, "the product"),) if mul is not None else ()):
         if v.type.dtype.name != "f32":
-            raise _fail(f"{what} is computed in {v.type.dtype}; only f32 accumulation is lowered", v.owner)
+            raise fail(WHAT, f"{what} is computed in {v.type.dtype}; only f32 accumulation is lowered", v.owner)
     if scale is not None and is_tile(scale):
         sh = tuple(scale.type.shape)
         if not (all(s == 1 for s in sh) or (len(sh) == 2 and sh == (BMf, 1))):
-            raise _fail(f"the scale of the gathered rows must be per row ({BMf}, 1) or one value, got {list(sh)}",
-                        mul)
+            raise fail(WHAT, f"the scale of the gathered rows must be per row ({BMf}, 1) or one value, got {list(sh)}",
+                       mul)
     pos = {id(op): i for i, op in enumerate(order)}
     reads = [op for op in order if op.name == "frag_read" and op.operands[0].owner is frag and op is not fr]
     if len(reads) != 1 or reads[0] not in part.body.ops:
-        raise _fail("the accumulator must be read once after the loop, by its tl.store",
-                    reads[1] if len(reads) > 1 else loop)
+        raise fail(WHAT, "the accumulator must be read once after the loop, by its tl.store",
+                   reads[1] if len(reads) > 1 else loop)
     rd = reads[0]
     users = [op for op in order if any(x is rd.result for x in op.operands)]
     cast = None
@@ -107,12 +103,12 @@ def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
         cast = users[0]
         users = [op for op in order if any(x is cast.result for x in op.operands)]
     if not (len(users) == 1 and users[0].name == "store" and users[0] in part.body.ops):
-        raise _fail("after the loop expected `tl.store(out, (row0, col0), acc)`", users[0] if users else rd)
+        raise fail(WHAT, "after the loop expected `tl.store(out, (row0, col0), acc)`", users[0] if users else rd)
     store = users[0]
     if pos[id(store)] < pos[id(loop)]:
-        raise _fail("the store must follow the loop", store)
-    src = kernel_tensor(g.operands[0], "the gathered tensor", g, _fail)
-    dst = kernel_tensor(store.operands[0], "the stored tensor", store, _fail)
+        raise fail(WHAT, "the store must follow the loop", store)
+    src = kernel_tensor(g.operands[0], "the gathered tensor", g, WHAT)
+    dst = kernel_tensor(store.operands[0], "the stored tensor", store, WHAT)
 
     rows = g.operands[1]
     expr_ops = {id(o) for o in tile_producers(rows)}
@@ -130,24 +126,24 @@ def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
             continue
         if id(op) in expr_ops:
             if n not in ROW_TILE_OPS:
-                raise _fail(f"'{n}' is not lowered in a per-row index/scale expression", op)
+                raise fail(WHAT, f"'{n}' is not lowered in a per-row index/scale expression", op)
             continue
         if n in WAIT_OPS:
             if pos[id(op)] > pos[id(loop)]:
-                raise _fail(f"'{n}' after the gather loop: waits must precede the tile's loads", op)
+                raise fail(WHAT, f"'{n}' after the gather loop: waits must precede the tile's loads", op)
             continue
         if n in NOTIFY_OPS:
-            check_this_rank_notify(op, _fail)
+            check_this_rank_notify(op, WHAT)
             if pos[id(op)] < pos[id(store)]:
-                raise _fail(f"'{n}' before the store: notifies must follow the tile's stores", op)
+                raise fail(WHAT, f"'{n}' before the store: notifies must follow the tile's stores", op)
             continue
         if n in CONTROL_OPS and id(op) not in loop_ops:
             bad = [o for o in op.regions[0].walk() if o.name not in SCALAR_OPS | WAIT_OPS | NOTIFY_OPS | CONTROL_OPS]
             if bad:
-                raise _fail(f"'{bad[0].name}' inside a loop or guard other than the gather loop is not lowered",
-                            bad[0])
+                raise fail(WHAT, f"'{bad[0].name}' inside a loop or guard other than the gather loop is not lowered",
+                           bad[0])
             continue
         if n in DATA_OPS:
-            raise _fail(f"'{n}' moves data between ranks; a combine compute part may not", op)
-        raise _fail(f"'{n}' is not supported in a row-gather combine", op)
+            raise fail(WHAT, f"'{n}' moves data between ranks; a combine compute part may not", op)
+        raise fail(WHAT, f"'{n}' is not supported in a row-gather combine", op)
     return CombineMatch(part, loop, g, scale, mul, frag, store, src, dst, rows, BMf, BNf)

@@ -20,8 +20,7 @@ from ...ir import types as T
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS, data_operands
 from ..abi import is_this_rank
 from ..errors import fail, not_applicable
-from ..rules import primitives
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS, c_literal, const_value
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, const_value
 
 WHAT = "communication lowering"
 
@@ -40,10 +39,6 @@ INT_EWISE = frozenset({"add", "sub", "mul", "max", "min", "floordiv", "mod", "ne
 #: ops a copy-engine part may contain (its plan is evaluated on the host)
 COPY_ENGINE_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "for", "if", "rank_copy_data",
                              "rank_notify", "rank_wait", "consumer_tile_wait"})
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 def where(op) -> str:
@@ -152,9 +147,16 @@ class CopyEngineMatch:
 
 
 def _scalar_key(v: core.Value):
-    """Equal for two scalar operands exactly when generated code spells them the same."""
+    """Equal for two scalar operands exactly when they are one value, or constants that generated
+    code spells the same (:func:`..rules.scalars.c_literal`: ``True``, ``1`` and ``1.0`` differ)."""
     val = const_value(v)
-    return ("const", c_literal(val)) if val is not None else ("value", v.id)
+    if val is None:
+        return ("value", v.id)
+    if isinstance(val, bool):
+        return ("const", "bool", val)
+    if isinstance(val, int):
+        return ("const", "int", int(val))
+    return ("const", "float", repr(float(val)))
 
 
 def _address_key(a: Access):
@@ -162,8 +164,9 @@ def _address_key(a: Access):
     return ("this",) if a.this_rank else ("peer", _scalar_key(a.rank))
 
 
-def _bcast(coords: list[str], src_shape, dst_shape) -> list[str]:
-    """Tile coordinates of a broadcast operand (numpy rules: size-1 axes read coordinate 0)."""
+def broadcast_coords(coords: list[str], src_shape, dst_shape) -> list[str]:
+    """Tile coordinates of a broadcast operand (numpy rules: size-1 axes read coordinate 0): where
+    the matcher and the renderer evaluate an operand of a ``dst_shape`` tile at ``coords``."""
     m, n = len(src_shape), len(dst_shape)
     return ["0" if src_shape[j] == 1 and dst_shape[j + n - m] != 1 else coords[j + n - m] for j in range(m)]
 
@@ -233,22 +236,22 @@ class _SmMatcher:
                 self.statement(op)
             elif n in TILE_OPS and op.results and isinstance(op.result.type, T.TileType):
                 pass                       # checked where a statement consumes it
-            elif n == "rank_copy_data":
-                raise primitives.rank_copy_data(op)
+            elif n == "rank_copy_data":           # no SM rule: the copy engine moves it (recipe copy_engine)
+                raise fail(WHAT, "rank_copy_data runs on the copy engine, not in an SM communication part", op)
             else:
-                raise _fail(f"'{n}' is not supported in a communication part on SMs (supported: index code, "
-                            "waits, notifies, loads, elementwise tile math, casts, stores and tile_push/pull_data)",
-                            op)
+                raise fail(WHAT, f"'{n}' is not supported in a communication part on SMs (supported: index code, "
+                           "waits, notifies, loads, elementwise tile math, casts, stores and tile_push/pull_data)",
+                           op)
 
     def access(self, v: core.Value, rank, mode: str, op: core.Op, **at) -> Access:
         buf = v.owner
         if not isinstance(buf, core.Buffer):
-            raise _fail("a data operand must be a kernel tensor", op)
+            raise fail(WHAT, "a data operand must be a kernel tensor", op)
         if buf.type.dtype.name not in COMM_DTYPES:
-            raise _fail(f"tensor '{buf.name}' is {buf.type.dtype}: communication kernels move f16, bf16, f32 "
-                        "and i32 data", op)
+            raise fail(WHAT, f"tensor '{buf.name}' is {buf.type.dtype}: communication kernels move f16, bf16, f32 "
+                       "and i32 data", op)
         if not is_this_rank(rank) and not buf.symmetric:
-            raise _fail(f"'{buf.name}' is addressed on another rank but is not symmetric", op)
+            raise fail(WHAT, f"'{buf.name}' is addressed on another rank but is not symmetric", op)
         a = Access(buf, rank, mode, op, **at)
         self.accesses.append(a)
         return a
@@ -267,8 +270,8 @@ class _SmMatcher:
             else:
                 shape, value = tuple(op.attrs["shape"]), None
                 if len(src.type.shape) != len(dv.type.shape):
-                    raise _fail(f"{op.name} between tensors of different ranks ({src.owner.name} is "
-                                f"{len(src.type.shape)}-d, {dv.owner.name} {len(dv.type.shape)}-d)", op)
+                    raise fail(WHAT, f"{op.name} between tensors of different ranks ({src.owner.name} is "
+                               f"{len(src.type.shape)}-d, {dv.owner.name} {len(dv.type.shape)}-d)", op)
                 read = self.access(src, srank, "r", op, offsets=tuple(soffs), tile_rank=len(shape))
                 self.statements.append(Statement(op, dst, tuple(shape), None, (read,)))
                 return
@@ -289,7 +292,7 @@ class _SmMatcher:
             return
         op = v.owner
         if not isinstance(op, core.Op):
-            raise _fail("internal: a tile without a defining op", ex.sink)
+            raise fail(WHAT, "internal: a tile without a defining op", ex.sink)
         self.check_deferral(op, ex.sink)
         n = op.name
         shape = op.result.type.shape
@@ -307,12 +310,12 @@ class _SmMatcher:
         elif n == "ewise":
             for a in op.operands:
                 if isinstance(a.type, T.TileType):
-                    self.expr(a, _bcast(coords, a.type.shape, shape), ex)
+                    self.expr(a, broadcast_coords(coords, a.type.shape, shape), ex)
             kind = op.attrs["op"]
             if kind not in ("where", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not") and \
                     kind not in (FLOAT_EWISE if is_float_ewise(op) else INT_EWISE):
-                raise _fail(f"elementwise '{kind}' on {[a.type.dtype.name for a in op.operands]} is not supported "
-                            "by the communication lowering", op)
+                raise fail(WHAT, f"elementwise '{kind}' on {[a.type.dtype.name for a in op.operands]} is not supported "
+                           "by the communication lowering", op)
         elif n == "cast":
             self.expr(op.operands[0], coords, ex)
         elif n == "expand_dims":
@@ -320,10 +323,10 @@ class _SmMatcher:
             self.expr(op.operands[0], coords[:axis] + coords[axis + 1:], ex)
         elif n == "broadcast":
             src = op.operands[0]
-            self.expr(src, _bcast(coords, src.type.shape, shape), ex)
+            self.expr(src, broadcast_coords(coords, src.type.shape, shape), ex)
         else:
-            raise _fail(f"'{n}' cannot be streamed by the communication lowering (it handles loads, "
-                        "elementwise math, casts and broadcasts; no dot, reduce, transpose or fragments)", op)
+            raise fail(WHAT, f"'{n}' cannot be streamed by the communication lowering (it handles loads, "
+                       "elementwise math, casts and broadcasts; no dot, reduce, transpose or fragments)", op)
         ex.memo.add(key)
 
     def leaf(self, a: Access, coords: list[str], ex: _Expr) -> None:
@@ -340,28 +343,28 @@ class _SmMatcher:
         while self.block_of[id(cur)] != blk:
             owner = self.parent[id(cur)]
             if owner is None:
-                raise _fail(f"a tile made at {where(node_op)} is used by the statement at {where(sink)} outside "
-                            "the region that made it; keep tile values inside their loop / condition", node_op)
+                raise fail(WHAT, f"a tile made at {where(node_op)} is used by the statement at {where(sink)} outside "
+                           "the region that made it; keep tile values inside their loop / condition", node_op)
             if owner.name == "for":
-                raise _fail(f"the tile made at {where(node_op)} is used inside a tl.range loop (at {where(sink)}) "
-                            "that does not make it; the lowering evaluates tiles where they are stored, so load it "
-                            "inside the loop", node_op)
+                raise fail(WHAT, f"the tile made at {where(node_op)} is used inside a tl.range loop (at {where(sink)}) "
+                           "that does not make it; the lowering evaluates tiles where they are stored, so load it "
+                           "inside the loop", node_op)
             cur = owner
         if node_op.name not in MEMORY_LEAVES:
             return
         lo, hi = self.pre[id(node_op)], self.pre[id(sink)]
         k = bisect.bisect_right(self.notify_idx, lo)
         if k < len(self.notify_idx) and self.notify_idx[k] < hi:
-            raise _fail(f"the tile loaded at {where(node_op)} is stored at {where(sink)} after a notify; the "
-                        "lowering reads a tile where it is stored, which would move the read after the release: "
-                        "store it before the notify", node_op)
+            raise fail(WHAT, f"the tile loaded at {where(node_op)} is stored at {where(sink)} after a notify; the "
+                       "lowering reads a tile where it is stored, which would move the read after the release: "
+                       "store it before the notify", node_op)
         src = node_op.operands[0].owner
         ws = self.write_idx.get(id(src), [])
         k = bisect.bisect_right(ws, lo)
         if k < len(ws) and ws[k] < hi:
-            raise _fail(f"'{src.name}' is written between the load at {where(node_op)} and the statement at "
-                        f"{where(sink)} that consumes it; the lowering reads a tile where it is stored, which would "
-                        "see that write", node_op)
+            raise fail(WHAT, f"'{src.name}' is written between the load at {where(node_op)} and the statement at "
+                       f"{where(sink)} that consumes it; the lowering reads a tile where it is stored, which would "
+                       "see that write", node_op)
 
     @staticmethod
     def check_self_alias(op: core.Op, dst: Access, ex: _Expr) -> None:
@@ -373,18 +376,18 @@ class _SmMatcher:
             if a.rows is None and [_scalar_key(o) for o in a.offsets] == [_scalar_key(o) for o in dst.offsets] \
                     and a.tile_rank == dst.tile_rank and coords == statement_coords(len(coords)):
                 continue
-            raise _fail(f"the statement at {where(op)} reads '{a.buf.name}' at another place than it writes it; "
-                        "the lowering streams a statement through many threads, so store into another tensor", op)
+            raise fail(WHAT, f"the statement at {where(op)} reads '{a.buf.name}' at another place than it writes it; "
+                       "the lowering streams a statement through many threads, so store into another tensor", op)
 
 
 def match_sm_comm(kernel: core.Kernel, part: core.Part) -> CommMatch:
     """The statements, accesses and signal uses of an SM communication part, or a LoweringError
     at the first op the streamed kernel cannot run exactly."""
     if part.role != "comm":
-        raise _fail(f"part '{part.name}' is a {part.role} part; lower_comm lowers communication parts", part)
+        raise fail(WHAT, f"part '{part.name}' is a {part.role} part; lower_comm lowers communication parts", part)
     if part.engine != "sm":
-        raise not_applicable(WHAT, f"part '{part.name}' runs on the copy engine: it becomes a host plan (plan_copy_engine), "
-                    "not a kernel", part)
+        raise not_applicable(WHAT, f"part '{part.name}' runs on the copy engine: it becomes a host plan "
+                             "(plan_copy_engine), not a kernel", part)
     m = _SmMatcher(part)
     m.walk(part.body)
     return CommMatch(part, tuple(m.statements), tuple(m.accesses), tuple(m.signal_uses), tuple(m.tables),
@@ -399,15 +402,15 @@ def match_copy_engine(kernel: core.Kernel, part: core.Part) -> CopyEngineMatch:
     copies, notifies, waits = [], [], []
     for op in part.walk():
         if op.name not in COPY_ENGINE_OPS:
-            raise _fail(f"'{op.name}' cannot run on the copy engine (a plan of copies and stream memory operations "
-                        "is made on the host: index code, rank_copy_data, rank_notify, rank_wait and "
-                        "consumer_tile_wait only)", op)
+            raise fail(WHAT, f"'{op.name}' cannot run on the copy engine (a plan of copies and stream memory "
+                       "operations is made on the host: index code, rank_copy_data, rank_notify, rank_wait and "
+                       "consumer_tile_wait only)", op)
         if op.name == "rank_copy_data":
             src, _, _, dst, _, _, _ = data_operands(op)
             sd, dd = src.type.shape, dst.type.shape
             if len(sd) != len(dd) or len(op.attrs["shape"]) != len(sd):
-                raise _fail(f"rank_copy_data between tensors of different ranks ({src.owner.name} {list(sd)}, "
-                            f"{dst.owner.name} {list(dd)})", op)
+                raise fail(WHAT, f"rank_copy_data between tensors of different ranks ({src.owner.name} {list(sd)}, "
+                           f"{dst.owner.name} {list(dd)})", op)
             copies.append(op)
         elif op.name == "rank_notify":
             notifies.append(op)

@@ -9,14 +9,10 @@ from dataclasses import dataclass, field
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ..errors import fail, not_applicable
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, kernel_tensor
 
 
 WHAT = "GEMM lowering"
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass
@@ -38,13 +34,6 @@ class GemmMatch:
     the store (the epilogue may use any of their values), then the epilogue."""
 
 
-def buffer_of(v: core.Value, what: str, op) -> core.Buffer:
-    """The kernel tensor ``v`` is, or a LoweringError at ``op`` naming ``what`` it should be."""
-    if not isinstance(v.owner, core.Buffer):
-        raise _fail(f"{what} must be a kernel tensor (argument or workspace)", op)
-    return v.owner
-
-
 def is_accumulator(v: core.Value, frag: core.Op) -> bool:
     """Whether ``v`` is the accumulator itself (read, maybe cast)."""
     op = v.owner
@@ -59,18 +48,18 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> GemmMatch:
     fa = [i for i, op in enumerate(ops) if op.name == "frag_alloc"]
     if len(fa) != 1:
         raise not_applicable(WHAT, f"expected exactly one tl.fragment accumulator in compute part '{part.name}', "
-                    f"found {len(fa)}", part)
+                             f"found {len(fa)}", part)
     i0 = fa[0]
     prologue, rest = ops[:i0], ops[i0:]
     allowed_pro = SCALAR_OPS | CONTROL_OPS | WAIT_OPS
     for op in prologue:
         for sub in [op, *[o for r in op.regions for o in r.walk()]]:
             if sub.name not in allowed_pro:
-                raise _fail(f"'{sub.name}' before the accumulator is not supported by the GEMM lowering "
-                            "(only index arithmetic, loops and waits may precede it)", sub)
+                raise fail(WHAT, f"'{sub.name}' before the accumulator is not supported by the GEMM lowering "
+                           "(only index arithmetic, loops and waits may precede it)", sub)
     frag = rest[0]
     if frag.result.type.dtype.name != "f32" or frag.attrs.get("value", 0) != 0:
-        raise _fail("the accumulator must be an f32 fragment initialised to 0", frag)
+        raise fail(WHAT, "the accumulator must be an f32 fragment initialised to 0", frag)
     # after the first top-level store: the epilogue (index code and notifies only)
     si = next((i for i, op in enumerate(rest) if op.name == "store"), None)
     if si is None and any(op.name == "if" for op in rest):
@@ -90,27 +79,27 @@ def _match_plain(prologue, rest, frag, si) -> GemmMatch:
     for op in epilogue:
         for sub in [op, *[o for r in op.regions for o in r.walk()]]:
             if sub.name not in allowed_epi:
-                raise _fail(f"'{sub.name}' after the tile's store is not supported by the GEMM lowering (only "
-                            "index arithmetic, loops, conditions and notifies may follow the store)", sub)
+                raise fail(WHAT, f"'{sub.name}' after the tile's store is not supported by the GEMM lowering (only "
+                           "index arithmetic, loops, conditions and notifies may follow the store)", sub)
     loop = _k_loop(rest, frag)
     tail = [op for op in rest[1:] if op is not loop and op.name not in ("const", "arith")]
     names = [op.name for op in tail]
     if names not in (["frag_read", "cast", "store"], ["frag_read", "store"]):
-        raise _fail("after the K loop expected `tl.store(c, (pm*BM, pn*BN), acc)` and nothing else, got "
-                    f"{names}", tail[0] if tail else loop)
+        raise fail(WHAT, "after the K loop expected `tl.store(c, (pm*BM, pn*BN), acc)` and nothing else, got "
+                   f"{names}", tail[0] if tail else loop)
     store = tail[-1]
     if tail[0].operands[0] is not frag.result:
-        raise _fail("the store must write the accumulator", store)
+        raise fail(WHAT, "the store must write the accumulator", store)
     la, lb, dot = _k_body(loop, frag)
-    a, b = buffer_of(la.operands[0], "A", la), buffer_of(lb.operands[0], "B", lb)
-    c = buffer_of(store.operands[0], "C", store)
+    a, b = kernel_tensor(la.operands[0], "A", la, WHAT), kernel_tensor(lb.operands[0], "B", lb, WHAT)
+    c = kernel_tensor(store.operands[0], "C", store, WHAT)
     return GemmMatch(a, b, c, prologue, loop, dot, store, c.type.dtype.name, frag, epilogue)
 
 
 def _k_loop(rest: list[core.Op], frag: core.Op) -> core.Op:
     loops = [op for op in rest if op.name == "for"]
     if len(loops) != 1:
-        raise _fail(f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
+        raise fail(WHAT, f"expected one tl.range K loop after the accumulator, found {len(loops)}", frag)
     return loops[0]
 
 
@@ -137,18 +126,18 @@ def _k_body(loop: core.Op, frag: core.Op):
     if sorted(names) != sorted(["load", "load", "dot", "frag_read", "ewise", "frag_write"]) or \
             names[-2:] != ["ewise", "frag_write"] or names.index("dot") < max(i for i, n in enumerate(names)
                                                                             if n == "load"):
-        raise _fail("the K loop must be `acc += tl.dot(tl.load(a, ...), tl.load(b, ...))`, got "
-                    f"{names}", loop)
+        raise fail(WHAT, "the K loop must be `acc += tl.dot(tl.load(a, ...), tl.load(b, ...))`, got "
+                   f"{names}", loop)
     dot, fr = body[names.index("dot")], body[names.index("frag_read")]
     add, fw = body[-2], body[-1]
     la, lb = (v.owner for v in dot.operands[:2])
     loads = [op for op in body if op.name == "load"]
     if la not in loads or lb not in loads or la is lb:
-        raise _fail("tl.dot must multiply the two tiles loaded in the loop, A first", dot)
+        raise fail(WHAT, "tl.dot must multiply the two tiles loaded in the loop, A first", dot)
     if add.attrs.get("op") != "add" or {add.operands[0].id, add.operands[1].id} != {fr.result.id, dot.result.id}:
-        raise _fail("the loop must accumulate: acc += tl.dot(...)", add)
+        raise fail(WHAT, "the loop must accumulate: acc += tl.dot(...)", add)
     if fr.operands[0] is not frag.result or fw.operands[0] is not frag.result or fw.operands[1] is not add.result:
-        raise _fail("the loop must read and write the same accumulator", fw)
+        raise fail(WHAT, "the loop must read and write the same accumulator", fw)
     return la, lb, dot
 
 
@@ -170,25 +159,25 @@ def _match_split(prologue, rest, frag) -> GemmMatch:
     def walk(ops, in_loop):
         for op in ops:
             if op.name not in EPILOGUE_OPS:
-                raise _fail(f"'{op.name}' after the K loop is not supported by the GEMM lowering (a generated "
-                            "epilogue has stores of the accumulator and loaded tiles, waits, notifies and index "
-                            "code)", op)
+                raise fail(WHAT, f"'{op.name}' after the K loop is not supported by the GEMM lowering (a generated "
+                           "epilogue has stores of the accumulator and loaded tiles, waits, notifies and index "
+                           "code)", op)
             if op.name == "store":
                 if in_loop:
-                    raise _fail("a store in a loop after the K loop is not supported by the GEMM lowering", op)
+                    raise fail(WHAT, "a store in a loop after the K loop is not supported by the GEMM lowering", op)
                 stores.append(op)
             for r in op.regions:
                 walk(r.ops, in_loop or op.name == "for")
     walk(post, False)
     main = [st for st in stores if is_accumulator(st.operands[-1], frag)][:1]     # the first: C
     if not main:
-        raise _fail("a generated GEMM epilogue needs a store of the accumulator itself (the GEMM's output C)",
-                    stores[0] if stores else loop)
+        raise fail(WHAT, "a generated GEMM epilogue needs a store of the accumulator itself (the GEMM's output C)",
+                   stores[0] if stores else loop)
     extras = [st for st in stores if st is not main[0]]
     if len(extras) > 1 or (extras and stores[-1] is not extras[0]):
-        raise _fail("a generated GEMM epilogue may store one elementwise sum of the accumulator, after its store "
-                    "of the accumulator itself", extras[-1] if extras else main[0])
+        raise fail(WHAT, "a generated GEMM epilogue may store one elementwise sum of the accumulator, after its store "
+                   "of the accumulator itself", extras[-1] if extras else main[0])
     la, lb, dot = _k_body(loop, frag)
-    a, b = buffer_of(la.operands[0], "A", la), buffer_of(lb.operands[0], "B", lb)
-    c = buffer_of(main[0].operands[0], "C", main[0])
+    a, b = kernel_tensor(la.operands[0], "A", la, WHAT), kernel_tensor(lb.operands[0], "B", lb, WHAT)
+    c = kernel_tensor(main[0].operands[0], "C", main[0], WHAT)
     return GemmMatch(a, b, c, prologue, loop, dot, main[0], c.type.dtype.name, frag, post, extras)

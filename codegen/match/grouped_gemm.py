@@ -11,14 +11,10 @@ from dataclasses import dataclass
 from ...ir import core
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ..errors import fail, not_applicable
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS
-from .per_row import ROW_TILE_OPS, check_this_rank_notify, enclosing, kernel_tensor, tile_producers
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, enclosing, kernel_tensor
+from .per_row import ROW_TILE_OPS, check_this_rank_notify, tile_producers
 
 WHAT = "grouped GEMM lowering"
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass
@@ -46,24 +42,26 @@ class GroupedGemmMatch:
 def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch:
     """Check that ``part`` is a grouped GEMM; raise :class:`LoweringError` at the op that is not."""
     if part.role != "compute":
-        raise _fail(f"part '{part.name}' is a {part.role} part; only compute parts are lowered", part)
+        raise fail(WHAT, f"part '{part.name}' is a {part.role} part; only compute parts are lowered", part)
     if len(part.grid) != 2:
-        raise _fail(f"the grid must be 2-d (tiles of rows, tiles of columns), got {part.grid}", part)
+        raise fail(WHAT, f"the grid must be 2-d (tiles of rows, tiles of columns), got {part.grid}", part)
     dots = [op for op in part.walk() if op.name == "dot"]
     if len(dots) != 1:
-        raise (not_applicable if not dots else fail)(WHAT, f"expected exactly one tl.dot in compute part '{part.name}', found {len(dots)}",
-                    dots[1] if len(dots) > 1 else part)
+        refuse = not_applicable if not dots else fail        # no dot at all: a part of another kind
+        raise refuse(WHAT, f"expected exactly one tl.dot in compute part '{part.name}', found {len(dots)}",
+                     dots[1] if len(dots) > 1 else part)
     dot = dots[0]
     parent = enclosing(part.body)
     loop = parent.get(id(dot))
     if loop is None or loop.name != "for":
-        raise _fail("tl.dot must be the body of a `for k in tl.range(0, K, BK)` loop", dot)
+        raise fail(WHAT, "tl.dot must be the body of a `for k in tl.range(0, K, BK)` loop", dot)
     top = part.body.ops
     guard = None
     if loop not in top:
         g = parent.get(id(loop))
         if g is None or g.name != "if" or g not in top:
-            raise _fail("the K loop must be at the top of the part or directly inside one `with tl.when(...)`", loop)
+            raise fail(WHAT, "the K loop must be at the top of the part or directly inside one `with tl.when(...)`",
+                       loop)
         guard = g
     tile_ops = guard.regions[0].ops if guard is not None else top
 
@@ -73,28 +71,28 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
             sorted(op.name for op in body) != sorted(["load_rows", "load", "dot", "frag_read", "ewise", "frag_write"]):
         other = next((op for op in body if op.name not in ("load", "load_rows", "dot", "frag_read", "ewise",
                                                            "frag_write")), loop)
-        raise _fail("the K loop must be `acc += tl.dot(A, B)` with A and B loaded in the loop, got "
-                    f"{[op.name for op in body]}" + (f" ('{other.name}' is not lowered there)" if other is not loop
+        raise fail(WHAT, "the K loop must be `acc += tl.dot(A, B)` with A and B loaded in the loop, got "
+                   f"{[op.name for op in body]}" + (f" ('{other.name}' is not lowered there)" if other is not loop
                                                      else ""), other)
     a_load, b_load = dot.operands[0].owner, dot.operands[1].owner
     if not (isinstance(a_load, core.Op) and a_load in body and isinstance(b_load, core.Op) and b_load in body):
-        raise _fail("tl.dot must multiply two tiles loaded in the K loop", dot)
+        raise fail(WHAT, "tl.dot must multiply two tiles loaded in the K loop", dot)
     if b_load.name != "load":
-        raise _fail(f"B must be a tl.load tile (TMA), got '{b_load.name}'", b_load)
+        raise fail(WHAT, f"B must be a tl.load tile (TMA), got '{b_load.name}'", b_load)
     fw = next(op for op in body if op.name == "frag_write")
     fr = next(op for op in body if op.name == "frag_read")
     add = next(op for op in body if op.name == "ewise")
     if add.attrs.get("op") != "add" or {add.operands[0].id, add.operands[1].id} != {fr.result.id, dot.result.id}:
-        raise _fail("the K loop must accumulate: acc += tl.dot(...)", add)
+        raise fail(WHAT, "the K loop must accumulate: acc += tl.dot(...)", add)
     frag = fw.operands[0].owner
     if fr.operands[0].owner is not frag or fw.operands[1] is not add.result or not isinstance(frag, core.Op) \
             or frag.name != "frag_alloc":
-        raise _fail("the K loop must read and write one tl.fragment accumulator", fw)
+        raise fail(WHAT, "the K loop must read and write one tl.fragment accumulator", fw)
     if frag not in top and frag not in tile_ops:
-        raise _fail("the accumulator must be allocated before the K loop, at the top of the part or of the guard",
-                    frag)
+        raise fail(WHAT, "the accumulator must be allocated before the K loop, at the top of the part or of the guard",
+                   frag)
     if frag.result.type.dtype.name != "f32" or frag.attrs.get("value", 0) != 0:
-        raise _fail("the accumulator must be an f32 fragment initialised to 0", frag)
+        raise fail(WHAT, "the accumulator must be an f32 fragment initialised to 0", frag)
 
     # the epilogue: frag_read -> [cast] -> store
     order = list(part.body.walk())
@@ -102,8 +100,8 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
     loop_ops = {id(o) for o in loop.regions[0].walk()}
     reads = [op for op in order if op.name == "frag_read" and op.operands[0].owner is frag and id(op) not in loop_ops]
     if len(reads) != 1:
-        raise _fail(f"expected the accumulator to be read once after the K loop (by tl.store), found {len(reads)}",
-                    reads[1] if reads else loop)
+        raise fail(WHAT, f"expected the accumulator to be read once after the K loop (by tl.store), found {len(reads)}",
+                   reads[1] if reads else loop)
     rd = reads[0]
     users = [op for op in order if any(x is rd.result for x in op.operands)]
     store, cast = None, None
@@ -113,22 +111,22 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
     if len(users) == 1 and users[0].name == "store" and users[0].operands[-1] is (cast or rd).result:
         store = users[0]
     if store is None:
-        raise _fail("after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` and nothing else on the "
-                    "accumulator", users[0] if users else rd)
+        raise fail(WHAT, "after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` and nothing else on the "
+                   "accumulator", users[0] if users else rd)
     store_parent = parent.get(id(store))
     if guard is not None and store_parent is guard:
         store_inside = True
     elif store_parent is None:
         store_inside = guard is None
     else:
-        raise _fail("the store of the accumulator must be at the top of the part or of the guard", store)
+        raise fail(WHAT, "the store of the accumulator must be at the top of the part or of the guard", store)
     if pos[id(store)] < pos[id(loop)] or (cast is not None and parent.get(id(cast)) is not store_parent) or \
             parent.get(id(rd)) is not store_parent:
-        raise _fail("the accumulator's store must follow the K loop, in the same block", store)
+        raise fail(WHAT, "the accumulator's store must follow the K loop, in the same block", store)
 
-    a = kernel_tensor(a_load.operands[0], "A", a_load, _fail)
-    b = kernel_tensor(b_load.operands[0], "B", b_load, _fail)
-    c = kernel_tensor(store.operands[0], "C", store, _fail)
+    a = kernel_tensor(a_load.operands[0], "A", a_load, WHAT)
+    b = kernel_tensor(b_load.operands[0], "B", b_load, WHAT)
+    c = kernel_tensor(store.operands[0], "C", store, WHAT)
     gather = a_load.name == "load_rows"
     rows = a_load.operands[1] if gather else None
     batched = len(b.type.shape) == 3
@@ -149,35 +147,35 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
             continue
         if id(op) in row_ops:
             if n not in ROW_TILE_OPS:
-                raise _fail(f"'{n}' cannot compute gathered row ids (only per-row loads, iota and elementwise "
-                            "math are lowered)", op)
+                raise fail(WHAT, f"'{n}' cannot compute gathered row ids (only per-row loads, iota and elementwise "
+                           "math are lowered)", op)
             if pos[id(op)] > pos[id(loop)]:
-                raise _fail("the gathered row ids must be computed before the K loop", op)
+                raise fail(WHAT, "the gathered row ids must be computed before the K loop", op)
             continue
         if n in WAIT_OPS:
             if pos[id(op)] > pos[id(loop)]:
-                raise _fail(f"'{n}' after the K loop: waits must precede the tile's loads", op)
+                raise fail(WHAT, f"'{n}' after the K loop: waits must precede the tile's loads", op)
             if guard is not None and id(op) not in guarded:
                 # the producer runs waits only for the tiles the guard lets through; a tile it skips
                 # would store (zeros) or notify without having waited
-                raise _fail(f"'{n}' outside the `tl.when` guard: it would also hold up the tiles the guard "
-                            "skips; move it inside the guard", op)
+                raise fail(WHAT, f"'{n}' outside the `tl.when` guard: it would also hold up the tiles the guard "
+                           "skips; move it inside the guard", op)
             continue
         if n in NOTIFY_OPS:
-            check_this_rank_notify(op, _fail)
+            check_this_rank_notify(op, WHAT)
             if pos[id(op)] < pos[id(store)]:
-                raise _fail(f"'{n}' before the accumulator's store: notifies must follow the tile's stores", op)
+                raise fail(WHAT, f"'{n}' before the accumulator's store: notifies must follow the tile's stores", op)
             continue
         if n in CONTROL_OPS:
             bad = [o for o in op.regions[0].walk() if o.name not in SCALAR_OPS | WAIT_OPS | NOTIFY_OPS | CONTROL_OPS]
             if bad:
-                raise _fail(f"'{bad[0].name}' inside a loop or guard other than the K loop is not lowered "
-                            "(only index arithmetic and signal ops may be there)", bad[0])
+                raise fail(WHAT, f"'{bad[0].name}' inside a loop or guard other than the K loop is not lowered "
+                           "(only index arithmetic and signal ops may be there)", bad[0])
             continue
         if n in DATA_OPS:
-            raise _fail(f"'{n}' moves data between ranks; a grouped-GEMM compute part may not", op)
-        raise _fail(f"'{n}' is not supported in a grouped-GEMM compute part (only index arithmetic, table reads, "
-                    "waits, the K loop, the accumulator's store and notifies are lowered)", op)
+            raise fail(WHAT, f"'{n}' moves data between ranks; a grouped-GEMM compute part may not", op)
+        raise fail(WHAT, f"'{n}' is not supported in a grouped-GEMM compute part (only index arithmetic, table reads, "
+                   "waits, the K loop, the accumulator's store and notifies are lowered)", op)
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
                             batched, rows, batch, c.type.dtype.name)
 

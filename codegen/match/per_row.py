@@ -1,28 +1,15 @@
-"""What the grouped-GEMM and combine matchers ask of a part's IR: which op encloses which, the
-per-row tile expressions (gathered row ids, per-row scales) a value is computed from, and
-what a value depends on. Both recipes wrap a template around code with run-time row indices;
-these questions are how their matchers tell the template's work from the tile program's."""
+"""What the grouped-GEMM and combine matchers ask of a part's IR: the per-row tile expressions
+(gathered row ids, per-row scales) a value is computed from, and what a value depends on. Both
+recipes wrap a template around code with run-time row indices; these questions are how their
+matchers tell the template's work from the tile program's."""
 from __future__ import annotations
 
 from ...ir import core
 from ...ir.types import TileType
+from ..errors import fail
 
 #: the tile ops a per-row index or scale expression may be made of (rendered element by element)
 ROW_TILE_OPS = frozenset({"iota", "load", "ewise", "cast", "full", "broadcast", "expand_dims"})
-
-
-def enclosing(block: core.Block) -> dict[int, core.Op]:
-    """id(op) -> the op whose region holds it (top-level ops are absent)."""
-    out: dict[int, core.Op] = {}
-
-    def walk(b, owner):
-        for op in b.ops:
-            if owner is not None:
-                out[id(op)] = owner
-            for r in op.regions:
-                walk(r, op)
-    walk(block, None)
-    return out
 
 
 def is_tile(v: core.Value) -> bool:
@@ -58,15 +45,9 @@ def depends_on(v: core.Value, var: core.Value) -> bool:
     return False
 
 
-def kernel_tensor(v: core.Value, role: str, at, fail) -> core.Buffer:
-    """The kernel tensor (argument or workspace) ``v`` names; ``fail(msg, at)`` otherwise."""
-    if not isinstance(v.owner, core.Buffer):
-        raise fail(f"{role} must be a kernel tensor (argument or workspace)", at)
-    return v.owner
-
-
-def check_this_rank_notify(op: core.Op, fail) -> None:
-    """The MoE templates' notifies add to this rank's copy of a signal only."""
+def check_this_rank_notify(op: core.Op, what: str) -> None:
+    """The MoE templates' notifies add to this rank's copy of a signal only (else a
+    LoweringError from recipe ``what`` at the notify)."""
     if op.name != "producer_tile_notify":
-        raise fail(f"'{op.name}' notifies another rank's copy of a symmetric signal; this lowering emits only "
+        raise fail(what, f"'{op.name}' notifies another rank's copy of a symmetric signal; this lowering emits only "
                    "this rank's signals (producer_tile_notify)", op)

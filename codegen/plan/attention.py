@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS
 from ...ir.schedule import ComputeSchedule
-from ..abi import KernelParam, TmaDescriptorSpec, cident, signal_param
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, entry_name, signal_param, table_param,
+                   wait_timeout_options)
 from ..dtypes import MMA_INPUTS, SWIZZLE, ctype
 from ..errors import fail
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS, needed_ops
 from ..match.attention import WHAT, AttentionMatch
-from ..rules.scalars import CONTROL_OPS, SCALAR_OPS, needed_ops
 from .wgmma import SMEM_LIMIT
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -133,6 +134,7 @@ class ControlCode:
     around them) before the key blocks; the key-block loop nest follows. ``signals`` and
     ``tables``: what it reads (parameters ``sig_<name>``, ``tbl_<name>``), in that order."""
     roots: frozenset[int]            # ids of the root ops
+    needed: frozenset[int]           # ids of the ops it runs: the roots and what they need
     prologue: tuple[core.Op, ...]
     signals: tuple[core.Signal, ...]
     tables: tuple[core.Buffer, ...]
@@ -155,7 +157,7 @@ def control_code(m: AttentionMatch) -> ControlCode:
     runs = [op for op in core.Block([*prologue, m.chain[0]]).walk() if id(op) in needed]
     signals = dict.fromkeys(op.operands[0].owner for op in runs if op.name in WAIT_OPS)
     tables = dict.fromkeys(op.operands[0].owner for op in runs if op.name == "load_scalar")
-    return ControlCode(roots, tuple(prologue), tuple(signals), tuple(tables),
+    return ControlCode(roots, frozenset(needed), tuple(prologue), tuple(signals), tuple(tables),
                        sum(op.name in WAIT_OPS for op in runs))
 
 
@@ -206,19 +208,18 @@ def plan_attention(kernel: core.Kernel, part: core.Part, m: AttentionMatch, *, s
     ctl = control_code(m)
     params = [KernelParam(f"tma_{r}", "const __grid_constant__ cute::TmaDescriptor", "tma", f"tma:tma_{r}")
               for r in ("q", "k", "v", "o")]
-    params += [KernelParam("rank", "int", "i32", "rank"), KernelParam("launch", "unsigned long long", "u64", "launch")]
+    params += [RANK_PARAM, LAUNCH_PARAM]
     params += [KernelParam(signal_param(s), "const unsigned long long* __restrict__", "ptr", f"signal:{s.name}")
                for s in ctl.signals]
-    params += [KernelParam(f"tbl_{cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}")
+    params += [KernelParam(table_param(t), "const int* __restrict__", "ptr", f"buffer:{t.name}")
                for t in ctl.tables]
-    options = (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",) if wait_timeout_ns is not None else ()
     notes = (f"stages {stages} instead of the schedule's {sched.stages}",) \
         if stages is not None and stages != sched.stages else ()
-    return AttentionPlan(kernel, part, m, cfg, ctl, entry or cident(f"tldsl_{kernel.name}_{part.name}"),
+    return AttentionPlan(kernel, part, m, cfg, ctl, entry_name(kernel, part, entry),
                          int(getattr(part, "align_shift", 0)), tuple(params),
                          _tma_specs(cfg, m, qbuf, kbuf, vbuf, obuf),
                          {b.name: (tuple(b.type.shape), b.type.dtype.name) for b in (qbuf, kbuf, vbuf, obuf)},
-                         options, notes)
+                         wait_timeout_options(wait_timeout_ns), notes)
 
 
 def _tma_specs(cfg: AttentionConfig, m: AttentionMatch, qbuf, kbuf, vbuf, obuf) -> tuple[TmaDescriptorSpec, ...]:

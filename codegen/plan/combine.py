@@ -9,22 +9,19 @@ from dataclasses import dataclass
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ...ir.schedule import ComputeSchedule
-from ..abi import KernelParam, cident
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, entry_name, output_param, pointer_param,
+                   wait_timeout_options)
 from ..dtypes import c_type
 from ..errors import fail
+from ..ir_queries import scope_of
 from ..match import affine as aff
 from ..match.combine import WHAT, CombineMatch
 from ..match.per_row import depends_on
-from ..rules.primitives import scope_of
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook, \
     written_buffers
 
 #: threads per CTA; each owns 4 consecutive columns of a tile row at a time
 COMBINE_THREADS = 256
-
-
-def _fail(msg, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass(frozen=True)
@@ -52,11 +49,11 @@ class CombinePlan:
 
     @property
     def src_param(self) -> str:
-        return f"ptr_{cident(self.match.src.name)}"
+        return pointer_param(self.match.src)
 
     @property
     def dst_param(self) -> str:
-        return f"out_{cident(self.match.dst.name)}"
+        return output_param(self.match.dst)
 
 
 def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_timeout_ns: int | None = None,
@@ -78,13 +75,12 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     tensors = tensors_read(ops, [signal_hook(ops, WAIT_OPS), value_hook(ops, per_tile), value_hook(ops, per_row),
                                  value_hook(ops, scale), signal_hook(ops, NOTIFY_OPS)])
     if m.src in tensors or m.dst in tensors:
-        raise _fail("the gathered or stored tensor is also read by an index expression; not lowered", m.gather)
+        raise fail(WHAT, "the gathered or stored tensor is also read by an index expression; not lowered", m.gather)
     sdt, ddt = m.src.type.dtype.name, m.dst.type.dtype.name
     # the gathered tensor may be written by another part while this one runs: never __restrict__
-    params = [KernelParam(f"ptr_{cident(m.src.name)}", f"const {c_type(sdt)}*", "ptr", f"buffer:{m.src.name}"),
-              KernelParam(f"out_{cident(m.dst.name)}", f"{c_type(ddt)}* __restrict__", "ptr", f"buffer:{m.dst.name}"),
-              KernelParam("rank", "int", "i32", "rank"),
-              KernelParam("launch", "unsigned long long", "u64", "launch")]
+    params = [KernelParam(pointer_param(m.src), f"const {c_type(sdt)}*", "ptr", f"buffer:{m.src.name}"),
+              KernelParam(output_param(m.dst), f"{c_type(ddt)}* __restrict__", "ptr", f"buffer:{m.dst.name}"),
+              RANK_PARAM, LAUNCH_PARAM]
     params += signal_params(signals)
     buffers = {m.src.name: (tuple(m.src.type.shape), sdt), m.dst.name: (tuple(m.dst.type.shape), ddt)}
     for b in tensors:
@@ -93,31 +89,31 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     walk = list(part.walk())
     waits = [op for op in walk if op.name in WAIT_OPS]
     grid = (part.grid[0], part.grid[1] if len(part.grid) == 2 else 1)
-    options = () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
-    return CombinePlan(kernel, part, m, sched, entry or cident(f"tldsl_{kernel.name}_{part.name}"),
+    return CombinePlan(kernel, part, m, sched, entry_name(kernel, part, entry),
                        int(getattr(part, "align_shift", 0)), grid, tuple(params), buffers, signals, tensors, written,
                        per_tile, per_row, scale, len(waits), sum(op.name in NOTIFY_OPS for op in walk),
-                       tuple(sorted({scope_of(op) for op in waits})), options)
+                       tuple(sorted({scope_of(op) for op in waits})), wait_timeout_options(wait_timeout_ns))
 
 
 def _check(m: CombineMatch) -> None:
     """The tensors, the tile and the column offsets fit 4-wide vector accesses."""
     st, dt = m.src.type, m.dst.type
     if len(st.shape) != 2 or len(dt.shape) != 2:
-        raise _fail(f"the gathered and stored tensors must be 2-d, got {list(st.shape)} and {list(dt.shape)}", m.store)
+        raise fail(WHAT, f"the gathered and stored tensors must be 2-d, got {list(st.shape)} and {list(dt.shape)}",
+                   m.store)
     for b, at in ((m.src, m.gather), (m.dst, m.store)):
         if b.type.dtype.name not in ("f32", "f16", "bf16"):
-            raise _fail(f"'{b.name}' is {b.type.dtype}; f32, f16 and bf16 are lowered", at)
+            raise fail(WHAT, f"'{b.name}' is {b.type.dtype}; f32, f16 and bf16 are lowered", at)
         if b.type.shape[1] % 4:
-            raise _fail(f"'{b.name}' has {b.type.shape[1]} columns; vector access needs a multiple of 4", at)
+            raise fail(WHAT, f"'{b.name}' has {b.type.shape[1]} columns; vector access needs a multiple of 4", at)
     if m.BNf % 4:
-        raise _fail(f"the tile has {m.BNf} columns; vector access needs a multiple of 4", m.frag)
+        raise fail(WHAT, f"the tile has {m.BNf} columns; vector access needs a multiple of 4", m.frag)
     if tuple(m.rows.type.shape) != (m.BMf,) or m.rows.type.dtype.name != "i32":
-        raise _fail(f"the row ids must be a ({m.BMf},) i32 tile, got {m.rows.type}", m.gather)
+        raise fail(WHAT, f"the row ids must be a ({m.BMf},) i32 tile, got {m.rows.type}", m.gather)
     if tuple(m.store.operands[-1].type.shape) != (m.BMf, m.BNf):
-        raise _fail("the stored tile must be the accumulator", m.store)
+        raise fail(WHAT, "the stored tile must be the accumulator", m.store)
     for off, at in ((m.gather.operands[2], m.gather), (m.store.operands[2], m.store)):
         f = aff.affine(off)
         if f is None or any(c % 4 for c in f.values()):
-            raise _fail(f"column offsets must be multiples of 4 known at compile time (e.g. pid1*BN), got "
-                        f"{aff.fmt_all((f,))}", at)
+            raise fail(WHAT, f"column offsets must be multiples of 4 known at compile time (e.g. pid1*BN), got "
+                       f"{aff.fmt_all((f,))}", at)

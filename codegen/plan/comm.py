@@ -7,12 +7,12 @@ import math
 from dataclasses import dataclass
 
 from ...ir import core
-from ..abi import (KernelParam, buffer_param, cident, peer_buffer_param, peer_signal_param, signal_param,
-                   table_param)
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, peer_buffer_param,
+                   peer_signal_param, signal_param, table_param, wait_timeout_options)
 from ..dtypes import ctype, elem_bytes
 from ..errors import fail
+from ..ir_queries import const_value
 from ..match.comm import WHAT, CommMatch, Statement
-from ..rules.scalars import const_value
 
 DEFAULT_THREADS = 256
 MAX_UNROLL = 8
@@ -119,8 +119,7 @@ def kernel_abi(kernel: core.Kernel, m: CommMatch, transport: str) -> CommAbi:
                                       f"peer_signals:{s.name}"))
     for t in m.tables:
         params.append(KernelParam(table_param(t), "const int* __restrict__", "ptr", f"buffer:{t.name}"))
-    params += [KernelParam("rank", "int", "i32", "rank"),
-               KernelParam("launch", "unsigned long long", "u64", "launch")]
+    params += [RANK_PARAM, LAUNCH_PARAM]
     return CommAbi(tuple(params),
                    tuple(s.name for s in kernel.signals if id(s) in local_s or id(s) in peer_s),
                    tuple(b.name for b in kernel.buffers if id(b) in remote_b),
@@ -154,12 +153,10 @@ def plan_sm_comm(kernel: core.Kernel, part: core.Part, m: CommMatch, *, threads:
     order = sched.order if sched is not None else "ring"
     lanes = int(part.lanes or (sched.lanes if sched is not None else 1))
     transport = sched.transport if sched is not None else "ptr"
-    options = []
-    if wait_timeout_ns is not None:
-        options.append(f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull")
+    options = list(wait_timeout_options(wait_timeout_ns))
     if transport == "nvshmem":
         options.append("-D__NVSHMEM_NUMBA_SUPPORT__")       # header-only NVSHMEM: no device library to link
-    return CommPlan(kernel, part, m, entry or cident(f"tldsl_{kernel.name}_{part.name}"), threads, lanes, order,
+    return CommPlan(kernel, part, m, entry_name(kernel, part, entry), threads, lanes, order,
                     transport, tuple(task_decode(tuple(part.grid), order)),
                     {id(st.op): chunking(st) for st in m.statements}, kernel_abi(kernel, m, transport),
                     tuple(options))

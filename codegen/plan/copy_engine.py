@@ -18,12 +18,9 @@ from ...ir.opdefs import NOTIFY_OPS, data_operands
 from ...ir.semantics import ARITH, wait_target, wrap_i32
 from ..dtypes import elem_bytes
 from ..errors import fail
+from ..ir_queries import only_part
 from ..match.comm import WHAT, CopyEngineMatch, match_copy_engine, where
 from ..rules.primitives import wait_target_formula
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass(frozen=True)
@@ -181,14 +178,14 @@ def _ce_eval(block, env, rank, task, out, kernel):
             try:
                 env[op.result.id] = wrap_i32(ARITH[op.attrs["op"]](a, b))
             except ZeroDivisionError as e:
-                raise _fail(f"rank {rank} task {task}: {e}", op) from None
+                raise fail(WHAT, f"rank {rank} task {task}: {e}", op) from None
         elif n == "select":
             c, a, b = (env[v.id] for v in op.operands)
             env[op.result.id] = a if c else b
         elif n == "for":
             lo, hi, st = (env[v.id] for v in op.operands)
             if st <= 0:
-                raise _fail(f"loop step {st} must be positive", op)
+                raise fail(WHAT, f"loop step {st} must be positive", op)
             for i in range(lo, hi, st):
                 env[op.regions[0].args[0].id] = i
                 _ce_eval(op.regions[0], env, rank, task, out, kernel)
@@ -205,13 +202,13 @@ def _ce_eval(block, env, rank, task, out, kernel):
             out.append(("wait", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id],
                         bool(op.attrs.get("epoch", True)), op.attrs.get("per_launch"), task))
         else:
-            raise _fail(f"internal: '{n}' reached the copy-engine evaluator unmatched", op)
+            raise fail(WHAT, f"internal: '{n}' reached the copy-engine evaluator unmatched", op)
 
 
 def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> list[CeCopy]:
     for who, r in (("source", srank), ("destination", drank)):
         if not 0 <= r < W:
-            raise _fail(f"task {task}: {who} rank {r} is outside the group of {W}", op)
+            raise fail(WHAT, f"task {task}: {who} rank {r} is outside the group of {W}", op)
     sd, dd = sbuf.type.shape, dbuf.type.shape
     ext = []
     for s_o, d_o, nn, s_d, d_d in zip(soffs, doffs, shape, sd, dd):
@@ -244,13 +241,8 @@ def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None,
     """Evaluate a copy-engine part (the only one, or the one named) for every rank into a
     :class:`CopyEnginePlan`. ``match``: the part's match (the pipeline passes it; else the part
     is matched here)."""
-    if part is None:
-        parts = [q for q in kernel.parts if q.role == "comm" and q.engine == "copy_engine"]
-        if len(parts) != 1:
-            raise _fail(f"kernel '{kernel.name}' has {len(parts)} copy-engine parts; name the one to plan", kernel.loc)
-        p = parts[0]
-    else:
-        p = kernel.part(part) if isinstance(part, str) else part
+    p = only_part(kernel, part, WHAT, "copy-engine parts", lambda q: q.role == "comm" and q.engine == "copy_engine",
+                  verb="plan")
     if match is None:
         match_copy_engine(kernel, p)
     W = kernel.world_size
@@ -270,25 +262,26 @@ def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None,
             if e[0] == "notify":
                 _, op, sig, ch, target, task = e
                 if not 0 <= target < W:
-                    raise _fail(f"rank {r} task {task}: rank_notify to rank {target}, outside the group of {W}", op)
+                    raise fail(WHAT, f"rank {r} task {task}: rank_notify to rank {target}, outside the group of {W}",
+                               op)
                 if not 0 <= ch < sig.type.slots:
-                    raise _fail(f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}' "
-                                f"({sig.type.slots} slots)", op)
+                    raise fail(WHAT, f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}' "
+                               f"({sig.type.slots} slots)", op)
                 key = (sig.name, target, ch)
                 owners.setdefault(key, []).append((r, op))
     for key, lst in owners.items():
         ranks = sorted({r for r, _ in lst})
         if len(ranks) > 1:
-            raise _fail(f"ranks {ranks} all notify slot {key[2]} of '{key[0]}' on rank {key[1]}; the copy engine "
-                        "writes signal values (cuStreamWriteValue64) instead of adding, so one rank must own each slot",
-                        lst[0][1])
+            raise fail(WHAT, f"ranks {ranks} all notify slot {key[2]} of '{key[0]}' on rank {key[1]}; the copy engine "
+                       "writes signal values (cuStreamWriteValue64) instead of adding, so one rank must own each slot",
+                       lst[0][1])
     for other in kernel.parts:
         if other is p:
             continue
         for op in other.walk():
             if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners):
-                raise _fail(f"signal '{op.operands[0].owner.name}' is notified by the copy engine (absolute writes) "
-                            f"and by part '{other.name}' (atomic adds); give each its own signal", op)
+                raise fail(WHAT, f"signal '{op.operands[0].owner.name}' is notified by the copy engine (absolute "
+                           f"writes) and by part '{other.name}' (atomic adds); give each its own signal", op)
     seen: dict = {}
     actions = []
     for r, ev in enumerate(events):
@@ -305,7 +298,7 @@ def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None,
             else:
                 _, op, sig, ch, count, epoch, per_launch, task = e
                 if not 0 <= ch < sig.type.slots:
-                    raise _fail(f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}'", op)
+                    raise fail(WHAT, f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}'", op)
                 acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), where(op), per_launch))
         actions.append(tuple(acts))
     bufs = {b.name: (b.type.shape, b.type.dtype.name, elem_bytes(b.type.dtype)) for b in kernel.buffers}

@@ -13,24 +13,20 @@ from ...ir import core
 from ...ir import types as T
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ...ir.schedule import ComputeSchedule
-from ..abi import KernelParam, TmaDescriptorSpec, cident, is_this_rank, peer_signal_param, signal_param
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, buffer_param, entry_name, is_this_rank,
+                   peer_signal_param, signal_param, table_param, tma_param, wait_timeout_options)
 from ..dtypes import SWIZZLE, ctype, elem_bytes
 from ..errors import fail
+from ..ir_queries import SCALAR_OPS, kernel_tensor, needed_ops, scope_of, widest_scope
 from ..match.affine import affine, fmt_all
-from ..match.gemm import GemmMatch, buffer_of, is_accumulator
-from ..rules.primitives import scope_of, widest_scope
-from ..rules.scalars import SCALAR_OPS, const_value, needed_ops
-from .wgmma import STORE_DTYPES, GemmConfig, check_operands, choose_config, epilogue_buffer_bytes
+from ..match.gemm import WHAT, GemmMatch, is_accumulator
+from .wgmma import (STORE_DTYPES, GemmConfig, check_k_loop, check_operands, check_tiles, choose_config,
+                    epilogue_buffer_bytes)
 
-#: the types a GEMM stores (C, a generated epilogue's sums) and its epilogue loads
 #: the elementwise ops a generated epilogue's sum may apply to the accumulator and loaded tiles
 SUM_OPS = ("add", "mul", "sub")
 
 _GRID_TMA = "const __grid_constant__ cute::TmaDescriptor"
-
-
-def _fail(msg: str, at=None):
-    return fail("GEMM lowering", msg, at)
 
 
 # -- the hooks -------------------------------------------------------------------------------------
@@ -40,10 +36,11 @@ class Hook:
     """Where the template runs some of the tile program's ops: the producer's waits before a
     tile's loads or a stage's, the epilogue's notifies or generated sums. ``roots`` are the ops
     the hook is for; of the rest of ``ops`` it runs the index code, loops and conditions they
-    need (:func:`..rules.scalars.needed_ops`). The other fields are what the rendered code
-    reads, in program order: the kernel parameters it needs."""
+    need (:func:`..ir_queries.needed_ops`): ``needed``, what the renderer emits. The other
+    fields are what the rendered code reads, in program order: the kernel parameters it needs."""
     ops: tuple[core.Op, ...]
     roots: frozenset[int]                          # ids of the root ops
+    needed: frozenset[int]                         # ids of the ops the hook runs: the roots and what they need
     signals: tuple[core.Signal, ...] = ()          # this rank's copy: sig_<name>
     peer_signals: tuple[core.Signal, ...] = ()     # every rank's copies: sig_<name>_peers
     tables: tuple[core.Buffer, ...] = ()           # load_scalar tables: tbl_<name>
@@ -105,7 +102,8 @@ def hook(ops, is_root, c_store: core.Op | None = None) -> Hook:
             add("stored", op.operands[0].owner)
             for ld in _tile_loads(op.operands[-1]):
                 add("loaded", ld.operands[0].owner)
-    return Hook(ops, roots, **{k: tuple(v) for k, v in use.items()}, **count, notify_scope=widest_scope(scopes))
+    return Hook(ops, roots, frozenset(needed), **{k: tuple(v) for k, v in use.items()}, **count,
+                notify_scope=widest_scope(scopes))
 
 
 def wait_hook(m: GemmMatch) -> Hook:
@@ -163,13 +161,13 @@ def _own_rows(kernel, part, m: GemmMatch, cfg: GemmConfig, M: int, K: int, epilo
     (``own_rows``, this rank's rows) or the gathered copy (``gather_rows``, every row)."""
     W = kernel.world_size
     if M % W or (M // W) % cfg.BM:
-        raise _fail(f"{what}: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
-                    part)
+        raise fail(WHAT, f"{what}: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
+                   part)
     if cfg.cluster != (1, 1):
-        raise _fail(f"{what}: the GEMM stores A stages without thread-block clusters (got {cfg.cluster})", part)
+        raise fail(WHAT, f"{what}: the GEMM stores A stages without thread-block clusters (got {cfg.cluster})", part)
     if epilogue.notifies or m.extras:
-        raise _fail(f"{what}: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
-                    "part does neither)", part)
+        raise fail(WHAT, f"{what}: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
+                   "part does neither)", part)
     rows = M // W
     if what == "gather_rows":
         params += [KernelParam("tma_a_own", _GRID_TMA, "tma", "tma:tma_a_own"),
@@ -191,9 +189,9 @@ def _check_push_order(kernel, part, sched, M: int, cfg: GemmConfig) -> None:
     this rank's tiles with a peer's in one CTA's sequence: a cross-rank deadlock)."""
     rows = M // kernel.world_size // cfg.BM
     if sched.order != "comm_aligned" or int(getattr(part, "align_shift", 0)) != 0 or rows % sched.group_m:
-        raise _fail(f"push_rows: each CTA must push its tiles of this rank's rows before it waits for a peer's, so the "
-                    f"order must be 'comm_aligned' starting at this rank's rows with its {rows} tile rows whole groups "
-                    f"(group_m dividing {rows}); got order={sched.order!r}, group_m={sched.group_m}", part)
+        raise fail(WHAT, f"push_rows: each CTA must push its tiles of this rank's rows before it waits for a peer's, "
+                   f"so the order must be 'comm_aligned' starting at this rank's rows with its {rows} tile rows whole "
+                   f"groups (group_m dividing {rows}); got order={sched.order!r}, group_m={sched.group_m}", part)
 
 
 def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list) -> tuple:
@@ -215,86 +213,93 @@ def _check_shapes(part: core.Part, m: GemmMatch, sched: ComputeSchedule):
     BM, BN, BK = sched.tile
     a, b, c = m.a.type, m.b.type, m.c.type
     if len(a.shape) != 2 or len(b.shape) != 2 or len(c.shape) != 2:
-        raise _fail("A, B and C must be 2-d", m.dot)
+        raise fail(WHAT, "A, B and C must be 2-d", m.dot)
     M, K = a.shape
     K2, N = b.shape
     if K2 != K or tuple(c.shape) != (M, N):
-        raise _fail(f"shapes do not form a GEMM: A {list(a.shape)}, B {list(b.shape)}, C {list(c.shape)}", m.dot)
+        raise fail(WHAT, f"shapes do not form a GEMM: A {list(a.shape)}, B {list(b.shape)}, C {list(c.shape)}", m.dot)
     la, lb = m.dot.operands[0].owner, m.dot.operands[1].owner
-    if la.attrs["shape"] != (BM, BK) or lb.attrs["shape"] != (BK, BN) or m.frag.attrs["shape"] != (BM, BN):
-        raise _fail(f"tile shapes A {la.attrs['shape']}, B {lb.attrs['shape']}, acc {m.frag.attrs['shape']} do "
-                    f"not match the compute schedule's tile {(BM, BN, BK)}", m.dot)
-    lo, hi, st = (const_value(v) for v in m.loop.operands)
-    if (lo, hi, st) != (0, K, BK):
-        raise _fail(f"the K loop must be tl.range(0, {K}, {BK}) (K of A/B, step BK), got ({lo}, {hi}, {st})", m.loop)
+    check_tiles(WHAT, la.attrs["shape"], lb.attrs["shape"], m.frag.attrs["shape"], sched.tile, m.dot)
+    check_k_loop(WHAT, m.loop, K, BK)
     k = {m.loop.regions[0].args[0].id: "k"}
     want = {"a": ({"pid0": BM}, {"k": 1}), "b": ({"k": 1}, {"pid1": BN}), "c": ({"pid0": BM}, {"pid1": BN})}
     for key, op, offs in (("a", la, la.operands[1:]), ("b", lb, lb.operands[1:]),
                           ("c", m.store, m.store.operands[1:3])):
         got = tuple(affine(v, k) for v in offs)
         if got != want[key]:
-            raise _fail(f"{key.upper()} tile offsets must be {fmt_all(want[key])} (grid ids pid0, pid1; "
-                        f"K loop variable k), got {fmt_all(got)}", op)
+            raise fail(WHAT, f"{key.upper()} tile offsets must be {fmt_all(want[key])} (grid ids pid0, pid1; "
+                       f"K loop variable k), got {fmt_all(got)}", op)
     if tuple(part.grid) != (-(-M // BM), -(-N // BN)):
-        raise _fail(f"the grid must be (cdiv(M, BM), cdiv(N, BN)) = {(-(-M // BM), -(-N // BN))}, "
-                    f"got {part.grid}", part)
-    check_operands("GEMM lowering", a.dtype, b.dtype, m.out_dtype, K, N, m.dot, m.store)
+        raise fail(WHAT, f"the grid must be (cdiv(M, BM), cdiv(N, BN)) = {(-(-M // BM), -(-N // BN))}, "
+                   f"got {part.grid}", part)
+    check_operands(WHAT, a.dtype, b.dtype, m.out_dtype, K, N, m.dot, m.store)
     ob = elem_bytes(m.out_dtype)
     for st in m.extras:
         _check_epilogue_store(st, m, sched, ob)
     return M, N, K
 
 
+def _check_notifies_follow_a_store(m: GemmMatch) -> None:
+    """In a generated epilogue a notify releases the tile's stores: one must come before it (in
+    the order the epilogue runs them)."""
+    for op in _walk(m.epilogue):
+        if op.name == "store":
+            return
+        if op.name in NOTIFY_OPS:
+            raise fail(WHAT, "a notify before the tile's store in a generated GEMM epilogue", op)
+
+
 def _check_epilogue_store(st: core.Op, m: GemmMatch, sched: ComputeSchedule, c_bytes: int):
     """A generated epilogue's sum store: a 2-d TMA-storable buffer, the tile's columns, a value
     built from the accumulator and (BM, BN) tiles loaded at the tile's columns."""
     BM, BN, _ = sched.tile
-    buf = buffer_of(st.operands[0], "an epilogue store's target", st)
+    buf = kernel_tensor(st.operands[0], "an epilogue store's target", st, WHAT)
     dt = buf.type.dtype.name
     if len(buf.type.shape) != 2 or dt not in STORE_DTYPES:
-        raise _fail(f"an epilogue store needs a 2-d f16 / bf16 / f32 tensor, got '{buf.name}' "
-                    f"{list(buf.type.shape)} {dt}", st)
+        raise fail(WHAT, f"an epilogue store needs a 2-d f16 / bf16 / f32 tensor, got '{buf.name}' "
+                   f"{list(buf.type.shape)} {dt}", st)
     if buf.type.shape[1] * elem_bytes(dt) % 16:
-        raise _fail(f"TMA needs 16-byte aligned rows: '{buf.name}' rows are {buf.type.shape[1] * elem_bytes(dt)} "
-                    "bytes", st)
+        raise fail(WHAT, f"TMA needs 16-byte aligned rows: '{buf.name}' rows are {buf.type.shape[1] * elem_bytes(dt)} "
+                   "bytes", st)
     if 64 * min(128, BN * elem_bytes(dt)) > epilogue_buffer_bytes(BN, c_bytes):
-        raise _fail(f"the epilogue stages '{buf.name}' ({dt}) in C's buffers, which are too small for it at BN={BN}; "
-                    "store the sum in a type no wider than C's", st)
+        raise fail(WHAT, f"the epilogue stages '{buf.name}' ({dt}) in C's buffers, which are too small for it at "
+                   f"BN={BN}; store the sum in a type no wider than C's", st)
     col = affine(st.operands[2])
     if col != {"pid1": BN}:
-        raise _fail(f"an epilogue store must write the tile's columns (pid1*BN), got {fmt_all((col,))}", st)
+        raise fail(WHAT, f"an epilogue store must write the tile's columns (pid1*BN), got {fmt_all((col,))}", st)
 
     def check(v: core.Value):
         op = v.owner
         if is_accumulator(v, m.frag) and op.name == "frag_read":
             return
         if not isinstance(op, core.Op):
-            raise _fail("an epilogue value must be computed from the accumulator and loaded tiles", st)
+            raise fail(WHAT, "an epilogue value must be computed from the accumulator and loaded tiles", st)
         if op.name == "cast":
             check(op.operands[0])
         elif op.name == "ewise":
             if op.attrs["op"] not in SUM_OPS:
-                raise _fail(f"elementwise '{op.attrs['op']}' in a GEMM epilogue: only {sorted(SUM_OPS)} "
-                            "are lowered", op)
+                raise fail(WHAT, f"elementwise '{op.attrs['op']}' in a GEMM epilogue: only {sorted(SUM_OPS)} "
+                           "are lowered", op)
             for x in op.operands:
                 if not isinstance(x.type, T.TileType):
-                    raise _fail("scalars in an epilogue sum are not lowered", op)
+                    raise fail(WHAT, "scalars in an epilogue sum are not lowered", op)
                 check(x)
         elif op.name == "load":
-            lb = buffer_of(op.operands[0], "an epilogue load's source", op)
+            lb = kernel_tensor(op.operands[0], "an epilogue load's source", op, WHAT)
             ldt = lb.type.dtype.name
             if len(lb.type.shape) != 2 or ldt not in STORE_DTYPES or lb.type.shape[1] % 2:
-                raise _fail(f"an epilogue load needs a 2-d f16 / bf16 / f32 tensor with an even row length, got "
-                            f"'{lb.name}' {list(lb.type.shape)} {ldt}", op)
+                raise fail(WHAT, f"an epilogue load needs a 2-d f16 / bf16 / f32 tensor with an even row length, got "
+                           f"'{lb.name}' {list(lb.type.shape)} {ldt}", op)
             if tuple(op.attrs["shape"]) != (BM, BN):
-                raise _fail(f"an epilogue load must read a whole ({BM}, {BN}) tile, got {op.attrs['shape']}", op)
+                raise fail(WHAT, f"an epilogue load must read a whole ({BM}, {BN}) tile, got {op.attrs['shape']}", op)
             if affine(op.operands[2]) != {"pid1": BN}:
-                raise _fail(f"an epilogue load must read the tile's columns (pid1*BN), got "
-                            f"{fmt_all((affine(op.operands[2]),))}", op)
+                raise fail(WHAT, f"an epilogue load must read the tile's columns (pid1*BN), got "
+                           f"{fmt_all((affine(op.operands[2]),))}", op)
         else:
-            raise _fail(f"'{op.name}' in an epilogue sum: the GEMM lowering adds loaded tiles to the accumulator", op)
+            raise fail(WHAT, f"'{op.name}' in an epilogue sum: the GEMM lowering adds loaded tiles to the accumulator",
+                       op)
     if tuple(st.operands[-1].type.shape) != (BM, BN):
-        raise _fail(f"an epilogue store must write a whole ({BM}, {BN}) tile", st)
+        raise fail(WHAT, f"an epilogue store must write a whole ({BM}, {BN}) tile", st)
     check(st.operands[-1])
 
 
@@ -337,15 +342,16 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
     """The plan of a matched GEMM (options: see :func:`..recipes.gemm.lower_gemm`)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(part, m, sched)
-    cfg = choose_config(sched, m.a.type.dtype.name, m.out_dtype, cluster=cluster, loc=part.loc)
+    if m.extras:
+        _check_notifies_follow_a_store(m)
+    cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, cluster=cluster, loc=part.loc)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),
               KernelParam("tma_b", _GRID_TMA, "tma", "tma:tma_b"),
               KernelParam("tma_c", _GRID_TMA, "tma", "tma:tma_c"),
               KernelParam("M", "int", "i32", "M", M), KernelParam("N", "int", "i32", "N", N),
-              KernelParam("K", "int", "i32", "K", K), KernelParam("rank", "int", "i32", "rank"),
-              KernelParam("launch", "unsigned long long", "u64", "launch")]
+              KernelParam("K", "int", "i32", "K", K), RANK_PARAM, LAUNCH_PARAM]
     notified = tuple(s for s in epi.signals if _notifies(m.epilogue, s))
     waited = list(waits.signals) + [s for s in stage.signals if s not in waits.signals]
     for s in waited:   # waited on (and maybe notified): this rank's copy
@@ -362,26 +368,25 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
     tables = list(waits.tables) + [t for t in stage.tables if t not in waits.tables]
     tables += [t for t in epi.tables if t not in tables]
     for t in tables:
-        params.append(KernelParam(f"tbl_{cident(t.name)}", "const int* __restrict__", "ptr", f"buffer:{t.name}"))
+        params.append(KernelParam(table_param(t), "const int* __restrict__", "ptr", f"buffer:{t.name}"))
     for b in epi.stored:     # a generated epilogue: its sum stores' descriptors, the tensors it loads
-        params.append(KernelParam(f"tma_{cident(b.name)}", _GRID_TMA, "tma", f"tma:tma_{cident(b.name)}"))
+        params.append(KernelParam(tma_param(b), _GRID_TMA, "tma", f"tma:{tma_param(b)}"))
     for b in epi.loaded:     # peers write these during the kernel: plain (L2) loads, never the read-only path
-        params.append(KernelParam(f"buf_{cident(b.name)}", f"const {ctype(b.type.dtype).c}*", "ptr",
-                                  f"data:{b.name}"))
+        params.append(KernelParam(buffer_param(b), f"const {ctype(b.type.dtype).c}*", "ptr", f"data:{b.name}"))
 
     tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in epi.stored)
     if own_rows and gather_rows:
-        raise _fail("own_rows and gather_rows are two ways to load this rank's rows: choose one", part)
+        raise fail(WHAT, "own_rows and gather_rows are two ways to load this rank's rows: choose one", part)
     if push_rows and not gather_rows:
-        raise _fail("push_rows: the GEMM pushes the rows it gathers; lower with gather_rows=True", part)
+        raise fail(WHAT, "push_rows: the GEMM pushes the rows it gathers; lower with gather_rows=True", part)
     if own_rows or gather_rows:
         tma += _own_rows(kernel, part, m, cfg, M, K, epi, params, "gather_rows" if gather_rows else "own_rows")
     if push_rows:
         _check_push_order(kernel, part, sched, M, cfg)
         tma += _push_rows(kernel, cfg, M, K, params)
-    options = () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
-    return GemmPlan(kernel, part, m, cfg, M, N, K, entry or cident(f"tldsl_{kernel.name}_{part.name}"),
-                    int(getattr(part, "align_shift", 0)), tuple(params), tma, options, waits, stage, epi, notified,
+    return GemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
+                    int(getattr(part, "align_shift", 0)), tuple(params), tma, wait_timeout_options(wait_timeout_ns),
+                    waits, stage, epi, notified,
                     own_rows, gather_rows, push_rows)
 
 
@@ -395,7 +400,7 @@ def _store_spec(cfg: GemmConfig, buf: core.Buffer) -> TmaDescriptorSpec:
     ob = elem_bytes(dt)
     rows, cols = buf.type.shape
     sc = min(128, cfg.BN * ob)
-    return TmaDescriptorSpec(f"tma_{cident(buf.name)}", buf.name, "C", dt, ctype(dt).tma, (cols, rows),
+    return TmaDescriptorSpec(tma_param(buf), buf.name, "C", dt, ctype(dt).tma, (cols, rows),
                              (cols * ob,), (sc // ob, 64), (1, 1), SWIZZLE[sc],
                              l2_promotion="CU_TENSOR_MAP_L2_PROMOTION_NONE")
 

@@ -9,27 +9,23 @@ from dataclasses import dataclass, replace
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS, NOTIFY_OPS
 from ...ir.schedule import ComputeSchedule
-from ..abi import KernelParam, TmaDescriptorSpec, cident
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, entry_name, pointer_param,
+                   wait_timeout_options)
 from ..dtypes import SWIZZLE, c_type, ctype
 from ..errors import fail
+from ..ir_queries import scope_of
 from ..match import affine as aff
 from ..match.grouped_gemm import WHAT, GroupedGemmMatch
 from ..match.per_row import depends_on
-from ..rules.primitives import scope_of
-from ..rules.scalars import const_value
 from .prog_params import (signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook,
                           written_buffers)
-from .wgmma import GemmConfig, check_operands, choose_config
+from .wgmma import GemmConfig, check_k_loop, check_operands, check_tiles, choose_config
 
 #: producer / consumer registers after ``setmaxnreg`` when A is gathered (the producer warpgroup
 #: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 <= 65536;
 #: 224 still holds the 128 accumulators of a 128x256 tile without spills (checked in the tests).
 GATHER_REGS = (56, 224)
 _TMA = "const __grid_constant__ cute::TmaDescriptor"
-
-
-def _fail(msg, at=None):
-    return fail(WHAT, msg, at)
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
-    cfg = choose_config(sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc, clusters_lowered=((1, 1),))
+    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc, clusters_lowered=((1, 1),))
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
 
@@ -78,22 +74,21 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
     buffers = {}
     if m.gather:
-        params.append(KernelParam(f"ptr_{cident(m.a.name)}", f"const {c_type(in_dt)}* __restrict__", "ptr",
+        params.append(KernelParam(pointer_param(m.a), f"const {c_type(in_dt)}* __restrict__", "ptr",
                                   f"buffer:{m.a.name}"))
         buffers[m.a.name] = (tuple(m.a.type.shape), in_dt)
-    params += [KernelParam("rank", "int", "i32", "rank"), KernelParam("launch", "unsigned long long", "u64", "launch")]
+    params += [RANK_PARAM, LAUNCH_PARAM]
     params += signal_params(signals)
     for b in tensors:
         params.append(tensor_param(b, written))
         buffers[b.name] = (tuple(b.type.shape), b.type.dtype.name)
     walk = list(part.walk())
     waits = [op for op in walk if op.name in WAIT_OPS]
-    options = () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
-    return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry or cident(f"tldsl_{kernel.name}_{part.name}"),
+    return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
                            int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
                            buffers, signals, tensors, written, len(waits),
                            sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
-                           options)
+                           wait_timeout_options(wait_timeout_ns))
 
 
 def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int, int]:
@@ -101,53 +96,47 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
     BM, BN, BK = sched.tile
     at, bt, ct = m.a.type, m.b.type, m.c.type
     if len(at.shape) != 2 or len(ct.shape) != 2 or len(bt.shape) not in (2, 3):
-        raise _fail(f"A and C must be 2-d and B 2-d or 3-d ([E, K, N]); got A {list(at.shape)}, B {list(bt.shape)}, "
-                    f"C {list(ct.shape)}", m.dot)
+        raise fail(WHAT, f"A and C must be 2-d and B 2-d or 3-d ([E, K, N]); got A {list(at.shape)}, "
+                   f"B {list(bt.shape)}, C {list(ct.shape)}", m.dot)
     Ma, K = at.shape
     Kb, N = bt.shape[-2:]
     if Kb != K or ct.shape[1] != N:
-        raise _fail(f"shapes do not form a GEMM: A {list(at.shape)}, B {list(bt.shape)}, C {list(ct.shape)}", m.dot)
-    frag_shape = tuple(m.frag.attrs["shape"])
-    a_shape = tuple(m.a_load.attrs["shape"])
-    b_tile = tuple(m.b_load.result.type.shape)
-    if a_shape != (BM, BK) or b_tile != (BK, BN) or frag_shape != (BM, BN):
-        raise _fail(f"tile shapes A {a_shape}, B {b_tile}, acc {frag_shape} do not match the compute schedule's "
-                    f"tile {(BM, BN, BK)}", m.dot)
-    lo, hi, st = (const_value(v) for v in m.loop.operands)
-    if (lo, hi, st) != (0, K, BK):
-        raise _fail(f"the K loop must be tl.range(0, {K}, {BK}) (K of A/B, step BK), got ({lo}, {hi}, {st})", m.loop)
+        raise fail(WHAT, f"shapes do not form a GEMM: A {list(at.shape)}, B {list(bt.shape)}, C {list(ct.shape)}",
+                   m.dot)
+    check_tiles(WHAT, m.a_load.attrs["shape"], m.b_load.result.type.shape, m.frag.attrs["shape"], sched.tile, m.dot)
+    check_k_loop(WHAT, m.loop, K, BK)
     iv = m.loop.regions[0].args[0]
     sym = {iv.id: "k"}
     if m.gather:
         if tuple(m.rows.type.shape) != (BM,) or m.rows.type.dtype.name != "i32":
-            raise _fail(f"the gathered row ids must be a ({BM},) i32 tile, got {m.rows.type}", m.a_load)
+            raise fail(WHAT, f"the gathered row ids must be a ({BM},) i32 tile, got {m.rows.type}", m.a_load)
         col = aff.affine(m.a_load.operands[2], sym)
         if col != {"k": 1}:
-            raise _fail(f"the gather must read columns (k, k + BK): its column offset must be k, got "
-                        f"{aff.fmt_all((col,))}", m.a_load)
+            raise fail(WHAT, f"the gather must read columns (k, k + BK): its column offset must be k, got "
+                       f"{aff.fmt_all((col,))}", m.a_load)
         if depends_on(m.rows, iv):
-            raise _fail("the gathered row ids must not depend on the K loop", m.a_load)
+            raise fail(WHAT, "the gathered row ids must not depend on the K loop", m.a_load)
     else:
         got = tuple(aff.affine(v, sym) for v in m.a_load.operands[1:])
         if got != ({"pid0": BM}, {"k": 1}):
-            raise _fail(f"A tile offsets must be (pid0*{BM}, k), got {aff.fmt_all(got)}", m.a_load)
+            raise fail(WHAT, f"A tile offsets must be (pid0*{BM}, k), got {aff.fmt_all(got)}", m.a_load)
     b_offs = m.b_load.operands[1:]
     if m.batched:
         if tuple(m.b_load.attrs["shape"]) != (1, BK, BN):
-            raise _fail(f"B must be loaded as one expert's (BK, BN) tile: box (1, {BK}, {BN}), got "
-                        f"{m.b_load.attrs['shape']}", m.b_load)
+            raise fail(WHAT, f"B must be loaded as one expert's (BK, BN) tile: box (1, {BK}, {BN}), got "
+                       f"{m.b_load.attrs['shape']}", m.b_load)
         if depends_on(m.batch, iv):
-            raise _fail("B's expert coordinate must not depend on the K loop", m.b_load)
+            raise fail(WHAT, "B's expert coordinate must not depend on the K loop", m.b_load)
         b_offs = b_offs[1:]
     got = tuple(aff.affine(v, sym) for v in b_offs)
     if got != ({"k": 1}, {"pid1": BN}):
-        raise _fail(f"B tile offsets must be ({'e, ' if m.batched else ''}k, pid1*{BN}), got {aff.fmt_all(got)}",
-                    m.b_load)
+        raise fail(WHAT, f"B tile offsets must be ({'e, ' if m.batched else ''}k, pid1*{BN}), got {aff.fmt_all(got)}",
+                   m.b_load)
     got = tuple(aff.affine(v, sym) for v in m.store.operands[1:3])
     if got != ({"pid0": BM}, {"pid1": BN}):
-        raise _fail(f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
+        raise fail(WHAT, f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
     if tuple(m.store.operands[-1].type.shape) != (BM, BN):
-        raise _fail(f"the stored tile must be the ({BM}, {BN}) accumulator", m.store)
+        raise fail(WHAT, f"the stored tile must be the ({BM}, {BN}) accumulator", m.store)
     check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async")
     return Ma, N, K
 

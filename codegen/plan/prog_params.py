@@ -9,19 +9,19 @@ from typing import Iterable
 
 from ...ir import core
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
-from ..abi import KernelParam, cident, signal_param
+from ..abi import KernelParam, pointer_param, signal_param, table_param
 from ..dtypes import c_type
-from ..rules.scalars import needed_ops, producers
+from ..ir_queries import needed_ops, producers
 
 
 def signal_hook(ops, kinds) -> set[int]:
     """ids of the ops a waits / notifies hook runs: the signal ops of ``kinds`` and the index
-    code, loops and conditions around them (:func:`..rules.scalars.needed_ops`)."""
+    code, loops and conditions around them (:func:`..ir_queries.needed_ops`)."""
     return needed_ops(ops, lambda op: op.name in kinds)
 
 
 def value_hook(ops, values) -> set[int]:
-    """ids of the ops a hook computing ``values`` runs (:func:`..rules.scalars.producers`)."""
+    """ids of the ops a hook computing ``values`` runs (:func:`..ir_queries.producers`)."""
     return {id(op) for op in producers(values, ops)}
 
 
@@ -65,7 +65,7 @@ def written_buffers(kernel: core.Kernel) -> frozenset[str]:
 def tensor_name(b: core.Buffer) -> str:
     """The parameter (and ``Prog`` member) of a tensor the hooks read: ``tbl_<name>`` for i32
     tables, ``ptr_<name>`` for the rest."""
-    return f"{'tbl' if b.type.dtype.name == 'i32' else 'ptr'}_{cident(b.name)}"
+    return table_param(b) if b.type.dtype.name == "i32" else pointer_param(b)
 
 
 def tensor_param(b: core.Buffer, written: frozenset[str]) -> KernelParam:

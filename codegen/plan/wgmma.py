@@ -5,17 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...ir import core
+from ...ir.schedule import ComputeSchedule
 from ..dtypes import MMA_INPUTS, elem_bytes
 from ..errors import fail
-from ...ir.schedule import ComputeSchedule
+from ..ir_queries import const_value
 
 SMEM_LIMIT = 232448           # dynamic shared memory per block on sm_90 (227 KiB)
 ACC_LIMIT = 128               # fp32 accumulators per consumer thread we allow (register file)
 ORDERS = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}   # tile orders (tile_order.hpp)
-
-
-def _fail(msg, at=None):
-    return fail("GEMM lowering", msg, at)
 
 
 @dataclass(frozen=True)
@@ -89,39 +87,56 @@ def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
     return used + 1024
 
 
-def choose_config(sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None,
+def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None,
                   clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
+    """The configuration of the schedule's tile, or a LoweringError from recipe ``what`` at ``loc``."""
     BM, BN, BK = sched.tile
     cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
     if BM < 64:
-        raise _fail(f"BM={BM}: WGMMA works on 64-row blocks, so BM must be 64, 128 or 256", loc)
+        raise fail(what, f"BM={BM}: WGMMA works on 64-row blocks, so BM must be 64, 128 or 256", loc)
     if BK < 16:
-        raise _fail(f"BK={BK}: WGMMA consumes K in steps of 16, so BK must be >= 16", loc)
+        raise fail(what, f"BK={BK}: WGMMA consumes K in steps of 16, so BK must be >= 16", loc)
     if BN < 16:
-        raise _fail(f"BN={BN}: this lowering needs BN >= 16", loc)
+        raise fail(what, f"BN={BN}: this lowering needs BN >= 16", loc)
     if cl not in clusters_lowered:
-        raise _fail(f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
+        raise fail(what, f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
     wgs = 2 if BM >= 128 else 1
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
                consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype)
     acc = (BM // (64 * wgs)) * BN // 2
     if acc > ACC_LIMIT:
-        raise _fail(f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} fit "
-                    "the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
+        raise fail(what, f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} "
+                   "fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
     eb, ob = elem_bytes(in_dtype), elem_bytes(out_dtype)
     for bufs in (2, 1):
         if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob) <= SMEM_LIMIT:
             break
     else:
         need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob)
-        raise _fail(f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
-                    f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
+        raise fail(what, f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
+                   f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
     regs = (40, 232) if wgs == 2 else (0, 0)
     return GemmConfig(**cfg, epi_buffers=bufs, producer_regs=regs[0], consumer_regs=regs[1])
 
 
 #: the output dtypes both WGMMA epilogues store
 STORE_DTYPES = ("f16", "bf16", "f32")
+
+
+def check_tiles(what: str, a_tile, b_tile, acc_tile, tile, at) -> None:
+    """The tiles the K loop multiplies and accumulates are the compute schedule's ``(BM, BN, BK)``."""
+    BM, BN, BK = tile
+    if tuple(a_tile) != (BM, BK) or tuple(b_tile) != (BK, BN) or tuple(acc_tile) != (BM, BN):
+        raise fail(what, f"tile shapes A {tuple(a_tile)}, B {tuple(b_tile)}, acc {tuple(acc_tile)} do not match the "
+                   f"compute schedule's tile {(BM, BN, BK)}", at)
+
+
+def check_k_loop(what: str, loop: core.Op, K: int, BK: int) -> None:
+    """The K loop is ``tl.range(0, K, BK)``."""
+    lo, hi, st = (const_value(v) for v in loop.operands)
+    if (lo, hi, st) != (0, K, BK):
+        raise fail(what, f"the K loop must be tl.range(0, {K}, {BK}) (K of A/B, step BK), got ({lo}, {hi}, {st})",
+                   loop)
 
 
 def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, store, loaders: str = "TMA") -> None:

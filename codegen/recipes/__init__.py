@@ -1,7 +1,9 @@
 """Recipes: the kernels the pipeline can build, one module each, in one table.
 
 The pipeline (:mod:`tldsl.codegen.pipeline`) tries the recipes of a part's role by
-``priority``, highest first. A new kind of kernel costs one recipe module and one line here.
+``priority``, highest first. A new kind of kernel costs its matcher (``match/``), its planner
+(``plan/``), its recipe module here (the renderer and the :class:`Recipe`) and one line in
+:data:`RECIPES`.
 """
 from __future__ import annotations
 

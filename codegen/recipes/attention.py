@@ -38,13 +38,13 @@ import numpy as np
 
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS
-from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, cident, kernel_entry, marker, signal_param
+from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, kernel_entry, marker, signal_param, table_param
 from ..dtypes import c_type, ctype
 from ..errors import fail
+from ..ir_queries import CONTROL_OPS, only_part
 from ..match.attention import LOG2E, WHAT, AttentionMatch, describe as describe_op, match_attention
 from ..plan.attention import AttentionConfig, AttentionPlan, ControlCode, plan_attention
 from ..plan.wgmma import ORDERS
-from ..rules.scalars import CONTROL_OPS
 from ..rules.sync import SignalEmitter
 from .recipe import Recipe
 
@@ -88,9 +88,7 @@ class LoweredAttention(LoweredKernel):
                  f"  tiles {c.grid[0]}x{c.grid[1]} = {c.num_tiles}, persistent; key shards of {self.shard_rows} rows; "
                  f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
-        for t in self.tma:
-            lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
-                         f"box={list(t.box_dims)} {t.swizzle}")
+        lines += self.describe_tma()
         return "\n".join(lines)
 
 
@@ -104,14 +102,11 @@ class _Control(SignalEmitter):
 
     def __init__(self, kernel: core.Kernel, m: AttentionMatch, control: ControlCode):
         self.m, self.control = m, control
-        super().__init__(kernel, m.part.body.ops, WHAT)
+        super().__init__(kernel, m.part.body.ops, WHAT, control.needed)
         self._in_waits = False
         self._block_text: str | None = None
 
     # hooks ------------------------------------------------------------------------------------
-    def is_root(self, op: core.Op) -> bool:
-        return op.name in WAIT_OPS or id(op) in self.control.roots
-
     def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if (op.name in WAIT_OPS or (op.name in CONTROL_OPS and op not in self.m.chain)) and not self._in_waits:
             lines.append(f"{ind}if constexpr (kWaits) {{")
@@ -178,7 +173,7 @@ class _Control(SignalEmitter):
 def _control_source(control: ControlCode, run_lines: list[str]) -> str:
     members = ["  int rank;", "  unsigned long long launch;"]
     members += [f"  const unsigned long long* {signal_param(s)};" for s in control.signals]
-    members += [f"  const int* tbl_{cident(t.name)};" for t in control.tables]
+    members += [f"  const int* {table_param(t)};" for t in control.tables]
     L = ["// The tile program's control code: coordinates, the loop nest over key blocks and its waits.",
          "// run<true> (the producer) also waits; run<false> (the consumers) only walks the blocks.",
          "struct Prog {",
@@ -279,14 +274,5 @@ def lower_attention(kernel: core.Kernel, part: str | core.Part | None = None, *,
     """Lower ``kernel``'s flash-attention compute part (the only one, or the one named) to a
     Hopper kernel: this recipe's match → plan → render, with the matcher's error (at the user's
     line) when the part does not fit. Options: :func:`..plan.attention.plan_attention`."""
-    if part is None:
-        parts = [p for p in kernel.parts if p.role == "compute"]
-        if len(parts) != 1:
-            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower",
-                       kernel.loc)
-        p = parts[0]
-    else:
-        p = kernel.part(part) if isinstance(part, str) else part
-    m = RECIPE.match(kernel, p)
-    return RECIPE.render(RECIPE.plan(kernel, p, m, stages=stages, overlap=overlap, wait_timeout_ns=wait_timeout_ns,
-                                     entry=entry))
+    p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
+    return RECIPE.run(kernel, p, stages=stages, overlap=overlap, wait_timeout_ns=wait_timeout_ns, entry=entry)

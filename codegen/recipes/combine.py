@@ -36,7 +36,7 @@ from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ..abi import KernelParam, LoweredKernel, marker
 from ..dtypes import c_type
-from ..errors import fail
+from ..ir_queries import only_part
 from ..match.combine import WHAT, match_combine
 from ..plan.combine import COMBINE_THREADS, CombinePlan, plan_combine
 from ..plan.wgmma import ORDERS
@@ -202,12 +202,5 @@ def lower_combine(kernel: core.Kernel, part: str | core.Part | None = None, *, w
     """Lower ``kernel``'s row-gather combine compute part (the only one, or the one named) to a
     CUDA kernel: this recipe's match → plan → render, with the matcher's error (at the user's
     line) when the part does not fit."""
-    if part is None:
-        parts = [q for q in kernel.parts if q.role == "compute"]
-        if len(parts) != 1:
-            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower",
-                       kernel.loc)
-        part = parts[0]
-    p = kernel.part(part) if isinstance(part, str) else part
-    m = RECIPE.match(kernel, p)
-    return RECIPE.render(RECIPE.plan(kernel, p, m, wait_timeout_ns=wait_timeout_ns, entry=entry))
+    p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
+    return RECIPE.run(kernel, p, wait_timeout_ns=wait_timeout_ns, entry=entry)

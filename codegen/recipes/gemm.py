@@ -54,38 +54,32 @@ from dataclasses import dataclass, field
 
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-from ..abi import (KernelParam, LoweredKernel, TmaDescriptorSpec, cident, kernel_entry, marker, peer_signal_param,
-                   signal_param)
+from ..abi import (KernelParam, LoweredKernel, TmaDescriptorSpec, buffer_param, kernel_entry, marker,
+                   peer_signal_param, signal_param, table_param, tma_param)
 from ..dtypes import c_type, ctype
 from ..errors import fail
-from ..match.gemm import match_gemm
+from ..ir_queries import only_part
+from ..match.gemm import WHAT, match_gemm
 from ..plan.gemm import OWN_COLS, OWN_ROW_PARAMS, GemmPlan, Hook, plan_gemm
 from ..plan.wgmma import GemmConfig
 from ..rules.primitives import SCOPE
-from ..rules.scalars import needed_ops
 from ..rules.sync import SignalEmitter
 from .recipe import Recipe
 from .wgmma import gemm_cfg_fields
 
-WHAT = "GEMM lowering"
 #: the C++ of a generated epilogue's elementwise sum ops (round to nearest, as the simulator)
 _FLOAT_OPS = {"add": "__fadd_rn", "sub": "__fsub_rn", "mul": "__fmul_rn"}
-
-
-def _fail(msg: str, at=None):
-    return fail(WHAT, msg, at)
 
 
 # -- the hooks' C++ ----------------------------------------------------------------------------------
 
 class _HookEmitter(SignalEmitter):
     """C++ for one of the plan's hooks: its roots, the index code that feeds them and the loops
-    and conditions around them, in program order."""
+    and conditions around them (the plan's ``hook.needed``), in program order."""
 
     def __init__(self, kernel: core.Kernel, hook: Hook):
-        super().__init__(kernel, list(hook.ops), WHAT)
+        super().__init__(kernel, list(hook.ops), WHAT, hook.needed)
         self.hook = hook
-        self.needed = needed_ops(hook.ops, lambda op: id(op) in hook.roots)
 
 
 class _WaitEmitter(_HookEmitter):
@@ -93,7 +87,7 @@ class _WaitEmitter(_HookEmitter):
 
     def emit_other(self, op, ind, lines):
         if op.name not in WAIT_OPS:
-            raise _fail(f"'{op.name}' is not supported in the GEMM prologue", op)
+            raise fail(WHAT, f"'{op.name}' is not supported in the GEMM prologue", op)
         lines.append(ind + self.wait_statement(op))
 
 
@@ -119,8 +113,8 @@ class NotifyEmitter(_HookEmitter):
 
     def emit_other(self, op, ind, lines):
         if op.name not in NOTIFY_OPS:
-            raise _fail(f"'{op.name}' after the tile's store is not supported by the GEMM lowering (only index "
-                        "arithmetic, loops and notifies may follow the store)", op)
+            raise fail(WHAT, f"'{op.name}' after the tile's store is not supported by the GEMM lowering (only index "
+                       "arithmetic, loops and notifies may follow the store)", op)
         lines.append(ind + self.notify_statement(op)[1])
 
 
@@ -148,11 +142,11 @@ class _EpilogueEmitter(_HookEmitter):
             return
         if n in NOTIFY_OPS:
             if not self.stores_done:
-                raise _fail("a notify before the tile's store in a generated GEMM epilogue", op)
+                raise fail(WHAT, "internal: a notify before the tile's store (the planner checks the order)", op)
             lines.append(f"{ind}if (ctx.notifier()) {self.notify_statement(op)[1]}")
             return
         if n != "store":
-            raise _fail(f"'{n}' is not supported in a generated GEMM epilogue", op)
+            raise fail(WHAT, f"'{n}' is not supported in a generated GEMM epilogue", op)
         buf = op.operands[0].owner
         row, col = self.name(op.operands[1], op), self.name(op.operands[2], op)
         et = c_type(buf.type.dtype)
@@ -178,7 +172,7 @@ class _EpilogueEmitter(_HookEmitter):
                   f"{ind}  x0 = y0;",
                   f"{ind}  x1 = y1;",
                   f"{ind}}});",
-                  f"{ind}ctx.template store<{et}>(&tma_{cident(buf.name)}, {col}, {row});  // store {buf.name}{mk}"]
+                  f"{ind}ctx.template store<{et}>(&{tma_param(buf)}, {col}, {row});  // store {buf.name}{mk}"]
 
     def _expr(self, v: core.Value, half: str, x: str, at) -> str:
         """C++ float expression of tile value ``v`` at one element of a pair (``half``: ``lo`` or
@@ -199,12 +193,12 @@ class _EpilogueEmitter(_HookEmitter):
             buf = op.operands[0].owner
             rows, cols = buf.type.shape
             r0, c0 = self.name(op.operands[1], at), self.name(op.operands[2], at)
-            load = f"tldsl::sm90::epi_load2(buf_{cident(buf.name)}, {r0} + r, {c0} + c, {rows}, {cols})"
+            load = f"tldsl::sm90::epi_load2({buffer_param(buf)}, {r0} + r, {c0} + c, {rows}, {cols})"
             ptype = f"tldsl::sm90::EpiPair<{c_type(buf.type.dtype)}>::type"
             if (ptype, load) not in self._fetches:
                 self._fetches.append((ptype, load))
             return f"tldsl::sm90::epi_{half}(f.v{self._fetches.index((ptype, load))})"
-        raise _fail(f"'{op.name}' in a GEMM epilogue sum", op)
+        raise fail(WHAT, f"'{op.name}' in a GEMM epilogue sum", op)
 
 
 # -- the lowered kernel ------------------------------------------------------------------------------
@@ -272,9 +266,7 @@ class LoweredGemm(LoweredKernel):
                  + ("; the GEMM pushes this rank's rows into the peers' landing buffers and publishes them "
                     "(push_rows)" if self.push_rows else ""),
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
-        for t in self.tma:
-            lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
-                         f"box={list(t.box_dims)} {t.swizzle}")
+        lines += self.describe_tma()
         return "\n".join(lines)
 
 
@@ -311,7 +303,7 @@ def _tile_waits(plan: GemmPlan, wait_lines, stage_lines) -> tuple[list[str], str
     tbls = list(waits.tables) + [t for t in (stage.tables if staged else ()) if t not in waits.tables]
     members = ["  int rank;", "  unsigned long long launch;"]
     members += [f"  const unsigned long long* {signal_param(s)};" for s in sigs]
-    members += [f"  const int* tbl_{cident(t.name)};" for t in tbls]
+    members += [f"  const int* {table_param(t)};" for t in tbls]
     stage_fn = ["  // the waits in the K loop, run by the producer before it loads the stage at K offset k0;",
                 "  // returns how many ran (the producer then fences before its TMA reads)",
                 "  __device__ __forceinline__ int stage(int pid0, int pid1, int k0) const {",
@@ -333,7 +325,7 @@ def _tile_waits(plan: GemmPlan, wait_lines, stage_lines) -> tuple[list[str], str
              *stage_fn,
              "};",
              ""]
-    init = ["rank", "launch"] + [signal_param(s) for s in sigs] + [f"tbl_{cident(t.name)}" for t in tbls]
+    init = ["rank", "launch"] + [signal_param(s) for s in sigs] + [table_param(t) for t in tbls]
     return lines, "TileWaits{" + ", ".join(init) + "}"
 
 
@@ -346,11 +338,11 @@ def _tile_epilogue(plan: GemmPlan, epilogue_lines) -> tuple[list[str], str]:
     fields += [(f"{'' if s in plan.notified else 'const '}unsigned long long* {signal_param(s)}", signal_param(s))
                for s in epi.signals]
     fields += [(f"unsigned long long* const* {peer_signal_param(s)}", peer_signal_param(s)) for s in epi.peer_signals]
-    fields += [(f"const int* tbl_{cident(t.name)}", f"tbl_{cident(t.name)}") for t in epi.tables]
-    fields += [(f"const cute::TmaDescriptor* tma_{cident(b.name)}_ptr", f"&tma_{cident(b.name)}") for b in epi.stored]
-    fields += [(f"const {c_type(b.type.dtype)}* buf_{cident(b.name)}", f"buf_{cident(b.name)}") for b in epi.loaded]
+    fields += [(f"const int* {table_param(t)}", table_param(t)) for t in epi.tables]
+    fields += [(f"const cute::TmaDescriptor* {tma_param(b)}_ptr", f"&{tma_param(b)}") for b in epi.stored]
+    fields += [(f"const {c_type(b.type.dtype)}* {buffer_param(b)}", buffer_param(b)) for b in epi.loaded]
     aliases = ["    const cute::TmaDescriptor& tma_c = *tma_c_ptr;"] + \
-              [f"    const cute::TmaDescriptor& tma_{cident(b.name)} = *tma_{cident(b.name)}_ptr;" for b in epi.stored]
+              [f"    const cute::TmaDescriptor& {tma_param(b)} = *{tma_param(b)}_ptr;" for b in epi.stored]
     lines = ["// The tile program's code after the K loop, run by every consumer thread: which stores a tile",
              "// makes (the accumulator into C; or, after waits, its elementwise sum with loaded tiles),",
              "// and the notifies after the accumulator's store.",
@@ -377,7 +369,7 @@ def _tile_notifies(plan: GemmPlan, notify_lines) -> tuple[list[str], str]:
     members = ["  int rank;"]
     members += [f"  unsigned long long* {signal_param(s)};" for s in epi.signals]
     members += [f"  unsigned long long* const* {peer_signal_param(s)};" for s in epi.peer_signals]
-    members += [f"  const int* tbl_{cident(t.name)};" for t in epi.tables]
+    members += [f"  const int* {table_param(t)};" for t in epi.tables]
     lines = ["// The tile program's notifies after its store, run by one consumer thread once the tile's",
              "// TMA stores are complete, after fence.acq_rel at kScope (each add is then a release).",
              "struct TileNotifies {",
@@ -391,7 +383,7 @@ def _tile_notifies(plan: GemmPlan, notify_lines) -> tuple[list[str], str]:
              "};",
              ""]
     init = (["rank"] + [signal_param(s) for s in epi.signals] + [peer_signal_param(s) for s in epi.peer_signals]
-            + [f"tbl_{cident(t.name)}" for t in epi.tables])
+            + [table_param(t) for t in epi.tables])
     return lines, ", TileNotifies{" + ", ".join(init) + "}"
 
 
@@ -495,15 +487,8 @@ def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, clus
 
     The recipe's stages run directly (match → plan → render), as the pipeline runs them once it
     has chosen this recipe: this entry point names the recipe, so there is nothing to choose."""
-    if part is None:
-        parts = [p for p in kernel.parts if p.role == "compute"]
-        if len(parts) != 1:
-            raise _fail(f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower", kernel.loc)
-        p = parts[0]
-    else:
-        p = kernel.part(part) if isinstance(part, str) else part
+    p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
     if p.role != "compute":
-        raise _fail(f"part '{p.name}' is a {p.role} part; lower_gemm lowers compute parts", p)
-    m = RECIPE.match(kernel, p)
-    return RECIPE.render(RECIPE.plan(kernel, p, m, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry,
-                                     own_rows=own_rows, gather_rows=gather_rows, push_rows=push_rows))
+        raise fail(WHAT, f"part '{p.name}' is a {p.role} part; lower_gemm lowers compute parts", p)
+    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry, own_rows=own_rows,
+                      gather_rows=gather_rows, push_rows=push_rows)

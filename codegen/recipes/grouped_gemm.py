@@ -63,9 +63,9 @@ from dataclasses import dataclass, field
 
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, cident, kernel_entry, marker
+from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, kernel_entry, marker, pointer_param
 from ..dtypes import ctype
-from ..errors import fail
+from ..ir_queries import only_part
 from ..match.grouped_gemm import WHAT, match_grouped_gemm
 from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
 from ..plan.wgmma import GemmConfig
@@ -120,9 +120,7 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
-        for t in self.tma:
-            lines.append(f"  {t.param}: {t.buffer} dims={list(t.global_dims)} strides={list(t.global_strides)} "
-                         f"box={list(t.box_dims)} {t.swizzle}")
+        lines += self.describe_tma()
         return "\n".join(lines)
 
 
@@ -163,7 +161,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
     digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, m.batched)).encode()).hexdigest()[:12]
     units = cfg.BK * cfg.elem_bytes // 16
     row_step = 128 // units
-    a_param = f"ptr_{cident(m.a.name)}"
+    a_param = pointer_param(m.a)
     members, init = prog_members(plan)
     E = m.b.type.shape[0] if m.batched else 1
     L = [
@@ -224,12 +222,5 @@ def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None,
     kernel: this recipe's match → plan → render, with the matcher's error (at the user's line)
     when the part does not fit. ``cluster`` overrides the schedule's (only (1, 1) is lowered);
     ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs)."""
-    if part is None:
-        parts = [q for q in kernel.parts if q.role == "compute"]
-        if len(parts) != 1:
-            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} compute parts; name the one to lower",
-                       kernel.loc)
-        part = parts[0]
-    p = kernel.part(part) if isinstance(part, str) else part
-    m = RECIPE.match(kernel, p)
-    return RECIPE.render(RECIPE.plan(kernel, p, m, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry))
+    p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
+    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry)

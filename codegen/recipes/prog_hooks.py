@@ -13,10 +13,11 @@ from __future__ import annotations
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ..abi import marker, signal_param
-from ..dtypes import c_type, scalar_ctype
+from ..dtypes import SCALARS, c_type, scalar_ctype
+from ..ir_queries import widest_scope
 from ..match.per_row import ROW_TILE_OPS
 from ..plan.prog_params import tensor_name
-from ..rules.primitives import release_fence, widest_scope
+from ..rules.primitives import release_fence
 from ..rules.scalars import c_literal
 from ..rules.sync import SignalEmitter
 
@@ -124,7 +125,7 @@ class HookEmitter(SignalEmitter):
         if n == "iota":
             return "int", r or "0"
         if n == "full":
-            if dt not in ("i32", "i1", "f32"):
+            if dt not in SCALARS:
                 raise self.fail(f"a {dt} tl.full is not lowered here", op)
             val = op.attrs["value"]
             return scalar_ctype(dt), c_literal(bool(val) if dt == "i1" else int(val) if dt == "i32" else float(val))
@@ -133,13 +134,13 @@ class HookEmitter(SignalEmitter):
         if n in ("broadcast", "expand_dims"):
             return self._ctype(op.operands[0]), a[0]
         if n == "cast":
-            if dt not in ("f32", "i32", "i1"):
+            if dt not in SCALARS:
                 raise self.fail(f"a cast to {dt} is not lowered in a per-row expression (its rounding would be "
                                 "lost)", op)
             return scalar_ctype(dt), {"f32": f"(float)({a[0]})", "i32": f"(int)({a[0]})", "i1": f"(({a[0]}) != 0)"}[dt]
         # ewise
         kind = op.attrs["op"]
-        if dt not in ("i32", "i1", "f32"):
+        if dt not in SCALARS:
             raise self.fail(f"'{kind}' computes in {dt} here; only i32, bool and f32 arithmetic is lowered "
                             "exactly (cast to tl.float32 first)", op)
         ct = scalar_ctype(dt)

@@ -25,6 +25,11 @@ class Recipe:
     options: frozenset[str] = frozenset()
     summary: str = ""
 
+    def run(self, kernel: core.Kernel, part: core.Part, **options):
+        """The recipe's stages on ``part`` (match → plan → render), as the pipeline runs them once
+        it has chosen this recipe: the matcher's refusal is the error, at the user's line."""
+        return self.render(self.plan(kernel, part, self.match(kernel, part), **options))
+
     def take(self, options: dict) -> dict:
         """The options this recipe's planner takes."""
         return {k: v for k, v in options.items() if k in self.options}

@@ -70,11 +70,13 @@ from ..abi import (KernelParam, LoweredKernel, buffer_param, is_this_rank, marke
                    signal_slot)
 from ..dtypes import ctype
 from ..errors import fail
-from ..match.comm import (FLOAT_EWISE, INT_EWISE, TILE_OPS, WHAT, CommMatch, is_float_ewise, is_statement,
-                          match_sm_comm, statement_coords)
+from ..ir_queries import only_part
+from ..match.comm import (FLOAT_EWISE, FLOATS, INT_EWISE, TILE_OPS, WHAT, broadcast_coords, is_float_ewise,
+                          is_statement, match_sm_comm, statement_coords)
 from ..plan.comm import DEFAULT_THREADS, CommPlan, plan_sm_comm
 from ..rules import primitives
 from ..rules.scalars import ScalarEmitter, c_literal
+from .. import toolchain
 from .recipe import Recipe
 
 
@@ -110,8 +112,7 @@ class LoweredComm(LoweredKernel):
         """As :meth:`LoweredKernel.compile`; an NVSHMEM-transport kernel needs NVSHMEM's headers,
         and their version joins the cache key."""
         if self.transport == "nvshmem":
-            from ..toolchain import find_toolchain
-            tc = find_toolchain()
+            tc = toolchain.find_toolchain()
             tc.require_nvshmem()
             kw["options"] = tuple(kw.pop("options", ())) + (f"-DTLDSL_NVSHMEM_VERSION=\"{tc.nvshmem_version}\"",)
         return super().compile(**kw)
@@ -314,11 +315,6 @@ class _CommEmitter(ScalarEmitter):
             raise self.fail(f"internal: '{n}' reached the renderer unmatched", op)
 
     # -- tile expressions --------------------------------------------------------------------------
-    @staticmethod
-    def _bcast(coords: list[str], src_shape, dst_shape) -> list[str]:
-        m, n = len(src_shape), len(dst_shape)
-        return ["0" if src_shape[j] == 1 and dst_shape[j + n - m] != 1 else coords[j + n - m] for j in range(m)]
-
     def _val(self, v: core.Value, coords: list[str], ctx: _Ctx) -> str:
         """C expression of tile value ``v`` at tile coordinates ``coords`` (one per axis)."""
         if not isinstance(v.type, T.TileType):
@@ -350,8 +346,8 @@ class _CommEmitter(ScalarEmitter):
             lit = c_literal(bool(val) if dt == "i1" else int(val) if dt == "i32" else float(val))
             out = ctx.var(ct, self._round(dt, lit))
         elif n == "ewise":
-            args = [self._val(a, self._bcast(coords, a.type.shape, shape) if isinstance(a.type, T.TileType) else [],
-                              ctx) for a in op.operands]
+            args = [self._val(a, broadcast_coords(coords, a.type.shape, shape) if isinstance(a.type, T.TileType)
+                              else [], ctx) for a in op.operands]
             out = ctx.var(ct, self._round(dt, self._ewise(op, args)))
         elif n == "cast":
             x = self._val(op.operands[0], coords, ctx)
@@ -361,7 +357,7 @@ class _CommEmitter(ScalarEmitter):
             out = self._val(op.operands[0], coords[:axis] + coords[axis + 1:], ctx)
         else:                                          # broadcast (the matcher admits no other)
             src = op.operands[0]
-            out = self._val(src, self._bcast(coords, src.type.shape, shape), ctx)
+            out = self._val(src, broadcast_coords(coords, src.type.shape, shape), ctx)
         ctx.memo[key] = out
         return out
 
@@ -445,7 +441,7 @@ class _CommEmitter(ScalarEmitter):
         if kind == "not":
             return f"(!{args[0]})"
         if is_float_ewise(op):
-            fa = [a if d in ("f16", "bf16", "f32") else f"(float)({a})" for a, d in zip(args, dts)]
+            fa = [a if d in FLOATS else f"(float)({a})" for a, d in zip(args, dts)]
             return _FLOAT_EWISE[kind].format(*fa)
         return _INT_EWISE[kind].format(*args)
 
@@ -614,13 +610,5 @@ def lower_comm(kernel: core.Kernel, part: str | core.Part | None = None, *, thre
     """Lower an SM communication part (the only one, or the one named) to a persistent kernel:
     this recipe's match → plan → render, with the matcher's error (at the user's line) when the
     part does not fit. Options: :func:`..plan.comm.plan_sm_comm`."""
-    if part is None:
-        parts = [q for q in kernel.parts if q.role == "comm" and q.engine == "sm"]
-        if len(parts) != 1:
-            raise fail(WHAT, f"kernel '{kernel.name}' has {len(parts)} communication parts on SMs; name the one "
-                       "to lower", kernel.loc)
-        p = parts[0]
-    else:
-        p = kernel.part(part) if isinstance(part, str) else part
-    m: CommMatch = RECIPE.match(kernel, p)
-    return RECIPE.render(RECIPE.plan(kernel, p, m, threads=threads, wait_timeout_ns=wait_timeout_ns, entry=entry))
+    p = only_part(kernel, part, WHAT, "communication parts on SMs", lambda q: q.role == "comm" and q.engine == "sm")
+    return RECIPE.run(kernel, p, threads=threads, wait_timeout_ns=wait_timeout_ns, entry=entry)

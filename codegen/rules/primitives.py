@@ -12,24 +12,12 @@ default memory scopes — live in the IR; the simulator executes the same defini
 from __future__ import annotations
 
 from ..abi import marker
-from ..errors import LoweringError, fail
+from ..ir_queries import scope_of
 from ...ir import core
-from ...ir.opdefs import DEFAULT_MEMORY_SCOPE, NOTIFY_OPS, WAIT_OPS
+from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 
 #: C++ scope constants of ``signals.hpp``
 SCOPE = {"gpu": "tldsl::kScopeGpu", "sys": "tldsl::kScopeSys"}
-
-
-def scope_of(op: core.Op) -> str:
-    """The memory scope a signal op acquires or releases at ("gpu" | "sys")."""
-    if op.name in WAIT_OPS:
-        return DEFAULT_MEMORY_SCOPE[op.name]
-    return op.attrs.get("scope", DEFAULT_MEMORY_SCOPE[op.name])
-
-
-def widest_scope(scopes) -> str:
-    """"sys" if any of ``scopes`` is, else "gpu"."""
-    return "sys" if "sys" in set(scopes) else "gpu"
 
 
 def wait_target(op: core.Op, count: str, launch: str = "launch") -> str:
@@ -68,7 +56,7 @@ def notify(op: core.Op, slot: str, *, cta: bool = False, nvshmem_rank: str | Non
     slot at ``slot``.
 
     ``cta=False``: one relaxed add by this thread; the caller has already ordered the data
-    before it with :func:`release_fence` at :func:`widest_scope` of the notifies it renders.
+    before it with :func:`release_fence` at :func:`..ir_queries.widest_scope` of the notifies it renders.
     ``cta=True``: the CTA meets, then one thread fences at the op's scope and adds.
     ``nvshmem_rank``: the slot is NVSHMEM symmetric memory and the add goes to that rank's copy."""
     assert op.name in NOTIFY_OPS, op.name
@@ -90,7 +78,8 @@ def release_fence(scope: str, note: str = "") -> str:
 # rank's row pointer. ``row``: the row's first element on the rank that holds it, null where the
 # row lies outside the tensor; ``col``: the first column; ``ncols``: the row's length; ``left``:
 # how many of the chunk's ``vec`` columns belong to the tile; ``vec_ok``: 16-byte vectors are
-# aligned (row pitch and column offset multiples of ``vec``).
+# aligned (row pitch and column offset multiples of ``vec``). ``rank_copy_data`` has no SM rule:
+# the copy engine moves it (a ``CeCopy`` of :mod:`..plan.copy_engine`, ``cuMemcpy2DAsync``).
 
 def tile_pull_data(elem: str, row: str, col: str, ncols, *, chunk: str | None = None, vec: str = "",
                    left: str = "", vec_ok: str = "", mask: str | None = None) -> str:
@@ -109,9 +98,3 @@ def tile_push_data(elem: str, row: str, col: str, ncols, chunk: str, mask: str, 
     (dropped outside it)."""
     return f"tldsl::comm::store_chunk<{elem}, {vec}>({row}, {col}, {ncols}, {left}, {vec_ok}, {mask}, {chunk});"
 
-
-def rank_copy_data(op: core.Op) -> LoweringError:
-    """``rank_copy_data`` has no SM rule: the copy engine moves it (a ``CeCopy`` of
-    :mod:`..plan.copy_engine`, ``cuMemcpy2DAsync`` on the host). The error for one in an SM part."""
-    return fail("communication lowering", "rank_copy_data runs on the copy engine, not in an SM communication part",
-                op)

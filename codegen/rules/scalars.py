@@ -19,24 +19,12 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterable
 
 from ...ir import core
-from ..abi import cident, marker
+from ..abi import cident, marker, table_param
 from ..dtypes import scalar_ctype
 from ..errors import LoweringError
-
-#: scalar ops every emitter handles itself
-SCALAR_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "load_scalar"})
-CONTROL_OPS = frozenset({"for", "if"})
-
-
-def const_value(v: core.Value):
-    """The Python value of a ``const`` op's result, else None."""
-    op = v.owner
-    if isinstance(op, core.Op) and op.name == "const":
-        return op.attrs["value"]
-    return None
+from ..ir_queries import const_value, producers
 
 
 def c_literal(val) -> str:
@@ -53,54 +41,10 @@ def c_literal(val) -> str:
     return repr(f) + "f" if ("e" in repr(f) or "." in repr(f)) else repr(f) + ".0f"
 
 
-def needed_ops(ops: Iterable[core.Op], is_root: Callable[[core.Op], bool]) -> set[int]:
-    """ids of the ops to emit for the roots: the roots, the producers of their operands
-    (transitively) and the control ops enclosing any of them."""
-    need: set[int] = set()
-    parent: dict[int, core.Op] = {}
-
-    def index(block, owner):
-        for op in block.ops:
-            if owner is not None:
-                parent[id(op)] = owner
-            for r in op.regions:
-                index(r, op)
-    blk = core.Block(list(ops))
-    index(blk, None)
-    work = [op for op in blk.walk() if is_root(op)]
-    while work:
-        op = work.pop()
-        if id(op) in need:
-            continue
-        need.add(id(op))
-        if id(op) in parent:
-            work.append(parent[id(op)])
-        work.extend(v.owner for v in op.operands if isinstance(v.owner, core.Op))
-    return need
-
-
-def producers(values: Iterable[core.Value], ops: Iterable[core.Op], named=frozenset()) -> list[core.Op]:
-    """The ops among ``ops`` (walked in program order, into regions) that compute ``values``,
-    directly or through their operands, without the loops and conditions around them and
-    stopping at values in ``named`` (ids): what a hook emits when it needs values where the
-    tile program's structure is not kept (a guard, an expert, row ids, per tile). Index code is
-    pure, so computing it outside its ``if`` or before its point in the program changes nothing."""
-    want: set[int] = set()
-    work = list(values)
-    while work:
-        v = work.pop()
-        op = v.owner
-        if v.id in named or not isinstance(op, core.Op) or id(op) in want:
-            continue
-        want.add(id(op))
-        work.extend(op.operands)
-    return [op for op in core.Block(list(ops)).walk() if id(op) in want]
-
-
 class ScalarEmitter:
     """Emit the scalar ops of a list of IR ops as C++ statements.
 
-    ``needed``: ids of the ops to emit (see :func:`needed_ops`); None emits every op.
+    ``needed``: ids of the ops to emit (see :func:`..ir_queries.needed_ops`); None emits every op.
     Subclasses override :meth:`pid_expr`, :meth:`rank_expr`, :meth:`table_expr` (how the
     kernel reaches program ids, the rank and ``load_scalar`` tables) and :meth:`emit_other`
     (every op that is not scalar or control), and may override :meth:`fail`."""
@@ -129,7 +73,7 @@ class ScalarEmitter:
         return "rank"
 
     def table_expr(self, buf: core.Buffer) -> str:
-        return f"tbl_{cident(buf.name)}"
+        return table_param(buf)
 
     def table_read(self, buf: core.Buffer, index: str) -> str:
         """C++ reading element ``index`` (flat) of a ``load_scalar`` table."""

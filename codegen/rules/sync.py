@@ -11,22 +11,24 @@ from __future__ import annotations
 from ...ir import core
 from ..abi import is_this_rank, signal_slot
 from ..errors import fail
+from ..ir_queries import needed_ops, scope_of
 from . import primitives
-from .scalars import ScalarEmitter, needed_ops
+from .scalars import ScalarEmitter
 
 
 class SignalEmitter(ScalarEmitter):
     """Emits only the ops of ``roots`` among ``ops`` (and the index code, loops and conditions
-    they need, see :func:`.scalars.needed_ops`); subclasses say what each root becomes in
+    they need, see :func:`..ir_queries.needed_ops`); subclasses say what each root becomes in
     :meth:`emit_other`, rendering signal ops with :meth:`wait_statement` /
     :meth:`notify_statement`. ``what`` prefixes errors ("GEMM lowering"); ``grid_rank`` is
-    the number of program-id axes the kernel has."""
+    the number of program-id axes the kernel has. ``needed``: the ops to emit when the plan
+    has already worked them out (else they are computed from :meth:`is_root`)."""
 
     roots: frozenset = frozenset()
     grid_rank = 2
 
-    def __init__(self, kernel: core.Kernel, ops: list[core.Op], what: str):
-        super().__init__(needed_ops(ops, self.is_root))
+    def __init__(self, kernel: core.Kernel, ops: list[core.Op], what: str, needed: set[int] | None = None):
+        super().__init__(needed_ops(ops, self.is_root) if needed is None else needed)
         self.kernel = kernel
         self.ops = ops
         self.what = what
@@ -43,7 +45,7 @@ class SignalEmitter(ScalarEmitter):
 
     def pid_expr(self, axis, op):
         if axis >= self.grid_rank:
-            raise self.fail(f"the grid is {self.grid_rank}-d", op)
+            raise self.fail(f"program_id({axis}): the grid is at most {self.grid_rank}-d", op)
         return f"pid{axis}"
 
     def emit(self, indent: str = "    ") -> list[str]:
@@ -72,4 +74,4 @@ class SignalEmitter(ScalarEmitter):
         else:
             self.use(sig, peers=True)
             slot = signal_slot(sig, ch, self.name(op.operands[2], op))
-        return primitives.scope_of(op), primitives.notify(op, slot, cta=cta, note=note)
+        return scope_of(op), primitives.notify(op, slot, cta=cta, note=note)

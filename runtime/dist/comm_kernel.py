@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 from typing import Mapping, Sequence
 
+from ...codegen.abi import SOURCES
 from ...errors import InputError
 from ..gpu.launch import ArgPack
 from .nvshmem import NvshmemWorkspace
@@ -110,7 +111,7 @@ class CommKernel:
         self.tables: dict[str, DeviceArray] = {}        # param source -> device array of W pointers
         self.table_values: dict[str, tuple[int, ...]] = {}
         for p in lowered.params:
-            kind, _, name = p.source.partition(":")
+            kind, name = p.origin
             if kind == "buffer":
                 if name not in self.buffers:
                     raise InputError(f"{lowered.entry} reads '{name}' but no shape was given for it")
@@ -191,7 +192,7 @@ class CommKernel:
         values = []
         local = {}
         for p in self.lowered.params:
-            kind, _, name = p.source.partition(":")
+            kind, name = p.origin
             if kind == "buffer":
                 v = self._buffer(name, buffers.get(name)).ptr
                 local[("peers", name)] = v
@@ -202,8 +203,11 @@ class CommKernel:
                 v = self.tables[p.source].ptr
             elif kind == "rank":
                 v = self.rank
-            else:   # launch
+            elif kind == "launch":
                 v = launch_index
+            else:
+                raise InputError(f"{self.lowered.entry}: a communication kernel cannot be passed parameter {p.name} "
+                                 f"({p.source!r}: {SOURCES[kind]})")
             pack.add(p.kind, v)
             values.append((p.name, v))
         for (kind, name), ptr in local.items():        # this rank's table entry must be the tensor passed

@@ -1,6 +1,7 @@
 """What every launcher of a generated kernel shares: the call, and the checks on signals."""
 from __future__ import annotations
 
+from ...codegen.abi import SOURCES
 from ...errors import InputError
 from .launch import ArgPack, PreparedLaunch
 
@@ -48,35 +49,35 @@ class Launcher:
         specs = {s.param: s for s in lw.tma}
         pack = ArgPack()
         for p in lw.params:
-            src = p.source
-            if src.startswith("tma:"):
-                spec = specs[src[4:]]
+            kind, name = p.origin
+            if kind == "tma":
+                spec = specs[name]
                 t = self.tma_tensor(buffers, spec)
                 key = (spec.param, t.data_ptr())
                 desc = self._tma_cache.get(key)
                 if desc is None:
                     desc = self._tma_cache[key] = spec.encode(t.data_ptr())
                 pack.add("tma", desc)
-            elif src == "rank":
+            elif kind == "rank":
                 pack.add("i32", rank)
-            elif src == "launch":
+            elif kind == "launch":
                 pack.add("u64", launch_index)
-            elif src.startswith("signal:"):
-                name = src[7:]
+            elif kind == "signal":
                 pack.add("ptr", signal_pointer(lw.entry, name, signals, self.signal_slots(name)))
-            elif src.startswith("buffer:"):
-                pack.add("ptr", self.table_pointer(buffers, src[7:]))
-            elif src.startswith("data:"):
-                pack.add("ptr", self.data_pointer(buffers, src[5:]))
-            elif src.startswith("scalar:"):      # a launch argument the caller gives by name
-                value = buffers.get(src[7:])
+            elif kind == "buffer":
+                pack.add("ptr", self.table_pointer(buffers, name))
+            elif kind == "data":
+                pack.add("ptr", self.data_pointer(buffers, name))
+            elif kind == "scalar":      # a launch argument the caller gives by name
+                value = buffers.get(name)
                 if not isinstance(value, int) or isinstance(value, bool):
-                    raise InputError(f"{lw.entry} takes the int '{src[7:]}': pass it with the tensors")
+                    raise InputError(f"{lw.entry} takes the int '{name}': pass it with the tensors")
                 pack.add("i32", value)
             else:
                 value = self.scalar(p)
                 if value is None:
-                    raise InputError(f"unknown kernel parameter source {src!r}")
+                    raise InputError(f"{lw.entry}: this launcher cannot pass parameter {p.name} "
+                                     f"({p.source!r}: {SOURCES.get(kind, 'unknown source')})")
                 pack.add("i32", value)
         return pack
 

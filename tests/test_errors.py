@@ -252,3 +252,19 @@ def test_common_slips_get_tldsl_errors_not_python_ones():
             tl.store(y, (0,), tl.load(x, (0,), (4,)))
     with pytest.raises(tl.CompilationError, match=r"kernel 'fine' has no part 'nosuch'; its parts: 't' \(compute\)"):
         lower(fine.trace(1, f32, f32), "nosuch")
+
+
+def test_simulate_takes_options_as_a_dict_and_refuses_anything_else_clearly():
+    import numpy as np
+    from tldsl.ops.gemm import gemm
+    a = np.ones((16, 16), np.float16)
+    inputs = [{"a": a, "b": a, "c": np.full((16, 16), np.nan, np.float16)}]
+    sched = tl.ComputeSchedule(tile=(16, 16, 16))
+    res = tl.simulate(gemm, 1, inputs, compute=sched, options={"launches": 1})
+    assert res.launches == 1 and np.allclose(res[0]["c"], 16.0)
+    with pytest.raises(tl.InputError, match=r"unknown simulator option\(s\) \['launchs'\]"):
+        tl.simulate(gemm, 1, inputs, compute=sched, options={"launchs": 1})
+    with pytest.raises(tl.InputError, match="launches must be a positive int"):
+        tl.simulate(gemm, 1, inputs, compute=sched, options={"launches": 0})
+    with pytest.raises(tl.InputError, match="options must be a tl.SimOptions"):
+        tl.simulate(gemm, 1, inputs, compute=sched, options=["launches"])

@@ -1,7 +1,9 @@
 """``tl.simulate``: check inputs, build W ranks' memory, run the launches, return results."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Mapping
 import warnings
 from dataclasses import dataclass, field
 
@@ -70,6 +72,25 @@ def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):
     return per_rank
 
 
+def sim_options(options) -> SimOptions:
+    """``options`` as a :class:`SimOptions`: None (the defaults), a SimOptions, or a dict of its
+    fields (``{"launches": 1}``); anything else is an InputError naming what is accepted."""
+    if options is None:
+        return SimOptions()
+    if isinstance(options, SimOptions):
+        return options
+    if isinstance(options, Mapping):
+        fields = [f.name for f in dataclasses.fields(SimOptions)]
+        unknown = sorted(str(k) for k in options if k not in fields)
+        if unknown:
+            raise InputError(f"options: unknown simulator option(s) {unknown}; SimOptions has {fields}")
+        try:
+            return SimOptions(**options)
+        except ValueError as e:
+            raise InputError(f"options: {e}") from None
+    raise InputError(f"options must be a tl.SimOptions(...) or a dict of its fields, got {type(options).__name__}")
+
+
 def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
              options: SimOptions | None = None, **kwargs) -> SimResult:
     """Run ``kernel`` on ``world_size`` simulated ranks.
@@ -81,7 +102,7 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     (RaceError, DeadlockError, StaleSignalError, UninitializedReadError, OutOfBoundsError).
     """
     from ...kernel import KernelFunction
-    options = options or SimOptions()
+    options = sim_options(options)
     if isinstance(kernel, KernelFunction):
         if world_size is None:
             raise InputError("simulate needs world_size")

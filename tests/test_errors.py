@@ -268,3 +268,15 @@ def test_simulate_takes_options_as_a_dict_and_refuses_anything_else_clearly():
         tl.simulate(gemm, 1, inputs, compute=sched, options={"launches": 0})
     with pytest.raises(tl.InputError, match="options must be a tl.SimOptions"):
         tl.simulate(gemm, 1, inputs, compute=sched, options=["launches"])
+
+
+@pytest.mark.parametrize("a_shards, b, message", [
+    ([], np.ones((8, 8), np.float16), "a non-empty list"),
+    (np.ones((8, 8), np.float16), np.ones((8, 8), np.float16), "got ndarray"),
+    ([np.ones(8, np.float16)], np.ones((8, 8), np.float16), r"a_shards\[0\] must be a 2-d array, got shape \(8,\)"),
+    ([np.ones((8, 8), np.float16)], np.ones(8, np.float16), r"b\[0\] must be a 2-d array"),
+])
+def test_fused_all_gather_matmul_refuses_malformed_inputs_before_tracing(a_shards, b, message):
+    from tldsl.ops.allgather_gemm import fused_all_gather_matmul
+    with pytest.raises(tl.InputError, match=message):
+        fused_all_gather_matmul(a_shards, b)

@@ -45,10 +45,18 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
     ``a_shards``: one [Ms, K] array per rank; ``b``: [K, N] (the same on every rank, or a
     list with one per rank). The GPU backend will take torch tensors with the same meaning.
     """
+    if not isinstance(a_shards, (list, tuple)) or not a_shards:
+        raise tl.InputError("a_shards: one [Ms, K] array per rank (a non-empty list), got "
+                            + (f"an empty {type(a_shards).__name__}" if isinstance(a_shards, (list, tuple))
+                               else type(a_shards).__name__))
     W = len(a_shards)
     bs = list(b) if isinstance(b, (list, tuple)) else [b] * W
     if len(bs) != W:
         raise tl.InputError(f"got {W} A shards but {len(bs)} B matrices")
+    for what, arrays in (("a_shards", a_shards), ("b", bs)):
+        for r, x in enumerate(arrays):
+            if np.ndim(x) != 2:
+                raise tl.InputError(f"{what}[{r}] must be a 2-d array, got shape {np.shape(x)}")
     Ms = np.shape(a_shards[0])[0]
     N = np.shape(bs[0])[1]
     dtype = np.asarray(a_shards[0]).dtype

@@ -1,6 +1,6 @@
 """``python -m tldsl``: every command, and the one-line answers where one cannot run here.
 
-Most tests call :func:`tldsl.cli.main` in this process; the entry point itself, and the
+Most tests call :func:`tldsl.cli.main.main` in this process; the entry point itself, and the
 refusals on a machine without a GPU, run as subprocesses (``CUDA_VISIBLE_DEVICES=""`` hides any
 GPU, so they say the same on a GPU host)."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tldsl.cli import gates, main
+from tldsl.cli import gates
+from tldsl.cli.main import main
 from tldsl.codegen.toolchain import KernelCache, Toolchain, ToolchainError
 from tldsl.codegen.toolchain import nvshmem_match
 
@@ -193,3 +194,19 @@ def test_help_of_a_forwarded_command_needs_no_gpu(capsys):
 def test_without_a_gpu_the_entry_point_refuses_in_one_line(args):
     line = _one_line_refusal(_run(*args, CUDA_VISIBLE_DEVICES=""))
     assert line.startswith(f"python -m tldsl {' '.join(args)} ") and ("GPU" in line or "torchrun" in line)
+
+
+def test_the_benchmark_module_itself_refuses_in_one_line_and_lists_every_benchmark():
+    import subprocess
+    import sys
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "tldsl.bench", "ag_gemm"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "torchrun --nproc_per_node=2" in r.stderr
+    h = subprocess.run([sys.executable, "-m", "tldsl.bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert h.returncode == 0
+    for name in ("gemm", "ag_gemm", "gemm_rs", "compile", "probe", "host", "sim"):
+        assert name in h.stdout.split("\n\n")[0], name

@@ -14,12 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
 from . import dist, gemm, host, probes, sim
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:            # where a benchmark cannot run (no GPU, no torchrun) it says so in one line
+        require_for_benchmark(argv)
+    except Unavailable as e:
+        print(f"python -m tldsl.bench: {e}", file=sys.stderr)
+        return 1
     if argv and argv[0] in ("ag_gemm", "gemm_rs"):
         return dist.main(argv[0], argv[1:])
     if argv and argv[0] == "compile":
@@ -39,6 +45,13 @@ def main(argv=None) -> int:
     g.add_argument("--iters", type=int, default=30)
     g.add_argument("--tune", action="store_true", help="try every candidate schedule, keep the fastest")
     g.add_argument("--json", help="also write the rows as JSON here")
+    for name, what in (("ag_gemm", "fused AllGather+GEMM vs NCCL+cuBLAS and async-TP (torchrun, 2 GPUs)"),
+                       ("gemm_rs", "fused GEMM+ReduceScatter, same peers (torchrun, 2 GPUs)"),
+                       ("compile", "cold NVRTC compile and a cache hit (no GPU)"),
+                       ("probe", "the measurements behind design choices: probe NAME"),
+                       ("host", "a launch's host time beside its device phases (torchrun, 2 GPUs)"),
+                       ("sim", "the CPU simulator's speed (no GPU)")):
+        sub.add_parser(name, help=what, add_help=False)     # parsed by their own modules (dispatched above)
     args = ap.parse_args(argv)
     if args.what == "gemm":
         gemm.bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json)

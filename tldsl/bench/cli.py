@@ -21,8 +21,10 @@ from . import dist, gemm, host, probes, sim
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    unknown_probe = argv[:1] == ["probe"] and argv[1:2] and argv[1] not in probes.NAMES
     try:            # where a benchmark cannot run (no GPU, no torchrun) it says so in one line
-        require_for_benchmark(argv)
+        if not unknown_probe:           # (an unknown probe: its parser says which there are)
+            require_for_benchmark(argv)
     except Unavailable as e:
         print(f"python -m tldsl.bench: {e}", file=sys.stderr)
         return 1

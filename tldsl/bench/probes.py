@@ -504,11 +504,15 @@ class _Bound:
         self.op.close()
 
 
+#: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
+NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
+         "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
+
+
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-                                     "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order"))
+    ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "

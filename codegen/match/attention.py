@@ -59,6 +59,11 @@ def _def(v: core.Value) -> core.Op | None:
     return v.owner if isinstance(v.owner, core.Op) else None
 
 
+def _made_by(name: str):
+    """A test for :meth:`_Matcher.pair`: the value is the result of an op ``name``."""
+    return lambda v: _def(v) is not None and _def(v).name == name
+
+
 def _is_tile(v: core.Value) -> bool:
     return isinstance(v.type, (TileType, FragmentType))
 
@@ -195,11 +200,11 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
 
     # -- the accumulator update: acc = acc * alpha[:, None] + dot(p.to(v.dtype), v) --
     upd = M.op(fw_acc.operands[1], "ewise", "add", "the accumulator update", fw_acc)
-    scaled, pv = M.pair(upd, lambda v: _def(v) is not None and _def(v).name == "ewise", "acc[...] * alpha[:, None]"
+    scaled, pv = M.pair(upd, _made_by("ewise"), "acc[...] * alpha[:, None]"
                         " + tl.dot(p, v)")
     pv_dot = M.op(pv, "dot", None, "the second term of the accumulator update (P V)", upd)
     mul_acc = M.op(scaled, "ewise", "mul", "acc[...] * alpha[:, None]", upd)
-    acc_r, alpha_e = M.pair(mul_acc, lambda v: _def(v) is not None and _def(v).name == "frag_read",
+    acc_r, alpha_e = M.pair(mul_acc, _made_by("frag_read"),
                             "acc[...] * alpha[:, None]")
     acc_read = M.op(acc_r, "frag_read", None, "the accumulator's old value", mul_acc)
     if _frag_of(acc_read) is not acc:
@@ -235,9 +240,9 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
     if l_frag is m_frag:
         raise fail(WHAT, "the running sum and the running max must be different fragments", fw_m)
     add_l = M.op(fw_l.operands[1], "ewise", "add", "the running-sum update", fw_l)
-    mul_l, red_l = M.pair(add_l, lambda v: _def(v) is not None and _def(v).name == "ewise", "l * alpha + sum(p)")
+    mul_l, red_l = M.pair(add_l, _made_by("ewise"), "l * alpha + sum(p)")
     mul_l_op = M.op(mul_l, "ewise", "mul", "l * alpha", add_l)
-    l_r, alpha2 = M.pair(mul_l_op, lambda v: _def(v) is not None and _def(v).name == "frag_read", "l * alpha")
+    l_r, alpha2 = M.pair(mul_l_op, _made_by("frag_read"), "l * alpha")
     l_read = M.op(l_r, "frag_read", None, "the running sum's old value", mul_l_op)
     if _frag_of(l_read) is not l_frag or alpha2 is not alpha:
         raise fail(WHAT, "the running sum must be rescaled by the same alpha as the accumulator", mul_l_op)
@@ -248,7 +253,7 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
     # -- the running max and alpha --
     m_new = fw_m.operands[1]
     max_op = M.op(m_new, "ewise", "max", "the new running max", fw_m)
-    m_r, red_m = M.pair(max_op, lambda v: _def(v) is not None and _def(v).name == "frag_read",
+    m_r, red_m = M.pair(max_op, _made_by("frag_read"),
                         "tl.maximum(m_old, tl.max(s, 1))")
     m_read = M.op(m_r, "frag_read", None, "the old running max", max_op)
     if _frag_of(m_read) is not m_frag:
@@ -308,7 +313,7 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
     mask_op = _def(mask)
     if mask_op is not None and mask_op.name == "ewise" and mask_op.attrs["op"] == "and":
         M.matched.add(id(mask_op))
-        shard_m, cmp = M.pair(mask_op, lambda v: _def(v) is not None and _def(v).name == "expand_dims",
+        shard_m, cmp = M.pair(mask_op, _made_by("expand_dims"),
                               "in_shard[None, :] & causal")
         cmp_op = M.op(cmp, "ewise", None, "the causal comparison", mask_op)
         if cmp_op.attrs["op"] == "le":

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ir import core
-from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
+from ...ir.opdefs import WAIT_OPS
 from ..errors import fail, not_applicable
 from ..ir_queries import CONTROL_OPS, SCALAR_OPS, enclosing, kernel_tensor
-from .per_row import ROW_TILE_OPS, check_this_rank_notify, is_tile, tile_producers
+from .per_row import ROW_TILE_OPS, check_signal_or_control_op, is_tile, tile_producers
 
 WHAT = "row-gather combine lowering"
 
@@ -132,18 +132,8 @@ def match_combine(kernel: core.Kernel, part: core.Part) -> CombineMatch:
             if pos[id(op)] > pos[id(loop)]:
                 raise fail(WHAT, f"'{n}' after the gather loop: waits must precede the tile's loads", op)
             continue
-        if n in NOTIFY_OPS:
-            check_this_rank_notify(op, WHAT)
-            if pos[id(op)] < pos[id(store)]:
-                raise fail(WHAT, f"'{n}' before the store: notifies must follow the tile's stores", op)
-            continue
-        if n in CONTROL_OPS and id(op) not in loop_ops:
-            bad = [o for o in op.regions[0].walk() if o.name not in SCALAR_OPS | WAIT_OPS | NOTIFY_OPS | CONTROL_OPS]
-            if bad:
-                raise fail(WHAT, f"'{bad[0].name}' inside a loop or guard other than the gather loop is not lowered",
-                           bad[0])
-            continue
-        if n in DATA_OPS:
-            raise fail(WHAT, f"'{n}' moves data between ranks; a combine compute part may not", op)
-        raise fail(WHAT, f"'{n}' is not supported in a row-gather combine", op)
+        if n in CONTROL_OPS and id(op) in loop_ops:
+            raise fail(WHAT, f"'{n}' inside the gather loop is not supported in a row-gather combine", op)
+        check_signal_or_control_op(op, WHAT, pos, store, store_name="the store", loop_name="the gather loop",
+                                   kind="a row-gather combine compute part")
     return CombineMatch(part, loop, g, scale, mul, frag, store, src, dst, rows, BMf, BNf)

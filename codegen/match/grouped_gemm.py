@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ir import core
-from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
+from ...ir.opdefs import WAIT_OPS
 from ..errors import fail, not_applicable
-from ..ir_queries import CONTROL_OPS, SCALAR_OPS, enclosing, kernel_tensor
-from .per_row import ROW_TILE_OPS, check_this_rank_notify, tile_producers
+from ..ir_queries import SCALAR_OPS, enclosing, kernel_tensor
+from .per_row import ROW_TILE_OPS, check_signal_or_control_op, tile_producers
 
 WHAT = "grouped GEMM lowering"
 
@@ -161,21 +161,9 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                 raise fail(WHAT, f"'{n}' outside the `tl.when` guard: it would also hold up the tiles the guard "
                            "skips; move it inside the guard", op)
             continue
-        if n in NOTIFY_OPS:
-            check_this_rank_notify(op, WHAT)
-            if pos[id(op)] < pos[id(store)]:
-                raise fail(WHAT, f"'{n}' before the accumulator's store: notifies must follow the tile's stores", op)
-            continue
-        if n in CONTROL_OPS:
-            bad = [o for o in op.regions[0].walk() if o.name not in SCALAR_OPS | WAIT_OPS | NOTIFY_OPS | CONTROL_OPS]
-            if bad:
-                raise fail(WHAT, f"'{bad[0].name}' inside a loop or guard other than the K loop is not lowered "
-                           "(only index arithmetic and signal ops may be there)", bad[0])
-            continue
-        if n in DATA_OPS:
-            raise fail(WHAT, f"'{n}' moves data between ranks; a grouped-GEMM compute part may not", op)
-        raise fail(WHAT, f"'{n}' is not supported in a grouped-GEMM compute part (only index arithmetic, table reads, "
-                   "waits, the K loop, the accumulator's store and notifies are lowered)", op)
+        check_signal_or_control_op(op, WHAT, pos, store, store_name="the accumulator's store", loop_name="the K loop",
+                                   kind="a grouped-GEMM compute part", hint="only index arithmetic, table reads, "
+                                   "waits, the K loop, the accumulator's store and notifies are lowered")
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
                             batched, rows, batch, c.type.dtype.name)
 

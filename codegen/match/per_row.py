@@ -5,8 +5,10 @@ matchers tell the template's work from the tile program's."""
 from __future__ import annotations
 
 from ...ir import core
+from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ...ir.types import TileType
 from ..errors import fail
+from ..ir_queries import CONTROL_OPS, SCALAR_OPS
 
 #: the tile ops a per-row index or scale expression may be made of (rendered element by element)
 ROW_TILE_OPS = frozenset({"iota", "load", "ewise", "cast", "full", "broadcast", "expand_dims"})
@@ -51,3 +53,26 @@ def check_this_rank_notify(op: core.Op, what: str) -> None:
     if op.name != "producer_tile_notify":
         raise fail(what, f"'{op.name}' notifies another rank's copy of a symmetric signal; this lowering emits only "
                    "this rank's signals (producer_tile_notify)", op)
+
+
+def check_signal_or_control_op(op: core.Op, what: str, pos: dict, store: core.Op, *, store_name: str,
+                               loop_name: str, kind: str, hint: str = "") -> None:
+    """The ops both MoE templates take besides their own: notifies (this rank's, after the tile's
+    store), loops and guards holding only index code and signal ops; data movement is refused,
+    and so is anything else (a LoweringError from recipe ``what``, at the op). ``kind`` names
+    the compute part in errors ("a grouped-GEMM compute part"); ``hint`` says what it takes."""
+    n = op.name
+    if n in NOTIFY_OPS:
+        check_this_rank_notify(op, what)
+        if pos[id(op)] < pos[id(store)]:
+            raise fail(what, f"'{n}' before {store_name}: notifies must follow the tile's stores", op)
+        return
+    if n in CONTROL_OPS:
+        bad = [o for o in op.regions[0].walk() if o.name not in SCALAR_OPS | WAIT_OPS | NOTIFY_OPS | CONTROL_OPS]
+        if bad:
+            raise fail(what, f"'{bad[0].name}' inside a loop or guard other than {loop_name} is not lowered (only "
+                             "index arithmetic and signal ops may be there)", bad[0])
+        return
+    if n in DATA_OPS:
+        raise fail(what, f"'{n}' moves data between ranks; {kind} may not", op)
+    raise fail(what, f"'{n}' is not supported in {kind}" + (f" ({hint})" if hint else ""), op)

@@ -89,7 +89,9 @@ COPY_ENGINE_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "
 
 ARITH_OPS = {"add", "sub", "mul", "floordiv", "mod", "min", "max",
              "lt", "le", "gt", "ge", "eq", "ne", "and", "or"}
-UNARY_OPS = {"neg", "exp", "exp2", "log", "abs", "sqrt", "recip", "not"}
+UNARY_OPS = {"neg", "exp", "exp2", "log", "abs", "sqrt", "recip", "not", "sigmoid", "tanh", "erf", "rsqrt"}
+#: the elementwise ops whose result is a float whatever the operands (division, transcendental math)
+FLOAT_RESULT_OPS = frozenset({"exp", "exp2", "log", "sqrt", "recip", "div", "sigmoid", "tanh", "erf", "rsqrt"})
 BINARY_OPS = {"add", "sub", "mul", "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne",
               "and", "or", "floordiv", "mod"}
 REDUCE_OPS = {"sum", "max", "min"}

@@ -2,6 +2,7 @@
 code generator."""
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -27,7 +28,35 @@ ARITH = {
     "and": lambda a, b: bool(a) and bool(b), "or": lambda a, b: bool(a) or bool(b),
 }
 
+def _float_of(x):
+    """``x`` as the float array numpy math gives it: float32 stays float32, integers become float64."""
+    x = np.asarray(x)
+    return x if x.dtype.kind == "f" else x.astype(np.float64)
+
+
+def _sigmoid(x):
+    """1 / (1 + e^-x) in the operand's float type: 0 where e^-x overflows, NaN stays NaN."""
+    x = _float_of(x)
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf(x):
+    """The error function, exact in double then rounded to the operand's float type (numpy has no erf)."""
+    x = _float_of(x)
+    return np.asarray(_ERF(x.astype(np.float64)), np.float64).astype(x.dtype)
+
+
+def _rsqrt(x):
+    """1 / sqrt(x): inf at 0, NaN below it."""
+    x = _float_of(x)
+    return 1.0 / np.sqrt(x)
+
+
 EWISE = {
+    "sigmoid": _sigmoid, "tanh": np.tanh, "erf": _erf, "rsqrt": _rsqrt,
     "neg": np.negative, "exp": np.exp, "exp2": np.exp2, "log": np.log, "abs": np.abs,
     "sqrt": np.sqrt, "recip": np.reciprocal, "not": np.logical_not,
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,

@@ -36,7 +36,7 @@ from .tracing import cdiv, select  # noqa: E402
 from .tiles import minimum, maximum  # noqa: E402
 from .language import (constexpr, Symmetric, rank, world_size, range, static_range, when,  # noqa: E402
                        load, load_rows, load_scalar, store, full, zeros, fragment, iota, ewise,
-                       exp, exp2, log, sqrt, abs, where, cast, sum, max, min, expand_dims,
+                       exp, exp2, log, sqrt, abs, sigmoid, tanh, erf, rsqrt, where, cast, sum, max, min, expand_dims,
                        broadcast_to, trans, dot, symmetric_buffer, local_buffer, signal, static_assert)
 from .primitives import (producer_tile_notify, consumer_tile_wait, peer_tile_notify,  # noqa: E402
                          peer_tile_wait, rank_notify, rank_wait, tile_push_data, tile_pull_data,

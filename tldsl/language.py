@@ -167,6 +167,27 @@ def sqrt(x): return ewise("sqrt", x)
 def abs(x): return ewise("abs", x)  # noqa: A001
 
 
+def sigmoid(x):
+    """The logistic function ``1 / (1 + exp(-x))``, elementwise (SiLU is ``x * tl.sigmoid(x)``,
+    the gate of a gated MLP)."""
+    return ewise("sigmoid", x)
+
+
+def tanh(x):
+    """The hyperbolic tangent, elementwise (the tanh approximation of GELU)."""
+    return ewise("tanh", x)
+
+
+def erf(x):
+    """The error function, elementwise (exact GELU is ``0.5 * x * (1 + tl.erf(x / sqrt(2)))``)."""
+    return ewise("erf", x)
+
+
+def rsqrt(x):
+    """``1 / sqrt(x)``, elementwise (RMSNorm's scale); ``inf`` at 0, NaN below."""
+    return ewise("rsqrt", x)
+
+
 def where(cond, a, b) -> Tile:
     """Elementwise ``cond ? a : b``."""
     if not isinstance(cond, Tile) or cond.dtype != T.bool_:
@@ -275,5 +296,5 @@ def static_assert(cond: bool, message: str) -> None:
 
 __all__ = ["float16", "bfloat16", "float32", "int32", "constexpr", "Symmetric", "rank", "world_size", "range",
            "static_range", "when", "load", "load_rows", "load_scalar", "store", "full", "zeros", "fragment", "iota",
-           "ewise", "exp", "exp2", "log", "sqrt", "abs", "where", "cast", "sum", "max", "min", "expand_dims",
+           "ewise", "exp", "exp2", "log", "sqrt", "abs", "sigmoid", "tanh", "erf", "rsqrt", "where", "cast", "sum", "max", "min", "expand_dims",
            "broadcast_to", "trans", "dot", "symmetric_buffer", "local_buffer", "signal", "static_assert"]

@@ -9,7 +9,7 @@ import numbers
 import numpy as np
 
 from .ir import core, types as T
-from .ir.opdefs import BINARY_OPS, UNARY_OPS
+from .ir.opdefs import BINARY_OPS, FLOAT_RESULT_OPS, UNARY_OPS
 from .operands import check_tile_shape, tensor_name
 from .tracing import Scalar, scalar_op, const, current, fail
 
@@ -216,7 +216,7 @@ def ewise(op: str, *args) -> Tile:
         rdt = T.bool_
     else:
         rdt = dtype
-    if op in ("exp", "exp2", "log", "sqrt", "recip", "div") and not rdt.is_float:
+    if op in FLOAT_RESULT_OPS and not rdt.is_float:
         rdt = T.float32
     if op == "where":
         rdt = dtype

@@ -23,7 +23,7 @@ BULK_MATH = frozenset({"dot", "cast", "trans", "ewise", "expand_dims", "broadcas
 STEP_OPS = frozenset({"full", "iota", "ewise", "cast", "reduce", "expand_dims", "broadcast", "trans", "dot",
                       "frag_alloc", "frag_read", "frag_write"})
 #: transcendental ops: numpy may take a different code path (and rounding) by array length
-NOT_BULK_EWISE = frozenset({"exp", "exp2", "log"})
+NOT_BULK_EWISE = frozenset({"exp", "exp2", "log", "sigmoid", "tanh", "erf"})
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,11 @@ class LoweredKernel:
     Expects ``source``, ``entry``, ``options``, and for the defaults below ``num_tiles`` and a
     ``config`` with ``threads`` and ``smem_bytes``."""
 
+    #: the tile program it was lowered from, ``(kernel, part)``, set by the pipeline: the program
+    #: a host protocol test runs in the simulator's rules (``runtime/sim/bound_launch.py``) in
+    #: place of the kernel, rather than a model of it
+    program = None
+
     def job(self):
         """This kernel as a :class:`.toolchain.compiler.CompileJob` (for ``compile_many``)."""
         return CompileJob(self.source, self.entry, tuple(self.options))

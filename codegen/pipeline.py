@@ -74,8 +74,11 @@ def plan(sel: Selected, options: dict) -> Any:
 
 
 def render(sel: Selected, the_plan: Any):
-    """Stage 4: the lowered kernel (CUDA source and host-side description) of a plan."""
-    return sel.recipe.render(the_plan)
+    """Stage 4: the lowered kernel (CUDA source and host-side description) of a plan, which
+    keeps the program it came from (``program``)."""
+    lowered = sel.recipe.render(the_plan)
+    object.__setattr__(lowered, "program", (sel.kernel, sel.part))   # lowered kernels are frozen
+    return lowered
 
 
 def lower(kernel: core.Kernel, part: str | core.Part, **options):

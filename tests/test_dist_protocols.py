@@ -5,10 +5,13 @@ kernel as the handshake (the default where rows are not whole tiles) or with the
 own rows — and GEMM+ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
 orders, some starving streams for a while (a stream op runs only when its stream waits, event
-waits and the GEMM's counter waits allow). The GEMMs are stand-ins with the generated kernels'
-contracts (AG push: wait for every peer's flag, gather the landing slot's rows and the shard's;
-AG pull: the staging kernel's waits, copies, flag and published arrival, then a GEMM waiting for
-every flag, or the GEMM's own-row phase staging and publishing, then its peers' rows; RS: chunk by chunk, peers' rows first, the partial rows then their counter). Every launch's output
+waits and the GEMM's counter waits allow). Where the GEMM is the plain compiled one (the pull's,
+GEMM+RS's) it is not modelled: the tile program it was lowered from runs in the simulator's
+rules on the device's memory (``_CompiledGemm``, runtime/sim/bound_launch.py), tile by tile,
+blocked on its waits. The GEMMs whose variants runtime/dist still chooses by lowering options
+(own_rows, gather_rows, push_rows) are stand-ins with the generated kernels' contracts (AG push:
+wait for every peer's flag, gather the landing slot's rows and the shard's; AG pull with the GEMM
+staging: its own-row phase staging and publishing, then its peers' rows). Every launch's output
 must be exact whatever order the streams ran in: a buffer overwritten before it was read, a
 counter written before its data, or a deadlock, fails — and each test shows the model catching
 a protocol with one of its waits or its call order removed.
@@ -19,6 +22,8 @@ import random
 import threading
 import types
 from collections import deque
+
+import numpy as np
 
 import pytest
 
@@ -64,6 +69,11 @@ class Device:
 
     def u64(self, addr: int):
         return self.bytes(addr, 8).view("<u8")
+
+    def queue(self, stream: int, name: str, op) -> None:
+        """A kernel that runs in steps: ``op()`` answers True once done, "step" when it made
+        progress, False when it cannot (its tasks all wait)."""
+        self._enqueue(stream, name, op)
 
     def kernel(self, stream: int, name: str, work, ready=lambda: True) -> None:
         """A stand-in kernel on ``stream``: ``work()`` once ``ready()`` (its spin-waits) holds."""
@@ -147,6 +157,11 @@ class Device:
         time with random priorities held for a while (the highest-priority stream that can
         progress runs — so some streams starve while others run far ahead, the schedules where
         a reused buffer is overwritten early)."""
+        from tldsl.runtime.sim.blas_threads import one_blas_thread
+        with one_blas_thread():           # the compiled GEMMs' tiles: small matmuls, one BLAS thread
+            self._run(rng, max_steps)
+
+    def _run(self, rng: random.Random, max_steps: int) -> None:
         starve = rng.random() < 0.5
         prio: dict = {}
         for step in range(max_steps):
@@ -161,8 +176,10 @@ class Device:
                 rng.shuffle(live)
             for s in live:
                 name, op = self.queues[s][0]
-                if op():
-                    self.queues[s].popleft()
+                progress = op()            # True: done; "step": progressed (a kernel's task ran); False: blocked
+                if progress:
+                    if progress is True:
+                        self.queues[s].popleft()
                     break
             else:
                 heads = {s: self.queues[s][0][0] for s in live}
@@ -185,6 +202,48 @@ class _StandInGemm:
 
     def enqueue(self, stream, L, lowered, buffers, signals, rank):
         raise NotImplementedError
+
+
+def _small_ints(*shape):
+    """bf16 integers in [-2, 2]: the compiled GEMMs' products and sums (K <= 16) are exact in any
+    order, so a result equals torch's exactly unless the protocol let in wrong data."""
+    return torch.randint(-2, 3, shape).to(torch.bfloat16)
+
+
+def _raw(t):
+    """A tensor's memory as the numpy array the simulator's rules read and write (bf16: its bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+class _CompiledGemm(_StandInGemm):
+    """The compiled GEMM itself, not a model of it: the tile program it was lowered from
+    (``lowered.program``) run by the simulator's rules (runtime/sim/bound_launch.py) on this
+    device's memory — every tile a task, blocked on its waits until the counters it reads (in
+    the tensors the runtime passed) reach the launch's targets."""
+
+    def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        from tldsl.runtime.sim.bound_launch import BoundLaunch
+        kernel, part = lowered.program
+        signals = signals or {}
+
+        def mine(r, what, name):
+            assert r == rank, f"rank {rank}'s GEMM reaches rank {r}'s {what} '{name}'"
+        state = {}
+
+        def run():
+            launch = state.get("launch")
+            if launch is None:
+                launch = state["launch"] = BoundLaunch(
+                    kernel, [part.name], rank, L,
+                    lambda r, name: mine(r, "buffer", name) or _raw(buffers[name]),
+                    lambda r, name: mine(r, "signal", name) or signals[name].numpy(),
+                    random.Random(1000 * L + rank))
+            if launch.done:
+                return True
+            return "step" if launch.step() else False
+        self.ranks.device.queue(stream, f"GEMM {L} ({kernel.name}.{part.name})", run)
 
 
 class _Gemm(_StandInGemm):
@@ -522,29 +581,6 @@ def test_the_column_sliced_model_can_fail(monkeypatch):
 
 # -- GEMM + ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py) --------------------------
 
-class _RsGemm(_StandInGemm):
-    """The partial-product GEMM's contract: chunk by chunk (peers' rows first), its rows of the
-    bf16 partial A @ B, then the chunk's ``ready`` counter up by its tiles."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        op = self.ranks.ops[rank]
-        eng = op._engine
-        a, b, partial = buffers["a"], buffers["b"], buffers["partial"]
-        (ready,) = signals.values()
-        counts = {step[1]: step[2] for step in eng.steps if step[0] == "wait"}      # ("wait", slot, count)
-        counts.update({rank * eng.tpr + lo // eng.rows: count for count, lo, hi in eng.own_chunks})
-        own = range(rank * eng.tpr, (rank + 1) * eng.tpr)
-        for slot in [s for s in sorted(counts) if s not in own] + list(own):
-            p, j = divmod(slot, eng.tpr)
-            lo = p * op.Ms + j * eng.rows
-            hi = min(lo + eng.rows, (p + 1) * op.Ms)
-
-            def piece(lo=lo, hi=hi, slot=slot):
-                partial[lo:hi] = (a[lo:hi].float() @ b.float()).to(partial.dtype)
-                ready[slot] += counts[slot]
-            self.ranks.device.kernel(stream, f"GEMM {L} rows {lo}", piece)
-
-
 def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
     from tldsl.runtime.dist import gemm_rs as grs
     from tldsl.runtime.dist.gemm_rs_copy import CopyEngineReduceScatter
@@ -556,7 +592,7 @@ def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
         ranks.device.kernel(ranks.raw_stream(), f"sum {lo}:{hi}", lambda: real_sum(self, out, lo, hi))
     monkeypatch.setattr(CopyEngineReduceScatter, "_sum_rows", deferred_sum)
     ranks = _Ranks(monkeypatch, lambda r: grs.MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, ce_chunks=4),
-                   _RsGemm)
+                   _CompiledGemm)
     holder["ranks"] = ranks
     ranks.Ms, ranks.K, ranks.N = Ms, K, N
     for op in ranks.ops:
@@ -572,8 +608,8 @@ def _run_rs_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
     expected, got = [], []
     for L in range(1, launches + 1):
-        ab = [(ranks.device.register(torch.randn(W * Ms, K).to(torch.bfloat16)),
-               ranks.device.register(torch.randn(K, N).to(torch.bfloat16))) for _ in range(W)]
+        ab = [(ranks.device.register(_small_ints(W * Ms, K)), ranks.device.register(_small_ints(K, N)))
+              for _ in range(W)]
         partials = [(a.float() @ b.float()).to(torch.bfloat16) for a, b in ab]
         expected.append([partials[r][r * Ms:(r + 1) * Ms] + partials[1 - r][r * Ms:(r + 1) * Ms] for r in range(W)])
         outs = {}
@@ -655,19 +691,6 @@ class _Stager:
         return stager
 
 
-class _PullGemm(_StandInGemm):
-    """The pulling GEMM's contract: once every shard's flag holds the launch, C = A_gathered @ B."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        (flags,) = signals.values()
-        a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
-
-        def multiply():
-            c[:] = (a_full.float() @ b.float()).to(c.dtype)
-        self.ranks.device.kernel(stream, f"GEMM {L}", multiply,
-                                 ready=lambda: all(int(flags[p]) >= L for p in range(self.ranks.W)))
-
-
 def _run_gathering_launches(monkeypatch, seed: int, ranks, Ms: int, K: int, N: int, launches: int,
                             streams_per_rank: int) -> None:
     """Launches of two ranks' AllGatherMatmul (any path) on fresh shards, every stream run in a
@@ -675,10 +698,10 @@ def _run_gathering_launches(monkeypatch, seed: int, ranks, Ms: int, K: int, N: i
     rng = random.Random(seed)
     W = ranks.W
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
-    b = ranks.device.register(torch.randn(K, N).to(torch.bfloat16))
+    b = ranks.device.register(_small_ints(K, N))
     expected, got = [], []
     for L in range(1, launches + 1):
-        shards = [ranks.device.register(torch.randn(Ms, K).to(torch.bfloat16)) for _ in range(W)]
+        shards = [ranks.device.register(_small_ints(Ms, K)) for _ in range(W)]
         gathered = torch.cat(shards)
         expected.append((gathered, (gathered.float() @ b.float()).to(torch.bfloat16)))
         got.append({r: ranks.call(r, shards[r], b, stream=own_streams[r][(L - 1) % streams_per_rank])
@@ -700,7 +723,7 @@ def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_ra
 
     def gemm(ranks):
         holder["ranks"] = ranks
-        return _PullGemm(ranks)
+        return _CompiledGemm(ranks)
     ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), gemm)
     assert all(op.engine == "copy_engine" and op.staging == "kernel" and op.handshake == "device" for op in ranks.ops)
     _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)

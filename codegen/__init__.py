@@ -44,7 +44,8 @@ from .recipes.grouped_gemm import LoweredGroupedGemm, lower_grouped_gemm
 from .match.combine import match_combine
 from .recipes.combine import LoweredCombine, lower_combine
 from .match.comm import match_copy_engine, match_sm_comm
-from .plan.copy_engine import CeCopy, CeSignalWrite, CeWait, CopyEnginePlan, plan_copy_engine
+from .plan.copy_engine import CeCopy, CeSignalWrite, CeWait, CopyEnginePlan
+from .recipes.copy_engine import plan_copy_engine
 from .recipes.sm_comm import LoweredComm, lower_comm
 
 __all__ = [n for n in dir() if not n.startswith("_")]

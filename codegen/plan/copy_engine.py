@@ -18,8 +18,7 @@ from ...ir.opdefs import NOTIFY_OPS, data_operands
 from ...ir.semantics import ARITH, wait_target, wrap_i32
 from ..dtypes import elem_bytes
 from ..errors import fail
-from ..ir_queries import only_part
-from ..match.comm import WHAT, CopyEngineMatch, match_copy_engine, where
+from ..match.comm import WHAT, CopyEngineMatch, where
 from ..rules.primitives import wait_target_formula
 
 
@@ -236,15 +235,10 @@ def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> li
     return out
 
 
-def plan_copy_engine(kernel: core.Kernel, part: str | core.Part | None = None,
-                     match: CopyEngineMatch | None = None) -> CopyEnginePlan:
-    """Evaluate a copy-engine part (the only one, or the one named) for every rank into a
-    :class:`CopyEnginePlan`. ``match``: the part's match (the pipeline passes it; else the part
-    is matched here)."""
-    p = only_part(kernel, part, WHAT, "copy-engine parts", lambda q: q.role == "comm" and q.engine == "copy_engine",
-                  verb="plan")
-    if match is None:
-        match_copy_engine(kernel, p)
+def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMatch) -> CopyEnginePlan:
+    """Evaluate a matched copy-engine part for every rank into a :class:`CopyEnginePlan` (the
+    pipeline's planning stage; :func:`..recipes.copy_engine.plan_copy_engine` is the entry that
+    finds the part and runs the recipe)."""
     W = kernel.world_size
     sched = kernel.comm_schedule
     order = sched.task_order(tuple(p.grid)) if sched is not None else \

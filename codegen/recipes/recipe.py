@@ -35,4 +35,5 @@ class Recipe:
         return {k: v for k, v in options.items() if k in self.options}
 
     def __repr__(self) -> str:
-        return f"Recipe({self.name!r}, {self.role}, priority {self.priority})"
+        what = f": {self.summary}" if self.summary else ""
+        return f"Recipe({self.name!r}, {self.role}, priority {self.priority}{what})"

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ...errors import CompilationError
+from ...ir.display import html_card, one_line, size
 from ...ir.location import Location
 from .cache import KernelCache, cache_key
-from .locate import ARCH, Toolchain, _load_nvrtc, find_toolchain
+from .locate import ARCH, Toolchain, load_nvrtc, find_toolchain
 from .sass import analyze_cubin, parse_ptxas_log
 
 #: The DSL marker the code generator puts at the end of a generated line.
@@ -68,6 +69,19 @@ class CompiledKernel:
     def ptxas_info(self) -> dict:
         """Registers / spills / stack per function parsed from the ptxas -v lines of the log."""
         return parse_ptxas_log(self.log)
+
+    def __repr__(self) -> str:
+        """One line, never the cubin's bytes (``.cubin``, ``.log``, ``.source`` hold them)."""
+        how = "from the cache" if self.cached else f"compiled in {self.compile_seconds:.2f} s"
+        return one_line(f"<CompiledKernel {self.name}: {size(len(self.cubin))} cubin, {how}, key {self.key[:12]}>")
+
+    def _repr_html_(self) -> str:
+        facts = [("entry", self.name), ("cubin", size(len(self.cubin))), ("from the cache", self.cached),
+                 ("NVRTC seconds", f"{self.compile_seconds:.2f}"), ("this call's seconds", f"{self.seconds:.3f}"),
+                 ("cache key", self.key), ("cache file", self.cache_path or "-"),
+                 ("ptxas", self.ptxas_info() or "-"), ("options", " ".join(self.options))]
+        folded = [("NVRTC log", self.log)] + ([("CUDA source", self.source)] if self.source else [])
+        return html_card(f"CompiledKernel {self.name} (sm_90a cubin)", facts, folded)
 
 
 @dataclass(frozen=True)
@@ -207,7 +221,7 @@ def nvrtc_compile(source: str, program: str, options: Sequence[str]) -> dict:
     """Compile in *this* process. Returns ``ok, cubin, log, seconds, timings`` (never raises on
     a compile error: the parent turns the log into a :class:`CudaCompileError`)."""
     import tempfile
-    nvrtc = _load_nvrtc()
+    nvrtc = load_nvrtc()
 
     def check(res, what):
         err = res[0] if isinstance(res, tuple) else res

@@ -144,7 +144,7 @@ class Toolchain:
 
     def nvrtc(self):
         """The ``cuda.bindings.nvrtc`` module, after checking the loaded library is NVRTC 13.0."""
-        return _load_nvrtc()
+        return load_nvrtc()
 
     def __str__(self) -> str:
         lines = [f"NVRTC {self.nvrtc_version} (arch {ARCH})",
@@ -165,7 +165,9 @@ def _missing(what: str, hint: str) -> ToolchainError:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_nvrtc():
+def load_nvrtc():
+    """NVRTC's Python bindings, loaded once and checked to be the 13.0.x the GPU hosts' driver loads
+    cubins from (a toolchain error that says what to install otherwise)."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as ex:
@@ -222,7 +224,7 @@ def find_toolchain() -> Toolchain:
     # NVRTC: the wheel's version, without loading the library (a cache hit must stay cheap).
     nvrtc_version = _dist_version("nvidia-cuda-nvrtc")
     if nvrtc_version is None:
-        nvrtc = _load_nvrtc()
+        nvrtc = load_nvrtc()
         _, major, minor = nvrtc.nvrtcVersion()
         nvrtc_version = f"{major}.{minor}"
     elif not nvrtc_version.startswith("13.0."):
@@ -282,7 +284,7 @@ def toolchain_available() -> tuple[bool, str]:
     """(True, "") when everything needed to compile is present, else (False, the reason)."""
     try:
         find_toolchain()
-        _load_nvrtc()
+        load_nvrtc()
     except ToolchainError as ex:
         return False, str(ex)
     return True, ""

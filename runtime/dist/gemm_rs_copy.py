@@ -19,7 +19,7 @@ deadlocks, results); here it runs as:
 2. copy stream (after ``E``): a handshake of stream memory operations — write ``L`` into this
    rank's slot of every peer's symmetric ``handshake_arrive`` array, wait until every peer's
    slot here holds ``L`` (every rank finished launch ``L-1``, so its receive buffer is free);
-   then the copy-engine part's plan for this rank (:func:`~tldsl.codegen.plan.copy_engine.plan_copy_engine`),
+   then the copy-engine part's plan for this rank (:func:`~tldsl.codegen.recipes.copy_engine.plan_copy_engine`),
    in its order: per chunk a stream wait for ``count * L`` on its ``ready`` counter and one
    NVLink copy; the plan's notifies of one peer are coalesced into its last (the stream is in
    order), which writes the launch's final count ``chunks * L`` into this rank's slot of the
@@ -88,7 +88,7 @@ def chunk_rows(rows_per_rank: int, tile_rows: int, chunks: int) -> int:
 class CopyEngineReduceScatter:
     """The copy-engine launch protocol of :class:`~.gemm_rs.MatmulReduceScatter` (see the module
     docstring): the tile program's copy-engine part, planned for this rank
-    (:func:`~tldsl.codegen.plan.copy_engine.plan_copy_engine`), executed on the copy stream after a
+    (:func:`~tldsl.codegen.recipes.copy_engine.plan_copy_engine`), executed on the copy stream after a
     handshake, then the sum part's work as one elementwise kernel. Building it is collective
     (one symmetric workspace)."""
 

@@ -1,4 +1,5 @@
-"""Every notebook in tutorials/ runs top to bottom without a cell error.
+"""Every notebook in tutorials/ runs top to bottom without a cell error, exactly as committed,
+and every plot cell draws an image.
 
 Notebooks are executed with nbclient on the ``python3`` kernel, in ``tutorials/``. The kernel
 is ipykernel's own ``python3`` spec, which runs this interpreter (``sys.executable``), where
@@ -10,10 +11,16 @@ the repository root, so a plain checkout run as ``PYTHONPATH=. pytest`` works to
 A notebook that compiles CUDA declares it in its metadata, ``"tldsl": {"requires": ["nvrtc",
 "cuobjdump"]}``; where those wheels are missing it is skipped with the reason, like the NVRTC
 tests (CI installs them: ``make install``).
+
+A plot cell is a code cell that calls one of tldsl's plot functions or matplotlib; it must leave
+an ``image/png`` output (a figure made under a non-interactive backend and ``plt.show()`` would
+leave none). Code shown in a markdown cell would not be run, so markdown holds none: code goes
+in code cells.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +37,9 @@ import tldsl
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
+PLOTTING = re.compile(r"\bplot_timeline\(|\bplot_phases\(|matplotlib")
+#: the tutorials that draw figures (each has at least one plot cell)
+WITH_PLOTS = {"01_allgather_gemm", "03_fused_allgather_gemm_on_gpus"}
 
 
 def _kernel_env() -> dict[str, str]:
@@ -45,6 +55,25 @@ def test_there_are_tutorials():
     names = {p.name for p in NOTEBOOKS}
     assert {"01_allgather_gemm.ipynb", "02_from_tile_program_to_cuda.ipynb",
             "03_fused_allgather_gemm_on_gpus.ipynb"} <= names, NOTEBOOKS
+
+
+def plot_cells(nb) -> list[int]:
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and PLOTTING.search(c.source)]
+
+
+def test_the_tutorials_with_figures_have_plot_cells():
+    for path in NOTEBOOKS:
+        if path.stem in WITH_PLOTS:
+            assert plot_cells(nbformat.read(path, as_version=4)), f"{path.name} has no plot cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_markdown_shows_no_code_that_does_not_run(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    fenced = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+              and any(info != "text" for info in re.findall(r"^```(\w*)", c.source, flags=re.M)[::2])]
+    assert not fenced, (f"{path.name}: markdown cells {fenced} show code in a fence (only ```text is not run); "
+                        "put it in a code cell")
 
 
 def _missing_requirement(nb) -> str | None:
@@ -91,3 +120,5 @@ def test_notebook_runs(path: Path):
     executable, package = "".join(o.get("text", "") for o in code[-1].outputs).split()
     assert os.path.realpath(executable) == os.path.realpath(sys.executable)
     assert package == tldsl.__file__
+    blank = [i for i in plot_cells(nb) if not any("image/png" in o.get("data", {}) for o in nb.cells[i].outputs)]
+    assert not blank, f"{path.name}: plot cells {blank} drew no image"

@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...ir import core
+from ...ir.display import html_card, one_line
 from ...ir.types import dtype_of
 from .blas_threads import one_blas_thread
 from .engine import Engine
@@ -41,9 +42,34 @@ class SimResult:
         """A per-rank text timeline of communication and compute tasks (last launch)."""
         return format_timeline(self, width)
 
-    def _repr_pretty_(self, p, cycle):
-        p.text(f"SimResult({self.kernel.name}, W={self.kernel.world_size}, steps={self.steps}, "
-               f"launches={self.launches}, seed={self.seed})")
+    def plot_timeline(self, tile=None, save=None, figsize=None):
+        """The timeline as a matplotlib figure (``pip install 'tldsl[plot]'``): one lane per rank
+        and engine, tasks coloured by part, notify → wait arrows for ``tile`` (``(rank, part,
+        coords)``; default: the tile blocked longest). ``save=path`` also writes it to a file."""
+        from .plot import plot_timeline
+        return plot_timeline(self, tile=tile, save=save, figsize=figsize)
+
+    def __repr__(self) -> str:
+        """One line: the arrays, the event log and the IR are behind ``[r]``, ``.events``, ``.kernel``."""
+        k = self.kernel
+        return one_line(f"<SimResult {k.name}: {k.world_size} ranks, {self.launches} launch(es), "
+                        f"{self.steps} steps, seed {self.seed}; outputs {', '.join(self.outputs[0]) if self.outputs else '-'}>")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the run, each output of rank 0 (every rank's have the same shapes),
+        and the text timeline and IR folded away."""
+        k = self.kernel
+        facts = [("ranks", k.world_size), ("launches", self.launches), ("scheduler steps", self.steps),
+                 ("seed", self.seed)]
+        for name, arr in (self.outputs[0].items() if self.outputs else ()):
+            facts.append((f"output {name}", f"{arr.shape} {arr.dtype}; NaN on any rank: "
+                          f"{any(_has_nan(out[name]) for out in self.outputs)}"))
+        return html_card(f"SimResult of {k.name}", facts,
+                         [("timeline (plot_timeline() draws it)", self.timeline()), ("IR", str(k))])
+
+
+def _has_nan(arr) -> bool:
+    return arr.dtype.kind == "f" and bool(np.isnan(arr).any())
 
 
 def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ..ir import core
+from ..ir.display import html_card, one_line
 from .toolchain.compiler import CompileJob, compile_cuda
 
 
@@ -190,6 +191,29 @@ class LoweredKernel:
 
     Expects ``source``, ``entry``, ``options``, and for the defaults below ``num_tiles`` and a
     ``config`` with ``threads`` and ``smem_bytes``."""
+
+    def __init_subclass__(cls, **kw):
+        # The recipes' lowered kernels are dataclasses, whose generated __repr__ would print the
+        # whole CUDA source; a __repr__ already in the class body is one @dataclass leaves alone.
+        super().__init_subclass__(**kw)
+        if "__repr__" not in cls.__dict__:
+            cls.__repr__ = LoweredKernel.__repr__
+
+    def __repr__(self) -> str:
+        """One line: which part, which entry, how big (``describe()`` and ``source``: the rest)."""
+        lines = self.source.count("\n") + 1
+        waits, notifies = getattr(self, "waits", 0), getattr(self, "notifies", 0)
+        return one_line(f"<{type(self).__name__} {self.kernel_name}.{self.part} -> {self.entry}: "
+                        f"W={self.world_size}, {len(self.params)} params, {waits} waits, {notifies} notifies, "
+                        f"{lines} lines of CUDA>")
+
+    def _repr_html_(self) -> str:
+        facts = [("part", f"{self.kernel_name}.{self.part}"), ("entry", self.entry),
+                 ("world size", self.world_size), ("NVRTC options", " ".join(self.options) or "none"),
+                 ("parameters", ", ".join(p.name for p in self.params))]
+        return html_card(f"{type(self).__name__} (compile() builds the cubin)", facts,
+                         [("describe()", self.describe()), (f"CUDA source ({self.source.count(chr(10)) + 1} lines)",
+                                                            self.source)], open_first=True)
 
     #: the tile program it was lowered from, ``(kernel, part)``, set by the pipeline: the program
     #: a host protocol test runs in the simulator's rules (``runtime/sim/bound_launch.py``) in

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from .display import html_card, one_line
 from .location import Location
 from .printer import format_kernel
 from .types import SignalType, TensorType
@@ -114,6 +115,10 @@ class Part:
     def walk(self) -> Iterator[Op]:
         return self.body.walk()
 
+    def __repr__(self) -> str:
+        """One line (the body is the kernel's IR: ``print(kernel)``)."""
+        return one_line(f"<Part {self.name}: {self.role}, grid {self.grid} on {self.engine}, {len(self.body.ops)} ops>")
+
 
 @dataclass(eq=False)
 class Kernel:
@@ -156,5 +161,19 @@ class Kernel:
     def __str__(self) -> str:
         return format_kernel(self)
 
-    def _repr_pretty_(self, p, cycle):  # IPython / notebooks
+    def _repr_pretty_(self, p, cycle):  # IPython's console: the whole IR
         p.text(str(self))
+
+    def __repr__(self) -> str:
+        """One line (``print(kernel)`` gives the IR)."""
+        parts = ", ".join(f"{p.name}({p.role} {'x'.join(map(str, p.grid))})" for p in self.parts)
+        return one_line(f"<tldsl.ir.Kernel {self.name}: W={self.world_size}, parts {parts}; "
+                        f"{len(self.args)} args, {len(self.workspaces)} workspaces, {len(self.signals)} signals>")
+
+    def _repr_html_(self) -> str:
+        facts = [("world size", self.world_size),
+                 *((f"{p.role} part {p.name}", f"grid {p.grid}, {p.num_tasks} tasks on {p.engine}") for p in self.parts),
+                 *((f"{b.kind} {b.name}", str(b.type)) for b in self.buffers),
+                 *((f"signal {s.name}", str(s.type)) for s in self.signals),
+                 ("compute schedule", self.compute_schedule), ("comm schedule", self.comm_schedule)]
+        return html_card(f"IR kernel {self.name}", facts, [("IR", str(self))], open_first=True)

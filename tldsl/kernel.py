@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CompilationError, InputError
+from .ir.display import html_card, one_line
 from .ir import core, types as T
 from .ir.location import Location, user_location
 from .ir.schedule import CommSchedule, ComputeSchedule, check_compatible
@@ -141,7 +142,17 @@ class KernelFunction:
                         "or inspect it with .trace(world_size, *specs)")
 
     def __repr__(self):
-        return f"<tl.kernel {self.name}({', '.join(self.arg_names)})>"
+        return one_line(f"<tl.kernel {self.name}({', '.join(self.arg_names)})>")
+
+    def _repr_html_(self) -> str:
+        keywords = ", ".join(n if p.default is inspect.Parameter.empty else f"{n}={p.default!r}"
+                             for n, p in self.kw_params.items())
+        facts = [("tensors", ", ".join(f"{n} (symmetric)" if n in self.symmetric else n for n in self.arg_names)),
+                 ("compile-time keywords", keywords or "none"), ("defined at", self.loc.short()),
+                 ("traced specialisations", len(self._cache))]
+        doc = inspect.getdoc(self.fn)
+        return html_card(f"tile program @tl.kernel {self.name}", facts,
+                         [("docstring", doc)] if doc else [], open_first=True)
 
 
 def kernel(fn=None, *, name: str | None = None):

@@ -20,6 +20,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ...ir.display import html_card, one_line
 from .locate import ToolchainError, find_toolchain
 
 
@@ -59,6 +60,11 @@ class KernelSass:
     def spill_instructions(self) -> int:
         return self.count("LDL") + self.count("STL")
 
+    def __repr__(self) -> str:
+        """One line (``instructions``: the whole listing)."""
+        return one_line(f"<KernelSass {self.name}: {len(self.instructions)} instructions, {self.registers} registers, "
+                        f"{self.count('HGMMA')} HGMMA, {self.spill_instructions} spill instructions>")
+
     def summary(self) -> dict:
         return {"registers": self.registers, "shared_bytes": self.shared_bytes, "local_bytes": self.local_bytes,
                 "stack_bytes": self.stack_bytes, "HGMMA": self.count("HGMMA"), "UTMALDG": self.count("UTMALDG"),
@@ -73,6 +79,14 @@ class SassReport:
 
     def __getitem__(self, name: str) -> KernelSass:
         return self.kernels[name]
+
+    def __repr__(self) -> str:
+        """One line (``sass_text``: cuobjdump's listing)."""
+        return one_line(f"<SassReport of {len(self.kernels)} kernel(s): {', '.join(self.kernels)}>")
+
+    def _repr_html_(self) -> str:
+        facts = [(name, ", ".join(f"{k} {v}" for k, v in k.summary().items())) for name, k in self.kernels.items()]
+        return html_card("SASS (cuobjdump)", facts, [("listing", self.sass_text)] if self.sass_text else [])
 
     def only(self) -> KernelSass:
         """The one kernel of a single-kernel cubin."""

@@ -604,12 +604,24 @@ class AllGatherMatmul:
 
     def __repr__(self) -> str:
         """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
+        from ...ir.display import fit, schedules
         try:
-            return (f"<AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
-                    f"B [{self.K}, {self.N}] {self.dtype}, {self.compute}, {self.comm}, {self.launches} launches"
-                    f"{', closed' if self._closed else ''}>")
+            return fit(f"<AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
+                       f"B [{self.K}, {self.N}] {self.dtype}, ",
+                       schedules(self.compute, self.comm),
+                       f", {self.launches} launches{', closed' if self._closed else ''}>")
         except AttributeError:      # a construction that failed part-way
             return "<AllGatherMatmul (not built)>"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the problem and the schedules, ``describe()`` folded away."""
+        from ...ir.display import html_card
+        if not hasattr(self, "_closed"):
+            return html_card(repr(self), [])
+        facts = [("rank", f"{self.ctx.rank} of {self.ctx.world_size}"), ("A shard", [self.Ms, self.K]),
+                 ("B", [self.K, self.N]), ("dtype", self.dtype), ("compute", self.compute), ("comm", self.comm),
+                 ("engine", self.engine), ("launches", self.launches), ("closed", self._closed)]
+        return html_card("AllGatherMatmul", facts, [("describe()", self.describe())])
 
     def describe(self) -> str:
         head = f"{repr(self)[1:-1]}; engine {self.engine}"

@@ -295,12 +295,25 @@ class MatmulReduceScatter:
 
     def __repr__(self) -> str:
         """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
+        from ...ir.display import fit, schedules
         try:
-            return (f"<MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
-                    f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}, {self.compute}, {self.comm}, "
-                    f"{self.launches} launches{', closed' if self._closed else ''}>")
+            return fit(f"<MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
+                       f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}, ",
+                       schedules(self.compute, self.comm),
+                       f", {self.launches} launches{', closed' if self._closed else ''}>")
         except AttributeError:      # a construction that failed part-way
             return "<MatmulReduceScatter (not built)>"
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the problem and the schedules, ``describe()`` folded away."""
+        from ...ir.display import html_card
+        if not hasattr(self, "_closed"):
+            return html_card(repr(self), [])
+        facts = [("rank", f"{self.ctx.rank} of {self.ctx.world_size}"), ("A", [self.M, self.K]),
+                 ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype),
+                 ("compute", self.compute), ("comm", self.comm), ("launches", self.launches),
+                 ("closed", self._closed)]
+        return html_card("MatmulReduceScatter", facts, [("describe()", self.describe())])
 
     def describe(self) -> str:
         head = repr(self)[1:-1]

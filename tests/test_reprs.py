@@ -1,0 +1,131 @@
+"""Notebook-native objects: every user-facing type has a plain ``repr`` of one line and at most
+200 characters, whatever it holds (a cubin, a CUDA source, W ranks' arrays and event log), and a
+``_repr_html_`` that a notebook renders — tested per type, with objects big enough that a
+careless repr would show it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import CompiledKernel, KernelSass, lower_all
+from tldsl.codegen.abi import LoweredKernel
+from tldsl.codegen.toolchain.sass import SassReport
+from tldsl.ir.display import REPR_LIMIT, compact, fit, html_card, one_line
+from tldsl.ops.allgather_gemm import allgather_gemm
+
+S = tl.TensorSpec
+
+pytest.importorskip("torch", reason="the fused ops' host-side build needs torch (make install: a CPU build)")
+from test_dist_host import fake_ag, proto  # noqa: E402,F401 - fixtures: torch symmetric memory on a simulated driver
+
+
+def assert_notebook_native(obj, *must_contain: str) -> str:
+    """One line, short, naming what it is; and an HTML card that is not the plain repr."""
+    text = repr(obj)
+    assert "\n" not in text and len(text) <= REPR_LIMIT, (len(text), text[:400])
+    for word in must_contain:
+        assert word in text, (word, text)
+    html = obj._repr_html_()
+    assert html.startswith("<div>") and html.endswith("</div>") and "<table>" in html
+    return html
+
+
+@pytest.fixture(scope="module")
+def sim_result():
+    W, Ms, K, N = 4, 64, 64, 48
+    rng = np.random.default_rng(0)
+    b = rng.integers(-3, 4, (K, N)).astype(np.float16)
+    inputs = [{"a": rng.integers(-3, 4, (Ms, K)).astype(np.float16), "b": b,
+               "c": np.full((W * Ms, N), np.nan, np.float16)} for _ in range(W)]
+    return tl.simulate(allgather_gemm, W, inputs, seed=0, compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+                       comm=tl.CommSchedule(tile_m=16))
+
+
+def test_one_line_cuts_long_text_and_keeps_the_closing_bracket():
+    assert one_line("a\n  b") == "a b"
+    cut = one_line("<" + "x" * 500 + ">")
+    assert len(cut) == REPR_LIMIT and cut.endswith("…>")
+    kept = fit("<head ", "m" * 500, " tail>")
+    assert len(kept) == REPR_LIMIT and kept.startswith("<head m") and kept.endswith("… tail>")
+    assert compact(tl.CommSchedule(engine="copy_engine"), ("engine", "mode")) == \
+        "CommSchedule(engine='copy_engine', mode='pull')"
+    assert "&lt;b&gt;" in html_card("t", [("k", "<b>")])                  # facts are escaped
+
+
+def test_kernel_function(sim_result):
+    html = assert_notebook_native(allgather_gemm, "tl.kernel", "allgather_gemm")
+    assert "a (symmetric)" in html and "compute" in html
+
+
+def test_traced_ir_kernel(sim_result):
+    k = sim_result.kernel
+    html = assert_notebook_native(k, "allgather_gemm", "W=4", "gemm(compute")
+    assert "<details open>" in html and "program_id" in html                  # the IR, shown
+    assert str(k).startswith("kernel @allgather_gemm")                        # print() still gives the IR
+
+
+def test_sim_result(sim_result):
+    html = assert_notebook_native(sim_result, "SimResult", "4 ranks", "steps")
+    assert "output c" in html and "NaN on any rank: False" in html and "timeline of launch" in html
+
+
+def _lowered_kernels() -> dict[str, LoweredKernel]:
+    """One lowered kernel of each recipe class: AG+GEMM's GEMM and SM gather, the MoE grouped
+    GEMMs and combine, sequence-parallel attention."""
+    from test_codegen_attention import trace_sp
+    from test_codegen_moe import trace_ag, trace_rs
+    ag = allgather_gemm.trace(2, S((256, 256), tl.float16), S((256, 256), tl.float16), S((512, 256), tl.float16),
+                              compute=tl.ComputeSchedule(tile=(128, 128, 64)), comm=tl.CommSchedule(tile_m=128))
+    found: dict[str, LoweredKernel] = {}
+    for kernel in (ag, trace_ag(), trace_rs(), trace_sp()):
+        for lowered in lower_all(kernel).values():
+            if isinstance(lowered, LoweredKernel):
+                found.setdefault(type(lowered).__name__, lowered)
+    return found
+
+
+def test_every_lowered_kernel_class():
+    found = _lowered_kernels()
+    assert {"LoweredGemm", "LoweredComm", "LoweredGroupedGemm", "LoweredCombine", "LoweredAttention"} <= set(found)
+    for cls in _subclasses(LoweredKernel):          # a recipe not made here still gets the one tested repr
+        assert cls.__name__ in found or cls.__repr__ is LoweredKernel.__repr__, cls
+    for lowered in found.values():
+        assert len(lowered.source) > 2 * REPR_LIMIT                          # a dataclass repr would be long
+        html = assert_notebook_native(lowered, type(lowered).__name__, lowered.entry, "lines of CUDA")
+        assert "CUDA source" in html and "extern" in html
+
+
+def _subclasses(cls) -> set[type]:
+    import tldsl.codegen.recipes  # noqa: F401 - every recipe's lowered class
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub} | _subclasses(sub)
+    return out
+
+
+def test_compiled_kernel_never_shows_the_cubin():
+    cubin = bytes(range(256)) * 2300                                           # a cubin's size: 575 KiB
+    ck = CompiledKernel("tldsl_gemm", cubin, "ptxas info    : Used 168 registers", ["-arch=sm_90a"], "f" * 64,
+                        cached=False, seconds=3.2, compile_seconds=3.1, source="extern \"C\" ...")
+    html = assert_notebook_native(ck, "CompiledKernel", "tldsl_gemm", "575.0 KiB", "3.10 s")
+    assert "\\x" not in repr(ck) and "\\x" not in html and len(html) < 10_000
+    sass = KernelSass("tldsl_gemm", ["HGMMA.64x128x16.F32"] * 5000, registers=168)
+    assert len(repr(sass)) <= REPR_LIMIT and "5000 instructions" in repr(sass)
+    report = SassReport({"tldsl_gemm": sass}, sass_text="x" * 100_000)
+    assert_notebook_native(report, "SassReport", "tldsl_gemm")
+
+
+def test_fused_ops_on_the_host(proto, fake_ag):
+    """The GPU ops, built on test_dist_host's simulated driver: their schedules are compacted to
+    what differs from the defaults so the line keeps its start and end."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    AllGatherMatmul, torch = fake_ag
+    ag = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, handshake="kernel")
+    html = assert_notebook_native(ag, "<AllGatherMatmul rank 1/2: A shard [4091, 1032]", "mode='pull'", "0 launches>")
+    assert "describe()" in html and "engine" in html
+    rs = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
+    assert_notebook_native(rs, "<MatmulReduceScatter rank 1/2: A [8182, 1032]", "engine='sm'", "0 launches>")
+    for op in (ag, rs):
+        op.close()
+        assert repr(op).endswith("closed>") and "freed" in op._repr_html_()

@@ -8,10 +8,10 @@ The pipeline (:mod:`tldsl.codegen.pipeline`) tries the recipes of a part's role 
 from __future__ import annotations
 
 from .recipe import Recipe
-from . import attention, combine, copy_engine, gemm, grouped_gemm, sm_comm
+from . import attention, combine, copy_engine, gemm, general, grouped_gemm, sm_comm
 
 #: every recipe, the pipeline's one table
 RECIPES: tuple[Recipe, ...] = (gemm.RECIPE, grouped_gemm.RECIPE, combine.RECIPE, attention.RECIPE, sm_comm.RECIPE,
-                               copy_engine.RECIPE)
+                               copy_engine.RECIPE, general.RECIPE)
 
 __all__ = ["Recipe", "RECIPES"]

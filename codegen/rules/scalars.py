@@ -41,6 +41,40 @@ def c_literal(val) -> str:
     return repr(f) + "f" if ("e" in repr(f) or "." in repr(f)) else repr(f) + ".0f"
 
 
+#: the elementwise ops of tile math on one element (``include/tldsl/general.hpp``), by IR op;
+#: the operands are already in the op's compute type (float, double, int or bool), each
+#: function exactly rounded as numpy rounds it (no FMA contraction, NaN-propagating max / min,
+#: numpy's floor division and modulo, i32 wrapping)
+ELEMENT_MATH = {
+    "add": "tldsl::gen::add({0}, {1})", "sub": "tldsl::gen::sub({0}, {1})", "mul": "tldsl::gen::mul({0}, {1})",
+    "div": "tldsl::gen::div({0}, {1})", "floordiv": "tldsl::gen::floordiv({0}, {1})",
+    "mod": "tldsl::gen::mod({0}, {1})", "max": "tldsl::gen::max_({0}, {1})", "min": "tldsl::gen::min_({0}, {1})",
+    "neg": "tldsl::gen::neg({0})", "abs": "tldsl::gen::abs_({0})", "recip": "tldsl::gen::recip({0})",
+    "exp": "tldsl::gen::exp_({0})", "exp2": "tldsl::gen::exp2_({0})", "log": "tldsl::gen::log_({0})",
+    "sqrt": "tldsl::gen::sqrt_({0})", "sigmoid": "tldsl::gen::sigmoid({0})", "tanh": "tldsl::gen::tanh_({0})",
+    "erf": "tldsl::gen::erf_({0})", "rsqrt": "tldsl::gen::rsqrt({0})",
+    "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "not": "(!{0})", "where": "({0} ? {1} : {2})",
+}
+#: bool operands of these ops combine logically; other operands bitwise (numpy's logical_and on
+#: ints is a truth test as well, so ints are tested against 0 first)
+_LOGICAL = {"and": "&&", "or": "||"}
+
+
+def element_expr(kind: str, args: list[str], compute: str) -> str:
+    """C++ of one element of the elementwise op ``kind`` (``tl.ewise``'s ops and the math
+    functions) on ``args``, already converted to ``compute`` ("float", "double", "int" or
+    "bool"; ``where``'s condition is a bool). numpy's meaning, which the simulator runs."""
+    if kind in _LOGICAL:
+        return f"(({args[0]}) != 0 {_LOGICAL[kind]} ({args[1]}) != 0)"
+    if compute == "bool" and kind in ("add", "mul", "max", "min"):
+        # numpy on booleans: add / max are `or`, mul / min are `and`
+        return f"({args[0]} {'||' if kind in ('add', 'max') else '&&'} {args[1]})"
+    if kind not in ELEMENT_MATH:
+        raise LoweringError(f"internal: no element rule for elementwise op '{kind}'")
+    return ELEMENT_MATH[kind].format(*args)
+
+
 class ScalarEmitter:
     """Emit the scalar ops of a list of IR ops as C++ statements.
 

@@ -1,0 +1,311 @@
+// tldsl: device side of the general lowering (codegen/recipes/general.py): any compute part.
+//
+// One task (program instance) runs on one CTA; CTA b runs tasks b, b + gridDim.x, ... Every
+// thread evaluates the part's index code. A tile the plan materialises lives in shared memory
+// (one arena, offsets chosen by the planner); every other tile value is an expression computed
+// element by element where a statement consumes it. A statement (load, store, reduction, dot,
+// fragment write, ...) is a loop of the CTA's threads over its output elements, followed by a
+// CTA barrier.
+//
+// The element math reproduces the simulator's numpy rules: 16-bit floats compute in float and
+// round at every op, float arithmetic is explicitly rounded (never contracted into an FMA),
+// i32 wraps, integer division by zero gives 0, maximum / minimum propagate NaN, floor division
+// and modulo of floats follow numpy's divmod, and values that mix i32 and float compute in
+// double (numpy promotes them to float64).
+//
+// `dot` runs on tensor cores: CuTe's SM80 mma.sync atoms, m16n8k16 for f16 / bf16 operands and
+// m16n8k8 TF32 for f32 operands (inputs rounded to TF32, round-to-nearest-away), fp32
+// accumulation. Under TLDSL_HOST_EMULATION (the test suite's CPU check) the same product is
+// computed element by element with the same input rounding and fp32 accumulation.
+#pragma once
+
+#include "tldsl/comm.hpp"
+
+#if defined(TLDSL_HOST_EMULATION)
+#include <math.h>
+#include <stdint.h>
+namespace tldsl_emu {
+inline thread_local unsigned char* dynamic_smem = nullptr;   // the harness gives every CTA its own
+}
+#define TLDSL_DYNAMIC_SMEM(name) unsigned char* name = tldsl_emu::dynamic_smem
+#else
+#include <cute/arch/mma_sm80.hpp>
+#define TLDSL_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
+namespace tldsl {
+namespace gen {
+
+using comm::bf16;
+using comm::f16;
+
+// -- storage <-> value: a tile element as tile math sees it (float, int or bool) --------------
+TLDSL_DEV float get(float x) { return x; }
+TLDSL_DEV float get(f16 x) { return comm::f16_to_float(x.bits); }
+TLDSL_DEV float get(bf16 x) { return comm::bf16_to_float(x.bits); }
+TLDSL_DEV int get(int x) { return x; }
+TLDSL_DEV bool get(bool x) { return x; }
+
+template <class T>
+struct Put;
+template <>
+struct Put<float> {
+  static TLDSL_DEV float from(double v) { return (float)v; }
+};
+template <>
+struct Put<f16> {
+  static TLDSL_DEV f16 from(double v) { return f16{comm::float_to_f16((float)v)}; }
+};
+template <>
+struct Put<bf16> {
+  static TLDSL_DEV bf16 from(double v) { return bf16{comm::float_to_bf16((float)v)}; }
+};
+template <>
+struct Put<int> {
+  static TLDSL_DEV int from(int v) { return v; }
+};
+template <>
+struct Put<bool> {
+  static TLDSL_DEV bool from(bool v) { return v; }
+};
+template <class T, class V>
+TLDSL_DEV T put(V v) {
+  return Put<T>::from(v);
+}
+
+// -- conversions (tl.cast and the rounding of 16-bit results) ----------------------------------
+TLDSL_DEV float round_f16(double x) { return comm::round_f16((float)x); }
+TLDSL_DEV float round_bf16(double x) { return comm::round_bf16((float)x); }
+// float -> i32 as numpy does on x86: truncation, INT_MIN for NaN and out-of-range values
+TLDSL_DEV int f2i(double x) {
+  return (x != x || x >= 2147483648.0 || x < -2147483648.0) ? (int)0x80000000u : (int)x;
+}
+
+// -- arithmetic, exactly rounded ----------------------------------------------------------------
+#if defined(TLDSL_HOST_EMULATION)
+inline double dadd(double a, double b) { return a + b; }
+inline double dsub(double a, double b) { return a - b; }
+inline double dmul(double a, double b) { return a * b; }
+inline double ddiv(double a, double b) { return a / b; }
+#else
+TLDSL_DEV double dadd(double a, double b) { return __dadd_rn(a, b); }
+TLDSL_DEV double dsub(double a, double b) { return __dsub_rn(a, b); }
+TLDSL_DEV double dmul(double a, double b) { return __dmul_rn(a, b); }
+TLDSL_DEV double ddiv(double a, double b) { return __ddiv_rn(a, b); }
+#endif
+TLDSL_DEV float add(float a, float b) { return comm::fadd(a, b); }
+TLDSL_DEV float sub(float a, float b) { return comm::fsub(a, b); }
+TLDSL_DEV float mul(float a, float b) { return comm::fmul(a, b); }
+TLDSL_DEV float div(float a, float b) { return comm::fdiv(a, b); }
+TLDSL_DEV double add(double a, double b) { return dadd(a, b); }
+TLDSL_DEV double sub(double a, double b) { return dsub(a, b); }
+TLDSL_DEV double mul(double a, double b) { return dmul(a, b); }
+TLDSL_DEV double div(double a, double b) { return ddiv(a, b); }
+TLDSL_DEV int add(int a, int b) { return comm::iadd(a, b); }   // i32 wraps
+TLDSL_DEV int sub(int a, int b) { return comm::isub(a, b); }
+TLDSL_DEV int mul(int a, int b) { return comm::imul(a, b); }
+TLDSL_DEV int neg(int a) { return comm::isub(0, a); }
+TLDSL_DEV float neg(float a) { return -a; }
+TLDSL_DEV double neg(double a) { return -a; }
+TLDSL_DEV int abs_(int a) { return a < 0 ? neg(a) : a; }      // abs(INT_MIN) wraps to INT_MIN
+TLDSL_DEV float abs_(float a) { return fabsf(a); }
+TLDSL_DEV double abs_(double a) { return fabs(a); }
+
+// numpy's maximum / minimum: NaN wins
+template <class T>
+TLDSL_DEV T max_(T a, T b) {
+  return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
+template <class T>
+TLDSL_DEV T min_(T a, T b) {
+  return a != a ? a : (b != b ? b : (a < b ? a : b));
+}
+
+// numpy's integer floor division and modulo: 0 for a zero divisor, INT_MIN // -1 wraps
+TLDSL_DEV int floordiv(int a, int b) {
+  if (b == 0) return 0;
+  if (b == -1) return neg(a);
+  return tldsl::floordiv(a, b);
+}
+TLDSL_DEV int mod(int a, int b) {
+  if (b == 0 || b == -1) return 0;
+  return tldsl::floormod(a, b);
+}
+
+// numpy's float divmod: the remainder takes the divisor's sign, the quotient is snapped to the
+// nearest integer of (a - remainder) / b; a zero divisor gives a / b and fmod(a, b).
+template <class T>
+TLDSL_DEV T fmod_(T a, T b);
+template <>
+TLDSL_DEV float fmod_(float a, float b) { return fmodf(a, b); }
+template <>
+TLDSL_DEV double fmod_(double a, double b) { return fmod(a, b); }
+template <class T>
+TLDSL_DEV T divmod(T a, T b, T* rem) {
+  T m = fmod_(a, b);
+  if (b == T(0)) {
+    *rem = m;
+    return div(a, b);
+  }
+  T q = div(sub(a, m), b);
+  if (m != T(0)) {
+    if ((b < T(0)) != (m < T(0))) {
+      m = add(m, b);
+      q = sub(q, T(1));
+    }
+  } else {
+    m = copysign(T(0), b);
+  }
+  T fq;
+  if (q != T(0)) {
+    fq = floor(q);
+    if (sub(q, fq) > T(0.5)) fq = add(fq, T(1));
+  } else {
+    fq = copysign(T(0), div(a, b));
+  }
+  *rem = m;
+  return fq;
+}
+TLDSL_DEV float floordiv(float a, float b) {
+  float r;
+  return divmod(a, b, &r);
+}
+TLDSL_DEV double floordiv(double a, double b) {
+  double r;
+  return divmod(a, b, &r);
+}
+TLDSL_DEV float mod(float a, float b) {
+  float r;
+  divmod(a, b, &r);
+  return r;
+}
+TLDSL_DEV double mod(double a, double b) {
+  double r;
+  divmod(a, b, &r);
+  return r;
+}
+
+// -- math functions (float, or double where numpy computes in float64) -------------------------
+TLDSL_DEV float exp_(float x) { return expf(x); }
+TLDSL_DEV double exp_(double x) { return exp(x); }
+TLDSL_DEV float exp2_(float x) { return exp2f(x); }
+TLDSL_DEV double exp2_(double x) { return exp2(x); }
+TLDSL_DEV float log_(float x) { return logf(x); }
+TLDSL_DEV double log_(double x) { return log(x); }
+TLDSL_DEV float sqrt_(float x) { return sqrtf(x); }
+TLDSL_DEV double sqrt_(double x) { return sqrt(x); }
+TLDSL_DEV float tanh_(float x) { return tanhf(x); }
+TLDSL_DEV double tanh_(double x) { return tanh(x); }
+TLDSL_DEV float erf_(float x) { return erff(x); }
+TLDSL_DEV double erf_(double x) { return erf(x); }
+// 1 / (1 + e^-x): 0 where e^-x overflows
+template <class T>
+TLDSL_DEV T sigmoid(T x) {
+  return div(T(1), add(T(1), exp_(-x)));
+}
+// 1 / sqrt(x), both correctly rounded (the simulator's two roundings; inf at 0, NaN below)
+template <class T>
+TLDSL_DEV T rsqrt(T x) {
+  return div(T(1), sqrt_(x));
+}
+template <class T>
+TLDSL_DEV T recip(T x) {
+  return div(T(1), x);
+}
+
+// -- dot on tensor cores ----------------------------------------------------------------------
+
+// The operand type an atom multiplies: f16 and bf16 values are exact in their 16 bits, f32
+// values are rounded to TF32 (round to nearest, ties away: cvt.rna.tf32.f32).
+enum class MmaKind { kF16, kBF16, kTF32 };
+
+TLDSL_DEV float round_tf32(float x) {
+#if defined(TLDSL_HOST_EMULATION)
+  unsigned u = __float_as_uint(x);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;   // finite: ties away
+  return __uint_as_float(u);
+#else
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
+  return __uint_as_float(u);
+#endif
+}
+
+#if !defined(TLDSL_HOST_EMULATION)
+template <MmaKind K>
+TLDSL_DEV unsigned pack2(float lo, float hi) {
+  if constexpr (K == MmaKind::kF16) {
+    return unsigned(comm::float_to_f16(lo)) | (unsigned(comm::float_to_f16(hi)) << 16);
+  } else {
+    return unsigned(comm::float_to_bf16(lo)) | (unsigned(comm::float_to_bf16(hi)) << 16);
+  }
+}
+#endif
+
+// C[M, N] = A[M, K] @ B[K, N] in fp32. `a(i, k)` / `b(k, j)` give operand elements (inside the
+// tile only; the padding to whole mma shapes reads 0), `c(i, j, v)` takes each result element.
+// Every warp of the CTA takes 16 x 8 output tiles in turn and runs the K loop on one atom.
+template <MmaKind Kind, int M, int N, int K, class FA, class FB, class FC>
+TLDSL_DEV void mma_dot(FA a, FB b, FC c) {
+#if defined(TLDSL_HOST_EMULATION)
+  for (int e = (int)threadIdx.x; e < M * N; e += (int)blockDim.x) {
+    const int i = e / N, j = e % N;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      float x = a(i, k), y = b(k, j);
+      if (Kind == MmaKind::kTF32) {
+        x = round_tf32(x);
+        y = round_tf32(y);
+      }
+      acc = comm::fadd(acc, comm::fmul(x, y));
+    }
+    c(i, j, acc);
+  }
+#else
+  constexpr int KS = Kind == MmaKind::kTF32 ? 8 : 16;
+  constexpr int TM = (M + 15) / 16, TN = (N + 7) / 8;
+  const int warp = (int)threadIdx.x / 32, nwarps = (int)blockDim.x / 32;
+  const int lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  auto A = [&](int i, int k) { return (i < M && k < K) ? a(i, k) : 0.0f; };
+  auto B = [&](int k, int j) { return (k < K && j < N) ? b(k, j) : 0.0f; };
+#pragma unroll 1
+  for (int tile = warp; tile < TM * TN; tile += nwarps) {
+    const int m0 = (tile / TN) * 16, n0 = (tile % TN) * 8;
+    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma unroll 1
+    for (int k0 = 0; k0 < K; k0 += KS) {
+      const int r0 = m0 + g, r1 = m0 + g + 8, cn = n0 + g;
+      if constexpr (Kind == MmaKind::kTF32) {
+        const unsigned a0 = __float_as_uint(round_tf32(A(r0, k0 + t)));
+        const unsigned a1 = __float_as_uint(round_tf32(A(r1, k0 + t)));
+        const unsigned a2 = __float_as_uint(round_tf32(A(r0, k0 + t + 4)));
+        const unsigned a3 = __float_as_uint(round_tf32(A(r1, k0 + t + 4)));
+        const unsigned b0 = __float_as_uint(round_tf32(B(k0 + t, cn)));
+        const unsigned b1 = __float_as_uint(round_tf32(B(k0 + t + 4, cn)));
+        cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
+      } else {
+        const int kc = k0 + 2 * t;
+        const unsigned a0 = pack2<Kind>(A(r0, kc), A(r0, kc + 1));
+        const unsigned a1 = pack2<Kind>(A(r1, kc), A(r1, kc + 1));
+        const unsigned a2 = pack2<Kind>(A(r0, kc + 8), A(r0, kc + 9));
+        const unsigned a3 = pack2<Kind>(A(r1, kc + 8), A(r1, kc + 9));
+        const unsigned b0 = pack2<Kind>(B(kc, cn), B(kc + 1, cn));
+        const unsigned b1 = pack2<Kind>(B(kc + 8, cn), B(kc + 9, cn));
+        if constexpr (Kind == MmaKind::kF16) {
+          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
+        } else {
+          cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
+        }
+      }
+    }
+    const int r0 = m0 + g, r1 = m0 + g + 8, c0 = n0 + 2 * t;
+    if (r0 < M && c0 < N) c(r0, c0, d0);
+    if (r0 < M && c0 + 1 < N) c(r0, c0 + 1, d1);
+    if (r1 < M && c0 < N) c(r1, c0, d2);
+    if (r1 < M && c0 + 1 < N) c(r1, c0 + 1, d3);
+  }
+#endif
+}
+
+}  // namespace gen
+}  // namespace tldsl

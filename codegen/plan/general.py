@@ -1,0 +1,322 @@
+"""Planning the general lowering of a compute part (:mod:`..recipes.general`): which tile values
+live in shared memory and where, which are computed element by element where they are
+consumed, and the kernel's ABI.
+
+* **Materialised** (a slot of the shared-memory arena): the results of ``load``, ``load_rows``,
+  ``reduce`` and ``dot``, every fragment, an elementwise value (``ewise``, ``cast``) that more
+  than one op uses or that a loop it is not in uses, and a ``frag_read`` whose fragment is
+  written while the value is still needed (a copy).
+* **Computed where consumed** (no storage): ``full``, ``iota``, ``expand_dims``, ``broadcast``,
+  ``trans`` (coordinates only), the other elementwise values, and a ``frag_read`` read in place.
+* **Slots** are reused by liveness: a slot is live from the statement that writes it to the last
+  statement that reads it (to the end of the outermost loop that reads it without defining it).
+  Offsets are first-fit in order of definition; the arena must fit in 227 KB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...ir import core
+from ...ir import types as T
+from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, is_this_rank,
+                   peer_signal_param, signal_param, table_param, wait_timeout_options)
+from ..dtypes import ctype, elem_bytes
+from ..errors import fail
+from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
+
+DEFAULT_THREADS = 128
+#: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
+SMEM_LIMIT = 227 * 1024
+ALIGN = 16
+#: element ops that only move coordinates or make constants: never stored, recomputed freely
+COORDINATE_OPS = frozenset({"full", "iota", "expand_dims", "broadcast", "trans"})
+#: ops whose tile result always gets a slot
+STORED_RESULTS = frozenset({"load", "load_rows", "reduce", "dot", "frag_alloc"})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A materialised tile (or fragment) in the shared-memory arena."""
+    value: core.Value
+    op: core.Op              # the op whose statement writes it
+    offset: int
+    nbytes: int
+    start: int               # live range, in statement positions
+    end: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.type.shape)
+
+    @property
+    def dtype(self) -> T.DType:
+        return self.value.type.dtype
+
+
+@dataclass(frozen=True)
+class GeneralPlan:
+    """Everything :func:`..recipes.general.render_general` needs."""
+    kernel: core.Kernel
+    part: core.Part
+    match: GeneralMatch
+    entry: str
+    threads: int
+    slots: dict                   # value id -> Slot
+    views: dict                   # frag_read result id -> the fragment's value id (read in place)
+    accumulate: dict              # dot result id -> the f32 fragment it is added into (``acc += dot``)
+    accumulated: frozenset        # ids of the frag_write ops those dots perform
+    smem_bytes: int
+    decode: tuple                 # (axis, divisor, modulus | None) per program-id axis
+    params: tuple[KernelParam, ...]
+    signals: tuple[str, ...]
+    options: tuple[str, ...]      # NVRTC options
+    notes: tuple[str, ...] = field(default=())
+
+    def materialised(self, v: core.Value) -> bool:
+        return v.id in self.slots
+
+
+class _Program:
+    """The part's ops in walk order, with where each sits: position, block, enclosing loops,
+    users of each value."""
+
+    def __init__(self, part: core.Part):
+        self.order: list[core.Op] = []
+        self.pos: dict[int, int] = {}
+        self.end: dict[int, int] = {}          # id(op) -> last position inside it (itself if no region)
+        self.loops: dict[int, tuple] = {}      # id(op) -> enclosing for ops, outermost first
+        self.users: dict[int, list[core.Op]] = {}
+        self._walk(part.body, ())
+
+    def _walk(self, block: core.Block, loops: tuple):
+        for op in block.ops:
+            self.pos[id(op)] = len(self.order)
+            self.order.append(op)
+            self.loops[id(op)] = loops
+            for v in op.operands:
+                users = self.users.setdefault(v.id, [])
+                if not users or users[-1] is not op:
+                    users.append(op)
+            for r in op.regions:
+                self._walk(r, loops + ((op,) if op.name == "for" else ()))
+            self.end[id(op)] = len(self.order) - 1
+
+    def reach(self, def_op: core.Op, use: core.Op) -> int:
+        """The last position at which ``use`` may read a value ``def_op`` defined: its own, or
+        the end of the outermost loop around it that does not hold ``def_op``."""
+        outer = [lp for lp in self.loops[id(use)] if lp not in self.loops[id(def_op)] and lp is not def_op]
+        return self.end[id(outer[0])] if outer else self.pos[id(use)]
+
+
+def _fuse_decisions(prog: _Program) -> tuple[set[int], dict[int, int]]:
+    """(ids of values computed where consumed, frag_read views) — every other tile value of an
+    op in :data:`STORED_RESULTS` or an element op gets a slot."""
+    fused: set[int] = set()
+    views: dict[int, int] = {}
+    for op in prog.order:
+        if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
+            continue
+        v = op.result
+        users = prog.users.get(v.id, [])
+        if op.name in COORDINATE_OPS:
+            fused.add(v.id)
+        elif op.name in ELEMENT_OPS:
+            if not users or (len(users) == 1 and prog.reach(op, users[0]) == prog.pos[id(users[0])]):
+                fused.add(v.id)         # one reader, in the same iteration: computed there (unused: never)
+    # a fragment read in place while no write of the fragment can change what it reads
+    for op in prog.order:
+        if op.name == "frag_read" and _read_in_place(prog, op, fused):
+            views[op.result.id] = op.operands[0].id
+            fused.add(op.result.id)
+    return fused, views
+
+
+def _consumers(prog: _Program, v: core.Value, fused: set[int], pointwise: bool = True):
+    """The statements that read ``v`` (through element ops computed in place), each with
+    whether the path reads element i of ``v`` for element i of the statement's output."""
+    out = []
+    for u in prog.users.get(v.id, []):
+        if u.results and u.result.id in fused and u.name != "frag_read":
+            same = (pointwise and u.name in ("ewise", "cast") and tuple(u.result.type.shape) == tuple(v.type.shape))
+            out += _consumers(prog, u.result, fused, same)
+        else:
+            out.append((u, pointwise))
+    return out
+
+
+def _read_in_place(prog: _Program, read: core.Op, fused: set[int]) -> bool:
+    frag = read.operands[0]
+    users = prog.users.get(read.result.id, [])
+    if len(users) != 1 or prog.reach(read, users[0]) != prog.pos[id(users[0])]:
+        return False
+    start = prog.pos[id(read)]
+    for stmt, pointwise in _consumers(prog, read.result, fused):
+        stop = prog.reach(read, stmt)
+        for q in prog.order[start + 1:stop + 1]:
+            if q.name == "frag_write" and q.operands[0] is frag:
+                if q is stmt and pointwise and tuple(q.operands[1].type.shape) == tuple(frag.type.shape):
+                    continue        # element i read, then element i written: in place is exact
+                return False
+    return True
+
+
+def _accumulations(prog: _Program, fused: set[int], views: dict) -> tuple[dict, frozenset]:
+    """``frag += tl.dot(a, b)`` (``frag_write(F, ewise add(frag_read F, dot))``, the read in
+    place): the dot adds each result element into F itself, so its result needs no slot."""
+    acc: dict[int, core.Value] = {}
+    writes: set[int] = set()
+    for op in prog.order:
+        if op.name != "dot" or len(prog.users.get(op.result.id, [])) != 1:
+            continue
+        add = prog.users[op.result.id][0]
+        if add.name != "ewise" or add.attrs["op"] != "add" or add.result.id not in fused:
+            continue
+        other = [x for x in add.operands if x is not op.result]
+        if len(other) != 1 or other[0].id not in views:
+            continue
+        frag = other[0].owner.operands[0]
+        users = prog.users.get(add.result.id, [])
+        if len(users) != 1 or users[0].name != "frag_write" or users[0].operands[0] is not frag:
+            continue
+        if frag.type.dtype != T.float32 or tuple(frag.type.shape) != tuple(op.result.type.shape):
+            continue
+        if any(_reads(prog, x, frag, views, fused) for x in op.operands):
+            continue                # the dot reads the fragment it would be writing
+        acc[op.result.id] = frag
+        writes.add(id(users[0]))
+    return acc, frozenset(writes)
+
+
+def _reads(prog: _Program, v: core.Value, frag: core.Value, views: dict, fused: set[int]) -> bool:
+    """Whether computing ``v`` in place reads ``frag`` (through a read in place)."""
+    if views.get(v.id) == frag.id:
+        return True
+    op = v.owner
+    if not isinstance(op, core.Op) or v.id not in fused:
+        return False
+    return any(_reads(prog, x, frag, views, fused) for x in op.operands if isinstance(x.type, T.TileType))
+
+
+def _live_range(prog: _Program, op: core.Op, v: core.Value, fused: set[int], views: dict) -> tuple[int, int]:
+    start = prog.pos[id(op)]
+    end = start
+    reads = [v]
+    if isinstance(v.type, T.FragmentType):       # a fragment is also read through its views
+        reads += [u.result for u in prog.users.get(v.id, []) if u.name == "frag_read" and u.result.id in views]
+    for x in reads:
+        for stmt, _ in _consumers(prog, x, fused):
+            end = max(end, prog.reach(op, stmt))
+        if x is not v:
+            for u in prog.users.get(v.id, []):
+                end = max(end, prog.reach(op, u))
+    for u in prog.users.get(v.id, []):
+        end = max(end, prog.reach(op, u))
+    return start, end
+
+
+def _allocate(items: list[tuple[core.Value, core.Op, int, int, int]], part: core.Part) -> tuple[dict, int]:
+    """First-fit offsets for (value, op, bytes, start, end), in order of start."""
+    placed: list[Slot] = []
+    top = 0
+    for v, op, nbytes, start, end in sorted(items, key=lambda x: (x[3], x[4])):
+        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed if not (s.end < start or end < s.start))
+        off = 0
+        for lo, hi in busy:
+            if off + nbytes <= lo:
+                break
+            off = max(off, (hi + ALIGN - 1) // ALIGN * ALIGN)
+        slot = Slot(v, op, off, nbytes, start, end)
+        placed.append(slot)
+        top = max(top, off + nbytes)
+        if top > SMEM_LIMIT:
+            live = sorted((s for s in placed if not (s.end < start or end < s.start)), key=lambda s: -s.nbytes)
+            names = ", ".join(f"{'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}, {s.op.loc.short() if s.op.loc else '?'})"
+                              for s in live[:4])
+            raise fail(WHAT, f"the tiles live here need {top // 1024} KB of shared memory, over the "
+                             f"{SMEM_LIMIT // 1024} KB a CTA has (largest: {names}); use smaller tiles "
+                             "(the compute schedule's tile) or fewer tiles alive at once", op)
+    return {s.value.id: s for s in placed}, top
+
+
+def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...], tuple[str, ...]]:
+    """Parameters in order: per tensor (kernel order) this rank's pointer (const when only
+    read); per signal this rank's counters and the table of every rank's copies (when notified
+    on another rank); the ``load_scalar`` tables; ``rank``; ``launch``."""
+    modes: dict[int, set] = {}
+    tables: list[core.Buffer] = []
+    local_s: set[int] = set()
+    peer_s: set[int] = set()
+    for op in part.walk():
+        if op.name in ("load", "load_rows"):
+            modes.setdefault(id(op.operands[0].owner), set()).add("r")
+        elif op.name == "store":
+            modes.setdefault(id(op.operands[0].owner), set()).add("w")
+        elif op.name == "load_scalar" and op.operands[0].owner not in tables:
+            tables.append(op.operands[0].owner)
+        elif op.name in WAIT_OPS:
+            local_s.add(id(op.operands[0].owner))
+        elif op.name in NOTIFY_OPS:
+            if op.name == "producer_tile_notify" or is_this_rank(op.operands[2]):
+                local_s.add(id(op.operands[0].owner))
+            else:
+                peer_s.add(id(op.operands[0].owner))
+    params: list[KernelParam] = []
+    for b in kernel.buffers:
+        if id(b) in modes:
+            const = "const " if modes[id(b)] == {"r"} else ""
+            params.append(KernelParam(buffer_param(b), f"{const}{ctype(b.type.dtype).comm}*", "ptr",
+                                      f"buffer:{b.name}"))
+    for s in kernel.signals:
+        if id(s) in local_s:
+            params.append(KernelParam(signal_param(s), "unsigned long long*", "ptr", f"signal:{s.name}"))
+        if id(s) in peer_s:
+            params.append(KernelParam(peer_signal_param(s), "unsigned long long* const* __restrict__", "ptr",
+                                      f"peer_signals:{s.name}"))
+    for t in tables:
+        params.append(KernelParam(table_param(t), "const int* __restrict__", "ptr", f"buffer:{t.name}"))
+    params += [RANK_PARAM, LAUNCH_PARAM]
+    used = tuple(s.name for s in kernel.signals if id(s) in local_s or id(s) in peer_s)
+    return tuple(params), used
+
+
+def _decode(grid: tuple[int, ...]) -> tuple:
+    """Row-major task order: ``pid[axis] = task // divisor % modulus``."""
+    out, div = [], 1
+    for axis in reversed(range(len(grid))):
+        out.append((axis, div, grid[axis] if axis > 0 else None))
+        div *= grid[axis]
+    return tuple(sorted(out))
+
+
+def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int = DEFAULT_THREADS,
+                 wait_timeout_ns: int | None = None, entry: str | None = None) -> GeneralPlan:
+    """Options: ``threads`` per CTA (a multiple of 32 from 32 to 1024: every warp runs tensor-core
+    tiles of a dot), ``wait_timeout_ns`` (a debug build whose waits trap after that long),
+    ``entry`` (the kernel's name)."""
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and 32 <= threads <= 1024
+            and threads % 32 == 0):
+        raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
+    prog = _Program(part)
+    fused, views = _fuse_decisions(prog)
+    accumulate, accumulated = _accumulations(prog, fused, views)
+    items = []
+    for op in prog.order:
+        if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
+            continue
+        v = op.result
+        if v.id in fused or v.id in accumulate:
+            continue
+        if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
+            raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
+        n = 1
+        for s in v.type.shape:
+            n *= s
+        nbytes = (n * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
+        start, end = _live_range(prog, op, v, fused, views)
+        items.append((v, op, nbytes, start, end))
+    slots, top = _allocate(items, part)
+    params, signals = _abi(kernel, part)
+    return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, accumulate,
+                       accumulated, top,
+                       _decode(tuple(part.grid)), params, signals, tuple(wait_timeout_options(wait_timeout_ns)))

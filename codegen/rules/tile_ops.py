@@ -1,0 +1,485 @@
+"""The C++ of every tile op for the general lowering (:mod:`..recipes.general`), in one table.
+
+:data:`RULES` maps each IR op name to its :class:`Rule`: ``statement`` — what the CTA runs at
+the op (a loop of its threads over the op's output elements, then a CTA barrier; a dot on
+tensor cores) — and ``element`` — the C++ of one element of the op's value at given tile
+coordinates, for values computed where they are consumed (the plan,
+:mod:`..plan.general`, says which values those are; every other value is read from its
+shared-memory slot). Index code, loops and guards come from :mod:`.scalars`, waits and
+notifies from :mod:`.primitives` (through :mod:`.sync`).
+
+Every element follows the simulator's rules (numpy's): loads outside a tensor read 0, stores
+outside it are dropped, 16-bit floats compute in float and round at every op, i32 and float
+operands together compute in double, casts to i32 truncate (NaN and out-of-range values give
+INT_MIN, as numpy does on x86), reductions start from their first element.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ...ir import core
+from ...ir import types as T
+from ...ir.opdefs import FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS
+from ..abi import buffer_param, marker
+from ..dtypes import ctype, scalar_ctype
+from ..match.general import WHAT
+from ..plan.general import GeneralPlan
+from .scalars import c_literal, element_expr
+from .sync import SignalEmitter
+
+#: the tensor-core operand kind of a dot, by operand dtype (``include/tldsl/general.hpp``):
+#: f16 / bf16 multiply exactly on m16n8k16; f32 operands run as TF32 (m16n8k8), their inputs
+#: rounded to TF32 — a dot of f32 tiles is a TF32 product with fp32 accumulation
+MMA_KIND = {"f16": "tldsl::gen::MmaKind::kF16", "bf16": "tldsl::gen::MmaKind::kBF16",
+            "f32": "tldsl::gen::MmaKind::kTF32"}
+
+
+def value_ctype(dtype: T.DType) -> str:
+    """The C++ type tile math holds an element of ``dtype`` in (16-bit floats: float)."""
+    return "float" if dtype.is_float else scalar_ctype(dtype)
+
+
+def storage_ctype(dtype: T.DType) -> str:
+    """The C++ type of an element of ``dtype`` in memory (shared or global)."""
+    return ctype(dtype).comm
+
+
+def literal(value, dtype: T.DType) -> str:
+    """A C++ literal of ``value`` stored as ``dtype`` (the simulator's ``to_storage``: 16-bit
+    floats rounded to nearest even, floats to i32 truncated)."""
+    if dtype.kind == "bool":
+        return c_literal(bool(value))
+    if dtype.kind == "int":
+        return c_literal(int(np.asarray(value).astype(np.int32)))
+    f = np.float32(value)
+    if dtype.name == "f16":
+        f = np.float32(np.float16(value))
+    elif dtype.name == "bf16" and not np.isnan(f):
+        bits = np.array([f], np.float32).view(np.uint32)
+        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        f = bits.view(np.float32)[0]
+    return c_literal(float(f))
+
+
+def round_to(dtype: T.DType, expr: str, compute: str) -> str:
+    """``expr`` (in ``compute``) as a value of ``dtype``: 16-bit floats rounded, double narrowed."""
+    if dtype.name == "f16":
+        return f"tldsl::gen::round_f16({expr})"
+    if dtype.name == "bf16":
+        return f"tldsl::gen::round_bf16({expr})"
+    if dtype.name == "f32" and compute != "float":
+        return f"(float)({expr})"
+    if dtype.kind == "int" and compute != "int":
+        return f"(int)({expr})"
+    return expr
+
+
+def convert(expr: str, src: str, dst: str) -> str:
+    """A value held in C type ``src`` as compute type ``dst``."""
+    if src == dst:
+        return expr
+    if dst == "bool":
+        return f"(({expr}) != 0)"
+    return f"({dst})({expr})"
+
+
+def _kind(dtype: T.DType) -> str:
+    return "float" if dtype.is_float else ("int" if dtype.kind == "int" else "bool")
+
+
+def compute_type(op: core.Op) -> str:
+    """The C type an ``ewise`` op computes in, as numpy promotes: tiles are typed arrays,
+    scalars and constants are Python numbers (weak); f32 with i32 is float64; math on
+    integers is float64."""
+    kind = op.attrs["op"]
+    ops = op.operands[1:] if kind == "where" else op.operands
+    strong = {_kind(a.type.dtype) for a in ops if isinstance(a.type, T.TileType)}
+    weak = {_kind(a.type.dtype) for a in ops if not isinstance(a.type, T.TileType)}
+    if "float" in strong:
+        ct = "double" if "int" in strong else "float"
+    elif "int" in strong:
+        ct = "double" if "float" in weak else "int"
+    else:
+        ct = "double" if "float" in weak else ("int" if "int" in weak else "bool")
+    if kind in FLOAT_RESULT_OPS and ct in ("int", "bool"):
+        ct = "double"
+    return ct
+
+
+def operand_coords(coords: list[str], shape, out_shape) -> list[str]:
+    """The coordinates of an operand of ``shape`` broadcast (numpy's rules) to ``out_shape``."""
+    lead = len(out_shape) - len(shape)
+    return [("0" if s == 1 and out_shape[lead + a] != 1 else coords[lead + a]) for a, s in enumerate(shape)]
+
+
+def flat_index(coords: list[str], shape) -> str:
+    """Row-major offset of ``coords`` in a tile of ``shape``."""
+    terms, stride = [], 1
+    for c, s in reversed(list(zip(coords, shape))):
+        if c != "0":
+            terms.append(c if stride == 1 else f"{c} * {stride}")
+        stride *= s
+    return " + ".join(reversed(terms)) or "0"
+
+
+class Elements:
+    """The element code of one loop body: its lines and the values already computed there."""
+
+    def __init__(self, emitter: "TileEmitter", op: core.Op):
+        self.em, self.op = emitter, op
+        self.lines: list[str] = []
+        self.memo: dict = {}
+
+    def var(self, ctype_: str, expr: str) -> str:
+        nm = f"x{self.em.fresh()}"
+        self.lines.append(f"const {ctype_} {nm} = {expr};")
+        return nm
+
+
+# -- element rules: one element of an op's value -----------------------------------------------------
+
+def _ewise_element(em, op, coords, el: Elements) -> str:
+    kind = op.attrs["op"]
+    out_shape = op.result.type.shape
+    ct = compute_type(op)
+    args = []
+    for i, a in enumerate(op.operands):
+        x = em.value(a, operand_coords(coords, a.type.shape, out_shape) if isinstance(a.type, T.TileType) else [], el)
+        src = value_ctype(a.type.dtype)
+        args.append(convert(x, src, "bool") if (kind == "where" and i == 0) else convert(x, src, ct))
+    rdt = op.result.type.dtype
+    expr = element_expr(kind, args, ct)
+    if rdt.kind == "bool":
+        return el.var("bool", expr)
+    return el.var(value_ctype(rdt), round_to(rdt, expr, ct))
+
+
+def _cast_element(em, op, coords, el: Elements) -> str:
+    src, dst = op.operands[0].type.dtype, op.result.type.dtype
+    x = em.value(op.operands[0], coords, el)
+    if dst.kind == "bool":
+        return el.var("bool", f"(({x}) != 0)")
+    if dst.kind == "int":
+        return el.var("int", f"tldsl::gen::f2i({x})" if src.is_float else f"(int)({x})")
+    if dst.name == "f16":
+        return el.var("float", f"tldsl::gen::round_f16((float)({x}))")
+    if dst.name == "bf16":
+        return el.var("float", f"tldsl::gen::round_bf16((float)({x}))")
+    return el.var("float", f"(float)({x})")
+
+
+def _full_element(em, op, coords, el: Elements) -> str:
+    return literal(op.attrs["value"], op.attrs["dtype"])
+
+
+def _iota_element(em, op, coords, el: Elements) -> str:
+    return coords[0]
+
+
+def _expand_dims_element(em, op, coords, el: Elements) -> str:
+    axis = op.attrs["axis"]
+    return em.value(op.operands[0], coords[:axis] + coords[axis + 1:], el)
+
+
+def _broadcast_element(em, op, coords, el: Elements) -> str:
+    src = op.operands[0]
+    return em.value(src, operand_coords(coords, src.type.shape, op.result.type.shape), el)
+
+
+def _trans_element(em, op, coords, el: Elements) -> str:
+    return em.value(op.operands[0], coords[::-1], el)
+
+
+# -- statement rules: what the CTA runs at an op ------------------------------------------------------
+
+def _tensor_index(dims, gcoords: list[str]) -> tuple[str, str]:
+    """(in-bounds condition, flat 64-bit offset) of tensor coordinates ``gcoords``."""
+    cond = " && ".join(f"(unsigned)({g}) < {d}u" for g, d in zip(gcoords, dims))
+    terms, stride = [], 1
+    for g, d in reversed(list(zip(gcoords, dims))):
+        terms.append(f"(long long)({g})" if stride == 1 else f"(long long)({g}) * {stride}ll")
+        stride *= d
+    return cond, " + ".join(reversed(terms))
+
+
+def _load_statement(em, op, ind, lines):
+    buf = op.operands[0].owner
+    offs = [em.name(o, op) for o in op.operands[1:]]
+    box = tuple(op.attrs["shape"])
+    shape = tuple(op.result.type.shape)
+    lead = len(box) - len(shape)
+    slot = em.slot(op.result)
+    st = storage_ctype(buf.type.dtype)
+
+    def body(coords, el):
+        g = [offs[a] if a < lead else f"{offs[a]} + {coords[a - lead]}" for a in range(len(box))]
+        cond, flat = _tensor_index(buf.type.shape, g)
+        return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {buffer_param(buf)}[{flat}] : "
+                f"tldsl::gen::put<{st}>(0);"]
+    em.element_loop(op, shape, body, ind, lines, f"load {buf.name} -> {slot}")
+
+
+def _load_rows_statement(em, op, ind, lines):
+    buf, rows, col = op.operands
+    t = buf.owner
+    nrows, ncols = t.type.shape
+    shape = tuple(op.result.type.shape)
+    slot = em.slot(op.result)
+    c0 = em.name(col, op)
+    st = storage_ctype(t.type.dtype)
+
+    def body(coords, el):
+        r = em.value(rows, [coords[0]], el)
+        c = f"{c0} + {coords[1]}"
+        cond = f"{r} >= 0 && {r} < {nrows} && (unsigned)({c}) < {ncols}u"
+        return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {buffer_param(t)}[(long long)({r}) * {ncols}ll + "
+                f"({c})] : tldsl::gen::put<{st}>(0);"]
+    em.element_loop(op, shape, body, ind, lines, f"load_rows {t.name} -> {slot}")
+
+
+def _store_statement(em, op, ind, lines):
+    buf, *offs_v, tile = op.operands
+    t = buf.owner
+    offs = [em.name(o, op) for o in offs_v]
+    shape = tuple(tile.type.shape)
+    st = storage_ctype(t.type.dtype)
+
+    def body(coords, el):
+        x = em.value(tile, coords, el)
+        g = [f"{o} + {c}" for o, c in zip(offs, coords)]
+        cond, flat = _tensor_index(t.type.shape, g)
+        return [f"if ({cond}) {buffer_param(t)}[{flat}] = tldsl::gen::put<{st}>({x});"]
+    em.element_loop(op, shape, body, ind, lines, f"store -> {t.name}")
+
+
+_REDUCE = {"sum": "tldsl::gen::add({0}, {1})", "max": "tldsl::gen::max_({0}, {1})",
+           "min": "tldsl::gen::min_({0}, {1})"}
+_REDUCE_BOOL = {"sum": "({0} || {1})", "max": "({0} || {1})", "min": "({0} && {1})"}
+
+
+def _reduce_statement(em, op, ind, lines):
+    x = op.operands[0]
+    axis, kind = op.attrs["axis"], op.attrs["op"]
+    n = x.type.shape[axis]
+    shape = tuple(op.result.type.shape)
+    slot = em.slot(op.result)
+    dt = op.result.type.dtype
+    ct = value_ctype(dt)
+    comb = (_REDUCE_BOOL if dt.kind == "bool" else _REDUCE)[kind]
+
+    def element_at(r, coords):
+        el = Elements(em, op)           # its own lines: they run inside the reduction's loop
+        v = em.value(x, coords[:axis] + [r] + coords[axis:], el)
+        return el.lines, v
+
+    def body(coords, el):
+        acc, r = f"acc{em.fresh()}", f"r{em.fresh()}"
+        first, v0 = element_at("0", coords)
+        rest, v = element_at(r, coords)
+        return [f"{ct} {acc};", "{", *[f"  {ln}" for ln in first], f"  {acc} = {v0};", "}",
+                f"for (int {r} = 1; {r} < {n}; ++{r}) {{", *[f"  {ln}" for ln in rest],
+                f"  {acc} = {comb.format(acc, v)};", "}",
+                f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{storage_ctype(dt)}>({acc});"]
+    em.element_loop(op, shape, body, ind, lines, f"{kind} over axis {axis} -> {slot}")
+
+
+def _dot_statement(em, op, ind, lines):
+    a, b = op.operands
+    (M, K), N = a.type.shape, b.type.shape[1]
+    kind = MMA_KIND[a.type.dtype.name]
+    frag = em.plan.accumulate.get(op.result.id)
+    if frag is None:
+        slot = em.slot(op.result)
+        store = f"{slot}[ra * {N} + ca] = v;"
+    else:                           # `acc += dot`: added into the fragment as it comes out (the same f32 add)
+        slot = em.slot(frag)
+        store = f"{slot}[ra * {N} + ca] = tldsl::gen::add({slot}[ra * {N} + ca], v);"
+
+    def operand(v):
+        el = Elements(em, op)
+        x = em.value(v, ["ra", "ca"], el)
+        return ["[&](int ra, int ca) -> float {", *[f"  {ln}" for ln in el.lines], f"  return (float)({x});", "}"]
+    i1 = ind + "  "
+    lines.append(f"{ind}{{  // dot {M}x{K} @ {K}x{N} -> {slot} on tensor cores{marker(op.loc)}")
+    lines.append(f"{i1}tldsl::gen::mma_dot<{kind}, {M}, {N}, {K}>(")
+    fa, fb = operand(a), operand(b)
+    lines += [f"{i1}    {ln}" for ln in fa[:-1]] + [f"{i1}    {fa[-1]},"]
+    lines += [f"{i1}    {ln}" for ln in fb[:-1]] + [f"{i1}    {fb[-1]},"]
+    lines.append(f"{i1}    [&](int ra, int ca, float v) {{ {store} }});")
+    lines.append(f"{ind}}}")
+    lines.append(f"{ind}__syncthreads();")
+
+
+def _frag_alloc_statement(em, op, ind, lines):
+    slot = em.slot(op.result)
+    dt = op.attrs["dtype"]
+    lit = literal(op.attrs["value"], dt)
+    shape = tuple(op.result.type.shape)
+    em.element_loop(op, shape, lambda coords, el: [f"{slot}[{flat_index(coords, shape)}] = "
+                                                   f"tldsl::gen::put<{storage_ctype(dt)}>({lit});"],
+                    ind, lines, f"fragment {slot} = {lit}")
+
+
+def _frag_write_statement(em, op, ind, lines):
+    if id(op) in em.plan.accumulated:
+        return                      # the dot before it added into the fragment
+    frag, tile = op.operands
+    slot = em.slot(frag)
+    shape = tuple(frag.type.shape)
+    st = storage_ctype(frag.type.dtype)
+
+    def body(coords, el):
+        x = em.value(tile, coords, el)
+        return [f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{st}>({x});"]
+    em.element_loop(op, shape, body, ind, lines, f"write fragment {slot}")
+
+
+def _frag_read_statement(em, op, ind, lines):
+    if op.result.id in em.plan.views:
+        return                      # read in place
+    src, dst = em.slot(op.operands[0]), em.slot(op.result)
+    shape = tuple(op.result.type.shape)
+    em.element_loop(op, shape, lambda coords, el: [f"{dst}[{flat_index(coords, shape)}] = "
+                                                   f"{src}[{flat_index(coords, shape)}];"],
+                    ind, lines, f"copy of fragment {src} -> {dst}")
+
+
+def _stored_element_statement(em, op, ind, lines):
+    """An element op whose value the plan stores: computed once, into its slot."""
+    if not em.plan.materialised(op.result):
+        return                      # computed where it is consumed
+    slot = em.slot(op.result)
+    shape = tuple(op.result.type.shape)
+    st = storage_ctype(op.result.type.dtype)
+
+    def body(coords, el):
+        x = RULES[op.name].element(em, op, coords, el)
+        return [f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{st}>({x});"]
+    em.element_loop(op, shape, body, ind, lines, f"{op.name} -> {slot}")
+
+
+def _wait_statement(em, op, ind, lines):
+    lines.append(ind + em.wait_statement(op, cta=True))
+
+
+def _notify_statement(em, op, ind, lines):
+    _, stmt = em.notify_statement(op, cta=True)
+    lines.append(ind + stmt)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one IR op is lowered: ``statement(emitter, op, indent, lines)`` at the op,
+    ``element(emitter, op, coords, elements)`` for one element of its value computed in place."""
+    statement: Callable | None = None
+    element: Callable | None = None
+
+
+#: every tile, memory and signal op the general lowering renders (index code, ``for`` and
+#: ``if`` are :mod:`.scalars`' rule)
+RULES: dict[str, Rule] = {
+    "load": Rule(_load_statement),
+    "load_rows": Rule(_load_rows_statement),
+    "store": Rule(_store_statement),
+    "reduce": Rule(_reduce_statement),
+    "dot": Rule(_dot_statement),
+    "frag_alloc": Rule(_frag_alloc_statement),
+    "frag_write": Rule(_frag_write_statement),
+    "frag_read": Rule(_frag_read_statement),
+    "ewise": Rule(_stored_element_statement, _ewise_element),
+    "cast": Rule(_stored_element_statement, _cast_element),
+    "full": Rule(_stored_element_statement, _full_element),
+    "iota": Rule(_stored_element_statement, _iota_element),
+    "expand_dims": Rule(_stored_element_statement, _expand_dims_element),
+    "broadcast": Rule(_stored_element_statement, _broadcast_element),
+    "trans": Rule(_stored_element_statement, _trans_element),
+    **{w: Rule(_wait_statement) for w in WAIT_OPS},
+    **{n: Rule(_notify_statement) for n in NOTIFY_OPS},
+}
+
+
+class TileEmitter(SignalEmitter):
+    """The part's body as the task loop's C++: index code by the scalar rule, every other op
+    by its :data:`RULES` entry."""
+
+    def __init__(self, plan: GeneralPlan):
+        self.grid_rank = len(plan.part.grid)
+        super().__init__(plan.kernel, list(plan.part.body.ops), WHAT)
+        self.plan = plan
+        self._n = 0
+
+    def is_root(self, op: core.Op) -> bool:
+        return True                 # every op of the part runs
+
+    def fresh(self) -> int:
+        self._n += 1
+        return self._n
+
+    def slot(self, v: core.Value) -> str:
+        """The C++ name of the shared-memory slot of a stored value or fragment."""
+        if v.id not in self.plan.slots:
+            raise self.fail(f"internal: the plan gave no slot to a value of '{v.owner.name}'", v.owner)
+        return f"smem{v.id}"        # no '_<n>' suffix: never an index-code name (rules.scalars)
+
+    def value(self, v: core.Value, coords: list[str], el: Elements) -> str:
+        """The C++ of element ``coords`` of ``v`` (a scalar: its name)."""
+        if not isinstance(v.type, (T.TileType, T.FragmentType)):
+            return self.name(v, el.op)
+        key = (v.id, tuple(coords))
+        if key in el.memo:
+            return el.memo[key]
+        shape = tuple(v.type.shape)
+        if v.id in self.plan.slots or v.id in self.plan.views:
+            src = self.plan.views.get(v.id)
+            slot = self.slot(v if src is None else v.owner.operands[0])
+            out = el.var(value_ctype(v.type.dtype), f"tldsl::gen::get({slot}[{flat_index(coords, shape)}])")
+        else:
+            op = v.owner
+            rule = RULES.get(op.name)
+            if rule is None or rule.element is None:
+                raise self.fail(f"internal: '{op.name}' has no element rule", op)
+            out = rule.element(self, op, coords, el)
+        el.memo[key] = out
+        return out
+
+    def element_loop(self, op: core.Op, shape, body, ind: str, lines: list[str], what: str) -> None:
+        """A loop of the CTA's threads over the elements of ``shape``: ``body(coords, elements)``
+        gives the statement's last lines; a CTA barrier follows."""
+        n = math.prod(shape)
+        k = self.fresh()
+        e = f"e{k}"
+        coords = [f"c{k}x{a}" for a in range(len(shape))]
+        el = Elements(self, op)
+        tail = body(coords, el)
+        i1, i2 = ind + "  ", ind + "    "
+        lines.append(f"{ind}{{  // {what}{marker(op.loc)}")
+        lines.append(f"{i1}for (int {e} = (int)threadIdx.x; {e} < {n}; {e} += (int)blockDim.x) {{")
+        for a, s in enumerate(shape):
+            inner = math.prod(shape[a + 1:])
+            x = e if inner == 1 else f"{e} / {inner}"
+            if a > 0:
+                x = f"({x}) % {s}"
+            lines.append(f"{i2}const int {coords[a]} = {x};")
+        lines += [f"{i2}{ln}" for ln in el.lines + tail]
+        lines.append(f"{i1}}}")
+        lines.append(f"{ind}}}")
+        lines.append(f"{ind}__syncthreads();")
+
+    def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        rule = RULES.get(op.name)
+        if rule is None or rule.statement is None:
+            raise self.fail(f"'{op.name}' is not lowered by the general lowering", op)
+        rule.statement(self, op, ind, lines)
+
+    def slot_declarations(self, ind: str) -> list[str]:
+        """One typed pointer per slot into the dynamic shared-memory arena ``tldsl_smem``."""
+        out = []
+        for vid, s in sorted(self.plan.slots.items(), key=lambda kv: (kv[1].offset, kv[0])):
+            st = storage_ctype(s.dtype)
+            out.append(f"{ind}{st}* const {self.slot(s.value)} = reinterpret_cast<{st}*>(tldsl_smem + {s.offset});"
+                       f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{marker(s.op.loc)}")
+        return out

@@ -1,0 +1,447 @@
+"""The general lowering (recipe ``general``): compute parts no specialised recipe matches lower
+to CUDA C++ for sm_90a, checked three ways without a GPU:
+
+* **the pipeline** picks it only where no other recipe matches, and refuses what it cannot
+  lower at the user's line;
+* **NVRTC + SASS** (marker ``nvrtc``; skipped only where the CUDA wheels are missing): every
+  program compiles; every ``dot`` is tensor-core code (``HMMA``), no spills, no ``BPT.TRAP``;
+* **CPU emulation** (needs ``g++``): the same generated source, built by the host compiler with
+  ``TLDSL_HOST_EMULATION`` (one ``std::thread`` per CUDA thread, a ``std::barrier`` per CTA, a
+  shared-memory arena per CTA; the dot's host branch multiplies the same rounded inputs in fp32),
+  runs every task; its outputs must match ``tl.simulate``'s within the tolerance of the dtype.
+
+Tolerances (relative to the output's largest magnitude, fixed here): elementwise arithmetic is
+exact up to the last bit of a transcendental function (glibc's vs numpy's); reductions and dots
+add in another order; an f32 ``dot`` runs as TF32 on both sides of the comparison.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import LoweringError, lower
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.recipes.general import lower_general
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.codegen.toolchain.compiler import compile_many
+
+S = tl.TensorSpec
+INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
+NP = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32}
+#: relative tolerance by output dtype (of the output's largest magnitude)
+RTOL = {"f16": 4e-3, "bf16": 1.6e-2, "f32": 1e-5, "i32": 0}
+#: ... where the program has a dot or a reduction (another summation order; f32 dots as TF32)
+RTOL_SUMS = {"f16": 8e-3, "bf16": 3e-2, "f32": 4e-3, "i32": 0}
+
+_OK, _WHY = tcm.toolchain_available()
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ missing (CPU emulation of generated kernels)")
+
+
+# =================================================================================================
+# Programs no specialised recipe matches
+# =================================================================================================
+
+@tl.kernel
+def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
+        tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
+
+
+@tl.kernel
+def int_math(x, y, *, compute: tl.ComputeSchedule = None):
+    """i32 arithmetic: wrapping products, floor division and modulo of negatives, where, min / max."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
+        u = (t * 7919 + 13) // 5 % 11 - t // (t % 3)
+        v = tl.where(t > 0, tl.maximum(u, t), tl.minimum(u, -t))
+        tl.store(y, (pm * BM, pn * BN), v + tl.iota(BN)[None, :] * pn)
+
+
+@tl.kernel
+def row_softmax(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM = compute.tile[0]
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        t = tl.load(x, (pm * BM, 0), (BM, N)).to(tl.float32)
+        m = tl.max(t, 1)
+        e = tl.exp(t - m[:, None])
+        tl.store(y, (pm * BM, 0), e / tl.sum(e, 1)[:, None])
+
+
+@tl.kernel
+def rmsnorm(x, w, y, *, compute: tl.ComputeSchedule = None, eps: float = 1e-6):
+    M, N = x.shape
+    BM = compute.tile[0]
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        t = tl.load(x, (pm * BM, 0), (BM, N)).to(tl.float32)
+        r = tl.rsqrt(tl.sum(t * t, 1) / N + eps)
+        g = tl.load(w, (0,), (N,)).to(tl.float32)
+        tl.store(y, (pm * BM, 0), t * r[:, None] * g[None, :])
+
+
+@tl.kernel
+def gated_gemm(a, b, c, bias, out, *, compute: tl.ComputeSchedule = None, gate: str = "relu"):
+    """``relu(A @ B + bias) * (A @ C)`` (or SiLU-gated) as one part: two accumulators, one K loop."""
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        h = tl.fragment((BM, BN), tl.float32)
+        g = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            x = tl.load(a, (pm * BM, k), (BM, BK))
+            h += tl.dot(x, tl.load(b, (k, pn * BN), (BK, BN)))
+            g += tl.dot(x, tl.load(c, (k, pn * BN), (BK, BN)))
+        z = h.read() + tl.load(bias, (pn * BN,), (BN,)).to(tl.float32)[None, :]
+        act = tl.maximum(z, 0.0) if gate == "relu" else z * tl.sigmoid(z)
+        tl.store(out, (pm * BM, pn * BN), act * g.read())
+
+
+@tl.kernel
+def column_sums(x, y, *, compute: tl.ComputeSchedule = None):
+    """A traced loop bound (tl.range over a load_scalar'd length), a fragment updated in place, a
+    guard (tl.when), tl.static_range, min over axis 0, expand_dims / broadcast_to / trans."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(N, BN),))
+    def part(pn):
+        acc = tl.fragment((BN, 1), tl.float32)
+        lo = tl.fragment((1, BN), tl.float32, fill=float("inf"))
+        for i in tl.range(0, M, BM):
+            t = tl.load(x, (i, pn * BN), (BM, BN)).to(tl.float32)
+            acc += tl.expand_dims(tl.sum(tl.trans(t), 1), 1)
+            with tl.when(i + BM <= M):                     # whole tiles only: zero rows would win the min
+                lo.write(tl.minimum(lo.read(), tl.min(t, 0)[None, :]))
+        s = tl.trans(acc.read())
+        for j in tl.static_range(2):
+            s = s + tl.broadcast_to(lo.read(), (1, BN)) * (j + 1)
+        tl.store(y, (0, pn * BN), s)
+
+
+@tl.kernel
+def gather_rows(x, idx, lens, y, *, compute: tl.ComputeSchedule = None):
+    """load_rows by an i32 tile (negative ids read 0), load_scalar, iota, where, casts."""
+    M, N = y.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        rows = tl.load(idx, (pm * BM,), (BM,))
+        n = tl.load_scalar(lens, (pm,))
+        rows = tl.where(tl.iota(BM) < n, rows, -1)
+        g = tl.load_rows(x, rows, pn * BN, BN)
+        tl.store(y, (pm * BM, pn * BN), (g.to(tl.float32) * 0.5).to(y.dtype))
+
+
+@tl.kernel
+def attention_like(q, k, v, o, *, compute: tl.ComputeSchedule = None):
+    """A dot with a transposed operand, a softmax, and a dot of a cast tile."""
+    M, D = q.shape
+    N = k.shape[0]
+    BM = compute.tile[0]
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        s = tl.dot(tl.load(q, (pm * BM, 0), (BM, D)), tl.trans(tl.load(k, (0, 0), (N, D)))) * 0.125
+        p = tl.exp(s - tl.max(s, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        tl.store(o, (pm * BM, 0), tl.dot(p.to(q.dtype), tl.load(v, (0, 0), (N, D))))
+
+
+@tl.kernel
+def signalled_rows(x, y, *, compute: tl.ComputeSchedule = None):
+    """A part that publishes each tile with a notify and waits for it before reading it back."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+    ready = tl.signal("ready", tl.cdiv(M, BM))
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        tl.store(y, (pm * BM, 0), tl.load(x, (pm * BM, 0), (BM, N)) + 1.0)
+        tl.producer_tile_notify(ready, pm)
+        tl.consumer_tile_wait(ready, pm, count=1)
+        t = tl.load(y, (pm * BM, 0), (BM, N))
+        tl.store(y, (pm * BM, 0), t * t)
+
+
+def _specs(shapes_dtypes):
+    return [S(s, d) for s, d in shapes_dtypes]
+
+
+def case(name, fn, shapes, tile, **kw):
+    return pytest.param(fn, shapes, tile, kw, id=name)
+
+
+F16, BF16, F32, I32 = tl.float16, tl.bfloat16, tl.float32, tl.int32
+CASES = [
+    case("scale_rows-f16", scale_rows, [((100, 70), F16)] * 2, (64, 64, 32)),
+    case("scale_rows-bf16", scale_rows, [((37, 130), BF16)] * 2, (16, 64, 32)),
+    case("scale_rows-f32", scale_rows, [((9, 33), F32)] * 2, (8, 16, 16)),
+    case("int_math-i32", int_math, [((30, 50), I32)] * 2, (16, 32, 16)),
+    case("row_softmax-f32", row_softmax, [((50, 72), F32)] * 2, (16, 16, 16)),
+    case("row_softmax-bf16", row_softmax, [((21, 100), BF16)] * 2, (8, 16, 16)),
+    case("rmsnorm-f16", rmsnorm, [((40, 96), F16), ((96,), F16), ((40, 96), F16)], (16, 16, 16)),
+    case("rmsnorm-bf16", rmsnorm, [((33, 64), BF16), ((64,), BF16), ((33, 64), BF16)], (32, 16, 16)),
+    case("gated_gemm-f16", gated_gemm, [((100, 88), F16), ((88, 72), F16), ((88, 72), F16), ((72,), F16),
+                                        ((100, 72), F16)], (64, 32, 32)),
+    case("gated_gemm-bf16-silu", gated_gemm, [((70, 40), BF16), ((40, 50), BF16), ((40, 50), BF16), ((50,), BF16),
+                                             ((70, 50), F32)], (32, 32, 16), gate="silu"),
+    case("gated_gemm-f32-tf32", gated_gemm, [((40, 24), F32), ((24, 20), F32), ((24, 20), F32), ((20,), F32),
+                                            ((40, 20), F32)], (16, 16, 8)),
+    case("column_sums-f16", column_sums, [((45, 40), F16), ((1, 40), F32)], (16, 16, 16)),
+    case("gather_rows-bf16", gather_rows, [((20, 48), BF16), ((24,), I32), ((3,), I32), ((24, 48), BF16)],
+         (8, 32, 16)),
+    case("gather_rows-i32", gather_rows, [((20, 48), I32), ((24,), I32), ((3,), I32), ((24, 48), I32)],
+         (8, 32, 16)),
+    case("attention_like-f16", attention_like, [((40, 32), F16), ((24, 32), F16), ((24, 32), F16), ((40, 32), F16)],
+         (16, 16, 16)),
+    case("signalled_rows-f32", signalled_rows, [((24, 20), F32)] * 2, (8, 16, 16)),
+]
+
+
+def trace(fn, shapes, tile, kw):
+    return fn.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=tile), **kw)
+
+
+def inputs_for(k, rng):
+    """Random inputs by dtype; index tensors hold valid rows (and some negative ones)."""
+    out = {}
+    for b in k.args:
+        shape, dt = b.type.shape, b.type.dtype.name
+        if b.name == "idx":
+            out[b.name] = rng.integers(-2, 20, shape).astype(np.int32)
+        elif b.name == "lens":
+            out[b.name] = rng.integers(0, 9, shape).astype(np.int32)
+        elif dt == "i32":
+            out[b.name] = rng.integers(-1000, 1000, shape).astype(np.int32)
+        else:
+            out[b.name] = rng.standard_normal(shape).astype(NP[dt])
+    return out
+
+
+# =================================================================================================
+# The pipeline
+# =================================================================================================
+
+@pytest.mark.parametrize("fn,shapes,tile,kw", CASES)
+def test_the_pipeline_lowers_what_no_recipe_matches(fn, shapes, tile, kw):
+    k = trace(fn, shapes, tile, kw)
+    lk = lower(k, "part")
+    assert type(lk).__name__ == "LoweredGeneral"
+    assert '#include "tldsl/general.hpp"' in lk.source
+    assert lk.smem_bytes <= 227 * 1024
+    dots = sum(1 for op in k.parts[0].walk() if op.name == "dot")
+    assert lk.dots == dots and lk.source.count("tldsl::gen::mma_dot<") == dots
+    assert "tldsl: " + __file__ in lk.source                 # generated lines point at the tile program
+
+
+def test_existing_recipes_keep_their_programs():
+    """general is the lowest priority: a GEMM the warp-specialised recipe matches stays there."""
+    from test_codegen_host import trace_plain
+    from tldsl.codegen import RECIPES
+    assert min(r.priority for r in RECIPES if r.role == "compute") == \
+        next(r.priority for r in RECIPES if r.name == "general")
+    assert type(lower(trace_plain(), "mm")).__name__ == "LoweredGemm"
+    assert type(lower_general(trace_plain(), "mm")).__name__ == "LoweredGeneral"
+
+
+def test_shared_memory_over_the_limit_is_refused_at_the_users_line():
+    k = trace(gated_gemm, [((512, 512), F32)] * 3 + [((512,), F32), ((512, 512), F32)], (256, 256, 32), {})
+    with pytest.raises(LoweringError) as e:
+        lower(k, "part")
+    assert "KB of shared memory, over the 227 KB" in str(e.value) and "use smaller tiles" in str(e.value)
+    assert e.value.loc is not None and e.value.loc.filename == __file__
+
+
+def test_slots_are_reused_by_liveness():
+    """Loads of the K loop and the dots' results share slots with the epilogue's temporaries:
+    the arena is smaller than the sum of the stored tiles."""
+    k = trace(gated_gemm, [((128, 128), F16)] * 3 + [((128,), F16), ((128, 128), F16)], (64, 64, 32), {})
+    lk = lower(k, "part")
+    total = sum(int(s.split("+")[1].split()[0]) for s in lk.slots)
+    assert lk.smem_bytes < total, lk.describe()
+
+
+def test_options_are_checked():
+    k = trace(scale_rows, [((64, 64), F16)] * 2, (64, 64, 32), {})
+    assert lower(k, "part", threads=256).threads == 256
+    with pytest.raises(LoweringError, match="multiple of 32"):
+        lower(k, "part", threads=100)
+
+
+# =================================================================================================
+# NVRTC + SASS
+# =================================================================================================
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
+    if tcm.find_toolchain().cuobjdump is None:
+        pytest.skip("cuobjdump missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    lks = [lower(trace(*c.values), "part") for c in CASES]
+    cks = compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)
+    for c, lk, ck in zip(CASES, lks, cks):
+        info = ck.ptxas_info()[ck.name]
+        assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0 and info["stack_bytes"] == 0, \
+            (c.id, info)
+        sass = ck.sass()[ck.name]
+        assert sass.count("BPT.TRAP") == 0 and sass.spill_instructions == 0, (c.id, sass.summary())
+        assert sass.count("HMMA") >= lk.dots, (c.id, sass.mnemonics)      # every dot on tensor cores
+        assert lk.dots or sass.count("HMMA") == 0, c.id
+
+
+# =================================================================================================
+# CPU emulation against the simulator
+# =================================================================================================
+
+_HARNESS = """\
+#define TLDSL_HOST_EMULATION 1
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#include "tldsl/general.hpp"
+
+{source}
+
+static void* load_file(const char* path, size_t n) {{
+  void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
+  FILE* f = std::fopen(path, "rb");
+  if (!f || std::fread(p, 1, n, f) != n) {{ std::fprintf(stderr, "cannot read %s\\n", path); std::exit(2); }}
+  std::fclose(f);
+  return p;
+}}
+static void save_file(const char* path, const void* p, size_t n) {{
+  FILE* f = std::fopen(path, "wb");
+  std::fwrite(p, 1, n, f);
+  std::fclose(f);
+}}
+
+int main(int argc, char** argv) {{
+  const int threads = std::atoi(argv[1]);
+  const int grid = std::atoi(argv[2]);
+{loads}
+  std::vector<std::thread> pool;
+  for (int b = 0; b < grid; ++b) {{
+    auto* bar = new std::barrier<>(threads);
+    auto* smem = static_cast<unsigned char*>(std::aligned_alloc(128, {smem}));
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([=] {{
+        tldsl_emu::thread_idx.x = t;
+        tldsl_emu::block_idx.x = b;
+        tldsl_emu::block_dim.x = threads;
+        tldsl_emu::grid_dim.x = grid;
+        tldsl_emu::cta_barrier = bar;
+        tldsl_emu::dynamic_smem = smem;
+        {entry}({args});
+      }});
+  }}
+  for (auto& th : pool) th.join();
+{saves}
+  return 0;
+}}
+"""
+
+
+def device_layout(arr, dt):
+    if dt == "bf16":
+        return (np.ascontiguousarray(arr, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(arr)
+
+
+def from_device(raw: bytes, dt, shape):
+    if dt == "bf16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return np.frombuffer(raw, NP[dt]).reshape(shape)
+
+
+def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
+    """Run ``lk`` on CPU threads (``grid`` CTAs of ``threads``); ``arrays``: the simulator's
+    inputs by tensor name. Returns every tensor after the run."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    loads, saves, args, files = [], [], [], {}
+    dts = {b.name: b.type.dtype.name for b in k.args}
+    for name, arr in arrays.items():
+        dev = device_layout(arr, dts[name])
+        f = tmp_path / f"m_{name}.bin"
+        f.write_bytes(dev.tobytes())
+        loads.append(f'  void* m_{name} = load_file("{f}", {dev.nbytes});')
+        saves.append(f'  save_file("{f}", m_{name}, {dev.nbytes});')
+        files[name] = f
+    for sig in k.signals:
+        loads.append(f"  static unsigned long long s_{sig.name}[{sig.type.slots}] = {{}};")
+    for p in lk.params:
+        kind, _, name = p.source.partition(":")
+        ct = p.ctype.replace("__restrict__", "").strip()
+        args.append({"buffer": f"({ct})m_{name}", "signal": f"({ct})s_{name}", "rank": "0", "launch": "1ull"}[kind])
+    src = _HARNESS.format(source=lk.source, loads="\n".join(loads), saves="\n".join(saves), entry=lk.entry,
+                          args=", ".join(args), smem=max(128, (lk.smem_bytes + 127) // 128 * 128))
+    cpp, exe = tmp_path / "harness.cpp", tmp_path / "harness"
+    cpp.write_text(src)
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run([str(exe), str(threads), str(grid)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {n: from_device(files[n].read_bytes(), dts[n], arrays[n].shape) for n in arrays}
+
+
+def assert_close(got, want, dt, rtol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    nan = np.isnan(want)
+    assert np.array_equal(nan, np.isnan(got)), f"{what}: NaN at different places"
+    if dt == "i32":
+        assert np.array_equal(got, want), f"{what}: {np.argwhere(got != want)[:5].tolist()}"
+        return
+    scale = max(1.0, float(np.abs(want[~nan]).max(initial=0.0)))
+    err = np.abs(got - want)[~nan]
+    assert float(err.max(initial=0.0)) <= rtol * scale, \
+        f"{what}: max error {float(err.max()):.3g} over {rtol * scale:.3g} (scale {scale:.3g})"
+
+
+@needs_gxx
+@pytest.mark.parametrize("fn,shapes,tile,kw", CASES)
+def test_emulated_kernel_matches_the_simulator(tmp_path, fn, shapes, tile, kw):
+    k = trace(fn, shapes, tile, kw)
+    lk = lower(k, "part")
+    arrays = inputs_for(k, np.random.default_rng(7))
+    want = tl.simulate(k, 1, [dict(arrays)])[0]
+    sums = any(op.name in ("dot", "reduce") for op in k.parts[0].walk())
+    got = emulate(k, lk, {n: want_in for n, want_in in _stored_inputs(k, arrays).items()}, tmp_path)
+    for b in k.args:
+        dt = b.type.dtype.name
+        assert_close(got[b.name], want[b.name], dt, (RTOL_SUMS if sums else RTOL)[dt], b.name)
+
+
+def _stored_inputs(k, arrays):
+    """The inputs as the simulator stores them (bf16 rounded to nearest even)."""
+    out = {}
+    for b in k.args:
+        a = np.array(arrays[b.name], copy=True)
+        if b.type.dtype.name == "bf16":
+            bits = a.astype(np.float32).view(np.uint32)
+            bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+            a = bits.view(np.float32)
+        out[b.name] = a
+    return out

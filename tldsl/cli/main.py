@@ -1,5 +1,5 @@
 """The parser and the dispatch of ``python -m tldsl``. Commands that have their own command
-line (demo, bench, check, mutants) get the rest of it untouched; nothing heavy is imported
+line (demo, bench, check, fuzz, mutants) get the rest of it untouched; nothing heavy is imported
 before a command is chosen, so ``--help`` is quick."""
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ examples:
   python -m tldsl bench compile                            # cold NVRTC compile and a cache hit
   torchrun --nproc_per_node=2 -m tldsl bench ag_gemm       # the fused AllGather+GEMM vs the peers
   torchrun --nproc_per_node=2 -m tldsl check dist_check ag_gemm
+  python -m tldsl fuzz --programs 50 --seed 1               # random tile programs: simulate, lower, compile
   python -m tldsl cache clear
 
-'bench', 'check', 'demo' and 'mutants' take their own flags: python -m tldsl bench gemm --help.
+'bench', 'check', 'demo', 'fuzz' and 'mutants' take their own flags: python -m tldsl bench gemm --help.
 """
 
 
@@ -51,9 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False, help=_benchmarks())
     sub.add_parser("check", add_help=False,
                    help=f"GPU correctness checks, under torchrun on 2 GPUs: {', '.join(CHECKS)}")
-    sub.add_parser("mutants", add_help=False, aliases=["fuzz"],
+    sub.add_parser("mutants", add_help=False,
                    help="the mutation check: delete each synchronisation primitive of every op, the simulator must "
                         "catch it")
+    sub.add_parser("fuzz", add_help=False,
+                   help="the differential fuzzer: distinct random tile programs, each simulated, lowered and compiled "
+                        "(--gpu: run on the GPU and compared with the simulator)")
     cache = sub.add_parser("cache", help="the compiled-kernel (NVRTC cubin) cache: cache info, cache clear")
     cache_sub = cache.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
     cache_sub.add_parser("info", help="where it is, how many entries, how many bytes")
@@ -117,6 +121,9 @@ def _forward(command: str, args: list[str]) -> int:
         return bench(args)
     if command == "check":
         return _run_check(args)
+    if command == "fuzz":
+        from ..testing.fuzz import main as fuzz
+        return fuzz(args)
     from ..testing.mutants import main as mutants
     return mutants(args)
 

@@ -1,6 +1,7 @@
 """Testing support: how an op describes itself to the tests (:mod:`.opspec`), hypothesis
-strategies (:mod:`.strategies`) and the mutation check (:mod:`.mutants`). The library's ops
-register in :data:`tldsl.ops.OPS`.
+strategies (:mod:`.strategies`, random whole tile programs among them), the mutation check
+(:mod:`.mutants`) and the differential fuzzer (:mod:`.fuzz`, its programs made by
+:mod:`.program_families`). The library's ops register in :data:`tldsl.ops.OPS`.
 
 Users property-test their own kernels with the same strategies (``tldsl.testing.strategies``).
 """

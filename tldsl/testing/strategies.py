@@ -6,12 +6,21 @@ world sizes and schedules. Use them to property-test your own kernels:
 
     @given(compute=tst.compute_schedules(), comm=tst.comm_schedules(), world_size=tst.world_sizes())
     def test_mine(compute, comm, world_size): ...
+
+and random whole tile programs (what the differential fuzzer runs), with inputs for every rank:
+
+    @given(case=tst.tile_programs())
+    def test_backend(case):
+        reference = case.simulate()
+        assert not case.mismatches(reference.outputs, my_backend(case))   # case.source shows the program
 """
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
 from ..ir.schedule import COMPUTE_ORDERS, CommSchedule, ComputeSchedule
+from .program_case import FuzzCase
+from .program_families import generate
 
 TILE_SIZES = (8, 16, 32)
 
@@ -59,3 +68,27 @@ def comm_schedules(draw, engines=("sm", "copy_engine"), modes=("push", "pull"), 
 
 def seeds():
     return st.integers(0, 2**31 - 1)
+
+
+class _DrawChooser:
+    """The generator's choices as hypothesis draws, so a failing program shrinks (towards the
+    first option of every choice: the simplest)."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+    def integer(self, lo, hi):
+        return self.draw(st.integers(lo, hi))
+
+    def choice(self, options):
+        return self.draw(st.sampled_from(options))
+
+
+@st.composite
+def tile_programs(draw, input_seeds=st.integers(0, 2**16 - 1)) -> FuzzCase:
+    """A random well-formed tile program (:class:`~tldsl.testing.program_case.FuzzCase`): a
+    ``@tl.kernel`` the simulator accepts, with inputs for every rank (outputs poisoned), fixed
+    per-dtype tolerances and its standalone source (``case.source``). The programs cover the
+    language: loads (plain, rows, scalars, from peers), stores, tile math, reductions, dots,
+    loops, guards, parts linked by signals, and communication over 2-4 ranks."""
+    return FuzzCase(generate(_DrawChooser(draw)), "tile_programs()", draw(input_seeds))

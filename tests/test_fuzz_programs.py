@@ -1,0 +1,152 @@
+"""The differential fuzzer's program generator and its command (issue 18, item 4): what the
+generated programs cover, that the simulator accepts every one, that the source shown to a user
+is the program, and that the command reports what it did."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import tldsl as tl
+from tldsl.errors import SimulationError
+from tldsl.ir.opdefs import WAIT_OPS
+from tldsl.testing import strategies as tst
+from tldsl.testing.fuzz import main as fuzz_main
+from tldsl.testing.program_case import TOLERANCES, FuzzCase, compare, features
+from tldsl.testing.program_families import generate_distinct
+from tldsl.testing.program_inputs import POISON, make_inputs
+
+
+@pytest.fixture(scope="module")
+def five_hundred():
+    """The first 500 programs of seed 0, with how many attempts it took to find them distinct."""
+    programs = generate_distinct(500, seed=0)
+    return programs, [FuzzCase(p, f"seed 0 program {i}") for i, p in programs]
+
+
+def test_distribution_over_500_programs(five_hundred):
+    _, cases = five_hundred
+    feats = [features(c.trace()) for c in cases]
+
+    def share(pred):
+        return sum(map(pred, feats)) / len(feats)
+    assert share(lambda f: f.dot) >= 0.30
+    assert share(lambda f: f.range_loop) >= 0.30
+    assert share(lambda f: f.linked_parts) >= 0.20
+    assert share(lambda f: f.communicates) >= 0.20
+    assert share(lambda f: f.ragged) >= 0.80                       # shapes not multiples of the tile
+    for dtype in ("f16", "bf16", "f32", "i32"):
+        assert share(lambda f: dtype in f.dtypes) >= 0.10, dtype
+    assert all(f.communicates <= (c.world_size >= 2) for f, c in zip(feats, cases))
+
+
+def test_programs_are_distinct_and_rarely_repeat(five_hundred):
+    programs, cases = five_hundred
+    assert len({c.program.kernel_source() for c in cases}) == 500
+    assert programs[-1][0] < 525            # the generator itself seldom repeats a program
+
+
+def test_a_sample_simulates_and_writes_every_output():
+    for attempt, program in generate_distinct(30, seed=1):
+        case = FuzzCase(program, f"seed 1 program {attempt}")
+        result = case.simulate(seed=attempt)
+        for r in range(case.world_size):
+            for name in case.outputs:
+                out = result[r][name]
+                unwritten = out == POISON["i32"] if out.dtype == np.int32 else ~np.isfinite(out)
+                assert not unwritten.any(), f"{case.label}: rank {r} '{name}' not all written\n{case.source}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tst.tile_programs())
+def test_the_strategy_gives_programs_the_simulator_accepts(case):
+    case.simulate()
+
+
+def _strip_locations(kernel) -> str:
+    return re.sub(r"  // .*$", "", str(kernel), flags=re.M)
+
+
+def test_the_printed_source_is_the_program(tmp_path):
+    """A failing case is shown as ``case.source``: written to a file and imported, it traces to
+    the same IR and makes the same inputs (so it can become a regression test as it is)."""
+    for attempt, program in generate_distinct(8, seed=2):
+        case = FuzzCase(program, f"seed 2 program {attempt}", input_seed=attempt)
+        path = tmp_path / f"program_{attempt}.py"
+        path.write_text(case.source)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        inputs = make_inputs(module.ARGS, module.WORLD_SIZE, seed=attempt)
+        traced = module.tile_program.trace(module.WORLD_SIZE, *inputs[0].values())
+        assert _strip_locations(traced) == _strip_locations(case.trace())
+        for mine, theirs in zip(inputs, case.inputs):
+            assert mine.keys() == theirs.keys()
+            assert all(np.array_equal(mine[k], theirs[k], equal_nan=True) for k in mine)
+
+
+def test_the_signals_of_linked_programs_are_needed():
+    """Delete every wait of a program whose parts are linked by signals: the simulator must then
+    report the unordered accesses (the links are not decoration)."""
+    linked = [FuzzCase(p, f"seed 3 program {i}") for i, p in generate_distinct(40, seed=3)]
+    linked = [c for c in linked if features(c.trace()).linked_parts][:6]
+    assert len(linked) == 6
+    for case in linked:
+        kernel = copy.deepcopy(case.trace())
+        for part in kernel.parts:
+            _drop_waits(part.body)
+        with pytest.raises(SimulationError):
+            tl.simulate(kernel, case.world_size, case.inputs, options={"static_checks": False})
+
+
+def _drop_waits(block):
+    block.ops[:] = [op for op in block.ops if op.name not in WAIT_OPS]
+    for op in block.ops:
+        for region in op.regions:
+            _drop_waits(region)
+
+
+def test_compare_uses_the_tolerance_table():
+    want = np.array([1.0, -2.0, 40.0], np.float32)
+    rtol, atol = TOLERANCES["f16"]
+    assert compare(want * (1 + rtol / 2), want, rtol, atol) is None
+    assert "1 of 3 elements differ" in compare(want + np.array([0, 0, 3.0], np.float32), want, rtol, atol)
+    assert compare(np.array([3, 4], np.int32), np.array([3, 5], np.int32), *TOLERANCES["i32"]) is not None
+    assert "shape" in compare(want[:2], want, rtol, atol)
+
+
+def test_an_fp32_dot_is_compared_as_tf32():
+    for attempt, program in generate_distinct(60, seed=4):
+        case = FuzzCase(program, f"seed 4 program {attempt}")
+        kernel = case.trace()
+        fp32_dot = any(op.name == "dot" and op.operands[0].type.dtype == tl.float32 for _, op in kernel.walk())
+        for name in case.outputs:
+            arg = next(a for a in program.args if a.name == name)
+            if fp32_dot and arg.dtype != "i32":
+                assert case.tolerance(name) >= TOLERANCES["tf32"]
+
+
+def test_the_command_reports_every_program_and_a_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    status = fuzz_main(["--programs", "3", "--seed", "7"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "seed 7"
+    rows = [ln for ln in lines if re.match(r"#\d{4} W=\d parts=\d+ \[", ln)]
+    assert len(rows) == 3 and all("simulated ok" in r and "gpu: not asked" in r for r in rows), out
+    assert re.search(r"^3 programs: 3 simulated ok, 0 failed in the simulator; \d+ parts: \d+ lowered", out, re.M)
+    assert re.search(r"^distribution: \d+% a dot, \d+% a tl\.range loop, \d+% parts linked by signals", out, re.M)
+    failed = any(w in out for w in ("FAILED", "CRASHED", "MISMATCH"))
+    assert status == (1 if failed else 0), out
+
+
+def test_the_command_through_the_cli(capsys):
+    from tldsl.cli.main import main
+    status = main(["fuzz", "--programs", "1", "--seed", "7", "--only", "2", "--no-compile", "--show-source"])
+    out = capsys.readouterr().out
+    assert "#0002 " in out and "@tl.kernel" in out and "not compiled (--no-compile)" in out
+    assert status == (1 if "CRASHED" in out else 0), out

@@ -1,0 +1,242 @@
+"""The differential fuzzer: generate distinct random tile programs, simulate each, lower and
+compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on the GPU and
+compare with the simulator.
+
+    python -m tldsl.testing.fuzz --programs N --seed S [--gpu] [--show-source] [--only I]
+
+One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
+compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
+loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
+fails in the simulator, a lowered kernel fails to compile or a GPU result differs; parts that
+do not lower yet are counted, not failed. ``--only I`` reruns program I of the seed alone.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .program_case import FP32_DOT_RUNS_AS_TF32, TOLERANCES, Features, FuzzCase, features
+from .program_families import generate, generate_distinct
+from .program_gen import RandomChooser
+
+FEATURE_NAMES = {"dot": "a dot", "range_loop": "a tl.range loop", "linked_parts": "parts linked by signals",
+                 "communicates": "communication over W>=2", "ragged": "shapes not multiples of the tile"}
+
+
+@dataclass
+class Report:
+    """What happened to one program."""
+    index: int
+    case: FuzzCase
+    features: Features | None = None
+    sim_error: str | None = None
+    lowered: dict = field(default_factory=dict)          # part -> lowered kernel
+    not_lowered: dict = field(default_factory=dict)      # part -> first line of the refusal
+    compiled: list = field(default_factory=list)         # parts compiled
+    nothing_to_compile: list = field(default_factory=list)   # lowered to a host-side plan (copy engine)
+    compile_errors: dict = field(default_factory=dict)   # part -> error
+    lowering_crashes: dict = field(default_factory=dict)  # part -> an exception other than LoweringError
+    compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
+    reference: object = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.sim_error or self.compile_errors or self.lowering_crashes
+                    or self.compared.startswith("MISMATCH"))
+
+    def line(self) -> str:
+        f = self.features
+        tags = [t for t, on in (("dot", f.dot), ("range", f.range_loop), ("linked", f.linked_parts),
+                                ("comm", f.communicates)) if on] if f else []
+        parts = len(self.lowered) + len(self.not_lowered) + len(self.lowering_crashes)
+        head = f"#{self.index:04d} W={self.case.world_size} parts={parts} [{' '.join(tags)}]"
+        if self.sim_error:
+            return f"{head} SIMULATION FAILED: {self.sim_error}"
+        bits = ["simulated ok", f"lowered {len(self.lowered)}/{parts}"]
+        if self.not_lowered:
+            bits[-1] += " (" + "; ".join(f"{p}: {why}" for p, why in self.not_lowered.items()) + ")"
+        n_kernels = len(self.compiled) + len(self.compile_errors)
+        if n_kernels or self.nothing_to_compile:
+            bits.append(f"compiled {len(self.compiled)}/{n_kernels}"
+                        + (f" + {len(self.nothing_to_compile)} copy-engine plan(s)" if self.nothing_to_compile else ""))
+        for p, e in self.lowering_crashes.items():
+            bits.append(f"LOWERING CRASHED {p}: {e}")
+        for p, e in self.compile_errors.items():
+            bits.append(f"COMPILE FAILED {p}: {e}")
+        bits.append(f"gpu: {self.compared}")
+        return f"{head} " + " | ".join(bits)
+
+
+def simulate(report: Report) -> None:
+    try:
+        report.features = features(report.case.trace())
+        report.reference = report.case.simulate()
+    except Exception as e:              # anything the simulator refuses is a failure of the generator or the simulator
+        report.sim_error = f"{type(e).__name__}: {_first_line(e)}"
+
+
+def lower_parts(report: Report) -> None:
+    from ..codegen import LoweringError, lower
+    kernel = report.case.trace()
+    for part in kernel.parts:
+        try:
+            report.lowered[part.name] = lower(kernel, part.name)
+        except LoweringError as e:
+            report.not_lowered[part.name] = _reason(e)
+        except Exception as e:          # lower() refuses with a LoweringError; anything else is its bug
+            report.lowering_crashes[part.name] = f"{type(e).__name__}: {_first_line(e)}"
+
+
+def compile_all(reports: list[Report]) -> None:
+    """Every lowered kernel of every program, compiled together (NVRTC's process pool; cached).
+    Where one fails, each is compiled again alone (the others are cache hits) to say which."""
+    from ..codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_many
+    jobs, owners = [], []
+    for rep in reports:
+        for part, lk in rep.lowered.items():
+            if hasattr(lk, "source") and hasattr(lk, "entry"):
+                jobs.append(CompileJob(lk.source, lk.entry, tuple(lk.options)))
+                owners.append((rep, part))
+            else:
+                rep.nothing_to_compile.append(part)
+    try:
+        compile_many(jobs, progress=False)
+        failed = {}
+    except CudaCompileError:
+        failed = {}
+        for i, job in enumerate(jobs):
+            try:
+                compile_many([job], progress=False)
+            except CudaCompileError as e:
+                failed[i] = _first_line(e)
+    for i, (rep, part) in enumerate(owners):
+        if i in failed:
+            rep.compile_errors[part] = failed[i]
+        else:
+            rep.compiled.append(part)
+
+
+def gpu_unavailable() -> str | None:
+    """Why the GPU comparison cannot run here, or None."""
+    import tldsl as tl
+    if not hasattr(tl, "run"):
+        return "tl.run does not exist yet"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def compare_on_gpu(report: Report) -> None:
+    import tldsl as tl
+    case = report.case
+    try:
+        result = tl.run(case.kernel, case.world_size, case.inputs)
+    except Exception as e:
+        report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
+        return
+    bad = case.mismatches(report.reference.outputs, result.outputs if hasattr(result, "outputs") else result)
+    report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
+
+
+def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True) -> list[str]:
+    n = len(reports)
+    ok = [r for r in reports if r.features is not None and not r.sim_error]
+    parts = sum(len(r.lowered) + len(r.not_lowered) + len(r.lowering_crashes) for r in reports)
+    crashes = sum(len(r.lowering_crashes) for r in reports)
+    lowered = sum(len(r.lowered) for r in reports)
+    kernels = sum(len(r.compiled) + len(r.compile_errors) for r in reports)
+    compiled = sum(len(r.compiled) for r in reports)
+    compared = [r for r in reports if r.compared == "agrees" or r.compared.startswith("MISMATCH")]
+    mismatched = sum(r.compared.startswith("MISMATCH") for r in reports)
+    lines = [f"{n} programs: {len(ok)} simulated ok, {n - len(ok)} failed in the simulator; "
+             f"{parts} parts: {lowered} lowered, {parts - lowered - crashes} not lowered yet"
+             + (f", {crashes} crashed the lowering" if crashes else "") + "; "
+             + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
+             + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
+             + f" ({seconds:.1f} s)"]
+    if ok:
+        pct = {k: 100.0 * sum(getattr(r.features, k) for r in ok) / len(ok) for k in FEATURE_NAMES}
+        dtypes = {d: 100.0 * sum(d in r.features.dtypes for r in ok) / len(ok) for d in ("f16", "bf16", "f32", "i32")}
+        lines.append("distribution: " + ", ".join(f"{pct[k]:.0f}% {label}" for k, label in FEATURE_NAMES.items())
+                     + "; dtypes " + ", ".join(f"{d} {v:.0f}%" for d, v in dtypes.items()))
+    return lines
+
+
+def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,
+        compile_kernels: bool = True, out=None) -> list[Report]:
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    print(f"seed {seed}", file=out)
+    if only is not None:
+        programs = [(only, generate(RandomChooser(f"{seed}:{only}")))]
+    else:
+        programs = generate_distinct(n, seed)
+    reports = [Report(i, FuzzCase(p, f"fuzz seed {seed} program {i}")) for i, p in programs]
+    why_no_gpu = gpu_unavailable() if gpu else None
+    for rep in reports:
+        simulate(rep)
+        if not rep.sim_error:
+            lower_parts(rep)
+    if compile_kernels:
+        compile_all(reports)
+    for rep in reports:
+        if rep.sim_error:
+            pass
+        elif not gpu:
+            rep.compared = "not asked"
+        elif why_no_gpu is None:
+            compare_on_gpu(rep)
+        else:
+            rep.compared = f"not compared: {why_no_gpu}"
+        print(rep.line(), file=out)
+        if show_source or rep.failed:
+            print(rep.case.source, file=out)
+    for line in summary(reports, time.perf_counter() - t0, compile_kernels):
+        print(line, file=out)
+    return reports
+
+
+def main(argv=None) -> int:
+    called = sys.argv[0] if sys.argv[0].startswith("python -m") else "python -m tldsl.testing.fuzz"
+    ap = argparse.ArgumentParser(prog=called, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="tolerances (rtol, atol x max(1, max|reference|)): "
+                                        + ", ".join(f"{k} {v}" for k, v in TOLERANCES.items())
+                                        + f"; fp32 dot runs as TF32 on the GPU: {FP32_DOT_RUNS_AS_TF32}")
+    ap.add_argument("--programs", type=int, default=50, help="how many distinct programs (default 50)")
+    ap.add_argument("--seed", type=int, default=None, help="the generator's seed (default: a fresh one, printed)")
+    ap.add_argument("--gpu", action="store_true", help="also run each program on the GPU and compare")
+    ap.add_argument("--show-source", action="store_true", help="print every program's source (failing ones always)")
+    ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
+    ap.add_argument("--no-compile", action="store_true", help="lower but do not compile")
+    args = ap.parse_args(argv)
+    if args.programs < 1:
+        ap.error("--programs must be positive")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile)
+    return 1 if any(r.failed for r in reports) else 0
+
+
+def _reason(e: BaseException) -> str:
+    """A lowering refusal in one line: its message without the location, and where it is only a
+    heading ("no lowering recognises ...:"), its first reason."""
+    lines = [ln.strip() for ln in str(getattr(e, "raw_message", e)).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    text = lines[0] + (" " + lines[1] if len(lines) > 1 and lines[0].endswith(":") else "")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

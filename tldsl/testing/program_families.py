@@ -1,0 +1,294 @@
+"""What a generated program is: one compute stage alone, two parts linked by producer/consumer
+signals on each rank, or a communication between W >= 2 ranks (peers read directly, an all-gather
+on SMs or on the copy engine, an all-reduce) followed by a compute stage.
+
+:func:`generate` draws one; the weights below set the distribution the fuzzer promises (of any
+500 programs: >= 30% with a dot, >= 30% with a ``tl.range`` loop, >= 20% several parts linked by
+signals, >= 20% communicating over W >= 2)."""
+from __future__ import annotations
+
+from . import program_stages as stages
+from .program_gen import Chooser, ProgramGenerator, RandomChooser, cdiv, chance, weighted
+from .program_stages import Tensor, Tiling
+from .program_tree import (Assign, Call, FragRead, Fragment, Load, Loop, Program, Pull, SignalDecl,
+                           Store, Update)
+
+FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
+
+
+def generate(ch: Chooser) -> Program:
+    g = ProgramGenerator(ch)
+    family = weighted(ch, FAMILIES)
+    {"single": single, "pipeline": pipeline, "comm": communication}[family](g)
+    return g.program()
+
+
+# -- one stage ---------------------------------------------------------------------------------
+
+def single(g: ProgramGenerator) -> None:
+    ch = g.ch
+    g.world_size = weighted(ch, {1: 70, 2: 30})
+    recipe = weighted(ch, {"ewise": 26, "gemm": 42, "row_reduce": 12, "softmax": 8, "gather": 12})
+    dtype = "i32" if recipe in ("ewise", "row_reduce", "gather") and chance(ch, 20) else g.float_dtype()
+    if recipe == "gemm":
+        BM = ch.choice((16, 32, 64))
+        R, K = g.extent(BM), g.extent(24)
+        a = Tensor(g.arg((R, K), dtype), (R, K), dtype)
+        stages.gemm(g, a, tile=(BM, ch.choice((16, 32))))
+        return
+    R, C = g.extent(24), g.extent(24)
+    x = Tensor(g.arg((R, C), dtype), (R, C), dtype)
+    if recipe == "ewise":
+        reads = [x]
+        if chance(ch, 40):
+            dt = dtype if dtype == "i32" else g.float_dtype()
+            reads.append(Tensor(g.arg((R, C), dt), (R, C), dt))
+        stages.ewise(g, reads)
+    elif recipe == "row_reduce":
+        stages.row_reduce(g, x)
+    elif recipe == "softmax":
+        stages.softmax(g, x)
+    else:
+        stages.gather(g, x)
+
+
+# -- two parts linked by producer/consumer signals --------------------------------------------
+
+def pipeline(g: ProgramGenerator) -> None:
+    """A producer part writes a workspace tile by tile and notifies; a consumer part waits for
+    every producer tile its rows need, then reads the workspace."""
+    ch = g.ch
+    g.world_size = weighted(ch, {1: 70, 2: 30})
+    role = weighted(ch, {"compute": 60, "comm": 40})
+    kind = weighted(ch, {"ewise": 50, "gemm": 35, "softmax": 15})
+    R = g.extent(24)
+    ws_dtype = ch.choice(("f32", "f16", "bf16"))
+    sig = g.fresh("ready")
+    link: dict = {}
+
+    def notify(stmts, tiling: Tiling):
+        link["tiles"] = not tiling.col_loop and tiling.gn > 1 and chance(ch, 50)
+        channel = f"pm * {tiling.gn} + pn" if link["tiles"] else "pm"
+        stmts.append(Call("producer_tile_notify", (sig, channel)))
+
+    if kind == "gemm":
+        BM = ch.choice((16, 32))
+        K, N, a_dtype = g.extent(24), g.extent(24), g.float_dtype()
+        a = Tensor(g.arg((R, K), a_dtype), (R, K), a_dtype)
+        ws = Tensor(g.workspace((R, N), ws_dtype), (R, N), ws_dtype)
+        _, tiling = stages.gemm(g, a, ws, role=role,
+                                tile=(BM, ch.choice((16, 32))), notify=notify)
+    else:
+        C, x_dtype = g.extent(24), g.float_dtype()
+        src = Tensor(g.arg((R, C), x_dtype), (R, C), x_dtype)
+        ws = Tensor(g.workspace((R, C), ws_dtype), (R, C), ws_dtype)
+        if kind == "ewise":
+            _, tiling = stages.ewise(g, [src], ws, role=role, notify=notify)
+        else:
+            _, tiling = stages.softmax(g, src, ws, role=role, notify=notify)
+    per_slot = tiling.notifies_per_row_block
+    slots = tiling.gm * tiling.gn if link["tiles"] else tiling.gm
+    g.decls.append(SignalDecl(sig, slots))
+
+    def waits(stmts, r0, rows):
+        if link["tiles"]:
+            inner = Loop("j", "0", str(tiling.gn), "1", (Call("consumer_tile_wait", (sig, f"q * {tiling.gn} + j")),),
+                         static=chance(ch, 50))
+        else:
+            inner = Call("consumer_tile_wait", (sig, "q") + ((f"count={per_slot}",) if per_slot > 1 else ()))
+        stmts.append(Loop("q", f"{r0} // {tiling.BM}", f"tl.cdiv(tl.minimum({r0} + {rows}, {R}), {tiling.BM})", "1",
+                          (inner,)))
+
+    consume(g, ws, waits)
+
+
+def consume(g: ProgramGenerator, src: Tensor, waits) -> None:
+    """The consumer stage: elementwise, a GEMM with ``src`` as A, a row reduction or a softmax."""
+    ch = g.ch
+    kinds = {"ewise": 35, "gemm": 40, "row_reduce": 15, "softmax": 10}
+    kind = weighted(ch, kinds)
+    if kind == "softmax" and src.shape[1] > 64:
+        kind = "ewise"
+    if kind == "ewise":
+        stages.ewise(g, [src], waits=waits)
+    elif kind == "gemm":
+        stages.gemm(g, src, waits=waits, tile=(ch.choice((16, 32)), ch.choice((16, 32))))
+    elif kind == "row_reduce":
+        stages.row_reduce(g, src, waits=waits)
+    else:
+        stages.softmax(g, src, waits=waits)
+
+
+# -- communication over W >= 2 ranks --------------------------------------------------------
+
+def communication(g: ProgramGenerator) -> None:
+    ch = g.ch
+    g.world_size = weighted(ch, {2: 50, 3: 25, 4: 25})
+    kind = weighted(ch, {"peer_read": 16, "sm_pull": 21, "sm_push": 21, "copy_engine": 21, "all_reduce": 21})
+    if kind == "peer_read":
+        peer_read(g)
+    elif kind == "all_reduce":
+        all_reduce(g)
+    else:
+        all_gather(g, kind)
+
+
+def peer_read(g: ProgramGenerator) -> None:
+    """A compute part reads peers' symmetric inputs directly (nothing writes them: no signal)."""
+    ch = g.ch
+    W = g.world_size
+    R, C = g.extent(24), g.extent(24)
+    dtype = g.float_dtype()
+    x = g.arg((R, C), dtype, symmetric=True)
+    BM, BN = g.tile(), g.tile()
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    if chance(ch, 50):           # every rank's tile, summed
+        stmts.append(Fragment("acc", (BM, BN), "f32"))
+        body: list = []
+        t = g.bind(body, Load(shape=(BM, BN), dtype=dtype, exact=True, tensor=x, offsets=("r0", "c0"), box=(BM, BN),
+                              peer=f"(tl.rank() + s) % {W}"))
+        body.append(Update("acc", g.tree([t], ch.integer(0, 1))))
+        stmts.append(Loop("s", "0", str(W), "1", tuple(body), static=chance(ch, 50)))
+        value = FragRead(shape=(BM, BN), dtype="f32", bound=float(W) * 8, name="acc")
+    else:                        # the next rank's tile
+        peer = f"(tl.rank() + 1) % {W}"
+        if chance(ch, 50):
+            leaf = Pull(shape=(BM, BN), dtype=dtype, exact=True, tensor=x, offsets=("r0", "c0"), peer=peer)
+        else:
+            leaf = Load(shape=(BM, BN), dtype=dtype, exact=True, tensor=x, offsets=("r0", "c0"), box=(BM, BN),
+                        peer=peer)
+        value = g.tree([g.bind(stmts, leaf)], ch.integer(1, 2))
+    out = stages.output(g, (R, C), value, None)
+    g.store(stmts, out.name, ("r0", "c0"), stages.fit(value, (BM, BN), out.dtype))
+    g.part("compute", (cdiv(R, BM), cdiv(C, BN)), ("pm", "pn"), stmts)
+
+
+def all_gather(g: ProgramGenerator, engine: str) -> None:
+    """Every rank's symmetric shard [Ms, C] gathered into [W * slot, C] (slot = Ms, or Ms padded
+    to whole tiles where tiles are stored whole), T rows at a time on SMs (pull or push, copy or
+    tile form) or a shard at a time on the copy engine; then a compute stage on it."""
+    ch = g.ch
+    W = g.world_size
+    Ms, C = g.extent(16), g.extent(24)
+    dtype = g.float_dtype()
+    x = g.arg((Ms, C), dtype, symmetric=True)
+    T = g.tile()
+    tpr = cdiv(Ms, T)
+    if engine == "copy_engine":
+        pull = chance(ch, 50)
+        slot = Ms
+        gathered = g.workspace((W * Ms, C), dtype, symmetric=not pull)
+        sig = g.signal(W, "symmetric")
+        body = [Assign("me", "tl.rank()"), Assign("peer", f"(me + step) % {W}")]
+        if pull:
+            body += [Call("rank_copy_data", (gathered, f"(peer * {Ms}, 0)", f"{x}.at(peer)", "(0, 0)", f"({Ms}, {C})")),
+                     Call("rank_notify", (sig, "peer"))]
+        else:
+            body += [Call("rank_copy_data", (f"{gathered}.at(peer)", f"(me * {Ms}, 0)", x, "(0, 0)", f"({Ms}, {C})")),
+                     Call("rank_notify", (sig, "me", "peer"))]
+        g.part("comm", (W,), ("step",), body, engine="copy_engine")
+
+        def waits(stmts, r0, rows):
+            stmts.append(Loop("q", f"{r0} // {Ms}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * Ms}), {Ms})", "1",
+                              (Call("rank_wait", (sig, "q")),)))
+        consume(g, Tensor(gathered, (W * Ms, C), dtype), waits)
+        return
+
+    tile_form = chance(ch, 45)
+    slot = tpr * T if tile_form else Ms
+    push = engine == "sm_push"
+    gathered = g.workspace((W * slot, C), dtype, symmetric=push)
+    sig = g.signal(W * tpr, "symmetric" if push else "local")
+    body: list = [Assign("me", "tl.rank()"), Assign("peer", f"(me + step) % {W}"), Assign("r0", f"j * {T}")]
+    if push:
+        if tile_form:
+            t = g.bind(body, Load(shape=(T, C), dtype=dtype, exact=True, tensor=x, offsets=("r0", "0"), box=(T, C)))
+            value = stages.normalised(g.tree([t], ch.integer(0, 2)))
+            if chance(ch, 50):
+                body.append(Store(gathered, (f"me * {slot} + r0", "0"), value, peer="peer"))
+            else:
+                body.append(Call("tile_push_data", (f"{gathered}.at(peer)", f"(me * {slot} + r0, 0)", value.src())))
+        else:
+            body.append(Call("tile_push_data", (f"{gathered}.at(peer)", f"(me * {slot} + r0, 0)", x, "(r0, 0)",
+                                                f"({T}, {C})")))
+        body.append(Call("peer_tile_notify", (sig, f"me * {tpr} + j", "peer")))
+        wait = "peer_tile_wait"
+    else:
+        if tile_form:
+            t = g.bind(body, Pull(shape=(T, C), dtype=dtype, exact=True, tensor=x, offsets=("r0", "0"), peer="peer"))
+            body.append(Store(gathered, (f"peer * {slot} + r0", "0"), stages.normalised(g.tree([t], ch.integer(0, 2)))))
+        else:
+            body.append(Call("tile_pull_data", (f"{x}.at(peer)", "(r0, 0)", f"({T}, {C})", gathered,
+                                                f"(peer * {slot} + r0, 0)")))
+        body.append(Call("producer_tile_notify", (sig, f"peer * {tpr} + j")))
+        wait = "consumer_tile_wait"
+    g.part("comm", (W, tpr), ("step", "j"), body)
+
+    def waits(stmts, r0, rows):
+        inner = Loop("j", f"tl.maximum({r0} - q * {slot}, 0) // {T}",
+                     f"tl.cdiv(tl.minimum({r0} + {rows} - q * {slot}, {slot}), {T})", "1",
+                     (Call(wait, (sig, f"q * {tpr} + j")),))
+        stmts.append(Loop("q", f"{r0} // {slot}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * slot}), {slot})", "1",
+                          (inner,)))
+    consume(g, Tensor(gathered, (W * slot, C), dtype), waits)
+
+
+def all_reduce(g: ProgramGenerator) -> None:
+    """Each rank computes a partial tile and pushes it into every rank's slot for it (padded to
+    whole tiles), notifying; each rank then waits for all W and sums the slots in rank order."""
+    ch = g.ch
+    W = g.world_size
+    R, C = g.extent(24), g.extent(24)
+    dtype = g.float_dtype()
+    x = g.arg((R, C), dtype)
+    BM, BN = g.tile(), g.tile()
+    gm, gn = cdiv(R, BM), cdiv(C, BN)
+    slot = gm * BM
+    recv_dtype = ch.choice(("f32", "f16", "bf16"))
+    recv = g.workspace((W * slot, C), recv_dtype, symmetric=True)
+    sig = g.signal(gm * gn, "symmetric")
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    leaves = g.tile_leaves(stmts, {x: ((R, C), dtype)}, "r0", "c0", BM, BN, dtype)
+    partial = g.bind(stmts, stages.fit(stages.normalised(g.tree(leaves, ch.integer(1, 2))), (BM, BN), None), "p")
+    send: list = [Assign("dest", f"(tl.rank() + s) % {W}")]
+    if chance(ch, 50):
+        send.append(Store(recv, (f"tl.rank() * {slot} + r0", "c0"), partial, peer="dest"))
+    else:
+        send.append(Call("tile_push_data", (f"{recv}.at(dest)", f"(tl.rank() * {slot} + r0, c0)", partial.name)))
+    send.append(Call("peer_tile_notify", (sig, f"pm * {gn} + pn", "dest")))
+    stmts.append(Loop("s", "0", str(W), "1", tuple(send), static=chance(ch, 50)))
+    g.part("compute", (gm, gn), ("pm", "pn"), stmts)
+
+    total: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}"),
+                   Call("peer_tile_wait", (sig, f"pm * {gn} + pn", f"count={W}"))]
+    total.append(Fragment("acc", (BM, BN), "f32"))
+    add = (Update("acc", Load(shape=(BM, BN), dtype=recv_dtype, tensor=recv, offsets=(f"q * {slot} + r0", "c0"),
+                              box=(BM, BN))),)
+    total.append(Loop("q", "0", str(W), "1", add, static=chance(ch, 50)))
+    value = FragRead(shape=(BM, BN), dtype="f32", bound=float(W), name="acc")
+    if chance(ch, 40):
+        value = g.tree([value], 1)
+    out = stages.output(g, (R, C), value, None)
+    g.store(total, out.name, ("r0", "c0"), stages.fit(value, (BM, BN), out.dtype))
+    g.part(weighted(ch, {"compute": 50, "comm": 50}), (gm, gn), ("pm", "pn"), total)
+
+
+
+def generate_distinct(n: int, seed: int, max_attempts: int | None = None) -> list[tuple[int, Program]]:
+    """``n`` programs, no two with the same source: (attempt, program) pairs, where program
+    ``attempt`` of ``seed`` is ``generate(RandomChooser(f"{seed}:{attempt}"))`` (so one can be made
+    again alone)."""
+    seen: set[str] = set()
+    out: list[tuple[int, Program]] = []
+    attempt = 0
+    limit = max_attempts if max_attempts is not None else 4 * n + 100
+    while len(out) < n and attempt < limit:
+        program = generate(RandomChooser(f"{seed}:{attempt}"))
+        text = program.source()
+        if text not in seen:
+            seen.add(text)
+            out.append((attempt, program))
+        attempt += 1
+    if len(out) < n:
+        raise RuntimeError(f"only {len(out)} distinct programs in {attempt} attempts")
+    return out

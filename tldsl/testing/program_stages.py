@@ -1,0 +1,287 @@
+"""The parts a generated program is made of: one function per kind of compute stage (elementwise,
+GEMM, row reduction, softmax, gather). Each adds one part to a :class:`.program_gen.ProgramGenerator`,
+reading 2-d tensors it is given and writing an output it is given or makes. A stage that reads
+another part's output is given ``waits`` (emits the waits for rows ``[r0, r0 + rows)``); one that
+feeds another part is given ``notify`` (emits the notifies after its stores)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from .program_gen import ProgramGenerator, _broadcast, _pow2_at_least, _promote, cdiv, chance, weighted
+from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, Expr, ExpandDims, FragRead, Fragment, Iota, Load,
+                           LoadRows, Loop, Reduce, Trans, Unary, Update)
+
+Waits = Callable[[list, str, int], None]          # (stmts, r0, rows)
+Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A 2-d tensor a stage reads: an argument or a workspace."""
+    name: str
+    shape: tuple[int, int]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a stage cut its output: ``BM`` x ``BN`` tiles, a ``gm`` x ``gn`` grid (program ids ``pm``,
+    ``pn``), and whether each task loops over the columns (one task, no ``pn``, per row block)."""
+    BM: int
+    BN: int
+    gm: int
+    gn: int
+    col_loop: bool
+
+    @property
+    def notifies_per_row_block(self) -> int:
+        return 1 if self.col_loop else self.gn
+
+
+def fit(value: Expr, shape, dtype: str | None) -> Expr:
+    """``value`` as a store into a ``dtype`` tensor takes it: the tile's full shape, ints made float."""
+    if value.shape != tuple(shape):
+        value = Broadcast(shape=tuple(shape), dtype=value.dtype, bound=value.bound, exact=value.exact, x=value)
+    if dtype is not None and dtype != "i32" and value.dtype == "i32":
+        value = Cast(shape=value.shape, dtype="f32", bound=value.bound, exact=True, x=value)
+    return value
+
+
+def using(value: Expr, leaf: Expr) -> Expr:
+    """``value``, plus ``leaf`` where the random tree left out the tile the stage is about."""
+    if re.search(rf"(?<!\w){re.escape(leaf.src())}(?!\w)", value.src()):
+        return value
+    return Binary(shape=_broadcast(value.shape, leaf.shape), dtype=_promote(value.dtype, leaf.dtype),
+                  bound=value.bound + leaf.bound, exact=False, op="add", a=value, b=leaf)
+
+
+def normalised(value: Expr) -> Expr:
+    """``value`` scaled by a power of two into [-1, 1] (what a workspace feeding a GEMM holds)."""
+    if value.bound <= 1 or value.dtype == "i32":
+        return value
+    scale = 1.0 / _pow2_at_least(int(value.bound + 0.999))
+    return Binary(shape=value.shape, dtype=value.dtype, bound=1.0, exact=value.exact, op="mul", a=value, b=scale)
+
+
+def output(g: ProgramGenerator, shape, value: Expr, out: Tensor | None) -> Tensor:
+    if out is not None:
+        return out
+    dtype = "i32" if value.dtype == "i32" else g.float_dtype()
+    return Tensor(g.arg(shape, dtype, "output"), tuple(shape), dtype)
+
+
+def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *, role="compute",
+          tile=None, waits: Waits | None = None, notify: Notify | None = None) -> tuple[Tensor, Tiling]:
+    """``out = f(reads...)`` elementwise, tile by tile (a 2-d grid, or a grid of rows whose tasks
+    loop over the columns with ``tl.range``)."""
+    ch = g.ch
+    R, C = reads[0].shape
+    BM, BN = tile or (g.tile(), g.tile())
+    col_loop = chance(ch, 35)
+    stmts: list = [Assign("r0", f"pm * {BM}")]
+    if waits:
+        waits(stmts, "r0", BM)
+    body: list = [] if col_loop else [Assign("c0", f"pn * {BN}")]
+    leaves = g.tile_leaves(body, {t.name: (t.shape, t.dtype) for t in reads}, "r0", "c0", BM, BN,
+                           reads[0].dtype)
+    value = using(g.tree(leaves, ch.integer(1, 3)), leaves[0])
+    if notify:
+        value = normalised(value)
+    out = output(g, (R, C), value, out)
+    value = fit(value, (BM, BN), out.dtype)
+    guards = None
+    if chance(ch, 25):          # tl.when: two kinds of tasks, each element still stored once
+        guards = ch.choice(((f"c0 + {BN} <= {C}", f"c0 + {BN} > {C}"), ("r0 % 32 == 0", "r0 % 32 != 0")))
+        alternative = fit(g.tree(leaves, 1), (BM, BN), out.dtype)
+        if notify:
+            alternative = normalised(alternative)
+        g.store(body, out.name, ("r0", "c0"), value, guards, alternative)
+    else:
+        g.store(body, out.name, ("r0", "c0"), value)
+    tiling = Tiling(BM, BN, cdiv(R, BM), cdiv(C, BN), col_loop)
+    if col_loop:
+        stmts.append(Loop("c0", "0", str(C), str(BN), tuple(body)))
+    else:
+        stmts += body
+    if notify:
+        notify(stmts, tiling)
+    g.part(role, (tiling.gm,) if col_loop else (tiling.gm, tiling.gn), ("pm",) if col_loop else ("pm", "pn"), stmts)
+    return out, tiling
+
+
+def gemm(g: ProgramGenerator, a: Tensor, out: Tensor | None = None, *, role="compute", tile=None,
+         waits: Waits | None = None, notify: Notify | None = None) -> tuple[Tensor, Tiling]:
+    """``out = epilogue(a @ b)``: a K loop of ``tl.dot`` into a fragment (``tl.range``, unrolled with
+    ``tl.static_range``, or one dot), ``b`` loaded as is or transposed, operands in fp16, bf16 or
+    fp32 (a TF32 dot on the GPU)."""
+    ch = g.ch
+    R, K = a.shape
+    BM, BN = tile or (ch.choice((16, 32, 64)), ch.choice((16, 32)))
+    BK = ch.choice((16, 32))
+    N = out.shape[1] if out is not None else g.extent(BN)
+    op_dtype = "bf16" if a.dtype == "bf16" or chance(ch, 30) else a.dtype
+    b_dtype = a.dtype if a.dtype != "bf16" else g.float_dtype()
+    transposed = chance(ch, 35)
+    b = g.arg((N, K) if transposed else (K, N), b_dtype)
+    kind = weighted(ch, {"range": 60, "static": 20, "single": 20})
+    if kind == "static" and cdiv(K, BK) > 3:
+        kind = "range"
+    if kind == "single" and K > BK:
+        kind = "range" if chance(ch, 70) else "static"
+
+    def operand(stmts, name, dtype, offsets, box, trans):
+        t: Expr = Load(shape=box, dtype=dtype, exact=True, tensor=name, offsets=offsets, box=box)
+        if trans:
+            t = Trans(shape=box[::-1], dtype=dtype, exact=True, x=t)
+        if dtype != op_dtype:
+            t = Cast(shape=t.shape, dtype=op_dtype, exact=True, x=t, method=chance(ch, 50))
+        return g.bind(stmts, t, "op")
+
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    if waits:
+        waits(stmts, "r0", BM)
+
+    def dot_step(stmts, k):
+        ta = operand(stmts, a.name, a.dtype, ("r0", k), (BM, BK), False)
+        tb = operand(stmts, b, b_dtype, ("c0", k) if transposed else (k, "c0"),
+                     (BN, BK) if transposed else (BK, BN), transposed)
+        return Dot(shape=(BM, BN), dtype="f32", bound=float(K), a=ta, b=tb)
+
+    if kind == "single":
+        acc: Expr = g.bind(stmts, dot_step(stmts, "0"), "acc")
+    else:
+        stmts.append(Fragment("acc", (BM, BN), "f32"))
+        body: list = []
+        body.append(Update("acc", dot_step(body, "k")))
+        if kind == "static":
+            stmts.append(Loop("k", "0", str(K), str(BK), tuple(body), static=True))
+        else:
+            stmts.append(Loop("k", "0", str(K), str(BK), tuple(body)))
+        acc = FragRead(shape=(BM, BN), dtype="f32", bound=float(K), name="acc")
+    leaves = [acc]
+    if chance(ch, 40):
+        bias = g.arg((N,), g.float_dtype())
+        t = Load(shape=(BN,), dtype=g.args[-1].dtype, exact=True, tensor=bias, offsets=("c0",), box=(BN,))
+        leaves.append(g.bind(stmts, ExpandDims(shape=(1, BN), dtype=t.dtype, exact=True, x=t, axis=0,
+                                               indexing=True), "bias"))
+    value = using(g.tree(leaves, ch.integer(0, 2)), acc) if chance(ch, 70) else acc
+    if notify:
+        value = normalised(value)
+    out = output(g, (R, N), value, out)
+    g.store(stmts, out.name, ("r0", "c0"), fit(value, (BM, BN), out.dtype))
+    tiling = Tiling(BM, BN, cdiv(R, BM), cdiv(N, BN), False)
+    if notify:
+        notify(stmts, tiling)
+    g.part(role, (tiling.gm, tiling.gn), ("pm", "pn"), stmts)
+    return out, tiling
+
+
+REDUCE_FILL = {("sum", "f32"): 0.0, ("max", "f32"): -1.0e30, ("min", "f32"): 1.0e30,
+               ("sum", "i32"): 0, ("max", "i32"): -(2 ** 30), ("min", "i32"): 2 ** 30}
+
+
+def row_reduce(g: ProgramGenerator, src: Tensor, *, waits: Waits | None = None) -> Tensor:
+    """``out[r] = reduce_k f(src[r, k])`` over column tiles: a fragment updated in a ``tl.range``
+    loop, unrolled, or running to a per-row-block count read with ``tl.load_scalar``."""
+    ch = g.ch
+    R, K = src.shape
+    BM, BK = g.tile(), g.tile()
+    fn = ch.choice(("sum", "max", "min"))
+    kind = weighted(ch, {"range": 50, "static": 20, "counted": 30})
+    if kind == "static" and cdiv(K, BK) > 3:
+        kind = "range"
+    stmts: list = [Assign("r0", f"pm * {BM}")]
+    if waits:
+        waits(stmts, "r0", BM)
+    body: list = []
+    if kind == "counted":
+        body.append(Assign("k", f"kb * {BK}"))
+    t = g.bind(body, Load(shape=(BM, BK), dtype=src.dtype, exact=True, tensor=src.name, offsets=("r0", "k"),
+                          box=(BM, BK)))
+    f = g.tree([t], ch.integer(0, 1))
+    red = Reduce(shape=(BM,), dtype=f.dtype, bound=f.bound * (K if fn == "sum" else 1), fn=fn, x=f, axis=1)
+    acc_dtype = "i32" if f.dtype == "i32" else "f32"
+    acc = FragRead(shape=(BM,), dtype=acc_dtype, bound=red.bound, name="acc")
+    if fn == "sum":
+        body.append(Update("acc", red))
+    else:
+        body.append(Update("acc", Binary(shape=(BM,), dtype=acc_dtype, bound=red.bound, op=fn, a=acc, b=red),
+                           add=False))
+    stmts.append(Fragment("acc", (BM,), acc_dtype, REDUCE_FILL[fn, acc_dtype]))
+    if kind == "counted":
+        tab = g.arg((cdiv(R, BM),), "i32", "table", low=1, high=cdiv(K, BK) + 1)
+        stmts.append(Assign("nk", f"tl.load_scalar({tab}, (pm,))"))
+        stmts.append(Loop("kb", "0", "nk", "1", tuple(body)))
+    else:
+        stmts.append(Loop("k", "0", str(K), str(BK), tuple(body), static=kind == "static"))
+    value = g.tree([acc], 1) if acc_dtype == "f32" and chance(ch, 40) else acc
+    out = output(g, (R,), value, None)
+    g.store(stmts, out.name, ("r0",), fit(value, (BM,), out.dtype))
+    g.part("compute", (cdiv(R, BM),), ("pm",), stmts)
+    return out
+
+
+def softmax(g: ProgramGenerator, src: Tensor, out: Tensor | None = None, *, role="compute",
+            waits: Waits | None = None, notify: Notify | None = None) -> tuple[Tensor, Tiling]:
+    """A row softmax of ``f(src)`` with the whole row in one tile (padding columns read as zero and
+    take part, on every backend alike)."""
+    ch = g.ch
+    R, C = src.shape
+    BM, BC = g.tile(), _pow2_at_least(C)
+    stmts: list = [Assign("r0", f"pm * {BM}")]
+    if waits:
+        waits(stmts, "r0", BM)
+    t = g.bind(stmts, Load(shape=(BM, BC), dtype=src.dtype, exact=True, tensor=src.name, offsets=("r0", "0"),
+                           box=(BM, BC)))
+    x = g.bind(stmts, normalised(g.tree([t], ch.integer(0, 1))), "x") if chance(ch, 50) else t
+    if x.dtype == "i32":
+        x = g.bind(stmts, Cast(shape=x.shape, dtype="f32", bound=x.bound, exact=True, x=x), "x")
+    m = g.bind(stmts, Reduce(shape=(BM,), dtype=x.dtype, bound=x.bound, fn="max", x=x, axis=1), "m")
+    shifted = Binary(shape=(BM, BC), dtype=x.dtype, bound=2 * x.bound, op="sub", a=x,
+                     b=ExpandDims(shape=(BM, 1), dtype=x.dtype, x=m, axis=1, indexing=True))
+    e = g.bind(stmts, Unary(shape=(BM, BC), dtype=x.dtype, fn="exp", x=shifted), "e")
+    s = g.bind(stmts, Reduce(shape=(BM,), dtype=x.dtype, bound=float(BC), fn="sum", x=e, axis=1), "s")
+    value = Binary(shape=(BM, BC), dtype=x.dtype, op="div", a=e,
+                   b=ExpandDims(shape=(BM, 1), dtype=x.dtype, x=s, axis=1, indexing=False))
+    out = output(g, (R, C), value, out)
+    g.store(stmts, out.name, ("r0", "0"), value)
+    tiling = Tiling(BM, BC, cdiv(R, BM), 1, True)
+    if notify:
+        notify(stmts, tiling)
+    g.part(role, (tiling.gm,), ("pm",), stmts)
+    return out, tiling
+
+
+def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
+    """Rows of ``src`` chosen at run time: by an index tile (``tl.load_rows``, negative ids read
+    zero rows) or a row block per task from a table (``tl.load_scalar``)."""
+    ch = g.ch
+    Rx, C = src.shape
+    BM, BN = g.tile(), g.tile()
+    R = g.extent(BM)
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    if chance(ch, 60):
+        rows = g.arg((R,), "i32", "rows", low=-1, high=Rx)
+        ids = g.bind(stmts, Load(shape=(BM,), dtype="i32", exact=True, tensor=rows, offsets=("r0",), box=(BM,)),
+                     "ids")
+        t = g.bind(stmts, LoadRows(shape=(BM, BN), dtype=src.dtype, exact=True, tensor=src.name, rows=ids,
+                                   col="c0", ncols=BN))
+    else:
+        tab = g.arg((cdiv(R, BM),), "i32", "table", low=0, high=cdiv(Rx, BM))
+        stmts.append(Assign("blk", f"tl.load_scalar({tab}, (pm,))"))
+        t = g.bind(stmts, Load(shape=(BM, BN), dtype=src.dtype, exact=True, tensor=src.name,
+                               offsets=(f"blk * {BM}", "c0"), box=(BM, BN)))
+    leaves: list[Expr] = [t]
+    if src.dtype != "i32" and chance(ch, 40):
+        i = Cast(shape=(BM,), dtype="f32", bound=BM, exact=True, x=Iota(shape=(BM,), dtype="i32", exact=True))
+        leaves.append(g.bind(stmts, ExpandDims(shape=(BM, 1), dtype="f32", exact=True, x=Binary(
+            shape=(BM,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / _pow2_at_least(BM)), axis=1),
+            "ramp"))
+    value = using(g.tree(leaves, ch.integer(0, 2)), t)
+    out = output(g, (R, C), value, None)
+    g.store(stmts, out.name, ("r0", "c0"), fit(value, (BM, BN), out.dtype))
+    g.part("compute", (cdiv(R, BM), cdiv(C, BN)), ("pm", "pn"), stmts)
+    return out
+

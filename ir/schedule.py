@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import ScheduleError
+from .field_types import check_field_types
 from .location import user_location
 
 COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
@@ -43,6 +44,7 @@ class ComputeSchedule:
     cluster: tuple[int, int] = (1, 1)
 
     def __post_init__(self):
+        check_field_types(self, _invalid)
         t = tuple(self.tile)
         object.__setattr__(self, "tile", t)
         if len(t) != 3 or not all(_pow2(x) and 8 <= x <= 256 for x in t):
@@ -131,6 +133,7 @@ class CommSchedule:
     col_tile: int | None = None
 
     def __post_init__(self):
+        check_field_types(self, _invalid)
         if self.order not in COMM_ORDERS:
             raise _invalid(f"communication order {self.order!r}: choose one of {COMM_ORDERS}")
         if self.mode not in COMM_MODES:

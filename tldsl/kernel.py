@@ -22,17 +22,50 @@ from .tracing import Builder, Scalar, TensorRef, current, fail, tracing
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a kernel is specialised on for one tensor argument."""
+    """What a kernel is specialised on for one tensor argument: its shape (Python or numpy ints
+    >= 0) and its dtype — a tl dtype, its name (``"bf16"``, ``"float16"``), or a numpy or torch
+    dtype, mapped to the tl one. Anything else is refused here, naming the argument, rather than
+    surfacing later as a strange shape or a dtype mismatch inside the kernel."""
     shape: tuple[int, ...]
     dtype: T.DType
 
+    def __post_init__(self):
+        object.__setattr__(self, "shape", spec_shape(self.shape))
+        object.__setattr__(self, "dtype", spec_dtype(self.dtype))
+
     @staticmethod
-    def of(x) -> "TensorSpec":
+    def of(x, name: str = "") -> "TensorSpec":
+        """``x`` (an array, a tensor or a TensorSpec) as a TensorSpec; ``name``: the argument, for errors."""
         if isinstance(x, TensorSpec):
             return x
+        what = f"argument {name!r}" if name else "an argument"
         if hasattr(x, "shape") and hasattr(x, "dtype"):
-            return TensorSpec(tuple(int(s) for s in x.shape), T.dtype_of(x.dtype))
-        raise InputError(f"expected an array or tl.TensorSpec, got {type(x).__name__}")
+            return TensorSpec(spec_shape(x.shape, what), spec_dtype(x.dtype, what))
+        raise InputError(f"{what}: expected an array or tl.TensorSpec, got {type(x).__name__}")
+
+
+def spec_shape(shape, what: str = "tl.TensorSpec") -> tuple[int, ...]:
+    """A TensorSpec's shape as a tuple of ints >= 0, or an InputError saying what was wrong."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise InputError(f"{what}: shape must be a tuple of ints, got {shape!r}")
+    dims = tuple(shape)
+    bad = [d for d in dims if not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 0]
+    if bad:
+        raise InputError(f"{what}: shape {dims!r}: every dimension must be an int >= 0 "
+                         f"(got {bad[0]!r} of type {type(bad[0]).__name__})")
+    return tuple(int(d) for d in dims)
+
+
+def spec_dtype(dtype, what: str = "tl.TensorSpec") -> T.DType:
+    """A TensorSpec's dtype as a tl dtype (from a tl, numpy or torch dtype or a name), or an
+    InputError naming what tldsl takes."""
+    if dtype is None:
+        raise InputError(f"{what}: dtype is required (tl.float16, tl.bfloat16, tl.float32, tl.int32, tl.bool_, "
+                         "or a numpy or torch dtype)")
+    try:
+        return T.dtype_of(dtype)
+    except TypeError as e:
+        raise InputError(f"{what}: dtype {dtype!r}: {e}") from None
 
 
 class KernelFunction:
@@ -83,7 +116,7 @@ class KernelFunction:
         if len(specs) != len(self.tensor_params):
             raise InputError(f"kernel '{self.name}' takes {len(self.tensor_params)} tensors "
                              f"({', '.join(self.arg_names)}), got {len(specs)}")
-        specs = tuple(TensorSpec.of(s) for s in specs)
+        specs = tuple(TensorSpec.of(s, name) for s, name in zip(specs, self.arg_names))
         unknown = set(kwargs) - set(self.kw_params)
         if unknown:
             raise InputError(f"kernel '{self.name}' has no keyword parameter(s) {sorted(unknown)}")
@@ -126,8 +159,13 @@ class KernelFunction:
             buf = core.Buffer(p.name, T.TensorType(s.shape, s.dtype, space), "arg", loc=self.loc)
             b.buffers.append(buf)
             refs.append(TensorRef(buf))
-        with tracing(b):
-            self.fn(*refs, **kwargs)
+        try:
+            with tracing(b):
+                self.fn(*refs, **kwargs)
+        except ValueError as e:
+            if "values to unpack" not in str(e):
+                raise
+            raise self._rank_mismatch(e, specs) from None
         if not any(p.role == "compute" for p in b.parts) and not b.parts:
             raise CompilationError(f"kernel '{self.name}' defines no parts: decorate its tile "
                                    "functions with @tl.compute_part / @tl.comm_part", self.loc)
@@ -136,6 +174,16 @@ class KernelFunction:
                              self.loc)
         verify(kernel, channels=channels)
         return kernel
+
+    def _rank_mismatch(self, e: ValueError, specs) -> InputError:
+        """A shape unpacked in the tile program (``Ms, K = a.shape``) with another number of
+        dimensions: an InputError at that line, listing the shapes given — not a bare ValueError."""
+        import traceback
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        shapes = ", ".join(f"{n} {list(s.shape)}" for n, s in zip(self.arg_names, specs))
+        return InputError(f"kernel '{self.name}' at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()}): "
+                          f"{e} — an argument has another number of dimensions than the kernel unpacks; "
+                          f"got {shapes}")
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"'{self.name}' is a tile program: run it with tl.simulate({self.name}, ...) "

@@ -41,11 +41,8 @@ def close_all() -> None:
 
 
 def _group(group_name: str):
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    if not dist.is_initialized():
-        raise InputError("torch.distributed is not initialised (run under torchrun, init_process_group('nccl'))")
-    return _resolve_process_group(group_name)
+    from .runtime.dist.group import resolve_group
+    return resolve_group(group_name)
 
 
 def _check_ag(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int):

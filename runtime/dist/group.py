@@ -56,6 +56,26 @@ def dist_context(group=None) -> DistContext:
                        group.group_name, _choose_backend())
 
 
+def resolve_group(group_name):
+    """The process group torch registered under ``group_name`` (what the torch ops take, as
+    async-TP's do). An unknown name is an InputError listing the registered ones (torch's own
+    error is a RuntimeError that names none)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    if not dist.is_initialized():
+        raise InputError("torch.distributed is not initialised (run under torchrun, init_process_group('nccl'))")
+    if not isinstance(group_name, str):
+        raise InputError(f"group_name must be a process group's name (a str: group.group_name), "
+                         f"got {type(group_name).__name__}")
+    try:
+        return c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        known = sorted(getattr(getattr(c10d, "_world", None), "pg_names", {}).values())
+        raise InputError(f"group_name {group_name!r}: no process group is registered under that name "
+                         f"(registered: {known}); pass a group's .group_name, e.g. "
+                         f"torch.distributed.group.WORLD.group_name") from None
+
+
 _IR_DTYPES = {"bfloat16": "bf16", "float16": "f16", "bf16": "bf16", "f16": "f16"}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ...ir.field_types import check_field_types
+
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -46,6 +48,7 @@ class SimOptions:
     bulk_loops: bool = True
 
     def __post_init__(self):
+        check_field_types(self, ValueError)
         if not isinstance(self.launches, int) or self.launches < 1:
             raise ValueError(f"launches must be a positive int, got {self.launches}")
         if self.compute_slots is not None and (not isinstance(self.compute_slots, int) or self.compute_slots < 1):

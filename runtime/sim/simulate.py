@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import warnings
 from dataclasses import dataclass, field
 
@@ -77,6 +77,9 @@ def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):
         raise InputError("simulate needs inputs: one dict (or sequence, in argument order) per rank")
     if isinstance(inputs, dict):
         raise InputError("inputs must be a list with one entry per rank, not a single dict")
+    if isinstance(inputs, (str, bytes, np.ndarray)) or not isinstance(inputs, Iterable):
+        raise InputError(f"inputs must be a list with one entry per rank (a dict of arrays, or the arrays in "
+                         f"argument order), got {type(inputs).__name__}")
     inputs = list(inputs)
     if len(inputs) != world_size:
         raise InputError(f"got inputs for {len(inputs)} ranks but world_size is {world_size}")
@@ -90,11 +93,14 @@ def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):
             if extra:
                 raise InputError(f"rank {r}: unknown argument(s) {extra} (the kernel takes {kernel_args})")
             per_rank.append([inp[a] for a in kernel_args])
-        else:
+        elif isinstance(inp, (list, tuple)):
             inp = list(inp)
             if len(inp) != len(kernel_args):
                 raise InputError(f"rank {r}: {len(inp)} arrays for arguments {kernel_args}")
             per_rank.append(inp)
+        else:
+            raise InputError(f"inputs[{r}] must be a dict from argument name to array (or a list of the arrays "
+                             f"in argument order {kernel_args}), got {type(inp).__name__}")
     return per_rank
 
 
@@ -129,6 +135,8 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     """
     from ...kernel import KernelFunction
     options = sim_options(options)
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f"seed must be an int >= 0 (it seeds the scheduler's interleaving), got {seed!r}")
     if isinstance(kernel, KernelFunction):
         if world_size is None:
             raise InputError("simulate needs world_size")

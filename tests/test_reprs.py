@@ -1,7 +1,7 @@
 """Notebook-native objects: every user-facing type has a plain ``repr`` of one line and at most
 200 characters, whatever it holds (a cubin, a CUDA source, W ranks' arrays and event log), and a
 ``_repr_html_`` that a notebook renders — tested per type, with objects big enough that a
-careless repr would show it."""
+careless repr would show it. The fused GPU ops: tests/test_reprs_dist.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +15,6 @@ from tldsl.ir.display import REPR_LIMIT, compact, fit, html_card, one_line
 from tldsl.ops.allgather_gemm import allgather_gemm
 
 S = tl.TensorSpec
-
-pytest.importorskip("torch", reason="the fused ops' host-side build needs torch (make install: a CPU build)")
-from test_dist_host import fake_ag, proto  # noqa: E402,F401 - fixtures: torch symmetric memory on a simulated driver
 
 
 def assert_notebook_native(obj, *must_contain: str) -> str:
@@ -115,17 +112,3 @@ def test_compiled_kernel_never_shows_the_cubin():
     report = SassReport({"tldsl_gemm": sass}, sass_text="x" * 100_000)
     assert_notebook_native(report, "SassReport", "tldsl_gemm")
 
-
-def test_fused_ops_on_the_host(proto, fake_ag):
-    """The GPU ops, built on test_dist_host's simulated driver: their schedules are compacted to
-    what differs from the defaults so the line keeps its start and end."""
-    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
-    AllGatherMatmul, torch = fake_ag
-    ag = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, handshake="kernel")
-    html = assert_notebook_native(ag, "<AllGatherMatmul rank 1/2: A shard [4091, 1032]", "mode='pull'", "0 launches>")
-    assert "describe()" in html and "engine" in html
-    rs = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
-    assert_notebook_native(rs, "<MatmulReduceScatter rank 1/2: A [8182, 1032]", "engine='sm'", "0 launches>")
-    for op in (ag, rs):
-        op.close()
-        assert repr(op).endswith("closed>") and "freed" in op._repr_html_()

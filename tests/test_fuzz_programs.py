@@ -46,7 +46,8 @@ def test_distribution_over_500_programs(five_hundred):
 
 def test_programs_are_distinct_and_rarely_repeat(five_hundred):
     programs, cases = five_hundred
-    assert len({c.program.kernel_source() for c in cases}) == 500
+    assert len({c.program.source() for c in cases}) == 500
+    assert len({_strip_locations(c.trace()) for c in cases}) == 500      # distinct as traced, too
     assert programs[-1][0] < 525            # the generator itself seldom repeats a program
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .program_case import FP32_DOT_RUNS_AS_TF32, TOLERANCES, Features, FuzzCase, features
@@ -160,6 +161,9 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
              + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
+    reasons = Counter(why[:100] for r in reports for why in r.not_lowered.values())
+    if reasons:
+        lines.append("not lowered, by reason: " + "; ".join(f"{n}x {why}" for why, n in reasons.most_common(6)))
     if ok:
         pct = {k: 100.0 * sum(getattr(r.features, k) for r in ok) / len(ok) for k in FEATURE_NAMES}
         dtypes = {d: 100.0 * sum(d in r.features.dtypes for r in ok) / len(ok) for d in ("f16", "bf16", "f32", "i32")}
@@ -184,6 +188,9 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         if not rep.sim_error:
             lower_parts(rep)
     if compile_kernels:
+        kernels = sum(len(r.lowered) for r in reports)
+        print(f"simulated and lowered {len(reports)} programs in {time.perf_counter() - t0:.1f} s; compiling up to "
+              f"{kernels} kernels with NVRTC ...", file=sys.stderr, flush=True)
         compile_all(reports)
     for rep in reports:
         if rep.sim_error:
@@ -224,12 +231,15 @@ def main(argv=None) -> int:
 
 
 def _reason(e: BaseException) -> str:
-    """A lowering refusal in one line: its message without the location, and where it is only a
-    heading ("no lowering recognises ...:"), its first reason."""
+    """A lowering refusal in one line: its message without the location; where it is only a
+    heading ("no lowering recognises ...:"), the reason of the recipe meant for any part (the
+    general one), else the first reason."""
     lines = [ln.strip() for ln in str(getattr(e, "raw_message", e)).strip().splitlines() if ln.strip()]
     if not lines:
         return type(e).__name__
-    text = lines[0] + (" " + lines[1] if len(lines) > 1 and lines[0].endswith(":") else "")
+    text = lines[0]
+    if len(lines) > 1 and text.endswith(":"):     # the general recipe's reason, else the first
+        text = next((ln for ln in lines[1:] if ln.startswith("general:")), lines[1])
     return text if len(text) <= 160 else text[:157] + "..."
 
 

@@ -61,7 +61,8 @@ class FuzzCase:
 
     @property
     def source(self) -> str:
-        return self.program.source(f"{self.label} (inputs: make_inputs(ARGS, WORLD_SIZE, seed={self.input_seed}))")
+        return self.program.source(f"{self.label} (inputs: make_inputs(ARGS, WORLD_SIZE, seed={self.input_seed}))",
+                                   self.input_seed)
 
     def trace(self):
         """The traced IR kernel (verified; cached by the kernel function)."""

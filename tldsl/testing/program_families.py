@@ -28,8 +28,8 @@ def generate(ch: Chooser) -> Program:
 def single(g: ProgramGenerator) -> None:
     ch = g.ch
     g.world_size = weighted(ch, {1: 70, 2: 30})
-    recipe = weighted(ch, {"ewise": 26, "gemm": 42, "row_reduce": 12, "softmax": 8, "gather": 12})
-    dtype = "i32" if recipe in ("ewise", "row_reduce", "gather") and chance(ch, 20) else g.float_dtype()
+    recipe = weighted(ch, {"ewise": 24, "gemm": 42, "row_reduce": 12, "softmax": 7, "gather": 15})
+    dtype = "i32" if recipe in ("ewise", "row_reduce", "gather") and chance(ch, 30) else g.float_dtype()
     if recipe == "gemm":
         BM = ch.choice((16, 32, 64))
         R, K = g.extent(BM), g.extent(24)
@@ -75,15 +75,19 @@ def pipeline(g: ProgramGenerator) -> None:
         BM = ch.choice((16, 32))
         K, N, a_dtype = g.extent(24), g.extent(24), g.float_dtype()
         a = Tensor(g.arg((R, K), a_dtype), (R, K), a_dtype)
-        ws = Tensor(g.workspace((R, N), ws_dtype), (R, N), ws_dtype)
+        ws = Tensor(g.workspace((R, N), ws_dtype), (R, N), ws_dtype, exact=False)
         _, tiling = stages.gemm(g, a, ws, role=role,
                                 tile=(BM, ch.choice((16, 32))), notify=notify)
     else:
         C, x_dtype = g.extent(24), g.float_dtype()
+        if kind == "ewise" and chance(ch, 25):          # integers all the way
+            x_dtype = ws_dtype = "i32"
         src = Tensor(g.arg((R, C), x_dtype), (R, C), x_dtype)
-        ws = Tensor(g.workspace((R, C), ws_dtype), (R, C), ws_dtype)
+        ws = Tensor(g.workspace((R, C), ws_dtype), (R, C), ws_dtype, exact=ws_dtype == "i32")
         if kind == "ewise":
+            g.keep_int = ws_dtype == "i32"
             _, tiling = stages.ewise(g, [src], ws, role=role, notify=notify)
+            g.keep_int = False
         else:
             _, tiling = stages.softmax(g, src, ws, role=role, notify=notify)
     per_slot = tiling.notifies_per_row_block
@@ -106,6 +110,8 @@ def consume(g: ProgramGenerator, src: Tensor, waits) -> None:
     """The consumer stage: elementwise, a GEMM with ``src`` as A, a row reduction or a softmax."""
     ch = g.ch
     kinds = {"ewise": 35, "gemm": 40, "row_reduce": 15, "softmax": 10}
+    if src.dtype == "i32":                  # a dot and a softmax take floats
+        kinds = {"ewise": 60, "row_reduce": 40}
     kind = weighted(ch, kinds)
     if kind == "softmax" and src.shape[1] > 64:
         kind = "ewise"
@@ -200,10 +206,12 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
     gathered = g.workspace((W * slot, C), dtype, symmetric=push)
     sig = g.signal(W * tpr, "symmetric" if push else "local")
     body: list = [Assign("me", "tl.rank()"), Assign("peer", f"(me + step) % {W}"), Assign("r0", f"j * {T}")]
+    exact = True                    # the gathered rows are copies of inputs (not where tiles are computed)
     if push:
         if tile_form:
             t = g.bind(body, Load(shape=(T, C), dtype=dtype, exact=True, tensor=x, offsets=("r0", "0"), box=(T, C)))
             value = stages.normalised(g.tree([t], ch.integer(0, 2)))
+            exact = value.exact
             if chance(ch, 50):
                 body.append(Store(gathered, (f"me * {slot} + r0", "0"), value, peer="peer"))
             else:
@@ -216,7 +224,9 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
     else:
         if tile_form:
             t = g.bind(body, Pull(shape=(T, C), dtype=dtype, exact=True, tensor=x, offsets=("r0", "0"), peer="peer"))
-            body.append(Store(gathered, (f"peer * {slot} + r0", "0"), stages.normalised(g.tree([t], ch.integer(0, 2)))))
+            value = stages.normalised(g.tree([t], ch.integer(0, 2)))
+            exact = value.exact
+            body.append(Store(gathered, (f"peer * {slot} + r0", "0"), value))
         else:
             body.append(Call("tile_pull_data", (f"{x}.at(peer)", "(r0, 0)", f"({T}, {C})", gathered,
                                                 f"(peer * {slot} + r0, 0)")))
@@ -230,7 +240,7 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
                      (Call(wait, (sig, f"q * {tpr} + j")),))
         stmts.append(Loop("q", f"{r0} // {slot}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * slot}), {slot})", "1",
                           (inner,)))
-    consume(g, Tensor(gathered, (W * slot, C), dtype), waits)
+    consume(g, Tensor(gathered, (W * slot, C), dtype, exact), waits)
 
 
 def all_reduce(g: ProgramGenerator) -> None:
@@ -248,8 +258,8 @@ def all_reduce(g: ProgramGenerator) -> None:
     recv = g.workspace((W * slot, C), recv_dtype, symmetric=True)
     sig = g.signal(gm * gn, "symmetric")
     stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
-    leaves = g.tile_leaves(stmts, {x: ((R, C), dtype)}, "r0", "c0", BM, BN, dtype)
-    partial = g.bind(stmts, stages.fit(stages.normalised(g.tree(leaves, ch.integer(1, 2))), (BM, BN), None), "p")
+    leaves = g.tile_leaves(stmts, {x: ((R, C), dtype, True)}, "r0", "c0", BM, BN, dtype)
+    partial = g.bind(stmts, stages.fit(stages.normalised(g.tree(leaves, ch.integer(1, 2))), (BM, BN), recv_dtype), "p")
     send: list = [Assign("dest", f"(tl.rank() + s) % {W}")]
     if chance(ch, 50):
         send.append(Store(recv, (f"tl.rank() * {slot} + r0", "c0"), partial, peer="dest"))

@@ -90,6 +90,7 @@ class ProgramGenerator:
         self.prelude: list = []
         self.counts: Counter = Counter()
         self.world_size = 1
+        self.keep_int = False            # integer trees stay integer (they feed an i32 tensor)
 
     # -- names and declarations ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -205,10 +206,17 @@ class ProgramGenerator:
         exact = [leaf for leaf in leaves if leaf.exact and _broadcast(leaf.shape, shape) == tuple(shape)]
         if not exact:
             return None
-        x = self.ch.choice(exact)
-        op = self.ch.choice(("gt", "lt", "ge", "le", "ne"))
-        c = self.ch.choice((0, 1, -2)) if x.dtype == "i32" else self.ch.choice((0.0, 0.25, -0.5))
-        return Binary(shape=x.shape, dtype="i1", exact=True, op=op, a=x, b=c)
+        def compare():
+            x = self.ch.choice(exact)
+            op = self.ch.choice(("gt", "lt", "ge", "le", "ne", "eq"))
+            c = self.ch.choice((0, 1, -2, 5, 9)) if x.dtype == "i32" else self.ch.choice((0.0, 0.25, -0.5))
+            return Binary(shape=x.shape, dtype="i1", exact=True, op=op, a=x, b=c)
+        cond = compare()
+        if chance(self.ch, 25):       # two conditions joined: & or |
+            other = compare()
+            cond = Binary(shape=_broadcast(cond.shape, other.shape), dtype="i1", exact=True,
+                          op=self.ch.choice(("and", "or")), a=cond, b=other)
+        return cond
 
     def where(self, x: Expr, leaves, depth) -> Expr:
         cond = self.condition(leaves, x.shape)
@@ -241,7 +249,8 @@ class ProgramGenerator:
 
     def int_node(self, x: Expr, leaves, depth) -> Expr:
         ch = self.ch
-        kind = weighted(ch, {"binary": 50, "const": 20, "unary": 10, "where": 10, "to_float": 10})
+        kind = weighted(ch, {"binary": 40, "const": 30, "unary": 10, "where": 10,
+                             "to_float": 0 if self.keep_int else 10})
         if kind == "binary":
             y = self.tree([leaf for leaf in leaves if leaf.dtype == "i32"] or [x], depth - 1)
             op = ch.choice(("add", "sub", "max", "min", "mul"))
@@ -270,15 +279,16 @@ class ProgramGenerator:
     # -- leaves: tiles a body reads -------------------------------------------------------------
     def tile_leaves(self, stmts, tensors, r0, c0, BM, BN, dtype) -> list[Expr]:
         """One to three tiles of shape (BM, BN) at (r0, c0) read from ``tensors`` (name -> (shape,
-        dtype)) or made on the spot: a row vector, an iota ramp, a constant."""
+        dtype, exact: whether its contents are the same bits on every backend)) or made on the spot:
+        a transposed tile, a row vector, an iota ramp or column index, a constant."""
         ch = self.ch
         leaves = []
-        for name, (shape, dt) in tensors.items():
-            leaves.append(self.bind(stmts, Load(shape=(BM, BN), dtype=dt, exact=True, tensor=name, offsets=(r0, c0),
+        for name, (shape, dt, exact) in tensors.items():
+            leaves.append(self.bind(stmts, Load(shape=(BM, BN), dtype=dt, exact=exact, tensor=name, offsets=(r0, c0),
                                                 box=(BM, BN))))
         if dtype == "i32":
             return leaves
-        extra = weighted(ch, {"none": 30, "trans": 15, "bias": 20, "iota": 15, "full": 10, "bf16": 10})
+        extra = weighted(ch, {"none": 25, "trans": 15, "bias": 15, "iota": 10, "cols": 10, "full": 10, "bf16": 10})
         if extra == "trans":      # a tile of a transposed input, turned round
             name = self.arg(_tail_shape(tensors)[::-1], self.float_dtype())
             t = Load(shape=(BN, BM), dtype=self.args[-1].dtype, exact=True, tensor=name, offsets=(c0, r0), box=(BN, BM))
@@ -296,9 +306,14 @@ class ProgramGenerator:
             ramp = Binary(shape=(BN,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / _pow2_at_least(BN))
             leaves.append(self.bind(stmts, ExpandDims(shape=(1, BN), dtype="f32", exact=True, x=ramp, axis=0,
                                                       indexing=True), "ramp"))
+        elif extra == "cols":     # the column index, for masks
+            cols = Binary(shape=(BN,), dtype="i32", bound=float(_tail_shape(tensors)[1] + BN), exact=True, op="add",
+                          a=Iota(shape=(BN,), dtype="i32", exact=True), b=c0)
+            leaves.append(self.bind(stmts, ExpandDims(shape=(1, BN), dtype="i32", bound=cols.bound, exact=True, x=cols,
+                                                      axis=0, indexing=chance(ch, 50)), "cols"))
         elif extra == "full":
-            leaves.append(Full(shape=(BM, BN), dtype=self.ch.choice(("f32", "f16")), bound=0.5, exact=True,
-                               value=self.ch.choice((0.5, 0.0, -0.25))))
+            leaves.append(self.bind(stmts, Full(shape=(BM, BN), dtype=self.ch.choice(("f32", "f16")), bound=0.5,
+                                                exact=True, value=self.ch.choice((0.5, 0.0, -0.25))), "const"))
         elif extra == "bf16":     # compute in bf16: a leaf cast down (exact: inputs are multiples of 1/64)
             leaves[0] = self.bind(stmts, Cast(shape=leaves[0].shape, dtype="bf16", exact=True, x=leaves[0],
                                               method=chance(ch, 50)))

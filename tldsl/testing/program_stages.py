@@ -19,10 +19,13 @@ Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut
 
 @dataclass(frozen=True)
 class Tensor:
-    """A 2-d tensor a stage reads: an argument or a workspace."""
+    """A 2-d tensor a stage reads: an argument or a workspace. ``exact``: its contents are the
+    same bits on every backend (inputs and copies of them, integer results), so comparisons on
+    them take the same branch everywhere."""
     name: str
     shape: tuple[int, int]
     dtype: str
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
     if waits:
         waits(stmts, "r0", BM)
     body: list = [] if col_loop else [Assign("c0", f"pn * {BN}")]
-    leaves = g.tile_leaves(body, {t.name: (t.shape, t.dtype) for t in reads}, "r0", "c0", BM, BN,
+    leaves = g.tile_leaves(body, {t.name: (t.shape, t.dtype, t.exact) for t in reads}, "r0", "c0", BM, BN,
                            reads[0].dtype)
     value = using(g.tree(leaves, ch.integer(1, 3)), leaves[0])
     if notify:
@@ -198,7 +201,7 @@ def row_reduce(g: ProgramGenerator, src: Tensor, *, waits: Waits | None = None) 
     body: list = []
     if kind == "counted":
         body.append(Assign("k", f"kb * {BK}"))
-    t = g.bind(body, Load(shape=(BM, BK), dtype=src.dtype, exact=True, tensor=src.name, offsets=("r0", "k"),
+    t = g.bind(body, Load(shape=(BM, BK), dtype=src.dtype, exact=src.exact, tensor=src.name, offsets=("r0", "k"),
                           box=(BM, BK)))
     f = g.tree([t], ch.integer(0, 1))
     red = Reduce(shape=(BM,), dtype=f.dtype, bound=f.bound * (K if fn == "sum" else 1), fn=fn, x=f, axis=1)
@@ -233,7 +236,7 @@ def softmax(g: ProgramGenerator, src: Tensor, out: Tensor | None = None, *, role
     stmts: list = [Assign("r0", f"pm * {BM}")]
     if waits:
         waits(stmts, "r0", BM)
-    t = g.bind(stmts, Load(shape=(BM, BC), dtype=src.dtype, exact=True, tensor=src.name, offsets=("r0", "0"),
+    t = g.bind(stmts, Load(shape=(BM, BC), dtype=src.dtype, exact=src.exact, tensor=src.name, offsets=("r0", "0"),
                            box=(BM, BC)))
     x = g.bind(stmts, normalised(g.tree([t], ch.integer(0, 1))), "x") if chance(ch, 50) else t
     if x.dtype == "i32":

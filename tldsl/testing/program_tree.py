@@ -107,10 +107,10 @@ INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod"
 class Binary(Expr):
     op: str
     a: "Node"
-    b: Union["Node", float, int]         # a Python number adopts the tile's dtype
+    b: Union["Node", float, int, str]    # a Python number adopts the tile's dtype; a str names an index scalar
 
     def src(self):
-        b = self.b.src() if isinstance(self.b, Expr) else repr(self.b)
+        b = self.b.src() if isinstance(self.b, Expr) else self.b if isinstance(self.b, str) else repr(self.b)
         if self.op in ("max", "min"):
             return f"tl.{'maximum' if self.op == 'max' else 'minimum'}({self.a.src()}, {b})"
         return f"({self.a.src()} {INFIX[self.op]} {b})"
@@ -366,14 +366,19 @@ class Program:
             body += ["", *p.lines()]
         return "\n".join(["@tl.kernel", f"def {KERNEL_NAME}({params}):", *_indent_lines(body)]) + "\n"
 
-    def source(self, header: str = "") -> str:
+    def source(self, header: str = "", input_seed: int = 0) -> str:
         """A standalone module: the kernel, its world size and its arguments' description.
-        ``tl.simulate(tile_program, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE))`` runs it."""
+        ``tl.simulate(tile_program, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE))`` runs it (and so
+        does running the module: it prints every rank's outputs)."""
         doc = f'"""{header}"""\n' if header else ""
         args = "\n".join(f"    {a!r}," for a in self.args)
-        return (f"{doc}import tldsl as tl\nfrom tldsl.testing.program_inputs import make_inputs  # noqa: F401\n"
+        main = ('\n\nif __name__ == "__main__":\n'
+                f"    result = tl.simulate({KERNEL_NAME}, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE, seed={input_seed}))\n"
+                "    for rank, outputs in enumerate(result.outputs):\n"
+                "        print(f\"rank {rank}:\", {k: v for k, v in outputs.items() if k.startswith(\"y\")})\n")
+        return (f"{doc}import tldsl as tl\nfrom tldsl.testing.program_inputs import make_inputs\n"
                 f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n"
-                f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}")
+                f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}{main}")
 
     def build(self, filename: str = "<tile program>"):
         """The ``@tl.kernel`` function this program's source defines (its lines are registered

@@ -16,6 +16,8 @@ and random whole tile programs (what the differential fuzzer runs), with inputs 
 """
 from __future__ import annotations
 
+import hashlib
+
 from hypothesis import strategies as st
 
 from ..ir.schedule import COMPUTE_ORDERS, CommSchedule, ComputeSchedule
@@ -91,4 +93,6 @@ def tile_programs(draw, input_seeds=st.integers(0, 2**16 - 1)) -> FuzzCase:
     per-dtype tolerances and its standalone source (``case.source``). The programs cover the
     language: loads (plain, rows, scalars, from peers), stores, tile math, reductions, dots,
     loops, guards, parts linked by signals, and communication over 2-4 ranks."""
-    return FuzzCase(generate(_DrawChooser(draw)), "tile_programs()", draw(input_seeds))
+    program = generate(_DrawChooser(draw))
+    digest = hashlib.sha1(program.source().encode()).hexdigest()[:10]     # one file name per program
+    return FuzzCase(program, f"tile_programs() {digest}", draw(input_seeds))

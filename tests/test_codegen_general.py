@@ -170,6 +170,34 @@ def attention_like(q, k, v, o, *, compute: tl.ComputeSchedule = None):
 
 
 @tl.kernel
+def flash_attention(q, k, v, o, *, compute: tl.ComputeSchedule = None):
+    """Online softmax over key blocks (keys not a multiple of the block): the running max, the
+    rescaled accumulator ``acc * alpha + dot`` and masked tails."""
+    M, D = q.shape
+    N = k.shape[0]
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        qt = tl.load(q, (pm * BM, 0), (BM, D))
+        m = tl.fragment((BM,), tl.float32, fill=-1e30)
+        l_sum = tl.fragment((BM,), tl.float32)
+        acc = tl.fragment((BM, D), tl.float32)
+        for kb in tl.range(0, N, BN):
+            kt = tl.load(k, (kb, 0), (BN, D))
+            vt = tl.load(v, (kb, 0), (BN, D))
+            valid = (tl.iota(BN) + kb < N)[None, :]
+            sc = tl.where(valid, tl.dot(qt, tl.trans(kt)) * 0.2, -1e30)
+            m_new = tl.maximum(m[...], tl.max(sc, 1))
+            alpha = tl.exp(m[...] - m_new)
+            p = tl.where(valid, tl.exp(sc - m_new[:, None]), 0.0)
+            l_sum[...] = l_sum[...] * alpha + tl.sum(p, 1)
+            acc[...] = acc[...] * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m[...] = m_new
+        tl.store(o, (pm * BM, 0), acc[...] / l_sum[...][:, None])
+
+
+@tl.kernel
 def signalled_rows(x, y, *, compute: tl.ComputeSchedule = None):
     """A part that publishes each tile with a notify and waits for it before reading it back."""
     M, N = x.shape
@@ -216,6 +244,8 @@ CASES = [
          (8, 32, 16)),
     case("attention_like-f16", attention_like, [((40, 32), F16), ((24, 32), F16), ((24, 32), F16), ((40, 32), F16)],
          (16, 16, 16)),
+    case("flash_attention-bf16", flash_attention, [((40, 32), BF16), ((50, 32), BF16), ((50, 32), BF16),
+                                                   ((40, 32), F32)], (16, 16, 16)),
     case("signalled_rows-f32", signalled_rows, [((24, 20), F32)] * 2, (8, 16, 16)),
 ]
 
@@ -297,18 +327,45 @@ def test_options_are_checked():
 @pytest.mark.nvrtc
 @pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
 def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
+    """Every program above, the GEMM with a gated epilogue at 8192^3 and 8191 x 8200 x 4104 with
+    128 x 128 x 64 tiles, and the library's compute parts (each lowered by the general recipe
+    instead of its own, at their default tiles)."""
     if tcm.find_toolchain().cuobjdump is None:
         pytest.skip("cuobjdump missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-    lks = [lower(trace(*c.values), "part") for c in CASES]
-    cks = compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)
-    for c, lk, ck in zip(CASES, lks, cks):
+    lks = {c.id: lower(trace(*c.values), "part") for c in CASES}
+    for M, N, K in ((8192, 8192, 8192), (8191, 8200, 4104)):
+        lks[f"gated_gemm-{M}x{N}x{K}"] = lower(trace(gated_gemm, [((M, K), F16), ((K, N), F16), ((K, N), F16),
+                                                                    ((N,), F16), ((M, N), F16)], (128, 128, 64), {}),
+                                                "part")
+    for name, k in _library_kernels():
+        for p in k.parts:
+            if p.role == "compute":
+                lks[f"{name}.{p.name}"] = lower_general(k, p.name)
+    cks = compile_many([lk.job() for lk in lks.values()], cache=KernelCache(tmp_path), progress=False)
+    for (name, lk), ck in zip(lks.items(), cks):
         info = ck.ptxas_info()[ck.name]
         assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0 and info["stack_bytes"] == 0, \
-            (c.id, info)
+            (name, info)
         sass = ck.sass()[ck.name]
-        assert sass.count("BPT.TRAP") == 0 and sass.spill_instructions == 0, (c.id, sass.summary())
-        assert sass.count("HMMA") >= lk.dots, (c.id, sass.mnemonics)      # every dot on tensor cores
-        assert lk.dots or sass.count("HMMA") == 0, c.id
+        assert sass.count("BPT.TRAP") == 0 and sass.spill_instructions == 0, (name, sass.summary())
+        assert sass.count("HMMA") >= lk.dots, (name, sass.mnemonics)      # every dot on tensor cores
+        assert lk.dots or sass.count("HMMA") == 0, name
+        assert lk.smem_bytes <= 227 * 1024, name
+
+
+def _library_kernels():
+    from test_codegen_attention import trace_sp
+    from test_codegen_comm import rs_kernel
+    from test_codegen_host import trace_ag as ag_gemm
+    from test_codegen_host import trace_plain
+    from test_codegen_moe import trace_ag, trace_rs
+    yield "plain_gemm", trace_plain()
+    yield "allgather_gemm", ag_gemm()
+    yield "moe_ag", trace_ag()
+    yield "moe_rs", trace_rs()
+    yield "sp_attention", trace_sp()
+    yield "gemm_reduce_scatter", rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), Ms=256,
+                                           tile=(128, 128, 64), stages=3)
 
 
 # =================================================================================================
@@ -445,3 +502,159 @@ def _stored_inputs(k, arrays):
             a = bits.view(np.float32)
         out[b.name] = a
     return out
+
+
+def test_dot_results_go_straight_into_the_statement_after_them():
+    """``acc += dot``, ``acc * alpha + dot`` and a stored ``where(mask, dot * scale, ...)``: the
+    dot computes them as its results come out, so no dot result takes shared memory."""
+    for fn, shapes, tile, kw in (CASES[8].values, CASES[-2].values):
+        lk = lower(trace(fn, shapes, tile, kw), "part")
+        assert not any("(dot," in s for s in lk.slots), lk.describe()
+
+
+# =================================================================================================
+# Every part of a multi-rank kernel at once: communication kernels (their recipe) beside compute
+# parts lowered by the general recipe, all ranks' CTAs on CPU threads, against the simulator
+# =================================================================================================
+
+_MULTI = """\
+#define TLDSL_HOST_EMULATION 1
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#include "tldsl/general.hpp"
+
+{sources}
+
+static void* load_file(const char* path, size_t n) {{
+  void* p = std::aligned_alloc(64, (n + 63) / 64 * 64);
+  FILE* f = std::fopen(path, "rb");
+  if (!f || std::fread(p, 1, n, f) != n) {{ std::fprintf(stderr, "cannot read %s\\n", path); std::exit(2); }}
+  std::fclose(f);
+  return p;
+}}
+static void save_file(const char* path, const void* p, size_t n) {{
+  FILE* f = std::fopen(path, "wb");
+  std::fwrite(p, 1, n, f);
+  std::fclose(f);
+}}
+static void launch(std::vector<std::thread>& pool, int threads, int grid, size_t smem, std::function<void()> body) {{
+  for (int b = 0; b < grid; ++b) {{
+    auto* bar = new std::barrier<>(threads);
+    auto* arena = static_cast<unsigned char*>(std::aligned_alloc(128, smem));
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([=] {{
+        tldsl_emu::thread_idx.x = t;
+        tldsl_emu::block_idx.x = b;
+        tldsl_emu::block_dim.x = threads;
+        tldsl_emu::grid_dim.x = grid;
+        tldsl_emu::cta_barrier = bar;
+        tldsl_emu::dynamic_smem = arena;
+        body();
+      }});
+  }}
+}}
+
+int main() {{
+{loads}
+  std::vector<std::thread> pool;
+{launches}
+  for (auto& th : pool) th.join();
+{saves}
+  return 0;
+}}
+"""
+
+
+def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads=32, grid=2) -> list[dict]:
+    """Run every lowered part of ``k`` for every rank at once on CPU threads. ``arrays[r]``: rank
+    r's tensors (workspaces too) as the simulator stores them. Returns every rank's tensors."""
+    W = k.world_size
+    dts = {b.name: b.type.dtype.name for b in k.buffers}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    loads, saves, launches, files = [], [], [], []
+    for r in range(W):
+        for b in k.buffers:
+            dev = device_layout(arrays[r][b.name], dts[b.name])
+            f = tmp_path / f"m_{r}_{b.name}.bin"
+            f.write_bytes(dev.tobytes())
+            loads.append(f'  void* m_{r}_{b.name} = load_file("{f}", {dev.nbytes});')
+            saves.append(f'  save_file("{f}", m_{r}_{b.name}, {dev.nbytes});')
+            files.append((r, b.name, f))
+        for sig in k.signals:
+            loads.append(f"  auto* s_{r}_{sig.name} = new unsigned long long[{sig.type.slots}]();")
+    for b in k.buffers:
+        loads.append(f"  void* t_{b.name}[{W}] = {{{', '.join(f'm_{r}_{b.name}' for r in range(W))}}};")
+    for sig in k.signals:
+        loads.append(f"  unsigned long long* ts_{sig.name}[{W}] = {{{', '.join(f's_{r}_{sig.name}' for r in range(W))}}};")
+    for lk in lowered:
+        g = min(grid, lk.num_tasks)
+        smem = max(128, (lk.smem_bytes + 127) // 128 * 128)
+        for r in range(W):
+            args = []
+            for p in lk.params:
+                kind, _, name = p.source.partition(":")
+                ct = p.ctype.replace("__restrict__", "").strip()
+                args.append({"buffer": f"({ct})m_{r}_{name}", "peers": f"({ct})t_{name}",
+                             "signal": f"({ct})s_{r}_{name}", "peer_signals": f"({ct})ts_{name}",
+                             "rank": str(r), "launch": "1ull"}[kind])
+            launches.append(f"  launch(pool, {threads}, {g}, {smem}, [=] {{ {lk.entry}({', '.join(args)}); }});")
+    src = _MULTI.format(sources="\n".join(lk.source for lk in lowered), loads="\n".join(loads),
+                        saves="\n".join(saves), launches="\n".join(launches)).replace(
+        "#include <thread>", "#include <functional>\n#include <thread>")
+    cpp, exe = tmp_path / "multi.cpp", tmp_path / "multi"
+    cpp.write_text(src)
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = [dict() for _ in range(W)]
+    for rank, name, f in files:
+        out[rank][name] = from_device(f.read_bytes(), dts[name], arrays[rank][name].shape)
+    return out
+
+
+def _multi_cases():
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+    from tldsl.ops.sp_attention import sp_attention
+    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
+    yield "allgather_gemm", allgather_gemm.trace(
+        2, S((24, 32), F16), S((32, 40), F16), S((48, 40), F16), compute=c16,
+        comm=tl.CommSchedule(tile_m=8, mode="pull", sms=2))
+    yield "gemm_reduce_scatter", gemm_reduce_scatter.trace(
+        2, S((32, 24), BF16), S((24, 40), BF16), S((16, 40), BF16), compute=c16,
+        comm=tl.CommSchedule(tile_m=8, order="ring", mode="push", sms=2))
+    yield "sp_attention", sp_attention.trace(
+        2, *[S((24, 32), F16)] * 4, heads=2, causal=True, compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+        comm=tl.CommSchedule(tile_m=8, mode="pull", sms=2))
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", ["allgather_gemm", "gemm_reduce_scatter", "sp_attention"])
+def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_simulator(tmp_path, name):
+    """The library's fused ops with their compute parts lowered by the general recipe (instead
+    of their own): the waits on the communication kernels' notifies, and the notifies they wait
+    for, work across ranks; every rank's outputs match the simulator's."""
+    k = dict(_multi_cases())[name]
+    lowered = [lower_general(k, p.name) if p.role == "compute" else lower(k, p.name) for p in k.parts]
+    assert any(type(x).__name__ == "LoweredGeneral" for x in lowered)
+    rng = np.random.default_rng(11)
+    inputs = [inputs_for(k, rng) for _ in range(k.world_size)]
+    res = tl.simulate(k, k.world_size, [dict(x) for x in inputs])
+    stored = []
+    for r in range(k.world_size):
+        arrays = _stored_inputs(k, inputs[r])
+        for b in k.workspaces:
+            arrays[b.name] = np.full(b.type.shape, np.nan if b.type.dtype.is_float else -1, NP[b.type.dtype.name])
+        stored.append(arrays)
+    got = emulate_kernel(k, lowered, stored, tmp_path)
+    for r in range(k.world_size):
+        out = np.asarray(res[r][k.args[-1].name], np.float64)
+        assert np.isfinite(out).all() and np.abs(out).max() > 0         # the product / attention, every row
+        for b in k.args:
+            dt = b.type.dtype.name
+            assert_close(got[r][b.name], res[r][b.name], dt, RTOL_SUMS[dt], f"rank {r} {b.name}")

@@ -14,6 +14,7 @@ consumed, and the kernel's ABI.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ...ir import core
@@ -22,7 +23,7 @@ from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
 from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, is_this_rank,
                    peer_signal_param, signal_param, table_param, wait_timeout_options)
 from ..dtypes import ctype, elem_bytes
-from ..errors import fail
+from ..errors import LoweringError, fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 
 DEFAULT_THREADS = 128
@@ -64,8 +65,8 @@ class GeneralPlan:
     threads: int
     slots: dict                   # value id -> Slot
     views: dict                   # frag_read result id -> the fragment's value id (read in place)
-    accumulate: dict              # dot result id -> the f32 fragment it is added into (``acc += dot``)
-    accumulated: frozenset        # ids of the frag_write ops those dots perform
+    epilogues: dict               # dot result id -> the statement op the dot performs per element
+    absorbed: frozenset           # ids of those statement ops (not rendered where they stand)
     smem_bytes: int
     decode: tuple                 # (axis, divisor, modulus | None) per program-id axis
     params: tuple[KernelParam, ...]
@@ -109,9 +110,11 @@ class _Program:
         return self.end[id(outer[0])] if outer else self.pos[id(use)]
 
 
-def _fuse_decisions(prog: _Program) -> tuple[set[int], dict[int, int]]:
+def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int, int]]:
     """(ids of values computed where consumed, frag_read views) — every other tile value of an
-    op in :data:`STORED_RESULTS` or an element op gets a slot."""
+    op in :data:`STORED_RESULTS` or an element op gets a slot. ``recompute``: an element value
+    read by several ops of the same iteration is computed again by each (no slot) — the
+    fallback when storing it does not fit."""
     fused: set[int] = set()
     views: dict[int, int] = {}
     for op in prog.order:
@@ -122,8 +125,9 @@ def _fuse_decisions(prog: _Program) -> tuple[set[int], dict[int, int]]:
         if op.name in COORDINATE_OPS:
             fused.add(v.id)
         elif op.name in ELEMENT_OPS:
-            if not users or (len(users) == 1 and prog.reach(op, users[0]) == prog.pos[id(users[0])]):
-                fused.add(v.id)         # one reader, in the same iteration: computed there (unused: never)
+            same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in users)
+            if not users or (same_iteration and (len(users) == 1 or recompute)):
+                fused.add(v.id)         # read in the same iteration: computed there (unused: never)
     # a fragment read in place while no write of the fragment can change what it reads
     for op in prog.order:
         if op.name == "frag_read" and _read_in_place(prog, op, fused):
@@ -161,41 +165,80 @@ def _read_in_place(prog: _Program, read: core.Op, fused: set[int]) -> bool:
     return True
 
 
-def _accumulations(prog: _Program, fused: set[int], views: dict) -> tuple[dict, frozenset]:
-    """``frag += tl.dot(a, b)`` (``frag_write(F, ewise add(frag_read F, dot))``, the read in
-    place): the dot adds each result element into F itself, so its result needs no slot."""
-    acc: dict[int, core.Value] = {}
-    writes: set[int] = set()
+def _epilogues(prog: _Program, fused: set[int], views: dict) -> tuple[dict, dict]:
+    """Dots whose result goes, element for element, into one statement right after them —
+    ``frag += tl.dot(a, b)``, ``acc = acc * alpha + tl.dot(p, v)`` (a ``frag_write``) or a
+    stored element value such as ``tl.where(mask, tl.dot(q, k) * scale, -inf)`` — compute that
+    statement's element as each dot result comes out of the tensor cores: the dot's result
+    needs no slot. Returns ({dot result id: the statement's op}, {target value id: the dot's
+    position}: where the stored value's slot becomes live)."""
+    out: dict[int, core.Op] = {}
+    starts: dict[int, int] = {}
     for op in prog.order:
-        if op.name != "dot" or len(prog.users.get(op.result.id, [])) != 1:
+        if op.name != "dot":
             continue
-        add = prog.users[op.result.id][0]
-        if add.name != "ewise" or add.attrs["op"] != "add" or add.result.id not in fused:
+        shape = tuple(op.result.type.shape)
+        cur, target = op.result, None
+        while True:                 # follow the dot's one reader through elementwise ops
+            users = prog.users.get(cur.id, [])
+            if len(users) != 1:
+                break
+            u = users[0]
+            if u.name == "frag_write":
+                if u.operands[1] is cur and tuple(u.operands[0].type.shape) == shape:
+                    target = u
+                break
+            if u.name not in ("ewise", "cast") or tuple(u.result.type.shape) != shape:
+                break
+            if u.result.id not in fused:
+                target = u          # a stored element value
+                break
+            cur = u.result
+        if target is None:
             continue
-        other = [x for x in add.operands if x is not op.result]
-        if len(other) != 1 or other[0].id not in views:
-            continue
-        frag = other[0].owner.operands[0]
-        users = prog.users.get(add.result.id, [])
-        if len(users) != 1 or users[0].name != "frag_write" or users[0].operands[0] is not frag:
-            continue
-        if frag.type.dtype != T.float32 or tuple(frag.type.shape) != tuple(op.result.type.shape):
-            continue
-        if any(_reads(prog, x, frag, views, fused) for x in op.operands):
-            continue                # the dot reads the fragment it would be writing
-        acc[op.result.id] = frag
-        writes.add(id(users[0]))
-    return acc, frozenset(writes)
+        between = prog.order[prog.pos[id(op)] + 1:prog.pos[id(target)]]
+        if any(b.regions or (b.name != "const" and not (b.results and all(r.id in fused for r in b.results)))
+               for b in between):
+            continue                # a statement or index code in between: it must run first
+        if target.name == "frag_write":
+            frag = target.operands[0]
+            if not _pointwise_only(target.operands[1], frag, views, fused, shape) or \
+                    any(_reads(x, frag, views, fused) for x in op.operands):
+                continue            # the fragment read elsewhere than the element being written
+        else:
+            starts[target.result.id] = prog.pos[id(op)]
+        out[op.result.id] = target
+    return out, starts
 
 
-def _reads(prog: _Program, v: core.Value, frag: core.Value, views: dict, fused: set[int]) -> bool:
+def _pointwise_only(v: core.Value, frag: core.Value, views: dict, fused: set[int], shape) -> bool:
+    """Whether computing ``v`` (of ``shape``) in place reads ``frag`` at most at the element
+    being computed."""
+    if views.get(v.id) == frag.id:
+        return tuple(v.type.shape) == shape
+    op = v.owner
+    if not isinstance(op, core.Op) or v.id not in fused:
+        return True                 # a stored value or a scalar: not the fragment
+    same = op.name in ("ewise", "cast") and tuple(op.result.type.shape) == shape
+    for x in op.operands:
+        if not isinstance(x.type, T.TileType):
+            continue
+        if same and tuple(x.type.shape) == shape:
+            if not _pointwise_only(x, frag, views, fused, shape):
+                return False
+        elif _reads(x, frag, views, fused):
+            return False
+    return True
+
+
+def _reads(v: core.Value, frag: core.Value, views: dict, fused: set[int]) -> bool:
     """Whether computing ``v`` in place reads ``frag`` (through a read in place)."""
     if views.get(v.id) == frag.id:
         return True
     op = v.owner
     if not isinstance(op, core.Op) or v.id not in fused:
         return False
-    return any(_reads(prog, x, frag, views, fused) for x in op.operands if isinstance(x.type, T.TileType))
+    return any(_reads(x, frag, views, fused) for x in op.operands if isinstance(x.type, T.TileType))
 
 
 def _live_range(prog: _Program, op: core.Op, v: core.Value, fused: set[int], views: dict) -> tuple[int, int]:
@@ -289,6 +332,26 @@ def _decode(grid: tuple[int, ...]) -> tuple:
     return tuple(sorted(out))
 
 
+def _layout(prog: _Program, part: core.Part, recompute: bool):
+    """(views, dot epilogues, the statements they absorb, slots, arena bytes) of the part."""
+    fused, views = _fuse_decisions(prog, recompute)
+    epilogues, starts = _epilogues(prog, fused, views)
+    items = []
+    for op in prog.order:
+        if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
+            continue
+        v = op.result
+        if v.id in fused or v.id in epilogues:
+            continue
+        if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
+            raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
+        nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
+        start, end = _live_range(prog, op, v, fused, views)
+        items.append((v, op, nbytes, starts.get(v.id, start), end))
+    slots, top = _allocate(items, part)
+    return views, epilogues, frozenset(id(t) for t in epilogues.values()), slots, top
+
+
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int = DEFAULT_THREADS,
                  wait_timeout_ns: int | None = None, entry: str | None = None) -> GeneralPlan:
     """Options: ``threads`` per CTA (a multiple of 32 from 32 to 1024: every warp runs tensor-core
@@ -298,25 +361,12 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    fused, views = _fuse_decisions(prog)
-    accumulate, accumulated = _accumulations(prog, fused, views)
-    items = []
-    for op in prog.order:
-        if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
-            continue
-        v = op.result
-        if v.id in fused or v.id in accumulate:
-            continue
-        if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
-            raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
-        n = 1
-        for s in v.type.shape:
-            n *= s
-        nbytes = (n * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
-        start, end = _live_range(prog, op, v, fused, views)
-        items.append((v, op, nbytes, start, end))
-    slots, top = _allocate(items, part)
+    try:
+        layout = _layout(prog, part, recompute=False)
+    except LoweringError:
+        layout = _layout(prog, part, recompute=True)      # over the limit: recompute shared values instead
+    views, epilogues, absorbed, slots, top = layout
     params, signals = _abi(kernel, part)
-    return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, accumulate,
-                       accumulated, top,
+    return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, epilogues,
+                       absorbed, top,
                        _decode(tuple(part.grid)), params, signals, tuple(wait_timeout_options(wait_timeout_ns)))

@@ -291,14 +291,21 @@ def _dot_statement(em, op, ind, lines):
     a, b = op.operands
     (M, K), N = a.type.shape, b.type.shape[1]
     kind = MMA_KIND[a.type.dtype.name]
-    frag = em.plan.accumulate.get(op.result.id)
-    if frag is None:
+    target = em.plan.epilogues.get(op.result.id)
+    if target is None:
         slot = em.slot(op.result)
-        store = f"{slot}[ra * {N} + ca] = v;"
-    else:                           # `acc += dot`: added into the fragment as it comes out (the same f32 add)
-        slot = em.slot(frag)
-        store = f"{slot}[ra * {N} + ca] = tldsl::gen::add({slot}[ra * {N} + ca], v);"
-
+        store = [f"{slot}[ra * {N} + ca] = v;"]
+    else:                           # the statement after the dot, computed as each result comes out
+        el = Elements(em, target)
+        el.memo[(op.result.id, ("ra", "ca"))] = "v"
+        if target.name == "frag_write":
+            dst = target.operands[0]
+            x = em.value(target.operands[1], ["ra", "ca"], el)
+        else:
+            dst = target.result
+            x = RULES[target.name].element(em, target, ["ra", "ca"], el)
+        slot = em.slot(dst)
+        store = el.lines + [f"{slot}[ra * {N} + ca] = tldsl::gen::put<{storage_ctype(dst.type.dtype)}>({x});"]
     def operand(v):
         el = Elements(em, op)
         x = em.value(v, ["ra", "ca"], el)
@@ -309,7 +316,9 @@ def _dot_statement(em, op, ind, lines):
     fa, fb = operand(a), operand(b)
     lines += [f"{i1}    {ln}" for ln in fa[:-1]] + [f"{i1}    {fa[-1]},"]
     lines += [f"{i1}    {ln}" for ln in fb[:-1]] + [f"{i1}    {fb[-1]},"]
-    lines.append(f"{i1}    [&](int ra, int ca, float v) {{ {store} }});")
+    lines.append(f"{i1}    [&](int ra, int ca, float v) {{")
+    lines += [f"{i1}      {ln}" for ln in store]
+    lines.append(f"{i1}    }});")
     lines.append(f"{ind}}}")
     lines.append(f"{ind}__syncthreads();")
 
@@ -325,8 +334,8 @@ def _frag_alloc_statement(em, op, ind, lines):
 
 
 def _frag_write_statement(em, op, ind, lines):
-    if id(op) in em.plan.accumulated:
-        return                      # the dot before it added into the fragment
+    if id(op) in em.plan.absorbed:
+        return                      # the dot before it wrote the fragment
     frag, tile = op.operands
     slot = em.slot(frag)
     shape = tuple(frag.type.shape)
@@ -350,8 +359,8 @@ def _frag_read_statement(em, op, ind, lines):
 
 def _stored_element_statement(em, op, ind, lines):
     """An element op whose value the plan stores: computed once, into its slot."""
-    if not em.plan.materialised(op.result):
-        return                      # computed where it is consumed
+    if not em.plan.materialised(op.result) or id(op) in em.plan.absorbed:
+        return                      # computed where it is consumed, or by the dot before it
     slot = em.slot(op.result)
     shape = tuple(op.result.type.shape)
     st = storage_ctype(op.result.type.dtype)

@@ -7,11 +7,13 @@ by :attr:`KernelParam.source` and encodes :class:`TmaDescriptorSpec` s, so a new
 no launcher code."""
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
 from ..ir import core
 from ..ir.display import html_card, one_line
+from .errors import LoweringError
 from .toolchain.compiler import CompileJob, compile_cuda
 
 
@@ -81,7 +83,12 @@ def tma_param(buf: core.Buffer) -> str:
 def entry_name(kernel: core.Kernel, part: core.Part, entry: str | None = None) -> str:
     """The ``extern "C"`` symbol of a part's kernel: ``entry`` when given, else
     ``tldsl_<kernel>_<part>``."""
-    return entry or cident(f"tldsl_{kernel.name}_{part.name}")
+    if entry is None:
+        return cident(f"tldsl_{kernel.name}_{part.name}")
+    if not isinstance(entry, str) or not re.fullmatch(r"[A-Za-z_]\w*", entry):
+        raise LoweringError(f"entry={entry!r}: the kernel's extern \"C\" name must be a C identifier (a str), "
+                            "or None for tldsl_<kernel>_<part>")
+    return entry
 
 
 def is_this_rank(v: core.Value | None) -> bool:
@@ -175,7 +182,12 @@ LAUNCH_PARAM = KernelParam("launch", "unsigned long long", "u64", "launch")
 def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:
     """The NVRTC options of a debug build whose waits trap after ``wait_timeout_ns``
     (``signals.hpp``); none without a timeout."""
-    return () if wait_timeout_ns is None else (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
+    if wait_timeout_ns is None:
+        return ()
+    if not isinstance(wait_timeout_ns, numbers.Integral) or isinstance(wait_timeout_ns, bool) or wait_timeout_ns <= 0:
+        raise LoweringError(f"wait_timeout_ns={wait_timeout_ns!r}: a positive int of nanoseconds (None: waits never "
+                            "time out)")
+    return (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
 
 
 def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:

@@ -85,10 +85,17 @@ _IR = allgather_gemm.trace(W, *[tl.TensorSpec(s, tl.float16) for s in ((MS, K), 
                            compute=COMPUTE, comm=COMM)
 
 
+#: one the GEMM recipe lowers, so that a bad option value reaches its planner
+_IR_LOWERED = allgather_gemm.trace(2, *[tl.TensorSpec(s, tl.float16) for s in ((256, 256), (256, 256), (512, 256))],
+                                   compute=tl.ComputeSchedule(tile=(128, 128, 64)), comm=tl.CommSchedule(tile_m=128))
+
+
 def _lower(arg, bad):
     if arg == "kernel":
         return lambda: lower(bad, "gemm")
-    return lambda: lower(_IR, bad)
+    if arg == "part":
+        return lambda: lower(_IR, bad)
+    return lambda: lower(_IR_LOWERED, "gemm", **{arg: bad})
 
 
 def _options(arg, bad):
@@ -113,7 +120,7 @@ CALLS = {
                                 "inputs.a", "inputs.b", "inputs.c"]),
     "kernel.trace": (_trace, ["world_size", "a", "b", "c", "compute", "comm"]),
     "tl.TensorSpec": (_spec, ["shape", "dtype"]),
-    "lower": (_lower, ["kernel", "part"]),
+    "lower": (_lower, ["kernel", "part", "wait_timeout_ns", "entry"]),
     "tl.SimOptions": (_options, ["launches", "compute_slots", "check_races", "check_uninitialized", "static_checks",
                                  "repoison", "record_timeline", "max_steps", "warn_steps", "progress",
                                  "progress_interval_s", "bulk_loops"]),
@@ -173,6 +180,7 @@ def test_every_argument_of_every_api_with_every_bad_value(api):
 
 
 def test_the_valid_call_the_bad_ones_are_made_from_works():
+    assert lower(_IR_LOWERED, "gemm", wait_timeout_ns=10 ** 9).entry
     res = tl.simulate(allgather_gemm, W, inputs(), seed=0, options=tl.SimOptions(launches=1),
                       compute=COMPUTE, comm=COMM)
     want = np.concatenate(shards()).astype(np.float32) @ b_matrix().astype(np.float32)

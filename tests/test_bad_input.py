@@ -19,6 +19,7 @@ import tldsl as tl
 from tldsl.codegen import lower
 from tldsl.errors import TldslError
 from tldsl.ops.allgather_gemm import allgather_gemm, fused_all_gather_matmul
+from tldsl.ops.moe import simulate_allgather_moe
 
 #: no malformed call may take longer (the valid call it is made from takes well under a second)
 SECONDS = 10.0
@@ -115,6 +116,22 @@ def _fused(arg, bad):
     return lambda: fused_all_gather_matmul(**kw)
 
 
+MOE_COMPUTE = tl.ComputeSchedule(tile=(8, 16, 16))
+
+
+def _moe(arg, bad):
+    rng = np.random.default_rng(2)
+    kw = dict(x_shards=[rng.integers(-3, 4, (7, 20)).astype(np.float16) for _ in range(W)],
+              w1_slices=[rng.integers(-3, 4, (5, 20, 24)).astype(np.float16) for _ in range(W)],
+              topk_ids=np.stack([rng.permutation(5)[:2] for _ in range(W * 7)]), compute=MOE_COMPUTE,
+              comm=tl.CommSchedule(tile_m=8), seed=0, options=tl.SimOptions(launches=1))
+    if arg.endswith("[0]"):
+        kw[arg[:-3]][0] = bad
+    else:
+        kw[arg] = bad
+    return lambda: simulate_allgather_moe(**kw)
+
+
 CALLS = {
     "tl.simulate": (_simulate, ["kernel", "world_size", "inputs", "seed", "options", "compute", "comm",
                                 "inputs.a", "inputs.b", "inputs.c"]),
@@ -128,6 +145,8 @@ CALLS = {
     "tl.CommSchedule": (_schedule(tl.CommSchedule), ["tile_m", "order", "mode", "engine", "sms", "transport",
                                                      "reduce_in", "col_tile"]),
     "fused_all_gather_matmul": (_fused, ["a_shards", "a_shards[0]", "b", "compute", "comm", "seed", "options"]),
+    "simulate_allgather_moe": (_moe, ["x_shards", "x_shards[0]", "w1_slices", "w1_slices[0]", "topk_ids", "compute",
+                                      "comm", "seed", "options"]),
 }
 
 
@@ -188,6 +207,7 @@ def test_the_valid_call_the_bad_ones_are_made_from_works():
     (a_full, c), _ = fused_all_gather_matmul(shards(), b_matrix(), compute=COMPUTE, comm=COMM,
                                              options=tl.SimOptions(launches=1))
     np.testing.assert_array_equal(c.astype(np.float32), want)
+    _moe("seed", 0)()                                                   # the MoE base call runs too
 
 
 # -- tl.TensorSpec: numpy and torch dtypes mapped, anything else refused naming it -----------------

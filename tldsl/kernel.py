@@ -92,8 +92,11 @@ class KernelFunction:
         return [p.name for p in self.tensor_params]
 
     def default_schedules(self, **kwargs):
+        """The ``compute`` and ``comm`` schedules a call gives, or the kernel's defaults; anything
+        but a schedule (or None) is an InputError naming the keyword."""
         compute = kwargs.get("compute")
         comm = kwargs.get("comm")
+        self._check_schedules(compute, comm)
         if "compute" in self.kw_params and compute is None:
             d = self.kw_params["compute"].default
             compute = ComputeSchedule() if d is inspect.Parameter.empty or d is None else d
@@ -143,12 +146,15 @@ class KernelFunction:
             self._cache[key] = self._trace(world_size, specs, kwargs, compute, comm, channels)
         return self._cache[key]
 
-    def _trace(self, world_size, specs, kwargs, compute, comm, channels=True) -> core.Kernel:
+    def _check_schedules(self, compute, comm) -> None:
         for key, val, want in (("compute", compute, ComputeSchedule), ("comm", comm, CommSchedule)):
             if val is not None and not isinstance(val, want):
                 raise InputError(f"kernel '{self.name}': {key}= takes a tl.{want.__name__}, got "
                                  f"{type(val).__name__}" + (" (compute and comm swapped?)"
                                                             if isinstance(val, (ComputeSchedule, CommSchedule)) else ""))
+
+    def _trace(self, world_size, specs, kwargs, compute, comm, channels=True) -> core.Kernel:
+        self._check_schedules(compute, comm)
         if compute is not None and comm is not None:
             check_compatible(compute, comm)
         b = Builder(self.name, world_size)

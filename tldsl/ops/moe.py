@@ -381,6 +381,8 @@ def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activa
 # -- host side: run a layer on the simulator ---------------------------------------------------------
 
 def _per_rank(name, arrays, W):
+    if not isinstance(arrays, (list, tuple)):
+        raise InputError(f"{name}: one array per rank (a list of {W}), got {type(arrays).__name__}")
     arrays = list(arrays)
     if len(arrays) != W:
         raise InputError(f"{name}: got {len(arrays)} arrays for {W} ranks")
@@ -394,9 +396,10 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
 
     ``x_shards``: one ``[Ms, K]`` token shard per rank; ``w1_slices``: one ``[E, K, Nr]`` per
     rank; ``topk_ids``: ``[W * Ms, topk]``."""
+    if not isinstance(x_shards, (list, tuple)) or not x_shards:
+        raise InputError(f"simulate_allgather_moe: x_shards must be one [Ms, K] token shard per rank (a non-empty "
+                         f"list), got {type(x_shards).__name__}{' (empty)' if isinstance(x_shards, (list, tuple)) else ''}")
     W = len(x_shards)
-    if W < 1:
-        raise InputError("simulate_allgather_moe: need at least one token shard")
     xs = [np.asarray(x) for x in x_shards]
     w1 = _per_rank("simulate_allgather_moe: w1_slices", w1_slices, W)
     if xs[0].ndim != 2 or w1[0].ndim != 3:

@@ -19,7 +19,7 @@ import tldsl as tl
 from tldsl.codegen import lower
 from tldsl.errors import TldslError
 from tldsl.ops.allgather_gemm import allgather_gemm, fused_all_gather_matmul
-from tldsl.ops.moe import simulate_allgather_moe
+from tldsl.ops.moe import moe_routing, random_routing, simulate_allgather_moe, simulate_moe_reduce_scatter
 
 #: no malformed call may take longer (the valid call it is made from takes well under a second)
 SECONDS = 10.0
@@ -132,6 +132,21 @@ def _moe(arg, bad):
     return lambda: simulate_allgather_moe(**kw)
 
 
+def _moe_rs(arg, bad):
+    rng = np.random.default_rng(3)
+    ids, wts = random_routing(rng, W * 8, 5, 2)
+    routing = moe_routing(ids, 5, W, 8, MOE_COMPUTE.BM)
+    kw = dict(h_slices=[rng.integers(-3, 4, (routing.num_rows, 24)).astype(np.float16) for _ in range(W)],
+              w2_slices=[rng.integers(-3, 4, (5, 24, 20)).astype(np.float16) for _ in range(W)],
+              topk_weights=wts, routing=routing, compute=MOE_COMPUTE, comm=tl.CommSchedule(tile_m=8, mode="push"),
+              seed=0, options=tl.SimOptions(launches=1))
+    if arg.endswith("[0]"):
+        kw[arg[:-3]][0] = bad
+    else:
+        kw[arg] = bad
+    return lambda: simulate_moe_reduce_scatter(**kw)
+
+
 CALLS = {
     "tl.simulate": (_simulate, ["kernel", "world_size", "inputs", "seed", "options", "compute", "comm",
                                 "inputs.a", "inputs.b", "inputs.c"]),
@@ -147,6 +162,8 @@ CALLS = {
     "fused_all_gather_matmul": (_fused, ["a_shards", "a_shards[0]", "b", "compute", "comm", "seed", "options"]),
     "simulate_allgather_moe": (_moe, ["x_shards", "x_shards[0]", "w1_slices", "w1_slices[0]", "topk_ids", "compute",
                                       "comm", "seed", "options"]),
+    "simulate_moe_reduce_scatter": (_moe_rs, ["h_slices", "h_slices[0]", "w2_slices", "w2_slices[0]", "topk_weights",
+                                              "routing", "compute", "comm", "seed", "options"]),
 }
 
 
@@ -207,7 +224,8 @@ def test_the_valid_call_the_bad_ones_are_made_from_works():
     (a_full, c), _ = fused_all_gather_matmul(shards(), b_matrix(), compute=COMPUTE, comm=COMM,
                                              options=tl.SimOptions(launches=1))
     np.testing.assert_array_equal(c.astype(np.float32), want)
-    _moe("seed", 0)()                                                   # the MoE base call runs too
+    _moe("seed", 0)()                                                   # the MoE base calls run too
+    _moe_rs("seed", 0)()
 
 
 # -- tl.TensorSpec: numpy and torch dtypes mapped, anything else refused naming it -----------------

@@ -380,6 +380,13 @@ def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activa
 
 # -- host side: run a layer on the simulator ---------------------------------------------------------
 
+def _float_arrays(name, arrays) -> None:
+    """The activations an MoE layer multiplies: float16 or float32 (refused before the outputs
+    are poisoned with NaN, which another dtype cannot hold)."""
+    if arrays[0].dtype not in (np.float16, np.float32):
+        raise InputError(f"{name}: float16 or float32 arrays, got {arrays[0].dtype}")
+
+
 def _per_rank(name, arrays, W):
     if not isinstance(arrays, (list, tuple)):
         raise InputError(f"{name}: one array per rank (a list of {W}), got {type(arrays).__name__}")
@@ -405,6 +412,7 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
     if xs[0].ndim != 2 or w1[0].ndim != 3:
         raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices [E, K, Nr], got "
                          f"{list(xs[0].shape)} and {list(w1[0].shape)}")
+    _float_arrays("simulate_allgather_moe: x_shards", xs)
     compute, comm = allgather_moe.default_schedules(compute=compute, comm=comm)
     rt = moe_routing(topk_ids, w1[0].shape[0], W, xs[0].shape[0], compute.BM)
     inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, w1[r].shape[2]), np.nan, xs[r].dtype),
@@ -424,6 +432,7 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     W = routing.world_size
     hs = _per_rank("simulate_moe_reduce_scatter: h_slices", h_slices, W)
     w2 = _per_rank("simulate_moe_reduce_scatter: w2_slices", w2_slices, W)
+    _float_arrays("simulate_moe_reduce_scatter: h_slices", hs)
     compute, comm = moe_reduce_scatter.default_schedules(compute=compute, comm=comm)
     if compute.BM != routing.block_m:
         raise InputError(f"simulate_moe_reduce_scatter: the routing was built for BM={routing.block_m}, "

@@ -151,3 +151,11 @@ def test_the_command_through_the_cli(capsys):
     out = capsys.readouterr().out
     assert "#0002 " in out and "@tl.kernel" in out and "not compiled (--no-compile)" in out
     assert status == (1 if "CRASHED" in out else 0), out
+
+
+@pytest.mark.parametrize("which", ["200:1217", "100:144"])
+def test_programs_that_once_broke_the_generator(which):
+    """Both stored a float alternative (under tl.when) into an i32 output."""
+    from tldsl.testing.program_families import generate
+    from tldsl.testing.program_gen import RandomChooser
+    FuzzCase(generate(RandomChooser(which)), f"program {which}").simulate()

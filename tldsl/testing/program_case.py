@@ -45,7 +45,7 @@ class Features:
     parts: int = 1
 
 
-@dataclass
+@dataclass(repr=False)
 class FuzzCase:
     """One generated program with everything a run needs. ``source`` is a standalone module:
     paste it into a test, then ``tl.simulate(tile_program, WORLD_SIZE, make_inputs(ARGS,
@@ -58,6 +58,12 @@ class FuzzCase:
         self.kernel = self.program.build(f"<{self.label}>")
         self.world_size = self.program.world_size
         self.inputs = make_inputs(self.program.args, self.world_size, self.input_seed)
+
+    def __repr__(self) -> str:
+        return f"<FuzzCase {self.label}:\n{self.source}>"
+
+    def _repr_pretty_(self, printer, cycle) -> None:    # how hypothesis shows a falsifying example: as the program
+        printer.text(repr(self))
 
     @property
     def source(self) -> str:

@@ -97,7 +97,9 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
     guards = None
     if chance(ch, 25):          # tl.when: two kinds of tasks, each element still stored once
         guards = ch.choice(((f"c0 + {BN} <= {C}", f"c0 + {BN} > {C}"), ("r0 % 32 == 0", "r0 % 32 != 0")))
+        keep, g.keep_int = g.keep_int, out.dtype == "i32"        # an i32 tensor takes integer tiles only
         alternative = fit(g.tree(leaves, 1), (BM, BN), out.dtype)
+        g.keep_int = keep
         if notify:
             alternative = normalised(alternative)
         g.store(body, out.name, ("r0", "c0"), value, guards, alternative)

@@ -327,7 +327,7 @@ def test_options_are_checked():
 @pytest.mark.nvrtc
 @pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
 def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
-    """Every program above, the GEMM with a gated epilogue at 8192^3 and 8191 x 8200 x 4104 with
+    """Every program above, the ring exchange (data primitives), the GEMM with a gated epilogue at 8192^3 and 8191 x 8200 x 4104 with
     128 x 128 x 64 tiles, and the library's compute parts (each lowered by the general recipe
     instead of its own, at their default tiles)."""
     if tcm.find_toolchain().cuobjdump is None:
@@ -337,6 +337,7 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
         lks[f"gated_gemm-{M}x{N}x{K}"] = lower(trace(gated_gemm, [((M, K), F16), ((K, N), F16), ((K, N), F16),
                                                                     ((N,), F16), ((M, N), F16)], (128, 128, 64), {}),
                                                 "part")
+    lks["ring_exchange"] = lower(dict(_multi_cases())["ring_exchange"], "part")     # data primitives on SMs
     for name, k in _library_kernels():
         for p in k.parts:
             if p.role == "compute":
@@ -617,6 +618,27 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
     return out
 
 
+@tl.kernel
+def ring_exchange(x: tl.Symmetric, y: tl.Symmetric, w: tl.Symmetric, z, *, compute: tl.ComputeSchedule = None):
+    """A compute part moving data itself: it pushes a tile into the next rank (and copies its x
+    there), notifies it, waits for the previous rank's push, pulls the previous rank's x."""
+    M, N = x.shape
+    BM = compute.tile[0]
+    W = tl.world_size()
+    arrived = tl.signal("arrived", tl.cdiv(M, BM), scope="symmetric")
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        nxt, prv = (tl.rank() + 1) % W, (tl.rank() + W - 1) % W
+        t = tl.load(x, (pm * BM, 0), (BM, N))
+        tl.tile_push_data(y.at(nxt), (pm * BM, 0), t * 2.0)
+        tl.tile_push_data(w.at(nxt), (pm * BM, 0), x, (pm * BM, 0), (BM, N))
+        tl.peer_tile_notify(arrived, pm, nxt)
+        tl.peer_tile_wait(arrived, pm, count=1)
+        u = tl.tile_pull_data(x.at(prv), (pm * BM, 0), (BM, N))
+        tl.store(z, (pm * BM, 0), tl.load(y, (pm * BM, 0), (BM, N)) - tl.load(w, (pm * BM, 0), (BM, N)) + u)
+
+
 def _multi_cases():
     from tldsl.ops.allgather_gemm import allgather_gemm
     from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -628,13 +650,14 @@ def _multi_cases():
     yield "gemm_reduce_scatter", gemm_reduce_scatter.trace(
         2, S((32, 24), BF16), S((24, 40), BF16), S((16, 40), BF16), compute=c16,
         comm=tl.CommSchedule(tile_m=8, order="ring", mode="push", sms=2))
+    yield "ring_exchange", ring_exchange.trace(3, *[S((20, 24), F32)] * 4, compute=tl.ComputeSchedule(tile=(8, 8, 8)))
     yield "sp_attention", sp_attention.trace(
         2, *[S((24, 32), F16)] * 4, heads=2, causal=True, compute=tl.ComputeSchedule(tile=(16, 16, 16)),
         comm=tl.CommSchedule(tile_m=8, mode="pull", sms=2))
 
 
 @needs_gxx
-@pytest.mark.parametrize("name", ["allgather_gemm", "gemm_reduce_scatter", "sp_attention"])
+@pytest.mark.parametrize("name", ["allgather_gemm", "gemm_reduce_scatter", "sp_attention", "ring_exchange"])
 def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_simulator(tmp_path, name):
     """The library's fused ops with their compute parts lowered by the general recipe (instead
     of their own): the waits on the communication kernels' notifies, and the notifies they wait

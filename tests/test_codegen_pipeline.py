@@ -39,7 +39,7 @@ def test_one_table_of_recipes_with_distinct_names_and_priorities():
     assert {"gemm", "grouped_gemm", "combine", "attention", "sm_comm", "copy_engine"} <= set(names)
 
 
-def _scale_rows():
+def _scale_rows(spec=tl.TensorSpec((64, 64), tl.float16), sched=tl.ComputeSchedule(tile=(64, 64, 32))):
     @tl.kernel
     def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
         M, N = x.shape
@@ -49,8 +49,7 @@ def _scale_rows():
         def part(pm, pn):
             t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
             tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
-    spec = tl.TensorSpec((64, 64), tl.float16)
-    return scale_rows.trace(1, spec, spec, compute=tl.ComputeSchedule(tile=(64, 64, 32)))
+    return scale_rows.trace(1, spec, spec, compute=sched)
 
 
 def test_the_part_is_matched_once(monkeypatch):
@@ -82,28 +81,31 @@ def test_a_part_no_specialised_recipe_matches_takes_the_general_recipe():
     assert type(lower(k, "part")).__name__ == "LoweredGeneral"
 
 
-def _pushing_compute_part():
-    """A compute part with a data primitive: no recipe lowers it (the general one not yet)."""
+def test_when_no_recipe_matches_every_relevant_reason_is_given():
+    """A compute part pushing a boolean tile to a peer: no compute recipe lowers it, each says why."""
     @tl.kernel
-    def push_rows(x: tl.Symmetric, y: tl.Symmetric, *, compute: tl.ComputeSchedule = None):
+    def push_flags(x: tl.Symmetric, y: tl.Symmetric, *, compute: tl.ComputeSchedule = None):
         M, N = x.shape
 
         @tl.compute_part(grid=(1,))
         def part(p):
-            t = tl.load(x, (0, 0), (M, N))
-            tl.store(y.at((tl.rank() + 1) % tl.world_size()), (0, 0), t * 2.0)
-    spec = tl.TensorSpec((16, 16), tl.float16)
-    return push_rows.trace(2, spec, spec, compute=tl.ComputeSchedule(tile=(16, 16, 16)))
-
-
-def test_when_no_recipe_matches_every_relevant_reason_is_given():
-    k = _pushing_compute_part()
+            tl.store(y.at((tl.rank() + 1) % tl.world_size()), (0, 0), tl.load(x, (0, 0), (M, N)))
+    spec = tl.TensorSpec((16, 16), tl.bool_)
+    k = push_flags.trace(2, spec, spec, compute=tl.ComputeSchedule(tile=(16, 16, 16)))
     with pytest.raises(LoweringError) as e:
         lower(k, "part")
     msg = str(e.value)
     assert "no lowering recognises compute part 'part'" in msg
-    for name in ("grouped_gemm", "attention", "general"):    # none is made for it: each says why
+    for name in ("attention", "general"):
         assert f"  {name}: " in msg
+
+
+def test_a_part_over_the_general_lowerings_shared_memory_is_refused_at_the_users_line():
+    k = _scale_rows(tl.TensorSpec((512, 512), tl.float32), tl.ComputeSchedule(tile=(256, 256, 32)))
+    with pytest.raises(LoweringError) as e:
+        lower(k, "part")
+    assert "general lowering: the tiles live here need 256 KB of shared memory" in str(e.value)
+    assert "use smaller tiles" in str(e.value) and "tl.load(x" in e.value.loc.source
 
 
 def test_an_sm_comm_part_is_refused_at_the_users_line():

@@ -1,11 +1,12 @@
 """Recognising what the general lowering takes: any compute part built from the language's tile
-ops, index code, loops, guards, waits and notifies (:mod:`..recipes.general`). It is the
+ops, index code, loops, guards and the nine primitives (:mod:`..recipes.general`). It is the
 pipeline's last resort for compute parts, so its matcher only names what it cannot lower yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ...ir import core
+from ...ir import types as T
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ..errors import fail, not_applicable
 from ..ir_queries import CONTROL_OPS, SCALAR_OPS
@@ -16,8 +17,9 @@ WHAT = "general lowering"
 ELEMENT_OPS = frozenset({"full", "iota", "ewise", "cast", "expand_dims", "broadcast", "trans"})
 #: ops that run as a statement of the CTA (a loop over their output elements, or a dot)
 STATEMENT_OPS = frozenset({"load", "load_rows", "store", "reduce", "dot", "frag_alloc", "frag_write"})
-#: every op the general lowering renders
-LOWERED_OPS = (SCALAR_OPS | CONTROL_OPS | ELEMENT_OPS | STATEMENT_OPS | {"frag_read"} | NOTIFY_OPS | WAIT_OPS)
+#: every op the general lowering renders (the data primitives as SM copies, element by element)
+LOWERED_OPS = (SCALAR_OPS | CONTROL_OPS | ELEMENT_OPS | STATEMENT_OPS | {"frag_read"} | NOTIFY_OPS | WAIT_OPS
+               | DATA_OPS)
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,9 @@ def match_general(kernel: core.Kernel, part: core.Part) -> GeneralMatch:
                                    "parts", part)
     counts = {"dot": 0, "wait": 0, "notify": 0}
     for op in part.walk():
-        if op.name in DATA_OPS:
-            raise fail(WHAT, f"'{op.name}' in a compute part is not lowered yet (a data primitive: move the "
-                             "transfer into a comm part, or load / store this rank's tensors)", op)
+        if op.name in DATA_OPS and any(v.type.dtype.kind == "bool" for v in op.operands
+                                       if isinstance(v.type, T.TensorType)):
+            raise fail(WHAT, f"'{op.name}' of a boolean tensor is not lowered (cast to tl.int32 first)", op)
         if op.name not in LOWERED_OPS:
             raise fail(WHAT, f"'{op.name}' is not lowered", op)
         if op.name == "dot":

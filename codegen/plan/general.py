@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from ...ir import core
 from ...ir import types as T
-from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, is_this_rank,
+from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, is_this_rank, peer_buffer_param,
                    peer_signal_param, signal_param, table_param, wait_timeout_options)
 from ..dtypes import ctype, elem_bytes
 from ..errors import LoweringError, fail
@@ -33,7 +33,7 @@ ALIGN = 16
 #: element ops that only move coordinates or make constants: never stored, recomputed freely
 COORDINATE_OPS = frozenset({"full", "iota", "expand_dims", "broadcast", "trans"})
 #: ops whose tile result always gets a slot
-STORED_RESULTS = frozenset({"load", "load_rows", "reduce", "dot", "frag_alloc"})
+STORED_RESULTS = frozenset({"load", "load_rows", "reduce", "dot", "frag_alloc", "tile_pull_data"})
 
 
 @dataclass(frozen=True)
@@ -284,9 +284,11 @@ def _allocate(items: list[tuple[core.Value, core.Op, int, int, int]], part: core
 
 def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...], tuple[str, ...]]:
     """Parameters in order: per tensor (kernel order) this rank's pointer (const when only
-    read); per signal this rank's counters and the table of every rank's copies (when notified
+    read) and the table of every rank's pointers (when a data primitive reaches another rank);
+    per signal this rank's counters and the table of every rank's copies (when notified
     on another rank); the ``load_scalar`` tables; ``rank``; ``launch``."""
     modes: dict[int, set] = {}
+    peer_modes: dict[int, set] = {}
     tables: list[core.Buffer] = []
     local_s: set[int] = set()
     peer_s: set[int] = set()
@@ -295,6 +297,11 @@ def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...],
             modes.setdefault(id(op.operands[0].owner), set()).add("r")
         elif op.name == "store":
             modes.setdefault(id(op.operands[0].owner), set()).add("w")
+        elif op.name in DATA_OPS:
+            src, srank, _, dst, drank, _, _ = data_operands(op)
+            for v, rank, mode in ((src, srank, "r"), (dst, drank, "w")):
+                if v is not None:
+                    (modes if is_this_rank(rank) else peer_modes).setdefault(id(v.owner), set()).add(mode)
         elif op.name == "load_scalar" and op.operands[0].owner not in tables:
             tables.append(op.operands[0].owner)
         elif op.name in WAIT_OPS:
@@ -310,6 +317,9 @@ def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...],
             const = "const " if modes[id(b)] == {"r"} else ""
             params.append(KernelParam(buffer_param(b), f"{const}{ctype(b.type.dtype).comm}*", "ptr",
                                       f"buffer:{b.name}"))
+        if id(b) in peer_modes:
+            params.append(KernelParam(peer_buffer_param(b), f"{ctype(b.type.dtype).comm}* const* __restrict__", "ptr",
+                                      f"peers:{b.name}"))
     for s in kernel.signals:
         if id(s) in local_s:
             params.append(KernelParam(signal_param(s), "unsigned long long*", "ptr", f"signal:{s.name}"))

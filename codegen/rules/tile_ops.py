@@ -5,8 +5,9 @@ the op (a loop of its threads over the op's output elements, then a CTA barrier;
 tensor cores) — and ``element`` — the C++ of one element of the op's value at given tile
 coordinates, for values computed where they are consumed (the plan,
 :mod:`..plan.general`, says which values those are; every other value is read from its
-shared-memory slot). Index code, loops and guards come from :mod:`.scalars`, waits and
-notifies from :mod:`.primitives` (through :mod:`.sync`).
+shared-memory slot). Index code, loops and guards come from :mod:`.scalars`; waits, notifies
+and the data primitives' element moves from :mod:`.primitives` (waits and notifies through
+:mod:`.sync`).
 
 Every element follows the simulator's rules (numpy's): loads outside a tensor read 0, stores
 outside it are dropped, 16-bit floats compute in float and round at every op, i32 and float
@@ -23,11 +24,12 @@ import numpy as np
 
 from ...ir import core
 from ...ir import types as T
-from ...ir.opdefs import FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS
-from ..abi import buffer_param, marker
-from ..dtypes import ctype, scalar_ctype
+from ...ir.opdefs import DATA_OPS, FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
+from ..abi import buffer_param, is_this_rank, marker, peer_buffer_param
+from ..dtypes import ctype, elem_bytes, scalar_ctype
 from ..match.general import WHAT
 from ..plan.general import GeneralPlan
+from . import primitives
 from .scalars import c_literal, element_expr
 from .sync import SignalEmitter
 
@@ -371,6 +373,82 @@ def _stored_element_statement(em, op, ind, lines):
     em.element_loop(op, shape, body, ind, lines, f"{op.name} -> {slot}")
 
 
+# -- data primitives on SMs: element by element through the primitives' own rules (rules.primitives)
+
+def _tensor_base(em, v: core.Value, rank: core.Value, op) -> str:
+    """This rank's pointer to tensor ``v``, or ``rank`` 's through the table of every rank's."""
+    if is_this_rank(rank):
+        return buffer_param(v.owner)
+    return f"{peer_buffer_param(v.owner)}[{em.name(rank, op)}]"
+
+
+def _row(el: Elements, base: str, dims, gcoords: list[str], st: str, write: bool) -> tuple[str, str, int]:
+    """(row pointer variable — null where the row lies outside the tensor —, column, row length)
+    of tensor coordinates ``gcoords``."""
+    conds = [f"(unsigned)({g}) < {d}u" for g, d in zip(gcoords[:-1], dims[:-1])]
+    terms, stride = [], 1
+    for g, d in reversed(list(zip(gcoords[:-1], dims[:-1]))):
+        terms.append(f"(long long)({g})" if stride == 1 else f"(long long)({g}) * {stride}ll")
+        stride *= d
+    rowlin = " + ".join(reversed(terms)) or "0"
+    nm = f"row{el.em.fresh()}"
+    ptype = f"{st}*" if write else f"const {st}*"
+    el.lines.append(f"{ptype} const {nm} = ({' && '.join(conds) or 'true'}) ? {base} + ({rowlin}) * {dims[-1]}ll "
+                    f": nullptr;")
+    return nm, gcoords[-1], dims[-1]
+
+
+def _data_statement(em, op, ind, lines):
+    src, srank, soffs, dst, drank, doffs, tile = data_operands(op)
+    shape = tuple(op.attrs["shape"])
+    if dst is None:                 # pull into a tile (its slot)
+        slot = em.slot(op.result)
+        st = storage_ctype(src.type.dtype)
+        base, offs = _tensor_base(em, src, srank, op), [em.name(o, op) for o in soffs]
+
+        def body(coords, el):
+            row, col, ncols = _row(el, base, src.type.shape, [f"{o} + {c}" for o, c in zip(offs, coords)], st, False)
+            return [f"{slot}[{flat_index(coords, shape)}] = {primitives.tile_pull_data(st, row, col, ncols)};"]
+        return em.element_loop(op, shape, body, ind, lines, f"{op.name} {src.owner.name} -> {slot}")
+    # into a tensor: chunks of V consecutive elements of a row (16 bytes), as the communication
+    # kernels move them (16-byte vectors where aligned and inside the tensors)
+    st = storage_ctype(dst.type.dtype)
+    V = 16 // elem_bytes(dst.type.dtype)
+    n = shape[-1]
+    dbase, doff = _tensor_base(em, dst, drank, op), [em.name(o, op) for o in doffs]
+    aligned = [(dst, doff)]
+    if src is not None:
+        sbase, soff = _tensor_base(em, src, srank, op), [em.name(o, op) for o in soffs]
+        aligned.append((src, soff))
+    vec_ok = " && ".join(f"(({o[-1]}) % {V}) == 0" for _, o in aligned) \
+        if all(t.type.shape[-1] % V == 0 for t, _ in aligned) else "false"
+
+    def body(coords, el):
+        ch, m, e = f"ch{em.fresh()}", f"m{em.fresh()}", f"k{em.fresh()}"
+        c = f"({coords[-1]}) * {V}"
+        out = [f"tldsl::comm::Chunk<{st}, {V}> {ch};"]
+        if tile is not None:        # a tile into a tensor: the chunk's elements computed in place
+            inner = Elements(em, op)
+            x = em.value(tile, coords[:-1] + [f"({c} + {e})"], inner)
+            out += ["#pragma unroll", f"for (int {e} = 0; {e} < {V}; ++{e}) {{", f"  if ({c} + {e} < {n}) {{",
+                    *[f"    {ln}" for ln in inner.lines], f"    {ch}.set({e}, tldsl::gen::put<{st}>({x}));", "  }", "}",
+                    f"const unsigned {m} = ~0u;"]
+        else:                       # a copy: only elements inside both tensors move
+            srow, scol, sn = _row(el, sbase, src.type.shape, [f"{o} + {x}" for o, x in zip(soff, coords[:-1] + [c])],
+                                  st, False)
+            out += [f"unsigned {m};", primitives.tile_pull_data(st, srow, scol, sn, chunk=ch, vec=str(V),
+                                                                left=f"{n} - {c}", vec_ok="vec_ok", mask=m)]
+        row, col, ncols = _row(el, dbase, dst.type.shape, [f"{o} + {x}" for o, x in zip(doff, coords[:-1] + [c])],
+                               st, True)
+        return out + [primitives.tile_push_data(st, row, col, ncols, ch, m, vec=str(V), left=f"{n} - {c}",
+                                                vec_ok="vec_ok")]
+    lines.append(f"{ind}{{")
+    lines.append(f"{ind}  const bool vec_ok = {vec_ok};")
+    lines.append(f"{ind}  (void)vec_ok;")
+    em.element_loop(op, shape[:-1] + (-(-n // V),), body, ind + "  ", lines, f"{op.name} -> {dst.owner.name}")
+    lines.append(f"{ind}}}")
+
+
 def _wait_statement(em, op, ind, lines):
     lines.append(ind + em.wait_statement(op, cta=True))
 
@@ -406,6 +484,7 @@ RULES: dict[str, Rule] = {
     "expand_dims": Rule(_stored_element_statement, _expand_dims_element),
     "broadcast": Rule(_stored_element_statement, _broadcast_element),
     "trans": Rule(_stored_element_statement, _trans_element),
+    **{d: Rule(_data_statement) for d in DATA_OPS},
     **{w: Rule(_wait_statement) for w in WAIT_OPS},
     **{n: Rule(_notify_statement) for n in NOTIFY_OPS},
 }

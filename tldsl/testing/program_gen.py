@@ -67,7 +67,8 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def _promote(*dtypes):
+def promote(*dtypes):
+    """The dtype tl's elementwise math gives operands of these dtypes (as tldsl.tiles does)."""
     floats = {d for d in dtypes if d in ("f16", "bf16", "f32")}
     if not floats:
         return "i32"
@@ -87,7 +88,6 @@ class ProgramGenerator:
         self.args: list[Arg] = []
         self.decls: list = []
         self.parts: list[Part] = []
-        self.prelude: list = []
         self.counts: Counter = Counter()
         self.world_size = 1
         self.keep_int = False            # integer trees stay integer (they feed an i32 tensor)
@@ -121,7 +121,7 @@ class ProgramGenerator:
                                tuple(params), tuple(body), engine))
 
     def program(self) -> Program:
-        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts), tuple(self.prelude))
+        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts))
 
     # -- sizes ----------------------------------------------------------------------------------
     def tile(self, options=(8, 16, 32)) -> int:
@@ -169,8 +169,8 @@ class ProgramGenerator:
             bound = a.bound * abs(c) if op == "mul" else a.bound + abs(c)
             exact = a.exact and op == "mul" and abs(c) in (0.25, 0.5, 2.0)
             return Binary(shape=a.shape, dtype=a.dtype, bound=bound, exact=exact, op=op, a=a, b=c)
-        shape = _broadcast(a.shape, b.shape)
-        dtype = _promote(a.dtype, b.dtype)
+        shape = broadcast_shape(a.shape, b.shape)
+        dtype = promote(a.dtype, b.dtype)
         op = ch.choice(("add", "sub", "mul", "div", "max", "min"))
         if op == "mul" and a.bound * b.bound > MAX_BOUND:
             op = "add"
@@ -203,7 +203,7 @@ class ProgramGenerator:
 
     def condition(self, leaves: list[Expr], shape) -> Expr | None:
         """A boolean tile of exact values (so every backend takes the same branch)."""
-        exact = [leaf for leaf in leaves if leaf.exact and _broadcast(leaf.shape, shape) == tuple(shape)]
+        exact = [leaf for leaf in leaves if leaf.exact and broadcast_shape(leaf.shape, shape) == tuple(shape)]
         if not exact:
             return None
         def compare():
@@ -214,7 +214,7 @@ class ProgramGenerator:
         cond = compare()
         if chance(self.ch, 25):       # two conditions joined: & or |
             other = compare()
-            cond = Binary(shape=_broadcast(cond.shape, other.shape), dtype="i1", exact=True,
+            cond = Binary(shape=broadcast_shape(cond.shape, other.shape), dtype="i1", exact=True,
                           op=self.ch.choice(("and", "or")), a=cond, b=other)
         return cond
 
@@ -223,11 +223,11 @@ class ProgramGenerator:
         if cond is None:
             return self.unary(x)
         other = self.tree(leaves, depth - 1) if chance(self.ch, 50) else None
-        if other is None or other.dtype == "i32" or _broadcast(other.shape, x.shape) != x.shape:
+        if other is None or other.dtype == "i32" or broadcast_shape(other.shape, x.shape) != x.shape:
             c = self.ch.choice(FLOAT_CONSTANTS)
             return Where(shape=x.shape, dtype=x.dtype, bound=max(x.bound, abs(c)), exact=x.exact, cond=cond,
                          a=x, b=c)
-        return Where(shape=x.shape, dtype=_promote(x.dtype, other.dtype), bound=max(x.bound, other.bound),
+        return Where(shape=x.shape, dtype=promote(x.dtype, other.dtype), bound=max(x.bound, other.bound),
                      exact=x.exact and other.exact, cond=cond, a=x, b=other)
 
     def rowwise(self, x: Expr) -> Expr:
@@ -241,7 +241,7 @@ class ProgramGenerator:
         red: Expr = Reduce(shape=rshape, dtype=x.dtype, bound=x.bound, exact=x.exact and fn != "sum", fn=fn, x=x,
                            axis=axis)
         if fn == "sum":                   # a mean-like scale keeps the bound
-            scale = 1.0 / _pow2_at_least(x.shape[axis])
+            scale = 1.0 / pow2_at_least(x.shape[axis])
             red = Binary(shape=rshape, dtype=x.dtype, bound=x.bound, op="mul", a=red, b=scale)
         e = ExpandDims(shape=x.shape[:axis] + (1,) + x.shape[axis + 1:], dtype=x.dtype, bound=red.bound,
                        exact=red.exact, x=red, axis=axis, indexing=chance(self.ch, 50))
@@ -257,7 +257,7 @@ class ProgramGenerator:
             if op == "mul" and x.bound * y.bound > 10_000:
                 op = "add"
             bound = x.bound * y.bound if op == "mul" else x.bound + y.bound
-            return Binary(shape=_broadcast(x.shape, y.shape), dtype=_promote(x.dtype, y.dtype), bound=bound,
+            return Binary(shape=broadcast_shape(x.shape, y.shape), dtype=promote(x.dtype, y.dtype), bound=bound,
                           exact=True, op=op, a=x, b=y)
         if kind == "const":
             op = ch.choice(("add", "mul", "floordiv", "mod"))
@@ -303,7 +303,7 @@ class ProgramGenerator:
             leaves.append(self.bind(stmts, e, "bias"))
         elif extra == "iota":     # the column index as a float ramp in [0, 1)
             i = Cast(shape=(BN,), dtype="f32", bound=BN, exact=True, x=Iota(shape=(BN,), dtype="i32", exact=True))
-            ramp = Binary(shape=(BN,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / _pow2_at_least(BN))
+            ramp = Binary(shape=(BN,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / pow2_at_least(BN))
             leaves.append(self.bind(stmts, ExpandDims(shape=(1, BN), dtype="f32", exact=True, x=ramp, axis=0,
                                                       indexing=True), "ramp"))
         elif extra == "cols":     # the column index, for masks
@@ -330,7 +330,8 @@ class ProgramGenerator:
         stmts.append(When(guards[1], (Store(out, offsets, alternative),)))
 
 
-def _broadcast(a, b):
+def broadcast_shape(a, b):
+    """numpy's broadcast of two tile shapes (a 1-d row against a 2-d tile: the tile's shape)."""
     if len(a) != len(b):
         return tuple(a) if len(a) > len(b) else tuple(b)
     out = []
@@ -341,7 +342,7 @@ def _broadcast(a, b):
     return tuple(out)
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
         p *= 2
@@ -349,4 +350,5 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _tail_shape(tensors: dict):
+    """The shape of the first tensor a stage reads (the one its tiles cut)."""
     return next(iter(tensors.values()))[0]

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .program_gen import ProgramGenerator, _broadcast, _pow2_at_least, _promote, cdiv, chance, weighted
+from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, Expr, ExpandDims, FragRead, Fragment, Iota, Load,
                            LoadRows, Loop, Reduce, Trans, Unary, Update)
 
@@ -56,7 +56,7 @@ def using(value: Expr, leaf: Expr) -> Expr:
     """``value``, plus ``leaf`` where the random tree left out the tile the stage is about."""
     if re.search(rf"(?<!\w){re.escape(leaf.src())}(?!\w)", value.src()):
         return value
-    return Binary(shape=_broadcast(value.shape, leaf.shape), dtype=_promote(value.dtype, leaf.dtype),
+    return Binary(shape=broadcast_shape(value.shape, leaf.shape), dtype=promote(value.dtype, leaf.dtype),
                   bound=value.bound + leaf.bound, exact=False, op="add", a=value, b=leaf)
 
 
@@ -64,7 +64,7 @@ def normalised(value: Expr) -> Expr:
     """``value`` scaled by a power of two into [-1, 1] (what a workspace feeding a GEMM holds)."""
     if value.bound <= 1 or value.dtype == "i32":
         return value
-    scale = 1.0 / _pow2_at_least(int(value.bound + 0.999))
+    scale = 1.0 / pow2_at_least(int(value.bound + 0.999))
     return Binary(shape=value.shape, dtype=value.dtype, bound=1.0, exact=value.exact, op="mul", a=value, b=scale)
 
 
@@ -234,7 +234,7 @@ def softmax(g: ProgramGenerator, src: Tensor, out: Tensor | None = None, *, role
     take part, on every backend alike)."""
     ch = g.ch
     R, C = src.shape
-    BM, BC = g.tile(), _pow2_at_least(C)
+    BM, BC = g.tile(), pow2_at_least(C)
     stmts: list = [Assign("r0", f"pm * {BM}")]
     if waits:
         waits(stmts, "r0", BM)
@@ -282,7 +282,7 @@ def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
     if src.dtype != "i32" and chance(ch, 40):
         i = Cast(shape=(BM,), dtype="f32", bound=BM, exact=True, x=Iota(shape=(BM,), dtype="i32", exact=True))
         leaves.append(g.bind(stmts, ExpandDims(shape=(BM, 1), dtype="f32", exact=True, x=Binary(
-            shape=(BM,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / _pow2_at_least(BM)), axis=1),
+            shape=(BM,), dtype="f32", bound=1.0, exact=True, op="mul", a=i, b=1.0 / pow2_at_least(BM)), axis=1),
             "ramp"))
     value = using(g.tree(leaves, ch.integer(0, 2)), t)
     out = output(g, (R, C), value, None)

@@ -355,11 +355,10 @@ class Program:
     args: tuple[Arg, ...]
     decls: tuple = ()                    # Workspace | SignalDecl
     parts: tuple[Part, ...] = ()
-    prelude: tuple = ()                  # kernel-body scalars (W = tl.world_size())
 
     def kernel_source(self) -> str:
         params = ", ".join(a.name + (": tl.Symmetric" if a.symmetric else "") for a in self.args)
-        body = [*self.prelude]
+        body: list[str] = []
         for d in self.decls:
             body += d.lines()
         for p in self.parts:

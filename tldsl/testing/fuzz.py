@@ -13,6 +13,7 @@ do not lower yet are counted, not failed. ``--only I`` reruns program I of the s
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections import Counter
@@ -161,7 +162,7 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
              + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
-    reasons = Counter(why[:100] for r in reports for why in r.not_lowered.values())
+    reasons = Counter(re.sub(r"\d+", "N", why)[:100] for r in reports for why in r.not_lowered.values())
     if reasons:
         lines.append("not lowered, by reason: " + "; ".join(f"{n}x {why}" for why, n in reasons.most_common(6)))
     if ok:

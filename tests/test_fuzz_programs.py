@@ -159,3 +159,28 @@ def test_programs_that_once_broke_the_generator(which):
     from tldsl.testing.program_families import generate
     from tldsl.testing.program_gen import RandomChooser
     FuzzCase(generate(RandomChooser(which)), f"program {which}").simulate()
+
+
+def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
+    """The --gpu path with a stand-in for tl.run (none exists here): the simulator's own outputs
+    agree; outputs off by one are mismatches, and the exit status says so."""
+    import tldsl.testing.fuzz as fuzz
+    monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
+
+    def run_with(shift):
+        def fake_run(kernel, world_size, inputs):
+            result = tl.simulate(kernel, world_size, inputs)
+            for outputs in result.outputs:
+                for name in outputs:
+                    if name.startswith("y"):
+                        outputs[name] = outputs[name] + shift
+            return result
+        monkeypatch.setattr(tl, "run", fake_run, raising=False)
+        status = fuzz.main(["--programs", "2", "--seed", "5", "--gpu", "--no-compile"])
+        return status, capsys.readouterr().out
+
+    status, out = run_with(0)
+    assert out.count("gpu: agrees") == 2 and "2 compared on the GPU, 0 mismatches" in out
+    assert status == (1 if "CRASHED" in out else 0), out
+    status, out = run_with(1)
+    assert out.count("gpu: MISMATCH") == 2 and "2 mismatches" in out and status == 1

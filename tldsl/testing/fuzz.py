@@ -7,14 +7,17 @@ compare with the simulator.
 One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
 compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
-fails in the simulator, a lowered kernel fails to compile or a GPU result differs; parts that
-do not lower yet are counted, not failed. ``--only I`` reruns program I of the seed alone.
+fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
+run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
+``--only I`` reruns program I of the seed alone.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -134,14 +137,27 @@ def gpu_unavailable() -> str | None:
     return None
 
 
-def compare_on_gpu(report: Report) -> None:
+def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> None:
+    """Run the program with ``tl.run`` and compare. A GPU kernel cannot be cancelled: a run still
+    going after ``hang_seconds`` is reported as a hang, with the program, and the process ends."""
     import tldsl as tl
     case = report.case
+    out = out or sys.stdout
+
+    def hang():
+        print(f"#{report.index:04d} HANG: tl.run did not return in {hang_seconds:.0f} s\n{case.source}", file=out,
+              flush=True)
+        os._exit(3)
+    watchdog = threading.Timer(hang_seconds, hang)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         result = tl.run(case.kernel, case.world_size, case.inputs)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
         return
+    finally:
+        watchdog.cancel()
     bad = case.mismatches(report.reference.outputs, result.outputs if hasattr(result, "outputs") else result)
     report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
 
@@ -174,7 +190,7 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
 
 
 def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,
-        compile_kernels: bool = True, out=None) -> list[Report]:
+        compile_kernels: bool = True, out=None, hang_seconds: float = 120.0) -> list[Report]:
     out = out or sys.stdout
     t0 = time.perf_counter()
     print(f"seed {seed}", file=out)
@@ -199,7 +215,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         elif not gpu:
             rep.compared = "not asked"
         elif why_no_gpu is None:
-            compare_on_gpu(rep)
+            compare_on_gpu(rep, hang_seconds, out)
         else:
             rep.compared = f"not compared: {why_no_gpu}"
         print(rep.line(), file=out)
@@ -223,11 +239,14 @@ def main(argv=None) -> int:
     ap.add_argument("--show-source", action="store_true", help="print every program's source (failing ones always)")
     ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
     ap.add_argument("--no-compile", action="store_true", help="lower but do not compile")
+    ap.add_argument("--hang-seconds", type=float, default=120.0,
+                    help="with --gpu: a program still running after this long is a hang (exit status 3)")
     args = ap.parse_args(argv)
     if args.programs < 1:
         ap.error("--programs must be positive")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-    reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile)
+    reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
+                  hang_seconds=args.hang_seconds)
     return 1 if any(r.failed for r in reports) else 0
 
 

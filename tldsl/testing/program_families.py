@@ -10,8 +10,8 @@ from __future__ import annotations
 from . import program_stages as stages
 from .program_gen import Chooser, ProgramGenerator, RandomChooser, cdiv, chance, weighted
 from .program_stages import Tensor, Tiling
-from .program_tree import (Assign, Call, FragRead, Fragment, Load, Loop, Program, Pull, SignalDecl,
-                           Store, Update)
+from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop, Program, Pull, SignalDecl,
+                           StaticMappingDecl, Store, Update)
 
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 
@@ -194,10 +194,12 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
                      Call("rank_notify", (sig, "me", "peer"))]
         g.part("comm", (W,), ("step",), body, engine="copy_engine")
 
-        def waits(stmts, r0, rows):
+        waits = mapping_waits(g, gathered, Ms, None, sig, "rank_wait", W * Ms) if chance(ch, 40) else None
+
+        def loop_waits(stmts, r0, rows):
             stmts.append(Loop("q", f"{r0} // {Ms}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * Ms}), {Ms})", "1",
                               (Call("rank_wait", (sig, "q")),)))
-        consume(g, Tensor(gathered, (W * Ms, C), dtype), waits)
+        consume(g, Tensor(gathered, (W * Ms, C), dtype), waits or loop_waits)
         return
 
     tile_form = chance(ch, 45)
@@ -234,13 +236,25 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
         wait = "consumer_tile_wait"
     g.part("comm", (W, tpr), ("step", "j"), body)
 
+    mapped = mapping_waits(g, gathered, slot, T, sig, wait, W * slot) if chance(ch, 40) else None
+
     def waits(stmts, r0, rows):
         inner = Loop("j", f"tl.maximum({r0} - q * {slot}, 0) // {T}",
                      f"tl.cdiv(tl.minimum({r0} + {rows} - q * {slot}, {slot}), {T})", "1",
                      (Call(wait, (sig, f"q * {tpr} + j")),))
         stmts.append(Loop("q", f"{r0} // {slot}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * slot}), {slot})", "1",
                           (inner,)))
-    consume(g, Tensor(gathered, (W * slot, C), dtype, exact), waits)
+    consume(g, Tensor(gathered, (W * slot, C), dtype, exact), mapped or waits)
+
+
+def mapping_waits(g: ProgramGenerator, tensor: str, rows: int, tile: int | None, sig: str, wait: str, total: int):
+    """The waits written with a ``tl.StaticMapping`` of ``tensor`` (its ``wait_rows``) instead of loops."""
+    name = g.fresh("rows")
+    g.decls.append(StaticMappingDecl(name, tensor, rows, tile))
+
+    def waits(stmts, r0, n):
+        stmts.append(Invoke(f"{name}.wait_rows", (sig, r0, f"tl.minimum({r0} + {n}, {total})", f"wait=tl.{wait}")))
+    return waits
 
 
 def all_reduce(g: ProgramGenerator) -> None:

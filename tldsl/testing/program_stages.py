@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
-from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, Expr, ExpandDims, FragRead, Fragment, Iota, Load,
-                           LoadRows, Loop, Reduce, Trans, Unary, Update)
+from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
+                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update)
 
 Waits = Callable[[list, str, int], None]          # (stmts, r0, rows)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -217,7 +217,7 @@ def row_reduce(g: ProgramGenerator, src: Tensor, *, waits: Waits | None = None) 
     stmts.append(Fragment("acc", (BM,), acc_dtype, REDUCE_FILL[fn, acc_dtype]))
     if kind == "counted":
         tab = g.arg((cdiv(R, BM),), "i32", "table", low=1, high=cdiv(K, BK) + 1)
-        stmts.append(Assign("nk", f"tl.load_scalar({tab}, (pm,))"))
+        stmts.append(Assign("nk", table_read(g, tab, cdiv(R, BM), "count")))
         stmts.append(Loop("kb", "0", "nk", "1", tuple(body)))
     else:
         stmts.append(Loop("k", "0", str(K), str(BK), tuple(body), static=kind == "static"))
@@ -259,6 +259,15 @@ def softmax(g: ProgramGenerator, src: Tensor, out: Tensor | None = None, *, role
     return out, tiling
 
 
+def table_read(g: ProgramGenerator, table: str, tiles: int, key: str) -> str:
+    """This task's entry of an i32 table: ``tl.load_scalar``, or a ``tl.DynamicMapping`` over it."""
+    if chance(g.ch, 60):
+        return f"tl.load_scalar({table}, (pm,))"
+    name = g.fresh("tiles")
+    g.decls.append(DynamicMappingDecl(name, tiles, key, table))
+    return f'{name}["{key}", pm]'
+
+
 def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
     """Rows of ``src`` chosen at run time: by an index tile (``tl.load_rows``, negative ids read
     zero rows) or a row block per task from a table (``tl.load_scalar``)."""
@@ -275,7 +284,7 @@ def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
                                    col="c0", ncols=BN))
     else:
         tab = g.arg((cdiv(R, BM),), "i32", "table", low=0, high=cdiv(Rx, BM))
-        stmts.append(Assign("blk", f"tl.load_scalar({tab}, (pm,))"))
+        stmts.append(Assign("blk", table_read(g, tab, cdiv(R, BM), "block")))
         t = g.bind(stmts, Load(shape=(BM, BN), dtype=src.dtype, exact=True, tensor=src.name,
                                offsets=(f"blk * {BM}", "c0"), box=(BM, BN)))
     leaves: list[Expr] = [t]

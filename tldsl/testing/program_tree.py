@@ -286,7 +286,17 @@ class Call:
         return [f"tl.{self.fn}({', '.join(self.args)})"]
 
 
-Stmt = Union[Assign, Let, Store, Fragment, Update, Loop, When, Call]
+@dataclass(frozen=True)
+class Invoke:
+    """A call of something the program declared: ``rows0.wait_rows(ready0, r0, hi, wait=...)``."""
+    target: str
+    args: tuple[str, ...]
+
+    def lines(self):
+        return [f"{self.target}({', '.join(self.args)})"]
+
+
+Stmt = Union[Assign, Let, Store, Fragment, Update, Loop, When, Call, Invoke]
 
 
 # -- the program -----------------------------------------------------------------------------
@@ -329,6 +339,31 @@ class SignalDecl:
 
 
 @dataclass(frozen=True)
+class StaticMappingDecl:
+    """``tl.StaticMapping``: ``rows`` rows per rank of ``tensor``, in tiles of ``tile`` rows."""
+    name: str
+    tensor: str
+    rows: int
+    tile: int | None = None
+
+    def lines(self):
+        tile = "" if self.tile is None else f", {self.tile}"
+        return [f'{self.name} = tl.StaticMapping("{self.name}", {self.tensor}, {self.rows}{tile})']
+
+
+@dataclass(frozen=True)
+class DynamicMappingDecl:
+    """``tl.DynamicMapping`` over ``tiles`` tiles: ``key`` reads the i32 table ``table``."""
+    name: str
+    tiles: int
+    key: str
+    table: str
+
+    def lines(self):
+        return [f'{self.name} = tl.DynamicMapping("{self.name}", {self.tiles}, {self.key}={self.table})']
+
+
+@dataclass(frozen=True)
 class Part:
     name: str
     role: str                            # compute | comm
@@ -353,7 +388,7 @@ KERNEL_NAME = "tile_program"
 class Program:
     world_size: int
     args: tuple[Arg, ...]
-    decls: tuple = ()                    # Workspace | SignalDecl
+    decls: tuple = ()                    # Workspace | SignalDecl | StaticMappingDecl | DynamicMappingDecl
     parts: tuple[Part, ...] = ()
 
     def kernel_source(self) -> str:

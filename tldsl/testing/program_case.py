@@ -55,7 +55,7 @@ class FuzzCase:
     input_seed: int = 0
 
     def __post_init__(self):
-        self.kernel = self.program.build(f"<{self.label}>")
+        self.kernel = self.program.build(f"<{self.label}>", self._header, self.input_seed)
         self.world_size = self.program.world_size
         self.inputs = make_inputs(self.program.args, self.world_size, self.input_seed)
 
@@ -66,9 +66,13 @@ class FuzzCase:
         printer.text(repr(self))
 
     @property
+    def _header(self) -> str:
+        return f"{self.label} (inputs: make_inputs(ARGS, WORLD_SIZE, seed={self.input_seed}))"
+
+    @property
     def source(self) -> str:
-        return self.program.source(f"{self.label} (inputs: make_inputs(ARGS, WORLD_SIZE, seed={self.input_seed}))",
-                                   self.input_seed)
+        """What was traced, as a standalone module (the lines errors point at)."""
+        return self.program.source(self._header, self.input_seed)
 
     def trace(self):
         """The traced IR kernel (verified; cached by the kernel function)."""

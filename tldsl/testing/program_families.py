@@ -130,11 +130,16 @@ def consume(g: ProgramGenerator, src: Tensor, waits) -> None:
 def communication(g: ProgramGenerator) -> None:
     ch = g.ch
     g.world_size = weighted(ch, {2: 50, 3: 25, 4: 25})
-    kind = weighted(ch, {"peer_read": 16, "sm_pull": 21, "sm_push": 21, "copy_engine": 21, "all_reduce": 21})
+    kind = weighted(ch, {"peer_read": 12, "sm_pull": 15, "sm_push": 15, "copy_engine": 15, "all_reduce": 15,
+                         "library_all_gather": 14, "library_reduce_scatter": 14})
     if kind == "peer_read":
         peer_read(g)
     elif kind == "all_reduce":
         all_reduce(g)
+    elif kind == "library_all_gather":
+        library_all_gather(g)
+    elif kind == "library_reduce_scatter":
+        library_reduce_scatter(g)
     else:
         all_gather(g, kind)
 
@@ -316,3 +321,59 @@ def generate_distinct(n: int, seed: int, max_attempts: int | None = None) -> lis
     if len(out) < n:
         raise RuntimeError(f"only {len(out)} distinct programs in {attempt} attempts")
     return out
+
+
+# -- the library's collectives (tldsl.collectives), under a drawn communication schedule ---------
+
+def comm_schedule(g: ProgramGenerator, copy_engine_modes=("pull", "push"), tiles=(None, 8, 16)) -> str:
+    ch = g.ch
+    order = ch.choice(("ring", "full_mesh"))
+    if chance(ch, 30):
+        mode = ch.choice(copy_engine_modes)
+        tile_m = ch.choice(tiles) if mode == "push" and copy_engine_modes == ("push",) else None
+        return f'tl.CommSchedule(tile_m={tile_m}, order="{order}", mode="{mode}", engine="copy_engine")'
+    return (f'tl.CommSchedule(tile_m={ch.choice(tiles)}, order="{order}", mode="{ch.choice(("pull", "push"))}", '
+            f'engine="sm", sms={ch.integer(1, 2)})')
+
+
+def library_all_gather(g: ProgramGenerator) -> None:
+    """``collectives.all_gather`` of a symmetric shard; a compute stage waits with its ``wait_rows``."""
+    W = g.world_size
+    Ms, C = g.extent(16), g.extent(24)
+    dtype = g.float_dtype()
+    x = g.arg((Ms, C), dtype, symmetric=True)
+    gathered = g.workspace((W * Ms, C), dtype, symmetric=True)
+    g.comm = comm_schedule(g)
+    ag = g.fresh("ag")
+    g.decls.append(Assign(ag, f"collectives.all_gather({x}, {gathered}, comm)"))
+
+    def waits(stmts, r0, rows):
+        stmts.append(Invoke(f"{ag}.wait_rows", (r0, f"tl.minimum({r0} + {rows}, {W * Ms})")))
+    consume(g, Tensor(gathered, (W * Ms, C), dtype), waits)
+
+
+def library_reduce_scatter(g: ProgramGenerator) -> None:
+    """A producer stage writes every rank's partial [W * Ms, C] and hands rows over with
+    ``notify_rows``; ``collectives.reduce_scatter`` sums them into each rank's [Ms, C]."""
+    ch = g.ch
+    W = g.world_size
+    Ms, C = g.extent(12), g.extent(24)
+    M = W * Ms
+    partial_dtype = ch.choice(("f32", "f16", "bf16"))
+    partial = Tensor(g.workspace((M, C), partial_dtype), (M, C), partial_dtype, exact=False)
+    out = g.arg((Ms, C), g.float_dtype(), "output")
+    g.comm = comm_schedule(g, copy_engine_modes=("push",))
+    rs = g.fresh("rs")
+
+    def notify(stmts, tiling: Tiling):
+        stmts.append(Invoke(f"{rs}.notify_rows", ("r0", f"tl.minimum(r0 + {tiling.BM}, {M})")))
+
+    if chance(ch, 50):
+        K, a_dtype = g.extent(24), g.float_dtype()
+        a = Tensor(g.arg((M, K), a_dtype), (M, K), a_dtype)
+        _, tiling = stages.gemm(g, a, partial, tile=(ch.choice((16, 32)), ch.choice((16, 32))), notify=notify)
+    else:
+        x_dtype = g.float_dtype()
+        _, tiling = stages.ewise(g, [Tensor(g.arg((M, C), x_dtype), (M, C), x_dtype)], partial, notify=notify)
+    g.decls.append(Assign(rs, f"collectives.reduce_scatter({partial.name}, {out}, comm, producer_rows={tiling.BM}, "
+                              f"producers_per_row={tiling.notifies_per_row_block})"))

@@ -91,6 +91,7 @@ class ProgramGenerator:
         self.counts: Counter = Counter()
         self.world_size = 1
         self.keep_int = False            # integer trees stay integer (they feed an i32 tensor)
+        self.comm: str | None = None     # the communication schedule the library's collectives take
 
     # -- names and declarations ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -121,7 +122,7 @@ class ProgramGenerator:
                                tuple(params), tuple(body), engine))
 
     def program(self) -> Program:
-        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts))
+        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts), self.comm)
 
     # -- sizes ----------------------------------------------------------------------------------
     def tile(self, options=(8, 16, 32)) -> int:

@@ -390,9 +390,12 @@ class Program:
     args: tuple[Arg, ...]
     decls: tuple = ()                    # Workspace | SignalDecl | StaticMappingDecl | DynamicMappingDecl
     parts: tuple[Part, ...] = ()
+    comm: str | None = None              # a tl.CommSchedule(...) for the collectives: the kernel's comm= default
 
     def kernel_source(self) -> str:
         params = ", ".join(a.name + (": tl.Symmetric" if a.symmetric else "") for a in self.args)
+        if self.comm is not None:
+            params += ", *, comm: tl.CommSchedule = COMM"
         body: list[str] = []
         for d in self.decls:
             body += d.lines()
@@ -410,14 +413,16 @@ class Program:
                 f"    result = tl.simulate({KERNEL_NAME}, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE, seed={input_seed}))\n"
                 "    for rank, outputs in enumerate(result.outputs):\n"
                 "        print(f\"rank {rank}:\", {k: v for k, v in outputs.items() if k.startswith(\"y\")})\n")
-        return (f"{doc}import tldsl as tl\nfrom tldsl.testing.program_inputs import make_inputs\n"
-                f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n"
+        collectives = "from tldsl import collectives\n" if self.comm is not None else ""
+        comm = f"COMM = {self.comm}\n" if self.comm is not None else ""
+        return (f"{doc}import tldsl as tl\n{collectives}from tldsl.testing.program_inputs import make_inputs\n"
+                f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n{comm}"
                 f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}{main}")
 
-    def build(self, filename: str = "<tile program>"):
-        """The ``@tl.kernel`` function this program's source defines (its lines are registered
-        with :mod:`linecache`, so errors and the IR point at them)."""
-        text = self.source()
+    def build(self, filename: str = "<tile program>", header: str = "", input_seed: int = 0):
+        """The ``@tl.kernel`` function of ``source(header, input_seed)`` (its lines are registered
+        with :mod:`linecache` under ``filename``, so errors and the IR point at the lines shown)."""
+        text = self.source(header, input_seed)
         linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
         namespace: dict = {"__name__": "tldsl_fuzz_program"}
         exec(compile(text, filename, "exec"), namespace)      # noqa: S102 - our own generated source

@@ -51,6 +51,10 @@ def select(kernel: core.Kernel, part: str | core.Part) -> core.Part:
 
 def match(kernel: core.Kernel, part: core.Part, recipes=RECIPES) -> Selected:
     """Stage 2: the first recipe, by priority, whose matcher accepts ``part``."""
+    if part.fused:
+        owner = next(q.name for q in kernel.parts if q.role == "compute")
+        raise LoweringError(f"part '{part.name}' is fused into compute part '{owner}' (the schedule's choice): "
+                            f"it is no kernel of its own — lower '{owner}', whose kernel does its work", part.loc)
     declined: list[tuple[str, LoweringError]] = []
     for recipe in sorted((r for r in recipes if r.role == part.role), key=lambda r: -r.priority):
         try:
@@ -89,8 +93,9 @@ def lower(kernel: core.Kernel, part: str | core.Part, **options):
 
 def lower_all(kernel: core.Kernel, **options) -> dict:
     """Every part of ``kernel`` lowered: {part name: lowered kernel}. One set of options for
-    every part: each recipe takes the ones it knows (an option no recipe knows is an error)."""
-    return {p.name: _lower(kernel, p, options, strict=False) for p in kernel.parts}
+    every part: each recipe takes the ones it knows (an option no recipe knows is an error).
+    Parts fused into the compute part are lowered with it (they have no entry of their own)."""
+    return {p.name: _lower(kernel, p, options, strict=False) for p in kernel.parts if not p.fused}
 
 
 def _lower(kernel, part, options: dict, strict: bool):

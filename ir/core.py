@@ -100,10 +100,12 @@ class Part:
     name: str
     role: str                 # "compute" | "comm"
     grid: tuple[int, ...]
-    engine: str               # "sm" | "copy_engine"
+    engine: str               # "sm" | "copy_engine" | "compute" (run by the compute part's kernel)
     body: Block
     loc: Location | None = None
     lanes: int | None = None  # comm parts: how many tasks may run at once (SMs or CE streams)
+    fused: bool = False       # comm parts the schedule fused into the kernel's compute part: the
+    #                           simulator runs them as written, codegen inside the compute kernel
 
     @property
     def num_tasks(self) -> int:

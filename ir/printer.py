@@ -103,7 +103,7 @@ def format_kernel(k) -> str:
         lines.append(f"  mapping   {m}")
     for p in k.parts:
         label = "communication" if p.role == "comm" else "computation"
-        extra = f" engine={p.engine}" + (f" lanes={p.lanes}" if p.lanes else "")
+        extra = f" engine={p.engine}" + (f" lanes={p.lanes}" if p.lanes else "") + (" fused" if p.fused else "")
         lines.append("")
         lines.append(f"  {p.role} part @{p.name} grid={p.grid}{extra} {{  // {label}")
         _format_block(p.body, names, "    ", lines)

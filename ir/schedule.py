@@ -18,7 +18,8 @@ COMM_ORDERS = ("ring", "full_mesh")
 CLUSTER_SHAPES = ((1, 1), (2, 1))
 COMM_TRANSPORTS = ("ptr", "nvshmem")
 COMM_MODES = ("push", "pull")
-COMM_ENGINES = ("sm", "copy_engine")
+COMM_ENGINES = ("sm", "copy_engine", "compute")
+OWN_ROWS = ("comm", "compute")
 REDUCE_PLACES = ("comm", "epilogue")
 
 
@@ -122,7 +123,14 @@ class CommSchedule:
     col_tile (the copy-engine all-gather): columns per slice — each shard moves in column
     slices of this width, each behind its own notify, and a compute tile waits for a slice only
     when its K loop reaches it, so a late peer's shard lets tiles start on its first slice while
-    the rest still moves (None: whole shards)."""
+    the rest still moves (None: whole shards);
+    own_rows (the all-gather): who moves this rank's own rows — ``comm`` (the communication, like
+    every shard) or ``compute`` (parts fused into the compute part's kernel, which reads its rows
+    from the shard and stores each stage where the schedule needs it: with ``mode='pull'`` into
+    the symmetric slot peers pull from, publishing its arrival to them; with ``mode='push'`` into
+    the gathered output ``<dst>_out``, every row as it loads it, so the landing buffer is free
+    at once); engine ``compute`` (with own_rows='compute', mode='push'): no copy engine either —
+    the compute part pushes its rows into every peer's landing buffer as it loads them."""
     tile_m: int | None = None
     order: str = "ring"
     mode: str = "pull"
@@ -131,6 +139,7 @@ class CommSchedule:
     transport: str = "ptr"
     reduce_in: str = "comm"
     col_tile: int | None = None
+    own_rows: str = "comm"
 
     def __post_init__(self):
         check_field_types(self, _invalid)
@@ -149,6 +158,23 @@ class CommSchedule:
             if self.engine != "copy_engine":
                 raise _invalid(f"col_tile={self.col_tile}: column slices are the copy-engine all-gather's; "
                                f"got engine={self.engine!r} (the SM engine's tiles are rows: tile_m)")
+        if self.own_rows not in OWN_ROWS:
+            raise _invalid(f"own_rows={self.own_rows!r}: choose one of {OWN_ROWS}")
+        if self.own_rows == "compute":
+            if self.engine == "sm":
+                raise _invalid("own_rows='compute' fuses this rank's rows into the compute part beside the copy engine "
+                               "(engine='copy_engine') or with the compute part pushing (engine='compute'); "
+                               "got engine='sm'")
+            if self.mode == "pull" and self.col_tile is not None:
+                raise _invalid(f"own_rows='compute' with mode='pull': the compute part stages whole shards, so "
+                               f"col_tile={self.col_tile} cannot slice them; use mode='push' or col_tile=None")
+        if self.engine == "compute":
+            if (self.mode, self.own_rows) != ("push", "compute"):
+                raise _invalid("engine='compute' (the compute part pushes its rows as it loads them) needs "
+                               f"mode='push' and own_rows='compute'; got mode={self.mode!r}, own_rows={self.own_rows!r}")
+            if self.col_tile is not None or self.tile_m is not None or self.sms not in (None, 0):
+                raise _invalid("engine='compute' moves the compute part's own tiles: col_tile, tile_m and sms do "
+                               "not apply")
         if self.transport not in COMM_TRANSPORTS:
             raise _invalid(f"communication transport {self.transport!r}: choose one of {COMM_TRANSPORTS}")
         if self.reduce_in not in REDUCE_PLACES:
@@ -157,7 +183,7 @@ class CommSchedule:
             raise _invalid("reduce_in='epilogue' (peers' rows added in the compute part's epilogue) is the "
                            f"copy-engine push schedule: engine='copy_engine', mode='push'; got engine="
                            f"{self.engine!r}, mode={self.mode!r}")
-        if self.engine == "copy_engine" and self.transport != "ptr":
+        if self.engine in ("copy_engine", "compute") and self.transport != "ptr":
             raise _invalid("the copy engine copies through the driver: transport='nvshmem' needs engine='sm'")
         if self.engine == "copy_engine":
             if self.sms not in (None, 0):
@@ -168,7 +194,7 @@ class CommSchedule:
     @property
     def lanes(self) -> int:
         """How many communication tasks run at once on one rank."""
-        if self.engine == "copy_engine":
+        if self.engine in ("copy_engine", "compute"):
             return 1
         return self.sms if self.sms is not None else 2
 
@@ -185,7 +211,11 @@ class CommSchedule:
 
 
 def check_compatible(compute: ComputeSchedule, comm: CommSchedule) -> None:
-    """Reject schedule pairs whose tiles cannot be linked by one channel mapping."""
+    """Reject schedule pairs whose tiles cannot be linked by one channel mapping, or that fuse
+    this rank's rows into a compute part that cannot carry them."""
+    if comm.own_rows == "compute" and compute.cluster != (1, 1):
+        raise _invalid(f"own_rows='compute': the compute part stores the stages it loads without thread-block "
+                       f"clusters; got cluster={compute.cluster}")
     if comm.tile_m is not None:
         bm = compute.BM
         if bm % comm.tile_m and comm.tile_m % bm:

@@ -79,12 +79,16 @@ def wrap_i32(x):
     return x
 
 
-def wait_target(count: int, launch: int, epoch: bool = True, per_launch: int | None = None) -> int:
+def wait_target(count: int, launch: int, epoch: bool = True, per_launch: int | None = None, lag: int = 0) -> int:
     """The value a wait spins for. Signals are counters never reset: with epoch counting a
     slot notified ``per_launch`` times per launch (default ``count``: the wait needs all of
     them) holds ``per_launch * (launch - 1)`` when launch ``launch`` (1-based) begins, so the
-    wait needs ``per_launch * (launch - 1) + count``; ``epoch=False`` waits for ``count`` itself."""
+    wait needs ``per_launch * (launch - 1) + count``; ``epoch=False`` waits for ``count`` itself.
+    ``lag``: the wait is for the notifies of launch ``launch - lag`` (a buffer reused every other
+    launch is free once its readers reached the launch before); none before the first launch."""
     if not epoch:
         return count
     per = count if per_launch is None else per_launch
-    return per * (launch - 1) + count
+    if launch - lag < 1:
+        return 0
+    return per * (launch - 1 - lag) + count

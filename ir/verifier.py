@@ -33,8 +33,14 @@ def verify(kernel: Kernel, *, channels: bool = True) -> None:
     for part in kernel.parts:
         if part.role not in ("compute", "comm"):
             _err(f"part '{part.name}' has unknown role {part.role!r}", loc=part.loc)
-        if part.engine not in ("sm", "copy_engine"):
+        if part.engine not in ("sm", "copy_engine", "compute"):
             _err(f"part '{part.name}' has unknown engine {part.engine!r}", loc=part.loc)
+        if (part.engine == "compute") != bool(part.fused):
+            _err(f"part '{part.name}': engine 'compute' is a comm part fused into the compute part, and only that",
+                 loc=part.loc)
+        if part.fused and sum(p.role == "compute" for p in kernel.parts) != 1:
+            _err(f"part '{part.name}' is fused into the compute part, but the kernel has "
+                 f"{sum(p.role == 'compute' for p in kernel.parts)} compute parts", loc=part.loc)
         if part.role == "compute" and part.engine != "sm":
             _err(f"compute part '{part.name}' must run on SMs", loc=part.loc)
         _verify_block(part.body, set(visible), part, kernel)
@@ -65,7 +71,11 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
     if part.engine == "copy_engine" and name not in COPY_ENGINE_OPS:
         _err(f"'{name}' cannot run on the copy engine: a copy-engine part holds only "
              "rank_copy_data, rank_notify, rank_wait, consumer_tile_wait and index arithmetic", op)
-    if name == "rank_copy_data" and part.engine != "copy_engine":
+    if part.engine == "compute" and name not in COPY_ENGINE_OPS:
+        _err(f"'{name}' in a part fused into the compute part: such a part holds only rank_copy_data, "
+             "rank_notify, rank_wait, consumer_tile_wait and index arithmetic (the compute part stores what "
+             "it loads)", op)
+    if name == "rank_copy_data" and part.engine not in ("copy_engine", "compute"):
         _err("rank_copy_data runs on the copy engine: put it in a comm part with engine='copy_engine' "
              "(or use tile_push_data / tile_pull_data on SMs)", op)
     if name in NOTIFY_OPS or name in WAIT_OPS:

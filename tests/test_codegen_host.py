@@ -375,12 +375,12 @@ def test_pushing_gemm_orders_each_ctas_own_tiles_first():
         return False
 
     def lower_pushing(W, rows, group):
-        """lower_gemm of AllGather+GEMM pushing this rank's ``rows`` tile rows (BM = 128)."""
-        comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+        """AllGather+GEMM with the GEMM pushing this rank's ``rows`` tile rows (BM = 128), lowered."""
+        comm = tl.CommSchedule(engine="compute", mode="push", order="ring", own_rows="compute")
         k = allgather_gemm.trace(W, S((rows * 128, 64), tl.float16), S((64, 256), tl.float16),
                                  S((W * rows * 128, 256), tl.float16), comm=comm,
                                  compute=tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=group))
-        return lower_gemm(k, "gemm", gather_rows=True, push_rows=True)
+        return lower_gemm(k, "gemm")
 
     @settings(max_examples=200, deadline=None)
     @given(W=st.sampled_from([2, 4, 8]), group=st.integers(1, 8), gn=st.integers(1, 20), ctas=st.integers(1, 160),

@@ -114,53 +114,54 @@ def test_gemm_with_waits_compiles(cache, comm, scope):
 
 @needs_cuobjdump
 def test_gemm_staging_its_own_rows_compiles(cache):
-    """own_rows (AG+GEMM's staging='gemm'): the same SASS checks, more TMA stores (the staged A
-    stages, to the slot and to A_gathered), the arrivals published with system-scope stores after
-    a fence; with a debug timeout the slot wait can trap. Rows that are not whole tiles, or
-    clusters, are refused at lowering."""
+    """own_rows (AG+GEMM pulling with CommSchedule(own_rows='compute'), the runtime's
+    staging='gemm'): the schedule fuses the staging part into the GEMM, which then has the same
+    SASS checks, more TMA stores (the staged A stages, to the slot and to A_gathered), the
+    arrivals published with system-scope stores after a fence; with a debug timeout the slot
+    wait can trap. Rows that are not whole tiles, or clusters, are refused when traced (the
+    simulator refuses them too), and a cluster forced at lowering is refused there."""
     from tldsl.codegen import LoweringError
     comm = tl.CommSchedule(engine="copy_engine", mode="pull", order="ring")
-    ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
-    plain = lower_gemm(ir, "gemm")
-    lg = lower_gemm(ir, "gemm", own_rows=True)
-    assert lg.own_rows and [t.buffer for t in lg.tma[3:]] == ["a_shard", "a_slot"]
+    sched = dict(tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    plain = lower_gemm(trace_ag(W=2, comm=comm, **sched), "gemm")
+    ir = trace_ag(W=2, comm=comm.with_(own_rows="compute"), **sched)
+    lg = lower_gemm(ir, "gemm")
+    assert lg.own_rows and [t.buffer for t in lg.tma[3:]] == ["a", "a_slot"]
+    assert lg.row_signals == ("own_staged", "gather_a_arrive", "gather_a_arrive_peers")
     assert [t.global_dims for t in lg.tma[3:]] == [(512, 1024)] * 2 and lg.tma[3].box_dims == lg.tma[0].box_dims
     k0 = plain.compile(cache=cache, progress=False).sass()[plain.entry]
     k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")    # flags the copy engine writes
     assert k.count("UTMASTG") > k0.count("UTMASTG") and k.count("ATOMG") >= 1 and k.count("STG.E.64.STRONG.SYS") >= 1
-    dbg = lower_gemm(ir, "gemm", own_rows=True, wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
+    dbg = lower_gemm(ir, "gemm", wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
     assert dbg.sass()[lg.entry].count("BPT.TRAP") >= 1
-    with pytest.raises(LoweringError, match="whole 128-row tiles"):
-        lower_gemm(allgather_gemm.trace(2, S((1000, 512), tl.float16), S((512, 768), tl.float16),
-                                        S((2000, 768), tl.float16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
-                                        comm=comm), "gemm", own_rows=True)
+    with pytest.raises(tl.ScheduleError, match="whole tiles"):
+        allgather_gemm.trace(2, S((1000, 512), tl.float16), S((512, 768), tl.float16), S((2000, 768), tl.float16),
+                             compute=tl.ComputeSchedule(tile=(128, 256, 64)), comm=comm.with_(own_rows="compute"))
+    with pytest.raises(tl.ScheduleError, match="without thread-block clusters"):
+        trace_ag(W=2, comm=comm.with_(own_rows="compute"), cluster=(2, 1), **sched)
     with pytest.raises(LoweringError, match="without thread-block clusters"):
-        lower_gemm(ir, "gemm", own_rows=True, cluster=(2, 1))
+        lower_gemm(ir, "gemm", cluster=(2, 1))
 
 
 @needs_cuobjdump
 def test_gemm_gathering_pushed_rows_compiles(cache):
-    """gather_rows (AG+GEMM with the copy engines pushing): this rank's rows from its shard, the
-    peers' from A (the landing buffer) behind system-scope waits on the flags the peers' copy
-    engines write, every A stage stored into the gathered copy: more TMA stores than the plain
-    GEMM, no atomics or remote stores (nothing is published). Refused together with own_rows,
-    and for rows that are not whole tiles."""
-    from tldsl.codegen import LoweringError
+    """gather_rows (AG+GEMM with the copy engines pushing, own_rows='compute'): this rank's rows
+    from its shard, the peers' from A (the landing buffer) behind system-scope waits on the flags
+    the peers' copy engines write, every A stage stored into the gathered output: more TMA
+    stores than the plain GEMM, no atomics or remote stores (nothing is published). Column
+    slices keep the same kernel with sliced waits."""
     comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
-    ir = trace_ag(W=2, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
-    plain = lower_gemm(ir, "gemm")
-    lg = lower_gemm(ir, "gemm", gather_rows=True)
-    assert lg.gather_rows and not lg.own_rows and [t.buffer for t in lg.tma[3:]] == ["a_shard", "a_copy"]
+    sched = dict(tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    plain = lower_gemm(trace_ag(W=2, comm=comm, **sched), "gemm")
+    lg = lower_gemm(trace_ag(W=2, comm=comm.with_(own_rows="compute"), **sched), "gemm")
+    assert lg.gather_rows and not lg.own_rows and not lg.push_rows
+    assert [t.buffer for t in lg.tma[3:]] == ["a", "a_gathered_out"] and lg.row_signals == ()
     assert [t.global_dims for t in lg.tma[3:]] == [(512, 1024), (512, 2048)]
     k0 = plain.compile(cache=cache, progress=False).sass()[plain.entry]
     k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
     assert k.count("UTMASTG") > k0.count("UTMASTG") and k.count("ATOMG") == 0 and k.count("STG.E.64.STRONG.SYS") == 0
-    with pytest.raises(LoweringError, match="choose one"):
-        lower_gemm(ir, "gemm", gather_rows=True, own_rows=True)
-    with pytest.raises(LoweringError, match="gather_rows: this rank's rows"):
-        lower_gemm(allgather_gemm.trace(2, S((1000, 512), tl.float16), S((512, 768), tl.float16),
-                                        S((2000, 768), tl.float16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
-                                        comm=comm), "gemm", gather_rows=True)
+    sliced = lower_gemm(trace_ag(W=2, comm=comm.with_(own_rows="compute", col_tile=128), **sched), "gemm")
+    assert sliced.gather_rows and "kStaged = true" in sliced.source and "kStaged = false" in lg.source
 
 
 @needs_cuobjdump
@@ -170,22 +171,22 @@ def test_gemm_waiting_per_column_slice_compiles(cache):
     slices' first steps: target per_launch * (launch - 1) + slice + 1) and nothing before the
     tile; the gathering GEMM keeps its stores. Without col_tile the same program compiles to the
     whole-shard waits before the tile, and no stage waits."""
-    sliced = tl.CommSchedule(engine="copy_engine", mode="push", order="ring", col_tile=128)
-    whole = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
+    sliced = tl.CommSchedule(engine="copy_engine", mode="push", order="ring", col_tile=128, own_rows="compute")
+    whole = tl.CommSchedule(engine="copy_engine", mode="push", order="ring", own_rows="compute")
     lg = lower_gemm(trace_ag(W=2, comm=sliced, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
-                    "gemm", gather_rows=True)
+                    "gemm")
     assert "kStaged = true" in lg.source and "kEnabled = false" in lg.source
     assert "4ull * (launch - 1ull) + (unsigned long long)(" in lg.source      # 512 columns: 4 slices
     assert "tldsl::floormod(k0, 128)" in lg.source and lg.waits == 1
     plain = lower_gemm(trace_ag(W=2, comm=whole, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
-                       "gemm", gather_rows=True)
+                       "gemm")
     assert "kStaged = false" in plain.source and "kEnabled = true" in plain.source
     assert "per_launch" not in plain.source and "(launch - 1ull)" not in plain.source
     k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
     k0 = check_sass(plain.compile(cache=cache, progress=False), waits_scope="SYS")
     assert k.count("UTMASTG") >= 2 and k0.count("UTMASTG") >= 2          # the gathered copy's stores, both ways
     dbg = lower_gemm(trace_ag(W=2, comm=sliced, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
-                     "gemm", gather_rows=True, wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
+                     "gemm", wait_timeout_ns=10 ** 9).compile(cache=cache, progress=False)
     assert dbg.sass()[lg.entry].count("BPT.TRAP") >= 1
 
 
@@ -196,29 +197,31 @@ def test_gemm_pushing_its_rows_compiles(cache, W):
     this rank's rows also stored into each peer's landing buffer (one descriptor per peer, both
     slots), the storing tiles counted and the launch's last one publishing the flag on every
     peer (a system-scope fence, an atomic add, remote stores). The descriptors and parameters
-    follow the world size; push_rows needs gather_rows."""
-    from tldsl.codegen import LoweringError
-    comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring")
-    ir = trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
-    gather = lower_gemm(ir, "gemm", gather_rows=True)
-    lg = lower_gemm(ir, "gemm", gather_rows=True, push_rows=True)
+    follow the world size (the schedule: engine='compute', own_rows='compute')."""
+    from tldsl.codegen import LoweringError, lower
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", order="ring", own_rows="compute")
+    pushing = comm.with_(engine="compute")
+    gather = lower_gemm(trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8),
+                        "gemm")
+    ir = trace_ag(W=W, comm=pushing, tile=(128, 256, 64), stages=4, order="comm_aligned", group_m=8)
+    lg = lower_gemm(ir, "gemm")
     assert lg.push_rows and "(push_rows)" in lg.describe()
     pushes = [t for t in lg.tma if t.param.startswith("tma_push_")]
     assert [t.buffer for t in pushes] == [f"push_landing_{q}" for q in range(W - 1)]
     assert all(t.global_dims == (512, 2 * W * 1024) for t in pushes)      # both slots of [W * 1024, 512]
-    assert [p.source for p in lg.params[-2:]] == ["signal:push_count", "signal:push_flag_peers"]
+    assert [p.source for p in lg.params[-2:]] == ["signal:push_count", "signal:gather_a_ready_peers"]
     assert "GatherRows<Cfg::kWorldSize, true, true>" in lg.source and "int(launch & 1ull) * M" in lg.source
     k0 = check_sass(gather.compile(cache=cache, progress=False), waits_scope="SYS")
     k = check_sass(lg.compile(cache=cache, progress=False), waits_scope="SYS")
     assert k.count("UTMASTG") > k0.count("UTMASTG")
     assert k.count("MEMBAR") > k0.count("MEMBAR") and k.count("ATOMG") >= 1 and k0.count("ATOMG") == 0
     assert k.count("STG.E.64.STRONG.SYS") >= 1 and k0.count("STG.E.64.STRONG.SYS") == 0
-    with pytest.raises(LoweringError, match="lower with gather_rows=True"):
-        lower_gemm(ir, "gemm", push_rows=True)
+    with pytest.raises(LoweringError, match="fused into compute part 'gemm'"):
+        lower(ir, "gather_a")
     for order, group_m in (("swizzled", 8), ("comm_aligned", 3)):        # 8 tile rows per rank: not 3's multiple
-        bad = trace_ag(W=W, comm=comm, tile=(128, 256, 64), stages=4, order=order, group_m=group_m)
+        bad = trace_ag(W=W, comm=pushing, tile=(128, 256, 64), stages=4, order=order, group_m=group_m)
         with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
-            lower_gemm(bad, "gemm", gather_rows=True, push_rows=True)
+            lower_gemm(bad, "gemm")
 
 
 def test_cache_hit_is_fast_and_keyed_on_options(cache):

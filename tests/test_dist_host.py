@@ -23,7 +23,6 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
-from tldsl.codegen.plan.gemm import OWN_ROW_SIGNALS, PUSH_ROW_SIGNALS
 import pytest
 
 import tldsl as tl
@@ -1131,8 +1130,7 @@ class _Proto:
                     assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
                 for name, shape, _ in getattr(self.lowered, "data_buffers", ()):
                     assert tuple(buffers[name].shape) == shape, name
-                own = OWN_ROW_SIGNALS if getattr(self.lowered, "own_rows", False) else ()
-                own += PUSH_ROW_SIGNALS if getattr(self.lowered, "push_rows", False) else ()
+                own = getattr(self.lowered, "row_signals", ())       # own_rows / push_rows: by the IR's names
                 assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals + own)
                 proto.prepared += 1
                 proto.gemm_args = (buffers, signals)
@@ -1784,7 +1782,8 @@ def test_allgather_device_handshake(proto, monkeypatch):
 
 
 def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
-    """staging='gemm': no staging pass before the GEMM. The GEMM (lowered with own_rows) reads
+    """staging='gemm': no staging pass before the GEMM. The GEMM (own_rows='compute': the
+    schedule fuses the staging into it) reads
     this rank's rows from the shard and stages them into slot L % 2 and A_gathered itself,
     publishing the arrival; the copy stream follows the call's start and per peer waits for its
     arrival, copies, writes the flag. This rank's tile rows make one group of the order."""
@@ -1838,9 +1837,9 @@ def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         bufs, sigs = proto.gemm_args
-        assert bufs["a_shard"] is a and bufs["a_slot"].data_ptr() == op.shards[L % 2].data_ptr()
-        assert bufs["a_gathered"] is ga and sigs["own_arrive"] is op.arrive and bufs["own_cols"] == 12
-        assert sigs["own_arrive_peers"].tolist() == op.arrive_peers
+        assert bufs["a"] is a and bufs["a_slot"].data_ptr() == op.shards[L % 2].data_ptr()
+        assert bufs["a_gathered"] is ga and sigs["gather_a_arrive"] is op.arrive and bufs["own_cols"] == 12
+        assert sigs["gather_a_arrive_peers"].tolist() == op.arrive_peers
         assert ev[3][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
         assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
         assert ev[5] == ("cuStreamWriteValue64", cs, op.flags.data_ptr(), L)
@@ -1849,15 +1848,16 @@ def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
     full = torch.randn(2 * Ms, K).to(torch.bfloat16)
     op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
     bufs, sigs = proto.gemm_args
-    assert bufs["a_shard"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op.shards.data_ptr()
-    assert sigs["own_arrive"] is not op.arrive and sigs["own_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
+    assert bufs["a"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op.shards.data_ptr()
+    assert sigs["gather_a_arrive"] is not op.arrive
+    assert sigs["gather_a_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
 
 
 def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
     """Copy-engine push, direct: nothing staged, no handshake kernel. Per peer in ring order the
     copy stream waits until the peer finished launch L-2 (it read landing slot L % 2 then), pushes
     the shard straight from the caller's tensor into the peer's landing slot, and writes L into
-    the peer's flag; after the GEMM (lowered with gather_rows: this rank's rows from the shard,
+    the peer's flag; after the GEMM (gather_rows, fused by own_rows='compute': this rank's rows from the shard,
     every stage stored into A_gathered) the compute stream writes L into this rank's slot of
     every peer's consumed array."""
     AllGatherMatmul, torch = fake_ag
@@ -1892,7 +1892,7 @@ def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
                                       "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         bufs, sigs = proto.gemm_args
-        assert bufs["a_shard"].data_ptr() == a.data_ptr() and bufs["a_copy"].data_ptr() == ga.data_ptr()
+        assert bufs["a"].data_ptr() == a.data_ptr() and bufs["a_gathered_out"].data_ptr() == ga.data_ptr()
         assert bufs["own_cols"] == 12
         assert bufs["a_gathered"].data_ptr() == eng.landing[L % 2].data_ptr()
         assert list(sigs) == [eng.signal] and sigs[eng.signal] is eng.flags
@@ -1910,7 +1910,7 @@ def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
     # a shard the copy engine and TMA cannot read in place is made contiguous first
     at = torch.randn(K, Ms).to(torch.bfloat16).t()
     op(at, torch.zeros(K, N, dtype=torch.bfloat16))
-    assert proto.gemm_args[0]["a_shard"].is_contiguous()
+    assert proto.gemm_args[0]["a"].is_contiguous()
     # out= is the GEMM's C; a poisoned A_gathered starts as NaN (the GEMM writes every row of it)
     monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out, a, b: None)      # a CPU tensor stands in
     out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
@@ -1934,8 +1934,8 @@ def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
     full = torch.randn(2 * Ms, K).to(torch.bfloat16)
     op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
     bufs, _ = proto.gemm_args
-    assert bufs["a_gathered"] is full and bufs["a_shard"].data_ptr() == full[Ms:].data_ptr()
-    assert bufs["a_copy"].data_ptr() != full.data_ptr()
+    assert bufs["a_gathered"] is full and bufs["a"].data_ptr() == full[Ms:].data_ptr()
+    assert bufs["a_gathered_out"].data_ptr() != full.data_ptr()
 
 
 def test_allgather_copy_engine_push_in_column_slices(proto, monkeypatch, fake_ag):
@@ -1991,7 +1991,7 @@ def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
 
 
 def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):
-    """pusher="gemm": the launch is the GEMM alone (lowered with push_rows) — no copy stream, no
+    """pusher="gemm": the launch is the GEMM alone (push_rows: engine='compute') — no copy stream, no
     event, no memop: it gets the peer's landing buffer (both slots) to push into, this rank's
     landing slot L % 2 to read from, every rank's flag address and a push counter. The GEMM alone
     (compute_only) is the same gathering GEMM without the pushes."""
@@ -2015,14 +2015,14 @@ def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):
     assert "GEMM (as it loads it; no copy engine)" in op.describe()
     assert eng._push_buffers["push_landing_0"] is proto.peer_buffers[0]          # rank 0's, the only peer
     assert tuple(proto.peer_buffers[0].shape) == (2 * 2 * Ms, K)
-    assert eng._push_signals["push_flag_peers"].tolist() == eng.flag_peers
+    assert eng._push_signals["gather_a_ready_peers"].tolist() == eng.flag_peers
     monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
     cur = proto.cur.cuda_stream
     for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert ev == [("GEMM", cur, L, 132, 1)]                                  # the launch is the GEMM
         bufs, sigs = proto.gemm_args
         assert bufs["a_gathered"].data_ptr() == eng.landing[L % 2].data_ptr()
-        assert bufs["a_shard"].data_ptr() == a.data_ptr() and bufs["a_copy"].data_ptr() == ga.data_ptr()
+        assert bufs["a"].data_ptr() == a.data_ptr() and bufs["a_gathered_out"].data_ptr() == ga.data_ptr()
         assert bufs["push_landing_0"] is proto.peer_buffers[0] and bufs["own_cols"] == 12
         assert sigs[eng.signal] is eng.flags and sigs["push_count"] is eng._push_signals["push_count"]
     assert set(op.signal_tensors()) == {eng.signal, "push_count"}
@@ -2056,7 +2056,7 @@ def test_allgather_push_hands_out_the_next_calls_outputs_once(proto, monkeypatch
     assert all(t.data_ptr() not in (first[0].data_ptr(), first[1].data_ptr()) for t in held.values())
     second = op(a, b)
     assert second[0] is held["a_gathered"] and second[1] is held["c"]          # written by this call's GEMM
-    assert proto.gemm_args[0]["a_copy"] is held["a_gathered"] and proto.gemm_args[0]["c"] is held["c"]
+    assert proto.gemm_args[0]["a_gathered_out"] is held["a_gathered"] and proto.gemm_args[0]["c"] is held["c"]
     third = op(a, b)
     ptrs = {t.data_ptr() for t in (*first, *second, *third)}
     assert len(ptrs) == 6                                                       # never one tensor twice

@@ -187,23 +187,6 @@ class Device:
         raise AssertionError("simulation did not finish")
 
 
-class _StandInGemm:
-    """A stand-in for ``GemmKernel``: ``prepare(buffers, signals, rank)`` gives a launch whose
-    ``launch(stream, L)`` enqueues :meth:`enqueue`'s stand-in kernels on the simulated device."""
-
-    def __init__(self, ranks):
-        self.ranks = ranks
-
-    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
-        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
-        gemm.prepare = lambda buffers, signals=None, rank=0: types.SimpleNamespace(
-            launch=lambda stream, L: self.enqueue(stream, L, lowered, buffers, signals, rank))
-        return gemm
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        raise NotImplementedError
-
-
 def _small_ints(*shape):
     """bf16 integers in [-2, 2]: the compiled GEMMs' products and sums (K <= 16) are exact in any
     order, so a result equals torch's exactly unless the protocol let in wrong data."""
@@ -217,50 +200,67 @@ def _raw(t):
     return t.numpy()
 
 
-class _CompiledGemm(_StandInGemm):
+class _CompiledGemm:
     """The compiled GEMM itself, not a model of it: the tile program it was lowered from
-    (``lowered.program``) run by the simulator's rules (runtime/sim/bound_launch.py) on this
-    device's memory — every tile a task, blocked on its waits until the counters it reads (in
-    the tensors the runtime passed) reach the launch's targets."""
+    (``lowered.program``: the compute part and the parts the schedule fused into it) run by the
+    simulator's rules (runtime/sim/bound_launch.py) on this device's memory — every task blocked
+    on its waits until the counters it reads (in the tensors the runtime passed) reach the
+    launch's targets. Names bind as the launcher binds them: this rank's buffers and signals by
+    their IR names; a peer's copy of a signal through the ``<signal>_peers`` address table the
+    runtime passes; a peer's gathered tensor (the GEMM pushing) through ``push_landing_<q>``, the
+    slot of the launch's parity. The fused kernel reads this rank's rows from the shard, so it
+    never notifies this rank's own ready slot; the program does (its own-rows part) — the one
+    counter the two leave different. It stands in for ``GemmKernel``: ``prepare(buffers, signals,
+    rank)`` gives a launch whose ``launch(stream, L)`` queues the program on ``stream``."""
+
+    #: ``program -> program``: what the tests run instead of the compiled program (a mutant)
+    mutate = None
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self.programs = {}
+
+    def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
+        gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
+        gemm.prepare = lambda buffers, signals=None, rank=0: types.SimpleNamespace(
+            launch=lambda stream, L: self.enqueue(stream, L, lowered, buffers, signals, rank))
+        return gemm
 
     def enqueue(self, stream, L, lowered, buffers, signals, rank):
+        from tldsl.codegen.plan.gemm import push_landing
         from tldsl.runtime.sim.bound_launch import BoundLaunch
         kernel, part = lowered.program
+        if self.mutate is not None:
+            kernel = self.programs.setdefault(id(kernel), self.mutate(kernel))
+        W, device = kernel.world_size, self.ranks.device
         signals = signals or {}
+        gathered = lowered.tma_buffer("tma_a")
+        M = kernel.buffer(gathered).type.shape[0]
 
-        def mine(r, what, name):
-            assert r == rank, f"rank {rank}'s GEMM reaches rank {r}'s {what} '{name}'"
+        def buffer(r, name):
+            if r == rank:
+                return _raw(buffers[name])
+            assert name == gathered, f"rank {rank}'s GEMM reaches rank {r}'s '{name}'"
+            q = (r - rank - 1) % W                    # the ring order of the pushes
+            return _raw(buffers[push_landing(q)])[(L % 2) * M:(L % 2 + 1) * M]
+
+        def signal(r, name):
+            if r == rank:
+                return signals[name].numpy()
+            slots = kernel.signals[[s.name for s in kernel.signals].index(name)].type.slots
+            return device.bytes(int(signals[f"{name}_peers"][r]), 8 * slots).view(np.int64)
+        parts = [part.name] + [p.name for p in kernel.parts if p.fused]
         state = {}
 
         def run():
             launch = state.get("launch")
             if launch is None:
-                launch = state["launch"] = BoundLaunch(
-                    kernel, [part.name], rank, L,
-                    lambda r, name: mine(r, "buffer", name) or _raw(buffers[name]),
-                    lambda r, name: mine(r, "signal", name) or signals[name].numpy(),
-                    random.Random(1000 * L + rank))
+                launch = state["launch"] = BoundLaunch(kernel, parts, rank, L, buffer, signal,
+                                                       random.Random(1000 * L + rank))
             if launch.done:
                 return True
             return "step" if launch.step() else False
-        self.ranks.device.queue(stream, f"GEMM {L} ({kernel.name}.{part.name})", run)
-
-
-class _Gemm(_StandInGemm):
-    """The gathering GEMM's contract (``GatherRows``): wait for every peer's flag, read the peers'
-    rows from the landing slot and this rank's from the shard into A_gathered."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        device, W = self.ranks.device, self.ranks.W
-        (flags,) = signals.values()
-        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
-        Ms = shard.shape[0]
-
-        def gather():
-            for p in range(W):
-                rows = slice(p * Ms, (p + 1) * Ms)
-                copy[rows] = shard if p == rank else landing[rows]
-        device.kernel(stream, f"GEMM {L}", gather, ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
+        self.ranks.device.queue(stream, f"GEMM {L} ({kernel.name}: {', '.join(parts)})", run)
 
 
 class _Ranks:
@@ -383,7 +383,7 @@ def _push_ranks(monkeypatch, Ms=128, K=16, N=24, make=None, gemm=None):
     """Two ranks of AllGatherMatmul's default (the push), with the gathering GEMM's stand-in (or
     ``make(rank)``'s op with ``gemm``'s)."""
     from tldsl.runtime.dist import ag_gemm as agm, ag_push
-    ranks = _Ranks(monkeypatch, make or (lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16)), gemm or _Gemm)
+    ranks = _Ranks(monkeypatch, make or (lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16)), gemm or _CompiledGemm)
     ranks.Ms, ranks.K, ranks.N = Ms, K, N
     assert all(isinstance(op._engine, ag_push.PushAllGather) for op in ranks.ops)
     return ranks
@@ -395,20 +395,22 @@ def _run_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: i
     ranks = _push_ranks(monkeypatch, K=K, make=make, gemm=gemm)
     W, Ms, K, N = ranks.W, ranks.Ms, ranks.K, ranks.N
     own_streams = {r: [next(ranks.streams) for _ in range(streams_per_rank)] for r in range(W)}
-    b = torch.zeros(K, N, dtype=torch.bfloat16)
+    b = ranks.device.register(_small_ints(K, N))
     expected, got = [], []
     for L in range(1, launches + 1):
-        shards = [ranks.device.register(torch.randn(Ms, K).to(torch.bfloat16)) for _ in range(W)]
-        expected.append(torch.cat(shards))
+        shards = [ranks.device.register(_small_ints(Ms, K)) for _ in range(W)]
+        gathered = torch.cat(shards)
+        expected.append((gathered, (gathered.float() @ b.float()).to(torch.bfloat16)))
         outs = []
         for r in rng.sample(range(W), W):                  # the hosts enqueue in either order
             stream = own_streams[r][(L - 1) % streams_per_rank]
-            outs.append((r, ranks.call(r, shards[r], b, stream=stream)[0]))
+            outs.append((r, ranks.call(r, shards[r], b, stream=stream)))
         got.append(dict(outs))
     ranks.device.run(rng)
-    for L, (want, per_rank) in enumerate(zip(expected, got), start=1):
-        for r, a_full in per_rank.items():
-            assert torch.equal(a_full, want), f"seed {seed}: rank {r}'s A_gathered of launch {L} is wrong"
+    for L, ((want_a, want_c), per_rank) in enumerate(zip(expected, got), start=1):
+        for r, (a_full, c) in per_rank.items():
+            assert torch.equal(a_full, want_a), f"seed {seed}: rank {r}'s A_gathered of launch {L} is wrong"
+            assert torch.equal(c, want_c), f"seed {seed}: rank {r}'s C of launch {L} is wrong"
     return ranks
 
 
@@ -418,9 +420,10 @@ def test_push_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_per_ran
     """Six launches per rank, on one stream or alternating between two (the op orders a call on
     a new stream after the previous call's stream: runtime/dist/call_order.py)."""
     ranks = _run_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
-    # the counters after 6 launches: every peer's flag here holds 6, its "done" 5 (written a launch later)
+    # the counters after 6 launches: every peer's flag here holds 6, its "done" 5 (written a launch
+    # later); this rank's own flag 6 too, from the program's own-rows part (see _CompiledGemm)
     for r, op in enumerate(ranks.ops):
-        assert op._engine.flags.tolist() == [6 if p != r else 0 for p in range(2)]
+        assert op._engine.flags.tolist() == [6, 6]
         assert op._engine.consumed.tolist() == [5 if p != r else 0 for p in range(2)]
 
 
@@ -439,39 +442,11 @@ def _failing_seeds(monkeypatch, break_it, streams_per_rank=1, seeds=range(30), r
     return failed
 
 
-class _PushingGemm(_StandInGemm):
-    """The pushing GEMM's contract (``GatherRows<W, true, true>``): first this rank's rows — stored
-    into every peer's landing slot L % 2, then (the launch's last tile) L into this rank's flag on
-    every peer — then, once every peer's flag here holds L, the peers' rows from this rank's
-    landing slot; every row into A_gathered."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        device, W = self.ranks.device, self.ranks.W
-        flags, table = signals[lowered.signals[0]], signals["push_flag_peers"]
-        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
-        Ms = shard.shape[0]
-        peers = [(rank + 1 + q) % W for q in range(W - 1)]
-
-        def push():
-            for q, p in enumerate(peers):
-                row0 = (L % 2) * W * Ms + rank * Ms         # the kernel's push_row0 + this rank's rows
-                buffers[f"push_landing_{q}"][row0:row0 + Ms] = shard
-            for p in peers:
-                device.u64(int(table[p]) + 8 * rank)[0] = L
-
-        def gather():
-            for p in range(W):
-                rows = slice(p * Ms, (p + 1) * Ms)
-                copy[rows] = shard if p == rank else landing[rows]
-        device.kernel(stream, f"GEMM {L} own rows", push)
-        device.kernel(stream, f"GEMM {L} peers' rows", gather, ready=lambda: all(int(flags[p]) >= L for p in peers))
-
-
 def _run_gemm_push_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1):
     from tldsl.runtime.dist import ag_gemm as agm
     return _run_launches(monkeypatch, seed, launches, streams_per_rank,
                          make=lambda r: agm.AllGatherMatmul(128, 16, 24, torch.bfloat16, pusher="gemm"),
-                         gemm=_PushingGemm)
+                         gemm=_CompiledGemm)
 
 
 @pytest.mark.parametrize("streams_per_rank", [1, 2])
@@ -483,7 +458,7 @@ def test_gemm_push_protocol_on_two_simulated_ranks(monkeypatch, seed, streams_pe
     ranks = _run_gemm_push_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
     for r, op in enumerate(ranks.ops):
         assert op.engine == "gemm-push"
-        assert op._engine.flags.tolist() == [6 if p != r else 0 for p in range(2)]
+        assert op._engine.flags.tolist() == [6, 6]
 
 
 def test_the_gemm_push_model_can_fail(monkeypatch):
@@ -513,40 +488,14 @@ def test_the_model_catches_broken_protocols(monkeypatch):
     assert not _failing_seeds(monkeypatch, lambda mp: None, streams_per_rank=2, seeds=range(10))
 
 
-class _SlicedGemm(_StandInGemm):
-    """The gathering GEMM with column-sliced waits (``col_tile``): column slice j of a peer's rows
-    is read once that peer's flag here holds ``slices * (L - 1) + j + 1`` — one stand-in kernel
-    per slice, in K order, as the GEMM's K loop reaches them."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        device, W = self.ranks.device, self.ranks.W
-        (flags,) = signals.values()
-        landing, shard, copy = buffers["a_gathered"], buffers["a_shard"], buffers["a_copy"]
-        Ms, K = shard.shape
-        ct = self.ranks.col_tile
-        S = -(-K // ct)
-        for j in range(S):
-            cols = slice(j * ct, min((j + 1) * ct, K))
-
-            def gather(cols=cols):
-                for p in range(W):
-                    rows = slice(p * Ms, (p + 1) * Ms)
-                    copy[rows, cols] = shard[:, cols] if p == rank else landing[rows, cols]
-            device.kernel(stream, f"GEMM {L} slice {j}", gather,
-                          ready=lambda j=j: all(int(flags[p]) >= S * (L - 1) + j + 1 for p in range(W) if p != rank))
-
-
 def _run_sliced_launches(monkeypatch, seed: int, launches: int = 6, streams_per_rank: int = 1, col_tile=128,
                          K=320):
     from tldsl.runtime.dist import ag_gemm as agm
     push = tl.CommSchedule(engine="copy_engine", mode="push", col_tile=col_tile)
 
-    class Gemm(_SlicedGemm):
-        def __init__(self, ranks):
-            super().__init__(ranks)
-            ranks.col_tile = col_tile
     return _run_launches(monkeypatch, seed, launches, streams_per_rank,
-                         make=lambda r: agm.AllGatherMatmul(128, K, 24, torch.bfloat16, comm=push), gemm=Gemm, K=K)
+                         make=lambda r: agm.AllGatherMatmul(128, K, 24, torch.bfloat16, comm=push), gemm=_CompiledGemm,
+                         K=K)
 
 
 @pytest.mark.parametrize("streams_per_rank", [1, 2])
@@ -558,7 +507,7 @@ def test_column_sliced_push_protocol_on_two_simulated_ranks(monkeypatch, seed, s
     ranks = _run_sliced_launches(monkeypatch, seed, streams_per_rank=streams_per_rank)
     for r, op in enumerate(ranks.ops):
         assert op._engine.slices == 3
-        assert op._engine.flags.tolist() == [18 if p != r else 0 for p in range(2)]
+        assert op._engine.flags.tolist() == [18, 18]
 
 
 def test_the_column_sliced_model_can_fail(monkeypatch):
@@ -763,35 +712,6 @@ def _unordered(mp):
     mp.setattr(call_order.CallOrder, "follow", lambda self, stream: None)
 
 
-class _StagingGemm(_StandInGemm):
-    """The GEMM that stages its own rows (``OwnRows``, the pull's ``staging="gemm"``), in its two
-    phases: this rank's tiles — once every peer has arrived at the previous launch, its rows from
-    the shard into the slot and A_gathered, then the launch published on every peer — and the
-    peers' tiles once their flags hold the launch (C = A_gathered @ B)."""
-
-    def enqueue(self, stream, L, lowered, buffers, signals, rank):
-        device, W = self.ranks.device, self.ranks.W
-        a_full, b, c = buffers["a_gathered"], buffers["b"], buffers["c"]
-        shard, slot = buffers["a_shard"], buffers["a_slot"]
-        arrive, table = signals["own_arrive"], signals["own_arrive_peers"]
-        flags = signals[lowered.signals[0]]
-        Ms = shard.shape[0]
-
-        def stage():
-            slot[:] = shard
-            a_full[rank * Ms:(rank + 1) * Ms] = shard
-            for p in range(W):
-                if p != rank:
-                    device.u64(int(table[p]) + 8 * rank)[0] = L
-
-        def multiply():
-            c[:] = (a_full.float() @ b.float()).to(c.dtype)
-        device.kernel(stream, f"GEMM {L}: own rows", stage,
-                      ready=lambda: all(int(arrive[p]) >= L - 1 for p in range(W) if p != rank))
-        device.kernel(stream, f"GEMM {L}: peers' rows", multiply,
-                      ready=lambda: all(int(flags[p]) >= L for p in range(W) if p != rank))
-
-
 def _run_gemm_staging_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1):
     """The pull with the GEMM staging its own rows (whole tiles per rank, asked for)."""
     from tldsl.runtime.dist import ag_gemm as agm
@@ -800,7 +720,7 @@ def _run_gemm_staging_launches(monkeypatch, seed: int, launches: int = 5, stream
     pull = tl.CommSchedule(engine="copy_engine", mode="pull")
     Ms, K, N = 256, 16, 24
     ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull, staging="gemm"),
-                   _StagingGemm)
+                   _CompiledGemm)
     assert all(op.staging == "gemm" and op.handshake == "device" for op in ranks.ops)
     _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
 
@@ -818,3 +738,30 @@ def test_the_gemm_staging_model_can_fail(monkeypatch):
     for break_it, streams in ((_no_arrival_wait, 1), (_unordered, 2)):
         assert _failing_seeds(monkeypatch, break_it, streams, range(20), _run_gemm_staging_launches, launches=4), \
             break_it.__name__
+
+
+def test_the_compiled_program_is_what_runs(monkeypatch):
+    """The GEMMs here are their programs: deleting a synchronisation primitive of the parts the
+    schedule fused into the GEMM (own_rows='compute': the staging's ready notify and the arrival
+    it publishes; the pushing GEMM's ready notifies on its peers) makes some schedule of the
+    protocol wrong or deadlocked. (The staging's slot-free wait, ``lag=1``, is implied by the
+    call order and the launch before's handshake — a peer copied the slot at L-2 before its GEMM
+    L-2 ended, before it published L-1 — so deleting it is not caught, rightly.)"""
+    from tldsl.testing.mutants import delete_site, sync_sites
+    runs = ((_run_gemm_staging_launches, "gemm staging"), (_run_gemm_push_launches, "gemm push"))
+    for run, what in runs:
+        probe = {}
+
+        def record(kernel):
+            probe["kernel"] = kernel
+            return kernel
+        with monkeypatch.context() as mp:
+            mp.setattr(_CompiledGemm, "mutate", staticmethod(record))
+            run(mp, 0, launches=1)
+        sites = [i for i, (part, op) in enumerate(sync_sites(probe["kernel"]))
+                 if probe["kernel"].part(part).fused and not op.attrs.get("lag")]
+        assert len(sites) >= 3, what
+        for i in sites:
+            def break_it(mp, i=i):
+                mp.setattr(_CompiledGemm, "mutate", staticmethod(lambda k, i=i: delete_site(k, i)))
+            assert _failing_seeds(monkeypatch, break_it, 2, range(12), run, launches=4), (what, i)

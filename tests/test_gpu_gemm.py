@@ -104,9 +104,10 @@ def test_waits_block_until_flags_are_set():
     assert (c.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-2
 
 
-def _ag_gemm_kernel(W, Ms, K, N, mode, *, group_m=8, **lowering):
+def _ag_gemm_kernel(W, Ms, K, N, mode, *, group_m=8, engine="copy_engine", own_rows="comm"):
     """AllGather+GEMM's compute part (bf16, 128x256x64 tiles, comm_aligned order, the copy
-    engine pulling or pushing) lowered with ``lowering`` and loaded; a stuck wait traps."""
+    engine pulling or pushing; ``own_rows='compute'``: this rank's rows moved by the GEMM, with
+    ``engine='compute'`` pushed by it too) lowered and loaded; a stuck wait traps."""
     import tldsl as tl
     from tldsl.codegen import lower
     from tldsl.ops.allgather_gemm import allgather_gemm
@@ -115,21 +116,21 @@ def _ag_gemm_kernel(W, Ms, K, N, mode, *, group_m=8, **lowering):
     ir = allgather_gemm.trace(W, tl.TensorSpec((Ms, K), bf), tl.TensorSpec((K, N), bf), tl.TensorSpec((W * Ms, N), bf),
                               compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned",
                                                          group_m=group_m),
-                              comm=tl.CommSchedule(engine="copy_engine", mode=mode, order="ring"))
-    lg = lower(ir, "gemm", wait_timeout_ns=2_000_000_000, **lowering)
+                              comm=tl.CommSchedule(engine=engine, mode=mode, order="ring", own_rows=own_rows))
+    lg = lower(ir, "gemm", wait_timeout_ns=2_000_000_000)
     return lg, GemmKernel(lg)
 
 
 @pytest.mark.parametrize("rank,cols", [(0, 1), (1, 3), (1, 16)])
 def test_gemm_staging_its_own_rows(rank, cols):
-    """own_rows (AG+GEMM's staging='gemm') on one GPU, the peers stood in for by memory: this
+    """own_rows (AG+GEMM pulling with own_rows='compute', the runtime's staging='gemm') on one GPU, the peers stood in for by memory: this
     rank's rows are read from the shard (A_gathered's own rows start as NaN, so reading them
     would show), stored into the slot and into A_gathered, the staging tiles counted, and the
     launch published into this rank's slot of every peer's arrival array (here one scratch
     array). Launch 2 needs the peers' arrival at launch 1 before it overwrites the slot."""
     import torch
     W, Ms, K, N = 2, 512, 520, 3000
-    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "pull", group_m=Ms // 128, own_rows=True)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "pull", group_m=Ms // 128, own_rows="compute")
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
@@ -138,7 +139,8 @@ def test_gemm_staging_its_own_rows(rank, cols):
     arrive = torch.zeros(W, device=dev, dtype=torch.int64)
     published = torch.zeros(W, device=dev, dtype=torch.int64)
     table = torch.full((W,), published.data_ptr(), device=dev, dtype=torch.int64)
-    signals = dict(flags, own_staged=staged, own_arrive=arrive, own_arrive_peers=table)
+    staged_name, arrive_name, table_name = lg.row_signals           # the IR's names
+    signals = dict(flags, **{staged_name: staged, arrive_name: arrive, table_name: table})
     per_launch = (Ms // 128) * min(cols, -(-N // 256))
     for launch in (1, 2):
         shard = torch.randn(Ms, K, device=dev, dtype=torch.bfloat16)
@@ -147,7 +149,7 @@ def test_gemm_staging_its_own_rows(rank, cols):
         slot = torch.full((Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
         c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
         arrive.fill_(launch - 1)                     # the peers have staged the previous launch
-        kern({"a_gathered": a_full, "b": b, "c": c, "a_shard": shard, "a_slot": slot, "own_cols": cols},
+        kern({"a_gathered": a_full, "b": b, "c": c, "a": shard, "a_slot": slot, "own_cols": cols},
              signals=signals, launch_index=launch, rank=rank)
         torch.cuda.synchronize()
         assert torch.equal(slot, shard) and torch.equal(a_full[own], shard)
@@ -179,7 +181,7 @@ def test_gemm_gathering_pushed_rows(rank, cols):
     the shard in this rank's place] exactly."""
     import torch
     W, Ms, K, N = 2, 512, 520, 3000
-    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", gather_rows=True)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", own_rows="compute")
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     b = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
@@ -190,7 +192,7 @@ def test_gemm_gathering_pushed_rows(rank, cols):
         landing[own] = float("nan")
         copy = torch.full((W * Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
         c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
-        kern({"a_gathered": landing, "b": b, "c": c, "a_shard": shard, "a_copy": copy, "own_cols": cols},
+        kern({"a_gathered": landing, "b": b, "c": c, "a": shard, "a_gathered_out": copy, "own_cols": cols},
              signals=flags, launch_index=launch, rank=rank)
         torch.cuda.synchronize()
         _check_gathered(copy, c, landing, shard, own, b)
@@ -205,7 +207,7 @@ def test_gemm_pushing_its_rows(rank, cols):
     storing tile of this rank's rows once per launch."""
     import torch
     W, Ms, K, N = 2, 512, 520, 3000
-    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", group_m=Ms // 128, gather_rows=True, push_rows=True)
+    lg, kern = _ag_gemm_kernel(W, Ms, K, N, "push", group_m=Ms // 128, engine="compute", own_rows="compute")
     dev = "cuda"
     own = slice(rank * Ms, (rank + 1) * Ms)
     peer = 1 - rank
@@ -225,9 +227,9 @@ def test_gemm_pushing_its_rows(rank, cols):
         copy = torch.full((W * Ms, K), float("nan"), device=dev, dtype=torch.bfloat16)
         c = torch.full((W * Ms, N), float("nan"), device=dev, dtype=torch.bfloat16)
         before = peer_landing.clone()
-        kern({"a_gathered": landing, "b": b, "c": c, "a_shard": shard, "a_copy": copy, "own_cols": cols,
+        kern({"a_gathered": landing, "b": b, "c": c, "a": shard, "a_gathered_out": copy, "own_cols": cols,
               "push_landing_0": peer_landing},
-             signals={lg.signals[0]: my_flags, "push_count": count, "push_flag_peers": table},
+             signals={lg.signals[0]: my_flags, **dict(zip(lg.row_signals, (count, table)))},
              launch_index=launch, rank=rank)
         torch.cuda.synchronize()
         _check_gathered(copy, c, landing, shard, own, b)

@@ -17,7 +17,7 @@ from .primitives import (consumer_tile_wait, peer_tile_notify, peer_tile_wait, p
                          rank_copy_data, rank_notify, rank_wait, tile_pull_data, tile_push_data)
 from .kernel import comm_part
 from .tiles import minimum
-from .tracing import cdiv, fail
+from .tracing import cdiv, current, fail
 from . import language as tl
 
 
@@ -83,26 +83,32 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
     zeros_tail = (0,) * len(tail)
     tpr = mapping.tiles_per_rank
 
-    if comm.engine == "copy_engine":
+    if comm.engine in ("copy_engine", "compute"):
         ready = signal(f"{name}_ready", W, scope="symmetric")
 
         # whole shards, or column slices [c0, c0 + width) in order, each notified
         pieces = [((0,) + zeros_tail, (rows,) + tail)] if col_tile is None else \
             [((0, c0), (rows, min(col_tile, cols - c0))) for c0 in range(0, cols, col_tile)]
 
-        @comm_part(grid=(W,), name=name)
-        def copy_chunks(step):
-            me = tl.rank()
+        def move(step, me, source):
+            """One peer step's copies, each followed by its notify (step 0: this rank's own
+            rows). Pull: rank ``me + step``'s shard, read from ``source(peer)``."""
             for offs, shape in pieces:
                 if comm.mode == "pull":
                     peer = (me + step) % W
-                    rank_copy_data(dst, (peer * rows + offs[0],) + offs[1:], src.at(peer), offs, shape)
+                    rank_copy_data(dst, (peer * rows + offs[0],) + offs[1:], source(peer), offs, shape)
                     rank_notify(ready, peer)
                 else:
                     peer = (me + (W - step)) % W
                     rank_copy_data(dst.at(peer), (me * rows + offs[0],) + offs[1:], src, offs, shape)
                     rank_notify(ready, me, peer)
 
+        if comm.own_rows == "comm":
+            @comm_part(grid=(W,), name=name)
+            def copy_chunks(step):
+                move(step, tl.rank(), src.at)
+        else:
+            _own_rows_in_compute(src, dst, comm, name, ready, move, pieces, rows, W)
         return AllGather(mapping, ready, rank_wait, col_tile, slices)
 
     if comm.mode == "pull":
@@ -130,6 +136,72 @@ def all_gather(src, dst, comm: CommSchedule, name: str = "all_gather") -> AllGat
         peer_tile_notify(ready, mapping.tile_id(me, j), peer)
 
     return AllGather(mapping, ready, peer_tile_wait)
+
+
+def _own_rows_in_compute(src, dst, comm: CommSchedule, name: str, ready, move, pieces, rows: int, W: int) -> None:
+    """``own_rows='compute'``: this rank's rows are moved by parts fused into the compute part
+    (it reads them from the shard and stores each stage it loads where these parts put it);
+    the copy engine moves only the peers' shards (or, ``engine='compute'``, nothing: the
+    compute part pushes its rows to the peers too)."""
+    zeros = (0,) * len(src.shape)
+    compute = current().compute_schedule
+    if len(src.shape) != 2 or (compute is not None and rows % compute.BM):
+        raise ScheduleError(f"own_rows='compute': the compute part carries this rank's rows in whole tiles of its "
+                            f"2-d shard, but '{src.name}' is {list(src.shape)} and the compute tile has "
+                            f"{compute.BM if compute is not None else '?'} rows; use own_rows='comm'", user_location())
+    if comm.mode == "pull":
+        # the shard is staged into a symmetric slot, which peers pull from once its arrival is
+        # published; the runtime keeps two slots (launch parity), so a slot is free once every
+        # peer has staged the launch before (its copies of the one before that are done)
+        slot = tl.symmetric_buffer(tuple(src.shape), src.dtype, f"{src.name}_slot")
+        arrive = signal(f"{name}_arrive", W, scope="symmetric")
+        if W > 1:
+            @comm_part(grid=(W - 1,), name=name, engine="copy_engine", lanes=1)
+            def pull_peers(i):
+                me = tl.rank()
+                peer = (me + i + 1) % W
+                rank_wait(arrive, peer)                   # the peer's slot holds this launch's shard
+                move(i + 1, me, slot.at)
+
+        @comm_part(grid=(1,), name=f"{name}_own", fused=True)
+        def stage_own(_):
+            me = tl.rank()
+            for p in static_range(W):
+                with tl.when(me != p):
+                    rank_wait(arrive, p, lag=1)           # the slot is free (see above)
+            rank_copy_data(slot, zeros, src, zeros, tuple(src.shape))
+            move(0, me, lambda peer: src)                 # this rank's rows of the gathered tensor
+            for p in static_range(W):
+                with tl.when(me != p):
+                    rank_notify(arrive, me, p)            # published: peer p may pull the slot
+        return
+    if W > 1:
+        if comm.engine == "compute":
+            @comm_part(grid=(W - 1,), name=name, fused=True)
+            def push_peers(i):
+                move(i + 1, tl.rank(), None)
+        else:
+            @comm_part(grid=(W - 1,), name=name, engine="copy_engine", lanes=1)
+            def push_peers(i):
+                move(i + 1, tl.rank(), None)
+
+    @comm_part(grid=(1,), name=f"{name}_own", fused=True)
+    def own_rows(_):
+        move(0, tl.rank(), None)
+
+    # every row, as the compute part loads it, into the gathered output (the landing buffer is
+    # reused by the next launch at once)
+    out = tl.local_buffer(tuple(dst.shape), dst.dtype, f"{dst.name}_out")
+
+    @comm_part(grid=(W,), name=f"{name}_out", fused=True)
+    def copy_out(p):
+        for j, (offs, shape) in enumerate(pieces):
+            if len(pieces) > 1:
+                rank_wait(ready, p, count=j + 1, per_launch=len(pieces))
+            else:
+                rank_wait(ready, p)
+            at = (p * rows + offs[0],) + tuple(offs[1:])
+            rank_copy_data(out, at, dst, at, shape)
 
 
 class ReduceScatter:
@@ -230,6 +302,10 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     within a launch (launches are separated by the host's stream order).
     """
     W = world_size()
+    if comm.own_rows != "comm" or comm.engine == "compute":
+        raise ScheduleError(f"reduce_scatter sums every rank's rows in its communication: own_rows={comm.own_rows!r}, "
+                            f"engine={comm.engine!r} are the all-gather's (use own_rows='comm', engine 'sm' or "
+                            "'copy_engine')", user_location())
     if comm.col_tile is not None:
         raise ScheduleError(f"{name}: col_tile={comm.col_tile} slices the copy-engine all-gather's columns; the "
                             "reduce-scatter moves rows (tile_m)", user_location())

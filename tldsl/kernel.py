@@ -264,17 +264,35 @@ def compute_part(grid, *, name: str | None = None, align_shift: int = 0):
     return deco
 
 
-def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes: int | None = None):
+def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes: int | None = None,
+              fused: bool = False):
     """Decorate a communication tile function. ``engine``/``lanes`` default to the kernel's
     communication schedule (``engine``, ``sms``). Axis 0 of the grid is the peer step,
-    which the schedule's ring / full-mesh order walks."""
+    which the schedule's ring / full-mesh order walks. ``fused``: the kernel's compute part
+    does this part's work as it loads its tiles (a schedule's choice, e.g. ``own_rows='compute'``):
+    the simulator runs the part as written, every task at once; codegen lowers it inside the
+    compute part's kernel (``engine='compute'``)."""
     _grid_given(grid, "comm_part")
 
     def deco(fn):
         sched = current().comm_schedule
+        if fused:
+            if engine not in (None, "compute"):
+                fail(f"a fused comm part runs in the compute part's kernel: engine must be 'compute', got {engine!r}")
+            part = _part(fn, grid, "comm", name, "compute", lanes or _tasks(grid), 0)
+            part.fused = True
+            return part
         eng = engine or (sched.engine if sched else "sm")
         if eng not in ("sm", "copy_engine"):
-            fail(f"comm part engine must be 'sm' or 'copy_engine', got {eng!r}")
+            fail(f"comm part engine must be 'sm' or 'copy_engine' (or fused=True: run by the compute part), "
+                 f"got {eng!r}")
         ln = lanes or (sched.lanes if sched else (1 if eng == "copy_engine" else 2))
         return _part(fn, grid, "comm", name, eng, ln, 0)
     return deco
+
+
+def _tasks(grid) -> int:
+    n = 1
+    for g in _grid(grid):
+        n *= g
+    return n

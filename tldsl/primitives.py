@@ -14,7 +14,9 @@ Memory-ordering contract (what the simulator checks and the code generator must 
   (``count <= per_launch``; target ``per_launch * (launch_index - 1) + count``): a consumer
   starts on the first pieces of a transfer while the rest is still moving.
   ``epoch=False`` waits for an absolute value instead (the simulator reports a stale
-  signal when a later launch is satisfied by an earlier one's notifies).
+  signal when a later launch is satisfied by an earlier one's notifies). ``lag=n`` waits for
+  the notifies of the launch ``n`` back (none before the first): a buffer reused every other
+  launch is free once every reader has reached the launch before.
 * data primitives move memory only; they order nothing by themselves.
 """
 from __future__ import annotations
@@ -66,8 +68,15 @@ def _notify(prim, sig, channel, rank, scope):
     current().emit(prim, operands, [], {"scope": scope})
 
 
-def _wait(prim, sig, channel, count, epoch, per_launch=None):
+def _wait(prim, sig, channel, count, epoch, per_launch=None, lag=0):
     attrs = {"epoch": bool(epoch)}
+    if not isinstance(lag, numbers.Integral) or isinstance(lag, bool) or lag < 0:
+        fail(f"{prim}: lag must be an int >= 0 (how many launches back the notifies waited for were made), "
+             f"got {lag!r}")
+    if lag:
+        if not epoch:
+            fail(f"{prim}: lag counts launches back; it needs epoch=True")
+        attrs["lag"] = int(lag)
     if per_launch is not None:
         if not isinstance(per_launch, numbers.Integral) or isinstance(per_launch, bool) or per_launch <= 0:
             fail(f"{prim}: per_launch must be a positive int (the slot's notifies per launch), got {per_launch!r}")
@@ -86,9 +95,10 @@ def producer_tile_notify(signal, channel, *, scope: str = "gpu") -> None:
     _notify("producer_tile_notify", _signal(signal, "producer_tile_notify", "local"), channel, None, scope)
 
 
-def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
+def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
+                       lag: int = 0) -> None:
     """Acquire: block until ``channel`` got ``count`` producer notifies in this launch."""
-    _wait("consumer_tile_wait", _signal(signal, "consumer_tile_wait", "local"), channel, count, epoch, per_launch)
+    _wait("consumer_tile_wait", _signal(signal, "consumer_tile_wait", "local"), channel, count, epoch, per_launch, lag)
 
 
 def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
@@ -96,9 +106,10 @@ def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
     _notify("peer_tile_notify", _signal(signal, "peer_tile_notify", "symmetric"), channel, rank, scope)
 
 
-def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
+def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
+                   lag: int = 0) -> None:
     """Acquire from peers: block until this rank's slot got ``count`` notifies in this launch."""
-    _wait("peer_tile_wait", _signal(signal, "peer_tile_wait", "symmetric"), channel, count, epoch, per_launch)
+    _wait("peer_tile_wait", _signal(signal, "peer_tile_wait", "symmetric"), channel, count, epoch, per_launch, lag)
 
 
 def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
@@ -108,9 +119,10 @@ def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
             this_rank() if rank is None else rank, scope)
 
 
-def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None) -> None:
+def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
+              lag: int = 0) -> None:
     """Acquire at rank granularity."""
-    _wait("rank_wait", _signal(signal, "rank_wait", "symmetric"), channel, count, epoch, per_launch)
+    _wait("rank_wait", _signal(signal, "rank_wait", "symmetric"), channel, count, epoch, per_launch, lag)
 
 
 # -- data -----------------------------------------------------------------------------

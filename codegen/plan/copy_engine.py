@@ -84,13 +84,14 @@ class CeWait:
     task: tuple[int, ...]
     loc: str = ""
     per_launch: int | None = None
+    lag: int = 0
 
     def target(self, launch: int) -> int:
-        return wait_target(self.count, launch, self.epoch, self.per_launch)
+        return wait_target(self.count, launch, self.epoch, self.per_launch, self.lag)
 
     def target_text(self) -> str:
         """:meth:`target` as a formula of ``launch``."""
-        return wait_target_formula(self.count, self.epoch, self.per_launch, cpp=False)
+        return wait_target_formula(self.count, self.epoch, self.per_launch, cpp=False, lag=self.lag)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,18 @@ def _numpy_copy(a: CeCopy, memory):
         db[d0:d0 + w] = sb[s0:s0 + w]
 
 
+def part_events(kernel: core.Kernel, part: core.Part, rank: int) -> list[tuple]:
+    """What ``part`` does on ``rank``, task by task in grid order, as the copy engine would run
+    it: ``("copy", op, src, src_rank, src_offsets, dst, dst_rank, dst_offsets, shape, task)``,
+    ``("notify", op, signal, slot, target_rank, task)`` and ``("wait", op, signal, slot, count,
+    epoch, per_launch, task, lag)``. Parts of only those primitives and index code (the copy
+    engine's, and those fused into a compute part) evaluate to this list."""
+    out: list[tuple] = []
+    for task in itertools.product(*(range(g) for g in part.grid)):
+        _ce_eval(part.body, {}, rank, tuple(task), out, kernel)
+    return out
+
+
 def _ce_eval(block, env, rank, task, out, kernel):
     for op in block.ops:
         n = op.name
@@ -199,7 +212,8 @@ def _ce_eval(block, env, rank, task, out, kernel):
             out.append(("notify", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id], task))
         elif n in ("rank_wait", "consumer_tile_wait"):        # a stream wait on this rank's counters
             out.append(("wait", op, op.operands[0].owner, env[op.operands[1].id], env[op.operands[2].id],
-                        bool(op.attrs.get("epoch", True)), op.attrs.get("per_launch"), task))
+                        bool(op.attrs.get("epoch", True)), op.attrs.get("per_launch"), task,
+                        int(op.attrs.get("lag", 0))))
         else:
             raise fail(WHAT, f"internal: '{n}' reached the copy-engine evaluator unmatched", op)
 
@@ -272,6 +286,13 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
     for other in kernel.parts:
         if other is p:
             continue
+        if other.fused:      # evaluated: only the same slot notified by both is a conflict
+            for r in range(W):
+                for e in part_events(kernel, other, r):
+                    if e[0] == "notify" and (e[2].name, e[4], e[3]) in owners:
+                        raise fail(WHAT, f"slot {e[3]} of '{e[2].name}' on rank {e[4]} is written by the copy engine "
+                                   f"(absolute values) and added to by fused part '{other.name}'", e[1])
+            continue
         for op in other.walk():
             if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners):
                 raise fail(WHAT, f"signal '{op.operands[0].owner.name}' is notified by the copy engine (absolute "
@@ -290,10 +311,10 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
                 seen[key] = seen.get(key, 0) + 1
                 acts.append(CeSignalWrite(sig.name, target, ch, len(owners[key]), seen[key], tuple(task), where(op)))
             else:
-                _, op, sig, ch, count, epoch, per_launch, task = e
+                _, op, sig, ch, count, epoch, per_launch, task, lag = e
                 if not 0 <= ch < sig.type.slots:
                     raise fail(WHAT, f"rank {r} task {task}: channel {ch} is outside signal '{sig.name}'", op)
-                acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), where(op), per_launch))
+                acts.append(CeWait(sig.name, ch, count, epoch, tuple(task), where(op), per_launch, lag))
         actions.append(tuple(acts))
     bufs = {b.name: (b.type.shape, b.type.dtype.name, elem_bytes(b.type.dtype)) for b in kernel.buffers}
     sigs = {s.name: s.type.slots for s in kernel.signals}

@@ -3,8 +3,9 @@ offsets, the K loop, a generated epilogue's sums), the tile configuration, the h
 program's sync ops run in, and the kernel ABI they add up to (parameters, TMA descriptors).
 
 The ways AllGather+GEMM stages this rank's rows in the GEMM itself (``own_rows``,
-``gather_rows``, ``push_rows``) are options here: extra parameters and descriptors, and a
-template hook the renderer names."""
+``gather_rows``, ``push_rows``) come from the parts the schedule fused into the compute part
+(:mod:`.fused_rows`): extra parameters and descriptors, bound to the IR's names, and a template
+hook the renderer names."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ..errors import fail
 from ..ir_queries import SCALAR_OPS, kernel_tensor, needed_ops, scope_of, widest_scope
 from ..match.affine import affine, fmt_all
 from ..match.gemm import WHAT, GemmMatch, is_accumulator
+from .fused_rows import FusedRows, plan_fused_rows
 from .wgmma import (STORE_DTYPES, GemmConfig, check_k_loop, check_operands, check_tiles, choose_config,
                     epilogue_buffer_bytes)
 
@@ -130,16 +132,29 @@ def epilogue_hook(m: GemmMatch) -> Hook:
 
 # -- the variants that stage this rank's rows of A --------------------------------------------------
 
-OWN_ROW_PARAMS = (("own_staged", "unsigned long long* __restrict__"), ("own_arrive", "const unsigned long long*"),
-                  ("own_arrive_peers", "unsigned long long* const* __restrict__"))
-#: the scalar an ``own_rows`` GEMM takes: how many tile columns share the staging (``scalar:own_cols``)
+#: the scalar an ``own_rows`` / ``gather_rows`` GEMM takes: how many tile columns share the
+#: staging (``scalar:own_cols``)
 OWN_COLS = "own_cols"
-#: the int64 tensors an ``own_rows`` GEMM takes among its signals (``signal:<name>`` parameters)
-OWN_ROW_SIGNALS = tuple(name for name, _ in OWN_ROW_PARAMS)
-#: the buffer a ``gather_rows`` GEMM stores every A stage into (the gathered A the op returns)
-GATHER_COPY = "a_copy"
-#: the counter and the peer table a ``push_rows`` GEMM takes among its signals (``signal:<name>``)
-PUSH_ROW_SIGNALS = ("push_count", "push_flag_peers")
+#: the kernel's own counters (no IR signal): an ``own_rows`` GEMM's staged tiles, a
+#: ``push_rows`` GEMM's pushed tiles (``signal:<name>`` parameters: zeroed int64 tensors)
+OWN_STAGED, PUSH_COUNT = "own_staged", "push_count"
+
+
+def peer_table(signal: str) -> str:
+    """The name a table of every rank's addresses of ``signal`` is passed under (an int64
+    tensor among the signals): ``<signal>_peers``."""
+    return f"{signal}_peers"
+
+
+def own_row_signals(rows: FusedRows) -> tuple[str, ...]:
+    """The int64 tensors an ``own_rows`` GEMM takes among its signals, by name."""
+    arrive = rows.arrive.name if rows.arrive is not None else "own_arrive"
+    return (OWN_STAGED, arrive, peer_table(arrive))
+
+
+def push_row_signals(rows: FusedRows) -> tuple[str, ...]:
+    """The int64 tensors a ``push_rows`` GEMM takes among its signals, by name."""
+    return (PUSH_COUNT, peer_table(rows.ready.name))
 
 
 def push_landing(q: int) -> str:
@@ -154,12 +169,17 @@ def _a_like(cfg: GemmConfig, param: str, buf: str, K: int, rows: int) -> TmaDesc
 
 
 def _own_rows(kernel, part, m: GemmMatch, cfg: GemmConfig, M: int, K: int, epilogue: Hook, params: list,
-              what: str) -> tuple:
+              rows_plan: FusedRows) -> tuple:
     """``own_rows`` / ``gather_rows``: check the GEMM can load this rank's rows from its shard
     and store the A stages itself, add the parameters, and return the TMA descriptors of the
     shard and of where the stages go (A's boxes: a stage is stored as it was loaded) — the slot
-    (``own_rows``, this rank's rows) or the gathered copy (``gather_rows``, every row)."""
+    (``own_rows``, this rank's rows) or the gathered output (``gather_rows``, every row)."""
+    what = "own_rows" if rows_plan.kind == "own_rows" else "gather_rows"
     W = kernel.world_size
+    if rows_plan.gathered is not m.a or tuple(rows_plan.shard.type.shape) != (M // W, K):
+        raise fail(WHAT, f"{what}: the fused parts move '{rows_plan.shard.name}' {list(rows_plan.shard.type.shape)} "
+                   f"into '{rows_plan.gathered.name}', but the GEMM's A is '{m.a.name}' [{M}, {K}] gathered from "
+                   f"{W} ranks", part)
     if M % W or (M // W) % cfg.BM:
         raise fail(WHAT, f"{what}: this rank's rows of '{m.a.name}' (M/W = {M}/{W}) must be whole {cfg.BM}-row tiles",
                    part)
@@ -169,16 +189,20 @@ def _own_rows(kernel, part, m: GemmMatch, cfg: GemmConfig, M: int, K: int, epilo
         raise fail(WHAT, f"{what}: the GEMM must not notify or run a generated epilogue (AllGather+GEMM's compute "
                    "part does neither)", part)
     rows = M // W
+    shard = rows_plan.shard.name
     if what == "gather_rows":
         params += [KernelParam("tma_a_own", _GRID_TMA, "tma", "tma:tma_a_own"),
                    KernelParam("tma_a_copy", _GRID_TMA, "tma", "tma:tma_a_copy")]
         params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
-        return _a_like(cfg, "tma_a_own", "a_shard", K, rows), _a_like(cfg, "tma_a_copy", GATHER_COPY, K, M)
+        return _a_like(cfg, "tma_a_own", shard, K, rows), _a_like(cfg, "tma_a_copy", rows_plan.out.name, K, M)
     params += [KernelParam("tma_a_own", _GRID_TMA, "tma", "tma:tma_a_own"),
                KernelParam("tma_a_slot", _GRID_TMA, "tma", "tma:tma_a_slot")]
-    params += [KernelParam(name, ctype_, "ptr", f"signal:{name}") for name, ctype_ in OWN_ROW_PARAMS]
+    ctypes = ("unsigned long long* __restrict__", "const unsigned long long*", "unsigned long long* const* __restrict__")
+    params += [KernelParam(param, ctype_, "ptr", f"signal:{name}")
+               for param, ctype_, name in zip(("own_staged", "own_arrive", "own_arrive_peers"), ctypes,
+                                              own_row_signals(rows_plan))]
     params.append(KernelParam(OWN_COLS, "int", "i32", f"scalar:{OWN_COLS}"))
-    return _a_like(cfg, "tma_a_own", "a_shard", K, rows), _a_like(cfg, "tma_a_slot", "a_slot", K, rows)
+    return _a_like(cfg, "tma_a_own", shard, K, rows), _a_like(cfg, "tma_a_slot", rows_plan.slot.name, K, rows)
 
 
 def _check_push_order(kernel, part, sched, M: int, cfg: GemmConfig) -> None:
@@ -194,16 +218,16 @@ def _check_push_order(kernel, part, sched, M: int, cfg: GemmConfig) -> None:
                    f"groups (group_m dividing {rows}); got order={sched.order!r}, group_m={sched.group_m}", part)
 
 
-def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list) -> tuple:
+def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list, rows_plan: FusedRows) -> tuple:
     """``push_rows``: the parameters and the descriptors of the peers' landing buffers (both
     slots, ``[2 M, K]``; stored with A's boxes, as the stages were loaded)."""
     specs = []
     for q in range(kernel.world_size - 1):
         params.append(KernelParam(f"tma_push_{q}", _GRID_TMA, "tma", f"tma:tma_push_{q}"))
         specs.append(_a_like(cfg, f"tma_push_{q}", push_landing(q), K, 2 * M))
-    params += [KernelParam("push_count", "unsigned long long* __restrict__", "ptr", "signal:push_count"),
-               KernelParam("push_flag_peers", "unsigned long long* const* __restrict__", "ptr",
-                           "signal:push_flag_peers")]
+    count, table = push_row_signals(rows_plan)
+    params += [KernelParam("push_count", "unsigned long long* __restrict__", "ptr", f"signal:{count}"),
+               KernelParam("push_flag_peers", "unsigned long long* const* __restrict__", "ptr", f"signal:{table}")]
     return tuple(specs)
 
 
@@ -325,9 +349,19 @@ class GemmPlan:
     stage_waits: Hook                          # before each stage's loads
     epilogue: Hook                             # after the store / the K loop
     notified: tuple[core.Signal, ...]          # the signals the epilogue adds to (this rank's copies)
-    own_rows: bool = False
-    gather_rows: bool = False
-    push_rows: bool = False
+    rows: FusedRows | None = None              # what the parts fused into it ask (own/gather/push_rows)
+
+    @property
+    def own_rows(self) -> bool:
+        return self.rows is not None and self.rows.kind == "own_rows"
+
+    @property
+    def gather_rows(self) -> bool:
+        return self.rows is not None and self.rows.kind in ("gather_rows", "push_rows")
+
+    @property
+    def push_rows(self) -> bool:
+        return self.rows is not None and self.rows.kind == "push_rows"
 
     @property
     def waited(self) -> tuple[core.Signal, ...]:
@@ -337,8 +371,7 @@ class GemmPlan:
 
 
 def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=None,
-              wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False,
-              gather_rows: bool = False, push_rows: bool = False) -> GemmPlan:
+              wait_timeout_ns: int | None = None, entry: str | None = None) -> GemmPlan:
     """The plan of a matched GEMM (options: see :func:`..recipes.gemm.lower_gemm`)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(part, m, sched)
@@ -375,19 +408,15 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         params.append(KernelParam(buffer_param(b), f"const {ctype(b.type.dtype).c}*", "ptr", f"data:{b.name}"))
 
     tma = _tma_specs(cfg, m, M, N, K) + tuple(_store_spec(cfg, b) for b in epi.stored)
-    if own_rows and gather_rows:
-        raise fail(WHAT, "own_rows and gather_rows are two ways to load this rank's rows: choose one", part)
-    if push_rows and not gather_rows:
-        raise fail(WHAT, "push_rows: the GEMM pushes the rows it gathers; lower with gather_rows=True", part)
-    if own_rows or gather_rows:
-        tma += _own_rows(kernel, part, m, cfg, M, K, epi, params, "gather_rows" if gather_rows else "own_rows")
-    if push_rows:
-        _check_push_order(kernel, part, sched, M, cfg)
-        tma += _push_rows(kernel, cfg, M, K, params)
+    rows = plan_fused_rows(kernel, part, m.a)
+    if rows is not None:
+        tma += _own_rows(kernel, part, m, cfg, M, K, epi, params, rows)
+        if rows.kind == "push_rows":
+            _check_push_order(kernel, part, sched, M, cfg)
+            tma += _push_rows(kernel, cfg, M, K, params, rows)
     return GemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
                     int(getattr(part, "align_shift", 0)), tuple(params), tma, wait_timeout_options(wait_timeout_ns),
-                    waits, stage, epi, notified,
-                    own_rows, gather_rows, push_rows)
+                    waits, stage, epi, notified, rows)
 
 
 def _notifies(ops, sig) -> bool:

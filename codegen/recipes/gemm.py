@@ -60,7 +60,7 @@ from ..dtypes import c_type, ctype
 from ..errors import fail
 from ..ir_queries import only_part
 from ..match.gemm import WHAT, match_gemm
-from ..plan.gemm import OWN_COLS, OWN_ROW_PARAMS, GemmPlan, Hook, plan_gemm
+from ..plan.gemm import OWN_COLS, GemmPlan, Hook, own_row_signals, plan_gemm, push_row_signals
 from ..plan.wgmma import GemmConfig
 from ..rules.primitives import SCOPE
 from ..rules.sync import SignalEmitter
@@ -227,13 +227,22 @@ class LoweredGemm(LoweredKernel):
     notify_signals: tuple[str, ...] = ()   # signals they add to (params "sig_<name>" / "sig_<name>_peers")
     epilogue_waits: int = 0          # waits in a generated epilogue (before its sums)
     data_buffers: tuple[tuple[str, tuple[int, ...], str], ...] = ()   # (name, shape, dtype) it loads: "data:<name>"
-    own_rows: bool = False           # this rank's rows of A read from "a_shard", staged into "a_slot" and A
-    gather_rows: bool = False        # this rank's rows of A read from "a_shard", every row stored into "a_copy"
+    own_rows: bool = False           # this rank's rows of A read from its shard, staged into its slot and A
+    gather_rows: bool = False        # this rank's rows of A read from its shard, every row stored into A's output
     push_rows: bool = False          # gather_rows, and this rank's rows pushed into every peer's landing buffer
+    row_signals: tuple[str, ...] = ()   # own/push_rows: the int64 tensors it also takes among its signals
 
     @property
     def num_tiles(self) -> int:
         return self.grid_tiles[0] * self.grid_tiles[1]
+
+    def tma_buffer(self, param: str) -> str:
+        """The IR buffer the TMA descriptor parameter ``param`` is made from (the tensor a caller
+        passes under that name)."""
+        for t in self.tma:
+            if t.param == param:
+                return t.buffer
+        raise KeyError(f"{self.entry} has no TMA parameter {param!r}")
 
     @property
     def cluster_dims(self) -> tuple[int, int, int]:
@@ -289,7 +298,16 @@ def render_gemm(plan: GemmPlan) -> LoweredGemm:
                        tuple(s.name for s in plan.waited), plan.options,
                        notifies=epi.notifies, notify_signals=tuple(notified), epilogue_waits=epi.waits,
                        data_buffers=tuple((b.name, tuple(b.type.shape), b.type.dtype.name) for b in epi.loaded),
-                       own_rows=plan.own_rows, gather_rows=plan.gather_rows, push_rows=plan.push_rows)
+                       own_rows=plan.own_rows, gather_rows=plan.gather_rows, push_rows=plan.push_rows,
+                       row_signals=_row_signals(plan))
+
+
+def _row_signals(plan: GemmPlan) -> tuple[str, ...]:
+    if plan.own_rows:
+        return own_row_signals(plan.rows)
+    if plan.push_rows:
+        return push_row_signals(plan.rows)
+    return ()
 
 
 def _tile_waits(plan: GemmPlan, wait_lines, stage_lines) -> tuple[list[str], str]:
@@ -393,7 +411,7 @@ def _rows_hooks(plan: GemmPlan) -> str:
     head = ", tldsl::sm90::NoNotifies{}, tldsl::sm90::NoEpilogue{}, "
     if plan.own_rows:       # the plain store, then this rank's rows staged into the slot and A
         return (head + "tldsl::sm90::OwnRows<Cfg::kWorldSize>{&tma_a_own, &tma_a_slot, "
-                + ", ".join(n for n, _ in OWN_ROW_PARAMS) + f", launch, {OWN_COLS}}}")
+                f"own_staged, own_arrive, own_arrive_peers, launch, {OWN_COLS}}}")
     if not plan.push_rows:  # gather_rows: every row's stages stored into the gathered copy
         return head + f"tldsl::sm90::GatherRows<Cfg::kWorldSize>{{&tma_a_own, &tma_a_copy, {OWN_COLS}}}"
     # ... and this rank's rows pushed into the peers' landing buffers, then published
@@ -455,40 +473,41 @@ def _source(plan: GemmPlan, wait_lines, stage_lines, epilogue_lines) -> str:
 # -- the recipe ---------------------------------------------------------------------------------------
 
 RECIPE = Recipe("gemm", "compute", 40, match_gemm, plan_gemm, render_gemm,
-                options=frozenset({"cluster", "wait_timeout_ns", "entry", "own_rows", "gather_rows", "push_rows"}),
+                options=frozenset({"cluster", "wait_timeout_ns", "entry"}),
                 summary="warp-specialised persistent TMA + WGMMA GEMM")
 
 
 def lower_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
-               wait_timeout_ns: int | None = None, entry: str | None = None, own_rows: bool = False,
-               gather_rows: bool = False, push_rows: bool = False) -> LoweredGemm:
+               wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGemm:
     """Lower ``kernel``'s compute part (the only one, or the one named) to a Hopper GEMM kernel.
 
     ``cluster`` overrides the schedule's cluster shape (``ComputeSchedule.cluster`` when the
     schedule has one, else ``(1, 1)``); ``wait_timeout_ns`` compiles the waits with a timeout
-    that traps (debugging hangs). ``own_rows`` (AllGather+GEMM, the runtime's staging="gemm"):
-    this rank's rows of A (``[rank * M/W, (rank + 1) * M/W)``, whole tiles) are read from the
-    tensor ``a_shard`` instead of A, without their waits, and the GEMM stages them itself as it
-    loads them — into ``a_slot`` (the symmetric slot peers pull from) and A, spread over the
-    first ``own_cols`` tile columns (a launch argument) — counting staged tiles in ``own_staged``
-    and publishing the launch into slot ``rank`` of every peer's arrival array
-    (``own_arrive_peers``: their addresses; ``own_arrive``: this rank's, waited on before the
-    slot is overwritten): ``tldsl::sm90::OwnRows``. ``gather_rows``
-    (AllGather+GEMM with the copy engines pushing the shards): this rank's rows of A are read
-    from ``a_shard`` without their waits, every other row from A itself (the landing buffer the
-    peers push into), and the GEMM stores every A stage it loads — spread over the first
-    ``own_cols`` tile columns — into ``a_copy`` (the gathered A the op returns):
-    ``tldsl::sm90::GatherRows``. ``push_rows`` (with ``gather_rows``; no copy engine): the GEMM
-    also stores this rank's stages into every peer's landing buffer (``push_landing_<q>``: peer
-    ``(rank + 1 + q) % W``'s, both slots, ``[2 M, K]``; rows of the slot ``launch % 2``), counts its
-    storing tiles in ``push_count`` and, with the launch's last, writes ``launch`` into slot
-    ``rank`` of every peer's flag array (``push_flag_peers``: their addresses) — the flag the
-    peers' GEMMs wait on, as the copy engine's push writes it.
+    that traps (debugging hangs).
+
+    Parts the schedule fused into the compute part (AllGather+GEMM with
+    ``CommSchedule(own_rows='compute')``; :mod:`..plan.fused_rows`) make the GEMM move this
+    rank's rows itself — its rows of A (``[rank * M/W, (rank + 1) * M/W)``, whole tiles) read
+    from the shard (the IR's name) without their waits, each A stage stored as it is loaded,
+    spread over the first ``own_cols`` tile columns (a launch argument):
+
+    * ``own_rows`` (``mode='pull'``; the runtime's staging="gemm"): into the slot peers pull
+      from (``<shard>_slot``, the IR's name) and A, counting staged tiles in ``own_staged`` and
+      publishing the launch into slot ``rank`` of every peer's arrival array (the IR's arrival
+      signal; ``<arrive>_peers``: their addresses; this rank's is waited on, one launch back,
+      before the slot is overwritten): ``tldsl::sm90::OwnRows``;
+    * ``gather_rows`` (``mode='push'``, the copy engines pushing the peers' shards): every row
+      read from A itself (the landing buffer) but this rank's, every stage stored into the
+      gathered output (``<A>_out``): ``tldsl::sm90::GatherRows``;
+    * ``push_rows`` (``engine='compute'``): also this rank's stages into every peer's landing
+      buffer (``push_landing_<q>``: peer ``(rank + 1 + q) % W``'s, both slots, ``[2 M, K]``;
+      rows of the slot ``launch % 2``), counting storing tiles in ``push_count`` and, with the
+      launch's last, writing ``launch`` into slot ``rank`` of every peer's ready array
+      (``<ready>_peers``: their addresses) — what the copy engine's push would have written.
 
     The recipe's stages run directly (match → plan → render), as the pipeline runs them once it
     has chosen this recipe: this entry point names the recipe, so there is nothing to choose."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
     if p.role != "compute":
         raise fail(WHAT, f"part '{p.name}' is a {p.role} part; lower_gemm lowers compute parts", p)
-    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry, own_rows=own_rows,
-                      gather_rows=gather_rows, push_rows=push_rows)
+    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry)

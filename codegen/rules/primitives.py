@@ -24,17 +24,25 @@ def wait_target(op: core.Op, count: str, launch: str = "launch") -> str:
     """C++ of a wait's target (:func:`tldsl.ir.semantics.wait_target`): ``count`` times the
     launch index when the wait counts in epochs, ``per_launch * (launch - 1) + count`` when it
     waits for the first ``count`` of a slot's ``per_launch`` notifies, else ``count``."""
-    return wait_target_formula(count, op.attrs.get("epoch", True), op.attrs.get("per_launch"), launch)
+    return wait_target_formula(count, op.attrs.get("epoch", True), op.attrs.get("per_launch"), launch,
+                               lag=op.attrs.get("lag", 0))
 
 
 def wait_target_formula(count, epoch: bool, per_launch: int | None, launch: str = "launch", *,
-                        cpp: bool = True) -> str:
+                        cpp: bool = True, lag: int = 0) -> str:
     """A wait's target as a formula of ``launch``: C++ (``cpp``, 64-bit unsigned) or plain text
-    for descriptions (the copy-engine plan's waits)."""
+    for descriptions (the copy-engine plan's waits). ``lag``: for launch ``launch - lag`` (0
+    before the first launch; unsigned C++ must not wrap)."""
     u64 = (lambda x: f"(unsigned long long)({x})") if cpp else str
     one = "1ull" if cpp else "1"
     if not epoch:
         return u64(count)
+    if lag:
+        per = (f"{int(per_launch)}ull" if cpp else str(int(per_launch))) if per_launch is not None else u64(count)
+        back = f"{int(lag) + 1}ull" if cpp else str(int(lag) + 1)
+        if cpp:
+            return f"({launch} > {int(lag)}ull ? {per} * ({launch} - {back}) + {u64(count)} : 0ull)"
+        return f"{per} * ({launch} - {back}) + {count} (0 before launch {int(lag) + 1})"
     if per_launch is None:
         return f"{u64(count)} * {launch}"
     per = f"{int(per_launch)}ull" if cpp else str(int(per_launch))

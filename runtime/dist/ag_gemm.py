@@ -225,12 +225,14 @@ class AllGatherMatmul:
                                    dataclasses.replace(DEFAULT_COMPUTE, group_m=self.Ms // DEFAULT_COMPUTE.BM))
         ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
+        # staging="gemm": the schedule fuses this rank's rows into the GEMM (it stages the shard
+        # into the slot and publishes the arrival; codegen/plan/fused_rows.py)
+        traced_comm = comm.with_(own_rows="compute") if staging == "gemm" else comm
         self.ir = allgather_gemm.trace(W, spec((self.Ms, self.K), ir_dtype), spec((self.K, self.N), ir_dtype),
-                                       spec((W * self.Ms, self.N), ir_dtype), compute=self.compute, comm=comm)
+                                       spec((W * self.Ms, self.N), ir_dtype), compute=self.compute, comm=traced_comm)
         import os
         timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
-        self.lowered = lower(self.ir, "gemm", own_rows=staging == "gemm",
-                             **({"wait_timeout_ns": int(timeout)} if timeout else {}))
+        self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
         self.debug = bool(os.environ.get("TLDSL_DEBUG"))
         # with the barrier kernel, one SM stays free of the persistent GEMM: the kernel runs there
         least = 1 if handshake == "kernel" else 0
@@ -261,8 +263,9 @@ class AllGatherMatmul:
         if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
             self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0],
                                             stage_waves or STAGE_WAVES)
-            self._own_signals = {self.signal: self.flags, "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
-                                 "own_arrive": self.arrive, "own_arrive_peers": self._arrive_table}
+            staged, arrive, arrive_table = self.lowered.row_signals      # by the IR's names
+            self._own_signals = {self.signal: self.flags, staged: torch.zeros(1, dtype=torch.int64, device=dev),
+                                 arrive: self.arrive, arrive_table: self._arrive_table}
         if staging == "kernel":
             from ..gpu.device import sm_count
             from .staging import ShardStager
@@ -461,7 +464,7 @@ class AllGatherMatmul:
         self._start.record(cur)
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
                                        lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
-                                                                  "a_shard": a_shard, "a_slot": self.shards[slot],
+                                                                  "a": a_shard, "a_slot": self.shards[slot],
                                                                   "own_cols": self.stage_cols},
                                                                  signals=self._own_signals, rank=me))
         gc_was_on = gc.isenabled()
@@ -544,11 +547,12 @@ class AllGatherMatmul:
             if getattr(self, "_scratch_own", None) is None:
                 publish = torch.zeros(W, dtype=torch.int64, device=dev)
                 table = torch.full((W,), publish.data_ptr(), dtype=torch.int64, device=dev)
+                staged, arrive, arrive_table = self.lowered.row_signals
                 self._scratch_own = (torch.empty(self.Ms, self.K, dtype=self.dtype, device=dev), {
-                    "own_staged": torch.zeros(1, dtype=torch.int64, device=dev),
-                    "own_arrive": torch.full((W,), 1 << 40, dtype=torch.int64, device=dev),
-                    "own_arrive_peers": table}, publish)
-            buffers.update(a_shard=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0],
+                    staged: torch.zeros(1, dtype=torch.int64, device=dev),
+                    arrive: torch.full((W,), 1 << 40, dtype=torch.int64, device=dev),
+                    arrive_table: table}, publish)
+            buffers.update(a=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0],
                            own_cols=self.stage_cols)
             signals.update(self._scratch_own[1])
         return gemm.prepare(buffers, signals=signals, rank=self.ctx.rank)
@@ -596,7 +600,8 @@ class AllGatherMatmul:
         if self.handshake in ("memops", "device"):
             out["handshake_arrive"] = self.arrive
         if self.staging == "gemm":
-            out["own_staged"] = self._own_signals["own_staged"]
+            staged = self.lowered.row_signals[0]
+            out[staged] = self._own_signals[staged]
         return out
 
     def signal_counters(self) -> dict[str, list[int]]:

@@ -5,7 +5,8 @@ stands between a launch's start and its shard moving.
 Every rank's copy stream writes its shard, straight from the caller's tensor, into its rows of
 every peer's **landing buffer** (symmetric, double-buffered: slot ``L % 2``), and then ``L`` into
 its flag there (``cuStreamWriteValue64`` on the peer's symmetric flag array). The generated GEMM
-(lowered with ``gather_rows``, ``tldsl::sm90::GatherRows``) reads this rank's rows from the shard
+(``gather_rows``, ``tldsl::sm90::GatherRows``: the program is traced with ``own_rows='compute'``,
+which fuses this rank's rows into the GEMM — codegen/plan/fused_rows.py) reads this rank's rows from the shard
 itself (no waits), every peer's rows from the landing slot once its flag holds ``L`` (system-scope
 acquire), and stores every A stage it loads into the A_gathered the op returns — spread over the
 tile columns, by the producer as it is about to refill that stage (no extra thread; a stager
@@ -35,7 +36,7 @@ program's ``wait_cols``), so a peer that starts late holds the GEMM up by its fi
 whole shard.
 
 ``pusher="gemm"`` (correct on GPUs, slower than the copy engine: ``probe ag_push``): no copy engine and no copy stream. The GEMM
-(``lower_gemm(push_rows=True)``, ``GatherRows<W, true, true>``) stores each stage of this rank's
+(``push_rows``: traced with ``engine='compute'``, ``GatherRows<W, true, true>``) stores each stage of this rank's
 rows it loads into every peer's landing slot ``L % 2`` too, and the launch's last pushed tile
 writes ``L`` into this rank's flag on every peer — the same flag, the same waits. Its CTAs must
 push all their tiles of this rank's rows before they wait for a peer's (the ``comm_aligned`` order
@@ -66,7 +67,7 @@ class PushAllGather:
                  pusher: str = "copy_engine"):
         """``pusher``: who writes this rank's shard into the peers' landing buffers —
         ``"copy_engine"`` (the measured default: the copy stream, after the GEMM is enqueued) or
-        ``"gemm"`` (the GEMM itself, as it loads the shard: ``lower_gemm(push_rows=True)``; no copy
+        ``"gemm"`` (the GEMM itself, as it loads the shard: the schedule's ``engine='compute'``; no copy
         stream, no host call but the GEMM's launch; correct on GPUs, slower: ``probe ag_push``)."""
         import torch
         import tldsl as tl
@@ -85,9 +86,6 @@ class PushAllGather:
         self.enqueue = enqueue
         ir_dtype = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
-        self.ir = allgather_gemm.trace(W, spec((Ms, K), ir_dtype), spec((K, N), ir_dtype),
-                                       spec((W * Ms, N), ir_dtype), compute=compute, comm=op.comm)
-        op.ir = self.ir
         opts = {"wait_timeout_ns": wait_timeout_ns} if wait_timeout_ns else {}
         if pusher not in ("copy_engine", "gemm"):
             raise InputError(f"pusher={pusher!r}: choose 'copy_engine' or 'gemm'")
@@ -101,7 +99,19 @@ class PushAllGather:
         if pusher == "gemm" and self.slices > 1:
             raise InputError(f"pusher='gemm' pushes whole tiles of rows and publishes them once: it takes no column "
                              f"slices (col_tile={col_tile}); use pusher='copy_engine' with col_tile")
-        self.lowered = op.lowered = lower(self.ir, "gemm", gather_rows=True, push_rows=pusher == "gemm", **opts)
+        # the schedule fuses this rank's rows into the GEMM (it reads them from the shard and stores
+        # every row it loads into A_gathered; codegen/plan/fused_rows.py) — and, pusher="gemm", the
+        # push itself (engine "compute")
+        gathering = op.comm.with_(own_rows="compute")
+        self._gathering_comm = gathering
+        traced = gathering if pusher == "copy_engine" else gathering.with_(engine="compute", col_tile=None)
+        self.ir = allgather_gemm.trace(W, spec((Ms, K), ir_dtype), spec((K, N), ir_dtype),
+                                       spec((W * Ms, N), ir_dtype), compute=compute, comm=traced)
+        op.ir = self.ir
+        self._specs = (W, spec((Ms, K), ir_dtype), spec((K, N), ir_dtype), spec((W * Ms, N), ir_dtype), compute)
+        self.lowered = op.lowered = lower(self.ir, "gemm", **opts)
+        # the IR's names of the shard the GEMM reads and of the gathered output it stores
+        self.shard_name, self.copy_name = self.lowered.tma_buffer("tma_a_own"), self.lowered.tma_buffer("tma_a_copy")
         self.gemm = GemmKernel(self.lowered, progress=progress)
         #: the GEMM alone (``compute_only``) must not push: the plain gathering GEMM, built on first use
         self._plain_gemm = None if pusher == "gemm" else self.gemm
@@ -154,8 +164,9 @@ class PushAllGather:
                                   for q, p in enumerate(self.order)}
             flag_table = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
             flag_table.copy_(torch.tensor(self.flag_peers, dtype=torch.int64))
-            self._push_signals = {self.signal: self.flags, "push_count": torch.zeros(1, dtype=torch.int64, device=dev),
-                                  "push_flag_peers": flag_table}
+            count, table = self.lowered.row_signals                      # by the IR's names
+            self._push_signals = {self.signal: self.flags, count: torch.zeros(1, dtype=torch.int64, device=dev),
+                                  table: flag_table}
 
     # -- a launch ---------------------------------------------------------------------------------
     def _plan_addresses(self, W: int, me: int, Ms: int, K: int, elem: int) -> None:
@@ -237,8 +248,8 @@ class PushAllGather:
         src = a_shard.data_ptr()
         gemm = self._gemm_launches.get(
             (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), src, slot),
-            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, "a_shard": a_shard,
-                                       "a_copy": a_full, "own_cols": self.cols},
+            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, self.shard_name: a_shard,
+                                       self.copy_name: a_full, "own_cols": self.cols},
                                       signals={self.signal: self.flags}, rank=op.ctx.rank))
         gc_was_on = gc.isenabled()
         gc.disable()                # the GEMM spins on the peers' flags: no host stall until the pushes are enqueued
@@ -315,8 +326,8 @@ class PushAllGather:
         slot = L & 1
         gemm = self._gemm_launches.get(
             (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
-            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, "a_shard": a_shard,
-                                       "a_copy": a_full, "own_cols": self.cols, **self._push_buffers},
+            lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, self.shard_name: a_shard,
+                                       self.copy_name: a_full, "own_cols": self.cols, **self._push_buffers},
                                       signals=self._push_signals, rank=op.ctx.rank))
         if op.hooks:
             op._hook("before_comm", cur)        # (the GEMM is the communication too)
@@ -335,8 +346,10 @@ class PushAllGather:
         if self._plain_gemm is None:
             from ...codegen import lower
             from ..gpu.gemm import GemmKernel
-            self._plain_gemm = GemmKernel(lower(self.ir, "gemm", gather_rows=True, **self._lowering_opts),
-                                          progress=self._progress)
+            from ...ops.allgather_gemm import allgather_gemm
+            W, a, b, c, compute = self._specs          # the same GEMM, gathering without pushing
+            plain = allgather_gemm.trace(W, a, b, c, compute=compute, comm=self._gathering_comm)
+            self._plain_gemm = GemmKernel(lower(plain, "gemm", **self._lowering_opts), progress=self._progress)
         return self._plain_gemm
 
     def _launch_gemm(self, gemm, cur, cur_h: int, L: int) -> None:
@@ -363,13 +376,14 @@ class PushAllGather:
         me = op.ctx.rank
         if getattr(self, "_scratch_copy", None) is None or self._scratch_copy.shape != a_gathered.shape:
             self._scratch_copy = torch.empty_like(a_gathered)
-        return {"a_shard": a_gathered[me * op.Ms:(me + 1) * op.Ms], "a_copy": self._scratch_copy,
+        return {self.shard_name: a_gathered[me * op.Ms:(me + 1) * op.Ms], self.copy_name: self._scratch_copy,
                 "own_cols": self.cols}
 
     @property
     def signals(self) -> dict:
         if self._gemm_pushes:
-            return {self.signal: self.flags, "push_count": self._push_signals["push_count"]}
+            count = self.lowered.row_signals[0]
+            return {self.signal: self.flags, count: self._push_signals[count]}
         return {self.signal: self.flags, "push_consumed": self.consumed}
 
     def workspace_tensors(self) -> dict:
@@ -382,8 +396,9 @@ class PushAllGather:
                  f"rank {op.ctx.rank}, symmetric: peer p's {writer} writes slot p once its shard landed; the GEMM "
                  f"waits; slot s = landing rows [s * {op.Ms}, (s + 1) * {op.Ms})")
         if self._gemm_pushes:
-            count = self._push_signals["push_count"]
-            return [flags, ("push_count", count.data_ptr(), 1,
+            name = self.lowered.row_signals[0]
+            count = self._push_signals[name]
+            return [flags, (name, count.data_ptr(), 1,
                             f"rank {op.ctx.rank}: this rank's storing tiles pushed to the peers, all launches")]
         return [flags, ("push_consumed", self.consumed.data_ptr(), self.consumed.numel(),
                         f"rank {op.ctx.rank}, symmetric: slot p = the last launch rank p's GEMM finished; this rank's "

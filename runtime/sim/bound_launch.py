@@ -62,11 +62,15 @@ class _BoundMemory:
         self.dtypes = {b.name: b.type.dtype for b in kernel.buffers}
         self.resolve = buffers
         self.world_size = kernel.world_size
+        self.bound: dict[tuple[int, str], _BoundBuffer] = {}    # resolved once per launch
 
     def buffer(self, rank: int, name: str, task=None, op=None) -> _BoundBuffer:
         if not 0 <= rank < self.world_size:
             raise SimulationError(f"{task}: rank {rank} is outside the group of {self.world_size}")
-        return _BoundBuffer(name, self.dtypes[name], self.resolve(rank, name))
+        buf = self.bound.get((rank, name))
+        if buf is None:
+            buf = self.bound[(rank, name)] = _BoundBuffer(name, self.dtypes[name], self.resolve(rank, name))
+        return buf
 
     def access(self, *args) -> None:       # no race bookkeeping: the caller checks results
         return None
@@ -99,7 +103,8 @@ class BoundLaunch:
         self.kernel, self.rank, self.launch = kernel, rank, launch
         self.memory = _BoundMemory(kernel, buffers)
         self.options = _Options()
-        self.signal_slots = signals
+        self._resolve_signal = signals
+        self._signals: dict[tuple[int, str], np.ndarray] = {}    # resolved once per launch
         self.interp = Interpreter(self)
         self.rng = rng or random.Random(0)
         self.tasks = []
@@ -109,14 +114,20 @@ class BoundLaunch:
                 self.tasks.append(_Task(rank, part, coords))
         self.live = list(self.tasks)
 
+    def signal_slots(self, rank: int, name: str) -> np.ndarray:
+        slots = self._signals.get((rank, name))
+        if slots is None:
+            slots = self._signals[(rank, name)] = self._resolve_signal(rank, name)
+        return slots
+
     # -- what the interpreter calls -------------------------------------------------------------
     def notify(self, task, op, name, rank, ch, scope):
         self._slots(task, op, rank, name, ch)[ch] += 1
 
-    def wait(self, task, op, name, ch, count, epoch, per_launch=None):
+    def wait(self, task, op, name, ch, count, epoch, per_launch=None, lag=0):
         if count <= 0:
             raise SimulationError(f"{task} ({op.name}): wait count {count} must be positive")
-        target = wait_target(count, self.launch, epoch, per_launch)
+        target = wait_target(count, self.launch, epoch, per_launch, lag)
         slots = self._slots(task, op, task.rank, name, ch)
         while int(slots[ch]) < target:
             task.blocked_on = (name, ch, target)

@@ -101,19 +101,19 @@ class Engine:
                 else:
                     self.waiters.setdefault((rank, name, ch), []).append(w)
 
-    def wait(self, task: Task, op, name, ch, count, epoch, per_launch=None):
+    def wait(self, task: Task, op, name, ch, count, epoch, per_launch=None, lag=0):
         sig = self._slot(task, op, task.rank, name, ch)
         if count <= 0:
             raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} must be positive")
         if per_launch is not None and count > per_launch:
             raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} exceeds the slot's "
                                   f"{per_launch} notifies per launch (per_launch): it would wait into the next launch")
-        target = wait_target(count, self.launch, epoch, per_launch)
+        target = wait_target(count, self.launch, epoch, per_launch, lag)
         if sig.values[ch] < target:
             task.wait_info = (op, name, ch, count, target)
             yield ("wait", (task.rank, name, ch), target)
             task.wait_info = None
-        if sig.start[ch] >= target:
+        if sig.start[ch] >= target and not lag:      # a lagged wait is for an earlier launch's notifies
             raise StaleSignalError(
                 f"{task} ({op.name} at {op.loc.short()}) was satisfied by a stale signal: "
                 f"'{name}'[{ch}] already held {int(sig.start[ch])} when launch {self.launch} began, and the "

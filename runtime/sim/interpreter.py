@@ -244,7 +244,7 @@ class Interpreter:
     def _wait(self, op, env, task):
         sig, ch, count = op.operands[0], env[op.operands[1].id], env[op.operands[2].id]
         return self.engine.wait(task, op, sig.hint, ch, count, op.attrs.get("epoch", True),
-                                op.attrs.get("per_launch"))
+                                op.attrs.get("per_launch"), op.attrs.get("lag", 0))
 
     op_consumer_tile_wait = op_peer_tile_wait = op_rank_wait = _wait
 

@@ -125,10 +125,12 @@ def probe_ag_gather(shapes, iters=30, out=sys.stdout):
     for (M, N, K) in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-        ir = allgather_gemm.trace(W, tl.TensorSpec((M // W, K), bf), tl.TensorSpec((K, N), bf),
-                                  tl.TensorSpec((M, N), bf), compute=DEFAULT_COMPUTE,
-                                  comm=tl.CommSchedule(engine="copy_engine", mode="push"))
-        lg = lower_gemm(ir, "gemm", gather_rows=True)
+        def traced(own_rows):
+            return allgather_gemm.trace(W, tl.TensorSpec((M // W, K), bf), tl.TensorSpec((K, N), bf),
+                                        tl.TensorSpec((M, N), bf), compute=DEFAULT_COMPUTE,
+                                        comm=tl.CommSchedule(engine="copy_engine", mode="push", own_rows=own_rows))
+        ir = traced("comm")
+        lg = lower_gemm(traced("compute"), "gemm")      # gather_rows: the schedule fuses this rank's rows
         stager = dataclasses.replace(lg, source=lg.source.replace("GatherRows<Cfg::kWorldSize>",
                                                                   "GatherRows<Cfg::kWorldSize, false>"))
         assert stager.source != lg.source
@@ -139,8 +141,8 @@ def probe_ag_gather(shapes, iters=30, out=sys.stdout):
         # prepared launches, as the op makes them: one driver call each (no descriptors encoded per call)
         runs = [plain.prepare({"a_gathered": a, "b": b, "c": c}, signals=sig, rank=1)]
         for kern, cols in ((gather, 0), (gather, gn), (staging, gn)):
-            runs.append(kern.prepare({"a_gathered": a, "b": b, "c": c, "a_shard": a[M // W:], "a_copy": copy,
-                                      "own_cols": cols}, signals=sig, rank=1))
+            runs.append(kern.prepare({"a_gathered": a, "b": b, "c": c, lg.tma_buffer("tma_a_own"): a[M // W:],
+                                      lg.tma_buffer("tma_a_copy"): copy, "own_cols": cols}, signals=sig, rank=1))
         fns = [lambda run=run: run.launch(torch.cuda.current_stream().cuda_stream, 1) for run in runs]
         fns.append(lambda: torch.matmul(a, b))
         t = interleaved_ms(fns, iters)

@@ -63,7 +63,10 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
     inputs = [{"a": a_shards[r], "b": bs[r], "c": np.full((W * Ms, N), np.nan, dtype)} for r in range(W)]
     kwargs = {k: v for k, v in (("compute", compute), ("comm", comm)) if v is not None}
     res = tl.simulate(allgather_gemm, W, inputs, seed=seed, options=options, **kwargs)
-    return [(res.workspaces[r]["a_gathered"], res[r]["c"]) for r in range(W)]
+    # the gathered rows: the landing buffer, or (own_rows='compute' pushing) the output the
+    # compute part stores every row into
+    return [(res.workspaces[r].get("a_gathered_out", res.workspaces[r]["a_gathered"]), res[r]["c"])
+            for r in range(W)]
 
 
 def reference(a_shards, b):
@@ -104,7 +107,12 @@ def _mutant_params():
             dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push")),
-            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push", col_tile=16))]
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push", col_tile=16)),
+            # this rank's rows (whole compute tiles) moved by parts fused into the GEMM: the copy-engine
+            # push, the GEMM pushing
+            dict(base, rows_per_rank=16, comm=tl.CommSchedule(engine="copy_engine", mode="push", col_tile=16,
+                                                              own_rows="compute")),
+            dict(base, rows_per_rank=16, comm=tl.CommSchedule(engine="compute", mode="push", own_rows="compute"))]
 
 
 SPEC = register(OpSpec("allgather_gemm", allgather_gemm, make_case, _params, _mutant_params(),

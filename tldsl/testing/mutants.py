@@ -50,17 +50,14 @@ def sync_sites(kernel: Kernel):
 
 
 def delete_site(kernel: Kernel, index: int) -> Kernel:
-    """A deep copy of ``kernel`` with its ``index``-th synchronisation primitive removed."""
+    """A deep copy of ``kernel`` with its ``index``-th synchronisation primitive (in
+    :func:`sync_sites`' order, the one reports name) removed."""
     mutant = copy.deepcopy(kernel)
-    i = 0
-    for part in mutant.parts:
-        for block in _blocks(part.body):
-            for op in list(block.ops):
-                if op.name in SYNC_OPS:
-                    if i == index:
-                        block.ops.remove(op)
-                        return mutant
-                    i += 1
+    part_name, target = sync_sites(mutant)[index]
+    for block in _blocks(mutant.part(part_name).body):
+        if any(op is target for op in block.ops):
+            block.ops.remove(target)
+            return mutant
     raise IndexError(index)
 
 

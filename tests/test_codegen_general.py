@@ -337,7 +337,9 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
         lks[f"gated_gemm-{M}x{N}x{K}"] = lower(trace(gated_gemm, [((M, K), F16), ((K, N), F16), ((K, N), F16),
                                                                     ((N,), F16), ((M, N), F16)], (128, 128, 64), {}),
                                                 "part")
-    lks["ring_exchange"] = lower(dict(_multi_cases())["ring_exchange"], "part")     # data primitives on SMs
+    multi = dict(_multi_cases())
+    lks["ring_exchange"] = lower(multi["ring_exchange"], "part")                      # data primitives on SMs
+    lks["normed_gather.gather"] = lower(multi["normed_gather"], "gather")             # a communication part
     for name, k in _library_kernels():
         for p in k.parts:
             if p.role == "compute":
@@ -639,6 +641,26 @@ def ring_exchange(x: tl.Symmetric, y: tl.Symmetric, w: tl.Symmetric, z, *, compu
         tl.store(z, (pm * BM, 0), tl.load(y, (pm * BM, 0), (BM, N)) - tl.load(w, (pm * BM, 0), (BM, N)) + u)
 
 
+@tl.kernel
+def normed_gather(x: tl.Symmetric, g, y, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+    """A communication part on SMs that the streamed kernel does not take (a reduction: it
+    RMS-normalises each peer's rows as it gathers them) notifies a compute part that waits."""
+    Ms, N = x.shape
+    W = tl.world_size()
+    ready = tl.signal("ready", W)
+
+    @tl.comm_part(grid=(W,), engine="sm")
+    def gather(p):
+        t = tl.tile_pull_data(x.at(p), (0, 0), (Ms, N)).to(tl.float32)
+        tl.store(g, (p * Ms, 0), t * tl.rsqrt(tl.sum(t * t, 1) / N + 1e-6)[:, None])
+        tl.producer_tile_notify(ready, p)
+
+    @tl.compute_part(grid=(W,))
+    def part(p):
+        tl.consumer_tile_wait(ready, p, count=1)
+        tl.store(y, (p * Ms, 0), tl.load(g, (p * Ms, 0), (Ms, N)) * 2.0 + 1.0)
+
+
 def _multi_cases():
     from tldsl.ops.allgather_gemm import allgather_gemm
     from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -651,13 +673,17 @@ def _multi_cases():
         2, S((32, 24), BF16), S((24, 40), BF16), S((16, 40), BF16), compute=c16,
         comm=tl.CommSchedule(tile_m=8, order="ring", mode="push", sms=2))
     yield "ring_exchange", ring_exchange.trace(3, *[S((20, 24), F32)] * 4, compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    yield "normed_gather", normed_gather.trace(2, S((12, 40), BF16), S((24, 40), F32), S((24, 40), F32),
+                                               compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+                                               comm=tl.CommSchedule(sms=2))
     yield "sp_attention", sp_attention.trace(
         2, *[S((24, 32), F16)] * 4, heads=2, causal=True, compute=tl.ComputeSchedule(tile=(16, 16, 16)),
         comm=tl.CommSchedule(tile_m=8, mode="pull", sms=2))
 
 
 @needs_gxx
-@pytest.mark.parametrize("name", ["allgather_gemm", "gemm_reduce_scatter", "sp_attention", "ring_exchange"])
+@pytest.mark.parametrize("name", ["allgather_gemm", "gemm_reduce_scatter", "sp_attention", "ring_exchange",
+                                  "normed_gather"])
 def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_simulator(tmp_path, name):
     """The library's fused ops with their compute parts lowered by the general recipe (instead
     of their own): the waits on the communication kernels' notifies, and the notifies they wait
@@ -665,6 +691,8 @@ def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_s
     k = dict(_multi_cases())[name]
     lowered = [lower_general(k, p.name) if p.role == "compute" else lower(k, p.name) for p in k.parts]
     assert any(type(x).__name__ == "LoweredGeneral" for x in lowered)
+    if name == "normed_gather":     # its communication part: the general lowering too (recipe general_comm)
+        assert all(type(x).__name__ == "LoweredGeneral" for x in lowered) and lowered[0].lanes == 2
     rng = np.random.default_rng(11)
     inputs = [inputs_for(k, rng) for _ in range(k.world_size)]
     res = tl.simulate(k, k.world_size, [dict(x) for x in inputs])

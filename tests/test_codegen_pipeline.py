@@ -108,23 +108,29 @@ def test_a_part_over_the_general_lowerings_shared_memory_is_refused_at_the_users
     assert "use smaller tiles" in str(e.value) and "tl.load(x" in e.value.loc.source
 
 
-def test_an_sm_comm_part_is_refused_at_the_users_line():
-    """Only one recipe is made for SM communication parts: its refusal is the error, at the op."""
+def test_an_sm_comm_part_the_streamed_kernel_refuses_takes_the_general_recipe():
+    """The streamed communication kernel (sm_comm) refuses a dot, at the op; the pipeline then
+    lowers the part with the general lowering for communication parts (general_comm)."""
+    from tldsl.codegen import lower_comm
+
     @tl.kernel
-    def bad_comm(a: tl.Symmetric, c, *, comm: tl.CommSchedule = None):
+    def dot_comm(a: tl.Symmetric, c, *, comm: tl.CommSchedule = None):
         W = tl.world_size()
         Ms, K = a.shape
 
         @tl.comm_part(grid=(W,), engine="sm")
         def push(p):
             t = tl.load(a, (0, 0), (Ms, K))
-            tl.store(c, (p * Ms, 0), tl.dot(t, tl.trans(t)))      # no dot in communication kernels
+            tl.store(c, (p * Ms, 0), tl.dot(t, tl.trans(t)))      # no dot in streamed communication kernels
     spec = tl.TensorSpec((16, 16), tl.float16)
-    k = bad_comm.trace(2, spec, tl.TensorSpec((32, 16), tl.float16), comm=tl.CommSchedule())
+    k = dot_comm.trace(2, spec, tl.TensorSpec((32, 16), tl.float16), comm=tl.CommSchedule())
     with pytest.raises(LoweringError) as e:
-        lower(k, "push")
+        lower_comm(k, "push")
     assert "communication lowering" in str(e.value)
     assert e.value.loc is not None and e.value.loc.lineno != k.part("push").loc.lineno
+    sel = pipeline.match(k, k.part("push"))
+    assert sel.recipe.name == "general_comm" and [name for name, _ in sel.declined] == ["sm_comm", "copy_engine"]
+    assert lower(k, "push").dots == 1
 
 
 def test_kernel_parameter_sources_are_the_abi_the_launchers_bind():

@@ -36,7 +36,19 @@ def match_general(kernel: core.Kernel, part: core.Part) -> GeneralMatch:
     LoweringError at the first op it does not."""
     if part.role != "compute":
         raise not_applicable(WHAT, f"part '{part.name}' is a {part.role} part; the general lowering takes compute "
-                                   "parts", part)
+                                   "parts (and communication parts on SMs as recipe general_comm)", part)
+    return _match_ops(part)
+
+
+def match_general_comm(kernel: core.Kernel, part: core.Part) -> GeneralMatch:
+    """Accept a communication part on SMs whose every op the general lowering renders (the
+    copy engine's parts are host plans, not kernels)."""
+    if part.role != "comm" or part.engine != "sm":
+        raise not_applicable(WHAT, f"part '{part.name}' is not a communication part on SMs", part)
+    return _match_ops(part)
+
+
+def _match_ops(part: core.Part) -> GeneralMatch:
     counts = {"dot": 0, "wait": 0, "notify": 0}
     for op in part.walk():
         if op.name in DATA_OPS and any(v.type.dtype.kind == "bool" for v in op.operands

@@ -25,6 +25,7 @@ from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_na
 from ..dtypes import ctype, elem_bytes
 from ..errors import LoweringError, fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
+from .comm import task_decode
 
 DEFAULT_THREADS = 128
 #: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
@@ -69,6 +70,7 @@ class GeneralPlan:
     absorbed: frozenset           # ids of those statement ops (not rendered where they stand)
     smem_bytes: int
     decode: tuple                 # (axis, divisor, modulus | None) per program-id axis
+    lanes: int | None             # a communication part: how many tasks may run at once (its CTAs)
     params: tuple[KernelParam, ...]
     signals: tuple[str, ...]
     options: tuple[str, ...]      # NVRTC options
@@ -334,7 +336,7 @@ def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...],
 
 
 def _decode(grid: tuple[int, ...]) -> tuple:
-    """Row-major task order: ``pid[axis] = task // divisor % modulus``."""
+    """Row-major task order (a compute part's): ``pid[axis] = task // divisor % modulus``."""
     out, div = [], 1
     for axis in reversed(range(len(grid))):
         out.append((axis, div, grid[axis] if axis > 0 else None))
@@ -377,6 +379,10 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
         layout = _layout(prog, part, recompute=True)      # over the limit: recompute shared values instead
     views, epilogues, absorbed, slots, top = layout
     params, signals = _abi(kernel, part)
+    decode, lanes = _decode(tuple(part.grid)), None
+    if part.role == "comm":         # the communication schedule's task order, on its lanes
+        sched = kernel.comm_schedule
+        decode = tuple(task_decode(tuple(part.grid), sched.order if sched is not None else "ring"))
+        lanes = int(part.lanes or (sched.lanes if sched is not None else 1))
     return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, epilogues,
-                       absorbed, top,
-                       _decode(tuple(part.grid)), params, signals, tuple(wait_timeout_options(wait_timeout_ns)))
+                       absorbed, top, decode, lanes, params, signals, tuple(wait_timeout_options(wait_timeout_ns)))

@@ -12,6 +12,6 @@ from . import attention, combine, copy_engine, gemm, general, grouped_gemm, sm_c
 
 #: every recipe, the pipeline's one table
 RECIPES: tuple[Recipe, ...] = (gemm.RECIPE, grouped_gemm.RECIPE, combine.RECIPE, attention.RECIPE, sm_comm.RECIPE,
-                               copy_engine.RECIPE, general.RECIPE)
+                               copy_engine.RECIPE, general.RECIPE, general.RECIPE_COMM)
 
 __all__ = ["Recipe", "RECIPES"]

@@ -183,8 +183,9 @@ def _iota_element(em, op, coords, el: Elements) -> str:
 
 
 def _expand_dims_element(em, op, coords, el: Elements) -> str:
-    axis = op.attrs["axis"]
-    return em.value(op.operands[0], coords[:axis] + coords[axis + 1:], el)
+    axis, n = op.attrs["axis"], len(op.operands[0].type.shape)
+    pos = axis if axis >= 0 else max(0, n + axis)      # where the IR's type put the unit axis (list.insert)
+    return em.value(op.operands[0], coords[:pos] + coords[pos + 1:], el)
 
 
 def _broadcast_element(em, op, coords, el: Elements) -> str:

@@ -69,6 +69,7 @@ def normalised(value: Expr) -> Expr:
 
 
 def output(g: ProgramGenerator, shape, value: Expr, out: Tensor | None) -> Tensor:
+    """Where a stage stores: ``out`` when given, else a new output argument typed like ``value``."""
     if out is not None:
         return out
     dtype = "i32" if value.dtype == "i32" else g.float_dtype()

@@ -68,6 +68,12 @@ def test_the_strategy_gives_programs_the_simulator_accepts(case):
     case.simulate()
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tst.tile_programs(families=["single"]))
+def test_the_strategy_draws_from_the_families_asked_for(case):
+    assert len(case.trace().parts) == 1 and not features(case.trace()).linked_parts
+
+
 def _strip_locations(kernel) -> str:
     return re.sub(r"  // .*$", "", str(kernel), flags=re.M)
 

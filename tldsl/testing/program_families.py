@@ -16,9 +16,13 @@ from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop,
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 
 
-def generate(ch: Chooser) -> Program:
+def generate(ch: Chooser, families=None) -> Program:
+    """One program, of a family drawn by :data:`FAMILIES`' weights (only of ``families`` when given)."""
+    table = FAMILIES if families is None else {f: FAMILIES[f] for f in families}
+    if not table:
+        raise ValueError(f"no family to generate from: choose among {sorted(FAMILIES)}")
     g = ProgramGenerator(ch)
-    family = weighted(ch, FAMILIES)
+    family = weighted(ch, table)
     {"single": single, "pipeline": pipeline, "comm": communication}[family](g)
     return g.program()
 

@@ -87,12 +87,15 @@ class _DrawChooser:
 
 
 @st.composite
-def tile_programs(draw, input_seeds=st.integers(0, 2**16 - 1)) -> FuzzCase:
+def tile_programs(draw, families=None, input_seeds=st.integers(0, 2**16 - 1)) -> FuzzCase:
     """A random well-formed tile program (:class:`~tldsl.testing.program_case.FuzzCase`): a
     ``@tl.kernel`` the simulator accepts, with inputs for every rank (outputs poisoned), fixed
     per-dtype tolerances and its standalone source (``case.source``). The programs cover the
     language: loads (plain, rows, scalars, from peers), stores, tile math, reductions, dots,
-    loops, guards, parts linked by signals, and communication over 2-4 ranks."""
-    program = generate(_DrawChooser(draw))
+    loops, guards, mappings, parts linked by signals, and communication over 2-4 ranks (the
+    primitives, and the library's collectives). ``families``: only some kinds of program, among
+    ``"single"`` (one compute part), ``"pipeline"`` (two parts linked by signals on each rank)
+    and ``"comm"`` (communication over W >= 2 ranks)."""
+    program = generate(_DrawChooser(draw), families)
     digest = hashlib.sha1(program.source().encode()).hexdigest()[:10]     # one file name per program
     return FuzzCase(program, f"tile_programs() {digest}", draw(input_seeds))

@@ -8,7 +8,9 @@ Stages, in order (each a function below; data flows one way):
    accepts, the error is the refusal of the one recipe made for this kind of part (at the
    user's line), or every recipe's reason;
 3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
-   and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes);
+   and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes).
+   When the planner refuses (a tile its template cannot run, say), :func:`fall_back` gives the
+   part to the next recipe by priority whose matcher accepts it (the general lowering, last);
 4. :func:`render` — the recipe fills its template, every IR op inside it rendered by the
    rules (``rules.scalars``, ``rules.primitives``);
 5. compile (``LoweredKernel.compile`` → ``toolchain``): NVRTC, content-addressed cache.
@@ -106,7 +108,33 @@ def _lower(kernel, part, options: dict, strict: bool):
     if strict and ignored:
         raise LoweringError(f"the {sel.recipe.name} recipe lowers part '{p.name}' and takes no option "
                             f"{', '.join(ignored)}; it takes: {', '.join(sorted(sel.recipe.options)) or 'none'}", p.loc)
-    return render(sel, plan(sel, options))
+    while True:
+        try:
+            return render(sel, plan(sel, options))
+        except LoweringError as e:
+            # the chosen recipe's planner refused (its tiles, say): a lower-priority recipe that
+            # takes the part and these options lowers it instead; none: the planner's error
+            sel = fall_back(sel, e, options if strict else {})
+            if sel is None:
+                raise
+
+
+def fall_back(sel: Selected, error: LoweringError, options: dict) -> Selected | None:
+    """Stage 2 again after ``sel``'s planner refused the part with ``error``: the next recipe
+    below it by priority whose matcher accepts the part and that takes ``options``, or None."""
+    lower = sorted((r for r in RECIPES if r.role == sel.part.role and r.priority < sel.recipe.priority),
+                   key=lambda r: -r.priority)
+    declined = sel.declined + [(sel.recipe.name, error)]
+    for recipe in lower:
+        if set(options) - set(recipe.options):
+            continue
+        try:
+            m = recipe.match(sel.kernel, sel.part)
+        except LoweringError as e:
+            declined.append((recipe.name, e))
+            continue
+        return Selected(sel.kernel, sel.part, recipe, m, declined)
+    return None
 
 
 def _check_options(options: dict) -> None:

@@ -709,3 +709,33 @@ def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_s
         for b in k.args:
             dt = b.type.dtype.name
             assert_close(got[r][b.name], res[r][b.name], dt, RTOL_SUMS[dt], f"rank {r} {b.name}")
+
+
+def test_a_part_the_gemm_planner_refuses_falls_back_to_the_general_recipe():
+    """The warp-specialised GEMM matches a K loop whose tiles differ from the schedule's, but its
+    planner refuses them: lower() hands the part to the general lowering; lower_gemm still says why."""
+    from test_codegen_pipeline import _fixed_tile_gemm
+    from tldsl.codegen import lower_gemm, pipeline
+    spec = S((256, 256), F16)
+    k = _fixed_tile_gemm.trace(1, spec, spec, spec, compute=tl.ComputeSchedule(tile=(128, 128, 32)))
+    with pytest.raises(LoweringError, match="do not match the compute schedule's tile"):
+        lower_gemm(k)
+    assert pipeline.match(k, k.parts[0]).recipe.name == "gemm"
+    lk = lower(k, "mm")
+    assert type(lk).__name__ == "LoweredGeneral" and lk.dots == 1
+    with pytest.raises(LoweringError, match="do not match the compute schedule's tile"):
+        lower(k, "mm", cluster=(2, 1))          # an option only the GEMM takes: its planner's error
+
+
+def test_a_compute_part_with_fused_communication_parts_is_refused():
+    """own_rows='compute' fuses the all-gather's own-rows parts into the GEMM's kernel; the
+    general lowering does not run them, so it refuses rather than drop their work."""
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.codegen import pipeline
+    k = allgather_gemm.trace(2, S((256, 256), F16), S((256, 256), F16), S((512, 256), F16),
+                             compute=tl.ComputeSchedule(tile=(128, 128, 64)),
+                             comm=tl.CommSchedule(tile_m=None, mode="pull", engine="copy_engine", own_rows="compute"))
+    assert any(p.fused for p in k.parts)
+    with pytest.raises(LoweringError, match="does not run fused parts yet"):
+        lower_general(k, "gemm")
+    assert pipeline.match(k, k.part("gemm")).recipe.name == "gemm"

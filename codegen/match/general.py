@@ -37,6 +37,11 @@ def match_general(kernel: core.Kernel, part: core.Part) -> GeneralMatch:
     if part.role != "compute":
         raise not_applicable(WHAT, f"part '{part.name}' is a {part.role} part; the general lowering takes compute "
                                    "parts (and communication parts on SMs as recipe general_comm)", part)
+    fused = [q.name for q in kernel.parts if q.fused]
+    if fused:
+        raise fail(WHAT, f"the communication schedule fused parts {fused} into this compute part (own_rows="
+                         "'compute' or engine='compute'), and the general lowering does not run fused parts yet: "
+                         "use a schedule without them", part)
     return _match_ops(part)
 
 

@@ -329,7 +329,8 @@ def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...],
             params.append(KernelParam(peer_signal_param(s), "unsigned long long* const* __restrict__", "ptr",
                                       f"peer_signals:{s.name}"))
     for t in tables:
-        params.append(KernelParam(table_param(t), "const int* __restrict__", "ptr", f"buffer:{t.name}"))
+        # no __restrict__: the part may write the table it reads (the read-only path could go stale)
+        params.append(KernelParam(table_param(t), "const int*", "ptr", f"buffer:{t.name}"))
     params += [RANK_PARAM, LAUNCH_PARAM]
     used = tuple(s.name for s in kernel.signals if id(s) in local_s or id(s) in peer_s)
     return tuple(params), used

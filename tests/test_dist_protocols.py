@@ -1,20 +1,22 @@
 """The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
 copy-engine push (runtime/dist/ag_push.py; or the GEMM pushing its own rows, pusher="gemm") and pull
-(runtime/dist/ag_gemm.py) — with the staging
-kernel as the handshake (the default where rows are not whole tiles) or with the GEMM staging its
-own rows — and GEMM+ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
+(runtime/dist/ag_gemm.py) — with the staging kernel as the handshake (the default where rows are
+not whole tiles) or with the GEMM staging its own rows — and GEMM+ReduceScatter on the copy engine
+(runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
 orders, some starving streams for a while (a stream op runs only when its stream waits, event
-waits and the GEMM's counter waits allow). Where the GEMM is the plain compiled one (the pull's,
-GEMM+RS's) it is not modelled: the tile program it was lowered from runs in the simulator's
-rules on the device's memory (``_CompiledGemm``, runtime/sim/bound_launch.py), tile by tile,
-blocked on its waits. The GEMMs whose variants runtime/dist still chooses by lowering options
-(own_rows, gather_rows, push_rows) are stand-ins with the generated kernels' contracts (AG push:
-wait for every peer's flag, gather the landing slot's rows and the shard's; AG pull with the GEMM
-staging: its own-row phase staging and publishing, then its peers' rows). Every launch's output
-must be exact whatever order the streams ran in: a buffer overwritten before it was read, a
-counter written before its data, or a deadlock, fails — and each test shows the model catching
-a protocol with one of its waits or its call order removed.
+waits and the kernels' counter waits allow).
+
+No kernel is modelled by hand. Every GEMM is the program it was compiled from
+(``lowered.program``: the compute part and the parts the schedule fused into it — the GEMM that
+stages or pushes this rank's rows), run by the simulator's rules (runtime/sim/bound_launch.py) on
+the device's memory, task by task, blocked on its waits (``_CompiledGemm``). The staging kernel,
+hand-written CUDA, runs as the program it implements: the staging part the same AllGather+GEMM
+traces with ``own_rows='compute'`` (``_Stager``). Every launch's output must be exact whatever
+order the streams ran in: a buffer overwritten before it was read, a counter written before its
+data, or a deadlock, fails — and each test shows the model catching a protocol with one of its
+waits or its call order removed, or (``test_the_compiled_program_is_what_runs``) a
+synchronisation primitive deleted from the GEMM's program.
 """
 from __future__ import annotations
 
@@ -228,7 +230,6 @@ class _CompiledGemm:
 
     def enqueue(self, stream, L, lowered, buffers, signals, rank):
         from tldsl.codegen.plan.gemm import push_landing
-        from tldsl.runtime.sim.bound_launch import BoundLaunch
         kernel, part = lowered.program
         if self.mutate is not None:
             kernel = self.programs.setdefault(id(kernel), self.mutate(kernel))
@@ -250,17 +251,24 @@ class _CompiledGemm:
             slots = kernel.signals[[s.name for s in kernel.signals].index(name)].type.slots
             return device.bytes(int(signals[f"{name}_peers"][r]), 8 * slots).view(np.int64)
         parts = [part.name] + [p.name for p in kernel.parts if p.fused]
-        state = {}
+        _queue_program(device, stream, f"GEMM {L}", kernel, parts, rank, L, buffer, signal)
 
-        def run():
-            launch = state.get("launch")
-            if launch is None:
-                launch = state["launch"] = BoundLaunch(kernel, parts, rank, L, buffer, signal,
-                                                       random.Random(1000 * L + rank))
-            if launch.done:
-                return True
-            return "step" if launch.step() else False
-        self.ranks.device.queue(stream, f"GEMM {L} ({kernel.name}: {', '.join(parts)})", run)
+
+def _queue_program(device, stream, name, kernel, parts, rank, L, buffer, signal):
+    """Queue launch ``L`` of ``parts`` of ``kernel`` on ``stream``: built when it reaches the head
+    of the stream, then run a task step at a time between the other streams' operations."""
+    from tldsl.runtime.sim.bound_launch import BoundLaunch
+    state = {}
+
+    def run():
+        launch = state.get("launch")
+        if launch is None:
+            launch = state["launch"] = BoundLaunch(kernel, parts, rank, L, buffer, signal,
+                                                   random.Random(1000 * L + rank))
+        if launch.done:
+            return True
+        return "step" if launch.step() else False
+    device.queue(stream, f"{name} ({kernel.name}: {', '.join(parts)})", run)
 
 
 class _Ranks:
@@ -611,30 +619,49 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
 # -- AllGather+GEMM pulling (runtime/dist/ag_gemm.py: staging kernel, device handshake) --------------
 
 class _Stager:
-    """The publishing staging kernel's contract: wait until every peer has staged the previous
-    launch, copy the shard into the symmetric slot and this rank's rows of A_gathered, write this
-    rank's flag, then publish the launch into this rank's slot of every peer's arrival array."""
+    """The publishing staging kernel (runtime/dist/staging.py, hand-written CUDA) as the program it
+    implements: the staging part AllGather+GEMM traces with ``own_rows='compute'`` (the part the
+    GEMM runs fused when it stages its rows itself) — wait until every peer has staged the launch
+    before, copy the shard into the symmetric slot and into this rank's rows of A_gathered,
+    notify this rank's flag, publish the launch into this rank's slot of every peer's arrival
+    array — run by the simulator's rules on the device's memory at the addresses the runtime
+    gives the kernel."""
 
-    def __init__(self, ranks):
-        self.ranks = ranks
+    def __init__(self, ranks, Ms, K, N):
+        self.ranks, self.shape = ranks, (Ms, K, N)
 
     def __call__(self, sm_count, progress=None, publish=None):
+        from tldsl.ops.allgather_gemm import allgather_gemm
         device = self.ranks.device
         stager = types.SimpleNamespace(kernel=types.SimpleNamespace(name="tldsl_stage_shard_publish"),
                                        usable=lambda *a: all(int(x) % 16 == 0 for x in a))
-        arrive, table, rank, world, _, _ = publish
+        arrive, table, rank, W, _, _ = publish
+        Ms, K, N = self.shape
+        bf, S = tl.bfloat16, tl.TensorSpec
+        bm = Ms & -Ms if Ms & -Ms <= 256 else 256          # any compute tile that divides the rows: the
+        program = allgather_gemm.trace(                     # staging part does not depend on it
+            W, S((Ms, K), bf), S((K, N), bf), S((W * Ms, N), bf), compute=tl.ComputeSchedule(tile=(max(bm, 8), 16, 16)),
+            comm=tl.CommSchedule(engine="copy_engine", mode="pull", own_rows="compute"))
+        (stage,) = [p.name for p in program.parts if p.fused]
+        ready, arrival = "gather_a_ready", "gather_a_arrive"
 
         def prepare(cu, src, dst0, dst1, nbytes, flag):
+            rows = {"a": (src, Ms), "a_slot": (dst0, Ms), "a_gathered": (dst1 - rank * nbytes, W * Ms)}
+
+            def buffer(r, name):
+                assert r == rank, f"the staging kernel of rank {rank} reaches rank {r}'s '{name}'"
+                addr, n = rows[name]
+                return device.bytes(addr, n * K * 2).view(np.uint16).reshape(n, K)
+
+            def signal(r, name):
+                if name == ready and r == rank:
+                    return device.bytes(flag - 8 * rank, 8 * W).view(np.int64)
+                base = arrive if r == rank else int(device.u64(table + 8 * r)[0])
+                assert name == arrival, name
+                return device.bytes(base, 8 * W).view(np.int64)
+
             def launch(stream, L):
-                def stage():
-                    device.bytes(dst0, nbytes)[:] = device.bytes(src, nbytes)
-                    device.bytes(dst1, nbytes)[:] = device.bytes(src, nbytes)
-                    device.u64(flag)[0] = L
-                    for p in range(world):
-                        if p != rank:
-                            device.u64(int(device.u64(table + 8 * p)[0]) + 8 * rank)[0] = L
-                device.kernel(stream, f"stage {L}", stage, ready=lambda: all(
-                    int(device.u64(arrive + 8 * p)[0]) >= L - 1 for p in range(world) if p != rank))
+                _queue_program(device, stream, f"stage {L}", program, [stage], rank, L, buffer, signal)
             return types.SimpleNamespace(launch=launch)
         stager.prepare = prepare
         return stager
@@ -667,7 +694,7 @@ def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_ra
     from tldsl.runtime.dist import ag_gemm as agm, staging
     from tldsl.runtime.gpu import device as device_mod
     holder = {}
-    monkeypatch.setattr(staging, "ShardStager", lambda *a, **k: _Stager(holder["ranks"])(*a, **k))
+    monkeypatch.setattr(staging, "ShardStager", lambda *a, **k: _Stager(holder["ranks"], Ms, K, N)(*a, **k))
     monkeypatch.setattr(device_mod, "sm_count", lambda: 132)
 
     def gemm(ranks):

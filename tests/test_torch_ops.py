@@ -1,5 +1,7 @@
-"""The fused ops registered as torch custom ops: schemas, fake (meta) shapes for torch.compile,
-and input errors raised before anything runs (no GPU needed)."""
+"""The fused ops registered as torch custom ops: torch's own schemas, fake (meta) shapes for
+torch.compile, N-d operands and any gather / scatter dim laid out as torch lays them out, and
+input errors raised before anything runs (no GPU needed: the 2-d ops and the collectives are
+stood in for by their results, computed from every simulated rank's operands)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,11 +11,18 @@ import tldsl.torch_ops  # noqa: E402,F401  (registers torch.ops.tldsl.*)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 
-def test_ops_are_registered_with_async_tp_signatures():
-    ag = torch.ops.tldsl.fused_all_gather_matmul.default._schema
-    rs = torch.ops.tldsl.fused_matmul_reduce_scatter.default._schema
-    assert [a.name for a in ag.arguments] == ["a_shard", "bs", "gather_dim", "group_name"]
-    assert [a.name for a in rs.arguments] == ["a", "b", "reduce_op", "scatter_dim", "group_name"]
+def test_ops_have_torchs_own_schemas():
+    """Argument names, types, defaults, keyword-only markers and returns as torch.ops.symm_mem's:
+    a call written for theirs (keywords included) runs on ours."""
+    import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
+
+    def shape(schema):
+        return ([(a.name, str(a.type), a.kwarg_only, a.default_value) for a in schema.arguments],
+                [str(r.type) for r in schema.returns])
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        ours = getattr(torch.ops.tldsl, name).default._schema
+        theirs = getattr(torch.ops.symm_mem, name).default._schema
+        assert shape(ours) == shape(theirs), name
 
 
 def test_fake_shapes_for_torch_compile():
@@ -24,15 +33,166 @@ def test_fake_shapes_for_torch_compile():
         assert a_full.shape == (96, 64) and c1.shape == (96, 32) and c2.shape == (96, 48)
         out = torch.ops.tldsl.fused_matmul_reduce_scatter(a, b1, "sum", 0, "0")
         assert out.shape == (96, 32)
+        x = torch.empty(2, 48, 64, dtype=torch.bfloat16)                        # [batch, seq, hidden]
+        a_full, (c,) = torch.ops.tldsl.fused_all_gather_matmul(x, [b1], 1, "0", return_A=False)
+        assert a_full is None and c.shape == (2, 48, 32)
+        assert torch.ops.tldsl.fused_matmul_reduce_scatter(x, b1, "avg", -2, "0").shape == (2, 48, 32)
+
+
+# -- N-d operands, any dim: torch's layouts -----------------------------------------------------------
+
+def _torch_all_gather_matmul(shards, bs, g):
+    """torch.ops.symm_mem.fused_all_gather_matmul's result: its values as its fallback computes
+    them from the all-gathered (rank-major) shards, laid out as its CUDA path returns them (2-d
+    contiguous results of the shards moved and flattened, viewed back: ``unflatten``)."""
+    W, shard = len(shards), shards[0]
+    flat = torch.cat([s.contiguous() for s in shards])
+    if g == shard.dim() - 1:
+        a_mm = torch.cat(flat.flatten(0, -2).chunk(W), dim=-1)
+        lead = tuple(shard.shape[:-1])
+        return a_mm.view(*lead, -1), [torch.mm(a_mm, b).view(*lead, -1) for b in bs]
+    a = flat.view(W, *shard.shape).movedim(g + 1, 1).flatten(0, 1)
+    values = [a.movedim(0, g)] + [torch.matmul(a, b).movedim(0, g) for b in bs]
+    lead = [W] + list(shard.movedim(g, 0).shape[:-1])
+
+    def unflatten(t):
+        return t.contiguous().view(*lead, -1).flatten(0, 1).movedim(0, g)
+    a2d = a.flatten(0, -2)
+    laid = [unflatten(a2d)] + [unflatten(a2d @ b) for b in bs]
+    for v, x in zip(values, laid):
+        assert torch.equal(v, x)
+    return laid[0], laid[1:]
+
+
+def _torch_matmul_reduce_scatter(As, b, reduce_op, d, rank):
+    """torch's reduce_scatter_single(A @ B, reduce_op, scatter_dim) on ``rank``: the sum (or mean)
+    over ranks of A @ B, this rank's chunk along ``d``, contiguous."""
+    total = sum(torch.matmul(a, b) for a in As)
+    if reduce_op == "avg":
+        total = total / len(As)
+    return total.chunk(len(As), dim=d)[rank].contiguous()
+
+
+@pytest.fixture
+def ranks(monkeypatch):
+    """Run the torch ops as rank ``me`` of ``W`` simulated ranks: the 2-d fused ops and the
+    collectives of the last-dim paths are stood in for by their results over every rank's
+    operands (``ranks.operands``), so everything the torch ops do around them runs for real."""
+    from tldsl import torch_ops
+    import tldsl.runtime.dist as rd
+    import torch.distributed as dist
+    state = type("Ranks", (), {})()
+    state.W, state.me, state.operands = 2, 0, None
+    monkeypatch.setattr(torch_ops, "_OPS", {})
+    monkeypatch.setattr(torch_ops, "_world_size", lambda name: state.W)
+    monkeypatch.setattr(torch_ops, "_group", lambda name: "group")
+    monkeypatch.setattr(torch_ops, "_check_devices", lambda what, tensors: None)
+    monkeypatch.setattr(torch_ops, "dense", lambda t: t.contiguous())
+
+    def each_rank_2d(fn):
+        return [fn(x) for x in state.operands]
+
+    class AllGatherMatmul:
+        def __init__(self, Ms, K, N, dtype, group=None):
+            self.shape = (Ms, K, N)
+
+        def __call__(self, a2d, b):
+            g = state.dim
+            blocks = [torch_ops.as_row_blocks(x, g)[0] for x in state.operands]
+            assert torch.equal(blocks[state.me], a2d) and a2d.shape == self.shape[:2]
+            full = torch.cat(blocks)
+            return full, full @ b
+
+    class MatmulReduceScatter:
+        def __init__(self, M, K, N, dtype, group=None):
+            self.shape = (M, K, N)
+
+        def __call__(self, a2d, b):
+            blocks = [torch_ops.as_row_blocks(x, state.dim)[0] for x in state.operands]
+            assert torch.equal(blocks[state.me], a2d) and a2d.shape == self.shape[:2]
+            total = sum(x @ b for x in blocks)
+            return total.chunk(state.W)[state.me]
+
+    def all_gather_into_tensor(out, flat, group=None):
+        out.copy_(torch.cat([x.flatten(0, -2) for x in state.operands]))
+
+    def reduce_scatter_tensor(out, blocks, group=None):
+        P = out.shape[0]
+        full = sum(x.flatten(0, -2) @ state.b for x in state.operands)
+        out.copy_(full.view(P, state.W, -1)[:, state.me])
+        assert torch.equal(blocks.view(state.W, P, -1)[state.me],
+                           (state.operands[state.me].flatten(0, -2) @ state.b).view(P, state.W, -1)[:, state.me])
+    monkeypatch.setattr(rd, "AllGatherMatmul", AllGatherMatmul)
+    monkeypatch.setattr(rd, "MatmulReduceScatter", MatmulReduceScatter)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter_tensor)
+    return state
+
+
+SHAPES = [(8, 16), (3, 8, 16), (2, 4, 6, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_all_gather_matmul_takes_torchs_operands_and_returns_its_layout(ranks, shape, W):
+    """Every gather dim of 2-, 3- and 4-d shards (negative too; the last one gathers K, unfused),
+    several Bs, return_A: values equal torch's, and so do the shapes and strides."""
+    gen = torch.Generator().manual_seed(W)
+    for g in list(range(len(shape))) + [-1, -2]:
+        gd = g % len(shape)
+        ranks.W, ranks.dim, ranks.me = W, gd, W - 1
+        ranks.operands = [torch.randint(-2, 3, shape, generator=gen).to(torch.bfloat16) for _ in range(W)]
+        K = shape[-1] * (W if gd == len(shape) - 1 else 1)
+        bs = [torch.randint(-2, 3, (K, n), generator=gen).to(torch.bfloat16) for n in (5, 3)]
+        want_a, want_cs = _torch_all_gather_matmul(ranks.operands, bs, gd)
+        got_a, got_cs = torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[ranks.me], bs, g, "tp")
+        for want, got in zip([want_a] + want_cs, [got_a] + list(got_cs)):
+            assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), (shape, g)
+        none, cs = torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[ranks.me], bs, g, "tp", return_A=False)
+        assert none is None and all(torch.equal(c, w) for c, w in zip(cs, want_cs))
+
+
+@pytest.mark.parametrize("shape", [(6, 16), (3, 6, 16), (2, 6, 4, 16)])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter_takes_torchs_operands_and_returns_its_layout(ranks, shape, reduce_op):
+    """Every scatter dim (negative too; the last one scatters N, unfused), sum and avg: values,
+    shapes and strides (contiguous) equal torch's reduce-scatter of A @ B."""
+    gen = torch.Generator().manual_seed(7)
+    for W in (1, 2):
+        for d in list(range(len(shape))) + [-1]:
+            dd = d % len(shape)
+            if shape[dd] % W:
+                continue
+            ranks.W, ranks.dim, ranks.me = W, dd, W - 1
+            ranks.operands = [torch.randint(-2, 3, shape, generator=gen).to(torch.bfloat16) for _ in range(W)]
+            ranks.b = b = torch.randint(-2, 3, (shape[-1], 6), generator=gen).to(torch.bfloat16)
+            want = _torch_matmul_reduce_scatter(ranks.operands, b, reduce_op, dd, ranks.me)
+            got = torch.ops.tldsl.fused_matmul_reduce_scatter(ranks.operands[ranks.me], b, reduce_op, d, "tp")
+            assert got.shape == want.shape and got.stride() == want.stride(), (shape, d)
+            assert torch.allclose(got, want), (shape, d)
+
+
+def test_dims_that_do_not_split_are_refused_before_anything_runs(ranks):
+    ranks.W = 4
+    a = torch.randn(2, 6, 16).to(torch.bfloat16)
+    b = torch.randn(16, 6).to(torch.bfloat16)
+    with pytest.raises(tldsl.InputError, match="dim 1 of A has 6 entries, not divisible by the 4 ranks"):
+        torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", 1, "tp")
+    with pytest.raises(tldsl.InputError, match=r"the last dim \(N = 6\) is scattered over 4 ranks"):
+        torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", -1, "tp")
+    with pytest.raises(tldsl.InputError, match=r"must be \[K=64, N\]"):           # gathering K: B has every rank's
+        torch.ops.tldsl.fused_all_gather_matmul(a, [b], 2, "tp")
+    with pytest.raises(tldsl.InputError, match=r"gather_dim=3: a dim of the 3-d A, in \[-3, 2\]"):
+        torch.ops.tldsl.fused_all_gather_matmul(a, [b], 3, "tp")
 
 
 @pytest.mark.parametrize("call,fragment", [
-    (lambda a, b: torch.ops.tldsl.fused_all_gather_matmul(a, [b], 1, "0"), "gather_dim=1"),
     (lambda a, b: torch.ops.tldsl.fused_all_gather_matmul(a, [b.t()], 0, "0"), "must be [K=64, N]"),
     (lambda a, b: torch.ops.tldsl.fused_all_gather_matmul(a.float(), [b.float()], 0, "0"), "bf16 or fp16"),
     (lambda a, b: torch.ops.tldsl.fused_all_gather_matmul(a, [b.half()], 0, "0"), "but A is"),
     (lambda a, b: torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "max", 0, "0"), "'sum' or 'avg'"),
-    (lambda a, b: torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", 1, "0"), "scatter_dim=1"),
+    (lambda a, b: torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", 2, "0"), "scatter_dim=2"),
+    (lambda a, b: torch.ops.tldsl.fused_all_gather_matmul(a[0], [b], 0, "0"), "at least 2 dims"),
     (lambda a, b: torch.ops.tldsl.fused_matmul_reduce_scatter(a, b.t(), "sum", 0, "0"), "matching K"),
 ])
 def test_bad_input_is_rejected_before_anything_runs(call, fragment):

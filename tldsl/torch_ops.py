@@ -5,6 +5,12 @@ them in for ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_redu
     a_full, [c] = torch.ops.tldsl.fused_all_gather_matmul(a_shard, [b], 0, group_name)
     out = torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
 
+They take what torch's take: an N-d ``A`` (``[batch, seq, hidden]``), any ``gather_dim`` /
+``scatter_dim`` (negative too) and ``return_A``, and return the same shapes and strides
+(:mod:`tldsl.torch_layouts`). A gather or scatter along a dim of rows runs fused; along the
+last dim (K of the gather, N of the scatter) there are no row blocks to overlap, and it runs
+as torch's own path for it does: one collective (NCCL), then the products.
+
 Each distinct (shapes, dtype, group) builds one op object the first time it is called — a
 collective point (symmetric allocation), which every rank reaches because the op itself is
 collective — and keeps it until :func:`close_all` (also collective). Fake (meta)
@@ -16,6 +22,7 @@ import torch
 
 from .errors import InputError
 from .runtime.dist.operands import dense
+from .torch_layouts import as_row_blocks, check_scatter_divides, gathered, normalize_dim, scattered
 
 _OPS: dict = {}
 
@@ -45,31 +52,47 @@ def _group(group_name: str):
     return resolve_group(group_name)
 
 
-def _check_ag(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int):
-    if gather_dim != 0:
-        raise InputError(f"fused_all_gather_matmul gathers along dim 0 (rows of A); got gather_dim={gather_dim}")
-    if a_shard.dim() != 2:
-        raise InputError(f"A shard must be 2-d [M/W, K], got shape {tuple(a_shard.shape)}")
+def _check_ag(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, world_size: int) -> int:
+    """The normalised gather dim, after checking the operands as torch's op would."""
+    if not isinstance(a_shard, torch.Tensor) or a_shard.dim() < 2:
+        raise InputError(f"A shard must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(a_shard.shape) if isinstance(a_shard, torch.Tensor) else type(a_shard).__name__}")
+    g = normalize_dim(gather_dim, a_shard.dim(), "gather_dim")
     if not bs:
         raise InputError("fused_all_gather_matmul needs at least one B")
+    K = a_shard.shape[-1] * (world_size if g == a_shard.dim() - 1 else 1)    # gathering K: B has every rank's
     for i, b in enumerate(bs):
-        if b.dim() != 2 or b.shape[0] != a_shard.shape[1]:
-            raise InputError(f"B[{i}] has shape {tuple(b.shape)}; it must be [K={a_shard.shape[1]}, N]")
+        if b.dim() != 2 or b.shape[0] != K:
+            raise InputError(f"B[{i}] has shape {tuple(b.shape)}; it must be [K={K}, N]")
         if b.dtype != a_shard.dtype:
             raise InputError(f"B[{i}] is {b.dtype} but A is {a_shard.dtype}")
     if a_shard.dtype not in (torch.bfloat16, torch.float16):
         raise InputError(f"fused ops take bf16 or fp16, got {a_shard.dtype}")
+    return g
 
 
-def _check_rs(a: torch.Tensor, b: torch.Tensor, reduce_op: str, scatter_dim: int):
+def _check_rs(a: torch.Tensor, b: torch.Tensor, reduce_op: str, scatter_dim: int, world_size: int) -> int:
+    """The normalised scatter dim, after checking the operands as torch's op would."""
     if reduce_op not in ("sum", "avg"):
         raise InputError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    if scatter_dim != 0:
-        raise InputError(f"fused_matmul_reduce_scatter scatters along dim 0; got scatter_dim={scatter_dim}")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise InputError(f"A {tuple(a.shape)} @ B {tuple(b.shape)}: need 2-d with matching K")
+    if a.dim() < 2 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
+        raise InputError(f"A {tuple(a.shape)} @ B {tuple(b.shape)}: need A of at least 2 dims, a 2-d B and matching K")
+    d = normalize_dim(scatter_dim, a.dim(), "scatter_dim")
+    if d == a.dim() - 1:
+        if b.shape[1] % world_size:
+            raise InputError(f"fused_matmul_reduce_scatter: the last dim (N = {b.shape[1]}) is scattered over "
+                             f"{world_size} ranks; it must divide")
+    else:
+        check_scatter_divides(a, d, world_size)
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
         raise InputError(f"A and B must both be bf16 or fp16, got {a.dtype} and {b.dtype}")
+    return d
+
+
+def _world_size(group_name: str) -> int:
+    """The group's size (1 without torch.distributed: the fake kernels' shapes)."""
+    import torch.distributed as dist
+    return dist.get_world_size(_group(group_name)) if dist.is_initialized() else 1
 
 
 def _check_devices(what: str, tensors) -> None:
@@ -84,56 +107,103 @@ def _check_devices(what: str, tensors) -> None:
                              f"(torch.cuda.set_device(local_rank) before the call)")
 
 
-@torch.library.custom_op("tldsl::fused_all_gather_matmul", mutates_args=())
-def fused_all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int,
-                            group_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(all_gather(A_shard, dim=0), [A_gathered @ B for B in bs])``: the first product is fused
-    with the all-gather (per-tile waits); the others reuse the gathered A."""
-    _check_ag(a_shard, bs, gather_dim)
+#: torch's own schemas (torch.ops.symm_mem.*), names included: a call written for theirs runs on ours
+AG_SCHEMA = "(Tensor A, Tensor[] Bs, int gather_dim, str group_name, *, bool return_A=True) -> (Tensor?, Tensor[])"
+RS_SCHEMA = "(Tensor A, Tensor B, str reduce_op, int scatter_dim, str group_name) -> Tensor"
+
+
+@torch.library.custom_op("tldsl::fused_all_gather_matmul", mutates_args=(), schema=AG_SCHEMA)
+def fused_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
+    """``(all_gather(A_shard, gather_dim), [A_gathered @ B for B in bs])`` (``None`` for the first
+    with ``return_A=False``): the first product is fused with the all-gather (per-tile waits) along
+    any dim but the last; the others reuse the gathered A."""
+    a_shard, bs = A, Bs
+    W = _world_size(group_name)
+    g = _check_ag(a_shard, bs, gather_dim, W)
     group = _group(group_name)
     _check_devices("fused_all_gather_matmul", [("A shard", a_shard)] + [(f"B[{i}]", b) for i, b in enumerate(bs)])
+    if g == a_shard.dim() - 1:
+        return _all_gather_last_dim(a_shard, bs, group, W, return_A)
+    a2d, blocks = as_row_blocks(a_shard, g)
     from .runtime.dist import AllGatherMatmul
-    key = ("ag", tuple(a_shard.shape), tuple(bs[0].shape), a_shard.dtype, group_name)
+    key = ("ag", tuple(a2d.shape), tuple(bs[0].shape), a_shard.dtype, group_name)
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = AllGatherMatmul(a_shard.shape[0], a_shard.shape[1], bs[0].shape[1], a_shard.dtype,
-                                         group=group)
-    a_full, c0 = op(a_shard, dense(bs[0]))            # (a strided or unaligned shard: the op copies it)
-    return a_full, [c0] + [torch.mm(a_full, b) for b in bs[1:]]
+        op = _OPS[key] = AllGatherMatmul(a2d.shape[0], a2d.shape[1], bs[0].shape[1], a_shard.dtype, group=group)
+    a_full, c0 = op(a2d, dense(bs[0]))                # (a strided or unaligned shard: the op copies it)
+    outs = [c0] + [torch.mm(a_full, b) for b in bs[1:]]
+    return (gathered(a_full, blocks, W) if return_A else None), [gathered(c, blocks, W) for c in outs]
+
+
+def _all_gather_last_dim(a_shard, bs, group, W: int, return_A: bool):
+    """Gathering K: no row blocks to overlap with. One all-gather of the flattened shards, then
+    ``cat(shards, -1) @ B`` — torch's own path for this dim."""
+    import torch.distributed as dist
+    flat = a_shard.flatten(0, -2).contiguous()
+    every = flat.new_empty((W * flat.shape[0], flat.shape[1]))
+    dist.all_gather_into_tensor(every, flat, group=group)
+    a_mm = torch.cat(every.chunk(W), dim=-1)
+    lead = tuple(a_shard.shape[:-1])
+    return (a_mm.view(*lead, -1) if return_A else None), [torch.mm(a_mm, b).view(*lead, -1) for b in bs]
 
 
 @fused_all_gather_matmul.register_fake
-def _(a_shard, bs, gather_dim, group_name):
-    _check_ag(a_shard, bs, gather_dim)
-    import torch.distributed as dist
-    W = dist.get_world_size(_group(group_name)) if dist.is_initialized() else 1
-    a_full = a_shard.new_empty((W * a_shard.shape[0], a_shard.shape[1]))
-    return a_full, [a_shard.new_empty((W * a_shard.shape[0], b.shape[1])) for b in bs]
+def _(A, Bs, gather_dim, group_name, *, return_A=True):
+    a_shard, bs = A, Bs
+    W = _world_size(group_name)
+    g = _check_ag(a_shard, bs, gather_dim, W)
+    if g == a_shard.dim() - 1:
+        lead = tuple(a_shard.shape[:-1])
+        a_full = a_shard.new_empty((*lead, W * a_shard.shape[-1]))
+        return (a_full if return_A else None), [a_shard.new_empty((*lead, b.shape[1])) for b in bs]
+    a2d, blocks = as_row_blocks(a_shard, g)
+    a_full = gathered(a2d.new_empty((W * a2d.shape[0], a2d.shape[1])), blocks, W)
+    return (a_full if return_A else None), [gathered(a2d.new_empty((W * a2d.shape[0], b.shape[1])), blocks, W)
+                                            for b in bs]
 
 
-@torch.library.custom_op("tldsl::fused_matmul_reduce_scatter", mutates_args=())
-def fused_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str, scatter_dim: int,
-                                group_name: str) -> torch.Tensor:
-    """``reduce_scatter(A @ B, reduce_op, dim=0)`` with the reduction fused behind the GEMM."""
-    _check_rs(a, b, reduce_op, scatter_dim)
+@torch.library.custom_op("tldsl::fused_matmul_reduce_scatter", mutates_args=(), schema=RS_SCHEMA)
+def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
+    """``reduce_scatter(A @ B, reduce_op, scatter_dim)`` with the reduction fused behind the GEMM
+    along any dim but the last."""
+    a, b = A, B
+    W = _world_size(group_name)
+    d = _check_rs(a, b, reduce_op, scatter_dim, W)
     group = _group(group_name)
     _check_devices("fused_matmul_reduce_scatter", [("A", a), ("B", b)])
+    if d == a.dim() - 1:
+        return _reduce_scatter_last_dim(a, b, reduce_op, group, W)
+    a2d, blocks = as_row_blocks(a, d)
     from .runtime.dist import MatmulReduceScatter
-    key = ("rs", tuple(a.shape), tuple(b.shape), a.dtype, group_name)
+    key = ("rs", tuple(a2d.shape), tuple(b.shape), a.dtype, group_name)
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = MatmulReduceScatter(a.shape[0], a.shape[1], b.shape[1], a.dtype, group=group)
-    out = op(dense(a), dense(b))
+        op = _OPS[key] = MatmulReduceScatter(a2d.shape[0], a2d.shape[1], b.shape[1], a.dtype, group=group)
+    out = op(dense(a2d), dense(b))
     if reduce_op == "avg":
-        out = out / op.ctx.world_size
-    return out
+        out = out / W
+    return scattered(out, blocks, W)
+
+
+def _reduce_scatter_last_dim(a, b, reduce_op: str, group, W: int):
+    """Scattering N: no row blocks to overlap with. The product, then one reduce-scatter of its
+    column blocks (rank r's block: columns ``[r N/W, (r+1) N/W)``) — torch's own path for this dim."""
+    import torch.distributed as dist
+    full = torch.mm(a.flatten(0, -2), b)
+    P, n = full.shape[0], b.shape[1] // W
+    blocks = full.view(P, W, n).movedim(1, 0).contiguous().view(W * P, n)
+    out = full.new_empty((P, n))
+    dist.reduce_scatter_tensor(out, blocks, group=group)
+    if reduce_op == "avg":
+        out = out / W
+    return out.view(*a.shape[:-1], n)
 
 
 @fused_matmul_reduce_scatter.register_fake
-def _(a, b, reduce_op, scatter_dim, group_name):
-    _check_rs(a, b, reduce_op, scatter_dim)
-    import torch.distributed as dist
-    W = dist.get_world_size(_group(group_name)) if dist.is_initialized() else 1
-    if a.shape[0] % W:
-        raise InputError(f"M={a.shape[0]} is not divisible by the world size {W}")
-    return a.new_empty((a.shape[0] // W, b.shape[1]))
+def _(A, B, reduce_op, scatter_dim, group_name):
+    a, b = A, B
+    W = _world_size(group_name)
+    d = _check_rs(a, b, reduce_op, scatter_dim, W)
+    shape = [*a.shape[:-1], b.shape[1]]
+    shape[d] //= W
+    return a.new_empty(shape)

@@ -9,7 +9,9 @@ NCCL's all-gather, every product against an fp32 matmul, the outputs shaped as
 with ``"sum"`` and ``"avg"`` against NCCL's reduce-scatter of the products
 (:func:`~.dist_check.rs_reference`), shaped as async-TP's; each call with fresh inputs and the
 ops' workspaces refilled with noise first; inputs also given as strided and unaligned views (the
-ops copy them); and both ops traced by ``torch.compile`` (``aot_eager``: the fake
+ops copy them); N-d A (``[batch, seq, hidden]``) with every gather / scatter dim (the last
+one too) and ``return_A=False``, element-wise against torch's ops on the same inputs, shapes and
+strides equal; and both ops traced by ``torch.compile`` (``aot_eager``: the fake
 implementations give the shapes, the real ones run). One PASS/FAIL line
 per check; exit status 1 on any failure.
 """
@@ -99,6 +101,42 @@ def check_reduce_scatter(torch, dist, gname, dt, m, k, n, how, reduce_op, compil
     return problems
 
 
+def check_nd_all_gather(torch, dist, gname, dt, shape, gather_dim, return_A):
+    """An N-d shard gathered along ``gather_dim``: ours beside torch's on the same inputs."""
+    W = dist.get_world_size()
+    last = gather_dim % len(shape) == len(shape) - 1
+    a = torch.randn(*shape, device="cuda", dtype=dt)
+    b = torch.randn(shape[-1] * (W if last else 1), 264, device="cuda", dtype=dt) / 8
+    _noise_in_workspaces()
+    got_a, (got_c,) = torch.ops.tldsl.fused_all_gather_matmul(a, [b], gather_dim, gname, return_A=return_A)
+    theirs_a, (theirs_c,) = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim, gname, return_A=return_A)
+    problems = []
+    if (got_a is None) != (theirs_a is None) or (got_a is not None and not torch.equal(got_a, theirs_a)):
+        problems.append("gathered A differs from torch's")
+    for name, ours, theirs in (("A", got_a, theirs_a), ("C", got_c, theirs_c)):
+        if ours is not None and theirs is not None and (ours.shape, ours.stride()) != (theirs.shape, theirs.stride()):
+            problems.append(f"{name} {tuple(ours.shape)} strides {ours.stride()}, torch's {tuple(theirs.shape)} "
+                            f"strides {theirs.stride()}")
+    res = compare(got_c, theirs_c.float())
+    if not res["ok"]:
+        problems.append(f"C: {res['detail']}")
+    return problems
+
+
+def check_nd_reduce_scatter(torch, dist, gname, dt, shape, scatter_dim, reduce_op):
+    """An N-d A reduce-scattered along ``scatter_dim``: ours beside torch's on the same inputs."""
+    a = torch.randn(*shape, device="cuda", dtype=dt)
+    b = torch.randn(shape[-1], 264, device="cuda", dtype=dt) / 8
+    _noise_in_workspaces()
+    got = torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, reduce_op, scatter_dim, gname)
+    theirs = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, scatter_dim, gname)
+    if (got.shape, got.stride(), got.dtype) != (theirs.shape, theirs.stride(), theirs.dtype):
+        return [f"output {tuple(got.shape)} strides {got.stride()} {got.dtype}, torch's {tuple(theirs.shape)} "
+                f"strides {theirs.stride()} {theirs.dtype}"]
+    res = compare(got, theirs.float())
+    return [] if res["ok"] else [res["detail"]]
+
+
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=2 -m tldsl.checks.torch_ops_check")
     ap.add_argument("--iters", type=int, default=3, help="calls per check, each with fresh inputs")
@@ -124,6 +162,15 @@ def run(argv=None) -> int:
                                                                      "dense", op)))
         checks.append((f"fused_matmul_reduce_scatter sum {dt} unaligned",
                        lambda dt=dt: check_reduce_scatter(torch, dist, gname, dt, W * rows, k, n, "unaligned", "sum")))
+    for gd in (0, 1, -1):                            # [batch, seq, hidden]: batch, sequence, hidden (unfused)
+        for ret in (True, False):
+            checks.append((f"fused_all_gather_matmul [2, 1536, 1032] bf16 gather_dim={gd} return_A={ret}",
+                           lambda gd=gd, ret=ret: check_nd_all_gather(torch, dist, gname, torch.bfloat16,
+                                                                      (2, 1536, 1032), gd, ret)))
+    for sd in (0, 1, 2):
+        checks.append((f"fused_matmul_reduce_scatter [{2 * W}, 3072, 1032] bf16 scatter_dim={sd}",
+                       lambda sd=sd: check_nd_reduce_scatter(torch, dist, gname, torch.bfloat16, (2 * W, 3072, 1032),
+                                                             sd, "sum")))
     checks.append(("torch.compile(fused_all_gather_matmul)",
                    lambda: check_all_gather(torch, dist, gname, torch.bfloat16, rows, k, (n,), "dense", True)))
     checks.append(("torch.compile(fused_matmul_reduce_scatter)",

@@ -7,6 +7,7 @@
         ...  # declare signals/workspaces, then @tl.comm_part and @tl.compute_part functions
 
     result = tl.simulate(my_kernel, world_size=4, inputs=[...], seed=0)
+    result = tl.run(my_kernel, world_size=4, inputs=[...])     # the same, every rank on this GPU
 """
 from pathlib import Path as _Path
 
@@ -44,5 +45,6 @@ from .primitives import (producer_tile_notify, consumer_tile_wait, peer_tile_not
 from .kernel import kernel, compute_part, comm_part, TensorSpec, KernelFunction  # noqa: E402
 from .mappings import StaticMapping, DynamicMapping  # noqa: E402
 from .runtime.sim import simulate, SimOptions, SimResult  # noqa: E402
+from .run import run  # noqa: E402  (imports torch and the code generator only when called)
 
 __version__ = "0.1.0"

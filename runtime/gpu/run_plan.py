@@ -1,0 +1,210 @@
+"""What one launch of a traced program runs on one GPU, decided before anything is launched.
+
+Every rank's parts run at once on the one GPU (``tl.run`` with W ranks): each lowered kernel of
+each rank on a stream of its own, each copy-engine part of each rank on its own stream (driver
+copies and stream memory operations, :class:`~tldsl.runtime.dist.plan_exec.PlanExecutor`). A
+kernel may wait for another rank's kernel, so all of them must be resident together, or a
+waiting kernel holding the SMs would starve the one it waits for. The plan makes sure they fit:
+
+* every kernel must fit one CTA on an empty SM (its occupancy, asked of the driver);
+* the CTAs of all kernels of a launch add up to at most the GPU's SMs — each CTA counted as a
+  whole SM, so the block scheduler always finds an empty SM for a CTA still waiting to start —
+  less :data:`RESERVED_FOR_COPIES` SMs where copy-engine parts run (the driver runs a copy
+  within one GPU as an SM kernel, which must find an SM beside the persistent kernels);
+* communication kernels keep their lanes; the persistent compute kernels share the SMs left,
+  each never more CTAs than it has tiles;
+* streams that must run at once never outnumber the hardware queues (a wait at the head of a
+  shared queue would block work queued behind it, which it may be waiting for).
+
+Anything that does not fit is a :class:`~.run_errors.ResidencyError` naming what to shrink.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from ...ir import core
+from .bind import bind, is_kernel
+from .run_errors import ResidencyError, UnboundParameterError
+
+#: SMs left free of persistent kernels where copy-engine parts run (their same-GPU copies)
+RESERVED_FOR_COPIES = 4
+#: CUDA's hardware work queues per process unless CUDA_DEVICE_MAX_CONNECTIONS says otherwise
+DEFAULT_CONNECTIONS = 8
+_UNBOUNDED = 1 << 30
+
+
+def hardware_queues() -> int:
+    """The hardware work queues this process gets (``CUDA_DEVICE_MAX_CONNECTIONS``, default 8)."""
+    try:
+        return max(1, int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", DEFAULT_CONNECTIONS)))
+    except ValueError:
+        return DEFAULT_CONNECTIONS
+
+
+def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, **options) -> dict:
+    """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
+    ``wait_timeout_ns`` where the recipe takes the option. Refused before lowering: schedules
+    whose parts only the fused ops' own launchers can bind (parts fused into the GEMM, the
+    NVSHMEM transport)."""
+    from ...codegen import lower_all
+    fused = [p.name for p in kernel.parts if p.fused]
+    if fused:
+        raise UnboundParameterError(
+            f"the communication schedule fuses parts {fused} into the compute part of '{kernel.name}' "
+            f"(own_rows='compute' or engine='compute'); its kernel takes arguments only the fused op's own launcher "
+            f"chooses. tl.run runs each part as its own kernel: use a schedule with own_rows='comm'")
+    sched = kernel.comm_schedule
+    if sched is not None and getattr(sched, "transport", "ptr") != "ptr":
+        raise UnboundParameterError(f"transport={sched.transport!r}: tl.run runs every rank on one GPU with tables of "
+                                    "peer pointers; use the schedule's default transport='ptr'")
+    if "entry" in options:
+        raise UnboundParameterError("lowering option 'entry' would give every part the same kernel name; tl.run names "
+                                    "each part's kernel itself")
+    if wait_timeout_ns is not None:
+        options["wait_timeout_ns"] = int(wait_timeout_ns)
+    return lower_all(kernel, **options)
+
+
+@dataclass(frozen=True)
+class PlannedKernel:
+    """One rank's lowered kernel of one part: its launch shape and stream."""
+    rank: int
+    part: str
+    lowered: object
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    cluster: tuple[int, int, int]
+    stream: int
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    def describe(self) -> str:
+        lk = self.lowered
+        return (f"rank {self.rank} {self.part}: kernel {lk.entry} ({type(lk).__name__}) grid {self.grid} block "
+                f"{self.block} smem {self.smem_bytes} B" + (f" cluster {self.cluster}" if self.cluster != (1, 1, 1)
+                                                            else "") + f", stream {self.stream}")
+
+
+@dataclass(frozen=True)
+class PlannedCopies:
+    """One rank's copy-engine part: its plan's actions, on a stream of its own."""
+    rank: int
+    part: str
+    plan: object
+    stream: int
+
+    def describe(self) -> str:
+        acts = self.plan.actions[self.rank]
+        return f"rank {self.rank} {self.part}: copy engine, {len(acts)} action(s), stream {self.stream}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything one launch enqueues, rank by rank (the order of :attr:`items`; each launch
+    may take them in another order), and the SMs it was fitted into."""
+    kernel: core.Kernel
+    items: tuple
+    sm_count: int
+    reserved_sms: int
+
+    @property
+    def kernels(self) -> list[PlannedKernel]:
+        return [x for x in self.items if isinstance(x, PlannedKernel)]
+
+    @property
+    def copies(self) -> list[PlannedCopies]:
+        return [x for x in self.items if isinstance(x, PlannedCopies)]
+
+    @property
+    def streams(self) -> int:
+        return len(self.items)
+
+    def describe(self) -> str:
+        head = (f"{self.kernel.name} on one GPU: {self.kernel.world_size} rank(s), {len(self.items)} stream(s), "
+                f"{sum(k.ctas for k in self.kernels)} CTAs of {self.sm_count} SMs"
+                + (f" ({self.reserved_sms} left to the copy engine's copies)" if self.reserved_sms else ""))
+        return "\n".join([head] + [f"  {x.describe()}" for x in self.items])
+
+    def bind(self, mem) -> dict[tuple[int, str], list]:
+        """Every kernel's arguments for launch 1 against ``mem`` (:func:`.bind.bind`), by (rank, part)."""
+        return {(k.rank, k.part): bind(k.lowered, k.rank, mem) for k in self.kernels}
+
+
+def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
+             queues: int | None = None) -> RunPlan:
+    """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
+    on a GPU of ``sm_count`` SMs. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
+    (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
+    :func:`hardware_queues`)."""
+    W = kernel.world_size
+    parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused]
+    for name, lk in parts:
+        if not is_kernel(lk) and not hasattr(lk, "actions"):
+            raise UnboundParameterError(f"part '{name}' lowered to a {type(lk).__name__}, which is neither a kernel "
+                                        "nor a copy-engine plan")
+        if is_kernel(lk) and occupancy is not None and occupancy(lk) < 1:
+            raise ResidencyError(f"kernel {lk.entry} (part '{name}') cannot run even one CTA on an SM: "
+                                 f"{lk.block[0]} threads and {lk.smem_bytes} B of shared memory per CTA are more than "
+                                 "an SM has; use smaller tiles (the compute schedule's tile) or fewer threads")
+    has_copies = any(not is_kernel(lk) for _, lk in parts)
+    reserved = RESERVED_FOR_COPIES if has_copies else 0
+    available = sm_count - reserved
+    slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk)]
+    lows = [lk.grid(1)[0] for _, _, lk in slots]
+    highs = [max(lo, lk.grid(_UNBOUNDED)[0]) for lo, (_, _, lk) in zip(lows, slots)]
+    if sum(lows) > available:
+        fixed = ", ".join(f"rank {r} {name}: {lo}" for (r, name, _), lo in zip(slots, lows))
+        raise ResidencyError(
+            f"the kernels of one launch need at least {sum(lows)} CTAs resident at once ({fixed}) but the GPU has "
+            f"{sm_count} SMs" + (f", {reserved} of them left to the copy engine's copies" if reserved else "")
+            + ": a kernel waiting for another could wait forever. Use fewer communication lanes (the communication "
+              "schedule's sms), fewer ranks, or fewer parts")
+    grants = _share(lows, highs, available)
+    n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))
+    q = hardware_queues() if queues is None else queues
+    if n_items > 1 and n_items > q:
+        raise ResidencyError(
+            f"one launch runs {n_items} streams at once ({W} rank(s) x {len(parts)} part(s)) but CUDA gives this "
+            f"process {q} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams sharing a queue can block one "
+            f"another's waits. Set CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts, or run "
+            f"fewer ranks")
+    items, grant = [], iter(grants)
+    for r in range(W):
+        for name, lk in parts:
+            stream = len(items)
+            if is_kernel(lk):
+                g = next(grant)
+                grid = tuple(lk.grid(g))
+                items.append(PlannedKernel(r, name, lk, grid, tuple(lk.block), int(lk.smem_bytes),
+                                           tuple(lk.cluster_dims), stream))
+            else:
+                items.append(PlannedCopies(r, name, lk, stream))
+    used = sum(k.ctas for k in items if isinstance(k, PlannedKernel))
+    if used > available:        # a recipe's grid() gave more CTAs than asked: refuse rather than hang
+        raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
+                             + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
+    return RunPlan(kernel, tuple(items), sm_count, reserved)
+
+
+def _share(lows: list[int], highs: list[int], available: int) -> list[int]:
+    """CTAs per kernel: each its least, then the SMs left shared evenly among those that can use
+    more, never past what each can use."""
+    grants = list(lows)
+    rest = available - sum(lows)
+    active = [i for i, (g, h) in enumerate(zip(grants, highs)) if h > g]
+    while rest > 0 and active:
+        share = max(1, rest // len(active))
+        for i in list(active):
+            add = min(share, highs[i] - grants[i], rest)
+            grants[i] += add
+            rest -= add
+            if grants[i] >= highs[i]:
+                active.remove(i)
+            if rest == 0:
+                break
+    return grants

@@ -1,0 +1,159 @@
+"""``tl.run`` on a GPU against ``tl.simulate`` on the same inputs (skipped where there is no GPU).
+
+Every rank of a multi-rank program runs on the one GPU, each on its own streams, with its own
+memory. Outputs are compared with tolerances fixed here per output dtype, relative to the
+output's largest magnitude: elementwise math differs in the last bit of a transcendental
+(CUDA's vs numpy's); dots and reductions add in another order (the GPU's dots on tensor cores,
+fp32 accumulation, as the simulator's).
+
+Run on a GPU host with: ``python -m pytest -m gpu tests/test_gpu_run.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.runtime.gpu import gpu_available
+
+from test_run_plan import ag_gemm, gemm_rs, row_softmax, scale_rows
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="needs an sm_90 GPU with torch and cuda-python")]
+
+#: relative tolerance by output dtype (of the output's largest magnitude)
+RTOL = {"f16": 4e-3, "bf16": 1.6e-2, "f32": 1e-5, "i32": 0.0}
+#: ... where the program has a dot or a reduction (another summation order)
+RTOL_SUMS = {"f16": 8e-3, "bf16": 3e-2, "f32": 4e-3, "i32": 0.0}
+S, F16 = tl.TensorSpec, tl.float16
+
+
+def assert_agrees(got, want, kernel, sums: bool):
+    for r in range(kernel.world_size):
+        for b in kernel.args:
+            g, w = np.asarray(got[r][b.name], np.float64), np.asarray(want[r][b.name], np.float64)
+            assert g.shape == w.shape and got[r][b.name].dtype == want[r][b.name].dtype, b.name
+            nan = np.isnan(w)
+            assert np.array_equal(nan, np.isnan(g)), f"rank {r} '{b.name}': NaN at other places (unwritten tiles?)"
+            rtol = (RTOL_SUMS if sums else RTOL)[b.type.dtype.name]
+            scale = max(1.0, float(np.abs(w[~nan]).max(initial=0.0)))
+            err = float(np.abs(g - w)[~nan].max(initial=0.0))
+            assert err <= rtol * scale, f"rank {r} '{b.name}': max error {err:.3g} over {rtol * scale:.3g}"
+
+
+def both(fn, W, inputs, sums=False, **kw):
+    """tl.run and tl.simulate of the same call; asserts they agree and returns the run's result."""
+    want = tl.simulate(fn, W, inputs, **{k: v for k, v in kw.items() if k not in ("lowering", "timeout_s")})
+    got = tl.run(fn, W, inputs, **kw)
+    assert isinstance(got, tl.SimResult) and got.launches == want.launches
+    assert_agrees(got.outputs, want.outputs, want.kernel, sums)
+    return got
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dt", ["float16", "float32"])
+def test_scale_rows(dt):
+    rng = np.random.default_rng(0)
+    x = _rand(rng, (1000, 200), dt)                      # not a multiple of the tile either way
+    res = both(scale_rows, 1, [{"x": x, "y": np.zeros_like(x)}], compute=tl.ComputeSchedule(tile=(64, 64, 16)))
+    assert np.allclose(res[0]["y"], x.astype(np.float32) * 2 + 1, rtol=4e-3, atol=4e-3)
+    assert len(res.launch_ms) == 1 and res.launch_ms[0] > 0
+
+
+def test_scale_rows_with_torch_tensors_leaves_them_alone():
+    import torch
+    x = torch.randn(300, 96, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(300, 96, device="cuda", dtype=torch.float32)
+    before = x.clone()
+    res = tl.run(scale_rows, 1, [{"x": x, "y": y}], compute=tl.ComputeSchedule(tile=(32, 32, 16)))
+    assert torch.equal(x, before) and not y.any()          # inputs are copied, as the simulator copies them
+    want = x.float() * 2 + 1
+    assert torch.allclose(res.tensors[0]["y"], want, rtol=1.6e-2, atol=1.6e-2)
+    assert np.allclose(res[0]["y"], want.cpu().numpy(), rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_row_softmax():
+    rng = np.random.default_rng(1)
+    x = _rand(rng, (333, 96), np.float16)
+    both(row_softmax, 1, [{"x": x, "y": np.zeros(x.shape, np.float32)}], sums=True,
+         compute=tl.ComputeSchedule(tile=(16, 16, 16)))
+
+
+def _ag_inputs(k, seed):
+    rng = np.random.default_rng(seed)
+    b = _rand(rng, k.args[1].type.shape, np.float16)
+    return [{"a": _rand(rng, k.args[0].type.shape, np.float16), "b": b,
+             "c": np.full(k.args[2].type.shape, np.nan, np.float16)} for _ in range(k.world_size)]
+
+
+@pytest.mark.parametrize("engine", ["sm", "copy_engine"])
+def test_allgather_gemm_at_two_ranks(engine):
+    k = ag_gemm(engine=engine)
+    res = both(k, 2, _ag_inputs(k, 2), sums=True)
+    assert [type(x).__name__ for x in res.plan.items] == (["PlannedKernel"] * 4 if engine == "sm" else
+                                                          ["PlannedCopies", "PlannedKernel"] * 2)
+
+
+def test_allgather_gemm_two_launches_in_every_enqueue_order():
+    """Launch 2 waits for counters of launch 2 (epochs); the seed changes the order the ranks'
+    kernels are enqueued in."""
+    k = ag_gemm()
+    for seed in range(3):
+        both(k, 2, _ag_inputs(k, 3), sums=True, seed=seed, options={"launches": 2})
+
+
+def test_gemm_reduce_scatter_at_two_ranks():
+    k = gemm_rs()
+    rng = np.random.default_rng(4)
+    b = _rand(rng, (256, 256), np.float16)
+    inputs = [{"a": _rand(rng, (512, 256), np.float16), "b": b, "out": np.full((256, 256), np.nan, np.float16)}
+              for _ in range(2)]
+    both(k, 2, inputs, sums=True)
+
+
+def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
+    """In a process of its own: the wait traps, and a trap leaves that process's CUDA context
+    unusable."""
+    code = textwrap.dedent('''
+        import numpy as np, tldsl as tl
+        from tldsl.runtime.gpu.run_errors import GpuHangError
+
+        @tl.kernel
+        def short_of_notifies(x, y):
+            ready = tl.signal("ready", 4)
+
+            @tl.compute_part(grid=(4,))
+            def produce(t):
+                tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)))
+                tl.producer_tile_notify(ready, t)
+
+            @tl.compute_part(grid=(4,))
+            def consume(t):
+                tl.consumer_tile_wait(ready, t, count=2)          # one notify arrives, never two
+                tl.store(x, (t * 8,), tl.load(y, (t * 8,), (8,)) * 2.0)
+
+        try:
+            tl.run(short_of_notifies, 1, [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}],
+                   options={"static_checks": False}, timeout_s=2)
+        except GpuHangError as e:
+            print("HANG REPORTED:", str(e).splitlines()[0])
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "HANG REPORTED: launch 1" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
+    """Every generated program whose parts all lower and compile agrees with the simulator."""
+    from tldsl.testing.fuzz import run
+    reports = run(8, 11, gpu=True)
+    whole = [r for r in reports if not (r.sim_error or r.not_lowered or r.compile_errors or r.lowering_crashes)]
+    assert whole, [r.line() for r in reports]
+    assert all(r.compared == "agrees" for r in whole), "\n".join(r.line() + "\n" + r.case.source for r in whole
+                                                               if r.compared != "agrees")

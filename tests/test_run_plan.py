@@ -1,0 +1,384 @@
+"""``tl.run`` without a GPU: everything decided before a launch — the arguments' checks (the
+simulator's, error for error), the binding of every kernel parameter by its source kind, the
+plan of what each rank launches on which stream with which grid, and the refusals (a parameter
+nothing can pass, kernels that cannot all be resident at once). The launches themselves are in
+tests/test_gpu_run.py."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen.abi import SOURCES, KernelParam, TmaDescriptorSpec
+from tldsl.ops.allgather_gemm import allgather_gemm
+from tldsl.ops.gemm import gemm
+from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from tldsl.runtime.gpu.bind import BINDERS, DeviceMemory, bind, check_bindings, nominal_memory, pack
+from tldsl.runtime.gpu.run_errors import ResidencyError, UnboundParameterError
+from tldsl.runtime.gpu.run_plan import (RESERVED_FOR_COPIES, PlannedKernel, lower_for_run,
+                                        plan_run)
+from tldsl.runtime.dist.plan_exec import DeviceArray
+
+S, F16, F32 = tl.TensorSpec, tl.float16, tl.float32
+H200_SMS = 132
+
+
+@tl.kernel
+def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
+        tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
+
+
+@tl.kernel
+def row_softmax(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM = compute.tile[0]
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        t = tl.load(x, (pm * BM, 0), (BM, N)).to(tl.float32)
+        m = tl.max(t, 1)
+        e = tl.exp(t - m[:, None])
+        tl.store(y, (pm * BM, 0), e / tl.sum(e, 1)[:, None])
+
+
+C128 = tl.ComputeSchedule(tile=(128, 128, 64))
+
+
+def ag_gemm(W=2, engine="sm", own_rows="comm", mode="pull"):
+    comm = tl.CommSchedule(mode=mode, sms=2, engine=engine, own_rows=own_rows) if engine == "sm" else \
+        tl.CommSchedule(mode=mode, engine=engine, own_rows=own_rows)
+    return allgather_gemm.trace(W, S((256, 256), F16), S((256, 256), F16), S((W * 256, 256), F16), compute=C128,
+                                comm=comm)
+
+
+def gemm_rs(W=2):
+    return gemm_reduce_scatter.trace(W, S((512, 256), F16), S((256, 256), F16), S((512 // W, 256), F16), compute=C128,
+                                     comm=tl.CommSchedule(sms=2))
+
+
+def planned(k, sm_count=H200_SMS, **kw):
+    lowered = lower_for_run(k, wait_timeout_ns=10 ** 9)
+    check_bindings(k, lowered)
+    return plan_run(k, lowered, sm_count=sm_count, **kw)
+
+
+# =================================================================================================
+# the binding table
+# =================================================================================================
+
+def test_the_binding_table_covers_every_source_kind():
+    assert set(BINDERS) == set(SOURCES)
+
+
+class _Lowered:
+    """A kernel ABI with one parameter of every source kind (what a recipe could produce)."""
+    entry = "every_kind"
+
+    def __init__(self):
+        self.tma = (TmaDescriptorSpec("tma_x", "x", "A", "f16", "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", (8, 4), (16,),
+                                      (8, 4), (1, 1), "CU_TENSOR_MAP_SWIZZLE_NONE"),)
+        self.params = (KernelParam("tma_x", "T", "tma", "tma:tma_x"), KernelParam("s", "u64*", "ptr", "signal:ready"),
+                       KernelParam("sp", "u64**", "ptr", "peer_signals:ready"),
+                       KernelParam("xp", "half**", "ptr", "peers:x"), KernelParam("xb", "half*", "ptr", "buffer:x"),
+                       KernelParam("yd", "float*", "ptr", "data:y"), KernelParam("rank", "int", "i32", "rank"),
+                       KernelParam("launch", "u64", "u64", "launch"), KernelParam("M", "int", "i32", "M", 4),
+                       KernelParam("N", "int", "i32", "N", 8), KernelParam("K", "int", "i32", "K", 2))
+
+
+def _memory(W=3):
+    addr = iter(range(0x1000, 1 << 40, 0x1000))
+    buffers = [{"x": DeviceArray(next(addr), (4, 8), "f16"), "y": DeviceArray(next(addr), (4,), "f32")}
+               for _ in range(W)]
+    signals = [{"ready": DeviceArray(next(addr), (2,), "i64")} for _ in range(W)]
+    uploads, encoded = [], []
+
+    def upload(values):
+        uploads.append(list(values))
+        return DeviceArray(next(addr), (len(values),), "u64", owner=list(values))
+
+    def encode(spec, address):
+        encoded.append((spec.param, address))
+        return bytes([len(encoded)]) * 128
+    return DeviceMemory(W, buffers, signals, upload, encode), uploads, encoded
+
+
+def test_every_source_kind_binds_to_its_value():
+    mem, uploads, encoded = _memory()
+    lk = _Lowered()
+    got = {b.param.source: b.value for b in bind(lk, 1, mem, launch=5)}
+    assert encoded == [("tma_x", mem.buffers[1]["x"].ptr)] and got["tma:tma_x"] == bytes([1]) * 128
+    assert got["signal:ready"] == mem.signals[1]["ready"].ptr
+    assert got["buffer:x"] == mem.buffers[1]["x"].ptr and got["data:y"] == mem.buffers[1]["y"].ptr
+    assert got["peers:x"] == mem.tables[("buffer", "x")].ptr
+    assert got["peer_signals:ready"] == mem.tables[("signal", "ready")].ptr
+    assert uploads == [[mem.signals[q]["ready"].ptr for q in range(3)], [mem.buffers[q]["x"].ptr for q in range(3)]]
+    assert (got["rank"], got["launch"], got["M"], got["N"], got["K"]) == (1, 5, 4, 8, 2)
+    bind(lk, 2, mem)
+    assert len(uploads) == 2            # the tables are uploaded once, whichever rank binds
+    args, slot = pack(bind(lk, 0, mem, launch=1))
+    assert slot == 7 and len(args.holders) == len(lk.params)
+
+
+@pytest.mark.parametrize("source,error", [
+    ("scalar:own_cols", "own_rows='comm'"), ("buffer:nowhere", "no tensor of the traced program"),
+    ("signal:nowhere", "no signal of the traced program"), ("tma:tma_nowhere", "does not describe"),
+    ("M", "no value fixed by the trace")])
+def test_a_parameter_nothing_can_pass_is_refused(source, error):
+    mem, _, _ = _memory()
+    lk = _Lowered()
+    lk.params = (KernelParam("p", "int" if ":" not in source or source.startswith("scalar") else "void*",
+                             "i32" if not source.startswith(("buffer", "signal")) else "ptr", source),)
+    if source.startswith("tma"):
+        lk.params = (KernelParam("p", "T", "tma", source),)
+    with pytest.raises(UnboundParameterError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        bind(lk, 0, mem)
+
+
+def test_a_tma_descriptor_larger_than_its_tensor_is_refused():
+    mem, _, _ = _memory()
+    lk = _Lowered()
+    lk.tma = (TmaDescriptorSpec("tma_x", "x", "A", "f16", "F16", (16, 4), (32,), (8, 4), (1, 1), "NONE"),)
+    with pytest.raises(UnboundParameterError, match="spans 128 bytes of 'x', which holds 64"):
+        bind(lk, 0, mem)
+
+
+# =================================================================================================
+# plans: what each rank launches
+# =================================================================================================
+
+def test_plan_of_a_gemm():
+    k = gemm.trace(1, S((512, 256), F16), S((256, 384), F16), S((512, 384), F16), compute=C128)
+    plan = planned(k)
+    [item] = plan.items
+    assert isinstance(item, PlannedKernel) and type(item.lowered).__name__ == "LoweredGemm"
+    assert item.grid == (4 * 3, 1, 1) and item.stream == 0 and item.smem_bytes > 0
+    binds = {b.param.source: b for b in plan.bind(nominal_memory(k))[(0, "tile")]}
+    assert {"tma:tma_a", "tma:tma_b", "tma:tma_c", "M", "N", "K", "rank", "launch"} <= set(binds)
+    assert (binds["M"].value, binds["N"].value, binds["K"].value) == (512, 384, 256)
+
+
+@pytest.mark.parametrize("fn", [scale_rows, row_softmax])
+def test_plan_of_an_elementwise_program_through_the_general_recipe(fn):
+    k = fn.trace(1, S((1000, 96), F16), S((1000, 96), F32), compute=tl.ComputeSchedule(tile=(16, 32, 16)))
+    plan = planned(k)
+    [item] = plan.items
+    assert type(item.lowered).__name__ == "LoweredGeneral"
+    tasks = item.lowered.num_tasks
+    assert item.grid == (min(tasks, H200_SMS), 1, 1)
+    mem = nominal_memory(k)
+    binds = {b.param.source: b.value for b in plan.bind(mem)[(0, "part")]}
+    assert binds["buffer:x"] == mem.buffers[0]["x"].ptr and binds["buffer:y"] == mem.buffers[0]["y"].ptr
+    assert "-DTLDSL_WAIT_TIMEOUT_NS=1000000000ull" in item.lowered.options
+
+
+def test_plan_of_allgather_gemm_on_sms_at_two_ranks():
+    k = ag_gemm()
+    plan = planned(k)
+    assert [(x.rank, x.part, type(x.lowered).__name__) for x in plan.items] == [
+        (0, "gather_a", "LoweredComm"), (0, "gemm", "LoweredGemm"), (1, "gather_a", "LoweredComm"),
+        (1, "gemm", "LoweredGemm")]
+    assert [x.stream for x in plan.items] == [0, 1, 2, 3] and plan.reserved_sms == 0
+    comm, gemm_ = plan.items[0], plan.items[1]
+    assert comm.grid == (2, 1, 1) and gemm_.grid == (8, 1, 1)        # the lanes; one CTA per 128x128 tile
+    mem = nominal_memory(k)
+    binds = plan.bind(mem)
+    for r in range(2):
+        b = {x.param.source: x.value for x in binds[(r, "gather_a")]}
+        table = mem.tables[("buffer", "a")]
+        assert b["peers:a"] == table.ptr and table.owner == (mem.buffers[0]["a"].ptr, mem.buffers[1]["a"].ptr)
+        assert b["buffer:a_gathered"] == mem.buffers[r]["a_gathered"].ptr
+        assert b["signal:gather_a_ready"] == mem.signals[r]["gather_a_ready"].ptr and b["rank"] == r
+        g = {x.param.source: x.value for x in binds[(r, "gemm")]}
+        assert g["signal:gather_a_ready"] == mem.signals[r]["gather_a_ready"].ptr      # waits on its own counters
+
+
+def test_plan_of_allgather_gemm_on_the_copy_engine_leaves_sms_to_its_copies():
+    k = ag_gemm(engine="copy_engine")
+    plan = planned(k)
+    kinds = [(x.rank, x.part, type(x).__name__) for x in plan.items]
+    assert kinds == [(0, "gather_a", "PlannedCopies"), (0, "gemm", "PlannedKernel"), (1, "gather_a", "PlannedCopies"),
+                     (1, "gemm", "PlannedKernel")]
+    assert plan.reserved_sms == RESERVED_FOR_COPIES
+    assert sum(x.ctas for x in plan.kernels) <= H200_SMS - RESERVED_FOR_COPIES
+    assert all(c.plan.actions[c.rank] for c in plan.copies)
+    assert "copy engine" in plan.describe()
+
+
+def test_plan_of_gemm_reduce_scatter_at_two_ranks():
+    k = gemm_rs()
+    plan = planned(k)
+    mem = nominal_memory(k)
+    for r in range(2):
+        b = {x.param.source: x.value for x in plan.bind(mem)[(r, "reduce_scatter")]}
+        assert b["peer_signals:reduce_scatter_arrived"] == mem.tables[("signal", "reduce_scatter_arrived")].ptr
+        assert mem.tables[("signal", "reduce_scatter_arrived")].owner == tuple(
+            mem.signals[q]["reduce_scatter_arrived"].ptr for q in range(2))
+        assert b["buffer:partial"] == mem.buffers[r]["partial"].ptr
+
+
+def test_compute_kernels_share_the_sms_the_lanes_leave():
+    k = ag_gemm()
+    plan = planned(k, sm_count=12)
+    comm = [x for x in plan.kernels if x.part == "gather_a"]
+    gemms = [x for x in plan.kernels if x.part == "gemm"]
+    assert all(x.ctas == 2 for x in comm) and all(x.ctas == 4 for x in gemms)      # (12 - 2 x 2) / 2
+    assert sum(x.ctas for x in plan.kernels) <= 12
+
+
+def test_kernels_that_cannot_all_be_resident_are_refused():
+    k = ag_gemm()
+    with pytest.raises(ResidencyError, match="at least 6 CTAs resident at once"):
+        planned(k, sm_count=5)
+    with pytest.raises(ResidencyError, match="cannot run even one CTA on an SM"):
+        planned(k, occupancy=lambda lk: 0 if lk.part == "gemm" else 1)
+    with pytest.raises(ResidencyError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        planned(k, queues=3)
+    planned(k, queues=4)
+
+
+def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():
+    k = ag_gemm(engine="copy_engine", own_rows="compute")
+    with pytest.raises(UnboundParameterError, match="own_rows='comm'"):
+        lower_for_run(k)
+    with pytest.raises(UnboundParameterError, match="own_rows='comm'"):
+        tl.run(k, 2, [{b.name: np.zeros(b.type.shape, np.float16) for b in k.args}] * 2)
+
+
+def test_the_lowering_options_are_checked():
+    k = scale_rows.trace(1, S((64, 64), F16), S((64, 64), F16), compute=tl.ComputeSchedule(tile=(16, 16, 16)))
+    with pytest.raises(UnboundParameterError, match="entry"):
+        lower_for_run(k, entry="mine")
+    with pytest.raises(tl.TldslError, match="unknown lowering option"):
+        lower_for_run(k, bogus=1)
+
+
+# =================================================================================================
+# the call: the simulator's checks, error for error
+# =================================================================================================
+
+W, MS = 2, 16
+COMPUTE, COMM = tl.ComputeSchedule(tile=(16, 16, 16)), tl.CommSchedule(tile_m=8)
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    b = rng.integers(-3, 4, (16, 16)).astype(np.float16)
+    return [{"a": rng.integers(-3, 4, (MS, 16)).astype(np.float16), "b": b,
+             "c": np.full((W * MS, 16), np.nan, np.float16)} for _ in range(W)]
+
+
+BAD_CALLS = {
+    "no world size": dict(world_size=None), "world size 0": dict(world_size=0), "world size 1.5": dict(world_size=1.5),
+    "inputs None": dict(inputs=None), "inputs a dict": dict(inputs={"a": 1}), "one rank's inputs": dict(inputs="x"),
+    "three ranks' inputs": dict(inputs=_inputs() + _inputs()[:1]), "negative seed": dict(seed=-1),
+    "bool seed": dict(seed=True), "bad options": dict(options={"bogus": 1}), "options a list": dict(options=[1]),
+    "unknown keyword": dict(bogus=3), "compute swapped": dict(compute=COMM),
+    "missing argument": dict(inputs=[{"a": x["a"], "b": x["b"]} for x in _inputs()]),
+    "non-uniform shard": dict(inputs=[dict(x, a=x["a"][: 8 * (r + 1)]) for r, x in enumerate(_inputs())]),
+    "float64 input": dict(inputs=[dict(x, b=x["b"].astype(np.float64)) for x in _inputs()]),
+    "not a kernel": dict(kernel=print),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_calls_get_the_simulators_errors(case):
+    call = dict(kernel=allgather_gemm, world_size=W, inputs=_inputs(), compute=COMPUTE, comm=COMM)
+    call.update(BAD_CALLS[case])
+    kernel, world_size, inputs = call.pop("kernel"), call.pop("world_size"), call.pop("inputs")
+    with pytest.raises(tl.TldslError) as want:
+        tl.simulate(kernel, world_size, inputs, **call)
+    with pytest.raises(type(want.value)) as got:
+        tl.run(kernel, world_size, inputs, **call)
+    assert type(got.value) is type(want.value), (str(got.value), str(want.value))
+
+
+@pytest.mark.parametrize("kw,error", [(dict(timeout_s=0), "timeout_s"), (dict(timeout_s="1"), "timeout_s"),
+                                      (dict(lowering=[("threads", 64)]), "lowering")])
+def test_the_run_options_are_checked(kw, error):
+    with pytest.raises(tl.InputError, match=error):
+        tl.run(allgather_gemm, W, _inputs(), compute=COMPUTE, comm=COMM, **kw)
+
+
+def test_without_a_gpu_a_valid_call_says_why_it_cannot_run():
+    from tldsl.runtime.gpu.device import GPUUnavailableError, gpu_available
+    if gpu_available():
+        pytest.skip("a GPU is here: tests/test_gpu_run.py runs the call")
+    x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    with pytest.raises(GPUUnavailableError, match="no GPU to run on"):
+        tl.run(scale_rows, 1, [{"x": x, "y": np.zeros_like(x)}], compute=tl.ComputeSchedule(tile=(16, 16, 16)))
+
+
+def test_importing_tldsl_imports_neither_torch_nor_the_code_generator():
+    code = ("import sys, tldsl as tl; tl.run; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cuda') "
+            "or m.startswith(('tldsl.codegen', 'tldsl.runtime.gpu'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_fuzzer_finds_tl_run():
+    from tldsl.testing.fuzz import gpu_unavailable
+    assert gpu_unavailable() != "tl.run does not exist yet"
+
+
+# =================================================================================================
+# memory and the result, on torch's CPU device (the same code a GPU run uses)
+# =================================================================================================
+
+def test_every_rank_gets_its_own_memory_as_the_simulator_does():
+    torch = pytest.importorskip("torch")
+    from tldsl.runtime.gpu.run_program import allocate, read_back
+    k = gemm_rs(W=2)
+    rng = np.random.default_rng(3)
+    per_rank = [[rng.standard_normal(b.type.shape).astype(np.float16) for b in k.args] for _ in range(2)]
+    per_rank[1][1] = torch.from_numpy(per_rank[1][1])          # a torch tensor is copied too
+    tensors, mem = allocate(k, per_rank, torch.device("cpu"))
+    sim = tl.simulate(k, 2, [dict(zip([b.name for b in k.args], [np.asarray(x) for x in arrays]))
+                             for arrays in per_rank], options={"launches": 1})
+    outputs, workspaces = read_back(k, tensors)
+    for r in range(2):
+        for b, arr in zip(k.args, per_rank[r]):
+            assert np.array_equal(outputs[r][b.name], np.asarray(arr)) and outputs[r][b.name].dtype == np.float16
+        for b in k.workspaces:
+            assert np.isnan(workspaces[r][b.name]).all() and workspaces[r][b.name].shape == b.type.shape
+            assert workspaces[r][b.name].dtype == sim.workspaces[r][b.name].dtype
+        for s in k.signals:
+            assert mem.signals[r][s.name].shape == (s.type.slots,) and not tensors[r][f"signal:{s.name}"].any()
+    assert tensors[1]["b"].data_ptr() != per_rank[1][1].data_ptr()
+    ptrs = [a.ptr for r in range(2) for a in mem.buffers[r].values()] + \
+        [a.ptr for r in range(2) for a in mem.signals[r].values()]
+    assert len(set(ptrs)) == len(ptrs)                                     # no two ranks share a tensor
+
+
+def test_bf16_inputs_are_stored_as_the_simulator_stores_them():
+    torch = pytest.importorskip("torch")
+    from tldsl.runtime.gpu.run_program import read_back, to_device
+    from tldsl.runtime.sim.memory import to_storage
+    k = scale_rows.trace(1, S((8, 8), tl.bfloat16), S((8, 8), F32), compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    t = to_device(x, tl.bfloat16, torch.device("cpu"))
+    assert t.dtype == torch.bfloat16
+    outputs, _ = read_back(k, [{"x": t, "y": torch.zeros(8, 8)}])
+    assert outputs[0]["x"].dtype == np.float32 and np.array_equal(outputs[0]["x"], to_storage(x, tl.bfloat16))
+
+
+def test_the_result_has_the_simulators_interface():
+    from tldsl.runtime.gpu.run_result import RunResult
+    k = scale_rows.trace(1, S((8, 8), F32), S((8, 8), F32), compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    out = [{"x": np.ones((8, 8), np.float32), "y": np.full((8, 8), 3.0, np.float32)}]
+    res = RunResult(k, out, [{}], [], 0, 2, 0, 0, device="H200", launch_ms=[0.5, 0.25])
+    assert isinstance(res, tl.SimResult) and res[0]["y"][0, 0] == 3.0 and res.outputs is out
+    assert "GPU run records no event log" in res.timeline()
+    with pytest.raises(tl.InputError, match="no event log"):
+        res.plot_timeline()
+    assert repr(res).startswith("<RunResult scale_rows: 1 ranks on H200, 2 launch(es) [0.500, 0.250] ms")
+    assert "RunResult of scale_rows" in res._repr_html_()

@@ -1,0 +1,95 @@
+"""``tl.run``: the twin of ``tl.simulate`` on a GPU — same arguments, same checks and errors,
+a result with the same interface — so a notebook switches between them with one word.
+
+    result = tl.simulate(my_kernel, 2, inputs, compute=..., comm=...)
+    result = tl.run(my_kernel, 2, inputs, compute=..., comm=...)       # every rank on this GPU
+
+Inputs are checked and the kernel traced exactly as ``tl.simulate`` does (its own functions);
+then every part is lowered (``tldsl.codegen.lower_all``), compiled (cached) and launched
+(:mod:`tldsl.runtime.gpu.run_program`). This module imports nothing heavy: torch, the code
+generator and the CUDA driver are imported by the call.
+
+The GPU runtime is a layer *above* this package: it executes copy-engine parts with the
+distributed runtime's plan executor, and ``tldsl.runtime.dist`` builds the library's fused ops,
+which import ``tldsl``. So the language package names it (:data:`GPU_RUNTIME`) and loads it when
+``run`` is called, rather than importing it: an import would make ``tldsl`` and the fused ops one
+cycle (tests/test_import_layering.py). Nothing below the runtime depends on this module.
+"""
+from __future__ import annotations
+
+import importlib
+import numbers
+
+from .errors import InputError
+
+#: the module that runs a traced program on a GPU (loaded by name at the call: see above)
+GPU_RUNTIME = "tldsl.runtime.gpu.run_program"
+
+
+def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, options=None, *,
+        timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, **kwargs):
+    """Run ``kernel`` for ``world_size`` ranks on the current GPU and return a
+    :class:`~tldsl.runtime.gpu.run_result.RunResult` (``tl.simulate`` 's interface: ``result[r]``,
+    ``.outputs``, ``.workspaces``, plus ``.launch_ms``, ``.plan`` and ``.tensors``).
+
+    ``kernel``, ``world_size``, ``inputs`` (torch tensors anywhere, or numpy arrays: one dict or
+    sequence per rank), ``seed``, ``options`` and the kernel's keyword values (``compute=``,
+    ``comm=``, ...) are those of ``tl.simulate``: of ``options`` (a ``tl.SimOptions`` or a dict of
+    its fields), ``launches`` and ``static_checks`` apply, the rest are the simulator's detectors.
+    ``seed`` picks the order in which the ranks' work is enqueued. Inputs are copied; every rank
+    gets its own tensors, workspaces poisoned as the simulator poisons them.
+
+    ``timeout_s``: a launch that does not finish this long after it starts raises
+    ``GpuHangError`` (kernels are built so that a wait longer than this traps); None: wait
+    forever. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...).
+    ``progress``: NVRTC's progress reports (``print`` in a notebook).
+    """
+    ir, per_rank, opts = trace_for_run(kernel, world_size, inputs, seed, options, kwargs)
+    if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
+                                  or not timeout_s > 0):
+        raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
+    if lowering is not None and not isinstance(lowering, dict):
+        raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
+    run_program = importlib.import_module(GPU_RUNTIME).run_program
+    return run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=timeout_s, lowering=lowering,
+                       progress=progress)
+
+
+def trace_for_run(kernel, world_size, inputs, seed, options, kwargs: dict):
+    """``tl.simulate`` 's checks of its arguments and its trace, in the same order with the same
+    errors: returns (the traced kernel, every rank's arrays in argument order, the options)."""
+    from .ir import core
+    from .kernel import KernelFunction
+    from .runtime.sim.simulate import _check_uniform, _per_rank_inputs, sim_options
+    opts = sim_options(options)
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f"seed must be an int >= 0 (it picks the order the ranks' work is enqueued), got {seed!r}")
+    if isinstance(kernel, KernelFunction):
+        if world_size is None:
+            raise InputError("run needs world_size")
+        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+            raise InputError(f"world size must be a positive int, got {world_size!r}")
+        per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
+        _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
+        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=opts.static_checks)
+    elif isinstance(kernel, core.Kernel):
+        if kwargs:
+            raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
+        ir = kernel
+        if world_size is not None and world_size != ir.world_size:
+            raise InputError(f"kernel was traced for {ir.world_size} ranks, run got world_size={world_size}")
+        names = [b.name for b in ir.args]
+        per_rank = _per_rank_inputs(names, inputs, ir.world_size)
+        _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
+        for b, arr in zip(ir.args, per_rank[0]):
+            if tuple(arr.shape) != b.type.shape:
+                raise InputError(f"argument '{b.name}': shape {tuple(arr.shape)}, the kernel was traced for "
+                                 f"{b.type.shape}")
+        if opts.static_checks:
+            from .ir.analysis import check_channels
+            from .ir.verifier import verify
+            verify(ir, channels=False)
+            check_channels(ir)
+    else:
+        raise InputError(f"run needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
+    return ir, per_rank, opts

@@ -62,12 +62,13 @@ from .call_order import CallOrder
 from .spare_outputs import SpareOutputs, keep_spares
 from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes, dense
+from .fused_op import FusedOp
 from .symmetric import Lease
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
 
-class AllGatherMatmul:
+class AllGatherMatmul(FusedOp):
     """``(A_gathered, A_gathered @ B)`` for a fixed (rows per rank, K, N, dtype).
 
     Building it is collective (symmetric allocation + rendezvous): every rank of ``group``
@@ -484,19 +485,11 @@ class AllGatherMatmul:
                 gc.enable()
         return self._join(cur, a_full, c, L, fresh_c=out is None)
 
-    def close(self) -> None:
-        """Free the op's symmetric memory — the only point it is freed (collective: every rank
-        of the group calls it at the same point; it synchronises this GPU and waits for the
-        peers to do the same, so no kernel anywhere still touches it). An op dropped without
-        ``close()`` keeps its memory, with a warning, until
-        :func:`~.symmetric.release_unclosed`. Calls after it raise; a second close does nothing."""
-        self._closed = True
+    def _release(self) -> None:
         if self._engine is not None:
             self._engine.close()
         else:
             self._spares.clear()
-        self._lease.forget(self, self._engine)
-        self._lease.release()
 
     def _check_out(self, out, a_shard, b):
         check_output("AllGatherMatmul", out, (self.ctx.world_size * self.Ms, self.N), self.dtype, self.ctx.device,
@@ -571,7 +564,7 @@ class AllGatherMatmul:
 
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (the distributed checks fill them with noise)."""
-        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         if self._engine is not None:
             return self._engine.workspace_tensors()
         return {"a": self.shards}
@@ -579,7 +572,7 @@ class AllGatherMatmul:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters (decodes a device
         ``wait timed out: slot 0x...`` line, see :func:`~.comm_kernel.explain_address`)."""
-        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         if self._engine is not None:
             return self._engine.signal_map()
         out = [(self.signal, self.flags.data_ptr(), self.flags.numel(),
@@ -593,7 +586,7 @@ class AllGatherMatmul:
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
-        check_open("AllGatherMatmul", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         if self._engine is not None:
             return dict(self._engine.signals)
         out = {self.signal: self.flags}
@@ -604,37 +597,19 @@ class AllGatherMatmul:
             out[staged] = self._own_signals[staged]
         return out
 
-    def signal_counters(self) -> dict[str, list[int]]:
-        return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
+    # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
+    def _problem(self) -> str:
+        return f"A shard [{self.Ms}, {self.K}] @ B [{self.K}, {self.N}] {self.dtype}"
 
-    def __repr__(self) -> str:
-        """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
-        from ...ir.display import fit, schedules
-        try:
-            return fit(f"<AllGatherMatmul rank {self.ctx.rank}/{self.ctx.world_size}: A shard [{self.Ms}, {self.K}] @ "
-                       f"B [{self.K}, {self.N}] {self.dtype}, ",
-                       schedules(self.compute, self.comm),
-                       f", {self.launches} launches{', closed' if self._closed else ''}>")
-        except AttributeError:      # a construction that failed part-way
-            return "<AllGatherMatmul (not built)>"
+    def _facts(self) -> list:
+        return [("A shard", [self.Ms, self.K]), ("B", [self.K, self.N]), ("dtype", self.dtype),
+                ("engine", self.engine)]
 
-    def _repr_html_(self) -> str:
-        """A notebook's view: the problem and the schedules, ``describe()`` folded away."""
-        from ...ir.display import html_card
-        if not hasattr(self, "_closed"):
-            return html_card(repr(self), [])
-        facts = [("rank", f"{self.ctx.rank} of {self.ctx.world_size}"), ("A shard", [self.Ms, self.K]),
-                 ("B", [self.K, self.N]), ("dtype", self.dtype), ("compute", self.compute), ("comm", self.comm),
-                 ("engine", self.engine), ("launches", self.launches), ("closed", self._closed)]
-        return html_card("AllGatherMatmul", facts, [("describe()", self.describe())])
+    def _describe_head(self) -> str:
+        return f"; engine {self.engine}"
 
-    def describe(self) -> str:
-        head = f"{repr(self)[1:-1]}; engine {self.engine}"
-        if self._closed:
-            return head + ": its symmetric memory is freed"
-        if self._engine is not None:
-            return head + "\n" + self._engine.describe()
-        return head + "\n" + self.lowered.describe()
+    def _describe_body(self) -> list[str]:
+        return [self._engine.describe() if self._engine is not None else self.lowered.describe()]
 
 
 DEFAULT_SM_LANES = 8

@@ -64,6 +64,7 @@ from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
 from .group import built_alike, dist_context, dtype_name
 from .symmetric import Lease
+from .fused_op import FusedOp
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -139,7 +140,7 @@ def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None
     check_operands(op, (("A", a, (m, k)), ("B", b, (k, n))), dtype, device)
 
 
-class MatmulReduceScatter:
+class MatmulReduceScatter(FusedOp):
     """``reduce_scatter(A @ B, "sum", scatter_dim=0)`` for a fixed ``A [m, k]``, ``B [k, n]``, dtype.
 
     ``m`` is the full row count (every rank's A has ``m`` rows; the output ``m / W``), ``k``
@@ -253,7 +254,7 @@ class MatmulReduceScatter:
     # -- introspection (debugging and the distributed checks) -------------------------------------
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
-        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         out = {"partial": self.partial}
         if self._engine is not None and self._engine.recv is not None:
             out["reduce_scatter_recv"] = self._engine.recv
@@ -264,7 +265,7 @@ class MatmulReduceScatter:
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters, to decode a device
         ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
-        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         traced = self.ir.comm_schedule                  # the copy engine's carries its rows per copy
         tile = self.Ms if traced.tile_m is None else min(traced.tile_m, self.Ms)
         tpr = -(-self.Ms // tile)
@@ -284,50 +285,27 @@ class MatmulReduceScatter:
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
-        check_open("MatmulReduceScatter", self._closed)       # (its views went with close())
+        self._check_open()                              # (its views went with close())
         out = dict(self.signals)
         if self._engine is not None:
             out.update(self._engine.signal_tensors())
         return out
 
-    def signal_counters(self) -> dict[str, list[int]]:
-        return {nm: t.tolist() for nm, t in self.signal_tensors().items()}
+    # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
+    def _problem(self) -> str:
+        return f"A [{self.M}, {self.K}] @ B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}"
 
-    def __repr__(self) -> str:
-        """One line for notebooks: what it computes and how (``describe()``: the generated code too)."""
-        from ...ir.display import fit, schedules
-        try:
-            return fit(f"<MatmulReduceScatter rank {self.ctx.rank}/{self.ctx.world_size}: A [{self.M}, {self.K}] @ "
-                       f"B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}, ",
-                       schedules(self.compute, self.comm),
-                       f", {self.launches} launches{', closed' if self._closed else ''}>")
-        except AttributeError:      # a construction that failed part-way
-            return "<MatmulReduceScatter (not built)>"
+    def _facts(self) -> list:
+        return [("A", [self.M, self.K]), ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype)]
 
-    def _repr_html_(self) -> str:
-        """A notebook's view: the problem and the schedules, ``describe()`` folded away."""
-        from ...ir.display import html_card
-        if not hasattr(self, "_closed"):
-            return html_card(repr(self), [])
-        facts = [("rank", f"{self.ctx.rank} of {self.ctx.world_size}"), ("A", [self.M, self.K]),
-                 ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype),
-                 ("compute", self.compute), ("comm", self.comm), ("launches", self.launches),
-                 ("closed", self._closed)]
-        return html_card("MatmulReduceScatter", facts, [("describe()", self.describe())])
-
-    def describe(self) -> str:
-        head = repr(self)[1:-1]
-        if self._closed:
-            return head + ": its symmetric memory is freed"
-        lines = [head,
-                 f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}",
-                 self.lowered_gemm.describe()]
+    def _describe_body(self) -> list[str]:
+        lines = [f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}", self.lowered_gemm.describe()]
         if self._engine is not None:
-            return "\n".join(lines + [self._engine.describe()])
+            return lines + [self._engine.describe()]
         lines.append(self.lowered_comm.describe())
         if self.ws is not None:
             lines.append(self.ws.describe())
-        return "\n".join(lines)
+        return lines
 
     def _hook(self, name, stream):
         h = self.hooks.get(name)
@@ -431,16 +409,8 @@ class MatmulReduceScatter:
         timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
         self.ws.barrier(stream, timeout_ms=timeout)
 
-    def close(self) -> None:
-        """Free the op's symmetric memory — the only point it is freed (collective: every rank
-        of the group calls it at the same point; it synchronises this GPU and waits for the
-        peers to do the same, so no kernel anywhere still touches it). An op dropped without
-        ``close()`` keeps its memory, with a warning, until
-        :func:`~.symmetric.release_unclosed`. Calls after it raise; a second close does nothing."""
-        self._closed = True
+    def _release(self) -> None:
         if self.ws is not None:
             self.ws.close()
         if self._engine is not None and self._engine.ws is not None:
             self._engine.ws.close()
-        self._lease.forget(self, self._engine)
-        self._lease.release()

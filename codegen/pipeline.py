@@ -10,7 +10,7 @@ Stages, in order (each a function below; data flows one way):
 3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
    and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes).
    When the planner refuses (a tile its template cannot run, say), :func:`fall_back` gives the
-   part to the next recipe by priority whose matcher accepts it (the general lowering, last);
+   part to the role's last recipe, the general lowering, when its matcher accepts it;
 4. :func:`render` — the recipe fills its template, every IR op inside it rendered by the
    rules (``rules.scalars``, ``rules.primitives``);
 5. compile (``LoweredKernel.compile`` → ``toolchain``): NVRTC, content-addressed cache.
@@ -112,29 +112,27 @@ def _lower(kernel, part, options: dict, strict: bool):
         try:
             return render(sel, plan(sel, options))
         except LoweringError as e:
-            # the chosen recipe's planner refused (its tiles, say): a lower-priority recipe that
-            # takes the part and these options lowers it instead; none: the planner's error
+            # the chosen recipe's planner refused (its tiles, say): the general lowering takes the
+            # part when it can; else the planner's error
             sel = fall_back(sel, e, options if strict else {})
             if sel is None:
                 raise
 
 
 def fall_back(sel: Selected, error: LoweringError, options: dict) -> Selected | None:
-    """Stage 2 again after ``sel``'s planner refused the part with ``error``: the next recipe
-    below it by priority whose matcher accepts the part and that takes ``options``, or None."""
-    lower = sorted((r for r in RECIPES if r.role == sel.part.role and r.priority < sel.recipe.priority),
-                   key=lambda r: -r.priority)
-    declined = sel.declined + [(sel.recipe.name, error)]
-    for recipe in lower:
-        if set(options) - set(recipe.options):
-            continue
-        try:
-            m = recipe.match(sel.kernel, sel.part)
-        except LoweringError as e:
-            declined.append((recipe.name, e))
-            continue
-        return Selected(sel.kernel, sel.part, recipe, m, declined)
-    return None
+    """Stage 2 again after ``sel``'s planner refused the part with ``error``: the role's last
+    recipe (the general lowering, which takes any part its matcher accepts) when it is below
+    ``sel``'s, accepts the part and takes ``options``; else None. Only the last: a specialised
+    recipe between them was made for other programs (and a runtime expects what it builds)."""
+    role = [r for r in RECIPES if r.role == sel.part.role]
+    last = min(role, key=lambda r: r.priority)
+    if last.priority >= sel.recipe.priority or set(options) - set(last.options):
+        return None
+    try:
+        m = last.match(sel.kernel, sel.part)
+    except LoweringError:
+        return None
+    return Selected(sel.kernel, sel.part, last, m, sel.declined + [(sel.recipe.name, error)])
 
 
 def _check_options(options: dict) -> None:

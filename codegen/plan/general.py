@@ -244,20 +244,17 @@ def _reads(v: core.Value, frag: core.Value, views: dict, fused: set[int]) -> boo
 
 
 def _live_range(prog: _Program, op: core.Op, v: core.Value, fused: set[int], views: dict) -> tuple[int, int]:
-    start = prog.pos[id(op)]
-    end = start
+    """From ``op`` to the last statement that reads ``v`` — directly, through values computed in
+    place, or (a fragment) through its reads in place — each read stretched to the end of the
+    outermost loop around it that ``op`` is not in."""
     reads = [v]
-    if isinstance(v.type, T.FragmentType):       # a fragment is also read through its views
+    if isinstance(v.type, T.FragmentType):
         reads += [u.result for u in prog.users.get(v.id, []) if u.name == "frag_read" and u.result.id in views]
+    users = list(prog.users.get(v.id, []))
     for x in reads:
-        for stmt, _ in _consumers(prog, x, fused):
-            end = max(end, prog.reach(op, stmt))
-        if x is not v:
-            for u in prog.users.get(v.id, []):
-                end = max(end, prog.reach(op, u))
-    for u in prog.users.get(v.id, []):
-        end = max(end, prog.reach(op, u))
-    return start, end
+        users += [stmt for stmt, _ in _consumers(prog, x, fused)]
+    start = prog.pos[id(op)]
+    return start, max([start] + [prog.reach(op, u) for u in users])
 
 
 def _allocate(items: list[tuple[core.Value, core.Op, int, int, int]], part: core.Part) -> tuple[dict, int]:

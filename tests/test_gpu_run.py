@@ -64,7 +64,7 @@ def test_scale_rows(dt):
     x = _rand(rng, (1000, 200), dt)                      # not a multiple of the tile either way
     res = both(scale_rows, 1, [{"x": x, "y": np.zeros_like(x)}], compute=tl.ComputeSchedule(tile=(64, 64, 16)))
     assert np.allclose(res[0]["y"], x.astype(np.float32) * 2 + 1, rtol=4e-3, atol=4e-3)
-    assert len(res.launch_ms) == 1 and res.launch_ms[0] > 0
+    assert len(res.launch_ms) == 2 and min(res.launch_ms) > 0        # the simulator's default: two launches
 
 
 def test_scale_rows_with_torch_tensors_leaves_them_alone():

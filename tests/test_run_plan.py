@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -341,7 +342,8 @@ def test_every_rank_gets_its_own_memory_as_the_simulator_does():
     rng = np.random.default_rng(3)
     per_rank = [[rng.standard_normal(b.type.shape).astype(np.float16) for b in k.args] for _ in range(2)]
     per_rank[1][1] = torch.from_numpy(per_rank[1][1])          # a torch tensor is copied too
-    tensors, mem = allocate(k, per_rank, torch.device("cpu"))
+    cpu = SimpleNamespace(torch_device=torch.device("cpu"), upload=None, encode_tma=None)
+    tensors, mem = allocate(k, per_rank, cpu)
     sim = tl.simulate(k, 2, [dict(zip([b.name for b in k.args], [np.asarray(x) for x in arrays]))
                              for arrays in per_rank], options={"launches": 1})
     outputs, workspaces = read_back(k, tensors)

@@ -1,0 +1,297 @@
+"""``tl.run`` end to end without a GPU: the real ``run_program`` — allocation, binding, streams,
+events, epochs, copy-engine plans, the wait and its timeout, the read-back — on a fake device.
+
+The fake's memory is torch's CPU tensors, so an address the runtime binds *is* the memory: a
+kernel launch decodes its packed arguments (pointers, tables of peer pointers, TMA descriptors
+whose first word is the address) and runs the tile program the kernel was lowered from in the
+simulator's rules (``runtime/sim/bound_launch.py``) on the memory those addresses name — a
+tensor reached through no bound parameter fails the test. Streams are queues run in random
+interleavings; an event wait, a counter wait (``cuStreamWaitValue64``) or a kernel's signal wait
+blocks its stream. Results must match ``tl.simulate`` exactly as the GPU tests require.
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+from collections import deque
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.runtime.gpu import run_program as rp
+from tldsl.runtime.gpu.run_errors import GpuHangError
+from tldsl.runtime.sim.bound_launch import BoundLaunch
+
+from test_gpu_run import assert_agrees
+from test_run_plan import ag_gemm, gemm_rs, row_softmax, scale_rows
+
+torch = pytest.importorskip("torch")
+
+_NP = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32, "i32": np.int32, "i1": np.bool_}
+
+
+def _view(address: int, shape, dtype) -> np.ndarray:
+    """The host memory at ``address`` as an array (the fake's device memory is host memory)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = (ctypes.c_uint8 * max(n, 1)).from_address(address)
+    return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+class FakeDevice:
+    """The methods run_program asks of a device, and the driver calls PlanExecutor makes."""
+    CUresult = SimpleNamespace(CUDA_SUCCESS=0)
+    CUstreamWriteValue_flags = SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT=0)
+    CUstreamWaitValue_flags = SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ=1)
+    CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+
+    class CUDA_MEMCPY2D:
+        pass
+
+    name, sm_count = "fake GPU", 24
+    torch_device = torch.device("cpu")
+
+    def __init__(self, seed=0):
+        self.ce_driver = self
+        self.queues: dict[int, deque] = {}
+        self.events: dict[int, list[int]] = {}          # event -> [records enqueued, records done]
+        self.rng = random.Random(seed)
+        self.kept = []
+        self.launched = []                               # (rank, part, launch, stream)
+
+    # -- run_program's device interface ---------------------------------------------------------
+    def load(self, kernels, progress=None):
+        return {entry: SimpleNamespace(entry=entry) for entry in kernels}
+
+    def occupancy(self, kernel, lowered):
+        return 1
+
+    def upload(self, values):
+        from tldsl.runtime.dist.plan_exec import DeviceArray
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        self.kept.append(t)
+        return DeviceArray(t.data_ptr(), (len(values),), "u64", owner=t)
+
+    def encode_tma(self, spec, address):
+        return int(address).to_bytes(8, "little") + bytes(120)
+
+    def origin(self):
+        return 0
+
+    def streams(self, n):
+        return list(range(1, n + 1))
+
+    def event(self, timing=False):
+        ev = 1000 + len(self.events)
+        self.events[ev] = [0, 0]
+        return ev
+
+    def record(self, ev, stream):
+        self.events[ev][0] += 1
+
+        def op():
+            self.events[ev][1] += 1
+            return True
+        self._enqueue(stream, op)
+
+    def wait_event(self, stream, ev):
+        target = self.events[ev][0]
+        self._enqueue(stream, lambda: self.events[ev][1] >= target)
+
+    def destroy(self, events):
+        pass
+
+    def query(self, ev):
+        self.run(until=lambda: self.events[ev][1] >= self.events[ev][0])
+        n, done = self.events[ev]
+        return None if done >= n else "not ready"
+
+    def elapsed_ms(self, start, end):
+        return 1.0
+
+    def read_counters(self, signals):
+        return "; ".join(f"rank {r} {n}={_view(a.ptr, a.shape, np.int64).tolist()}"
+                         for r, sigs in enumerate(signals) for n, a in sigs.items())
+
+    def launch(self, kernel, item, args, stream):
+        lk = item.lowered
+        values = [h.value if not isinstance(h, ctypes.Array) else int.from_bytes(bytes(h)[:8], "little")
+                  for h in args.holders]
+        by_source = {p.source: v for p, v in zip(lk.params, values)}
+        kernel_ir, part = lk.program
+        own, tables = {}, {}
+        for p, v in zip(lk.params, values):
+            kind, name = p.origin
+            if kind in ("buffer", "data", "signal"):
+                own[name] = v
+            elif kind == "tma":
+                own[next(t.buffer for t in lk.tma if t.param == name)] = v
+            elif kind in ("peers", "peer_signals"):
+                tables[name] = _view(v, (kernel_ir.world_size,), np.uint64)
+        assert by_source["rank"] == item.rank
+        launch = by_source["launch"]
+        self.launched.append((item.rank, item.part, launch, stream))
+
+        def address(rank, name):
+            if rank == item.rank and name in own:
+                return own[name]
+            if name in tables:
+                return int(tables[name][rank])
+            raise AssertionError(f"{lk.entry} on rank {item.rank} reached '{name}' of rank {rank}, which no "
+                                 f"parameter binds")
+        shapes = {b.name: (tuple(b.type.shape), _NP[b.type.dtype.name]) for b in kernel_ir.buffers}
+        slots = {s.name: int(s.type.slots) for s in kernel_ir.signals}
+        bl = BoundLaunch(kernel_ir, [part], item.rank, launch,
+                         lambda r, n: _view(address(r, n), *shapes[n]),
+                         lambda r, n: _view(address(r, n), (slots[n],), np.int64), rng=random.Random(self.rng.random()))
+
+        def op():
+            for _ in range(self.rng.randint(1, 8)):
+                if bl.done or not bl.step():
+                    break
+            return bl.done
+        self._enqueue(stream, op)
+
+    # -- the driver calls of PlanExecutor --------------------------------------------------------
+    def cuMemcpyAsync(self, dst, src, n, stream):
+        self._enqueue(stream, lambda: ctypes.memmove(dst, src, n) and True)
+        return (0,)
+
+    def cuMemcpy2DAsync(self, p, stream):
+        def op():
+            for row in range(p.Height):
+                ctypes.memmove(p.dstDevice + row * p.dstPitch, p.srcDevice + row * p.srcPitch, p.WidthInBytes)
+            return True
+        self._enqueue(stream, op)
+        return (0,)
+
+    def cuStreamWriteValue64(self, stream, addr, value, flags):
+        def op():
+            _view(addr, (1,), np.uint64)[0] = value
+            return True
+        self._enqueue(stream, op)
+        return (0,)
+
+    def cuStreamWaitValue64(self, stream, addr, value, flags):
+        self._enqueue(stream, lambda: int(_view(addr, (1,), np.uint64)[0]) >= value)
+        return (0,)
+
+    def cuGetErrorName(self, err):
+        return (0, b"fake error")
+
+    def cuGetErrorString(self, err):
+        return (0, b"fake error")
+
+    # -- the fake GPU ------------------------------------------------------------------------------
+    def _enqueue(self, stream, op):
+        self.queues.setdefault(int(stream), deque()).append(op)
+
+    def run(self, until):
+        """Run the streams, interleaved at random, until ``until()`` holds (work the caller's
+        stream does not wait for may still be pending then) or every stream is blocked (a hang:
+        the launch never completes). One stream at a time is starved for a while, so work that
+        is not waited for properly runs late, as it may on a GPU."""
+        starved, rounds = None, 0
+        while any(self.queues.values()) and not until():
+            progressed = False
+            streams = [s for s, q in self.queues.items() if q]
+            if rounds <= 0:
+                starved, rounds = self.rng.choice(streams + [None]), self.rng.randint(5, 400)
+            rounds -= 1
+            self.rng.shuffle(streams)
+            for s in streams:
+                if s == starved:
+                    continue
+                q = self.queues[s]
+                while q and q[0]():
+                    q.popleft()
+                    progressed = True
+                    if self.rng.random() < 0.5:
+                        break
+            if not progressed:
+                if starved is None:
+                    return
+                starved, rounds = None, 0        # only the starved stream can move: let it
+
+
+def run_fake(fn, W, inputs, seed=0, **kw):
+    """tl.run's own path (its checks and trace, then run_program) on the fake device."""
+    from tldsl.run import trace_for_run
+    options = kw.pop("options", None)
+    ir, per_rank, opts = trace_for_run(fn, W, inputs, seed, options, kw)
+    device = FakeDevice(seed)
+    res = rp.run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=2.0, device=device)
+    return res, device
+
+
+def agrees(fn, W, inputs, sums=True, seed=0, **kw):
+    want = tl.simulate(fn, W, inputs, **kw)
+    got, device = run_fake(fn, W, inputs, seed=seed, **kw)
+    assert_agrees(got.outputs, want.outputs, want.kernel, sums)
+    return got, device
+
+
+def test_scale_rows_and_softmax_on_the_fake_device():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((100, 70)).astype(np.float16)
+    res, dev = agrees(scale_rows, 1, [{"x": x, "y": np.zeros_like(x)}], sums=False,
+                      compute=tl.ComputeSchedule(tile=(32, 32, 16)))
+    assert dev.launched == [(0, "part", 1, 0), (0, "part", 2, 0)]      # two launches (the simulator's default): one
+    # kernel each, on the caller's stream
+    assert np.array_equal(res[0]["y"], (x.astype(np.float32) * 2 + 1).astype(np.float16))
+    agrees(row_softmax, 1, [{"x": x, "y": np.zeros(x.shape, np.float32)}],
+           compute=tl.ComputeSchedule(tile=(16, 16, 16)))
+
+
+def _ag_inputs(k, seed):
+    rng = np.random.default_rng(seed)
+    b = rng.standard_normal(k.args[1].type.shape).astype(np.float16)
+    return [{"a": rng.standard_normal(k.args[0].type.shape).astype(np.float16), "b": b,
+             "c": np.full(k.args[2].type.shape, np.nan, np.float16)} for _ in range(k.world_size)]
+
+
+@pytest.mark.parametrize("engine", ["sm", "copy_engine"])
+@pytest.mark.parametrize("launches", [1, 2])
+def test_allgather_gemm_at_two_ranks_on_the_fake_device(engine, launches):
+    k = ag_gemm(engine=engine)
+    for seed in range(3):
+        res, dev = agrees(k, 2, _ag_inputs(k, seed), seed=seed, options={"launches": launches})
+        kernels = [x for x in dev.launched]
+        assert sorted({(r, p) for r, p, _, _ in kernels}) == ([(0, "gather_a"), (0, "gemm"), (1, "gather_a"),
+                                                                (1, "gemm")] if engine == "sm" else
+                                                               [(0, "gemm"), (1, "gemm")])
+        assert sorted({launch for _, _, launch, _ in kernels}) == list(range(1, launches + 1))   # each launch's epoch
+        assert len({s for _, _, _, s in kernels}) == len(kernels) // launches    # a stream per rank and part
+
+
+def test_gemm_reduce_scatter_at_two_ranks_on_the_fake_device():
+    k = gemm_rs()
+    rng = np.random.default_rng(4)
+    b = rng.standard_normal((256, 256)).astype(np.float16)
+    inputs = [{"a": rng.standard_normal((512, 256)).astype(np.float16), "b": b,
+               "out": np.full((256, 256), np.nan, np.float16)} for _ in range(2)]
+    for seed in range(2):
+        agrees(k, 2, inputs, seed=seed)
+
+
+@tl.kernel
+def short_of_notifies(x, y):
+    ready = tl.signal("ready", 4)
+
+    @tl.compute_part(grid=(4,))
+    def produce(t):
+        tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)))
+        tl.producer_tile_notify(ready, t)
+
+    @tl.compute_part(grid=(4,))
+    def consume(t):
+        tl.consumer_tile_wait(ready, t, count=2)          # one notify arrives, never two
+        tl.store(x, (t * 8,), tl.load(y, (t * 8,), (8,)) * 2.0)
+
+
+def test_a_launch_that_never_finishes_is_reported_with_the_counters(monkeypatch):
+    monkeypatch.setattr(rp, "HOST_SLACK_S", 0.0)
+    inputs = [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}]
+    with pytest.raises(GpuHangError, match=r"launch 1 did not finish(.|\n)*rank 0 ready=\[1, 1, 1, 1\]"):
+        run_fake(short_of_notifies, 1, inputs, options={"static_checks": False})

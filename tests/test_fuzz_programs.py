@@ -185,8 +185,11 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
         status = fuzz.main(["--programs", "2", "--seed", "5", "--gpu", "--no-compile"])
         return status, capsys.readouterr().out
 
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     status, out = run_with(0)
     assert out.count("gpu: agrees") == 2 and "2 compared on the GPU, 0 mismatches" in out
+    import os
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"     # every rank's streams get their own queue
     assert status == (1 if "CRASHED" in out else 0), out
     status, out = run_with(1)
     assert out.count("gpu: MISMATCH") == 2 and "2 mismatches" in out and status == 1

@@ -245,6 +245,11 @@ def main(argv=None) -> int:
     if args.programs < 1:
         ap.error("--programs must be positive")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    if args.gpu:
+        # every rank's parts run at once on their own streams: up to W x parts of them, more than
+        # CUDA's default 8 hardware queues (tl.run refuses a launch whose streams would share one).
+        # The queues are fixed when CUDA starts, so set them first (a value the caller set stays).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
                   hang_seconds=args.hang_seconds)
     return 1 if any(r.failed for r in reports) else 0

@@ -295,3 +295,25 @@ def test_a_launch_that_never_finishes_is_reported_with_the_counters(monkeypatch)
     inputs = [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}]
     with pytest.raises(GpuHangError, match=r"launch 1 did not finish(.|\n)*rank 0 ready=\[1, 1, 1, 1\]"):
         run_fake(short_of_notifies, 1, inputs, options={"static_checks": False})
+
+
+class _FaultingDevice(FakeDevice):
+    """A device whose launch ends in a driver error, as a trapped or faulting kernel's does."""
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def query(self, ev):
+        return self.error
+
+
+@pytest.mark.parametrize("error,raised", [("CUDA_ERROR_LAUNCH_FAILED", GpuHangError),
+                                          ("CUDA_ERROR_ILLEGAL_ADDRESS", rp.GpuRunError)])
+def test_a_kernel_that_traps_or_faults_is_a_typed_error(error, raised):
+    from tldsl.run import trace_for_run
+    x = np.ones((32, 32), np.float32)
+    ir, per_rank, _ = trace_for_run(scale_rows, 1, [{"x": x, "y": x}], 0, None,
+                                    {"compute": tl.ComputeSchedule(tile=(16, 16, 16))})
+    with pytest.raises(raised, match=f"launch 1 failed .*{error}") as e:
+        rp.run_program(ir, per_rank, timeout_s=1.0, device=_FaultingDevice(error))
+    assert type(e.value) is raised and "unusable now" in str(e.value)

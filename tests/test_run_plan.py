@@ -241,9 +241,11 @@ def test_kernels_that_cannot_all_be_resident_are_refused():
         planned(k, sm_count=5)
     with pytest.raises(ResidencyError, match="cannot run even one CTA on an SM"):
         planned(k, occupancy=lambda lk: 0 if lk.part == "gemm" else 1)
+    planned(k, queues=3)                        # kernels alone may share the hardware queues
+    ce = ag_gemm(engine="copy_engine")
     with pytest.raises(ResidencyError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
-        planned(k, queues=3)
-    planned(k, queues=4)
+        planned(ce, queues=3)                   # a stream wait would block the streams sharing its queue
+    planned(ce, queues=4)
 
 
 def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():

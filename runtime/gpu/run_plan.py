@@ -13,8 +13,11 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   within one GPU as an SM kernel, which must find an SM beside the persistent kernels);
 * communication kernels keep their lanes; the persistent compute kernels share the SMs left,
   each never more CTAs than it has tiles;
-* streams that must run at once never outnumber the hardware queues (a wait at the head of a
-  shared queue would block work queued behind it, which it may be waiting for).
+* where copy-engine parts run, streams never outnumber the hardware queues: a stream wait
+  (``cuStreamWaitValue64``) at the head of a queue two streams share blocks the other stream's
+  work behind it, which it may be waiting for. Kernels alone may share queues: a launch
+  enqueues every stream's kernel before any stream's closing event (breadth first), so nothing
+  that blocks stands between two kernels in a queue.
 
 Anything that does not fit is a :class:`~.run_errors.ResidencyError` naming what to shrink.
 """
@@ -167,12 +170,12 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     grants = _share(lows, highs, available)
     n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))
     q = hardware_queues() if queues is None else queues
-    if n_items > 1 and n_items > q:
+    if has_copies and n_items > q:
         raise ResidencyError(
-            f"one launch runs {n_items} streams at once ({W} rank(s) x {len(parts)} part(s)) but CUDA gives this "
-            f"process {q} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams sharing a queue can block one "
-            f"another's waits. Set CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts, or run "
-            f"fewer ranks")
+            f"one launch runs {n_items} streams at once ({W} rank(s) x {len(parts)} part(s)), copy-engine parts "
+            f"among them, but CUDA gives this process {q} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): a copy "
+            f"engine's stream wait would block the streams sharing its queue. Set CUDA_DEVICE_MAX_CONNECTIONS=32 in "
+            f"the environment before CUDA starts, or run fewer ranks")
     items, grant = [], iter(grants)
     for r in range(W):
         for name, lk in parts:

@@ -147,10 +147,11 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
             return
         if state != "not ready":
             if timeout_s is not None and ("LAUNCH_FAILED" in state or "ILLEGAL_INSTRUCTION" in state):
-                raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after {timeout_s} s "
-                                   f"in a kernel and trapped (the kernel printed the slot, the value it held and the "
-                                   f"one it needed): a wait nothing satisfies — check the program with tl.simulate. "
-                                   f"The CUDA context of this process is unusable now. What ran:\n{plan.describe()}")
+                raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after "
+                                   f"{timeout_s} s in a kernel and trapped (the kernel printed the slot, the value "
+                                   f"it held and the one it needed): a wait nothing satisfies — check the program "
+                                   f"with tl.simulate. The CUDA context of this process is unusable now. What "
+                                   f"ran:\n{plan.describe()}")
             raise GpuRunError(f"launch {launch} failed on the GPU ({state}); the CUDA context of this process is "
                               f"unusable now. What ran:\n{plan.describe()}")
         if deadline is not None and time.monotonic() > deadline:

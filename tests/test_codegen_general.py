@@ -213,6 +213,32 @@ def signalled_rows(x, y, *, compute: tl.ComputeSchedule = None):
         tl.store(y, (pm * BM, 0), t * t)
 
 
+@tl.kernel
+def edge_semantics(sx, sn, o1, o2, o3, o4, o5, o6, o7, q1, q2, q3, *, compute: tl.ComputeSchedule = None):
+    """numpy's edge cases, which the simulator runs: NaN and infinities through max / min /
+    where / reductions, floor division and modulo of floats (negative, by zero) and of ints (by
+    zero, INT_MIN // -1), i32 wrapping, casts of NaN and out-of-range floats to i32, f16
+    overflow, logical and / or."""
+    M, N = sx.shape
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(sx, (0, 0), (M, N))
+        u = tl.load(sn, (0, 0), (M, N))
+        f = tl.where(tl.abs(t) < 1e30, t, 0.0)             # the finite values
+        tl.store(o1, (0, 0), tl.maximum(t, 1.0) + tl.minimum(t, -1.0))
+        tl.store(o2, (0, 0), (t // 1.5) * 1000.0 + t % -1.5)
+        tl.store(o3, (0, 0), t // (t - t))
+        tl.store(o4, (0, 0), (-t) % 2.0 + t % -0.75)
+        tl.store(o5, (0, 0), tl.where(t > 0.0, t, -t) + tl.cast(tl.cast(t * 1e5, tl.float16), tl.float32))
+        tl.store(o6, (0, 0), tl.max(f, 1)[:, None] - tl.min(f, 1)[:, None] + tl.sum(f, 1)[:, None] + f)
+        tl.store(o7, (0, 0), tl.max(t, 1)[:, None] + tl.min(t, 0)[None, :] + t % (t - t))
+        tl.store(q1, (0, 0), u // (u % 5 - 2) + u % (u % 3 - 1) + u // -1)
+        tl.store(q2, (0, 0), u * 65537 - u * u + tl.cast(t * 1e10, tl.int32) // 7)
+        flags = tl.where((u > 0) & (t > 0.0) | (u == 0), u * 0 + 1, tl.where(t != t, u * 0 + 2, u * 0))
+        tl.store(q3, (0, 0), flags + tl.cast(t, tl.int32))
+
+
 def _specs(shapes_dtypes):
     return [S(s, d) for s, d in shapes_dtypes]
 
@@ -246,6 +272,8 @@ CASES = [
          (16, 16, 16)),
     case("flash_attention-bf16", flash_attention, [((40, 32), BF16), ((50, 32), BF16), ((50, 32), BF16),
                                                    ((40, 32), F32)], (16, 16, 16)),
+    case("edge_semantics-f32", edge_semantics, [((8, 24), F32), ((8, 24), I32)] + [((8, 24), F32)] * 7
+         + [((8, 24), I32)] * 3, (8, 8, 8)),
     case("signalled_rows-f32", signalled_rows, [((24, 20), F32)] * 2, (8, 16, 16)),
 ]
 
@@ -259,7 +287,23 @@ def inputs_for(k, rng):
     out = {}
     for b in k.args:
         shape, dt = b.type.shape, b.type.dtype.name
-        if b.name == "idx":
+        if b.name == "sx":         # specials among ordinary values
+            v = rng.standard_normal(shape) * 4
+            flat = v.reshape(-1)
+            flat[::7] = np.nan
+            flat[1::11] = np.inf
+            flat[2::13] = -np.inf
+            flat[3::5] = 0.0
+            flat[4::17] = -0.0
+            flat[5::19] = 3e38
+            out[b.name] = v.astype(np.float32)
+        elif b.name == "sn":
+            v = rng.integers(-50, 50, shape).astype(np.int32)
+            flat = v.reshape(-1)
+            flat[::9] = np.iinfo(np.int32).min
+            flat[1::10] = np.iinfo(np.int32).max
+            out[b.name] = v
+        elif b.name == "idx":
             out[b.name] = rng.integers(-2, 20, shape).astype(np.int32)
         elif b.name == "lens":
             out[b.name] = rng.integers(0, 9, shape).astype(np.int32)
@@ -468,14 +512,19 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
 
 
 def assert_close(got, want, dt, rtol, what):
+    """NaN and infinities exactly where the simulator has them; finite values within ``rtol`` of
+    the largest finite magnitude (exact for i32)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    nan = np.isnan(want)
-    assert np.array_equal(nan, np.isnan(got)), f"{what}: NaN at different places"
+    assert np.array_equal(np.isnan(got), np.isnan(want)), f"{what}: NaN at different places"
+    inf = np.isinf(want)
+    assert np.array_equal(got[inf], want[inf]), f"{what}: infinities differ"
     if dt == "i32":
         assert np.array_equal(got, want), f"{what}: {np.argwhere(got != want)[:5].tolist()}"
         return
-    scale = max(1.0, float(np.abs(want[~nan]).max(initial=0.0)))
-    err = np.abs(got - want)[~nan]
+    finite = np.isfinite(want)
+    scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got - want)[finite]
     assert float(err.max(initial=0.0)) <= rtol * scale, \
         f"{what}: max error {float(err.max()):.3g} over {rtol * scale:.3g} (scale {scale:.3g})"
 

@@ -174,7 +174,7 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
     monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
 
     def run_with(shift):
-        def fake_run(kernel, world_size, inputs):
+        def fake_run(kernel, world_size, inputs, timeout_s=None):
             result = tl.simulate(kernel, world_size, inputs)
             for outputs in result.outputs:
                 for name in outputs:

@@ -82,12 +82,20 @@ def simulate(report: Report) -> None:
         report.sim_error = f"{type(e).__name__}: {_first_line(e)}"
 
 
-def lower_parts(report: Report) -> None:
+#: seconds a GPU run's waits spin before they trap (``tl.run(timeout_s=...)``); the kernels are
+#: lowered so from the start, so those compiled up front are the ones tl.run loads (cache hits)
+GPU_TIMEOUT_S = 60.0
+
+
+def lower_parts(report: Report, gpu: bool = False) -> None:
+    """Every part lowered, each refusal recorded by part — with ``gpu``, as ``tl.run`` lowers
+    them (waits that trap after :data:`GPU_TIMEOUT_S`; a copy-engine part takes no options)."""
     from ..codegen import LoweringError, lower
     kernel = report.case.trace()
     for part in kernel.parts:
+        opts = {"wait_timeout_ns": int(GPU_TIMEOUT_S * 1e9)} if gpu and part.engine != "copy_engine" else {}
         try:
-            report.lowered[part.name] = lower(kernel, part.name)
+            report.lowered[part.name] = lower(kernel, part.name, **opts)
         except LoweringError as e:
             report.not_lowered[part.name] = _reason(e)
         except Exception as e:          # lower() refuses with a LoweringError; anything else is its bug
@@ -152,7 +160,7 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> Non
     watchdog.daemon = True
     watchdog.start()
     try:
-        result = tl.run(case.kernel, case.world_size, case.inputs)
+        result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
         return
@@ -203,7 +211,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
     for rep in reports:
         simulate(rep)
         if not rep.sim_error:
-            lower_parts(rep)
+            lower_parts(rep, gpu and why_no_gpu is None)
     if compile_kernels:
         kernels = sum(len(r.lowered) for r in reports)
         print(f"simulated and lowered {len(reports)} programs in {time.perf_counter() - t0:.1f} s; compiling up to "

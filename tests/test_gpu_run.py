@@ -118,6 +118,16 @@ def test_gemm_reduce_scatter_at_two_ranks():
     both(k, 2, inputs, sums=True)
 
 
+@pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "moe_reduce_scatter", "ring_exchange",
+                                  "normed_gather"])
+def test_library_ops_and_general_programs_at_several_ranks(name):
+    """Attention, the MoE grouped GEMM and combine, compute parts of the general recipe moving
+    data through peer tables, a communication part of the general recipe."""
+    from test_run_fake_device import library_case
+    fn, W, inputs, kw = library_case(name)
+    both(fn, W, inputs, sums=True, **kw)
+
+
 def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
     """In a process of its own: the wait traps, and a trap leaves that process's CUDA context
     unusable."""

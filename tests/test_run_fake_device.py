@@ -317,3 +317,47 @@ def test_a_kernel_that_traps_or_faults_is_a_typed_error(error, raised):
     with pytest.raises(raised, match=f"launch 1 failed .*{error}") as e:
         rp.run_program(ir, per_rank, timeout_s=1.0, device=_FaultingDevice(error))
     assert type(e.value) is raised and "unusable now" in str(e.value)
+
+
+def library_case(name: str):
+    """(kernel, W, inputs, keyword values) of a library op or a general-recipe program at W >= 2:
+    attention, MoE grouped GEMM and combine, compute parts moving data (peer tables in the
+    general recipe), a communication part lowered by the general recipe."""
+    from tldsl.ops.moe import allgather_moe, make_allgather_case, make_reduce_scatter_case, moe_reduce_scatter
+    from tldsl.ops.sp_attention import make_case as sp_case
+    from tldsl.ops.sp_attention import sp_attention
+    from test_codegen_general import normed_gather, ring_exchange
+    rng = np.random.default_rng(1)
+    c64 = tl.ComputeSchedule(tile=(64, 32, 32))
+    if name == "sp_attention":
+        c = sp_case(rng, 2, seq_per_rank=130, heads=1, head_dim=16, causal=True,
+                    compute=tl.ComputeSchedule(tile=(128, 64, 16)), comm=tl.CommSchedule(tile_m=64, mode="pull"))
+        return sp_attention, 2, c.inputs, c.kwargs
+    if name == "allgather_moe":
+        c = make_allgather_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
+                                comm=tl.CommSchedule(tile_m=16, mode="pull"))
+        return allgather_moe, 2, c.inputs, c.kwargs
+    if name == "moe_reduce_scatter":
+        c = make_reduce_scatter_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
+                                     comm=tl.CommSchedule(tile_m=16, mode="push"))
+        return moe_reduce_scatter, 2, c.inputs, c.kwargs
+    if name == "ring_exchange":
+        inputs = [{n: rng.standard_normal((20, 24)).astype(np.float32) for n in "xywz"} for _ in range(3)]
+        return ring_exchange, 3, inputs, {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}
+    assert name == "normed_gather"
+    inputs = [{"x": rng.standard_normal((12, 40)).astype(np.float32), "g": np.zeros((24, 40), np.float32),
+               "y": np.zeros((24, 40), np.float32)} for _ in range(2)]
+    return normed_gather, 2, inputs, {"compute": tl.ComputeSchedule(tile=(16, 16, 16)), "comm": tl.CommSchedule(sms=2)}
+
+
+LIBRARY = {"sp_attention": ["LoweredComm", "LoweredAttention"], "allgather_moe": ["LoweredComm", "LoweredGroupedGemm"],
+           "moe_reduce_scatter": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
+           "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"]}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY))
+def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(name):
+    fn, W, inputs, kw = library_case(name)
+    res, dev = agrees(fn, W, inputs, **kw)
+    assert sorted({type(x.lowered).__name__ for x in res.plan.kernels}) == sorted(LIBRARY[name])
+    assert {r for r, _, _, _ in dev.launched} == set(range(W))

@@ -6,6 +6,7 @@
     python -m tldsl.bench probe NAME                         (see tldsl.bench.probes for NAME)
     torchrun --nproc_per_node=2 -m tldsl.bench host         (see tldsl.bench.host)
     python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
+    python -m tldsl.bench general [--rounds 5 --iters 10]    (the general lowering vs torch; see tldsl.bench.general)
 
 This module only picks the subcommand; each parses its own flags.
 """
@@ -16,7 +17,7 @@ import sys
 
 from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
-from . import dist, gemm, host, probes, sim
+from . import dist, gemm, general, host, probes, sim
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
         return host.main(argv[1:])
     if argv and argv[0] == "sim":
         return sim.main(argv[1:])
+    if argv and argv[0] == "general":
+        return general.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -52,7 +55,8 @@ def main(argv=None) -> int:
                        ("compile", "cold NVRTC compile and a cache hit (no GPU)"),
                        ("probe", "the measurements behind design choices: probe NAME"),
                        ("host", "a launch's host time beside its device phases (torchrun, 2 GPUs)"),
-                       ("sim", "the CPU simulator's speed (no GPU)")):
+                       ("sim", "the CPU simulator's speed (no GPU)"),
+                       ("general", "tile programs no recipe matches, through the general lowering, vs torch")):
         sub.add_parser(name, help=what, add_help=False)     # parsed by their own modules (dispatched above)
     args = ap.parse_args(argv)
     if args.what == "gemm":

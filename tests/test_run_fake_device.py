@@ -39,6 +39,19 @@ def _view(address: int, shape, dtype) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
+class PersistentLaunch(BoundLaunch):
+    """A general-recipe kernel's CTAs: CTA ``b`` of ``ctas`` runs tasks ``b, b + ctas, ...`` (row
+    major) one after the other, as the generated task loop does; so a grid too small for tasks
+    that wait for one another deadlocks here as on the GPU."""
+    ctas = 1 << 30
+
+    def _can_run(self, task) -> bool:
+        i = self.tasks.index(task)
+        if any(self.tasks[j] in self.live for j in range(i % self.ctas, i, self.ctas)):
+            return False
+        return super()._can_run(task)
+
+
 class FakeDevice:
     """The methods run_program asks of a device, and the driver calls PlanExecutor makes."""
     CUresult = SimpleNamespace(CUDA_SUCCESS=0)
@@ -142,9 +155,13 @@ class FakeDevice:
                                  f"parameter binds")
         shapes = {b.name: (tuple(b.type.shape), _NP[b.type.dtype.name]) for b in kernel_ir.buffers}
         slots = {s.name: int(s.type.slots) for s in kernel_ir.signals}
-        bl = BoundLaunch(kernel_ir, [part], item.rank, launch,
+        persistent = type(lk).__name__ == "LoweredGeneral" and lk.lanes is None     # tasks in row-major order
+        bl = (PersistentLaunch if persistent else BoundLaunch)(kernel_ir, [part], item.rank, launch,
                          lambda r, n: _view(address(r, n), *shapes[n]),
                          lambda r, n: _view(address(r, n), (slots[n],), np.int64), rng=random.Random(self.rng.random()))
+
+        if persistent:
+            bl.ctas = item.grid[0]
 
         def op():
             for _ in range(self.rng.randint(1, 8)):
@@ -361,3 +378,31 @@ def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(na
     res, dev = agrees(fn, W, inputs, **kw)
     assert sorted({type(x.lowered).__name__ for x in res.plan.kernels}) == sorted(LIBRARY[name])
     assert {r for r, _, _, _ in dev.launched} == set(range(W))
+
+
+@pytest.mark.parametrize("seed,sms", [(7, 132), (5, 6)])
+def test_the_fuzzers_programs_agree_on_the_fake_device(seed, sms):
+    """The differential fuzzer's --gpu comparison with the fake device in the GPU's place: every
+    generated program that lowers agrees with the simulator, or is refused with a typed error
+    before anything is launched (more streams or CTAs at once than the device has). ``sms=6``:
+    persistent general-recipe kernels run several tasks per CTA, in the generated loop's order."""
+    from tldsl.codegen import LoweringError
+    from tldsl.run import trace_for_run
+    from tldsl.runtime.gpu.run_errors import ResidencyError
+    from tldsl.testing.program_case import FuzzCase
+    from tldsl.testing.program_families import generate_distinct
+    agreed = 0
+    for i, program in generate_distinct(40, seed):
+        case = FuzzCase(program, f"seed {seed} program {i}")
+        reference = case.simulate()
+        ir, per_rank, opts = trace_for_run(case.kernel, case.world_size, case.inputs, 0, None, {})
+        device = FakeDevice(i)
+        device.sm_count = sms
+        try:
+            result = rp.run_program(ir, per_rank, launches=opts.launches, timeout_s=2.0, device=device)
+        except (LoweringError, ResidencyError):
+            continue
+        bad = case.mismatches(reference.outputs, result.outputs)
+        assert not bad, f"{case.label}: {bad[:3]}\n{case.source}"
+        agreed += 1
+    assert agreed >= 25

@@ -50,6 +50,9 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
         raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
     if lowering is not None and not isinstance(lowering, dict):
         raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
+    if lowering and "wait_timeout_ns" in lowering:
+        raise InputError("lowering={'wait_timeout_ns': ...}: tl.run sets the kernels' wait timeout from timeout_s "
+                         "(seconds); pass timeout_s instead")
     run_program = importlib.import_module(GPU_RUNTIME).run_program
     return run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=timeout_s, lowering=lowering,
                        progress=progress)

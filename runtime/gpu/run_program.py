@@ -139,14 +139,17 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
 def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout_s: float | None) -> None:
     """Block until event ``end`` completes; past ``timeout_s`` (plus :data:`HOST_SLACK_S`) a
     :class:`GpuHangError` with what was launched and every signal's counters."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s + HOST_SLACK_S
+    began = time.monotonic()
+    deadline = None if timeout_s is None else began + timeout_s + HOST_SLACK_S
     pause = 1e-5
     while True:
         state = device.query(end)
         if state is None:
             return
         if state != "not ready":
-            if timeout_s is not None and ("LAUNCH_FAILED" in state or "ILLEGAL_INSTRUCTION" in state):
+            trapped = "LAUNCH_FAILED" in state or "ILLEGAL_INSTRUCTION" in state or \
+                (timeout_s is not None and time.monotonic() - began >= timeout_s)
+            if timeout_s is not None and trapped:
                 raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after "
                                    f"{timeout_s} s in a kernel and trapped (the kernel printed the slot, the value "
                                    f"it held and the one it needed): a wait nothing satisfies — check the program "

@@ -14,6 +14,7 @@ import pytest
 
 import tldsl as tl
 from tldsl.codegen.abi import SOURCES, KernelParam, TmaDescriptorSpec
+from tldsl.codegen.toolchain import toolchain_available
 from tldsl.ops.allgather_gemm import allgather_gemm
 from tldsl.ops.gemm import gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
@@ -387,3 +388,28 @@ def test_the_result_has_the_simulators_interface():
         res.plot_timeline()
     assert repr(res).startswith("<RunResult scale_rows: 1 ranks on H200, 2 launch(es) [0.500, 0.250] ms")
     assert "RunResult of scale_rows" in res._repr_html_()
+
+
+_TOOLCHAIN, _NO_TOOLCHAIN = toolchain_available()
+
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _TOOLCHAIN, reason=f"NVRTC toolchain: {_NO_TOOLCHAIN}")
+def test_the_kernels_tl_run_builds_compile_with_their_wait_timeouts():
+    """Every recipe's kernel as tl.run lowers it (waits that trap after the timeout), compiled
+    for sm_90a: a general-recipe compute part and communication part, the SM communication
+    kernel, the GEMM, attention, the grouped GEMM and the combine."""
+    from tldsl.codegen.toolchain.compiler import compile_many
+    from test_run_fake_device import library_case
+    tile = tl.ComputeSchedule(tile=(32, 32, 16))
+    programs = [scale_rows.trace(1, S((100, 70), F16), S((100, 70), F16), compute=tile), ag_gemm()]
+    for name in ("normed_gather", "sp_attention", "moe_reduce_scatter"):
+        fn, W, inputs, kw = library_case(name)
+        programs.append(fn.trace(W, *[inputs[0][a] for a in fn.arg_names], **kw))
+    kernels = [lk for k in programs for lk in lower_for_run(k, wait_timeout_ns=60 * 10 ** 9).values()
+               if hasattr(lk, "source")]
+    assert {type(lk).__name__ for lk in kernels} == {"LoweredGeneral", "LoweredComm", "LoweredGemm",
+                                                     "LoweredAttention", "LoweredGroupedGemm", "LoweredCombine"}
+    assert all("-DTLDSL_WAIT_TIMEOUT_NS=60000000000ull" in lk.options for lk in kernels)
+    compiled = compile_many([lk.job() for lk in kernels], progress=False)
+    assert all(c.cubin for c in compiled)

@@ -193,3 +193,21 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
     assert status == (1 if "CRASHED" in out else 0), out
     status, out = run_with(1)
     assert out.count("gpu: MISMATCH") == 2 and "2 mismatches" in out and status == 1
+
+
+def test_a_gpu_fault_stops_the_comparisons_instead_of_failing_every_later_program(monkeypatch, capsys):
+    """A kernel that faults leaves the process's CUDA context unusable (sticky errors): the
+    programs after it are reported as not compared, with the program that lost the context,
+    rather than as mismatches of their own."""
+    import tldsl.testing.fuzz as fuzz
+    from tldsl.runtime.gpu.run_errors import GpuRunError
+    monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
+
+    def faulting_run(kernel, world_size, inputs, timeout_s=None):
+        raise GpuRunError("launch 1 failed on the GPU (CUDA_ERROR_ILLEGAL_ADDRESS)")
+    monkeypatch.setattr(tl, "run", faulting_run, raising=False)
+    status = fuzz.main(["--programs", "3", "--seed", "5", "--gpu", "--no-compile"])
+    out = capsys.readouterr().out
+    assert status == 1 and out.count("gpu: MISMATCH: tl.run raised GpuRunError") == 1
+    assert out.count("not compared: the CUDA context was lost at program #0000") == 2
+    assert "GPU comparisons stopped at program #0000" in out and "2 later program(s) were not compared" in out

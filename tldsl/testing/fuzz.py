@@ -45,6 +45,7 @@ class Report:
     lowering_crashes: dict = field(default_factory=dict)  # part -> an exception other than LoweringError
     compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
     reference: object = None
+    context_lost: bool = False                           # its GPU fault left the CUDA context unusable
 
     @property
     def failed(self) -> bool:
@@ -131,6 +132,13 @@ def compile_all(reports: list[Report]) -> None:
             rep.compiled.append(part)
 
 
+def _loses_the_context(e: BaseException) -> bool:
+    """A fault on the GPU leaves this process's CUDA context unusable (sticky errors): every
+    later comparison would fail for that reason alone."""
+    from ..runtime.gpu.run_errors import GpuRunError
+    return isinstance(e, GpuRunError) or any(code in str(e) for code in ("ILLEGAL_ADDRESS", "LAUNCH_FAILED"))
+
+
 def gpu_unavailable() -> str | None:
     """Why the GPU comparison cannot run here, or None."""
     import tldsl as tl
@@ -163,6 +171,7 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> Non
         result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
+        report.context_lost = _loses_the_context(e)
         return
     finally:
         watchdog.cancel()
@@ -186,6 +195,11 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
              + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
+    lost = [r for r in reports if r.context_lost]
+    if lost:
+        skipped = sum(r.compared.startswith("not compared: the CUDA context was lost") for r in reports)
+        lines.append(f"GPU comparisons stopped at program #{lost[0].index:04d}: its fault left the CUDA context "
+                     f"unusable, so {skipped} later program(s) were not compared (run them with a fresh process)")
     reasons = Counter(re.sub(r"\d+", "N", why)[:100] for r in reports for why in r.not_lowered.values())
     if reasons:
         lines.append("not lowered, by reason: " + "; ".join(f"{n}x {why}" for why, n in reasons.most_common(6)))
@@ -208,6 +222,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         programs = generate_distinct(n, seed)
     reports = [Report(i, FuzzCase(p, f"fuzz seed {seed} program {i}")) for i, p in programs]
     why_no_gpu = gpu_unavailable() if gpu else None
+    lost_at = None                          # the program whose fault lost the CUDA context
     for rep in reports:
         simulate(rep)
         if not rep.sim_error:
@@ -222,8 +237,12 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
             pass
         elif not gpu:
             rep.compared = "not asked"
+        elif lost_at is not None:
+            rep.compared = f"not compared: the CUDA context was lost at program #{lost_at:04d}"
         elif why_no_gpu is None:
             compare_on_gpu(rep, hang_seconds, out)
+            if rep.context_lost:
+                lost_at = rep.index
         else:
             rep.compared = f"not compared: {why_no_gpu}"
         print(rep.line(), file=out)

@@ -34,9 +34,12 @@ def _pow2(x: int) -> bool:
 
 @dataclass(frozen=True)
 class ComputeSchedule:
-    """tile=(BM, BN, BK); order of output tiles; software-pipeline stages; swizzle group;
-    cluster=(CM, 1): thread-block clusters of CM CTAs on vertically adjacent tiles that share
-    their B tile (loaded once per cluster, TMA multicast on GPUs). The order then walks
+    """How a compute part runs: its tile, tile order, pipeline depth and clusters (never what it computes).
+
+    tile=(BM, BN, BK), each a power of two from 8 to 256; order of output tiles;
+    software-pipeline stages; swizzle group; cluster=(CM, 1): thread-block clusters of CM CTAs
+    on vertically adjacent tiles that share their B tile (loaded once per cluster, TMA
+    multicast on GPUs). The order then walks
     *cluster tiles* (CM tile rows each), and a cluster's CTAs take its rows in turn."""
     tile: tuple[int, int, int] = (128, 128, 64)
     order: str = "row_major"
@@ -107,7 +110,9 @@ class ComputeSchedule:
 
 @dataclass(frozen=True)
 class CommSchedule:
-    """tile_m: rows per communication tile (None = a whole rank's chunk; on the copy engine:
+    """How a communication part moves data: engine, direction, peer order, tile rows, transport.
+
+    tile_m: rows per communication tile (None = a whole rank's chunk; on the copy engine:
     rows per copy, where the collective copies in pieces — the reduce-scatter does);
     order: ``ring`` (one peer at a time: rank+1, rank+2, ...) or ``full_mesh`` (all peers
     at once, tile by tile); mode: ``push`` (owners write to peers) or ``pull`` (consumers

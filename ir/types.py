@@ -13,6 +13,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class DType:
+    """An element type of tensors and tiles: ``tl.float16``, ``tl.bfloat16``, ``tl.float32``,
+    ``tl.int32``, ``tl.bool_`` (its ``repr`` is the IR's spelling: ``f16``, ``bf16`` ...)."""
     name: str          # IR spelling, e.g. "bf16"
     bits: int
     kind: str          # "float" | "int" | "bool"

@@ -160,11 +160,29 @@ def iota(n: int) -> Tile:
     return Tile(current().emit("iota", [], [T.TileType((n,), T.int32)], {"n": n}).result)
 
 
-def exp(x): return ewise("exp", x)
-def exp2(x): return ewise("exp2", x)
-def log(x): return ewise("log", x)
-def sqrt(x): return ewise("sqrt", x)
-def abs(x): return ewise("abs", x)  # noqa: A001
+def exp(x):
+    """``e ** x``, elementwise (a float tile, whatever ``x`` is)."""
+    return ewise("exp", x)
+
+
+def exp2(x):
+    """``2 ** x``, elementwise (a float tile)."""
+    return ewise("exp2", x)
+
+
+def log(x):
+    """The natural logarithm, elementwise (a float tile)."""
+    return ewise("log", x)
+
+
+def sqrt(x):
+    """The square root, elementwise (a float tile; NaN below 0)."""
+    return ewise("sqrt", x)
+
+
+def abs(x):  # noqa: A001
+    """The absolute value, elementwise (the tile's own type)."""
+    return ewise("abs", x)
 
 
 def sigmoid(x):
@@ -209,14 +227,17 @@ def _reduce(op, x, axis):
 
 
 def sum(x, axis) -> Tile:  # noqa: A001
+    """The sum along ``axis``, which is removed; at least one axis must remain."""
     return _reduce("sum", x, axis)
 
 
 def max(x, axis) -> Tile:  # noqa: A001
+    """The maximum along ``axis``, which is removed (``tl.maximum`` is the elementwise one)."""
     return _reduce("max", x, axis)
 
 
 def min(x, axis) -> Tile:  # noqa: A001
+    """The minimum along ``axis``, which is removed (``tl.minimum`` is the elementwise one)."""
     return _reduce("min", x, axis)
 
 

@@ -147,6 +147,7 @@ class Fragment:
 # ----------------------------------------------------------------------------------
 
 def full(shape, value, dtype=T.float32) -> Tile:
+    """A tile of ``shape`` holding ``value`` everywhere (``dtype`` defaults to float32)."""
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.full")
     dtype = T.dtype_of(dtype)
     op = current().emit("full", [], [T.TileType(shape, dtype)], {"shape": shape, "value": value, "dtype": dtype})
@@ -154,6 +155,7 @@ def full(shape, value, dtype=T.float32) -> Tile:
 
 
 def zeros(shape, dtype=T.float32) -> Tile:
+    """A tile of ``shape`` holding zeros; for an accumulator that ``+=`` updates, use :func:`fragment`."""
     return full(shape, 0, dtype)
 
 
@@ -225,6 +227,7 @@ def ewise(op: str, *args) -> Tile:
 
 
 def cast(x, dtype) -> Tile:
+    """``x`` converted elementwise to ``dtype`` (the same tile when it already has that type)."""
     x = as_tile(x)
     try:
         dtype = T.dtype_of(dtype)
@@ -236,6 +239,7 @@ def cast(x, dtype) -> Tile:
 
 
 def expand_dims(x, axis: int) -> Tile:
+    """``x`` with a new axis of length 1 at ``axis``, as numpy's (to broadcast a row or column)."""
     x = as_tile(x)
     shape = list(x.shape)
     shape.insert(axis, 1)
@@ -244,6 +248,7 @@ def expand_dims(x, axis: int) -> Tile:
 
 
 def broadcast_to(x, shape) -> Tile:
+    """``x`` repeated to ``shape`` by numpy's broadcasting rules; a shape they refuse is a CompilationError."""
     x = as_tile(x)
     shape = tuple(shape)
     try:
@@ -257,6 +262,7 @@ def broadcast_to(x, shape) -> Tile:
 
 
 def trans(x) -> Tile:
+    """The transpose of a 2-d tile (e.g. ``tl.dot(q, tl.trans(k))``)."""
     x = as_tile(x)
     if len(x.shape) != 2:
         fail("tl.trans needs a 2-d tile")

@@ -200,6 +200,7 @@ def cdiv(a, b):
 
 
 def select(cond, a, b) -> Scalar:
+    """``cond ? a : b`` for traced scalars (offsets, ranks, counts); for tiles use ``tl.where``."""
     c, a, b = as_scalar(cond), as_scalar(a), as_scalar(b)
     if a.dtype != b.dtype:
         fail(f"select of {a.dtype} and {b.dtype}")

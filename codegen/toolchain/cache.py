@@ -10,7 +10,8 @@ NVRTC log, timings). Each file is written to a temporary name in the same folder
 into place with :func:`os.replace`, JSON last, so a reader that finds the JSON finds a whole
 cubin, and concurrent writers of one key cannot leave a torn file.
 
-Root: ``$TLDSL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tldsl``, else ``~/.cache/tldsl``.
+Root: ``$TLDSL_CACHE_DIR``, else platformdirs' user cache folder for ``tldsl`` (on Linux
+``$XDG_CACHE_HOME/tldsl``, else ``~/.cache/tldsl``; each platform's own place elsewhere).
 """
 from __future__ import annotations
 
@@ -23,18 +24,20 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import platformdirs
+
+from ... import env
+
 CODEGEN_DIR = Path(__file__).resolve().parent.parent   # the whole code generator, templates included
 FORMAT = 1   # bump when the entry layout changes
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TLDSL_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg) / "tldsl"
-    return Path.home() / ".cache" / "tldsl"
+    """``$TLDSL_CACHE_DIR``, else the platform's user cache folder (platformdirs: XDG on Linux)."""
+    override = env.get("TLDSL_CACHE_DIR")
+    if override:
+        return Path(override)
+    return Path(platformdirs.user_cache_dir("tldsl", appauthor=False))
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,6 +31,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from ... import env
 from ...errors import CompilationError
 from ...ir.display import html_card, one_line, size
 from ...ir.location import Location
@@ -211,7 +212,7 @@ def _resolve_progress(progress) -> ProgressFn:
     if progress is False:
         return lambda ev: None
     if progress is None:
-        return print_progress if os.environ.get("TLDSL_QUIET", "") in ("", "0") else (lambda ev: None)
+        return print_progress if env.get("TLDSL_QUIET", "0") == "0" else (lambda ev: None)
     return progress
 
 
@@ -283,9 +284,9 @@ _atexit_registered = False
 
 
 def default_workers() -> int:
-    env = os.environ.get("TLDSL_COMPILE_WORKERS")
-    if env:
-        return max(1, int(env))
+    workers = env.get("TLDSL_COMPILE_WORKERS")
+    if workers:
+        return max(1, int(workers))
     return max(1, os.cpu_count() or 1)
 
 

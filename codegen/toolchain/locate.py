@@ -19,9 +19,19 @@ Version pins that matter (measured, see the project's NVRTC notes): NVRTC must b
 (the H200 hosts' driver is CUDA 13.0 and cannot load code from a newer NVRTC), and CCCL must
 be 13.0.85 (CCCL 3.0.1; CUTLASS 4.2 does not compile under NVRTC with CCCL >= 3.2).
 
-Environment overrides: ``TLDSL_CUTLASS_INCLUDE`` (a dir holding ``cute/`` and ``cutlass/``),
-``TLDSL_CUDA_INCLUDE`` (a dir holding ``cuda_runtime_api.h`` and ``cccl/``),
-``TLDSL_CUOBJDUMP`` (the cuobjdump executable).
+How they are found: ``cuda.pathfinder`` (NVIDIA's search, which cuda-bindings itself loads NVRTC
+through) finds NVRTC, the headers of CUTLASS, the CUDA runtime and NVSHMEM, and ``cuobjdump`` — in
+installed wheels first, then conda, ``$CUDA_PATH``/``$CUDA_HOME`` and the system's folders. What
+stays ours, and why: wheels reached only through ``sys.path`` (``pip install --target`` +
+``PYTHONPATH``, as on the GPU hosts) are looked for before pathfinder's non-wheel places, because
+pathfinder searches site directories only and the pinned wheels must win over a system toolkit;
+CCCL and the CRT headers are taken beside the runtime headers (``cccl/``, ``crt/``), so the three
+come from one CUDA (pathfinder has no ``crt`` entry, and its ``cccl`` may come from another
+install); versions are read from the wheels' metadata, which pathfinder does not report.
+
+Environment overrides (tldsl/env.py lists them all): ``TLDSL_CUTLASS_INCLUDE`` (a dir holding
+``cute/`` and ``cutlass/``), ``TLDSL_CUDA_INCLUDE`` (a dir holding ``cuda_runtime_api.h`` and
+``cccl/``), ``TLDSL_NVSHMEM_INCLUDE``, ``TLDSL_CUOBJDUMP`` (the cuobjdump executable).
 
 Discovery is lazy and cheap (no library is loaded until :meth:`Toolchain.nvrtc` is used),
 so a compile-cache hit does not pay for loading NVRTC.
@@ -31,11 +41,12 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import sysconfig
+import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from ... import env
 from ...errors import TldslError
 from .nvshmem_match import NVSHMEM_PINNED, header_version as nvshmem_header_version, mismatch as nvshmem_mismatch
 
@@ -68,42 +79,41 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _site_dirs() -> list[Path]:
-    """Where wheels' files may lie: the interpreter's site directories, then every directory on
-    ``sys.path`` (``pip install --target`` + ``PYTHONPATH``, ``.pth`` paths)."""
-    import sys
-    dirs = []
-    for key in ("purelib", "platlib"):
-        p = sysconfig.get_paths().get(key)
-        if p and Path(p) not in dirs:
-            dirs.append(Path(p))
-    import site
-    for p in getattr(site, "getsitepackages", lambda: [])() + [site.getusersitepackages()] + sys.path:
-        if p and Path(p) not in dirs and Path(p).is_dir():
-            dirs.append(Path(p))
-    return dirs
+def _pathfinder():
+    """``cuda.pathfinder`` (cuda-bindings depends on it: present wherever NVRTC can be loaded)."""
+    try:
+        import cuda.pathfinder as pathfinder
+    except ImportError:
+        raise _missing("cuda.pathfinder is not installed", "pip install cuda-bindings (it brings cuda-pathfinder)") from None
+    return pathfinder
 
 
 def _find_under_site(rel: str, probe: str) -> Path | None:
-    for d in _site_dirs():
-        cand = d / rel
+    """``rel`` under a ``sys.path`` entry, holding ``probe``: wheels installed with ``pip install
+    --target DIR`` and reached through ``PYTHONPATH``, which pathfinder does not search."""
+    for d in dict.fromkeys(p for p in sys.path if p):
+        cand = Path(d) / rel
         if (cand / probe).exists():
             return cand
     return None
 
 
-def _nvidia_namespace_dir(rel: str, probe: str) -> Path | None:
-    """``nvidia`` is a namespace package: any of its portions may hold ``rel``."""
-    try:
-        import nvidia  # noqa: F401
-        roots = [Path(p) for p in nvidia.__path__]
-    except ImportError:
-        roots = []
-    for r in roots:
-        cand = r / rel
-        if (cand / probe).exists():
-            return cand
-    return _find_under_site(os.path.join("nvidia", rel), probe)
+def _header_dir(libname: str, rel: str, probe: str, notes: list[str]) -> Path | None:
+    """The folder holding ``probe`` for pathfinder's ``libname``: an installed wheel's, else a
+    wheel's on ``sys.path`` (``rel`` under it), else pathfinder's other places (conda, CUDA_PATH,
+    the system), which are noted because they are not the pinned wheels."""
+    found = _pathfinder().locate_nvidia_header_directory(libname)
+    if found is not None and not (found.abs_path and (Path(found.abs_path) / probe).exists()):
+        found = None
+    if found is not None and found.found_via == "site-packages":
+        return Path(found.abs_path)
+    on_path = _find_under_site(rel, probe)
+    if on_path is not None:
+        return on_path
+    if found is None:
+        return None
+    notes.append(f"note: {libname} headers from {found.found_via} ({found.abs_path}), not the pinned wheels")
+    return Path(found.abs_path)
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,12 @@ def load_nvrtc():
     """NVRTC's Python bindings, loaded once and checked to be the 13.0.x the GPU hosts' driver loads
     cubins from (a toolchain error that says what to install otherwise)."""
     try:
+        _pathfinder().load_nvidia_dynamic_lib("nvrtc")   # the handle cuda.bindings itself loads (and caches)
+    except ToolchainError:
+        raise
+    except Exception as ex:   # DynamicLibNotFoundError and its kin
+        raise _missing("libnvrtc could not be loaded", f"({ex}); install nvidia-cuda-nvrtc==13.0.88") from None
+    try:
         from cuda.bindings import nvrtc
     except ImportError as ex:
         raise _missing("cuda.bindings.nvrtc cannot be imported", f"({ex}); install cuda-bindings") from None
@@ -188,30 +204,31 @@ def find_toolchain() -> Toolchain:
     """Locate every piece; raise one :class:`ToolchainError` naming what is missing."""
     notes = []
     # CUTLASS / CuTe headers
-    env = os.environ.get("TLDSL_CUTLASS_INCLUDE")
-    if env:
-        cutlass_inc = Path(env)
+    override = env.get("TLDSL_CUTLASS_INCLUDE")
+    if override:
+        cutlass_inc = Path(override)
         if not (cutlass_inc / "cute" / "tensor.hpp").exists():
-            raise _missing(f"TLDSL_CUTLASS_INCLUDE={env} holds no cute/tensor.hpp", "point it at CUTLASS's include/")
+            raise _missing(f"TLDSL_CUTLASS_INCLUDE={override} holds no cute/tensor.hpp", "point it at CUTLASS's include/")
     else:
-        cutlass_inc = _find_under_site(os.path.join("cutlass_library", "source", "include"), "cute/tensor.hpp")
+        cutlass_inc = _header_dir("cute", os.path.join("cutlass_library", "source", "include"), "cute/tensor.hpp",
+                                  notes)
         if cutlass_inc is None:
             raise _missing("the CUTLASS/CuTe headers (cute/tensor.hpp) were not found",
                            "pip install nvidia-cutlass==4.2.0.0")
     cutlass_version = _dist_version("nvidia-cutlass") or _header_version(cutlass_inc / "cutlass" / "version.h")
 
     # CUDA runtime + CCCL + CRT headers
-    env = os.environ.get("TLDSL_CUDA_INCLUDE")
-    if env:
-        cuda_inc = Path(env)
+    override = env.get("TLDSL_CUDA_INCLUDE")
+    if override:
+        cuda_inc = Path(override)
         if not (cuda_inc / "cuda_runtime_api.h").exists():
-            raise _missing(f"TLDSL_CUDA_INCLUDE={env} holds no cuda_runtime_api.h", "point it at a CUDA 13 include/")
+            raise _missing(f"TLDSL_CUDA_INCLUDE={override} holds no cuda_runtime_api.h", "point it at a CUDA 13 include/")
     else:
-        cuda_inc = _nvidia_namespace_dir(os.path.join("cu13", "include"), "cuda_runtime_api.h")
+        cuda_inc = _header_dir("cudart", os.path.join("nvidia", "cu13", "include"), "cuda_runtime_api.h", notes)
         if cuda_inc is None:
             raise _missing("the CUDA 13 runtime headers (nvidia/cu13/include/cuda_runtime_api.h) were not found",
                            "pip install nvidia-cuda-runtime")
-    cccl_inc = cuda_inc / "cccl"
+    cccl_inc = cuda_inc / "cccl"     # beside the runtime headers: one CUDA's (module docstring)
     if not (cccl_inc / "cuda" / "std" / "type_traits").exists():
         raise _missing(f"CCCL headers are missing under {cccl_inc}", "pip install nvidia-cuda-cccl==13.0.85")
     if not (cuda_inc / "crt" / "mma.h").exists():
@@ -239,10 +256,11 @@ def find_toolchain() -> Toolchain:
         except (ImportError, ValueError):
             raise _missing("cuda.bindings (Python bindings for NVRTC) is not installed", "pip install cuda-bindings") from None
 
-    env = os.environ.get("TLDSL_NVSHMEM_INCLUDE")
-    nvshmem_inc = Path(env) if env else _nvidia_namespace_dir(os.path.join("nvshmem", "include"), "nvshmem.h")
+    override = env.get("TLDSL_NVSHMEM_INCLUDE")
+    nvshmem_inc = (Path(override) if override else
+                   _header_dir("nvshmem", os.path.join("nvidia", "nvshmem", "include"), "nvshmem.h", notes))
     if nvshmem_inc is not None and not (nvshmem_inc / "nvshmem.h").exists():
-        raise _missing(f"TLDSL_NVSHMEM_INCLUDE={env} holds no nvshmem.h", "point it at NVSHMEM's include/")
+        raise _missing(f"TLDSL_NVSHMEM_INCLUDE={override} holds no nvshmem.h", "point it at NVSHMEM's include/")
     nvshmem_version = ((_dist_version("nvidia-nvshmem-cu13") or nvshmem_header_version(nvshmem_inc))
                        if nvshmem_inc is not None else None)
     return Toolchain(cutlass_inc, cuda_inc, cccl_inc, cutlass_version, cccl_version, nvrtc_version,
@@ -250,10 +268,15 @@ def find_toolchain() -> Toolchain:
 
 
 def _find_cuobjdump() -> Path | None:
-    env = os.environ.get("TLDSL_CUOBJDUMP")
-    if env:
-        return Path(env) if Path(env).exists() else None
-    d = _nvidia_namespace_dir(os.path.join("cu13", "bin"), "cuobjdump")
+    """``$TLDSL_CUOBJDUMP``, else pathfinder's (wheels, conda, CUDA_PATH), else a wheel's on
+    ``sys.path``, else ``PATH`` (pathfinder does not search ``PATH``)."""
+    override = env.get("TLDSL_CUOBJDUMP")
+    if override:
+        return Path(override) if Path(override).exists() else None
+    found = _pathfinder().find_nvidia_binary_utility("cuobjdump")
+    if found:
+        return Path(found)
+    d = _find_under_site(os.path.join("nvidia", "cu13", "bin"), "cuobjdump")
     if d is not None:
         return d / "cuobjdump"
     w = shutil.which("cuobjdump")

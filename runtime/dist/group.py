@@ -6,6 +6,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from ... import env
 from ...errors import InputError
 from ..gpu.device import require_gpu
 
@@ -31,7 +32,7 @@ def _choose_backend() -> str:
     (``buffer_ptrs``), which the CUDA backend gives; switching torch's process-wide backend
     to NVSHMEM breaks torch's own async-TP ops in the same process (measured: their
     allocations then fail), and users run both side by side."""
-    backend = os.environ.get("TLDSL_SYMM_BACKEND", "CUDA").upper()
+    backend = env.get("TLDSL_SYMM_BACKEND", "CUDA").upper()
     if backend == "NVSHMEM":
         import torch.distributed._symmetric_memory as symm_mem
         symm_mem.set_backend("NVSHMEM")

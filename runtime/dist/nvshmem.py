@@ -21,6 +21,7 @@ import ctypes
 import os
 from typing import Sequence
 
+from ... import env
 from ...errors import InputError, TldslError
 from .regions import RegionWorkspace, layout_regions
 
@@ -80,11 +81,11 @@ def init_attr() -> InitAttr:
 
 def find_host_library() -> str:
     """``libnvshmem_host.so.3`` of the installed ``nvidia-nvshmem-cu13`` (or ``$TLDSL_NVSHMEM_HOSTLIB``)."""
-    env = os.environ.get("TLDSL_NVSHMEM_HOSTLIB")
-    if env:
-        if not os.path.exists(env):
-            raise NvshmemError(f"TLDSL_NVSHMEM_HOSTLIB={env} does not exist")
-        return env
+    override = env.get("TLDSL_NVSHMEM_HOSTLIB")
+    if override:
+        if not os.path.exists(override):
+            raise NvshmemError(f"TLDSL_NVSHMEM_HOSTLIB={override} does not exist")
+        return override
     try:
         import nvidia
         roots = list(nvidia.__path__)

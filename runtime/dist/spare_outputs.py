@@ -26,13 +26,13 @@ def keep_spares(requested: bool | None, nbytes: int) -> bool:
     """``requested`` if given, else ``TLDSL_SPARE_OUTPUTS`` if set, else whether ``nbytes`` of
     outputs are small enough to keep spare."""
     if requested is None:
-        import os
-        env = os.environ.get("TLDSL_SPARE_OUTPUTS", "").strip()
-        if env:
-            if env not in ("0", "1"):
+        from ... import env
+        chosen = (env.get("TLDSL_SPARE_OUTPUTS") or "").strip()
+        if chosen:
+            if chosen not in ("0", "1"):
                 from ...errors import InputError
-                raise InputError(f"TLDSL_SPARE_OUTPUTS={env!r}: 0 (never keep spare outputs) or 1 (always)")
-            return env == "1"
+                raise InputError(f"TLDSL_SPARE_OUTPUTS={chosen!r}: 0 (never keep spare outputs) or 1 (always)")
+            return chosen == "1"
         return nbytes <= SPARE_LIMIT_BYTES
     if not isinstance(requested, bool):
         from ...errors import InputError

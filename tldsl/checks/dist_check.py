@@ -317,7 +317,8 @@ class Env:
         self.torch, self.dist = torch, dist
         self.rank, self.W = dist.get_rank(), dist.get_world_size()
         self.gloo = dist.new_group(backend="gloo")     # host-side agreement, works even if CUDA is wedged
-        self.debug = bool(os.environ.get("TLDSL_WAIT_TIMEOUT_NS"))
+        from tldsl import env
+        self.debug = bool(env.get("TLDSL_WAIT_TIMEOUT_NS"))
         self.state: CheckState | None = None
 
     def say(self, msg: str, all_ranks: bool = False):

@@ -4,10 +4,10 @@ saying what goes. The autotuner keeps its winners under the same root (``autotun
 clearing the cache removes them too, so both are counted."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env
 from ..codegen.toolchain.cache import KernelCache, cache_dir
 
 
@@ -47,11 +47,9 @@ def _size(n: int) -> str:
 
 
 def _chosen_by() -> str:
-    if os.environ.get("TLDSL_CACHE_DIR"):
+    if env.get("TLDSL_CACHE_DIR"):
         return "$TLDSL_CACHE_DIR"
-    if os.environ.get("XDG_CACHE_HOME"):
-        return "$XDG_CACHE_HOME/tldsl"
-    return "the default; set TLDSL_CACHE_DIR to move it"
+    return "this platform's user cache folder; set TLDSL_CACHE_DIR to move it"
 
 
 def info() -> int:

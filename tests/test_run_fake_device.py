@@ -406,3 +406,14 @@ def test_the_fuzzers_programs_agree_on_the_fake_device(seed, sms):
         assert not bad, f"{case.label}: {bad[:3]}\n{case.source}"
         agreed += 1
     assert agreed >= 25
+
+
+def test_torch_tensors_in_are_traced_copied_and_left_alone():
+    x = torch.randn(40, 24).to(torch.bfloat16)
+    y = torch.zeros(40, 24)
+    before = x.clone()
+    res, _ = run_fake(scale_rows, 1, [{"x": x, "y": y}], compute=tl.ComputeSchedule(tile=(16, 16, 16)))
+    assert res.kernel.args[0].type.dtype == tl.bfloat16           # traced from the tensor's dtype
+    assert torch.equal(x, before) and not y.any()                 # the caller's tensors are not the run's
+    assert res.tensors[0]["x"].data_ptr() != x.data_ptr()
+    assert np.array_equal(res[0]["y"], ((x * 2) + 1).float().numpy())          # bf16 math rounds each op

@@ -244,7 +244,9 @@ TLDSL_DEV unsigned pack2(float lo, float hi) {
 
 // C[M, N] = A[M, K] @ B[K, N] in fp32. `a(i, k)` / `b(k, j)` give operand elements (inside the
 // tile only; the padding to whole mma shapes reads 0), `c(i, j, v)` takes each result element.
-// Every warp of the CTA takes 16 x 8 output tiles in turn and runs the K loop on one atom.
+// Every warp of the CTA takes warp tiles of WM x WN atoms (16 x 8 outputs each) in turn: per K
+// step it loads WM A fragments and WN B fragments and runs WM * WN atoms on them (a fragment is
+// reused across a row or column of atoms).
 template <MmaKind Kind, int M, int N, int K, class FA, class FB, class FC>
 TLDSL_DEV void mma_dot(FA a, FB b, FC c) {
 #if defined(TLDSL_HOST_EMULATION)
@@ -264,45 +266,80 @@ TLDSL_DEV void mma_dot(FA a, FB b, FC c) {
 #else
   constexpr int KS = Kind == MmaKind::kTF32 ? 8 : 16;
   constexpr int TM = (M + 15) / 16, TN = (N + 7) / 8;
+  constexpr int WM = TM < 2 ? TM : 2, WN = TN < 4 ? TN : 4;             // atoms per warp tile
+  constexpr int TWM = (TM + WM - 1) / WM, TWN = (TN + WN - 1) / WN;
   const int warp = (int)threadIdx.x / 32, nwarps = (int)blockDim.x / 32;
   const int lane = (int)threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   auto A = [&](int i, int k) { return (i < M && k < K) ? a(i, k) : 0.0f; };
   auto B = [&](int k, int j) { return (k < K && j < N) ? b(k, j) : 0.0f; };
 #pragma unroll 1
-  for (int tile = warp; tile < TM * TN; tile += nwarps) {
-    const int m0 = (tile / TN) * 16, n0 = (tile % TN) * 8;
-    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+  for (int wt = warp; wt < TWM * TWN; wt += nwarps) {
+    const int m0 = (wt / TWN) * WM * 16, n0 = (wt % TWN) * WN * 8;
+    float d[WM][WN][4];
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+      for (int j = 0; j < WN; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) d[i][j][q] = 0.0f;
 #pragma unroll 1
     for (int k0 = 0; k0 < K; k0 += KS) {
-      const int r0 = m0 + g, r1 = m0 + g + 8, cn = n0 + g;
-      if constexpr (Kind == MmaKind::kTF32) {
-        const unsigned a0 = __float_as_uint(round_tf32(A(r0, k0 + t)));
-        const unsigned a1 = __float_as_uint(round_tf32(A(r1, k0 + t)));
-        const unsigned a2 = __float_as_uint(round_tf32(A(r0, k0 + t + 4)));
-        const unsigned a3 = __float_as_uint(round_tf32(A(r1, k0 + t + 4)));
-        const unsigned b0 = __float_as_uint(round_tf32(B(k0 + t, cn)));
-        const unsigned b1 = __float_as_uint(round_tf32(B(k0 + t + 4, cn)));
-        cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
-      } else {
-        const int kc = k0 + 2 * t;
-        const unsigned a0 = pack2<Kind>(A(r0, kc), A(r0, kc + 1));
-        const unsigned a1 = pack2<Kind>(A(r1, kc), A(r1, kc + 1));
-        const unsigned a2 = pack2<Kind>(A(r0, kc + 8), A(r0, kc + 9));
-        const unsigned a3 = pack2<Kind>(A(r1, kc + 8), A(r1, kc + 9));
-        const unsigned b0 = pack2<Kind>(B(kc, cn), B(kc + 1, cn));
-        const unsigned b1 = pack2<Kind>(B(kc + 8, cn), B(kc + 9, cn));
-        if constexpr (Kind == MmaKind::kF16) {
-          cute::SM80_16x8x16_F32F16F16F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
+      unsigned fa[WM][4], fb[WN][2];
+#pragma unroll
+      for (int i = 0; i < WM; ++i) {
+        const int r0 = m0 + 16 * i + g, r1 = r0 + 8;
+        if constexpr (Kind == MmaKind::kTF32) {
+          fa[i][0] = __float_as_uint(round_tf32(A(r0, k0 + t)));
+          fa[i][1] = __float_as_uint(round_tf32(A(r1, k0 + t)));
+          fa[i][2] = __float_as_uint(round_tf32(A(r0, k0 + t + 4)));
+          fa[i][3] = __float_as_uint(round_tf32(A(r1, k0 + t + 4)));
         } else {
-          cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, d0, d1, d2, d3);
+          const int kc = k0 + 2 * t;
+          fa[i][0] = pack2<Kind>(A(r0, kc), A(r0, kc + 1));
+          fa[i][1] = pack2<Kind>(A(r1, kc), A(r1, kc + 1));
+          fa[i][2] = pack2<Kind>(A(r0, kc + 8), A(r0, kc + 9));
+          fa[i][3] = pack2<Kind>(A(r1, kc + 8), A(r1, kc + 9));
         }
       }
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        const int cn = n0 + 8 * j + g;
+        if constexpr (Kind == MmaKind::kTF32) {
+          fb[j][0] = __float_as_uint(round_tf32(B(k0 + t, cn)));
+          fb[j][1] = __float_as_uint(round_tf32(B(k0 + t + 4, cn)));
+        } else {
+          const int kc = k0 + 2 * t;
+          fb[j][0] = pack2<Kind>(B(kc, cn), B(kc + 1, cn));
+          fb[j][1] = pack2<Kind>(B(kc + 8, cn), B(kc + 9, cn));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j) {
+          float* dd = d[i][j];
+          if constexpr (Kind == MmaKind::kTF32) {
+            cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(dd[0], dd[1], dd[2], dd[3], fa[i][0], fa[i][1], fa[i][2],
+                                                     fa[i][3], fb[j][0], fb[j][1], dd[0], dd[1], dd[2], dd[3]);
+          } else if constexpr (Kind == MmaKind::kF16) {
+            cute::SM80_16x8x16_F32F16F16F32_TN::fma(dd[0], dd[1], dd[2], dd[3], fa[i][0], fa[i][1], fa[i][2],
+                                                    fa[i][3], fb[j][0], fb[j][1], dd[0], dd[1], dd[2], dd[3]);
+          } else {
+            cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(dd[0], dd[1], dd[2], dd[3], fa[i][0], fa[i][1], fa[i][2],
+                                                      fa[i][3], fb[j][0], fb[j][1], dd[0], dd[1], dd[2], dd[3]);
+          }
+        }
     }
-    const int r0 = m0 + g, r1 = m0 + g + 8, c0 = n0 + 2 * t;
-    if (r0 < M && c0 < N) c(r0, c0, d0);
-    if (r0 < M && c0 + 1 < N) c(r0, c0 + 1, d1);
-    if (r1 < M && c0 < N) c(r1, c0, d2);
-    if (r1 < M && c0 + 1 < N) c(r1, c0 + 1, d3);
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        const int r0 = m0 + 16 * i + g, r1 = r0 + 8, c0 = n0 + 8 * j + 2 * t;
+        if (r0 < M && c0 < N) c(r0, c0, d[i][j][0]);
+        if (r0 < M && c0 + 1 < N) c(r0, c0 + 1, d[i][j][1]);
+        if (r1 < M && c0 < N) c(r1, c0, d[i][j][2]);
+        if (r1 < M && c0 + 1 < N) c(r1, c0 + 1, d[i][j][3]);
+      }
   }
 #endif
 }

@@ -19,7 +19,8 @@ class RunResult(SimResult):
     device: str = ""
     plan: object = None                                   # the RunPlan that was launched
     launch_ms: list[float] = field(default_factory=list)  # GPU time of each launch (all ranks)
-    tensors: list[dict] = field(default_factory=list, repr=False)   # every rank's CUDA tensors, after the run
+    #: every rank's tensors after the run, by IR name; its signal counters as "signal:<name>"
+    tensors: list[dict] = field(default_factory=list, repr=False)
 
     def timeline(self, width: int = 64) -> str:
         return f"({_NO_EVENTS})"

@@ -130,8 +130,10 @@ def test_library_ops_and_general_programs_at_several_ranks(name):
 
 def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
     """In a process of its own: the wait traps, and a trap leaves that process's CUDA context
-    unusable."""
+    unusable (its teardown may then abort the process, so the script flushes what it says and
+    leaves at once)."""
     code = textwrap.dedent('''
+        import os, sys
         import numpy as np, tldsl as tl
         from tldsl.runtime.gpu.run_errors import GpuHangError
 
@@ -152,11 +154,17 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
         try:
             tl.run(short_of_notifies, 1, [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}],
                    options={"static_checks": False}, timeout_s=2)
+            print("RETURNED: no hang was reported", flush=True)
         except GpuHangError as e:
-            print("HANG REPORTED:", str(e).splitlines()[0])
+            print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
+        except BaseException as e:
+            print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
+        sys.stderr.flush()
+        os._exit(0)
     ''')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "HANG REPORTED: launch 1" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "HANG REPORTED: launch 1" in out.stdout, (f"exit status {out.returncode}\n" + out.stdout[-3000:]
+                                                     + out.stderr[-3000:])
 
 
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
@@ -167,3 +175,11 @@ def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
     assert whole, [r.line() for r in reports]
     assert all(r.compared == "agrees" for r in whole), "\n".join(r.line() + "\n" + r.case.source for r in whole
                                                                if r.compared != "agrees")
+
+
+def test_a_peer_load_in_a_compute_part():
+    """The fuzzer's program 68 of seed 2026, which faulted (CUDA_ERROR_ILLEGAL_ADDRESS) on an
+    H200 while its kernel matches the simulator on CPU threads and tl.run's bindings match it on
+    the fake device. Last in this file: a fault leaves the process's CUDA context unusable."""
+    from test_run_fake_device import peer_row_max, peer_row_max_inputs
+    both(peer_row_max, 3, peer_row_max_inputs(), sums=True)

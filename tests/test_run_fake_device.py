@@ -417,3 +417,26 @@ def test_torch_tensors_in_are_traced_copied_and_left_alone():
     assert torch.equal(x, before) and not y.any()                 # the caller's tensors are not the run's
     assert res.tensors[0]["x"].data_ptr() != x.data_ptr()
     assert np.array_equal(res[0]["y"], ((x * 2) + 1).float().numpy())          # bf16 math rounds each op
+
+
+@tl.kernel
+def peer_row_max(x0: tl.Symmetric, y0):
+    """The fuzzer's program 68 of seed 2026 (a CUDA_ERROR_ILLEGAL_ADDRESS on an H200, open): a
+    compute part loads a 32x32 tile of the next rank's [20, 2] f16 tensor (mostly outside it)."""
+    @tl.compute_part(grid=(1, 1))
+    def stage0(pm, pn):
+        r0, c0 = pm * 32, pn * 32
+        t0 = tl.load(x0.at((tl.rank() + 1) % 3), (r0, c0), (32, 32))
+        tl.store(y0, (r0, c0), ((t0 - tl.max(t0, 1)[:, None]) * 3.0))
+
+
+def peer_row_max_inputs():
+    rng = np.random.default_rng(68)
+    return [{"x0": rng.uniform(-1, 1, (20, 2)).astype(np.float16), "y0": np.zeros((20, 2), np.float32)}
+            for _ in range(3)]
+
+
+def test_a_peer_load_in_a_compute_part_binds_the_peer_table():
+    res, dev = agrees(peer_row_max, 3, peer_row_max_inputs())
+    assert len(res.plan.kernels) == 3 and len({x.lowered.entry for x in res.plan.kernels}) == 1
+    assert [p.source for p in res.plan.kernels[0].lowered.params][:2] == ["peers:x0", "buffer:y0"]

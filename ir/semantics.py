@@ -25,7 +25,8 @@ ARITH = {
     "floordiv": _floordiv, "mod": _mod, "min": min, "max": max,
     "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
     "eq": operator.eq, "ne": operator.ne,
-    "and": lambda a, b: bool(a) and bool(b), "or": lambda a, b: bool(a) or bool(b),
+    # Python's: logical on booleans, bitwise on integers (``pid & 1``), as the generated C++
+    "and": operator.and_, "or": operator.or_,
 }
 
 def _float_of(x):

@@ -242,7 +242,12 @@ def min(x, axis) -> Tile:  # noqa: A001
 
 
 def dot(a, b, acc=None) -> Tile:
-    """``a @ b`` with fp32 accumulation (lowered to WGMMA/MMA); ``acc`` is added when given."""
+    """``a @ b`` with fp32 accumulation (lowered to WGMMA/MMA); ``acc`` is added when given.
+
+    f16 and bf16 operands are multiplied exactly on the GPU's tensor cores, as in the simulator.
+    f32 operands run on the GPU as TF32 (10-bit mantissas, the tensor cores' f32 mode) while the
+    simulator multiplies in full f32: compare their results with TF32's tolerance, or cast the
+    operands to f16/bf16 where both must agree closely."""
     a, b = as_tile(a), as_tile(b)
     if len(a.shape) != 2 or len(b.shape) != 2:
         fail(f"tl.dot needs 2-d tiles, got {a.shape} and {b.shape}")

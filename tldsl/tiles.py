@@ -239,9 +239,13 @@ def cast(x, dtype) -> Tile:
 
 
 def expand_dims(x, axis: int) -> Tile:
-    """``x`` with a new axis of length 1 at ``axis``, as numpy's (to broadcast a row or column)."""
+    """``x`` with a new axis of length 1 at ``axis``, as numpy's (to broadcast a row or column;
+    a negative ``axis`` counts from the end of the result, as in numpy)."""
     x = as_tile(x)
     shape = list(x.shape)
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -len(shape) - 1 <= axis <= len(shape):
+        fail(f"tl.expand_dims: axis {axis!r} is outside a {len(shape) + 1}-d result")
+    axis %= len(shape) + 1
     shape.insert(axis, 1)
     return Tile(current().emit("expand_dims", [x.value], [T.TileType(tuple(shape), x.dtype)],
                                {"axis": axis}).result)

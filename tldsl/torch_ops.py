@@ -6,7 +6,8 @@ them in for ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_redu
     out = torch.ops.tldsl.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
 
 They take what torch's take: an N-d ``A`` (``[batch, seq, hidden]``), any ``gather_dim`` /
-``scatter_dim`` (negative too) and ``return_A``, and return the same shapes and strides
+``scatter_dim`` and ``return_A``, and return the same shapes and strides (a superset: negative
+dims are accepted too, counted from the end, where torch's CUDA path refuses them)
 (:mod:`tldsl.torch_layouts`). A gather or scatter along a dim of rows runs fused; along the
 last dim (K of the gather, N of the scatter) there are no row blocks to overlap, and it runs
 as torch's own path for it does: one collective (NCCL), then the products.

@@ -131,7 +131,10 @@ def scalar_op(op: str, a, b) -> "Scalar":
             pass
         else:
             fail(f"scalar '{op}' of {a.dtype} and {b.dtype}: cast one side first")
-    rdt = T.bool_ if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or") else a.dtype
+    if op in ("and", "or"):        # booleans: logical; an integer on either side: bitwise, an integer
+        rdt = T.bool_ if a.dtype == b.dtype == T.bool_ else T.int32
+    else:
+        rdt = T.bool_ if op in ("lt", "le", "gt", "ge", "eq", "ne") else a.dtype
     res = current().emit("arith", [a.value, b.value], [T.ScalarType(rdt)], {"op": op})
     return Scalar(res.result)
 

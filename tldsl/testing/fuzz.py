@@ -275,8 +275,16 @@ def main(argv=None) -> int:
     if args.gpu:
         # every rank's parts run at once on their own streams: up to W x parts of them, more than
         # CUDA's default 8 hardware queues (tl.run refuses a launch whose streams would share one).
-        # The queues are fixed when CUDA starts, so set them first (a value the caller set stays).
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+        # The queues are fixed when CUDA starts, so set them first (a value the caller set stays);
+        # where CUDA has started already, setting it would only make tl.run believe in queues
+        # that do not exist
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+                print("fuzz: CUDA started before the fuzzer, with 8 hardware queues: programs whose ranks need "
+                      "more are refused (set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts)", file=sys.stderr)
+        else:
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
                   hang_seconds=args.hang_seconds)
     return 1 if any(r.failed for r in reports) else 0

@@ -681,15 +681,15 @@ def test_sliced_wait_counts_the_launch_in_the_simulator(monkeypatch):
     inputs, ref = _sliced_case()
     targets = []
 
-    def spy(count, launch, epoch=True, per_launch=None):
-        targets.append((launch, wait_target(count, launch, epoch, per_launch)))
+    def spy(count, launch, epoch=True, per_launch=None, lag=0):
+        targets.append((launch, wait_target(count, launch, epoch, per_launch, lag)))
         return targets[-1][1]
     monkeypatch.setattr(engine, "wait_target", spy)
     res = tl.simulate(sliced_feed, 1, [inputs], compute=_sliced_compute(), options=tl.SimOptions(launches=2))
     np.testing.assert_allclose(res[0]["h"].astype(np.float32), ref, rtol=1e-2, atol=1e-2)
     assert {t for launch, t in targets if launch == 1} == {1} and {t for launch, t in targets if launch == 2} == {3}
 
-    monkeypatch.setattr(engine, "wait_target", lambda count, launch, epoch=True, per_launch=None:
+    monkeypatch.setattr(engine, "wait_target", lambda count, launch, epoch=True, per_launch=None, lag=0:
                         count * launch if epoch else count)
     with pytest.raises(tl.StaleSignalError, match=r"'ready'\[\d\] already held 2 when launch 2 began, and the "
                                                   r"wait needs 2"):

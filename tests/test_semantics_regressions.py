@@ -64,3 +64,33 @@ def test_the_generated_code_means_the_same(tmp_path):
                              tl.TensorSpec((4,), tl.float32))
     got = emulate(ir, lower(ir, "part"), _inputs(), tmp_path)
     assert np.array_equal(got["y"], WANT_Y) and np.array_equal(got["z"], WANT_Z)
+
+
+@tl.kernel
+def mixed_sum(x, n, y, *, compute: tl.ComputeSchedule = None):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        tl.store(y, (0,), tl.load(x, (0,), (4,)) + tl.load(n, (0,), (4,)))      # f16 + i32, stored as f16
+
+
+def _mixed_inputs():
+    # 2049 + 2**-14 lies just above the midpoint of f16's 2048 and 2050: one rounding gives 2050;
+    # rounding to float first lands on the midpoint (2049.0) and then on the even 2048
+    return {"x": np.full(4, 2.0 ** -14, np.float16), "n": np.array([2049, 2051, -2049, 7], np.int32),
+            "y": np.full(4, np.nan, np.float16)}
+
+
+def test_a_16_bit_result_is_rounded_once():
+    want = (np.float64(2.0 ** -14) + _mixed_inputs()["n"]).astype(np.float16)
+    assert list(want[:3]) == [2050, 2052, -2048]
+    res = tl.simulate(mixed_sum, 1, [_mixed_inputs()])
+    assert np.array_equal(res[0]["y"], want)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads through g++")
+def test_the_generated_code_rounds_a_16_bit_result_once(tmp_path):
+    ir = mixed_sum.trace(1, tl.TensorSpec((4,), tl.float16), tl.TensorSpec((4,), tl.int32),
+                         tl.TensorSpec((4,), tl.float16))
+    got = emulate(ir, lower(ir, "part"), _mixed_inputs(), tmp_path)
+    want = (np.float64(2.0 ** -14) + _mixed_inputs()["n"]).astype(np.float16)
+    assert np.array_equal(got["y"], want), got["y"]

@@ -46,6 +46,17 @@ TLDSL_DEV float get(bf16 x) { return comm::bf16_to_float(x.bits); }
 TLDSL_DEV int get(int x) { return x; }
 TLDSL_DEV bool get(bool x) { return x; }
 
+// A double as a float rounded to odd: toward zero, with the last bit set where bits were lost.
+// Rounding that to a 16-bit float is then the one rounding of the double (float keeps more than
+// two bits beyond f16's), as numpy's float64 -> float16; a plain (float) first rounds twice.
+TLDSL_DEV float to_float_odd(double x) {
+  const float f = (float)x;
+  if ((double)f == x || f != f || f - f != 0.0f) return f;          // exact, NaN or infinite
+  unsigned u = __float_as_uint(f);
+  if ((f < 0.0f ? -(double)f : (double)f) > (x < 0.0 ? -x : x)) u -= 1u;  // rounded away from zero: step back
+  return __uint_as_float(u | 1u);
+}
+
 template <class T>
 struct Put;
 template <>
@@ -54,7 +65,7 @@ struct Put<float> {
 };
 template <>
 struct Put<f16> {
-  static TLDSL_DEV f16 from(double v) { return f16{comm::float_to_f16((float)v)}; }
+  static TLDSL_DEV f16 from(double v) { return f16{comm::float_to_f16(to_float_odd(v))}; }
 };
 template <>
 struct Put<bf16> {
@@ -74,7 +85,7 @@ TLDSL_DEV T put(V v) {
 }
 
 // -- conversions (tl.cast and the rounding of 16-bit results) ----------------------------------
-TLDSL_DEV float round_f16(double x) { return comm::round_f16((float)x); }
+TLDSL_DEV float round_f16(double x) { return comm::round_f16(to_float_odd(x)); }
 TLDSL_DEV float round_bf16(double x) { return comm::round_bf16((float)x); }
 // float -> i32 as numpy does on x86: truncation, INT_MIN for NaN and out-of-range values
 TLDSL_DEV int f2i(double x) {

@@ -249,6 +249,31 @@ def test_kernels_that_cannot_all_be_resident_are_refused():
     planned(ce, queues=4)
 
 
+@tl.kernel
+def reverse_chain(x, y):
+    """Task t waits for task t + 1 of the same part: fine with every task resident (as the
+    simulator runs a compute part), a deadlock for a persistent CTA that holds task t while
+    task t + 1 waits for a CTA."""
+    done = tl.signal("done", 16)
+
+    @tl.compute_part(grid=(16,))
+    def part(t):
+        with tl.when(t < 15):
+            tl.consumer_tile_wait(done, t + 1)
+        tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)) + 1.0)
+        tl.producer_tile_notify(done, t)
+
+
+def test_a_part_waiting_for_its_own_tasks_must_fit_at_once():
+    """Found by review: the simulator accepts the chain, a GPU with fewer CTAs than tasks hangs
+    on it; tl.run refuses it before anything is launched, and runs it where all 16 fit."""
+    k = reverse_chain.trace(1, S((128,), tl.float32), S((128,), tl.float32))
+    with pytest.raises(ResidencyError, match=r"part 'part' waits for its own tasks \(signal\(s\) done\) but only 8 of "
+                                             r"its 16 tasks"):
+        planned(k, sm_count=8)
+    assert planned(k, sm_count=16).kernels[0].ctas == 16
+
+
 def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():
     k = ag_gemm(engine="copy_engine", own_rows="compute")
     with pytest.raises(UnboundParameterError, match="own_rows='comm'"):

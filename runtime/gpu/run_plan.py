@@ -187,11 +187,34 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
                                            tuple(lk.cluster_dims), stream))
             else:
                 items.append(PlannedCopies(r, name, lk, stream))
+    for k in items:
+        if isinstance(k, PlannedKernel):
+            _check_self_waits(kernel.part(k.part), k)
     used = sum(k.ctas for k in items if isinstance(k, PlannedKernel))
     if used > available:        # a recipe's grid() gave more CTAs than asked: refuse rather than hang
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
     return RunPlan(kernel, tuple(items), sm_count, reserved)
+
+
+def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
+    """A part whose tasks wait for other tasks of the same part (a signal it both notifies and
+    waits on) may deadlock when its tasks do not all fit on the GPU at once: a persistent CTA
+    holding a waiting task never reaches the task it waits for. The simulator runs every task of
+    a compute part at once (and a communication part's tasks ``lanes`` at a time, in the
+    schedule's order, as its kernel walks them), so a launch with fewer CTAs than that is
+    refused rather than left to hang."""
+    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+    ops = list(part.walk())
+    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
+    waited = {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS}
+    mine = sorted(notified & waited)
+    simulated_at_once = part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
+    if mine and planned.ctas < simulated_at_once:
+        raise ResidencyError(
+            f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(mine)}) but only {planned.ctas} of its "
+            f"{part.num_tasks} tasks can be resident at once on this GPU: a task holding a CTA could wait for one "
+            "that never starts. Give the part fewer tasks (bigger tiles) or move the waiting into another part")
 
 
 def _share(lows: list[int], highs: list[int], available: int) -> list[int]:

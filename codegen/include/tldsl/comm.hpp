@@ -307,10 +307,24 @@ TLDSL_DEV void store_chunk(T* row, int col, int ncols, int limit, bool vec_ok, u
   }
 }
 
-// One element (0 outside the tensor).
+// A zero of each element type at an address that is always valid: what load_elem reads
+// outside the tensor.
+#if defined(TLDSL_HOST_EMULATION)
+template <class T>
+inline const T kZeroElem{};
+#else
+template <class T>
+__device__ const T kZeroElem{};
+#endif
+
+// One element (0 outside the tensor). The load's address is always valid — the element, or the
+// zero above — so a load the compiler runs before knowing whether it is needed cannot fault (on
+// an H200 a guarded `cond ? row[col] : 0` read through a null row pointer:
+// CUDA_ERROR_ILLEGAL_ADDRESS).
 template <class T>
 TLDSL_DEV T load_elem(const T* row, int col, int ncols) {
-  return (row != nullptr && col >= 0 && col < ncols) ? row[col] : T{};
+  const bool inside = row != nullptr && col >= 0 && col < ncols;
+  return *(inside ? row + col : &kZeroElem<T>);
 }
 
 // A value the optimizer cannot see through (so code depending on it is not hoisted above here).

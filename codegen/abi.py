@@ -216,12 +216,19 @@ class LoweredKernel:
         lines = self.source.count("\n") + 1
         waits, notifies = getattr(self, "waits", 0), getattr(self, "notifies", 0)
         return one_line(f"<{type(self).__name__} {self.kernel_name}.{self.part} -> {self.entry}: "
-                        f"W={self.world_size}, {len(self.params)} params, {waits} waits, {notifies} notifies, "
+                        f"W={self._world()}, {len(self.params)} params, {waits} waits, {notifies} notifies, "
                         f"{lines} lines of CUDA>")
+
+    def _world(self):
+        """The world size the kernel was lowered for (a recipe's field, else its program's)."""
+        world = getattr(self, "world_size", None)
+        if world is None and self.program is not None:
+            world = self.program[0].world_size
+        return "?" if world is None else world
 
     def _repr_html_(self) -> str:
         facts = [("part", f"{self.kernel_name}.{self.part}"), ("entry", self.entry),
-                 ("world size", self.world_size), ("NVRTC options", " ".join(self.options) or "none"),
+                 ("world size", self._world()), ("NVRTC options", " ".join(self.options) or "none"),
                  ("parameters", ", ".join(p.name for p in self.params))]
         return html_card(f"{type(self).__name__} (compile() builds the cubin)", facts,
                          [("describe()", self.describe()), (f"CUDA source ({self.source.count(chr(10)) + 1} lines)",

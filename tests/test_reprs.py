@@ -69,13 +69,16 @@ def test_sim_result(sim_result):
 
 def _lowered_kernels() -> dict[str, LoweredKernel]:
     """One lowered kernel of each recipe class: AG+GEMM's GEMM and SM gather, the MoE grouped
-    GEMMs and combine, sequence-parallel attention."""
+    GEMMs and combine, sequence-parallel attention, and a program only the general recipe takes."""
     from test_codegen_attention import trace_sp
     from test_codegen_moe import trace_ag, trace_rs
     ag = allgather_gemm.trace(2, S((256, 256), tl.float16), S((256, 256), tl.float16), S((512, 256), tl.float16),
                               compute=tl.ComputeSchedule(tile=(128, 128, 64)), comm=tl.CommSchedule(tile_m=128))
+    from tldsl.bench.general_programs import row_softmax
+    softmax = row_softmax.trace(2, S((40, 300), tl.float16), S((40, 300), tl.float16),
+                                compute=tl.ComputeSchedule(tile=(16, 128, 16)))
     found: dict[str, LoweredKernel] = {}
-    for kernel in (ag, trace_ag(), trace_rs(), trace_sp()):
+    for kernel in (ag, trace_ag(), trace_rs(), trace_sp(), softmax):
         for lowered in lower_all(kernel).values():
             if isinstance(lowered, LoweredKernel):
                 found.setdefault(type(lowered).__name__, lowered)
@@ -84,7 +87,9 @@ def _lowered_kernels() -> dict[str, LoweredKernel]:
 
 def test_every_lowered_kernel_class():
     found = _lowered_kernels()
-    assert {"LoweredGemm", "LoweredComm", "LoweredGroupedGemm", "LoweredCombine", "LoweredAttention"} <= set(found)
+    assert {"LoweredGemm", "LoweredComm", "LoweredGroupedGemm", "LoweredCombine", "LoweredAttention",
+            "LoweredGeneral"} <= set(found)
+    assert "W=2," in repr(found["LoweredGeneral"])            # its world size comes from its program
     for cls in _subclasses(LoweredKernel):          # a recipe not made here still gets the one tested repr
         assert cls.__name__ in found or cls.__repr__ is LoweredKernel.__repr__, cls
     for lowered in found.values():

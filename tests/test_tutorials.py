@@ -39,7 +39,7 @@ TUTORIALS = ROOT / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
 PLOTTING = re.compile(r"\bplot_timeline\(|\bplot_phases\(|matplotlib")
 #: the tutorials that draw figures (each has at least one plot cell)
-WITH_PLOTS = {"01_allgather_gemm", "03_fused_allgather_gemm_on_gpus"}
+WITH_PLOTS = {"01_allgather_gemm", "03_fused_allgather_gemm_on_gpus", "04_your_own_tile_program"}
 
 
 def _kernel_env() -> dict[str, str]:

@@ -74,6 +74,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`1` (`make test` sets it): any skip outside the GPU tests fails — a missing wheel is a broken "
            "install, not a green run.",
            ("tests/conftest.py", "Makefile")),
+    EnvVar("TLDSL_FUZZ_SEED", "today's date (`YYYYMMDD`): a new seed every day",
+           "The seed of the test suite's 50 fresh fuzzer programs (`tests/test_fuzz_programs.py`): set it to "
+           "replay the seed a failing run reports.",
+           ("tests/test_fuzz_programs.py",)),
     EnvVar("TLDSL_REQUIRE_GPU", "GPU tests skip without a GPU",
            "`1` (`make gpu-test` sets it): no GPU, torch or cuda-python is an error instead of skipped GPU tests.",
            ("tests/conftest.py", "Makefile")),

@@ -32,7 +32,7 @@ from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from tldsl.runtime.dist.comm_kernel import CommKernel, decode_args, explain_address, kernel_specs
-from tldsl.runtime.dist.plan_exec import (DeviceArray, PlanExecutor, PointerTable, plan_symmetric_names,
+from tldsl.runtime.gpu.plan_exec import (DeviceArray, PlanExecutor, PointerTable, plan_symmetric_names,
                                           symmetric_addresses)
 from tldsl.runtime.dist.regions import layout_regions
 from tldsl.runtime.gpu.device import CudaDriverError
@@ -1052,7 +1052,8 @@ def test_dist_check_variants_lower_at_their_sizes(op):
 class _Proto:
     def __init__(self, monkeypatch):
         torch = pytest.importorskip("torch")
-        from tldsl.runtime.dist import ag_gemm as agm, comm_kernel as ckm, gemm_rs as grs, plan_exec as pem
+        from tldsl.runtime.dist import ag_gemm as agm, comm_kernel as ckm, gemm_rs as grs
+        from tldsl.runtime.gpu import plan_exec as pem
         from tldsl.runtime.gpu import gemm as gkm, module as modm
         from tldsl.codegen import LoweredComm
         self.torch, self.drv = torch, FakeDriver()

@@ -278,7 +278,8 @@ class _Ranks:
 
     def __init__(self, monkeypatch, make, gemm, W=2):
         """``make(rank)``: the rank's op; ``gemm(ranks)``: the stand-in for ``GemmKernel``."""
-        from tldsl.runtime.dist import ag_gemm as agm, gemm_rs as grs, plan_exec
+        from tldsl.runtime.dist import ag_gemm as agm, gemm_rs as grs
+        from tldsl.runtime.gpu import plan_exec
         from tldsl.runtime.gpu import gemm as gemm_mod
         import torch.distributed._symmetric_memory as symm_mem
         self.W = W

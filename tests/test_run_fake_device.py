@@ -81,7 +81,7 @@ class FakeDevice:
         return 1
 
     def upload(self, values):
-        from tldsl.runtime.dist.plan_exec import DeviceArray
+        from tldsl.runtime.gpu.plan_exec import DeviceArray
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         self.kept.append(t)
         return DeviceArray(t.data_ptr(), (len(values),), "u64", owner=t)

@@ -22,7 +22,7 @@ from tldsl.runtime.gpu.bind import BINDERS, DeviceMemory, bind, check_bindings, 
 from tldsl.runtime.gpu.run_errors import ResidencyError, UnboundParameterError
 from tldsl.runtime.gpu.run_plan import (RESERVED_FOR_COPIES, PlannedKernel, lower_for_run,
                                         plan_run)
-from tldsl.runtime.dist.plan_exec import DeviceArray
+from tldsl.runtime.gpu.plan_exec import DeviceArray
 
 S, F16, F32 = tl.TensorSpec, tl.float16, tl.float32
 H200_SMS = 132

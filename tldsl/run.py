@@ -8,23 +8,12 @@ Inputs are checked and the kernel traced exactly as ``tl.simulate`` does (its ow
 then every part is lowered (``tldsl.codegen.lower_all``), compiled (cached) and launched
 (:mod:`tldsl.runtime.gpu.run_program`). This module imports nothing heavy: torch, the code
 generator and the CUDA driver are imported by the call.
-
-The GPU runtime is a layer *above* this package: it executes copy-engine parts with the
-distributed runtime's plan executor, and ``tldsl.runtime.dist`` builds the library's fused ops,
-which import ``tldsl``. So the language package names it (:data:`GPU_RUNTIME`) and loads it when
-``run`` is called, rather than importing it: an import would make ``tldsl`` and the fused ops one
-cycle (tests/test_import_layering.py). Nothing below the runtime depends on this module.
 """
 from __future__ import annotations
 
-import importlib
 import numbers
 
 from .errors import InputError
-
-#: the module that runs a traced program on a GPU (loaded by name at the call: see above)
-GPU_RUNTIME = "tldsl.runtime.gpu.run_program"
-
 
 def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, options=None, *,
         timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, **kwargs):
@@ -53,7 +42,7 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     if lowering and "wait_timeout_ns" in lowering:
         raise InputError("lowering={'wait_timeout_ns': ...}: tl.run sets the kernels' wait timeout from timeout_s "
                          "(seconds); pass timeout_s instead")
-    run_program = importlib.import_module(GPU_RUNTIME).run_program
+    from .runtime.gpu.run_program import run_program        # (torch, codegen and the driver: at the call)
     return run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=timeout_s, lowering=lowering,
                        progress=progress)
 

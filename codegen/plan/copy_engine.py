@@ -4,7 +4,7 @@ giving a :class:`CopyEnginePlan` — per rank, the ordered actions for one commu
 :class:`CeCopy` (``cuMemcpy2DAsync``), :class:`CeSignalWrite` (``cuStreamWriteValue64``,
 ordered after the copies before it), :class:`CeWait` (``cuStreamWaitValue64`` GEQ).
 :meth:`CopyEnginePlan.run_numpy` executes a plan on numpy arrays (the reference the runtime,
-``tldsl.runtime.dist.plan_exec``, must match). For this recipe the plan is the output."""
+``tldsl.runtime.gpu.plan_exec``, must match). For this recipe the plan is the output."""
 from __future__ import annotations
 
 import itertools

@@ -1,6 +1,6 @@
 """Recipe ``copy_engine``: a copy-engine communication part (``engine='copy_engine'``) is no
 kernel but a host plan of copies, signal writes and stream waits per rank
-(:mod:`..plan.copy_engine`), executed by ``tldsl.runtime.dist.plan_exec``. Its plan is its
+(:mod:`..plan.copy_engine`), executed by ``tldsl.runtime.gpu.plan_exec``. Its plan is its
 output: rendering returns it as it is."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The distributed runtime: ranks from torch.distributed (torchrun), symmetric memory from
 torch's symmetric-memory layer, communication on the copy engine (stream-ordered peer copies +
-stream memory writes for the flags; :mod:`.plan_exec` runs any codegen copy-engine plan) or on
+stream memory writes for the flags; :mod:`..gpu.plan_exec` runs any codegen copy-engine plan) or on
 a few SMs (generated communication kernels, :mod:`.comm_kernel`) feeding generated kernels that
 wait per tile: :class:`AllGatherMatmul` (AllGather+GEMM), :class:`MatmulReduceScatter`
 (GEMM+ReduceScatter); :mod:`.autotune` picks their schedules.
@@ -13,7 +13,7 @@ keeps its memory (with a :class:`SymmetricMemoryWarning`) until :func:`release_u
 from .group import DistContext, dist_context
 from .ag_gemm import AllGatherMatmul
 from .gemm_rs import MatmulReduceScatter
-from .plan_exec import DeviceArray, PlanExecutor, PointerTable, symmetric_addresses
+from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, symmetric_addresses
 from .comm_kernel import CommKernel, SymmetricWorkspace
 from .autotune import Autotuner, AutotuneError
 from .symmetric import SymmetricMemoryWarning, outstanding, release_unclosed

@@ -295,7 +295,7 @@ class AllGatherMatmul(FusedOp):
             return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         import gc
         import torch
-        from . import plan_exec
+        from ..gpu import plan_exec
         cu = plan_exec.load_driver()
         consts = plan_exec.driver_constants(cu)
         write_default = consts.write_default
@@ -429,7 +429,7 @@ class AllGatherMatmul(FusedOp):
         """The copy stream's part of launch ``L``: per peer in ring order, (with a device-side
         handshake) a wait until the peer has published ``L``, the NVLink copy of its shard from its
         slot into its rows of ``a_full``, and ``L`` into its flag (the GEMM's tiles wait on it)."""
-        from . import plan_exec
+        from ..gpu import plan_exec
         consts = plan_exec.driver_constants(cu)
         cs, me, tl_ = self.copy_stream.cuda_stream, self.ctx.rank, self.timeline
         nbytes = self.Ms * self.K * a_full.element_size()
@@ -453,7 +453,7 @@ class AllGatherMatmul(FusedOp):
         stored (``tldsl::sm90::OwnRows``); the copy stream, ordered after the call's start, waits
         for each peer's arrival and copies its shard, then writes its flag."""
         import gc
-        from . import plan_exec
+        from ..gpu import plan_exec
         cu = plan_exec.load_driver()
         me = self.ctx.rank
         cur, a_full = self._begin(poison_workspace)
@@ -753,7 +753,7 @@ class _FusedAllGather:
         from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
         from .comm_kernel import CommKernel, kernel_specs, make_workspace
-        from .plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
+        from ..gpu.plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
 
         import weakref
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)

@@ -52,7 +52,7 @@ import gc
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
-from . import plan_exec
+from ..gpu import plan_exec
 from .call_order import CallOrder
 from .operands import dense
 from .spare_outputs import SpareOutputs

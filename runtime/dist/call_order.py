@@ -12,7 +12,7 @@ stream changes (never on the measured path, which calls on one stream).
 """
 from __future__ import annotations
 
-from . import plan_exec
+from ..gpu import plan_exec
 
 
 class CallOrder:

@@ -19,7 +19,7 @@ packs this call's tensors, the rank and the launch index. Grid: ``lanes`` CTAs
 **Symmetric workspace** (:class:`SymmetricWorkspace`): one symmetric allocation per op object
 (torch symmetric memory, collective: every rank of the group builds it at the same point),
 carved into named regions — the symmetric buffers and signals of a tile program — with every
-rank's address of each region (:func:`~.plan_exec.symmetric_addresses`). Signals are zeroed
+rank's address of each region (:func:`~..gpu.plan_exec.symmetric_addresses`). Signals are zeroed
 and the group synchronised before anyone can notify them. Region layout is pure
 (:func:`~.regions.layout_regions`) and host-tested; :func:`make_workspace` picks this
 workspace or NVSHMEM's (:mod:`.nvshmem`) by the kernel's transport.
@@ -36,7 +36,7 @@ from ...codegen.abi import SOURCES
 from ...errors import InputError
 from ..gpu.launch import ArgPack
 from .nvshmem import NvshmemWorkspace
-from .plan_exec import DeviceArray, as_device_array, checked, load_driver, symmetric_addresses
+from ..gpu.plan_exec import DeviceArray, as_device_array, checked, load_driver, symmetric_addresses, torch_uploader
 from .regions import SIGNAL_DTYPES, RegionWorkspace, layout_regions
 
 
@@ -46,14 +46,6 @@ def kernel_specs(kernel_ir) -> tuple[dict[str, tuple[tuple[int, ...], str]], dic
     bufs = {b.name: (tuple(b.type.shape), b.type.dtype.name) for b in kernel_ir.buffers}
     sigs = {s.name: int(s.type.slots) for s in kernel_ir.signals}
     return bufs, sigs
-
-
-def torch_uploader(values: Sequence[int]) -> DeviceArray:
-    """Upload a table of u64 values to the current CUDA device (kept alive by the result)."""
-    import torch
-    t = torch.tensor([int(v) for v in values], dtype=torch.int64,
-                     device=torch.device("cuda", torch.cuda.current_device()))
-    return DeviceArray(t.data_ptr(), (len(values),), "u64", owner=t)
 
 
 def _check_u64_table(name: str, values, world_size: int, align: int) -> tuple[int, ...]:

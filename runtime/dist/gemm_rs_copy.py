@@ -58,7 +58,7 @@ import gc
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
-from . import plan_exec
+from ..gpu import plan_exec
 from .call_order import CallOrder
 
 
@@ -299,7 +299,7 @@ class CopyEngineReduceScatter:
         """Step 3 of the launch protocol (module docstring): this rank's rows of the sum, after
         every peer's rows are here — the early chunks on the side stream where that pays."""
         import torch
-        from . import plan_exec
+        from ..gpu import plan_exec
         op = self.op
         ck = plan_exec.checked
         geq = plan_exec.driver_constants(cu).wait_geq

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...errors import InputError
-from .plan_exec import ELEM_BYTES
+from ..gpu.plan_exec import ELEM_BYTES
 
 SIGNAL_DTYPES = ("u64", "i64")
 

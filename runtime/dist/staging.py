@@ -113,7 +113,7 @@ class ShardStager:
 
     def prepare(self, cu, src: int, dst0: int, dst1: int, nbytes: int, flag: int) -> PreparedLaunch:
         """The launch for these addresses (``cu``: the driver module the op enqueues with)."""
-        from .plan_exec import checked
+        from ..gpu.plan_exec import checked
 
         def build():
             pack = ArgPack()

@@ -8,7 +8,7 @@ general recipe are launched the same way, and a new recipe needs no launcher cod
 :class:`~.run_errors.UnboundParameterError` before anything is launched.
 
 Addresses come from a :class:`DeviceMemory`: every rank's tensors and signal counters as
-:class:`~tldsl.runtime.dist.plan_exec.DeviceArray` s (all ranks in one address space: the
+:class:`~tldsl.runtime.gpu.plan_exec.DeviceArray` s (all ranks in one address space: the
 ranks ``tl.run`` runs on one GPU, or fake addresses where a plan is only checked), the tables
 of every rank's addresses uploaded once each, and the TMA encoder.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from ...codegen.abi import SOURCES, KernelParam, TmaDescriptorSpec
 from ...codegen.dtypes import elem_bytes
-from ..dist.plan_exec import DeviceArray, PlanExecutor, PointerTable
+from .plan_exec import DeviceArray, PlanExecutor, PointerTable
 from .launch import ArgPack
 from .run_errors import UnboundParameterError
 
@@ -197,7 +197,7 @@ def nominal_memory(kernel_ir) -> DeviceMemory:
 
 def pointer_table(mem: DeviceMemory, rank: int, ce_plan) -> PointerTable:
     """Rank ``rank``'s view of every tensor and signal of a copy-engine plan (the addresses
-    :class:`~tldsl.runtime.dist.plan_exec.PlanExecutor` resolves its actions with): on one GPU
+    :class:`~tldsl.runtime.gpu.plan_exec.PlanExecutor` resolves its actions with): on one GPU
     every rank's copy is addressable."""
     table = PointerTable(mem.world_size, rank)
     for names, get in ((ce_plan.buffers, mem.buffer), (ce_plan.signals, mem.signal)):

@@ -55,7 +55,7 @@ class CudaDevice:
 
     # -- memory -----------------------------------------------------------------------------------
     def upload(self, values):
-        from ..dist.comm_kernel import torch_uploader
+        from .plan_exec import torch_uploader
         return torch_uploader(values)
 
     def encode_tma(self, spec, address: int) -> bytes:

@@ -2,7 +2,7 @@
 
 Every rank's parts run at once on the one GPU (``tl.run`` with W ranks): each lowered kernel of
 each rank on a stream of its own, each copy-engine part of each rank on its own stream (driver
-copies and stream memory operations, :class:`~tldsl.runtime.dist.plan_exec.PlanExecutor`). A
+copies and stream memory operations, :class:`~tldsl.runtime.gpu.plan_exec.PlanExecutor`). A
 kernel may wait for another rank's kernel, so all of them must be resident together, or a
 waiting kernel holding the SMs would starve the one it waits for. The plan makes sure they fit:
 

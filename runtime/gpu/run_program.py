@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ...ir.types import bfloat16
-from ..dist.plan_exec import DeviceArray, PlanExecutor
+from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
 from .bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack, pointer_table
 from .run_errors import GpuHangError, GpuRunError

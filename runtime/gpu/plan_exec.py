@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from ...errors import InputError
-from ..gpu.device import CudaDriverError
+from .device import CudaDriverError
 
 ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "i32": 4, "u64": 8, "i64": 8, "u8": 1}
 
@@ -504,3 +504,11 @@ def plan_symmetric_names(plan) -> tuple[set[str], set[str]]:
             elif isinstance(a, CeSignalWrite) and a.rank != r:
                 sigs.add(a.signal)
     return bufs, sigs
+
+
+def torch_uploader(values: Sequence[int]) -> DeviceArray:
+    """Upload a table of u64 values to the current CUDA device (kept alive by the result)."""
+    import torch
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64,
+                     device=torch.device("cuda", torch.cuda.current_device()))
+    return DeviceArray(t.data_ptr(), (len(values),), "u64", owner=t)

@@ -48,40 +48,9 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
 
 
 def trace_for_run(kernel, world_size, inputs, seed, options, kwargs: dict):
-    """``tl.simulate`` 's checks of its arguments and its trace, in the same order with the same
-    errors: returns (the traced kernel, every rank's arrays in argument order, the options)."""
-    from .ir import core
-    from .kernel import KernelFunction
-    from .runtime.sim.simulate import _check_uniform, _per_rank_inputs, sim_options
-    opts = sim_options(options)
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
-        raise InputError(f"seed must be an int >= 0 (it picks the order the ranks' work is enqueued), got {seed!r}")
-    if isinstance(kernel, KernelFunction):
-        if world_size is None:
-            raise InputError("run needs world_size")
-        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
-            raise InputError(f"world size must be a positive int, got {world_size!r}")
-        per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
-        _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
-        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=opts.static_checks)
-    elif isinstance(kernel, core.Kernel):
-        if kwargs:
-            raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
-        ir = kernel
-        if world_size is not None and world_size != ir.world_size:
-            raise InputError(f"kernel was traced for {ir.world_size} ranks, run got world_size={world_size}")
-        names = [b.name for b in ir.args]
-        per_rank = _per_rank_inputs(names, inputs, ir.world_size)
-        _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
-        for b, arr in zip(ir.args, per_rank[0]):
-            if tuple(arr.shape) != b.type.shape:
-                raise InputError(f"argument '{b.name}': shape {tuple(arr.shape)}, the kernel was traced for "
-                                 f"{b.type.shape}")
-        if opts.static_checks:
-            from .ir.analysis import check_channels
-            from .ir.verifier import verify
-            verify(ir, channels=False)
-            check_channels(ir)
-    else:
-        raise InputError(f"run needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
-    return ir, per_rank, opts
+    """``tl.simulate`` 's checks of its arguments and its trace — the simulator's own function, so
+    both calls refuse alike: returns (the traced kernel, every rank's arrays in argument order,
+    the options)."""
+    from .runtime.sim.simulate import checked_call
+    return checked_call(kernel, world_size, inputs, seed, options, kwargs, "run",
+                        "it picks the order the ranks' work is enqueued")

@@ -123,6 +123,46 @@ def sim_options(options) -> SimOptions:
     raise InputError(f"options must be a tl.SimOptions(...) or a dict of its fields, got {type(options).__name__}")
 
 
+def checked_call(kernel, world_size, inputs, seed, options, kwargs: dict, who: str, seed_means: str,
+                 channels: bool = True):
+    """The checks of a call that runs a program (``tl.simulate``, ``tl.run``) and its trace, the
+    same errors for both: returns (the traced kernel, every rank's arrays in argument order, the
+    options). ``channels=False`` leaves the static channel analysis to the caller."""
+    from ...kernel import KernelFunction
+    options = sim_options(options)
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f"seed must be an int >= 0 ({seed_means}), got {seed!r}")
+    if isinstance(kernel, KernelFunction):
+        if world_size is None:
+            raise InputError(f"{who} needs world_size")
+        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+            raise InputError(f"world size must be a positive int, got {world_size!r}")
+        per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
+        _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
+        return kernel.trace_checked(world_size, per_rank[0], kwargs, channels=channels and options.static_checks), \
+            per_rank, options
+    if not isinstance(kernel, core.Kernel):
+        raise InputError(f"{who} needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
+    if kwargs:
+        raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
+    ir = kernel
+    if world_size is not None and world_size != ir.world_size:
+        raise InputError(f"kernel was traced for {ir.world_size} ranks, {who} got world_size={world_size}")
+    names = [b.name for b in ir.args]
+    per_rank = _per_rank_inputs(names, inputs, ir.world_size)
+    _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
+    for b, arr in zip(ir.args, per_rank[0]):
+        if tuple(np.shape(arr)) != b.type.shape:
+            raise InputError(f"argument '{b.name}': shape {np.shape(arr)}, the kernel was traced for {b.type.shape}")
+    if options.static_checks:
+        from ...ir.verifier import verify
+        verify(ir, channels=False)
+        if channels:
+            from ...ir.analysis import check_channels
+            check_channels(ir)
+    return ir, per_rank, options
+
+
 def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
              options: SimOptions | None = None, **kwargs) -> SimResult:
     """Run ``kernel`` on ``world_size`` simulated ranks.
@@ -134,37 +174,11 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     (RaceError, DeadlockError, StaleSignalError, UninitializedReadError, OutOfBoundsError).
     """
     from ...kernel import KernelFunction
-    options = sim_options(options)
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
-        raise InputError(f"seed must be an int >= 0 (it seeds the scheduler's interleaving), got {seed!r}")
-    if isinstance(kernel, KernelFunction):
-        if world_size is None:
-            raise InputError("simulate needs world_size")
-        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
-            raise InputError(f"world size must be a positive int, got {world_size!r}")
-        per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
-        _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
-        # traced without the static channel analysis first: at large W the analysis takes a
-        # while, and the warning about the run's length should come before it
-        ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=False)
-    elif isinstance(kernel, core.Kernel):
-        if kwargs:
-            raise InputError(f"keyword values {sorted(kwargs)} need a @tl.kernel function, not a traced kernel")
-        ir = kernel
-        if world_size is not None and world_size != ir.world_size:
-            raise InputError(f"kernel was traced for {ir.world_size} ranks, simulate got world_size={world_size}")
-        world_size = ir.world_size
-        names = [b.name for b in ir.args]
-        per_rank = _per_rank_inputs(names, inputs, world_size)
-        _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
-        for b, arr in zip(ir.args, per_rank[0]):
-            if tuple(np.shape(arr)) != b.type.shape:
-                raise InputError(f"argument '{b.name}': shape {np.shape(arr)}, the kernel was traced for {b.type.shape}")
-        if options.static_checks:
-            from ...ir.verifier import verify
-            verify(ir, channels=False)
-    else:
-        raise InputError(f"simulate needs a @tl.kernel function or a traced kernel, got {type(kernel).__name__}")
+    # traced without the static channel analysis first: at large W the analysis takes a while,
+    # and the warning about the run's length should come before it
+    ir, per_rank, options = checked_call(kernel, world_size, inputs, seed, options, kwargs, "simulate",
+                                         "it seeds the scheduler's interleaving", channels=False)
+    world_size = ir.world_size
 
     memory = _memory(ir, per_rank, options)
     estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1)

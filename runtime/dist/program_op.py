@@ -1,0 +1,409 @@
+"""One fused-op runtime for any traced kernel: :class:`FusedProgram` runs a ``@tl.kernel``'s
+compute and communication parts across the GPUs of a torch.distributed group, one rank per
+process, the way ``tl.run`` runs all of them on one GPU.
+
+**Building** (every rank of the group, at the same point — it is collective):
+
+1. trace the kernel for the group's size and the argument specs (shapes, dtypes) and the
+   keyword values (``compute=``, ``comm=``, ...), then lower every part through the one pipeline
+   ``tl.run`` uses (:func:`~..gpu.run_plan.lower_for_run`), check that every kernel parameter
+   can be bound (:func:`~..gpu.bind.check_bindings`), compile and load the kernels and plan this
+   rank's streams and grids (:func:`~..gpu.run_program.prepare`);
+2. **one agreement check**: the ranks exchange a hash of the traced IR (and the lowered
+   kernels' names) — or the error that stopped them. A rank that failed raises its own error,
+   its peers an :class:`~tldsl.errors.InputError` naming it; ranks that traced different
+   programs all raise the same InputError. No rank reaches the allocation alone, so nothing
+   hangs;
+3. allocate what the IR declares peer-visible — every symmetric tensor, and every signal's
+   counters plus a handshake array of one slot per rank, in one int64 block — through a
+   :class:`~.symmetric.Lease` (freed only by the collective ``close()``); workspaces that are
+   not symmetric are plain device tensors. Counters start at zero; a host barrier follows so no
+   peer writes a counter before it is zeroed.
+
+**A launch** (``op(*tensors)``; every rank calls it the same number of times, in the same order;
+``L`` counts launches from 1). Everything is enqueued on the caller's stream or forked from it,
+nothing waits on the host:
+
+1. the caller's tensors of symmetric arguments are copied into the symmetric buffers (other
+   arguments are bound in place: their kernels' arguments are packed once per set of addresses);
+2. **entry handshake** (stream memory operations, :func:`~..gpu.plan_exec.stream_handshake`):
+   value ``2L - 1`` into this rank's slot of every peer's handshake array, then wait until every
+   peer's slot here holds it. After it, every peer has finished launch ``L - 1`` (including its
+   read-back) and copied launch ``L``'s inputs in — as the simulator, where each launch starts
+   with every rank's inputs in place;
+3. every part of this rank (:func:`~..gpu.run_program.enqueue_launch`): each kernel or
+   copy-engine plan on a stream of its own forked from the caller's, with the **epoch** ``L`` —
+   the kernels' ``launch`` parameter and the copy-engine waits' targets. Signal counters are
+   never reset and only grow, so a wait of launch ``L`` needs ``per_launch * (L - 1) + count``
+   (:func:`tldsl.ir.semantics.wait_target`): notifies from launch ``L - 1`` never satisfy it;
+4. **exit handshake**: value ``2L``, the same way — every peer's parts of launch ``L`` are done
+   (a peer's push into this rank's tensors included);
+5. the symmetric buffers are copied back into the caller's tensors.
+
+So a call is stream-ordered like any torch op; :meth:`FusedProgram.synchronize` waits for the
+last launch with ``tl.run`` 's timeout and its :class:`~..gpu.run_errors.GpuHangError`.
+
+The epoch is counted on the host and passed by value (the kernels' ABI takes ``launch`` as an
+integer, as the GEMM and communication kernels do); a launch therefore cannot be replayed from a
+CUDA graph. What is launch-dependent is one number per launch — the kernels' ``launch``
+argument, the copy-engine targets and the two handshake values — computed in one place
+(:meth:`FusedProgram._enqueue`), so a device-resident epoch needs only a kernel ABI that reads
+it from memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import numbers
+
+from ...errors import InputError
+from ...ir import core
+from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
+from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
+from ..gpu.run_plan import RunPlan, hardware_queues, lower_for_run, plan_run
+from ..gpu.run_program import _TORCH, enqueue_launch, wait_for
+from ..sim.memory import poison_value
+from .fused_op import FusedOp
+from .group import dist_context, disagreements
+from .symmetric import Lease
+
+#: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
+PACKED_SETS = 8
+
+
+def exchange(ctx, obj) -> list:
+    """Every rank's ``obj`` (``all_gather_object`` over ``ctx.group``; alone: ``[obj]``) — the
+    one host collective a program's building makes."""
+    if ctx.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, obj, group=ctx.group)
+    return every
+
+
+def program_hash(ir: core.Kernel) -> str:
+    """A digest of the traced program (its printed IR: parts, schedules, buffers, signals)."""
+    return hashlib.sha256(str(ir).encode()).hexdigest()[:16]
+
+
+class FusedProgram(FusedOp):
+    """A traced kernel's parts run across a process group, this process being one rank.
+
+    ``kernel``: a ``@tl.kernel`` function; ``group``: a torch.distributed process group (default
+    WORLD), its size the traced world size; ``specs``: the arguments' shapes and dtypes (tensors,
+    arrays or ``tl.TensorSpec`` s, in argument order, or a dict by name); keyword values
+    (``compute=``, ``comm=``, ...) as for ``tl.simulate``. ``timeout_s``: a wait in a kernel
+    that lasts longer traps, and :meth:`synchronize` raises ``GpuHangError`` (None: never).
+    ``lowering``: ``lower_all`` options. ``device``: the GPU interface of ``tl.run``
+    (:class:`~..gpu.cuda_device.CudaDevice` by default).
+
+    Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the
+    traced shapes and dtypes, contiguous) enqueues one launch on the caller's stream; the
+    arguments are updated in place as the program writes them, and returned by name."""
+
+    def __init__(self, kernel, group=None, specs=None, *, timeout_s: float | None = 60.0,
+                 lowering: dict | None = None, static_checks: bool = True, device=None, progress=None, **kwargs):
+        self.ctx = dist_context(group)
+        self.launches = 0
+        self._engine = None
+        self._last = None                       # (start, end) events of the last launch
+        self.launch_ms: list[float] = []
+        error, built = None, None
+        try:
+            built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
+        except Exception as e:                  # noqa: BLE001 - exchanged first, then re-raised
+            error = e
+        mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
+                "config": None if built is None else built}
+        every = exchange(self.ctx, mine)
+        if error is not None:
+            raise error
+        failed = [(q, e["error"]) for q, e in enumerate(every) if e["error"] is not None]
+        if failed:
+            q, why = failed[0]
+            raise InputError(f"FusedProgram({_name(kernel)}): rank {q} could not build it ({why.splitlines()[0]})"
+                             + (f"; and {len(failed) - 1} more rank(s)" if len(failed) > 1 else ""))
+        diff = disagreements([e["config"] for e in every])
+        if diff:
+            raise InputError(f"FusedProgram({_name(kernel)}): the ranks traced different programs — "
+                             + "; ".join(diff))
+        self._allocate()
+
+    # -- building ---------------------------------------------------------------------------------
+    def _build(self, kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress) -> dict:
+        """Everything that can refuse, before any collective allocation: the trace, the lowering,
+        the bindings, the compile and the plan. Returns what the ranks must agree on."""
+        from ...kernel import KernelFunction
+        if not isinstance(kernel, KernelFunction):
+            raise InputError(f"FusedProgram needs a @tl.kernel function, got {type(kernel).__name__}")
+        self.kernel_fn = kernel
+        if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
+                                      or not timeout_s > 0):
+            raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
+        if lowering is not None and not isinstance(lowering, dict):
+            raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
+        if lowering and "wait_timeout_ns" in lowering:
+            raise InputError("lowering={'wait_timeout_ns': ...}: FusedProgram sets the kernels' wait timeout from "
+                             "timeout_s (seconds); pass timeout_s instead")
+        self.timeout_s = timeout_s
+        specs = _specs_in_order(kernel.arg_names, specs)
+        ir = kernel.trace_checked(self.ctx.world_size, specs, kwargs, channels=static_checks)
+        self.kernel = ir
+        self.compute, self.comm = ir.compute_schedule, ir.comm_schedule
+        lowered = lower_for_run(ir, wait_timeout_ns=None if timeout_s is None else int(timeout_s * 1e9),
+                                **dict(lowering or {}))
+        check_bindings(ir, lowered)
+        if device is None:
+            from ..gpu.cuda_device import CudaDevice
+            device = CudaDevice()
+        self.device = device
+        self._drv = device.ce_driver if device.ce_driver is not None else load_driver()
+        self._loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
+        W = ir.world_size       # planned as every rank on one GPU of W GPUs' SMs and queues: each rank's share is
+        full = plan_run(ir, lowered, sm_count=device.sm_count * W, queues=hardware_queues() * W,   # one GPU's
+                        occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
+        self.plan = _rank_plan(full, self.ctx.rank)
+        self.lowered = lowered
+        return {"program": program_hash(ir), "world size": ir.world_size,
+                "kernels": tuple(sorted(lk.entry for lk in lowered.values() if is_kernel(lk)))}
+
+    def _allocate(self) -> None:
+        """The symmetric tensors, the counters and handshake slots (one int64 block), the local
+        workspaces — then a host barrier, so no peer's write can precede the zeroing here."""
+        import torch
+        ir, W, rank = self.kernel, self.ctx.world_size, self.ctx.rank
+        workspaces = {b.name for b in ir.workspaces}
+        self._lease = Lease(self.ctx, f"FusedProgram({ir.name}) on rank {rank}", self)
+        self._closed = False
+        at = self.device.torch_device
+        self._symmetric: dict[str, object] = {}          # name -> this rank's symmetric tensor
+        self._workspaces: dict[str, object] = {}
+        peers: dict[str, list[int]] = {}
+        for b in ir.buffers:
+            dtype = getattr(torch, _TORCH[b.type.dtype.name])
+            if b.symmetric:
+                t, h = self._lease.empty(tuple(b.type.shape), dtype)
+                self._symmetric[b.name] = t
+                peers[b.name] = _peer_addresses(h, t, W, rank)
+                if b.name in workspaces:
+                    t.fill_(poison_value(b.type.dtype))
+            elif b.name in workspaces:
+                self._workspaces[b.name] = torch.full(tuple(b.type.shape), poison_value(b.type.dtype), dtype=dtype,
+                                                      device=at)
+        slots = [int(s.type.slots) for s in ir.signals]
+        block, h = self._lease.empty((sum(slots) + W,), torch.int64)
+        block.zero_()
+        base = _peer_addresses(h, block, W, rank)
+        self._signals, sig_peers, off = {}, {}, 0
+        for s, n in zip(ir.signals, slots):
+            self._signals[s.name] = block[off:off + n]
+            sig_peers[s.name] = [a + 8 * off for a in base]
+            off += n
+        self._handshake = [a + 8 * off for a in base]     # every rank's W arrival slots, as mapped here
+        self._fixed = [{} for _ in range(W)]               # rank -> {name: DeviceArray} of tensors bound once
+        for name, addrs in peers.items():
+            b = ir.buffer(name)
+            for q in range(W):
+                self._fixed[q][name] = DeviceArray(addrs[q], tuple(b.type.shape), array_dtype(b.type.dtype),
+                                                   owner=self._symmetric[name] if q == rank else None)
+        for name, t in self._workspaces.items():
+            b = ir.buffer(name)
+            self._fixed[rank][name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype),
+                                                  owner=t)
+        self._sig_arrays = [{s.name: DeviceArray(sig_peers[s.name][q], (int(s.type.slots),), "i64")
+                             for s in ir.signals} for q in range(W)]
+        self._tables: dict = {}                            # peer tables, uploaded once
+        self._packed: dict[tuple, tuple] = {}              # argument addresses -> (kernel args, copy executors)
+        self._streams = self.device.streams(len(self.plan.items)) if len(self.plan.items) > 1 else None
+        if getattr(block, "is_cuda", False):
+            torch.cuda.synchronize(block.device)
+        exchange(self.ctx, None)                           # every rank's counters are zero from here on
+
+    # -- a launch -----------------------------------------------------------------------------------
+    def __call__(self, *tensors, **named):
+        """Enqueue one launch on the caller's stream (see the module's docstring); returns the
+        argument tensors by name (the same objects, updated in place once the launch has run)."""
+        self._check_open()
+        args = self._arguments(tensors, named)
+        kernels, copies, mem = self._packs(args)
+        self._mem = mem
+        self._enqueue(args, kernels, copies)
+        return dict(zip([b.name for b in self.kernel.args], args))
+
+    def _arguments(self, tensors, named) -> list:
+        """The caller's tensors in argument order, each checked (before anything is enqueued)."""
+        import torch
+        names = [b.name for b in self.kernel.args]
+        if tensors and named:
+            raise InputError(f"{self.kernel.name}: pass the arguments in order or by name, not both")
+        if named:
+            missing = [n for n in names if n not in named]
+            extra = [n for n in named if n not in names]
+            if missing or extra:
+                raise InputError(f"{self.kernel.name} takes {names}; missing {missing}, unknown {extra}")
+            tensors = tuple(named[n] for n in names)
+        if len(tensors) != len(names):
+            raise InputError(f"{self.kernel.name} takes {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
+        at = self.device.torch_device
+        for b, t in zip(self.kernel.args, tensors):
+            want = getattr(torch, _TORCH[b.type.dtype.name])
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"argument '{b.name}': a torch tensor on {at}, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(b.type.shape) or t.dtype != want:
+                raise InputError(f"argument '{b.name}': {tuple(t.shape)} {t.dtype}, the program was traced for "
+                                 f"{tuple(b.type.shape)} {want}")
+            if t.device != at:
+                raise InputError(f"argument '{b.name}' is on {t.device}; this rank's program runs on {at}")
+            if not t.is_contiguous():
+                raise InputError(f"argument '{b.name}' is not contiguous (pass .contiguous())")
+        return list(tensors)
+
+    def _packs(self, args):
+        """The kernels' packed arguments and the copy-engine executors for these argument
+        addresses (built once per set of addresses, at most :data:`PACKED_SETS` kept)."""
+        local = [(b, t) for b, t in zip(self.kernel.args, args) if not b.symmetric]
+        key = tuple(t.data_ptr() for _, t in local)
+        hit = self._packed.get(key)
+        if hit is not None:
+            return hit
+        W, rank = self.ctx.world_size, self.ctx.rank
+        buffers = [dict(d) for d in self._fixed]
+        for b, t in local:
+            buffers[rank][b.name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype), owner=t)
+        mem = DeviceMemory(W, buffers, self._sig_arrays, self.device.upload, self.device.encode_tma,
+                           tables=self._tables)
+        kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem)) for k in self.plan.kernels}
+        copies = {(c.rank, c.part): PlanExecutor(c.plan, rank, _pointers(mem, rank, c.plan), driver=self._drv)
+                  for c in self.plan.copies}
+        if len(self._packed) >= PACKED_SETS:
+            self._packed.pop(next(iter(self._packed)))
+        self._packed[key] = (kernels, copies, mem)
+        return kernels, copies, mem
+
+    def _enqueue(self, args, kernels, copies) -> None:
+        """Launch ``L``: copy-in, entry handshake ``2L - 1``, the parts with epoch ``L``, exit
+        handshake ``2L``, copy-out — all stream-ordered after the caller's stream."""
+        W, rank = self.ctx.world_size, self.ctx.rank
+        L = self.launches + 1
+        dev, drv = self.device, self._drv
+        origin = dev.origin()
+        sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if b.symmetric]
+        for name, t in sym:
+            n = t.numel() * t.element_size()
+            checked(drv, drv.cuMemcpyAsync(self._symmetric[name].data_ptr(), t.data_ptr(), n, origin),
+                    f"cuMemcpyAsync(argument '{name}' into its symmetric buffer)")
+        if W > 1:
+            stream_handshake(drv, origin, self._handshake, rank, 2 * L - 1)
+        streams = self._streams or [origin]
+        start, end = enqueue_launch(dev, list(self.plan.items), L, self._loaded, kernels, copies, origin, streams)
+        if W > 1:
+            stream_handshake(drv, origin, self._handshake, rank, 2 * L)
+        for name, t in sym:
+            n = t.numel() * t.element_size()
+            checked(drv, drv.cuMemcpyAsync(t.data_ptr(), self._symmetric[name].data_ptr(), n, origin),
+                    f"cuMemcpyAsync(symmetric buffer '{name}' back into the argument)")
+        if self._last is not None:
+            dev.destroy(self._last)
+        self._last = (start, end)
+        self.launches = L
+
+    def synchronize(self) -> None:
+        """Wait for the last launch (its parts; the copy-back follows on the caller's stream);
+        past ``timeout_s`` a ``GpuHangError`` with the plan and this rank's counters."""
+        if self._last is None:
+            return
+        start, end = self._last
+        wait_for(self.device, end, self.launches, self.plan, self._mem, self.timeout_s)
+        self.launch_ms.append(self.device.elapsed_ms(start, end))
+
+    # -- what FusedOp asks ----------------------------------------------------------------------------
+    def signal_tensors(self) -> dict:
+        return dict(self._signals)
+
+    def workspace_tensors(self) -> dict:
+        workspaces = {b.name for b in self.kernel.workspaces}
+        return {**{n: t for n, t in self._symmetric.items() if n in workspaces},
+                **self._workspaces}
+
+    def _release(self) -> None:
+        if self._last is not None:
+            try:
+                wait_for(self.device, self._last[1], self.launches, self.plan, self._mem, self.timeout_s)
+            finally:
+                self.device.destroy(self._last)
+                self._last = None
+        self._packed.clear()
+        self._tables.clear()
+        self._fixed = self._sig_arrays = self._mem = None
+        self._signals, self._symmetric = {}, {}
+
+    def _problem(self) -> str:
+        args = ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in self.kernel.args)
+        return f"{self.kernel.name}({args})"
+
+    def _facts(self) -> list[tuple[str, object]]:
+        return [("program", self._problem()), ("parts", ", ".join(p.name for p in self.kernel.parts)),
+                ("symmetric", ", ".join(b.name for b in self.kernel.buffers if b.symmetric) or "-")]
+
+    def _describe_body(self) -> list[str]:
+        p = self.plan
+        lines = [f"rank {self.ctx.rank}'s launch: {len(p.items)} stream(s), {sum(k.ctas for k in p.kernels)} CTAs of "
+                 f"{p.sm_count} SMs, handshakes on the caller's stream"] + [f"  {x.describe()}" for x in p.items]
+        for item in self.plan.items:
+            lk = item.lowered if hasattr(item, "lowered") else item.plan
+            lines.append(f"part {item.part}: " + (lk.describe() if hasattr(lk, "describe") else type(lk).__name__))
+        return lines
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+def _name(kernel) -> str:
+    return getattr(kernel, "name", type(kernel).__name__)
+
+
+def _specs_in_order(names: list[str], specs) -> tuple:
+    if specs is None:
+        raise InputError(f"FusedProgram needs the arguments' specs ({', '.join(names)}): tensors, arrays or "
+                         "tl.TensorSpec s, in order or by name")
+    if isinstance(specs, dict):
+        missing = [n for n in names if n not in specs]
+        extra = [n for n in specs if n not in names]
+        if missing or extra:
+            raise InputError(f"specs: the kernel takes {names}; missing {missing}, unknown {extra}")
+        return tuple(specs[n] for n in names)
+    return tuple(specs)
+
+
+def _peer_addresses(handle, t, W: int, rank: int) -> list[int]:
+    """Every rank's address of symmetric tensor ``t`` as mapped in this process."""
+    ptrs = [int(p) for p in getattr(handle, "buffer_ptrs", ())]
+    if len(ptrs) != W:
+        raise InputError(f"the symmetric-memory handle maps {len(ptrs)} ranks' buffers, the group has {W}")
+    off = t.data_ptr() - ptrs[rank]
+    return [p + off for p in ptrs]
+
+
+def _pointers(mem: DeviceMemory, rank: int, ce_plan) -> PointerTable:
+    """A copy-engine plan's view of this rank's memory: symmetric tensors and every signal at
+    every rank's address, a local tensor at this rank's only."""
+    table = PointerTable(mem.world_size, rank)
+    for names, get in ((ce_plan.buffers, mem.buffers), (ce_plan.signals, mem.signals)):
+        for name in names:
+            mine = get[rank].get(name)
+            if mine is None:
+                raise InputError(f"the copy-engine plan of part '{ce_plan.part}' touches '{name}', which this "
+                                 "rank does not hold")
+            if all(name in get[q] for q in range(mem.world_size)):
+                table.add_symmetric(name, [get[q][name].ptr for q in range(mem.world_size)], mine.nbytes)
+            else:
+                table.add_local(name, mine.ptr, mine.nbytes)
+    return table
+
+
+def _rank_plan(full: RunPlan, rank: int) -> RunPlan:
+    """This rank's items of a plan made for every rank, on streams numbered from 0."""
+    mine = [x for x in full.items if x.rank == rank]
+    items = tuple(dataclasses.replace(x, stream=i) for i, x in enumerate(mine))
+    return RunPlan(full.kernel, items, full.sm_count // max(full.kernel.world_size, 1),
+                   full.reserved_sms)

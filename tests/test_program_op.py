@@ -1,0 +1,229 @@
+"""FusedProgram (runtime/dist/program_op.py) — the fused-op runtime that drives any traced kernel —
+on W fake GPUs without a GPU: every rank's real FusedProgram is built in a thread of its own
+(building is collective: the agreement check, the symmetric allocations), and all of them enqueue
+into one fake device (tests/test_run_fake_device.py) whose memory is CPU tensors: each kernel launch
+decodes the arguments the runtime packed and runs the tile program it was lowered from in the
+simulator's rules on the memory those addresses name; copy-engine plans, the copy-in/out and the
+handshakes are driver calls on its streams, which run interleaved at random with one starved at a
+time. Every launch of every rank must agree with ``tl.simulate`` of the same launches.
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+torch = pytest.importorskip("torch")
+
+from test_gpu_run import assert_agrees  # noqa: E402
+from test_run_fake_device import FakeDevice  # noqa: E402
+
+from tldsl.errors import InputError  # noqa: E402
+from tldsl.runtime.dist import program_op  # noqa: E402
+
+
+class RankDevice:
+    """Rank ``rank``'s view of the shared fake device: a caller's stream and streams of its own."""
+
+    def __init__(self, fake, rank):
+        self._fake, self.rank = fake, rank
+
+    def origin(self):
+        return 1000 * (self.rank + 1)
+
+    def streams(self, n):
+        return [1000 * (self.rank + 1) + i + 1 for i in range(n)]
+
+    def __getattr__(self, name):
+        return getattr(self._fake, name)
+
+
+class Group:
+    """W ranks as threads: the host collectives (the exchange, symmetric memory's rendezvous) meet
+    at a barrier; the ranks' FusedPrograms share one fake device."""
+
+    def __init__(self, monkeypatch, W, seed=0):
+        import torch.distributed._symmetric_memory as symm_mem
+        self.W, self.fake = W, FakeDevice(seed)
+        self.local = threading.local()
+        barrier = self.barrier = threading.Barrier(W)
+        meet: dict = {}
+        group = self
+
+        def ctx(g=None):
+            return types.SimpleNamespace(rank=group.local.rank, world_size=W, device=0, group=None,
+                                         group_name=f"fake{id(group)}", backend="CUDA")
+
+        def gather(obj):
+            key = group.local.calls
+            group.local.calls += 1
+            meet.setdefault(key, {})[group.local.rank] = obj
+            barrier.wait()
+            out = [meet[key][q] for q in range(W)]
+            barrier.wait()
+            return out
+
+        class Handle:
+            def __init__(self, t):
+                self.tensors = gather(t)
+                self.buffer_ptrs = [x.data_ptr() for x in self.tensors]
+
+        monkeypatch.setattr(program_op, "dist_context", ctx)
+        monkeypatch.setattr(program_op, "exchange", lambda c, obj: gather(obj))
+        monkeypatch.setattr(symm_mem, "empty", lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
+        monkeypatch.setattr(symm_mem, "rendezvous", lambda t, group_name: Handle(t))
+        lock = threading.Lock()                   # tracing and lowering are not thread-safe
+        build = program_op.FusedProgram._build
+
+        def serial_build(self, *a):
+            with lock:
+                return build(self, *a)
+        monkeypatch.setattr(program_op.FusedProgram, "_build", serial_build)
+
+    def build(self, make):
+        """``make(rank, device)`` on every rank at once; the ops, or the first rank's error (and
+        every rank's errors in ``self.errors``)."""
+        ops, self.errors = [None] * self.W, [None] * self.W
+
+        def run(r):
+            self.local.rank, self.local.calls = r, 0
+            try:
+                ops[r] = make(r, RankDevice(self.fake, r))
+            except BaseException as e:   # noqa: BLE001 - re-raised in the test's thread
+                self.errors[r] = e
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in self.errors:
+            if e is not None:
+                raise e
+        return ops
+
+
+def tensors(arrays: dict) -> dict:
+    """numpy arrays as the CPU tensors the fake GPU holds (bf16 bit-exact)."""
+    out = {}
+    for k, v in arrays.items():
+        out[k] = torch.from_numpy(np.ascontiguousarray(v).copy())
+    return out
+
+
+def host(t):
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def run_program(monkeypatch, fn, W, inputs, launches=2, seed=0, fresh=None, **kw):
+    """FusedProgram on W fake ranks: ``launches`` calls on every rank, all enqueued before the
+    fake GPU runs anything; ``fresh(L)``: new inputs for launch ``L`` (default: the same tensors,
+    updated in place, as the simulator's launches leave them). Returns (ops, every launch's
+    outputs by rank)."""
+    g = Group(monkeypatch, W, seed)
+    ops = g.build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[r], device=dev, timeout_s=2.0, **kw))
+    per_launch = []
+    args = [tensors(inputs[r]) for r in range(W)]
+    for L in range(1, launches + 1):
+        if fresh is not None:
+            args = [tensors(x) for x in fresh(L)]
+        for r in g.fake.rng.sample(range(W), W):         # the hosts enqueue in any order
+            ops[r](**args[r])
+        per_launch.append(args)
+    for r in range(W):
+        ops[r].synchronize()
+    outs = [[{n: host(t) for n, t in a.items()} for a in args] for args in per_launch]
+    return ops, outs, g
+
+
+def simulated(fn, W, inputs, launches, **kw):
+    return tl.simulate(fn, W, inputs, options={"launches": launches}, **kw)
+
+
+# =================================================================================================
+# programs
+# =================================================================================================
+
+def library_case(name: str, W: int):
+    """(kernel, inputs, keyword values) of a library op or a hand-written program at W ranks."""
+    from tldsl.ops import allgather_gemm as agm, gemm_reduce_scatter as grs
+    from tldsl.ops.moe import allgather_moe, make_allgather_case, make_reduce_scatter_case, moe_reduce_scatter
+    from tldsl.ops.sp_attention import make_case as sp_case
+    from tldsl.ops.sp_attention import sp_attention
+    from test_codegen_general import normed_gather, ring_exchange
+    rng = np.random.default_rng(W)
+    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
+    if name == "allgather_gemm":
+        c = agm.make_case(rng, W, rows_per_rank=32, n=32, k=16, compute=c16, comm=tl.CommSchedule(sms=1))
+        return agm.allgather_gemm, c.inputs, c.kwargs
+    if name == "allgather_gemm_ce":
+        c = agm.make_case(rng, W, rows_per_rank=32, n=32, k=16, compute=c16,
+                          comm=tl.CommSchedule(engine="copy_engine"))
+        return agm.allgather_gemm, c.inputs, c.kwargs
+    if name == "gemm_reduce_scatter":
+        c = grs.make_case(rng, W, rows_per_rank=16, n=32, k_per_rank=16, compute=c16, comm=tl.CommSchedule(sms=1))
+        return grs.gemm_reduce_scatter, c.inputs, c.kwargs
+    if name == "sp_attention":
+        c = sp_case(rng, W, seq_per_rank=64, heads=1, head_dim=16, causal=True,
+                    compute=tl.ComputeSchedule(tile=(64, 32, 16)), comm=tl.CommSchedule(tile_m=32, mode="pull"))
+        return sp_attention, c.inputs, c.kwargs
+    c32 = tl.ComputeSchedule(tile=(32, 32, 32))
+    if name == "allgather_moe":
+        c = make_allgather_case(rng, W, rows_per_rank=24, k=32, n=32, num_experts=3, topk=2, compute=c32,
+                                comm=tl.CommSchedule(tile_m=16, mode="pull"))
+        return allgather_moe, c.inputs, c.kwargs
+    if name == "moe_reduce_scatter":
+        c = make_reduce_scatter_case(rng, W, rows_per_rank=24, k=32, n=32, num_experts=3, topk=2, compute=c32,
+                                     comm=tl.CommSchedule(tile_m=16, mode="push"))
+        return moe_reduce_scatter, c.inputs, c.kwargs
+    if name == "ring_exchange":
+        inputs = [{n: rng.standard_normal((16, 8)).astype(np.float32) for n in "xywz"} for _ in range(W)]
+        return ring_exchange, inputs, {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}
+    assert name == "normed_gather"
+    inputs = [{"x": rng.standard_normal((8, 16)).astype(np.float32), "g": np.zeros((8 * W, 16), np.float32),
+               "y": np.zeros((8 * W, 16), np.float32)} for _ in range(W)]
+    return normed_gather, inputs, {"compute": tl.ComputeSchedule(tile=(8, 16, 16)), "comm": tl.CommSchedule(sms=1)}
+
+
+def _agrees(monkeypatch, name, W, launches=2, seed=0):
+    fn, inputs, kw = library_case(name, W)
+    want = simulated(fn, W, inputs, launches, **kw)
+    ops, outs, g = run_program(monkeypatch, fn, W, inputs, launches=launches, seed=seed, **kw)
+    assert_agrees(outs[-1], want.outputs, want.kernel, sums=True)
+    return ops, outs, g
+
+
+@pytest.mark.parametrize("name", ["normed_gather", "ring_exchange"])
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+def test_hand_written_programs_agree_with_the_simulator(monkeypatch, name, W):
+    ops, _, _ = _agrees(monkeypatch, name, W, launches=3, seed=W)
+    for op in ops:
+        assert op.launches == 3
+        op.close()
+
+
+def test_normed_gather_with_fresh_inputs_every_launch(monkeypatch):
+    """Launch L's results are launch L's: each of three launches gets new shards, and every rank's
+    output of each launch matches a simulation of those inputs alone."""
+    fn, _, kw = library_case("normed_gather", 3)
+    rng = np.random.default_rng(9)
+    fresh = {L: [{"x": rng.standard_normal((8, 16)).astype(np.float32), "g": np.zeros((24, 16), np.float32),
+                  "y": np.zeros((24, 16), np.float32)} for _ in range(3)] for L in (1, 2, 3)}
+    ops, outs, _ = run_program(monkeypatch, fn, 3, fresh[1], launches=3, seed=5, fresh=fresh.get, **kw)
+    for L in (1, 2, 3):
+        want = tl.simulate(fn, 3, fresh[L], **kw)
+        assert_agrees(outs[L - 1], want.outputs, want.kernel, sums=True)
+    for op in ops:
+        op.close()
+
+
+@pytest.mark.parametrize("name", ["allgather_gemm", "allgather_gemm_ce", "gemm_reduce_scatter", "sp_attention",
+                                  "allgather_moe", "moe_reduce_scatter"])
+def test_library_ops_agree_with_the_simulator(monkeypatch, name):
+    for W in (1, 2):
+        ops, _, _ = _agrees(monkeypatch, name, W, launches=2, seed=W)
+        for op in ops:
+            op.close()

@@ -1,0 +1,133 @@
+"""The sequential baselines of ``tldsl.bench baselines`` compute the layers our fused ops compute:
+two gloo ranks on the CPU run each baseline (all-gather / reduce-scatter through
+torch.distributed, ``torch._grouped_mm``, SDPA) against numpy references written from the
+layers' definitions, for every routing kind and both attention layouts."""
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+from tldsl.bench import baselines  # noqa: E402
+
+W, T, K, N, E, TOPK = 2, 12, 16, 8, 5, 2
+S, HQ, HKV, D = 8, 4, 2, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, K, generator=g)
+    w1 = [torch.randn(E, K, N, generator=g) for _ in range(W)]
+    w2 = [torch.randn(E, N, K, generator=g) for _ in range(W)]
+    q = torch.randn(W * S, HQ, D, generator=g)
+    k = torch.randn(W * S, HKV, D, generator=g)
+    v = torch.randn(W * S, HKV, D, generator=g)
+    return x, w1, w2, q, k, v
+
+
+def _rows(layout, rank):
+    if layout == "contiguous":
+        return np.arange(rank * S, (rank + 1) * S)
+    (a, b), (c, d) = baselines.zigzag_positions(rank, W, S)
+    return np.concatenate([np.arange(a, b), np.arange(c, d)])
+
+
+def _rank(rank, port, path):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    x, w1, w2, q, k, v = _inputs()
+    out = {}
+    for kind in baselines.ROUTINGS:
+        ids, wts = baselines.random_topk(T, E, TOPK, kind, device="cpu", seed=3)
+        h = baselines.ag_moe(x[rank * T // W:(rank + 1) * T // W], ids, w1[rank])
+        out[kind] = dict(ids=ids, wts=wts, h=h, y=baselines.moe_rs(h, ids, wts, w2[rank]))
+    for layout in baselines.LAYOUTS:
+        rows = torch.as_tensor(_rows(layout, rank))
+        for causal in (False, True):
+            for heads in (HQ, HKV):            # MHA (K/V with every query head), GQA
+                kk, vv = (torch.cat([t, t], 1)[rows] if heads == HQ else t[rows] for t in (k, v))
+                out[layout, causal, heads] = baselines.sp_attention(q[rows], kk, vv, causal=causal, layout=layout)
+    torch.save(out, f"{path}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _attention(q, k, v, causal):
+    """numpy: softmax attention of every global query over every key (GQA: a K/V head per
+    ``HQ // Hkv`` query heads), the causal mask on global positions."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[2])
+    if causal:
+        s = np.where(np.arange(s.shape[2])[None, None, :] <= np.arange(s.shape[1])[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(axis=2, keepdims=True))
+    p /= p.sum(axis=2, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every rank's baselines: one spawn of two gloo ranks for all the checks below."""
+    path = tmp_path_factory.mktemp("baselines")
+    mp.start_processes(_rank, args=(_free_port(), str(path)), nprocs=W, start_method="spawn")
+    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(W)]
+
+
+@pytest.mark.parametrize("kind", baselines.ROUTINGS)
+def test_the_moe_baselines_compute_the_layers(results, kind):
+    res = [r[kind] for r in results]
+    x, w1, w2 = _inputs()[:3]
+    x = x.numpy()
+    ids, wts = res[0]["ids"].numpy(), res[0]["wts"].numpy()
+    assert ids.shape == (T, TOPK) and np.allclose(wts.sum(1), 1) and ((ids >= 0) & (ids < E)).all()
+    if kind == "one":
+        assert (ids == ids[0]).all()
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    y_all = 0
+    for r in range(W):
+        # AllGather+MoE: routed row i (expert-sorted) = token order[i] // k times its expert's w1 slice
+        want_h = np.stack([x[t // TOPK] @ w1[r][flat[t]].numpy() for t in order])
+        np.testing.assert_allclose(res[r]["h"].numpy(), want_h, rtol=1e-4, atol=1e-4)
+        y_all = y_all + np.stack([sum(wts[t, j] * want_h[np.where(order == t * TOPK + j)[0][0]] @ w2[r][ids[t, j]].numpy()
+                                      for j in range(TOPK)) for t in range(T)])
+    for r in range(W):          # MoE+ReduceScatter: this rank's tokens, summed over the ranks' slices
+        np.testing.assert_allclose(res[r]["y"].numpy(), y_all[r * T // W:(r + 1) * T // W], rtol=1e-4, atol=1e-3)
+
+
+def test_the_attention_baseline_computes_the_layer(results):
+    q, k, v = (t.numpy() for t in _inputs()[3:])
+    res = results
+    assert len([key for key in res[0] if isinstance(key, tuple)]) == 8      # 2 layouts x causal x MHA/GQA
+    for (layout, causal, heads) in (key for key in res[0] if isinstance(key, tuple)):
+        kk, vv = (np.concatenate([t, t], 1) if heads == HQ else t for t in (k, v))
+        want = _attention(q, kk, vv, causal)
+        for r in range(W):
+            np.testing.assert_allclose(res[r][layout, causal, heads].numpy(), want[_rows(layout, r)],
+                                       rtol=1e-4, atol=1e-5, err_msg=f"{layout} causal={causal} heads={heads}")
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    with pytest.raises(SystemExit):
+        baselines.parse_args(["sp_attention", "--layout", "diagonal"])
+    with pytest.raises(SystemExit):
+        baselines.parse_args(["ag_moe", "--models", "mixtral:lots:random"])
+    with pytest.raises(ValueError, match="rows per rank must be even"):
+        baselines.zigzag_positions(0, 2, 7)
+    with pytest.raises(ValueError, match="routing: one of"):
+        baselines.random_topk(4, 4, 2, "uniform", device="cpu")
+    args = baselines.parse_args(["moe_rs", "--models", "qwen3:8192:zipf"])
+    assert args.rows == [baselines.MoERow("qwen3", 8192, "zipf")]
+    assert len(baselines.parse_args(["ag_moe"]).rows) == len(baselines.MOE_ROWS)

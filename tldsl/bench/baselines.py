@@ -1,0 +1,329 @@
+"""The sequential baselines the fused MoE and attention ops are timed against (run under torchrun).
+
+What a user without tldsl runs for the same layer, one step after the other on one stream:
+
+* ``ag_moe`` — NCCL all-gather of the token shards, the routed rows gathered in expert-sorted
+  order, ``torch._grouped_mm`` with this rank's slice of the (gate + up fused) expert weights;
+* ``moe_rs`` — ``torch._grouped_mm`` of the expert-sorted rows with this rank's slice of the
+  down-projection, the top-k weighted sum per token, NCCL reduce-scatter of the tokens;
+* ``sp_attention`` — NCCL all-gather of K and V, then torch SDPA (its default backend) for this
+  rank's queries: causal masks are lower-right over the keys up to the rank's last query (the
+  same mask as the global causal one), for both sequence layouts (``contiguous``: rank ``r``
+  holds rows ``[r*S, (r+1)*S)``; ``zigzag``: the sequence in ``2W`` chunks, rank ``r`` holds
+  chunks ``r`` and ``2W-1-r``, so every rank does the same causal work).
+
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe [--models mixtral,qwen15 ...] [--iters 20]
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines moe_rs
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines sp_attention [--seqs 4096,8192] [--causal] [--gqa]
+
+Each row: the sequential layer, its communication alone, its compute alone, ideal =
+max(comm, compute), and sequential / ideal — every column timed interleaved in one run
+(:func:`tldsl.bench.dist.bench_interleaved`, the slowest rank's median). The routing of a
+row is top-k of random logits (``random``), Zipf-skewed (``zipf``) or every token on the same
+experts (``one``); the routing tables (sort, counts, offsets) are computed on the GPU inside
+the timed layer, as a user's layer computes them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+#: MoE models of the benchmark: hidden size, expert FFN size, experts, top-k
+MOE_MODELS = {
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen15": (2048, 1408, 60, 4),
+    "qwen3": (2048, 768, 128, 8),
+    "deepseek": (2048, 1408, 64, 6),
+    "stress": (8192, 8192, 32, 3),
+}
+#: (model, tokens across the ranks, routing) rows run by default
+MOE_ROWS = [("mixtral", 2048, "random"), ("mixtral", 8192, "random"), ("mixtral", 32768, "random"),
+            ("qwen15", 8192, "random"), ("qwen3", 8192, "random"), ("deepseek", 8192, "random"),
+            ("stress", 8192, "random"), ("mixtral", 8192, "zipf"), ("mixtral", 8192, "one")]
+ROUTINGS = ("random", "zipf", "one")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# -- the routing, as a user's layer computes it on the GPU ------------------------------------------
+
+def route(topk_ids, num_experts: int):
+    """``(order, offsets)`` of a routing ``topk_ids [T, k]``: ``order`` lists the routed rows
+    ``t*k + j`` sorted by expert (stable: tokens increase inside an expert), ``offsets`` the
+    int32 end row of every expert's group (``torch._grouped_mm``'s ``offs``). No host sync."""
+    import torch
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def random_topk(num_tokens: int, num_experts: int, topk: int, kind: str, *, device, seed: int = 0):
+    """``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``: top-k of random logits
+    (``random``), of logits with a Zipf-like bias towards low expert ids (``zipf``), or the same
+    ``k`` experts for every token (``one``); weights are the softmax of the chosen logits."""
+    import torch
+    if kind not in ROUTINGS:
+        raise ValueError(f"routing: one of {', '.join(ROUTINGS)}, got {kind!r}")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if kind == "zipf":
+        logits = logits + 2.0 * torch.log(1.0 / torch.arange(1, num_experts + 1, dtype=torch.float32))
+    if kind == "one":
+        logits = logits * 0 + torch.linspace(1.0, 0.0, num_experts)
+    vals, ids = torch.topk(logits, topk, dim=1)
+    return ids.to(torch.int32).to(device), torch.softmax(vals, dim=1).to(device)
+
+
+# -- the three layers ---------------------------------------------------------------------------------
+
+def _all_gather(x, group):
+    import torch
+    import torch.distributed as dist
+    W = dist.get_world_size(group)
+    out = torch.empty((W * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x, group):
+    import torch
+    import torch.distributed as dist
+    W = dist.get_world_size(group)
+    out = torch.empty((x.shape[0] // W, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
+    return out
+
+
+def ag_moe(x_shard, topk_ids, w1, group=None):
+    """AllGather + MoE, sequentially: ``h [T*k, N/W]`` in expert-sorted order (``route``'s),
+    for token shards ``x_shard [T/W, K]`` and this rank's ``w1 [E, K, N/W]``."""
+    import torch
+    x = _all_gather(x_shard, group)
+    order, offs = route(topk_ids, w1.shape[0])
+    rows = x.index_select(0, order // topk_ids.shape[1])
+    return torch._grouped_mm(rows, w1, offs=offs)
+
+
+def moe_rs(h, topk_ids, topk_weights, w2, group=None):
+    """MoE + ReduceScatter, sequentially: ``h [T*k, N/W]`` in expert-sorted order times this
+    rank's ``w2 [E, N/W, K]``, the top-k weighted sum per token (fp32), and the reduce-scatter
+    over the ranks: this rank's tokens ``[T/W, K]`` in ``h``'s dtype."""
+    import torch
+    order, offs = route(topk_ids, w2.shape[0])
+    y = torch._grouped_mm(h, w2, offs=offs)
+    T, k = topk_ids.shape
+    weighted = y.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros((T, w2.shape[2]), dtype=torch.float32, device=h.device)
+    out.index_add_(0, order // k, weighted)
+    return _reduce_scatter(out.to(h.dtype), group)
+
+
+def zigzag_positions(rank: int, world_size: int, rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two global row ranges ``[start, end)`` a rank holds in the zig-zag layout: the
+    sequence of ``world_size * rows`` rows in ``2 * world_size`` chunks of ``rows // 2``
+    (``rows`` even), chunks ``rank`` and ``2W-1-rank``."""
+    if rows % 2:
+        raise ValueError(f"zigzag: rows per rank must be even (two chunks), got {rows}")
+    c = rows // 2
+    return (rank * c, (rank + 1) * c), ((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)
+
+
+def _unzigzag(kv, world_size: int):
+    """Gathered zig-zag shards ``[W*S, ...]`` (rank order) -> the sequence in global order."""
+    import torch
+    S = kv.shape[0] // world_size
+    c = S // 2
+    chunks = [None] * (2 * world_size)
+    for r in range(world_size):
+        (a, _), (b, _) = zigzag_positions(r, world_size, S)
+        chunks[a // c] = kv[r * S: r * S + c]
+        chunks[b // c] = kv[r * S + c: (r + 1) * S]
+    return torch.cat(chunks, 0)
+
+
+def sp_attention(q, k_shard, v_shard, *, causal: bool, layout: str = "contiguous", group=None):
+    """Sequence-parallel attention, sequentially: all-gather K and V, then SDPA for this rank's
+    queries. ``q [S, Hq, D]``, ``k_shard``/``v_shard [S, Hkv, D]`` (``Hkv`` dividing ``Hq``: GQA);
+    returns ``[S, Hq, D]``. Causal masks are the global ones, written as lower-right masks over the
+    keys up to each query block's last position."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: one of {', '.join(LAYOUTS)}, got {layout!r}")
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    k, v = _all_gather(k_shard, group), _all_gather(v_shard, group)
+    S = q.shape[0]
+    if layout == "zigzag":
+        k, v = _unzigzag(k, W), _unzigzag(v, W)
+        blocks = [(slice(0, S // 2), zigzag_positions(r, W, S)[0]), (slice(S // 2, S), zigzag_positions(r, W, S)[1])]
+    else:
+        blocks = [(slice(0, S), (r * S, (r + 1) * S))]
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for rows, (_, end) in blocks:
+        qb = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, Hq, Sq, D]
+        keys = end if causal else k.shape[0]
+        kb, vb = (t[:keys].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        mask = causal_lower_right(qb.shape[2], keys) if causal else None
+        outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
+    return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+
+
+# -- the benchmark --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoERow:
+    model: str
+    tokens: int
+    routing: str
+
+    def sizes(self, world_size: int):
+        hidden, ffn, E, topk = MOE_MODELS[self.model]
+        if self.tokens % world_size or (2 * ffn) % world_size or ffn % world_size:
+            raise ValueError(f"{self}: tokens and the FFN size must divide by {world_size} ranks")
+        return hidden, ffn, E, topk
+
+
+def _moe_inputs(row: MoERow, W: int, rank: int, what: str, dtype):
+    import torch
+    hidden, ffn, E, topk = row.sizes(W)
+    g = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    ids, wts = random_topk(row.tokens, E, topk, row.routing, device="cuda", seed=7)
+    if what == "ag_moe":
+        x = torch.randn(row.tokens // W, hidden, generator=g).to("cuda", dtype)
+        w = (torch.randn(E, hidden, 2 * ffn // W, generator=g) / hidden ** 0.5).to("cuda", dtype)
+        return x, ids, wts, w
+    h = torch.randn(row.tokens * topk, ffn // W, generator=g).to("cuda", dtype)
+    w = (torch.randn(E, ffn // W, hidden, generator=g) / ffn ** 0.5).to("cuda", dtype)
+    return h, ids, wts, w
+
+
+def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16") -> list[dict]:
+    """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone."""
+    import torch
+    import torch.distributed as dist
+    from .dist import bench_interleaved
+    W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
+    results = []
+    for row in rows:
+        a, ids, wts, w = _moe_inputs(row, W, rank, what, dtype)
+        order, offs = route(ids, w.shape[0])
+        k = ids.shape[1]
+        if what == "ag_moe":
+            gathered = _all_gather(a, None)
+            fns = {"sequential": lambda: ag_moe(a, ids, w),
+                   "comm": lambda: _all_gather(a, None),
+                   # compute alone: the row gather and the grouped GEMM on already gathered tokens
+                   "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
+        else:
+            flat_w = wts.reshape(-1).index_select(0, order)[:, None]
+            partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
+
+            def combine():
+                out = torch.zeros((row.tokens, w.shape[2]), dtype=torch.float32, device="cuda")
+                return out.index_add_(0, order // k, torch._grouped_mm(a, w, offs=offs).float() * flat_w)
+            fns = {"sequential": lambda: moe_rs(a, ids, wts, w),
+                   "comm": lambda: _reduce_scatter(partial, None),
+                   "compute": combine}           # the grouped GEMM and the weighted top-k sum
+        flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
+        t = bench_interleaved(fns, iters=iters)
+        ideal = max(t["comm"], t["compute"])
+        res = dict(what=what, model=row.model, tokens=row.tokens, routing=row.routing, world_size=W, **t,
+                   ideal=ideal, seq_over_ideal=t["sequential"] / ideal,
+                   compute_tflops=flops / t["compute"] / 1e9)
+        results.append(res)
+        if rank == 0:
+            print(f"| {what} | {row.model} | {row.tokens} | {row.routing} | {t['sequential']:.3f} | {t['comm']:.3f} | "
+                  f"{t['compute']:.3f} ({res['compute_tflops']:.0f} TFLOP/s) | {ideal:.3f} | "
+                  f"{res['seq_over_ideal']:.2f} |", file=out, flush=True)
+    return results
+
+
+def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, out=sys.stdout,
+                    heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16") -> list[dict]:
+    """Time the sequence-parallel attention baseline per sequence length per rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from .dist import bench_interleaved
+    W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
+    hkv = heads // 4 if gqa else heads
+    results = []
+    for S in seqs:
+        g = torch.Generator(device="cpu").manual_seed(rank)
+        q, k, v = (torch.randn(S, h, head_dim, generator=g).to("cuda", dtype) for h in (heads, hkv, hkv))
+        kv_all = torch.randn(W * S, hkv, head_dim, generator=g).to("cuda", dtype)
+        qb = q.transpose(0, 1).unsqueeze(0)
+        kb = vb = kv_all.transpose(0, 1).unsqueeze(0)
+        mask = _lower_right(S, W * S) if causal else None
+        fns = {"sequential": lambda: sp_attention(q, k, v, causal=causal, layout=layout),
+               "comm": lambda: (_all_gather(k, None), _all_gather(v, None)),
+               # compute alone: the last rank's queries over every key (with causal masks, the
+               # contiguous layout's busiest rank)
+               "compute": lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)}
+        t = bench_interleaved(fns, iters=iters)
+        ideal = max(t["comm"], t["compute"])
+        res = dict(what="sp_attention", seq_per_rank=S, world_size=W, causal=causal, gqa=gqa, layout=layout,
+                   **t, ideal=ideal, seq_over_ideal=t["sequential"] / ideal)
+        results.append(res)
+        if rank == 0:
+            print(f"| sp_attention | S={S} W={W} {'causal' if causal else 'full'} {'GQA 32/8' if gqa else 'MHA'} "
+                  f"{layout} | {t['sequential']:.3f} | {t['comm']:.3f} | {t['compute']:.3f} | {ideal:.3f} | "
+                  f"{res['seq_over_ideal']:.2f} |", file=out, flush=True)
+    return results
+
+
+def _lower_right(q_len: int, k_len: int):
+    from torch.nn.attention.bias import causal_lower_right
+    return causal_lower_right(q_len, k_len)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node=2 -m tldsl.bench baselines", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("ag_moe", "moe_rs", "sp_attention"))
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated MODEL:TOKENS:ROUTING rows (models: {', '.join(MOE_MODELS)}; "
+                         f"routings: {', '.join(ROUTINGS)}); default: the issue's rows")
+    ap.add_argument("--seqs", default="4096,8192,16384,32768", help="sequence lengths per rank (sp_attention)")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--gqa", action="store_true", help="32 query heads over 8 K/V heads")
+    ap.add_argument("--layout", choices=LAYOUTS, default="contiguous")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    args = ap.parse_args(argv)
+    try:
+        args.rows = MOE_ROWS if not args.models else [_parse_row(s) for s in args.models.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    args.seq_list = [int(s) for s in args.seqs.split(",")]
+    return args
+
+
+def _parse_row(text: str) -> MoERow:
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in MOE_MODELS or parts[2] not in ROUTINGS or not parts[1].isdigit():
+        raise argparse.ArgumentTypeError(f"--models: MODEL:TOKENS:ROUTING (e.g. mixtral:8192:random), got {text!r}")
+    return MoERow(parts[0], int(parts[1]), parts[2])
+
+
+def main(argv) -> int:
+    import torch.distributed as dist
+    from tldsl.runtime.dist.group import init_ranks
+    args = parse_args(argv)
+    init_ranks()
+    try:
+        if dist.get_rank() == 0:
+            print(f"# baselines {args.what}, {dist.get_world_size()} ranks, {args.dtype}; ms (slowest rank's median)")
+            print("| layer | row | sequential | comm | compute | ideal | seq / ideal |\n|---|---|---|---|---|---|---|")
+        if args.what == "sp_attention":
+            bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
+                            dtype_name=args.dtype)
+        else:
+            bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype)
+    finally:
+        dist.destroy_process_group()
+    return 0

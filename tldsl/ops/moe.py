@@ -20,6 +20,8 @@ expert. Tiles after the last expert's are unused. Their number is static for giv
 :func:`moe_num_tiles` bounds it by the worst case over all routings, so one compiled kernel
 serves every routing with the same sizes. :func:`moe_routing` fills the tables (the
 dynamic mapping) on the host; padding rows and unused tiles of ``h`` hold zeros.
+``tldsl.runtime.gpu.moe_routing.MoERoutingBuilder`` builds the same tables, entry for entry,
+on the GPU from a ``topk_ids`` tensor there, with no host synchronisation.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_the_extras_pin_what_the_toolchain_checks():
     assert _pins("cpu") == {"nvidia-nvshmem-cu13": NVSHMEM_PINNED}
     for machine in ("cpu", "gpu"):
         assert "tldsl[nvrtc]" in EXTRAS[machine]
-    assert not any("nvshmem" in r for r in EXTRAS["gpu"] + EXTRAS["nvrtc"])   # a GPU host takes torch's own
+    assert not any(r.startswith("nvidia-nvshmem") for r in EXTRAS["gpu"] + EXTRAS["nvrtc"])   # a GPU host takes torch's own
 
 
 def test_readme_and_makefile_install_with_these_extras():

@@ -2297,37 +2297,46 @@ def test_nvshmem_ctypes_structs_match_the_headers(tmp_path):
 
 
 class FakeNvshmemLib:
-    """The host calls Nvshmem makes, recorded; PE numbers and heap addresses made up."""
+    """nvshmem4py's ``nvshmem.bindings`` functions Nvshmem calls (addresses as ints, as there),
+    recorded; PE numbers and heap addresses made up. A struct passed by address is recorded as
+    a copy of what it held during the call."""
 
     def __init__(self, pe, n):
         self.pe, self.n, self.calls, self.heap = pe, n, [], 0x7a00_0000_0000
-        for name in ("nvshmemx_get_uniqueid", "nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr",
-                     "nvshmemx_hostlib_finalize", "nvshmem_my_pe", "nvshmem_n_pes", "nvshmem_malloc", "nvshmem_free",
-                     "nvshmem_ptr", "nvshmemx_cumodule_init", "nvshmemx_barrier_all_on_stream"):
+        for name in ("get_uniqueid", "set_attr_uniqueid_args", "hostlib_init_attr", "hostlib_finalize", "my_pe",
+                     "n_pes", "malloc", "free", "ptr", "cumodule_init", "barrier_all_on_stream"):
             setattr(self, name, self._fn(name))
 
     def _fn(self, name):
         def call(*args):
             self.calls.append((name,) + args)
-            return getattr(self, "_" + name, lambda *a: 0)(*args)
+            return getattr(self, "_" + name, lambda *a: None)(*args)
         return call
 
-    def _nvshmemx_get_uniqueid(self, ref):
-        ref._obj.internal = b"rank0-secret"
-        return 0
+    def _get_uniqueid(self, addr):
+        from tldsl.runtime.dist import nvshmem as nvm
+        nvm.UniqueId.from_address(addr).internal = b"rank0-secret"
 
-    def _nvshmem_my_pe(self):
+    def _set_attr_uniqueid_args(self, rank, n, uid, attr):
+        from tldsl.runtime.dist import nvshmem as nvm
+        self.calls[-1] = ("set_attr_uniqueid_args", rank, n, nvm.UniqueId.from_buffer_copy(nvm.UniqueId.from_address(uid)),
+                          nvm.InitAttr.from_buffer_copy(nvm.InitAttr.from_address(attr)))
+
+    def _my_pe(self):
         return self.pe
 
-    def _nvshmem_n_pes(self):
+    def _n_pes(self):
         return self.n
 
-    def _nvshmem_malloc(self, n):
+    def _malloc(self, n):
         self.heap += 1 << 20
         return self.heap
 
-    def _nvshmem_ptr(self, p, pe):
-        return p.value + (pe + 1) * 0x1_0000_0000_0000
+    def _ptr(self, p, pe):
+        return p + (pe + 1) * 0x1_0000_0000_0000
+
+    def _cumodule_init(self, module):
+        return 0
 
 
 def test_nvshmem_bootstrap_over_the_process_group(monkeypatch):
@@ -2342,10 +2351,9 @@ def test_nvshmem_bootstrap_over_the_process_group(monkeypatch):
     lib0 = FakeNvshmemLib(0, 2)
     nv = nvm.Nvshmem.get(SimpleNamespace(rank=0, world_size=2, group=None), lib=lib0, broadcast=bcast)
     names = [c[0] for c in lib0.calls]
-    assert names[:3] == ["nvshmemx_get_uniqueid", "nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr"]
-    _, myrank, nranks, uid_ref, attr_ref = lib0.calls[1]
-    assert (myrank, nranks) == (0, 2) and uid_ref._obj.internal.startswith(b"rank0-secret")
-    attr = attr_ref._obj
+    assert names[:3] == ["get_uniqueid", "set_attr_uniqueid_args", "hostlib_init_attr"]
+    _, myrank, nranks, uid, attr = lib0.calls[1]
+    assert (myrank, nranks) == (0, 2) and uid.internal.startswith(b"rank0-secret")
     assert attr.version == (1 << 16) + 144 and attr.args.version == (1 << 16) + 128
     assert attr.args.uid_args.version == (1 << 16) + 24
     assert lib0.calls[2][1] == nvm.INIT_WITH_UNIQUEID and nv.rank == 0
@@ -2357,10 +2365,16 @@ def test_nvshmem_bootstrap_over_the_process_group(monkeypatch):
     lib1 = FakeNvshmemLib(0, 2)
     with pytest.raises(nvm.NvshmemError, match="PE 0 of 2, but this is rank 1"):
         nvm.Nvshmem.get(SimpleNamespace(rank=1, world_size=2), lib=lib1, broadcast=lambda objs: None)
-    assert "nvshmemx_get_uniqueid" not in [c[0] for c in lib1.calls]
+    assert "get_uniqueid" not in [c[0] for c in lib1.calls]
     monkeypatch.setattr(nvm.Nvshmem, "_instance", None)
     bad = FakeNvshmemLib(0, 2)
-    bad._nvshmemx_hostlib_init_attr = lambda *a: 7
+
+    class NVSHMEMError(Exception):              # what nvshmem4py raises on a failed status
+        status = 7
+
+    def refuse(*args):
+        raise NVSHMEMError()
+    bad._hostlib_init_attr = refuse
     with pytest.raises(nvm.NvshmemError, match="nvshmemx_hostlib_init_attr failed with status 7"):
         nvm.Nvshmem.get(SimpleNamespace(rank=0, world_size=2), lib=bad, broadcast=lambda objs: None)
 
@@ -2370,7 +2384,7 @@ def test_nvshmem_workspace_regions_peers_and_collective_free(monkeypatch):
     torch = pytest.importorskip("torch")
     from tldsl.runtime.dist import nvshmem as nvm
     lib = FakeNvshmemLib(1, 2)
-    nv = nvm.Nvshmem(nvm._bind(lib), 1, 2)
+    nv = nvm.Nvshmem(lib, 1, 2)
     made = {}
 
     def as_tensor(ptr, shape, dtype, device):
@@ -2391,16 +2405,18 @@ def test_nvshmem_workspace_regions_peers_and_collective_free(monkeypatch):
     assert (r_recv.offset % 512, r_arr.offset % 512) == (0, 0)
     ws.close()
     ws.close()
-    frees = [c for c in lib.calls if c[0] == "nvshmem_free"]
-    assert len(frees) == 1 and frees[0][1].value == base and ws.closed            # freed once, explicitly
+    frees = [c for c in lib.calls if c[0] == "free"]
+    assert len(frees) == 1 and frees[0][1] == base and ws.closed            # freed once, explicitly
     # an unreachable peer is an error at construction, not a null pointer on the device
-    lib._nvshmem_ptr = lambda p, pe: 0
+    lib._ptr = lambda p, pe: 0
     with pytest.raises(nvm.NvshmemError, match="not reachable"):
         nvm.NvshmemWorkspace(ctx, [("recv", "buffer", (8,), "f32")], nvshmem=nv, as_tensor=as_tensor)
     nv.init_module(0x55)
     nv.init_module(0x55)
-    assert [c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"][0][1].value == 0x55
-    assert len([c for c in lib.calls if c[0] == "nvshmemx_cumodule_init"]) == 1      # once per module
+    assert [c for c in lib.calls if c[0] == "cumodule_init"] == [("cumodule_init", 0x55)]   # once per module
+    lib._cumodule_init = lambda m: 3
+    with pytest.raises(nvm.NvshmemError, match="nvshmemx_cumodule_init failed with status 3"):
+        nv.init_module(0x66)
 
 
 def test_nvshmem_single_node_defaults_respect_the_user():

@@ -9,6 +9,18 @@ leaves torch's symmetric memory on its CUDA backend — async-TP keeps working b
 uses the very library torch links (``libnvshmem_host.so.3`` of ``nvidia-nvshmem-cu13``, the
 version whose device headers our kernels compile against).
 
+The host calls go through nvshmem4py's bindings (``nvshmem.bindings`` of ``nvshmem4py-cu13``:
+one wrapper per C function, raising on a failed status), not through hand-written ctypes
+signatures. nvshmem4py resolves each function in the process's global symbol scope before it
+``dlopen``s ``libnvshmem_host.so.3`` by name, so :func:`host_library` first loads the file of
+``nvidia-nvshmem-cu13`` (the one torch links) globally: both call that one library, once per
+process (``python -m tldsl.checks.nvshmem_library`` shows it on a GPU host: one file mapped,
+every function nvshmem4py resolved inside it). nvshmem4py's ``nvshmem.core.init`` is not used:
+it keeps its own initialisation state and logging, and its ``InitAttr`` is ``numpy.empty``
+with the nested arguments opaque, so the version tags NVSHMEM's versioned structs carry would be
+left unset. ctypes is kept for exactly that: the ``UniqueId``/``InitAttr`` structs below, with
+every tag set (their addresses go to the bindings), and loading the library file by path.
+
 Collective points (every rank of the group, same order): :meth:`Nvshmem.get` the first time
 in a process (init), :class:`NvshmemWorkspace` construction (``nvshmem_malloc``) and the
 release of its lease (``nvshmem_free``: its op's ``close()``, or its own
@@ -99,30 +111,23 @@ def find_host_library() -> str:
                        "kernels' NVSHMEM headers and torch use)")
 
 
-def _bind(lib):
-    """Declare the signatures of the host calls used here (wrong ones would corrupt silently)."""
-    sig = {
-        "nvshmemx_get_uniqueid": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
-        "nvshmemx_set_attr_uniqueid_args": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(UniqueId),
-                                                           ctypes.POINTER(InitAttr)]),
-        "nvshmemx_hostlib_init_attr": (ctypes.c_int, [ctypes.c_uint, ctypes.POINTER(InitAttr)]),
-        "nvshmemx_hostlib_finalize": (None, []),
-        "nvshmem_my_pe": (ctypes.c_int, []),
-        "nvshmem_n_pes": (ctypes.c_int, []),
-        "nvshmem_malloc": (ctypes.c_void_p, [ctypes.c_size_t]),
-        "nvshmem_free": (None, [ctypes.c_void_p]),
-        "nvshmem_ptr": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int]),
-        "nvshmemx_cumodule_init": (ctypes.c_int, [ctypes.c_void_p]),
-        "nvshmemx_barrier_all_on_stream": (None, [ctypes.c_void_p]),
-    }
-    for name, (res, args) in sig.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    return lib
+def host_library():
+    """nvshmem4py's ``nvshmem.bindings`` over the ``libnvshmem_host.so.3`` of :func:`find_host_library`."""
+    path = find_host_library()
+    # ctypes, to load that file by path into the global scope: nvshmem4py looks every function up
+    # there first (then dlopen's the soname, which finds this file already loaded).
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    try:
+        from nvshmem import bindings
+    except ImportError as e:
+        raise NvshmemError(f"transport='nvshmem' needs nvshmem4py ({e}): pip install nvshmem4py-cu13 (beside torch, "
+                           "whose nvidia-nvshmem-cu13 it uses)") from e
+    return bindings
 
 
 class Nvshmem:
-    """The process's NVSHMEM host library, initialised over one torch.distributed group."""
+    """The process's NVSHMEM host library, initialised over one torch.distributed group.
+    ``lib``: nvshmem4py's ``nvshmem.bindings`` (or a stand-in with its functions)."""
 
     _instance: "Nvshmem | None" = None
 
@@ -142,19 +147,18 @@ class Nvshmem:
             return inst
         single_node_defaults()
         if lib is None:
-            lib = ctypes.CDLL(find_host_library(), mode=ctypes.RTLD_GLOBAL)
-        lib = _bind(lib)
+            lib = host_library()
         uid = new_unique_id()
         if ctx.rank == 0:
-            _ok(lib.nvshmemx_get_uniqueid(ctypes.byref(uid)), "nvshmemx_get_uniqueid")
+            _call(lib.get_uniqueid, "nvshmemx_get_uniqueid", ctypes.addressof(uid))
         raw = [bytes(uid)]
         (broadcast or _torch_broadcast(ctx))(raw)
         uid = UniqueId.from_buffer_copy(raw[0])
         attr = init_attr()
-        _ok(lib.nvshmemx_set_attr_uniqueid_args(ctx.rank, ctx.world_size, ctypes.byref(uid), ctypes.byref(attr)),
-            "nvshmemx_set_attr_uniqueid_args")
-        _ok(lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, ctypes.byref(attr)), "nvshmemx_hostlib_init_attr")
-        pe, n = lib.nvshmem_my_pe(), lib.nvshmem_n_pes()
+        _call(lib.set_attr_uniqueid_args, "nvshmemx_set_attr_uniqueid_args", ctx.rank, ctx.world_size,
+              ctypes.addressof(uid), ctypes.addressof(attr))
+        _call(lib.hostlib_init_attr, "nvshmemx_hostlib_init_attr", INIT_WITH_UNIQUEID, ctypes.addressof(attr))
+        pe, n = lib.my_pe(), lib.n_pes()
         if (pe, n) != (ctx.rank, ctx.world_size):
             raise NvshmemError(f"NVSHMEM came up as PE {pe} of {n}, but this is rank {ctx.rank} of {ctx.world_size}")
         cls._instance = cls(lib, pe, n, getattr(ctx, "group", None))
@@ -162,18 +166,18 @@ class Nvshmem:
 
     def malloc(self, nbytes: int) -> int:
         """``nvshmem_malloc`` (collective; same size on every rank)."""
-        p = self.lib.nvshmem_malloc(int(nbytes))
+        p = _call(self.lib.malloc, "nvshmem_malloc", int(nbytes))
         if not p:
             raise NvshmemError(f"nvshmem_malloc({nbytes}) failed: the symmetric heap is too small "
                                "(raise NVSHMEM_SYMMETRIC_SIZE)")
         return int(p)
 
     def free(self, ptr: int) -> None:
-        self.lib.nvshmem_free(ctypes.c_void_p(int(ptr)))
+        _call(self.lib.free, "nvshmem_free", int(ptr))
 
     def peer_address(self, sym: int, pe: int) -> int:
         """``nvshmem_ptr(sym, pe)``: rank ``pe``'s copy as mapped here (NVLink peers only)."""
-        p = self.lib.nvshmem_ptr(ctypes.c_void_p(int(sym)), int(pe))
+        p = _call(self.lib.ptr, "nvshmem_ptr", int(sym), int(pe))
         if not p:
             raise NvshmemError(f"rank {pe} is not reachable by load/store from rank {self.rank} (nvshmem_ptr "
                                "returned null): transport='nvshmem' kernels need NVLink peers")
@@ -185,12 +189,12 @@ class Nvshmem:
         handle = int(module)
         if handle in self._modules:
             return
-        _ok(self.lib.nvshmemx_cumodule_init(ctypes.c_void_p(handle)), "nvshmemx_cumodule_init")
+        _ok(_call(self.lib.cumodule_init, "nvshmemx_cumodule_init", handle), "nvshmemx_cumodule_init")
         self._modules.add(handle)
 
     def barrier_on_stream(self, stream: int) -> None:
         """Stream-ordered barrier of every PE (NVSHMEM's own kernel)."""
-        self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(int(stream)))
+        _call(self.lib.barrier_all_on_stream, "nvshmemx_barrier_all_on_stream", int(stream))
 
 
 def single_node_defaults(environ=None) -> dict:
@@ -209,9 +213,19 @@ def single_node_defaults(environ=None) -> dict:
     return set_
 
 
-def _ok(status: int, what: str) -> None:
-    if status != 0:
+def _ok(status, what: str) -> None:
+    if status not in (0, None):
         raise NvshmemError(f"{what} failed with status {status}")
+
+
+def _call(fn, what: str, *args):
+    """``fn(*args)``; nvshmem4py's error for a failed status (its ``.status``) as an NvshmemError."""
+    try:
+        return fn(*args)
+    except Exception as e:      # noqa: BLE001 - nvshmem4py's NVSHMEMError, or a binding that cannot run
+        status = getattr(e, "status", None)
+        raise NvshmemError(f"{what} failed with status {status}" if status is not None
+                           else f"{what} failed: {type(e).__name__}: {e}") from e
 
 
 def _torch_broadcast(ctx):

@@ -1,4 +1,7 @@
-"""Pack a flat kernel parameter list and launch it (with a thread-block cluster if asked)."""
+"""Pack a flat kernel parameter list and launch it (with a thread-block cluster if asked).
+
+Through cuda.bindings' ``cuLaunchKernel`` on arguments packed once, not ``cuda.core.launch``:
+measured no better, and it cannot pass our TMA descriptors (:mod:`.module` has the numbers)."""
 from __future__ import annotations
 
 import ctypes

@@ -7,6 +7,7 @@
     torchrun --nproc_per_node=2 -m tldsl.bench host         (see tldsl.bench.host)
     python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
     python -m tldsl.bench general [--rounds 5 --iters 10]    (the general lowering vs torch; see tldsl.bench.general)
+    python -m tldsl.bench launch [--args 1,8,24]             (host µs per launch, cuda.bindings vs cuda.core; see tldsl.bench.launch)
 
 This module only picks the subcommand; each parses its own flags.
 """
@@ -17,7 +18,7 @@ import sys
 
 from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
-from . import dist, gemm, general, host, probes, sim
+from . import dist, gemm, general, host, launch, probes, sim
 
 
 def main(argv=None) -> int:
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
         return sim.main(argv[1:])
     if argv and argv[0] == "general":
         return general.main(argv[1:])
+    if argv and argv[0] == "launch":
+        return launch.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
                        ("probe", "the measurements behind design choices: probe NAME"),
                        ("host", "a launch's host time beside its device phases (torchrun, 2 GPUs)"),
                        ("sim", "the CPU simulator's speed (no GPU)"),
-                       ("general", "tile programs no recipe matches, through the general lowering, vs torch")):
+                       ("general", "tile programs no recipe matches, through the general lowering, vs torch"),
+                       ("launch", "host time of one kernel launch: our cuda.bindings path vs cuda.core")):
         sub.add_parser(name, help=what, add_help=False)     # parsed by their own modules (dispatched above)
     args = ap.parse_args(argv)
     if args.what == "gemm":

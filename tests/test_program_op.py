@@ -9,6 +9,7 @@ time. Every launch of every rank must agree with ``tl.simulate`` of the same lau
 """
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
@@ -27,10 +28,17 @@ from tldsl.runtime.dist import program_op  # noqa: E402
 
 
 class RankDevice:
-    """Rank ``rank``'s view of the shared fake device: a caller's stream and streams of its own."""
+    """Rank ``rank``'s view of the shared fake device: a caller's stream and streams of its own;
+    every call holds the device's lock (ranks in threads may call at once)."""
 
     def __init__(self, fake, rank):
         self._fake, self.rank = fake, rank
+        if not hasattr(fake, "lock"):
+            fake.lock = threading.RLock()
+
+    @property
+    def ce_driver(self):
+        return self
 
     def origin(self):
         return 1000 * (self.rank + 1)
@@ -39,7 +47,14 @@ class RankDevice:
         return [1000 * (self.rank + 1) + i + 1 for i in range(n)]
 
     def __getattr__(self, name):
-        return getattr(self._fake, name)
+        value = getattr(self._fake, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def locked(*a, **k):
+            with self._fake.lock:
+                return value(*a, **k)
+        return locked
 
 
 class Group:
@@ -83,6 +98,8 @@ class Group:
             with lock:
                 return build(self, *a)
         monkeypatch.setattr(program_op.FusedProgram, "_build", serial_build)
+        from tldsl.runtime.gpu import cuda_device             # tl.run's default device: this rank's fake GPU
+        monkeypatch.setattr(cuda_device, "CudaDevice", lambda: RankDevice(group.fake, group.local.rank))
 
     def build(self, make):
         """``make(rank, device)`` on every rank at once; the ops, or the first rank's error (and
@@ -227,3 +244,174 @@ def test_library_ops_agree_with_the_simulator(monkeypatch, name):
         ops, _, _ = _agrees(monkeypatch, name, W, launches=2, seed=W)
         for op in ops:
             op.close()
+
+
+# =================================================================================================
+# the protocol can fail: each handshake and the epoch is needed
+# =================================================================================================
+
+def _fresh_ring(W=3):
+    rng = np.random.default_rng(11)
+    return {L: [{n: rng.standard_normal((16, 8)).astype(np.float32) for n in "xywz"} for _ in range(W)]
+            for L in (1, 2, 3)}
+
+
+def _fresh_gather(W=2):
+    rng = np.random.default_rng(12)
+    return {L: [{"a": rng.standard_normal((32, 16)).astype(np.float16), "b": rng.standard_normal((16, 32))
+                 .astype(np.float16), "c": np.full((32 * W, 32), np.nan, np.float16)} for _ in range(W)]
+            for L in (1, 2, 3)}
+
+
+def _failing_seeds(monkeypatch, fn, fresh, kw, break_it, seeds):
+    """The seeds whose launches give a wrong result (or never finish) with ``break_it(mp)``."""
+    from tldsl.runtime.gpu.run_errors import GpuHangError
+    W = len(fresh[1])
+    wants = {L: tl.simulate(fn, W, fresh[L], **kw) for L in fresh}
+    failed = []
+    for seed in seeds:
+        with monkeypatch.context() as mp:
+            break_it(mp)
+            mp.setattr("tldsl.runtime.gpu.run_program.HOST_SLACK_S", 0.0)
+            try:
+                _, outs, _ = run_program(mp, fn, W, fresh[1], launches=len(fresh), seed=seed, fresh=fresh.get,
+                                         **kw)
+                for L, want in wants.items():
+                    assert_agrees(outs[L - 1], want.outputs, want.kernel, sums=True)
+            except (AssertionError, GpuHangError):
+                failed.append(seed)
+    return failed
+
+
+def _skip_handshake(parity):
+    real = program_op.stream_handshake
+
+    def handshake(drv, stream, arrive, rank, value):
+        if value % 2 != parity:
+            real(drv, stream, arrive, rank, value)
+    return lambda mp: mp.setattr(program_op, "stream_handshake", handshake)
+
+
+def _no_epoch(mp):
+    real = program_op.enqueue_launch
+    mp.setattr(program_op, "enqueue_launch", lambda dev, order, launch, *a: real(dev, order, 1, *a))
+
+
+@pytest.mark.filterwarnings("ignore::tldsl.runtime.dist.symmetric.SymmetricMemoryWarning")   # mutants' ops
+def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):
+    """Three launches with new inputs each, in random stream interleavings: all agree with the
+    simulator. Without the entry handshake a rank pulls a peer's shard before the peer copied
+    this launch's in (or pushes into a buffer the peer is still copying out); without the exit
+    handshake a rank copies its result out before a peer's push of this launch landed; without
+    the epoch a launch's waits are satisfied by the previous launch's notifies."""
+    from test_codegen_general import ring_exchange
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    ring = (ring_exchange, _fresh_ring(), {"compute": tl.ComputeSchedule(tile=(8, 8, 8))})
+    gather = (allgather_gemm, _fresh_gather(), {"compute": tl.ComputeSchedule(tile=(16, 16, 16)),
+                                                "comm": tl.CommSchedule(sms=1)})
+    seeds = range(6)
+    for fn, fresh, kw in (ring, gather):
+        assert not _failing_seeds(monkeypatch, fn, fresh, kw, lambda mp: None, seeds)
+    assert _failing_seeds(monkeypatch, *ring, _skip_handshake(1), seeds)         # no entry handshake
+    assert _failing_seeds(monkeypatch, *ring, _skip_handshake(0), seeds)         # no exit handshake
+    assert _failing_seeds(monkeypatch, *gather, _no_epoch, seeds)                # every launch is launch 1
+
+
+# =================================================================================================
+# refusals: before anything is allocated or enqueued
+# =================================================================================================
+
+def _built(monkeypatch, fn, W, inputs, **kw):
+    g = Group(monkeypatch, W)
+    ops = g.build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[r], device=dev, timeout_s=2.0, **kw))
+    return g, ops
+
+
+def test_bad_arguments_are_refused_before_anything_is_enqueued(monkeypatch):
+    fn, inputs, kw = library_case("normed_gather", 2)
+    g, ops = _built(monkeypatch, fn, 2, inputs, **kw)
+    good = tensors(inputs[0])
+    bad = [({**good, "x": good["x"][:4]}, r"argument 'x': \(4, 16\) torch.float32, the program was traced for "
+                                           r"\(8, 16\)"),
+           ({**good, "x": good["x"].half()}, "argument 'x'.*float16"),
+           ({**good, "y": good["y"].numpy()}, "argument 'y': a torch tensor"),
+           ({**good, "g": torch.zeros(16, 16).t()}, "argument 'g' is not contiguous"),
+           ({"x": good["x"], "g": good["g"]}, r"missing \['y'\]"),
+           ({**good, "z": good["x"]}, r"unknown \['z'\]")]
+    for args, msg in bad:
+        with pytest.raises(InputError, match=msg):
+            ops[0](**args)
+    with pytest.raises(InputError, match="takes 3 tensors"):
+        ops[0](good["x"])
+    assert not any(g.fake.queues.values()) and ops[0].launches == 0       # nothing was enqueued
+    for op in ops:
+        op.close()
+    with pytest.raises(Exception, match="closed"):
+        ops[0](**good)
+    assert "closed" in repr(ops[0])
+
+
+def test_ranks_that_trace_different_programs_all_refuse(monkeypatch):
+    """The agreement check: every rank raises an InputError naming the difference — none goes on
+    to allocate and wait for the others."""
+    from tldsl.runtime.dist import symmetric
+    fn, inputs, kw = library_case("normed_gather", 2)
+    before = len(symmetric._LEDGER)
+    g = Group(monkeypatch, 2)
+    tiles = {0: tl.ComputeSchedule(tile=(8, 16, 16)), 1: tl.ComputeSchedule(tile=(8, 8, 16))}
+    with pytest.raises(InputError, match="the ranks traced different programs — schedules: rank 0 .*tile=\\(8, 16, 16\\).*, rank 1 .*tile=\\(8, 8, 16\\)"):
+        g.build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[r], device=dev,
+                                                       **{**kw, "compute": tiles[r]}))
+    assert all(isinstance(e, InputError) for e in g.errors)
+    assert len(symmetric._LEDGER) == before and not any(g.fake.queues.values())
+
+
+def test_a_rank_that_cannot_build_it_is_named_by_its_peers(monkeypatch):
+    fn, inputs, kw = library_case("normed_gather", 2)
+    g = Group(monkeypatch, 2)
+    specs = {0: inputs[0], 1: {**inputs[1], "x": np.zeros((8,), np.float32)}}
+    with pytest.raises(InputError):
+        g.build(lambda r, dev: program_op.FusedProgram(fn, None, specs[r], device=dev, **kw))
+    assert "rank 1 could not build it" in str(g.errors[0])
+    assert "rank 1 could not build it" not in str(g.errors[1])        # its own error
+    with pytest.raises(InputError, match="needs a @tl.kernel function"):
+        Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(object(), None, {}, device=dev))
+
+
+# =================================================================================================
+# tl.run across a group, and what every fused op shows
+# =================================================================================================
+
+def test_tl_run_with_a_group_runs_through_the_fused_program_runtime(monkeypatch):
+    fn, inputs, kw = library_case("ring_exchange", 3)
+    want = simulated(fn, 3, inputs, 2, **kw)
+    g = Group(monkeypatch, 3)
+    results = g.build(lambda r, dev: tl.run(fn, inputs=inputs[r], group=object(), options={"launches": 2},
+                                                  timeout_s=5.0, **kw))
+    got = [res[r] for r, res in enumerate(results)]
+    assert_agrees(got, want.outputs, want.kernel, sums=True)
+    res = results[1]
+    assert isinstance(res, tl.SimResult) and res.launches == 2 and len(res.launch_ms) == 2
+    assert "rank 1 of 3" in repr(res)
+    with pytest.raises(InputError, match="holds only its own arrays"):
+        res[0]
+    with pytest.raises(InputError, match="the process group has 3 ranks"):
+        g.build(lambda r, dev: tl.run(fn, 2, inputs=inputs[r], group=object(), **kw))
+    run_module = sys.modules["tldsl.run"]       # tldsl does not import the distributed runtime: it registers itself
+    monkeypatch.setattr(run_module, "_ACROSS_GROUP", None)
+    with pytest.raises(InputError, match="import tldsl.runtime.dist first"):
+        tl.run(fn, inputs=inputs[0], group=object(), **kw)
+
+
+def test_describe_repr_and_counters(monkeypatch):
+    fn, inputs, kw = library_case("allgather_gemm", 2)
+    ops, _, _ = run_program(monkeypatch, fn, 2, inputs, launches=3, **kw)
+    op = ops[1]
+    assert repr(op).startswith("<FusedProgram rank 1/2: allgather_gemm(a [32, 16] f16") and "3 launches" in repr(op)
+    assert op.signal_counters() == {"gather_a_ready": [3, 3]}          # the epoch: 3 launches' notifies
+    text = op.describe()
+    assert "rank 1's launch: 2 stream(s)" in text and "part gemm:" in text
+    assert "FusedProgram" in op._repr_html_()
+    for o in ops:
+        o.close()
+    assert op.describe().endswith("its symmetric memory is freed")

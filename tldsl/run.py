@@ -3,6 +3,7 @@ a result with the same interface — so a notebook switches between them with on
 
     result = tl.simulate(my_kernel, 2, inputs, compute=..., comm=...)
     result = tl.run(my_kernel, 2, inputs, compute=..., comm=...)       # every rank on this GPU
+    result = tl.run(my_kernel, inputs=mine, group=group, compute=...)   # one rank per GPU (torchrun)
 
 Inputs are checked and the kernel traced exactly as ``tl.simulate`` does (its own functions);
 then every part is lowered (``tldsl.codegen.lower_all``), compiled (cached) and launched
@@ -15,8 +16,21 @@ import numbers
 
 from .errors import InputError
 
+#: how ``tl.run(..., group=...)`` runs a program across a process group's GPUs: set by
+#: :func:`register_group_runner` (``tldsl.runtime.dist`` does, when imported). The distributed
+#: runtime builds on tldsl (its fused ops trace library kernels), so tldsl does not import it.
+_ACROSS_GROUP = None
+
+
+def register_group_runner(runner) -> None:
+    """Make ``runner(kernel, world_size, inputs, seed, options, kwargs, *, group, timeout_s,
+    lowering, progress)`` what ``tl.run(..., group=...)`` calls."""
+    global _ACROSS_GROUP
+    _ACROSS_GROUP = runner
+
+
 def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, options=None, *,
-        timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, **kwargs):
+        timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, group=None, **kwargs):
     """Run ``kernel`` for ``world_size`` ranks on the current GPU and return a
     :class:`~tldsl.runtime.gpu.run_result.RunResult` (``tl.simulate`` 's interface: ``result[r]``,
     ``.outputs``, ``.workspaces``, plus ``.launch_ms``, ``.plan`` and ``.tensors``).
@@ -32,7 +46,19 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     ``GpuHangError`` (kernels are built so that a wait longer than this traps); None: wait
     forever. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...).
     ``progress``: NVRTC's progress reports (``print`` in a notebook).
+
+    ``group``: a torch.distributed process group — this process is one rank of it, on its own
+    GPU (torchrun), ``inputs`` are this rank's arguments only (one dict, or the arrays in
+    argument order), and every rank makes the same call. The program runs through the fused-op
+    runtime (:class:`~tldsl.runtime.dist.program_op.FusedProgram`, registered here when
+    ``tldsl.runtime.dist`` is imported); the result holds this rank's arrays (``result[rank]``).
     """
+    if group is not None:
+        if _ACROSS_GROUP is None:
+            raise InputError("tl.run(..., group=...) runs through tldsl.runtime.dist's fused-op runtime: "
+                             "import tldsl.runtime.dist first")
+        return _ACROSS_GROUP(kernel, world_size, inputs, seed, options, kwargs, group=group, timeout_s=timeout_s,
+                             lowering=lowering, progress=progress)
     ir, per_rank, opts = trace_for_run(kernel, world_size, inputs, seed, options, kwargs)
     if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
                                   or not timeout_s > 0):

@@ -3,7 +3,8 @@ torch's symmetric-memory layer, communication on the copy engine (stream-ordered
 stream memory writes for the flags; :mod:`..gpu.plan_exec` runs any codegen copy-engine plan) or on
 a few SMs (generated communication kernels, :mod:`.comm_kernel`) feeding generated kernels that
 wait per tile: :class:`AllGatherMatmul` (AllGather+GEMM), :class:`MatmulReduceScatter`
-(GEMM+ReduceScatter); :mod:`.autotune` picks their schedules.
+(GEMM+ReduceScatter); :mod:`.autotune` picks their schedules. :class:`FusedProgram` runs any
+traced kernel's parts across the group (what ``tl.run(..., group=...)`` uses).
 
 Symmetric memory is allocated and freed only at explicit collective points every rank reaches
 in the same order (:mod:`.symmetric`): allocated when an op object is built, freed by its
@@ -17,7 +18,8 @@ from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, symmetric_a
 from .comm_kernel import CommKernel, SymmetricWorkspace
 from .autotune import Autotuner, AutotuneError
 from .symmetric import SymmetricMemoryWarning, outstanding, release_unclosed
+from .program_op import FusedProgram
 
 __all__ = ["DistContext", "dist_context", "AllGatherMatmul", "MatmulReduceScatter", "DeviceArray", "PlanExecutor",
            "PointerTable", "symmetric_addresses", "CommKernel", "SymmetricWorkspace", "Autotuner", "AutotuneError",
-           "SymmetricMemoryWarning", "outstanding", "release_unclosed"]
+           "SymmetricMemoryWarning", "outstanding", "release_unclosed", "FusedProgram"]

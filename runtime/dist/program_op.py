@@ -57,11 +57,14 @@ import hashlib
 import numbers
 
 from ...errors import InputError
+from ...run import register_group_runner
 from ...ir import core
+from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import RunPlan, hardware_queues, lower_for_run, plan_run
-from ..gpu.run_program import _TORCH, enqueue_launch, wait_for
+from ..gpu.run_program import _TORCH, enqueue_launch, read_back, to_device, wait_for
+from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
 from .group import dist_context, disagreements
@@ -107,7 +110,7 @@ class FusedProgram(FusedOp):
         self.ctx = dist_context(group)
         self.launches = 0
         self._engine = None
-        self._last = None                       # (start, end) events of the last launch
+        self._last = None                       # (start, end, done) events of the last launch
         self.launch_ms: list[float] = []
         error, built = None, None
         try:
@@ -165,7 +168,9 @@ class FusedProgram(FusedOp):
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
-        return {"program": program_hash(ir), "world size": ir.world_size,
+        return {"arguments": ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in ir.args),
+                "schedules": f"{ir.compute_schedule}, {ir.comm_schedule}", "program": program_hash(ir),
+                "world size": ir.world_size,
                 "kernels": tuple(sorted(lk.entry for lk in lowered.values() if is_kernel(lk)))}
 
     def _allocate(self) -> None:
@@ -303,19 +308,22 @@ class FusedProgram(FusedOp):
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(t.data_ptr(), self._symmetric[name].data_ptr(), n, origin),
                     f"cuMemcpyAsync(symmetric buffer '{name}' back into the argument)")
+        done = dev.event()
+        dev.record(done, origin)
         if self._last is not None:
             dev.destroy(self._last)
-        self._last = (start, end)
+        self._last = (start, end, done)
         self.launches = L
 
     def synchronize(self) -> None:
-        """Wait for the last launch (its parts; the copy-back follows on the caller's stream);
-        past ``timeout_s`` a ``GpuHangError`` with the plan and this rank's counters."""
+        """Wait for the last launch, its copy-back included; past ``timeout_s`` a
+        ``GpuHangError`` with the plan and this rank's counters."""
         if self._last is None:
             return
-        start, end = self._last
-        wait_for(self.device, end, self.launches, self.plan, self._mem, self.timeout_s)
-        self.launch_ms.append(self.device.elapsed_ms(start, end))
+        start, end, done = self._last
+        wait_for(self.device, done, self.launches, self.plan, self._mem, self.timeout_s)
+        if len(self.launch_ms) < self.launches:
+            self.launch_ms.append(self.device.elapsed_ms(start, end))
 
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:
@@ -329,7 +337,7 @@ class FusedProgram(FusedOp):
     def _release(self) -> None:
         if self._last is not None:
             try:
-                wait_for(self.device, self._last[1], self.launches, self.plan, self._mem, self.timeout_s)
+                wait_for(self.device, self._last[2], self.launches, self.plan, self._mem, self.timeout_s)
             finally:
                 self.device.destroy(self._last)
                 self._last = None
@@ -407,3 +415,63 @@ def _rank_plan(full: RunPlan, rank: int) -> RunPlan:
     items = tuple(dataclasses.replace(x, stream=i) for i, x in enumerate(mine))
     return RunPlan(full.kernel, items, full.sm_count // max(full.kernel.world_size, 1),
                    full.reserved_sms)
+
+
+# -- tl.run across the GPUs of a group ----------------------------------------------------------------
+
+@dataclasses.dataclass(repr=False)
+class DistRunResult(RunResult):
+    """``tl.run(..., group=...)`` 's result on one rank: ``RunResult`` 's interface, with only this
+    rank's arrays (``result[rank]``; another rank's index is an InputError)."""
+    rank: int = 0
+
+    def __getitem__(self, rank: int):
+        if rank != self.rank:
+            raise InputError(f"this process is rank {self.rank} of {self.kernel.world_size}: it holds only its own "
+                             f"arrays (result[{self.rank}]), not rank {rank}'s")
+        return self.outputs[rank]
+
+    def __repr__(self) -> str:
+        k = self.kernel
+        times = ", ".join(f"{t:.3f}" for t in self.launch_ms)
+        return one_line(f"<RunResult {k.name}: rank {self.rank} of {k.world_size} on {self.device or 'a GPU'}, "
+                        f"{self.launches} launch(es) [{times}] ms; outputs {', '.join(self.outputs[self.rank])}>")
+
+
+def run_across(kernel, world_size, inputs, seed, options, kwargs: dict, *, group, timeout_s, lowering, progress,
+               device=None) -> DistRunResult:
+    """``tl.run`` with ``group=``: this process is one rank of ``group`` and ``inputs`` its own
+    arguments (a dict by name, or the arrays in argument order); the program runs through
+    :class:`FusedProgram` (building it is collective: every rank calls ``tl.run`` alike).
+    ``world_size``: None or the group's size. The arguments are checked and traced as
+    ``tl.simulate`` checks them."""
+    from ..sim.simulate import checked_call
+    ctx = dist_context(group)
+    if world_size is not None and world_size != ctx.world_size:
+        raise InputError(f"world_size={world_size!r}, but the process group has {ctx.world_size} ranks")
+    if inputs is None or not isinstance(inputs, (dict, list, tuple)):
+        raise InputError("tl.run(..., group=...) takes this rank's inputs: one dict by argument name, or the arrays "
+                         f"in argument order (got {type(inputs).__name__})")
+    ir, per_rank, opts = checked_call(kernel, ctx.world_size, [inputs] * ctx.world_size, seed, options, kwargs,
+                                      "run", "it is unused across GPUs (each rank enqueues its own parts)")
+    op = FusedProgram(kernel, group, per_rank[0], timeout_s=timeout_s, lowering=lowering,
+                      static_checks=opts.static_checks, device=device, progress=progress, **kwargs)
+    at = op.device.torch_device
+    tensors = [to_device(arr, b.type.dtype, at) for b, arr in zip(op.kernel.args, per_rank[0])]
+    for _ in range(opts.launches):
+        op(*tensors)
+        op.synchronize()
+    W, rank = ctx.world_size, ctx.rank
+    outputs, workspaces = [{} for _ in range(W)], [{} for _ in range(W)]
+    mine = {b.name: t for b, t in zip(op.kernel.args, tensors)}
+    mine.update(op.workspace_tensors())
+    outs, wss = read_back(op.kernel, [mine])
+    outputs[rank], workspaces[rank] = outs[0], wss[0]
+    result = DistRunResult(op.kernel, outputs, workspaces, [], 0, opts.launches, seed, 0, device=op.device.name,
+                           plan=op.plan, launch_ms=list(op.launch_ms), tensors=[{} for _ in range(W)], rank=rank)
+    result.tensors[rank] = {b.name: t for b, t in zip(op.kernel.args, tensors)}
+    op.close()
+    return result
+
+
+register_group_runner(run_across)

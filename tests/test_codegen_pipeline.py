@@ -10,6 +10,8 @@ import pytest
 import tldsl as tl
 from tldsl.codegen import RECIPES, LoweringError, lower, pipeline
 
+from programs import scale_rows
+
 CODEGEN = pathlib.Path(tl.codegen.__file__).resolve().parent
 PRIMITIVES = CODEGEN / "rules" / "primitives.py"
 
@@ -40,15 +42,6 @@ def test_one_table_of_recipes_with_distinct_names_and_priorities():
 
 
 def _scale_rows(spec=tl.TensorSpec((64, 64), tl.float16), sched=tl.ComputeSchedule(tile=(64, 64, 32))):
-    @tl.kernel
-    def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
-        M, N = x.shape
-        BM, BN, BK = compute.tile
-
-        @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-        def part(pm, pn):
-            t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
-            tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
     return scale_rows.trace(1, spec, spec, compute=sched)
 
 

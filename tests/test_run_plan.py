@@ -24,19 +24,10 @@ from tldsl.runtime.gpu.run_plan import (RESERVED_FOR_COPIES, PlannedKernel, lowe
                                         plan_run)
 from tldsl.runtime.gpu.plan_exec import DeviceArray
 
+from programs import scale_rows     # test_gpu_run and test_run_fake_device import it from here too
+
 S, F16, F32 = tl.TensorSpec, tl.float16, tl.float32
 H200_SMS = 132
-
-
-@tl.kernel
-def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
-    M, N = x.shape
-    BM, BN, BK = compute.tile
-
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-    def part(pm, pn):
-        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
-        tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
 
 
 @tl.kernel

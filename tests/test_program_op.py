@@ -274,10 +274,12 @@ def _failing_seeds(monkeypatch, fn, fresh, kw, break_it, seeds):
             break_it(mp)
             mp.setattr("tldsl.runtime.gpu.run_program.HOST_SLACK_S", 0.0)
             try:
-                _, outs, _ = run_program(mp, fn, W, fresh[1], launches=len(fresh), seed=seed, fresh=fresh.get,
-                                         **kw)
+                ops, outs, _ = run_program(mp, fn, W, fresh[1], launches=len(fresh), seed=seed, fresh=fresh.get,
+                                           **kw)
                 for L, want in wants.items():
                     assert_agrees(outs[L - 1], want.outputs, want.kernel, sums=True)
+                for op in ops:
+                    op.close()
             except (AssertionError, GpuHangError):
                 failed.append(seed)
     return failed
@@ -315,6 +317,45 @@ def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(1), seeds)         # no entry handshake
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(0), seeds)         # no exit handshake
     assert _failing_seeds(monkeypatch, *gather, _no_epoch, seeds)                # every launch is launch 1
+
+
+def _fresh_counters_every_launch(mp):
+    """What a CUDA graph's replays do (the fused-op base's device-side epoch): every launch is
+    launch 1, after a group barrier on the caller's stream, this rank's counters zeroed, and a
+    second barrier — here as stream operations of the fake GPU."""
+    arrivals: dict = {}
+
+    def epoch(self):
+        self.launches += 1
+        n, rank, W, block = self.launches, self.ctx.rank, self.ctx.world_size, self._counter_block
+
+        def barrier(phase):
+            arrived = []
+
+            def op():
+                if not arrived:
+                    arrivals.setdefault((n, phase), set()).add(rank)
+                    arrived.append(True)
+                return len(arrivals[(n, phase)]) == W
+            return op
+        origin = self.device.origin()
+        self.device._enqueue(origin, barrier(0))
+        self.device._enqueue(origin, lambda: block.zero_() is not None)
+        self.device._enqueue(origin, barrier(1))
+        return 1
+    mp.setattr(program_op.FusedProgram, "_launch_epoch", epoch)
+
+
+def test_every_launch_as_launch_one_of_fresh_counters(monkeypatch):
+    """A captured program's launches (each launch 1 of counters reset on the device) give every
+    launch's results too: the protocol depends on the epoch only through _launch_epoch."""
+    from test_codegen_general import ring_exchange
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    ring = (ring_exchange, _fresh_ring(), {"compute": tl.ComputeSchedule(tile=(8, 8, 8))})
+    gather = (allgather_gemm, _fresh_gather(), {"compute": tl.ComputeSchedule(tile=(16, 16, 16)),
+                                                "comm": tl.CommSchedule(sms=1)})
+    for case in (ring, gather):
+        assert not _failing_seeds(monkeypatch, *case, _fresh_counters_every_launch, range(4))
 
 
 # =================================================================================================

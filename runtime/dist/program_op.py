@@ -43,12 +43,14 @@ nothing waits on the host:
 So a call is stream-ordered like any torch op; :meth:`FusedProgram.synchronize` waits for the
 last launch with ``tl.run`` 's timeout and its :class:`~..gpu.run_errors.GpuHangError`.
 
-The epoch is counted on the host and passed by value (the kernels' ABI takes ``launch`` as an
-integer, as the GEMM and communication kernels do); a launch therefore cannot be replayed from a
-CUDA graph. What is launch-dependent is one number per launch — the kernels' ``launch``
-argument, the copy-engine targets and the two handshake values — computed in one place
-(:meth:`FusedProgram._enqueue`), so a device-resident epoch needs only a kernel ABI that reads
-it from memory.
+The epoch is one number per launch, from one method (:meth:`FusedProgram._launch_epoch`): the
+kernels' ``launch`` argument (their ABI takes it by value, as the GEMM and communication kernels
+do), the copy-engine targets and the two handshake values all derive from it. Eagerly it is the
+host's count of launches. A CUDA graph bakes that number into its replays, so where the fused-op
+base numbers launches itself (``FusedOp._next_launch``: a captured op zeroes its counters on the
+device behind a group barrier at the start of every launch and runs it as launch 1) the program
+takes the base's number, and the counters it resets are this program's one int64 block
+(:meth:`FusedProgram._graph_counters`: signals and handshake slots).
 """
 from __future__ import annotations
 
@@ -199,6 +201,7 @@ class FusedProgram(FusedOp):
         slots = [int(s.type.slots) for s in ir.signals]
         block, h = self._lease.empty((sum(slots) + W,), torch.int64)
         block.zero_()
+        self._counter_block = block
         base = _peer_addresses(h, block, W, rank)
         self._signals, sig_peers, off = {}, {}, 0
         for s, n in zip(ir.signals, slots):
@@ -290,7 +293,7 @@ class FusedProgram(FusedOp):
         """Launch ``L``: copy-in, entry handshake ``2L - 1``, the parts with epoch ``L``, exit
         handshake ``2L``, copy-out — all stream-ordered after the caller's stream."""
         W, rank = self.ctx.world_size, self.ctx.rank
-        L = self.launches + 1
+        L = self._launch_epoch()
         dev, drv = self.device, self._drv
         origin = dev.origin()
         sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if b.symmetric]
@@ -313,7 +316,18 @@ class FusedProgram(FusedOp):
         if self._last is not None:
             dev.destroy(self._last)
         self._last = (start, end, done)
-        self.launches = L
+
+    def _launch_epoch(self) -> int:
+        """Count this call as a launch and return its epoch: the host's count — or, where the
+        fused-op base numbers launches itself (``FusedOp._next_launch``: a captured op starts
+        every launch from counters reset on the device, its epoch then 1), the base's number.
+        Everything a launch enqueues that depends on it (the kernels' ``launch``, the copy-engine
+        targets, the handshake values) is derived from this one number."""
+        base = getattr(super(), "_next_launch", None)
+        if base is not None:
+            return base()
+        self.launches += 1
+        return self.launches
 
     def synchronize(self) -> None:
         """Wait for the last launch, its copy-back included; past ``timeout_s`` a
@@ -328,6 +342,11 @@ class FusedProgram(FusedOp):
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:
         return dict(self._signals)
+
+    def _graph_counters(self) -> list:
+        """Every counter a launch waits on or writes: the one int64 block holding the signals
+        and the handshake slots (what a device-side reset of the epoch zeroes)."""
+        return [self._counter_block]
 
     def workspace_tensors(self) -> dict:
         workspaces = {b.name for b in self.kernel.workspaces}
@@ -344,7 +363,7 @@ class FusedProgram(FusedOp):
         self._packed.clear()
         self._tables.clear()
         self._fixed = self._sig_arrays = self._mem = None
-        self._signals, self._symmetric = {}, {}
+        self._signals, self._symmetric, self._counter_block = {}, {}, None
 
     def _problem(self) -> str:
         args = ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in self.kernel.args)

@@ -158,6 +158,13 @@ class FakeDriver:
             return ((cur - value) & ((1 << 64) - 1)) < (1 << 63)
         return self._call("cuStreamWaitValue64", stream, op, (addr, value))
 
+    def cuMemsetD8Async(self, addr, value, n, stream):
+        addr, n = int(addr), int(n)
+
+        def op():
+            self.bytes(addr, n)[:] = int(value)
+        return self._call("cuMemsetD8Async", stream, None, (addr, int(value), n))
+
     # events: recorded in the call log like torch's (the streams here run their queues in any order)
     def cuEventCreate(self, flags):
         self._events = getattr(self, "_events", 5000) + 1
@@ -1476,6 +1483,63 @@ def test_allgather_launch_protocols(proto, variant):
             assert [e[1] for e in copies] == [cur, cur, cs, cs]
             assert [e[3] for e in copies if e[0] == "cuStreamWriteValue64"] == [L, L]
 
+
+
+@pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push", "rs-sm"])
+def test_captured_launches_start_from_fresh_counters(proto, monkeypatch, variant):
+    """CUDA graphs, the schedules the two-rank replay model (tests/test_dist_graphs.py) does not run:
+    a call made while the stream captures is launch 1 after a barrier, every counter of the op
+    zeroed and a second barrier, all on the compute stream before anything else of the call; it
+    records no stream use and never synchronises; later (eager) calls do the same. Before any
+    capture, a call is exactly the eager protocol (no barrier, no memset)."""
+    from tldsl.runtime.dist import fused_op
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    torch = proto.torch
+    _fake_torch_symmetric_memory(proto, monkeypatch)        # the lease's blocks get the fake handle (its barrier)
+    if variant == "rs-sm":
+        op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
+        args = (torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
+    else:
+        kw = {"sm-pull": dict(engine="sm"),
+              "sm-push": dict(comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)),
+              "plan-pull": dict(ce_executor="plan"),
+              "plan-push": dict(comm=tl.CommSchedule(engine="copy_engine", mode="push"))}[variant]
+        op = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, **kw)
+        args = (torch.randn(4091, 1032).to(torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
+    proto.events()
+    cur = proto.cur.cuda_stream
+    used = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: used.append(s))
+    op(*args)
+    eager = proto.events()
+    assert not any(e[0] == "cuMemsetD8Async" for e in eager) and op.launches == 1 and not op._graph
+    counters = {t.data_ptr(): t.numel() * 8 for t in op._graph_counters()}
+    assert counters, variant
+    monkeypatch.setattr(fused_op, "capturing", lambda: True)
+    before = len(used)
+    op(*args)
+    captured = proto.events()
+    assert "synchronize" not in [e[0] for e in proto.drv.calls] and len(used) == before
+    n = len(counters)
+    head = captured[:n + 2]
+    assert head[0] == head[-1] == ("BARRIER", cur)
+    assert sorted((e[2], e[4]) for e in head[1:-1]) == sorted(counters.items())
+    assert all(e[0] == "cuMemsetD8Async" and e[1] == cur and e[3] == 0 for e in head[1:-1])
+    rest = captured[n + 2:]
+    assert [e[0] for e in rest] == [e[0] for e in eager]           # then the eager protocol, as launch 1
+    for e, was in zip(rest, eager):
+        if e[0] == "GEMM":
+            assert e[2] == 1 and was[2] == 1
+    if variant.startswith("sm") or variant == "rs-sm":          # the communication kernel's launch argument
+        launch = proto.drv.launches[-1]
+        params = (op.lowered_comm if variant == "rs-sm" else op._engine.lowered_comm).params
+        assert dict(zip([p.source for p in params], launch["decoded"]))["launch"] == 1
+    monkeypatch.setattr(fused_op, "capturing", lambda: False)
+    op(*args)                                                      # once captured, every call starts afresh
+    again = proto.events()
+    assert again[0] == ("BARRIER", cur) and [e[0] for e in again[n + 2:]] == [e[0] for e in eager]
+    assert op.launches == 3 and op._graph
 
 
 @pytest.fixture

@@ -42,8 +42,30 @@ class _Result(tuple):
     pass
 
 
+class CaptureError(AssertionError):
+    """What the driver refuses while a stream captures a CUDA graph."""
+
+
+class Graph:
+    """The work a capture recorded: per call, its stream and how to issue it again (on a stream)."""
+
+    def __init__(self, origin: int):
+        self.origin = origin
+        self.calls: list[tuple[int, object]] = []
+        self.last: dict[int, int] = {}        # stream -> index of its last call
+        self.joined: dict[int, int] = {}      # stream -> the last of its calls another captured stream waited for
+
+
 class Device:
-    """The fake driver (the calls ``PushAllGather`` makes) and the streams it runs."""
+    """The fake driver (the calls ``PushAllGather`` makes) and the streams it runs.
+
+    CUDA graphs: :meth:`begin_capture` makes a stream capture instead of run — every call on it,
+    and on any stream that waits for an event recorded in the capture (a fork), is recorded in a
+    :class:`Graph`, not queued. :meth:`end_capture` refuses work forked and never joined back;
+    :meth:`replay` issues the recorded calls again, in their order, the origin's on the replay
+    stream and every forked stream's on a fresh stream (a replay owes nothing to the streams the
+    capture ran on). While capturing, waiting for an event recorded outside the capture, and a
+    host synchronisation (:meth:`synchronize`), raise :class:`CaptureError`."""
 
     class CUresult:
         CUDA_SUCCESS = 0
@@ -57,6 +79,10 @@ class Device:
         self.memory: list[tuple[int, int, object]] = []      # (address, bytes, uint8 numpy view)
         self.events: dict[int, list] = {}                     # event -> [records so far, set of records completed]
         self.next_event = 100
+        self.capture_of: dict[int, Graph] = {}                # capturing stream -> its graph
+        self.event_graph: dict[int, tuple] = {}               # event whose latest record is captured -> (graph, stream, call)
+        self.fresh_streams = iter(range(10 ** 7, 10 ** 8))
+        self.arrivals: dict = {}                              # barrier key -> per-rank arrivals so far
 
     # -- memory ------------------------------------------------------------------------------------
     def register(self, t):
@@ -72,10 +98,11 @@ class Device:
     def u64(self, addr: int):
         return self.bytes(addr, 8).view("<u8")
 
-    def queue(self, stream: int, name: str, op) -> None:
+    def queue(self, stream: int, name: str, op, again=None) -> None:
         """A kernel that runs in steps: ``op()`` answers True once done, "step" when it made
-        progress, False when it cannot (its tasks all wait)."""
-        self._enqueue(stream, name, op)
+        progress, False when it cannot (its tasks all wait). ``again(stream)``: the same launch
+        issued anew (what a graph replays; None: this launch cannot be captured)."""
+        self._enqueue(stream, name, op, again)
 
     def kernel(self, stream: int, name: str, work, ready=lambda: True) -> None:
         """A stand-in kernel on ``stream``: ``work()`` once ``ready()`` (its spin-waits) holds."""
@@ -84,10 +111,67 @@ class Device:
                 return False
             work()
             return True
-        self._enqueue(stream, name, op)
+        self._enqueue(stream, name, op, lambda s: self.kernel(s, name, work, ready))
+
+    def barrier(self, stream: int, key, rank: int, world: int) -> None:
+        """torch symmetric memory's barrier kernel on ``stream``: this rank arrives, then waits
+        until every rank has arrived as often (its signal pads reset themselves: replayable)."""
+        arrived = self.arrivals.setdefault(key, [0] * world)
+        state = {}
+
+        def op():
+            if not state:
+                arrived[rank] += 1
+                state["n"] = arrived[rank]
+                return all(a >= state["n"] for a in arrived) or "step"
+            return all(a >= state["n"] for a in arrived)
+        self._enqueue(stream, "barrier", op, lambda s: self.barrier(s, key, rank, world))
+
+    # -- CUDA graphs -------------------------------------------------------------------------------
+    def begin_capture(self, stream: int) -> Graph:
+        if int(stream) in self.capture_of:
+            raise CaptureError(f"stream {stream} is already capturing")
+        g = self.capture_of[int(stream)] = Graph(int(stream))
+        return g
+
+    def end_capture(self, g: Graph) -> Graph:
+        unjoined = [s for s, last in g.last.items() if s != g.origin and g.joined.get(s, -1) < last]
+        self.abort_capture(g)
+        if unjoined:
+            raise CaptureError(f"capture ended with work on stream(s) {unjoined} not joined back into the origin "
+                               f"stream (cudaErrorStreamCaptureUnjoined)")
+        return g
+
+    def abort_capture(self, g: Graph) -> None:
+        for s in [s for s, x in self.capture_of.items() if x is g]:
+            del self.capture_of[s]
+        for ev in [e for e, info in self.event_graph.items() if info[0] is g]:
+            del self.event_graph[ev]
+
+    def replay(self, g: Graph, stream: int) -> None:
+        """One launch of the graph on ``stream``."""
+        if self.capture_of:
+            raise CaptureError("a graph launched while a stream captures")
+        where = {g.origin: int(stream)}
+        for s, again in g.calls:
+            if s not in where:
+                where[s] = next(self.fresh_streams)
+            again(where[s])
+
+    def synchronize(self) -> None:
+        """The host waits for the device: refused while capturing (here the device runs later)."""
+        if self.capture_of:
+            raise CaptureError("synchronize() while a stream captures a graph (cudaErrorStreamCaptureUnsupported)")
 
     # -- driver calls ------------------------------------------------------------------------------
-    def _enqueue(self, stream: int, name: str, op):
+    def _enqueue(self, stream: int, name: str, op, again=None):
+        g = self.capture_of.get(int(stream))
+        if g is not None:
+            if again is None:
+                raise CaptureError(f"'{name}' on a capturing stream: this simulated work cannot be captured")
+            g.calls.append((int(stream), again))
+            g.last[int(stream)] = len(g.calls) - 1
+            return (0,)
         self.queues.setdefault(int(stream), deque()).append((name, op))
         return (0,)
 
@@ -100,6 +184,12 @@ class Device:
         return (0,)
 
     def cuEventRecord(self, ev, stream):
+        g = self.capture_of.get(int(stream))
+        if g is not None:           # a record in the capture: a wait for it forks the waiting stream into it
+            res = self._enqueue(stream, "record", None, lambda s: self.cuEventRecord(ev, s))
+            self.event_graph[ev] = (g, int(stream), len(g.calls) - 1)
+            return res
+        self.event_graph.pop(ev, None)
         rec = self.events[ev]
         rec[0] += 1
         ticket = rec[0]
@@ -112,24 +202,44 @@ class Device:
     def cuStreamWaitEvent(self, stream, ev, flags):
         # the wait binds to the event's latest record at the time of the call (none: no wait),
         # whatever the event is recorded on later
+        captured = self.event_graph.get(ev)
+        g = self.capture_of.get(int(stream))
+        if captured is not None:
+            if g is None:           # a fork: the stream joins the capture
+                g = self.capture_of[int(stream)] = captured[0]
+            elif g is not captured[0]:
+                raise CaptureError("a capture waits for an event recorded in another capture")
+            g.joined[captured[1]] = max(g.joined.get(captured[1], -1), captured[2])
+            return self._enqueue(stream, "wait event", None, lambda s: self.cuStreamWaitEvent(s, ev, flags))
         rec = self.events[ev]
         target = rec[0]
-        return self._enqueue(stream, "wait event", lambda: target == 0 or target in rec[1])
+        if g is not None and target:
+            raise CaptureError(f"a capturing stream waits for event {ev}, recorded outside the capture "
+                               f"(cudaErrorStreamCaptureIsolation)")
+        return self._enqueue(stream, "wait event", lambda: target == 0 or target in rec[1],
+                             lambda s: self.cuStreamWaitEvent(s, ev, flags))
 
     def cuStreamWaitValue64(self, stream, addr, value, flags):
-        return self._enqueue(stream, "wait value", lambda: int(self.u64(addr)[0]) >= int(value))
+        return self._enqueue(stream, "wait value", lambda: int(self.u64(addr)[0]) >= int(value),
+                             lambda s: self.cuStreamWaitValue64(s, addr, value, flags))
 
     def cuStreamWriteValue64(self, stream, addr, value, flags):
         def op():
             self.u64(addr)[0] = int(value)
             return True
-        return self._enqueue(stream, "write value", op)
+        return self._enqueue(stream, "write value", op, lambda s: self.cuStreamWriteValue64(s, addr, value, flags))
+
+    def cuMemsetD8Async(self, addr, value, n, stream):
+        def op():
+            self.bytes(addr, n)[:] = value
+            return True
+        return self._enqueue(stream, "memset", op, lambda s: self.cuMemsetD8Async(addr, value, n, s))
 
     def cuMemcpyAsync(self, dst, src, n, stream):
         def op():
             self.bytes(dst, n)[:] = self.bytes(src, n)
             return True
-        return self._enqueue(stream, "copy", op)
+        return self._enqueue(stream, "copy", op, lambda s: self.cuMemcpyAsync(dst, src, n, s))
 
     class CUDA_MEMCPY2D:
         """The fields the runtime sets (read at the call, like the driver's)."""
@@ -145,7 +255,10 @@ class Device:
             for row in range(h):
                 self.bytes(dst + row * dp, w)[:] = self.bytes(src + row * sp, w)
             return True
-        return self._enqueue(stream, "copy 2d", op)
+        fields = types.SimpleNamespace(srcMemoryType=p.srcMemoryType, dstMemoryType=p.dstMemoryType, srcXInBytes=0,
+                                       srcY=0, dstXInBytes=0, dstY=0, srcDevice=src, dstDevice=dst, srcPitch=sp,
+                                       dstPitch=dp, WidthInBytes=w, Height=h)
+        return self._enqueue(stream, "copy 2d", op, lambda s: self.cuMemcpy2DAsync(fields, s))
 
     def cuGetErrorName(self, err):
         return (0, b"simulated error")
@@ -268,7 +381,8 @@ def _queue_program(device, stream, name, kernel, parts, rank, L, buffer, signal)
         if launch.done:
             return True
         return "step" if launch.step() else False
-    device.queue(stream, f"{name} ({kernel.name}: {', '.join(parts)})", run)
+    device.queue(stream, f"{name} ({kernel.name}: {', '.join(parts)})", run,
+                 lambda s: _queue_program(device, s, name, kernel, parts, rank, L, buffer, signal))
 
 
 class _Ranks:
@@ -305,6 +419,7 @@ class _Ranks:
         class Handle:
             def __init__(self, t):
                 me, key = ranks.local.rank, ranks.local.calls
+                self.key = key
                 ranks.local.calls += 1
                 rendezvous.setdefault(key, {})[me] = t
                 barrier.wait()
@@ -312,7 +427,10 @@ class _Ranks:
                 self.buffer_ptrs = [x.data_ptr() for x in self.tensors]
 
             def barrier(self, channel=0):
-                barrier.wait()
+                if getattr(ranks.local, "building", False):     # construction: the ranks' threads meet
+                    barrier.wait()
+                else:                                            # a launch: the barrier kernel on the stream
+                    dev.barrier(ranks.raw_stream(), (self.key, channel), ranks.local.rank, W)
 
             def get_buffer(self, rank, sizes, dtype, storage_offset=0):
                 return self.tensors[rank].view(dtype).reshape(sizes)      # the peer's memory itself
@@ -352,7 +470,9 @@ class _Ranks:
         mp.setattr(torch.cuda, "Event", Event)
         mp.setattr(torch.cuda, "stream", StreamContext)
         mp.setattr(torch.cuda, "current_stream", lambda device=None: Stream(stream_id=ranks.raw_stream()))
-        mp.setattr(torch.cuda, "synchronize", lambda *a: None)
+        mp.setattr(torch.cuda, "synchronize", lambda *a: dev.synchronize())
+        from tldsl.runtime.dist import fused_op
+        mp.setattr(fused_op, "capturing", lambda: ranks.raw_stream() in dev.capture_of)
         mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ranks.raw_stream(), raising=False)
         mp.setattr(torch.Tensor, "record_stream", lambda t, s: None)
         for name in ("empty", "zeros", "full"):        # every tensor an op allocates is device memory
@@ -364,7 +484,7 @@ class _Ranks:
 
         def build(r):
             try:
-                self.local.rank, self.local.calls = r, 0
+                self.local.rank, self.local.calls, self.local.building = r, 0, True
                 self.current[r] = [next(self.streams)]
                 self.ops[r] = make(r)
             except BaseException as ex:   # noqa: BLE001 - re-raised in the test's thread
@@ -386,6 +506,22 @@ class _Ranks:
         if stream is not None:
             self.current[r][0] = stream
         return self.ops[r](*args)
+
+    def capture(self, r: int, *args):
+        """Rank ``r``'s call captured into a graph, as ``torch.cuda.graph`` does: on a side stream
+        of its own (after everything before it has run). Returns (graph, the call's outputs)."""
+        self.local.rank = r
+        side = next(self.streams)
+        self.current[r].append(side)
+        g = self.device.begin_capture(side)
+        try:
+            out = self.ops[r](*args)
+        except BaseException:
+            self.device.abort_capture(g)
+            raise
+        finally:
+            self.current[r].pop()
+        return self.device.end_capture(g), out
 
 
 def _push_ranks(monkeypatch, Ms=128, K=16, N=24, make=None, gemm=None):
@@ -692,6 +828,12 @@ def _run_gathering_launches(monkeypatch, seed: int, ranks, Ms: int, K: int, N: i
 
 def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1, Ms=200, K=16, N=24):
     """The pull with the publishing staging kernel (the default at rows that are not whole tiles)."""
+    ranks = _pull_ranks(monkeypatch, Ms, K, N)
+    _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
+
+
+def _pull_ranks(monkeypatch, Ms=200, K=16, N=24):
+    """Two ranks of the pull with the publishing staging kernel."""
     from tldsl.runtime.dist import ag_gemm as agm, staging
     from tldsl.runtime.gpu import device as device_mod
     holder = {}
@@ -703,7 +845,7 @@ def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_ra
         return _CompiledGemm(ranks)
     ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), gemm)
     assert all(op.engine == "copy_engine" and op.staging == "kernel" and op.handshake == "device" for op in ranks.ops)
-    _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
+    return ranks
 
 
 @pytest.mark.parametrize("streams_per_rank", [1, 2])
@@ -742,6 +884,11 @@ def _unordered(mp):
 
 def _run_gemm_staging_launches(monkeypatch, seed: int, launches: int = 5, streams_per_rank: int = 1):
     """The pull with the GEMM staging its own rows (whole tiles per rank, asked for)."""
+    ranks = _gemm_staging_ranks(monkeypatch)
+    _run_gathering_launches(monkeypatch, seed, ranks, 256, 16, 24, launches, streams_per_rank)
+
+
+def _gemm_staging_ranks(monkeypatch):
     from tldsl.runtime.dist import ag_gemm as agm
     from tldsl.runtime.gpu import device as device_mod
     monkeypatch.setattr(device_mod, "sm_count", lambda: 132)
@@ -750,7 +897,7 @@ def _run_gemm_staging_launches(monkeypatch, seed: int, launches: int = 5, stream
     ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull, staging="gemm"),
                    _CompiledGemm)
     assert all(op.staging == "gemm" and op.handshake == "device" for op in ranks.ops)
-    _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
+    return ranks
 
 
 @pytest.mark.parametrize("streams_per_rank", [1, 2])

@@ -16,6 +16,13 @@ Each distinct (shapes, dtype, group) builds one op object the first time it is c
 collective point (symmetric allocation), which every rank reaches because the op itself is
 collective — and keeps it until :func:`close_all` (also collective). Fake (meta)
 implementations give torch.compile the output shapes.
+
+CUDA graphs: a call can be captured in ``torch.cuda.graph`` and replayed once its op exists — per
+call the torch ops only check shapes on the host, view or copy tensors on the stream and call the op,
+whose launches are capturable (runtime/dist/fused_op.py); the last-dim paths call NCCL, which
+captures too. Building an op cannot be captured (it allocates symmetric memory, rendezvouses and
+synchronises): a capture that would build one is refused — call the op once eagerly first (the
+warm-up ``torch.cuda.graph``'s documentation asks for anyway).
 """
 from __future__ import annotations
 
@@ -51,6 +58,19 @@ def close_all() -> None:
 def _group(group_name: str):
     from .runtime.dist.group import resolve_group
     return resolve_group(group_name)
+
+
+def _build(key, make):
+    """The op for ``key``, built by ``make()`` the first time — never while capturing a CUDA graph."""
+    op = _OPS.get(key)
+    if op is None:
+        from .runtime.dist import fused_op
+        if fused_op.capturing():
+            raise InputError(f"torch.ops.tldsl: the first call for these shapes ({key[1]} @ {key[2]}, {key[3]}) is "
+                             f"being captured in a CUDA graph, but building the op (symmetric memory, a collective "
+                             f"rendezvous, a synchronisation) cannot be captured: call it once before capturing")
+        op = _OPS[key] = make()
+    return op
 
 
 def _check_ag(a_shard: torch.Tensor, bs: list[torch.Tensor], gather_dim: int, world_size: int) -> int:
@@ -128,9 +148,7 @@ def fused_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
     a2d, blocks = as_row_blocks(a_shard, g)
     from .runtime.dist import AllGatherMatmul
     key = ("ag", tuple(a2d.shape), tuple(bs[0].shape), a_shard.dtype, group_name)
-    op = _OPS.get(key)
-    if op is None:
-        op = _OPS[key] = AllGatherMatmul(a2d.shape[0], a2d.shape[1], bs[0].shape[1], a_shard.dtype, group=group)
+    op = _build(key, lambda: AllGatherMatmul(a2d.shape[0], a2d.shape[1], bs[0].shape[1], a_shard.dtype, group=group))
     a_full, c0 = op(a2d, dense(bs[0]))                # (a strided or unaligned shard: the op copies it)
     outs = [c0] + [torch.mm(a_full, b) for b in bs[1:]]
     return (gathered(a_full, blocks, W) if return_A else None), [gathered(c, blocks, W) for c in outs]
@@ -177,9 +195,7 @@ def fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
     a2d, blocks = as_row_blocks(a, d)
     from .runtime.dist import MatmulReduceScatter
     key = ("rs", tuple(a2d.shape), tuple(b.shape), a.dtype, group_name)
-    op = _OPS.get(key)
-    if op is None:
-        op = _OPS[key] = MatmulReduceScatter(a2d.shape[0], a2d.shape[1], b.shape[1], a.dtype, group=group)
+    op = _build(key, lambda: MatmulReduceScatter(a2d.shape[0], a2d.shape[1], b.shape[1], a.dtype, group=group))
     out = op(dense(a2d), dense(b))
     if reduce_op == "avg":
         out = out / W

@@ -40,6 +40,17 @@ double-buffered symmetric buffer, slot ``L % 2``:
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
 every peer reaches only after its copy stream finished launch L-2's reads of that slot.
 
+CUDA graphs (``torch.cuda.graph``; every schedule of this module): ``L`` reaches the device as the
+GEMM's and the staging kernel's argument, as the constant of the flag writes and arrival waits, and
+as the slot's address — all three baked into a captured graph. So a captured call (and every call
+of an op once captured) is launch ``L = 1`` of fresh counters: before step 1 its compute stream runs a
+barrier of the group, zeroes every counter of the op (flags, arrivals, the staging kernel's block
+count, the GEMM's staged count) and runs a second barrier (:mod:`.fused_op`). Every replay does the
+same on the device, so its waits are those of a first launch against counters that say so; the
+slot is always slot 1, free because the first barrier waits for every rank's previous launch to
+end. While capturing: fresh outputs from the graph's pool (no spares), no ``record_stream`` (the
+copy stream is joined before the call returns), no wait for the previous eager call's stream.
+
 With ``staging="gemm"`` (the default where the shard still reaches the peers in time:
 :func:`default_staging`) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
 as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
@@ -302,8 +313,7 @@ class AllGatherMatmul(FusedOp):
         self._check(a_shard, b)
         if out is not None:
             self._check_out(out, a_shard, b)
-        self.launches += 1
-        L = self.launches
+        L = self._next_launch()
         if self.staging == "gemm":
             return self._call_gemm_staged(a_shard, b, out, poison_workspace, L)
         cur, a_full = self._begin(poison_workspace)
@@ -392,7 +402,10 @@ class AllGatherMatmul(FusedOp):
         import torch
         cur = torch.cuda.current_stream(self.ctx.device)
         self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
-        self._spare = self._spares.take(cur.cuda_stream)   # allocated at the end of the previous call
+        # allocated at the end of the previous call; none while capturing (a graph's outputs come
+        # from its own memory pool: a spare allocated outside it could be freed and reused while
+        # the graph still writes it)
+        self._spare = self._spares.take(cur.cuda_stream) if not self._capture else {}
         a_full = self._spare.get("a_gathered")
         if a_full is None:
             a_full = self._spares.new("a_gathered")
@@ -417,10 +430,11 @@ class AllGatherMatmul(FusedOp):
         import torch
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
-        a_full.record_stream(self.copy_stream)
         self._spare = {}
-        self._spares.refill(cur.cuda_stream, with_c=fresh_c)
-        if self.debug:
+        if not self._capture:           # (captured: the copy stream is joined above; no spares from the graph's pool)
+            a_full.record_stream(self.copy_stream)
+            self._spares.refill(cur.cuda_stream, with_c=fresh_c)
+        if self.debug and not self._capture:
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] launch {L}: done; counters {self.signal_counters()}", flush=True)
         return a_full, c
@@ -584,6 +598,14 @@ class AllGatherMatmul(FusedOp):
                         "this rank's copy stream waits on it"))
         return out
 
+    def _graph_counters(self) -> list:
+        if self._engine is not None:
+            return self._engine.graph_counters()
+        out = list(self.signal_tensors().values())
+        if getattr(self, "_blocks_done", None) is not None:     # the staging kernel's count of finished blocks
+            out.append(self._blocks_done)
+        return out
+
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
         self._check_open()                              # (its views went with close())
@@ -743,6 +765,9 @@ class _FusedAllGather:
       runs on SMs and must not queue behind the persistent GEMM), the peer copies and flags on
       the communication stream (after ``E``), then the GEMM on all SMs;
     * the compute stream waits for the communication stream.
+
+    CUDA graphs: as the direct path (module docstring) — a captured launch is launch 1 after the
+    device-side reset of every counter between two barriers (:mod:`.fused_op`).
     """
 
     def __init__(self, op, tdtype, progress):
@@ -837,6 +862,9 @@ class _FusedAllGather:
     def close(self) -> None:
         self.ws.close()
 
+    def graph_counters(self) -> list:
+        return list(self.signals.values())
+
     def workspace_tensors(self) -> dict:
         return {nm: self.ws.tensor(nm) for nm in self.sym_b}
 
@@ -876,8 +904,8 @@ class _FusedAllGather:
         op._check(a_shard, b)
         if out is not None:
             op._check_out(out, a_shard, b)
-        op.launches += 1
-        L = op.launches
+        L = op._next_launch()
+        capture = op._capture
         W, r = op.ctx.world_size, op.ctx.rank
         cur = torch.cuda.current_stream(self.device)
         self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
@@ -894,7 +922,8 @@ class _FusedAllGather:
             if poison_workspace:
                 a_full.fill_(float("nan"))
             a_src = dense(a_shard)
-            a_src.record_stream(self.comm_stream)
+            if not capture:                     # (captured: the stream is joined before the call returns)
+                a_src.record_stream(self.comm_stream)
         c = torch.empty((W * op.Ms, op.N), dtype=op.dtype, device=self.device) if out is None else out
         ev = torch.cuda.Event()
         ev.record(cur)
@@ -920,11 +949,11 @@ class _FusedAllGather:
             op._hook("before_compute", cur)
             self._launch_gemm(a_full, b, c, cur, L)
         cur.wait_stream(self.comm_stream)
-        if self.mode == "pull":
+        if self.mode == "pull" and not capture:
             a_full.record_stream(self.comm_stream)  # written on the communication stream (SM kernel / copies)
         if self.mode == "push" and copy_gathered:
             a_full = a_full.clone()                 # the symmetric buffer is overwritten by the next launch
-        if self.debug:
+        if self.debug and not capture:
             torch.cuda.synchronize()
             print(f"[rank {r}] ag_gemm {self.name}-{self.mode} launch {L}: done; counters "
                   f"{ {nm: t.tolist() for nm, t in self.signals.items()} }", flush=True)

@@ -29,6 +29,13 @@ a call on another stream than the previous one first waits for it (:mod:`.call_o
 protocol runs on two simulated ranks under random schedules in tests/test_dist_protocols.py. Needs whole ``BM``-row tiles per rank and no clusters
 (the GEMM tells this rank's tiles from the peers' by their rows).
 
+CUDA graphs: the flags' values, the ``consumed`` waits and the landing slot all come from ``L``,
+baked into a captured graph; a captured call (and every call once captured) is therefore launch
+``L = 1``, after a barrier of the group, every counter here (flags, consumed, the pushing GEMM's
+count) zeroed on the device and a second barrier, all on the compute stream (:mod:`.fused_op`):
+every replay starts from counters that say "no launch yet", and the first barrier replaces the
+``consumed`` waits (every rank's previous launch has ended).
+
 Column slices (``comm.col_tile``, the default's :data:`~.ag_gemm.DEFAULT_COL_TILE`): each push is one
 2-D copy per slice of ``col_tile`` columns, each followed by the flag's count of slices landed,
 ``slices * (L - 1) + j + 1``; the GEMM waits for a slice only when its K loop reaches it (the tile
@@ -219,15 +226,16 @@ class PushAllGather:
             op._check(a_shard, b)            # the precise error
         if out is not None:
             op._check_out(out, a_shard, b)
-        op.launches += 1
-        L = op.launches
+        L = op._next_launch()
+        capture = op._capture
         cu, consts = self._cu, self._consts
         ok = consts.success
         cur_h = self._raw_stream(self._dev_index)
         self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
         tl_, hooks = op.timeline, op.hooks
         cur = torch.cuda.current_stream(self._dev_index) if (tl_ is not None or hooks) else None
-        spare = self._spares.take(cur_h)     # allocated at the end of the previous call (spare_outputs)
+        # allocated at the end of the previous call (spare_outputs); none while capturing a graph
+        spare = self._spares.take(cur_h) if not capture else {}
         a_full = spare.get("a_gathered")
         if a_full is None:
             a_full = self._spares.new("a_gathered")
@@ -241,7 +249,7 @@ class PushAllGather:
         if c is None:
             c = self._spares.new("c")
         if self._gemm_pushes:
-            return self._launch_pushing_gemm(a_shard, b, a_full, c, cur, cur_h, L, out is None)
+            return self._launch_pushing_gemm(a_shard, b, a_full, c, cur, cur_h, L, out is None and not capture)
         res = cu.cuEventRecord(self._ev_start, cur_h)        # the call's start: the copies read a_shard after it
         if res[0] != ok:
             plan_exec.checked(cu, res, "cuEventRecord(start)")
@@ -297,7 +305,10 @@ class PushAllGather:
             plan_exec.checked(cu, r1, "cuEventRecord(copied)")
             plan_exec.checked(cu, r2, "cuStreamWaitEvent(copied)")
         # the next call's outputs, now that everything of this one is enqueued
-        self._spares.refill(cur_h, with_c=out is None)
+        if not capture:
+            self._spares.refill(cur_h, with_c=out is None)
+        elif op.debug:
+            return a_full, c
         if op.debug:
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm push launch {L}: done; counters {op.signal_counters()}", flush=True)
@@ -332,6 +343,8 @@ class PushAllGather:
         if op.hooks:
             op._hook("before_comm", cur)        # (the GEMM is the communication too)
         self._launch_gemm(gemm, cur, cur_h, L)
+        if op._capture:
+            return a_full, c
         self._spares.refill(cur_h, with_c=fresh_c)
         if op.debug:
             self._torch.cuda.synchronize()
@@ -378,6 +391,13 @@ class PushAllGather:
             self._scratch_copy = torch.empty_like(a_gathered)
         return {self.shard_name: a_gathered[me * op.Ms:(me + 1) * op.Ms], self.copy_name: self._scratch_copy,
                 "own_cols": self.cols}
+
+    def graph_counters(self) -> list:
+        """Every counter a launch waits on or writes (reset at the start of a captured launch)."""
+        out = [self.counters]                       # flags and consumed
+        if self._gemm_pushes:
+            out.append(self._push_signals[self.lowered.row_signals[0]])
+        return out
 
     @property
     def signals(self) -> dict:

@@ -9,6 +9,10 @@ tests/test_dist_protocols.py finds the overwritten landing slot within a few doz
 schedules). So a call on another stream than the previous call's first makes its stream wait for
 everything enqueued on the previous one: one event record and one stream wait, only when the
 stream changes (never on the measured path, which calls on one stream).
+
+While a CUDA graph is being captured the wait is left out (a capture may not wait for an event
+recorded outside it): a graph's replays are ordered by the stream they are launched on, and each
+replay starts with a barrier of the group behind which every counter is reset (:mod:`.fused_op`).
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ class CallOrder:
         self._last = stream
         if last is None:
             return
+        from .fused_op import capturing
+        if capturing():             # an event recorded outside a capture cannot be waited on inside it:
+            return                  # a graph is ordered by the stream it is replayed on
         cu = plan_exec.load_driver()
         if self._event is None:
             self._event = plan_exec.driver_event(cu, self)

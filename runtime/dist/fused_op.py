@@ -10,11 +10,50 @@ here once; an op supplies what is specific to it:
 * ``_facts()`` — (name, value) rows of its notebook card;
 * ``_describe_body()`` — the lines after the head of ``describe()`` (its engines and kernels);
 * ``_release()`` — what it frees before its lease (engines, workspaces, spare outputs);
-* ``signal_tensors()``, ``workspace_tensors()``, ``signal_map()`` — its counters and buffers.
+* ``signal_tensors()``, ``workspace_tensors()``, ``signal_map()`` — its counters and buffers;
+* ``_graph_counters()`` — every counter a launch waits on or writes, where more than its signals.
+
+CUDA graphs (``torch.cuda.graph``). Every op's protocol numbers its launches — a counter holding
+``L`` says launch ``L`` got this far, and double-buffered slots are chosen by ``L % 2`` — and the
+launch number reaches the device in three ways: a kernel argument, the constant of a stream
+memory operation (``cuStreamWriteValue64`` / ``cuStreamWaitValue64``), and the address of a copy
+(the slot). A captured graph bakes all three: every replay would be the captured launch again, its
+waits satisfied by the previous replay's flags, its copies landing in the slot the previous replay's
+readers may still read. A device-side launch counter read by the kernels cannot fix that alone:
+a memop writes and compares host constants (it cannot add one) and a copy's address is fixed. So a
+captured call is made *launch 1 of fresh counters*, and every replay makes it so again on the device
+(:meth:`FusedOp._next_launch`): its first work on the compute stream is
+
+1. a barrier of the group (the torch symmetric-memory barrier kernel, which resets its own signal
+   pads: replayable) — every rank's previous launch is complete on every stream (each rank's
+   previous launch was joined into its compute stream before this point), so nothing still reads
+   or writes the op's buffers or counters;
+2. every counter of the op zeroed on this rank (``cuMemsetD8Async``: a memset node in the graph);
+3. a second barrier — every rank's counters are zero before any rank's launch writes into them.
+
+Then the launch runs its ordinary protocol with ``L = 1`` (its waits, flags and slot are those of a
+first launch, which is what the counters say). The epoch thus advances on the device at a fixed
+point of every replay — it is reset to a known state there — and nothing is passed from the host per
+replay. Once an op has been captured it stays in this mode: its later eager calls do the same (the
+counters no longer count its launches), at the price of the two barriers; an op never captured runs
+exactly as before (one extra host check per call: is the stream capturing). While capturing, the
+call also allocates its outputs afresh (no spare outputs: :mod:`.spare_outputs`), records no stream
+use of them (every side stream is joined back before the call returns), does not order itself after
+the previous eager call's stream (an event recorded outside a capture cannot be waited on inside it)
+and never synchronises (``TLDSL_DEBUG``'s per-launch report is skipped).
 """
 from __future__ import annotations
 
 from .operands import check_open
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    import torch
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError, AttributeError):    # a build or a machine without CUDA
+        return False
 
 
 class FusedOp:
@@ -22,6 +61,52 @@ class FusedOp:
     :class:`~.gemm_rs.MatmulReduceScatter`)."""
 
     _closed = True             # until an op's construction has got far enough to own something
+    _graph = False             # captured once: every launch starts from fresh counters (module docstring)
+    _capture = False           # the current call is being captured
+    _epoch_order = None        # the reset's own call order (a CallOrder, made on first use)
+
+    # -- launch numbers -----------------------------------------------------------------------------
+    def _next_launch(self) -> int:
+        """The number of the launch this call makes. Eager (never captured): the host's count, as
+        always. Capturing, and every call once captured: 1, after the device-side reset of the
+        module docstring, enqueued here on the current stream."""
+        self.launches += 1
+        self._capture = capturing()
+        if not self._graph:
+            if not self._capture:
+                return self.launches
+            self._graph = True
+        self._fresh_epoch()
+        return 1
+
+    def _fresh_epoch(self) -> None:
+        """Barrier, every counter zeroed, barrier — on the current stream (module docstring)."""
+        import torch
+        from ..gpu import plan_exec
+        stream = torch.cuda.current_stream(self.ctx.device)
+        if self._epoch_order is None:
+            from .call_order import CallOrder
+            self._epoch_order = CallOrder()
+        self._epoch_order.follow(stream.cuda_stream)   # after the previous call, whatever its stream
+        cu = plan_exec.load_driver()
+        if self.ctx.world_size > 1:
+            self._lease.barrier(stream)
+        seen = set()
+        for t in self._graph_counters():
+            p = t.data_ptr()
+            if p in seen:
+                continue
+            seen.add(p)
+            if not t.is_contiguous():
+                raise RuntimeError(f"{type(self).__name__}: a counter to reset is not contiguous")
+            plan_exec.checked(cu, cu.cuMemsetD8Async(p, 0, t.numel() * t.element_size(), stream.cuda_stream),
+                              "cuMemsetD8Async(reset a counter)")
+        if self.ctx.world_size > 1:
+            self._lease.barrier(stream)
+
+    def _graph_counters(self) -> list:
+        """Every counter tensor a launch waits on or writes (by default: its signals)."""
+        return list(self.signal_tensors().values())
 
     # -- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:

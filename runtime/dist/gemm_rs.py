@@ -45,6 +45,13 @@ it), so once a kernel that spins is enqueued, everything it waits for on this ra
 too: a host-side stall in between (torch frees symmetric memory with a device synchronise) can
 never wait for a spinning kernel.
 
+CUDA graphs (both engines): a captured call bakes ``L`` into the graph (the kernels' argument, the
+copy engine's memop constants), so it is launch ``L = 1`` of fresh counters, and so is every call of
+an op once captured: before step 2 the compute stream runs a barrier of the group, zeroes every
+counter of the op (ready, arrivals, done, the handshake's) and runs a second barrier
+(:mod:`.fused_op`) — on every replay, on the device. While capturing nothing synchronises and no
+stream use is recorded (every side stream is joined back before the call returns).
+
 Building the op is **collective** (symmetric staging buffer and counters, one rendezvous): every
 rank of the group must build it, at the same point, before any call. Nothing is allocated
 collectively on a call.
@@ -328,8 +335,7 @@ class MatmulReduceScatter(FusedOp):
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
             check_output("MatmulReduceScatter", out, (self.Ms, self.N), dt, dev, (("A", a), ("B", b)))
-        self.launches += 1
-        L = self.launches
+        L = self._next_launch()
         if self._engine is not None:
             return self._finish(self._engine(a, b, out, L))     # allocates `out` once the GEMM is enqueued
         if out is None:
@@ -339,7 +345,7 @@ class MatmulReduceScatter(FusedOp):
         return self._finish(out)
 
     def _finish(self, out):
-        if self.debug:
+        if self.debug and not self._capture:
             import torch
             torch.cuda.synchronize()
             print(f"[rank {self.ctx.rank}] gemm_rs launch {self.launches}: done; counters {self.signal_counters()}",
@@ -380,7 +386,8 @@ class MatmulReduceScatter(FusedOp):
             tl_.mark("reduce-scatter done", self.comm_stream, "comm")
         self._done.record(self.comm_stream)
         cur.wait_event(self._done)
-        out.record_stream(self.comm_stream)
+        if not self._capture:               # (captured: the stream is joined just above)
+            out.record_stream(self.comm_stream)
 
     def compute_only(self, a, b):
         """Only this op's GEMM (same kernel, schedule and SM count) into its partial workspace,

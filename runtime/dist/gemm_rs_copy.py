@@ -46,7 +46,10 @@ buffer: a peer's copies of launch ``L`` start after this rank's GEMM of launch `
 read that buffer) is done.
 
 Counters only grow (every wait targets ``count * L``), so nothing is reset and no stale value
-can satisfy a wait. Between enqueueing the GEMM and the last copy the host never waits for the
+can satisfy a wait — except in a CUDA graph, whose memops carry the captured ``L``: there every
+launch is ``L = 1`` after the counters are zeroed between two barriers on the device
+(:mod:`.fused_op`), and the early sum's side stream, which otherwise starts on its counter waits
+alone, first waits for the call's start (a stale count of the previous launch would satisfy them). Between enqueueing the GEMM and the last copy the host never waits for the
 device (garbage collection is paused). Rows are chunked for the copies (``tile_m``; by default
 up to 4 per peer, whole producer tiles each, and no smaller than a group of tile rows of the
 compute order — :func:`default_chunk_rows`): the first copy starts after a quarter of the peer's
@@ -310,6 +313,10 @@ class CopyEngineReduceScatter:
             # them (stream waits on its counters: no SM held while waiting): its kernel runs on
             # the SMs the GEMM's finished CTAs free during its last, partial wave.
             ss = self.sum_stream.cuda_stream
+            # counting launches, its waits order it; in graph mode every launch is launch 1 (runtime/dist/
+            # fused_op.py), so it must start after the call (a captured side stream must be forked anyway)
+            if op._graph:
+                ck(cu, cu.cuStreamWaitEvent(ss, self._ev_start, 0), "cuStreamWaitEvent(start, sum stream)")
             for count, lo, hi in self.own_chunks[:-1]:
                 ck(cu, cu.cuStreamWaitValue64(ss, ready.data_ptr() + 8 * (me * self.tpr + lo // self.rows),
                                               count * L, geq), "cuStreamWaitValue64(own ready)")
@@ -319,7 +326,8 @@ class CopyEngineReduceScatter:
             split = self.own_chunks[-1][1]
             with torch.cuda.stream(self.sum_stream):
                 self._sum_rows(out, 0, split)
-            out.record_stream(self.sum_stream)
+            if not op._capture:                 # (captured: joined below)
+                out.record_stream(self.sum_stream)
             self._summed.record(self.sum_stream)
         for p, per_launch in self.arrivals:
             ck(cu, cu.cuStreamWaitValue64(cur_h, done[me] + 8 * p, per_launch * L, geq),

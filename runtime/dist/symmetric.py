@@ -104,6 +104,19 @@ class Lease:
         as mapped here): ``free`` runs at the release."""
         self._entry.blocks.append(_Block(what, free=free, spans=tuple(spans)))
 
+    def barrier(self, stream, channel: int = 0) -> None:
+        """A stream-ordered barrier of the group on ``stream`` (torch symmetric memory's barrier
+        kernel on this lease's first block: its signal pads reset themselves, so it can be captured
+        in a CUDA graph and replayed). Blocks from NVSHMEM's heap have no such handle here."""
+        import torch
+        for b in self._entry.blocks:
+            if b.handle is not None and hasattr(b.handle, "barrier"):
+                with torch.cuda.stream(stream):
+                    b.handle.barrier(channel=channel)
+                return
+        raise RuntimeError(f"{self.what}: no torch symmetric-memory block to run a barrier on (an NVSHMEM "
+                           f"workspace): this op cannot start a launch from fresh counters (CUDA graphs)")
+
     def forget(self, *objs) -> None:
         """Drop the attributes of ``objs`` (an op, its engine; ``None`` skipped) that reach this
         lease's blocks — a tensor viewing a block here or on a peer, a block's handle, a dict,

@@ -36,10 +36,15 @@ INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
 SPILL_BUDGET_BYTES = 0
 
 
-def trace_sp(W=4, Sl=1024, H=2, D=128, tile=(128, 128, 64), causal=True, comm=None, dt=tl.float16, **sched):
+def trace_sp(W=4, Sl=1024, H=2, D=128, tile=(128, 128, 64), causal=True, comm=None, dt=tl.float16, Hkv=None,
+             layout="contiguous", **sched):
     comm = comm or tl.CommSchedule(tile_m=128, mode="pull")
-    return sp_attention.trace(W, *[S((Sl, H * D), dt)] * 4, heads=H, causal=causal,
-                              compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm)
+    q, kv = S((Sl, H * D), dt), S((Sl, (Hkv or H) * D), dt)
+    extra = dict(kv_heads=Hkv) if Hkv else {}
+    if layout != "contiguous":
+        extra["layout"] = layout
+    return sp_attention.trace(W, q, kv, kv, q, heads=H, causal=causal,
+                              compute=tl.ComputeSchedule(tile=tile, **sched), comm=comm, **extra)
 
 
 # -- a local (single-rank) attention, and variants outside the pattern ---------------------------------
@@ -169,6 +174,35 @@ def test_stages_and_overlap_options():
     assert lower_attention(trace_sp(), overlap=False).config.overlap is False
 
 
+def test_gqa_and_zigzag_lower_through_the_attention_recipe():
+    """GQA reads the key/value head h // group (the K/V columns are control code); the zig-zag
+    layout walks the gathered K/V as 2W chunks of Sl/2 rows (a 3-D TMA view [2W, Sl/2, width])
+    and hands the kernel the split of a query block that straddles a rank's two chunks."""
+    from tldsl.codegen import pipeline
+    gqa = trace_sp(H=8, Hkv=2, D=64, causal=False)
+    assert pipeline.match(gqa, gqa.part("attention")).recipe.name == "attention"
+    la = lower_attention(gqa)
+    k = la.tma[1]
+    assert (k.global_dims, k.box_dims) == ((128, 1024, 4), (64, 128, 1)) and la.shard_rows == 1024
+    assert la.buffers["k_gathered"] == ((4096, 128), "f16") and la.buffers["q"] == ((1024, 512), "f16")
+    assert "tldsl::floordiv(" in la.control_source                     # h // 4
+    assert re.search(r"KeyBlock\{(\w+), \1, \w+, \w+, 1024 - \w+, 0, 0\}", la.control_source)
+    zz = trace_sp(W=4, Sl=1002, H=4, Hkv=1, D=64, layout="zigzag")     # chunks of 501 rows
+    assert pipeline.match(zz, zz.part("attention")).recipe.name == "attention"
+    la = lower_attention(zz)
+    k = la.tma[1]
+    assert la.shard_rows == 501 and (k.global_dims, k.global_strides) == ((64, 501, 8), (128, 501 * 128))
+    assert la.config.causal and la.waits == 2 and la.signals == ("gather_k_ready", "gather_v_ready")
+    # the chunk index 2 * peer + half, and two more fields: the split row and the second run's base
+    assert re.search(r"SplitKeyBlock\{\{(\w+), \1, (\w+), 2 \* \w+ \+ \w+, 501 - \2, \w+, \w+\}, \w+, \w+\}\);",
+                     la.control_source), la.control_source
+    # non-causal: the layout changes nothing, the kernel is the contiguous one
+    a = lower_attention(trace_sp(Sl=1002, causal=False, layout="zigzag")).source
+    b = lower_attention(trace_sp(Sl=1002, causal=False)).source
+    strip = lambda src: re.sub(r"(test_codegen_attention|sp_attention)\.py:\d+", "", src)  # noqa: E731
+    assert strip(a) == strip(b)
+
+
 def test_the_pipeline_picks_the_attention_recipe():
     from tldsl.codegen import pipeline
     k = trace_sp()
@@ -256,6 +290,17 @@ inline void wait_at_least(const unsigned long long* slot, unsigned long long tar
 """
 
 
+SPLIT_PRINT = r"""
+// one run of query positions: every row at q_pos0 + row (no split inside any tile)
+inline void print_split(const tldsl::attn::KeyBlock&) { printf(" 2147483647 0\n"); }
+inline void print_split(const tldsl::attn::SplitKeyBlock& b) {
+  printf(" %d %d\n", b.q_split, b.q_pos1);
+  for (int row = -2; row < 260; ++row)   // the kernel's mask shift agrees with the fields
+    if (tldsl::attn::query_shift(b, row) != (row < b.q_split ? 0 : b.q_pos1 - b.q_pos0)) abort();
+}
+"""
+
+
 def _harness(la: LoweredAttention, kernel) -> str:
     sigs = [kernel.signals[[s.name for s in kernel.signals].index(n)] for n in la.signals]
     decl = "\n".join(f"static unsigned long long sig{i}[{s.type.slots}];" for i, s in enumerate(sigs))
@@ -263,7 +308,7 @@ def _harness(la: LoweredAttention, kernel) -> str:
                       f"tldsl::g_sig_slots[{i}] = {s.type.slots};" for i, s in enumerate(sigs))
     init = ", ".join(["rank", "launch"] + [f"sig{i}" for i in range(len(sigs))])
     gm, gn = la.grid_tiles
-    return HARNESS_HEAD + la.control_source + decl + f"""
+    return HARNESS_HEAD + SPLIT_PRINT + la.control_source + decl + f"""
 int main(int argc, char** argv) {{
   const int world = atoi(argv[1]);
   const unsigned long long launch = strtoull(argv[2], nullptr, 10);
@@ -276,8 +321,9 @@ int main(int argc, char** argv) {{
         const Prog prog{{{init}}};
         prog.run<true>(p0, p1,
           [](const tldsl::attn::TileInfo& t) {{ printf("tile %d %d %d %d\\n", t.q_row, t.q_col, t.o_row, t.o_col); }},
-          [](const tldsl::attn::KeyBlock& b) {{
-            printf("block %d %d %d %d %d %d %d\\n", b.k_col, b.v_col, b.row, b.shard, b.valid, b.key_pos0, b.q_pos0);
+          [](const auto& b) {{
+            printf("block %d %d %d %d %d %d %d", b.k_col, b.v_col, b.row, b.shard, b.valid, b.key_pos0, b.q_pos0);
+            print_split(b);
           }});
       }}
   return 0;
@@ -360,17 +406,23 @@ CONTROL_CASES = {
                                   tl.CommSchedule(tile_m=64, mode="push", order="full_mesh")),
     "copy-engine-BM128-causal": (2, 130, 1, 16, (128, 64, 16), True, tl.CommSchedule(engine="copy_engine")),
     "single-rank-causal": (1, 77, 1, 32, (64, 64, 16), True, tl.CommSchedule(tile_m=32)),
+    # zig-zag: chunks of 45 and 77 rows (query blocks straddle a rank's two chunks), GQA
+    "zigzag-gqa-pull-commtile16": (3, 90, (4, 2), 16, (64, 16, 16), True, tl.CommSchedule(tile_m=16, mode="pull"),
+                                   "zigzag"),
+    "zigzag-BM128-copy-engine": (2, 154, 1, 16, (128, 64, 16), True, tl.CommSchedule(engine="copy_engine"), "zigzag"),
 }
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
 @pytest.mark.parametrize("name", sorted(CONTROL_CASES))
 def test_generated_control_code_matches_the_simulator(tmp_path, monkeypatch, name):
-    W, Sl, H, D, tile, causal, comm = CONTROL_CASES[name]
+    W, Sl, H, D, tile, causal, comm, *layout = CONTROL_CASES[name]
+    H, Hkv = H if isinstance(H, tuple) else (H, None)
     compute = tl.ComputeSchedule(tile=tile)
     case = SPEC.make_case(np.random.default_rng(1), W, seq_per_rank=Sl, heads=H, head_dim=D, causal=causal,
-                          compute=compute, comm=comm)
-    kernel = sp_attention.trace(W, *[S((Sl, H * D), tl.float16)] * 4, **case.kwargs)
+                          compute=compute, comm=comm, kv_heads=Hkv, layout=(layout or ["contiguous"])[0])
+    q, kv = S((Sl, H * D), tl.float16), S((Sl, (Hkv or H) * D), tl.float16)
+    kernel = sp_attention.trace(W, q, kv, kv, q, **case.kwargs)
     la = lower_attention(kernel)
     L, BN, BM = la.shard_rows, la.config.BN, la.config.BM
     log = _simulate_recording(monkeypatch, case, W, seed=3)
@@ -403,10 +455,11 @@ def test_generated_control_code_matches_the_simulator(tmp_path, monkeypatch, nam
                 if ev[0] == "wait":
                     have.append(ev)
                     continue
-                _, kcol, vcol, row, shard, valid, key0, q0 = ev
+                _, kcol, vcol, row, shard, valid, key0, q0, split, q1 = ev
                 assert valid == L - row and 0 <= row < L
                 rows = tuple(shard * L + row + j if row + j < L else -1 for j in range(BN))
-                cm = (np.arange(BN)[None, :] + key0 <= np.arange(BM)[:, None] + q0) if causal else None
+                i = np.arange(BM)[:, None]
+                cm = (np.arange(BN)[None, :] + key0 <= np.where(i < split, q0, q1) + i) if causal else None
                 have.append(("block", rows, kcol, vcol, cm))
                 blocks_seen += 1
             assert len(have) == len(want), (rank, coords, len(have), len(want))
@@ -497,6 +550,20 @@ def test_attention_without_waits_and_small_head_dims_compile(cache):
     check_attention_sass(las[0], cks[0], waits_scope=None)
     check_attention_sass(las[1], cks[1], waits_scope="GPU")
     check_attention_sass(las[2], cks[2], waits_scope="GPU")
+
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+@needs_cuobjdump
+def test_gqa_and_zigzag_kernels_compile(cache):
+    """One kernel per new variant: GQA (4 query heads per key/value head, non-causal, bf16) and
+    the zig-zag layout (causal, chunks of 501 rows, GQA, BM=128: query blocks straddle chunks)."""
+    las = [lower_attention(trace_sp(H=8, Hkv=2, D=128, causal=False, dt=tl.bfloat16)),
+           lower_attention(trace_sp(W=4, Sl=1002, H=4, Hkv=2, D=64, tile=(128, 128, 64), layout="zigzag",
+                                    comm=tl.CommSchedule(tile_m=64, mode="push", order="full_mesh")))]
+    cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in las], cache=cache, progress=False)
+    check_attention_sass(las[0], cks[0], waits_scope="GPU")
+    check_attention_sass(las[1], cks[1], waits_scope="SYS")
 
 
 @pytest.mark.nvrtc

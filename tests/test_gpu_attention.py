@@ -20,24 +20,25 @@ pytestmark = [pytest.mark.gpu,
 PULL = dict(tile_m=128, mode="pull")
 
 
-def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None):
+def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None, Hkv=None, layout="contiguous"):
     import tldsl as tl
     from tldsl.codegen import lower_attention
     from tldsl.ops.sp_attention import sp_attention
     dt = tl.ir.dtype_of(dtype)
-    k = sp_attention.trace(W, *[tl.TensorSpec((Sl, H * D), dt)] * 4, heads=H, causal=causal,
+    q, kv = tl.TensorSpec((Sl, H * D), dt), tl.TensorSpec((Sl, (Hkv or H) * D), dt)
+    k = sp_attention.trace(W, q, kv, kv, q, heads=H, kv_heads=Hkv, causal=causal, layout=layout,
                            compute=tl.ComputeSchedule(tile=tile, stages=stages),
                            comm=tl.CommSchedule(**(comm or PULL)))
     return k, lower_attention(k, overlap=overlap)
 
 
-def _inputs(W, Sl, H, D, dtype, seed):
+def _inputs(W, Sl, H, D, dtype, seed, Hkv=None):
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = getattr(torch, dtype)
     q = torch.randn(Sl, H * D, device="cuda", dtype=t, generator=g)
-    k_all = torch.randn(W * Sl, H * D, device="cuda", dtype=t, generator=g)
-    v_all = torch.randn(W * Sl, H * D, device="cuda", dtype=t, generator=g)
+    k_all = torch.randn(W * Sl, (Hkv or H) * D, device="cuda", dtype=t, generator=g)
+    v_all = torch.randn(W * Sl, (Hkv or H) * D, device="cuda", dtype=t, generator=g)
     return q, k_all, v_all
 
 
@@ -47,18 +48,21 @@ def _signals(kernel, lowered, value):
             for s in kernel.signals if s.name in lowered.signals}
 
 
-def _reference(q, k_all, v_all, H, D, rank, causal):
-    """fp32 softmax attention per head over the gathered K/V, causal on global positions."""
+def _reference(q, k_all, v_all, H, D, rank, causal, layout="contiguous"):
+    """fp32 softmax attention per head over the gathered K/V (key/value heads repeated for GQA),
+    causal on the global positions of ``layout``."""
     import torch
     import torch.nn.functional as F
+    from tldsl.ops.sp_attention import positions
     Sl, N = q.shape[0], k_all.shape[0]
+    Hkv = k_all.shape[1] // D
     qh = q.float().view(Sl, H, D).transpose(0, 1)
-    kh = k_all.float().view(N, H, D).transpose(0, 1)
-    vh = v_all.float().view(N, H, D).transpose(0, 1)
+    kh = k_all.float().view(N, Hkv, D).transpose(0, 1).repeat_interleave(H // Hkv, dim=0)
+    vh = v_all.float().view(N, Hkv, D).transpose(0, 1).repeat_interleave(H // Hkv, dim=0)
     mask = None
     if causal:
-        qpos = rank * Sl + torch.arange(Sl, device="cuda")[:, None]
-        mask = torch.arange(N, device="cuda")[None, :] <= qpos
+        pos = torch.from_numpy(positions(N // Sl, Sl, layout)).to("cuda")
+        mask = pos.reshape(-1)[None, :] <= pos[rank][:, None]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=1.0 / math.sqrt(D))
     return out.transpose(0, 1).reshape(Sl, H * D)
 
@@ -74,19 +78,19 @@ def _check(o, ref, dtype, what):
 
 
 def _run(W, rank, Sl, H, D, tile, causal, dtype="float16", comm=None, stages=3, overlap=None, max_ctas=None,
-         seed=0):
+         seed=0, Hkv=None, layout="contiguous"):
     import torch
     from tldsl.runtime.gpu.attention import AttentionKernel
-    k, la = _lower(W, Sl, H, D, tile, causal, dtype, comm, stages, overlap)
+    k, la = _lower(W, Sl, H, D, tile, causal, dtype, comm, stages, overlap, Hkv, layout)
     kern = AttentionKernel(la, max_ctas=max_ctas)
-    q, k_all, v_all = _inputs(W, Sl, H, D, dtype, seed + 17 * rank)
+    q, k_all, v_all = _inputs(W, Sl, H, D, dtype, seed + 17 * rank, Hkv)
     o = torch.full_like(q, float("nan"))
     kern({"q": q, "k_gathered": k_all, "v_gathered": v_all, "o": o}, signals=_signals(k, la, 1), rank=rank,
          launch_index=1)
     torch.cuda.synchronize()
-    _check(o, _reference(q, k_all, v_all, H, D, rank, causal), dtype,
-           f"W={W} rank={rank} Sl={Sl} H={H} D={D} tile={tile} causal={causal} {dtype} stages={stages} "
-           f"overlap={la.config.overlap} grid={kern.grid}")
+    _check(o, _reference(q, k_all, v_all, H, D, rank, causal, layout), dtype,
+           f"W={W} rank={rank} Sl={Sl} H={H} H_kv={Hkv or H} D={D} tile={tile} causal={causal} layout={layout} "
+           f"{dtype} stages={stages} overlap={la.config.overlap} grid={kern.grid}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -125,6 +129,25 @@ def test_small_head_dims(D, tile):
 def test_other_communication_schedules(comm):
     # peer_tile_wait / rank_wait (system-scope acquires) instead of consumer_tile_wait
     _run(4, 2, 512, 2, 128, (128, 128, 64), True, comm=comm)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Hkv", [1, 2])
+def test_gqa_matches_sdpa(Hkv, causal):
+    # 4 query heads on 1 or 2 key/value heads; Sl = 1000: partial key blocks at every shard end
+    _run(3, 2, 1000, 4, 128, (128, 128, 64), causal, Hkv=Hkv)
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 64), (64, 64, 64)])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_zigzag_causal_matches_sdpa(rank, tile):
+    # chunks of 501 rows: query blocks straddle the rank's two chunks, key blocks end partial
+    _run(4, rank, 1002, 4, 64, tile, True, dtype="bfloat16", Hkv=2, layout="zigzag")
+
+
+def test_zigzag_short_chunks_persistent():
+    # chunks of 37 rows (shorter than a tile), MHA, 3 CTAs for all tiles
+    _run(2, 1, 74, 2, 128, (128, 128, 64), True, layout="zigzag", max_ctas=3)
 
 
 def test_short_sequence_smaller_than_a_tile():

@@ -1,13 +1,16 @@
-"""Sequence-parallel attention (all-gather of K/V overlapped with flash attention)."""
+"""Sequence-parallel attention (all-gather of K/V overlapped with flash attention): MHA and
+GQA, the contiguous and the zig-zag layout, sequences that are not multiples of the tiles."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tldsl as tl
+from tldsl.errors import InputError
 from tldsl.ir.analysis import collect
-from tldsl.ops.sp_attention import SPEC, reference, sp_attention
-from tldsl.testing import check_case
+from tldsl.ops.sp_attention import SPEC, positions, reference, shard_sequence, sp_attention, unshard_sequence
+from tldsl.testing import check_case, describe
 
 F16 = np.float16
 
@@ -30,14 +33,65 @@ def _case(W, name, causal, seed=0, dtype="float16"):
                           causal=causal, compute=tl.ComputeSchedule(tile=tile), comm=comm, dtype=dtype)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# every configuration at two world sizes (the contiguous MHA kernel; 1, 2, 3 and 8 ranks overall)
+WORLDS = {name: ws for name, ws in zip(sorted(CONFIGS), [(1, 8), (2, 3), (3, 8), (1, 2), (2, 8)])}
+
+
+@pytest.mark.parametrize("name,W", [(n, w) for n in sorted(CONFIGS) for w in WORLDS[n]])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("W", [1, 2, 3, 8])
 def test_matches_numpy(W, causal, name):
     case = _case(W, name, causal, seed=W)
     res = check_case(SPEC, case, W, seed=W + 7)
     for r in range(W):
         assert not np.isnan(res[r]["o"]).any()
+
+
+# (W, Sl, heads, kv_heads, head_dim, compute tile, comm schedule, layout, causal): zig-zag chunks
+# of odd lengths that no tile divides (query blocks straddle a rank's two chunks), GQA groups of
+# 2 and 4, MHA, every engine and mode
+GQA_ZIGZAG = {
+    "zigzag-gqa4-chunk7-pull": (4, 14, 4, 1, 8, (8, 8, 8), tl.CommSchedule(tile_m=8, mode="pull"), "zigzag", True),
+    "zigzag-mha-chunk9-push-mesh": (3, 18, 2, None, 12, (16, 8, 8),
+                                    tl.CommSchedule(tile_m=16, mode="push", order="full_mesh"), "zigzag", True),
+    "zigzag-gqa2-chunk3-ce-push-W8": (8, 6, 2, 1, 8, (8, 16, 8), tl.CommSchedule(engine="copy_engine", mode="push"),
+                                      "zigzag", True),
+    "zigzag-gqa2-chunk5-W1": (1, 10, 4, 2, 8, (8, 8, 8), tl.CommSchedule(tile_m=8), "zigzag", True),
+    "zigzag-gqa2-noncausal-ce-pull": (3, 10, 4, 2, 8, (16, 16, 8), tl.CommSchedule(engine="copy_engine", mode="pull"),
+                                      "zigzag", False),
+    "contiguous-gqa2-causal-push-ring": (2, 21, 4, 2, 16, (8, 16, 8), tl.CommSchedule(tile_m=8, mode="push"),
+                                         "contiguous", True),
+    "contiguous-gqa4-full-pull": (3, 9, 4, 1, 8, (8, 8, 8), tl.CommSchedule(tile_m=16, mode="pull"),
+                                  "contiguous", False),
+}
+
+
+def _gz_case(name, seed=0, dtype="float16"):
+    W, sl, h, hkv, d, tile, comm, layout, causal = GQA_ZIGZAG[name]
+    return W, SPEC.make_case(np.random.default_rng(seed), W, seq_per_rank=sl, heads=h, kv_heads=hkv, head_dim=d,
+                             causal=causal, layout=layout, compute=tl.ComputeSchedule(tile=tile), comm=comm,
+                             dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(GQA_ZIGZAG))
+def test_gqa_and_zigzag_match_numpy(name):
+    W, case = _gz_case(name, seed=len(name))
+    res = check_case(SPEC, case, W, seed=3)
+    for r in range(W):
+        assert not np.isnan(res[r]["o"]).any()
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_drawn_shapes_match_numpy(data):
+    """Hypothesis over the op's own parameter space (SPEC.params: ragged Sl and chunks, MHA and
+    GQA, both layouts, causal or not, any schedule), world sizes 1-8; the property tests of the
+    library draw more of the same (tests/test_properties.py)."""
+    W = data.draw(st.integers(1, 8), label="world_size")
+    params = data.draw(SPEC.params(W), label="params")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    case = SPEC.make_case(np.random.default_rng(seed), W, **params)
+    check_case(SPEC, case, W, seed, label=describe(SPEC, W, params, seed))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -59,6 +113,47 @@ def test_sharp_softmax_with_custom_scale(causal):
     ref = reference(qs, ks, vs, h, causal, scale=6.0)
     for r in range(W):
         np.testing.assert_allclose(res[r]["o"].astype(np.float32), ref[r], rtol=2e-2, atol=3e-2)
+
+
+def test_zigzag_layout_and_host_helpers():
+    assert positions(3, 4, "zigzag").tolist() == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    assert positions(2, 3).tolist() == [[0, 1, 2], [3, 4, 5]]
+    x = np.arange(30 * 2).reshape(30, 2)
+    for W, layout in ((3, "zigzag"), (5, "zigzag"), (1, "zigzag"), (3, "contiguous")):
+        shards = shard_sequence(x, W, layout)
+        assert len(shards) == W and all(s.shape == (30 // W, 2) for s in shards)
+        for r, s in enumerate(shards):
+            assert np.array_equal(s[:, 0] // 2, positions(W, 30 // W, layout)[r])
+        assert np.array_equal(unshard_sequence(shards, layout), x)
+    torch = pytest.importorskip("torch")
+    t = torch.arange(24.0).reshape(12, 2)
+    shards = shard_sequence(t, 3, "zigzag")
+    assert all(isinstance(s, torch.Tensor) for s in shards)
+    assert shards[1][:, 0].tolist() == [4.0, 6.0, 16.0, 18.0]
+    assert torch.equal(unshard_sequence(shards, "zigzag"), t)
+    with pytest.raises(InputError, match="two chunks of Sl/2 rows per rank"):
+        shard_sequence(np.zeros((9, 2)), 3, "zigzag")
+    with pytest.raises(InputError, match="does not split into world_size=4"):
+        shard_sequence(np.zeros((9, 2)), 4)
+    with pytest.raises(InputError, match="layout must be one of"):
+        shard_sequence(np.zeros((8, 2)), 2, "striped")
+    with pytest.raises(InputError, match="same shape"):
+        unshard_sequence([np.zeros((4, 2)), np.zeros((6, 2))], "zigzag")
+
+
+def test_reference_zigzag_is_the_contiguous_result_permuted_and_gqa_is_repeated_heads():
+    rng = np.random.default_rng(2)
+    W, N, H, Hkv, D = 3, 18, 4, 2, 4
+    q = rng.standard_normal((N, H * D)).astype(np.float32)
+    k, v = (rng.standard_normal((N, Hkv * D)).astype(np.float32) for _ in range(2))
+    full = {}
+    for layout in ("contiguous", "zigzag"):
+        out = reference(*(shard_sequence(x, W, layout) for x in (q, k, v)), H, True, kv_heads=Hkv, layout=layout)
+        full[layout] = unshard_sequence(out, layout)
+    np.testing.assert_allclose(full["zigzag"], full["contiguous"], rtol=1e-5, atol=1e-6)
+    rep = [np.repeat(x.reshape(N, Hkv, D), H // Hkv, axis=1).reshape(N, H * D) for x in (k, v)]
+    mha = reference(*(shard_sequence(x, W) for x in (q, *rep)), H, True)
+    np.testing.assert_allclose(unshard_sequence(mha), full["contiguous"], rtol=1e-5, atol=1e-6)
 
 
 def test_reference_causal_first_position_sees_only_itself():
@@ -101,15 +196,45 @@ def test_waits_per_key_block_own_shard_first():
     assert _wait_channels(small, 0, (0, 0), "gather_k_ready") == [0, 1, 2, 3, 4, 5, 6, 7, 8]
 
 
+def test_zigzag_waits_per_key_block_of_both_chunks():
+    """W=2, chunks of 8 rows (rank 0: positions 0-7 and 24-31, rank 1: 8-15 and 16-23), one
+    communication tile per chunk (channel = gathered rows / 8): a query block waits for the
+    chunks at or before its last position only, own shard first, a shard's chunks in row order."""
+    W, sl = 2, 16
+    comm = tl.CommSchedule(tile_m=8, mode="pull")
+    k = sp_attention.trace(W, *_specs(sl, 8), heads=1, causal=True, layout="zigzag",
+                           compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)
+    assert _wait_channels(k, 0, (0, 0), "gather_k_ready") == [0]              # positions 0-7
+    assert _wait_channels(k, 0, (1, 0), "gather_k_ready") == [0, 1, 2, 3]     # 24-31: everything
+    assert _wait_channels(k, 1, (0, 0), "gather_k_ready") == [2, 0]           # 8-15: chunks 1, 0
+    assert _wait_channels(k, 1, (1, 0), "gather_v_ready") == [2, 3, 0]        # 16-23: chunks 1, 2, 0
+
+
+def _key_blocks_per_rank(W, sl, layout):
+    k = sp_attention.trace(W, *_specs(sl, 8), heads=1, causal=True, layout=layout,
+                           compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=tl.CommSchedule(tile_m=8, mode="pull"))
+    waits = [r for op, r, t, ch, _ in collect(k).waits if op.operands[0].hint == "gather_k_ready"]
+    return [waits.count(r) for r in range(W)]
+
+
+def test_zigzag_balances_the_causal_work():
+    """Every rank visits the same number of key blocks in the zig-zag layout (chunks of 16 rows,
+    blocks of 8); in the contiguous one the last rank visits W times as many as the first."""
+    assert len(set(_key_blocks_per_rank(4, 32, "zigzag"))) == 1
+    contiguous = _key_blocks_per_rank(4, 32, "contiguous")
+    assert contiguous == sorted(contiguous) and contiguous[-1] > 3 * contiguous[0]
+
+
 def test_key_loop_stays_a_loop():
     """The IR of the compute part does not grow with the world size or the sequence."""
     compute, comm = tl.ComputeSchedule(tile=(8, 8, 8)), tl.CommSchedule(tile_m=8)
 
-    def n_ops(W, sl):
-        k = sp_attention.trace(W, *_specs(sl, 16), heads=2, causal=True, compute=compute, comm=comm)
+    def n_ops(W, sl, **kw):
+        k = sp_attention.trace(W, *_specs(sl, 16), heads=2, causal=True, compute=compute, comm=comm, **kw)
         part = next(p for p in k.parts if p.role == "compute")
         return sum(1 for _ in part.walk())
     assert n_ops(2, 9) == n_ops(8, 24)
+    assert n_ops(2, 10, layout="zigzag") == n_ops(8, 24, layout="zigzag")
 
 
 def test_comm_schedule_changes_nothing():
@@ -128,9 +253,11 @@ def test_comm_schedule_changes_nothing():
 def test_every_deleted_sync_primitive_is_caught():
     from tldsl.testing.mutants import run
     caught, total, mutants = run(["sp_attention"], seeds=2)
-    assert total >= 24 and caught == total, [m for m in mutants if not m.caught]
+    assert total >= 32 and caught == total, [m for m in mutants if not m.caught]
     assert {m.variant.split()[0] for m in mutants} >= {"sm/pull/ring/tile_m=8", "sm/push/full_mesh/tile_m=8",
                                                        "copy_engine/push/ring", "copy_engine/pull/ring"}
+    zigzag = {m.variant.split()[0] for m in mutants if "layout=zigzag" in m.variant}
+    assert zigzag == {"sm/pull/ring/tile_m=8", "copy_engine/push/ring"}, zigzag
 
 
 # -- bad input: a clear error before anything is simulated -------------------------------------
@@ -155,13 +282,32 @@ def _inputs(W, q_shape, kv_shape, o_shape=None, kv_dtype=F16):
              "o": np.full(o_shape, np.nan, F16)} for _ in range(W)]
 
 
+def _raises_at_user_line(fn, pattern):
+    with pytest.raises(tl.CompilationError, match=pattern) as ei:
+        fn()
+    assert "sp_attention.py" in str(ei.value) and "tl.static_assert" in str(ei.value), str(ei.value)
+
+
 def test_mismatched_shapes_rejected(no_simulation):
-    with pytest.raises(tl.CompilationError, match=r"q, k, v and o must have the same shape.*q=\[8, 16\] k=\[9, 16\]"):
-        tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (9, 16)), heads=2)
-    with pytest.raises(tl.CompilationError, match=r"same shape.*k=\[8, 12\]"):
+    _raises_at_user_line(lambda: tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (9, 16)), heads=2),
+                         r"q and o must be \[Sl, H\*D\], k and v \[Sl, H_kv\*D\].*q=\[8, 16\] k=\[9, 16\]")
+    with pytest.raises(tl.CompilationError, match=r"k and v must be \[Sl, kv_heads\*D\] = \[8, 2\*8\].*k=\[8, 12\]"):
         tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 12)), heads=2)
-    with pytest.raises(tl.CompilationError, match=r"same shape.*o=\[16, 16\]"):
+    with pytest.raises(tl.CompilationError, match=r"q and o must be.*o=\[16, 16\]"):
         tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 16), o_shape=(16, 16)), heads=2)
+
+
+def test_gqa_and_layout_arguments_checked(no_simulation):
+    with pytest.raises(tl.CompilationError, match=r"kv_heads=3 must divide heads=4"):
+        tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 12)), heads=4, kv_heads=3)
+    with pytest.raises(tl.CompilationError, match=r"k and v must be \[Sl, kv_heads\*D\] = \[8, 1\*4\].*k=\[8, 8\]"):
+        tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 8)), heads=4, kv_heads=1)
+    with pytest.raises(tl.CompilationError, match=r"kv_heads must be a positive int, got 0"):
+        tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 16)), heads=4, kv_heads=0)
+    _raises_at_user_line(lambda: tl.simulate(sp_attention, 2, _inputs(2, (7, 16), (7, 16)), heads=2, causal=True,
+                                             layout="zigzag"), r"two chunks of Sl/2 rows per rank: Sl=7 must be even")
+    with pytest.raises(tl.CompilationError, match=r"layout must be one of \('contiguous', 'zigzag'\), got 'ring'"):
+        tl.simulate(sp_attention, 2, _inputs(2, (8, 16), (8, 16)), heads=2, layout="ring")
 
 
 def test_head_dim_must_divide_width(no_simulation):

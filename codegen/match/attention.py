@@ -6,7 +6,8 @@ Recognised shape (grid axes, names and the loop nest around the key blocks are f
     @tl.compute_part(grid=(cdiv(Sq, BM), heads))
     def attention(pm, h):
         <scalar code>
-        q_pos = tl.iota(BM) + Y                            # query positions (causal only)
+        q_pos = tl.iota(BM) + Y                            # query positions (causal only), or two runs:
+        #   tl.where(tl.iota(BM) < SPLIT, tl.iota(BM) + Y, tl.iota(BM) + Y1)
         qt = tl.load(q, (QR, QC), (BM, D))
         j = tl.iota(BN)
         m = tl.fragment((BM,), tl.float32, fill=INIT)      # running max
@@ -95,6 +96,8 @@ class AttentionMatch:
     BN: int
     D: int
     matched: set                    # ids of the ops the pattern accounts for
+    q_split: core.Value | None = None   # SPLIT: rows >= SPLIT of the query block are at Y1 + row, not Y + row
+    q_base1: core.Value | None = None   # Y1
 
 
 class _Matcher:
@@ -137,6 +140,27 @@ class _Matcher:
                 self.matched.add(id(top))
                 return s
         raise fail(WHAT, f"{what} must be tl.iota({n}) + a scalar", add)
+
+
+def _query_positions(M: _Matcher, v: core.Value, BM: int, user: core.Op):
+    """The query positions of the causal mask: ``tl.iota(BM) + Y`` (one run of positions), or
+    ``tl.where(i < SPLIT, i + Y, i + Y1)`` with ``i = tl.iota(BM)`` (rows from two runs, as a
+    query block straddling the two chunks of a zig-zag layout has). Returns (Y, SPLIT, Y1);
+    SPLIT and Y1 are None for one run."""
+    what = "the query positions (tl.iota(BM) + first query position)"
+    sel = _def(v)
+    if sel is None or sel.name != "ewise" or sel.attrs.get("op") != "where":
+        return M.iota_plus(v, BM, what, user), None, None
+    M.matched.add(id(sel))
+    cond, a, b = sel.operands
+    lt = M.op(cond, "ewise", "lt", "the split of the query positions tl.where(i < SPLIT, i + Y, i + Y1) "
+                                   "(i = tl.iota(BM))", sel)
+    io = M.op(lt.operands[0], "iota", None, "the split's rows tl.iota(BM)", lt)
+    split = lt.operands[1]
+    if io.attrs["n"] != BM or _is_tile(split):
+        raise fail(WHAT, f"the split of the query positions must compare tl.iota({BM}) with a scalar", lt)
+    return (M.iota_plus(a, BM, "the query positions before the split (tl.iota(BM) + first position)", sel), split,
+            M.iota_plus(b, BM, "the query positions from the split on (tl.iota(BM) + position of row 0)", sel))
 
 
 def _frag_of(op: core.Op) -> core.Op | None:
@@ -309,7 +333,7 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
     k_load = M.op(tr.operands[0], "load_rows", None, "the K tile", tr)
 
     # -- the mask: in_shard[None, :] [& (key_pos[None, :] <= q_pos[:, None])] --
-    causal, key_base, q_base = False, None, None
+    causal, key_base, q_base, q_split, q_base1 = False, None, None, None, None
     mask_op = _def(mask)
     if mask_op is not None and mask_op.name == "ewise" and mask_op.attrs["op"] == "and":
         M.matched.add(id(mask_op))
@@ -328,7 +352,7 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
             raise fail(WHAT, "the causal mask must compare key_pos[None, :] with q_pos[:, None]", cmp_op)
         key_base = M.iota_plus(kxo.operands[0], k_load.attrs["shape"][0],
                                "the key positions (tl.iota(BN) + first key position)", kxo)
-        q_base = M.iota_plus(qxo.operands[0], BM, "the query positions (tl.iota(BM) + first query position)", qxo)
+        q_base, q_split, q_base1 = _query_positions(M, qxo.operands[0], BM, qxo)
         causal = True
     else:
         shard_m = mask
@@ -476,4 +500,5 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
         raise fail(WHAT, "waits after the loop over key blocks are not supported (the output is stored right after it)",
                    waits_after[0])
     return AttentionMatch(part, chain, block, q_load, k_load, v_load, store, {"m": m_frag, "l": l_frag, "acc": acc},
-                          L, kb, r0, diff, causal, key_base, q_base, scale, fill, init_max, BM, BN, D, M.matched)
+                          L, kb, r0, diff, causal, key_base, q_base, scale, fill, init_max, BM, BN, D, M.matched,
+                          q_split, q_base1)

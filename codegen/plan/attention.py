@@ -146,6 +146,8 @@ def control_code(m: AttentionMatch) -> ControlCode:
     vals += [k for k in m.shard_terms if isinstance(k, core.Value)]
     if m.causal:
         vals += [m.key_base, m.q_base]
+        if m.q_split is not None:
+            vals += [m.q_split, m.q_base1]
     for op in m.chain:
         vals += list(op.operands)
     roots = frozenset({id(v.owner) for v in vals if isinstance(v.owner, core.Op)} | {id(op) for op in m.chain})

@@ -9,6 +9,13 @@ Design:
   3-D tensor map over the gathered tensor viewed as ``[N / L, L, width]`` gives exactly that:
   box ``(E, BN, 1)`` at ``(col, KB, shard)``; TMA zero-fills what lies past ``L`` and never
   reads it, so no read crosses into rows the tile program did not wait for.
+* **Head groups and layouts are control code.** GQA's key/value head (``h // group``) is a
+  column the control code computes; the chunks of a zig-zag layout are shards of ``L = Sl/2``
+  rows of the 3-D view; a causal query block whose rows come from two runs of positions
+  (``tl.where(i < SPLIT, i + Y, i + Y1)``: it straddles a rank's two zig-zag chunks) hands the
+  kernel an ``attn::SplitKeyBlock`` (``SPLIT`` and ``Y1`` besides the ``KeyBlock``), which
+  shifts the causal limit of the rows past the split; one run keeps the plain ``KeyBlock``
+  and the kernel of before.
 * **Generated control code, fixed math.** The scalar part of the tile program — the loop nest
   over key blocks, its bounds (causal skipping), the waits and every coordinate — is emitted
   as C++ (``Prog::run``), run by the producer (with the waits: acquire loads, then
@@ -166,8 +173,11 @@ class _Control(SignalEmitter):
         k_col, v_col = self.name(m.k_load.operands[2], m.k_load), self.name(m.v_load.operands[2], m.v_load)
         key0 = self.name(m.key_base, m.k_load) if m.causal else "0"
         q0 = self.name(m.q_base, m.k_load) if m.causal else "0"
-        return (f"on_block(tldsl::attn::KeyBlock{{{k_col}, {v_col}, {kb}, {shard}, {m.cond_bound} - {kb}, "
-                f"{key0}, {q0}}});{marker(m.k_load.loc)}")
+        block = f"KeyBlock{{{k_col}, {v_col}, {kb}, {shard}, {m.cond_bound} - {kb}, {key0}, {q0}}}"
+        if m.causal and m.q_split is not None:   # query rows from two runs of positions (zig-zag)
+            block = (f"SplitKeyBlock{{{block[8:]}, {self.name(m.q_split, m.k_load)}, "
+                     f"{self.name(m.q_base1, m.k_load)}}}")
+        return f"on_block(tldsl::attn::{block});{marker(m.k_load.loc)}"
 
 
 def _control_source(control: ControlCode, run_lines: list[str]) -> str:

@@ -12,7 +12,8 @@
 //                [shards, L, width] of the gathered tensors: rows past the shard end read 0
 //                and are never fetched -- the tile program's load_rows with -1 rows)
 //     S = Q K_b^T * scale, masked (key j of row i is kept iff j < b.valid and, when causal,
-//         b.key_pos0 + j <= b.q_pos0 + i) to the program's fill value
+//         b.key_pos0 + j <= b.q_pos0 + i [+ the shift of a SplitKeyBlock's second run]) to the
+//         program's fill value
 //     m_new = max(m, rowmax S);  a = exp(m - m_new);  P = masked ? 0 : exp(S - m_new)
 //     l = l * a + rowsum P;  O = O * a + P(as input type) V_b;  m = m_new
 //   o[o_row : o_row+BM, o_col : o_col+D] = O / (l > 0 ? l : 1)    (TMA store, clipped)
@@ -69,6 +70,17 @@ struct KeyBlock {
   int key_pos0;          // position of key 0 for the causal mask
   int q_pos0;            // position of query row 0 of the tile for the causal mask
 };
+
+// A key block of a tile whose query rows come from two runs of positions (a query block that
+// straddles the two chunks of a zig-zag layout): rows i >= q_split are at q_pos1 + i.
+struct SplitKeyBlock : KeyBlock {
+  int q_split;           // first tile row of the second run (may lie outside 0 .. BM-1)
+  int q_pos1;            // position of the second run's row 0 (extrapolated)
+};
+
+// How far query row `row` of the tile lies from q_pos0 + row (the causal mask's shift).
+TLDSL_CONTROL int query_shift(const KeyBlock&, int) { return 0; }
+TLDSL_CONTROL int query_shift(const SplitKeyBlock& b, int row) { return row < b.q_split ? 0 : b.q_pos1 - b.q_pos0; }
 
 }  // namespace attn
 }  // namespace tldsl
@@ -350,7 +362,7 @@ __device__ __forceinline__ void attention_kernel(const cute::TmaDescriptor* tma_
             info = ti;
             FullBar::wait(full_q, uint32_t(tile_iter & 1));
           },
-          [&](const KeyBlock& b) {
+          [&](const auto& b) {                        // a KeyBlock or a SplitKeyBlock
             const int st = it % Tr::kStages;
             const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
             ++it;
@@ -391,8 +403,8 @@ __device__ __forceinline__ void attention_kernel(const cute::TmaDescriptor* tma_
             int lim[2];
             if constexpr (Cfg::kCausal) {
               const int d0 = b.q_pos0 - b.key_pos0;
-              lim[0] = imin(b.valid - 1, d0 + row0);
-              lim[1] = imin(b.valid - 1, d0 + row0 + 8);
+              lim[0] = imin(b.valid - 1, d0 + attn::query_shift(b, row0) + row0);
+              lim[1] = imin(b.valid - 1, d0 + attn::query_shift(b, row0 + 8) + row0 + 8);
             } else {
               lim[0] = lim[1] = b.valid - 1;
             }

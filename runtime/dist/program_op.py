@@ -64,12 +64,12 @@ from ...ir import core
 from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
-from ..gpu.run_plan import RunPlan, hardware_queues, lower_for_run, plan_run
+from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, hardware_queues, lower_for_run, plan_run
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, to_device, wait_for
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
-from .group import dist_context, disagreements
+from .group import dist_context, disagreements, enable_symmetric_memory
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -165,8 +165,12 @@ class FusedProgram(FusedOp):
         self.device = device
         self._drv = device.ce_driver if device.ce_driver is not None else load_driver()
         self._loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
-        W = ir.world_size       # planned as every rank on one GPU of W GPUs' SMs and queues: each rank's share is
-        full = plan_run(ir, lowered, sm_count=device.sm_count * W, queues=hardware_queues() * W,   # one GPU's
+        # planned as every rank on one GPU of W GPUs' SMs and queues (each rank's share: one GPU's, less the SMs
+        # left to same-GPU copies where copy-engine parts run, as tl.run leaves them)
+        W = ir.world_size
+        copies = any(not is_kernel(lk) for p, lk in lowered.items() if not ir.part(p).fused)
+        pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
+        full = plan_run(ir, lowered, sm_count=pooled, queues=hardware_queues() * W,
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
@@ -181,6 +185,7 @@ class FusedProgram(FusedOp):
         import torch
         ir, W, rank = self.kernel, self.ctx.world_size, self.ctx.rank
         workspaces = {b.name for b in ir.workspaces}
+        enable_symmetric_memory(self.ctx.group_name)      # (older torch needs it; newer: nothing)
         self._lease = Lease(self.ctx, f"FusedProgram({ir.name}) on rank {rank}", self)
         self._closed = False
         at = self.device.torch_device
@@ -432,8 +437,8 @@ def _rank_plan(full: RunPlan, rank: int) -> RunPlan:
     """This rank's items of a plan made for every rank, on streams numbered from 0."""
     mine = [x for x in full.items if x.rank == rank]
     items = tuple(dataclasses.replace(x, stream=i) for i, x in enumerate(mine))
-    return RunPlan(full.kernel, items, full.sm_count // max(full.kernel.world_size, 1),
-                   full.reserved_sms)
+    W = max(full.kernel.world_size, 1)
+    return RunPlan(full.kernel, items, (full.sm_count + full.reserved_sms * (W - 1)) // W, full.reserved_sms)
 
 
 # -- tl.run across the GPUs of a group ----------------------------------------------------------------

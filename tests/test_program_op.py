@@ -40,7 +40,12 @@ class RankDevice:
     def ce_driver(self):
         return self
 
+    alternate = False           # each call on another caller's stream than the one before
+
     def origin(self):
+        if self.alternate:
+            self.calls = getattr(self, "calls", 0) + 1
+            return 1000 * (self.rank + 1) + 500 + self.calls % 2
         return 1000 * (self.rank + 1)
 
     def streams(self, n):
@@ -318,6 +323,23 @@ def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(1), seeds)         # no entry handshake
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(0), seeds)         # no exit handshake
     assert _failing_seeds(monkeypatch, *gather, _no_epoch, seeds)                # every launch is launch 1
+
+
+@pytest.mark.filterwarnings("ignore::tldsl.runtime.dist.symmetric.SymmetricMemoryWarning")   # mutants' ops
+def test_calls_on_alternating_streams_run_in_call_order(monkeypatch):
+    """Each call on another stream of the caller's: a launch still follows the previous one —
+    without that wait, a launch copies its inputs in while the one before still reads them."""
+    from test_codegen_general import ring_exchange
+    ring = (ring_exchange, _fresh_ring(), {"compute": tl.ComputeSchedule(tile=(8, 8, 8))})
+
+    def alternate(mp):
+        mp.setattr(RankDevice, "alternate", True)
+
+    def unordered(mp):
+        alternate(mp)
+        mp.setattr(program_op, "_capturing", lambda: True)      # (what skips the wait)
+    assert not _failing_seeds(monkeypatch, *ring, alternate, range(6))
+    assert _failing_seeds(monkeypatch, *ring, unordered, range(6))
 
 
 def _fresh_counters_every_launch(mp):

@@ -40,8 +40,10 @@ nothing waits on the host:
    (a peer's push into this rank's tensors included);
 5. the symmetric buffers are copied back into the caller's tensors.
 
-So a call is stream-ordered like any torch op; :meth:`FusedProgram.synchronize` waits for the
-last launch with ``tl.run`` 's timeout and its :class:`~..gpu.run_errors.GpuHangError`.
+A call made on another stream than the previous one first waits for the previous launch (the
+counters and handshakes assume launches run in call order). So a call is stream-ordered like any
+torch op; :meth:`FusedProgram.synchronize` waits for the last launch with ``tl.run`` 's timeout
+and its :class:`~..gpu.run_errors.GpuHangError`.
 
 The epoch is one number per launch, from one method (:meth:`FusedProgram._launch_epoch`): the
 kernels' ``launch`` argument (their ABI takes it by value, as the GEMM and communication kernels
@@ -283,7 +285,8 @@ class FusedProgram(FusedOp):
         W, rank = self.ctx.world_size, self.ctx.rank
         buffers = [dict(d) for d in self._fixed]
         for b, t in local:
-            buffers[rank][b.name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype), owner=t)
+            # (keyed by address, checked per call: the caller's tensor itself is not kept alive here)
+            buffers[rank][b.name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype))
         mem = DeviceMemory(W, buffers, self._sig_arrays, self.device.upload, self.device.encode_tma,
                            tables=self._tables)
         kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem)) for k in self.plan.kernels}
@@ -301,6 +304,8 @@ class FusedProgram(FusedOp):
         L = self._launch_epoch()
         dev, drv = self.device, self._drv
         origin = dev.origin()
+        if self._last is not None and not _capturing():
+            dev.wait_event(origin, self._last[2])   # after the previous call, whatever stream it was made on
         sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if b.symmetric]
         for name, t in sym:
             n = t.numel() * t.element_size()
@@ -389,6 +394,16 @@ class FusedProgram(FusedOp):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA): an event
+    recorded outside a capture cannot be waited for inside it."""
+    try:
+        import torch
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError, AttributeError, ImportError):
+        return False
+
 
 def _name(kernel) -> str:
     return getattr(kernel, "name", type(kernel).__name__)

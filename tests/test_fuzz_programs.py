@@ -16,7 +16,7 @@ from tldsl.errors import SimulationError
 from tldsl.ir.opdefs import WAIT_OPS
 from tldsl.testing import strategies as tst
 from tldsl.testing.fuzz import main as fuzz_main
-from tldsl.testing.program_case import TOLERANCES, FuzzCase, compare, features
+from tldsl.testing.program_case import FuzzCase, features
 from tldsl.testing.program_families import generate_distinct
 from tldsl.testing.program_inputs import POISON, make_inputs
 
@@ -117,24 +117,23 @@ def _drop_waits(block):
             _drop_waits(region)
 
 
-def test_compare_uses_the_tolerance_table():
-    want = np.array([1.0, -2.0, 40.0], np.float32)
-    rtol, atol = TOLERANCES["f16"]
-    assert compare(want * (1 + rtol / 2), want, rtol, atol) is None
-    assert "1 of 3 elements differ" in compare(want + np.array([0, 0, 3.0], np.float32), want, rtol, atol)
-    assert compare(np.array([3, 4], np.int32), np.array([3, 5], np.int32), *TOLERANCES["i32"]) is not None
-    assert "shape" in compare(want[:2], want, rtol, atol)
-
-
 def test_an_fp32_dot_is_compared_as_tf32():
+    """Generated programs with an fp32 dot: the GPU's TF32 products (modelled, with other
+    summation orders) are accepted. (The generator's inputs have few bits, often exact in TF32:
+    test_tolerances checks the TF32 term itself.)"""
+    from tldsl.testing.program_tolerance import simulate_like_gpu
+    checked = 0
     for attempt, program in generate_distinct(60, seed=4):
         case = FuzzCase(program, f"seed 4 program {attempt}")
-        kernel = case.trace()
-        fp32_dot = any(op.name == "dot" and op.operands[0].type.dtype == tl.float32 for _, op in kernel.walk())
-        for name in case.outputs:
-            arg = next(a for a in program.args if a.name == name)
-            if fp32_dot and arg.dtype != "i32":
-                assert case.tolerance(name) >= TOLERANCES["tf32"]
+        if not any(op.name == "dot" and op.operands[0].type.dtype == tl.float32 for _, op in case.trace().walk()):
+            continue
+        ref = case.reference()[0]
+        got = simulate_like_gpu(case.kernel, case.world_size, case.inputs)
+        assert not case.mismatches(ref.outputs, got.outputs), case.source
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
 
 
 def test_the_command_reports_every_program_and_a_summary(tmp_path, monkeypatch, capsys):

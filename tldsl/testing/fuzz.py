@@ -1,6 +1,7 @@
 """The differential fuzzer: generate distinct random tile programs, simulate each, lower and
 compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on the GPU and
-compare with the simulator.
+compare with the simulator, each output element within its own tolerance (a bound on the
+GPU's legitimate error there: :mod:`.program_tolerance`).
 
     python -m tldsl.testing.fuzz --programs N --seed S [--gpu] [--show-source] [--only I]
 
@@ -22,7 +23,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .program_case import FP32_DOT_RUNS_AS_TF32, TOLERANCES, Features, FuzzCase, features
+from .program_case import Features, FuzzCase, features
+from .program_tolerance import FP32_DOT_RUNS_AS_TF32, SAFETY, TOLERANCES
 from .program_families import generate, generate_distinct
 from .program_gen import RandomChooser
 
@@ -257,8 +259,10 @@ def main(argv=None) -> int:
     called = sys.argv[0] if sys.argv[0].startswith("python -m") else "python -m tldsl.testing.fuzz"
     ap = argparse.ArgumentParser(prog=called, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="tolerances (rtol, atol x max(1, max|reference|)): "
-                                        + ", ".join(f"{k} {v}" for k, v in TOLERANCES.items())
+                                 epilog=f"tolerances: per output element, {SAFETY:g} x a bound on the GPU's legitimate "
+                                        "error carried through the program (tldsl.testing.program_tolerance); "
+                                        "ulp per dtype: " + ", ".join(f"{k} {v.ulp:.3g}" for k, v in TOLERANCES.items()
+                                                                      if k != "i1")
                                         + f"; fp32 dot runs as TF32 on the GPU: {FP32_DOT_RUNS_AS_TF32}")
     ap.add_argument("--programs", type=int, default=50, help="how many distinct programs (default 50)")
     ap.add_argument("--seed", type=int, default=None, help="the generator's seed (default: a fresh one, printed)")

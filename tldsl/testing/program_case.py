@@ -2,34 +2,24 @@
 outputs are compared with, and what it exercises (read from its traced IR, not from how it was
 generated, so the fuzzer's distribution figures measure what reaches the compiler).
 
-Tolerances are fixed per dtype (:data:`TOLERANCES`). An output is compared as
-``|got - want| <= atol * max(1, max|want|) + rtol * |want|``: the absolute part scales with the
-output's magnitude, so a GEMM over K = 48 and an elementwise tile share one table. A float output
-takes the loosest row among the float types its program computes in; an fp32 ``dot`` counts as
-``tf32`` (the GPU runs fp32 dots on tensor cores as TF32, :data:`FP32_DOT_RUNS_AS_TF32`).
-Integer outputs are computed exactly and must agree to the bit.
+Another backend's outputs are compared with the simulator's element by element, each within
+its own tolerance: a bound on how far the GPU may legitimately differ there (TF32 dots, other
+summation orders, fp16/bf16 rounding of intermediates, CUDA's math functions), carried through
+the program from the magnitudes that flow into that element (:mod:`.program_tolerance`, whose
+:data:`~.program_tolerance.TOLERANCES` states the numbers per dtype). NaN and infinities must be
+at the same places; an i32 element is exact wherever no float error reaches it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from .program_inputs import make_inputs
+from .program_tolerance import FP32_DOT_RUNS_AS_TF32, TOLERANCES, compare, mismatches, reference_with_tolerances
 from .program_tree import Program
 
-#: whether the GPU runs an fp32 ``tl.dot`` as TF32 on tensor cores (it does: WGMMA / mma.sync)
-FP32_DOT_RUNS_AS_TF32 = True
-#: (rtol, atol) per dtype; atol is relative to max(1, max |reference|)
-TOLERANCES = {
-    "i32": (0.0, 0.0),
-    "f32": (1e-4, 1e-4),
-    "tf32": (1e-2, 1e-2),
-    "f16": (2e-2, 2e-2),
-    "bf16": (5e-2, 5e-2),
-}
-_LOOSENESS = ("i32", "f32", "tf32", "f16", "bf16")
+__all__ = ["FP32_DOT_RUNS_AS_TF32", "TOLERANCES", "Features", "FuzzCase", "compare", "computed_dtypes", "features"]
+_DTYPE_NAMES = ("i32", "f32", "tf32", "f16", "bf16")
 _TL_DTYPE = {"f16": "float16", "f32": "float32", "i32": "int32"}
 
 
@@ -88,39 +78,21 @@ class FuzzCase:
     def outputs(self) -> list[str]:
         return [a.name for a in self.program.args if a.kind == "output"]
 
-    def tolerance(self, output: str) -> tuple[float, float]:
-        """(rtol, atol) for ``output`` (see the module's docstring)."""
-        arg = next(a for a in self.program.args if a.name == output)
-        if arg.dtype == "i32":
-            return TOLERANCES["i32"]
-        return TOLERANCES[_loosest(computed_dtypes(self.trace()) | {arg.dtype})]
+    def reference(self):
+        """The simulator's result and, per rank and argument, each element's tolerance
+        (:func:`.program_tolerance.reference_with_tolerances`; computed once)."""
+        if getattr(self, "_reference", None) is None:
+            self._reference = reference_with_tolerances(self.kernel, self.world_size, self.inputs)
+        return self._reference
+
+    def tolerances(self) -> list[dict]:
+        """Per rank and argument, each element's tolerance (see the module's docstring)."""
+        return self.reference()[1]
 
     def mismatches(self, reference, result) -> list[str]:
-        """Where ``result`` (another backend's outputs, per rank) differs from ``reference``."""
-        out = []
-        for r in range(self.world_size):
-            for name in self.outputs:
-                rtol, atol = self.tolerance(name)
-                why = compare(np.asarray(result[r][name]), np.asarray(reference[r][name]), rtol, atol)
-                if why:
-                    out.append(f"rank {r} '{name}': {why}")
-        return out
-
-
-def compare(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> str | None:
-    """None where ``got`` agrees with ``want``, else what differs (see the module's docstring)."""
-    got, want = got.astype(np.float64), want.astype(np.float64)
-    if got.shape != want.shape:
-        return f"shape {got.shape}, expected {want.shape}"
-    finite = np.isfinite(want)
-    scale = max(1.0, float(np.abs(want[finite]).max())) if finite.any() else 1.0
-    same_special = ~finite & (np.isnan(got) == np.isnan(want)) & ((got == want) | np.isnan(want))
-    bad = ~same_special & ~(np.abs(got - want) <= atol * scale + rtol * np.abs(want))
-    if not bad.any():
-        return None
-    i = tuple(int(v) for v in np.argwhere(bad)[0])
-    return (f"{int(bad.sum())} of {bad.size} elements differ; first at {i}: {got[i]!r}, expected {want[i]!r} "
-            f"(rtol={rtol}, atol={atol} x {scale:.3g})")
+        """Where ``result`` (another backend's outputs, per rank) differs from ``reference``
+        (the simulator's outputs for these inputs), each element within its tolerance."""
+        return mismatches(result, reference, self.tolerances(), self.outputs)
 
 
 def computed_dtypes(kernel) -> set[str]:
@@ -135,11 +107,7 @@ def computed_dtypes(kernel) -> set[str]:
                 names.add(dt.name)
         if op.name == "dot" and op.operands[0].type.dtype.name == "f32" and FP32_DOT_RUNS_AS_TF32:
             names.add("tf32")
-    return {n for n in names if n in _LOOSENESS}
-
-
-def _loosest(names) -> str:
-    return max(names, key=_LOOSENESS.index)
+    return {n for n in names if n in _DTYPE_NAMES}
 
 
 def features(kernel) -> Features:

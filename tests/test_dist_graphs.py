@@ -212,8 +212,8 @@ def _epoch_from_the_host(mp):
 
     def host_count(self):
         self.launches += 1
-        from tldsl.runtime.dist import fused_op
-        self._capture = fused_op.capturing()
+        from tldsl.runtime.dist import call_order
+        self._capture = call_order.capturing()
         return self.launches
     mp.setattr(FusedOp, "_next_launch", host_count)
 

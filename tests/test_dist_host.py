@@ -1492,7 +1492,7 @@ def test_captured_launches_start_from_fresh_counters(proto, monkeypatch, variant
     zeroed and a second barrier, all on the compute stream before anything else of the call; it
     records no stream use and never synchronises; later (eager) calls do the same. Before any
     capture, a call is exactly the eager protocol (no barrier, no memset)."""
-    from tldsl.runtime.dist import fused_op
+    from tldsl.runtime.dist import call_order
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
     torch = proto.torch
@@ -1516,7 +1516,7 @@ def test_captured_launches_start_from_fresh_counters(proto, monkeypatch, variant
     assert not any(e[0] == "cuMemsetD8Async" for e in eager) and op.launches == 1 and not op._graph
     counters = {t.data_ptr(): t.numel() * 8 for t in op._graph_counters()}
     assert counters, variant
-    monkeypatch.setattr(fused_op, "capturing", lambda: True)
+    monkeypatch.setattr(call_order, "capturing", lambda: True)
     before = len(used)
     op(*args)
     captured = proto.events()
@@ -1535,7 +1535,7 @@ def test_captured_launches_start_from_fresh_counters(proto, monkeypatch, variant
         launch = proto.drv.launches[-1]
         params = (op.lowered_comm if variant == "rs-sm" else op._engine.lowered_comm).params
         assert dict(zip([p.source for p in params], launch["decoded"]))["launch"] == 1
-    monkeypatch.setattr(fused_op, "capturing", lambda: False)
+    monkeypatch.setattr(call_order, "capturing", lambda: False)
     op(*args)                                                      # once captured, every call starts afresh
     again = proto.events()
     assert again[0] == ("BARRIER", cur) and [e[0] for e in again[n + 2:]] == [e[0] for e in eager]

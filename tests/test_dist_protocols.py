@@ -471,8 +471,8 @@ class _Ranks:
         mp.setattr(torch.cuda, "stream", StreamContext)
         mp.setattr(torch.cuda, "current_stream", lambda device=None: Stream(stream_id=ranks.raw_stream()))
         mp.setattr(torch.cuda, "synchronize", lambda *a: dev.synchronize())
-        from tldsl.runtime.dist import fused_op
-        mp.setattr(fused_op, "capturing", lambda: ranks.raw_stream() in dev.capture_of)
+        from tldsl.runtime.dist import call_order
+        mp.setattr(call_order, "capturing", lambda: ranks.raw_stream() in dev.capture_of)
         mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ranks.raw_stream(), raising=False)
         mp.setattr(torch.Tensor, "record_stream", lambda t, s: None)
         for name in ("empty", "zeros", "full"):        # every tensor an op allocates is device memory

@@ -175,16 +175,16 @@ def test_matmul_reduce_scatter_takes_torchs_operands_and_returns_its_layout(rank
 def test_building_an_op_is_never_captured(ranks, monkeypatch):
     """A CUDA graph capture whose call would build the op is refused (building allocates symmetric
     memory, rendezvouses and synchronises); once built by an eager call, the same call captures."""
-    from tldsl.runtime.dist import fused_op
+    from tldsl.runtime.dist import call_order
     ranks.W, ranks.dim, ranks.me = 2, 0, 1
     ranks.operands = [torch.ones(8, 16, dtype=torch.bfloat16) for _ in range(2)]
     b = torch.ones(16, 4, dtype=torch.bfloat16)
-    monkeypatch.setattr(fused_op, "capturing", lambda: True)
+    monkeypatch.setattr(call_order, "capturing", lambda: True)
     with pytest.raises(tldsl.InputError, match="call it once before capturing"):
         torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[1], [b], 0, "tp")
-    monkeypatch.setattr(fused_op, "capturing", lambda: False)
+    monkeypatch.setattr(call_order, "capturing", lambda: False)
     torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[1], [b], 0, "tp")          # eager: builds it
-    monkeypatch.setattr(fused_op, "capturing", lambda: True)
+    monkeypatch.setattr(call_order, "capturing", lambda: True)
     _, [c] = torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[1], [b], 0, "tp")
     assert torch.equal(c, torch.full((16, 4), 16.0, dtype=torch.bfloat16))
 

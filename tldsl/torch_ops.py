@@ -64,8 +64,8 @@ def _build(key, make):
     """The op for ``key``, built by ``make()`` the first time — never while capturing a CUDA graph."""
     op = _OPS.get(key)
     if op is None:
-        from .runtime.dist import fused_op
-        if fused_op.capturing():
+        from .runtime.dist import call_order
+        if call_order.capturing():
             raise InputError(f"torch.ops.tldsl: the first call for these shapes ({key[1]} @ {key[2]}, {key[3]}) is "
                              f"being captured in a CUDA graph, but building the op (symmetric memory, a collective "
                              f"rendezvous, a synchronisation) cannot be captured: call it once before capturing")

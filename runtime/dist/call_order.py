@@ -19,6 +19,15 @@ from __future__ import annotations
 from ..gpu import plan_exec
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    import torch
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError, AttributeError):    # a build or a machine without CUDA
+        return False
+
+
 class CallOrder:
     """The stream of an op's previous call, and the event that orders the next call after it."""
 
@@ -35,7 +44,6 @@ class CallOrder:
         self._last = stream
         if last is None:
             return
-        from .fused_op import capturing
         if capturing():             # an event recorded outside a capture cannot be waited on inside it:
             return                  # a graph is ordered by the stream it is replayed on
         cu = plan_exec.load_driver()

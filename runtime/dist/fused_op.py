@@ -44,16 +44,8 @@ and never synchronises (``TLDSL_DEBUG``'s per-launch report is skipped).
 """
 from __future__ import annotations
 
+from . import call_order
 from .operands import check_open
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    import torch
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except (RuntimeError, AssertionError, AttributeError):    # a build or a machine without CUDA
-        return False
 
 
 class FusedOp:
@@ -71,7 +63,7 @@ class FusedOp:
         always. Capturing, and every call once captured: 1, after the device-side reset of the
         module docstring, enqueued here on the current stream."""
         self.launches += 1
-        self._capture = capturing()
+        self._capture = call_order.capturing()
         if not self._graph:
             if not self._capture:
                 return self.launches
@@ -85,8 +77,7 @@ class FusedOp:
         from ..gpu import plan_exec
         stream = torch.cuda.current_stream(self.ctx.device)
         if self._epoch_order is None:
-            from .call_order import CallOrder
-            self._epoch_order = CallOrder()
+            self._epoch_order = call_order.CallOrder()
         self._epoch_order.follow(stream.cuda_stream)   # after the previous call, whatever its stream
         cu = plan_exec.load_driver()
         if self.ctx.world_size > 1:

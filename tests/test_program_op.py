@@ -317,9 +317,9 @@ def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):
     ring = (ring_exchange, _fresh_ring(), {"compute": tl.ComputeSchedule(tile=(8, 8, 8))})
     gather = (allgather_gemm, _fresh_gather(), {"compute": tl.ComputeSchedule(tile=(16, 16, 16)),
                                                 "comm": tl.CommSchedule(sms=1)})
-    seeds = range(6)
     for fn, fresh, kw in (ring, gather):
-        assert not _failing_seeds(monkeypatch, fn, fresh, kw, lambda mp: None, seeds)
+        assert not _failing_seeds(monkeypatch, fn, fresh, kw, lambda mp: None, range(4))
+    seeds = range(3)                # (each mutant fails at almost every seed)
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(1), seeds)         # no entry handshake
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(0), seeds)         # no exit handshake
     assert _failing_seeds(monkeypatch, *gather, _no_epoch, seeds)                # every launch is launch 1
@@ -338,8 +338,8 @@ def test_calls_on_alternating_streams_run_in_call_order(monkeypatch):
     def unordered(mp):
         alternate(mp)
         mp.setattr(program_op, "_capturing", lambda: True)      # (what skips the wait)
-    assert not _failing_seeds(monkeypatch, *ring, alternate, range(6))
-    assert _failing_seeds(monkeypatch, *ring, unordered, range(6))
+    assert not _failing_seeds(monkeypatch, *ring, alternate, range(4))
+    assert _failing_seeds(monkeypatch, *ring, unordered, range(3))
 
 
 def _fresh_counters_every_launch(mp):
@@ -378,7 +378,7 @@ def test_every_launch_as_launch_one_of_fresh_counters(monkeypatch):
     gather = (allgather_gemm, _fresh_gather(), {"compute": tl.ComputeSchedule(tile=(16, 16, 16)),
                                                 "comm": tl.CommSchedule(sms=1)})
     for case in (ring, gather):
-        assert not _failing_seeds(monkeypatch, *case, _fresh_counters_every_launch, range(4))
+        assert not _failing_seeds(monkeypatch, *case, _fresh_counters_every_launch, range(3))
 
 
 # =================================================================================================

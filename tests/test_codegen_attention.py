@@ -179,26 +179,26 @@ def test_gqa_and_zigzag_lower_through_the_attention_recipe():
     layout walks the gathered K/V as 2W chunks of Sl/2 rows (a 3-D TMA view [2W, Sl/2, width])
     and hands the kernel the split of a query block that straddles a rank's two chunks."""
     from tldsl.codegen import pipeline
-    gqa = trace_sp(H=8, Hkv=2, D=64, causal=False)
+    gqa = trace_sp(W=2, Sl=512, H=8, Hkv=2, D=64, causal=False)
     assert pipeline.match(gqa, gqa.part("attention")).recipe.name == "attention"
     la = lower_attention(gqa)
     k = la.tma[1]
-    assert (k.global_dims, k.box_dims) == ((128, 1024, 4), (64, 128, 1)) and la.shard_rows == 1024
-    assert la.buffers["k_gathered"] == ((4096, 128), "f16") and la.buffers["q"] == ((1024, 512), "f16")
+    assert (k.global_dims, k.box_dims) == ((128, 512, 2), (64, 128, 1)) and la.shard_rows == 512
+    assert la.buffers["k_gathered"] == ((1024, 128), "f16") and la.buffers["q"] == ((512, 512), "f16")
     assert "tldsl::floordiv(" in la.control_source                     # h // 4
-    assert re.search(r"KeyBlock\{(\w+), \1, \w+, \w+, 1024 - \w+, 0, 0\}", la.control_source)
-    zz = trace_sp(W=4, Sl=1002, H=4, Hkv=1, D=64, layout="zigzag")     # chunks of 501 rows
+    assert re.search(r"KeyBlock\{(\w+), \1, \w+, \w+, 512 - \w+, 0, 0\}", la.control_source)
+    zz = trace_sp(W=2, Sl=502, H=4, Hkv=1, D=64, layout="zigzag")      # chunks of 251 rows
     assert pipeline.match(zz, zz.part("attention")).recipe.name == "attention"
     la = lower_attention(zz)
     k = la.tma[1]
-    assert la.shard_rows == 501 and (k.global_dims, k.global_strides) == ((64, 501, 8), (128, 501 * 128))
+    assert la.shard_rows == 251 and (k.global_dims, k.global_strides) == ((64, 251, 4), (128, 251 * 128))
     assert la.config.causal and la.waits == 2 and la.signals == ("gather_k_ready", "gather_v_ready")
     # the chunk index 2 * peer + half, and two more fields: the split row and the second run's base
-    assert re.search(r"SplitKeyBlock\{\{(\w+), \1, (\w+), 2 \* \w+ \+ \w+, 501 - \2, \w+, \w+\}, \w+, \w+\}\);",
+    assert re.search(r"SplitKeyBlock\{\{(\w+), \1, (\w+), 2 \* \w+ \+ \w+, 251 - \2, \w+, \w+\}, \w+, \w+\}\);",
                      la.control_source), la.control_source
     # non-causal: the layout changes nothing, the kernel is the contiguous one
-    a = lower_attention(trace_sp(Sl=1002, causal=False, layout="zigzag")).source
-    b = lower_attention(trace_sp(Sl=1002, causal=False)).source
+    a = lower_attention(trace_sp(W=2, Sl=502, causal=False, layout="zigzag")).source
+    b = lower_attention(trace_sp(W=2, Sl=502, causal=False)).source
     strip = lambda src: re.sub(r"(test_codegen_attention|sp_attention)\.py:\d+", "", src)  # noqa: E731
     assert strip(a) == strip(b)
 
@@ -244,15 +244,15 @@ def test_unmasked_error_names_the_op():
 
 
 def test_rejected_configurations():
-    _raises_at(lambda: lower_attention(trace_sp(D=96, H=2)), "head dim D=96")
-    _raises_at(lambda: lower_attention(trace_sp(D=256, H=1, tile=(64, 16, 64))), "head dim D=256")
-    _raises_at(lambda: lower_attention(trace_sp(tile=(32, 64, 64))), "BM=32")
-    _raises_at(lambda: lower_attention(trace_sp(tile=(256, 64, 64))), "BM=256")
-    _raises_at(lambda: lower_attention(trace_sp(tile=(128, 8, 64))), "BN=8")
-    _raises_at(lambda: lower_attention(trace_sp(tile=(128, 256, 64), D=64)), "BN=256")
-    _raises_at(lambda: lower_attention(trace_sp(tile=(128, 128, 64), stages=4)), "shared memory")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, D=96, H=2)), "head dim D=96")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, D=256, H=1, tile=(64, 16, 64))), "head dim D=256")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, tile=(32, 64, 64))), "BM=32")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, tile=(256, 64, 64))), "BM=256")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, tile=(128, 8, 64))), "BN=8")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, tile=(128, 256, 64), D=64)), "BN=256")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, tile=(128, 128, 64), stages=4)), "shared memory")
     _raises_at(lambda: lower_attention(trace_sp(stages=1), overlap=True), "overlap=True needs at least 2 stages")
-    _raises_at(lambda: lower_attention(trace_sp(dt=tl.float32, D=64)), "f16 or bf16")
+    _raises_at(lambda: lower_attention(trace_sp(W=2, Sl=256, dt=tl.float32, D=64)), "f16 or bf16")
     _raises_at(lambda: lower_attention(trace_local(odt=tl.float32)), "o must be f16 or bf16")
     _raises_at(lambda: lower_attention(trace_local(width=20, head_dim=16, tile=(64, 64, 64))), "16-byte aligned rows")
     k = trace_sp()
@@ -407,7 +407,7 @@ CONTROL_CASES = {
     "copy-engine-BM128-causal": (2, 130, 1, 16, (128, 64, 16), True, tl.CommSchedule(engine="copy_engine")),
     "single-rank-causal": (1, 77, 1, 32, (64, 64, 16), True, tl.CommSchedule(tile_m=32)),
     # zig-zag: chunks of 45 and 77 rows (query blocks straddle a rank's two chunks), GQA
-    "zigzag-gqa-pull-commtile16": (3, 90, (4, 2), 16, (64, 16, 16), True, tl.CommSchedule(tile_m=16, mode="pull"),
+    "zigzag-gqa-pull-commtile16": (3, 90, (2, 1), 16, (64, 16, 16), True, tl.CommSchedule(tile_m=16, mode="pull"),
                                    "zigzag"),
     "zigzag-BM128-copy-engine": (2, 154, 1, 16, (128, 64, 16), True, tl.CommSchedule(engine="copy_engine"), "zigzag"),
 }

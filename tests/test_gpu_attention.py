@@ -199,16 +199,18 @@ def test_inputs_are_validated():
         kern({"q": q, "k_gathered": k_all, "v_gathered": v_all, "o": o}, signals=_signals(k, la, 1), rank=2)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_speed_report(causal):
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")],
+                         ids=["full", "causal", "causal-zigzag"])
+def test_speed_report(causal, layout):
     """Not a benchmark gate: prints the generated kernel's TFLOP/s next to torch's SDPA (flash)
     on the same gathered K/V (W=2, Sl=4096 per rank, 16 heads of 128), after checking it."""
     import torch
     import torch.nn.functional as F
     from tldsl.bench.timing import interleaved_ms
+    from tldsl.ops.sp_attention import positions
     from tldsl.runtime.gpu.attention import AttentionKernel
     W, rank, Sl, H, D = 2, 1, 4096, 16, 128
-    k, la = _lower(W, Sl, H, D, (128, 128, 64), causal, "bfloat16")
+    k, la = _lower(W, Sl, H, D, (128, 128, 64), causal, "bfloat16", layout=layout)
     kern = AttentionKernel(la)
     q, k_all, v_all = _inputs(W, Sl, H, D, "bfloat16", 3)
     o = torch.full_like(q, float("nan"))
@@ -216,20 +218,21 @@ def test_speed_report(causal):
     bufs = {"q": q, "k_gathered": k_all, "v_gathered": v_all, "o": o}
     kern(bufs, signals=sig, rank=rank)
     torch.cuda.synchronize()
-    _check(o, _reference(q, k_all, v_all, H, D, rank, causal), "bfloat16", "speed shape")
+    _check(o, _reference(q, k_all, v_all, H, D, rank, causal, layout), "bfloat16", "speed shape")
     qh = q.view(Sl, H, D).transpose(0, 1).unsqueeze(0)
     kh = k_all.view(W * Sl, H, D).transpose(0, 1).unsqueeze(0).contiguous()
     vh = v_all.view(W * Sl, H, D).transpose(0, 1).unsqueeze(0).contiguous()
     qh = qh.contiguous()
     mask = None
-    if causal:   # global positions: rank 1's queries see shard 0 whole and their own shard causally
-        qpos = rank * Sl + torch.arange(Sl, device="cuda")[:, None]
-        mask = torch.arange(W * Sl, device="cuda")[None, :] <= qpos
+    pos = positions(W, Sl, layout)
+    if causal:   # global positions: e.g. contiguous rank 1 sees shard 0 whole and its own shard causally
+        p = torch.from_numpy(pos).to("cuda")
+        mask = p.reshape(-1)[None, :] <= p[rank][:, None]
     ms_ours, ms_torch = interleaved_ms(
         [lambda: kern(bufs, signals=sig, rank=rank),
          lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)], iters=20)
-    pairs = sum(min(W * Sl, rank * Sl + i + 1) for i in range(Sl)) if causal else Sl * W * Sl
+    pairs = int((pos[rank] + 1).sum()) if causal else Sl * W * Sl
     flops = 4 * pairs * D * H
-    print(f"\nattention {'causal' if causal else 'full'} Sl={Sl} N={W * Sl} H={H} D={D} bf16: tldsl "
+    print(f"\nattention {'causal' if causal else 'full'} {layout} Sl={Sl} N={W * Sl} H={H} D={D} bf16: tldsl "
           f"{ms_ours:.3f} ms ({flops / ms_ours / 1e9:.0f} TFLOP/s), torch SDPA{' (masked)' if causal else ''} "
           f"{ms_torch:.3f} ms ({flops / ms_torch / 1e9:.0f} TFLOP/s)")

@@ -80,7 +80,7 @@ def test_gqa_and_zigzag_match_numpy(name):
         assert not np.isnan(res[r]["o"]).any()
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_drawn_shapes_match_numpy(data):

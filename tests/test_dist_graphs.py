@@ -51,6 +51,11 @@ def _ag(variant: str):
                                        gemm=_CompiledGemm), (128, 16, 24))
     if variant == "pull-staging-kernel":
         return lambda mp: _pull_ranks(mp, 200, 16, 24), (200, 16, 24)
+    if variant == "pull-staging-kernel-comm-first":
+        return lambda mp: _pull_ranks(mp, 200, 16, 24, enqueue="comm_first"), (200, 16, 24)
+    if variant == "push-comm-first":
+        return (lambda mp: _push_ranks(mp, make=lambda r: agm.AllGatherMatmul(128, 16, 24, bf, enqueue="comm_first"),
+                                       gemm=_CompiledGemm), (128, 16, 24))
     if variant == "pull-gemm-staging":
         return lambda mp: _gemm_staging_ranks(mp), (256, 16, 24)
     if variant in ("pull-copies-memops", "pull-copies-kernel-handshake"):
@@ -67,9 +72,9 @@ def _ag(variant: str):
     raise KeyError(variant)
 
 
-AG_VARIANTS = ["push", "push-sliced", "gemm-push", "pull-staging-kernel", "pull-gemm-staging", "pull-copies-memops",
-               "pull-copies-kernel-handshake"]
-RS_VARIANTS = ["rs-copy", "rs-copy-early-sum"]
+AG_VARIANTS = ["push", "push-sliced", "gemm-push", "push-comm-first", "pull-staging-kernel",
+               "pull-staging-kernel-comm-first", "pull-gemm-staging", "pull-copies-memops", "pull-copies-kernel-handshake"]
+RS_VARIANTS = ["rs-copy", "rs-copy-early-sum", "rs-copy-epilogue"]
 
 
 def _replay_ag(monkeypatch, variant: str, seed: int, replays: int = REPLAYS, eager: int = 2, batch: int = 10):
@@ -121,7 +126,9 @@ def _replay_ag(monkeypatch, variant: str, seed: int, replays: int = REPLAYS, eag
 
 
 def _replay_rs(monkeypatch, variant: str, seed: int, replays: int = REPLAYS, eager: int = 2, batch: int = 10):
-    ranks = _rs_ranks(monkeypatch, early_sum=variant == "rs-copy-early-sum")
+    options = {"comm": tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")} \
+        if variant == "rs-copy-epilogue" else {}
+    ranks = _rs_ranks(monkeypatch, early_sum=variant == "rs-copy-early-sum", **options)
     rng = random.Random(seed)
     dev, W, Ms, K, N = ranks.device, ranks.W, ranks.Ms, ranks.K, ranks.N
     stream = {r: next(ranks.streams) for r in range(W)}

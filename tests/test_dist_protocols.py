@@ -675,7 +675,7 @@ def test_the_column_sliced_model_can_fail(monkeypatch):
 
 # -- GEMM + ReduceScatter on the copy engine (runtime/dist/gemm_rs_copy.py) --------------------------
 
-def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
+def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False, **options):
     from tldsl.runtime.dist import gemm_rs as grs
     from tldsl.runtime.dist.gemm_rs_copy import CopyEngineReduceScatter
     real_sum = CopyEngineReduceScatter._sum_rows
@@ -685,8 +685,8 @@ def _rs_ranks(monkeypatch, Ms=512, K=16, N=24, early_sum=False):
         ranks = holder["ranks"]
         ranks.device.kernel(ranks.raw_stream(), f"sum {lo}:{hi}", lambda: real_sum(self, out, lo, hi))
     monkeypatch.setattr(CopyEngineReduceScatter, "_sum_rows", deferred_sum)
-    ranks = _Ranks(monkeypatch, lambda r: grs.MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, ce_chunks=4),
-                   _CompiledGemm)
+    ranks = _Ranks(monkeypatch, lambda r: grs.MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, ce_chunks=4,
+                                                                  **options), _CompiledGemm)
     holder["ranks"] = ranks
     ranks.Ms, ranks.K, ranks.N = Ms, K, N
     for op in ranks.ops:
@@ -832,8 +832,8 @@ def _run_pull_launches(monkeypatch, seed: int, launches: int = 5, streams_per_ra
     _run_gathering_launches(monkeypatch, seed, ranks, Ms, K, N, launches, streams_per_rank)
 
 
-def _pull_ranks(monkeypatch, Ms=200, K=16, N=24):
-    """Two ranks of the pull with the publishing staging kernel."""
+def _pull_ranks(monkeypatch, Ms=200, K=16, N=24, **options):
+    """Two ranks of the pull with the publishing staging kernel (``options``: the op's, besides)."""
     from tldsl.runtime.dist import ag_gemm as agm, staging
     from tldsl.runtime.gpu import device as device_mod
     holder = {}
@@ -843,7 +843,7 @@ def _pull_ranks(monkeypatch, Ms=200, K=16, N=24):
     def gemm(ranks):
         holder["ranks"] = ranks
         return _CompiledGemm(ranks)
-    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16), gemm)
+    ranks = _Ranks(monkeypatch, lambda r: agm.AllGatherMatmul(Ms, K, N, torch.bfloat16, **options), gemm)
     assert all(op.engine == "copy_engine" and op.staging == "kernel" and op.handshake == "device" for op in ranks.ops)
     return ranks
 

@@ -1,0 +1,102 @@
+"""Sequence-parallel attention as a fused op across a process group: the library's tile program
+(:func:`tldsl.ops.sp_attention.sp_attention`: K and V all-gathered while flash attention runs
+per key block) run by the one fused-op runtime (:class:`~.program_op.FusedProgram`). What is
+specific to attention is only its arguments: heads (MHA or GQA), the causal mask and the
+sequence layout (``"zigzag"`` balances causal work across the ranks; see
+:func:`~tldsl.ops.sp_attention.shard_sequence`), checked here with errors that name the
+argument, before anything is built or enqueued.
+"""
+from __future__ import annotations
+
+import numbers
+
+import tldsl as tl
+
+from ...errors import InputError
+from ...ops.sp_attention import LAYOUTS, sp_attention
+from .program_op import FusedProgram
+
+
+def _positive(name, v) -> int:
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+        raise InputError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _spec(name, x):
+    """(rows, columns, tl dtype) of ``[S, H*D]`` or ``[S, H, D]`` (a tensor, array or TensorSpec)."""
+    if isinstance(x, tl.TensorSpec):
+        shape, dt = tuple(x.shape), x.dtype
+    else:
+        try:
+            from ...ir.types import dtype_of
+            shape, dt = tuple(x.shape), dtype_of(x.dtype)
+        except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
+            raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
+    if len(shape) not in (2, 3):
+        raise InputError(f"{name} must be [S, heads*D] or [S, heads, D], got {list(shape)}")
+    if dt.name not in ("f16", "bf16"):
+        raise InputError(f"{name} must be fp16 or bf16, got {dt.name}")
+    return shape[0], shape[1] * (shape[2] if len(shape) == 3 else 1), dt
+
+
+class SequenceParallelAttention(FusedProgram):
+    """Attention over a sequence sharded across the ranks: this rank's queries against every
+    rank's keys and values, K/V gathered tile by tile while attention runs.
+
+    ``q``: ``[S, H, D]`` or ``[S, H*D]`` (this rank's rows; ``S`` per rank), ``k``: the same
+    with ``kv_heads`` heads (GQA where fewer than ``heads``); tensors or ``tl.TensorSpec`` s.
+    ``layout``: the global positions of a rank's rows (``"contiguous"``: rank ``r`` holds
+    ``[r*S, (r+1)*S)``; ``"zigzag"``: chunks ``r`` and ``2W-1-r`` of ``S/2`` rows). Calling
+    ``op(q, k, v)`` returns ``o`` shaped like ``q``."""
+
+    def __init__(self, q, k, heads: int, group=None, *, kv_heads: int | None = None, causal: bool = False,
+                 layout: str = "contiguous", scale: float | None = None, compute=None, comm=None, **program_kw):
+        S, width, dt = _spec("q", q)
+        Sk, kv_width, kdt = _spec("k", k)
+        heads = _positive("heads", heads)
+        kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
+        if width % heads:
+            raise InputError(f"q's {width} columns are not heads x D: {heads} heads do not divide them")
+        if heads % kv_heads:
+            raise InputError(f"kv_heads={kv_heads} must divide heads={heads} (GQA: each K/V head serves "
+                             f"heads/kv_heads query heads)")
+        D = width // heads
+        if Sk != S or kv_width != kv_heads * D or kdt != dt:
+            raise InputError(f"k must be [{S}, {kv_heads}*{D}] {dt.name} (q's rows, kv_heads heads of q's head dim), "
+                             f"got [{Sk}, {kv_width}] {kdt.name}")
+        if layout not in LAYOUTS:
+            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "zigzag" and S % 2:
+            raise InputError(f"layout='zigzag' holds two chunks of S/2 rows per rank: S={S} must be even")
+        if not isinstance(causal, bool):
+            raise InputError(f"causal must be a bool, got {causal!r}")
+        self.q_shape = tuple(q.shape)
+        self.heads, self.kv_heads, self.causal, self.layout = heads, kv_heads, causal, layout
+        specs = {"q": tl.TensorSpec((S, width), dt), "k": tl.TensorSpec((S, kv_width), dt),
+                 "v": tl.TensorSpec((S, kv_width), dt), "o": tl.TensorSpec((S, width), dt)}
+        kw = dict(heads=heads, causal=causal, layout=layout)
+        if kv_heads != heads:
+            kw["kv_heads"] = kv_heads
+        if scale is not None:
+            kw["scale"] = float(scale)
+        kw |= {n: s for n, s in (("compute", compute), ("comm", comm)) if s is not None}
+        FusedProgram.__init__(self, sp_attention, group, specs, **kw, **program_kw)
+
+    def __call__(self, q, k, v, o=None):
+        import torch
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"argument '{name}': a torch tensor, got {type(t).__name__}")
+        if tuple(q.shape) != self.q_shape:
+            raise InputError(f"argument 'q': {tuple(q.shape)}, the op was built for {self.q_shape}")
+        if o is None:
+            o = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
+        flat = [t.reshape(t.shape[0], -1) if t.is_contiguous() else t for t in (q, k, v, o)]
+        FusedProgram.__call__(self, q=flat[0], k=flat[1], v=flat[2], o=flat[3])
+        return o
+
+    def _problem(self) -> str:
+        b = self.kernel.buffer("q").type
+        return (f"sequence-parallel attention: {self.ctx.world_size} x {b.shape[0]} rows, {self.heads}/"
+                f"{self.kv_heads} heads, {'causal ' + self.layout if self.causal else 'full'}")

@@ -1,0 +1,77 @@
+"""SequenceParallelAttention (runtime/dist/attention_op.py) — the library's sequence-parallel
+attention on the one fused-op runtime — on W fake GPUs (tests/test_program_op.py's harness):
+MHA and GQA, causal zig-zag and contiguous, ragged lengths, two launches with fresh inputs,
+against numpy; bad arguments refused with InputError before anything is built or enqueued."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+torch = pytest.importorskip("torch")
+
+from test_program_op import Group, host  # noqa: E402
+
+from tldsl.errors import InputError  # noqa: E402
+from tldsl.ops.sp_attention import reference  # noqa: E402
+from tldsl.runtime.dist.attention_op import SequenceParallelAttention  # noqa: E402
+
+COMPUTE = tl.ComputeSchedule(tile=(32, 32, 16))
+
+
+@pytest.mark.parametrize("W, S, heads, kv_heads, causal, layout, comm", [
+    (2, 38, 2, 1, True, "zigzag", tl.CommSchedule(tile_m=16, mode="pull")),
+    (3, 40, 2, 2, True, "contiguous", tl.CommSchedule(tile_m=16, mode="push", order="full_mesh")),
+    (2, 24, 4, 2, False, "contiguous", tl.CommSchedule(engine="copy_engine")),
+])
+def test_attention_on_the_fused_op_runtime_agrees_with_numpy(monkeypatch, W, S, heads, kv_heads, causal, layout,
+                                                             comm):
+    D = 16
+    g = Group(monkeypatch, W, seed=W)
+    q = tl.TensorSpec((S, heads, D), tl.float16)
+    k = tl.TensorSpec((S, kv_heads * D), tl.float16)
+    ops = g.build(lambda r, dev: SequenceParallelAttention(q, k, heads, kv_heads=kv_heads, causal=causal,
+                                                           layout=layout, compute=COMPUTE, comm=comm, device=dev,
+                                                           timeout_s=2.0))
+    rng = np.random.default_rng(S)
+    launches = []
+    for _ in range(2):                                    # fresh inputs every launch
+        qs = [rng.standard_normal((S, heads, D)).astype(np.float16) for _ in range(W)]
+        ks = [rng.standard_normal((S, kv_heads * D)).astype(np.float16) for _ in range(W)]
+        vs = [rng.standard_normal((S, kv_heads * D)).astype(np.float16) for _ in range(W)]
+        outs = {}
+        for r in g.fake.rng.sample(range(W), W):
+            outs[r] = ops[r](*(torch.from_numpy(a[r]) for a in (qs, ks, vs)))
+        launches.append((qs, ks, vs, outs))
+    for op in ops:
+        op.synchronize()
+    for qs, ks, vs, outs in launches:
+        want = reference([x.reshape(S, -1) for x in qs], ks, vs, heads, causal, kv_heads=kv_heads, layout=layout)
+        for r in range(W):
+            assert outs[r].shape == (S, heads, D)
+            np.testing.assert_allclose(host(outs[r]).reshape(S, -1), want[r], rtol=2e-2, atol=2e-2)
+    for op in ops:
+        op.close()
+
+
+def test_bad_arguments_are_refused_before_anything_is_built():
+    S, D = 32, 16
+    q, k = tl.TensorSpec((S, 4, D), tl.float16), tl.TensorSpec((S, 2 * D), tl.float16)
+    cases = [
+        (dict(q=q, k=k, heads=3), "3 heads do not divide"),
+        (dict(q=q, k=k, heads=4, kv_heads=3), "kv_heads=3 must divide heads=4"),
+        (dict(q=q, k=k, heads=4, kv_heads=1), r"k must be \[32, 1\*16\]"),
+        (dict(q=q, k=tl.TensorSpec((S, 2 * D), tl.bfloat16), heads=4, kv_heads=2), "k must be"),
+        (dict(q=tl.TensorSpec((S, 4, D), tl.float32), k=k, heads=4), "fp16 or bf16"),
+        (dict(q=tl.TensorSpec((S,), tl.float16), k=k, heads=4), r"\[S, heads\*D\]"),
+        (dict(q=q, k=k, heads=4, kv_heads=2, layout="diagonal"), "layout must be one of"),
+        (dict(q=tl.TensorSpec((31, 4, D), tl.float16), k=tl.TensorSpec((31, 2 * D), tl.float16), heads=4,
+              kv_heads=2, causal=True, layout="zigzag"), "S=31 must be even"),
+        (dict(q=q, k=k, heads=0), "heads must be a positive int"),
+        (dict(q="q", k=k, heads=4), "a torch tensor, numpy array or tl.TensorSpec"),
+        (dict(q=q, k=k, heads=4, kv_heads=2, causal="yes"), "causal must be a bool"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(InputError, match=match):
+            SequenceParallelAttention(**kw)

@@ -479,3 +479,24 @@ def test_describe_repr_and_counters(monkeypatch):
     for o in ops:
         o.close()
     assert op.describe().endswith("its symmetric memory is freed")
+
+
+def test_the_torchrun_checks_case_runner_on_fake_ranks(monkeypatch):
+    """runtime/dist/program_check.py's per-case check (what torchrun runs on GPUs) passes on the
+    fake ranks for its own hand-written programs and a library op, and reports a wrong answer."""
+    from tldsl.runtime.dist import program_check as pc
+    rng = np.random.default_rng(3)
+    x = [{"x": rng.standard_normal((8, 16)).astype(np.float32), "g": np.zeros((16, 16), np.float32),
+          "y": np.zeros((16, 16), np.float32)} for _ in range(2)]
+    r = [{n: rng.standard_normal((16, 8)).astype(np.float32) for n in "xyz"} for _ in range(2)]
+    fn, inputs, kw = library_case("allgather_gemm_ce", 2)
+    cases = [(pc.rmsnorm_gather, x, {"compute": tl.ComputeSchedule(tile=(8, 16, 16)), "comm": tl.CommSchedule(sms=1)}),
+             (pc.ring, r, {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}), (fn, inputs, kw)]
+    for fn, inputs, kw in cases:
+        expected = tl.simulate(fn, 2, inputs, **kw).outputs
+        g = Group(monkeypatch, 2)
+        assert g.build(lambda q, dev: pc.check_case(fn, inputs, kw, expected, 1e-3, object(), q, 2, 3)) == [[], []]
+    wrong = [{k: v + 1 for k, v in e.items()} for e in expected]
+    g = Group(monkeypatch, 2)
+    problems = g.build(lambda q, dev: pc.check_case(fn, inputs, kw, wrong, 1e-3, object(), q, 2, 2))
+    assert all(any(x.startswith("tl.run c: max error") for x in p) for p in problems)

@@ -122,7 +122,6 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     from .group import init_ranks
-    from .program_op import FusedProgram
     ap = argparse.ArgumentParser(prog="python -m tldsl.runtime.dist.program_check")
     ap.add_argument("--launches", type=int, default=4)
     ap.add_argument("--only", default="")
@@ -137,39 +136,7 @@ def main(argv=None) -> int:
     for name, (fn, inputs, kw, expected, rtol) in cases(W, rng).items():
         if only and name not in only:
             continue
-        problems = []
-        try:
-            res = tl.run(fn, inputs=inputs[rank], group=group, timeout_s=60.0, **kw)
-            want = {k: v for k, v in expected[rank].items() if k in res[rank]}
-            problems += [f"tl.run {p}" for p in close_enough(res[rank], want, rtol)]
-            op = FusedProgram(fn, group, inputs[rank], timeout_s=60.0, **kw)
-            launches, counters = [], []
-            for L in range(1, args.launches + 1):
-                lr = np.random.default_rng(1000 * args.seed + L)
-                mine = _perturbed(inputs, lr)
-                tensors = {b.name: _device(mine[rank][b.name], b.type.dtype) for b in op.kernel.args}
-                op(**tensors)
-                if L <= 2:
-                    op.synchronize()
-                    counters.append({k: list(v) for k, v in op.signal_counters().items()})
-                launches.append((mine, tensors))
-            op.synchronize()
-            last = {k: list(v) for k, v in op.signal_counters().items()}
-            for L, (mine, tensors) in enumerate(launches, start=1):
-                ref = tl.simulate(fn, W, mine, **kw)[rank]
-                got = {k: _host(t) for k, t in tensors.items()}
-                problems += [f"launch {L} {p}" for p in close_enough(got, {k: ref[k] for k in expected[rank]
-                                                                           if k in ref}, max(rtol, 1e-3))]
-            if len(counters) == 2:
-                for sig, first in counters[0].items():
-                    step = [b - a for a, b in zip(first, counters[1][sig])]
-                    want_last = [a + (args.launches - 1) * s for a, s in zip(first, step)]
-                    if last[sig] != want_last:
-                        problems.append(f"signal {sig}: {last[sig]} after {args.launches} launches, expected "
-                                        f"{want_last} (steps {step})")
-            op.close()
-        except Exception as e:      # noqa: BLE001 - reported per case
-            problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        problems = check_case(fn, inputs, kw, expected, rtol, group, rank, W, args.launches, args.seed)
         every = [None] * W
         dist.all_gather_object(every, problems, group=group)
         bad = [(q, p) for q, ps in enumerate(every) for p in ps]
@@ -182,6 +149,47 @@ def main(argv=None) -> int:
         print("program_check: all passed" if not failures else f"program_check: {failures} case(s) failed", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
+
+
+def check_case(fn, inputs, kw, expected, rtol, group, rank: int, W: int, launches: int, seed: int = 0) -> list[str]:
+    """One case on this rank: ``tl.run(..., group=)`` against ``expected``; then ``launches``
+    back-to-back FusedProgram launches with fresh inputs, each against ``tl.simulate`` of its
+    inputs, and the counters' steps. Returns what went wrong (nothing: it passed)."""
+    from .program_op import FusedProgram
+    problems = []
+    try:
+        res = tl.run(fn, inputs=inputs[rank], group=group, timeout_s=60.0, **kw)
+        want = {k: v for k, v in expected[rank].items() if k in res[rank]}
+        problems += [f"tl.run {p}" for p in close_enough(res[rank], want, rtol)]
+        op = FusedProgram(fn, group, inputs[rank], timeout_s=60.0, **kw)
+        at = op.device.torch_device
+        done, counters = [], []
+        for L in range(1, launches + 1):
+            mine = _perturbed(inputs, np.random.default_rng(1000 * seed + L))
+            tensors = {b.name: _device(mine[rank][b.name], b.type.dtype, at) for b in op.kernel.args}
+            op(**tensors)
+            if L <= 2:
+                op.synchronize()
+                counters.append({k: list(v) for k, v in op.signal_counters().items()})
+            done.append((mine, tensors))
+        op.synchronize()
+        last = {k: list(v) for k, v in op.signal_counters().items()}
+        for L, (mine, tensors) in enumerate(done, start=1):
+            ref = tl.simulate(fn, W, mine, **kw)[rank]
+            got = {k: _host(t) for k, t in tensors.items()}
+            problems += [f"launch {L} {p}" for p in close_enough(got, {k: ref[k] for k in expected[rank] if k in ref},
+                                                                 max(rtol, 1e-3))]
+        if len(counters) == 2:
+            for sig, first in counters[0].items():
+                step = [b - a for a, b in zip(first, counters[1][sig])]
+                want_last = [a + (launches - 1) * s for a, s in zip(first, step)]
+                if last[sig] != want_last:
+                    problems.append(f"signal {sig}: {last[sig]} after {launches} launches, expected {want_last} "
+                                    f"(steps {step})")
+        op.close()
+    except Exception as e:      # noqa: BLE001 - reported per case
+        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return problems
 
 
 def _perturbed(inputs: list[dict], rng) -> list[dict]:
@@ -200,10 +208,9 @@ def _perturbed(inputs: list[dict], rng) -> list[dict]:
     return out
 
 
-def _device(arr, dtype):
-    import torch
+def _device(arr, dtype, at):
     from ..gpu.run_program import to_device
-    return to_device(arr, dtype, torch.device("cuda", torch.cuda.current_device()))
+    return to_device(arr, dtype, at)
 
 
 def _host(t):

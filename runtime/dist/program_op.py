@@ -60,6 +60,8 @@ import dataclasses
 import hashlib
 import numbers
 
+import numpy as np
+
 from ...errors import InputError
 from ...run import register_group_runner
 from ...ir import core
@@ -505,7 +507,10 @@ def run_across(kernel, world_size, inputs, seed, options, kwargs: dict, *, group
     mine = {b.name: t for b, t in zip(op.kernel.args, tensors)}
     mine.update(op.workspace_tensors())
     outs, wss = read_back(op.kernel, [mine])
-    outputs[rank], workspaces[rank] = outs[0], wss[0]
+    del mine                            # (copies: nothing outside the op may view its symmetric memory at close())
+    outputs[rank] = {k: np.array(v, copy=True) for k, v in outs[0].items()}
+    workspaces[rank] = {k: np.array(v, copy=True) for k, v in wss[0].items()}
+    del outs, wss
     result = DistRunResult(op.kernel, outputs, workspaces, [], 0, opts.launches, seed, 0, device=op.device.name,
                            plan=op.plan, launch_ms=list(op.launch_ms), tensors=[{} for _ in range(W)], rank=rank)
     result.tensors[rank] = {b.name: t for b, t in zip(op.kernel.args, tensors)}

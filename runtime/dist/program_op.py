@@ -117,6 +117,7 @@ class FusedProgram(FusedOp):
         self.launches = 0
         self._engine = None
         self._last = None                       # (start, end, done) events of the last launch
+        self._last_captured = False             # ... recorded while capturing a CUDA graph
         self.launch_ms: list[float] = []
         error, built = None, None
         try:
@@ -306,7 +307,8 @@ class FusedProgram(FusedOp):
         L = self._launch_epoch()
         dev, drv = self.device, self._drv
         origin = dev.origin()
-        if self._last is not None and not _capturing():
+        captured = _capturing()
+        if self._last is not None and not captured and not self._last_captured:
             dev.wait_event(origin, self._last[2])   # after the previous call, whatever stream it was made on
         sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if b.symmetric]
         for name, t in sym:
@@ -327,7 +329,7 @@ class FusedProgram(FusedOp):
         dev.record(done, origin)
         if self._last is not None:
             dev.destroy(self._last)
-        self._last = (start, end, done)
+        self._last, self._last_captured = (start, end, done), captured
 
     def _launch_epoch(self) -> int:
         """Count this call as a launch and return its epoch: the host's count — or, where the
@@ -344,7 +346,7 @@ class FusedProgram(FusedOp):
     def synchronize(self) -> None:
         """Wait for the last launch, its copy-back included; past ``timeout_s`` a
         ``GpuHangError`` with the plan and this rank's counters."""
-        if self._last is None:
+        if self._last is None or self._last_captured:     # (a graph's replays: torch.cuda.synchronize)
             return
         start, end, done = self._last
         wait_for(self.device, done, self.launches, self.plan, self._mem, self.timeout_s)
@@ -368,7 +370,8 @@ class FusedProgram(FusedOp):
     def _release(self) -> None:
         if self._last is not None:
             try:
-                wait_for(self.device, self._last[2], self.launches, self.plan, self._mem, self.timeout_s)
+                if not self._last_captured:         # (a captured launch: Lease.release synchronises)
+                    wait_for(self.device, self._last[2], self.launches, self.plan, self._mem, self.timeout_s)
             finally:
                 self.device.destroy(self._last)
                 self._last = None

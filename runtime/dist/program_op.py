@@ -171,11 +171,12 @@ class FusedProgram(FusedOp):
         self._drv = device.ce_driver if device.ce_driver is not None else load_driver()
         self._loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
         # planned as every rank on one GPU of W GPUs' SMs and queues (each rank's share: one GPU's, less the SMs
-        # left to same-GPU copies where copy-engine parts run, as tl.run leaves them)
+        # left to same-GPU copies where copy-engine parts run, as tl.run leaves them, and less the hardware queue
+        # of the caller's stream, whose handshakes wait too)
         W = ir.world_size
         copies = any(not is_kernel(lk) for p, lk in lowered.items() if not ir.part(p).fused)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
-        full = plan_run(ir, lowered, sm_count=pooled, queues=hardware_queues() * W,
+        full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered

@@ -169,6 +169,32 @@ def simulated(fn, W, inputs, launches, **kw):
 # programs
 # =================================================================================================
 
+@tl.kernel
+def rmsnorm_allgather(x, w, out: tl.Symmetric, *, compute: tl.ComputeSchedule = None):
+    """tutorials/04's program: out = all_gather(rms_norm(x) * w), each normalised tile pushed to
+    every rank as it is made — no signal at all: only the launch's exit handshake tells a rank that
+    its peers' pushes have landed."""
+    W = tl.world_size()
+    Ms, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(Ms, BM),))
+    def norm(pm):
+        me = tl.rank()
+        r0 = pm * BM
+        ss = tl.fragment((BM,), tl.float32)
+        for c in tl.range(0, N, BN):
+            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            ss.write(ss.read() + tl.sum(t * t, 1))
+        inv = tl.expand_dims(tl.rsqrt(ss.read() / N + 1e-6), 1)
+        for c in tl.range(0, N, BN):
+            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            g = tl.cast(tl.load(w, (0, c), (1, BN)), tl.float32)
+            y = tl.cast(t * inv * g, out.dtype)
+            for p in tl.static_range(W):
+                tl.tile_push_data(out.at(p), (me * Ms + r0, c), y)
+
+
 def library_case(name: str, W: int):
     """(kernel, inputs, keyword values) of a library op or a hand-written program at W ranks."""
     from tldsl.ops import allgather_gemm as agm, gemm_reduce_scatter as grs
@@ -204,6 +230,10 @@ def library_case(name: str, W: int):
     if name == "ring_exchange":
         inputs = [{n: rng.standard_normal((16, 8)).astype(np.float32) for n in "xywz"} for _ in range(W)]
         return ring_exchange, inputs, {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}
+    if name == "rmsnorm_allgather":
+        inputs = [{"x": rng.standard_normal((16, 32)).astype(np.float16), "w": rng.standard_normal((1, 32))
+                   .astype(np.float16), "out": np.full((16 * W, 32), np.nan, np.float16)} for _ in range(W)]
+        return rmsnorm_allgather, inputs, {"compute": tl.ComputeSchedule(tile=(8, 16, 16))}
     assert name == "normed_gather"
     inputs = [{"x": rng.standard_normal((8, 16)).astype(np.float32), "g": np.zeros((8 * W, 16), np.float32),
                "y": np.zeros((8 * W, 16), np.float32)} for _ in range(W)]
@@ -218,7 +248,7 @@ def _agrees(monkeypatch, name, W, launches=2, seed=0):
     return ops, outs, g
 
 
-@pytest.mark.parametrize("name", ["normed_gather", "ring_exchange"])
+@pytest.mark.parametrize("name", ["normed_gather", "ring_exchange", "rmsnorm_allgather"])
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
 def test_hand_written_programs_agree_with_the_simulator(monkeypatch, name, W):
     ops, _, _ = _agrees(monkeypatch, name, W, launches=3, seed=W)
@@ -266,6 +296,13 @@ def _fresh_gather(W=2):
     rng = np.random.default_rng(12)
     return {L: [{"a": rng.standard_normal((32, 16)).astype(np.float16), "b": rng.standard_normal((16, 32))
                  .astype(np.float16), "c": np.full((32 * W, 32), np.nan, np.float16)} for _ in range(W)]
+            for L in (1, 2, 3)}
+
+
+def _fresh_rmsnorm(W=3):
+    rng = np.random.default_rng(14)
+    return {L: [{"x": rng.standard_normal((16, 32)).astype(np.float16), "w": rng.standard_normal((1, 32))
+                 .astype(np.float16), "out": np.full((16 * W, 32), np.nan, np.float16)} for _ in range(W)]
             for L in (1, 2, 3)}
 
 
@@ -325,6 +362,9 @@ def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):
     seeds = range(3)                # (each mutant fails at almost every seed)
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(1), seeds)         # no entry handshake
     assert _failing_seeds(monkeypatch, *ring, _skip_handshake(0), seeds)         # no exit handshake
+    rms = (rmsnorm_allgather, _fresh_rmsnorm(), {"compute": tl.ComputeSchedule(tile=(8, 16, 16))})
+    assert not _failing_seeds(monkeypatch, *rms, lambda mp: None, range(2))
+    assert _failing_seeds(monkeypatch, *rms, _skip_handshake(0), seeds)          # (its only synchronisation)
     assert _failing_seeds(monkeypatch, *gather, _no_epoch, seeds)                # every launch is launch 1
 
 

@@ -25,6 +25,7 @@ from test_run_fake_device import FakeDevice  # noqa: E402
 
 from tldsl.errors import InputError  # noqa: E402
 from tldsl.runtime.dist import program_op  # noqa: E402
+from tldsl.runtime.dist.program_check import rmsnorm_allgather  # noqa: E402  (tutorials/04's program)
 
 
 class RankDevice:
@@ -168,32 +169,6 @@ def simulated(fn, W, inputs, launches, **kw):
 # =================================================================================================
 # programs
 # =================================================================================================
-
-@tl.kernel
-def rmsnorm_allgather(x, w, out: tl.Symmetric, *, compute: tl.ComputeSchedule = None):
-    """tutorials/04's program: out = all_gather(rms_norm(x) * w), each normalised tile pushed to
-    every rank as it is made — no signal at all: only the launch's exit handshake tells a rank that
-    its peers' pushes have landed."""
-    W = tl.world_size()
-    Ms, N = x.shape
-    BM, BN, _ = compute.tile
-
-    @tl.compute_part(grid=(tl.cdiv(Ms, BM),))
-    def norm(pm):
-        me = tl.rank()
-        r0 = pm * BM
-        ss = tl.fragment((BM,), tl.float32)
-        for c in tl.range(0, N, BN):
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
-            ss.write(ss.read() + tl.sum(t * t, 1))
-        inv = tl.expand_dims(tl.rsqrt(ss.read() / N + 1e-6), 1)
-        for c in tl.range(0, N, BN):
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
-            g = tl.cast(tl.load(w, (0, c), (1, BN)), tl.float32)
-            y = tl.cast(t * inv * g, out.dtype)
-            for p in tl.static_range(W):
-                tl.tile_push_data(out.at(p), (me * Ms + r0, c), y)
-
 
 def library_case(name: str, W: int):
     """(kernel, inputs, keyword values) of a library op or a hand-written program at W ranks."""

@@ -3,8 +3,9 @@
     torchrun --standalone --nproc_per_node=2 -m tldsl.runtime.dist.program_check [--launches 4] [--only NAME,...]
 
 Every library op's kernel (AllGather+GEMM on SMs and on the copy engine, GEMM+ReduceScatter, the
-MoE pair, sequence-parallel attention) and two hand-written programs (an RMSNorm gathered by a
-communication part, a ring that pushes, notifies and pulls) run through :class:`.FusedProgram`:
+MoE pair, sequence-parallel attention) and three hand-written programs (an RMSNorm gathered by a
+communication part, tutorials/04's RMSNorm pushed to every rank, a ring that pushes, notifies and
+pulls) run through :class:`.FusedProgram`:
 
 * ``tl.run(kernel, inputs=mine, group=WORLD)`` — one launch, compared with the op's numpy
   reference (or, for the hand-written programs, ``tl.simulate`` on this host);
@@ -64,6 +65,31 @@ def ring(x: tl.Symmetric, y: tl.Symmetric, z, *, compute: tl.ComputeSchedule = N
         tl.store(z, (pm * BM, 0), tl.load(y, (pm * BM, 0), (BM, N)) + u)
 
 
+@tl.kernel
+def rmsnorm_allgather(x, w, out: tl.Symmetric, *, compute: tl.ComputeSchedule = None):
+    """tutorials/04's program: out = all_gather(rms_norm(x) * w), each normalised tile pushed to
+    every rank as it is made (no signal: the launch's end is the only synchronisation)."""
+    W = tl.world_size()
+    Ms, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(Ms, BM),))
+    def norm(pm):
+        me = tl.rank()
+        r0 = pm * BM
+        ss = tl.fragment((BM,), tl.float32)
+        for c in tl.range(0, N, BN):
+            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            ss.write(ss.read() + tl.sum(t * t, 1))
+        inv = tl.expand_dims(tl.rsqrt(ss.read() / N + 1e-6), 1)
+        for c in tl.range(0, N, BN):
+            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            g = tl.cast(tl.load(w, (0, c), (1, BN)), tl.float32)
+            y = tl.cast(t * inv * g, out.dtype)
+            for p in tl.static_range(W):
+                tl.tile_push_data(out.at(p), (me * Ms + r0, c), y)
+
+
 def cases(W: int, rng) -> dict:
     """name -> (kernel, every rank's inputs, keyword values, every rank's expected outputs or None
     (then tl.simulate decides), rtol)."""
@@ -92,6 +118,11 @@ def cases(W: int, rng) -> dict:
           "y": np.zeros((64 * W, 128), np.float32)} for _ in range(W)]
     kw = {"compute": tl.ComputeSchedule(tile=(64, 128, 32)), "comm": tl.CommSchedule(sms=2)}
     out["rmsnorm_gather"] = (rmsnorm_gather, x, kw, [simulate(rmsnorm_gather, W, x, **kw)[r] for r in range(W)], 1e-4)
+    x = [{"x": rng.standard_normal((128, 256)).astype(np.float16), "w": rng.standard_normal((1, 256)).astype(np.float16),
+          "out": np.full((128 * W, 256), np.nan, np.float16)} for _ in range(W)]
+    kw = {"compute": tl.ComputeSchedule(tile=(32, 64, 32))}
+    out["rmsnorm_allgather"] = (rmsnorm_allgather, x, kw, [simulate(rmsnorm_allgather, W, x, **kw)[r] for r in range(W)],
+                                2e-2)
     x = [{n: rng.standard_normal((128, 64)).astype(np.float32) for n in "xyz"} for _ in range(W)]
     kw = {"compute": tl.ComputeSchedule(tile=(32, 64, 32))}
     out["ring"] = (ring, x, kw, [simulate(ring, W, x, **kw)[r] for r in range(W)], 1e-5)

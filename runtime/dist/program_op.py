@@ -7,8 +7,9 @@ process, the way ``tl.run`` runs all of them on one GPU.
 1. trace the kernel for the group's size and the argument specs (shapes, dtypes) and the
    keyword values (``compute=``, ``comm=``, ...), then lower every part through the one pipeline
    ``tl.run`` uses (:func:`~..gpu.run_plan.lower_for_run`), check that every kernel parameter
-   can be bound (:func:`~..gpu.bind.check_bindings`), compile and load the kernels and plan this
-   rank's streams and grids (:func:`~..gpu.run_program.prepare`);
+   can be bound (:func:`~..gpu.bind.check_bindings`), compile and load the kernels, and plan this
+   rank's streams and grids (:func:`~..gpu.run_plan.plan_run` for the W ranks on W GPUs' SMs and
+   queues — every kernel of this rank resident at once on its GPU — this rank's items kept);
 2. **one agreement check**: the ranks exchange a hash of the traced IR (and the lowered
    kernels' names) — or the error that stopped them. A rank that failed raises its own error,
    its peers an :class:`~tldsl.errors.InputError` naming it; ranks that traced different
@@ -53,6 +54,10 @@ base numbers launches itself (``FusedOp._next_launch``: a captured op zeroes its
 device behind a group barrier at the start of every launch and runs it as launch 1) the program
 takes the base's number, and the counters it resets are this program's one int64 block
 (:meth:`FusedProgram._graph_counters`: signals and handshake slots).
+
+Tested without a GPU in tests/test_program_op.py (every rank's real FusedProgram on a fake GPU
+that runs each launched kernel's tile program); on GPUs, ``torchrun --standalone
+--nproc_per_node=2 -m tldsl.runtime.dist.program_check``.
 """
 from __future__ import annotations
 

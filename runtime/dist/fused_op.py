@@ -40,7 +40,11 @@ exactly as before (one extra host check per call: is the stream capturing). Whil
 call also allocates its outputs afresh (no spare outputs: :mod:`.spare_outputs`), records no stream
 use of them (every side stream is joined back before the call returns), does not order itself after
 the previous eager call's stream (an event recorded outside a capture cannot be waited on inside it)
-and never synchronises (``TLDSL_DEBUG``'s per-launch report is skipped).
+and never synchronises (``TLDSL_DEBUG``'s per-launch report is skipped). A replay is ordered by
+the stream it is launched on, like any graph: eager calls of the same op on another stream must be
+ordered after it by the caller (the op's call order, :mod:`.call_order`, sees calls, not replays).
+Ops whose symmetric memory is NVSHMEM's have no torch barrier to reset behind: their capture is
+refused with an error (:meth:`~.symmetric.Lease.barrier`).
 """
 from __future__ import annotations
 

@@ -561,3 +561,15 @@ def test_the_torchrun_checks_case_runner_on_fake_ranks(monkeypatch):
     g = Group(monkeypatch, 2)
     problems = g.build(lambda q, dev: pc.check_case(fn, inputs, kw, wrong, 1e-3, object(), q, 2, 2))
     assert all(any(x.startswith("tl.run c: max error") for x in p) for p in problems)
+
+
+def test_only_written_symmetric_arguments_are_copied_back():
+    """A read-only symmetric argument (AllGather+GEMM's shard) is not copied back after a launch;
+    what any rank stores or moves into is (pushes into a peer included)."""
+    from test_codegen_general import ring_exchange
+    for name, written in (("allgather_gemm", {"c", "a_gathered"}), ("allgather_gemm_ce", {"c", "a_gathered"}),
+                          ("rmsnorm_allgather", {"out"}), ("normed_gather", {"g", "y"})):
+        fn, inputs, kw = library_case(name, 2)
+        assert program_op.written_buffers(tl.simulate(fn, 2, inputs, **kw).kernel) == written, name
+    r = library_case("ring_exchange", 2)
+    assert program_op.written_buffers(tl.simulate(ring_exchange, 2, r[1], **r[2]).kernel) == {"y", "w", "z"}

@@ -39,7 +39,7 @@ nothing waits on the host:
    (:func:`tldsl.ir.semantics.wait_target`): notifies from launch ``L - 1`` never satisfy it;
 4. **exit handshake**: value ``2L``, the same way — every peer's parts of launch ``L`` are done
    (a peer's push into this rank's tensors included);
-5. the symmetric buffers are copied back into the caller's tensors.
+5. the symmetric buffers some op writes are copied back into the caller's tensors.
 
 A call made on another stream than the previous one first waits for the previous launch (the
 counters and handshakes assume launches run in call order). So a call is stream-ordered like any
@@ -185,6 +185,7 @@ class FusedProgram(FusedOp):
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
+        self._written = written_buffers(ir)
         return {"arguments": ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in ir.args),
                 "schedules": f"{ir.compute_schedule}, {ir.comm_schedule}", "program": program_hash(ir),
                 "world size": ir.world_size,
@@ -328,6 +329,8 @@ class FusedProgram(FusedOp):
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L)
         for name, t in sym:
+            if self._written is not None and name not in self._written:
+                continue                            # nothing writes it: the caller's tensor holds it already
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(t.data_ptr(), self._symmetric[name].data_ptr(), n, origin),
                     f"cuMemcpyAsync(symmetric buffer '{name}' back into the argument)")
@@ -418,6 +421,30 @@ def _capturing() -> bool:
 
 def _name(kernel) -> str:
     return getattr(kernel, "name", type(kernel).__name__)
+
+
+def written_buffers(ir: core.Kernel) -> set[str] | None:
+    """The tensors some op of ``ir`` writes (a store, the destination of a data movement) on
+    any rank; None where an op touches memory in a way not known here (then every symmetric
+    argument is copied back)."""
+    from ...ir.opdefs import DATA_OPS, OPS, data_operands
+    out: set[str] = set()
+    for part in ir.parts:
+        for op in part.walk():
+            d = OPS.get(op.name)
+            if d is None:
+                return None
+            if not d.touches_memory or op.name in ("load", "load_rows", "load_scalar"):
+                continue
+            if op.name == "store":
+                out.add(op.operands[0].owner.name)
+            elif op.name in DATA_OPS:
+                dst = data_operands(op)[3]
+                if dst is not None:
+                    out.add(dst.owner.name)
+            else:
+                return None
+    return out
 
 
 def _specs_in_order(names: list[str], specs) -> tuple:

@@ -11,6 +11,10 @@ consumed, and the kernel's ABI.
 * **Slots** are reused by liveness: a slot is live from the statement that writes it to the last
   statement that reads it (to the end of the outermost loop that reads it without defining it).
   Offsets are first-fit in order of definition; the arena must fit in 227 KB.
+* **Task groups** (:func:`task_groups`): a part whose tasks never wait for each other and have
+  no dot runs several tasks per CTA, each on its own group of threads with its own copy of the
+  arena — the runtime launches one CTA per SM, and one task's tile at a time leaves an SM's
+  memory pipeline mostly idle.
 """
 from __future__ import annotations
 
@@ -28,6 +32,13 @@ from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
 
 DEFAULT_THREADS = 128
+#: threads of a task group where a CTA runs several tasks at once (unless ``threads`` is given):
+#: small groups, many tasks in flight on an SM
+GROUP_THREADS = 64
+#: the most threads one CTA runs (its groups together): 128 registers a thread
+MAX_CTA_THREADS = 512
+#: the most task groups one CTA holds (named barriers 1..8)
+MAX_GROUPS = 8
 #: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
 SMEM_LIMIT = 227 * 1024
 ALIGN = 16
@@ -74,6 +85,8 @@ class GeneralPlan:
     params: tuple[KernelParam, ...]
     signals: tuple[str, ...]
     options: tuple[str, ...]      # NVRTC options
+    groups: int = 1               # task groups per CTA (each ``threads`` threads, its own arena and barrier)
+    arena_bytes: int = 0          # one group's shared memory (smem_bytes = groups * arena_bytes)
     notes: tuple[str, ...] = field(default=())
 
     def materialised(self, v: core.Value) -> bool:
@@ -127,7 +140,12 @@ def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int
         if op.name in COORDINATE_OPS:
             fused.add(v.id)
         elif op.name in ELEMENT_OPS:
-            same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in users)
+            # read (through coordinate ops, which are recomputed wherever they are read) only in
+            # the iteration that computes it: a value read in a loop it is not in is stored once
+            # rather than computed again for every element of every iteration (unless storing
+            # does not fit: ``recompute``)
+            readers = users if recompute else _through_coordinates(prog, users)
+            same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in readers)
             if not users or (same_iteration and (len(users) == 1 or recompute)):
                 fused.add(v.id)         # read in the same iteration: computed there (unused: never)
     # a fragment read in place while no write of the fragment can change what it reads
@@ -136,6 +154,17 @@ def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int
             views[op.result.id] = op.operands[0].id
             fused.add(op.result.id)
     return fused, views
+
+
+def _through_coordinates(prog: _Program, users: list) -> list:
+    """``users``, each coordinate op among them replaced by the ops that read its value."""
+    out = []
+    for u in users:
+        if u.name in COORDINATE_OPS and u.results:
+            out += _through_coordinates(prog, prog.users.get(u.result.id, []))
+        else:
+            out.append(u)
+    return out
 
 
 def _consumers(prog: _Program, v: core.Value, fused: set[int], pointwise: bool = True):
@@ -362,11 +391,14 @@ def _layout(prog: _Program, part: core.Part, recompute: bool):
     return views, epilogues, frozenset(id(t) for t in epilogues.values()), slots, top
 
 
-def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int = DEFAULT_THREADS,
+def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
                  wait_timeout_ns: int | None = None, entry: str | None = None) -> GeneralPlan:
-    """Options: ``threads`` per CTA (a multiple of 32 from 32 to 1024: every warp runs tensor-core
-    tiles of a dot), ``wait_timeout_ns`` (a debug build whose waits trap after that long),
-    ``entry`` (the kernel's name)."""
+    """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
+    tiles of a dot; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
+    several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
+    trap after that long), ``entry`` (the kernel's name)."""
+    if threads is None:
+        threads = GROUP_THREADS if task_groups(part, m, GROUP_THREADS, 0) > 1 else DEFAULT_THREADS
     if not (isinstance(threads, int) and not isinstance(threads, bool) and 32 <= threads <= 1024
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
@@ -382,5 +414,25 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
         sched = kernel.comm_schedule
         decode = tuple(task_decode(tuple(part.grid), sched.order if sched is not None else "ring"))
         lanes = int(part.lanes or (sched.lanes if sched is not None else 1))
+    groups = task_groups(part, m, threads, top)
+    arena = (top + 127) // 128 * 128 if groups > 1 else top
     return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, epilogues,
-                       absorbed, top, decode, lanes, params, signals, tuple(wait_timeout_options(wait_timeout_ns)))
+                       absorbed, groups * arena, decode, lanes, params, signals,
+                       tuple(wait_timeout_options(wait_timeout_ns)), groups, arena)
+
+
+def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:
+    """How many tasks one CTA runs at once, each on its own group of ``threads`` threads with its
+    own shared-memory arena and named barrier: the SM's latency hiding for memory-bound parts
+    (a CTA per SM, as the runtime launches them, keeps only one tile in flight otherwise). Only
+    parts whose tasks are independent of each other's timing and of the CTA's shape take it: no
+    waits, notifies, data primitives (their protocols run per CTA) or dots (warp tiles over the
+    CTA, and the registers a thread of a 1024-thread CTA lacks)."""
+    if part.role != "compute" or m.dots or m.waits or m.notifies:
+        return 1
+    if any(op.name in DATA_OPS for op in part.walk()):
+        return 1
+    g = min(MAX_GROUPS, MAX_CTA_THREADS // threads, math.prod(part.grid))
+    if arena:
+        g = min(g, SMEM_LIMIT // ((arena + 127) // 128 * 128))
+    return max(1, g)

@@ -5,12 +5,18 @@ specialised recipe matches; recipe ``general_comm`` is the same for communicatio
 every op's C++: :mod:`..rules.tile_ops` (one table), index code :mod:`..rules.scalars`, waits
 and notifies :mod:`..rules.primitives`.
 
-* One task (program instance) per CTA at a time: CTA ``b`` runs tasks ``b, b + gridDim.x, ...``
-  in row-major order of the part's grid; every thread runs the index code.
-* Tiles the plan stores live in one dynamic shared-memory arena (``smem_bytes``; slots reused
-  by liveness); the rest are computed element by element where consumed. Every statement is a
-  loop of the CTA's threads over its output elements followed by ``__syncthreads()``; ``dot``
-  runs on tensor cores (``mma.sync``: f16 / bf16 exact, f32 as TF32; fp32 accumulation).
+* Tasks (program instances) run on task groups: a CTA is one group of ``threads`` threads, or
+  — for a part with no dot, wait, notify or data primitive — several (``groups``, see
+  :func:`..plan.general.task_groups`), each with its own shared-memory arena and named barrier,
+  so an SM keeps several tiles in flight. Group ``g`` of CTA ``b`` runs tasks ``b + g *
+  gridDim.x``, then every ``groups * gridDim.x``, in row-major order of the part's grid; every
+  thread of a group runs the index code.
+* Tiles the plan stores live in the group's shared-memory arena (slots reused by liveness); the
+  rest are computed element by element where consumed. Every statement is a loop of the group's
+  threads over its output elements followed by the group's barrier: loads and stores move
+  16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
+  by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
+  on tensor cores (``mma.sync``: f16 / bf16 exact, f32 as TF32; fp32 accumulation).
 * Waits: thread 0 spins (acquire at the wait's scope), then a CTA barrier; notifies: a CTA
   barrier, then thread 0 fences and adds (release at the notify's scope).
 
@@ -18,8 +24,8 @@ Kernel parameters (:attr:`LoweredGeneral.params`, in order; ``KernelParam.source
 runtime passes): ``buf_<name>`` (``buffer:<name>``, const when only read) per tensor the part
 loads or stores; ``sig_<name>`` (``signal:<name>``) and ``sig_<name>_peers``
 (``peer_signals:<name>``) per signal; ``tbl_<name>`` per ``load_scalar`` table; ``rank``;
-``launch``. Launch: grid ``(min(tasks, sm_count), 1, 1)``, block ``(threads, 1, 1)``,
-``smem_bytes`` of dynamic shared memory (above 48 KB the launcher raises the kernel's
+``launch``. Launch: grid ``(min(tasks, sm_count), 1, 1)``, block ``(groups * threads, 1, 1)``,
+``smem_bytes`` (every group's arena) of dynamic shared memory (above 48 KB the launcher raises the kernel's
 ``cudaFuncAttributeMaxDynamicSharedMemorySize``).
 """
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ...ir import core
 from ..abi import KernelParam, LoweredKernel, marker
 from ..ir_queries import only_part
 from ..match.general import WHAT, match_general, match_general_comm
-from ..plan.general import DEFAULT_THREADS, GeneralPlan, plan_general
+from ..plan.general import GeneralPlan, plan_general
 from ..rules.tile_ops import TileEmitter
 from .recipe import Recipe
 
@@ -54,6 +60,11 @@ class LoweredGeneral(LoweredKernel):
     slots: tuple[str, ...]             # the stored tiles, described
     options: tuple[str, ...] = ()
     lanes: int | None = None           # a communication part: its CTAs (the schedule's lanes)
+    groups: int = 1                    # tasks a CTA runs at once, on groups of ``threads`` threads
+
+    @property
+    def cta_threads(self) -> int:
+        return self.threads * self.groups
 
     @property
     def num_tasks(self) -> int:
@@ -61,21 +72,22 @@ class LoweredGeneral(LoweredKernel):
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return (self.threads, 1, 1)
+        return (self.cta_threads, 1, 1)
 
     @property
     def smem_bytes(self) -> int:
         return self.shared_bytes
 
     def grid(self, sm_count: int) -> tuple[int, int, int]:
-        """At most one CTA per SM and per task; a communication part: its lanes (as the SM
+        """At most one CTA per SM and per task (a CTA's groups take tasks b, b + gridDim.x, ...:
+        every SM busy before any holds two tasks); a communication part: its lanes (as the SM
         communication kernels)."""
         return (max(1, min(self.num_tasks, sm_count if self.lanes is None else self.lanes)), 1, 1)
 
     def describe(self) -> str:
         return "\n".join([f"{self.entry}: {self.kernel_name}.{self.part}  general lowering",
-                          f"  tasks {'x'.join(map(str, self.grid_shape))} = {self.num_tasks}, CTAs of {self.threads} "
-                          f"threads, {self.shared_bytes} B of shared memory; {self.dots} dot(s), {self.waits} "
+                          f"  tasks {'x'.join(map(str, self.grid_shape))} = {self.num_tasks}, CTAs of {self.groups} "
+                          f"group(s) of {self.threads} threads, {self.shared_bytes} B of shared memory; {self.dots} dot(s), {self.waits} "
                           f"wait(s), {self.notifies} notify(s) on {list(self.signals)}",
                           *(f"  {s}" for s in self.slots),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
@@ -90,18 +102,32 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     order = "row-major" if plan.lanes is None else f"the communication schedule's order, {plan.lanes} lane(s)"
     L = [f"// Generated by tldsl.codegen, recipe general — do not edit. Kernel '{kernel.name}', {p.role} part "
          f"'{p.name}' ({p.loc}).",
-         f"// tasks: grid {tuple(p.grid)} = {ntasks}, {order}; CTA b runs tasks b, b + gridDim.x, ...; "
-         f"{plan.threads} threads, {plan.smem_bytes} B of dynamic shared memory",
+         f"// tasks: grid {tuple(p.grid)} = {ntasks}, {order}; group g of CTA b runs tasks b + g * gridDim.x, then "
+         f"every {plan.groups} * gridDim.x; "
+         f"{plan.groups} group(s) of {plan.threads} threads (a task each at a time), {plan.smem_bytes} B of dynamic "
+         "shared memory",
          '#include "tldsl/general.hpp"',
          "",
-         f'extern "C" __global__ void __launch_bounds__({plan.threads})',
+         f'extern "C" __global__ void __launch_bounds__({plan.threads * plan.groups})',
          f"{plan.entry}(",
          "    " + ",\n    ".join(f"{q.ctype} {q.name}" for q in plan.params) + ") {",
          "  (void)rank; (void)launch;",
          "  TLDSL_DYNAMIC_SMEM(tldsl_smem);",
          "  (void)tldsl_smem;",
+         "#if defined(TLDSL_HOST_EMULATION)",
+         "  constexpr int kGroups = 1;",
+         "#else",
+         f"  constexpr int kGroups = {plan.groups};",
+         "#endif",
+         "  // the task group of this thread: its threads, its index among them, its shared memory",
+         "  const int gthreads = (int)blockDim.x / kGroups;",
+         "  const int grp = (int)threadIdx.x / gthreads;",
+         "  const int tid = (int)threadIdx.x - grp * gthreads;",
+         f"  unsigned char* const tldsl_arena = static_cast<unsigned char*>(__builtin_assume_aligned(tldsl_smem + grp * {plan.arena_bytes}, 16));",
+         "  (void)tid; (void)tldsl_arena;",
          *em.slot_declarations("  "),
-         f"  for (int task = (int)blockIdx.x; task < {ntasks}; task += (int)gridDim.x) {{{marker(p.loc)}"]
+         f"  for (int task = (int)blockIdx.x + grp * (int)gridDim.x; task < {ntasks}; task += (int)gridDim.x * kGroups) "
+         f"{{{marker(p.loc)}"]
     for axis, div, mod in plan.decode:
         e = "task" if div == 1 else f"task / {div}"
         if mod is not None:
@@ -114,7 +140,8 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
                   f"{', ' + s.op.loc.short() if s.op.loc else ''}), live {s.start}..{s.end}"
                   for s in sorted(plan.slots.values(), key=lambda s: (s.offset, s.start)))
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
-                          tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes)
+                          tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
+                          plan.groups)
 
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,
@@ -126,7 +153,7 @@ RECIPE_COMM = Recipe("general_comm", "comm", 0, match_general_comm, plan_general
                      summary="any communication part on SMs, as the general lowering")
 
 
-def lower_general(kernel: core.Kernel, part: str | core.Part | None = None, *, threads: int = DEFAULT_THREADS,
+def lower_general(kernel: core.Kernel, part: str | core.Part | None = None, *, threads: int | None = None,
                   wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGeneral:
     """Lower a compute part (the only one, or the one named) with the general recipe, whatever
     recipe the pipeline would choose: its match → plan → render. Options:

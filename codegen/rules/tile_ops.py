@@ -40,6 +40,16 @@ MMA_KIND = {"f16": "tldsl::gen::MmaKind::kF16", "bf16": "tldsl::gen::MmaKind::kB
             "f32": "tldsl::gen::MmaKind::kTF32"}
 
 
+#: the barrier of a task group (the CTA when it runs one): after every statement
+BARRIER = "tldsl::gen::group_sync<kGroups>(grp, gthreads);"
+#: 16-byte chunks of a tile's rows a thread of a load keeps in flight at once
+LOAD_BATCH = 4
+#: elements one thread of an element loop takes per iteration (thread t of the group: elements
+#: t, t + threads, ...: neighbouring threads on neighbouring elements, so shared memory is read
+#: without bank conflicts, and independent work to overlap)
+ELEMENT_RUN = 4
+
+
 def value_ctype(dtype: T.DType) -> str:
     """The C++ type tile math holds an element of ``dtype`` in (16-bit floats: float)."""
     return "float" if dtype.is_float else scalar_ctype(dtype)
@@ -217,6 +227,8 @@ def _load_statement(em, op, ind, lines):
     lead = len(box) - len(shape)
     slot = em.slot(op.result)
     st = storage_ctype(buf.type.dtype)
+    if shape and len(box) == len(buf.type.shape) and elem_bytes(buf.type.dtype) in (2, 4):
+        return _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines)
 
     def body(coords, el):
         g = [offs[a] if a < lead else f"{offs[a]} + {coords[a - lead]}" for a in range(len(box))]
@@ -224,6 +236,88 @@ def _load_statement(em, op, ind, lines):
         return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {buffer_param(buf)}[{flat}] : "
                 f"tldsl::gen::put<{st}>(0);"]
     em.element_loop(op, shape, body, ind, lines, f"load {buf.name} -> {slot}")
+
+
+def _vec_ok(buf, base: str, col: str, V: int) -> str:
+    """Whether an in-bounds chunk of V elements of ``buf`` starting at column ``col`` (plus a
+    multiple of V) is 16-byte aligned: the tensor's pointer, its row pitch and the column."""
+    if len(buf.type.shape) > 1 and buf.type.shape[-1] % V:
+        return "false"
+    return f"((reinterpret_cast<unsigned long long>({base}) & 15ull) == 0ull && (({col}) % {V}) == 0)"
+
+
+def _chunk_coords(el: Elements, e: str, shape, V: int) -> tuple[list[str], str]:
+    """(tile coordinates of chunk ``e``'s first element — its rows' and its column —, the chunk's
+    offset in the tile's row-major order): a tile's rows cut into chunks of V elements."""
+    n = shape[-1]
+    nch = -(-n // V)
+    coords = []
+    for a, s_ in enumerate(shape[:-1]):
+        inner = math.prod(shape[a + 1:-1]) * nch
+        x = f"{e} / {inner}"
+        if a > 0:
+            x = f"({x}) % {s_}"
+        coords.append(el.var("int", x))
+    col = el.var("int", f"({e} % {nch}) * {V}" if nch > 1 else "0")
+    flat = el.var("int", f"({e} / {nch}) * {n} + {col}" if len(shape) > 1 else col)
+    return coords + [col], flat
+
+
+def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
+    """A tile load as 16-byte chunks of its rows: each thread loads LOAD_BATCH chunks into
+    registers (vector loads where a chunk lies inside the tensor and is aligned, element by
+    element at the edges, zeros outside), then writes them to the tile's slot."""
+    V = 16 // elem_bytes(buf.type.dtype)
+    n = shape[-1]
+    nc = math.prod(shape[:-1]) * -(-n // V)
+    dims = buf.type.shape
+    base = buffer_param(buf)
+    k = em.fresh()
+    ch, e0, b, vec = f"ch{k}", f"e{k}", f"b{k}", f"vec{k}"
+    i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
+
+    def chunk(e):
+        el = Elements(em, op)
+        coords, flat = _chunk_coords(el, e, shape, V)
+        g = [offs[a] if a < lead else f"{offs[a]} + {coords[a - lead]}" for a in range(len(dims))]
+        return el, coords, flat, g
+    lines.append(f"{ind}{{  // load {buf.name} -> {slot}, 16-byte chunks of its rows{marker(op.loc)}")
+    lines.append(f"{i1}const bool {vec} = {_vec_ok(buf, base, offs[-1], V)};")
+    lines.append(f"{i1}(void){vec};")
+    lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LOAD_BATCH} * gthreads) {{")
+    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LOAD_BATCH}];")
+    lines.append(f"{i2}#pragma unroll")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
+    e = f"e{k}x"
+    el, coords, flat, g = chunk(e)
+    lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
+    lines.append(f"{i3}if ({e} < {nc}) {{")
+    if len(dims) > 1:
+        row, col, ncols = _row(el, base, dims, g, st, False)
+    else:
+        row, col, ncols = base, g[-1], dims[-1]
+    lines += [f"{i3}  {ln}" for ln in el.lines]
+    lines.append(f"{i3}  " + primitives.tile_pull_data(st, row, col, ncols, chunk=f"{ch}[{b}]", vec=str(V),
+                                                     left=f"{n} - {coords[-1]}", vec_ok=vec))
+    lines.append(f"{i3}}}")
+    lines.append(f"{i2}}}")
+    lines.append(f"{i2}#pragma unroll")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
+    el, coords, flat, g = chunk(e)
+    lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
+    lines.append(f"{i3}if ({e} < {nc}) {{")
+    lines += [f"{i3}  {ln}" for ln in el.lines]
+    if n % V == 0:
+        lines.append(f"{i3}  tldsl::comm::st_vec<{st}, {V}>({slot} + {flat}, {ch}[{b}]);")
+    else:
+        lines.append(f"{i3}  #pragma unroll")
+        lines.append(f"{i3}  for (int v = 0; v < {V}; ++v)")
+        lines.append(f"{i3}    if ({coords[-1]} + v < {n}) {slot}[{flat} + v] = {ch}[{b}].get(v);")
+    lines.append(f"{i3}}}")
+    lines.append(f"{i2}}}")
+    lines.append(f"{i1}}}")
+    lines.append(f"{ind}}}")
+    lines.append(f"{ind}{BARRIER}")
 
 
 def _load_rows_statement(em, op, ind, lines):
@@ -250,6 +344,8 @@ def _store_statement(em, op, ind, lines):
     offs = [em.name(o, op) for o in offs_v]
     shape = tuple(tile.type.shape)
     st = storage_ctype(t.type.dtype)
+    if shape and len(shape) == len(offs) == len(t.type.shape) and elem_bytes(t.type.dtype) in (2, 4):
+        return _chunked_store(em, op, t, offs, tile, shape, st, ind, lines)
 
     def body(coords, el):
         x = em.value(tile, coords, el)
@@ -259,35 +355,110 @@ def _store_statement(em, op, ind, lines):
     em.element_loop(op, shape, body, ind, lines, f"store -> {t.name}")
 
 
+def _chunked_store(em, op, t, offs, tile, shape, st, ind, lines):
+    """A tile store as 16-byte chunks of its rows: each thread computes a chunk's elements, then
+    stores it as one vector where it lies inside the tensor and is aligned (element by element
+    at the edges, nothing outside)."""
+    V = 16 // elem_bytes(t.type.dtype)
+    n = shape[-1]
+    nc = math.prod(shape[:-1]) * -(-n // V)
+    dims = t.type.shape
+    base = buffer_param(t)
+    k = em.fresh()
+    ch, e, v, vec = f"ch{k}", f"e{k}", f"v{k}", f"vec{k}"
+    i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
+    el = Elements(em, op)
+    coords, _ = _chunk_coords(el, e, shape, V)
+    g = [f"{o} + {c}" for o, c in zip(offs, coords)]
+    if len(dims) > 1:
+        row, col, ncols = _row(el, base, dims, g, st, True)
+    else:
+        row, col, ncols = base, g[-1], dims[-1]
+    inner = Elements(em, op)
+    x = em.value(tile, coords[:-1] + [f"({coords[-1]} + {v})"], inner)
+    lines.append(f"{ind}{{  // store -> {t.name}, 16-byte chunks of the tile's rows{marker(op.loc)}")
+    lines.append(f"{i1}const bool {vec} = {_vec_ok(t, base, offs[-1], V)};")
+    lines.append(f"{i1}(void){vec};")
+    lines.append(f"{i1}for (int {e} = tid; {e} < {nc}; {e} += gthreads) {{")
+    lines += [f"{i2}{ln}" for ln in el.lines]
+    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch} = {{}};")
+    lines.append(f"{i2}#pragma unroll")
+    lines.append(f"{i2}for (int {v} = 0; {v} < {V}; ++{v}) {{")
+    guard = n % V != 0
+    if guard:
+        lines.append(f"{i3}if ({coords[-1]} + {v} < {n}) {{")
+    j = i3 + ("  " if guard else "")
+    lines += [f"{j}{ln}" for ln in inner.lines]
+    lines.append(f"{j}{ch}.set({v}, tldsl::gen::put<{st}>({x}));")
+    if guard:
+        lines.append(f"{i3}}}")
+    lines.append(f"{i2}}}")
+    full = (1 << V) - 1
+    lines.append(f"{i2}" + primitives.tile_push_data(st, row, col, ncols, ch, f"{full}u", vec=str(V),
+                                                    left=f"{n} - {coords[-1]}", vec_ok=vec))
+    lines.append(f"{i1}}}")
+    lines.append(f"{ind}}}")
+    lines.append(f"{ind}{BARRIER}")
+
+
 _REDUCE = {"sum": "tldsl::gen::add({0}, {1})", "max": "tldsl::gen::max_({0}, {1})",
            "min": "tldsl::gen::min_({0}, {1})"}
 _REDUCE_BOOL = {"sum": "({0} || {1})", "max": "({0} || {1})", "min": "({0} && {1})"}
 
 
 def _reduce_statement(em, op, ind, lines):
+    """Each output element reduced by L consecutive lanes of a warp (L a power of two up to 32,
+    at most the reduced length): lane l combines elements l, l + L, ..., then the lanes combine
+    their partial values through warp shuffles. Every thread of the group runs the same
+    iterations (an out-of-range lane reduces the last output again and writes nothing), so the
+    whole warp is there for each shuffle."""
     x = op.operands[0]
     axis, kind = op.attrs["axis"], op.attrs["op"]
     n = x.type.shape[axis]
     shape = tuple(op.result.type.shape)
+    nout = math.prod(shape)
     slot = em.slot(op.result)
     dt = op.result.type.dtype
     ct = value_ctype(dt)
     comb = (_REDUCE_BOOL if dt.kind == "bool" else _REDUCE)[kind]
+    L = 1
+    while L * 2 <= min(32, n):
+        L *= 2
 
     def element_at(r, coords):
         el = Elements(em, op)           # its own lines: they run inside the reduction's loop
         v = em.value(x, coords[:axis] + [r] + coords[axis:], el)
         return el.lines, v
 
-    def body(coords, el):
-        acc, r = f"acc{em.fresh()}", f"r{em.fresh()}"
-        first, v0 = element_at("0", coords)
-        rest, v = element_at(r, coords)
-        return [f"{ct} {acc};", "{", *[f"  {ln}" for ln in first], f"  {acc} = {v0};", "}",
-                f"for (int {r} = 1; {r} < {n}; ++{r}) {{", *[f"  {ln}" for ln in rest],
-                f"  {acc} = {comb.format(acc, v)};", "}",
-                f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{storage_ctype(dt)}>({acc});"]
-    em.element_loop(op, shape, body, ind, lines, f"{kind} over axis {axis} -> {slot}")
+    k = em.fresh()
+    kl, e0, e, o, lane, acc, r, off = (f"kL{k}", f"e{k}", f"e{k}x", f"o{k}", f"l{k}", f"acc{k}", f"r{k}", f"s{k}")
+    coords = [f"c{k}x{a}" for a in range(len(shape))]
+    first, v0 = element_at(lane, coords)
+    rest, v = element_at(r, coords)
+    i1, i2 = ind + "  ", ind + "    "
+    L_ = [f"{ind}{{  // {kind} over axis {axis} -> {slot}, {L} lanes an output{marker(op.loc)}",
+          f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES({L});",
+          f"{i1}for (int {e0} = 0; {e0} < {nout} * {kl}; {e0} += gthreads) {{",
+          f"{i2}const int {e} = {e0} + tid;",
+          f"{i2}const int {lane} = {e} % {kl};",
+          f"{i2}const int {o} = {e} / {kl} < {nout} ? {e} / {kl} : {nout - 1};"]
+    for a, s_ in enumerate(shape):
+        inner = math.prod(shape[a + 1:])
+        xx = o if inner == 1 else f"{o} / {inner}"
+        if a > 0:
+            xx = f"({xx}) % {s_}"
+        L_.append(f"{i2}const int {coords[a]} = {xx};")
+    L_ += [f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
+           f"{i2}#pragma unroll 4",
+           f"{i2}for (int {r} = {lane} + {kl}; {r} < {n}; {r} += {kl}) {{", *[f"{i2}  {ln}" for ln in rest],
+           f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
+           f"{i2}for (int {off} = {kl} / 2; {off} > 0; {off} >>= 1) {{",
+           f"{i2}  const {ct} {acc}o = tldsl::gen::shfl_xor({acc}, {off});",
+           f"{i2}  {acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
+           f"{i2}if ({e} < {nout} * {kl} && {lane} == 0) {slot}[{flat_index(coords, shape)}] = "
+           f"tldsl::gen::put<{storage_ctype(dt)}>({acc});",
+           f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
+    lines += L_
 
 
 def _dot_statement(em, op, ind, lines):
@@ -323,7 +494,7 @@ def _dot_statement(em, op, ind, lines):
     lines += [f"{i1}      {ln}" for ln in store]
     lines.append(f"{i1}    }});")
     lines.append(f"{ind}}}")
-    lines.append(f"{ind}__syncthreads();")
+    lines.append(f"{ind}{BARRIER}")
 
 
 def _frag_alloc_statement(em, op, ind, lines):
@@ -536,27 +707,41 @@ class TileEmitter(SignalEmitter):
         return out
 
     def element_loop(self, op: core.Op, shape, body, ind: str, lines: list[str], what: str) -> None:
-        """A loop of the CTA's threads over the elements of ``shape``: ``body(coords, elements)``
-        gives the statement's last lines; a CTA barrier follows."""
+        """A loop of the group's threads over the elements of ``shape``: ``body(coords, elements)``
+        gives the statement's last lines; the group's barrier follows. A thread takes
+        :data:`ELEMENT_RUN` elements an iteration (unrolled) where the tile is not tiny."""
         n = math.prod(shape)
         k = self.fresh()
         e = f"e{k}"
         coords = [f"c{k}x{a}" for a in range(len(shape))]
         el = Elements(self, op)
         tail = body(coords, el)
-        i1, i2 = ind + "  ", ind + "    "
+        U = ELEMENT_RUN if n >= 32 * ELEMENT_RUN else 1
+        i1 = ind + "  "
         lines.append(f"{ind}{{  // {what}{marker(op.loc)}")
-        lines.append(f"{i1}for (int {e} = (int)threadIdx.x; {e} < {n}; {e} += (int)blockDim.x) {{")
-        for a, s in enumerate(shape):
+        if U > 1:
+            i2 = ind + "        "
+            lines.append(f"{i1}for (int {e}b = tid; {e}b < {n}; {e}b += {U} * gthreads) {{")
+            lines.append(f"{i1}  #pragma unroll")
+            lines.append(f"{i1}  for (int u{k} = 0; u{k} < {U}; ++u{k}) {{")
+            lines.append(f"{i1}    const int {e} = {e}b + u{k} * gthreads;")
+            lines.append(f"{i1}    if ({e} < {n}) {{")
+        else:
+            i2 = ind + "    "
+            lines.append(f"{i1}for (int {e} = tid; {e} < {n}; {e} += gthreads) {{")
+        for a, s_ in enumerate(shape):
             inner = math.prod(shape[a + 1:])
             x = e if inner == 1 else f"{e} / {inner}"
             if a > 0:
-                x = f"({x}) % {s}"
+                x = f"({x}) % {s_}"
             lines.append(f"{i2}const int {coords[a]} = {x};")
         lines += [f"{i2}{ln}" for ln in el.lines + tail]
+        if U > 1:
+            lines.append(f"{i1}    }}")
+            lines.append(f"{i1}  }}")
         lines.append(f"{i1}}}")
         lines.append(f"{ind}}}")
-        lines.append(f"{ind}__syncthreads();")
+        lines.append(f"{ind}{BARRIER}")
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         rule = RULES.get(op.name)
@@ -569,6 +754,6 @@ class TileEmitter(SignalEmitter):
         out = []
         for vid, s in sorted(self.plan.slots.items(), key=lambda kv: (kv[1].offset, kv[0])):
             st = storage_ctype(s.dtype)
-            out.append(f"{ind}{st}* const {self.slot(s.value)} = reinterpret_cast<{st}*>(tldsl_smem + {s.offset});"
+            out.append(f"{ind}{st}* const {self.slot(s.value)} = static_cast<{st}*>(__builtin_assume_aligned(tldsl_arena + {s.offset}, 16));"
                        f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{marker(s.op.loc)}")
         return out

@@ -1,11 +1,13 @@
 // tldsl: device side of the general lowering (codegen/recipes/general.py): any compute part.
 //
-// One task (program instance) runs on one CTA; CTA b runs tasks b, b + gridDim.x, ... Every
-// thread evaluates the part's index code. A tile the plan materialises lives in shared memory
-// (one arena, offsets chosen by the planner); every other tile value is an expression computed
-// element by element where a statement consumes it. A statement (load, store, reduction, dot,
-// fragment write, ...) is a loop of the CTA's threads over its output elements, followed by a
-// CTA barrier.
+// One task (program instance) runs on one task group: the whole CTA, or (a part without dots,
+// waits, notifies or data primitives) one of kGroups groups of the CTA, each with its own arena
+// and named barrier. Every thread of a group evaluates the part's index code. A tile the plan
+// materialises lives in the group's shared memory (offsets chosen by the planner); every other
+// tile value is an expression computed element by element where a statement consumes it. A
+// statement (load, store, reduction, dot, fragment write, ...) is a loop of the group's threads
+// over its output elements (16-byte chunks of rows for loads and stores, warp-shuffle lanes for
+// reductions), followed by the group's barrier.
 //
 // The element math reproduces the simulator's numpy rules: 16-bit floats compute in float and
 // round at every op, float arithmetic is explicitly rounded (never contracted into an FMA),
@@ -223,6 +225,51 @@ template <class T>
 TLDSL_DEV T recip(T x) {
   return div(T(1), x);
 }
+
+// -- task groups and cooperative reductions ----------------------------------------------------
+
+// The barrier of one task group: the whole CTA when it runs one group, else named barrier
+// 1 + group over the group's threads (a multiple of 32). Under TLDSL_HOST_EMULATION a kernel
+// always runs one group (kGroups is 1 there).
+template <int Groups>
+TLDSL_DEV void group_sync(int group, int threads) {
+  if constexpr (Groups == 1) {
+    (void)group;
+    (void)threads;
+    __syncthreads();
+  } else {
+#if !defined(TLDSL_HOST_EMULATION)
+    asm volatile("bar.sync %0, %1;" : : "r"(group + 1), "r"(threads) : "memory");
+#endif
+  }
+}
+
+// Lanes that reduce one output together (a power of two up to 32, consecutive lanes of a warp);
+// one under TLDSL_HOST_EMULATION, where threads are not warps.
+#if defined(TLDSL_HOST_EMULATION)
+#define TLDSL_REDUCE_LANES(n) 1
+#else
+#define TLDSL_REDUCE_LANES(n) (n)
+#endif
+
+// The value of lane (this lane ^ offset) of the warp (every lane of the warp calls it).
+TLDSL_DEV float shfl_xor(float v, int offset) {
+#if defined(TLDSL_HOST_EMULATION)
+  (void)offset;
+  return v;
+#else
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+#endif
+}
+TLDSL_DEV int shfl_xor(int v, int offset) {
+#if defined(TLDSL_HOST_EMULATION)
+  (void)offset;
+  return v;
+#else
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+#endif
+}
+TLDSL_DEV bool shfl_xor(bool v, int offset) { return shfl_xor(int(v), offset) != 0; }
 
 // -- dot on tensor cores ----------------------------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""The general lowering's memory-bound code (issue 18 item 5), checked without a GPU: the
+benchmark's plain tile programs lower to kernels that run several tasks per CTA, move global
+memory in 16-byte vectors, reduce rows with warp shuffles and spill nothing (their speed on an
+H200 is in BENCHMARKS.md, "2026-12-01 (thirteenth session) — general path, memory-bound")."""
+from __future__ import annotations
+
+import pytest
+
+import tldsl as tl
+from tldsl.bench import general_programs as gp
+from tldsl.codegen import lower
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.recipes.general import LoweredGeneral
+
+S = tl.TensorSpec
+BIG, ROW = S((16384, 8192), tl.float16), S((1, 8192), tl.float16)
+FLAT, ROWS = tl.ComputeSchedule(tile=(32, 256, 16)), tl.ComputeSchedule(tile=(16, 256, 16))
+
+
+def _memory_bound():
+    """The benchmark's four programs at its shapes and schedules (tldsl/bench/general.py)."""
+    return [gp.scale_shift.trace(1, BIG, BIG, compute=FLAT), gp.row_softmax.trace(1, BIG, BIG, compute=ROWS),
+            gp.rms_norm.trace(1, BIG, ROW, BIG, compute=ROWS),
+            gp.add_rms_norm.trace(1, BIG, BIG, ROW, BIG, BIG, compute=ROWS)]
+
+
+def test_memory_bound_parts_run_several_tasks_per_cta():
+    """A CTA of the runtime's one-per-SM grid holds several tasks (groups with their own barrier
+    and arena), every SM gets a task before any gets two, and a part with a dot keeps one task
+    per CTA (its warp tiles span the CTA)."""
+    for ir in _memory_bound():
+        lk = lower(ir, "part")
+        assert isinstance(lk, LoweredGeneral) and lk.groups >= 4, lk.describe()
+        assert lk.block[0] == lk.groups * lk.threads <= 512
+        assert lk.smem_bytes <= 227 * 1024
+        assert lk.grid(132) == (min(lk.num_tasks, 132), 1, 1)
+        assert "bar.sync" not in lk.source and "group_sync<kGroups>" in lk.source
+        assert "task = (int)blockIdx.x + grp * (int)gridDim.x" in lk.source
+    M, N, K = 256, 256, 128
+    gemm = gp.gated_gemm.trace(1, S((M, K), tl.float16), S((K, N), tl.float16), S((1, N), tl.float16),
+                               S((K, N), tl.float16), S((M, N), tl.float16), compute=tl.ComputeSchedule(tile=(64, 64, 32)))
+    lk = lower(gemm, "part")
+    assert lk.groups == 1 and lk.block == (lk.threads, 1, 1) and lk.threads == 128
+
+
+def test_an_explicit_thread_count_is_the_groups():
+    lk = lower(gp.scale_shift.trace(1, BIG, BIG, compute=FLAT), "part", threads=256)
+    assert lk.threads == 256 and lk.groups == 2 and lk.block == (512, 1, 1)
+
+
+def test_loads_stores_and_reductions_are_vectorised_in_the_source():
+    """Loads and stores move 16-byte chunks of a tile's rows (element by element only at the
+    tensor's edges, checked per chunk); a row reduction gives each row 32 lanes of a warp; a
+    row-invariant value (rms_norm's 1 / sqrt(mean + eps)) is computed once per row block."""
+    src = {ir.name: lower(ir, "part").source for ir in _memory_bound()}
+    for name, s in src.items():
+        assert "tldsl::comm::load_chunk<tldsl::comm::f16, 8>" in s, name
+        assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
+    for name in ("row_softmax", "rms_norm", "add_rms_norm"):
+        assert "TLDSL_REDUCE_LANES(32)" in src[name] and "shfl_xor" in src[name], name
+    rsqrt = [ln for ln in src["rms_norm"].splitlines() if "tldsl::gen::rsqrt" in ln]
+    assert len(rsqrt) == 1
+    loop2 = src["rms_norm"].rindex("for (int i_")
+    assert src["rms_norm"].index("tldsl::gen::rsqrt") < loop2      # before the second column loop
+
+
+@pytest.mark.nvrtc
+def test_sass_has_128_bit_global_accesses_shuffles_and_no_spills(tmp_path):
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    from tldsl.codegen.toolchain.cache import KernelCache
+    from tldsl.codegen.toolchain.compiler import compile_many
+    lks = [lower(ir, "part") for ir in _memory_bound()]
+    for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
+        sass = ck.sass()[ck.name]
+        assert sass.spill_instructions == 0 and sass.count("BPT.TRAP") == 0, (lk.entry, sass.summary())
+        assert sass.count("LDG.E.128") >= 1 and sass.count("STG.E.128") >= 1, (lk.entry, sass.summary())
+        assert sass.count("BAR.SYNC") >= 1, lk.entry          # the groups' named barriers
+        if lk.entry != "tldsl_scale_shift_part":
+            assert sass.count("SHFL.BFLY") >= 1, lk.entry     # warp-shuffle row reductions

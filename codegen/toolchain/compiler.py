@@ -8,6 +8,15 @@
 * **Processes**: NVRTC serialises threads inside one process and peaks at 0.4-2 GB per compile,
   so every compile is one job of a ``spawn`` process pool (one kernel per job);
   :func:`compile_many` runs several at once.
+* **Precompiled headers**: every compile runs with NVRTC's automatic PCH (:data:`PCH_OPTIONS`).
+  A pool worker parses the headers of the first kernel (tldsl's, CuTe/CUTLASS, CCCL) once and
+  keeps the parsed state (NVRTC's ``/tmp/__nvrtc_auto_pch_<pid>_*``, removed when the process
+  exits), one per distinct ``#include`` prefix; later kernels with that prefix skip most of the
+  front end: a general-recipe kernel 2.9 s -> 0.5 s, a CUTLASS GEMM 4.7 s -> 1.1 s, an
+  NVSHMEM-transport kernel 13 s -> 1.3 s (one compile at a time on a 2-core machine; the first
+  kernel of a prefix pays about 30% more). The cubins are byte-identical with and without it
+  (checked on general, GEMM and NVSHMEM kernels), so the options are not part of the cache key,
+  nor of the option list a compiled kernel records.
 * **Progress**: a compile takes seconds (almost all C++ front end), so each stage reports a
   line with its elapsed time — cache lookup, queued, NVRTC running (a heartbeat), front end /
   optimizer / ptxas split, done — to stderr, or to a ``progress`` callback (notebooks).
@@ -44,6 +53,12 @@ MARKER_RE = re.compile(r"//\s*tldsl:\s*(?P<file>.+?):(?P<line>\d+)\s*$")
 
 BASE_OPTIONS = ("--gpu-architecture=" + ARCH, "-std=c++17", "-default-device", "-DNDEBUG", "-lineinfo",
                 "--ptxas-options=-v")
+#: Automatic precompiled headers, silent (no "creating/using precompiled header" lines in the log).
+PCH_OPTIONS = ("-pch", "--pch-messages=false", "--pch-verbose=false")
+#: NVRTC's PCH heap (256 MiB by default; reserved, not touched until used): NVSHMEM's headers
+#: need 554 MiB, below that their kernels compile without a PCH, with warning #639-D in the log.
+PCH_HEAP_BYTES = 1 << 30
+_pch_heap_set = False
 
 
 # -- results and errors -------------------------------------------------------------------
@@ -222,6 +237,7 @@ def nvrtc_compile(source: str, program: str, options: Sequence[str]) -> dict:
     """Compile in *this* process. Returns ``ok, cubin, log, seconds, timings`` (never raises on
     a compile error: the parent turns the log into a :class:`CudaCompileError`)."""
     import tempfile
+    global _pch_heap_set
     nvrtc = load_nvrtc()
 
     def check(res, what):
@@ -230,10 +246,14 @@ def nvrtc_compile(source: str, program: str, options: Sequence[str]) -> dict:
             raise RuntimeError(f"{what}: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
         return res[1] if isinstance(res, tuple) and len(res) == 2 else None
 
+    if not _pch_heap_set:
+        check(nvrtc.nvrtcSetPCHHeapSize(PCH_HEAP_BYTES), "nvrtcSetPCHHeapSize")
+        _pch_heap_set = True
+
     fd, time_file = tempfile.mkstemp(prefix="tldsl-nvrtc-time-", suffix=".csv")
     os.close(fd)
     os.unlink(time_file)
-    opts = [o.encode() for o in options] + [f"--time={time_file}".encode()]
+    opts = [o.encode() for o in (*options, *PCH_OPTIONS)] + [f"--time={time_file}".encode()]
     prog = check(nvrtc.nvrtcCreateProgram(source.encode(), program.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         t0 = time.perf_counter()

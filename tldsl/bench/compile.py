@@ -61,7 +61,9 @@ def main(argv=None) -> int:
     os.environ["TLDSL_CACHE_DIR"] = cache
     M, N, K = (int(x) for x in args.shape.split("x"))
     from ..codegen.toolchain import find_toolchain
+    from ..codegen.toolchain.compiler import shutdown_pool
     tc = find_toolchain()
+    shutdown_pool()      # cold: a new compile worker, without the precompiled headers of an earlier compile
     cold = _trace_lower_compile(M, N, K)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "tldsl.bench", "compile", "--hit", "--shape", args.shape],

@@ -26,8 +26,9 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m tldsl.demo
 
+# The suite on every core (pytest-xdist; tests/conftest.py keeps tests sharing a module fixture together).
 test: $(VENV)/.installed
-	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q
+	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q -n auto --dist loadgroup
 	$(PY) -m tldsl.testing.mutants
 
 mutants: $(VENV)/.installed

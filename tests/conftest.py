@@ -6,6 +6,11 @@ NVRTC and CUTLASS wheels, nbformat ...), so a skip there means a broken environm
 not pass as green. GPU tests (marker ``gpu``, files ``test_gpu_*``) still skip without a GPU.
 ``TLDSL_REQUIRE_GPU=1`` (``make gpu-test``) makes a missing GPU, torch or cuda-python an error
 instead of a run where every GPU test skips.
+
+``make test`` runs the suite on every core (pytest-xdist, ``-n auto --dist loadgroup``): tests go
+to the workers one at a time, except that the tests of a module sharing a module- or class-scoped
+fixture go to one worker together (:func:`pytest_collection_modifyitems`), so the fixture is
+built once. Without a GPU, the GPU tests' skips are summarised in one line.
 """
 import os
 
@@ -38,6 +43,22 @@ def _no_gpu_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)        # before xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info is not None and any(
+            d.scope in ("module", "class", "package") for defs in info.name2fixturedefs.values() for d in defs)
+        if shared and item.get_closest_marker("xdist_group") is None:
+            module = getattr(item, "module", None)
+            item.add_marker(pytest.mark.xdist_group(module.__name__ if module is not None else item.nodeid))
+
+
+#: The one line every GPU test skipped for want of a GPU is summarised under.
+GPU_SKIP = ("tests/test_gpu_*.py", None,
+            "Skipped: GPU tests: no usable sm_90 GPU with torch and cuda-python here (`make gpu-test` on a GPU host)")
+
+
 def _skip_reason(report) -> str:
     lr = report.longrepr
     return lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
@@ -55,9 +76,12 @@ def strict_failure(report, is_gpu: bool):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    why = strict_failure(report, item.get_closest_marker("gpu") is not None)
+    is_gpu = item.get_closest_marker("gpu") is not None
+    why = strict_failure(report, is_gpu)
     if why:
         report.outcome, report.longrepr = "failed", why
+    elif is_gpu and report.skipped and not hasattr(report, "wasxfail") and "GPU" in _skip_reason(report):
+        report.longrepr = GPU_SKIP      # -ra: one line for all of them, not one per test function
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -175,6 +175,10 @@ class FakeDevice:
         self._enqueue(stream, lambda: ctypes.memmove(dst, src, n) and True)
         return (0,)
 
+    def cuMemsetD8Async(self, dst, value, n, stream):
+        self._enqueue(stream, lambda: ctypes.memset(dst, value, n) and True)
+        return (0,)
+
     def cuMemcpy2DAsync(self, p, stream):
         def op():
             for row in range(p.Height):

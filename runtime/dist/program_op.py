@@ -185,6 +185,7 @@ class FusedProgram(FusedOp):
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
+        self._reset_each_launch = bool(data_dependent_waits(ir))
         self._written = written_buffers(ir)
         return {"arguments": ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in ir.args),
                 "schedules": f"{ir.compute_schedule}, {ir.comm_schedule}", "program": program_hash(ir),
@@ -322,10 +323,18 @@ class FusedProgram(FusedOp):
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(self._symmetric[name].data_ptr(), t.data_ptr(), n, origin),
                     f"cuMemcpyAsync(argument '{name}' into its symmetric buffer)")
+        epoch = L
+        if self._reset_each_launch:     # (data_dependent_waits) zeroed before this rank's entry handshake:
+            epoch = 1                   # every peer's notifies of launch L come after it, of L - 1 before it
+            n = sum(int(t.numel()) for t in self._signals.values()) * 8
+            if n:
+                checked(drv, drv.cuMemsetD8Async(self._counter_block.data_ptr(), 0, n, origin),
+                        "cuMemsetD8Async(the signal counters)")
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L - 1)
         streams = self._streams or [origin]
-        start, end = enqueue_launch(dev, list(self.plan.items), L, self._loaded, kernels, copies, origin, streams)
+        start, end = enqueue_launch(dev, list(self.plan.items), epoch, self._loaded, kernels, copies, origin,
+                                    streams)
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L)
         for name, t in sym:
@@ -417,6 +426,27 @@ def _capturing() -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
     except (RuntimeError, AssertionError, AttributeError, ImportError):
         return False
+
+
+WAITS = ("consumer_tile_wait", "peer_tile_wait", "rank_wait")
+
+
+def data_dependent_waits(ir: core.Kernel) -> list[str]:
+    """The parts whose waits count notifies with a number read from memory (an MoE combine
+    waits for as many GEMM tiles as a routing table says). Counters never reset need the
+    notifies of every earlier launch (``per_launch * (L - 1) + count``), which is unknown when
+    the count changes with the data between launches: such a program runs every launch from
+    counters zeroed on the device behind a group barrier (``FusedOp._fresh_epoch``), as a
+    captured launch does, its epoch then always 1."""
+    parts = []
+    for p in ir.parts:
+        for op in p.walk():
+            if op.name in WAITS and "per_launch" not in op.attrs:
+                owner = op.operands[2].owner
+                if not (isinstance(owner, core.Op) and owner.name == "const"):
+                    parts.append(p.name)
+                    break
+    return parts
 
 
 def _name(kernel) -> str:

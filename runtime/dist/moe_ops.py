@@ -1,0 +1,228 @@
+"""AllGather+MoE and MoE+ReduceScatter as fused ops across a process group: the library's tile
+programs (:func:`tldsl.ops.moe.allgather_moe`, :func:`tldsl.ops.moe.moe_reduce_scatter`) run by
+the one fused-op runtime (:class:`~.program_op.FusedProgram`), plus what is specific to MoE —
+the routing tables (the dynamic mapping) built **on the GPU** from the caller's ``topk_ids``
+each call, with no host synchronisation (:class:`~..gpu.moe_routing.MoERoutingBuilder`).
+
+Tensor-parallel MoE (TileLink's setting): tokens are sharded by rows, ``T = W * Ms``; every
+rank holds every expert's ``1/W`` slice of the intermediate dimension. Layer 0 (gate and up
+fused) is ``AllGatherMoE``: ``h = all_gather(x)[sorted rows] @ w1[expert]`` in expert-sorted
+order, each expert's rows padded to a multiple of the compute tile's ``BM`` (padding rows are
+zeros). Layer 1 is ``MoEReduceScatter``: ``h @ w2[expert]``, the top-k weighted sum per token and
+the reduce-scatter, so rank ``r`` gets its own tokens' MoE output summed over the ranks' slices.
+The two share one routing: ``AllGatherMoE`` returns its tables and ``MoEReduceScatter`` takes
+them (or builds its own from ``topk_ids``).
+
+**Ids outside ``[0, E)``.** Checking them on the host needs the ids on the host — a
+synchronisation a serving loop (or a CUDA graph) cannot afford. With ``validate_ids=True``
+(the default) the op checks them before it enqueues anything (one small device reduction read
+back) and raises :class:`~tldsl.errors.InputError`; with ``False`` nothing waits: the routing
+kernels set an error word on the device instead (a bad routed row joins no expert and no
+memory is touched out of bounds) and :meth:`check_routing` reads it when the caller chooses.
+"""
+from __future__ import annotations
+
+import numbers
+
+import tldsl as tl
+
+from ...errors import InputError
+from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter
+from . import program_op
+from .program_op import FusedProgram
+
+#: the routing tables each kernel reads, in its argument names
+AG_TABLES = ("tile_expert", "tile_tokens", "sorted_token_ids")
+RS_TABLES = ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
+
+
+def _shape_dtype(name, x):
+    """(shape, tl dtype) of a tensor, array or ``tl.TensorSpec``."""
+    if isinstance(x, tl.TensorSpec):
+        return tuple(x.shape), x.dtype
+    try:
+        from ...ir.types import dtype_of
+        return tuple(x.shape), dtype_of(x.dtype)
+    except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
+        raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
+
+
+def _schedule(compute):
+    compute = tl.ComputeSchedule() if compute is None else compute
+    if not isinstance(compute, tl.ComputeSchedule):
+        raise InputError(f"compute must be a tl.ComputeSchedule, got {type(compute).__name__}")
+    return compute
+
+
+def _topk(v) -> int:
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+        raise InputError(f"topk must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _tensors(op, **named) -> None:
+    """The caller's tensors as the traced program takes them — checked before the routing is
+    enqueued (FusedProgram checks them again, with the tables, before its launch)."""
+    import torch
+    from ..gpu.run_program import _TORCH
+    for name, t in named.items():
+        b = op.kernel.buffer(name).type
+        want = getattr(torch, _TORCH[b.dtype.name])
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"argument '{name}': a torch tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(b.shape) or t.dtype != want:
+            raise InputError(f"argument '{name}': {tuple(t.shape)} {t.dtype}, the op was built for "
+                             f"{tuple(b.shape)} {want}")
+        if not t.is_contiguous():
+            raise InputError(f"argument '{name}' is not contiguous (pass .contiguous())")
+
+
+class _Routed:
+    """What both MoE ops share: the routing sizes, the table builder, the ids' checks."""
+
+    def _init_routing(self, W: int, Ms: int, topk: int, E: int, BM: int, router, validate_ids: bool):
+        self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m = W, Ms, topk, E, BM
+        self.num_tiles = moe_num_tiles(W * Ms * topk, E, BM)
+        self.validate_ids = bool(validate_ids)
+        self._router = router
+        self._routing_buffers = None
+
+    def _table_specs(self, names) -> dict:
+        from ..gpu.moe_routing import RoutingSizes
+        shapes = RoutingSizes(self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m).shapes()
+        return {n: tl.TensorSpec(shapes[n], tl.int32) for n in names}
+
+    def _check_ids(self, topk_ids):
+        import torch
+        T = self.world_size * self.rows_per_rank
+        if not isinstance(topk_ids, torch.Tensor):
+            raise InputError(f"topk_ids: a torch tensor [{T}, {self.topk}], got {type(topk_ids).__name__}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if tuple(topk_ids.shape) != (T, self.topk):
+            raise InputError(f"topk_ids must be [{T}, {self.topk}] ({self.world_size} ranks x {self.rows_per_rank} "
+                             f"tokens, top-{self.topk}), got {list(topk_ids.shape)}")
+        if not topk_ids.is_contiguous():
+            raise InputError("topk_ids is not contiguous (pass .contiguous())")
+        if self.validate_ids:
+            bad = (topk_ids < 0) | (topk_ids >= self.num_experts)
+            if bool(bad.any()):
+                t, k = (int(i) for i in bad.nonzero()[0])
+                raise InputError(f"topk_ids[{t}, {k}] = {int(topk_ids[t, k])} is not an expert id (there are "
+                                 f"{self.num_experts} experts: 0..{self.num_experts - 1})")
+
+    def routing(self, topk_ids) -> dict:
+        """The routing tables of ``topk_ids`` (device int32 tensors by name), built on the caller's
+        stream into buffers reused every call."""
+        self._check_ids(topk_ids)
+        if self._router is None:
+            from ..gpu.moe_routing import MoERoutingBuilder
+            self._router = MoERoutingBuilder(self.world_size, self.rows_per_rank, self.topk, self.num_experts,
+                                             self.block_m)
+        if self._routing_buffers is None and hasattr(self._router, "empty_tables"):
+            self._routing_buffers = self._router.empty_tables()
+        return self._router(topk_ids, self._routing_buffers) if self._routing_buffers is not None else self._router(topk_ids)
+
+    def check_routing(self, tables: dict) -> None:
+        """Raise :class:`InputError` if the routing kernels flagged an id outside ``[0, E)`` (reads
+        the device's error word: a synchronisation, at a point the caller chooses)."""
+        info = tables.get("info")
+        if info is None:
+            return
+        flag, first = (int(v) for v in info[1:3].tolist())
+        if flag:
+            t, k = divmod(first, self.topk)
+            raise InputError(f"topk_ids[{t}, {k}] was not an expert id (there are {self.num_experts} experts); "
+                             "its routed row joined no expert")
+
+
+class AllGatherMoE(_Routed, FusedProgram):
+    """Layer 0 of a tensor-parallel MoE: all-gather the token shards and run the grouped GEMM of
+    the routed rows with this rank's expert slices, overlapped tile by tile.
+
+    ``x``: this rank's token shard ``[Ms, K]``; ``w1``: this rank's ``[E, K, Nr]`` (gate and up
+    fused); both as tensors or ``tl.TensorSpec`` s (shapes and dtype, fixed per op); ``topk``:
+    experts per token. Calling ``op(x, topk_ids, w1)`` (``topk_ids [W*Ms, topk]`` from the
+    caller's router, the same on every rank) returns ``(h, tables)``: ``h [R_pad, Nr]`` in
+    expert-sorted order, and the routing tables for :class:`MoEReduceScatter`."""
+
+    def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
+                 validate_ids: bool = True, **program_kw):
+        (Ms, K), dt = _shape_dtype("x", x)
+        w_shape, wdt = _shape_dtype("w1", w1)
+        if len(w_shape) != 3 or w_shape[1] != K:
+            raise InputError(f"w1 must be [E, K={K}, Nr], got {list(w_shape)}")
+        if wdt != dt:
+            raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
+        E, _, Nr = w_shape
+        compute, topk = _schedule(compute), _topk(topk)
+        W = program_op.dist_context(group).world_size
+        self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
+        specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
+                 **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
+        kw = {"compute": compute} | ({"comm": comm} if comm is not None else {})
+        FusedProgram.__init__(self, allgather_moe, group, specs, **kw, **program_kw)
+
+    def __call__(self, x, topk_ids, w1, h=None):
+        import torch
+        _tensors(self, x=x, w1=w1)
+        tables = self.routing(topk_ids)
+        if h is None:
+            b = self.kernel.buffer("h")
+            h = torch.empty(tuple(b.type.shape), dtype=x.dtype, device=x.device)
+        FusedProgram.__call__(self, x=x, w1=w1, h=h, **{n: tables[n] for n in AG_TABLES})
+        return h, tables
+
+    def _problem(self) -> str:
+        return (f"AllGather+MoE: {self.world_size} x {self.rows_per_rank} tokens, top-{self.topk} of "
+                f"{self.num_experts} experts, BM {self.block_m}")
+
+
+class MoEReduceScatter(_Routed, FusedProgram):
+    """Layer 1 of a tensor-parallel MoE: the grouped GEMM of ``h`` with this rank's ``w2`` slices,
+    the top-k weighted combine per token and the reduce-scatter, the combine and the scatter
+    overlapped with the GEMM's tiles.
+
+    ``w2``: this rank's ``[E, Nr, K]`` (a tensor or ``tl.TensorSpec``); ``rows_per_rank``: tokens
+    per rank ``Ms``; ``topk``. ``h`` is ``[R_pad, Nr]`` in expert-sorted order (what
+    :class:`AllGatherMoE` returns for the same tokens and ``BM``). Calling ``op(h, topk_ids, topk_weights, w2, tables=None)`` returns
+    ``out [Ms, K]``: this rank's tokens, summed over the ranks. ``tables``: the routing
+    :class:`AllGatherMoE` returned for the same ``topk_ids`` (else built here)."""
+
+    def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
+                 validate_ids: bool = True, weights_dtype=None, **program_kw):
+        w_shape, dt = _shape_dtype("w2", w2)
+        if len(w_shape) != 3:
+            raise InputError(f"w2 must be [E, Nr, K], got {list(w_shape)}")
+        E, Nr, K = w_shape
+        if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
+            raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")
+        compute, topk = _schedule(compute), _topk(topk)
+        W = program_op.dist_context(group).world_size
+        Ms = int(rows_per_rank)
+        self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
+        R, topk = self.num_tiles * self.block_m, self.topk
+        wts = tl.float32 if weights_dtype is None else weights_dtype
+        specs = {"h": tl.TensorSpec((R, Nr), dt), "w2": tl.TensorSpec(w_shape, dt),
+                 "topk_weights": tl.TensorSpec((W * Ms, topk), wts), **self._table_specs(RS_TABLES),
+                 "out": tl.TensorSpec((Ms, K), dt)}
+        kw = {"compute": compute} | ({"comm": comm} if comm is not None else {})
+        FusedProgram.__init__(self, moe_reduce_scatter, group, specs, **kw, **program_kw)
+
+    def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
+        import torch
+        _tensors(self, h=h, topk_weights=topk_weights, w2=w2)
+        tables = self.routing(topk_ids) if tables is None else tables
+        missing = [n for n in RS_TABLES if n not in tables]
+        if missing:
+            raise InputError(f"tables: missing {missing} (pass what AllGatherMoE returned, or None)")
+        if out is None:
+            b = self.kernel.buffer("out")
+            out = torch.empty(tuple(b.type.shape), dtype=h.dtype, device=h.device)
+        FusedProgram.__call__(self, h=h, w2=w2, topk_weights=topk_weights, out=out,
+                              **{n: tables[n] for n in RS_TABLES})
+        return out
+
+    def _problem(self) -> str:
+        return (f"MoE+ReduceScatter: {self.world_size} x {self.rows_per_rank} tokens, top-{self.topk} of "
+                f"{self.num_experts} experts, BM {self.block_m}")

@@ -1,0 +1,114 @@
+"""AllGatherMoE and MoEReduceScatter (runtime/dist/moe_ops.py) — the library's MoE tile programs on
+the one fused-op runtime, with the routing built per call — on W fake GPUs (the harness of
+tests/test_program_op.py): a whole tensor-parallel MoE layer (layer 0 then layer 1, a new
+routing every launch, routings with empty experts and with every token on the same experts)
+against numpy's layer written from scratch; bad input refused before anything is enqueued."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+torch = pytest.importorskip("torch")
+
+from test_program_op import Group, host  # noqa: E402
+
+from tldsl.errors import InputError  # noqa: E402
+from tldsl.ops.moe import moe_routing, random_routing, reference_moe  # noqa: E402
+from tldsl.runtime.dist.moe_ops import AllGatherMoE, MoEReduceScatter  # noqa: E402
+
+C32 = tl.ComputeSchedule(tile=(32, 32, 32))
+MS, K, NR, E, TOPK = 24, 32, 32, 4, 2
+
+
+class HostRouter:
+    """The routing tables from :func:`moe_routing` (the reference the GPU builder is checked
+    against), as fresh CPU tensors each call — the fake GPU runs later than the host enqueues."""
+
+    def __init__(self, W, BM):
+        self.W, self.BM, self.calls = W, BM, 0
+
+    def __call__(self, topk_ids):
+        self.calls += 1
+        rt = moe_routing(topk_ids.numpy(), E, self.W, MS, self.BM)
+        names = ("tile_expert", "tile_tokens", "sorted_token_ids", "token_pos", "tile_token_tiles",
+                 "tile_num_token_tiles", "token_tile_producers")
+        return {n: torch.from_numpy(np.ascontiguousarray(getattr(rt, n))) for n in names}
+
+
+def _layers(monkeypatch, W, comm_ag, comm_rs, seed=0):
+    g = Group(monkeypatch, W, seed)
+    x = tl.TensorSpec((MS, K), tl.float16)
+    ag = g.build(lambda r, dev: AllGatherMoE(x, tl.TensorSpec((E, K, NR), tl.float16), TOPK, compute=C32,
+                                             comm=comm_ag, router=HostRouter(W, 32), device=dev, timeout_s=2.0))
+    rs = g.build(lambda r, dev: MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, compute=C32,
+                                                 comm=comm_rs, router=HostRouter(W, 32), device=dev, timeout_s=2.0))
+    return g, ag, rs
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W):
+    rng = np.random.default_rng(W)
+    g, ag, rs = _layers(monkeypatch, W, tl.CommSchedule(tile_m=16, mode="pull"), tl.CommSchedule(tile_m=16, mode="push"))
+    xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
+    w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]
+    launches, alive = [], []
+    for kind in ("random", "concentrated"):           # a new routing each launch; some experts get nothing
+        ids, wts = random_routing(rng, W * MS, E, TOPK, kind)
+        outs = []
+        for r in g.fake.rng.sample(range(W), W):
+            h, tables = ag[r](torch.from_numpy(xs[r]), torch.from_numpy(ids), torch.from_numpy(w1[r]))
+            out = rs[r](h, torch.from_numpy(ids), torch.from_numpy(wts), torch.from_numpy(w2[r]), tables)
+            outs.append((r, out))
+            alive.append((h, tables))    # the fake GPU runs at synchronize(): CPU memory freed before is reused
+        launches.append((ids, wts, dict(outs)))
+    for r in range(W):
+        ag[r].synchronize()
+        rs[r].synchronize()
+    for ids, wts, outs in launches:
+        want = reference_moe(xs, w1, w2, ids, wts)
+        for r in range(W):
+            got = host(outs[r])
+            np.testing.assert_allclose(got, want[r * MS:(r + 1) * MS], rtol=2e-2, atol=3e-2)
+    assert all(op.launches == 2 for op in ag + rs) and all(op._router.calls == 2 for op in ag)
+    for op in ag + rs:
+        op.close()
+
+
+def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
+    g, ag, rs = _layers(monkeypatch, 2, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
+    op = ag[0]
+    x, w1 = torch.zeros(MS, K, dtype=torch.float16), torch.zeros(E, K, NR, dtype=torch.float16)
+    ids = torch.zeros(2 * MS, TOPK, dtype=torch.int32)
+    cases = [
+        (lambda: op(x, ids.float(), w1), "int32 or int64"),
+        (lambda: op(x, ids[:-1], w1), r"topk_ids must be \[48, 2\]"),
+        (lambda: op(x, ids.t().contiguous().t(), w1), "not contiguous"),
+        (lambda: op(x, torch.full_like(ids, E), w1), r"topk_ids\[0, 0\] = 4 is not an expert id"),
+        (lambda: op(x, ids - 1, w1), "is not an expert id"),
+        (lambda: op(x.float(), ids, w1), "argument 'x'"),
+        (lambda: op(x.t(), ids, w1), "argument 'x'"),
+        (lambda: op([1, 2], ids, w1), "argument 'x'"),
+    ]
+    for call, match in cases:
+        with pytest.raises(InputError, match=match):
+            call()
+    assert op.launches == 0 and op._router.calls == 0 and not any(g.fake.queues.values())   # nothing enqueued
+    with pytest.raises(InputError, match="w1 must be"):
+        AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K + 1, NR), tl.float16), TOPK)
+    with pytest.raises(InputError, match="topk must be a positive int"):
+        AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), 0)
+    with pytest.raises(InputError, match="rows_per_rank must be a positive int"):
+        MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), 0, TOPK)
+    with pytest.raises(InputError, match="a torch tensor, numpy array or tl.TensorSpec"):
+        MoEReduceScatter("w2", MS, TOPK)
+    with pytest.raises(InputError, match="tables: missing"):
+        rs[0](torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16), ids,
+              torch.zeros(2 * MS, TOPK), torch.zeros(E, NR, K, dtype=torch.float16), {"tile_expert": None})
+    with pytest.raises(InputError, match="argument 'h'"):
+        rs[0](torch.zeros(1), ids, torch.zeros(2 * MS, TOPK), torch.zeros(1), None)
+    assert rs[0].launches == 0 and rs[0]._router.calls == 0
+    for op in ag + rs:
+        op.close()

@@ -1,0 +1,51 @@
+"""The MoE layers and sequence-parallel attention as torch custom ops (tldsl/torch_layers.py): their fake (meta) shapes for
+torch.compile, and bad operands refused with InputError before an op is built (no GPU)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tldsl.torch_layers as tmo  # noqa: E402  (registers torch.ops.tldsl.all_gather_moe / moe_reduce_scatter)
+from tldsl.errors import InputError  # noqa: E402
+from tldsl.ops.moe import moe_num_tiles  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+
+def test_fake_shapes_for_torch_compile():
+    T, K, Nr, E, topk = 100, 64, 48, 6, 2
+    with FakeTensorMode():
+        x = torch.empty(T, K, dtype=torch.bfloat16)
+        ids = torch.empty(T, topk, dtype=torch.int64)
+        h = torch.ops.tldsl.all_gather_moe(x, ids, torch.empty(E, K, Nr, dtype=torch.bfloat16), "0")
+        R = moe_num_tiles(T * topk, E, 128) * 128
+        assert h.shape == (R, Nr) and h.dtype == torch.bfloat16
+        h64 = torch.ops.tldsl.all_gather_moe(x, ids, torch.empty(E, K, Nr, dtype=torch.bfloat16), "0", block_m=64)
+        assert h64.shape == (moe_num_tiles(T * topk, E, 64) * 64, Nr)
+        out = torch.ops.tldsl.moe_reduce_scatter(h, ids, torch.empty(T, topk), torch.empty(E, Nr, K, dtype=torch.bfloat16),
+                                                 "0")
+        assert out.shape == (T, K) and out.dtype == torch.bfloat16
+        q, kv = torch.empty(64, 8, 128, dtype=torch.float16), torch.empty(64, 2, 128, dtype=torch.float16)
+        o = torch.ops.tldsl.sp_attention(q, kv, kv, "0", is_causal=True, layout="zigzag")
+        assert o.shape == q.shape and o.dtype == q.dtype
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x.float(), ids, w.float(), "0"), "bf16 or fp16"),
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids.float(), w, "0"), "int32 or int64"),
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids[:-1], w, "0"), "topk_ids has 7 tokens"),
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w[:, :-1], "0"), "w1 must be"),
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w, "0", block_m=100), "block_m must be"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(x, x, x, "0"), "must be a 3-d tensor"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w[:, :5], w[:, :5], "0"), "5 K/V heads must divide 16"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w.float(), "0"), "bf16 or fp16"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", layout="ring"), "layout must be one of"),
+    (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(x, ids, ids.float(), w.transpose(1, 2), "0"),
+     r"h must be \[384, 32\]"),
+])
+def test_bad_operands_are_refused_before_an_op_is_built(monkeypatch, call, match):
+    built = []
+    monkeypatch.setattr(tmo, "_build", lambda key, make: built.append(key))
+    x, ids, w = torch.zeros(8, 16, dtype=torch.float16), torch.zeros(8, 2, dtype=torch.int32), \
+        torch.zeros(3, 16, 32, dtype=torch.float16)
+    with pytest.raises(InputError, match=match):
+        call(x, ids, w)
+    assert built == []

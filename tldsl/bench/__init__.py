@@ -8,6 +8,7 @@
     python -m tldsl.bench probe NAME                        # the measurements behind design choices (.probes)
     python -m tldsl.bench sim                               # the CPU simulator's speed, no GPU (.sim)
     python -m tldsl.bench launch                            # host µs per launch, cuda.bindings vs cuda.core (.launch)
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe   # the sequential MoE / attention layers (.baselines)
 
 :mod:`.cli` picks the subcommand; :mod:`.timing` is the CUDA-event timing they share. Nothing
 here imports torch: each benchmark imports it when it runs.

@@ -8,6 +8,7 @@
     python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
     python -m tldsl.bench general [--rounds 5 --iters 10]    (the general lowering vs torch; see tldsl.bench.general)
     python -m tldsl.bench launch [--args 1,8,24]             (host µs per launch, cuda.bindings vs cuda.core; see tldsl.bench.launch)
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe|moe_rs|sp_attention  (the sequential layers; see tldsl.bench.baselines)
 
 This module only picks the subcommand; each parses its own flags.
 """
@@ -18,7 +19,7 @@ import sys
 
 from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
-from . import dist, gemm, general, host, launch, probes, sim
+from . import baselines, dist, gemm, general, host, launch, probes, sim
 
 
 def main(argv=None) -> int:
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
         return general.main(argv[1:])
     if argv and argv[0] == "launch":
         return launch.main(argv[1:])
+    if argv and argv[0] == "baselines":
+        return baselines.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -60,7 +63,9 @@ def main(argv=None) -> int:
                        ("host", "a launch's host time beside its device phases (torchrun, 2 GPUs)"),
                        ("sim", "the CPU simulator's speed (no GPU)"),
                        ("general", "tile programs no recipe matches, through the general lowering, vs torch"),
-                       ("launch", "host time of one kernel launch: our cuda.bindings path vs cuda.core")):
+                       ("launch", "host time of one kernel launch: our cuda.bindings path vs cuda.core"),
+                       ("baselines", "the sequential MoE and attention layers the fused ops are timed against "
+                                     "(torchrun)")):
         sub.add_parser(name, help=what, add_help=False)     # parsed by their own modules (dispatched above)
     args = ap.parse_args(argv)
     if args.what == "gemm":

@@ -14,12 +14,12 @@ class Unavailable(Exception):
 #: GPUs, one process each), "nvrtc" (the compile toolchain, no GPU) or "" (nothing).
 BENCHMARKS = {
     "gemm": "gpu", "compile": "nvrtc", "sim": "", "probe": "gpu", "general": "gpu", "launch": "gpu",
-    "ag_gemm": "torchrun", "gemm_rs": "torchrun", "host": "torchrun",
+    "ag_gemm": "torchrun", "gemm_rs": "torchrun", "host": "torchrun", "baselines": "torchrun",
 }
 #: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.
 ONE_GPU_PROBES = ("copy_engine", "epilogue", "ag_group", "ag_gather")
 #: The checks of ``tldsl.checks``, each a script run under torchrun on two GPUs.
-CHECKS = ("dist_check", "build_check", "lifetime_check", "torch_ops_check")
+CHECKS = ("dist_check", "build_check", "lifetime_check", "torch_ops_check", "graph_check")
 
 
 def under_torchrun() -> bool:

@@ -2069,6 +2069,14 @@ def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):
     # every CTA must push its tiles of this rank's rows before it waits for a peer's: the default
     # compute order is fitted (3 tile rows per rank: groups of 1), a schedule that is not refused
     assert AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm").compute.group_m == 1
+    from tldsl.runtime.dist import ag_gemm as agm
+
+    class Alone:
+        rank, world_size, device, group, group_name, backend = 0, 1, 0, None, "g", "CUDA"
+    with monkeypatch.context() as mp:      # one rank: no peer to push to, refused before anything is built
+        mp.setattr(agm, "dist_context", lambda group=None: Alone())
+        with pytest.raises(tl.InputError, match="a group of one rank has none"):
+            AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm")
     from tldsl.codegen import LoweringError
     with pytest.raises(LoweringError, match="push its tiles of this rank's rows before"):
         AllGatherMatmul(384, K, N, torch.bfloat16, pusher="gemm",

@@ -197,6 +197,10 @@ class AllGatherMatmul(FusedOp):
             import math
             import os
             timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+            if pusher == "gemm" and W == 1:
+                raise InputError("pusher='gemm': the GEMM pushes this rank's rows to its peers, and a group of one "
+                                 "rank has none (leave pusher unset: the copy engine's push, which has nothing to "
+                                 "copy either)")
             if pusher == "gemm" and compute is None:
                 # the GEMM publishes its pushes as each CTA leaves this rank's rows: those rows must
                 # be whole groups of the order (lower_gemm's push_rows check)

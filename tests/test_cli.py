@@ -177,7 +177,9 @@ def test_unknown_check_and_bare_check(capsys):
     assert all(name in usage for name in gates.CHECKS)
 
 
-def test_a_check_runs_as_its_module_where_it_needs_no_gpu(tmp_path, capsys):
+def test_a_check_runs_as_its_module_where_it_needs_no_gpu(tmp_path, capsys, monkeypatch):
+    import sys
+    monkeypatch.delitem(sys.modules, "tldsl.checks.dist_check", raising=False)   # as in a fresh process
     log = tmp_path / "rank0.log"
     log.write_text("nothing stuck\n")
     assert main(["check", "dist_check", "explain", str(log)]) == 0

@@ -60,6 +60,8 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
     Ms = np.shape(a_shards[0])[0]
     N = np.shape(bs[0])[1]
     dtype = np.asarray(a_shards[0]).dtype
+    if dtype.kind != "f":               # (refused before the output is poisoned with NaN, which it cannot hold)
+        raise tl.InputError(f"a_shards: floating-point arrays (float16 or float32), got {dtype}")
     inputs = [{"a": a_shards[r], "b": bs[r], "c": np.full((W * Ms, N), np.nan, dtype)} for r in range(W)]
     kwargs = {k: v for k, v in (("compute", compute), ("comm", comm)) if v is not None}
     res = tl.simulate(allgather_gemm, W, inputs, seed=seed, options=options, **kwargs)

@@ -658,24 +658,10 @@ def ring_exchange(x: tl.Symmetric, y: tl.Symmetric, w: tl.Symmetric, z, *, compu
         tl.store(z, (pm * BM, 0), tl.load(y, (pm * BM, 0), (BM, N)) - tl.load(w, (pm * BM, 0), (BM, N)) + u)
 
 
-@tl.kernel
-def normed_gather(x: tl.Symmetric, g, y, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
-    """A communication part on SMs that the streamed kernel does not take (a reduction: it
-    RMS-normalises each peer's rows as it gathers them) notifies a compute part that waits."""
-    Ms, N = x.shape
-    W = tl.world_size()
-    ready = tl.signal("ready", W)
-
-    @tl.comm_part(grid=(W,), engine="sm")
-    def gather(p):
-        t = tl.tile_pull_data(x.at(p), (0, 0), (Ms, N)).to(tl.float32)
-        tl.store(g, (p * Ms, 0), t * tl.rsqrt(tl.sum(t * t, 1) / N + 1e-6)[:, None])
-        tl.producer_tile_notify(ready, p)
-
-    @tl.compute_part(grid=(W,))
-    def part(p):
-        tl.consumer_tile_wait(ready, p, count=1)
-        tl.store(y, (p * Ms, 0), tl.load(g, (p * Ms, 0), (Ms, N)) * 2.0 + 1.0)
+# A communication part on SMs that the streamed kernel does not take (a reduction: it
+# RMS-normalises each peer's rows as it gathers them) notifies a compute part that waits — the
+# program the distributed runtime's GPU check runs too.
+from tldsl.runtime.dist.program_check import rmsnorm_gather as normed_gather  # noqa: E402
 
 
 def _multi_cases():

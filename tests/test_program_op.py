@@ -362,7 +362,7 @@ def test_calls_on_alternating_streams_run_in_call_order(monkeypatch):
 @tl.kernel
 def gather_without_its_wait(x: tl.Symmetric, g, y, *, compute: tl.ComputeSchedule = None,
                             comm: tl.CommSchedule = None):
-    """normed_gather (tests/test_codegen_general.py) with the compute part's wait deleted: it
+    """rmsnorm_gather (runtime/dist/program_check.py) with the compute part's wait deleted: it
     reads the gathered rows whenever it runs."""
     Ms, N = x.shape
     W = tl.world_size()

@@ -29,6 +29,19 @@ def register_group_runner(runner) -> None:
     _ACROSS_GROUP = runner
 
 
+
+def check_run_options(timeout_s, lowering, who: str) -> None:
+    """``timeout_s`` and ``lowering`` as tl.run and the fused-op runtime take them (checked before
+    anything is traced, compiled or launched)."""
+    if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
+                                  or not timeout_s > 0):
+        raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
+    if lowering is not None and not isinstance(lowering, dict):
+        raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
+    if lowering and "wait_timeout_ns" in lowering:
+        raise InputError(f"lowering={{'wait_timeout_ns': ...}}: {who} sets the kernels' wait timeout from timeout_s "
+                         "(seconds); pass timeout_s instead")
+
 def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, options=None, *,
         timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, group=None, **kwargs):
     """Run ``kernel`` for ``world_size`` ranks on the current GPU and return a
@@ -60,14 +73,7 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
         return _ACROSS_GROUP(kernel, world_size, inputs, seed, options, kwargs, group=group, timeout_s=timeout_s,
                              lowering=lowering, progress=progress)
     ir, per_rank, opts = trace_for_run(kernel, world_size, inputs, seed, options, kwargs)
-    if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
-                                  or not timeout_s > 0):
-        raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
-    if lowering is not None and not isinstance(lowering, dict):
-        raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
-    if lowering and "wait_timeout_ns" in lowering:
-        raise InputError("lowering={'wait_timeout_ns': ...}: tl.run sets the kernels' wait timeout from timeout_s "
-                         "(seconds); pass timeout_s instead")
+    check_run_options(timeout_s, lowering, "tl.run")
     from .runtime.gpu.run_program import run_program        # (torch, codegen and the driver: at the call)
     return run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=timeout_s, lowering=lowering,
                        progress=progress)

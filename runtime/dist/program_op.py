@@ -63,12 +63,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 
 import numpy as np
 
 from ...errors import InputError
-from ...run import register_group_runner
+from ...run import check_run_options, register_group_runner
 from ...ir import core
 from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
@@ -153,14 +152,7 @@ class FusedProgram(FusedOp):
         if not isinstance(kernel, KernelFunction):
             raise InputError(f"FusedProgram needs a @tl.kernel function, got {type(kernel).__name__}")
         self.kernel_fn = kernel
-        if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
-                                      or not timeout_s > 0):
-            raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
-        if lowering is not None and not isinstance(lowering, dict):
-            raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
-        if lowering and "wait_timeout_ns" in lowering:
-            raise InputError("lowering={'wait_timeout_ns': ...}: FusedProgram sets the kernels' wait timeout from "
-                             "timeout_s (seconds); pass timeout_s instead")
+        check_run_options(timeout_s, lowering, "FusedProgram")
         self.timeout_s = timeout_s
         specs = _specs_in_order(kernel.arg_names, specs)
         ir = kernel.trace_checked(self.ctx.world_size, specs, kwargs, channels=static_checks)

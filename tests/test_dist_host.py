@@ -1227,48 +1227,14 @@ def proto(monkeypatch):
     return _Proto(monkeypatch)
 
 
-def test_gemm_rs_launch_protocol(proto):
-    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter, default_sm_comm
-    torch = proto.torch
+def test_gemm_rs_sm_schedule_choices(proto):
+    """engine='sm' is the tile program on the fused-op runtime (its launches: tests/test_program_engine.py);
+    a schedule that contradicts it is refused, and its default gives a short K 24 SMs."""
+    from tldsl.runtime.dist.gemm_rs import DEFAULT_COMPUTE, MatmulReduceScatter, default_sm_comm
     with pytest.raises(tl.InputError, match="contradicts"):
         MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm",
                             comm=tl.CommSchedule(engine="copy_engine", mode="push"))
-    op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
-    init = proto.events()
-    assert ("rendezvous", ("reduce_scatter_recv", "reduce_scatter_arrived")) in init
-    assert op.comm == default_sm_comm(op.compute, m=8182, k=1032) and op.comm.sms == 24    # short K: 24 SMs
-    assert op.lanes == 24 and op.gemm.reserve == 24                       # GEMM on SMs - lanes
-    cs, cur = op.comm_stream.cuda_stream, proto.cur.cuda_stream
-    a, b = torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
-    seen = []
-    op.hooks = {"before_compute": lambda o, L, s: seen.append(("compute", L, s.cuda_stream)),
-                "before_comm": lambda o, L, s: seen.append(("comm", L, s.cuda_stream))}
-    for L in (1, 2, 3):
-        out = op(a, b)
-        assert tuple(out.shape) == (4091, 3000) and out.dtype == torch.bfloat16
-        ev = proto.events()
-        names = [e[0] for e in ev]
-        assert names == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "BARRIER", "cuLaunchKernel", "cuEventRecord",
-                         "cuStreamWaitEvent"]
-        assert ev[0][1] == cur and ev[1] == ("GEMM", cur, L, 108, 1)          # producer first, launch index L
-        assert ev[2] == ("cuStreamWaitEvent", cs, ev[0][2]) and ev[3] == ("BARRIER", cs)
-        assert ev[4][1] == cs and ev[5][1] == cs and ev[6] == ("cuStreamWaitEvent", cur, ev[5][2])
-        launch = proto.drv.launches[-1]
-        assert launch["grid"] == (24, 1, 1) and launch["stream"] == cs
-        vals = dict(zip([p.source for p in op.lowered_comm.params], launch["decoded"]))
-        assert vals["launch"] == L and vals["rank"] == 1 and vals["buffer:out"] == out.data_ptr()
-        assert vals["buffer:partial"] == op.partial.data_ptr()
-        assert proto.drv.read_u64(vals["peers:reduce_scatter_recv"], 2) == list(op.ws.peers("reduce_scatter_recv"))
-        assert proto.drv.read_u64(vals["peer_signals:reduce_scatter_arrived"], 2) == \
-            list(op.ws.peers("reduce_scatter_arrived"))
-        assert op.ws.peers("reduce_scatter_recv")[1] == vals["buffer:reduce_scatter_recv"]
-    assert seen == [(k, L, s) for L in (1, 2, 3) for k, s in (("compute", cur), ("comm", cs))]
-    # a wrong output tensor (here: not on the GPU) stops the call before anything is enqueued
-    with pytest.raises(tl.InputError, match="out must be a contiguous, 16-byte aligned CUDA tensor"):
-        op(a, b, out=torch.empty(4091, 3000, dtype=torch.bfloat16))
-    assert proto.events() == [] and op.launches == 3
-    assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
-    assert [s[0] for s in op.signal_map()] == ["reduce_scatter_ready", "reduce_scatter_arrived"]
+    assert default_sm_comm(DEFAULT_COMPUTE, m=8182, k=1032).sms == 24
 
 
 def test_gemm_rs_copy_engine_protocol(proto):
@@ -1435,111 +1401,6 @@ def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
     assert proto.gemm_args[0]["out"] is out and set(proto.gemm_args[1]) == {"reduce_scatter_ready"}
     assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
                                                "cuStreamWaitEvent"]
-
-
-@pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push"])
-def test_allgather_launch_protocols(proto, variant):
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    torch = proto.torch
-    kw = {"sm-pull": dict(engine="sm"),
-          "sm-push": dict(comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)),
-          "plan-pull": dict(ce_executor="plan"),
-          "plan-push": dict(comm=tl.CommSchedule(engine="copy_engine", mode="push"))}[variant]
-    op = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, **kw)
-    init = proto.events()
-    mode = variant.split("-")[1]
-    assert ("rendezvous", ("a",) if mode == "pull" else ("a_gathered", "gather_a_ready")) in init
-    sm = variant.startswith("sm")
-    assert op.engine == ("sm" if sm else "copy_engine-plan") and op._engine.gemm.reserve == (8 if sm else 0)
-    cs, cur = op._engine.comm_stream.cuda_stream, proto.cur.cuda_stream
-    a, b = torch.randn(4091, 1032).to(torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16)
-    for L in (1, 2):
-        ga, c = op(a, b, poison_workspace=True)
-        assert tuple(ga.shape) == (8182, 1032) and tuple(c.shape) == (8182, 3000)
-        ev = proto.events()
-        names = [e[0] for e in ev]
-        stage = ["BARRIER", "BARRIER"] if mode == "pull" else []                    # shard staged between them
-        if sm:
-            comm = ["cuLaunchKernel"]
-        else:
-            comm = ["cuMemcpyAsync", "cuStreamWriteValue64", "cuMemcpyAsync", "cuStreamWriteValue64"]
-        barrier = ["BARRIER"] if mode == "push" else []
-        assert names == stage + ["cuEventRecord", "cuStreamWaitEvent"] + barrier + comm + ["GEMM", "wait_stream"]
-        if stage:
-            assert ev[0] == ev[1] == ("BARRIER", cur)
-            assert torch.equal(op._engine.ws.tensor("a"), a)                      # our shard, staged
-        if barrier:
-            assert ev[names.index("BARRIER")] == ("BARRIER", cs)
-        gemm = ev[names.index("GEMM")]
-        assert gemm == ("GEMM", cur, L, 124 if sm else 132, 1)                     # consumer last
-        if sm:
-            launch = proto.drv.launches[-1]
-            assert launch["stream"] == cs and launch["grid"] == (8, 1, 1)
-            vals = dict(zip([p.source for p in op._engine.lowered_comm.params], launch["decoded"]))
-            assert vals["launch"] == L and vals["rank"] == 1
-        else:
-            copies = [e for e in ev if e[0] in ("cuMemcpyAsync", "cuStreamWriteValue64")]
-            # rank 1's own shard (a same-GPU copy) and its flag on the compute stream, the peer's on the copy stream
-            assert [e[1] for e in copies] == [cur, cur, cs, cs]
-            assert [e[3] for e in copies if e[0] == "cuStreamWriteValue64"] == [L, L]
-
-
-
-@pytest.mark.parametrize("variant", ["sm-pull", "sm-push", "plan-pull", "plan-push", "rs-sm"])
-def test_captured_launches_start_from_fresh_counters(proto, monkeypatch, variant):
-    """CUDA graphs, the schedules the two-rank replay model (tests/test_dist_graphs.py) does not run:
-    a call made while the stream captures is launch 1 after a barrier, every counter of the op
-    zeroed and a second barrier, all on the compute stream before anything else of the call; it
-    records no stream use and never synchronises; later (eager) calls do the same. Before any
-    capture, a call is exactly the eager protocol (no barrier, no memset)."""
-    from tldsl.runtime.dist import call_order
-    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
-    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
-    torch = proto.torch
-    _fake_torch_symmetric_memory(proto, monkeypatch)        # the lease's blocks get the fake handle (its barrier)
-    if variant == "rs-sm":
-        op = MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")
-        args = (torch.zeros(8182, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
-    else:
-        kw = {"sm-pull": dict(engine="sm"),
-              "sm-push": dict(comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)),
-              "plan-pull": dict(ce_executor="plan"),
-              "plan-push": dict(comm=tl.CommSchedule(engine="copy_engine", mode="push"))}[variant]
-        op = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, **kw)
-        args = (torch.randn(4091, 1032).to(torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
-    proto.events()
-    cur = proto.cur.cuda_stream
-    used = []
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: used.append(s))
-    op(*args)
-    eager = proto.events()
-    assert not any(e[0] == "cuMemsetD8Async" for e in eager) and op.launches == 1 and not op._graph
-    counters = {t.data_ptr(): t.numel() * 8 for t in op._graph_counters()}
-    assert counters, variant
-    monkeypatch.setattr(call_order, "capturing", lambda: True)
-    before = len(used)
-    op(*args)
-    captured = proto.events()
-    assert "synchronize" not in [e[0] for e in proto.drv.calls] and len(used) == before
-    n = len(counters)
-    head = captured[:n + 2]
-    assert head[0] == head[-1] == ("BARRIER", cur)
-    assert sorted((e[2], e[4]) for e in head[1:-1]) == sorted(counters.items())
-    assert all(e[0] == "cuMemsetD8Async" and e[1] == cur and e[3] == 0 for e in head[1:-1])
-    rest = captured[n + 2:]
-    assert [e[0] for e in rest] == [e[0] for e in eager]           # then the eager protocol, as launch 1
-    for e, was in zip(rest, eager):
-        if e[0] == "GEMM":
-            assert e[2] == 1 and was[2] == 1
-    if variant.startswith("sm") or variant == "rs-sm":          # the communication kernel's launch argument
-        launch = proto.drv.launches[-1]
-        params = (op.lowered_comm if variant == "rs-sm" else op._engine.lowered_comm).params
-        assert dict(zip([p.source for p in params], launch["decoded"]))["launch"] == 1
-    monkeypatch.setattr(call_order, "capturing", lambda: False)
-    op(*args)                                                      # once captured, every call starts afresh
-    again = proto.events()
-    assert again[0] == ("BARRIER", cur) and [e[0] for e in again[n + 2:]] == [e[0] for e in eager]
-    assert op.launches == 3 and op._graph
 
 
 @pytest.fixture
@@ -1935,6 +1796,8 @@ def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
             AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=push, **bad)
     with pytest.raises(tl.InputError, match="whole 128-row tiles"):
         AllGatherMatmul(4091, K, N, torch.bfloat16, comm=push, ce_executor="direct")
+    from tldsl.runtime.dist import ag_gemm as agm
+    monkeypatch.setattr(agm, "_ProgramAllGather", lambda op, *a: SimpleNamespace(name="copy_engine-plan"))
     assert AllGatherMatmul(4091, K, N, torch.bfloat16, comm=push).engine == "copy_engine-plan"   # odd rows: the plan
     # the default where this rank's rows are whole tiles; the pull elsewhere
     assert AllGatherMatmul(Ms, K, N, torch.bfloat16).engine == "copy_engine-push"
@@ -2203,8 +2066,8 @@ def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch
 def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
     """Launches run in call order whatever stream each call is made on: a call on another stream
     than the previous one first makes its stream wait for the previous stream's work (one event
-    record there, one wait here); calls on one stream add nothing. AG pull, push and SM; GEMM+RS
-    on the copy engine and on SMs."""
+    record there, one wait here); calls on one stream add nothing. AG pull and push, GEMM+RS on the
+    copy engine (the schedules on the fused-op runtime: tests/test_program_op.py)."""
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
     torch = proto.torch
@@ -2213,9 +2076,7 @@ def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):
     pull = tl.CommSchedule(engine="copy_engine", mode="pull")
     ops = [(AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=pull), (Ms, K), (K, N)),
            (AllGatherMatmul(Ms, K, N, torch.bfloat16), (Ms, K), (K, N)),
-           (AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm"), (Ms, K), (K, N)),
-           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16), (2 * Ms, K), (K, N)),
-           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16, engine="sm"), (2 * Ms, K), (K, N))]
+           (MatmulReduceScatter(2 * Ms, K, N, torch.bfloat16), (2 * Ms, K), (K, N))]
     for op, sa, sb in ops:
         a, b = torch.randn(*sa).to(torch.bfloat16), torch.zeros(*sb, dtype=torch.bfloat16)
         first = proto.current[-1].cuda_stream
@@ -2594,8 +2455,7 @@ def _op_blocks(op):
     return [StorageWeakRef(b.tensor.untyped_storage()) for b in blocks]
 
 
-@pytest.mark.parametrize("build", ["ag pull", "ag push", "ag gemm-push", "ag sm", "ag plan push", "rs copy_engine",
-                                   "rs epilogue", "rs sm"])
+@pytest.mark.parametrize("build", ["ag pull", "ag push", "ag gemm-push", "rs copy_engine", "rs epilogue"])
 def test_ops_free_their_symmetric_memory_at_close_and_never_when_dropped(proto, monkeypatch, build):
     """Every op's symmetric blocks (shard slots, landing buffers, counters, workspaces) are freed
     by close() — right there, nothing of them left in the op or its engine — and an op dropped
@@ -2611,12 +2471,10 @@ def test_ops_free_their_symmetric_memory_at_close_and_never_when_dropped(proto, 
     make = {"ag pull": lambda: AllGatherMatmul(4091, 1032, 3000, torch.bfloat16, handshake="device"),
             "ag push": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16),
             "ag gemm-push": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16, pusher="gemm"),
-            "ag sm": lambda: AllGatherMatmul(1024, 1032, 3000, torch.bfloat16, engine="sm"),
-            "ag plan push": lambda: AllGatherMatmul(1000, 1032, 3000, torch.bfloat16, comm=push),
             "rs copy_engine": lambda: MatmulReduceScatter(4096 * 2, 1032, 3000, "bfloat16"),
             "rs epilogue": lambda: MatmulReduceScatter(2048 * 2, 1032, 3000, "bfloat16",
                                                        comm=push.with_(reduce_in="epilogue")),
-            "rs sm": lambda: MatmulReduceScatter(4091 * 2, 1032, 3000, "bfloat16", engine="sm")}[build]
+            }[build]
     op = make()
     engine = getattr(op, "_engine", None)
     refs = _op_blocks(op)

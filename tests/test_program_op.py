@@ -318,7 +318,7 @@ def _skip_handshake(parity):
 
 def _no_epoch(mp):
     real = program_op.enqueue_launch
-    mp.setattr(program_op, "enqueue_launch", lambda dev, order, launch, *a: real(dev, order, 1, *a))
+    mp.setattr(program_op, "enqueue_launch", lambda dev, order, launch, *a, **k: real(dev, order, 1, *a, **k))
 
 
 def test_the_protocol_holds_and_each_of_its_steps_is_needed(monkeypatch):

@@ -56,11 +56,11 @@ With ``staging="gemm"`` (the default where the shard still reaches the peers in 
 as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
 publishes L into this rank's slot on every peer (step 3's handshake, from the device).
 
-That is the direct pull (``engine=None`` / ``"copy_engine"``, pull). Other schedules run through
-:class:`_FusedAllGather`: ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
-SMs, push or pull) and the copy engine driven by the codegen plan
-(:class:`~.plan_exec.PlanExecutor`: ``ce_executor="plan"``, and for a push whose rows are not
-whole tiles).
+That is the direct pull (``engine=None`` / ``"copy_engine"``, pull). Every other schedule is the
+``allgather_gemm`` tile program on the fused-op runtime (:class:`_ProgramAllGather`,
+:mod:`.program_engine`): ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
+SMs, push or pull) and the copy engine driven by the codegen plan (``ce_executor="plan"``, and a
+push whose rows are not whole tiles).
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ from .spare_outputs import SpareOutputs, keep_spares
 from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes, dense
 from .fused_op import FusedOp
+from .program_engine import ProgramEngine
 from .symmetric import Lease
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -214,17 +215,20 @@ class AllGatherMatmul(FusedOp):
             raise InputError(f"pusher={pusher!r}: only the direct copy-engine push has a pusher to choose (this "
                              f"schedule: {comm}, ce_executor={ce_executor!r})")
         if comm.engine == "sm" or push or ce_executor == "plan":
+            # no direct path takes this schedule: the tile program on the fused-op runtime
             if spare_outputs:
                 raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
                                  f"this schedule ({comm}, ce_executor={ce_executor!r}) allocates per call")
-            self.handshake = "kernel"
-            if handshake is not None and handshake != "kernel":
+            if handshake is not None:
                 raise InputError(f"handshake={handshake!r} applies to the direct copy-engine pull path; this "
-                                 f"schedule ({comm}, ce_executor={ce_executor!r}) synchronises through its own kernels")
+                                 f"schedule ({comm}, ce_executor={ce_executor!r}) runs on the fused-op runtime, whose "
+                                 f"handshakes are stream memory operations")
+            self.handshake = None
             self.comm = comm
             self.compute = compute or DEFAULT_COMPUTE
-            self.launches = 0
-            self._engine = _FusedAllGather(self, tdtype, progress)
+            import os
+            self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
+            self._engine = _ProgramAllGather(self, tdtype, progress)
             return
         if comm.engine != "copy_engine" or comm.mode != "pull":
             raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
@@ -753,154 +757,41 @@ def resolve_comm(comm: CommSchedule | None, engine: str | None, sms: int | None,
     return CommSchedule(engine="copy_engine", mode="pull", order="ring")
 
 
-class _FusedAllGather:
-    """AG+GEMM with the all-gather run by the generated SM kernel (``engine='sm'``, push or pull)
-    or by the codegen copy-engine plan (:class:`~.plan_exec.PlanExecutor`, push or pull).
-
-    Launch protocol (launch ``L``; counters only grow, waits target ``count * L``):
-
-    * pull: compute stream: barrier (peers finished reading our shard in ``L-1``), our shard into
-      the symmetric ``a``, barrier (every shard of ``L`` in place); a fresh local ``A_gathered``;
-    * push: ``A_gathered`` and the flags are symmetric (peers write them); the barrier runs on the
-      communication stream, after this rank's ``L-1`` (its GEMM read ``A_gathered``) is done;
-    * event ``E`` on the compute stream, then: SM engine — the all-gather kernel on ``lanes`` CTAs
-      (communication stream, after ``E``), the GEMM on ``SMs - lanes`` CTAs (compute stream); plan
-      engine — the plan's same-GPU copies and their flags on the compute stream (a same-GPU copy
-      runs on SMs and must not queue behind the persistent GEMM), the peer copies and flags on
-      the communication stream (after ``E``), then the GEMM on all SMs;
-    * the compute stream waits for the communication stream.
-
-    CUDA graphs: as the direct path (module docstring) — a captured launch is launch 1 after the
-    device-side reset of every counter between two barriers (:mod:`.fused_op`).
-    """
+class _ProgramAllGather(ProgramEngine):
+    """AG+GEMM's schedules without a direct path — the generated all-gather kernel on ``sms``
+    reserved SMs (``engine='sm'``, push or pull) and the codegen copy-engine plan (``ce_executor=
+    'plan'``, and a push whose rows are not whole tiles) — as the ``allgather_gemm`` tile program
+    on the fused-op runtime (:mod:`.program_engine`): its protocol (entry handshake, every part
+    with the launch's epoch, exit handshake) is :class:`~.program_op.FusedProgram` 's. The
+    gathered rows land in the program's symmetric ``a_gathered``; each call returns a copy of
+    them (the next launch overwrites the buffer)."""
 
     def __init__(self, op, tdtype, progress):
-        import os
+        import weakref
         import torch
         import tldsl as tl
-        from ...codegen import lower
-        from ..gpu.gemm import GemmKernel
         from ...ops.allgather_gemm import allgather_gemm
-        from .comm_kernel import CommKernel, kernel_specs, make_workspace
-        from ..gpu.plan_exec import PlanExecutor, PointerTable, plan_symmetric_names
-
-        import weakref
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
-        ctx = op.ctx
-        W, r = ctx.world_size, ctx.rank
-        comm, compute = op.comm, op.compute
-        self.mode = comm.mode
-        self.name = "sm" if comm.engine == "sm" else "copy_engine-plan"
-        ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
+        self.mode = op.comm.mode
+        W = op.ctx.world_size
+        dt = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
-        self.ir = allgather_gemm.trace(W, spec((op.Ms, op.K), ir_dtype), spec((op.K, op.N), ir_dtype),
-                                       spec((W * op.Ms, op.N), ir_dtype), compute=compute, comm=comm)
-        op.ir = self.ir
-        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
-        self.wait_timeout_ns = int(timeout) if timeout else None
-        opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
-        self.lowered_gemm = lower(self.ir, "gemm", **opts)
-        op.lowered = self.lowered_gemm
-        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
-        bufs, slots = kernel_specs(self.ir)
-        self.bufs = bufs
-        dev = torch.device("cuda", ctx.device)
-        self.device = dev
-        if comm.engine == "sm":
-            self.lowered_comm = lower(self.ir, "gather_a", **opts)
-            comp = self.lowered_comm.compile(progress=progress)     # before any collective (see gemm_rs)
-            self.lanes = self.lowered_comm.grid()[0]
-            sym_b = set(self.lowered_comm.remote_buffers)       # either transport
-            sym_s = set(self.lowered_comm.remote_signals)
-        else:
-            self.plan = lower(self.ir, "gather_a")
-            self.lanes = 0
-            sym_b, sym_s = plan_symmetric_names(self.plan)
-        if self.mode == "pull":
-            sym_b.add("a")                  # peers read our shard: it is staged in symmetric memory
-        self.gemm = GemmKernel(self.lowered_gemm, progress=progress, reserve_sms=self.lanes)
-        self.sym_b, self.sym_s = sorted(sym_b), sorted(sym_s)
-        specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in self.sym_b] + \
-                [(nm, "signal", (slots[nm],), "u64") for nm in self.sym_s]
-        self.ws = make_workspace(ctx, specs, comm.transport, lease=op._lease)      # collective
-        self.signals = {nm: (self.ws.tensor(nm) if nm in sym_s else torch.zeros(slots[nm], dtype=torch.int64,
-                                                                                  device=dev)) for nm in slots}
-        (self.signal,) = self.lowered_gemm.signals
-        if comm.engine == "sm":
-            self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
-                                          peers={nm: self.ws.peers(nm) for nm in self.sym_b},
-                                          peer_signals={nm: self.ws.peers(nm) for nm in self.sym_s}, compiled=comp,
-                                          nvshmem=getattr(self.ws, "nv", None))
-            self.executor = None
-        else:
-            table = PointerTable(W, r)
-            per_call = []
-            for nm, (shape, dt) in bufs.items():
-                if nm not in ("a", "a_gathered"):
-                    continue
-                nbytes = self._nbytes(shape, dt)
-                if nm in sym_b:
-                    table.add_symmetric(nm, self.ws.peers(nm), nbytes)
-                else:
-                    table.add_local(nm, 0, nbytes)          # this call's tensor, given per call
-                    per_call.append(nm)
-            for nm, t in self.signals.items():
-                if nm in sym_s:
-                    table.add_symmetric(nm, self.ws.peers(nm), 8 * slots[nm])
-                else:
-                    table.add_local(nm, t.data_ptr(), 8 * slots[nm])
-            self.executor = PlanExecutor(self.plan, r, table, per_call=per_call)
-            self.comm_kernel = None
-        self.comm_stream = torch.cuda.Stream(device=dev)
-        self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
-        self._order = CallOrder()
-        torch.cuda.synchronize()
+        super().__init__(op, allgather_gemm, {"a": spec((op.Ms, op.K), dt), "b": spec((op.K, op.N), dt),
+                                              "c": spec((W * op.Ms, op.N), dt)},
+                         name="sm" if op.comm.engine == "sm" else "copy_engine-plan", progress=progress,
+                         compute=op.compute, comm=op.comm)
+        op.ir, op.lowered = self.ir, self.lowered("gemm")
+        (self.signal,) = op.lowered.signals
+        self._gemm = None
 
-    @staticmethod
-    def _nbytes(shape, dt):
-        n = {"bf16": 2, "f16": 2, "f32": 4}[dt]
-        for x in shape:
-            n *= x
-        return n
-
-    def close(self) -> None:
-        self.ws.close()
-
-    def graph_counters(self) -> list:
-        return list(self.signals.values())
-
-    def workspace_tensors(self) -> dict:
-        return {nm: self.ws.tensor(nm) for nm in self.sym_b}
-
-    def signal_map(self):
-        who = {"sm": "the all-gather kernel", "copy_engine-plan": "the copy stream"}[self.name]
-        Ms = self.op.Ms
-        tm = self.op.comm.tile_m if self.name == "sm" else None
-        tile = Ms if tm is None else tm
-        tpr = -(-Ms // tile)
-        rows = f"slot s = A_gathered rows [(s // {tpr}) * {Ms} + (s % {tpr}) * {tile}, +{tile})"
-        out = []
-        for nm, t in self.signals.items():
-            where = "symmetric: peers notify" if nm in self.sym_s else f"local: {who} notifies"
-            out.append((nm, t.data_ptr(), t.numel(), f"rank {self.op.ctx.rank}, {where}, the GEMM waits; {rows}"))
-        return out
-
-    def describe(self) -> str:
-        lines = [f"  {self.name} {self.mode}: GEMM on {self.gemm.grid[0]} CTAs, communication on "
-                 f"{self.lanes or 'no'} SM(s)", self.lowered_gemm.describe()]
-        lines.append(self.lowered_comm.describe() if self.comm_kernel is not None else self.executor.describe())
-        lines.append(self.ws.describe())
-        return "\n".join(lines)
-
-    def _barrier(self, stream):
-        timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
-        self.ws.barrier(stream, timeout_ms=timeout)
-
-    def _launch_gemm(self, a_full, b, c, stream, L):
-        """The GEMM, its arguments packed once per set of tensor addresses."""
-        self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
-            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.signals[self.signal]},
-            rank=self.op.ctx.rank)).launch(stream.cuda_stream, L)
+    @property
+    def compute_gemm(self):
+        """The program's GEMM as a stand-alone kernel on the SMs it gets in the fused launch
+        (``AllGatherMatmul.compute_only``)."""
+        if self._gemm is None:
+            from ..gpu.gemm import GemmKernel
+            self._gemm = GemmKernel(self.lowered("gemm"), reserve_sms=self.reserved_sms("gemm"))
+        return self._gemm
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, copy_gathered: bool = True, out=None):
         import torch
@@ -908,57 +799,14 @@ class _FusedAllGather:
         op._check(a_shard, b)
         if out is not None:
             op._check_out(out, a_shard, b)
-        L = op._next_launch()
-        capture = op._capture
-        W, r = op.ctx.world_size, op.ctx.rank
-        cur = torch.cuda.current_stream(self.device)
-        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
-        if self.mode == "pull":
-            a_full = torch.empty((W * op.Ms, op.K), dtype=op.dtype, device=self.device)
-            if poison_workspace:
-                a_full.fill_(float("nan"))
-            self._barrier(cur)                      # peers finished reading our shard (launch L-1)
-            self.ws.tensor("a").copy_(a_shard)
-            self._barrier(cur)                      # every shard of launch L is in place
-            a_src = self.ws.tensor("a")
-        else:
-            a_full = self.ws.tensor("a_gathered")
-            if poison_workspace:
-                a_full.fill_(float("nan"))
-            a_src = dense(a_shard)
-            if not capture:                     # (captured: the stream is joined before the call returns)
-                a_src.record_stream(self.comm_stream)
-        c = torch.empty((W * op.Ms, op.N), dtype=op.dtype, device=self.device) if out is None else out
-        ev = torch.cuda.Event()
-        ev.record(cur)
-        # producers before consumers: once the GEMM (which spins on the flags) is enqueued, everything
-        # this rank contributes to launch L is already enqueued, so no later host-side stall (a
-        # garbage-collected symmetric buffer synchronises the device) can wait for a spinning kernel
-        if self.comm_kernel is not None:
-            op._hook("before_comm", self.comm_stream)
-            self.comm_stream.wait_event(ev)
-            if self.mode == "push":
-                self._barrier(self.comm_stream)     # peers' GEMMs of launch L-1 no longer read their A_gathered
-            self._comm_launches.get((a_src.data_ptr(), a_full.data_ptr()), lambda: self.comm_kernel.prepare(
-                {"a": a_src, "a_gathered": a_full}, self.signals)).launch(self.comm_stream.cuda_stream, L)
-            op._hook("before_compute", cur)
-            self._launch_gemm(a_full, b, c, cur, L)
-        else:
-            op._hook("before_comm", self.comm_stream)
-            self.comm_stream.wait_event(ev)
-            if self.mode == "push":
-                self._barrier(self.comm_stream)
-            per_call = {nm: (a_src if nm == "a" else a_full).data_ptr() for nm in self.executor.per_call}
-            self.executor.enqueue(self.comm_stream.cuda_stream, L, local_stream=cur.cuda_stream, per_call=per_call)
-            op._hook("before_compute", cur)
-            self._launch_gemm(a_full, b, c, cur, L)
-        cur.wait_stream(self.comm_stream)
-        if self.mode == "pull" and not capture:
-            a_full.record_stream(self.comm_stream)  # written on the communication stream (SM kernel / copies)
-        if self.mode == "push" and copy_gathered:
-            a_full = a_full.clone()                 # the symmetric buffer is overwritten by the next launch
-        if self.debug and not capture:
+        gathered = self.workspace_tensors()["a_gathered"]
+        if poison_workspace:
+            gathered.fill_(float("nan"))
+        c = out if out is not None else torch.empty((op.ctx.world_size * op.Ms, op.N), dtype=op.dtype,
+                                                    device=gathered.device)
+        super().__call__(op, a=dense(a_shard), b=b, c=c)
+        if op.debug and not op._capture:
             torch.cuda.synchronize()
-            print(f"[rank {r}] ag_gemm {self.name}-{self.mode} launch {L}: done; counters "
-                  f"{ {nm: t.tolist() for nm, t in self.signals.items()} }", flush=True)
-        return a_full, c
+            print(f"[rank {op.ctx.rank}] ag_gemm {self.name}-{self.mode} launch {op.launches}: done; counters "
+                  f"{self.program.signal_counters()}", flush=True)
+        return (gathered.clone() if copy_gathered else gathered), c

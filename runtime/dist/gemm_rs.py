@@ -25,25 +25,20 @@ program run side by side:
   symmetric ``reduce_scatter_arrived`` counters) and stores this rank's rows of the sum into
   ``out``.
 
-Launch protocol (launch ``L`` counted from 1; counters are never reset, every wait targets
+The SM schedule runs on the fused-op runtime (:class:`_ProgramReduceScatter`,
+:mod:`.program_engine`): the traced program's parts as :class:`~.program_op.FusedProgram` runs
+any program. Launch ``L`` (counted from 1; counters are never reset, every wait targets
 ``count * L``, so a value from an earlier launch can never satisfy it):
 
 1. validate the inputs (shapes, dtypes, devices, contiguity, alignment): nothing is enqueued
    for invalid inputs;
-2. compute stream: record event ``E`` (inputs ready; launch ``L-1`` finished on this rank, since
-   the compute stream waited for the communication stream at the end of ``L-1``), then the
-   GEMM of launch ``L``;
-3. communication stream: wait ``E``; **group barrier** (torch symmetric memory's stream barrier:
-   every rank finished launch ``L-1``'s communication, so the staging slots it is about to
-   overwrite — a peer's receive slots (push) or its own send slots that peers read (pull) — are
-   free); the reduce-scatter kernel of launch ``L``;
-4. the compute stream waits for the communication stream (``out`` is ready for the caller, and
-   launch ``L+1`` cannot overwrite the partials or the staging slots early).
-
-Producers are enqueued before their consumers (the GEMM before the reduce-scatter that waits for
-it), so once a kernel that spins is enqueued, everything it waits for on this rank is enqueued
-too: a host-side stall in between (torch frees symmetric memory with a device synchronise) can
-never wait for a spinning kernel.
+2. caller's stream: the **entry handshake** (stream memory operations: ``2L - 1`` into this
+   rank's slot on every peer, then a wait for every peer's) — every rank finished launch
+   ``L-1``, so the staging slots it is about to overwrite (a peer's receive slots, push; its own
+   send slots that peers read, pull) are free;
+3. the GEMM and the reduce-scatter of launch ``L``, each on a stream forked from the caller's;
+4. the caller's stream joins both, then the **exit handshake** (``2L``): ``out`` is ready, and no
+   rank's launch ``L+1`` can overwrite the partials or the staging slots early.
 
 CUDA graphs (both engines): a captured call bakes ``L`` into the graph (the kernels' argument, the
 copy engine's memop constants), so it is launch ``L = 1`` of fresh counters, and so is every call of
@@ -68,10 +63,10 @@ import os
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
-from .call_order import CallOrder
 from .group import built_alike, dist_context, dtype_name
 from .symmetric import Lease
 from .fused_op import FusedOp
+from .program_engine import ProgramEngine
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -172,7 +167,7 @@ class MatmulReduceScatter(FusedOp):
         from ...codegen import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
         from ..gpu.gemm import GemmKernel
-        from .comm_kernel import CommKernel, kernel_specs, make_workspace
+        from .comm_kernel import kernel_specs
 
         with built_alike("MatmulReduceScatter", group) as build:      # every rank leaves it alike (group.py)
             if reduce_op != "sum":
@@ -181,7 +176,7 @@ class MatmulReduceScatter(FusedOp):
                 raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
             self._closed = False
             self.ctx = dist_context(group)
-            W, r = self.ctx.world_size, self.ctx.rank
+            W = self.ctx.world_size
             dt = check_problem(m, k, n, W, dtype)
             m, k, n = int(m), int(k), int(n)                  # (numpy integers too)
             self.M, self.K, self.N = m, k, n
@@ -219,84 +214,61 @@ class MatmulReduceScatter(FusedOp):
         self.hooks: dict = {}
         self.launches = 0
         self._engine = None
-        bufs, slots = kernel_specs(self.ir)
         dev = self.device = torch.device("cuda", self.ctx.device)
+        (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
+        if not copy_engine:
+            # the SM schedule: the tile program on the fused-op runtime (its kernels, buffers and protocol)
+            self._engine = _ProgramReduceScatter(self, trace_comm, progress)
+            self.lowered_gemm, self.lowered_comm = self._engine.lowered("gemm"), self._engine.lowered("reduce_scatter")
+            self.lanes = sum(k.ctas for k in self._engine.program.plan.kernels if k.part == "reduce_scatter")
+            return
+        from .gemm_rs_copy import CopyEngineReduceScatter
+        bufs, slots = kernel_specs(self.ir)
         self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
                                    device=dev)
-        (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
-        if copy_engine:
-            from .gemm_rs_copy import CopyEngineReduceScatter
-            self.lanes, self.lowered_comm, self.comm_kernel, self.ws = 0, None, None, None
-            self.sym_bufs, self.sym_sigs = [], []
-            self.gemm = GemmKernel(self.lowered_gemm, progress=progress)          # every SM
-            self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=dev)}
-            self._engine = CopyEngineReduceScatter(self, bufs, slots)                # collective
-            torch.cuda.synchronize()
-            return
-        self.lowered_comm = lower(self.ir, "reduce_scatter", **opts)
-        self.lanes = self.lowered_comm.grid()[0]
-        # compile and load both kernels before the collective allocation: a compile error then
-        # fails every rank at the same point instead of leaving peers in a rendezvous
-        comp_comm = self.lowered_comm.compile(progress=progress)
-        self.gemm = GemmKernel(self.lowered_gemm, progress=progress, reserve_sms=self.lanes)
-        sym_bufs = [b.name for b in self.ir.buffers if b.symmetric]
-        sym_sigs = [s.name for s in self.ir.signals if s.type.scope.value == "symmetric"]
-        specs = [(nm, "buffer", bufs[nm][0], bufs[nm][1]) for nm in sym_bufs] + \
-                [(nm, "signal", (slots[nm],), "u64") for nm in sym_sigs]
-        self.ws = make_workspace(self.ctx, specs, self.comm.transport, lease=self._lease) if specs else None
-        self.signals = {nm: (self.ws.tensor(nm) if nm in sym_sigs else torch.zeros(slots[nm], dtype=torch.int64,
-                                                                                     device=dev))
-                        for nm in slots}
-        self.comm_kernel = CommKernel(self.lowered_comm, rank=r, world_size=W, buffers=bufs, signal_slots=slots,
-                                      peers={nm: self.ws.peers(nm) for nm in sym_bufs},
-                                      peer_signals={nm: self.ws.peers(nm) for nm in sym_sigs}, compiled=comp_comm,
-                                      nvshmem=getattr(self.ws, "nv", None))
-        self.sym_bufs, self.sym_sigs = sym_bufs, sym_sigs
-        self.comm_stream = torch.cuda.Stream(device=dev)
-        self._start, self._done = torch.cuda.Event(), torch.cuda.Event()      # reused every launch
-        self._gemm_launches, self._comm_launches = LaunchCache(), LaunchCache()
-        self._order = CallOrder()
+        self.lanes, self.lowered_comm = 0, None
+        self.gemm = GemmKernel(self.lowered_gemm, progress=progress)          # every SM
+        self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=dev)}
+        self._engine = CopyEngineReduceScatter(self, bufs, slots)                # collective
         torch.cuda.synchronize()
 
     # -- introspection (debugging and the distributed checks) -------------------------------------
     def workspace_tensors(self) -> dict:
         """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
         self._check_open()                              # (its views went with close())
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return self._engine.workspace_tensors()
         out = {"partial": self.partial}
-        if self._engine is not None and self._engine.recv is not None:
+        if self._engine.recv is not None:
             out["reduce_scatter_recv"] = self._engine.recv
-        for nm in self.sym_bufs:
-            out[nm] = self.ws.tensor(nm)
         return out
 
     def signal_map(self) -> list[tuple[str, int, int, str]]:
         """``(signal, address, slots, note)`` of this rank's counters, to decode a device
         ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
         self._check_open()                              # (its views went with close())
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return self._engine.signal_map()
         traced = self.ir.comm_schedule                  # the copy engine's carries its rows per copy
         tile = self.Ms if traced.tile_m is None else min(traced.tile_m, self.Ms)
         tpr = -(-self.Ms // tile)
-        out = []
-        for nm, t in self.signals.items():
-            if nm in self.sym_sigs:
-                note = (f"symmetric: peers' reduce-scatter notifies, this rank's reduce-scatter waits; "
-                        f"slot s = step s // {tpr}, tile s % {tpr} ({tile} rows)")
-            else:
-                waiter = "the copy stream" if self._engine is not None else "the reduce-scatter"
-                note = (f"local: the GEMM's tiles notify, {waiter} waits; slot s = partial rows "
-                        f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")
-            out.append((nm, t.data_ptr(), t.numel(), f"rank {self.ctx.rank}, {note}"))
-        if self._engine is not None:
-            out += self._engine.signal_entries()
-        return out
+        t = self.signals[self.ready]
+        out = [(self.ready, t.data_ptr(), t.numel(),
+                f"rank {self.ctx.rank}, local: the GEMM's tiles notify, the copy stream waits; slot s = partial rows "
+                f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")]
+        return out + self._engine.signal_entries()
 
     def signal_tensors(self) -> dict:
         """This rank's counter tensors (int64 CUDA), by signal name."""
         self._check_open()                              # (its views went with close())
-        out = dict(self.signals)
-        if self._engine is not None:
-            out.update(self._engine.signal_tensors())
-        return out
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return self._engine.signals
+        return dict(self.signals, **self._engine.signal_tensors())
+
+    def _graph_counters(self) -> list:
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return self._engine.graph_counters()
+        return list(self.signal_tensors().values())
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:
@@ -306,13 +278,10 @@ class MatmulReduceScatter(FusedOp):
         return [("A", [self.M, self.K]), ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype)]
 
     def _describe_body(self) -> list[str]:
-        lines = [f"  GEMM on {self.gemm.grid[0]} CTAs, reduce-scatter on {self.lanes}", self.lowered_gemm.describe()]
-        if self._engine is not None:
-            return lines + [self._engine.describe()]
-        lines.append(self.lowered_comm.describe())
-        if self.ws is not None:
-            lines.append(self.ws.describe())
-        return lines
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return [self._engine.describe()]
+        return [f"  GEMM on {self.gemm.grid[0]} CTAs, the copy engines reduce-scatter", self.lowered_gemm.describe(),
+                self._engine.describe()]
 
     def _hook(self, name, stream):
         h = self.hooks.get(name)
@@ -335,14 +304,9 @@ class MatmulReduceScatter(FusedOp):
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
             check_output("MatmulReduceScatter", out, (self.Ms, self.N), dt, dev, (("A", a), ("B", b)))
-        L = self._next_launch()
-        if self._engine is not None:
-            return self._finish(self._engine(a, b, out, L))     # allocates `out` once the GEMM is enqueued
-        if out is None:
-            import torch
-            out = torch.empty((self.Ms, self.N), dtype=self.dtype, device=self.device)
-        self._launch_sm(a, b, out, L)
-        return self._finish(out)
+        if isinstance(self._engine, _ProgramReduceScatter):
+            return self._finish(self._engine(a, b, out))
+        return self._finish(self._engine(a, b, out, self._next_launch()))   # allocates `out` once the GEMM is enqueued
 
     def _finish(self, out):
         if self.debug and not self._capture:
@@ -351,43 +315,6 @@ class MatmulReduceScatter(FusedOp):
             print(f"[rank {self.ctx.rank}] gemm_rs launch {self.launches}: done; counters {self.signal_counters()}",
                   flush=True)
         return out
-
-    def _launch_sm(self, a, b, out, L):
-        """The SM schedule's launch (module docstring)."""
-        import torch
-        cur = torch.cuda.current_stream(self.device)
-        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
-        tl_ = self.timeline
-        if tl_ is not None:
-            tl_.mark("start", cur, "compute")
-        ev = self._start
-        ev.record(cur)
-        if self.hooks:
-            self._hook("before_compute", cur)
-        # arguments packed once per set of tensor addresses; a launch only sets the epoch
-        gemm = self._gemm_launches.get((a.data_ptr(), b.data_ptr()), lambda: self.gemm.prepare(
-            {"a": a, "b": b, "partial": self.partial}, signals={self.ready: self.signals[self.ready]},
-            rank=self.ctx.rank))
-        gemm.launch(cur.cuda_stream, L)
-        if tl_ is not None:
-            tl_.mark("gemm done", cur, "compute")
-        if self.hooks:
-            self._hook("before_comm", self.comm_stream)
-        self.comm_stream.wait_event(ev)
-        if self.ws is not None:
-            self._barrier(self.comm_stream)
-        if tl_ is not None:
-            tl_.mark("barrier", self.comm_stream, "comm")
-        comm = self._comm_launches.get(out.data_ptr(), lambda: self.comm_kernel.prepare(
-            dict({"partial": self.partial, "out": out}, **{nm: self.ws.tensor(nm) for nm in self.sym_bufs}),
-            self.signals))
-        comm.launch(self.comm_stream.cuda_stream, L)
-        if tl_ is not None:
-            tl_.mark("reduce-scatter done", self.comm_stream, "comm")
-        self._done.record(self.comm_stream)
-        cur.wait_event(self._done)
-        if not self._capture:               # (captured: the stream is joined just above)
-            out.record_stream(self.comm_stream)
 
     def compute_only(self, a, b):
         """Only this op's GEMM (same kernel, schedule and SM count) into its partial workspace,
@@ -399,10 +326,12 @@ class MatmulReduceScatter(FusedOp):
         if getattr(self, "_scratch", None) is None:
             # the op's buffers, its counters replaced by scratch ones: notifies land there, and
             # waits (the epilogue sum's) find their counts already reached
-            bufs, sigs = (self._engine.gemm_buffers(a, b, torch.empty((self.Ms, self.N), dtype=self.dtype,
-                                                                      device=self.device))
-                          if self._engine is not None else ({"a": a, "b": b, "partial": self.partial},
-                                                            {self.ready: self.signals[self.ready]}))
+            if isinstance(self._engine, _ProgramReduceScatter):
+                self.gemm, self.partial = self._engine.compute_gemm, self._engine.workspace_tensors()["partial"]
+                bufs, sigs = {"a": a, "b": b, "partial": self.partial}, {self.ready: self._engine.signals[self.ready]}
+            else:
+                bufs, sigs = self._engine.gemm_buffers(a, b, torch.empty((self.Ms, self.N), dtype=self.dtype,
+                                                                         device=self.device))
             self._scratch = (bufs, {nm: torch.zeros_like(t) if nm == self.ready else torch.full_like(t, 1 << 62)
                                     for nm, t in sigs.items()})
             self._compute_only = LaunchCache()
@@ -412,12 +341,47 @@ class MatmulReduceScatter(FusedOp):
                                ).launch(torch.cuda.current_stream(self.device).cuda_stream, 1)   # like the fused op's GEMM
         return self.partial
 
-    def _barrier(self, stream):
-        timeout = max(1, -(-self.wait_timeout_ns // 1_000_000)) if self.wait_timeout_ns else None
-        self.ws.barrier(stream, timeout_ms=timeout)
-
     def _release(self) -> None:
-        if self.ws is not None:
-            self.ws.close()
-        if self._engine is not None and self._engine.ws is not None:
+        if isinstance(self._engine, _ProgramReduceScatter):
+            self.partial = None
+            self._scratch = None
+            self._engine.close()
+        elif self._engine.ws is not None:
             self._engine.ws.close()
+
+
+class _ProgramReduceScatter(ProgramEngine):
+    """The SM schedule (``engine='sm'``): the ``gemm_reduce_scatter`` tile program on the fused-op
+    runtime (:mod:`.program_engine`) — its GEMM on ``SMs - lanes`` CTAs and its generated
+    reduce-scatter kernel on ``lanes``, each on a stream of its own, the entry and exit handshakes
+    of :class:`~.program_op.FusedProgram` around them."""
+
+    def __init__(self, op, traced_comm: CommSchedule, progress):
+        import weakref
+        import torch
+        import tldsl as tl
+        from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
+        self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
+        dt = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
+        spec = tl.TensorSpec
+        super().__init__(op, gemm_reduce_scatter, {"a": spec((op.M, op.K), dt), "b": spec((op.K, op.N), dt),
+                                                   "out": spec((op.Ms, op.N), dt)},
+                         name="sm", progress=progress, compute=op.compute, comm=traced_comm,
+                         partial_dtype=op.partial_dtype)
+        self._gemm = None
+
+    @property
+    def compute_gemm(self):
+        """The program's GEMM as a stand-alone kernel on the SMs it gets in the fused launch."""
+        if self._gemm is None:
+            from ..gpu.gemm import GemmKernel
+            self._gemm = GemmKernel(self.lowered("gemm"), reserve_sms=self.reserved_sms("gemm"))
+        return self._gemm
+
+    def __call__(self, a, b, out):
+        import torch
+        op = self.op
+        if out is None:
+            out = torch.empty((op.Ms, op.N), dtype=op.dtype, device=op.device)
+        super().__call__(op, a=a, b=b, out=out)
+        return out

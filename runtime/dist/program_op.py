@@ -41,6 +41,12 @@ nothing waits on the host:
    (a peer's push into this rank's tensors included);
 5. the symmetric buffers some op writes are copied back into the caller's tensors.
 
+Hooks and timelines (what the fused GEMM ops always offered, for any program): ``op.hooks``
+``{'before_compute' | 'before_comm': hook(op, launch, stream)}`` runs on the host just before a
+part of that role is enqueued (the distributed checks inject stragglers there), and with
+``op.timeline = PhaseTimeline()`` each launch marks its start on the caller's stream and
+``<part> done`` on each part's stream.
+
 A call made on another stream than the previous one first waits for the previous launch (the
 counters and handshakes assume launches run in call order). So a call is stream-ordered like any
 torch op; :meth:`FusedProgram.synchronize` waits for the last launch with ``tl.run`` 's timeout
@@ -62,6 +68,7 @@ that runs each launched kernel's tile program); on GPUs, ``torchrun --standalone
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 
 import numpy as np
@@ -73,7 +80,7 @@ from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, hardware_queues, lower_for_run, plan_run
-from ..gpu.run_program import _TORCH, enqueue_launch, read_back, to_device, wait_for
+from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
@@ -123,6 +130,8 @@ class FusedProgram(FusedOp):
         self._last = None                       # (start, end, done) events of the last launch
         self._last_captured = False             # ... recorded while capturing a CUDA graph
         self.launch_ms: list[float] = []
+        self.hooks: dict = {}                   # 'before_compute' / 'before_comm': (op, launch, stream) -> None
+        self.timeline = None                    # a PhaseTimeline: the next calls mark their parts' ends on it
         error, built = None, None
         try:
             built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
@@ -291,8 +300,8 @@ class FusedProgram(FusedOp):
             # (keyed by address, checked per call: the caller's tensor itself is not kept alive here)
             buffers[rank][b.name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype))
         mem = DeviceMemory(W, buffers, self._sig_arrays, self.device.upload, self.device.encode_tma,
-                           tables=self._tables)
-        kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem)) for k in self.plan.kernels}
+                           tables=self._tables, allocate=scratch_allocator(self.device.torch_device))
+        kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem, ctas=k.ctas)) for k in self.plan.kernels}
         copies = {(c.rank, c.part): PlanExecutor(c.plan, rank, _pointers(mem, rank, c.plan), driver=self._drv)
                   for c in self.plan.copies}
         if len(self._packed) >= PACKED_SETS:
@@ -325,8 +334,17 @@ class FusedProgram(FusedOp):
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L - 1)
         streams = self._streams or [origin]
-        start, end = enqueue_launch(dev, list(self.plan.items), epoch, self._loaded, kernels, copies, origin,
-                                    streams)
+        watch = self._watch(origin) if (self.hooks or self.timeline is not None) else None
+        # between the first part that may spin and the last part it waits for, the host must not
+        # wait for the device: no garbage collection (freeing symmetric memory synchronises)
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            start, end = enqueue_launch(dev, list(self.plan.items), epoch, self._loaded, kernels, copies, origin,
+                                        streams, watch=watch)
+        finally:
+            if gc_was_on:
+                gc.enable()
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L)
         for name, t in sym:
@@ -340,6 +358,24 @@ class FusedProgram(FusedOp):
         if self._last is not None:
             dev.destroy(self._last)
         self._last, self._last_captured = (start, end, done), captured
+
+    def _watch(self, origin):
+        """What runs on the host around each part's enqueue: the caller's hooks before it
+        (``hooks['before_compute']`` / ``hooks['before_comm']`` by the part's role, called as
+        ``hook(op, launch, stream)`` with the part's stream — the distributed checks inject
+        stragglers there) and, after it, a timeline mark ``<part> done`` on that stream."""
+        if self.timeline is not None:
+            self.timeline.mark("start", torch_stream(origin, self.device), "caller")
+
+        def watch(item, stream: int, when: str) -> None:
+            role = self.kernel.part(item.part).role
+            if when == "before":
+                hook = self.hooks.get(f"before_{role}")
+                if hook is not None:
+                    hook(self, self.launches, torch_stream(stream, self.device))
+            elif self.timeline is not None:
+                self.timeline.mark(f"{item.part} done", torch_stream(stream, self.device), role)
+        return watch
 
     def _launch_epoch(self) -> int:
         """Count this call as a launch and return its epoch: the host's count — or, where the
@@ -366,6 +402,20 @@ class FusedProgram(FusedOp):
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:
         return dict(self._signals)
+
+    def signal_map(self) -> list[tuple[str, int, int, str]]:
+        """``(signal, address, slots, note)`` of this rank's counters and handshake slots (decodes a
+        device ``wait timed out: slot 0x...`` line: :func:`~.comm_kernel.explain_address`)."""
+        self._check_open()
+        rank, out = self.ctx.rank, []
+        for s in self.kernel.signals:
+            t = self._signals[s.name]
+            who = "symmetric: peers notify" if s.type.scope.value == "symmetric" else "local"
+            out.append((s.name, t.data_ptr(), t.numel(), f"rank {rank}, {who}; {s.type.slots} slot(s)"))
+        W = self.ctx.world_size
+        out.append(("handshake", self._handshake[rank], W, f"rank {rank}: slot q = rank q's last handshake value "
+                    "(2L - 1 on entering launch L, 2L on leaving it)"))
+        return out
 
     def _graph_counters(self) -> list:
         """Every counter a launch waits on or writes: the one int64 block holding the signals
@@ -409,6 +459,13 @@ class FusedProgram(FusedOp):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+def torch_stream(handle: int, device):
+    """A torch stream object for a raw CUDA stream of ``device`` (what hooks and timelines record
+    on); a device without torch streams (a test's fake) passes the handle itself."""
+    make = getattr(device, "torch_stream", None)
+    return make(handle) if make is not None else handle
+
 
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA): an event

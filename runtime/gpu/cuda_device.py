@@ -75,6 +75,11 @@ class CudaDevice:
             pool.append(int(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")))
         return pool[:n]
 
+    def torch_stream(self, handle: int):
+        """torch's view of raw stream ``handle`` (for callers that enqueue torch work on it)."""
+        import torch
+        return torch.cuda.ExternalStream(handle, device=self.torch_device)
+
     def event(self, timing: bool = False):
         cu = _driver()
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING

@@ -1,0 +1,163 @@
+"""The fused GEMM ops' schedules without a hand-built path run on the one fused-op runtime
+(runtime/dist/program_engine.py): ``AllGatherMatmul`` with the generated SM all-gather (push and
+pull) or the codegen copy-engine plan, ``MatmulReduceScatter`` with the SM reduce-scatter — each
+the library's tile program as a FusedProgram. Every rank's real op is built in a thread of its own
+and run on the fake GPU of tests/test_program_op.py (each kernel launch runs the tile program it
+was lowered from on the memory its arguments name; streams interleaved at random), and its results
+are checked against numpy over several launches with new inputs each."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+torch = pytest.importorskip("torch")
+
+from test_program_op import Group, host  # noqa: E402
+from test_reprs import assert_notebook_native  # noqa: E402
+
+from tldsl.runtime.dist import ag_gemm, gemm_rs, program_op  # noqa: E402
+from tldsl.runtime.dist.ag_gemm import AllGatherMatmul  # noqa: E402
+from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter  # noqa: E402
+from tldsl.runtime.dist.program_engine import ProgramEngine  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::tldsl.runtime.dist.symmetric.SymmetricMemoryWarning")
+
+C16 = tl.ComputeSchedule(tile=(16, 16, 16))
+AG_SCHEDULES = {
+    "sm-pull": dict(comm=tl.CommSchedule(engine="sm", mode="pull", tile_m=16, sms=1)),
+    "sm-push": dict(comm=tl.CommSchedule(engine="sm", mode="push", order="full_mesh", tile_m=16, sms=2)),
+    "plan-pull": dict(comm=tl.CommSchedule(engine="copy_engine", mode="pull"), ce_executor="plan"),
+    "plan-push": dict(comm=tl.CommSchedule(engine="copy_engine", mode="push"), ce_executor="plan"),
+}
+
+
+def ops_group(monkeypatch, W, seed=0):
+    """A fake group whose ranks build the fused GEMM ops (their host-side operand checks are for
+    CUDA tensors: tested elsewhere)."""
+    g = Group(monkeypatch, W, seed)
+    monkeypatch.setenv("TLDSL_WAIT_TIMEOUT_NS", str(2_000_000_000))     # a wait nothing satisfies: an error
+    for m in (ag_gemm, gemm_rs):
+        monkeypatch.setattr(m, "dist_context", program_op.dist_context)
+    monkeypatch.setattr(AllGatherMatmul, "_check", lambda self, a, b: None)
+    monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out, a, b: None)
+    monkeypatch.setattr(gemm_rs, "validate_operands", lambda *a, **k: None)
+    monkeypatch.setattr(gemm_rs, "check_output", lambda *a, **k: None)
+    return g
+
+
+def f16(rng, *shape):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float16))
+
+
+def close_to(got, want, k):
+    np.testing.assert_allclose(host(got).astype(np.float32), want, rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(k) / 4))
+
+
+@pytest.mark.parametrize("variant", sorted(AG_SCHEDULES))
+@pytest.mark.parametrize("W", [2, 3])
+def test_allgather_matmul_schedules_on_the_runtime(monkeypatch, variant, W):
+    Ms, K, N = 32, 16, 48
+    g = ops_group(monkeypatch, W, seed=W)
+    ops = g.build(lambda r, dev: AllGatherMatmul(Ms, K, N, torch.float16, compute=C16, **AG_SCHEDULES[variant]))
+    assert all(isinstance(op._engine, ProgramEngine) for op in ops)
+    assert ops[0].engine == ("sm" if variant.startswith("sm") else "copy_engine-plan")
+    rng = np.random.default_rng(W)
+    for L in (1, 2, 3):                                 # new inputs every launch
+        shards = [f16(rng, Ms, K) for _ in range(W)]
+        b = f16(rng, K, N)
+        outs = [torch.full((W * Ms, N), float("nan"), dtype=torch.float16) for _ in range(W)]
+        for r in g.fake.rng.sample(range(W), W):        # the hosts enqueue in any order
+            ops[r](shards[r], b, out=outs[r])
+        for op in ops:
+            op._engine.program.synchronize()
+        want = np.concatenate([host(s) for s in shards]).astype(np.float32)
+        for r, op in enumerate(ops):
+            assert op.launches == L
+            assert np.array_equal(host(op.workspace_tensors()["a_gathered"]), want.astype(np.float16))
+            close_to(outs[r], want @ host(b).astype(np.float32), K)
+    for op in ops:
+        op.close()
+    with pytest.raises(Exception, match="closed"):
+        ops[0].signal_tensors()
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_matmul_reduce_scatter_sm_schedule_on_the_runtime(monkeypatch, W):
+    Ms, K, N = 16, 16, 32
+    g = ops_group(monkeypatch, W, seed=W)
+    comm = tl.CommSchedule(engine="sm", tile_m=16, sms=1)
+    ops = g.build(lambda r, dev: MatmulReduceScatter(W * Ms, K, N, torch.float16, compute=C16, comm=comm))
+    assert all(isinstance(op._engine, ProgramEngine) for op in ops) and ops[0].lanes == 1
+    rng = np.random.default_rng(W)
+    for L in (1, 2):
+        a = [f16(rng, W * Ms, K) for _ in range(W)]
+        b = [f16(rng, K, N) for _ in range(W)]
+        outs = [torch.full((Ms, N), float("nan"), dtype=torch.float16) for _ in range(W)]
+        for r in g.fake.rng.sample(range(W), W):
+            assert ops[r](a[r], b[r], out=outs[r]) is outs[r]
+        for op in ops:
+            op._engine.program.synchronize()
+        # partials rounded to fp16 before the sum (partial_dtype="out", the default)
+        parts = [(host(a[q]).astype(np.float32) @ host(b[q]).astype(np.float32)).astype(np.float16)
+                 .astype(np.float32) for q in range(W)]
+        total = sum(parts)
+        for r in range(W):
+            close_to(outs[r], total[r * Ms:(r + 1) * Ms], K * W)
+    assert [s[0] for s in ops[0].signal_map()][-1] == "handshake"
+    assert set(ops[0].signal_tensors()) == {s.name for s in ops[0].ir.signals}
+    assert "partial" in ops[0].workspace_tensors()
+    assert_notebook_native(ops[0], f"<MatmulReduceScatter rank 0/{W}: A [{W * Ms}, {K}]", "engine='sm'",
+                           "2 launches>")
+    text = ops[0].describe()
+    assert "fused-op runtime" in text and "part gemm" in text and "part reduce_scatter" in text
+    for op in ops:
+        op.close()
+
+
+def test_hooks_and_timeline_see_every_part(monkeypatch):
+    """The distributed checks' straggler hooks and the phase timeline, through the runtime: each
+    launch calls ``before_comm`` and ``before_compute`` once (with the part's stream) and marks
+    the start and each part's end."""
+    W, Ms, K, N = 2, 16, 16, 16
+    g = ops_group(monkeypatch, W)
+    ops = g.build(lambda r, dev: AllGatherMatmul(Ms, K, N, torch.float16, compute=C16, **AG_SCHEDULES["sm-push"]))
+    seen = []
+
+    class Marks:
+        def __init__(self):
+            self.labels = []
+
+        def mark(self, label, stream, name):
+            self.labels.append((label, name))
+    ops[0].hooks = {"before_compute": lambda op, L, s: seen.append(("compute", L, s)),
+                    "before_comm": lambda op, L, s: seen.append(("comm", L, s))}
+    ops[0].timeline = Marks()
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        b = f16(rng, K, N)
+        for r in range(W):
+            ops[r](f16(rng, Ms, K), b)
+    for op in ops:
+        op._engine.program.synchronize()
+    assert sorted((k, L) for k, L, _ in seen) == [("comm", 1), ("comm", 2), ("compute", 1), ("compute", 2)]
+    assert len({s for _, _, s in seen}) == 2                 # each part on a stream of its own
+    assert ops[0].timeline.labels == [("start", "caller"), ("gather_a done", "comm"), ("gemm done", "compute")] * 2
+    for op in ops:
+        op.close()
+
+
+def test_ops_without_a_direct_path_hold_no_symmetric_memory_of_their_own(monkeypatch):
+    """The op's own lease stays empty: the program's lease holds every block, and the op's
+    close() frees it (collectively, every rank)."""
+    from tldsl.runtime.dist import symmetric
+    W = 2
+    g = ops_group(monkeypatch, W)
+    ops = g.build(lambda r, dev: AllGatherMatmul(16, 16, 16, torch.float16, compute=C16, **AG_SCHEDULES["sm-pull"]))
+    own = symmetric._LEDGER[ops[0]._lease.key]
+    program = symmetric._LEDGER[ops[0]._engine.program._lease.key]
+    assert not own.blocks and program.blocks
+    keys = [op._engine.program._lease.key for op in ops]
+    g.build(lambda r, dev: ops[r].close())
+    assert all(k not in symmetric._LEDGER or symmetric._LEDGER[k].state == "lingering" for k in keys)

@@ -147,6 +147,8 @@ SOURCES = {
     "data": "the address of tensor <name>, read element by element while peers write it",
     "scalar": "an int the caller passes by name with the tensors",
     "rank": "this rank", "launch": "the 1-based launch index (epoch)",
+    "scratch": "the address of the kernel's global-memory scratch for tiles that do not fit in shared memory: "
+               "its scratch_bytes_per_cta for every CTA of the launch, poisoned, private to the kernel and rank",
     "M": "a size fixed by the trace", "N": "a size fixed by the trace", "K": "a size fixed by the trace",
 }
 _NAMED = {"tma", "signal", "peer_signals", "peers", "buffer", "data", "scalar"}
@@ -177,6 +179,9 @@ class KernelParam:
 #: the parameters every generated kernel takes: this rank, and the launch index its waits count in
 RANK_PARAM = KernelParam("rank", "int", "i32", "rank")
 LAUNCH_PARAM = KernelParam("launch", "unsigned long long", "u64", "launch")
+#: the general lowering's global-memory scratch (its spilled slots; CTA b's share starts at
+#: ``b * scratch_bytes_per_cta``)
+SCRATCH_PARAM = KernelParam("scratch", "unsigned char*", "ptr", "scratch")
 
 
 def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:

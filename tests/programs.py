@@ -14,3 +14,22 @@ def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
     def part(pm, pn):
         t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
         tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
+
+
+@tl.kernel
+def outer_sums(u, v, y, *, compute: tl.ComputeSchedule = None):
+    """``y = u.T @ v`` as a sum of outer products of rows, accumulated element by element in a
+    fragment over a ``tl.range`` loop: at tile (256, 256, *) the f32 fragment alone (256 KB) is
+    more than a CTA's shared memory."""
+    K, M = u.shape
+    N = v.shape[1]
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, 1):
+            a = tl.load(u, (k, pm * BM), (1, BM)).to(tl.float32)
+            b = tl.load(v, (k, pn * BN), (1, BN)).to(tl.float32)
+            acc += tl.trans(a) * b
+        tl.store(y, (pm * BM, pn * BN), acc.read())

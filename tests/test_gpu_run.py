@@ -180,6 +180,27 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
                                                      + out.stderr[-3000:])
 
 
+def test_tiles_over_shared_memory_run_from_the_global_scratch():
+    """256 x 256 f32 fragments are more than a CTA's shared memory: the general lowering keeps
+    them in a global-memory scratch tl.run allocates, poisoned. Two accumulators of a K loop of
+    dots (their operands in shared memory), and an element-wise accumulator with several task
+    groups a CTA and more tasks than CTAs (each group's share reused task after task)."""
+    from programs import outer_sums
+    from test_codegen_general import gated_gemm
+    rng = np.random.default_rng(12)
+    M, N, K = 1300, 1100, 100
+    ins = {"a": _rand(rng, (M, K), np.float32), "b": _rand(rng, (K, N), np.float32),
+           "c": _rand(rng, (K, N), np.float32), "bias": _rand(rng, (N,), np.float32),
+           "out": np.full((M, N), np.nan, np.float32)}
+    res = both(gated_gemm, 1, [ins], sums=True, compute=tl.ComputeSchedule(tile=(256, 256, 32)))
+    assert res.plan.kernels[0].lowered.scratch_bytes > 0
+    u, v = _rand(rng, (5, 4000), np.float16), _rand(rng, (5, 4100), np.float16)
+    res = both(outer_sums, 1, [{"u": u, "v": v, "y": np.full((4000, 4100), np.nan, np.float32)}], sums=True,
+               compute=tl.ComputeSchedule(tile=(256, 256, 16)))
+    [item] = res.plan.kernels
+    assert item.lowered.groups > 1 and item.lowered.scratch_bytes > 0 and item.ctas < item.lowered.num_tasks
+
+
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
     """Every generated program whose parts all lower and compile agrees with the simulator."""
     from tldsl.testing.fuzz import run

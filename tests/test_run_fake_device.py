@@ -265,6 +265,18 @@ def test_scale_rows_and_softmax_on_the_fake_device():
            compute=tl.ComputeSchedule(tile=(16, 16, 16)))
 
 
+def test_a_program_over_shared_memory_runs_with_its_scratch_on_the_fake_device():
+    """256 x 256 f32 fragments are more than a CTA's shared memory: the kernel takes a scratch,
+    which run_program allocates (on the fake, in host memory) and binds; results as simulated."""
+    from programs import outer_sums
+    rng = np.random.default_rng(5)
+    u, v = rng.standard_normal((3, 300)).astype(np.float16), rng.standard_normal((3, 270)).astype(np.float16)
+    res, dev = agrees(outer_sums, 1, [{"u": u, "v": v, "y": np.full((300, 270), np.nan, np.float32)}],
+                      compute=tl.ComputeSchedule(tile=(256, 256, 16)))
+    [item] = res.plan.kernels
+    assert "scratch" in [p.source for p in item.lowered.params] and item.lowered.scratch_bytes_per_cta > 0
+
+
 def _ag_inputs(k, seed):
     rng = np.random.default_rng(seed)
     b = rng.standard_normal(k.args[1].type.shape).astype(np.float16)

@@ -144,6 +144,37 @@ def test_a_tma_descriptor_larger_than_its_tensor_is_refused():
         bind(lk, 0, mem)
 
 
+def test_a_kernels_scratch_is_sized_by_its_grid_poisoned_and_kept_per_rank():
+    """A general kernel whose tiles do not fit in shared memory takes its global-memory scratch:
+    poisoned memory of scratch_bytes_per_cta for every CTA the plan launches, one per rank
+    (the ranks run at once), allocated once (later bindings, launches, reuse it)."""
+    import dataclasses
+    from programs import outer_sums
+    from tldsl.runtime.gpu.bind import SCRATCH_POISON_WORD
+    k = outer_sums.trace(2, S((5, 1000), F16), S((5, 520), F16), S((1000, 520), F32),
+                         compute=tl.ComputeSchedule(tile=(256, 256, 16)))
+    plan = planned(k, sm_count=7)
+    uploads = []
+
+    def upload(values):
+        uploads.append(list(values))
+        return DeviceArray(0x1000 * len(uploads), (len(values),), "u64")
+    mem = dataclasses.replace(nominal_memory(k), upload=upload, allocate=None)    # scratch through upload
+    binds = plan.bind(mem)
+    sizes = {}
+    for item in plan.kernels:
+        lk = item.lowered
+        assert lk.scratch_bytes_per_cta == lk.groups * 256 * 256 * 4 and 1 <= item.ctas < lk.num_tasks
+        [scratch] = [b.value for b in binds[(item.rank, item.part)] if b.param.source == "scratch"]
+        sizes[scratch] = item.ctas * lk.scratch_bytes_per_cta
+    assert len(sizes) == 2 and sorted(len(u) * 8 for u in uploads) == sorted(sizes.values())
+    assert all(set(u) == {SCRATCH_POISON_WORD} for u in uploads)
+    plan.bind(mem)
+    assert len(uploads) == 2
+    lk = plan.kernels[0].lowered
+    assert len(bind(lk, 0, nominal_memory(k))) == len(lk.params)      # unplanned: the kernel's largest grid
+
+
 # =================================================================================================
 # plans: what each rank launches
 # =================================================================================================

@@ -10,7 +10,16 @@ consumed, and the kernel's ABI.
   ``trans`` (coordinates only), the other elementwise values, and a ``frag_read`` read in place.
 * **Slots** are reused by liveness: a slot is live from the statement that writes it to the last
   statement that reads it (to the end of the outermost loop that reads it without defining it).
-  Offsets are first-fit in order of definition; the arena must fit in 227 KB.
+  Offsets are first-fit in order of definition; the shared-memory arena holds at most 227 KB.
+* **Spilled slots** (:func:`_spills`): where the tiles do not fit in 227 KB even when element
+  values read twice are computed again (the simulator takes tiles up to 256 x 256, a single f32
+  one 256 KB), some move to a global-memory scratch private to each task group of each CTA
+  (:data:`..abi.SCRATCH_PARAM`, allocated by the runtime, slots reused by liveness there too):
+  those live where the arena overflows that the task touches least (a statement in a loop weighs
+  :data:`LOOP_WEIGHT` times one outside it), dot operands last (the tensor cores read their
+  fragments from shared memory); then any spilled slot that fits again comes back. Element loops
+  read and write a slot through a pointer into either space; only a scratch over
+  :data:`SCRATCH_LIMIT` a group is refused.
 * **Task groups** (:func:`task_groups`): a part whose tasks never wait for each other and have
   no dot runs several tasks per CTA, each on its own group of threads with its own copy of the
   arena — the runtime launches one CTA per SM, and one task's tile at a time leaves an SM's
@@ -24,10 +33,10 @@ from dataclasses import dataclass, field
 from ...ir import core
 from ...ir import types as T
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
-from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, buffer_param, entry_name, is_this_rank, peer_buffer_param,
-                   peer_signal_param, signal_param, table_param, wait_timeout_options)
+from ..abi import (LAUNCH_PARAM, RANK_PARAM, SCRATCH_PARAM, KernelParam, buffer_param, entry_name, is_this_rank,
+                   peer_buffer_param, peer_signal_param, signal_param, table_param, wait_timeout_options)
 from ..dtypes import ctype, elem_bytes
-from ..errors import LoweringError, fail
+from ..errors import fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
 
@@ -41,6 +50,12 @@ MAX_CTA_THREADS = 512
 MAX_GROUPS = 8
 #: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
 SMEM_LIMIT = 227 * 1024
+#: the global-memory scratch one task group may take for the slots that do not fit its shared
+#: memory (the runtime allocates it for every group of every CTA it launches)
+SCRATCH_LIMIT = 16 * 1024 * 1024
+#: how much more often a statement inside a loop runs than one outside it, when choosing the slots
+#: to spill (trip counts may be known only at run time)
+LOOP_WEIGHT = 8
 ALIGN = 16
 #: element ops that only move coordinates or make constants: never stored, recomputed freely
 COORDINATE_OPS = frozenset({"full", "iota", "expand_dims", "broadcast", "trans"})
@@ -50,13 +65,15 @@ STORED_RESULTS = frozenset({"load", "load_rows", "reduce", "dot", "frag_alloc", 
 
 @dataclass(frozen=True)
 class Slot:
-    """A materialised tile (or fragment) in the shared-memory arena."""
+    """A materialised tile (or fragment): in the shared-memory arena, or (``spilled``) in the task
+    group's global-memory scratch, ``offset`` bytes into either."""
     value: core.Value
     op: core.Op              # the op whose statement writes it
     offset: int
     nbytes: int
     start: int               # live range, in statement positions
     end: int
+    spilled: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -88,6 +105,7 @@ class GeneralPlan:
     groups: int = 1               # task groups per CTA (each ``threads`` threads, its own arena and barrier)
     arena_bytes: int = 0          # one group's shared memory (smem_bytes = groups * arena_bytes)
     notes: tuple[str, ...] = field(default=())
+    scratch_bytes: int = 0        # one group's global-memory scratch (its spilled slots; 0: none)
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -272,49 +290,110 @@ def _reads(v: core.Value, frag: core.Value, views: dict, fused: set[int]) -> boo
     return any(_reads(x, frag, views, fused) for x in op.operands if isinstance(x.type, T.TileType))
 
 
-def _live_range(prog: _Program, op: core.Op, v: core.Value, fused: set[int], views: dict) -> tuple[int, int]:
-    """From ``op`` to the last statement that reads ``v`` — directly, through values computed in
-    place, or (a fragment) through its reads in place — each read stretched to the end of the
-    outermost loop around it that ``op`` is not in."""
+def _statements(prog: _Program, op: core.Op, v: core.Value, fused: set[int], views: dict) -> list[core.Op]:
+    """``op`` and every op that reads or writes ``v`` — directly, through values computed in
+    place, or (a fragment) through its reads in place."""
     reads = [v]
     if isinstance(v.type, T.FragmentType):
         reads += [u.result for u in prog.users.get(v.id, []) if u.name == "frag_read" and u.result.id in views]
     users = list(prog.users.get(v.id, []))
     for x in reads:
         users += [stmt for stmt, _ in _consumers(prog, x, fused)]
+    return [op] + users
+
+
+def _live_range(prog: _Program, op: core.Op, statements: list[core.Op]) -> tuple[int, int]:
+    """From ``op`` to the last of the ``statements`` that touch its value, each stretched to the
+    end of the outermost loop around it that ``op`` is not in."""
     start = prog.pos[id(op)]
-    return start, max([start] + [prog.reach(op, u) for u in users])
+    return start, max([start] + [prog.reach(op, u) for u in statements])
 
 
-def _allocate(items: list[tuple[core.Value, core.Op, int, int, int]], part: core.Part) -> tuple[dict, int]:
-    """First-fit offsets for (value, op, bytes, start, end), in order of start."""
+@dataclass(frozen=True)
+class _Tile:
+    """A value that needs a slot, before it has one: its size, live range, how much the task
+    touches it (each statement that does, :data:`LOOP_WEIGHT` times more per loop around it) and
+    whether a dot reads it (the tensor cores' operands stay in shared memory where they can)."""
+    value: core.Value
+    op: core.Op
+    nbytes: int
+    start: int
+    end: int
+    touches: int
+    dot_operand: bool
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return not (self.end < start or end < self.start)
+
+
+def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None = None) -> tuple[dict, int]:
+    """First-fit offsets for ``tiles``, in order of start: ({value id: Slot}, bytes used). Over
+    ``limit``: a LoweringError at the tile that crossed it, naming the largest tiles live there."""
     placed: list[Slot] = []
     top = 0
-    for v, op, nbytes, start, end in sorted(items, key=lambda x: (x[3], x[4])):
-        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed if not (s.end < start or end < s.start))
+    for t in sorted(tiles, key=lambda t: (t.start, t.end)):
+        busy = sorted((s.offset, s.offset + s.nbytes) for s in placed if not (s.end < t.start or t.end < s.start))
         off = 0
         for lo, hi in busy:
-            if off + nbytes <= lo:
+            if off + t.nbytes <= lo:
                 break
             off = max(off, (hi + ALIGN - 1) // ALIGN * ALIGN)
-        slot = Slot(v, op, off, nbytes, start, end)
-        placed.append(slot)
-        top = max(top, off + nbytes)
-        if top > SMEM_LIMIT:
-            live = sorted((s for s in placed if not (s.end < start or end < s.start)), key=lambda s: -s.nbytes)
-            names = ", ".join(f"{'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}, {s.op.loc.short() if s.op.loc else '?'})"
-                              for s in live[:4])
-            raise fail(WHAT, f"the tiles live here need {top // 1024} KB of shared memory, over the "
-                             f"{SMEM_LIMIT // 1024} KB a CTA has (largest: {names}); use smaller tiles "
-                             "(the compute schedule's tile) or fewer tiles alive at once", op)
+        placed.append(Slot(t.value, t.op, off, t.nbytes, t.start, t.end, spilled))
+        top = max(top, off + t.nbytes)
+        if limit is not None and top > limit:
+            raise _over_limit(placed, t, top, limit)
     return {s.value.id: s for s in placed}, top
 
 
-def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...], tuple[str, ...]]:
+def _over_limit(placed: list[Slot], t: _Tile, top: int, limit: int):
+    live = sorted((s for s in placed if t.overlaps(s.start, s.end)), key=lambda s: -s.nbytes)
+    names = ", ".join(f"{'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}, {s.op.loc.short() if s.op.loc else '?'})"
+                      for s in live[:4])
+    return fail(WHAT, f"the tiles live here need {top // 1024} KB of global-memory scratch beside the "
+                      f"{SMEM_LIMIT // 1024} KB of shared memory a CTA has, over the {limit // 1024} KB a task may "
+                      f"take (largest: {names}); use smaller tiles (the compute schedule's tile) or fewer tiles "
+                      "alive at once", t.op)
+
+
+def _crowded(tiles: list[_Tile]) -> list[_Tile]:
+    """The tiles live at a statement where the live tiles together exceed :data:`SMEM_LIMIT`."""
+    over = [p for p in sorted({t.start for t in tiles})
+            if sum(t.nbytes for t in tiles if t.overlaps(p, p)) > SMEM_LIMIT]
+    return [t for t in tiles if any(t.overlaps(p, p) for p in over)]
+
+
+def _spills(tiles: list[_Tile]) -> set[int]:
+    """The ids of the values whose slots go to the global-memory scratch so that the rest fit in
+    :data:`SMEM_LIMIT` (none where all fit): one at a time, of the tiles live where shared memory
+    overflows, the one the task touches least (dot operands last, the largest first among equals);
+    then each spilled one that fits again comes back (dot operands, then the most touched, first)."""
+    shared, out = list(tiles), []
+    while _first_fit(shared)[1] > SMEM_LIMIT:
+        victim = min(_crowded(shared) or shared, key=lambda t: (t.dot_operand, t.touches, -t.nbytes))
+        shared.remove(victim)
+        out.append(victim)
+    for t in sorted(out, key=lambda t: (not t.dot_operand, -t.touches, t.nbytes)):
+        if _first_fit(shared + [t])[1] <= SMEM_LIMIT:
+            shared.append(t)
+            out.remove(t)
+    return {t.value.id for t in out}
+
+
+def _place(tiles: list[_Tile]) -> tuple[dict, int, int]:
+    """Every tile's slot: ({value id: Slot}, shared-memory arena bytes, scratch bytes)."""
+    spilled = _spills(tiles)
+    shared, top = _first_fit([t for t in tiles if t.value.id not in spilled])
+    scratch, scratch_top = _first_fit([t for t in tiles if t.value.id in spilled], spilled=True, limit=SCRATCH_LIMIT)
+    return {**shared, **scratch}, top, scratch_top
+
+
+def _abi(kernel: core.Kernel, part: core.Part, *,
+         scratch: bool = False) -> tuple[tuple[KernelParam, ...], tuple[str, ...]]:
     """Parameters in order: per tensor (kernel order) this rank's pointer (const when only
     read) and the table of every rank's pointers (when a data primitive reaches another rank);
     per signal this rank's counters and the table of every rank's copies (when notified
-    on another rank); the ``load_scalar`` tables; ``rank``; ``launch``."""
+    on another rank); the ``load_scalar`` tables; the global-memory scratch (``scratch``: some
+    slots are spilled); ``rank``; ``launch``."""
     modes: dict[int, set] = {}
     peer_modes: dict[int, set] = {}
     tables: list[core.Buffer] = []
@@ -357,6 +436,7 @@ def _abi(kernel: core.Kernel, part: core.Part) -> tuple[tuple[KernelParam, ...],
     for t in tables:
         # no __restrict__: the part may write the table it reads (the read-only path could go stale)
         params.append(KernelParam(table_param(t), "const int*", "ptr", f"buffer:{t.name}"))
+    params += [SCRATCH_PARAM] if scratch else []
     params += [RANK_PARAM, LAUNCH_PARAM]
     used = tuple(s.name for s in kernel.signals if id(s) in local_s or id(s) in peer_s)
     return tuple(params), used
@@ -371,11 +451,25 @@ def _decode(grid: tuple[int, ...]) -> tuple:
     return tuple(sorted(out))
 
 
-def _layout(prog: _Program, part: core.Part, recompute: bool):
-    """(views, dot epilogues, the statements they absorb, slots, arena bytes) of the part."""
+@dataclass(frozen=True)
+class _Layout:
+    """What the plan decides before slots get offsets: reads in place, dot epilogues, the
+    statements they absorb, and the tiles that need a slot."""
+    views: dict
+    epilogues: dict
+    absorbed: frozenset
+    tiles: list
+
+    @property
+    def shared_bytes(self) -> int:
+        """The arena if every tile stays in shared memory."""
+        return _first_fit(self.tiles)[1]
+
+
+def _layout(prog: _Program, recompute: bool) -> _Layout:
     fused, views = _fuse_decisions(prog, recompute)
     epilogues, starts = _epilogues(prog, fused, views)
-    items = []
+    tiles = []
     for op in prog.order:
         if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
             continue
@@ -385,10 +479,13 @@ def _layout(prog: _Program, part: core.Part, recompute: bool):
         if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
             raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
         nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
-        start, end = _live_range(prog, op, v, fused, views)
-        items.append((v, op, nbytes, starts.get(v.id, start), end))
-    slots, top = _allocate(items, part)
-    return views, epilogues, frozenset(id(t) for t in epilogues.values()), slots, top
+        stmts = _statements(prog, op, v, fused, views)
+        start, end = _live_range(prog, op, stmts)
+        touching = {id(u) for u in stmts if not (u.results and u.result.id in fused)}   # statements only
+        touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
+        dot_operand = any(u.name == "dot" for u in stmts if u is not op)
+        tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
+    return _Layout(views, epilogues, frozenset(id(t) for t in epilogues.values()), tiles)
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
@@ -403,12 +500,13 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    try:
-        layout = _layout(prog, part, recompute=False)
-    except LoweringError:
-        layout = _layout(prog, part, recompute=True)      # over the limit: recompute shared values instead
-    views, epilogues, absorbed, slots, top = layout
-    params, signals = _abi(kernel, part)
+    layout = _layout(prog, recompute=False)
+    if layout.shared_bytes > SMEM_LIMIT:
+        again = _layout(prog, recompute=True)     # over the limit: recompute shared values instead
+        if again.shared_bytes <= SMEM_LIMIT:
+            layout = again
+    slots, top, scratch = _place(layout.tiles)          # still over: spill slots to the scratch
+    params, signals = _abi(kernel, part, scratch=scratch > 0)
     decode, lanes = _decode(tuple(part.grid)), None
     if part.role == "comm":         # the communication schedule's task order, on its lanes
         sched = kernel.comm_schedule
@@ -416,9 +514,10 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
         lanes = int(part.lanes or (sched.lanes if sched is not None else 1))
     groups = task_groups(part, m, threads, top)
     arena = (top + 127) // 128 * 128 if groups > 1 else top
-    return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, views, epilogues,
-                       absorbed, groups * arena, decode, lanes, params, signals,
-                       tuple(wait_timeout_options(wait_timeout_ns)), groups, arena)
+    return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, layout.views,
+                       layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
+                       tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
+                       scratch_bytes=(scratch + 127) // 128 * 128)
 
 
 def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:

@@ -11,8 +11,10 @@ and notifies :mod:`..rules.primitives`.
   so an SM keeps several tiles in flight. Group ``g`` of CTA ``b`` runs tasks ``b + g *
   gridDim.x``, then every ``groups * gridDim.x``, in row-major order of the part's grid; every
   thread of a group runs the index code.
-* Tiles the plan stores live in the group's shared-memory arena (slots reused by liveness); the
-  rest are computed element by element where consumed. Every statement is a loop of the group's
+* Tiles the plan stores live in the group's shared-memory arena (slots reused by liveness), or —
+  those that do not fit in 227 KB (:func:`..plan.general._spills`) — in the group's share of a
+  global-memory scratch (``scratch``; CTA ``b``'s group ``g`` at ``(b * groups + g) *
+  scratch_bytes``); the rest are computed element by element where consumed. Every statement is a loop of the group's
   threads over its output elements followed by the group's barrier: loads and stores move
   16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
   by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
@@ -23,7 +25,8 @@ and notifies :mod:`..rules.primitives`.
 Kernel parameters (:attr:`LoweredGeneral.params`, in order; ``KernelParam.source`` says what the
 runtime passes): ``buf_<name>`` (``buffer:<name>``, const when only read) per tensor the part
 loads or stores; ``sig_<name>`` (``signal:<name>``) and ``sig_<name>_peers``
-(``peer_signals:<name>``) per signal; ``tbl_<name>`` per ``load_scalar`` table; ``rank``;
+(``peer_signals:<name>``) per signal; ``tbl_<name>`` per ``load_scalar`` table; ``scratch`` (``scratch``: where slots are spilled,
+:attr:`LoweredGeneral.scratch_bytes_per_cta` for every CTA of the launch); ``rank``;
 ``launch``. Launch: grid ``(min(tasks, sm_count), 1, 1)``, block ``(groups * threads, 1, 1)``,
 ``smem_bytes`` (every group's arena) of dynamic shared memory (above 48 KB the launcher raises the kernel's
 ``cudaFuncAttributeMaxDynamicSharedMemorySize``).
@@ -61,10 +64,16 @@ class LoweredGeneral(LoweredKernel):
     options: tuple[str, ...] = ()
     lanes: int | None = None           # a communication part: its CTAs (the schedule's lanes)
     groups: int = 1                    # tasks a CTA runs at once, on groups of ``threads`` threads
+    scratch_bytes: int = 0             # one group's global-memory scratch (its spilled slots)
 
     @property
     def cta_threads(self) -> int:
         return self.threads * self.groups
+
+    @property
+    def scratch_bytes_per_cta(self) -> int:
+        """The global-memory scratch the runtime allocates per CTA it launches (0: none)."""
+        return self.groups * self.scratch_bytes
 
     @property
     def num_tasks(self) -> int:
@@ -87,7 +96,9 @@ class LoweredGeneral(LoweredKernel):
     def describe(self) -> str:
         return "\n".join([f"{self.entry}: {self.kernel_name}.{self.part}  general lowering",
                           f"  tasks {'x'.join(map(str, self.grid_shape))} = {self.num_tasks}, CTAs of {self.groups} "
-                          f"group(s) of {self.threads} threads, {self.shared_bytes} B of shared memory; {self.dots} dot(s), {self.waits} "
+                          f"group(s) of {self.threads} threads, {self.shared_bytes} B of shared memory"
+                          + (f" and {self.scratch_bytes} B of global scratch a group" if self.scratch_bytes else "")
+                          + f"; {self.dots} dot(s), {self.waits} "
                           f"wait(s), {self.notifies} notify(s) on {list(self.signals)}",
                           *(f"  {s}" for s in self.slots),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
@@ -125,6 +136,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          "  const int tid = (int)threadIdx.x - grp * gthreads;",
          f"  unsigned char* const tldsl_arena = static_cast<unsigned char*>(__builtin_assume_aligned(tldsl_smem + grp * {plan.arena_bytes}, 16));",
          "  (void)tid; (void)tldsl_arena;",
+         *_scratch_base(plan),
          *em.slot_declarations("  "),
          f"  for (int task = (int)blockIdx.x + grp * (int)gridDim.x; task < {ntasks}; task += (int)gridDim.x * kGroups) "
          f"{{{marker(p.loc)}"]
@@ -136,12 +148,21 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
         L.append(f"    (void)pid{axis};")
     L += body
     L += ["  }", "}", ""]
-    slots = tuple(f"slot {s.offset:>6} +{s.nbytes:<6} {'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}"
-                  f"{', ' + s.op.loc.short() if s.op.loc else ''}), live {s.start}..{s.end}"
-                  for s in sorted(plan.slots.values(), key=lambda s: (s.offset, s.start)))
+    slots = tuple(f"{'scratch' if s.spilled else 'slot'} {s.offset:>6} +{s.nbytes:<6} {'x'.join(map(str, s.shape))} "
+                  f"{s.dtype} ({s.op.name}{', ' + s.op.loc.short() if s.op.loc else ''}), live {s.start}..{s.end}"
+                  for s in sorted(plan.slots.values(), key=lambda s: (s.spilled, s.offset, s.start)))
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
-                          plan.groups)
+                          plan.groups, plan.scratch_bytes)
+
+
+def _scratch_base(plan: GeneralPlan) -> list[str]:
+    """The group's share of the global-memory scratch, where its spilled slots live (none: no lines)."""
+    if not plan.scratch_bytes:
+        return []
+    return ["  // this group's share of the global-memory scratch (the slots that do not fit in shared memory)",
+            f"  unsigned char* const tldsl_scratch = static_cast<unsigned char*>(__builtin_assume_aligned(scratch + "
+            f"((long long)blockIdx.x * {plan.groups} + grp) * {plan.scratch_bytes}ll, 128));"]
 
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,

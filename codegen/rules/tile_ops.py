@@ -5,9 +5,9 @@ the op (a loop of its threads over the op's output elements, then a CTA barrier;
 tensor cores) — and ``element`` — the C++ of one element of the op's value at given tile
 coordinates, for values computed where they are consumed (the plan,
 :mod:`..plan.general`, says which values those are; every other value is read from its
-shared-memory slot). Index code, loops and guards come from :mod:`.scalars`; waits, notifies
-and the data primitives' element moves from :mod:`.primitives` (waits and notifies through
-:mod:`.sync`).
+slot, in shared memory or in the group's global-memory scratch). Index code, loops and guards
+come from :mod:`.scalars`; waits, notifies and the data primitives' element moves from
+:mod:`.primitives` (waits and notifies through :mod:`.sync`).
 
 Every element follows the simulator's rules (numpy's): loads outside a tensor read 0, stores
 outside it are dropped, 16-bit floats compute in float and round at every op, i32 and float
@@ -680,7 +680,9 @@ class TileEmitter(SignalEmitter):
         return self._n
 
     def slot(self, v: core.Value) -> str:
-        """The C++ name of the shared-memory slot of a stored value or fragment."""
+        """The C++ name of the slot of a stored value or fragment: a pointer into shared memory,
+        or into the group's global-memory scratch where the plan spilled it (the same C++ reads
+        and writes either)."""
         if v.id not in self.plan.slots:
             raise self.fail(f"internal: the plan gave no slot to a value of '{v.owner.name}'", v.owner)
         return f"smem{v.id}"        # no '_<n>' suffix: never an index-code name (rules.scalars)
@@ -750,10 +752,12 @@ class TileEmitter(SignalEmitter):
         rule.statement(self, op, ind, lines)
 
     def slot_declarations(self, ind: str) -> list[str]:
-        """One typed pointer per slot into the dynamic shared-memory arena ``tldsl_smem``."""
+        """One typed pointer per slot into the group's shared-memory arena ``tldsl_arena``, or
+        into its global-memory scratch ``tldsl_scratch`` (a spilled slot)."""
         out = []
-        for vid, s in sorted(self.plan.slots.items(), key=lambda kv: (kv[1].offset, kv[0])):
+        for vid, s in sorted(self.plan.slots.items(), key=lambda kv: (kv[1].spilled, kv[1].offset, kv[0])):
             st = storage_ctype(s.dtype)
-            out.append(f"{ind}{st}* const {self.slot(s.value)} = static_cast<{st}*>(__builtin_assume_aligned(tldsl_arena + {s.offset}, 16));"
-                       f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{marker(s.op.loc)}")
+            base, where = ("tldsl_scratch", ", in global scratch") if s.spilled else ("tldsl_arena", "")
+            out.append(f"{ind}{st}* const {self.slot(s.value)} = static_cast<{st}*>(__builtin_assume_aligned({base} + {s.offset}, 16));"
+                       f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{where}{marker(s.op.loc)}")
         return out

@@ -80,7 +80,7 @@ from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, hardware_queues, lower_for_run, plan_run
-from ..gpu.run_program import _TORCH, enqueue_launch, read_back, to_device, wait_for
+from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
@@ -300,8 +300,8 @@ class FusedProgram(FusedOp):
             # (keyed by address, checked per call: the caller's tensor itself is not kept alive here)
             buffers[rank][b.name] = DeviceArray(t.data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype))
         mem = DeviceMemory(W, buffers, self._sig_arrays, self.device.upload, self.device.encode_tma,
-                           tables=self._tables)
-        kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem)) for k in self.plan.kernels}
+                           tables=self._tables, allocate=scratch_allocator(self.device.torch_device))
+        kernels = {(k.rank, k.part): pack(bind(k.lowered, rank, mem, ctas=k.ctas)) for k in self.plan.kernels}
         copies = {(c.rank, c.part): PlanExecutor(c.plan, rank, _pointers(mem, rank, c.plan), driver=self._drv)
                   for c in self.plan.copies}
         if len(self._packed) >= PACKED_SETS:

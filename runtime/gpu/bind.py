@@ -10,7 +10,9 @@ general recipe are launched the same way, and a new recipe needs no launcher cod
 Addresses come from a :class:`DeviceMemory`: every rank's tensors and signal counters as
 :class:`~tldsl.runtime.gpu.plan_exec.DeviceArray` s (all ranks in one address space: the
 ranks ``tl.run`` runs on one GPU, or fake addresses where a plan is only checked), the tables
-of every rank's addresses uploaded once each, and the TMA encoder.
+of every rank's addresses uploaded once each, the global-memory scratch of a kernel whose tiles
+do not all fit in shared memory (allocated once per kernel and rank, for the CTAs the launch
+runs, poisoned), and the TMA encoder.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ from .plan_exec import DeviceArray, PlanExecutor, PointerTable
 from .launch import ArgPack
 from .run_errors import UnboundParameterError
 
+#: what a kernel's scratch holds before the kernel writes it: per 4 bytes 0x7FF87FF8, a NaN as
+#: f32, f16 or bf16 and a large i32 (a tile read before it is written shows)
+SCRATCH_POISON_WORD = 0x7FF8_7FF8_7FF8_7FF8
+#: more CTAs than any launch runs: a kernel's largest grid
+_ANY_SMS = 1 << 30
+
 
 @dataclass
 class DeviceMemory:
@@ -36,6 +44,8 @@ class DeviceMemory:
     upload: Callable[[Sequence[int]], DeviceArray]
     encode_tma: Callable[[TmaDescriptorSpec, int], bytes]
     tables: dict[tuple[str, str], DeviceArray] = field(default_factory=dict)
+    #: ``n`` bytes of device memory filled with :data:`SCRATCH_POISON_WORD` (None: through ``upload``)
+    allocate: Callable[[int], DeviceArray] | None = None
 
     def buffer(self, rank: int, name: str, lowered) -> DeviceArray:
         arr = self.buffers[rank].get(name)
@@ -59,6 +69,17 @@ class DeviceMemory:
             get = self.buffer if kind == "buffer" else self.signal
             self.tables[key] = self.upload([get(q, name, lowered).ptr for q in range(self.world_size)])
         return self.tables[key]
+
+    def scratch(self, rank: int, nbytes: int, lowered) -> DeviceArray:
+        """At least ``nbytes`` of poisoned device memory private to kernel ``lowered`` on ``rank``
+        (kept with the tables: a kernel's launches run one after another and share it)."""
+        key = ("scratch", f"{_entry(lowered)}@{rank}")
+        arr = self.tables.get(key)
+        if arr is None or arr.nbytes < nbytes:
+            arr = self.allocate(nbytes) if self.allocate is not None else \
+                self.upload([SCRATCH_POISON_WORD] * -(-nbytes // 8))
+            self.tables[key] = arr
+        return arr
 
 
 @dataclass(frozen=True)
@@ -137,6 +158,18 @@ def _launch(p, name, lowered, rank, launch, mem):
     return launch
 
 
+def _scratch(p, name, lowered, rank, launch, mem, ctas=None):
+    """The kernel's global-memory scratch: its share per CTA for every CTA the launch runs
+    (``ctas``; None: the most the kernel ever runs)."""
+    per_cta = int(getattr(lowered, "scratch_bytes_per_cta", 0))
+    if per_cta <= 0:
+        raise UnboundParameterError(f"{_entry(lowered)}: parameter {p.name} is the kernel's scratch, but the lowered "
+                                    "kernel gives no scratch_bytes_per_cta")
+    if ctas is None:
+        ctas = lowered.grid(_ANY_SMS)[0]
+    return mem.scratch(rank, int(ctas) * per_cta, lowered).ptr
+
+
 def _traced_size(p, name, lowered, rank, launch, mem):
     if p.value is None:
         raise UnboundParameterError(f"{_entry(lowered)}: size parameter {p.name} ({p.source}) carries no value "
@@ -148,12 +181,14 @@ def _traced_size(p, name, lowered, rank, launch, mem):
 BINDERS: dict[str, Callable] = {
     "tma": _tma, "signal": _signal, "peer_signals": _peer_signals, "peers": _peers,
     "buffer": _tensor, "data": _tensor, "scalar": _scalar, "rank": _rank, "launch": _launch,
-    "M": _traced_size, "N": _traced_size, "K": _traced_size,
+    "scratch": _scratch, "M": _traced_size, "N": _traced_size, "K": _traced_size,
 }
 
 
-def bind(lowered, rank: int, mem: DeviceMemory, launch: int = 1) -> list[Binding]:
-    """Every parameter of ``lowered`` for ``rank`` and launch ``launch``, in the kernel's order."""
+def bind(lowered, rank: int, mem: DeviceMemory, launch: int = 1, ctas: int | None = None) -> list[Binding]:
+    """Every parameter of ``lowered`` for ``rank`` and launch ``launch``, in the kernel's order.
+    ``ctas``: the CTAs the launch runs (a kernel's scratch is sized by them; None: its largest
+    grid)."""
     out = []
     for p in lowered.params:
         kind, name = p.origin
@@ -161,7 +196,8 @@ def bind(lowered, rank: int, mem: DeviceMemory, launch: int = 1) -> list[Binding
         if binder is None:
             raise UnboundParameterError(f"{_entry(lowered)}: parameter {p.name} has source {p.source!r}, a kind no "
                                         f"binder knows (known: {sorted(BINDERS)})")
-        out.append(Binding(p, binder(p, name, lowered, rank, launch, mem)))
+        extra = {"ctas": ctas} if kind == "scratch" else {}
+        out.append(Binding(p, binder(p, name, lowered, rank, launch, mem, **extra)))
     return out
 
 
@@ -180,7 +216,7 @@ def pack(bindings: Sequence[Binding]) -> tuple[ArgPack, int | None]:
 def nominal_memory(kernel_ir) -> DeviceMemory:
     """A :class:`DeviceMemory` of made-up, aligned addresses for a traced kernel: binding against
     it checks that every parameter can be bound, and shows where each value comes from, with no
-    GPU. The TMA encoder returns 128 zero bytes; uploads get addresses of their own."""
+    GPU. The TMA encoder returns 128 zero bytes; uploads and scratch get addresses of their own."""
     counter = iter(range(1, 1 << 40))
 
     def addr(nbytes: int) -> int:
@@ -192,7 +228,7 @@ def nominal_memory(kernel_ir) -> DeviceMemory:
     signals = [{s.name: DeviceArray(addr(0), (int(s.type.slots),), "u64") for s in kernel_ir.signals} for _ in range(W)]
     return DeviceMemory(W, buffers, signals, lambda values: DeviceArray(addr(0), (len(values),), "u64",
                                                                          owner=tuple(values)),
-                        lambda spec, address: bytes(128))
+                        lambda spec, address: bytes(128), allocate=lambda nbytes: DeviceArray(addr(0), (nbytes,), "u8"))
 
 
 def pointer_table(mem: DeviceMemory, rank: int, ce_plan) -> PointerTable:

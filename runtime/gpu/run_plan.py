@@ -135,7 +135,7 @@ class RunPlan:
 
     def bind(self, mem) -> dict[tuple[int, str], list]:
         """Every kernel's arguments for launch 1 against ``mem`` (:func:`.bind.bind`), by (rank, part)."""
-        return {(k.rank, k.part): bind(k.lowered, k.rank, mem) for k in self.kernels}
+        return {(k.rank, k.part): bind(k.lowered, k.rank, mem, ctas=k.ctas) for k in self.kernels}
 
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,

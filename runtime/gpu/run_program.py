@@ -25,7 +25,8 @@ import numpy as np
 from ...ir.types import bfloat16
 from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
-from .bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack, pointer_table
+from .bind import (SCRATCH_POISON_WORD, DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack,
+                   pointer_table)
 from .run_errors import GpuHangError, GpuRunError
 from .run_plan import RunPlan, lower_for_run, plan_run
 from .run_result import RunResult
@@ -46,7 +47,7 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
         device = CudaDevice()
     plan, loaded = prepare(ir, lowered, device, progress)
     tensors, mem = allocate(ir, per_rank, device)
-    args = {(k.rank, k.part): pack(bind(k.lowered, k.rank, mem)) for k in plan.kernels}
+    args = {(k.rank, k.part): pack(bind(k.lowered, k.rank, mem, ctas=k.ctas)) for k in plan.kernels}
     copies = {(c.rank, c.part): PlanExecutor(c.plan, c.rank, pointer_table(mem, c.rank, c.plan),
                                              driver=device.ce_driver) for c in plan.copies}
     origin = device.origin()
@@ -77,7 +78,8 @@ def prepare(ir, lowered: dict, device, progress=None) -> tuple[RunPlan, dict]:
 def allocate(ir, per_rank: list[list], device) -> tuple[list[dict], DeviceMemory]:
     """Every rank's tensors (arguments copied from the inputs, workspaces poisoned) and signal
     counters (int64, zero; in ``tensors[r]`` as ``"signal:<name>"``), each rank's separate; the
-    tables of peer addresses are uploaded when a kernel's binding first asks for them."""
+    tables of peer addresses and the kernels' scratch (:func:`scratch_allocator`) are allocated
+    when a kernel's binding first asks for them."""
     import torch
     at = device.torch_device
     tensors, buffers, signals = [], [], []
@@ -91,7 +93,18 @@ def allocate(ir, per_rank: list[list], device) -> tuple[list[dict], DeviceMemory
         buffers.append({b.name: DeviceArray(mine[b.name].data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype),
                                             owner=mine[b.name]) for b in ir.buffers})
         signals.append({n: DeviceArray(t.data_ptr(), tuple(t.shape), "i64", owner=t) for n, t in sigs.items()})
-    return tensors, DeviceMemory(len(per_rank), buffers, signals, device.upload, device.encode_tma)
+    return tensors, DeviceMemory(len(per_rank), buffers, signals, device.upload, device.encode_tma,
+                                 allocate=scratch_allocator(at))
+
+
+def scratch_allocator(at):
+    """A function allocating ``nbytes`` of poisoned memory on torch device ``at``: a kernel's
+    scratch (:meth:`.bind.DeviceMemory.scratch`)."""
+    def allocate(nbytes: int) -> DeviceArray:
+        import torch
+        t = torch.full((-(-nbytes // 8),), SCRATCH_POISON_WORD, dtype=torch.int64, device=at)
+        return DeviceArray(t.data_ptr(), (t.numel(),), "u64", owner=t)
+    return allocate
 
 
 def to_device(arr, dtype, at):

@@ -3,11 +3,14 @@
 // One task (program instance) runs on one task group: the whole CTA, or (a part without dots,
 // waits, notifies or data primitives) one of kGroups groups of the CTA, each with its own arena
 // and named barrier. Every thread of a group evaluates the part's index code. A tile the plan
-// materialises lives in the group's shared memory (offsets chosen by the planner); every other
-// tile value is an expression computed element by element where a statement consumes it. A
-// statement (load, store, reduction, dot, fragment write, ...) is a loop of the group's threads
-// over its output elements (16-byte chunks of rows for loads and stores, warp-shuffle lanes for
-// reductions), followed by the group's barrier.
+// materialises lives in the group's shared memory (offsets chosen by the planner), or, where the
+// tiles do not fit there, in the group's share of a global-memory scratch the runtime allocates
+// (the kernel's `scratch` parameter; the same code reads and writes either through a pointer);
+// every other tile value is an expression computed element by element where a statement
+// consumes it. A statement (load, store, reduction, dot, fragment write, ...) is a loop of the
+// group's threads over its output elements (16-byte chunks of rows for loads and stores,
+// warp-shuffle lanes for reductions), followed by the group's barrier (which orders the group's
+// global-memory accesses as it orders its shared-memory ones).
 //
 // The element math reproduces the simulator's numpy rules: 16-bit floats compute in float and
 // round at every op, float arithmetic is explicitly rounded (never contracted into an FMA),

@@ -135,10 +135,13 @@ def test_hooks_and_timeline_see_every_part(monkeypatch):
                     "before_comm": lambda op, L, s: seen.append(("comm", L, s))}
     ops[0].timeline = Marks()
     rng = np.random.default_rng(0)
+    kept = []                                       # (the fake GPU reads them when it runs)
     for _ in range(2):
         b = f16(rng, K, N)
         for r in range(W):
-            ops[r](f16(rng, Ms, K), b)
+            kept.append(f16(rng, Ms, K))
+            kept.append(ops[r](kept[-1], b))        # (C: written by the fake GPU later)
+        kept.append(b)
     for op in ops:
         op._engine.program.synchronize()
     assert sorted((k, L) for k, L, _ in seen) == [("comm", 1), ("comm", 2), ("compute", 1), ("compute", 2)]
@@ -161,3 +164,68 @@ def test_ops_without_a_direct_path_hold_no_symmetric_memory_of_their_own(monkeyp
     keys = [op._engine.program._lease.key for op in ops]
     g.build(lambda r, dev: ops[r].close())
     assert all(k not in symmetric._LEDGER or symmetric._LEDGER[k].state == "lingering" for k in keys)
+
+
+# =================================================================================================
+# the NVSHMEM transport: symmetric memory and counters from NVSHMEM's heap
+# =================================================================================================
+
+def fake_nvshmem(monkeypatch, group):
+    """NVSHMEM's heap on the fake GPU: each rank's workspace one host block, every rank's base
+    exchanged at its construction (as ``nvshmem_malloc`` is collective), peer addresses found on
+    the device as ``nvshmem_ptr`` finds them; each module's NVSHMEM initialisation recorded."""
+    import types
+    import torch.distributed._symmetric_memory as symm_mem
+    from tldsl.runtime.dist import nvshmem
+    from tldsl.runtime.dist.regions import layout_regions
+    dtypes = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32,
+              "u64": torch.int64}
+    seen = types.SimpleNamespace(inits=[], closed=0, regions=[])
+
+    class Workspace:
+        def __init__(self, ctx, specs, lease=None, **kw):
+            self.regions, total = layout_regions(specs, 512)
+            raw = torch.zeros(total + 512, dtype=torch.uint8)
+            pad = (-raw.data_ptr()) % 512
+            self.raw = raw[pad:pad + total]
+            bases = symm_mem.rendezvous(self.raw, "nvshmem").buffer_ptrs      # every rank's block
+            group.fake.heaps.append((ctx.rank, self.raw.data_ptr(), total, tuple(bases)))
+            self.tensors = {r.name: self.raw[r.offset:r.offset + r.nbytes].view(dtypes[r.dtype]).view(r.shape)
+                            for r in self.regions}
+            self.addresses = {r.name: tuple(b + r.offset for b in bases) for r in self.regions}
+            self.nv = types.SimpleNamespace(init_module=seen.inits.append)
+            seen.regions.append([r.name for r in self.regions])
+
+        def close(self):
+            seen.closed += 1
+    monkeypatch.setattr(nvshmem, "NvshmemWorkspace", Workspace)
+    return seen
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_a_program_on_the_nvshmem_transport(monkeypatch, W):
+    """transport='nvshmem': the communication kernel reaches peers through NVSHMEM (no pointer
+    tables), so every symmetric buffer and counter lives in NVSHMEM's heap; its module is
+    initialised once; the results agree with the simulator over two launches."""
+    from test_gpu_run import assert_agrees
+    from test_program_op import library_case, simulated, tensors
+    fn, inputs, kw = library_case("allgather_gemm", W)
+    kw = dict(kw, comm=kw["comm"].with_(transport="nvshmem"))
+    want = simulated(fn, W, inputs, 2, **kw)
+    g = Group(monkeypatch, W, seed=W)
+    seen = fake_nvshmem(monkeypatch, g)
+    ops = g.build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[r], device=dev, timeout_s=2.0, **kw))
+    args = [tensors(inputs[r]) for r in range(W)]
+    for _ in range(2):
+        for r in g.fake.rng.sample(range(W), W):
+            ops[r](**args[r])
+    for op in ops:
+        op.synchronize()
+    assert_agrees([{n: host(t) for n, t in a.items()} for a in args], want.outputs, want.kernel, sums=True)
+    comm_entry = ops[0].lowered["gather_a"].entry
+    assert seen.inits == [f"module of {comm_entry}"] * W                 # the communication kernel's only
+    assert seen.regions[0] == sorted(["a", "a_gathered", program_op.COUNTERS], key=seen.regions[0].index)
+    assert all(p.source.split(":")[0] not in ("peers", "peer_signals") for p in ops[0].lowered["gather_a"].params)
+    for op in ops:
+        op.close()
+    assert seen.closed == W

@@ -72,10 +72,18 @@ class FakeDevice:
         self.rng = random.Random(seed)
         self.kept = []
         self.launched = []                               # (rank, part, launch, stream)
+        self.heaps = []                                  # NVSHMEM's heap: (rank, base, bytes, every rank's base)
 
     # -- run_program's device interface ---------------------------------------------------------
     def load(self, kernels, progress=None):
-        return {entry: SimpleNamespace(entry=entry) for entry in kernels}
+        return {entry: SimpleNamespace(entry=entry, module=f"module of {entry}") for entry in kernels}
+
+    def peer_address(self, rank, addr, peer):
+        """``nvshmem_ptr``: ``peer``'s address of rank ``rank``'s symmetric heap address ``addr``."""
+        for r, base, n, bases in self.heaps:
+            if r == rank and base <= addr < base + n:
+                return bases[peer] + addr - base
+        return None
 
     def occupancy(self, kernel, lowered):
         return 1
@@ -151,6 +159,10 @@ class FakeDevice:
                 return own[name]
             if name in tables:
                 return int(tables[name][rank])
+            if getattr(lk, "transport", "ptr") == "nvshmem" and name in own:
+                peer = self.peer_address(item.rank, own[name], rank)     # the device's nvshmem_ptr
+                if peer is not None:
+                    return peer
             raise AssertionError(f"{lk.entry} on rank {item.rank} reached '{name}' of rank {rank}, which no "
                                  f"parameter binds")
         shapes = {b.name: (tuple(b.type.shape), _NP[b.type.dtype.name]) for b in kernel_ir.buffers}

@@ -59,6 +59,8 @@ Copy-engine parts are not kernels: recipe ``copy_engine`` (:mod:`..plan.copy_eng
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -111,11 +113,21 @@ class LoweredComm(LoweredKernel):
     def compile(self, **kw):
         """As :meth:`LoweredKernel.compile`; an NVSHMEM-transport kernel needs NVSHMEM's headers,
         and their version joins the cache key."""
-        if self.transport == "nvshmem":
-            tc = toolchain.find_toolchain()
-            tc.require_nvshmem()
-            kw["options"] = tuple(kw.pop("options", ())) + (f"-DTLDSL_NVSHMEM_VERSION=\"{tc.nvshmem_version}\"",)
+        kw["options"] = tuple(kw.pop("options", ())) + self._nvshmem_options()
         return super().compile(**kw)
+
+    def job(self):
+        """As :meth:`LoweredKernel.job`, with the NVSHMEM options of :meth:`compile`."""
+        job = super().job()
+        extra = self._nvshmem_options()
+        return dataclasses.replace(job, options=tuple(job.options) + extra) if extra else job
+
+    def _nvshmem_options(self) -> tuple[str, ...]:
+        if self.transport != "nvshmem":
+            return ()
+        tc = toolchain.find_toolchain()
+        tc.require_nvshmem()
+        return (f"-DTLDSL_NVSHMEM_VERSION=\"{tc.nvshmem_version}\"",)
 
     @property
     def block(self) -> tuple[int, int, int]:

@@ -89,6 +89,8 @@ from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
 PACKED_SETS = 8
+#: the symmetric block of every signal's counters and the handshake slots
+COUNTERS = "signal counters"
 
 
 def exchange(ctx, obj) -> list:
@@ -127,6 +129,7 @@ class FusedProgram(FusedOp):
         self.ctx = dist_context(group)
         self.launches = 0
         self._engine = None
+        self._nvshmem = None                    # the NVSHMEM transport's workspace (symmetric memory, counters)
         self._last = None                       # (start, end, done) events of the last launch
         self._last_captured = False             # ... recorded while capturing a CUDA graph
         self.launch_ms: list[float] = []
@@ -168,7 +171,8 @@ class FusedProgram(FusedOp):
         self.kernel = ir
         self.compute, self.comm = ir.compute_schedule, ir.comm_schedule
         lowered = lower_for_run(ir, wait_timeout_ns=None if timeout_s is None else int(timeout_s * 1e9),
-                                **dict(lowering or {}))
+                                transports=("ptr", "nvshmem"), **dict(lowering or {}))
+        self._transport = getattr(ir.comm_schedule, "transport", None) or "ptr"
         check_bindings(ir, lowered)
         if device is None:
             from ..gpu.cuda_device import CudaDevice
@@ -206,22 +210,22 @@ class FusedProgram(FusedOp):
         self._symmetric: dict[str, object] = {}          # name -> this rank's symmetric tensor
         self._workspaces: dict[str, object] = {}
         peers: dict[str, list[int]] = {}
+        slots = [int(s.type.slots) for s in ir.signals]
+        blocks = self._symmetric_memory([(b.name, tuple(b.type.shape), b.type.dtype.name) for b in ir.buffers
+                                         if b.symmetric] + [(COUNTERS, (sum(slots) + W,), "u64")])
         for b in ir.buffers:
             dtype = getattr(torch, _TORCH[b.type.dtype.name])
             if b.symmetric:
-                t, h = self._lease.empty(tuple(b.type.shape), dtype)
+                t, peers[b.name] = blocks[b.name]
                 self._symmetric[b.name] = t
-                peers[b.name] = _peer_addresses(h, t, W, rank)
                 if b.name in workspaces:
                     t.fill_(poison_value(b.type.dtype))
             elif b.name in workspaces:
                 self._workspaces[b.name] = torch.full(tuple(b.type.shape), poison_value(b.type.dtype), dtype=dtype,
                                                       device=at)
-        slots = [int(s.type.slots) for s in ir.signals]
-        block, h = self._lease.empty((sum(slots) + W,), torch.int64)
+        block, base = blocks[COUNTERS]
         block.zero_()
         self._counter_block = block
-        base = _peer_addresses(h, block, W, rank)
         self._signals, sig_peers, off = {}, {}, 0
         for s, n in zip(ir.signals, slots):
             self._signals[s.name] = block[off:off + n]
@@ -243,9 +247,32 @@ class FusedProgram(FusedOp):
         self._tables: dict = {}                            # peer tables, uploaded once
         self._packed: dict[tuple, tuple] = {}              # argument addresses -> (kernel args, copy executors)
         self._streams = self.device.streams(len(self.plan.items)) if len(self.plan.items) > 1 else None
+        if self._nvshmem is not None:       # each NVSHMEM kernel's module gets NVSHMEM's device state
+            for lk in self.lowered.values():
+                if getattr(lk, "transport", "ptr") == "nvshmem":
+                    self._nvshmem.nv.init_module(self._loaded[lk.entry].module)
         if getattr(block, "is_cuda", False):
             torch.cuda.synchronize(block.device)
         exchange(self.ctx, None)                           # every rank's counters are zero from here on
+
+    def _symmetric_memory(self, specs) -> dict:
+        """``{name: (this rank's tensor, every rank's address as mapped here)}`` for ``specs``
+        ``(name, shape, tldsl dtype name)`` — torch symmetric memory, or with the NVSHMEM transport
+        one block of NVSHMEM's heap (``nvshmem_ptr`` on the device finds only addresses inside
+        it); either held by this program's lease (collective)."""
+        import torch
+        W, rank = self.ctx.world_size, self.ctx.rank
+        if self._transport == "nvshmem":
+            from .nvshmem import NvshmemWorkspace
+            self._nvshmem = ws = NvshmemWorkspace(
+                self.ctx, [(n, "signal" if n == COUNTERS else "buffer", shape, dt) for n, shape, dt in specs],
+                lease=self._lease)
+            return {n: (ws.tensors[n], list(ws.addresses[n])) for n, _, _ in specs}
+        out = {}
+        for n, shape, dt in specs:
+            t, h = self._lease.empty(shape, torch.int64 if dt == "u64" else getattr(torch, _TORCH[dt]))
+            out[n] = (t, _peer_addresses(h, t, W, rank))
+        return out
 
     # -- a launch -----------------------------------------------------------------------------------
     def __call__(self, *tensors, **named):
@@ -435,6 +462,9 @@ class FusedProgram(FusedOp):
             finally:
                 self.device.destroy(self._last)
                 self._last = None
+        if self._nvshmem is not None:
+            self._nvshmem.close()               # (its views of the heap; the lease frees the heap)
+            self._nvshmem = None
         self._packed.clear()
         self._tables.clear()
         self._fixed = self._sig_arrays = self._mem = None

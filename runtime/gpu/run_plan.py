@@ -46,11 +46,13 @@ def hardware_queues() -> int:
         return DEFAULT_CONNECTIONS
 
 
-def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, **options) -> dict:
+def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, transports=("ptr",),
+                  **options) -> dict:
     """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
     ``wait_timeout_ns`` where the recipe takes the option. Refused before lowering: schedules
-    whose parts only the fused ops' own launchers can bind (parts fused into the GEMM, the
-    NVSHMEM transport)."""
+    whose parts only the fused ops' own launchers can bind (parts fused into the GEMM) and
+    transports other than ``transports`` (one GPU: peer-pointer tables only; across GPUs the
+    fused-op runtime also allocates from NVSHMEM's heap)."""
     from ...codegen import lower_all
     fused = [p.name for p in kernel.parts if p.fused]
     if fused:
@@ -59,7 +61,7 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, **
             f"(own_rows='compute' or engine='compute'); its kernel takes arguments only the fused op's own launcher "
             f"chooses. tl.run runs each part as its own kernel: use a schedule with own_rows='comm'")
     sched = kernel.comm_schedule
-    if sched is not None and getattr(sched, "transport", "ptr") != "ptr":
+    if sched is not None and getattr(sched, "transport", "ptr") not in transports:
         raise UnboundParameterError(f"transport={sched.transport!r}: tl.run runs every rank on one GPU with tables of "
                                     "peer pointers; use the schedule's default transport='ptr'")
     if "entry" in options:

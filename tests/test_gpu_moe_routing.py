@@ -17,8 +17,9 @@ from tldsl.runtime.gpu import gpu_available
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs an sm_90 GPU with torch and cuda-python")]
 
-#: the target (issue 19 item 3) and what a change must not make worse (measured: 23.3 µs, BENCHMARKS.md)
-BOUND_US, REGRESSION_US = 20.0, 30.0
+#: the target (issue 19 item 3), at every routing, and what a change must not make worse (the three
+#: kernels measured 22.8 µs uniform, 21.7 Zipf, 17.0 all-to-one: BENCHMARKS.md)
+BOUND_US, REGRESSION_US = 20.0, 25.0
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def _ids(rng, T, E, topk, kind):
     raise ValueError(kind)
 
 
-def _build(compiled, ids_np, E, W, Ms, BM, dtype="int32"):
+def _build(compiled, ids_np, E, W, Ms, BM, dtype="int32", **kw):
     import torch
     from tldsl.runtime.gpu.moe_routing import MoERoutingBuilder
-    b = MoERoutingBuilder(W, Ms, ids_np.shape[1], E, BM, compiled=compiled)
+    b = MoERoutingBuilder(W, Ms, ids_np.shape[1], E, BM, compiled=compiled, **kw)
     ids = torch.from_numpy(np.ascontiguousarray(ids_np.astype(dtype))).cuda()
     return b, ids
 
@@ -63,6 +64,12 @@ CASES = [  # W, Ms, topk, E, BM, kind, dtype
     (1, 5000, 1, 3, 1, "zipf", "int32"),
 ]
 
+#: the ways one call can run: the fused kernel (its grid as chosen, or capped so that every
+#: block takes several chunks), or the three kernels with and without programmatic dependent launch
+WAYS = {"fused": dict(fused=True), "fused, 3 blocks": dict(fused=True, fused_blocks=3),
+        "fused, 1 block": dict(fused=True, fused_blocks=1),
+        "split, PDL": dict(fused=False, pdl=True), "split, plain": dict(fused=False, pdl=False)}
+
 
 @pytest.mark.parametrize("W,Ms,topk,E,BM,kind,dtype", CASES)
 def test_device_tables_equal_the_host_tables(compiled, W, Ms, topk, E, BM, kind, dtype):
@@ -72,27 +79,57 @@ def test_device_tables_equal_the_host_tables(compiled, W, Ms, topk, E, BM, kind,
     rng = np.random.default_rng(W * 1000 + Ms + E)
     ids_np = _ids(rng, W * Ms, E, topk, kind)
     host = moe_routing(ids_np, E, W, Ms, BM)
-    b, ids = _build(compiled, ids_np, E, W, Ms, BM, dtype)
-    tables = b.empty_tables()
-    for t in tables.values():                   # garbage everywhere: every entry must be written
-        t.fill_(-7)
-    for call in range(2):                       # the second call reuses the buffers, without PDL
-        b.pdl = call == 0
+    tables = None
+    for way, kw in WAYS.items():
+        b, ids = _build(compiled, ids_np, E, W, Ms, BM, dtype, **kw)
+        tables = b.empty_tables() if tables is None else tables   # later ways refill the same buffers
+        for t in tables.values():               # garbage everywhere: every entry must be written (a new
+            t.fill_(-7)                         # builder zeroes the barrier word before its first launch)
         b(ids, tables)
         torch.cuda.synchronize()
+        assert b.fused == kw["fused"], f"{way}: the cooperative launch was refused"
         got = _host(tables)
         for n in TABLES:
-            assert np.array_equal(got[n], getattr(host, n)), f"{kind} {dtype} call {call}: table {n} differs"
-        assert got["info"].tolist() == [int((host.tile_expert >= 0).sum()), 0, -1]
+            assert np.array_equal(got[n], getattr(host, n)), f"{kind} {dtype} {way}: table {n} differs"
+        assert got["info"].tolist() == [int((host.tile_expert >= 0).sum()), 0, -1], way
 
 
-def test_empty_routing_and_bad_ids(compiled):
+def test_the_fused_kernel_in_a_cuda_graph(compiled):
+    """Captured once, replayed on new ids copied into the captured input: the host's tables."""
+    import torch
+    from tldsl.ops.moe import moe_routing
+    from tldsl.runtime.gpu.moe_routing import TABLES
+    W, Ms, topk, E, BM = 2, 3000, 4, 32, 64
+    rng = np.random.default_rng(11)
+    b, ids = _build(compiled, _ids(rng, W * Ms, E, topk, "uniform"), E, W, Ms, BM)
+    tables = b.empty_tables()
+    b(ids, tables)                              # prepared (and the kernels loaded) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b(ids, tables)
+    assert b.fused
+    for kind in ("zipf", "one", "uniform"):
+        ids_np = _ids(rng, W * Ms, E, topk, kind)
+        ids.copy_(torch.from_numpy(ids_np.astype(np.int32)).cuda())
+        for n, t in tables.items():             # not the barrier word: every call leaves it at zero
+            if n != "barrier":
+                t.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        got, host = _host(tables), moe_routing(ids_np, E, W, Ms, BM)
+        for n in TABLES:
+            assert np.array_equal(got[n], getattr(host, n)), f"graph replay, {kind}: table {n} differs"
+
+
+@pytest.mark.parametrize("way", ["fused", "fused, 1 block", "split, PDL"])
+def test_empty_routing_and_bad_ids(compiled, way):
     """T = 0 writes the one unused tile; ids outside [0, E) are flagged (the first one's routed
     row in info[2]), their rows join no expert and nothing outside the tables is touched."""
     import torch
     from tldsl.ops.moe import moe_routing
     from tldsl.runtime.gpu.moe_routing import MoERoutingBuilder
-    b = MoERoutingBuilder(2, 0, 4, 8, 64, compiled=compiled)
+    b = MoERoutingBuilder(2, 0, 4, 8, 64, compiled=compiled, **WAYS[way])
     got = _host(b(torch.zeros((0, 4), dtype=torch.int32, device="cuda")))
     assert got["info"].tolist() == [0, 0, -1] and got["tile_expert"].tolist() == [-1]
     assert (got["sorted_token_ids"] == -1).all() and got["tile_valid_rows"].tolist() == [0]
@@ -103,7 +140,7 @@ def test_empty_routing_and_bad_ids(compiled):
     bad = [(5000, 2, E), (7000, 0, -1), (8999, 3, 1 << 40)]
     for t, k, v in bad:
         ids_np[t, k] = v
-    b, ids = _build(compiled, ids_np, E, 1, T, 128, "int64")
+    b, ids = _build(compiled, ids_np, E, 1, T, 128, "int64", **WAYS[way])
     guard = torch.full((1 << 20,), 123, dtype=torch.int32, device="cuda")
     tables = b(ids)
     torch.cuda.synchronize()
@@ -140,70 +177,112 @@ def _median_us(fn, reps=100, warmup=10):
     return statistics.median(times), min(times)
 
 
-def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
-    """The three kernels with programmatic dependent launch (what a call does), with plain
-    launches, each kernel alone, and torch's stable sort + per-expert counts of the same ids."""
+def _peer(ids, E):
+    """torch's share of the job, as the peer: a stable sort of the ids and per-expert counts
+    (no host synchronisation)."""
+    import torch
+    flat = ids.view(-1).long()
+    ones = torch.ones_like(flat)
+
+    def run():
+        torch.sort(flat, stable=True)
+        torch.zeros(E, dtype=torch.long, device="cuda").index_add_(0, flat, ones)
+    return run
+
+
+def _check_tables(b, ids, tables, ids_np, what):
+    """The tables after timed calls: still the host's."""
+    import torch
+    from tldsl.ops.moe import moe_routing
+    from tldsl.runtime.gpu.moe_routing import TABLES
+    torch.cuda.synchronize()
+    s = b.sizes
+    host = moe_routing(ids_np, s.num_experts, s.world_size, s.rows_per_rank, s.block_m)
+    got = _host(tables)
+    assert all(np.array_equal(got[n], getattr(host, n)) for n in TABLES), what
+
+
+def _time_routing(compiled, kind, W, Ms, topk, E, BM):
+    """One routing's row: a call (what the ops do: the fused kernel), timed twice; the fused
+    kernel with one block per chunk; the three kernels with and without PDL, each alone; the
+    host's time per call; torch's sort + counts."""
     import time
     import torch
-    W, Ms, topk, E, BM = 8, 4096, 8, 128, 128
-    T = W * Ms
-    rows = []
-    for kind in ("uniform", "zipf", "one"):
-        ids_np = _ids(np.random.default_rng(7), T, E, topk, kind)
-        b, ids = _build(compiled, ids_np, E, W, Ms, BM)
-        tables = b.empty_tables()
-        stream = torch.cuda.current_stream().cuda_stream
-        launches = b.launches(ids, tables)
-        pdl, _ = _median_us(lambda: b(ids, tables))
-        used_pdl = b.pdl
-        plain, _ = _median_us(lambda: b.enqueue(launches, stream, pdl=False))
-        alone = [_median_us(lambda: b.enqueue([l], stream, pdl=False))[0] for l in launches]
-        t0 = time.perf_counter()
-        for _ in range(100):
-            b(ids, tables)
-        host_us = (time.perf_counter() - t0) * 1e4
-        torch.cuda.synchronize()
-        flat = ids.view(-1).long()
-        ones = torch.ones_like(flat)
+    ids_np = _ids(np.random.default_rng(7), W * Ms, E, topk, kind)
+    b, ids = _build(compiled, ids_np, E, W, Ms, BM)
+    tables = b.empty_tables()
+    stream = torch.cuda.current_stream().cuda_stream
+    call, _ = _median_us(lambda: b(ids, tables))
+    used = "fused" if b.fused else ("split, PDL" if b.pdl else "split, plain")
+    _check_tables(b, ids, tables, ids_np, f"{kind}: a call")
+    per_chunk = _build(compiled, ids_np, E, W, Ms, BM, fused_blocks=b.sizes.blocks)[0]
+    chunk_grid = per_chunk.fused_grid()
+    per_chunk_us, _ = _median_us(lambda: per_chunk(ids, tables))
+    _check_tables(per_chunk, ids, tables, ids_np, f"{kind}: fused, one block per chunk")
+    split = b.launches(ids, tables, fused=False)
+    pdl, _ = _median_us(lambda: b.enqueue(split, stream, pdl=True))
+    plain, _ = _median_us(lambda: b.enqueue(split, stream, pdl=False))
+    _check_tables(b, ids, tables, ids_np, f"{kind}: three kernels")
+    alone = [_median_us(lambda: b.enqueue([ln], stream, pdl=False))[0] for ln in split]
+    t0 = time.perf_counter()
+    for _ in range(100):
+        b(ids, tables)
+    host_us = (time.perf_counter() - t0) * 1e4
+    torch.cuda.synchronize()
+    again, _ = _median_us(lambda: b(ids, tables))
+    peer_us, _ = _median_us(_peer(ids, E))
+    return dict(kind=kind, call=call, again=again, used=used, grid=b.fused_grid(), per_chunk=per_chunk_us,
+                chunk_grid=chunk_grid, pdl=pdl, plain=plain, alone=alone, host=host_us, peer=peer_us)
 
-        def peer():   # the sort-by-expert part only: stable sort + per-expert counts (no host sync)
-            torch.sort(flat, stable=True)
-            torch.zeros(E, dtype=torch.long, device="cuda").index_add_(0, flat, ones)
-        peer_us, _ = _median_us(peer)
-        rows.append((kind, pdl, used_pdl, plain, alone, host_us, peer_us))
-        if kind == "uniform":                   # the tables after all those calls: still the host's
-            from tldsl.ops.moe import moe_routing
-            from tldsl.runtime.gpu.moe_routing import TABLES
-            b(ids, tables)
-            host = moe_routing(ids_np, E, W, Ms, BM)
-            got = _host(tables)
-            assert all(np.array_equal(got[n], getattr(host, n)) for n in TABLES)
-    # rows per thread of the count and scatter kernels: the default against its neighbours (uniform ids)
-    from tldsl.ops.moe import moe_routing
-    from tldsl.runtime.gpu.moe_routing import ITEMS, TABLES, MoERoutingBuilder, compile_routing
-    ids_np = _ids(np.random.default_rng(7), T, E, topk, "uniform")
-    host = moe_routing(ids_np, E, W, Ms, BM)
+
+def _by_items(compiled, W, Ms, topk, E, BM):
+    """A call and the three plain kernels at 2, 4, 8 and 16 routed rows per thread (uniform ids)."""
+    import torch
+    from tldsl.runtime.gpu.moe_routing import ITEMS, MoERoutingBuilder, compile_routing
+    ids_np = _ids(np.random.default_rng(7), W * Ms, E, topk, "uniform")
     ids = torch.from_numpy(ids_np.astype(np.int32)).cuda()
-    variants = []
+    stream = torch.cuda.current_stream().cuda_stream
+    out = []
     for items in (2, 4, 8, 16):
         v = MoERoutingBuilder(W, Ms, topk, E, BM, items=items,
                               compiled=compiled if items == ITEMS else compile_routing(items))
         vt = v.empty_tables()
         us, _ = _median_us(lambda: v(ids, vt))
-        vl = v.launches(ids, vt)
-        stream = torch.cuda.current_stream().cuda_stream
+        vl = v.launches(ids, vt, fused=False)
         plain_us, _ = _median_us(lambda: v.enqueue(vl, stream, pdl=False))
-        got = _host(vt)
-        assert all(np.array_equal(got[n], getattr(host, n)) for n in TABLES), f"items={items}"
-        variants.append(f"items={items} ({v.sizes.blocks} blocks): PDL {us:.2f} µs, plain {plain_us:.2f} µs")
-    lines = [f"moe routing tables on {torch.cuda.get_device_name()}: T={T} top-{topk} E={E} BM={BM} "
-             f"(NT={b.sizes.num_tiles} tiles, {b.sizes.blocks} blocks), GPU µs between CUDA events, "
-             f"median of 100 after 10 warm-up",
-             "| routing | tldsl (PDL) | PDL used | tldsl plain launches | count alone | scatter alone "
-             "| tiles alone | host enqueue µs/call | torch sort+counts |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {k} | {p:.2f} | {u} | {pl:.2f} | {a[0]:.2f} | {a[1]:.2f} | {a[2]:.2f} | {h:.1f} | {pe:.2f} |"
-              for k, p, u, pl, a, h, pe in rows]
+        _check_tables(v, ids, vt, ids_np, f"items={items}")
+        out.append(f"items={items} ({v.sizes.blocks} chunks, fused grid {v.fused_grid()}): a call {us:.2f} µs, "
+                   f"three plain kernels {plain_us:.2f} µs")
+    return out
+
+
+def _tiny_kernel_us():
+    """One tiny kernel between the events: what any single launch costs in this measure."""
+    import torch
+    x = torch.empty(1, device="cuda")
+    return _median_us(lambda: x.zero_())[0]
+
+
+def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
+    """A call (the fused kernel) at uniform, Zipf and all-to-one routings, against the three
+    kernels and torch's stable sort + per-expert counts of the same ids; the target is 20 µs
+    at every routing."""
+    import torch
+    from tldsl.runtime.gpu.moe_routing import RoutingSizes
+    W, Ms, topk, E, BM = 8, 4096, 8, 128, 128
+    rows = [_time_routing(compiled, kind, W, Ms, topk, E, BM) for kind in ("uniform", "zipf", "one")]
+    variants = _by_items(compiled, W, Ms, topk, E, BM)
+    s = RoutingSizes(W, Ms, topk, E, BM)
+    lines = [f"moe routing tables on {torch.cuda.get_device_name()}: T={W * Ms} top-{topk} E={E} BM={BM} "
+             f"(NT={s.num_tiles} tiles, {s.blocks} chunks), GPU µs between CUDA events, median of 100 after "
+             f"10 warm-up; one tiny kernel: {_tiny_kernel_us():.2f} µs",
+             "| routing | a call | again | way | fused, one block per chunk | three kernels PDL | three plain "
+             "| count alone | scatter alone | tiles alone | host µs/call | torch sort+counts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['kind']} | {r['call']:.2f} | {r['again']:.2f} | {r['used']} ({r['grid']} blocks) | "
+              f"{r['per_chunk']:.2f} ({r['chunk_grid']}) | {r['pdl']:.2f} | {r['plain']:.2f} | "
+              + " | ".join(f"{a:.2f}" for a in r["alone"]) + f" | {r['host']:.1f} | {r['peer']:.2f} |"
+              for r in rows]
     lines.append("uniform ids, by routed rows per thread: " + "; ".join(variants))
     text = "\n".join(lines)
     print("\n" + text)
@@ -211,7 +290,9 @@ def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
     if out:
         with open(os.path.join(out, "moe_routing_bench.md"), "w") as f:
             f.write(text + "\n")
-    best = min(rows[0][1], rows[0][3])
-    assert best <= REGRESSION_US, f"uniform routing: median {best:.2f} µs > {REGRESSION_US} µs (was 23.3)"
-    if best > BOUND_US:
-        pytest.xfail(f"uniform routing: median {best:.2f} µs, above the {BOUND_US} µs target")
+    for r in rows:
+        best = min(r["call"], r["again"])
+        assert best <= REGRESSION_US, f"{r['kind']} routing: median {best:.2f} µs > {REGRESSION_US} µs"
+    slow = [f"{r['kind']} {r['call']:.2f} µs" for r in rows if r["call"] > BOUND_US]
+    if slow:
+        pytest.xfail(f"above the {BOUND_US} µs target: {', '.join(slow)}")

@@ -112,6 +112,9 @@ def test_sizes_are_worst_case_bounds_and_checked():
         kw = {**dict(world_size=2, rows_per_rank=8, topk=2, num_experts=4, BM=16), **bad}
         with pytest.raises(InputError):
             RoutingSizes(kw["world_size"], kw["rows_per_rank"], kw["topk"], kw["num_experts"], kw["BM"])
+    with pytest.raises(InputError, match="shared memory"):    # the chunk's layout and 2048 experts' counts
+        RoutingSizes(1, 8, 2, 2048, 16, items=32)
+    assert RoutingSizes(1, 8, 2, 2048, 16).smem_bytes("fused") <= 227 * 1024
 
 
 @pytest.mark.nvrtc
@@ -124,7 +127,7 @@ def test_the_routing_kernels_compile(tmp_path):
     ck = compile_cuda(routing_source(), NAME, cache=KernelCache(tmp_path), progress=False)
     assert ck.cubin[:4] == b"\x7fELF"
     info = ck.ptxas_info()
-    names = {entry(k, d) for k in ("count", "scatter") for d in ("int32", "int64")} | {entry("tiles")}
+    names = {entry(k, d) for k in ("fused", "count", "scatter") for d in ("int32", "int64")} | {entry("tiles")}
     assert names <= set(info), sorted(info)
     for name in names:                          # no local memory: every table index stays in registers
         assert info[name]["spill_store_bytes"] == 0 and info[name]["stack_bytes"] == 0, (name, info[name])

@@ -7,8 +7,10 @@ to CUDA C++ for sm_90a, checked three ways without a GPU:
   program compiles; every ``dot`` is tensor-core code (``HMMA``), no spills, no ``BPT.TRAP``;
 * **CPU emulation** (needs ``g++``): the same generated source, built by the host compiler with
   ``TLDSL_HOST_EMULATION`` (one ``std::thread`` per CUDA thread, a ``std::barrier`` per CTA, a
-  shared-memory arena per CTA; the dot's host branch multiplies the same rounded inputs in fp32),
-  runs every task; its outputs must match ``tl.simulate``'s element by element.
+  shared-memory arena per CTA, and — for a kernel whose tiles do not fit in shared memory — its
+  global-memory scratch, poisoned with NaN as the runtime poisons it; the dot's host branch
+  multiplies the same rounded inputs in fp32), runs every task; its outputs must match
+  ``tl.simulate``'s element by element.
 
 Tolerances: the GPU comparison's own (``tldsl.testing.program_tolerance``): per element, a bound
 on the legitimate difference carried through the program from the magnitudes that flow into it

@@ -16,8 +16,9 @@ consumed, and the kernel's ABI.
   one 256 KB), some move to a global-memory scratch private to each task group of each CTA
   (:data:`..abi.SCRATCH_PARAM`, allocated by the runtime, slots reused by liveness there too):
   those live where the arena overflows that the task touches least (a statement in a loop weighs
-  :data:`LOOP_WEIGHT` times one outside it), dot operands last (the tensor cores read their
-  fragments from shared memory); then any spilled slot that fits again comes back. Element loops
+  :data:`LOOP_WEIGHT` times one outside it), dot operands last (every warp tile of a dot reads its
+  operand fragments again: cheapest from shared memory); then any spilled slot that fits again
+  comes back. Element loops
   read and write a slot through a pointer into either space; only a scratch over
   :data:`SCRATCH_LIMIT` a group is refused.
 * **Task groups** (:func:`task_groups`): a part whose tasks never wait for each other and have
@@ -313,7 +314,8 @@ def _live_range(prog: _Program, op: core.Op, statements: list[core.Op]) -> tuple
 class _Tile:
     """A value that needs a slot, before it has one: its size, live range, how much the task
     touches it (each statement that does, :data:`LOOP_WEIGHT` times more per loop around it) and
-    whether a dot reads it (the tensor cores' operands stay in shared memory where they can)."""
+    whether a dot reads it (dot operands stay in shared memory where they can: each warp tile
+    reads them again)."""
     value: core.Value
     op: core.Op
     nbytes: int
@@ -346,13 +348,14 @@ def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None =
 
 
 def _over_limit(placed: list[Slot], t: _Tile, top: int, limit: int):
+    """The refusal of a scratch over ``limit``, at the op of the tile that crossed it."""
     live = sorted((s for s in placed if t.overlaps(s.start, s.end)), key=lambda s: -s.nbytes)
     names = ", ".join(f"{'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}, {s.op.loc.short() if s.op.loc else '?'})"
                       for s in live[:4])
     return fail(WHAT, f"the tiles live here need {top // 1024} KB of global-memory scratch beside the "
-                      f"{SMEM_LIMIT // 1024} KB of shared memory a CTA has, over the {limit // 1024} KB a task may "
-                      f"take (largest: {names}); use smaller tiles (the compute schedule's tile) or fewer tiles "
-                      "alive at once", t.op)
+                      f"{SMEM_LIMIT // 1024} KB of shared memory a CTA has, over the {limit // 1024} KB a task "
+                      f"group may take (largest: {names}); use smaller tiles (the compute schedule's tile) or fewer "
+                      "tiles alive at once", t.op)
 
 
 def _crowded(tiles: list[_Tile]) -> list[_Tile]:

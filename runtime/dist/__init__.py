@@ -19,7 +19,10 @@ from .comm_kernel import CommKernel, SymmetricWorkspace
 from .autotune import Autotuner, AutotuneError
 from .symmetric import SymmetricMemoryWarning, outstanding, release_unclosed
 from .program_op import FusedProgram
+from .moe_ops import AllGatherMoE, MoEReduceScatter
+from .attention_op import SequenceParallelAttention
 
 __all__ = ["DistContext", "dist_context", "AllGatherMatmul", "MatmulReduceScatter", "DeviceArray", "PlanExecutor",
            "PointerTable", "symmetric_addresses", "CommKernel", "SymmetricWorkspace", "Autotuner", "AutotuneError",
-           "SymmetricMemoryWarning", "outstanding", "release_unclosed", "FusedProgram"]
+           "SymmetricMemoryWarning", "outstanding", "release_unclosed", "FusedProgram", "AllGatherMoE",
+           "MoEReduceScatter", "SequenceParallelAttention"]

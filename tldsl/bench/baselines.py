@@ -16,6 +16,11 @@ What a user without tldsl runs for the same layer, one step after the other on o
     torchrun --nproc_per_node=2 -m tldsl.bench baselines moe_rs
     torchrun --nproc_per_node=2 -m tldsl.bench baselines sp_attention [--seqs 4096,8192] [--causal] [--gqa]
 
+``--fused`` adds the fused op (AllGatherMoE, MoEReduceScatter, SequenceParallelAttention) to each
+row: its output is checked against the sequential layer's on the same inputs first
+(:mod:`.fused_layers`), then it is timed in the same interleaved rounds — so one command checks
+and times each op.
+
 Each row: the sequential layer, its communication alone, its compute alone, ideal =
 max(comm, compute), and sequential / ideal — every column timed interleaved in one run
 (:func:`tldsl.bench.dist.bench_interleaved`, the slowest rank's median). The routing of a
@@ -201,10 +206,13 @@ def _moe_inputs(row: MoERow, W: int, rank: int, what: str, dtype):
     return h, ids, wts, w
 
 
-def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16") -> list[dict]:
-    """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone."""
+def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16",
+              fused: bool = False) -> list[dict]:
+    """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone; with
+    ``fused``, the fused op too (:mod:`.fused_layers`: checked against the baseline first)."""
     import torch
     import torch.distributed as dist
+    from . import fused_layers
     from .dist import bench_interleaved
     W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
     results = []
@@ -212,12 +220,15 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
         a, ids, wts, w = _moe_inputs(row, W, rank, what, dtype)
         order, offs = route(ids, w.shape[0])
         k = ids.shape[1]
+        op = None
         if what == "ag_moe":
             gathered = _all_gather(a, None)
             fns = {"sequential": lambda: ag_moe(a, ids, w),
                    "comm": lambda: _all_gather(a, None),
                    # compute alone: the row gather and the grouped GEMM on already gathered tokens
                    "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
+            if fused:
+                op, fns["tldsl"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w))
         else:
             flat_w = wts.reshape(-1).index_select(0, order)[:, None]
             partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
@@ -228,8 +239,14 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
             fns = {"sequential": lambda: moe_rs(a, ids, wts, w),
                    "comm": lambda: _reduce_scatter(partial, None),
                    "compute": combine}           # the grouped GEMM and the weighted top-k sum
+            if fused:
+                op, fns["tldsl"] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w))
         flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
-        t = bench_interleaved(fns, iters=iters)
+        try:
+            t = bench_interleaved(fns, iters=iters)
+        finally:
+            if op is not None:
+                op.close()
         ideal = max(t["comm"], t["compute"])
         res = dict(what=what, model=row.model, tokens=row.tokens, routing=row.routing, world_size=W, **t,
                    ideal=ideal, seq_over_ideal=t["sequential"] / ideal,
@@ -238,16 +255,25 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
         if rank == 0:
             print(f"| {what} | {row.model} | {row.tokens} | {row.routing} | {t['sequential']:.3f} | {t['comm']:.3f} | "
                   f"{t['compute']:.3f} ({res['compute_tflops']:.0f} TFLOP/s) | {ideal:.3f} | "
-                  f"{res['seq_over_ideal']:.2f} |", file=out, flush=True)
+                  f"{res['seq_over_ideal']:.2f} |" + _fused_cells(t, ideal, fused), file=out, flush=True)
     return results
 
 
+def _fused_cells(t: dict, ideal: float, fused: bool) -> str:
+    """The fused op's columns: its time, over ideal, and the sequential layer's time over it."""
+    if not fused:
+        return ""
+    return f" {t['tldsl']:.3f} | {t['tldsl'] / ideal:.2f} | {t['sequential'] / t['tldsl']:.2f} |"
+
+
 def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, out=sys.stdout,
-                    heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16") -> list[dict]:
-    """Time the sequence-parallel attention baseline per sequence length per rank."""
+                    heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16", fused: bool = False) -> list[dict]:
+    """Time the sequence-parallel attention baseline per sequence length per rank (``fused``:
+    and the fused op, checked against it first)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from . import fused_layers
     from .dist import bench_interleaved
     W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
     hkv = heads // 4 if gqa else heads
@@ -264,7 +290,15 @@ def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, o
                # compute alone: the last rank's queries over every key (with causal masks, the
                # contiguous layout's busiest rank)
                "compute": lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)}
-        t = bench_interleaved(fns, iters=iters)
+        op = None
+        if fused:
+            op, fns["tldsl"] = fused_layers.sp_attention_op(q, k, v, causal=causal, layout=layout,
+                                                            reference=sp_attention(q, k, v, causal=causal, layout=layout))
+        try:
+            t = bench_interleaved(fns, iters=iters)
+        finally:
+            if op is not None:
+                op.close()
         ideal = max(t["comm"], t["compute"])
         res = dict(what="sp_attention", seq_per_rank=S, world_size=W, causal=causal, gqa=gqa, layout=layout,
                    **t, ideal=ideal, seq_over_ideal=t["sequential"] / ideal)
@@ -272,7 +306,7 @@ def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, o
         if rank == 0:
             print(f"| sp_attention | S={S} W={W} {'causal' if causal else 'full'} {'GQA 32/8' if gqa else 'MHA'} "
                   f"{layout} | {t['sequential']:.3f} | {t['comm']:.3f} | {t['compute']:.3f} | {ideal:.3f} | "
-                  f"{res['seq_over_ideal']:.2f} |", file=out, flush=True)
+                  f"{res['seq_over_ideal']:.2f} |" + _fused_cells(t, ideal, fused), file=out, flush=True)
     return results
 
 
@@ -294,6 +328,8 @@ def parse_args(argv):
     ap.add_argument("--layout", choices=LAYOUTS, default="contiguous")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--fused", action="store_true",
+                    help="the fused op too: checked against the sequential layer, then timed beside it")
     args = ap.parse_args(argv)
     try:
         args.rows = MOE_ROWS if not args.models else [_parse_row(s) for s in args.models.split(",")]
@@ -318,12 +354,14 @@ def main(argv) -> int:
     try:
         if dist.get_rank() == 0:
             print(f"# baselines {args.what}, {dist.get_world_size()} ranks, {args.dtype}; ms (slowest rank's median)")
-            print("| layer | row | sequential | comm | compute | ideal | seq / ideal |\n|---|---|---|---|---|---|---|")
+            extra = (" tldsl | tldsl / ideal | seq / tldsl |", "---|---|---|") if args.fused else ("", "")
+            print("| layer | row | sequential | comm | compute | ideal | seq / ideal |" + extra[0] +
+                  "\n|---|---|---|---|---|---|---|" + extra[1])
         if args.what == "sp_attention":
             bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
-                            dtype_name=args.dtype)
+                            dtype_name=args.dtype, fused=args.fused)
         else:
-            bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype)
+            bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused)
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,81 @@
+"""The fused MoE and attention ops in the layer benchmark (``tldsl.bench baselines ... --fused``):
+each op built for a row, its output checked against the sequential layer's on the same inputs
+(so a figure is never of a wrong result), then timed beside it.
+
+The layouts differ only where the fused ops pad: :class:`~tldsl.runtime.dist.AllGatherMoE`
+returns the routed rows in expert-sorted order with every expert starting at a multiple of the
+compute tile's ``BM`` (:func:`padded_rows` maps the sequential layer's rows there), and
+:class:`~tldsl.runtime.dist.MoEReduceScatter` takes them so.
+"""
+from __future__ import annotations
+
+#: the largest error a fused op's output may have, relative to the reference's RMS (bf16 / fp16
+#: outputs, fp32 accumulation on both sides in a different order)
+REL_TOL = 2e-2
+
+
+def padded_rows(rows, topk_ids, num_experts: int, block_m: int, num_tiles: int):
+    """``rows [T*k, N]`` in expert-sorted order (``baselines.route``'s) as the fused MoE ops lay
+    them out: ``[num_tiles * block_m, N]``, expert ``e``'s rows from a multiple of ``block_m``,
+    the rest zero. Returns ``(padded, dest)``: ``dest[i]`` is sorted row ``i``'s padded row."""
+    import torch
+    dev = rows.device
+    counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts)
+    tiles = (counts + block_m - 1) // block_m
+    pad_start = (torch.cumsum(tiles, 0) - tiles) * block_m
+    start = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=dev), counts)
+    i = torch.arange(rows.shape[0], device=dev)
+    dest = pad_start[expert] + (i - start[expert])
+    out = torch.zeros((num_tiles * block_m, rows.shape[1]), dtype=rows.dtype, device=dev)
+    out[dest] = rows
+    return out, dest
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| over the RMS of ``want`` (fp32)."""
+    g, w = got.float(), want.float()
+    rms = float(w.pow(2).mean().sqrt()) or 1.0
+    return float((g - w).abs().max()) / rms
+
+
+def check(name: str, got, want) -> float:
+    """The relative error of ``got``; a :class:`RuntimeError` past :data:`REL_TOL` (no figure
+    of a wrong result is printed)."""
+    err = relative_error(got, want)
+    if not err <= REL_TOL:
+        raise RuntimeError(f"{name}: the fused op's output differs from the sequential layer's: max error "
+                           f"{err:.3g} x RMS (tolerance {REL_TOL})")
+    return err
+
+
+def ag_moe_op(x_shard, topk_ids, w1, reference):
+    """AllGatherMoE for these inputs, checked against ``reference`` (the sequential layer's
+    ``[T*k, N/W]``); returns ``(op, call)``: ``call()`` runs one launch."""
+    from ..runtime.dist import AllGatherMoE
+    op = AllGatherMoE(x_shard, w1, topk_ids.shape[1])
+    h, _ = op(x_shard, topk_ids, w1)
+    _, dest = padded_rows(reference, topk_ids, op.num_experts, op.block_m, op.num_tiles)
+    check("AllGatherMoE", h[dest], reference)
+    return op, lambda: op(x_shard, topk_ids, w1)
+
+
+def moe_rs_op(h, topk_ids, topk_weights, w2, reference):
+    """MoEReduceScatter for the sequential layer's input ``h [T*k, N/W]`` (padded here as
+    AllGatherMoE lays it out), checked against ``reference`` (this rank's tokens)."""
+    from ..runtime.dist import MoEReduceScatter
+    import torch.distributed as dist
+    T, k = topk_ids.shape
+    op = MoEReduceScatter(w2, T // dist.get_world_size(), k)
+    padded, _ = padded_rows(h, topk_ids, op.num_experts, op.block_m, op.num_tiles)
+    check("MoEReduceScatter", op(padded, topk_ids, topk_weights, w2), reference)
+    return op, lambda: op(padded, topk_ids, topk_weights, w2)
+
+
+def sp_attention_op(q, k, v, *, causal: bool, layout: str, reference):
+    """SequenceParallelAttention for ``q [S, Hq, D]``, ``k``/``v [S, Hkv, D]``, checked against
+    ``reference``."""
+    from ..runtime.dist import SequenceParallelAttention
+    op = SequenceParallelAttention(q, k, q.shape[1], kv_heads=k.shape[1], causal=causal, layout=layout)
+    check("SequenceParallelAttention", op(q, k, v), reference)
+    return op, lambda: op(q, k, v)

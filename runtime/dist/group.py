@@ -139,20 +139,33 @@ def _exchange(op: str, group, config: dict | None, error: Exception | None) -> N
     W = dist.get_world_size(group)
     if W == 1:
         return
-    mine = {"error": f"{type(error).__name__}: {error}" if error is not None else None,
-            "config": {k: repr(v) for k, v in (config or {}).items()}}
+    mine = agreement_entry(config, error)
     every = [None] * W
     dist.all_gather_object(every, mine, group=group)
+    check_agreement(op, every, error)
+
+
+def agreement_entry(config: dict | None, error: Exception | None) -> dict:
+    """What one rank contributes to the agreement check: its error, or its resolved configuration."""
+    return {"error": f"{type(error).__name__}: {error}" if error is not None else None,
+            "config": None if config is None else {k: repr(v) for k, v in config.items()}}
+
+
+def check_agreement(what: str, every: list, error: Exception | None, differ: str = "built it differently") -> None:
+    """The one agreement check of every collective build (the fused ops' and FusedProgram's), on
+    every rank's :func:`agreement_entry`: a rank that failed returns here (it raises its own
+    error); its peers raise an :class:`InputError` naming the first rank that failed; ranks whose
+    configurations differ all raise the same InputError naming the differences."""
     if error is not None:
-        return                                   # this rank raises its own error
+        return
     failed = [(q, e["error"]) for q, e in enumerate(every) if e["error"] is not None]
     if failed:
         q, why = failed[0]
-        raise InputError(f"{op}: rank {q} could not build it ({why.splitlines()[0]})"
+        raise InputError(f"{what}: rank {q} could not build it ({why.splitlines()[0]})"
                          + (f"; and {len(failed) - 1} more rank(s)" if len(failed) > 1 else ""))
     diff = disagreements([e["config"] for e in every])
     if diff:
-        raise InputError(f"{op}: the ranks built it differently — " + "; ".join(diff))
+        raise InputError(f"{what}: the ranks {differ} — " + "; ".join(diff))
 
 
 def init_ranks() -> str:

@@ -84,7 +84,7 @@ from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocat
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
-from .group import dist_context, disagreements, enable_symmetric_memory
+from .group import agreement_entry, check_agreement, dist_context, enable_symmetric_memory
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -140,20 +140,10 @@ class FusedProgram(FusedOp):
             built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
         except Exception as e:                  # noqa: BLE001 - exchanged first, then re-raised
             error = e
-        mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
-                "config": None if built is None else built}
-        every = exchange(self.ctx, mine)
+        every = exchange(self.ctx, agreement_entry(built, error))
         if error is not None:
             raise error
-        failed = [(q, e["error"]) for q, e in enumerate(every) if e["error"] is not None]
-        if failed:
-            q, why = failed[0]
-            raise InputError(f"FusedProgram({_name(kernel)}): rank {q} could not build it ({why.splitlines()[0]})"
-                             + (f"; and {len(failed) - 1} more rank(s)" if len(failed) > 1 else ""))
-        diff = disagreements([e["config"] for e in every])
-        if diff:
-            raise InputError(f"FusedProgram({_name(kernel)}): the ranks traced different programs — "
-                             + "; ".join(diff))
+        check_agreement(f"FusedProgram({_name(kernel)})", every, None, differ="traced different programs")
         self._allocate()
 
     # -- building ---------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_the_fused_kernel_in_a_cuda_graph(compiled):
     from tldsl.runtime.gpu.moe_routing import TABLES
     W, Ms, topk, E, BM = 2, 3000, 4, 32, 64
     rng = np.random.default_rng(11)
-    b, ids = _build(compiled, _ids(rng, W * Ms, E, topk, "uniform"), E, W, Ms, BM)
+    b, ids = _build(compiled, _ids(rng, W * Ms, E, topk, "uniform"), E, W, Ms, BM, fused=True)
     tables = b.empty_tables()
     b(ids, tables)                              # prepared (and the kernels loaded) before the capture
     torch.cuda.synchronize()
@@ -203,9 +203,9 @@ def _check_tables(b, ids, tables, ids_np, what):
 
 
 def _time_routing(compiled, kind, W, Ms, topk, E, BM):
-    """One routing's row: a call (what the ops do: the fused kernel), timed twice; the fused
-    kernel with one block per chunk; the three kernels with and without PDL, each alone; the
-    host's time per call; torch's sort + counts."""
+    """One routing's row: a call (what the ops do: the three kernels with PDL), timed twice; the
+    fused kernel, at its grid and with one block per chunk; the three kernels with and without
+    PDL, each alone; the host's time per call; torch's sort + counts."""
     import time
     import torch
     ids_np = _ids(np.random.default_rng(7), W * Ms, E, topk, kind)
@@ -215,7 +215,10 @@ def _time_routing(compiled, kind, W, Ms, topk, E, BM):
     call, _ = _median_us(lambda: b(ids, tables))
     used = "fused" if b.fused else ("split, PDL" if b.pdl else "split, plain")
     _check_tables(b, ids, tables, ids_np, f"{kind}: a call")
-    per_chunk = _build(compiled, ids_np, E, W, Ms, BM, fused_blocks=b.sizes.blocks)[0]
+    fused = _build(compiled, ids_np, E, W, Ms, BM, fused=True)[0]
+    fused_us, _ = _median_us(lambda: fused(ids, tables))
+    _check_tables(fused, ids, tables, ids_np, f"{kind}: fused")
+    per_chunk = _build(compiled, ids_np, E, W, Ms, BM, fused=True, fused_blocks=b.sizes.blocks)[0]
     chunk_grid = per_chunk.fused_grid()
     per_chunk_us, _ = _median_us(lambda: per_chunk(ids, tables))
     _check_tables(per_chunk, ids, tables, ids_np, f"{kind}: fused, one block per chunk")
@@ -231,12 +234,14 @@ def _time_routing(compiled, kind, W, Ms, topk, E, BM):
     torch.cuda.synchronize()
     again, _ = _median_us(lambda: b(ids, tables))
     peer_us, _ = _median_us(_peer(ids, E))
-    return dict(kind=kind, call=call, again=again, used=used, grid=b.fused_grid(), per_chunk=per_chunk_us,
-                chunk_grid=chunk_grid, pdl=pdl, plain=plain, alone=alone, host=host_us, peer=peer_us)
+    return dict(kind=kind, call=call, again=again, used=used, fused=fused_us, grid=fused.fused_grid(),
+                per_chunk=per_chunk_us, chunk_grid=chunk_grid, pdl=pdl, plain=plain, alone=alone, host=host_us,
+                peer=peer_us)
 
 
 def _by_items(compiled, W, Ms, topk, E, BM):
-    """A call and the three plain kernels at 2, 4, 8 and 16 routed rows per thread (uniform ids)."""
+    """A call, the fused kernel and the three plain kernels at 2, 4, 8 and 16 routed rows per
+    thread (uniform ids)."""
     import torch
     from tldsl.runtime.gpu.moe_routing import ITEMS, MoERoutingBuilder, compile_routing
     ids_np = _ids(np.random.default_rng(7), W * Ms, E, topk, "uniform")
@@ -251,8 +256,11 @@ def _by_items(compiled, W, Ms, topk, E, BM):
         vl = v.launches(ids, vt, fused=False)
         plain_us, _ = _median_us(lambda: v.enqueue(vl, stream, pdl=False))
         _check_tables(v, ids, vt, ids_np, f"items={items}")
-        out.append(f"items={items} ({v.sizes.blocks} chunks, fused grid {v.fused_grid()}): a call {us:.2f} µs, "
-                   f"three plain kernels {plain_us:.2f} µs")
+        vf = MoERoutingBuilder(W, Ms, topk, E, BM, items=items, compiled=v.compiled, fused=True)
+        fused_us, _ = _median_us(lambda: vf(ids, vt))
+        _check_tables(vf, ids, vt, ids_np, f"items={items}, fused")
+        out.append(f"items={items} ({v.sizes.blocks} chunks): a call {us:.2f} µs, fused ({vf.fused_grid()} blocks) "
+                   f"{fused_us:.2f} µs, three plain kernels {plain_us:.2f} µs")
     return out
 
 
@@ -264,9 +272,9 @@ def _tiny_kernel_us():
 
 
 def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
-    """A call (the fused kernel) at uniform, Zipf and all-to-one routings, against the three
-    kernels and torch's stable sort + per-expert counts of the same ids; the target is 20 µs
-    at every routing."""
+    """A call (the three kernels with PDL) at uniform, Zipf and all-to-one routings, against the
+    fused kernel, the plain launches and torch's stable sort + per-expert counts of the same ids;
+    the target is 20 µs at every routing."""
     import torch
     from tldsl.runtime.gpu.moe_routing import RoutingSizes
     W, Ms, topk, E, BM = 8, 4096, 8, 128, 128
@@ -276,10 +284,10 @@ def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
     lines = [f"moe routing tables on {torch.cuda.get_device_name()}: T={W * Ms} top-{topk} E={E} BM={BM} "
              f"(NT={s.num_tiles} tiles, {s.blocks} chunks), GPU µs between CUDA events, median of 100 after "
              f"10 warm-up; one tiny kernel: {_tiny_kernel_us():.2f} µs",
-             "| routing | a call | again | way | fused, one block per chunk | three kernels PDL | three plain "
-             "| count alone | scatter alone | tiles alone | host µs/call | torch sort+counts |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['kind']} | {r['call']:.2f} | {r['again']:.2f} | {r['used']} ({r['grid']} blocks) | "
+             "| routing | a call | again | way | fused (blocks) | fused, one block per chunk | three kernels PDL "
+             "| three plain | count alone | scatter alone | tiles alone | host µs/call | torch sort+counts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['kind']} | {r['call']:.2f} | {r['again']:.2f} | {r['used']} | {r['fused']:.2f} ({r['grid']}) | "
               f"{r['per_chunk']:.2f} ({r['chunk_grid']}) | {r['pdl']:.2f} | {r['plain']:.2f} | "
               + " | ".join(f"{a:.2f}" for a in r["alone"]) + f" | {r['host']:.1f} | {r['peer']:.2f} |"
               for r in rows]

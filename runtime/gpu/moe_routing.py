@@ -2,12 +2,15 @@
 the GPU from the caller's ``topk_ids`` with no host synchronisation
 (``codegen/include/tldsl/moe_routing.hpp``, compiled once by NVRTC).
 
-One cooperative launch of the fused kernel does it all: three phases (count, scatter, tiles)
-separated by two grid-wide barriers, which cost less than two kernel boundaries do, with the
-chunk's ranks kept in registers across the first. Where the driver refuses a cooperative launch,
-three kernels on one stream do the same, the second and third launched with programmatic
-dependent launch (their blocks start while the previous kernel runs and wait for it on the
-device), falling back to plain launches where the driver refuses that too.
+Three kernels on one stream (count, scatter, tiles), the second and third launched with
+programmatic dependent launch (their blocks start while the previous kernel runs and wait for it
+on the device; the scatter kernel reads and ranks its ids before it waits), falling back to
+plain launches where the driver refuses that. ``fused=True`` runs the same three phases in one
+cooperative launch instead, separated by two grid-wide barriers: measured slower on an H200 at
+32768 tokens, top-8, E = 128 (21.3 µs uniform, 19.6 Zipf, 17.3 all-to-one, against 19.1, 18.5
+and 15.9 for the three kernels with PDL, 23.7, 23.0 and 20.2 without; BENCHMARKS.md, "fourteenth
+session"): each barrier costs about as much as a kernel boundary under PDL, and the fused
+kernel's 128 registers a thread leave its last phase one block of 16 warps per multiprocessor.
 
 The tables are those of :func:`tldsl.ops.moe.moe_routing`, entry for entry (same stable order
 inside an expert, same padding of every expert to a multiple of ``BM``), so a grouped GEMM
@@ -296,14 +299,14 @@ class MoERoutingBuilder:
     see :meth:`RoutingSizes.shapes`), ``builder(topk_ids, tables)`` refills buffers from
     :meth:`empty_tables`. No host synchronisation.
 
-    One cooperative launch of the fused kernel (``fused=True``, the default), or, where the
-    driver refuses that (or ``fused=False``), three launches: count, scatter, tiles, the last
-    two with programmatic dependent launch unless ``pdl=False`` or the driver refuses it.
-    ``fused_blocks`` caps the fused kernel's grid (fewer blocks than chunks make each block take
-    several chunks: for the tests)."""
+    Three launches (count, scatter, tiles), the last two with programmatic dependent launch
+    unless ``pdl=False`` or the driver refuses it; or, with ``fused=True``, one cooperative
+    launch of the fused kernel (the three launches where the driver refuses that; slower on the
+    H200, see the module's docstring). ``fused_blocks`` caps the fused kernel's grid (fewer
+    blocks than chunks make each block take several chunks: for the tests)."""
 
     def __init__(self, world_size: int, rows_per_rank: int, topk: int, num_experts: int, BM: int, *,
-                 compiled=None, pdl: bool = True, fused: bool = True, items: int = ITEMS,
+                 compiled=None, pdl: bool = True, fused: bool = False, items: int = ITEMS,
                  fused_blocks: int | None = None):
         from .device import require_gpu
         from .module import load_kernel

@@ -61,8 +61,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            ("runtime/dist/spare_outputs.py",)),
     EnvVar("TLDSL_WAIT_TIMEOUT_NS", "waits spin without a limit",
            "Debugging a hang: the GPU ops compile every wait with this timeout; a wait that runs out prints "
-           "its slot and traps (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it).",
-           ("runtime/dist/ag_gemm.py", "runtime/dist/gemm_rs.py", "tldsl/checks/dist_check.py")),
+           "its slot and traps, and the schedules on the fused-op runtime give up waiting on the host after as "
+           "long (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it).",
+           ("runtime/dist/ag_gemm.py", "runtime/dist/gemm_rs.py", "runtime/dist/program_engine.py",
+            "tldsl/checks/dist_check.py")),
     EnvVar("TLDSL_DEBUG", "off",
            "Any value: the AllGather+GEMM and GEMM+ReduceScatter ops synchronise after every call and print each "
            "rank's signal counters (slow; for hunting a hang or a wrong count).",

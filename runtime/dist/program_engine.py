@@ -11,14 +11,14 @@ timeline); the program holds the buffers, counters, streams and the launch proto
 """
 from __future__ import annotations
 
-import os
-
+from ... import env
 from .program_op import FusedProgram
 
 
 def wait_timeout_s() -> float | None:
-    """``TLDSL_WAIT_TIMEOUT_NS`` (debugging: a wait that spins longer traps) in seconds, or None."""
-    ns = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+    """``TLDSL_WAIT_TIMEOUT_NS`` (debugging: a wait that spins longer traps, and the host's
+    ``synchronize`` / ``close`` give up after as long) in seconds, or None."""
+    ns = env.get("TLDSL_WAIT_TIMEOUT_NS")
     return int(ns) / 1e9 if ns else None
 
 

@@ -38,6 +38,10 @@ def test_padded_rows_put_each_routed_row_where_the_routing_tables_do(routing, E,
 def test_the_check_refuses_a_wrong_output():
     want = torch.randn(64, 32)
     assert fused_layers.check("op", want + 1e-3 * torch.randn(64, 32), want) < fused_layers.REL_TOL
+    spike = want.clone()
+    spike[3, 4] += 0.5 * float(want.pow(2).mean().sqrt())        # one element far off: L2 small, max not
+    with pytest.raises(RuntimeError, match="largest"):
+        fused_layers.check("op", spike, want)
     with pytest.raises(RuntimeError, match="differs from the sequential layer"):
         fused_layers.check("op", want.flip(0), want)
     with pytest.raises(RuntimeError):

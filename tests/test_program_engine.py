@@ -21,6 +21,7 @@ from tldsl.runtime.dist import ag_gemm, gemm_rs, program_op  # noqa: E402
 from tldsl.runtime.dist.ag_gemm import AllGatherMatmul  # noqa: E402
 from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter  # noqa: E402
 from tldsl.runtime.dist.program_engine import ProgramEngine  # noqa: E402
+from tldsl.runtime.dist.timeline import format_phases, segments  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::tldsl.runtime.dist.symmetric.SymmetricMemoryWarning")
 
@@ -118,8 +119,8 @@ def test_matmul_reduce_scatter_sm_schedule_on_the_runtime(monkeypatch, W):
 
 def test_hooks_and_timeline_see_every_part(monkeypatch):
     """The distributed checks' straggler hooks and the phase timeline, through the runtime: each
-    launch calls ``before_comm`` and ``before_compute`` once (with the part's stream) and marks
-    the start and each part's end."""
+    launch calls ``before_comm`` and ``before_compute`` once (with the op and the part's stream)
+    and marks its start (before the entry handshake) and each part's start and end."""
     W, Ms, K, N = 2, 16, 16, 16
     g = ops_group(monkeypatch, W)
     ops = g.build(lambda r, dev: AllGatherMatmul(Ms, K, N, torch.float16, compute=C16, **AG_SCHEDULES["sm-push"]))
@@ -131,8 +132,8 @@ def test_hooks_and_timeline_see_every_part(monkeypatch):
 
         def mark(self, label, stream, name):
             self.labels.append((label, name))
-    ops[0].hooks = {"before_compute": lambda op, L, s: seen.append(("compute", L, s)),
-                    "before_comm": lambda op, L, s: seen.append(("comm", L, s))}
+    ops[0].hooks = {"before_compute": lambda op, L, s: seen.append(("compute", L, s, op.engine)),
+                    "before_comm": lambda op, L, s: seen.append(("comm", L, s, op.engine))}
     ops[0].timeline = Marks()
     rng = np.random.default_rng(0)
     kept = []                                       # (the fake GPU reads them when it runs)
@@ -144,9 +145,11 @@ def test_hooks_and_timeline_see_every_part(monkeypatch):
         kept.append(b)
     for op in ops:
         op._engine.program.synchronize()
-    assert sorted((k, L) for k, L, _ in seen) == [("comm", 1), ("comm", 2), ("compute", 1), ("compute", 2)]
-    assert len({s for _, _, s in seen}) == 2                 # each part on a stream of its own
-    assert ops[0].timeline.labels == [("start", "caller"), ("gather_a done", "comm"), ("gemm done", "compute")] * 2
+    assert sorted((k, L) for k, L, _, _ in seen) == [("comm", 1), ("comm", 2), ("compute", 1), ("compute", 2)]
+    assert len({s for _, _, s, _ in seen}) == 2              # each part on a stream of its own
+    assert {e for *_, e in seen} == {"sm"}                   # hooks get the op the caller holds
+    assert ops[0].timeline.labels == [("start", "caller"), ("gather_a start", "comm"), ("gather_a done", "comm"),
+                                      ("gemm start", "compute"), ("gemm done", "compute")] * 2
     for op in ops:
         op.close()
 
@@ -229,3 +232,14 @@ def test_a_program_on_the_nvshmem_transport(monkeypatch, W):
     for op in ops:
         op.close()
     assert seen.closed == W
+
+
+def test_the_timeline_names_each_part_of_a_program_launch():
+    """A program launch's marks read as phases: the entry handshake's wait, the all-gather kernel
+    beside the GEMM (each from its own start), and the text timeline has a glyph for each."""
+    phases = [("start", "caller", 0.0), ("gather_a start", "comm", 0.2), ("gather_a done", "comm", 0.5),
+              ("gemm start", "compute", 0.2), ("gemm done", "compute", 1.0)]
+    assert segments(phases) == [("comm", "barrier", 0.0, 0.2), ("comm", "all-gather", 0.2, 0.5),
+                                ("compute", "barrier", 0.2, 0.2), ("compute", "GEMM", 0.2, 1.0)]
+    text = format_phases([phases], width=10)
+    assert "?" not in text and "A" in text and "G" in text

@@ -1,10 +1,16 @@
 """The distributed runtime: ranks from torch.distributed (torchrun), symmetric memory from
-torch's symmetric-memory layer, communication on the copy engine (stream-ordered peer copies +
-stream memory writes for the flags; :mod:`..gpu.plan_exec` runs any codegen copy-engine plan) or on
-a few SMs (generated communication kernels, :mod:`.comm_kernel`) feeding generated kernels that
-wait per tile: :class:`AllGatherMatmul` (AllGather+GEMM), :class:`MatmulReduceScatter`
-(GEMM+ReduceScatter); :mod:`.autotune` picks their schedules. :class:`FusedProgram` runs any
-traced kernel's parts across the group (what ``tl.run(..., group=...)`` uses).
+torch's symmetric-memory layer (or NVSHMEM's heap), communication on the copy engine
+(stream-ordered peer copies + stream memory writes for the flags; :mod:`..gpu.plan_exec` runs any
+codegen copy-engine plan) or on a few SMs (generated communication kernels) feeding generated
+kernels that wait per tile.
+
+:class:`FusedProgram` is the one fused-op runtime: it runs any traced kernel's parts across the
+group (what ``tl.run(..., group=...)`` uses), and the ops are built on it — :class:`AllGatherMoE`,
+:class:`MoEReduceScatter`, :class:`SequenceParallelAttention`, and every schedule of
+:class:`AllGatherMatmul` (AllGather+GEMM) and :class:`MatmulReduceScatter` (GEMM+ReduceScatter)
+without a hand-built fast path (:mod:`.program_engine`); :mod:`.autotune` picks their schedules.
+:class:`CommKernel` / :class:`SymmetricWorkspace` (:mod:`.comm_kernel`) launch one generated
+communication kernel on its own, outside any op.
 
 Symmetric memory is allocated and freed only at explicit collective points every rank reaches
 in the same order (:mod:`.symmetric`): allocated when an op object is built, freed by its

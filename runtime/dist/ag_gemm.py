@@ -783,6 +783,7 @@ class _ProgramAllGather(ProgramEngine):
         op.ir, op.lowered = self.ir, self.lowered("gemm")
         (self.signal,) = op.lowered.signals
         self._gemm = None
+        self._order = CallOrder()
 
     @property
     def compute_gemm(self):
@@ -800,6 +801,9 @@ class _ProgramAllGather(ProgramEngine):
         if out is not None:
             op._check_out(out, a_shard, b)
         gathered = self.workspace_tensors()["a_gathered"]
+        # after the previous call, whatever its stream: the program orders its launches, but this
+        # call's poisoning and the previous call's copy of the gathered rows are the op's own
+        self._order.follow(self.program.device.origin())
         if poison_workspace:
             gathered.fill_(float("nan"))
         c = out if out is not None else torch.empty((op.ctx.world_size * op.Ms, op.N), dtype=op.dtype,

@@ -51,10 +51,10 @@ Building the op is **collective** (symmetric staging buffer and counters, one re
 rank of the group must build it, at the same point, before any call. Nothing is allocated
 collectively on a call.
 
-Debugging: ``TLDSL_WAIT_TIMEOUT_NS`` (read when the op is built) compiles both kernels with
-waits that print their slot address and trap after that long, and gives the group barrier a
-timeout; :meth:`MatmulReduceScatter.signal_map` names the address. ``TLDSL_DEBUG=1``
-synchronises after each call and prints the counters.
+Debugging: ``TLDSL_WAIT_TIMEOUT_NS`` (read when the op is built) compiles its kernels with
+waits that print their slot address and trap after that long (and, on the SM schedule, makes the
+fused-op runtime's host waits give up after as long); :meth:`MatmulReduceScatter.signal_map`
+names the address. ``TLDSL_DEBUG=1`` synchronises after each call and prints the counters.
 """
 from __future__ import annotations
 

@@ -37,8 +37,11 @@ class ProgramEngine:
         """One launch of the program on the caller's stream, with the op's hooks and timeline;
         the op's launch count and CUDA-graph mode follow the program's."""
         program = self.program
-        program.hooks, program.timeline = op.hooks, op.timeline
-        out = program(**tensors)
+        program.hooks, program.timeline, program.hook_owner = op.hooks, op.timeline, op
+        try:
+            out = program(**tensors)
+        finally:
+            program.hook_owner = None       # (no reference from the program back to the op between calls)
         op.launches, op._graph, op._capture = program.launches, program._graph, program._capture
         return out
 

@@ -135,6 +135,7 @@ class FusedProgram(FusedOp):
         self.launch_ms: list[float] = []
         self.hooks: dict = {}                   # 'before_compute' / 'before_comm': (op, launch, stream) -> None
         self.timeline = None                    # a PhaseTimeline: the next calls mark their parts' ends on it
+        self.hook_owner = None                  # what hooks get as their op (an op built on this program)
         error, built = None, None
         try:
             built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
@@ -348,6 +349,8 @@ class FusedProgram(FusedOp):
             if n:
                 checked(drv, drv.cuMemsetD8Async(self._counter_block.data_ptr(), 0, n, origin),
                         "cuMemsetD8Async(the signal counters)")
+        if self.timeline is not None:       # before the entry handshake: its wait for the peers shows
+            self.timeline.mark("start", torch_stream(origin, dev), "caller")
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L - 1)
         streams = self._streams or [origin]
@@ -379,19 +382,19 @@ class FusedProgram(FusedOp):
     def _watch(self, origin):
         """What runs on the host around each part's enqueue: the caller's hooks before it
         (``hooks['before_compute']`` / ``hooks['before_comm']`` by the part's role, called as
-        ``hook(op, launch, stream)`` with the part's stream — the distributed checks inject
-        stragglers there) and, after it, a timeline mark ``<part> done`` on that stream."""
-        if self.timeline is not None:
-            self.timeline.mark("start", torch_stream(origin, self.device), "caller")
-
+        ``hook(op, launch, stream)`` with the part's stream and ``op`` the op the caller holds —
+        :attr:`hook_owner`, this program by default; the distributed checks inject stragglers
+        there) and timeline marks ``<part> start`` / ``<part> done`` on that stream around it
+        (the timeline's ``start`` mark precedes the entry handshake: :meth:`_enqueue`)."""
         def watch(item, stream: int, when: str) -> None:
             role = self.kernel.part(item.part).role
             if when == "before":
                 hook = self.hooks.get(f"before_{role}")
                 if hook is not None:
-                    hook(self, self.launches, torch_stream(stream, self.device))
-            elif self.timeline is not None:
-                self.timeline.mark(f"{item.part} done", torch_stream(stream, self.device), role)
+                    hook(self.hook_owner or self, self.launches, torch_stream(stream, self.device))
+            if self.timeline is not None:
+                label = f"{item.part} {'start' if when == 'before' else 'done'}"
+                self.timeline.mark(label, torch_stream(stream, self.device), role)
         return watch
 
     def _launch_epoch(self) -> int:

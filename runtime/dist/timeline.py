@@ -71,18 +71,24 @@ def _phase_name(label: str) -> str:
         return "copy to " + label[len("shard pushed to "):]
     if label.startswith("rows of ") and label.endswith(" sent"):          # RS: a peer's partial rows pushed
         return "copy " + label[len("rows of "):-len(" sent")]
-    return {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter",
-            "reduced": "sum"}.get(label, label)
+    named = {"staged": "stage", "gemm done": "GEMM", "reduce-scatter done": "reduce-scatter", "reduced": "sum",
+             # the parts of the library programs on the fused-op runtime (``<part> done``)
+             "reduce_scatter done": "reduce-scatter", "gather_a done": "all-gather"}
+    if label in named:
+        return named[label]
+    if label.endswith(" start"):            # a part's stream until it starts: the entry handshake's wait
+        return "barrier"
+    return label[:-len(" done")] if label.endswith(" done") else label
 
 
-_GLYPH = {"stage": "s", "barrier": "b", "GEMM": "G", "reduce-scatter": "R", "sum": "+"}
+_GLYPH = {"stage": "s", "barrier": "b", "GEMM": "G", "reduce-scatter": "R", "sum": "+", "all-gather": "A"}
 
 
 def format_phases(every_rank, width: int = 72) -> str:
     """A text timeline of one launch on every rank: a row per (rank, stream), one glyph per
-    ``span / width`` ms — ``s`` staging copies, ``b`` waiting in the group barrier, ``c`` an
-    NVLink copy, ``G`` the GEMM, ``R`` the reduce-scatter kernel, ``+`` the sum of this rank's
-    rows after the GEMM, ``.`` idle."""
+    ``span / width`` ms — ``s`` staging copies, ``b`` waiting in the group barrier (or the entry
+    handshake), ``c`` an NVLink copy, ``A`` the all-gather kernel, ``G`` the GEMM, ``R`` the
+    reduce-scatter kernel, ``+`` the sum of this rank's rows after the GEMM, ``.`` idle."""
     segs = [segments(ph) for ph in every_rank]
     span = max((t1 for s in segs for *_, t1 in s), default=0.0) or 1.0
     end = f"{span:.3f} ms"
@@ -99,8 +105,8 @@ def format_phases(every_rank, width: int = 72) -> str:
                 for i in range(a, b):
                     row[i] = g
             lines.append(f"rank {r} {stream:>7} |{''.join(row)}|")
-    lines.append("s staging copies, b group barrier, c NVLink copy (a peer's rows), G GEMM, R reduce-scatter kernel, "
-                 "+ sum of this rank's rows")
+    lines.append("s staging copies, b group barrier, c NVLink copy (a peer's rows), A all-gather kernel, G GEMM, "
+                 "R reduce-scatter kernel, + sum of this rank's rows")
     return "\n".join(lines)
 
 

@@ -9,9 +9,13 @@ compute tile's ``BM`` (:func:`padded_rows` maps the sequential layer's rows ther
 """
 from __future__ import annotations
 
-#: the largest error a fused op's output may have, relative to the reference's RMS (bf16 / fp16
-#: outputs, fp32 accumulation on both sides in a different order)
-REL_TOL = 2e-2
+#: the largest error a fused op's output may have: relative L2 (``||got - want|| / ||want||``) and
+#: the largest element's, over the reference's RMS. Both sides are bf16 / fp16 outputs of fp32
+#: accumulations rounded at different points (the sequential MoE+RS rounds the grouped GEMM's rows
+#: to bf16 before its weighted sum; the fused op does not), so single elements differ by a few
+#: output ulps of the largest values; a misplaced row or tile moves the L2 error to order 1.
+REL_TOL = 1e-2
+MAX_TOL = 0.25
 
 
 def padded_rows(rows, topk_ids, num_experts: int, block_m: int, num_tiles: int):
@@ -32,21 +36,45 @@ def padded_rows(rows, topk_ids, num_experts: int, block_m: int, num_tiles: int):
     return out, dest
 
 
-def relative_error(got, want) -> float:
-    """max |got - want| over the RMS of ``want`` (fp32)."""
+def errors(got, want) -> tuple[float, float]:
+    """(relative L2 error, largest error over the RMS of ``want``), in fp32."""
     g, w = got.float(), want.float()
     rms = float(w.pow(2).mean().sqrt()) or 1.0
-    return float((g - w).abs().max()) / rms
+    d = g - w
+    return float(d.pow(2).mean().sqrt()) / rms, float(d.abs().max()) / rms
 
 
 def check(name: str, got, want) -> float:
-    """The relative error of ``got``; a :class:`RuntimeError` past :data:`REL_TOL` (no figure
-    of a wrong result is printed)."""
-    err = relative_error(got, want)
-    if not err <= REL_TOL:
-        raise RuntimeError(f"{name}: the fused op's output differs from the sequential layer's: max error "
-                           f"{err:.3g} x RMS (tolerance {REL_TOL})")
-    return err
+    """The relative L2 error of ``got``; a :class:`RuntimeError` past :data:`REL_TOL` or an
+    element past :data:`MAX_TOL` — on every rank alike where ranks run it (no figure of a wrong
+    result is printed, and no rank goes on into the timing alone)."""
+    l2, worst = errors(got, want)
+    ok = l2 <= REL_TOL and worst <= MAX_TOL
+    if not _everywhere(ok):
+        raise RuntimeError(f"{name}: the fused op's output differs from the sequential layer's"
+                           + (f": relative L2 error {l2:.3g} (tolerance {REL_TOL}), largest {worst:.3g} x RMS "
+                              f"(tolerance {MAX_TOL})" if not ok else " on another rank"))
+    return l2
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the default group (itself, without one)."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def _checked(op, name: str, got, want) -> None:
+    """:func:`check`, closing the op (collectively, every rank) before a failure is raised."""
+    try:
+        check(name, got, want)
+    except RuntimeError:
+        op.close()
+        raise
 
 
 def ag_moe_op(x_shard, topk_ids, w1, reference):
@@ -56,7 +84,7 @@ def ag_moe_op(x_shard, topk_ids, w1, reference):
     op = AllGatherMoE(x_shard, w1, topk_ids.shape[1])
     h, _ = op(x_shard, topk_ids, w1)
     _, dest = padded_rows(reference, topk_ids, op.num_experts, op.block_m, op.num_tiles)
-    check("AllGatherMoE", h[dest], reference)
+    _checked(op, "AllGatherMoE", h[dest], reference)
     return op, lambda: op(x_shard, topk_ids, w1)
 
 
@@ -68,7 +96,7 @@ def moe_rs_op(h, topk_ids, topk_weights, w2, reference):
     T, k = topk_ids.shape
     op = MoEReduceScatter(w2, T // dist.get_world_size(), k)
     padded, _ = padded_rows(h, topk_ids, op.num_experts, op.block_m, op.num_tiles)
-    check("MoEReduceScatter", op(padded, topk_ids, topk_weights, w2), reference)
+    _checked(op, "MoEReduceScatter", op(padded, topk_ids, topk_weights, w2), reference)
     return op, lambda: op(padded, topk_ids, topk_weights, w2)
 
 
@@ -77,5 +105,5 @@ def sp_attention_op(q, k, v, *, causal: bool, layout: str, reference):
     ``reference``."""
     from ..runtime.dist import SequenceParallelAttention
     op = SequenceParallelAttention(q, k, q.shape[1], kv_heads=k.shape[1], causal=causal, layout=layout)
-    check("SequenceParallelAttention", op(q, k, v), reference)
+    _checked(op, "SequenceParallelAttention", op(q, k, v), reference)
     return op, lambda: op(q, k, v)

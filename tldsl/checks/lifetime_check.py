@@ -49,10 +49,18 @@ def _free_bytes(torch, dist) -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def _lease(op):
+    """The lease holding the op's symmetric memory: its own, or — a schedule run as its tile
+    program on the fused-op runtime — the program's (the op's own is then empty)."""
+    from tldsl.runtime.dist.program_engine import ProgramEngine
+    engine = getattr(op, "_engine", None)
+    return engine.program._lease if isinstance(engine, ProgramEngine) else op._lease
+
+
 def _held(op) -> tuple[int, int]:
     """(bytes of torch symmetric memory, blocks) the op's lease holds."""
     from tldsl.runtime.dist import symmetric as sym
-    blocks = sym._LEDGER[op._lease.key].blocks
+    blocks = sym._LEDGER[_lease(op).key].blocks
     return sum(b.tensor.untyped_storage().nbytes() for b in blocks if b.tensor is not None), len(blocks)
 
 
@@ -66,7 +74,7 @@ def _fresh(build, torch, dist, shape):
     for _ in range(3):
         op(a, b)
     held, blocks = _held(op)
-    return op, held, blocks, op._lease.key, _free_bytes(torch, dist)
+    return op, held, blocks, _lease(op).key, _free_bytes(torch, dist)
 
 
 def check(name, build, shape, torch, dist) -> list[tuple[str, bool, str]]:

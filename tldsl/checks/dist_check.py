@@ -709,12 +709,12 @@ def run(argv=None) -> int:
             env.say(f"dist_check {v.label} {c}: {'PASS' if all_ok else 'FAIL'} ({info if ok else 'see rank lines'}; "
                     f"{time.time() - t0:.1f} s)")
             failures += not all_ok
+            env.state.reader = None     # (its views of the counters: symmetric memory on the fused-op runtime)
             if env.state.op is not None and hasattr(env.state.op, "close"):
                 torch.cuda.synchronize()
                 env.barrier()
                 env.state.op.close()    # collective: the op's symmetric memory is freed here
             env.state.op = None
-            env.state.reader = None
             gc.collect()                # the rest of the check's garbage, here where nothing spins
             torch.cuda.synchronize()
             env.barrier()

@@ -13,7 +13,7 @@ class Unavailable(Exception):
 #: Each benchmark of ``tldsl.bench`` and what it needs: "gpu" (one Hopper GPU), "torchrun" (two
 #: GPUs, one process each), "nvrtc" (the compile toolchain, no GPU) or "" (nothing).
 BENCHMARKS = {
-    "gemm": "gpu", "compile": "nvrtc", "sim": "", "probe": "gpu", "general": "gpu", "launch": "gpu",
+    "gemm": "gpu", "compile": "nvrtc", "sim": "", "probe": "gpu", "general": "gpu", "launch": "gpu", "attention": "gpu",
     "ag_gemm": "torchrun", "gemm_rs": "torchrun", "host": "torchrun", "baselines": "torchrun",
 }
 #: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.

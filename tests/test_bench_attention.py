@@ -1,0 +1,36 @@
+"""``python -m tldsl.bench attention`` (the attention kernel beside torch's SDPA): its rows are the
+issue's grid, its FLOP count is the attended pairs of the mask SDPA is given (lower-right causal:
+the last rank's queries over every key), and its arguments are checked before anything runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tldsl.bench import attention as ba
+
+
+def test_the_default_rows_are_the_issues_grid():
+    a = ba.parse_args([])
+    rows = ba.rows(a.seqs, a.ranks, a.dtypes, a.masks, a.heads)
+    assert len(rows) == 2 * 4 * 2 * 2 * 2 and len(set(rows)) == len(rows)
+    assert {r.seq for r in rows} == {4096, 8192, 16384, 32768} and {r.keys // r.seq for r in rows} == {2, 4}
+    assert {(r.heads, r.kv_heads) for r in rows} == {(32, 32), (32, 8)} and {r.dtype for r in rows} == {"bfloat16",
+                                                                                                        "float16"}
+
+
+@pytest.mark.parametrize("seq,ranks", [(5, 2), (8, 4), (7, 1)])
+def test_pairs_are_those_of_the_lower_right_causal_mask(seq, ranks):
+    keys = seq * ranks
+    lower_right = np.tril(np.ones((seq, keys), bool), k=keys - seq)      # query i sees keys <= i + keys - seq
+    assert ba.Row("bfloat16", seq, ranks, True, 4, 4).pairs() == int(lower_right.sum())
+    assert ba.Row("bfloat16", seq, ranks, False, 4, 4).pairs() == seq * keys
+    assert ba.Row("bfloat16", seq, ranks, False, 4, 2).flops() == 4 * seq * keys * ba.D * 4
+
+
+@pytest.mark.parametrize("args,says", [(["--heads", "32/5"], "must divide"), (["--heads", "x"], "Q/KV pairs"),
+                                       (["--seqs", "4k"], "integers"), (["--masks", "diag"], "choose from"),
+                                       (["--tile", "128,128"], "three integers")])
+def test_bad_arguments_are_refused_by_the_parser(args, says, capsys):
+    with pytest.raises(SystemExit):
+        ba.parse_args(args)
+    assert says in capsys.readouterr().err

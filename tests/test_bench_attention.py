@@ -34,3 +34,16 @@ def test_bad_arguments_are_refused_by_the_parser(args, says, capsys):
     with pytest.raises(SystemExit):
         ba.parse_args(args)
     assert says in capsys.readouterr().err
+
+
+def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
+    """``python -m tldsl.bench moe``'s rows lower (no GPU needed to lower): one rank's slice of
+    layer 0 on every token, the routing's padded rows as the kernel's output rows."""
+    from tldsl.bench import moe
+    args = moe.parse_args(["--rows", "qwen3:2048:zipf,mixtral:2048:one"])
+    for row in args.row_list:
+        ids, rt, lowered = moe.lowered_row(row, args.tile_t, args.stages)
+        assert type(lowered).__name__ == "LoweredGroupedGemm" and rt.num_rows % args.tile_t[0] == 0
+        assert ids.shape == (row.tokens, moe.MOE_MODELS[row.model][3])
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--tile", "128,128"])

@@ -46,3 +46,17 @@ def test_the_check_refuses_a_wrong_output():
         fused_layers.check("op", want.flip(0), want)
     with pytest.raises(RuntimeError):
         fused_layers.check("op", torch.full_like(want, float("nan")), want)
+
+
+@pytest.mark.parametrize("routing", baselines.ROUTINGS)
+def test_padded_rows_match_the_host_routing_the_kernel_benchmark_uses(routing):
+    """``python -m tldsl.bench moe`` checks the grouped GEMM's padded rows against _grouped_mm's
+    through :func:`fused_layers.padded_rows`: the host routing (``tldsl.ops.moe.moe_routing``) puts
+    each expert-sorted row at the same place."""
+    from tldsl.ops.moe import moe_routing
+    T, E, topk, BM = 300, 8, 2, 64
+    ids, _ = baselines.random_topk(T, E, topk, routing, device="cpu", seed=7)
+    rt = moe_routing(ids.numpy(), E, 1, T, BM)
+    order, _ = baselines.route(ids, E)
+    _, dest = fused_layers.padded_rows(torch.zeros(T * topk, 1), ids, E, BM, rt.num_rows // BM)
+    assert np.array_equal(rt.sorted_token_ids[dest.numpy()], (order // topk).numpy())

@@ -8,6 +8,7 @@
     python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
     python -m tldsl.bench general [--rounds 5 --iters 10]    (the general lowering vs torch; see tldsl.bench.general)
     python -m tldsl.bench attention [--seqs 4096,8192 ...]   (the attention kernel vs torch SDPA; see tldsl.bench.attention)
+    python -m tldsl.bench moe [--rows mixtral:8192:random]   (AllGather+MoE's grouped GEMM vs torch._grouped_mm; see tldsl.bench.moe)
     python -m tldsl.bench launch [--args 1,8,24]             (host µs per launch, cuda.bindings vs cuda.core; see tldsl.bench.launch)
     torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe|moe_rs|sp_attention  (the sequential layers; see tldsl.bench.baselines)
 
@@ -20,7 +21,7 @@ import sys
 
 from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
-from . import attention, baselines, dist, gemm, general, host, launch, probes, sim
+from . import attention, baselines, dist, gemm, general, host, launch, moe, probes, sim
 
 
 def main(argv=None) -> int:
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
         return baselines.main(argv[1:])
     if argv and argv[0] == "attention":
         return attention.main(argv[1:])
+    if argv and argv[0] == "moe":
+        return moe.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
                        ("sim", "the CPU simulator's speed (no GPU)"),
                        ("general", "tile programs no recipe matches, through the general lowering, vs torch"),
                        ("attention", "the generated attention kernel vs torch SDPA (cuDNN) on one GPU"),
+                       ("moe", "AllGather+MoE's grouped GEMM vs torch._grouped_mm on one GPU"),
                        ("launch", "host time of one kernel launch: our cuda.bindings path vs cuda.core"),
                        ("baselines", "the sequential MoE and attention layers the fused ops are timed against "
                                      "(torchrun)")):

@@ -14,6 +14,7 @@ class Unavailable(Exception):
 #: GPUs, one process each), "nvrtc" (the compile toolchain, no GPU) or "" (nothing).
 BENCHMARKS = {
     "gemm": "gpu", "compile": "nvrtc", "sim": "", "probe": "gpu", "general": "gpu", "launch": "gpu", "attention": "gpu",
+    "moe": "gpu",
     "ag_gemm": "torchrun", "gemm_rs": "torchrun", "host": "torchrun", "baselines": "torchrun",
 }
 #: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.

@@ -1,0 +1,133 @@
+"""AllGather+MoE's grouped GEMM beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
+
+    python -m tldsl.bench moe [--rows mixtral:8192:random,...] [--tile 128,128,64] [--stages 4] [--iters 10]
+
+One row per (model, tokens across TP = 2 ranks, routing): this GPU computes one rank's slice of
+layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token, its waits
+already satisfied — the kernel alone, as it runs once the all-gather has delivered every token.
+It gathers its rows itself (``sorted_token_ids``), so it is compared with ``torch._grouped_mm``
+on the same expert-sorted rows already gathered (the kernel alone) and with torch's whole
+sequence (the row gather ``index_select`` + ``_grouped_mm``). Each row is checked against
+``_grouped_mm`` first; TFLOP/s count the routed rows only (not our padding to whole tiles).
+Routings as the layer benchmark draws them (:func:`.baselines.random_topk`: top-k of random
+logits, Zipf-skewed, every token on the same experts).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
+
+#: TP ranks the rows' weight slices are for (tokens are the total across them)
+TP = 2
+
+
+def lowered_row(row: MoERow, tile=(128, 128, 64), stages: int = 4, dtype: str = "bfloat16"):
+    """``(topk_ids, host routing, lowered grouped GEMM)`` of one row (one rank's slice, W = 1:
+    the kernel reads every token from ``x_gathered``)."""
+    import tldsl as tl
+    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.ops.moe import allgather_moe, moe_routing
+    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    T, K, N = row.tokens, hidden, 2 * ffn // TP
+    ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
+    rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
+    dt = getattr(tl, dtype)
+    S = tl.TensorSpec
+    tabs = rt.allgather_tables()
+    k = allgather_moe.trace(1, S((T, K), dt), S((E, K, N), dt), S.of(tabs["tile_expert"]), S.of(tabs["tile_tokens"]),
+                            S.of(tabs["sorted_token_ids"]), S((rt.num_rows, N), dt),
+                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"),
+                            comm=tl.CommSchedule(tile_m=128, mode="pull"))
+    return ids, rt, lower_grouped_gemm(k, "grouped_gemm")
+
+
+def bench_row(row: MoERow, iters: int, tile=(128, 128, 64), stages: int = 4, dtype: str = "bfloat16") -> dict:
+    """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err}``."""
+    import numpy as np
+    import torch
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    from . import fused_layers
+    from .timing import interleaved_ms
+    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    T, K, N = row.tokens, hidden, 2 * ffn // TP
+    ids, rt, lowered = lowered_row(row, tile, stages, dtype)
+    tabs = rt.allgather_tables()
+    kern = GroupedKernel(lowered)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    x = torch.randn(T, K, device="cuda", generator=g).to(tdt)
+    w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
+    h = torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt)
+    bufs = {"x_gathered": x, "w1": w, "h": h,
+            **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()}}
+    flags = {s: torch.ones(lowered.signal_slots[s], device="cuda", dtype=torch.int64) for s in lowered.signals}
+    ids_dev = ids.cuda()
+    order, offs = route(ids_dev, E)
+    rows = x.index_select(0, order // topk)
+
+    def ours():
+        kern(bufs, signals=flags, launch_index=1, rank=0)
+
+    def gmm():
+        return torch._grouped_mm(rows, w, offs=offs)
+
+    def sequence():
+        return torch._grouped_mm(x.index_select(0, order // topk), w, offs=offs)
+    ours()
+    want = gmm()
+    _, dest = fused_layers.padded_rows(want, ids_dev, E, tile[0], rt.num_rows // tile[0])
+    l2, worst = fused_layers.errors(h[dest], want)
+    if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
+        raise RuntimeError(f"{row}: the grouped GEMM differs from _grouped_mm: relative L2 {l2:.3g}, largest "
+                           f"{worst:.3g} x RMS; not timed")
+    ms, gmm_ms, seq_ms = interleaved_ms([ours, gmm, sequence], iters=iters)
+    flops = 2 * T * topk * K * N
+    return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
+                err=l2, padded=rt.num_rows, routed=T * topk)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m tldsl.bench moe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default=None, help=f"MODEL:TOKENS:ROUTING,... (models: {', '.join(MOE_MODELS)}; "
+                                                 f"routings: {', '.join(ROUTINGS)}); default: the issue's rows")
+    ap.add_argument("--tile", default="128,128,64", help="BM,BN,BK of the compute schedule")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    try:
+        args.row_list = MOE_ROWS if not args.rows else [_parse_row(s) for s in args.rows.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    try:
+        args.tile_t = tuple(int(v) for v in args.tile.split(","))
+    except ValueError:
+        args.tile_t = ()
+    if len(args.tile_t) != 3:
+        ap.error(f"--tile: three integers BM,BN,BK, got {args.tile!r}")
+    return args
+
+
+def main(argv, out=sys.stdout) -> int:
+    args = parse_args(argv)
+    print(f"# AllGather+MoE grouped GEMM (TP={TP} slice of layer 0), {args.dtype}, tile {args.tile_t} "
+          f"stages {args.stages}; ms (median of {args.iters}, interleaved)", file=out)
+    print("| row | tldsl ms | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | gather + _grouped_mm ms "
+          "| tldsl / sequence speed | padded / routed rows |\n|---|---|---|---|---|---|---|---|---|", file=out, flush=True)
+    failed = 0
+    for row in args.row_list:
+        try:
+            r = bench_row(row, args.iters, args.tile_t, args.stages, args.dtype)
+        except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
+            failed += 1
+            print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]} | | | | | | | |", file=out, flush=True)
+            continue
+        print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
+              f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
+              f"{r['padded']} / {r['routed']} |", file=out, flush=True)
+    return 1 if failed else 0
+

@@ -37,6 +37,11 @@ class HostRouter:
         return {n: torch.from_numpy(np.ascontiguousarray(getattr(rt, n))) for n in names}
 
 
+def default_gather():
+    from tldsl.runtime.dist.moe_ops import DEFAULT_AG_COMM
+    return DEFAULT_AG_COMM
+
+
 def _layers(monkeypatch, W, comm_ag, comm_rs, seed=0):
     g = Group(monkeypatch, W, seed)
     x = tl.TensorSpec((MS, K), tl.float16)
@@ -47,10 +52,12 @@ def _layers(monkeypatch, W, comm_ag, comm_rs, seed=0):
     return g, ag, rs
 
 
+@pytest.mark.parametrize("gather", ["sm", "copy_engine"])      # the latter: AllGatherMoE's default
 @pytest.mark.parametrize("W", [1, 2, 3])
-def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W):
+def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W, gather):
     rng = np.random.default_rng(W)
-    g, ag, rs = _layers(monkeypatch, W, tl.CommSchedule(tile_m=16, mode="pull"), tl.CommSchedule(tile_m=16, mode="push"))
+    comm_ag = tl.CommSchedule(tile_m=16, mode="pull") if gather == "sm" else default_gather()
+    g, ag, rs = _layers(monkeypatch, W, comm_ag, tl.CommSchedule(tile_m=16, mode="push"))
     xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
     w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
     w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]

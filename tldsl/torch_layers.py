@@ -72,12 +72,13 @@ def all_gather_moe(x, topk_ids, w1, group_name, block_m=128):
     """Layer 0: ``all_gather(x)`` routed by ``topk_ids`` through this rank's expert slices ``w1``,
     the gather overlapped with the grouped GEMM tile by tile."""
     import tldsl as tl
-    from .runtime.dist.moe_ops import AllGatherMoE
+    from .runtime.dist.moe_ops import DEFAULT_AG_COMPUTE, AllGatherMoE
     W = _world_size(group_name)
     Ms, topk, E = _check_moe("all_gather_moe", x, topk_ids, w1, W, block_m, layer0=True)
     key = ("ag_moe", tuple(x.shape), tuple(w1.shape), x.dtype, topk, group_name, block_m)
-    op = _build(key, lambda: AllGatherMoE(x, w1, topk, _group(group_name),
-                                          compute=tl.ComputeSchedule(tile=(block_m, 128, 64))))
+    # the op's measured default where its BM is the one asked for; else that BM on 128-column tiles
+    compute = None if block_m == DEFAULT_AG_COMPUTE.tile[0] else tl.ComputeSchedule(tile=(block_m, 128, 64))
+    op = _build(key, lambda: AllGatherMoE(x, w1, topk, _group(group_name), compute=compute))
     h, _ = op(x.contiguous(), topk_ids.contiguous(), w1.contiguous())
     return h
 

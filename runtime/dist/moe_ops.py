@@ -47,8 +47,17 @@ def _shape_dtype(name, x):
         raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
 
 
-def _schedule(compute):
-    compute = tl.ComputeSchedule() if compute is None else compute
+#: AllGatherMoE's schedules where none is given, measured (BENCHMARKS.md, fourteenth session: one
+#: H200, Mixtral 8192 tokens, one rank): 7.69 ms a layer, against 15.23 with the general defaults —
+#: the generated all-gather on one CTA moved each shard as one communication tile, and the grouped
+#: GEMM ran 128x128x64 tiles in 3 stages; the copy engines gather without an SM and 128x256x64 tiles
+#: in 4 stages reach 501 TFLOP/s
+DEFAULT_AG_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4)
+DEFAULT_AG_COMM = tl.CommSchedule(engine="copy_engine", mode="pull")
+
+
+def _schedule(compute, default=None):
+    compute = (default or tl.ComputeSchedule()) if compute is None else compute
     if not isinstance(compute, tl.ComputeSchedule):
         raise InputError(f"compute must be a tl.ComputeSchedule, got {type(compute).__name__}")
     return compute
@@ -144,7 +153,8 @@ class AllGatherMoE(_Routed, FusedProgram):
     fused); both as tensors or ``tl.TensorSpec`` s (shapes and dtype, fixed per op); ``topk``:
     experts per token. Calling ``op(x, topk_ids, w1)`` (``topk_ids [W*Ms, topk]`` from the
     caller's router, the same on every rank) returns ``(h, tables)``: ``h [R_pad, Nr]`` in
-    expert-sorted order, and the routing tables for :class:`MoEReduceScatter`."""
+    expert-sorted order, and the routing tables for :class:`MoEReduceScatter`. Schedules not given:
+    :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather)."""
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, **program_kw):
@@ -155,13 +165,13 @@ class AllGatherMoE(_Routed, FusedProgram):
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
         E, _, Nr = w_shape
-        compute, topk = _schedule(compute), _topk(topk)
+        compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
+        comm = DEFAULT_AG_COMM if comm is None else comm
         W = program_op.dist_context(group).world_size
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
-        kw = {"compute": compute} | ({"comm": comm} if comm is not None else {})
-        FusedProgram.__init__(self, allgather_moe, group, specs, **kw, **program_kw)
+        FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, **program_kw)
 
     def __call__(self, x, topk_ids, w1, h=None):
         import torch

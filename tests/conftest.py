@@ -11,10 +11,15 @@ instead of a run where every GPU test skips.
 to the workers one at a time, except that the tests of a module sharing a module- or class-scoped
 fixture go to one worker together (:func:`pytest_collection_modifyitems`), so the fixture is
 built once. Without a GPU, the GPU tests' skips are summarised in one line.
+
+The g++ builds of the host programs tests run (generated kernels on CPU threads) go to one folder
+per run that every worker shares, each distinct program built once (tests/host_build.py).
 """
 import os
 
 import pytest
+
+import host_build
 
 STRICT = os.environ.get("TLDSL_STRICT_SKIPS") == "1"
 
@@ -41,6 +46,14 @@ def _no_gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device"
     return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _host_builds_shared_by_the_workers(tmp_path_factory):
+    """One folder of g++ builds (tests/host_build.py) for every xdist worker of the run: the
+    workers' base temporary folders are subfolders of the run's."""
+    base = tmp_path_factory.getbasetemp()
+    host_build.configure((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "host-builds")
 
 
 @pytest.hookimpl(tryfirst=True)        # before xdist reads the groups (--dist loadgroup)

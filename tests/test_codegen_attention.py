@@ -30,6 +30,8 @@ from tldsl.codegen import LoweredAttention, LoweringError, lower_attention
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.sp_attention import SPEC, sp_attention
 
+import host_build
+
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
 
 #: Spill budget: no bytes of spill stores/loads, no local-memory instructions, no stack.
@@ -332,11 +334,9 @@ int main(int argc, char** argv) {{
 
 
 def _run_harness(tmp_path, la, kernel, launch):
-    src = tmp_path / "control.cpp"
-    src.write_text(_harness(la, kernel))
-    exe = tmp_path / "control"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", f"-I{INCLUDE}", str(src), "-o", str(exe)],
-                   check=True)
+    src = _harness(la, kernel)
+    (tmp_path / "control.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", f"-I{INCLUDE}"])
     out = subprocess.run([str(exe), str(kernel.world_size), str(launch)], check=True, capture_output=True,
                          text=True).stdout
     tasks: dict = {}

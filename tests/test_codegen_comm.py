@@ -41,6 +41,8 @@ from tldsl.runtime.sim.engine import Engine
 from tldsl.runtime.sim.memory import Memory, poison_value, to_storage
 from tldsl.runtime.sim.options import SimOptions
 
+import host_build
+
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
 
 _OK, _WHY = tcm.toolchain_available()
@@ -337,12 +339,10 @@ def test_emulated_gemm_epilogue_notifies_match_simulator(tmp_path, W, Ms, tile, 
                              "  }", "};"])
     slots = k.signals[0].type.slots
     gm, gn = part.grid
-    cpp = tmp_path / "n.cpp"
-    cpp.write_text(_NOTIFY_HARNESS.format(struct=struct, W=W, slots=slots, gm=gm, gn=gn))
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", f"-I{INCLUDE}", str(cpp), "-o", str(tmp_path / "n")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = np.array(subprocess.run([str(tmp_path / "n")], capture_output=True, text=True, check=True).stdout.split(),
+    src = _NOTIFY_HARNESS.format(struct=struct, W=W, slots=slots, gm=gm, gn=gn)
+    (tmp_path / "n.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-w", f"-I{INCLUDE}"])
+    got = np.array(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split(),
                    np.int64).reshape(W, slots)
     rng = np.random.default_rng(0)
     inputs = [{"a": rng.standard_normal((W * Ms, Kr)).astype(np.float16),
@@ -695,15 +695,15 @@ def emulate(kernel_ir, lc: LoweredComm, memory, signals, tmp_path: Path, *, laun
             arr = np.ascontiguousarray(memory[r][n])
             f = tmp_path / f"m_{r}_{n}.bin"
             f.write_bytes(arr.tobytes())
-            loads.append(f'  void* m_{r}_{n} = load_file("{f}", {arr.nbytes});')
-            saves.append(f'  save_file("{f}", m_{r}_{n}, {arr.nbytes});')
+            loads.append(f'  void* m_{r}_{n} = load_file("{f.name}", {arr.nbytes});')
+            saves.append(f'  save_file("{f.name}", m_{r}_{n}, {arr.nbytes});')
             files.append((f, memory[r], n, arr.dtype, arr.shape))
         for n in used_s:
             arr = np.ascontiguousarray(signals[r][n], dtype=np.uint64)
             f = tmp_path / f"s_{r}_{n}.bin"
             f.write_bytes(arr.tobytes())
-            loads.append(f'  void* s_{r}_{n} = load_file("{f}", {arr.nbytes});')
-            saves.append(f'  save_file("{f}", s_{r}_{n}, {arr.nbytes});')
+            loads.append(f'  void* s_{r}_{n} = load_file("{f.name}", {arr.nbytes});')
+            saves.append(f'  save_file("{f.name}", s_{r}_{n}, {arr.nbytes});')
             files.append((f, signals[r], n, np.uint64, arr.shape))
     for n in used_b:
         loads.append(f"  void* t_{n}[{W}] = {{{', '.join(f'm_{r}_{n}' for r in range(W))}}};")
@@ -721,14 +721,10 @@ def emulate(kernel_ir, lc: LoweredComm, memory, signals, tmp_path: Path, *, laun
         calls.append(f"            case {r}: {lc.entry}({', '.join(args)}); break;")
     src = _HARNESS.format(source=lc.source, loads="\n".join(loads), saves="\n".join(saves), calls="\n".join(calls),
                           W=W)
-    cpp = tmp_path / "harness.cpp"
-    cpp.write_text(src)
-    exe = tmp_path / "harness"
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
-                        "-o", str(exe)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
+    (tmp_path / "harness.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
     grid = grid or lc.grid()[0]
-    r = subprocess.run([str(exe), str(launch), str(threads), str(grid)], capture_output=True, text=True,
+    r = subprocess.run([str(exe), str(launch), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     for f, store, n, dt, shape in files:

@@ -35,6 +35,7 @@ from tldsl.codegen.toolchain.compiler import compile_many
 from tldsl.runtime.gpu.bind import SCRATCH_POISON_WORD
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
+import host_build
 from programs import outer_sums, scale_rows
 
 S = tl.TensorSpec
@@ -553,8 +554,8 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
         dev = device_layout(arr, dts[name])
         f = tmp_path / f"m_{name}.bin"
         f.write_bytes(dev.tobytes())
-        loads.append(f'  void* m_{name} = load_file("{f}", {dev.nbytes});')
-        saves.append(f'  save_file("{f}", m_{name}, {dev.nbytes});')
+        loads.append(f'  void* m_{name} = load_file("{f.name}", {dev.nbytes});')
+        saves.append(f'  save_file("{f.name}", m_{name}, {dev.nbytes});')
         files[name] = f
     for sig in k.signals:
         loads.append(f"  static unsigned long long s_{sig.name}[{sig.type.slots}] = {{}};")
@@ -566,12 +567,9 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
     src = _HARNESS.format(source=lk.source, loads="\n".join(loads), saves="\n".join(saves), entry=lk.entry,
                           args=", ".join(args), smem=max(128, (lk.smem_bytes + 127) // 128 * 128),
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
-    cpp, exe = tmp_path / "harness.cpp", tmp_path / "harness"
-    cpp.write_text(src)
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
-                        "-o", str(exe)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = subprocess.run([str(exe), str(threads), str(grid)], capture_output=True, text=True, timeout=300)
+    (tmp_path / "harness.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
+    r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return {n: from_device(files[n].read_bytes(), dts[n], arrays[n].shape) for n in arrays}
 
@@ -683,8 +681,8 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
             dev = device_layout(arrays[r][b.name], dts[b.name])
             f = tmp_path / f"m_{r}_{b.name}.bin"
             f.write_bytes(dev.tobytes())
-            loads.append(f'  void* m_{r}_{b.name} = load_file("{f}", {dev.nbytes});')
-            saves.append(f'  save_file("{f}", m_{r}_{b.name}, {dev.nbytes});')
+            loads.append(f'  void* m_{r}_{b.name} = load_file("{f.name}", {dev.nbytes});')
+            saves.append(f'  save_file("{f.name}", m_{r}_{b.name}, {dev.nbytes});')
             files.append((r, b.name, f))
         for sig in k.signals:
             loads.append(f"  auto* s_{r}_{sig.name} = new unsigned long long[{sig.type.slots}]();")
@@ -710,12 +708,9 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
     src = _MULTI.format(sources="\n".join(lk.source for lk in lowered), loads="\n".join(loads),
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(
         "#include <thread>", "#include <functional>\n#include <thread>")
-    cpp, exe = tmp_path / "multi.cpp", tmp_path / "multi"
-    cpp.write_text(src)
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}", str(cpp),
-                        "-o", str(exe)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    (tmp_path / "multi.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
+    r = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     out = [dict() for _ in range(W)]
     for rank, name, f in files:

@@ -38,6 +38,8 @@ from tldsl.kernel import TensorSpec as S
 from tldsl.ops.moe import (allgather_moe, make_allgather_case, moe_num_tiles, moe_reduce_scatter, moe_routing,
                            random_routing)
 
+import host_build
+
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
 _OK, _WHY = tcm.toolchain_available()
 needs_nvrtc = pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
@@ -447,7 +449,7 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
             arr.tofile(path)
             ct = "int" if arr.dtype == np.int32 else "float"
             assert arr.dtype in (np.int32, np.float32), (name, arr.dtype)
-            decls.append(f"  std::vector<{ct}> v_{p.name} = read_file<{ct}>(\"{path}\", {arr.size});")
+            decls.append(f"  std::vector<{ct}> v_{p.name} = read_file<{ct}>(\"{path.name}\", {arr.size});")
             decls.append(f"  {p.ctype.replace('__restrict__', '')} {p.name} = v_{p.name}.data();")
     init = lw.source.split("const Prog prog{")[1].split("};")[0]
     g0, g1 = lw.grid_tiles
@@ -469,16 +471,13 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
     out_dump = []
     if not gemm:
         dst = next(p for p in lw.params if p.name.startswith("out_"))
-        out_dump = [f"  FILE* fo = fopen(\"{tmp_path / 'out.bin'}\", \"wb\");",
+        out_dump = [f"  FILE* fo = fopen(\"out.bin\", \"wb\");",
                     f"  fwrite({dst.name}, sizeof(float), v_{dst.name}.size(), fo);", "  fclose(fo);"]
     main = ["int main() {", *decls, f"  const Prog prog{{{init}}};", *loop, *out_dump, "  return 0;", "}"]
-    src = tmp_path / "prog.cpp"
-    src.write_text(SHIM + _prog_struct(lw.source) + "\n".join(main) + "\n")
-    exe = tmp_path / "prog"
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(src), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    src = SHIM + _prog_struct(lw.source) + "\n".join(main) + "\n"
+    (tmp_path / "prog.cpp").write_text(src)
+    exe = host_build.build(src, ["-std=c++17", "-O1", "-Wno-unknown-pragmas"])
+    run = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     out = np.fromfile(tmp_path / "out.bin", np.float32) if not gemm else None
     return run.stdout.splitlines(), out

@@ -15,7 +15,8 @@ built once. Without a GPU, the GPU tests' skips are summarised in one line.
 The g++ builds of the host programs tests run (generated kernels on CPU threads) go to one folder
 per run that every worker shares, each distinct program built once (tests/host_build.py). After
 collection and after every test, the objects still alive are frozen out of the garbage
-collector's scans (:func:`freeze_survivors`).
+collector's scans (:func:`freeze_survivors`). Each worker compiles CUDA on one NVRTC process
+(``TLDSL_COMPILE_WORKERS=1`` unless set).
 """
 import gc
 import os
@@ -28,6 +29,10 @@ STRICT = os.environ.get("TLDSL_STRICT_SKIPS") == "1"
 
 
 def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # the workers already fill the cores: one NVRTC process each, so that an include family's
+        # precompiled header (3-10 s to make) is made once per worker, not once per pool process
+        os.environ.setdefault("TLDSL_COMPILE_WORKERS", "1")
     if os.environ.get("TLDSL_REQUIRE_GPU") == "1":      # make gpu-test: no GPU is an error, not 70 skips
         why = _no_gpu_reason()
         if why:

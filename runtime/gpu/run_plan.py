@@ -12,7 +12,13 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   less :data:`RESERVED_FOR_COPIES` SMs where copy-engine parts run (the driver runs a copy
   within one GPU as an SM kernel, which must find an SM beside the persistent kernels);
 * communication kernels keep their lanes; the persistent compute kernels share the SMs left,
-  each never more CTAs than it has tiles;
+  each never more CTAs than it has tiles. They share them by work (``split="work"``, the
+  default): in proportion to each part's estimated cost (:mod:`.work`), so that a light kernel
+  waiting on another's tiles (an MoE combine behind its grouped GEMM) does not take half the GPU
+  from the kernel it waits for — but never below an eighth of an even share
+  (:data:`~.sm_split.LIGHT_FLOOR`), nor below what a part waiting on its own tasks needs
+  resident (:mod:`.sm_split`).
+  ``split="even"`` splits them evenly, as every launch did before (kept for measurements);
 * where copy-engine parts run, streams never outnumber the hardware queues: a stream wait
   (``cuStreamWaitValue64``) at the head of a queue two streams share blocks the other stream's
   work behind it, which it may be waiting for. Kernels alone may share queues: a launch
@@ -30,6 +36,8 @@ from typing import Callable
 from ...ir import core
 from .bind import bind, is_kernel
 from .run_errors import ResidencyError, UnboundParameterError
+from .sm_split import check_split, share
+from .work import part_work
 
 #: SMs left free of persistent kernels where copy-engine parts run (their same-GPU copies)
 RESERVED_FOR_COPIES = 4
@@ -116,6 +124,7 @@ class RunPlan:
     items: tuple
     sm_count: int
     reserved_sms: int
+    split: str = "work"
 
     @property
     def kernels(self) -> list[PlannedKernel]:
@@ -132,7 +141,8 @@ class RunPlan:
     def describe(self) -> str:
         head = (f"{self.kernel.name} on one GPU: {self.kernel.world_size} rank(s), {len(self.items)} stream(s), "
                 f"{sum(k.ctas for k in self.kernels)} CTAs of {self.sm_count} SMs"
-                + (f" ({self.reserved_sms} left to the copy engine's copies)" if self.reserved_sms else ""))
+                + (f" ({self.reserved_sms} left to the copy engine's copies)" if self.reserved_sms else "")
+                + f", shared by {self.split}")
         return "\n".join([head] + [f"  {x.describe()}" for x in self.items])
 
     def bind(self, mem) -> dict[tuple[int, str], list]:
@@ -141,11 +151,13 @@ class RunPlan:
 
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
-             queues: int | None = None) -> RunPlan:
+             queues: int | None = None, split: str = "work") -> RunPlan:
     """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
     on a GPU of ``sm_count`` SMs. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
     (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
-    :func:`hardware_queues`)."""
+    :func:`hardware_queues`). ``split``: how the compute kernels share the SMs (``"work"`` or
+    ``"even"``: :mod:`.sm_split`)."""
+    check_split(split)
     W = kernel.world_size
     parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused]
     for name, lk in parts:
@@ -169,7 +181,13 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             f"{sm_count} SMs" + (f", {reserved} of them left to the copy engine's copies" if reserved else "")
             + ": a kernel waiting for another could wait forever. Use fewer communication lanes (the communication "
               "schedule's sms), fewer ranks, or fewer parts")
-    grants = _share(lows, highs, available)
+    if split == "even":
+        grants = share(lows, highs, available)
+    else:
+        part_of = {p.name: p for p in kernel.parts}
+        works = {name: part_work(part_of[name]) for name in {n for _, n, _ in slots}}
+        needs = {name: at_once_needed(part_of[name]) for name in works}
+        grants = share(lows, highs, available, [works[n] for _, n, _ in slots], [needs[n] for _, n, _ in slots])
     n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))
     q = hardware_queues() if queues is None else queues
     if has_copies and n_items > q:
@@ -196,7 +214,24 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     if used > available:        # a recipe's grid() gave more CTAs than asked: refuse rather than hang
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
-    return RunPlan(kernel, tuple(items), sm_count, reserved)
+    return RunPlan(kernel, tuple(items), sm_count, reserved, split)
+
+
+def at_once_needed(part: core.Part) -> int:
+    """CTAs ``part`` needs resident at once: where its tasks wait for tasks of the same part (a
+    signal it both notifies and waits on), as many as the simulator runs at once (every task
+    of a compute part; a communication part's ``lanes``); else 0."""
+    if not _self_signals(part):
+        return 0
+    return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
+
+
+def _self_signals(part: core.Part) -> list[str]:
+    """The signals ``part`` both notifies and waits on."""
+    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+    ops = list(part.walk())
+    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
+    return sorted(notified & {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS})
 
 
 def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
@@ -206,33 +241,10 @@ def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
     a compute part at once (and a communication part's tasks ``lanes`` at a time, in the
     schedule's order, as its kernel walks them), so a launch with fewer CTAs than that is
     refused rather than left to hang."""
-    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-    ops = list(part.walk())
-    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
-    waited = {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS}
-    mine = sorted(notified & waited)
-    simulated_at_once = part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
-    if mine and planned.ctas < simulated_at_once:
+    need = at_once_needed(part)
+    if need and planned.ctas < need:
         raise ResidencyError(
-            f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(mine)}) but only {planned.ctas} of its "
+            f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(_self_signals(part))}) but only "
+            f"{planned.ctas} of its "
             f"{part.num_tasks} tasks can be resident at once on this GPU: a task holding a CTA could wait for one "
             "that never starts. Give the part fewer tasks (bigger tiles) or move the waiting into another part")
-
-
-def _share(lows: list[int], highs: list[int], available: int) -> list[int]:
-    """CTAs per kernel: each its least, then the SMs left shared evenly among those that can use
-    more, never past what each can use."""
-    grants = list(lows)
-    rest = available - sum(lows)
-    active = [i for i, (g, h) in enumerate(zip(grants, highs)) if h > g]
-    while rest > 0 and active:
-        share = max(1, rest // len(active))
-        for i in list(active):
-            add = min(share, highs[i] - grants[i], rest)
-            grants[i] += add
-            rest -= add
-            if grants[i] >= highs[i]:
-                active.remove(i)
-            if rest == 0:
-                break
-    return grants

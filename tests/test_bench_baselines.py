@@ -131,3 +131,13 @@ def test_bad_arguments_are_refused_in_one_line():
     args = baselines.parse_args(["moe_rs", "--models", "qwen3:8192:zipf"])
     assert args.rows == [baselines.MoERow("qwen3", 8192, "zipf")]
     assert len(baselines.parse_args(["ag_moe"]).rows) == len(baselines.MOE_ROWS)
+
+
+def test_the_sm_splits_to_time_are_parsed_and_checked():
+    from tldsl.runtime.gpu.sm_split import SPLITS
+    assert baselines.SM_SPLITS == SPLITS
+    assert baselines.parse_args(["moe_rs", "--fused"]).sm_splits == ("work",)
+    assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,even,work"]).sm_splits == ("work", "even")
+    for bad in ("fair", "work,", ""):
+        with pytest.raises(SystemExit):
+            baselines.parse_args(["moe_rs", "--fused", "--sm-split", bad])

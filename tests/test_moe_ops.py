@@ -119,3 +119,69 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     assert rs[0].launches == 0 and rs[0]._router.calls == 0
     for op in ag + rs:
         op.close()
+
+
+def test_a_shard_written_into_the_ops_buffer_is_bound_in_place(monkeypatch):
+    """``symmetric_buffer('x')``: the caller writes its shard into the op's own symmetric buffer
+    and passes it — no copy into it before the launch nor back out after it — and the layer
+    still agrees with numpy, launch after launch."""
+    from test_run_fake_device import FakeDevice
+    W = 2
+    g, ag, rs = _layers(monkeypatch, W, default_gather(), tl.CommSchedule(tile_m=16, mode="push"))
+    copies = []
+    copy = FakeDevice.cuMemcpyAsync
+    monkeypatch.setattr(FakeDevice, "cuMemcpyAsync", lambda self, dst, src, n, s: (copies.append((dst, src, n)),
+                                                                                     copy(self, dst, src, n, s))[1])
+    bufs = [op.symmetric_buffer("x") for op in ag]
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs]
+    rng = np.random.default_rng(5)
+    w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]
+    for _ in range(2):
+        xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
+        ids, wts = random_routing(rng, W * MS, E, TOPK, "random")
+        for r in range(W):          # (the fake GPU runs at synchronize: the previous launch is done)
+            bufs[r].copy_(torch.from_numpy(xs[r]))
+        outs = {}
+        for r in g.fake.rng.sample(range(W), W):
+            h, tables = ag[r](bufs[r], torch.from_numpy(ids), torch.from_numpy(w1[r]))
+            outs[r] = (rs[r](h, torch.from_numpy(ids), torch.from_numpy(wts), torch.from_numpy(w2[r]), tables),
+                       h, tables)
+        for op in ag + rs:
+            op.synchronize()
+        want = reference_moe(xs, w1, w2, ids, wts)
+        for r in range(W):
+            np.testing.assert_allclose(host(outs[r][0]), want[r * MS:(r + 1) * MS], rtol=2e-2, atol=3e-2)
+    assert copies and not any(lo <= d < hi for d, _, _ in copies for lo, hi in spans)    # nothing copied in
+    with pytest.raises(InputError, match="'w1' is not a symmetric argument of allgather_moe"):
+        ag[0].symmetric_buffer("w1")
+    for op in ag + rs:
+        op.close()
+    with pytest.raises(Exception, match="closed"):
+        ag[0].symmetric_buffer("x")
+
+
+def test_a_tensor_overlapping_a_symmetric_buffer_without_being_it_is_found():
+    from tldsl.runtime.dist.program_op import _overlaps_other
+    base = torch.zeros(64)
+    assert _overlaps_other(base[:32], base[16:48]) and _overlaps_other(base[16:48], base[:32])
+    assert not _overlaps_other(base[:32], base[:32]) and not _overlaps_other(base[:32], base[32:])
+
+
+def test_moe_reduce_scatter_shares_the_sms_by_work_unless_told_otherwise(monkeypatch):
+    """The combine runs behind the grouped GEMM's tiles: under the work split it keeps a floor
+    and the GEMM gets the rest; ``sm_split='even'`` halves them as before; anything else is an
+    InputError on every rank before anything is allocated."""
+    g = Group(monkeypatch, 1)
+    big = dict(rows_per_rank=256, topk=TOPK, compute=C32, comm=tl.CommSchedule(tile_m=32, mode="push"))
+    w2 = tl.TensorSpec((E, 1024, 256), tl.float16)
+    plans = {s: g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, sm_split=s))[0] for s in ("work", "even")}
+    ctas = {s: {k.part: k.ctas for k in op.plan.kernels} for s, op in plans.items()}
+    assert ctas["work"]["combine"] < ctas["even"]["combine"] and ctas["work"]["grouped_gemm"] > ctas["even"]["grouped_gemm"]
+    assert abs(ctas["even"]["combine"] - ctas["even"]["grouped_gemm"]) <= 1
+    assert plans["work"].plan.split == "work" and "SMs shared by work" in plans["work"].describe()
+    assert "SMs shared by even" in plans["even"].describe()
+    for op in plans.values():
+        op.close()
+    with pytest.raises(InputError, match="split='half'"):
+        g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, sm_split="half"))

@@ -70,7 +70,10 @@ def test_allgather_matmul_schedules_on_the_runtime(monkeypatch, variant, W):
         b = f16(rng, K, N)
         outs = [torch.full((W * Ms, N), float("nan"), dtype=torch.float16) for _ in range(W)]
         for r in g.fake.rng.sample(range(W), W):        # the hosts enqueue in any order
-            ops[r](shards[r], b, out=outs[r])
+            # the gathered rows: a copy of the op's buffer, or (launch 3) none at all
+            gathered, c = ops[r](shards[r], b, out=outs[r], return_gathered=L < 3)
+            buffer = ops[r].workspace_tensors()["a_gathered"]
+            assert c is outs[r] and (gathered is None if L == 3 else gathered.data_ptr() != buffer.data_ptr())
         for op in ops:
             op._engine.program.synchronize()
         want = np.concatenate([host(s) for s in shards]).astype(np.float32)

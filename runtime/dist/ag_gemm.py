@@ -308,8 +308,19 @@ class AllGatherMatmul(FusedOp):
         check_operands("AllGatherMatmul", (("A shard", a_shard, (self.Ms, self.K)), ("B", b, (self.K, self.N))),
                        self.dtype, self.ctx.device, strided_ok=("A shard",))
 
-    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
-        """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous)."""
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None, return_gathered: bool = True):
+        """``(A_gathered, C)``. ``out``: optional C tensor to write ([W*Ms, N], contiguous).
+        ``return_gathered=False``: ``(None, C)`` — on the schedules the fused-op runtime runs,
+        the gathered rows then stay in the op's buffer, not copied out of it (the hand-built
+        paths gather into a tensor of the call's own: nothing to save there)."""
+        if isinstance(self._engine, ProgramEngine):         # (the program path: _ProgramAllGather)
+            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out,
+                                return_gathered=bool(return_gathered))
+        a_full, c = self._gather_and_multiply(a_shard, b, poison_workspace, out)
+        return (a_full if return_gathered else None), c
+
+    def _gather_and_multiply(self, a_shard, b, poison_workspace: bool, out):
+        """The hand-built paths' call: ``(A_gathered, C)``."""
         if self._engine is not None:        # (first: the push's host path is the op's time)
             return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
         import gc
@@ -764,7 +775,7 @@ class _ProgramAllGather(ProgramEngine):
     on the fused-op runtime (:mod:`.program_engine`): its protocol (entry handshake, every part
     with the launch's epoch, exit handshake) is :class:`~.program_op.FusedProgram` 's. The
     gathered rows land in the program's symmetric ``a_gathered``; each call returns a copy of
-    them (the next launch overwrites the buffer)."""
+    them (the next launch overwrites the buffer), or nothing where the caller does not want them."""
 
     def __init__(self, op, tdtype, progress):
         import weakref
@@ -794,7 +805,7 @@ class _ProgramAllGather(ProgramEngine):
             self._gemm = GemmKernel(self.lowered("gemm"), reserve_sms=self.reserved_sms("gemm"))
         return self._gemm
 
-    def __call__(self, a_shard, b, *, poison_workspace: bool = False, copy_gathered: bool = True, out=None):
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, return_gathered: bool = True, out=None):
         import torch
         op = self.op
         op._check(a_shard, b)
@@ -813,4 +824,4 @@ class _ProgramAllGather(ProgramEngine):
             torch.cuda.synchronize()
             print(f"[rank {op.ctx.rank}] ag_gemm {self.name}-{self.mode} launch {op.launches}: done; counters "
                   f"{self.program.signal_counters()}", flush=True)
-        return (gathered.clone() if copy_gathered else gathered), c
+        return (gathered.clone() if return_gathered else None), c

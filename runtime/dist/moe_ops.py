@@ -154,7 +154,10 @@ class AllGatherMoE(_Routed, FusedProgram):
     experts per token. Calling ``op(x, topk_ids, w1)`` (``topk_ids [W*Ms, topk]`` from the
     caller's router, the same on every rank) returns ``(h, tables)``: ``h [R_pad, Nr]`` in
     expert-sorted order, and the routing tables for :class:`MoEReduceScatter`. Schedules not given:
-    :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather)."""
+    :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather). A layer that
+    writes its output (the next call's shard) into ``op.symmetric_buffer("x")`` and passes that
+    as ``x`` saves the copy of the shard into the op's buffer every call (64 MB at 8192 tokens of
+    4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`)."""
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, **program_kw):

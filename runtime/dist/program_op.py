@@ -26,7 +26,8 @@ process, the way ``tl.run`` runs all of them on one GPU.
 nothing waits on the host:
 
 1. the caller's tensors of symmetric arguments are copied into the symmetric buffers (other
-   arguments are bound in place: their kernels' arguments are packed once per set of addresses);
+   arguments are bound in place: their kernels' arguments are packed once per set of addresses)
+   — unless the caller passes the buffer itself (:meth:`FusedProgram.symmetric_buffer`);
 2. **entry handshake** (stream memory operations, :func:`~..gpu.plan_exec.stream_handshake`):
    value ``2L - 1`` into this rank's slot of every peer's handshake array, then wait until every
    peer's slot here holds it. After it, every peer has finished launch ``L - 1`` (including its
@@ -39,7 +40,8 @@ nothing waits on the host:
    (:func:`tldsl.ir.semantics.wait_target`): notifies from launch ``L - 1`` never satisfy it;
 4. **exit handshake**: value ``2L``, the same way — every peer's parts of launch ``L`` are done
    (a peer's push into this rank's tensors included);
-5. the symmetric buffers some op writes are copied back into the caller's tensors.
+5. the symmetric buffers some op writes are copied back into the caller's tensors (not into a
+   buffer passed as itself).
 
 Hooks and timelines (what the fused GEMM ops always offered, for any program): ``op.hooks``
 ``{'before_compute' | 'before_comm': hook(op, launch, stream)}`` runs on the host just before a
@@ -80,6 +82,7 @@ from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, hardware_queues, lower_for_run, plan_run
+from ..gpu.sm_split import check_split
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
@@ -118,14 +121,17 @@ class FusedProgram(FusedOp):
     (``compute=``, ``comm=``, ...) as for ``tl.simulate``. ``timeout_s``: a wait in a kernel
     that lasts longer traps, and :meth:`synchronize` raises ``GpuHangError`` (None: never).
     ``lowering``: ``lower_all`` options. ``device``: the GPU interface of ``tl.run``
-    (:class:`~..gpu.cuda_device.CudaDevice` by default).
+    (:class:`~..gpu.cuda_device.CudaDevice` by default). ``sm_split``: how the compute kernels
+    share this rank's SMs — ``"work"`` (in proportion to each part's estimated work, the
+    default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`).
 
     Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the
     traced shapes and dtypes, contiguous) enqueues one launch on the caller's stream; the
     arguments are updated in place as the program writes them, and returned by name."""
 
     def __init__(self, kernel, group=None, specs=None, *, timeout_s: float | None = 60.0,
-                 lowering: dict | None = None, static_checks: bool = True, device=None, progress=None, **kwargs):
+                 lowering: dict | None = None, static_checks: bool = True, device=None, progress=None,
+                 sm_split: str = "work", **kwargs):
         self.ctx = dist_context(group)
         self.launches = 0
         self._engine = None
@@ -138,6 +144,8 @@ class FusedProgram(FusedOp):
         self.hook_owner = None                  # what hooks get as their op (an op built on this program)
         error, built = None, None
         try:
+            check_split(sm_split)
+            self.sm_split = sm_split
             built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
         except Exception as e:                  # noqa: BLE001 - exchanged first, then re-raised
             error = e
@@ -178,7 +186,7 @@ class FusedProgram(FusedOp):
         copies = any(not is_kernel(lk) for p, lk in lowered.items() if not ir.part(p).fused)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
-                        occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk))
+                        occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split)
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
         self._reset_each_launch = bool(data_dependent_waits(ir))
@@ -265,6 +273,21 @@ class FusedProgram(FusedOp):
             out[n] = (t, _peer_addresses(h, t, W, rank))
         return out
 
+    def symmetric_buffer(self, name: str):
+        """This rank's symmetric buffer of the symmetric argument ``name``. A call given this
+        tensor for ``name`` binds it in place: no copy into the buffer before the launch, nor
+        back out after it (what torch's symmetric-memory ops offer with their buffers). Write a
+        call's input into it on the stream of that call, after the previous call was enqueued
+        there: the peers read it until the previous launch's exit handshake, which that stream
+        follows. Valid until :meth:`close`."""
+        self._check_open()
+        b = next((b for b in self.kernel.args if b.name == name), None)
+        if b is None or not b.symmetric:
+            symmetric = [b.name for b in self.kernel.args if b.symmetric]
+            raise InputError(f"'{name}' is not a symmetric argument of {self.kernel.name} (those are: "
+                             f"{', '.join(symmetric) or 'none'})")
+        return self._symmetric[name]
+
     # -- a launch -----------------------------------------------------------------------------------
     def __call__(self, *tensors, **named):
         """Enqueue one launch on the caller's stream (see the module's docstring); returns the
@@ -302,6 +325,9 @@ class FusedProgram(FusedOp):
                 raise InputError(f"argument '{b.name}' is on {t.device}; this rank's program runs on {at}")
             if not t.is_contiguous():
                 raise InputError(f"argument '{b.name}' is not contiguous (pass .contiguous())")
+            if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
+                raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
+                                 f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
         return list(tensors)
 
     def _packs(self, args):
@@ -337,7 +363,9 @@ class FusedProgram(FusedOp):
         captured = _capturing()
         if self._last is not None and not captured and not self._last_captured:
             dev.wait_event(origin, self._last[2])   # after the previous call, whatever stream it was made on
-        sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if b.symmetric]
+        # (a caller's tensor that is the buffer itself, :meth:`symmetric_buffer`, is bound in place)
+        sym = [(b.name, t) for b, t in zip(self.kernel.args, args)
+               if b.symmetric and t.data_ptr() != self._symmetric[b.name].data_ptr()]
         for name, t in sym:
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(self._symmetric[name].data_ptr(), t.data_ptr(), n, origin),
@@ -474,7 +502,7 @@ class FusedProgram(FusedOp):
     def _describe_body(self) -> list[str]:
         p = self.plan
         lines = [f"rank {self.ctx.rank}'s launch: {len(p.items)} stream(s), {sum(k.ctas for k in p.kernels)} CTAs of "
-                 f"{p.sm_count} SMs, handshakes on the caller's stream"] + [f"  {x.describe()}" for x in p.items]
+                 f"{p.sm_count} SMs, SMs shared by {p.split}, handshakes on the caller's stream"] + [f"  {x.describe()}" for x in p.items]
         for item in self.plan.items:
             lk = item.lowered if hasattr(item, "lowered") else item.plan
             lines.append(f"part {item.part}: " + (lk.describe() if hasattr(lk, "describe") else type(lk).__name__))
@@ -549,6 +577,14 @@ def written_buffers(ir: core.Kernel) -> set[str] | None:
     return out
 
 
+def _overlaps_other(t, buf) -> bool:
+    """Whether ``t``'s bytes overlap ``buf``'s without being exactly them (a copy between the two
+    would overlap)."""
+    a, n = t.data_ptr(), t.numel() * t.element_size()
+    b, m = buf.data_ptr(), buf.numel() * buf.element_size()
+    return a < b + m and b < a + n and (a, n) != (b, m)
+
+
 def _specs_in_order(names: list[str], specs) -> tuple:
     if specs is None:
         raise InputError(f"FusedProgram needs the arguments' specs ({', '.join(names)}): tensors, arrays or "
@@ -593,7 +629,8 @@ def _rank_plan(full: RunPlan, rank: int) -> RunPlan:
     mine = [x for x in full.items if x.rank == rank]
     items = tuple(dataclasses.replace(x, stream=i) for i, x in enumerate(mine))
     W = max(full.kernel.world_size, 1)
-    return RunPlan(full.kernel, items, (full.sm_count + full.reserved_sms * (W - 1)) // W, full.reserved_sms)
+    return RunPlan(full.kernel, items, (full.sm_count + full.reserved_sms * (W - 1)) // W, full.reserved_sms,
+                   full.split)
 
 
 # -- tl.run across the GPUs of a group ----------------------------------------------------------------

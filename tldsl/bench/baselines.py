@@ -19,7 +19,9 @@ What a user without tldsl runs for the same layer, one step after the other on o
 ``--fused`` adds the fused op (AllGatherMoE, MoEReduceScatter, SequenceParallelAttention) to each
 row: its output is checked against the sequential layer's on the same inputs first
 (:mod:`.fused_layers`), then it is timed in the same interleaved rounds — so one command checks
-and times each op.
+and times each op. ``--sm-split work,even`` builds the fused MoE op once per way its compute
+kernels share the SMs (by estimated work, the default, or evenly: ``FusedProgram``'s
+``sm_split``), each checked, all timed in the same rounds, one table row each.
 
 Each row: the sequential layer, its communication alone, its compute alone, ideal =
 max(comm, compute), and sequential / ideal — every column timed interleaved in one run
@@ -48,6 +50,8 @@ MOE_ROWS = [("mixtral", 2048, "random"), ("mixtral", 8192, "random"), ("mixtral"
             ("stress", 8192, "random"), ("mixtral", 8192, "zipf"), ("mixtral", 8192, "one")]
 ROUTINGS = ("random", "zipf", "one")
 LAYOUTS = ("contiguous", "zigzag")
+#: how a fused MoE op's compute kernels may share the SMs (``runtime/gpu/sm_split.SPLITS``)
+SM_SPLITS = ("work", "even")
 
 
 # -- the routing, as a user's layer computes it on the GPU ------------------------------------------
@@ -207,9 +211,10 @@ def _moe_inputs(row: MoERow, W: int, rank: int, what: str, dtype):
 
 
 def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16",
-              fused: bool = False) -> list[dict]:
+              fused: bool = False, sm_splits=("work",)) -> list[dict]:
     """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone; with
-    ``fused``, the fused op too (:mod:`.fused_layers`: checked against the baseline first)."""
+    ``fused``, the fused op too (:mod:`.fused_layers`: checked against the baseline first), once
+    per SM split of ``sm_splits`` (timed as ``tldsl/<split>``)."""
     import torch
     import torch.distributed as dist
     from . import fused_layers
@@ -220,15 +225,15 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
         a, ids, wts, w = _moe_inputs(row, W, rank, what, dtype)
         order, offs = route(ids, w.shape[0])
         k = ids.shape[1]
-        op = None
+        ops = {}
         if what == "ag_moe":
             gathered = _all_gather(a, None)
             fns = {"sequential": lambda: ag_moe(a, ids, w),
                    "comm": lambda: _all_gather(a, None),
                    # compute alone: the row gather and the grouped GEMM on already gathered tokens
                    "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
-            if fused:
-                op, fns["tldsl"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w))
+            for split in sm_splits if fused else ():
+                ops[split], fns[f"tldsl/{split}"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w), sm_split=split)
         else:
             flat_w = wts.reshape(-1).index_select(0, order)[:, None]
             partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
@@ -239,23 +244,26 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
             fns = {"sequential": lambda: moe_rs(a, ids, wts, w),
                    "comm": lambda: _reduce_scatter(partial, None),
                    "compute": combine}           # the grouped GEMM and the weighted top-k sum
-            if fused:
-                op, fns["tldsl"] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w))
+            for split in sm_splits if fused else ():
+                ops[split], fns[f"tldsl/{split}"] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
+                                                                           sm_split=split)
         flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
         try:
             t = bench_interleaved(fns, iters=iters)
         finally:
-            if op is not None:
+            for op in ops.values():
                 op.close()
         ideal = max(t["comm"], t["compute"])
         res = dict(what=what, model=row.model, tokens=row.tokens, routing=row.routing, world_size=W, **t,
                    ideal=ideal, seq_over_ideal=t["sequential"] / ideal,
                    compute_tflops=flops / t["compute"] / 1e9)
         results.append(res)
-        if rank == 0:
-            print(f"| {what} | {row.model} | {row.tokens} | {row.routing} | {t['sequential']:.3f} | {t['comm']:.3f} | "
+        for split in (sm_splits if fused else (None,)) if rank == 0 else ():
+            label = row.routing + (f", SMs by {split}" if split is not None and len(sm_splits) > 1 else "")
+            cells = _fused_cells({**t, "tldsl": t[f"tldsl/{split}"]}, ideal, fused) if split is not None else ""
+            print(f"| {what} | {row.model} | {row.tokens} | {label} | {t['sequential']:.3f} | {t['comm']:.3f} | "
                   f"{t['compute']:.3f} ({res['compute_tflops']:.0f} TFLOP/s) | {ideal:.3f} | "
-                  f"{res['seq_over_ideal']:.2f} |" + _fused_cells(t, ideal, fused), file=out, flush=True)
+                  f"{res['seq_over_ideal']:.2f} |" + cells, file=out, flush=True)
     return results
 
 
@@ -330,7 +338,13 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--fused", action="store_true",
                     help="the fused op too: checked against the sequential layer, then timed beside it")
+    ap.add_argument("--sm-split", default="work",
+                    help="with --fused (MoE layers): how the op's compute kernels share the SMs — work, even, or "
+                         "both comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
+    args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))
+    if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):
+        ap.error(f"--sm-split: a comma-separated list of {', '.join(SM_SPLITS)}, got {args.sm_split!r}")
     try:
         args.rows = MOE_ROWS if not args.models else [_parse_row(s) for s in args.models.split(",")]
     except argparse.ArgumentTypeError as e:
@@ -361,7 +375,8 @@ def main(argv) -> int:
             bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
                             dtype_name=args.dtype, fused=args.fused)
         else:
-            bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused)
+            bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused,
+                      sm_splits=args.sm_splits)
     finally:
         dist.destroy_process_group()
     return 0

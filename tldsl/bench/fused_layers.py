@@ -77,24 +77,25 @@ def _checked(op, name: str, got, want) -> None:
         raise
 
 
-def ag_moe_op(x_shard, topk_ids, w1, reference):
-    """AllGatherMoE for these inputs, checked against ``reference`` (the sequential layer's
-    ``[T*k, N/W]``); returns ``(op, call)``: ``call()`` runs one launch."""
+def ag_moe_op(x_shard, topk_ids, w1, reference, **op_kw):
+    """AllGatherMoE for these inputs (``op_kw``: its keyword arguments, e.g. ``sm_split``),
+    checked against ``reference`` (the sequential layer's ``[T*k, N/W]``); returns ``(op,
+    call)``: ``call()`` runs one launch."""
     from ..runtime.dist import AllGatherMoE
-    op = AllGatherMoE(x_shard, w1, topk_ids.shape[1])
+    op = AllGatherMoE(x_shard, w1, topk_ids.shape[1], **op_kw)
     h, _ = op(x_shard, topk_ids, w1)
     _, dest = padded_rows(reference, topk_ids, op.num_experts, op.block_m, op.num_tiles)
     _checked(op, "AllGatherMoE", h[dest], reference)
     return op, lambda: op(x_shard, topk_ids, w1)
 
 
-def moe_rs_op(h, topk_ids, topk_weights, w2, reference):
+def moe_rs_op(h, topk_ids, topk_weights, w2, reference, **op_kw):
     """MoEReduceScatter for the sequential layer's input ``h [T*k, N/W]`` (padded here as
     AllGatherMoE lays it out), checked against ``reference`` (this rank's tokens)."""
     from ..runtime.dist import MoEReduceScatter
     import torch.distributed as dist
     T, k = topk_ids.shape
-    op = MoEReduceScatter(w2, T // dist.get_world_size(), k)
+    op = MoEReduceScatter(w2, T // dist.get_world_size(), k, **op_kw)
     padded, _ = padded_rows(h, topk_ids, op.num_experts, op.block_m, op.num_tiles)
     _checked(op, "MoEReduceScatter", op(padded, topk_ids, topk_weights, w2), reference)
     return op, lambda: op(padded, topk_ids, topk_weights, w2)

@@ -4,7 +4,8 @@ to CUDA C++ for sm_90a, checked three ways without a GPU:
 * **the pipeline** picks it only where no other recipe matches, and refuses what it cannot
   lower at the user's line;
 * **NVRTC + SASS** (marker ``nvrtc``; skipped only where the CUDA wheels are missing): every
-  program compiles; every ``dot`` is tensor-core code (``HMMA``), no spills, no ``BPT.TRAP``;
+  program compiles; every ``dot`` is tensor-core code (``HGMMA`` for the dots on WGMMA — f16 /
+  bf16 tiles of a multiple of 64 rows —, ``HMMA`` for the rest), no spills, no ``BPT.TRAP``;
 * **CPU emulation** (needs ``g++``): the same generated source, built by the host compiler with
   ``TLDSL_HOST_EMULATION`` (one ``std::thread`` per CUDA thread, a ``std::barrier`` per CTA, a
   shared-memory arena per CTA, and — for a kernel whose tiles do not fit in shared memory — its
@@ -32,6 +33,7 @@ from tldsl.codegen import toolchain as tcm
 from tldsl.codegen.recipes.general import lower_general
 from tldsl.codegen.toolchain.cache import KernelCache
 from tldsl.codegen.toolchain.compiler import compile_many
+from tldsl.codegen.toolchain.sass import tensor_core_problems
 from tldsl.runtime.gpu.bind import SCRATCH_POISON_WORD
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
@@ -191,6 +193,23 @@ def flash_attention(q, k, v, o, *, compute: tl.ComputeSchedule = None):
 
 
 @tl.kernel
+def wide_dot(a, b, y, z, *, compute: tl.ComputeSchedule = None):
+    """``tl.dot`` alone over the whole of K (staged for WGMMA in chunks where the operands are
+    more than the staging takes), and a dot of computed operands (elementwise tiles, read where
+    they are computed)."""
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        x = tl.load(a, (pm * BM, 0), (BM, K))
+        w = tl.load(b, (0, pn * BN), (K, BN))
+        tl.store(y, (pm * BM, pn * BN), tl.dot(x, w))
+        tl.store(z, (pm * BM, pn * BN), tl.dot(x * 0.5 + 1.0, tl.maximum(w, 0.0)))
+
+
+@tl.kernel
 def signalled_rows(x, y, *, compute: tl.ComputeSchedule = None):
     """A part that publishes each tile with a notify and waits for it before reading it back."""
     M, N = x.shape
@@ -273,6 +292,23 @@ CASES = [
     case("edge_semantics-f32", edge_semantics, [((8, 24), F32), ((8, 24), I32)] + [((8, 24), F32)] * 7
          + [((8, 24), I32)] * 3, (8, 8, 8)),
     case("signalled_rows-f32", signalled_rows, [((24, 20), F32)] * 2, (8, 16, 16)),
+    # dots on WGMMA (64-row multiples, f16 / bf16): two accumulators, a transposed operand, a chain
+    # of two dots through a softmax (a computed operand), an online softmax, K past the staging
+    # (chunks) and N past 128 columns (several warpgroup tiles), K and N not multiples of 16
+    case("gated_gemm-f16-wgmma", gated_gemm, [((130, 72), F16), ((72, 100), F16), ((72, 100), F16), ((100,), F16),
+                                              ((130, 100), F16)], (128, 64, 32)),
+    case("attention_like-f16-wgmma", attention_like, [((130, 32), F16), ((72, 32), F16), ((72, 32), F16),
+                                                      ((130, 32), F16)], (64, 16, 16)),
+    case("flash_attention-bf16-wgmma", flash_attention, [((100, 32), BF16), ((150, 32), BF16), ((150, 32), BF16),
+                                                         ((100, 32), F32)], (64, 32, 16)),
+    case("wide_dot-f16-chunks", wide_dot, [((150, 200), F16), ((200, 300), F16), ((150, 300), F32),
+                                           ((150, 300), F32)], (128, 128, 16)),
+    case("wide_dot-bf16-wide", wide_dot, [((70, 40), BF16), ((40, 200), BF16), ((70, 200), F32),
+                                          ((70, 200), F32)], (64, 256, 16)),
+    # WGMMA dots whose accumulators do not fit beside their operands: the accumulators go to the
+    # scratch, the staging of the operands never does
+    case("gated_gemm-f16-256-wgmma-spilled", gated_gemm, [((300, 70), F16), ((70, 270), F16), ((70, 270), F16),
+                                                          ((270,), F16), ((300, 270), F16)], (256, 256, 64)),
 ]
 
 
@@ -328,7 +364,9 @@ def test_the_pipeline_lowers_what_no_recipe_matches(fn, shapes, tile, kw):
     assert '#include "tldsl/general.hpp"' in lk.source
     assert lk.smem_bytes <= 227 * 1024
     dots = sum(1 for op in k.parts[0].walk() if op.name == "dot")
-    assert lk.dots == dots and lk.source.count("tldsl::gen::mma_dot<") == dots
+    assert lk.dots == dots and lk.source.count("tldsl::gen::wgmma_dot<") == lk.wgmma_dots
+    assert lk.source.count("tldsl::gen::mma_dot<") == dots - lk.wgmma_dots
+    assert ('#include "tldsl/general_wgmma.hpp"' in lk.source) == (lk.wgmma_dots > 0)
     assert "tldsl: " + fn.fn.__code__.co_filename in lk.source     # generated lines point at the tile program
 
 
@@ -450,9 +488,11 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
             (name, info)
         sass = ck.sass()[ck.name]
         assert sass.count("BPT.TRAP") == 0 and sass.spill_instructions == 0, (name, sass.summary())
-        assert sass.count("HMMA") >= lk.dots, (name, sass.mnemonics)      # every dot on tensor cores
-        assert lk.dots or sass.count("HMMA") == 0, name
+        # every dot on tensor cores: HGMMA for those on WGMMA, HMMA for the rest
+        assert not tensor_core_problems(sass, lk.wgmma_dots, lk.dots - lk.wgmma_dots), (name, sass.mnemonics)
         assert lk.smem_bytes <= 227 * 1024, name
+    # the dots of at least 64 rows of f16 / bf16 tiles: WGMMA
+    assert lks["gated_gemm-8192x8192x8192"].wgmma_dots == 2 and lks["attention_like-f16-wgmma"].wgmma_dots == 2
 
 
 def _library_kernels():
@@ -598,10 +638,44 @@ def _stored_inputs(k, arrays):
     return out
 
 
+def test_the_plan_puts_f16_and_bf16_dots_of_64_row_multiples_on_wgmma_with_their_operands_staged():
+    """f16 / bf16 dots whose tile has a multiple of 64 rows run on WGMMA in CTAs of whole
+    warpgroups; the rest (fewer rows, f32 operands as TF32, a CTA of 96 threads) on mma.sync. A
+    WGMMA dot stages its operands in shared memory live at the dot only: apart from every slot
+    live there, never in the scratch, sized for its chunks of K."""
+    from tldsl.codegen.match.general import match_general
+    from tldsl.codegen.plan.general import STAGING_LIMIT, plan_general
+    by_id = {c.id: c.values for c in CASES}
+
+    def plan(name, **kw):
+        k = trace(*by_id[name])
+        return plan_general(k, k.parts[0], match_general(k, k.parts[0]), **kw)
+    for name, on_wgmma in (("gated_gemm-f16", 2), ("gated_gemm-bf16-silu", 0), ("gated_gemm-f32-tf32", 0),
+                           ("attention_like-f16", 0), ("attention_like-f16-wgmma", 2),
+                           ("flash_attention-bf16-wgmma", 2), ("wide_dot-f16-chunks", 2),
+                           ("gated_gemm-f16-256-wgmma-spilled", 2)):
+        p = plan(name)
+        assert len(p.wgmma) == len(p.stagings) == on_wgmma, name
+        for vid, st in p.stagings.items():
+            assert not st.spilled and st.start == st.end and st.nbytes == p.wgmma[vid].nbytes <= STAGING_LIMIT, name
+            assert st.offset % 16 == 0 and st.offset + st.nbytes <= p.arena_bytes, name
+            for s in list(p.slots.values()) + [x for x in p.stagings.values() if x is not st]:
+                if not s.spilled and s.start <= st.start <= s.end:
+                    assert s.offset + s.nbytes <= st.offset or st.offset + st.nbytes <= s.offset, (name, s, st)
+    assert any(s.spilled for s in plan("gated_gemm-f16-256-wgmma-spilled").slots.values())
+    assert not plan("gated_gemm-f16", threads=96).wgmma                  # not whole warpgroups
+    assert len(plan("gated_gemm-f16", threads=256).wgmma) == 2
+    # K = 200 past what the staging takes at once: two chunks of 112; N = 256 in two tiles of 128
+    assert {(w.nt, w.kc) for w in plan("wide_dot-f16-chunks").wgmma.values()} == {(128, 112)}
+    assert {(w.nt, w.kc) for w in plan("wide_dot-bf16-wide").wgmma.values()} == {(128, 48)}
+
+
 def test_dot_results_go_straight_into_the_statement_after_them():
     """``acc += dot``, ``acc * alpha + dot`` and a stored ``where(mask, dot * scale, ...)``: the
     dot computes them as its results come out, so no dot result takes shared memory."""
-    for fn, shapes, tile, kw in (CASES[8].values, CASES[-2].values):
+    by_id = {c.id: c.values for c in CASES}
+    for name in ("gated_gemm-f16", "flash_attention-bf16", "gated_gemm-f16-wgmma", "flash_attention-bf16-wgmma"):
+        fn, shapes, tile, kw = by_id[name]
         lk = lower(trace(fn, shapes, tile, kw), "part")
         assert not any("(dot," in s for s in lk.slots), lk.describe()
 

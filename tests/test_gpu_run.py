@@ -201,6 +201,31 @@ def test_tiles_over_shared_memory_run_from_the_global_scratch():
     assert item.lowered.groups > 1 and item.lowered.scratch_bytes > 0 and item.ctas < item.lowered.num_tasks
 
 
+@pytest.mark.parametrize("name,threads", [
+    ("gated_gemm-f16-wgmma", None),                 # acc += dot: two accumulators over a K loop
+    ("attention_like-f16-wgmma", None),             # a transposed operand; a chain of two dots, the second's
+                                                    # operand computed (a softmax cast to f16)
+    ("flash_attention-bf16-wgmma", None),           # where(mask, dot * scale, ...), acc * alpha + dot
+    ("wide_dot-f16-chunks", None),                  # dot alone and of computed operands; K staged in chunks
+    ("wide_dot-f16-chunks", 256),                   # ... by two warpgroups
+    ("wide_dot-bf16-wide", 256),                    # 256-column tiles (200 inside the tensor), two WGMMA tiles
+    ("gated_gemm-f16-256-wgmma-spilled", None),     # accumulators in the global scratch
+])
+def test_dots_on_wgmma_agree_with_the_simulator(name, threads):
+    """The general lowering's dots on WGMMA (f16 / bf16 tiles of 64-row multiples): operands
+    staged in shared memory in a GMMA layout, each warpgroup on 64-row tiles, the results into
+    the statement after the dot; every dot of these programs runs there."""
+    from test_codegen_general import CASES, inputs_for, trace
+    fn, shapes, tile, kw = next(c.values for c in CASES if c.id == name)
+    k = trace(fn, shapes, tile, kw)
+    extra = {"lowering": {"threads": threads}} if threads else {}
+    res = both(k, 1, [inputs_for(k, np.random.default_rng(21))], sums=True, **extra)
+    [item] = res.plan.kernels
+    lk = item.lowered
+    assert type(lk).__name__ == "LoweredGeneral" and lk.dots == lk.wgmma_dots > 0, lk.describe()
+    assert lk.threads == (threads or 128)
+
+
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
     """Every generated program whose parts all lower and compile agrees with the simulator."""
     from tldsl.testing.fuzz import run

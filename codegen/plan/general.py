@@ -21,6 +21,11 @@ consumed, and the kernel's ABI.
   comes back. Element loops
   read and write a slot through a pointer into either space; only a scratch over
   :data:`SCRATCH_LIMIT` a group is refused.
+* **Dots on WGMMA** (:func:`wgmma_dot`): a dot of f16 / bf16 tiles with a multiple of 64 rows,
+  in a CTA of whole warpgroups, runs on WGMMA (``include/tldsl/general_wgmma.hpp``): its
+  operands are staged, K-major, in a staging slot of the arena live at the dot only (never
+  spilled: WGMMA reads shared memory), at most :data:`STAGING_LIMIT` bytes (longer K is staged
+  in chunks). Every other dot runs on ``mma.sync`` and reads its operands where they are.
 * **Task groups** (:func:`task_groups`): a part whose tasks never wait for each other and have
   no dot runs several tasks per CTA, each on its own group of threads with its own copy of the
   arena — the runtime launches one CTA per SM, and one task's tile at a time leaves an SM's
@@ -36,7 +41,7 @@ from ...ir import types as T
 from ...ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
 from ..abi import (LAUNCH_PARAM, RANK_PARAM, SCRATCH_PARAM, KernelParam, buffer_param, entry_name, is_this_rank,
                    peer_buffer_param, peer_signal_param, signal_param, table_param, wait_timeout_options)
-from ..dtypes import ctype, elem_bytes
+from ..dtypes import MMA_INPUTS, ctype, elem_bytes
 from ..errors import fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
@@ -62,12 +67,50 @@ ALIGN = 16
 COORDINATE_OPS = frozenset({"full", "iota", "expand_dims", "broadcast", "trans"})
 #: ops whose tile result always gets a slot
 STORED_RESULTS = frozenset({"load", "load_rows", "reduce", "dot", "frag_alloc", "tile_pull_data"})
+#: the N of the WGMMA ops a dot's warpgroup tiles use (m64nNk16; ``general_wgmma.hpp`` GmmaSS):
+#: at most 128 columns, 64 fp32 accumulators a thread, registers left for the dot's epilogue
+WGMMA_N = (8, 16, 32, 64, 96, 128)
+#: the most shared memory one WGMMA dot stages its operands in (beyond it, K goes in chunks)
+STAGING_LIMIT = 64 * 1024
+#: 32-bit registers of a CTA (sm_90): what a thread's share of them is, at a CTA's size
+REGISTERS = 65536
+
+
+@dataclass(frozen=True)
+class WgmmaDot:
+    """How a dot runs on WGMMA: ``nt`` columns of a warpgroup's output tile, ``kc`` columns of K
+    staged at once (a multiple of 16), ``nbytes`` of staging (``wgmma_staging_bytes`` in C++)."""
+    nt: int
+    kc: int
+    nbytes: int
+
+
+def wgmma_dot(op: core.Op, threads: int) -> WgmmaDot | None:
+    """The WGMMA shape of dot ``op`` in a CTA of ``threads`` threads, or None where it runs on
+    ``mma.sync``: operands not f16 / bf16 (f32 runs as TF32 there), rows not a multiple of 64
+    (WGMMA's M), or threads not whole warpgroups. Output tiles: the fewest that cover N, each of
+    the narrowest :data:`WGMMA_N` that does, whose accumulators take at most a quarter of the
+    registers a thread has (128 columns up to 256 threads, fewer in larger CTAs); K staged whole
+    where the operands fit :data:`STAGING_LIMIT`, else in equal chunks."""
+    a, b = op.operands
+    (M, K), N = a.type.shape, b.type.shape[1]
+    if a.type.dtype.name not in MMA_INPUTS or M % 64 or threads % 128:
+        return None
+    widths = [w for w in WGMMA_N if w // 2 <= REGISTERS // threads // 4] or [WGMMA_N[0]]
+    tiles_n = -(-N // widths[-1])
+    nt = next(w for w in widths if w * tiles_n >= N)
+    rows = M + tiles_n * nt                  # A's rows and B's columns, staged as rows of K
+    kp = -(-K // 16) * 16
+    chunks = -(-kp // max(16, STAGING_LIMIT // (rows * 2) // 16 * 16))
+    kc = (-(-kp // chunks) + 15) // 16 * 16
+    return WgmmaDot(nt, kc, rows * kc * 2)
 
 
 @dataclass(frozen=True)
 class Slot:
     """A materialised tile (or fragment): in the shared-memory arena, or (``spilled``) in the task
-    group's global-memory scratch, ``offset`` bytes into either."""
+    group's global-memory scratch, ``offset`` bytes into either; or (``staging``) the shared
+    memory a WGMMA dot stages its operands in (``value``: the dot's result)."""
     value: core.Value
     op: core.Op              # the op whose statement writes it
     offset: int
@@ -75,6 +118,7 @@ class Slot:
     start: int               # live range, in statement positions
     end: int
     spilled: bool = False
+    staging: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -107,6 +151,8 @@ class GeneralPlan:
     arena_bytes: int = 0          # one group's shared memory (smem_bytes = groups * arena_bytes)
     notes: tuple[str, ...] = field(default=())
     scratch_bytes: int = 0        # one group's global-memory scratch (its spilled slots; 0: none)
+    wgmma: dict = field(default_factory=dict)      # dot result id -> WgmmaDot (the dots on WGMMA)
+    stagings: dict = field(default_factory=dict)   # dot result id -> its staging Slot (shared memory)
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -323,13 +369,18 @@ class _Tile:
     end: int
     touches: int
     dot_operand: bool
+    staging: bool = False         # a WGMMA dot's staging: shared memory, never spilled
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return (self.value.id, self.staging)
 
     def overlaps(self, start: int, end: int) -> bool:
         return not (self.end < start or end < self.start)
 
 
 def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None = None) -> tuple[dict, int]:
-    """First-fit offsets for ``tiles``, in order of start: ({value id: Slot}, bytes used). Over
+    """First-fit offsets for ``tiles``, in order of start: ({tile key: Slot}, bytes used). Over
     ``limit``: a LoweringError at the tile that crossed it, naming the largest tiles live there."""
     placed: list[Slot] = []
     top = 0
@@ -340,11 +391,11 @@ def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None =
             if off + t.nbytes <= lo:
                 break
             off = max(off, (hi + ALIGN - 1) // ALIGN * ALIGN)
-        placed.append(Slot(t.value, t.op, off, t.nbytes, t.start, t.end, spilled))
+        placed.append(Slot(t.value, t.op, off, t.nbytes, t.start, t.end, spilled, t.staging))
         top = max(top, off + t.nbytes)
         if limit is not None and top > limit:
             raise _over_limit(placed, t, top, limit)
-    return {s.value.id: s for s in placed}, top
+    return {(s.value.id, s.staging): s for s in placed}, top
 
 
 def _over_limit(placed: list[Slot], t: _Tile, top: int, limit: int):
@@ -365,29 +416,37 @@ def _crowded(tiles: list[_Tile]) -> list[_Tile]:
     return [t for t in tiles if any(t.overlaps(p, p) for p in over)]
 
 
-def _spills(tiles: list[_Tile]) -> set[int]:
-    """The ids of the values whose slots go to the global-memory scratch so that the rest fit in
+def _spills(tiles: list[_Tile]) -> set[tuple[int, bool]]:
+    """The keys of the tiles whose slots go to the global-memory scratch so that the rest fit in
     :data:`SMEM_LIMIT` (none where all fit): one at a time, of the tiles live where shared memory
-    overflows, the one the task touches least (dot operands last, the largest first among equals);
-    then each spilled one that fits again comes back (dot operands, then the most touched, first)."""
+    overflows, the one the task touches least (dot operands last, the largest first among equals;
+    a WGMMA staging never); then each spilled one that fits again comes back (dot operands, then
+    the most touched, first)."""
     shared, out = list(tiles), []
     while _first_fit(shared)[1] > SMEM_LIMIT:
-        victim = min(_crowded(shared) or shared, key=lambda t: (t.dot_operand, t.touches, -t.nbytes))
+        movable = [t for t in _crowded(shared) or shared if not t.staging] or [t for t in shared if not t.staging]
+        if not movable:             # at most one staging is live at a statement, within STAGING_LIMIT
+            raise fail(WHAT, "internal: the WGMMA stagings alone exceed shared memory", tiles[0].op)
+        victim = min(movable, key=lambda t: (t.dot_operand, t.touches, -t.nbytes))
         shared.remove(victim)
         out.append(victim)
     for t in sorted(out, key=lambda t: (not t.dot_operand, -t.touches, t.nbytes)):
         if _first_fit(shared + [t])[1] <= SMEM_LIMIT:
             shared.append(t)
             out.remove(t)
-    return {t.value.id for t in out}
+    return {t.key for t in out}
 
 
-def _place(tiles: list[_Tile]) -> tuple[dict, int, int]:
-    """Every tile's slot: ({value id: Slot}, shared-memory arena bytes, scratch bytes)."""
+def _place(tiles: list[_Tile]) -> tuple[dict, dict, int, int]:
+    """Every tile's slot: ({value id: Slot}, {dot result id: staging Slot}, shared-memory arena
+    bytes, scratch bytes)."""
     spilled = _spills(tiles)
-    shared, top = _first_fit([t for t in tiles if t.value.id not in spilled])
-    scratch, scratch_top = _first_fit([t for t in tiles if t.value.id in spilled], spilled=True, limit=SCRATCH_LIMIT)
-    return {**shared, **scratch}, top, scratch_top
+    shared, top = _first_fit([t for t in tiles if t.key not in spilled])
+    scratch, scratch_top = _first_fit([t for t in tiles if t.key in spilled], spilled=True, limit=SCRATCH_LIMIT)
+    placed = {**shared, **scratch}
+    slots = {vid: s for (vid, staging), s in placed.items() if not staging}
+    stagings = {vid: s for (vid, staging), s in placed.items() if staging}
+    return slots, stagings, top, scratch_top
 
 
 def _abi(kernel: core.Kernel, part: core.Part, *,
@@ -457,11 +516,13 @@ def _decode(grid: tuple[int, ...]) -> tuple:
 @dataclass(frozen=True)
 class _Layout:
     """What the plan decides before slots get offsets: reads in place, dot epilogues, the
-    statements they absorb, and the tiles that need a slot."""
+    statements they absorb, the dots on WGMMA, and the tiles that need a slot (their stagings
+    too)."""
     views: dict
     epilogues: dict
     absorbed: frozenset
     tiles: list
+    wgmma: dict
 
     @property
     def shared_bytes(self) -> int:
@@ -469,11 +530,16 @@ class _Layout:
         return _first_fit(self.tiles)[1]
 
 
-def _layout(prog: _Program, recompute: bool) -> _Layout:
+def _layout(prog: _Program, recompute: bool, threads: int) -> _Layout:
     fused, views = _fuse_decisions(prog, recompute)
     epilogues, starts = _epilogues(prog, fused, views)
-    tiles = []
+    tiles, wgmma = [], {}
     for op in prog.order:
+        shape = wgmma_dot(op, threads) if op.name == "dot" else None
+        if shape is not None:       # its staging: live at the dot only
+            wgmma[op.result.id] = shape
+            p = prog.pos[id(op)]
+            tiles.append(_Tile(op.result, op, shape.nbytes, p, p, LOOP_WEIGHT ** len(prog.loops[id(op)]), True, True))
         if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
             continue
         v = op.result
@@ -488,13 +554,14 @@ def _layout(prog: _Program, recompute: bool) -> _Layout:
         touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)
         tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
-    return _Layout(views, epilogues, frozenset(id(t) for t in epilogues.values()), tiles)
+    return _Layout(views, epilogues, frozenset(id(t) for t in epilogues.values()), tiles, wgmma)
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
                  wait_timeout_ns: int | None = None, entry: str | None = None) -> GeneralPlan:
     """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
-    tiles of a dot; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
+    tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the
+    default is; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
     several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
     trap after that long), ``entry`` (the kernel's name)."""
     if threads is None:
@@ -503,12 +570,12 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    layout = _layout(prog, recompute=False)
+    layout = _layout(prog, False, threads)
     if layout.shared_bytes > SMEM_LIMIT:
-        again = _layout(prog, recompute=True)     # over the limit: recompute shared values instead
+        again = _layout(prog, True, threads)      # over the limit: recompute shared values instead
         if again.shared_bytes <= SMEM_LIMIT:
             layout = again
-    slots, top, scratch = _place(layout.tiles)          # still over: spill slots to the scratch
+    slots, stagings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
     decode, lanes = _decode(tuple(part.grid)), None
     if part.role == "comm":         # the communication schedule's task order, on its lanes
@@ -520,7 +587,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, layout.views,
                        layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
-                       scratch_bytes=(scratch + 127) // 128 * 128)
+                       scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings)
 
 
 def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:

@@ -18,7 +18,10 @@ and notifies :mod:`..rules.primitives`.
   threads over its output elements followed by the group's barrier: loads and stores move
   16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
   by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
-  on tensor cores (``mma.sync``: f16 / bf16 exact, f32 as TF32; fp32 accumulation).
+  on tensor cores, fp32 accumulation: on WGMMA where its tile has a multiple of 64 rows and
+  f16 / bf16 operands (``include/tldsl/general_wgmma.hpp``: operands staged in shared memory in
+  a GMMA layout, each warpgroup on 64-row output tiles), else on ``mma.sync`` (f16 / bf16 exact,
+  f32 as TF32).
 * Waits: thread 0 spins (acquire at the wait's scope), then a CTA barrier; notifies: a CTA
   barrier, then thread 0 fences and adds (release at the notify's scope).
 
@@ -65,6 +68,7 @@ class LoweredGeneral(LoweredKernel):
     lanes: int | None = None           # a communication part: its CTAs (the schedule's lanes)
     groups: int = 1                    # tasks a CTA runs at once, on groups of ``threads`` threads
     scratch_bytes: int = 0             # one group's global-memory scratch (its spilled slots)
+    wgmma_dots: int = 0                # of ``dots``, those on WGMMA (the rest on mma.sync)
 
     @property
     def cta_threads(self) -> int:
@@ -98,7 +102,7 @@ class LoweredGeneral(LoweredKernel):
                           f"  tasks {'x'.join(map(str, self.grid_shape))} = {self.num_tasks}, CTAs of {self.groups} "
                           f"group(s) of {self.threads} threads, {self.shared_bytes} B of shared memory"
                           + (f" and {self.scratch_bytes} B of global scratch a group" if self.scratch_bytes else "")
-                          + f"; {self.dots} dot(s), {self.waits} "
+                          + f"; {self.dots} dot(s) ({self.wgmma_dots} on WGMMA), {self.waits} "
                           f"wait(s), {self.notifies} notify(s) on {list(self.signals)}",
                           *(f"  {s}" for s in self.slots),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
@@ -118,6 +122,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          f"{plan.groups} group(s) of {plan.threads} threads (a task each at a time), {plan.smem_bytes} B of dynamic "
          "shared memory",
          '#include "tldsl/general.hpp"',
+         *(['#include "tldsl/general_wgmma.hpp"'] if plan.wgmma else []),
          "",
          f'extern "C" __global__ void __launch_bounds__({plan.threads * plan.groups})',
          f"{plan.entry}(",
@@ -151,9 +156,12 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     slots = tuple(f"{'scratch' if s.spilled else 'slot'} {s.offset:>6} +{s.nbytes:<6} {'x'.join(map(str, s.shape))} "
                   f"{s.dtype} ({s.op.name}{', ' + s.op.loc.short() if s.op.loc else ''}), live {s.start}..{s.end}"
                   for s in sorted(plan.slots.values(), key=lambda s: (s.spilled, s.offset, s.start)))
+    slots += tuple(f"staging {s.offset:>6} +{s.nbytes:<6} WGMMA operands of the dot at "
+                   f"{s.op.loc.short() if s.op.loc else '?'}, live {s.start}..{s.end}"
+                   for s in sorted(plan.stagings.values(), key=lambda s: (s.offset, s.start)))
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
-                          plan.groups, plan.scratch_bytes)
+                          plan.groups, plan.scratch_bytes, len(plan.wgmma))
 
 
 def _scratch_base(plan: GeneralPlan) -> list[str]:
@@ -167,7 +175,7 @@ def _scratch_base(plan: GeneralPlan) -> list[str]:
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,
                 options=frozenset({"threads", "wait_timeout_ns", "entry"}),
-                summary="any compute part: shared-memory tiles, element loops, mma.sync dots")
+                summary="any compute part: shared-memory tiles, element loops, WGMMA / mma.sync dots")
 #: the same lowering for communication parts on SMs that the streamed kernel (sm_comm) does not take
 RECIPE_COMM = Recipe("general_comm", "comm", 0, match_general_comm, plan_general, render_general,
                      options=frozenset({"threads", "wait_timeout_ns", "entry"}),

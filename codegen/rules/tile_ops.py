@@ -34,8 +34,9 @@ from .scalars import c_literal, element_expr
 from .sync import SignalEmitter
 
 #: the tensor-core operand kind of a dot, by operand dtype (``include/tldsl/general.hpp``):
-#: f16 / bf16 multiply exactly on m16n8k16; f32 operands run as TF32 (m16n8k8), their inputs
-#: rounded to TF32 — a dot of f32 tiles is a TF32 product with fp32 accumulation
+#: f16 / bf16 multiply exactly (WGMMA m64nNk16 where the plan puts the dot there, else mma.sync
+#: m16n8k16); f32 operands run as TF32 (mma.sync m16n8k8), their inputs rounded to TF32 — a
+#: dot of f32 tiles is a TF32 product with fp32 accumulation
 MMA_KIND = {"f16": "tldsl::gen::MmaKind::kF16", "bf16": "tldsl::gen::MmaKind::kBF16",
             "f32": "tldsl::gen::MmaKind::kTF32"}
 
@@ -485,8 +486,16 @@ def _dot_statement(em, op, ind, lines):
         x = em.value(v, ["ra", "ca"], el)
         return ["[&](int ra, int ca) -> float {", *[f"  {ln}" for ln in el.lines], f"  return (float)({x});", "}"]
     i1 = ind + "  "
-    lines.append(f"{ind}{{  // dot {M}x{K} @ {K}x{N} -> {slot} on tensor cores{marker(op.loc)}")
-    lines.append(f"{i1}tldsl::gen::mma_dot<{kind}, {M}, {N}, {K}>(")
+    wg = em.plan.wgmma.get(op.result.id)
+    if wg is None:
+        lines.append(f"{ind}{{  // dot {M}x{K} @ {K}x{N} -> {slot} on tensor cores (mma.sync){marker(op.loc)}")
+        lines.append(f"{i1}tldsl::gen::mma_dot<{kind}, {M}, {N}, {K}>(")
+    else:                           # on WGMMA, its operands staged in shared memory (general_wgmma.hpp)
+        lines.append(f"{ind}{{  // dot {M}x{K} @ {K}x{N} -> {slot} on tensor cores (WGMMA, 64x{wg.nt} tiles, "
+                     f"K staged {wg.kc} at a time){marker(op.loc)}")
+        lines.append(f"{i1}static_assert(tldsl::gen::wgmma_staging_bytes({M}, {N}, {wg.nt}, {wg.kc}) == "
+                     f"{wg.nbytes}, \"the plan's staging size\");")
+        lines.append(f"{i1}tldsl::gen::wgmma_dot<{kind}, {M}, {N}, {K}, {wg.nt}, {wg.kc}>({em.staging(op)},")
     fa, fb = operand(a), operand(b)
     lines += [f"{i1}    {ln}" for ln in fa[:-1]] + [f"{i1}    {fa[-1]},"]
     lines += [f"{i1}    {ln}" for ln in fb[:-1]] + [f"{i1}    {fb[-1]},"]
@@ -687,6 +696,12 @@ class TileEmitter(SignalEmitter):
             raise self.fail(f"internal: the plan gave no slot to a value of '{v.owner.name}'", v.owner)
         return f"smem{v.id}"        # no '_<n>' suffix: never an index-code name (rules.scalars)
 
+    def staging(self, dot: core.Op) -> str:
+        """The C++ name of the shared memory a WGMMA dot stages its operands in."""
+        if dot.result.id not in self.plan.stagings:
+            raise self.fail("internal: the plan gave no staging to a dot on WGMMA", dot)
+        return f"stage{dot.result.id}"
+
     def value(self, v: core.Value, coords: list[str], el: Elements) -> str:
         """The C++ of element ``coords`` of ``v`` (a scalar: its name)."""
         if not isinstance(v.type, (T.TileType, T.FragmentType)):
@@ -760,4 +775,8 @@ class TileEmitter(SignalEmitter):
             base, where = ("tldsl_scratch", ", in global scratch") if s.spilled else ("tldsl_arena", "")
             out.append(f"{ind}{st}* const {self.slot(s.value)} = static_cast<{st}*>(__builtin_assume_aligned({base} + {s.offset}, 16));"
                        f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{where}{marker(s.op.loc)}")
+        for s in sorted(self.plan.stagings.values(), key=lambda s: (s.offset, s.value.id)):
+            out.append(f"{ind}unsigned char* const {self.staging(s.op)} = static_cast<unsigned char*>("
+                       f"__builtin_assume_aligned(tldsl_arena + {s.offset}, 16));  // {s.nbytes} B, WGMMA operands "
+                       f"of a dot{marker(s.op.loc)}")
         return out

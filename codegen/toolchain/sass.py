@@ -2,7 +2,8 @@
 
 What the checks care about, per kernel:
 
-* instruction mnemonics — ``HGMMA`` (WGMMA ran as tensor-core code, not a trap), ``UTMALDG`` /
+* instruction mnemonics — ``HGMMA`` (WGMMA ran as tensor-core code, not a trap), ``HMMA``
+  (``mma.sync``; :func:`tensor_core_problems` checks both against a lowering's dots), ``UTMALDG`` /
   ``UTMASTG`` (TMA loads / stores), ``SYNCS.*`` (mbarrier ops), ``BPT.TRAP`` (a trap compiled in:
   e.g. GMMA built for ``sm_90`` instead of ``sm_90a``, or a CUTLASS barrier without support),
   ``LDL`` / ``STL`` (local memory: spills or a stack array);
@@ -93,6 +94,19 @@ class SassReport:
         if len(self.kernels) != 1:
             raise KeyError(f"cubin has {len(self.kernels)} kernels: {sorted(self.kernels)}")
         return next(iter(self.kernels.values()))
+
+
+def tensor_core_problems(sass: KernelSass, wgmma: int, mma_sync: int) -> list[str]:
+    """What is wrong with a kernel's tensor-core code, given how many of its ``dot`` s the lowering
+    put on WGMMA and on ``mma.sync`` (empty: nothing): each WGMMA dot shows up as ``HGMMA``, each
+    ``mma.sync`` dot as ``HMMA`` (never a scalar FMA loop), and neither appears without such a
+    dot. One dot may be several instructions (unrolled tiles), so these are lower bounds."""
+    out = []
+    for name, want in (("HGMMA", wgmma), ("HMMA", mma_sync)):
+        got = sass.count(name)
+        if got < want or (want == 0 and got):
+            out.append(f"{sass.name}: {got} {name} instruction(s) for {want} dot(s) lowered onto them")
+    return out
 
 
 _FUNC_RE = re.compile(r"^\s*Function\s*:\s*(\S+)")

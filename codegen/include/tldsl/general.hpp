@@ -18,10 +18,12 @@
 // and modulo of floats follow numpy's divmod, and values that mix i32 and float compute in
 // double (numpy promotes them to float64).
 //
-// `dot` runs on tensor cores: CuTe's SM80 mma.sync atoms, m16n8k16 for f16 / bf16 operands and
-// m16n8k8 TF32 for f32 operands (inputs rounded to TF32, round-to-nearest-away), fp32
-// accumulation. Under TLDSL_HOST_EMULATION (the test suite's CPU check) the same product is
-// computed element by element with the same input rounding and fp32 accumulation.
+// `dot` runs on tensor cores: on WGMMA where the plan puts it there (f16 / bf16 tiles of a
+// multiple of 64 rows: general_wgmma.hpp, which a kernel with such a dot includes), else here on
+// CuTe's SM80 mma.sync atoms, m16n8k16 for f16 / bf16 operands and m16n8k8 TF32 for f32
+// operands (inputs rounded to TF32, round-to-nearest-away), fp32 accumulation. Under
+// TLDSL_HOST_EMULATION (the test suite's CPU check) the same product is computed element by
+// element with the same input rounding and fp32 accumulation (both paths).
 #pragma once
 
 #include "tldsl/comm.hpp"

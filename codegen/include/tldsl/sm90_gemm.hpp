@@ -44,7 +44,6 @@
 
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -53,6 +52,7 @@
 #include <cuda/std/utility>
 #include <cuda/std/type_traits>
 
+#include "tldsl/gmma.hpp"   // GMMA descriptors, gmma()
 #include "tldsl/signals.hpp"
 #include "tldsl/tile_order.hpp"
 
@@ -60,18 +60,6 @@ namespace tldsl {
 namespace sm90 {
 
 using GmmaMajor = cute::SM90::GMMA::Major;
-
-// GMMA shared-memory descriptor "layout type" field (bits 62-63) for a swizzle width in bytes.
-__host__ __device__ constexpr int gmma_layout_type(int swizzle_bytes) {
-  return swizzle_bytes == 128 ? 1 : swizzle_bytes == 64 ? 2 : swizzle_bytes == 32 ? 3 : 0;
-}
-
-// The constant part of a GMMA descriptor: layout type, stride byte offset, leading byte offset
-// (both in 16-byte units). The start address (bits 0-13, 16-byte units) is added per use.
-__host__ __device__ constexpr uint64_t gmma_desc_bits(int swizzle_bytes, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return (uint64_t(gmma_layout_type(swizzle_bytes)) << 62) | (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) |
-         (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16);
-}
 
 __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -135,13 +123,6 @@ struct GemmTraits {
   static constexpr uint64_t kDescA = gmma_desc_bits(SA, 16, 8 * SA);             // K-major: LBO unused (1)
   static constexpr uint64_t kDescB = gmma_desc_bits(SB, kChunkBytesB, 8 * SB);   // MN-major: LBO = chunk stride
 };
-
-// One WGMMA on an m64 block: D[64 x BN] += A(desc_a) * B(desc_b), D in this thread's registers.
-template <class Op, int... I>
-__device__ __forceinline__ void gmma(uint64_t desc_a, uint64_t desc_b, float* d,
-                                     cuda::std::integer_sequence<int, I...>) {
-  Op::fma(desc_a, desc_b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
-}
 
 __device__ __forceinline__ uint32_t swizzle(uint32_t offset, int swizzle_bytes) {
   // TMA / GMMA swizzle on shared-memory byte offsets (1024-byte aligned region):

@@ -54,23 +54,23 @@ MAX_REGISTERS_COMBINE = 64
 # -- traced kernels ------------------------------------------------------------------------------
 
 def trace_ag(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
-             topk=2, comm=None, group_m=8):
+             topk=2, comm=None, group_m=8, cluster=(1, 1)):
     BM = tile[0]
     T = W * Ms
     NT = moe_num_tiles(T * topk, E, BM)
-    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m)
+    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
     return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT, 2), tl.int32),
                                S((NT * BM,), tl.int32), S((NT * BM, Nr), dt), compute=c,
                                comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
 
 
 def trace_rs(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
-             topk=2, comm=None, group_m=8):
+             topk=2, comm=None, group_m=8, cluster=(1, 1)):
     BM = tile[0]
     T = W * Ms
     NT = moe_num_tiles(T * topk, E, BM)
     TT = -(-T // BM)
-    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m)
+    c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
     return moe_reduce_scatter.trace(
         W, S((NT * BM, Nr), dt), S((E, Nr, K), dt), S((T, topk), tl.float32), S((NT,), tl.int32),
         S((topk * T,), tl.int32), S((NT, min(BM, TT)), tl.int32), S((NT,), tl.int32), S((TT,), tl.int32),
@@ -258,6 +258,10 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
     def after(i):
         if variant != "peer_notify":
             tl.consumer_tile_wait(done, i, count=tl.cdiv(N, BN))
+        if variant == "writes_w":           # B written while the GEMM runs
+            tl.store(w, (0, 0, 0), tl.zeros((1, BK, BN), w.dtype))
+        if variant == "writes_table":       # the guard's table written while the GEMM runs
+            tl.store(tile_expert, (0,), tl.zeros((NT,), tl.int32))
 
 
 def _trace_gathered(variant):
@@ -286,6 +290,30 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
 ])
 def test_grouped_gemm_rejections_name_the_op_and_line(variant, texts):
     e = _raises(lambda: lower_grouped_gemm(_trace_gathered(variant), "gg"), "grouped GEMM lowering", *texts)
+    assert e.loc is not None and e.loc.filename == __file__
+
+
+def test_clusters_of_two_tiles_share_b():
+    for trace in (trace_ag, trace_rs):
+        lw = lower_grouped_gemm(trace(cluster=(2, 1)), "grouped_gemm")
+        gm, gn = lw.grid_tiles
+        assert lw.config.cluster == (2, 1) and lw.cluster_dims == (2, 1, 1) and "kClusterM = 2;" in lw.source
+        assert "cluster (2, 1)" in lw.describe()
+        # a whole number of clusters, never more than cluster tiles (pairs of tile rows), one CTA per SM
+        assert lw.grid(132) == (2 * min(66, -(-gm // 2) * gn), 1, 1) and lw.grid(7) == (6, 1, 1)
+    lw = lower_grouped_gemm(trace_ag(), "grouped_gemm", cluster=(2, 1))      # the option overrides the schedule
+    assert lw.cluster_dims == (2, 1, 1) and lower_grouped_gemm(trace_ag(), "grouped_gemm").cluster_dims == (1, 1, 1)
+    assert lower_grouped_gemm(trace_ag(), "grouped_gemm").grid(132) == (69, 1, 1)
+
+
+@pytest.mark.parametrize("variant,texts", [
+    ("writes_w", ("cluster (2, 1): B ('w') is written by another part",)),
+    ("writes_table", ("the tile guard or the expert reads 'tile_expert', which another part writes",)),
+])
+def test_clusters_refused_where_the_pair_could_disagree(variant, texts):
+    k = _trace_gathered(variant)
+    assert lower_grouped_gemm(k, "gg").cluster_dims == (1, 1, 1)          # fine without clusters
+    e = _raises(lambda: lower_grouped_gemm(k, "gg", cluster=(2, 1)), "grouped GEMM lowering", *texts)
     assert e.loc is not None and e.loc.filename == __file__
 
 
@@ -726,6 +754,7 @@ COMPILE_SCHEDULES = [
     dict(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16),
     dict(tile=(128, 256, 64), stages=3, order="swizzled", dt=tl.bfloat16),
     dict(tile=(64, 128, 32), stages=6, order="comm_aligned", dt=tl.float16),
+    dict(tile=(128, 256, 64), stages=4, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
 ]
 
 
@@ -755,6 +784,12 @@ def check_grouped_gemm_sass(ck, lw):
         assert k.count("UTMALDG.2D") == 0                              # no TMA for A
     else:
         assert k.count("LDGSTS") == 0 and k.count("UTMALDG.2D") > 0
+    if lw.config.cluster == (2, 1):
+        assert k.count("UTMALDG.3D.MULTICAST") > 0                     # B shared by the pair
+        assert k.count("SYNCS.ARRIVE.TRANS64.RED") > 0                 # stages released on the partner too
+        assert k.count("UCGABAR_ARV") > 0 and k.count("UCGABAR_WAIT") > 0   # cluster barriers: start, end
+    else:
+        assert k.count("MULTICAST") == 0 and k.count("UCGABAR_ARV") == 0
     acquires = {sc: k.count(f"LDG.E.64.STRONG.{sc.upper()}") for sc in ("gpu", "sys")}
     for sc in ("gpu", "sys"):
         assert (acquires[sc] > 0) == (sc in lw.wait_scopes), (acquires, lw.wait_scopes)
@@ -776,7 +811,8 @@ def check_combine_sass(ck, lw):
     return k
 
 
-@pytest.mark.parametrize("sched", COMPILE_SCHEDULES, ids=lambda s: "x".join(map(str, s["tile"])))
+@pytest.mark.parametrize("sched", COMPILE_SCHEDULES,
+                         ids=lambda s: "x".join(map(str, s["tile"])) + ("-cluster2" if "cluster" in s else ""))
 @pytest.mark.nvrtc
 @needs_nvrtc
 def test_moe_kernels_compile_for_sm90a(tmp_path, sched):

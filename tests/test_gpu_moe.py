@@ -38,6 +38,12 @@ def _routing(W, Ms, E, topk, BM, kind, seed):
     return moe_routing(ids, E, W, Ms, BM), wts
 
 
+def _case_id(case):
+    """A readable test id of an AG_CASES / RS_CASES row (``-k cluster2`` picks the clustered ones)."""
+    W, _, _, _, _, _, kind, tile, stages, order, dtype, cluster = case
+    return f"W{W}-{kind}-{'x'.join(map(str, tile))}-s{stages}-{order}-{dtype}-cluster{cluster[0]}"
+
+
 def _cuda(a):
     import torch
     return torch.from_numpy(np.ascontiguousarray(a)).cuda()
@@ -60,7 +66,7 @@ def _close(got, ref, what, rel):
 
 # -- AllGather+MoE ------------------------------------------------------------------------------------
 
-def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
+def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
     from tldsl.kernel import TensorSpec as S
@@ -69,7 +75,7 @@ def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
     tabs = rt.allgather_tables()
     k = allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S.of(tabs["tile_expert"]),
                             S.of(tabs["tile_tokens"]), S.of(tabs["sorted_token_ids"]), S((rt.num_rows, Nr), dt),
-                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
+                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order, cluster=cluster),
                             comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
     return lower_grouped_gemm(k, "grouped_gemm")
 
@@ -89,20 +95,28 @@ def _ag_reference(rt, bufs):
     return reference_allgather_moe([_np(bufs["x_gathered"])], _np(bufs["w1"]), rt)
 
 
-AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype
-    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16"),
-    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16"),
-    (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16"),
-    (3, 333, 1024, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16"),
+AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, cluster
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1)),
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16", (1, 1)),
+    (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (1, 1)),
+    (3, 333, 1024, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (1, 1)),
+    # clusters of two tiles: an odd number of tile rows (the last CTA's partner is past the grid),
+    # unused tiles beside used ones, pairs on two experts (B per CTA) and on one (B multicast)
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (2, 1)),
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
+    (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (2, 1)),
 ]
 
 
-@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype", AG_CASES)
-def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order, dtype):
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", AG_CASES,
+                         ids=[_case_id(c) for c in AG_CASES])
+def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order, dtype,
+                                                      cluster):
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms)
-    lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype)
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
+    assert lw.cluster_dims == (cluster[0], 1, 1)
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K)
     slots = lw.signal_slots["gather_x_ready"]
@@ -151,7 +165,7 @@ def test_allgather_moe_waits_block_until_flags_are_set():
 
 # -- MoE+ReduceScatter ---------------------------------------------------------------------------------
 
-def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
+def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.kernel import TensorSpec as S
@@ -164,7 +178,7 @@ def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None):
                                   "token_tile_producers")],
         S((Ms, K), dt), compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
         comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
-    return k, lower_grouped_gemm(k, "grouped_gemm"), lower_combine(k, "combine")
+    return k, lower_grouped_gemm(k, "grouped_gemm", cluster=cluster), lower_combine(k, "combine")
 
 
 def _expected_counts(k, part_name, tables, W, rank, slots):
@@ -182,22 +196,27 @@ def _expected_counts(k, part_name, tables, W, rank, slots):
     return counts
 
 
-RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype
-    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16"),
-    (2, 1000, 1400, 1032, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16"),
-    (8, 100, 200, 520, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16"),
+RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, cluster
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1)),
+    (2, 1000, 1400, 1032, 16, 4, "random", (128, 256, 64), 3, "swizzled", "bfloat16", (1, 1)),
+    (8, 100, 200, 520, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (1, 1)),
+    # clusters of two tiles (unused tiles store nothing and still notify nothing)
+    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (2, 1)),
+    (2, 1000, 1400, 1032, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
 ]
 
 
-@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype", RS_CASES)
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", RS_CASES,
+                         ids=[_case_id(c) for c in RS_CASES])
 def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order,
-                                                             dtype):
+                                                             dtype, cluster):
     import torch
     from tldsl.ops.moe import reference_moe_reduce_scatter
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     rt, wts = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 7 + Ms)
     rank = 1
-    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype)
+    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
+    assert lg.cluster_dims == (cluster[0], 1, 1)
     gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     g = torch.Generator(device="cuda").manual_seed(K + Nr)
     T, R = W * Ms, rt.num_rows

@@ -58,12 +58,14 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
-    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc, clusters_lowered=((1, 1),))
+    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
 
     ops = part.body.ops
     written = written_buffers(kernel)
+    if cfg.cluster != (1, 1):
+        _check_cluster(m, written, ops, cfg.cluster)
     signals = signals_used(ops)
     # the hooks in the order the renderer emits them: active, batch, row, waits, notifies
     tensors = tensors_read(ops, [value_hook(ops, [m.guard.operands[0]] if m.guard is not None else []),
@@ -89,6 +91,22 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            buffers, signals, tensors, written, len(waits),
                            sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns))
+
+
+def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:
+    """Clusters of two vertically adjacent tiles share B (TMA multicast) when both tiles' guards
+    hold on the same expert, which each CTA decides for both tiles: the guard and the expert must
+    read what no part writes while the kernel runs (else the two CTAs may disagree), and so must B
+    (a CTA loads half of its partner's B, after its own waits only)."""
+    if m.b.name in written:
+        raise fail(WHAT, f"cluster {cluster}: B ('{m.b.name}') is written by another part of the kernel, so a CTA "
+                   "cannot load its partner's half of B; use cluster (1, 1)", m.b_load)
+    values = ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
+    for b in tensors_read(ops, [value_hook(ops, values)]):
+        if b.name in written:
+            raise fail(WHAT, f"cluster {cluster}: the tile guard or the expert reads '{b.name}', which another part "
+                       "writes while the kernel runs, so the CTAs of a cluster may disagree on it; use cluster (1, 1)",
+                       m.guard or m.b_load)
 
 
 def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int, int]:

@@ -36,7 +36,12 @@ completed: one ``fence.acq_rel``, then relaxed ``red.add`` operations — a rele
 Gathered A rows are copied by the producer warpgroup's 128 threads with 16-byte ``cp.async``
 (zero-fill for padding rows and columns past K) straight into the swizzled layout TMA would
 produce, completing the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``;
-consumers fence the async proxy before their WGMMAs.
+consumers fence the async proxy before their WGMMAs. With ``cluster=(2, 1)`` two CTAs take
+vertically adjacent tiles of one tile column (as the plain GEMM's clusters do) and, where both
+tiles run on the same expert — most pairs: an expert's rows are consecutive tiles — each loads
+half of B and multicasts it to both (``_grouped_mm``'s kernel on Hopper shares B the same way);
+a pair on two experts loads B per CTA, and a CTA whose tile's guard is false passes its stages
+on empty while its partner computes.
 
 **Semantics kept from the simulator**: out-of-bounds tile loads (tables, weights, TMA boxes)
 read zero, out-of-bounds stores are dropped, rows < 0 of a gather read zero, tiles outside
@@ -109,13 +114,24 @@ class LoweredGroupedGemm(LoweredKernel):
     def num_tiles(self) -> int:
         return self.grid_tiles[0] * self.grid_tiles[1]
 
+    @property
+    def cluster_dims(self) -> tuple[int, int, int]:
+        return (self.config.cluster[0], 1, 1)
+
+    def grid(self, sm_count: int) -> tuple[int, int, int]:
+        """Persistent launch: at most one CTA per SM, never more clusters than cluster tiles
+        (``cluster[0]`` tile rows each), and a whole number of clusters."""
+        cm = self.config.cluster[0]
+        cluster_tiles = -(-self.grid_tiles[0] // cm) * self.grid_tiles[1]
+        return (max(1, min(cluster_tiles, sm_count // cm)) * cm, 1, 1)
+
     def describe(self) -> str:
         c = self.config
         a = "gathered rows (cp.async)" if self.gather else "dense (TMA)"
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  grouped GEMM, A {a} [{self.M}x{self.K}], "
                  f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
-                 f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, {c.consumer_wgs} consumer "
-                 f"warpgroups + 1 producer ({c.threads} threads), smem {c.smem_bytes} B",
+                 f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
+                 f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads), smem {c.smem_bytes} B",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
@@ -170,7 +186,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"// C[{part.grid[0]}x{cfg.BM} rows, {N}] {cfg.out_dtype} ('{m.c.name}') = "
         f"{'gather_rows' if m.gather else 'tile'}(A[{M}x{K}] {cfg.in_dtype} '{m.a.name}') @ "
         f"{'B[e]' if m.batched else 'B'} ('{m.b.name}' {list(m.b.type.shape)})",
-        f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}; config {digest}",
+        f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}, cluster {cfg.cluster}; "
+        f"config {digest}",
         '#include "tldsl/sm90_grouped_gemm.hpp"',
         "",
         "namespace {",
@@ -220,7 +237,8 @@ def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None,
                        wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGroupedGemm:
     """Lower ``kernel``'s grouped-GEMM compute part (the only one, or the one named) to a Hopper
     kernel: this recipe's match → plan → render, with the matcher's error (at the user's line)
-    when the part does not fit. ``cluster`` overrides the schedule's (only (1, 1) is lowered);
+    when the part does not fit. ``cluster`` overrides the schedule's ((1, 1) or (2, 1): pairs of
+    vertically adjacent tiles that multicast B when both run on the same expert);
     ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs)."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
     return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry)

@@ -26,6 +26,14 @@
 //    proxy and WGMMA reads it through the async proxy, so consumers issue
 //    fence.proxy.async.shared::cta after the full-barrier wait and before the WGMMAs.
 //
+//    Clusters (Cfg::kClusterM = 2): the two CTAs take tiles (2*cm, n) and (2*cm + 1, n) of a
+//    cluster tile (cm, n), the order walking cluster tiles as sm90::gemm_kernel's does. Both read
+//    both guards and experts (PairTile): the pair runs its K loop when either guard holds, in
+//    step (a stage is released on both CTAs, so each empty barrier counts both CTAs' consumers);
+//    when both hold on the same expert each CTA loads half of B's chunks and multicasts them
+//    into both CTAs' stage, else each loads its own B; a CTA whose guard is false arrives on its
+//    full barriers without loading and its consumers pass the stages on (no waits, no WGMMAs).
+//
 //    Waits: with a gathered A one producer thread spins (acquire), then a named barrier
 //    over the producer warpgroup orders every thread's cp.async after it (a CTA barrier
 //    after an acquire, as CUTLASS's generic barrier does); the TMA thread then issues
@@ -226,6 +234,66 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static_assert(Cfg::kM > 0 && Cfg::kGridM > 0 && Cfg::kGridN > 0, "empty grouped GEMM");
 };
 
+// What one CTA does with a cluster tile (kClusterM vertically adjacent tiles of one tile column;
+// one tile without clusters): its own tile (m, n); `valid`: m is a tile row of the grid (an odd
+// grid's last cluster has a partner past it); `active`: the tile's guard holds; `run`: the
+// cluster runs the K loop (the guard holds on either tile: both CTAs then step through the same
+// stages, a CTA with nothing to compute only passes them on); `shared`: both tiles are active on
+// the same expert, so the two CTAs load one half of B each and multicast it to both; `e`: the
+// expert (kExpert only: the producers need it, the consumers do not).
+struct PairTile {
+  int m, n, e;
+  bool valid, active, run, shared;
+};
+
+template <class Cfg, bool kExpert, class Prog>
+__device__ __forceinline__ PairTile pair_tile(const Prog& prog, TileCoord ct, int cl_rank) {
+  constexpr int kCl = Cfg::kClusterM;
+  PairTile p;
+  p.m = ct.m * kCl + cl_rank;
+  p.n = ct.n;
+  p.valid = p.m < Cfg::kGridM;
+  p.active = p.valid && prog.active(p.m, p.n);
+  p.e = (kExpert && p.active) ? prog.batch(p.m, p.n) : 0;
+  p.run = p.active;
+  p.shared = false;
+  if constexpr (kCl > 1) {
+    const int q = ct.m * kCl + (cl_rank ^ 1);
+    const bool q_active = q < Cfg::kGridM && prog.active(q, p.n);
+    p.run = p.active || q_active;
+    if constexpr (kExpert) p.shared = p.active && q_active && prog.batch(q, p.n) == p.e;
+  }
+  return p;
+}
+
+// B's (BK x BN) tile of expert `e` at (k0, n0) into stage `sb`, completing on `bar`: all chunks by
+// this CTA, or (`shared`, clusters) the chunks c with c % kClusterM == cl_rank, multicast into the
+// same stage of both CTAs (the partner loads the others).
+template <class Cfg, class Tr>
+__device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_t* bar, unsigned char* sb, int n0,
+                                       int k0, int e, bool shared, int cl_rank) {
+  constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+  constexpr int kCl = Cfg::kClusterM;
+  constexpr uint16_t kMask = uint16_t((1u << kCl) - 1u);
+#pragma unroll
+  for (int c = 0; c < Tr::kChunksB; ++c) {
+    unsigned char* dst = sb + c * Tr::kChunkBytesB;
+    const int x = n0 + c * Tr::EB;
+    if (kCl > 1 && shared) {
+      if (c % kCl == cl_rank) {
+        if constexpr (Cfg::kBatched)
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(tma_b, bar, kMask, kCacheHint, dst, x, k0, e);
+        else
+          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(tma_b, bar, kMask, kCacheHint, dst, x, k0);
+      }
+    } else if constexpr (Cfg::kBatched) {
+      cute::SM90_TMA_LOAD_3D::copy(tma_b, bar, kCacheHint, dst, x, k0, e);
+    } else {
+      cute::SM90_TMA_LOAD_2D::copy(tma_b, bar, kCacheHint, dst, x, k0);
+    }
+  }
+}
+
 // The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
 template <class Cfg, class Prog>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
@@ -248,10 +316,13 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
 
   const int warp = int(threadIdx.x) / 32;
   const int wg = int(threadIdx.x) / 128;
-  constexpr int gm = Cfg::kGridM, gn = Cfg::kGridN;
-  constexpr int num_tiles = gm * gn;
+  constexpr int kCl = Tr::kClusterM;
+  constexpr int gmc = cdiv(Cfg::kGridM, kCl), gn = Cfg::kGridN;   // the order walks cluster tiles
+  constexpr int num_tiles = gmc * gn;
   constexpr int k_tiles = cdiv(Cfg::kK, Tr::BK);
-  const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
+  const int start_row = comm_aligned_start(gmc, rank, Cfg::kWorldSize, Cfg::kAlignShift);
+  const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
+  const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
 
   if (threadIdx.x == 0) {
     if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
@@ -259,11 +330,15 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], Tr::kFullArrivals);
-      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs);
+      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl);   // both CTAs' consumers release a stage
     }
   }
   cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  if constexpr (kCl > 1) {
+    cute::cluster_sync();                  // the partner's barriers exist before any multicast / remote arrive
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     // ---------------- producer warpgroup ----------------
@@ -274,39 +349,38 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
       const int chunk = unit / Tr::kUnitsPerChunkA, unit_in_chunk = unit % Tr::kUnitsPerChunkA;
       int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
-        if (!prog.active(tc.m, tc.n)) continue;
+      for (int t = first_tile; t < num_tiles; t += tile_step) {
+        const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
+                                                cl_rank);
+        if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
-          if (ptid == 0) prog.waits(tc.m, tc.n);        // acquire: the rows this tile gathers
-          cutlass::arch::NamedBarrier::sync(Tr::kProducerThreads, Tr::kProducerBarrier);
-          if (ptid == 0) fence_proxy_async_global();   // ... also before this thread's TMA loads
+          if (p.active) {
+            if (ptid == 0) prog.waits(p.m, p.n);       // acquire: the rows this tile gathers
+            cutlass::arch::NamedBarrier::sync(Tr::kProducerThreads, Tr::kProducerBarrier);
+            if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
+          }
         }
-        const int e = prog.batch(tc.m, tc.n);
         int rows[Tr::kRowsPerThread];
 #pragma unroll
         for (int i = 0; i < Tr::kRowsPerThread; ++i) {
-          const int r = prog.row(tc.m, tc.n, row0 + i * Tr::kRowStep);
+          const int r = p.active ? prog.row(p.m, p.n, row0 + i * Tr::kRowStep) : -1;
           rows[i] = (r >= 0 && r < Cfg::kM) ? r : -1;
         }
-        const int n0 = tc.n * Tr::BN;
+        const int n0 = p.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           EmptyBar::wait(&empty_bar[s], phase ^ 1u);
+          if (!p.active) {                    // the partner's tile runs: pass the stage on, empty
+            if (ptid == 0) FullBar::arrive(&full_bar[s]);
+            FullBar::arrive(&full_bar[s]);
+            continue;
+          }
           const int k0 = kt * Tr::BK;
           if (ptid == 0) {
             FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
-            unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
-#pragma unroll
-            for (int c = 0; c < Tr::kChunksB; ++c) {
-              if constexpr (Cfg::kBatched)
-                cute::SM90_TMA_LOAD_3D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
-                                             n0 + c * Tr::EB, k0, e);
-              else
-                cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
-                                             n0 + c * Tr::EB, k0);
-            }
+            load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
+                            cl_rank);
           }
           const int col = k0 + unit * (16 / Tr::kElemBytes);
           const bool col_ok = col < Cfg::kK;
@@ -324,36 +398,34 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       cp_async_wait_all();
     } else if (warp == 0 && cute::elect_one_sync()) {
       int it = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
-        if (!prog.active(tc.m, tc.n)) continue;
+      for (int t = first_tile; t < num_tiles; t += tile_step) {
+        const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
+                                                cl_rank);
+        if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
-          prog.waits(tc.m, tc.n);            // acquire: every signal this tile's data depends on
-          fence_proxy_async_global();        // ... before the async proxy (TMA) reads that data
+          if (p.active) {
+            prog.waits(p.m, p.n);              // acquire: every signal this tile's data depends on
+            fence_proxy_async_global();        // ... before the async proxy (TMA) reads that data
+          }
         }
-        const int e = prog.batch(tc.m, tc.n);
-        const int m0 = tc.m * Tr::BM, n0 = tc.n * Tr::BN;
+        const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           EmptyBar::wait(&empty_bar[s], phase ^ 1u);
+          if (!p.active) {                     // the partner's tile runs: pass the stage on, empty
+            FullBar::arrive(&full_bar[s]);
+            continue;
+          }
           FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
           const int k0 = kt * Tr::BK;
           unsigned char* sa = smem + Tr::kOffA + s * Tr::kStageBytesA;
-          unsigned char* sb = smem + Tr::kOffB + s * Tr::kStageBytesB;
 #pragma unroll
           for (int c = 0; c < Tr::kChunksA; ++c)
             cute::SM90_TMA_LOAD_2D::copy(tma_a, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
                                          k0 + c * Tr::EA, m0);
-#pragma unroll
-          for (int c = 0; c < Tr::kChunksB; ++c) {
-            if constexpr (Cfg::kBatched)
-              cute::SM90_TMA_LOAD_3D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
-                                           n0 + c * Tr::EB, k0, e);
-            else
-              cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,
-                                           n0 + c * Tr::EB, k0);
-          }
+          load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
+                          cl_rank);
         }
       }
     }
@@ -371,17 +443,18 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
 
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
-      const bool active = prog.active(tc.m, tc.n);
-      const bool store = active || Cfg::kStoreInactive;
-      if (!store && !Prog::kHasNotifies) continue;
+    for (int t = first_tile; t < num_tiles; t += tile_step) {
+      const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
+                                               cl_rank);
+      const bool store = p.valid && (p.active || Cfg::kStoreInactive);
+      const bool notify = p.valid && Prog::kHasNotifies;
+      if (!p.run && !store && !notify) continue;
 #pragma unroll
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
-      if (active) {
+      if (p.active) {
         int prev_stage = -1;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
@@ -412,7 +485,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
             for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-          if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);   // ... release it
+          if (prev_stage >= 0) sm90::release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
           prev_stage = s;
         }
         cute::warpgroup_wait<0>();
@@ -420,12 +493,19 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
           for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        if (prev_stage >= 0 && tid == 0) EmptyBar::arrive(&empty_bar[prev_stage]);
+        if (prev_stage >= 0) sm90::release_stage<kCl>(&empty_bar[prev_stage], tid);
+      } else if (p.run) {
+        // the partner's tile runs: take each (empty) stage and release it on both CTAs
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % Tr::kStages;
+          FullBar::wait(&full_bar[s], uint32_t(it / Tr::kStages) & 1u);
+          sm90::release_stage<kCl>(&empty_bar[s], tid);
+        }
       }
 
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
-        const int m0 = tc.m * Tr::BM + cw * Tr::MB * 64, n0 = tc.n * Tr::BN;
+        const int m0 = p.m * Tr::BM + cw * Tr::MB * 64, n0 = p.n * Tr::BN;
 #pragma unroll
         for (int mb = 0; mb < Tr::MB; ++mb) {
 #pragma unroll
@@ -456,17 +536,20 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
       if constexpr (Prog::kHasNotifies) {
-        // the tile's stores are complete and visible before anything is released
-        if (tid == 0) {
-          sm90::bulk_wait_all();
-          fence_proxy_async_global();
+        if (notify) {
+          // the tile's stores are complete and visible before anything is released
+          if (tid == 0) {
+            sm90::bulk_wait_all();
+            fence_proxy_async_global();
+          }
+          cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
+          if (cw == 0 && tid == 0) prog.notifies(p.m, p.n);
         }
-        cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
-        if (cw == 0 && tid == 0) prog.notifies(tc.m, tc.n);
       }
     }
     if (tid == 0) sm90::bulk_wait_all();
   }
+  if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it
 }
 
 // ---- row-gather combine --------------------------------------------------------------------------

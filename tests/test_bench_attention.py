@@ -42,8 +42,13 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
     from tldsl.bench import moe
     args = moe.parse_args(["--rows", "qwen3:2048:zipf,mixtral:2048:one"])
     for row in args.row_list:
-        ids, rt, lowered = moe.lowered_row(row, args.tile_t, args.stages)
+        ids, rt, lowered = moe.lowered_row(row, args.tile_t, args.stages, cluster=args.cluster)
         assert type(lowered).__name__ == "LoweredGroupedGemm" and rt.num_rows % args.tile_t[0] == 0
         assert ids.shape == (row.tokens, moe.MOE_MODELS[row.model][3])
-    with pytest.raises(SystemExit):
-        moe.parse_args(["--tile", "128,128"])
+        assert lowered.cluster_dims == (args.cluster, 1, 1)
+    assert moe.parse_args(["--cluster", "1"]).cluster == 1
+    rows = moe.parse_args([]).row_list                                   # the rows by default
+    assert [(r.model, r.tokens, r.routing) for r in rows] == [tuple(r) for r in moe.MOE_ROWS]
+    for bad in (["--tile", "128,128"], ["--cluster", "3"]):
+        with pytest.raises(SystemExit):
+            moe.parse_args(bad)

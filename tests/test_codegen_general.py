@@ -6,6 +6,7 @@ to CUDA C++ for sm_90a, checked three ways without a GPU:
 * **NVRTC + SASS** (marker ``nvrtc``; skipped only where the CUDA wheels are missing): every
   program compiles; every ``dot`` is tensor-core code (``HGMMA`` for the dots on WGMMA — f16 /
   bf16 tiles of a multiple of 64 rows —, ``HMMA`` for the rest), no spills, no ``BPT.TRAP``;
+  the fuzzer's programs too (tensor cores and traps);
 * **CPU emulation** (needs ``g++``): the same generated source, built by the host compiler with
   ``TLDSL_HOST_EMULATION`` (one ``std::thread`` per CUDA thread, a ``std::barrier`` per CTA, a
   shared-memory arena per CTA, and — for a kernel whose tiles do not fit in shared memory — its
@@ -493,6 +494,27 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
         assert lk.smem_bytes <= 227 * 1024, name
     # the dots of at least 64 rows of f16 / bf16 tiles: WGMMA
     assert lks["gated_gemm-8192x8192x8192"].wgmma_dots == 2 and lks["attention_like-f16-wgmma"].wgmma_dots == 2
+
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+def test_generated_programs_run_every_dot_on_tensor_cores(tmp_path):
+    """The fuzzer's programs (40 of its seed below): every kernel of the general lowering with a
+    dot shows HGMMA for its dots on WGMMA and HMMA for the rest, and no trap."""
+    if tcm.find_toolchain().cuobjdump is None:
+        pytest.skip("cuobjdump missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    from tldsl.codegen.recipes.general import LoweredGeneral
+    from tldsl.testing.program_case import FuzzCase
+    from tldsl.testing.program_families import generate_distinct
+    lks = []
+    for i, p in generate_distinct(40, FUZZ_SEED):
+        k = FuzzCase(p, f"fuzz seed {FUZZ_SEED} program {i}").trace()
+        lks += [lk for lk in (lower(k, q.name) for q in k.parts) if isinstance(lk, LoweredGeneral) and lk.dots]
+    assert sum(lk.wgmma_dots for lk in lks) and sum(lk.dots - lk.wgmma_dots for lk in lks)    # both kinds
+    for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
+        sass = ck.sass()[ck.name]
+        assert sass.count("BPT.TRAP") == 0, lk.entry
+        assert not tensor_core_problems(sass, lk.wgmma_dots, lk.dots - lk.wgmma_dots), lk.describe()
 
 
 def _library_kernels():

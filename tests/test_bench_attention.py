@@ -52,3 +52,25 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
     for bad in (["--tile", "128,128"], ["--cluster", "3"]):
         with pytest.raises(SystemExit):
             moe.parse_args(bad)
+
+
+def test_every_rows_kernel_is_compiled_in_one_batch_before_timing(monkeypatch):
+    """The rows' kernels go to NVRTC together (one job per distinct row, in row order), each
+    lowered as the timed row lowers it; a compile error leaves every row to compile (and report) alone."""
+    from tldsl.codegen.toolchain import compiler
+    from tldsl.errors import CompilationError
+    todo = ba.rows([256], [2], ["bfloat16"], ["full", "causal"], [(4, 4), (4, 2)])
+    seen = []
+
+    def fake(jobs, **kw):
+        seen.append(jobs)
+        return [f"cubin-{j.name}" for j in jobs]
+    monkeypatch.setattr(compiler, "compile_many", fake)
+    got = ba.compile_rows(todo, (128, 128, 64), 3)
+    assert list(got) == todo and len(seen) == 1 and len(seen[0]) == 4
+    assert [j.source for j in seen[0]] == [ba._lowered(r, (128, 128, 64), 3)[1].source for r in todo]
+
+    def broken(jobs, **kw):
+        raise CompilationError("nvrtc said no")
+    monkeypatch.setattr(compiler, "compile_many", broken)
+    assert ba.compile_rows(todo, (128, 128, 64), 3) == {}

@@ -428,14 +428,15 @@ def test_nvshmem_comm_kernel_needs_the_library_and_inits_its_module():
     assert inited == [0xABC] and ck.tables == {}          # no peer tables: NVSHMEM finds peers on the device
 
 
-def test_clusters_are_rejected_where_not_lowered():
+def test_clusters_lower_for_the_grouped_gemm_and_are_rejected_by_attention():
+    """The grouped GEMM runs clusters of two tiles (B multicast where both tiles share an expert);
+    the attention recipe has no cluster form and says so rather than launching without it."""
     from tldsl.codegen import lower_attention, lower_grouped_gemm
     NT = moe_num_tiles(4 * 64 * 2, 8, 64)
     moe = allgather_moe.trace(4, S((64, 256), tl.bfloat16), S((8, 256, 128), tl.bfloat16), S((NT,), tl.int32),
                               S((NT, 2), tl.int32), S((NT * 64,), tl.int32), S((NT * 64, 128), tl.bfloat16),
                               compute=tl.ComputeSchedule(tile=(64, 128, 64), cluster=(2, 1)), comm=AG_SM[0])
-    with pytest.raises(LoweringError, match="cluster"):
-        lower_grouped_gemm(moe)
+    assert lower_grouped_gemm(moe).cluster_dims == (2, 1, 1)
     spa = sp_attention.trace(4, *(S((512, 256), tl.bfloat16),) * 4, heads=4,
                              compute=tl.ComputeSchedule(tile=(64, 64, 64), cluster=(2, 1)), comm=AG_SM[0])
     with pytest.raises(Exception, match="cluster"):

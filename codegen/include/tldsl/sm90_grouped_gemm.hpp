@@ -12,15 +12,28 @@
 //      C[pid0*BM.., pid1*BN..] = acc      TMA store, converted to C's type
 //      prog.notifies(pid0, pid1)          release adds, after the stores completed
 //    A is either dense (TMA 2-D, like sm90::gemm_kernel) or *gathered* (Cfg::kGather): tile
-//    row r is row prog.row(pid0, pid1, r) of A (negative or >= kM: zeros), copied by the
-//    producer warpgroup's 128 threads with 16-byte cp.async (zero-fill for invalid rows and
-//    columns >= K) into the same 128/64/32-byte swizzled K-major layout a TMA load produces,
-//    so the consumers' GMMA descriptors are the GEMM's. Hopper has no TMA gather.
+//    row r is row prog.row(pid0, pid1, r) of A (negative or >= kM: zeros), landing in the same
+//    swizzled K-major layout a TMA load of the whole tile produces, so the consumers' GMMA
+//    descriptors are the GEMM's. Hopper has no TMA gather; two ways to gather:
+//    - Cfg::kGatherTma (128-byte swizzle only): one TMA load per row and 128-byte chunk, a 2-D
+//      tensor map over A with a box of one row, issued by the lanes of the producer warpgroup's
+//      first kGatherWarps = min(4, BM/32) warps (each lane BM/(32*kGatherWarps) rows, their ids
+//      read once per tile; a TMA instruction takes uniform operands, so the compiler issues a
+//      warp's 32 per-lane loads one lane at a time, and several warps issue in parallel).
+//      TMA swizzles by the shared-memory address bits (16-byte unit bits [4,7) ^= bits [7,10)),
+//      so a row box at its row's 128-byte slot of a 1024-byte aligned stage lands where the
+//      whole-tile load would put it. Invalid rows load coordinate -1: out of bounds, so TMA
+//      writes zeros and still counts the box's bytes, as it does for columns >= K. Everything
+//      completes on the stage's full barrier by expect_tx; no proxy fence in the consumers.
+//      Correct, but on an H200 0.55x the speed of the cp.async gather (TMA issue-bound at 128
+//      loads of 128 bytes per stage): the host picks it only when asked (gather="tma").
+//    - otherwise: the producer warpgroup's 128 threads copy 16-byte units with cp.async
+//      (zero-fill for invalid rows and columns >= K) at the swizzled offsets.
 //    B is [K, N] (TMA 2-D) or [E, K, N] (Cfg::kBatched, TMA 3-D with a box of 1 along E: the
 //    expert's weights, out-of-range experts/rows/cols read zero).
 //
-//    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With a gathered A, the full
-//    barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
+//    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With A gathered by cp.async, the
+//    full barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
 //    bytes) and one `cp.async.mbarrier.arrive.noinc` per producer thread, which fires when
 //    that thread's cp.asyncs have landed. cp.async writes shared memory through the generic
 //    proxy and WGMMA reads it through the async proxy, so consumers issue
@@ -34,7 +47,10 @@
 //    into both CTAs' stage, else each loads its own B; a CTA whose guard is false arrives on its
 //    full barriers without loading and its consumers pass the stages on (no waits, no WGMMAs).
 //
-//    Waits: with a gathered A one producer thread spins (acquire), then a named barrier
+//    Waits: with A gathered by TMA producer thread 0 spins (acquire), a named barrier over the
+//    gathering warps, then every gathering thread fences the async proxy
+//    (fence.proxy.async.global) before its row loads.
+//    With A gathered by cp.async one producer thread spins (acquire), then a named barrier
 //    over the producer warpgroup orders every thread's cp.async after it (a CTA barrier
 //    after an acquire, as CUTLASS's generic barrier does); the TMA thread then issues
 //    fence.proxy.async.global before its TMA loads.
@@ -214,7 +230,8 @@ __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* __restrict_
 // ---- grouped GEMM -----------------------------------------------------------------------------
 
 // Cfg: everything sm90::GemmTraits reads, plus
-//   kGather (bool: A rows gathered by Prog::row with cp.async), kBatched (bool: B is [E, K, N]),
+//   kGather (bool: A rows gathered by Prog::row), kGatherTma (bool: ... by one TMA load per row,
+//   else by cp.async), kBatched (bool: B is [E, K, N]),
 //   kStoreInactive (bool: tiles whose guard is false store zeros instead of nothing),
 //   kM (rows of A: gathered rows >= kM read zero), kK, kGridM, kGridN (the part's grid).
 template <class Cfg>
@@ -225,10 +242,16 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static constexpr int kProducerThreads = 128;
   static constexpr int kRowStep = kProducerThreads / kUnitsA;           // rows one cp.async pass covers
   static constexpr int kRowsPerThread = Base::BM / kRowStep;            // gathered rows per producer thread
-  static constexpr int kTxBytes = (Cfg::kGather ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
-  static constexpr int kFullArrivals = Cfg::kGather ? 1 + kProducerThreads : 1;
+  static constexpr bool kCpAsync = Cfg::kGather && !Cfg::kGatherTma;   // A rows by cp.async
+  static constexpr int kGatherWarps = Base::BM >= 128 ? 4 : Base::BM / 32;  // TMA gather: warps issuing row loads
+  static constexpr int kRowsPerLane = Base::BM / (32 * kGatherWarps);     // ... rows per lane
+  static constexpr int kTxBytes = (kCpAsync ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
+  static constexpr int kFullArrivals = kCpAsync ? 1 + kProducerThreads : 1;
   static constexpr uint32_t kProducerBarrier = 3, kConsumersBarrier = 4;  // named barriers (1, 2: epilogues)
-  static_assert(!Cfg::kGather || (kProducerThreads % kUnitsA == 0 && Base::BM % kRowStep == 0),
+  static_assert(!Cfg::kGatherTma || Cfg::kGather, "kGatherTma is a way to gather A");
+  static_assert(!Cfg::kGatherTma || (Base::SA == 128 && Base::BM % 32 == 0),
+                "the TMA row gather needs 128-byte swizzled A rows (each row box 128-byte aligned) and BM % 32 == 0");
+  static_assert(!kCpAsync || (kProducerThreads % kUnitsA == 0 && Base::BM % kRowStep == 0),
                 "the gather's thread mapping needs BK/8 to divide 128 and BM to be a multiple of 128/(BK/8)");
   static_assert(Cfg::kK % 8 == 0, "16-byte rows: K must be a multiple of 8");
   static_assert(Cfg::kM > 0 && Cfg::kGridM > 0 && Cfg::kGridN > 0, "empty grouped GEMM");
@@ -294,7 +317,23 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
   }
 }
 
-// The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
+// Gathered A's (BM x BK) stage `sa` by TMA, one load per row and 128-byte chunk, from gathering
+// thread g's rows g + 32 * kGatherWarps * i (`rows`: -1 reads zeros), completing on `bar`.
+template <class Cfg, class Tr>
+__device__ __forceinline__ void load_a_rows(const cute::TmaDescriptor* tma_a, uint64_t* bar, unsigned char* sa,
+                                            int k0, int g, const int (&rows)[Tr::kRowsPerLane]) {
+  constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+#pragma unroll
+  for (int i = 0; i < Tr::kRowsPerLane; ++i)
+#pragma unroll
+    for (int c = 0; c < Tr::kChunksA; ++c)
+      cute::SM90_TMA_LOAD_2D::copy(tma_a, bar, kCacheHint,
+                                   sa + c * Tr::kChunkBytesA + (g + 32 * Tr::kGatherWarps * i) * Tr::SA,
+                                   k0 + c * Tr::EA, rows[i]);
+}
+
+// The kernel body. `tma_a` is unused (may be null) when A is gathered by cp.async; `a` is used
+// only then.
 template <class Cfg, class Prog>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,
@@ -325,7 +364,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
 
   if (threadIdx.x == 0) {
-    if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
+    if constexpr (!Tr::kCpAsync) cute::prefetch_tma_descriptor(tma_a);
     cute::prefetch_tma_descriptor(tma_b);
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
@@ -343,7 +382,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   if (wg == 0) {
     // ---------------- producer warpgroup ----------------
     if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if constexpr (Cfg::kGather) {
+    if constexpr (Tr::kCpAsync) {
       // all 128 threads gather A; thread 0 also runs the waits and issues B's TMA loads
       const int ptid = int(threadIdx.x);
       const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
@@ -396,6 +435,50 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
       cp_async_wait_all();
+    } else if constexpr (Cfg::kGather) {
+      if (warp < Tr::kGatherWarps) {
+        // the gathering warps load A's rows by TMA (thread g: rows g + 32 kGatherWarps i); thread 0
+        // also runs the waits, expects the stage's bytes (A's and B's: TMA counts out-of-bounds
+        // rows' zeros too) and loads B. Another warp's row loads may complete on the full barrier
+        // before thread 0's expect_tx: the phase still waits for that one arrival.
+        const int g = int(threadIdx.x);
+        int it = 0;
+        for (int t = first_tile; t < num_tiles; t += tile_step) {
+          const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
+                                                  cl_rank);
+          if (!p.run) continue;
+          if constexpr (Prog::kHasWaits) {
+            if (p.active) {
+              if (g == 0) prog.waits(p.m, p.n);       // acquire: the rows this tile gathers
+              cutlass::arch::NamedBarrier::sync(32 * Tr::kGatherWarps, Tr::kProducerBarrier);
+              fence_proxy_async_global();             // ... before each thread's TMA reads them
+            }
+          }
+          int rows[Tr::kRowsPerLane];
+#pragma unroll
+          for (int i = 0; i < Tr::kRowsPerLane; ++i) {
+            const int r = p.active ? prog.row(p.m, p.n, g + 32 * Tr::kGatherWarps * i) : -1;
+            rows[i] = (r >= 0 && r < Cfg::kM) ? r : -1;   // -1: out of bounds, TMA writes zeros
+          }
+          const int n0 = p.n * Tr::BN;
+          for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            const int s = it % Tr::kStages;
+            const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+            EmptyBar::wait(&empty_bar[s], phase ^ 1u);
+            if (!p.active) {                    // the partner's tile runs: pass the stage on, empty
+              if (g == 0) FullBar::arrive(&full_bar[s]);
+              continue;
+            }
+            const int k0 = kt * Tr::BK;
+            if (g == 0) {
+              FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);   // A's rows and B
+              load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
+                              cl_rank);
+            }
+            load_a_rows<Cfg, Tr>(tma_a, &full_bar[s], smem + Tr::kOffA + s * Tr::kStageBytesA, k0, g, rows);
+          }
+        }
+      }
     } else if (warp == 0 && cute::elect_one_sync()) {
       int it = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -460,7 +543,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           FullBar::wait(&full_bar[s], phase);
-          if constexpr (Cfg::kGather) fence_proxy_async_shared();   // cp.async data -> async proxy
+          if constexpr (Tr::kCpAsync) fence_proxy_async_shared();   // cp.async data -> async proxy
 #pragma unroll
           for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll

@@ -45,25 +45,73 @@ def collect(kernel: Kernel, max_iterations: int = 2_000_000) -> SyncSites:
     sites = SyncSites()
     memo: dict = {}
     budget = [max_iterations]
+    ops_of = _sync_slice(kernel, memo)
     for part in kernel.parts:
         if not _has_sync(part.body, memo):
             continue
         for rank in range(kernel.world_size):
             for task in itertools.product(*(range(g) for g in part.grid)):
-                _eval_block(part.body, {}, rank, task, sites, memo, budget)
+                _eval_block(part.body, {}, rank, task, sites, ops_of, budget)
                 if budget[0] <= 0:
                     sites.complete = False
                     return sites
     return sites
 
 
+#: the index arithmetic the evaluation computes; every other op's results are unknown
+_EVAL_OPS = frozenset({"const", "program_id", "rank", "arith", "select"})
+
+
+def _sync_slice(kernel: Kernel, memo: dict) -> dict[int, list]:
+    """Per block holding a notify or wait (by ``id``), the ops its evaluation must run, in order:
+    the sync ops, the ``for`` / ``if`` ops around them, and the index arithmetic their channels,
+    ranks, counts, bounds and conditions are computed from. Everything else (tile math, loads)
+    could only produce unknowns, and the analysis runs once per rank and task: a kernel's tile
+    ops would otherwise be walked W x tasks times for nothing."""
+    defs: dict = {}
+    blocks: list = []
+
+    def walk(block):
+        blocks.append(block)
+        for op in block.ops:
+            for r in op.results:
+                defs[r.id] = op
+            for region in op.regions:
+                walk(region)
+    for part in kernel.parts:
+        walk(part.body)
+    keep: set[int] = set()
+    wanted: list = []
+    for block in blocks:
+        if not _has_sync(block, memo):
+            continue
+        for op in block.ops:
+            if op.name in NOTIFY_OPS or op.name in WAIT_OPS:
+                keep.add(id(op))
+                wanted += op.operands[1:]
+            elif op.name in ("for", "if") and _has_sync(op.regions[0], memo):
+                keep.add(id(op))
+                wanted += op.operands
+    seen: set[int] = set()
+    while wanted:
+        v = wanted.pop()
+        if v.id in seen:
+            continue
+        seen.add(v.id)
+        op = defs.get(v.id)
+        if op is not None and op.name in _EVAL_OPS:
+            keep.add(id(op))
+            wanted += op.operands
+    return {id(b): [op for op in b.ops if id(op) in keep] for b in blocks if _has_sync(b, memo)}
+
+
 def _val(env, v):
     return env.get(v.id, UNKNOWN)
 
 
-def _eval_block(block, env, rank, task, sites, memo, budget):
+def _eval_block(block, env, rank, task, sites, ops_of, budget):
     budget[0] -= 1
-    for op in block.ops:
+    for op in ops_of[id(block)]:
         name = op.name
         if name == "const":
             env[op.result.id] = op.attrs["value"]
@@ -80,25 +128,22 @@ def _eval_block(block, env, rank, task, sites, memo, budget):
         elif name == "select":
             c, a, b = (_val(env, v) for v in op.operands)
             env[op.result.id] = UNKNOWN if c is UNKNOWN else (a if c else b)
-        elif name == "for":
-            if not _has_sync(op.regions[0], memo):
-                continue
+        elif name == "for":                 # (only those holding a sync op are in the slice)
             lo, hi, st = (_val(env, v) for v in op.operands)
             body = op.regions[0]
             if UNKNOWN in (lo, hi, st) or st <= 0:
                 env[body.args[0].id] = UNKNOWN
-                _eval_block(body, env, rank, task, sites, memo, budget)   # sites inside become dynamic
+                _eval_block(body, env, rank, task, sites, ops_of, budget)   # sites inside become dynamic
                 continue
             for i in range(lo, hi, st):
                 env[body.args[0].id] = i
-                _eval_block(body, env, rank, task, sites, memo, budget)
+                _eval_block(body, env, rank, task, sites, ops_of, budget)
                 if budget[0] <= 0:
                     return
         elif name == "if":
             c = _val(env, op.operands[0])
             if c is UNKNOWN or c:
-                if _has_sync(op.regions[0], memo):
-                    _eval_block(op.regions[0], env, rank, task, sites, memo, budget)
+                _eval_block(op.regions[0], env, rank, task, sites, ops_of, budget)
         elif name in NOTIFY_OPS:
             sig = op.operands[0].id
             ch = _val(env, op.operands[1])
@@ -113,9 +158,6 @@ def _eval_block(block, env, rank, task, sites, memo, budget):
             ch = _val(env, op.operands[1])
             cnt = _val(env, op.operands[2])
             sites.waits.append((op, rank, task, ch, cnt))
-        else:
-            for r in op.results:
-                env[r.id] = UNKNOWN
 
 
 def check_channels(kernel: Kernel) -> None:

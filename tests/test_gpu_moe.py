@@ -108,13 +108,16 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (2, 1)),
 ]
-# The rows above gather A the default way (cp.async); these by one TMA load per row (gather='tma':
-# four issuing warps, or two at BM 64, two rows per lane at BM 256), odd K, clusters, unused tiles.
-AG_CASES = [c + (None,) for c in AG_CASES] + [
+# The rows above gather A the default way (cp.async), then again with the stages completed by the
+# producer's own cp.async groups (gather='cp.async.pipe': lags 2, 1, 4, 3 at 4, 3, 6, 5 stages; 8, 4
+# and 16 rows per thread); these by one TMA load per row (gather='tma': four issuing warps, or two
+# at BM 64, two rows per lane at BM 256), odd K, clusters, unused tiles.
+AG_CASES = [c + (None,) for c in AG_CASES] + [c + ("cp.async.pipe",) for c in AG_CASES] + [
     (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1), "tma"),
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1), "tma"),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 64), 6, "comm_aligned", "float16", (2, 1), "tma"),
     (3, 333, 1032, 2048, 64, 6, "random", (256, 128, 64), 3, "swizzled", "bfloat16", (1, 1), "tma"),
+    (3, 333, 1032, 2048, 64, 6, "random", (256, 128, 64), 3, "swizzled", "bfloat16", (1, 1), "cp.async.pipe"),
 ]
 
 
@@ -146,15 +149,16 @@ def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kin
         assert (h[padding] == 0).all()                                  # padding rows: zeros
 
 
-def test_allgather_moe_waits_block_until_flags_are_set():
+@pytest.mark.parametrize("gather", [None, "cp.async.pipe"])
+def test_allgather_moe_waits_block_until_flags_are_set(gather):
     """The grouped GEMM waits per tile on the all-gather's flags: with them at 0 no routed row
-    is written; once raised the same launch completes and is correct."""
+    is written; once raised the same launch completes and is correct (either cp.async gather)."""
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     W, Ms, K, Nr, E, topk = 2, 128, 256, 256, 4, 2       # 14 tiles: most SMs stay free for the flag writes
     rt, _ = _routing(W, Ms, E, topk, 128, "random", seed=5)
-    lw = _lower_ag(rt, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16")
-    assert lw.num_tiles < 100
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16", gather=gather)
+    assert lw.num_tiles < 100 and lw.gather_mode == (gather or "cp.async")
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, "float16", seed=3)
     used = torch.from_numpy(np.repeat(rt.tile_expert >= 0, rt.block_m)).cuda()

@@ -107,9 +107,10 @@ def parse_args(argv):
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--cluster", type=int, choices=(1, 2), default=2,
                     help="CTAs per cluster along M (2: pairs of tiles share B by TMA multicast)")
-    ap.add_argument("--gather", choices=("tma", "cp.async"), default=None,
+    ap.add_argument("--gather", choices=("tma", "cp.async", "cp.async.pipe"), default=None,
                     help="how the kernel loads the gathered rows: one TMA load per row, or cp.async by the "
-                         "producer warpgroup (default: the lowering's choice)")
+                         "producer warpgroup, its stages completed per thread (cp.async) or from the "
+                         "producer's own commit groups (cp.async.pipe) (default: the lowering's choice)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)

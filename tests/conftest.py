@@ -7,7 +7,8 @@ not pass as green. GPU tests (marker ``gpu``, files ``test_gpu_*``) still skip w
 ``TLDSL_REQUIRE_GPU=1`` (``make gpu-test``) makes a missing GPU, torch or cuda-python an error
 instead of a run where every GPU test skips.
 
-``make test`` runs the suite on every core (pytest-xdist, ``-n auto --dist loadgroup``): tests go
+``make test`` runs the suite on two workers per core (pytest-xdist, ``-n <2 x cores> --dist loadgroup``;
+the workers wait on the compilers and subprocesses they start much of the time): tests go
 to the workers one at a time, except that the tests of a module sharing a module- or class-scoped
 fixture go to one worker together (:func:`pytest_collection_modifyitems`), so the fixture is
 built once. Without a GPU, the GPU tests' skips are summarised in one line.

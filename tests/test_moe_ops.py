@@ -84,6 +84,36 @@ def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W, gather):
         op.close()
 
 
+@pytest.mark.parametrize("W", [1, 2])
+def test_a_moe_layer_on_the_ops_default_schedules_agrees_with_numpy(monkeypatch, W):
+    """The measured defaults — 128x256x64 grouped GEMMs, the copy engines gathering, the
+    reduce-scatter in 128-row tiles on 8 lanes — on sizes far from whole tiles."""
+    from tldsl.runtime.dist.moe_ops import DEFAULT_AG_COMPUTE, DEFAULT_RS_COMPUTE
+    g = Group(monkeypatch, W, W)
+    ag = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16),
+                                             TOPK, router=HostRouter(W, 128), device=dev, timeout_s=2.0))
+    rs = g.build(lambda r, dev: MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK,
+                                                 router=HostRouter(W, 128), device=dev, timeout_s=2.0))
+    assert ag[0].compute == DEFAULT_AG_COMPUTE and rs[0].compute == DEFAULT_RS_COMPUTE
+    assert (rs[0].comm.tile_m, rs[0].comm.sms) == (128, 8) and ag[0].comm.engine == "copy_engine"
+    rng = np.random.default_rng(10 + W)
+    xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
+    w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]
+    ids, wts = random_routing(rng, W * MS, E, TOPK, "random")
+    outs = {}
+    for r in g.fake.rng.sample(range(W), W):
+        h, tables = ag[r](torch.from_numpy(xs[r]), torch.from_numpy(ids), torch.from_numpy(w1[r]))
+        outs[r] = (rs[r](h, torch.from_numpy(ids), torch.from_numpy(wts), torch.from_numpy(w2[r]), tables), h, tables)
+    for op in ag + rs:
+        op.synchronize()
+    want = reference_moe(xs, w1, w2, ids, wts)
+    for r in range(W):
+        np.testing.assert_allclose(host(outs[r][0]), want[r * MS:(r + 1) * MS], rtol=2e-2, atol=3e-2)
+    for op in ag + rs:
+        op.close()
+
+
 def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     g, ag, rs = _layers(monkeypatch, 2, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
     op = ag[0]

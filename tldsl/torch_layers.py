@@ -96,15 +96,16 @@ def moe_reduce_scatter(h, topk_ids, topk_weights, w2, group_name, block_m=128):
     tokens, the combine and the scatter overlapped with the grouped GEMM's tiles."""
     import tldsl as tl
     from .ir.types import dtype_of
-    from .runtime.dist.moe_ops import MoEReduceScatter
+    from .runtime.dist.moe_ops import DEFAULT_RS_COMPUTE, MoEReduceScatter
     W = _world_size(group_name)
     Ms, topk, E = _check_moe("moe_reduce_scatter", h, topk_ids, w2, W, block_m, layer0=False)
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise InputError(f"moe_reduce_scatter: topk_weights must be floating point {tuple(topk_ids.shape)}, got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
     key = ("moe_rs", tuple(h.shape), tuple(w2.shape), h.dtype, topk, topk_weights.dtype, group_name, block_m)
-    op = _build(key, lambda: MoEReduceScatter(w2, Ms, topk, _group(group_name),
-                                              compute=tl.ComputeSchedule(tile=(block_m, 128, 64)),
+    # the op's measured default where its BM is the one asked for; else that BM on 128-column tiles
+    compute = None if block_m == DEFAULT_RS_COMPUTE.tile[0] else tl.ComputeSchedule(tile=(block_m, 128, 64))
+    op = _build(key, lambda: MoEReduceScatter(w2, Ms, topk, _group(group_name), compute=compute,
                                               weights_dtype=dtype_of(topk_weights.dtype)))
     return op(h.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), w2.contiguous())
 

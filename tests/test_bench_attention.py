@@ -46,14 +46,10 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
         assert type(lowered).__name__ == "LoweredGroupedGemm" and rt.num_rows % args.tile_t[0] == 0
         assert ids.shape == (row.tokens, moe.MOE_MODELS[row.model][3])
         assert lowered.cluster_dims == (args.cluster, 1, 1)
-        assert lowered.gather_mode == "cp.async"                         # the lowering's default
-    row = args.row_list[0]
-    assert moe.parse_args(["--gather", "tma"]).gather == "tma" and moe.parse_args([]).gather is None
-    assert moe.lowered_row(row, args.tile_t, args.stages, gather="tma")[2].gather_mode == "tma"
     assert moe.parse_args(["--cluster", "1"]).cluster == 1
     rows = moe.parse_args([]).row_list                                   # the rows by default
     assert [(r.model, r.tokens, r.routing) for r in rows] == [tuple(r) for r in moe.MOE_ROWS]
-    for bad in (["--tile", "128,128"], ["--cluster", "3"], ["--gather", "ldgsts"]):
+    for bad in (["--tile", "128,128"], ["--cluster", "3"]):
         with pytest.raises(SystemExit):
             moe.parse_args(bad)
 

@@ -87,7 +87,6 @@ def test_allgather_moe_lowering_contract():
     assert (c.BM, c.BN, c.BK, c.stages, c.consumer_wgs, c.threads) == (128, 128, 64, 4, 2, 384)
     assert (c.producer_regs, c.consumer_regs) == (56, 224)          # the gathering producer keeps row ids
     assert lw.gather and lw.batched and lw.store_inactive           # h's unused tiles get zeros
-    assert lw.gather_mode == "cp.async"                             # the default (measured faster than TMA)
     assert (lw.M, lw.N, lw.K) == (1024, 384, 512) and lw.grid_tiles == (k.part("grouped_gemm").grid)
     assert [p.name for p in lw.params] == ["tma_b", "tma_c", "ptr_x_gathered", "rank", "launch",
                                           "sig_gather_x_ready", "tbl_tile_expert", "tbl_sorted_token_ids",
@@ -106,9 +105,8 @@ def test_allgather_moe_lowering_contract():
     assert (cc.buffer, cc.global_dims, cc.box_dims) == ("h", (384, 23 * 128), (64, 64))
     assert lw.waits == 1 and lw.notifies == 0 and lw.wait_scopes == ("gpu",)
     src = lw.source
-    assert "kGather = true, kGatherTma = false, kGatherPipe = false, kBatched = true, kStoreInactive = true" in src
+    assert "kGather = true, kBatched = true, kStoreInactive = true" in src
     assert f"Tr::kSmemBytes == {lw.smem_bytes}" in src and "Tr::kFullArrivals == 129" in src
-    assert "grouped_gemm_kernel<Cfg>(nullptr, &tma_b, &tma_c, ptr_x_gathered, rank, prog)" in src
     assert "tldsl::wait_at_least<tldsl::kScopeGpu>(sig_gather_x_ready + " in src and "* launch" in src
     assert "tldsl::grouped::ld1(tbl_sorted_token_ids, " in src            # the gathered rows, bounds-checked
     assert "void notifies" not in src                                     # nothing to notify
@@ -119,95 +117,6 @@ def test_allgather_moe_lowering_contract():
     assert code and all("// tldsl: " in l and "moe.py:" in l for l in code)
     assert lw.grid(132) == (69, 1, 1) and lw.block == (384, 1, 1)
     assert "grouped GEMM, A gathered rows (cp.async)" in lw.describe()
-
-
-def test_allgather_moe_tma_gather_contract():
-    """gather='tma': A's rows by one TMA load each — a tensor map over A with a box of one row
-    (no pointer parameter for A), the stage's full barrier completed by expect_tx alone."""
-    k = trace_ag()
-    lw = lower_grouped_gemm(k, "grouped_gemm", gather="tma")
-    c = lw.config
-    assert lw.gather and lw.gather_mode == "tma"
-    assert (c.producer_regs, c.consumer_regs) == (40, 232)          # the GEMM's split: producers issue TMA only
-    assert [p.name for p in lw.params] == ["tma_a", "tma_b", "tma_c", "rank", "launch",
-                                          "sig_gather_x_ready", "tbl_tile_expert", "tbl_sorted_token_ids",
-                                          "tbl_tile_tokens"]
-    assert [p.kind for p in lw.params] == ["tma", "tma", "tma", "i32", "u64", "ptr", "ptr", "ptr", "ptr"]
-    assert lw.params[0].source == "tma:tma_a" and "x_gathered" not in lw.buffers
-    a = lw.tma[0]
-    # x_gathered [1024, 512] f16: a box of ONE row of 64 halfs (128 bytes, 128-byte swizzle), loaded per row
-    assert (a.param, a.buffer, a.global_dims, a.global_strides, a.box_dims, a.swizzle) == \
-        ("tma_a", "x_gathered", (512, 1024), (1024,), (64, 1), "CU_TENSOR_MAP_SWIZZLE_128B")
-    assert a.oob_fill == "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"         # padding rows (coordinate -1): zeros
-    src = lw.source
-    assert "kGather = true, kGatherTma = true, kGatherPipe = false, kBatched = true, kStoreInactive = true" in src
-    # four producer warps issue the row loads, one row per lane; one arrival, A's rows and B by expect_tx
-    assert (f"Tr::kGatherWarps == 4 && Tr::kRowsPerLane == 1 && Tr::kFullArrivals == 1 && "
-            f"Tr::kTxBytes == {2 * 128 * 64 * 2}") in src
-    assert "grouped_gemm_kernel<Cfg>(&tma_a, &tma_b, &tma_c, nullptr, rank, prog)" in src
-    assert "tldsl::grouped::ld1(tbl_sorted_token_ids, " in src
-    assert "grouped GEMM, A gathered rows (TMA per row)" in lw.describe()
-    assert lw.source != lower_grouped_gemm(k, "grouped_gemm").source
-
-
-def test_allgather_moe_pipelined_cp_async_contract():
-    """gather='cp.async.pipe': A by pointer as with cp.async; the stage's full barrier counts the
-    TMA thread and one arrival per producer warp (the producer retires its own cp.async groups
-    stages - 2 stages behind, then fences and arrives); the consumers do not fence."""
-    for stages in (4, 2, 6):
-        k = trace_ag(stages=stages)
-        lw = lower_grouped_gemm(k, "grouped_gemm", gather="cp.async.pipe")
-        old = lower_grouped_gemm(k, "grouped_gemm")
-        c = lw.config
-        assert lw.gather and lw.gather_mode == "cp.async.pipe" and old.gather_mode == "cp.async"
-        assert (c.producer_regs, c.consumer_regs) == (56, 224)
-        assert [p.name for p in lw.params] == [p.name for p in old.params] and lw.tma == old.tma
-        assert lw.params[2].name == "ptr_x_gathered" and lw.buffers == old.buffers
-        src = lw.source
-        assert "kGather = true, kGatherTma = false, kGatherPipe = true, kBatched = true" in src
-        assert "kGatherTma = false, kGatherPipe = false" in old.source
-        assert f"static constexpr int kGatherLag = {stages - 2};" in src
-        assert "Tr::kUnitsA == 8 && Tr::kRowStep == 16 && Tr::kFullArrivals == 5" in src
-        assert "Tr::kFullArrivals == 129" in old.source
-        assert "grouped_gemm_kernel<Cfg>(nullptr, &tma_b, &tma_c, ptr_x_gathered, rank, prog)" in src
-        assert "grouped GEMM, A gathered rows (cp.async, pipelined groups)" in lw.describe()
-        assert src != old.source
-    # a stage completed while the consumers still hold the previous one: at least 2 stages
-    e = _raises(lambda: lower_grouped_gemm(trace_ag(stages=1), "grouped_gemm", gather="cp.async.pipe"),
-                "grouped GEMM lowering", "gather='cp.async.pipe'", "at least 2 stages, got 1", "gather='cp.async'")
-    assert e.loc is not None and e.loc.filename.endswith("moe.py")
-    assert lower_grouped_gemm(trace_ag(stages=1), "grouped_gemm").gather_mode == "cp.async"
-
-
-def test_gather_mode_choice_and_refusals():
-    # the default is cp.async at every tile; TMA where asked and A's rows are 128 bytes per stage
-    for tile, dt, tma_ok in (((128, 128, 64), tl.float16, True), ((128, 256, 64), tl.bfloat16, True),
-                             ((64, 128, 64), tl.float16, True), ((128, 128, 128), tl.bfloat16, True),
-                             ((256, 128, 64), tl.bfloat16, True), ((128, 64, 32), tl.float16, False),
-                             ((64, 128, 32), tl.bfloat16, False), ((128, 128, 16), tl.float16, False)):
-        k = trace_ag(tile=tile, dt=dt, stages=3)
-        lw = lower_grouped_gemm(k, "grouped_gemm")
-        assert lw.gather_mode == "cp.async" and lw.tma[0].param == "tma_b", (tile, dt)
-        if tma_ok:           # one row, one 128-byte chunk per box; BK 128 loads two chunks per row
-            lw = lower_grouped_gemm(k, "grouped_gemm", gather="tma")
-            warps = 4 if tile[0] >= 128 else 2
-            assert lw.gather_mode == "tma" and lw.tma[0].box_dims == (64, 1)
-            assert f"Tr::kGatherWarps == {warps} && Tr::kRowsPerLane == {tile[0] // (32 * warps)}" in lw.source
-        else:                # refused at the gather's line: 64- or 32-byte row boxes would start off 128-byte bounds
-            e = _raises(lambda: lower_grouped_gemm(k, "grouped_gemm", gather="tma"), "grouped GEMM lowering",
-                        "gather='tma'", f"BK={tile[2]} gives {tile[2] * 2}-byte rows", "gather='cp.async'")
-            assert e.loc is not None and e.loc.filename.endswith("moe.py")
-    _raises(lambda: lower_grouped_gemm(trace_ag(), "grouped_gemm", gather="ldgsts"),
-            "gather='ldgsts': expected one of 'tma', 'cp.async', 'cp.async.pipe'")
-    _raises(lambda: lower_grouped_gemm(trace_rs(), "grouped_gemm", gather="bulk"), "expected one of")
-    # a dense A gathers nothing: a valid mode changes nothing there
-    lw = lower_grouped_gemm(trace_rs(), "grouped_gemm", gather="tma")
-    assert not lw.gather and lw.gather_mode == "" and lw.tma[0].box_dims == (64, 128)
-    assert lw.source == lower_grouped_gemm(trace_rs(), "grouped_gemm").source
-    # the pipeline passes the option on (lower_all: to the recipes that take it)
-    from tldsl.codegen import lower_all
-    assert lower_all(trace_ag(), gather="tma")["grouped_gemm"].gather_mode == "tma"
-    assert lower_all(trace_ag(), gather="cp.async.pipe")["grouped_gemm"].gather_mode == "cp.async.pipe"
 
 
 @pytest.mark.parametrize("comm,wait,scope", [
@@ -868,16 +777,13 @@ def check_grouped_gemm_sass(ck, lw):
     assert s["UTMALDG"] > 0 and s["UTMASTG"] > 0 and s["SYNCS"] > 0, s
     assert k.count("UTMALDG.3D") > 0                                  # the expert's weights: 3-d TMA
     assert k.count("USETMAXREG") in (0, 2)
-    if lw.gather_mode in ("cp.async", "cp.async.pipe"):
+    if lw.gather:
         assert k.count("LDGSTS.E.BYPASS.128") > 0, sorted(k.mnemonics)  # cp.async gather, 16 B, L2 only
+        assert k.count("ARRIVES.LDGSTSBAR.64") > 0                     # cp.async.mbarrier.arrive
         assert k.count("FENCE.VIEW.ASYNC.S") > 0                       # cp.async data -> WGMMA's proxy
         assert k.count("UTMALDG.2D") == 0                              # no TMA for A
-        if lw.gather_mode == "cp.async":
-            assert k.count("ARRIVES.LDGSTSBAR.64") > 0                 # cp.async.mbarrier.arrive
-        else:                  # the producer's own groups: commit, wait_group, then a plain arrive
-            assert k.count("ARRIVES") == 0 and k.count("LDGDEPBAR") > 0 and k.count("DEPBAR.LE") > 0
-    else:                                                              # dense A, or rows gathered by TMA
-        assert k.count("LDGSTS") == 0 and k.count("ARRIVES") == 0 and k.count("UTMALDG.2D") > 0
+    else:
+        assert k.count("LDGSTS") == 0 and k.count("UTMALDG.2D") > 0
     if lw.config.cluster == (2, 1):
         assert k.count("UTMALDG.3D.MULTICAST") > 0                     # B shared by the pair
         assert k.count("SYNCS.ARRIVE.TRANS64.RED") > 0                 # stages released on the partner too
@@ -930,46 +836,6 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
                                   tl.CommSchedule(engine="copy_engine")], ids=["push", "copy_engine"])
 def test_allgather_moe_sys_waits_compile(tmp_path, comm):
     lw = lower_grouped_gemm(trace_ag(comm=comm), "grouped_gemm")
-    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
-    check_grouped_gemm_sass(ck, lw)
-
-
-@pytest.mark.nvrtc
-@needs_nvrtc
-@pytest.mark.parametrize("tile", [(128, 256, 64), (64, 128, 64), (256, 128, 64)],
-                         ids=lambda t: "x".join(map(str, t)))
-def test_tma_gather_compiles(tmp_path, tile):
-    """The TMA row gather (gather='tma'): four issuing warps with one row per lane (BM 128), two
-    warps (BM 64), two rows per lane (BM 256); no cp.async, A by 2-D TMA, B multicast."""
-    lw = lower_grouped_gemm(trace_ag(tile=tile, stages=3, K=520, dt=tl.bfloat16, cluster=(2, 1)), "grouped_gemm",
-                            gather="tma")
-    assert lw.gather_mode == "tma"
-    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
-    check_grouped_gemm_sass(ck, lw)
-
-
-@pytest.mark.nvrtc
-@needs_nvrtc
-@pytest.mark.parametrize("tile,stages", [((128, 256, 64), 4), ((64, 128, 32), 6), ((256, 128, 64), 3)],
-                         ids=["128x256x64-s4", "64x128x32-s6", "256x128x64-s3"])
-def test_pipelined_cp_async_gather_compiles(tmp_path, tile, stages):
-    """gather='cp.async.pipe' at 16, 4 and 8 rows per producer thread and lags 2, 4 and 1: cp.async
-    commit groups and waits, no cp.async barrier arrivals, within the registers without spills."""
-    lw = lower_grouped_gemm(trace_ag(tile=tile, stages=stages, K=520, dt=tl.bfloat16 if tile[2] == 64 else tl.float16,
-                                     cluster=(2, 1) if tile[1] == 256 else (1, 1)), "grouped_gemm",
-                            gather="cp.async.pipe")
-    assert lw.gather_mode == "cp.async.pipe" and f"kGatherLag = {stages - 2};" in lw.source
-    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
-    check_grouped_gemm_sass(ck, lw)
-
-
-@pytest.mark.nvrtc
-@needs_nvrtc
-def test_pipelined_gather_with_waits_and_notifies_compiles(tmp_path):
-    """A gathered tile program that waits and notifies: the pipelined producer retires its groups
-    before each tile's waits (a wait may count this part's own notifies)."""
-    lw = lower_grouped_gemm(_trace_gathered("ok"), "gg", gather="cp.async.pipe")
-    assert lw.waits == 1 and lw.notifies == 1 and lw.gather_mode == "cp.async.pipe"
     ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
     check_grouped_gemm_sass(ck, lw)
 

@@ -39,11 +39,9 @@ def _routing(W, Ms, E, topk, BM, kind, seed):
 
 
 def _case_id(case):
-    """A readable test id of an AG_CASES / RS_CASES row (``-k cluster2`` picks the clustered ones,
-    ``-k tma`` the rows that gather by TMA)."""
-    W, _, _, _, _, _, kind, tile, stages, order, dtype, cluster, *gather = case
-    tail = f"-{gather[0]}" if gather and gather[0] else ""
-    return f"W{W}-{kind}-{'x'.join(map(str, tile))}-s{stages}-{order}-{dtype}-cluster{cluster[0]}{tail}"
+    """A readable test id of an AG_CASES / RS_CASES row (``-k cluster2`` picks the clustered ones)."""
+    W, _, _, _, _, _, kind, tile, stages, order, dtype, cluster = case
+    return f"W{W}-{kind}-{'x'.join(map(str, tile))}-s{stages}-{order}-{dtype}-cluster{cluster[0]}"
 
 
 def _cuda(a):
@@ -68,7 +66,7 @@ def _close(got, ref, what, rel):
 
 # -- AllGather+MoE ------------------------------------------------------------------------------------
 
-def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1), gather=None):
+def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
     from tldsl.kernel import TensorSpec as S
@@ -79,7 +77,7 @@ def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluste
                             S.of(tabs["tile_tokens"]), S.of(tabs["sorted_token_ids"]), S((rt.num_rows, Nr), dt),
                             compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order, cluster=cluster),
                             comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
-    return lower_grouped_gemm(k, "grouped_gemm", gather=gather)
+    return lower_grouped_gemm(k, "grouped_gemm")
 
 
 def _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed):
@@ -108,29 +106,17 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (2, 1)),
 ]
-# The rows above gather A the default way (cp.async), then again with the stages completed by the
-# producer's own cp.async groups (gather='cp.async.pipe': lags 2, 1, 4, 3 at 4, 3, 6, 5 stages; 8, 4
-# and 16 rows per thread); these by one TMA load per row (gather='tma': four issuing warps, or two
-# at BM 64, two rows per lane at BM 256), odd K, clusters, unused tiles.
-AG_CASES = [c + (None,) for c in AG_CASES] + [c + ("cp.async.pipe",) for c in AG_CASES] + [
-    (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1), "tma"),
-    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1), "tma"),
-    (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 64), 6, "comm_aligned", "float16", (2, 1), "tma"),
-    (3, 333, 1032, 2048, 64, 6, "random", (256, 128, 64), 3, "swizzled", "bfloat16", (1, 1), "tma"),
-    (3, 333, 1032, 2048, 64, 6, "random", (256, 128, 64), 3, "swizzled", "bfloat16", (1, 1), "cp.async.pipe"),
-]
 
 
-@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster,gather", AG_CASES,
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", AG_CASES,
                          ids=[_case_id(c) for c in AG_CASES])
 def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order, dtype,
-                                                      cluster, gather):
+                                                      cluster):
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms)
-    lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster, gather=gather)
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
     assert lw.cluster_dims == (cluster[0], 1, 1)
-    assert lw.gather_mode == (gather or "cp.async")
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K)
     slots = lw.signal_slots["gather_x_ready"]
@@ -149,16 +135,15 @@ def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kin
         assert (h[padding] == 0).all()                                  # padding rows: zeros
 
 
-@pytest.mark.parametrize("gather", [None, "cp.async.pipe"])
-def test_allgather_moe_waits_block_until_flags_are_set(gather):
+def test_allgather_moe_waits_block_until_flags_are_set():
     """The grouped GEMM waits per tile on the all-gather's flags: with them at 0 no routed row
-    is written; once raised the same launch completes and is correct (either cp.async gather)."""
+    is written; once raised the same launch completes and is correct."""
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     W, Ms, K, Nr, E, topk = 2, 128, 256, 256, 4, 2       # 14 tiles: most SMs stay free for the flag writes
     rt, _ = _routing(W, Ms, E, topk, 128, "random", seed=5)
-    lw = _lower_ag(rt, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16", gather=gather)
-    assert lw.num_tiles < 100 and lw.gather_mode == (gather or "cp.async")
+    lw = _lower_ag(rt, W, Ms, K, Nr, E, (128, 128, 64), 4, "row_major", "float16")
+    assert lw.num_tiles < 100
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, "float16", seed=3)
     used = torch.from_numpy(np.repeat(rt.tile_expert >= 0, rt.block_m)).cuda()

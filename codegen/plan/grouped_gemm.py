@@ -1,7 +1,7 @@
 """Planning a grouped GEMM: the shapes and tile offsets the template supports, the WGMMA
-configuration (:mod:`.wgmma`, with more producer registers when A is gathered by cp.async),
-how a gathered A is loaded (:func:`gather_mode`), the TMA descriptors, and the kernel's
-parameters — the template's, then what the tile program's hooks read (:mod:`.prog_params`)."""
+configuration (:mod:`.wgmma`, with more producer registers when A is gathered), the TMA
+descriptors, and the kernel's parameters — the template's, then what the tile program's
+hooks read (:mod:`.prog_params`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -21,16 +21,8 @@ from .prog_params import (signal_hook, signal_params, signals_used, tensor_param
                           written_buffers)
 from .wgmma import GemmConfig, check_k_loop, check_operands, check_tiles, choose_config
 
-#: ways to load a gathered A: one TMA load per row (a tensor map with a box of one row), or
-#: 16-byte cp.async by the producer warpgroup's 128 threads, each stage completed by every
-#: thread's cp.async.mbarrier.arrive with the consumers fencing ("cp.async"), or by the producer
-#: retiring its own cp.async groups a few stages behind, fencing and arriving ("cp.async.pipe")
-GATHER_MODES = ("tma", "cp.async", "cp.async.pipe")
-#: the modes that copy A's rows with cp.async (A passed by pointer, no tensor map)
-CP_ASYNC_MODES = ("cp.async", "cp.async.pipe")
-#: producer / consumer registers after ``setmaxnreg`` when A is gathered by cp.async (the
-#: producer warpgroup keeps the tile's row ids and cp.async addresses in registers):
-#: 128 * 56 + 256 * 224 <= 65536;
+#: producer / consumer registers after ``setmaxnreg`` when A is gathered (the producer warpgroup
+#: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 <= 65536;
 #: 224 still holds the 128 accumulators of a 128x256 tile without spills (checked in the tests).
 GATHER_REGS = (56, 224)
 _TMA = "const __grid_constant__ cute::TmaDescriptor"
@@ -54,7 +46,6 @@ class GroupedGemmPlan:
     signals: tuple[core.Signal, ...]        # waited on / notified: params sig_<name>
     tensors: tuple[core.Buffer, ...]        # read by the hooks: tbl_<name> / ptr_<name>
     written: frozenset[str]                 # tensors another part writes: read coherently
-    gather_mode: str                        # one of GATHER_MODES (gathered A), "" (dense A)
     waits: int
     notifies: int
     wait_scopes: tuple[str, ...]            # memory scopes of the waits' acquires ("gpu", "sys")
@@ -62,16 +53,13 @@ class GroupedGemmPlan:
 
 
 def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
-                      gather: str | None = None, wait_timeout_ns: int | None = None,
-                      entry: str | None = None) -> GroupedGemmPlan:
-    """The plan of a matched grouped GEMM under the kernel's compute schedule (``gather``: see
-    :func:`gather_mode`)."""
+                      wait_timeout_ns: int | None = None, entry: str | None = None) -> GroupedGemmPlan:
+    """The plan of a matched grouped GEMM under the kernel's compute schedule."""
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
     cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, cluster=cluster, loc=part.loc)
-    mode = gather_mode(m, cfg, gather)
-    if mode in CP_ASYNC_MODES and cfg.consumer_wgs == 2:
+    if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
 
     ops = part.body.ops
@@ -84,10 +72,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                                  value_hook(ops, [m.batch] if m.batched else []),
                                  value_hook(ops, [m.rows] if m.gather else []),
                                  signal_hook(ops, WAIT_OPS), signal_hook(ops, NOTIFY_OPS)])
-    params = [] if mode in CP_ASYNC_MODES else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
+    params = [] if m.gather else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
     params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
     buffers = {}
-    if mode in CP_ASYNC_MODES:
+    if m.gather:
         params.append(KernelParam(pointer_param(m.a), f"const {c_type(in_dt)}* __restrict__", "ptr",
                                   f"buffer:{m.a.name}"))
         buffers[m.a.name] = (tuple(m.a.type.shape), in_dt)
@@ -99,35 +87,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     walk = list(part.walk())
     waits = [op for op in walk if op.name in WAIT_OPS]
     return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
-                           int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, mode, M, N, K),
-                           buffers, signals, tensors, written, mode, len(waits),
+                           int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
+                           buffers, signals, tensors, written, len(waits),
                            sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns))
-
-
-def gather_mode(m: GroupedGemmMatch, cfg: GemmConfig, gather: str | None) -> str:
-    """How a gathered A is loaded: ``"cp.async"`` (the default), ``"cp.async.pipe"`` (the same
-    copies, each stage completed by the producer's own cp.async groups: see the recipe) or
-    ``"tma"`` (one TMA load per row and 128-byte chunk into the swizzled stage; only where A's
-    rows are 128-byte swizzled, BK * element size >= 128 bytes, so each row's box starts on a
-    128-byte boundary). Measured on an H200 (BENCHMARKS.md, fifteenth session, the row gather):
-    TMA is correct, but 0.55x the speed of cp.async on Mixtral's rows — 128 TMA loads per stage
-    are issue-bound — so it is opt-in; so is cp.async.pipe, correct but 0.95-0.98x the speed of
-    cp.async on six of the issue's rows (same file, "the cp.async gather pipelined").
-    ``""`` for a dense A, whatever ``gather`` says (it names a way to gather, so it is not an
-    error where nothing is gathered)."""
-    if gather is not None and gather not in GATHER_MODES:
-        raise fail(WHAT, f"gather={gather!r}: expected one of {', '.join(map(repr, GATHER_MODES))}", m.a_load)
-    if not m.gather:
-        return ""
-    if gather == "tma" and cfg.SA != 128:
-        raise fail(WHAT, f"gather='tma' loads one 128-byte swizzled row per TMA box, but BK={cfg.BK} gives "
-                   f"{cfg.SA}-byte rows (box starts must be 128-byte aligned); use BK >= "
-                   f"{128 // cfg.elem_bytes} or gather='cp.async'", m.a_load)
-    if gather == "cp.async.pipe" and cfg.stages < 2:
-        raise fail(WHAT, f"gather='cp.async.pipe' completes a stage while the consumers hold the one before it, so "
-                   f"it needs at least 2 stages, got {cfg.stages}; raise `stages` or use gather='cp.async'", m.a_load)
-    return gather or "cp.async"
 
 
 def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:
@@ -196,16 +159,14 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
     return Ma, N, K
 
 
-def _tma_specs(cfg: GemmConfig, m: GroupedGemmMatch, mode: str, M: int, N: int,
-               K: int) -> tuple[TmaDescriptorSpec, ...]:
-    """A (dense: a box of BM rows; gathered by TMA: a box of one row, loaded per row; none when
-    gathered by cp.async), B (3-D over [E, K, N] with a box of one expert when batched) and C."""
+def _tma_specs(cfg: GemmConfig, m: GroupedGemmMatch, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
+    """A (dense only: a gathered A is copied by cp.async), B (3-D over [E, K, N] with a box of
+    one expert when batched) and C."""
     eb, ob = cfg.elem_bytes, cfg.out_bytes
     dt = ctype(cfg.in_dtype).tma
     out = []
-    if mode not in CP_ASYNC_MODES:
-        rows = 1 if mode == "tma" else cfg.BM
-        out.append(TmaDescriptorSpec("tma_a", m.a.name, "A", cfg.in_dtype, dt, (K, M), (K * eb,), (cfg.EA, rows),
+    if not m.gather:
+        out.append(TmaDescriptorSpec("tma_a", m.a.name, "A", cfg.in_dtype, dt, (K, M), (K * eb,), (cfg.EA, cfg.BM),
                                      (1, 1), SWIZZLE[cfg.SA]))
     if m.batched:
         E = m.b.type.shape[0]

@@ -33,32 +33,15 @@ skipped tiles cost one load), ``batch`` (the expert: B's TMA is 3-D over ``[E, K
 box of 1 along E), ``row`` (the gathered row ids), ``waits`` (acquire spins, before the tile's
 loads; the guard and loops around them kept) and ``notifies`` (after the tile's TMA stores
 completed: one ``fence.acq_rel``, then relaxed ``red.add`` operations — a release pattern).
-Gathered A rows land in the swizzled layout a whole-tile TMA load would produce, one of three
-ways (``gather=``, :func:`..plan.grouped_gemm.gather_mode`): ``"cp.async"`` (the default) —
-the producer warpgroup's 128 threads copy 16-byte units with ``cp.async`` (zero-fill for
-padding rows and columns past K), complete the full barrier with
-``cp.async.mbarrier.arrive.noinc``, and the consumers fence the async proxy before their
-WGMMAs; ``"cp.async.pipe"`` — the same copies, one ``cp.async`` commit group per stage, and
-the producer completes each stage itself ``stages - 2`` stages later: it waits for its own
-group (``cp.async.wait_group``), fences the async proxy once per thread and stage, and each
-of its warps arrives once on the stage's full barrier, so the consumers' WGMMAs follow their
-barrier wait directly (each thread's row offsets are computed once per tile, its swizzled
-destinations once per kernel; measured on an H200 at 0.95-0.98x the speed of ``"cp.async"``,
-0.97-1.01x with the groups retired one stage behind, 0.70x with none: the consumers' fence was
-not what the gather costs, the copies' latency is, so it is opt-in); ``"tma"`` (opt-in, where A's rows are 128 bytes per stage, e.g. bf16 with BK >= 64) —
-a tensor map over A with a box of one row, the lanes of up to four producer warps issuing one
-TMA load per row (TMA swizzles by the shared-memory address, so a row box at its row's slot
-lands where the tile load puts it; padding rows load coordinate -1, which TMA fills with
-zeros), all completing on the stage's full barrier by ``expect_tx``, as the dense A does.
-Both pass the same GPU tests; per-row TMA measured 0.55x the speed of cp.async on an H200
-(128 loads of 128 bytes per stage: TMA issue-bound), hence the default.
-
-With ``cluster=(2, 1)`` two CTAs take vertically adjacent tiles of one tile column (as the
-plain GEMM's clusters do) and, where both tiles run on the same expert — most pairs: an
-expert's rows are consecutive tiles — each loads half of B and multicasts it to both
-(``_grouped_mm``'s kernel on Hopper shares B the same way); a pair on two experts loads B per
-CTA, and a CTA whose tile's guard is false passes its stages on empty while its partner
-computes.
+Gathered A rows are copied by the producer warpgroup's 128 threads with 16-byte ``cp.async``
+(zero-fill for padding rows and columns past K) straight into the swizzled layout TMA would
+produce, completing the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``;
+consumers fence the async proxy before their WGMMAs. With ``cluster=(2, 1)`` two CTAs take
+vertically adjacent tiles of one tile column (as the plain GEMM's clusters do) and, where both
+tiles run on the same expert — most pairs: an expert's rows are consecutive tiles — each loads
+half of B and multicasts it to both (``_grouped_mm``'s kernel on Hopper shares B the same way);
+a pair on two experts loads B per CTA, and a CTA whose tile's guard is false passes its stages
+on empty while its partner computes.
 
 **Semantics kept from the simulator**: out-of-bounds tile loads (tables, weights, TMA boxes)
 read zero, out-of-bounds stores are dropped, rows < 0 of a gather read zero, tiles outside
@@ -67,9 +50,8 @@ raises (a gathered row past the end of its tensor, a table index out of range), 
 reads zero (gathers) or is undefined (``load_scalar``): the simulator is the place to find
 those bugs.
 
-**Kernel parameters** (:attr:`LoweredGroupedGemm.params`, in order): ``tma_a`` (dense A, or
-A gathered by TMA: a box of one row), ``tma_b`` (2-D or 3-D), ``tma_c``; ``ptr_<a>`` (A
-gathered by cp.async, either way, only: its base pointer);
+**Kernel parameters** (:attr:`LoweredGroupedGemm.params`, in order): ``tma_a`` (dense A
+only), ``tma_b`` (2-D or 3-D), ``tma_c``; ``ptr_<a>`` (gathered A only: its base pointer);
 ``rank`` (i32); ``launch`` (u64, the 1-based epoch the waits count in); ``sig_<name>`` (u64
 counters: this rank's copy of every signal waited on, then notified); ``tbl_<name>``
 (``const int*``: every i32 table the hooks read, in the order they run). Shapes are
@@ -90,7 +72,7 @@ from ..abi import KernelParam, LoweredKernel, TmaDescriptorSpec, kernel_entry, m
 from ..dtypes import ctype
 from ..ir_queries import only_part
 from ..match.grouped_gemm import WHAT, match_grouped_gemm
-from ..plan.grouped_gemm import CP_ASYNC_MODES, GroupedGemmPlan, plan_grouped_gemm
+from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
 from ..plan.wgmma import GemmConfig
 from .prog_hooks import HookEmitter, hook_fn, prog_members
 from .recipe import Recipe
@@ -125,7 +107,6 @@ class LoweredGroupedGemm(LoweredKernel):
     wait_scopes: tuple[str, ...]     # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
-    gather_mode: str = ""            # "tma" | "cp.async" | "cp.async.pipe": how a gathered A is loaded; "" dense
 
     kind = "grouped_gemm"
 
@@ -146,8 +127,7 @@ class LoweredGroupedGemm(LoweredKernel):
 
     def describe(self) -> str:
         c = self.config
-        a = f"gathered rows ({_GATHER_WORDS[self.gather_mode]})" if self.gather \
-            else "dense (TMA)"
+        a = "gathered rows (cp.async)" if self.gather else "dense (TMA)"
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  grouped GEMM, A {a} [{self.M}x{self.K}], "
                  f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
                  f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
@@ -158,9 +138,6 @@ class LoweredGroupedGemm(LoweredKernel):
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         lines += self.describe_tma()
         return "\n".join(lines)
-
-
-_GATHER_WORDS = {"tma": "TMA per row", "cp.async": "cp.async", "cp.async.pipe": "cp.async, pipelined groups"}
 
 
 def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
@@ -188,7 +165,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
         plan.buffers, tuple(s.name for s in plan.signals), {s.name: s.type.slots for s in plan.signals},
         tuple(b.name for b in plan.tensors), plan.M, plan.N, plan.K, tuple(plan.part.grid), plan.kernel.world_size,
         plan.align_shift, m.gather, m.batched, not m.store_inside, plan.waits, plan.notifies, plan.wait_scopes,
-        plan.options, gather_mode=plan.gather_mode)
+        plan.options)
 
 
 def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
@@ -197,13 +174,9 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{ctype(cfg.in_dtype).gmma}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = marker(part.loc), marker(m.dot.loc), marker(m.store.loc)
-    mode = plan.gather_mode
-    cp_async = mode in CP_ASYNC_MODES
-    lag = max(0, cfg.stages - 2)                            # cp.async.pipe: stages a group is retired behind
-    digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, mode, m.batched)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, m.batched)).encode()).hexdigest()[:12]
     units = cfg.BK * cfg.elem_bytes // 16
     row_step = 128 // units
-    gather_warps = 4 if cfg.BM >= 128 else cfg.BM // 32     # TMA gather: warps issuing the row loads
     a_param = pointer_param(m.a)
     members, init = prog_members(plan)
     E = m.b.type.shape[0] if m.batched else 1
@@ -211,7 +184,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"// Generated by tldsl.codegen, recipe grouped_gemm — do not edit. Kernel '{kernel.name}', compute part "
         f"'{part.name}' ({part.loc}).",
         f"// C[{part.grid[0]}x{cfg.BM} rows, {N}] {cfg.out_dtype} ('{m.c.name}') = "
-        f"{f'gather_rows[{mode}]' if m.gather else 'tile'}(A[{M}x{K}] {cfg.in_dtype} '{m.a.name}') @ "
+        f"{'gather_rows' if m.gather else 'tile'}(A[{M}x{K}] {cfg.in_dtype} '{m.a.name}') @ "
         f"{'B[e]' if m.batched else 'B'} ('{m.b.name}' {list(m.b.type.shape)})",
         f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}, cluster {cfg.cluster}; "
         f"config {digest}",
@@ -221,11 +194,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         "",
         *gemm_cfg_fields(cfg, gmma, kernel.world_size, plan.align_shift, dot_mk, part_mk),
         f"  static constexpr bool kGather = {'true' if m.gather else 'false'}, "
-        f"kGatherTma = {'true' if mode == 'tma' else 'false'}, "
-        f"kGatherPipe = {'true' if mode == 'cp.async.pipe' else 'false'}, "
         f"kBatched = {'true' if m.batched else 'false'}, "
         f"kStoreInactive = {'false' if m.store_inside else 'true'};",
-        f"  static constexpr int kGatherLag = {lag};",
         f"  static constexpr int kM = {M}, kK = {K}, kGridM = {part.grid[0]}, kGridN = {part.grid[1]};"
         f"  // N = {N}, E = {E}",
         "};",
@@ -236,12 +206,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"static_assert(Tr::EA == {cfg.EA} && Tr::EB == {cfg.EB} && Tr::EC == {cfg.EC}, "
         "\"host/device TMA box mismatch\");",
         f"static_assert(Tr::kThreads == {cfg.threads}, \"host/device block size mismatch\");",
-        (f"static_assert(Tr::kUnitsA == {units} && Tr::kRowStep == {row_step} && Tr::kFullArrivals == "
-         f"{129 if mode == 'cp.async' else 5}, \"host/device gather mapping mismatch\");" if cp_async else
-         f"static_assert(Tr::kGatherWarps == {gather_warps} && Tr::kRowsPerLane == {cfg.BM // (32 * gather_warps)} && "
-         f"Tr::kFullArrivals == 1 && Tr::kTxBytes == "
-         f"{cfg.BM * cfg.BK * cfg.elem_bytes + cfg.BK * cfg.BN * cfg.elem_bytes}, "
-         "\"host/device A/B loads mismatch\");"),
+        f"static_assert(Tr::kUnitsA == {units} && Tr::kRowStep == {row_step} && Tr::kFullArrivals == "
+        f"{129 if m.gather else 1}, \"host/device gather mapping mismatch\");",
         "",
         "// What the tile program adds around the GEMM: guard, expert, gathered rows, waits, notifies.",
         "struct Prog {",
@@ -256,27 +222,23 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
     ]
     L += kernel_entry(plan.entry, cfg.threads, plan.params, [
         f"  const Prog prog{{{', '.join(init)}}};",
-        f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({'nullptr' if cp_async else '&tma_a'}, &tma_b, "
-        f"&tma_c, {a_param if cp_async else 'nullptr'}, rank, prog);{dot_mk}",
+        f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({'nullptr' if m.gather else '&tma_a'}, &tma_b, &tma_c, "
+        f"{a_param if m.gather else 'nullptr'}, rank, prog);{dot_mk}",
         f"  // stores: {m.c.name}{store_mk}"])
     return "\n".join(L)
 
 
 RECIPE = Recipe("grouped_gemm", "compute", 30, match_grouped_gemm, plan_grouped_gemm, render_grouped_gemm,
-                options=frozenset({"cluster", "gather", "wait_timeout_ns", "entry"}),
+                options=frozenset({"cluster", "wait_timeout_ns", "entry"}),
                 summary="grouped GEMM over per-tile tables (MoE)")
 
 
 def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
-                       gather: str | None = None, wait_timeout_ns: int | None = None,
-                       entry: str | None = None) -> LoweredGroupedGemm:
+                       wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGroupedGemm:
     """Lower ``kernel``'s grouped-GEMM compute part (the only one, or the one named) to a Hopper
     kernel: this recipe's match → plan → render, with the matcher's error (at the user's line)
     when the part does not fit. ``cluster`` overrides the schedule's ((1, 1) or (2, 1): pairs of
-    vertically adjacent tiles that multicast B when both run on the same expert); ``gather``
-    picks how a gathered A is loaded (``"cp.async"``, the default; ``"cp.async.pipe"``: the
-    producer completes the stages from its own cp.async groups; or ``"tma"``: one TMA load per
-    row, where A's rows are 128-byte swizzled); ``wait_timeout_ns`` compiles the waits with
-    a timeout that traps (debugging hangs)."""
+    vertically adjacent tiles that multicast B when both run on the same expert);
+    ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs)."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
-    return RECIPE.run(kernel, p, cluster=cluster, gather=gather, wait_timeout_ns=wait_timeout_ns, entry=entry)
+    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry)

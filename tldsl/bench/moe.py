@@ -1,7 +1,7 @@
 """AllGather+MoE's grouped GEMM beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
 
     python -m tldsl.bench moe [--rows mixtral:8192:random,...] [--tile 128,256,64] [--stages 4] [--cluster 2]
-                              [--gather tma|cp.async] [--iters 10]
+                              [--iters 10]
 
 One row per (model, tokens across TP = 2 ranks, routing): this GPU computes one rank's slice of
 layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token, its waits
@@ -27,11 +27,9 @@ from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, rando
 TP = 2
 
 
-def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                gather: str | None = None):
+def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2):
     """``(topk_ids, host routing, lowered grouped GEMM)`` of one row (one rank's slice, W = 1:
-    the kernel reads every token from ``x_gathered``; ``gather``: how it loads the rows, None
-    for the lowering's default)."""
+    the kernel reads every token from ``x_gathered``)."""
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
     from tldsl.ops.moe import allgather_moe, moe_routing
@@ -47,11 +45,11 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
                             compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
                                                        cluster=(cluster, 1)),
                             comm=tl.CommSchedule(tile_m=128, mode="pull"))
-    return ids, rt, lower_grouped_gemm(k, "grouped_gemm", gather=gather)
+    return ids, rt, lower_grouped_gemm(k, "grouped_gemm")
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-              cluster: int = 2, gather: str | None = None) -> dict:
+              cluster: int = 2) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err}``."""
     import numpy as np
     import torch
@@ -60,7 +58,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     from .timing import interleaved_ms
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    ids, rt, lowered = lowered_row(row, tile, stages, dtype, cluster, gather)
+    ids, rt, lowered = lowered_row(row, tile, stages, dtype, cluster)
     tabs = rt.allgather_tables()
     kern = GroupedKernel(lowered)
     tdt = getattr(torch, dtype)
@@ -107,10 +105,6 @@ def parse_args(argv):
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--cluster", type=int, choices=(1, 2), default=2,
                     help="CTAs per cluster along M (2: pairs of tiles share B by TMA multicast)")
-    ap.add_argument("--gather", choices=("tma", "cp.async", "cp.async.pipe"), default=None,
-                    help="how the kernel loads the gathered rows: one TMA load per row, or cp.async by the "
-                         "producer warpgroup, its stages completed per thread (cp.async) or from the "
-                         "producer's own commit groups (cp.async.pipe) (default: the lowering's choice)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
@@ -131,14 +125,13 @@ def parse_args(argv):
 def main(argv, out=sys.stdout) -> int:
     args = parse_args(argv)
     print(f"# AllGather+MoE grouped GEMM (TP={TP} slice of layer 0), {args.dtype}, tile {args.tile_t} "
-          f"stages {args.stages} cluster ({args.cluster}, 1) gather {args.gather or 'default'}; ms (median of "
-          f"{args.iters}, interleaved)", file=out)
+          f"stages {args.stages} cluster ({args.cluster}, 1); ms (median of {args.iters}, interleaved)", file=out)
     print("| row | tldsl ms | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | gather + _grouped_mm ms "
           "| tldsl / sequence speed | padded / routed rows |\n|---|---|---|---|---|---|---|---|---|", file=out, flush=True)
     failed = 0
     for row in args.row_list:
         try:
-            r = bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.gather)
+            r = bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "

@@ -12,52 +12,19 @@
 //      C[pid0*BM.., pid1*BN..] = acc      TMA store, converted to C's type
 //      prog.notifies(pid0, pid1)          release adds, after the stores completed
 //    A is either dense (TMA 2-D, like sm90::gemm_kernel) or *gathered* (Cfg::kGather): tile
-//    row r is row prog.row(pid0, pid1, r) of A (negative or >= kM: zeros), landing in the same
-//    swizzled K-major layout a TMA load of the whole tile produces, so the consumers' GMMA
-//    descriptors are the GEMM's. Hopper has no TMA gather; two ways to gather:
-//    - Cfg::kGatherTma (128-byte swizzle only): one TMA load per row and 128-byte chunk, a 2-D
-//      tensor map over A with a box of one row, issued by the lanes of the producer warpgroup's
-//      first kGatherWarps = min(4, BM/32) warps (each lane BM/(32*kGatherWarps) rows, their ids
-//      read once per tile; a TMA instruction takes uniform operands, so the compiler issues a
-//      warp's 32 per-lane loads one lane at a time, and several warps issue in parallel).
-//      TMA swizzles by the shared-memory address bits (16-byte unit bits [4,7) ^= bits [7,10)),
-//      so a row box at its row's 128-byte slot of a 1024-byte aligned stage lands where the
-//      whole-tile load would put it. Invalid rows load coordinate -1: out of bounds, so TMA
-//      writes zeros and still counts the box's bytes, as it does for columns >= K. Everything
-//      completes on the stage's full barrier by expect_tx; no proxy fence in the consumers.
-//      Correct, but on an H200 0.55x the speed of the cp.async gather (TMA issue-bound at 128
-//      loads of 128 bytes per stage): the host picks it only when asked (gather="tma").
-//    - otherwise: the producer warpgroup's 128 threads copy 16-byte units with cp.async
-//      (zero-fill for invalid rows and columns >= K) at the swizzled offsets, completing the
-//      stage one of two ways (below): Cfg::kGatherPipe false — each thread's
-//      cp.async.mbarrier.arrive.noinc, consumers fence; true — the producer retires its own
-//      cp.async groups kGatherLag stages behind, fences once per stage and arrives.
+//    row r is row prog.row(pid0, pid1, r) of A (negative or >= kM: zeros), copied by the
+//    producer warpgroup's 128 threads with 16-byte cp.async (zero-fill for invalid rows and
+//    columns >= K) into the same 128/64/32-byte swizzled K-major layout a TMA load produces,
+//    so the consumers' GMMA descriptors are the GEMM's. Hopper has no TMA gather.
 //    B is [K, N] (TMA 2-D) or [E, K, N] (Cfg::kBatched, TMA 3-D with a box of 1 along E: the
 //    expert's weights, out-of-range experts/rows/cols read zero).
 //
-//    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With A gathered by cp.async, the
-//    full barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
+//    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With a gathered A, the full
+//    barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
 //    bytes) and one `cp.async.mbarrier.arrive.noinc` per producer thread, which fires when
 //    that thread's cp.asyncs have landed. cp.async writes shared memory through the generic
 //    proxy and WGMMA reads it through the async proxy, so consumers issue
 //    fence.proxy.async.shared::cta after the full-barrier wait and before the WGMMAs.
-//    With Cfg::kGatherPipe the producer completes the stages itself: every thread commits one
-//    cp.async group per stage (an empty one for a stage it passes on) and, once kGatherLag
-//    newer groups are committed, waits for it (cp.async.wait_group kGatherLag: that thread's
-//    copies have landed and are visible to it), fences the async proxy
-//    (fence.proxy.async.shared::cta: its generic-proxy writes -> WGMMA's proxy), then the warp
-//    meets (__syncwarp) and its lane 0 arrives on the stage's full barrier (release; the
-//    consumers' wait acquires): 1 + 4 arrivals, no fence in the consumers. The writer fences
-//    before the synchronisation that hands the data on, as a generic-proxy smem store before a
-//    TMA store or a WGMMA does. kGatherLag <= kStages - 2 keeps the ring moving: the producer's
-//    empty wait for iteration it needs the consumers to have released it - kStages, which they
-//    do once the full barrier of it - kStages + 1 completed, arrived by it - 1 - kGatherLag.
-//    The last kGatherLag stages of the persistent loop are retired after it, and before a tile's
-//    waits when the part also notifies (a wait might depend on this CTA's own notifies).
-//    (The fence is MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS either way.) Measured on an H200:
-//    correct, 0.95-0.98x the speed of the per-thread arrivals at kGatherLag 2 (4 stages), 0.70x at
-//    0: the gather is bound by the copies' latency, not by the consumers' fence; the host picks it
-//    only when asked (gather="cp.async.pipe").
 //
 //    Clusters (Cfg::kClusterM = 2): the two CTAs take tiles (2*cm, n) and (2*cm + 1, n) of a
 //    cluster tile (cm, n), the order walking cluster tiles as sm90::gemm_kernel's does. Both read
@@ -67,10 +34,7 @@
 //    into both CTAs' stage, else each loads its own B; a CTA whose guard is false arrives on its
 //    full barriers without loading and its consumers pass the stages on (no waits, no WGMMAs).
 //
-//    Waits: with A gathered by TMA producer thread 0 spins (acquire), a named barrier over the
-//    gathering warps, then every gathering thread fences the async proxy
-//    (fence.proxy.async.global) before its row loads.
-//    With A gathered by cp.async one producer thread spins (acquire), then a named barrier
+//    Waits: with a gathered A one producer thread spins (acquire), then a named barrier
 //    over the producer warpgroup orders every thread's cp.async after it (a CTA barrier
 //    after an acquire, as CUTLASS's generic barrier does); the TMA thread then issues
 //    fence.proxy.async.global before its TMA loads.
@@ -101,14 +65,6 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void
   const uint32_t src_bytes = valid ? 16u : 0u;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes)
                : "memory");
-}
-
-// cp.async groups: close the group of this thread's cp.asyncs since the last commit (possibly
-// empty); wait until at most N of its groups are pending (the others' writes visible to it).
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Arrive on `bar` once this thread's earlier cp.asyncs completed (no pending-count increment:
@@ -258,9 +214,7 @@ __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* __restrict_
 // ---- grouped GEMM -----------------------------------------------------------------------------
 
 // Cfg: everything sm90::GemmTraits reads, plus
-//   kGather (bool: A rows gathered by Prog::row), kGatherTma (bool: ... by one TMA load per row,
-//   else by cp.async), kGatherPipe (bool: cp.async stages completed by the producer's own groups,
-//   kGatherLag (int) stages behind), kBatched (bool: B is [E, K, N]),
+//   kGather (bool: A rows gathered by Prog::row with cp.async), kBatched (bool: B is [E, K, N]),
 //   kStoreInactive (bool: tiles whose guard is false store zeros instead of nothing),
 //   kM (rows of A: gathered rows >= kM read zero), kK, kGridM, kGridN (the part's grid).
 template <class Cfg>
@@ -271,26 +225,11 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static constexpr int kProducerThreads = 128;
   static constexpr int kRowStep = kProducerThreads / kUnitsA;           // rows one cp.async pass covers
   static constexpr int kRowsPerThread = Base::BM / kRowStep;            // gathered rows per producer thread
-  static constexpr bool kCpAsync = Cfg::kGather && !Cfg::kGatherTma;   // A rows by cp.async
-  static constexpr bool kCpAsyncPipe = kCpAsync && Cfg::kGatherPipe;     // ... stages retired by the producer
-  static constexpr int kProducerWarps = kProducerThreads / 32;
-  static constexpr int kGatherWarps = Base::BM >= 128 ? 4 : Base::BM / 32;  // TMA gather: warps issuing row loads
-  static constexpr int kRowsPerLane = Base::BM / (32 * kGatherWarps);     // ... rows per lane
-  static constexpr int kTxBytes = (kCpAsync ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
-  static constexpr int kFullArrivals = kCpAsyncPipe ? 1 + kProducerWarps : kCpAsync ? 1 + kProducerThreads : 1;
+  static constexpr int kTxBytes = (Cfg::kGather ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
+  static constexpr int kFullArrivals = Cfg::kGather ? 1 + kProducerThreads : 1;
   static constexpr uint32_t kProducerBarrier = 3, kConsumersBarrier = 4;  // named barriers (1, 2: epilogues)
-  static_assert(!Cfg::kGatherTma || Cfg::kGather, "kGatherTma is a way to gather A");
-  static_assert(!Cfg::kGatherTma || (Base::SA == 128 && Base::BM % 32 == 0),
-                "the TMA row gather needs 128-byte swizzled A rows (each row box 128-byte aligned) and BM % 32 == 0");
-  static_assert(!kCpAsync || (kProducerThreads % kUnitsA == 0 && Base::BM % kRowStep == 0),
+  static_assert(!Cfg::kGather || (kProducerThreads % kUnitsA == 0 && Base::BM % kRowStep == 0),
                 "the gather's thread mapping needs BK/8 to divide 128 and BM to be a multiple of 128/(BK/8)");
-  static_assert(!Cfg::kGatherPipe || kCpAsync, "kGatherPipe is a way to complete cp.async stages");
-  static_assert(!kCpAsyncPipe || (Cfg::kGatherLag >= 0 && Cfg::kGatherLag <= Base::kStages - 2),
-                "kGatherLag <= kStages - 2, else the producer waits for a stage the consumers cannot release");
-  // one pass of the gather covers kRowStep rows: a whole number of swizzle periods (8 x 128 bytes
-  // at most), so a thread's destinations are its first one plus multiples of kRowStep * SA
-  static_assert(!kCpAsyncPipe || (kRowStep * Base::SA) % 1024 == 0, "gather rows per pass: whole swizzle periods");
-  static_assert(!kCpAsyncPipe || kRowsPerThread <= 32, "the pipelined gather keeps its rows' validity in 32 bits");
   static_assert(Cfg::kK % 8 == 0, "16-byte rows: K must be a multiple of 8");
   static_assert(Cfg::kM > 0 && Cfg::kGridM > 0 && Cfg::kGridN > 0, "empty grouped GEMM");
 };
@@ -355,112 +294,7 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
   }
 }
 
-// Gathered A's (BM x BK) stage `sa` by TMA, one load per row and 128-byte chunk, from gathering
-// thread g's rows g + 32 * kGatherWarps * i (`rows`: -1 reads zeros), completing on `bar`.
-template <class Cfg, class Tr>
-__device__ __forceinline__ void load_a_rows(const cute::TmaDescriptor* tma_a, uint64_t* bar, unsigned char* sa,
-                                            int k0, int g, const int (&rows)[Tr::kRowsPerLane]) {
-  constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-#pragma unroll
-  for (int i = 0; i < Tr::kRowsPerLane; ++i)
-#pragma unroll
-    for (int c = 0; c < Tr::kChunksA; ++c)
-      cute::SM90_TMA_LOAD_2D::copy(tma_a, bar, kCacheHint,
-                                   sa + c * Tr::kChunkBytesA + (g + 32 * Tr::kGatherWarps * i) * Tr::SA,
-                                   k0 + c * Tr::EA, rows[i]);
-}
-
-// The producer warpgroup with A gathered by cp.async and the stages completed by the producer
-// (Cfg::kGatherPipe; the protocol is in the header comment). Thread t copies unit t % kUnitsA of
-// rows t / kUnitsA + kRowStep * i: its rows' element offsets are computed once per tile (32-bit
-// where A has fewer than 2^31 elements: one register per row) and its swizzled destinations once
-// (the same in every stage). Thread 0 also runs the waits and loads B.
-template <class Cfg, class Tr, class Prog>
-__device__ __forceinline__ void gather_pipelined(const Prog& prog, const typename Cfg::ElemAB* __restrict__ a,
-                                                 const cute::TmaDescriptor* tma_b, unsigned char* smem,
-                                                 uint32_t smem_u32, uint64_t* full_bar, uint64_t* empty_bar,
-                                                 int first_tile, int tile_step, int start_row, int cl_rank) {
-  using FullBar = cutlass::arch::ClusterTransactionBarrier;
-  using EmptyBar = cutlass::arch::ClusterBarrier;
-  constexpr int kCl = Cfg::kClusterM, kLag = Cfg::kGatherLag, kRows = Tr::kRowsPerThread;
-  constexpr int gmc = cdiv(Cfg::kGridM, kCl), gn = Cfg::kGridN, num_tiles = gmc * gn;
-  constexpr int k_tiles = cdiv(Cfg::kK, Tr::BK);
-  constexpr int kUnitElems = 16 / Tr::kElemBytes;
-  using Off = cute::conditional_t<(long long)Cfg::kM * Cfg::kK < (1ll << 31), uint32_t, long long>;
-  const int ptid = int(threadIdx.x), lane = ptid % 32;
-  const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
-  const int col0 = unit * kUnitElems;
-  const uint32_t dst0 = (unit / Tr::kUnitsPerChunkA) * Tr::kChunkBytesA +
-                        sm90::swizzle(uint32_t(row0 * Tr::SA + (unit % Tr::kUnitsPerChunkA) * 16), Tr::SA);
-  int it = 0, pending = 0;   // pending: this thread's committed groups not yet retired (iterations it - pending ..)
-  // retire every pending group: wait for all of this thread's copies, fence, arrive per warp
-  auto flush = [&]() {
-    cp_async_wait_group<0>();
-    fence_proxy_async_shared();
-    __syncwarp();
-    if (lane == 0)
-      for (int j = it - pending; j < it; ++j) FullBar::arrive(&full_bar[j % Tr::kStages]);
-    pending = 0;
-  };
-  for (int t = first_tile; t < num_tiles; t += tile_step) {
-    const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row), cl_rank);
-    if (!p.run) continue;
-    if constexpr (Prog::kHasWaits) {
-      if (p.active) {
-        if constexpr (Prog::kHasNotifies) flush();   // a wait may count this CTA's own notifies
-        if (ptid == 0) prog.waits(p.m, p.n);       // acquire: the rows this tile gathers
-        cutlass::arch::NamedBarrier::sync(Tr::kProducerThreads, Tr::kProducerBarrier);
-        if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
-      }
-    }
-    // this thread's rows: the offset of its column 0 in each (invalid rows: 0, never read)
-    Off off[kRows];
-    uint32_t valid = 0;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int r = p.active ? prog.row(p.m, p.n, row0 + i * Tr::kRowStep) : -1;
-      const bool ok = r >= 0 && r < Cfg::kM;
-      off[i] = ok ? Off(r) * Off(Cfg::kK) + Off(col0) : Off(0);
-      valid |= uint32_t(ok) << i;
-    }
-    const int n0 = p.n * Tr::BN;
-    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-      const int s = it % Tr::kStages;
-      const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-      EmptyBar::wait(&empty_bar[s], phase ^ 1u);
-      if (!p.active) {                      // the partner's tile runs: pass the stage on, empty
-        if (ptid == 0) FullBar::arrive(&full_bar[s]);
-      } else {
-        const int k0 = kt * Tr::BK;
-        if (ptid == 0) {
-          FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);
-          load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
-                          cl_rank);
-        }
-        const bool col_ok = k0 + col0 < Cfg::kK;
-        const uint32_t sa = smem_u32 + Tr::kOffA + s * Tr::kStageBytesA + dst0;
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          const bool ok = col_ok && ((valid >> i) & 1u);
-          cp_async_16_zfill(sa + i * Tr::kRowStep * Tr::SA, a + (ok ? off[i] + Off(k0) : Off(0)), ok);
-        }
-      }
-      cp_async_commit();                    // this stage's group (empty when passed on)
-      if (pending == kLag) {                // retire the group of iteration it - kLag
-        cp_async_wait_group<kLag>();
-        fence_proxy_async_shared();          // its writes (generic proxy) -> WGMMA's async proxy
-        __syncwarp();
-        if (lane == 0) FullBar::arrive(&full_bar[(it - kLag) % Tr::kStages]);
-      } else {
-        ++pending;
-      }
-    }
-  }
-  flush();
-}
-
-// The kernel body. `tma_a` is unused (may be null) when A is gathered by cp.async; `a` is used
-// only then.
+// The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
 template <class Cfg, class Prog>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,
@@ -491,7 +325,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
 
   if (threadIdx.x == 0) {
-    if constexpr (!Tr::kCpAsync) cute::prefetch_tma_descriptor(tma_a);
+    if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
     cute::prefetch_tma_descriptor(tma_b);
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
@@ -509,10 +343,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   if (wg == 0) {
     // ---------------- producer warpgroup ----------------
     if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if constexpr (Tr::kCpAsyncPipe) {
-      gather_pipelined<Cfg, Tr>(prog, a, tma_b, smem, smem_u32, full_bar, empty_bar, first_tile, tile_step,
-                                start_row, cl_rank);
-    } else if constexpr (Tr::kCpAsync) {
+    if constexpr (Cfg::kGather) {
       // all 128 threads gather A; thread 0 also runs the waits and issues B's TMA loads
       const int ptid = int(threadIdx.x);
       const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
@@ -565,50 +396,6 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
       cp_async_wait_all();
-    } else if constexpr (Cfg::kGather) {
-      if (warp < Tr::kGatherWarps) {
-        // the gathering warps load A's rows by TMA (thread g: rows g + 32 kGatherWarps i); thread 0
-        // also runs the waits, expects the stage's bytes (A's and B's: TMA counts out-of-bounds
-        // rows' zeros too) and loads B. Another warp's row loads may complete on the full barrier
-        // before thread 0's expect_tx: the phase still waits for that one arrival.
-        const int g = int(threadIdx.x);
-        int it = 0;
-        for (int t = first_tile; t < num_tiles; t += tile_step) {
-          const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
-                                                  cl_rank);
-          if (!p.run) continue;
-          if constexpr (Prog::kHasWaits) {
-            if (p.active) {
-              if (g == 0) prog.waits(p.m, p.n);       // acquire: the rows this tile gathers
-              cutlass::arch::NamedBarrier::sync(32 * Tr::kGatherWarps, Tr::kProducerBarrier);
-              fence_proxy_async_global();             // ... before each thread's TMA reads them
-            }
-          }
-          int rows[Tr::kRowsPerLane];
-#pragma unroll
-          for (int i = 0; i < Tr::kRowsPerLane; ++i) {
-            const int r = p.active ? prog.row(p.m, p.n, g + 32 * Tr::kGatherWarps * i) : -1;
-            rows[i] = (r >= 0 && r < Cfg::kM) ? r : -1;   // -1: out of bounds, TMA writes zeros
-          }
-          const int n0 = p.n * Tr::BN;
-          for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-            const int s = it % Tr::kStages;
-            const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-            EmptyBar::wait(&empty_bar[s], phase ^ 1u);
-            if (!p.active) {                    // the partner's tile runs: pass the stage on, empty
-              if (g == 0) FullBar::arrive(&full_bar[s]);
-              continue;
-            }
-            const int k0 = kt * Tr::BK;
-            if (g == 0) {
-              FullBar::arrive_and_expect_tx(&full_bar[s], Tr::kTxBytes);   // A's rows and B
-              load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
-                              cl_rank);
-            }
-            load_a_rows<Cfg, Tr>(tma_a, &full_bar[s], smem + Tr::kOffA + s * Tr::kStageBytesA, k0, g, rows);
-          }
-        }
-      }
     } else if (warp == 0 && cute::elect_one_sync()) {
       int it = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -673,7 +460,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
           FullBar::wait(&full_bar[s], phase);
-          if constexpr (Tr::kCpAsync && !Tr::kCpAsyncPipe) fence_proxy_async_shared();   // cp.async data -> async proxy
+          if constexpr (Cfg::kGather) fence_proxy_async_shared();   // cp.async data -> async proxy
 #pragma unroll
           for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll

@@ -9,6 +9,7 @@ left to the simulator's dynamic deadlock detection.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 from ..errors import VerificationError
@@ -32,6 +33,12 @@ def _has_sync(block: Block, memo: dict) -> bool:
     return memo[id(block)]
 
 
+#: the most blocks the static channel analysis evaluates while a kernel is traced (about 14 µs each
+#: on a 2-core machine: a trace spends at most ~7 s on it); larger kernels are left to the
+#: simulator's dynamic detectors
+MAX_ITERATIONS = 500_000
+
+
 class SyncSites:
     def __init__(self):
         self.complete = True                     # False when the iteration budget ran out
@@ -39,23 +46,87 @@ class SyncSites:
         self.dynamic_signals: set[int] = set()   # signals with a notify at an unknown channel/rank
         self.waits: list = []                    # (op, rank, task, channel, count)
         self.stray: list = []                    # (op, rank, task, channel): notifies outside their signal
+        self.estimate: int = 0                   # blocks the enumeration was expected to evaluate
+        self.evaluated: int = 0                  # blocks it evaluated
+        self.weight: int = 1                     # tasks the one being evaluated stands for (_task_extents)
+        self.extents: tuple = ()                 # the grid extents enumerated for the part being evaluated
+        self.extents_of: dict[int, tuple] = {}   # id(wait op) -> its part's enumerated extents
+
+    def waits_at(self, rank: int, task: tuple) -> list:
+        """The waits task ``task`` of ``rank`` makes, in program order (``waits`` lists one task
+        per run of tasks that differ only along grid axes no synchronisation index reads)."""
+        return [w for w in self.waits if w[1] == rank and
+                w[2] == tuple(t if e > 1 else 0 for t, e in zip(task, self.extents_of[id(w[0])]))]
 
 
-def collect(kernel: Kernel, max_iterations: int = 2_000_000) -> SyncSites:
+def collect(kernel: Kernel, max_iterations: int = MAX_ITERATIONS) -> SyncSites:
+    """Every notify and wait each (rank, task) of ``kernel`` reaches, with the channels, ranks and
+    counts the index arithmetic gives them. Gives up (``complete`` False) where the enumeration
+    would evaluate more than ``max_iterations`` blocks — judged up front from a few sample tasks,
+    so that tracing a large kernel (a flash-attention part over 128k keys, say) does not spend
+    half a minute on an enumeration that would be cut off anyway."""
     sites = SyncSites()
     memo: dict = {}
-    budget = [max_iterations]
     ops_of = _sync_slice(kernel, memo)
+    sites.estimate = _estimated_iterations(kernel, memo, ops_of, max_iterations)
+    if sites.estimate > max_iterations:
+        sites.complete = False
+        return sites
+    budget = [max_iterations]
     for part in kernel.parts:
         if not _has_sync(part.body, memo):
             continue
+        extents, sites.weight = _task_extents(part, ops_of)
+        sites.extents = extents
         for rank in range(kernel.world_size):
-            for task in itertools.product(*(range(g) for g in part.grid)):
+            for task in itertools.product(*(range(g) for g in extents)):
                 _eval_block(part.body, {}, rank, task, sites, ops_of, budget)
+                sites.evaluated = max_iterations - budget[0]
                 if budget[0] <= 0:
                     sites.complete = False
                     return sites
+    sites.weight = 1
     return sites
+
+
+def _task_extents(part, ops_of: dict) -> tuple[tuple[int, ...], int]:
+    """The grid extents to enumerate, and how many tasks each evaluated one stands for: a grid axis
+    no index of the synchronisation reads (the heads of an attention part, say) gives every task
+    along it the same notifies and waits, so only its first task is evaluated and its notifies
+    count that axis's extent times."""
+    read: set[int] = set()
+    blocks = [part.body]
+    while blocks:
+        b = blocks.pop()
+        for op in ops_of.get(id(b), ()):
+            if op.name == "program_id":
+                read.add(op.attrs["axis"])
+            blocks += op.regions
+    extents = tuple(g if axis in read else 1 for axis, g in enumerate(part.grid))
+    return extents, math.prod(part.grid) // math.prod(extents)
+
+
+def _estimated_iterations(kernel: Kernel, memo: dict, ops_of: dict, max_iterations: int) -> int:
+    """The blocks a full enumeration would evaluate, extrapolated per part from three sample
+    (rank, task) pairs — the first, the middle and the last — whose mean stands for every pair
+    (a causal part's work grows linearly along its grid, so the mean of the ends and the middle
+    is its average)."""
+    total = 0
+    for part in kernel.parts:
+        if not _has_sync(part.body, memo):
+            continue
+        extents, _ = _task_extents(part, ops_of)
+        pairs = kernel.world_size * math.prod(extents)
+        W = kernel.world_size
+        samples = {(0, tuple(0 for _ in extents)), (W // 2, tuple(g // 2 for g in extents)),
+                   (W - 1, tuple(g - 1 for g in extents))}
+        used = 0
+        for rank, task in samples:
+            budget = [max_iterations]
+            _eval_block(part.body, {}, rank, task, SyncSites(), ops_of, budget)
+            used += max_iterations - budget[0]
+        total += used * pairs // len(samples)
+    return total
 
 
 #: the index arithmetic the evaluation computes; every other op's results are unknown
@@ -151,13 +222,14 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
             if UNKNOWN in (ch, target):
                 sites.dynamic_signals.add(sig)
             else:
-                sites.notifies[(sig, target, ch)] += 1
+                sites.notifies[(sig, target, ch)] += sites.weight
                 if not 0 <= ch < op.operands[0].type.slots:
                     sites.stray.append((op, rank, task, ch))
         elif name in WAIT_OPS:
             ch = _val(env, op.operands[1])
             cnt = _val(env, op.operands[2])
             sites.waits.append((op, rank, task, ch, cnt))
+            sites.extents_of[id(op)] = sites.extents
 
 
 def check_channels(kernel: Kernel) -> None:

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.gpu,
 PULL = dict(tile_m=128, mode="pull")
 
 
-def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None, Hkv=None, layout="contiguous"):
+def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None, Hkv=None, layout="contiguous",
+           softmax=None):
     import tldsl as tl
     from tldsl.codegen import lower_attention
     from tldsl.ops.sp_attention import sp_attention
@@ -29,7 +30,7 @@ def _lower(W, Sl, H, D, tile, causal, dtype, comm=None, stages=3, overlap=None, 
     k = sp_attention.trace(W, q, kv, kv, q, heads=H, kv_heads=Hkv, causal=causal, layout=layout,
                            compute=tl.ComputeSchedule(tile=tile, stages=stages),
                            comm=tl.CommSchedule(**(comm or PULL)))
-    return k, lower_attention(k, overlap=overlap)
+    return k, lower_attention(k, overlap=overlap, softmax=softmax)
 
 
 def _inputs(W, Sl, H, D, dtype, seed, Hkv=None):
@@ -78,10 +79,10 @@ def _check(o, ref, dtype, what):
 
 
 def _run(W, rank, Sl, H, D, tile, causal, dtype="float16", comm=None, stages=3, overlap=None, max_ctas=None,
-         seed=0, Hkv=None, layout="contiguous"):
+         seed=0, Hkv=None, layout="contiguous", softmax=None):
     import torch
     from tldsl.runtime.gpu.attention import AttentionKernel
-    k, la = _lower(W, Sl, H, D, tile, causal, dtype, comm, stages, overlap, Hkv, layout)
+    k, la = _lower(W, Sl, H, D, tile, causal, dtype, comm, stages, overlap, Hkv, layout, softmax)
     kern = AttentionKernel(la, max_ctas=max_ctas)
     q, k_all, v_all = _inputs(W, Sl, H, D, dtype, seed + 17 * rank, Hkv)
     o = torch.full_like(q, float("nan"))
@@ -90,7 +91,7 @@ def _run(W, rank, Sl, H, D, tile, causal, dtype="float16", comm=None, stages=3, 
     torch.cuda.synchronize()
     _check(o, _reference(q, k_all, v_all, H, D, rank, causal, layout), dtype,
            f"W={W} rank={rank} Sl={Sl} H={H} H_kv={Hkv or H} D={D} tile={tile} causal={causal} layout={layout} "
-           f"{dtype} stages={stages} overlap={la.config.overlap} grid={kern.grid}")
+           f"{dtype} stages={stages} overlap={la.config.overlap} softmax={la.config.softmax} grid={kern.grid}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -117,6 +118,18 @@ def test_persistent_ctas_reuse_the_q_buffer(causal):
     # 7 CTAs for 3 x 8 = 24 tiles: each CTA runs several tiles through the same Q / O buffer
     _run(2, 1, 1000, 3, 64, (128, 64, 64), causal, max_ctas=7)
     _run(2, 0, 700, 3, 128, (64, 128, 64), causal, max_ctas=5)
+
+
+@pytest.mark.parametrize("softmax", ["plain", "fold"])
+def test_softmax_variants(softmax):
+    """The kernel of before (plain) and the folded scale alone (fold) beside the default (split,
+    whose mask-free bodies every other test here runs):
+    causal blocks on and off the diagonal, partial shards, GQA, a zig-zag split, one warpgroup."""
+    _run(4, 3, 1024, 2, 128, (128, 128, 64), True, softmax=softmax)
+    _run(3, 2, 1000, 4, 128, (128, 128, 64), False, Hkv=2, dtype="bfloat16", softmax=softmax)
+    _run(2, 1, 1000, 4, 64, (64, 128, 64), True, dtype="bfloat16", softmax=softmax)
+    _run(4, 1, 1002, 4, 64, (128, 128, 64), True, dtype="bfloat16", Hkv=2, layout="zigzag", softmax=softmax)
+    _run(3, 2, 640, 2, 128, (128, 128, 64), True, stages=2, overlap=False, softmax=softmax)
 
 
 @pytest.mark.parametrize("D,tile", [(32, (64, 64, 64)), (16, (64, 16, 16)), (32, (128, 32, 32))])

@@ -19,6 +19,11 @@ from .wgmma import SMEM_LIMIT
 
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_N = (16, 32, 64, 128)
+#: the softmax variants: "plain" scales and masks every score (FMUL + select, FADD + EX2), "fold"
+#: folds the scale into one FFMA per exponential, "split" also gives key blocks that mask no key
+#: of a warpgroup's rows a mask-free body
+SOFTMAX = ("plain", "fold", "split")
+DEFAULT_SOFTMAX = "split"
 ACC_LIMIT = 128               # fp32 S + O values per consumer thread: (BN + D) / 2
 
 
@@ -39,6 +44,7 @@ class AttentionConfig:
     out_dtype: str
     causal: bool
     overlap: bool
+    softmax: str          # one of SOFTMAX: how the exponentials and masks are computed
     scale: float          # the score scale of the tile program
     fill: float           # the masked score value
     init_max: float       # the initial running max
@@ -86,7 +92,8 @@ def _smem_bytes(BM, BN, D, stages) -> int:
 
 
 def choose_config(m: AttentionMatch, sched: ComputeSchedule, grid, in_dtype: str, out_dtype: str, *,
-                  stages: int | None = None, overlap: bool | None = None, loc=None) -> AttentionConfig:
+                  stages: int | None = None, overlap: bool | None = None, softmax: str | None = None,
+                  loc=None) -> AttentionConfig:
     BM, BN, D = m.BM, m.BN, m.D
     if tuple(getattr(sched, "cluster", (1, 1))) != (1, 1):
         raise fail(WHAT, f"cluster {sched.cluster}: the attention lowering runs one CTA per tile (use (1, 1))", loc)
@@ -114,6 +121,9 @@ def choose_config(m: AttentionMatch, sched: ComputeSchedule, grid, in_dtype: str
     if ov and st < 2:
         raise fail(WHAT, "overlap=True needs at least 2 stages (the previous block's V stays resident while the next "
                          "block's S is computed)", loc)
+    sm = DEFAULT_SOFTMAX if softmax is None else softmax
+    if sm not in SOFTMAX:
+        raise fail(WHAT, f"softmax={sm!r}: choose one of {', '.join(SOFTMAX)}", loc)
     wgs = BM // 64
     # producer 40 / consumers 232 registers (setmaxnreg; 128*40 + 256*232 <= 64K). Also with one
     # consumer warpgroup: capped at 232, ptxas allocates the S, P and O fragments without
@@ -121,7 +131,8 @@ def choose_config(m: AttentionMatch, sched: ComputeSchedule, grid, in_dtype: str
     regs = (40, 232)
     gm, gn = (grid[0], grid[1]) if len(grid) == 2 else (grid[0], 1)
     return AttentionConfig(BM, BN, D, st, sched.order, sched.group_m, (gm, gn), wgs, regs[0], regs[1], in_dtype,
-                           out_dtype, m.causal, ov, m.scale, m.fill, m.init_max)
+                           out_dtype, m.causal, ov, sm, m.scale,
+                           m.fill, m.init_max)
 
 
 # -- the control code ----------------------------------------------------------------------------
@@ -184,13 +195,14 @@ class AttentionPlan:
 
 
 def plan_attention(kernel: core.Kernel, part: core.Part, m: AttentionMatch, *, stages: int | None = None,
-                   overlap: bool | None = None, wait_timeout_ns: int | None = None,
-                   entry: str | None = None) -> AttentionPlan:
+                   overlap: bool | None = None, softmax: str | None = None,
+                   wait_timeout_ns: int | None = None, entry: str | None = None) -> AttentionPlan:
     """The configuration and ABI of ``part``'s flash-attention kernel.
 
     ``stages`` overrides the compute schedule's pipeline depth; ``overlap`` turns the
     intra-warpgroup overlap (P V of a block during the next block's softmax) on or off (default:
-    on with >= 2 stages); ``wait_timeout_ns`` compiles the waits with a timeout that traps."""
+    on with >= 2 stages); ``softmax`` picks one of :data:`SOFTMAX` (default ``"split"``);
+    ``wait_timeout_ns`` compiles the waits with a timeout that traps."""
     sched = kernel.compute_schedule or ComputeSchedule()
     qbuf, kbuf, vbuf, obuf = (m.q_load.operands[0].owner, m.k_load.operands[0].owner, m.v_load.operands[0].owner,
                               m.store.operands[0].owner)
@@ -202,7 +214,7 @@ def plan_attention(kernel: core.Kernel, part: core.Part, m: AttentionMatch, *, s
     if len(obuf.type.shape) != 2:
         raise fail(WHAT, f"the output '{obuf.name}' must be 2-d", m.store)
     cfg = choose_config(m, sched, part.grid, in_dt, obuf.type.dtype.name, stages=stages, overlap=overlap,
-                        loc=part.loc)
+                        softmax=softmax, loc=part.loc)
     for b in (qbuf, kbuf, vbuf, obuf):
         if (b.type.shape[1] * 2) % 16:
             raise fail(WHAT, f"TMA needs 16-byte aligned rows: '{b.name}' rows are {b.type.shape[1] * 2} bytes "

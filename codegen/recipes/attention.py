@@ -28,11 +28,21 @@ Design:
   S_j and then P_{j-1} V_{j-1}, so that P V runs on the tensor cores during block j's softmax;
   the first block of a tile issues a P V with P = 0 on its own V stage, which keeps every
   WGMMA out of data-dependent branches (ptxas serialises WGMMAs otherwise). Masks are selects.
+* **Folded scale, mask-free blocks** (``softmax``): with ``"fold"`` exponentials are
+  ``2^(s c - m)`` with ``c = scale log2 e``: one FFMA + EX2 per score, the row max taken over
+  the raw scores and scaled once (``"plain"``: FMUL, FADD and EX2 per score, the kernel of
+  before). ``"split"`` (the default) also gives a key block that masks no key of a consumer
+  warpgroup's 64 rows (inside the shard, wholly below the causal diagonal) a second
+  instantiation of the block body without the mask selects; the branch between the two bodies
+  is warpgroup-uniform and no WGMMA is in flight across it (each body issues and retires the
+  same WGMMA sequence). Its two bodies push ptxas over the 168 registers of a 384-thread block:
+  a few tile-level values spill (stored once per tile, reloaded for the epilogue). On the H200
+  (BENCHMARKS.md, sixteenth session) split ran 1.23-1.25x faster than fold non-causal and
+  1.12-1.15x causal at S 8192, W 2.
 * **Simplified against a production FA3-class kernel**: no thread-block clusters / TMA
   multicast of K and V; no ping-pong ordering of the two consumer warpgroups (their softmax
-  and WGMMAs interleave only as the warp schedulers find them); the mask is applied with
-  selects on every block (no separate unmasked path); exponentials take FMUL + FADD + EX2 per
-  score (no scale folded into one FFMA); K and V share a stage and are released together; O is
+  and WGMMAs interleave only as the warp schedulers find them); K and V share a stage and are
+  released together; O is
   staged through the Q buffer, so a persistent CTA's next tile (its Q, then its K/V) waits for
   the previous tile's store; no FP8; D <= 128, BM <= 128.
 """
@@ -91,7 +101,8 @@ class LoweredAttention(LoweredKernel):
                  f"{' causal' if c.causal else ''}, scale {c.scale:.6g}",
                  f"  tile BM={c.BM} BN={c.BN} D={c.D}, {c.stages} stages, order {c.order}, "
                  f"{c.consumer_wgs} consumer warpgroup(s) + 1 producer ({c.threads} threads), "
-                 f"{c.acc_per_thread} fp32 acc/thread, smem {c.smem_bytes} B, overlap={c.overlap}",
+                 f"{c.acc_per_thread} fp32 acc/thread, smem {c.smem_bytes} B, overlap={c.overlap}, "
+                 f"softmax {c.softmax}",
                  f"  tiles {c.grid[0]}x{c.grid[1]} = {c.num_tiles}, persistent; key shards of {self.shard_rows} rows; "
                  f"{self.waits} wait(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
@@ -237,7 +248,8 @@ def _emit_source(plan: AttentionPlan, control: str) -> str:
         f"  static constexpr int kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
         f"  static constexpr bool kCausal = {'true' if cfg.causal else 'false'}, "
-        f"kOverlap = {'true' if cfg.overlap else 'false'};",
+        f"kOverlap = {'true' if cfg.overlap else 'false'}, kFoldScale = {'true' if cfg.softmax != 'plain' else 'false'}, "
+        f"kMaskFree = {'true' if cfg.softmax == 'split' else 'false'};",
         f"  static constexpr float kScaleLog2 = {_c_float(cfg.scale * LOG2E)};   // scale {cfg.scale!r} * log2(e)",
         f"  static constexpr float kFillLog2 = {_c_float(cfg.fill * LOG2E)};    // masked score {cfg.fill!r}",
         f"  static constexpr float kInitLog2 = {_c_float(cfg.init_max * LOG2E)};    // initial max {cfg.init_max!r}",
@@ -274,15 +286,16 @@ def render_attention(plan: AttentionPlan) -> LoweredAttention:
 
 
 RECIPE = Recipe("attention", "compute", 10, match_attention, plan_attention, render_attention,
-                options=frozenset({"stages", "overlap", "wait_timeout_ns", "entry"}),
+                options=frozenset({"stages", "overlap", "softmax", "wait_timeout_ns", "entry"}),
                 summary="flash attention forward")
 
 
 def lower_attention(kernel: core.Kernel, part: str | core.Part | None = None, *, stages: int | None = None,
-                    overlap: bool | None = None, wait_timeout_ns: int | None = None,
-                    entry: str | None = None) -> LoweredAttention:
+                    overlap: bool | None = None, softmax: str | None = None,
+                    wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredAttention:
     """Lower ``kernel``'s flash-attention compute part (the only one, or the one named) to a
     Hopper kernel: this recipe's match → plan → render, with the matcher's error (at the user's
     line) when the part does not fit. Options: :func:`..plan.attention.plan_attention`."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
-    return RECIPE.run(kernel, p, stages=stages, overlap=overlap, wait_timeout_ns=wait_timeout_ns, entry=entry)
+    return RECIPE.run(kernel, p, stages=stages, overlap=overlap, softmax=softmax,
+                      wait_timeout_ns=wait_timeout_ns, entry=entry)

@@ -1,7 +1,7 @@
 """The generated attention kernel beside torch's default attention on one GPU (issue 20's rows).
 
     python -m tldsl.bench attention [--seqs 4096,8192,16384,32768] [--ranks 2,4] [--dtypes bfloat16,float16]
-                                    [--masks full,causal] [--heads 32/32,32/8] [--iters 10]
+                                    [--masks full,causal] [--heads 32/32,32/8] [--softmax fold,plain] [--iters 10]
 
 One row per (dtype, S per rank, W, mask, heads): this GPU plays the last rank of ``W``, its
 ``S`` queries against the ``W * S`` gathered keys (d = 128), every signal the kernel waits on
@@ -10,11 +10,14 @@ is ``torch.nn.functional.scaled_dot_product_attention`` with its default backend
 Hopper) on the same tensors; causal rows use torch's lower-right mask (``causal_lower_right``:
 the last rank's queries see every earlier key, and their own causally — the global causal mask).
 Each row is checked against SDPA first (max error over the RMS), then both are timed
-interleaved (CUDA events, median). TFLOP/s count the attended (query, key) pairs only.
+interleaved (CUDA events, median). TFLOP/s count the attended (query, key) pairs only. With several
+``--softmax`` variants (the kernel's ``softmax`` option) each row times every variant and SDPA in
+the same interleaved rounds, one table line per variant.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -56,8 +59,10 @@ def rows(seqs, ranks, dtypes, masks, heads) -> list[Row]:
             for hq, hkv in heads]
 
 
-def _lowered(row: Row, tile, stages):
-    """The traced ``sp_attention`` for ``row`` and its lowered attention part."""
+@functools.lru_cache(maxsize=None)
+def _lowered(row: Row, tile, stages, softmax=None):
+    """The traced ``sp_attention`` for ``row`` and its lowered attention part (once per row and
+    variant: the compile batch and the timed row share it)."""
     import tldsl as tl
     from tldsl.codegen import lower_attention
     from tldsl.ops.sp_attention import sp_attention
@@ -67,35 +72,44 @@ def _lowered(row: Row, tile, stages):
                            kv_heads=row.kv_heads if row.kv_heads != row.heads else None, causal=row.causal,
                            compute=tl.ComputeSchedule(tile=tile, stages=stages),
                            comm=tl.CommSchedule(tile_m=128, mode="pull"))
-    return k, lower_attention(k)
+    return k, lower_attention(k, softmax=softmax)
 
 
-def _kernel(row: Row, tile, stages, compiled=None):
+def _kernel(row: Row, tile, stages, compiled=None, softmax=None):
     """The lowered attention part of ``sp_attention`` for ``row`` and its launcher."""
     from tldsl.runtime.gpu.attention import AttentionKernel
-    k, lowered = _lowered(row, tile, stages)
+    k, lowered = _lowered(row, tile, stages, softmax)
     return k, lowered, AttentionKernel(lowered, compiled=compiled)
 
 
-def compile_rows(todo: list[Row], tile, stages) -> dict:
-    """Every row's kernel compiled at once (one NVRTC process per core): each row's shapes are
+def compile_rows(todo: list[Row], tile, stages, softmaxes=(None,)) -> dict:
+    """Every row's kernel (one per softmax variant; keys ``row`` for the default variant ``None``,
+    else ``(row, variant)``) compiled at once (one NVRTC process per core): each row's shapes are
     compile-time constants, so the grid's 64 rows are 64 kernels, minutes one after another."""
     from tldsl.codegen.toolchain.compiler import compile_many
     from tldsl.errors import CompilationError
-    jobs = [_lowered(row, tile, stages)[1].job() for row in todo]
+    keys = [row if sm is None else (row, sm) for row in todo for sm in softmaxes]
+    jobs = [_lowered(row, tile, stages, sm)[1].job() for row in todo for sm in softmaxes]
     try:
-        return dict(zip(todo, compile_many(jobs, progress=False)))
+        return dict(zip(keys, compile_many(jobs, progress=False)))
     except CompilationError:        # each row compiles on its own, so the failing one is reported in its row
         return {}
 
 
-def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compiled=None) -> dict:
+def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compiled=None, softmax=None) -> dict:
     """Check, then time, one row: ``{ms, torch_ms, tflops, torch_tflops, ratio, err}``."""
+    return bench_variants(row, iters, tile, stages, {softmax: compiled})[softmax]
+
+
+def bench_variants(row: Row, iters: int, tile, stages, compiled: dict) -> dict:
+    """Check each softmax variant of ``row``'s kernel (``compiled``: variant -> cubin or None),
+    then time them all and SDPA in the same interleaved rounds: variant -> the row's figures."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
     from .timing import interleaved_ms
-    k, lowered, kern = _kernel(row, tile, stages, compiled)
+    kerns = {sm: _kernel(row, tile, stages, cub, sm) for sm, cub in compiled.items()}
+    k, lowered, _ = next(iter(kerns.values()))
     t = getattr(torch, row.dtype)
     g = torch.Generator(device="cuda").manual_seed(row.seq + row.ranks)
     q = torch.randn(row.seq, row.heads * D, device="cuda", dtype=t, generator=g)
@@ -113,22 +127,26 @@ def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compil
     mask = causal_lower_right(row.seq, row.keys) if row.causal else None
     gqa = row.heads != row.kv_heads
 
-    def ours():
-        kern(bufs, signals=signals, rank=rank)
+    def ours(kern):
+        return lambda: kern(bufs, signals=signals, rank=rank)
 
     def theirs():
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-    ours()
     want = theirs()[0].transpose(0, 1).reshape(row.seq, row.heads * D).float()
-    torch.cuda.synchronize()
-    err = float((o.float() - want).abs().max()) / (float(want.pow(2).mean().sqrt()) or 1.0)
-    if not err <= CHECK_TOL:
-        raise RuntimeError(f"{row.label()}: the generated kernel differs from SDPA by {err:.3g} x RMS "
-                           f"(tolerance {CHECK_TOL}); not timed")
-    ms, torch_ms = interleaved_ms([ours, theirs], iters=iters)
+    errs = {}
+    for sm, (_, _, kern) in kerns.items():
+        o.fill_(float("nan"))
+        ours(kern)()
+        torch.cuda.synchronize()
+        err = float((o.float() - want).abs().max()) / (float(want.pow(2).mean().sqrt()) or 1.0)
+        if not err <= CHECK_TOL:
+            raise RuntimeError(f"{row.label()}: the generated kernel (softmax {sm or 'default'}) differs from SDPA "
+                               f"by {err:.3g} x RMS (tolerance {CHECK_TOL}); not timed")
+        errs[sm] = err
+    *mss, torch_ms = interleaved_ms([ours(kern) for _, _, kern in kerns.values()] + [theirs], iters=iters)
     f = row.flops()
-    return dict(ms=ms, torch_ms=torch_ms, tflops=f / ms / 1e9, torch_tflops=f / torch_ms / 1e9,
-                ratio=torch_ms / ms, err=err)
+    return {sm: dict(ms=ms, torch_ms=torch_ms, tflops=f / ms / 1e9, torch_tflops=f / torch_ms / 1e9,
+                     ratio=torch_ms / ms, err=errs[sm]) for sm, ms in zip(kerns, mss)}
 
 
 def _ints(text: str) -> list[int]:
@@ -162,6 +180,7 @@ def _names(allowed):
 
 
 def parse_args(argv):
+    from tldsl.codegen.plan.attention import SOFTMAX
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench attention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=_ints, default=[4096, 8192, 16384, 32768], help="queries per rank")
@@ -171,6 +190,8 @@ def parse_args(argv):
     ap.add_argument("--heads", type=_heads, default=[(32, 32), (32, 8)], help="query/KV heads: MHA 32/32, GQA 32/8")
     ap.add_argument("--tile", type=_ints, default=[128, 128, 64], help="BM,BN,BK of the compute schedule")
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--softmax", type=_names(SOFTMAX), default=None,
+                    help="the kernel's softmax variants, timed side by side (default: the lowering's default)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     if len(args.tile) != 3:
@@ -183,18 +204,23 @@ def main(argv, out=sys.stdout) -> int:
     todo = rows(args.seqs, args.ranks, args.dtypes, args.masks, args.heads)
     print(f"# attention forward, d={D}, this GPU as the last of W ranks; ms (median of {args.iters}, interleaved)",
           file=out)
-    print("| row | tldsl ms | TFLOP/s | SDPA ms | TFLOP/s | tldsl / SDPA speed | max err / RMS |\n"
-          "|---|---|---|---|---|---|---|", file=out, flush=True)
-    compiled = compile_rows(todo, tuple(args.tile), args.stages)
+    sms = args.softmax or [None]
+    many = args.softmax is not None
+    print(f"| row |{' softmax |' if many else ''} tldsl ms | TFLOP/s | SDPA ms | TFLOP/s | tldsl / SDPA speed | "
+          f"max err / RMS |\n|---|{'---|' if many else ''}---|---|---|---|---|---|", file=out, flush=True)
+    compiled = compile_rows(todo, tuple(args.tile), args.stages, sms)
     failed = 0
     for row in todo:
         try:
-            r = bench_row(row, args.iters, tuple(args.tile), args.stages, compiled.get(row))
+            got = bench_variants(row, args.iters, tuple(args.tile), args.stages,
+                                 {sm: compiled.get(row if sm is None else (row, sm)) for sm in sms})
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
-            print(f"| {row.label()} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | | |",
-                  file=out, flush=True)
+            print(f"| {row.label()} |{' |' if many else ''} failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]} | | | | | |", file=out, flush=True)
             continue
-        print(f"| {row.label()} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['torch_ms']:.3f} | {r['torch_tflops']:.0f} | "
-              f"{r['ratio']:.2f} | {r['err']:.1e} |", file=out, flush=True)
+        for sm, r in got.items():
+            print(f"| {row.label()} |{f' {sm} |' if many else ''} {r['ms']:.3f} | {r['tflops']:.0f} | "
+                  f"{r['torch_ms']:.3f} | {r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r['err']:.1e} |",
+                  file=out, flush=True)
     return 1 if failed else 0

@@ -82,6 +82,22 @@ struct SplitKeyBlock : KeyBlock {
 TLDSL_CONTROL int query_shift(const KeyBlock&, int) { return 0; }
 TLDSL_CONTROL int query_shift(const SplitKeyBlock& b, int row) { return row < b.q_split ? 0 : b.q_pos1 - b.q_pos0; }
 
+// The causal position of the first of query rows [r0, r1) of the tile, and of the first row of
+// the second run when it starts inside: the smallest position of the range (each run ascends).
+TLDSL_CONTROL int min_query_pos(const KeyBlock& b, int r0, int) { return b.q_pos0 + r0; }
+TLDSL_CONTROL int min_query_pos(const SplitKeyBlock& b, int r0, int r1) {
+  const int p = b.q_pos0 + query_shift(b, r0) + r0;
+  const int p1 = b.q_pos1 + b.q_split;
+  return (b.q_split > r0 && b.q_split < r1 && p1 < p) ? p1 : p;
+}
+
+// Whether the block masks any key of query rows [r0, r1): keys past the shard end (valid < bn)
+// or, when causal, keys past a row's position. Blocks that mask none take the mask-free softmax.
+template <class B>
+TLDSL_CONTROL bool block_needs_mask(const B& b, int bn, bool causal, int r0, int r1) {
+  return b.valid < bn || (causal && min_query_pos(b, r0, r1) - b.key_pos0 < bn - 1);
+}
+
 }  // namespace attn
 }  // namespace tldsl
 
@@ -96,6 +112,8 @@ namespace sm90 {
 //   Cfg::Elem (q/k/v), Cfg::ElemO (o), Cfg::GmmaS (MMA_64xBNx16_*_SS<K, K>),
 //   Cfg::GmmaO (MMA_64xDx16_*_RS<K, MN>), BM, BN, D, kStages, kConsumerWGs, kOrder, kGroupM,
 //   kWorldSize, kAlignShift, kGridM, kGridN, kProducerRegs, kConsumerRegs, kCausal, kOverlap,
+//   kFoldScale (the scale folded into the exponent's FFMA), kMaskFree (a mask-free body for key
+//   blocks that mask nothing),
 //   kScaleLog2 (scale * log2 e), kFillLog2 (masked score * log2 e), kInitLog2 (initial max).
 template <class Cfg>
 struct AttnTraits {
@@ -173,34 +191,56 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
 // (log2 domain) and this thread's partial row sums; alpha: the rescale factors of this block.
 // Masking is done with selects, not branches: a WGMMA may be in flight meanwhile, and ptxas
 // serialises WGMMAs whose registers are live across divergent code.
-template <class Cfg>
+// kFold (Cfg::kFoldScale): the scale is folded into the exponent, P = 2^(s c - m) by one FFMA
+// and one EX2 per score (c = scale log2 e, m already in the log2 domain), the row max taken over
+// the kept raw scores and scaled once (c > 0: rounding is monotone, so fl(c max s) = max fl(c s));
+// without kMasked no key is masked (lim ignored, no selects). Otherwise every score is scaled and
+// masked first (FMUL + select), then P = 2^(s' - m) (FADD + EX2): the kernel of before.
+template <class Cfg, bool kMasked>
 __device__ __forceinline__ void softmax_block(float* s, float (&m)[2], float (&l)[2], float (&alpha)[2],
                                               const int (&lim)[2], int lane) {
   using Tr = AttnTraits<Cfg>;
+  constexpr bool kFold = Cfg::kFoldScale;
+  constexpr float c = Cfg::kScaleLog2;
   const int c0 = 2 * (lane % 4);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int lh = lim[h] - c0;                   // column 8j + e is kept iff 8j + e <= lh
     float mx = m[h];
+    if constexpr (kFold && c > 0.0f) {
+      float r = -__int_as_float(0x7f800000);      // the max of the kept raw scores
 #pragma unroll
-    for (int j = 0; j < Tr::BN / 8; ++j) {
+      for (int j = 0; j < Tr::BN / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * j + 2 * h + e];
-        x = (8 * j + e <= lh) ? x * Cfg::kScaleLog2 : Cfg::kFillLog2;
-        mx = fmaxf(mx, x);
+        for (int e = 0; e < 2; ++e)
+          r = fmaxf(r, (!kMasked || 8 * j + e <= lh) ? s[4 * j + 2 * h + e] : -__int_as_float(0x7f800000));
+      mx = fmaxf(mx, r * c);
+      // a masked score counts as the fill value (lim[h] is the same in the row's 4 lanes)
+      if constexpr (kMasked) mx = lim[h] < Tr::BN - 1 ? fmaxf(mx, Cfg::kFillLog2) : mx;
+    } else {
+#pragma unroll
+      for (int j = 0; j < Tr::BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          const float y = (!kMasked || 8 * j + e <= lh) ? x * c : Cfg::kFillLog2;
+          if constexpr (!kFold) x = y;
+          mx = fmaxf(mx, y);
+        }
       }
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     alpha[h] = ex2(m[h] - mx);
+    const float nmx = -mx;
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < Tr::BN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * j + 2 * h + e];
-        const float p = (8 * j + e <= lh) ? ex2(x - mx) : 0.0f;
+        const float t = kFold ? fmaf(x, c, nmx) : x - mx;
+        const float p = (!kMasked || 8 * j + e <= lh) ? ex2(t) : 0.0f;
         x = p;
         sum += p;
       }
@@ -356,6 +396,90 @@ __device__ __forceinline__ void attention_kernel(const cute::TmaDescriptor* tma_
         if (tid == 0) EmptyBar::arrive(&empty_kv[st]);   // K and V of this stage are consumed
       };
 
+      // One key block (a KeyBlock or a SplitKeyBlock); kMasked: some key of this warpgroup's rows
+      // is masked (always, without kMaskFree).
+      auto key_block = [&](const auto& b, auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
+        const int st = it % Tr::kStages;
+        const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+        ++it;
+        // ---- S = Q K^T ----
+        FullBar::wait(&full_k[st], phase);
+        const uint32_t k_base = smem_u32 + Tr::kOffK + st * Tr::kStageStride;
+#pragma unroll
+        for (int i = 0; i < Tr::kSAcc; ++i) cute::warpgroup_fence_operand(s[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < Tr::D / 16; ++kk) {
+          const uint32_t off = ((kk * 16) % Tr::E) * Tr::kElemBytes;   // k16 step inside a chunk
+          const uint32_t qa = q_base + (kk * 16 / Tr::E) * Tr::kChunkBytesQ + off;
+          const uint32_t ka = k_base + (kk * 16 / Tr::E) * Tr::kChunkBytesKV + off;
+          gmma_ss<typename Cfg::GmmaS>(Tr::kDescQK | uint64_t((qa & 0x3FFFF) >> 4),
+                                       Tr::kDescQK | uint64_t((ka & 0x3FFFF) >> 4), s,
+                                       kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero
+                                               : cute::SM90::GMMA::ScaleOut::One,
+                                       kSeqS);
+        }
+        cute::warpgroup_commit_batch();
+        if constexpr (Cfg::kOverlap) {
+          if (!pending) {                         // first block: P = 0 on this block's V
+            pv_stage = st;
+            pv_phase = phase;
+          }
+          FullBar::wait(&full_v[pv_stage], pv_phase);
+          issue_pv(pv_stage);                     // behind S in the WGMMA queue
+          cute::warpgroup_wait<1>();              // S is done, P V may still run
+        } else {
+          cute::warpgroup_wait<0>();
+        }
+#pragma unroll
+        for (int i = 0; i < Tr::kSAcc; ++i) cute::warpgroup_fence_operand(s[i]);
+
+        // ---- online softmax ----
+        float alpha[2];
+        int lim[2];
+        if constexpr (Cfg::kCausal) {
+          const int d0 = b.q_pos0 - b.key_pos0;
+          lim[0] = imin(b.valid - 1, d0 + attn::query_shift(b, row0) + row0);
+          lim[1] = imin(b.valid - 1, d0 + attn::query_shift(b, row0 + 8) + row0 + 8);
+        } else {
+          lim[0] = lim[1] = b.valid - 1;
+        }
+        softmax_block<Cfg, kMasked>(s, m, l, alpha, lim, lane);
+
+        if constexpr (Cfg::kOverlap) {
+          cute::warpgroup_wait<0>();              // O is complete up to the previous block
+#pragma unroll
+          for (int i = 0; i < Tr::kOAcc; ++i) cute::warpgroup_fence_operand(o[i]);
+          if (pending) release(pv_stage);
+        }
+        // ---- O = O * alpha; P -> A fragments (the accumulator layout of S is that of A) ----
+#pragma unroll
+        for (int j = 0; j < Tr::D / 8; ++j) {
+          o[4 * j + 0] *= alpha[0];
+          o[4 * j + 1] *= alpha[0];
+          o[4 * j + 2] *= alpha[1];
+          o[4 * j + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < Tr::BN / 16; ++kk)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) pa[kk][q] = pack2<Elem>(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
+
+        if constexpr (Cfg::kOverlap) {
+          pending = true;
+          pv_stage = st;
+          pv_phase = phase;
+        } else {
+          FullBar::wait(&full_v[st], phase);
+          issue_pv(st);
+          cute::warpgroup_wait<0>();
+#pragma unroll
+          for (int i = 0; i < Tr::kOAcc; ++i) cute::warpgroup_fence_operand(o[i]);
+          release(st);
+        }
+      };
+
       prog.template run<false>(
           tc.m, tc.n,
           [&](const TileInfo& ti) {
@@ -363,83 +487,14 @@ __device__ __forceinline__ void attention_kernel(const cute::TmaDescriptor* tma_
             FullBar::wait(full_q, uint32_t(tile_iter & 1));
           },
           [&](const auto& b) {                        // a KeyBlock or a SplitKeyBlock
-            const int st = it % Tr::kStages;
-            const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-            ++it;
-            // ---- S = Q K^T ----
-            FullBar::wait(&full_k[st], phase);
-            const uint32_t k_base = smem_u32 + Tr::kOffK + st * Tr::kStageStride;
-#pragma unroll
-            for (int i = 0; i < Tr::kSAcc; ++i) cute::warpgroup_fence_operand(s[i]);
-            cute::warpgroup_arrive();
-#pragma unroll
-            for (int kk = 0; kk < Tr::D / 16; ++kk) {
-              const uint32_t off = ((kk * 16) % Tr::E) * Tr::kElemBytes;   // k16 step inside a chunk
-              const uint32_t qa = q_base + (kk * 16 / Tr::E) * Tr::kChunkBytesQ + off;
-              const uint32_t ka = k_base + (kk * 16 / Tr::E) * Tr::kChunkBytesKV + off;
-              gmma_ss<typename Cfg::GmmaS>(Tr::kDescQK | uint64_t((qa & 0x3FFFF) >> 4),
-                                           Tr::kDescQK | uint64_t((ka & 0x3FFFF) >> 4), s,
-                                           kk == 0 ? cute::SM90::GMMA::ScaleOut::Zero
-                                                   : cute::SM90::GMMA::ScaleOut::One,
-                                           kSeqS);
-            }
-            cute::warpgroup_commit_batch();
-            if constexpr (Cfg::kOverlap) {
-              if (!pending) {                         // first block: P = 0 on this block's V
-                pv_stage = st;
-                pv_phase = phase;
-              }
-              FullBar::wait(&full_v[pv_stage], pv_phase);
-              issue_pv(pv_stage);                     // behind S in the WGMMA queue
-              cute::warpgroup_wait<1>();              // S is done, P V may still run
+            if constexpr (Cfg::kMaskFree) {
+              // the same WGMMA sequence in both bodies, none in flight across the branch
+              if (attn::block_needs_mask(b, Tr::BN, Cfg::kCausal, cw * 64, cw * 64 + 64))
+                key_block(b, cuda::std::true_type{});
+              else
+                key_block(b, cuda::std::false_type{});
             } else {
-              cute::warpgroup_wait<0>();
-            }
-#pragma unroll
-            for (int i = 0; i < Tr::kSAcc; ++i) cute::warpgroup_fence_operand(s[i]);
-
-            // ---- online softmax ----
-            float alpha[2];
-            int lim[2];
-            if constexpr (Cfg::kCausal) {
-              const int d0 = b.q_pos0 - b.key_pos0;
-              lim[0] = imin(b.valid - 1, d0 + attn::query_shift(b, row0) + row0);
-              lim[1] = imin(b.valid - 1, d0 + attn::query_shift(b, row0 + 8) + row0 + 8);
-            } else {
-              lim[0] = lim[1] = b.valid - 1;
-            }
-            softmax_block<Cfg>(s, m, l, alpha, lim, lane);
-
-            if constexpr (Cfg::kOverlap) {
-              cute::warpgroup_wait<0>();              // O is complete up to the previous block
-#pragma unroll
-              for (int i = 0; i < Tr::kOAcc; ++i) cute::warpgroup_fence_operand(o[i]);
-              if (pending) release(pv_stage);
-            }
-            // ---- O = O * alpha; P -> A fragments (the accumulator layout of S is that of A) ----
-#pragma unroll
-            for (int j = 0; j < Tr::D / 8; ++j) {
-              o[4 * j + 0] *= alpha[0];
-              o[4 * j + 1] *= alpha[0];
-              o[4 * j + 2] *= alpha[1];
-              o[4 * j + 3] *= alpha[1];
-            }
-#pragma unroll
-            for (int kk = 0; kk < Tr::BN / 16; ++kk)
-#pragma unroll
-              for (int q = 0; q < 4; ++q) pa[kk][q] = pack2<Elem>(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
-
-            if constexpr (Cfg::kOverlap) {
-              pending = true;
-              pv_stage = st;
-              pv_phase = phase;
-            } else {
-              FullBar::wait(&full_v[st], phase);
-              issue_pv(st);
-              cute::warpgroup_wait<0>();
-#pragma unroll
-              for (int i = 0; i < Tr::kOAcc; ++i) cute::warpgroup_fence_operand(o[i]);
-              release(st);
+              key_block(b, cuda::std::true_type{});
             }
           });
       if constexpr (Cfg::kOverlap) {

@@ -496,27 +496,6 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
     assert lks["gated_gemm-8192x8192x8192"].wgmma_dots == 2 and lks["attention_like-f16-wgmma"].wgmma_dots == 2
 
 
-@pytest.mark.nvrtc
-@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
-def test_generated_programs_run_every_dot_on_tensor_cores(tmp_path):
-    """The fuzzer's programs (40 of its seed below): every kernel of the general lowering with a
-    dot shows HGMMA for its dots on WGMMA and HMMA for the rest, and no trap."""
-    if tcm.find_toolchain().cuobjdump is None:
-        pytest.skip("cuobjdump missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-    from tldsl.codegen.recipes.general import LoweredGeneral
-    from tldsl.testing.program_case import FuzzCase
-    from tldsl.testing.program_families import generate_distinct
-    lks = []
-    for i, p in generate_distinct(40, FUZZ_SEED):
-        k = FuzzCase(p, f"fuzz seed {FUZZ_SEED} program {i}").trace()
-        lks += [lk for lk in (lower(k, q.name) for q in k.parts) if isinstance(lk, LoweredGeneral) and lk.dots]
-    assert sum(lk.wgmma_dots for lk in lks) and sum(lk.dots - lk.wgmma_dots for lk in lks)    # both kinds
-    for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
-        sass = ck.sass()[ck.name]
-        assert sass.count("BPT.TRAP") == 0, lk.entry
-        assert not tensor_core_problems(sass, lk.wgmma_dots, lk.dots - lk.wgmma_dots), lk.describe()
-
-
 def _library_kernels():
     from test_codegen_attention import trace_sp
     from test_codegen_comm import rs_kernel

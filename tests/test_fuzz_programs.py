@@ -215,7 +215,8 @@ def test_a_gpu_fault_stops_the_comparisons_instead_of_failing_every_later_progra
 def test_fifty_fresh_programs_simulate_lower_and_compile(tmp_path, monkeypatch, capsys):
     """Issue 18's CI check: 50 programs the fuzzer has not shown before — a new seed every day
     (``TLDSL_FUZZ_SEED`` replays one) — simulate, lower every part (no "no lowering recognises")
-    and compile with NVRTC, with nothing crashing. The seed is in the report of a failure."""
+    and compile with NVRTC, with nothing crashing; every kernel with a dot shows each dot on the
+    tensor cores in its SASS and no trap (``--sass``). The seed is in the report of a failure."""
     import datetime
     import os
     from tldsl.codegen import toolchain as tcm
@@ -224,9 +225,29 @@ def test_fifty_fresh_programs_simulate_lower_and_compile(tmp_path, monkeypatch, 
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
     seed = int(os.environ.get("TLDSL_FUZZ_SEED") or datetime.date.today().strftime("%Y%m%d"))
     monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
-    status = fuzz_main(["--programs", "50", "--seed", str(seed)])
+    status = fuzz_main(["--programs", "50", "--seed", str(seed), "--sass"])
     out = capsys.readouterr().out
     summary = next(ln for ln in out.splitlines() if ln.startswith("50 programs:"))
     assert status == 0 and "0 failed in the simulator" in summary and ", 0 not lowered yet" in summary, \
         f"seed {seed} (TLDSL_FUZZ_SEED={seed} replays it):\n{out[-6000:]}"
     assert re.search(r"(\d+)/\1 kernels compiled", summary), summary
+    # issue 18 item 3, on each fresh program: every dot on the tensor cores, no trap
+    checked = re.search(r"(\d+) with dots checked in SASS, 0 wrong", summary)
+    assert checked and int(checked.group(1)) > 0, summary
+
+
+def test_the_sass_check_names_a_dot_off_the_tensor_cores_and_a_trap():
+    """``--sass``'s check on a kernel whose listing has a scalar loop where its two dots should be
+    (one on WGMMA, one on mma.sync) and a trap; a trap is allowed where the waits time out."""
+    from types import SimpleNamespace
+    from tldsl.codegen.toolchain.sass import KernelSass
+    from tldsl.testing.fuzz import check_sass
+    listing = KernelSass("k", ["FFMA", "FFMA", "BPT.TRAP", "EXIT"])
+    compiled = SimpleNamespace(name="k", sass=lambda: {"k": listing})
+    lowered = SimpleNamespace(dots=2, wgmma_dots=1)
+    problems = check_sass(lowered, compiled)
+    assert problems == ["k: 0 HGMMA instruction(s) for 1 dot(s) lowered onto them",
+                        "k: 0 HMMA instruction(s) for 1 dot(s) lowered onto them", "1 BPT.TRAP"]
+    assert check_sass(lowered, compiled, traps_allowed=True) == problems[:2]
+    good = KernelSass("k", ["HGMMA.64x64x16.F32", "HMMA.16816.F32", "EXIT"])
+    assert check_sass(lowered, SimpleNamespace(name="k", sass=lambda: {"k": good})) == []

@@ -3,14 +3,17 @@ compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on
 compare with the simulator, each output element within its own tolerance (a bound on the
 GPU's legitimate error there: :mod:`.program_tolerance`).
 
-    python -m tldsl.testing.fuzz --programs N --seed S [--gpu] [--show-source] [--only I]
+    python -m tldsl.testing.fuzz --programs N --seed S [--gpu] [--sass] [--show-source] [--only I]
 
 One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
 compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
 fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
 run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
-``--only I`` reruns program I of the seed alone.
+``--only I`` reruns program I of the seed alone. ``--sass`` also disassembles every compiled
+kernel with a ``dot`` and fails the program where a dot is not on the tensor cores (HGMMA for
+each the lowering put on WGMMA, HMMA for each on ``mma.sync``) or, without ``--gpu`` (whose waits
+are compiled to trap after a timeout), where the kernel can trap.
 """
 from __future__ import annotations
 
@@ -45,13 +48,15 @@ class Report:
     nothing_to_compile: list = field(default_factory=list)   # lowered to a host-side plan (copy engine)
     compile_errors: dict = field(default_factory=dict)   # part -> error
     lowering_crashes: dict = field(default_factory=dict)  # part -> an exception other than LoweringError
+    sass_checked: list = field(default_factory=list)     # parts with a dot whose SASS was checked (--sass)
+    sass_problems: dict = field(default_factory=dict)    # part -> what its SASS shows wrong
     compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
     reference: object = None
     context_lost: bool = False                           # its GPU fault left the CUDA context unusable
 
     @property
     def failed(self) -> bool:
-        return bool(self.sim_error or self.compile_errors or self.lowering_crashes
+        return bool(self.sim_error or self.compile_errors or self.lowering_crashes or self.sass_problems
                     or self.compared.startswith("MISMATCH"))
 
     def line(self) -> str:
@@ -73,6 +78,11 @@ class Report:
             bits.append(f"LOWERING CRASHED {p}: {e}")
         for p, e in self.compile_errors.items():
             bits.append(f"COMPILE FAILED {p}: {e}")
+        if self.sass_checked:
+            bits.append(f"SASS of {len(self.sass_checked)} kernel(s) with dots "
+                        + ("ok" if not self.sass_problems else "WRONG"))
+        for p, e in self.sass_problems.items():
+            bits.append(f"SASS {p}: {e}")
         bits.append(f"gpu: {self.compared}")
         return f"{head} " + " | ".join(bits)
 
@@ -105,9 +115,10 @@ def lower_parts(report: Report, gpu: bool = False) -> None:
             report.lowering_crashes[part.name] = f"{type(e).__name__}: {_first_line(e)}"
 
 
-def compile_all(reports: list[Report]) -> None:
+def compile_all(reports: list[Report], sass: bool = False, traps_allowed: bool = False) -> None:
     """Every lowered kernel of every program, compiled together (NVRTC's process pool; cached).
-    Where one fails, each is compiled again alone (the others are cache hits) to say which."""
+    Where one fails, each is compiled again alone (the others are cache hits) to say which. With
+    ``sass``, each compiled kernel with a dot is checked in its SASS (:func:`check_sass`)."""
     from ..codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_many
     jobs, owners = [], []
     for rep in reports:
@@ -117,21 +128,39 @@ def compile_all(reports: list[Report]) -> None:
                 owners.append((rep, part))
             else:
                 rep.nothing_to_compile.append(part)
+    failed, compiled = {}, {}
     try:
-        compile_many(jobs, progress=False)
-        failed = {}
+        compiled = dict(enumerate(compile_many(jobs, progress=False)))
     except CudaCompileError:
-        failed = {}
         for i, job in enumerate(jobs):
             try:
-                compile_many([job], progress=False)
+                [compiled[i]] = compile_many([job], progress=False)
             except CudaCompileError as e:
                 failed[i] = _first_line(e)
     for i, (rep, part) in enumerate(owners):
         if i in failed:
             rep.compile_errors[part] = failed[i]
-        else:
-            rep.compiled.append(part)
+            continue
+        rep.compiled.append(part)
+        lk = rep.lowered[part]
+        if sass and getattr(lk, "dots", 0):
+            rep.sass_checked.append(part)
+            problems = check_sass(lk, compiled[i], traps_allowed)
+            if problems:
+                rep.sass_problems[part] = "; ".join(problems)
+
+
+def check_sass(lowered, compiled, traps_allowed: bool = False) -> list[str]:
+    """What the SASS of a kernel with dots shows wrong: a dot not on the tensor cores (issue 18:
+    WGMMA dots as HGMMA, ``mma.sync`` dots as HMMA, never a scalar loop) or a trap the kernel
+    was not compiled to take (waits with a timeout trap by design)."""
+    from ..codegen.toolchain.sass import tensor_core_problems
+    k = compiled.sass()[compiled.name]
+    wgmma = getattr(lowered, "wgmma_dots", 0)
+    out = tensor_core_problems(k, wgmma, lowered.dots - wgmma)
+    if not traps_allowed and k.count("BPT.TRAP"):
+        out.append(f"{k.count('BPT.TRAP')} BPT.TRAP")
+    return out
 
 
 def _loses_the_context(e: BaseException) -> bool:
@@ -189,12 +218,15 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
     lowered = sum(len(r.lowered) for r in reports)
     kernels = sum(len(r.compiled) + len(r.compile_errors) for r in reports)
     compiled = sum(len(r.compiled) for r in reports)
+    sass_checked = sum(len(r.sass_checked) for r in reports)
+    sass_wrong = sum(len(r.sass_problems) for r in reports)
     compared = [r for r in reports if r.compared == "agrees" or r.compared.startswith("MISMATCH")]
     mismatched = sum(r.compared.startswith("MISMATCH") for r in reports)
     lines = [f"{n} programs: {len(ok)} simulated ok, {n - len(ok)} failed in the simulator; "
              f"{parts} parts: {lowered} lowered, {parts - lowered - crashes} not lowered yet"
              + (f", {crashes} crashed the lowering" if crashes else "") + "; "
              + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
+             + (f"{sass_checked} with dots checked in SASS, {sass_wrong} wrong; " if sass_checked else "")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
     lost = [r for r in reports if r.context_lost]
@@ -214,7 +246,7 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
 
 
 def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,
-        compile_kernels: bool = True, out=None, hang_seconds: float = 120.0) -> list[Report]:
+        compile_kernels: bool = True, out=None, hang_seconds: float = 120.0, sass: bool = False) -> list[Report]:
     out = out or sys.stdout
     t0 = time.perf_counter()
     print(f"seed {seed}", file=out)
@@ -233,7 +265,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         kernels = sum(len(r.lowered) for r in reports)
         print(f"simulated and lowered {len(reports)} programs in {time.perf_counter() - t0:.1f} s; compiling up to "
               f"{kernels} kernels with NVRTC ...", file=sys.stderr, flush=True)
-        compile_all(reports)
+        compile_all(reports, sass=sass, traps_allowed=gpu and why_no_gpu is None)
     for rep in reports:
         if rep.sim_error:
             pass
@@ -270,6 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--show-source", action="store_true", help="print every program's source (failing ones always)")
     ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
     ap.add_argument("--no-compile", action="store_true", help="lower but do not compile")
+    ap.add_argument("--sass", action="store_true",
+                    help="check the SASS of every kernel with a dot: each dot on the tensor cores, no trap "
+                         "(needs cuobjdump)")
     ap.add_argument("--hang-seconds", type=float, default=120.0,
                     help="with --gpu: a program still running after this long is a hang (exit status 3)")
     args = ap.parse_args(argv)
@@ -289,8 +324,10 @@ def main(argv=None) -> int:
                       "more are refused (set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts)", file=sys.stderr)
         else:
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    if args.sass and args.no_compile:
+        ap.error("--sass checks compiled kernels: drop --no-compile")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
-                  hang_seconds=args.hang_seconds)
+                  hang_seconds=args.hang_seconds, sass=args.sass)
     return 1 if any(r.failed for r in reports) else 0
 
 

@@ -37,7 +37,8 @@ class ComputeSchedule:
     """How a compute part runs: its tile, tile order, pipeline depth and clusters (never what it computes).
 
     tile=(BM, BN, BK), each a power of two from 8 to 256; order of output tiles;
-    software-pipeline stages; swizzle group; cluster=(CM, 1): thread-block clusters of CM CTAs
+    software-pipeline stages (1..8; the WGMMA GEMM recipes need 2 or more where K spans several
+    BK steps, else the program takes the general lowering); swizzle group; cluster=(CM, 1): thread-block clusters of CM CTAs
     on vertically adjacent tiles that share their B tile (loaded once per cluster, TMA
     multicast on GPUs). The order then walks
     *cluster tiles* (CM tile rows each), and a cluster's CTAs take its rows in turn."""

@@ -198,6 +198,27 @@ def test_the_wgmma_planners_check_tiles_and_the_k_loop_at_the_users_line(tile, k
     assert f"GEMM lowering: {text}" in str(e.value) and e.value.loc.filename == __file__
 
 
+def test_one_stage_over_several_k_steps_is_refused_by_the_wgmma_recipes_and_lowers_generally():
+    """The WGMMA mainloops keep one K step's WGMMAs in flight and release its stage only after the
+    next step's are issued: with one stage and more than one K step the producer would wait for
+    that stage forever (a GPU hang). The GEMM and grouped GEMM planners refuse it at the user's
+    line; lower() then takes the general lowering, and one K step (K = BK) stays on the recipe."""
+    from test_codegen_host import trace_plain
+    from test_codegen_moe import trace_ag
+    from tldsl.codegen import lower_gemm, lower_grouped_gemm
+    from tldsl.codegen.recipes.gemm import LoweredGemm
+    from tldsl.codegen.recipes.general import LoweredGeneral
+    k = trace_plain(K=256, stages=1)
+    with pytest.raises(LoweringError, match=r"stages=1 with K=256 over BK=64: .* \(use stages >= 2\)"):
+        lower_gemm(k)
+    assert isinstance(lower(k, k.parts[0].name), LoweredGeneral)
+    one_step = trace_plain(K=64, stages=1)
+    assert isinstance(lower(one_step, one_step.parts[0].name), LoweredGemm)
+    with pytest.raises(LoweringError, match="stages=1 with K=512 over BK=64"):
+        lower_grouped_gemm(trace_ag(stages=1))
+    assert lower_grouped_gemm(trace_ag(stages=2)).config.stages == 2
+
+
 def test_an_option_the_chosen_recipe_does_not_take_is_refused_but_lower_all_shares_one_set():
     from test_codegen_host import trace_plain
     from tldsl.codegen import lower_all

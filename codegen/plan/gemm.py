@@ -377,7 +377,8 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
     M, N, K = _check_shapes(part, m, sched)
     if m.extras:
         _check_notifies_follow_a_store(m)
-    cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, cluster=cluster, loc=part.loc)
+    cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, K=K, cluster=cluster,
+                        loc=part.loc)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),

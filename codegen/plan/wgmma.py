@@ -87,10 +87,17 @@ def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
     return used + 1024
 
 
-def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, cluster=None, loc=None,
-                  clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
-    """The configuration of the schedule's tile, or a LoweringError from recipe ``what`` at ``loc``."""
+def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, K: int, cluster=None,
+                  loc=None, clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
+    """The configuration of the schedule's tile for a K loop over ``K``, or a LoweringError from
+    recipe ``what`` at ``loc``."""
     BM, BN, BK = sched.tile
+    if sched.stages < 2 and K > BK:
+        # the consumers release a stage only once the next K step's WGMMAs are issued (one batch
+        # stays in flight), so with one stage the producer would wait for it forever
+        raise fail(what, f"stages={sched.stages} with K={K} over BK={BK}: the consumers keep one K step's WGMMAs "
+                         "in flight while the producer loads the next, which needs a second stage (use stages >= 2)",
+                   loc)
     cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
     if BM < 64:
         raise fail(what, f"BM={BM}: WGMMA works on 64-row blocks, so BM must be 64, 128 or 256", loc)

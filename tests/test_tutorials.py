@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,13 +107,20 @@ def test_notebook_runs(path: Path):
 
     # one extra cell, in memory only: which interpreter and which tldsl the kernel used
     nb.cells.append(nbformat.v4.new_code_cell("import sys, tldsl; print(sys.executable); print(tldsl.__file__)"))
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
+    # the kernel's channels on IPC sockets in a directory of its own: over TCP, jupyter_client
+    # picks free ports and binds them later, and a notebook starting on another pytest worker
+    # meanwhile can take one ("Address already in use", kernel dead). Socket paths stay short.
+    sockets = tempfile.mkdtemp(prefix="tlnb")
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]),
+                       transport="ipc", ip=os.path.join(sockets, "k"))
     client = NotebookClient(nb, km=km, kernel_name="python3", timeout=120,
                             resources={"metadata": {"path": str(TUTORIALS)}})
     try:
         client.execute(env=_kernel_env())
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}", pytrace=False)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)

@@ -281,13 +281,11 @@ def test_tracing_an_unsupported_array_names_the_argument():
 @pytest.fixture
 def gloo_world():
     torch = pytest.importorskip("torch")
-    import os
     import torch.distributed as dist
     if dist.is_initialized():
         pytest.fail("a process group was left initialised by an earlier test")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # an in-memory store: no TCP port another pytest worker could hold
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield torch, dist
     finally:

@@ -4,9 +4,6 @@ torch.distributed, ``torch._grouped_mm``, SDPA) against numpy references written
 layers' definitions, for every routing kind and both attention layouts."""
 from __future__ import annotations
 
-import os
-import socket
-
 import numpy as np
 import pytest
 
@@ -17,12 +14,6 @@ from tldsl.bench import baselines  # noqa: E402
 
 W, T, K, N, E, TOPK = 2, 12, 16, 8, 5, 2
 S, HQ, HKV, D = 8, 4, 2, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs():
@@ -43,10 +34,10 @@ def _rows(layout, rank):
     return np.concatenate([np.arange(a, b), np.arange(c, d)])
 
 
-def _rank(rank, port, path):
+def _rank(rank, path):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=W)
+    # the ranks meet through a file, not a TCP port another pytest worker could take meanwhile
+    dist.init_process_group("gloo", init_method=f"file://{path}/rendezvous", rank=rank, world_size=W)
     x, w1, w2, q, k, v = _inputs()
     out = {}
     for kind in baselines.ROUTINGS:
@@ -81,7 +72,7 @@ def _attention(q, k, v, causal):
 def results(tmp_path_factory):
     """Every rank's baselines: one spawn of two gloo ranks for all the checks below."""
     path = tmp_path_factory.mktemp("baselines")
-    mp.start_processes(_rank, args=(_free_port(), str(path)), nprocs=W, start_method="spawn")
+    mp.start_processes(_rank, args=(str(path),), nprocs=W, start_method="spawn")
     return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(W)]
 
 

@@ -82,7 +82,7 @@ def ranks(monkeypatch):
     import tldsl.runtime.dist as rd
     import torch.distributed as dist
     state = type("Ranks", (), {})()
-    state.W, state.me, state.operands = 2, 0, None
+    state.W, state.me, state.operands, state.asked = 2, 0, None, []
     monkeypatch.setattr(torch_ops, "_OPS", {})
     monkeypatch.setattr(torch_ops, "_world_size", lambda name: state.W)
     monkeypatch.setattr(torch_ops, "_group", lambda name: "group")
@@ -96,12 +96,13 @@ def ranks(monkeypatch):
         def __init__(self, Ms, K, N, dtype, group=None):
             self.shape = (Ms, K, N)
 
-        def __call__(self, a2d, b):
+        def __call__(self, a2d, b, return_gathered=True):
             g = state.dim
             blocks = [torch_ops.as_row_blocks(x, g)[0] for x in state.operands]
             assert torch.equal(blocks[state.me], a2d) and a2d.shape == self.shape[:2]
             full = torch.cat(blocks)
-            return full, full @ b
+            state.asked.append(return_gathered)
+            return (full if return_gathered else None), full @ b
 
     class MatmulReduceScatter:
         def __init__(self, M, K, N, dtype, group=None):
@@ -150,6 +151,12 @@ def test_all_gather_matmul_takes_torchs_operands_and_returns_its_layout(ranks, s
             assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), (shape, g)
         none, cs = torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[ranks.me], bs, g, "tp", return_A=False)
         assert none is None and all(torch.equal(c, w) for c, w in zip(cs, want_cs))
+        # one B and no A asked for: the gathered rows never leave the fused op
+        ranks.asked.clear()
+        none, (c,) = torch.ops.tldsl.fused_all_gather_matmul(ranks.operands[ranks.me], bs[:1], g, "tp",
+                                                             return_A=False)
+        assert none is None and torch.equal(c, want_cs[0])
+        assert ranks.asked == ([] if gd == len(shape) - 1 else [False]), (shape, g)
 
 
 @pytest.mark.parametrize("shape", [(6, 16), (3, 6, 16), (2, 6, 4, 16)])

@@ -54,6 +54,35 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
             moe.parse_args(bad)
 
 
+def test_the_moe_benchmarks_layer_1_rows_lower_and_compile(tmp_path):
+    """``python -m tldsl.bench moe --layer rs``: each row's grouped GEMM (the routed rows of
+    layer 1 into ``y_sorted``) and top-k combine (the fp32 partial of every token) lower at the
+    row's shapes — one rank's slice of ``ffn`` as K, ``hidden`` as N — and compile for sm_90a."""
+    from tldsl.bench import moe
+    from tldsl.codegen import toolchain as tcm
+    from tldsl.codegen.toolchain.cache import KernelCache
+    from tldsl.codegen.toolchain.compiler import compile_many
+    args = moe.parse_args(["--layer", "rs", "--rows", "qwen3:2048:zipf,mixtral:2048:one"])
+    assert args.layer == "rs" and moe.parse_args([]).layer == "ag"
+    jobs = []
+    for row in args.row_list:
+        hidden, ffn, E, topk = moe.MOE_MODELS[row.model]
+        ids, wts, rt, lg, lc = moe.lowered_rs_row(row, args.tile_t, args.stages, cluster=args.cluster)
+        assert type(lg).__name__ == "LoweredGroupedGemm" and lg.cluster_dims == (args.cluster, 1, 1)
+        assert ids.shape == wts.shape == (row.tokens, topk) and rt.num_rows % args.tile_t[0] == 0
+        dims = {t.buffer: t.global_dims for t in lg.tma}          # TMA's dims: innermost first
+        assert dims["h"] == (ffn // moe.TP, rt.num_rows) and dims["w2"] == (hidden, ffn // moe.TP, E)
+        assert lc.buffers["y_sorted"] == ((rt.num_rows, hidden), "f32")
+        assert lc.buffers["partial"] == ((row.tokens, hidden), "f32")
+        jobs += [lg.job(), lc.job()]
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    assert len(compile_many(jobs, cache=KernelCache(tmp_path), progress=False)) == 4
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--layer", "ffn"])
+
+
 def test_every_rows_kernel_is_compiled_in_one_batch_before_timing(monkeypatch):
     """The rows' kernels go to NVRTC together (one job per distinct row, in row order), each
     lowered as the timed row lowers it; a compile error leaves every row to compile (and report) alone."""

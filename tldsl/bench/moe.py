@@ -1,7 +1,9 @@
-"""AllGather+MoE's grouped GEMM beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
+"""The MoE grouped GEMMs beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
 
-    python -m tldsl.bench moe [--rows mixtral:8192:random,...] [--tile 128,256,64] [--stages 4] [--cluster 2]
-                              [--iters 10]
+    python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
+                              [--stages 4] [--cluster 2] [--iters 10]
+
+``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
 One row per (model, tokens across TP = 2 ranks, routing): this GPU computes one rank's slice of
 layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token, its waits
@@ -15,6 +17,14 @@ Our kernel is timed as the ops launch it: its arguments checked and packed once
 ``kernel(buffers, ...)`` are host time that would sit inside the CUDA-event interval.
 Routings as the layer benchmark draws them (:func:`.baselines.random_topk`: top-k of random
 logits, Zipf-skewed, every token on the same experts).
+
+``--layer rs``, MoE+ReduceScatter's grouped GEMM and top-k combine: one rank's slice of layer 1
+(``h [rows, ffn / 2] @ w2[expert] [ffn / 2, hidden]``) on every routed row, then the weighted
+top-k sum per token into the fp32 partial the reduce-scatter would read — our two kernels (the
+grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
+``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
+(``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
+partial is checked against torch's sequence first.
 """
 from __future__ import annotations
 
@@ -46,6 +56,83 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
                                                        cluster=(cluster, 1)),
                             comm=tl.CommSchedule(tile_m=128, mode="pull"))
     return ids, rt, lower_grouped_gemm(k, "grouped_gemm")
+
+
+def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2):
+    """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
+    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token)."""
+    import tldsl as tl
+    from tldsl.codegen import lower_combine, lower_grouped_gemm
+    from tldsl.ops.moe import moe_reduce_scatter, moe_routing
+    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    T, K, N = row.tokens, ffn // TP, hidden
+    ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
+    rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
+    dt = getattr(tl, dtype)
+    S = tl.TensorSpec
+    tabs = rt.reduce_scatter_tables()
+    k = moe_reduce_scatter.trace(
+        1, S((rt.num_rows, K), dt), S((E, K, N), dt), S((T, topk), tl.float32),
+        *[S.of(tabs[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
+                                  "token_tile_producers")],
+        S((T, N), dt), compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"),
+        comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
+    return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)), lower_combine(k, "combine")
+
+
+def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
+                 cluster: int = 2) -> dict:
+    """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err}``
+    (``ms``: our grouped GEMM and combine, one after the other)."""
+    import numpy as np
+    import torch
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    from . import fused_layers
+    from .timing import interleaved_ms
+    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    T, K, N = row.tokens, ffn // TP, hidden
+    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster)
+    gk, ck = GroupedKernel(lg), GroupedKernel(lc)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(T + E + 1)
+    ids_dev, wts_dev = ids.cuda(), wts.cuda()
+    order, offs = route(ids_dev, E)
+    h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(tdt)      # route's order, as torch has it
+    w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
+    h, _ = fused_layers.padded_rows(h_sorted, ids_dev, E, tile[0], rt.num_rows // tile[0])
+    tabs = rt.reduce_scatter_tables()
+    bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
+            **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
+            "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=torch.float32),
+            "partial": torch.full((T, N), float("nan"), device="cuda", dtype=torch.float32)}
+    # every wait already satisfied: the kernels alone, one after the other on one stream
+    slots = {**lg.signal_slots, **lc.signal_slots}
+    flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
+    gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
+    combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
+    flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
+
+    def ours():
+        stream = torch.cuda.current_stream().cuda_stream
+        gemm.launch(stream, 1)
+        combine.launch(stream, 1)
+
+    def gmm():
+        return torch._grouped_mm(h_sorted, w, offs=offs)
+
+    def sequence():
+        out = torch.zeros((T, N), dtype=torch.float32, device="cuda")
+        return out.index_add_(0, order // topk, torch._grouped_mm(h_sorted, w, offs=offs).float() * flat_w)
+    ours()
+    want = sequence()
+    l2, worst = fused_layers.errors(bufs["partial"], want)
+    if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
+        raise RuntimeError(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum: "
+                           f"relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
+    ms, gmm_ms, seq_ms = interleaved_ms([ours, gmm, sequence], iters=iters)
+    flops = 2 * T * topk * K * N
+    return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
+                err=l2, padded=rt.num_rows, routed=T * topk)
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
@@ -99,6 +186,9 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench moe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layer", choices=("ag", "rs"), default="ag",
+                    help="ag: AllGather+MoE's grouped GEMM (layer 0); rs: MoE+ReduceScatter's grouped GEMM and "
+                         "top-k combine (layer 1)")
     ap.add_argument("--rows", default=None, help=f"MODEL:TOKENS:ROUTING,... (models: {', '.join(MOE_MODELS)}; "
                                                  f"routings: {', '.join(ROUTINGS)}); default: the issue's rows")
     ap.add_argument("--tile", default="128,256,64", help="BM,BN,BK of the compute schedule")
@@ -124,14 +214,19 @@ def parse_args(argv):
 
 def main(argv, out=sys.stdout) -> int:
     args = parse_args(argv)
-    print(f"# AllGather+MoE grouped GEMM (TP={TP} slice of layer 0), {args.dtype}, tile {args.tile_t} "
-          f"stages {args.stages} cluster ({args.cluster}, 1); ms (median of {args.iters}, interleaved)", file=out)
-    print("| row | tldsl ms | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | gather + _grouped_mm ms "
+    rs = args.layer == "rs"
+    what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)" if rs
+            else f"AllGather+MoE grouped GEMM (TP={TP} slice of layer 0)")
+    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1); ms (median of "
+          f"{args.iters}, interleaved)", file=out)
+    seq = "_grouped_mm + weighted sum ms" if rs else "gather + _grouped_mm ms"
+    print(f"| row | tldsl ms | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           "| tldsl / sequence speed | padded / routed rows |\n|---|---|---|---|---|---|---|---|---|", file=out, flush=True)
     failed = 0
     for row in args.row_list:
         try:
-            r = bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster)
+            r = (bench_rs_row if rs else bench_row)(row, args.iters, args.tile_t, args.stages, args.dtype,
+                                                    args.cluster)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "

@@ -38,6 +38,7 @@ test: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) -m tldsl.testing.mutants
 
-# On a GPU host (torch + cuda-python + an H200): the GPU tests, then the GEMM benchmark.
+# On a GPU host (torch + cuda-python + an H200): the GPU tests. A test still running after
+# 150 s has every thread's stack printed (pytest's faulthandler), so a stall names its place.
 gpu-test:
-	TLDSL_REQUIRE_GPU=1 python3 -m pytest -q -rs -m gpu tests
+	TLDSL_REQUIRE_GPU=1 python3 -m pytest -q -rs -m gpu -o faulthandler_timeout=150 tests

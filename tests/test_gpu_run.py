@@ -175,7 +175,7 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
         sys.stderr.flush()
         os._exit(0)
     ''')
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "HANG REPORTED: launch 1" in out.stdout, (f"exit status {out.returncode}\n" + out.stdout[-3000:]
                                                      + out.stderr[-3000:])
 

@@ -8,7 +8,6 @@ left to the simulator's dynamic deadlock detection.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 
@@ -37,6 +36,8 @@ def _has_sync(block: Block, memo: dict) -> bool:
 #: on a 2-core machine: a trace spends at most ~7 s on it); larger kernels are left to the
 #: simulator's dynamic detectors
 MAX_ITERATIONS = 500_000
+#: gives up early when the work seen so far says the whole would take this many times the budget
+GIVE_UP_FACTOR = 1.5
 
 
 class SyncSites:
@@ -46,7 +47,7 @@ class SyncSites:
         self.dynamic_signals: set[int] = set()   # signals with a notify at an unknown channel/rank
         self.waits: list = []                    # (op, rank, task, channel, count)
         self.stray: list = []                    # (op, rank, task, channel): notifies outside their signal
-        self.estimate: int = 0                   # blocks the enumeration was expected to evaluate
+        self.estimate: int = 0                   # blocks a whole enumeration takes (extrapolated where it gave up early)
         self.evaluated: int = 0                  # blocks it evaluated
         self.weight: int = 1                     # tasks the one being evaluated stands for (_task_extents)
         self.extents: tuple = ()                 # the grid extents enumerated for the part being evaluated
@@ -61,32 +62,61 @@ class SyncSites:
 
 def collect(kernel: Kernel, max_iterations: int = MAX_ITERATIONS) -> SyncSites:
     """Every notify and wait each (rank, task) of ``kernel`` reaches, with the channels, ranks and
-    counts the index arithmetic gives them. Gives up (``complete`` False) where the enumeration
-    would evaluate more than ``max_iterations`` blocks — judged up front from a few sample tasks,
-    so that tracing a large kernel (a flash-attention part over 128k keys, say) does not spend
-    half a minute on an enumeration that would be cut off anyway."""
+    counts the index arithmetic gives them (``waits`` and ``stray`` in (rank, task) order, each
+    task's in program order). Gives up (``complete`` False) after ``max_iterations`` block
+    evaluations, or sooner where the work seen so far already says the whole would take
+    :data:`GIVE_UP_FACTOR` times that: each part's (rank, task) pairs are visited in an order
+    spread over the grid (:func:`_spread`), so a fraction of them stands for all — tracing a large
+    kernel (a flash-attention part over 128k keys, say) does not spend seconds on an enumeration
+    that would be cut off anyway, while uneven work (one heavy task among light ones) is seen
+    whole wherever the budget allows it."""
     sites = SyncSites()
     memo: dict = {}
     ops_of = _sync_slice(kernel, memo)
-    sites.estimate = _estimated_iterations(kernel, memo, ops_of, max_iterations)
-    if sites.estimate > max_iterations:
-        sites.complete = False
-        return sites
     budget = [max_iterations]
     for part in kernel.parts:
         if not _has_sync(part.body, memo):
             continue
         extents, sites.weight = _task_extents(part, ops_of)
         sites.extents = extents
-        for rank in range(kernel.world_size):
-            for task in itertools.product(*(range(g) for g in extents)):
-                _eval_block(part.body, {}, rank, task, sites, ops_of, budget)
-                sites.evaluated = max_iterations - budget[0]
-                if budget[0] <= 0:
-                    sites.complete = False
+        shape = (kernel.world_size,) + extents
+        pairs = math.prod(shape)
+        before = max_iterations - budget[0]
+        checkpoints = {max(8, pairs // d) for d in (64, 16, 4)}
+        for done, i in enumerate(_spread(pairs), 1):
+            rank, *task = _unravel(i, shape)
+            _eval_block(part.body, {}, rank, tuple(task), sites, ops_of, budget)
+            used = max_iterations - budget[0]
+            sites.evaluated = sites.estimate = used
+            if budget[0] <= 0:
+                sites.complete = False
+                return sites
+            if done in checkpoints and done < pairs:
+                estimate = before + (used - before) * pairs // done
+                if estimate > GIVE_UP_FACTOR * max_iterations:
+                    sites.complete, sites.estimate = False, estimate
                     return sites
     sites.weight = 1
+    sites.waits.sort(key=lambda w: (w[1], w[2]))          # stable: each task's in program order
+    sites.stray.sort(key=lambda w: (w[1], w[2]))
     return sites
+
+
+def _spread(n: int):
+    """0 .. n-1 in an order spread evenly over the range (a step near n / golden ratio, coprime
+    with n): any prefix samples the whole grid, not its first rows."""
+    step = max(1, round(n * 0.6180339887))
+    while math.gcd(step, n) != 1:
+        step += 1
+    return ((k * step) % n for k in range(n))
+
+
+def _unravel(i: int, shape: tuple) -> list[int]:
+    out = []
+    for extent in reversed(shape):
+        i, r = divmod(i, extent)
+        out.append(r)
+    return out[::-1]
 
 
 def _task_extents(part, ops_of: dict) -> tuple[tuple[int, ...], int]:
@@ -104,29 +134,6 @@ def _task_extents(part, ops_of: dict) -> tuple[tuple[int, ...], int]:
             blocks += op.regions
     extents = tuple(g if axis in read else 1 for axis, g in enumerate(part.grid))
     return extents, math.prod(part.grid) // math.prod(extents)
-
-
-def _estimated_iterations(kernel: Kernel, memo: dict, ops_of: dict, max_iterations: int) -> int:
-    """The blocks a full enumeration would evaluate, extrapolated per part from three sample
-    (rank, task) pairs — the first, the middle and the last — whose mean stands for every pair
-    (a causal part's work grows linearly along its grid, so the mean of the ends and the middle
-    is its average)."""
-    total = 0
-    for part in kernel.parts:
-        if not _has_sync(part.body, memo):
-            continue
-        extents, _ = _task_extents(part, ops_of)
-        pairs = kernel.world_size * math.prod(extents)
-        W = kernel.world_size
-        samples = {(0, tuple(0 for _ in extents)), (W // 2, tuple(g // 2 for g in extents)),
-                   (W - 1, tuple(g - 1 for g in extents))}
-        used = 0
-        for rank, task in samples:
-            budget = [max_iterations]
-            _eval_block(part.body, {}, rank, task, SyncSites(), ops_of, budget)
-            used += max_iterations - budget[0]
-        total += used * pairs // len(samples)
-    return total
 
 
 #: the index arithmetic the evaluation computes; every other op's results are unknown

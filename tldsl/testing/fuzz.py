@@ -10,10 +10,12 @@ compared. A summary gives the counts and the distribution (how many contain a do
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
 fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
 run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
-``--only I`` reruns program I of the seed alone. ``--sass`` also disassembles every compiled
-kernel with a ``dot`` and fails the program where a dot is not on the tensor cores (HGMMA for
-each the lowering put on WGMMA, HMMA for each on ``mma.sync``) or, without ``--gpu`` (whose waits
-are compiled to trap after a timeout), where the kernel can trap.
+``--only I`` reruns program I of the seed alone. ``--sass`` (needs cuobjdump) also disassembles
+every kernel of the general lowering with a ``dot`` and fails the program where a dot is not on
+the tensor cores (HGMMA for each the lowering put on WGMMA, HMMA for each on ``mma.sync``) or
+where the kernel can trap — except a kernel with waits under ``--gpu``, whose waits are compiled
+to trap after a timeout. (Parts a recipe lowers — GEMM, grouped GEMM, attention — have their
+SASS checked by the recipes' own tests.)
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def lower_parts(report: Report, gpu: bool = False) -> None:
 def compile_all(reports: list[Report], sass: bool = False, traps_allowed: bool = False) -> None:
     """Every lowered kernel of every program, compiled together (NVRTC's process pool; cached).
     Where one fails, each is compiled again alone (the others are cache hits) to say which. With
-    ``sass``, each compiled kernel with a dot is checked in its SASS (:func:`check_sass`)."""
+    ``sass``, each compiled general-lowering kernel with a dot is checked in its SASS
+    (:func:`check_sass`); ``traps_allowed``: its waits were compiled to trap after a timeout."""
     from ..codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_many
     jobs, owners = [], []
     for rep in reports:
@@ -145,7 +148,7 @@ def compile_all(reports: list[Report], sass: bool = False, traps_allowed: bool =
         lk = rep.lowered[part]
         if sass and getattr(lk, "dots", 0):
             rep.sass_checked.append(part)
-            problems = check_sass(lk, compiled[i], traps_allowed)
+            problems = check_sass(lk, compiled[i], traps_allowed and getattr(lk, "waits", 0) > 0)
             if problems:
                 rep.sass_problems[part] = "; ".join(problems)
 
@@ -210,7 +213,7 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> Non
     report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
 
 
-def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True) -> list[str]:
+def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True, sass: bool = False) -> list[str]:
     n = len(reports)
     ok = [r for r in reports if r.features is not None and not r.sim_error]
     parts = sum(len(r.lowered) + len(r.not_lowered) + len(r.lowering_crashes) for r in reports)
@@ -226,7 +229,7 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
              f"{parts} parts: {lowered} lowered, {parts - lowered - crashes} not lowered yet"
              + (f", {crashes} crashed the lowering" if crashes else "") + "; "
              + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
-             + (f"{sass_checked} with dots checked in SASS, {sass_wrong} wrong; " if sass_checked else "")
+             + (f"{sass_checked} with dots checked in SASS, {sass_wrong} wrong; " if sass else "")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
     lost = [r for r in reports if r.context_lost]
@@ -282,7 +285,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         print(rep.line(), file=out)
         if show_source or rep.failed:
             print(rep.case.source, file=out)
-    for line in summary(reports, time.perf_counter() - t0, compile_kernels):
+    for line in summary(reports, time.perf_counter() - t0, compile_kernels, sass and compile_kernels):
         print(line, file=out)
     return reports
 
@@ -326,6 +329,10 @@ def main(argv=None) -> int:
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     if args.sass and args.no_compile:
         ap.error("--sass checks compiled kernels: drop --no-compile")
+    if args.sass:
+        from ..codegen import toolchain
+        if toolchain.find_toolchain().cuobjdump is None:
+            ap.error("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
                   hang_seconds=args.hang_seconds, sass=args.sass)
     return 1 if any(r.failed for r in reports) else 0

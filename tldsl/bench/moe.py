@@ -88,7 +88,6 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     from . import fused_layers
-    from .timing import interleaved_ms
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster)
@@ -124,15 +123,22 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
         out = torch.zeros((T, N), dtype=torch.float32, device="cuda")
         return out.index_add_(0, order // topk, torch._grouped_mm(h_sorted, w, offs=offs).float() * flat_w)
     ours()
-    want = sequence()
-    l2, worst = fused_layers.errors(bufs["partial"], want)
+    return _checked_timings(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum",
+                            bufs["partial"], sequence(), [ours, gmm, sequence], iters, 2 * T * topk * K * N,
+                            rt.num_rows, T * topk)
+
+
+def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int) -> dict:
+    """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
+    timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — timed interleaved."""
+    from . import fused_layers
+    from .timing import interleaved_ms
+    l2, worst = fused_layers.errors(got, want)
     if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
-        raise RuntimeError(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum: "
-                           f"relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
-    ms, gmm_ms, seq_ms = interleaved_ms([ours, gmm, sequence], iters=iters)
-    flops = 2 * T * topk * K * N
+        raise RuntimeError(f"{what}: relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
+    ms, gmm_ms, seq_ms = interleaved_ms(fns, iters=iters)
     return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
-                err=l2, padded=rt.num_rows, routed=T * topk)
+                err=l2, padded=padded, routed=routed)
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
@@ -142,7 +148,6 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     from . import fused_layers
-    from .timing import interleaved_ms
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, rt, lowered = lowered_row(row, tile, stages, dtype, cluster)
@@ -173,14 +178,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     ours()
     want = gmm()
     _, dest = fused_layers.padded_rows(want, ids_dev, E, tile[0], rt.num_rows // tile[0])
-    l2, worst = fused_layers.errors(h[dest], want)
-    if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
-        raise RuntimeError(f"{row}: the grouped GEMM differs from _grouped_mm: relative L2 {l2:.3g}, largest "
-                           f"{worst:.3g} x RMS; not timed")
-    ms, gmm_ms, seq_ms = interleaved_ms([ours, gmm, sequence], iters=iters)
-    flops = 2 * T * topk * K * N
-    return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
-                err=l2, padded=rt.num_rows, routed=T * topk)
+    return _checked_timings(f"{row}: the grouped GEMM differs from _grouped_mm", h[dest], want,
+                            [ours, gmm, sequence], iters, 2 * T * topk * K * N, rt.num_rows, T * topk)
 
 
 def parse_args(argv):

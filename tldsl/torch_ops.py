@@ -149,10 +149,10 @@ def fused_all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
     from .runtime.dist import AllGatherMatmul
     key = ("ag", tuple(a2d.shape), tuple(bs[0].shape), a_shard.dtype, group_name)
     op = _build(key, lambda: AllGatherMatmul(a2d.shape[0], a2d.shape[1], bs[0].shape[1], a_shard.dtype, group=group))
-    # the gathered A leaves the op only where it is returned or multiplied again: otherwise its
-    # rows stay in the op's buffer (no [M, K] copy per call)
+    # (a strided or unaligned shard: the op copies it). The gathered A leaves the op only where it
+    # is returned or multiplied again: otherwise its rows stay in the op's buffer (no [M, K] copy)
     a_full, c0 = op(a2d, dense(bs[0]), return_gathered=bool(return_A) or len(bs) > 1)
-    outs = [c0] + [torch.mm(a_full, b) for b in bs[1:]]   # (a strided or unaligned shard: the op copies it)
+    outs = [c0] + [torch.mm(a_full, b) for b in bs[1:]]
     return (gathered(a_full, blocks, W) if return_A else None), [gathered(c, blocks, W) for c in outs]
 
 

@@ -306,8 +306,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
     ap.add_argument("--no-compile", action="store_true", help="lower but do not compile")
     ap.add_argument("--sass", action="store_true",
-                    help="check the SASS of every kernel with a dot: each dot on the tensor cores, no trap "
-                         "(needs cuobjdump)")
+                    help="check the SASS of every general-lowering kernel with a dot: each dot on the tensor "
+                         "cores, no trap (needs cuobjdump)")
     ap.add_argument("--hang-seconds", type=float, default=120.0,
                     help="with --gpu: a program still running after this long is a hang (exit status 3)")
     args = ap.parse_args(argv)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tldsl as tl
+from tldsl.bench import general as bench_general
 from tldsl.bench import general_programs as gp
 from tldsl.codegen import lower
 from tldsl.codegen.recipes.general import LoweredGeneral
@@ -74,7 +75,7 @@ def test_the_benchmarks_kernels_compile_with_dots_on_tensor_cores(tmp_path):
            gp.add_rms_norm.trace(1, big, big, rows, big, big, compute=by_rows),
            gp.gated_gemm.trace(1, S((M_, K_), tl.float16), S((K_, N_), tl.float16), S((1, N_), tl.float16),
                                S((K_, N_), tl.float16), S((M_, N_), tl.float16),
-                               compute=tl.ComputeSchedule(tile=(64, 64, 32)))]
+                               compute=tl.ComputeSchedule(**bench_general.GEMM_SCHEDULE))]
     lks = [lower(ir, "part") for ir in irs]
     assert all(isinstance(lk, LoweredGeneral) for lk in lks)
     for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
@@ -82,3 +83,4 @@ def test_the_benchmarks_kernels_compile_with_dots_on_tensor_cores(tmp_path):
         assert sass.count("BPT.TRAP") == 0 and sass.spill_instructions == 0, (lk.entry, sass.summary())
         assert not tensor_core_problems(sass, lk.wgmma_dots, lk.dots - lk.wgmma_dots), (lk.entry, sass.mnemonics)
     assert lks[-1].dots == lks[-1].wgmma_dots == 2          # 64-row f16 tiles: both dots on WGMMA
+    assert "pipelined dot loop" in lks[-1].source and lks[-1].threads == 256   # its K loop as a mainloop

@@ -306,6 +306,14 @@ CASES = [
                                            ((150, 300), F32)], (128, 128, 16)),
     case("wide_dot-bf16-wide", wide_dot, [((70, 40), BF16), ((40, 200), BF16), ((70, 200), F32),
                                           ((70, 200), F32)], (64, 256, 16)),
+    # pipelined dot loops (plan.dot_loop): loads by cp.async into a ring of swizzled stages, the
+    # accumulators in registers — K and N past the tiles' edges (zeros staged), and tensors whose
+    # rows are not 16-byte multiples (staged element by element)
+    case("gated_gemm-f16-pipelined", gated_gemm, [((200, 200), F16), ((200, 136), F16), ((200, 136), F16),
+                                                  ((136,), F16), ((200, 136), F16)], (128, 128, 64)),
+    case("gated_gemm-bf16-silu-pipelined-unaligned", gated_gemm, [((130, 100), BF16), ((100, 66), BF16),
+                                                                  ((100, 66), BF16), ((66,), BF16), ((130, 66), F32)],
+         (64, 64, 64), gate="silu"),
     # WGMMA dots whose accumulators do not fit beside their operands: the accumulators go to the
     # scratch, the staging of the operands never does
     case("gated_gemm-f16-256-wgmma-spilled", gated_gemm, [((300, 70), F16), ((70, 270), F16), ((70, 270), F16),
@@ -365,9 +373,11 @@ def test_the_pipeline_lowers_what_no_recipe_matches(fn, shapes, tile, kw):
     assert '#include "tldsl/general.hpp"' in lk.source
     assert lk.smem_bytes <= 227 * 1024
     dots = sum(1 for op in k.parts[0].walk() if op.name == "dot")
-    assert lk.dots == dots and lk.source.count("tldsl::gen::wgmma_dot<") == lk.wgmma_dots
+    staged = lk.source.count("tldsl::gen::wgmma_staged<")      # the dots of pipelined loops
+    assert lk.dots == dots and lk.source.count("tldsl::gen::wgmma_dot<") + staged == lk.wgmma_dots
     assert lk.source.count("tldsl::gen::mma_dot<") == dots - lk.wgmma_dots
-    assert ('#include "tldsl/general_wgmma.hpp"' in lk.source) == (lk.wgmma_dots > 0)
+    assert ('#include "tldsl/general_wgmma.hpp"' in lk.source) == (lk.wgmma_dots > staged)
+    assert ('#include "tldsl/general_pipeline.hpp"' in lk.source) == (staged > 0)
     assert "tldsl: " + fn.fn.__code__.co_filename in lk.source     # generated lines point at the tile program
 
 
@@ -610,6 +620,8 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
     (tmp_path / "harness.cpp").write_text(src)
     exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
+    if "tldsl/general_pipeline.hpp" in lk.source:
+        threads = lk.threads        # a pipelined dot loop's warpgroups each own rows of the tile
     r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return {n: from_device(files[n].read_bytes(), dts[n], arrays[n].shape) for n in arrays}
@@ -669,6 +681,56 @@ def test_the_plan_puts_f16_and_bf16_dots_of_64_row_multiples_on_wgmma_with_their
     # K = 200 past what the staging takes at once: two chunks of 112; N = 256 in two tiles of 128
     assert {(w.nt, w.kc) for w in plan("wide_dot-f16-chunks").wgmma.values()} == {(128, 112)}
     assert {(w.nt, w.kc) for w in plan("wide_dot-bf16-wide").wgmma.values()} == {(128, 48)}
+
+
+PIPELINED = [c for c in CASES if "pipelined" in c.id]
+
+
+@pytest.mark.parametrize("fn,shapes,tile,kw", PIPELINED)
+def test_a_loop_that_only_loads_and_accumulates_dots_runs_as_a_pipelined_mainloop(fn, shapes, tile, kw):
+    from tldsl.codegen.plan.general import plan_general
+    from tldsl.codegen.match.general import match_general
+    k = trace(fn, shapes, tile, kw)
+    part = k.parts[0]
+    plan = plan_general(k, part, match_general(k, part))
+    (lp,) = plan.dot_loops.values()
+    assert len(lp.dots) == 2 and len(lp.loads) == 3 and lp.stages >= 3
+    assert plan.threads == 128 * lp.warpgroups and lp.mb * lp.warpgroups * 64 == tile[0]
+    assert {ld.role for ld in lp.loads} == {"a", "b"} and not plan.wgmma and not plan.stagings
+    assert all(d.fill == 0.0 for d in lp.dots)       # registers start from the fill: no slot read
+    ring = plan.rings[id(lp.loop)]
+    assert ring.nbytes == lp.stages * lp.stage_bytes + 1024
+    for d in lp.dots:                                # the fragments' slots live only after the loop
+        assert plan.slots[d.frag.id].start > ring.end
+    lk = lower(k, "part")
+    assert lk.wgmma_dots == 2 and lk.source.count("tldsl::gen::wgmma_staged<") == 2
+    assert "cp_async_wait<" in lk.source and "stage_tile_sw128<" in lk.source
+
+
+@needs_gxx
+def test_the_swizzled_order_walks_every_task_once(tmp_path):
+    """The compute schedule's "swizzled" order (groups of ``group_m`` rows, the last one short)
+    on the general path: every output tile written once, as the simulator writes it."""
+    shapes = [((300, 64), F16), ((64, 192), F16), ((64, 192), F16), ((192,), F16), ((300, 192), F16)]
+    k = gated_gemm.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=(64, 64, 64), order="swizzled",
+                                                                        group_m=2))
+    lk = lower(k, "part")
+    assert "groups of 2 rows" in lk.source and "tldsl/general_pipeline.hpp" in lk.source
+    arrays = inputs_for(k, np.random.default_rng(3))
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)
+
+
+def test_loops_the_mainloop_does_not_take_stay_on_the_statement_path():
+    """K tiles that are not 64-column multiples, a loop that also computes (an online softmax),
+    and accumulators over a thread's share of registers run statement by statement."""
+    from tldsl.codegen.plan.general import plan_general
+    from tldsl.codegen.match.general import match_general
+    for c in CASES:
+        if c.id in ("gated_gemm-f16-wgmma", "flash_attention-bf16-wgmma", "gated_gemm-f16-256-wgmma-spilled"):
+            k = trace(*c.values[:3], c.values[3])
+            part = k.parts[0]
+            assert not plan_general(k, part, match_general(k, part)).dot_loops, c.id
 
 
 def test_dot_results_go_straight_into_the_statement_after_them():

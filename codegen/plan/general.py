@@ -26,6 +26,13 @@ consumed, and the kernel's ABI.
   operands are staged, K-major, in a staging slot of the arena live at the dot only (never
   spilled: WGMMA reads shared memory), at most :data:`STAGING_LIMIT` bytes (longer K is staged
   in chunks). Every other dot runs on ``mma.sync`` and reads its operands where they are.
+* **Pipelined dot loops** (:mod:`.dot_loop`): a loop that only loads 16-bit tiles and
+  accumulates their dots into fragments runs as a GEMM mainloop — a ring of cp.async stages
+  (a staging slot live for the loop, never spilled), accumulators in registers, each
+  fragment's slot written once after the loop (and live only from there where the fragment is
+  filled just before the loop). The ring gets the compute schedule's ``stages`` (at least
+  three), fewer where shared memory is short; a loop that does not fit with three runs
+  statement by statement. The CTA then has the warpgroups the loop's dots need.
 * **Task groups** (:func:`task_groups`): a part whose tasks never wait for each other and have
   no dot runs several tasks per CTA, each on its own group of threads with its own copy of the
   arena — the runtime launches one CTA per SM, and one task's tile at a time leaves an SM's
@@ -45,6 +52,7 @@ from ..dtypes import MMA_INPUTS, ctype, elem_bytes
 from ..errors import fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
+from .dot_loop import MIN_STAGES as MIN_RING_STAGES, DotLoop, find_dot_loops, with_stages
 
 DEFAULT_THREADS = 128
 #: threads of a task group where a CTA runs several tasks at once (unless ``threads`` is given):
@@ -153,6 +161,10 @@ class GeneralPlan:
     scratch_bytes: int = 0        # one group's global-memory scratch (its spilled slots; 0: none)
     wgmma: dict = field(default_factory=dict)      # dot result id -> WgmmaDot (the dots on WGMMA)
     stagings: dict = field(default_factory=dict)   # dot result id -> its staging Slot (shared memory)
+    grouped: int = 0              # > 0: a 2-D grid walked in groups of this many rows (the schedule's
+                                  # "swizzled" order), else row-major per ``decode``
+    dot_loops: dict = field(default_factory=dict)  # id(for op) -> DotLoop (the pipelined loops)
+    rings: dict = field(default_factory=dict)      # id(for op) -> the Slot of its ring of stages
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -437,16 +449,17 @@ def _spills(tiles: list[_Tile]) -> set[tuple[int, bool]]:
     return {t.key for t in out}
 
 
-def _place(tiles: list[_Tile]) -> tuple[dict, dict, int, int]:
-    """Every tile's slot: ({value id: Slot}, {dot result id: staging Slot}, shared-memory arena
-    bytes, scratch bytes)."""
+def _place(tiles: list[_Tile]) -> tuple[dict, dict, dict, int, int]:
+    """Every tile's slot: ({value id: Slot}, {dot result id: staging Slot}, {id(for op): its
+    ring's Slot}, shared-memory arena bytes, scratch bytes)."""
     spilled = _spills(tiles)
     shared, top = _first_fit([t for t in tiles if t.key not in spilled])
     scratch, scratch_top = _first_fit([t for t in tiles if t.key in spilled], spilled=True, limit=SCRATCH_LIMIT)
     placed = {**shared, **scratch}
     slots = {vid: s for (vid, staging), s in placed.items() if not staging}
-    stagings = {vid: s for (vid, staging), s in placed.items() if staging}
-    return slots, stagings, top, scratch_top
+    stagings = {vid: s for (vid, staging), s in placed.items() if staging and s.op.name != "for"}
+    rings = {id(s.op): s for (vid, staging), s in placed.items() if staging and s.op.name == "for"}
+    return slots, stagings, rings, top, scratch_top
 
 
 def _abi(kernel: core.Kernel, part: core.Part, *,
@@ -523,6 +536,7 @@ class _Layout:
     absorbed: frozenset
     tiles: list
     wgmma: dict
+    loops: dict = field(default_factory=dict)     # id(for op) -> DotLoop, the pipelined ones
 
     @property
     def shared_bytes(self) -> int:
@@ -530,11 +544,19 @@ class _Layout:
         return _first_fit(self.tiles)[1]
 
 
-def _layout(prog: _Program, recompute: bool, threads: int) -> _Layout:
+def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] = ()) -> _Layout:
     fused, views = _fuse_decisions(prog, recompute)
     epilogues, starts = _epilogues(prog, fused, views)
     tiles, wgmma = [], {}
+    replaced: set[int] = set().union(*(lp.ops() for lp in loops)) if loops else set()
+    after_loop: dict[int, int] = {}           # fragment id -> where its slot starts (filled registers)
+    for lp in loops:
+        p, end = prog.pos[id(lp.loop)], prog.end[id(lp.loop)]
+        tiles.append(_Tile(lp.loop.regions[0].args[0], lp.loop, lp.ring_bytes, p, end, 0, False, True))
+        after_loop.update({d.frag.id: end + 1 for d in lp.dots if d.fill is not None})
     for op in prog.order:
+        if id(op) in replaced:
+            continue
         shape = wgmma_dot(op, threads) if op.name == "dot" else None
         if shape is not None:       # its staging: live at the dot only
             wgmma[op.result.id] = shape
@@ -550,11 +572,14 @@ def _layout(prog: _Program, recompute: bool, threads: int) -> _Layout:
         nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
         stmts = _statements(prog, op, v, fused, views)
         start, end = _live_range(prog, op, stmts)
+        if v.id in after_loop:
+            start, end = after_loop[v.id], max(end, after_loop[v.id])
         touching = {id(u) for u in stmts if not (u.results and u.result.id in fused)}   # statements only
         touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)
         tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
-    return _Layout(views, epilogues, frozenset(id(t) for t in epilogues.values()), tiles, wgmma)
+    absorbed = {id(t) for t in epilogues.values()} | {id(a) for lp in loops for a in lp.absorbed_allocs}
+    return _Layout(views, epilogues, frozenset(absorbed), tiles, wgmma, {id(lp.loop): lp for lp in loops})
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
@@ -564,18 +589,24 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     default is; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
     several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
     trap after that long), ``entry`` (the kernel's name)."""
+    stages = getattr(kernel.compute_schedule, "stages", None) or 3
     if threads is None:
-        threads = GROUP_THREADS if task_groups(part, m, GROUP_THREADS, 0) > 1 else DEFAULT_THREADS
+        loops = find_dot_loops(part, None, stages) if part.role == "compute" else []
+        if loops:
+            threads = 128 * max(lp.warpgroups for lp in loops)
+        else:
+            threads = GROUP_THREADS if task_groups(part, m, GROUP_THREADS, 0) > 1 else DEFAULT_THREADS
     if not (isinstance(threads, int) and not isinstance(threads, bool) and 32 <= threads <= 1024
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    layout = _layout(prog, False, threads)
+    loops = find_dot_loops(part, threads, stages) if part.role == "compute" else []
+    layout = _fitting_layout(prog, threads, loops)
     if layout.shared_bytes > SMEM_LIMIT:
-        again = _layout(prog, True, threads)      # over the limit: recompute shared values instead
+        again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
         if again.shared_bytes <= SMEM_LIMIT:
             layout = again
-    slots, stagings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
+    slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
     decode, lanes = _decode(tuple(part.grid)), None
     if part.role == "comm":         # the communication schedule's task order, on its lanes
@@ -587,7 +618,40 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     return GeneralPlan(kernel, part, m, entry_name(kernel, part, entry), threads, slots, layout.views,
                        layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
-                       scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings)
+                       scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
+                       grouped=_grouped(kernel, part, m),
+                       dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings)
+
+
+def _grouped(kernel: core.Kernel, part: core.Part, m: GeneralMatch) -> int:
+    """The rows of a group where the compute schedule asks for the "swizzled" tile order: a 2-D
+    grid walked ``group_m`` rows at a time, down each column of the group, so the tasks in
+    flight share their operands' tiles in L2 (as the GEMM recipe walks them). Only for compute
+    parts that neither wait nor notify (their protocols may rely on the row-major order)."""
+    sched = kernel.compute_schedule
+    if part.role != "compute" or len(part.grid) != 2 or m.waits or m.notifies or sched is None:
+        return 0
+    return int(sched.group_m) if getattr(sched, "order", "row_major") == "swizzled" and part.grid[0] > 1 else 0
+
+
+def layout_loops(layout: _Layout) -> list[DotLoop]:
+    """The pipelined loops a layout was made with (their stages as it gave them)."""
+    return list(layout.loops.values())
+
+
+def _fitting_layout(prog: _Program, threads: int, loops: list[DotLoop]) -> _Layout:
+    """The layout with every pipelined loop's ring at the most stages (down to the fewest) that
+    keep the arena in shared memory; loops that do not fit even then run statement by statement."""
+    loops = list(loops)
+    while loops:
+        for stages in range(max(lp.stages for lp in loops), MIN_RING_STAGES - 1, -1):
+            trial = [with_stages(lp, min(lp.stages, stages)) for lp in loops]
+            layout = _layout(prog, False, threads, trial)
+            if layout.shared_bytes <= SMEM_LIMIT:
+                return layout
+        loops.pop()                 # the last loop back to the statement path, then try again
+    return _layout(prog, False, threads)
+
 
 
 def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:

@@ -123,6 +123,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          "shared memory",
          '#include "tldsl/general.hpp"',
          *(['#include "tldsl/general_wgmma.hpp"'] if plan.wgmma else []),
+         *(['#include "tldsl/general_pipeline.hpp"'] if plan.dot_loops else []),
          "",
          f'extern "C" __global__ void __launch_bounds__({plan.threads * plan.groups})',
          f"{plan.entry}(",
@@ -145,12 +146,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          *em.slot_declarations("  "),
          f"  for (int task = (int)blockIdx.x + grp * (int)gridDim.x; task < {ntasks}; task += (int)gridDim.x * kGroups) "
          f"{{{marker(p.loc)}"]
-    for axis, div, mod in plan.decode:
-        e = "task" if div == 1 else f"task / {div}"
-        if mod is not None:
-            e = f"({e}) % {mod}"
-        L.append(f"    const int pid{axis} = {e};")
-        L.append(f"    (void)pid{axis};")
+    L += _decode_lines(plan)
     L += body
     L += ["  }", "}", ""]
     slots = tuple(f"{'scratch' if s.spilled else 'slot'} {s.offset:>6} +{s.nbytes:<6} {'x'.join(map(str, s.shape))} "
@@ -159,9 +155,35 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     slots += tuple(f"staging {s.offset:>6} +{s.nbytes:<6} WGMMA operands of the dot at "
                    f"{s.op.loc.short() if s.op.loc else '?'}, live {s.start}..{s.end}"
                    for s in sorted(plan.stagings.values(), key=lambda s: (s.offset, s.start)))
+    slots += tuple(f"ring    {s.offset:>6} +{s.nbytes:<6} {plan.dot_loops[id(s.op)].stages} stages of the pipelined "
+                   f"dot loop at {s.op.loc.short() if s.op.loc else '?'}, live {s.start}..{s.end}"
+                   for s in sorted(plan.rings.values(), key=lambda s: (s.offset, s.start)))
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
-                          plan.groups, plan.scratch_bytes, len(plan.wgmma))
+                          plan.groups, plan.scratch_bytes,
+                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()))
+
+
+def _decode_lines(plan: GeneralPlan) -> list[str]:
+    """The task's program ids: row-major (``plan.decode``), or in groups of ``plan.grouped``
+    rows, each group walked column by column (the schedule's "swizzled" order)."""
+    if plan.grouped:
+        g0, g1 = plan.part.grid
+        G = plan.grouped
+        return [f"    // the schedule's swizzled order: groups of {G} rows, each walked column by column",
+                f"    const int grp_first = task / {G * g1} * {G};",
+                f"    const int grp_rows = {g0} - grp_first < {G} ? {g0} - grp_first : {G};",
+                f"    const int pid0 = grp_first + (task % {G * g1}) % grp_rows;",
+                f"    const int pid1 = (task % {G * g1}) / grp_rows;",
+                "    (void)pid0;", "    (void)pid1;"]
+    L = []
+    for axis, div, mod in plan.decode:
+        e = "task" if div == 1 else f"task / {div}"
+        if mod is not None:
+            e = f"({e}) % {mod}"
+        L.append(f"    const int pid{axis} = {e};")
+        L.append(f"    (void)pid{axis};")
+    return L
 
 
 def _scratch_base(plan: GeneralPlan) -> list[str]:

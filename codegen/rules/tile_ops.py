@@ -30,6 +30,7 @@ from ..dtypes import ctype, elem_bytes, scalar_ctype
 from ..match.general import WHAT
 from ..plan.general import GeneralPlan
 from . import primitives
+from .dot_loop import emit_dot_loop, is_pipelined
 from .scalars import c_literal, element_expr
 from .sync import SignalEmitter
 
@@ -507,6 +508,8 @@ def _dot_statement(em, op, ind, lines):
 
 
 def _frag_alloc_statement(em, op, ind, lines):
+    if id(op) in em.plan.absorbed:
+        return                      # a pipelined dot loop's registers start from the fill
     slot = em.slot(op.result)
     dt = op.attrs["dtype"]
     lit = literal(op.attrs["value"], dt)
@@ -760,6 +763,17 @@ class TileEmitter(SignalEmitter):
         lines.append(f"{ind}}}")
         lines.append(f"{ind}{BARRIER}")
 
+    def ring(self, loop: core.Op) -> str:
+        """The C++ name of the shared memory of a pipelined dot loop's ring of stages."""
+        if id(loop) not in self.plan.rings:
+            raise self.fail("internal: the plan gave no ring to a pipelined dot loop", loop)
+        return f"ring_mem{self.plan.rings[id(loop)].value.id}"
+
+    def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        if is_pipelined(self.plan, op):
+            return emit_dot_loop(self, self.plan.dot_loops[id(op)], ind, lines, BARRIER)
+        super().emit_op(op, ind, lines)
+
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         rule = RULES.get(op.name)
         if rule is None or rule.statement is None:
@@ -775,6 +789,10 @@ class TileEmitter(SignalEmitter):
             base, where = ("tldsl_scratch", ", in global scratch") if s.spilled else ("tldsl_arena", "")
             out.append(f"{ind}{st}* const {self.slot(s.value)} = static_cast<{st}*>(__builtin_assume_aligned({base} + {s.offset}, 16));"
                        f"  // {'x'.join(map(str, s.shape))} {s.dtype}, {s.op.name}{where}{marker(s.op.loc)}")
+        for s in sorted(self.plan.rings.values(), key=lambda s: (s.offset, s.value.id)):
+            lp = self.plan.dot_loops[id(s.op)]
+            out.append(f"{ind}unsigned char* const {self.ring(s.op)} = tldsl_arena + {s.offset};  // {s.nbytes} B: "
+                       f"{lp.stages} stages of a pipelined dot loop (aligned to 1024 B where used){marker(s.op.loc)}")
         for s in sorted(self.plan.stagings.values(), key=lambda s: (s.offset, s.value.id)):
             out.append(f"{ind}unsigned char* const {self.staging(s.op)} = static_cast<unsigned char*>("
                        f"__builtin_assume_aligned(tldsl_arena + {s.offset}, 16));  // {s.nbytes} B, WGMMA operands "

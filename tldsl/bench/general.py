@@ -64,6 +64,11 @@ def memory_cases(torch, M=16384, N=8192):
     ]
 
 
+#: the gated GEMM's schedule: 128 x 128 output tiles (two warpgroups, both accumulators in
+#: registers), 64-column K tiles in 4 cp.async stages, tasks walked in groups of 8 tile rows
+GEMM_SCHEDULE = dict(tile=(128, 128, 64), stages=4, order="swizzled", group_m=8)
+
+
 def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104))):
     """The gated GEMM rows (fp16, fp32 accumulation)."""
     import tldsl as tl
@@ -76,7 +81,7 @@ def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104))):
         c = torch.randn(K, N, device=dev, dtype=f16) / 8
         bias = torch.randn(1, N, device=dev, dtype=f16)
         poisoned = torch.full((M, N), float("nan"), device=dev, dtype=f16)
-        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(tile=(64, 64, 32)),
+        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(**GEMM_SCHEDULE),
                         {"a": a, "b": b, "bias": bias, "c": c, "out": poisoned}, ("out",),
                         lambda a=a, b=b, c=c, bias=bias: (torch.relu(a @ b + bias) * (a @ c),), flops=4 * M * N * K))
     return out

@@ -1,0 +1,262 @@
+"""Planning pipelined dot loops in the general lowering: a ``tl.range`` loop whose body only
+loads 16-bit tiles and accumulates their ``dot`` s into fragments runs as a GEMM mainloop
+(``include/tldsl/general_pipeline.hpp``, rendered by :mod:`..rules.dot_loop`) instead of
+statement by statement — the loads go by cp.async into a ring of shared-memory stages several
+iterations ahead, each dot reads its operands where they landed, the accumulators stay in
+registers. Which loops qualify (:func:`find_dot_loops`):
+
+* the body holds only index code (``arith``, ``select``, ``load_scalar``), loads and, per dot,
+  ``frag += tl.dot(x, y)`` (a ``frag_read``, an ``add``, a ``frag_write``), each fragment
+  accumulated by one dot and touched by nothing else in the loop;
+* every load is a whole 2-D tile of a 2-D tensor of this rank, f16 or bf16, read only by dots of
+  the loop, always as the same operand (left operands are staged K-major, right ones MN-major);
+* every dot: both operands such loads of one dtype, M and K multiples of 64, N one of 64, 128,
+  192, 256 (the staged layout's 128-byte chunks and the WGMMA N); all dots of the loop share M;
+* a CTA of whole warpgroups splits M's 64-row blocks evenly, each thread holding at most
+  :data:`ACC_LIMIT` accumulators.
+
+Everything else stays on the statement-by-statement path, which lowers any program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ...ir import core
+from ...ir import types as T
+from ..dtypes import MMA_INPUTS, elem_bytes
+
+#: fp32 accumulators one thread may hold across a pipelined loop (of its ~255 registers)
+ACC_LIMIT = 128
+#: the N a staged dot may have (WGMMA m64nNk16 with N a multiple of the 64-element chunks)
+STAGED_N = (64, 128, 192, 256)
+#: the fewest stages the ring runs with (lookahead stages - 2: one iteration's copies in flight)
+MIN_STAGES = 3
+#: the most stages the plan gives a ring
+MAX_STAGES = 6
+#: index code that may sit in a pipelined loop's body (re-evaluated for the iterations ahead)
+INDEX_OPS = frozenset({"const", "arith", "select", "load_scalar"})
+
+
+@dataclass(frozen=True)
+class StagedLoad:
+    """A load of the loop, staged in every stage at ``offset`` bytes (``nbytes``)."""
+    op: core.Op
+    offset: int
+    nbytes: int
+    role: str                     # "a" (K-major) or "b" (MN-major)
+
+
+@dataclass(frozen=True)
+class StagedDot:
+    """``frag += dot(a, b)``: the dot, its operands' loads, the fragment, the ops it replaces."""
+    op: core.Op
+    a: core.Op
+    b: core.Op
+    frag: core.Value
+    ops: tuple                    # frag_read, add, frag_write
+    fill: float | None            # the fragment's fill where its registers start from it (no slot
+                                  # read: the frag_alloc is absorbed), else None (read the slot)
+
+
+@dataclass(frozen=True)
+class DotLoop:
+    """A loop run as a pipelined mainloop: its staged loads and dots, the ring's shape and the
+    CTA's warpgroups (each holding ``mb`` 64-row blocks of every dot's output)."""
+    loop: core.Op
+    loads: tuple
+    dots: tuple
+    stage_bytes: int
+    stages: int
+    warpgroups: int
+
+    @property
+    def mb(self) -> int:
+        return self.dots[0].op.operands[0].type.shape[0] // 64 // self.warpgroups
+
+    @property
+    def ring_bytes(self) -> int:
+        """The ring's stages and the slack that aligns them to 1024 bytes (the swizzle's period)."""
+        return self.stages * self.stage_bytes + 1024
+
+    @property
+    def absorbed_allocs(self) -> tuple:
+        return tuple(d.frag.owner for d in self.dots if d.fill is not None)
+
+    def ops(self) -> set[int]:
+        """ids of the body's tile ops the mainloop replaces."""
+        out = {id(ld.op) for ld in self.loads}
+        for d in self.dots:
+            out |= {id(d.op)} | {id(o) for o in d.ops}
+        return out
+
+
+def _op_walk(op: core.Op):
+    """``op`` and every op in its regions."""
+    yield op
+    for r in op.regions:
+        yield from r.walk()
+
+
+def _blocks(block: core.Block):
+    yield block
+    for op in block.ops:
+        for r in op.regions:
+            yield from _blocks(r)
+
+
+def _users(part: core.Part) -> dict[int, list[core.Op]]:
+    out: dict[int, list[core.Op]] = {}
+    for op in part.walk():
+        for v in op.operands:
+            out.setdefault(v.id, []).append(op)
+    return out
+
+
+def _fill(part: core.Part, loop: core.Op, frag: core.Value) -> float | None:
+    """The fragment's fill where nothing touches it between its ``frag_alloc`` and the loop, both
+    in one block (the registers start from the fill, the slot lives only after the loop)."""
+    alloc = frag.owner
+    if not isinstance(alloc, core.Op) or alloc.name != "frag_alloc":
+        return None
+    for b in _blocks(part.body):
+        if alloc in b.ops and loop in b.ops:
+            i, j = b.ops.index(alloc), b.ops.index(loop)
+            if i > j:
+                return None
+            for op in b.ops[i + 1:j]:
+                if any(x.operands and any(v is frag for v in x.operands) for x in _op_walk(op)):
+                    return None
+            return float(alloc.attrs["value"])
+    return None
+
+
+def _staged_dot(op: core.Op, body: list, users: dict) -> tuple | None:
+    """(fragment, (frag_read, add, frag_write)) of ``frag += dot``, or None."""
+    us = users.get(op.result.id, [])
+    if len(us) != 1 or us[0].name != "ewise" or us[0].attrs.get("op") != "add" or us[0] not in body:
+        return None
+    add = us[0]
+    other = add.operands[1] if add.operands[0] is op.result else add.operands[0]
+    read = other.owner
+    if not isinstance(read, core.Op) or read.name != "frag_read" or read not in body:
+        return None
+    frag = read.operands[0]
+    aus = users.get(add.result.id, [])
+    if len(aus) != 1 or aus[0].name != "frag_write" or aus[0].operands[0] is not frag or aus[0].operands[1] is not add.result:
+        return None
+    if len(users.get(read.result.id, [])) != 1:
+        return None
+    ftype = frag.type
+    if ftype.dtype.name != "f32" or tuple(ftype.shape) != tuple(op.result.type.shape):
+        return None
+    if add.result.type.dtype.name != "f32" or op.result.type.dtype.name != "f32":
+        return None
+    return frag, (read, add, aus[0])
+
+
+def _structure(part: core.Part, loop: core.Op, users: dict) -> tuple | None:
+    """(loads {id: (op, role)}, dots [(op, frag, ops)]) where the loop has the shape the module
+    docstring describes, else None."""
+    body = loop.regions[0].ops
+    loads: dict[int, list] = {}
+    dots = []
+    claimed: set[int] = set()
+    for op in body:
+        if op.name in INDEX_OPS:
+            continue
+        if op.name == "load":
+            loads[id(op)] = [op, None]
+        elif op.name == "dot":
+            found = _staged_dot(op, body, users)
+            if found is None:
+                return None
+            dots.append((op, *found))
+            claimed |= {id(o) for o in found[1]}
+        elif id(op) not in claimed and op.name not in ("frag_read", "ewise", "frag_write"):
+            return None
+    for op in body:
+        if op.name in ("frag_read", "ewise", "frag_write") and id(op) not in claimed:
+            return None
+    if not dots:
+        return None
+    frags = [f for _, f, _ in dots]
+    if len({f.id for f in frags}) != len(frags):
+        return None
+    ops_in_loop = {id(o) for o in _op_walk(loop)}
+    for _, frag, ops in dots:           # nothing else in the loop touches the fragment
+        if any(id(u) in ops_in_loop and u not in ops for u in users.get(frag.id, [])):
+            return None
+    M = None
+    for op, _, _ in dots:
+        a, b = op.operands
+        if not (isinstance(a.owner, core.Op) and id(a.owner) in loads and isinstance(b.owner, core.Op)
+                and id(b.owner) in loads):
+            return None
+        (m, k), n = a.type.shape, b.type.shape[1]
+        if a.type.dtype.name not in MMA_INPUTS or a.type.dtype != b.type.dtype or m % 64 or k % 64 \
+                or n not in STAGED_N:
+            return None
+        if M not in (None, m):
+            return None
+        M = m
+        for v, role in ((a, "a"), (b, "b")):
+            entry = loads[id(v.owner)]
+            if entry[1] not in (None, role):
+                return None         # one load as a left and a right operand: two layouts
+            entry[1] = role
+    for op, role in loads.values():
+        buf = op.operands[0].owner
+        shape = tuple(op.result.type.shape)
+        if role is None or len(shape) != 2 or tuple(op.attrs["shape"]) != shape or len(buf.type.shape) != 2 \
+                or elem_bytes(buf.type.dtype) != 2 or shape[1] % 64 or shape[0] % 8:
+            return None
+        if any(u.name != "dot" for u in users.get(op.result.id, [])):
+            return None
+    return loads, dots, M
+
+
+def warpgroups_for(M: int, dots, threads: int | None) -> int | None:
+    """The warpgroups of the CTA (``threads`` // 128 where given): they split M's 64-row blocks
+    evenly and hold at most :data:`ACC_LIMIT` accumulators a thread; None where none do."""
+    blocks = M // 64
+    options = [threads // 128] if threads is not None else range(1, 5)
+    for w in options:
+        if threads is not None and threads % 128:
+            return None
+        if w < 1 or blocks % w:
+            continue
+        accs = sum((blocks // w) * d.result.type.shape[1] // 2 for d in dots)
+        if accs <= ACC_LIMIT:
+            return w
+    return None
+
+
+def find_dot_loops(part: core.Part, threads: int | None, stages: int) -> list[DotLoop]:
+    """Every loop of the part that runs as a pipelined mainloop (see the module docstring), with
+    ``stages`` stages (the plan lowers it where shared memory is short), in walk order."""
+    users = _users(part)
+    out = []
+    for loop in part.walk():
+        if loop.name != "for":
+            continue
+        found = _structure(part, loop, users)
+        if found is None:
+            continue
+        loads, dots, M = found
+        w = warpgroups_for(M, [d for d, _, _ in dots], threads)
+        if w is None:
+            continue
+        staged, off = [], 0
+        for op, role in loads.values():
+            n = -(-op.result.type.shape[0] * op.result.type.shape[1] * 2 // 1024) * 1024
+            staged.append(StagedLoad(op, off, n, role))
+            off += n
+        by_load = {id(s.op): s for s in staged}
+        sdots = tuple(StagedDot(d, by_load[id(d.operands[0].owner)].op, by_load[id(d.operands[1].owner)].op, f, ops,
+                                _fill(part, loop, f)) for d, f, ops in dots)
+        out.append(DotLoop(loop, tuple(staged), sdots, off, max(MIN_STAGES, min(MAX_STAGES, stages)), w))
+    return out
+
+
+def with_stages(loop: DotLoop, stages: int) -> DotLoop:
+    return replace(loop, stages=stages)

@@ -3,6 +3,8 @@ programs that simulate to numpy's results, go through the general lowering (no r
 compile to kernels with every dot on tensor cores and no spills."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -47,14 +49,20 @@ def _cases():
     ]
 
 
+@pytest.mark.parametrize("whole_row", [gp.WHOLE_ROW, 128], ids=["whole-rows", "column-tiles"])
 @pytest.mark.parametrize("kernel,inputs,want", _cases(), ids=lambda v: getattr(v, "name", ""))
-def test_each_program_simulates_to_numpy_and_lowers_through_the_general_recipe(kernel, inputs, want):
-    res = tl.simulate(kernel, 1, [inputs], compute=C)
+def test_each_program_simulates_to_numpy_and_lowers_through_the_general_recipe(kernel, inputs, want, whole_row):
+    """Rows up to ``WHOLE_ROW`` elements go whole; the 300-column rows past a limit of 128 go by
+    column tiles in two passes (the rows programs' other branch)."""
+    kw = {"rows": 3, "whole_row": whole_row} if kernel.name in ("row_softmax", "rms_norm", "add_rms_norm") else {}
+    res = tl.simulate(kernel, 1, [inputs], compute=C, **kw)
     for name, ref in want.items():
         got = res[0][name].astype(np.float64)
         assert np.allclose(got, ref, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(ref).max())), (kernel.name, name)
-    ir = kernel.trace(1, *(S(inputs[n].shape, tl.float16) for n in kernel.arg_names), compute=C)
+    ir = kernel.trace(1, *(S(inputs[n].shape, tl.float16) for n in kernel.arg_names), compute=C, **kw)
     assert isinstance(lower(ir, "part"), LoweredGeneral), kernel.name          # no recipe matches it
+    if kw:
+        assert bool(re.search(r"for \(int \w+_\d+ = ", lower(ir, "part").source)) == (whole_row < N), kernel.name
 
 
 def test_the_benchmarks_kernels_compile_with_dots_on_tensor_cores(tmp_path):

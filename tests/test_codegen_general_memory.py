@@ -4,6 +4,8 @@ memory in 16-byte vectors, reduce rows with warp shuffles and spill nothing (the
 H200 is in BENCHMARKS.md, "2026-12-01 (thirteenth session) — general path, memory-bound")."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import tldsl as tl
@@ -58,10 +60,21 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
         assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
     for name in ("row_softmax", "rms_norm", "add_rms_norm"):
         assert "TLDSL_REDUCE_LANES(32)" in src[name] and "shfl_xor" in src[name], name
-    rsqrt = [ln for ln in src["rms_norm"].splitlines() if "tldsl::gen::rsqrt" in ln]
+    for name in ("row_softmax", "rms_norm", "add_rms_norm"):   # whole rows: x read once, no column loop
+        assert not re.search(r"for \(int \w+_\d+ = ", src[name]), name
+    wide = S((64, 2 * gp.WHOLE_ROW), tl.float16)                  # rows longer than WHOLE_ROW: two passes
+    two = lower(gp.rms_norm.trace(1, wide, S((1, 2 * gp.WHOLE_ROW), tl.float16), wide, compute=ROWS), "part").source
+    rsqrt = [ln for ln in two.splitlines() if "tldsl::gen::rsqrt" in ln]
     assert len(rsqrt) == 1
-    loop2 = src["rms_norm"].rindex("for (int i_")
-    assert src["rms_norm"].index("tldsl::gen::rsqrt") < loop2      # before the second column loop
+    loop2 = two.rindex("for (int i_")
+    assert two.index("tldsl::gen::rsqrt") < loop2      # once per row block, before the second column loop
+
+
+def test_whole_rows_recompute_cheap_values_to_keep_more_tasks_in_flight():
+    """The row softmax reads t = float(x) and e = exp(t - max) twice each; storing them (96 KB a
+    row of 8192) would leave two tasks per SM, computing them again leaves eight."""
+    lk = lower(gp.row_softmax.trace(1, BIG, BIG, compute=ROWS), "part")
+    assert lk.groups == 8 and len(lk.slots) == 3, lk.describe()     # x's row and the two row reductions
 
 
 @pytest.mark.nvrtc

@@ -11,6 +11,10 @@ consumed, and the kernel's ABI.
 * **Slots** are reused by liveness: a slot is live from the statement that writes it to the last
   statement that reads it (to the end of the outermost loop that reads it without defining it).
   Offsets are first-fit in order of definition; the shared-memory arena holds at most 227 KB.
+* **Many tasks in flight over fewer stores**: where a part runs several tasks per CTA (task
+  groups, below), element values read twice are computed again wherever that lets more tasks
+  share an SM (a memory-bound part is bound by the loads it keeps in flight, not by a cast or
+  an exp done twice).
 * **Spilled slots** (:func:`_spills`): where the tiles do not fit in 227 KB even when element
   values read twice are computed again (the simulator takes tiles up to 256 x 256, a single f32
   one 256 KB), some move to a global-memory scratch private to each task group of each CTA
@@ -605,6 +609,12 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     if layout.shared_bytes > SMEM_LIMIT:
         again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
         if again.shared_bytes <= SMEM_LIMIT:
+            layout = again
+    elif task_groups(part, m, threads, 0) > 1:
+        # a part whose CTAs run several tasks at once: recomputing element values read twice
+        # (a cast, an exp) costs less than the tasks in flight a larger arena leaves out
+        again = _layout(prog, True, threads, layout_loops(layout))
+        if task_groups(part, m, threads, again.shared_bytes) > task_groups(part, m, threads, layout.shared_bytes):
             layout = again
     slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .timing import interleaved_ms
@@ -35,10 +35,12 @@ class Case:
     torch_fn: Callable             # () -> tuple of the outputs, computed by torch
     moved_bytes: int = 0           # memory-bound: bytes the program must read and write
     flops: int = 0                 # the GEMM
+    kwargs: dict = field(default_factory=dict)     # the program's own keyword arguments
 
 
-def memory_cases(torch, M=16384, N=8192):
-    """The memory-bound rows (fp16, ``[M, N]`` operands)."""
+def memory_cases(torch, M=16384, N=8192, rows: int = 1):
+    """The memory-bound rows (fp16, ``[M, N]`` operands); the row programs take ``rows`` rows a
+    task, each row whole."""
     import tldsl as tl
     from . import general_programs as gp
     dev, f16 = "cuda", torch.float16
@@ -49,18 +51,19 @@ def memory_cases(torch, M=16384, N=8192):
         return torch.full((M, N), float("nan"), device=dev, dtype=f16)
     size = M * N * 2
     flat = tl.ComputeSchedule(tile=(32, 256, 16))
-    rows = tl.ComputeSchedule(tile=(16, 256, 16))
+    by_rows = tl.ComputeSchedule(tile=(16, 256, 16))
 
     def rms(h):
         hf = h.float()
         return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(f16)
     return [
         Case("y = 2x + 1", gp.scale_shift, flat, {"x": x, "y": nan()}, ("y",), lambda: (x * 2 + 1,), 2 * size),
-        Case("row softmax", gp.row_softmax, rows, {"x": x, "y": nan()}, ("y",),
-             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size),
-        Case("RMSNorm", gp.rms_norm, rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size),
-        Case("residual add + RMSNorm", gp.add_rms_norm, rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
-             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size),
+        Case("row softmax", gp.row_softmax, by_rows, {"x": x, "y": nan()}, ("y",),
+             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs={"rows": rows}),
+        Case("RMSNorm", gp.rms_norm, by_rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size,
+             kwargs={"rows": rows}),
+        Case("residual add + RMSNorm", gp.add_rms_norm, by_rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
+             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs={"rows": rows}),
     ]
 
 
@@ -103,7 +106,7 @@ def _check(torch, case, got) -> str:
 def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True) -> dict:
     """tldsl, torch eager, torch.compile (and a copy of the moved bytes) on one case."""
     import tldsl as tl
-    res = tl.run(case.kernel, 1, [case.args], compute=case.compute)
+    res = tl.run(case.kernel, 1, [case.args], compute=case.compute, **case.kwargs)
     row = {"name": case.name, "check": _check(torch, case, res[0])}
     peers = {"torch eager": case.torch_fn}
     if compile_torch:
@@ -119,8 +122,8 @@ def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True)
         peers["copy"] = lambda: dst.copy_(src)
     ours, theirs = [], {k: [] for k in peers}
     for _ in range(rounds):
-        ours += tl.run(case.kernel, 1, [case.args], compute=case.compute,
-                       options={"launches": iters + 1}).launch_ms[1:]
+        ours += tl.run(case.kernel, 1, [case.args], compute=case.compute, options={"launches": iters + 1},
+                       **case.kwargs).launch_ms[1:]
         for k, t in zip(peers, interleaved_ms(list(peers.values()), iters, warmup=1)):
             theirs[k].append(t)
     row["tldsl"] = statistics.median(ours)
@@ -144,11 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated row names (a prefix each)")
+    ap.add_argument("--rows", type=int, default=1, help="rows a task of the row programs takes (default 1)")
     args = ap.parse_args(argv)
     import torch
     from ..runtime.gpu import require_gpu
     require_gpu()
-    cases = memory_cases(torch) + gemm_cases(torch)
+    cases = memory_cases(torch, rows=args.rows) + gemm_cases(torch)
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         cases = [c for c in cases if any(c.name.startswith(k) for k in keep)]

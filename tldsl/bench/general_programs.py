@@ -18,70 +18,104 @@ def scale_shift(x, y, *, compute: tl.ComputeSchedule = None):
         tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
 
 
+#: rows of at most this many elements (the programs' ``whole_row``) are loaded whole — one read of ``x`` from memory, every
+#: reduction from shared memory — where longer rows go by column tiles, reading ``x`` twice
+WHOLE_ROW = 16384
+
+
 @tl.kernel
-def row_softmax(x, y, *, compute: tl.ComputeSchedule = None):
-    """softmax over each row, rows longer than a tile: an online max and sum over column tiles,
-    then a second pass that writes the normalised tiles."""
+def row_softmax(x, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
+                whole_row: int = WHOLE_ROW):
+    """softmax over each row. ``rows`` rows a task; a row up to :data:`WHOLE_ROW` elements in one
+    tile, longer ones as an online max and sum over column tiles, then a second pass that writes
+    the normalised tiles."""
     M, N = x.shape
     BM, BN, _ = compute.tile
+    R = rows if N <= whole_row else BM
 
-    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    @tl.compute_part(grid=(tl.cdiv(M, R),))
     def part(pm):
-        r0 = pm * BM
-        m = tl.fragment((BM,), tl.float32, fill=-1e30)
-        s = tl.fragment((BM,), tl.float32, fill=0.0)
+        r0 = pm * R
+        if N <= whole_row:
+            t = tl.cast(tl.load(x, (r0, 0), (R, N)), tl.float32)
+            e = tl.exp(t - tl.expand_dims(tl.max(t, 1), 1))
+            tl.store(y, (r0, 0), tl.cast(e / tl.expand_dims(tl.sum(e, 1), 1), y.dtype))
+            return
+        m = tl.fragment((R,), tl.float32, fill=-1e30)
+        s = tl.fragment((R,), tl.float32, fill=0.0)
         for c in tl.range(0, N, BN):
             cols = tl.iota(BN) + c
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
-            t = tl.where(tl.broadcast_to(tl.expand_dims(cols < N, 0), (BM, BN)), t, -1e30)
+            t = tl.cast(tl.load(x, (r0, c), (R, BN)), tl.float32)
+            t = tl.where(tl.broadcast_to(tl.expand_dims(cols < N, 0), (R, BN)), t, -1e30)
             m_old = m.read()
             m_new = tl.maximum(m_old, tl.max(t, 1))
             s.write(s.read() * tl.exp(m_old - m_new) + tl.sum(tl.exp(t - tl.expand_dims(m_new, 1)), 1))
             m.write(m_new)
         for c in tl.range(0, N, BN):
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            t = tl.cast(tl.load(x, (r0, c), (R, BN)), tl.float32)
             p = tl.exp(t - tl.expand_dims(m.read(), 1)) / tl.expand_dims(s.read(), 1)
             tl.store(y, (r0, c), tl.cast(p, y.dtype))
 
 
 @tl.kernel
-def rms_norm(x, w, y, *, compute: tl.ComputeSchedule = None):
-    """y = x / sqrt(mean(x^2) + 1e-6) * w per row: a pass for the sum of squares, a pass that writes."""
+def rms_norm(x, w, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
+             whole_row: int = WHOLE_ROW):
+    """y = x / sqrt(mean(x^2) + 1e-6) * w per row. ``rows`` rows a task; a row up to
+    :data:`WHOLE_ROW` elements in one tile, longer ones in two passes over column tiles (the sum
+    of squares, then the output)."""
     M, N = x.shape
     BM, BN, _ = compute.tile
+    R = rows if N <= whole_row else BM
 
-    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    @tl.compute_part(grid=(tl.cdiv(M, R),))
     def part(pm):
-        r0 = pm * BM
-        ss = tl.fragment((BM,), tl.float32, fill=0.0)
+        r0 = pm * R
+        if N <= whole_row:
+            t = tl.cast(tl.load(x, (r0, 0), (R, N)), tl.float32)
+            inv = tl.expand_dims(tl.rsqrt(tl.sum(t * t, 1) / N + 1e-6), 1)
+            g = tl.cast(tl.load(w, (0, 0), (1, N)), tl.float32)
+            tl.store(y, (r0, 0), tl.cast(t * inv * g, y.dtype))
+            return
+        ss = tl.fragment((R,), tl.float32, fill=0.0)
         for c in tl.range(0, N, BN):
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            t = tl.cast(tl.load(x, (r0, c), (R, BN)), tl.float32)
             ss.write(ss.read() + tl.sum(t * t, 1))
         inv = tl.expand_dims(tl.rsqrt(ss.read() / N + 1e-6), 1)
         for c in tl.range(0, N, BN):
-            t = tl.cast(tl.load(x, (r0, c), (BM, BN)), tl.float32)
+            t = tl.cast(tl.load(x, (r0, c), (R, BN)), tl.float32)
             g = tl.cast(tl.load(w, (0, c), (1, BN)), tl.float32)
             tl.store(y, (r0, c), tl.cast(t * inv * g, y.dtype))
 
 
 @tl.kernel
-def add_rms_norm(x, r, w, h, y, *, compute: tl.ComputeSchedule = None):
-    """h = x + r (the residual stream), y = rms_norm(h) * w."""
+def add_rms_norm(x, r, w, h, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
+                 whole_row: int = WHOLE_ROW):
+    """h = x + r (the residual stream), y = rms_norm(h) * w; ``rows`` rows a task, whole rows up
+    to :data:`WHOLE_ROW` elements (else two passes, the second reading ``h`` back)."""
     M, N = x.shape
     BM, BN, _ = compute.tile
+    R = rows if N <= whole_row else BM
 
-    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    @tl.compute_part(grid=(tl.cdiv(M, R),))
     def part(pm):
-        r0 = pm * BM
-        ss = tl.fragment((BM,), tl.float32, fill=0.0)
+        r0 = pm * R
+        if N <= whole_row:
+            t = tl.load(x, (r0, 0), (R, N)) + tl.load(r, (r0, 0), (R, N))
+            tl.store(h, (r0, 0), t)
+            f = tl.cast(t, tl.float32)
+            inv = tl.expand_dims(tl.rsqrt(tl.sum(f * f, 1) / N + 1e-6), 1)
+            g = tl.cast(tl.load(w, (0, 0), (1, N)), tl.float32)
+            tl.store(y, (r0, 0), tl.cast(f * inv * g, y.dtype))
+            return
+        ss = tl.fragment((R,), tl.float32, fill=0.0)
         for c in tl.range(0, N, BN):
-            t = tl.load(x, (r0, c), (BM, BN)) + tl.load(r, (r0, c), (BM, BN))
+            t = tl.load(x, (r0, c), (R, BN)) + tl.load(r, (r0, c), (R, BN))
             tl.store(h, (r0, c), t)
             f = tl.cast(t, tl.float32)
             ss.write(ss.read() + tl.sum(f * f, 1))
         inv = tl.expand_dims(tl.rsqrt(ss.read() / N + 1e-6), 1)
         for c in tl.range(0, N, BN):
-            f = tl.cast(tl.load(h, (r0, c), (BM, BN)), tl.float32)
+            f = tl.cast(tl.load(h, (r0, c), (R, BN)), tl.float32)
             g = tl.cast(tl.load(w, (0, c), (1, BN)), tl.float32)
             tl.store(y, (r0, c), tl.cast(f * inv * g, y.dtype))
 

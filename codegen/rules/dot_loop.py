@@ -94,10 +94,7 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
         L.append(f"{i1}tldsl::gen::wgmma_fence_acc({accs[d.op.result.id]});")
     L.append(f"{i1}{barrier}   // the ring is read: the fragments' slots may share its memory")
     for d in lp.dots:
-        N = d.op.result.type.shape[1]
-        slot = em.slot(d.frag)
-        L.append(f"{i1}tldsl::gen::for_each_acc({accs[d.op.result.id]}, {wg}, [&](int i, int j, float& v) {{ "
-                 f"{slot}[i * {N} + j] = v; }});")
+        L.append(f"{i1}tldsl::gen::store_acc({accs[d.op.result.id]}, {wg}, {em.slot(d.frag)});")
     L.append(f"{ind}}}")
     L.append(f"{ind}{barrier}")
     lines += L

@@ -38,7 +38,7 @@ class Case:
     kwargs: dict = field(default_factory=dict)     # the program's own keyword arguments
 
 
-def memory_cases(torch, M=16384, N=8192, rows: int = 1):
+def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = None):
     """The memory-bound rows (fp16, ``[M, N]`` operands); the row programs take ``rows`` rows a
     task, each row whole."""
     import tldsl as tl
@@ -52,6 +52,7 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1):
     size = M * N * 2
     flat = tl.ComputeSchedule(tile=(32, 256, 16))
     by_rows = tl.ComputeSchedule(tile=(16, 256, 16))
+    kw = {"rows": rows, **({"whole_row": whole_row} if whole_row is not None else {})}
 
     def rms(h):
         hf = h.float()
@@ -59,11 +60,11 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1):
     return [
         Case("y = 2x + 1", gp.scale_shift, flat, {"x": x, "y": nan()}, ("y",), lambda: (x * 2 + 1,), 2 * size),
         Case("row softmax", gp.row_softmax, by_rows, {"x": x, "y": nan()}, ("y",),
-             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs={"rows": rows}),
+             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw),
         Case("RMSNorm", gp.rms_norm, by_rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size,
-             kwargs={"rows": rows}),
+             kwargs=kw),
         Case("residual add + RMSNorm", gp.add_rms_norm, by_rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
-             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs={"rows": rows}),
+             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw),
     ]
 
 
@@ -72,8 +73,8 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1):
 GEMM_SCHEDULE = dict(tile=(128, 128, 64), stages=4, order="swizzled", group_m=8)
 
 
-def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104))):
-    """The gated GEMM rows (fp16, fp32 accumulation)."""
+def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104)), schedule: dict | None = None):
+    """The gated GEMM rows (fp16, fp32 accumulation), at :data:`GEMM_SCHEDULE` updated by ``schedule``."""
     import tldsl as tl
     from . import general_programs as gp
     dev, f16 = "cuda", torch.float16
@@ -84,7 +85,7 @@ def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104))):
         c = torch.randn(K, N, device=dev, dtype=f16) / 8
         bias = torch.randn(1, N, device=dev, dtype=f16)
         poisoned = torch.full((M, N), float("nan"), device=dev, dtype=f16)
-        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(**GEMM_SCHEDULE),
+        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(**{**GEMM_SCHEDULE, **(schedule or {})}),
                         {"a": a, "b": b, "bias": bias, "c": c, "out": poisoned}, ("out",),
                         lambda a=a, b=b, c=c, bias=bias: (torch.relu(a @ b + bias) * (a @ c),), flops=4 * M * N * K))
     return out
@@ -148,11 +149,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated row names (a prefix each)")
     ap.add_argument("--rows", type=int, default=1, help="rows a task of the row programs takes (default 1)")
+    ap.add_argument("--whole-row", type=int, default=None,
+                    help="the row programs' whole_row: longer rows go by column tiles (0: always)")
+    ap.add_argument("--gemm-stages", type=int, default=None, help="the gated GEMM's stages (default 4)")
+    ap.add_argument("--gemm-group-m", type=int, default=None, help="its tile rows a group (default 8)")
     args = ap.parse_args(argv)
     import torch
     from ..runtime.gpu import require_gpu
     require_gpu()
-    cases = memory_cases(torch, rows=args.rows) + gemm_cases(torch)
+    sched = {k: v for k, v in (("stages", args.gemm_stages), ("group_m", args.gemm_group_m)) if v is not None}
+    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched)
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         cases = [c for c in cases if any(c.name.startswith(k) for k in keep)]

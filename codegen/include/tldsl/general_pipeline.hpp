@@ -213,5 +213,25 @@ TLDSL_DEV void for_each_acc(DotAcc<MB, N>& acc, int wg, F f) {
     }
 }
 
+// The accumulators into a row-major [rows x N] fp32 tile (a fragment's slot): neighbouring
+// columns a thread holds as one 8-byte store.
+template <int MB, int N>
+TLDSL_DEV void store_acc(DotAcc<MB, N>& acc, int wg, float* dst) {
+  const int tid = (int)threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int v = 0; v < N / 2; v += 2) {
+      const int i = (wg * MB + m) * 64 + warp * 16 + lane / 4 + 8 * ((v / 2) % 2);
+      const int j = (v / 4) * 8 + 2 * (lane % 4);
+#if defined(TLDSL_HOST_EMULATION)
+      dst[i * N + j] = acc.v[m][v];
+      dst[i * N + j + 1] = acc.v[m][v + 1];
+#else
+      *reinterpret_cast<float2*>(dst + i * N + j) = make_float2(acc.v[m][v], acc.v[m][v + 1]);
+#endif
+    }
+}
+
 }  // namespace gen
 }  // namespace tldsl

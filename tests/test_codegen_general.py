@@ -708,6 +708,21 @@ def test_a_loop_that_only_loads_and_accumulates_dots_runs_as_a_pipelined_mainloo
 
 
 @needs_gxx
+def test_a_pipelined_loop_without_wgmma_groups_across_iterations_matches_the_simulator(tmp_path):
+    """``wgmma_inflight=0``: every iteration's WGMMAs done at its end, copies one stage further ahead."""
+    fn, shapes, tile, kw = next(c.values for c in PIPELINED if c.id == "gated_gemm-f16-pipelined")
+    k = trace(fn, shapes, tile, kw)
+    lk = lower(k, "part", wgmma_inflight=0)
+    assert "wgmma_wait<0>();   " not in lk.source and lk.source.count("tldsl::gen::wgmma_wait<0>();") == 2
+    assert "cp_async_wait<1>" in lk.source and "into the stage of 1 iteration(s) ago" in lk.source   # 3 stages: 2 ahead
+    arrays = inputs_for(k, np.random.default_rng(4))
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)
+    with pytest.raises(LoweringError, match="wgmma_inflight=2"):
+        lower(k, "part", wgmma_inflight=2)
+
+
+@needs_gxx
 def test_the_swizzled_order_walks_every_task_once(tmp_path):
     """The compute schedule's "swizzled" order (groups of ``group_m`` rows, the last one short)
     on the general path: every output tile written once, as the simulator writes it."""

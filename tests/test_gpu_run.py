@@ -226,21 +226,23 @@ def test_dots_on_wgmma_agree_with_the_simulator(name, threads):
     assert lk.threads == (threads or 128)
 
 
-@pytest.mark.parametrize("name", ["gated_gemm-f16-pipelined", "gated_gemm-bf16-silu-pipelined-unaligned", "large"])
+@pytest.mark.parametrize("name", ["gated_gemm-f16-pipelined", "gated_gemm-bf16-silu-pipelined-unaligned", "large",
+                                  "large-inflight0"])
 def test_pipelined_dot_loops_agree_with_the_simulator(name):
     """Loops that only load and accumulate dots, run as a mainloop (cp.async ring, WGMMA on the
     staged tiles, accumulators in registers): edges of M, N and K, rows that are not 16-byte
     multiples (staged element by element), and a larger product in the schedule's swizzled order
     with several K tiles per stage pass."""
     from test_codegen_general import CASES, F16, _specs, gated_gemm, inputs_for, trace
-    if name == "large":
+    extra = {"lowering": {"wgmma_inflight": 0}} if name.endswith("inflight0") else {}
+    if name.startswith("large"):
         shapes = [((520, 1000), F16), ((1000, 392), F16), ((1000, 392), F16), ((392,), F16), ((520, 392), F16)]
         k = gated_gemm.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=4,
                                                                             order="swizzled", group_m=3))
     else:
         fn, shapes, tile, kw = next(c.values for c in CASES if c.id == name)
         k = trace(fn, shapes, tile, kw)
-    res = both(k, 1, [inputs_for(k, np.random.default_rng(5))], sums=True)
+    res = both(k, 1, [inputs_for(k, np.random.default_rng(5))], sums=True, **extra)
     [item] = res.plan.kernels
     lk = item.lowered
     assert "pipelined dot loop" in lk.source and lk.dots == lk.wgmma_dots == 2, lk.describe()

@@ -29,7 +29,8 @@ from ..dtypes import MMA_INPUTS, elem_bytes
 ACC_LIMIT = 128
 #: the N a staged dot may have (WGMMA m64nNk16 with N a multiple of the 64-element chunks)
 STAGED_N = (64, 128, 192, 256)
-#: the fewest stages the ring runs with (lookahead stages - 2: one iteration's copies in flight)
+#: the fewest stages the ring runs with (one iteration's copies in flight ahead of the WGMMAs,
+#: with one WGMMA group left running across an iteration's end: :attr:`DotLoop.lookahead`)
 MIN_STAGES = 3
 #: the most stages the plan gives a ring
 MAX_STAGES = 6
@@ -68,6 +69,14 @@ class DotLoop:
     stage_bytes: int
     stages: int
     warpgroups: int
+    inflight: int = 1             # WGMMA groups left running across an iteration's end (0 or 1)
+
+    @property
+    def lookahead(self) -> int:
+        """Iterations whose copies are issued ahead of the one the WGMMAs read: a stage is
+        rewritten only once every warpgroup's WGMMAs on it are done — ``inflight`` iterations
+        later."""
+        return self.stages - 1 - self.inflight
 
     @property
     def mb(self) -> int:
@@ -231,9 +240,10 @@ def warpgroups_for(M: int, dots, threads: int | None) -> int | None:
     return None
 
 
-def find_dot_loops(part: core.Part, threads: int | None, stages: int) -> list[DotLoop]:
+def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: int = 1) -> list[DotLoop]:
     """Every loop of the part that runs as a pipelined mainloop (see the module docstring), with
-    ``stages`` stages (the plan lowers it where shared memory is short), in walk order."""
+    ``stages`` stages (the plan lowers it where shared memory is short) and ``inflight`` WGMMA
+    groups left running across iterations, in walk order."""
     users = _users(part)
     out = []
     for loop in part.walk():
@@ -254,7 +264,7 @@ def find_dot_loops(part: core.Part, threads: int | None, stages: int) -> list[Do
         by_load = {id(s.op): s for s in staged}
         sdots = tuple(StagedDot(d, by_load[id(d.operands[0].owner)].op, by_load[id(d.operands[1].owner)].op, f, ops,
                                 _fill(part, loop, f)) for d, f, ops in dots)
-        out.append(DotLoop(loop, tuple(staged), sdots, off, max(MIN_STAGES, min(MAX_STAGES, stages)), w))
+        out.append(DotLoop(loop, tuple(staged), sdots, off, max(MIN_STAGES, min(MAX_STAGES, stages)), w, inflight))
     return out
 
 

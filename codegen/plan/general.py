@@ -587,15 +587,20 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
-                 wait_timeout_ns: int | None = None, entry: str | None = None) -> GeneralPlan:
+                 wait_timeout_ns: int | None = None, entry: str | None = None,
+                 wgmma_inflight: int = 1) -> GeneralPlan:
     """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
     tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the
     default is; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
     several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
-    trap after that long), ``entry`` (the kernel's name)."""
+    trap after that long), ``entry`` (the kernel's name), ``wgmma_inflight`` (a pipelined dot
+    loop's WGMMA groups left running across an iteration's end, 0 or 1: :mod:`.dot_loop`)."""
+    if wgmma_inflight not in (0, 1) or isinstance(wgmma_inflight, bool):
+        raise fail(WHAT, f"wgmma_inflight={wgmma_inflight!r}: need 0 (a pipelined dot loop's WGMMAs done at each "
+                         "iteration's end, one stage more of copies ahead) or 1 (one group left running)", part)
     stages = getattr(kernel.compute_schedule, "stages", None) or 3
     if threads is None:
-        loops = find_dot_loops(part, None, stages) if part.role == "compute" else []
+        loops = find_dot_loops(part, None, stages, wgmma_inflight) if part.role == "compute" else []
         if loops:
             threads = 128 * max(lp.warpgroups for lp in loops)
         else:
@@ -604,7 +609,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    loops = find_dot_loops(part, threads, stages) if part.role == "compute" else []
+    loops = find_dot_loops(part, threads, stages, wgmma_inflight) if part.role == "compute" else []
     layout = _fitting_layout(prog, threads, loops)
     if layout.shared_bytes > SMEM_LIMIT:
         again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values

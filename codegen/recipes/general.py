@@ -196,7 +196,7 @@ def _scratch_base(plan: GeneralPlan) -> list[str]:
 
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,
-                options=frozenset({"threads", "wait_timeout_ns", "entry"}),
+                options=frozenset({"threads", "wait_timeout_ns", "entry", "wgmma_inflight"}),
                 summary="any compute part: shared-memory tiles, element loops, WGMMA / mma.sync dots")
 #: the same lowering for communication parts on SMs that the streamed kernel (sm_comm) does not take
 RECIPE_COMM = Recipe("general_comm", "comm", 0, match_general_comm, plan_general, render_general,

@@ -1,6 +1,6 @@
 """The C++ of a pipelined dot loop (planned by :mod:`..plan.dot_loop`, run by
 ``include/tldsl/general_pipeline.hpp``): the loop's loads as cp.async copies into a ring of
-stages issued ``stages - 2`` iterations ahead, its dots as WGMMAs on the stage with the
+stages issued ``DotLoop.lookahead`` iterations ahead, its dots as WGMMAs on the stage with the
 accumulators in registers, the fragments' slots written once after the loop."""
 from __future__ import annotations
 
@@ -66,12 +66,13 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     L.append(f"{i2}}}")
     L.append(f"{i2}tldsl::gen::cp_async_commit();")
     L.append(f"{i1}}};")
-    L.append(f"{i1}for (int {it} = 0; {it} < {S - 2}; ++{it}) issue{k}({it});")
+    ahead, inflight = lp.lookahead, lp.inflight
+    L.append(f"{i1}for (int {it} = 0; {it} < {ahead}; ++{it}) issue{k}({it});")
     L.append(f"{i1}#pragma unroll 1")
     L.append(f"{i1}for (int {it} = 0; {it} < {nit}; ++{it}) {{")
-    L.append(f"{i2}tldsl::gen::cp_async_wait<{S - 3}>();   // this iteration's copies have landed ...")
+    L.append(f"{i2}tldsl::gen::cp_async_wait<{ahead - 1}>();   // this iteration's copies have landed ...")
     L.append(f"{i2}tldsl::gen::fence_proxy_async_smem();   // ... visible to the WGMMAs ...")
-    L.append(f"{i2}{barrier}   // ... everyone's; and every WGMMA of two iterations ago is done")
+    L.append(f"{i2}{barrier}   // ... everyone's; and every WGMMA of {inflight + 1} iteration(s) ago is done")
     L.append(f"{i2}const unsigned char* const t{k} = {ring} + ({it} % {S}) * {B};")
     offs = {id(ld.op): ld.offset for ld in lp.loads}
     for d in lp.dots:
@@ -83,8 +84,8 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
         L.append(f"{i2}tldsl::gen::wgmma_staged<{kind}, {M}, {N}, {K}, {lp.mb}>(t{k} + {offs[id(d.a)]}, "
                  f"t{k} + {offs[id(d.b)]}, {accs[d.op.result.id]}, {wg});{marker(d.op.loc)}")
     L.append(f"{i2}tldsl::gen::wgmma_commit();")
-    L.append(f"{i2}issue{k}({it} + {S - 2});   // into the stage of two iterations ago")
-    L.append(f"{i2}tldsl::gen::wgmma_wait<1>();")
+    L.append(f"{i2}issue{k}({it} + {ahead});   // into the stage of {inflight + 1} iteration(s) ago")
+    L.append(f"{i2}tldsl::gen::wgmma_wait<{inflight}>();")
     for d in lp.dots:
         L.append(f"{i2}tldsl::gen::wgmma_fence_acc({accs[d.op.result.id]});")
     L.append(f"{i1}}}")

@@ -36,6 +36,7 @@ class Case:
     moved_bytes: int = 0           # memory-bound: bytes the program must read and write
     flops: int = 0                 # the GEMM
     kwargs: dict = field(default_factory=dict)     # the program's own keyword arguments
+    lowering: dict = field(default_factory=dict)   # tl.run's lowering options
 
 
 def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = None):
@@ -73,7 +74,8 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = 
 GEMM_SCHEDULE = dict(tile=(128, 128, 64), stages=4, order="swizzled", group_m=8)
 
 
-def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104)), schedule: dict | None = None):
+def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104)), schedule: dict | None = None,
+               lowering: dict | None = None):
     """The gated GEMM rows (fp16, fp32 accumulation), at :data:`GEMM_SCHEDULE` updated by ``schedule``."""
     import tldsl as tl
     from . import general_programs as gp
@@ -87,7 +89,8 @@ def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104)), schedule:
         poisoned = torch.full((M, N), float("nan"), device=dev, dtype=f16)
         out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(**{**GEMM_SCHEDULE, **(schedule or {})}),
                         {"a": a, "b": b, "bias": bias, "c": c, "out": poisoned}, ("out",),
-                        lambda a=a, b=b, c=c, bias=bias: (torch.relu(a @ b + bias) * (a @ c),), flops=4 * M * N * K))
+                        lambda a=a, b=b, c=c, bias=bias: (torch.relu(a @ b + bias) * (a @ c),), flops=4 * M * N * K,
+                        lowering=dict(lowering or {})))
     return out
 
 
@@ -107,7 +110,7 @@ def _check(torch, case, got) -> str:
 def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True) -> dict:
     """tldsl, torch eager, torch.compile (and a copy of the moved bytes) on one case."""
     import tldsl as tl
-    res = tl.run(case.kernel, 1, [case.args], compute=case.compute, **case.kwargs)
+    res = tl.run(case.kernel, 1, [case.args], compute=case.compute, lowering=case.lowering or None, **case.kwargs)
     row = {"name": case.name, "check": _check(torch, case, res[0])}
     peers = {"torch eager": case.torch_fn}
     if compile_torch:
@@ -124,7 +127,7 @@ def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True)
     ours, theirs = [], {k: [] for k in peers}
     for _ in range(rounds):
         ours += tl.run(case.kernel, 1, [case.args], compute=case.compute, options={"launches": iters + 1},
-                       **case.kwargs).launch_ms[1:]
+                       lowering=case.lowering or None, **case.kwargs).launch_ms[1:]
         for k, t in zip(peers, interleaved_ms(list(peers.values()), iters, warmup=1)):
             theirs[k].append(t)
     row["tldsl"] = statistics.median(ours)
@@ -153,12 +156,15 @@ def main(argv=None) -> int:
                     help="the row programs' whole_row: longer rows go by column tiles (0: always)")
     ap.add_argument("--gemm-stages", type=int, default=None, help="the gated GEMM's stages (default 4)")
     ap.add_argument("--gemm-group-m", type=int, default=None, help="its tile rows a group (default 8)")
+    ap.add_argument("--gemm-inflight", type=int, default=None,
+                    help="its K loop's WGMMA groups left running across iterations (lowering option wgmma_inflight)")
     args = ap.parse_args(argv)
     import torch
     from ..runtime.gpu import require_gpu
     require_gpu()
     sched = {k: v for k, v in (("stages", args.gemm_stages), ("group_m", args.gemm_group_m)) if v is not None}
-    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched)
+    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched, lowering=(
+        {"wgmma_inflight": args.gemm_inflight} if args.gemm_inflight is not None else None))
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         cases = [c for c in cases if any(c.name.startswith(k) for k in keep)]

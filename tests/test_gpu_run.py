@@ -175,9 +175,31 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
         sys.stderr.flush()
         os._exit(0)
     ''')
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _run_alone(code, 120)
     assert "HANG REPORTED: launch 1" in out.stdout, (f"exit status {out.returncode}\n" + out.stdout[-3000:]
                                                      + out.stderr[-3000:])
+
+
+def _run_alone(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``code`` in a Python process of its own session, its output in files: waiting for the
+    process, not for its pipes — the NVRTC compile pool's workers (and multiprocessing's resource
+    tracker) outlive an ``os._exit`` and held captured pipes open until the test's timeout — then
+    kill whatever of its session is left."""
+    import os
+    import signal
+    import tempfile
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=so, stderr=se, text=True, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        so.seek(0)
+        se.seek(0)
+        return subprocess.CompletedProcess(p.args, rc, so.read(), se.read())
 
 
 def test_tiles_over_shared_memory_run_from_the_global_scratch():

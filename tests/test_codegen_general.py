@@ -614,7 +614,7 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
         kind, _, name = p.source.partition(":")
         ct = p.ctype.replace("__restrict__", "").strip()
         args.append({"buffer": f"({ct})m_{name}", "signal": f"({ct})s_{name}", "rank": "0", "launch": "1ull",
-                     "scratch": "m_scratch"}[kind])
+                     "scratch": "m_scratch", "tma": "tldsl::gen::TmaDesc{}"}[kind])
     src = _HARNESS.format(source=lk.source, loads="\n".join(loads), saves="\n".join(saves), entry=lk.entry,
                           args=", ".join(args), smem=max(128, (lk.smem_bytes + 127) // 128 * 128),
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
@@ -699,22 +699,34 @@ def test_a_loop_that_only_loads_and_accumulates_dots_runs_as_a_pipelined_mainloo
     assert {ld.role for ld in lp.loads} == {"a", "b"} and not plan.wgmma and not plan.stagings
     assert all(d.fill == 0.0 for d in lp.dots)       # registers start from the fill: no slot read
     ring = plan.rings[id(lp.loop)]
-    assert ring.nbytes == lp.stages * lp.stage_bytes + 1024
+    assert ring.nbytes == lp.ring_bytes == lp.stages * lp.stage_bytes + 1024 + (8 * lp.stages if lp.tma else 0)
+    assert lp.tma == ("unaligned" not in fn.name + str(shapes) and all(s[-1] % 8 == 0 for s, _ in shapes[:3]))
+    assert lp.inflight == (1 if lp.stages >= 4 else 0) and lp.lookahead == 2      # two iterations of copies ahead
     for d in lp.dots:                                # the fragments' slots live only after the loop
         assert plan.slots[d.frag.id].start > ring.end
     lk = lower(k, "part")
     assert lk.wgmma_dots == 2 and lk.source.count("tldsl::gen::wgmma_staged<") == 2
-    assert "cp_async_wait<" in lk.source and "stage_tile_sw128<" in lk.source
+    if lp.tma:                                       # one thread's TMA copies, an mbarrier a stage
+        assert "tma_stage_tile<" in lk.source and "stage_bar_wait(" in lk.source and len(lk.tma) == 3
+        assert [p.source for p in lk.params if p.kind == "tma"] == [f"tma:{t.param}" for t in lk.tma]
+        assert all(t.box_dims[0] == 64 and t.swizzle == "CU_TENSOR_MAP_SWIZZLE_128B" for t in lk.tma)
+    else:                                            # every thread's cp.async copies
+        assert "cp_async_wait<" in lk.source and "stage_tile_sw128<" in lk.source and not lk.tma
+    cp = lower(k, "part", dot_loop_copies="cp.async")
+    assert "tma_stage_tile<" not in cp.source and "cp_async_wait<" in cp.source and not cp.tma
 
 
 @needs_gxx
 def test_a_pipelined_loop_without_wgmma_groups_across_iterations_matches_the_simulator(tmp_path):
-    """``wgmma_inflight=0``: every iteration's WGMMAs done at its end, copies one stage further ahead."""
+    """``wgmma_inflight=0`` at four stages: every iteration's WGMMAs done at its end, copies one
+    stage further ahead."""
     fn, shapes, tile, kw = next(c.values for c in PIPELINED if c.id == "gated_gemm-f16-pipelined")
     k = trace(fn, shapes, tile, kw)
-    lk = lower(k, "part", wgmma_inflight=0)
-    assert "wgmma_wait<0>();   " not in lk.source and lk.source.count("tldsl::gen::wgmma_wait<0>();") == 2
-    assert "cp_async_wait<1>" in lk.source and "into the stage of 1 iteration(s) ago" in lk.source   # 3 stages: 2 ahead
+    k = fn.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=tile, stages=4), **kw)
+    lk = lower(k, "part", wgmma_inflight=0, dot_loop_copies="cp.async")
+    assert lk.source.count("tldsl::gen::wgmma_wait<0>();") == 2 and "wgmma_wait<1>" not in lk.source
+    assert "cp_async_wait<2>" in lk.source and "into the stage of 1 iteration(s) ago" in lk.source   # 4 stages: 3 ahead
+    assert "wgmma_wait<1>" in lower(k, "part").source                                                # the default at 4
     arrays = inputs_for(k, np.random.default_rng(4))
     want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
     assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)
@@ -855,7 +867,8 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
                 ct = p.ctype.replace("__restrict__", "").strip()
                 args.append({"buffer": f"({ct})m_{r}_{name}", "peers": f"({ct})t_{name}",
                              "signal": f"({ct})s_{r}_{name}", "peer_signals": f"({ct})ts_{name}",
-                             "rank": str(r), "launch": "1ull", "scratch": scratch}[kind])
+                             "rank": str(r), "launch": "1ull", "scratch": scratch,
+                             "tma": "tldsl::gen::TmaDesc{}"}[kind])
             launches.append(f"  launch(pool, {threads}, {g}, {smem}, [=] {{ {lk.entry}({', '.join(args)}); }});")
     src = _MULTI.format(sources="\n".join(lk.source for lk in lowered), loads="\n".join(loads),
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(

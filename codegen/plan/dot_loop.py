@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 from ...ir import core
 from ...ir import types as T
-from ..dtypes import MMA_INPUTS, elem_bytes
+from ..abi import TmaDescriptorSpec, tma_param
+from ..dtypes import MMA_INPUTS, SWIZZLE, ctype, elem_bytes
 
 #: fp32 accumulators one thread may hold across a pipelined loop (of its ~255 registers)
 ACC_LIMIT = 128
@@ -40,11 +41,13 @@ INDEX_OPS = frozenset({"const", "arith", "select", "load_scalar"})
 
 @dataclass(frozen=True)
 class StagedLoad:
-    """A load of the loop, staged in every stage at ``offset`` bytes (``nbytes``)."""
+    """A load of the loop, staged in every stage at ``offset`` bytes (``nbytes``); ``tma``: the
+    descriptor its TMA copies read (None: cp.async)."""
     op: core.Op
     offset: int
     nbytes: int
     role: str                     # "a" (K-major) or "b" (MN-major)
+    tma: TmaDescriptorSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,21 @@ class DotLoop:
     stage_bytes: int
     stages: int
     warpgroups: int
-    inflight: int = 1             # WGMMA groups left running across an iteration's end (0 or 1)
+    inflight_option: int | None = None   # WGMMA groups left running across an iteration's end (0 or
+                                         # 1; None: 1 from four stages on, else 0: :attr:`inflight`)
+
+    @property
+    def inflight(self) -> int:
+        """WGMMA groups left running across an iteration's end: the option, or by default one
+        where the ring has four stages or more (two iterations of copies ahead either way)."""
+        if self.inflight_option is not None:
+            return self.inflight_option
+        return 1 if self.stages >= 4 else 0
+
+    @property
+    def tma(self) -> bool:
+        """Whether the stages are copied by TMA (one thread, an mbarrier per stage)."""
+        return all(ld.tma is not None for ld in self.loads)
 
     @property
     def lookahead(self) -> int:
@@ -84,8 +101,9 @@ class DotLoop:
 
     @property
     def ring_bytes(self) -> int:
-        """The ring's stages and the slack that aligns them to 1024 bytes (the swizzle's period)."""
-        return self.stages * self.stage_bytes + 1024
+        """The ring's stages, the slack that aligns them to 1024 bytes (the swizzle's period) and,
+        copied by TMA, the stages' mbarriers after them."""
+        return self.stages * self.stage_bytes + 1024 + (8 * self.stages if self.tma else 0)
 
     @property
     def absorbed_allocs(self) -> tuple:
@@ -240,10 +258,25 @@ def warpgroups_for(M: int, dots, threads: int | None) -> int | None:
     return None
 
 
-def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: int = 1) -> list[DotLoop]:
+def _descriptor(op: core.Op) -> TmaDescriptorSpec | None:
+    """The TMA descriptor a staged load's copies read (64-column boxes of its rows, 128-byte
+    swizzle), or None where TMA cannot read the tensor (rows not a multiple of 16 bytes)."""
+    buf = op.operands[0].owner
+    nrows, ncols = buf.type.shape
+    R = op.result.type.shape[0]
+    dt = buf.type.dtype
+    if ncols % 8 or ctype(dt).tma is None:
+        return None
+    return TmaDescriptorSpec(f"{tma_param(buf)}_{R}x64", buf.name, "staged", dt.name, ctype(dt).tma, (ncols, nrows),
+                             (ncols * 2,), (64, R), (1, 1), SWIZZLE[128])
+
+
+def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: int | None = None,
+                   copies: str = "tma") -> list[DotLoop]:
     """Every loop of the part that runs as a pipelined mainloop (see the module docstring), with
     ``stages`` stages (the plan lowers it where shared memory is short) and ``inflight`` WGMMA
-    groups left running across iterations, in walk order."""
+    groups left running across iterations, in walk order; ``copies``: "tma" where every loaded
+    tensor allows it (else, and for "cp.async", cp.async by every thread)."""
     users = _users(part)
     out = []
     for loop in part.walk():
@@ -259,8 +292,10 @@ def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: 
         staged, off = [], 0
         for op, role in loads.values():
             n = -(-op.result.type.shape[0] * op.result.type.shape[1] * 2 // 1024) * 1024
-            staged.append(StagedLoad(op, off, n, role))
+            staged.append(StagedLoad(op, off, n, role, _descriptor(op) if copies == "tma" else None))
             off += n
+        if not all(ld.tma is not None for ld in staged):
+            staged = [replace(ld, tma=None) for ld in staged]
         by_load = {id(s.op): s for s in staged}
         sdots = tuple(StagedDot(d, by_load[id(d.operands[0].owner)].op, by_load[id(d.operands[1].owner)].op, f, ops,
                                 _fill(part, loop, f)) for d, f, ops in dots)

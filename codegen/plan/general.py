@@ -168,6 +168,7 @@ class GeneralPlan:
     grouped: int = 0              # > 0: a 2-D grid walked in groups of this many rows (the schedule's
                                   # "swizzled" order), else row-major per ``decode``
     dot_loops: dict = field(default_factory=dict)  # id(for op) -> DotLoop (the pipelined loops)
+    tma: tuple = ()               # TmaDescriptorSpec per "tma" parameter (the loops' TMA copies)
     rings: dict = field(default_factory=dict)      # id(for op) -> the Slot of its ring of stages
 
     def materialised(self, v: core.Value) -> bool:
@@ -588,19 +589,24 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
                  wait_timeout_ns: int | None = None, entry: str | None = None,
-                 wgmma_inflight: int = 1) -> GeneralPlan:
+                 wgmma_inflight: int | None = None, dot_loop_copies: str = "tma") -> GeneralPlan:
     """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
     tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the
     default is; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
     several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
     trap after that long), ``entry`` (the kernel's name), ``wgmma_inflight`` (a pipelined dot
-    loop's WGMMA groups left running across an iteration's end, 0 or 1: :mod:`.dot_loop`)."""
-    if wgmma_inflight not in (0, 1) or isinstance(wgmma_inflight, bool):
+    loop's WGMMA groups left running across an iteration's end, 0 or 1; by default 1 from four
+    stages on, else 0: :attr:`.dot_loop.DotLoop.inflight`),
+    ``dot_loop_copies`` ("tma", where every tensor a pipelined loop loads allows it, or
+    "cp.async")."""
+    if dot_loop_copies not in ("tma", "cp.async"):
+        raise fail(WHAT, f"dot_loop_copies={dot_loop_copies!r}: choose 'tma' or 'cp.async'", part)
+    if wgmma_inflight not in (None, 0, 1) or isinstance(wgmma_inflight, bool):
         raise fail(WHAT, f"wgmma_inflight={wgmma_inflight!r}: need 0 (a pipelined dot loop's WGMMAs done at each "
                          "iteration's end, one stage more of copies ahead) or 1 (one group left running)", part)
     stages = getattr(kernel.compute_schedule, "stages", None) or 3
     if threads is None:
-        loops = find_dot_loops(part, None, stages, wgmma_inflight) if part.role == "compute" else []
+        loops = find_dot_loops(part, None, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
         if loops:
             threads = 128 * max(lp.warpgroups for lp in loops)
         else:
@@ -609,7 +615,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             and threads % 32 == 0):
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    loops = find_dot_loops(part, threads, stages, wgmma_inflight) if part.role == "compute" else []
+    loops = find_dot_loops(part, threads, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
     layout = _fitting_layout(prog, threads, loops)
     if layout.shared_bytes > SMEM_LIMIT:
         again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
@@ -623,6 +629,10 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
             layout = again
     slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
+    tma = _tma_descriptors(layout_loops(layout))
+    tail = [q for q in params if q in (SCRATCH_PARAM, RANK_PARAM, LAUNCH_PARAM)]
+    params = tuple([q for q in params if q not in tail]
+                   + [KernelParam(t.param, TMA_PARAM_CTYPE, "tma", f"tma:{t.param}") for t in tma] + tail)
     decode, lanes = _decode(tuple(part.grid)), None
     if part.role == "comm":         # the communication schedule's task order, on its lanes
         sched = kernel.comm_schedule
@@ -634,7 +644,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
-                       grouped=_grouped(kernel, part, m),
+                       grouped=_grouped(kernel, part, m), tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings)
 
 
@@ -647,6 +657,20 @@ def _grouped(kernel: core.Kernel, part: core.Part, m: GeneralMatch) -> int:
     if part.role != "compute" or len(part.grid) != 2 or m.waits or m.notifies or sched is None:
         return 0
     return int(sched.group_m) if getattr(sched, "order", "row_major") == "swizzled" and part.grid[0] > 1 else 0
+
+
+#: the C++ type of a TMA descriptor parameter (general_pipeline.hpp's TmaDesc)
+TMA_PARAM_CTYPE = "const __grid_constant__ tldsl::gen::TmaDesc"
+
+
+def _tma_descriptors(loops: list[DotLoop]) -> tuple:
+    """The TMA descriptors the pipelined loops' copies read, one per tensor and box."""
+    out: dict[str, object] = {}
+    for lp in loops:
+        for ld in lp.loads:
+            if ld.tma is not None:
+                out.setdefault(ld.tma.param, ld.tma)
+    return tuple(out.values())
 
 
 def layout_loops(layout: _Layout) -> list[DotLoop]:

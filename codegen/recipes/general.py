@@ -69,6 +69,7 @@ class LoweredGeneral(LoweredKernel):
     groups: int = 1                    # tasks a CTA runs at once, on groups of ``threads`` threads
     scratch_bytes: int = 0             # one group's global-memory scratch (its spilled slots)
     wgmma_dots: int = 0                # of ``dots``, those on WGMMA (the rest on mma.sync)
+    tma: tuple = ()                    # TmaDescriptorSpec per "tma" parameter (pipelined loops' copies)
 
     @property
     def cta_threads(self) -> int:
@@ -161,7 +162,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
                           plan.groups, plan.scratch_bytes,
-                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()))
+                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()), plan.tma)
 
 
 def _decode_lines(plan: GeneralPlan) -> list[str]:
@@ -196,7 +197,7 @@ def _scratch_base(plan: GeneralPlan) -> list[str]:
 
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,
-                options=frozenset({"threads", "wait_timeout_ns", "entry", "wgmma_inflight"}),
+                options=frozenset({"threads", "wait_timeout_ns", "entry", "wgmma_inflight", "dot_loop_copies"}),
                 summary="any compute part: shared-memory tiles, element loops, WGMMA / mma.sync dots")
 #: the same lowering for communication parts on SMs that the streamed kernel (sm_comm) does not take
 RECIPE_COMM = Recipe("general_comm", "comm", 0, match_general_comm, plan_general, render_general,

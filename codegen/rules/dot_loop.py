@@ -1,5 +1,6 @@
 """The C++ of a pipelined dot loop (planned by :mod:`..plan.dot_loop`, run by
-``include/tldsl/general_pipeline.hpp``): the loop's loads as cp.async copies into a ring of
+``include/tldsl/general_pipeline.hpp``): the loop's loads as TMA (one thread, an mbarrier per
+stage) or cp.async copies into a ring of
 stages issued ``DotLoop.lookahead`` iterations ahead, its dots as WGMMAs on the stage with the
 accumulators in registers, the fragments' slots written once after the loop."""
 from __future__ import annotations
@@ -23,13 +24,18 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     accs = {d.op.result.id: f"acc{k}_{i}" for i, d in enumerate(lp.dots)}
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
     names = ", ".join(ld.op.operands[0].owner.name for ld in lp.loads)
-    L = [f"{ind}{{  // pipelined dot loop: {S} stages of {B} B ({names}) by cp.async, {len(lp.dots)} dot(s) on "
+    L = [f"{ind}{{  // pipelined dot loop: {S} stages of {B} B ({names}) by {'TMA' if lp.tma else 'cp.async'}, {len(lp.dots)} dot(s) on "
          f"WGMMA, accumulators in registers{marker(loop.loc)}",
          f"{i1}const int {nit}l = {lo}, {nit}h = {hi}, {nit}s = {st};",
          f"{i1}const int {nit} = ({nit}s > 0 && {nit}l < {nit}h) ? ({nit}h - {nit}l + {nit}s - 1) / {nit}s : 0;",
          f"{i1}unsigned char* const {ring} = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>("
          f"{em.ring(loop)}) + 1023ull) & ~1023ull);",
          f"{i1}const int {wg} = tid / 128;"]
+    bars = f"bars{k}"
+    if lp.tma:                      # an mbarrier per stage, after the stages
+        L += [f"{i1}uint64_t* const {bars} = reinterpret_cast<uint64_t*>({ring} + {S * B});",
+              f"{i1}tldsl::gen::stage_bars_init({bars}, {S}, tid);",
+              f"{i1}{barrier}"]
     for d in lp.dots:
         M, N = d.op.result.type.shape
         acc = accs[d.op.result.id]
@@ -52,29 +58,44 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
         em.emit_values(origins, loop.regions[0].ops, i3, body)
         L += body
         L.append(f"{i3}unsigned char* const s{k} = {ring} + ({it} % {S}) * {B};")
+        if lp.tma:
+            L.append(f"{i3}if (tid == 0) tldsl::gen::stage_bar_expect({bars} + {it} % {S}, {B});")
         for ld in lp.loads:
             buf = ld.op.operands[0].owner
             R, C = ld.op.result.type.shape
             nrows, ncols = buf.type.shape
             r0, c0 = (em.name(v, ld.op) for v in ld.op.operands[1:])
             base = buffer_param(buf)
+            if lp.tma:
+                L.append(f"{i3}tldsl::gen::tma_stage_tile<{ctype(buf.type.dtype).comm}, {R}, {C}>(&{ld.tma.param}, "
+                         f"{bars} + {it} % {S}, s{k} + {ld.offset}, {base}, {nrows}, {ncols}, {r0}, {c0}, tid, "
+                         f"gthreads);{marker(ld.op.loc)}")
+                continue
             vec = "true" if ncols % 8 == 0 else "false"
             if vec == "true":
                 vec = f"(reinterpret_cast<unsigned long long>({base}) & 15ull) == 0ull && (({c0}) % 8) == 0"
             L.append(f"{i3}tldsl::gen::stage_tile_sw128<{ctype(buf.type.dtype).comm}, {R}, {C}>(s{k} + {ld.offset}, "
                      f"{base}, {nrows}, {ncols}, {r0}, {c0}, {vec}, tid, gthreads);{marker(ld.op.loc)}")
     L.append(f"{i2}}}")
-    L.append(f"{i2}tldsl::gen::cp_async_commit();")
+    if not lp.tma:
+        L.append(f"{i2}tldsl::gen::cp_async_commit();")
     L.append(f"{i1}}};")
     ahead, inflight = lp.lookahead, lp.inflight
+    L.append(f"{i1}#pragma unroll 1")
     L.append(f"{i1}for (int {it} = 0; {it} < {ahead}; ++{it}) issue{k}({it});")
     L.append(f"{i1}#pragma unroll 1")
     L.append(f"{i1}for (int {it} = 0; {it} < {nit}; ++{it}) {{")
-    L.append(f"{i2}tldsl::gen::cp_async_wait<{ahead - 1}>();   // this iteration's copies have landed ...")
-    L.append(f"{i2}tldsl::gen::fence_proxy_async_smem();   // ... visible to the WGMMAs ...")
+    if lp.tma:
+        L.append(f"{i2}tldsl::gen::stage_bar_wait({bars} + {it} % {S}, ({it} / {S}) & 1);   // this iteration's "
+                 "copies have landed ...")
+    else:
+        L.append(f"{i2}tldsl::gen::cp_async_wait<{ahead - 1}>();   // this iteration's copies have landed ...")
+        L.append(f"{i2}tldsl::gen::fence_proxy_async_smem();   // ... visible to the WGMMAs ...")
     L.append(f"{i2}{barrier}   // ... everyone's; and every WGMMA of {inflight + 1} iteration(s) ago is done")
     L.append(f"{i2}const unsigned char* const t{k} = {ring} + ({it} % {S}) * {B};")
     offs = {id(ld.op): ld.offset for ld in lp.loads}
+    if lp.tma:                      # one thread's copies, before the WGMMAs take the accumulators
+        L.append(f"{i2}issue{k}({it} + {ahead});   // into the stage of {inflight + 1} iteration(s) ago")
     for d in lp.dots:
         L.append(f"{i2}tldsl::gen::wgmma_fence_acc({accs[d.op.result.id]});")
     L.append(f"{i2}tldsl::gen::wgmma_begin();")
@@ -84,7 +105,8 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
         L.append(f"{i2}tldsl::gen::wgmma_staged<{kind}, {M}, {N}, {K}, {lp.mb}>(t{k} + {offs[id(d.a)]}, "
                  f"t{k} + {offs[id(d.b)]}, {accs[d.op.result.id]}, {wg});{marker(d.op.loc)}")
     L.append(f"{i2}tldsl::gen::wgmma_commit();")
-    L.append(f"{i2}issue{k}({it} + {ahead});   // into the stage of {inflight + 1} iteration(s) ago")
+    if not lp.tma:                  # every thread's copies, while the WGMMAs run
+        L.append(f"{i2}issue{k}({it} + {ahead});   // into the stage of {inflight + 1} iteration(s) ago")
     L.append(f"{i2}tldsl::gen::wgmma_wait<{inflight}>();")
     for d in lp.dots:
         L.append(f"{i2}tldsl::gen::wgmma_fence_acc({accs[d.op.result.id]});")
@@ -94,6 +116,8 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     for d in lp.dots:
         L.append(f"{i1}tldsl::gen::wgmma_fence_acc({accs[d.op.result.id]});")
     L.append(f"{i1}{barrier}   // the ring is read: the fragments' slots may share its memory")
+    if lp.tma:
+        L += [f"{i1}tldsl::gen::stage_bars_inval({bars}, {S}, tid);", f"{i1}{barrier}"]
     for d in lp.dots:
         L.append(f"{i1}tldsl::gen::store_acc({accs[d.op.result.id]}, {wg}, {em.slot(d.frag)});")
     L.append(f"{ind}}}")

@@ -156,6 +156,8 @@ def main(argv=None) -> int:
                     help="the row programs' whole_row: longer rows go by column tiles (0: always)")
     ap.add_argument("--gemm-stages", type=int, default=None, help="the gated GEMM's stages (default 4)")
     ap.add_argument("--gemm-group-m", type=int, default=None, help="its tile rows a group (default 8)")
+    ap.add_argument("--gemm-copies", choices=("tma", "cp.async"), default=None,
+                    help="how its K loop stages operands (lowering option dot_loop_copies; default tma)")
     ap.add_argument("--gemm-inflight", type=int, default=None,
                     help="its K loop's WGMMA groups left running across iterations (lowering option wgmma_inflight)")
     args = ap.parse_args(argv)
@@ -163,8 +165,9 @@ def main(argv=None) -> int:
     from ..runtime.gpu import require_gpu
     require_gpu()
     sched = {k: v for k, v in (("stages", args.gemm_stages), ("group_m", args.gemm_group_m)) if v is not None}
-    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched, lowering=(
-        {"wgmma_inflight": args.gemm_inflight} if args.gemm_inflight is not None else None))
+    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched, lowering={
+        k: v for k, v in (("wgmma_inflight", args.gemm_inflight), ("dot_loop_copies", args.gemm_copies))
+        if v is not None})
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         cases = [c for c in cases if any(c.name.startswith(k) for k in keep)]

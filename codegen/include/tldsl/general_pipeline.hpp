@@ -8,6 +8,8 @@
 //    R rows x 128 bytes, the 16-byte unit u of row r stored at unit u ^ (r % 8);
 //  * a dot's left operand [M, K] is then K-major, its right operand [K, N] MN-major (N
 //    contiguous): no transposition on the way, every dot reads its operands where they landed;
+//    (or, where every loaded tensor's rows are 16-byte multiples, one thread copies them with
+//    TMA, an mbarrier per stage counting the bytes);
 //  * the accumulators stay in registers for the whole loop (warpgroup w of the CTA holds the
 //    m64 blocks w * MB .. w * MB + MB - 1 of every dot's output), and go to the fragment's
 //    slot once, after the loop.
@@ -25,9 +27,15 @@
 #include "tldsl/general.hpp"
 
 #if !defined(TLDSL_HOST_EMULATION)
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
 #include "tldsl/gmma.hpp"
 #else
 #include <type_traits>
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 #endif
 
 namespace tldsl {
@@ -94,6 +102,82 @@ TLDSL_DEV void stage_tile_sw128(unsigned char* dst, const T* src, int nrows, int
 #endif
     }
   }
+}
+
+// -- TMA stages: one elected thread copies a stage's tiles, an mbarrier per stage counts the bytes
+// (the same 128-byte-swizzled layout as stage_tile_sw128: TMA's SWIZZLE_128B on 64-column boxes).
+#if !defined(TLDSL_HOST_EMULATION)
+using TmaDesc = cute::TmaDescriptor;
+using StageBar = cutlass::arch::ClusterTransactionBarrier;
+#else
+struct TmaDesc {
+  unsigned char bytes[128];
+};
+#endif
+
+// Thread 0 of the group: the ring's S mbarriers (one arrival each: the elected thread's), made
+// visible to the async proxy; the group's barrier follows.
+TLDSL_DEV void stage_bars_init(uint64_t* bars, int n, int tid) {
+#if !defined(TLDSL_HOST_EMULATION)
+  if (tid == 0) {
+    for (int i = 0; i < n; ++i) StageBar::init(&bars[i], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+#else
+  (void)bars, (void)n, (void)tid;
+#endif
+}
+
+// Thread 0, after the last wait: the barriers' memory goes back to ordinary use.
+TLDSL_DEV void stage_bars_inval(uint64_t* bars, int n, int tid) {
+#if !defined(TLDSL_HOST_EMULATION)
+  if (tid == 0)
+    for (int i = 0; i < n; ++i)
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"((unsigned)__cvta_generic_to_shared(&bars[i]))
+                   : "memory");
+#else
+  (void)bars, (void)n, (void)tid;
+#endif
+}
+
+// The elected thread: the stage's bytes expected on its barrier (every box is counted whole:
+// TMA writes zeros past the tensor's edges).
+TLDSL_DEV void stage_bar_expect(uint64_t* bar, int bytes) {
+#if !defined(TLDSL_HOST_EMULATION)
+  StageBar::arrive_and_expect_tx(bar, (uint32_t)bytes);
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+// Every thread: wait until the stage's copies of this use (parity `phase`) have landed.
+TLDSL_DEV void stage_bar_wait(uint64_t* bar, int phase) {
+#if !defined(TLDSL_HOST_EMULATION)
+  StageBar::wait(bar, (uint32_t)phase);
+#else
+  (void)bar, (void)phase;
+#endif
+}
+
+// The elected thread: tile [R x C] at (r0, c0) of the 2-D tensor `desc` describes (64 x R boxes,
+// SWIZZLE_128B) into `dst`, C / 64 copies completing on `bar`. Under emulation the group's
+// threads copy it as stage_tile_sw128 does (`src`, `nrows`, `ncols`: the same tensor).
+template <class T, int R, int C>
+TLDSL_DEV void tma_stage_tile(const TmaDesc* desc, uint64_t* bar, unsigned char* dst, const T* src, int nrows,
+                              int ncols, int r0, int c0, int tid, int nthreads) {
+  static_assert(sizeof(T) == 2 && C % 64 == 0 && R <= 256, "TMA stages: 16-bit elements, 64 x R boxes");
+#if !defined(TLDSL_HOST_EMULATION)
+  (void)src, (void)nrows, (void)ncols, (void)nthreads;
+  if (tid == 0) {
+#pragma unroll
+    for (int c = 0; c < C / 64; ++c)
+      cute::SM90_TMA_LOAD_2D::copy(desc, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), dst + c * (R * 128),
+                                   c0 + c * 64, r0);
+  }
+#else
+  (void)desc, (void)bar;
+  stage_tile_sw128<T, R, C>(dst, src, nrows, ncols, r0, c0, false, tid, nthreads);
+#endif
 }
 
 #if !defined(TLDSL_HOST_EMULATION)

@@ -20,10 +20,12 @@ FLAT, ROWS = tl.ComputeSchedule(tile=(32, 256, 16)), tl.ComputeSchedule(tile=(16
 
 
 def _memory_bound():
-    """The benchmark's four programs at its shapes and schedules (tldsl/bench/general.py)."""
-    return [gp.scale_shift.trace(1, BIG, BIG, compute=FLAT), gp.row_softmax.trace(1, BIG, BIG, compute=ROWS),
-            gp.rms_norm.trace(1, BIG, ROW, BIG, compute=ROWS),
-            gp.add_rms_norm.trace(1, BIG, BIG, ROW, BIG, BIG, compute=ROWS)]
+    """The benchmark's four programs at its shapes, schedules and keywords (tldsl/bench/general.py)."""
+    from tldsl.bench.general import ROW_DEFAULTS as D
+    return [gp.scale_shift.trace(1, BIG, BIG, compute=FLAT),
+            gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, **D["row softmax"]),
+            gp.rms_norm.trace(1, BIG, ROW, BIG, compute=ROWS, **D["RMSNorm"]),
+            gp.add_rms_norm.trace(1, BIG, BIG, ROW, BIG, BIG, compute=ROWS, **D["residual add + RMSNorm"])]
 
 
 def test_memory_bound_parts_run_several_tasks_per_cta():
@@ -60,10 +62,11 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
         assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
     for name in ("row_softmax", "rms_norm", "add_rms_norm"):
         assert "TLDSL_REDUCE_LANES(32)" in src[name] and "shfl_xor" in src[name], name
-    for name in ("row_softmax", "rms_norm", "add_rms_norm"):   # whole rows: x read once, no column loop
-        assert not re.search(r"for \(int \w+_\d+ = ", src[name]), name
+    assert not re.search(r"for \(int \w+_\d+ = ", src["row_softmax"])    # whole rows: x read once, no loop
     wide = S((64, 2 * gp.WHOLE_ROW), tl.float16)                  # rows longer than WHOLE_ROW: two passes
     two = lower(gp.rms_norm.trace(1, wide, S((1, 2 * gp.WHOLE_ROW), tl.float16), wide, compute=ROWS), "part").source
+    for name in ("rms_norm", "add_rms_norm"):                     # the bench's RMSNorms: column tiles
+        assert re.search(r"for \(int \w+_\d+ = ", src[name]), name
     rsqrt = [ln for ln in two.splitlines() if "tldsl::gen::rsqrt" in ln]
     assert len(rsqrt) == 1
     loop2 = two.rindex("for (int i_")
@@ -73,7 +76,7 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
 def test_whole_rows_recompute_cheap_values_to_keep_more_tasks_in_flight():
     """The row softmax reads t = float(x) and e = exp(t - max) twice each; storing them (96 KB a
     row of 8192) would leave two tasks per SM, computing them again leaves eight."""
-    lk = lower(gp.row_softmax.trace(1, BIG, BIG, compute=ROWS), "part")
+    lk = lower(gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, rows=1), "part")
     assert lk.groups == 8 and len(lk.slots) == 3, lk.describe()     # x's row and the two row reductions
 
 

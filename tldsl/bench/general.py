@@ -39,9 +39,15 @@ class Case:
     lowering: dict = field(default_factory=dict)   # tl.run's lowering options
 
 
-def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = None):
-    """The memory-bound rows (fp16, ``[M, N]`` operands); the row programs take ``rows`` rows a
-    task, each row whole."""
+#: the row programs' keywords, each the fastest measured (BENCHMARKS.md, seventeenth session): the
+#: softmax on whole rows, two a task; the RMSNorms by 16 x 256 column tiles
+ROW_DEFAULTS = {"row softmax": {"rows": 2}, "RMSNorm": {"whole_row": 0},
+                "residual add + RMSNorm": {"whole_row": 0}}
+
+
+def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int | None = None):
+    """The memory-bound rows (fp16, ``[M, N]`` operands); the row programs' ``rows`` and
+    ``whole_row`` where given, else :data:`ROW_DEFAULTS`."""
     import tldsl as tl
     from . import general_programs as gp
     dev, f16 = "cuda", torch.float16
@@ -53,7 +59,10 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = 
     size = M * N * 2
     flat = tl.ComputeSchedule(tile=(32, 256, 16))
     by_rows = tl.ComputeSchedule(tile=(16, 256, 16))
-    kw = {"rows": rows, **({"whole_row": whole_row} if whole_row is not None else {})}
+    given = {k: v for k, v in (("rows", rows), ("whole_row", whole_row)) if v is not None}
+
+    def kw(name):
+        return given or dict(ROW_DEFAULTS[name])
 
     def rms(h):
         hf = h.float()
@@ -61,11 +70,11 @@ def memory_cases(torch, M=16384, N=8192, rows: int = 1, whole_row: int | None = 
     return [
         Case("y = 2x + 1", gp.scale_shift, flat, {"x": x, "y": nan()}, ("y",), lambda: (x * 2 + 1,), 2 * size),
         Case("row softmax", gp.row_softmax, by_rows, {"x": x, "y": nan()}, ("y",),
-             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw),
+             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw("row softmax")),
         Case("RMSNorm", gp.rms_norm, by_rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size,
-             kwargs=kw),
+             kwargs=kw("RMSNorm")),
         Case("residual add + RMSNorm", gp.add_rms_norm, by_rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
-             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw),
+             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw("residual add + RMSNorm")),
     ]
 
 
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated row names (a prefix each)")
-    ap.add_argument("--rows", type=int, default=1, help="rows a task of the row programs takes (default 1)")
+    ap.add_argument("--rows", type=int, default=None, help="rows a task of the row programs takes")
     ap.add_argument("--whole-row", type=int, default=None,
                     help="the row programs' whole_row: longer rows go by column tiles (0: always)")
     ap.add_argument("--gemm-stages", type=int, default=None, help="the gated GEMM's stages (default 4)")

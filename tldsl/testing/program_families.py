@@ -35,6 +35,12 @@ def single(g: ProgramGenerator) -> None:
     recipe = weighted(ch, {"ewise": 24, "gemm": 42, "row_reduce": 12, "softmax": 7, "gather": 15})
     dtype = "i32" if recipe in ("ewise", "row_reduce", "gather") and chance(ch, 30) else g.float_dtype()
     if recipe == "gemm":
+        if dtype in ("f16", "bf16") and chance(ch, 30):     # the general path's pipelined K loop
+            R, K = g.extent(64), g.extent(96)
+            K = -(-K // 8) * 8 if chance(ch, 60) else K       # 16-byte rows: TMA stages
+            a = Tensor(g.arg((R, K), dtype), (R, K), dtype)
+            stages.gemm(g, a, mainloop=True)
+            return
         BM = ch.choice((16, 32, 64))
         R, K = g.extent(BM), g.extent(24)
         a = Tensor(g.arg((R, K), dtype), (R, K), dtype)

@@ -118,20 +118,26 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
 
 
 def gemm(g: ProgramGenerator, a: Tensor, out: Tensor | None = None, *, role="compute", tile=None,
-         waits: Waits | None = None, notify: Notify | None = None) -> tuple[Tensor, Tiling]:
+         waits: Waits | None = None, notify: Notify | None = None, mainloop: bool = False) -> tuple[Tensor, Tiling]:
     """``out = epilogue(a @ b)``: a K loop of ``tl.dot`` into a fragment (``tl.range``, unrolled with
     ``tl.static_range``, or one dot), ``b`` loaded as is or transposed, operands in fp16, bf16 or
-    fp32 (a TF32 dot on the GPU)."""
+    fp32 (a TF32 dot on the GPU); ``mainloop``: shaped for the general path's pipelined K loop
+    (:mod:`tldsl.codegen.plan.dot_loop`) where ``a`` is 16-bit."""
     ch = g.ch
     R, K = a.shape
-    BM, BN = tile or (ch.choice((16, 32, 64)), ch.choice((16, 32)))
-    BK = ch.choice((16, 32))
+    # ``mainloop``: shaped for the general path's pipelined K loop — 64-multiple tiles, 16-bit
+    # operands loaded as they are (no cast, no transpose)
+    mainloop = mainloop and tile is None and a.dtype in ("f16", "bf16")
+    BM, BN = tile or ((64, ch.choice((64, 128))) if mainloop else (ch.choice((16, 32, 64)), ch.choice((16, 32))))
+    BK = 64 if mainloop else ch.choice((16, 32))
     N = out.shape[1] if out is not None else g.extent(BN)
-    op_dtype = "bf16" if a.dtype == "bf16" or chance(ch, 30) else a.dtype
-    b_dtype = a.dtype if a.dtype != "bf16" else g.float_dtype()
-    transposed = chance(ch, 35)
+    if mainloop and out is None and chance(ch, 60):
+        N = -(-N // 8) * 8                  # rows of 16-byte multiples: TMA stages (else cp.async)
+    op_dtype = a.dtype if mainloop else ("bf16" if a.dtype == "bf16" or chance(ch, 30) else a.dtype)
+    b_dtype = a.dtype if a.dtype != "bf16" or mainloop else g.float_dtype()
+    transposed = not mainloop and chance(ch, 35)
     b = g.arg((N, K) if transposed else (K, N), b_dtype)
-    kind = weighted(ch, {"range": 60, "static": 20, "single": 20})
+    kind = "range" if mainloop else weighted(ch, {"range": 60, "static": 20, "single": 20})
     if kind == "static" and cdiv(K, BK) > 3:
         kind = "range"
     if kind == "single" and K > BK:

@@ -95,3 +95,27 @@ def test_sass_has_128_bit_global_accesses_shuffles_and_no_spills(tmp_path):
         assert sass.count("BAR.SYNC") >= 1, lk.entry          # the groups' named barriers
         if lk.entry != "tldsl_scale_shift_part":
             assert sass.count("SHFL.BFLY") >= 1, lk.entry     # warp-shuffle row reductions
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="the generated code runs on CPU threads")
+@pytest.mark.parametrize("name,rows,threads", [("row_softmax", 1, None), ("rms_norm", 1, None),
+                                               ("add_rms_norm", 2, 256), ("row_softmax", 1, 256)])
+def test_whole_rows_reduced_by_several_warps_match_the_simulator(tmp_path, name, rows, threads):
+    """A row reduction with fewer outputs than warps splits each row between warps whose partial
+    results meet in shared memory (plan.general.reduce_partials): run on CPU threads, it agrees
+    with the simulator (rows of 300, not a multiple of the warps' 32-element steps)."""
+    import numpy as np
+    from test_codegen_general import _stored_inputs, emulate, inputs_for
+    from tldsl.codegen.plan.general import reduce_partials
+    from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
+    M, N = 37, 300
+    x, w = S((M, N), tl.float16), S((1, N), tl.float16)
+    specs = {"row_softmax": (x, x), "rms_norm": (x, w, x), "add_rms_norm": (x, x, w, x, x)}[name]
+    k = getattr(gp, name).trace(1, *specs, compute=ROWS, rows=rows)
+    lk = lower(k, "part", **({"threads": threads} if threads else {}))
+    reduces = [op for op in k.parts[0].walk() if op.name == "reduce"]
+    assert reduces and all(reduce_partials(op, lk.threads) > 1 for op in reduces)
+    assert "warps an output" in lk.source
+    arrays = inputs_for(k, np.random.default_rng(11))
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path, threads=lk.threads)], want, tolerances)

@@ -88,6 +88,20 @@ STAGING_LIMIT = 64 * 1024
 REGISTERS = 65536
 
 
+def reduce_partials(op: core.Op, threads: int) -> int:
+    """How many warps reduce each output of ``reduce`` op together (1: a warp an output, as a row
+    reduction with many rows has it): where the outputs leave warps of the ``threads`` idle — a
+    whole row of a memory-bound part reduced by one of its warps — the reduced axis is split
+    between the idle warps (at least 32 elements each), whose partial results meet in shared
+    memory (4 bytes each after the output's slot)."""
+    x = op.operands[0]
+    n = x.type.shape[op.attrs["axis"]]
+    nout = math.prod(op.result.type.shape)
+    if op.result.type.dtype.kind == "bool" or n < 64 or nout * 32 >= threads:
+        return 1
+    return max(1, min(threads // (32 * nout), n // 32))
+
+
 @dataclass(frozen=True)
 class WgmmaDot:
     """How a dot runs on WGMMA: ``nt`` columns of a warpgroup's output tile, ``kc`` columns of K
@@ -575,6 +589,8 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
         if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
             raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
         nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
+        if op.name == "reduce":     # its warps' partial results, where several warps share an output
+            nbytes += reduce_partials(op, threads) * math.prod(v.type.shape) * 4
         stmts = _statements(prog, op, v, fused, views)
         start, end = _live_range(prog, op, stmts)
         if v.id in after_loop:

@@ -28,7 +28,7 @@ from ...ir.opdefs import DATA_OPS, FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS, data_
 from ..abi import buffer_param, is_this_rank, marker, peer_buffer_param
 from ..dtypes import ctype, elem_bytes, scalar_ctype
 from ..match.general import WHAT
-from ..plan.general import GeneralPlan
+from ..plan.general import GeneralPlan, reduce_partials
 from . import primitives
 from .dot_loop import emit_dot_loop, is_pipelined
 from .scalars import c_literal, element_expr
@@ -44,7 +44,8 @@ MMA_KIND = {"f16": "tldsl::gen::MmaKind::kF16", "bf16": "tldsl::gen::MmaKind::kB
 
 #: the barrier of a task group (the CTA when it runs one): after every statement
 BARRIER = "tldsl::gen::group_sync<kGroups>(grp, gthreads);"
-#: 16-byte chunks of a tile's rows a thread of a load keeps in flight at once
+#: 16-byte chunks of a tile's rows a thread of a load keeps in flight at once (8 spilled in the
+#: 512-thread CTAs of the memory-bound parts, 128 registers a thread)
 LOAD_BATCH = 4
 #: elements one thread of an element loop takes per iteration (thread t of the group: elements
 #: t, t + threads, ...: neighbouring threads on neighbouring elements, so shared memory is read
@@ -276,6 +277,7 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     base = buffer_param(buf)
     k = em.fresh()
     ch, e0, b, vec = f"ch{k}", f"e{k}", f"b{k}", f"vec{k}"
+    LB = LOAD_BATCH
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
 
     def chunk(e):
@@ -286,10 +288,10 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     lines.append(f"{ind}{{  // load {buf.name} -> {slot}, 16-byte chunks of its rows{marker(op.loc)}")
     lines.append(f"{i1}const bool {vec} = {_vec_ok(buf, base, offs[-1], V)};")
     lines.append(f"{i1}(void){vec};")
-    lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LOAD_BATCH} * gthreads) {{")
-    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LOAD_BATCH}];")
+    lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LB} * gthreads) {{")
+    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LB}];")
     lines.append(f"{i2}#pragma unroll")
-    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LB}; ++{b}) {{")
     e = f"e{k}x"
     el, coords, flat, g = chunk(e)
     lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
@@ -304,7 +306,7 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     lines.append(f"{i3}}}")
     lines.append(f"{i2}}}")
     lines.append(f"{i2}#pragma unroll")
-    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LB}; ++{b}) {{")
     el, coords, flat, g = chunk(e)
     lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
     lines.append(f"{i3}if ({e} < {nc}) {{")
@@ -432,6 +434,9 @@ def _reduce_statement(em, op, ind, lines):
         v = em.value(x, coords[:axis] + [r] + coords[axis:], el)
         return el.lines, v
 
+    P = reduce_partials(op, em.plan.threads)
+    if P > 1:
+        return _reduce_by_warps(em, op, P, element_at, ind, lines)
     k = em.fresh()
     kl, e0, e, o, lane, acc, r, off = (f"kL{k}", f"e{k}", f"e{k}x", f"o{k}", f"l{k}", f"acc{k}", f"r{k}", f"s{k}")
     coords = [f"c{k}x{a}" for a in range(len(shape))]
@@ -460,6 +465,64 @@ def _reduce_statement(em, op, ind, lines):
            f"{i2}if ({e} < {nout} * {kl} && {lane} == 0) {slot}[{flat_index(coords, shape)}] = "
            f"tldsl::gen::put<{storage_ctype(dt)}>({acc});",
            f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
+    lines += L_
+
+
+def _reduce_by_warps(em, op, P, element_at, ind, lines):
+    """A reduction whose outputs would leave warps idle (:func:`..plan.general.reduce_partials`):
+    P warps an output, warp p of output o combining elements p * 32 + lane, then every P * 32th,
+    its lanes by shuffles; the P partial results meet in shared memory after the output's slot
+    and one thread an output combines them in warp order."""
+    x = op.operands[0]
+    axis, kind = op.attrs["axis"], op.attrs["op"]
+    n = x.type.shape[axis]
+    shape = tuple(op.result.type.shape)
+    nout = math.prod(shape)
+    slot = em.slot(op.result)
+    dt = op.result.type.dtype
+    ct = value_ctype(dt)
+    comb = _REDUCE[kind]
+    k = em.fresh()
+    kl, part, g, o, lane, acc, r, off, q = (f"kL{k}", f"part{k}", f"g{k}", f"o{k}", f"l{k}", f"acc{k}", f"r{k}",
+                                            f"s{k}", f"q{k}")
+    coords = [f"c{k}x{a}" for a in range(len(shape))]
+
+    def decode(idx, ind2):
+        out = []
+        for a, s_ in enumerate(shape):
+            inner = math.prod(shape[a + 1:])
+            xx = idx if inner == 1 else f"{idx} / {inner}"
+            if a > 0:
+                xx = f"({xx}) % {s_}"
+            out.append(f"{ind2}const int {coords[a]} = {xx};")
+        return out
+    first, v0 = element_at(f"({q} * {kl} + {lane})", coords)
+    rest, v = element_at(r, coords)
+    i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
+    offset = (nout * elem_bytes(dt) + 15) // 16 * 16
+    L_ = [f"{ind}{{  // {kind} over axis {axis} -> {slot}, {P} warps an output{marker(op.loc)}",
+          f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES(32);",
+          f"{i1}{ct}* const {part} = reinterpret_cast<{ct}*>(reinterpret_cast<unsigned char*>({slot}) + {offset});",
+          f"{i1}for (int {g} = tid / {kl}; {g} < {nout * P}; {g} += gthreads / {kl}) {{",
+          f"{i2}const int {lane} = tid % {kl}, {o} = {g} % {nout}, {q} = {g} / {nout};",
+          *decode(o, i2),
+          f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
+          f"{i2}#pragma unroll 4",
+          f"{i2}for (int {r} = {q} * {kl} + {lane} + {P} * {kl}; {r} < {n}; {r} += {P} * {kl}) {{",
+          *[f"{i2}  {ln}" for ln in rest], f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
+          f"{i2}for (int {off} = {kl} / 2; {off} > 0; {off} >>= 1) {{",
+          f"{i2}  const {ct} {acc}o = tldsl::gen::shfl_xor({acc}, {off});",
+          f"{i2}  {acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
+          f"{i2}if ({lane} == 0) {part}[{g}] = {acc};",
+          f"{i1}}}",
+          f"{i1}{BARRIER}",
+          f"{i1}for (int {o} = tid; {o} < {nout}; {o} += gthreads) {{",
+          f"{i2}{ct} {acc} = {part}[{o}];",
+          f"{i2}for (int {q} = 1; {q} < {P}; ++{q}) {{",
+          f"{i3}const {ct} {acc}o = {part}[{q} * {nout} + {o}];",
+          f"{i3}{acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
+          f"{i2}{slot}[{o}] = tldsl::gen::put<{storage_ctype(dt)}>({acc});",
+          f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
     lines += L_
 
 

@@ -45,9 +45,10 @@ ROW_DEFAULTS = {"row softmax": {"rows": 2}, "RMSNorm": {"whole_row": 0},
                 "residual add + RMSNorm": {"whole_row": 0}}
 
 
-def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int | None = None):
+def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int | None = None,
+                 threads: int | None = None):
     """The memory-bound rows (fp16, ``[M, N]`` operands); the row programs' ``rows`` and
-    ``whole_row`` where given, else :data:`ROW_DEFAULTS`."""
+    ``whole_row`` where given, else :data:`ROW_DEFAULTS`; ``threads``: the lowering's threads a task."""
     import tldsl as tl
     from . import general_programs as gp
     dev, f16 = "cuda", torch.float16
@@ -63,6 +64,7 @@ def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int
 
     def kw(name):
         return given or dict(ROW_DEFAULTS[name])
+    low = {"threads": threads} if threads else {}
 
     def rms(h):
         hf = h.float()
@@ -70,11 +72,13 @@ def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int
     return [
         Case("y = 2x + 1", gp.scale_shift, flat, {"x": x, "y": nan()}, ("y",), lambda: (x * 2 + 1,), 2 * size),
         Case("row softmax", gp.row_softmax, by_rows, {"x": x, "y": nan()}, ("y",),
-             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw("row softmax")),
+             lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw("row softmax"),
+             lowering=low),
         Case("RMSNorm", gp.rms_norm, by_rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size,
-             kwargs=kw("RMSNorm")),
+             kwargs=kw("RMSNorm"), lowering=low),
         Case("residual add + RMSNorm", gp.add_rms_norm, by_rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
-             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw("residual add + RMSNorm")),
+             ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw("residual add + RMSNorm"),
+             lowering=low),
     ]
 
 
@@ -163,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="rows a task of the row programs takes")
     ap.add_argument("--whole-row", type=int, default=None,
                     help="the row programs' whole_row: longer rows go by column tiles (0: always)")
+    ap.add_argument("--threads", type=int, default=None, help="the memory-bound programs' threads a task")
     ap.add_argument("--gemm-stages", type=int, default=None, help="the gated GEMM's stages (default 4)")
     ap.add_argument("--gemm-group-m", type=int, default=None, help="its tile rows a group (default 8)")
     ap.add_argument("--gemm-copies", choices=("tma", "cp.async"), default=None,
@@ -174,7 +179,7 @@ def main(argv=None) -> int:
     from ..runtime.gpu import require_gpu
     require_gpu()
     sched = {k: v for k, v in (("stages", args.gemm_stages), ("group_m", args.gemm_group_m)) if v is not None}
-    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row) + gemm_cases(torch, schedule=sched, lowering={
+    cases = memory_cases(torch, rows=args.rows, whole_row=args.whole_row, threads=args.threads) + gemm_cases(torch, schedule=sched, lowering={
         k: v for k, v in (("wgmma_inflight", args.gemm_inflight), ("dot_loop_copies", args.gemm_copies))
         if v is not None})
     if args.only:

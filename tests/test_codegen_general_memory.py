@@ -21,11 +21,22 @@ FLAT, ROWS = tl.ComputeSchedule(tile=(32, 256, 16)), tl.ComputeSchedule(tile=(16
 
 def _memory_bound():
     """The benchmark's four programs at its shapes, schedules and keywords (tldsl/bench/general.py)."""
-    from tldsl.bench.general import ROW_DEFAULTS as D
+    from tldsl.bench.general import ROW_DEFAULTS
+
+    def kw(name):
+        return {k: v for k, v in ROW_DEFAULTS[name].items() if k != "threads"}
     return [gp.scale_shift.trace(1, BIG, BIG, compute=FLAT),
-            gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, **D["row softmax"]),
-            gp.rms_norm.trace(1, BIG, ROW, BIG, compute=ROWS, **D["RMSNorm"]),
-            gp.add_rms_norm.trace(1, BIG, BIG, ROW, BIG, BIG, compute=ROWS, **D["residual add + RMSNorm"])]
+            gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, **kw("row softmax")),
+            gp.rms_norm.trace(1, BIG, ROW, BIG, compute=ROWS, **kw("RMSNorm")),
+            gp.add_rms_norm.trace(1, BIG, BIG, ROW, BIG, BIG, compute=ROWS, **kw("residual add + RMSNorm"))]
+
+
+def _lower(ir):
+    """As the benchmark lowers it (its lowering threads, where it sets them)."""
+    from tldsl.bench.general import ROW_DEFAULTS
+    names = {"row_softmax": "row softmax", "rms_norm": "RMSNorm", "add_rms_norm": "residual add + RMSNorm"}
+    t = ROW_DEFAULTS.get(names.get(ir.name, ""), {}).get("threads")
+    return lower(ir, "part", **({"threads": t} if t else {}))
 
 
 def test_memory_bound_parts_run_several_tasks_per_cta():
@@ -56,7 +67,7 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
     """Loads and stores move 16-byte chunks of a tile's rows (element by element only at the
     tensor's edges, checked per chunk); a row reduction gives each row 32 lanes of a warp; a
     row-invariant value (rms_norm's 1 / sqrt(mean + eps)) is computed once per row block."""
-    src = {ir.name: lower(ir, "part").source for ir in _memory_bound()}
+    src = {ir.name: _lower(ir).source for ir in _memory_bound()}
     for name, s in src.items():
         assert "tldsl::comm::load_chunk<tldsl::comm::f16, 8>" in s, name
         assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
@@ -87,7 +98,7 @@ def test_sass_has_128_bit_global_accesses_shuffles_and_no_spills(tmp_path):
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
     from tldsl.codegen.toolchain.cache import KernelCache
     from tldsl.codegen.toolchain.compiler import compile_many
-    lks = [lower(ir, "part") for ir in _memory_bound()]
+    lks = [_lower(ir) for ir in _memory_bound()]
     for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
         sass = ck.sass()[ck.name]
         assert sass.spill_instructions == 0 and sass.count("BPT.TRAP") == 0, (lk.entry, sass.summary())

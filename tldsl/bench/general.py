@@ -39,9 +39,10 @@ class Case:
     lowering: dict = field(default_factory=dict)   # tl.run's lowering options
 
 
-#: the row programs' keywords, each the fastest measured (BENCHMARKS.md, seventeenth session): the
-#: softmax on whole rows, two a task; the RMSNorms by 16 x 256 column tiles
-ROW_DEFAULTS = {"row softmax": {"rows": 2}, "RMSNorm": {"whole_row": 0},
+#: the row programs' keywords (``threads``: the lowering's), each the fastest measured
+#: (BENCHMARKS.md, seventeenth session): the softmax on whole rows, one a task on 256 threads; the
+#: RMSNorms by 16 x 256 column tiles
+ROW_DEFAULTS = {"row softmax": {"rows": 1, "whole_row": 16384, "threads": 256}, "RMSNorm": {"whole_row": 0},
                 "residual add + RMSNorm": {"whole_row": 0}}
 
 
@@ -63,8 +64,11 @@ def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int
     given = {k: v for k, v in (("rows", rows), ("whole_row", whole_row)) if v is not None}
 
     def kw(name):
-        return given or dict(ROW_DEFAULTS[name])
-    low = {"threads": threads} if threads else {}
+        return given or {k: v for k, v in ROW_DEFAULTS[name].items() if k != "threads"}
+
+    def low(name):
+        t = threads if (given or threads) else ROW_DEFAULTS[name].get("threads")
+        return {"threads": t} if t else {}
 
     def rms(h):
         hf = h.float()
@@ -73,12 +77,12 @@ def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int
         Case("y = 2x + 1", gp.scale_shift, flat, {"x": x, "y": nan()}, ("y",), lambda: (x * 2 + 1,), 2 * size),
         Case("row softmax", gp.row_softmax, by_rows, {"x": x, "y": nan()}, ("y",),
              lambda: (torch.softmax(x.float(), -1).to(f16),), 2 * size, kwargs=kw("row softmax"),
-             lowering=low),
+             lowering=low("row softmax")),
         Case("RMSNorm", gp.rms_norm, by_rows, {"x": x, "w": w, "y": nan()}, ("y",), lambda: (rms(x),), 2 * size,
-             kwargs=kw("RMSNorm"), lowering=low),
+             kwargs=kw("RMSNorm"), lowering=low("RMSNorm")),
         Case("residual add + RMSNorm", gp.add_rms_norm, by_rows, {"x": x, "r": r, "w": w, "h": nan(), "y": nan()},
              ("h", "y"), lambda: (x + r, rms(x + r)), 4 * size, kwargs=kw("residual add + RMSNorm"),
-             lowering=low),
+             lowering=low("residual add + RMSNorm")),
     ]
 
 

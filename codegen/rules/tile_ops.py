@@ -410,120 +410,151 @@ _REDUCE = {"sum": "tldsl::gen::add({0}, {1})", "max": "tldsl::gen::max_({0}, {1}
 _REDUCE_BOOL = {"sum": "({0} || {1})", "max": "({0} || {1})", "min": "({0} && {1})"}
 
 
+@dataclass(frozen=True)
+class _Reduction:
+    """What both reduction renderings read of a ``reduce`` op."""
+    em: object
+    op: core.Op
+
+    @property
+    def x(self):
+        return self.op.operands[0]
+
+    @property
+    def axis(self) -> int:
+        return self.op.attrs["axis"]
+
+    @property
+    def kind(self) -> str:
+        return self.op.attrs["op"]
+
+    @property
+    def n(self) -> int:
+        return self.x.type.shape[self.axis]
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.op.result.type.shape)
+
+    @property
+    def nout(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dt(self):
+        return self.op.result.type.dtype
+
+    @property
+    def ct(self) -> str:
+        return value_ctype(self.dt)
+
+    @property
+    def comb(self) -> str:
+        return (_REDUCE_BOOL if self.dt.kind == "bool" else _REDUCE)[self.kind]
+
+    def element_at(self, r: str, coords: list[str]) -> tuple[list[str], str]:
+        """(lines, C++ value) of element ``r`` of the reduced axis at output ``coords`` (its own
+        lines: they run inside the reduction's loop)."""
+        el = Elements(self.em, self.op)
+        v = self.em.value(self.x, coords[:self.axis] + [r] + coords[self.axis:], el)
+        return el.lines, v
+
+    def decode(self, idx: str, coords: list[str], ind: str) -> list[str]:
+        """``coords`` of flat output index ``idx``, row-major."""
+        out = []
+        for a, s_ in enumerate(self.shape):
+            inner = math.prod(self.shape[a + 1:])
+            xx = idx if inner == 1 else f"{idx} / {inner}"
+            if a > 0:
+                xx = f"({xx}) % {s_}"
+            out.append(f"{ind}const int {coords[a]} = {xx};")
+        return out
+
+    def shuffle(self, acc: str, off: str, lanes: str, ind: str) -> list[str]:
+        """``acc`` combined over ``lanes`` consecutive lanes of a warp."""
+        return [f"{ind}for (int {off} = {lanes} / 2; {off} > 0; {off} >>= 1) {{",
+                f"{ind}  const {self.ct} {acc}o = tldsl::gen::shfl_xor({acc}, {off});",
+                f"{ind}  {acc} = {self.comb.format(acc, acc + 'o')};", f"{ind}}}"]
+
+
 def _reduce_statement(em, op, ind, lines):
     """Each output element reduced by L consecutive lanes of a warp (L a power of two up to 32,
     at most the reduced length): lane l combines elements l, l + L, ..., then the lanes combine
     their partial values through warp shuffles. Every thread of the group runs the same
     iterations (an out-of-range lane reduces the last output again and writes nothing), so the
-    whole warp is there for each shuffle."""
-    x = op.operands[0]
-    axis, kind = op.attrs["axis"], op.attrs["op"]
-    n = x.type.shape[axis]
-    shape = tuple(op.result.type.shape)
-    nout = math.prod(shape)
+    whole warp is there for each shuffle. Where the outputs would leave warps idle:
+    :func:`_reduce_by_warps`."""
+    red = _Reduction(em, op)
+    P = reduce_partials(op, em.plan.threads)
+    if P > 1:
+        return _reduce_by_warps(red, P, ind, lines)
+    n, shape, nout, ct, comb = red.n, red.shape, red.nout, red.ct, red.comb
     slot = em.slot(op.result)
-    dt = op.result.type.dtype
-    ct = value_ctype(dt)
-    comb = (_REDUCE_BOOL if dt.kind == "bool" else _REDUCE)[kind]
     L = 1
     while L * 2 <= min(32, n):
         L *= 2
-
-    def element_at(r, coords):
-        el = Elements(em, op)           # its own lines: they run inside the reduction's loop
-        v = em.value(x, coords[:axis] + [r] + coords[axis:], el)
-        return el.lines, v
-
-    P = reduce_partials(op, em.plan.threads)
-    if P > 1:
-        return _reduce_by_warps(em, op, P, element_at, ind, lines)
     k = em.fresh()
     kl, e0, e, o, lane, acc, r, off = (f"kL{k}", f"e{k}", f"e{k}x", f"o{k}", f"l{k}", f"acc{k}", f"r{k}", f"s{k}")
     coords = [f"c{k}x{a}" for a in range(len(shape))]
-    first, v0 = element_at(lane, coords)
-    rest, v = element_at(r, coords)
+    first, v0 = red.element_at(lane, coords)
+    rest, v = red.element_at(r, coords)
     i1, i2 = ind + "  ", ind + "    "
-    L_ = [f"{ind}{{  // {kind} over axis {axis} -> {slot}, {L} lanes an output{marker(op.loc)}",
+    L_ = [f"{ind}{{  // {red.kind} over axis {red.axis} -> {slot}, {L} lanes an output{marker(op.loc)}",
           f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES({L});",
           f"{i1}for (int {e0} = 0; {e0} < {nout} * {kl}; {e0} += gthreads) {{",
           f"{i2}const int {e} = {e0} + tid;",
           f"{i2}const int {lane} = {e} % {kl};",
-          f"{i2}const int {o} = {e} / {kl} < {nout} ? {e} / {kl} : {nout - 1};"]
-    for a, s_ in enumerate(shape):
-        inner = math.prod(shape[a + 1:])
-        xx = o if inner == 1 else f"{o} / {inner}"
-        if a > 0:
-            xx = f"({xx}) % {s_}"
-        L_.append(f"{i2}const int {coords[a]} = {xx};")
-    L_ += [f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
-           f"{i2}#pragma unroll 4",
-           f"{i2}for (int {r} = {lane} + {kl}; {r} < {n}; {r} += {kl}) {{", *[f"{i2}  {ln}" for ln in rest],
-           f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
-           f"{i2}for (int {off} = {kl} / 2; {off} > 0; {off} >>= 1) {{",
-           f"{i2}  const {ct} {acc}o = tldsl::gen::shfl_xor({acc}, {off});",
-           f"{i2}  {acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
-           f"{i2}if ({e} < {nout} * {kl} && {lane} == 0) {slot}[{flat_index(coords, shape)}] = "
-           f"tldsl::gen::put<{storage_ctype(dt)}>({acc});",
-           f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
+          f"{i2}const int {o} = {e} / {kl} < {nout} ? {e} / {kl} : {nout - 1};",
+          *red.decode(o, coords, i2),
+          f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
+          f"{i2}#pragma unroll 4",
+          f"{i2}for (int {r} = {lane} + {kl}; {r} < {n}; {r} += {kl}) {{", *[f"{i2}  {ln}" for ln in rest],
+          f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
+          *red.shuffle(acc, off, kl, i2),
+          f"{i2}if ({e} < {nout} * {kl} && {lane} == 0) {slot}[{flat_index(coords, shape)}] = "
+          f"tldsl::gen::put<{storage_ctype(red.dt)}>({acc});",
+          f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
     lines += L_
 
 
-def _reduce_by_warps(em, op, P, element_at, ind, lines):
+def _reduce_by_warps(red: _Reduction, P: int, ind: str, lines: list[str]) -> None:
     """A reduction whose outputs would leave warps idle (:func:`..plan.general.reduce_partials`):
     P warps an output, warp p of output o combining elements p * 32 + lane, then every P * 32th,
     its lanes by shuffles; the P partial results meet in shared memory after the output's slot
     and one thread an output combines them in warp order."""
-    x = op.operands[0]
-    axis, kind = op.attrs["axis"], op.attrs["op"]
-    n = x.type.shape[axis]
-    shape = tuple(op.result.type.shape)
-    nout = math.prod(shape)
+    em, op = red.em, red.op
+    n, nout, ct, comb = red.n, red.nout, red.ct, red.comb
     slot = em.slot(op.result)
-    dt = op.result.type.dtype
-    ct = value_ctype(dt)
-    comb = _REDUCE[kind]
     k = em.fresh()
     kl, part, g, o, lane, acc, r, off, q = (f"kL{k}", f"part{k}", f"g{k}", f"o{k}", f"l{k}", f"acc{k}", f"r{k}",
                                             f"s{k}", f"q{k}")
-    coords = [f"c{k}x{a}" for a in range(len(shape))]
-
-    def decode(idx, ind2):
-        out = []
-        for a, s_ in enumerate(shape):
-            inner = math.prod(shape[a + 1:])
-            xx = idx if inner == 1 else f"{idx} / {inner}"
-            if a > 0:
-                xx = f"({xx}) % {s_}"
-            out.append(f"{ind2}const int {coords[a]} = {xx};")
-        return out
-    first, v0 = element_at(f"({q} * {kl} + {lane})", coords)
-    rest, v = element_at(r, coords)
+    coords = [f"c{k}x{a}" for a in range(len(red.shape))]
+    first, v0 = red.element_at(f"({q} * {kl} + {lane})", coords)
+    rest, v = red.element_at(r, coords)
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
-    offset = (nout * elem_bytes(dt) + 15) // 16 * 16
-    L_ = [f"{ind}{{  // {kind} over axis {axis} -> {slot}, {P} warps an output{marker(op.loc)}",
-          f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES(32);",
-          f"{i1}{ct}* const {part} = reinterpret_cast<{ct}*>(reinterpret_cast<unsigned char*>({slot}) + {offset});",
-          f"{i1}for (int {g} = tid / {kl}; {g} < {nout * P}; {g} += gthreads / {kl}) {{",
-          f"{i2}const int {lane} = tid % {kl}, {o} = {g} % {nout}, {q} = {g} / {nout};",
-          *decode(o, i2),
-          f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
-          f"{i2}#pragma unroll 4",
-          f"{i2}for (int {r} = {q} * {kl} + {lane} + {P} * {kl}; {r} < {n}; {r} += {P} * {kl}) {{",
-          *[f"{i2}  {ln}" for ln in rest], f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
-          f"{i2}for (int {off} = {kl} / 2; {off} > 0; {off} >>= 1) {{",
-          f"{i2}  const {ct} {acc}o = tldsl::gen::shfl_xor({acc}, {off});",
-          f"{i2}  {acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
-          f"{i2}if ({lane} == 0) {part}[{g}] = {acc};",
-          f"{i1}}}",
-          f"{i1}{BARRIER}",
-          f"{i1}for (int {o} = tid; {o} < {nout}; {o} += gthreads) {{",
-          f"{i2}{ct} {acc} = {part}[{o}];",
-          f"{i2}for (int {q} = 1; {q} < {P}; ++{q}) {{",
-          f"{i3}const {ct} {acc}o = {part}[{q} * {nout} + {o}];",
-          f"{i3}{acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
-          f"{i2}{slot}[{o}] = tldsl::gen::put<{storage_ctype(dt)}>({acc});",
-          f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
-    lines += L_
+    offset = (nout * elem_bytes(red.dt) + 15) // 16 * 16
+    lines += [
+        f"{ind}{{  // {red.kind} over axis {red.axis} -> {slot}, {P} warps an output{marker(op.loc)}",
+        f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES(32);",
+        f"{i1}{ct}* const {part} = reinterpret_cast<{ct}*>(reinterpret_cast<unsigned char*>({slot}) + {offset});",
+        f"{i1}for (int {g} = tid / {kl}; {g} < {nout * P}; {g} += gthreads / {kl}) {{",
+        f"{i2}const int {lane} = tid % {kl}, {o} = {g} % {nout}, {q} = {g} / {nout};",
+        *red.decode(o, coords, i2),
+        f"{i2}{ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first], f"{i2}  {acc} = {v0};", f"{i2}}}",
+        f"{i2}#pragma unroll 4",
+        f"{i2}for (int {r} = {q} * {kl} + {lane} + {P} * {kl}; {r} < {n}; {r} += {P} * {kl}) {{",
+        *[f"{i2}  {ln}" for ln in rest], f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
+        *red.shuffle(acc, off, kl, i2),
+        f"{i2}if ({lane} == 0) {part}[{g}] = {acc};",
+        f"{i1}}}",
+        f"{i1}{BARRIER}",
+        f"{i1}for (int {o} = tid; {o} < {nout}; {o} += gthreads) {{",
+        f"{i2}{ct} {acc} = {part}[{o}];",
+        f"{i2}for (int {q} = 1; {q} < {P}; ++{q}) {{",
+        f"{i3}const {ct} {acc}o = {part}[{q} * {nout} + {o}];",
+        f"{i3}{acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
+        f"{i2}{slot}[{o}] = tldsl::gen::put<{storage_ctype(red.dt)}>({acc});",
+        f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
 
 
 def _dot_statement(em, op, ind, lines):

@@ -485,6 +485,9 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
         lks[f"gated_gemm-{M}x{N}x{K}"] = lower(trace(gated_gemm, [((M, K), F16), ((K, N), F16), ((K, N), F16),
                                                                     ((N,), F16), ((M, N), F16)], (128, 128, 64), {}),
                                                 "part")
+    lks["split_k_dots"] = lower(split_k_dots.trace(1, *_specs([((130, 200), F16), ((200, 136), F16), ((2,), I32),
+                                                                 ((130, 136), F32)]),
+                                                   compute=tl.ComputeSchedule(tile=(64, 128, 64))), "part")
     multi = dict(_multi_cases())
     lks["ring_exchange"] = lower(multi["ring_exchange"], "part")                      # data primitives on SMs
     lks["normed_gather.gather"] = lower(multi["normed_gather"], "gather")             # a communication part
@@ -1024,3 +1027,43 @@ def test_emulated_generated_program_matches_the_simulator(tmp_path, index):
     got = emulate_kernel(k, lowered, stored, tmp_path)
     bad = case.mismatches(ref.outputs, got)
     assert not bad, f"{bad}\n{case.source}"
+
+
+@tl.kernel
+def split_k_dots(a, b, ks, out, *, compute: tl.ComputeSchedule = None):
+    """Two pipelined K loops into one fragment (the second starts from what the first left in
+    the fragment's slot), their bounds read from a table at run time (the second may run 0
+    iterations)."""
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32, fill=0.5)
+        k1 = tl.load_scalar(ks, (0,))
+        k2 = tl.load_scalar(ks, (1,))
+        for k in tl.range(0, k1, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        for k in tl.range(k1, k2, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        tl.store(out, (pm * BM, pn * BN), acc.read())
+
+
+@needs_gxx
+@pytest.mark.parametrize("bounds", [(128, 200), (192, 192)], ids=["both-loops", "second-empty"])
+def test_two_pipelined_loops_share_a_fragment_through_its_slot(tmp_path, bounds):
+    from tldsl.codegen.plan.general import plan_general
+    from tldsl.codegen.match.general import match_general
+    shapes = [((130, 200), F16), ((200, 136), F16), ((2,), I32), ((130, 136), F32)]
+    k = split_k_dots.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=(64, 128, 64)))
+    part = k.parts[0]
+    plan = plan_general(k, part, match_general(k, part))
+    first, second = sorted(plan.dot_loops.values(), key=lambda lp: plan.rings[id(lp.loop)].start)
+    assert first.dots[0].fill == 0.5 and second.dots[0].fill is None   # the second reads the slot
+    lk = lower(k, "part")
+    assert lk.source.count("{  // pipelined dot loop:") == 2 and lk.source.count("v = 0.5f;") == 1
+    arrays = inputs_for(k, np.random.default_rng(9))
+    arrays["ks"] = np.array(bounds, np.int32)
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)

@@ -761,6 +761,14 @@ def test_loops_the_mainloop_does_not_take_stay_on_the_statement_path():
             k = trace(*c.values[:3], c.values[3])
             part = k.parts[0]
             assert not plan_general(k, part, match_general(k, part)).dot_loops, c.id
+    # a warpgroup per 64-row block, two at most: 128 rows on 128 threads, or 256 rows, stay put
+    shapes = [((300, 200), F16), ((200, 136), F16), ((2,), I32), ((300, 136), F32)]
+    for tile, threads, pipelined in (((128, 128, 64), 128, False), ((128, 128, 64), 256, True),
+                                     ((256, 128, 64), None, False)):
+        k = split_k_dots.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=tile))
+        part = k.parts[0]
+        opts = {"threads": threads} if threads else {}
+        assert bool(plan_general(k, part, match_general(k, part), **opts).dot_loops) == pipelined, (tile, threads)
 
 
 def test_dot_results_go_straight_into_the_statement_after_them():

@@ -12,7 +12,7 @@ registers. Which loops qualify (:func:`find_dot_loops`):
   the loop, always as the same operand (left operands are staged K-major, right ones MN-major);
 * every dot: both operands such loads of one dtype, M and K multiples of 64, N one of 64, 128,
   192, 256 (the staged layout's 128-byte chunks and the WGMMA N); all dots of the loop share M;
-* a CTA of whole warpgroups splits M's 64-row blocks evenly, each thread holding at most
+* a CTA of one warpgroup per 64-row block of M (M 64 or 128), each thread holding at most
   :data:`ACC_LIMIT` accumulators.
 
 Everything else stays on the statement-by-statement path, which lowers any program.
@@ -242,20 +242,22 @@ def _structure(part: core.Part, loop: core.Op, users: dict) -> tuple | None:
     return loads, dots, M
 
 
+#: the warpgroups a pipelined loop's CTA may have: one 64-row block of every dot's output each
+#: (the configurations run on a GPU so far; BM 64 or 128)
+MAX_WARPGROUPS = 2
+
+
 def warpgroups_for(M: int, dots, threads: int | None) -> int | None:
-    """The warpgroups of the CTA (``threads`` // 128 where given): they split M's 64-row blocks
-    evenly and hold at most :data:`ACC_LIMIT` accumulators a thread; None where none do."""
-    blocks = M // 64
-    options = [threads // 128] if threads is not None else range(1, 5)
-    for w in options:
-        if threads is not None and threads % 128:
-            return None
-        if w < 1 or blocks % w:
-            continue
-        accs = sum((blocks // w) * d.result.type.shape[1] // 2 for d in dots)
-        if accs <= ACC_LIMIT:
-            return w
-    return None
+    """The warpgroups of the CTA: one per 64-row block of M (at most :data:`MAX_WARPGROUPS`;
+    ``threads`` // 128 must be that where given), each thread holding at most
+    :data:`ACC_LIMIT` accumulators; None where that does not hold (the loop then runs statement by
+    statement)."""
+    w = M // 64
+    if w > MAX_WARPGROUPS or (threads is not None and threads != 128 * w):
+        return None
+    if sum(d.result.type.shape[1] // 2 for d in dots) > ACC_LIMIT:
+        return None
+    return w
 
 
 def _descriptor(op: core.Op) -> TmaDescriptorSpec | None:

@@ -610,10 +610,7 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
     rt = moe_routing(ids, E, W, Ms, BM)
     T, R = W * Ms, rt.num_rows
     tables = rt.reduce_scatter_tables()
-    k = moe_reduce_scatter.trace(W, S((R, Nr), tl.float16), S((E, Nr, K), tl.float16), S.of(wts),
-                                 *[S.of(tables[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles",
-                                                             "tile_num_token_tiles", "token_tile_producers")],
-                                 S((Ms, K), tl.float16), compute=compute, comm=comm)
+    k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, tl.float16, compute=compute, comm=comm)
     # grouped GEMM: guard, expert, notifies
     lg = lower_grouped_gemm(k, "grouped_gemm")
     (tmp_path / "g").mkdir()

@@ -69,14 +69,9 @@ def _close(got, ref, what, rel):
 def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
-    from tldsl.kernel import TensorSpec as S
-    from tldsl.ops.moe import allgather_moe
-    dt = _dt(dtype)
-    tabs = rt.allgather_tables()
-    k = allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S.of(tabs["tile_expert"]),
-                            S.of(tabs["tile_tokens"]), S.of(tabs["sorted_token_ids"]), S((rt.num_rows, Nr), dt),
-                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order, cluster=cluster),
-                            comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
+    k = rt.trace_allgather_moe(W, Ms, K, Nr, E, _dt(dtype),
+                               compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order, cluster=cluster),
+                               comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
     return lower_grouped_gemm(k, "grouped_gemm")
 
 
@@ -168,16 +163,9 @@ def test_allgather_moe_waits_block_until_flags_are_set():
 def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
-    from tldsl.kernel import TensorSpec as S
-    from tldsl.ops.moe import moe_reduce_scatter
-    dt = _dt(dtype)
-    tabs = rt.reduce_scatter_tables()
-    k = moe_reduce_scatter.trace(
-        W, S((rt.num_rows, Nr), dt), S((E, Nr, K), dt), S.of(wts),
-        *[S.of(tabs[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
-                                  "token_tile_producers")],
-        S((Ms, K), dt), compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
-        comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+    k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, _dt(dtype),
+                                    compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
+                                    comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
     return k, lower_grouped_gemm(k, "grouped_gemm", cluster=cluster), lower_combine(k, "combine")
 
 

@@ -42,19 +42,15 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     the kernel reads every token from ``x_gathered``)."""
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
-    from tldsl.ops.moe import allgather_moe, moe_routing
+    from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
-    dt = getattr(tl, dtype)
-    S = tl.TensorSpec
-    tabs = rt.allgather_tables()
-    k = allgather_moe.trace(1, S((T, K), dt), S((E, K, N), dt), S.of(tabs["tile_expert"]), S.of(tabs["tile_tokens"]),
-                            S.of(tabs["sorted_token_ids"]), S((rt.num_rows, N), dt),
-                            compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
-                                                       cluster=(cluster, 1)),
-                            comm=tl.CommSchedule(tile_m=128, mode="pull"))
+    k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
+                               compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
+                                                          cluster=(cluster, 1)),
+                               comm=tl.CommSchedule(tile_m=128, mode="pull"))
     return ids, rt, lower_grouped_gemm(k, "grouped_gemm")
 
 
@@ -63,20 +59,14 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
-    from tldsl.ops.moe import moe_reduce_scatter, moe_routing
+    from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
-    dt = getattr(tl, dtype)
-    S = tl.TensorSpec
-    tabs = rt.reduce_scatter_tables()
-    k = moe_reduce_scatter.trace(
-        1, S((rt.num_rows, K), dt), S((E, K, N), dt), S((T, topk), tl.float32),
-        *[S.of(tabs[n]) for n in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
-                                  "token_tile_producers")],
-        S((T, N), dt), compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"),
-        comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
+    k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
+                                    compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"),
+                                    comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
     return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)), lower_combine(k, "combine")
 
 

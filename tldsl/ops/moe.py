@@ -119,6 +119,30 @@ class MoERouting:
                 "tile_token_tiles": self.tile_token_tiles, "tile_num_token_tiles": self.tile_num_token_tiles,
                 "token_tile_producers": self.token_tile_producers}
 
+    def trace_allgather_moe(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int, dtype,
+                            **schedules):
+        """:func:`allgather_moe` traced for this routing: each rank's ``[rows_per_rank, k]`` tokens,
+        ``[num_experts, k, n]`` expert weights, this routing's tables and the ``[num_rows, n]``
+        output, all ``dtype`` (a tldsl dtype) but the tables; ``schedules``: ``compute=``, ``comm=``."""
+        S, tabs = tl.TensorSpec, self.allgather_tables()
+        return allgather_moe.trace(world_size, S((rows_per_rank, k), dtype), S((num_experts, k, n), dtype),
+                                   *[S.of(tabs[t]) for t in ("tile_expert", "tile_tokens", "sorted_token_ids")],
+                                   S((self.num_rows, n), dtype), **schedules)
+
+    def trace_moe_reduce_scatter(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int,
+                                 topk_weights, dtype, **schedules):
+        """:func:`moe_reduce_scatter` traced for this routing: ``[num_rows, k]`` expert-sorted rows,
+        ``[num_experts, k, n]`` weights, the ``topk_weights`` (an array, or a spec), this
+        routing's tables and each rank's ``[rows_per_rank, n]`` output, all ``dtype`` but the
+        tables and weights; ``schedules``: ``compute=``, ``comm=``."""
+        S, tabs = tl.TensorSpec, self.reduce_scatter_tables()
+        wts = topk_weights if isinstance(topk_weights, tl.TensorSpec) else S.of(topk_weights)
+        return moe_reduce_scatter.trace(
+            world_size, S((self.num_rows, k), dtype), S((num_experts, k, n), dtype), wts,
+            *[S.of(tabs[t]) for t in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
+                                      "token_tile_producers")],
+            S((rows_per_rank, n), dtype), **schedules)
+
 
 def _positive_int(name, v):
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:

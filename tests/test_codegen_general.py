@@ -1075,3 +1075,20 @@ def test_two_pipelined_loops_share_a_fragment_through_its_slot(tmp_path, bounds)
     arrays["ks"] = np.array(bounds, np.int32)
     want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
     assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)
+
+
+def test_a_tensor_read_by_tma_that_is_not_16_byte_aligned_is_refused_before_launch():
+    """The pipelined loop's TMA descriptors need 16-byte aligned tensors: binding one at an odd
+    address is an InputError naming the tensor, not a failure inside the driver."""
+    from tldsl.runtime.gpu.bind import DeviceArray, bind, nominal_memory
+    from tldsl.runtime.gpu.run_errors import UnboundParameterError
+    fn, shapes, tile, kw = next(c.values for c in PIPELINED if c.id == "gated_gemm-f16-pipelined")
+    k = trace(fn, shapes, tile, kw)
+    lk = lower(k, "part")
+    assert lk.tma
+    mem = nominal_memory(k)
+    bind(lk, 0, mem)                                 # aligned: binds
+    b = mem.buffers[0]["b"]
+    mem.buffers[0]["b"] = DeviceArray(b.ptr + 2, b.shape, b.dtype)
+    with pytest.raises(UnboundParameterError, match="'b' starts at .* not 16-byte aligned"):
+        bind(lk, 0, mem)

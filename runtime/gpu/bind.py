@@ -124,6 +124,11 @@ def _tma(p: KernelParam, name: str, lowered, rank: int, launch: int, mem: Device
     if need > arr.nbytes:
         raise UnboundParameterError(f"{_entry(lowered)}: TMA descriptor {spec.param} spans {need} bytes of "
                                     f"'{spec.buffer}', which holds {arr.nbytes}")
+    if arr.ptr % 16:
+        raise UnboundParameterError(f"{_entry(lowered)}: '{spec.buffer}' starts at {hex(arr.ptr)}, which is not "
+                                    "16-byte aligned, and the kernel reads it with TMA (descriptor "
+                                    f"{spec.param}); pass a tensor whose storage starts on a 16-byte boundary "
+                                    "(a .contiguous() copy, or a view at an offset of a multiple of 16 bytes)")
     return mem.encode_tma(spec, arr.ptr)
 
 

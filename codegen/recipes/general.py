@@ -21,14 +21,18 @@ and notifies :mod:`..rules.primitives`.
   on tensor cores, fp32 accumulation: on WGMMA where its tile has a multiple of 64 rows and
   f16 / bf16 operands (``include/tldsl/general_wgmma.hpp``: operands staged in shared memory in
   a GMMA layout, each warpgroup on 64-row output tiles), else on ``mma.sync`` (f16 / bf16 exact,
-  f32 as TF32).
+  f32 as TF32). A ``tl.range`` loop that only loads 16-bit tiles and accumulates their dots runs
+  as a pipelined mainloop instead (:mod:`..plan.dot_loop`, :mod:`..rules.dot_loop`,
+  ``include/tldsl/general_pipeline.hpp``: TMA or cp.async stages ahead of WGMMA, accumulators in
+  registers); its TMA descriptors are ``tma:<param>`` parameters (:attr:`LoweredGeneral.tma`).
 * Waits: thread 0 spins (acquire at the wait's scope), then a CTA barrier; notifies: a CTA
   barrier, then thread 0 fences and adds (release at the notify's scope).
 
 Kernel parameters (:attr:`LoweredGeneral.params`, in order; ``KernelParam.source`` says what the
 runtime passes): ``buf_<name>`` (``buffer:<name>``, const when only read) per tensor the part
 loads or stores; ``sig_<name>`` (``signal:<name>``) and ``sig_<name>_peers``
-(``peer_signals:<name>``) per signal; ``tbl_<name>`` per ``load_scalar`` table; ``scratch`` (``scratch``: where slots are spilled,
+(``peer_signals:<name>``) per signal; ``tbl_<name>`` per ``load_scalar`` table;
+``tma_<name>_<rows>x64`` (``tma:<param>``) per tensor and box a pipelined loop copies by TMA; ``scratch`` (``scratch``: where slots are spilled,
 :attr:`LoweredGeneral.scratch_bytes_per_cta` for every CTA of the launch); ``rank``;
 ``launch``. Launch: grid ``(min(tasks, sm_count), 1, 1)``, block ``(groups * threads, 1, 1)``,
 ``smem_bytes`` (every group's arena) of dynamic shared memory (above 48 KB the launcher raises the kernel's

@@ -1092,3 +1092,43 @@ def test_a_tensor_read_by_tma_that_is_not_16_byte_aligned_is_refused_before_laun
     mem.buffers[0]["b"] = DeviceArray(b.ptr + 2, b.shape, b.dtype)
     with pytest.raises(UnboundParameterError, match="'b' starts at .* not 16-byte aligned"):
         bind(lk, 0, mem)
+
+
+@tl.kernel
+def dead_accumulator(a, b, c, y, *, compute: tl.ComputeSchedule = None):
+    """A fragment the pipelined loop reads from its slot and nobody reads after it, beside one
+    filled right before the loop: both are written back at the loop's end (a review's case)."""
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        g = tl.fragment((BM, BN), tl.float32)
+        g.write(g.read() + 1.0)
+        h = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            x = tl.load(a, (pm * BM, k), (BM, BK))
+            h += tl.dot(x, tl.load(b, (k, pn * BN), (BK, BN)))
+            g += tl.dot(x, tl.load(c, (k, pn * BN), (BK, BN)))
+        tl.store(y, (pm * BM, pn * BN), h.read())
+
+
+@needs_gxx
+def test_fragments_written_back_together_never_share_a_slot(tmp_path):
+    shapes = [((200, 256), F16), ((256, 136), F16), ((256, 136), F16), ((200, 136), F32)]
+    k = dead_accumulator.trace(1, *_specs(shapes), compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=4))
+    from tldsl.codegen.plan.general import plan_general
+    from tldsl.codegen.match.general import match_general
+    part = k.parts[0]
+    plan = plan_general(k, part, match_general(k, part))
+    (lp,) = plan.dot_loops.values()
+    a, b = (plan.slots[d.frag.id] for d in lp.dots)
+    wb = plan.rings[id(lp.loop)].end + 1                 # where the loop writes its registers back
+    assert a.start <= wb <= a.end and b.start <= wb <= b.end
+    assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+    lk = lower(k, "part")
+    assert "fence_proxy_async_all();" in lk.source
+    arrays = inputs_for(k, np.random.default_rng(2))
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)

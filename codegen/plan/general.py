@@ -569,10 +569,14 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
     tiles, wgmma = [], {}
     replaced: set[int] = set().union(*(lp.ops() for lp in loops)) if loops else set()
     after_loop: dict[int, int] = {}           # fragment id -> where its slot starts (filled registers)
+    written_back: dict[int, int] = {}         # fragment id -> where the loop writes its registers back
     for lp in loops:
         p, end = prog.pos[id(lp.loop)], prog.end[id(lp.loop)]
         tiles.append(_Tile(lp.loop.regions[0].args[0], lp.loop, lp.ring_bytes, p, end, 0, False, True))
         after_loop.update({d.frag.id: end + 1 for d in lp.dots if d.fill is not None})
+        # every fragment of the loop is written at its end, read after it or not: the slots of
+        # all of them are live there together (a dead one must not share a live one's memory)
+        written_back.update({d.frag.id: end + 1 for d in lp.dots})
     for op in prog.order:
         if id(op) in replaced:
             continue
@@ -594,7 +598,9 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
         stmts = _statements(prog, op, v, fused, views)
         start, end = _live_range(prog, op, stmts)
         if v.id in after_loop:
-            start, end = after_loop[v.id], max(end, after_loop[v.id])
+            start = after_loop[v.id]
+        if v.id in written_back:
+            end = max(end, written_back[v.id])
         touching = {id(u) for u in stmts if not (u.results and u.result.id in fused)}   # statements only
         touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)

@@ -35,6 +35,7 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     if lp.tma:                      # an mbarrier per stage, after the stages
         L += [f"{i1}uint64_t* const {bars} = reinterpret_cast<uint64_t*>({ring} + {S * B});",
               f"{i1}tldsl::gen::stage_bars_init({bars}, {S}, tid);",
+              f"{i1}tldsl::gen::fence_proxy_async_all();   // ordinary stores before, TMA from here on",
               f"{i1}{barrier}"]
     for d in lp.dots:
         M, N = d.op.result.type.shape

@@ -115,6 +115,16 @@ struct TmaDesc {
 };
 #endif
 
+// Every thread, before the barrier that precedes the first TMA copy: what this CTA's threads
+// wrote with ordinary stores — to global memory (a store, or data a wait acquired, the loop's
+// TMA copies will read) and to shared memory (earlier slots in the ring's memory, which TMA now
+// overwrites) — ordered before the async proxy's accesses.
+TLDSL_DEV void fence_proxy_async_all() {
+#if !defined(TLDSL_HOST_EMULATION)
+  asm volatile("fence.proxy.async;" ::: "memory");
+#endif
+}
+
 // Thread 0 of the group: the ring's S mbarriers (one arrival each: the elected thread's), made
 // visible to the async proxy; the group's barrier follows.
 TLDSL_DEV void stage_bars_init(uint64_t* bars, int n, int tid) {

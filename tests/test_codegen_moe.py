@@ -499,7 +499,7 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
     out_dump = []
     if not gemm:
         dst = next(p for p in lw.params if p.name.startswith("out_"))
-        out_dump = [f"  FILE* fo = fopen(\"out.bin\", \"wb\");",
+        out_dump = ["  FILE* fo = fopen(\"out.bin\", \"wb\");",
                     f"  fwrite({dst.name}, sizeof(float), v_{dst.name}.size(), fo);", "  fclose(fo);"]
     main = ["int main() {", *decls, f"  const Prog prog{{{init}}};", *loop, *out_dump, "  return 0;", "}"]
     src = SHIM + _prog_struct(lw.source) + "\n".join(main) + "\n"

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...ir import core
-from ...ir import types as T
 from ..abi import TmaDescriptorSpec, tma_param
 from ..dtypes import MMA_INPUTS, SWIZZLE, ctype, elem_bytes
 

@@ -1,8 +1,8 @@
 """The C++ of a pipelined dot loop (planned by :mod:`..plan.dot_loop`, run by
 ``include/tldsl/general_pipeline.hpp``): the loop's loads as TMA (one thread, an mbarrier per
-stage) or cp.async copies into a ring of
-stages issued ``DotLoop.lookahead`` iterations ahead, its dots as WGMMAs on the stage with the
-accumulators in registers, the fragments' slots written once after the loop."""
+stage) or cp.async copies into a ring of stages issued ``DotLoop.lookahead`` iterations ahead,
+its dots as WGMMAs on the stage with the accumulators in registers, the fragments' slots written
+once after the loop."""
 from __future__ import annotations
 
 from ...ir import core
@@ -24,7 +24,8 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     accs = {d.op.result.id: f"acc{k}_{i}" for i, d in enumerate(lp.dots)}
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
     names = ", ".join(ld.op.operands[0].owner.name for ld in lp.loads)
-    L = [f"{ind}{{  // pipelined dot loop: {S} stages of {B} B ({names}) by {'TMA' if lp.tma else 'cp.async'}, {len(lp.dots)} dot(s) on "
+    copies = "TMA" if lp.tma else "cp.async"
+    L = [f"{ind}{{  // pipelined dot loop: {S} stages of {B} B ({names}) by {copies}, {len(lp.dots)} dot(s) on "
          f"WGMMA, accumulators in registers{marker(loop.loc)}",
          f"{i1}const int {nit}l = {lo}, {nit}h = {hi}, {nit}s = {st};",
          f"{i1}const int {nit} = ({nit}s > 0 && {nit}l < {nit}h) ? ({nit}h - {nit}l + {nit}s - 1) / {nit}s : 0;",

@@ -31,8 +31,8 @@ consumed, and the kernel's ABI.
   spilled: WGMMA reads shared memory), at most :data:`STAGING_LIMIT` bytes (longer K is staged
   in chunks). Every other dot runs on ``mma.sync`` and reads its operands where they are.
 * **Pipelined dot loops** (:mod:`.dot_loop`): a loop that only loads 16-bit tiles and
-  accumulates their dots into fragments runs as a GEMM mainloop — a ring of cp.async stages
-  (a staging slot live for the loop, never spilled), accumulators in registers, each
+  accumulates their dots into fragments runs as a GEMM mainloop — a ring of stages filled by
+  TMA or cp.async (a staging slot live for the loop, never spilled), accumulators in registers, each
   fragment's slot written once after the loop (and live only from there where the fragment is
   filled just before the loop). The ring gets the compute schedule's ``stages`` (at least
   three), fewer where shared memory is short; a loop that does not fit with three runs
@@ -712,7 +712,6 @@ def _fitting_layout(prog: _Program, threads: int, loops: list[DotLoop]) -> _Layo
                 return layout
         loops.pop()                 # the last loop back to the statement path, then try again
     return _layout(prog, False, threads)
-
 
 
 def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:

@@ -92,7 +92,7 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
                  "copies have landed ...")
     else:
         L.append(f"{i2}tldsl::gen::cp_async_wait<{ahead - 1}>();   // this iteration's copies have landed ...")
-        L.append(f"{i2}tldsl::gen::fence_proxy_async_smem();   // ... visible to the WGMMAs ...")
+        L.append(f"{i2}tldsl::gen::fence_view_async_shared();   // ... visible to the WGMMAs ...")
     L.append(f"{i2}{barrier}   // ... everyone's; and every WGMMA of {inflight + 1} iteration(s) ago is done")
     L.append(f"{i2}const unsigned char* const t{k} = {ring} + ({it} % {S}) * {B};")
     offs = {id(ld.op): ld.offset for ld in lp.loads}

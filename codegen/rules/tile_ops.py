@@ -277,7 +277,6 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     base = buffer_param(buf)
     k = em.fresh()
     ch, e0, b, vec = f"ch{k}", f"e{k}", f"b{k}", f"vec{k}"
-    LB = LOAD_BATCH
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
 
     def chunk(e):
@@ -288,10 +287,10 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     lines.append(f"{ind}{{  // load {buf.name} -> {slot}, 16-byte chunks of its rows{marker(op.loc)}")
     lines.append(f"{i1}const bool {vec} = {_vec_ok(buf, base, offs[-1], V)};")
     lines.append(f"{i1}(void){vec};")
-    lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LB} * gthreads) {{")
-    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LB}];")
+    lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LOAD_BATCH} * gthreads) {{")
+    lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LOAD_BATCH}];")
     lines.append(f"{i2}#pragma unroll")
-    lines.append(f"{i2}for (int {b} = 0; {b} < {LB}; ++{b}) {{")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
     e = f"e{k}x"
     el, coords, flat, g = chunk(e)
     lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
@@ -306,7 +305,7 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     lines.append(f"{i3}}}")
     lines.append(f"{i2}}}")
     lines.append(f"{i2}#pragma unroll")
-    lines.append(f"{i2}for (int {b} = 0; {b} < {LB}; ++{b}) {{")
+    lines.append(f"{i2}for (int {b} = 0; {b} < {LOAD_BATCH}; ++{b}) {{")
     el, coords, flat, g = chunk(e)
     lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
     lines.append(f"{i3}if ({e} < {nc}) {{")

@@ -25,6 +25,7 @@
 #pragma once
 
 #include "tldsl/general.hpp"
+#include "tldsl/general_gmma_op.hpp"
 
 #if !defined(TLDSL_HOST_EMULATION)
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -60,13 +61,11 @@ template <int N>
 TLDSL_DEV void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
-TLDSL_DEV void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #else
 inline void cp_async_16(unsigned char* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
-inline void fence_proxy_async_smem() {}
 #endif
 
 // Stage tile [R x C] of a row-major 2-D tensor `src` (`nrows` x `ncols`) at (r0, c0) into `dst`
@@ -190,29 +189,6 @@ TLDSL_DEV void tma_stage_tile(const TmaDesc* desc, uint64_t* bar, unsigned char*
 #endif
 }
 
-#if !defined(TLDSL_HOST_EMULATION)
-// CuTe's WGMMA op for Kind operands and an N-column tile: A K-major, B MN-major, both from
-// shared memory, fp32 accumulators.
-template <MmaKind Kind, int N>
-struct GmmaKMN;
-#define TLDSL_GMMA_KMN(n)                                                                                       \
-  template <>                                                                                                   \
-  struct GmmaKMN<MmaKind::kF16, n> {                                                                            \
-    using type = cute::SM90::GMMA::MMA_64x##n##x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,                     \
-                                                                cute::SM90::GMMA::Major::MN>;                   \
-  };                                                                                                            \
-  template <>                                                                                                   \
-  struct GmmaKMN<MmaKind::kBF16, n> {                                                                           \
-    using type = cute::SM90::GMMA::MMA_64x##n##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,                   \
-                                                                  cute::SM90::GMMA::Major::MN>;                 \
-  };
-TLDSL_GMMA_KMN(64)
-TLDSL_GMMA_KMN(128)
-TLDSL_GMMA_KMN(192)
-TLDSL_GMMA_KMN(256)
-#undef TLDSL_GMMA_KMN
-#endif
-
 // The accumulators of one dot that one thread holds: MB m64 blocks of an M x N output.
 template <int MB, int N>
 struct DotAcc {
@@ -258,7 +234,7 @@ template <MmaKind Kind, int M, int N, int K, int MB>
 TLDSL_DEV void wgmma_staged(const unsigned char* sa, const unsigned char* sb, DotAcc<MB, N>& acc, int wg) {
   static_assert(M % 64 == 0 && N % 64 == 0 && N <= 256 && K % 64 == 0, "staged dot shapes");
 #if !defined(TLDSL_HOST_EMULATION)
-  using Gmma = typename GmmaKMN<Kind, N>::type;
+  using Gmma = typename GmmaSS<Kind, N, cute::SM90::GMMA::Major::MN>::type;
   constexpr uint64_t kDescA = sm90::gmma_desc_bits(128, 16, 1024);       // K-major, swizzled: LBO unused
   constexpr uint64_t kDescB = sm90::gmma_desc_bits(128, K * 128, 1024);  // MN-major: LBO = chunk stride
   const uint32_t a0 = (uint32_t)__cvta_generic_to_shared(sa), b0 = (uint32_t)__cvta_generic_to_shared(sb);

@@ -26,6 +26,7 @@
 #pragma once
 
 #include "tldsl/general.hpp"
+#include "tldsl/general_gmma_op.hpp"
 
 #if !defined(TLDSL_HOST_EMULATION)
 #include "tldsl/gmma.hpp"
@@ -33,33 +34,6 @@
 
 namespace tldsl {
 namespace gen {
-
-#if !defined(TLDSL_HOST_EMULATION)
-// CuTe's WGMMA op for Kind operands and an N-column tile: both operands K-major in shared
-// memory, fp32 accumulators (the N the plan picks: codegen/plan/general.py WGMMA_N).
-template <MmaKind Kind, int N>
-struct GmmaSS;
-#define TLDSL_GMMA_SS(n)                                                                                        \
-  template <>                                                                                                   \
-  struct GmmaSS<MmaKind::kF16, n> {                                                                             \
-    using type = cute::SM90::GMMA::MMA_64x##n##x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,                     \
-                                                                cute::SM90::GMMA::Major::K>;                    \
-  };                                                                                                            \
-  template <>                                                                                                   \
-  struct GmmaSS<MmaKind::kBF16, n> {                                                                            \
-    using type = cute::SM90::GMMA::MMA_64x##n##x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,                   \
-                                                                  cute::SM90::GMMA::Major::K>;                  \
-  };
-TLDSL_GMMA_SS(8)
-TLDSL_GMMA_SS(16)
-TLDSL_GMMA_SS(32)
-TLDSL_GMMA_SS(64)
-TLDSL_GMMA_SS(96)
-TLDSL_GMMA_SS(128)
-#undef TLDSL_GMMA_SS
-
-TLDSL_DEV void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-#endif
 
 // The bytes of shared memory wgmma_dot stages its operands in (the plan reserves as many:
 // codegen/plan/general.py staging_bytes).
@@ -85,7 +59,7 @@ TLDSL_DEV void wgmma_dot(void* stage, FA a, FB b, FC c) {
   constexpr int kCores = KC / 8;                       // 16-byte core-matrix rows along K
   constexpr int kUnitsA = M * kCores, kUnitsB = kRowsB * kCores;
   constexpr uint64_t kDesc = sm90::gmma_desc_bits(0, 128, KC * 16);
-  using Gmma = typename GmmaSS<Kind, NT>::type;
+  using Gmma = typename GmmaSS<Kind, NT, cute::SM90::GMMA::Major::K>::type;
   unsigned char* const sa = static_cast<unsigned char*>(stage);
   unsigned char* const sb = sa + M * KC * 2;
   const int wg = (int)threadIdx.x / 128, nwg = (int)blockDim.x / 128, tid = (int)threadIdx.x % 128;

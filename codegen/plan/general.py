@@ -626,18 +626,18 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     if wgmma_inflight not in (None, 0, 1) or isinstance(wgmma_inflight, bool):
         raise fail(WHAT, f"wgmma_inflight={wgmma_inflight!r}: need 0 (a pipelined dot loop's WGMMAs done at each "
                          "iteration's end, one stage more of copies ahead) or 1 (one group left running)", part)
+    if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool)
+                                    and 32 <= threads <= 1024 and threads % 32 == 0):
+        raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     stages = getattr(kernel.compute_schedule, "stages", None) or 3
-    if threads is None:
-        loops = find_dot_loops(part, None, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
+    loops = find_dot_loops(part, threads, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
+    if threads is None:             # the warpgroups the pipelined loops need, else the usual CTA
         if loops:
             threads = 128 * max(lp.warpgroups for lp in loops)
+            loops = [lp for lp in loops if 128 * lp.warpgroups == threads]
         else:
             threads = GROUP_THREADS if task_groups(part, m, GROUP_THREADS, 0) > 1 else DEFAULT_THREADS
-    if not (isinstance(threads, int) and not isinstance(threads, bool) and 32 <= threads <= 1024
-            and threads % 32 == 0):
-        raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     prog = _Program(part)
-    loops = find_dot_loops(part, threads, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
     layout = _fitting_layout(prog, threads, loops)
     if layout.shared_bytes > SMEM_LIMIT:
         again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values

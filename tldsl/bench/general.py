@@ -2,6 +2,8 @@
 torch on the same inputs in the same run.
 
     python -m tldsl.bench general [--rounds 5] [--iters 10] [--only NAME,...]
+        [--rows R] [--whole-row N] [--threads T]            (the row programs; default ROW_DEFAULTS)
+        [--gemm-stages S] [--gemm-group-m G] [--gemm-copies tma|cp.async] [--gemm-inflight 0|1]
 
 Memory-bound programs (:mod:`.general_programs`), fp16 ``[16384, 8192]`` operands (256 MiB
 each): ``y = 2x + 1``; a row softmax; RMSNorm; residual add + RMSNorm (``h = x + r`` and
@@ -87,7 +89,7 @@ def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int
 
 
 #: the gated GEMM's schedule: 128 x 128 output tiles (two warpgroups, both accumulators in
-#: registers), 64-column K tiles in 4 cp.async stages, tasks walked in groups of 8 tile rows
+#: registers), 64-column K tiles in 4 stages (TMA copies), tasks walked in groups of 8 tile rows
 GEMM_SCHEDULE = dict(tile=(128, 128, 64), stages=4, order="swizzled", group_m=8)
 
 
@@ -104,7 +106,8 @@ def gemm_cases(torch, shapes=((8192, 8192, 8192), (8191, 8200, 4104)), schedule:
         c = torch.randn(K, N, device=dev, dtype=f16) / 8
         bias = torch.randn(1, N, device=dev, dtype=f16)
         poisoned = torch.full((M, N), float("nan"), device=dev, dtype=f16)
-        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, tl.ComputeSchedule(**{**GEMM_SCHEDULE, **(schedule or {})}),
+        sched = tl.ComputeSchedule(**{**GEMM_SCHEDULE, **(schedule or {})})
+        out.append(Case(f"relu(A@B+bias)*(A@C) {M}x{N}x{K}", gp.gated_gemm, sched,
                         {"a": a, "b": b, "bias": bias, "c": c, "out": poisoned}, ("out",),
                         lambda a=a, b=b, c=c, bias=bias: (torch.relu(a @ b + bias) * (a @ c),), flops=4 * M * N * K,
                         lowering=dict(lowering or {})))

@@ -18,15 +18,16 @@ def scale_shift(x, y, *, compute: tl.ComputeSchedule = None):
         tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
 
 
-#: rows of at most this many elements (the programs' ``whole_row``) are loaded whole — one read of ``x`` from memory, every
-#: reduction from shared memory — where longer rows go by column tiles, reading ``x`` twice
+#: the row programs' default ``whole_row``: rows of at most this many elements are loaded whole
+#: (one read of ``x`` from memory, every reduction from shared memory), longer rows go by column
+#: tiles, reading ``x`` twice
 WHOLE_ROW = 16384
 
 
 @tl.kernel
 def row_softmax(x, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
                 whole_row: int = WHOLE_ROW):
-    """softmax over each row. ``rows`` rows a task; a row up to :data:`WHOLE_ROW` elements in one
+    """softmax over each row. ``rows`` rows a task; a row up to ``whole_row`` elements in one
     tile, longer ones as an online max and sum over column tiles, then a second pass that writes
     the normalised tiles."""
     M, N = x.shape
@@ -61,7 +62,7 @@ def row_softmax(x, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
 def rms_norm(x, w, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
              whole_row: int = WHOLE_ROW):
     """y = x / sqrt(mean(x^2) + 1e-6) * w per row. ``rows`` rows a task; a row up to
-    :data:`WHOLE_ROW` elements in one tile, longer ones in two passes over column tiles (the sum
+    ``whole_row`` elements in one tile, longer ones in two passes over column tiles (the sum
     of squares, then the output)."""
     M, N = x.shape
     BM, BN, _ = compute.tile
@@ -91,7 +92,7 @@ def rms_norm(x, w, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
 def add_rms_norm(x, r, w, h, y, *, compute: tl.ComputeSchedule = None, rows: int = 1,
                  whole_row: int = WHOLE_ROW):
     """h = x + r (the residual stream), y = rms_norm(h) * w; ``rows`` rows a task, whole rows up
-    to :data:`WHOLE_ROW` elements (else two passes, the second reading ``h`` back)."""
+    to ``whole_row`` elements (else two passes, the second reading ``h`` back)."""
     M, N = x.shape
     BM, BN, _ = compute.tile
     R = rows if N <= whole_row else BM

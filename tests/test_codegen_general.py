@@ -623,8 +623,9 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
     (tmp_path / "harness.cpp").write_text(src)
     exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
-    if "tldsl/general_pipeline.hpp" in lk.source:
-        threads = lk.threads        # a pipelined dot loop's warpgroups each own rows of the tile
+    if "tldsl/general_pipeline.hpp" in lk.source or getattr(lk, "held", ()):
+        threads = lk.threads        # a pipelined dot loop's warpgroups each own rows of the tile; held
+                                    # tiles' chunks are spread over the planned threads
     r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return {n: from_device(files[n].read_bytes(), dts[n], arrays[n].shape) for n in arrays}
@@ -880,7 +881,8 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
                              "signal": f"({ct})s_{r}_{name}", "peer_signals": f"({ct})ts_{name}",
                              "rank": str(r), "launch": "1ull", "scratch": scratch,
                              "tma": "tldsl::gen::TmaDesc{}"}[kind])
-            launches.append(f"  launch(pool, {threads}, {g}, {smem}, [=] {{ {lk.entry}({', '.join(args)}); }});")
+            t = lk.threads if getattr(lk, "held", ()) else threads   # held chunks: spread over the planned threads
+            launches.append(f"  launch(pool, {t}, {g}, {smem}, [=] {{ {lk.entry}({', '.join(args)}); }});")
     src = _MULTI.format(sources="\n".join(lk.source for lk in lowered), loads="\n".join(loads),
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(
         "#include <thread>", "#include <functional>\n#include <thread>")

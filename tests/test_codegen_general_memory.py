@@ -84,11 +84,15 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
     assert two.index("tldsl::gen::rsqrt") < loop2      # once per row block, before the second column loop
 
 
-def test_whole_rows_recompute_cheap_values_to_keep_more_tasks_in_flight():
+def test_whole_rows_recompute_cheap_values_and_hold_the_row_in_registers():
     """The row softmax reads t = float(x) and e = exp(t - max) twice each; storing them (96 KB a
-    row of 8192) would leave two tasks per SM, computing them again leaves eight."""
+    row of 8192) would leave two tasks per SM. They are computed again where read, x's row is
+    held in registers (codegen/plan/held.py), and shared memory keeps only the two reductions:
+    four tasks of 128 threads a CTA."""
     lk = lower(gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, rows=1), "part")
-    assert lk.groups == 8 and len(lk.slots) == 3, lk.describe()     # x's row and the two row reductions
+    assert lk.groups == 4 and lk.threads == 128, lk.describe()
+    assert len(lk.slots) == 2 and all("(reduce" in s for s in lk.slots), lk.describe()
+    assert len(lk.held) == 1 and "1x8192 f16 (load" in lk.held[0], lk.describe()
 
 
 @pytest.mark.nvrtc

@@ -8,6 +8,10 @@ consumed, and the kernel's ABI.
   written while the value is still needed (a copy).
 * **Computed where consumed** (no storage): ``full``, ``iota``, ``expand_dims``, ``broadcast``,
   ``trans`` (coordinates only), the other elementwise values, and a ``frag_read`` read in place.
+* **Held in registers** (:mod:`.held`): a loaded float tile or stored element value outside the
+  part's loops whose every reader takes it element for element (stores, element values and
+  fragment writes of its shape, reductions along its rows) — 16-byte chunks spread over the
+  task's threads, its readers run in the same chunk order; no slot.
 * **Slots** are reused by liveness: a slot is live from the statement that writes it to the last
   statement that reads it (to the end of the outermost loop that reads it without defining it).
   Offsets are first-fit in order of definition; the shared-memory arena holds at most 227 KB.
@@ -57,6 +61,7 @@ from ..errors import fail
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
 from .dot_loop import MIN_STAGES as MIN_RING_STAGES, DotLoop, find_dot_loops, with_stages
+from .held import ChunkOrder, plan_held
 
 DEFAULT_THREADS = 128
 #: threads of a task group where a CTA runs several tasks at once (unless ``threads`` is given):
@@ -88,18 +93,44 @@ STAGING_LIMIT = 64 * 1024
 REGISTERS = 65536
 
 
-def reduce_partials(op: core.Op, threads: int) -> int:
+def reduce_partials(op: core.Op, threads: int, n: int | None = None) -> int:
     """How many warps reduce each output of ``reduce`` op together (1: a warp an output, as a row
     reduction with many rows has it): where the outputs leave warps of the ``threads`` idle — a
     whole row of a memory-bound part reduced by one of its warps — the reduced axis is split
     between the idle warps (at least 32 elements each), whose partial results meet in shared
-    memory (4 bytes each after the output's slot)."""
+    memory (4 bytes each after the output's slot). ``n``: the reduced length where it is not the
+    operand's (a reduction of held registers reduces its chunks' partial results)."""
     x = op.operands[0]
-    n = x.type.shape[op.attrs["axis"]]
+    n = x.type.shape[op.attrs["axis"]] if n is None else n
     nout = math.prod(op.result.type.shape)
     if op.result.type.dtype.kind == "bool" or n < 64 or nout * 32 >= threads:
         return 1
     return max(1, min(threads // (32 * nout), n // 32))
+
+
+@dataclass(frozen=True)
+class ReduceSlot:
+    """The shared memory of a ``reduce`` op's slot: its outputs, then (``warp_partials`` > 1)
+    that many warps' partial results an output at ``warp_offset``, then (a reduction of held
+    registers, ``order``) one partial result a chunk at ``chunk_offset``."""
+    out_bytes: int
+    warp_partials: int
+    warp_offset: int
+    chunk_offset: int
+    nbytes: int
+
+
+def reduce_slot(op: core.Op, threads: int, order: ChunkOrder | None = None) -> ReduceSlot:
+    """The layout of ``reduce`` op's slot in a CTA of ``threads`` (``order``: its operand's held
+    chunk order, where the reduction reads registers)."""
+    nout = math.prod(op.result.type.shape)
+    out = (nout * elem_bytes(op.result.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
+    P = reduce_partials(op, threads, None if order is None else order.K)
+    end = out + P * nout * 4
+    if order is None:
+        return ReduceSlot(out, P, out, end, end)
+    chunk = (end + ALIGN - 1) // ALIGN * ALIGN
+    return ReduceSlot(out, P, out, chunk, chunk + nout * order.K * 4)
 
 
 @dataclass(frozen=True)
@@ -184,6 +215,8 @@ class GeneralPlan:
     dot_loops: dict = field(default_factory=dict)  # id(for op) -> DotLoop (the pipelined loops)
     tma: tuple = ()               # TmaDescriptorSpec per "tma" parameter (the loops' TMA copies)
     rings: dict = field(default_factory=dict)      # id(for op) -> the Slot of its ring of stages
+    held: dict = field(default_factory=dict)       # value id -> Held (:mod:`.held`: in registers)
+    canon: dict = field(default_factory=dict)      # id(statement op) -> the ChunkOrder it runs in
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -556,6 +589,8 @@ class _Layout:
     tiles: list
     wgmma: dict
     loops: dict = field(default_factory=dict)     # id(for op) -> DotLoop, the pipelined ones
+    held: dict = field(default_factory=dict)      # value id -> Held (in registers: no tile)
+    canon: dict = field(default_factory=dict)     # id(statement op) -> ChunkOrder (runs in chunk order)
 
     @property
     def shared_bytes(self) -> int:
@@ -577,6 +612,7 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
         # every fragment of the loop is written at its end, read after it or not: the slots of
         # all of them are live there together (a dead one must not share a live one's memory)
         written_back.update({d.frag.id: end + 1 for d in lp.dots})
+    stored: list[core.Op] = []
     for op in prog.order:
         if id(op) in replaced:
             continue
@@ -587,14 +623,22 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
             tiles.append(_Tile(op.result, op, shape.nbytes, p, p, LOOP_WEIGHT ** len(prog.loops[id(op)]), True, True))
         if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
             continue
-        v = op.result
-        if v.id in fused or v.id in epilogues:
+        if op.result.id in fused or op.result.id in epilogues:
             continue
         if op.name not in STORED_RESULTS | ELEMENT_OPS | {"frag_read"}:
             raise fail(WHAT, f"internal: no storage rule for the result of '{op.name}'", op)
+        stored.append(op)
+    absorbed = {id(t) for t in epilogues.values()} | {id(a) for lp in loops for a in lp.absorbed_allocs}
+    held, canon = plan_held(prog, [op for op in stored if op.result.id not in starts],
+                            lambda v: _consumers(prog, v, fused),
+                            lambda op, s: prog.reach(op, s) == prog.pos[id(s)], threads, frozenset(absorbed))
+    for op in stored:
+        v = op.result
+        if v.id in held:
+            continue
         nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
         if op.name == "reduce":     # its warps' partial results, where several warps share an output
-            nbytes += reduce_partials(op, threads) * math.prod(v.type.shape) * 4
+            nbytes = reduce_slot(op, threads, canon.get(id(op))).nbytes
         stmts = _statements(prog, op, v, fused, views)
         start, end = _live_range(prog, op, stmts)
         if v.id in after_loop:
@@ -605,8 +649,8 @@ def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] 
         touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)
         tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
-    absorbed = {id(t) for t in epilogues.values()} | {id(a) for lp in loops for a in lp.absorbed_allocs}
-    return _Layout(views, epilogues, frozenset(absorbed), tiles, wgmma, {id(lp.loop): lp for lp in loops})
+    return _Layout(views, epilogues, frozenset(absorbed), tiles, wgmma, {id(lp.loop): lp for lp in loops},
+                   held, canon)
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
@@ -631,24 +675,16 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
         raise fail(WHAT, f"threads={threads!r}: need a multiple of 32 between 32 and 1024", part)
     stages = getattr(kernel.compute_schedule, "stages", None) or 3
     loops = find_dot_loops(part, threads, stages, wgmma_inflight, dot_loop_copies) if part.role == "compute" else []
+    prog = _Program(part)
     if threads is None:             # the warpgroups the pipelined loops need, else the usual CTA
         if loops:
             threads = 128 * max(lp.warpgroups for lp in loops)
             loops = [lp for lp in loops if 128 * lp.warpgroups == threads]
+        elif task_groups(part, m, GROUP_THREADS, 0) > 1:
+            threads = _group_threads(prog, part, m)
         else:
-            threads = GROUP_THREADS if task_groups(part, m, GROUP_THREADS, 0) > 1 else DEFAULT_THREADS
-    prog = _Program(part)
-    layout = _fitting_layout(prog, threads, loops)
-    if layout.shared_bytes > SMEM_LIMIT:
-        again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
-        if again.shared_bytes <= SMEM_LIMIT:
-            layout = again
-    elif task_groups(part, m, threads, 0) > 1:
-        # a part whose CTAs run several tasks at once: recomputing element values read twice
-        # (a cast, an exp) costs less than the tasks in flight a larger arena leaves out
-        again = _layout(prog, True, threads, layout_loops(layout))
-        if task_groups(part, m, threads, again.shared_bytes) > task_groups(part, m, threads, layout.shared_bytes):
-            layout = again
+            threads = DEFAULT_THREADS
+    layout = _chosen_layout(prog, part, m, threads, loops)
     slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
     tma = _tma_descriptors(layout_loops(layout))
@@ -667,7 +703,54 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
                        grouped=_grouped(kernel, part, m), tma=tma,
-                       dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings)
+                       dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
+                       held=layout.held, canon=layout.canon)
+
+
+def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: int, loops: list[DotLoop]) -> _Layout:
+    """The layout of the part at ``threads``: element values read twice stored once, unless
+    computing them again is what fits shared memory, or — a part whose CTAs run several tasks
+    at once — lets more tasks share an SM, or keeps the same tasks in flight with the tiles in
+    registers and less shared memory."""
+    layout = _fitting_layout(prog, threads, loops)
+    if layout.shared_bytes > SMEM_LIMIT:
+        again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
+        if again.shared_bytes <= SMEM_LIMIT:
+            layout = again
+    elif task_groups(part, m, threads, 0) > 1:
+        # a part whose CTAs run several tasks at once: recomputing element values read twice
+        # (a cast, an exp) costs less than the tasks in flight a larger arena leaves out, or than
+        # another pass over shared memory where the loads stay in registers
+        again = _layout(prog, True, threads, layout_loops(layout))
+        g_again = task_groups(part, m, threads, again.shared_bytes)
+        g_layout = task_groups(part, m, threads, layout.shared_bytes)
+        if g_again > g_layout or (g_again == g_layout and again.held and again.shared_bytes < layout.shared_bytes):
+            layout = again
+    return layout
+
+
+#: the group sizes tried where a CTA runs several tasks at once and no ``threads`` is given
+GROUP_THREAD_CHOICES = (GROUP_THREADS, 128, 256, 512)
+
+
+def _held_load_bytes(layout: _Layout) -> int:
+    return sum(math.prod(h.value.type.shape) * elem_bytes(h.value.type.dtype) for h in layout.held.values()
+               if h.value.owner.name == "load")
+
+
+def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
+    """The threads of a task group where a CTA runs several tasks at once: the fewest that keep
+    the most loaded bytes in registers across the CTA's groups (:mod:`.held`: read from memory
+    once, no pass over shared memory, and as many tasks' loads in flight as fit) — among
+    equals, the most of a task's — else :data:`GROUP_THREADS`."""
+    best, most = GROUP_THREADS, (0, 0)
+    for t in GROUP_THREAD_CHOICES:
+        layout = _chosen_layout(prog, part, m, t, [])
+        task = _held_load_bytes(layout)
+        held = (task * task_groups(part, m, t, layout.shared_bytes), task)
+        if held > most:
+            best, most = t, held
+    return best
 
 
 def _grouped(kernel: core.Kernel, part: core.Part, m: GeneralMatch) -> int:

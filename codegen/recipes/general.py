@@ -14,7 +14,9 @@ and notifies :mod:`..rules.primitives`.
 * Tiles the plan stores live in the group's shared-memory arena (slots reused by liveness), or —
   those that do not fit in 227 KB (:func:`..plan.general._spills`) — in the group's share of a
   global-memory scratch (``scratch``; CTA ``b``'s group ``g`` at ``(b * groups + g) *
-  scratch_bytes``); the rest are computed element by element where consumed. Every statement is a loop of the group's
+  scratch_bytes``); loaded tiles every reader takes element for element are held in the
+  threads' registers (:mod:`..plan.held`, :mod:`..rules.held`); the rest are computed element
+  by element where consumed. Every statement is a loop of the group's
   threads over its output elements followed by the group's barrier: loads and stores move
   16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
   by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
@@ -74,6 +76,7 @@ class LoweredGeneral(LoweredKernel):
     scratch_bytes: int = 0             # one group's global-memory scratch (its spilled slots)
     wgmma_dots: int = 0                # of ``dots``, those on WGMMA (the rest on mma.sync)
     tma: tuple = ()                    # TmaDescriptorSpec per "tma" parameter (pipelined loops' copies)
+    held: tuple[str, ...] = ()         # the tiles held in registers, described (plan.held)
 
     @property
     def cta_threads(self) -> int:
@@ -110,6 +113,7 @@ class LoweredGeneral(LoweredKernel):
                           + f"; {self.dots} dot(s) ({self.wgmma_dots} on WGMMA), {self.waits} "
                           f"wait(s), {self.notifies} notify(s) on {list(self.signals)}",
                           *(f"  {s}" for s in self.slots),
+                          *(f"  {s}" for s in self.held),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
 
 
@@ -130,7 +134,8 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          *(['#include "tldsl/general_wgmma.hpp"'] if plan.wgmma else []),
          *(['#include "tldsl/general_pipeline.hpp"'] if plan.dot_loops else []),
          "",
-         f'extern "C" __global__ void __launch_bounds__({plan.threads * plan.groups})',
+         # one CTA an SM (the runtime's launch): ptxas may give each thread its share of the registers
+         f'extern "C" __global__ void __launch_bounds__({plan.threads * plan.groups}, 1)',
          f"{plan.entry}(",
          "    " + ",\n    ".join(f"{q.ctype} {q.name}" for q in plan.params) + ") {",
          "  (void)rank; (void)launch;",
@@ -163,10 +168,13 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     slots += tuple(f"ring    {s.offset:>6} +{s.nbytes:<6} {plan.dot_loops[id(s.op)].stages} stages of the pipelined "
                    f"dot loop at {s.op.loc.short() if s.op.loc else '?'}, live {s.start}..{s.end}"
                    for s in sorted(plan.rings.values(), key=lambda s: (s.offset, s.start)))
+    held = tuple(f"registers {h.thread_bytes:>3} B a thread: {'x'.join(map(str, h.value.type.shape))} "
+                 f"{h.value.type.dtype} ({h.value.owner.name}{', ' + h.value.owner.loc.short() if h.value.owner.loc else ''})"
+                 f", chunks of {h.order.V}" for h in plan.held.values())
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
                           plan.groups, plan.scratch_bytes,
-                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()), plan.tma)
+                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()), plan.tma, held)
 
 
 def _decode_lines(plan: GeneralPlan) -> list[str]:
@@ -202,7 +210,7 @@ def _scratch_base(plan: GeneralPlan) -> list[str]:
 
 RECIPE = Recipe("general", "compute", 0, match_general, plan_general, render_general,
                 options=frozenset({"threads", "wait_timeout_ns", "entry", "wgmma_inflight", "dot_loop_copies"}),
-                summary="any compute part: shared-memory tiles, element loops, WGMMA / mma.sync dots")
+                summary="any compute part: shared-memory or register tiles, element loops, WGMMA / mma.sync dots")
 #: the same lowering for communication parts on SMs that the streamed kernel (sm_comm) does not take
 RECIPE_COMM = Recipe("general_comm", "comm", 0, match_general_comm, plan_general, render_general,
                      options=frozenset({"threads", "wait_timeout_ns", "entry"}),

@@ -26,11 +26,13 @@ from ...ir import core
 from ...ir import types as T
 from ...ir.opdefs import DATA_OPS, FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
 from ..abi import buffer_param, is_this_rank, marker, peer_buffer_param
-from ..dtypes import ctype, elem_bytes, scalar_ctype
+from ..dtypes import elem_bytes, scalar_ctype
 from ..match.general import WHAT
-from ..plan.general import GeneralPlan, reduce_partials
+from ..plan.general import GeneralPlan, reduce_partials, reduce_slot
 from . import primitives
 from .dot_loop import emit_dot_loop, is_pipelined
+from . import held as held_rules
+from .chunks import Elements, chunk_coords, row_pointer, storage_ctype, vec_ok
 from .scalars import c_literal, element_expr
 from .sync import SignalEmitter
 
@@ -56,11 +58,6 @@ ELEMENT_RUN = 4
 def value_ctype(dtype: T.DType) -> str:
     """The C++ type tile math holds an element of ``dtype`` in (16-bit floats: float)."""
     return "float" if dtype.is_float else scalar_ctype(dtype)
-
-
-def storage_ctype(dtype: T.DType) -> str:
-    """The C++ type of an element of ``dtype`` in memory (shared or global)."""
-    return ctype(dtype).comm
 
 
 def literal(value, dtype: T.DType) -> str:
@@ -141,20 +138,6 @@ def flat_index(coords: list[str], shape) -> str:
     return " + ".join(reversed(terms)) or "0"
 
 
-class Elements:
-    """The element code of one loop body: its lines and the values already computed there."""
-
-    def __init__(self, emitter: "TileEmitter", op: core.Op):
-        self.em, self.op = emitter, op
-        self.lines: list[str] = []
-        self.memo: dict = {}
-
-    def var(self, ctype_: str, expr: str) -> str:
-        nm = f"x{self.em.fresh()}"
-        self.lines.append(f"const {ctype_} {nm} = {expr};")
-        return nm
-
-
 # -- element rules: one element of an op's value -----------------------------------------------------
 
 def _ewise_element(em, op, coords, el: Elements) -> str:
@@ -228,6 +211,8 @@ def _load_statement(em, op, ind, lines):
     box = tuple(op.attrs["shape"])
     shape = tuple(op.result.type.shape)
     lead = len(box) - len(shape)
+    if op.result.id in em.plan.held:
+        return held_rules.held_load(em, op, offs, ind, lines)
     slot = em.slot(op.result)
     st = storage_ctype(buf.type.dtype)
     if shape and len(box) == len(buf.type.shape) and elem_bytes(buf.type.dtype) in (2, 4):
@@ -239,31 +224,6 @@ def _load_statement(em, op, ind, lines):
         return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {buffer_param(buf)}[{flat}] : "
                 f"tldsl::gen::put<{st}>(0);"]
     em.element_loop(op, shape, body, ind, lines, f"load {buf.name} -> {slot}")
-
-
-def _vec_ok(buf, base: str, col: str, V: int) -> str:
-    """Whether an in-bounds chunk of V elements of ``buf`` starting at column ``col`` (plus a
-    multiple of V) is 16-byte aligned: the tensor's pointer, its row pitch and the column."""
-    if len(buf.type.shape) > 1 and buf.type.shape[-1] % V:
-        return "false"
-    return f"((reinterpret_cast<unsigned long long>({base}) & 15ull) == 0ull && (({col}) % {V}) == 0)"
-
-
-def _chunk_coords(el: Elements, e: str, shape, V: int) -> tuple[list[str], str]:
-    """(tile coordinates of chunk ``e``'s first element — its rows' and its column —, the chunk's
-    offset in the tile's row-major order): a tile's rows cut into chunks of V elements."""
-    n = shape[-1]
-    nch = -(-n // V)
-    coords = []
-    for a, s_ in enumerate(shape[:-1]):
-        inner = math.prod(shape[a + 1:-1]) * nch
-        x = f"{e} / {inner}"
-        if a > 0:
-            x = f"({x}) % {s_}"
-        coords.append(el.var("int", x))
-    col = el.var("int", f"({e} % {nch}) * {V}" if nch > 1 else "0")
-    flat = el.var("int", f"({e} / {nch}) * {n} + {col}" if len(shape) > 1 else col)
-    return coords + [col], flat
 
 
 def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
@@ -281,11 +241,11 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
 
     def chunk(e):
         el = Elements(em, op)
-        coords, flat = _chunk_coords(el, e, shape, V)
+        coords, flat = chunk_coords(el, e, shape, V)
         g = [offs[a] if a < lead else f"{offs[a]} + {coords[a - lead]}" for a in range(len(dims))]
         return el, coords, flat, g
     lines.append(f"{ind}{{  // load {buf.name} -> {slot}, 16-byte chunks of its rows{marker(op.loc)}")
-    lines.append(f"{i1}const bool {vec} = {_vec_ok(buf, base, offs[-1], V)};")
+    lines.append(f"{i1}const bool {vec} = {vec_ok(buf, base, offs[-1], V)};")
     lines.append(f"{i1}(void){vec};")
     lines.append(f"{i1}for (int {e0} = tid; {e0} < {nc}; {e0} += {LOAD_BATCH} * gthreads) {{")
     lines.append(f"{i2}tldsl::comm::Chunk<{st}, {V}> {ch}[{LOAD_BATCH}];")
@@ -296,7 +256,7 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
     lines.append(f"{i3}const int {e} = {e0} + {b} * gthreads;")
     lines.append(f"{i3}if ({e} < {nc}) {{")
     if len(dims) > 1:
-        row, col, ncols = _row(el, base, dims, g, st, False)
+        row, col, ncols = row_pointer(el, base, dims, g, st, False)
     else:
         row, col, ncols = base, g[-1], dims[-1]
     lines += [f"{i3}  {ln}" for ln in el.lines]
@@ -347,6 +307,8 @@ def _store_statement(em, op, ind, lines):
     offs = [em.name(o, op) for o in offs_v]
     shape = tuple(tile.type.shape)
     st = storage_ctype(t.type.dtype)
+    if id(op) in em.plan.canon:
+        return held_rules.held_store(em, op, t, offs, tile, em.plan.canon[id(op)], ind, lines, BARRIER)
     if shape and len(shape) == len(offs) == len(t.type.shape) and elem_bytes(t.type.dtype) in (2, 4):
         return _chunked_store(em, op, t, offs, tile, shape, st, ind, lines)
 
@@ -371,16 +333,16 @@ def _chunked_store(em, op, t, offs, tile, shape, st, ind, lines):
     ch, e, v, vec = f"ch{k}", f"e{k}", f"v{k}", f"vec{k}"
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
     el = Elements(em, op)
-    coords, _ = _chunk_coords(el, e, shape, V)
+    coords, _ = chunk_coords(el, e, shape, V)
     g = [f"{o} + {c}" for o, c in zip(offs, coords)]
     if len(dims) > 1:
-        row, col, ncols = _row(el, base, dims, g, st, True)
+        row, col, ncols = row_pointer(el, base, dims, g, st, True)
     else:
         row, col, ncols = base, g[-1], dims[-1]
     inner = Elements(em, op)
     x = em.value(tile, coords[:-1] + [f"({coords[-1]} + {v})"], inner)
     lines.append(f"{ind}{{  // store -> {t.name}, 16-byte chunks of the tile's rows{marker(op.loc)}")
-    lines.append(f"{i1}const bool {vec} = {_vec_ok(t, base, offs[-1], V)};")
+    lines.append(f"{i1}const bool {vec} = {vec_ok(t, base, offs[-1], V)};")
     lines.append(f"{i1}(void){vec};")
     lines.append(f"{i1}for (int {e} = tid; {e} < {nc}; {e} += gthreads) {{")
     lines += [f"{i2}{ln}" for ln in el.lines]
@@ -414,6 +376,8 @@ class _Reduction:
     """What both reduction renderings read of a ``reduce`` op."""
     em: object
     op: core.Op
+    partials: str | None = None     # reduce these K partial results an output instead (held chunks')
+    K: int = 0
 
     @property
     def x(self):
@@ -429,7 +393,7 @@ class _Reduction:
 
     @property
     def n(self) -> int:
-        return self.x.type.shape[self.axis]
+        return self.K if self.partials else self.x.type.shape[self.axis]
 
     @property
     def shape(self) -> tuple:
@@ -454,6 +418,8 @@ class _Reduction:
     def element_at(self, r: str, coords: list[str]) -> tuple[list[str], str]:
         """(lines, C++ value) of element ``r`` of the reduced axis at output ``coords`` (its own
         lines: they run inside the reduction's loop)."""
+        if self.partials:
+            return [], f"{self.partials}[({flat_index(coords, self.shape)}) * {self.K} + {r}]"
         el = Elements(self.em, self.op)
         v = self.em.value(self.x, coords[:self.axis] + [r] + coords[self.axis:], el)
         return el.lines, v
@@ -483,8 +449,29 @@ def _reduce_statement(em, op, ind, lines):
     iterations (an out-of-range lane reduces the last output again and writes nothing), so the
     whole warp is there for each shuffle. Where the outputs would leave warps idle:
     :func:`_reduce_by_warps`."""
+    order = em.plan.canon.get(id(op))
+    if order is not None:
+        return _reduce_held(em, op, order, ind, lines)
+    _reduce_rows(_Reduction(em, op), ind, lines)
+
+
+def _reduce_held(em, op, order, ind, lines):
+    """A reduction along the rows of held registers: each chunk's partial result into shared
+    memory (:func:`.held.chunk_partials`), then those reduced as a row reduction reduces."""
+    slot = em.slot(op.result)
     red = _Reduction(em, op)
-    P = reduce_partials(op, em.plan.threads)
+    part = f"chunks{em.fresh()}"
+    lines += [f"{ind}{{  // {red.kind} over axis {red.axis} of registers -> {slot}{marker(op.loc)}",
+              f"{ind}  {red.ct}* const {part} = reinterpret_cast<{red.ct}*>(reinterpret_cast<unsigned char*>({slot}) + "
+              f"{reduce_slot(op, em.plan.threads, order).chunk_offset});"]
+    held_rules.chunk_partials(red, order, part, ind + "  ", lines, BARRIER)
+    _reduce_rows(_Reduction(em, op, part, order.K), ind + "  ", lines)
+    lines.append(f"{ind}}}")
+
+
+def _reduce_rows(red: _Reduction, ind, lines):
+    em, op = red.em, red.op
+    P = reduce_partials(op, em.plan.threads, red.n)
     if P > 1:
         return _reduce_by_warps(red, P, ind, lines)
     n, shape, nout, ct, comb = red.n, red.shape, red.nout, red.ct, red.comb
@@ -638,6 +625,8 @@ def _frag_read_statement(em, op, ind, lines):
 
 def _stored_element_statement(em, op, ind, lines):
     """An element op whose value the plan stores: computed once, into its slot."""
+    if op.result.id in em.plan.held:
+        return held_rules.held_element(em, op, RULES[op.name].element, ind, lines, BARRIER)
     if not em.plan.materialised(op.result) or id(op) in em.plan.absorbed:
         return                      # computed where it is consumed, or by the dot before it
     slot = em.slot(op.result)
@@ -659,22 +648,6 @@ def _tensor_base(em, v: core.Value, rank: core.Value, op) -> str:
     return f"{peer_buffer_param(v.owner)}[{em.name(rank, op)}]"
 
 
-def _row(el: Elements, base: str, dims, gcoords: list[str], st: str, write: bool) -> tuple[str, str, int]:
-    """(row pointer variable — null where the row lies outside the tensor —, column, row length)
-    of tensor coordinates ``gcoords``."""
-    conds = [f"(unsigned)({g}) < {d}u" for g, d in zip(gcoords[:-1], dims[:-1])]
-    terms, stride = [], 1
-    for g, d in reversed(list(zip(gcoords[:-1], dims[:-1]))):
-        terms.append(f"(long long)({g})" if stride == 1 else f"(long long)({g}) * {stride}ll")
-        stride *= d
-    rowlin = " + ".join(reversed(terms)) or "0"
-    nm = f"row{el.em.fresh()}"
-    ptype = f"{st}*" if write else f"const {st}*"
-    el.lines.append(f"{ptype} const {nm} = ({' && '.join(conds) or 'true'}) ? {base} + ({rowlin}) * {dims[-1]}ll "
-                    f": nullptr;")
-    return nm, gcoords[-1], dims[-1]
-
-
 def _data_statement(em, op, ind, lines):
     src, srank, soffs, dst, drank, doffs, tile = data_operands(op)
     shape = tuple(op.attrs["shape"])
@@ -684,7 +657,7 @@ def _data_statement(em, op, ind, lines):
         base, offs = _tensor_base(em, src, srank, op), [em.name(o, op) for o in soffs]
 
         def body(coords, el):
-            row, col, ncols = _row(el, base, src.type.shape, [f"{o} + {c}" for o, c in zip(offs, coords)], st, False)
+            row, col, ncols = row_pointer(el, base, src.type.shape, [f"{o} + {c}" for o, c in zip(offs, coords)], st, False)
             return [f"{slot}[{flat_index(coords, shape)}] = {primitives.tile_pull_data(st, row, col, ncols)};"]
         return em.element_loop(op, shape, body, ind, lines, f"{op.name} {src.owner.name} -> {slot}")
     # into a tensor: chunks of V consecutive elements of a row (16 bytes), as the communication
@@ -711,11 +684,11 @@ def _data_statement(em, op, ind, lines):
                     *[f"    {ln}" for ln in inner.lines], f"    {ch}.set({e}, tldsl::gen::put<{st}>({x}));", "  }", "}",
                     f"const unsigned {m} = ~0u;"]
         else:                       # a copy: only elements inside both tensors move
-            srow, scol, sn = _row(el, sbase, src.type.shape, [f"{o} + {x}" for o, x in zip(soff, coords[:-1] + [c])],
+            srow, scol, sn = row_pointer(el, sbase, src.type.shape, [f"{o} + {x}" for o, x in zip(soff, coords[:-1] + [c])],
                                   st, False)
             out += [f"unsigned {m};", primitives.tile_pull_data(st, srow, scol, sn, chunk=ch, vec=str(V),
                                                                 left=f"{n} - {c}", vec_ok="vec_ok", mask=m)]
-        row, col, ncols = _row(el, dbase, dst.type.shape, [f"{o} + {x}" for o, x in zip(doff, coords[:-1] + [c])],
+        row, col, ncols = row_pointer(el, dbase, dst.type.shape, [f"{o} + {x}" for o, x in zip(doff, coords[:-1] + [c])],
                                st, True)
         return out + [primitives.tile_push_data(st, row, col, ncols, ch, m, vec=str(V), left=f"{n} - {c}",
                                                 vec_ok="vec_ok")]
@@ -806,6 +779,8 @@ class TileEmitter(SignalEmitter):
         if key in el.memo:
             return el.memo[key]
         shape = tuple(v.type.shape)
+        if v.id in self.plan.held:
+            raise self.fail("internal: a value held in registers read outside its chunk order", el.op)
         if v.id in self.plan.slots or v.id in self.plan.views:
             src = self.plan.views.get(v.id)
             slot = self.slot(v if src is None else v.owner.operands[0])
@@ -823,6 +798,9 @@ class TileEmitter(SignalEmitter):
         """A loop of the group's threads over the elements of ``shape``: ``body(coords, elements)``
         gives the statement's last lines; the group's barrier follows. A thread takes
         :data:`ELEMENT_RUN` elements an iteration (unrolled) where the tile is not tiny."""
+        order = self.plan.canon.get(id(op))
+        if order is not None and tuple(order.shape) == tuple(shape):
+            return held_rules.element_statement(self, op, order, body, ind, lines, what, BARRIER)
         n = math.prod(shape)
         k = self.fresh()
         e = f"e{k}"

@@ -42,9 +42,10 @@ class Case:
 
 
 #: the row programs' keywords (``threads``: the lowering's), each the fastest measured
-#: (BENCHMARKS.md, seventeenth session): the softmax on whole rows, one a task on 256 threads; the
-#: RMSNorms by 16 x 256 column tiles
-ROW_DEFAULTS = {"row softmax": {"rows": 1, "whole_row": 16384, "threads": 256}, "RMSNorm": {"whole_row": 0},
+#: (BENCHMARKS.md, eighteenth session): the softmax on whole rows, one a task (its row held in
+#: registers, four tasks of 128 threads a CTA: the lowering's choice); the RMSNorms by 16 x 256
+#: column tiles
+ROW_DEFAULTS = {"row softmax": {"rows": 1, "whole_row": 16384}, "RMSNorm": {"whole_row": 0},
                 "residual add + RMSNorm": {"whole_row": 0}}
 
 
@@ -131,7 +132,7 @@ def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True)
     """tldsl, torch eager, torch.compile (and a copy of the moved bytes) on one case."""
     import tldsl as tl
     res = tl.run(case.kernel, 1, [case.args], compute=case.compute, lowering=case.lowering or None, **case.kwargs)
-    row = {"name": case.name, "check": _check(torch, case, res[0])}
+    row = {"name": case.name, "check": _check(torch, case, res[0]), "lowering": _lowering(res.plan)}
     peers = {"torch eager": case.torch_fn}
     if compile_torch:
         try:
@@ -154,6 +155,16 @@ def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True)
     for k, ts in theirs.items():
         row[k] = statistics.median(ts)
     return row
+
+
+def _lowering(plan) -> str:
+    """How the kernel runs: its task groups' threads, and the tiles it holds in registers."""
+    out = []
+    for k in plan.kernels if plan is not None else []:
+        lk = k.lowered
+        held = len(getattr(lk, "held", ()))
+        out.append(f"{getattr(lk, 'groups', 1)} x {lk.threads} threads" + (f", {held} tile(s) in registers" if held else ""))
+    return "; ".join(out) or "—"
 
 
 def _ms(x) -> str:
@@ -192,14 +203,14 @@ def main(argv=None) -> int:
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         cases = [c for c in cases if any(c.name.startswith(k) for k in keep)]
-    print("| program | check | tldsl ms | torch eager ms | torch.compile ms | copy ms | tldsl GB/s or TFLOP/s "
+    print("| program | lowering | check | tldsl ms | torch eager ms | torch.compile ms | copy ms | tldsl GB/s or TFLOP/s "
           "| vs copy | vs eager | vs compile |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         row = bench_case(torch, case, args.rounds, args.iters)
         t = row["tldsl"]
         rate = (f"{case.moved_bytes / t / 1e6:.0f} GB/s" if case.moved_bytes else f"{case.flops / t / 1e9:.0f} TFLOP/s")
-        cells = [case.name, row["check"], _ms(t), _ms(row.get("torch eager")), _ms(row.get("torch.compile")),
+        cells = [case.name, row["lowering"], row["check"], _ms(t), _ms(row.get("torch eager")), _ms(row.get("torch.compile")),
                  _ms(row.get("copy")), rate, _ratio(row.get("copy"), t), _ratio(row.get("torch eager"), t),
                  _ratio(row.get("torch.compile"), t)]
         print("| " + " | ".join(cells) + " |", flush=True)

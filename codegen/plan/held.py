@@ -1,0 +1,165 @@
+"""Tiles held in registers (the general lowering's third place for a tile value, beside a
+shared-memory slot and computing it where it is consumed).
+
+A memory-bound part — a row softmax, an RMSNorm — reads each element of a loaded tile a few
+times in one iteration (a reduction, then the output). Staged in shared memory, every read is
+another pass over the arena behind a barrier, and the arena's size caps the tasks an SM keeps
+in flight. Held in registers, the tile is read from global memory once, straight into the
+threads that use it, and the arena shrinks to the reductions' few floats.
+
+A value outside the part's loops is **held** when every statement that reads it does so element
+for element (through element ops of the same shape, :func:`.general._consumers`), outside loops
+too: stores of a tile of its shape, stored element values of its shape, fragment writes of its
+shape, and reductions of a tile of its shape along the last axis. Those statements then run in **chunk
+order**: the tile's rows cut into chunks of ``V`` consecutive elements, chunk ``c`` on thread
+``c % threads`` of the group as its ``c // threads`` th register chunk, so each thread finds in
+its own registers every element it needs. Only loads (16-byte chunks of a tensor's rows) and
+element values (``ewise``, ``cast``) are held, of 2- or 4-byte float types; ``V`` is one per tile
+shape (8 where a 16-bit type takes part, else 4) and must divide the rows. The registers a
+thread holds at once are capped at :data:`HELD_BYTES`; over it, the largest values live there
+go back to shared memory first. (Inside a ``tl.range`` loop, the chunks' index code, hoisted
+out of the loop by the compiler for every statement, spilled registers: 8 chunks a thread of a
+16 x 256 tile went from 0.32 to 0.43 ms on an H200, BENCHMARKS.md, eighteenth session.)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...ir import core
+from ...ir import types as T
+from ..dtypes import elem_bytes
+
+#: the bytes of held tiles one thread keeps at once (32 registers: a 512-thread CTA has 128 a
+#: thread, and the element code, addresses and a store's chunk need the rest)
+HELD_BYTES = 128
+
+
+@dataclass(frozen=True)
+class ChunkOrder:
+    """How the group's threads walk a tile of ``shape`` in chunk order: ``chunks`` chunks of
+    ``V`` elements (``K`` a row), thread ``t`` taking chunks ``t``, ``t + threads``, ... — at
+    most ``per_thread`` of them."""
+    shape: tuple
+    V: int
+    threads: int
+
+    @property
+    def K(self) -> int:
+        return self.shape[-1] // self.V
+
+    @property
+    def chunks(self) -> int:
+        return math.prod(self.shape[:-1]) * self.K
+
+    @property
+    def per_thread(self) -> int:
+        return -(-self.chunks // self.threads)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A tile value in registers: its chunk order and the bytes a thread holds of it."""
+    value: core.Value
+    order: ChunkOrder
+
+    @property
+    def thread_bytes(self) -> int:
+        return self.order.per_thread * self.order.V * elem_bytes(self.value.type.dtype)
+
+
+def _chunk_width(dtypes) -> int:
+    return 8 if any(elem_bytes(d) == 2 for d in dtypes) else 4
+
+
+def _holdable(op: core.Op) -> bool:
+    """A load of 16-byte chunks of a tensor's rows, or an element value; of a 2- or 4-byte float
+    type. (i32 tiles stay in shared memory: NVRTC 13.0's ptxas folded a held chunk's
+    ``max(-a, -b, -c, -d)`` into a three-input VIMNMX3 that dropped one operand's negation, and
+    the H200 answered a row's max of ``-x`` with its max of ``x``.)"""
+    v = op.result
+    if not isinstance(v.type, T.TileType) or not v.type.shape or not v.type.dtype.is_float:
+        return False
+    if elem_bytes(v.type.dtype) not in (2, 4):
+        return False
+    if op.name == "load":
+        return len(op.attrs["shape"]) == len(op.operands[0].type.shape) == len(v.type.shape)
+    return op.name in ("ewise", "cast")
+
+
+def _reads_in_chunk_order(stmt: core.Op, shape: tuple, absorbed: frozenset) -> bool:
+    """Whether statement ``stmt`` can run in chunk order over a tile of ``shape`` (it reads a
+    held value of that shape element for element)."""
+    if id(stmt) in absorbed:
+        return False
+    if stmt.name == "store":
+        buf, *offs, tile = stmt.operands
+        return (tuple(tile.type.shape) == shape and len(offs) == len(buf.type.shape) == len(shape)
+                and elem_bytes(buf.type.dtype) in (2, 4))
+    if stmt.name in ("ewise", "cast"):
+        return tuple(stmt.result.type.shape) == shape
+    if stmt.name == "frag_write":
+        return tuple(stmt.operands[0].type.shape) == shape
+    if stmt.name == "reduce":
+        x = stmt.operands[0]
+        return tuple(x.type.shape) == shape and stmt.attrs["axis"] == len(shape) - 1
+    return False
+
+
+def _chunk_dtypes(stmt: core.Op) -> list:
+    """The element types a statement moves through memory in chunks (loads' and stores' tensors)."""
+    if stmt.name in ("load", "store"):
+        return [stmt.operands[0].type.dtype]
+    return []
+
+
+def plan_held(prog, candidates: list[core.Op], consumers, reach_ok, threads: int,
+              absorbed: frozenset) -> tuple[dict, dict]:
+    """({value id: Held}, {id(statement op): ChunkOrder}) for the ``candidates`` (ops whose value
+    would otherwise get a slot), given ``consumers(value) -> [(statement, pointwise)]`` and
+    ``reach_ok(def op, statement)`` (the statement reads it in the defining iteration)."""
+    readers: dict[int, list[core.Op]] = {}
+    for op in candidates:
+        if not _holdable(op) or prog.loops[id(op)]:
+            continue
+        shape = tuple(op.result.type.shape)
+        stmts = consumers(op.result)
+        if stmts and all(pw and reach_ok(op, s) and _reads_in_chunk_order(s, shape, absorbed) for s, pw in stmts):
+            readers[op.result.id] = [op] + [s for s, _ in stmts]
+    by_shape: dict[tuple, list[int]] = {}
+    ops = {op.result.id: op for op in candidates}
+    for vid in readers:
+        by_shape.setdefault(tuple(ops[vid].result.type.shape), []).append(vid)
+    held: dict[int, Held] = {}
+    for shape, vids in by_shape.items():
+        dtypes = [ops[v].result.type.dtype for v in vids]
+        dtypes += [d for v in vids for s in readers[v] for d in _chunk_dtypes(s)]
+        V = _chunk_width(dtypes)
+        if shape[-1] % V:
+            continue
+        order = ChunkOrder(shape, V, threads)
+        for v in vids:
+            held[v] = Held(ops[v].result, order)
+    held = _within_budget(prog, held, readers)
+    canon: dict[int, ChunkOrder] = {}
+    for vid, h in held.items():
+        for s in readers[vid]:
+            canon[id(s)] = h.order
+    return held, canon
+
+
+def _within_budget(prog, held: dict, readers: dict) -> dict:
+    """``held`` less the values that would take a thread over :data:`HELD_BYTES` at some
+    statement (the largest live there first)."""
+    held = dict(held)
+    live = {vid: (prog.pos[id(rs[0])], max(prog.pos[id(s)] for s in rs)) for vid, rs in readers.items()}
+    while True:
+        over = None
+        for p in sorted({live[v][0] for v in held}):
+            here = [v for v in held if live[v][0] <= p <= live[v][1]]
+            if sum(held[v].thread_bytes for v in here) > HELD_BYTES:
+                over = here
+                break
+        if over is None:
+            return held
+        del held[max(over, key=lambda v: (held[v].thread_bytes, live[v][0]))]

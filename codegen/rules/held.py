@@ -1,0 +1,186 @@
+"""The C++ of the statements that run in chunk order (:mod:`..plan.held`): the ones that define
+or read a tile held in registers.
+
+A held tile is an array of ``tldsl::comm::Chunk<T, V>`` a thread, ``hold<id>[s]`` its chunk
+``s * threads + tid`` (declared where the tile is defined, in the scope of every statement
+that reads it). Each statement here walks the same chunks, unrolled, so every index into a
+held array is a constant: the loads go from global memory straight into the registers (no
+barrier after them: they touch no shared memory), stores and element values read them
+element for element, and a reduction along the rows first combines each chunk's ``V``
+elements in its thread, writes one partial result a chunk to shared memory, and reduces those
+as any row reduction does (:func:`.tile_ops._reduce_statement`)."""
+from __future__ import annotations
+
+from ...ir import core
+from ..abi import buffer_param, marker
+from ..plan.held import ChunkOrder
+from . import primitives
+from .chunks import Elements, chunk_coords, row_pointer, storage_ctype, vec_ok
+
+
+def held_name(v: core.Value) -> str:
+    return f"hold{v.id}"
+
+
+class ChunkWalk:
+    """One chunk-order loop: its variables, and the element coordinates of element ``v`` of the
+    chunk (the keys under which the held values' elements are known to the element code)."""
+
+    def __init__(self, em, order: ChunkOrder):
+        k = em.fresh()
+        self.em, self.order = em, order
+        self.s, self.c, self.v = f"s{k}", f"c{k}", f"v{k}"
+
+    def open(self, el, ind: str, lines: list[str], then=None):
+        """Open the loop over this thread's chunks; returns (the chunk's first element's
+        coordinates, the indent inside, what ``then(el, coords)`` returned — index code it adds
+        to ``el``, which runs at the top of each chunk)."""
+        coords, _ = chunk_coords(el, self.c, self.order.shape, self.order.V)
+        extra = then(el, coords) if then is not None else None
+        lines += [f"{ind}#pragma unroll",
+                  f"{ind}for (int {self.s} = 0; {self.s} < {self.order.per_thread}; ++{self.s}) {{",
+                  f"{ind}  const int {self.c} = {self.s} * gthreads + tid;",
+                  f"{ind}  if ({self.c} < {self.order.chunks}) {{"]
+        inner = ind + "    "
+        lines += [f"{inner}{ln}" for ln in el.lines]
+        return coords, inner, extra
+
+    def close(self, ind: str, lines: list[str]) -> None:
+        lines += [f"{ind}  }}", f"{ind}}}"]
+
+    def element_coords(self, coords: list[str]) -> list[str]:
+        return coords[:-1] + [f"({coords[-1]} + {self.v})"]
+
+    def know_held(self, el, coords: list[str]) -> None:
+        """Tell ``el`` where element ``v`` of this chunk of every held tile of this order is."""
+        key = tuple(self.element_coords(coords))
+        for vid, h in self.em.plan.held.items():
+            if h.order == self.order:
+                el.memo[(vid, key)] = f"tldsl::gen::get({held_name(h.value)}[{self.s}].get({self.v}))"
+
+
+def declare(em, v: core.Value, ind: str, lines: list[str]) -> str:
+    h = em.plan.held[v.id]
+    name = held_name(v)
+    lines.append(f"{ind}tldsl::comm::Chunk<{storage_ctype(v.type.dtype)}, {h.order.V}> {name}[{h.order.per_thread}];"
+                 f"  // {'x'.join(map(str, v.type.shape))} {v.type.dtype} in registers{marker(v.owner.loc)}")
+    return name
+
+
+def held_load(em, op, offs: list[str], ind: str, lines: list[str]) -> None:
+    """A load into registers: each thread's chunks straight from global memory (vector loads
+    where inside the tensor and aligned, element by element at its edges, zeros outside)."""
+    buf = op.operands[0].owner
+    order = em.plan.held[op.result.id].order
+    name = declare(em, op.result, ind, lines)
+    st, base, dims = storage_ctype(buf.type.dtype), buffer_param(buf), buf.type.shape
+    walk = ChunkWalk(em, order)
+    vec = f"vec{em.fresh()}"
+    i1 = ind + "  "
+    lines += [f"{ind}{{  // load {buf.name} -> {name}, chunks of {order.V} in registers{marker(op.loc)}",
+              f"{i1}const bool {vec} = {vec_ok(buf, base, offs[-1], order.V)};", f"{i1}(void){vec};"]
+
+    def row_of(el, coords):
+        g = [f"{o} + {c}" for o, c in zip(offs, coords)]
+        return row_pointer(el, base, dims, g, st, False) if len(dims) > 1 else (base, g[-1], dims[-1])
+    _, i2, (row, col, ncols) = walk.open(Elements(em, op), i1, lines, row_of)
+    lines.append(f"{i2}" + primitives.tile_pull_data(st, row, col, ncols, chunk=f"{name}[{walk.s}]",
+                                                     vec=str(order.V), left=str(order.V), vec_ok=vec))
+    walk.close(i1, lines)
+    lines.append(f"{ind}}}")
+
+
+def held_element(em, op, element, ind: str, lines: list[str], barrier: str) -> None:
+    """An element value into registers: each element computed in its chunk's thread
+    (``element``: its op's element rule)."""
+    order = em.plan.held[op.result.id].order
+    name = declare(em, op.result, ind, lines)
+    st = storage_ctype(op.result.type.dtype)
+    walk = ChunkWalk(em, order)
+    lines.append(f"{ind}{{  // {op.name} -> {name}, in registers{marker(op.loc)}")
+    coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
+    inner = Elements(em, op)
+    walk.know_held(inner, coords)
+    x = element(em, op, walk.element_coords(coords), inner)
+    lines += [f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
+              *[f"{i2}  {ln}" for ln in inner.lines],
+              f"{i2}  {name}[{walk.s}].set({walk.v}, tldsl::gen::put<{st}>({x}));", f"{i2}}}"]
+    walk.close(ind + "  ", lines)
+    lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+
+def element_statement(em, op, order: ChunkOrder, body, ind: str, lines: list[str], what: str, barrier: str) -> None:
+    """A statement over a tile of ``order``'s shape, in chunk order: ``body(coords, elements)``
+    gives the last lines for one element (as :meth:`.tile_ops.TileEmitter.element_loop` 's)."""
+    walk = ChunkWalk(em, order)
+    lines.append(f"{ind}{{  // {what}, in chunk order{marker(op.loc)}")
+    coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
+    inner = Elements(em, op)
+    walk.know_held(inner, coords)
+    tail = body(walk.element_coords(coords), inner)
+    lines += [f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
+              *[f"{i2}  {ln}" for ln in inner.lines + tail], f"{i2}}}"]
+    walk.close(ind + "  ", lines)
+    lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+
+def held_store(em, op, t, offs: list[str], tile, order: ChunkOrder, ind: str, lines: list[str], barrier: str) -> None:
+    """A store of a tile computed from held values: each thread stores its chunks (vectors where
+    inside the tensor and aligned, element by element at its edges, nothing outside)."""
+    st, base, dims = storage_ctype(t.type.dtype), buffer_param(t), t.type.shape
+    walk = ChunkWalk(em, order)
+    vec, ch = f"vec{em.fresh()}", f"ch{em.fresh()}"
+    i1 = ind + "  "
+    lines += [f"{ind}{{  // store -> {t.name}, chunks of {order.V} from registers{marker(op.loc)}",
+              f"{i1}const bool {vec} = {vec_ok(t, base, offs[-1], order.V)};", f"{i1}(void){vec};"]
+    def row_of(el, coords):
+        g = [f"{o} + {c}" for o, c in zip(offs, coords)]
+        return row_pointer(el, base, dims, g, st, True) if len(dims) > 1 else (base, g[-1], dims[-1])
+    coords, i2, (row, col, ncols) = walk.open(Elements(em, op), i1, lines, row_of)
+    inner = Elements(em, op)
+    walk.know_held(inner, coords)
+    x = em.value(tile, walk.element_coords(coords), inner)
+    full = (1 << order.V) - 1
+    lines += [f"{i2}tldsl::comm::Chunk<{st}, {order.V}> {ch} = {{}};",
+              f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
+              *[f"{i2}  {ln}" for ln in inner.lines],
+              f"{i2}  {ch}.set({walk.v}, tldsl::gen::put<{st}>({x}));", f"{i2}}}",
+              f"{i2}" + primitives.tile_push_data(st, row, col, ncols, ch, f"{full}u", vec=str(order.V),
+                                                  left=str(order.V), vec_ok=vec)]
+    walk.close(i1, lines)
+    lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+
+def chunk_partials(red, order: ChunkOrder, part: str, ind: str, lines: list[str], barrier: str) -> None:
+    """The first step of a reduction of held values along the rows: each thread combines the
+    ``V`` elements of each of its chunks and writes the result to ``part[chunk]`` (a row's
+    ``K`` chunks in order, rows in the output's order)."""
+    em, op = red.em, red.op
+    walk = ChunkWalk(em, order)
+    acc = f"acc{em.fresh()}"
+    lines.append(f"{ind}{{  // {red.kind} over the rows' chunks (registers) -> {part}{marker(op.loc)}")
+    coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
+    first = Elements(em, op)
+    # element 0 of the chunk starts the combination, then elements 1 .. V - 1 (unrolled)
+    v0 = em.value(red.x, [*coords[:-1], f"({coords[-1]} + 0)"], _zero_walk(walk, first, coords))
+    rest = Elements(em, op)
+    walk.know_held(rest, coords)
+    v = em.value(red.x, walk.element_coords(coords), rest)
+    lines += [f"{i2}{red.ct} {acc};", f"{i2}{{", *[f"{i2}  {ln}" for ln in first.lines], f"{i2}  {acc} = {v0};",
+              f"{i2}}}",
+              f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 1; {walk.v} < {order.V}; ++{walk.v}) {{",
+              *[f"{i2}  {ln}" for ln in rest.lines], f"{i2}  {acc} = {red.comb.format(acc, v)};", f"{i2}}}",
+              f"{i2}{part}[{walk.c}] = {acc};"]
+    walk.close(ind + "  ", lines)
+    lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+
+def _zero_walk(walk: ChunkWalk, el, coords: list[str]):
+    """``el`` knowing element 0 of each held chunk (the combination's first element)."""
+    key = tuple([*coords[:-1], f"({coords[-1]} + 0)"])
+    for vid, h in walk.em.plan.held.items():
+        if h.order == walk.order:
+            el.memo[(vid, key)] = f"tldsl::gen::get({held_name(h.value)}[{walk.s}].get(0))"
+    return el
+
+

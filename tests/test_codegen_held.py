@@ -226,3 +226,40 @@ def test_a_three_dimensional_held_tile_matches_the_simulator(tmp_path):
     arrays = inputs_for(k, np.random.default_rng(3))
     want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
     assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path)], want, tolerances)
+
+
+@tl.kernel
+def in_place(x, *, compute: tl.ComputeSchedule = None):
+    """x = 2 x, tile by tile: the part stores the tensor it loads."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        tl.store(x, (pm * BM, pn * BN), tl.load(x, (pm * BM, pn * BN), (BM, BN)) * 2.0)
+
+
+def test_the_next_tasks_held_loads_are_fetched_while_a_task_computes():
+    """The softmax's row: fetched for the group's next task right after the current one's is
+    taken (a second set of registers); not where the part stores the tensor it loads, nor in a
+    part that waits (the fuzzer's program 149)."""
+    k = gp.row_softmax.trace(1, S((16384, 8192), tl.float16), S((16384, 8192), tl.float16), compute=ROWS, rows=1)
+    src = lower(k, "part").source
+    assert src.count("auto fetch") == 1 and "_next[" in src
+    assert src.index("auto fetch") < src.index("for (int task")
+    assert "fetch" in src[src.index("for (int task"):]
+    lk = lower(_trace(in_place, [S((64, 256), tl.float32)], (16, 256, 16)), "part")
+    assert lk.held and "fetch" not in lk.source
+    from test_fuzz_regressions import fuzz_2026_149
+    k = fuzz_2026_149.trace(2, S((23, 26), tl.int32), S((23,), tl.int32))
+    assert "fetch" not in lower(k, "stage0").source
+
+
+def test_the_same_tile_every_task_is_loaded_once_before_the_first():
+    """An RMSNorm's weight row (offsets without a program id): held and loaded before the task
+    loop, not again per task; the row it scales is fetched a task ahead."""
+    x, w = S((16384, 8192), tl.float16), S((1, 8192), tl.float16)
+    src = lower(gp.rms_norm.trace(1, x, w, x, compute=ROWS, rows=1), "part").source
+    loop = src.index("for (int task")
+    assert src[:loop].count("load w ->") == 1 and "load w ->" not in src[loop:]
+    assert "loaded before the first" in src[loop:] and "fetch" in src[loop:]

@@ -58,10 +58,11 @@ from ..abi import (LAUNCH_PARAM, RANK_PARAM, SCRATCH_PARAM, KernelParam, buffer_
                    peer_buffer_param, peer_signal_param, signal_param, table_param, wait_timeout_options)
 from ..dtypes import MMA_INPUTS, ctype, elem_bytes
 from ..errors import fail
+from ..ir_queries import producers
 from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
 from .dot_loop import MIN_STAGES as MIN_RING_STAGES, DotLoop, find_dot_loops, with_stages
-from .held import ChunkOrder, plan_held
+from .held import ChunkOrder, plan_held, prefetchable
 
 DEFAULT_THREADS = 128
 #: threads of a task group where a CTA runs several tasks at once (unless ``threads`` is given):
@@ -217,6 +218,8 @@ class GeneralPlan:
     rings: dict = field(default_factory=dict)      # id(for op) -> the Slot of its ring of stages
     held: dict = field(default_factory=dict)       # value id -> Held (:mod:`.held`: in registers)
     canon: dict = field(default_factory=dict)      # id(statement op) -> the ChunkOrder it runs in
+    prefetch: frozenset = frozenset()              # held loads the next task's chunks are fetched for early
+    invariant: frozenset = frozenset()             # held loads of the same tile every task: loaded once
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -704,7 +707,8 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
                        grouped=_grouped(kernel, part, m), tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
-                       held=layout.held, canon=layout.canon)
+                       held=layout.held, canon=layout.canon,
+                       **_prefetch(part, m, layout, _grouped(kernel, part, m)))
 
 
 def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: int, loops: list[DotLoop]) -> _Layout:
@@ -751,6 +755,19 @@ def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
         if held > most:
             best, most = t, held
     return best
+
+
+def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int) -> dict:
+    """The held loads prefetched a task ahead and those loaded once (:func:`.held.prefetchable`):
+    only in compute parts whose tasks neither wait nor notify nor move data between ranks (a load
+    issued a task early must not overtake a wait), in row-major task order."""
+    if part.role != "compute" or m.dots or m.waits or m.notifies or grouped or not layout.held:
+        return {}
+    if any(op.name in DATA_OPS for op in part.walk()):
+        return {}
+    ops = list(part.body.ops)
+    ahead, once = prefetchable(part, layout.held, lambda op: producers(op.operands[1:], ops))
+    return {"prefetch": ahead, "invariant": once}
 
 
 def _grouped(kernel: core.Kernel, part: core.Part, m: GeneralMatch) -> int:

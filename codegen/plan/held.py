@@ -17,7 +17,10 @@ its own registers every element it needs. Only loads (16-byte chunks of a tensor
 element values (``ewise``, ``cast``) are held, of 2- or 4-byte float types; ``V`` is one per tile
 shape (8 where a 16-bit type takes part, else 4) and must divide the rows. The registers a
 thread holds at once are capped at :data:`HELD_BYTES`; over it, the largest values live there
-go back to shared memory first. (Inside a ``tl.range`` loop, the chunks' index code, hoisted
+go back to shared memory first. A held load at the top of the task body is **prefetched**
+(:func:`prefetchable`): while a task computes, its group already loads the chunks of the task
+it runs next into a second set of registers, so a memory-bound part keeps a load in flight
+the whole time rather than only between its tasks' computations. (Inside a ``tl.range`` loop, the chunks' index code, hoisted
 out of the loop by the compiler for every statement, spilled registers: 8 chunks a thread of a
 16 x 256 tile went from 0.32 to 0.43 ms on an H200, BENCHMARKS.md, eighteenth session.)
 """
@@ -163,3 +166,37 @@ def _within_budget(prog, held: dict, readers: dict) -> dict:
         if over is None:
             return held
         del held[max(over, key=lambda v: (held[v].thread_bytes, live[v][0]))]
+
+
+#: the bytes a thread holds at once with the next task's prefetched loads (:func:`prefetchable`)
+PREFETCH_BYTES = 2 * HELD_BYTES
+#: the index code a prefetched load's offsets may be computed from (pure, per task)
+PREFETCH_INDEX_OPS = frozenset({"const", "program_id", "rank", "arith", "select"})
+
+
+def prefetchable(part: core.Part, held: dict, ops_before) -> tuple[frozenset, frozenset]:
+    """(the held loads whose next task's chunks are loaded while this task computes, those loaded
+    once for every task — the ids of their values): loads at the top of the task body (no loop
+    or condition around them), of a tensor the part never stores, at offsets computed from the
+    program ids alone (``ops_before(op)``: the ops their offsets come from) — or from no program
+    id at all: the same tile every task (an RMSNorm's weights), loaded before the first task and
+    kept —, in a part whose tasks do not wait for one another; within :data:`PREFETCH_BYTES`
+    with the held tiles, largest first."""
+    written = {id(op.operands[0].owner) for op in part.walk() if op.name == "store"}
+    top = {id(op) for op in part.body.ops}
+    ahead, once, total = [], [], sum(h.thread_bytes for h in held.values())
+    for vid, h in sorted(held.items(), key=lambda kv: -kv[1].thread_bytes):
+        op = h.value.owner
+        if op.name != "load" or id(op) not in top or id(op.operands[0].owner) in written:
+            continue
+        index = ops_before(op)
+        if any(q.name not in PREFETCH_INDEX_OPS for q in index):
+            continue
+        if not any(q.name == "program_id" for q in index):
+            once.append(vid)
+            continue
+        if total + h.thread_bytes > PREFETCH_BYTES:
+            continue
+        total += h.thread_bytes
+        ahead.append(vid)
+    return frozenset(ahead), frozenset(once)

@@ -50,6 +50,7 @@ from ..abi import KernelParam, LoweredKernel, marker
 from ..ir_queries import only_part
 from ..match.general import WHAT, match_general, match_general_comm
 from ..plan.general import GeneralPlan, plan_general
+from ..rules import held as held_rules
 from ..rules.tile_ops import TileEmitter
 from .recipe import Recipe
 
@@ -121,6 +122,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     """The kernel's source: the task loop over the part's body (see the module docstring)."""
     kernel, p, m = plan.kernel, plan.part, plan.match
     em = TileEmitter(plan)
+    prefetch = held_rules.prefetch_lines(em, _decode_lines(plan), "  ")   # before the body: its own names
     body = em.emit("    ")
     ntasks = math.prod(p.grid)
     order = "row-major" if plan.lanes is None else f"the communication schedule's order, {plan.lanes} lane(s)"
@@ -154,6 +156,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          "  (void)tid; (void)tldsl_arena;",
          *_scratch_base(plan),
          *em.slot_declarations("  "),
+         *prefetch,
          f"  for (int task = (int)blockIdx.x + grp * (int)gridDim.x; task < {ntasks}; task += (int)gridDim.x * kGroups) "
          f"{{{marker(p.loc)}"]
     L += _decode_lines(plan)

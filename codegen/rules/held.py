@@ -69,25 +69,83 @@ def declare(em, v: core.Value, ind: str, lines: list[str]) -> str:
 
 def held_load(em, op, offs: list[str], ind: str, lines: list[str]) -> None:
     """A load into registers: each thread's chunks straight from global memory (vector loads
-    where inside the tensor and aligned, element by element at its edges, zeros outside)."""
+    where inside the tensor and aligned, element by element at its edges, zeros outside). A
+    prefetched load (:func:`..plan.held.prefetchable`) takes the chunks fetched during the task
+    before, then fetches the next task's."""
+    if op.result.id in em.plan.invariant:
+        lines.append(f"{ind}// {held_name(op.result)}: the same tile every task, loaded before the first{marker(op.loc)}")
+        return
+    name = declare(em, op.result, ind, lines)
+    if op.result.id not in em.plan.prefetch:
+        return _fill_chunks(em, op, offs, name, ind, lines)
+    order = em.plan.held[op.result.id].order
+    s = f"s{em.fresh()}"
+    lines += [f"{ind}#pragma unroll",
+              f"{ind}for (int {s} = 0; {s} < {order.per_thread}; ++{s}) {name}[{s}] = {name}_next[{s}];"
+              f"  // fetched during the task before{marker(op.loc)}",
+              f"{ind}if (task + (int)gridDim.x * kGroups < {em.num_tasks}) "
+              f"fetch{op.result.id}(task + (int)gridDim.x * kGroups);  // the next task's, while this one computes"]
+
+
+def _fill_chunks(em, op, offs: list[str], name: str, ind: str, lines: list[str]) -> None:
     buf = op.operands[0].owner
     order = em.plan.held[op.result.id].order
-    name = declare(em, op.result, ind, lines)
-    st, base, dims = storage_ctype(buf.type.dtype), buffer_param(buf), buf.type.shape
     walk = ChunkWalk(em, order)
+    _, i2, (st, row, col, ncols, vec) = _tensor_walk(em, op, walk, buf, offs, False,
+                                                     f"load {buf.name} -> {name}, chunks of {order.V} in registers",
+                                                     ind, lines)
+    lines.append(f"{i2}" + primitives.tile_pull_data(st, row, col, ncols, chunk=f"{name}[{walk.s}]",
+                                                     vec=str(order.V), left=str(order.V), vec_ok=vec))
+    walk.close(ind + "  ", lines)
+    lines.append(f"{ind}}}")
+
+
+def _tensor_walk(em, op, walk: ChunkWalk, t, offs: list[str], write: bool, what: str, ind: str, lines: list[str]):
+    """Open a block and a chunk walk over the rows of tensor ``t`` at ``offs``: (the chunk's
+    coordinates, the indent inside, (its storage type, row pointer, column, row length, whether
+    vector accesses are aligned))."""
+    st, base, dims = storage_ctype(t.type.dtype), buffer_param(t), t.type.shape
     vec = f"vec{em.fresh()}"
     i1 = ind + "  "
-    lines += [f"{ind}{{  // load {buf.name} -> {name}, chunks of {order.V} in registers{marker(op.loc)}",
-              f"{i1}const bool {vec} = {vec_ok(buf, base, offs[-1], order.V)};", f"{i1}(void){vec};"]
+    lines += [f"{ind}{{  // {what}{marker(op.loc)}",
+              f"{i1}const bool {vec} = {vec_ok(t, base, offs[-1], walk.order.V)};", f"{i1}(void){vec};"]
 
     def row_of(el, coords):
         g = [f"{o} + {c}" for o, c in zip(offs, coords)]
-        return row_pointer(el, base, dims, g, st, False) if len(dims) > 1 else (base, g[-1], dims[-1])
-    _, i2, (row, col, ncols) = walk.open(Elements(em, op), i1, lines, row_of)
-    lines.append(f"{i2}" + primitives.tile_pull_data(st, row, col, ncols, chunk=f"{name}[{walk.s}]",
-                                                     vec=str(order.V), left=str(order.V), vec_ok=vec))
-    walk.close(i1, lines)
-    lines.append(f"{ind}}}")
+        return row_pointer(el, base, dims, g, st, write) if len(dims) > 1 else (base, g[-1], dims[-1])
+    coords, i2, (row, col, ncols) = walk.open(Elements(em, op), i1, lines, row_of)
+    return coords, i2, (st, row, col, ncols, vec)
+
+
+def prefetch_lines(em, decode: list[str], ind: str) -> list[str]:
+    """Before the task loop, per prefetched load: the registers the next task's chunks land in,
+    ``fetch<id>(task)`` (the task's program ids, the load's offsets from them, its chunks), and
+    the fetch of this group's first task; per load of the same tile every task, its registers,
+    loaded once."""
+    lines: list[str] = []
+    for vid in sorted(em.plan.invariant):
+        op = em.plan.held[vid].value.owner
+        name = declare(em, op.result, ind, lines)
+        with em.scope():
+            em.emit_values(op.operands[1:], list(em.plan.part.body.ops), ind, lines)
+            _fill_chunks(em, op, [em.name(o, op) for o in op.operands[1:]], name, ind, lines)
+    for vid in sorted(em.plan.prefetch):
+        h = em.plan.held[vid]
+        op, v = h.value.owner, h.value
+        st = storage_ctype(v.type.dtype)
+        lines.append(f"{ind}tldsl::comm::Chunk<{st}, {h.order.V}> {held_name(v)}_next[{h.order.per_thread}];"
+                     f"  // the next task's {'x'.join(map(str, v.type.shape))} {v.type.dtype}{marker(op.loc)}")
+        lines.append(f"{ind}auto fetch{vid} = [&](const int task) {{")
+        i1 = ind + "  "
+        lines += [f"{i1}{ln.strip()}" for ln in decode]
+        with em.scope():
+            em.emit_values(op.operands[1:], list(em.plan.part.body.ops), i1, lines)
+            offs = [em.name(o, op) for o in op.operands[1:]]
+            _fill_chunks(em, op, offs, f"{held_name(v)}_next", i1, lines)
+        lines.append(f"{ind}}};")
+        lines.append(f"{ind}if ((int)blockIdx.x + grp * (int)gridDim.x < {em.num_tasks}) "
+                     f"fetch{vid}((int)blockIdx.x + grp * (int)gridDim.x);")
+    return lines
 
 
 def held_element(em, op, element, ind: str, lines: list[str], barrier: str) -> None:
@@ -127,16 +185,12 @@ def element_statement(em, op, order: ChunkOrder, body, ind: str, lines: list[str
 def held_store(em, op, t, offs: list[str], tile, order: ChunkOrder, ind: str, lines: list[str], barrier: str) -> None:
     """A store of a tile computed from held values: each thread stores its chunks (vectors where
     inside the tensor and aligned, element by element at its edges, nothing outside)."""
-    st, base, dims = storage_ctype(t.type.dtype), buffer_param(t), t.type.shape
     walk = ChunkWalk(em, order)
-    vec, ch = f"vec{em.fresh()}", f"ch{em.fresh()}"
+    ch = f"ch{em.fresh()}"
     i1 = ind + "  "
-    lines += [f"{ind}{{  // store -> {t.name}, chunks of {order.V} from registers{marker(op.loc)}",
-              f"{i1}const bool {vec} = {vec_ok(t, base, offs[-1], order.V)};", f"{i1}(void){vec};"]
-    def row_of(el, coords):
-        g = [f"{o} + {c}" for o, c in zip(offs, coords)]
-        return row_pointer(el, base, dims, g, st, True) if len(dims) > 1 else (base, g[-1], dims[-1])
-    coords, i2, (row, col, ncols) = walk.open(Elements(em, op), i1, lines, row_of)
+    coords, i2, (st, row, col, ncols, vec) = _tensor_walk(em, op, walk, t, offs, True,
+                                                          f"store -> {t.name}, chunks of {order.V} from registers",
+                                                          ind, lines)
     inner = Elements(em, op)
     walk.know_held(inner, coords)
     x = em.value(tile, walk.element_coords(coords), inner)

@@ -753,6 +753,10 @@ class TileEmitter(SignalEmitter):
     def is_root(self, op: core.Op) -> bool:
         return True                 # every op of the part runs
 
+    @property
+    def num_tasks(self) -> int:
+        return math.prod(self.plan.part.grid)
+
     def fresh(self) -> int:
         self._n += 1
         return self._n

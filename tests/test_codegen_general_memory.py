@@ -45,7 +45,8 @@ def test_memory_bound_parts_run_several_tasks_per_cta():
     per CTA (its warp tiles span the CTA)."""
     for ir in _memory_bound():
         lk = lower(ir, "part")
-        assert isinstance(lk, LoweredGeneral) and lk.groups >= 4, lk.describe()
+        # two tasks of 256 threads where each holds two whole 8192-element rows in registers
+        assert isinstance(lk, LoweredGeneral) and lk.groups >= (2 if len(lk.held) >= 2 else 4), lk.describe()
         assert lk.block[0] == lk.groups * lk.threads <= 512
         assert lk.smem_bytes <= 227 * 1024
         assert lk.grid(132) == (min(lk.num_tasks, 132), 1, 1)
@@ -73,11 +74,11 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
         assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
     for name in ("row_softmax", "rms_norm", "add_rms_norm"):
         assert "TLDSL_REDUCE_LANES(32)" in src[name] and "shfl_xor" in src[name], name
-    assert not re.search(r"for \(int \w+_\d+ = ", src["row_softmax"])    # whole rows: x read once, no loop
+    for name in ("row_softmax", "add_rms_norm"):                  # whole rows: x read once, no loop
+        assert not re.search(r"for \(int \w+_\d+ = ", src[name]), name
     wide = S((64, 2 * gp.WHOLE_ROW), tl.float16)                  # rows longer than WHOLE_ROW: two passes
     two = lower(gp.rms_norm.trace(1, wide, S((1, 2 * gp.WHOLE_ROW), tl.float16), wide, compute=ROWS), "part").source
-    for name in ("rms_norm", "add_rms_norm"):                     # the bench's RMSNorms: column tiles
-        assert re.search(r"for \(int \w+_\d+ = ", src[name]), name
+    assert re.search(r"for \(int \w+_\d+ = ", src["rms_norm"])   # the bench's RMSNorm: column tiles
     rsqrt = [ln for ln in two.splitlines() if "tldsl::gen::rsqrt" in ln]
     assert len(rsqrt) == 1
     loop2 = two.rindex("for (int i_")

@@ -42,11 +42,11 @@ class Case:
 
 
 #: the row programs' keywords (``threads``: the lowering's), each the fastest measured
-#: (BENCHMARKS.md, eighteenth session): the softmax on whole rows, one a task (its row held in
-#: registers, four tasks of 128 threads a CTA: the lowering's choice); the RMSNorms by 16 x 256
-#: column tiles
+#: (BENCHMARKS.md, eighteenth session): the softmax and residual add + RMSNorm on whole rows, one
+#: a task (rows held in registers, the next task's fetched early; the lowering's threads); the
+#: RMSNorm by 16 x 256 column tiles
 ROW_DEFAULTS = {"row softmax": {"rows": 1, "whole_row": 16384}, "RMSNorm": {"whole_row": 0},
-                "residual add + RMSNorm": {"whole_row": 0}}
+                "residual add + RMSNorm": {"rows": 1, "whole_row": 16384}}
 
 
 def memory_cases(torch, M=16384, N=8192, rows: int | None = None, whole_row: int | None = None,

@@ -74,11 +74,11 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
         assert "tldsl::comm::store_chunk<tldsl::comm::f16, 8>" in s, name
     for name in ("row_softmax", "rms_norm", "add_rms_norm"):
         assert "TLDSL_REDUCE_LANES(32)" in src[name] and "shfl_xor" in src[name], name
-    for name in ("row_softmax", "add_rms_norm"):                  # whole rows: x read once, no loop
+    for name in ("row_softmax", "rms_norm", "add_rms_norm"):      # whole rows: x read once, no loop
         assert not re.search(r"for \(int \w+_\d+ = ", src[name]), name
     wide = S((64, 2 * gp.WHOLE_ROW), tl.float16)                  # rows longer than WHOLE_ROW: two passes
     two = lower(gp.rms_norm.trace(1, wide, S((1, 2 * gp.WHOLE_ROW), tl.float16), wide, compute=ROWS), "part").source
-    assert re.search(r"for \(int \w+_\d+ = ", src["rms_norm"])   # the bench's RMSNorm: column tiles
+    assert re.search(r"for \(int \w+_\d+ = ", two)
     rsqrt = [ln for ln in two.splitlines() if "tldsl::gen::rsqrt" in ln]
     assert len(rsqrt) == 1
     loop2 = two.rindex("for (int i_")
@@ -135,3 +135,15 @@ def test_whole_rows_reduced_by_several_warps_match_the_simulator(tmp_path, name,
     arrays = inputs_for(k, np.random.default_rng(11))
     want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
     assert_agrees([emulate(k, lk, _stored_inputs(k, arrays), tmp_path, threads=lk.threads)], want, tolerances)
+
+
+def test_a_per_row_scale_broadcast_over_the_row_is_computed_once():
+    """``rsqrt(sum(x * x) / N + eps)`` — two divisions and a square root — is a 1-element value
+    broadcast over its 8192-element row: stored once per task (a slot of its own), not computed
+    again for each element it scales; a cast broadcast the same way (cheap) still is."""
+    x, w = S((16384, 8192), tl.float16), S((1, 8192), tl.float16)
+    lk = lower(gp.rms_norm.trace(1, x, w, x, compute=ROWS, rows=1), "part")
+    assert any("1 f32 (ewise" in s for s in lk.slots), lk.describe()
+    assert lk.source.count("tldsl::gen::rsqrt(") == 1
+    chunk_loop = lk.source[lk.source.index("chunks of 8 from registers"):]
+    assert "rsqrt" not in chunk_loop and "div(" not in chunk_loop

@@ -4,8 +4,9 @@ consumed, and the kernel's ABI.
 
 * **Materialised** (a slot of the shared-memory arena): the results of ``load``, ``load_rows``,
   ``reduce`` and ``dot``, every fragment, an elementwise value (``ewise``, ``cast``) that more
-  than one op uses or that a loop it is not in uses, and a ``frag_read`` whose fragment is
-  written while the value is still needed (a copy).
+  than one op uses, that a loop it is not in uses or that takes costly math and is broadcast to
+  more elements than it has (:func:`_expanded`), and a ``frag_read`` whose fragment is written while the value is
+  still needed (a copy).
 * **Computed where consumed** (no storage): ``full``, ``iota``, ``expand_dims``, ``broadcast``,
   ``trans`` (coordinates only), the other elementwise values, and a ``frag_read`` read in place.
 * **Held in registers** (:mod:`.held`): a loaded float tile or stored element value outside the
@@ -278,7 +279,7 @@ def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int
             # does not fit: ``recompute``)
             readers = users if recompute else _through_coordinates(prog, users)
             same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in readers)
-            if not users or (same_iteration and (len(users) == 1 or recompute)):
+            if not users or (same_iteration and (len(users) == 1 or recompute) and not _expanded(prog, v)):
                 fused.add(v.id)         # read in the same iteration: computed there (unused: never)
     # a fragment read in place while no write of the fragment can change what it reads
     for op in prog.order:
@@ -286,6 +287,39 @@ def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int
             views[op.result.id] = op.operands[0].id
             fused.add(op.result.id)
     return fused, views
+
+
+#: element math that costs a slow-path routine or a multi-function-unit sequence per element
+COSTLY_MATH = frozenset({"div", "floordiv", "mod", "recip", "exp", "exp2", "log", "sqrt", "rsqrt", "sigmoid",
+                         "tanh", "erf"})
+
+
+def _costly(v: core.Value, n: int) -> bool:
+    """Whether computing ``v`` takes :data:`COSTLY_MATH` (through the element ops of ``n``
+    elements it is computed from)."""
+    op = v.owner
+    if not isinstance(op, core.Op) or op.name not in ("ewise", "cast") or math.prod(v.type.shape) != n:
+        return False
+    return (op.name == "ewise" and op.attrs["op"] in COSTLY_MATH) or any(
+        _costly(x, n) for x in op.operands if isinstance(x.type, T.TileType))
+
+
+def _expanded(prog: _Program, v: core.Value) -> bool:
+    """Whether ``v`` takes costly math and is read (directly or through coordinate ops) by an op
+    with more elements: a per-row value broadcast over its rows (an RMSNorm's
+    ``rsqrt(mean + eps)``) is stored once rather than computed again for every element it scales
+    — two divisions and a square root per element of the row otherwise."""
+    n = math.prod(v.type.shape)
+    return _costly(v, n) and _broadcast_read(prog, v, n)
+
+
+def _broadcast_read(prog: _Program, v: core.Value, n: int) -> bool:
+    for u in prog.users.get(v.id, []):
+        if not u.results or not isinstance(u.result.type, (T.TileType, T.FragmentType)):
+            continue
+        if math.prod(u.result.type.shape) > n or (u.name in COORDINATE_OPS and _broadcast_read(prog, u.result, n)):
+            return True
+    return False
 
 
 def _through_coordinates(prog: _Program, users: list) -> list:

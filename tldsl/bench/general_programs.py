@@ -19,8 +19,8 @@ def scale_shift(x, y, *, compute: tl.ComputeSchedule = None):
 
 
 #: the row programs' default ``whole_row``: rows of at most this many elements are loaded whole
-#: (one read of ``x`` from memory, every reduction from shared memory), longer rows go by column
-#: tiles, reading ``x`` twice
+#: (one read of ``x`` from memory, held in registers for every reduction and the output), longer
+#: rows go by column tiles, reading ``x`` twice
 WHOLE_ROW = 16384
 
 

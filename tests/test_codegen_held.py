@@ -263,3 +263,82 @@ def test_the_same_tile_every_task_is_loaded_once_before_the_first():
     loop = src.index("for (int task")
     assert src[:loop].count("load w ->") == 1 and "load w ->" not in src[loop:]
     assert "loaded before the first" in src[loop:] and "fetch" in src[loop:]
+
+
+@tl.kernel
+def read_and_reset(acc, y, *, compute: tl.ComputeSchedule = None):
+    """Take a tile of an accumulator, zero it, store what was taken (f16: 8-element chunks over a
+    4-element-chunk store of zeros)."""
+    M, N = acc.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        t = tl.load(acc, (pm * BM, 0), (BM, N))
+        tl.store(acc, (pm * BM, 0), tl.zeros((BM, N), tl.float32))
+        tl.store(y, (pm * BM, 0), t)
+
+
+@tl.kernel
+def shift_right(x, *, compute: tl.ComputeSchedule = None):
+    """x[:, 1:] = x[:, :-1], 16 rows a task (the tasks' rows are disjoint)."""
+    M, N = x.shape
+
+    @tl.compute_part(grid=(M // 16,))
+    def part(pm):
+        tl.store(x, (pm * 16, 1), tl.load(x, (pm * 16, 0), (16, N)))
+
+
+@needs_gxx
+@pytest.mark.parametrize("fn,specs,kw", [
+    (read_and_reset, [S((64, 512), tl.float32), S((64, 512), tl.float16)],
+     {"compute": tl.ComputeSchedule(tile=(16, 256, 16))}),
+    (shift_right, [S((64, 512), tl.float16)], {}),
+], ids=["read_and_reset", "shift_right"])
+def test_a_held_load_of_a_tensor_the_part_writes_ends_with_a_barrier(tmp_path, fn, specs, kw):
+    """Every thread has its chunks before any thread's next statement writes the tensor (found
+    by review: without the barrier, CPU threads read zeros / shifted values). One launch: the
+    simulator's default second launch would read what the first wrote."""
+    from test_codegen_general import emulate, inputs_for
+    k = fn.trace(1, *specs, **kw)
+    lk = lower(k, "part")
+    assert lk.held and "before the tensor is written" in lk.source, lk.describe()
+    arrays = inputs_for(k, np.random.default_rng(0))
+    want = tl.simulate(fn, 1, [{n: a.copy() for n, a in arrays.items()}], options={"launches": 1}, **kw)[0]
+    got = emulate(k, lk, {n: a.copy() for n, a in arrays.items()}, tmp_path, grid=3)
+    for name in arrays:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_an_int_reduction_of_held_floats_does_not_run_in_chunk_order():
+    """``max(-int(t))`` over a held f32 tile would unroll the same i32 max chain ptxas folds
+    wrongly (see test_int_tiles_stay_in_shared_memory): the tile stays in shared memory."""
+    @tl.kernel
+    def int_max(x, y):
+        @tl.compute_part(grid=(1,))
+        def part(pm):
+            tl.store(y, (0,), tl.max(-tl.cast(tl.load(x, (0, 0), (32, 32)), tl.int32), 1))
+    k = int_max.trace(1, S((32, 32), tl.float32), S((32,), tl.int32))
+    assert not lower(k, "part").held
+
+
+def test_a_long_chain_of_element_ops_lowers_quickly():
+    """t = t * t twenty times on a held tile, then a row sum: the costly-math check looks at
+    each value once (it took 16 s at depth 20 when it walked every path)."""
+    import time
+
+    @tl.kernel
+    def squares(x, y, *, compute: tl.ComputeSchedule = None):
+        M, N = x.shape
+        BM, _, _ = compute.tile
+
+        @tl.compute_part(grid=(tl.cdiv(M, BM),))
+        def part(pm):
+            t = tl.load(x, (pm * BM, 0), (BM, N))
+            for _ in range(20):
+                t = t * t
+            tl.store(y, (pm * BM, 0), t + tl.expand_dims(tl.sum(t, 1), 1))
+    k = squares.trace(1, S((64, 256), tl.float32), S((64, 256), tl.float32), compute=ROWS)
+    t0 = time.perf_counter()
+    lower(k, "part")
+    assert time.perf_counter() - t0 < 5.0

@@ -112,11 +112,9 @@ def reduce_partials(op: core.Op, threads: int, n: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class ReduceSlot:
-    """The shared memory of a ``reduce`` op's slot: its outputs, then (``warp_partials`` > 1)
-    that many warps' partial results an output at ``warp_offset``, then (a reduction of held
-    registers, ``order``) one partial result a chunk at ``chunk_offset``."""
-    out_bytes: int
-    warp_partials: int
+    """The shared memory of a ``reduce`` op's slot: its outputs, then the warps' partial results
+    an output (:func:`reduce_partials`) at ``warp_offset``, then (a reduction of held registers)
+    one partial result a chunk at ``chunk_offset``."""
     warp_offset: int
     chunk_offset: int
     nbytes: int
@@ -130,9 +128,9 @@ def reduce_slot(op: core.Op, threads: int, order: ChunkOrder | None = None) -> R
     P = reduce_partials(op, threads, None if order is None else order.K)
     end = out + P * nout * 4
     if order is None:
-        return ReduceSlot(out, P, out, end, end)
+        return ReduceSlot(out, end, end)
     chunk = (end + ALIGN - 1) // ALIGN * ALIGN
-    return ReduceSlot(out, P, out, chunk, chunk + nout * order.K * 4)
+    return ReduceSlot(out, chunk, chunk + nout * order.K * 4)
 
 
 @dataclass(frozen=True)
@@ -220,6 +218,7 @@ class GeneralPlan:
     held: dict = field(default_factory=dict)       # value id -> Held (:mod:`.held`: in registers)
     canon: dict = field(default_factory=dict)      # id(statement op) -> the ChunkOrder it runs in
     prefetch: frozenset = frozenset()              # held loads the next task's chunks are fetched for early
+    written: frozenset = frozenset()               # id() of the tensors the part writes on this rank
     invariant: frozenset = frozenset()             # held loads of the same tile every task: loaded once
 
     def materialised(self, v: core.Value) -> bool:
@@ -294,28 +293,32 @@ COSTLY_MATH = frozenset({"div", "floordiv", "mod", "recip", "exp", "exp2", "log"
                          "tanh", "erf"})
 
 
-def _costly(v: core.Value, n: int) -> bool:
+def _costly(v: core.Value, n: int, seen: dict | None = None) -> bool:
     """Whether computing ``v`` takes :data:`COSTLY_MATH` (through the element ops of ``n``
-    elements it is computed from)."""
+    elements it is computed from; each value looked at once)."""
+    seen = {} if seen is None else seen
+    if v.id in seen:
+        return seen[v.id]
     op = v.owner
-    if not isinstance(op, core.Op) or op.name not in ("ewise", "cast") or math.prod(v.type.shape) != n:
-        return False
-    return (op.name == "ewise" and op.attrs["op"] in COSTLY_MATH) or any(
-        _costly(x, n) for x in op.operands if isinstance(x.type, T.TileType))
+    seen[v.id] = False
+    if isinstance(op, core.Op) and op.name in ("ewise", "cast") and math.prod(v.type.shape) == n:
+        seen[v.id] = (op.name == "ewise" and op.attrs["op"] in COSTLY_MATH) or any(
+            _costly(x, n, seen) for x in op.operands if isinstance(x.type, T.TileType))
+    return seen[v.id]
 
 
 def _expanded(prog: _Program, v: core.Value) -> bool:
-    """Whether ``v`` takes costly math and is read (directly or through coordinate ops) by an op
-    with more elements: a per-row value broadcast over its rows (an RMSNorm's
-    ``rsqrt(mean + eps)``) is stored once rather than computed again for every element it scales
-    — two divisions and a square root per element of the row otherwise."""
+    """Whether ``v`` takes costly math and is broadcast — read, directly or through coordinate
+    ops, by an element op with more elements: a per-row value broadcast over its rows (an
+    RMSNorm's ``rsqrt(mean + eps)``) is stored once rather than computed again for every element
+    it scales — two divisions and a square root per element of the row otherwise."""
     n = math.prod(v.type.shape)
-    return _costly(v, n) and _broadcast_read(prog, v, n)
+    return _broadcast_read(prog, v, n) and _costly(v, n)
 
 
 def _broadcast_read(prog: _Program, v: core.Value, n: int) -> bool:
     for u in prog.users.get(v.id, []):
-        if not u.results or not isinstance(u.result.type, (T.TileType, T.FragmentType)):
+        if u.name not in ELEMENT_OPS or not u.results:
             continue
         if math.prod(u.result.type.shape) > n or (u.name in COORDINATE_OPS and _broadcast_read(prog, u.result, n)):
             return True
@@ -695,8 +698,8 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                  wgmma_inflight: int | None = None, dot_loop_copies: str = "tma") -> GeneralPlan:
     """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
     tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the
-    default is; default :data:`DEFAULT_THREADS`, or :data:`GROUP_THREADS` where a CTA runs
-    several tasks at once, :func:`task_groups`), ``wait_timeout_ns`` (a debug build whose waits
+    default is; default :data:`DEFAULT_THREADS`, or — where a CTA runs several tasks at once,
+    :func:`task_groups` — one of :data:`GROUP_THREAD_CHOICES`, :func:`_group_threads`), ``wait_timeout_ns`` (a debug build whose waits
     trap after that long), ``entry`` (the kernel's name), ``wgmma_inflight`` (a pipelined dot
     loop's WGMMA groups left running across an iteration's end, 0 or 1; by default 1 from four
     stages on, else 0: :attr:`.dot_loop.DotLoop.inflight`),
@@ -742,7 +745,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        grouped=_grouped(kernel, part, m), tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
                        held=layout.held, canon=layout.canon,
-                       **_prefetch(part, m, layout, _grouped(kernel, part, m)))
+                       written=written_tensors(part), **_prefetch(part, m, layout, _grouped(kernel, part, m)))
 
 
 def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: int, loops: list[DotLoop]) -> _Layout:
@@ -789,6 +792,18 @@ def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
         if held > most:
             best, most = t, held
     return best
+
+
+def written_tensors(part: core.Part) -> frozenset:
+    """id() of the tensors the part writes on this rank: by ``store``, or as a data primitive's
+    destination on this rank."""
+    out = {id(op.operands[0].owner) for op in part.walk() if op.name == "store"}
+    for op in part.walk():
+        if op.name in DATA_OPS:
+            _, _, _, dst, drank, _, _ = data_operands(op)
+            if dst is not None and is_this_rank(drank):
+                out.add(id(dst.owner))
+    return frozenset(out)
 
 
 def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int) -> dict:

@@ -103,9 +103,10 @@ def _reads_in_chunk_order(stmt: core.Op, shape: tuple, absorbed: frozenset) -> b
         return tuple(stmt.result.type.shape) == shape
     if stmt.name == "frag_write":
         return tuple(stmt.operands[0].type.shape) == shape
-    if stmt.name == "reduce":
+    if stmt.name == "reduce":         # float only: see _holdable (an i32 max of a cast is the same fold)
         x = stmt.operands[0]
-        return tuple(x.type.shape) == shape and stmt.attrs["axis"] == len(shape) - 1
+        return (tuple(x.type.shape) == shape and stmt.attrs["axis"] == len(shape) - 1
+                and x.type.dtype.is_float and stmt.result.type.dtype.is_float)
     return False
 
 
@@ -180,8 +181,8 @@ def prefetchable(part: core.Part, held: dict, ops_before) -> tuple[frozenset, fr
     or condition around them), of a tensor the part never stores, at offsets computed from the
     program ids alone (``ops_before(op)``: the ops their offsets come from) — or from no program
     id at all: the same tile every task (an RMSNorm's weights), loaded before the first task and
-    kept —, in a part whose tasks do not wait for one another; within :data:`PREFETCH_BYTES`
-    with the held tiles, largest first."""
+    kept —; within :data:`PREFETCH_BYTES` with the held tiles, largest first. (The caller,
+    :func:`.general._prefetch`, offers only parts whose tasks neither wait nor notify.)"""
     written = {id(op.operands[0].owner) for op in part.walk() if op.name == "store"}
     top = {id(op) for op in part.body.ops}
     ahead, once, total = [], [], sum(h.thread_bytes for h in held.values())

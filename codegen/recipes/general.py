@@ -17,7 +17,8 @@ and notifies :mod:`..rules.primitives`.
   scratch_bytes``); loaded tiles every reader takes element for element are held in the
   threads' registers (:mod:`..plan.held`, :mod:`..rules.held`); the rest are computed element
   by element where consumed. Every statement is a loop of the group's
-  threads over its output elements followed by the group's barrier: loads and stores move
+  threads over its output elements followed by the group's barrier (a load into registers only
+  where the part writes the tensor it reads): loads and stores move
   16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
   by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
   on tensor cores, fp32 accumulation: on WGMMA where its tile has a multiple of 64 rows and

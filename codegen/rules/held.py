@@ -5,7 +5,7 @@ A held tile is an array of ``tldsl::comm::Chunk<T, V>`` a thread, ``hold<id>[s]`
 ``s * threads + tid`` (declared where the tile is defined, in the scope of every statement
 that reads it). Each statement here walks the same chunks, unrolled, so every index into a
 held array is a constant: the loads go from global memory straight into the registers (no
-barrier after them: they touch no shared memory), stores and element values read them
+barrier after them unless the part writes the tensor they read), stores and element values read them
 element for element, and a reduction along the rows first combines each chunk's ``V``
 elements in its thread, writes one partial result a chunk to shared memory, and reduces those
 as any row reduction does (:func:`.tile_ops._reduce_statement`)."""
@@ -67,9 +67,11 @@ def declare(em, v: core.Value, ind: str, lines: list[str]) -> str:
     return name
 
 
-def held_load(em, op, offs: list[str], ind: str, lines: list[str]) -> None:
+def held_load(em, op, offs: list[str], ind: str, lines: list[str], barrier: str) -> None:
     """A load into registers: each thread's chunks straight from global memory (vector loads
-    where inside the tensor and aligned, element by element at its edges, zeros outside). A
+    where inside the tensor and aligned, element by element at its edges, zeros outside) —
+    followed by the group's barrier only where the part writes the tensor (another thread's
+    later statement could otherwise overwrite chunks this one has not loaded yet). A
     prefetched load (:func:`..plan.held.prefetchable`) takes the chunks fetched during the task
     before, then fetches the next task's."""
     if op.result.id in em.plan.invariant:
@@ -77,7 +79,10 @@ def held_load(em, op, offs: list[str], ind: str, lines: list[str]) -> None:
         return
     name = declare(em, op.result, ind, lines)
     if op.result.id not in em.plan.prefetch:
-        return _fill_chunks(em, op, offs, name, ind, lines)
+        _fill_chunks(em, op, offs, name, ind, lines)
+        if id(op.operands[0].owner) in em.plan.written:
+            lines.append(f"{ind}{barrier}  // every thread has its chunks before the tensor is written")
+        return
     order = em.plan.held[op.result.id].order
     s = f"s{em.fresh()}"
     lines += [f"{ind}#pragma unroll",

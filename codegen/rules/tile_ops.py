@@ -212,7 +212,7 @@ def _load_statement(em, op, ind, lines):
     shape = tuple(op.result.type.shape)
     lead = len(box) - len(shape)
     if op.result.id in em.plan.held:
-        return held_rules.held_load(em, op, offs, ind, lines)
+        return held_rules.held_load(em, op, offs, ind, lines, BARRIER)
     slot = em.slot(op.result)
     st = storage_ctype(buf.type.dtype)
     if shape and len(box) == len(buf.type.shape) and elem_bytes(buf.type.dtype) in (2, 4):
@@ -518,7 +518,7 @@ def _reduce_by_warps(red: _Reduction, P: int, ind: str, lines: list[str]) -> Non
     first, v0 = red.element_at(f"({q} * {kl} + {lane})", coords)
     rest, v = red.element_at(r, coords)
     i1, i2, i3 = ind + "  ", ind + "    ", ind + "      "
-    offset = (nout * elem_bytes(red.dt) + 15) // 16 * 16
+    offset = reduce_slot(op, em.plan.threads).warp_offset
     lines += [
         f"{ind}{{  // {red.kind} over axis {red.axis} -> {slot}, {P} warps an output{marker(op.loc)}",
         f"{i1}constexpr int {kl} = TLDSL_REDUCE_LANES(32);",

@@ -815,7 +815,7 @@ def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int) -
     if any(op.name in DATA_OPS for op in part.walk()):
         return {}
     ops = list(part.body.ops)
-    ahead, once = prefetchable(part, layout.held, lambda op: producers(op.operands[1:], ops))
+    ahead, once = prefetchable(part, layout.held, lambda op: producers(op.operands[1:], ops), written_tensors(part))
     return {"prefetch": ahead, "invariant": once}
 
 

@@ -175,15 +175,15 @@ PREFETCH_BYTES = 2 * HELD_BYTES
 PREFETCH_INDEX_OPS = frozenset({"const", "program_id", "rank", "arith", "select"})
 
 
-def prefetchable(part: core.Part, held: dict, ops_before) -> tuple[frozenset, frozenset]:
+def prefetchable(part: core.Part, held: dict, ops_before, written: frozenset) -> tuple[frozenset, frozenset]:
     """(the held loads whose next task's chunks are loaded while this task computes, those loaded
     once for every task — the ids of their values): loads at the top of the task body (no loop
-    or condition around them), of a tensor the part never stores, at offsets computed from the
-    program ids alone (``ops_before(op)``: the ops their offsets come from) — or from no program
-    id at all: the same tile every task (an RMSNorm's weights), loaded before the first task and
-    kept —; within :data:`PREFETCH_BYTES` with the held tiles, largest first. (The caller,
-    :func:`.general._prefetch`, offers only parts whose tasks neither wait nor notify.)"""
-    written = {id(op.operands[0].owner) for op in part.walk() if op.name == "store"}
+    or condition around them), of a tensor the part never writes (``written``: their ids), at
+    offsets computed from the program ids alone (``ops_before(op)``: the ops their offsets come
+    from) — or from no program id at all: the same tile every task (an RMSNorm's weights),
+    loaded before the first task and kept —; within :data:`PREFETCH_BYTES` with the held tiles,
+    largest first. (The caller, :func:`.general._prefetch`, offers only parts whose tasks
+    neither wait nor notify.)"""
     top = {id(op) for op in part.body.ops}
     ahead, once, total = [], [], sum(h.thread_bytes for h in held.values())
     for vid, h in sorted(held.items(), key=lambda kv: -kv[1].thread_bytes):

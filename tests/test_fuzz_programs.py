@@ -146,6 +146,7 @@ def test_the_command_reports_every_program_and_a_summary(tmp_path, monkeypatch, 
     assert len(rows) == 3 and all("simulated ok" in r and "gpu: not asked" in r for r in rows), out
     assert re.search(r"^3 programs: 3 simulated ok, 0 failed in the simulator; \d+ parts: \d+ lowered", out, re.M)
     assert re.search(r"^distribution: \d+% a dot, \d+% a tl\.range loop, \d+% parts linked by signals", out, re.M)
+    assert re.search(r"^general lowering paths: \d+ programs with tiles in registers, \d+ programs fetching", out, re.M)
     failed = any(w in out for w in ("FAILED", "CRASHED", "MISMATCH"))
     assert status == (1 if failed else 0), out
 
@@ -261,3 +262,28 @@ def test_sass_without_cuobjdump_is_refused_in_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         fuzz_main(["--programs", "1", "--seed", "1", "--sass"])
     assert "--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump" in capsys.readouterr().err
+
+
+def test_the_programs_reach_the_general_lowerings_paths(five_hundred):
+    """Of the 500 programs, a share lowers to kernels that hold tiles in registers, that fetch
+    the next task's tiles early, that run a pipelined dot loop and that run several tasks a CTA
+    — so a GPU run of the fuzzer checks those paths against the simulator (the summary's last
+    line counts them)."""
+    from tldsl.codegen import LoweringError, lower
+    from tldsl.testing.fuzz import LOWERING_PATHS
+    _, cases = five_hundred
+    counts = dict.fromkeys([what for what, _ in LOWERING_PATHS], 0)
+    for c in cases:
+        k = c.trace()
+        lks = []
+        for p in k.parts:
+            try:
+                lks.append(lower(k, p.name))
+            except LoweringError:
+                pass
+        for what, how in LOWERING_PATHS:
+            counts[what] += any(how(lk) for lk in lks)
+    assert counts["with tiles in registers"] >= 100, counts
+    assert counts["fetching the next task's tiles early"] >= 15, counts
+    assert counts["with a pipelined dot loop"] >= 10, counts
+    assert counts["with task groups"] >= 50, counts

@@ -245,7 +245,20 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
         dtypes = {d: 100.0 * sum(d in r.features.dtypes for r in ok) / len(ok) for d in ("f16", "bf16", "f32", "i32")}
         lines.append("distribution: " + ", ".join(f"{pct[k]:.0f}% {label}" for k, label in FEATURE_NAMES.items())
                      + "; dtypes " + ", ".join(f"{d} {v:.0f}%" for d, v in dtypes.items()))
+    if lowered:
+        lines.append("general lowering paths: " + ", ".join(f"{sum(any(how(lk) for lk in r.lowered.values()) for r in ok)}"
+                                                             f" programs {what}" for what, how in LOWERING_PATHS))
     return lines
+
+
+#: what the summary counts of the general lowering's kernels (which of its paths the programs
+#: reach, so a run says what it exercised)
+LOWERING_PATHS = (
+    ("with tiles in registers", lambda lk: bool(getattr(lk, "held", ()))),
+    ("fetching the next task's tiles early", lambda lk: "auto fetch" in getattr(lk, "source", "")),
+    ("with a pipelined dot loop", lambda lk: "pipelined dot loop" in getattr(lk, "source", "")),
+    ("with task groups", lambda lk: getattr(lk, "groups", 1) > 1),
+)
 
 
 def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,

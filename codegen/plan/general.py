@@ -5,8 +5,8 @@ consumed, and the kernel's ABI.
 * **Materialised** (a slot of the shared-memory arena): the results of ``load``, ``load_rows``,
   ``reduce`` and ``dot``, every fragment, an elementwise value (``ewise``, ``cast``) that more
   than one op uses, that a loop it is not in uses or that takes costly math and is broadcast to
-  more elements than it has (:func:`_expanded`), and a ``frag_read`` whose fragment is written while the value is
-  still needed (a copy).
+  more elements than it has (:func:`_expanded`), and a ``frag_read`` whose fragment is written
+  while the value is still needed (a copy).
 * **Computed where consumed** (no storage): ``full``, ``iota``, ``expand_dims``, ``broadcast``,
   ``trans`` (coordinates only), the other elementwise values, and a ``frag_read`` read in place.
 * **Held in registers** (:mod:`.held`): a loaded float tile or stored element value outside the
@@ -697,14 +697,14 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                  wait_timeout_ns: int | None = None, entry: str | None = None,
                  wgmma_inflight: int | None = None, dot_loop_copies: str = "tma") -> GeneralPlan:
     """Options: ``threads`` per task (a multiple of 32 from 32 to 1024: every warp runs tensor-core
-    tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the
-    default is; default :data:`DEFAULT_THREADS`, or — where a CTA runs several tasks at once,
-    :func:`task_groups` — one of :data:`GROUP_THREAD_CHOICES`, :func:`_group_threads`), ``wait_timeout_ns`` (a debug build whose waits
-    trap after that long), ``entry`` (the kernel's name), ``wgmma_inflight`` (a pipelined dot
-    loop's WGMMA groups left running across an iteration's end, 0 or 1; by default 1 from four
-    stages on, else 0: :attr:`.dot_loop.DotLoop.inflight`),
-    ``dot_loop_copies`` ("tma", where every tensor a pipelined loop loads allows it, or
-    "cp.async")."""
+    tiles of a dot, on WGMMA only where they are whole warpgroups, a multiple of 128, as the default
+    is; default :data:`DEFAULT_THREADS`, or — where a CTA runs several tasks at once,
+    :func:`task_groups` — one of :data:`GROUP_THREAD_CHOICES`, :func:`_group_threads`),
+    ``wait_timeout_ns`` (a debug build whose waits trap after that long), ``entry`` (the kernel's
+    name), ``wgmma_inflight`` (a pipelined dot loop's WGMMA groups left running across an
+    iteration's end, 0 or 1; by default 1 from four stages on, else 0:
+    :attr:`.dot_loop.DotLoop.inflight`), ``dot_loop_copies`` ("tma", where every tensor a pipelined
+    loop loads allows it, or "cp.async")."""
     if dot_loop_copies not in ("tma", "cp.async"):
         raise fail(WHAT, f"dot_loop_copies={dot_loop_copies!r}: choose 'tma' or 'cp.async'", part)
     if wgmma_inflight not in (None, 0, 1) or isinstance(wgmma_inflight, bool):

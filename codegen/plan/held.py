@@ -18,11 +18,13 @@ element values (``ewise``, ``cast``) are held, of 2- or 4-byte float types; ``V`
 shape (8 where a 16-bit type takes part, else 4) and must divide the rows. The registers a
 thread holds at once are capped at :data:`HELD_BYTES`; over it, the largest values live there
 go back to shared memory first. A held load at the top of the task body is **prefetched**
-(:func:`prefetchable`): while a task computes, its group already loads the chunks of the task
-it runs next into a second set of registers, so a memory-bound part keeps a load in flight
-the whole time rather than only between its tasks' computations. (Inside a ``tl.range`` loop, the chunks' index code, hoisted
-out of the loop by the compiler for every statement, spilled registers: 8 chunks a thread of a
-16 x 256 tile went from 0.32 to 0.43 ms on an H200, BENCHMARKS.md, eighteenth session.)
+(:func:`prefetchable`): while a task computes, its group already loads the chunks of the task it
+runs next into a second set of registers, so a memory-bound part keeps a load in flight the
+whole time rather than only between its tasks' computations; one at offsets without a program
+id (the same tile every task) is loaded once, before the first task. (Inside a ``tl.range`` loop, the
+chunks' index code, hoisted out of the loop by the compiler for every statement, spilled
+registers: 8 chunks a thread of a 16 x 256 tile went from 0.32 to 0.43 ms on an H200,
+BENCHMARKS.md, eighteenth session.)
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def held_load(em, op, offs: list[str], ind: str, lines: list[str], barrier: str)
     prefetched load (:func:`..plan.held.prefetchable`) takes the chunks fetched during the task
     before, then fetches the next task's."""
     if op.result.id in em.plan.invariant:
-        lines.append(f"{ind}// {held_name(op.result)}: the same tile every task, loaded before the first{marker(op.loc)}")
+        lines.append(f"{ind}// {held_name(op.result)}: the same tile every task, loaded before the first"
+                     f"{marker(op.loc)}")
         return
     name = declare(em, op.result, ind, lines)
     if op.result.id not in em.plan.prefetch:

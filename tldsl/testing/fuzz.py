@@ -246,8 +246,8 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
         lines.append("distribution: " + ", ".join(f"{pct[k]:.0f}% {label}" for k, label in FEATURE_NAMES.items())
                      + "; dtypes " + ", ".join(f"{d} {v:.0f}%" for d, v in dtypes.items()))
     if lowered:
-        lines.append("general lowering paths: " + ", ".join(f"{sum(any(how(lk) for lk in r.lowered.values()) for r in ok)}"
-                                                             f" programs {what}" for what, how in LOWERING_PATHS))
+        reached = {what: sum(any(how(lk) for lk in r.lowered.values()) for r in ok) for what, how in LOWERING_PATHS}
+        lines.append("general lowering paths: " + ", ".join(f"{n} programs {what}" for what, n in reached.items()))
     return lines
 
 

@@ -727,6 +727,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     layout = _chosen_layout(prog, part, m, threads, loops)
     slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
+    grouped, written = _grouped(kernel, part, m), written_tensors(part)
     tma = _tma_descriptors(layout_loops(layout))
     tail = [q for q in params if q in (SCRATCH_PARAM, RANK_PARAM, LAUNCH_PARAM)]
     params = tuple([q for q in params if q not in tail]
@@ -742,10 +743,10 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
-                       grouped=_grouped(kernel, part, m), tma=tma,
+                       grouped=grouped, tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
                        held=layout.held, canon=layout.canon,
-                       written=written_tensors(part), **_prefetch(part, m, layout, _grouped(kernel, part, m)))
+                       written=written, **_prefetch(part, m, layout, grouped, written))
 
 
 def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: int, loops: list[DotLoop]) -> _Layout:
@@ -806,7 +807,7 @@ def written_tensors(part: core.Part) -> frozenset:
     return frozenset(out)
 
 
-def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int) -> dict:
+def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int, written: frozenset) -> dict:
     """The held loads prefetched a task ahead and those loaded once (:func:`.held.prefetchable`):
     only in compute parts whose tasks neither wait nor notify nor move data between ranks (a load
     issued a task early must not overtake a wait), in row-major task order."""
@@ -815,7 +816,7 @@ def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int) -
     if any(op.name in DATA_OPS for op in part.walk()):
         return {}
     ops = list(part.body.ops)
-    ahead, once = prefetchable(part, layout.held, lambda op: producers(op.operands[1:], ops), written_tensors(part))
+    ahead, once = prefetchable(part, layout.held, lambda op: producers(op.operands[1:], ops), written)
     return {"prefetch": ahead, "invariant": once}
 
 

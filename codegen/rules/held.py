@@ -5,8 +5,8 @@ A held tile is an array of ``tldsl::comm::Chunk<T, V>`` a thread, ``hold<id>[s]`
 ``s * threads + tid`` (declared where the tile is defined, in the scope of every statement
 that reads it). Each statement here walks the same chunks, unrolled, so every index into a
 held array is a constant: the loads go from global memory straight into the registers (no
-barrier after them unless the part writes the tensor they read), stores and element values read them
-element for element, and a reduction along the rows first combines each chunk's ``V``
+barrier after them unless the part writes the tensor they read), stores and element values
+read them element for element, and a reduction along the rows first combines each chunk's ``V``
 elements in its thread, writes one partial result a chunk to shared memory, and reduces those
 as any row reduction does (:func:`.tile_ops._reduce_statement`)."""
 from __future__ import annotations
@@ -48,15 +48,17 @@ class ChunkWalk:
     def close(self, ind: str, lines: list[str]) -> None:
         lines += [f"{ind}  }}", f"{ind}}}"]
 
-    def element_coords(self, coords: list[str]) -> list[str]:
-        return coords[:-1] + [f"({coords[-1]} + {self.v})"]
+    def element_coords(self, coords: list[str], index: str | None = None) -> list[str]:
+        return coords[:-1] + [f"({coords[-1]} + {self.v if index is None else index})"]
 
-    def know_held(self, el, coords: list[str]) -> None:
-        """Tell ``el`` where element ``v`` of this chunk of every held tile of this order is."""
-        key = tuple(self.element_coords(coords))
+    def know_held(self, el, coords: list[str], index: str | None = None) -> None:
+        """Tell ``el`` where element ``index`` (default: the loop's ``v``) of this chunk of every
+        held tile of this order is."""
+        key = tuple(self.element_coords(coords, index))
+        at = self.v if index is None else index
         for vid, h in self.em.plan.held.items():
             if h.order == self.order:
-                el.memo[(vid, key)] = f"tldsl::gen::get({held_name(h.value)}[{self.s}].get({self.v}))"
+                el.memo[(vid, key)] = f"tldsl::gen::get({held_name(h.value)}[{self.s}].get({at}))"
 
 
 def declare(em, v: core.Value, ind: str, lines: list[str]) -> str:
@@ -131,10 +133,7 @@ def prefetch_lines(em, decode: list[str], ind: str) -> list[str]:
     lines: list[str] = []
     for vid in sorted(em.plan.invariant):
         op = em.plan.held[vid].value.owner
-        name = declare(em, op.result, ind, lines)
-        with em.scope():
-            em.emit_values(op.operands[1:], list(em.plan.part.body.ops), ind, lines)
-            _fill_chunks(em, op, [em.name(o, op) for o in op.operands[1:]], name, ind, lines)
+        _fill_at_own_offsets(em, op, declare(em, op.result, ind, lines), ind, lines)
     for vid in sorted(em.plan.prefetch):
         h = em.plan.held[vid]
         op, v = h.value.owner, h.value
@@ -144,14 +143,19 @@ def prefetch_lines(em, decode: list[str], ind: str) -> list[str]:
         lines.append(f"{ind}auto fetch{vid} = [&](const int task) {{")
         i1 = ind + "  "
         lines += [f"{i1}{ln.strip()}" for ln in decode]
-        with em.scope():
-            em.emit_values(op.operands[1:], list(em.plan.part.body.ops), i1, lines)
-            offs = [em.name(o, op) for o in op.operands[1:]]
-            _fill_chunks(em, op, offs, f"{held_name(v)}_next", i1, lines)
+        _fill_at_own_offsets(em, op, f"{held_name(v)}_next", i1, lines)
         lines.append(f"{ind}}};")
         lines.append(f"{ind}if ((int)blockIdx.x + grp * (int)gridDim.x < {em.num_tasks}) "
                      f"fetch{vid}((int)blockIdx.x + grp * (int)gridDim.x);")
     return lines
+
+
+def _fill_at_own_offsets(em, op, name: str, ind: str, lines: list[str]) -> None:
+    """``op`` 's chunks into ``name`` outside the task body: the index code of its offsets emitted
+    here (from the program ids in scope), in a scope of its own."""
+    with em.scope():
+        em.emit_values(op.operands[1:], list(em.plan.part.body.ops), ind, lines)
+        _fill_chunks(em, op, [em.name(o, op) for o in op.operands[1:]], name, ind, lines)
 
 
 def held_element(em, op, element, ind: str, lines: list[str], barrier: str) -> None:
@@ -161,22 +165,17 @@ def held_element(em, op, element, ind: str, lines: list[str], barrier: str) -> N
     name = declare(em, op.result, ind, lines)
     st = storage_ctype(op.result.type.dtype)
     walk = ChunkWalk(em, order)
-    lines.append(f"{ind}{{  // {op.name} -> {name}, in registers{marker(op.loc)}")
-    coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
-    inner = Elements(em, op)
-    walk.know_held(inner, coords)
-    x = element(em, op, walk.element_coords(coords), inner)
-    lines += [f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
-              *[f"{i2}  {ln}" for ln in inner.lines],
-              f"{i2}  {name}[{walk.s}].set({walk.v}, tldsl::gen::put<{st}>({x}));", f"{i2}}}"]
-    walk.close(ind + "  ", lines)
-    lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+    def body(coords, el):
+        return [f"{name}[{walk.s}].set({walk.v}, tldsl::gen::put<{st}>({element(em, op, coords, el)}));"]
+    element_statement(em, op, order, body, ind, lines, f"{op.name} -> {name}, in registers", barrier, walk)
 
 
-def element_statement(em, op, order: ChunkOrder, body, ind: str, lines: list[str], what: str, barrier: str) -> None:
+def element_statement(em, op, order: ChunkOrder, body, ind: str, lines: list[str], what: str, barrier: str,
+                      walk: ChunkWalk | None = None) -> None:
     """A statement over a tile of ``order``'s shape, in chunk order: ``body(coords, elements)``
     gives the last lines for one element (as :meth:`.tile_ops.TileEmitter.element_loop` 's)."""
-    walk = ChunkWalk(em, order)
+    walk = walk or ChunkWalk(em, order)
     lines.append(f"{ind}{{  // {what}, in chunk order{marker(op.loc)}")
     coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
     inner = Elements(em, op)
@@ -222,7 +221,8 @@ def chunk_partials(red, order: ChunkOrder, part: str, ind: str, lines: list[str]
     coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
     first = Elements(em, op)
     # element 0 of the chunk starts the combination, then elements 1 .. V - 1 (unrolled)
-    v0 = em.value(red.x, [*coords[:-1], f"({coords[-1]} + 0)"], _zero_walk(walk, first, coords))
+    walk.know_held(first, coords, "0")
+    v0 = em.value(red.x, walk.element_coords(coords, "0"), first)
     rest = Elements(em, op)
     walk.know_held(rest, coords)
     v = em.value(red.x, walk.element_coords(coords), rest)
@@ -233,14 +233,3 @@ def chunk_partials(red, order: ChunkOrder, part: str, ind: str, lines: list[str]
               f"{i2}{part}[{walk.c}] = {acc};"]
     walk.close(ind + "  ", lines)
     lines += [f"{ind}}}", f"{ind}{barrier}"]
-
-
-def _zero_walk(walk: ChunkWalk, el, coords: list[str]):
-    """``el`` knowing element 0 of each held chunk (the combination's first element)."""
-    key = tuple([*coords[:-1], f"({coords[-1]} + 0)"])
-    for vid, h in walk.em.plan.held.items():
-        if h.order == walk.order:
-            el.memo[(vid, key)] = f"tldsl::gen::get({held_name(h.value)}[{walk.s}].get(0))"
-    return el
-
-

@@ -3,6 +3,7 @@ holds and which it leaves in shared memory, the chunk-order code, and — run on
 the same results as the simulator for the shapes, dtypes and statements the rule takes."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -177,6 +178,45 @@ def test_a_negated_row_max_on_the_gpu(dtype, npdt, shape):
     ins = [{"x0": x, "y0": np.full(shape[0], -7, npdt)}]
     want = tl.simulate(negated_row_max, 1, ins)[0]["y0"]
     assert np.array_equal(np.asarray(tl.run(negated_row_max, 1, ins)[0]["y0"]), want)
+
+
+@tl.kernel
+def nan_row_extrema(x0, y0, y1):
+    @tl.compute_part(grid=(1,))
+    def part(pm):
+        t = tl.load(x0, (0, 0), (16, 64))
+        tl.store(y0, (0,), tl.max(t, 1))
+        tl.store(y1, (0,), tl.min(t * 2.0, 1))
+
+
+@pytest.mark.gpu
+def test_a_row_max_and_min_with_nans_on_the_gpu():
+    """numpy's NaN-propagating maximum and minimum (f32: one max.NaN / min.NaN instruction each)
+    over held rows with a NaN in some of them, one at a chunk's first element, one at its last."""
+    from tldsl.runtime.gpu import gpu_available
+    if not gpu_available():
+        pytest.skip("needs an sm_90 GPU with torch and cuda-python")
+    x = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32)
+    x[3, 0] = x[7, 63] = x[11, 20] = np.nan
+    ins = [{"x0": x, "y0": np.full(16, 5, np.float32), "y1": np.full(16, 5, np.float32)}]
+    assert lower(nan_row_extrema.trace(1, S((16, 64), tl.float32), S((16,), tl.float32), S((16,), tl.float32)),
+                 "part").held
+    want, got = tl.simulate(nan_row_extrema, 1, ins)[0], tl.run(nan_row_extrema, 1, ins)[0]
+    for k in ("y0", "y1"):
+        assert np.array_equal(np.asarray(got[k]), want[k], equal_nan=True), k
+    assert np.isnan(want["y0"][[3, 7, 11]]).all()
+
+
+def test_a_value_rounded_to_16_bits_and_stored_is_converted_once():
+    """``tl.cast(e, f16)`` stored into an f16 tensor converts ``e`` once (its rounding to f16 and
+    back, then to f16 again, cost two more instructions an element)."""
+    k = gp.row_softmax.trace(1, S((64, 8192), tl.float16), S((64, 8192), tl.float16), compute=ROWS, rows=1)
+    src = lower(k, "part").source
+    puts = re.findall(r"put<tldsl::comm::f16>\((\w+)\)", src) + re.findall(r"put<tldsl::comm::f16>\(\(float\)\((\w+)\)\)", src)
+    assert puts, src
+    for v in puts:
+        definition = re.search(rf"const float {v} = (.*);", src).group(1)
+        assert "round_f16" not in definition, definition
 
 
 def test_loads_inside_a_loop_are_not_held():

@@ -257,11 +257,18 @@ class _Program:
         return self.end[id(outer[0])] if outer else self.pos[id(use)]
 
 
-def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int, int]]:
+#: how element values read by several statements of one iteration are kept (:func:`_fuse_decisions`):
+#: each stored once; each computed again by every reader; only those without costly math
+#: computed again (the costly ones — an ``exp`` — stored, in registers where they fit)
+STORE_SHARED, RECOMPUTE, RECOMPUTE_CHEAP = False, True, "cheap"
+
+
+def _fuse_decisions(prog: _Program, recompute) -> tuple[set[int], dict[int, int]]:
     """(ids of values computed where consumed, frag_read views) — every other tile value of an
-    op in :data:`STORED_RESULTS` or an element op gets a slot. ``recompute``: an element value
-    read by several ops of the same iteration is computed again by each (no slot) — the
-    fallback when storing it does not fit."""
+    op in :data:`STORED_RESULTS` or an element op gets a slot. ``recompute``
+    (:data:`STORE_SHARED`, :data:`RECOMPUTE` or :data:`RECOMPUTE_CHEAP`): whether an element
+    value read by several ops of the same iteration is computed again by each (no slot) — the
+    fallback when storing it does not fit —, or only one that takes no costly math."""
     fused: set[int] = set()
     views: dict[int, int] = {}
     for op in prog.order:
@@ -276,9 +283,11 @@ def _fuse_decisions(prog: _Program, recompute: bool) -> tuple[set[int], dict[int
             # the iteration that computes it: a value read in a loop it is not in is stored once
             # rather than computed again for every element of every iteration (unless storing
             # does not fit: ``recompute``)
-            readers = users if recompute else _through_coordinates(prog, users)
+            again = recompute is RECOMPUTE or (recompute == RECOMPUTE_CHEAP
+                                               and not _costly(v, math.prod(v.type.shape)))
+            readers = users if again else _through_coordinates(prog, users)
             same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in readers)
-            if not users or (same_iteration and (len(users) == 1 or recompute) and not _expanded(prog, v)):
+            if not users or (same_iteration and (len(users) == 1 or again) and not _expanded(prog, v)):
                 fused.add(v.id)         # read in the same iteration: computed there (unused: never)
     # a fragment read in place while no write of the fragment can change what it reads
     for op in prog.order:
@@ -638,7 +647,7 @@ class _Layout:
         return _first_fit(self.tiles)[1]
 
 
-def _layout(prog: _Program, recompute: bool, threads: int, loops: list[DotLoop] = ()) -> _Layout:
+def _layout(prog: _Program, recompute, threads: int, loops: list[DotLoop] = ()) -> _Layout:
     fused, views = _fuse_decisions(prog, recompute)
     epilogues, starts = _epilogues(prog, fused, views)
     tiles, wgmma = [], {}

@@ -23,11 +23,25 @@ class Elements:
         self.em, self.op = emitter, op
         self.lines: list[str] = []
         self.memo: dict = {}
+        self.rounded: dict[str, tuple[str, str]] = {}
 
     def var(self, ctype_: str, expr: str) -> str:
         nm = f"x{self.em.fresh()}"
         self.lines.append(f"const {ctype_} {nm} = {expr};")
         return nm
+
+    def rounded_var(self, storage: str, rounding: str, value: str) -> str:
+        """A float variable holding ``value`` rounded to a 16-bit type (``rounding``: its
+        function, ``storage``: the type's C++ storage type): a :meth:`put` of it into that type
+        converts ``value`` once, not to 16 bits, back, and to 16 bits again."""
+        nm = self.var("float", f"{rounding}({value})")
+        self.rounded[nm] = (storage, value)
+        return nm
+
+    def put(self, storage: str, x: str) -> str:
+        """``x`` converted to the memory type ``storage``."""
+        kind, value = self.rounded.get(x, (None, None))
+        return f"tldsl::gen::put<{storage}>({value if kind == storage else x})"
 
 
 def vec_ok(buf, base: str, col: str, V: int) -> str:

@@ -167,7 +167,7 @@ def held_element(em, op, element, ind: str, lines: list[str], barrier: str) -> N
     walk = ChunkWalk(em, order)
 
     def body(coords, el):
-        return [f"{name}[{walk.s}].set({walk.v}, tldsl::gen::put<{st}>({element(em, op, coords, el)}));"]
+        return [f"{name}[{walk.s}].set({walk.v}, {el.put(st, element(em, op, coords, el))});"]
     element_statement(em, op, order, body, ind, lines, f"{op.name} -> {name}, in registers", barrier, walk)
 
 
@@ -203,7 +203,7 @@ def held_store(em, op, t, offs: list[str], tile, order: ChunkOrder, ind: str, li
     lines += [f"{i2}tldsl::comm::Chunk<{st}, {order.V}> {ch} = {{}};",
               f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
               *[f"{i2}  {ln}" for ln in inner.lines],
-              f"{i2}  {ch}.set({walk.v}, tldsl::gen::put<{st}>({x}));", f"{i2}}}",
+              f"{i2}  {ch}.set({walk.v}, {inner.put(st, x)});", f"{i2}}}",
               f"{i2}" + primitives.tile_push_data(st, row, col, ncols, ch, f"{full}u", vec=str(order.V),
                                                   left=str(order.V), vec_ok=vec)]
     walk.close(i1, lines)

@@ -77,6 +77,10 @@ def literal(value, dtype: T.DType) -> str:
     return c_literal(float(f))
 
 
+#: the functions rounding a float to a 16-bit type's precision (the result still a float)
+_ROUNDING = {"f16": "tldsl::gen::round_f16", "bf16": "tldsl::gen::round_bf16"}
+
+
 def round_to(dtype: T.DType, expr: str, compute: str) -> str:
     """``expr`` (in ``compute``) as a value of ``dtype``: 16-bit floats rounded, double narrowed."""
     if dtype.name == "f16":
@@ -153,6 +157,8 @@ def _ewise_element(em, op, coords, el: Elements) -> str:
     expr = element_expr(kind, args, ct)
     if rdt.kind == "bool":
         return el.var("bool", expr)
+    if rdt.name in _ROUNDING:
+        return el.rounded_var(storage_ctype(rdt), _ROUNDING[rdt.name], expr)
     return el.var(value_ctype(rdt), round_to(rdt, expr, ct))
 
 
@@ -163,10 +169,8 @@ def _cast_element(em, op, coords, el: Elements) -> str:
         return el.var("bool", f"(({x}) != 0)")
     if dst.kind == "int":
         return el.var("int", f"tldsl::gen::f2i({x})" if src.is_float else f"(int)({x})")
-    if dst.name == "f16":
-        return el.var("float", f"tldsl::gen::round_f16((float)({x}))")
-    if dst.name == "bf16":
-        return el.var("float", f"tldsl::gen::round_bf16((float)({x}))")
+    if dst.name in _ROUNDING:
+        return el.rounded_var(storage_ctype(dst), _ROUNDING[dst.name], f"(float)({x})")
     return el.var("float", f"(float)({x})")
 
 
@@ -316,7 +320,7 @@ def _store_statement(em, op, ind, lines):
         x = em.value(tile, coords, el)
         g = [f"{o} + {c}" for o, c in zip(offs, coords)]
         cond, flat = _tensor_index(t.type.shape, g)
-        return [f"if ({cond}) {buffer_param(t)}[{flat}] = tldsl::gen::put<{st}>({x});"]
+        return [f"if ({cond}) {buffer_param(t)}[{flat}] = {el.put(st, x)};"]
     em.element_loop(op, shape, body, ind, lines, f"store -> {t.name}")
 
 
@@ -354,7 +358,7 @@ def _chunked_store(em, op, t, offs, tile, shape, st, ind, lines):
         lines.append(f"{i3}if ({coords[-1]} + {v} < {n}) {{")
     j = i3 + ("  " if guard else "")
     lines += [f"{j}{ln}" for ln in inner.lines]
-    lines.append(f"{j}{ch}.set({v}, tldsl::gen::put<{st}>({x}));")
+    lines.append(f"{j}{ch}.set({v}, {inner.put(st, x)});")
     if guard:
         lines.append(f"{i3}}}")
     lines.append(f"{i2}}}")
@@ -561,7 +565,7 @@ def _dot_statement(em, op, ind, lines):
             dst = target.result
             x = RULES[target.name].element(em, target, ["ra", "ca"], el)
         slot = em.slot(dst)
-        store = el.lines + [f"{slot}[ra * {N} + ca] = tldsl::gen::put<{storage_ctype(dst.type.dtype)}>({x});"]
+        store = el.lines + [f"{slot}[ra * {N} + ca] = {el.put(storage_ctype(dst.type.dtype), x)};"]
     def operand(v):
         el = Elements(em, op)
         x = em.value(v, ["ra", "ca"], el)
@@ -609,7 +613,7 @@ def _frag_write_statement(em, op, ind, lines):
 
     def body(coords, el):
         x = em.value(tile, coords, el)
-        return [f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{st}>({x});"]
+        return [f"{slot}[{flat_index(coords, shape)}] = {el.put(st, x)};"]
     em.element_loop(op, shape, body, ind, lines, f"write fragment {slot}")
 
 
@@ -635,7 +639,7 @@ def _stored_element_statement(em, op, ind, lines):
 
     def body(coords, el):
         x = RULES[op.name].element(em, op, coords, el)
-        return [f"{slot}[{flat_index(coords, shape)}] = tldsl::gen::put<{st}>({x});"]
+        return [f"{slot}[{flat_index(coords, shape)}] = {el.put(st, x)};"]
     em.element_loop(op, shape, body, ind, lines, f"{op.name} -> {slot}")
 
 
@@ -681,7 +685,7 @@ def _data_statement(em, op, ind, lines):
             inner = Elements(em, op)
             x = em.value(tile, coords[:-1] + [f"({c} + {e})"], inner)
             out += ["#pragma unroll", f"for (int {e} = 0; {e} < {V}; ++{e}) {{", f"  if ({c} + {e} < {n}) {{",
-                    *[f"    {ln}" for ln in inner.lines], f"    {ch}.set({e}, tldsl::gen::put<{st}>({x}));", "  }", "}",
+                    *[f"    {ln}" for ln in inner.lines], f"    {ch}.set({e}, {inner.put(st, x)});", "  }", "}",
                     f"const unsigned {m} = ~0u;"]
         else:                       # a copy: only elements inside both tensors move
             srow, scol, sn = row_pointer(el, sbase, src.type.shape, [f"{o} + {x}" for o, x in zip(soff, coords[:-1] + [c])],

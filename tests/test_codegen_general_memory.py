@@ -86,14 +86,16 @@ def test_loads_stores_and_reductions_are_vectorised_in_the_source():
 
 
 def test_whole_rows_recompute_cheap_values_and_hold_the_row_in_registers():
-    """The row softmax reads t = float(x) and e = exp(t - max) twice each; storing them (96 KB a
-    row of 8192) would leave two tasks per SM. They are computed again where read, x's row is
-    held in registers (codegen/plan/held.py), and shared memory keeps only the two reductions:
-    four tasks of 128 threads a CTA."""
+    """The row softmax reads t = float(x) and e = exp(t - max) twice each; storing them in shared
+    memory (96 KB a row of 8192) would leave two tasks per SM. The cast is computed again where
+    read; the exp, costly, is held in registers beside x's row (codegen/plan/held.py) — a task
+    of 256 threads holds both, two tasks a CTA —, and shared memory keeps only the two
+    reductions and the row's reciprocal."""
     lk = lower(gp.row_softmax.trace(1, BIG, BIG, compute=ROWS, rows=1), "part")
-    assert lk.groups == 4 and lk.threads == 128, lk.describe()
-    assert len(lk.slots) == 2 and all("(reduce" in s for s in lk.slots), lk.describe()
-    assert len(lk.held) == 1 and "1x8192 f16 (load" in lk.held[0], lk.describe()
+    assert lk.groups == 2 and lk.threads == 256, lk.describe()
+    assert len(lk.slots) == 3 and sum("(reduce" in s for s in lk.slots) == 2, lk.describe()
+    assert len(lk.held) == 2 and "1x8192 f16 (load" in lk.held[0] and "1x8192 f32 (ewise" in lk.held[1], lk.describe()
+    assert lk.source.count("tldsl::gen::exp_(") == 1
 
 
 @pytest.mark.nvrtc

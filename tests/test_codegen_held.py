@@ -110,16 +110,21 @@ def _trace(fn, specs, tile, **kw):
     return fn.trace(1, *specs, compute=tl.ComputeSchedule(tile=tile), **kw)
 
 
-def test_a_whole_row_softmax_holds_its_row_and_runs_four_tasks_a_cta():
-    """x's row in registers (the values read twice are computed again), so the arena is the two
-    reductions' few floats and the CTA takes four tasks of 128 threads."""
+def test_a_whole_row_softmax_holds_its_row_and_its_exp():
+    """x's row and e = exp(x - max) in registers (the cast read twice is computed again; the exp
+    is not: :func:`codegen.plan.general._group_threads` takes the 256-thread groups that hold
+    it over four groups of 128 computing it twice), so the arena is the reductions' few
+    floats and the CTA takes two tasks of 256 threads."""
     k = gp.row_softmax.trace(1, S((16384, 8192), tl.float16), S((16384, 8192), tl.float16), compute=ROWS, rows=1)
     lk = lower(k, "part")
-    assert lk.threads == 128 and lk.groups == 4, lk.describe()
-    assert len(lk.held) == 1 and "1x8192 f16 (load" in lk.held[0] and "128 B a thread" in lk.held[0]
-    assert len(lk.slots) == 2 and all("reduce" in s for s in lk.slots)
-    assert "Chunk<tldsl::comm::f16, 8> hold" in lk.source
-    assert "of registers ->" in lk.source and "chunks of 8 from registers" in lk.source
+    assert lk.threads == 256 and lk.groups == 2, lk.describe()
+    assert len(lk.held) == 2 and "1x8192 f16 (load" in lk.held[0] and "64 B a thread" in lk.held[0]
+    assert "1x8192 f32 (ewise" in lk.held[1] and "128 B a thread" in lk.held[1]
+    assert all("reduce" in s or "ewise" in s for s in lk.slots) and len(lk.slots) == 3
+    assert "Chunk<tldsl::comm::f16, 8> hold" in lk.source and "Chunk<float, 8> hold" in lk.source
+    # one row a task: its reductions go thread, warp (shuffles), group — no partial a chunk
+    assert lk.source.count("over the row in registers ->") == 2 and "chunks of 8 from registers" in lk.source
+    assert "over the rows' chunks" not in lk.source
     # every held chunk is read at an index the unrolled loops make constant
     assert "#pragma unroll\n" in lk.source and "get(v" in lk.source
 

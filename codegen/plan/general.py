@@ -18,8 +18,9 @@ consumed, and the kernel's ABI.
   Offsets are first-fit in order of definition; the shared-memory arena holds at most 227 KB.
 * **Many tasks in flight over fewer stores**: where a part runs several tasks per CTA (task
   groups, below), element values read twice are computed again wherever that lets more tasks
-  share an SM (a memory-bound part is bound by the loads it keeps in flight, not by a cast or
-  an exp done twice).
+  share an SM (a memory-bound part is bound by the loads it keeps in flight, not by a cast) —
+  except those taking costly math (an ``exp``) where they fit in registers: those are held
+  there, and the group's threads are chosen to hold them (:func:`_group_threads`).
 * **Spilled slots** (:func:`_spills`): where the tiles do not fit in 227 KB even when element
   values read twice are computed again (the simulator takes tiles up to 256 x 256, a single f32
   one 256 KB), some move to a global-memory scratch private to each task group of each CTA
@@ -114,10 +115,19 @@ def reduce_partials(op: core.Op, threads: int, n: int | None = None) -> int:
 class ReduceSlot:
     """The shared memory of a ``reduce`` op's slot: its outputs, then the warps' partial results
     an output (:func:`reduce_partials`) at ``warp_offset``, then (a reduction of held registers)
-    one partial result a chunk at ``chunk_offset``."""
+    one partial result a chunk at ``chunk_offset``. ``one_row``: a held tile of one row, reduced
+    by each thread over its chunks, then its warp by shuffles, then one partial result a warp at
+    ``warp_offset`` (one a thread where threads are not warps: the CPU emulation)."""
     warp_offset: int
     chunk_offset: int
     nbytes: int
+    one_row: bool = False
+
+
+def one_row_held(order: ChunkOrder | None) -> bool:
+    """Whether a reduction of a held tile in ``order`` reduces one row (every chunk of every
+    thread in it: no partial result a chunk needs to go through shared memory)."""
+    return order is not None and math.prod(order.shape[:-1]) == 1
 
 
 def reduce_slot(op: core.Op, threads: int, order: ChunkOrder | None = None) -> ReduceSlot:
@@ -125,6 +135,8 @@ def reduce_slot(op: core.Op, threads: int, order: ChunkOrder | None = None) -> R
     chunk order, where the reduction reads registers)."""
     nout = math.prod(op.result.type.shape)
     out = (nout * elem_bytes(op.result.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
+    if one_row_held(order):
+        return ReduceSlot(out, out + threads * 4, out + threads * 4, True)
     P = reduce_partials(op, threads, None if order is None else order.K)
     end = out + P * nout * 4
     if order is None:
@@ -640,6 +652,7 @@ class _Layout:
     loops: dict = field(default_factory=dict)     # id(for op) -> DotLoop, the pipelined ones
     held: dict = field(default_factory=dict)      # value id -> Held (in registers: no tile)
     canon: dict = field(default_factory=dict)     # id(statement op) -> ChunkOrder (runs in chunk order)
+    recomputed: int = 0                           # element values with costly math computed by several statements
 
     @property
     def shared_bytes(self) -> int:
@@ -699,7 +712,18 @@ def _layout(prog: _Program, recompute, threads: int, loops: list[DotLoop] = ()) 
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)
         tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
     return _Layout(views, epilogues, frozenset(absorbed), tiles, wgmma, {id(lp.loop): lp for lp in loops},
-                   held, canon)
+                   held, canon, _recomputed_costly(prog, fused))
+
+
+def _recomputed_costly(prog: _Program, fused: set[int]) -> int:
+    """How many element values taking :data:`COSTLY_MATH` are computed where consumed by more
+    than one statement (an ``exp`` computed again for a row's sum and for its output)."""
+    n = 0
+    for op in prog.order:
+        v = op.result if op.results else None
+        if op.name in ("ewise", "cast") and v is not None and v.id in fused and _costly(v, math.prod(v.type.shape)):
+            n += len({id(s) for s, _ in _consumers(prog, v, fused)}) > 1
+    return n
 
 
 def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threads: int | None = None,
@@ -765,17 +789,23 @@ def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: in
     registers and less shared memory."""
     layout = _fitting_layout(prog, threads, loops)
     if layout.shared_bytes > SMEM_LIMIT:
-        again = _layout(prog, True, threads, layout_loops(layout))   # recompute shared values
+        again = _layout(prog, RECOMPUTE, threads, layout_loops(layout))   # recompute shared values
         if again.shared_bytes <= SMEM_LIMIT:
             layout = again
     elif task_groups(part, m, threads, 0) > 1:
         # a part whose CTAs run several tasks at once: recomputing element values read twice
         # (a cast, an exp) costs less than the tasks in flight a larger arena leaves out, or than
-        # another pass over shared memory where the loads stay in registers
-        again = _layout(prog, True, threads, layout_loops(layout))
+        # another pass over shared memory where the loads stay in registers — and where the
+        # costly ones among them fit in registers, storing those there costs less again (a row
+        # softmax's exp held: 0.292 -> 0.249 ms on an H200, BENCHMARKS.md, nineteenth session;
+        # stored in shared memory instead: 0.402)
+        again = _layout(prog, RECOMPUTE, threads, layout_loops(layout))
+        cheap = _layout(prog, RECOMPUTE_CHEAP, threads, layout_loops(layout))
+        if cheap.recomputed < again.recomputed and cheap.shared_bytes <= again.shared_bytes:
+            again = cheap
         g_again = task_groups(part, m, threads, again.shared_bytes)
         g_layout = task_groups(part, m, threads, layout.shared_bytes)
-        if g_again > g_layout or (g_again == g_layout and again.held and again.shared_bytes < layout.shared_bytes):
+        if g_again > g_layout or (g_again == g_layout and again.held and again.shared_bytes <= layout.shared_bytes):
             layout = again
     return layout
 
@@ -793,12 +823,14 @@ def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
     """The threads of a task group where a CTA runs several tasks at once: the fewest that keep
     the most loaded bytes in registers across the CTA's groups (:mod:`.held`: read from memory
     once, no pass over shared memory, and as many tasks' loads in flight as fit) — among
-    equals, the most of a task's — else :data:`GROUP_THREADS`."""
-    best, most = GROUP_THREADS, (0, 0)
+    equals, the most of a task's — else :data:`GROUP_THREADS`; first of all, the fewest costly
+    element values computed twice (a group large enough to hold a softmax's ``exp`` in
+    registers beats more groups computing it for the sum and again for the output)."""
+    best, most = GROUP_THREADS, (-math.inf, 0, 0)
     for t in GROUP_THREAD_CHOICES:
         layout = _chosen_layout(prog, part, m, t, [])
         task = _held_load_bytes(layout)
-        held = (task * task_groups(part, m, t, layout.shared_bytes), task)
+        held = (-layout.recomputed, task * task_groups(part, m, t, layout.shared_bytes), task)
         if held > most:
             best, most = t, held
     return best
@@ -866,11 +898,11 @@ def _fitting_layout(prog: _Program, threads: int, loops: list[DotLoop]) -> _Layo
     while loops:
         for stages in range(max(lp.stages for lp in loops), MIN_RING_STAGES - 1, -1):
             trial = [with_stages(lp, min(lp.stages, stages)) for lp in loops]
-            layout = _layout(prog, False, threads, trial)
+            layout = _layout(prog, STORE_SHARED, threads, trial)
             if layout.shared_bytes <= SMEM_LIMIT:
                 return layout
         loops.pop()                 # the last loop back to the statement path, then try again
-    return _layout(prog, False, threads)
+    return _layout(prog, STORE_SHARED, threads)
 
 
 def task_groups(part: core.Part, m: GeneralMatch, threads: int, arena: int) -> int:

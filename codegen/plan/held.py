@@ -35,9 +35,10 @@ from ...ir import core
 from ...ir import types as T
 from ..dtypes import elem_bytes
 
-#: the bytes of held tiles one thread keeps at once (32 registers: a 512-thread CTA has 128 a
-#: thread, and the element code, addresses and a store's chunk need the rest)
-HELD_BYTES = 128
+#: the bytes of held tiles one thread keeps at once (48 registers: a 512-thread CTA has 128 a
+#: thread, and the element code, addresses and a store's chunk need the rest) — a 256-thread
+#: task holds an 8192-wide f16 row and its f32 ``exp``
+HELD_BYTES = 192
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,9 @@ def _within_budget(prog, held: dict, readers: dict) -> dict:
         del held[max(over, key=lambda v: (held[v].thread_bytes, live[v][0]))]
 
 
-#: the bytes a thread holds at once with the next task's prefetched loads (:func:`prefetchable`)
-PREFETCH_BYTES = 2 * HELD_BYTES
+#: the bytes a thread holds at once with the next task's prefetched loads (:func:`prefetchable`):
+#: 64 registers
+PREFETCH_BYTES = 256
 #: the index code a prefetched load's offsets may be computed from (pure, per task)
 PREFETCH_INDEX_OPS = frozenset({"const", "program_id", "rank", "arith", "select"})
 

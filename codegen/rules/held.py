@@ -233,3 +233,37 @@ def chunk_partials(red, order: ChunkOrder, part: str, ind: str, lines: list[str]
               f"{i2}{part}[{walk.c}] = {acc};"]
     walk.close(ind + "  ", lines)
     lines += [f"{ind}}}", f"{ind}{barrier}"]
+
+
+def one_row_reduction(red, order: ChunkOrder, slot: str, warp_offset: int, identity: str, st: str, ind: str,
+                      lines: list[str], barrier: str) -> None:
+    """A reduction of a held tile of one row (:func:`..plan.general.one_row_held`): each thread
+    combines the elements of all its chunks (starting from ``identity``), its warp's lanes combine
+    theirs by shuffles, lane 0 writes the warp's result at ``warp_offset`` of the slot; after the
+    group's barrier one thread combines the warps' results in warp order. Two barriers and no
+    partial result a chunk in shared memory (a 256-thread task's row of 8192: 1024 of them)."""
+    em, op = red.em, red.op
+    k = em.fresh()
+    acc, kl, part, q, off = f"acc{k}", f"kL{k}", f"part{k}", f"q{k}", f"s{k}"
+    walk = ChunkWalk(em, order)
+    lines += [f"{ind}{{  // {red.kind} over the row in registers -> {slot}: threads, warps, then the group"
+              f"{marker(op.loc)}",
+              f"{ind}  constexpr int {kl} = TLDSL_REDUCE_LANES(32);",
+              f"{ind}  {red.ct}* const {part} = reinterpret_cast<{red.ct}*>(reinterpret_cast<unsigned char*>({slot}) + "
+              f"{warp_offset});",
+              f"{ind}  {red.ct} {acc} = {identity};"]
+    coords, i2, _ = walk.open(Elements(em, op), ind + "  ", lines)
+    inner = Elements(em, op)
+    walk.know_held(inner, coords)
+    v = em.value(red.x, walk.element_coords(coords), inner)
+    lines += [f"{i2}#pragma unroll", f"{i2}for (int {walk.v} = 0; {walk.v} < {order.V}; ++{walk.v}) {{",
+              *[f"{i2}  {ln}" for ln in inner.lines], f"{i2}  {acc} = {red.comb.format(acc, v)};", f"{i2}}}"]
+    walk.close(ind + "  ", lines)
+    lines += red.shuffle(acc, off, kl, ind + "  ")
+    lines += [f"{ind}  if (tid % {kl} == 0) {part}[tid / {kl}] = {acc};",
+              f"{ind}  {barrier}",
+              f"{ind}  if (tid == 0) {{",
+              f"{ind}    for (int {q} = 1; {q} < gthreads / {kl}; ++{q}) {acc} = {red.comb.format(acc, f'{part}[{q}]')};",
+              f"{ind}    {slot}[0] = tldsl::gen::put<{st}>({acc});",
+              f"{ind}  }}",
+              f"{ind}}}", f"{ind}{barrier}"]

@@ -373,6 +373,8 @@ def _chunked_store(em, op, t, offs, tile, shape, st, ind, lines):
 _REDUCE = {"sum": "tldsl::gen::add({0}, {1})", "max": "tldsl::gen::max_({0}, {1})",
            "min": "tldsl::gen::min_({0}, {1})"}
 _REDUCE_BOOL = {"sum": "({0} || {1})", "max": "({0} || {1})", "min": "({0} && {1})"}
+#: what a float reduction starts from (combining it with x gives x: -0 + x is x for either zero)
+_IDENTITY = {"sum": "-0.0f", "max": "__uint_as_float(0xff800000u)", "min": "__uint_as_float(0x7f800000u)"}
 
 
 @dataclass(frozen=True)
@@ -464,10 +466,14 @@ def _reduce_held(em, op, order, ind, lines):
     memory (:func:`.held.chunk_partials`), then those reduced as a row reduction reduces."""
     slot = em.slot(op.result)
     red = _Reduction(em, op)
+    layout = reduce_slot(op, em.plan.threads, order)
+    if layout.one_row:
+        return held_rules.one_row_reduction(red, order, slot, layout.warp_offset, _IDENTITY[red.kind],
+                                            storage_ctype(red.dt), ind, lines, BARRIER)
     part = f"chunks{em.fresh()}"
     lines += [f"{ind}{{  // {red.kind} over axis {red.axis} of registers -> {slot}{marker(op.loc)}",
               f"{ind}  {red.ct}* const {part} = reinterpret_cast<{red.ct}*>(reinterpret_cast<unsigned char*>({slot}) + "
-              f"{reduce_slot(op, em.plan.threads, order).chunk_offset});"]
+              f"{layout.chunk_offset});"]
     held_rules.chunk_partials(red, order, part, ind + "  ", lines, BARRIER)
     _reduce_rows(_Reduction(em, op, part, order.K), ind + "  ", lines)
     lines.append(f"{ind}}}")

@@ -32,7 +32,7 @@ def _trace_lower_compile(M: int, N: int, K: int) -> dict:
     compiled = lowered.compile(progress=False)
     t2 = time.perf_counter()
     return {"trace_lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
-            "nvrtc_s": compiled.compile_seconds, "cubin_bytes": len(compiled.cubin)}
+            "nvrtc_s": compiled.compile_seconds, "cubin_bytes": len(compiled.cubin), "cached": compiled.cached}
 
 
 def _hit_main(shape: str) -> None:
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     print(f"# {args.shape} GEMM, schedule {SCHEDULE}; NVRTC {tc.nvrtc_version}, {os.cpu_count()} CPU(s); cache {cache}")
     print(f"cold:      trace+lower {1e3 * cold['trace_lower_s']:.1f} ms, compile {cold['compile_s']:.2f} s "
           f"(NVRTC {cold['nvrtc_s']:.2f} s), cubin {cold['cubin_bytes'] // 1024} KiB")
-    print(f"cache hit: trace+lower {1e3 * hit['trace_lower_s']:.1f} ms, lookup {1e3 * hit['compile_s']:.1f} ms, "
+    print(f"cache {'hit' if hit['cached'] else 'MISS'}: trace+lower {1e3 * hit['trace_lower_s']:.1f} ms, "
+          f"lookup {1e3 * hit['compile_s']:.1f} ms, "
           f"end to end {1e3 * hit['total_s']:.1f} ms (a second process, after its imports; the whole process "
           f"including Python's start and the imports: {wall:.2f} s)")
     return 0

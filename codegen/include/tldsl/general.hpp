@@ -138,19 +138,9 @@ template <class T>
 TLDSL_DEV T min_(T a, T b) {
   return a != a ? a : (b != b ? b : (a < b ? a : b));
 }
-#if !defined(TLDSL_HOST_EMULATION)
-// f32: one instruction (max.NaN: a NaN operand gives NaN) where the portable form takes four
-TLDSL_DEV float max_(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-TLDSL_DEV float min_(float a, float b) {
-  float d;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-#endif
+// f32: comm's (one instruction on the GPU)
+TLDSL_DEV float max_(float a, float b) { return comm::fmax_nan(a, b); }
+TLDSL_DEV float min_(float a, float b) { return comm::fmin_nan(a, b); }
 
 // numpy's integer floor division and modulo: 0 for a zero divisor, INT_MIN // -1 wraps
 TLDSL_DEV int floordiv(int a, int b) {

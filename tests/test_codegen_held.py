@@ -129,6 +129,16 @@ def test_a_whole_row_softmax_holds_its_row_and_its_exp():
     assert "#pragma unroll\n" in lk.source and "get(v" in lk.source
 
 
+@pytest.mark.parametrize("n,threads,groups", [(2048, 64, 8), (4096, 128, 4), (8192, 256, 2)])
+def test_the_group_is_as_large_as_holding_the_exp_needs(n, threads, groups):
+    """Rows of 2048 to 8192: the fewest threads a task that hold the row and its exp (48
+    registers a thread at most), so the exp is computed once, and as many tasks a CTA as fit."""
+    k = gp.row_softmax.trace(1, S((4096, n), tl.float16), S((4096, n), tl.float16), compute=ROWS, rows=1)
+    lk = lower(k, "part")
+    assert (lk.threads, lk.groups) == (threads, groups), lk.describe()
+    assert lk.source.count("tldsl::gen::exp_(") == 1 and any("f32 (ewise" in h for h in lk.held)
+
+
 def test_rms_norms_hold_the_row_and_the_weights():
     x, w = S((16384, 8192), tl.float16), S((1, 8192), tl.float16)
     lk = lower(gp.rms_norm.trace(1, x, w, x, compute=ROWS, rows=1), "part")

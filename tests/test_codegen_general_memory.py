@@ -115,6 +115,27 @@ def test_sass_has_128_bit_global_accesses_shuffles_and_no_spills(tmp_path):
             assert sass.count("SHFL.BFLY") >= 1, lk.entry     # warp-shuffle row reductions
 
 
+@pytest.mark.nvrtc
+def test_rows_of_16384_hold_no_more_than_fits_and_do_not_spill(tmp_path):
+    """Whole rows of 16384 (the programs' WHOLE_ROW): 512-thread tasks; the residual add +
+    RMSNorm holds its loads within HELD_BYTES (with the residual and its f32 cast held as well,
+    48 registers of held tiles, it spilled 208 bytes), and the softmax's exp is held or computed
+    again — never a 64 KB slot of shared memory (slower than either: BENCHMARKS.md, nineteenth
+    session)."""
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    from tldsl.codegen.toolchain.cache import KernelCache
+    from tldsl.codegen.toolchain.compiler import compile_many
+    wide, w = S((256, 16384), tl.float16), S((1, 16384), tl.float16)
+    lks = [lower(gp.add_rms_norm.trace(1, wide, wide, w, wide, wide, compute=ROWS, rows=1), "part"),
+           lower(gp.row_softmax.trace(1, wide, wide, compute=ROWS, rows=1), "part")]
+    assert not any("1x16384 f32" in s for s in lks[1].slots), lks[1].describe()
+    for lk, ck in zip(lks, compile_many([lk.job() for lk in lks], cache=KernelCache(tmp_path), progress=False)):
+        sass = ck.sass()[ck.name]
+        assert sass.spill_instructions == 0, (lk.entry, lk.describe(), sass.summary())
+
+
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="the generated code runs on CPU threads")
 @pytest.mark.parametrize("name,rows,threads", [("row_softmax", 1, None), ("rms_norm", 1, None),
                                                ("add_rms_norm", 2, 256), ("row_softmax", 1, 256)])

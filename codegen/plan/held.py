@@ -35,10 +35,14 @@ from ...ir import core
 from ...ir import types as T
 from ..dtypes import elem_bytes
 
-#: the bytes of held tiles one thread keeps at once (48 registers: a 512-thread CTA has 128 a
-#: thread, and the element code, addresses and a store's chunk need the rest) — a 256-thread
-#: task holds an 8192-wide f16 row and its f32 ``exp``
-HELD_BYTES = 192
+#: the bytes of held tiles one thread keeps at once (32 registers: a 512-thread CTA has 128 a
+#: thread, and the element code, addresses and a store's chunk need the rest)
+HELD_BYTES = 128
+#: the same while a value taking costly math is among them (48 registers: a 256-thread task holds
+#: an 8192-wide f16 row and its f32 ``exp``, which would otherwise be computed twice) — loads
+#: alone stay within :data:`HELD_BYTES` (an RMSNorm over rows of 16384 holding its loads, the
+#: residual and the f32 cast in 48 registers spilled 208 bytes)
+COSTLY_HELD_BYTES = 192
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def _chunk_dtypes(stmt: core.Op) -> list:
 
 
 def plan_held(prog, candidates: list[core.Op], consumers, reach_ok, threads: int,
-              absorbed: frozenset) -> tuple[dict, dict]:
+              absorbed: frozenset, costly=lambda v: False) -> tuple[dict, dict]:
     """({value id: Held}, {id(statement op): ChunkOrder}) for the ``candidates`` (ops whose value
     would otherwise get a slot), given ``consumers(value) -> [(statement, pointwise)]`` and
     ``reach_ok(def op, statement)`` (the statement reads it in the defining iteration)."""
@@ -147,7 +151,7 @@ def plan_held(prog, candidates: list[core.Op], consumers, reach_ok, threads: int
         order = ChunkOrder(shape, V, threads)
         for v in vids:
             held[v] = Held(ops[v].result, order)
-    held = _within_budget(prog, held, readers)
+    held = _within_budget(prog, held, readers, costly)
     canon: dict[int, ChunkOrder] = {}
     for vid, h in held.items():
         for s in readers[vid]:
@@ -155,16 +159,18 @@ def plan_held(prog, candidates: list[core.Op], consumers, reach_ok, threads: int
     return held, canon
 
 
-def _within_budget(prog, held: dict, readers: dict) -> dict:
-    """``held`` less the values that would take a thread over :data:`HELD_BYTES` at some
-    statement (the largest live there first)."""
+def _within_budget(prog, held: dict, readers: dict, costly) -> dict:
+    """``held`` less the values that would take a thread over :data:`HELD_BYTES` — or
+    :data:`COSTLY_HELD_BYTES` where a value ``costly(value)`` says takes costly math is live —
+    at some statement (the largest live there first)."""
     held = dict(held)
     live = {vid: (prog.pos[id(rs[0])], max(prog.pos[id(s)] for s in rs)) for vid, rs in readers.items()}
     while True:
         over = None
         for p in sorted({live[v][0] for v in held}):
             here = [v for v in held if live[v][0] <= p <= live[v][1]]
-            if sum(held[v].thread_bytes for v in here) > HELD_BYTES:
+            limit = COSTLY_HELD_BYTES if any(costly(held[v].value) for v in here) else HELD_BYTES
+            if sum(held[v].thread_bytes for v in here) > limit:
                 over = here
                 break
         if over is None:

@@ -16,7 +16,8 @@ order**: the tile's rows cut into chunks of ``V`` consecutive elements, chunk ``
 its own registers every element it needs. Only loads (16-byte chunks of a tensor's rows) and
 element values (``ewise``, ``cast``) are held, of 2- or 4-byte float types; ``V`` is one per tile
 shape (8 where a 16-bit type takes part, else 4) and must divide the rows. The registers a
-thread holds at once are capped at :data:`HELD_BYTES`; over it, the largest values live there
+thread holds at once are capped at :data:`HELD_BYTES` (:data:`COSTLY_HELD_BYTES` while a value
+taking costly math — an ``exp`` — is among them); over it, the largest values live there
 go back to shared memory first. A held load at the top of the task body is **prefetched**
 (:func:`prefetchable`): while a task computes, its group already loads the chunks of the task it
 runs next into a second set of registers, so a memory-bound part keeps a load in flight the

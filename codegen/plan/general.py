@@ -652,7 +652,7 @@ class _Layout:
     loops: dict = field(default_factory=dict)     # id(for op) -> DotLoop, the pipelined ones
     held: dict = field(default_factory=dict)      # value id -> Held (in registers: no tile)
     canon: dict = field(default_factory=dict)     # id(statement op) -> ChunkOrder (runs in chunk order)
-    recomputed: int = 0                           # values with costly math read twice and not in registers
+    costly_not_held: int = 0                      # values with costly math read twice, not in registers
 
     @property
     def shared_bytes(self) -> int:
@@ -809,7 +809,7 @@ def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: in
         # stored in shared memory instead: 0.402)
         again = _layout(prog, RECOMPUTE, threads, layout_loops(layout))
         cheap = _layout(prog, RECOMPUTE_CHEAP, threads, layout_loops(layout))
-        if cheap.recomputed < again.recomputed and cheap.shared_bytes <= again.shared_bytes:
+        if cheap.costly_not_held < again.costly_not_held and cheap.shared_bytes <= again.shared_bytes:
             again = cheap
         g_again = task_groups(part, m, threads, again.shared_bytes)
         g_layout = task_groups(part, m, threads, layout.shared_bytes)
@@ -838,7 +838,7 @@ def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
     for t in GROUP_THREAD_CHOICES:
         layout = _chosen_layout(prog, part, m, t, [])
         task = _held_load_bytes(layout)
-        held = (-layout.recomputed, task * task_groups(part, m, t, layout.shared_bytes), task)
+        held = (-layout.costly_not_held, task * task_groups(part, m, t, layout.shared_bytes), task)
         if held > most:
             best, most = t, held
     return best

@@ -83,10 +83,8 @@ _ROUNDING = {"f16": "tldsl::gen::round_f16", "bf16": "tldsl::gen::round_bf16"}
 
 def round_to(dtype: T.DType, expr: str, compute: str) -> str:
     """``expr`` (in ``compute``) as a value of ``dtype``: 16-bit floats rounded, double narrowed."""
-    if dtype.name == "f16":
-        return f"tldsl::gen::round_f16({expr})"
-    if dtype.name == "bf16":
-        return f"tldsl::gen::round_bf16({expr})"
+    if dtype.name in _ROUNDING:
+        return f"{_ROUNDING[dtype.name]}({expr})"
     if dtype.name == "f32" and compute != "float":
         return f"(float)({expr})"
     if dtype.kind == "int" and compute != "int":
@@ -462,7 +460,8 @@ def _reduce_statement(em, op, ind, lines):
 
 
 def _reduce_held(em, op, order, ind, lines):
-    """A reduction along the rows of held registers: each chunk's partial result into shared
+    """A reduction along the rows of held registers: of one row, thread by thread, then warp by
+    warp (:func:`.held.one_row_reduction`); of several, each chunk's partial result into shared
     memory (:func:`.held.chunk_partials`), then those reduced as a row reduction reduces."""
     slot = em.slot(op.result)
     red = _Reduction(em, op)

@@ -155,44 +155,25 @@ inline float fadd(float a, float b) { return a + b; }
 inline float fsub(float a, float b) { return a - b; }
 inline float fmul(float a, float b) { return a * b; }
 inline float fdiv(float a, float b) { return a / b; }
-#else
-TLDSL_DEV float fadd(float a, float b) {
-  float d;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-TLDSL_DEV float fsub(float a, float b) {
-  float d;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-TLDSL_DEV float fmul(float a, float b) {
-  float d;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-TLDSL_DEV float fdiv(float a, float b) {
-  float d;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-#endif
-// numpy's maximum / minimum: NaN wins (on the GPU one max.NaN / min.NaN instruction, where the
-// portable form takes four)
-#if defined(TLDSL_HOST_EMULATION)
+// numpy's maximum / minimum: NaN wins
 inline float fmax_nan(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
 inline float fmin_nan(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
 #else
-TLDSL_DEV float fmax_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-TLDSL_DEV float fmin_nan(float a, float b) {
-  float d;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
+// one PTX instruction each: NAME(a, b) is INSTR a, b
+#define TLDSL_F32_BINARY(NAME, INSTR)                                  \
+  TLDSL_DEV float NAME(float a, float b) {                             \
+    float d;                                                           \
+    asm(INSTR " %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));              \
+    return d;                                                          \
+  }
+TLDSL_F32_BINARY(fadd, "add.rn.f32")
+TLDSL_F32_BINARY(fsub, "sub.rn.f32")
+TLDSL_F32_BINARY(fmul, "mul.rn.f32")
+TLDSL_F32_BINARY(fdiv, "div.rn.f32")
+// numpy's maximum / minimum: NaN wins (one instruction where the portable form takes four)
+TLDSL_F32_BINARY(fmax_nan, "max.NaN.f32")
+TLDSL_F32_BINARY(fmin_nan, "min.NaN.f32")
+#undef TLDSL_F32_BINARY
 #endif
 TLDSL_DEV int iadd(int a, int b) { return int(unsigned(a) + unsigned(b)); }   // i32 wraps
 TLDSL_DEV int isub(int a, int b) { return int(unsigned(a) - unsigned(b)); }

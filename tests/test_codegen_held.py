@@ -13,6 +13,7 @@ import tldsl as tl
 from tldsl.bench import general_programs as gp
 from tldsl.codegen import lower
 from tldsl.codegen.plan.held import HELD_BYTES
+from tldsl.codegen.rules.tile_ops import BARRIER
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
 S = tl.TensorSpec
@@ -120,7 +121,12 @@ def test_a_whole_row_softmax_holds_its_row_and_its_exp():
     assert lk.threads == 256 and lk.groups == 2, lk.describe()
     assert len(lk.held) == 2 and "1x8192 f16 (load" in lk.held[0] and "64 B a thread" in lk.held[0]
     assert "1x8192 f32 (ewise" in lk.held[1] and "128 B a thread" in lk.held[1]
-    assert all("reduce" in s or "ewise" in s for s in lk.slots) and len(lk.slots) == 3
+    # max, sum and 1 / sum in every thread's registers: the slots are the reductions' warp results
+    assert len(lk.replicated) == 3 and "f32 (reduce" in lk.replicated[0] and "f32 (ewise" in lk.replicated[2]
+    assert all("reduce" in s for s in lk.slots) and len(lk.slots) == 2
+    # a barrier a reduction, none after the exp, the reciprocal, the store or at the task's end
+    loop = lk.source.index("for (int task")
+    assert lk.source.count(BARRIER) == 2 and lk.source.index(BARRIER) > loop, lk.source
     assert "Chunk<tldsl::comm::f16, 8> hold" in lk.source and "Chunk<float, 8> hold" in lk.source
     # one row a task: its reductions go thread, warp (shuffles), group — no partial a chunk
     assert lk.source.count("over the row in registers ->") == 2 and "chunks of 8 from registers" in lk.source
@@ -350,14 +356,16 @@ def shift_right(x, *, compute: tl.ComputeSchedule = None):
      {"compute": tl.ComputeSchedule(tile=(16, 256, 16))}),
     (shift_right, [S((64, 512), tl.float16)], {}),
 ], ids=["read_and_reset", "shift_right"])
-def test_a_held_load_of_a_tensor_the_part_writes_ends_with_a_barrier(tmp_path, fn, specs, kw):
+def test_a_held_load_of_a_tensor_the_part_writes_has_a_barrier_before_the_write(tmp_path, fn, specs, kw):
     """Every thread has its chunks before any thread's next statement writes the tensor (found
     by review: without the barrier, CPU threads read zeros / shifted values). One launch: the
     simulator's default second launch would read what the first wrote."""
     from test_codegen_general import emulate, inputs_for
     k = fn.trace(1, *specs, **kw)
     lk = lower(k, "part")
-    assert lk.held and "before the tensor is written" in lk.source, lk.describe()
+    src = lk.source
+    load, write = src.index("load acc" if fn is read_and_reset else "load x"), src.index("store -> ")
+    assert lk.held and BARRIER in src[load:write], lk.describe()     # every chunk loaded before any is written
     arrays = inputs_for(k, np.random.default_rng(0))
     want = tl.simulate(fn, 1, [{n: a.copy() for n, a in arrays.items()}], options={"launches": 1}, **kw)[0]
     got = emulate(k, lk, {n: a.copy() for n, a in arrays.items()}, tmp_path, grid=3)

@@ -232,6 +232,7 @@ class GeneralPlan:
     prefetch: frozenset = frozenset()              # held loads the next task's chunks are fetched for early
     written: frozenset = frozenset()               # id() of the tensors the part writes on this rank
     invariant: frozenset = frozenset()             # held loads of the same tile every task: loaded once
+    replicated: frozenset = frozenset()            # one-element values every thread holds in a register
 
     def materialised(self, v: core.Value) -> bool:
         return v.id in self.slots
@@ -653,6 +654,7 @@ class _Layout:
     held: dict = field(default_factory=dict)      # value id -> Held (in registers: no tile)
     canon: dict = field(default_factory=dict)     # id(statement op) -> ChunkOrder (runs in chunk order)
     costly_not_held: int = 0                      # values with costly math read twice, not in registers
+    replicated: frozenset = frozenset()           # one-element values every thread holds (:func:`_replicated`)
 
     @property
     def shared_bytes(self) -> int:
@@ -695,9 +697,10 @@ def _layout(prog: _Program, recompute, threads: int, loops: list[DotLoop] = ()) 
                             lambda v: _consumers(prog, v, fused),
                             lambda op, s: prog.reach(op, s) == prog.pos[id(s)], threads, frozenset(absorbed),
                             lambda v: v.owner.name in ("ewise", "cast") and _costly(v, math.prod(v.type.shape)))
+    replicated = frozenset() if loops else _replicated(prog, stored, held, canon, fused)
     for op in stored:
         v = op.result
-        if v.id in held:
+        if v.id in held or (v.id in replicated and op.name != "reduce"):
             continue
         nbytes = (math.prod(v.type.shape) * elem_bytes(v.type.dtype) + ALIGN - 1) // ALIGN * ALIGN
         if op.name == "reduce":     # its warps' partial results, where several warps share an output
@@ -708,12 +711,46 @@ def _layout(prog: _Program, recompute, threads: int, loops: list[DotLoop] = ()) 
             start = after_loop[v.id]
         if v.id in written_back:
             end = max(end, written_back[v.id])
+        if v.id in replicated:      # the warps' partial results, apart from every other slot: no
+            end = len(prog.order)   # later statement overwrites them while a thread still reads
         touching = {id(u) for u in stmts if not (u.results and u.result.id in fused)}   # statements only
         touches = sum(LOOP_WEIGHT ** len(prog.loops[k]) for k in touching)
         dot_operand = any(u.name == "dot" for u in stmts if u is not op)
         tiles.append(_Tile(v, op, nbytes, starts.get(v.id, start), end, touches, dot_operand))
     return _Layout(views, epilogues, frozenset(absorbed), tiles, wgmma, {id(lp.loop): lp for lp in loops},
-                   held, canon, _costly_not_held(prog, fused, held))
+                   held, canon, _costly_not_held(prog, fused, held), replicated)
+
+
+#: ops that read a value only through its element rule (:meth:`..rules.tile_ops.TileEmitter.value`)
+_ELEMENT_READERS = ELEMENT_OPS | {"store", "reduce"}
+
+
+def _replicated(prog: _Program, stored: list[core.Op], held: dict, canon: dict, fused: set[int]) -> frozenset:
+    """The one-element tiles every thread of the group holds in a register instead of a slot:
+    a one-row reduction of held registers (each thread combines the warps' partial results itself,
+    in the same order — no thread writes the result for the others to read after a barrier), and
+    element ops of one element computed only from such values (a softmax's ``1 / sum``: each
+    thread divides, no slot, no barrier). Only where every reader reads it element by element."""
+    out: set[int] = set()
+
+    def from_replicated(v: core.Value) -> bool:
+        if not isinstance(v.type, (T.TileType, T.FragmentType)):
+            return True             # a scalar: index code every thread has
+        if v.id in out:
+            return True
+        op = v.owner
+        return v.id in fused and op.name in ELEMENT_OPS and all(from_replicated(o) for o in op.operands)
+
+    for op in stored:
+        v = op.result
+        if v.id in held or not isinstance(v.type, T.TileType) or math.prod(v.type.shape) != 1:
+            continue
+        if any(u.name not in _ELEMENT_READERS for u in prog.users.get(v.id, [])):
+            continue
+        if (op.name == "reduce" and one_row_held(canon.get(id(op)))) or \
+                (op.name in ("ewise", "cast") and all(from_replicated(o) for o in op.operands)):
+            out.add(v.id)
+    return frozenset(out)
 
 
 def _costly_not_held(prog: _Program, fused: set[int], held: dict) -> int:
@@ -786,7 +823,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
                        grouped=grouped, tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
-                       held=layout.held, canon=layout.canon,
+                       held=layout.held, canon=layout.canon, replicated=layout.replicated,
                        written=written, **_prefetch(part, m, layout, grouped, written))
 
 

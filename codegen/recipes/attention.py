@@ -146,7 +146,7 @@ class _Control(SignalEmitter):
         else:
             super().emit_op(op, ind, lines)
 
-    def leave_region(self, block: core.Block) -> None:
+    def leave_region(self, block: core.Block, ind: str, lines: list[str]) -> None:
         if block is self.m.block:                    # the block's values are still in scope here
             self._block_text = self._block_call()
 

@@ -16,9 +16,11 @@ and notifies :mod:`..rules.primitives`.
   global-memory scratch (``scratch``; CTA ``b``'s group ``g`` at ``(b * groups + g) *
   scratch_bytes``); loaded tiles every reader takes element for element are held in the
   threads' registers (:mod:`..plan.held`, :mod:`..rules.held`); the rest are computed element
-  by element where consumed. Every statement is a loop of the group's
-  threads over its output elements followed by the group's barrier (a load into registers only
-  where the part writes the tensor it reads): loads and stores move
+  by element where consumed; a one-element value computed from held rows (a row's max, sum,
+  ``1 / sum``) is in every thread's registers. Every statement is a loop of the group's
+  threads over its output elements, with the group's barrier only before a statement that
+  touches memory (a slot, a tensor) the statements since the last barrier touched, one of them
+  writing (:mod:`..rules.barriers`): loads and stores move
   16-byte chunks of a tile's rows (vector accesses where inside the tensor and aligned, element
   by element at its edges), row reductions combine 32 lanes of a warp by shuffles; ``dot`` runs
   on tensor cores, fp32 accumulation: on WGMMA where its tile has a multiple of 64 rows and
@@ -79,6 +81,7 @@ class LoweredGeneral(LoweredKernel):
     wgmma_dots: int = 0                # of ``dots``, those on WGMMA (the rest on mma.sync)
     tma: tuple = ()                    # TmaDescriptorSpec per "tma" parameter (pipelined loops' copies)
     held: tuple[str, ...] = ()         # the tiles held in registers, described (plan.held)
+    replicated: tuple[str, ...] = ()   # the one-element values every thread holds, described
 
     @property
     def cta_threads(self) -> int:
@@ -116,6 +119,7 @@ class LoweredGeneral(LoweredKernel):
                           f"wait(s), {self.notifies} notify(s) on {list(self.signals)}",
                           *(f"  {s}" for s in self.slots),
                           *(f"  {s}" for s in self.held),
+                          *(f"  {s}" for s in self.replicated),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
 
 
@@ -144,13 +148,14 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          "  (void)rank; (void)launch;",
          "  TLDSL_DYNAMIC_SMEM(tldsl_smem);",
          "  (void)tldsl_smem;",
+         "  // the task group of this thread: its threads, its index among them, its shared memory",
          "#if defined(TLDSL_HOST_EMULATION)",
          "  constexpr int kGroups = 1;",
+         "  const int gthreads = (int)blockDim.x;   // the CPU check may run fewer threads than planned",
          "#else",
          f"  constexpr int kGroups = {plan.groups};",
+         f"  constexpr int gthreads = {plan.threads};   // the launch's block is kGroups * gthreads threads",
          "#endif",
-         "  // the task group of this thread: its threads, its index among them, its shared memory",
-         "  const int gthreads = (int)blockDim.x / kGroups;",
          "  const int grp = (int)threadIdx.x / gthreads;",
          "  const int tid = (int)threadIdx.x - grp * gthreads;",
          f"  unsigned char* const tldsl_arena = static_cast<unsigned char*>(__builtin_assume_aligned(tldsl_smem + grp * {plan.arena_bytes}, 16));",
@@ -175,10 +180,14 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     held = tuple(f"registers {h.thread_bytes:>3} B a thread: {'x'.join(map(str, h.value.type.shape))} "
                  f"{h.value.type.dtype} ({h.value.owner.name}{', ' + h.value.owner.loc.short() if h.value.owner.loc else ''})"
                  f", chunks of {h.order.V}" for h in plan.held.values())
+    every = tuple(f"registers in every thread: 1 {v.type.dtype} ({v.owner.name}"
+                  f"{', ' + v.owner.loc.short() if v.owner.loc else ''})"
+                  for v in (op.result for op in p.walk() if op.results and op.result.id in plan.replicated))
     return LoweredGeneral(kernel.name, p.name, plan.entry, "\n".join(L), plan.params, plan.threads, plan.smem_bytes,
                           tuple(p.grid), m.dots, m.waits, m.notifies, plan.signals, slots, plan.options, plan.lanes,
                           plan.groups, plan.scratch_bytes,
-                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()), plan.tma, held)
+                          len(plan.wgmma) + sum(len(lp.dots) for lp in plan.dot_loops.values()), plan.tma, held,
+                          every)
 
 
 def _decode_lines(plan: GeneralPlan) -> list[str]:

@@ -5,7 +5,8 @@ A held tile is an array of ``tldsl::comm::Chunk<T, V>`` a thread, ``hold<id>[s]`
 ``s * threads + tid`` (declared where the tile is defined, in the scope of every statement
 that reads it). Each statement here walks the same chunks, unrolled, so every index into a
 held array is a constant: the loads go from global memory straight into the registers (no
-barrier after them unless the part writes the tensor they read), stores and element values
+barrier of their own: :mod:`.barriers` puts one before a statement writing the tensor they
+read), stores and element values
 read them element for element, and a reduction along the rows first combines each chunk's ``V``
 elements in its thread, writes one partial result a chunk to shared memory, and reduces those
 as any row reduction does (:func:`.tile_ops._reduce_statement`)."""
@@ -37,6 +38,8 @@ class ChunkWalk:
         to ``el``, which runs at the top of each chunk)."""
         coords, _ = chunk_coords(el, self.c, self.order.shape, self.order.V)
         extra = then(el, coords) if then is not None else None
+        # the test stays where the threads divide the tile: without it ptxas hoists every chunk's
+        # address code and a 16384-wide residual add + RMSNorm spilled 1.1 KB a thread
         lines += [f"{ind}#pragma unroll",
                   f"{ind}for (int {self.s} = 0; {self.s} < {self.order.per_thread}; ++{self.s}) {{",
                   f"{ind}  const int {self.c} = {self.s} * gthreads + tid;",
@@ -69,11 +72,11 @@ def declare(em, v: core.Value, ind: str, lines: list[str]) -> str:
     return name
 
 
-def held_load(em, op, offs: list[str], ind: str, lines: list[str], barrier: str) -> None:
+def held_load(em, op, offs: list[str], ind: str, lines: list[str]) -> None:
     """A load into registers: each thread's chunks straight from global memory (vector loads
-    where inside the tensor and aligned, element by element at its edges, zeros outside) —
-    followed by the group's barrier only where the part writes the tensor (another thread's
-    later statement could otherwise overwrite chunks this one has not loaded yet). A
+    where inside the tensor and aligned, element by element at its edges, zeros outside) — no
+    barrier of its own: a later statement writing the tensor gets one before it (:mod:`.barriers`;
+    another thread could otherwise overwrite chunks this one has not loaded yet). A
     prefetched load (:func:`..plan.held.prefetchable`) takes the chunks fetched during the task
     before, then fetches the next task's."""
     if op.result.id in em.plan.invariant:
@@ -82,9 +85,7 @@ def held_load(em, op, offs: list[str], ind: str, lines: list[str], barrier: str)
         return
     name = declare(em, op.result, ind, lines)
     if op.result.id not in em.plan.prefetch:
-        _fill_chunks(em, op, offs, name, ind, lines)
-        if id(op.operands[0].owner) in em.plan.written:
-            lines.append(f"{ind}{barrier}  // every thread has its chunks before the tensor is written")
+        _fill_chunks(em, op, offs, name, ind, lines)   # a later write of the tensor: barrier before it
         return
     order = em.plan.held[op.result.id].order
     s = f"s{em.fresh()}"
@@ -236,17 +237,21 @@ def chunk_partials(red, order: ChunkOrder, part: str, ind: str, lines: list[str]
 
 
 def one_row_reduction(red, order: ChunkOrder, slot: str, warp_offset: int, identity: str, st: str, ind: str,
-                      lines: list[str], barrier: str) -> None:
+                      lines: list[str], barrier: str, every: str | None = None) -> None:
     """A reduction of a held tile of one row (:func:`..plan.general.one_row_held`): each thread
     combines the elements of all its chunks (starting from ``identity``), its warp's lanes combine
     theirs by shuffles, lane 0 writes the warp's result at ``warp_offset`` of the slot; after the
-    group's barrier one thread combines the warps' results in warp order. Two barriers and no
-    partial result a chunk in shared memory (a 256-thread task's row of 8192: 1024 of them)."""
+    group's barrier one thread combines the warps' results in warp order into the slot — or, with
+    ``every`` (the register every thread holds the result in, :func:`..plan.general._replicated`),
+    every thread does, in the same order, and nothing waits on a second barrier. No partial result
+    a chunk in shared memory (a 256-thread task's row of 8192: 1024 of them)."""
     em, op = red.em, red.op
     k = em.fresh()
     acc, kl, part, q, off = f"acc{k}", f"kL{k}", f"part{k}", f"q{k}", f"s{k}"
     walk = ChunkWalk(em, order)
-    lines += [f"{ind}{{  // {red.kind} over the row in registers -> {slot}: threads, warps, then the group"
+    if every is not None:
+        lines.append(f"{ind}{st} {every};  // {red.kind} of the row, in every thread's registers{marker(op.loc)}")
+    lines += [f"{ind}{{  // {red.kind} over the row in registers -> {every or slot}: threads, warps, then the group"
               f"{marker(op.loc)}",
               f"{ind}  constexpr int {kl} = TLDSL_REDUCE_LANES(32);",
               f"{ind}  {red.ct}* const {part} = reinterpret_cast<{red.ct}*>(reinterpret_cast<unsigned char*>({slot}) + "
@@ -261,8 +266,15 @@ def one_row_reduction(red, order: ChunkOrder, slot: str, warp_offset: int, ident
     walk.close(ind + "  ", lines)
     lines += red.shuffle(acc, off, kl, ind + "  ")
     lines += [f"{ind}  if (tid % {kl} == 0) {part}[tid / {kl}] = {acc};",
-              f"{ind}  {barrier}",
-              f"{ind}  if (tid == 0) {{",
+              f"{ind}  {barrier}"]
+    if every is not None:
+        lines += [f"{ind}  {acc} = {part}[0];",
+                  f"{ind}  #pragma unroll 8",
+                  f"{ind}  for (int {q} = 1; {q} < gthreads / {kl}; ++{q}) {acc} = {red.comb.format(acc, f'{part}[{q}]')};",
+                  f"{ind}  {every} = tldsl::gen::put<{st}>({acc});",
+                  f"{ind}}}", f"{ind}{barrier}"]
+        return
+    lines += [f"{ind}  if (tid == 0) {{",
               f"{ind}    for (int {q} = 1; {q} < gthreads / {kl}; ++{q}) {acc} = {red.comb.format(acc, f'{part}[{q}]')};",
               f"{ind}    {slot}[0] = tldsl::gen::put<{st}>({acc});",
               f"{ind}  }}",

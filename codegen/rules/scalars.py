@@ -174,18 +174,18 @@ class ScalarEmitter:
     def _region(self, block: core.Block, ind: str, lines: list[str]) -> None:
         self._scopes.append([])
         try:
-            self.enter_region(block)
+            self.enter_region(block, ind, lines)
             self.emit_block(block.ops, ind, lines)
-            self.leave_region(block)
+            self.leave_region(block, ind, lines)
         finally:
             for vid in self._scopes.pop():
                 self.names.pop(vid, None)
 
-    def enter_region(self, block: core.Block) -> None:
+    def enter_region(self, block: core.Block, ind: str, lines: list[str]) -> None:
         """Called before a region's body is emitted (subclasses track state here)."""
 
-    def leave_region(self, block: core.Block) -> None:
-        """Called after a region's body is emitted."""
+    def leave_region(self, block: core.Block, ind: str, lines: list[str]) -> None:
+        """Called after a region's body is emitted, inside it (a subclass may end it with lines)."""
 
     def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
         mk = marker(op.loc)

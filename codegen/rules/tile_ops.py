@@ -1,8 +1,8 @@
 """The C++ of every tile op for the general lowering (:mod:`..recipes.general`), in one table.
 
 :data:`RULES` maps each IR op name to its :class:`Rule`: ``statement`` — what the CTA runs at
-the op (a loop of its threads over the op's output elements, then a CTA barrier; a dot on
-tensor cores) — and ``element`` — the C++ of one element of the op's value at given tile
+the op (a loop of its threads over the op's output elements; a dot on tensor cores) — with the
+group's barrier only between statements that touch the same memory (:mod:`.barriers`) — and ``element`` — the C++ of one element of the op's value at given tile
 coordinates, for values computed where they are consumed (the plan,
 :mod:`..plan.general`, says which values those are; every other value is read from its
 slot, in shared memory or in the group's global-memory scratch). Index code, loops and guards
@@ -35,6 +35,7 @@ from . import held as held_rules
 from .chunks import Elements, chunk_coords, row_pointer, storage_ctype, vec_ok
 from .scalars import c_literal, element_expr
 from .sync import SignalEmitter
+from .barriers import BarrierTracker, slot_access, tensor_access
 
 #: the tensor-core operand kind of a dot, by operand dtype (``include/tldsl/general.hpp``):
 #: f16 / bf16 multiply exactly (WGMMA m64nNk16 where the plan puts the dot there, else mma.sync
@@ -44,7 +45,8 @@ MMA_KIND = {"f16": "tldsl::gen::MmaKind::kF16", "bf16": "tldsl::gen::MmaKind::kB
             "f32": "tldsl::gen::MmaKind::kTF32"}
 
 
-#: the barrier of a task group (the CTA when it runs one): after every statement
+#: the barrier of a task group (the CTA when it runs one): between statements that touch the same
+#: memory (:mod:`.barriers`)
 BARRIER = "tldsl::gen::group_sync<kGroups>(grp, gthreads);"
 #: 16-byte chunks of a tile's rows a thread of a load keeps in flight at once (8 spilled in the
 #: 512-thread CTAs of the memory-bound parts, 128 registers a thread)
@@ -214,7 +216,7 @@ def _load_statement(em, op, ind, lines):
     shape = tuple(op.result.type.shape)
     lead = len(box) - len(shape)
     if op.result.id in em.plan.held:
-        return held_rules.held_load(em, op, offs, ind, lines, BARRIER)
+        return held_rules.held_load(em, op, offs, ind, lines)
     slot = em.slot(op.result)
     st = storage_ctype(buf.type.dtype)
     if shape and len(box) == len(buf.type.shape) and elem_bytes(buf.type.dtype) in (2, 4):
@@ -467,8 +469,9 @@ def _reduce_held(em, op, order, ind, lines):
     red = _Reduction(em, op)
     layout = reduce_slot(op, em.plan.threads, order)
     if layout.one_row:
+        every = replicated_name(op.result) if op.result.id in em.plan.replicated else None
         return held_rules.one_row_reduction(red, order, slot, layout.warp_offset, _IDENTITY[red.kind],
-                                            storage_ctype(red.dt), ind, lines, BARRIER)
+                                            storage_ctype(red.dt), ind, lines, BARRIER, every)
     part = f"chunks{em.fresh()}"
     lines += [f"{ind}{{  // {red.kind} over axis {red.axis} of registers -> {slot}{marker(op.loc)}",
               f"{ind}  {red.ct}* const {part} = reinterpret_cast<{red.ct}*>(reinterpret_cast<unsigned char*>({slot}) + "
@@ -632,8 +635,26 @@ def _frag_read_statement(em, op, ind, lines):
                     ind, lines, f"copy of fragment {src} -> {dst}")
 
 
+def replicated_name(v: core.Value) -> str:
+    """The C++ name of a one-element value every thread holds (:func:`..plan.general._replicated`)."""
+    return f"rep{v.id}"
+
+
+def _replicated_statement(em, op, ind, lines):
+    """A one-element value every thread computes into its own register (no slot, no barrier)."""
+    v = op.result
+    st = storage_ctype(v.type.dtype)
+    el = Elements(em, op)
+    x = RULES[op.name].element(em, op, ["0"] * len(v.type.shape), el)
+    lines += [f"{ind}{st} {replicated_name(v)};  // {op.name}, one element in every thread's registers{marker(op.loc)}",
+              f"{ind}{{", *[f"{ind}  {ln}" for ln in el.lines], f"{ind}  {replicated_name(v)} = {el.put(st, x)};",
+              f"{ind}}}"]
+
+
 def _stored_element_statement(em, op, ind, lines):
     """An element op whose value the plan stores: computed once, into its slot."""
+    if op.result.id in em.plan.replicated:
+        return _replicated_statement(em, op, ind, lines)
     if op.result.id in em.plan.held:
         return held_rules.held_element(em, op, RULES[op.name].element, ind, lines, BARRIER)
     if not em.plan.materialised(op.result) or id(op) in em.plan.absorbed:
@@ -717,6 +738,20 @@ def _notify_statement(em, op, ind, lines):
     lines.append(ind + stmt)
 
 
+#: statements whose protocols rely on the group's barriers (their own kept, one before them where
+#: anything is pending): waits, notifies, data primitives, dots
+OPAQUE_OPS = frozenset({"dot"}) | DATA_OPS | WAIT_OPS | NOTIFY_OPS
+
+
+def _tensor_accesses(op: core.Op) -> set:
+    """The tensors a statement reads (``load``, ``load_rows``) or writes (``store``)."""
+    if op.name in ("load", "load_rows"):
+        return {tensor_access(id(op.operands[0].owner), "r")}
+    if op.name == "store":
+        return {tensor_access(id(op.operands[0].owner), "w")}
+    return set()
+
+
 @dataclass(frozen=True)
 class Rule:
     """How one IR op is lowered: ``statement(emitter, op, indent, lines)`` at the op,
@@ -758,6 +793,9 @@ class TileEmitter(SignalEmitter):
         super().__init__(plan.kernel, list(plan.part.body.ops), WHAT)
         self.plan = plan
         self._n = 0
+        self.barriers = BarrierTracker()
+        self._acc: set | None = None        # the accesses of the statement being emitted
+        self._regions: list[str] = []       # the op of each region being emitted ("for" / "if")
 
     def is_root(self, op: core.Op) -> bool:
         return True                 # every op of the part runs
@@ -773,10 +811,23 @@ class TileEmitter(SignalEmitter):
     def slot(self, v: core.Value) -> str:
         """The C++ name of the slot of a stored value or fragment: a pointer into shared memory,
         or into the group's global-memory scratch where the plan spilled it (the same C++ reads
-        and writes either)."""
+        and writes either). Named here, the statement being emitted writes it (:meth:`value`
+        reads)."""
+        name = self._slot_name(v)
+        self._record(v, "w")
+        return name
+
+    def _slot_name(self, v: core.Value) -> str:
         if v.id not in self.plan.slots:
             raise self.fail(f"internal: the plan gave no slot to a value of '{v.owner.name}'", v.owner)
         return f"smem{v.id}"        # no '_<n>' suffix: never an index-code name (rules.scalars)
+
+    def _record(self, v: core.Value, mode: str) -> None:
+        """Note that the statement being emitted touches ``v`` 's slot (named for writing: read and
+        written, as far as the barriers know)."""
+        s = self.plan.slots.get(v.id)
+        if self._acc is not None and s is not None:
+            self._acc.add(slot_access("scratch" if s.spilled else "arena", s.offset, s.nbytes, mode))
 
     def staging(self, dot: core.Op) -> str:
         """The C++ name of the shared memory a WGMMA dot stages its operands in."""
@@ -792,11 +843,17 @@ class TileEmitter(SignalEmitter):
         if key in el.memo:
             return el.memo[key]
         shape = tuple(v.type.shape)
+        if v.id in self.plan.replicated:
+            out = f"tldsl::gen::get({replicated_name(v)})"
+            el.memo[key] = out
+            return out
         if v.id in self.plan.held:
             raise self.fail("internal: a value held in registers read outside its chunk order", el.op)
         if v.id in self.plan.slots or v.id in self.plan.views:
             src = self.plan.views.get(v.id)
-            slot = self.slot(v if src is None else v.owner.operands[0])
+            stored = v if src is None else v.owner.operands[0]
+            slot = self._slot_name(stored)
+            self._record(stored, "r")
             out = el.var(value_ctype(v.type.dtype), f"tldsl::gen::get({slot}[{flat_index(coords, shape)}])")
         else:
             op = v.owner
@@ -853,16 +910,68 @@ class TileEmitter(SignalEmitter):
             raise self.fail("internal: the plan gave no ring to a pipelined dot loop", loop)
         return f"ring_mem{self.plan.rings[id(loop)].value.id}"
 
+    def emit(self, indent: str = "    ") -> list[str]:
+        """The task body; a barrier ends it only where the next task's first statements touch
+        what its last ones did (:meth:`.barriers.BarrierTracker.task_end`)."""
+        lines = super().emit(indent)
+        if self.barriers.task_end():
+            lines.append(f"{indent}{BARRIER}  // before the next task touches what this one's last statements did")
+        return lines
+
     def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if is_pipelined(self.plan, op):
-            return emit_dot_loop(self, self.plan.dot_loops[id(op)], ind, lines, BARRIER)
+            if self.barriers.opaque():
+                lines.append(f"{ind}{BARRIER}")
+            emit_dot_loop(self, self.plan.dot_loops[id(op)], ind, lines, BARRIER)
+            if not lines[-1].strip().startswith(BARRIER):
+                lines.append(f"{ind}{BARRIER}")
+            return
+        if op.name == "load_scalar":   # a table the part may also write
+            acc = {tensor_access(id(op.operands[0].owner), "r")}
+            if self.barriers.before(acc):
+                lines.append(f"{ind}{BARRIER}  // a table read after a statement that writes it")
+            self.barriers.after(acc, False)
+        if op.name in ("for", "if"):
+            self._regions.append(op.name)
+            try:
+                return super().emit_op(op, ind, lines)
+            finally:
+                self._regions.pop()
         super().emit_op(op, ind, lines)
 
+    def enter_region(self, block: core.Block, ind: str, lines: list[str]) -> None:
+        self.barriers.enter()
+
+    def leave_region(self, block: core.Block, ind: str, lines: list[str]) -> None:
+        if self.barriers.leave(self._regions[-1] == "for"):
+            lines.append(f"{ind}{BARRIER}  // before the next iteration touches what this one's last statements did")
+
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        """A statement by its rule, with a barrier before it only where it touches memory that the
+        statements since the last barrier touched (:mod:`.barriers`)."""
         rule = RULES.get(op.name)
         if rule is None or rule.statement is None:
             raise self.fail(f"'{op.name}' is not lowered by the general lowering", op)
-        rule.statement(self, op, ind, lines)
+        if op.name in OPAQUE_OPS:
+            if self.barriers.opaque():
+                lines.append(f"{ind}{BARRIER}")
+            return rule.statement(self, op, ind, lines)
+        out: list[str] = []
+        self._acc = _tensor_accesses(op)
+        try:
+            rule.statement(self, op, ind, out)
+            acc = self._acc
+        finally:
+            self._acc = None
+        if not out:
+            return                  # computed where consumed: no statement
+        trailing = out[-1].strip().startswith(BARRIER)
+        if trailing:
+            out.pop()
+        if self.barriers.before(acc):
+            lines.append(f"{ind}{BARRIER}  // {op.name} touches memory the statements since the last barrier did")
+        lines += out
+        self.barriers.after(acc, any(BARRIER in ln for ln in out))
 
     def slot_declarations(self, ind: str) -> list[str]:
         """One typed pointer per slot into the group's shared-memory arena ``tldsl_arena``, or

@@ -1,0 +1,124 @@
+"""Where the general lowering puts its group barriers (codegen/rules/barriers.py): between two
+statements touching the same memory, one writing — and only there."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen import lower
+from tldsl.codegen.rules.barriers import EVERYTHING, BarrierTracker, conflict, slot_access, tensor_access
+from tldsl.codegen.rules.tile_ops import BARRIER
+
+S = tl.TensorSpec
+
+A_W, A_R = slot_access("arena", 0, 64, "w"), slot_access("arena", 0, 64, "r")
+B_W = slot_access("arena", 64, 64, "w")
+X_R, X_W = tensor_access(1, "r"), tensor_access(1, "w")
+
+
+def test_conflicts_are_overlapping_accesses_one_of_them_a_write():
+    assert conflict({A_W}, {A_R}) and conflict({A_R}, {A_W}) and conflict({A_W}, {A_W})
+    assert not conflict({A_R}, {A_R})                       # two reads
+    assert not conflict({A_W}, {B_W})                       # neighbouring slots
+    assert conflict({slot_access("arena", 0, 65, "r")}, {B_W})   # one byte shared
+    assert not conflict({slot_access("scratch", 0, 64, "w")}, {A_W})
+    assert conflict({X_R}, {X_W}) and not conflict({X_R}, {tensor_access(2, "w")})
+    assert conflict({X_W}, {X_W}) and not conflict({X_W}, {X_W}, tensor_writes=False)
+    assert conflict({EVERYTHING}, {X_R}) and not conflict({EVERYTHING}, set())
+
+
+def test_a_barrier_only_before_a_statement_meeting_what_is_pending():
+    t = BarrierTracker()
+    assert not t.before({A_W}); t.after({A_W}, False)
+    assert not t.before({B_W}); t.after({B_W}, False)       # another slot: no barrier
+    assert t.before({A_R}); t.after({A_R}, False)           # reads A written before: barrier
+    assert t.pending == {A_R}
+    assert not t.before({A_R}); t.after({A_R}, False)       # reading again: none
+    assert t.before({A_W})                                  # overwriting what was read: barrier
+
+
+def test_a_statement_with_barriers_of_its_own_leaves_its_accesses_pending():
+    t = BarrierTracker()
+    t.before({A_W}); t.after({A_W}, True)
+    assert t.pending == {A_W} and not t.prefix_open
+    assert t.prefix == {A_W}
+
+
+def test_opaque_statements_flush_and_leave_nothing_pending():
+    t = BarrierTracker()
+    assert not t.opaque()                                   # nothing pending: no barrier before
+    t.before({A_W}); t.after({A_W}, False)
+    assert t.opaque() and t.pending == set()
+
+
+def test_a_loop_body_ends_with_a_barrier_where_anything_is_pending():
+    t = BarrierTracker()
+    t.before({A_W}); t.after({A_W}, False)
+    t.enter()
+    assert t.before({B_W}) is False; t.after({B_W}, False)
+    assert t.leave(loop=True)                               # B pending at the body's end
+    assert t.pending == {A_W}                               # what was pending before stays
+    t.enter()
+    t.after(set(), False)
+    assert not t.leave(loop=False)                          # an if: no barrier at its end
+    assert t.before({A_R})
+
+
+def test_the_task_end_checks_only_what_the_next_task_touches_first():
+    t = BarrierTracker()
+    t.before({A_W}); t.after({A_W}, True)                   # a reduction into A: its own barrier
+    t.before({B_W}); t.after({B_W}, True)                   # another into B
+    t.before({X_W}); t.after({X_W}, False)                  # the store
+    assert not t.task_end()                                 # next task: A written first, then its barrier
+    t1 = BarrierTracker()
+    t1.before({A_W}); t1.after({A_W}, True)                 # one reduction only: its warp results are
+    t1.before({X_W}); t1.after({X_W}, False)                # still read when the next task writes them
+    assert t1.task_end()
+    t2 = BarrierTracker()
+    t2.before({B_W}); t2.after({B_W}, False)                # B written before any barrier ...
+    t2.before({X_W}); t2.after({X_W}, False)
+    assert t2.task_end()                                    # ... and by the next task's first statement
+    t3 = BarrierTracker()
+    t3.before({X_W}); t3.after({X_W}, False)                # a store of each task, nothing else
+    assert not t3.task_end()
+
+
+@tl.kernel
+def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
+        tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
+
+
+@tl.kernel
+def sum_then_scale(x, y, *, compute: tl.ComputeSchedule = None):
+    """A row sum (a slot) read by the next statement: a barrier between them, none elsewhere."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM),))
+    def part(pm):
+        t = tl.load(x, (pm * BM, 0), (BM, N))
+        s = tl.sum(t, axis=1)
+        tl.store(y, (pm * BM, 0), t * tl.expand_dims(s, 1))
+
+
+def test_an_elementwise_part_has_no_barrier():
+    k = scale_rows.trace(1, S((512, 512), tl.float16), S((512, 512), tl.float16),
+                         compute=tl.ComputeSchedule(tile=(16, 256, 16)))
+    lk = lower(k, "part")
+    assert BARRIER not in lk.source, lk.source
+
+
+def test_a_slot_read_by_the_next_statement_has_a_barrier_between():
+    k = sum_then_scale.trace(1, S((256, 64), tl.float32), S((256, 64), tl.float32),
+                             compute=tl.ComputeSchedule(tile=(16, 64, 16)))
+    lk = lower(k, "part", threads=64)
+    src = lk.source
+    red, store = src.index("sum over"), src.index("store -> y")
+    assert BARRIER in src[red:store], src

@@ -1,8 +1,9 @@
 """The C++ of every tile op for the general lowering (:mod:`..recipes.general`), in one table.
 
 :data:`RULES` maps each IR op name to its :class:`Rule`: ``statement`` — what the CTA runs at
-the op (a loop of its threads over the op's output elements; a dot on tensor cores) — with the
-group's barrier only between statements that touch the same memory (:mod:`.barriers`) — and ``element`` — the C++ of one element of the op's value at given tile
+the op (a loop of its threads over the op's output elements; a dot on tensor cores; the group's
+barrier only between statements that touch the same memory, :mod:`.barriers`) — and
+``element`` — the C++ of one element of the op's value at given tile
 coordinates, for values computed where they are consumed (the plan,
 :mod:`..plan.general`, says which values those are; every other value is read from its
 slot, in shared memory or in the group's global-memory scratch). Index code, loops and guards

@@ -123,8 +123,11 @@ def pytest_runtest_makereport(item, call):
     why = strict_failure(report, is_gpu)
     if why:
         report.outcome, report.longrepr = "failed", why
-    elif is_gpu and report.skipped and not hasattr(report, "wasxfail") and "GPU" in _skip_reason(report):
-        report.longrepr = GPU_SKIP      # -ra: one line for all of them, not one per test function
+    elif (is_gpu and report.skipped and not hasattr(report, "wasxfail") and "GPU" in _skip_reason(report)
+          and os.environ.get("TLDSL_REQUIRE_GPU") != "1"):
+        # -ra: one line for all of them, not one per test function — where a GPU is required, each
+        # skip keeps its own reason (a test needing two GPUs on a one-GPU host says so)
+        report.longrepr = GPU_SKIP
 
 
 @pytest.hookimpl(hookwrapper=True)

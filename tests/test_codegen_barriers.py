@@ -9,6 +9,7 @@ import tldsl as tl
 from tldsl.codegen import lower
 from tldsl.codegen.rules.barriers import EVERYTHING, BarrierTracker, conflict, slot_access, tensor_access
 from tldsl.codegen.rules.tile_ops import BARRIER
+from programs import scale_rows
 
 S = tl.TensorSpec
 
@@ -82,17 +83,6 @@ def test_the_task_end_checks_only_what_the_next_task_touches_first():
     t3 = BarrierTracker()
     t3.before({X_W}); t3.after({X_W}, False)                # a store of each task, nothing else
     assert not t3.task_end()
-
-
-@tl.kernel
-def scale_rows(x, y, *, compute: tl.ComputeSchedule = None):
-    M, N = x.shape
-    BM, BN, _ = compute.tile
-
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-    def part(pm, pn):
-        t = tl.load(x, (pm * BM, pn * BN), (BM, BN))
-        tl.store(y, (pm * BM, pn * BN), t * 2.0 + 1.0)
 
 
 @tl.kernel

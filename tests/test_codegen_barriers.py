@@ -112,3 +112,23 @@ def test_a_slot_read_by_the_next_statement_has_a_barrier_between():
     src = lk.source
     red, store = src.index("sum over"), src.index("store -> y")
     assert BARRIER in src[red:store], src
+
+
+@tl.kernel
+def write_then_index(t, y, *, compute: tl.ComputeSchedule = None):
+    """Each task writes a table, then reads an entry of it as a scalar: a barrier between."""
+    M, N = y.shape
+
+    @tl.compute_part(grid=(M // 16,))
+    def part(pm):
+        tl.store(t, (pm * 16,), tl.full((16,), 3, tl.int32))
+        k = tl.load_scalar(t, (pm * 16,))
+        tl.store(y, (pm * 16, 0), tl.full((16, N), 1.0, tl.float32) * k)
+
+
+def test_a_table_read_after_the_part_writes_it_has_a_barrier_before():
+    k = write_then_index.trace(1, S((64,), tl.int32), S((64, 32), tl.float32))
+    src = lower(k, "part", threads=64).source
+    write, read = src.index("store -> t"), src.index("tbl_t[")
+    assert BARRIER in src[write:read], src
+

@@ -867,7 +867,8 @@ class TileEmitter(SignalEmitter):
 
     def element_loop(self, op: core.Op, shape, body, ind: str, lines: list[str], what: str) -> None:
         """A loop of the group's threads over the elements of ``shape``: ``body(coords, elements)``
-        gives the statement's last lines; the group's barrier follows. A thread takes
+        gives the statement's last lines; the group's barrier follows (a trailing barrier, which
+        :meth:`emit_other` drops unless the next statement needs it). A thread takes
         :data:`ELEMENT_RUN` elements an iteration (unrolled) where the tile is not tiny."""
         order = self.plan.canon.get(id(op))
         if order is not None and tuple(order.shape) == tuple(shape):
@@ -927,8 +928,8 @@ class TileEmitter(SignalEmitter):
             if not lines[-1].strip().startswith(BARRIER):
                 lines.append(f"{ind}{BARRIER}")
             return
-        if op.name == "load_scalar":   # a table the part may also write
-            acc = {tensor_access(id(op.operands[0].owner), "r")}
+        if op.name == "load_scalar" and id(op.operands[0].owner) in self.plan.written:
+            acc = {tensor_access(id(op.operands[0].owner), "r")}     # a table the part also writes
             if self.barriers.before(acc):
                 lines.append(f"{ind}{BARRIER}  // a table read after a statement that writes it")
             self.barriers.after(acc, False)

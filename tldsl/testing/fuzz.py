@@ -258,6 +258,7 @@ LOWERING_PATHS = (
     ("fetching the next task's tiles early", lambda lk: "auto fetch" in getattr(lk, "source", "")),
     ("with a pipelined dot loop", lambda lk: "pipelined dot loop" in getattr(lk, "source", "")),
     ("with task groups", lambda lk: getattr(lk, "groups", 1) > 1),
+    ("with one-element values in every thread's registers", lambda lk: bool(getattr(lk, "replicated", ()))),
 )
 
 

@@ -2,6 +2,8 @@
 statements touching the same memory, one writing — and only there."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,50 @@ def test_a_table_read_after_the_part_writes_it_has_a_barrier_before():
     write, read = src.index("store -> t"), src.index("tbl_t[")
     assert BARRIER in src[write:read], src
 
+
+
+@tl.kernel
+def stage_then_swap(x, y, *, compute: tl.ComputeSchedule = None):
+    """A tile stored in shared memory, read transposed by other threads, then its slot reused:
+    barriers for the read after the write and for the write after the read."""
+    M, N = x.shape
+
+    @tl.compute_part(grid=(M // 32,))
+    def part(pm):
+        t = tl.load(x, (pm * 32, 0), (32, 32)) * 2.0
+        u = tl.trans(t) + t
+        s = tl.sum(u, axis=1)
+        tl.store(y, (pm * 32, 0), u * tl.expand_dims(s, 1))
+
+
+def _tsan_cases():
+    from tldsl.bench import general_programs as gp
+    rows = tl.ComputeSchedule(tile=(16, 256, 16))
+    x, w = S((12, 256), tl.float16), S((1, 256), tl.float16)
+    return [
+        ("row_softmax", gp.row_softmax.trace(1, x, x, compute=rows, rows=1), None),
+        ("rms_norm", gp.rms_norm.trace(1, x, w, x, compute=rows, rows=1), None),
+        ("add_rms_norm", gp.add_rms_norm.trace(1, x, x, w, x, x, compute=rows, rows=1), None),
+        ("row_softmax_300", gp.row_softmax.trace(1, S((5, 300), tl.float16), S((5, 300), tl.float16),
+                                                 compute=rows, rows=1), 256),
+        ("sum_then_scale", sum_then_scale.trace(1, S((48, 64), tl.float32), S((48, 64), tl.float32),
+                                                compute=tl.ComputeSchedule(tile=(16, 64, 16))), 64),
+        ("write_then_index", write_then_index.trace(1, S((64,), tl.int32), S((64, 32), tl.float32)), 64),
+        ("stage_then_swap", stage_then_swap.trace(1, S((96, 32), tl.float32), S((96, 32), tl.float32)), 64),
+    ]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads")
+@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in _tsan_cases()])
+def test_kernels_under_thread_sanitizer_have_no_race_and_agree(tmp_path, case):
+    """The generated kernels on CPU threads built with ThreadSanitizer, one CTA taking every task
+    in turn (so a task's statements meet the next task's too): no race between the group's
+    threads — the barriers the lowering left out were not needed — and the simulator's result."""
+    from test_codegen_general import _stored_inputs, emulate, inputs_for
+    from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
+    name, k, threads = _tsan_cases()[case]
+    lk = lower(k, "part", **({"threads": threads} if threads else {}))
+    arrays = inputs_for(k, np.random.default_rng(3))
+    want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
+    got = emulate(k, lk, _stored_inputs(k, arrays), tmp_path, threads=lk.threads, grid=1, sanitize=True)
+    assert_agrees([got], want, tolerances)

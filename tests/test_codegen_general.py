@@ -21,6 +21,7 @@ within a few ulps, glibc's vs numpy's here); NaN and infinities at the same plac
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -598,9 +599,15 @@ def from_device(raw: bytes, dt, shape):
     return np.frombuffer(raw, NP[dt]).reshape(shape)
 
 
-def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
+#: ThreadSanitizer's options for the emulated kernels it checks: every race reported, then a
+#: failing exit status
+TSAN_OPTIONS = "halt_on_error=0 exitcode=66 report_signal_unsafe=0 history_size=4"
+
+
+def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3, sanitize=False) -> dict:
     """Run ``lk`` on CPU threads (``grid`` CTAs of ``threads``); ``arrays``: the simulator's
-    inputs by tensor name. Returns every tensor after the run."""
+    inputs by tensor name. Returns every tensor after the run. ``sanitize``: built with
+    ThreadSanitizer, so a missing barrier is a reported race (a failure), not a chance wrong value."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     loads, saves, args, files = [], [], [], {}
     dts = {b.name: b.type.dtype.name for b in k.args}
@@ -622,11 +629,14 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3) -> dict:
                           args=", ".join(args), smem=max(128, (lk.smem_bytes + 127) // 128 * 128),
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
     (tmp_path / "harness.cpp").write_text(src)
-    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
+    tsan = ["-fsanitize=thread", "-g"] if sanitize else []
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", *tsan, f"-I{INCLUDE}"])
     if "tldsl/general_pipeline.hpp" in lk.source or getattr(lk, "held", ()):
         threads = lk.threads        # a pipelined dot loop's warpgroups each own rows of the tile; held
                                     # tiles' chunks are spread over the planned threads
-    r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "TSAN_OPTIONS": TSAN_OPTIONS} if sanitize else None
+    r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return {n: from_device(files[n].read_bytes(), dts[n], arrays[n].shape) for n in arrays}
 

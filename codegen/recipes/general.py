@@ -170,6 +170,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
     L += ["  }", "}", ""]
     slots = tuple(f"{'scratch' if s.spilled else 'slot'} {s.offset:>6} +{s.nbytes:<6} {'x'.join(map(str, s.shape))} "
                   f"{s.dtype} ({s.op.name}{', ' + s.op.loc.short() if s.op.loc else ''}), live {s.start}..{s.end}"
+                  + (": its warps' results (the value: in every thread)" if s.value.id in plan.replicated else "")
                   for s in sorted(plan.slots.values(), key=lambda s: (s.spilled, s.offset, s.start)))
     slots += tuple(f"staging {s.offset:>6} +{s.nbytes:<6} WGMMA operands of the dot at "
                    f"{s.op.loc.short() if s.op.loc else '?'}, live {s.start}..{s.end}"

@@ -181,3 +181,52 @@ def test_kernels_under_thread_sanitizer_have_no_race_and_agree(tmp_path, case):
     want, tolerances = reference_with_tolerances(k, 1, [dict(arrays)])
     got = emulate(k, lk, _stored_inputs(k, arrays), tmp_path, threads=lk.threads, grid=1, sanitize=True)
     assert_agrees([got], want, tolerances)
+
+
+def _fuzzed_signal_free_programs(seed: int = 2026, n: int = 500, others: int = 6):
+    """The fuzzer's programs (``seed``, the first ``n``) whose parts all go through the general
+    lowering and that link no parts by signals (ThreadSanitizer does not model the fences of the
+    signal protocol): every one whose kernels keep values in every thread's registers, and the
+    first ``others`` with slots in shared memory."""
+    from tldsl.codegen.recipes.general import LoweredGeneral
+    from tldsl.testing.program_case import FuzzCase
+    from tldsl.testing.program_families import generate_distinct
+    picked, plain = [], 0
+    for i, p in generate_distinct(n, seed):
+        case = FuzzCase(p, f"fuzz seed {seed} program {i}")
+        k = case.trace()
+        if k.signals:
+            continue
+        lks = [lower(k, q.name) for q in k.parts]
+        if not all(isinstance(lk, LoweredGeneral) for lk in lks):
+            continue
+        if any(lk.replicated for lk in lks):
+            picked.append((i, case, k, lks))
+        elif any(lk.slots for lk in lks) and plain < others:
+            picked.append((i, case, k, lks))
+            plain += 1
+    return picked
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads")
+def test_fuzzed_programs_under_thread_sanitizer_have_no_race_and_agree(tmp_path):
+    """The fuzzer's signal-free general-lowering programs, every rank's kernels on CPU threads
+    built with ThreadSanitizer, one CTA each: no race, and the simulator's outputs within the
+    fuzzer's tolerances."""
+    from test_codegen_general import emulate_kernel
+    picked = _fuzzed_signal_free_programs()
+    assert sum(any(lk.replicated for lk in lks) for _, _, _, lks in picked) >= 3, [i for i, *_ in picked]
+    poison = {"f16": np.float16, "f32": np.float32, "bf16": np.float32}
+    for i, case, k, lks in picked:
+        arrays = []
+        for r in range(k.world_size):
+            d = {n: np.array(a, copy=True) for n, a in case.inputs[r].items()}
+            for b in k.buffers:         # workspaces, poisoned as the simulator leaves them unwritten
+                if b.name not in d:
+                    dt = b.type.dtype.name
+                    d[b.name] = np.full(b.type.shape, np.nan, poison[dt]) if dt in poison else \
+                        np.full(b.type.shape, -0x5A5A5A5A, np.int32)
+            arrays.append(d)
+        got = emulate_kernel(k, lks, arrays, tmp_path / str(i), grid=1, sanitize=True)
+        want, _ = case.reference()
+        assert not case.mismatches(want.outputs, got), (i, case.source)

@@ -855,9 +855,11 @@ int main() {{
 """
 
 
-def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads=32, grid=2) -> list[dict]:
+def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads=32, grid=2,
+                   sanitize=False) -> list[dict]:
     """Run every lowered part of ``k`` for every rank at once on CPU threads. ``arrays[r]``: rank
-    r's tensors (workspaces too) as the simulator stores them. Returns every rank's tensors."""
+    r's tensors (workspaces too) as the simulator stores them. Returns every rank's tensors.
+    ``sanitize``: built with ThreadSanitizer (as :func:`emulate`)."""
     W = k.world_size
     dts = {b.name: b.type.dtype.name for b in k.buffers}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -897,8 +899,10 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(
         "#include <thread>", "#include <functional>\n#include <thread>")
     (tmp_path / "multi.cpp").write_text(src)
-    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"])
-    r = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    tsan = ["-fsanitize=thread", "-g"] if sanitize else []
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", *tsan, f"-I{INCLUDE}"])
+    env = {**os.environ, "TSAN_OPTIONS": TSAN_OPTIONS} if sanitize else None
+    r = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     out = [dict() for _ in range(W)]
     for rank, name, f in files:

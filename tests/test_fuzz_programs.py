@@ -233,6 +233,7 @@ def test_fifty_fresh_programs_simulate_lower_and_compile(tmp_path, monkeypatch, 
     assert status == 0 and "0 failed in the simulator" in summary and ", 0 not lowered yet" in summary, \
         f"seed {seed} (TLDSL_FUZZ_SEED={seed} replays it):\n{out[-6000:]}"
     assert re.search(r"(\d+)/\1 kernels compiled", summary), summary
+    assert "0 general-lowering kernel(s) spilling registers" in summary, summary    # item 3: no spills
     # issue 18 item 3, on each fresh program: every dot on the tensor cores, no trap
     checked = re.search(r"(\d+) with dots checked in SASS, 0 wrong", summary)
     assert not sass or (checked and int(checked.group(1)) > 0), summary
@@ -253,6 +254,24 @@ def test_the_sass_check_names_a_dot_off_the_tensor_cores_and_a_trap():
     assert check_sass(lowered, compiled, traps_allowed=True) == problems[:2]
     good = KernelSass("k", ["HGMMA.64x64x16.F32", "HMMA.16816.F32", "EXIT"])
     assert check_sass(lowered, SimpleNamespace(name="k", sass=lambda: {"k": good})) == []
+
+
+def test_a_general_kernel_that_spills_is_reported():
+    """Issue 18 item 3: a general-lowering kernel spilling registers fails the program (ptxas's
+    report); other recipes' kernels, and general ones that spill nothing, pass."""
+    from types import SimpleNamespace
+    from tldsl.codegen import lower
+    from tldsl.testing.fuzz import general_spills
+    from programs import scale_rows
+    lk = lower(scale_rows.trace(1, tl.TensorSpec((64, 64), tl.float32), tl.TensorSpec((64, 64), tl.float32),
+                                compute=tl.ComputeSchedule(tile=(16, 64, 16))), "part")
+
+    def compiled(stores, loads):
+        return SimpleNamespace(name="k", ptxas_info=lambda: {"k": {"spill_store_bytes": stores,
+                                                                 "spill_load_bytes": loads}})
+    assert general_spills(lk, compiled(208, 196)) == "208 B spill stores, 196 B spill loads"
+    assert general_spills(lk, compiled(0, 0)) is None
+    assert general_spills(SimpleNamespace(), compiled(208, 196)) is None
 
 
 def test_sass_without_cuobjdump_is_refused_in_one_line(monkeypatch, capsys):

@@ -52,6 +52,7 @@ class Report:
     lowering_crashes: dict = field(default_factory=dict)  # part -> an exception other than LoweringError
     sass_checked: list = field(default_factory=list)     # parts with a dot whose SASS was checked (--sass)
     sass_problems: dict = field(default_factory=dict)    # part -> what its SASS shows wrong
+    spills: dict = field(default_factory=dict)           # part -> the registers its general kernel spills
     compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
     reference: object = None
     context_lost: bool = False                           # its GPU fault left the CUDA context unusable
@@ -59,7 +60,7 @@ class Report:
     @property
     def failed(self) -> bool:
         return bool(self.sim_error or self.compile_errors or self.lowering_crashes or self.sass_problems
-                    or self.compared.startswith("MISMATCH"))
+                    or self.spills or self.compared.startswith("MISMATCH"))
 
     def line(self) -> str:
         f = self.features
@@ -85,6 +86,8 @@ class Report:
                         + ("ok" if not self.sass_problems else "WRONG"))
         for p, e in self.sass_problems.items():
             bits.append(f"SASS {p}: {e}")
+        for p, e in self.spills.items():
+            bits.append(f"SPILLS {p}: {e}")
         bits.append(f"gpu: {self.compared}")
         return f"{head} " + " | ".join(bits)
 
@@ -121,7 +124,9 @@ def compile_all(reports: list[Report], sass: bool = False, traps_allowed: bool =
     """Every lowered kernel of every program, compiled together (NVRTC's process pool; cached).
     Where one fails, each is compiled again alone (the others are cache hits) to say which. With
     ``sass``, each compiled general-lowering kernel with a dot is checked in its SASS
-    (:func:`check_sass`); ``traps_allowed``: its waits were compiled to trap after a timeout."""
+    (:func:`check_sass`); ``traps_allowed``: its waits were compiled to trap after a timeout.
+    Every general-lowering kernel is checked for spilled registers (ptxas's report: issue 18
+    asks for none at the default tiles)."""
     from ..codegen.toolchain.compiler import CompileJob, CudaCompileError, compile_many
     jobs, owners = [], []
     for rep in reports:
@@ -146,11 +151,25 @@ def compile_all(reports: list[Report], sass: bool = False, traps_allowed: bool =
             continue
         rep.compiled.append(part)
         lk = rep.lowered[part]
+        spilled = general_spills(lk, compiled[i])
+        if spilled:
+            rep.spills[part] = spilled
         if sass and getattr(lk, "dots", 0):
             rep.sass_checked.append(part)
             problems = check_sass(lk, compiled[i], traps_allowed and getattr(lk, "waits", 0) > 0)
             if problems:
                 rep.sass_problems[part] = "; ".join(problems)
+
+
+def general_spills(lowered, compiled) -> str | None:
+    """What a general-lowering kernel spills to local memory, as ptxas reports it (None: nothing,
+    or not a general-lowering kernel)."""
+    from ..codegen.recipes.general import LoweredGeneral
+    if not isinstance(lowered, LoweredGeneral):
+        return None
+    info = compiled.ptxas_info()[compiled.name]
+    stores, loads = info.get("spill_store_bytes", 0), info.get("spill_load_bytes", 0)
+    return f"{stores} B spill stores, {loads} B spill loads" if stores or loads else None
 
 
 def check_sass(lowered, compiled, traps_allowed: bool = False) -> list[str]:
@@ -223,12 +242,14 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
     compiled = sum(len(r.compiled) for r in reports)
     sass_checked = sum(len(r.sass_checked) for r in reports)
     sass_wrong = sum(len(r.sass_problems) for r in reports)
+    spilling = sum(len(r.spills) for r in reports)
     compared = [r for r in reports if r.compared == "agrees" or r.compared.startswith("MISMATCH")]
     mismatched = sum(r.compared.startswith("MISMATCH") for r in reports)
     lines = [f"{n} programs: {len(ok)} simulated ok, {n - len(ok)} failed in the simulator; "
              f"{parts} parts: {lowered} lowered, {parts - lowered - crashes} not lowered yet"
              + (f", {crashes} crashed the lowering" if crashes else "") + "; "
-             + (f"{compiled}/{kernels} kernels compiled; " if compiled_kernels else "not compiled (--no-compile); ")
+             + (f"{compiled}/{kernels} kernels compiled, {spilling} general-lowering kernel(s) spilling registers; "
+                if compiled_kernels else "not compiled (--no-compile); ")
              + (f"{sass_checked} with dots checked in SASS, {sass_wrong} wrong; " if sass else "")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]

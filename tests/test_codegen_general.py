@@ -604,6 +604,14 @@ def from_device(raw: bytes, dt, shape):
 TSAN_OPTIONS = "halt_on_error=0 exitcode=66 report_signal_unsafe=0 history_size=4"
 
 
+def _host_program(src: str, sanitize: bool) -> tuple[Path, dict | None]:
+    """The emulation harness built by g++ (with ThreadSanitizer where ``sanitize``), and the
+    environment to run it in."""
+    tsan = ["-fsanitize=thread", "-g"] if sanitize else []
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", *tsan, f"-I{INCLUDE}"])
+    return exe, ({**os.environ, "TSAN_OPTIONS": TSAN_OPTIONS} if sanitize else None)
+
+
 def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3, sanitize=False) -> dict:
     """Run ``lk`` on CPU threads (``grid`` CTAs of ``threads``); ``arrays``: the simulator's
     inputs by tensor name. Returns every tensor after the run. ``sanitize``: built with
@@ -629,12 +637,10 @@ def emulate(k, lk, arrays: dict, tmp_path: Path, threads=64, grid=3, sanitize=Fa
                           args=", ".join(args), smem=max(128, (lk.smem_bytes + 127) // 128 * 128),
                           scratch=lk.scratch_bytes_per_cta, poison=hex(SCRATCH_POISON_WORD))
     (tmp_path / "harness.cpp").write_text(src)
-    tsan = ["-fsanitize=thread", "-g"] if sanitize else []
-    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", *tsan, f"-I{INCLUDE}"])
+    exe, env = _host_program(src, sanitize)
     if "tldsl/general_pipeline.hpp" in lk.source or getattr(lk, "held", ()):
         threads = lk.threads        # a pipelined dot loop's warpgroups each own rows of the tile; held
                                     # tiles' chunks are spread over the planned threads
-    env = {**os.environ, "TSAN_OPTIONS": TSAN_OPTIONS} if sanitize else None
     r = subprocess.run([str(exe), str(threads), str(grid)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -899,9 +905,7 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(
         "#include <thread>", "#include <functional>\n#include <thread>")
     (tmp_path / "multi.cpp").write_text(src)
-    tsan = ["-fsanitize=thread", "-g"] if sanitize else []
-    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", *tsan, f"-I{INCLUDE}"])
-    env = {**os.environ, "TSAN_OPTIONS": TSAN_OPTIONS} if sanitize else None
+    exe, env = _host_program(src, sanitize)
     r = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     out = [dict() for _ in range(W)]

@@ -1250,7 +1250,7 @@ def test_gemm_rs_copy_engine_protocol(proto):
     op = MatmulReduceScatter(M, K, N, "bfloat16")                   # the copy engine: the default
     eng = op._engine
     assert op.comm == tl.CommSchedule(engine="copy_engine", mode="push")
-    assert op.gemm.reserve == 0 and op.lanes == 0                    # the GEMM gets every SM
+    assert op._engine.gemm.reserve == 0 and op.lanes == 0                    # the GEMM gets every SM
     assert (eng.rows, eng.tpr) == (1024, 4)                          # 4091 rows: 4 chunks of whole 128-row tiles
     assert op.ir.comm_schedule == op.comm.with_(tile_m=1024)          # the tile program the simulator checks
     # the plan's waits, recomputed from the GEMM's tile grid: tiles overlapping each chunk of rank 0's rows
@@ -1275,9 +1275,9 @@ def test_gemm_rs_copy_engine_protocol(proto):
     a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
     arrive, done = eng.ws.peers("handshake_arrive"), eng.ws.peers("reduce_scatter_done")
     recv = eng.ws.peers("reduce_scatter_recv")
-    ready, part, rb = op.signals[op.ready].data_ptr(), op.partial.data_ptr(), N * 2
+    ready, part, rb = op._engine.ready.data_ptr(), op._engine.partial.data_ptr(), N * 2
     for L in (1, 2):
-        op.partial.copy_(torch.randn(M, N).to(torch.bfloat16))
+        op._engine.partial.copy_(torch.randn(M, N).to(torch.bfloat16))
         eng.recv[0].copy_(torch.randn(op.Ms, N).to(torch.bfloat16))     # what rank 0 sent us
         out = op(a, b)
         ev = proto.events()
@@ -1304,7 +1304,7 @@ def test_gemm_rs_copy_engine_protocol(proto):
         assert ev[19][:4] == ("cuStreamWaitValue64", cur, done[1] + 8 * 0, 4 * L)    # the sum waits for rank 0's rows
         assert ev[20] == ("cuStreamWaitEvent", cur, ev[18][2])                          # ... and for the side stream
         assert ev[21][1] == cs and ev[22] == ("cuStreamWaitEvent", cur, ev[21][2])
-        want = (op.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
+        want = (op._engine.partial[op.Ms:].float() + eng.recv[0].float()).to(torch.bfloat16)
         assert torch.equal(out, want)                                   # our rows + what rank 0 sent
     assert {"partial", "reduce_scatter_recv"} == set(op.workspace_tensors())
     smap = op.signal_map()
@@ -1360,14 +1360,14 @@ def test_gemm_rs_copy_engine_epilogue_protocol(proto):
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[13] == ("cuStreamWriteValue64", cs, done[0] + 8 * 1, 4 * L)
         assert ev[-1] == ("cuStreamWaitEvent", cur, ev[-2][2])          # nothing waits on done on the host side
         bufs, sigs = proto.gemm_args
-        assert bufs["out"] is out and bufs["partial"] is op.partial
+        assert bufs["out"] is out and bufs["partial"] is op._engine.partial
         assert bufs["reduce_scatter_recv"].data_ptr() == eng.recv.data_ptr()
         assert sigs["reduce_scatter_done"].data_ptr() == done[1]        # this rank's counters
     # the GEMM alone: the op's buffers with scratch counters whose waits are already satisfied
     op.compute_only(a, b)
     bufs, sigs = proto.gemm_args
     assert sigs["reduce_scatter_done"].min().item() >= 1 << 62 and sigs["reduce_scatter_ready"].sum().item() == 0
-    assert sigs["reduce_scatter_ready"].data_ptr() != op.signals[op.ready].data_ptr()
+    assert sigs["reduce_scatter_ready"].data_ptr() != op._engine.ready.data_ptr()
     # whole tiles per rank: 4091 rows per rank cannot sum in the epilogue, and say why before anything runs
     with pytest.raises(tl.ScheduleError, match="not a multiple of the producer tile"):
         MatmulReduceScatter(4091 * 2, K, N, "bfloat16", comm=comm)
@@ -1384,9 +1384,9 @@ def test_gemm_rs_copy_engine_on_one_rank(proto, monkeypatch):
     op = grs.MatmulReduceScatter(1000, 1032, 3000, "bfloat16")
     assert op._engine.ws is None and op.signal_map()[0][0] == "reduce_scatter_ready"
     proto.events()
-    op.partial.copy_(torch.randn(1000, 3000).to(torch.bfloat16))
+    op._engine.partial.copy_(torch.randn(1000, 3000).to(torch.bfloat16))
     out = op(torch.zeros(1000, 1032, dtype=torch.bfloat16), torch.zeros(1032, 3000, dtype=torch.bfloat16))
-    assert torch.equal(out, op.partial)
+    assert torch.equal(out, op._engine.partial)
     assert [e[0] for e in proto.events()] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuEventRecord",
                                                "cuStreamWaitEvent"]
     assert repr(op).startswith("<MatmulReduceScatter rank 0/1: A [1000, 1032] @ B [1032, 3000] -> out [1000, 3000] "
@@ -1429,8 +1429,8 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch, fake_ag):
     assert ("BARRIER", proto.cur.cuda_stream) in proto.events()   # loaded at construction, not beside a GEMM
     assert repr(op).startswith(f"<AllGatherMatmul rank 1/2: A shard [{Ms}, {K}] @ B [{K}, {N}] torch.bfloat16, "
                                "ComputeSchedule(") and "mode='pull'" in repr(op) and repr(op).endswith("0 launches>")
-    assert op.engine == "copy_engine" and op.gemm.reserve == 1 and tuple(op.shards.shape) == (2, Ms, K)
-    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    assert op.engine == "copy_engine" and op._engine.gemm.reserve == 1 and tuple(op._engine.shards.shape) == (2, Ms, K)
+    cs, cur = op._engine.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
     b = torch.zeros(K, N, dtype=torch.bfloat16)
     for L in (1, 2, 3):
@@ -1439,14 +1439,14 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch, fake_ag):
         ev = proto.events()
         assert [e[0] for e in ev] == ["cuLaunchKernel", "cuEventRecord", "cuStreamWaitEvent", "GEMM", "BARRIER",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
-        flags = op.flags.data_ptr()
+        flags = op._engine.flags.data_ptr()
         # one staging pass: our shard into our symmetric slot L % 2 and into our own rows (rank 1),
         # and L into our flag; the copy stream starts after it
         assert ev[0][1] == cur and proto.drv.launches[-1]["decoded"] == [
-            a.data_ptr(), op.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16, flags + 8 * 1, L]
+            a.data_ptr(), op._engine.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16, flags + 8 * 1, L]
         assert ev[1][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[1][2])
         assert ev[3] == ("GEMM", cur, L, 131, 1) and ev[4] == ("BARRIER", cs)    # GEMM first, never behind the barrier
-        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op._engine.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
         assert ev[6] == ("cuStreamWriteValue64", cs, flags, L)
         assert ev[7][1] == cs and ev[8] == ("cuStreamWaitEvent", cur, ev[7][2])  # launch L+1 after the copies
     # the GEMM's arguments are packed once per set of tensor addresses (the caching allocator
@@ -1466,7 +1466,7 @@ def test_allgather_direct_copy_engine_protocol(proto, monkeypatch, fake_ag):
     staged = proto.drv.launches[-1]["decoded"]
     assert staged[0] != at.data_ptr() and staged[3] == nbytes // 16
     assert set(op.workspace_tensors()) == {"a"}
-    assert set(op.signal_tensors()) == {op.signal}
+    assert set(op.signal_tensors()) == {op._engine.signal}
     # garbage collection is paused only inside the window, and restored after it
     import gc
     seen = []
@@ -1619,8 +1619,8 @@ def test_allgather_memops_handshake(proto, monkeypatch, fake_ag):
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="copies")     # memops: the default
     assert op.handshake == "memops"
     proto.events()
-    assert op.gemm.reserve == 0 and torch.equal(op.arrive, torch.zeros(2, dtype=torch.int64))
-    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    assert op._engine.gemm.reserve == 0 and torch.equal(op._engine.arrive, torch.zeros(2, dtype=torch.int64))
+    cs, cur = op._engine.copy_stream.cuda_stream, proto.cur.cuda_stream
     for L in (1, 2):
         ga, c = op(torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16))
         ev = proto.events()
@@ -1628,10 +1628,10 @@ def test_allgather_memops_handshake(proto, monkeypatch, fake_ag):
                                       "cuStreamWriteValue64", "GEMM", "cuStreamWriteValue64", "cuStreamWaitValue64",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[5] == ("GEMM", cur, L, 132, 1)                                  # every SM: no barrier kernel
-        assert ev[6] == ("cuStreamWriteValue64", cs, op.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
-        assert ev[7][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
+        assert ev[6] == ("cuStreamWriteValue64", cs, op._engine.arrive_peers[0] + 8 * 1, L)   # our slot on rank 0
+        assert ev[7][:4] == ("cuStreamWaitValue64", cs, op._engine.arrive.data_ptr() + 8 * 0, L)   # rank 0's slot here
         assert "BARRIER" not in [e[0] for e in ev]
-    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
+    assert set(op.signal_tensors()) == {op._engine.signal, "handshake_arrive"}
     # enqueue="comm_first": the same calls, the handshake and the copies before the GEMM
     with pytest.raises(tl.InputError, match="enqueue='later'"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, enqueue="later")
@@ -1670,9 +1670,9 @@ def test_allgather_device_handshake(proto, monkeypatch):
     with pytest.raises(tl.InputError, match="staging='copies' has none"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="device", staging="copies")
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16)         # the default with the staging kernel
-    assert op.handshake == "device" and op.gemm.reserve == 0 and op._stager.kernel.name == stm.PUBLISH_ENTRY
-    assert op._arrive_table.tolist() == op.arrive_peers
-    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    assert op.handshake == "device" and op._engine.gemm.reserve == 0 and op._engine._stager.kernel.name == stm.PUBLISH_ENTRY
+    assert op._engine._arrive_table.tolist() == op._engine.arrive_peers
+    cs, cur = op._engine.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
     for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert [e[0] for e in ev] == ["cuEventRecord", "cuLaunchKernel", "cuStreamWaitEvent", "GEMM",
@@ -1681,15 +1681,15 @@ def test_allgather_device_handshake(proto, monkeypatch):
         # the copy stream follows the call's start (recorded before the staging), not the staging
         assert ev[0][1] == cur and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         assert ev[1][1] == cur and proto.drv.launches[-1]["decoded"] == [
-            a.data_ptr(), op.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16,
-            op.flags.data_ptr() + 8, L, op.arrive.data_ptr(), op._arrive_table.data_ptr(), 1, 2,
-            op._blocks_done.data_ptr()]
+            a.data_ptr(), op._engine.peer_ptrs[1] + (L % 2) * nbytes, ga.data_ptr() + nbytes, nbytes // 16,
+            op._engine.flags.data_ptr() + 8, L, op._engine.arrive.data_ptr(), op._engine._arrive_table.data_ptr(), 1, 2,
+            op._engine._blocks_done.data_ptr()]
         assert ev[3] == ("GEMM", cur, L, 132, 1)
-        assert ev[4][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
-        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
-        assert ev[6] == ("cuStreamWriteValue64", cs, op.flags.data_ptr(), L)
+        assert ev[4][:4] == ("cuStreamWaitValue64", cs, op._engine.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
+        assert ev[5] == ("cuMemcpyAsync", cs, ga.data_ptr(), op._engine.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[6] == ("cuStreamWriteValue64", cs, op._engine.flags.data_ptr(), L)
         assert "BARRIER" not in [e[0] for e in ev]
-    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive"}
+    assert set(op.signal_tensors()) == {op._engine.signal, "handshake_arrive"}
     # a shard at an address the kernel cannot move in 16-byte vectors is copied first: the
     # publishing kernel must run every launch
     raw = torch.randn(Ms * K + 8).to(torch.bfloat16)
@@ -1728,7 +1728,7 @@ def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
            "own_cols}" in op.lowered.source
     # the staging spread over the columns of one wave: 132 CTAs, 8 tile rows -> 16 (of 12 tile columns)
     from tldsl.runtime.dist.ag_gemm import stage_columns
-    assert op.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 2
+    assert op._engine.stage_cols == 12 and stage_columns(8192, 4096, op.compute, 132) == 2
     assert stage_columns(8192, 14336, op.compute, 132, 2) == 4 and stage_columns(1024, 256, op.compute, 132) == 1
     # the default: the GEMM stages where the shard, staged over its first wave and then copied,
     # reaches the peers before they computed their own rows (132 SMs; the benchmark's shapes)
@@ -1749,34 +1749,34 @@ def test_allgather_gemm_staging(proto, monkeypatch, fake_ag):
     whole = tl.ComputeSchedule(tile=(128, 256, 64), order="comm_aligned", group_m=64)
     assert default_staging(8192, 4096, 8192, 2, whole, ce, None, "gemm_first", "direct") == ("gemm", 1)
     big = AllGatherMatmul(4096, 8192, 4096, torch.bfloat16, comm=ce)      # the pull (whole tiles: push by default)
-    assert big.staging == "gemm" and big.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
-    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2).stage_cols == 4
+    assert big.staging == "gemm" and big._engine.stage_cols == stage_columns(4096, 4096, big.compute, 132, 1) == 4
+    assert AllGatherMatmul(8192, K, 4096, torch.bfloat16, stage_waves=2)._engine.stage_cols == 4
     with pytest.raises(tl.InputError, match="stage_waves"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="kernel", stage_waves=1)
-    cs, cur = op.copy_stream.cuda_stream, proto.cur.cuda_stream
+    cs, cur = op._engine.copy_stream.cuda_stream, proto.cur.cuda_stream
     nbytes = Ms * K * 2
     # every launch's GEMM arguments as prepared for it (CPU tensors reuse addresses across launches,
     # so a cached launch could show an earlier launch's tensors at the same addresses)
-    monkeypatch.setattr(op._gemm_launches, "get", lambda key, build: build())
+    monkeypatch.setattr(op._engine._gemm_launches, "get", lambda key, build: build())
     for L, a, ga, ev in _each_launch(proto, op, Ms, K, N):
         assert [e[0] for e in ev] == ["cuEventRecord", "GEMM", "cuStreamWaitEvent", "cuStreamWaitValue64",
                                       "cuMemcpyAsync", "cuStreamWriteValue64", "cuEventRecord", "cuStreamWaitEvent"]
         assert ev[1] == ("GEMM", cur, L, 132, 1) and ev[2] == ("cuStreamWaitEvent", cs, ev[0][2])
         bufs, sigs = proto.gemm_args
-        assert bufs["a"] is a and bufs["a_slot"].data_ptr() == op.shards[L % 2].data_ptr()
-        assert bufs["a_gathered"] is ga and sigs["gather_a_arrive"] is op.arrive and bufs["own_cols"] == 12
-        assert sigs["gather_a_arrive_peers"].tolist() == op.arrive_peers
-        assert ev[3][:4] == ("cuStreamWaitValue64", cs, op.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
-        assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
-        assert ev[5] == ("cuStreamWriteValue64", cs, op.flags.data_ptr(), L)
-    assert set(op.signal_tensors()) == {op.signal, "handshake_arrive", "own_staged"}
+        assert bufs["a"] is a and bufs["a_slot"].data_ptr() == op._engine.shards[L % 2].data_ptr()
+        assert bufs["a_gathered"] is ga and sigs["gather_a_arrive"] is op._engine.arrive and bufs["own_cols"] == 12
+        assert sigs["gather_a_arrive_peers"].tolist() == op._engine.arrive_peers
+        assert ev[3][:4] == ("cuStreamWaitValue64", cs, op._engine.arrive.data_ptr() + 8 * 0, L)   # rank 0 staged L
+        assert ev[4] == ("cuMemcpyAsync", cs, ga.data_ptr(), op._engine.peer_ptrs[0] + (L % 2) * nbytes, nbytes)
+        assert ev[5] == ("cuStreamWriteValue64", cs, op._engine.flags.data_ptr(), L)
+    assert set(op.signal_tensors()) == {op._engine.signal, "handshake_arrive", "own_staged"}
     # the GEMM alone: scratch slot and arrival, this rank's rows read from A_gathered itself
     full = torch.randn(2 * Ms, K).to(torch.bfloat16)
     op.compute_only(full, torch.zeros(K, N, dtype=torch.bfloat16))
     bufs, sigs = proto.gemm_args
-    assert bufs["a"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op.shards.data_ptr()
-    assert sigs["gather_a_arrive"] is not op.arrive
-    assert sigs["gather_a_arrive_peers"].data_ptr() != op._arrive_table.data_ptr()
+    assert bufs["a"].data_ptr() == full[Ms:].data_ptr() and bufs["a_slot"].data_ptr() != op._engine.shards.data_ptr()
+    assert sigs["gather_a_arrive"] is not op._engine.arrive
+    assert sigs["gather_a_arrive_peers"].data_ptr() != op._engine._arrive_table.data_ptr()
 
 
 def test_allgather_copy_engine_push(proto, monkeypatch, fake_ag):
@@ -2041,11 +2041,12 @@ def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch
     Ms, K, N = 128, 64, 96
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
                          staging=staging)
-    assert op._engine is None and op._spares.enabled
-    monkeypatch.setattr(op._gemm_launches, "get", lambda key, build: build())
+    eng = op._engine
+    assert eng.name == "copy_engine" and eng._spares.enabled
+    monkeypatch.setattr(eng._gemm_launches, "get", lambda key, build: build())
     a, b = torch.randn(Ms, K).to(torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)
     first = op(a, b)
-    held = dict(op._spares._spares)
+    held = dict(eng._spares._spares)
     assert set(held) == {"a_gathered", "c"}
     second = op(a, b)
     assert second[0] is held["a_gathered"] and second[1] is held["c"]
@@ -2054,13 +2055,13 @@ def test_allgather_pull_hands_out_the_next_calls_outputs_once(proto, monkeypatch
     assert len({t.data_ptr() for t in (*first, *second, *third)}) == 6
     monkeypatch.setattr(AllGatherMatmul, "_check_out", lambda self, out, a, b: None)  # a CPU tensor stands in
     out = torch.empty(2 * Ms, N, dtype=torch.bfloat16)
-    assert op(a, b, out=out)[1] is out and set(op._spares._spares) == {"a_gathered"}
+    assert op(a, b, out=out)[1] is out and set(eng._spares._spares) == {"a_gathered"}
     op.close()
-    assert op._spares.held_bytes == 0
+    assert eng._spares.held_bytes == 0
     off = AllGatherMatmul(Ms, K, N, torch.bfloat16, comm=tl.CommSchedule(engine="copy_engine", mode="pull"),
                           spare_outputs=False)
     off(a, b)
-    assert not off._spares.enabled and off._spares.held_bytes == 0
+    assert not off._engine._spares.enabled and off._engine._spares.held_bytes == 0
 
 
 def test_calls_on_a_new_stream_follow_the_previous_call(proto, monkeypatch):

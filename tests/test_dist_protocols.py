@@ -1,6 +1,6 @@
 """The launch protocols of the default fused ops, executed on two simulated ranks: AllGather+GEMM's
 copy-engine push (runtime/dist/ag_push.py; or the GEMM pushing its own rows, pusher="gemm") and pull
-(runtime/dist/ag_gemm.py) — with the staging kernel as the handshake (the default where rows are
+(runtime/dist/ag_pull.py) — with the staging kernel as the handshake (the default where rows are
 not whole tiles) or with the GEMM staging its own rows — and GEMM+ReduceScatter on the copy engine
 (runtime/dist/gemm_rs_copy.py). Both ranks' real op objects enqueue their launches into a fake
 driver whose streams hold the CPU tensors themselves, and a scheduler runs the streams in random
@@ -753,7 +753,7 @@ def test_the_reduce_scatter_model_can_fail(monkeypatch):
             break_it.__name__
 
 
-# -- AllGather+GEMM pulling (runtime/dist/ag_gemm.py: staging kernel, device handshake) --------------
+# -- AllGather+GEMM pulling (runtime/dist/ag_pull.py: staging kernel, device handshake) --------------
 
 class _Stager:
     """The publishing staging kernel (runtime/dist/staging.py, hand-written CUDA) as the program it
@@ -870,9 +870,9 @@ def test_the_pull_model_can_fail(monkeypatch):
 
 def _no_arrival_wait(mp):
     """The pull's copies stop waiting for the peer's published arrival."""
-    from tldsl.runtime.dist import ag_gemm as agm
-    pulls = agm.AllGatherMatmul._enqueue_pulls
-    mp.setattr(agm.AllGatherMatmul, "_enqueue_pulls",
+    from tldsl.runtime.dist import ag_pull
+    pulls = ag_pull.PullAllGather._enqueue_pulls
+    mp.setattr(ag_pull.PullAllGather, "_enqueue_pulls",
                lambda self, cu, a_full, slot, L, wait_arrivals: pulls(self, cu, a_full, slot, L, wait_arrivals=False))
 
 

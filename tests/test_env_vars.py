@@ -17,10 +17,7 @@ LIBRARY_DIRS = ("tldsl", "ir", "codegen", "runtime")
 NAME = re.compile(r"^TLDSL_[A-Z0-9_]+$")
 
 #: library files still reading os.environ directly, and why they are not converted yet
-DIRECT_READS_LEFT = {
-    "runtime/dist/ag_gemm.py": "another change in progress owns this file",
-    "runtime/dist/gemm_rs.py": "another change in progress owns this file",
-}
+DIRECT_READS_LEFT: dict[str, str] = {}
 
 
 def _text(node) -> str:

@@ -70,8 +70,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "rank's signal counters (slow; for hunting a hang or a wrong count).",
            ("runtime/dist/ag_gemm.py", "runtime/dist/gemm_rs.py")),
     EnvVar("TLDSL_RESERVE_SMS", "0 (1 with the barrier-kernel handshake)",
-           "SMs the AllGather+GEMM's persistent GEMM leaves free (never fewer than its handshake needs).",
-           ("runtime/dist/ag_gemm.py",)),
+           "SMs the AllGather+GEMM pull's persistent GEMM leaves free (never fewer than its handshake needs).",
+           ("runtime/dist/ag_pull.py",)),
     EnvVar("TLDSL_STRICT_SKIPS", "skips pass",
            "`1` (`make test` sets it): any skip outside the GPU tests fails — a missing wheel is a broken "
            "install, not a green run.",

@@ -6,9 +6,11 @@ kernels that wait per tile.
 
 :class:`FusedProgram` is the one fused-op runtime: it runs any traced kernel's parts across the
 group (what ``tl.run(..., group=...)`` uses), and the ops are built on it — :class:`AllGatherMoE`,
-:class:`MoEReduceScatter`, :class:`SequenceParallelAttention`, and every schedule of
-:class:`AllGatherMatmul` (AllGather+GEMM) and :class:`MatmulReduceScatter` (GEMM+ReduceScatter)
-without a hand-built fast path (:mod:`.program_engine`); :mod:`.autotune` picks their schedules.
+:class:`MoEReduceScatter`, :class:`SequenceParallelAttention`, and :class:`AllGatherMatmul`
+(AllGather+GEMM) and :class:`MatmulReduceScatter` (GEMM+ReduceScatter), whose launches their
+engine makes (:mod:`.engine`): the tile program on FusedProgram (:mod:`.program_engine`), or for
+the schedules measured faster by hand a recipe (:mod:`.recipes`: :mod:`.ag_push`, :mod:`.ag_pull`,
+:mod:`.gemm_rs_copy`); :mod:`.autotune` picks their schedules.
 :class:`CommKernel` / :class:`SymmetricWorkspace` (:mod:`.comm_kernel`) launch one generated
 communication kernel on its own, outside any op.
 

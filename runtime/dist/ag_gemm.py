@@ -1,86 +1,47 @@
-"""AllGather+GEMM on GPUs: the copy engine gathers A shard by shard (stream-ordered peer
-copies, each followed by a stream write of its flag), while the generated GEMM — the
-AllGather+GEMM tile program's compute part — waits per tile for exactly the flags its rows
-need. The GEMM starts on the local shard at once.
+"""AllGather+GEMM on GPUs: ``(A_gathered, A_gathered @ B)`` from each rank's rows of A — the
+``allgather_gemm`` tile program, its generated GEMM waiting per tile for exactly the rows it
+needs while the shards move.
 
-The default where this rank's rows are whole tiles (and nothing asks for the pull's options:
-:func:`default_push`) is the copy engines **pushing** the shards, :mod:`.ag_push`: no staging
-at all, each rank's shard copied straight from its tensor into the peers' landing buffers, the
-GEMM gathering A_gathered as it loads. Elsewhere, the pull described here.
+Which engine makes the launches is chosen once, when the op is built (:mod:`.recipes`):
 
-Pull launch protocol (``launch`` = L, counted from 1; flags hold the last launch that wrote them,
-so they are never reset and an old value can never satisfy a wait). Our shard is staged in a
-double-buffered symmetric buffer, slot ``L % 2``:
+* the copy engines **pushing** the shards (:mod:`.ag_push`), the default where this rank's rows
+  are whole tiles and nothing asks for the pull's options (:func:`default_push`): nothing staged,
+  each rank's shard copied straight from its tensor into the peers' landing buffers, the GEMM
+  storing A_gathered as it loads;
+* the copy engines **pulling** them (:mod:`.ag_pull`) elsewhere: the shard staged in a symmetric
+  slot (by the GEMM, :func:`default_staging`, or one kernel pass), the peers' copies after a
+  device-side handshake;
+* every other schedule — the generated all-gather kernel on ``sms`` reserved SMs
+  (``engine="sm"``, push or pull), the codegen copy-engine plan (``ce_executor="plan"``, and a push
+  whose rows are not whole tiles) — is the tile program run by the fused-op runtime
+  (:class:`_ProgramAllGather`, :mod:`.program_engine`).
 
-1. compute stream: this call's shard into slot ``L % 2`` and into its rows of A_gathered, and
-   L into its flag — one pass of the staging kernel (:mod:`.staging`); same-GPU copies run on
-   SMs, so they must finish before the persistent GEMM holds them; record that point for the
-   copy stream;
-2. compute stream, at once: the GEMM, launch index L (on every SM but one when the barrier
-   is a kernel, which runs beside it there); it starts on our own rows and spins (acquire,
-   system scope) on flag p before loading rows of shard p;
-3. copy stream (after step 1): **one group barrier** — every rank's shard of launch L is
-   staged, and every rank finished launch L-1 (so nobody still reads the slot written at
-   L+1). ``handshake="device"`` (the default): the staging kernel itself is the barrier (it
-   waits for every peer's arrival at L-1 before writing the slot and, once staged, writes L
-   into this rank's slot of every peer's symmetric arrival array), so the copy stream —
-   ordered after the call's start, not after step 1 — only waits (GEQ) for peer p's slot
-   before copying shard p: no host call stands between a peer's staging and its copy;
-   ``"memops"``: stream memory operations on the copy stream after step 1 — write L into this
-   rank's slot of every peer's arrival array, then wait for every peer's slot here; both use
-   no SM, the GEMM takes every SM; ``"kernel"``: torch symmetric memory's barrier kernel.
-   Then, in ring order, peer copies of shard p (NVLink copy engine, no SM)
-   into rows [p*Ms, (p+1)*Ms), each followed by writing L into flag p
-   (``cuStreamWriteValue64``). Between enqueueing the GEMM and the last copy the host never
-   waits for the device (garbage collection is paused: freeing symmetric memory synchronises),
-   and a launch's host work is a few driver calls: the GEMM's arguments are packed once per set
-   of tensor addresses (:class:`~..gpu.launch.LaunchCache`);
-4. the compute stream waits for the copy stream, so launch L+1 starts after both.
-
-Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
-every peer reaches only after its copy stream finished launch L-2's reads of that slot.
-
-CUDA graphs (``torch.cuda.graph``; every schedule of this module): ``L`` reaches the device as the
-GEMM's and the staging kernel's argument, as the constant of the flag writes and arrival waits, and
-as the slot's address — all three baked into a captured graph. So a captured call (and every call
-of an op once captured) is launch ``L = 1`` of fresh counters: before step 1 its compute stream runs a
-barrier of the group, zeroes every counter of the op (flags, arrivals, the staging kernel's block
-count, the GEMM's staged count) and runs a second barrier (:mod:`.fused_op`). Every replay does the
-same on the device, so its waits are those of a first launch against counters that say so; the
-slot is always slot 1, free because the first barrier waits for every rank's previous launch to
-end. While capturing: fresh outputs from the graph's pool (no spares), no ``record_stream`` (the
-copy stream is joined before the call returns), no wait for the previous eager call's stream.
-
-With ``staging="gemm"`` (the default where the shard still reaches the peers in time:
-:func:`default_staging`) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
-as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
-publishes L into this rank's slot on every peer (step 3's handshake, from the device).
-
-That is the direct pull (``engine=None`` / ``"copy_engine"``, pull). Every other schedule is the
-``allgather_gemm`` tile program on the fused-op runtime (:class:`_ProgramAllGather`,
-:mod:`.program_engine`): ``engine="sm"`` (the generated all-gather kernel on ``sms`` reserved
-SMs, push or pull) and the copy engine driven by the codegen plan (``ce_executor="plan"``, and a
-push whose rows are not whole tiles).
+CUDA graphs (every engine): the launch number reaches the device as kernel arguments, memop
+constants and slot addresses, all baked into a captured graph, so a captured call (and every call
+of an op once captured) is launch ``L = 1`` of fresh counters reset on the device between two
+group barriers (:mod:`.fused_op`).
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ... import env
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
-from .spare_outputs import SpareOutputs, keep_spares
+from .recipes import choose
+from .spare_outputs import keep_spares
 from .group import built_alike, dist_context, dtype_name
 from .operands import check_open, check_operands, check_output, check_sizes, dense
-from .fused_op import FusedOp
+from .engine import EngineOp
 from .program_engine import ProgramEngine
 from .symmetric import Lease
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 
 
-class AllGatherMatmul(FusedOp):
+class AllGatherMatmul(EngineOp):
     """``(A_gathered, A_gathered @ B)`` for a fixed (rows per rank, K, N, dtype).
 
     Building it is collective (symmetric allocation + rendezvous): every rank of ``group``
@@ -125,10 +86,6 @@ class AllGatherMatmul(FusedOp):
         The default push moves each shard in column slices (:func:`default_col_tile`; a ``comm``
         with its own ``col_tile`` decides by hand)."""
         import torch
-        import tldsl as tl
-        from ...codegen import lower
-        from ..gpu.gemm import GemmKernel
-        from ...ops.allgather_gemm import allgather_gemm
 
         with built_alike("AllGatherMatmul", group) as build:      # every rank leaves it alike (group.py)
             check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
@@ -137,7 +94,7 @@ class AllGatherMatmul(FusedOp):
                                  f"whole 16-byte units for TMA)")
             self._closed = False
             self.ctx = dist_context(group)
-            W, r = self.ctx.world_size, self.ctx.rank
+            W = self.ctx.world_size
             self.Ms, self.K, self.N = int(rows_per_rank), int(k), int(n)
             tdtype = torch.bfloat16 if dtype_name(dtype, "AllGather+GEMM") == "bf16" else torch.float16
             self.dtype = tdtype
@@ -146,6 +103,9 @@ class AllGatherMatmul(FusedOp):
                                              stage_waves):
                 comm = push_comm(self.K, compute, pusher)
             comm = resolve_comm(comm, engine, sms, compute or DEFAULT_COMPUTE)
+            if comm.engine not in ("copy_engine", "sm"):
+                raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine and SM schedules; got {comm} (the "
+                                 f"GEMM pushing the shards is pusher='gemm')")
             self.hooks: dict = {}
             self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
             self._engine = None
@@ -189,117 +149,17 @@ class AllGatherMatmul(FusedOp):
                 enqueue=enqueue, pusher=pusher, stage_waves=stage_waves, spare_outputs=spare_outputs)
         # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
         self._lease = Lease(self.ctx, f"AllGatherMatmul({self.Ms}, {self.K}, {self.N})", self)
-        if push and ce_executor == "direct":
-            for what, given in (("staging", staging_given), ("handshake", handshake), ("stage_waves", stage_waves)):
-                if given is not None:
-                    raise InputError(f"{what}={given!r}: the copy-engine push stages nothing and needs no handshake "
-                                     f"(each rank pushes its shard from its own tensor)")
-            from .ag_push import PushAllGather
-            import math
-            import os
-            timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
-            if pusher == "gemm" and W == 1:
-                raise InputError("pusher='gemm': the GEMM pushes this rank's rows to its peers, and a group of one "
-                                 "rank has none (leave pusher unset: the copy engine's push, which has nothing to "
-                                 "copy either)")
-            if pusher == "gemm" and compute is None:
-                # the GEMM publishes its pushes as each CTA leaves this rank's rows: those rows must
-                # be whole groups of the order (lower_gemm's push_rows check)
-                c0 = dataclasses.replace(c0, group_m=math.gcd(self.Ms // c0.BM, c0.group_m))
-            self.comm, self.compute, self.handshake, self.staging = comm, c0, None, None
-            self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
-            self._engine = PushAllGather(self, progress, int(timeout) if timeout else None, enqueue, spare_outputs,
-                                         pusher or "copy_engine")
-            return
-        if pusher is not None:
-            raise InputError(f"pusher={pusher!r}: only the direct copy-engine push has a pusher to choose (this "
-                             f"schedule: {comm}, ce_executor={ce_executor!r})")
-        if comm.engine == "sm" or push or ce_executor == "plan":
-            # no direct path takes this schedule: the tile program on the fused-op runtime
-            if spare_outputs:
-                raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
-                                 f"this schedule ({comm}, ce_executor={ce_executor!r}) allocates per call")
-            if handshake is not None:
-                raise InputError(f"handshake={handshake!r} applies to the direct copy-engine pull path; this "
-                                 f"schedule ({comm}, ce_executor={ce_executor!r}) runs on the fused-op runtime, whose "
-                                 f"handshakes are stream memory operations")
-            self.handshake = None
-            self.comm = comm
-            self.compute = compute or DEFAULT_COMPUTE
-            import os
-            self.launches, self.debug = 0, bool(os.environ.get("TLDSL_DEBUG"))
-            self._engine = _ProgramAllGather(self, tdtype, progress)
-            return
-        if comm.engine != "copy_engine" or comm.mode != "pull":
-            raise InputError(f"AllGatherMatmul on GPUs runs the copy-engine pull schedule for now; got {comm}")
-        if comm.col_tile is not None and comm.col_tile < self.K:
-            raise InputError(f"col_tile={comm.col_tile}: the direct copy-engine pull moves whole shards; column "
-                             f"slices run on the direct push (mode='push') or ce_executor='plan'")
-        # measured (``probe ag_handshake``): "device" equal or faster at every shape, 8% at the
-        # smallest; "memops" where the shard is staged by copies (no kernel to publish the arrival)
-        handshake = self.handshake = handshake or ("memops" if staging == "copies" else "device")
-        self.comm = comm
-        # staging="gemm": all of this rank's tile rows in one group of the order, so the first wave
-        # of tiles loads (and stages) every one of them (``probe ag_group``: no slower)
-        self.compute = compute or (DEFAULT_COMPUTE if staging != "gemm" else
-                                   dataclasses.replace(DEFAULT_COMPUTE, group_m=self.Ms // DEFAULT_COMPUTE.BM))
-        ir_dtype = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
-        spec = tl.TensorSpec
-        # staging="gemm": the schedule fuses this rank's rows into the GEMM (it stages the shard
-        # into the slot and publishes the arrival; codegen/plan/fused_rows.py)
-        traced_comm = comm.with_(own_rows="compute") if staging == "gemm" else comm
-        self.ir = allgather_gemm.trace(W, spec((self.Ms, self.K), ir_dtype), spec((self.K, self.N), ir_dtype),
-                                       spec((W * self.Ms, self.N), ir_dtype), compute=self.compute, comm=traced_comm)
-        import os
-        timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
-        self.lowered = lower(self.ir, "gemm", **({"wait_timeout_ns": int(timeout)} if timeout else {}))
-        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
-        # with the barrier kernel, one SM stays free of the persistent GEMM: the kernel runs there
-        least = 1 if handshake == "kernel" else 0
-        self.gemm = GemmKernel(self.lowered, progress=progress,
-                               reserve_sms=max(least, int(os.environ.get("TLDSL_RESERVE_SMS", str(least)))))
-        (self.signal,) = self.lowered.signals
-        dev = torch.device("cuda", self.ctx.device)
-        # collective points: the double-buffered symmetric shard + rendezvous
-        self.shards, self.handle = self._lease.empty((2, self.Ms, self.K), tdtype)
-        self.peer_ptrs = [int(p) for p in self.handle.buffer_ptrs]
-        if handshake in ("memops", "device"):   # slot q: the last launch whose shard rank q has staged
-            self.arrive, self._arrive_handle = self._lease.empty((max(W, 1),), torch.int64)
-            self.arrive.zero_()
-            self.arrive_peers = [int(p) for p in self._arrive_handle.buffer_ptrs]
-        # load the barrier kernel now (collective, like the construction): a module CUDA loads
-        # lazily while a GEMM spins beside it would wait for that GEMM. It also orders every
-        # rank's zeroed arrival slots before any peer's first write into them.
-        self.handle.barrier(channel=0)
-        self.flags = torch.zeros(max(W, 1), dtype=torch.int64, device=dev)
-        self.copy_stream = torch.cuda.Stream(device=dev)
-        self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()   # reused every launch
-        self._gemm_launches = LaunchCache(16)      # prepared GEMM launches by tensor addresses (and slot)
-        self._order = CallOrder()
-        if handshake == "device":   # the stager (the staging kernel or the GEMM) publishes the arrival itself:
-            self._start = torch.cuda.Event()        # every rank's arrival array, as mapped here
-            self._arrive_table = torch.zeros(W, dtype=torch.int64, device=dev)
-            self._arrive_table.copy_(torch.tensor(self.arrive_peers, dtype=torch.int64))
-        if staging == "gemm":                       # the GEMM stages the shard and publishes the arrival
-            self.stage_cols = stage_columns(self.Ms, self.N, self.compute, self.gemm.grid[0],
-                                            stage_waves or STAGE_WAVES)
-            staged, arrive, arrive_table = self.lowered.row_signals      # by the IR's names
-            self._own_signals = {self.signal: self.flags, staged: torch.zeros(1, dtype=torch.int64, device=dev),
-                                 arrive: self.arrive, arrive_table: self._arrive_table}
-        if staging == "kernel":
-            from ..gpu.device import sm_count
-            from .staging import ShardStager
-            publish = None
-            if handshake == "device":           # the staging kernel publishes this rank's arrival itself
-                self._blocks_done = torch.zeros(1, dtype=torch.int64, device=dev)
-                publish = (self.arrive.data_ptr(), self._arrive_table.data_ptr(), r, W, self._blocks_done.data_ptr(),
-                           int(timeout) if timeout else None)
-            self._stager = ShardStager(sm_count(), progress=progress, publish=publish)
-        self._spares = SpareOutputs((W * self.Ms, self.K), (W * self.Ms, self.N), tdtype, dev, spare_outputs)
-        self._spare: dict = {}
-        self.launches = 0
-        self.order = [(r + s) % W for s in range(W)] if comm.order == "ring" else \
-            [(r + s) % W for s in range(W)]   # full mesh: the copy engine serialises per stream anyway
+        timeout = env.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
+        self.comm, self.handshake = comm, None
+        self.compute = compute or DEFAULT_COMPUTE       # (an engine may refine the default: its own docstring)
+        self.launches, self.debug = 0, bool(env.get("TLDSL_DEBUG"))
+        options = BuildOptions(compute_given=compute is not None, handshake=handshake, staging=staging,
+                               staging_given=staging_given, stage_waves=stage_waves, enqueue=enqueue,
+                               spare_outputs=spare_outputs, pusher=pusher, ce_executor=ce_executor,
+                               wait_timeout_ns=int(timeout) if timeout else None)
+        recipe = choose("AllGatherMatmul", comm, ce_executor)
+        engine = _ProgramAllGather if recipe is None else recipe.engine_class()
+        self._engine = engine(self, progress, options)
 
     def _check(self, a_shard, b):
         """Every problem with the operands, before anything is enqueued (the A shard may be a
@@ -313,216 +173,9 @@ class AllGatherMatmul(FusedOp):
         ``return_gathered=False``: ``(None, C)`` — on the schedules the fused-op runtime runs,
         the gathered rows then stay in the op's buffer, not copied out of it (the hand-built
         paths gather into a tensor of the call's own: nothing to save there)."""
-        if isinstance(self._engine, ProgramEngine):         # (the program path: _ProgramAllGather)
-            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out,
-                                return_gathered=bool(return_gathered))
-        a_full, c = self._gather_and_multiply(a_shard, b, poison_workspace, out)
+        a_full, c = self._engine(a_shard, b, poison_workspace=poison_workspace, out=out,
+                                 return_gathered=bool(return_gathered))
         return (a_full if return_gathered else None), c
-
-    def _gather_and_multiply(self, a_shard, b, poison_workspace: bool, out):
-        """The hand-built paths' call: ``(A_gathered, C)``."""
-        if self._engine is not None:        # (first: the push's host path is the op's time)
-            return self._engine(a_shard, b, poison_workspace=poison_workspace, out=out)
-        import gc
-        import torch
-        from ..gpu import plan_exec
-        cu = plan_exec.load_driver()
-        consts = plan_exec.driver_constants(cu)
-        write_default = consts.write_default
-        self._check(a_shard, b)
-        if out is not None:
-            self._check_out(out, a_shard, b)
-        L = self._next_launch()
-        if self.staging == "gemm":
-            return self._call_gemm_staged(a_shard, b, out, poison_workspace, L)
-        cur, a_full = self._begin(poison_workspace)
-        cur_h = cur.cuda_stream
-        slot = L % 2
-        me = self.ctx.rank
-        tl_ = self.timeline
-        nbytes = self.Ms * self.K * self.shards.element_size()
-        if not a_shard.is_contiguous():
-            a_shard = a_shard.contiguous()
-        src = a_shard.data_ptr()
-        # Our shard into the symmetric slot and into our own rows of A_gathered, and our flag.
-        # Same-GPU copies run on SMs, so before the GEMM on the compute stream: they must not
-        # queue behind the persistent GEMM, which holds the SMs while it waits. The copy stream
-        # (handshake, peers' shards) starts once the slot holds our shard.
-        slot_ptr, own_rows, own_flag = self.peer_ptrs[me] + slot * nbytes, a_full.data_ptr() + me * nbytes, \
-            self.flags.data_ptr() + 8 * me
-        device = self.handshake == "device"
-        if device:
-            # the copy stream's waits and copies are enqueued before the staging finishes: they
-            # follow the compute stream's earlier work (A_gathered's memory may be in use there)
-            self._start.record(cur)             # the copy stream waits for it once the staging is enqueued
-            if src % 16:                        # the publishing kernel must run: an aligned copy
-                a_shard = a_shard.clone()
-                src = a_shard.data_ptr()
-        one_pass = self.staging == "kernel" and self._stager.usable(src, slot_ptr, own_rows, nbytes)
-        if one_pass:
-            self._stager.prepare(cu, src, slot_ptr, own_rows, nbytes, own_flag).launch(cur_h, L)
-        else:
-            plan_exec.checked(cu, cu.cuMemcpyAsync(slot_ptr, src, nbytes, cur_h), "cuMemcpyAsync(stage our shard)")
-        if device:
-            self.copy_stream.wait_event(self._start)
-        else:
-            self._staged.record(cur)
-            self.copy_stream.wait_event(self._staged)
-        if not one_pass:
-            plan_exec.checked(cu, cu.cuMemcpyAsync(own_rows, src, nbytes, cur_h), "cuMemcpyAsync(our rows)")
-            plan_exec.checked(cu, cu.cuStreamWriteValue64(cur_h, own_flag, L, write_default),
-                              "cuStreamWriteValue64(own flag)")
-        if tl_ is not None:
-            tl_.mark("staged", cur, "compute")
-        cs = self.copy_stream.cuda_stream
-        c = self._output_c(out)
-        gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
-            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
-        # enqueue="gemm_first" (the default): the GEMM goes first (one driver call: its arguments
-        # are prepared), so the GPU computes our own rows while the host enqueues the handshake
-        # and the copies; "comm_first": the handshake and copies first, so peers' shards start
-        # moving one GEMM launch earlier. Nothing between enqueueing the GEMM and the last copy
-        # may wait for the device: no garbage collection (freeing another op's symmetric memory
-        # synchronises) — the GEMM spins until the copies land.
-
-        def launch_gemm():
-            if self.hooks:
-                self._hook("before_compute", cur)
-            gemm.launch(cur_h, L)
-            if tl_ is not None:
-                tl_.mark("gemm done", cur, "compute")
-
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
-            if self.enqueue == "gemm_first":
-                launch_gemm()
-            if self.hooks:
-                self._hook("before_comm", self.copy_stream)
-            # every shard of launch L staged; launch L-1 done everywhere
-            if self.handshake == "kernel":
-                with torch.cuda.stream(self.copy_stream):
-                    self.handle.barrier(channel=0)
-            elif not device:
-                plan_exec.stream_handshake(cu, cs, self.arrive_peers, me, L)
-            if tl_ is not None and not device:
-                tl_.mark("barrier", self.copy_stream, "copy")
-            self._enqueue_pulls(cu, a_full, slot, L, wait_arrivals=device)
-            if self.enqueue == "comm_first":
-                launch_gemm()
-        finally:
-            if gc_was_on:
-                gc.enable()
-        return self._join(cur, a_full, c, L, fresh_c=out is None)
-
-    def _begin(self, poison_workspace: bool):
-        """A launch's start on the host: the compute stream, a fresh A_gathered (NaN-filled with
-        ``poison_workspace``) and the timeline's first mark."""
-        import torch
-        cur = torch.cuda.current_stream(self.ctx.device)
-        self._order.follow(cur.cuda_stream)           # a new stream waits for the previous call's (call_order)
-        # allocated at the end of the previous call; none while capturing (a graph's outputs come
-        # from its own memory pool: a spare allocated outside it could be freed and reused while
-        # the graph still writes it)
-        self._spare = self._spares.take(cur.cuda_stream) if not self._capture else {}
-        a_full = self._spare.get("a_gathered")
-        if a_full is None:
-            a_full = self._spares.new("a_gathered")
-        if poison_workspace:
-            a_full.fill_(float("nan"))
-        if self.timeline is not None:
-            self.timeline.mark("start", cur, "compute")
-        return cur, a_full
-
-    def _output_c(self, out):
-        """C: the caller's ``out``, else the spare the previous call allocated, else a new one."""
-        if out is not None:
-            return out
-        c = self._spare.get("c")
-        return c if c is not None else self._spares.new("c")
-
-    def _join(self, cur, a_full, c, L: int, fresh_c: bool = True):
-        """The end of launch ``L``: the compute stream waits for the copy stream (launch ``L+1``
-        starts after both), A_gathered, written on the copy stream, is marked in use there, and
-        the next call's outputs are allocated (:mod:`.spare_outputs`; ``fresh_c``: this call
-        allocated its C, i.e. no ``out=``)."""
-        import torch
-        self._copied.record(self.copy_stream)
-        cur.wait_event(self._copied)
-        self._spare = {}
-        if not self._capture:           # (captured: the copy stream is joined above; no spares from the graph's pool)
-            a_full.record_stream(self.copy_stream)
-            self._spares.refill(cur.cuda_stream, with_c=fresh_c)
-        if self.debug and not self._capture:
-            torch.cuda.synchronize()
-            print(f"[rank {self.ctx.rank}] launch {L}: done; counters {self.signal_counters()}", flush=True)
-        return a_full, c
-
-    def _enqueue_pulls(self, cu, a_full, slot: int, L: int, *, wait_arrivals: bool) -> None:
-        """The copy stream's part of launch ``L``: per peer in ring order, (with a device-side
-        handshake) a wait until the peer has published ``L``, the NVLink copy of its shard from its
-        slot into its rows of ``a_full``, and ``L`` into its flag (the GEMM's tiles wait on it)."""
-        from ..gpu import plan_exec
-        consts = plan_exec.driver_constants(cu)
-        cs, me, tl_ = self.copy_stream.cuda_stream, self.ctx.rank, self.timeline
-        nbytes = self.Ms * self.K * a_full.element_size()
-        for p in self.order:
-            if p == me:
-                continue
-            if wait_arrivals:
-                plan_exec.checked(cu, cu.cuStreamWaitValue64(cs, self.arrive.data_ptr() + 8 * p, L, consts.wait_geq),
-                                  f"cuStreamWaitValue64(arrival of rank {p})")
-            plan_exec.checked(cu, cu.cuMemcpyAsync(a_full.data_ptr() + p * nbytes, self.peer_ptrs[p] + slot * nbytes,
-                                                   nbytes, cs), f"cuMemcpyAsync(shard of rank {p})")
-            plan_exec.checked(cu, cu.cuStreamWriteValue64(cs, self.flags.data_ptr() + 8 * p, L, consts.write_default),
-                              f"cuStreamWriteValue64(flag of rank {p})")
-            if tl_ is not None:
-                tl_.mark(f"shard {p} copied", self.copy_stream, "copy")
-
-    def _call_gemm_staged(self, a_shard, b, out, poison_workspace: bool, L: int):
-        """``staging="gemm"``: no staging pass. The GEMM reads this rank's rows from the shard,
-        stores them (as it loads them) into the symmetric slot ``L % 2`` and into A_gathered, and
-        publishes the launch into this rank's slot of every peer's arrival array once all are
-        stored (``tldsl::sm90::OwnRows``); the copy stream, ordered after the call's start, waits
-        for each peer's arrival and copies its shard, then writes its flag."""
-        import gc
-        from ..gpu import plan_exec
-        cu = plan_exec.load_driver()
-        me = self.ctx.rank
-        cur, a_full = self._begin(poison_workspace)
-        cur_h = cur.cuda_stream
-        tl_ = self.timeline
-        a_shard = dense(a_shard)            # TMA reads it
-        slot = L % 2
-        c = self._output_c(out)
-        self._start.record(cur)
-        gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
-                                       lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
-                                                                  "a": a_shard, "a_slot": self.shards[slot],
-                                                                  "own_cols": self.stage_cols},
-                                                                 signals=self._own_signals, rank=me))
-        gc_was_on = gc.isenabled()
-        gc.disable()                # the GEMM spins on the copies' flags: no host stall until they are enqueued
-        try:
-            if self.hooks:
-                self._hook("before_compute", cur)
-            gemm.launch(cur_h, L)
-            if tl_ is not None:
-                tl_.mark("gemm done", cur, "compute")
-            if self.hooks:
-                self._hook("before_comm", self.copy_stream)
-            self.copy_stream.wait_event(self._start)
-            self._enqueue_pulls(cu, a_full, slot, L, wait_arrivals=True)
-        finally:
-            if gc_was_on:
-                gc.enable()
-        return self._join(cur, a_full, c, L, fresh_c=out is None)
-
-    def _release(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-        else:
-            self._spares.clear()
 
     def _check_out(self, out, a_shard, b):
         check_output("AllGatherMatmul", out, (self.ctx.world_size * self.Ms, self.N), self.dtype, self.ctx.device,
@@ -554,89 +207,18 @@ class AllGatherMatmul(FusedOp):
         return c
 
     def _prepare_compute_only(self, a_gathered, b, c):
-        """The GEMM alone's prepared launch: scratch counters that satisfy every wait (and, for
-        the GEMMs that load this rank's rows from the shard, scratch for what they store)."""
+        """The GEMM alone's prepared launch: scratch counters that satisfy every wait, and the
+        engine's scratch for what its GEMM stores besides C (:meth:`~.engine.Engine.compute_only_inputs`)."""
         import torch
-        W = self.ctx.world_size
-        gemm, sig = ((getattr(self._engine, "compute_gemm", None) or self._engine.gemm, self._engine.signal)
-                     if self._engine is not None else (self.gemm, self.signal))
-        slots = self.signal_tensors()[sig].numel()
+        engine = self._engine
+        slots = engine.signals[engine.signal].numel()
         if getattr(self, "_scratch", None) is None or self._scratch.numel() != slots:
             self._scratch = torch.full((slots,), 1 << 40, dtype=torch.int64, device=a_gathered.device)
-        buffers, signals = {"a_gathered": a_gathered, "b": b, "c": c}, {sig: self._scratch}
-        if hasattr(self._engine, "compute_only_buffers"):       # the push path's GEMM: its extra tensors
-            buffers.update(self._engine.compute_only_buffers(a_gathered))
-        if self.staging == "gemm" and self._engine is None:
-            # the GEMM staging this rank's rows, into scratch: it reads them from A_gathered's own
-            # rows and stores the same bytes back there, the slot and the arrival are scratch
-            me, dev = self.ctx.rank, a_gathered.device
-            if getattr(self, "_scratch_own", None) is None:
-                publish = torch.zeros(W, dtype=torch.int64, device=dev)
-                table = torch.full((W,), publish.data_ptr(), dtype=torch.int64, device=dev)
-                staged, arrive, arrive_table = self.lowered.row_signals
-                self._scratch_own = (torch.empty(self.Ms, self.K, dtype=self.dtype, device=dev), {
-                    staged: torch.zeros(1, dtype=torch.int64, device=dev),
-                    arrive: torch.full((W,), 1 << 40, dtype=torch.int64, device=dev),
-                    arrive_table: table}, publish)
-            buffers.update(a=a_gathered[me * self.Ms:(me + 1) * self.Ms], a_slot=self._scratch_own[0],
-                           own_cols=self.stage_cols)
-            signals.update(self._scratch_own[1])
-        return gemm.prepare(buffers, signals=signals, rank=self.ctx.rank)
-
-    # -- hooks and introspection (every engine) ---------------------------------------------------
-    def _hook(self, name, stream):
-        h = self.hooks.get(name)
-        if h is not None:
-            h(self, self.launches, stream)
-
-    @property
-    def engine(self) -> str:
-        """``copy_engine`` (the direct pull path), ``copy_engine-push`` (the direct push path),
-        ``gemm-push`` (the direct push, the GEMM pushing), ``copy_engine-plan`` or ``sm``."""
-        return self._engine.name if self._engine is not None else "copy_engine"
-
-    def workspace_tensors(self) -> dict:
-        """The data workspaces a launch overwrites (the distributed checks fill them with noise)."""
-        self._check_open()                              # (its views went with close())
-        if self._engine is not None:
-            return self._engine.workspace_tensors()
-        return {"a": self.shards}
-
-    def signal_map(self) -> list[tuple[str, int, int, str]]:
-        """``(signal, address, slots, note)`` of this rank's counters (decodes a device
-        ``wait timed out: slot 0x...`` line, see :func:`~.comm_kernel.explain_address`)."""
-        self._check_open()                              # (its views went with close())
-        if self._engine is not None:
-            return self._engine.signal_map()
-        out = [(self.signal, self.flags.data_ptr(), self.flags.numel(),
-                f"rank {self.ctx.rank}, local: the copy stream writes one flag per shard, the GEMM waits; "
-                f"slot s = A_gathered rows [s * {self.Ms}, (s + 1) * {self.Ms})")]
-        if self.handshake in ("memops", "device"):
-            out.append(("handshake_arrive", self.arrive.data_ptr(), self.arrive.numel(),
-                        f"rank {self.ctx.rank}, symmetric: slot q = the last launch rank q staged its shard for; "
-                        "this rank's copy stream waits on it"))
-        return out
-
-    def _graph_counters(self) -> list:
-        if self._engine is not None:
-            return self._engine.graph_counters()
-        out = list(self.signal_tensors().values())
-        if getattr(self, "_blocks_done", None) is not None:     # the staging kernel's count of finished blocks
-            out.append(self._blocks_done)
-        return out
-
-    def signal_tensors(self) -> dict:
-        """This rank's counter tensors (int64 CUDA), by signal name."""
-        self._check_open()                              # (its views went with close())
-        if self._engine is not None:
-            return dict(self._engine.signals)
-        out = {self.signal: self.flags}
-        if self.handshake in ("memops", "device"):
-            out["handshake_arrive"] = self.arrive
-        if self.staging == "gemm":
-            staged = self.lowered.row_signals[0]
-            out[staged] = self._own_signals[staged]
-        return out
+        buffers, signals = {"a_gathered": a_gathered, "b": b, "c": c}, {engine.signal: self._scratch}
+        extra_buffers, extra_signals = engine.compute_only_inputs(a_gathered)
+        buffers.update(extra_buffers)
+        signals.update(extra_signals)
+        return engine.compute_gemm.prepare(buffers, signals=signals, rank=self.ctx.rank)
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:
@@ -646,11 +228,22 @@ class AllGatherMatmul(FusedOp):
         return [("A shard", [self.Ms, self.K]), ("B", [self.K, self.N]), ("dtype", self.dtype),
                 ("engine", self.engine)]
 
-    def _describe_head(self) -> str:
-        return f"; engine {self.engine}"
 
-    def _describe_body(self) -> list[str]:
-        return [self._engine.describe() if self._engine is not None else self.lowered.describe()]
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """The op's options as resolved before its first collective allocation, for its engine: each
+    engine takes the ones that apply to it and refuses the others (with an InputError naming them)."""
+
+    compute_given: bool
+    handshake: str | None
+    staging: str | None
+    staging_given: str | None
+    stage_waves: int | None
+    enqueue: str
+    spare_outputs: bool | None
+    pusher: str | None
+    ce_executor: str
+    wait_timeout_ns: int | None
 
 
 DEFAULT_SM_LANES = 8
@@ -777,15 +370,26 @@ class _ProgramAllGather(ProgramEngine):
     gathered rows land in the program's symmetric ``a_gathered``; each call returns a copy of
     them (the next launch overwrites the buffer), or nothing where the caller does not want them."""
 
-    def __init__(self, op, tdtype, progress):
+    def __init__(self, op, progress, options: BuildOptions):
         import weakref
         import torch
         import tldsl as tl
         from ...ops.allgather_gemm import allgather_gemm
+        ce_executor = options.ce_executor
+        if options.pusher is not None:
+            raise InputError(f"pusher={options.pusher!r}: only the direct copy-engine push has a pusher to choose "
+                             f"(this schedule: {op.comm}, ce_executor={ce_executor!r})")
+        if options.spare_outputs:
+            raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
+                             f"this schedule ({op.comm}, ce_executor={ce_executor!r}) allocates per call")
+        if options.handshake is not None:
+            raise InputError(f"handshake={options.handshake!r} applies to the direct copy-engine pull path; this "
+                             f"schedule ({op.comm}, ce_executor={ce_executor!r}) runs on the fused-op runtime, whose "
+                             f"handshakes are stream memory operations")
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         self.mode = op.comm.mode
         W = op.ctx.world_size
-        dt = tl.bfloat16 if tdtype == torch.bfloat16 else tl.float16
+        dt = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
         super().__init__(op, allgather_gemm, {"a": spec((op.Ms, op.K), dt), "b": spec((op.K, op.N), dt),
                                               "c": spec((W * op.Ms, op.N), dt)},

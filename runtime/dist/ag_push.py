@@ -55,27 +55,31 @@ host once the GEMM is enqueued.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
+import math
 
 from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from ..gpu import plan_exec
 from .call_order import CallOrder
+from .engine import Engine
 from .operands import dense
 from .spare_outputs import SpareOutputs
 
 
-class PushAllGather:
+class PushAllGather(Engine):
     """The direct copy-engine push path of :class:`~.ag_gemm.AllGatherMatmul` (built by it)."""
 
     name = "copy_engine-push"
 
-    def __init__(self, op, progress, wait_timeout_ns: int | None, enqueue: str, spare_outputs: bool | None = None,
-                 pusher: str = "copy_engine"):
-        """``pusher``: who writes this rank's shard into the peers' landing buffers —
-        ``"copy_engine"`` (the measured default: the copy stream, after the GEMM is enqueued) or
-        ``"gemm"`` (the GEMM itself, as it loads the shard: the schedule's ``engine='compute'``; no copy
-        stream, no host call but the GEMM's launch; correct on GPUs, slower: ``probe ag_push``)."""
+    def __init__(self, op, progress, options):
+        """``options`` (:class:`~.ag_gemm.BuildOptions`): ``pusher`` — who writes this rank's shard
+        into the peers' landing buffers: ``"copy_engine"`` (the measured default: the copy stream,
+        after the GEMM is enqueued) or ``"gemm"`` (the GEMM itself, as it loads the shard: the
+        schedule's ``engine='compute'``; no copy stream, no host call but the GEMM's launch; correct
+        on GPUs, slower: ``probe ag_push``); ``enqueue``, ``spare_outputs``. The pull's options
+        (staging, handshake, stage waves) are refused: the push stages nothing and needs no handshake."""
         import torch
         import tldsl as tl
         from ...codegen import lower
@@ -83,6 +87,23 @@ class PushAllGather:
         from ..gpu.gemm import GemmKernel
         import weakref
 
+        for what, given in (("staging", options.staging_given), ("handshake", options.handshake),
+                            ("stage_waves", options.stage_waves)):
+            if given is not None:
+                raise InputError(f"{what}={given!r}: the copy-engine push stages nothing and needs no handshake "
+                                 f"(each rank pushes its shard from its own tensor)")
+        pusher, enqueue, spare_outputs = options.pusher or "copy_engine", options.enqueue, options.spare_outputs
+        wait_timeout_ns = options.wait_timeout_ns
+        if pusher == "gemm" and op.ctx.world_size == 1:
+            raise InputError("pusher='gemm': the GEMM pushes this rank's rows to its peers, and a group of one "
+                             "rank has none (leave pusher unset: the copy engine's push, which has nothing to "
+                             "copy either)")
+        if pusher == "gemm" and not options.compute_given:
+            # the GEMM publishes its pushes as each CTA leaves this rank's rows: those rows must
+            # be whole groups of the order (lower_gemm's push_rows check)
+            c0 = op.compute
+            op.compute = dataclasses.replace(c0, group_m=math.gcd(op.Ms // c0.BM, c0.group_m))
+        op.staging = None                   # (nothing staged: the op reports none)
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         ctx = op.ctx
         W, Ms, K, N = ctx.world_size, op.Ms, op.K, op.N
@@ -139,7 +160,7 @@ class PushAllGather:
         self.consumed_peers = [p + 8 * max(W, 1) for p in base]
         # every rank's counters are zero before any peer's first write into them
         self._counter_handle.barrier(channel=0)
-        op.copy_stream = self.copy_stream = torch.cuda.Stream(device=dev)
+        self.copy_stream = torch.cuda.Stream(device=dev)
         self._cs = self.copy_stream.cuda_stream
         self._torch, self._dev, self._dev_index = torch, dev, ctx.device
         self._tensor_type = torch.Tensor         # (a subclass or anything else: the full check)
@@ -210,8 +231,8 @@ class PushAllGather:
                         copies.append((c0 * elem, m))
                     self._slice_plan[(p, slot)] = copies
 
-    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None):
-        """One launch. The host's work before the GEMM is enqueued is on the critical path (the
+    def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None, return_gathered: bool = True):
+        """One launch (``return_gathered``: A_gathered is the call's own tensor either way). The host's work before the GEMM is enqueued is on the critical path (the
         device is idle when a call starts), so it is kept to checks, one event and one driver
         call: the outputs were allocated at the end of the previous call (:mod:`.spare_outputs`),
         every address is precomputed, and driver results are checked without building messages
@@ -382,7 +403,7 @@ class PushAllGather:
                 plan_exec.checked(cu, res, "cuStreamWriteValue64(this rank done, on a peer)")
 
     # -- introspection ----------------------------------------------------------------------------
-    def compute_only_buffers(self, a_gathered) -> dict:
+    def compute_only_inputs(self, a_gathered) -> tuple[dict, dict]:
         """The GEMM alone: this rank's rows read from A_gathered itself, the gathered copy into scratch."""
         import torch
         op = self.op
@@ -390,7 +411,7 @@ class PushAllGather:
         if getattr(self, "_scratch_copy", None) is None or self._scratch_copy.shape != a_gathered.shape:
             self._scratch_copy = torch.empty_like(a_gathered)
         return {self.shard_name: a_gathered[me * op.Ms:(me + 1) * op.Ms], self.copy_name: self._scratch_copy,
-                "own_cols": self.cols}
+                "own_cols": self.cols}, {}
 
     def graph_counters(self) -> list:
         """Every counter a launch waits on or writes (reset at the start of a captured launch)."""

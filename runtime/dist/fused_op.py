@@ -56,8 +56,8 @@ class FusedOp:
     """The behaviour shared by the fused ops: the one runtime for any traced kernel
     (:class:`~.program_op.FusedProgram`, and the ops built on it: AllGatherMoE, MoEReduceScatter,
     SequenceParallelAttention) and the fused GEMM ops (:class:`~.ag_gemm.AllGatherMatmul`,
-    :class:`~.gemm_rs.MatmulReduceScatter`), whose schedules without a hand-built fast path are
-    FusedPrograms too (:mod:`.program_engine`)."""
+    :class:`~.gemm_rs.MatmulReduceScatter`: :class:`~.engine.EngineOp` s, whose launches a
+    FusedProgram makes too, or — for the schedules :mod:`.recipes` lists — a hand-built engine)."""
 
     _closed = True             # until an op's construction has got far enough to own something
     _graph = False             # captured once: every launch starts from fresh counters (module docstring)

@@ -58,15 +58,15 @@ names the address. ``TLDSL_DEBUG=1`` synchronises after each call and prints the
 """
 from __future__ import annotations
 
-import os
-
+from ... import env
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .group import built_alike, dist_context, dtype_name
 from .symmetric import Lease
-from .fused_op import FusedOp
+from .engine import EngineOp
 from .program_engine import ProgramEngine
+from .recipes import choose
 from .operands import check_open, check_operands, check_output, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
@@ -142,7 +142,7 @@ def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None
     check_operands(op, (("A", a, (m, k)), ("B", b, (k, n))), dtype, device)
 
 
-class MatmulReduceScatter(FusedOp):
+class MatmulReduceScatter(EngineOp):
     """``reduce_scatter(A @ B, "sum", scatter_dim=0)`` for a fixed ``A [m, k]``, ``B [k, n]``, dtype.
 
     ``m`` is the full row count (every rank's A has ``m`` rows; the output ``m / W``), ``k``
@@ -166,8 +166,6 @@ class MatmulReduceScatter(FusedOp):
         import tldsl as tl
         from ...codegen import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
-        from ..gpu.gemm import GemmKernel
-        from .comm_kernel import kernel_specs
 
         with built_alike("MatmulReduceScatter", group) as build:      # every rank leaves it alike (group.py)
             if reduce_op != "sum":
@@ -190,7 +188,6 @@ class MatmulReduceScatter(FusedOp):
                 raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
             self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
                                  else default_comm(self.compute, m=m, k=k))
-            copy_engine = self.comm.engine == "copy_engine"
             trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 
             ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16
@@ -203,72 +200,24 @@ class MatmulReduceScatter(FusedOp):
                                 partial_dtype=partial_dtype)
             self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
                                                 compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
-            timeout = os.environ.get("TLDSL_WAIT_TIMEOUT_NS")
+            timeout = env.get("TLDSL_WAIT_TIMEOUT_NS")
             self.wait_timeout_ns = int(timeout) if timeout else None
             opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
             self.lowered_gemm = lower(self.ir, "gemm", **opts)
         # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
         self._lease = Lease(self.ctx, f"MatmulReduceScatter({m}, {k}, {n})", self)
-        self.debug = bool(os.environ.get("TLDSL_DEBUG"))
+        self.debug = bool(env.get("TLDSL_DEBUG"))
         self.timeline = None        # a PhaseTimeline: the next calls mark their phases on it
         self.hooks: dict = {}
         self.launches = 0
         self._engine = None
-        dev = self.device = torch.device("cuda", self.ctx.device)
+        self.device = torch.device("cuda", self.ctx.device)
         (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
-        if not copy_engine:
-            # the SM schedule: the tile program on the fused-op runtime (its kernels, buffers and protocol)
-            self._engine = _ProgramReduceScatter(self, trace_comm, progress)
-            self.lowered_gemm, self.lowered_comm = self._engine.lowered("gemm"), self._engine.lowered("reduce_scatter")
-            self.lanes = sum(k.ctas for k in self._engine.program.plan.kernels if k.part == "reduce_scatter")
-            return
-        from .gemm_rs_copy import CopyEngineReduceScatter
-        bufs, slots = kernel_specs(self.ir)
-        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if partial_dtype == "f32" else self.dtype,
-                                   device=dev)
-        self.lanes, self.lowered_comm = 0, None
-        self.gemm = GemmKernel(self.lowered_gemm, progress=progress)          # every SM
-        self.signals = {self.ready: torch.zeros(slots[self.ready], dtype=torch.int64, device=dev)}
-        self._engine = CopyEngineReduceScatter(self, bufs, slots)                # collective
-        torch.cuda.synchronize()
-
-    # -- introspection (debugging and the distributed checks) -------------------------------------
-    def workspace_tensors(self) -> dict:
-        """The data workspaces a launch overwrites (partials, symmetric staging slots)."""
-        self._check_open()                              # (its views went with close())
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return self._engine.workspace_tensors()
-        out = {"partial": self.partial}
-        if self._engine.recv is not None:
-            out["reduce_scatter_recv"] = self._engine.recv
-        return out
-
-    def signal_map(self) -> list[tuple[str, int, int, str]]:
-        """``(signal, address, slots, note)`` of this rank's counters, to decode a device
-        ``wait timed out: slot 0x...`` line (:func:`~.comm_kernel.explain_address`)."""
-        self._check_open()                              # (its views went with close())
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return self._engine.signal_map()
-        traced = self.ir.comm_schedule                  # the copy engine's carries its rows per copy
-        tile = self.Ms if traced.tile_m is None else min(traced.tile_m, self.Ms)
-        tpr = -(-self.Ms // tile)
-        t = self.signals[self.ready]
-        out = [(self.ready, t.data_ptr(), t.numel(),
-                f"rank {self.ctx.rank}, local: the GEMM's tiles notify, the copy stream waits; slot s = partial rows "
-                f"[(s // {tpr}) * {self.Ms} + (s % {tpr}) * {tile}, +{tile})")]
-        return out + self._engine.signal_entries()
-
-    def signal_tensors(self) -> dict:
-        """This rank's counter tensors (int64 CUDA), by signal name."""
-        self._check_open()                              # (its views went with close())
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return self._engine.signals
-        return dict(self.signals, **self._engine.signal_tensors())
-
-    def _graph_counters(self) -> list:
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return self._engine.graph_counters()
-        return list(self.signal_tensors().values())
+        recipe = choose("MatmulReduceScatter", self.comm)
+        engine = _ProgramReduceScatter if recipe is None else recipe.engine_class()
+        self._engine = engine(self, trace_comm, progress)       # collective
+        #: the lowered parts and the SMs the communication kernel keeps (the copy engine's: 0)
+        self.lowered_gemm, self.lowered_comm, self.lanes = self._engine.parts()
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:
@@ -276,17 +225,6 @@ class MatmulReduceScatter(FusedOp):
 
     def _facts(self) -> list:
         return [("A", [self.M, self.K]), ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype)]
-
-    def _describe_body(self) -> list[str]:
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return [self._engine.describe()]
-        return [f"  GEMM on {self.gemm.grid[0]} CTAs, the copy engines reduce-scatter", self.lowered_gemm.describe(),
-                self._engine.describe()]
-
-    def _hook(self, name, stream):
-        h = self.hooks.get(name)
-        if h is not None:
-            h(self, self.launches, stream)
 
     # -- a launch --------------------------------------------------------------------------------
     def __call__(self, a, b, *, out=None):
@@ -304,9 +242,7 @@ class MatmulReduceScatter(FusedOp):
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
         if out is not None:
             check_output("MatmulReduceScatter", out, (self.Ms, self.N), dt, dev, (("A", a), ("B", b)))
-        if isinstance(self._engine, _ProgramReduceScatter):
-            return self._finish(self._engine(a, b, out))
-        return self._finish(self._engine(a, b, out, self._next_launch()))   # allocates `out` once the GEMM is enqueued
+        return self._finish(self._engine(a, b, out))
 
     def _finish(self, out):
         if self.debug and not self._capture:
@@ -326,28 +262,17 @@ class MatmulReduceScatter(FusedOp):
         if getattr(self, "_scratch", None) is None:
             # the op's buffers, its counters replaced by scratch ones: notifies land there, and
             # waits (the epilogue sum's) find their counts already reached
-            if isinstance(self._engine, _ProgramReduceScatter):
-                self.gemm, self.partial = self._engine.compute_gemm, self._engine.workspace_tensors()["partial"]
-                bufs, sigs = {"a": a, "b": b, "partial": self.partial}, {self.ready: self._engine.signals[self.ready]}
-            else:
-                bufs, sigs = self._engine.gemm_buffers(a, b, torch.empty((self.Ms, self.N), dtype=self.dtype,
-                                                                         device=self.device))
+            bufs, sigs = self._engine.gemm_buffers(a, b, torch.empty((self.Ms, self.N), dtype=self.dtype,
+                                                                     device=self.device))
             self._scratch = (bufs, {nm: torch.zeros_like(t) if nm == self.ready else torch.full_like(t, 1 << 62)
                                     for nm, t in sigs.items()})
             self._compute_only = LaunchCache()
         bufs, sigs = self._scratch
         bufs = dict(bufs, a=a, b=b)
-        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: self.gemm.prepare(bufs, sigs, rank=self.ctx.rank)
+        gemm = self._engine.compute_gemm
+        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: gemm.prepare(bufs, sigs, rank=self.ctx.rank)
                                ).launch(torch.cuda.current_stream(self.device).cuda_stream, 1)   # like the fused op's GEMM
-        return self.partial
-
-    def _release(self) -> None:
-        if isinstance(self._engine, _ProgramReduceScatter):
-            self.partial = None
-            self._scratch = None
-            self._engine.close()
-        elif self._engine.ws is not None:
-            self._engine.ws.close()
+        return bufs["partial"]
 
 
 class _ProgramReduceScatter(ProgramEngine):
@@ -369,6 +294,16 @@ class _ProgramReduceScatter(ProgramEngine):
                          name="sm", progress=progress, compute=op.compute, comm=traced_comm,
                          partial_dtype=op.partial_dtype)
         self._gemm = None
+
+    def parts(self) -> tuple:
+        """(lowered GEMM, lowered reduce-scatter kernel, the CTAs that kernel runs on)."""
+        lanes = sum(k.ctas for k in self.program.plan.kernels if k.part == "reduce_scatter")
+        return self.lowered("gemm"), self.lowered("reduce_scatter"), lanes
+
+    def gemm_buffers(self, a, b, out) -> tuple[dict, dict]:
+        """The GEMM's tensors and counters (``compute_only``): the program's partial workspace."""
+        ready = self.op.ready
+        return {"a": a, "b": b, "partial": self.workspace_tensors()["partial"]}, {ready: self.signals[ready]}
 
     @property
     def compute_gemm(self):

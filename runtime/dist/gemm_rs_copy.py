@@ -63,6 +63,7 @@ from ...errors import InputError
 from ..gpu.launch import LaunchCache
 from ..gpu import plan_exec
 from .call_order import CallOrder
+from .engine import Engine
 
 
 EARLY_SUM_BYTES = 32 << 20    # this rank's rows of the partials, from which the early sum pays
@@ -88,7 +89,7 @@ def chunk_rows(rows_per_rank: int, tile_rows: int, chunks: int) -> int:
     return min(rows_per_rank, -(-per // tile_rows) * tile_rows)
 
 
-class CopyEngineReduceScatter:
+class CopyEngineReduceScatter(Engine):
     """The copy-engine launch protocol of :class:`~.gemm_rs.MatmulReduceScatter` (see the module
     docstring): the tile program's copy-engine part, planned for this rank
     (:func:`~tldsl.codegen.recipes.copy_engine.plan_copy_engine`), executed on the copy stream after a
@@ -97,14 +98,19 @@ class CopyEngineReduceScatter:
 
     name = "copy_engine"
 
-    def __init__(self, op, bufs: dict, slots: dict):
+    def __init__(self, op, traced_comm, progress):
+        import weakref
         import torch
-        from ...codegen import lower
-        from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
-        from .comm_kernel import make_workspace
-        self.op = op
+        from ..gpu.gemm import GemmKernel
+        from .comm_kernel import kernel_specs
+        self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         ctx = op.ctx
         W, me = ctx.world_size, ctx.rank
+        bufs, slots = kernel_specs(op.ir)
+        self.partial = torch.empty(bufs["partial"][0], dtype=torch.float32 if op.partial_dtype == "f32" else op.dtype,
+                                   device=op.device)
+        self.gemm = GemmKernel(op.lowered_gemm, progress=progress)          # every SM
+        self.ready = torch.zeros(slots[op.ready], dtype=torch.int64, device=op.device)   # the GEMM's counters
         self.rows = min(op.ir.comm_schedule.tile_m, op.Ms)     # rows per copy (the mapping's tile)
         self.tpr = -(-op.Ms // self.rows)
         self.copy_stream = torch.cuda.Stream(device=op.device)
@@ -128,14 +134,25 @@ class CopyEngineReduceScatter:
         # rank's rows are large enough for that to beat the two extra stream waits and launch on the
         # host (2x H200: 2-3% faster from 64 MiB of rows, 0.5-1% at 32 MiB, up to 14% slower at
         # 16 MiB — BENCHMARKS.md)
-        self.early_sum = op.Ms * op.N * op.partial.element_size() >= EARLY_SUM_BYTES
+        self.early_sum = op.Ms * op.N * self.partial.element_size() >= EARLY_SUM_BYTES
         # host order (``probe rs_order``): this rank's arrival written before the GEMM is enqueued
         # (or after it); the sum's waits and kernel enqueued right after the GEMM (or after the copies)
         self.arrive_first = False
         self.sum_first = False
-        if W == 1:                      # nothing to move: the sum is this rank's partial
-            self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
-            return
+        self.plan, self.steps, self.arrivals, self.ws, self.recv = None, [], [], None, None
+        if W > 1:                       # (alone: nothing to move, the sum is this rank's partial)
+            self._plan_copies(op, bufs, slots, recv, done)
+        torch.cuda.synchronize()
+
+    def _plan_copies(self, op, bufs: dict, slots: dict, recv: str, done: str) -> None:
+        """This rank's copy-engine part from the tile program's plan, and its symmetric workspace
+        (collective)."""
+        import torch
+        from ...codegen import lower
+        from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
+        from .comm_kernel import make_workspace
+        ctx = op.ctx
+        W, me = ctx.world_size, ctx.rank
         self.plan = lower(op.ir, "reduce_scatter")
         # this rank's stream: (wait, slot, count) / (copy, dest, src byte offset, dst byte offset, bytes) /
         # (notify, dest, slot, per-launch count) — a peer's notifies of one launch coalesced into the
@@ -169,7 +186,7 @@ class CopyEngineReduceScatter:
         self.sum_stream = torch.cuda.Stream(device=op.device)
         self._sum_views: dict = {}
         self._summed = torch.cuda.Event()
-        pdt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[op.partial.dtype]
+        pdt = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[self.partial.dtype]
         if bufs[recv] != ((W * op.Ms, op.N), pdt) or slots[done] != W:
             raise InputError(f"copy-engine reduce-scatter: unexpected workspace {bufs[recv]}, {slots[done]}")
         self.ws = make_workspace(ctx, [(recv, "buffer", (W, op.Ms, op.N), pdt),
@@ -183,8 +200,8 @@ class CopyEngineReduceScatter:
         """The GEMM's tensors and counters: with the epilogue sum also ``out``, the receive
         buffer it adds from and the ``done`` counters it waits on."""
         op = self.op
-        bufs = {"a": a, "b": b, "partial": op.partial}
-        sigs = {op.ready: op.signals[op.ready]}
+        bufs = {"a": a, "b": b, "partial": self.partial}
+        sigs = {op.ready: self.ready}
         if self.fused:
             bufs["out"] = out
             if self.recv is not None:
@@ -193,12 +210,13 @@ class CopyEngineReduceScatter:
         return bufs, sigs
 
     # -- a launch ------------------------------------------------------------------------------
-    def __call__(self, a, b, out, L: int):
+    def __call__(self, a, b, out):
         """Launch ``L`` into ``out`` (``None``: a new tensor, allocated once the GEMM is enqueued
         unless the GEMM's epilogue writes it); returns ``out``. Everything before the GEMM is
         handed to the driver is the op's time when the device is idle: it reads only what
         ``__init__`` looked up, and the copy stream's work waits until the GEMM is enqueued."""
         op = self.op
+        L = op._next_launch()
         cu, consts = self._cu, self._consts
         cur_h = self._raw_stream(self._dev_index)
         self._order.follow(cur_h)            # a new stream waits for the previous call's (call_order)
@@ -212,7 +230,7 @@ class CopyEngineReduceScatter:
         if out is None and self.fused:
             out = self._new_out()
         gemm = self._gemm_launches.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0),
-                                       lambda: op.gemm.prepare(*self.gemm_buffers(a, b, out), rank=self._me))
+                                       lambda: self.gemm.prepare(*self.gemm_buffers(a, b, out), rank=self._me))
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
         try:
@@ -249,7 +267,7 @@ class CopyEngineReduceScatter:
         if cur is None:             # the torch stream object, for what follows (off the critical path)
             cur = torch.cuda.current_stream(self._dev_index)
         tl_ = op.timeline
-        ready = op.signals[op.ready]
+        ready = self.ready
         done = self.ws.peers(self._done) if W > 1 else ()
         if tl_ is not None:
             tl_.mark("gemm done", cur, "compute")
@@ -264,7 +282,7 @@ class CopyEngineReduceScatter:
             plan_exec.stream_await(cu, cs, self._arrive, me, L)
         if tl_ is not None:
             tl_.mark("barrier", self.copy_stream, "copy")
-        base, ready_ptr = op.partial.data_ptr(), ready.data_ptr()
+        base, ready_ptr = self.partial.data_ptr(), ready.data_ptr()
         for step in self.steps:                          # the tile program's copy-engine plan
             if step[0] == "wait":
                 ck(cu, cu.cuStreamWaitValue64(cs, ready_ptr + 8 * step[1], step[2] * L, geq),
@@ -284,11 +302,10 @@ class CopyEngineReduceScatter:
     def _finish(self, cur, out, sum_first: bool, L: int):
         """The sum after the copies (unless enqueued first) and the compute stream's wait for the
         copy stream; returns the output."""
-        op = self.op
         if not self.fused and self._W == 1:
-            out.copy_(op.partial)
+            out.copy_(self.partial)
         elif not self.fused and not sum_first:
-            self._enqueue_sum(self._cu, cur, out, op.signals[op.ready],
+            self._enqueue_sum(self._cu, cur, out, self.ready,
                               self.ws.peers(self._done) if self._W > 1 else (), L)
         self._copied.record(self.copy_stream)
         cur.wait_event(self._copied)
@@ -346,7 +363,7 @@ class CopyEngineReduceScatter:
         W, me, Ms = op.ctx.world_size, op.ctx.rank, op.Ms
         views = self._sum_views.get((lo, hi))
         if views is None:               # the workspace views, made once (this runs on the host's critical path)
-            views = self._sum_views[lo, hi] = (op.partial[me * Ms + lo:me * Ms + hi],
+            views = self._sum_views[lo, hi] = (self.partial[me * Ms + lo:me * Ms + hi],
                                                [self.recv[(me + W - s) % W, lo:hi] for s in range(1, W)])
         own, received = views
         acc = received[0]
@@ -355,21 +372,42 @@ class CopyEngineReduceScatter:
         torch.add(own, acc, out=out if (lo, hi) == (0, Ms) else out[lo:hi])
 
     # -- introspection -------------------------------------------------------------------------
-    def signal_entries(self) -> list[tuple[str, int, int, str]]:
-        me, W = self.op.ctx.rank, self.op.ctx.world_size
-        if self.ws is None:
-            return []
-        return [(self._done, self.ws.peers(self._done)[me], W,
-                 f"rank {me}, symmetric: slot q = chunks rank q has copied here ({self.tpr} per launch)"),
-                ("handshake_arrive", self.ws.peers("handshake_arrive")[me], W,
-                 f"rank {me}, symmetric: slot q = the last launch rank q's copy stream started")]
+    def parts(self) -> tuple:
+        """(lowered GEMM, lowered reduce-scatter part: none run as a kernel, SMs it keeps: 0)."""
+        return self.op.lowered_gemm, None, 0
 
-    def signal_tensors(self) -> dict:
+    @property
+    def signals(self) -> dict:
+        out = {self.op.ready: self.ready}
+        if self.ws is not None:
+            out.update({self._done: self.ws.tensor(self._done), "handshake_arrive": self.ws.tensor("handshake_arrive")})
+        return out
+
+    def workspace_tensors(self) -> dict:
+        out = {"partial": self.partial}
+        if self.recv is not None:
+            out["reduce_scatter_recv"] = self.recv
+        return out
+
+    def signal_map(self) -> list[tuple[str, int, int, str]]:
+        op = self.op
+        me, W = op.ctx.rank, op.ctx.world_size
+        out = [(op.ready, self.ready.data_ptr(), self.ready.numel(),
+                f"rank {me}, local: the GEMM's tiles notify, the copy stream waits; slot s = partial rows "
+                f"[(s // {self.tpr}) * {op.Ms} + (s % {self.tpr}) * {self.rows}, +{self.rows})")]
         if self.ws is None:
-            return {}
-        return {self._done: self.ws.tensor(self._done), "handshake_arrive": self.ws.tensor("handshake_arrive")}
+            return out
+        return out + [(self._done, self.ws.peers(self._done)[me], W,
+                       f"rank {me}, symmetric: slot q = chunks rank q has copied here ({self.tpr} per launch)"),
+                      ("handshake_arrive", self.ws.peers("handshake_arrive")[me], W,
+                       f"rank {me}, symmetric: slot q = the last launch rank q's copy stream started")]
 
     def describe(self) -> str:
-        head = (f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}; this rank's "
-                f"rows summed {'in the GEMM epilogue' if self.fused else 'after the GEMM'}")
-        return head if self.ws is None else head + "\n" + self.plan.describe() + "\n" + self.ws.describe()
+        head = [f"  GEMM on {self.gemm.grid[0]} CTAs, the copy engines reduce-scatter", self.op.lowered_gemm.describe(),
+                f"  copy engine: {self.tpr} chunk(s) of {self.rows} rows per peer, order {self.order}; this rank's "
+                f"rows summed {'in the GEMM epilogue' if self.fused else 'after the GEMM'}"]
+        return "\n".join(head if self.ws is None else head + [self.plan.describe(), self.ws.describe()])
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()

@@ -1,9 +1,10 @@
-"""A library op's schedule run by the one fused-op runtime (:class:`~.program_op.FusedProgram`).
+"""The general engine of a library op (:mod:`.engine`): the op's tile program run by the one
+fused-op runtime (:class:`~.program_op.FusedProgram`).
 
-:class:`~.ag_gemm.AllGatherMatmul` and :class:`~.gemm_rs.MatmulReduceScatter` keep hand-built
-launch paths only for the schedules they measured fastest (the copy engines' direct pull and
-push, the GEMM pushing, the copy-engine reduce-scatter): recipes the op may choose for speed.
-Every other schedule — the generated SM communication kernels, the codegen copy-engine plan —
+:class:`~.ag_gemm.AllGatherMatmul` and :class:`~.gemm_rs.MatmulReduceScatter` get a hand-built
+engine only for the schedules a recipe covers (:mod:`.recipes`: the copy engines' direct pull and
+push, the GEMM pushing, the copy-engine reduce-scatter — measured fastest). Every other schedule
+— the generated SM communication kernels, the codegen copy-engine plan, the NVSHMEM transport —
 is the op's tile program traced for the op's problem and schedules and run by FusedProgram, as
 any user's program is: the same lowering, agreement check, symmetric allocation, handshakes,
 epochs and CUDA-graph reset. The op keeps its call's interface (its arguments, outputs, hooks and
@@ -12,6 +13,7 @@ timeline); the program holds the buffers, counters, streams and the launch proto
 from __future__ import annotations
 
 from ... import env
+from .engine import Engine
 from .program_op import FusedProgram
 
 
@@ -22,7 +24,7 @@ def wait_timeout_s() -> float | None:
     return int(ns) / 1e9 if ns else None
 
 
-class ProgramEngine:
+class ProgramEngine(Engine):
     """``op``'s traced program ``kernel_fn`` with ``specs`` (argument shapes and dtypes) and
     keyword values (``compute=``, ``comm=``, ...) as a FusedProgram of ``op``'s group. Building
     it is collective, like the op's."""

@@ -134,13 +134,14 @@ def test_moe_reduce_scatter_gemm_contract():
     k = trace_rs()
     lw = lower_grouped_gemm(k, "grouped_gemm")
     assert not lw.gather and lw.batched and not lw.store_inactive     # skipped tiles store nothing
-    assert lw.config.out_dtype == "f32" and (lw.config.producer_regs, lw.config.consumer_regs) == (40, 232)
+    # y_sorted in the operands' dtype (rounded as torch's _grouped_mm returns its rows)
+    assert lw.config.out_dtype == "f16" and (lw.config.producer_regs, lw.config.consumer_regs) == (40, 232)
     assert [p.name for p in lw.params] == ["tma_a", "tma_b", "tma_c", "rank", "launch", "sig_y_ready",
                                           "tbl_tile_expert", "tbl_tile_num_token_tiles", "tbl_tile_token_tiles"]
     a, b, c = lw.tma
     assert (a.buffer, a.global_dims, a.box_dims) == ("h", (384, 23 * 128), (64, 128))
     assert (b.buffer, b.global_dims, b.box_dims) == ("w2", (512, 384, 8), (64, 64, 1))
-    assert (c.buffer, c.data_type, c.box_dims) == ("y_sorted", "CU_TENSOR_MAP_DATA_TYPE_FLOAT32", (32, 64))
+    assert (c.buffer, c.data_type, c.box_dims) == ("y_sorted", "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", (64, 64))
     assert lw.waits == 0 and lw.notifies == 1 and lw.signals == ("y_ready",)
     src = lw.source
     assert "kStoreInactive = false" in src and "void waits" not in src
@@ -158,9 +159,9 @@ def test_combine_contract():
                                           "ptr_topk_weights"]
     ctypes = {p.name: p.ctype for p in lw.params}
     # y_sorted is written by the grouped GEMM while the combine runs: never __restrict__ / non-coherent
-    assert ctypes["ptr_y_sorted"] == "const float*" and ctypes["out_partial"] == "float* __restrict__"
+    assert ctypes["ptr_y_sorted"] == "const __half*" and ctypes["out_partial"] == "float* __restrict__"
     assert ctypes["tbl_token_pos"] == "const int* __restrict__"
-    assert lw.buffers == {"y_sorted": ((23 * 128, 512), "f32"), "partial": ((1024, 512), "f32"),
+    assert lw.buffers == {"y_sorted": ((23 * 128, 512), "f16"), "partial": ((1024, 512), "f32"),
                           "token_tile_producers": ((8,), "i32"), "token_pos": ((2048,), "i32"),
                           "topk_weights": ((1024, 2), "f32")}
     assert lw.grid_tiles == (8, 4) and lw.tile == (128, 128) and lw.block == (256, 1, 1) and lw.smem_bytes == 0
@@ -417,9 +418,18 @@ template <int S> void red_relaxed_add(unsigned long long* slot, unsigned long lo
   printf("notify %s %d %s\n", s.name, int(slot - s.base), S == kScopeSys ? "sys" : "gpu");
   *slot += v;
 }
+}  // namespace tldsl
+// the 16-bit element types as their bits (the combine gathers y_sorted in the operands' dtype)
+struct __half { unsigned short bits; };
+struct __nv_bfloat16 { unsigned short bits; };
+namespace tldsl {
 namespace grouped {
 inline float value_of(float x) { return x; }
 inline int value_of(int x) { return x; }
+inline float value_of(__half x) { _Float16 h; std::memcpy(&h, &x.bits, 2); return float(h); }
+inline float value_of(__nv_bfloat16 x) {
+  uint32_t u = uint32_t(x.bits) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
 template <class T> T ld_coherent(const T* p) { return *p; }
 template <bool C = false, class T> auto ld1(const T* p, int i, int n) -> decltype(value_of(T())) {
   return (unsigned)i < (unsigned)n ? value_of(p[i]) : decltype(value_of(T()))(0);
@@ -428,10 +438,10 @@ template <bool C = false, class T> auto ld2(const T* p, int i, int j, int n0, in
   return ((unsigned)i < (unsigned)n0 && (unsigned)j < (unsigned)n1) ? value_of(p[(long long)i * n1 + j])
                                                                     : decltype(value_of(T()))(0);
 }
-inline void load4(const float* p, int row, int rows, int col, int cols, float (&x)[4]) {
+template <class T> inline void load4(const T* p, int row, int rows, int col, int cols, float (&x)[4]) {
   for (int q = 0; q < 4; ++q)
     x[q] = ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
-               ? p[(long long)row * cols + col + q] : 0.f;
+               ? value_of(p[(long long)row * cols + col + q]) : 0.f;
 }
 inline void store4(float* p, int row, int rows, int col, int cols, const float (&x)[4]) {
   if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
@@ -447,6 +457,12 @@ template <class T> std::vector<T> read_file(const char* path, size_t n) {
   return v;
 }
 """
+
+
+def _bf16_bits(a) -> np.ndarray:
+    """bf16 bits of ``a`` (float32, rounded to nearest even)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def _prog_struct(source: str) -> str:
@@ -474,9 +490,14 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
             name = p.source[7:]
             arr = np.ascontiguousarray(arrays[name])
             path = tmp_path / f"{name}.bin"
+            if "__half" in p.ctype:                          # a 16-bit tensor: its bits
+                arr, ct = arr.astype(np.float16), "__half"
+            elif "__nv_bfloat16" in p.ctype:
+                arr, ct = _bf16_bits(arr), "__nv_bfloat16"
+            else:
+                ct = "int" if arr.dtype == np.int32 else "float"
+                assert arr.dtype in (np.int32, np.float32), (name, arr.dtype)
             arr.tofile(path)
-            ct = "int" if arr.dtype == np.int32 else "float"
-            assert arr.dtype in (np.int32, np.float32), (name, arr.dtype)
             decls.append(f"  std::vector<{ct}> v_{p.name} = read_file<{ct}>(\"{path.name}\", {arr.size});")
             decls.append(f"  {p.ctype.replace('__restrict__', '')} {p.name} = v_{p.name}.data();")
     init = lw.source.split("const Prog prog{")[1].split("};")[0]
@@ -623,7 +644,7 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
         assert waits == [] and ev[1:] == notifies
         assert len(notifies) == int(rt.tile_num_token_tiles[i])
     # combine: waits, body, notifies, on every tile
-    y = rng.standard_normal((R, K)).astype(np.float32)
+    y = rng.standard_normal((R, K)).astype(np.float16).astype(np.float32)    # y_sorted is f16 (h's dtype)
     partial = np.full((T, K), np.nan, np.float32)
     arrays = dict(tables, y_sorted=y, partial=partial, topk_weights=wts)
     lc = lower_combine(k, "combine")
@@ -801,8 +822,10 @@ def check_grouped_gemm_sass(ck, lw):
 def check_combine_sass(ck, lw):
     k = _check_common(ck, MAX_REGISTERS_COMBINE)
     assert k.count("HGMMA") == 0 and k.count("LDGSTS") == 0
-    assert k.count("LDG.E.128") > 0, sorted(k.opcodes)                  # coherent 16-byte gathers of y_sorted
-    assert k.count("LDG.E.128.CONSTANT") == 0                          # ... never through the .nc path
+    # coherent gathers of y_sorted, 4 elements a thread: 16 bytes of f32, 8 of f16 / bf16
+    wide = "LDG.E.128" if lw.buffers["y_sorted"][1] == "f32" else "LDG.E.64"
+    assert k.count(wide) > 0, sorted(k.opcodes)
+    assert k.count(wide + ".CONSTANT") == 0                            # ... never through the .nc path
     assert k.count("STG.E.128") > 0
     assert k.count("LDG.E.64.STRONG.GPU") > 0 and k.count("REDG.E.ADD.64.STRONG.GPU") > 0
     return k

@@ -211,7 +211,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": _randn((R, Nr), dtype, g), "w2": _randn((E, Nr, K), dtype, g, 1.0 / np.sqrt(Nr)),
             "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
-            "y_sorted": torch.empty((R, K), device="cuda", dtype=torch.float32),
+            "y_sorted": torch.empty((R, K), device="cuda", dtype=getattr(torch, dtype)),
             "partial": torch.empty((T, K), device="cuda", dtype=torch.float32)}
     slots = {**lg.signal_slots, **lc.signal_slots}
     sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64) for n, s in slots.items()}
@@ -233,7 +233,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
         gk(bufs, signals=sigs, launch_index=launch, rank=rank)
         ck(bufs, signals=sigs, launch_index=launch, rank=rank)
         torch.cuda.synchronize()
-        y = bufs["y_sorted"].cpu().numpy()
+        y = bufs["y_sorted"].float().cpu().numpy()
         assert not np.isnan(y[used]).any() and np.isnan(y[~used]).all()    # unused tiles: not stored
         _close(y[used], y_ref[used], f"y_sorted launch {launch}", 1e-2)
         p = bufs["partial"].cpu().numpy()
@@ -257,7 +257,7 @@ def test_combine_waits_block_until_flags_are_set():
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": _randn((rt.num_rows, Nr), "float16", g), "w2": _randn((E, Nr, K), "float16", g, 1 / 16),
             "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
-            "y_sorted": torch.full((rt.num_rows, K), float("nan"), device="cuda", dtype=torch.float32),
+            "y_sorted": torch.full((rt.num_rows, K), float("nan"), device="cuda", dtype=torch.float16),
             "partial": torch.full((W * Ms, K), float("nan"), device="cuda", dtype=torch.float32)}
     sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64)
             for n, s in {**lg.signal_slots, **lc.signal_slots}.items()}

@@ -92,7 +92,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
-            "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=torch.float32),
+            "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt),
             "partial": torch.full((T, N), float("nan"), device="cuda", dtype=torch.float32)}
     # every wait already satisfied: the kernels alone, one after the other on one stream
     slots = {**lg.signal_slots, **lc.signal_slots}

@@ -322,7 +322,9 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_t
     _check_table(tile_num_token_tiles, (NT,), "moe_reduce_scatter")
     _check_table(token_tile_producers, (TT,), "moe_reduce_scatter", f" ({T} tokens in tiles of BM={BM})")
 
-    y = tl.local_buffer((R, K), tl.float32, "y_sorted")
+    # the GEMM's rows rounded to the operands' dtype, as torch's _grouped_mm returns them: half the
+    # bytes of fp32 written and read back by the combine, which weights and sums them in fp32
+    y = tl.local_buffer((R, K), h.dtype, "y_sorted")
     partial = tl.local_buffer((T, K), tl.float32, "partial")
     y_ready = tl.signal("y_ready", TT * NC, scope="local")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter", producer_rows=BM, producers_per_row=NC)

@@ -24,7 +24,8 @@ top-k sum per token into the fp32 partial the reduce-scatter would read — our 
 grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
 (``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
-partial is checked against torch's sequence first.
+partial is checked against torch's sequence first. Two more columns time our kernels one by one
+(the GEMM alone, the combine alone: where the layer's time goes).
 """
 from __future__ import annotations
 
@@ -112,23 +113,31 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     def sequence():
         out = torch.zeros((T, N), dtype=torch.float32, device="cuda")
         return out.index_add_(0, order // topk, torch._grouped_mm(h_sorted, w, offs=offs).float() * flat_w)
+
+    def gemm_alone():
+        gemm.launch(torch.cuda.current_stream().cuda_stream, 1)
+
+    def combine_alone():
+        combine.launch(torch.cuda.current_stream().cuda_stream, 1)
     ours()
     return _checked_timings(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum",
                             bufs["partial"], sequence(), [ours, gmm, sequence], iters, 2 * T * topk * K * N,
-                            rt.num_rows, T * topk)
+                            rt.num_rows, T * topk, parts=[gemm_alone, combine_alone])
 
 
-def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int) -> dict:
+def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int,
+                     parts=()) -> dict:
     """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
-    timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — timed interleaved."""
+    timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — and ``parts`` (ours kernel by
+    kernel: ``parts_ms``) timed interleaved."""
     from . import fused_layers
     from .timing import interleaved_ms
     l2, worst = fused_layers.errors(got, want)
     if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
         raise RuntimeError(f"{what}: relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
-    ms, gmm_ms, seq_ms = interleaved_ms(fns, iters=iters)
+    ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters)
     return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
-                err=l2, padded=padded, routed=routed)
+                err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
@@ -211,8 +220,10 @@ def main(argv, out=sys.stdout) -> int:
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
+    split = " GEMM alone ms | combine alone ms |" if rs else ""      # (rs: ours kernel by kernel)
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
-          "| tldsl / sequence speed | padded / routed rows |\n|---|---|---|---|---|---|---|---|---|", file=out, flush=True)
+          f"| tldsl / sequence speed | padded / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
+          f"{'---|---|' if rs else ''}", file=out, flush=True)
     failed = 0
     for row in args.row_list:
         try:
@@ -221,10 +232,10 @@ def main(argv, out=sys.stdout) -> int:
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]} | | | | | | | |", file=out, flush=True)
+                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{' | |' if rs else ''}", file=out, flush=True)
             continue
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
               f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
-              f"{r['padded']} / {r['routed']} |", file=out, flush=True)
+              f"{r['padded']} / {r['routed']} |" + "".join(f" {t:.3f} |" for t in r["parts_ms"]), file=out, flush=True)
     return 1 if failed else 0
 

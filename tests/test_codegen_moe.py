@@ -338,6 +338,9 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
             rows = tl.load(pos, (k * T + m0,), (BM,))
             col = c0 + 2 if variant == "odd_col" else c0
             g = tl.load_rows(y, rows, col, BN)
+            if variant == "unscaled":
+                acc += g
+                continue
             if variant == "per_col":
                 s = tl.load(wts, (k, c0), (1, BN))
             elif variant == "f16":
@@ -350,10 +353,38 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
         tl.store(out, (m0, c0), acc)
 
 
-def _trace_combine(variant, ydt=tl.float32):
-    specs = (S((512, 256), ydt), S((2 * 300,), tl.int32), S((300, 2), tl.float32), S((300, 256), tl.float32))
+def _trace_combine(variant, ydt=tl.float32, topk=2):
+    specs = (S((512, 256), ydt), S((topk * 300,), tl.int32), S((300, topk), tl.float32), S((300, 256), tl.float32))
     return combine_like.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16)), variant=variant),
                                       channels=False)
+
+
+@needs_gxx
+@pytest.mark.parametrize("variant,ydt,topk,in_flight", [
+    ("ok", tl.float32, 2, True), ("ok", tl.bfloat16, 8, True), ("unscaled", tl.float16, 3, True),
+    ("ok", tl.float32, 12, False),        # more rows than the gathers kept in flight: the loop as written
+])
+def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight):
+    """The combine's body on the host, every thread of every tile: the gathers issued before any is
+    used (a short loop of constant bounds) or one by one, against numpy; rows < 0 read zero and
+    the store's rows past T are dropped."""
+    from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT
+    lw = lower_combine(_trace_combine(variant, ydt, topk))
+    assert ("x_[j_]" in lw.source) == in_flight and (topk <= MAX_GATHERS_IN_FLIGHT) == in_flight
+    rng = np.random.default_rng(topk)
+    T, R, Kc = 300, 512, 256
+    y = rng.standard_normal((R, Kc)).astype(np.float32)
+    if ydt != tl.float32:
+        y = (_bf16_bits(y).astype(np.uint32) << 16).view(np.float32) if ydt == tl.bfloat16 else \
+            y.astype(np.float16).astype(np.float32)
+    pos = rng.integers(-1, R, size=topk * T).astype(np.int32)
+    wts = rng.standard_normal((T, topk)).astype(np.float32)
+    out = np.full((T, Kc), np.nan, np.float32)
+    _, got = _run_host(tmp_path, lw, dict(y=y, pos=pos, wts=wts, out=out), gemm=False)
+    gathered = np.where(pos[:, None] >= 0, y[np.maximum(pos, 0)], 0).reshape(topk, T, Kc)
+    scale = np.ones((T, topk), np.float32) if variant == "unscaled" else wts
+    want = np.einsum("tk,ktn->tn", scale, gathered)
+    np.testing.assert_allclose(got.reshape(T, Kc), want, rtol=1e-5, atol=1e-5)
 
 
 def test_combine_like_part_lowers():

@@ -111,9 +111,16 @@ def render_combine(plan: CombinePlan) -> LoweredCombine:
                           plan.wait_scopes, plan.options)
 
 
+#: gathers kept in flight per item: a loop over at most this many rows (constant bounds) is
+#: unrolled into three passes — every row's index and scale, every row's load, the sums
+MAX_GATHERS_IN_FLIGHT = 8
+
+
 def _body(plan: CombinePlan) -> list[str]:
     """``body()``: every thread owns 4 consecutive columns of one tile row at a time; per row,
-    the loop gathers (and scales) the rows and sums them, then stores the 4 columns."""
+    the loop gathers (and scales) the rows and sums them, then stores the 4 columns. With a
+    short loop of constant bounds every gather of an item is issued before the first is used:
+    the combine is bound by the gathers' latency, not by bandwidth, when each waits for the last."""
     m = plan.match
     em = HookEmitter(plan, WHAT, rows=m.BMf)
     L: list[str] = []
@@ -123,29 +130,75 @@ def _body(plan: CombinePlan) -> list[str]:
     fill = c_literal(float(m.frag.attrs.get("value", 0.0)))
     V = m.BNf // 4
     src, dst = m.src.type.shape, m.dst.type.shape
+    trips = _constant_trips(lo, hi, st)
     L.append(f"    for (int item = tid; item < {m.BMf * V}; item += {COMBINE_THREADS}) {{")
     with em.scope():
         L += [f"      const int r = item / {V};",
               f"      const int cv = (item - r * {V}) * 4;",
               f"      float acc[4] = {{{fill}, {fill}, {fill}, {fill}}};"]
-        k = em.define(m.loop.regions[0].args[0])
-        L.append(f"      for (int {k} = {lo}; {k} < {hi}; {k} += {st}) {{{marker(m.loop.loc)}")
-        with em.scope():
-            em.row = "r"
-            em.emit_values(plan.per_row, em.ops, "        ", L)    # per gathered row: its id (and column)
-            row, col = em.name(m.rows), em.name(m.gather.operands[2])
-            L += ["        float x[4];",
-                  f"        tldsl::grouped::load4({plan.src_param}, {row}, {src[0]}, {col} + cv, {src[1]}, x);"
-                  f"{marker(m.gather.loc)}"]
-            if m.scale is not None:
-                em.emit_values(plan.scale, em.ops, "        ", L)
-                L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
-            L += ["        #pragma unroll",
-                  f"        for (int q = 0; q < 4; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
-        L.append("      }")
+        if trips is not None and 0 < trips <= MAX_GATHERS_IN_FLIGHT:
+            L += _body_in_flight(plan, em, trips, lo, st, src)
+        else:
+            L += _body_one_by_one(plan, em, lo, hi, st, src)
     L += [f"      tldsl::grouped::store4({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc);"
           f"{marker(m.store.loc)}",
           "    }"]
+    return L
+
+
+def _constant_trips(lo: str, hi: str, st: str) -> int | None:
+    """The loop's trip count where its bounds are literals, else None."""
+    try:
+        a, b, c = int(lo), int(hi), int(st)
+    except ValueError:
+        return None
+    return len(range(a, b, c)) if c > 0 else None
+
+
+def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: str, src) -> list[str]:
+    """The loop as written: per row its index, its gather, its scale, its sum."""
+    m, L = plan.match, []
+    k = em.define(m.loop.regions[0].args[0])
+    L.append(f"      for (int {k} = {lo}; {k} < {hi}; {k} += {st}) {{{marker(m.loop.loc)}")
+    with em.scope():
+        em.row = "r"
+        em.emit_values(plan.per_row, em.ops, "        ", L)    # per gathered row: its id (and column)
+        row, col = em.name(m.rows), em.name(m.gather.operands[2])
+        L += ["        float x[4];",
+              f"        tldsl::grouped::load4({plan.src_param}, {row}, {src[0]}, {col} + cv, {src[1]}, x);"
+              f"{marker(m.gather.loc)}"]
+        if m.scale is not None:
+            em.emit_values(plan.scale, em.ops, "        ", L)
+            L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
+        L += ["        #pragma unroll",
+              f"        for (int q = 0; q < 4; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
+    L.append("      }")
+    return L
+
+
+def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str, src) -> list[str]:
+    """The loop's ``n`` rows in three unrolled passes: indices and scales (table reads), the
+    gathers (all issued before any is used), then the sums in the loop's order."""
+    m, L = plan.match, []
+    scaled = m.scale is not None
+    L += [f"      int rows_[{n}], cols_[{n}];", f"      float w_[{n}], x_[{n}][4];",
+          "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
+    with em.scope():
+        k = em.define(m.loop.regions[0].args[0])
+        L.append(f"        const int {k} = {lo} + j_ * {st};")
+        em.row = "r"
+        em.emit_values(plan.per_row, em.ops, "        ", L)
+        L += [f"        rows_[j_] = {em.name(m.rows)};", f"        cols_[j_] = {em.name(m.gather.operands[2])};"]
+        if scaled:
+            em.emit_values(plan.scale, em.ops, "        ", L)
+            L.append(f"        w_[j_] = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
+    L += ["      }", "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)",
+          f"        tldsl::grouped::load4({plan.src_param}, rows_[j_], {src[0]}, cols_[j_] + cv, {src[1]}, x_[j_]);"
+          f"{marker(m.gather.loc)}",
+          "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)", "        #pragma unroll",
+          f"        for (int q = 0; q < 4; ++q) acc[q] += x_[j_][q]{' * w_[j_]' if scaled else ''};"]
+    if not scaled:
+        L.insert(2, "      (void)w_;")
     return L
 
 

@@ -20,8 +20,10 @@ from ..match.per_row import depends_on
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook, \
     written_buffers
 
-#: threads per CTA; each owns 4 consecutive columns of a tile row at a time
-COMBINE_THREADS = 256
+#: threads per CTA; each owns 4 consecutive columns of a tile row at a time. A gather is bound by
+#: its loads' latency: the more threads a CTA has, the more loads are in flight on its SM (in a
+#: fused launch the combine gets few CTAs beside its GEMM and finishes the last tiles after it)
+COMBINE_THREADS = 512
 
 
 @dataclass(frozen=True)

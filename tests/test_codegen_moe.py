@@ -164,7 +164,7 @@ def test_combine_contract():
     assert lw.buffers == {"y_sorted": ((23 * 128, 512), "f16"), "partial": ((1024, 512), "f32"),
                           "token_tile_producers": ((8,), "i32"), "token_pos": ((2048,), "i32"),
                           "topk_weights": ((1024, 2), "f32")}
-    assert lw.grid_tiles == (8, 4) and lw.tile == (128, 128) and lw.block == (512, 1, 1) and lw.smem_bytes == 0
+    assert lw.grid_tiles == (8, 4) and lw.tile == (128, 128) and lw.block == (1024, 1, 1) and lw.smem_bytes == 0
     assert lw.align_shift == k.part("combine").align_shift == 1 and "kOrder = 2" in lw.source
     assert lw.waits == 1 and lw.notifies == 1 and lw.wait_scopes == ("gpu",)
     assert lw.signal_slots == {"y_ready": 32, "reduce_scatter_ready": 16}

@@ -23,7 +23,7 @@ from .prog_params import signal_hook, signal_params, signals_used, tensor_param,
 #: threads per CTA; each owns 4 consecutive columns of a tile row at a time. A gather is bound by
 #: its loads' latency: the more threads a CTA has, the more loads are in flight on its SM (in a
 #: fused launch the combine gets few CTAs beside its GEMM and finishes the last tiles after it)
-COMBINE_THREADS = 512
+COMBINE_THREADS = 1024      # (256 -> 512 -> 1024: BENCHMARKS.md, twenty-first session)
 
 
 @dataclass(frozen=True)

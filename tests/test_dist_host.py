@@ -2505,3 +2505,22 @@ def test_ops_free_their_symmetric_memory_at_close_and_never_when_dropped(proto, 
         gc.collect()
     assert not any(r.expired() for r in refs)
     assert sym.release_unclosed() == 1 and all(r.expired() for r in refs)
+
+
+def test_each_engine_is_named_and_a_schedule_without_one_is_refused(proto, monkeypatch, fake_ag):
+    """The recipe table picks the engine (runtime/dist/recipes.py), and describe() names it for
+    both fused GEMM ops; a communication schedule no engine runs (the GEMM as the communication
+    engine, which only pusher='gemm' selects) is refused before anything is allocated."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    AllGatherMatmul, torch = fake_ag
+    pull = AllGatherMatmul(4091, 1032, 3000, torch.bfloat16)
+    assert pull.engine == "copy_engine" and "; engine copy_engine" in pull.describe().splitlines()[0]
+    assert "copy_engine (direct pull): handshake device, staging kernel" in pull.describe()
+    push = AllGatherMatmul(4096, 1032, 3000, torch.bfloat16)
+    assert push.engine == "copy_engine-push" and push.staging is None
+    rs = MatmulReduceScatter(2 * 4091, 1032, 3000, "bfloat16")
+    assert rs.engine == "copy_engine" and "; engine copy_engine" in rs.describe().splitlines()[0]
+    with pytest.raises(tl.InputError, match="copy-engine and SM schedules; got .*engine='compute'"):
+        AllGatherMatmul(4096, 1032, 3000, torch.bfloat16, comm=tl.CommSchedule(engine="compute", mode="push", own_rows="compute"))
+    for op in (pull, push, rs):
+        op.close()

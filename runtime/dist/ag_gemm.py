@@ -151,15 +151,15 @@ class AllGatherMatmul(EngineOp):
         self._lease = Lease(self.ctx, f"AllGatherMatmul({self.Ms}, {self.K}, {self.N})", self)
         timeout = env.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
         self.comm, self.handshake = comm, None
-        self.compute = compute or DEFAULT_COMPUTE       # (an engine may refine the default: its own docstring)
+        self.compute = compute or DEFAULT_COMPUTE       # (the pull / push engine may refine it: their docstrings)
         self.launches, self.debug = 0, bool(env.get("TLDSL_DEBUG"))
         options = BuildOptions(compute_given=compute is not None, handshake=handshake, staging=staging,
                                staging_given=staging_given, stage_waves=stage_waves, enqueue=enqueue,
                                spare_outputs=spare_outputs, pusher=pusher, ce_executor=ce_executor,
                                wait_timeout_ns=int(timeout) if timeout else None)
         recipe = choose("AllGatherMatmul", comm, ce_executor)
-        engine = _ProgramAllGather if recipe is None else recipe.engine_class()
-        self._engine = engine(self, progress, options)
+        engine_cls = _ProgramAllGather if recipe is None else recipe.engine_class()
+        self._engine = engine_cls(self, progress, options)
 
     def _check(self, a_shard, b):
         """Every problem with the operands, before anything is enqueued (the A shard may be a

@@ -35,7 +35,7 @@ double-buffered symmetric buffer, slot ``L % 2``:
 Slot reuse is safe: we write slot ``L % 2`` after our copy stream passed barrier L-1, which
 every peer reaches only after its copy stream finished launch L-2's reads of that slot.
 
-CUDA graphs (``torch.cuda.graph``; every schedule of this module): ``L`` reaches the device as the
+CUDA graphs (``torch.cuda.graph``; every staging and handshake of the pull): ``L`` reaches the device as the
 GEMM's and the staging kernel's argument, as the constant of the flag writes and arrival waits, and
 as the slot's address — all three baked into a captured graph. So a captured call (and every call
 of an op once captured) is launch ``L = 1`` of fresh counters: before step 1 its compute stream runs a
@@ -47,7 +47,7 @@ end. While capturing: fresh outputs from the graph's pool (no spares), no ``reco
 copy stream is joined before the call returns), no wait for the previous eager call's stream.
 
 With ``staging="gemm"`` (the default where the shard still reaches the peers in time:
-:func:`default_staging`) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
+:func:`~.ag_gemm.default_staging`) there is no step 1: the GEMM reads this rank's rows from the shard itself and,
 as it loads them, stores them into slot ``L % 2`` and into A_gathered; once all are stored it
 publishes L into this rank's slot on every peer (step 3's handshake, from the device).
 """
@@ -64,9 +64,12 @@ from .spare_outputs import SpareOutputs
 
 
 class PullAllGather(Engine):
-    """The direct copy-engine pull of :class:`~.ag_gemm.AllGatherMatmul` (built by it, with its
-    resolved ``handshake``, ``staging``, ``stage_waves`` and ``enqueue``). Building it is
-    collective (the symmetric slots and arrival array)."""
+    """The direct copy-engine pull of :class:`~.ag_gemm.AllGatherMatmul`, built by the op from
+    its :class:`~.ag_gemm.BuildOptions`. It refuses the push's ``pusher`` and column slices,
+    settles the pull's defaults on the op — ``op.handshake`` (``"device"``, or ``"memops"`` with
+    ``staging="copies"``) and, with ``staging="gemm"`` and no compute schedule given, ``op.compute``
+    with this rank's tile rows in one group — and traces and lowers the op's program (``op.ir``,
+    ``op.lowered``). Building it is collective (the symmetric slots and arrival array)."""
 
     name = "copy_engine"
 
@@ -107,7 +110,7 @@ class PullAllGather(Engine):
         traced_comm = op.comm.with_(own_rows="compute") if staging == "gemm" else op.comm
         self.ir = op.ir = allgather_gemm.trace(W, spec((Ms, K), ir_dtype), spec((K, N), ir_dtype),
                                                spec((W * Ms, N), ir_dtype), compute=op.compute, comm=traced_comm)
-        opts = {"wait_timeout_ns": wait_timeout_ns} if wait_timeout_ns else {}
+        opts = {"wait_timeout_ns": wait_timeout_ns} if wait_timeout_ns is not None else {}
         self.lowered = op.lowered = lower(self.ir, "gemm", **opts)
         # with the barrier kernel, one SM stays free of the persistent GEMM: the kernel runs there
         least = 1 if handshake == "kernel" else 0

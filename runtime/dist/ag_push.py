@@ -69,7 +69,11 @@ from .spare_outputs import SpareOutputs
 
 
 class PushAllGather(Engine):
-    """The direct copy-engine push path of :class:`~.ag_gemm.AllGatherMatmul` (built by it)."""
+    """The direct copy-engine push path of :class:`~.ag_gemm.AllGatherMatmul`, built by the op
+    from its :class:`~.ag_gemm.BuildOptions`: it refuses the pull's options, reports no staging
+    (``op.staging = None``), gives ``op.compute`` this rank's tile rows as whole groups where the
+    GEMM pushes and no compute schedule was given, and traces and lowers the op's program
+    (``op.ir``, ``op.lowered``)."""
 
     name = "copy_engine-push"
 

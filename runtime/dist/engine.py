@@ -19,10 +19,14 @@ from .fused_op import FusedOp
 
 
 class Engine:
-    """What every engine of an op offers (the op's introspection and its ``compute_only``).
+    """What every engine of an op offers: ``name`` (what ``op.engine`` reports), the op's
+    introspection and ``compute_gemm`` (its ``compute_only``). Per op, its engines also share:
 
-    ``name``: what ``op.engine`` reports; ``signal``: the counter the compute kernel waits on
-    (or notifies); ``lowered``: the lowered compute part."""
+    * AllGatherMatmul's — ``__call__(a_shard, b, *, poison_workspace, out, return_gathered)``,
+      ``signal`` (the counter the GEMM waits on) and :meth:`compute_only_inputs`;
+    * MatmulReduceScatter's — ``__call__(a, b, out)``, ``parts()`` (lowered GEMM, lowered
+      reduce-scatter kernel or None, its CTAs) and ``gemm_buffers(a, b, out)`` (the GEMM's tensors
+      and counters)."""
 
     name = "engine"
 
@@ -53,8 +57,9 @@ class Engine:
         return self.gemm
 
     def compute_only_inputs(self, a_gathered) -> tuple[dict, dict]:
-        """What the compute kernel alone needs besides the op's operands and scratch counters for
-        its waits (buffers, signals): scratch for what it stores beside its output (none here)."""
+        """(AllGatherMatmul's engines) What the GEMM alone needs besides the op's operands and
+        scratch counters for its waits (buffers, signals): scratch for what it stores beside C
+        (none here)."""
         return {}, {}
 
     def close(self) -> None:

@@ -214,8 +214,8 @@ class MatmulReduceScatter(EngineOp):
         self.device = torch.device("cuda", self.ctx.device)
         (self.ready,) = [s.name for s in self.ir.signals if s.type.scope.value != "symmetric"]
         recipe = choose("MatmulReduceScatter", self.comm)
-        engine = _ProgramReduceScatter if recipe is None else recipe.engine_class()
-        self._engine = engine(self, trace_comm, progress)       # collective
+        engine_cls = _ProgramReduceScatter if recipe is None else recipe.engine_class()
+        self._engine = engine_cls(self, trace_comm, progress)       # collective
         #: the lowered parts and the SMs the communication kernel keeps (the copy engine's: 0)
         self.lowered_gemm, self.lowered_comm, self.lanes = self._engine.parts()
 

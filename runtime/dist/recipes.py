@@ -7,8 +7,9 @@ two fused GEMM ops a path written by hand was measured faster on 2x H200 (BENCHM
 generated compute kernel, its communication part's work enqueued as a few stream-ordered copies
 and memory operations with a lighter protocol of its own. Those are the recipes below — each
 names the op, the schedule it takes, the engine class that runs it and the measurement that chose
-it. Everything else of the op (checks, introspection, ``close()``, CUDA-graph capture) is the same
-whichever engine runs it (:class:`~.engine.EngineOp`).
+it. The op's own checks, its introspection, ``close()`` and CUDA-graph capture are the same
+whichever engine runs it (:class:`~.engine.EngineOp`); an engine adds only the checks of the
+options that are its own (the pull's staging and handshake, the push's pusher).
 
 A new hand-built path costs one row here and its engine class; an op never branches on which
 engine it got.

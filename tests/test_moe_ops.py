@@ -133,6 +133,12 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         with pytest.raises(InputError, match=match):
             call()
     assert op.launches == 0 and op._router.calls == 0 and not any(g.fake.queues.values())   # nothing enqueued
+    with monkeypatch.context() as mp:               # while a CUDA graph captures: no host check of the ids
+        from tldsl.runtime.dist import call_order
+        mp.setattr(call_order, "capturing", lambda: True)
+        with pytest.raises(InputError, match="validate_ids=False to capture it"):
+            op(x, ids, w1)
+    assert op.launches == 0 and op._router.calls == 0 and not any(g.fake.queues.values())
     with pytest.raises(InputError, match="w1 must be"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K + 1, NR), tl.float16), TOPK)
     with pytest.raises(InputError, match="topk must be a positive int"):

@@ -573,3 +573,51 @@ def test_only_written_symmetric_arguments_are_copied_back():
         assert program_op.written_buffers(tl.simulate(fn, 2, inputs, **kw).kernel) == written, name
     r = library_case("ring_exchange", 2)
     assert program_op.written_buffers(tl.simulate(ring_exchange, 2, r[1], **r[2]).kernel) == {"y", "w", "z"}
+
+
+def _fresh_library(name: str, W: int, launches: int = 3) -> tuple:
+    """``(kernel, {launch: inputs}, keyword values)`` of a library op with new activations every
+    launch: each input array of finite floats redrawn (same routing tables and shapes; outputs,
+    poisoned with NaN, kept)."""
+    fn, inputs, kw = library_case(name, W)
+    rng = np.random.default_rng(100 + W)
+
+    def redraw(a):
+        if a.dtype.kind == "f" and np.isfinite(a).all():
+            return rng.standard_normal(a.shape).astype(a.dtype)
+        return a
+    fresh = {L: [{n: (a if L == 1 else redraw(a)) for n, a in rank.items()} for rank in inputs]
+             for L in range(1, launches + 1)}
+    return fn, fresh, kw
+
+
+def _without_a_wait(role: str):
+    """The program as traced with its first wait in a part of ``role`` deleted (a consumer's wait
+    for the data it reads), as the mutation check deletes it."""
+    from tldsl.ir.opdefs import WAIT_OPS
+    from tldsl.kernel import KernelFunction
+    from tldsl.testing.mutants import delete_site, sync_sites
+    real = KernelFunction.trace_checked
+
+    def traced(self, *args, **kwargs):
+        ir = real(self, *args, **kwargs)
+        site = next(i for i, (part, op) in enumerate(sync_sites(ir))
+                    if ir.part(part).role == role and op.name in WAIT_OPS)
+        return delete_site(ir, site)
+    return lambda mp: mp.setattr(KernelFunction, "trace_checked", traced)
+
+
+# the wait deleted: the grouped GEMM's for the gathered rows, the reduce-scatter's for the combined
+# rows (the combine's own wait takes its count from a table nothing else reads), attention's for K/V
+@pytest.mark.parametrize("name,W,role", [("allgather_moe", 2, "compute"), ("moe_reduce_scatter", 3, "comm"),
+                                         ("sp_attention", 2, "compute")])
+def test_the_new_ops_protocol_holds_replays_and_fails_without_its_waits(monkeypatch, name, W, role):
+    """AllGather+MoE, MoE+ReduceScatter and sequence-parallel attention as the fused-op runtime runs
+    them, three launches with new activations each in random stream interleavings: right as
+    launched eagerly and as a CUDA graph replays them (every launch launch 1 of counters zeroed
+    on the device between two barriers), and wrong — or hung — without a wait one of their parts
+    makes for the data it reads."""
+    case = _fresh_library(name, W)
+    assert not _failing_seeds(monkeypatch, *case, lambda mp: None, range(2))
+    assert not _failing_seeds(monkeypatch, *case, _fresh_counters_every_launch, range(2))
+    assert _failing_seeds(monkeypatch, *case, _without_a_wait(role), range(3))

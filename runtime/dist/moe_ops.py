@@ -19,6 +19,8 @@ synchronisation a serving loop (or a CUDA graph) cannot afford. With ``validate_
 back) and raises :class:`~tldsl.errors.InputError`; with ``False`` nothing waits: the routing
 kernels set an error word on the device instead (a bad routed row joins no expert and no
 memory is touched out of bounds) and :meth:`check_routing` reads it when the caller chooses.
+A call captured in a CUDA graph with ``validate_ids=True`` is refused with an InputError that
+says so (the check would read the device while the stream captures).
 """
 from __future__ import annotations
 
@@ -121,6 +123,11 @@ class _Routed:
         if not topk_ids.is_contiguous():
             raise InputError("topk_ids is not contiguous (pass .contiguous())")
         if self.validate_ids:
+            from .call_order import capturing
+            if capturing():             # (reading the check's answer back would break the capture)
+                raise InputError(f"{type(self).__name__}: a CUDA graph cannot check topk_ids on the host (it reads "
+                                 "the device): build the op with validate_ids=False to capture it — the routing "
+                                 "kernels still flag an id outside the experts, read by check_routing(tables)")
             bad = (topk_ids < 0) | (topk_ids >= self.num_experts)
             if bool(bad.any()):
                 t, k = (int(i) for i in bad.nonzero()[0])

@@ -245,6 +245,12 @@ class BuildOptions:
     ce_executor: str
     wait_timeout_ns: int | None
 
+    def refuse_pusher(self, comm: CommSchedule) -> None:
+        """An engine other than the direct push: ``pusher`` is not an option of ``comm``."""
+        if self.pusher is not None:
+            raise InputError(f"pusher={self.pusher!r}: only the direct copy-engine push has a pusher to choose "
+                             f"(this schedule: {comm}, ce_executor={self.ce_executor!r})")
+
 
 DEFAULT_SM_LANES = 8
 
@@ -376,9 +382,7 @@ class _ProgramAllGather(ProgramEngine):
         import tldsl as tl
         from ...ops.allgather_gemm import allgather_gemm
         ce_executor = options.ce_executor
-        if options.pusher is not None:
-            raise InputError(f"pusher={options.pusher!r}: only the direct copy-engine push has a pusher to choose "
-                             f"(this schedule: {op.comm}, ce_executor={ce_executor!r})")
+        options.refuse_pusher(op.comm)
         if options.spare_outputs:
             raise InputError("spare_outputs=True: the direct copy-engine push and pull keep spare outputs; "
                              f"this schedule ({op.comm}, ce_executor={ce_executor!r}) allocates per call")

@@ -84,9 +84,7 @@ class PullAllGather(Engine):
         from ..gpu.gemm import GemmKernel
         from .ag_gemm import DEFAULT_COMPUTE, STAGE_WAVES, stage_columns
 
-        if options.pusher is not None:
-            raise InputError(f"pusher={options.pusher!r}: only the direct copy-engine push has a pusher to choose "
-                             f"(this schedule: {op.comm}, ce_executor={options.ce_executor!r})")
+        options.refuse_pusher(op.comm)
         if op.comm.col_tile is not None and op.comm.col_tile < op.K:
             raise InputError(f"col_tile={op.comm.col_tile}: the direct copy-engine pull moves whole shards; column "
                              f"slices run on the direct push (mode='push') or ce_executor='plan'")

@@ -804,6 +804,8 @@ COMPILE_SCHEDULES = [
     dict(tile=(128, 256, 64), stages=3, order="swizzled", dt=tl.bfloat16),
     dict(tile=(64, 128, 32), stages=6, order="comm_aligned", dt=tl.float16),
     dict(tile=(128, 256, 64), stages=4, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
+    # 64-row tiles for small experts: the two consumer warpgroups split the columns (64x128 each)
+    dict(tile=(64, 256, 64), stages=5, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
 ]
 
 
@@ -822,7 +824,7 @@ def _check_common(ck, max_regs):
 def check_grouped_gemm_sass(ck, lw):
     k = _check_common(ck, MAX_REGISTERS_GEMM)
     s = k.summary()
-    assert s["HGMMA"] > 0 and k.count(f"HGMMA.64x{lw.config.BN}x16.F32") > 0, s
+    assert s["HGMMA"] > 0 and k.count(f"HGMMA.64x{lw.config.wg_n}x16.F32") > 0, s
     assert s["UTMALDG"] > 0 and s["UTMASTG"] > 0 and s["SYNCS"] > 0, s
     assert k.count("UTMALDG.3D") > 0                                  # the expert's weights: 3-d TMA
     assert k.count("USETMAXREG") in (0, 2)

@@ -58,7 +58,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
-    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc)
+    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
 

@@ -32,6 +32,7 @@ class GemmConfig:
     consumer_regs: int
     in_dtype: str
     out_dtype: str
+    split_n: bool = False           # BM 64: the consumer warpgroups split the tile's columns, not its rows
 
     @property
     def threads(self) -> int:
@@ -59,8 +60,13 @@ class GemmConfig:
     @property
     def EC(self) -> int: return self.SC // self.out_bytes
     @property
+    def wg_n(self) -> int:
+        """Tile columns one consumer warpgroup owns (its WGMMA's N)."""
+        return self.BN // self.consumer_wgs if self.split_n else self.BN
+
+    @property
     def acc_per_thread(self) -> int:
-        return (self.BM // (64 * self.consumer_wgs)) * self.BN // 2
+        return (1 if self.split_n else self.BM // (64 * self.consumer_wgs)) * self.wg_n // 2
 
     @property
     def smem_bytes(self) -> int:
@@ -87,10 +93,17 @@ def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
     return used + 1024
 
 
+#: BN from which a 64-row tile splits its columns between two consumer warpgroups (each a
+#: 64 x BN/2 WGMMA of N >= 128) where the recipe allows it, instead of one warpgroup on the whole
+#: tile: small MoE experts pad to 64 rows, with the tensor cores of both warpgroups busy
+SPLIT_N_MIN_BN = 256
+
+
 def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, K: int, cluster=None,
-                  loc=None, clusters_lowered=((1, 1), (2, 1))) -> GemmConfig:
+                  loc=None, clusters_lowered=((1, 1), (2, 1)), split_n: bool = False) -> GemmConfig:
     """The configuration of the schedule's tile for a K loop over ``K``, or a LoweringError from
-    recipe ``what`` at ``loc``."""
+    recipe ``what`` at ``loc``. ``split_n``: the recipe's template lets a 64-row tile's consumer
+    warpgroups split its columns (taken from ``BN >=`` :data:`SPLIT_N_MIN_BN`)."""
     BM, BN, BK = sched.tile
     if sched.stages < 2 and K > BK:
         # the consumers release a stage only once the next K step's WGMMAs are issued (one batch
@@ -107,10 +120,11 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
         raise fail(what, f"BN={BN}: this lowering needs BN >= 16", loc)
     if cl not in clusters_lowered:
         raise fail(what, f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
-    wgs = 2 if BM >= 128 else 1
+    split = split_n and BM == 64 and BN >= SPLIT_N_MIN_BN and BN % 128 == 0
+    wgs = 2 if BM >= 128 or split else 1
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
-               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype)
-    acc = (BM // (64 * wgs)) * BN // 2
+               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split)
+    acc = BN // 4 if split else (BM // (64 * wgs)) * BN // 2
     if acc > ACC_LIMIT:
         raise fail(what, f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} "
                    "fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)

@@ -131,7 +131,8 @@ class LoweredGroupedGemm(LoweredKernel):
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  grouped GEMM, A {a} [{self.M}x{self.K}], "
                  f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
                  f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
-                 f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads), smem {c.smem_bytes} B",
+                 f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads)"
+                 f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}, smem {c.smem_bytes} B",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
@@ -171,7 +172,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
 def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
     kernel, part, m, cfg = plan.kernel, plan.part, plan.match, plan.config
     M, N, K = plan.M, plan.N, plan.K
-    gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.BN}x16_{ctype(cfg.in_dtype).gmma}_SS<"
+    gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.wg_n}x16_{ctype(cfg.in_dtype).gmma}_SS<"
             "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
     part_mk, dot_mk, store_mk = marker(part.loc), marker(m.dot.loc), marker(m.store.loc)
     digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, m.batched)).encode()).hexdigest()[:12]

@@ -66,10 +66,22 @@ __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// Cfg::kSplitN, where the configuration defines it (the grouped GEMM's 64-row tiles), else false.
+template <class C, class = void>
+struct SplitN {
+  static constexpr bool value = false;
+};
+template <class C>
+struct SplitN<C, cuda::std::void_t<decltype(C::kSplitN)>> {
+  static constexpr bool value = C::kSplitN;
+};
+
 // Everything derived from the generated configuration `Cfg`:
-//   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64xBNx16_F32xx_SS<K, MN>),
+//   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64x{kWgN}x16_F32xx_SS<K, MN>),
 //   Cfg::BM, BN, BK, kStages, kConsumerWGs, kEpiBuffers, kOrder, kGroupM, kWorldSize,
-//   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration).
+//   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration), and optionally
+//   kSplitN: the consumer warpgroups split the tile's columns instead of its rows (BM = 64: a
+//   64-row tile keeps both warpgroups busy, each on 64 x BN/kConsumerWGs; A's stage is shared).
 template <class Cfg>
 struct GemmTraits {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
@@ -80,12 +92,16 @@ struct GemmTraits {
   static constexpr int kElemBytes = int(sizeof(typename Cfg::ElemAB));
   static constexpr int kOutBytes = int(sizeof(typename Cfg::ElemC));
   static_assert(kElemBytes == 2, "the SM90 GEMM lowering supports 16-bit A/B (f16, bf16)");
-  static_assert(BM % (64 * kConsumerWGs) == 0, "BM must be a multiple of 64 per consumer warpgroup");
+  static constexpr bool kSplitN = SplitN<Cfg>::value;
+  static_assert(kSplitN ? (BM == 64 && BN % (64 * kConsumerWGs) == 0) : BM % (64 * kConsumerWGs) == 0,
+                "BM must be a multiple of 64 per consumer warpgroup (split N: BM 64, BN a multiple of 64 per "
+                "consumer warpgroup)");
   static_assert(BK % 16 == 0 && BK <= 256, "BK must be a multiple of 16 (WGMMA K) and <= 256 (TMA box)");
   static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16 and <= 256 (WGMMA N)");
   static_assert(BM <= 256, "BM <= 256 (TMA box)");
-  static constexpr int MB = BM / (64 * kConsumerWGs);          // m64 blocks per consumer warpgroup
-  static constexpr int kAccPerBlock = BN / 2;                  // fp32 accumulators per thread per m64 block
+  static constexpr int MB = kSplitN ? 1 : BM / (64 * kConsumerWGs);   // m64 blocks per consumer warpgroup
+  static constexpr int kWgN = kSplitN ? BN / kConsumerWGs : BN;        // tile columns per consumer warpgroup
+  static constexpr int kAccPerBlock = kWgN / 2;                        // fp32 accumulators per thread per m64 block
 
   // A: K-major, chunks of EA elements (SA bytes) along K
   static constexpr int SA = cmin(128, BK * kElemBytes);
@@ -104,6 +120,7 @@ struct GemmTraits {
   static constexpr int SC = cmin(128, BN * kOutBytes);
   static constexpr int EC = SC / kOutBytes;
   static constexpr int kChunksC = BN / EC;
+  static constexpr int kWgChunksC = kWgN / EC;                         // ... of one consumer warpgroup
   static constexpr int kEpiBufBytes = round_up(64 * SC, 1024);
   static constexpr int kEpiBuffers = Cfg::kEpiBuffers;
 
@@ -531,6 +548,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
                                             const Waits& waits, const Notifies& notifies = Notifies{},
                                             const Epilogue& epilogue = Epilogue{}, const Own& own = Own{}) {
   using Tr = GemmTraits<Cfg>;
+  static_assert(!Tr::kSplitN, "the plain GEMM's consumer warpgroups split rows");
   static_assert(!Own::kEnabled || Cfg::kClusterM == 1, "a GEMM staging its own rows runs without clusters");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;

@@ -18,6 +18,9 @@
 //    so the consumers' GMMA descriptors are the GEMM's. Hopper has no TMA gather.
 //    B is [K, N] (TMA 2-D) or [E, K, N] (Cfg::kBatched, TMA 3-D with a box of 1 along E: the
 //    expert's weights, out-of-range experts/rows/cols read zero).
+//    Consumers: warpgroup w owns rows [w*BM/2, (w+1)*BM/2) of the tile, or, with Cfg::kSplitN
+//    (BM = 64: smaller tiles for small experts), columns [w*BN/2, (w+1)*BN/2) of all 64 rows —
+//    both read the stage's one A tile, each its half of B.
 //
 //    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With a gathered A, the full
 //    barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
@@ -436,8 +439,10 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     const int tid = int(threadIdx.x) % 128;       // thread in the warpgroup
     const int lane = tid % 32, wq = tid / 32;
     const uint32_t bar_id = 1 + cw;               // named barrier of this warpgroup (0 = __syncthreads)
-    const uint32_t stage_a0 = smem_u32 + Tr::kOffA + cw * Tr::MB * 64 * Tr::SA;
-    const uint32_t stage_b0 = smem_u32 + Tr::kOffB;
+    // rows (split N: columns) of the tile this warpgroup owns: its A rows / B columns in a stage
+    const int wg_row = Tr::kSplitN ? 0 : cw * Tr::MB * 64, wg_col = Tr::kSplitN ? cw * Tr::kWgN : 0;
+    const uint32_t stage_a0 = smem_u32 + Tr::kOffA + wg_row * Tr::SA;
+    const uint32_t stage_b0 = smem_u32 + Tr::kOffB + (wg_col / Tr::EB) * Tr::kChunkBytesB;
     const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
     int it = 0;
     int epi_count = 0;
@@ -505,11 +510,11 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
 
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
-        const int m0 = p.m * Tr::BM + cw * Tr::MB * 64, n0 = p.n * Tr::BN;
+        const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
 #pragma unroll
         for (int mb = 0; mb < Tr::MB; ++mb) {
 #pragma unroll
-          for (int q = 0; q < Tr::kChunksC; ++q) {
+          for (int q = 0; q < Tr::kWgChunksC; ++q) {
             const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
             if (tid == 0) sm90::bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` read it
             cutlass::arch::NamedBarrier::sync(128, bar_id);

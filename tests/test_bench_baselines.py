@@ -121,14 +121,23 @@ def test_bad_arguments_are_refused_in_one_line():
         baselines.random_topk(4, 4, 2, "uniform", device="cpu")
     args = baselines.parse_args(["moe_rs", "--models", "qwen3:8192:zipf"])
     assert args.rows == [baselines.MoERow("qwen3", 8192, "zipf")]
-    assert len(baselines.parse_args(["ag_moe"]).rows) == len(baselines.MOE_ROWS)
+    rows = baselines.parse_args(["ag_moe"]).rows        # the rows, as the benchmark's row objects
+    assert [(r.model, r.tokens, r.routing) for r in rows] == [tuple(r) for r in baselines.MOE_ROWS]
+    assert all(isinstance(r, baselines.MoERow) for r in rows)
 
 
 def test_the_sm_splits_to_time_are_parsed_and_checked():
+    from tldsl.runtime.gpu.run_plan import CHAINS
     from tldsl.runtime.gpu.sm_split import SPLITS
-    assert baselines.SM_SPLITS == SPLITS
+    assert set(baselines.SM_SPLITS) == set(SPLITS) | {f"{s}/beside" for s in SPLITS}
     assert baselines.parse_args(["moe_rs", "--fused"]).sm_splits == ("work",)
     assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,even,work"]).sm_splits == ("work", "even")
-    for bad in ("fair", "work,", ""):
+    assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,work/beside"]).sm_splits == \
+        ("work", "work/beside")
+    # each variant is the op's keyword arguments: the split, and the combine after the GEMM unless /beside
+    assert baselines._layout_kw("work") == {"sm_split": "work", "chain": "after"}
+    assert baselines._layout_kw("even/beside") == {"sm_split": "even", "chain": "beside"}
+    assert {baselines._layout_kw(v)["chain"] for v in baselines.SM_SPLITS} == set(CHAINS)
+    for bad in ("fair", "work,", "", "work/overlap"):
         with pytest.raises(SystemExit):
             baselines.parse_args(["moe_rs", "--fused", "--sm-split", bad])

@@ -86,8 +86,9 @@ def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W, gather):
 
 @pytest.mark.parametrize("W", [1, 2])
 def test_a_moe_layer_on_the_ops_default_schedules_agrees_with_numpy(monkeypatch, W):
-    """The measured defaults — 128x256x64 grouped GEMMs, the copy engines gathering, the
-    reduce-scatter in 128-row tiles on 8 lanes — on sizes far from whole tiles."""
+    """The measured defaults — 128x256x64 grouped GEMMs in the swizzled order (AllGather+MoE's
+    in clusters of two), the copy engines gathering, the reduce-scatter in 128-row tiles on 32
+    lanes — on sizes far from whole tiles."""
     from tldsl.runtime.dist.moe_ops import DEFAULT_AG_COMPUTE, DEFAULT_RS_COMPUTE
     g = Group(monkeypatch, W, W)
     ag = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16),
@@ -95,7 +96,9 @@ def test_a_moe_layer_on_the_ops_default_schedules_agrees_with_numpy(monkeypatch,
     rs = g.build(lambda r, dev: MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK,
                                                  router=HostRouter(W, 128), device=dev, timeout_s=2.0))
     assert ag[0].compute == DEFAULT_AG_COMPUTE and rs[0].compute == DEFAULT_RS_COMPUTE
-    assert (rs[0].comm.tile_m, rs[0].comm.sms) == (128, 8) and ag[0].comm.engine == "copy_engine"
+    assert (rs[0].comm.tile_m, rs[0].comm.sms) == (128, 32) and ag[0].comm.engine == "copy_engine"
+    assert DEFAULT_AG_COMPUTE.order == DEFAULT_RS_COMPUTE.order == "swizzled"
+    assert DEFAULT_AG_COMPUTE.cluster == (2, 1) and DEFAULT_RS_COMPUTE.cluster == (1, 1)
     rng = np.random.default_rng(10 + W)
     xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
     w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
@@ -204,14 +207,22 @@ def test_a_tensor_overlapping_a_symmetric_buffer_without_being_it_is_found():
     assert not _overlaps_other(base[:32], base[:32]) and not _overlaps_other(base[:32], base[32:])
 
 
-def test_moe_reduce_scatter_shares_the_sms_by_work_unless_told_otherwise(monkeypatch):
-    """The combine runs behind the grouped GEMM's tiles: under the work split it keeps a floor
-    and the GEMM gets the rest; ``sm_split='even'`` halves them as before; anything else is an
-    InputError on every rank before anything is allocated."""
+def test_moe_reduce_scatter_runs_its_combine_after_the_grouped_gemm_unless_told_otherwise(monkeypatch):
+    """By default the combine runs after the grouped GEMM, on its stream, with the SMs it leaves
+    (``chain='after'``); beside it (``chain='beside'``) it runs behind the GEMM's tiles: under
+    the work split it keeps a floor and the GEMM gets the rest, ``sm_split='even'`` halves them
+    as before; anything else is an InputError on every rank before anything is allocated."""
     g = Group(monkeypatch, 1)
     big = dict(rows_per_rank=256, topk=TOPK, compute=C32, comm=tl.CommSchedule(tile_m=32, mode="push"))
     w2 = tl.TensorSpec((E, 1024, 256), tl.float16)
-    plans = {s: g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, sm_split=s))[0] for s in ("work", "even")}
+    after = g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev))[0]
+    got = {k.part: k for k in after.plan.kernels}
+    assert got["combine"].after == "grouped_gemm" and got["combine"].stream == got["grouped_gemm"].stream
+    assert got["grouped_gemm"].ctas + got["reduce_scatter"].ctas == after.plan.resident_ctas
+    assert "after grouped_gemm" in after.describe() and f"{after.plan.streams} stream(s)" in after.describe()
+    after.close()
+    plans = {s: g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, sm_split=s, chain="beside"))[0]
+             for s in ("work", "even")}
     ctas = {s: {k.part: k.ctas for k in op.plan.kernels} for s, op in plans.items()}
     assert ctas["work"]["combine"] < ctas["even"]["combine"] and ctas["work"]["grouped_gemm"] > ctas["even"]["grouped_gemm"]
     assert abs(ctas["even"]["combine"] - ctas["even"]["grouped_gemm"]) <= 1
@@ -221,3 +232,5 @@ def test_moe_reduce_scatter_shares_the_sms_by_work_unless_told_otherwise(monkeyp
         op.close()
     with pytest.raises(InputError, match="split='half'"):
         g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, sm_split="half"))
+    with pytest.raises(InputError, match="chain='overlap'"):
+        g.build(lambda r, dev: MoEReduceScatter(w2, **big, device=dev, chain="overlap"))

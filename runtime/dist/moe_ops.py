@@ -53,16 +53,25 @@ def _shape_dtype(name, x):
 #: H200, Mixtral 8192 tokens, one rank): 7.69 ms a layer, against 15.23 with the general defaults —
 #: the generated all-gather on one CTA moved each shard as one communication tile, and the grouped
 #: GEMM ran 128x128x64 tiles in 3 stages; the copy engines gather without an SM and 128x256x64 tiles
-#: in 4 stages reach 501 TFLOP/s
-DEFAULT_AG_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4)
+#: in 4 stages reach 501 TFLOP/s. The tiles in the swizzled order, in clusters of two (what
+#: ``bench moe`` measures the grouped GEMM at): row by row, each tile row of an expert streamed its
+#: whole weight slice (59 MB at Mixtral's, more than L2) from HBM again (BENCHMARKS.md,
+#: twenty-second session: the GEMM 2.8 ms inside the op against 1.4 alone)
+DEFAULT_AG_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="swizzled", cluster=(2, 1))
 DEFAULT_AG_COMM = tl.CommSchedule(engine="copy_engine", mode="pull")
 #: MoEReduceScatter's schedules where none is given, measured (BENCHMARKS.md, fifteenth session: one
 #: H200, Mixtral 8192 tokens, one rank, the SMs shared by work): 6.03 ms a layer against 13.57 with
 #: the general defaults — the generated reduce-scatter moved the whole shard as one tile on one
 #: CTA once every combine tile was done (7.79 ms with 128-row tiles on 8 lanes, each moving as
-#: soon as its rows are combined), and 128x256x64 tiles in 4 stages speed up the grouped GEMM
-DEFAULT_RS_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4)
-DEFAULT_RS_COMM = tl.CommSchedule(tile_m=128, sms=8)
+#: soon as its rows are combined), and 128x256x64 tiles in 4 stages speed up the grouped GEMM; the
+#: swizzled order as for AllGatherMoE, but no clusters: beside the reduce-scatter's resident lanes
+#: the pairs of CTAs did not all find two free SMs of one GPC at once, and the layer took 6.19 ms
+#: instead of 3.9 (Mixtral, twenty-second session). 32 lanes, not 8: the combine finishes with the
+#: GEMM, so the reduce-scatter's rows all arrive at the end; on 8 lanes it read the fp32 partial
+#: for 0.34 ms (Qwen3-30B) to 0.76 ms (Mixtral) after the combine, on 32 for 0.06-0.17 ms
+#: (twenty-second session)
+DEFAULT_RS_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="swizzled")
+DEFAULT_RS_COMM = tl.CommSchedule(tile_m=128, sms=32)
 
 
 def _schedule(compute, default=None):
@@ -216,7 +225,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
     ``out [Ms, K]``: this rank's tokens, summed over the ranks. ``tables``: the routing
     :class:`AllGatherMoE` returned for the same ``topk_ids`` (else built here). Schedules not
     given: :data:`DEFAULT_RS_COMPUTE` and :data:`DEFAULT_RS_COMM` (the reduce-scatter in 128-row
-    tiles on 8 SMs)."""
+    tiles on 32 SMs)."""
 
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, weights_dtype=None, **program_kw):

@@ -81,7 +81,7 @@ from ...ir import core
 from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
-from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, hardware_queues, lower_for_run, plan_run
+from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, plan_run
 from ..gpu.sm_split import check_split
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
@@ -123,7 +123,10 @@ class FusedProgram(FusedOp):
     ``lowering``: ``lower_all`` options. ``device``: the GPU interface of ``tl.run``
     (:class:`~..gpu.cuda_device.CudaDevice` by default). ``sm_split``: how the compute kernels
     share this rank's SMs — ``"work"`` (in proportion to each part's estimated work, the
-    default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`).
+    default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`). ``chain``: where a compute part
+    that waits only on another compute part of the rank runs (an MoE combine behind its grouped
+    GEMM) — ``"after"`` it, with the SMs it leaves (the default), or ``"beside"`` it, resident at
+    once with a share (:func:`~..gpu.run_plan.chained_parts`).
 
     Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the
     traced shapes and dtypes, contiguous) enqueues one launch on the caller's stream; the
@@ -131,7 +134,7 @@ class FusedProgram(FusedOp):
 
     def __init__(self, kernel, group=None, specs=None, *, timeout_s: float | None = 60.0,
                  lowering: dict | None = None, static_checks: bool = True, device=None, progress=None,
-                 sm_split: str = "work", **kwargs):
+                 sm_split: str = "work", chain: str = "after", **kwargs):
         self.ctx = dist_context(group)
         self.launches = 0
         self._engine = None
@@ -145,7 +148,8 @@ class FusedProgram(FusedOp):
         error, built = None, None
         try:
             check_split(sm_split)
-            self.sm_split = sm_split
+            check_chain(chain)
+            self.sm_split, self.chain = sm_split, chain
             built = self._build(kernel, specs, kwargs, timeout_s, lowering, static_checks, device, progress)
         except Exception as e:                  # noqa: BLE001 - exchanged first, then re-raised
             error = e
@@ -186,7 +190,8 @@ class FusedProgram(FusedOp):
         copies = any(not is_kernel(lk) for p, lk in lowered.items() if not ir.part(p).fused)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
-                        occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split)
+                        occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split,
+                        chain=self.chain)
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
         self._reset_each_launch = bool(data_dependent_waits(ir))
@@ -245,7 +250,7 @@ class FusedProgram(FusedOp):
                              for s in ir.signals} for q in range(W)]
         self._tables: dict = {}                            # peer tables, uploaded once
         self._packed: dict[tuple, tuple] = {}              # argument addresses -> (kernel args, copy executors)
-        self._streams = self.device.streams(len(self.plan.items)) if len(self.plan.items) > 1 else None
+        self._streams = self.device.streams(self.plan.streams) if self.plan.streams > 1 else None
         if self._nvshmem is not None:       # each NVSHMEM kernel's module gets NVSHMEM's device state
             for lk in self.lowered.values():
                 if getattr(lk, "transport", "ptr") == "nvshmem":
@@ -501,7 +506,7 @@ class FusedProgram(FusedOp):
 
     def _describe_body(self) -> list[str]:
         p = self.plan
-        lines = [f"rank {self.ctx.rank}'s launch: {len(p.items)} stream(s), {sum(k.ctas for k in p.kernels)} CTAs of "
+        lines = [f"rank {self.ctx.rank}'s launch: {p.streams} stream(s), {p.resident_ctas} CTAs of "
                  f"{p.sm_count} SMs, SMs shared by {p.split}, handshakes on the caller's stream"] + [f"  {x.describe()}" for x in p.items]
         for item in self.plan.items:
             lk = item.lowered if hasattr(item, "lowered") else item.plan
@@ -625,9 +630,11 @@ def _pointers(mem: DeviceMemory, rank: int, ce_plan) -> PointerTable:
 
 
 def _rank_plan(full: RunPlan, rank: int) -> RunPlan:
-    """This rank's items of a plan made for every rank, on streams numbered from 0."""
+    """This rank's items of a plan made for every rank, on streams numbered from 0 (a chained
+    part's still its producer's)."""
     mine = [x for x in full.items if x.rank == rank]
-    items = tuple(dataclasses.replace(x, stream=i) for i, x in enumerate(mine))
+    renumber = {s: i for i, s in enumerate(dict.fromkeys(x.stream for x in mine))}
+    items = tuple(dataclasses.replace(x, stream=renumber[x.stream]) for x in mine)
     W = max(full.kernel.world_size, 1)
     return RunPlan(full.kernel, items, (full.sm_count + full.reserved_sms * (W - 1)) // W, full.reserved_sms,
                    full.split)

@@ -19,6 +19,14 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   (:data:`~.sm_split.LIGHT_FLOOR`), nor below what a part waiting on its own tasks needs
   resident (:mod:`.sm_split`).
   ``split="even"`` splits them evenly, as every launch did before (kept for measurements);
+* a compute part that waits only on another compute part of its rank, which never waits on it
+  (an MoE combine behind its grouped GEMM: :func:`chained_parts`), runs **after** it on its
+  stream with the SMs it leaves (``chain="after"``, the default), not beside it: it could only
+  start a token tile once every GEMM tile holding its tokens is done — with a dynamic mapping,
+  the GEMM's last wave — and beside it held SMs the GEMM needed. Measured on one H200 with the
+  MoE ops' defaults (BENCHMARKS.md, twenty-second session): every MoE+ReduceScatter row faster
+  after than beside (Mixtral 8192 tokens 3.59 against 4.40 ms, Qwen3-30B 1.05 against 1.43).
+  ``chain="beside"`` keeps the shared layout;
 * where copy-engine parts run, streams never outnumber the hardware queues: a stream wait
   (``cuStreamWaitValue64``) at the head of a queue two streams share blocks the other stream's
   work behind it, which it may be waiting for. Kernels alone may share queues: a launch
@@ -35,6 +43,7 @@ from typing import Callable
 
 from ...ir import core
 from .bind import bind, is_kernel
+from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
 from .sm_split import check_split, share
 from .work import part_work
@@ -82,7 +91,8 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
 
 @dataclass(frozen=True)
 class PlannedKernel:
-    """One rank's lowered kernel of one part: its launch shape and stream."""
+    """One rank's lowered kernel of one part: its launch shape and stream. ``after``: the part
+    whose kernel it follows on that stream (a chained part, :func:`chained_parts`), else None."""
     rank: int
     part: str
     lowered: object
@@ -91,6 +101,7 @@ class PlannedKernel:
     smem_bytes: int
     cluster: tuple[int, int, int]
     stream: int
+    after: str | None = None
 
     @property
     def ctas(self) -> int:
@@ -100,7 +111,8 @@ class PlannedKernel:
         lk = self.lowered
         return (f"rank {self.rank} {self.part}: kernel {lk.entry} ({type(lk).__name__}) grid {self.grid} block "
                 f"{self.block} smem {self.smem_bytes} B" + (f" cluster {self.cluster}" if self.cluster != (1, 1, 1)
-                                                            else "") + f", stream {self.stream}")
+                                                            else "") + f", stream {self.stream}"
+                + (f" after {self.after}" if self.after else ""))
 
 
 @dataclass(frozen=True)
@@ -136,11 +148,29 @@ class RunPlan:
 
     @property
     def streams(self) -> int:
-        return len(self.items)
+        """Streams one launch uses (numbered from 0; a chained part shares its producer's)."""
+        return len({x.stream for x in self.items})
+
+    @property
+    def resident_ctas(self) -> int:
+        """CTAs resident at once at most: every kernel's but the chained ones, which start on an
+        SM only once the kernel they follow has left it."""
+        return sum(k.ctas for k in self.kernels if k.after is None)
+
+    def shuffled(self, rng) -> list:
+        """The items in a random enqueue order (``rng.shuffle``), each chained part still right
+        after the kernel it follows on their stream."""
+        order = [x for x in self.items if getattr(x, "after", None) is None]
+        rng.shuffle(order)
+        for x in self.items:
+            if getattr(x, "after", None) is not None:
+                at = next(i for i, y in enumerate(order) if y.rank == x.rank and y.part == x.after)
+                order.insert(at + 1, x)
+        return order
 
     def describe(self) -> str:
-        head = (f"{self.kernel.name} on one GPU: {self.kernel.world_size} rank(s), {len(self.items)} stream(s), "
-                f"{sum(k.ctas for k in self.kernels)} CTAs of {self.sm_count} SMs"
+        head = (f"{self.kernel.name} on one GPU: {self.kernel.world_size} rank(s), {self.streams} stream(s), "
+                f"{self.resident_ctas} CTAs of {self.sm_count} SMs"
                 + (f" ({self.reserved_sms} left to the copy engine's copies)" if self.reserved_sms else "")
                 + f", shared by {self.split}")
         return "\n".join([head] + [f"  {x.describe()}" for x in self.items])
@@ -150,16 +180,29 @@ class RunPlan:
         return {(k.rank, k.part): bind(k.lowered, k.rank, mem, ctas=k.ctas) for k in self.kernels}
 
 
+#: where a compute part waiting only on another compute part of its rank runs: "after" it, on
+#: its stream with the SMs it leaves (the default), or "beside" it, resident at once with a share
+CHAINS = ("after", "beside")
+
+
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
-             queues: int | None = None, split: str = "work") -> RunPlan:
+             queues: int | None = None, split: str = "work", chain: str = "after") -> RunPlan:
     """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
     on a GPU of ``sm_count`` SMs. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
     (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
     :func:`hardware_queues`). ``split``: how the compute kernels share the SMs (``"work"`` or
-    ``"even"``: :mod:`.sm_split`)."""
+    ``"even"``: :mod:`.sm_split`). ``chain``: where the chained parts run (:data:`CHAINS`,
+    :func:`chained_parts`)."""
     check_split(split)
+    check_chain(chain)
     W = kernel.world_size
     parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused]
+    chained = chained_parts(kernel, {n for n, lk in parts if is_kernel(lk)}) if chain == "after" else {}
+    # a chained part follows its producer on the producer's stream: listed right after it
+    order = [n for n, _ in parts if n not in chained]
+    for n in [n for n, _ in parts if n in chained]:
+        order.insert(order.index(chained[n]) + 1, n)
+    parts = sorted(parts, key=lambda x: order.index(x[0]))
     for name, lk in parts:
         if not is_kernel(lk) and not hasattr(lk, "actions"):
             raise UnboundParameterError(f"part '{name}' lowered to a {type(lk).__name__}, which is neither a kernel "
@@ -171,7 +214,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     has_copies = any(not is_kernel(lk) for _, lk in parts)
     reserved = RESERVED_FOR_COPIES if has_copies else 0
     available = sm_count - reserved
-    slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk)]
+    slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk) and name not in chained]
     lows = [lk.grid(1)[0] for _, _, lk in slots]
     highs = [max(lo, lk.grid(_UNBOUNDED)[0]) for lo, (_, _, lk) in zip(lows, slots)]
     if sum(lows) > available:
@@ -188,7 +231,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         works = {name: part_work(part_of[name]) for name in {n for _, n, _ in slots}}
         needs = {name: at_once_needed(part_of[name]) for name in works}
         grants = share(lows, highs, available, [works[n] for _, n, _ in slots], [needs[n] for _, n, _ in slots])
-    n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))
+    n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))     # streams (chained parts share)
     q = hardware_queues() if queues is None else queues
     if has_copies and n_items > q:
         raise ResidencyError(
@@ -196,25 +239,94 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             f"among them, but CUDA gives this process {q} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): a copy "
             f"engine's stream wait would block the streams sharing its queue. Set CUDA_DEVICE_MAX_CONNECTIONS=32 in "
             f"the environment before CUDA starts, or run fewer ranks")
-    items, grant = [], iter(grants)
+    items, grant, streams = [], iter(grants), 0
     for r in range(W):
+        mine: dict[str, PlannedKernel] = {}
         for name, lk in parts:
-            stream = len(items)
+            if name in chained:
+                # the SMs its producer leaves: the producer's grant, never more CTAs than it can use
+                prev = mine[chained[name]]
+                g = max(lk.grid(1)[0], min(prev.ctas // max(1, lk.cluster_dims[0]) * max(1, lk.cluster_dims[0]),
+                                           lk.grid(_UNBOUNDED)[0]))
+                items.append(PlannedKernel(r, name, lk, tuple(lk.grid(g)), tuple(lk.block), int(lk.smem_bytes),
+                                           tuple(lk.cluster_dims), prev.stream, after=prev.part))
+                continue
             if is_kernel(lk):
                 g = next(grant)
                 grid = tuple(lk.grid(g))
-                items.append(PlannedKernel(r, name, lk, grid, tuple(lk.block), int(lk.smem_bytes),
-                                           tuple(lk.cluster_dims), stream))
+                mine[name] = PlannedKernel(r, name, lk, grid, tuple(lk.block), int(lk.smem_bytes),
+                                           tuple(lk.cluster_dims), streams)
+                items.append(mine[name])
             else:
-                items.append(PlannedCopies(r, name, lk, stream))
+                items.append(PlannedCopies(r, name, lk, streams))
+            streams += 1
     for k in items:
         if isinstance(k, PlannedKernel):
             _check_self_waits(kernel.part(k.part), k)
-    used = sum(k.ctas for k in items if isinstance(k, PlannedKernel))
+    used = sum(k.ctas for k in items if isinstance(k, PlannedKernel) and k.after is None)
+    for k in items:
+        if isinstance(k, PlannedKernel) and k.after is not None:
+            prev = next(x for x in items if isinstance(x, PlannedKernel) and x.rank == k.rank and x.part == k.after)
+            used = max(used, used - prev.ctas + k.ctas)
     if used > available:        # a recipe's grid() gave more CTAs than asked: refuse rather than hang
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
     return RunPlan(kernel, tuple(items), sm_count, reserved, split)
+
+
+def check_chain(chain) -> None:
+    """Refuse a ``chain`` that is not one of :data:`CHAINS` (before anything is built)."""
+    if chain not in CHAINS:
+        raise InputError(f"chain={chain!r}: a compute part waiting only on another runs 'after' it (the default) or "
+                         "'beside' it")
+
+
+def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
+    """``{part: producer}`` for the compute parts that run after another rather than beside it:
+    every wait of the part is on a local signal that one other compute part of the rank alone
+    notifies (an MoE combine behind its grouped GEMM), the producer never waits — directly or
+    through other parts — for anything the part notifies, and the part's tasks never wait for
+    each other. Such a part can only start a task once its producer finished the tiles it
+    reads; with a dynamic mapping that is where it may be anywhere, often the producer's last
+    wave. Beside it, the part held SMs the producer needed, spinning; after it (on the
+    producer's stream), it gets every SM the producer leaves and its waits hold at once. Both
+    kernels are of ``kernels`` (parts lowered to SM kernels, not copy-engine plans)."""
+    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+    notifiers: dict[str, set[str]] = {}
+    waits: dict[str, list] = {}
+    for p in kernel.parts:
+        for op in p.walk():
+            if op.name in NOTIFY_OPS:
+                notifiers.setdefault(op.operands[0].owner.name, set()).add(p.name)
+            elif op.name in WAIT_OPS:
+                waits.setdefault(p.name, []).append(op.operands[0].owner)
+    deps = {p.name: {q for s in waits.get(p.name, []) for q in notifiers.get(s.name, ())} for p in kernel.parts}
+
+    def reaches(a: str, b: str) -> bool:        # a waits, directly or through others, on b
+        seen, todo = set(), [a]
+        while todo:
+            x = todo.pop()
+            for y in deps.get(x, ()):
+                if y == b:
+                    return True
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return False
+
+    role = {p.name: p.role for p in kernel.parts}
+    out = {}
+    for p in kernel.parts:
+        sigs = waits.get(p.name, [])
+        if p.role != "compute" or p.fused or p.name not in kernels or not sigs or at_once_needed(p):
+            continue
+        producers = {q for s in sigs for q in notifiers.get(s.name, ())}
+        if any(getattr(s.type, "scope", "local") != "local" for s in sigs) or len(producers) != 1:
+            continue
+        (q,) = producers
+        if q != p.name and role[q] == "compute" and q in kernels and not reaches(q, p.name):
+            out[p.name] = q
+    return {p: q for p, q in out.items() if q not in out}     # never after a part that is itself after one
 
 
 def at_once_needed(part: core.Part) -> int:

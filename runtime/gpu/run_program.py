@@ -51,12 +51,11 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     copies = {(c.rank, c.part): PlanExecutor(c.plan, c.rank, pointer_table(mem, c.rank, c.plan),
                                              driver=device.ce_driver) for c in plan.copies}
     origin = device.origin()
-    streams = device.streams(len(plan.items)) if len(plan.items) > 1 else [origin]
+    streams = device.streams(plan.streams) if plan.streams > 1 else [origin]
     rng = random.Random(seed)
     launch_ms = []
     for launch in range(1, launches + 1):
-        order = list(plan.items)
-        rng.shuffle(order)          # the seed picks the order the ranks' work is enqueued in
+        order = plan.shuffled(rng)  # the seed picks the order the ranks' work is enqueued in
         start, end = enqueue_launch(device, order, launch, loaded, args, copies, origin, streams)
         wait_for(device, end, launch, plan, mem, timeout_s)
         launch_ms.append(device.elapsed_ms(start, end))

@@ -50,8 +50,16 @@ MOE_ROWS = [("mixtral", 2048, "random"), ("mixtral", 8192, "random"), ("mixtral"
             ("stress", 8192, "random"), ("mixtral", 8192, "zipf"), ("mixtral", 8192, "one")]
 ROUTINGS = ("random", "zipf", "one")
 LAYOUTS = ("contiguous", "zigzag")
-#: how a fused MoE op's compute kernels may share the SMs (``runtime/gpu/sm_split.SPLITS``)
-SM_SPLITS = ("work", "even")
+#: how a fused MoE op's compute kernels may share the SMs (``runtime/gpu/sm_split.SPLITS``), each
+#: with its combine after the grouped GEMM (the default) or beside it (``/beside``:
+#: ``runtime/gpu/run_plan.CHAINS``)
+SM_SPLITS = ("work", "even", "work/beside", "even/beside")
+
+
+def _layout_kw(variant: str) -> dict:
+    """The fused op's keyword arguments of an ``--sm-split`` variant (``SPLIT[/CHAIN]``)."""
+    split, _, chain = variant.partition("/")
+    return {"sm_split": split, "chain": chain or "after"}
 
 
 # -- the routing, as a user's layer computes it on the GPU ------------------------------------------
@@ -233,7 +241,8 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                    # compute alone: the row gather and the grouped GEMM on already gathered tokens
                    "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
             for split in sm_splits if fused else ():
-                ops[split], fns[f"tldsl/{split}"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w), sm_split=split)
+                ops[split], fns[f"tldsl/{split}"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w),
+                                                                           **_layout_kw(split))
         else:
             flat_w = wts.reshape(-1).index_select(0, order)[:, None]
             partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
@@ -246,7 +255,7 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                    "compute": combine}           # the grouped GEMM and the weighted top-k sum
             for split in sm_splits if fused else ():
                 ops[split], fns[f"tldsl/{split}"] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
-                                                                           sm_split=split)
+                                                                           **_layout_kw(split))
         flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
         try:
             t = bench_interleaved(fns, iters=iters)
@@ -339,14 +348,16 @@ def parse_args(argv):
     ap.add_argument("--fused", action="store_true",
                     help="the fused op too: checked against the sequential layer, then timed beside it")
     ap.add_argument("--sm-split", default="work",
-                    help="with --fused (MoE layers): how the op's compute kernels share the SMs — work, even, or "
-                         "both comma-separated (one op each, timed in the same rounds)")
+                    help="with --fused (MoE layers): how the op's compute kernels share the SMs — work, even, "
+                         "each optionally /beside (the combine beside the grouped GEMM, not after it), several "
+                         "comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
     args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))
     if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):
         ap.error(f"--sm-split: a comma-separated list of {', '.join(SM_SPLITS)}, got {args.sm_split!r}")
     try:
-        args.rows = MOE_ROWS if not args.models else [_parse_row(s) for s in args.models.split(",")]
+        args.rows = ([MoERow(*r) for r in MOE_ROWS] if not args.models
+                     else [_parse_row(s) for s in args.models.split(",")])
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     args.seq_list = [int(s) for s in args.seqs.split(",")]
@@ -369,8 +380,9 @@ def main(argv) -> int:
         if dist.get_rank() == 0:
             print(f"# baselines {args.what}, {dist.get_world_size()} ranks, {args.dtype}; ms (slowest rank's median)")
             extra = (" tldsl | tldsl / ideal | seq / tldsl |", "---|---|---|") if args.fused else ("", "")
-            print("| layer | row | sequential | comm | compute | ideal | seq / ideal |" + extra[0] +
-                  "\n|---|---|---|---|---|---|---|" + extra[1])
+            row = "row" if args.what == "sp_attention" else "model | tokens | routing"   # (the MoE rows' cells)
+            print(f"| layer | {row} | sequential | comm | compute | ideal | seq / ideal |" + extra[0] +
+                  "\n|---|" + "---|" * (row.count("|") + 1) + "---|---|---|---|---|" + extra[1])
         if args.what == "sp_attention":
             bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
                             dtype_name=args.dtype, fused=args.fused)

@@ -6,6 +6,11 @@ The layouts differ only where the fused ops pad: :class:`~tldsl.runtime.dist.All
 returns the routed rows in expert-sorted order with every expert starting at a multiple of the
 compute tile's ``BM`` (:func:`padded_rows` maps the sequential layer's rows there), and
 :class:`~tldsl.runtime.dist.MoEReduceScatter` takes them so.
+
+The MoE ops are timed as a serving loop runs them, with ``validate_ids=False``: the ids'
+host check (the default) reads the device every call — a synchronisation that leaves the GPU
+idle while the host enqueues the next call, which torch's sequential layer never does. The
+routing kernels still flag a bad id; the checked call reads their flag (``check_routing``).
 """
 from __future__ import annotations
 
@@ -82,8 +87,9 @@ def ag_moe_op(x_shard, topk_ids, w1, reference, **op_kw):
     checked against ``reference`` (the sequential layer's ``[T*k, N/W]``); returns ``(op,
     call)``: ``call()`` runs one launch."""
     from ..runtime.dist import AllGatherMoE
-    op = AllGatherMoE(x_shard, w1, topk_ids.shape[1], **op_kw)
-    h, _ = op(x_shard, topk_ids, w1)
+    op = AllGatherMoE(x_shard, w1, topk_ids.shape[1], **{"validate_ids": False, **op_kw})
+    h, tables = op(x_shard, topk_ids, w1)
+    op.check_routing(tables)
     _, dest = padded_rows(reference, topk_ids, op.num_experts, op.block_m, op.num_tiles)
     _checked(op, "AllGatherMoE", h[dest], reference)
     return op, lambda: op(x_shard, topk_ids, w1)
@@ -95,9 +101,11 @@ def moe_rs_op(h, topk_ids, topk_weights, w2, reference, **op_kw):
     from ..runtime.dist import MoEReduceScatter
     import torch.distributed as dist
     T, k = topk_ids.shape
-    op = MoEReduceScatter(w2, T // dist.get_world_size(), k, **op_kw)
+    op = MoEReduceScatter(w2, T // dist.get_world_size(), k, **{"validate_ids": False, **op_kw})
     padded, _ = padded_rows(h, topk_ids, op.num_experts, op.block_m, op.num_tiles)
-    _checked(op, "MoEReduceScatter", op(padded, topk_ids, topk_weights, w2), reference)
+    tables = op.routing(topk_ids)
+    _checked(op, "MoEReduceScatter", op(padded, topk_ids, topk_weights, w2, tables=tables), reference)
+    op.check_routing(tables)
     return op, lambda: op(padded, topk_ids, topk_weights, w2)
 
 

@@ -1,0 +1,108 @@
+"""Where a compute part that waits only on another compute part of its rank runs
+(runtime/gpu/run_plan.py, ``chain``), without a GPU: after its producer on the producer's
+stream with the SMs it leaves (the default: an MoE combine can start a token tile only once
+every GEMM tile holding its tokens is done, which with a dynamic mapping is where the GEMM's
+last wave may be), or beside it with a share of the SMs (``chain="beside"``, the layout
+before). Parts that cannot wait behind their producer stay beside it: one its producer waits on
+(directly or through another part), one waiting on a communication part or on two producers,
+one whose tasks wait for each other."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.errors import InputError
+from tldsl.ops.moe import moe_routing, random_routing
+from tldsl.runtime.gpu.run_plan import CHAINS, chained_parts, lower_for_run, plan_run
+
+from test_run_plan import H200_SMS, ag_gemm
+from test_run_plan_split import chain_program, moe_rs_program
+
+S, F32 = tl.TensorSpec, tl.float32
+
+
+def _kernels(k):
+    return {p.name for p in k.parts}
+
+
+def test_the_moe_combine_runs_after_its_grouped_gemm_with_the_sms_it_leaves():
+    k = moe_rs_program()
+    assert chained_parts(k, _kernels(k)) == {"combine": "grouped_gemm"}
+    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS)
+    got = {x.part: x for x in plan.kernels}
+    rs, gemm, combine = got["reduce_scatter"], got["grouped_gemm"], got["combine"]
+    # the GEMM no longer shares with the combine: every SM but the reduce-scatter's lane
+    assert (rs.ctas, gemm.ctas) == (1, 131) and gemm.after is None
+    assert combine.after == "grouped_gemm" and combine.stream == gemm.stream != rs.stream
+    assert combine.ctas == min(131, combine.lowered.grid(1 << 30)[0])
+    assert [x.part for x in plan.items] == ["reduce_scatter", "grouped_gemm", "combine"]   # enqueued after it
+    assert plan.streams == 2 and plan.resident_ctas == 132
+    assert "combine: kernel" in plan.describe() and "after grouped_gemm" in plan.describe()
+
+
+def test_beside_keeps_the_shared_layout():
+    k = moe_rs_program()
+    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="beside")
+    assert {x.part: (x.ctas, x.after) for x in plan.kernels} == {
+        "reduce_scatter": (1, None), "grouped_gemm": (123, None), "combine": (8, None)}
+    assert plan.streams == 3 and plan.resident_ctas == 132
+
+
+def test_every_rank_on_one_gpu_chains_its_own_parts():
+    rng = np.random.default_rng(1)
+    ids, wts = random_routing(rng, 4 * 64, 8, 2)
+    rt = moe_routing(ids, 8, 4, 64, 64)
+    k = rt.trace_moe_reduce_scatter(4, 64, 128, 256, 8, wts, tl.bfloat16, compute=tl.ComputeSchedule(tile=(64, 128, 64)),
+                                    comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS)
+    for r in range(4):
+        mine = {x.part: x for x in plan.kernels if x.rank == r}
+        assert mine["combine"].after == "grouped_gemm" and mine["combine"].stream == mine["grouped_gemm"].stream
+    assert plan.streams == 8 and len({x.stream for x in plan.kernels if x.part == "grouped_gemm"}) == 4
+    assert plan.resident_ctas <= H200_SMS
+
+
+@tl.kernel
+def ping_pong(x, y, z, *, compute: tl.ComputeSchedule = None):
+    """Two compute parts in a pipeline both ways: ``second`` waits on ``first``'s tile t, and
+    ``first``'s tile t on ``second``'s tile t - 1 — ``second`` cannot wait until ``first`` is done."""
+    a_done = tl.signal("a_done", 4)
+    b_done = tl.signal("b_done", 4)
+
+    @tl.compute_part(grid=(4,))
+    def first(t):
+        with tl.when(t > 0):
+            tl.consumer_tile_wait(b_done, t - 1)
+        tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)) + 1.0)
+        tl.producer_tile_notify(a_done, t)
+
+    @tl.compute_part(grid=(4,))
+    def second(t):
+        tl.consumer_tile_wait(a_done, t)
+        tl.store(z, (t * 8,), tl.load(y, (t * 8,), (8,)) * 2.0)
+        tl.producer_tile_notify(b_done, t)
+
+
+def test_a_part_its_producer_waits_on_stays_beside_it():
+    k = ping_pong.trace(1, S((32,), F32), S((32,), F32), S((32,), F32), compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    res = tl.simulate(k, 1, [dict(x=np.arange(32, dtype=np.float32), y=np.zeros(32, np.float32),
+                                  z=np.zeros(32, np.float32))])
+    np.testing.assert_array_equal(res[0]["z"], (np.arange(32) + 1.0) * 2.0)      # a valid program
+    assert chained_parts(k, _kernels(k)) == {}
+    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS)
+    assert all(x.after is None for x in plan.kernels) and plan.streams == 2
+
+
+def test_parts_waiting_on_communication_or_on_their_own_tasks_stay_beside():
+    k = ag_gemm()                          # the GEMM waits on the all-gather (a communication part)
+    assert chained_parts(k, _kernels(k)) == {}
+    k = chain_program()                    # 'chain' waits on its own tasks, not on the GEMM
+    assert chained_parts(k, _kernels(k)) == {}
+
+
+def test_an_unknown_chain_is_refused_before_anything_is_planned():
+    assert CHAINS == ("after", "beside")
+    k = moe_rs_program()
+    with pytest.raises(InputError, match="chain='overlap'"):
+        plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="overlap")

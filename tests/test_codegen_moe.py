@@ -336,7 +336,7 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, topk):
             rows = tl.load(pos, (k * T + m0,), (BM,))
-            col = c0 + 2 if variant == "odd_col" else c0
+            col = c0 + 2 if variant == "odd_col" else c0 + 4 if variant == "col4" else c0
             g = tl.load_rows(y, rows, col, BN)
             if variant == "unscaled":
                 acc += g
@@ -360,17 +360,22 @@ def _trace_combine(variant, ydt=tl.float32, topk=2):
 
 
 @needs_gxx
-@pytest.mark.parametrize("variant,ydt,topk,in_flight", [
-    ("ok", tl.float32, 2, True), ("ok", tl.bfloat16, 8, True), ("unscaled", tl.float16, 3, True),
-    ("ok", tl.float32, 12, False),        # more rows than the gathers kept in flight: the loop as written
+@pytest.mark.parametrize("variant,ydt,topk,in_flight,vec", [
+    ("ok", tl.float32, 2, True, 4), ("ok", tl.bfloat16, 8, True, 8), ("unscaled", tl.float16, 3, True, 8),
+    ("ok", tl.float32, 12, False, 4),     # more rows than the gathers kept in flight: the loop as written
+    ("ok", tl.bfloat16, 12, False, 8),
+    ("col4", tl.bfloat16, 2, True, 4),    # 16-bit rows from a column offset of 4: 4-wide (8-byte) loads
 ])
-def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight):
+def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, vec):
     """The combine's body on the host, every thread of every tile: the gathers issued before any is
-    used (a short loop of constant bounds) or one by one, against numpy; rows < 0 read zero and
-    the store's rows past T are dropped."""
+    used (a short loop of constant bounds) or one by one, 4 or 8 columns a thread (8: 16-bit rows
+    whose column offsets are multiples of 8), against numpy; rows < 0 read zero, columns past the
+    gathered tensor's read zero and the store's rows past T are dropped."""
     from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT
     lw = lower_combine(_trace_combine(variant, ydt, topk))
     assert ("x_[j_]" in lw.source) == in_flight and (topk <= MAX_GATHERS_IN_FLIGHT) == in_flight
+    assert lw.vec == vec and f"loadv<{vec}>" in lw.source and f"storev<{vec}>" in lw.source
+    assert f"x {vec} columns" in lw.describe()
     rng = np.random.default_rng(topk)
     T, R, Kc = 300, 512, 256
     y = rng.standard_normal((R, Kc)).astype(np.float32)
@@ -381,6 +386,8 @@ def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight):
     wts = rng.standard_normal((T, topk)).astype(np.float32)
     out = np.full((T, Kc), np.nan, np.float32)
     _, got = _run_host(tmp_path, lw, dict(y=y, pos=pos, wts=wts, out=out), gemm=False)
+    if variant == "col4":                 # the gather reads columns c0 + 4 ..: the last 4 past y's end
+        y = np.concatenate([y[:, 4:], np.zeros((R, 4), np.float32)], axis=1)
     gathered = np.where(pos[:, None] >= 0, y[np.maximum(pos, 0)], 0).reshape(topk, T, Kc)
     scale = np.ones((T, topk), np.float32) if variant == "unscaled" else wts
     want = np.einsum("tk,ktn->tn", scale, gathered)
@@ -469,14 +476,17 @@ template <bool C = false, class T> auto ld2(const T* p, int i, int j, int n0, in
   return ((unsigned)i < (unsigned)n0 && (unsigned)j < (unsigned)n1) ? value_of(p[(long long)i * n1 + j])
                                                                     : decltype(value_of(T()))(0);
 }
-template <class T> inline void load4(const T* p, int row, int rows, int col, int cols, float (&x)[4]) {
-  for (int q = 0; q < 4; ++q)
+static int g_vec_loads[9] = {0};      // loads by width: the combine's 4- or 8-wide gathers
+template <int N, class T> inline void loadv(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
+  static_assert(N == 4 || (N == 8 && sizeof(T) == 2), "the device helper's widths");
+  ++g_vec_loads[N];
+  for (int q = 0; q < N; ++q)
     x[q] = ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
                ? value_of(p[(long long)row * cols + col + q]) : 0.f;
 }
-inline void store4(float* p, int row, int rows, int col, int cols, const float (&x)[4]) {
+template <int N> inline void storev(float* p, int row, int rows, int col, int cols, const float (&x)[N]) {
   if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
-    for (int q = 0; q < 4; ++q) p[(long long)row * cols + col + q] = x[q];
+    for (int q = 0; q < N; ++q) p[(long long)row * cols + col + q] = x[q];
 }
 }  // namespace grouped
 }  // namespace tldsl
@@ -855,8 +865,9 @@ def check_grouped_gemm_sass(ck, lw):
 def check_combine_sass(ck, lw):
     k = _check_common(ck, MAX_REGISTERS_COMBINE)
     assert k.count("HGMMA") == 0 and k.count("LDGSTS") == 0
-    # coherent gathers of y_sorted, 4 elements a thread: 16 bytes of f32, 8 of f16 / bf16
-    wide = "LDG.E.128" if lw.buffers["y_sorted"][1] == "f32" else "LDG.E.64"
+    # coherent gathers of y_sorted: 4 f32 (16 bytes) or 8 f16 / bf16 (16 bytes) a thread, or 4
+    # f16 / bf16 (8 bytes) where the columns do not allow 8
+    wide = "LDG.E.128" if lw.buffers["y_sorted"][1] == "f32" or lw.vec == 8 else "LDG.E.64"
     assert k.count(wide) > 0, sorted(k.opcodes)
     assert k.count(wide + ".CONSTANT") == 0                            # ... never through the .nc path
     assert k.count("STG.E.128") > 0

@@ -20,7 +20,8 @@ from ..match.per_row import depends_on
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook, \
     written_buffers
 
-#: threads per CTA; each owns 4 consecutive columns of a tile row at a time. A gather is bound by
+#: threads per CTA; each owns VEC (4 or 8, :func:`vector_width`) consecutive columns of a tile row
+#: at a time. A gather is bound by
 #: its loads' latency: the more threads a CTA has, the more loads are in flight on its SM (in a
 #: fused launch the combine gets few CTAs beside its GEMM and finishes the last tiles after it)
 COMBINE_THREADS = 1024      # (256 -> 512 -> 1024: BENCHMARKS.md, twenty-first session)
@@ -48,6 +49,7 @@ class CombinePlan:
     notifies: int
     wait_scopes: tuple[str, ...]
     options: tuple[str, ...]                # NVRTC options
+    vec: int = 4                            # consecutive columns per thread (vector_width)
 
     @property
     def src_param(self) -> str:
@@ -94,7 +96,23 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     return CombinePlan(kernel, part, m, sched, entry_name(kernel, part, entry),
                        int(getattr(part, "align_shift", 0)), grid, tuple(params), buffers, signals, tensors, written,
                        per_tile, per_row, scale, len(waits), sum(op.name in NOTIFY_OPS for op in walk),
-                       tuple(sorted({scope_of(op) for op in waits})), wait_timeout_options(wait_timeout_ns))
+                       tuple(sorted({scope_of(op) for op in waits})), wait_timeout_options(wait_timeout_ns),
+                       vector_width(m))
+
+
+def vector_width(m: CombineMatch) -> int:
+    """Columns per thread: 8 where the gathered rows are 16-bit and every column count and
+    offset is a multiple of 8 (one 16-byte load per gathered row, half the load instructions of
+    4-wide 8-byte ones), else 4."""
+    if m.src.type.dtype.name not in ("f16", "bf16") or m.BNf % 8:
+        return 4
+    if m.src.type.shape[1] % 8 or m.dst.type.shape[1] % 8:
+        return 4
+    for off in (m.gather.operands[2], m.store.operands[2]):
+        f = aff.affine(off)
+        if f is None or any(c % 8 for c in f.values()):
+            return 4
+    return 8
 
 
 def _check(m: CombineMatch) -> None:

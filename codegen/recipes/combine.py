@@ -13,8 +13,9 @@ Recognised shape (``moe_reduce_scatter.combine`` of :mod:`tldsl.ops.moe`)::
         tl.store(out, (row0, col0), acc)
         <scalar code, loops and notifies>
 
-No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 consecutive columns of a
-tile row (vector loads and stores, fp32 math), tiles visited persistently in the schedule's
+No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 or 8 consecutive columns of
+a tile row (vector loads and stores, fp32 math; 8 — 16-byte loads — where the gathered rows are
+16-bit and the columns allow: :func:`..plan.combine.vector_width`), tiles visited persistently in the schedule's
 order (with the part's ``align_shift``). The generated ``Prog`` (:mod:`.prog_hooks`) holds
 the waits (one thread spins, then the CTA meets), the body (the per-row index and scale
 expressions, element by element) and the notifies (the CTA meets, then one thread releases).
@@ -68,6 +69,7 @@ class LoweredCombine(LoweredKernel):
     wait_scopes: tuple[str, ...]
     options: tuple[str, ...] = ()
     tma: tuple = ()
+    vec: int = 4                    # consecutive columns per thread
 
     kind = "combine"
 
@@ -90,7 +92,7 @@ class LoweredCombine(LoweredKernel):
     def describe(self) -> str:
         return "\n".join([
             f"{self.entry}: {self.kernel_name}.{self.part}  row-gather combine, tile {self.tile[0]}x{self.tile[1]}, "
-            f"{self.threads} threads, order {self.order}",
+            f"{self.threads} threads x {self.vec} columns, order {self.order}",
             f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; {self.waits} wait(s), "
             f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
             "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)])
@@ -108,7 +110,7 @@ def render_combine(plan: CombinePlan) -> LoweredCombine:
                           {s.name: s.type.slots for s in plan.signals},
                           tuple(b.name for b in plan.tensors if b.type.dtype.name == "i32"), plan.grid_tiles,
                           plan.kernel.world_size, plan.align_shift, sched.order, plan.waits, plan.notifies,
-                          plan.wait_scopes, plan.options)
+                          plan.wait_scopes, plan.options, vec=plan.vec)
 
 
 #: gathers kept in flight per item: a loop over at most this many rows (constant bounds) is
@@ -117,8 +119,8 @@ MAX_GATHERS_IN_FLIGHT = 8
 
 
 def _body(plan: CombinePlan) -> list[str]:
-    """``body()``: every thread owns 4 consecutive columns of one tile row at a time; per row,
-    the loop gathers (and scales) the rows and sums them, then stores the 4 columns. With a
+    """``body()``: every thread owns ``vec`` consecutive columns of one tile row at a time; per
+    row, the loop gathers (and scales) the rows and sums them, then stores the columns. With a
     short loop of constant bounds every gather of an item is issued before the first is used:
     the combine is bound by the gathers' latency, not by bandwidth, when each waits for the last."""
     m = plan.match
@@ -128,19 +130,20 @@ def _body(plan: CombinePlan) -> list[str]:
     o0, o1 = em.name(m.store.operands[1]), em.name(m.store.operands[2])
     lo, hi, st = (em.name(v) for v in m.loop.operands)
     fill = c_literal(float(m.frag.attrs.get("value", 0.0)))
-    V = m.BNf // 4
+    n = plan.vec
+    V = m.BNf // n
     src, dst = m.src.type.shape, m.dst.type.shape
     trips = _constant_trips(lo, hi, st)
     L.append(f"    for (int item = tid; item < {m.BMf * V}; item += {COMBINE_THREADS}) {{")
     with em.scope():
         L += [f"      const int r = item / {V};",
-              f"      const int cv = (item - r * {V}) * 4;",
-              f"      float acc[4] = {{{fill}, {fill}, {fill}, {fill}}};"]
+              f"      const int cv = (item - r * {V}) * {n};",
+              f"      float acc[{n}] = {{{', '.join([fill] * n)}}};"]
         if trips is not None and 0 < trips <= MAX_GATHERS_IN_FLIGHT:
             L += _body_in_flight(plan, em, trips, lo, st, src)
         else:
             L += _body_one_by_one(plan, em, lo, hi, st, src)
-    L += [f"      tldsl::grouped::store4({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc);"
+    L += [f"      tldsl::grouped::storev<{n}>({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc);"
           f"{marker(m.store.loc)}",
           "    }"]
     return L
@@ -164,14 +167,14 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
         em.row = "r"
         em.emit_values(plan.per_row, em.ops, "        ", L)    # per gathered row: its id (and column)
         row, col = em.name(m.rows), em.name(m.gather.operands[2])
-        L += ["        float x[4];",
-              f"        tldsl::grouped::load4({plan.src_param}, {row}, {src[0]}, {col} + cv, {src[1]}, x);"
+        L += [f"        float x[{plan.vec}];",
+              f"        tldsl::grouped::loadv<{plan.vec}>({plan.src_param}, {row}, {src[0]}, {col} + cv, {src[1]}, x);"
               f"{marker(m.gather.loc)}"]
         if m.scale is not None:
             em.emit_values(plan.scale, em.ops, "        ", L)
             L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
         L += ["        #pragma unroll",
-              f"        for (int q = 0; q < 4; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
+              f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
     L.append("      }")
     return L
 
@@ -181,7 +184,7 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
     gathers (all issued before any is used), then the sums in the loop's order."""
     m, L = plan.match, []
     scaled = m.scale is not None
-    L += [f"      int rows_[{n}], cols_[{n}];", f"      float w_[{n}], x_[{n}][4];",
+    L += [f"      int rows_[{n}], cols_[{n}];", f"      float w_[{n}], x_[{n}][{plan.vec}];",
           "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
     with em.scope():
         k = em.define(m.loop.regions[0].args[0])
@@ -193,10 +196,11 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
             em.emit_values(plan.scale, em.ops, "        ", L)
             L.append(f"        w_[j_] = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
     L += ["      }", "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)",
-          f"        tldsl::grouped::load4({plan.src_param}, rows_[j_], {src[0]}, cols_[j_] + cv, {src[1]}, x_[j_]);"
+          f"        tldsl::grouped::loadv<{plan.vec}>({plan.src_param}, rows_[j_], {src[0]}, cols_[j_] + cv, {src[1]}, "
+          f"x_[j_]);"
           f"{marker(m.gather.loc)}",
           "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)", "        #pragma unroll",
-          f"        for (int q = 0; q < 4; ++q) acc[q] += x_[j_][q]{' * w_[j_]' if scaled else ''};"]
+          f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] += x_[j_][q]{' * w_[j_]' if scaled else ''};"]
     if not scaled:
         L.insert(2, "      (void)w_;")
     return L
@@ -224,9 +228,10 @@ def _source(plan: CombinePlan, fns: list[str]) -> str:
         f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {sched.group_m}, "
         f"kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
         "};",
-        "// The host launches kThreads threads per CTA; the generated body strides over BM x BN/4 items by it.",
-        f"static_assert(Cfg::kThreads == {COMBINE_THREADS} && Cfg::BN % 4 == 0 && Cfg::BM * (Cfg::BN / 4) == "
-        f"{m.BMf * (m.BNf // 4)}, \"host/device combine mapping mismatch\");",
+        f"// The host launches kThreads threads per CTA; the generated body strides over BM x BN/{plan.vec} items "
+        "by it.",
+        f"static_assert(Cfg::kThreads == {COMBINE_THREADS} && Cfg::BN % {plan.vec} == 0 && Cfg::BM * (Cfg::BN / "
+        f"{plan.vec}) == {m.BMf * (m.BNf // plan.vec)}, \"host/device combine mapping mismatch\");",
         "",
         "struct Prog {",
         f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",

@@ -48,7 +48,7 @@
 // 2. combine_kernel — a plain (non-tensor-core) kernel for
 //      acc = fill; for k in loop: acc += gather_rows(Y, rows(k), col) * scale(k)
 //      store(OUT, (row0, col0), acc); notifies
-//    Each thread owns 4 consecutive columns of a tile row (vector loads/stores, fp32 math);
+//    Each thread owns 4 or 8 consecutive columns of a tile row (vector loads/stores, fp32 math);
 //    the generated Prog::body() holds the per-row index and scale expressions. Waits: one
 //    thread spins, then __syncthreads(); notifies: __syncthreads(), then one thread releases.
 #pragma once
@@ -211,6 +211,75 @@ __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* __restrict_
     v.x = *reinterpret_cast<uint32_t*>(&a);
     v.y = *reinterpret_cast<uint32_t*>(&b);
     *reinterpret_cast<uint2*>(p + (long long)row * cols + col) = v;
+  }
+}
+
+// 8 consecutive 16-bit elements as fp32 (one coherent 16-byte load), or 4 (load4), by N:
+// the combine's width (8 where the gathered rows are 16-bit and every column offset a multiple of 8).
+__device__ __forceinline__ uint4 ld_coherent_v4b32(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 pair_to_float2(uint32_t w, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 pair_to_float2(uint32_t w, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+__device__ __forceinline__ uint32_t float2_to_pair(float a, float b, __half) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t float2_to_pair(float a, float b, __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <int N, class T>
+__device__ __forceinline__ void loadv(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
+  if constexpr (N == 4) {
+    load4<T>(p, row, rows, col, cols, x);
+  } else {
+    static_assert(N == 8 && sizeof(T) == 2, "8-wide gathers are 16-byte loads of 16-bit elements");
+    if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
+      const uint4 v = ld_coherent_v4b32(p + (long long)row * cols + col);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = pair_to_float2(w[q], T());
+        x[2 * q] = f.x;
+        x[2 * q + 1] = f.y;
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) x[q] = 0.0f;
+    }
+  }
+}
+
+// Store N (4 or 8) fp32 values to row `row`, columns [col, col + N), converted; out of bounds: dropped.
+template <int N, class T>
+__device__ __forceinline__ void storev(T* __restrict__ p, int row, int rows, int col, int cols, const float (&x)[N]) {
+  if constexpr (N == 4) {
+    store4<T>(p, row, rows, col, cols, x);
+  } else {
+    static_assert(N == 8, "the combine stores 4 or 8 columns a thread");
+    if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
+      if constexpr (sizeof(T) == 4) {
+        float4* q = reinterpret_cast<float4*>(p + (long long)row * cols + col);
+        q[0] = make_float4(x[0], x[1], x[2], x[3]);
+        q[1] = make_float4(x[4], x[5], x[6], x[7]);
+      } else {
+        uint4 v;
+        v.x = float2_to_pair(x[0], x[1], T());
+        v.y = float2_to_pair(x[2], x[3], T());
+        v.z = float2_to_pair(x[4], x[5], T());
+        v.w = float2_to_pair(x[6], x[7], T());
+        *reinterpret_cast<uint4*>(p + (long long)row * cols + col) = v;
+      }
+    }
   }
 }
 

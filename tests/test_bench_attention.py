@@ -36,17 +36,45 @@ def test_bad_arguments_are_refused_by_the_parser(args, says, capsys):
     assert says in capsys.readouterr().err
 
 
-def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm():
+def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     """``python -m tldsl.bench moe``'s rows lower (no GPU needed to lower): one rank's slice of
-    layer 0 on every token, the routing's padded rows as the kernel's output rows."""
+    layer 0 on every token, the routing's padded rows as the kernel's output rows; a wide slice
+    (Mixtral's) stages its routed rows by default — a row gather (the combine recipe), then the grouped
+    GEMM reading them by TMA — a narrow one (Qwen3's) gathers them in the GEMM; ``--stage-rows``
+    forces either, and the staged pair compiles for sm_90a."""
     from tldsl.bench import moe
+    from tldsl.codegen import toolchain as tcm
+    from tldsl.codegen.toolchain.cache import KernelCache
+    from tldsl.codegen.toolchain.compiler import compile_many
     args = moe.parse_args(["--rows", "qwen3:2048:zipf,mixtral:2048:one"])
+    assert args.stage_rows == "auto"
+    staged = {}
     for row in args.row_list:
-        ids, rt, lowered = moe.lowered_row(row, args.tile_t, args.stages, cluster=args.cluster)
-        assert type(lowered).__name__ == "LoweredGroupedGemm" and rt.num_rows % args.tile_t[0] == 0
+        ids, rt, ir, lowered = moe.lowered_row(row, args.tile_t, args.stages, cluster=args.cluster)
+        staged[row.model] = list(lowered)
+        gemm = lowered["grouped_gemm"]
+        assert type(gemm).__name__ == "LoweredGroupedGemm" and rt.num_rows % args.tile_t[0] == 0
         assert ids.shape == (row.tokens, moe.MOE_MODELS[row.model][3])
-        assert lowered.cluster_dims == (args.cluster, 1, 1)
+        assert gemm.cluster_dims == (args.cluster, 1, 1)
+        tma = {t.buffer for t in gemm.tma}
+        assert ("x_sorted" in tma) == ("gather_rows" in lowered)       # staged rows: A by TMA
+    assert staged == {"qwen3": ["grouped_gemm"], "mixtral": ["gather_rows", "grouped_gemm"]}
+    row = args.row_list[0]
+    assert list(moe.lowered_row(row, args.tile_t, args.stages, stage_rows="on")[3]) == ["gather_rows", "grouped_gemm"]
+    assert list(moe.lowered_row(args.row_list[1], args.tile_t, args.stages, stage_rows="off")[3]) == ["grouped_gemm"]
+    jobs = [lk.job() for lk in moe.lowered_row(row, args.tile_t, args.stages, stage_rows="on")[3].values()]
     assert moe.parse_args(["--cluster", "1"]).cluster == 1
+    for bad in (["--stage-rows", "maybe"],):
+        with pytest.raises(SystemExit):
+            moe.parse_args(bad)
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    compiled = compile_many(jobs, cache=KernelCache(tmp_path), progress=False)
+    assert len(compiled) == 2
+    for ck in compiled:                     # (the row gather: four items a thread in flight, in 64 registers)
+        info = ck.ptxas_info()[ck.name]
+        assert info["spill_store_bytes"] == info["spill_load_bytes"] == 0, (ck.name, info)
     rows = moe.parse_args([]).row_list                                   # the issue's rows by default
     assert [(r.model, r.tokens, r.routing) for r in rows] == [tuple(r) for r in moe.MOE_ROWS]
     for bad in (["--tile", "128,128"], ["--cluster", "3"]):

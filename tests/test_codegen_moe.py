@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -353,27 +354,37 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
         tl.store(out, (m0, c0), acc)
 
 
-def _trace_combine(variant, ydt=tl.float32, topk=2):
+def _trace_combine(variant, ydt=tl.float32, topk=2, tile=(64, 64, 16)):
     specs = (S((512, 256), ydt), S((topk * 300,), tl.int32), S((300, topk), tl.float32), S((300, 256), tl.float32))
-    return combine_like.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16)), variant=variant),
+    return combine_like.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=tile), variant=variant),
                                       channels=False)
 
 
 @needs_gxx
-@pytest.mark.parametrize("variant,ydt,topk,in_flight,vec", [
-    ("ok", tl.float32, 2, True, 4), ("ok", tl.bfloat16, 8, True, 8), ("unscaled", tl.float16, 3, True, 8),
-    ("ok", tl.float32, 12, False, 4),     # more rows than the gathers kept in flight: the loop as written
-    ("ok", tl.bfloat16, 12, False, 8),
-    ("col4", tl.bfloat16, 2, True, 4),    # 16-bit rows from a column offset of 4: 4-wide (8-byte) loads
+@pytest.mark.parametrize("variant,ydt,topk,in_flight,vec,tile,items", [
+    ("ok", tl.float32, 2, True, 4, (64, 64, 16), 1), ("ok", tl.bfloat16, 8, True, 8, (64, 64, 16), 1),
+    ("unscaled", tl.float16, 3, True, 8, (64, 64, 16), 1),
+    ("ok", tl.float32, 12, False, 4, (64, 64, 16), 1),   # more rows than the gathers kept in flight: as written
+    ("ok", tl.bfloat16, 12, False, 8, (64, 64, 16), 1),
+    ("col4", tl.bfloat16, 2, True, 4, (64, 64, 16), 1),  # 16-bit rows from a column offset of 4: 4-wide loads
+    # 128x256 tiles: 4 items a thread (8 of 4 columns), gathered together as far as 8 gathers and
+    # 40 values in flight allow
+    ("unscaled", tl.bfloat16, 1, True, 8, (128, 256, 16), 4), ("ok", tl.float32, 1, True, 4, (128, 256, 16), 8),
+    ("ok", tl.float32, 2, True, 4, (128, 256, 16), 2), ("ok", tl.bfloat16, 2, True, 8, (128, 256, 16), 1),
+    ("ok", tl.bfloat16, 12, False, 8, (128, 256, 16), 1),
 ])
-def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, vec):
-    """The combine's body on the host, every thread of every tile: the gathers issued before any is
-    used (a short loop of constant bounds) or one by one, 4 or 8 columns a thread (8: 16-bit rows
-    whose column offsets are multiples of 8), against numpy; rows < 0 read zero, columns past the
-    gathered tensor's read zero and the store's rows past T are dropped."""
-    from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT
-    lw = lower_combine(_trace_combine(variant, ydt, topk))
-    assert ("x_[j_]" in lw.source) == in_flight and (topk <= MAX_GATHERS_IN_FLIGHT) == in_flight
+def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, vec, tile, items):
+    """The combine's body on the host, every thread of every tile: the gathers of one item or of
+    several issued before any is used (a short loop of constant bounds) or one by one, 4 or 8
+    columns a thread (8: 16-bit rows whose column offsets are multiples of 8), against numpy; rows
+    < 0 read zero, columns past the gathered tensor's read zero and the store's rows past T are
+    dropped."""
+    from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT, items_at_once
+    lw = lower_combine(_trace_combine(variant, ydt, topk, tile))
+    assert ("x_[g_][j_]" in lw.source) == in_flight and (topk <= MAX_GATHERS_IN_FLIGHT) == in_flight
+    assert f"float acc_[{items}][{vec}]" in lw.source and (items == 1 or items * topk <= MAX_GATHERS_IN_FLIGHT)
+    assert items_at_once(SimpleNamespace(match=SimpleNamespace(BMf=tile[0], BNf=tile[1]), vec=vec),
+                         topk if in_flight else None) == items
     assert lw.vec == vec and f"loadv<{vec}>" in lw.source and f"storev<{vec}>" in lw.source
     assert f"x {vec} columns" in lw.describe()
     rng = np.random.default_rng(topk)

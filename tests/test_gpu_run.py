@@ -131,8 +131,8 @@ def test_gemm_reduce_scatter_at_two_ranks():
     both(k, 2, inputs, sums=True)
 
 
-@pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "moe_reduce_scatter", "ring_exchange",
-                                  "normed_gather"])
+@pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "allgather_moe_staged", "moe_reduce_scatter",
+                                  "ring_exchange", "normed_gather"])
 def test_library_ops_and_general_programs_at_several_ranks(name):
     """Attention, the MoE grouped GEMM and combine, compute parts of the general recipe moving
     data through peer tables, a communication part of the general recipe."""

@@ -42,22 +42,32 @@ def default_gather():
     return DEFAULT_AG_COMM
 
 
-def _layers(monkeypatch, W, comm_ag, comm_rs, seed=0):
+def _layers(monkeypatch, W, comm_ag, comm_rs, seed=0, stage_rows=None):
     g = Group(monkeypatch, W, seed)
     x = tl.TensorSpec((MS, K), tl.float16)
     ag = g.build(lambda r, dev: AllGatherMoE(x, tl.TensorSpec((E, K, NR), tl.float16), TOPK, compute=C32,
-                                             comm=comm_ag, router=HostRouter(W, 32), device=dev, timeout_s=2.0))
+                                             comm=comm_ag, router=HostRouter(W, 32), device=dev, timeout_s=2.0,
+                                             stage_rows=stage_rows))
     rs = g.build(lambda r, dev: MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, compute=C32,
                                                  comm=comm_rs, router=HostRouter(W, 32), device=dev, timeout_s=2.0))
     return g, ag, rs
 
 
-@pytest.mark.parametrize("gather", ["sm", "copy_engine"])      # the latter: AllGatherMoE's default
+@pytest.mark.parametrize("gather", ["sm", "copy_engine", "copy_engine/staged"])   # copy_engine: AllGatherMoE's default
 @pytest.mark.parametrize("W", [1, 2, 3])
 def test_a_moe_layer_on_two_fused_ops_agrees_with_numpy(monkeypatch, W, gather):
+    """(``/staged``: the routed rows gathered by a compute part of their own, the grouped GEMM
+    chained after it on its stream.)"""
     rng = np.random.default_rng(W)
     comm_ag = tl.CommSchedule(tile_m=16, mode="pull") if gather == "sm" else default_gather()
-    g, ag, rs = _layers(monkeypatch, W, comm_ag, tl.CommSchedule(tile_m=16, mode="push"))
+    staged = gather.endswith("/staged")
+    g, ag, rs = _layers(monkeypatch, W, comm_ag, tl.CommSchedule(tile_m=16, mode="push"), stage_rows=staged)
+    assert ag[0].stage_rows is staged and [p.name for p in ag[0].kernel.parts if p.role == "compute"] == \
+        (["gather_rows", "grouped_gemm"] if staged else ["grouped_gemm"])
+    if staged:
+        planned = {k.part: k for k in ag[0].plan.kernels}
+        assert planned["grouped_gemm"].after == "gather_rows"
+        assert planned["grouped_gemm"].stream == planned["gather_rows"].stream
     xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
     w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
     w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]

@@ -382,6 +382,10 @@ def library_case(name: str):
         c = make_allgather_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
                                 comm=tl.CommSchedule(tile_m=16, mode="pull"))
         return allgather_moe, 2, c.inputs, c.kwargs
+    if name == "allgather_moe_staged":        # the rows gathered in two column chunks (128 + 72)
+        c = make_allgather_case(rng, 2, rows_per_rank=40, k=200, n=48, num_experts=5, topk=2, compute=c64,
+                                comm=tl.CommSchedule(tile_m=16, mode="pull"), stage_rows=True)
+        return allgather_moe, 2, c.inputs, c.kwargs
     if name == "moe_reduce_scatter":
         c = make_reduce_scatter_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
                                      comm=tl.CommSchedule(tile_m=16, mode="push"))
@@ -396,6 +400,7 @@ def library_case(name: str):
 
 
 LIBRARY = {"sp_attention": ["LoweredComm", "LoweredAttention"], "allgather_moe": ["LoweredComm", "LoweredGroupedGemm"],
+           "allgather_moe_staged": ["LoweredComm", "LoweredCombine", "LoweredGroupedGemm"],
            "moe_reduce_scatter": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"]}
 

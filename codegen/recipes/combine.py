@@ -113,16 +113,40 @@ def render_combine(plan: CombinePlan) -> LoweredCombine:
                           plan.wait_scopes, plan.options, vec=plan.vec)
 
 
-#: gathers kept in flight per item: a loop over at most this many rows (constant bounds) is
-#: unrolled into three passes — every row's index and scale, every row's load, the sums
+#: gathers kept in flight per thread: a loop over at most this many rows (constant bounds) is
+#: unrolled into three passes — every row's index and scale, every row's load, the sums — over
+#: as many of the thread's items at once as fit (a loop of one row, a plain row gather: four
+#: items of a 128-row tile; the top-8 combine: one)
 MAX_GATHERS_IN_FLIGHT = 8
+#: the values a thread may hold for the items it gathers together: at 1024 threads a CTA, 64
+#: registers a thread (an item of a one-row loop: its ``vec`` values, the gather folding into the
+#: sum; of a longer loop: ``vec`` per row and the sum). Four items of one 8-wide row: 57 registers,
+#: no spills; two items of a top-2 combine spilled 116 bytes
+MAX_VALUES_IN_FLIGHT = 40
+
+
+def items_at_once(plan: CombinePlan, trips: int | None) -> int:
+    """Items a thread gathers together: its items per tile (a whole number of strides), as many
+    as keep ``trips`` gathers each within :data:`MAX_GATHERS_IN_FLIGHT` and their values within
+    :data:`MAX_VALUES_IN_FLIGHT`; 1 for a loop whose bounds are not constant or too long."""
+    m = plan.match
+    total = m.BMf * (m.BNf // plan.vec)
+    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total % COMBINE_THREADS:
+        return 1
+    per_thread = total // COMBINE_THREADS
+    values = plan.vec * (trips + (1 if trips > 1 else 0))
+    g = max(1, min(per_thread, MAX_GATHERS_IN_FLIGHT // trips, MAX_VALUES_IN_FLIGHT // values))
+    while per_thread % g:
+        g -= 1
+    return g
 
 
 def _body(plan: CombinePlan) -> list[str]:
-    """``body()``: every thread owns ``vec`` consecutive columns of one tile row at a time; per
-    row, the loop gathers (and scales) the rows and sums them, then stores the columns. With a
-    short loop of constant bounds every gather of an item is issued before the first is used:
-    the combine is bound by the gathers' latency, not by bandwidth, when each waits for the last."""
+    """``body()``: every thread owns ``vec`` consecutive columns of one tile row at a time (an
+    item); per item, the loop gathers (and scales) the rows and sums them, then stores the columns.
+    With a short loop of constant bounds every gather of ``items_at_once`` items is issued before
+    the first is used: the combine is bound by the gathers' latency, not by bandwidth, when each
+    waits for the last."""
     m = plan.match
     em = HookEmitter(plan, WHAT, rows=m.BMf)
     L: list[str] = []
@@ -134,17 +158,26 @@ def _body(plan: CombinePlan) -> list[str]:
     V = m.BNf // n
     src, dst = m.src.type.shape, m.dst.type.shape
     trips = _constant_trips(lo, hi, st)
-    L.append(f"    for (int item = tid; item < {m.BMf * V}; item += {COMBINE_THREADS}) {{")
+    G = items_at_once(plan, trips)
+    in_flight = trips is not None and 0 < trips <= MAX_GATHERS_IN_FLIGHT
+    L.append(f"    for (int item0 = tid; item0 < {m.BMf * V}; item0 += {COMBINE_THREADS * G}) {{")
     with em.scope():
-        L += [f"      const int r = item / {V};",
-              f"      const int cv = (item - r * {V}) * {n};",
-              f"      float acc[{n}] = {{{', '.join([fill] * n)}}};"]
-        if trips is not None and 0 < trips <= MAX_GATHERS_IN_FLIGHT:
-            L += _body_in_flight(plan, em, trips, lo, st, src)
+        L += [f"      float acc_[{G}][{n}];",
+              "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_)", "        #pragma unroll",
+              f"        for (int q = 0; q < {n}; ++q) acc_[g_][q] = {fill};"]
+        if in_flight:
+            L += _body_in_flight(plan, em, trips, lo, st, src, G, V)
         else:
+            L += ["      {", "      const int item = item0;", f"      const int r = item / {V};",
+                  f"      const int cv = (item - r * {V}) * {n};", "      float (&acc)[" + str(n) + "] = acc_[0];"]
             L += _body_one_by_one(plan, em, lo, hi, st, src)
-    L += [f"      tldsl::grouped::storev<{n}>({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc);"
+            L.append("      }")
+    L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
+          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          f"        const int cv = (item - r * {V}) * {n};",
+          f"        tldsl::grouped::storev<{n}>({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc_[g_]);"
           f"{marker(m.store.loc)}",
+          "      }",
           "    }"]
     return L
 
@@ -179,30 +212,39 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
     return L
 
 
-def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str, src) -> list[str]:
-    """The loop's ``n`` rows in three unrolled passes: indices and scales (table reads), the
-    gathers (all issued before any is used), then the sums in the loop's order."""
+def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str, src, G: int, V: int) -> list[str]:
+    """The loop's ``n`` rows of ``G`` items in three unrolled passes: indices and scales (table
+    reads), the gathers (all issued before any is used), then the sums in the loop's order."""
     m, L = plan.match, []
     scaled = m.scale is not None
-    L += [f"      int rows_[{n}], cols_[{n}];", f"      float w_[{n}], x_[{n}][{plan.vec}];",
-          "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
+    vec = plan.vec
+    L += [f"      int rows_[{G}][{n}], cols_[{G}][{n}];", f"      float w_[{G}][{n}], x_[{G}][{n}][{vec}];"]
+    if not scaled:
+        L.append("      (void)w_;")
+    L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
+          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          "        (void)r;",
+          "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
     with em.scope():
         k = em.define(m.loop.regions[0].args[0])
-        L.append(f"        const int {k} = {lo} + j_ * {st};")
+        L.append(f"          const int {k} = {lo} + j_ * {st};")
         em.row = "r"
-        em.emit_values(plan.per_row, em.ops, "        ", L)
-        L += [f"        rows_[j_] = {em.name(m.rows)};", f"        cols_[j_] = {em.name(m.gather.operands[2])};"]
+        em.emit_values(plan.per_row, em.ops, "          ", L)
+        L += [f"          rows_[g_][j_] = {em.name(m.rows)};", f"          cols_[g_][j_] = {em.name(m.gather.operands[2])};"]
         if scaled:
-            em.emit_values(plan.scale, em.ops, "        ", L)
-            L.append(f"        w_[j_] = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
-    L += ["      }", "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)",
-          f"        tldsl::grouped::loadv<{plan.vec}>({plan.src_param}, rows_[j_], {src[0]}, cols_[j_] + cv, {src[1]}, "
-          f"x_[j_]);"
-          f"{marker(m.gather.loc)}",
-          "      #pragma unroll", f"      for (int j_ = 0; j_ < {n}; ++j_)", "        #pragma unroll",
-          f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] += x_[j_][q]{' * w_[j_]' if scaled else ''};"]
-    if not scaled:
-        L.insert(2, "      (void)w_;")
+            em.emit_values(plan.scale, em.ops, "          ", L)
+            L.append(f"          w_[g_][j_] = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
+    L += ["        }", "      }",
+          "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
+          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          f"        const int cv = (item - r * {V}) * {vec};",
+          "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)",
+          f"          tldsl::grouped::loadv<{vec}>({plan.src_param}, rows_[g_][j_], {src[0]}, cols_[g_][j_] + cv, "
+          f"{src[1]}, x_[g_][j_]);{marker(m.gather.loc)}",
+          "      }",
+          "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_)",
+          "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)", "          #pragma unroll",
+          f"          for (int q = 0; q < {vec}; ++q) acc_[g_][q] += x_[g_][j_][q]{' * w_[g_][j_]' if scaled else ''};"]
     return L
 
 

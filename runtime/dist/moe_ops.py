@@ -29,7 +29,7 @@ import numbers
 import tldsl as tl
 
 from ...errors import InputError
-from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter
+from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
 from .program_op import FusedProgram
 
@@ -178,13 +178,15 @@ class AllGatherMoE(_Routed, FusedProgram):
     experts per token. Calling ``op(x, topk_ids, w1)`` (``topk_ids [W*Ms, topk]`` from the
     caller's router, the same on every rank) returns ``(h, tables)``: ``h [R_pad, Nr]`` in
     expert-sorted order, and the routing tables for :class:`MoEReduceScatter`. Schedules not given:
-    :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather). A layer that
+    :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather). ``stage_rows``:
+    gather the routed rows in a pass of their own before the grouped GEMM (True) or inside it
+    (False); None: as :func:`~tldsl.ops.moe.stage_rows_pays` says for the shape. A layer that
     writes its output (the next call's shard) into ``op.symmetric_buffer("x")`` and passes that
     as ``x`` saves the copy of the shard into the op's buffer every call (64 MB at 8192 tokens of
     4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`)."""
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
-                 validate_ids: bool = True, **program_kw):
+                 validate_ids: bool = True, stage_rows: bool | None = None, **program_kw):
         (Ms, K), dt = _shape_dtype("x", x)
         w_shape, wdt = _shape_dtype("w1", w1)
         if len(w_shape) != 3 or w_shape[1] != K:
@@ -198,7 +200,13 @@ class AllGatherMoE(_Routed, FusedProgram):
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
-        FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, **program_kw)
+        if stage_rows is None:
+            stage_rows = stage_rows_pays(K, Nr)
+        elif not isinstance(stage_rows, bool):
+            raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
+        self.stage_rows = stage_rows
+        FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, stage_rows=stage_rows,
+                              **program_kw)
 
     def __call__(self, x, topk_ids, w1, h=None):
         import torch

@@ -1,14 +1,16 @@
 """The MoE grouped GEMMs beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
-                              [--stages 4] [--cluster 2] [--iters 10]
+                              [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--iters 10]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
 One row per (model, tokens across TP = 2 ranks, routing): this GPU computes one rank's slice of
 layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token, its waits
 already satisfied — the kernel alone, as it runs once the all-gather has delivered every token.
-It gathers its rows itself (``sorted_token_ids``), so it is compared with ``torch._grouped_mm``
+It gathers its rows itself (``sorted_token_ids``) — inside the grouped GEMM, or, where the slice
+is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_pays`), in a pass of
+their own before the GEMM reads them by TMA (the two kernels then also timed one by one) — so it is compared with ``torch._grouped_mm``
 on the same expert-sorted rows already gathered (the kernel alone) and with torch's whole
 sequence (the row gather ``index_select`` + ``_grouped_mm``). Each row is checked against
 ``_grouped_mm`` first; TFLOP/s count the routed rows only (not our padding to whole tiles).
@@ -38,11 +40,26 @@ from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, rando
 TP = 2
 
 
-def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2):
-    """``(topk_ids, host routing, lowered grouped GEMM)`` of one row (one rank's slice, W = 1:
-    the kernel reads every token from ``x_gathered``)."""
+#: ``--stage-rows`` choices: ``auto`` asks :func:`tldsl.ops.moe.stage_rows_pays` (what
+#: AllGatherMoE does), ``on`` / ``off`` force the routed rows' gather into a pass of its own / into
+#: the grouped GEMM
+STAGE_ROWS = ("auto", "on", "off")
+
+
+def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
+    """Whether the row's AllGather+MoE program gathers its routed rows in a pass of their own."""
+    from tldsl.ops.moe import stage_rows_pays
+    hidden, ffn, _, _ = MOE_MODELS[row.model]
+    return stage_rows_pays(hidden, 2 * ffn // TP) if stage_rows == "auto" else stage_rows == "on"
+
+
+def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
+                stage_rows: str = "auto"):
+    """``(topk_ids, host routing, traced program, {part: lowered kernel})`` of one row (one rank's
+    slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
+    row gather where the rows are staged (``gather_rows``)."""
     import tldsl as tl
-    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.codegen import lower
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
@@ -51,8 +68,34 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
                                                           cluster=(cluster, 1)),
-                               comm=tl.CommSchedule(tile_m=128, mode="pull"))
-    return ids, rt, lower_grouped_gemm(k, "grouped_gemm")
+                               comm=tl.CommSchedule(tile_m=128, mode="pull"),
+                               stage_rows=stage_rows_for(row, stage_rows))
+    parts = [p.name for p in k.parts if p.role == "compute"]
+    return ids, rt, k, {p: lower(k, p) for p in parts}
+
+
+def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
+    """``{part: PreparedLaunch}`` of lowered parts of ``ir`` at W = 1, every parameter bound by
+    the runtime's one binder table (:func:`tldsl.runtime.gpu.bind.bind`) to ``tensors`` (by IR
+    name, CUDA torch tensors) and ``signals`` (int64 counters by name): launched as the fused-op
+    runtime launches them, each launch one driver call."""
+    from tldsl.runtime.gpu.bind import DeviceMemory, array_dtype, bind, pack
+    from tldsl.runtime.gpu.cuda_device import CudaDevice
+    from tldsl.runtime.gpu.launch import PreparedLaunch
+    from tldsl.runtime.gpu.plan_exec import DeviceArray
+    from tldsl.runtime.gpu.run_program import scratch_allocator
+    dev = CudaDevice()
+    bufs = {b.name: DeviceArray(tensors[b.name].data_ptr(), tuple(b.type.shape), array_dtype(b.type.dtype),
+                                owner=tensors[b.name]) for b in ir.buffers if b.name in tensors}
+    sigs = {n: DeviceArray(t.data_ptr(), tuple(t.shape), "i64", owner=t) for n, t in signals.items()}
+    mem = DeviceMemory(1, [bufs], [sigs], dev.upload, dev.encode_tma, allocate=scratch_allocator(dev.torch_device))
+    loaded = dev.load({lk.entry: lk for lk in lowered.values()})
+    out = {}
+    for part, lk in lowered.items():
+        grid = lk.grid(dev.sm_count)
+        args, slot = pack(bind(lk, 0, mem, ctas=grid[0]))
+        out[part] = PreparedLaunch(loaded[lk.entry], grid, lk.block, args, slot, lk.cluster_dims)
+    return out
 
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2):
@@ -141,17 +184,17 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-              cluster: int = 2) -> dict:
-    """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err}``."""
+              cluster: int = 2, stage_rows: str = "auto") -> dict:
+    """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
+    (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
+    where the rows are staged, which ``parts_ms`` then times one by one)."""
     import numpy as np
     import torch
-    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    ids, rt, lowered = lowered_row(row, tile, stages, dtype, cluster)
+    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows)
     tabs = rt.allgather_tables()
-    kern = GroupedKernel(lowered)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E)
     x = torch.randn(T, K, device="cuda", generator=g).to(tdt)
@@ -159,15 +202,37 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     h = torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt)
     bufs = {"x_gathered": x, "w1": w, "h": h,
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()}}
-    flags = {s: torch.ones(lowered.signal_slots[s], device="cuda", dtype=torch.int64) for s in lowered.signals}
+    for b in ir.workspaces:
+        if b.name not in bufs:          # the staged rows: poisoned, never read before written
+            bufs[b.name] = torch.full(tuple(b.type.shape), float("nan"), device="cuda", dtype=tdt)
+    # the all-gather's signal: every wait already satisfied; the parts' own signals count from 0
+    from tldsl.ir import NOTIFY_OPS
+    comm_signals = {op.operands[0].owner.name for p in ir.parts if p.role == "comm" for op in p.walk()
+                    if op.name in NOTIFY_OPS}
+    signals = {s.name: (torch.full((int(s.type.slots),), 1 << 40, device="cuda", dtype=torch.int64)
+                        if s.name in comm_signals else torch.zeros(int(s.type.slots), device="cuda", dtype=torch.int64))
+               for s in ir.signals}
     ids_dev = ids.cuda()
     order, offs = route(ids_dev, E)
     rows = x.index_select(0, order // topk)
 
-    prepared = kern.prepare(bufs, flags)       # checked and packed once, as the ops do
+    prepared = prepared_parts(ir, lowered, bufs, signals)      # checked and packed once, as the ops do
+    kernels = [prepared[p] for p in lowered]                     # program order: the gather first
+    gathers = [0]                       # launches of the first kernel: the epoch the GEMM's waits count in
 
     def ours():
-        prepared.launch(torch.cuda.current_stream().cuda_stream, 1)
+        gathers[0] += 1
+        stream = torch.cuda.current_stream().cuda_stream
+        for kern in kernels:
+            kern.launch(stream, gathers[0])
+
+    def one(kern):
+        def run():
+            if kern is kernels[0]:
+                gathers[0] += 1
+            # (the GEMM alone: its waits already satisfied by the gathers before it)
+            kern.launch(torch.cuda.current_stream().cuda_stream, gathers[0])
+        return run
 
     def gmm():
         return torch._grouped_mm(rows, w, offs=offs)
@@ -178,7 +243,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     want = gmm()
     _, dest = fused_layers.padded_rows(want, ids_dev, E, tile[0], rt.num_rows // tile[0])
     return _checked_timings(f"{row}: the grouped GEMM differs from _grouped_mm", h[dest], want,
-                            [ours, gmm, sequence], iters, 2 * T * topk * K * N, _computed_rows(rt), T * topk)
+                            [ours, gmm, sequence], iters, 2 * T * topk * K * N, _computed_rows(rt), T * topk,
+                            parts=[one(k) for k in kernels] if len(kernels) > 1 else ())
 
 
 def _computed_rows(rt) -> int:
@@ -199,6 +265,9 @@ def parse_args(argv):
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--cluster", type=int, choices=(1, 2), default=2,
                     help="CTAs per cluster along M (2: pairs of tiles share B by TMA multicast)")
+    ap.add_argument("--stage-rows", choices=STAGE_ROWS, default="auto",
+                    help="ag: gather the routed rows in a pass of their own, then the grouped GEMM on them by TMA "
+                         "(on), inside the grouped GEMM (off), or as AllGatherMoE chooses by the row's shape (auto)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
@@ -226,22 +295,27 @@ def main(argv, out=sys.stdout) -> int:
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
-    split = " GEMM alone ms | combine alone ms |" if rs else ""      # (rs: ours kernel by kernel)
+    # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
+    split = (" GEMM alone ms | combine alone ms |" if rs else
+             " rows gathered | row gather alone ms | GEMM alone ms |")
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
-          f"{'---|---|' if rs else ''}", file=out, flush=True)
+          f"{'---|---|' if rs else '---|---|---|'}", file=out, flush=True)
     failed = 0
     for row in args.row_list:
         try:
-            r = (bench_rs_row if rs else bench_row)(row, args.iters, args.tile_t, args.stages, args.dtype,
-                                                    args.cluster)
+            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster) if rs else
+                 bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows))
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{' | |' if rs else ''}", file=out, flush=True)
+                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{' | |' if rs else ' | | |'}", file=out, flush=True)
             continue
+        parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
+        if not rs:
+            parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | |"
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
               f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
-              f"{r['padded']} / {r['routed']} |" + "".join(f" {t:.3f} |" for t in r["parts_ms"]), file=out, flush=True)
+              f"{r['padded']} / {r['routed']} |" + parts, file=out, flush=True)
     return 1 if failed else 0
 

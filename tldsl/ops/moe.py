@@ -123,7 +123,8 @@ class MoERouting:
                             **schedules):
         """:func:`allgather_moe` traced for this routing: each rank's ``[rows_per_rank, k]`` tokens,
         ``[num_experts, k, n]`` expert weights, this routing's tables and the ``[num_rows, n]``
-        output, all ``dtype`` (a tldsl dtype) but the tables; ``schedules``: ``compute=``, ``comm=``."""
+        output, all ``dtype`` (a tldsl dtype) but the tables; ``schedules``: ``compute=``, ``comm=``
+        (and ``stage_rows=``)."""
         S, tabs = tl.TensorSpec, self.allgather_tables()
         return allgather_moe.trace(world_size, S((rows_per_rank, k), dtype), S((num_experts, k, n), dtype),
                                    *[S.of(tabs[t]) for t in ("tile_expert", "tile_tokens", "sorted_token_ids")],
@@ -232,10 +233,17 @@ def _check_table(t, shape, what, hint=""):
 
 @tl.kernel
 def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_ids, h, *,
-                  compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+                  compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None, stage_rows: bool = False):
     """x: [Ms, K] token shard (symmetric); w1: [E, K, Nr] (this rank's slice of every expert);
     tables from :func:`moe_routing` (``allgather_tables()``); h: [R_pad, Nr] =
-    ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order."""
+    ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order.
+
+    ``stage_rows``: where the routed rows are gathered. False: by the grouped GEMM itself, each
+    tile's rows read by row id at every K step (every column tile of a row tile gathers them
+    again). True: once, by a compute part of their own (``gather_rows``, as the rows arrive) into
+    the expert-sorted ``x_sorted``, which the GEMM then reads as dense tiles (TMA on GPUs) once
+    the row tile's ``rows_ready`` channel is complete — one more pass over the routed rows, paid
+    back where ``Nr`` is wide (:func:`stage_rows_pays`)."""
     W = tl.world_size()
     Ms, K = x.shape
     BM, BN, BK = compute.tile
@@ -260,18 +268,62 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
     gathered = all_gather(x, x_full, comm, name="gather_x")
     tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, tokens=tile_tokens)
 
+    if not stage_rows:
+        @tl.compute_part(grid=(NT, tl.cdiv(Nr, BN)))
+        def grouped_gemm(i, pn):
+            r0, c0 = i * BM, pn * BN
+            expert = tiles["expert", i]
+            acc = tl.fragment((BM, BN), tl.float32)
+            with tl.when(expert >= 0):
+                # tokens of one expert tile increase: waiting on their row range covers them all
+                gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])
+                rows = tl.load(sorted_token_ids, (r0,), (BM,))
+                for k in tl.range(0, K, BK):
+                    acc += tl.dot(tl.load_rows(x_full, rows, k, BK), _expert_box(w1, expert, k, c0, BK, BN))
+            tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
+        return
+
+    GC = min(K, 4 * BK)          # columns a gather task copies: BM x 256 (64 KB of bf16) at BK = 64
+    KC = tl.cdiv(K, GC)
+    x_sorted = tl.local_buffer((NT * BM, K), x.dtype, "x_sorted")
+    rows_ready = tl.signal("rows_ready", NT, scope="local")
+
+    @tl.compute_part(grid=(NT, KC))
+    def gather_rows(i, kc):
+        r0, k0 = i * BM, kc * GC
+        gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])     # an unused tile's range is empty
+        acc = tl.fragment((BM, GC), tl.float32)      # (exact: x's values through f32 and back)
+        for _ in tl.range(0, 1):                     # (a row gather: the combine recipe, one row summed)
+            # padding rows and an unused tile's rows (ids -1): zeros, nothing read
+            acc += tl.load_rows(x_full, tl.load(sorted_token_ids, (r0,), (BM,)), k0, GC)
+        tl.store(x_sorted, (r0, k0), acc)
+        tl.producer_tile_notify(rows_ready, i)
+
     @tl.compute_part(grid=(NT, tl.cdiv(Nr, BN)))
     def grouped_gemm(i, pn):
         r0, c0 = i * BM, pn * BN
         expert = tiles["expert", i]
         acc = tl.fragment((BM, BN), tl.float32)
         with tl.when(expert >= 0):
-            # tokens of one expert tile increase: waiting on their row range covers them all
-            gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])
-            rows = tl.load(sorted_token_ids, (r0,), (BM,))
+            tl.consumer_tile_wait(rows_ready, i, count=KC)
             for k in tl.range(0, K, BK):
-                acc += tl.dot(tl.load_rows(x_full, rows, k, BK), _expert_box(w1, expert, k, c0, BK, BN))
-        tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
+                acc += tl.dot(tl.load(x_sorted, (r0, k), (BM, BK)), _expert_box(w1, expert, k, c0, BK, BN))
+        tl.store(h, (r0, c0), acc)
+
+
+def stage_rows_pays(K: int, Nr: int) -> bool:
+    """Whether :func:`allgather_moe` should gather its routed rows in a pass of their own
+    (``stage_rows=True``) rather than inside the grouped GEMM: the pass reads and writes every
+    routed row once (4 bytes a bf16 value: its time ~ rows x K / 1 TB/s... of HBM), the in-GEMM
+    gather costs the GEMM ~17% wherever it runs (BENCHMARKS.md, fifteenth session: Mixtral 3.14
+    against 2.68 ms with A already gathered). The GEMM's time grows with ``Nr``, the pass's does
+    not: measured on one H200 (BENCHMARKS.md, twenty-third session), the pass pays from
+    ``Nr`` = :data:`STAGE_ROWS_MIN_N` columns of the rank's slice."""
+    return Nr >= STAGE_ROWS_MIN_N
+
+
+#: the narrowest slice where staging the rows paid on one H200 (twenty-third session)
+STAGE_ROWS_MIN_N = 4096
 
 
 @tl.kernel
@@ -509,7 +561,7 @@ def random_routing(rng, num_tokens: int, num_experts: int, topk: int, kind: str 
 
 
 def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
-                        routing="random", dtype="float16"):
+                        routing="random", dtype="float16", stage_rows=False):
     W, Ms, E = world_size, rows_per_rank, num_experts
     ids, _ = random_routing(rng, W * Ms, E, topk, routing)
     rt = moe_routing(ids, E, W, Ms, compute.BM)
@@ -518,10 +570,11 @@ def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, to
     inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, n), np.nan, dtype), **rt.allgather_tables())
               for r in range(W)]
     expected = [{"h": reference_allgather_moe(xs, w1[r], rt)} for r in range(W)]
-    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm, "stage_rows": stage_rows},
                   rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(k) / 4),
                   description=f"allgather_moe W={W} x=[{Ms}, {k}] w1=[{E}, {k}, {n}] topk={topk} "
-                              f"{routing} routing (experts {rt.expert_counts.tolist()}) {compute} {comm}")
+                              f"{routing} routing (experts {rt.expert_counts.tolist()}) {compute} {comm}"
+                              + (" rows staged" if stage_rows else ""))
 
 
 def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
@@ -542,7 +595,7 @@ def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_expert
                               f"(experts {rt.expert_counts.tolist()}) {compute} {comm}")
 
 
-def _params(engines):
+def _params(engines, staged=False):
     def params_for(world_size):
         from hypothesis import strategies as st
         from tldsl.testing import strategies as tst
@@ -558,7 +611,8 @@ def _params(engines):
             return dict(rows_per_rank=draw(tst.dims(1, max_rows)), k=draw(tst.dims(1, 24)), n=draw(tst.dims(1, 24)),
                         num_experts=E, topk=draw(st.integers(1, min(3, E))),
                         routing=draw(st.sampled_from(ROUTINGS)), compute=compute,
-                        comm=draw(tst.comm_schedules(engines=engines, compute=compute)))
+                        comm=draw(tst.comm_schedules(engines=engines, compute=compute)),
+                        **({"stage_rows": draw(st.booleans())} if staged else {}))
         return params()
     return params_for
 
@@ -569,7 +623,8 @@ def _allgather_mutant_params():
     return [dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull")),
             dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
-            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push"))]
+            dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push")),
+            dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull"), stage_rows=True)]
 
 
 def _reduce_scatter_mutant_params():
@@ -583,7 +638,7 @@ def _reduce_scatter_mutant_params():
             dict(base, world_size=2, comm=tl.CommSchedule(tile_m=None, order="full_mesh", mode="pull"))]
 
 
-AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine")),
+AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine"), True),
                           _allgather_mutant_params(),
                           doc="h = grouped GEMM of all_gather(x) rows sorted by expert, with w1[expert]"))
 RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case, _params(("sm",)),

@@ -194,17 +194,17 @@ class AllGatherMoE(_Routed, FusedProgram):
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
         E, _, Nr = w_shape
+        if stage_rows is None:
+            stage_rows = stage_rows_pays(K, Nr)
+        elif not isinstance(stage_rows, bool):
+            raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
+        self.stage_rows = stage_rows
         compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
         comm = DEFAULT_AG_COMM if comm is None else comm
         W = program_op.dist_context(group).world_size
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
-        if stage_rows is None:
-            stage_rows = stage_rows_pays(K, Nr)
-        elif not isinstance(stage_rows, bool):
-            raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
-        self.stage_rows = stage_rows
         FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, stage_rows=stage_rows,
                               **program_kw)
 

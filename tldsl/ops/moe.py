@@ -313,16 +313,19 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
 
 def stage_rows_pays(K: int, Nr: int) -> bool:
     """Whether :func:`allgather_moe` should gather its routed rows in a pass of their own
-    (``stage_rows=True``) rather than inside the grouped GEMM: the pass reads and writes every
-    routed row once (4 bytes a bf16 value: its time ~ rows x K / 1 TB/s... of HBM), the in-GEMM
-    gather costs the GEMM ~17% wherever it runs (BENCHMARKS.md, fifteenth session: Mixtral 3.14
-    against 2.68 ms with A already gathered). The GEMM's time grows with ``Nr``, the pass's does
-    not: measured on one H200 (BENCHMARKS.md, twenty-third session), the pass pays from
-    ``Nr`` = :data:`STAGE_ROWS_MIN_N` columns of the rank's slice."""
+    (``stage_rows=True``) rather than inside the grouped GEMM. The pass reads and writes every
+    routed row once, whatever ``Nr``; the in-GEMM gather costs every column tile of a row tile
+    its cp.async copies (the GEMM on rows already gathered, A by TMA, was 15% faster at Mixtral's
+    shape: BENCHMARKS.md, fifteenth session). The GEMM's time grows with ``Nr``, the pass's does
+    not: on one H200 (twenty-third session) staging lost at ``Nr`` 768 and 1408 (Qwen3-30B,
+    Qwen1.5-MoE, DeepSeek-MoE: 0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the
+    GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.91-0.93x)."""
+    del K           # (the pass and the GEMM both scale with K: the ratio is Nr's)
     return Nr >= STAGE_ROWS_MIN_N
 
 
-#: the narrowest slice where staging the rows paid on one H200 (twenty-third session)
+#: the slice width from which the rows are staged: between the widest that lost (1408) and the
+#: narrowest that won (8192) on one H200
 STAGE_ROWS_MIN_N = 4096
 
 

@@ -268,36 +268,22 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
     gathered = all_gather(x, x_full, comm, name="gather_x")
     tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, tokens=tile_tokens)
 
-    if not stage_rows:
-        @tl.compute_part(grid=(NT, tl.cdiv(Nr, BN)))
-        def grouped_gemm(i, pn):
-            r0, c0 = i * BM, pn * BN
-            expert = tiles["expert", i]
-            acc = tl.fragment((BM, BN), tl.float32)
-            with tl.when(expert >= 0):
-                # tokens of one expert tile increase: waiting on their row range covers them all
-                gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])
-                rows = tl.load(sorted_token_ids, (r0,), (BM,))
-                for k in tl.range(0, K, BK):
-                    acc += tl.dot(tl.load_rows(x_full, rows, k, BK), _expert_box(w1, expert, k, c0, BK, BN))
-            tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
-        return
+    if stage_rows:
+        GC = min(K, 4 * BK)      # columns a gather task copies: BM x 256 (64 KB of bf16) at BK = 64
+        KC = tl.cdiv(K, GC)
+        x_sorted = tl.local_buffer((NT * BM, K), x.dtype, "x_sorted")
+        rows_ready = tl.signal("rows_ready", NT, scope="local")
 
-    GC = min(K, 4 * BK)          # columns a gather task copies: BM x 256 (64 KB of bf16) at BK = 64
-    KC = tl.cdiv(K, GC)
-    x_sorted = tl.local_buffer((NT * BM, K), x.dtype, "x_sorted")
-    rows_ready = tl.signal("rows_ready", NT, scope="local")
-
-    @tl.compute_part(grid=(NT, KC))
-    def gather_rows(i, kc):
-        r0, k0 = i * BM, kc * GC
-        gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])     # an unused tile's range is empty
-        acc = tl.fragment((BM, GC), tl.float32)      # (exact: x's values through f32 and back)
-        for _ in tl.range(0, 1):                     # (a row gather: the combine recipe, one row summed)
-            # padding rows and an unused tile's rows (ids -1): zeros, nothing read
-            acc += tl.load_rows(x_full, tl.load(sorted_token_ids, (r0,), (BM,)), k0, GC)
-        tl.store(x_sorted, (r0, k0), acc)
-        tl.producer_tile_notify(rows_ready, i)
+        @tl.compute_part(grid=(NT, KC))
+        def gather_rows(i, kc):
+            r0, k0 = i * BM, kc * GC
+            gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])     # an unused tile's range is empty
+            acc = tl.fragment((BM, GC), tl.float32)      # (exact: x's values through f32 and back)
+            for _ in tl.range(0, 1):                     # (a row gather: the combine recipe, one row summed)
+                # padding rows and an unused tile's rows (ids -1): zeros, nothing read
+                acc += tl.load_rows(x_full, tl.load(sorted_token_ids, (r0,), (BM,)), k0, GC)
+            tl.store(x_sorted, (r0, k0), acc)
+            tl.producer_tile_notify(rows_ready, i)
 
     @tl.compute_part(grid=(NT, tl.cdiv(Nr, BN)))
     def grouped_gemm(i, pn):
@@ -305,10 +291,16 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
         expert = tiles["expert", i]
         acc = tl.fragment((BM, BN), tl.float32)
         with tl.when(expert >= 0):
-            tl.consumer_tile_wait(rows_ready, i, count=KC)
+            if stage_rows:
+                tl.consumer_tile_wait(rows_ready, i, count=KC)      # every column chunk of the tile's rows
+            else:
+                # tokens of one expert tile increase: waiting on their row range covers them all
+                gathered.wait_rows(tiles["tokens", i, 0], tiles["tokens", i, 1])
+                rows = tl.load(sorted_token_ids, (r0,), (BM,))
             for k in tl.range(0, K, BK):
-                acc += tl.dot(tl.load(x_sorted, (r0, k), (BM, BK)), _expert_box(w1, expert, k, c0, BK, BN))
-        tl.store(h, (r0, c0), acc)
+                a = tl.load(x_sorted, (r0, k), (BM, BK)) if stage_rows else tl.load_rows(x_full, rows, k, BK)
+                acc += tl.dot(a, _expert_box(w1, expert, k, c0, BK, BN))
+        tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
 
 
 def stage_rows_pays(K: int, Nr: int) -> bool:

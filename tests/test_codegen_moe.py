@@ -917,6 +917,21 @@ def test_allgather_moe_sys_waits_compile(tmp_path, comm):
 
 @pytest.mark.nvrtc
 @needs_nvrtc
+@pytest.mark.parametrize("ydt,topk,items", [(tl.float32, 1, 8), (tl.bfloat16, 1, 4), (tl.bfloat16, 2, 1),
+                                            (tl.float32, 2, 2)])
+def test_combine_items_in_flight_fit_the_registers(tmp_path, ydt, topk, items):
+    """The most items a thread gathers together (``items_at_once``) compile without spills in the
+    64 registers a thread of a 1024-thread CTA has: a register budget too generous shows here."""
+    lw = lower_combine(_trace_combine("unscaled" if topk == 1 else "ok", ydt, topk, (128, 256, 16)))
+    assert f"float acc_[{items}][" in lw.source
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info
+    assert info["registers"] <= 64, info
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
 def test_sliced_wait_compiles(tmp_path):
     _, _, lw = _sliced_lowered()
     ck = lw.compile(cache=KernelCache(tmp_path), progress=False)

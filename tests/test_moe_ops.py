@@ -255,3 +255,17 @@ def test_the_rows_are_staged_where_the_slice_is_wide():
     assert STAGE_ROWS_MIN_N == 4096
     assert [stage_rows_pays(4096, n) for n in (768, 1408, 4095, 4096, 8192, 14336)] == \
         [False, False, False, True, True, True]
+    # across ranks the chained GEMM would wait for every peer's rows: not staged until measured there
+    assert not any(stage_rows_pays(4096, n, W) for n in (8192, 14336) for W in (2, 4, 8))
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_the_op_stages_by_default_at_one_rank_only(monkeypatch, W):
+    g = Group(monkeypatch, W, 0)
+    wide = tl.TensorSpec((E, K, 4096), tl.float16)
+    ag = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), wide, TOPK, compute=C32,
+                                             router=HostRouter(W, 32), device=dev, timeout_s=2.0))
+    assert all(op.stage_rows is (W == 1) for op in ag)
+    assert ("gather_rows" in [p.name for p in ag[0].kernel.parts]) is (W == 1)
+    for op in ag:
+        op.close()

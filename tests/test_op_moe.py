@@ -156,6 +156,26 @@ def test_allgather_moe_matches_numpy(W, Ms, K, Nr, E, topk, kind, comm):
     _check_h(res, rt, xs, w1, W)
 
 
+@pytest.mark.parametrize("comm", AG_COMMS[:2] + AG_COMMS[4:], ids=str)
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,BK", [
+    (1, 11, 72, 13, 4, 2, "random", 16),      # K = 72: chunks of 64 + 8
+    (3, 7, 100, 16, 5, 2, "random", 8),        # chunks of 32: 3 whole + 4
+    (2, 5, 40, 24, 3, 1, "concentrated", 8)])
+def test_allgather_moe_with_staged_rows_matches_numpy(W, Ms, K, Nr, E, topk, kind, BK, comm):
+    """``stage_rows=True``: the routed rows gathered by a part of their own in column chunks of
+    4 * BK (the last one partial), the grouped GEMM waiting for every chunk of its row tile."""
+    rng = np.random.default_rng(W * 5 + K)
+    ids, _ = random_routing(rng, W * Ms, E, topk, kind)
+    compute = _compute(BM=8, BN=8 if Nr < 16 else 16, BK=BK)
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, compute.BM)
+    k = allgather_moe.trace(W, *[tl.TensorSpec.of(inputs[0][a]) for a in allgather_moe.arg_names], compute=compute,
+                            comm=comm, stage_rows=True)
+    gather = k.part("gather_rows")
+    assert gather.grid == (rt.num_tiles, -(-K // (4 * BK))) and gather.grid[1] >= 2
+    res = tl.simulate(allgather_moe, W, inputs, seed=W, compute=compute, comm=comm, stage_rows=True)
+    _check_h(res, rt, xs, w1, W)
+
+
 def test_allgather_moe_empty_experts_and_one_expert():
     W, Ms, K, Nr, E = 3, 6, 12, 16, 6
     rng = np.random.default_rng(5)

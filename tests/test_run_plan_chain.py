@@ -41,6 +41,28 @@ def test_the_moe_combine_runs_after_its_grouped_gemm_with_the_sms_it_leaves():
     assert "combine: kernel" in plan.describe() and "after grouped_gemm" in plan.describe()
 
 
+def test_a_chained_part_gets_its_producers_grant_not_its_producers_grid():
+    """AllGather+MoE with its rows staged: a short row gather (few tasks: few CTAs) before a wide
+    grouped GEMM (many tiles). The GEMM runs after the gather with the SMs the gather was granted,
+    not only as many as the gather had tasks for."""
+    rng = np.random.default_rng(0)
+    W, Ms, K, Nr, E, topk = 1, 128, 2048, 8192, 8, 2
+    ids, _ = random_routing(rng, W * Ms, E, topk)
+    rt = moe_routing(ids, E, W, Ms, 128)
+    k = rt.trace_allgather_moe(W, Ms, K, Nr, E, tl.bfloat16, stage_rows=True,
+                               compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, cluster=(2, 1)),
+                               comm=tl.CommSchedule(tile_m=128, mode="pull"))
+    assert chained_parts(k, _kernels(k)) == {"grouped_gemm": "gather_rows"}
+    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS)
+    got = {x.part: x for x in plan.kernels}
+    gather, gemm = got["gather_rows"], got["grouped_gemm"]
+    tiles = gemm.lowered.grid(1 << 30)[0]
+    assert gather.ctas < 100 < tiles                   # the gather has fewer tasks than the GEMM has tiles
+    assert gemm.after == "gather_rows" and gemm.stream == gather.stream
+    assert gemm.ctas == min(tiles, (H200_SMS - got["gather_x"].ctas) // 2 * 2)   # clusters of two
+    assert plan.resident_ctas <= H200_SMS
+
+
 def test_beside_keeps_the_shared_layout():
     k = moe_rs_program()
     plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="beside")

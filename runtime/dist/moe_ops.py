@@ -180,7 +180,10 @@ class AllGatherMoE(_Routed, FusedProgram):
     expert-sorted order, and the routing tables for :class:`MoEReduceScatter`. Schedules not given:
     :data:`DEFAULT_AG_COMPUTE` and :data:`DEFAULT_AG_COMM` (the copy engines gather). ``stage_rows``:
     gather the routed rows in a pass of their own before the grouped GEMM (True) or inside it
-    (False); None: as :func:`~tldsl.ops.moe.stage_rows_pays` says for the shape. A layer that
+    (False); None: as :func:`~tldsl.ops.moe.stage_rows_pays` says for the shape and world size
+    (staged at one rank where the slice is wide; across ranks not yet, so the GEMM keeps
+    overlapping the all-gather). Staged, the op holds an ``[R_pad, K]`` workspace of the routed
+    rows (``x_sorted``: 0.5 GB at Mixtral's 32768 tokens in bf16). A layer that
     writes its output (the next call's shard) into ``op.symmetric_buffer("x")`` and passes that
     as ``x`` saves the copy of the shard into the op's buffer every call (64 MB at 8192 tokens of
     4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`)."""
@@ -194,14 +197,13 @@ class AllGatherMoE(_Routed, FusedProgram):
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
         E, _, Nr = w_shape
-        if stage_rows is None:
-            stage_rows = stage_rows_pays(K, Nr)
-        elif not isinstance(stage_rows, bool):
+        if not (stage_rows is None or isinstance(stage_rows, bool) or type(stage_rows).__name__ == "bool_"):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
-        self.stage_rows = stage_rows
         compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
         comm = DEFAULT_AG_COMM if comm is None else comm
         W = program_op.dist_context(group).world_size
+        self.stage_rows = stage_rows_pays(K, Nr, W) if stage_rows is None else bool(stage_rows)
+        stage_rows = self.stage_rows
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}

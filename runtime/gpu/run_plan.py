@@ -215,8 +215,11 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     reserved = RESERVED_FOR_COPIES if has_copies else 0
     available = sm_count - reserved
     slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk) and name not in chained]
-    lows = [lk.grid(1)[0] for _, _, lk in slots]
-    highs = [max(lo, lk.grid(_UNBOUNDED)[0]) for lo, (_, _, lk) in zip(lows, slots)]
+    # a producer's share is its chained parts' too (they run on its SMs after it): as many SMs as
+    # either can use, at least as many as either needs
+    followers = {name: [lk] + [lowered[c] for c, p in chained.items() if p == name] for _, name, lk in slots}
+    lows = [max(f.grid(1)[0] for f in followers[name]) for _, name, _ in slots]
+    highs = [max([lo] + [f.grid(_UNBOUNDED)[0] for f in followers[name]]) for lo, (_, name, _) in zip(lows, slots)]
     if sum(lows) > available:
         fixed = ", ".join(f"rank {r} {name}: {lo}" for (r, name, _), lo in zip(slots, lows))
         raise ResidencyError(
@@ -228,7 +231,8 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         grants = share(lows, highs, available)
     else:
         part_of = {p.name: p for p in kernel.parts}
-        works = {name: part_work(part_of[name]) for name in {n for _, n, _ in slots}}
+        works = {name: part_work(part_of[name]) + sum(part_work(part_of[c]) for c, p in chained.items() if p == name)
+                 for name in {n for _, n, _ in slots}}
         needs = {name: at_once_needed(part_of[name]) for name in works}
         grants = share(lows, highs, available, [works[n] for _, n, _ in slots], [needs[n] for _, n, _ in slots])
     n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))     # streams (chained parts share)
@@ -242,17 +246,19 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     items, grant, streams = [], iter(grants), 0
     for r in range(W):
         mine: dict[str, PlannedKernel] = {}
+        granted: dict[str, int] = {}
         for name, lk in parts:
             if name in chained:
-                # the SMs its producer leaves: the producer's grant, never more CTAs than it can use
+                # the SMs its producer leaves: the producer's grant (not its grid, which may be smaller: a
+                # short row gather before a wide GEMM), never more CTAs than it can use
                 prev = mine[chained[name]]
-                g = max(lk.grid(1)[0], min(prev.ctas // max(1, lk.cluster_dims[0]) * max(1, lk.cluster_dims[0]),
-                                           lk.grid(_UNBOUNDED)[0]))
+                cl = max(1, lk.cluster_dims[0])
+                g = max(lk.grid(1)[0], min(granted[prev.part] // cl * cl, lk.grid(_UNBOUNDED)[0]))
                 items.append(PlannedKernel(r, name, lk, tuple(lk.grid(g)), tuple(lk.block), int(lk.smem_bytes),
                                            tuple(lk.cluster_dims), prev.stream, after=prev.part))
                 continue
             if is_kernel(lk):
-                g = next(grant)
+                g = granted[name] = next(grant)
                 grid = tuple(lk.grid(g))
                 mine[name] = PlannedKernel(r, name, lk, grid, tuple(lk.block), int(lk.smem_bytes),
                                            tuple(lk.cluster_dims), streams)

@@ -10,9 +10,9 @@ layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token,
 already satisfied — the kernel alone, as it runs once the all-gather has delivered every token.
 It gathers its rows itself (``sorted_token_ids``) — inside the grouped GEMM, or, where the slice
 is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_pays`), in a pass of
-their own before the GEMM reads them by TMA (the two kernels then also timed one by one) — so it is compared with ``torch._grouped_mm``
-on the same expert-sorted rows already gathered (the kernel alone) and with torch's whole
-sequence (the row gather ``index_select`` + ``_grouped_mm``). Each row is checked against
+their own before the GEMM reads them by TMA (the two kernels then also timed one by one) — so it
+is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
+kernel alone) and with torch's whole sequence (the row gather ``index_select`` + ``_grouped_mm``). Each row is checked against
 ``_grouped_mm`` first; TFLOP/s count the routed rows only (not our padding to whole tiles).
 Our kernel is timed as the ops launch it: its arguments checked and packed once
 (``Launcher.prepare``), each timed launch one driver call — the per-call Python checks of
@@ -50,7 +50,7 @@ def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
     """Whether the row's AllGather+MoE program gathers its routed rows in a pass of their own."""
     from tldsl.ops.moe import stage_rows_pays
     hidden, ffn, _, _ = MOE_MODELS[row.model]
-    return stage_rows_pays(hidden, 2 * ffn // TP) if stage_rows == "auto" else stage_rows == "on"
+    return stage_rows_pays(hidden, 2 * ffn // TP, 1) if stage_rows == "auto" else stage_rows == "on"
 
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
@@ -267,7 +267,8 @@ def parse_args(argv):
                     help="CTAs per cluster along M (2: pairs of tiles share B by TMA multicast)")
     ap.add_argument("--stage-rows", choices=STAGE_ROWS, default="auto",
                     help="ag: gather the routed rows in a pass of their own, then the grouped GEMM on them by TMA "
-                         "(on), inside the grouped GEMM (off), or as AllGatherMoE chooses by the row's shape (auto)")
+                         "(on), inside the grouped GEMM (off), or as AllGatherMoE chooses at one rank by the row's "
+                         "shape (auto)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)

@@ -303,9 +303,12 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
         tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
 
 
-def stage_rows_pays(K: int, Nr: int) -> bool:
+def stage_rows_pays(K: int, Nr: int, world_size: int = 1) -> bool:
     """Whether :func:`allgather_moe` should gather its routed rows in a pass of their own
-    (``stage_rows=True``) rather than inside the grouped GEMM. The pass reads and writes every
+    (``stage_rows=True``) rather than inside the grouped GEMM — at one rank only: across ranks the
+    GEMM, chained after the gather on its stream, would start once every peer's rows are in,
+    where gathering in the GEMM starts each tile as its rows arrive; that trade is not measured
+    (one GPU this session), so ``world_size > 1`` answers False. The pass reads and writes every
     routed row once, whatever ``Nr``; the in-GEMM gather costs every column tile of a row tile
     its cp.async copies (the GEMM on rows already gathered, A by TMA, was 15% faster at Mixtral's
     shape: BENCHMARKS.md, fifteenth session). The GEMM's time grows with ``Nr``, the pass's does
@@ -313,7 +316,7 @@ def stage_rows_pays(K: int, Nr: int) -> bool:
     Qwen1.5-MoE, DeepSeek-MoE: 0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the
     GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.91-0.93x)."""
     del K           # (the pass and the GEMM both scale with K: the ratio is Nr's)
-    return Nr >= STAGE_ROWS_MIN_N
+    return world_size == 1 and Nr >= STAGE_ROWS_MIN_N
 
 
 #: the slice width from which the rows are staged: between the widest that lost (1408) and the
@@ -619,7 +622,8 @@ def _allgather_mutant_params():
             dict(base, comm=tl.CommSchedule(tile_m=8, mode="push", order="full_mesh")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="pull")),
             dict(base, comm=tl.CommSchedule(engine="copy_engine", mode="push")),
-            dict(base, comm=tl.CommSchedule(tile_m=8, mode="pull"), stage_rows=True)]
+            # the rows staged in two column chunks (64 + 8): a dropped chunk, count or wait shows
+            dict(base, k=72, comm=tl.CommSchedule(tile_m=8, mode="pull"), stage_rows=True)]
 
 
 def _reduce_scatter_mutant_params():

@@ -156,8 +156,10 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K + 1, NR), tl.float16), TOPK)
     with pytest.raises(InputError, match="topk must be a positive int"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), 0)
-    with pytest.raises(InputError, match="stage_rows must be True, False or None"):
-        AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, stage_rows="yes")
+    for bad in ("yes", 1, None.__class__):
+        with pytest.raises(InputError, match="stage_rows must be True, False or None"):
+            AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK,
+                         stage_rows=bad)
     with pytest.raises(InputError, match="rows_per_rank must be a positive int"):
         MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), 0, TOPK)
     with pytest.raises(InputError, match="a torch tensor, numpy array or tl.TensorSpec"):
@@ -267,5 +269,9 @@ def test_the_op_stages_by_default_at_one_rank_only(monkeypatch, W):
                                              router=HostRouter(W, 32), device=dev, timeout_s=2.0))
     assert all(op.stage_rows is (W == 1) for op in ag)
     assert ("gather_rows" in [p.name for p in ag[0].kernel.parts]) is (W == 1)
-    for op in ag:
+    forced = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), wide, TOPK, compute=C32,
+                                                 router=HostRouter(W, 32), device=dev, timeout_s=2.0,
+                                                 stage_rows=np.True_))        # asked for: staged at any W
+    assert all(op.stage_rows is True for op in forced) and "gather_rows" in [p.name for p in forced[0].kernel.parts]
+    for op in ag + forced:
         op.close()

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 import tldsl as tl
 
 from ...errors import InputError
@@ -197,7 +199,7 @@ class AllGatherMoE(_Routed, FusedProgram):
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
         E, _, Nr = w_shape
-        if not (stage_rows is None or isinstance(stage_rows, bool) or type(stage_rows).__name__ == "bool_"):
+        if not (stage_rows is None or isinstance(stage_rows, (bool, np.bool_))):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
         compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
         comm = DEFAULT_AG_COMM if comm is None else comm

@@ -915,6 +915,29 @@ def test_allgather_moe_sys_waits_compile(tmp_path, comm):
     check_grouped_gemm_sass(ck, lw)
 
 
+def test_items_at_once_stay_within_their_bounds():
+    """Every tile shape, vector width and loop length: the items a thread gathers together divide
+    its items (each item covered once), keep at most MAX_GATHERS_IN_FLIGHT gathers and
+    MAX_VALUES_IN_FLIGHT values (or are one item), and a loop of unknown or long bounds takes one."""
+    from tldsl.codegen.plan.combine import COMBINE_THREADS
+    from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT, MAX_VALUES_IN_FLIGHT, items_at_once
+    for bm in (8, 16, 32, 64, 128, 256):
+        for bn in (8, 16, 32, 64, 128, 256):
+            for vec in (4, 8):
+                if bn % vec:
+                    continue
+                total = bm * bn // vec
+                for trips in (None, 0, 1, 2, 3, 4, 5, 8, 9, 12):
+                    g = items_at_once(SimpleNamespace(match=SimpleNamespace(BMf=bm, BNf=bn), vec=vec), trips)
+                    assert g >= 1
+                    if g > 1:
+                        assert total % COMBINE_THREADS == 0 and (total // COMBINE_THREADS) % g == 0
+                        assert g * trips <= MAX_GATHERS_IN_FLIGHT
+                        assert g * vec * (trips + (trips > 1)) <= MAX_VALUES_IN_FLIGHT
+                    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total < COMBINE_THREADS:
+                        assert g == 1
+
+
 @pytest.mark.nvrtc
 @needs_nvrtc
 @pytest.mark.parametrize("ydt,topk,items", [(tl.float32, 1, 8), (tl.bfloat16, 1, 4), (tl.bfloat16, 2, 1),

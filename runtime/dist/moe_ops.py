@@ -204,7 +204,7 @@ class AllGatherMoE(_Routed, FusedProgram):
         compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
         comm = DEFAULT_AG_COMM if comm is None else comm
         W = program_op.dist_context(group).world_size
-        self.stage_rows = stage_rows_pays(K, Nr, W) if stage_rows is None else bool(stage_rows)
+        self.stage_rows = stage_rows_pays(Nr, W) if stage_rows is None else bool(stage_rows)
         stage_rows = self.stage_rows
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),

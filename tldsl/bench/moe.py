@@ -12,11 +12,12 @@ It gathers its rows itself (``sorted_token_ids``) — inside the grouped GEMM, o
 is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_pays`), in a pass of
 their own before the GEMM reads them by TMA (the two kernels then also timed one by one) — so it
 is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
-kernel alone) and with torch's whole sequence (the row gather ``index_select`` + ``_grouped_mm``). Each row is checked against
-``_grouped_mm`` first; TFLOP/s count the routed rows only (not our padding to whole tiles).
-Our kernel is timed as the ops launch it: its arguments checked and packed once
-(``Launcher.prepare``), each timed launch one driver call — the per-call Python checks of
-``kernel(buffers, ...)`` are host time that would sit inside the CUDA-event interval.
+kernel alone) and with torch's whole sequence (the row gather ``index_select`` +
+``_grouped_mm``). Each row is checked against ``_grouped_mm`` first; TFLOP/s count the routed
+rows only (not our padding to whole tiles). Our kernels are timed as the ops launch them: their
+arguments bound and packed once by the runtime's binder, each timed launch one driver call — the
+per-call Python checks of ``kernel(buffers, ...)`` are host time that would sit inside the
+CUDA-event interval.
 Routings as the layer benchmark draws them (:func:`.baselines.random_topk`: top-k of random
 logits, Zipf-skewed, every token on the same experts).
 
@@ -49,8 +50,8 @@ STAGE_ROWS = ("auto", "on", "off")
 def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
     """Whether the row's AllGather+MoE program gathers its routed rows in a pass of their own."""
     from tldsl.ops.moe import stage_rows_pays
-    hidden, ffn, _, _ = MOE_MODELS[row.model]
-    return stage_rows_pays(hidden, 2 * ffn // TP, 1) if stage_rows == "auto" else stage_rows == "on"
+    _, ffn, _, _ = MOE_MODELS[row.model]
+    return stage_rows_pays(2 * ffn // TP, 1) if stage_rows == "auto" else stage_rows == "on"
 
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,

@@ -303,7 +303,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
         tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
 
 
-def stage_rows_pays(K: int, Nr: int, world_size: int = 1) -> bool:
+def stage_rows_pays(Nr: int, world_size: int = 1) -> bool:
     """Whether :func:`allgather_moe` should gather its routed rows in a pass of their own
     (``stage_rows=True``) rather than inside the grouped GEMM — at one rank only: across ranks the
     GEMM, chained after the gather on its stream, would start once every peer's rows are in,
@@ -311,11 +311,10 @@ def stage_rows_pays(K: int, Nr: int, world_size: int = 1) -> bool:
     (one GPU this session), so ``world_size > 1`` answers False. The pass reads and writes every
     routed row once, whatever ``Nr``; the in-GEMM gather costs every column tile of a row tile
     its cp.async copies (the GEMM on rows already gathered, A by TMA, was 15% faster at Mixtral's
-    shape: BENCHMARKS.md, fifteenth session). The GEMM's time grows with ``Nr``, the pass's does
-    not: on one H200 (twenty-third session) staging lost at ``Nr`` 768 and 1408 (Qwen3-30B,
-    Qwen1.5-MoE, DeepSeek-MoE: 0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the
-    GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.91-0.93x)."""
-    del K           # (the pass and the GEMM both scale with K: the ratio is Nr's)
+    shape: BENCHMARKS.md, fifteenth session). Both grow with K; the GEMM's time grows with ``Nr``
+    (the rank's slice of the output columns), the pass's does not: on one H200 (twenty-third
+    session) staging lost at ``Nr`` 768 and 1408 (Qwen3-30B, Qwen1.5-MoE, DeepSeek-MoE:
+    0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.90-0.93x)."""
     return world_size == 1 and Nr >= STAGE_ROWS_MIN_N
 
 

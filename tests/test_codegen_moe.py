@@ -172,6 +172,74 @@ def test_combine_contract():
     assert lw.grid(132) == (32, 1, 1) and lw.grid(4, ctas_per_sm=2) == (8, 1, 1)
 
 
+def test_combine_folded_into_the_grouped_gemm_contract():
+    """``side="combine"``: one kernel whose parameters are the GEMM's then the combine's others,
+    the combine's Cfg and Prog beside the GEMM's (96 threads: the producer's spare warps), more
+    registers for the producer warpgroup, both parts' waits and notifies."""
+    k = trace_rs(tile=(128, 256, 64), order="swizzled", group_m=1000)
+    lg, lc = lower_grouped_gemm(k, "grouped_gemm"), lower_combine(k, "combine")
+    lf = lower_grouped_gemm(k, "grouped_gemm", side="combine")
+    assert lf.side == "combine" and lg.side is None and lf.side_tiles == lc.grid_tiles
+    assert [p.name for p in lf.params] == [p.name for p in lg.params] + [
+        p.name for p in lc.params if p.name not in {q.name for q in lg.params}]
+    assert {p.name: p.ctype for p in lf.params}["ptr_y_sorted"] == "const __half*"      # never __restrict__
+    assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
+    assert lf.waits == 1 and lf.notifies == 2 and lf.wait_scopes == ("gpu",)
+    assert lf.signal_slots == {**lg.signal_slots, **lc.signal_slots}
+    assert lf.buffers == {**lg.buffers, **lc.buffers} and lf.grid(132) == lg.grid(132)
+    src = lf.source
+    assert "struct SideCfg {" in src and "struct SideProg {" in src and "kEnabled = true" in src
+    assert "kThreads = 96," in src and "item0 += 96" in src
+    assert "grouped_gemm_kernel<Cfg, SideCfg>(" in src and "rank, prog, side);" in src
+    # the combine's own kernel is as before: the folded one only adds
+    assert "kEnabled" not in lc.source and "kThreads = 1024," in lc.source
+
+
+def test_register_splits_stay_within_the_ctas_registers():
+    """setmaxnreg moves registers between warpgroups of one CTA: a consumer increase beyond what
+    the producer's decrease frees waits forever (a hang, not an error). Every split the grouped
+    GEMM plans fits the 168 x 384 registers ptxas gives a 384-thread CTA."""
+    from tldsl.codegen.plan.grouped_gemm import GATHER_REGS, REGISTER_POOL, SIDE_REGS
+    assert REGISTER_POOL == (65536 // 384) // 8 * 8 * 384
+    for k, kw in ((trace_rs(tile=(128, 256, 64)), {}), (trace_rs(tile=(128, 256, 64)), {"side": "combine"}),
+                  (trace_ag(tile=(128, 256, 64)), {})):
+        c = lower_grouped_gemm(k, "grouped_gemm", **kw).config
+        assert c.threads == 384 and 128 * c.producer_regs + 256 * c.consumer_regs <= REGISTER_POOL, (kw, c)
+    for p, q in (GATHER_REGS, SIDE_REGS, (40, 232)):
+        assert 128 * p + 256 * q <= REGISTER_POOL and p % 8 == 0 and q % 8 == 0
+
+
+@pytest.mark.parametrize("side,texts", [
+    ("nope", ["no part of that name", "'combine'"]),
+    ("grouped_gemm", ["only another compute part"]),
+    ("reduce_scatter", ["only another compute part"]),
+])
+def test_fold_rejections_name_the_part(side, texts):
+    k = trace_rs()
+    with pytest.raises(LoweringError) as e:
+        lower_grouped_gemm(k, "grouped_gemm", side=side)
+    for t in texts:
+        assert t in str(e.value), str(e.value)
+
+
+def test_fold_refused_where_the_gemm_gathers_or_could_wait_on_the_combine():
+    """A gathered A keeps every producer thread busy; a GEMM waiting on what the folded part
+    notifies could wait forever on tiles behind its own (checked before anything is planned)."""
+    from dataclasses import replace
+    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
+    from tldsl.codegen.plan.grouped_gemm import plan_side
+    k = trace_rs()
+    gp = k.part("grouped_gemm")
+    m = match_grouped_gemm(k, gp)
+    with pytest.raises(LoweringError) as e:
+        plan_side(k, gp, replace(m, gather=True), "combine", None)
+    assert "gathers its A rows" in str(e.value) and "loaded by TMA" in str(e.value)
+    # (the combine as the host: it waits on y_ready, which the grouped GEMM notifies)
+    with pytest.raises(LoweringError) as e:
+        plan_side(k, k.part("combine"), m, "grouped_gemm", None)
+    assert "waits on ['y_ready']" in str(e.value) and "wait on each other forever" in str(e.value)
+
+
 def test_dispatcher_routes_the_moe_parts():
     kag, krs = trace_ag(), trace_rs()
     assert pick_recipe(kag, kag.part("grouped_gemm")).recipe.name == "grouped_gemm"
@@ -380,10 +448,12 @@ def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, v
     < 0 read zero, columns past the gathered tensor's read zero and the store's rows past T are
     dropped."""
     from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT, items_at_once
+    from tldsl.codegen.plan.combine import COMBINE_THREADS
     lw = lower_combine(_trace_combine(variant, ydt, topk, tile))
     assert ("x_[g_][j_]" in lw.source) == in_flight and (topk <= MAX_GATHERS_IN_FLIGHT) == in_flight
     assert f"float acc_[{items}][{vec}]" in lw.source and (items == 1 or items * topk <= MAX_GATHERS_IN_FLIGHT)
-    assert items_at_once(SimpleNamespace(match=SimpleNamespace(BMf=tile[0], BNf=tile[1]), vec=vec),
+    plan = SimpleNamespace(match=SimpleNamespace(BMf=tile[0], BNf=tile[1]), vec=vec, threads=COMBINE_THREADS)
+    assert items_at_once(plan,
                          topk if in_flight else None) == items
     assert lw.vec == vec and f"loadv<{vec}>" in lw.source and f"storev<{vec}>" in lw.source
     assert f"x {vec} columns" in lw.describe()
@@ -704,6 +774,19 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
     lines, out = _run_host(tmp_path / "c", lc, arrays, launch=launch, rank=2, gemm=False)
     ref = np.einsum("tk,tkn->tn", wts, y[rt.row_of])
     np.testing.assert_allclose(out.reshape(T, K), ref, rtol=1e-5, atol=1e-5)
+    # the same body as the producer's spare warps run it, folded into the grouped GEMM: 96 threads
+    # (a 64x32 tile of 4-wide items is not a whole number of their strides)
+    from tldsl.codegen.match.combine import match_combine
+    from tldsl.codegen.plan.combine import plan_combine
+    from tldsl.codegen.plan.grouped_gemm import SIDE_THREADS
+    from tldsl.codegen.recipes.combine import render_combine
+    cp = k.part("combine")
+    l96 = render_combine(plan_combine(k, cp, match_combine(k, cp), threads=SIDE_THREADS))
+    assert l96.threads == 96 and "item0 += 96" in l96.source
+    (tmp_path / "c96").mkdir()
+    arrays["partial"] = np.full((T, K), np.nan, np.float32)
+    _, out96 = _run_host(tmp_path / "c96", l96, arrays, launch=launch, rank=2, gemm=False)
+    np.testing.assert_allclose(out96.reshape(T, K), ref, rtol=1e-5, atol=1e-5)
     cpart = k.part("combine")
     tiles = _split_tiles(lines)
     assert len(tiles) == cpart.grid[0] * cpart.grid[1]
@@ -893,7 +976,7 @@ def check_combine_sass(ck, lw):
 def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
     kag, krs = trace_ag(**sched), trace_rs(**sched)
     lws = [lower_grouped_gemm(kag, "grouped_gemm"), lower_grouped_gemm(krs, "grouped_gemm"),
-           lower_combine(krs, "combine")]
+           lower_combine(krs, "combine"), lower_grouped_gemm(krs, "grouped_gemm", side="combine")]
     t0 = time.perf_counter()
     cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lws], cache=KernelCache(tmp_path),
                        progress=False)
@@ -901,8 +984,12 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
     for lw, ck in zip(lws, cks):
         assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
         k = check_combine_sass(ck, lw) if lw.kind == "combine" else check_grouped_gemm_sass(ck, lw)
+        if lw.kind == "grouped_gemm" and lw.side:
+            # the folded combine: its coherent 8- or 16-byte gathers and stores, its acquire
+            assert k.count("LDG.E.64.STRONG.GPU") > 0 and k.count("STG.E.128") > 0, sorted(k.opcodes)
+            assert k.count("LDG.E.128") + k.count("LDG.E.64") > 0
         print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
-    print(f"3 kernels in {wall:.1f} s")
+    print(f"{len(lws)} kernels in {wall:.1f} s")
 
 
 @pytest.mark.nvrtc
@@ -928,7 +1015,8 @@ def test_items_at_once_stay_within_their_bounds():
                     continue
                 total = bm * bn // vec
                 for trips in (None, 0, 1, 2, 3, 4, 5, 8, 9, 12):
-                    g = items_at_once(SimpleNamespace(match=SimpleNamespace(BMf=bm, BNf=bn), vec=vec), trips)
+                    plan = SimpleNamespace(match=SimpleNamespace(BMf=bm, BNf=bn), vec=vec, threads=COMBINE_THREADS)
+                    g = items_at_once(plan, trips)
                     assert g >= 1
                     if g > 1:
                         assert total % COMBINE_THREADS == 0 and (total // COMBINE_THREADS) % g == 0

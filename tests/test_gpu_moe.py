@@ -7,7 +7,8 @@ Run on a GPU host with: ``python -m pytest -q -m gpu tests/test_gpu_moe.py``.
   directly: this runs the compute part alone, its waits satisfied by pre-set flags), every
   tile checked — routed rows, padding rows and unused tiles (zeros) — after poisoning ``h``
   with NaN.
-* MoE+ReduceScatter's grouped GEMM then its combine: ``y_sorted`` (used tiles), ``partial``,
+* MoE+ReduceScatter's grouped GEMM then its combine (two kernels, or the combine folded into
+  the GEMM's kernel): ``y_sorted`` (used tiles), ``partial``,
   and the signal counters both leave (``y_ready``, ``reduce_scatter_ready``) against the
   counts the tile program's scalar code gives; a second launch (epoch 2) gives the same
   results and doubles the counters.
@@ -163,12 +164,17 @@ def test_allgather_moe_waits_block_until_flags_are_set():
 
 # -- MoE+ReduceScatter ---------------------------------------------------------------------------------
 
-def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
+def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1), fold=False):
+    """(program, grouped GEMM, combine); ``fold``: the combine folded into the grouped GEMM's
+    kernel (the same lowered kernel twice)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, _dt(dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
                                     comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+    if fold:
+        lf = lower_grouped_gemm(k, "grouped_gemm", cluster=cluster, side="combine")
+        return k, lf, lf
     return k, lower_grouped_gemm(k, "grouped_gemm", cluster=cluster), lower_combine(k, "combine")
 
 
@@ -200,18 +206,23 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
 ]
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["two_kernels", "folded"])
 @pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", RS_CASES,
                          ids=[_case_id(c) for c in RS_CASES])
 def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order,
-                                                             dtype, cluster):
+                                                             dtype, cluster, fold):
+    """The grouped GEMM then the combine, or (``fold``) one kernel whose spare producer warps
+    run the combine's tiles as their waits hold: the same results and counters."""
     import torch
     from tldsl.ops.moe import reference_moe_reduce_scatter
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     rt, wts = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 7 + Ms)
     rank = 1
-    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
+    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster, fold=fold)
     assert lg.cluster_dims == (cluster[0], 1, 1)
-    gk, ck = GroupedKernel(lg), GroupedKernel(lc)
+    assert (lg.side == "combine") == fold
+    gk = GroupedKernel(lg)
+    ck = gk if fold else GroupedKernel(lc)
     g = torch.Generator(device="cuda").manual_seed(K + Nr)
     T, R = W * Ms, rt.num_rows
     tabs = rt.reduce_scatter_tables()
@@ -223,7 +234,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64) for n, s in slots.items()}
     exp_y = _expected_counts(k, "grouped_gemm", tabs, W, rank, {"y_ready": slots["y_ready"]})["y_ready"]
     exp_rs = _expected_counts(k, "combine", tabs, W, rank, {"reduce_scatter_ready": slots["reduce_scatter_ready"]})
-    assert (exp_y.reshape(-1, lc.grid_tiles[1]) == rt.token_tile_producers[:, None]).all()
+    assert (exp_y.reshape(-1, (lc.side_tiles if fold else lc.grid_tiles)[1]) == rt.token_tile_producers[:, None]).all()
 
     h, w2 = _np(bufs["h"]), _np(bufs["w2"])
     used = np.repeat(rt.tile_expert >= 0, rt.block_m)
@@ -237,7 +248,8 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
         bufs["y_sorted"].fill_(float("nan"))
         bufs["partial"].fill_(float("nan"))
         gk(bufs, signals=sigs, launch_index=launch, rank=rank)
-        ck(bufs, signals=sigs, launch_index=launch, rank=rank)
+        if not fold:
+            ck(bufs, signals=sigs, launch_index=launch, rank=rank)
         torch.cuda.synchronize()
         y = bufs["y_sorted"].float().cpu().numpy()
         assert not np.isnan(y[used]).any() and np.isnan(y[~used]).all()    # unused tiles: not stored

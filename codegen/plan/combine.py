@@ -50,6 +50,7 @@ class CombinePlan:
     wait_scopes: tuple[str, ...]
     options: tuple[str, ...]                # NVRTC options
     vec: int = 4                            # consecutive columns per thread (vector_width)
+    threads: int = COMBINE_THREADS          # threads that share a tile (96 folded into a grouped GEMM)
 
     @property
     def src_param(self) -> str:
@@ -61,8 +62,9 @@ class CombinePlan:
 
 
 def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_timeout_ns: int | None = None,
-                 entry: str | None = None) -> CombinePlan:
-    """The plan of a matched combine under the kernel's compute schedule."""
+                 entry: str | None = None, threads: int = COMBINE_THREADS) -> CombinePlan:
+    """The plan of a matched combine under the kernel's compute schedule; ``threads`` share a
+    tile (a CTA of its own, or the spare warps of the grouped GEMM it is folded into)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     _check(m)
     iv = m.loop.regions[0].args[0]
@@ -97,7 +99,7 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
                        int(getattr(part, "align_shift", 0)), grid, tuple(params), buffers, signals, tensors, written,
                        per_tile, per_row, scale, len(waits), sum(op.name in NOTIFY_OPS for op in walk),
                        tuple(sorted({scope_of(op) for op in waits})), wait_timeout_options(wait_timeout_ns),
-                       vector_width(m))
+                       vector_width(m), threads)
 
 
 def vector_width(m: CombineMatch) -> int:

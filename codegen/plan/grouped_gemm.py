@@ -21,10 +21,18 @@ from .prog_params import (signal_hook, signal_params, signals_used, tensor_param
                           written_buffers)
 from .wgmma import GemmConfig, check_k_loop, check_operands, check_tiles, choose_config
 
+#: the registers a 384-thread CTA holds (ptxas gives each thread 168 under ``__launch_bounds__(384,
+#: 1)``): ``setmaxnreg`` only moves them between warpgroups — a consumer's increase waits until
+#: the producer's decrease has freed enough, so 128 * producer + 256 * consumer must not exceed it
+#: (more would wait forever)
+REGISTER_POOL = 168 * 384
 #: producer / consumer registers after ``setmaxnreg`` when A is gathered (the producer warpgroup
-#: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 <= 65536;
+#: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 = the pool;
 #: 224 still holds the 128 accumulators of a 128x256 tile without spills (checked in the tests).
 GATHER_REGS = (56, 224)
+#: ... when a combine is folded into the producer warpgroup's spare warps (each keeps up to eight
+#: gathered 8-wide rows and their sum in flight): 128 * 104 + 256 * 200 = the pool
+SIDE_REGS = (104, 200)
 _TMA = "const __grid_constant__ cute::TmaDescriptor"
 
 
@@ -50,17 +58,23 @@ class GroupedGemmPlan:
     notifies: int
     wait_scopes: tuple[str, ...]            # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...]                # NVRTC options
+    side: object = None                     # CombinePlan of a combine folded into the spare producer warps
 
 
 def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
-                      wait_timeout_ns: int | None = None, entry: str | None = None) -> GroupedGemmPlan:
-    """The plan of a matched grouped GEMM under the kernel's compute schedule."""
+                      wait_timeout_ns: int | None = None, entry: str | None = None,
+                      side: str | None = None) -> GroupedGemmPlan:
+    """The plan of a matched grouped GEMM under the kernel's compute schedule; ``side`` names a
+    row-gather combine part folded into the kernel (:func:`plan_side`)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
     cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
+    side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None
+    if side_plan is not None and cfg.consumer_wgs == 2:
+        cfg = replace(cfg, producer_regs=SIDE_REGS[0], consumer_regs=SIDE_REGS[1])
 
     ops = part.body.ops
     written = written_buffers(kernel)
@@ -90,7 +104,38 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
                            buffers, signals, tensors, written, len(waits),
                            sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
-                           wait_timeout_options(wait_timeout_ns))
+                           wait_timeout_options(wait_timeout_ns), side_plan)
+
+
+#: threads of a folded combine: warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
+SIDE_THREADS = 96
+
+
+def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: str, wait_timeout_ns):
+    """The plan of the row-gather combine part ``side`` folded into this grouped GEMM's kernel:
+    its tiles run on the three producer warps that a TMA-loaded A leaves idle, each as soon as its
+    waits hold — as the GEMM's tiles complete, instead of after the whole GEMM. Refused where the
+    GEMM gathers A (every producer thread copies rows) or could wait on the combine (the two
+    share each SM's CTA: a GEMM tile waiting for a combine tile behind it would never finish)."""
+    from ..match.combine import match_combine
+    from .combine import plan_combine
+    names = [p.name for p in kernel.parts]
+    if side not in names:
+        raise fail(WHAT, f"side={side!r}: kernel '{kernel.name}' has no part of that name (parts: {names})", part)
+    sp = kernel.part(side)
+    if sp is part or sp.role != "compute":
+        raise fail(WHAT, f"side={side!r}: only another compute part (a row-gather combine) folds into "
+                   f"'{part.name}'", part)
+    if m.gather:
+        raise fail(WHAT, f"side={side!r}: '{part.name}' gathers its A rows on every producer thread; a combine folds "
+                   "only into a grouped GEMM whose A is loaded by TMA", m.a_load)
+    notified = {op.operands[0].owner.name for op in sp.walk() if op.name in NOTIFY_OPS}
+    waited = sorted({op.operands[0].owner.name for op in part.walk() if op.name in WAIT_OPS} & notified)
+    if waited:
+        raise fail(WHAT, f"side={side!r}: '{part.name}' waits on {waited}, which '{side}' notifies; folded into one "
+                   "kernel the two could wait on each other forever", part)
+    return plan_combine(kernel, sp, match_combine(kernel, sp), wait_timeout_ns=wait_timeout_ns,
+                        entry=None, threads=SIDE_THREADS)
 
 
 def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:

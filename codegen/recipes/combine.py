@@ -101,16 +101,21 @@ class LoweredCombine(LoweredKernel):
 def render_combine(plan: CombinePlan) -> LoweredCombine:
     """The kernel of a plan: the ``Cfg``, the ``Prog`` hooks, the entry point."""
     m = plan.match
-    fns = HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
-    fns += hook_fn("void body(int pid0, int pid1, int tid)", _body(plan))
-    fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
+    fns = combine_hooks(plan)
     sched = plan.schedule
-    return LoweredCombine(plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), COMBINE_THREADS,
+    return LoweredCombine(plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), plan.threads,
                           (m.BMf, m.BNf), plan.params, plan.buffers, tuple(s.name for s in plan.signals),
                           {s.name: s.type.slots for s in plan.signals},
                           tuple(b.name for b in plan.tensors if b.type.dtype.name == "i32"), plan.grid_tiles,
                           plan.kernel.world_size, plan.align_shift, sched.order, plan.waits, plan.notifies,
                           plan.wait_scopes, plan.options, vec=plan.vec)
+
+
+def combine_hooks(plan: CombinePlan) -> list[str]:
+    """The ``Prog`` hooks of a combine: ``waits``, ``body``, ``notifies``."""
+    fns = HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
+    fns += hook_fn("void body(int pid0, int pid1, int tid)", _body(plan))
+    return fns + HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
 
 
 #: gathers kept in flight per thread: a loop over at most this many rows (constant bounds) is
@@ -131,9 +136,9 @@ def items_at_once(plan: CombinePlan, trips: int | None) -> int:
     :data:`MAX_VALUES_IN_FLIGHT`; 1 for a loop whose bounds are not constant or too long."""
     m = plan.match
     total = m.BMf * (m.BNf // plan.vec)
-    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total % COMBINE_THREADS:
+    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total % plan.threads:
         return 1
-    per_thread = total // COMBINE_THREADS
+    per_thread = total // plan.threads
     values = plan.vec * (trips + (1 if trips > 1 else 0))
     g = max(1, min(per_thread, MAX_GATHERS_IN_FLIGHT // trips, MAX_VALUES_IN_FLIGHT // values))
     while per_thread % g:
@@ -160,7 +165,7 @@ def _body(plan: CombinePlan) -> list[str]:
     trips = _constant_trips(lo, hi, st)
     G = items_at_once(plan, trips)
     in_flight = trips is not None and 0 < trips <= MAX_GATHERS_IN_FLIGHT
-    L.append(f"    for (int item0 = tid; item0 < {m.BMf * V}; item0 += {COMBINE_THREADS * G}) {{")
+    L.append(f"    for (int item0 = tid; item0 < {m.BMf * V}; item0 += {plan.threads * G}) {{")
     with em.scope():
         L += [f"      float acc_[{G}][{n}];",
               "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_)", "        #pragma unroll",
@@ -173,7 +178,7 @@ def _body(plan: CombinePlan) -> list[str]:
             L += _body_one_by_one(plan, em, lo, hi, st, src)
             L.append("      }")
     L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
-          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
           f"        const int cv = (item - r * {V}) * {n};",
           f"        tldsl::grouped::storev<{n}>({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc_[g_]);"
           f"{marker(m.store.loc)}",
@@ -222,7 +227,7 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
     if not scaled:
         L.append("      (void)w_;")
     L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
-          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
           "        (void)r;",
           "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
     with em.scope():
@@ -236,7 +241,7 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
             L.append(f"          w_[g_][j_] = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
     L += ["        }", "      }",
           "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
-          f"        const int item = item0 + g_ * {COMBINE_THREADS};", f"        const int r = item / {V};",
+          f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
           f"        const int cv = (item - r * {V}) * {vec};",
           "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)",
           f"          tldsl::grouped::loadv<{vec}>({plan.src_param}, rows_[g_][j_], {src[0]}, cols_[g_][j_] + cv, "
@@ -250,11 +255,9 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
 
 def _source(plan: CombinePlan, fns: list[str]) -> str:
     kernel, part, m, sched = plan.kernel, plan.part, plan.match, plan.schedule
-    sdt, ddt = c_type(m.src.type.dtype), c_type(m.dst.type.dtype)
-    members, init = prog_members(plan, [(f"const {sdt}*", plan.src_param), (f"{ddt}*", plan.dst_param)])
     digest = hashlib.sha256(repr((kernel.name, part.name, sched, m.BMf, m.BNf)).encode()).hexdigest()[:12]
     plist = ",\n    ".join(f"{q.ctype} {q.name}" for q in plan.params)
-    gm, gn = plan.grid_tiles
+    structs, init = combine_structs(plan, fns)
     return "\n".join([
         f"// Generated by tldsl.codegen, recipe combine — do not edit. Kernel '{kernel.name}', compute part "
         f"'{part.name}' ({part.loc}).",
@@ -264,33 +267,46 @@ def _source(plan: CombinePlan, fns: list[str]) -> str:
         "",
         "namespace {",
         "",
-        "struct Cfg {",
-        f"  static constexpr int kThreads = {COMBINE_THREADS}, BM = {m.BMf}, BN = {m.BNf};{marker(part.loc)}",
-        f"  static constexpr int kGridM = {gm}, kGridN = {gn};",
-        f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {sched.group_m}, "
-        f"kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
-        "};",
-        f"// The host launches kThreads threads per CTA; the generated body strides over BM x BN/{plan.vec} items "
-        "by it.",
-        f"static_assert(Cfg::kThreads == {COMBINE_THREADS} && Cfg::BN % {plan.vec} == 0 && Cfg::BM * (Cfg::BN / "
-        f"{plan.vec}) == {m.BMf * (m.BNf // plan.vec)}, \"host/device combine mapping mismatch\");",
-        "",
-        "struct Prog {",
-        f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
-        f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
-        *members,
-        *fns,
-        "};",
+        *structs,
         "",
         "}  // namespace",
         "",
-        f'extern "C" __global__ void __launch_bounds__({COMBINE_THREADS})',
+        f'extern "C" __global__ void __launch_bounds__({plan.threads})',
         f"{plan.entry}(",
         f"    {plist}) {{",
         f"  const Prog prog{{{', '.join(init)}}};",
         "  tldsl::grouped::combine_kernel<Cfg>(rank, prog);",
         "}",
         ""])
+
+
+def combine_structs(plan: CombinePlan, fns: list[str], cfg: str = "Cfg", prog: str = "Prog",
+                    folded: bool = False) -> tuple[list, list]:
+    """(the ``Cfg`` and ``Prog`` structs of a combine, named ``cfg`` and ``prog``; the ``Prog``'s
+    initialisers, kernel parameter names): its own kernel's, or those a grouped GEMM it is
+    folded into instantiates for its spare warps."""
+    kernel, part, m, sched = plan.kernel, plan.part, plan.match, plan.schedule
+    sdt, ddt = c_type(m.src.type.dtype), c_type(m.dst.type.dtype)
+    members, init = prog_members(plan, [(f"const {sdt}*", plan.src_param), (f"{ddt}*", plan.dst_param)])
+    gm, gn = plan.grid_tiles
+    return [
+        f"struct {cfg} {{",
+        f"  static constexpr int kThreads = {plan.threads}, BM = {m.BMf}, BN = {m.BNf};{marker(part.loc)}",
+        f"  static constexpr int kGridM = {gm}, kGridN = {gn};",
+        f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {sched.group_m}, "
+        f"kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
+        "};",
+        f"// kThreads threads share a tile; the generated body strides over BM x BN/{plan.vec} items by it.",
+        f"static_assert({cfg}::kThreads == {plan.threads} && {cfg}::BN % {plan.vec} == 0 && {cfg}::BM * ({cfg}::BN / "
+        f"{plan.vec}) == {m.BMf * (m.BNf // plan.vec)}, \"host/device combine mapping mismatch\");",
+        "",
+        f"struct {prog} {{",
+        *(["  static constexpr bool kEnabled = true;   // the grouped GEMM runs it"] if folded else []),
+        f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
+        f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
+        *members,
+        *fns,
+        "};"], init
 
 
 RECIPE = Recipe("combine", "compute", 20, match_combine, plan_combine, render_combine,

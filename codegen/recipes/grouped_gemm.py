@@ -74,6 +74,8 @@ from ..ir_queries import only_part
 from ..match.grouped_gemm import WHAT, match_grouped_gemm
 from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
 from ..plan.wgmma import GemmConfig
+from ..errors import LoweringError
+from .combine import combine_hooks, combine_structs
 from .prog_hooks import HookEmitter, hook_fn, prog_members
 from .recipe import Recipe
 from .wgmma import gemm_cfg_fields
@@ -107,6 +109,8 @@ class LoweredGroupedGemm(LoweredKernel):
     wait_scopes: tuple[str, ...]     # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    side: str | None = None          # a combine part folded into the producer's spare warps
+    side_tiles: tuple[int, int] | None = None
 
     kind = "grouped_gemm"
 
@@ -161,12 +165,39 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
     # waits() and notifies(), with their guards and loops
     fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
     fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
+    sp = plan.side
+    params, buffers = side_params(plan), dict(plan.buffers)
+    signals = {s.name: s.type.slots for s in plan.signals}
+    tables = [b.name for b in plan.tensors]
+    waits, notifies, scopes = plan.waits, plan.notifies, set(plan.wait_scopes)
+    if sp is not None:
+        buffers.update(sp.buffers)
+        signals.update({s.name: s.type.slots for s in sp.signals})
+        tables += [b.name for b in sp.tensors if b.name not in tables]
+        waits, notifies, scopes = waits + sp.waits, notifies + sp.notifies, scopes | set(sp.wait_scopes)
     return LoweredGroupedGemm(
-        plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), plan.config, plan.params, plan.tma,
-        plan.buffers, tuple(s.name for s in plan.signals), {s.name: s.type.slots for s in plan.signals},
-        tuple(b.name for b in plan.tensors), plan.M, plan.N, plan.K, tuple(plan.part.grid), plan.kernel.world_size,
-        plan.align_shift, m.gather, m.batched, not m.store_inside, plan.waits, plan.notifies, plan.wait_scopes,
-        plan.options)
+        plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), plan.config, params, plan.tma,
+        buffers, tuple(signals), signals, tuple(tables), plan.M, plan.N, plan.K, tuple(plan.part.grid),
+        plan.kernel.world_size, plan.align_shift, m.gather, m.batched, not m.store_inside, waits, notifies,
+        tuple(sorted(scopes)), plan.options, side=sp.part.name if sp is not None else None,
+        side_tiles=sp.grid_tiles if sp is not None else None)
+
+
+def side_params(plan: GroupedGemmPlan) -> tuple[KernelParam, ...]:
+    """The GEMM's parameters, then the folded combine's that it does not have (one parameter per
+    tensor or signal; a pointer both read is declared as the GEMM declares it)."""
+    params = list(plan.params)
+    if plan.side is None:
+        return tuple(params)
+    have = {p.name: p for p in params}
+    for q in plan.side.params:
+        if q.name not in have:
+            params.append(q)
+            have[q.name] = q
+        elif have[q.name].source != q.source:
+            raise LoweringError(f"internal: parameter {q.name} means {have[q.name].source} in '{plan.part.name}' "
+                                f"and {q.source} in '{plan.side.part.name}'", plan.part.loc)
+    return tuple(params)
 
 
 def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
@@ -218,28 +249,38 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         *fns,
         "};",
         "",
-        "}  // namespace",
-        "",
     ]
-    L += kernel_entry(plan.entry, cfg.threads, plan.params, [
+    side, side_init = [], []
+    if plan.side is not None:
+        sp = plan.side
+        side, side_init = combine_structs(sp, combine_hooks(sp), "SideCfg", "SideProg", folded=True)
+        L += [f"// Folded in: compute part '{sp.part.name}' ({sp.part.loc}), run by the producer warpgroup's spare "
+              "warps.", *side, ""]
+    L += ["}  // namespace", ""]
+    call = (f"  tldsl::grouped::grouped_gemm_kernel<Cfg{', SideCfg' if side else ''}>("
+            f"{'nullptr' if m.gather else '&tma_a'}, &tma_b, &tma_c, {a_param if m.gather else 'nullptr'}, rank, prog"
+            f"{', side' if side else ''});{dot_mk}")
+    L += kernel_entry(plan.entry, cfg.threads, side_params(plan), [
         f"  const Prog prog{{{', '.join(init)}}};",
-        f"  tldsl::grouped::grouped_gemm_kernel<Cfg>({'nullptr' if m.gather else '&tma_a'}, &tma_b, &tma_c, "
-        f"{a_param if m.gather else 'nullptr'}, rank, prog);{dot_mk}",
+        *([f"  const SideProg side{{{', '.join(side_init)}}};"] if side else []),
+        call,
         f"  // stores: {m.c.name}{store_mk}"])
     return "\n".join(L)
 
 
 RECIPE = Recipe("grouped_gemm", "compute", 30, match_grouped_gemm, plan_grouped_gemm, render_grouped_gemm,
-                options=frozenset({"cluster", "wait_timeout_ns", "entry"}),
+                options=frozenset({"cluster", "wait_timeout_ns", "entry", "side"}),
                 summary="grouped GEMM over per-tile tables (MoE)")
 
 
 def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None, *, cluster=None,
-                       wait_timeout_ns: int | None = None, entry: str | None = None) -> LoweredGroupedGemm:
+                       wait_timeout_ns: int | None = None, entry: str | None = None,
+                       side: str | None = None) -> LoweredGroupedGemm:
     """Lower ``kernel``'s grouped-GEMM compute part (the only one, or the one named) to a Hopper
     kernel: this recipe's match → plan → render, with the matcher's error (at the user's line)
     when the part does not fit. ``cluster`` overrides the schedule's ((1, 1) or (2, 1): pairs of
     vertically adjacent tiles that multicast B when both run on the same expert);
-    ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs)."""
+    ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs); ``side``
+    folds the named row-gather combine part into the kernel (it then has no launch of its own)."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
-    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry)
+    return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry, side=side)

@@ -1,7 +1,8 @@
 """The MoE grouped GEMMs beside ``torch._grouped_mm`` on one GPU (issue 20's rows).
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
-                              [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--iters 10]
+                              [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
+                              [--iters 10]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -28,7 +29,10 @@ grouped GEMM into ``y_sorted``, the combine), each launch one driver call, besid
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
 (``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
 partial is checked against torch's sequence first. Two more columns time our kernels one by one
-(the GEMM alone, the combine alone: where the layer's time goes).
+(the GEMM alone, the combine alone: where the layer's time goes). ``--fold on``: the combine folded
+into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
+once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
+(checked too), beside the two kernels one after the other.
 """
 from __future__ import annotations
 
@@ -99,9 +103,18 @@ def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
     return out
 
 
-def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2):
+#: ``--fold`` choices: ``on`` folds the combine into the grouped GEMM's kernel (its tiles on the
+#: producer warpgroup's spare warps, the GEMM's tiles column by column so that a column's combine
+#: starts once its GEMM tiles are done), ``off`` launches the two kernels one after the other
+FOLD = ("on", "off")
+
+
+def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
+                   fold: bool = False):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
-    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token)."""
+    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token); ``fold``:
+    the combine folded into the grouped GEMM's kernel (then None in its place), whose tiles go
+    column by column (``group_m``: every tile row)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
@@ -109,16 +122,21 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
+    order = dict(order="swizzled", group_m=max(rt.num_tiles, -(-T // tile[0]))) if fold else dict(order="swizzled")
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
-                                    compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"),
+                                    compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
+    if fold:
+        return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1), side="combine"), None
     return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)), lower_combine(k, "combine")
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2) -> dict:
-    """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err}``
-    (``ms``: our grouped GEMM and combine, one after the other)."""
+                 cluster: int = 2, fold: bool = False) -> dict:
+    """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
+    parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
+    the other; ``parts_ms``: the two unfolded kernels one by one, and with ``fold`` the pair one
+    after the other first)."""
     import numpy as np
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
@@ -139,14 +157,14 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
             "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt),
             "partial": torch.full((T, N), float("nan"), device="cuda", dtype=torch.float32)}
-    # every wait already satisfied: the kernels alone, one after the other on one stream
+    # unfolded, every wait already satisfied: the kernels alone, one after the other on one stream
     slots = {**lg.signal_slots, **lc.signal_slots}
     flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
     gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
     combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
 
-    def ours():
+    def pair():
         stream = torch.cuda.current_stream().cuda_stream
         gemm.launch(stream, 1)
         combine.launch(stream, 1)
@@ -163,10 +181,39 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
 
     def combine_alone():
         combine.launch(torch.cuda.current_stream().cuda_stream, 1)
-    ours()
-    return _checked_timings(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum",
-                            bufs["partial"], sequence(), [ours, gmm, sequence], iters, 2 * T * topk * K * N,
-                            _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone])
+    what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
+    want = sequence()
+    pair()
+    if not fold:
+        return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
+                                _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone])
+    _check_close(what + " (one after the other)", bufs["partial"], want)
+    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True)
+    # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
+    # epoch per launch
+    fsig = {s: torch.zeros((n,), device="cuda", dtype=torch.int64) for s, n in lf.signal_slots.items()}
+    fused = GroupedKernel(lf).prepare(bufs, fsig)
+    launches = [0]
+
+    def folded():
+        launches[0] += 1
+        fused.launch(torch.cuda.current_stream().cuda_stream, launches[0])
+    bufs["partial"].fill_(float("nan"))
+    bufs["y_sorted"].fill_(float("nan"))
+    folded()
+    return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
+                            2 * T * topk * K * N, _computed_rows(rt), T * topk,
+                            parts=[pair, gemm_alone, combine_alone])
+
+
+def _check_close(what: str, got, want) -> float:
+    """``got``'s relative L2 error against ``want``; a RuntimeError (``what`` and the errors, nothing
+    timed) beyond the layer benchmark's tolerances."""
+    from . import fused_layers
+    l2, worst = fused_layers.errors(got, want)
+    if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
+        raise RuntimeError(f"{what}: relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
+    return l2
 
 
 def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int,
@@ -174,11 +221,8 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
     """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
     timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — and ``parts`` (ours kernel by
     kernel: ``parts_ms``) timed interleaved."""
-    from . import fused_layers
     from .timing import interleaved_ms
-    l2, worst = fused_layers.errors(got, want)
-    if not (l2 <= fused_layers.REL_TOL and worst <= fused_layers.MAX_TOL):
-        raise RuntimeError(f"{what}: relative L2 {l2:.3g}, largest {worst:.3g} x RMS; not timed")
+    l2 = _check_close(what, got, want)
     ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters)
     return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
                 err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
@@ -270,6 +314,9 @@ def parse_args(argv):
                     help="ag: gather the routed rows in a pass of their own, then the grouped GEMM on them by TMA "
                          "(on), inside the grouped GEMM (off), or as AllGatherMoE chooses at one rank by the row's "
                          "shape (auto)")
+    ap.add_argument("--fold", choices=FOLD, default="off",
+                    help="rs: the combine folded into the grouped GEMM's kernel, its tiles run by the producer's "
+                         "spare warps as the GEMM's columns complete (on), or launched after it (off)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
@@ -298,20 +345,24 @@ def main(argv, out=sys.stdout) -> int:
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
+    fold = rs and args.fold == "on"
     split = (" GEMM alone ms | combine alone ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms |")
+    if fold:
+        ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
+    blank = split.count("|") * " |"
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
-          f"{'---|---|' if rs else '---|---|---|'}", file=out, flush=True)
+          f"{split.count('|') * '---|'}", file=out, flush=True)
     failed = 0
     for row in args.row_list:
         try:
-            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster) if rs else
+            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold) if rs else
                  bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows))
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{' | |' if rs else ' | | |'}", file=out, flush=True)
+                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{blank}", file=out, flush=True)
             continue
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:

@@ -366,14 +366,30 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
   }
 }
 
+// No side program: the producer warpgroup's spare warps idle.
+struct NoSide {
+  static constexpr bool kEnabled = false;
+};
+struct NoSideCfg {};
+
+// A side program's tiles run on warps 1-3 of a TMA producer warpgroup (96 threads, named barrier 5).
+constexpr int kSideThreads = 96, kSideBarrier = 5;
+
+template <class SideCfg, int kThreads, int kBarrier, class Prog>
+__device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step);
+
 // The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
-template <class Cfg, class Prog>
+// `side` (Side::kEnabled, TMA A only): a row-gather combine whose tiles warps 1-3 of the producer
+// warpgroup run while the GEMM's run (a part chained after this one, folded in: its waits are
+// this GEMM's notifies, so its tiles start as the GEMM's complete instead of after the launch).
+template <class Cfg, class SideCfg = NoSideCfg, class Prog, class Side = NoSide>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,
                                                     const cute::TmaDescriptor* tma_c,
                                                     const typename Cfg::ElemAB* __restrict__ a, int rank,
-                                                    const Prog& prog) {
+                                                    const Prog& prog, const Side& side = Side{}) {
   using Tr = GroupedTraits<Cfg>;
+  static_assert(!(Side::kEnabled && Cfg::kGather), "a side program runs on a TMA producer's spare warps only");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -468,7 +484,12 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
       cp_async_wait_all();
-    } else if (warp == 0 && cute::elect_one_sync()) {
+    } else if (warp != 0) {
+      // warps 1-3 have no part in a TMA producer: a side program's tiles (a combine folded in)
+      if constexpr (Side::kEnabled)
+        combine_tiles<SideCfg, kSideThreads, kSideBarrier>(rank, side, int(threadIdx.x) - 32, int(blockIdx.x),
+                                                           int(gridDim.x));
+    } else if (cute::elect_one_sync()) {
       int it = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
         const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
@@ -630,23 +651,38 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
 
 // Cfg: kThreads, kGridM, kGridN, kOrder, kGroupM, kWorldSize, kAlignShift.
 // Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1), body(pid0, pid1, tid).
-template <class Cfg, class Prog>
-__device__ __forceinline__ void combine_kernel(int rank, const Prog& prog) {
+// The tiles first, first + step, ... of the combine's order, by kThreads threads (tid 0..) that
+// meet at named barrier kBarrier (0: the whole CTA, __syncthreads).
+template <int kThreads, int kBarrier>
+__device__ __forceinline__ void combine_sync() {
+  if constexpr (kBarrier == 0)
+    __syncthreads();
+  else
+    cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
+}
+
+template <class Cfg, int kThreads, int kBarrier, class Prog>
+__device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step) {
   constexpr int gm = Cfg::kGridM, gn = Cfg::kGridN;
+  static_assert(Cfg::kThreads == kThreads, "the combine's body strides by its Cfg::kThreads");
   const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
-  const int tid = int(threadIdx.x);
-  for (int t = blockIdx.x; t < gm * gn; t += gridDim.x) {
+  for (int t = first; t < gm * gn; t += step) {
     const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
     if constexpr (Prog::kHasWaits) {
       if (tid == 0) prog.waits(tc.m, tc.n);   // acquire ...
-      __syncthreads();                         // ... for every thread's loads of this tile
+      combine_sync<kThreads, kBarrier>();      // ... for every thread's loads of this tile
     }
     prog.body(tc.m, tc.n, tid);
     if constexpr (Prog::kHasNotifies) {
-      __syncthreads();                         // every thread's stores of this tile ...
+      combine_sync<kThreads, kBarrier>();      // every thread's stores of this tile ...
       if (tid == 0) prog.notifies(tc.m, tc.n); // ... before the release
     }
   }
+}
+
+template <class Cfg, class Prog>
+__device__ __forceinline__ void combine_kernel(int rank, const Prog& prog) {
+  combine_tiles<Cfg, Cfg::kThreads, 0>(rank, prog, int(threadIdx.x), int(blockIdx.x), int(gridDim.x));
 }
 
 }  // namespace grouped

@@ -129,7 +129,7 @@ def test_bad_arguments_are_refused_in_one_line():
 def test_the_sm_splits_to_time_are_parsed_and_checked():
     from tldsl.runtime.gpu.run_plan import CHAINS
     from tldsl.runtime.gpu.sm_split import SPLITS
-    assert set(baselines.SM_SPLITS) == set(SPLITS) | {f"{s}/beside" for s in SPLITS}
+    assert set(baselines.SM_SPLITS) == set(SPLITS) | {f"{s}/{c}" for s in SPLITS for c in ("beside", "folded")}
     assert baselines.parse_args(["moe_rs", "--fused"]).sm_splits == ("work",)
     assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,even,work"]).sm_splits == ("work", "even")
     assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,work/beside"]).sm_splits == \

@@ -3,7 +3,8 @@
 stream with the SMs it leaves (the default: an MoE combine can start a token tile only once
 every GEMM tile holding its tokens is done, which with a dynamic mapping is where the GEMM's
 last wave may be), or beside it with a share of the SMs (``chain="beside"``, the layout
-before). Parts that cannot wait behind their producer stay beside it: one its producer waits on
+before), or folded into the producer's kernel (``chain="folded"``: a combine behind its grouped
+GEMM). Parts that cannot wait behind their producer stay beside it: one its producer waits on
 (directly or through another part), one waiting on a communication part or on two producers,
 one whose tasks wait for each other."""
 from __future__ import annotations
@@ -123,8 +124,43 @@ def test_parts_waiting_on_communication_or_on_their_own_tasks_stay_beside():
     assert chained_parts(k, _kernels(k)) == {}
 
 
+def test_folded_the_combine_runs_inside_its_grouped_gemms_kernel():
+    """``chain="folded"``: the combine lowered into the grouped GEMM's kernel (its producer's
+    spare warps), no launch of its own; the GEMM keeps every SM the reduce-scatter leaves, and
+    binds the combine's parameters too."""
+    from tldsl.runtime.gpu.bind import check_bindings
+    from tldsl.runtime.gpu.fold import FoldedPart
+    k = moe_rs_program()
+    lowered = lower_for_run(k, chain="folded")
+    assert lowered["combine"] == FoldedPart("combine", "grouped_gemm")
+    assert lowered["grouped_gemm"].side == "combine"
+    assert lower_for_run(k)["grouped_gemm"].side is None               # after: two kernels, as before
+    check_bindings(k, lowered)
+    plan = plan_run(k, lowered, sm_count=H200_SMS, chain="folded")
+    got = {x.part: x for x in plan.kernels}
+    assert set(got) == {"reduce_scatter", "grouped_gemm"} and got["grouped_gemm"].ctas == 131
+    assert plan.streams == 2 and plan.resident_ctas == 132
+    names = {p.name for p in got["grouped_gemm"].lowered.params}
+    assert {"out_partial", "ptr_y_sorted", "tbl_token_pos", "sig_reduce_scatter_ready"} <= names
+
+
+def test_folded_leaves_a_pair_the_recipe_cannot_fold_chained():
+    """A staged AllGather+MoE: the GEMM chained after the row gather is not a combine behind a
+    grouped GEMM, so it still runs after it, as with ``chain="after"``."""
+    rng = np.random.default_rng(0)
+    ids, _ = random_routing(rng, 128, 8, 2)
+    rt = moe_routing(ids, 8, 1, 128, 128)
+    k = rt.trace_allgather_moe(1, 128, 2048, 8192, 8, tl.bfloat16, stage_rows=True,
+                               compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, cluster=(2, 1)),
+                               comm=tl.CommSchedule(tile_m=128, mode="pull"))
+    lowered = lower_for_run(k, chain="folded")
+    assert all(getattr(lk, "side", None) is None for lk in lowered.values())
+    plan = plan_run(k, lowered, sm_count=H200_SMS, chain="folded")
+    assert {x.part: x.after for x in plan.kernels}["grouped_gemm"] == "gather_rows"
+
+
 def test_an_unknown_chain_is_refused_before_anything_is_planned():
-    assert CHAINS == ("after", "beside")
+    assert CHAINS == ("after", "beside", "folded")
     k = moe_rs_program()
     with pytest.raises(InputError, match="chain='overlap'"):
         plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="overlap")

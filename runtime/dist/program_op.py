@@ -81,6 +81,7 @@ from ...ir import core
 from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
+from ..gpu.fold import is_folded
 from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, plan_run
 from ..gpu.sm_split import check_split
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
@@ -125,8 +126,9 @@ class FusedProgram(FusedOp):
     share this rank's SMs — ``"work"`` (in proportion to each part's estimated work, the
     default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`). ``chain``: where a compute part
     that waits only on another compute part of the rank runs (an MoE combine behind its grouped
-    GEMM) — ``"after"`` it, with the SMs it leaves (the default), or ``"beside"`` it, resident at
-    once with a share (:func:`~..gpu.run_plan.chained_parts`).
+    GEMM) — ``"after"`` it, with the SMs it leaves (the default), ``"beside"`` it, resident at
+    once with a share (:func:`~..gpu.run_plan.chained_parts`), or ``"folded"`` into its kernel
+    where the recipe can run it there (:mod:`~..gpu.fold`; else after it).
 
     Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the
     traced shapes and dtypes, contiguous) enqueues one launch on the caller's stream; the
@@ -174,7 +176,7 @@ class FusedProgram(FusedOp):
         self.kernel = ir
         self.compute, self.comm = ir.compute_schedule, ir.comm_schedule
         lowered = lower_for_run(ir, wait_timeout_ns=None if timeout_s is None else int(timeout_s * 1e9),
-                                transports=("ptr", "nvshmem"), **dict(lowering or {}))
+                                transports=("ptr", "nvshmem"), chain=self.chain, **dict(lowering or {}))
         self._transport = getattr(ir.comm_schedule, "transport", None) or "ptr"
         check_bindings(ir, lowered)
         if device is None:
@@ -187,7 +189,7 @@ class FusedProgram(FusedOp):
         # left to same-GPU copies where copy-engine parts run, as tl.run leaves them, and less the hardware queue
         # of the caller's stream, whose handshakes wait too)
         W = ir.world_size
-        copies = any(not is_kernel(lk) for p, lk in lowered.items() if not ir.part(p).fused)
+        copies = any(not is_kernel(lk) and not is_folded(lk) for p, lk in lowered.items() if not ir.part(p).fused)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split,

@@ -252,8 +252,11 @@ def check_bindings(kernel_ir, lowered: dict) -> None:
     """Bind every lowered part of ``kernel_ir`` for every rank against :func:`nominal_memory` —
     kernels through :data:`BINDERS`, copy-engine plans through the executor's own checks — so a
     parameter or an access nothing can serve is an error before any GPU work (and without one)."""
+    from .fold import is_folded
     mem = nominal_memory(kernel_ir)
     for part, lk in lowered.items():
+        if is_folded(lk):           # bound with the kernel it runs in
+            continue
         for r in range(kernel_ir.world_size):
             if is_kernel(lk):
                 bind(lk, r, mem)

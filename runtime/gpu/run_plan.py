@@ -43,6 +43,7 @@ from typing import Callable
 
 from ...ir import core
 from .bind import bind, is_kernel
+from .fold import fold_chained, is_folded
 from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
 from .sm_split import check_split, share
@@ -64,9 +65,10 @@ def hardware_queues() -> int:
 
 
 def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, transports=("ptr",),
-                  **options) -> dict:
+                  chain: str = "after", **options) -> dict:
     """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
-    ``wait_timeout_ns`` where the recipe takes the option. Refused before lowering: schedules
+    ``wait_timeout_ns`` where the recipe takes the option; with ``chain="folded"`` the chained
+    parts folded into their producers' kernels where the recipe can (:mod:`.fold`). Refused before lowering: schedules
     whose parts only the fused ops' own launchers can bind (parts fused into the GEMM) and
     transports other than ``transports`` (one GPU: peer-pointer tables only; across GPUs the
     fused-op runtime also allocates from NVSHMEM's heap)."""
@@ -84,9 +86,11 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
     if "entry" in options:
         raise UnboundParameterError("lowering option 'entry' would give every part the same kernel name; tl.run names "
                                     "each part's kernel itself")
+    check_chain(chain)
     if wait_timeout_ns is not None:
         options["wait_timeout_ns"] = int(wait_timeout_ns)
-    return lower_all(kernel, **options)
+    lowered = lower_all(kernel, **options)
+    return fold_chained(kernel, lowered, options) if chain == "folded" else lowered
 
 
 @dataclass(frozen=True)
@@ -181,8 +185,10 @@ class RunPlan:
 
 
 #: where a compute part waiting only on another compute part of its rank runs: "after" it, on
-#: its stream with the SMs it leaves (the default), or "beside" it, resident at once with a share
-CHAINS = ("after", "beside")
+#: its stream with the SMs it leaves (the default), "beside" it, resident at once with a share,
+#: or "folded" into its kernel where the producer's recipe can run it (:mod:`.fold`; after it
+#: where not). Folding is decided when the parts are lowered (:func:`lower_for_run`).
+CHAINS = ("after", "beside", "folded")
 
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
@@ -196,8 +202,8 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     check_split(split)
     check_chain(chain)
     W = kernel.world_size
-    parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused]
-    chained = chained_parts(kernel, {n for n, lk in parts if is_kernel(lk)}) if chain == "after" else {}
+    parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused and not is_folded(lowered[p.name])]
+    chained = chained_parts(kernel, {n for n, lk in parts if is_kernel(lk)}) if chain != "beside" else {}
     # a chained part follows its producer on the producer's stream: listed right after it
     order = [n for n, _ in parts if n not in chained]
     for n in [n for n, _ in parts if n in chained]:
@@ -283,8 +289,8 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
 def check_chain(chain) -> None:
     """Refuse a ``chain`` that is not one of :data:`CHAINS` (before anything is built)."""
     if chain not in CHAINS:
-        raise InputError(f"chain={chain!r}: a compute part waiting only on another runs 'after' it (the default) or "
-                         "'beside' it")
+        raise InputError(f"chain={chain!r}: a compute part waiting only on another runs 'after' it (the default), "
+                         "'beside' it, or 'folded' into its kernel")
 
 
 def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:

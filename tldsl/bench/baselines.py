@@ -51,9 +51,9 @@ MOE_ROWS = [("mixtral", 2048, "random"), ("mixtral", 8192, "random"), ("mixtral"
 ROUTINGS = ("random", "zipf", "one")
 LAYOUTS = ("contiguous", "zigzag")
 #: how a fused MoE op's compute kernels may share the SMs (``runtime/gpu/sm_split.SPLITS``), each
-#: with its combine after the grouped GEMM (the default) or beside it (``/beside``:
-#: ``runtime/gpu/run_plan.CHAINS``)
-SM_SPLITS = ("work", "even", "work/beside", "even/beside")
+#: with its combine after the grouped GEMM (the default), beside it (``/beside``) or folded into
+#: its kernel (``/folded``: ``runtime/gpu/run_plan.CHAINS``)
+SM_SPLITS = ("work", "even", "work/beside", "even/beside", "work/folded", "even/folded")
 
 
 def _layout_kw(variant: str) -> dict:
@@ -349,7 +349,8 @@ def parse_args(argv):
                     help="the fused op too: checked against the sequential layer, then timed beside it")
     ap.add_argument("--sm-split", default="work",
                     help="with --fused (MoE layers): how the op's compute kernels share the SMs — work, even, "
-                         "each optionally /beside (the combine beside the grouped GEMM, not after it), several "
+                         "each optionally /beside (the combine beside the grouped GEMM, not after it) or /folded "
+                         "(the combine folded into the grouped GEMM's kernel), several "
                          "comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
     args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))

@@ -45,6 +45,13 @@
 //    (cp.async.bulk.wait_group 0) and fences the async proxy, all consumers meet at a named
 //    barrier, then one thread runs the notifies (one fence.acq_rel, then relaxed red.adds).
 //
+//    A side program (Side::kEnabled; A by TMA only): a row-gather combine folded in. Warps 1-3
+//    of the producer warpgroup, idle where one thread issues the TMA loads, run its tiles
+//    (combine_tiles, 96 threads, named barrier 5) while the GEMM's run, each once its waits hold
+//    — the GEMM tiles holding its rows done, in this or any other CTA. Nothing of the GEMM waits
+//    on them (the planner refuses a GEMM waiting on what the side notifies), so the GEMM's
+//    progress never depends on the side's; the CTA ends when both are done.
+//
 // 2. combine_kernel — a plain (non-tensor-core) kernel for
 //      acc = fill; for k in loop: acc += gather_rows(Y, rows(k), col) * scale(k)
 //      store(OUT, (row0, col0), acc); notifies

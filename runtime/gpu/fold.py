@@ -1,0 +1,54 @@
+"""Folding a chained compute part into its producer's kernel (``chain="folded"``).
+
+A part that waits only on another compute part of its rank (:func:`.run_plan.chained_parts`:
+an MoE combine behind its grouped GEMM) can run after its producer on the producer's stream, or
+— where the producer's recipe has room for it — inside the producer's kernel: the grouped GEMM
+recipe runs a row-gather combine on the three producer warps a TMA-loaded A leaves idle
+(``side=``), each combine tile starting as soon as the GEMM tiles it reads are done, so the
+combine's memory traffic overlaps the GEMM's tensor-core work instead of following it. The
+folded part then has no kernel of its own: its entry in ``{part: lowered}`` is a
+:class:`FoldedPart` naming the kernel that runs it, which the plan launches nothing for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ir import core
+
+
+@dataclass(frozen=True)
+class FoldedPart:
+    """A part that runs inside another part's kernel (``into``), not as a launch of its own."""
+    part: str
+    into: str
+
+    def describe(self) -> str:
+        return f"{self.part}: folded into the kernel of '{self.into}'"
+
+
+def is_folded(lowered) -> bool:
+    return isinstance(lowered, FoldedPart)
+
+
+def fold_chained(kernel: core.Kernel, lowered: dict, options: dict) -> dict:
+    """``lowered`` with every chained combine that its grouped-GEMM producer can host folded into
+    it (the producer lowered again with ``side=``, the same ``options``); the other parts as
+    they were. A pair the recipe refuses (a gathered A, a GEMM that could wait on the combine)
+    stays two kernels, the combine chained after the GEMM."""
+    from ...codegen import lower
+    from ...codegen.errors import LoweringError
+    from .bind import is_kernel
+    from .run_plan import chained_parts
+    out = dict(lowered)
+    kernels = {n for n, lk in lowered.items() if is_kernel(lk)}
+    for part, producer in chained_parts(kernel, kernels).items():
+        lp, lc = lowered[producer], lowered[part]
+        if getattr(lp, "kind", "") != "grouped_gemm" or getattr(lc, "kind", "") != "combine" or lp.gather:
+            continue
+        opts = {k: v for k, v in options.items() if k in ("cluster", "wait_timeout_ns")}
+        try:
+            out[producer] = lower(kernel, producer, side=part, **opts)
+        except LoweringError:
+            continue
+        out[part] = FoldedPart(part, producer)
+    return out

@@ -66,6 +66,16 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     assert moe.parse_args(["--cluster", "1"]).cluster == 1
     with pytest.raises(SystemExit):
         moe.parse_args(["--stage-rows", "maybe"])
+    # rs: the combine folded into the grouped GEMM's kernel, its tiles column by column (every
+    # tile row a group) unless --group-m says otherwise
+    assert moe.parse_args(["--layer", "rs", "--fold", "on"]).fold == "on"
+    for bad in (["--fold", "maybe"], ["--group-m", "0"]):
+        with pytest.raises(SystemExit):
+            moe.parse_args(bad)
+    rs_row = moe._parse_row("qwen3:2048:random")
+    *_, lf, none = moe.lowered_rs_row(rs_row, fold=True)
+    assert none is None and lf.side == "combine" and lf.config.group_m >= lf.grid_tiles[0]
+    assert moe.lowered_rs_row(rs_row, fold=True, group_m=16)[3].config.group_m == 16
     ok, why = tcm.toolchain_available()
     if not ok:
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")

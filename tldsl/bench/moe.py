@@ -2,7 +2,7 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
-                              [--iters 10]
+                              [--group-m N] [--iters 10]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -110,11 +110,11 @@ FOLD = ("on", "off")
 
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                   fold: bool = False):
+                   fold: bool = False, group_m: int | None = None):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
     row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token); ``fold``:
     the combine folded into the grouped GEMM's kernel (then None in its place), whose tiles go
-    column by column (``group_m``: every tile row)."""
+    column by column (``group_m``: every tile row, unless given)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
@@ -122,7 +122,9 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
-    order = dict(order="swizzled", group_m=max(rt.num_tiles, -(-T // tile[0]))) if fold else dict(order="swizzled")
+    order = dict(order="swizzled")
+    if fold:
+        order["group_m"] = group_m or max(rt.num_tiles, -(-T // tile[0]))
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
@@ -132,7 +134,7 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2, fold: bool = False) -> dict:
+                 cluster: int = 2, fold: bool = False, group_m: int | None = None) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
     the other; ``parts_ms``: the two unfolded kernels one by one, and with ``fold`` the pair one
@@ -188,7 +190,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
-    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True)
+    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
     # epoch per launch
     fsig = {s: torch.zeros((n,), device="cuda", dtype=torch.int64) for s, n in lf.signal_slots.items()}
@@ -317,6 +319,9 @@ def parse_args(argv):
     ap.add_argument("--fold", choices=FOLD, default="off",
                     help="rs: the combine folded into the grouped GEMM's kernel, its tiles run by the producer's "
                          "spare warps as the GEMM's columns complete (on), or launched after it (off)")
+    ap.add_argument("--group-m", type=int, default=None,
+                    help="rs --fold on: tile rows of a group of the swizzled order (default: all of them, column "
+                         "by column, so that a column's combine tiles can start once its GEMM tiles are done)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
@@ -331,6 +336,8 @@ def parse_args(argv):
         args.tile_t = ()
     if len(args.tile_t) != 3:
         ap.error(f"--tile: three integers BM,BN,BK, got {args.tile!r}")
+    if args.group_m is not None and args.group_m < 1:
+        ap.error(f"--group-m: a positive number of tile rows, got {args.group_m}")
     return args
 
 
@@ -357,7 +364,8 @@ def main(argv, out=sys.stdout) -> int:
     failed = 0
     for row in args.row_list:
         try:
-            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold) if rs else
+            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold, args.group_m)
+                 if rs else
                  bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows))
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1

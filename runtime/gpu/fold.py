@@ -8,6 +8,14 @@ recipe runs a row-gather combine on the three producer warps a TMA-loaded A leav
 combine's memory traffic overlaps the GEMM's tensor-core work instead of following it. The
 folded part then has no kernel of its own: its entry in ``{part: lowered}`` is a
 :class:`FoldedPart` naming the kernel that runs it, which the plan launches nothing for.
+
+Not the default (``chain="after"`` is): measured on one H200 (BENCHMARKS.md, twenty-fourth
+session), the folded kernel is correct and slower — 96 threads an SM keep too few gathers in
+flight for a combine that moves 150–370 MB (Qwen3-30B's grouped GEMM and combine 0.51 ms folded
+against 0.40 one after the other; Mixtral 1.54 against 1.54), and its combine tiles can only start
+once a whole column of GEMM tiles is done, so the GEMM's tiles must go column by column, which
+reads A from HBM once per column. The fused MoEReduceScatter at one rank: Qwen3-30B 1.32 ms
+against 1.06, Mixtral 4.35 against 3.85.
 """
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
     row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token); ``fold``:
     the combine folded into the grouped GEMM's kernel (then None in its place), whose tiles go
-    column by column (``group_m``: every tile row, unless given)."""
+    column by column unless ``group_m`` (tile rows of a group of the swizzled order) says
+    otherwise; unfolded, the schedule's ``group_m`` unless given."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
@@ -123,7 +124,7 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
     order = dict(order="swizzled")
-    if fold:
+    if fold or group_m:
         order["group_m"] = group_m or max(rt.num_tiles, -(-T // tile[0]))
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
@@ -145,7 +146,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
-    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster)
+    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m)
     gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E + 1)
@@ -320,8 +321,9 @@ def parse_args(argv):
                     help="rs: the combine folded into the grouped GEMM's kernel, its tiles run by the producer's "
                          "spare warps as the GEMM's columns complete (on), or launched after it (off)")
     ap.add_argument("--group-m", type=int, default=None,
-                    help="rs --fold on: tile rows of a group of the swizzled order (default: all of them, column "
-                         "by column, so that a column's combine tiles can start once its GEMM tiles are done)")
+                    help="rs: tile rows of a group of the swizzled order, for both kernels (default: the "
+                         "schedule's 8, and with --fold on all of them: column by column, so that a column's "
+                         "combine tiles can start once its GEMM tiles are done)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)

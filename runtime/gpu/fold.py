@@ -1,6 +1,6 @@
 """Folding a chained compute part into its producer's kernel (``chain="folded"``).
 
-A part that waits only on another compute part of its rank (:func:`.run_plan.chained_parts`:
+A part that waits only on another compute part of its rank (:func:`.chains.chained_parts`:
 an MoE combine behind its grouped GEMM) can run after its producer on the producer's stream, or
 — where the producer's recipe has room for it — inside the producer's kernel: the grouped GEMM
 recipe runs a row-gather combine on the three producer warps a TMA-loaded A leaves idle
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ir import core
+from .chains import chained_parts
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,15 @@ def is_folded(lowered) -> bool:
     return isinstance(lowered, FoldedPart)
 
 
-def fold_chained(kernel: core.Kernel, lowered: dict, options: dict) -> dict:
+def fold_chained(kernel: core.Kernel, lowered: dict, options: dict, kernels: set[str]) -> dict:
     """``lowered`` with every chained combine that its grouped-GEMM producer can host folded into
     it (the producer lowered again with ``side=``, the same ``options``); the other parts as
     they were. A pair the recipe refuses (a gathered A, a GEMM that could wait on the combine)
-    stays two kernels, the combine chained after the GEMM."""
+    stays two kernels, the combine chained after the GEMM. ``kernels``: the parts lowered to SM
+    kernels (not copy-engine plans)."""
     from ...codegen import lower
     from ...codegen.errors import LoweringError
-    from .bind import is_kernel
-    from .run_plan import chained_parts
     out = dict(lowered)
-    kernels = {n for n, lk in lowered.items() if is_kernel(lk)}
     for part, producer in chained_parts(kernel, kernels).items():
         lp, lc = lowered[producer], lowered[part]
         if getattr(lp, "kind", "") != "grouped_gemm" or getattr(lc, "kind", "") != "combine" or lp.gather:

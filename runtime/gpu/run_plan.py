@@ -20,7 +20,7 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   resident (:mod:`.sm_split`).
   ``split="even"`` splits them evenly, as every launch did before (kept for measurements);
 * a compute part that waits only on another compute part of its rank, which never waits on it
-  (an MoE combine behind its grouped GEMM: :func:`chained_parts`), runs **after** it on its
+  (an MoE combine behind its grouped GEMM: :func:`~.chains.chained_parts`), runs **after** it on its
   stream with the SMs it leaves (``chain="after"``, the default), not beside it: it could only
   start a token tile once every GEMM tile holding its tokens is done — with a dynamic mapping,
   the GEMM's last wave — and beside it held SMs the GEMM needed. Measured on one H200 with the
@@ -43,6 +43,7 @@ from typing import Callable
 
 from ...ir import core
 from .bind import bind, is_kernel
+from .chains import self_signals, at_once_needed, chained_parts
 from .fold import fold_chained, is_folded
 from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
@@ -90,13 +91,15 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
     if wait_timeout_ns is not None:
         options["wait_timeout_ns"] = int(wait_timeout_ns)
     lowered = lower_all(kernel, **options)
-    return fold_chained(kernel, lowered, options) if chain == "folded" else lowered
+    if chain != "folded":
+        return lowered
+    return fold_chained(kernel, lowered, options, {n for n, lk in lowered.items() if is_kernel(lk)})
 
 
 @dataclass(frozen=True)
 class PlannedKernel:
     """One rank's lowered kernel of one part: its launch shape and stream. ``after``: the part
-    whose kernel it follows on that stream (a chained part, :func:`chained_parts`), else None."""
+    whose kernel it follows on that stream (a chained part, :func:`~.chains.chained_parts`), else None."""
     rank: int
     part: str
     lowered: object
@@ -198,7 +201,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
     :func:`hardware_queues`). ``split``: how the compute kernels share the SMs (``"work"`` or
     ``"even"``: :mod:`.sm_split`). ``chain``: where the chained parts run (:data:`CHAINS`,
-    :func:`chained_parts`)."""
+    :func:`~.chains.chained_parts`)."""
     check_split(split)
     check_chain(chain)
     W = kernel.world_size
@@ -293,71 +296,6 @@ def check_chain(chain) -> None:
                          "'beside' it, or 'folded' into its kernel")
 
 
-def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
-    """``{part: producer}`` for the compute parts that run after another rather than beside it:
-    every wait of the part is on a local signal that one other compute part of the rank alone
-    notifies (an MoE combine behind its grouped GEMM), the producer never waits — directly or
-    through other parts — for anything the part notifies, and the part's tasks never wait for
-    each other. Such a part can only start a task once its producer finished the tiles it
-    reads; with a dynamic mapping that is where it may be anywhere, often the producer's last
-    wave. Beside it, the part held SMs the producer needed, spinning; after it (on the
-    producer's stream), it gets every SM the producer leaves and its waits hold at once. Both
-    kernels are of ``kernels`` (parts lowered to SM kernels, not copy-engine plans)."""
-    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-    notifiers: dict[str, set[str]] = {}
-    waits: dict[str, list] = {}
-    for p in kernel.parts:
-        for op in p.walk():
-            if op.name in NOTIFY_OPS:
-                notifiers.setdefault(op.operands[0].owner.name, set()).add(p.name)
-            elif op.name in WAIT_OPS:
-                waits.setdefault(p.name, []).append(op.operands[0].owner)
-    deps = {p.name: {q for s in waits.get(p.name, []) for q in notifiers.get(s.name, ())} for p in kernel.parts}
-
-    def reaches(a: str, b: str) -> bool:        # a waits, directly or through others, on b
-        seen, todo = set(), [a]
-        while todo:
-            x = todo.pop()
-            for y in deps.get(x, ()):
-                if y == b:
-                    return True
-                if y not in seen:
-                    seen.add(y)
-                    todo.append(y)
-        return False
-
-    role = {p.name: p.role for p in kernel.parts}
-    out = {}
-    for p in kernel.parts:
-        sigs = waits.get(p.name, [])
-        if p.role != "compute" or p.fused or p.name not in kernels or not sigs or at_once_needed(p):
-            continue
-        producers = {q for s in sigs for q in notifiers.get(s.name, ())}
-        if any(getattr(s.type, "scope", "local") != "local" for s in sigs) or len(producers) != 1:
-            continue
-        (q,) = producers
-        if q != p.name and role[q] == "compute" and q in kernels and not reaches(q, p.name):
-            out[p.name] = q
-    return {p: q for p, q in out.items() if q not in out}     # never after a part that is itself after one
-
-
-def at_once_needed(part: core.Part) -> int:
-    """CTAs ``part`` needs resident at once: where its tasks wait for tasks of the same part (a
-    signal it both notifies and waits on), as many as the simulator runs at once (every task
-    of a compute part; a communication part's ``lanes``); else 0."""
-    if not _self_signals(part):
-        return 0
-    return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
-
-
-def _self_signals(part: core.Part) -> list[str]:
-    """The signals ``part`` both notifies and waits on."""
-    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-    ops = list(part.walk())
-    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
-    return sorted(notified & {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS})
-
-
 def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
     """A part whose tasks wait for other tasks of the same part (a signal it both notifies and
     waits on) may deadlock when its tasks do not all fit on the GPU at once: a persistent CTA
@@ -368,7 +306,7 @@ def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
     need = at_once_needed(part)
     if need and planned.ctas < need:
         raise ResidencyError(
-            f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(_self_signals(part))}) but only "
+            f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(self_signals(part))}) but only "
             f"{planned.ctas} of its "
             f"{part.num_tasks} tasks can be resident at once on this GPU: a task holding a CTA could wait for one "
             "that never starts. Give the part fewer tasks (bigger tiles) or move the waiting into another part")

@@ -1,0 +1,74 @@
+"""Which compute parts of a traced program run after another rather than beside it.
+
+Read from the IR alone (who notifies and who waits on which signal), before anything is
+lowered: :func:`~.run_plan.plan_run` puts a chained part on its producer's stream and
+:func:`~.fold.fold_chained` folds it into the producer's kernel where the recipe can.
+"""
+from __future__ import annotations
+
+from ...ir import core
+
+
+def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
+    """``{part: producer}`` for the compute parts that run after another rather than beside it:
+    every wait of the part is on a local signal that one other compute part of the rank alone
+    notifies (an MoE combine behind its grouped GEMM), the producer never waits — directly or
+    through other parts — for anything the part notifies, and the part's tasks never wait for
+    each other. Such a part can only start a task once its producer finished the tiles it
+    reads; with a dynamic mapping that is where it may be anywhere, often the producer's last
+    wave. Beside it, the part held SMs the producer needed, spinning; after it (on the
+    producer's stream), it gets every SM the producer leaves and its waits hold at once. Both
+    kernels are of ``kernels`` (parts lowered to SM kernels, not copy-engine plans)."""
+    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+    notifiers: dict[str, set[str]] = {}
+    waits: dict[str, list] = {}
+    for p in kernel.parts:
+        for op in p.walk():
+            if op.name in NOTIFY_OPS:
+                notifiers.setdefault(op.operands[0].owner.name, set()).add(p.name)
+            elif op.name in WAIT_OPS:
+                waits.setdefault(p.name, []).append(op.operands[0].owner)
+    deps = {p.name: {q for s in waits.get(p.name, []) for q in notifiers.get(s.name, ())} for p in kernel.parts}
+
+    def reaches(a: str, b: str) -> bool:        # a waits, directly or through others, on b
+        seen, todo = set(), [a]
+        while todo:
+            x = todo.pop()
+            for y in deps.get(x, ()):
+                if y == b:
+                    return True
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return False
+
+    role = {p.name: p.role for p in kernel.parts}
+    out = {}
+    for p in kernel.parts:
+        sigs = waits.get(p.name, [])
+        if p.role != "compute" or p.fused or p.name not in kernels or not sigs or at_once_needed(p):
+            continue
+        producers = {q for s in sigs for q in notifiers.get(s.name, ())}
+        if any(getattr(s.type, "scope", "local") != "local" for s in sigs) or len(producers) != 1:
+            continue
+        (q,) = producers
+        if q != p.name and role[q] == "compute" and q in kernels and not reaches(q, p.name):
+            out[p.name] = q
+    return {p: q for p, q in out.items() if q not in out}     # never after a part that is itself after one
+
+
+def at_once_needed(part: core.Part) -> int:
+    """CTAs ``part`` needs resident at once: where its tasks wait for tasks of the same part (a
+    signal it both notifies and waits on), as many as the simulator runs at once (every task
+    of a compute part; a communication part's ``lanes``); else 0."""
+    if not self_signals(part):
+        return 0
+    return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
+
+
+def self_signals(part: core.Part) -> list[str]:
+    """The signals ``part`` both notifies and waits on."""
+    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
+    ops = list(part.walk())
+    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
+    return sorted(notified & {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS})

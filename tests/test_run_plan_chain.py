@@ -15,6 +15,7 @@ import pytest
 import tldsl as tl
 from tldsl.errors import InputError
 from tldsl.ops.moe import moe_routing, random_routing
+from tldsl.runtime.gpu.run_errors import UnboundParameterError
 from tldsl.runtime.gpu.run_plan import CHAINS, chained_parts, lower_for_run, plan_run
 
 from test_run_plan import H200_SMS, ag_gemm
@@ -164,3 +165,36 @@ def test_an_unknown_chain_is_refused_before_anything_is_planned():
     k = moe_rs_program()
     with pytest.raises(InputError, match="chain='overlap'"):
         plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="overlap")
+
+
+def test_lowering_option_side_is_refused_tl_run_folds_itself():
+    """``side=`` by hand would run the combine in the GEMM's kernel and in its own as well."""
+    with pytest.raises(UnboundParameterError, match="chain='folded'"):
+        lower_for_run(moe_rs_program(), side="combine")
+
+
+def test_a_producer_hosts_at_most_one_folded_part(monkeypatch):
+    """Two parts chained behind one grouped GEMM: the first folds into its kernel, the second
+    stays a kernel of its own (chained after it), never a second ``side=`` lowering that would
+    replace the first."""
+    from types import SimpleNamespace
+
+    import tldsl.codegen
+    from tldsl.runtime.gpu import fold
+    from tldsl.runtime.gpu.fold import FoldedPart
+    k = moe_rs_program()
+    lowered = lower_for_run(k)
+    lowered = dict(lowered, combine_again=lowered["combine"])
+    monkeypatch.setattr(fold, "chained_parts", lambda kernel, kernels: {"combine": "grouped_gemm",
+                                                                        "combine_again": "grouped_gemm"})
+    calls = []
+
+    def lower(kernel, part, side=None, **opts):
+        calls.append((part, side))
+        return SimpleNamespace(kind="grouped_gemm", side=side, gather=False)
+
+    monkeypatch.setattr(tldsl.codegen, "lower", lower)
+    out = fold.fold_chained(k, lowered, {}, set(lowered))
+    assert calls == [("grouped_gemm", "combine")]
+    assert out["combine"] == FoldedPart("combine", "grouped_gemm") and out["grouped_gemm"].side == "combine"
+    assert out["combine_again"] is lowered["combine"]

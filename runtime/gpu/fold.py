@@ -50,6 +50,8 @@ def fold_chained(kernel: core.Kernel, lowered: dict, options: dict, kernels: set
     out = dict(lowered)
     for part, producer in chained_parts(kernel, kernels).items():
         lp, lc = lowered[producer], lowered[part]
+        if out[producer] is not lp:         # one side part per kernel: this producer hosts one already
+            continue
         if getattr(lp, "kind", "") != "grouped_gemm" or getattr(lc, "kind", "") != "combine" or lp.gather:
             continue
         opts = {k: v for k, v in options.items() if k in ("cluster", "wait_timeout_ns")}

@@ -87,6 +87,9 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
     if "entry" in options:
         raise UnboundParameterError("lowering option 'entry' would give every part the same kernel name; tl.run names "
                                     "each part's kernel itself")
+    if "side" in options:
+        raise UnboundParameterError("lowering option 'side' would run a part inside another part's kernel as well as in "
+                                    "its own; tl.run folds parts itself: pass chain='folded'")
     check_chain(chain)
     if wait_timeout_ns is not None:
         options["wait_timeout_ns"] = int(wait_timeout_ns)

@@ -237,7 +237,7 @@ def test_fold_refused_where_the_gemm_gathers_or_could_wait_on_the_combine():
     # (the combine as the host: it waits on y_ready, which the grouped GEMM notifies)
     with pytest.raises(LoweringError) as e:
         plan_side(k, k.part("combine"), m, "grouped_gemm", None)
-    assert "waits on ['y_ready']" in str(e.value) and "wait on each other forever" in str(e.value)
+    assert "waits on 'grouped_gemm'" in str(e.value) and "wait on each other forever" in str(e.value)
 
 
 def test_dispatcher_routes_the_moe_parts():

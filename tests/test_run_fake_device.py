@@ -141,6 +141,7 @@ class FakeDevice:
                   for h in args.holders]
         by_source = {p.source: v for p, v in zip(lk.params, values)}
         kernel_ir, part = lk.program
+        parts = [part] + ([kernel_ir.part(lk.side)] if getattr(lk, "side", None) else [])   # a folded part too
         own, tables = {}, {}
         for p, v in zip(lk.params, values):
             kind, name = p.origin
@@ -168,7 +169,7 @@ class FakeDevice:
         shapes = {b.name: (tuple(b.type.shape), _NP[b.type.dtype.name]) for b in kernel_ir.buffers}
         slots = {s.name: int(s.type.slots) for s in kernel_ir.signals}
         persistent = type(lk).__name__ == "LoweredGeneral" and lk.lanes is None     # tasks in row-major order
-        bl = (PersistentLaunch if persistent else BoundLaunch)(kernel_ir, [part], item.rank, launch,
+        bl = (PersistentLaunch if persistent else BoundLaunch)(kernel_ir, parts, item.rank, launch,
                          lambda r, n: _view(address(r, n), *shapes[n]),
                          lambda r, n: _view(address(r, n), (slots[n],), np.int64), rng=random.Random(self.rng.random()))
 
@@ -411,6 +412,21 @@ def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(na
     res, dev = agrees(fn, W, inputs, **kw)
     assert sorted({type(x.lowered).__name__ for x in res.plan.kernels}) == sorted(LIBRARY[name])
     assert {r for r, _, _, _ in dev.launched} == set(range(W))
+
+
+def test_the_combine_folded_into_its_grouped_gemms_kernel_on_the_fake_device():
+    """``chain="folded"``: MoE+ReduceScatter at two ranks with each rank's combine run inside its
+    grouped GEMM's kernel — no combine launch, the GEMM's kernel binding the combine's parameters,
+    the outputs the simulator's."""
+    from tldsl.run import trace_for_run
+    fn, W, inputs, kw = library_case("moe_reduce_scatter")
+    want = tl.simulate(fn, W, inputs, **kw)
+    ir, per_rank, opts = trace_for_run(fn, W, inputs, 0, None, kw)
+    got = rp.run_program(ir, per_rank, launches=2, timeout_s=2.0, device=FakeDevice(3), lowering={"chain": "folded"})
+    kinds = sorted((x.rank, type(x.lowered).__name__) for x in got.plan.kernels)
+    assert kinds == [(r, k) for r in range(W) for k in ("LoweredComm", "LoweredGroupedGemm")]
+    assert all(x.lowered.side == "combine" for x in got.plan.kernels if x.part == "grouped_gemm")
+    assert_agrees(got.outputs, want.outputs, want.kernel, True)
 
 
 @pytest.mark.parametrize("seed,sms", [(7, 132), (5, 6)])

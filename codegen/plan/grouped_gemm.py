@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS, NOTIFY_OPS
+from ...ir.part_graph import reaches, waits_on
 from ...ir.schedule import ComputeSchedule
 from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, entry_name, pointer_param,
                    wait_timeout_options)
@@ -115,8 +116,9 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
     """The plan of the row-gather combine part ``side`` folded into this grouped GEMM's kernel:
     its tiles run on the three producer warps that a TMA-loaded A leaves idle, each as soon as its
     waits hold — as the GEMM's tiles complete, instead of after the whole GEMM. Refused where the
-    GEMM gathers A (every producer thread copies rows) or could wait on the combine (the two
-    share each SM's CTA: a GEMM tile waiting for a combine tile behind it would never finish)."""
+    GEMM gathers A (every producer thread copies rows) or waits on the combine, directly or
+    through other parts (the two share each SM's CTA: a GEMM tile waiting for a combine tile
+    behind it would never finish)."""
     from ..match.combine import match_combine
     from .combine import plan_combine
     names = [p.name for p in kernel.parts]
@@ -129,11 +131,9 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
     if m.gather:
         raise fail(WHAT, f"side={side!r}: '{part.name}' gathers its A rows on every producer thread; a combine folds "
                    "only into a grouped GEMM whose A is loaded by TMA", m.a_load)
-    notified = {op.operands[0].owner.name for op in sp.walk() if op.name in NOTIFY_OPS}
-    waited = sorted({op.operands[0].owner.name for op in part.walk() if op.name in WAIT_OPS} & notified)
-    if waited:
-        raise fail(WHAT, f"side={side!r}: '{part.name}' waits on {waited}, which '{side}' notifies; folded into one "
-                   "kernel the two could wait on each other forever", part)
+    if reaches(waits_on(kernel), part.name, side):
+        raise fail(WHAT, f"side={side!r}: '{part.name}' waits on '{side}' (on a signal it notifies, directly or through "
+                   "other parts); folded into one kernel the two could wait on each other forever", part)
     return plan_combine(kernel, sp, match_combine(kernel, sp), wait_timeout_ns=wait_timeout_ns,
                         entry=None, threads=SIDE_THREADS)
 

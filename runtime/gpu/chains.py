@@ -7,6 +7,7 @@ lowered: :func:`~.run_plan.plan_run` puts a chained part on its producer's strea
 from __future__ import annotations
 
 from ...ir import core
+from ...ir.part_graph import notifiers, reaches, waited_signals, waits_on
 
 
 def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
@@ -19,40 +20,19 @@ def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
     wave. Beside it, the part held SMs the producer needed, spinning; after it (on the
     producer's stream), it gets every SM the producer leaves and its waits hold at once. Both
     kernels are of ``kernels`` (parts lowered to SM kernels, not copy-engine plans)."""
-    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-    notifiers: dict[str, set[str]] = {}
-    waits: dict[str, list] = {}
-    for p in kernel.parts:
-        for op in p.walk():
-            if op.name in NOTIFY_OPS:
-                notifiers.setdefault(op.operands[0].owner.name, set()).add(p.name)
-            elif op.name in WAIT_OPS:
-                waits.setdefault(p.name, []).append(op.operands[0].owner)
-    deps = {p.name: {q for s in waits.get(p.name, []) for q in notifiers.get(s.name, ())} for p in kernel.parts}
-
-    def reaches(a: str, b: str) -> bool:        # a waits, directly or through others, on b
-        seen, todo = set(), [a]
-        while todo:
-            x = todo.pop()
-            for y in deps.get(x, ()):
-                if y == b:
-                    return True
-                if y not in seen:
-                    seen.add(y)
-                    todo.append(y)
-        return False
-
+    by_signal = notifiers(kernel)
+    deps = waits_on(kernel)
     role = {p.name: p.role for p in kernel.parts}
     out = {}
     for p in kernel.parts:
-        sigs = waits.get(p.name, [])
+        sigs = waited_signals(p)
         if p.role != "compute" or p.fused or p.name not in kernels or not sigs or at_once_needed(p):
             continue
-        producers = {q for s in sigs for q in notifiers.get(s.name, ())}
+        producers = {q for s in sigs for q in by_signal.get(s.name, ())}
         if any(getattr(s.type, "scope", "local") != "local" for s in sigs) or len(producers) != 1:
             continue
         (q,) = producers
-        if q != p.name and role[q] == "compute" and q in kernels and not reaches(q, p.name):
+        if q != p.name and role[q] == "compute" and q in kernels and not reaches(deps, q, p.name):
             out[p.name] = q
     return {p: q for p, q in out.items() if q not in out}     # never after a part that is itself after one
 

@@ -1,0 +1,49 @@
+"""Which parts of a kernel wait on which: the graph of signals between parts.
+
+A part waits on another where it waits on a signal the other notifies. The runtime reads it to
+chain a part after its producer, the code generator to refuse folding two parts into one kernel
+that could then wait on each other: both need "waits, directly or through other parts".
+"""
+from __future__ import annotations
+
+from .core import Kernel
+from .opdefs import NOTIFY_OPS, WAIT_OPS
+
+
+def notifiers(kernel: Kernel) -> dict[str, set[str]]:
+    """``{signal: the parts that notify it}``."""
+    out: dict[str, set[str]] = {}
+    for p in kernel.parts:
+        for op in p.walk():
+            if op.name in NOTIFY_OPS:
+                out.setdefault(op.operands[0].owner.name, set()).add(p.name)
+    return out
+
+
+def waited_signals(part) -> list:
+    """The signals ``part`` waits on, each once, in the order it first waits on them."""
+    seen: dict[str, object] = {}
+    for op in part.walk():
+        if op.name in WAIT_OPS:
+            seen.setdefault(op.operands[0].owner.name, op.operands[0].owner)
+    return list(seen.values())
+
+
+def waits_on(kernel: Kernel) -> dict[str, set[str]]:
+    """``{part: the parts it waits on directly}`` (through a signal they notify)."""
+    by_signal = notifiers(kernel)
+    return {p.name: {q for s in waited_signals(p) for q in by_signal.get(s.name, ())} for p in kernel.parts}
+
+
+def reaches(deps: dict[str, set[str]], a: str, b: str) -> bool:
+    """Does part ``a`` wait on part ``b``, directly or through other parts (``deps``:
+    :func:`waits_on`)?"""
+    seen, todo = set(), [a]
+    while todo:
+        for y in deps.get(todo.pop(), ()):
+            if y == b:
+                return True
+            if y not in seen:
+                seen.add(y)
+                todo.append(y)
+    return False

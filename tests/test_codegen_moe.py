@@ -187,6 +187,8 @@ def test_combine_folded_into_the_grouped_gemm_contract():
     assert lf.waits == 1 and lf.notifies == 2 and lf.wait_scopes == ("gpu",)
     assert lf.signal_slots == {**lg.signal_slots, **lc.signal_slots}
     assert lf.buffers == {**lg.buffers, **lc.buffers} and lf.grid(132) == lg.grid(132)
+    assert lf.tables == lg.tables + tuple(t for t in lc.tables if t not in lg.tables)      # i32 tables only
+    assert "y_sorted" not in lf.tables and "token_pos" in lf.tables
     src = lf.source
     assert "struct SideCfg {" in src and "struct SideProg {" in src and "kEnabled = true" in src
     assert "kThreads = 96," in src and "item0 += 96" in src
@@ -925,7 +927,9 @@ def _check_common(ck, max_regs):
     return k
 
 
-def check_grouped_gemm_sass(ck, lw):
+def check_grouped_gemm_sass(ck, lw, gemm_waits=None):
+    """``gemm_waits``: the waits of the GEMM's own tiles where they are not ``lw.waits`` (a folded
+    part's waits come with it; only the GEMM's own acquires feed TMA)."""
     k = _check_common(ck, MAX_REGISTERS_GEMM)
     s = k.summary()
     assert s["HGMMA"] > 0 and k.count(f"HGMMA.64x{lw.config.wg_n}x16.F32") > 0, s
@@ -948,7 +952,7 @@ def check_grouped_gemm_sass(ck, lw):
     acquires = {sc: k.count(f"LDG.E.64.STRONG.{sc.upper()}") for sc in ("gpu", "sys")}
     for sc in ("gpu", "sys"):
         assert (acquires[sc] > 0) == (sc in lw.wait_scopes), (acquires, lw.wait_scopes)
-    if lw.waits:
+    if lw.waits if gemm_waits is None else gemm_waits:
         assert k.count("FENCE.VIEW.ASYNC.G") > 0                       # acquire -> TMA's proxy
     assert (k.count("REDG.E.ADD.64.STRONG.GPU") > 0) == (lw.notifies > 0)
     if lw.notifies:
@@ -983,11 +987,16 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
     wall = time.perf_counter() - t0
     for lw, ck in zip(lws, cks):
         assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
-        k = check_combine_sass(ck, lw) if lw.kind == "combine" else check_grouped_gemm_sass(ck, lw)
+        k = (check_combine_sass(ck, lw) if lw.kind == "combine" else
+             check_grouped_gemm_sass(ck, lw, gemm_waits=lws[1].waits if lw.side else None))
         if lw.kind == "grouped_gemm" and lw.side:
-            # the folded combine: its coherent 8- or 16-byte gathers and stores, its acquire
-            assert k.count("LDG.E.64.STRONG.GPU") > 0 and k.count("STG.E.128") > 0, sorted(k.opcodes)
-            assert k.count("LDG.E.128") + k.count("LDG.E.64") > 0
+            # the folded combine: the gathers of its own kernel (not counting the acquire, an
+            # LDG.E.64.STRONG.GPU too), never through the .nc path; its stores; its acquire
+            lc = lws[2]
+            wide = "LDG.E.128" if lc.buffers["y_sorted"][1] == "f32" or lc.vec == 8 else "LDG.E.64"
+            assert k.count(wide) - k.count(wide + ".STRONG") > 0, sorted(k.opcodes)
+            assert k.count(wide + ".CONSTANT") == 0 and k.count("STG.E.128") > 0
+            assert k.count("LDG.E.64.STRONG.GPU") > 0
         print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
     print(f"{len(lws)} kernels in {wall:.1f} s")
 

@@ -39,7 +39,7 @@ from ..abi import KernelParam, LoweredKernel, marker
 from ..dtypes import c_type
 from ..ir_queries import only_part
 from ..match.combine import WHAT, match_combine
-from ..plan.combine import COMBINE_THREADS, CombinePlan, plan_combine
+from ..plan.combine import CombinePlan, plan_combine
 from ..plan.wgmma import ORDERS
 from ..rules.scalars import c_literal
 from .prog_hooks import HookEmitter, hook_fn, prog_members

@@ -54,7 +54,8 @@ those bugs.
 only), ``tma_b`` (2-D or 3-D), ``tma_c``; ``ptr_<a>`` (gathered A only: its base pointer);
 ``rank`` (i32); ``launch`` (u64, the 1-based epoch the waits count in); ``sig_<name>`` (u64
 counters: this rank's copy of every signal waited on, then notified); ``tbl_<name>``
-(``const int*``: every i32 table the hooks read, in the order they run). Shapes are
+(``const int*``: every i32 table the hooks read, in the order they run); with a combine folded
+in (``side=``), then the combine's parameters the GEMM's do not already name, in its order. Shapes are
 compile-time constants of the generated ``Cfg`` (the trace fixes them); the host and the C++
 side agree on shared memory, TMA boxes, thread counts and the gather's thread mapping
 through ``static_assert``\\ s, as in the GEMM recipe.
@@ -141,6 +142,10 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
+        if self.side:
+            lines.insert(-1, f"  folded in: combine '{self.side}', {self.side_tiles[0]}x{self.side_tiles[1]} tiles on "
+                             "the producer warpgroup's warps 1-3 (96 threads), each once its waits hold; the whole "
+                             "grid must be resident")
         lines += self.describe_tma()
         return "\n".join(lines)
 
@@ -173,7 +178,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
     if sp is not None:
         buffers.update(sp.buffers)
         signals.update({s.name: s.type.slots for s in sp.signals})
-        tables += [b.name for b in sp.tensors if b.name not in tables]
+        tables += [b.name for b in sp.tensors if b.type.dtype.name == "i32" and b.name not in tables]
         waits, notifies, scopes = waits + sp.waits, notifies + sp.notifies, scopes | set(sp.wait_scopes)
     return LoweredGroupedGemm(
         plan.kernel.name, plan.part.name, plan.entry, _source(plan, fns), plan.config, params, plan.tma,

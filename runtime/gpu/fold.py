@@ -9,6 +9,12 @@ combine's memory traffic overlaps the GEMM's tensor-core work instead of followi
 folded part then has no kernel of its own: its entry in ``{part: lowered}`` is a
 :class:`FoldedPart` naming the kernel that runs it, which the plan launches nothing for.
 
+The folded kernel needs its whole grid resident at once (a CTA's combine warps may wait on GEMM
+tiles another CTA runs, and the CTA cannot finish before them): its grid is the persistent one,
+one CTA an SM, which the plan keeps within the SMs it gives the producer. The GEMM keeps its
+schedule's tile order (``group_m``); the measurements below set column order (``bench moe
+--fold on``), the order in which whole columns of GEMM tiles, the combine's inputs, finish first.
+
 Not the default (``chain="after"`` is): measured on one H200 (BENCHMARKS.md, twenty-fourth
 session), the folded kernel is correct and slower — 96 threads an SM keep too few gathers in
 flight for a combine that moves 150–370 MB (Qwen3-30B's grouped GEMM and combine 0.51 ms folded

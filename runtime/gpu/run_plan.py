@@ -26,7 +26,8 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   the GEMM's last wave — and beside it held SMs the GEMM needed. Measured on one H200 with the
   MoE ops' defaults (BENCHMARKS.md, twenty-second session): every MoE+ReduceScatter row faster
   after than beside (Mixtral 8192 tokens 3.59 against 4.40 ms, Qwen3-30B 1.05 against 1.43).
-  ``chain="beside"`` keeps the shared layout;
+  ``chain="beside"`` keeps the shared layout; ``chain="folded"`` runs it inside the producer's
+  kernel where the producer's recipe can (:mod:`.fold`: no launch of its own; measured slower);
 * where copy-engine parts run, streams never outnumber the hardware queues: a stream wait
   (``cuStreamWaitValue64``) at the head of a queue two streams share blocks the other stream's
   work behind it, which it may be waiting for. Kernels alone may share queues: a launch

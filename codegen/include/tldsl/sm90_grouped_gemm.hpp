@@ -656,10 +656,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
 
 // ---- row-gather combine --------------------------------------------------------------------------
 
-// Cfg: kThreads, kGridM, kGridN, kOrder, kGroupM, kWorldSize, kAlignShift.
-// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1), body(pid0, pid1, tid).
-// The tiles first, first + step, ... of the combine's order, by kThreads threads (tid 0..) that
-// meet at named barrier kBarrier (0: the whole CTA, __syncthreads).
+// The kThreads threads of a combine meet: the whole CTA (kBarrier 0) or named barrier kBarrier.
 template <int kThreads, int kBarrier>
 __device__ __forceinline__ void combine_sync() {
   if constexpr (kBarrier == 0)
@@ -668,6 +665,10 @@ __device__ __forceinline__ void combine_sync() {
     cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
 }
 
+// Cfg: kThreads, kGridM, kGridN, kOrder, kGroupM, kWorldSize, kAlignShift.
+// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1), body(pid0, pid1, tid).
+// The tiles first, first + step, ... of the combine's order, by kThreads threads (tid 0..) that
+// meet at named barrier kBarrier (0: the whole CTA, __syncthreads).
 template <class Cfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step) {
   constexpr int gm = Cfg::kGridM, gn = Cfg::kGridN;

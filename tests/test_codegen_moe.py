@@ -188,7 +188,7 @@ def test_combine_folded_into_the_grouped_gemm_contract():
     assert lf.signal_slots == {**lg.signal_slots, **lc.signal_slots}
     assert lf.buffers == {**lg.buffers, **lc.buffers} and lf.grid(132) == lg.grid(132)
     assert lf.tables == lg.tables + tuple(t for t in lc.tables if t not in lg.tables)      # i32 tables only
-    assert "y_sorted" not in lf.tables and "token_pos" in lf.tables
+    assert "topk_weights" not in lf.tables and "token_pos" in lf.tables
     src = lf.source
     assert "struct SideCfg {" in src and "struct SideProg {" in src and "kEnabled = true" in src
     assert "kThreads = 96," in src and "item0 += 96" in src
@@ -240,6 +240,23 @@ def test_fold_refused_where_the_gemm_gathers_or_could_wait_on_the_combine():
     with pytest.raises(LoweringError) as e:
         plan_side(k, k.part("combine"), m, "grouped_gemm", None)
     assert "waits on 'grouped_gemm'" in str(e.value) and "wait on each other forever" in str(e.value)
+
+
+def test_fold_refused_where_the_gemm_waits_on_the_combine_through_another_part(monkeypatch):
+    """Only a path through a third part links the GEMM to the combine (GEMM -> relay -> combine):
+    the refusal follows waits transitively, not just the GEMM's own waits."""
+    import tldsl.codegen.plan.grouped_gemm as pg
+    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
+    k = trace_rs()
+    gp = k.part("grouped_gemm")
+    m = match_grouped_gemm(k, gp)
+    graph = {"grouped_gemm": {"relay"}, "relay": {"combine"}, "combine": set()}
+    monkeypatch.setattr(pg, "waits_on", lambda kernel: graph)
+    with pytest.raises(LoweringError) as e:
+        pg.plan_side(k, gp, m, "combine", None)
+    assert "waits on 'combine'" in str(e.value) and "through other parts" in str(e.value)
+    graph["relay"] = set()                                  # the path cut: the fold is planned
+    assert pg.plan_side(k, gp, m, "combine", None).part.name == "combine"
 
 
 def test_dispatcher_routes_the_moe_parts():

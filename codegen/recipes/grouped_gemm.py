@@ -173,7 +173,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
     sp = plan.side
     params, buffers = side_params(plan), dict(plan.buffers)
     signals = {s.name: s.type.slots for s in plan.signals}
-    tables = [b.name for b in plan.tensors]
+    tables = [b.name for b in plan.tensors if b.type.dtype.name == "i32"]
     waits, notifies, scopes = plan.waits, plan.notifies, set(plan.wait_scopes)
     if sp is not None:
         buffers.update(sp.buffers)

@@ -127,7 +127,7 @@ class FusedProgram(FusedOp):
     default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`). ``chain``: where a compute part
     that waits only on another compute part of the rank runs (an MoE combine behind its grouped
     GEMM) — ``"after"`` it, with the SMs it leaves (the default), ``"beside"`` it, resident at
-    once with a share (:func:`~..gpu.run_plan.chained_parts`), or ``"folded"`` into its kernel
+    once with a share (:func:`~..gpu.chains.chained_parts`), or ``"folded"`` into its kernel
     where the recipe can run it there (:mod:`~..gpu.fold`; else after it).
 
     Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the

@@ -55,14 +55,14 @@ MAX_REGISTERS_COMBINE = 64
 # -- traced kernels ------------------------------------------------------------------------------
 
 def trace_ag(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
-             topk=2, comm=None, group_m=8, cluster=(1, 1)):
+             topk=2, comm=None, group_m=8, cluster=(1, 1), stage_rows=False):
     BM = tile[0]
     T = W * Ms
     NT = moe_num_tiles(T * topk, E, BM)
     c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
     return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT, 2), tl.int32),
                                S((NT * BM,), tl.int32), S((NT * BM, Nr), dt), compute=c,
-                               comm=comm or tl.CommSchedule(tile_m=64, mode="pull"))
+                               comm=comm or tl.CommSchedule(tile_m=64, mode="pull"), stage_rows=stage_rows)
 
 
 def trace_rs(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=4, Ms=256, K=512, Nr=384, E=8,
@@ -224,39 +224,72 @@ def test_fold_rejections_name_the_part(side, texts):
         assert t in str(e.value), str(e.value)
 
 
-def test_fold_refused_where_the_gemm_gathers_or_could_wait_on_the_combine():
-    """A gathered A keeps every producer thread busy; a GEMM waiting on what the folded part
-    notifies could wait forever on tiles behind its own (checked before anything is planned)."""
+def test_fold_refused_where_the_gemm_gathers_or_the_two_wait_on_each_other(monkeypatch):
+    """A gathered A keeps every producer thread busy; two parts waiting on each other could, in
+    one kernel, wait forever on tiles queued behind their own (checked before anything is
+    planned). One way round is folded: the GEMM notifying the combine, the gather notifying the
+    GEMM."""
     from dataclasses import replace
-    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
-    from tldsl.codegen.plan.grouped_gemm import plan_side
-    k = trace_rs()
-    gp = k.part("grouped_gemm")
-    m = match_grouped_gemm(k, gp)
-    with pytest.raises(LoweringError) as e:
-        plan_side(k, gp, replace(m, gather=True), "combine", None)
-    assert "gathers its A rows" in str(e.value) and "loaded by TMA" in str(e.value)
-    # (the combine as the host: it waits on y_ready, which the grouped GEMM notifies)
-    with pytest.raises(LoweringError) as e:
-        plan_side(k, k.part("combine"), m, "grouped_gemm", None)
-    assert "waits on 'grouped_gemm'" in str(e.value) and "wait on each other forever" in str(e.value)
-
-
-def test_fold_refused_where_the_gemm_waits_on_the_combine_through_another_part(monkeypatch):
-    """Only a path through a third part links the GEMM to the combine (GEMM -> relay -> combine):
-    the refusal follows waits transitively, not just the GEMM's own waits."""
     import tldsl.codegen.plan.grouped_gemm as pg
     from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
     k = trace_rs()
     gp = k.part("grouped_gemm")
     m = match_grouped_gemm(k, gp)
-    graph = {"grouped_gemm": {"relay"}, "relay": {"combine"}, "combine": set()}
+    with pytest.raises(LoweringError) as e:
+        pg.plan_side(k, gp, replace(m, gather=True), "combine", None)
+    assert "gathers its A rows" in str(e.value) and "loaded by TMA" in str(e.value)
+    assert pg.plan_side(k, gp, m, "combine", None).part.name == "combine"          # combine waits on the GEMM
+    kst = trace_ag(stage_rows=True)
+    gst = kst.part("grouped_gemm")
+    assert pg.plan_side(kst, gst, match_grouped_gemm(kst, gst), "gather_rows", None).part.name == "gather_rows"
+    # both ways round (the combine also notifying something the GEMM waits on)
+    graph = {"grouped_gemm": {"combine"}, "combine": {"grouped_gemm"}}
     monkeypatch.setattr(pg, "waits_on", lambda kernel: graph)
     with pytest.raises(LoweringError) as e:
         pg.plan_side(k, gp, m, "combine", None)
-    assert "waits on 'combine'" in str(e.value) and "through other parts" in str(e.value)
+    assert "'grouped_gemm' and 'combine' wait on each other" in str(e.value)
+    assert "wait on each other forever" in str(e.value)
+
+
+def test_fold_refused_where_the_two_wait_on_each_other_through_another_part(monkeypatch):
+    """Only a path through a third part closes the cycle (GEMM -> relay -> combine -> GEMM):
+    the refusal follows waits transitively, not just each part's own waits."""
+    import tldsl.codegen.plan.grouped_gemm as pg
+    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
+    k = trace_rs()
+    gp = k.part("grouped_gemm")
+    m = match_grouped_gemm(k, gp)
+    graph = {"grouped_gemm": {"relay"}, "relay": {"combine"}, "combine": {"grouped_gemm"}}
+    monkeypatch.setattr(pg, "waits_on", lambda kernel: graph)
+    with pytest.raises(LoweringError) as e:
+        pg.plan_side(k, gp, m, "combine", None)
+    assert "wait on each other" in str(e.value) and "through other parts" in str(e.value)
     graph["relay"] = set()                                  # the path cut: the fold is planned
     assert pg.plan_side(k, gp, m, "combine", None).part.name == "combine"
+
+
+def test_row_gather_folded_into_the_grouped_gemm_contract():
+    """``side="gather_rows"`` (AllGather+MoE with its rows staged): the row gather runs on the
+    producer's spare warps ahead of the GEMM tiles that wait for its rows, which the GEMM then
+    loads by TMA; the gather writes the staged rows (never read through a pointer here), reads
+    the gathered tokens coherently (the all-gather writes them while the kernel runs)."""
+    k = trace_ag(tile=(128, 256, 64), order="swizzled", stage_rows=True)
+    lg, lr = lower_grouped_gemm(k, "grouped_gemm"), lower_combine(k, "gather_rows")
+    lf = lower_grouped_gemm(k, "grouped_gemm", side="gather_rows")
+    assert not lg.gather and lf.side == "gather_rows" and lf.side_tiles == lr.grid_tiles
+    assert [p.name for p in lf.params] == [p.name for p in lg.params] + [
+        p.name for p in lr.params if p.name not in {q.name for q in lg.params}]
+    ctypes = {p.name: p.ctype for p in lf.params}
+    assert ctypes["ptr_x_gathered"] == "const __half*" and ctypes["out_x_sorted"].startswith("__half*")
+    assert "tma_a" in ctypes and "ptr_x_sorted" not in ctypes                 # the GEMM's A: by TMA
+    assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
+    assert lf.waits == lg.waits + lr.waits and lf.notifies == lg.notifies + lr.notifies
+    assert lf.signal_slots == {**lg.signal_slots, **lr.signal_slots}
+    assert lf.buffers == {**lg.buffers, **lr.buffers} and lf.grid(132) == lg.grid(132)
+    assert "sorted_token_ids" in lf.tables
+    assert "folded in: row-gather part 'gather_rows'" in lf.describe()
+    src = lf.source
+    assert "struct SideCfg {" in src and "kEnabled = true" in src and "kThreads = 96," in src
 
 
 def test_dispatcher_routes_the_moe_parts():
@@ -995,9 +1028,14 @@ def check_combine_sass(ck, lw):
 @pytest.mark.nvrtc
 @needs_nvrtc
 def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
-    kag, krs = trace_ag(**sched), trace_rs(**sched)
+    kag, krs, kst = trace_ag(**sched), trace_rs(**sched), trace_ag(**sched, stage_rows=True)
     lws = [lower_grouped_gemm(kag, "grouped_gemm"), lower_grouped_gemm(krs, "grouped_gemm"),
-           lower_combine(krs, "combine"), lower_grouped_gemm(krs, "grouped_gemm", side="combine")]
+           lower_combine(krs, "combine"), lower_grouped_gemm(krs, "grouped_gemm", side="combine"),
+           lower_grouped_gemm(kst, "grouped_gemm", side="gather_rows")]
+    # the folded parts' own kernels, the GEMMs' own waits: what each folded kernel adds to its GEMM
+    alone = {"combine": (lws[2], "y_sorted", lws[1].waits),
+             "gather_rows": (lower_combine(kst, "gather_rows"), "x_gathered",
+                             lower_grouped_gemm(kst, "grouped_gemm").waits)}
     t0 = time.perf_counter()
     cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lws], cache=KernelCache(tmp_path),
                        progress=False)
@@ -1005,15 +1043,15 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
     for lw, ck in zip(lws, cks):
         assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
         k = (check_combine_sass(ck, lw) if lw.kind == "combine" else
-             check_grouped_gemm_sass(ck, lw, gemm_waits=lws[1].waits if lw.side else None))
+             check_grouped_gemm_sass(ck, lw, gemm_waits=alone[lw.side][2] if lw.side else None))
         if lw.kind == "grouped_gemm" and lw.side:
-            # the folded combine: the gathers of its own kernel (not counting the acquire, an
+            # the folded part: the gathers of its own kernel (not counting the acquire, an
             # LDG.E.64.STRONG.GPU too), never through the .nc path; its stores; its acquire
-            lc = lws[2]
-            wide = "LDG.E.128" if lc.buffers["y_sorted"][1] == "f32" or lc.vec == 8 else "LDG.E.64"
+            lc, src, _ = alone[lw.side]
+            wide = "LDG.E.128" if lc.buffers[src][1] == "f32" or lc.vec == 8 else "LDG.E.64"
             assert k.count(wide) - k.count(wide + ".STRONG") > 0, sorted(k.opcodes)
             assert k.count(wide + ".CONSTANT") == 0 and k.count("STG.E.128") > 0
-            assert k.count("LDG.E.64.STRONG.GPU") > 0
+            assert k.count("LDG.E.64.STRONG.GPU") + k.count("LDG.E.64.STRONG.SYS") > 0
         print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
     print(f"{len(lws)} kernels in {wall:.1f} s")
 

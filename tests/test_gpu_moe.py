@@ -162,6 +162,50 @@ def test_allgather_moe_waits_block_until_flags_are_set():
     _close(_np(bufs["h"]), _ag_reference(rt, bufs), "after the flags", 2e-2)
 
 
+STAGED_FOLD_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, cluster
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
+    (4, 256, 520, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1)),
+    (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
+]
+
+
+@pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", STAGED_FOLD_CASES,
+                         ids=[_case_id(c) for c in STAGED_FOLD_CASES])
+def test_allgather_moe_row_gather_folded_into_the_grouped_gemm(W, Ms, K, Nr, E, topk, kind, tile, stages, order,
+                                                               dtype, cluster):
+    """The row gather that stages A folded into the grouped GEMM (``side="gather_rows"``): its
+    tiles on the spare producer warps, each GEMM tile waiting (really: counters from 0) for its
+    rows' gather before loading them by TMA. ``h`` against the reference after poisoning ``h``
+    and the staged rows, ``rows_ready`` at launch x its count, two launches."""
+    import torch
+    import tldsl as tl
+    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms + 1)
+    k = rt.trace_allgather_moe(W, Ms, K, Nr, E, _dt(dtype), stage_rows=True,
+                               compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order, cluster=cluster),
+                               comm=tl.CommSchedule(tile_m=64, mode="pull"))
+    lw = lower_grouped_gemm(k, "grouped_gemm", cluster=cluster, side="gather_rows")
+    assert lw.side == "gather_rows" and not lw.gather
+    kern = GroupedKernel(lw)
+    bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K + 1)
+    bufs["x_sorted"] = torch.empty((rt.num_rows, K), device="cuda", dtype=bufs["x_gathered"].dtype)
+    chunks = lw.side_tiles[1]
+    rows_ready = torch.zeros(lw.signal_slots["rows_ready"], device="cuda", dtype=torch.int64)
+    for launch in (1, 2):
+        bufs["h"].fill_(float("nan"))
+        bufs["x_sorted"].fill_(float("nan"))
+        sig = {"gather_x_ready": torch.full((lw.signal_slots["gather_x_ready"],), launch, device="cuda",
+                                            dtype=torch.int64), "rows_ready": rows_ready}
+        kern(bufs, signals=sig, launch_index=launch, rank=W - 1)
+        torch.cuda.synchronize()
+        h = _np(bufs["h"])
+        assert not np.isnan(h).any(), f"launch {launch}: rows never written: {np.argwhere(np.isnan(h))[:4]}"
+        _close(h, _ag_reference(rt, bufs), f"{lw.describe().splitlines()[0]} launch {launch}", 2e-2)
+        assert (h[rt.sorted_token_ids < 0] == 0).all()                  # padding rows: zeros
+        assert (rows_ready.cpu().numpy() == launch * chunks).all()      # every tile's every column chunk
+
+
 # -- MoE+ReduceScatter ---------------------------------------------------------------------------------
 
 def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1), fold=False):

@@ -141,15 +141,17 @@ def test_library_ops_and_general_programs_at_several_ranks(name):
     both(fn, W, inputs, sums=True, **kw)
 
 
-def test_moe_reduce_scatter_with_its_combine_folded_into_the_grouped_gemm():
-    """``chain="folded"``: each rank's combine runs on its grouped GEMM kernel's spare producer
-    warps (no launch of its own), two launches, against the simulator."""
+@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("allgather_moe_staged", "gather_rows")])
+def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):
+    """``chain="folded"``: each rank's combine (MoE+ReduceScatter) or row gather (AllGather+MoE,
+    rows staged) runs on its grouped GEMM kernel's spare producer warps (no launch of its own),
+    two launches, against the simulator."""
     from test_run_fake_device import library_case
-    fn, W, inputs, kw = library_case("moe_reduce_scatter")
+    fn, W, inputs, kw = library_case(name)
     got = both(fn, W, inputs, sums=True, lowering={"chain": "folded"}, options={"launches": 2}, **kw)
     kinds = sorted((x.rank, type(x.lowered).__name__) for x in got.plan.kernels)
     assert kinds == [(r, k) for r in range(W) for k in ("LoweredComm", "LoweredGroupedGemm")]
-    assert all(x.lowered.side == "combine" for x in got.plan.kernels if x.part == "grouped_gemm")
+    assert all(x.lowered.side == side for x in got.plan.kernels if x.part == "grouped_gemm")
 
 
 def test_a_wait_nothing_satisfies_is_reported_as_a_hang():

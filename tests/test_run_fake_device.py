@@ -414,18 +414,20 @@ def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(na
     assert {r for r, _, _, _ in dev.launched} == set(range(W))
 
 
-def test_the_combine_folded_into_its_grouped_gemms_kernel_on_the_fake_device():
-    """``chain="folded"``: MoE+ReduceScatter at two ranks with each rank's combine run inside its
-    grouped GEMM's kernel — no combine launch, the GEMM's kernel binding the combine's parameters,
-    the outputs the simulator's."""
+@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("allgather_moe_staged", "gather_rows")])
+def test_a_row_gather_part_folded_into_its_grouped_gemms_kernel_on_the_fake_device(name, side):
+    """``chain="folded"`` at two ranks: MoE+ReduceScatter with each rank's combine run inside its
+    grouped GEMM's kernel, AllGather+MoE with each rank's row gather run inside the GEMM it feeds —
+    no launch of the folded part, the GEMM's kernel binding its parameters, the outputs the
+    simulator's."""
     from tldsl.run import trace_for_run
-    fn, W, inputs, kw = library_case("moe_reduce_scatter")
+    fn, W, inputs, kw = library_case(name)
     want = tl.simulate(fn, W, inputs, **kw)
     ir, per_rank, opts = trace_for_run(fn, W, inputs, 0, None, kw)
     got = rp.run_program(ir, per_rank, launches=2, timeout_s=2.0, device=FakeDevice(3), lowering={"chain": "folded"})
     kinds = sorted((x.rank, type(x.lowered).__name__) for x in got.plan.kernels)
     assert kinds == [(r, k) for r in range(W) for k in ("LoweredComm", "LoweredGroupedGemm")]
-    assert all(x.lowered.side == "combine" for x in got.plan.kernels if x.part == "grouped_gemm")
+    assert all(x.lowered.side == side for x in got.plan.kernels if x.part == "grouped_gemm")
     assert_agrees(got.outputs, want.outputs, want.kernel, True)
 
 

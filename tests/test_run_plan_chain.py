@@ -145,19 +145,52 @@ def test_folded_the_combine_runs_inside_its_grouped_gemms_kernel():
     assert {"out_partial", "ptr_y_sorted", "tbl_token_pos", "sig_reduce_scatter_ready"} <= names
 
 
-def test_folded_leaves_a_pair_the_recipe_cannot_fold_chained():
-    """A staged AllGather+MoE: the GEMM chained after the row gather is not a combine behind a
-    grouped GEMM, so it still runs after it, as with ``chain="after"``."""
+def _staged_ag(W=1, Ms=128):
     rng = np.random.default_rng(0)
-    ids, _ = random_routing(rng, 128, 8, 2)
-    rt = moe_routing(ids, 8, 1, 128, 128)
-    k = rt.trace_allgather_moe(1, 128, 2048, 8192, 8, tl.bfloat16, stage_rows=True,
-                               compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, cluster=(2, 1)),
-                               comm=tl.CommSchedule(tile_m=128, mode="pull"))
+    ids, _ = random_routing(rng, W * Ms, 8, 2)
+    rt = moe_routing(ids, 8, W, Ms, 128)
+    return rt.trace_allgather_moe(W, Ms, 2048, 8192, 8, tl.bfloat16, stage_rows=True,
+                                  compute=tl.ComputeSchedule(tile=(128, 256, 64), stages=4, cluster=(2, 1)),
+                                  comm=tl.CommSchedule(tile_m=128, mode="pull"))
+
+
+def test_folded_the_row_gather_runs_inside_the_grouped_gemm_it_feeds():
+    """A staged AllGather+MoE: the GEMM is chained after the row gather that stages its A; folded,
+    the gather runs on the GEMM kernel's spare producer warps (the GEMM hosts it though it is the
+    one chained), no launch of its own, and the GEMM waits on nothing but its signals."""
+    from tldsl.runtime.gpu.bind import check_bindings
+    from tldsl.runtime.gpu.fold import FoldedPart
+    k = _staged_ag()
+    assert chained_parts(k, _kernels(k)) == {"grouped_gemm": "gather_rows"}
     lowered = lower_for_run(k, chain="folded")
-    assert all(getattr(lk, "side", None) is None for lk in lowered.values())
+    assert lowered["gather_rows"] == FoldedPart("gather_rows", "grouped_gemm")
+    assert lowered["grouped_gemm"].side == "gather_rows"
+    check_bindings(k, lowered)
     plan = plan_run(k, lowered, sm_count=H200_SMS, chain="folded")
-    assert {x.part: x.after for x in plan.kernels}["grouped_gemm"] == "gather_rows"
+    got = {x.part: x for x in plan.kernels}
+    assert "gather_rows" not in got and got["grouped_gemm"].after is None
+    assert plan.resident_ctas <= H200_SMS and got["grouped_gemm"].ctas % 2 == 0       # clusters of two
+    assert "folded in: row-gather part 'gather_rows'" in got["grouped_gemm"].lowered.describe()
+
+
+def test_folded_leaves_a_pair_the_recipe_refuses_chained(monkeypatch):
+    """Where the grouped GEMM's recipe refuses the fold, the pair stays two kernels, the chained
+    one after the other, as with ``chain="after"``."""
+    import tldsl.codegen as codegen
+    from tldsl.codegen.errors import LoweringError
+    real = codegen.lower
+
+    def refusing(kernel, part, side=None, **opts):
+        if side is not None:
+            raise LoweringError(f"side={side!r}: refused (test)")
+        return real(kernel, part, **opts)
+    monkeypatch.setattr(codegen, "lower", refusing)
+    for k, (part, producer) in ((_staged_ag(), ("grouped_gemm", "gather_rows")),
+                                (moe_rs_program(), ("combine", "grouped_gemm"))):
+        lowered = lower_for_run(k, chain="folded")
+        assert all(getattr(lk, "side", None) is None for lk in lowered.values())
+        plan = plan_run(k, lowered, sm_count=H200_SMS, chain="folded")
+        assert {x.part: x.after for x in plan.kernels}[part] == producer
 
 
 def test_an_unknown_chain_is_refused_before_anything_is_planned():

@@ -113,12 +113,15 @@ SIDE_THREADS = 96
 
 
 def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: str, wait_timeout_ns):
-    """The plan of the row-gather combine part ``side`` folded into this grouped GEMM's kernel:
-    its tiles run on the three producer warps that a TMA-loaded A leaves idle, each as soon as its
-    waits hold — as the GEMM's tiles complete, instead of after the whole GEMM. Refused where the
-    GEMM gathers A (every producer thread copies rows) or waits on the combine, directly or
-    through other parts (the two share each SM's CTA: a GEMM tile waiting for a combine tile
-    behind it would never finish)."""
+    """The plan of the row-gather part ``side`` folded into this grouped GEMM's kernel: its tiles
+    run on the three producer warps that a TMA-loaded A leaves idle, each as soon as its waits
+    hold — an MoE combine as the GEMM's tiles complete (instead of after the whole GEMM), a row
+    gather ahead of the GEMM tiles that read its rows (instead of before the whole GEMM). Refused
+    where the GEMM gathers A (every producer thread copies rows) or where the two wait on each
+    other, directly or through other parts: they share each SM's CTA, and the side runs its
+    tiles in order, so a GEMM tile waiting for a side tile queued behind one that waits for the
+    GEMM tile would never finish. One way round is safe: the side's warps never wait for the
+    GEMM's, or the GEMM's never for the side's (the whole grid is resident)."""
     from ..match.combine import match_combine
     from .combine import plan_combine
     names = [p.name for p in kernel.parts]
@@ -126,14 +129,16 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
         raise fail(WHAT, f"side={side!r}: kernel '{kernel.name}' has no part of that name (parts: {names})", part)
     sp = kernel.part(side)
     if sp is part or sp.role != "compute":
-        raise fail(WHAT, f"side={side!r}: only another compute part (a row-gather combine) folds into "
+        raise fail(WHAT, f"side={side!r}: only another compute part (a row gather or combine) folds into "
                    f"'{part.name}'", part)
     if m.gather:
-        raise fail(WHAT, f"side={side!r}: '{part.name}' gathers its A rows on every producer thread; a combine folds "
+        raise fail(WHAT, f"side={side!r}: '{part.name}' gathers its A rows on every producer thread; a part folds "
                    "only into a grouped GEMM whose A is loaded by TMA", m.a_load)
-    if reaches(waits_on(kernel), part.name, side):
-        raise fail(WHAT, f"side={side!r}: '{part.name}' waits on '{side}' (on a signal it notifies, directly or through "
-                   "other parts); folded into one kernel the two could wait on each other forever", part)
+    deps = waits_on(kernel)
+    if reaches(deps, part.name, side) and reaches(deps, side, part.name):
+        raise fail(WHAT, f"side={side!r}: '{part.name}' and '{side}' wait on each other (on signals the other "
+                   "notifies, directly or through other parts); folded into one kernel they could wait on each "
+                   "other forever", part)
     return plan_combine(kernel, sp, match_combine(kernel, sp), wait_timeout_ns=wait_timeout_ns,
                         entry=None, threads=SIDE_THREADS)
 

@@ -143,7 +143,7 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         if self.side:
-            lines.insert(-1, f"  folded in: combine '{self.side}', {self.side_tiles[0]}x{self.side_tiles[1]} tiles on "
+            lines.insert(-1, f"  folded in: row-gather part '{self.side}', {self.side_tiles[0]}x{self.side_tiles[1]} tiles on "
                              "the producer warpgroup's warps 1-3 (96 threads), each once its waits hold; the whole "
                              "grid must be resident")
         lines += self.describe_tma()

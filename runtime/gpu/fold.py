@@ -1,17 +1,20 @@
-"""Folding a chained compute part into its producer's kernel (``chain="folded"``).
+"""Folding one of a chained pair of compute parts into the other's kernel (``chain="folded"``).
 
 A part that waits only on another compute part of its rank (:func:`.chains.chained_parts`:
-an MoE combine behind its grouped GEMM) can run after its producer on the producer's stream, or
-— where the producer's recipe has room for it — inside the producer's kernel: the grouped GEMM
-recipe runs a row-gather combine on the three producer warps a TMA-loaded A leaves idle
-(``side=``), each combine tile starting as soon as the GEMM tiles it reads are done, so the
-combine's memory traffic overlaps the GEMM's tensor-core work instead of following it. The
-folded part then has no kernel of its own: its entry in ``{part: lowered}`` is a
-:class:`FoldedPart` naming the kernel that runs it, which the plan launches nothing for.
+an MoE combine behind its grouped GEMM, AllGather+MoE's grouped GEMM behind the row gather that
+stages its A) can run after its producer on the producer's stream, or — where the grouped GEMM's
+recipe has room for the other — inside one kernel: the grouped GEMM recipe runs a row-gather
+part on the three producer warps a TMA-loaded A leaves idle (``side=``), each of its tiles as
+soon as its waits hold: a combine tile once the GEMM tiles it reads are done, a gather tile at
+once (the GEMM tiles wait for it), so the row traffic overlaps the GEMM's tensor-core work
+instead of following or preceding it. The folded part then has no kernel of its own: its entry
+in ``{part: lowered}`` is a :class:`FoldedPart` naming the kernel that runs it, which the plan
+launches nothing for.
 
 The folded kernel needs its whole grid resident at once (a CTA's combine warps may wait on GEMM
-tiles another CTA runs, and the CTA cannot finish before them): its grid is the persistent one,
-one CTA an SM, which the plan keeps within the SMs it gives the producer. The GEMM keeps its
+tiles another CTA runs, a CTA's GEMM on another CTA's gather, and no CTA finishes before both):
+its grid is the persistent one, one CTA an SM, which the plan keeps within the SMs it gives the
+GEMM. The GEMM keeps its
 schedule's tile order (``group_m``); the measurements below set column order (``bench moe
 --fold on``), the order in which whole columns of GEMM tiles, the combine's inputs, finish first.
 
@@ -46,24 +49,35 @@ def is_folded(lowered) -> bool:
 
 
 def fold_chained(kernel: core.Kernel, lowered: dict, options: dict, kernels: set[str]) -> dict:
-    """``lowered`` with every chained combine that its grouped-GEMM producer can host folded into
-    it (the producer lowered again with ``side=``, the same ``options``); the other parts as
-    they were. A pair the recipe refuses (a gathered A, a GEMM that could wait on the combine)
-    stays two kernels, the combine chained after the GEMM. ``kernels``: the parts lowered to SM
+    """``lowered`` with every chained pair that a grouped GEMM can host folded into the GEMM's
+    kernel — a combine chained after its grouped GEMM, or a grouped GEMM chained after the row
+    gather that stages its A (the GEMM lowered again with ``side=``, the same ``options``) — the
+    other parts as they were. A pair the recipe refuses (a gathered A, two parts waiting on each
+    other) stays two kernels, one chained after the other. ``kernels``: the parts lowered to SM
     kernels (not copy-engine plans)."""
     from ...codegen import lower
     from ...codegen.errors import LoweringError
     out = dict(lowered)
     for part, producer in chained_parts(kernel, kernels).items():
-        lp, lc = lowered[producer], lowered[part]
-        if out[producer] is not lp:         # one side part per kernel: this producer hosts one already
-            continue
-        if getattr(lp, "kind", "") != "grouped_gemm" or getattr(lc, "kind", "") != "combine" or lp.gather:
-            continue
+        host, side = _host_and_side(lowered[producer], lowered[part], producer, part)
+        if host is None or out[host] is not lowered[host] or out[side] is not lowered[side]:
+            continue                        # not a pair a GEMM hosts, or one of the two folded already
         opts = {k: v for k, v in options.items() if k in ("cluster", "wait_timeout_ns")}
         try:
-            out[producer] = lower(kernel, producer, side=part, **opts)
+            out[host] = lower(kernel, host, side=side, **opts)
         except LoweringError:
             continue
-        out[part] = FoldedPart(part, producer)
+        out[side] = FoldedPart(side, host)
     return out
+
+
+def _host_and_side(lp, lc, producer: str, part: str):
+    """``(host, side)`` names of a chained pair (``part`` after ``producer``) where one is a
+    grouped GEMM loading A by TMA and the other a row-gather (combine-recipe) kernel; else
+    ``(None, None)``."""
+    kinds = (getattr(lp, "kind", ""), getattr(lc, "kind", ""))
+    if kinds == ("grouped_gemm", "combine") and not lp.gather:
+        return producer, part
+    if kinds == ("combine", "grouped_gemm") and not lc.gather:
+        return part, producer
+    return None, None

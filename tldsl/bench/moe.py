@@ -11,7 +11,9 @@ layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token,
 already satisfied — the kernel alone, as it runs once the all-gather has delivered every token.
 It gathers its rows itself (``sorted_token_ids``) — inside the grouped GEMM, or, where the slice
 is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_pays`), in a pass of
-their own before the GEMM reads them by TMA (the two kernels then also timed one by one) — so it
+their own before the GEMM reads them by TMA (the two kernels then also timed one by one; with
+``--fold on``, that pass runs inside the GEMM's kernel, on its producer's spare warps, ahead of the
+GEMM tiles waiting for its rows: one launch, its waits real) — so it
 is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
 kernel alone) and with torch's whole sequence (the row gather ``index_select`` +
 ``_grouped_mm``). Each row is checked against ``_grouped_mm`` first; TFLOP/s count the routed
@@ -232,10 +234,12 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-              cluster: int = 2, stage_rows: str = "auto") -> dict:
+              cluster: int = 2, stage_rows: str = "auto", fold: bool = False) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
-    where the rows are staged, which ``parts_ms`` then times one by one)."""
+    where the rows are staged, which ``parts_ms`` then times one by one). ``fold`` (rows staged):
+    ``ms`` is the grouped GEMM with the row gather folded into its kernel (one launch, its waits
+    real), ``parts_ms`` the two kernels one after the other first."""
     import numpy as np
     import torch
     from . import fused_layers
@@ -290,9 +294,23 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     ours()
     want = gmm()
     _, dest = fused_layers.padded_rows(want, ids_dev, E, tile[0], rt.num_rows // tile[0])
-    return _checked_timings(f"{row}: the grouped GEMM differs from _grouped_mm", h[dest], want,
-                            [ours, gmm, sequence], iters, 2 * T * topk * K * N, _computed_rows(rt), T * topk,
-                            parts=[one(k) for k in kernels] if len(kernels) > 1 else ())
+    what = f"{row}: the grouped GEMM differs from _grouped_mm"
+    parts = [one(k) for k in kernels] if len(kernels) > 1 else []
+    if fold:
+        from tldsl.codegen import lower_grouped_gemm
+        _check_close(what + " (one after the other)", h[dest], want)
+        lf = lower_grouped_gemm(ir, "grouped_gemm", cluster=(cluster, 1), side="gather_rows")
+        folded = prepared_parts(ir, {"grouped_gemm": lf}, bufs, signals)["grouped_gemm"]
+
+        def folded_launch():            # its waits real: the rows' counters count one epoch a launch
+            gathers[0] += 1
+            folded.launch(torch.cuda.current_stream().cuda_stream, gathers[0])
+        h.fill_(float("nan"))
+        bufs["x_sorted"].fill_(float("nan"))
+        parts, ours = [ours] + parts, folded_launch
+        ours()
+    return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
+                            2 * T * topk * K * N, _computed_rows(rt), T * topk, parts=parts)
 
 
 def _computed_rows(rt) -> int:
@@ -319,7 +337,9 @@ def parse_args(argv):
                          "shape (auto)")
     ap.add_argument("--fold", choices=FOLD, default="off",
                     help="rs: the combine folded into the grouped GEMM's kernel, its tiles run by the producer's "
-                         "spare warps as the GEMM's columns complete (on), or launched after it (off)")
+                         "spare warps as the GEMM's columns complete (on), or launched after it (off); ag: the row "
+                         "gather folded into the grouped GEMM's kernel, ahead of the tiles that read its rows (on; "
+                         "the rows staged), or launched before it (off)")
     ap.add_argument("--group-m", type=int, default=None,
                     help="rs: tile rows of a group of the swizzled order, for both kernels (default: the "
                          "schedule's 8, and with --fold on all of them: column by column, so that a column's "
@@ -338,6 +358,10 @@ def parse_args(argv):
         args.tile_t = ()
     if len(args.tile_t) != 3:
         ap.error(f"--tile: three integers BM,BN,BK, got {args.tile!r}")
+    if args.layer == "ag" and args.fold == "on":
+        if args.stage_rows == "off":
+            ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
+        args.stage_rows = "on"
     if args.group_m is not None and args.group_m < 1:
         ap.error(f"--group-m: a positive number of tile rows, got {args.group_m}")
     return args
@@ -354,11 +378,13 @@ def main(argv, out=sys.stdout) -> int:
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
-    fold = rs and args.fold == "on"
+    fold = args.fold == "on"
     split = (" GEMM alone ms | combine alone ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms |")
-    if fold:
+    if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
+    elif fold:
+        ours, split = "tldsl gather + GEMM folded ms", " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
     blank = split.count("|") * " |"
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
@@ -368,7 +394,8 @@ def main(argv, out=sys.stdout) -> int:
         try:
             r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold, args.group_m)
                  if rs else
-                 bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows))
+                 bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows,
+                           fold))
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "

@@ -45,12 +45,14 @@
 //    (cp.async.bulk.wait_group 0) and fences the async proxy, all consumers meet at a named
 //    barrier, then one thread runs the notifies (one fence.acq_rel, then relaxed red.adds).
 //
-//    A side program (Side::kEnabled; A by TMA only): a row-gather combine folded in. Warps 1-3
-//    of the producer warpgroup, idle where one thread issues the TMA loads, run its tiles
-//    (combine_tiles, 96 threads, named barrier 5) while the GEMM's run, each once its waits hold
-//    — the GEMM tiles holding its rows done, in this or any other CTA. Nothing of the GEMM waits
-//    on them (the planner refuses a GEMM waiting on what the side notifies), so the GEMM's
-//    progress never depends on the side's; the CTA ends when both are done.
+//    A side program (Side::kEnabled; A by TMA only): a row-gather part folded in (an MoE
+//    combine behind the GEMM, or the row gather that stages A ahead of it). Warps 1-3 of the
+//    producer warpgroup, idle where one thread issues the TMA loads, run its tiles
+//    (combine_tiles, 96 threads, named barrier 5) while the GEMM's run, each once its waits
+//    hold — in this or any other CTA. The two wait on each other one way at most (the planner
+//    refuses a cycle): either the side never waits for the GEMM's tiles or the GEMM never for
+//    the side's, so neither's progress depends on a tile queued behind its own; the CTA ends
+//    when both are done.
 //
 // 2. combine_kernel — a plain (non-tensor-core) kernel for
 //      acc = fill; for k in loop: acc += gather_rows(Y, rows(k), col) * scale(k)
@@ -492,7 +494,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
       cp_async_wait_all();
     } else if (warp != 0) {
-      // warps 1-3 have no part in a TMA producer: a side program's tiles (a combine folded in)
+      // warps 1-3 have no part in a TMA producer: a side program's tiles (a row gather or combine folded in)
       if constexpr (Side::kEnabled)
         combine_tiles<SideCfg, kSideThreads, kSideBarrier>(rank, side, int(threadIdx.x) - 32, int(blockIdx.x),
                                                            int(gridDim.x));

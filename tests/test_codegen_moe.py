@@ -1067,27 +1067,40 @@ def test_allgather_moe_sys_waits_compile(tmp_path, comm):
 
 
 def test_items_at_once_stay_within_their_bounds():
-    """Every tile shape, vector width and loop length: the items a thread gathers together divide
-    its items (each item covered once), keep at most MAX_GATHERS_IN_FLIGHT gathers and
-    MAX_VALUES_IN_FLIGHT values (or are one item), and a loop of unknown or long bounds takes one."""
+    """Every tile shape, vector width, loop length and thread count (a combine's own 1024, the 96
+    of one folded into a grouped GEMM): the items a thread gathers together keep at most
+    MAX_GATHERS_IN_FLIGHT gathers and MAX_VALUES_IN_FLIGHT values (or are one item), divide its
+    share where the threads divide the tile (no partial group), cover every item of the tile once
+    — a partial group (``ragged``) skipping the items past the tile — and a loop of unknown or
+    long bounds takes one."""
     from tldsl.codegen.plan.combine import COMBINE_THREADS
-    from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT, MAX_VALUES_IN_FLIGHT, items_at_once
-    for bm in (8, 16, 32, 64, 128, 256):
-        for bn in (8, 16, 32, 64, 128, 256):
-            for vec in (4, 8):
-                if bn % vec:
-                    continue
-                total = bm * bn // vec
-                for trips in (None, 0, 1, 2, 3, 4, 5, 8, 9, 12):
-                    plan = SimpleNamespace(match=SimpleNamespace(BMf=bm, BNf=bn), vec=vec, threads=COMBINE_THREADS)
-                    g = items_at_once(plan, trips)
-                    assert g >= 1
-                    if g > 1:
-                        assert total % COMBINE_THREADS == 0 and (total // COMBINE_THREADS) % g == 0
-                        assert g * trips <= MAX_GATHERS_IN_FLIGHT
-                        assert g * vec * (trips + (trips > 1)) <= MAX_VALUES_IN_FLIGHT
-                    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total < COMBINE_THREADS:
-                        assert g == 1
+    from tldsl.codegen.recipes.combine import (MAX_GATHERS_IN_FLIGHT, MAX_VALUES_IN_FLIGHT, items_at_once,
+                                               ragged)
+    for threads in (COMBINE_THREADS, 96):
+        for bm in (8, 16, 32, 64, 128, 256):
+            for bn in (8, 16, 32, 64, 128, 256):
+                for vec in (4, 8):
+                    if bn % vec:
+                        continue
+                    total = bm * bn // vec
+                    for trips in (None, 0, 1, 2, 3, 4, 5, 8, 9, 12):
+                        plan = SimpleNamespace(match=SimpleNamespace(BMf=bm, BNf=bn), vec=vec, threads=threads)
+                        g = items_at_once(plan, trips)
+                        assert g >= 1
+                        if g > 1:
+                            assert g * trips <= MAX_GATHERS_IN_FLIGHT and g <= -(-total // threads)
+                            assert g * vec * (trips + (trips > 1)) <= MAX_VALUES_IN_FLIGHT
+                            if total % threads == 0:
+                                assert (total // threads) % g == 0 and not ragged(plan, g)
+                        if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total <= threads:
+                            assert g == 1 and not ragged(plan, g)
+                        # the generated loops: item0 = tid, tid + threads * g, ...; items item0 + j * threads
+                        # of them, those past the tile skipped where ragged
+                        seen = [item0 + j * threads for tid in range(threads)
+                                for item0 in range(tid, total, threads * g) for j in range(g)]
+                        kept = [i for i in seen if i < total]
+                        assert sorted(kept) == list(range(total)) and (len(kept) == len(seen)) == \
+                            (not ragged(plan, g)), (threads, bm, bn, vec, trips, g)
 
 
 @pytest.mark.nvrtc

@@ -131,19 +131,30 @@ MAX_VALUES_IN_FLIGHT = 40
 
 
 def items_at_once(plan: CombinePlan, trips: int | None) -> int:
-    """Items a thread gathers together: its items per tile (a whole number of strides), as many
-    as keep ``trips`` gathers each within :data:`MAX_GATHERS_IN_FLIGHT` and their values within
-    :data:`MAX_VALUES_IN_FLIGHT`; 1 for a loop whose bounds are not constant or too long."""
+    """Items a thread gathers together: as many of its items per tile as keep ``trips`` gathers
+    each within :data:`MAX_GATHERS_IN_FLIGHT` and their values within :data:`MAX_VALUES_IN_FLIGHT`
+    — where the threads divide the tile's items, a divisor of each thread's share (no thread
+    then has a partial group); else the last group is partial (:func:`ragged`: the 96 threads of
+    a combine folded into a grouped GEMM and a tile's 4096 items). 1 for a loop whose bounds are
+    not constant or too long."""
     m = plan.match
     total = m.BMf * (m.BNf // plan.vec)
-    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT or total % plan.threads:
+    if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT:
         return 1
-    per_thread = total // plan.threads
+    per_thread = -(-total // plan.threads)
     values = plan.vec * (trips + (1 if trips > 1 else 0))
     g = max(1, min(per_thread, MAX_GATHERS_IN_FLIGHT // trips, MAX_VALUES_IN_FLIGHT // values))
-    while per_thread % g:
+    while total % plan.threads == 0 and per_thread % g:
         g -= 1
     return g
+
+
+def ragged(plan: CombinePlan, G: int) -> bool:
+    """Whether the last group of ``G`` items of some thread runs past the tile's items (those
+    items are then skipped: no table read, gather or store; one item at a time, the item loop's
+    own bound does it)."""
+    m = plan.match
+    return G > 1 and (m.BMf * (m.BNf // plan.vec)) % (plan.threads * G) != 0
 
 
 def _body(plan: CombinePlan) -> list[str]:
@@ -178,7 +189,9 @@ def _body(plan: CombinePlan) -> list[str]:
             L += _body_one_by_one(plan, em, lo, hi, st, src)
             L.append("      }")
     L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
-          f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
+          f"        const int item = item0 + g_ * {plan.threads};",
+          *([f"        if (item >= {m.BMf * V}) break;"] if ragged(plan, G) else []),
+          f"        const int r = item / {V};",
           f"        const int cv = (item - r * {V}) * {n};",
           f"        tldsl::grouped::storev<{n}>({plan.dst_param}, {o0} + r, {dst[0]}, {o1} + cv, {dst[1]}, acc_[g_]);"
           f"{marker(m.store.loc)}",
@@ -230,6 +243,9 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
           f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
           "        (void)r;",
           "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_) {{{marker(m.loop.loc)}"]
+    if ragged(plan, G):               # past the tile's items: no row (a zero gather), no table read
+        L += [f"          rows_[g_][j_] = -1; cols_[g_][j_] = 0;{' w_[g_][j_] = 0.0f;' if scaled else ''}",
+              f"          if (item >= {m.BMf * V}) continue;"]
     with em.scope():
         k = em.define(m.loop.regions[0].args[0])
         L.append(f"          const int {k} = {lo} + j_ * {st};")

@@ -129,15 +129,16 @@ def test_bad_arguments_are_refused_in_one_line():
 def test_the_sm_splits_to_time_are_parsed_and_checked():
     from tldsl.runtime.gpu.run_plan import CHAINS
     from tldsl.runtime.gpu.sm_split import SPLITS
-    assert set(baselines.SM_SPLITS) == set(SPLITS) | {f"{s}/{c}" for s in SPLITS for c in ("beside", "folded")}
+    assert set(baselines.SM_SPLITS) == set(SPLITS) | {f"{s}/{c}" for s in SPLITS for c in CHAINS}
     assert baselines.parse_args(["moe_rs", "--fused"]).sm_splits == ("work",)
     assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,even,work"]).sm_splits == ("work", "even")
     assert baselines.parse_args(["moe_rs", "--fused", "--sm-split", "work,work/beside"]).sm_splits == \
         ("work", "work/beside")
-    # each variant is the op's keyword arguments: the split, and the combine after the GEMM unless /beside
-    assert baselines._layout_kw("work") == {"sm_split": "work", "chain": "after"}
+    # each variant is the op's keyword arguments: the split, and the chain where one is asked for
+    assert baselines._layout_kw("work") == {"sm_split": "work"}             # the op's own choice
+    assert baselines._layout_kw("work/after") == {"sm_split": "work", "chain": "after"}
     assert baselines._layout_kw("even/beside") == {"sm_split": "even", "chain": "beside"}
-    assert {baselines._layout_kw(v)["chain"] for v in baselines.SM_SPLITS} == set(CHAINS)
+    assert {baselines._layout_kw(v).get("chain") for v in baselines.SM_SPLITS} == set(CHAINS) | {None}
     for bad in ("fair", "work,", "", "work/overlap"):
         with pytest.raises(SystemExit):
             baselines.parse_args(["moe_rs", "--fused", "--sm-split", bad])

@@ -51,15 +51,17 @@ MOE_ROWS = [("mixtral", 2048, "random"), ("mixtral", 8192, "random"), ("mixtral"
 ROUTINGS = ("random", "zipf", "one")
 LAYOUTS = ("contiguous", "zigzag")
 #: how a fused MoE op's compute kernels may share the SMs (``runtime/gpu/sm_split.SPLITS``), each
-#: with its combine after the grouped GEMM (the default), beside it (``/beside``) or folded into
-#: its kernel (``/folded``: ``runtime/gpu/run_plan.CHAINS``)
-SM_SPLITS = ("work", "even", "work/beside", "even/beside", "work/folded", "even/folded")
+#: with its chained parts where the op puts them (no suffix), or as asked
+#: (``runtime/gpu/run_plan.CHAINS``): after their producer (``/after``: MoEReduceScatter's combine
+#: behind its grouped GEMM, AllGatherMoE's staged GEMM behind its row gather), beside it
+#: (``/beside``) or folded into one kernel (``/folded``)
+SM_SPLITS = ("work", "even", "work/after", "even/after", "work/beside", "even/beside", "work/folded", "even/folded")
 
 
 def _layout_kw(variant: str) -> dict:
     """The fused op's keyword arguments of an ``--sm-split`` variant (``SPLIT[/CHAIN]``)."""
     split, _, chain = variant.partition("/")
-    return {"sm_split": split, "chain": chain or "after"}
+    return {"sm_split": split, **({"chain": chain} if chain else {})}
 
 
 # -- the routing, as a user's layer computes it on the GPU ------------------------------------------
@@ -349,9 +351,10 @@ def parse_args(argv):
                     help="the fused op too: checked against the sequential layer, then timed beside it")
     ap.add_argument("--sm-split", default="work",
                     help="with --fused (MoE layers): how the op's compute kernels share the SMs — work, even, "
-                         "each optionally /beside (the combine beside the grouped GEMM, not after it) or /folded "
-                         "(the combine folded into the grouped GEMM's kernel), several "
-                         "comma-separated (one op each, timed in the same rounds)")
+                         "each with its chained parts where the op puts them, or optionally /after (the combine "
+                         "after the grouped GEMM, the staged GEMM after its row gather), /beside (beside it) or "
+                         "/folded (the two in the grouped GEMM's kernel), several comma-separated (one op each, "
+                         "timed in the same rounds)")
     args = ap.parse_args(argv)
     args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))
     if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):

@@ -261,36 +261,6 @@ def test_the_rows_are_staged_where_the_slice_is_wide():
     assert not any(stage_rows_pays(n, W) for n in (8192, 14336) for W in (2, 4, 8))
 
 
-def test_the_staged_gather_folds_where_its_rows_are_large():
-    """Measured on one H200: folded into the grouped GEMM, the staged rows' gather gained from 440 MB
-    (the stress row; Mixtral 32768: 540 MB), not at 140 MB (Mixtral 8192) and lost at 38 MB."""
-    from tldsl.ops.moe import FOLD_ROWS_MIN_BYTES, fold_rows_pays
-    assert 140 << 20 < FOLD_ROWS_MIN_BYTES < 440 << 20
-    assert [fold_rows_pays(b) for b in (38 << 20, 140 << 20, FOLD_ROWS_MIN_BYTES - 1, FOLD_ROWS_MIN_BYTES,
-                                        440 << 20, 540 << 20)] == [False, False, False, True, True, True]
-    assert not any(fold_rows_pays(540 << 20, W) for W in (2, 4, 8))
-
-
-def test_the_op_folds_its_staged_gather_by_default_where_it_pays(monkeypatch):
-    import tldsl.ops.moe as moe
-    g = Group(monkeypatch, 1, 0)
-    wide, c128 = tl.TensorSpec((E, 128, 4096), tl.float16), tl.ComputeSchedule(tile=(128, 256, 64))
-
-    def build(**kw):          # tiles the grouped GEMM recipe takes (it hosts the folded gather)
-        (op,) = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, 128), tl.float16), wide, TOPK, compute=c128,
-                                                    router=HostRouter(1, 128), device=dev, timeout_s=2.0, **kw))
-        return op
-    small = build()                                        # a few KB staged: two kernels, one after the other
-    assert small.stage_rows and small.chain == "after"
-    monkeypatch.setattr(moe, "FOLD_ROWS_MIN_BYTES", 1)
-    ops = [build(), build(chain="after"), build(stage_rows=False)]
-    assert [op.chain for op in ops] == ["folded", "after", "after"]       # asked for, or nothing staged: kept
-    assert ops[0].lowered["grouped_gemm"].side == "gather_rows"          # one kernel: the GEMM hosts the gather
-    assert ops[1].lowered["grouped_gemm"].side is None
-    for op in [small] + ops:
-        op.close()
-
-
 @pytest.mark.parametrize("W", [1, 2])
 def test_the_op_stages_by_default_at_one_rank_only(monkeypatch, W):
     g = Group(monkeypatch, W, 0)

@@ -31,7 +31,7 @@ import numpy as np
 import tldsl as tl
 
 from ...errors import InputError
-from ...ops.moe import allgather_moe, fold_rows_pays, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
+from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
 from .program_op import FusedProgram
 
@@ -185,9 +185,7 @@ class AllGatherMoE(_Routed, FusedProgram):
     (False); None: as :func:`~tldsl.ops.moe.stage_rows_pays` says for the shape and world size
     (staged at one rank where the slice is wide; across ranks not yet, so the GEMM keeps
     overlapping the all-gather). Staged, the op holds an ``[R_pad, K]`` workspace of the routed
-    rows (``x_sorted``: 0.5 GB at Mixtral's 32768 tokens in bf16), and where that workspace is large
-    (:func:`~tldsl.ops.moe.fold_rows_pays`) runs the gather inside the grouped GEMM's kernel
-    (``chain="folded"``, unless ``chain=`` is given). A layer that
+    rows (``x_sorted``: 0.5 GB at Mixtral's 32768 tokens in bf16). A layer that
     writes its output (the next call's shard) into ``op.symmetric_buffer("x")`` and passes that
     as ``x`` saves the copy of the shard into the op's buffer every call (64 MB at 8192 tokens of
     4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`)."""
@@ -211,9 +209,6 @@ class AllGatherMoE(_Routed, FusedProgram):
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
-        staged_bytes = self.num_tiles * self.block_m * K * dt.bits // 8
-        if stage_rows and "chain" not in program_kw and fold_rows_pays(staged_bytes, W):
-            program_kw["chain"] = "folded"
         FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, stage_rows=stage_rows,
                               **program_kw)
 

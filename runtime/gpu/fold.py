@@ -24,7 +24,12 @@ flight for a combine that moves 150–370 MB (Qwen3-30B's grouped GEMM and combi
 against 0.40 one after the other; Mixtral 1.54 against 1.54), and its combine tiles can only start
 once a whole column of GEMM tiles is done, so the GEMM's tiles must go column by column, which
 reads A from HBM once per column. The fused MoEReduceScatter at one rank: Qwen3-30B 1.32 ms
-against 1.06, Mixtral 4.35 against 3.85.
+against 1.06, Mixtral 4.35 against 3.85. AllGather+MoE's staged gather folded (twenty-sixth
+session): the kernel pair gains where the GEMM is long and the gather large (Mixtral 32768 tokens
+11.62 / 11.86 ms against 11.74 / 12.16 in two calls, the stress row 5.51 / 5.57 against 5.62 /
+5.74), loses where they are short (Mixtral 2048, and the small-expert rows by far: the GEMM waits
+on 96 threads' gather), and the fused AllGatherMoE at one rank did not gain from it (Mixtral 32768
+26.20 ms against 25.95, the stress row 12.28 against 12.24).
 """
 from __future__ import annotations
 

@@ -323,24 +323,6 @@ def stage_rows_pays(Nr: int, world_size: int = 1) -> bool:
 STAGE_ROWS_MIN_N = 4096
 
 
-def fold_rows_pays(staged_bytes: int, world_size: int = 1) -> bool:
-    """Whether :class:`~tldsl.runtime.dist.moe_ops.AllGatherMoE` with its rows staged should run
-    their gather inside the grouped GEMM's kernel (``chain="folded"``: on the producer's spare
-    warps, ahead of the GEMM tiles waiting for its rows) rather than as a kernel of its own
-    before the GEMM. Folded, the gather overlaps the GEMM but runs on 96 threads an SM, so the
-    first GEMM tiles wait for their rows: on one H200 (twenty-sixth session, ``bench moe --fold``)
-    it hid 0.12–0.30 ms of Mixtral 32768's 0.47 ms gather (540 MB staged) and of the stress
-    row's 0.38 ms (440 MB), was within a percent at Mixtral 8192 (140 MB) and lost 3–4 % at
-    Mixtral 2048 (38 MB). ``staged_bytes``: the staged rows' workspace (``R_pad * K`` elements).
-    At one rank only, as :func:`stage_rows_pays`."""
-    return world_size == 1 and staged_bytes >= FOLD_ROWS_MIN_BYTES
-
-
-#: the staged rows' bytes from which their gather is folded into the grouped GEMM: between the
-#: most that did not gain (140 MB) and the least that did (440 MB) on one H200
-FOLD_ROWS_MIN_BYTES = 256 << 20
-
-
 @tl.kernel
 def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_tiles, tile_num_token_tiles,
                        token_tile_producers, out, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):

@@ -126,9 +126,10 @@ class FusedProgram(FusedOp):
     share this rank's SMs — ``"work"`` (in proportion to each part's estimated work, the
     default) or ``"even"`` (:func:`~..gpu.run_plan.plan_run`). ``chain``: where a compute part
     that waits only on another compute part of the rank runs (an MoE combine behind its grouped
-    GEMM) — ``"after"`` it, with the SMs it leaves (the default), ``"beside"`` it, resident at
-    once with a share (:func:`~..gpu.chains.chained_parts`), or ``"folded"`` into its kernel
-    where the recipe can run it there (:mod:`~..gpu.fold`; else after it).
+    GEMM, a grouped GEMM behind the row gather staging its rows) — ``"after"`` it, with the SMs
+    it leaves (the default), ``"beside"`` it, resident at once with a share
+    (:func:`~..gpu.chains.chained_parts`), or ``"folded"`` with it into the grouped GEMM's kernel
+    where the recipe can host the other (:mod:`~..gpu.fold`; else after it).
 
     Calling it (``op(*tensors)`` or ``op(**tensors)``, the caller's device tensors of the
     traced shapes and dtypes, contiguous) enqueues one launch on the caller's stream; the

@@ -26,8 +26,10 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   the GEMM's last wave — and beside it held SMs the GEMM needed. Measured on one H200 with the
   MoE ops' defaults (BENCHMARKS.md, twenty-second session): every MoE+ReduceScatter row faster
   after than beside (Mixtral 8192 tokens 3.59 against 4.40 ms, Qwen3-30B 1.05 against 1.43).
-  ``chain="beside"`` keeps the shared layout; ``chain="folded"`` runs it inside the producer's
-  kernel where the producer's recipe can (:mod:`.fold`: no launch of its own; measured slower);
+  ``chain="beside"`` keeps the shared layout; ``chain="folded"`` runs the pair as one kernel
+  where the grouped GEMM's recipe can host the other (:mod:`.fold`: the combine behind its GEMM,
+  AllGather+MoE's staged row gather ahead of its GEMM; no launch of its own; measured slower or
+  within noise at the ops' level);
 * where copy-engine parts run, streams never outnumber the hardware queues: a stream wait
   (``cuStreamWaitValue64``) at the head of a queue two streams share blocks the other stream's
   work behind it, which it may be waiting for. Kernels alone may share queues: a launch
@@ -69,8 +71,8 @@ def hardware_queues() -> int:
 def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, transports=("ptr",),
                   chain: str = "after", **options) -> dict:
     """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
-    ``wait_timeout_ns`` where the recipe takes the option; with ``chain="folded"`` the chained
-    parts folded into their producers' kernels where the recipe can (:mod:`.fold`). Refused before lowering: schedules
+    ``wait_timeout_ns`` where the recipe takes the option; with ``chain="folded"`` each chained
+    pair folded into one kernel where the recipe can (:mod:`.fold`). Refused before lowering: schedules
     whose parts only the fused ops' own launchers can bind (parts fused into the GEMM) and
     transports other than ``transports`` (one GPU: peer-pointer tables only; across GPUs the
     fused-op runtime also allocates from NVSHMEM's heap)."""
@@ -193,8 +195,9 @@ class RunPlan:
 
 #: where a compute part waiting only on another compute part of its rank runs: "after" it, on
 #: its stream with the SMs it leaves (the default), "beside" it, resident at once with a share,
-#: or "folded" into its kernel where the producer's recipe can run it (:mod:`.fold`; after it
-#: where not). Folding is decided when the parts are lowered (:func:`lower_for_run`).
+#: or "folded" with it into one kernel where the grouped GEMM's recipe can host the other
+#: (:mod:`.fold`; after it where not). Folding is decided when the parts are lowered
+#: (:func:`lower_for_run`).
 CHAINS = ("after", "beside", "folded")
 
 

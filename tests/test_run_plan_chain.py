@@ -169,7 +169,11 @@ def test_folded_the_row_gather_runs_inside_the_grouped_gemm_it_feeds():
     plan = plan_run(k, lowered, sm_count=H200_SMS, chain="folded")
     got = {x.part: x for x in plan.kernels}
     assert "gather_rows" not in got and got["grouped_gemm"].after is None
-    assert plan.resident_ctas <= H200_SMS and got["grouped_gemm"].ctas % 2 == 0       # clusters of two
+    assert plan.resident_ctas <= H200_SMS
+    # the schedule's clusters of two dropped: the folded grid must all be resident, single CTAs
+    assert lowered["grouped_gemm"].cluster_dims == (1, 1, 1)
+    assert lower_for_run(k)["grouped_gemm"].cluster_dims == (2, 1, 1)
+    assert lower_for_run(k, chain="folded", cluster=(2, 1))["grouped_gemm"].cluster_dims == (1, 1, 1)
     assert "folded in: row-gather part 'gather_rows'" in got["grouped_gemm"].lowered.describe()
 
 

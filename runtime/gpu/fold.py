@@ -14,7 +14,7 @@ launches nothing for.
 The folded kernel needs its whole grid resident at once (a CTA's combine warps may wait on GEMM
 tiles another CTA runs, a CTA's GEMM on another CTA's gather, and no CTA finishes before both):
 its grid is the persistent one, one CTA an SM, which the plan keeps within the SMs it gives the
-GEMM. The GEMM keeps its
+GEMM, and it runs without clusters (:data:`FOLDED_CLUSTER`). The GEMM keeps its
 schedule's tile order (``group_m``); the measurements below set column order (``bench moe
 --fold on``), the order in which whole columns of GEMM tiles, the combine's inputs, finish first.
 
@@ -53,13 +53,21 @@ def is_folded(lowered) -> bool:
     return isinstance(lowered, FoldedPart)
 
 
+#: the folded kernel's clusters: none. Its whole grid must be resident at once, and the plan
+#: counts SMs, not the places a cluster fits: pairs of CTAs need two free SMs of one GPC, which
+#: the SMs other kernels of the launch hold (a reduce-scatter's lanes) may leave too few of — a
+#: CTA pair left waiting for an SM would wait on tiles no resident CTA runs (a hang, where an
+#: unfolded GEMM only runs later). Single CTAs fit wherever the plan counted an SM.
+FOLDED_CLUSTER = (1, 1)
+
+
 def fold_chained(kernel: core.Kernel, lowered: dict, options: dict, kernels: set[str]) -> dict:
     """``lowered`` with every chained pair that a grouped GEMM can host folded into the GEMM's
     kernel — a combine chained after its grouped GEMM, or a grouped GEMM chained after the row
-    gather that stages its A (the GEMM lowered again with ``side=``, the same ``options``) — the
-    other parts as they were. A pair the recipe refuses (a gathered A, two parts waiting on each
-    other) stays two kernels, one chained after the other. ``kernels``: the parts lowered to SM
-    kernels (not copy-engine plans)."""
+    gather that stages its A (the GEMM lowered again with ``side=``, the same ``options`` but
+    clusters: :data:`FOLDED_CLUSTER`) — the other parts as they were. A pair the recipe refuses
+    (a gathered A, two parts waiting on each other) stays two kernels, one chained after the
+    other. ``kernels``: the parts lowered to SM kernels (not copy-engine plans)."""
     from ...codegen import lower
     from ...codegen.errors import LoweringError
     out = dict(lowered)
@@ -67,9 +75,9 @@ def fold_chained(kernel: core.Kernel, lowered: dict, options: dict, kernels: set
         host, side = _host_and_side(lowered[producer], lowered[part], producer, part)
         if host is None or out[host] is not lowered[host] or out[side] is not lowered[side]:
             continue                        # not a pair a GEMM hosts, or one of the two folded already
-        opts = {k: v for k, v in options.items() if k in ("cluster", "wait_timeout_ns")}
+        opts = {k: v for k, v in options.items() if k == "wait_timeout_ns"}
         try:
-            out[host] = lower(kernel, host, side=side, **opts)
+            out[host] = lower(kernel, host, side=side, cluster=FOLDED_CLUSTER, **opts)
         except LoweringError:
             continue
         out[side] = FoldedPart(side, host)

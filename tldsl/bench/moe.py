@@ -384,7 +384,8 @@ def main(argv, out=sys.stdout) -> int:
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
     elif fold:
-        ours, split = "tldsl gather + GEMM folded ms", " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
+        ours = "tldsl gather + GEMM folded ms"
+        split = " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
     blank = split.count("|") * " |"
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"

@@ -35,6 +35,13 @@ def waits_on(kernel: Kernel) -> dict[str, set[str]]:
     return {p.name: {q for s in waited_signals(p) for q in by_signal.get(s.name, ())} for p in kernel.parts}
 
 
+def self_signals(part) -> list[str]:
+    """The signals ``part`` both notifies and waits on: its tasks wait for each other."""
+    ops = list(part.walk())
+    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
+    return sorted(notified & {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS})
+
+
 def reaches(deps: dict[str, set[str]], a: str, b: str) -> bool:
     """Does part ``a`` wait on part ``b``, directly or through other parts (``deps``:
     :func:`waits_on`)?"""

@@ -72,9 +72,16 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     for bad in (["--fold", "maybe"], ["--group-m", "0"]):
         with pytest.raises(SystemExit):
             moe.parse_args(bad)
+    # ag: the row gather folded into the grouped GEMM: the rows staged (not with --stage-rows off)
+    assert moe.parse_args(["--fold", "on"]).stage_rows == "on"
+    assert moe.parse_args(["--fold", "on", "--stage-rows", "auto"]).stage_rows == "on"
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--fold", "on", "--stage-rows", "off"])
+    assert moe.parse_args(["--stage-rows", "off"]).stage_rows == "off"          # unfolded: as asked
     rs_row = moe._parse_row("qwen3:2048:random")
     *_, lf, none = moe.lowered_rs_row(rs_row, fold=True)
     assert none is None and lf.side == "combine" and lf.config.group_m >= lf.grid_tiles[0]
+    assert lf.cluster_dims == (1, 1, 1)                                # folded as tl.run folds: no clusters
     assert moe.lowered_rs_row(rs_row, fold=True, group_m=16)[3].config.group_m == 16
     ok, why = tcm.toolchain_available()
     if not ok:

@@ -183,6 +183,7 @@ def test_combine_folded_into_the_grouped_gemm_contract():
     assert [p.name for p in lf.params] == [p.name for p in lg.params] + [
         p.name for p in lc.params if p.name not in {q.name for q in lg.params}]
     assert {p.name: p.ctype for p in lf.params}["ptr_y_sorted"] == "const __half*"      # never __restrict__
+    assert {p.name: p.ctype for p in lf.params}["out_partial"] == "float*"      # stores released mid-kernel
     assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
     assert lf.waits == 1 and lf.notifies == 2 and lf.wait_scopes == ("gpu",)
     assert lf.signal_slots == {**lg.signal_slots, **lc.signal_slots}
@@ -251,6 +252,22 @@ def test_fold_refused_where_the_gemm_gathers_or_the_two_wait_on_each_other(monke
     assert "wait on each other forever" in str(e.value)
 
 
+def test_fold_refused_where_the_sides_tiles_wait_on_each_other(monkeypatch):
+    """Folded, a part's tiles run in a fixed order on the GEMM's CTAs' spare warps: tiles waiting
+    for tiles of the same part could wait on one queued behind them (its own kernel would have had
+    them all resident, or been refused)."""
+    import tldsl.codegen.plan.grouped_gemm as pg
+    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
+    k = trace_rs()
+    gp = k.part("grouped_gemm")
+    m = match_grouped_gemm(k, gp)
+    monkeypatch.setattr(pg, "self_signals", lambda part: ["chain"] if part.name == "combine" else [])
+    with pytest.raises(LoweringError) as e:
+        pg.plan_side(k, gp, m, "combine", None)
+    assert "tiles of 'combine' wait on each other (signals ['chain'])" in str(e.value)
+    assert "queued behind it" in str(e.value)
+
+
 def test_fold_refused_where_the_two_wait_on_each_other_through_another_part(monkeypatch):
     """Only a path through a third part closes the cycle (GEMM -> relay -> combine -> GEMM):
     the refusal follows waits transitively, not just each part's own waits."""
@@ -280,7 +297,7 @@ def test_row_gather_folded_into_the_grouped_gemm_contract():
     assert [p.name for p in lf.params] == [p.name for p in lg.params] + [
         p.name for p in lr.params if p.name not in {q.name for q in lg.params}]
     ctypes = {p.name: p.ctype for p in lf.params}
-    assert ctypes["ptr_x_gathered"] == "const __half*" and ctypes["out_x_sorted"].startswith("__half*")
+    assert ctypes["ptr_x_gathered"] == "const __half*" and ctypes["out_x_sorted"] == "__half*"   # never restrict
     assert "tma_a" in ctypes and "ptr_x_sorted" not in ctypes                 # the GEMM's A: by TMA
     assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
     assert lf.waits == lg.waits + lr.waits and lf.notifies == lg.notifies + lr.notifies
@@ -290,6 +307,21 @@ def test_row_gather_folded_into_the_grouped_gemm_contract():
     assert "folded in: row-gather part 'gather_rows'" in lf.describe()
     src = lf.source
     assert "struct SideCfg {" in src and "kEnabled = true" in src and "kThreads = 96," in src
+    # 4096 items a tile: 96 threads take them five at a time, the last group skipping those past the
+    # tile (no table read, no store into the next tile's rows); 1024 threads divide them: no guards
+    guards = ("if (item >= 4096) continue;", "if (item >= 4096) break;")
+    assert "item0 < 4096; item0 += 480)" in src and all(g in src for g in guards)
+    assert "item0 < 4096; item0 += 4096)" in lr.source and not any(g in lr.source for g in guards)
+
+
+def test_a_scaled_combine_folded_with_a_partial_last_group():
+    """A top-1 combine (one weighted row a token) folded: several items at once on 96 threads, the
+    items past the tile read no weight (0, never the next tile's) and store nothing."""
+    k = trace_rs(tile=(128, 256, 64), order="swizzled", topk=1)
+    lf, lc = lower_grouped_gemm(k, "grouped_gemm", side="combine"), lower_combine(k, "combine")
+    total = 128 * 256 // lc.vec
+    for text in ("w_[g_][j_] = 0.0f;", f"if (item >= {total}) continue;", f"if (item >= {total}) break;"):
+        assert text in lf.source and text not in lc.source, text
 
 
 def test_dispatcher_routes_the_moe_parts():
@@ -1031,28 +1063,31 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
     kag, krs, kst = trace_ag(**sched), trace_rs(**sched), trace_ag(**sched, stage_rows=True)
     lws = [lower_grouped_gemm(kag, "grouped_gemm"), lower_grouped_gemm(krs, "grouped_gemm"),
            lower_combine(krs, "combine"), lower_grouped_gemm(krs, "grouped_gemm", side="combine"),
-           lower_grouped_gemm(kst, "grouped_gemm", side="gather_rows")]
-    # the folded parts' own kernels, the GEMMs' own waits: what each folded kernel adds to its GEMM
-    alone = {"combine": (lws[2], "y_sorted", lws[1].waits),
-             "gather_rows": (lower_combine(kst, "gather_rows"), "x_gathered",
-                             lower_grouped_gemm(kst, "grouped_gemm").waits)}
+           lower_grouped_gemm(kst, "grouped_gemm", side="gather_rows"), lower_grouped_gemm(kst, "grouped_gemm")]
+    # the folded parts' own kernels, the GEMMs alone (their index in lws): what each folded kernel adds
+    alone = {"combine": (lws[2], "y_sorted", 1), "gather_rows": (lower_combine(kst, "gather_rows"), "x_gathered", 5)}
     t0 = time.perf_counter()
     cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in lws], cache=KernelCache(tmp_path),
                        progress=False)
     wall = time.perf_counter() - t0
-    for lw, ck in zip(lws, cks):
+    sass = {}
+    for i, (lw, ck) in enumerate(zip(lws, cks)):
         assert not ck.cached and ck.cubin[:4] == b"\x7fELF"
-        k = (check_combine_sass(ck, lw) if lw.kind == "combine" else
-             check_grouped_gemm_sass(ck, lw, gemm_waits=alone[lw.side][2] if lw.side else None))
+        k = sass[i] = (check_combine_sass(ck, lw) if lw.kind == "combine" else
+                       check_grouped_gemm_sass(ck, lw, gemm_waits=lws[alone[lw.side][2]].waits if lw.side else None))
+        print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
+    for i, lw in enumerate(lws):
         if lw.kind == "grouped_gemm" and lw.side:
-            # the folded part: the gathers of its own kernel (not counting the acquire, an
-            # LDG.E.64.STRONG.GPU too), never through the .nc path; its stores; its acquire
-            lc, src, _ = alone[lw.side]
+            # the folded part: the gathers of its own kernel (not counting the acquires, LDG.E.64.STRONG
+            # too), never through the .nc path; its stores; its acquire (more than the GEMM's alone)
+            k, (lc, src, j) = sass[i], alone[lw.side]
             wide = "LDG.E.128" if lc.buffers[src][1] == "f32" or lc.vec == 8 else "LDG.E.64"
             assert k.count(wide) - k.count(wide + ".STRONG") > 0, sorted(k.opcodes)
             assert k.count(wide + ".CONSTANT") == 0 and k.count("STG.E.128") > 0
-            assert k.count("LDG.E.64.STRONG.GPU") + k.count("LDG.E.64.STRONG.SYS") > 0
-        print(f"{lw.entry} {sched['tile']}: {ck.compile_seconds:.1f} s {ck.timings} {k.summary()}")
+
+            def acquires(x):
+                return x.count("LDG.E.64.STRONG.GPU") + x.count("LDG.E.64.STRONG.SYS")
+            assert acquires(k) > acquires(sass[j]), (acquires(k), acquires(sass[j]))
     print(f"{len(lws)} kernels in {wall:.1f} s")
 
 

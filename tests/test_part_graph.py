@@ -4,7 +4,7 @@ must rule out."""
 from __future__ import annotations
 
 import tldsl as tl
-from tldsl.ir.part_graph import notifiers, reaches, waited_signals, waits_on
+from tldsl.ir.part_graph import notifiers, reaches, self_signals, waited_signals, waits_on
 
 S, F32 = tl.TensorSpec, tl.float32
 
@@ -49,3 +49,11 @@ def test_reaches_goes_through_other_parts_and_only_one_way():
     assert reaches(deps, "third", "first") and reaches(deps, "third", "second")
     assert not reaches(deps, "first", "third") and not reaches(deps, "second", "third")
     assert not reaches(deps, "first", "first")
+
+
+def test_self_signals_are_those_a_part_notifies_and_waits_on():
+    k = _relay()
+    assert [self_signals(k.part(p)) for p in ("first", "second", "third")] == [[], [], []]
+    from test_run_plan_split import chain_program          # 'chain' waits on its own tasks
+    kc = chain_program()
+    assert self_signals(kc.part("chain")) != []

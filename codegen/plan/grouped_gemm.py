@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS, NOTIFY_OPS
-from ...ir.part_graph import reaches, waits_on
+from ...ir.part_graph import reaches, self_signals, waits_on
 from ...ir.schedule import ComputeSchedule
 from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, entry_name, pointer_param,
                    wait_timeout_options)
@@ -31,7 +31,7 @@ REGISTER_POOL = 168 * 384
 #: keeps the tile's row ids and cp.async addresses in registers): 128 * 56 + 256 * 224 = the pool;
 #: 224 still holds the 128 accumulators of a 128x256 tile without spills (checked in the tests).
 GATHER_REGS = (56, 224)
-#: ... when a combine is folded into the producer warpgroup's spare warps (each keeps up to eight
+#: ... when a row-gather part is folded into the producer warpgroup's spare warps (each keeps up to eight
 #: gathered 8-wide rows and their sum in flight): 128 * 104 + 256 * 200 = the pool
 SIDE_REGS = (104, 200)
 _TMA = "const __grid_constant__ cute::TmaDescriptor"
@@ -59,14 +59,14 @@ class GroupedGemmPlan:
     notifies: int
     wait_scopes: tuple[str, ...]            # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...]                # NVRTC options
-    side: object = None                     # CombinePlan of a combine folded into the spare producer warps
+    side: object = None                     # CombinePlan of a row-gather part folded into the spare producer warps
 
 
 def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
                       wait_timeout_ns: int | None = None, entry: str | None = None,
                       side: str | None = None) -> GroupedGemmPlan:
     """The plan of a matched grouped GEMM under the kernel's compute schedule; ``side`` names a
-    row-gather combine part folded into the kernel (:func:`plan_side`)."""
+    row-gather part (a combine, a row gather) folded into the kernel (:func:`plan_side`)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
@@ -108,7 +108,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            wait_timeout_options(wait_timeout_ns), side_plan)
 
 
-#: threads of a folded combine: warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
+#: threads of a folded part: warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
 SIDE_THREADS = 96
 
 
@@ -117,8 +117,8 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
     run on the three producer warps that a TMA-loaded A leaves idle, each as soon as its waits
     hold — an MoE combine as the GEMM's tiles complete (instead of after the whole GEMM), a row
     gather ahead of the GEMM tiles that read its rows (instead of before the whole GEMM). Refused
-    where the GEMM gathers A (every producer thread copies rows) or where the two wait on each
-    other, directly or through other parts: they share each SM's CTA, and the side runs its
+    where the GEMM gathers A (every producer thread copies rows), where the side's tiles wait on
+    each other, or where the two wait on each other, directly or through other parts: they share each SM's CTA, and the side runs its
     tiles in order, so a GEMM tile waiting for a side tile queued behind one that waits for the
     GEMM tile would never finish. One way round is safe: the side's warps never wait for the
     GEMM's, or the GEMM's never for the side's (the whole grid is resident)."""
@@ -134,6 +134,11 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
     if m.gather:
         raise fail(WHAT, f"side={side!r}: '{part.name}' gathers its A rows on every producer thread; a part folds "
                    "only into a grouped GEMM whose A is loaded by TMA", m.a_load)
+    own = self_signals(sp)
+    if own:
+        raise fail(WHAT, f"side={side!r}: the tiles of '{side}' wait on each other (signals {own}); on the producer's "
+                   "spare warps they run in a fixed order on fewer CTAs than its own kernel would have, so a tile "
+                   "could wait on one queued behind it", part)
     deps = waits_on(kernel)
     if reaches(deps, part.name, side) and reaches(deps, side, part.name):
         raise fail(WHAT, f"side={side!r}: '{part.name}' and '{side}' wait on each other (on signals the other "

@@ -54,8 +54,9 @@ those bugs.
 only), ``tma_b`` (2-D or 3-D), ``tma_c``; ``ptr_<a>`` (gathered A only: its base pointer);
 ``rank`` (i32); ``launch`` (u64, the 1-based epoch the waits count in); ``sig_<name>`` (u64
 counters: this rank's copy of every signal waited on, then notified); ``tbl_<name>``
-(``const int*``: every i32 table the hooks read, in the order they run); with a combine folded
-in (``side=``), then the combine's parameters the GEMM's do not already name, in its order. Shapes are
+(``const int*``: every i32 table the hooks read, in the order they run); with a row-gather part
+folded in (``side=``: a combine, a row gather), then its parameters the GEMM's do not already
+name, in its order. Shapes are
 compile-time constants of the generated ``Cfg`` (the trace fixes them); the host and the C++
 side agree on shared memory, TMA boxes, thread counts and the gather's thread mapping
 through ``static_assert``\\ s, as in the GEMM recipe.
@@ -65,7 +66,7 @@ Stages: :mod:`..match.grouped_gemm`, :mod:`..plan.grouped_gemm`, :func:`render_g
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...ir import core
 from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
@@ -110,7 +111,7 @@ class LoweredGroupedGemm(LoweredKernel):
     wait_scopes: tuple[str, ...]     # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
-    side: str | None = None          # a combine part folded into the producer's spare warps
+    side: str | None = None          # a row-gather part folded into the producer's spare warps
     side_tiles: tuple[int, int] | None = None
 
     kind = "grouped_gemm"
@@ -143,9 +144,9 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
                  "  params: " + ", ".join(f"{p.ctype} {p.name}" for p in self.params)]
         if self.side:
-            lines.insert(-1, f"  folded in: row-gather part '{self.side}', {self.side_tiles[0]}x{self.side_tiles[1]} tiles on "
-                             "the producer warpgroup's warps 1-3 (96 threads), each once its waits hold; the whole "
-                             "grid must be resident")
+            lines.insert(-1, f"  folded in: row-gather part '{self.side}', {self.side_tiles[0]}x{self.side_tiles[1]} "
+                             "tiles on the producer warpgroup's warps 1-3 (96 threads), each once its waits hold; "
+                             "the whole grid must be resident")
         lines += self.describe_tma()
         return "\n".join(lines)
 
@@ -189,14 +190,19 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
 
 
 def side_params(plan: GroupedGemmPlan) -> tuple[KernelParam, ...]:
-    """The GEMM's parameters, then the folded combine's that it does not have (one parameter per
-    tensor or signal; a pointer both read is declared as the GEMM declares it)."""
+    """The GEMM's parameters, then the folded part's that it does not have (one parameter per
+    tensor or signal; a pointer both read is declared as the GEMM declares it). A pointer the
+    folded part writes is declared without ``__restrict__``: other CTAs read what it stores
+    while the kernel runs, once the part's notifies (inline-asm barrier, fence and atomic, which
+    the compiler must not move its stores across) release it."""
     params = list(plan.params)
     if plan.side is None:
         return tuple(params)
     have = {p.name: p for p in params}
     for q in plan.side.params:
         if q.name not in have:
+            if q.kind == "ptr" and not q.ctype.startswith("const "):
+                q = replace(q, ctype=q.ctype.replace(" __restrict__", ""))
             params.append(q)
             have[q.name] = q
         elif have[q.name].source != q.source:
@@ -286,6 +292,7 @@ def lower_grouped_gemm(kernel: core.Kernel, part: str | core.Part | None = None,
     when the part does not fit. ``cluster`` overrides the schedule's ((1, 1) or (2, 1): pairs of
     vertically adjacent tiles that multicast B when both run on the same expert);
     ``wait_timeout_ns`` compiles the waits with a timeout that traps (debugging hangs); ``side``
-    folds the named row-gather combine part into the kernel (it then has no launch of its own)."""
+    folds the named row-gather part (a combine, a row gather) into the kernel (it then has no
+    launch of its own; :func:`~..plan.grouped_gemm.plan_side`)."""
     p = only_part(kernel, part, WHAT, "compute parts", lambda q: q.role == "compute")
     return RECIPE.run(kernel, p, cluster=cluster, wait_timeout_ns=wait_timeout_ns, entry=entry, side=side)

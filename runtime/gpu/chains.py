@@ -2,12 +2,13 @@
 
 Read from the IR alone (who notifies and who waits on which signal), before anything is
 lowered: :func:`~.run_plan.plan_run` puts a chained part on its producer's stream and
-:func:`~.fold.fold_chained` folds it into the producer's kernel where the recipe can.
+:func:`~.fold.fold_chained` folds the pair into one kernel where the recipe can (the part into
+its producer's, or its producer into the part's).
 """
 from __future__ import annotations
 
 from ...ir import core
-from ...ir.part_graph import notifiers, reaches, waited_signals, waits_on
+from ...ir.part_graph import notifiers, reaches, self_signals, waited_signals, waits_on
 
 
 def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
@@ -44,11 +45,3 @@ def at_once_needed(part: core.Part) -> int:
     if not self_signals(part):
         return 0
     return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
-
-
-def self_signals(part: core.Part) -> list[str]:
-    """The signals ``part`` both notifies and waits on."""
-    from ...ir.opdefs import NOTIFY_OPS, WAIT_OPS
-    ops = list(part.walk())
-    notified = {op.operands[0].owner.name for op in ops if op.name in NOTIFY_OPS}
-    return sorted(notified & {op.operands[0].owner.name for op in ops if op.name in WAIT_OPS})

@@ -132,7 +132,8 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
     if fold:
-        return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1), side="combine"), None
+        from tldsl.runtime.gpu.fold import FOLDED_CLUSTER                   # as tl.run folds: no clusters
+        return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=FOLDED_CLUSTER, side="combine"), None
     return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)), lower_combine(k, "combine")
 
 
@@ -299,7 +300,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     if fold:
         from tldsl.codegen import lower_grouped_gemm
         _check_close(what + " (one after the other)", h[dest], want)
-        lf = lower_grouped_gemm(ir, "grouped_gemm", cluster=(cluster, 1), side="gather_rows")
+        from tldsl.runtime.gpu.fold import FOLDED_CLUSTER
+        lf = lower_grouped_gemm(ir, "grouped_gemm", cluster=FOLDED_CLUSTER, side="gather_rows")   # as tl.run folds
         folded = prepared_parts(ir, {"grouped_gemm": lf}, bufs, signals)["grouped_gemm"]
 
         def folded_launch():            # its waits real: the rows' counters count one epoch a launch
@@ -372,8 +374,9 @@ def main(argv, out=sys.stdout) -> int:
     rs = args.layer == "rs"
     what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)" if rs
             else f"AllGather+MoE grouped GEMM (TP={TP} slice of layer 0)")
-    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1); ms (median of "
-          f"{args.iters}, interleaved)", file=out)
+    folded = " (the folded kernel: (1, 1), as tl.run folds)" if args.fold == "on" else ""
+    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}; ms "
+          f"(median of {args.iters}, interleaved)", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")

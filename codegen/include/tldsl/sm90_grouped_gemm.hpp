@@ -388,9 +388,11 @@ template <class SideCfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step);
 
 // The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
-// `side` (Side::kEnabled, TMA A only): a row-gather combine whose tiles warps 1-3 of the producer
-// warpgroup run while the GEMM's run (a part chained after this one, folded in: its waits are
-// this GEMM's notifies, so its tiles start as the GEMM's complete instead of after the launch).
+// `side` (Side::kEnabled, TMA A only): a row-gather part whose tiles warps 1-3 of the producer
+// warpgroup run while the GEMM's run — a combine chained after this GEMM (its waits are this
+// GEMM's notifies: its tiles start as the GEMM's complete, not after the launch) or the row
+// gather this GEMM is chained after (the GEMM's waits are its notifies: each GEMM tile starts as
+// its rows are gathered, not after a launch of their own).
 template <class Cfg, class SideCfg = NoSideCfg, class Prog, class Side = NoSide>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,

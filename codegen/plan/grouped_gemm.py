@@ -118,10 +118,11 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
     hold — an MoE combine as the GEMM's tiles complete (instead of after the whole GEMM), a row
     gather ahead of the GEMM tiles that read its rows (instead of before the whole GEMM). Refused
     where the GEMM gathers A (every producer thread copies rows), where the side's tiles wait on
-    each other, or where the two wait on each other, directly or through other parts: they share each SM's CTA, and the side runs its
-    tiles in order, so a GEMM tile waiting for a side tile queued behind one that waits for the
-    GEMM tile would never finish. One way round is safe: the side's warps never wait for the
-    GEMM's, or the GEMM's never for the side's (the whole grid is resident)."""
+    each other, or where the two wait on each other, directly or through other parts: they share
+    each SM's CTA, and the side runs its tiles in order, so a GEMM tile waiting for a side tile
+    queued behind one that waits for the GEMM tile would never finish. One way round is safe:
+    the side's warps never wait for the GEMM's, or the GEMM's never for the side's (the whole
+    grid is resident)."""
     from ..match.combine import match_combine
     from .combine import plan_combine
     names = [p.name for p in kernel.parts]

@@ -131,10 +131,21 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
+    lowered = {"grouped_gemm": lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)),
+               "combine": lower_combine(k, "combine")}
     if fold:
-        from tldsl.runtime.gpu.fold import FOLDED_CLUSTER                   # as tl.run folds: no clusters
-        return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=FOLDED_CLUSTER, side="combine"), None
-    return ids, wts, rt, lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)), lower_combine(k, "combine")
+        return ids, wts, rt, folded_as_run_folds(k, lowered), None
+    return ids, wts, rt, lowered["grouped_gemm"], lowered["combine"]
+
+
+def folded_as_run_folds(ir, lowered: dict):
+    """The grouped GEMM of ``lowered`` with its chained partner folded in, exactly as ``tl.run``
+    folds it (:func:`tldsl.runtime.gpu.fold.fold_chained`); raises where the recipe refuses."""
+    from tldsl.runtime.gpu.fold import fold_chained
+    lf = fold_chained(ir, lowered, {}, set(lowered))["grouped_gemm"]
+    if lf.side is None:
+        raise RuntimeError(f"{ir.name}: the grouped GEMM's recipe did not fold its chained part")
+    return lf
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
@@ -298,10 +309,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     what = f"{row}: the grouped GEMM differs from _grouped_mm"
     parts = [one(k) for k in kernels] if len(kernels) > 1 else []
     if fold:
-        from tldsl.codegen import lower_grouped_gemm
         _check_close(what + " (one after the other)", h[dest], want)
-        from tldsl.runtime.gpu.fold import FOLDED_CLUSTER
-        lf = lower_grouped_gemm(ir, "grouped_gemm", cluster=FOLDED_CLUSTER, side="gather_rows")   # as tl.run folds
+        lf = folded_as_run_folds(ir, lowered)
         folded = prepared_parts(ir, {"grouped_gemm": lf}, bufs, signals)["grouped_gemm"]
 
         def folded_launch():            # its waits real: the rows' counters count one epoch a launch

@@ -83,11 +83,18 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     assert none is None and lf.side == "combine" and lf.config.group_m >= lf.grid_tiles[0]
     assert lf.cluster_dims == (1, 1, 1)                                # folded as tl.run folds: no clusters
     assert moe.lowered_rs_row(rs_row, fold=True, group_m=16)[3].config.group_m == 16
+    # rs: the grouped GEMM without its notifies, timed beside the program's: the same kernel but them
+    _, _, rt, lg, _ = moe.lowered_rs_row(rs_row)
+    hidden, ffn, E, _ = moe.MOE_MODELS["qwen3"]
+    plain = moe.plain_rs_gemm(rt, 2048, ffn // moe.TP, hidden, E, (128, 256, 64), 4, "bfloat16", 2)
+    assert (lg.notifies, plain.notifies, plain.waits) == (1, 0, 0)
+    assert (plain.config, plain.grid_tiles, plain.cluster_dims) == (lg.config, lg.grid_tiles, lg.cluster_dims)
+    jobs.append(plain.job())
     ok, why = tcm.toolchain_available()
     if not ok:
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
     compiled = compile_many(jobs, cache=KernelCache(tmp_path), progress=False)
-    assert len(compiled) == 2
+    assert len(compiled) == 3
     for ck in compiled:                     # (the row gather: four items a thread in flight, in 64 registers)
         info = ck.ptxas_info()[ck.name]
         assert info["spill_store_bytes"] == info["spill_load_bytes"] == 0, (ck.name, info)

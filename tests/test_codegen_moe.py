@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+import re
+
 import shutil
 import subprocess
 import time
@@ -149,6 +151,11 @@ def test_moe_reduce_scatter_gemm_contract():
     notifies = src.split("void notifies")[1].split("\n  }\n")[0]
     assert notifies.index("tldsl::fence_acq_rel<tldsl::kScopeGpu>") < notifies.index("tldsl::red_relaxed_add")
     assert "#pragma unroll 1" in notifies                                  # table-driven loop stays a loop
+    # the notifier warp's copy: every lane fences, then takes every 32nd token tile of the loop
+    lanes = src.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
+    assert lanes.index("tldsl::fence_acq_rel<tldsl::kScopeGpu>") < lanes.index("tldsl::red_relaxed_add")
+    assert re.search(r"for \(int (i_\d+) = 0 \+ lane \* 1; \1 < t_\d+; \1 \+= 32 \* 1\)", lanes)
+    assert "if (lane == 0)" not in lanes                                   # every add is in the loop
 
 
 def test_combine_contract():
@@ -432,6 +439,9 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     # the notify sits after the (outside-the-guard) store: it runs for inactive tiles too
     notifies = lw.source.split("void notifies")[1].split("\n  }\n")[0]
     assert "if (" not in notifies and "tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in notifies
+    # spread over the notifier warp's lanes, a notify outside any loop is lane 0's alone
+    lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
+    assert "if (lane == 0) tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in lanes
 
 
 @pytest.mark.parametrize("variant,texts", [

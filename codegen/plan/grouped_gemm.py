@@ -34,6 +34,9 @@ GATHER_REGS = (56, 224)
 #: ... when a row-gather part is folded into the producer warpgroup's spare warps (each keeps up to eight
 #: gathered 8-wide rows and their sum in flight): 128 * 104 + 256 * 200 = the pool
 SIDE_REGS = (104, 200)
+#: slots of the deferred-notify ring (sm90_grouped_gemm.hpp): how many tiles' notifies the
+#: consumers may hand the notifier warp ahead of it (it runs one as fast as it is handed one)
+NOTIFY_SLOTS = 2
 _TMA = "const __grid_constant__ cute::TmaDescriptor"
 
 
@@ -70,7 +73,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
-    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True)
+    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
+                        notify_slots=NOTIFY_SLOTS)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
     side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None

@@ -33,6 +33,7 @@ class GemmConfig:
     in_dtype: str
     out_dtype: str
     split_n: bool = False           # BM 64: the consumer warpgroups split the tile's columns, not its rows
+    notify_slots: int = 0           # full/empty mbarrier pairs of the grouped GEMM's deferred-notify ring
 
     @property
     def threads(self) -> int:
@@ -72,7 +73,7 @@ class GemmConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory the launch must request (mirrors GemmTraits::kSmemBytes)."""
         return _smem_bytes(self.BM, self.BN, self.BK, self.stages, self.consumer_wgs, self.epi_buffers,
-                           self.elem_bytes, self.out_bytes)
+                           self.elem_bytes, self.out_bytes, self.notify_slots)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -85,11 +86,11 @@ def epilogue_buffer_bytes(BN: int, out_bytes: int) -> int:
     return _round_up(64 * min(128, BN * out_bytes), 1024)
 
 
-def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob) -> int:
+def _smem_bytes(BM, BN, BK, stages, wgs, epi_buffers, eb, ob, notify_slots=0) -> int:
     stage_a, stage_b = BM * BK * eb, BK * BN * eb
     epi_buf = epilogue_buffer_bytes(BN, ob)
     off_c = _round_up(stages * (stage_a + stage_b), 1024)
-    used = off_c + wgs * epi_buffers * epi_buf + 2 * stages * 8
+    used = off_c + wgs * epi_buffers * epi_buf + 2 * stages * 8 + 2 * notify_slots * 8
     return used + 1024
 
 
@@ -100,10 +101,12 @@ SPLIT_N_MIN_BN = 256
 
 
 def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, K: int, cluster=None,
-                  loc=None, clusters_lowered=((1, 1), (2, 1)), split_n: bool = False) -> GemmConfig:
+                  loc=None, clusters_lowered=((1, 1), (2, 1)), split_n: bool = False,
+                  notify_slots: int = 0) -> GemmConfig:
     """The configuration of the schedule's tile for a K loop over ``K``, or a LoweringError from
     recipe ``what`` at ``loc``. ``split_n``: the recipe's template lets a 64-row tile's consumer
-    warpgroups split its columns (taken from ``BN >=`` :data:`SPLIT_N_MIN_BN`)."""
+    warpgroups split its columns (taken from ``BN >=`` :data:`SPLIT_N_MIN_BN`); ``notify_slots``:
+    the mbarrier pairs of its deferred-notify ring, in shared memory after the stages'."""
     BM, BN, BK = sched.tile
     if sched.stages < 2 and K > BK:
         # the consumers release a stage only once the next K step's WGMMAs are issued (one batch
@@ -123,17 +126,17 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
     split = split_n and BM == 64 and BN >= SPLIT_N_MIN_BN and BN % 128 == 0
     wgs = 2 if BM >= 128 or split else 1
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
-               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split)
+               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split, notify_slots=notify_slots)
     acc = BN // 4 if split else (BM // (64 * wgs)) * BN // 2
     if acc > ACC_LIMIT:
         raise fail(what, f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} "
                    "fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
     eb, ob = elem_bytes(in_dtype), elem_bytes(out_dtype)
     for bufs in (2, 1):
-        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob) <= SMEM_LIMIT:
+        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob, notify_slots) <= SMEM_LIMIT:
             break
     else:
-        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob)
+        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob, notify_slots)
         raise fail(what, f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
                    f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
     regs = (40, 232) if wgs == 2 else (0, 0)

@@ -171,6 +171,8 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
     # waits() and notifies(), with their guards and loops
     fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
     fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
+    # ... and the notifies spread over the notifier warp's lanes (sm90_grouped_gemm.hpp)
+    fns += HookEmitter(plan, WHAT, NOTIFY_OPS, lanes=32).signal_fn("notifies_lanes")
     sp = plan.side
     params, buffers = side_params(plan), dict(plan.buffers)
     signals = {s.name: s.type.slots for s in plan.signals}

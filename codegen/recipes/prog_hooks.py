@@ -46,12 +46,13 @@ class HookEmitter(SignalEmitter):
 
     loop_pragma = "#pragma unroll 1"          # table-driven loops stay loops
 
-    def __init__(self, plan, what: str, roots=frozenset(), rows: int = 0):
+    def __init__(self, plan, what: str, roots=frozenset(), rows: int = 0, lanes: int = 0):
         self.roots = frozenset(roots)
         super().__init__(plan.kernel, list(plan.part.body.ops), what)
         self.plan = plan
         self.rows = rows                      # tile rows of a per-row value
         self.row: str | None = None           # the C++ row index while rendering per-row values
+        self.lanes = lanes                    # > 0: the hook is run by this many lanes (:meth:`signal_fn`)
         self.notifies = 0
         self.notify_scopes: list[str] = []
 
@@ -79,14 +80,30 @@ class HookEmitter(SignalEmitter):
 
     def signal_fn(self, name: str) -> list[str]:
         """The ``waits`` / ``notifies`` member (nothing when the part has none): the roots with
-        their loops and guards; notifies after one release fence at their widest scope."""
+        their loops and guards; notifies after one release fence at their widest scope.
+
+        With ``lanes`` (notifies only), ``name(pid0, pid1, lane)`` is run by that many lanes of a
+        warp at once: each fences for itself, then takes every ``lanes``-th iteration of the
+        outermost loops, and lane 0 the notifies outside any loop — the same adds, all of them
+        relaxed and commutative, in a fraction of one thread's dependent table reads."""
         body = self.emit()
         if not body:
             return []
         if self.notifies:
             body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
                                                   "the tile's stores before its notifies"))
+        if self.lanes:
+            assert not self.is_root_kind(WAIT_OPS), "only notifies are spread over lanes"
+            return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)
         return hook_fn(f"void {name}(int pid0, int pid1)", body)
+
+    def is_root_kind(self, kinds) -> bool:
+        return bool(self.roots & kinds)
+
+    def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
+        if self.lanes and self.loop_depth == 0:
+            return f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; {iv} += {self.lanes} * {st})"
+        return super().loop_header(iv, lo, hi, st)
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if op.name in WAIT_OPS:
@@ -94,7 +111,7 @@ class HookEmitter(SignalEmitter):
         elif op.name in NOTIFY_OPS:
             scope, stmt = self.notify_statement(op, note=", released by the fence above")
             self.notify_scopes.append(scope)
-            lines.append(ind + stmt)
+            lines.append(ind + (f"if (lane == 0) {stmt}" if self.lanes and self.loop_depth == 0 else stmt))
             self.notifies += 1
         elif op.name in ROW_TILE_OPS and self.row is not None:
             ctype, expr = self._row_op(op)

@@ -22,5 +22,6 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
         f"kWorldSize = {world_size}, kAlignShift = {align_shift};",
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
         f"  static constexpr int kClusterM = {cfg.cluster[0]};",
+        f"  static constexpr int kNotifySlots = {cfg.notify_slots};",
     ] + (["  static constexpr bool kSplitN = true;   // the consumer warpgroups split the tile's columns"]
          if cfg.split_n else [])

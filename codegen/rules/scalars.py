@@ -95,6 +95,7 @@ class ScalarEmitter:
         self.n = 0
         self.tables: list[core.Buffer] = []
         self._scopes: list[list[int]] = [[]]
+        self.loop_depth = 0                   # ``for`` loops around the op being emitted
 
     # -- hooks ---------------------------------------------------------------------------------
     def fail(self, msg: str, op=None) -> LoweringError:
@@ -105,6 +106,10 @@ class ScalarEmitter:
 
     def rank_expr(self) -> str:
         return "rank"
+
+    def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
+        """The ``for (...)`` of a ``tl.range`` loop (a subclass may spread its iterations over threads)."""
+        return f"for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st})"
 
     def table_expr(self, buf: core.Buffer) -> str:
         return table_param(buf)
@@ -219,10 +224,12 @@ class ScalarEmitter:
             iv = self.define(op.regions[0].args[0])
             if self.loop_pragma:
                 lines.append(f"{ind}{self.loop_pragma}")
-            lines.append(f"{ind}for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st}) {{{mk}")
+            lines.append(f"{ind}{self.loop_header(iv, lo, hi, st)} {{{mk}")
+            self.loop_depth += 1
             try:
                 self._region(op.regions[0], ind + "  ", lines)
             finally:
+                self.loop_depth -= 1
                 for vid in self._scopes.pop():
                     self.names.pop(vid, None)
             lines.append(f"{ind}}}")

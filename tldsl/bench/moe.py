@@ -30,8 +30,9 @@ top-k sum per token into the fp32 partial the reduce-scatter would read — our 
 grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
 (``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
-partial is checked against torch's sequence first. Two more columns time our kernels one by one
-(the GEMM alone, the combine alone: where the layer's time goes). ``--fold on``: the combine folded
+partial is checked against torch's sequence first. Three more columns time our kernels one by one
+(the GEMM alone, the combine alone: where the layer's time goes) and the same GEMM traced without its
+notifies (:func:`plain_rs_gemm`, its rows checked equal: what releasing each tile to the combine costs). ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
@@ -148,6 +149,35 @@ def folded_as_run_folds(ir, lowered: dict):
     return lf
 
 
+def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int):
+    """Layer 1's grouped GEMM alone — the program's ``grouped_gemm`` part without its notifies (no
+    combine to release), lowered as the program's is: what the per-tile notifies cost, timed beside it."""
+    import tldsl as tl
+    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.ops.moe import _expert_box
+
+    @tl.kernel
+    def grouped_gemm_only(h, w2, tile_expert, y, *, compute: tl.ComputeSchedule = None):
+        BM, BN, BK = compute.tile
+        Nr, Kout = h.shape[1], w2.shape[2]
+        tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert)
+
+        @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(Kout, BN)))
+        def grouped_gemm(i, pn):
+            r0, c0 = i * BM, pn * BN
+            expert = tiles["expert", i]
+            with tl.when(expert >= 0):
+                acc = tl.fragment((BM, BN), tl.float32)
+                for k in tl.range(0, Nr, BK):
+                    acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
+                tl.store(y, (r0, c0), acc)
+    S, dt = tl.TensorSpec, getattr(tl, dtype)
+    k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
+                                S((rt.num_rows, N), dt),
+                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"))
+    return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
+
+
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
@@ -179,6 +209,9 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
     gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
     combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
+    y_plain = torch.full_like(bufs["y_sorted"], float("nan"))
+    plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, stages, dtype, cluster)).prepare(
+        {"h": h, "w2": w, "tile_expert": bufs["tile_expert"], "y": y_plain}, {})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
 
     def pair():
@@ -198,12 +231,18 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
 
     def combine_alone():
         combine.launch(torch.cuda.current_stream().cuda_stream, 1)
+
+    def plain_alone():
+        plain.launch(torch.cuda.current_stream().cuda_stream, 1)
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = sequence()
     pair()
+    plain_alone()
+    if not torch.equal(y_plain, bufs["y_sorted"]):
+        raise RuntimeError(f"{row}: the grouped GEMM without notifies stored other rows than with them")
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
-                                _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone])
+                                _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone, plain_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
@@ -220,7 +259,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt), T * topk,
-                            parts=[pair, gemm_alone, combine_alone])
+                            parts=[pair, gemm_alone, combine_alone, plain_alone])
 
 
 def _check_close(what: str, got, want) -> float:
@@ -391,7 +430,7 @@ def main(argv, out=sys.stdout) -> int:
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
     fold = args.fold == "on"
-    split = (" GEMM alone ms | combine alone ms |" if rs else
+    split = (" GEMM alone ms | combine alone ms | GEMM without notifies ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split

@@ -132,7 +132,9 @@ struct GemmTraits {
   static constexpr int kOffB = kOffA + kStages * kStageBytesA;
   static constexpr int kOffC = round_up(kOffB + kStages * kStageBytesB, 1024);
   static constexpr int kOffBar = kOffC + kConsumerWGs * kEpiBuffers * kEpiBufBytes;
-  static constexpr int kSmemUsed = kOffBar + 2 * kStages * 8;
+  // then the full / empty barriers of the deferred-notify ring (sm90_grouped_gemm.hpp; 0 slots elsewhere)
+  static constexpr int kNotifySlots = Cfg::kNotifySlots;
+  static constexpr int kSmemUsed = kOffBar + 2 * kStages * 8 + 2 * kNotifySlots * 8;
   static constexpr int kSmemBytes = kSmemUsed + 1024;        // + slack to align the dynamic base
   static_assert(kSmemBytes <= 232448, "shared memory over the sm_90 limit of 227 KiB per block");
 

@@ -44,6 +44,16 @@
 //    Notifies: every consumer warpgroup waits for its TMA stores to complete
 //    (cp.async.bulk.wait_group 0) and fences the async proxy, all consumers meet at a named
 //    barrier, then one thread runs the notifies (one fence.acq_rel, then relaxed red.adds).
+//    Deferred (kDeferNotifies: a part that notifies and never waits): a tile's notifies run
+//    once the *next* tile's K loop is done, when its stores have long completed, so the
+//    consumers never wait for a store's round trip; and with a TMA producer and no side program,
+//    warp 1 of the producer warpgroup runs them (kNotifierWarp): each consumer warpgroup's store
+//    thread, its stores complete and fenced, arrives on a ring slot (Tr::kNotifySlots full/empty
+//    mbarriers) the notifier waits on, so neither the fence.acq_rel nor the adds hold up a
+//    consumer; its 32 lanes share a tile's adds (Prog::notifies_lanes: each lane fences, then
+//    takes every 32nd iteration of the notify loops). Waiting parts notify at once: their next tile may wait on what this one releases.
+//    (Measured on one H200, MoE+ReduceScatter's grouped GEMM at Qwen3-30B's shape: 0.286 ms
+//    notifying at once, 0.215 ms with no notifies at all; BENCHMARKS.md, twenty-seventh session.)
 //
 //    A side program (Side::kEnabled; A by TMA only): a row-gather part folded in (an MoE
 //    combine behind the GEMM, or the row gather that stages A ahead of it). Warps 1-3 of the
@@ -422,6 +432,11 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int start_row = comm_aligned_start(gmc, rank, Cfg::kWorldSize, Cfg::kAlignShift);
   const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
+  constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
+  constexpr bool kNotifierWarp = kDeferNotifies && !Side::kEnabled && !Cfg::kGather;
+  static_assert(!kNotifierWarp || Tr::kNotifySlots > 0, "the notifier warp needs the notify ring's barriers");
+  uint64_t* notify_full = empty_bar + Tr::kStages;          // kNotifySlots each
+  uint64_t* notify_empty = notify_full + Tr::kNotifySlots;
 
   if (threadIdx.x == 0) {
     if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
@@ -430,6 +445,10 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], Tr::kFullArrivals);
       EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl);   // both CTAs' consumers release a stage
+    }
+    for (int s = 0; s < Tr::kNotifySlots; ++s) {
+      EmptyBar::init(&notify_full[s], Tr::kConsumerWGs);       // every consumer warpgroup's stores are done
+      EmptyBar::init(&notify_empty[s], 1);                     // the notifier has run the slot's notifies
     }
   }
   cutlass::arch::fence_barrier_init();
@@ -497,9 +516,27 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       cp_async_wait_all();
     } else if (warp != 0) {
       // warps 1-3 have no part in a TMA producer: a side program's tiles (a row gather or combine folded in)
-      if constexpr (Side::kEnabled)
+      if constexpr (Side::kEnabled) {
         combine_tiles<SideCfg, kSideThreads, kSideBarrier>(rank, side, int(threadIdx.x) - 32, int(blockIdx.x),
                                                            int(gridDim.x));
+      } else if constexpr (kNotifierWarp) {
+        if (warp == 1) {
+          // the notifier: the notifies of this CTA's tiles, in the consumers' order, each once both
+          // consumer warpgroups have arrived (their stores complete and fenced)
+          int j = 0;
+          for (int t = first_tile; t < num_tiles; t += tile_step) {
+            const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
+                                                     cl_rank);
+            if (!p.valid) continue;
+            const int s = j % Tr::kNotifySlots;
+            EmptyBar::wait(&notify_full[s], uint32_t(j / Tr::kNotifySlots) & 1u);
+            prog.notifies_lanes(p.m, p.n, int(threadIdx.x) % 32);   // the tile's adds spread over the warp
+            __syncwarp();
+            if (int(threadIdx.x) % 32 == 0) EmptyBar::arrive(&notify_empty[s]);
+            ++j;
+          }
+        }
+      }
     } else if (cute::elect_one_sync()) {
       int it = 0;
       for (int t = first_tile; t < num_tiles; t += tile_step) {
@@ -548,6 +585,35 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     int it = 0;
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
+    // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
+    // next tile's K loop is done), and how many tiles were handed to the notifier warp
+    bool pending = false;
+    int pending_m = 0, pending_n = 0, handed = 0;
+    auto run_notifies = [&]() {
+      if constexpr (!Prog::kHasNotifies) return;
+      if (!pending) return;
+      pending = false;
+      if constexpr (kNotifierWarp) {
+        if (tid == 0) {                             // this warpgroup's stores are complete and visible ...
+          sm90::bulk_wait_all();
+          fence_proxy_async_global();
+          const int s = handed % Tr::kNotifySlots;
+          EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
+          EmptyBar::arrive(&notify_full[s]);        // ... before the notifier releases them
+        }
+        ++handed;
+      } else {
+        // the tile's stores are complete and visible before anything is released
+        if (tid == 0) {
+          sm90::bulk_wait_all();
+          fence_proxy_async_global();
+        }
+        cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
+        if constexpr (Prog::kHasNotifies) {
+          if (cw == 0 && tid == 0) prog.notifies(pending_m, pending_n);
+        }
+      }
+    };
 
     for (int t = first_tile; t < num_tiles; t += tile_step) {
       const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
@@ -609,6 +675,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
 
+      if constexpr (kDeferNotifies) run_notifies();   // the previous tile's: its stores done by now
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
         const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
@@ -643,16 +710,14 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
       if constexpr (Prog::kHasNotifies) {
         if (notify) {
-          // the tile's stores are complete and visible before anything is released
-          if (tid == 0) {
-            sm90::bulk_wait_all();
-            fence_proxy_async_global();
-          }
-          cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
-          if (cw == 0 && tid == 0) prog.notifies(p.m, p.n);
+          pending = true;
+          pending_m = p.m;
+          pending_n = p.n;
+          if constexpr (!kDeferNotifies) run_notifies();
         }
       }
     }
+    run_notifies();                                 // the last tile's
     if (tid == 0) sm90::bulk_wait_all();
   }
   if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it

@@ -238,7 +238,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     want = sequence()
     pair()
     plain_alone()
-    if not torch.equal(y_plain, bufs["y_sorted"]):
+    # (unused tiles are stored by neither: poisoned in both)
+    if not torch.allclose(y_plain, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
         raise RuntimeError(f"{row}: the grouped GEMM without notifies stored other rows than with them")
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,

@@ -62,7 +62,8 @@ def trace_ag(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=
     T = W * Ms
     NT = moe_num_tiles(T * topk, E, BM)
     c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
-    return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT, 2), tl.int32),
+    return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT,), tl.int32),
+                               S((NT, 2), tl.int32),
                                S((NT * BM,), tl.int32), S((NT * BM, Nr), dt), compute=c,
                                comm=comm or tl.CommSchedule(tile_m=64, mode="pull"), stage_rows=stage_rows)
 
@@ -76,7 +77,7 @@ def trace_rs(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=
     c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
     return moe_reduce_scatter.trace(
         W, S((NT * BM, Nr), dt), S((E, Nr, K), dt), S((T, topk), tl.float32), S((NT,), tl.int32),
-        S((topk * T,), tl.int32), S((NT, min(BM, TT)), tl.int32), S((NT,), tl.int32), S((TT,), tl.int32),
+        S((NT,), tl.int32), S((topk * T,), tl.int32), S((NT, min(BM, TT)), tl.int32), S((NT,), tl.int32), S((TT,), tl.int32),
         S((Ms, K), dt), compute=c, comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
 
 
@@ -93,13 +94,18 @@ def test_allgather_moe_lowering_contract():
     assert (lw.M, lw.N, lw.K) == (1024, 384, 512) and lw.grid_tiles == (k.part("grouped_gemm").grid)
     assert [p.name for p in lw.params] == ["tma_b", "tma_c", "ptr_x_gathered", "rank", "launch",
                                           "sig_gather_x_ready", "tbl_tile_expert", "tbl_sorted_token_ids",
-                                          "tbl_tile_tokens"]
+                                          "tbl_tile_valid_rows", "tbl_tile_tokens"]
     assert [p.source for p in lw.params] == ["tma:tma_b", "tma:tma_c", "buffer:x_gathered", "rank", "launch",
                                             "signal:gather_x_ready", "buffer:tile_expert",
-                                            "buffer:sorted_token_ids", "buffer:tile_tokens"]
-    assert [p.kind for p in lw.params] == ["tma", "tma", "ptr", "i32", "u64", "ptr", "ptr", "ptr", "ptr"]
+                                            "buffer:sorted_token_ids", "buffer:tile_valid_rows",
+                                            "buffer:tile_tokens"]
+    assert [p.kind for p in lw.params] == ["tma", "tma", "ptr", "i32", "u64", "ptr", "ptr", "ptr", "ptr", "ptr"]
     assert lw.signals == ("gather_x_ready",) and lw.signal_slots == {"gather_x_ready": 16}
-    assert lw.tables == ("tile_expert", "sorted_token_ids", "tile_tokens")
+    assert lw.tables == ("tile_expert", "sorted_token_ids", "tile_valid_rows", "tile_tokens")
+    # rows past the tile's valid rows are stored as zeros: a tile of at most 64 runs as a half tile
+    assert c.half_tiles and "int valid_rows(int pid0, int pid1)" in lw.source
+    assert "kHalfTiles = true" in lw.source and "using GmmaHalf = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<" \
+        in lw.source and "kRowLimit = true" in lw.source
     assert lw.buffers["x_gathered"] == ((1024, 512), "f16") and lw.buffers["tile_tokens"] == ((23, 2), "i32")
     b, cc = lw.tma
     # w1 [E, K, Nr] as a 3-d TMA tensor, one expert's (BK, BN) box at a time
@@ -140,7 +146,9 @@ def test_moe_reduce_scatter_gemm_contract():
     # y_sorted in the operands' dtype (rounded as torch's _grouped_mm returns its rows)
     assert lw.config.out_dtype == "f16" and (lw.config.producer_regs, lw.config.consumer_regs) == (40, 232)
     assert [p.name for p in lw.params] == ["tma_a", "tma_b", "tma_c", "rank", "launch", "sig_y_ready",
-                                          "tbl_tile_expert", "tbl_tile_num_token_tiles", "tbl_tile_token_tiles"]
+                                          "tbl_tile_expert", "tbl_tile_valid_rows", "tbl_tile_num_token_tiles",
+                                          "tbl_tile_token_tiles"]
+    assert lw.config.half_tiles and "kRowLimit = true" in lw.source
     a, b, c = lw.tma
     assert (a.buffer, a.global_dims, a.box_dims) == ("h", (384, 23 * 128), (64, 128))
     assert (b.buffer, b.global_dims, b.box_dims) == ("w2", (512, 384, 8), (64, 64, 1))
@@ -409,7 +417,16 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
                 acc += tl.dot(tl.load_rows(x, rows, k, BK), tl.load(w, (ex, k, bc), (BK, BN)))
             if variant == "wait_after":
                 tl.consumer_tile_wait(ready, i)
-        tl.store(h, (i * BM, pn * BN), tl.exp(acc) if variant == "exp" else acc)
+        def rows_in():
+            return tl.iota(BM)[:, None]
+        out = {"exp": lambda: tl.exp(acc),
+               "mask_rows": lambda: tl.where(rows_in() < e + 1, acc, 0.0),         # e + 1 rows kept
+               "mask_one": lambda: tl.where(rows_in() < e, acc, 1.0),
+               "mask_swapped": lambda: tl.where(rows_in() < e, 0.0, acc),
+               "mask_cols": lambda: tl.where(tl.iota(BN)[None, :] < e, acc, 0.0),
+               "mask_ge": lambda: tl.where(rows_in() >= e, acc, 0.0),
+               "mask_tile": lambda: tl.where(rows_in() < tl.load(ids, (i * BM,), (BM,))[:, None], acc, 0.0)}
+        tl.store(h, (i * BM, pn * BN), out[variant]() if variant in out else acc)
         if variant == "peer_notify":
             tl.peer_tile_notify(done2, i, 0)
         elif variant != "notify_before":
@@ -450,11 +467,32 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     ("notify_before", ("'producer_tile_notify' before the accumulator's store",)),
     ("expert_in_loop", ("must not depend on the K loop",)),
     ("shifted_b", ("B tile offsets must be (e, k, pid1*128)",)),
-    ("exp", ("accumulator to be read once after the K loop",)),
+    ("exp", ("`tl.store(c, (i*BM, pn*BN), acc)`", "nothing else on the accumulator")),
+    ("mask_one", ("may mask whole rows only", "the rows dropped must be the constant 0")),
+    ("mask_swapped", ("may mask whole rows only", "the accumulator must be where's second operand")),
+    ("mask_cols", ("may mask whole rows only", "the row index must be `tl.iota(128)[:, None]`")),
+    ("mask_ge", ("may mask whole rows only", "the condition must be `row index < n`")),
+    ("mask_tile", ("may mask whole rows only", "n must be an i32 scalar")),
 ])
 def test_grouped_gemm_rejections_name_the_op_and_line(variant, texts):
     e = _raises(lambda: lower_grouped_gemm(_trace_gathered(variant), "gg"), "grouped GEMM lowering", *texts)
     assert e.loc is not None and e.loc.filename == __file__
+
+
+def test_a_row_mask_is_the_tiles_valid_rows():
+    """`tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)` before the store: the kernel's valid_rows() is n
+    (its index code emitted like any hook's), and a 128-row tile of two warpgroups may run half tiles."""
+    lw = lower_grouped_gemm(_trace_gathered("mask_rows"), "gg")
+    assert lw.config.half_tiles
+    hook = lw.source.split("int valid_rows(int pid0, int pid1) const {")[1].split("\n  }\n")[0]
+    assert "tbl_tile_expert[" in hook and re.search(r"const int (t_\d+) = \(t_\d+ \+ 1\);.*\n    return \1;", hook)
+    assert "kRowLimit = true" in lw.source and "kHalfTiles = true" in lw.source
+    plain = lower_grouped_gemm(_trace_gathered("ok"), "gg")
+    assert not plain.config.half_tiles and "kRowLimit = false" in plain.source and "valid_rows" not in plain.source
+    # 64-row tiles (their warpgroups split columns already) mask rows but run no half tiles
+    k = trace_rs(tile=(64, 256, 64))
+    lw64 = lower_grouped_gemm(k, "grouped_gemm")
+    assert lw64.config.split_n and not lw64.config.half_tiles and "kRowLimit = true" in lw64.source
 
 
 def test_clusters_of_two_tiles_share_b():

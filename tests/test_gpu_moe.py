@@ -116,6 +116,8 @@ def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kin
     rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms)
     lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
     assert lw.cluster_dims == (cluster[0], 1, 1)
+    if lw.config.half_tiles:            # some tiles run as half tiles (<= 64 valid rows)
+        assert ((rt.tile_valid_rows <= 64) & (rt.tile_expert >= 0)).any()
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K)
     slots = lw.signal_slots["gather_x_ready"]
@@ -284,9 +286,12 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     used = np.repeat(rt.tile_expert >= 0, rt.block_m)
     y_ref = np.zeros((R, K), np.float32)
     for i, e in enumerate(rt.tile_expert):
-        if e >= 0:
-            rows = slice(i * rt.block_m, (i + 1) * rt.block_m)
+        if e >= 0:       # the program stores a tile's rows past its valid ones as zeros (h's are not)
+            rows = slice(i * rt.block_m, i * rt.block_m + rt.tile_valid_rows[i])
             y_ref[rows] = h[rows] @ w2[e]
+    if lg.config.half_tiles:            # tiles run as half tiles (<= 64 valid rows) and whole ones masked
+        v = rt.tile_valid_rows[rt.tile_expert >= 0]
+        assert (v <= 64).any() and ((v > 64) & (v < 128)).any()
     p_ref = reference_moe_reduce_scatter([h], [w2], wts, rt)
     for launch in (1, 2):
         bufs["y_sorted"].fill_(float("nan"))

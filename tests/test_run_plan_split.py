@@ -69,7 +69,8 @@ def moe_rs_program(W=1, Ms=8192, K=4096, Nr=14336, E=8, topk=2, BM=128):
     NT, T = moe_num_tiles(W * Ms * topk, E, BM), W * Ms
     TT = -(-T // BM)
     return moe_reduce_scatter.trace(
-        W, S((NT * BM, Nr), BF16), S((E, Nr, K), BF16), S((T, topk), F32), S((NT,), I32), S((topk * T,), I32),
+        W, S((NT * BM, Nr), BF16), S((E, Nr, K), BF16), S((T, topk), F32), S((NT,), I32), S((NT,), I32),
+        S((topk * T,), I32),
         S((NT, min(BM, TT)), I32), S((NT,), I32), S((TT,), I32), S((Ms, K), BF16), compute=tl.ComputeSchedule())
 
 

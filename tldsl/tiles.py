@@ -187,6 +187,7 @@ def ewise(op: str, *args) -> Tile:
     """Elementwise math with numpy broadcasting; Python numbers adopt the tile's type."""
     if op not in UNARY_OPS | BINARY_OPS | {"where"}:
         fail(f"unknown elementwise op '{op}'")
+    args = tuple(a.read() if isinstance(a, Fragment) else a for a in args)   # a fragment is read once
     tiles = [a for a in args if isinstance(a, (Tile, Fragment))]
     if not tiles:
         fail(f"'{op}' needs at least one tile operand")

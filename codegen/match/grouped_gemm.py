@@ -1,7 +1,9 @@
 """Recognising a grouped GEMM over run-time tile tables (the MoE expert GEMMs): one K loop of
 ``acc += tl.dot(A, B)`` — A dense or gathered by per-row ids, B one expert's weights — inside
-an optional ``tl.when`` guard, one store of the accumulator, waits before the loop and
-notifies after the store (the shape is in :mod:`..recipes.grouped_gemm`). The matcher checks
+an optional ``tl.when`` guard, one store of the accumulator — whole, or with its rows from a
+run-time count on zeroed (``tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)``: a tile with few
+valid rows may skip computing the others) — waits before the loop and notifies after the store
+(the shape is in :mod:`..recipes.grouped_gemm`). The matcher checks
 the structure only; shapes, tile offsets and the schedule are the planner's
 (:mod:`..plan.grouped_gemm`)."""
 from __future__ import annotations
@@ -11,8 +13,8 @@ from dataclasses import dataclass
 from ...ir import core
 from ...ir.opdefs import WAIT_OPS
 from ..errors import fail, not_applicable
-from ..ir_queries import SCALAR_OPS, enclosing, kernel_tensor
-from .per_row import ROW_TILE_OPS, check_signal_or_control_op, tile_producers
+from ..ir_queries import SCALAR_OPS, const_value, enclosing, kernel_tensor
+from .per_row import ROW_TILE_OPS, check_signal_or_control_op, is_tile, tile_producers
 
 WHAT = "grouped GEMM lowering"
 
@@ -37,6 +39,36 @@ class GroupedGemmMatch:
     rows: core.Value | None         # the gathered row ids (a (BM,) i32 tile)
     batch: core.Value | None        # the expert
     out_dtype: str
+    row_limit: core.Value | None = None     # n of a row mask: the stored tile's rows >= n are zeros
+    row_mask: tuple[core.Op, ...] = ()      # its ops (where, lt, expand_dims, iota)
+
+
+ROW_MASK = "tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)"
+
+
+def _row_mask(where: core.Op, acc: core.Value, BM: int) -> tuple[core.Value, tuple[core.Op, ...]]:
+    """``(n, ops)`` of ``tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)`` with ``n`` a scalar, or a
+    LoweringError at the op that differs: the only mask the template applies per row."""
+    def refuse(what, at):
+        return fail(WHAT, f"the accumulator's store may mask whole rows only, as `{ROW_MASK}` with n an i32 scalar "
+                    f"(a table entry, say): {what}", at)
+    cond, a, b = where.operands
+    if a is not acc:
+        raise refuse("the accumulator must be where's second operand (the rows kept)", where)
+    if const_value(b) != 0 or is_tile(b):
+        raise refuse("the rows dropped must be the constant 0", where)
+    lt = cond.owner
+    if not (isinstance(lt, core.Op) and lt.name == "ewise" and lt.attrs.get("op") == "lt"):
+        raise refuse("the condition must be `row index < n`", lt if isinstance(lt, core.Op) else where)
+    rows, n = lt.operands
+    if is_tile(n) or n.type.dtype.name != "i32":
+        raise refuse(f"n must be an i32 scalar, got {n.type}", lt)
+    ed = rows.owner
+    iota = ed.operands[0].owner if isinstance(ed, core.Op) and ed.name == "expand_dims" else None
+    if not (isinstance(iota, core.Op) and iota.name == "iota" and ed.attrs.get("axis") == 1
+            and tuple(ed.result.type.shape) == (BM, 1) and iota.attrs.get("n") == BM):
+        raise refuse(f"the row index must be `tl.iota({BM})[:, None]` (the tile's rows)", lt)
+    return n, (where, lt, ed, iota)
 
 
 def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch:
@@ -104,15 +136,19 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                    reads[1] if reads else loop)
     rd = reads[0]
     users = [op for op in order if any(x is rd.result for x in op.operands)]
-    store, cast = None, None
+    store, cast, row_limit, mask_ops, kept = None, None, None, (), rd.result
+    if len(users) == 1 and users[0].name == "ewise" and users[0].attrs.get("op") == "where":
+        row_limit, mask_ops = _row_mask(users[0], rd.result, frag.result.type.shape[0])
+        kept = users[0].result
+        users = [op for op in order if any(x is kept for x in op.operands)]
     if len(users) == 1 and users[0].name == "cast":
         cast = users[0]
         users = [op for op in order if any(x is cast.result for x in op.operands)]
-    if len(users) == 1 and users[0].name == "store" and users[0].operands[-1] is (cast or rd).result:
+    if len(users) == 1 and users[0].name == "store" and users[0].operands[-1] is (cast.result if cast else kept):
         store = users[0]
     if store is None:
-        raise fail(WHAT, "after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` and nothing else on the "
-                   "accumulator", users[0] if users else rd)
+        raise fail(WHAT, "after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` (or of `" + ROW_MASK + "`) and "
+                   "nothing else on the accumulator", users[0] if users else rd)
     store_parent = parent.get(id(store))
     if guard is not None and store_parent is guard:
         store_inside = True
@@ -136,6 +172,7 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
     # ops of the gathered row ids
     row_ops = {id(o) for o in tile_producers(rows)} if rows is not None else set()
     known = {id(frag), id(loop), id(rd), id(store)} | ({id(cast)} if cast is not None else set()) | loop_ops
+    known |= {id(o) for o in mask_ops}
     guarded = {id(o) for o in guard.regions[0].walk()} if guard is not None else set()
     if guard is not None:
         known.add(id(guard))
@@ -165,5 +202,5 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                                    kind="a grouped-GEMM compute part", hint="only index arithmetic, table reads, "
                                    "waits, the K loop, the accumulator's store and notifies are lowered")
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
-                            batched, rows, batch, c.type.dtype.name)
+                            batched, rows, batch, c.type.dtype.name, row_limit, mask_ops)
 

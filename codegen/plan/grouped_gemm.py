@@ -77,6 +77,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                         notify_slots=NOTIFY_SLOTS)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
+    if m.row_limit is not None and half_tiles_fit(cfg):
+        cfg = replace(cfg, half_tiles=True)
     side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None
     if side_plan is not None and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=SIDE_REGS[0], consumer_regs=SIDE_REGS[1])
@@ -86,10 +88,11 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     if cfg.cluster != (1, 1):
         _check_cluster(m, written, ops, cfg.cluster)
     signals = signals_used(ops)
-    # the hooks in the order the renderer emits them: active, batch, row, waits, notifies
+    # the hooks in the order the renderer emits them: active, batch, row, valid rows, waits, notifies
     tensors = tensors_read(ops, [value_hook(ops, [m.guard.operands[0]] if m.guard is not None else []),
                                  value_hook(ops, [m.batch] if m.batched else []),
                                  value_hook(ops, [m.rows] if m.gather else []),
+                                 value_hook(ops, [m.row_limit] if m.row_limit is not None else []),
                                  signal_hook(ops, WAIT_OPS), signal_hook(ops, NOTIFY_OPS)])
     params = [] if m.gather else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
     params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
@@ -110,6 +113,15 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            buffers, signals, tensors, written, len(waits),
                            sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns), side_plan)
+
+
+def half_tiles_fit(cfg: GemmConfig) -> bool:
+    """Whether a tile of at most 64 valid rows (the rest stored as zeros) can run as a half tile: its
+    64 rows on both consumer warpgroups, each a 64 x BN/2 WGMMA (a 128-row tile whose warpgroups split
+    rows; BN/2 a WGMMA width, a multiple of C's 64-row store chunks)."""
+    half = cfg.BN // 2
+    return (cfg.BM == 128 and cfg.consumer_wgs == 2 and not cfg.split_n and cfg.BN % 16 == 0
+            and half % cfg.EC == 0 and half % cfg.EB == 0)
 
 
 #: threads of a folded part: warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)

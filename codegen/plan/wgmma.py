@@ -34,6 +34,7 @@ class GemmConfig:
     out_dtype: str
     split_n: bool = False           # BM 64: the consumer warpgroups split the tile's columns, not its rows
     notify_slots: int = 0           # full/empty mbarrier pairs of the grouped GEMM's deferred-notify ring
+    half_tiles: bool = False        # grouped GEMM: a tile of <= 64 valid rows runs as 64 rows, columns split
 
     @property
     def threads(self) -> int:

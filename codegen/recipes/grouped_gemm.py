@@ -138,7 +138,8 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
                  f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
                  f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads)"
-                 f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}, smem {c.smem_bytes} B",
+                 f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}, smem {c.smem_bytes} B"
+                 f"{f'; tiles of <= 64 valid rows run as 64x{c.BN} (each warpgroup 64x{c.BN // 2})' if c.half_tiles else ''}",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
@@ -168,6 +169,10 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
         L = []
         r = em.value(m.rows, "    ", L)
         fns += hook_fn("int row(int pid0, int pid1, int r)", L + [f"    return {r};"])
+    if m.row_limit is not None:         # valid_rows(): the stored tile's rows from it on are zeros
+        L = []
+        n = HookEmitter(plan, WHAT).value(m.row_limit, "    ", L)
+        fns += hook_fn("int valid_rows(int pid0, int pid1)", L + [f"    return {n};"])
     # waits() and notifies(), with their guards and loops
     fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
     fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
@@ -243,6 +248,9 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"kStoreInactive = {'false' if m.store_inside else 'true'};",
         f"  static constexpr int kM = {M}, kK = {K}, kGridM = {part.grid[0]}, kGridN = {part.grid[1]};"
         f"  // N = {N}, E = {E}",
+        *([f"  static constexpr bool kHalfTiles = true;   // a tile of <= 64 valid rows: 64 rows, columns split",
+           f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
+           "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles else []),
         "};",
         "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory, the gather's thread map); the template",
@@ -258,6 +266,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         "struct Prog {",
         f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
         f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
+        f"  static constexpr bool kRowLimit = {'true' if m.row_limit is not None else 'false'};",
         *members,
         *fns,
         "};",

@@ -36,8 +36,8 @@ from . import program_op
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
-AG_TABLES = ("tile_expert", "tile_tokens", "sorted_token_ids")
-RS_TABLES = ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
+AG_TABLES = ("tile_expert", "tile_valid_rows", "tile_tokens", "sorted_token_ids")
+RS_TABLES = ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
 
 
 def _shape_dtype(name, x):
@@ -216,6 +216,10 @@ class AllGatherMoE(_Routed, FusedProgram):
         import torch
         _tensors(self, x=x, w1=w1)
         tables = self.routing(topk_ids)
+        missing = [n for n in AG_TABLES if n not in tables]
+        if missing:
+            raise InputError(f"the router returned no {missing} (a router returns every table of "
+                             "tldsl.ops.moe.MoERouting by name)")
         if h is None:
             b = self.kernel.buffer("h")
             h = torch.empty(tuple(b.type.shape), dtype=x.dtype, device=x.device)

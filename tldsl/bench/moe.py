@@ -157,10 +157,11 @@ def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: 
     from tldsl.ops.moe import _expert_box
 
     @tl.kernel
-    def grouped_gemm_only(h, w2, tile_expert, y, *, compute: tl.ComputeSchedule = None):
+    def grouped_gemm_only(h, w2, tile_expert, tile_valid_rows, y, *, compute: tl.ComputeSchedule = None):
         BM, BN, BK = compute.tile
         Nr, Kout = h.shape[1], w2.shape[2]
-        tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert)
+        tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert,
+                                  valid_rows=tile_valid_rows)
 
         @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(Kout, BN)))
         def grouped_gemm(i, pn):
@@ -170,10 +171,10 @@ def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: 
                 acc = tl.fragment((BM, BN), tl.float32)
                 for k in tl.range(0, Nr, BK):
                     acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
-                tl.store(y, (r0, c0), acc)
+                tl.store(y, (r0, c0), tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0))
     S, dt = tl.TensorSpec, getattr(tl, dtype)
     k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
-                                S((rt.num_rows, N), dt),
+                                S.of(rt.tile_valid_rows), S((rt.num_rows, N), dt),
                                 compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"))
     return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
 
@@ -211,7 +212,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
     y_plain = torch.full_like(bufs["y_sorted"], float("nan"))
     plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, stages, dtype, cluster)).prepare(
-        {"h": h, "w2": w, "tile_expert": bufs["tile_expert"], "y": y_plain}, {})
+        {"h": h, "w2": w, "tile_expert": bufs["tile_expert"], "tile_valid_rows": bufs["tile_valid_rows"],
+         "y": y_plain}, {})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
 
     def pair():
@@ -243,7 +245,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
         raise RuntimeError(f"{row}: the grouped GEMM without notifies stored other rows than with them")
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
-                                _computed_rows(rt), T * topk, parts=[gemm_alone, combine_alone, plain_alone])
+                                _computed_rows(rt, lg.config.half_tiles), T * topk,
+                                parts=[gemm_alone, combine_alone, plain_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
@@ -259,7 +262,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     bufs["y_sorted"].fill_(float("nan"))
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
-                            2 * T * topk * K * N, _computed_rows(rt), T * topk,
+                            2 * T * topk * K * N, _computed_rows(rt, lf.config.half_tiles), T * topk,
                             parts=[pair, gemm_alone, combine_alone, plain_alone])
 
 
@@ -361,13 +364,18 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         parts, ours = [ours] + parts, folded_launch
         ours()
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
-                            2 * T * topk * K * N, _computed_rows(rt), T * topk, parts=parts)
+                            2 * T * topk * K * N,
+                            _computed_rows(rt, lowered["grouped_gemm"].config.half_tiles), T * topk, parts=parts)
 
 
-def _computed_rows(rt) -> int:
-    """Rows our kernels compute: the routing's used tiles, whole (the tables hold the worst
+def _computed_rows(rt, half_tiles: bool) -> int:
+    """Rows our kernels compute: the routing's used tiles, whole, but with ``half_tiles`` (the
+    grouped GEMM's configuration) those of at most ``BM / 2`` valid rows, which it runs as half
+    tiles (the programs store a tile's rows past its valid ones as zeros; the tables hold the worst
     case's tiles, ``rt.num_rows``; an unused one costs its guard only)."""
-    return int((rt.tile_expert >= 0).sum()) * rt.block_m
+    used = rt.tile_expert >= 0
+    half = used & (rt.tile_valid_rows <= rt.block_m // 2) if half_tiles else used & False
+    return int(used.sum()) * rt.block_m - int(half.sum()) * (rt.block_m // 2)
 
 
 def parse_args(argv):

@@ -110,12 +110,12 @@ class MoERouting:
 
     def allgather_tables(self) -> dict[str, np.ndarray]:
         """The table arguments of :func:`allgather_moe`."""
-        return {"tile_expert": self.tile_expert, "tile_tokens": self.tile_tokens,
-                "sorted_token_ids": self.sorted_token_ids}
+        return {"tile_expert": self.tile_expert, "tile_valid_rows": self.tile_valid_rows,
+                "tile_tokens": self.tile_tokens, "sorted_token_ids": self.sorted_token_ids}
 
     def reduce_scatter_tables(self) -> dict[str, np.ndarray]:
         """The table arguments of :func:`moe_reduce_scatter`."""
-        return {"tile_expert": self.tile_expert, "token_pos": self.token_pos,
+        return {"tile_expert": self.tile_expert, "tile_valid_rows": self.tile_valid_rows, "token_pos": self.token_pos,
                 "tile_token_tiles": self.tile_token_tiles, "tile_num_token_tiles": self.tile_num_token_tiles,
                 "token_tile_producers": self.token_tile_producers}
 
@@ -127,7 +127,8 @@ class MoERouting:
         (and ``stage_rows=``)."""
         S, tabs = tl.TensorSpec, self.allgather_tables()
         return allgather_moe.trace(world_size, S((rows_per_rank, k), dtype), S((num_experts, k, n), dtype),
-                                   *[S.of(tabs[t]) for t in ("tile_expert", "tile_tokens", "sorted_token_ids")],
+                                   *[S.of(tabs[t]) for t in ("tile_expert", "tile_valid_rows", "tile_tokens",
+                                                             "sorted_token_ids")],
                                    S((self.num_rows, n), dtype), **schedules)
 
     def trace_moe_reduce_scatter(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int,
@@ -140,8 +141,8 @@ class MoERouting:
         wts = topk_weights if isinstance(topk_weights, tl.TensorSpec) else S.of(topk_weights)
         return moe_reduce_scatter.trace(
             world_size, S((self.num_rows, k), dtype), S((num_experts, k, n), dtype), wts,
-            *[S.of(tabs[t]) for t in ("tile_expert", "token_pos", "tile_token_tiles", "tile_num_token_tiles",
-                                      "token_tile_producers")],
+            *[S.of(tabs[t]) for t in ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles",
+                                      "tile_num_token_tiles", "token_tile_producers")],
             S((rows_per_rank, n), dtype), **schedules)
 
 
@@ -232,11 +233,14 @@ def _check_table(t, shape, what, hint=""):
 
 
 @tl.kernel
-def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_ids, h, *,
+def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens, sorted_token_ids, h, *,
                   compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None, stage_rows: bool = False):
     """x: [Ms, K] token shard (symmetric); w1: [E, K, Nr] (this rank's slice of every expert);
     tables from :func:`moe_routing` (``allgather_tables()``); h: [R_pad, Nr] =
-    ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order.
+    ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order, its padding
+    rows zeros: a row tile's rows past its ``tile_valid_rows`` are stored as zeros whatever the
+    weights hold, so a GPU may skip computing them (a tile of at most ``BM / 2`` routed rows runs
+    as a half tile).
 
     ``stage_rows``: where the routed rows are gathered. False: by the grouped GEMM itself, each
     tile's rows read by row id at every K step (every column tile of a row tile gathers them
@@ -256,6 +260,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
                      f"allgather_moe: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
     NT = tile_expert.shape[0]
     _check_table(tile_expert, (NT,), "allgather_moe")
+    _check_table(tile_valid_rows, (NT,), "allgather_moe")
     _check_table(tile_tokens, (NT, 2), "allgather_moe")
     _check_table(sorted_token_ids, (NT * BM,), "allgather_moe",
                  f" ({NT} tiles of BM={BM} rows: were the tables built with moe_routing(..., BM={BM})?)")
@@ -266,7 +271,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
 
     x_full = tl.symmetric_buffer((T, K), x.dtype, "x_gathered")
     gathered = all_gather(x, x_full, comm, name="gather_x")
-    tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, tokens=tile_tokens)
+    tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows, tokens=tile_tokens)
 
     if stage_rows:
         GC = min(K, 4 * BK)      # columns a gather task copies: BM x 256 (64 KB of bf16) at BK = 64
@@ -300,7 +305,8 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_tokens, sorted_token_id
             for k in tl.range(0, K, BK):
                 a = tl.load(x_sorted, (r0, k), (BM, BK)) if stage_rows else tl.load_rows(x_full, rows, k, BK)
                 acc += tl.dot(a, _expert_box(w1, expert, k, c0, BK, BN))
-        tl.store(h, (r0, c0), acc)     # padding rows and unused tiles: zeros
+        # padding rows and unused tiles (no valid rows): zeros
+        tl.store(h, (r0, c0), tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0))
 
 
 def stage_rows_pays(Nr: int, world_size: int = 1) -> bool:
@@ -324,14 +330,17 @@ STAGE_ROWS_MIN_N = 4096
 
 
 @tl.kernel
-def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_tiles, tile_num_token_tiles,
-                       token_tile_producers, out, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_pos, tile_token_tiles,
+                       tile_num_token_tiles, token_tile_producers, out, *, compute: tl.ComputeSchedule = None,
+                       comm: tl.CommSchedule = None):
     """h: [R_pad, Nr] expert-sorted rows (this rank's slice of the intermediate activations);
     w2: [E, Nr, K] (this rank's slice); topk_weights: [T, topk] (float, global); tables from
     :func:`moe_routing` (``reduce_scatter_tables()``); out: [Ms, K] = for this rank's tokens,
     sum over ranks and k of ``topk_weights[t, k] * (h @ w2[expert])[row of (t, k)]``.
 
-    Three stages, linked by tile-granular signals: the grouped GEMM writes ``y_sorted``; the
+    Three stages, linked by tile-granular signals: the grouped GEMM writes ``y_sorted`` (a row
+    tile's rows past its ``tile_valid_rows`` as zeros: the combine never reads them, and a GPU may
+    skip computing them); the
     combine task of token tile ``j`` (``BM`` tokens) and column tile ``pn`` waits on channel
     ``(j, pn)`` for exactly the GEMM tiles holding its tokens (their number is a table
     entry, each of them notifies the channels of the token tiles it touches), gathers every
@@ -365,6 +374,7 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_t
     tl.static_assert(R == NT * BM, f"moe_reduce_scatter: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
                                    f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
     _check_table(tile_expert, (NT,), "moe_reduce_scatter")
+    _check_table(tile_valid_rows, (NT,), "moe_reduce_scatter")
     _check_table(token_pos, (topk * T,), "moe_reduce_scatter", f" (topk={topk} x {T} tokens)")
     _check_table(tile_token_tiles, (NT, min(BM, TT)), "moe_reduce_scatter",
                  f" ({NT} tiles x min(BM={BM}, {TT} token tiles))")
@@ -377,8 +387,8 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_t
     partial = tl.local_buffer((T, K), tl.float32, "partial")
     y_ready = tl.signal("y_ready", TT * NC, scope="local")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter", producer_rows=BM, producers_per_row=NC)
-    gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, token_tiles=tile_token_tiles,
-                                   num_token_tiles=tile_num_token_tiles)
+    gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows,
+                                   token_tiles=tile_token_tiles, num_token_tiles=tile_num_token_tiles)
     token_tiles = tl.DynamicMapping("token_tiles", TT, producers=token_tile_producers)
 
     @tl.compute_part(grid=(NT, NC))
@@ -389,7 +399,7 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, token_pos, tile_token_t
             acc = tl.fragment((BM, BN), tl.float32)
             for k in tl.range(0, Nr, BK):
                 acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
-            tl.store(y, (r0, c0), acc)
+            tl.store(y, (r0, c0), tl.where(tl.iota(BM)[:, None] < gemm_tiles["valid_rows", i], acc, 0.0))
             for s in tl.range(0, gemm_tiles["num_token_tiles", i]):
                 tl.producer_tile_notify(y_ready, gemm_tiles["token_tiles", i, s] * NC + pn)
 

@@ -397,6 +397,105 @@ constexpr int kSideThreads = 96, kSideBarrier = 5;
 template <class SideCfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step);
 
+// Cfg::kHalfTiles where the configuration defines it, else false: a tile whose program stores its rows
+// from Prog::valid_rows() on as zeros, and which has at most 64 valid rows, runs as a half tile — its
+// 64 rows on both consumer warpgroups, each a 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's
+// columns — and stores its other 64 rows as zeros without computing them (MoE experts whose last
+// tile is at most half full: smaller M tiles without padding every expert to 64 rows).
+template <class C, class = void>
+struct HalfTiles {
+  static constexpr bool value = false;
+};
+template <class C>
+struct HalfTiles<C, cuda::std::void_t<decltype(C::kHalfTiles)>> {
+  static constexpr bool value = C::kHalfTiles;
+};
+
+// One tile's K loop on a consumer warpgroup: kBlocks m64 blocks (A rows from stage_a0, B columns from
+// stage_b0), kAcc fp32 accumulators each, one Gmma per block and 16-wide K step; each stage released
+// once the next stage's WGMMAs are issued (one batch stays in flight).
+template <class Cfg, class Tr, class Gmma, int kBlocks, int kAcc>
+__device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerBlock], int& it, int k_tiles,
+                                               uint64_t* full_bar, uint64_t* empty_bar, uint32_t stage_a0,
+                                               uint32_t stage_b0, int tid) {
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(kBlocks <= Tr::MB && kAcc <= Tr::kAccPerBlock, "the accumulators of a block fit its array");
+  int prev_stage = -1;
+  for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    const int s = it % Tr::kStages;
+    const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+    FullBar::wait(&full_bar[s], phase);
+    if constexpr (Cfg::kGather) fence_proxy_async_shared();   // cp.async data -> async proxy
+#pragma unroll
+    for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < Tr::BK / 16; ++kk) {
+      const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
+      const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
+      const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
+#pragma unroll
+      for (int mb = 0; mb < kBlocks; ++mb) {
+        const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
+        const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
+        sm90::gmma<Gmma>(desc_a, desc_b, acc[mb], cuda::std::make_integer_sequence<int, kAcc>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
+#pragma unroll
+    for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+    if (prev_stage >= 0) sm90::release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);   // ... release it
+    prev_stage = s;
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+  if (prev_stage >= 0) sm90::release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);
+}
+
+// 64 rows x kChunks * EC columns of C at (m0, n0) from one m64 block's accumulators, its rows from
+// `lim` on as zeros (kZero: all of them, `acc` unread): registers -> swizzled smem -> TMA store, one
+// 64 x EC chunk at a time through this warpgroup's epilogue buffers.
+template <class Cfg, class Tr, int kChunks, bool kZero>
+__device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, unsigned char* smem, uint32_t smem_u32,
+                                            uint32_t epi0, int& epi_count, const float* acc, int m0, int n0, int lim,
+                                            int tid, uint32_t bar_id) {
+  const int lane = tid % 32, wq = tid / 32;
+#pragma unroll
+  for (int q = 0; q < kChunks; ++q) {
+    const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
+    if (tid == 0) sm90::bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` read it
+    cutlass::arch::NamedBarrier::sync(128, bar_id);
+#pragma unroll
+    for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
+      const int j = q * (Tr::EC / 8) + jj;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wq * 16 + lane / 4 + 8 * h;
+        const int col = 8 * jj + 2 * (lane % 4);
+        const uint32_t off = sm90::swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
+        const bool keep = !kZero && row < lim;
+        sm90::store_pair<typename Cfg::ElemC>(buf + off, keep ? acc[4 * j + 2 * h] : 0.0f,
+                                              keep ? acc[4 * j + 2 * h + 1] : 0.0f);
+      }
+    }
+    cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA
+    cutlass::arch::NamedBarrier::sync(128, bar_id);
+    if (tid == 0) {
+      cute::SM90_TMA_STORE_2D::copy(tma_c, smem + (buf - smem_u32), n0 + q * Tr::EC, m0);
+      cute::tma_store_arrive();              // commit this store as one bulk group
+    }
+    ++epi_count;
+  }
+}
+
 // The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
 // `side` (Side::kEnabled, TMA A only): a row-gather part whose tiles warps 1-3 of the producer
 // warpgroup run while the GEMM's run — a combine chained after this GEMM (its waits are this
@@ -433,6 +532,10 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
   constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
+  constexpr bool kHalf = HalfTiles<Cfg>::value;
+  static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::MB == 1 && Tr::kConsumerWGs == 2 &&
+                           (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0),
+                "half tiles: a row limit, 128-row tiles on two warpgroups, BN/2 whole C chunks and B chunks");
   constexpr bool kNotifierWarp = kDeferNotifies && !Side::kEnabled && !Cfg::kGather;
   static_assert(!kNotifierWarp || Tr::kNotifySlots > 0, "the notifier warp needs the notify ring's barriers");
   uint64_t* notify_full = empty_bar + Tr::kStages;          // kNotifySlots each
@@ -575,7 +678,6 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     if constexpr (Cfg::kConsumerRegs > 0) cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int cw = wg - 1;                        // consumer index
     const int tid = int(threadIdx.x) % 128;       // thread in the warpgroup
-    const int lane = tid % 32, wq = tid / 32;
     const uint32_t bar_id = 1 + cw;               // named barrier of this warpgroup (0 = __syncthreads)
     // rows (split N: columns) of the tile this warpgroup owns: its A rows / B columns in a stage
     const int wg_row = Tr::kSplitN ? 0 : cw * Tr::MB * 64, wg_col = Tr::kSplitN ? cw * Tr::kWgN : 0;
@@ -626,46 +728,27 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
+      // the tile's valid rows (from them on the program stores zeros) and whether it runs as a half tile
+      int valid = Tr::BM;
+      if constexpr (Prog::kRowLimit) {
+        if (p.valid) valid = prog.valid_rows(p.m, p.n);
+      }
+      const bool half = kHalf && p.active && valid <= 64;
       if (p.active) {
-        int prev_stage = -1;
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-          const int s = it % Tr::kStages;
-          const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-          FullBar::wait(&full_bar[s], phase);
-          if constexpr (Cfg::kGather) fence_proxy_async_shared();   // cp.async data -> async proxy
-#pragma unroll
-          for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-            for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int kk = 0; kk < Tr::BK / 16; ++kk) {
-            const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
-            const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
-            const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
-#pragma unroll
-            for (int mb = 0; mb < Tr::MB; ++mb) {
-              const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
-              const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
-              sm90::gmma<typename Cfg::Gmma>(desc_a, desc_b, acc[mb],
-                                             cuda::std::make_integer_sequence<int, Tr::kAccPerBlock>{});
-            }
+        if constexpr (kHalf) {
+          if (half) {
+            // both warpgroups on the tile's first 64 rows, each on its half of the columns
+            consume_k_loop<Cfg, Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4>(
+                acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
+                smem_u32 + Tr::kOffB + (cw * (Tr::BN / 2) / Tr::EB) * Tr::kChunkBytesB, tid);
+          } else {
+            consume_k_loop<Cfg, Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock>(acc, it, k_tiles, full_bar,
+                                                                                  empty_bar, stage_a0, stage_b0, tid);
           }
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
-#pragma unroll
-          for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-            for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-          if (prev_stage >= 0) sm90::release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
-          prev_stage = s;
+        } else {
+          consume_k_loop<Cfg, Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock>(acc, it, k_tiles, full_bar,
+                                                                                empty_bar, stage_a0, stage_b0, tid);
         }
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-          for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        if (prev_stage >= 0) sm90::release_stage<kCl>(&empty_bar[prev_stage], tid);
       } else if (p.run) {
         // the partner's tile runs: take each (empty) stage and release it on both CTAs
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -678,34 +761,20 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if constexpr (kDeferNotifies) run_notifies();   // the previous tile's: its stores done by now
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
-        const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
+        if (kHalf && half) {
+          // this warpgroup's half of the columns: the 64 computed rows, then 64 rows of zeros
+          constexpr int kHalfChunks = (Tr::BN / 2) / Tr::EC;
+          const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN + cw * (Tr::BN / 2);
+          store_block<Cfg, Tr, kHalfChunks, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0, n0, valid,
+                                                   tid, bar_id);
+          store_block<Cfg, Tr, kHalfChunks, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 0,
+                                                  tid, bar_id);
+        } else {
+          const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
 #pragma unroll
-        for (int mb = 0; mb < Tr::MB; ++mb) {
-#pragma unroll
-          for (int q = 0; q < Tr::kWgChunksC; ++q) {
-            const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
-            if (tid == 0) sm90::bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` read it
-            cutlass::arch::NamedBarrier::sync(128, bar_id);
-#pragma unroll
-            for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
-              const int j = q * (Tr::EC / 8) + jj;
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const int row = wq * 16 + lane / 4 + 8 * h;
-                const int col = 8 * j + 2 * (lane % 4) - q * Tr::EC;
-                const uint32_t off = sm90::swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
-                sm90::store_pair<typename Cfg::ElemC>(buf + off, acc[mb][4 * j + 2 * h],
-                                                      acc[mb][4 * j + 2 * h + 1]);
-              }
-            }
-            cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA
-            cutlass::arch::NamedBarrier::sync(128, bar_id);
-            if (tid == 0) {
-              cute::SM90_TMA_STORE_2D::copy(tma_c, smem + (buf - smem_u32), n0 + q * Tr::EC, m0 + mb * 64);
-              cute::tma_store_arrive();              // commit this store as one bulk group
-            }
-            ++epi_count;
-          }
+          for (int mb = 0; mb < Tr::MB; ++mb)
+            store_block<Cfg, Tr, Tr::kWgChunksC, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[mb],
+                                                        m0 + mb * 64, n0, valid - (wg_row + mb * 64), tid, bar_id);
         }
       }
       if constexpr (Prog::kHasNotifies) {

@@ -3,7 +3,10 @@ issue's grid, its FLOP count is the attended pairs of the mask SDPA is given (lo
 the last rank's queries over every key), and its arguments are checked before anything runs."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
 import pytest
 
 from tldsl.bench import attention as ba
@@ -90,11 +93,22 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     assert (lg.notifies, plain.notifies, plain.waits) == (1, 0, 0)
     assert (plain.config, plain.grid_tiles, plain.cluster_dims) == (lg.config, lg.grid_tiles, lg.cluster_dims)
     jobs.append(plain.job())
+    # probe moe_notifies: the notifier's hook with its fence, its adds or both cut out, nothing else
+    from tldsl.bench.moe_probes import notify_ablations
+    cuts = notify_ablations(lg.source)
+    hook = {n: src.split("void notifies_lanes(")[1].split("\n  }\n")[0] for n, src in cuts.items()}
+    assert cuts["as generated"] == lg.source
+    assert [("fence_acq_rel" in b, "red_relaxed_add" in b) for b in hook.values()] == \
+        [(True, True), (False, True), (True, False), (False, False)]
+    assert all(src.split("void notifies_lanes(")[0] == lg.source.split("void notifies_lanes(")[0] for src in cuts.values())
+    jobs.append(dataclasses.replace(lg, source=cuts["hand-over only"], entry=lg.entry).job())
+    with pytest.raises(ValueError, match="no notifies_lanes"):
+        notify_ablations(plain.source)
     ok, why = tcm.toolchain_available()
     if not ok:
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
     compiled = compile_many(jobs, cache=KernelCache(tmp_path), progress=False)
-    assert len(compiled) == 3
+    assert len(compiled) == 4
     for ck in compiled:                     # (the row gather: four items a thread in flight, in 64 registers)
         info = ck.ptxas_info()[ck.name]
         assert info["spill_store_bytes"] == info["spill_load_bytes"] == 0, (ck.name, info)

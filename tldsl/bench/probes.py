@@ -4,6 +4,7 @@
     python -m tldsl.bench probe epilogue [--shapes MxNxKr,...]  # one GPU
     python -m tldsl.bench probe ag_group [--shapes MxNxK,...]   # one GPU
     python -m tldsl.bench probe ag_gather [--shapes MxNxK,...]  # one GPU
+    python -m tldsl.bench probe moe_notifies [--rows qwen3:8192:random,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -34,6 +35,8 @@
   default) with no column storing and with every column storing its share, and a stager thread
   storing each stage as it lands (``GatherRows<W, false>``); one GPU, timed interleaved with
   cuBLAS.
+* ``moe_notifies``: MoE+ReduceScatter's grouped GEMM with parts of its per-tile notifies cut out
+  (:mod:`.moe_probes`).
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -507,8 +510,8 @@ class _Bound:
 
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
-NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "rs_reduce_in", "rs_early_sum", "ag_enqueue",
-         "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
+NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "rs_reduce_in", "rs_early_sum",
+         "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
 
 
 def main(argv) -> int:
@@ -516,6 +519,8 @@ def main(argv) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
+    ap.add_argument("--rows", default="qwen3:8192:random,deepseek:8192:random,qwen15:8192:random",
+                    help="moe_notifies: MODEL:TOKENS:ROUTING,... (bench moe's rows)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
                          "probes, 80 for ag_skew, 20 for the others)")
@@ -529,6 +534,10 @@ def main(argv) -> int:
     elif args.what == "ag_gather":
         probe_ag_gather(args.shapes or [(2048, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
                                         (2048, 14336, 8192), (8192, 14336, 8192)], **its)
+    elif args.what == "moe_notifies":
+        from .baselines import _parse_row
+        from .moe_probes import probe_moe_notifies
+        probe_moe_notifies([_parse_row(r) for r in args.rows.split(",")], **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

@@ -248,8 +248,9 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"kStoreInactive = {'false' if m.store_inside else 'true'};",
         f"  static constexpr int kM = {M}, kK = {K}, kGridM = {part.grid[0]}, kGridN = {part.grid[1]};"
         f"  // N = {N}, E = {E}",
-        *([f"  static constexpr bool kHalfTiles = true;   // a tile of <= 64 valid rows: 64 rows, columns split",
-           f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
+        f"  static constexpr bool kHalfTiles = {'true' if cfg.half_tiles else 'false'};"
+        f"{'   // a tile of <= 64 valid rows: 64 rows, columns split' if cfg.half_tiles else ''}",
+        *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
            "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles else []),
         "};",
         "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",

@@ -154,24 +154,18 @@ def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: 
     combine to release), lowered as the program's is: what the per-tile notifies cost, timed beside it."""
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
-    from tldsl.ops.moe import _expert_box
+    from tldsl.ops.moe import expert_rows_tile
 
     @tl.kernel
     def grouped_gemm_only(h, w2, tile_expert, tile_valid_rows, y, *, compute: tl.ComputeSchedule = None):
-        BM, BN, BK = compute.tile
-        Nr, Kout = h.shape[1], w2.shape[2]
+        BM, BN, _ = compute.tile
         tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert,
                                   valid_rows=tile_valid_rows)
 
-        @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(Kout, BN)))
+        @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(w2.shape[2], BN)))
         def grouped_gemm(i, pn):
-            r0, c0 = i * BM, pn * BN
-            expert = tiles["expert", i]
-            with tl.when(expert >= 0):
-                acc = tl.fragment((BM, BN), tl.float32)
-                for k in tl.range(0, Nr, BK):
-                    acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
-                tl.store(y, (r0, c0), tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0))
+            with tl.when(tiles["expert", i] >= 0):
+                tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, tiles, i, pn, compute.tile))
     S, dt = tl.TensorSpec, getattr(tl, dtype)
     k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
                                 S.of(rt.tile_valid_rows), S((rt.num_rows, N), dt),

@@ -226,6 +226,18 @@ def _expert_box(w, expert, r0, c0, rows: int, cols: int):
     return tl.load(w, (expert, r0, c0), (rows, cols))
 
 
+def expert_rows_tile(h, w2, tiles, i, pn, tile):
+    """Row tile ``i``, column tile ``pn`` of ``h @ w2[expert]`` (``tile`` = (BM, BN, BK); ``tiles``
+    maps ``expert`` and ``valid_rows`` by row tile), its rows past the tile's valid ones zeros —
+    whatever ``h`` holds there — so a GPU may leave them uncomputed."""
+    BM, BN, BK = tile
+    r0, c0, expert = i * BM, pn * BN, tiles["expert", i]
+    acc = tl.fragment((BM, BN), tl.float32)
+    for k in tl.range(0, h.shape[1], BK):
+        acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
+    return tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0)
+
+
 def _check_table(t, shape, what, hint=""):
     tl.static_assert(t.dtype == tl.int32, f"{what}: table '{t.name}' must be int32, got {t.dtype}")
     tl.static_assert(tuple(t.shape) == tuple(shape),
@@ -393,13 +405,9 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
 
     @tl.compute_part(grid=(NT, NC))
     def grouped_gemm(i, pn):
-        r0, c0 = i * BM, pn * BN
         expert = gemm_tiles["expert", i]
         with tl.when(expert >= 0):
-            acc = tl.fragment((BM, BN), tl.float32)
-            for k in tl.range(0, Nr, BK):
-                acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
-            tl.store(y, (r0, c0), tl.where(tl.iota(BM)[:, None] < gemm_tiles["valid_rows", i], acc, 0.0))
+            tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile))
             for s in tl.range(0, gemm_tiles["num_token_tiles", i]):
                 tl.producer_tile_notify(y_ready, gemm_tiles["token_tiles", i, s] * NC + pn)
 

@@ -397,20 +397,6 @@ constexpr int kSideThreads = 96, kSideBarrier = 5;
 template <class SideCfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step);
 
-// Cfg::kHalfTiles where the configuration defines it, else false: a tile whose program stores its rows
-// from Prog::valid_rows() on as zeros, and which has at most 64 valid rows, runs as a half tile — its
-// 64 rows on both consumer warpgroups, each a 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's
-// columns — and stores its other 64 rows as zeros without computing them (MoE experts whose last
-// tile is at most half full: smaller M tiles without padding every expert to 64 rows).
-template <class C, class = void>
-struct HalfTiles {
-  static constexpr bool value = false;
-};
-template <class C>
-struct HalfTiles<C, cuda::std::void_t<decltype(C::kHalfTiles)>> {
-  static constexpr bool value = C::kHalfTiles;
-};
-
 // One tile's K loop on a consumer warpgroup: kBlocks m64 blocks (A rows from stage_a0, B columns from
 // stage_b0), kAcc fp32 accumulators each, one Gmma per block and 16-wide K step; each stage released
 // once the next stage's WGMMAs are issued (one batch stays in flight).
@@ -532,7 +518,12 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
   constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
-  constexpr bool kHalf = HalfTiles<Cfg>::value;
+  // Cfg::kHalfTiles: a tile whose program stores its rows from Prog::valid_rows() on as zeros, and which
+  // has at most 64 valid rows, runs as a half tile — its 64 rows on both consumer warpgroups, each a
+  // 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's columns — and stores its other 64 rows as zeros
+  // without computing them (MoE experts whose last tile is at most half full: smaller M tiles, the
+  // layout still in 128-row tiles)
+  constexpr bool kHalf = Cfg::kHalfTiles;
   static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::MB == 1 && Tr::kConsumerWGs == 2 &&
                            (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0),
                 "half tiles: a row limit, 128-row tiles on two warpgroups, BN/2 whole C chunks and B chunks");

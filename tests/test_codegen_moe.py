@@ -162,7 +162,9 @@ def test_moe_reduce_scatter_gemm_contract():
     # the notifier warp's copy: every lane fences, then takes every 32nd token tile of the loop
     lanes = src.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
     assert lanes.index("tldsl::fence_acq_rel<tldsl::kScopeGpu>") < lanes.index("tldsl::red_relaxed_add")
-    assert re.search(r"for \(int (i_\d+) = 0 \+ lane \* 1; \1 < t_\d+; \1 \+= 32 \* 1\)", lanes)
+    assert re.search(r"for \(int (i_\d+) = 0 \+ lane \* 1; \1 < (t_\d+); \1 = \2 - \1 > 32 \* 1 \? \1 \+ 32 \* 1 : \2\)",
+                     lanes)
+    assert "kNotifiesGuarded = true" in src                                # unused tiles are not handed over
     assert "if (lane == 0)" not in lanes                                   # every add is in the loop
 
 
@@ -421,6 +423,8 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
             return tl.iota(BM)[:, None]
         out = {"exp": lambda: tl.exp(acc),
                "mask_rows": lambda: tl.where(rows_in() < e + 1, acc, 0.0),         # e + 1 rows kept
+               "mask_written": lambda: tl.where(rows_in() < e + 1, acc, 0.0),
+               "mask_negzero": lambda: tl.where(rows_in() < e, acc, -0.0),
                "mask_one": lambda: tl.where(rows_in() < e, acc, 1.0),
                "mask_swapped": lambda: tl.where(rows_in() < e, 0.0, acc),
                "mask_cols": lambda: tl.where(tl.iota(BN)[None, :] < e, acc, 0.0),
@@ -438,7 +442,7 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
             tl.consumer_tile_wait(done, i, count=tl.cdiv(N, BN))
         if variant == "writes_w":           # B written while the GEMM runs
             tl.store(w, (0, 0, 0), tl.zeros((1, BK, BN), w.dtype))
-        if variant == "writes_table":       # the guard's table written while the GEMM runs
+        if variant in ("writes_table", "mask_written"):       # the guard's table written while the GEMM runs
             tl.store(tile_expert, (0,), tl.zeros((NT,), tl.int32))
 
 
@@ -456,6 +460,7 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     # the notify sits after the (outside-the-guard) store: it runs for inactive tiles too
     notifies = lw.source.split("void notifies")[1].split("\n  }\n")[0]
     assert "if (" not in notifies and "tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in notifies
+    assert "kNotifiesGuarded = false" in lw.source      # a tile the guard skips still notifies
     # spread over the notifier warp's lanes, a notify outside any loop is lane 0's alone
     lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
     assert "if (lane == 0) tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in lanes
@@ -469,6 +474,8 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     ("shifted_b", ("B tile offsets must be (e, k, pid1*128)",)),
     ("exp", ("`tl.store(c, (i*BM, pn*BN), acc)`", "nothing else on the accumulator")),
     ("mask_one", ("may mask whole rows only", "the rows dropped must be the constant 0")),
+    ("mask_negzero", ("the rows dropped must be the constant 0 (+0.0",)),
+    ("mask_written", ("the row mask's count reads 'tile_expert', which another part writes",)),
     ("mask_swapped", ("may mask whole rows only", "the accumulator must be where's second operand")),
     ("mask_cols", ("may mask whole rows only", "the row index must be `tl.iota(128)[:, None]`")),
     ("mask_ge", ("may mask whole rows only", "the condition must be `row index < n`")),

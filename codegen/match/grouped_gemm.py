@@ -8,6 +8,7 @@ the structure only; shapes, tile offsets and the schedule are the planner's
 (:mod:`..plan.grouped_gemm`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...ir import core
@@ -55,8 +56,9 @@ def _row_mask(where: core.Op, acc: core.Value, BM: int) -> tuple[core.Value, tup
     cond, a, b = where.operands
     if a is not acc:
         raise refuse("the accumulator must be where's second operand (the rows kept)", where)
-    if const_value(b) != 0 or is_tile(b):
-        raise refuse("the rows dropped must be the constant 0", where)
+    zero = const_value(b)
+    if is_tile(b) or zero != 0 or math.copysign(1.0, zero) < 0:
+        raise refuse("the rows dropped must be the constant 0 (+0.0: what the kernel stores)", where)
     lt = cond.owner
     if not (isinstance(lt, core.Op) and lt.name == "ewise" and lt.attrs.get("op") == "lt"):
         raise refuse("the condition must be `row index < n`", lt if isinstance(lt, core.Op) else where)

@@ -87,6 +87,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     written = written_buffers(kernel)
     if cfg.cluster != (1, 1):
         _check_cluster(m, written, ops, cfg.cluster)
+    if m.row_limit is not None:
+        _check_row_limit(m, written, ops)
     signals = signals_used(ops)
     # the hooks in the order the renderer emits them: active, batch, row, valid rows, waits, notifies
     tensors = tensors_read(ops, [value_hook(ops, [m.guard.operands[0]] if m.guard is not None else []),
@@ -163,6 +165,16 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
                    "other forever", part)
     return plan_combine(kernel, sp, match_combine(kernel, sp), wait_timeout_ns=wait_timeout_ns,
                         entry=None, threads=SIDE_THREADS)
+
+
+def _check_row_limit(m: GroupedGemmMatch, written, ops) -> None:
+    """The consumers read a tile's row limit as it starts, before any of the part's waits hold, to
+    choose how to run it: it must read what no other part writes while the kernel runs."""
+    for b in tensors_read(ops, [value_hook(ops, [m.row_limit])]):
+        if b.name in written:
+            raise fail(WHAT, f"the row mask's count reads '{b.name}', which another part writes while the kernel "
+                       "runs; the kernel reads the count before the tile's waits, so it must come from a tensor "
+                       "filled before the launch", m.row_mask[0])
 
 
 def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:

@@ -196,6 +196,15 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
         side_tiles=sp.grid_tiles if sp is not None else None)
 
 
+def notifies_guarded(m) -> bool:
+    """Whether every notify of the part sits inside its ``tl.when`` guard: a tile the guard skips
+    then has nothing to release, and the template does not hand it to the notifier."""
+    if m.guard is None:
+        return False
+    inside = {id(op) for op in m.guard.regions[0].walk()}
+    return all(id(op) in inside for op in m.part.walk() if op.name in NOTIFY_OPS)
+
+
 def side_params(plan: GroupedGemmPlan) -> tuple[KernelParam, ...]:
     """The GEMM's parameters, then the folded part's that it does not have (one parameter per
     tensor or signal; a pointer both read is declared as the GEMM declares it). A pointer the
@@ -268,6 +277,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
         f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
         f"  static constexpr bool kRowLimit = {'true' if m.row_limit is not None else 'false'};",
+        f"  static constexpr bool kNotifiesGuarded = {'true' if notifies_guarded(m) else 'false'};"
+        "   // a tile the guard skips notifies nothing",
         *members,
         *fns,
         "};",

@@ -101,8 +101,9 @@ class HookEmitter(SignalEmitter):
         return bool(self.roots & kinds)
 
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        if self.lanes and self.loop_depth == 0:
-            return f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; {iv} += {self.lanes} * {st})"
+        if self.lanes and self.loop_depth == 0:     # (the step never carries iv past INT_MAX)
+            return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
+                    f"{iv} = {hi} - {iv} > {self.lanes} * {st} ? {iv} + {self.lanes} * {st} : {hi})")
         return super().loop_header(iv, lo, hi, st)
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:

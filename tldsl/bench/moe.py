@@ -149,9 +149,11 @@ def folded_as_run_folds(ir, lowered: dict):
     return lf
 
 
-def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int):
+def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int,
+                  group_m: int = 8):
     """Layer 1's grouped GEMM alone — the program's ``grouped_gemm`` part without its notifies (no
-    combine to release), lowered as the program's is: what the per-tile notifies cost, timed beside it."""
+    combine to release), lowered as the program's is (the same tiles, order and ``group_m``): what
+    the per-tile notifies cost, timed beside it."""
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
     from tldsl.ops.moe import expert_rows_tile
@@ -169,7 +171,8 @@ def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: 
     S, dt = tl.TensorSpec, getattr(tl, dtype)
     k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
                                 S.of(rt.tile_valid_rows), S((rt.num_rows, N), dt),
-                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"))
+                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
+                                                           group_m=group_m))
     return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
 
 
@@ -205,7 +208,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
     combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
     y_plain = torch.full_like(bufs["y_sorted"], float("nan"))
-    plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, stages, dtype, cluster)).prepare(
+    plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, stages, dtype, cluster, lg.config.group_m)).prepare(
         {"h": h, "w2": w, "tile_expert": bufs["tile_expert"], "tile_valid_rows": bufs["tile_valid_rows"],
          "y": y_plain}, {})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]

@@ -446,12 +446,14 @@ __device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerB
   if (prev_stage >= 0) sm90::release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);
 }
 
-// 64 rows x kChunks * EC columns of C at (m0, n0) from one m64 block's accumulators, its rows from
-// `lim` on as zeros (kZero: all of them, `acc` unread): registers -> swizzled smem -> TMA store, one
-// 64 x EC chunk at a time through this warpgroup's epilogue buffers.
+// 64 rows x kChunks * EC columns of C at (m0, n0) from one m64 block's accumulators — the block's row r
+// is the tile's row `row0 + r`, stored as zero from the tile's row `valid` on (kZero: all of them, `acc`
+// unread): registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time through this
+// warpgroup's epilogue buffers.
 template <class Cfg, class Tr, int kChunks, bool kZero>
 __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, unsigned char* smem, uint32_t smem_u32,
-                                            uint32_t epi0, int& epi_count, const float* acc, int m0, int n0, int lim,
+                                            uint32_t epi0, int& epi_count, const float* acc, int m0, int n0,
+                                            int row0, int valid,
                                             int tid, uint32_t bar_id) {
   const int lane = tid % 32, wq = tid / 32;
 #pragma unroll
@@ -467,7 +469,7 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
         const int row = wq * 16 + lane / 4 + 8 * h;
         const int col = 8 * jj + 2 * (lane % 4);
         const uint32_t off = sm90::swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
-        const bool keep = !kZero && row < lim;
+        const bool keep = !kZero && row0 + row < valid;   // (no overflow: row0 + row < 256)
         sm90::store_pair<typename Cfg::ElemC>(buf + off, keep ? acc[4 * j + 2 * h] : 0.0f,
                                               keep ? acc[4 * j + 2 * h + 1] : 0.0f);
       }
@@ -621,7 +623,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           for (int t = first_tile; t < num_tiles; t += tile_step) {
             const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
                                                      cl_rank);
-            if (!p.valid) continue;
+            if (!p.valid || !(p.active || !Prog::kNotifiesGuarded)) continue;   // the consumers' `notify`
             const int s = j % Tr::kNotifySlots;
             EmptyBar::wait(&notify_full[s], uint32_t(j / Tr::kNotifySlots) & 1u);
             prog.notifies_lanes(p.m, p.n, int(threadIdx.x) % 32);   // the tile's adds spread over the warp
@@ -712,7 +714,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
                                                cl_rank);
       const bool store = p.valid && (p.active || Cfg::kStoreInactive);
-      const bool notify = p.valid && Prog::kHasNotifies;
+      const bool notify = p.valid && Prog::kHasNotifies && (p.active || !Prog::kNotifiesGuarded);
       if (!p.run && !store && !notify) continue;
 #pragma unroll
       for (int mb = 0; mb < Tr::MB; ++mb)
@@ -720,9 +722,9 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
       // the tile's valid rows (from them on the program stores zeros) and whether it runs as a half tile
-      int valid = Tr::BM;
+      int valid = Tr::BM;                 // (an inactive tile stores zeros: its accumulators are)
       if constexpr (Prog::kRowLimit) {
-        if (p.valid) valid = prog.valid_rows(p.m, p.n);
+        if (p.active) valid = prog.valid_rows(p.m, p.n);   // (read where the program reads it: past the guard)
       }
       const bool half = kHalf && p.active && valid <= 64;
       if (p.active) {
@@ -756,16 +758,16 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           // this warpgroup's half of the columns: the 64 computed rows, then 64 rows of zeros
           constexpr int kHalfChunks = (Tr::BN / 2) / Tr::EC;
           const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN + cw * (Tr::BN / 2);
-          store_block<Cfg, Tr, kHalfChunks, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0, n0, valid,
+          store_block<Cfg, Tr, kHalfChunks, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0, n0, 0, valid,
                                                    tid, bar_id);
-          store_block<Cfg, Tr, kHalfChunks, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 0,
+          store_block<Cfg, Tr, kHalfChunks, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 64, 0,
                                                   tid, bar_id);
         } else {
           const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
 #pragma unroll
           for (int mb = 0; mb < Tr::MB; ++mb)
             store_block<Cfg, Tr, Tr::kWgChunksC, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[mb],
-                                                        m0 + mb * 64, n0, valid - (wg_row + mb * 64), tid, bar_id);
+                                                        m0 + mb * 64, n0, wg_row + mb * 64, valid, tid, bar_id);
         }
       }
       if constexpr (Prog::kHasNotifies) {

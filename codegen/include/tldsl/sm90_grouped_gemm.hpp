@@ -45,8 +45,7 @@
 //    (cp.async.bulk.wait_group 0) and fences the async proxy, all consumers meet at a named
 //    barrier, then one thread runs the notifies (one fence.acq_rel, then relaxed red.adds).
 //    Deferred (kDeferNotifies: a part that notifies and never waits): a tile's notifies run
-//    once the K loop of the tile two after it is done, when its stores have long completed
-//    (cp.async.bulk.wait_group with the newer tile's store groups left pending), so the
+//    once the *next* tile's K loop is done, when its stores have long completed, so the
 //    consumers never wait for a store's round trip; and with a TMA producer and no side program,
 //    warp 1 of the producer warpgroup runs them (kNotifierWarp): each consumer warpgroup's store
 //    thread, its stores complete and fenced, arrives on a ring slot (Tr::kNotifySlots full/empty
@@ -98,13 +97,6 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// This thread's bulk (TMA) stores complete — written, not only read from shared memory — but for the
-// N bulk groups it committed last.
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to the async proxy (WGMMA).
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -688,35 +680,33 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     int it = 0;
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
-    // the tiles whose stores are issued and whose notifies are not yet run, oldest first (kDeferNotifies:
-    // handed over once two later tiles' K loops are done, when the oldest's stores have long completed;
-    // else at once), and how many tiles were handed to the notifier warp
-    constexpr int kDepth = kDeferNotifies ? 2 : 0;
-    constexpr int kGroups = Tr::MB * Tr::kWgChunksC;   // bulk store groups one stored tile commits, per warpgroup
-    int queued = 0, handed = 0;
-    int m_old = 0, n_old = 0, m_new = 0, n_new = 0;   // (scalars, not arrays: registers, never local memory)
-    bool new_stored = false;
-    auto hand_over = [&]() {                          // the oldest queued tile's notifies
-      if constexpr (Prog::kHasNotifies) {
-        if (tid == 0) {                               // this warpgroup's stores of it complete and visible ...
-          if (queued == 2 && new_stored) bulk_wait<kGroups>();   // (not the newer tile's)
-          else sm90::bulk_wait_all();
+    // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
+    // next tile's K loop is done), and how many tiles were handed to the notifier warp
+    bool pending = false;
+    int pending_m = 0, pending_n = 0, handed = 0;
+    auto run_notifies = [&]() {
+      if constexpr (!Prog::kHasNotifies) return;
+      if (!pending) return;
+      pending = false;
+      if constexpr (kNotifierWarp) {
+        if (tid == 0) {                             // this warpgroup's stores are complete and visible ...
+          sm90::bulk_wait_all();
+          fence_proxy_async_global();
+          const int s = handed % Tr::kNotifySlots;
+          EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
+          EmptyBar::arrive(&notify_full[s]);        // ... before the notifier releases them
+        }
+        ++handed;
+      } else {
+        // the tile's stores are complete and visible before anything is released
+        if (tid == 0) {
+          sm90::bulk_wait_all();
           fence_proxy_async_global();
         }
-        if constexpr (kNotifierWarp) {
-          if (tid == 0) {
-            const int s = handed % Tr::kNotifySlots;
-            EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
-            EmptyBar::arrive(&notify_full[s]);        // ... before the notifier releases them
-          }
-          ++handed;
-        } else {
-          cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
-          if (cw == 0 && tid == 0) prog.notifies(m_old, n_old);
+        cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
+        if constexpr (Prog::kHasNotifies) {
+          if (cw == 0 && tid == 0) prog.notifies(pending_m, pending_n);
         }
-        m_old = m_new;
-        n_old = n_new;
-        --queued;
       }
     };
 
@@ -761,9 +751,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
 
-      if constexpr (kDeferNotifies) {
-        if (queued == kDepth) hand_over();             // the tile two before this one: its stores long done
-      }
+      if constexpr (kDeferNotifies) run_notifies();   // the previous tile's: its stores done by now
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
         if (kHalf && half) {
@@ -784,20 +772,14 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
       if constexpr (Prog::kHasNotifies) {
         if (notify) {
-          if (queued == 0) {
-            m_old = p.m;
-            n_old = p.n;
-          } else {
-            m_new = p.m;
-            n_new = p.n;
-            new_stored = store;
-          }
-          ++queued;
-          if constexpr (!kDeferNotifies) hand_over();
+          pending = true;
+          pending_m = p.m;
+          pending_n = p.n;
+          if constexpr (!kDeferNotifies) run_notifies();
         }
       }
     }
-    while (queued > 0) hand_over();                 // the last tiles'
+    run_notifies();                                 // the last tile's
     if (tid == 0) sm90::bulk_wait_all();
   }
   if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it

@@ -433,6 +433,11 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
         tl.store(h, (i * BM, pn * BN), out[variant]() if variant in out else acc)
         if variant == "peer_notify":
             tl.peer_tile_notify(done2, i, 0)
+        elif variant == "nested_notify":         # notifies in nested loops under a condition
+            for a in tl.range(0, e + 2):
+                for b in tl.range(0, 2):
+                    with tl.when(a > b):
+                        tl.producer_tile_notify(done, i)
         elif variant != "notify_before":
             tl.producer_tile_notify(done, i)
 
@@ -464,6 +469,20 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     # spread over the notifier warp's lanes, a notify outside any loop is lane 0's alone
     lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
     assert "if (lane == 0) tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in lanes
+
+
+def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
+    """The notifier warp's copy of the hook spreads only the outermost loop's iterations over its 32
+    lanes; inner loops and conditions run whole in each lane, and no add is lane 0's alone."""
+    lw = lower_grouped_gemm(_trace_gathered("nested_notify"), "gg")
+    lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
+    loops = re.findall(r"for \(int (i_\d+) = ([^;]*);", lanes)
+    assert [start for _, start in loops] == ["0 + lane * 1", "0"]          # outer spread, inner whole
+    assert "32 * 1" in lanes.split(loops[1][0])[0] and "32" not in lanes.split(f"for (int {loops[1][0]}")[1]
+    assert "if (lane == 0)" not in lanes and lanes.count("tldsl::red_relaxed_add") == 1
+    assert lanes.index("tldsl::fence_acq_rel") < lanes.index("for (")
+    one = lw.source.split("void notifies(int pid0, int pid1) const {")[1].split("\n  }\n")[0]
+    assert "lane" not in one and len(re.findall(r"for \(int i_\d+ = 0; ", one)) == 2
 
 
 @pytest.mark.parametrize("variant,texts", [

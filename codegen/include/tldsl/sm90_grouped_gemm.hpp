@@ -51,9 +51,12 @@
 //    thread, its stores complete and fenced, arrives on a ring slot (Tr::kNotifySlots full/empty
 //    mbarriers) the notifier waits on, so neither the fence.acq_rel nor the adds hold up a
 //    consumer; its 32 lanes share a tile's adds (Prog::notifies_lanes: each lane fences, then
-//    takes every 32nd iteration of the notify loops). Waiting parts notify at once: their next tile may wait on what this one releases.
+//    takes every 32nd iteration of the outermost notify loops). A part whose notifies all sit
+//    inside its guard (Prog::kNotifiesGuarded) hands over only the tiles the guard lets through.
+//    Waiting parts notify at once: their next tile may wait on what this one releases.
 //    (Measured on one H200, MoE+ReduceScatter's grouped GEMM at Qwen3-30B's shape: 0.286 ms
-//    notifying at once, 0.215 ms with no notifies at all; BENCHMARKS.md, twenty-seventh session.)
+//    notifying at once, 0.215 ms with no notifies at all, 0.237-0.273 deferred; BENCHMARKS.md,
+//    twenty-seventh session: what is left is the hand-over, not the notifier's fence or adds.)
 //
 //    A side program (Side::kEnabled; A by TMA only): a row-gather part folded in (an MoE
 //    combine behind the GEMM, or the row gather that stages A ahead of it). Warps 1-3 of the

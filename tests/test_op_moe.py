@@ -189,6 +189,43 @@ def test_allgather_moe_empty_experts_and_one_expert():
         _check_h(res, rt, xs, w1, W)
 
 
+def test_padding_rows_are_zeros_whatever_the_weights_hold():
+    """Both programs store a tile's rows past its valid ones as zeros (what lets a GPU leave them
+    uncomputed): with an infinite weight, 0 * inf would be NaN in those rows of a plain product."""
+    W, Ms, K, Nr, E = 2, 5, 16, 16, 3
+    rng = np.random.default_rng(11)
+    compute = _compute(8, 8, 8)
+    ids = rng.integers(0, E, (W * Ms, 2)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, compute.BM)
+    for inp in inputs:
+        inp["w1"] = inp["w1"].copy()
+        inp["w1"][:, 0, 0] = np.inf                  # every expert's first column meets an inf
+    res = tl.simulate(allgather_moe, W, inputs, seed=2, compute=compute, comm=tl.CommSchedule(tile_m=8, mode="pull"))
+    pad = rt.sorted_token_ids < 0
+    assert pad.any() and ((rt.tile_valid_rows < compute.BM) & (rt.tile_expert >= 0)).any()
+    for r in range(W):
+        h = res[r]["h"]
+        assert np.all(h[pad] == 0) and not np.signbit(h[pad]).any()   # +0.0, as the kernel stores
+        assert np.isinf(h[~pad][:, 0]).any() or np.isnan(h[~pad][:, 0]).any()   # the routed rows did meet it
+    # MoE+ReduceScatter: h's padding rows hold NaN, y_sorted's padding rows are zeros all the same, and
+    # the combine reads routed rows only
+    wts = rng.random((W * Ms, 2)).astype(np.float32)
+    hs = [np.where(pad[:, None], np.float16(np.nan), rng.standard_normal((rt.num_rows, Nr))).astype(F16)
+          for _ in range(W)]
+    w2 = [rng.standard_normal((E, Nr, K)).astype(F16) for _ in range(W)]
+    k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, tl.float16, compute=compute,
+                                    comm=tl.CommSchedule(tile_m=8, order="ring", mode="push"))
+    ins = [dict(h=hs[r], w2=w2[r], topk_weights=wts, out=np.full((Ms, K), np.nan, F16),
+                **rt.reduce_scatter_tables()) for r in range(W)]
+    out = tl.simulate(k, W, ins, seed=3)
+    for r in range(W):
+        y = out.workspaces[r]["y_sorted"]
+        used = np.repeat(rt.tile_expert >= 0, rt.block_m)
+        assert np.all(y[pad & used] == 0) and np.isfinite(y[used]).all()
+        assert np.isfinite(out[r]["out"]).all()
+
+
 def test_allgather_moe_one_kernel_serves_every_routing():
     W, Ms, K, Nr, E, topk = 2, 6, 16, 8, 4, 2
     compute, comm = _compute(8, 8, 8), tl.CommSchedule(tile_m=8)

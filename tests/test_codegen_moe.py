@@ -458,6 +458,19 @@ def _trace_gathered(variant):
                                   channels=False)
 
 
+def _lanes_hook(k):
+    """The notifier warp's copy of part 'gg''s notify hook, rendered from its plan (these parts wait
+    and gather A: the template never runs a notifier warp for them)."""
+    from tldsl.codegen.match.grouped_gemm import match_grouped_gemm
+    from tldsl.codegen.plan.grouped_gemm import plan_grouped_gemm
+    from tldsl.codegen.recipes.prog_hooks import HookEmitter
+    from tldsl.ir.opdefs import NOTIFY_OPS
+    part = k.part("gg")
+    plan = plan_grouped_gemm(k, part, match_grouped_gemm(k, part))
+    assert plan.waits and plan.match.gather
+    return HookEmitter(plan, "test", NOTIFY_OPS, lanes=32).signal_fn("notifies_lanes")
+
+
 def test_gathered_gemm_lowers_with_waits_and_notifies():
     lw = lower_grouped_gemm(_trace_gathered("ok"), "gg")
     assert lw.gather and lw.store_inactive and lw.waits == 1 and lw.notifies == 1
@@ -466,8 +479,8 @@ def test_gathered_gemm_lowers_with_waits_and_notifies():
     notifies = lw.source.split("void notifies")[1].split("\n  }\n")[0]
     assert "if (" not in notifies and "tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in notifies
     assert "kNotifiesGuarded = false" in lw.source      # a tile the guard skips still notifies
-    # spread over the notifier warp's lanes, a notify outside any loop is lane 0's alone
-    lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
+    # spread over a notifier warp's lanes, a notify outside any loop is lane 0's alone
+    lanes = "\n".join(_lanes_hook(_trace_gathered("ok")))
     assert "if (lane == 0) tldsl::red_relaxed_add<tldsl::kScopeGpu>(sig_done + pid0_0, 1ull)" in lanes
 
 
@@ -475,7 +488,7 @@ def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
     """The notifier warp's copy of the hook spreads only the outermost loop's iterations over its 32
     lanes; inner loops and conditions run whole in each lane, and no add is lane 0's alone."""
     lw = lower_grouped_gemm(_trace_gathered("nested_notify"), "gg")
-    lanes = lw.source.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
+    lanes = "\n".join(_lanes_hook(_trace_gathered("nested_notify")))
     loops = re.findall(r"for \(int (i_\d+) = ([^;]*);", lanes)
     assert [start for _, start in loops] == ["0 + lane * 1", "0"]          # outer spread, inner whole
     assert "32 * 1" in lanes.split(loops[1][0])[0] and "32" not in lanes.split(f"for (int {loops[1][0]}")[1]
@@ -794,7 +807,13 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
         loop.append("    prog.waits(pid0, pid1);")
     if not gemm:
         loop.append(f"    for (int tid = 0; tid < {lw.threads}; ++tid) prog.body(pid0, pid1, tid);")
-    if lw.notifies:
+    if gemm and lw.notifies and not lw.waits and not lw.gather and lw.side is None:
+        # what the template runs there (kNotifierWarp): the notifier warp's 32 lanes, one after another,
+        # each owing its own fence
+        loop.append("    for (int lane = 0; lane < 32; ++lane) { tldsl::g_fences = 0; "
+                    "prog.notifies_lanes(pid0, pid1, lane); }")
+    elif lw.notifies:
+        loop.append("    tldsl::g_fences = 0;")
         loop.append("    prog.notifies(pid0, pid1);")
     loop.append("  }")
     out_dump = []
@@ -921,8 +940,10 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path):
         e = int(rt.tile_expert[i])
         assert ev[0] == f"active {int(e >= 0)} batch {e if e >= 0 else -1}"
         waits, notifies = _ir_signal_events(gpart, tables, (i, pn), 0, launch)
-        assert waits == [] and ev[1:] == notifies
+        # spread over the notifier's lanes: every add exactly once, in the lanes' order
+        assert waits == [] and sorted(ev[1:]) == sorted(notifies)
         assert len(notifies) == int(rt.tile_num_token_tiles[i])
+    assert lg.config.notify_slots == 2
     # combine: waits, body, notifies, on every tile
     y = rng.standard_normal((R, K)).astype(np.float16).astype(np.float32)    # y_sorted is f16 (h's dtype)
     partial = np.full((T, K), np.nan, np.float32)

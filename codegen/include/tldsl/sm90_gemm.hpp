@@ -204,6 +204,61 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_bar, int tid) {
   }
 }
 
+// Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to the async proxy (WGMMA).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// One tile's K loop on a consumer warpgroup — the plain and the grouped GEMM's: kBlocks m64 blocks (A
+// rows from stage_a0, B columns from stage_b0), kAcc fp32 accumulators each, one Gmma per block and
+// 16-wide K step; each stage released once the next stage's WGMMAs are issued (one batch stays in
+// flight). kCpAsyncA: A's stages are written by cp.async (a gathered A), fenced for the async proxy.
+template <class Tr, class Gmma, int kBlocks, int kAcc, bool kCpAsyncA>
+__device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerBlock], int& it, int k_tiles,
+                                               uint64_t* full_bar, uint64_t* empty_bar, uint32_t stage_a0,
+                                               uint32_t stage_b0, int tid) {
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(kBlocks <= Tr::MB && kAcc <= Tr::kAccPerBlock, "the accumulators of a block fit its array");
+  int prev_stage = -1;
+  for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    const int s = it % Tr::kStages;
+    const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
+    FullBar::wait(&full_bar[s], phase);
+    if constexpr (kCpAsyncA) fence_proxy_async_shared();   // cp.async data -> async proxy
+#pragma unroll
+    for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < Tr::BK / 16; ++kk) {
+      const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
+      const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
+      const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
+#pragma unroll
+      for (int mb = 0; mb < kBlocks; ++mb) {
+        const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
+        const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
+        gmma<Gmma>(desc_a, desc_b, acc[mb], cuda::std::make_integer_sequence<int, kAcc>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
+#pragma unroll
+    for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+    if (prev_stage >= 0) release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);   // ... release it
+    prev_stage = s;
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int mb = 0; mb < kBlocks; ++mb)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
+  if (prev_stage >= 0) release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);
+}
+
 // The accumulators of one consumer warpgroup (rows m0 .. m0 + 64*MB of the tile, n0 .. n0 + BN)
 // stored as ElemOut: converted into 128-byte-swizzled shared memory, one TMA store per 64 x E
 // chunk (E = SC / sizeof(ElemOut), SC = min(128, BN * sizeof(ElemOut))), through kEpiBuffers
@@ -755,44 +810,8 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
-      int prev_stage = -1;
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-        const int s = it % Tr::kStages;
-        const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-        FullBar::wait(&full_bar[s], phase);
-#pragma unroll
-        for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-          for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int kk = 0; kk < Tr::BK / 16; ++kk) {
-          const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
-          const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
-          const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
-#pragma unroll
-          for (int mb = 0; mb < Tr::MB; ++mb) {
-            const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
-            const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
-            gmma<typename Cfg::Gmma>(desc_a, desc_b, acc[mb],
-                                     cuda::std::make_integer_sequence<int, Tr::kAccPerBlock>{});
-          }
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
-#pragma unroll
-        for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-          for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-        if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);   // ... release it
-        prev_stage = s;
-      }
-      cute::warpgroup_wait<0>();
-#pragma unroll
-      for (int mb = 0; mb < Tr::MB; ++mb)
-#pragma unroll
-        for (int i = 0; i < Tr::kAccPerBlock; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-      if (prev_stage >= 0) release_stage<kCl>(&empty_bar[prev_stage], tid);
+      consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, false>(acc, it, k_tiles, full_bar, empty_bar,
+                                                                               stage_a0, stage_b0, tid);
 
       if constexpr (Epilogue::kEnabled) {
         // the tile program's own epilogue (stores, waits, elementwise sums, notifies)

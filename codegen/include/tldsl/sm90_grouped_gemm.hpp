@@ -101,11 +101,6 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Generic-proxy shared-memory writes (cp.async, st.shared) -> visible to the async proxy (WGMMA).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // Coherent global loads (ld.global, never the non-coherent .nc path): for tensors another part
 // of the kernel writes while this one runs (read after a wait). Tables the host filled before
 // the launch are read with plain C++ loads (the compiler may use .nc for them).
@@ -400,55 +395,6 @@ constexpr int kSideThreads = 96, kSideBarrier = 5;
 template <class SideCfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step);
 
-// One tile's K loop on a consumer warpgroup: kBlocks m64 blocks (A rows from stage_a0, B columns from
-// stage_b0), kAcc fp32 accumulators each, one Gmma per block and 16-wide K step; each stage released
-// once the next stage's WGMMAs are issued (one batch stays in flight).
-template <class Cfg, class Tr, class Gmma, int kBlocks, int kAcc>
-__device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerBlock], int& it, int k_tiles,
-                                               uint64_t* full_bar, uint64_t* empty_bar, uint32_t stage_a0,
-                                               uint32_t stage_b0, int tid) {
-  using FullBar = cutlass::arch::ClusterTransactionBarrier;
-  static_assert(kBlocks <= Tr::MB && kAcc <= Tr::kAccPerBlock, "the accumulators of a block fit its array");
-  int prev_stage = -1;
-  for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-    const int s = it % Tr::kStages;
-    const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
-    FullBar::wait(&full_bar[s], phase);
-    if constexpr (Cfg::kGather) fence_proxy_async_shared();   // cp.async data -> async proxy
-#pragma unroll
-    for (int mb = 0; mb < kBlocks; ++mb)
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < Tr::BK / 16; ++kk) {
-      const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
-      const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
-      const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
-#pragma unroll
-      for (int mb = 0; mb < kBlocks; ++mb) {
-        const uint32_t a_addr = stage_a0 + s * Tr::kStageBytesA + mb * 64 * Tr::SA + a_off;
-        const uint64_t desc_a = Tr::kDescA | uint64_t((a_addr & 0x3FFFF) >> 4);
-        sm90::gmma<Gmma>(desc_a, desc_b, acc[mb], cuda::std::make_integer_sequence<int, kAcc>{});
-      }
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();                // the previous stage's WGMMAs are done ...
-#pragma unroll
-    for (int mb = 0; mb < kBlocks; ++mb)
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-    if (prev_stage >= 0) sm90::release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);   // ... release it
-    prev_stage = s;
-  }
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int mb = 0; mb < kBlocks; ++mb)
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) cute::warpgroup_fence_operand(acc[mb][i]);
-  if (prev_stage >= 0) sm90::release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);
-}
-
 // 64 rows x kChunks * EC columns of C at (m0, n0) from one m64 block's accumulators — the block's row r
 // is the tile's row `row0 + r`, stored as zero from the tile's row `valid` on (kZero: all of them, `acc`
 // unread): registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time through this
@@ -688,26 +634,22 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     bool pending = false;
     int pending_m = 0, pending_n = 0, handed = 0;
     auto run_notifies = [&]() {
-      if constexpr (!Prog::kHasNotifies) return;
-      if (!pending) return;
-      pending = false;
-      if constexpr (kNotifierWarp) {
+      if constexpr (Prog::kHasNotifies) {
+        if (!pending) return;
+        pending = false;
         if (tid == 0) {                             // this warpgroup's stores are complete and visible ...
           sm90::bulk_wait_all();
           fence_proxy_async_global();
-          const int s = handed % Tr::kNotifySlots;
-          EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
-          EmptyBar::arrive(&notify_full[s]);        // ... before the notifier releases them
         }
-        ++handed;
-      } else {
-        // the tile's stores are complete and visible before anything is released
-        if (tid == 0) {
-          sm90::bulk_wait_all();
-          fence_proxy_async_global();
-        }
-        cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
-        if constexpr (Prog::kHasNotifies) {
+        if constexpr (kNotifierWarp) {              // ... before the notifier releases them
+          if (tid == 0) {
+            const int s = handed % Tr::kNotifySlots;
+            EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
+            EmptyBar::arrive(&notify_full[s]);
+          }
+          ++handed;
+        } else {                                    // ... before one consumer thread releases them
+          cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
           if (cw == 0 && tid == 0) prog.notifies(pending_m, pending_n);
         }
       }
@@ -731,20 +673,19 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
       const bool half = kHalf && p.active && valid <= 64;
       if (p.active) {
+        bool whole = true;
         if constexpr (kHalf) {
           if (half) {
             // both warpgroups on the tile's first 64 rows, each on its half of the columns
-            consume_k_loop<Cfg, Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4>(
+            sm90::consume_k_loop<Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4, Cfg::kGather>(
                 acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
                 smem_u32 + Tr::kOffB + (cw * (Tr::BN / 2) / Tr::EB) * Tr::kChunkBytesB, tid);
-          } else {
-            consume_k_loop<Cfg, Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock>(acc, it, k_tiles, full_bar,
-                                                                                  empty_bar, stage_a0, stage_b0, tid);
+            whole = false;
           }
-        } else {
-          consume_k_loop<Cfg, Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock>(acc, it, k_tiles, full_bar,
-                                                                                empty_bar, stage_a0, stage_b0, tid);
         }
+        if (whole)
+          sm90::consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, Cfg::kGather>(
+              acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid);
       } else if (p.run) {
         // the partner's tile runs: take each (empty) stage and release it on both CTAs
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {

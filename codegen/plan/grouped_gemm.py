@@ -170,11 +170,15 @@ def plan_side(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, side: s
 def _check_row_limit(m: GroupedGemmMatch, written, ops) -> None:
     """The consumers read a tile's row limit as it starts, before any of the part's waits hold, to
     choose how to run it: it must read what no other part writes while the kernel runs."""
-    for b in tensors_read(ops, [value_hook(ops, [m.row_limit])]):
-        if b.name in written:
-            raise fail(WHAT, f"the row mask's count reads '{b.name}', which another part writes while the kernel "
-                       "runs; the kernel reads the count before the tile's waits, so it must come from a tensor "
-                       "filled before the launch", m.row_mask[0])
+    for name in _written_reads(ops, [m.row_limit], written):
+        raise fail(WHAT, f"the row mask's count reads '{name}', which another part writes while the kernel "
+                   "runs; the kernel reads the count before the tile's waits, so it must come from a tensor "
+                   "filled before the launch", m.row_mask[0])
+
+
+def _written_reads(ops, values, written) -> list[str]:
+    """The tensors that computing ``values`` reads and that another part of the kernel writes."""
+    return [b.name for b in tensors_read(ops, [value_hook(ops, values)]) if b.name in written]
 
 
 def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:
@@ -186,11 +190,10 @@ def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:
         raise fail(WHAT, f"cluster {cluster}: B ('{m.b.name}') is written by another part of the kernel, so a CTA "
                    "cannot load its partner's half of B; use cluster (1, 1)", m.b_load)
     values = ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
-    for b in tensors_read(ops, [value_hook(ops, values)]):
-        if b.name in written:
-            raise fail(WHAT, f"cluster {cluster}: the tile guard or the expert reads '{b.name}', which another part "
-                       "writes while the kernel runs, so the CTAs of a cluster may disagree on it; use cluster (1, 1)",
-                       m.guard or m.b_load)
+    for name in _written_reads(ops, values, written):
+        raise fail(WHAT, f"cluster {cluster}: the tile guard or the expert reads '{name}', which another part "
+                   "writes while the kernel runs, so the CTAs of a cluster may disagree on it; use cluster (1, 1)",
+                   m.guard or m.b_load)
 
 
 def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int, int]:

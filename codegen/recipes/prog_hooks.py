@@ -93,12 +93,9 @@ class HookEmitter(SignalEmitter):
             body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
                                                   "the tile's stores before its notifies"))
         if self.lanes:
-            assert not self.is_root_kind(WAIT_OPS), "only notifies are spread over lanes"
+            assert not self.roots & WAIT_OPS, "only notifies are spread over lanes"
             return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)
         return hook_fn(f"void {name}(int pid0, int pid1)", body)
-
-    def is_root_kind(self, kinds) -> bool:
-        return bool(self.roots & kinds)
 
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
         if self.lanes and self.loop_depth == 0:     # (the step never carries iv past INT_MAX)

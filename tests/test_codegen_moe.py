@@ -106,6 +106,8 @@ def test_allgather_moe_lowering_contract():
     assert c.half_tiles and "int valid_rows(int pid0, int pid1)" in lw.source
     assert "kHalfTiles = true" in lw.source and "using GmmaHalf = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<" \
         in lw.source and "kRowLimit = true" in lw.source
+    # A gathered by the producer: the two consumer warpgroups share each tile (no ping-pong)
+    assert not c.pingpong and c.m_blocks == 1 and "kPingPong = false" in lw.source
     assert lw.buffers["x_gathered"] == ((1024, 512), "f16") and lw.buffers["tile_tokens"] == ((23, 2), "i32")
     b, cc = lw.tma
     # w1 [E, K, Nr] as a 3-d TMA tensor, one expert's (BK, BN) box at a time
@@ -149,6 +151,17 @@ def test_moe_reduce_scatter_gemm_contract():
                                           "tbl_tile_expert", "tbl_tile_valid_rows", "tbl_tile_num_token_tiles",
                                           "tbl_tile_token_tiles"]
     assert lw.config.half_tiles and "kRowLimit = true" in lw.source
+    # A by TMA and a 128 x 128 tile's accumulators fit one warpgroup: the two take whole tiles in turns
+    # (ping-pong), a half tile one m64 block of the tile's 64 x 128 WGMMA (no half-width atom); one
+    # deferred-notify ring per warpgroup
+    cfg = lw.config
+    assert cfg.pingpong and cfg.m_blocks == 2 and cfg.acc_per_thread == 128 and cfg.notify_slots == 4
+    assert "kPingPong = true" in lw.source and "GmmaHalf" not in lw.source
+    assert "using Gmma = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<" in lw.source
+    assert "ping-pong" in lw.describe()
+    # 128 x 256 tiles: each warpgroup on 64 rows of every tile (cooperative), two half-width atoms for half tiles
+    wide = lower_grouped_gemm(trace_rs(tile=(128, 256, 64), stages=3), "grouped_gemm").config
+    assert not wide.pingpong and wide.m_blocks == 1 and wide.notify_slots == 2 and wide.half_tiles
     a, b, c = lw.tma
     assert (a.buffer, a.global_dims, a.box_dims) == ("h", (384, 23 * 128), (64, 128))
     assert (b.buffer, b.global_dims, b.box_dims) == ("w2", (512, 384, 8), (64, 64, 1))
@@ -1089,6 +1102,8 @@ COMPILE_SCHEDULES = [
     dict(tile=(128, 256, 64), stages=4, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
     # 64-row tiles for small experts: the two consumer warpgroups split the columns (64x128 each)
     dict(tile=(64, 256, 64), stages=5, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
+    # 128 x 128 tiles: ping-pong consumers (each warpgroup on whole tiles, in turns), in pairs
+    dict(tile=(128, 128, 64), stages=6, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
 ]
 
 
@@ -1113,6 +1128,8 @@ def check_grouped_gemm_sass(ck, lw, gemm_waits=None):
     assert s["UTMALDG"] > 0 and s["UTMASTG"] > 0 and s["SYNCS"] > 0, s
     assert k.count("UTMALDG.3D") > 0                                  # the expert's weights: 3-d TMA
     assert k.count("USETMAXREG") in (0, 2)
+    # ping-pong: the consumer warpgroups hand each other the turn at the K loop (bar.arrive / bar.sync)
+    assert (k.count("BAR.ARV") > 0) == lw.config.pingpong, sorted(k.mnemonics)
     if lw.gather:
         assert k.count("LDGSTS.E.BYPASS.128") > 0, sorted(k.mnemonics)  # cp.async gather, 16 B, L2 only
         assert k.count("ARRIVES.LDGSTSBAR.64") > 0                     # cp.async.mbarrier.arrive

@@ -104,6 +104,8 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # 64-row tiles whose two consumer warpgroups split the columns (a partial last column tile, odd K)
     (2, 1000, 1032, 1400, 16, 4, "random", (64, 256, 64), 5, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
+    # 128 x 128 tiles run ping-pong (each consumer warpgroup on whole tiles, in turns): pairs, a deep pipeline
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
 ]
 
 
@@ -168,6 +170,8 @@ STAGED_FOLD_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dt
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
     (4, 256, 520, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
+    # 128 x 128 tiles run ping-pong (each consumer warpgroup on whole tiles, in turns): pairs, a deep pipeline
+    (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
 ]
 
 
@@ -249,6 +253,9 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # 64-row tiles, the columns split between the two consumer warpgroups
     (2, 1000, 1400, 1032, 16, 4, "random", (64, 256, 64), 5, "swizzled", "bfloat16", (2, 1)),
     (4, 256, 512, 384, 8, 2, "random", (64, 256, 64), 4, "row_major", "float16", (1, 1)),
+    # ping-pong 128 x 128 tiles (each consumer warpgroup on whole tiles, in turns), alone and in pairs
+    (2, 1000, 1400, 1032, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (1, 1)),
+    (3, 333, 704, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (2, 1)),
 ]
 
 

@@ -73,8 +73,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
+    # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
+    # measured 4-8 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
     cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
-                        notify_slots=NOTIFY_SLOTS)
+                        notify_slots=NOTIFY_SLOTS, pingpong=not m.gather)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
     if m.row_limit is not None and half_tiles_fit(cfg):
@@ -120,7 +122,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
 def half_tiles_fit(cfg: GemmConfig) -> bool:
     """Whether a tile of at most 64 valid rows (the rest stored as zeros) can run as a half tile: its
     64 rows on both consumer warpgroups, each a 64 x BN/2 WGMMA (a 128-row tile whose warpgroups split
-    rows; BN/2 a WGMMA width, a multiple of C's 64-row store chunks)."""
+    rows; BN/2 a WGMMA width, a multiple of C's 64-row store chunks) — or, ping-pong, on the one
+    warpgroup that owns the tile, one m64 block instead of two."""
+    if cfg.pingpong:
+        return cfg.BM == 128
     half = cfg.BN // 2
     return (cfg.BM == 128 and cfg.consumer_wgs == 2 and not cfg.split_n and cfg.BN % 16 == 0
             and half % cfg.EC == 0 and half % cfg.EB == 0)

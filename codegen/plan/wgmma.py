@@ -34,7 +34,8 @@ class GemmConfig:
     out_dtype: str
     split_n: bool = False           # BM 64: the consumer warpgroups split the tile's columns, not its rows
     notify_slots: int = 0           # full/empty mbarrier pairs of the grouped GEMM's deferred-notify ring
-    half_tiles: bool = False        # grouped GEMM: a tile of <= 64 valid rows runs as 64 rows, columns split
+    half_tiles: bool = False        # grouped GEMM: a tile of <= 64 valid rows runs as 64 rows
+    pingpong: bool = False          # grouped GEMM: each consumer warpgroup owns whole tiles, the two taking turns
 
     @property
     def threads(self) -> int:
@@ -68,7 +69,12 @@ class GemmConfig:
 
     @property
     def acc_per_thread(self) -> int:
-        return (1 if self.split_n else self.BM // (64 * self.consumer_wgs)) * self.wg_n // 2
+        return self.m_blocks * self.wg_n // 2
+
+    @property
+    def m_blocks(self) -> int:
+        """64-row blocks one consumer warpgroup computes of a tile."""
+        return 1 if self.split_n else self.BM // (64 * (1 if self.pingpong else self.consumer_wgs))
 
     @property
     def smem_bytes(self) -> int:
@@ -103,11 +109,15 @@ SPLIT_N_MIN_BN = 256
 
 def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: str, *, K: int, cluster=None,
                   loc=None, clusters_lowered=((1, 1), (2, 1)), split_n: bool = False,
-                  notify_slots: int = 0) -> GemmConfig:
+                  notify_slots: int = 0, pingpong: bool = False) -> GemmConfig:
     """The configuration of the schedule's tile for a K loop over ``K``, or a LoweringError from
     recipe ``what`` at ``loc``. ``split_n``: the recipe's template lets a 64-row tile's consumer
     warpgroups split its columns (taken from ``BN >=`` :data:`SPLIT_N_MIN_BN`); ``notify_slots``:
-    the mbarrier pairs of its deferred-notify ring, in shared memory after the stages'."""
+    the mbarrier pairs of its deferred-notify ring, in shared memory after the stages' (doubled
+    for ping-pong: one ring per consumer warpgroup); ``pingpong``: the recipe's template can run
+    its consumer warpgroups in turns on whole tiles — taken for 128-row tiles whose accumulators
+    fit one warpgroup (:data:`ACC_LIMIT`: 128 x 128), so that one warpgroup's epilogue overlaps the
+    other's K loop."""
     BM, BN, BK = sched.tile
     if sched.stages < 2 and K > BK:
         # the consumers release a stage only once the next K step's WGMMAs are issued (one batch
@@ -126,18 +136,20 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
         raise fail(what, f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
     split = split_n and BM == 64 and BN >= SPLIT_N_MIN_BN and BN % 128 == 0
     wgs = 2 if BM >= 128 or split else 1
+    pp = pingpong and BM == 128 and (BM // 64) * BN // 2 <= ACC_LIMIT
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
-               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split, notify_slots=notify_slots)
-    acc = BN // 4 if split else (BM // (64 * wgs)) * BN // 2
+               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split,
+               notify_slots=notify_slots * (2 if pp else 1), pingpong=pp)
+    acc = BN // 4 if split else (BM // (64 * (1 if pp else wgs))) * BN // 2
     if acc > ACC_LIMIT:
         raise fail(what, f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} "
                    "fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
     eb, ob = elem_bytes(in_dtype), elem_bytes(out_dtype)
     for bufs in (2, 1):
-        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob, notify_slots) <= SMEM_LIMIT:
+        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob, cfg["notify_slots"]) <= SMEM_LIMIT:
             break
     else:
-        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob, notify_slots)
+        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob, cfg["notify_slots"])
         raise fail(what, f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
                    f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
     regs = (40, 232) if wgs == 2 else (0, 0)

@@ -138,8 +138,9 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
                  f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
                  f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads)"
-                 f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}, smem {c.smem_bytes} B"
-                 f"{f'; tiles of <= 64 valid rows run as 64x{c.BN} (each warpgroup 64x{c.BN // 2})' if c.half_tiles else ''}",
+                 f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}"
+                 f"{', ping-pong: each on whole tiles, in turns' if c.pingpong else ''}, smem {c.smem_bytes} B"
+                 f"{'; tiles of <= 64 valid rows run as 64 rows' if c.half_tiles else ''}",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",
@@ -258,9 +259,12 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"  static constexpr int kM = {M}, kK = {K}, kGridM = {part.grid[0]}, kGridN = {part.grid[1]};"
         f"  // N = {N}, E = {E}",
         f"  static constexpr bool kHalfTiles = {'true' if cfg.half_tiles else 'false'};"
-        f"{'   // a tile of <= 64 valid rows: 64 rows, columns split' if cfg.half_tiles else ''}",
+        f"{'   // a tile of <= 64 valid rows: 64 rows' if cfg.half_tiles else ''}",
+        f"  static constexpr bool kPingPong = {'true' if cfg.pingpong else 'false'};"
+        f"{'   // each consumer warpgroup owns whole tiles, in turns' if cfg.pingpong else ''}",
         *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
-           "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles else []),
+           "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles and not cfg.pingpong
+          else []),
         "};",
         "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory, the gather's thread map); the template",

@@ -76,12 +76,23 @@ struct SplitN<C, cuda::std::void_t<decltype(C::kSplitN)>> {
   static constexpr bool value = C::kSplitN;
 };
 
+// Cfg::kPingPong, where the configuration defines it (the grouped GEMM's ping-pong consumers), else false.
+template <class C, class = void>
+struct PingPong {
+  static constexpr bool value = false;
+};
+template <class C>
+struct PingPong<C, cuda::std::void_t<decltype(C::kPingPong)>> {
+  static constexpr bool value = C::kPingPong;
+};
+
 // Everything derived from the generated configuration `Cfg`:
 //   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64x{kWgN}x16_F32xx_SS<K, MN>),
 //   Cfg::BM, BN, BK, kStages, kConsumerWGs, kEpiBuffers, kOrder, kGroupM, kWorldSize,
 //   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration), and optionally
 //   kSplitN: the consumer warpgroups split the tile's columns instead of its rows (BM = 64: a
-//   64-row tile keeps both warpgroups busy, each on 64 x BN/kConsumerWGs; A's stage is shared).
+//   64-row tile keeps both warpgroups busy, each on 64 x BN/kConsumerWGs; A's stage is shared), and
+//   kPingPong: each consumer warpgroup owns whole tiles, the two taking turns (sm90_grouped_gemm.hpp).
 template <class Cfg>
 struct GemmTraits {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
@@ -93,13 +104,16 @@ struct GemmTraits {
   static constexpr int kOutBytes = int(sizeof(typename Cfg::ElemC));
   static_assert(kElemBytes == 2, "the SM90 GEMM lowering supports 16-bit A/B (f16, bf16)");
   static constexpr bool kSplitN = SplitN<Cfg>::value;
-  static_assert(kSplitN ? (BM == 64 && BN % (64 * kConsumerWGs) == 0) : BM % (64 * kConsumerWGs) == 0,
+  static constexpr bool kPingPong = PingPong<Cfg>::value;
+  static_assert(!(kSplitN && kPingPong), "split N and ping-pong consumers exclude each other");
+  static constexpr int kWGsPerTile = kPingPong ? 1 : kConsumerWGs;   // consumer warpgroups on a tile (a stage's readers)
+  static_assert(kSplitN ? (BM == 64 && BN % (64 * kConsumerWGs) == 0) : BM % (64 * kWGsPerTile) == 0,
                 "BM must be a multiple of 64 per consumer warpgroup (split N: BM 64, BN a multiple of 64 per "
                 "consumer warpgroup)");
   static_assert(BK % 16 == 0 && BK <= 256, "BK must be a multiple of 16 (WGMMA K) and <= 256 (TMA box)");
   static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16 and <= 256 (WGMMA N)");
   static_assert(BM <= 256, "BM <= 256 (TMA box)");
-  static constexpr int MB = kSplitN ? 1 : BM / (64 * kConsumerWGs);   // m64 blocks per consumer warpgroup
+  static constexpr int MB = kSplitN ? 1 : BM / (64 * kWGsPerTile);    // m64 blocks per consumer warpgroup
   static constexpr int kWgN = kSplitN ? BN / kConsumerWGs : BN;        // tile columns per consumer warpgroup
   static constexpr int kAccPerBlock = kWgN / 2;                        // fp32 accumulators per thread per m64 block
 
@@ -213,10 +227,15 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // rows from stage_a0, B columns from stage_b0), kAcc fp32 accumulators each, one Gmma per block and
 // 16-wide K step; each stage released once the next stage's WGMMAs are issued (one batch stays in
 // flight). kCpAsyncA: A's stages are written by cp.async (a gathered A), fenced for the async proxy.
-template <class Tr, class Gmma, int kBlocks, int kAcc, bool kCpAsyncA>
+// `issued()` runs once the last stage's WGMMAs are issued, before waiting for them (ping-pong: the other
+// consumer warpgroup's turn, so that the tensor cores never run dry between two tiles).
+struct NothingIssued {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <class Tr, class Gmma, int kBlocks, int kAcc, bool kCpAsyncA, class Issued = NothingIssued>
 __device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerBlock], int& it, int k_tiles,
                                                uint64_t* full_bar, uint64_t* empty_bar, uint32_t stage_a0,
-                                               uint32_t stage_b0, int tid) {
+                                               uint32_t stage_b0, int tid, const Issued& issued = Issued{}) {
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   static_assert(kBlocks <= Tr::MB && kAcc <= Tr::kAccPerBlock, "the accumulators of a block fit its array");
   int prev_stage = -1;
@@ -251,6 +270,7 @@ __device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerB
     if (prev_stage >= 0) release_stage<Tr::kClusterM>(&empty_bar[prev_stage], tid);   // ... release it
     prev_stage = s;
   }
+  issued();
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int mb = 0; mb < kBlocks; ++mb)

@@ -20,7 +20,13 @@
 //    expert's weights, out-of-range experts/rows/cols read zero).
 //    Consumers: warpgroup w owns rows [w*BM/2, (w+1)*BM/2) of the tile, or, with Cfg::kSplitN
 //    (BM = 64: smaller tiles for small experts), columns [w*BN/2, (w+1)*BN/2) of all 64 rows —
-//    both read the stage's one A tile, each its half of B.
+//    both read the stage's one A tile, each its half of B. Ping-pong (Cfg::kPingPong: 128 x 128
+//    tiles, A by TMA): each warpgroup owns whole tiles, the CTA's tiles alternating between the
+//    two, and they take turns at the K loop (named barriers 6 + w): one hands the other its turn
+//    once its tile's WGMMAs are issued, then stores that tile while the other computes. (Measured
+//    on one H200 at 128 x 128, MoE+ReduceScatter's grouped GEMM: 10-16 % faster than both
+//    warpgroups sharing each tile on the small-expert rows, 5 % on Mixtral's; about the speed of
+//    the shared 128 x 256 tile. BENCHMARKS.md, twenty-eighth session.)
 //
 //    Stage ring (full/empty mbarriers, as in sm90_gemm.hpp). With a gathered A, the full
 //    barrier of a stage expects 1 + 128 arrivals: the TMA thread's arrive.expect_tx (B's
@@ -383,6 +389,12 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
   }
 }
 
+// Ping-pong: hand the other consumer warpgroup its turn at the K loop (its named barrier `id`).
+struct HandTurn {
+  uint32_t id;
+  __device__ __forceinline__ void operator()() const { cutlass::arch::NamedBarrier::arrive(256, id); }
+};
+
 // No side program: the producer warpgroup's spare warps idle.
 struct NoSide {
   static constexpr bool kEnabled = false;
@@ -475,13 +487,30 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   // without computing them (MoE experts whose last tile is at most half full: smaller M tiles, the
   // layout still in 128-row tiles)
   constexpr bool kHalf = Cfg::kHalfTiles;
-  static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::MB == 1 && Tr::kConsumerWGs == 2 &&
-                           (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0),
+  // Tr::kPingPong: each consumer warpgroup owns whole tiles — the CTA's tiles alternate between the two
+  // (the j-th one it works on is warpgroup j % 2's), and the two take turns at the K loop (named barriers
+  // kTurnBarrier + w): while one runs its tile's WGMMAs, the other stores its previous tile and runs its
+  // notifies, so the tensor cores do not wait for an epilogue (small K: a few K steps per tile)
+  constexpr bool kPP = Tr::kPingPong;
+  constexpr uint32_t kTurnBarrier = 6;     // 6, 7 (1, 2: the epilogues, 3-5 elsewhere)
+  static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::kConsumerWGs == 2 &&
+                           (kPP ? Tr::MB == 2
+                                : (Tr::MB == 1 && (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0))),
                 "half tiles: a row limit, 128-row tiles on two warpgroups, BN/2 whole C chunks and B chunks");
+  static_assert(!kPP || (Tr::kConsumerWGs == 2 && Tr::MB * Tr::kAccPerBlock <= 128),
+                "ping-pong: two consumer warpgroups, a whole tile's accumulators on each");
   constexpr bool kNotifierWarp = kDeferNotifies && !Side::kEnabled && !Cfg::kGather;
-  static_assert(!kNotifierWarp || Tr::kNotifySlots > 0, "the notifier warp needs the notify ring's barriers");
+  // the notify ring: one for both warpgroups, or (ping-pong) one per warpgroup, kRingSlots slots each
+  constexpr int kRingSlots = kPP ? Tr::kNotifySlots / 2 : Tr::kNotifySlots;
+  static_assert(!kNotifierWarp || (kRingSlots > 0 && (!kPP || Tr::kNotifySlots % 2 == 0)),
+                "the notifier warp needs the notify ring's barriers");
   uint64_t* notify_full = empty_bar + Tr::kStages;          // kNotifySlots each
   uint64_t* notify_empty = notify_full + Tr::kNotifySlots;
+  // whether the consumers have anything to do with tile p (both warpgroups and the notifier agree)
+  auto tile_store = [](const PairTile& p) { return p.valid && (p.active || Cfg::kStoreInactive); };
+  auto tile_notify = [](const PairTile& p) {
+    return p.valid && Prog::kHasNotifies && (p.active || !Prog::kNotifiesGuarded);
+  };
 
   if (threadIdx.x == 0) {
     if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
@@ -489,10 +518,10 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     cute::prefetch_tma_descriptor(tma_c);
     for (int s = 0; s < Tr::kStages; ++s) {
       FullBar::init(&full_bar[s], Tr::kFullArrivals);
-      EmptyBar::init(&empty_bar[s], Tr::kConsumerWGs * kCl);   // both CTAs' consumers release a stage
+      EmptyBar::init(&empty_bar[s], Tr::kWGsPerTile * kCl);    // both CTAs' consumers release a stage
     }
     for (int s = 0; s < Tr::kNotifySlots; ++s) {
-      EmptyBar::init(&notify_full[s], Tr::kConsumerWGs);       // every consumer warpgroup's stores are done
+      EmptyBar::init(&notify_full[s], Tr::kWGsPerTile);        // every consumer warpgroup's stores are done
       EmptyBar::init(&notify_empty[s], 1);                     // the notifier has run the slot's notifies
     }
   }
@@ -566,19 +595,23 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                                                            int(gridDim.x));
       } else if constexpr (kNotifierWarp) {
         if (warp == 1) {
-          // the notifier: the notifies of this CTA's tiles, in the consumers' order, each once both
-          // consumer warpgroups have arrived (their stores complete and fenced)
-          int j = 0;
+          // the notifier: the notifies of this CTA's tiles, in the consumers' order, each once the
+          // consumer warpgroups that stored it have arrived (their stores complete and fenced)
+          int seq = 0, handed0 = 0, handed1 = 0;   // tiles the consumers work on; tiles each ring carried
           for (int t = first_tile; t < num_tiles; t += tile_step) {
             const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
                                                      cl_rank);
-            if (!p.valid || !(p.active || !Prog::kNotifiesGuarded)) continue;   // the consumers' `notify`
-            const int s = j % Tr::kNotifySlots;
-            EmptyBar::wait(&notify_full[s], uint32_t(j / Tr::kNotifySlots) & 1u);
+            const bool notify = tile_notify(p);
+            if (!p.run && !tile_store(p) && !notify) continue;   // as the consumers skip it
+            const int ring = kPP ? (seq & 1) : 0;                  // ping-pong: the tile's warpgroup's ring
+            ++seq;
+            if (!notify) continue;
+            const int j = ring ? handed1++ : handed0++;
+            const int s = ring * kRingSlots + j % kRingSlots;
+            EmptyBar::wait(&notify_full[s], uint32_t(j / kRingSlots) & 1u);
             prog.notifies_lanes(p.m, p.n, int(threadIdx.x) % 32);   // the tile's adds spread over the warp
             __syncwarp();
             if (int(threadIdx.x) % 32 == 0) EmptyBar::arrive(&notify_empty[s]);
-            ++j;
           }
         }
       }
@@ -622,7 +655,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     const int tid = int(threadIdx.x) % 128;       // thread in the warpgroup
     const uint32_t bar_id = 1 + cw;               // named barrier of this warpgroup (0 = __syncthreads)
     // rows (split N: columns) of the tile this warpgroup owns: its A rows / B columns in a stage
-    const int wg_row = Tr::kSplitN ? 0 : cw * Tr::MB * 64, wg_col = Tr::kSplitN ? cw * Tr::kWgN : 0;
+    // (ping-pong: all of a tile's)
+    const int wg_row = (Tr::kSplitN || kPP) ? 0 : cw * Tr::MB * 64, wg_col = Tr::kSplitN ? cw * Tr::kWgN : 0;
     const uint32_t stage_a0 = smem_u32 + Tr::kOffA + wg_row * Tr::SA;
     const uint32_t stage_b0 = smem_u32 + Tr::kOffB + (wg_col / Tr::EB) * Tr::kChunkBytesB;
     const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
@@ -630,9 +664,15 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
     // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
-    // next tile's K loop is done), and how many tiles were handed to the notifier warp
+    // next tile's K loop is done), how many tiles were handed to the notifier warp (on this warpgroup's
+    // ring, ping-pong), and how many tiles the consumers worked on (ping-pong: tile j is warpgroup j % 2's)
     bool pending = false;
-    int pending_m = 0, pending_n = 0, handed = 0;
+    int pending_m = 0, pending_n = 0, handed = 0, seq = 0;
+    // ping-pong: the other warpgroup's turn, once a tile's WGMMAs are issued (or it has none); else nothing
+    const auto hand_turn = [&]() {
+      if constexpr (kPP) return HandTurn{kTurnBarrier + uint32_t(cw ^ 1)};
+      else return sm90::NothingIssued{};
+    }();
     auto run_notifies = [&]() {
       if constexpr (Prog::kHasNotifies) {
         if (!pending) return;
@@ -643,11 +683,13 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
         if constexpr (kNotifierWarp) {              // ... before the notifier releases them
           if (tid == 0) {
-            const int s = handed % Tr::kNotifySlots;
-            EmptyBar::wait(&notify_empty[s], (uint32_t(handed / Tr::kNotifySlots) & 1u) ^ 1u);
+            const int s = (kPP ? cw * kRingSlots : 0) + handed % kRingSlots;
+            EmptyBar::wait(&notify_empty[s], (uint32_t(handed / kRingSlots) & 1u) ^ 1u);
             EmptyBar::arrive(&notify_full[s]);
           }
           ++handed;
+        } else if constexpr (kPP) {                 // ... before this warpgroup's thread releases them
+          if (tid == 0) prog.notifies(pending_m, pending_n);
         } else {                                    // ... before one consumer thread releases them
           cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
           if (cw == 0 && tid == 0) prog.notifies(pending_m, pending_n);
@@ -661,6 +703,14 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       const bool store = p.valid && (p.active || Cfg::kStoreInactive);
       const bool notify = p.valid && Prog::kHasNotifies && (p.active || !Prog::kNotifiesGuarded);
       if (!p.run && !store && !notify) continue;
+      if constexpr (kPP) {
+        const int j = seq++;
+        if ((j & 1) != cw) {                      // the other warpgroup's tile: pass over its stages
+          if (p.run) it += k_tiles;
+          continue;
+        }
+        if (j > 0) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + cw);   // its K loop is issued
+      }
 #pragma unroll
       for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
@@ -676,16 +726,22 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         bool whole = true;
         if constexpr (kHalf) {
           if (half) {
-            // both warpgroups on the tile's first 64 rows, each on its half of the columns
-            sm90::consume_k_loop<Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4, Cfg::kGather>(
-                acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
-                smem_u32 + Tr::kOffB + (cw * (Tr::BN / 2) / Tr::EB) * Tr::kChunkBytesB, tid);
+            if constexpr (kPP) {
+              // the tile's first 64 rows: one m64 block instead of two
+              sm90::consume_k_loop<Tr, typename Cfg::Gmma, 1, Tr::kAccPerBlock, Cfg::kGather>(
+                  acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn);
+            } else {
+              // both warpgroups on the tile's first 64 rows, each on its half of the columns
+              sm90::consume_k_loop<Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4, Cfg::kGather>(
+                  acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
+                  smem_u32 + Tr::kOffB + (cw * (Tr::BN / 2) / Tr::EB) * Tr::kChunkBytesB, tid);
+            }
             whole = false;
           }
         }
         if (whole)
           sm90::consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, Cfg::kGather>(
-              acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid);
+              acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn);
       } else if (p.run) {
         // the partner's tile runs: take each (empty) stage and release it on both CTAs
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -693,12 +749,22 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           FullBar::wait(&full_bar[s], uint32_t(it / Tr::kStages) & 1u);
           sm90::release_stage<kCl>(&empty_bar[s], tid);
         }
+        hand_turn();
+      } else {
+        hand_turn();
       }
 
       if constexpr (kDeferNotifies) run_notifies();   // the previous tile's: its stores done by now
       if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
-        if (kHalf && half) {
+        if (kPP && kHalf && half) {
+          // the 64 computed rows, then 64 rows of zeros
+          const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN;
+          store_block<Cfg, Tr, Tr::kWgChunksC, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0, n0, 0,
+                                                      valid, tid, bar_id);
+          store_block<Cfg, Tr, Tr::kWgChunksC, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 64,
+                                                     0, tid, bar_id);
+        } else if (kHalf && half) {
           // this warpgroup's half of the columns: the 64 computed rows, then 64 rows of zeros
           constexpr int kHalfChunks = (Tr::BN / 2) / Tr::EC;
           const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN + cw * (Tr::BN / 2);
@@ -724,6 +790,11 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
     }
     run_notifies();                                 // the last tile's
+    if constexpr (kPP) {
+      // the turn handed over after the last tile's K loop, which no tile took: take it (its barrier's
+      // arrivals all matched before the CTA ends)
+      if (seq > 0 && (seq & 1) == cw) cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + cw);
+    }
     if (tid == 0) sm90::bulk_wait_all();
   }
   if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it

@@ -64,6 +64,18 @@ class GroupedGemmPlan:
     options: tuple[str, ...]                # NVRTC options
     side: object = None                     # CombinePlan of a row-gather part folded into the spare producer warps
 
+    @property
+    def notifier_warp(self) -> bool:
+        """Whether the template runs the tiles' notifies on the producer's warp 1 (``notifies_lanes``,
+        the consumers' deferred-notify ring) rather than on a consumer thread (``notifies``)."""
+        return uses_notifier_warp(self.match, self.waits, self.notifies, self.side)
+
+
+def uses_notifier_warp(m: GroupedGemmMatch, waits: int, notifies: int, side) -> bool:
+    """The template's ``kNotifierWarp``: a part that notifies and never waits (its notifies deferred to
+    the next tile's K loop), A by TMA and nothing folded in (the producer's warp 1 otherwise busy)."""
+    return bool(notifies) and not waits and side is None and not m.gather
+
 
 def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
                       wait_timeout_ns: int | None = None, entry: str | None = None,
@@ -73,10 +85,15 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     sched = kernel.compute_schedule or ComputeSchedule()
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
+    walk = list(part.walk())
+    waits = [op for op in walk if op.name in WAIT_OPS]
+    notifies = sum(op.name in NOTIFY_OPS for op in walk)
+    # the deferred-notify ring's barriers only where the notifier warp uses them
+    ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
     # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
     # measured 4-8 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
     cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
-                        notify_slots=NOTIFY_SLOTS, pingpong=not m.gather)
+                        notify_slots=ring, pingpong=not m.gather)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
     if m.row_limit is not None and half_tiles_fit(cfg):
@@ -110,12 +127,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     for b in tensors:
         params.append(tensor_param(b, written))
         buffers[b.name] = (tuple(b.type.shape), b.type.dtype.name)
-    walk = list(part.walk())
-    waits = [op for op in walk if op.name in WAIT_OPS]
     return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
                            int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
                            buffers, signals, tensors, written, len(waits),
-                           sum(op.name in NOTIFY_OPS for op in walk), tuple(sorted({scope_of(op) for op in waits})),
+                           notifies, tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns), side_plan)
 
 

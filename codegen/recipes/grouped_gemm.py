@@ -176,9 +176,12 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
         fns += hook_fn("int valid_rows(int pid0, int pid1)", L + [f"    return {n};"])
     # waits() and notifies(), with their guards and loops
     fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
-    fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
-    # ... and the notifies spread over the notifier warp's lanes (sm90_grouped_gemm.hpp)
-    fns += HookEmitter(plan, WHAT, NOTIFY_OPS, lanes=32).signal_fn("notifies_lanes")
+    # ... the notifies as one consumer thread runs them, or spread over the notifier warp's lanes
+    # (sm90_grouped_gemm.hpp): only the one the template calls
+    if plan.notifier_warp:
+        fns += HookEmitter(plan, WHAT, NOTIFY_OPS, lanes=32).signal_fn("notifies_lanes")
+    else:
+        fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
     sp = plan.side
     params, buffers = side_params(plan), dict(plan.buffers)
     signals = {s.name: s.type.slots for s in plan.signals}
@@ -260,6 +263,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"  // N = {N}, E = {E}",
         f"  static constexpr bool kHalfTiles = {'true' if cfg.half_tiles else 'false'};"
         f"{'   // a tile of <= 64 valid rows: 64 rows' if cfg.half_tiles else ''}",
+        f"  static constexpr bool kNotifierWarp = {'true' if plan.notifier_warp else 'false'};"
+        f"{'   // the notifies run on the producer warpgroup, warp 1' if plan.notifier_warp else ''}",
         f"  static constexpr bool kPingPong = {'true' if cfg.pingpong else 'false'};"
         f"{'   // each consumer warpgroup owns whole tiles, in turns' if cfg.pingpong else ''}",
         *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"

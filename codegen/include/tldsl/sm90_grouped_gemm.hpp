@@ -500,6 +500,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   static_assert(!kPP || (Tr::kConsumerWGs == 2 && Tr::MB * Tr::kAccPerBlock <= 128),
                 "ping-pong: two consumer warpgroups, a whole tile's accumulators on each");
   constexpr bool kNotifierWarp = kDeferNotifies && !Side::kEnabled && !Cfg::kGather;
+  static_assert(Cfg::kNotifierWarp == kNotifierWarp, "host/device notifier warp mismatch (which notify hook exists)");
   // the notify ring: one for both warpgroups, or (ping-pong) one per warpgroup, kRingSlots slots each
   constexpr int kRingSlots = kPP ? Tr::kNotifySlots / 2 : Tr::kNotifySlots;
   static_assert(!kNotifierWarp || (kRingSlots > 0 && (!kPP || Tr::kNotifySlots % 2 == 0)),

@@ -511,6 +511,27 @@ def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
     assert "lane" not in one and len(re.findall(r"for \(int i_\d+ = 0; ", one)) == 2
 
 
+
+@pytest.mark.parametrize("trace,tile,pingpong", [
+    (trace_rs, (128, 128, 64), True),           # A by TMA, 2 x 64 accumulators a thread on one warpgroup
+    (trace_rs, (128, 64, 64), True),
+    (trace_rs, (128, 256, 64), False),          # 2 x 128 would not fit one warpgroup: both share each tile
+    (trace_rs, (64, 256, 64), False),           # 64-row tiles: the two split the columns
+    (trace_ag, (128, 128, 64), False),          # A gathered by the producer: its cp.asyncs set the pace
+    (lambda **kw: trace_ag(stage_rows=True, **kw), (128, 128, 64), True),   # staged rows, read by TMA
+], ids=["rs-128x128", "rs-128x64", "rs-128x256", "rs-64x256", "ag-gathered-128x128", "ag-staged-128x128"])
+def test_ping_pong_where_a_whole_tile_fits_one_warpgroup_and_a_comes_by_tma(trace, tile, pingpong):
+    lw = lower_grouped_gemm(trace(tile=tile), "grouped_gemm")
+    c = lw.config
+    assert c.pingpong == pingpong and f"kPingPong = {'true' if pingpong else 'false'}" in lw.source
+    assert c.acc_per_thread <= 128 and ("ping-pong" in lw.describe()) == pingpong
+    # each warpgroup's m64 blocks of a tile: all of its rows ping-pong, its share of them otherwise
+    assert c.m_blocks == (tile[0] // 64 if pingpong else 1)
+    # one notify ring per warpgroup where the notifier warp runs (the RS GEMM notifies, never waits)
+    ring = 2 if lw.notifies and not lw.waits and not lw.gather else 0
+    assert c.notify_slots == ring * (2 if pingpong else 1)
+    assert f"static_assert(Tr::kSmemBytes == {c.smem_bytes}," in lw.source
+
 @pytest.mark.parametrize("variant,texts", [
     ("wait_after", ("'consumer_tile_wait' after the K loop",)),
     ("wait_outside", ("'consumer_tile_wait' outside the `tl.when` guard",)),

@@ -512,25 +512,28 @@ def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
 
 
 
-@pytest.mark.parametrize("trace,tile,pingpong", [
-    (trace_rs, (128, 128, 64), True),           # A by TMA, 2 x 64 accumulators a thread on one warpgroup
-    (trace_rs, (128, 64, 64), True),
-    (trace_rs, (128, 256, 64), False),          # 2 x 128 would not fit one warpgroup: both share each tile
-    (trace_rs, (64, 256, 64), False),           # 64-row tiles: the two split the columns
-    (trace_ag, (128, 128, 64), False),          # A gathered by the producer: its cp.asyncs set the pace
-    (lambda **kw: trace_ag(stage_rows=True, **kw), (128, 128, 64), True),   # staged rows, read by TMA
+@pytest.mark.parametrize("trace,tile,pingpong,ring,smem", [
+    # A by TMA, 2 x 64 accumulators a thread on one warpgroup; the notifier warp's two rings of two slots
+    (trace_rs, (128, 128, 64), True, 4, 164992),
+    (trace_rs, (128, 64, 64), False, 2, 132192),    # would fit one warpgroup, but only 128 x 128 is measured
+    (trace_rs, (128, 256, 64), False, 2, 181328),   # 2 x 128 would not fit one warpgroup: both share each tile
+    (trace_rs, (64, 256, 64), False, 2, 197728),    # 64-row tiles: the two split the columns
+    (trace_ag, (128, 128, 64), False, 0, 164928),   # A gathered by the producer: its cp.asyncs set the pace
+    (lambda **kw: trace_ag(stage_rows=True, **kw), (128, 128, 64), True, 0, 164928),   # staged rows, by TMA
 ], ids=["rs-128x128", "rs-128x64", "rs-128x256", "rs-64x256", "ag-gathered-128x128", "ag-staged-128x128"])
-def test_ping_pong_where_a_whole_tile_fits_one_warpgroup_and_a_comes_by_tma(trace, tile, pingpong):
-    lw = lower_grouped_gemm(trace(tile=tile), "grouped_gemm")
+def test_ping_pong_where_a_whole_tile_fits_one_warpgroup_and_a_comes_by_tma(trace, tile, pingpong, ring, smem):
+    stages = 3 if tile[:2] == (128, 256) else 4
+    lw = lower_grouped_gemm(trace(tile=tile, stages=stages), "grouped_gemm")
     c = lw.config
     assert c.pingpong == pingpong and f"kPingPong = {'true' if pingpong else 'false'}" in lw.source
     assert c.acc_per_thread <= 128 and ("ping-pong" in lw.describe()) == pingpong
     # each warpgroup's m64 blocks of a tile: all of its rows ping-pong, its share of them otherwise
     assert c.m_blocks == (tile[0] // 64 if pingpong else 1)
-    # one notify ring per warpgroup where the notifier warp runs (the RS GEMM notifies, never waits)
-    ring = 2 if lw.notifies and not lw.waits and not lw.gather else 0
-    assert c.notify_slots == ring * (2 if pingpong else 1)
-    assert f"static_assert(Tr::kSmemBytes == {c.smem_bytes}," in lw.source
+    # the notify ring's slots (one ring per warpgroup in ping-pong; none without the notifier warp:
+    # the AG GEMMs wait) and the shared memory the kernel asks for, in numbers (e.g. 128 x 128 x 64,
+    # 4 stages of 16 + 16 KiB, 2 x 2 epilogue buffers of 8 KiB, 8 stage and 8 ring barriers, 1 KiB of
+    # alignment slack: 131072 + 32768 + 64 + 64 + 1024)
+    assert c.notify_slots == ring and c.smem_bytes == smem
 
 @pytest.mark.parametrize("variant,texts", [
     ("wait_after", ("'consumer_tile_wait' after the K loop",)),

@@ -104,7 +104,7 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # 64-row tiles whose two consumer warpgroups split the columns (a partial last column tile, odd K)
     (2, 1000, 1032, 1400, 16, 4, "random", (64, 256, 64), 5, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
-    # 128 x 128 tiles run ping-pong (each consumer warpgroup on whole tiles, in turns): pairs, a deep pipeline
+    # 128 x 128 tiles in pairs, a deep pipeline (A gathered: the cooperative schedule, never ping-pong)
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
 ]
 
@@ -118,6 +118,7 @@ def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kin
     rt, _ = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 1000 + Ms)
     lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
     assert lw.cluster_dims == (cluster[0], 1, 1)
+    assert lw.gather and not lw.config.pingpong     # a gathered A: both warpgroups on every tile
     if lw.config.half_tiles:            # some tiles run as half tiles (<= 64 valid rows)
         assert ((rt.tile_valid_rows <= 64) & (rt.tile_expert >= 0)).any()
     kern = GroupedKernel(lw)
@@ -170,7 +171,7 @@ STAGED_FOLD_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dt
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
     (4, 256, 520, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (1, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
-    # 128 x 128 tiles run ping-pong (each consumer warpgroup on whole tiles, in turns): pairs, a deep pipeline
+    # 128 x 128 tiles of the staged rows (by TMA) run ping-pong beside the folded gather: pairs, 6 stages
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
 ]
 
@@ -193,6 +194,7 @@ def test_allgather_moe_row_gather_folded_into_the_grouped_gemm(W, Ms, K, Nr, E, 
                                comm=tl.CommSchedule(tile_m=64, mode="pull"))
     lw = lower_grouped_gemm(k, "grouped_gemm", cluster=cluster, side="gather_rows")
     assert lw.side == "gather_rows" and not lw.gather
+    assert lw.config.pingpong == (tile[:2] == (128, 128))     # the staged rows come by TMA
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K + 1)
     bufs["x_sorted"] = torch.empty((rt.num_rows, K), device="cuda", dtype=bufs["x_gathered"].dtype)
@@ -256,6 +258,8 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # ping-pong 128 x 128 tiles (each consumer warpgroup on whole tiles, in turns), alone and in pairs
     (2, 1000, 1400, 1032, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (1, 1)),
     (3, 333, 704, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (2, 1)),
+    # ... an odd number of tile rows (the last pair's partner past the grid) and several tiles per CTA
+    (3, 1000, 1400, 1032, 16, 4, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (2, 1)),
 ]
 
 
@@ -274,6 +278,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster, fold=fold)
     assert lg.cluster_dims == (cluster[0], 1, 1)
     assert (lg.side == "combine") == fold
+    assert lg.config.pingpong == (tile[:2] == (128, 128))     # A by TMA: 128 x 128 tiles run ping-pong
     gk = GroupedKernel(lg)
     ck = gk if fold else GroupedKernel(lc)
     g = torch.Generator(device="cuda").manual_seed(K + Nr)

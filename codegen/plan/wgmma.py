@@ -115,9 +115,9 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
     warpgroups split its columns (taken from ``BN >=`` :data:`SPLIT_N_MIN_BN`); ``notify_slots``:
     the mbarrier pairs of its deferred-notify ring, in shared memory after the stages' (doubled
     for ping-pong: one ring per consumer warpgroup); ``pingpong``: the recipe's template can run
-    its consumer warpgroups in turns on whole tiles — taken for 128-row tiles whose accumulators
-    fit one warpgroup (:data:`ACC_LIMIT`: 128 x 128), so that one warpgroup's epilogue overlaps the
-    other's K loop."""
+    its consumer warpgroups in turns on whole tiles — taken for 128 x 128 tiles (a whole tile's
+    accumulators fit one warpgroup, :data:`ACC_LIMIT`; the one shape measured so far), so that one
+    warpgroup's epilogue overlaps the other's K loop."""
     BM, BN, BK = sched.tile
     if sched.stages < 2 and K > BK:
         # the consumers release a stage only once the next K step's WGMMAs are issued (one batch
@@ -136,7 +136,7 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
         raise fail(what, f"cluster {cl}: this lowering supports {list(clusters_lowered)}", loc)
     split = split_n and BM == 64 and BN >= SPLIT_N_MIN_BN and BN % 128 == 0
     wgs = 2 if BM >= 128 or split else 1
-    pp = pingpong and BM == 128 and (BM // 64) * BN // 2 <= ACC_LIMIT
+    pp = pingpong and (BM, BN) == (128, 128)
     cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
                consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split,
                notify_slots=notify_slots * (2 if pp else 1), pingpong=pp)

@@ -47,17 +47,19 @@
 //    over the producer warpgroup orders every thread's cp.async after it (a CTA barrier
 //    after an acquire, as CUTLASS's generic barrier does); the TMA thread then issues
 //    fence.proxy.async.global before its TMA loads.
-//    Notifies: every consumer warpgroup waits for its TMA stores to complete
-//    (cp.async.bulk.wait_group 0) and fences the async proxy, all consumers meet at a named
-//    barrier, then one thread runs the notifies (one fence.acq_rel, then relaxed red.adds).
+//    Notifies: every consumer warpgroup that stored the tile waits for its TMA stores to
+//    complete (cp.async.bulk.wait_group 0) and fences the async proxy; then (cooperative) all
+//    consumers meet at a named barrier and one thread runs the notifies, or (ping-pong) the
+//    tile's warpgroup's thread 0 runs them (one fence.acq_rel, then relaxed red.adds).
 //    Deferred (kDeferNotifies: a part that notifies and never waits): a tile's notifies run
-//    once the *next* tile's K loop is done, when its stores have long completed, so the
-//    consumers never wait for a store's round trip; and with a TMA producer and no side program,
-//    warp 1 of the producer warpgroup runs them (kNotifierWarp): each consumer warpgroup's store
-//    thread, its stores complete and fenced, arrives on a ring slot (Tr::kNotifySlots full/empty
-//    mbarriers) the notifier waits on, so neither the fence.acq_rel nor the adds hold up a
-//    consumer; its 32 lanes share a tile's adds (Prog::notifies_lanes: each lane fences, then
-//    takes every 32nd iteration of the outermost notify loops). A part whose notifies all sit
+//    once its warpgroup's *next* tile's K loop is done (ping-pong: two of the CTA's tiles later),
+//    when its stores have long completed, so the consumers never wait for a store's round trip;
+//    and with a TMA producer and no side program, warp 1 of the producer warpgroup runs them
+//    (kNotifierWarp): each storing warpgroup's thread 0, its stores complete and fenced, arrives
+//    on a ring slot (Tr::kNotifySlots full/empty mbarriers: one ring, or one of kNotifySlots / 2
+//    per warpgroup in ping-pong) the notifier waits on, so neither the fence.acq_rel nor the
+//    adds hold up a consumer; its 32 lanes share a tile's adds (Prog::notifies_lanes: each lane
+//    fences, then takes every 32nd iteration of the outermost notify loops). A part whose notifies all sit
 //    inside its guard (Prog::kNotifiesGuarded) hands over only the tiles the guard lets through.
 //    Waiting parts notify at once: their next tile may wait on what this one releases.
 //    (Measured on one H200, MoE+ReduceScatter's grouped GEMM at Qwen3-30B's shape: 0.286 ms
@@ -389,6 +391,17 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
   }
 }
 
+// Whether the consumers store tile p, and whether they notify for it: the consumers and the notifier warp
+// skip the same tiles (ping-pong: the tile's warpgroup, and so its notify ring, is its index among them).
+template <class Cfg>
+__device__ __forceinline__ bool tile_stores(bool valid, bool active) {
+  return valid && (active || Cfg::kStoreInactive);
+}
+template <class Cfg, class Prog>
+__device__ __forceinline__ bool tile_notifies(bool valid, bool active) {
+  return valid && Prog::kHasNotifies && (active || !Prog::kNotifiesGuarded);
+}
+
 // Ping-pong: hand the other consumer warpgroup its turn at the K loop (its named barrier `id`).
 struct HandTurn {
   uint32_t id;
@@ -483,22 +496,28 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
   // Cfg::kHalfTiles: a tile whose program stores its rows from Prog::valid_rows() on as zeros, and which
   // has at most 64 valid rows, runs as a half tile — its 64 rows on both consumer warpgroups, each a
-  // 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's columns — and stores its other 64 rows as zeros
-  // without computing them (MoE experts whose last tile is at most half full: smaller M tiles, the
-  // layout still in 128-row tiles)
+  // 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's columns, or (ping-pong) on the tile's one
+  // warpgroup as one m64 block instead of two — and stores its other 64 rows as zeros without
+  // computing them (MoE experts whose last tile is at most half full: smaller M tiles, the layout
+  // still in 128-row tiles)
   constexpr bool kHalf = Cfg::kHalfTiles;
   // Tr::kPingPong: each consumer warpgroup owns whole tiles — the CTA's tiles alternate between the two
   // (the j-th one it works on is warpgroup j % 2's), and the two take turns at the K loop (named barriers
   // kTurnBarrier + w): while one runs its tile's WGMMAs, the other stores its previous tile and runs its
   // notifies, so the tensor cores do not wait for an epilogue (small K: a few K steps per tile)
   constexpr bool kPP = Tr::kPingPong;
-  constexpr uint32_t kTurnBarrier = 6;     // 6, 7 (1, 2: the epilogues, 3-5 elsewhere)
+  // named barrier ids as cutlass::arch::NamedBarrier's static calls take them (it adds the barriers it
+  // reserves): 6, 7 (1, 2: the epilogues, 3-5 elsewhere)
+  constexpr uint32_t kTurnBarrier = 6;
+  static_assert(kTurnBarrier + 1 + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
+                    cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers,
+                "the turn barriers must be hardware barriers");
   static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::kConsumerWGs == 2 &&
                            (kPP ? Tr::MB == 2
                                 : (Tr::MB == 1 && (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0))),
                 "half tiles: a row limit, 128-row tiles on two warpgroups, BN/2 whole C chunks and B chunks");
-  static_assert(!kPP || (Tr::kConsumerWGs == 2 && Tr::MB * Tr::kAccPerBlock <= 128),
-                "ping-pong: two consumer warpgroups, a whole tile's accumulators on each");
+  static_assert(!kPP || (Tr::kConsumerWGs == 2 && Tr::MB * Tr::kAccPerBlock <= 128 && !Cfg::kGather),
+                "ping-pong: two consumer warpgroups, a whole tile's accumulators on each, A by TMA");
   constexpr bool kNotifierWarp = kDeferNotifies && !Side::kEnabled && !Cfg::kGather;
   static_assert(Cfg::kNotifierWarp == kNotifierWarp, "host/device notifier warp mismatch (which notify hook exists)");
   // the notify ring: one for both warpgroups, or (ping-pong) one per warpgroup, kRingSlots slots each
@@ -507,11 +526,6 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                 "the notifier warp needs the notify ring's barriers");
   uint64_t* notify_full = empty_bar + Tr::kStages;          // kNotifySlots each
   uint64_t* notify_empty = notify_full + Tr::kNotifySlots;
-  // whether the consumers have anything to do with tile p (both warpgroups and the notifier agree)
-  auto tile_store = [](const PairTile& p) { return p.valid && (p.active || Cfg::kStoreInactive); };
-  auto tile_notify = [](const PairTile& p) {
-    return p.valid && Prog::kHasNotifies && (p.active || !Prog::kNotifiesGuarded);
-  };
 
   if (threadIdx.x == 0) {
     if constexpr (!Cfg::kGather) cute::prefetch_tma_descriptor(tma_a);
@@ -522,7 +536,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       EmptyBar::init(&empty_bar[s], Tr::kWGsPerTile * kCl);    // both CTAs' consumers release a stage
     }
     for (int s = 0; s < Tr::kNotifySlots; ++s) {
-      EmptyBar::init(&notify_full[s], Tr::kWGsPerTile);        // every consumer warpgroup's stores are done
+      EmptyBar::init(&notify_full[s], Tr::kWGsPerTile);        // the storing warpgroups' stores are done
       EmptyBar::init(&notify_empty[s], 1);                     // the notifier has run the slot's notifies
     }
   }
@@ -602,8 +616,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           for (int t = first_tile; t < num_tiles; t += tile_step) {
             const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
                                                      cl_rank);
-            const bool notify = tile_notify(p);
-            if (!p.run && !tile_store(p) && !notify) continue;   // as the consumers skip it
+            const bool notify = tile_notifies<Cfg, Prog>(p.valid, p.active);
+            if (!p.run && !tile_stores<Cfg>(p.valid, p.active) && !notify) continue;   // as the consumers skip it
             const int ring = kPP ? (seq & 1) : 0;                  // ping-pong: the tile's warpgroup's ring
             ++seq;
             if (!notify) continue;
@@ -701,6 +715,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     for (int t = first_tile; t < num_tiles; t += tile_step) {
       const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
                                                cl_rank);
+      // tile_stores / tile_notifies, written out: calling them here changes NVRTC's code for the folded
+      // kernels (the SASS the GPU measurements ran, BENCHMARKS.md, twenty-eighth session)
       const bool store = p.valid && (p.active || Cfg::kStoreInactive);
       const bool notify = p.valid && Prog::kHasNotifies && (p.active || !Prog::kNotifiesGuarded);
       if (!p.run && !store && !notify) continue;

@@ -265,8 +265,6 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"{'   // a tile of <= 64 valid rows: 64 rows' if cfg.half_tiles else ''}",
         f"  static constexpr bool kNotifierWarp = {'true' if plan.notifier_warp else 'false'};"
         f"{'   // the notifies run on the producer warpgroup, warp 1' if plan.notifier_warp else ''}",
-        f"  static constexpr bool kPingPong = {'true' if cfg.pingpong else 'false'};"
-        f"{'   // each consumer warpgroup owns whole tiles, in turns' if cfg.pingpong else ''}",
         *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
            "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles and not cfg.pingpong
           else []),

@@ -23,5 +23,8 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
         f"  static constexpr int kClusterM = {cfg.cluster[0]};",
         f"  static constexpr int kNotifySlots = {cfg.notify_slots};",
-    ] + (["  static constexpr bool kSplitN = true;   // the consumer warpgroups split the tile's columns"]
-         if cfg.split_n else [])
+        f"  static constexpr bool kSplitN = {'true' if cfg.split_n else 'false'};"
+        f"{'   // the consumer warpgroups split the columns of a tile' if cfg.split_n else ''}",
+        f"  static constexpr bool kPingPong = {'true' if cfg.pingpong else 'false'};"
+        f"{'   // each consumer warpgroup owns whole tiles, in turns' if cfg.pingpong else ''}",
+    ]

@@ -66,33 +66,13 @@ __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// Cfg::kSplitN, where the configuration defines it (the grouped GEMM's 64-row tiles), else false.
-template <class C, class = void>
-struct SplitN {
-  static constexpr bool value = false;
-};
-template <class C>
-struct SplitN<C, cuda::std::void_t<decltype(C::kSplitN)>> {
-  static constexpr bool value = C::kSplitN;
-};
-
-// Cfg::kPingPong, where the configuration defines it (the grouped GEMM's ping-pong consumers), else false.
-template <class C, class = void>
-struct PingPong {
-  static constexpr bool value = false;
-};
-template <class C>
-struct PingPong<C, cuda::std::void_t<decltype(C::kPingPong)>> {
-  static constexpr bool value = C::kPingPong;
-};
-
 // Everything derived from the generated configuration `Cfg`:
 //   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64x{kWgN}x16_F32xx_SS<K, MN>),
 //   Cfg::BM, BN, BK, kStages, kConsumerWGs, kEpiBuffers, kOrder, kGroupM, kWorldSize,
-//   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration), and optionally
-//   kSplitN: the consumer warpgroups split the tile's columns instead of its rows (BM = 64: a
-//   64-row tile keeps both warpgroups busy, each on 64 x BN/kConsumerWGs; A's stage is shared), and
-//   kPingPong: each consumer warpgroup owns whole tiles, the two taking turns (sm90_grouped_gemm.hpp).
+//   kAlignShift, kProducerRegs, kConsumerRegs (0 = no register reconfiguration), kSplitN: the
+//   consumer warpgroups split the tile's columns instead of its rows (BM = 64: a 64-row tile keeps
+//   both warpgroups busy, each on 64 x BN/kConsumerWGs; A's stage is shared), and kPingPong: each
+//   consumer warpgroup owns whole tiles, the two taking turns (sm90_grouped_gemm.hpp).
 template <class Cfg>
 struct GemmTraits {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
@@ -103,8 +83,8 @@ struct GemmTraits {
   static constexpr int kElemBytes = int(sizeof(typename Cfg::ElemAB));
   static constexpr int kOutBytes = int(sizeof(typename Cfg::ElemC));
   static_assert(kElemBytes == 2, "the SM90 GEMM lowering supports 16-bit A/B (f16, bf16)");
-  static constexpr bool kSplitN = SplitN<Cfg>::value;
-  static constexpr bool kPingPong = PingPong<Cfg>::value;
+  static constexpr bool kSplitN = Cfg::kSplitN;
+  static constexpr bool kPingPong = Cfg::kPingPong;
   static_assert(!(kSplitN && kPingPong), "split N and ping-pong consumers exclude each other");
   static constexpr int kWGsPerTile = kPingPong ? 1 : kConsumerWGs;   // consumer warpgroups on a tile (a stage's readers)
   static_assert(kSplitN ? (BM == 64 && BN % (64 * kConsumerWGs) == 0) : BM % (64 * kWGsPerTile) == 0,

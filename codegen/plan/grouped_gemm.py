@@ -91,7 +91,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     # the deferred-notify ring's barriers only where the notifier warp uses them
     ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
     # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
-    # measured 4-8 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
+    # measured 3-7 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
     cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
                         notify_slots=ring, pingpong=not m.gather)
     if m.gather and cfg.consumer_wgs == 2:

@@ -132,16 +132,21 @@ def test_gemm_reduce_scatter_at_two_ranks():
 
 
 @pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "allgather_moe_staged", "moe_reduce_scatter",
-                                  "ring_exchange", "normed_gather"])
+                                  "moe_reduce_scatter_pingpong", "moe_reduce_scatter_pingpong_many", "ring_exchange",
+                                  "normed_gather"])
 def test_library_ops_and_general_programs_at_several_ranks(name):
     """Attention, the MoE grouped GEMM and combine, compute parts of the general recipe moving
     data through peer tables, a communication part of the general recipe."""
     from test_run_fake_device import library_case
     fn, W, inputs, kw = library_case(name)
-    both(fn, W, inputs, sums=True, **kw)
+    got = both(fn, W, inputs, sums=True, **kw)
+    assert all(x.lowered.config.pingpong == ("_pingpong" in name) for x in got.plan.kernels
+               if type(x.lowered).__name__ == "LoweredGroupedGemm")
 
 
-@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("allgather_moe_staged", "gather_rows")])
+@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_pingpong", "combine"),
+                                       ("moe_reduce_scatter_pingpong_many", "combine"),
+                                       ("allgather_moe_staged", "gather_rows")])
 def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):
     """``chain="folded"``: each rank's combine (MoE+ReduceScatter) or row gather (AllGather+MoE,
     rows staged) runs on its grouped GEMM kernel's spare producer warps (no launch of its own),
@@ -152,6 +157,8 @@ def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):
     kinds = sorted((x.rank, type(x.lowered).__name__) for x in got.plan.kernels)
     assert kinds == [(r, k) for r in range(W) for k in ("LoweredComm", "LoweredGroupedGemm")]
     assert all(x.lowered.side == side for x in got.plan.kernels if x.part == "grouped_gemm")
+    assert all(x.lowered.config.pingpong == ("_pingpong" in name) for x in got.plan.kernels
+               if x.part == "grouped_gemm")
 
 
 def test_a_wait_nothing_satisfies_is_reported_as_a_hang():

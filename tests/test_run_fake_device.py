@@ -391,6 +391,15 @@ def library_case(name: str):
         c = make_reduce_scatter_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
                                      comm=tl.CommSchedule(tile_m=16, mode="push"))
         return moe_reduce_scatter, 2, c.inputs, c.kwargs
+    if name.startswith("moe_reduce_scatter_pingpong"):
+        # 128 x 128 tiles: the GEMM's consumer warpgroups take tiles in turns. Small: fewer tiles than a
+        # GPU has SMs (one a CTA: the turn handed over and taken back at the end); "_many": 36 x 9 tiles,
+        # so each CTA's warpgroups alternate (a partial last column tile and K step in both)
+        rows, k, n = (1024, 1032, 264) if name.endswith("_many") else (100, 136, 72)
+        c = make_reduce_scatter_case(rng, 2, rows_per_rank=rows, k=k, n=n, num_experts=5, topk=2,
+                                     compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=4, order="swizzled"),
+                                     comm=tl.CommSchedule(tile_m=64, mode="push"))
+        return moe_reduce_scatter, 2, c.inputs, c.kwargs
     if name == "ring_exchange":
         inputs = [{n: rng.standard_normal((20, 24)).astype(np.float32) for n in "xywz"} for _ in range(3)]
         return ring_exchange, 3, inputs, {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}
@@ -403,6 +412,7 @@ def library_case(name: str):
 LIBRARY = {"sp_attention": ["LoweredComm", "LoweredAttention"], "allgather_moe": ["LoweredComm", "LoweredGroupedGemm"],
            "allgather_moe_staged": ["LoweredComm", "LoweredCombine", "LoweredGroupedGemm"],
            "moe_reduce_scatter": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
+           "moe_reduce_scatter_pingpong": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"]}
 
 
@@ -412,9 +422,12 @@ def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(na
     res, dev = agrees(fn, W, inputs, **kw)
     assert sorted({type(x.lowered).__name__ for x in res.plan.kernels}) == sorted(LIBRARY[name])
     assert {r for r, _, _, _ in dev.launched} == set(range(W))
+    gemms = [x.lowered for x in res.plan.kernels if type(x.lowered).__name__ == "LoweredGroupedGemm"]
+    assert all(g.config.pingpong == name.endswith("_pingpong") for g in gemms)
 
 
-@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("allgather_moe_staged", "gather_rows")])
+@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_pingpong", "combine"),
+                                       ("allgather_moe_staged", "gather_rows")])
 def test_a_row_gather_part_folded_into_its_grouped_gemms_kernel_on_the_fake_device(name, side):
     """``chain="folded"`` at two ranks: MoE+ReduceScatter with each rank's combine run inside its
     grouped GEMM's kernel, AllGather+MoE with each rank's row gather run inside the GEMM it feeds —
@@ -428,6 +441,8 @@ def test_a_row_gather_part_folded_into_its_grouped_gemms_kernel_on_the_fake_devi
     kinds = sorted((x.rank, type(x.lowered).__name__) for x in got.plan.kernels)
     assert kinds == [(r, k) for r in range(W) for k in ("LoweredComm", "LoweredGroupedGemm")]
     assert all(x.lowered.side == side for x in got.plan.kernels if x.part == "grouped_gemm")
+    assert all(x.lowered.config.pingpong == name.endswith("_pingpong") for x in got.plan.kernels
+               if x.part == "grouped_gemm")
     assert_agrees(got.outputs, want.outputs, want.kernel, True)
 
 

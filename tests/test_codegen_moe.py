@@ -501,7 +501,8 @@ def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
     """The notifier warp's copy of the hook spreads only the outermost loop's iterations over its 32
     lanes; inner loops and conditions run whole in each lane, and no add is lane 0's alone."""
     lw = lower_grouped_gemm(_trace_gathered("nested_notify"), "gg")
-    lanes = "\n".join(_lanes_hook(_trace_gathered("nested_notify")))
+    # (the code without its `// tldsl: file:line` markers, whose paths may hold any digits)
+    lanes = re.sub(r"//[^\n]*", "", "\n".join(_lanes_hook(_trace_gathered("nested_notify"))))
     loops = re.findall(r"for \(int (i_\d+) = ([^;]*);", lanes)
     assert [start for _, start in loops] == ["0 + lane * 1", "0"]          # outer spread, inner whole
     assert "32 * 1" in lanes.split(loops[1][0])[0] and "32" not in lanes.split(f"for (int {loops[1][0]}")[1]

@@ -3,7 +3,7 @@ configuration and every number the host and the C++ template must agree on (shar
 registers, epilogue buffers), chosen from the compute schedule within sm_90's limits."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...ir import core
 from ...ir.schedule import ComputeSchedule
@@ -137,23 +137,21 @@ def choose_config(what: str, sched: ComputeSchedule, in_dtype: str, out_dtype: s
     split = split_n and BM == 64 and BN >= SPLIT_N_MIN_BN and BN % 128 == 0
     wgs = 2 if BM >= 128 or split else 1
     pp = pingpong and (BM, BN) == (128, 128)
-    cfg = dict(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
-               consumer_wgs=wgs, in_dtype=in_dtype, out_dtype=out_dtype, split_n=split,
-               notify_slots=notify_slots * (2 if pp else 1), pingpong=pp)
-    acc = BN // 4 if split else (BM // (64 * (1 if pp else wgs))) * BN // 2
-    if acc > ACC_LIMIT:
-        raise fail(what, f"tile {sched.tile} needs {acc} fp32 accumulators per consumer thread; at most {ACC_LIMIT} "
-                   "fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
-    eb, ob = elem_bytes(in_dtype), elem_bytes(out_dtype)
-    for bufs in (2, 1):
-        if _smem_bytes(BM, BN, BK, sched.stages, wgs, bufs, eb, ob, cfg["notify_slots"]) <= SMEM_LIMIT:
-            break
-    else:
-        need = _smem_bytes(BM, BN, BK, sched.stages, wgs, 1, eb, ob, cfg["notify_slots"])
-        raise fail(what, f"tile {sched.tile} with {sched.stages} stages needs {need} bytes of shared memory, more than "
-                   f"the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the tile", loc)
     regs = (40, 232) if wgs == 2 else (0, 0)
-    return GemmConfig(**cfg, epi_buffers=bufs, producer_regs=regs[0], consumer_regs=regs[1])
+    cfg = GemmConfig(BM=BM, BN=BN, BK=BK, stages=sched.stages, order=sched.order, group_m=sched.group_m, cluster=cl,
+                     consumer_wgs=wgs, epi_buffers=2, producer_regs=regs[0], consumer_regs=regs[1],
+                     in_dtype=in_dtype, out_dtype=out_dtype, split_n=split,
+                     notify_slots=notify_slots * (2 if pp else 1), pingpong=pp)
+    if cfg.acc_per_thread > ACC_LIMIT:
+        raise fail(what, f"tile {sched.tile} needs {cfg.acc_per_thread} fp32 accumulators per consumer thread; at "
+                   f"most {ACC_LIMIT} fit the register file with two consumer warpgroups (use BM*BN <= 128*256)", loc)
+    # two epilogue buffers per consumer warpgroup where they fit, else one
+    for bufs in (2, 1):
+        if replace(cfg, epi_buffers=bufs).smem_bytes <= SMEM_LIMIT:
+            return replace(cfg, epi_buffers=bufs)
+    raise fail(what, f"tile {sched.tile} with {sched.stages} stages needs {replace(cfg, epi_buffers=1).smem_bytes} "
+               f"bytes of shared memory, more than the {SMEM_LIMIT} an sm_90 block may use: lower `stages` or the "
+               "tile", loc)
 
 
 #: the output dtypes both WGMMA epilogues store

@@ -139,8 +139,8 @@ def half_tiles_fit(cfg: GemmConfig) -> bool:
     64 rows on both consumer warpgroups, each a 64 x BN/2 WGMMA (a 128-row tile whose warpgroups split
     rows; BN/2 a WGMMA width, a multiple of C's 64-row store chunks) — or, ping-pong, on the one
     warpgroup that owns the tile, one m64 block instead of two."""
-    if cfg.pingpong:
-        return cfg.BM == 128
+    if cfg.pingpong:            # (128 x 128 tiles only: the m64 block is the tile's own WGMMA)
+        return True
     half = cfg.BN // 2
     return (cfg.BM == 128 and cfg.consumer_wgs == 2 and not cfg.split_n and cfg.BN % 16 == 0
             and half % cfg.EC == 0 and half % cfg.EB == 0)

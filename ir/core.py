@@ -134,6 +134,9 @@ class Kernel:
     mappings: list[Any] = field(default_factory=list)
     constexprs: dict[str, Any] = field(default_factory=dict)
     loc: Location | None = None
+    #: signals dropped for lowering because their waiters run after their notifier on one stream
+    #: (:mod:`.drop_signals`): such a kernel's parts must never run beside each other
+    stream_ordered: frozenset = frozenset()
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:

@@ -6,11 +6,34 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 import pytest
 
+import tldsl as tl
 from tldsl.bench import attention as ba
 
+
+def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int,
+                  group_m: int = 8):
+    """MoE+ReduceScatter's grouped GEMM part written without notifies, lowered as the program's is."""
+    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.ops.moe import expert_rows_tile
+
+    @tl.kernel
+    def grouped_gemm_only(h, w2, tile_expert, tile_valid_rows, y, *, compute: tl.ComputeSchedule = None):
+        BM, BN, _ = compute.tile
+        tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert,
+                                  valid_rows=tile_valid_rows)
+
+        @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(w2.shape[2], BN)))
+        def grouped_gemm(i, pn):
+            with tl.when(tiles["expert", i] >= 0):
+                tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, tiles, i, pn, compute.tile))
+    S, dt = tl.TensorSpec, getattr(tl, dtype)
+    k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
+                                S.of(rt.tile_valid_rows), S((rt.num_rows, N), dt),
+                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
+                                                           group_m=group_m))
+    return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
 
 def test_the_default_rows_are_the_issues_grid():
     a = ba.parse_args([])
@@ -86,11 +109,15 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     assert none is None and lf.side == "combine" and lf.config.group_m >= lf.grid_tiles[0]
     assert lf.cluster_dims == (1, 1, 1)                                # folded as tl.run folds: no clusters
     assert moe.lowered_rs_row(rs_row, fold=True, group_m=16)[3].config.group_m == 16
-    # rs: the grouped GEMM without its notifies, timed beside the program's: the same kernel but them
-    _, _, rt, lg, _ = moe.lowered_rs_row(rs_row)
+    # rs: the grouped GEMM as tl.run lowers it (after its signal to the combine is dropped) is the kernel
+    # of the part traced without notifies; the one as written, timed beside it, is that kernel but them
+    _, _, rt, lg, _ = moe.lowered_rs_row(rs_row, notifies=True)
+    _, _, _, as_run, combine = moe.lowered_rs_row(rs_row)
     hidden, ffn, E, _ = moe.MOE_MODELS["qwen3"]
-    plain = moe.plain_rs_gemm(rt, 2048, ffn // moe.TP, hidden, E, (128, 256, 64), 4, "bfloat16", 2)
-    assert (lg.notifies, plain.notifies, plain.waits) == (1, 0, 0)
+    plain = plain_rs_gemm(rt, 2048, ffn // moe.TP, hidden, E, (128, 256, 64), 4, "bfloat16", 2)
+    assert (lg.notifies, plain.notifies, plain.waits, as_run.notifies, combine.waits) == (1, 0, 0, 0, 0)
+    assert (as_run.config, as_run.grid_tiles, as_run.cluster_dims, as_run.source.count("\n")) == (
+        plain.config, plain.grid_tiles, plain.cluster_dims, plain.source.count("\n"))
     # the same configuration but for the notify ring's barriers, which a GEMM that never notifies has none of
     assert plain.config.notify_slots == 0 and lg.config.notify_slots > 0
     assert (dataclasses.replace(plain.config, notify_slots=lg.config.notify_slots), plain.grid_tiles,

@@ -185,8 +185,10 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
                 tl.store(x, (t * 8,), tl.load(y, (t * 8,), (8,)) * 2.0)
 
         try:
+            # its signal kept (lowered "beside"): lowered for "after", 'consume' would run after 'produce'
+            # with the signal between them dropped, and nothing would be left to wait for
             tl.run(short_of_notifies, 1, [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}],
-                   options={"static_checks": False}, timeout_s=2)
+                   options={"static_checks": False}, timeout_s=2, lowering={"chain": "beside"})
             print("RETURNED: no hang was reported", flush=True)
         except GpuHangError as e:
             print("HANG REPORTED:", str(e).splitlines()[0], flush=True)

@@ -249,19 +249,20 @@ class FakeDevice:
                 starved, rounds = None, 0        # only the starved stream can move: let it
 
 
-def run_fake(fn, W, inputs, seed=0, **kw):
+def run_fake(fn, W, inputs, seed=0, lowering=None, **kw):
     """tl.run's own path (its checks and trace, then run_program) on the fake device."""
     from tldsl.run import trace_for_run
     options = kw.pop("options", None)
     ir, per_rank, opts = trace_for_run(fn, W, inputs, seed, options, kw)
     device = FakeDevice(seed)
-    res = rp.run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=2.0, device=device)
+    res = rp.run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=2.0, device=device,
+                         lowering=lowering)
     return res, device
 
 
-def agrees(fn, W, inputs, sums=True, seed=0, **kw):
+def agrees(fn, W, inputs, sums=True, seed=0, lowering=None, **kw):
     want = tl.simulate(fn, W, inputs, **kw)
-    got, device = run_fake(fn, W, inputs, seed=seed, **kw)
+    got, device = run_fake(fn, W, inputs, seed=seed, lowering=lowering, **kw)
     assert_agrees(got.outputs, want.outputs, want.kernel, sums)
     return got, device
 
@@ -339,8 +340,42 @@ def short_of_notifies(x, y):
 def test_a_launch_that_never_finishes_is_reported_with_the_counters(monkeypatch):
     monkeypatch.setattr(rp, "HOST_SLACK_S", 0.0)
     inputs = [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}]
+    # lowered with its signal kept ("beside"): lowered for "after", 'consume' runs after 'produce' with the
+    # signal between them dropped, and nothing is left to wait for
     with pytest.raises(GpuHangError, match=r"launch 1 did not finish(.|\n)*rank 0 ready=\[1, 1, 1, 1\]"):
-        run_fake(short_of_notifies, 1, inputs, options={"static_checks": False})
+        run_fake(short_of_notifies, 1, inputs, lowering={"chain": "beside"}, options={"static_checks": False})
+
+
+@tl.kernel
+def doubled_after(x, y, z):
+    ready = tl.signal("ready", 4)
+
+    @tl.compute_part(grid=(4,))
+    def produce(t):
+        tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)) + 1.0)
+        tl.producer_tile_notify(ready, t)
+
+    @tl.compute_part(grid=(4,))
+    def consume(t):
+        tl.consumer_tile_wait(ready, (t + 1) % 4)           # another task's tile: the wait matters beside
+        tl.store(z, (t * 8,), tl.load(y, (((t + 1) % 4) * 8,), (8,)) * 2.0)
+
+
+def test_a_part_chained_after_its_producer_drops_the_signal_between_them():
+    """chain="after" (tl.run's default): 'consume' waits only on what 'produce' alone notifies, so it
+    runs after it on its stream, and the signal between them is dropped before lowering: no notify
+    in 'produce', no wait in 'consume', the same result as the simulator's."""
+    rng = np.random.default_rng(3)
+    inputs = [{"x": rng.standard_normal(32).astype(np.float32), "y": np.full(32, np.nan, np.float32),
+               "z": np.full(32, np.nan, np.float32)}]
+    res, _ = agrees(doubled_after, 1, inputs)
+    got = {k.part: k for k in res.plan.kernels}
+    assert got["consume"].after == "produce"
+    assert (got["produce"].lowered.notifies, got["consume"].lowered.waits) == (0, 0)
+    assert "ready" not in got["produce"].lowered.source and "ready" not in got["consume"].lowered.source
+    beside, _ = agrees(doubled_after, 1, inputs, lowering={"chain": "beside"})
+    kept = {k.part: k.lowered for k in beside.plan.kernels}
+    assert (kept["produce"].notifies, kept["consume"].waits) == (1, 1)
 
 
 class _FaultingDevice(FakeDevice):

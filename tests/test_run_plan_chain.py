@@ -67,7 +67,7 @@ def test_a_chained_part_gets_its_producers_grant_not_its_producers_grid():
 
 def test_beside_keeps_the_shared_layout():
     k = moe_rs_program()
-    plan = plan_run(k, lower_for_run(k), sm_count=H200_SMS, chain="beside")
+    plan = plan_run(k, lower_for_run(k, chain="beside"), sm_count=H200_SMS, chain="beside")
     assert {x.part: (x.ctas, x.after) for x in plan.kernels} == {
         "reduce_scatter": (1, None), "grouped_gemm": (123, None), "combine": (8, None)}
     assert plan.streams == 3 and plan.resident_ctas == 132

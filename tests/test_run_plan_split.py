@@ -147,7 +147,7 @@ def test_every_split_stays_within_the_sms_and_each_kernels_bounds():
 
 def test_moe_reduce_scatter_gives_its_grouped_gemm_the_sms_the_combine_does_not_need():
     k = moe_rs_program()
-    lowered = lower_for_run(k)
+    lowered = lower_for_run(k, chain="beside")
     even, work = (plan_run(k, lowered, sm_count=H200_SMS, split=s, chain="beside") for s in ("even", "work"))
     # beside its GEMM (the layout before chained parts ran after their producer): evenly, the
     # combine (no dot; it runs behind the GEMM's tiles) took half of the SMs

@@ -45,3 +45,21 @@ def at_once_needed(part: core.Part) -> int:
     if not self_signals(part):
         return 0
     return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
+
+
+def stream_ordered_signals(kernel: core.Kernel, chained: dict[str, str]) -> frozenset:
+    """The signals whose every wait is satisfied by the stream's order once the ``chained`` parts
+    (``{part: producer}``, :func:`chained_parts`) run after their producers: those their producer
+    alone notifies and only parts chained after it wait on. Their notifies and waits can go
+    (:func:`tldsl.ir.drop_signals.without_signals`)."""
+    by_signal = notifiers(kernel)
+    waiters: dict[str, set[str]] = {}
+    for p in kernel.parts:
+        for s in waited_signals(p):
+            waiters.setdefault(s.name, set()).add(p.name)
+    out = set()
+    for part, producer in chained.items():
+        for s in waited_signals(kernel.part(part)):
+            if by_signal.get(s.name) == {producer} and all(chained.get(w) == producer for w in waiters[s.name]):
+                out.add(s.name)
+    return frozenset(out)

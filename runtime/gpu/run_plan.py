@@ -26,6 +26,9 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   the GEMM's last wave — and beside it held SMs the GEMM needed. Measured on one H200 with the
   MoE ops' defaults (BENCHMARKS.md, twenty-second session): every MoE+ReduceScatter row faster
   after than beside (Mixtral 8192 tokens 3.59 against 4.40 ms, Qwen3-30B 1.05 against 1.43).
+  There the stream's order keeps every wait of the chained part, so the signals between the two
+  are dropped before lowering (:func:`stream_ordered`): no notifies in the producer, no flag reads
+  in the part.
   ``chain="beside"`` keeps the shared layout; ``chain="folded"`` runs the pair as one kernel
   where the grouped GEMM's recipe can host the other (:mod:`.fold`: the combine behind its GEMM,
   AllGather+MoE's staged row gather ahead of its GEMM; no launch of its own; measured slower or
@@ -46,7 +49,8 @@ from typing import Callable
 
 from ...ir import core
 from .bind import bind, is_kernel
-from .chains import self_signals, at_once_needed, chained_parts
+from ...ir.drop_signals import without_signals
+from .chains import self_signals, at_once_needed, chained_parts, stream_ordered_signals
 from .fold import fold_chained, is_folded
 from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
@@ -96,10 +100,21 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
     check_chain(chain)
     if wait_timeout_ns is not None:
         options["wait_timeout_ns"] = int(wait_timeout_ns)
+    if chain == "after":
+        return lower_all(stream_ordered(kernel), **options)
     lowered = lower_all(kernel, **options)
     if chain != "folded":
         return lowered
     return fold_chained(kernel, lowered, options, {n for n, lk in lowered.items() if is_kernel(lk)})
+
+
+def stream_ordered(kernel: core.Kernel) -> core.Kernel:
+    """``kernel`` as lowered for ``chain="after"``: without the signals its chained parts wait on
+    (:func:`~.chains.stream_ordered_signals`). Each such part runs after its producer on one
+    stream, so its waits would find every count reached; the producer's notifies and the part's
+    flag reads are dropped rather than paid for (measured: BENCHMARKS.md, twenty-ninth session)."""
+    compute = {p.name for p in kernel.parts if p.role == "compute" and not p.fused}
+    return without_signals(kernel, stream_ordered_signals(kernel, chained_parts(kernel, compute)))
 
 
 @dataclass(frozen=True)
@@ -214,6 +229,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     W = kernel.world_size
     parts = [(p.name, lowered[p.name]) for p in kernel.parts if not p.fused and not is_folded(lowered[p.name])]
     chained = chained_parts(kernel, {n for n, lk in parts if is_kernel(lk)}) if chain != "beside" else {}
+    _check_stream_order(kernel, lowered, chained)
     # a chained part follows its producer on the producer's stream: listed right after it
     order = [n for n, _ in parts if n not in chained]
     for n in [n for n, _ in parts if n in chained]:
@@ -294,6 +310,20 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
     return RunPlan(kernel, tuple(items), sm_count, reserved, split)
+
+
+def _check_stream_order(kernel: core.Kernel, lowered: dict, chained: dict[str, str]) -> None:
+    """Refuse kernels lowered without signals (:func:`stream_ordered`) that this plan would not
+    run one after the other: their waits are gone, so side by side they would race."""
+    need = stream_ordered_signals(kernel, chained)
+    for name, lk in lowered.items():
+        program = getattr(lk, "program", None)
+        dropped = program[0].stream_ordered if program else frozenset()
+        if dropped - need:
+            raise UnboundParameterError(
+                f"part '{name}' was lowered without the signals {sorted(dropped - need)} (for chain='after': its "
+                "waits are kept by the stream's order), but this plan runs the parts that notify and wait on them "
+                "side by side. Lower and plan with the same chain")
 
 
 def check_chain(chain) -> None:

@@ -30,9 +30,12 @@ top-k sum per token into the fp32 partial the reduce-scatter would read — our 
 grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
 (``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
-partial is checked against torch's sequence first. Three more columns time our kernels one by one
-(the GEMM alone, the combine alone: where the layer's time goes) and the same GEMM traced without its
-notifies (:func:`plain_rs_gemm`, its rows checked equal: what releasing each tile to the combine costs). ``--fold on``: the combine folded
+partial is checked against torch's sequence first. Our two kernels are lowered as tl.run and the
+op lower them: the combine runs after the GEMM on its stream, so the signal between them is
+dropped (the GEMM notifies nothing, the combine waits for nothing). Three more columns time our
+kernels one by one (the GEMM alone, the combine alone: where the layer's time goes) and the GEMM
+as written, notifying each tile (its rows checked equal: what releasing each tile to a combine
+beside it costs). ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
@@ -69,6 +72,7 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     import tldsl as tl
     from tldsl.codegen import lower
     from tldsl.ops.moe import moe_routing
+    from tldsl.runtime.gpu.run_plan import stream_ordered
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
@@ -79,7 +83,8 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
                                comm=tl.CommSchedule(tile_m=128, mode="pull"),
                                stage_rows=stage_rows_for(row, stage_rows))
     parts = [p.name for p in k.parts if p.role == "compute"]
-    return ids, rt, k, {p: lower(k, p) for p in parts}
+    as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
+    return ids, rt, k, {p: lower(as_run, p) for p in parts}
 
 
 def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
@@ -113,15 +118,19 @@ FOLD = ("on", "off")
 
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                   fold: bool = False, group_m: int | None = None):
+                   fold: bool = False, group_m: int | None = None, notifies: bool = False):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
-    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token); ``fold``:
-    the combine folded into the grouped GEMM's kernel (then None in its place), whose tiles go
-    column by column unless ``group_m`` (tile rows of a group of the swizzled order) says
-    otherwise; unfolded, the schedule's ``group_m`` unless given."""
+    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token), lowered as
+    tl.run and the op lower them (the combine after the GEMM on its stream: the signal between
+    them dropped), or with ``notifies`` as written (the GEMM notifying each tile, the combine
+    waiting: what a combine beside the GEMM needs); ``fold``: the combine folded into the grouped
+    GEMM's kernel (then None in its place), whose tiles go column by column unless ``group_m``
+    (tile rows of a group of the swizzled order) says otherwise; unfolded, the schedule's
+    ``group_m`` unless given."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
+    from tldsl.runtime.gpu.run_plan import stream_ordered
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
@@ -132,8 +141,9 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
-    lowered = {"grouped_gemm": lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1)),
-               "combine": lower_combine(k, "combine")}
+    as_run = k if fold or notifies else stream_ordered(k)
+    lowered = {"grouped_gemm": lower_grouped_gemm(as_run, "grouped_gemm", cluster=(cluster, 1)),
+               "combine": lower_combine(as_run, "combine")}
     if fold:
         return ids, wts, rt, folded_as_run_folds(k, lowered), None
     return ids, wts, rt, lowered["grouped_gemm"], lowered["combine"]
@@ -149,33 +159,6 @@ def folded_as_run_folds(ir, lowered: dict):
     return lf
 
 
-def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int,
-                  group_m: int = 8):
-    """Layer 1's grouped GEMM alone — the program's ``grouped_gemm`` part without its notifies (no
-    combine to release), lowered as the program's is (the same tiles, order and ``group_m``): what
-    the per-tile notifies cost, timed beside it."""
-    import tldsl as tl
-    from tldsl.codegen import lower_grouped_gemm
-    from tldsl.ops.moe import expert_rows_tile
-
-    @tl.kernel
-    def grouped_gemm_only(h, w2, tile_expert, tile_valid_rows, y, *, compute: tl.ComputeSchedule = None):
-        BM, BN, _ = compute.tile
-        tiles = tl.DynamicMapping("expert_tiles", tile_expert.shape[0], expert=tile_expert,
-                                  valid_rows=tile_valid_rows)
-
-        @tl.compute_part(grid=(tile_expert.shape[0], tl.cdiv(w2.shape[2], BN)))
-        def grouped_gemm(i, pn):
-            with tl.when(tiles["expert", i] >= 0):
-                tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, tiles, i, pn, compute.tile))
-    S, dt = tl.TensorSpec, getattr(tl, dtype)
-    k = grouped_gemm_only.trace(1, S((rt.num_rows, K), dt), S((E, K, N), dt), S.of(rt.tile_expert),
-                                S.of(rt.tile_valid_rows), S((rt.num_rows, N), dt),
-                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
-                                                           group_m=group_m))
-    return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
-
-
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
@@ -189,6 +172,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m)
+    notifying = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, notifies=True)[3]
     gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E + 1)
@@ -202,15 +186,15 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
             "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt),
             "partial": torch.full((T, N), float("nan"), device="cuda", dtype=torch.float32)}
-    # unfolded, every wait already satisfied: the kernels alone, one after the other on one stream
-    slots = {**lg.signal_slots, **lc.signal_slots}
+    # unfolded: the kernels one after the other on one stream, the signal between them dropped (as tl.run
+    # and the op lower them); the GEMM as written, notifying each tile, timed beside them
+    slots = {**notifying.signal_slots, **lc.signal_slots}
     flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
     gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
     combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
-    y_plain = torch.full_like(bufs["y_sorted"], float("nan"))
-    plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, stages, dtype, cluster, lg.config.group_m)).prepare(
-        {"h": h, "w2": w, "tile_expert": bufs["tile_expert"], "tile_valid_rows": bufs["tile_valid_rows"],
-         "y": y_plain}, {})
+    y_notified = torch.full_like(bufs["y_sorted"], float("nan"))
+    with_notifies = GroupedKernel(notifying).prepare({**bufs, "y_sorted": y_notified},
+                                                     {s: flags[s] for s in notifying.signals})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
 
     def pair():
@@ -231,19 +215,19 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     def combine_alone():
         combine.launch(torch.cuda.current_stream().cuda_stream, 1)
 
-    def plain_alone():
-        plain.launch(torch.cuda.current_stream().cuda_stream, 1)
+    def notifying_alone():
+        with_notifies.launch(torch.cuda.current_stream().cuda_stream, 1)
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = sequence()
     pair()
-    plain_alone()
+    notifying_alone()
     # (unused tiles are stored by neither: poisoned in both)
-    if not torch.allclose(y_plain, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
-        raise RuntimeError(f"{row}: the grouped GEMM without notifies stored other rows than with them")
+    if not torch.allclose(y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
+        raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(rt, lg.config.half_tiles), T * topk,
-                                parts=[gemm_alone, combine_alone, plain_alone])
+                                parts=[gemm_alone, combine_alone, notifying_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
@@ -260,7 +244,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt, lf.config.half_tiles), T * topk,
-                            parts=[pair, gemm_alone, combine_alone, plain_alone])
+                            parts=[pair, gemm_alone, combine_alone, notifying_alone])
 
 
 def _check_close(what: str, got, want) -> float:
@@ -350,7 +334,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     parts = [one(k) for k in kernels] if len(kernels) > 1 else []
     if fold:
         _check_close(what + " (one after the other)", h[dest], want)
-        lf = folded_as_run_folds(ir, lowered)
+        from tldsl.codegen import lower
+        lf = folded_as_run_folds(ir, {p: lower(ir, p) for p in lowered})    # folded: its signals kept, waits real
         folded = prepared_parts(ir, {"grouped_gemm": lf}, bufs, signals)["grouped_gemm"]
 
         def folded_launch():            # its waits real: the rows' counters count one epoch a launch
@@ -436,7 +421,7 @@ def main(argv, out=sys.stdout) -> int:
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
     fold = args.fold == "on"
-    split = (" GEMM alone ms | combine alone ms | GEMM without notifies ms |" if rs else
+    split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split

@@ -4,7 +4,7 @@
   combine. The kernel as generated (each tile's notifies handed, after the next tile's K loop, to
   the producer warpgroup's idle warp, whose 32 lanes each fence and add), the same source with the
   notifier's fence cut out, with its adds cut out, with both (the hand-over alone), and the part
-  traced without notifies (:func:`.moe.plain_rs_gemm`), beside ``_grouped_mm``; timed interleaved,
+  as tl.run lowers it after its signal is dropped (no notifies, :func:`.moe.lowered_rs_row`), beside ``_grouped_mm``; timed interleaved,
   the GEMMs' waits already satisfied. Cut variants are for timing only: their counters are wrong
   by design (nothing waits on them here).
 """
@@ -38,7 +38,7 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
     from tldsl.runtime.gpu import require_gpu
     from . import fused_layers
     from .baselines import MOE_MODELS, route
-    from .moe import TP, lowered_rs_row, plain_rs_gemm
+    from .moe import TP, lowered_rs_row
     from .timing import interleaved_ms
     require_gpu()
     print("| row | " + " | ".join(f"{n} ms" for n in NOTIFY_VARIANTS) + " |", file=out)
@@ -47,7 +47,8 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
         hidden, ffn, E, topk = MOE_MODELS[row.model]
         T, K, N = row.tokens, ffn // TP, hidden
         tile = (128, 256, 64)
-        ids, _, rt, lg, _ = lowered_rs_row(row, tile)
+        ids, _, rt, lg, _ = lowered_rs_row(row, tile, notifies=True)
+        plain = GroupedKernel(lowered_rs_row(row, tile)[3])       # as tl.run lowers it: no notifies
         g = torch.Generator(device="cuda").manual_seed(T + E + 1)
         order, offs = route(ids.cuda(), E)
         h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(torch.bfloat16)
@@ -61,9 +62,7 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
         for src in notify_ablations(lg.source).values():
             prepared = GroupedKernel(dataclasses.replace(lg, source=src)).prepare(bufs, flags)
             fns.append(lambda p=prepared: p.launch(torch.cuda.current_stream().cuda_stream, 1))
-        plain = GroupedKernel(plain_rs_gemm(rt, T, K, N, E, tile, 4, "bfloat16", 2)).prepare(
-            {"h": h, "w2": w, "tile_expert": tabs["tile_expert"], "tile_valid_rows": tabs["tile_valid_rows"],
-             "y": torch.empty_like(y)}, {})
+        plain = plain.prepare({**bufs, "y_sorted": torch.empty_like(y)}, {})
         fns.append(lambda: plain.launch(torch.cuda.current_stream().cuda_stream, 1))
         fns.append(lambda: torch._grouped_mm(h_sorted, w, offs=offs))
         t = interleaved_ms(fns, iters=iters)

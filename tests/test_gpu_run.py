@@ -144,6 +144,21 @@ def test_library_ops_and_general_programs_at_several_ranks(name):
                if type(x.lowered).__name__ == "LoweredGroupedGemm")
 
 
+@pytest.mark.parametrize("name", ["moe_reduce_scatter", "moe_reduce_scatter_pingpong_many", "allgather_moe_staged"])
+def test_a_chained_part_beside_its_producer_waits_for_real(name):
+    """``chain="beside"``: the combine (MoE+ReduceScatter) or the grouped GEMM (AllGather+MoE, rows
+    staged) runs on a stream of its own beside the part it waits on, started in either order by the
+    seeds, so its waits on the other's per-tile notifies are what orders them (after it, the
+    default, the signal between them is dropped); two launches, against the simulator."""
+    from test_run_fake_device import library_case
+    fn, W, inputs, kw = library_case(name)
+    for seed in range(2):
+        got = both(fn, W, inputs, sums=True, seed=seed, lowering={"chain": "beside"}, options={"launches": 2}, **kw)
+        assert all(x.after is None for x in got.plan.kernels)
+        waiting = [x.lowered for x in got.plan.kernels if x.part in ("combine", "grouped_gemm")]
+        assert waiting and all(lk.waits > 0 or lk.notifies > 0 for lk in waiting)
+
+
 @pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_pingpong", "combine"),
                                        ("moe_reduce_scatter_pingpong_many", "combine"),
                                        ("allgather_moe_staged", "gather_rows")])

@@ -374,8 +374,10 @@ def test_a_part_chained_after_its_producer_drops_the_signal_between_them():
     assert (got["produce"].lowered.notifies, got["consume"].lowered.waits) == (0, 0)
     assert "ready" not in got["produce"].lowered.source and "ready" not in got["consume"].lowered.source
     beside, _ = agrees(doubled_after, 1, inputs, lowering={"chain": "beside"})
-    kept = {k.part: k.lowered for k in beside.plan.kernels}
-    assert (kept["produce"].notifies, kept["consume"].waits) == (1, 1)
+    kept = {k.part: k for k in beside.plan.kernels}
+    assert (kept["produce"].lowered.notifies, kept["consume"].lowered.waits) == (1, 1)
+    # planned as lowered: beside, on a stream of its own
+    assert kept["consume"].after is None and kept["consume"].stream != kept["produce"].stream
 
 
 class _FaultingDevice(FakeDevice):

@@ -57,8 +57,11 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
 
     ``timeout_s``: a launch that does not finish this long after it starts raises
     ``GpuHangError`` (kernels are built so that a wait longer than this traps); None: wait
-    forever. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...).
-    ``progress``: NVRTC's progress reports (``print`` in a notebook).
+    forever. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...), and
+    ``chain``: where a part that only waits on one other compute part runs — ``"after"`` it on
+    its stream (the default; the signal between them is then dropped, the stream's order keeps
+    its waits), ``"beside"`` it on a stream of its own (the waits real), or ``"folded"`` into its
+    kernel where the recipe can. ``progress``: NVRTC's progress reports (``print`` in a notebook).
 
     ``group``: a torch.distributed process group — this process is one rank of it, on its own
     GPU (torchrun), ``inputs`` are this rank's arguments only (one dict, or the arrays in

@@ -40,12 +40,14 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
                 lowering: dict | None = None, progress=None, device=None) -> RunResult:
     """Run ``ir`` (traced for W ranks) with ``per_rank[r]`` the arguments of rank ``r`` in order."""
     wait_ns = None if timeout_s is None else int(timeout_s * 1e9)
-    lowered = lower_for_run(ir, wait_timeout_ns=wait_ns, **dict(lowering or {}))
+    lowering = dict(lowering or {})
+    chain = lowering.get("chain", "after")  # where chained parts run: lowered and planned alike
+    lowered = lower_for_run(ir, wait_timeout_ns=wait_ns, **lowering)
     check_bindings(ir, lowered)             # a parameter nothing can pass: refused here, GPU or not
     if device is None:
         from .cuda_device import CudaDevice
         device = CudaDevice()
-    plan, loaded = prepare(ir, lowered, device, progress)
+    plan, loaded = prepare(ir, lowered, device, progress, chain)
     tensors, mem = allocate(ir, per_rank, device)
     args = {(k.rank, k.part): pack(bind(k.lowered, k.rank, mem, ctas=k.ctas)) for k in plan.kernels}
     copies = {(c.rank, c.part): PlanExecutor(c.plan, c.rank, pointer_table(mem, c.rank, c.plan),
@@ -65,12 +67,13 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
                      launch_ms=launch_ms, tensors=tensors)
 
 
-def prepare(ir, lowered: dict, device, progress=None) -> tuple[RunPlan, dict]:
+def prepare(ir, lowered: dict, device, progress=None, chain: str = "after") -> tuple[RunPlan, dict]:
     """Compile and load the lowered kernels, and plan the launch on ``device``'s SMs with the
-    driver's occupancy. Returns the plan and ``{entry: loaded kernel}``."""
+    driver's occupancy (chained parts where ``chain`` says). Returns the plan and ``{entry: loaded
+    kernel}``."""
     loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
     plan = plan_run(ir, lowered, sm_count=device.sm_count,
-                    occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk))
+                    occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain)
     return plan, loaded
 
 

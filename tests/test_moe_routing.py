@@ -131,3 +131,60 @@ def test_the_routing_kernels_compile(tmp_path):
     assert names <= set(info), sorted(info)
     for name in names:                          # no local memory: every table index stays in registers
         assert info[name]["spill_store_bytes"] == 0 and info[name]["stack_bytes"] == 0, (name, info[name])
+
+
+@pytest.mark.parametrize("skew", ["uniform", "zipf", "one"])
+@pytest.mark.parametrize("interleave", [1, 2, 3])
+def test_interleaved_tiles_are_the_same_tiles_in_rounds_of_each_expert(skew, interleave):
+    """``moe_routing(..., interleave=G)``: the same tiles as expert after expert (each one expert's
+    rows in token order), laid out in rounds of G tiles per expert; every table follows its tile."""
+    rng = np.random.default_rng(3)
+    T, E, topk, BM = 300, 6, 2, 16
+    ids = routing_ids(rng, T, E, topk, skew)
+    flat, inter = moe_routing(ids, E, 1, T, BM), moe_routing(ids, E, 1, T, BM, interleave=interleave)
+    used = int((flat.tile_expert >= 0).sum())
+    assert int((inter.tile_expert >= 0).sum()) == used and (inter.tile_expert[used:] == -1).all()
+
+    def tiles(rt):
+        return {(int(rt.tile_expert[i]), tuple(rt.sorted_token_ids[i * BM:(i + 1) * BM])): i for i in range(used)}
+    a, b = tiles(flat), tiles(inter)
+    assert set(a) == set(b)
+    for key, i in a.items():                  # every per-tile table moves with its tile
+        j = b[key]
+        for name in ("tile_valid_rows", "tile_tokens", "tile_ranks", "tile_token_tiles", "tile_num_token_tiles"):
+            assert np.array_equal(getattr(flat, name)[i], getattr(inter, name)[j]), name
+    assert np.array_equal(flat.token_tile_producers, inter.token_tile_producers)
+    # token_pos points at the same routed row wherever its tile went
+    for p in range(topk * T):
+        i, j = flat.token_pos[p] // BM, inter.token_pos[p] // BM
+        assert flat.token_pos[p] % BM == inter.token_pos[p] % BM
+        assert b[(int(flat.tile_expert[i]), tuple(flat.sorted_token_ids[i * BM:(i + 1) * BM]))] == j
+    # the rounds: (the tile's index within its expert // G, expert) never decreases along the layout
+    nth = {}
+    keys = []
+    for i in range(used):
+        e = int(inter.tile_expert[i])
+        keys.append((nth.get(e, 0) // interleave, e))
+        nth[e] = nth.get(e, 0) + 1
+    assert keys == sorted(keys)
+    with pytest.raises(InputError, match="interleave"):
+        moe_routing(ids, E, 1, T, BM, interleave=0)
+
+
+def test_an_interleaved_layout_computes_the_same_layer_in_the_simulator():
+    """MoE+ReduceScatter on two ranks with tiles interleaved across experts: the simulator (races,
+    waits) against the numpy reference, which reads the same tables."""
+    import tldsl as tl
+    from tldsl.ops.moe import reference_moe_reduce_scatter, simulate_moe_reduce_scatter
+    rng = np.random.default_rng(5)
+    W, Ms, E, topk, Nr, K, BM = 2, 24, 4, 2, 32, 24, 16
+    ids = routing_ids(rng, W * Ms, E, topk, "uniform")
+    rt = moe_routing(ids, E, W, Ms, BM, interleave=1)
+    assert not (np.diff(rt.tile_expert[rt.tile_expert >= 0]) >= 0).all()     # really out of expert order
+    hs = [rng.standard_normal((rt.num_rows, Nr)).astype(np.float32) for _ in range(W)]
+    w2 = [rng.standard_normal((E, Nr, K)).astype(np.float32) for _ in range(W)]
+    wts = rng.random((W * Ms, topk)).astype(np.float32)
+    got = simulate_moe_reduce_scatter(hs, w2, wts, rt, compute=tl.ComputeSchedule(tile=(BM, 16, 16)),
+                                      comm=tl.CommSchedule(tile_m=8, mode="push"))
+    want = reference_moe_reduce_scatter(hs, w2, wts, rt)
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-4)

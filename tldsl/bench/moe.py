@@ -65,10 +65,11 @@ def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
 
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                stage_rows: str = "auto"):
+                stage_rows: str = "auto", interleave: int | None = None):
     """``(topk_ids, host routing, traced program, {part: lowered kernel})`` of one row (one rank's
     slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
-    row gather where the rows are staged (``gather_rows``)."""
+    row gather where the rows are staged (``gather_rows``); ``interleave``: the routing's tiles in
+    rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
     import tldsl as tl
     from tldsl.codegen import lower
     from tldsl.ops.moe import moe_routing
@@ -76,7 +77,7 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
-    rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
+    rt = moe_routing(ids.numpy(), E, 1, T, tile[0], interleave=interleave)
     k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
                                                           cluster=(cluster, 1)),
@@ -118,7 +119,8 @@ FOLD = ("on", "off")
 
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                   fold: bool = False, group_m: int | None = None, notifies: bool = False):
+                   fold: bool = False, group_m: int | None = None, notifies: bool = False,
+                   interleave: int | None = None):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
     row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token), lowered as
     tl.run and the op lower them (the combine after the GEMM on its stream: the signal between
@@ -126,7 +128,8 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     waiting: what a combine beside the GEMM needs); ``fold``: the combine folded into the grouped
     GEMM's kernel (then None in its place), whose tiles go column by column unless ``group_m``
     (tile rows of a group of the swizzled order) says otherwise; unfolded, the schedule's
-    ``group_m`` unless given."""
+    ``group_m`` unless given; ``interleave``: the routing's tiles in rounds of that many per
+    expert (:func:`tldsl.ops.moe.moe_routing`)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
@@ -134,7 +137,7 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
-    rt = moe_routing(ids.numpy(), E, 1, T, tile[0])
+    rt = moe_routing(ids.numpy(), E, 1, T, tile[0], interleave=interleave)
     order = dict(order="swizzled")
     if fold or group_m:
         order["group_m"] = group_m or max(rt.num_tiles, -(-T // tile[0]))
@@ -160,7 +163,8 @@ def folded_as_run_folds(ir, lowered: dict):
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2, fold: bool = False, group_m: int | None = None) -> dict:
+                 cluster: int = 2, fold: bool = False, group_m: int | None = None,
+                 interleave: int | None = None) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
     the other; ``parts_ms``: the two unfolded kernels one by one, and with ``fold`` the pair one
@@ -171,8 +175,9 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
-    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m)
-    notifying = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, notifies=True)[3]
+    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, interleave=interleave)
+    notifying = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, notifies=True,
+                               interleave=interleave)[3]
     gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E + 1)
@@ -180,7 +185,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     order, offs = route(ids_dev, E)
     h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(tdt)      # route's order, as torch has it
     w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
-    h, _ = fused_layers.padded_rows(h_sorted, ids_dev, E, tile[0], rt.num_rows // tile[0])
+    h = torch.zeros((rt.num_rows, K), dtype=tdt, device="cuda")
+    h[laid_out(order, rt)] = h_sorted
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
@@ -229,7 +235,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                                 _computed_rows(rt, lg.config.half_tiles), T * topk,
                                 parts=[gemm_alone, combine_alone, notifying_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
-    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m)
+    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
     # epoch per launch
     fsig = {s: torch.zeros((n,), device="cuda", dtype=torch.int64) for s, n in lf.signal_slots.items()}
@@ -270,7 +276,7 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-              cluster: int = 2, stage_rows: str = "auto", fold: bool = False) -> dict:
+              cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
     where the rows are staged, which ``parts_ms`` then times one by one). ``fold`` (rows staged):
@@ -281,7 +287,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows)
+    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave)
     tabs = rt.allgather_tables()
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E)
@@ -329,7 +335,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         return torch._grouped_mm(x.index_select(0, order // topk), w, offs=offs)
     ours()
     want = gmm()
-    _, dest = fused_layers.padded_rows(want, ids_dev, E, tile[0], rt.num_rows // tile[0])
+    dest = laid_out(order, rt)
     what = f"{row}: the grouped GEMM differs from _grouped_mm"
     parts = [one(k) for k in kernels] if len(kernels) > 1 else []
     if fold:
@@ -348,6 +354,15 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
                             _computed_rows(rt, lowered["grouped_gemm"].config.half_tiles), T * topk, parts=parts)
+
+
+def laid_out(order, rt):
+    """The row of ``h`` / ``y_sorted`` that routing ``rt`` gives every expert-sorted row of torch's
+    order (``order``: :func:`.baselines.route`'s, routed rows ``t * topk + k``)."""
+    import torch
+    T, topk = rt.num_tokens, rt.topk
+    pos = torch.from_numpy(rt.token_pos.astype("int64")).to(order.device)
+    return pos[(order % topk) * T + order // topk]
 
 
 def _computed_rows(rt, half_tiles: bool) -> int:
@@ -385,6 +400,9 @@ def parse_args(argv):
                     help="rs: tile rows of a group of the swizzled order, for both kernels (default: the "
                          "schedule's 8, and with --fold on all of them: column by column, so that a column's "
                          "combine tiles can start once its GEMM tiles are done)")
+    ap.add_argument("--interleave", type=int, default=None,
+                    help="the routing's tiles in rounds of this many per expert rather than expert after expert "
+                         "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
@@ -403,6 +421,8 @@ def parse_args(argv):
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
         args.stage_rows = "on"
+    if args.interleave is not None and args.interleave < 1:
+        ap.error(f"--interleave: a positive number of tiles, got {args.interleave}")
     if args.group_m is not None and args.group_m < 1:
         ap.error(f"--group-m: a positive number of tile rows, got {args.group_m}")
     return args
@@ -435,10 +455,11 @@ def main(argv, out=sys.stdout) -> int:
     failed = 0
     for row in args.row_list:
         try:
-            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold, args.group_m)
+            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold, args.group_m,
+                              args.interleave)
                  if rs else
                  bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows,
-                           fold))
+                           fold, args.interleave))
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "

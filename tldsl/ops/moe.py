@@ -152,18 +152,26 @@ def _positive_int(name, v):
     return int(v)
 
 
-def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int, BM: int) -> MoERouting:
+def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int, BM: int,
+                interleave: int | None = None) -> MoERouting:
     """Sort the routed rows by expert and fill the dynamic mapping's tables (see
     :class:`MoERouting`).
 
     ``topk_ids [W * rows_per_rank, topk]``: the experts of every token (global, identical on
     every rank); ``BM``: the compute tile's rows (``compute.tile[0]``) of the kernels that use
-    the tables. Raises :class:`~tldsl.InputError` on ids outside ``[0, num_experts)`` or a
-    shape that does not fit."""
+    the tables. ``interleave``: lay the tiles out in rounds — every expert's first
+    ``interleave`` tiles, then every expert's next ones — rather than expert after expert. A
+    tile still holds one expert's rows in token order, so a GEMM walking the tiles in order
+    finishes the token tiles progressively, not all in its last wave, and a combine beside it or
+    folded into it can follow it; a round keeps one expert's weights for ``interleave`` tiles
+    (as many as the swizzled order's ``group_m``). Raises :class:`~tldsl.InputError` on ids
+    outside ``[0, num_experts)`` or a shape that does not fit."""
     E = _positive_int("num_experts", num_experts)
     W = _positive_int("world_size", world_size)
     Ms = _positive_int("rows_per_rank", rows_per_rank)
     BM = _positive_int("BM", BM)
+    if interleave is not None:
+        interleave = _positive_int("interleave", interleave)
     ids = np.asarray(topk_ids)
     T = W * Ms
     if ids.ndim != 2 or ids.shape[0] != T or ids.shape[1] < 1:
@@ -194,25 +202,26 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
     tile_tt = np.full((NT, width), -1, np.int32)
     tile_ntt = np.zeros(NT, np.int32)
     producers = np.zeros(TT, np.int32)
-    tile, start = 0, 0
-    for e in range(E):
-        rows = order[start:start + counts[e]]
-        start += counts[e]
-        for c0 in range(0, rows.size, BM):
-            chunk = rows[c0:c0 + BM]
-            tok, k = chunk // topk, chunk % topk
-            r0 = tile * BM
-            sorted_tok[r0:r0 + chunk.size] = tok
-            token_pos[k * T + tok] = r0 + np.arange(chunk.size)
-            tile_expert[tile] = e
-            tile_valid[tile] = chunk.size
-            tile_tokens[tile] = (tok.min(), tok.max() + 1)
-            tile_ranks[tile] = (tok.min() // Ms, tok.max() // Ms + 1)
-            tts = np.unique(tok // BM)
-            tile_tt[tile, :tts.size] = tts
-            tile_ntt[tile] = tts.size
-            producers[tts] += 1
-            tile += 1
+    starts = np.cumsum(counts) - counts
+    chunks = [(e, c0) for e in range(E) for c0 in range(0, int(counts[e]), BM)]      # expert after expert
+    if interleave is not None:             # rounds of `interleave` tiles of each expert
+        chunks.sort(key=lambda ec: (ec[1] // BM // interleave, ec[0], ec[1]))
+    tile = 0
+    for e, c0 in chunks:
+        chunk = order[starts[e] + c0:starts[e] + min(c0 + BM, int(counts[e]))]
+        tok, k = chunk // topk, chunk % topk
+        r0 = tile * BM
+        sorted_tok[r0:r0 + chunk.size] = tok
+        token_pos[k * T + tok] = r0 + np.arange(chunk.size)
+        tile_expert[tile] = e
+        tile_valid[tile] = chunk.size
+        tile_tokens[tile] = (tok.min(), tok.max() + 1)
+        tile_ranks[tile] = (tok.min() // Ms, tok.max() // Ms + 1)
+        tts = np.unique(tok // BM)
+        tile_tt[tile, :tts.size] = tts
+        tile_ntt[tile] = tts.size
+        producers[tts] += 1
+        tile += 1
     assert tile <= NT and (token_pos >= 0).all()
     return MoERouting(E, W, Ms, topk, BM, counts.astype(np.int32), sorted_tok, tile_expert, tile_valid,
                       tile_tokens, tile_ranks, token_pos, tile_tt, tile_ntt, producers)

@@ -376,7 +376,8 @@ def test_schedule_drives_the_template():
             assert f"kOrder = {code}, kGroupM = 4" in lw.source
             assert "BM = 128, BN = 64, BK = 32" in lw.source and "kStages = 6" in lw.source
             assert lw.config.SA == 64                                       # 32 halfs of K: 64-byte swizzle
-    lw = lower_grouped_gemm(trace_ag(tile=(64, 128, 64)), "grouped_gemm")
+    # (in pairs: 64-row tiles without clusters run paired on 128-row CTA tiles)
+    lw = lower_grouped_gemm(trace_ag(tile=(64, 128, 64), cluster=(2, 1)), "grouped_gemm")
     assert lw.config.consumer_wgs == 1 and (lw.config.producer_regs, lw.config.consumer_regs) == (0, 0)
     assert "Tr::kUnitsA == 8 && Tr::kRowStep == 16" in lw.source
 
@@ -518,7 +519,7 @@ def test_notifies_spread_over_lanes_take_the_outermost_loop_only():
     (trace_rs, (128, 128, 64), True, 4, 164992),
     (trace_rs, (128, 64, 64), False, 2, 132192),    # would fit one warpgroup, but only 128 x 128 is measured
     (trace_rs, (128, 256, 64), False, 2, 181328),   # 2 x 128 would not fit one warpgroup: both share each tile
-    (trace_rs, (64, 256, 64), False, 2, 197728),    # 64-row tiles: the two split the columns
+    (lambda **kw: trace_rs(cluster=(2, 1), **kw), (64, 256, 64), False, 2, 197728),  # 64 rows: split columns
     (trace_ag, (128, 128, 64), False, 0, 164928),   # A gathered by the producer: its cp.asyncs set the pace
     (lambda **kw: trace_ag(stage_rows=True, **kw), (128, 128, 64), True, 0, 164928),   # staged rows, by TMA
 ], ids=["rs-128x128", "rs-128x64", "rs-128x256", "rs-64x256", "ag-gathered-128x128", "ag-staged-128x128"])
@@ -535,6 +536,32 @@ def test_ping_pong_where_a_whole_tile_fits_one_warpgroup_and_a_comes_by_tma(trac
     # 4 stages of 16 + 16 KiB, 2 x 2 epilogue buffers of 8 KiB, 8 stage and 8 ring barriers, 1 KiB of
     # alignment slack: 131072 + 32768 + 64 + 64 + 1024)
     assert c.notify_slots == ring and c.smem_bytes == smem
+
+
+def test_64_row_tiles_pair_into_128_row_cta_tiles_where_they_can():
+    """A part of 64-row tiles (experts padded to 64 rows) runs on 128-row CTA tiles: two of one
+    expert as one tile, any other as a half tile (``kPairRows``); where that cannot apply, the
+    64-row tiles' consumer warpgroups split the columns."""
+    k = trace_rs(tile=(64, 256, 64), stages=4)
+    rs = lower_grouped_gemm(k, "grouped_gemm")
+    c = rs.config
+    assert c.pair_rows and (c.BM, c.half_tiles, c.split_n, c.pingpong, c.consumer_wgs) == (128, True, False, False, 2)
+    assert c.group_m == 8                                    # slots of two 64-row tiles: 128 rows each
+    assert "kPairRows = true" in rs.source and "two of one expert" in rs.describe()
+    assert rs.grid_tiles == tuple(k.part("grouped_gemm").grid)        # the program's 64-row tiles
+    assert {t.param: t.box_dims for t in rs.tma}["tma_a"] == (64, 128)   # A: 128 rows a CTA tile
+    # 4 stages of 16 + 32 KiB, two warpgroups' two 8 KiB epilogue buffers, 8 stage and 4 ring
+    # barriers, 1 KiB of alignment slack: 196608 + 32768 + 64 + 32 + 1024
+    assert (c.epi_buffers, c.notify_slots, c.smem_bytes) == (2, 2, 230496)
+    ag = lower_grouped_gemm(trace_ag(tile=(64, 256, 64), stages=4), "grouped_gemm")
+    assert ag.config.pair_rows and ag.gather and ag.store_inactive     # gathered rows, unused tiles' zeros
+    assert "int row(int pid0, int pid1, int r)" in ag.source
+    # not paired: clusters (a pair of CTAs would hold a tile and its follower), a part folded in,
+    # stages that do not fit 128-row tiles (5 x 48 KiB)
+    for lw in (lower_grouped_gemm(trace_rs(tile=(64, 256, 64), stages=4, cluster=(2, 1)), "grouped_gemm"),
+               lower_grouped_gemm(k, "grouped_gemm", side="combine"),
+               lower_grouped_gemm(trace_rs(tile=(64, 256, 64), stages=5), "grouped_gemm")):
+        assert not lw.config.pair_rows and lw.config.split_n and lw.config.BM == 64 and "kPairRows = false" in lw.source
 
 @pytest.mark.parametrize("variant,texts", [
     ("wait_after", ("'consumer_tile_wait' after the K loop",)),
@@ -566,8 +593,9 @@ def test_a_row_mask_is_the_tiles_valid_rows():
     assert "kRowLimit = true" in lw.source and "kHalfTiles = true" in lw.source
     plain = lower_grouped_gemm(_trace_gathered("ok"), "gg")
     assert not plain.config.half_tiles and "kRowLimit = false" in plain.source and "valid_rows" not in plain.source
-    # 64-row tiles (their warpgroups split columns already) mask rows but run no half tiles
-    k = trace_rs(tile=(64, 256, 64))
+    # 64-row tiles in clusters (their warpgroups split columns already) mask rows but run no half tiles
+    # (without clusters they pair into 128-row CTA tiles: test_64_row_tiles_pair_into_128_row_cta_tiles...)
+    k = trace_rs(tile=(64, 256, 64), cluster=(2, 1))
     lw64 = lower_grouped_gemm(k, "grouped_gemm")
     assert lw64.config.split_n and not lw64.config.half_tiles and "kRowLimit = true" in lw64.source
 
@@ -1129,6 +1157,8 @@ COMPILE_SCHEDULES = [
     dict(tile=(64, 256, 64), stages=5, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
     # 128 x 128 tiles: ping-pong consumers (each warpgroup on whole tiles, in turns), in pairs
     dict(tile=(128, 128, 64), stages=6, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
+    # 64-row tiles paired into 128-row CTA tiles (the folded kernels: the columns split)
+    dict(tile=(64, 256, 64), stages=4, order="swizzled", dt=tl.bfloat16),
 ]
 
 
@@ -1224,7 +1254,10 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
 
             def acquires(x):
                 return x.count("LDG.E.64.STRONG.GPU") + x.count("LDG.E.64.STRONG.SYS")
-            assert acquires(k) > acquires(sass[j]), (acquires(k), acquires(sass[j]))
+            # (a GEMM alone on paired 64-row tiles has its waits inlined twice, for each of a pair's tiles;
+            # a folded kernel never pairs)
+            own = acquires(sass[j]) // (2 if lws[j].config.pair_rows and not lw.config.pair_rows else 1)
+            assert acquires(k) > own, (acquires(k), acquires(sass[j]), lws[j].config.pair_rows)
     print(f"{len(lws)} kernels in {wall:.1f} s")
 
 

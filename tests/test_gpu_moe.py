@@ -65,6 +65,22 @@ def _close(got, ref, what, rel):
     assert err <= tol, f"{what}: max |err| {err:.3g} > {tol:.3g}"
 
 
+def _pairing(rt):
+    """(pairs, lone tiles) of 64-row tiles as the template pairs them (``pair_tile``): an even
+    used tile leads when the next is used on the same expert and it is full."""
+    te, tv = rt.tile_expert, rt.tile_valid_rows
+    pairs = lone = 0
+    m = 0
+    while m < len(te):
+        if te[m] < 0:
+            m += 1
+        elif m % 2 == 0 and m + 1 < len(te) and te[m + 1] == te[m] and tv[m] >= 64:
+            pairs, m = pairs + 1, m + 2
+        else:
+            lone, m = lone + 1, m + 1
+    return pairs, lone
+
+
 # -- AllGather+MoE ------------------------------------------------------------------------------------
 
 def _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1)):
@@ -106,6 +122,8 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
     # 128 x 128 tiles in pairs, a deep pipeline (A gathered: the cooperative schedule, never ping-pong)
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
+    # 64-row tiles (experts padded to 64 rows) paired into 128-row CTA tiles: many small experts
+    (2, 1000, 1032, 768, 64, 6, "random", (64, 256, 64), 4, "swizzled", "bfloat16", (1, 1)),
 ]
 
 
@@ -119,7 +137,11 @@ def test_allgather_moe_grouped_gemm_matches_reference(W, Ms, K, Nr, E, topk, kin
     lw = _lower_ag(rt, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster)
     assert lw.cluster_dims == (cluster[0], 1, 1)
     assert lw.gather and not lw.config.pingpong     # a gathered A: both warpgroups on every tile
-    if lw.config.half_tiles:            # some tiles run as half tiles (<= 64 valid rows)
+    # 64-row tiles without clusters: two of one expert to a 128-row CTA tile, the rest alone
+    assert lw.config.pair_rows == (tile[0] == 64 and cluster == (1, 1))
+    if lw.config.pair_rows:
+        assert _pairing(rt)[0] > 0, _pairing(rt)
+    elif lw.config.half_tiles:          # some tiles run as half tiles (<= 64 valid rows)
         assert ((rt.tile_valid_rows <= 64) & (rt.tile_expert >= 0)).any()
     kern = GroupedKernel(lw)
     bufs = _ag_inputs(rt, W, Ms, K, Nr, E, dtype, seed=Ms + K)
@@ -260,6 +282,9 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (3, 333, 704, 2048, 64, 6, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (2, 1)),
     # ... an odd number of tile rows (the last pair's partner past the grid) and several tiles per CTA
     (3, 1000, 1400, 1032, 16, 4, "random", (128, 128, 64), 5, "swizzled", "bfloat16", (2, 1)),
+    # 64-row tiles paired into 128-row CTA tiles (folded: the columns split instead), small experts
+    (3, 1000, 704, 2048, 64, 6, "random", (64, 256, 64), 4, "swizzled", "bfloat16", (1, 1)),
+    (2, 1000, 384, 2048, 128, 8, "random", (64, 128, 64), 6, "row_major", "float16", (1, 1)),
 ]
 
 
@@ -279,6 +304,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     assert lg.cluster_dims == (cluster[0], 1, 1)
     assert (lg.side == "combine") == fold
     assert lg.config.pingpong == (tile[:2] == (128, 128))     # A by TMA: 128 x 128 tiles run ping-pong
+    assert lg.config.pair_rows == (tile[0] == 64 and cluster == (1, 1) and not fold)
     gk = GroupedKernel(lg)
     ck = gk if fold else GroupedKernel(lc)
     g = torch.Generator(device="cuda").manual_seed(K + Nr)
@@ -301,7 +327,10 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
         if e >= 0:       # the program stores a tile's rows past its valid ones as zeros (h's are not)
             rows = slice(i * rt.block_m, i * rt.block_m + rt.tile_valid_rows[i])
             y_ref[rows] = h[rows] @ w2[e]
-    if lg.config.half_tiles:            # tiles run as half tiles (<= 64 valid rows) and whole ones masked
+    if lg.config.pair_rows:             # pairs of 64-row tiles, tiles alone, partial tiles
+        v = rt.tile_valid_rows[rt.tile_expert >= 0]
+        assert min(_pairing(rt)) > 0 and (v < 64).any(), _pairing(rt)
+    elif lg.config.half_tiles:          # tiles run as half tiles (<= 64 valid rows) and whole ones masked
         v = rt.tile_valid_rows[rt.tile_expert >= 0]
         assert (v <= 64).any() and ((v > 64) & (v < 128)).any()
     p_ref = reference_moe_reduce_scatter([h], [w2], wts, rt)

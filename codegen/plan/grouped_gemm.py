@@ -13,7 +13,7 @@ from ...ir.schedule import ComputeSchedule
 from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, entry_name, pointer_param,
                    wait_timeout_options)
 from ..dtypes import SWIZZLE, c_type, ctype
-from ..errors import fail
+from ..errors import LoweringError, fail
 from ..ir_queries import scope_of
 from ..match import affine as aff
 from ..match.grouped_gemm import WHAT, GroupedGemmMatch
@@ -65,6 +65,11 @@ class GroupedGemmPlan:
     side: object = None                     # CombinePlan of a row-gather part folded into the spare producer warps
 
     @property
+    def part_rows(self) -> int:
+        """Rows of one of the part's tiles (the program's BM; the CTA's tile may hold two)."""
+        return self.config.BM // 2 if self.config.pair_rows else self.config.BM
+
+    @property
     def notifier_warp(self) -> bool:
         """Whether the template runs the tiles' notifies on the producer's warp 1 (``notifies_lanes``,
         the consumers' deferred-notify ring) rather than on a consumer thread (``notifies``)."""
@@ -92,8 +97,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
     # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
     # measured 3-7 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
-    cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
-                        notify_slots=ring, pingpong=not m.gather)
+    cfg = paired_config(m, sched, in_dt, K, cluster, ring, side, part.loc)
+    if cfg is None:
+        cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
+                            notify_slots=ring, pingpong=not m.gather)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
     if m.row_limit is not None and half_tiles_fit(cfg):
@@ -132,6 +139,32 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            buffers, signals, tensors, written, len(waits),
                            notifies, tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns), side_plan)
+
+
+def paired_config(m: GroupedGemmMatch, sched: ComputeSchedule, in_dt: str, K: int, cluster, ring: int, side,
+                  loc) -> GemmConfig | None:
+    """The configuration that runs a part of 64-row tiles (an MoE expert padded to 64 rows, not 128)
+    on 128-row CTA tiles: two program tiles of one expert as one tile (both consumer warpgroups on
+    its rows, B loaded once for 128 rows), any other as a half tile (Cfg::kPairRows,
+    ``pair_tile`` in sm90_grouped_gemm.hpp). Where it does not apply, None: the tiles then run as
+    64 rows with the consumer warpgroups splitting the columns (measured 0-20 % slower in the
+    MoE+RS GEMM, 7-34 % where A is gathered: BENCHMARKS.md, twenty-ninth session, call 4).
+
+    Applies to 64-row tiles whose stored rows past a run-time count are zeros (the count tells a
+    full tile from a partial one), without clusters (pairs of CTAs would hold a leader and its
+    follower) and with nothing folded in; the stages must fit 128-row tiles. The order walks slots
+    of two program tiles (a group: ``group_m`` slots), the two of a slot on one CTA."""
+    cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
+    BM, BN, BK = sched.tile
+    if BM != 64 or m.row_limit is None or cl != (1, 1) or side is not None:
+        return None
+    cta = replace(sched, tile=(128, BN, BK))
+    try:
+        cfg = choose_config(WHAT, cta, in_dt, m.out_dtype, K=K, cluster=cl, loc=loc, split_n=True,
+                            notify_slots=ring, pingpong=False)
+    except LoweringError:
+        return None
+    return replace(cfg, half_tiles=True, pair_rows=True) if half_tiles_fit(cfg) else None
 
 
 def half_tiles_fit(cfg: GemmConfig) -> bool:

@@ -36,6 +36,7 @@ class GemmConfig:
     notify_slots: int = 0           # full/empty mbarrier pairs of the grouped GEMM's deferred-notify ring
     half_tiles: bool = False        # grouped GEMM: a tile of <= 64 valid rows runs as 64 rows
     pingpong: bool = False          # grouped GEMM: each consumer warpgroup owns whole tiles, the two taking turns
+    pair_rows: bool = False         # grouped GEMM: 64-row program tiles, two of one expert to a 128-row CTA tile
 
     @property
     def threads(self) -> int:

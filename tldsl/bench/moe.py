@@ -232,7 +232,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
         raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
-                                _computed_rows(rt, lg.config.half_tiles), T * topk,
+                                _computed_rows(rt, lg.config), T * topk,
                                 parts=[gemm_alone, combine_alone, notifying_alone])
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
@@ -249,7 +249,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     bufs["y_sorted"].fill_(float("nan"))
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
-                            2 * T * topk * K * N, _computed_rows(rt, lf.config.half_tiles), T * topk,
+                            2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
                             parts=[pair, gemm_alone, combine_alone, notifying_alone])
 
 
@@ -353,7 +353,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         ours()
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
-                            _computed_rows(rt, lowered["grouped_gemm"].config.half_tiles), T * topk, parts=parts)
+                            _computed_rows(rt, lowered["grouped_gemm"].config), T * topk, parts=parts)
 
 
 def laid_out(order, rt):
@@ -365,12 +365,14 @@ def laid_out(order, rt):
     return pos[(order % topk) * T + order // topk]
 
 
-def _computed_rows(rt, half_tiles: bool) -> int:
-    """Rows our kernels compute: the routing's used tiles, whole, but with ``half_tiles`` (the
-    grouped GEMM's configuration) those of at most ``BM / 2`` valid rows, which it runs as half
-    tiles (the programs store a tile's rows past its valid ones as zeros; the tables hold the worst
-    case's tiles, ``rt.num_rows``; an unused one costs its guard only)."""
+def _computed_rows(rt, config) -> int:
+    """Rows our kernels compute: the routing's used tiles, whole, but with the grouped GEMM's
+    ``config.half_tiles`` those of at most ``BM / 2`` valid rows, which it runs as half tiles (the
+    programs store a tile's rows past its valid ones as zeros; the tables hold the worst case's
+    tiles, ``rt.num_rows``; an unused one costs its guard only). Paired 64-row tiles
+    (``config.pair_rows``) are computed whole, alone or two to a CTA tile."""
     used = rt.tile_expert >= 0
+    half_tiles = config.half_tiles and not config.pair_rows
     half = used & (rt.tile_valid_rows <= rt.block_m // 2) if half_tiles else used & False
     return int(used.sum()) * rt.block_m - int(half.sum()) * (rt.block_m // 2)
 

@@ -313,7 +313,9 @@ __device__ __forceinline__ void storev(T* __restrict__ p, int row, int rows, int
 // Cfg: everything sm90::GemmTraits reads, plus
 //   kGather (bool: A rows gathered by Prog::row with cp.async), kBatched (bool: B is [E, K, N]),
 //   kStoreInactive (bool: tiles whose guard is false store zeros instead of nothing),
-//   kM (rows of A: gathered rows >= kM read zero), kK, kGridM, kGridN (the part's grid).
+//   kM (rows of A: gathered rows >= kM read zero), kK, kGridM, kGridN (the part's grid),
+//   kPairRows (bool: the program's tiles have 64 rows and the CTA's 128 — two program tiles of one
+//   expert run as one CTA tile, see pair_tile).
 template <class Cfg>
 struct GroupedTraits : sm90::GemmTraits<Cfg> {
   using Base = sm90::GemmTraits<Cfg>;
@@ -338,10 +340,22 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
 // stages, a CTA with nothing to compute only passes them on); `shared`: both tiles are active on
 // the same expert, so the two CTAs load one half of B each and multicast it to both; `e`: the
 // expert (kExpert only: the producers need it, the consumers do not).
+//
+// Cfg::kPairRows (no clusters): the part's tiles have 64 rows (an expert pads to 64 rows, not 128) and
+// the CTA's tiles 128. An even tile m whose successor is active on the same expert, m itself full,
+// leads: its CTA tile is rows m*64 .. m*64+127, both program tiles (`two`), and the successor has
+// nothing of its own (not `valid`). Any other active tile runs alone as a half tile (64 rows).
 struct PairTile {
   int m, n, e;
   bool valid, active, run, shared;
+  bool two = false;
 };
+
+template <class Cfg, class Prog>
+__device__ __forceinline__ bool leads_pair(const Prog& prog, int m, int n) {
+  return m + 1 < Cfg::kGridM && prog.active(m, n) && prog.active(m + 1, n) &&
+         prog.batch(m, n) == prog.batch(m + 1, n) && prog.valid_rows(m, n) >= 64;
+}
 
 template <class Cfg, bool kExpert, class Prog>
 __device__ __forceinline__ PairTile pair_tile(const Prog& prog, TileCoord ct, int cl_rank) {
@@ -359,6 +373,16 @@ __device__ __forceinline__ PairTile pair_tile(const Prog& prog, TileCoord ct, in
     const bool q_active = q < Cfg::kGridM && prog.active(q, p.n);
     p.run = p.active || q_active;
     if constexpr (kExpert) p.shared = p.active && q_active && prog.batch(q, p.n) == p.e;
+  }
+  if constexpr (Cfg::kPairRows) {
+    static_assert(kCl == 1, "paired program tiles: no clusters");
+    if (p.valid) {
+      if (p.m & 1) {
+        if (leads_pair<Cfg>(prog, p.m - 1, p.n)) p.valid = p.active = p.run = false;   // its leader runs it
+      } else {
+        p.two = p.active && leads_pair<Cfg>(prog, p.m, p.n);
+      }
+    }
   }
   return p;
 }
@@ -487,12 +511,24 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int warp = int(threadIdx.x) / 32;
   const int wg = int(threadIdx.x) / 128;
   constexpr int kCl = Tr::kClusterM;
-  constexpr int gmc = cdiv(Cfg::kGridM, kCl), gn = Cfg::kGridN;   // the order walks cluster tiles
+  // the order walks cluster tiles — Cfg::kPairRows: slots of two program tiles (kSub), the two of a slot
+  // taken one after the other by the same CTA (a pair's leader and follower, or two tiles alone: an
+  // order over program tiles would give the leaders and the followers to different CTAs, half of them
+  // idle); u = kSub * (place in the order) + which tile of the slot
+  constexpr int kSub = Cfg::kPairRows ? 2 : 1;
+  constexpr int gmc = cdiv(cdiv(Cfg::kGridM, kSub), kCl), gn = Cfg::kGridN;
   constexpr int num_tiles = gmc * gn;
   constexpr int k_tiles = cdiv(Cfg::kK, Tr::BK);
   const int start_row = comm_aligned_start(gmc, rank, Cfg::kWorldSize, Cfg::kAlignShift);
   const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
+  const int first_u = first_tile * kSub, end_u = num_tiles * kSub;
+  const auto next_u = [&](int u) { return u % kSub == kSub - 1 ? u + 1 + (tile_step - 1) * kSub : u + 1; };
+  const auto tile_of = [&](int u) {
+    TileCoord c = tile_at(Cfg::kOrder, u / kSub, gmc, gn, Cfg::kGroupM, start_row);
+    c.m = c.m * kSub + u % kSub;
+    return c;
+  };
   constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
   // Cfg::kHalfTiles: a tile whose program stores its rows from Prog::valid_rows() on as zeros, and which
   // has at most 64 valid rows, runs as a half tile — its 64 rows on both consumer warpgroups, each a
@@ -501,6 +537,11 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   // computing them (MoE experts whose last tile is at most half full: smaller M tiles, the layout
   // still in 128-row tiles)
   constexpr bool kHalf = Cfg::kHalfTiles;
+  // rows of one of the part's tiles (Cfg::kPairRows: 64, a CTA tile holding one or two of them)
+  constexpr int kTileRows = Cfg::kPairRows ? 64 : Tr::BM;
+  static_assert(!Cfg::kPairRows || (kHalf && Tr::BM == 128 && !Tr::kPingPong && !Side::kEnabled &&
+                                    Prog::kRowLimit),
+                "paired program tiles: half tiles of 128-row CTA tiles, cooperative, nothing folded in");
   // Tr::kPingPong: each consumer warpgroup owns whole tiles — the CTA's tiles alternate between the two
   // (the j-th one it works on is warpgroup j % 2's), and the two take turns at the K loop (named barriers
   // kTurnBarrier + w): while one runs its tile's WGMMAs, the other stores its previous tile and runs its
@@ -556,13 +597,15 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
       const int chunk = unit / Tr::kUnitsPerChunkA, unit_in_chunk = unit % Tr::kUnitsPerChunkA;
       int it = 0;
-      for (int t = first_tile; t < num_tiles; t += tile_step) {
-        const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
-                                                cl_rank);
+      for (int u = first_u; u < end_u; u = next_u(u)) {
+        const PairTile p = pair_tile<Cfg, true>(prog, tile_of(u), cl_rank);
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
-            if (ptid == 0) prog.waits(p.m, p.n);       // acquire: the rows this tile gathers
+            if (ptid == 0) {
+              prog.waits(p.m, p.n);                    // acquire: the rows this tile gathers
+              if (p.two) prog.waits(p.m + 1, p.n);
+            }
             cutlass::arch::NamedBarrier::sync(Tr::kProducerThreads, Tr::kProducerBarrier);
             if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
           }
@@ -570,7 +613,14 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         int rows[Tr::kRowsPerThread];
 #pragma unroll
         for (int i = 0; i < Tr::kRowsPerThread; ++i) {
-          const int r = p.active ? prog.row(p.m, p.n, row0 + i * Tr::kRowStep) : -1;
+          const int ri = row0 + i * Tr::kRowStep;
+          int r = -1;
+          if (p.active) {
+            if constexpr (Cfg::kPairRows)   // the second 64 rows: the next program tile's, where it pairs
+              r = ri < 64 ? prog.row(p.m, p.n, ri) : (p.two ? prog.row(p.m + 1, p.n, ri - 64) : -1);
+            else
+              r = prog.row(p.m, p.n, ri);
+          }
           rows[i] = (r >= 0 && r < Cfg::kM) ? r : -1;
         }
         const int n0 = p.n * Tr::BN;
@@ -613,9 +663,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           // the notifier: the notifies of this CTA's tiles, in the consumers' order, each once the
           // consumer warpgroups that stored it have arrived (their stores complete and fenced)
           int seq = 0, handed0 = 0, handed1 = 0;   // tiles the consumers work on; tiles each ring carried
-          for (int t = first_tile; t < num_tiles; t += tile_step) {
-            const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
-                                                     cl_rank);
+          for (int u = first_u; u < end_u; u = next_u(u)) {
+            const PairTile p = pair_tile<Cfg, false>(prog, tile_of(u), cl_rank);
             const bool notify = tile_notifies<Cfg, Prog>(p.valid, p.active);
             if (!p.run && !tile_stores<Cfg>(p.valid, p.active) && !notify) continue;   // as the consumers skip it
             const int ring = kPP ? (seq & 1) : 0;                  // ping-pong: the tile's warpgroup's ring
@@ -625,6 +674,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             const int s = ring * kRingSlots + j % kRingSlots;
             EmptyBar::wait(&notify_full[s], uint32_t(j / kRingSlots) & 1u);
             prog.notifies_lanes(p.m, p.n, int(threadIdx.x) % 32);   // the tile's adds spread over the warp
+            if (p.two) prog.notifies_lanes(p.m + 1, p.n, int(threadIdx.x) % 32);
             __syncwarp();
             if (int(threadIdx.x) % 32 == 0) EmptyBar::arrive(&notify_empty[s]);
           }
@@ -632,17 +682,17 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
     } else if (cute::elect_one_sync()) {
       int it = 0;
-      for (int t = first_tile; t < num_tiles; t += tile_step) {
-        const PairTile p = pair_tile<Cfg, true>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
-                                                cl_rank);
+      for (int u = first_u; u < end_u; u = next_u(u)) {
+        const PairTile p = pair_tile<Cfg, true>(prog, tile_of(u), cl_rank);
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
             prog.waits(p.m, p.n);              // acquire: every signal this tile's data depends on
+            if (p.two) prog.waits(p.m + 1, p.n);
             fence_proxy_async_global();        // ... before the async proxy (TMA) reads that data
           }
         }
-        const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN;
+        const int m0 = p.m * kTileRows, n0 = p.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
           const uint32_t phase = uint32_t(it / Tr::kStages) & 1u;
@@ -681,7 +731,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
     // next tile's K loop is done), how many tiles were handed to the notifier warp (on this warpgroup's
     // ring, ping-pong), and how many tiles the consumers worked on (ping-pong: tile j is warpgroup j % 2's)
-    bool pending = false;
+    bool pending = false, pending_two = false;
     int pending_m = 0, pending_n = 0, handed = 0, seq = 0;
     // ping-pong: the other warpgroup's turn, once a tile's WGMMAs are issued (or it has none); else nothing
     const auto hand_turn = [&]() {
@@ -707,14 +757,16 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           if (tid == 0) prog.notifies(pending_m, pending_n);
         } else {                                    // ... before one consumer thread releases them
           cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, Tr::kConsumersBarrier);
-          if (cw == 0 && tid == 0) prog.notifies(pending_m, pending_n);
+          if (cw == 0 && tid == 0) {
+            prog.notifies(pending_m, pending_n);
+            if (pending_two) prog.notifies(pending_m + 1, pending_n);
+          }
         }
       }
     };
 
-    for (int t = first_tile; t < num_tiles; t += tile_step) {
-      const PairTile p = pair_tile<Cfg, false>(prog, tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row),
-                                               cl_rank);
+    for (int u = first_u; u < end_u; u = next_u(u)) {
+      const PairTile p = pair_tile<Cfg, false>(prog, tile_of(u), cl_rank);
       // tile_stores / tile_notifies, written out: calling them here changes NVRTC's code for the folded
       // kernels (the SASS the GPU measurements ran, BENCHMARKS.md, twenty-eighth session)
       const bool store = p.valid && (p.active || Cfg::kStoreInactive);
@@ -736,9 +788,15 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       // the tile's valid rows (from them on the program stores zeros) and whether it runs as a half tile
       int valid = Tr::BM;                 // (an inactive tile stores zeros: its accumulators are)
       if constexpr (Prog::kRowLimit) {
-        if (p.active) valid = prog.valid_rows(p.m, p.n);   // (read where the program reads it: past the guard)
+        if (p.active) {                   // (read where the program reads it: past the guard)
+          if constexpr (Cfg::kPairRows)   // a pair: the first tile is full
+            valid = p.two ? 64 + min(prog.valid_rows(p.m + 1, p.n), 64) : min(prog.valid_rows(p.m, p.n), 64);
+          else
+            valid = prog.valid_rows(p.m, p.n);
+        }
       }
-      const bool half = kHalf && p.active && valid <= 64;
+      // (paired program tiles: an inactive tile too — its 64 rows of zeros, where it stores them)
+      const bool half = kHalf && (Cfg::kPairRows ? !p.two : p.active && valid <= 64);
       if (p.active) {
         bool whole = true;
         if constexpr (kHalf) {
@@ -782,15 +840,17 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           store_block<Cfg, Tr, Tr::kWgChunksC, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 64,
                                                      0, tid, bar_id);
         } else if (kHalf && half) {
-          // this warpgroup's half of the columns: the 64 computed rows, then 64 rows of zeros
+          // this warpgroup's half of the columns: the 64 computed rows, then 64 rows of zeros (paired
+          // program tiles: the next 64 rows are another tile's)
           constexpr int kHalfChunks = (Tr::BN / 2) / Tr::EC;
-          const int m0 = p.m * Tr::BM, n0 = p.n * Tr::BN + cw * (Tr::BN / 2);
+          const int m0 = p.m * kTileRows, n0 = p.n * Tr::BN + cw * (Tr::BN / 2);
           store_block<Cfg, Tr, kHalfChunks, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0, n0, 0, valid,
                                                    tid, bar_id);
-          store_block<Cfg, Tr, kHalfChunks, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 64, 0,
-                                                  tid, bar_id);
+          if constexpr (!Cfg::kPairRows)
+            store_block<Cfg, Tr, kHalfChunks, true>(tma_c, smem, smem_u32, epi0, epi_count, acc[0], m0 + 64, n0, 64,
+                                                    0, tid, bar_id);
         } else {
-          const int m0 = p.m * Tr::BM + wg_row, n0 = p.n * Tr::BN + wg_col;
+          const int m0 = p.m * kTileRows + wg_row, n0 = p.n * Tr::BN + wg_col;
 #pragma unroll
           for (int mb = 0; mb < Tr::MB; ++mb)
             store_block<Cfg, Tr, Tr::kWgChunksC, false>(tma_c, smem, smem_u32, epi0, epi_count, acc[mb],
@@ -800,6 +860,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if constexpr (Prog::kHasNotifies) {
         if (notify) {
           pending = true;
+          pending_two = p.two;
           pending_m = p.m;
           pending_n = p.n;
           if constexpr (!kDeferNotifies) run_notifies();

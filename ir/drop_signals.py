@@ -10,7 +10,11 @@ that every recipe lowers the program as if it had been written without them.
 
 The result is for lowering only: run in the simulator, where every part runs beside the others,
 the dropped waits would be missing synchronisation. ``Kernel.stream_ordered`` names what was
-dropped, so that a launch plan can refuse to run such kernels side by side.
+dropped, so that a launch plan can refuse to run such kernels side by side. One behaviour differs
+from the program as written: a wait that too few notifies could ever satisfy (a count larger than
+the producer's notifies, say from a wrong routing table) no longer hangs or traps — the part reads
+what its producer finished writing. The simulator reports such a program as a deadlock, and
+``tl.run``'s static checks refuse it before launch where the counts are constants.
 """
 from __future__ import annotations
 

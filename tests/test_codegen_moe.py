@@ -413,6 +413,9 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
 
     @tl.comm_part(grid=(NT,))
     def feed(t):
+        if variant == "mask_ids_cycle":      # tile t's rows come once tile t - 1 is done
+            with tl.when(t > 0):
+                tl.consumer_tile_wait(done, t - 1, count=tl.cdiv(N, BN))
         tl.producer_tile_notify(ready, t)
 
     @tl.compute_part(grid=(NT, tl.cdiv(N, BN)))
@@ -438,6 +441,9 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
         out = {"exp": lambda: tl.exp(acc),
                "mask_rows": lambda: tl.where(rows_in() < e + 1, acc, 0.0),         # e + 1 rows kept
                "mask_written": lambda: tl.where(rows_in() < e + 1, acc, 0.0),
+               "mask_ids": lambda: tl.where(rows_in() < tl.load_scalar(ids, (i * BM,)) + BM, acc, 0.0),
+               "mask_ids_written": lambda: tl.where(rows_in() < tl.load_scalar(ids, (i * BM,)) + BM, acc, 0.0),
+               "mask_ids_cycle": lambda: tl.where(rows_in() < tl.load_scalar(ids, (i * BM,)) + BM, acc, 0.0),
                "mask_negzero": lambda: tl.where(rows_in() < e, acc, -0.0),
                "mask_one": lambda: tl.where(rows_in() < e, acc, 1.0),
                "mask_swapped": lambda: tl.where(rows_in() < e, 0.0, acc),
@@ -461,14 +467,14 @@ def gathered(x, w, tile_expert, ids, h, *, compute: tl.ComputeSchedule = None, v
             tl.consumer_tile_wait(done, i, count=tl.cdiv(N, BN))
         if variant == "writes_w":           # B written while the GEMM runs
             tl.store(w, (0, 0, 0), tl.zeros((1, BK, BN), w.dtype))
-        if variant in ("writes_table", "mask_written"):       # the guard's table written while the GEMM runs
+        if variant in ("writes_table", "mask_written", "mask_ids_written"):   # the guard's table written meanwhile
             tl.store(tile_expert, (0,), tl.zeros((NT,), tl.int32))
 
 
-def _trace_gathered(variant):
+def _trace_gathered(variant, tile=(128, 128, 64)):
     specs = (S((512, 256), tl.float16), S((4, 256, 256), tl.float16), S((8,), tl.int32), S((8 * 128,), tl.int32),
              S((8 * 128, 256), tl.float16))
-    return gathered.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(128, 128, 64)), variant=variant),
+    return gathered.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=tile), variant=variant),
                                   channels=False)
 
 
@@ -562,6 +568,17 @@ def test_64_row_tiles_pair_into_128_row_cta_tiles_where_they_can():
                lower_grouped_gemm(k, "grouped_gemm", side="combine"),
                lower_grouped_gemm(trace_rs(tile=(64, 256, 64), stages=5), "grouped_gemm")):
         assert not lw.config.pair_rows and lw.config.split_n and lw.config.BM == 64 and "kPairRows = false" in lw.source
+
+def test_64_row_tiles_do_not_pair_where_the_roles_could_disagree_or_a_pair_wait_on_itself():
+    """Pairing reads the guard and expert of a tile's neighbour in every role: not where another
+    part writes them while the kernel runs. A pair waits for both its tiles before computing the
+    first: not where a tile's rows wait (here through the part feeding them) on the tile before."""
+    tile = (64, 128, 64)
+    assert lower_grouped_gemm(_trace_gathered("mask_ids", tile), "gg").config.pair_rows
+    for variant in ("mask_ids_written", "mask_ids_cycle"):
+        lw = lower_grouped_gemm(_trace_gathered(variant, tile), "gg")
+        assert not lw.config.pair_rows and lw.config.BM == 64 and lw.config.consumer_wgs == 1, variant
+
 
 @pytest.mark.parametrize("variant,texts", [
     ("wait_after", ("'consumer_tile_wait' after the K loop",)),

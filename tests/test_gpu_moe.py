@@ -117,7 +117,8 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (2, 1)),
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 128, 32), 6, "comm_aligned", "float16", (2, 1)),
-    # 64-row tiles whose two consumer warpgroups split the columns (a partial last column tile, odd K)
+    # 64-row tiles: in pairs of CTAs, the two consumer warpgroups split the columns (a partial last column
+    # tile, odd K); without clusters, two tiles of one expert to a 128-row CTA tile
     (2, 1000, 1032, 1400, 16, 4, "random", (64, 256, 64), 5, "swizzled", "bfloat16", (2, 1)),
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
     # 128 x 128 tiles in pairs, a deep pipeline (A gathered: the cooperative schedule, never ping-pong)
@@ -274,7 +275,8 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # clusters of two tiles (unused tiles store nothing and still notify nothing)
     (4, 256, 512, 384, 8, 2, "random", (128, 128, 64), 4, "row_major", "float16", (2, 1)),
     (2, 1000, 1400, 1032, 16, 4, "random", (128, 256, 64), 4, "swizzled", "bfloat16", (2, 1)),
-    # 64-row tiles, the columns split between the two consumer warpgroups
+    # 64-row tiles: in pairs of CTAs (and folded), the columns split between the two consumer warpgroups;
+    # without clusters, two tiles of one expert to a 128-row CTA tile
     (2, 1000, 1400, 1032, 16, 4, "random", (64, 256, 64), 5, "swizzled", "bfloat16", (2, 1)),
     (4, 256, 512, 384, 8, 2, "random", (64, 256, 64), 4, "row_major", "float16", (1, 1)),
     # ping-pong 128 x 128 tiles (each consumer warpgroup on whole tiles, in turns), alone and in pairs

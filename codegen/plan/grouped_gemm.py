@@ -97,7 +97,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
     # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
     # measured 3-7 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
-    cfg = paired_config(m, sched, in_dt, K, cluster, ring, side, part.loc)
+    cfg = paired_config(kernel, m, sched, in_dt, K, cluster, ring, side, part.loc)
     if cfg is None:
         cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
                             notify_slots=ring, pingpong=not m.gather)
@@ -141,8 +141,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            wait_timeout_options(wait_timeout_ns), side_plan)
 
 
-def paired_config(m: GroupedGemmMatch, sched: ComputeSchedule, in_dt: str, K: int, cluster, ring: int, side,
-                  loc) -> GemmConfig | None:
+def paired_config(kernel: core.Kernel, m: GroupedGemmMatch, sched: ComputeSchedule, in_dt: str, K: int, cluster,
+                  ring: int, side, loc) -> GemmConfig | None:
     """The configuration that runs a part of 64-row tiles (an MoE expert padded to 64 rows, not 128)
     on 128-row CTA tiles: two program tiles of one expert as one tile (both consumer warpgroups on
     its rows, B loaded once for 128 rows), any other as a half tile (Cfg::kPairRows,
@@ -152,11 +152,23 @@ def paired_config(m: GroupedGemmMatch, sched: ComputeSchedule, in_dt: str, K: in
 
     Applies to 64-row tiles whose stored rows past a run-time count are zeros (the count tells a
     full tile from a partial one), without clusters (pairs of CTAs would hold a leader and its
-    follower) and with nothing folded in; the stages must fit 128-row tiles. The order walks slots
+    follower), with nothing folded in, a guard and an expert no other part writes while the
+    kernel runs, and tiles that do not wait on each other; the stages must fit 128-row tiles. The order walks slots
     of two program tiles (a group: ``group_m`` slots), the two of a slot on one CTA."""
     cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
     BM, BN, BK = sched.tile
     if BM != 64 or m.row_limit is None or cl != (1, 1) or side is not None:
+        return None
+    # every role of the kernel decides from the guard and the expert of a tile and of its neighbour
+    # whether they pair: what those read must not change while the kernel runs (else the roles could
+    # disagree and their rings fall out of step)
+    values = ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
+    if _written_reads(m.part.body.ops, values, written_buffers(kernel)):
+        return None
+    # a pair waits for both tiles before computing the first and notifies for both after storing the
+    # second: where the part's tiles wait on each other (directly or through other parts), a tile's
+    # waits could need its partner's notifies
+    if self_signals(m.part) or reaches(waits_on(kernel), m.part.name, m.part.name):
         return None
     cta = replace(sched, tile=(128, BN, BK))
     try:

@@ -82,7 +82,8 @@ from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.fold import is_folded
-from ..gpu.run_plan import RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, plan_run
+from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, plan_run,
+                            stream_ordered)
 from ..gpu.sm_split import check_split
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
@@ -197,7 +198,8 @@ class FusedProgram(FusedOp):
                         chain=self.chain)
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
-        self._reset_each_launch = bool(data_dependent_waits(ir))
+        # (the waits the kernels keep: chained "after", a combine's data-dependent wait is dropped)
+        self._reset_each_launch = bool(data_dependent_waits(stream_ordered(ir) if self.chain == "after" else ir))
         self._written = written_buffers(ir)
         return {"arguments": ", ".join(f"{b.name} {list(b.type.shape)} {b.type.dtype.name}" for b in ir.args),
                 "schedules": f"{ir.compute_schedule}, {ir.comm_schedule}", "program": program_hash(ir),

@@ -33,8 +33,18 @@ def _dt(name):
 
 
 def _routing(W, Ms, E, topk, BM, kind, seed):
+    """``kind="edges"`` (top-1): experts of BM + 1 and 1 rows in turn, every tile of the worst case
+    used — a full tile then one of one row, a tile of one row alone, and the last tile, whose A rows
+    run past A's end."""
     from tldsl.ops.moe import moe_routing, random_routing
     rng = np.random.default_rng(seed)
+    if kind == "edges":
+        counts = [BM + 1 if e % 2 == 0 else 1 for e in range(E)]
+        assert topk == 1 and sum(counts) == W * Ms, (counts, W * Ms)
+        ids = rng.permutation(np.repeat(np.arange(E), counts))[:, None]
+        rt = moe_routing(ids, E, W, Ms, BM)
+        assert (rt.tile_expert >= 0).all()
+        return rt, rng.random((W * Ms, 1)).astype(np.float32)
     ids, wts = random_routing(rng, W * Ms, E, topk, kind)
     return moe_routing(ids, E, W, Ms, BM), wts
 
@@ -123,8 +133,10 @@ AG_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     (8, 128, 520, 200, 4, 1, "concentrated", (64, 256, 64), 4, "comm_aligned", "float16", (1, 1)),
     # 128 x 128 tiles in pairs, a deep pipeline (A gathered: the cooperative schedule, never ping-pong)
     (2, 1000, 1032, 1400, 16, 4, "random", (128, 128, 64), 6, "swizzled", "bfloat16", (2, 1)),
-    # 64-row tiles (experts padded to 64 rows) paired into 128-row CTA tiles: many small experts
+    # 64-row tiles (experts padded to 64 rows) paired into 128-row CTA tiles: many small experts; every
+    # tile used, lone tiles of one row, the last one's rows past A's end
     (2, 1000, 1032, 768, 64, 6, "random", (64, 256, 64), 4, "swizzled", "bfloat16", (1, 1)),
+    (2, 66, 256, 384, 4, 1, "edges", (64, 128, 64), 4, "row_major", "float16", (1, 1)),
 ]
 
 
@@ -287,6 +299,7 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
     # 64-row tiles paired into 128-row CTA tiles (folded: the columns split instead), small experts
     (3, 1000, 704, 2048, 64, 6, "random", (64, 256, 64), 4, "swizzled", "bfloat16", (1, 1)),
     (2, 1000, 384, 2048, 128, 8, "random", (64, 128, 64), 6, "row_major", "float16", (1, 1)),
+    (2, 66, 256, 384, 4, 1, "edges", (64, 128, 64), 4, "row_major", "float16", (1, 1)),
 ]
 
 

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import tldsl as tl
 from tldsl.codegen import toolchain as tcm
@@ -568,6 +569,37 @@ def test_64_row_tiles_pair_into_128_row_cta_tiles_where_they_can():
                lower_grouped_gemm(k, "grouped_gemm", side="combine"),
                lower_grouped_gemm(trace_rs(tile=(64, 256, 64), stages=5), "grouped_gemm")):
         assert not lw.config.pair_rows and lw.config.split_n and lw.config.BM == 64 and "kPairRows = false" in lw.source
+
+@settings(max_examples=40, deadline=None)
+@given(BN=st.sampled_from([64, 128, 256]), BK=st.sampled_from([32, 64]), stages=st.integers(2, 8),
+       cluster=st.sampled_from([(1, 1), (2, 1)]), dt=st.sampled_from([tl.float16, tl.bfloat16]),
+       rs=st.booleans())
+def test_64_row_tiles_pair_exactly_where_128_row_tiles_fit(BN, BK, stages, cluster, dt, rs):
+    """Over the schedules a user may write with 64-row tiles: they pair (128-row CTA tiles, half
+    tiles, the order's groups in slots of two, the program's grid) exactly where there are no
+    clusters and the same schedule at 128 rows fits with half tiles; else they run as 64 rows."""
+    from tldsl.codegen.plan.grouped_gemm import half_tiles_fit
+    from tldsl.codegen.plan.wgmma import SMEM_LIMIT, choose_config
+    k = (trace_rs if rs else trace_ag)(tile=(64, BN, BK), stages=stages, cluster=cluster, dt=dt)
+    try:
+        lw = lower_grouped_gemm(k, "grouped_gemm")
+    except LoweringError:
+        return                                   # the 64-row schedule itself does not fit (tested elsewhere)
+    c = lw.config
+    try:
+        tall = choose_config("t", tl.ComputeSchedule(tile=(128, BN, BK), stages=stages), dt.name, dt.name, K=512,
+                             split_n=True, notify_slots=c.notify_slots)
+        fits = half_tiles_fit(tall)
+    except LoweringError:
+        fits = False
+    assert c.pair_rows == (cluster == (1, 1) and fits)
+    if c.pair_rows:
+        assert (c.BM, c.half_tiles, c.split_n, c.group_m, c.stages) == (128, True, False, 8, stages)
+        assert c.smem_bytes <= SMEM_LIMIT and lw.grid_tiles == tuple(k.part("grouped_gemm").grid)
+        assert lw.grid(132)[0] <= -(-lw.grid_tiles[0] // 2) * lw.grid_tiles[1]     # no more CTAs than slots
+    else:
+        assert c.BM == 64 and "kPairRows = false" in lw.source
+
 
 def test_64_row_tiles_do_not_pair_where_the_roles_could_disagree_or_a_pair_wait_on_itself():
     """Pairing reads the guard and expert of a tile's neighbour in every role: not where another

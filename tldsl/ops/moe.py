@@ -164,7 +164,8 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
     tile still holds one expert's rows in token order, so a GEMM walking the tiles in order
     finishes the token tiles progressively, not all in its last wave, and a combine beside it or
     folded into it can follow it; a round keeps one expert's weights for ``interleave`` tiles
-    (as many as the swizzled order's ``group_m``). Raises :class:`~tldsl.InputError` on ids
+    (as many as the swizzled order's ``group_m``); host tables only (the fused ops' routing on the
+    GPU lays the experts out one after the other). Raises :class:`~tldsl.InputError` on ids
     outside ``[0, num_experts)`` or a shape that does not fit."""
     E = _positive_int("num_experts", num_experts)
     W = _positive_int("world_size", world_size)

@@ -535,7 +535,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   // 64 x BN/2 WGMMA (Cfg::GmmaHalf) on its half of B's columns, or (ping-pong) on the tile's one
   // warpgroup as one m64 block instead of two — and stores its other 64 rows as zeros without
   // computing them (MoE experts whose last tile is at most half full: smaller M tiles, the layout
-  // still in 128-row tiles)
+  // still in 128-row tiles; Cfg::kPairRows: a layout in 64-row tiles, see pair_tile)
   constexpr bool kHalf = Cfg::kHalfTiles;
   // rows of one of the part's tiles (Cfg::kPairRows: 64, a CTA tile holding one or two of them)
   constexpr int kTileRows = Cfg::kPairRows ? 64 : Tr::BM;

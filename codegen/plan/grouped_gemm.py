@@ -153,8 +153,9 @@ def paired_config(kernel: core.Kernel, m: GroupedGemmMatch, sched: ComputeSchedu
     Applies to 64-row tiles whose stored rows past a run-time count are zeros (the count tells a
     full tile from a partial one), without clusters (pairs of CTAs would hold a leader and its
     follower), with nothing folded in, a guard and an expert no other part writes while the
-    kernel runs, and tiles that do not wait on each other; the stages must fit 128-row tiles. The order walks slots
-    of two program tiles (a group: ``group_m`` slots), the two of a slot on one CTA."""
+    kernel runs, and tiles that do not wait on each other; the stages must fit 128-row tiles.
+    The order walks slots of two program tiles (a group: ``group_m`` slots), the two of a slot
+    on one CTA."""
     cl = tuple(cluster if cluster is not None else getattr(sched, "cluster", (1, 1)))
     BM, BN, BK = sched.tile
     if BM != 64 or m.row_limit is None or cl != (1, 1) or side is not None:

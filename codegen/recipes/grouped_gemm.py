@@ -143,7 +143,7 @@ class LoweredGroupedGemm(LoweredKernel):
                  f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}"
                  f"{', ping-pong: each on whole tiles, in turns' if c.pingpong else ''}, smem {c.smem_bytes} B"
                  f"{'; tiles of <= 64 valid rows run as 64 rows' if c.half_tiles and not c.pair_rows else ''}"
-                 f"{'; the part tiles 64 rows: two of one expert run as one tile, any other as 64 rows' if c.pair_rows else ''}",
+                 f"{'; the part tiles 64 rows: two of one expert as one tile, any other alone' if c.pair_rows else ''}",
                  f"  tiles {self.grid_tiles[0]}x{self.grid_tiles[1]} = {self.num_tiles}, persistent; "
                  f"inactive tiles {'store zeros' if self.store_inactive else 'are skipped'}; {self.waits} wait(s), "
                  f"{self.notifies} notify(s) on {list(self.signals) or 'no signals'}",

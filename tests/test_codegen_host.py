@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tldsl as tl
@@ -344,6 +345,87 @@ def test_cpp_tile_order_matches_schedule(tmp_path):
         want = tl.ComputeSchedule(order=order, group_m=g, cluster=(cm, 1)).tile_order((gm, gn), rank, W, shift)
         assert got == want, (order, gm, gn, g, rank, W, shift, cm)
         assert sorted(got) == [(m, n) for m in range(gm) for n in range(gn)]     # every tile once
+
+
+GROUPED_WALK_MAIN = r"""
+#include "tldsl/grouped_tiles.hpp"
+#include <cstdio>
+#include <cstdlib>
+struct Cfg {
+  static constexpr int kGridM = GM, kGridN = GN, kClusterM = 1, kOrder = ORDER, kGroupM = GROUP_M;
+  static constexpr int kWorldSize = 1, kAlignShift = 0;
+  static constexpr bool kPairRows = PAIR;
+};
+struct Prog {               // a tile's guard, expert and valid rows from argv: expert valid, per tile row
+  int expert[GM], valid[GM];
+  bool active(int m, int) const { return expert[m] >= 0; }
+  int batch(int m, int) const { return expert[m]; }
+  int valid_rows(int m, int) const { return valid[m]; }
+};
+int main(int argc, char** argv) {
+  Prog prog;
+  const int ctas = atoi(argv[1]);
+  for (int m = 0; m < GM; ++m) { prog.expert[m] = atoi(argv[2 + 2 * m]); prog.valid[m] = atoi(argv[3 + 2 * m]); }
+  for (int b = 0; b < ctas; ++b) {            // as grouped_gemm_kernel's roles walk it, CTA by CTA
+    const tldsl::grouped::TileWalk<Cfg> walk(b, ctas, 0);
+    for (int u = walk.first; u < walk.end; u = walk.next(u)) {
+      const tldsl::grouped::PairTile p = tldsl::grouped::pair_tile<Cfg, false>(prog, walk.tile(u), 0);
+      printf("%d %d %d %d %d %d\n", b, p.m, p.n, int(p.valid), int(p.active), int(p.two));
+    }
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("order", ["row_major", "swizzled"])
+def test_cpp_grouped_walk_computes_every_active_tile_once(tmp_path, order):
+    """The grouped GEMM's walk (grouped_tiles.hpp), compiled for the host: every active tile computed
+    exactly once over all CTAs — alone, or (64-row tiles paired) with its partner, a leader always
+    an even tile of one expert with its successor, itself full, the follower never alone; a slot's
+    two tiles on one CTA, one after the other; unpaired, the schedule's own order."""
+    rng = np.random.default_rng(0)
+    kind = {"row_major": 0, "swizzled": 1}[order]
+    for pair in (False, True):
+        for gm, gn, group_m, ctas in ((13, 3, 4, 5), (16, 2, 8, 7), (9, 1, 2, 4), (1, 4, 8, 3)):
+            # runs of experts of random lengths, each run's last tile partial, unused tiles at the end
+            expert, valid, e = [], [], 0
+            while len(expert) < gm - 2:
+                n = int(rng.integers(1, 5))
+                expert += [e] * n
+                valid += [64] * (n - 1) + [int(rng.integers(1, 65))]
+                e += 1
+            expert, valid = (expert + [-1] * gm)[:gm], (valid + [0] * gm)[:gm]
+            exe = tmp_path / f"walk_{pair}_{gm}_{gn}_{group_m}_{order}"
+            src = tmp_path / "walk.cpp"
+            src.write_text(GROUPED_WALK_MAIN)
+            subprocess.run(["g++", "-std=c++17", "-O1", f"-I{INCLUDE}", f"-DGM={gm}", f"-DGN={gn}",
+                            f"-DORDER={kind}", f"-DGROUP_M={group_m}", f"-DPAIR={'true' if pair else 'false'}",
+                            str(src), "-o", str(exe)], check=True)
+            args = [str(ctas)] + [str(v) for ev in zip(expert, valid) for v in ev]
+            out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True).stdout
+            rows = [tuple(map(int, line.split())) for line in out.splitlines()]
+            computed = []
+            for b, m, n, ok, active, two in rows:
+                if ok and active:
+                    computed += [(m, n)] + ([(m + 1, n)] if two else [])
+                    if two:
+                        assert m % 2 == 0 and expert[m] == expert[m + 1] >= 0 and valid[m] == 64, (m, expert, valid)
+            want = [(m, n) for m in range(gm) for n in range(gn) if expert[m] >= 0]
+            assert sorted(computed) == want, (pair, gm, gn, order)
+            leaders = {(m, n) for _, m, n, ok, active, two in rows if ok and active and two}
+            for _, m, n, ok, _, _ in rows:           # a leader's follower is never run on its own
+                assert not (ok and m % 2 == 1 and (m - 1, n) in leaders)
+            if pair:                                 # a slot's two tiles: one CTA, one after the other
+                for b in range(ctas):
+                    mine = [(m, n) for c, m, n, *_ in rows if c == b]
+                    assert all(mine[i][0] // 2 == mine[i + 1][0] // 2 and mine[i][1] == mine[i + 1][1]
+                               for i in range(0, len(mine), 2)), mine
+            else:
+                seq = tl.ComputeSchedule(order=order, group_m=group_m).tile_order((gm, gn), 0, 1)
+                for b in range(ctas):
+                    assert [(m, n) for c, m, n, *_ in rows if c == b] == seq[b::ctas]
 
 
 def test_cluster_schedule_validation_and_order():

@@ -83,6 +83,7 @@
 //    thread spins, then __syncthreads(); notifies: __syncthreads(), then one thread releases.
 #pragma once
 
+#include "tldsl/grouped_tiles.hpp"
 #include "tldsl/sm90_gemm.hpp"
 
 namespace tldsl {
@@ -333,60 +334,6 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static_assert(Cfg::kM > 0 && Cfg::kGridM > 0 && Cfg::kGridN > 0, "empty grouped GEMM");
 };
 
-// What one CTA does with a cluster tile (kClusterM vertically adjacent tiles of one tile column;
-// one tile without clusters): its own tile (m, n); `valid`: m is a tile row of the grid (an odd
-// grid's last cluster has a partner past it); `active`: the tile's guard holds; `run`: the
-// cluster runs the K loop (the guard holds on either tile: both CTAs then step through the same
-// stages, a CTA with nothing to compute only passes them on); `shared`: both tiles are active on
-// the same expert, so the two CTAs load one half of B each and multicast it to both; `e`: the
-// expert (kExpert only: the producers need it, the consumers do not).
-//
-// Cfg::kPairRows (no clusters): the part's tiles have 64 rows (an expert pads to 64 rows, not 128) and
-// the CTA's tiles 128. An even tile m whose successor is active on the same expert, m itself full,
-// leads: its CTA tile is rows m*64 .. m*64+127, both program tiles (`two`), and the successor has
-// nothing of its own (not `valid`). Any other active tile runs alone as a half tile (64 rows).
-struct PairTile {
-  int m, n, e;
-  bool valid, active, run, shared;
-  bool two = false;
-};
-
-template <class Cfg, class Prog>
-__device__ __forceinline__ bool leads_pair(const Prog& prog, int m, int n) {
-  return m + 1 < Cfg::kGridM && prog.active(m, n) && prog.active(m + 1, n) &&
-         prog.batch(m, n) == prog.batch(m + 1, n) && prog.valid_rows(m, n) >= 64;
-}
-
-template <class Cfg, bool kExpert, class Prog>
-__device__ __forceinline__ PairTile pair_tile(const Prog& prog, TileCoord ct, int cl_rank) {
-  constexpr int kCl = Cfg::kClusterM;
-  PairTile p;
-  p.m = ct.m * kCl + cl_rank;
-  p.n = ct.n;
-  p.valid = p.m < Cfg::kGridM;
-  p.active = p.valid && prog.active(p.m, p.n);
-  p.e = (kExpert && p.active) ? prog.batch(p.m, p.n) : 0;
-  p.run = p.active;
-  p.shared = false;
-  if constexpr (kCl > 1) {
-    const int q = ct.m * kCl + (cl_rank ^ 1);
-    const bool q_active = q < Cfg::kGridM && prog.active(q, p.n);
-    p.run = p.active || q_active;
-    if constexpr (kExpert) p.shared = p.active && q_active && prog.batch(q, p.n) == p.e;
-  }
-  if constexpr (Cfg::kPairRows) {
-    static_assert(kCl == 1, "paired program tiles: no clusters");
-    if (p.valid) {
-      if (p.m & 1) {
-        if (leads_pair<Cfg>(prog, p.m - 1, p.n)) p.valid = p.active = p.run = false;   // its leader runs it
-      } else {
-        p.two = p.active && leads_pair<Cfg>(prog, p.m, p.n);
-      }
-    }
-  }
-  return p;
-}
-
 // B's (BK x BN) tile of expert `e` at (k0, n0) into stage `sb`, completing on `bar`: all chunks by
 // this CTA, or (`shared`, clusters) the chunks c with c % kClusterM == cl_rank, multicast into the
 // same stage of both CTAs (the partner loads the others).
@@ -511,24 +458,10 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
   const int warp = int(threadIdx.x) / 32;
   const int wg = int(threadIdx.x) / 128;
   constexpr int kCl = Tr::kClusterM;
-  // the order walks cluster tiles — Cfg::kPairRows: slots of two program tiles (kSub), the two of a slot
-  // taken one after the other by the same CTA (a pair's leader and follower, or two tiles alone: an
-  // order over program tiles would give the leaders and the followers to different CTAs, half of them
-  // idle); u = kSub * (place in the order) + which tile of the slot
-  constexpr int kSub = Cfg::kPairRows ? 2 : 1;
-  constexpr int gmc = cdiv(cdiv(Cfg::kGridM, kSub), kCl), gn = Cfg::kGridN;
-  constexpr int num_tiles = gmc * gn;
   constexpr int k_tiles = cdiv(Cfg::kK, Tr::BK);
-  const int start_row = comm_aligned_start(gmc, rank, Cfg::kWorldSize, Cfg::kAlignShift);
   const int cl_rank = kCl > 1 ? int(cute::block_rank_in_cluster()) : 0;
-  const int first_tile = int(blockIdx.x) / kCl, tile_step = int(gridDim.x) / kCl;
-  const int first_u = first_tile * kSub, end_u = num_tiles * kSub;
-  const auto next_u = [&](int u) { return u % kSub == kSub - 1 ? u + 1 + (tile_step - 1) * kSub : u + 1; };
-  const auto tile_of = [&](int u) {
-    TileCoord c = tile_at(Cfg::kOrder, u / kSub, gmc, gn, Cfg::kGroupM, start_row);
-    c.m = c.m * kSub + u % kSub;
-    return c;
-  };
+  // the CTA's tiles (grouped_tiles.hpp: cluster tiles of the order, or slots of two paired program tiles)
+  const TileWalk<Cfg> walk(int(blockIdx.x) / kCl, int(gridDim.x) / kCl, rank);
   constexpr bool kDeferNotifies = Prog::kHasNotifies && !Prog::kHasWaits;
   // Cfg::kHalfTiles: a tile whose program stores its rows from Prog::valid_rows() on as zeros, and which
   // has at most 64 valid rows, runs as a half tile — its 64 rows on both consumer warpgroups, each a
@@ -597,8 +530,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       const int unit = ptid % Tr::kUnitsA, row0 = ptid / Tr::kUnitsA;
       const int chunk = unit / Tr::kUnitsPerChunkA, unit_in_chunk = unit % Tr::kUnitsPerChunkA;
       int it = 0;
-      for (int u = first_u; u < end_u; u = next_u(u)) {
-        const PairTile p = pair_tile<Cfg, true>(prog, tile_of(u), cl_rank);
+      for (int u = walk.first; u < walk.end; u = walk.next(u)) {
+        const PairTile p = pair_tile<Cfg, true>(prog, walk.tile(u), cl_rank);
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
@@ -663,8 +596,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           // the notifier: the notifies of this CTA's tiles, in the consumers' order, each once the
           // consumer warpgroups that stored it have arrived (their stores complete and fenced)
           int seq = 0, handed0 = 0, handed1 = 0;   // tiles the consumers work on; tiles each ring carried
-          for (int u = first_u; u < end_u; u = next_u(u)) {
-            const PairTile p = pair_tile<Cfg, false>(prog, tile_of(u), cl_rank);
+          for (int u = walk.first; u < walk.end; u = walk.next(u)) {
+            const PairTile p = pair_tile<Cfg, false>(prog, walk.tile(u), cl_rank);
             const bool notify = tile_notifies<Cfg, Prog>(p.valid, p.active);
             if (!p.run && !tile_stores<Cfg>(p.valid, p.active) && !notify) continue;   // as the consumers skip it
             const int ring = kPP ? (seq & 1) : 0;                  // ping-pong: the tile's warpgroup's ring
@@ -682,8 +615,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
     } else if (cute::elect_one_sync()) {
       int it = 0;
-      for (int u = first_u; u < end_u; u = next_u(u)) {
-        const PairTile p = pair_tile<Cfg, true>(prog, tile_of(u), cl_rank);
+      for (int u = walk.first; u < walk.end; u = walk.next(u)) {
+        const PairTile p = pair_tile<Cfg, true>(prog, walk.tile(u), cl_rank);
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
@@ -765,8 +698,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       }
     };
 
-    for (int u = first_u; u < end_u; u = next_u(u)) {
-      const PairTile p = pair_tile<Cfg, false>(prog, tile_of(u), cl_rank);
+    for (int u = walk.first; u < walk.end; u = walk.next(u)) {
+      const PairTile p = pair_tile<Cfg, false>(prog, walk.tile(u), cl_rank);
       // tile_stores / tile_notifies, written out: calling them here changes NVRTC's code for the folded
       // kernels (the SASS the GPU measurements ran, BENCHMARKS.md, twenty-eighth session)
       const bool store = p.valid && (p.active || Cfg::kStoreInactive);

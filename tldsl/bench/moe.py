@@ -172,7 +172,6 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     import numpy as np
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
-    from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, interleave=interleave)
@@ -284,7 +283,6 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     real), ``parts_ms`` the two kernels one after the other first."""
     import numpy as np
     import torch
-    from . import fused_layers
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave)

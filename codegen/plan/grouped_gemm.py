@@ -163,8 +163,7 @@ def paired_config(kernel: core.Kernel, m: GroupedGemmMatch, sched: ComputeSchedu
     # every role of the kernel decides from the guard and the expert of a tile and of its neighbour
     # whether they pair: what those read must not change while the kernel runs (else the roles could
     # disagree and their rings fall out of step)
-    values = ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
-    if _written_reads(m.part.body.ops, values, written_buffers(kernel)):
+    if _written_reads(m.part.body.ops, tile_choice_values(m), written_buffers(kernel)):
         return None
     # a pair waits for both tiles before computing the first and notifies for both after storing the
     # second: where the part's tiles wait on each other (directly or through other parts), a tile's
@@ -242,6 +241,12 @@ def _check_row_limit(m: GroupedGemmMatch, written, ops) -> None:
                    "filled before the launch", m.row_mask[0])
 
 
+def tile_choice_values(m: GroupedGemmMatch) -> list:
+    """The values every role of the kernel decides a tile's course from, besides its row count: the
+    guard and the expert (a cluster pair sharing B, a pair of 64-row tiles)."""
+    return ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
+
+
 def _written_reads(ops, values, written) -> list[str]:
     """The tensors that computing ``values`` reads and that another part of the kernel writes."""
     return [b.name for b in tensors_read(ops, [value_hook(ops, values)]) if b.name in written]
@@ -255,8 +260,7 @@ def _check_cluster(m: GroupedGemmMatch, written, ops, cluster) -> None:
     if m.b.name in written:
         raise fail(WHAT, f"cluster {cluster}: B ('{m.b.name}') is written by another part of the kernel, so a CTA "
                    "cannot load its partner's half of B; use cluster (1, 1)", m.b_load)
-    values = ([m.guard.operands[0]] if m.guard is not None else []) + ([m.batch] if m.batched else [])
-    for name in _written_reads(ops, values, written):
+    for name in _written_reads(ops, tile_choice_values(m), written):
         raise fail(WHAT, f"cluster {cluster}: the tile guard or the expert reads '{name}', which another part "
                    "writes while the kernel runs, so the CTAs of a cluster may disagree on it; use cluster (1, 1)",
                    m.guard or m.b_load)

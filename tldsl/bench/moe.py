@@ -118,22 +118,15 @@ def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
 FOLD = ("on", "off")
 
 
-def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                   fold: bool = False, group_m: int | None = None, notifies: bool = False,
-                   interleave: int | None = None):
-    """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
-    row's layer 1 (one rank's slice, W = 1: the combine's partial holds every token), lowered as
-    tl.run and the op lower them (the combine after the GEMM on its stream: the signal between
-    them dropped), or with ``notifies`` as written (the GEMM notifying each tile, the combine
-    waiting: what a combine beside the GEMM needs); ``fold``: the combine folded into the grouped
-    GEMM's kernel (then None in its place), whose tiles go column by column unless ``group_m``
-    (tile rows of a group of the swizzled order) says otherwise; unfolded, the schedule's
-    ``group_m`` unless given; ``interleave``: the routing's tiles in rounds of that many per
-    expert (:func:`tldsl.ops.moe.moe_routing`)."""
+def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", fold: bool = False,
+               group_m: int | None = None, interleave: int | None = None):
+    """``(topk_ids, topk_weights, host routing, traced program)`` of one row's layer 1 (one rank's
+    slice, W = 1: the combine's partial holds every token). ``fold``: the tiles column by column
+    (for a combine folded in) unless ``group_m`` (tile rows of a group of the swizzled order) says
+    otherwise; unfolded, the schedule's ``group_m`` unless given; ``interleave``: the routing's
+    tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
     import tldsl as tl
-    from tldsl.codegen import lower_combine, lower_grouped_gemm
     from tldsl.ops.moe import moe_routing
-    from tldsl.runtime.gpu.run_plan import stream_ordered
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
@@ -144,9 +137,29 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
-    as_run = k if fold or notifies else stream_ordered(k)
-    lowered = {"grouped_gemm": lower_grouped_gemm(as_run, "grouped_gemm", cluster=(cluster, 1)),
-               "combine": lower_combine(as_run, "combine")}
+    return ids, wts, rt, k
+
+
+def lowered_rs(k, cluster: int = 2, notifies: bool = False) -> dict:
+    """``{"grouped_gemm", "combine"}`` of layer 1's program ``k``, lowered as tl.run and the op
+    lower them (the combine after the GEMM on its stream: the signal between them dropped), or
+    with ``notifies`` as written (the GEMM notifying each tile, the combine waiting: what a
+    combine beside the GEMM, or folded into it, needs)."""
+    from tldsl.codegen import lower_combine, lower_grouped_gemm
+    from tldsl.runtime.gpu.run_plan import stream_ordered
+    as_run = k if notifies else stream_ordered(k)
+    return {"grouped_gemm": lower_grouped_gemm(as_run, "grouped_gemm", cluster=(cluster, 1)),
+            "combine": lower_combine(as_run, "combine")}
+
+
+def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
+                   fold: bool = False, group_m: int | None = None, notifies: bool = False,
+                   interleave: int | None = None):
+    """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
+    row's layer 1 (:func:`rs_program`, :func:`lowered_rs`); ``fold``: the combine folded into the
+    grouped GEMM's kernel (then None in its place)."""
+    ids, wts, rt, k = rs_program(row, tile, stages, dtype, fold, group_m, interleave)
+    lowered = lowered_rs(k, cluster, notifies=notifies or fold)
     if fold:
         return ids, wts, rt, folded_as_run_folds(k, lowered), None
     return ids, wts, rt, lowered["grouped_gemm"], lowered["combine"]
@@ -174,9 +187,10 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
-    ids, wts, rt, lg, lc = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, interleave=interleave)
-    notifying = lowered_rs_row(row, tile, stages, dtype, cluster, group_m=group_m, notifies=True,
-                               interleave=interleave)[3]
+    ids, wts, rt, k = rs_program(row, tile, stages, dtype, group_m=group_m, interleave=interleave)
+    as_run = lowered_rs(k, cluster)
+    lg, lc = as_run["grouped_gemm"], as_run["combine"]
+    notifying = lowered_rs(k, cluster, notifies=True)["grouped_gemm"]
     gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E + 1)

@@ -4,8 +4,8 @@
   combine. The kernel as generated (each tile's notifies handed, after the next tile's K loop, to
   the producer warpgroup's idle warp, whose 32 lanes each fence and add), the same source with the
   notifier's fence cut out, with its adds cut out, with both (the hand-over alone), and the part
-  as tl.run lowers it after its signal is dropped (no notifies, :func:`.moe.lowered_rs_row`), beside ``_grouped_mm``; timed interleaved,
-  the GEMMs' waits already satisfied. Cut variants are for timing only: their counters are wrong
+  as tl.run lowers it after its signal is dropped (no notifies, :func:`.moe.lowered_rs`), beside
+  ``_grouped_mm``; timed interleaved, the GEMMs' waits already satisfied. Cut variants are for timing only: their counters are wrong
   by design (nothing waits on them here).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
     from tldsl.runtime.gpu import require_gpu
     from . import fused_layers
     from .baselines import MOE_MODELS, route
-    from .moe import TP, lowered_rs_row
+    from .moe import TP, lowered_rs, rs_program
     from .timing import interleaved_ms
     require_gpu()
     print("| row | " + " | ".join(f"{n} ms" for n in NOTIFY_VARIANTS) + " |", file=out)
@@ -47,8 +47,9 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
         hidden, ffn, E, topk = MOE_MODELS[row.model]
         T, K, N = row.tokens, ffn // TP, hidden
         tile = (128, 256, 64)
-        ids, _, rt, lg, _ = lowered_rs_row(row, tile, notifies=True)
-        plain = GroupedKernel(lowered_rs_row(row, tile)[3])       # as tl.run lowers it: no notifies
+        ids, _, rt, k = rs_program(row, tile)
+        lg = lowered_rs(k, notifies=True)["grouped_gemm"]
+        plain = GroupedKernel(lowered_rs(k)["grouped_gemm"])      # as tl.run lowers it: no notifies
         g = torch.Generator(device="cuda").manual_seed(T + E + 1)
         order, offs = route(ids.cuda(), E)
         h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(torch.bfloat16)

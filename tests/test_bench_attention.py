@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tldsl as tl
 from tldsl.bench import attention as ba
@@ -198,3 +200,51 @@ def test_every_rows_kernel_is_compiled_in_one_batch_before_timing(monkeypatch):
         raise CompilationError("nvrtc said no")
     monkeypatch.setattr(compiler, "compile_many", broken)
     assert ba.compile_rows(todo, (128, 128, 64), 3) == {}
+
+
+def test_the_moe_benchmarks_repeats_take_medians_and_keep_each_speed():
+    """``bench moe --repeat R``: each time the median over the repeats, TFLOP/s from the medians,
+    the worst error, and every repeat's own speed ratio (what the table's range shows)."""
+    from tldsl.bench import moe
+    assert moe.parse_args([]).repeat == 1 and moe.parse_args(["--repeat", "4"]).repeat == 4
+    for bad in (["--repeat", "0"], ["--iters", "0"], ["--repeat", "x"]):
+        with pytest.raises(SystemExit):
+            moe.parse_args(bad)
+
+    def run(ms, gmm, seq, parts, err):
+        return dict(ms=ms, gmm_ms=gmm, seq_ms=seq, flops=3e9, tflops=3e9 / ms / 1e9, gmm_tflops=3e9 / gmm / 1e9,
+                    err=err, padded=640, routed=600, parts_ms=parts)
+    runs = [run(1.0, 1.2, 2.0, [0.5, 0.2], 1e-3), run(1.4, 1.1, 2.4, [0.7, 0.1], 4e-3), run(1.2, 0.9, 2.2, [0.6, 0.3], 2e-3)]
+    r = moe.summarize_repeats(runs)
+    assert (r["ms"], r["gmm_ms"], r["seq_ms"]) == (1.2, 1.1, 2.2)
+    assert r["parts_ms"] == [0.6, 0.2]                          # column by column, not one repeat's
+    assert r["tflops"] == pytest.approx(3e9 / 1.2 / 1e9) and r["gmm_tflops"] == pytest.approx(3e9 / 1.1 / 1e9)
+    assert r["err"] == 4e-3 and (r["padded"], r["routed"]) == (640, 600)
+    assert r["speeds"] == pytest.approx([1.2, 1.1 / 1.4, 0.75])
+    one = moe.summarize_repeats(runs[:1])
+    assert one["ms"] == 1.0 and one["speeds"] == pytest.approx([1.2])
+    with pytest.raises(ValueError, match="no repeats"):
+        moe.summarize_repeats([])
+
+
+@given(n=st.integers(0, 12), run=st.integers(0, 1000))
+def test_interleaved_launch_order_is_a_permutation_fixed_by_the_run(n, run):
+    """Each round launches every function once: run 0 in the given order, later runs in a
+    permutation their number fixes (the same on every call)."""
+    from tldsl.bench.timing import launch_order
+    order = launch_order(n, run)
+    assert sorted(order) == list(range(n)) and order == launch_order(n, run)
+    if run == 0:
+        assert order == list(range(n))
+
+
+def test_repeats_put_other_kernels_before_ours():
+    """``bench moe --repeat 4``'s runs (six functions a round, layer rs): our pair is launched after
+    at least three different functions (the rounds repeat back to back, so the one before it in the
+    cycle)."""
+    from tldsl.bench.timing import launch_order
+    before = set()
+    for run in range(4):
+        order = launch_order(6, run)
+        before.add(order[order.index(0) - 1])
+    assert len(before) >= 3, before

@@ -2,7 +2,7 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
-                              [--group-m N] [--iters 10]
+                              [--group-m N] [--iters 10] [--repeat 1]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -39,6 +39,12 @@ beside it costs). ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
+
+``--repeat R``: each row timed R times, each time on tensors allocated anew (the allocator's
+cache emptied and a few MiB held first, so they land elsewhere) and with the interleaved launches
+in another order (:func:`.timing.launch_order`: another kernel runs before each); the table gives the medians over the repeats and the
+range of the per-repeat speeds. Between runs minutes apart, ``_grouped_mm``'s time has moved by
+up to 15 % on the small-expert rows, ours by less: one timing is one draw.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ import argparse
 import sys
 
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
+from .timing import fresh_placement
 
 #: TP ranks the rows' weight slices are for (tokens are the total across them)
 TP = 2
@@ -177,7 +184,7 @@ def folded_as_run_folds(ir, lowered: dict):
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None,
-                 interleave: int | None = None) -> dict:
+                 interleave: int | None = None, run: int = 0) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
     the other; ``parts_ms``: the two unfolded kernels one by one, and with ``fold`` the pair one
@@ -246,7 +253,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(rt, lg.config), T * topk,
-                                parts=[gemm_alone, combine_alone, notifying_alone])
+                                parts=[gemm_alone, combine_alone, notifying_alone], run=run)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
@@ -263,7 +270,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
-                            parts=[pair, gemm_alone, combine_alone, notifying_alone])
+                            parts=[pair, gemm_alone, combine_alone, notifying_alone], run=run)
 
 
 def _check_close(what: str, got, want) -> float:
@@ -277,19 +284,20 @@ def _check_close(what: str, got, want) -> float:
 
 
 def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int,
-                     parts=()) -> dict:
+                     parts=(), run: int = 0) -> dict:
     """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
     timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — and ``parts`` (ours kernel by
-    kernel: ``parts_ms``) timed interleaved."""
+    kernel: ``parts_ms``) timed interleaved, in :func:`.timing.launch_order` for ``run``."""
     from .timing import interleaved_ms
     l2 = _check_close(what, got, want)
-    ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters)
-    return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, tflops=flops / ms / 1e9, gmm_tflops=flops / gmm_ms / 1e9,
-                err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
+    ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters, run=run)
+    return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, flops=flops, tflops=flops / ms / 1e9,
+                gmm_tflops=flops / gmm_ms / 1e9, err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-              cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None) -> dict:
+              cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None,
+              run: int = 0) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
     where the rows are staged, which ``parts_ms`` then times one by one). ``fold`` (rows staged):
@@ -365,7 +373,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         ours()
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
-                            _computed_rows(rt, lowered["grouped_gemm"].config), T * topk, parts=parts)
+                            _computed_rows(rt, lowered["grouped_gemm"].config), T * topk, parts=parts,
+                            run=run)
 
 
 def laid_out(order, rt):
@@ -419,6 +428,10 @@ def parse_args(argv):
                          "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time each row this many times, each on tensors allocated anew (other addresses) and "
+                         "with the interleaved launches in another order (another kernel before each); the table gives "
+                         "the medians and, past 1, the range of the per-repeat speeds")
     args = ap.parse_args(argv)
     try:
         args.row_list = ([MoERow(*r) for r in MOE_ROWS] if not args.rows
@@ -439,7 +452,25 @@ def parse_args(argv):
         ap.error(f"--interleave: a positive number of tiles, got {args.interleave}")
     if args.group_m is not None and args.group_m < 1:
         ap.error(f"--group-m: a positive number of tile rows, got {args.group_m}")
+    if args.repeat < 1:
+        ap.error(f"--repeat: a positive number of timings, got {args.repeat}")
+    if args.iters < 1:
+        ap.error(f"--iters: a positive number of launches, got {args.iters}")
     return args
+
+
+def summarize_repeats(runs: list[dict]) -> dict:
+    """One row's result from its repeats (:func:`bench_row` / :func:`bench_rs_row` dicts): every
+    time the median over the repeats, TFLOP/s from those medians, the largest error, and
+    ``speeds``, each repeat's ``_grouped_mm`` / ours speed ratio in run order."""
+    import statistics
+    if not runs:
+        raise ValueError("no repeats to summarize")
+    med = {k: statistics.median(r[k] for r in runs) for k in ("ms", "gmm_ms", "seq_ms")}
+    parts = [statistics.median(ts) for ts in zip(*(r["parts_ms"] for r in runs))]
+    flops = runs[0]["flops"]
+    return dict(runs[0], **med, parts_ms=parts, tflops=flops / med["ms"] / 1e9, gmm_tflops=flops / med["gmm_ms"] / 1e9,
+                err=max(r["err"] for r in runs), speeds=[r["gmm_ms"] / r["ms"] for r in runs])
 
 
 def main(argv, out=sys.stdout) -> int:
@@ -448,8 +479,10 @@ def main(argv, out=sys.stdout) -> int:
     what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)" if rs
             else f"AllGather+MoE grouped GEMM (TP={TP} slice of layer 0)")
     folded = " (the folded kernel: (1, 1), as tl.run folds)" if args.fold == "on" else ""
+    repeats = (f"; the median of {args.repeat} such timings, each on tensors allocated anew, its launches reordered"
+               if args.repeat > 1 else "")
     print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}; ms "
-          f"(median of {args.iters}, interleaved)", file=out)
+          f"(median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
@@ -462,6 +495,8 @@ def main(argv, out=sys.stdout) -> int:
     elif fold:
         ours = "tldsl gather + GEMM folded ms"
         split = " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
+    if args.repeat > 1:
+        split += " speed per repeat (min-max) |"
     blank = split.count("|") * " |"
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
@@ -469,11 +504,15 @@ def main(argv, out=sys.stdout) -> int:
     failed = 0
     for row in args.row_list:
         try:
-            r = (bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold, args.group_m,
-                              args.interleave)
-                 if rs else
-                 bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, args.stage_rows,
-                           fold, args.interleave))
+            runs = []
+            for i in range(args.repeat):
+                with fresh_placement(i):
+                    runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold,
+                                             args.group_m, args.interleave, run=i)
+                                if rs else
+                                bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
+                                          args.stage_rows, fold, args.interleave, run=i))
+            r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
@@ -482,6 +521,8 @@ def main(argv, out=sys.stdout) -> int:
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:
             parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | |"
+        if args.repeat > 1:
+            parts += f" {min(r['speeds']):.2f}-{max(r['speeds']):.2f} |"
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
               f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
               f"{r['padded']} / {r['routed']} |" + parts, file=out, flush=True)

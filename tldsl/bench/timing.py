@@ -2,6 +2,8 @@
 benchmarks time every rank together: :func:`tldsl.bench.dist.bench_interleaved`)."""
 from __future__ import annotations
 
+import contextlib
+import random
 import statistics
 
 
@@ -22,21 +24,50 @@ def median_ms(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def interleaved_ms(fns, iters: int, warmup: int = 5) -> list[float]:
-    """Median ms of each function, timed alternately launch by launch so that clock and
-    thermal drift hit all of them alike."""
+def launch_order(n: int, run: int = 0) -> list[int]:
+    """The order ``interleaved_ms`` launches ``n`` functions in, every round of a timing: as given
+    for ``run`` 0, else a permutation drawn with ``run`` as the seed. Rounds repeat back to back,
+    so the function launched before each (whose L2 lines and clocks it inherits) only changes
+    with the permutation."""
+    if run == 0:
+        return list(range(n))
+    return random.Random(run).sample(range(n), n)
+
+
+def interleaved_ms(fns, iters: int, warmup: int = 5, run: int = 0) -> list[float]:
+    """Median ms of each function (in ``fns``' order), timed alternately launch by launch so that
+    clock and thermal drift hit all of them alike; each round launches them in
+    :func:`launch_order` for ``run``."""
     import torch
+    order = launch_order(len(fns), run)
     for _ in range(warmup):
-        for f in fns:
-            f()
+        for i in order:
+            fns[i]()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
     for _ in range(iters):
-        for f, ts in zip(fns, times):
+        for i in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            f()
+            fns[i]()
             end.record()
             end.synchronize()
-            ts.append(start.elapsed_time(end))
+            times[i].append(start.elapsed_time(end))
     return [statistics.median(ts) for ts in times]
+
+
+@contextlib.contextmanager
+def fresh_placement(run: int, step_mib: int = 3):
+    """For a benchmark's ``run``-th repeat: the CUDA caching allocator's free blocks handed back
+    to the driver, then ``run * step_mib + 1`` MiB held for the block, so that the tensors the run
+    allocates come from new driver allocations, after a ballast of another size — most likely at
+    other addresses than the last run's (the driver places them). A kernel's time can depend on
+    where its operands lie; one placement is one draw."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    ballast = torch.empty((run * step_mib + 1) << 20, dtype=torch.uint8, device="cuda")
+    try:
+        yield
+    finally:
+        del ballast

@@ -40,11 +40,13 @@ into the grouped GEMM's kernel — its tiles run by the producer warpgroup's thr
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
 
-``--repeat R``: each row timed R times, each time on tensors allocated anew (the allocator's
-cache emptied and a few MiB held first, so they land elsewhere) and with the interleaved launches
-in another order (:func:`.timing.launch_order`: another kernel runs before each); the table gives the medians over the repeats and the
-range of the per-repeat speeds. Between runs minutes apart, ``_grouped_mm``'s time has moved by
-up to 15 % on the small-expert rows, ours by less: one timing is one draw.
+``--repeat R``: each row timed R times in this process, each time on tensors allocated anew (the
+allocator's cache emptied and a ballast of another size held first, so most likely at other
+addresses) and with the interleaved launches in another order (:func:`.timing.launch_order`:
+another kernel runs before each); the table gives the medians over the repeats and the range of
+the per-repeat speeds. Measured (BENCHMARKS.md, thirtieth session): the speeds move less between
+repeats than between processes, where ``_grouped_mm`` on the small-expert rows runs in a fast or a
+slow state (0.29 or 0.33 ms on DeepSeek-MoE's layer 1): compare runs, not one.
 """
 from __future__ import annotations
 

@@ -248,3 +248,46 @@ def test_repeats_put_other_kernels_before_ours():
         order = launch_order(6, run)
         before.add(order[order.index(0) - 1])
     assert len(before) >= 3, before
+
+
+def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
+    """``bench moe --layer rs --repeat 3``'s table, its row benchmark replaced by a recorder (no GPU):
+    each row timed three times, run numbers 0, 1, 2, each inside its own fresh placement; the medians
+    printed, the speed range in a last column; a row that fails is reported and the rest still run."""
+    import contextlib
+    import io
+    from tldsl.bench import moe
+    calls, placements = [], []
+    times = iter([1.0, 1.3, 0.8, 0.9, 1.4, 1.0])      # medians 1.0 (means 1.03, 1.1)
+
+    def fake_rs_row(row, iters, *args, run=0, **kw):
+        calls.append((row.model, run, placements[-1]))
+        if row.model == "mixtral":
+            raise RuntimeError("no such luck\nsecond line")
+        ms = next(times)
+        return dict(ms=ms, gmm_ms=1.0, seq_ms=4.0, flops=2e9, tflops=2e9 / ms / 1e9, gmm_tflops=2.0, err=1e-3,
+                    padded=640, routed=600, parts_ms=[0.7, 0.2, 0.75])
+
+    @contextlib.contextmanager
+    def fake_placement(run):
+        placements.append(run)
+        yield
+    monkeypatch.setattr(moe, "bench_rs_row", fake_rs_row)
+    monkeypatch.setattr(moe, "fresh_placement", fake_placement)
+    out = io.StringIO()
+    rc = moe.main(["--layer", "rs", "--repeat", "3", "--rows", "qwen3:2048:random,mixtral:2048:one,deepseek:2048:zipf"],
+                  out=out)
+    assert rc == 1                                                # the failed row counts
+    assert calls == [("qwen3", 0, 0), ("qwen3", 1, 1), ("qwen3", 2, 2), ("mixtral", 0, 0),
+                     ("deepseek", 0, 0), ("deepseek", 1, 1), ("deepseek", 2, 2)]
+    lines = out.getvalue().splitlines()
+    assert "the median of 3 such timings" in lines[0]
+    assert lines[1].endswith("| speed per repeat (min-max) |") and lines[1].count("|") == lines[2].count("|")
+    qwen = next(line for line in lines if line.startswith("| qwen3 2048 random |"))
+    cells = [c.strip() for c in qwen.strip("|").split("|")]
+    assert cells[1] == "1.000" and cells[5] == "1.00" and cells[-1] == "0.77-1.25"   # medians; 1/1.3 .. 1/0.8
+    failed = next(line for line in lines if line.startswith("| mixtral 2048 one |"))
+    assert "failed: RuntimeError: no such luck |" in failed and failed.count("|") == lines[1].count("|")
+    deep = next(line for line in lines if line.startswith("| deepseek 2048 zipf |"))
+    assert deep.count("|") == lines[1].count("|") and deep.startswith("| deepseek 2048 zipf | 1.000 |")
+    assert deep.rstrip().endswith("| 0.71-1.11 |")

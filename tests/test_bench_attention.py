@@ -291,3 +291,31 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
     deep = next(line for line in lines if line.startswith("| deepseek 2048 zipf |"))
     assert deep.count("|") == lines[1].count("|") and deep.startswith("| deepseek 2048 zipf | 1.000 |")
     assert deep.rstrip().endswith("| 0.71-1.11 |")
+
+
+def test_the_moe_benchmark_writes_its_rows_as_json(monkeypatch, tmp_path):
+    """``bench moe --json PATH``: the options and, per row, the printed medians with every repeat's
+    speed, or the row's error."""
+    import contextlib
+    import io
+    import json
+    from tldsl.bench import moe
+    times = iter([2.0, 1.0])
+
+    def fake_row(row, iters, *args, run=0, **kw):
+        if row.routing == "one":
+            raise ValueError("bad routing")
+        ms = next(times)
+        return dict(ms=ms, gmm_ms=1.5, seq_ms=3.0, flops=3e9, tflops=3e9 / ms / 1e9, gmm_tflops=2.0, err=2e-3,
+                    padded=4352, routed=4096, parts_ms=[])
+    monkeypatch.setattr(moe, "bench_row", fake_row)
+    monkeypatch.setattr(moe, "fresh_placement", lambda run: contextlib.nullcontext())
+    path = tmp_path / "moe.json"
+    assert moe.main(["--repeat", "2", "--rows", "mixtral:2048:random,mixtral:2048:one", "--json", str(path)],
+                    out=io.StringIO()) == 1
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "moe" and doc["options"]["layer"] == "ag" and doc["options"]["repeat"] == 2
+    good, bad = doc["rows"]
+    assert good["row"] == "mixtral:2048:random" and good["ms"] == 1.5 and good["speeds"] == [0.75, 1.5]
+    assert good["tflops"] == 2.0 and (good["padded"], good["routed"]) == (4352, 4096)
+    assert bad == {"row": "mixtral:2048:one", "error": "ValueError: bad routing"}

@@ -2,7 +2,7 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
-                              [--group-m N] [--iters 10] [--repeat 1]
+                              [--group-m N] [--iters 10] [--repeat 1] [--json PATH]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -44,9 +44,10 @@ once its GEMM tiles are done, the GEMM's tiles column by column — one launch, 
 allocator's cache emptied and a ballast of another size held first, so most likely at other
 addresses) and with the interleaved launches in another order (:func:`.timing.launch_order`:
 another kernel runs before each); the table gives the medians over the repeats and the range of
-the per-repeat speeds. Measured (BENCHMARKS.md, thirtieth session): the speeds move less between
-repeats than between processes, where ``_grouped_mm`` on the small-expert rows runs in a fast or a
-slow state (0.29 or 0.33 ms on DeepSeek-MoE's layer 1): compare runs, not one.
+the per-repeat speeds (``--json PATH`` also writes them, with every column, row by row).
+Measured (BENCHMARKS.md, thirtieth session): the speeds move less between repeats than between
+processes, where ``_grouped_mm`` on the small-expert rows runs in a fast or a slow state (0.29 or
+0.33 ms on DeepSeek-MoE's layer 1): compare runs, not one.
 """
 from __future__ import annotations
 
@@ -434,6 +435,9 @@ def parse_args(argv):
                     help="time each row this many times, each on tensors allocated anew (other addresses) and "
                          "with the interleaved launches in another order (another kernel before each); the table gives "
                          "the medians and, past 1, the range of the per-repeat speeds")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows as JSON here: the options, and per row its figures (ms, TFLOP/s, the "
+                         "parts' ms, each repeat's speed) or its error")
     args = ap.parse_args(argv)
     try:
         args.row_list = ([MoERow(*r) for r in MOE_ROWS] if not args.rows
@@ -504,6 +508,7 @@ def main(argv, out=sys.stdout) -> int:
           f"| tldsl / sequence speed | computed / routed rows |{split}\n|---|---|---|---|---|---|---|---|---|"
           f"{split.count('|') * '---|'}", file=out, flush=True)
     failed = 0
+    records = []
     for row in args.row_list:
         try:
             runs = []
@@ -517,6 +522,7 @@ def main(argv, out=sys.stdout) -> int:
             r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
+            records.append(dict(row=f"{row.model}:{row.tokens}:{row.routing}", error=f"{type(e).__name__}: {e}"))
             print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:160]} | | | | | | | |{blank}", file=out, flush=True)
             continue
@@ -528,5 +534,18 @@ def main(argv, out=sys.stdout) -> int:
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
               f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
               f"{r['padded']} / {r['routed']} |" + parts, file=out, flush=True)
+        records.append(dict(row=f"{row.model}:{row.tokens}:{row.routing}", **r))
+    if args.json:
+        _write_json(args, records)
     return 1 if failed else 0
+
+
+def _write_json(args, records: list[dict]) -> None:
+    """``--json``: the run's options and its rows, as the table printed them (the medians over the
+    repeats) with every repeat's speed."""
+    import json
+    options = {k: getattr(args, k) for k in ("layer", "tile", "stages", "cluster", "stage_rows", "fold", "group_m",
+                                              "interleave", "dtype", "iters", "repeat")}
+    with open(args.json, "w") as f:
+        json.dump({"benchmark": "moe", "options": options, "rows": records}, f, indent=1)
 

@@ -7,9 +7,16 @@
   as tl.run lowers it after its signal is dropped (no notifies, :func:`.moe.lowered_rs`), beside
   ``_grouped_mm``; timed interleaved, the GEMMs' waits already satisfied. Cut variants are for timing only: their counters are wrong
   by design (nothing waits on them here).
+* ``moe_schedules``: one layer's grouped GEMM (``--layer ag``: AllGather+MoE's, its rows gathered
+  inside it; ``rs``: MoE+ReduceScatter's, without its combine, which no GEMM schedule changes) under
+  several compute schedules (``BMxBNxBK:STAGES[:CLUSTER]``), each checked against ``_grouped_mm``
+  first, then all timed interleaved with it in one process. ``_grouped_mm`` runs in a faster or a
+  slower state from one process to the next (BENCHMARKS.md, thirtieth session), so schedules are
+  compared in one process, never across runs of ``bench moe``.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
@@ -69,3 +76,112 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
         t = interleaved_ms(fns, iters=iters)
         print(f"| {row.model} {row.tokens} {row.routing} | " + " | ".join(f"{v:.3f}" for v in t) + " |", file=out,
               flush=True)
+
+
+#: ``probe moe_schedules``' default schedules: the grouped GEMM's default, one stage fewer, half the
+#: K step with twice the stages (about the same shared memory), 128 x 128 tiles
+DEFAULT_SCHEDULES = "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A compute schedule of ``probe moe_schedules``: the tile, the pipeline stages, CTAs a cluster."""
+    tile: tuple[int, int, int]
+    stages: int
+    cluster: int = 2
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.tile)) + f":{self.stages}" + (f":{self.cluster}" if self.cluster != 2 else "")
+
+
+def parse_schedules(text: str) -> list[Schedule]:
+    """``BMxBNxBK:STAGES[:CLUSTER],...`` as :class:`Schedule` s (cluster 2 unless given); an
+    ``argparse.ArgumentTypeError`` naming the bad item otherwise. The schedule's own checks (powers
+    of two, stage counts, what fits shared memory) run when each is lowered."""
+    import argparse
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        dims = parts[0].split("x")
+        if not (2 <= len(parts) <= 3 and len(dims) == 3 and all(v.isdigit() for v in dims + parts[1:])):
+            raise argparse.ArgumentTypeError(f"--schedules: BMxBNxBK:STAGES[:CLUSTER],... "
+                                             f"(e.g. 128x256x64:4,128x128x64:6:1), got {item!r}")
+        cluster = int(parts[2]) if len(parts) == 3 else 2
+        if cluster not in (1, 2):
+            raise argparse.ArgumentTypeError(f"--schedules: a cluster of 1 or 2 CTAs, got {item!r}")
+        out.append(Schedule(tuple(int(v) for v in dims), int(parts[1]), cluster))
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"--schedules: a schedule given twice in {text!r}")
+    return out
+
+
+def schedule_kernels(row, schedules, layer: str = "ag") -> list:
+    """``[(schedule, topk_ids, host routing, lowered grouped GEMM)]`` of one row's layer under each
+    schedule, lowered as ``bench moe`` lowers them (``ag``: rows gathered in the GEMM; ``rs``: the
+    GEMM as tl.run runs it before its combine); lowering errors propagate, naming the schedule."""
+    from .moe import lowered_row, lowered_rs, rs_program
+    if layer not in ("ag", "rs"):
+        raise ValueError(f"layer: 'ag' or 'rs', got {layer!r}")
+    out = []
+    for sc in schedules:
+        if layer == "ag":
+            ids, rt, _, lowered = lowered_row(row, sc.tile, sc.stages, cluster=sc.cluster, stage_rows="off")
+        else:
+            ids, _, rt, k = rs_program(row, sc.tile, sc.stages)
+            lowered = lowered_rs(k, sc.cluster)
+        out.append((sc, ids, rt, lowered["grouped_gemm"]))
+    return out
+
+
+def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out=sys.stdout):
+    import numpy as np
+    import torch
+    from tldsl.runtime.gpu import require_gpu
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    from .baselines import MOE_MODELS, route
+    from .moe import TP, _check_close, laid_out
+    from .timing import interleaved_ms
+    require_gpu()
+    names = [str(sc) for sc in schedules]
+    print(f"# {layer}: the grouped GEMM alone under each schedule, ms (median of {iters}, interleaved)", file=out)
+    print("| row | " + " | ".join(names) + " | _grouped_mm | fastest | its speed vs _grouped_mm |", file=out)
+    print("|---" * (len(names) + 4) + "|", file=out, flush=True)
+    for row in rows:
+        hidden, ffn, E, topk = MOE_MODELS[row.model]
+        T = row.tokens
+        K, N = (hidden, 2 * ffn // TP) if layer == "ag" else (ffn // TP, hidden)
+        g = torch.Generator(device="cuda").manual_seed(T + E)
+        kernels = schedule_kernels(row, schedules, layer)
+        order, offs = route(kernels[0][1].cuda(), E)
+        w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
+        if layer == "ag":
+            x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
+            a = x.index_select(0, order // topk)
+        else:
+            a = torch.randn(T * topk, K, device="cuda", generator=g).to(torch.bfloat16)
+        want = torch._grouped_mm(a, w, offs=offs)
+        stream = torch.cuda.current_stream().cuda_stream
+        fns, held = [], []
+        for sc, ids, rt, lg in kernels:
+            out_t = torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if layer == "ag":
+                tabs = rt.allgather_tables()
+                bufs = {"x_gathered": x, "w1": w, "h": out_t}
+            else:
+                tabs = rt.reduce_scatter_tables()
+                h = torch.zeros((rt.num_rows, K), dtype=a.dtype, device="cuda")   # the padding rows: zeros
+                h[laid_out(order, rt)] = a
+                bufs = {"h": h, "w2": w, "y_sorted": out_t}
+            bufs.update({n: torch.from_numpy(np.ascontiguousarray(v)).cuda() for n, v in tabs.items()})
+            flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64)
+                     for s, n in lg.signal_slots.items()}            # every wait already satisfied
+            prepared = GroupedKernel(lg).prepare(bufs, flags)
+            prepared.launch(stream, 1)
+            _check_close(f"{row.model} {row.tokens} {row.routing} {sc}", out_t[laid_out(order, rt)], want)
+            held.append((bufs, flags))
+            fns.append(lambda p=prepared: p.launch(stream, 1))
+        fns.append(lambda: torch._grouped_mm(a, w, offs=offs))
+        t = interleaved_ms(fns, iters=iters)
+        best = min(range(len(names)), key=lambda i: t[i])
+        print(f"| {row.model} {row.tokens} {row.routing} | " + " | ".join(f"{v:.3f}" for v in t) +
+              f" | {names[best]} | {t[-1] / t[best]:.2f} |", file=out, flush=True)

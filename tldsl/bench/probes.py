@@ -5,6 +5,7 @@
     python -m tldsl.bench probe ag_group [--shapes MxNxK,...]   # one GPU
     python -m tldsl.bench probe ag_gather [--shapes MxNxK,...]  # one GPU
     python -m tldsl.bench probe moe_notifies [--rows qwen3:8192:random,...]  # one GPU
+    python -m tldsl.bench probe moe_schedules [--rows ...] [--layer ag|rs] [--schedules 128x256x64:4,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -37,6 +38,8 @@
   cuBLAS.
 * ``moe_notifies``: MoE+ReduceScatter's grouped GEMM with parts of its per-tile notifies cut out
   (:mod:`.moe_probes`).
+* ``moe_schedules``: one MoE layer's grouped GEMM under several compute schedules, timed
+  interleaved with ``_grouped_mm`` in one process (:mod:`.moe_probes`).
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -510,8 +513,8 @@ class _Bound:
 
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
-NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "rs_reduce_in", "rs_early_sum",
-         "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
+NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "rs_reduce_in",
+         "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
 
 
 def main(argv) -> int:
@@ -520,7 +523,12 @@ def main(argv) -> int:
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--rows", default="qwen3:8192:random,deepseek:8192:random,qwen15:8192:random",
-                    help="moe_notifies: MODEL:TOKENS:ROUTING,... (bench moe's rows)")
+                    help="moe_notifies, moe_schedules: MODEL:TOKENS:ROUTING,... (bench moe's rows)")
+    ap.add_argument("--layer", choices=("ag", "rs"), default="ag",
+                    help="moe_schedules: AllGather+MoE's grouped GEMM (ag) or MoE+ReduceScatter's (rs)")
+    ap.add_argument("--schedules", default=None,
+                    help="moe_schedules: BMxBNxBK:STAGES[:CLUSTER],... (default: "
+                         "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
                          "probes, 80 for ag_skew, 20 for the others)")
@@ -538,6 +546,15 @@ def main(argv) -> int:
         from .baselines import _parse_row
         from .moe_probes import probe_moe_notifies
         probe_moe_notifies([_parse_row(r) for r in args.rows.split(",")], **its)
+    elif args.what == "moe_schedules":
+        from .baselines import _parse_row
+        from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules
+        try:
+            schedules = parse_schedules(args.schedules or DEFAULT_SCHEDULES)
+            rows = [_parse_row(r) for r in args.rows.split(",")]
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
+        probe_moe_schedules(rows, schedules, args.layer, **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

@@ -1,0 +1,67 @@
+"""``python -m tldsl.bench probe moe_schedules``: its schedule syntax, the kernels it lowers for each
+schedule (no GPU needed), and that it is gated as a one-GPU probe."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from tldsl.bench import probes
+from tldsl.bench.baselines import _parse_row
+from tldsl.bench.moe_probes import DEFAULT_SCHEDULES, Schedule, parse_schedules, schedule_kernels
+from tldsl.cli import gates
+
+
+def test_schedules_parse_with_cluster_two_unless_given():
+    assert parse_schedules("128x256x64:4,128x128x64:6:1") == [Schedule((128, 256, 64), 4, 2),
+                                                              Schedule((128, 128, 64), 6, 1)]
+    assert [str(s) for s in parse_schedules(DEFAULT_SCHEDULES)] == DEFAULT_SCHEDULES.split(",")
+    assert str(Schedule((128, 128, 64), 6, 1)) == "128x128x64:6:1"
+
+
+@pytest.mark.parametrize("text, names", [
+    ("128x256:4", "'128x256:4'"),                       # two dimensions
+    ("128x256x64", "'128x256x64'"),                     # no stages
+    ("128x256x64:four", "'128x256x64:four'"),
+    ("128x256x64:4:3", "a cluster of 1 or 2"),
+    ("128x256x64:4,128x256x64:4", "given twice"),
+])
+def test_bad_schedules_are_refused_naming_the_item(text, names):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(names)):
+        parse_schedules(text)
+
+
+def test_the_cli_refuses_a_bad_schedule_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        probes.main(["moe_schedules", "--schedules", "128x256x64:4,64x64"])
+    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layer, entry", [("ag", "allgather_moe"), ("rs", "moe_reduce_scatter")])
+def test_each_schedule_lowers_its_own_grouped_gemm(layer, entry):
+    row = _parse_row("qwen15:2048:random")
+    kernels = schedule_kernels(row, parse_schedules("128x256x64:4,128x256x64:3:1,128x128x64:6"), layer)
+    assert [str(sc) for sc, *_ in kernels] == ["128x256x64:4", "128x256x64:3:1", "128x128x64:6"]
+    got = []
+    for sc, ids, rt, lg in kernels:
+        assert entry in lg.entry and ids.shape == (2048, 4)
+        assert rt.num_rows % sc.tile[0] == 0
+        bm, bn, bk = (int(v) for v in re.search(r"int BM = (\d+), BN = (\d+), BK = (\d+);", lg.source).groups())
+        stages = int(re.search(r"int kStages = (\d+)", lg.source).group(1))
+        got.append(((bm, bn, bk), stages, lg.cluster_dims[0]))
+        # ag: the rows gathered inside the grouped GEMM (what the probe measures), never staged first
+        assert ("kGather = true" in lg.source) == (layer == "ag")
+    assert got == [((128, 256, 64), 4, 2), ((128, 256, 64), 3, 1), ((128, 128, 64), 6, 2)]
+
+
+def test_a_schedule_the_recipe_refuses_names_itself():
+    with pytest.raises(Exception, match="192"):
+        schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x192x64:4"), "ag")
+    with pytest.raises(ValueError, match="layer"):
+        schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x256x64:4"), "mlp")
+
+
+def test_every_one_gpu_probe_is_gated_as_one():
+    assert set(gates.ONE_GPU_PROBES) <= set(probes.NAMES)
+    assert "moe_schedules" in gates.ONE_GPU_PROBES

@@ -319,3 +319,86 @@ def test_the_moe_benchmark_writes_its_rows_as_json(monkeypatch, tmp_path):
     assert good["row"] == "mixtral:2048:random" and good["ms"] == 1.5 and good["speeds"] == [0.75, 1.5]
     assert good["tflops"] == 2.0 and (good["padded"], good["routed"]) == (4352, 4096)
     assert bad == {"row": "mixtral:2048:one", "error": "ValueError: bad routing"}
+
+
+def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
+    """``bench moe --processes 3``: the whole benchmark run in three child processes (each
+    ``python -m tldsl.bench moe`` with the same options but ``--processes`` and ``--json``, writing its
+    rows as JSON), the table giving the medians over them and the range of their speeds; a row that
+    failed in one process, or a process that wrote nothing, is reported, the other rows still shown."""
+    import io
+    import json
+    from tldsl.bench import moe, processes
+    ms = iter([1.0, 2.0, 1.2])                    # qwen3's time in processes 1..3: median 1.2 (mean 1.4)
+    cmds = []
+
+    def fake_run(cmd, capture_output, text):
+        cmds.append(cmd)
+        path = cmd[cmd.index("--json") + 1]
+        i = len(cmds)
+        t = next(ms)
+        rows = [dict(row="qwen3:2048:random", ms=t, gmm_ms=1.2, seq_ms=5.0, flops=2e9, tflops=2e9 / t / 1e9,
+                     gmm_tflops=1.67, err=1e-3 * i, padded=640, routed=600, parts_ms=[0.9 * t, 0.1 * t, t],
+                     speeds=[1.2 / t]),
+                dict(row="deepseek:2048:zipf", error="RuntimeError: relative L2 0.5") if i == 2 else
+                dict(row="deepseek:2048:zipf", ms=1.0, gmm_ms=1.0, seq_ms=2.0, flops=1e9, tflops=1.0, gmm_tflops=1.0,
+                     err=0.0, padded=64, routed=64, parts_ms=[0.5, 0.5, 0.5], speeds=[1.0])]
+        with open(path, "w") as f:
+            json.dump({"benchmark": "moe", "rows": rows}, f)
+        return type("Done", (), dict(returncode=1 if i == 2 else 0, stdout="| a child's table |\n", stderr=""))()
+    monkeypatch.setattr(processes.subprocess, "run", fake_run)
+    out, log = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(processes.sys, "stderr", log)
+    path = tmp_path / "moe.json"
+    argv = ["--layer", "rs", "--processes", "3", "--iters", "7", "--rows", "qwen3:2048:random,deepseek:2048:zipf",
+            "--json", str(path)]
+    assert moe.main(argv, out=out) == 1           # deepseek failed in process 2
+    assert len(cmds) == 3 and all(c[1:4] == ["-m", "tldsl.bench", "moe"] for c in cmds)
+    assert [c[4:-2] for c in cmds] == [["--layer", "rs", "--iters", "7", "--rows",
+                                        "qwen3:2048:random,deepseek:2048:zipf"]] * 3      # no --processes, own --json
+    assert log.getvalue().count("| a child's table |") == 3 and "# process 2 of 3" in log.getvalue()
+    lines = out.getvalue().splitlines()
+    assert "the median over 3 processes" in lines[0]
+    assert lines[1].endswith("| speed per process (min-max) |") and lines[1].count("|") == lines[2].count("|")
+    qwen = [c.strip() for c in next(x for x in lines if x.startswith("| qwen3 2048 random |")).strip("|").split("|")]
+    assert qwen[1] == "1.200" and qwen[5] == "1.00" and qwen[-1] == "0.60-1.20"      # median; 1.2/2.0 .. 1.2/1.0
+    assert qwen[-4:-1] == ["1.080", "0.120", "1.200"]                                 # each part's median
+    deep = next(x for x in lines if x.startswith("| deepseek 2048 zipf |"))
+    assert "failed: RuntimeError: in process 2: RuntimeError: relative L2 0.5" in deep
+    assert deep.count("|") == lines[1].count("|")
+    doc = json.loads(path.read_text())
+    assert doc["options"]["processes"] == 3
+    good, bad = doc["rows"]
+    assert good["row"] == "qwen3:2048:random" and good["ms"] == 1.2 and good["err"] == 3e-3
+    assert good["speeds"] == [1.2, 0.6, 1.0] and bad["row"] == "deepseek:2048:zipf" and "process 2" in bad["error"]
+
+
+def test_a_process_that_writes_no_rows_fails_every_row(monkeypatch):
+    import io
+    from tldsl.bench import moe, processes
+
+    def crashed(cmd, capture_output, text):
+        return type("Done", (), dict(returncode=-11, stdout="", stderr="warming up\nSegmentation fault"))()
+    monkeypatch.setattr(processes.subprocess, "run", crashed)
+    monkeypatch.setattr(processes.sys, "stderr", io.StringIO())
+    out = io.StringIO()
+    assert moe.main(["--processes", "2", "--rows", "qwen3:2048:random"], out=out) == 1
+    row = next(x for x in out.getvalue().splitlines() if x.startswith("| qwen3 2048 random |"))
+    assert "process 1 wrote no rows (exit -11): Segmentation fault" in row
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--processes", "3", "--rows", "a"], ["--rows", "a"]),
+    (["--processes=3", "--json=x.json", "--iters", "5"], ["--iters", "5"]),
+    (["--json", "x.json", "--layer", "rs", "--processes", "2"], ["--layer", "rs"]),
+])
+def test_the_children_get_every_option_but_processes_and_json(argv, want):
+    from tldsl.bench.processes import child_argv
+    assert child_argv(argv) == want
+
+
+def test_processes_below_one_are_refused(capsys):
+    from tldsl.bench import moe
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--processes", "0"])
+    assert "--processes: a positive number of processes, got 0" in capsys.readouterr().err

@@ -8,7 +8,7 @@
     python -m tldsl.bench sim [-W 8 -M 1024 -N 1024 -K 1024 --tile 64]  (the CPU simulator; see tldsl.bench.sim)
     python -m tldsl.bench general [--rounds 5 --iters 10]    (the general lowering vs torch; see tldsl.bench.general)
     python -m tldsl.bench attention [--seqs 4096,8192 ...]   (the attention kernel vs torch SDPA; see tldsl.bench.attention)
-    python -m tldsl.bench moe [--layer ag|rs] [--repeat 4]   (the MoE grouped GEMMs vs torch._grouped_mm; see tldsl.bench.moe)
+    python -m tldsl.bench moe [--layer ag|rs] [--repeat 4] [--processes 3]   (the MoE grouped GEMMs vs torch._grouped_mm; see tldsl.bench.moe)
     python -m tldsl.bench launch [--args 1,8,24]             (host µs per launch, cuda.bindings vs cuda.core; see tldsl.bench.launch)
     torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe|moe_rs|sp_attention  (the sequential layers; see tldsl.bench.baselines)
 

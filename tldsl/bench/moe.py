@@ -2,7 +2,7 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
-                              [--group-m N] [--iters 10] [--repeat 1] [--json PATH]
+                              [--group-m N] [--iters 10] [--repeat 1] [--processes 1] [--json PATH]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -47,7 +47,9 @@ another kernel runs before each); the table gives the medians over the repeats a
 the per-repeat speeds (``--json PATH`` also writes them, with every column, row by row).
 Measured (BENCHMARKS.md, thirtieth session): the speeds move less between repeats than between
 processes, where ``_grouped_mm`` on the small-expert rows runs in a fast or a slow state (0.29 or
-0.33 ms on DeepSeek-MoE's layer 1): compare runs, not one.
+0.33 ms on DeepSeek-MoE's layer 1): compare runs, not one. ``--processes P`` does that: the whole
+benchmark run P times, each in a fresh process (:mod:`.processes`; each one's table on stderr), and
+the table gives the medians over the processes and the range of their speeds.
 """
 from __future__ import annotations
 
@@ -435,6 +437,10 @@ def parse_args(argv):
                     help="time each row this many times, each on tensors allocated anew (other addresses) and "
                          "with the interleaved launches in another order (another kernel before each); the table gives "
                          "the medians and, past 1, the range of the per-repeat speeds")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run the whole benchmark this many times, each in a fresh process (where _grouped_mm "
+                         "runs in a faster or a slower state); the table gives the medians over the processes and "
+                         "the range of their speeds, each process's own table going to stderr")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the rows as JSON here: the options, and per row its figures (ms, TFLOP/s, the "
                          "parts' ms, each repeat's speed) or its error")
@@ -462,6 +468,8 @@ def parse_args(argv):
         ap.error(f"--repeat: a positive number of timings, got {args.repeat}")
     if args.iters < 1:
         ap.error(f"--iters: a positive number of launches, got {args.iters}")
+    if args.processes < 1:
+        ap.error(f"--processes: a positive number of processes, got {args.processes}")
     return args
 
 
@@ -487,6 +495,8 @@ def main(argv, out=sys.stdout) -> int:
     folded = " (the folded kernel: (1, 1), as tl.run folds)" if args.fold == "on" else ""
     repeats = (f"; the median of {args.repeat} such timings, each on tensors allocated anew, its launches reordered"
                if args.repeat > 1 else "")
+    if args.processes > 1:
+        repeats += f"; the median over {args.processes} processes, each a fresh one"
     print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}; ms "
           f"(median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
@@ -501,7 +511,9 @@ def main(argv, out=sys.stdout) -> int:
     elif fold:
         ours = "tldsl gather + GEMM folded ms"
         split = " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
-    if args.repeat > 1:
+    if args.processes > 1:
+        split += " speed per process (min-max) |"
+    elif args.repeat > 1:
         split += " speed per repeat (min-max) |"
     blank = split.count("|") * " |"
     print(f"| row | {ours} | TFLOP/s | _grouped_mm ms | TFLOP/s | tldsl / _grouped_mm speed | {seq} "
@@ -509,17 +521,24 @@ def main(argv, out=sys.stdout) -> int:
           f"{split.count('|') * '---|'}", file=out, flush=True)
     failed = 0
     records = []
-    for row in args.row_list:
+    per_process = None
+    if args.processes > 1:
+        from .processes import child_argv, rows_per_process
+        per_process = rows_per_process("moe", child_argv(argv), args.processes)
+    for n, row in enumerate(args.row_list):
         try:
-            runs = []
-            for i in range(args.repeat):
-                with fresh_placement(i):
-                    runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster, fold,
-                                             args.group_m, args.interleave, run=i)
-                                if rs else
-                                bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
-                                          args.stage_rows, fold, args.interleave, run=i))
-            r = summarize_repeats(runs)
+            if per_process is not None:
+                r = summarize_repeats(_row_of_each_process(per_process, n, row))
+            else:
+                runs = []
+                for i in range(args.repeat):
+                    with fresh_placement(i):
+                        runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
+                                                 fold, args.group_m, args.interleave, run=i)
+                                    if rs else
+                                    bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
+                                              args.stage_rows, fold, args.interleave, run=i))
+                r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             records.append(dict(row=f"{row.model}:{row.tokens}:{row.routing}", error=f"{type(e).__name__}: {e}"))
@@ -529,7 +548,7 @@ def main(argv, out=sys.stdout) -> int:
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:
             parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | |"
-        if args.repeat > 1:
+        if args.repeat > 1 or args.processes > 1:
             parts += f" {min(r['speeds']):.2f}-{max(r['speeds']):.2f} |"
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "
               f"{r['gmm_tflops']:.0f} | {r['gmm_ms'] / r['ms']:.2f} | {r['seq_ms']:.3f} | {r['seq_ms'] / r['ms']:.2f} | "
@@ -540,12 +559,29 @@ def main(argv, out=sys.stdout) -> int:
     return 1 if failed else 0
 
 
+def _row_of_each_process(per_process: list, n: int, row: MoERow) -> list[dict]:
+    """Row ``n`` (``row``) as each process measured it (:func:`.processes.rows_per_process`); a
+    RuntimeError naming the first process that did not (it crashed, or the row failed in it)."""
+    name = f"{row.model}:{row.tokens}:{row.routing}"
+    runs = []
+    for i, rows in enumerate(per_process):
+        if isinstance(rows, str):
+            raise RuntimeError(rows)
+        got = rows[n] if n < len(rows) else {}
+        if got.get("row") != name:
+            raise RuntimeError(f"process {i + 1} has no row {name}")
+        if "error" in got:
+            raise RuntimeError(f"in process {i + 1}: {got['error']}")
+        runs.append({k: v for k, v in got.items() if k not in ("row", "speeds")})
+    return runs
+
+
 def _write_json(args, records: list[dict]) -> None:
     """``--json``: the run's options and its rows, as the table printed them (the medians over the
     repeats) with every repeat's speed."""
     import json
     options = {k: getattr(args, k) for k in ("layer", "tile", "stages", "cluster", "stage_rows", "fold", "group_m",
-                                              "interleave", "dtype", "iters", "repeat")}
+                                              "interleave", "dtype", "iters", "repeat", "processes")}
     with open(args.json, "w") as f:
         json.dump({"benchmark": "moe", "options": options, "rows": records}, f, indent=1)
 

@@ -355,7 +355,7 @@ def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
     assert moe.main(argv, out=out) == 1           # deepseek failed in process 2
     assert len(cmds) == 3 and all(c[1:4] == ["-m", "tldsl.bench", "moe"] for c in cmds)
     assert [c[4:-2] for c in cmds] == [["--layer", "rs", "--iters", "7", "--rows",
-                                        "qwen3:2048:random,deepseek:2048:zipf"]] * 3      # no --processes, own --json
+                                        "qwen3:2048:random,deepseek:2048:zipf", "--processes", "1"]] * 3   # own --json
     assert log.getvalue().count("| a child's table |") == 3 and "# process 2 of 3" in log.getvalue()
     lines = out.getvalue().splitlines()
     assert "the median over 3 processes" in lines[0]
@@ -371,6 +371,7 @@ def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
     good, bad = doc["rows"]
     assert good["row"] == "qwen3:2048:random" and good["ms"] == 1.2 and good["err"] == 3e-3
     assert good["speeds"] == [1.2, 0.6, 1.0] and bad["row"] == "deepseek:2048:zipf" and "process 2" in bad["error"]
+    assert good["speeds_per_process"] == [[1.2], [0.6], [1.0]]          # each process's own repeats
 
 
 def test_a_process_that_writes_no_rows_fails_every_row(monkeypatch):
@@ -382,9 +383,48 @@ def test_a_process_that_writes_no_rows_fails_every_row(monkeypatch):
     monkeypatch.setattr(processes.subprocess, "run", crashed)
     monkeypatch.setattr(processes.sys, "stderr", io.StringIO())
     out = io.StringIO()
-    assert moe.main(["--processes", "2", "--rows", "qwen3:2048:random"], out=out) == 1
-    row = next(x for x in out.getvalue().splitlines() if x.startswith("| qwen3 2048 random |"))
-    assert "process 1 wrote no rows (exit -11): Segmentation fault" in row
+    assert moe.main(["--processes", "2", "--rows", "qwen3:2048:random,mixtral:2048:one"], out=out) == 1
+    for name in ("| qwen3 2048 random |", "| mixtral 2048 one |"):
+        row = next(x for x in out.getvalue().splitlines() if x.startswith(name))
+        assert "process 1 wrote no rows (exit -11): Segmentation fault" in row
+
+
+def test_a_process_missing_a_row_fails_that_row_only(monkeypatch):
+    """A child whose rows are not the parent's (another order, one short) is reported row by row."""
+    import io
+    import json
+    from tldsl.bench import moe, processes
+
+    def short(cmd, capture_output, text):
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"rows": [dict(row="qwen3:2048:random", ms=1.0, gmm_ms=1.0, seq_ms=2.0, flops=1e9, tflops=1.0,
+                                     gmm_tflops=1.0, err=0.0, padded=64, routed=64, parts_ms=[], speeds=[1.0])]}, f)
+        return type("Done", (), dict(returncode=0, stdout="", stderr=""))()
+    monkeypatch.setattr(processes.subprocess, "run", short)
+    monkeypatch.setattr(processes.sys, "stderr", io.StringIO())
+    out = io.StringIO()
+    assert moe.main(["--processes", "2", "--rows", "qwen3:2048:random,mixtral:2048:one"], out=out) == 1
+    lines = out.getvalue().splitlines()
+    assert next(x for x in lines if x.startswith("| qwen3 2048 random |")).startswith("| qwen3 2048 random | 1.000 |")
+    assert "process 1 has no row mixtral:2048:one" in next(x for x in lines if x.startswith("| mixtral 2048 one |"))
+
+
+def test_an_abbreviated_processes_option_does_not_reach_the_children(monkeypatch):
+    """argparse takes ``--proc 3`` for ``--processes 3``; the children must still run once each."""
+    import io
+    from tldsl.bench import moe, processes
+    cmds = []
+
+    def record(cmd, capture_output, text):
+        cmds.append(cmd)
+        return type("Done", (), dict(returncode=1, stdout="", stderr="x"))()
+    monkeypatch.setattr(processes.subprocess, "run", record)
+    monkeypatch.setattr(processes.sys, "stderr", io.StringIO())
+    moe.main(["--proc", "3", "--rows", "qwen3:2048:random"], out=io.StringIO())
+    assert len(cmds) == 3
+    for cmd in cmds:
+        child = moe.parse_args(cmd[4:])
+        assert child.processes == 1 and child.json == cmd[-1]
 
 
 @pytest.mark.parametrize("argv, want", [

@@ -55,13 +55,35 @@ def test_each_schedule_lowers_its_own_grouped_gemm(layer, entry):
     assert got == [((128, 256, 64), 4, 2), ((128, 256, 64), 3, 1), ((128, 128, 64), 6, 2)]
 
 
-def test_a_schedule_the_recipe_refuses_names_itself():
-    with pytest.raises(Exception, match="192"):
-        schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x192x64:4"), "ag")
-    with pytest.raises(ValueError, match="layer"):
+@pytest.mark.parametrize("layer", ["ag", "rs"])
+@pytest.mark.parametrize("text, why", [
+    ("128x256x64:1", "second stage"),           # the grouped GEMM recipe's refusal (the general lowering would take it)
+    ("128x192x64:4", "powers of two"),          # the schedule's own check
+])
+def test_a_schedule_the_recipe_refuses_names_itself(layer, text, why):
+    with pytest.raises(ValueError, match=rf"^schedule {re.escape(text)} \({layer}, qwen15:2048:random\): .*{why}"):
+        schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules(text), layer)
+
+
+def test_a_bad_layer_is_refused():
+    with pytest.raises(ValueError, match="layer: 'ag' or 'rs', got 'mlp'"):
         schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x256x64:4"), "mlp")
 
 
-def test_every_one_gpu_probe_is_gated_as_one():
-    assert set(gates.ONE_GPU_PROBES) <= set(probes.NAMES)
-    assert "moe_schedules" in gates.ONE_GPU_PROBES
+def test_the_cli_refuses_a_schedule_the_recipe_refuses_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        probes.main(["moe_schedules", "--rows", "qwen15:2048:random", "--schedules", "128x256x64:4,128x256x64:1"])
+    assert "schedule 128x256x64:1 (ag, qwen15:2048:random)" in capsys.readouterr().err
+
+
+def test_an_empty_schedule_list_is_refused_not_defaulted(capsys):
+    with pytest.raises(SystemExit):
+        probes.main(["moe_schedules", "--schedules", ""])
+    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER]" in capsys.readouterr().err
+
+
+def test_the_one_gpu_probes_are_exactly_those_gated_as_one():
+    """The probes that run without torchrun: the gate's list is the probes' own, one by one."""
+    assert gates.ONE_GPU_PROBES == ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies",
+                                    "moe_schedules")
+    assert probes.NAMES[:len(gates.ONE_GPU_PROBES)] == gates.ONE_GPU_PROBES      # the one-GPU ones first

@@ -371,7 +371,8 @@ def parse_args(argv):
 def _parse_row(text: str) -> MoERow:
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in MOE_MODELS or parts[2] not in ROUTINGS or not parts[1].isdigit():
-        raise argparse.ArgumentTypeError(f"--models: MODEL:TOKENS:ROUTING (e.g. mixtral:8192:random), got {text!r}")
+        raise argparse.ArgumentTypeError(f"a row is MODEL:TOKENS:ROUTING (e.g. mixtral:8192:random; models: "
+                                         f"{', '.join(MOE_MODELS)}; routings: {', '.join(ROUTINGS)}), got {text!r}")
     return MoERow(parts[0], int(parts[1]), parts[2])
 
 

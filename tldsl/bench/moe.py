@@ -82,10 +82,19 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
     row gather where the rows are staged (``gather_rows``); ``interleave``: the routing's tiles in
     rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
-    import tldsl as tl
     from tldsl.codegen import lower
-    from tldsl.ops.moe import moe_routing
     from tldsl.runtime.gpu.run_plan import stream_ordered
+    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave)
+    parts = [p.name for p in k.parts if p.role == "compute"]
+    as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
+    return ids, rt, k, {p: lower(as_run, p) for p in parts}
+
+
+def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
+               stage_rows: str = "auto", interleave: int | None = None):
+    """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1)."""
+    import tldsl as tl
+    from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
@@ -95,9 +104,7 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
                                                           cluster=(cluster, 1)),
                                comm=tl.CommSchedule(tile_m=128, mode="pull"),
                                stage_rows=stage_rows_for(row, stage_rows))
-    parts = [p.name for p in k.parts if p.role == "compute"]
-    as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
-    return ids, rt, k, {p: lower(as_run, p) for p in parts}
+    return ids, rt, k
 
 
 def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
@@ -443,7 +450,8 @@ def parse_args(argv):
                          "the range of their speeds, each process's own table going to stderr")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the rows as JSON here: the options, and per row its figures (ms, TFLOP/s, the "
-                         "parts' ms, each repeat's speed) or its error")
+                         "parts' ms, each repeat's speed; with --processes each process's, and each process's "
+                         "repeats' speeds) or its error")
     args = ap.parse_args(argv)
     try:
         args.row_list = ([MoERow(*r) for r in MOE_ROWS] if not args.rows
@@ -524,11 +532,13 @@ def main(argv, out=sys.stdout) -> int:
     per_process = None
     if args.processes > 1:
         from .processes import child_argv, rows_per_process
-        per_process = rows_per_process("moe", child_argv(argv), args.processes)
+        # (the last --processes wins: an abbreviation of it that child_argv keeps is overridden)
+        per_process = rows_per_process("moe", child_argv(argv) + ["--processes", "1"], args.processes)
     for n, row in enumerate(args.row_list):
         try:
             if per_process is not None:
-                r = summarize_repeats(_row_of_each_process(per_process, n, row))
+                runs = _row_of_each_process(per_process, n, row)
+                r = dict(summarize_repeats(runs), speeds_per_process=[run.pop("speeds", None) for run in runs])
             else:
                 runs = []
                 for i in range(args.repeat):
@@ -572,13 +582,14 @@ def _row_of_each_process(per_process: list, n: int, row: MoERow) -> list[dict]:
             raise RuntimeError(f"process {i + 1} has no row {name}")
         if "error" in got:
             raise RuntimeError(f"in process {i + 1}: {got['error']}")
-        runs.append({k: v for k, v in got.items() if k not in ("row", "speeds")})
+        runs.append({k: v for k, v in got.items() if k != "row"})
     return runs
 
 
 def _write_json(args, records: list[dict]) -> None:
     """``--json``: the run's options and its rows, as the table printed them (the medians over the
-    repeats) with every repeat's speed."""
+    repeats) with every repeat's speed — with ``--processes``, the medians over the processes, each
+    process's speed (``speeds``) and its repeats' (``speeds_per_process``)."""
     import json
     options = {k: getattr(args, k) for k in ("layer", "tile", "stages", "cluster", "stage_rows", "fold", "group_m",
                                               "interleave", "dtype", "iters", "repeat", "processes")}

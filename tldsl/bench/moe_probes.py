@@ -97,7 +97,7 @@ class Schedule:
 def parse_schedules(text: str) -> list[Schedule]:
     """``BMxBNxBK:STAGES[:CLUSTER],...`` as :class:`Schedule` s (cluster 2 unless given); an
     ``argparse.ArgumentTypeError`` naming the bad item otherwise. The schedule's own checks (powers
-    of two, stage counts, what fits shared memory) run when each is lowered."""
+    of two, stage counts, what fits shared memory) run when each is lowered (:func:`schedule_kernels`)."""
     import argparse
     out = []
     for item in text.split(","):
@@ -117,23 +117,31 @@ def parse_schedules(text: str) -> list[Schedule]:
 
 def schedule_kernels(row, schedules, layer: str = "ag") -> list:
     """``[(schedule, topk_ids, host routing, lowered grouped GEMM)]`` of one row's layer under each
-    schedule, lowered as ``bench moe`` lowers them (``ag``: rows gathered in the GEMM; ``rs``: the
-    GEMM as tl.run runs it before its combine); lowering errors propagate, naming the schedule."""
-    from .moe import lowered_row, lowered_rs, rs_program
+    schedule, each by the grouped GEMM's recipe (``ag``: rows gathered in the GEMM; ``rs``: the GEMM
+    as tl.run runs it before its combine); a schedule the recipe or the schedule's own checks refuse
+    (shape, stages, shared memory) is a ValueError naming it and saying why — no GPU needed."""
+    from tldsl.codegen import lower_grouped_gemm
+    from tldsl.runtime.gpu.run_plan import stream_ordered
+    from .moe import ag_program, rs_program
     if layer not in ("ag", "rs"):
         raise ValueError(f"layer: 'ag' or 'rs', got {layer!r}")
     out = []
     for sc in schedules:
-        if layer == "ag":
-            ids, rt, _, lowered = lowered_row(row, sc.tile, sc.stages, cluster=sc.cluster, stage_rows="off")
-        else:
-            ids, _, rt, k = rs_program(row, sc.tile, sc.stages)
-            lowered = lowered_rs(k, sc.cluster)
-        out.append((sc, ids, rt, lowered["grouped_gemm"]))
+        try:
+            if layer == "ag":
+                ids, rt, k = ag_program(row, sc.tile, sc.stages, cluster=sc.cluster, stage_rows="off")
+            else:
+                ids, _, rt, k = rs_program(row, sc.tile, sc.stages)
+            lg = lower_grouped_gemm(stream_ordered(k), "grouped_gemm", cluster=(sc.cluster, 1))
+        except Exception as e:      # noqa: BLE001 - every refusal, named by its schedule
+            raise ValueError(f"schedule {sc} ({layer}, {row.model}:{row.tokens}:{row.routing}): "
+                             f"{type(e).__name__}: {str(e).strip()}") from e
+        out.append((sc, ids, rt, lg))
     return out
 
 
-def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out=sys.stdout):
+def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out=sys.stdout, kernels=None):
+    """``kernels``: each row's :func:`schedule_kernels`, where the caller lowered them already."""
     import numpy as np
     import torch
     from tldsl.runtime.gpu import require_gpu
@@ -146,13 +154,13 @@ def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out
     print(f"# {layer}: the grouped GEMM alone under each schedule, ms (median of {iters}, interleaved)", file=out)
     print("| row | " + " | ".join(names) + " | _grouped_mm | fastest | its speed vs _grouped_mm |", file=out)
     print("|---" * (len(names) + 4) + "|", file=out, flush=True)
-    for row in rows:
+    for n_row, row in enumerate(rows):
         hidden, ffn, E, topk = MOE_MODELS[row.model]
         T = row.tokens
         K, N = (hidden, 2 * ffn // TP) if layer == "ag" else (ffn // TP, hidden)
         g = torch.Generator(device="cuda").manual_seed(T + E)
-        kernels = schedule_kernels(row, schedules, layer)
-        order, offs = route(kernels[0][1].cuda(), E)
+        row_kernels = kernels[n_row] if kernels is not None else schedule_kernels(row, schedules, layer)
+        order, offs = route(row_kernels[0][1].cuda(), E)
         w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
         if layer == "ag":
             x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
@@ -162,7 +170,7 @@ def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out
         want = torch._grouped_mm(a, w, offs=offs)
         stream = torch.cuda.current_stream().cuda_stream
         fns, held = [], []
-        for sc, ids, rt, lg in kernels:
+        for sc, ids, rt, lg in row_kernels:
             out_t = torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             if layer == "ag":
                 tabs = rt.allgather_tables()

@@ -531,7 +531,7 @@ def main(argv) -> int:
                          "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
-                         "probes, 80 for ag_skew, 20 for the others)")
+                         "probes but moe_notifies and moe_schedules (20), 80 for ag_skew, 20 for the others)")
     args = ap.parse_args(argv)
     its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
@@ -549,12 +549,14 @@ def main(argv) -> int:
     elif args.what == "moe_schedules":
         from .baselines import _parse_row
         from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules
+        from .moe_probes import schedule_kernels
         try:
-            schedules = parse_schedules(args.schedules or DEFAULT_SCHEDULES)
+            schedules = parse_schedules(DEFAULT_SCHEDULES if args.schedules is None else args.schedules)
             rows = [_parse_row(r) for r in args.rows.split(",")]
-        except argparse.ArgumentTypeError as e:
+            kernels = [schedule_kernels(r, schedules, args.layer) for r in rows]   # refusals before any launch
+        except (argparse.ArgumentTypeError, ValueError) as e:
             ap.error(str(e))
-        probe_moe_schedules(rows, schedules, args.layer, **its)
+        probe_moe_schedules(rows, schedules, args.layer, kernels=kernels, **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

@@ -442,3 +442,15 @@ def test_processes_below_one_are_refused(capsys):
     with pytest.raises(SystemExit):
         moe.parse_args(["--processes", "0"])
     assert "--processes: a positive number of processes, got 0" in capsys.readouterr().err
+
+
+def test_a_schedule_the_grouped_gemm_refuses_fails_the_row_naming_why():
+    """``bench moe --stages 1`` (ag): the grouped GEMM recipe's refusal, not a quiet fallback to the general
+    lowering (whose kernel the row would then time under the grouped GEMM's name)."""
+    from tldsl.bench import moe
+    from tldsl.bench.baselines import _parse_row
+    from tldsl.codegen.errors import LoweringError
+    with pytest.raises(LoweringError, match="needs a second stage"):
+        moe.lowered_row(_parse_row("qwen15:2048:random"), stages=1, stage_rows="off")
+    _, _, _, lowered = moe.lowered_row(_parse_row("mixtral:2048:random"))        # staged rows: two kernels
+    assert {p: lk.kind for p, lk in lowered.items()} == {"gather_rows": "combine", "grouped_gemm": "grouped_gemm"}

@@ -454,3 +454,23 @@ def test_a_schedule_the_grouped_gemm_refuses_fails_the_row_naming_why():
         moe.lowered_row(_parse_row("qwen15:2048:random"), stages=1, stage_rows="off")
     _, _, _, lowered = moe.lowered_row(_parse_row("mixtral:2048:random"))        # staged rows: two kernels
     assert {p: lk.kind for p, lk in lowered.items()} == {"gather_rows": "combine", "grouped_gemm": "grouped_gemm"}
+
+
+def test_sorted_rows_land_where_the_routing_lays_them_out():
+    """``rows_laid_out``: torch's expert-sorted rows in the routing's padded layout, padding rows zero."""
+    import torch
+    from tldsl.bench import moe
+    from tldsl.bench.baselines import random_topk, route
+    from tldsl.ops.moe import moe_routing
+    T, E, topk = 300, 6, 2
+    ids, _ = random_topk(T, E, topk, "random", device="cpu", seed=3)
+    rt = moe_routing(ids.numpy(), E, 1, T, 64)
+    order, _ = route(ids, E)
+    rows = torch.arange(1, T * topk + 1, dtype=torch.float32)[:, None].repeat(1, 3)    # no zero among them
+    out = moe.rows_laid_out(rows, order, rt)
+    assert out.shape == (rt.num_rows, 3)
+    pos = moe.laid_out(order, rt)
+    assert torch.equal(out[pos], rows)
+    padding = torch.ones(rt.num_rows, dtype=torch.bool)
+    padding[pos] = False
+    assert int(padding.sum()) == rt.num_rows - T * topk and not out[padding].any()

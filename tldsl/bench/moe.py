@@ -219,8 +219,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     order, offs = route(ids_dev, E)
     h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(tdt)      # route's order, as torch has it
     w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
-    h = torch.zeros((rt.num_rows, K), dtype=tdt, device="cuda")
-    h[laid_out(order, rt)] = h_sorted
+    h = rows_laid_out(h_sorted, order, rt)
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
@@ -400,6 +399,15 @@ def laid_out(order, rt):
     return pos[(order % topk) * T + order // topk]
 
 
+def rows_laid_out(sorted_rows, order, rt):
+    """``sorted_rows`` (torch's expert-sorted order, :func:`.baselines.route`'s ``order``) in the
+    routing's layout: ``[rt.num_rows, K]``, each row where :func:`laid_out` puts it, the padding rows zero."""
+    import torch
+    out = torch.zeros((rt.num_rows, sorted_rows.shape[1]), dtype=sorted_rows.dtype, device=sorted_rows.device)
+    out[laid_out(order, rt)] = sorted_rows
+    return out
+
+
 def _computed_rows(rt, config) -> int:
     """Rows our kernels compute: the routing's used tiles, whole, but with the grouped GEMM's
     ``config.half_tiles`` those of at most ``BM / 2`` valid rows, which it runs as half tiles (the
@@ -470,16 +478,11 @@ def parse_args(argv):
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
         args.stage_rows = "on"
-    if args.interleave is not None and args.interleave < 1:
-        ap.error(f"--interleave: a positive number of tiles, got {args.interleave}")
-    if args.group_m is not None and args.group_m < 1:
-        ap.error(f"--group-m: a positive number of tile rows, got {args.group_m}")
-    if args.repeat < 1:
-        ap.error(f"--repeat: a positive number of timings, got {args.repeat}")
-    if args.iters < 1:
-        ap.error(f"--iters: a positive number of launches, got {args.iters}")
-    if args.processes < 1:
-        ap.error(f"--processes: a positive number of processes, got {args.processes}")
+    for opt, what in (("interleave", "tiles"), ("group_m", "tile rows"), ("repeat", "timings"), ("iters", "launches"),
+                      ("processes", "processes")):
+        value = getattr(args, opt)
+        if value is not None and value < 1:
+            ap.error(f"--{opt.replace('_', '-')}: a positive number of {what}, got {value}")
     return args
 
 

@@ -147,7 +147,7 @@ def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out
     from tldsl.runtime.gpu import require_gpu
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     from .baselines import MOE_MODELS, route
-    from .moe import TP, _check_close, laid_out
+    from .moe import TP, _check_close, laid_out, rows_laid_out
     from .timing import interleaved_ms
     require_gpu()
     names = [str(sc) for sc in schedules]
@@ -177,9 +177,7 @@ def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out
                 bufs = {"x_gathered": x, "w1": w, "h": out_t}
             else:
                 tabs = rt.reduce_scatter_tables()
-                h = torch.zeros((rt.num_rows, K), dtype=a.dtype, device="cuda")   # the padding rows: zeros
-                h[laid_out(order, rt)] = a
-                bufs = {"h": h, "w2": w, "y_sorted": out_t}
+                bufs = {"h": rows_laid_out(a, order, rt), "w2": w, "y_sorted": out_t}
             bufs.update({n: torch.from_numpy(np.ascontiguousarray(v)).cuda() for n, v in tabs.items()})
             flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64)
                      for s, n in lg.signal_slots.items()}            # every wait already satisfied

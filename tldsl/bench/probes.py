@@ -514,7 +514,8 @@ class _Bound:
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
 NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "rs_reduce_in",
-         "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew", "rs_order")
+         "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew",
+         "rs_order")
 
 
 def main(argv) -> int:
@@ -548,8 +549,7 @@ def main(argv) -> int:
         probe_moe_notifies([_parse_row(r) for r in args.rows.split(",")], **its)
     elif args.what == "moe_schedules":
         from .baselines import _parse_row
-        from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules
-        from .moe_probes import schedule_kernels
+        from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules, schedule_kernels
         try:
             schedules = parse_schedules(DEFAULT_SCHEDULES if args.schedules is None else args.schedules)
             rows = [_parse_row(r) for r in args.rows.split(",")]

@@ -57,6 +57,7 @@ import argparse
 import sys
 
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
+from .folded import SATISFIED, FoldedLaunches
 from .timing import fresh_placement
 
 #: TP ranks the rows' weight slices are for (tokens are the total across them)
@@ -186,11 +187,17 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
     return ids, wts, rt, lowered["grouped_gemm"], lowered["combine"]
 
 
+#: the folded kernels' wait timeout, tl.run's default: a wait no launch satisfies traps (an error
+#: naming the row) rather than hanging the GPU
+FOLDED_WAIT_TIMEOUT_NS = 60 * 10**9
+
+
 def folded_as_run_folds(ir, lowered: dict):
     """The grouped GEMM of ``lowered`` with its chained partner folded in, exactly as ``tl.run``
-    folds it (:func:`tldsl.runtime.gpu.fold.fold_chained`); raises where the recipe refuses."""
+    folds it (:func:`tldsl.runtime.gpu.fold.fold_chained`, its waits timing out as tl.run's do by
+    default); raises where the recipe refuses."""
     from tldsl.runtime.gpu.fold import fold_chained
-    lf = fold_chained(ir, lowered, {}, set(lowered))["grouped_gemm"]
+    lf = fold_chained(ir, lowered, {"wait_timeout_ns": FOLDED_WAIT_TIMEOUT_NS}, set(lowered))["grouped_gemm"]
     if lf.side is None:
         raise RuntimeError(f"{ir.name}: the grouped GEMM's recipe did not fold its chained part")
     return lf
@@ -269,15 +276,11 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                                 parts=[gemm_alone, combine_alone, notifying_alone], run=run)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
-    # folded: the combine's waits are real (its tiles wait for the GEMM's): counters from 0, one
-    # epoch per launch
-    fsig = {s: torch.zeros((n,), device="cuda", dtype=torch.int64) for s, n in lf.signal_slots.items()}
-    fused = GroupedKernel(lf).prepare(bufs, fsig)
-    launches = [0]
+    # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
+    fused = FoldedLaunches(lambda sig: GroupedKernel(lf).prepare(bufs, sig), lf.signal_slots)
 
     def folded():
-        launches[0] += 1
-        fused.launch(torch.cuda.current_stream().cuda_stream, launches[0])
+        fused.launch(torch.cuda.current_stream().cuda_stream)
     bufs["partial"].fill_(float("nan"))
     bufs["y_sorted"].fill_(float("nan"))
     folded()
@@ -336,7 +339,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     from tldsl.ir import NOTIFY_OPS
     comm_signals = {op.operands[0].owner.name for p in ir.parts if p.role == "comm" for op in p.walk()
                     if op.name in NOTIFY_OPS}
-    signals = {s.name: (torch.full((int(s.type.slots),), 1 << 40, device="cuda", dtype=torch.int64)
+    signals = {s.name: (torch.full((int(s.type.slots),), SATISFIED, device="cuda", dtype=torch.int64)
                         if s.name in comm_signals else torch.zeros(int(s.type.slots), device="cuda", dtype=torch.int64))
                for s in ir.signals}
     ids_dev = ids.cuda()
@@ -375,11 +378,12 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         _check_close(what + " (one after the other)", h[dest], want)
         from tldsl.codegen import lower
         lf = folded_as_run_folds(ir, {p: lower(ir, p) for p in lowered})    # folded: its signals kept, waits real
-        folded = prepared_parts(ir, {"grouped_gemm": lf}, bufs, signals)["grouped_gemm"]
+        # counters of its own: the kernels one after the other (stream-ordered) notify nothing
+        folded = FoldedLaunches(lambda sig: prepared_parts(ir, {"grouped_gemm": lf}, bufs, sig)["grouped_gemm"],
+                                {s.name: int(s.type.slots) for s in ir.signals}, satisfied=comm_signals)
 
-        def folded_launch():            # its waits real: the rows' counters count one epoch a launch
-            gathers[0] += 1
-            folded.launch(torch.cuda.current_stream().cuda_stream, gathers[0])
+        def folded_launch():
+            folded.launch(torch.cuda.current_stream().cuda_stream)
         h.fill_(float("nan"))
         bufs["x_sorted"].fill_(float("nan"))
         parts, ours = [ours] + parts, folded_launch

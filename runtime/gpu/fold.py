@@ -57,7 +57,10 @@ def is_folded(lowered) -> bool:
 #: counts SMs, not the places a cluster fits: pairs of CTAs need two free SMs of one GPC, which
 #: the SMs other kernels of the launch hold (a reduce-scatter's lanes) may leave too few of — a
 #: CTA pair left waiting for an SM would wait on tiles no resident CTA runs (a hang, where an
-#: unfolded GEMM only runs later). Single CTAs fit wherever the plan counted an SM.
+#: unfolded GEMM only runs later). Single CTAs fit wherever the plan counted an SM. Nor would
+#: pairs pay: MoE+ReduceScatter's folded kernel with clusters of 2 (all 66 pairs resident, the
+#: whole H200 its own) ran at the speed of the one without (Mixtral 32768 tokens 6.098 against
+#: 6.103 ms; BENCHMARKS.md, thirty-second session).
 FOLDED_CLUSTER = (1, 1)
 
 

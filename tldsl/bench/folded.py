@@ -13,6 +13,22 @@ from __future__ import annotations
 SATISFIED = 1 << 40
 
 
+def comm_notified(ir) -> set[str]:
+    """The signals a communication part of ``ir`` notifies (the all-gather's): at W = 1 every
+    wait on them is already satisfied."""
+    from tldsl.ir import NOTIFY_OPS
+    return {op.operands[0].owner.name for p in ir.parts if p.role == "comm" for op in p.walk()
+            if op.name in NOTIFY_OPS}
+
+
+def folded_launches(ir, folded, prepare, device="cuda") -> "FoldedLaunches":
+    """The launches of ``folded`` (a lowered kernel with a chained part folded in, lowered from
+    ``ir``) as the benchmarks time it: counters for its signals, those a communication part
+    notifies held satisfied, the others from zero; ``prepare(signals)``: its prepared launch."""
+    slots = dict(folded.signal_slots)
+    return FoldedLaunches(prepare, slots, satisfied=comm_notified(ir) & set(slots), device=device)
+
+
 class FoldedLaunches:
     """``launch(stream)``: the next launch of a folded kernel, one epoch each, from 1.
     ``prepare(signals)`` packs the kernel's arguments with its counters (``signals``: name ->

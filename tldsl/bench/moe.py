@@ -57,7 +57,7 @@ import argparse
 import sys
 
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
-from .folded import SATISFIED, FoldedLaunches
+from .folded import SATISFIED, comm_notified, folded_launches
 from .timing import fresh_placement
 
 #: TP ranks the rows' weight slices are for (tokens are the total across them)
@@ -188,7 +188,8 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
 
 
 #: the folded kernels' wait timeout, tl.run's default: a wait no launch satisfies traps (an error
-#: naming the row) rather than hanging the GPU
+#: naming the row) rather than hanging the GPU. (The fused ops' engine compiles none unless
+#: TLDSL_WAIT_TIMEOUT_NS is set; what the timer reads in the spin loops cost is unmeasured.)
 FOLDED_WAIT_TIMEOUT_NS = 60 * 10**9
 
 
@@ -277,7 +278,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
-    fused = FoldedLaunches(lambda sig: GroupedKernel(lf).prepare(bufs, sig), lf.signal_slots)
+    fused = folded_launches(k, lf, lambda sig: GroupedKernel(lf).prepare(bufs, sig))
 
     def folded():
         fused.launch(torch.cuda.current_stream().cuda_stream)
@@ -336,9 +337,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         if b.name not in bufs:          # the staged rows: poisoned, never read before written
             bufs[b.name] = torch.full(tuple(b.type.shape), float("nan"), device="cuda", dtype=tdt)
     # the all-gather's signal: every wait already satisfied; the parts' own signals count from 0
-    from tldsl.ir import NOTIFY_OPS
-    comm_signals = {op.operands[0].owner.name for p in ir.parts if p.role == "comm" for op in p.walk()
-                    if op.name in NOTIFY_OPS}
+    comm_signals = comm_notified(ir)
     signals = {s.name: (torch.full((int(s.type.slots),), SATISFIED, device="cuda", dtype=torch.int64)
                         if s.name in comm_signals else torch.zeros(int(s.type.slots), device="cuda", dtype=torch.int64))
                for s in ir.signals}
@@ -379,8 +378,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         from tldsl.codegen import lower
         lf = folded_as_run_folds(ir, {p: lower(ir, p) for p in lowered})    # folded: its signals kept, waits real
         # counters of its own: the kernels one after the other (stream-ordered) notify nothing
-        folded = FoldedLaunches(lambda sig: prepared_parts(ir, {"grouped_gemm": lf}, bufs, sig)["grouped_gemm"],
-                                {s.name: int(s.type.slots) for s in ir.signals}, satisfied=comm_signals)
+        folded = folded_launches(ir, lf,
+                                 lambda sig: prepared_parts(ir, {"grouped_gemm": lf}, bufs, sig)["grouped_gemm"])
 
         def folded_launch():
             folded.launch(torch.cuda.current_stream().cuda_stream)

@@ -266,7 +266,7 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
             raise RuntimeError("no such luck\nsecond line")
         ms = next(times)
         return dict(ms=ms, gmm_ms=1.0, seq_ms=4.0, flops=2e9, tflops=2e9 / ms / 1e9, gmm_tflops=2.0, err=1e-3,
-                    padded=640, routed=600, parts_ms=[0.7, 0.2, 0.75])
+                    padded=640, routed=600, parts_ms=[0.7, 0.2, 0.75, 0.18])
 
     @contextlib.contextmanager
     def fake_placement(run):
@@ -290,7 +290,8 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
     assert "failed: RuntimeError: no such luck |" in failed and failed.count("|") == lines[1].count("|")
     deep = next(line for line in lines if line.startswith("| deepseek 2048 zipf |"))
     assert deep.count("|") == lines[1].count("|") and deep.startswith("| deepseek 2048 zipf | 1.000 |")
-    assert deep.rstrip().endswith("| 0.71-1.11 |")
+    assert deep.rstrip().endswith("| 0.750 | 0.180 | 0.71-1.11 |")     # ... the notifying GEMM, the copy
+    assert lines[1].endswith("| GEMM with notifies ms | copy of the combine's bytes ms | speed per repeat (min-max) |")
 
 
 def test_the_moe_benchmark_writes_its_rows_as_json(monkeypatch, tmp_path):
@@ -321,6 +322,30 @@ def test_the_moe_benchmark_writes_its_rows_as_json(monkeypatch, tmp_path):
     assert bad == {"row": "mixtral:2048:one", "error": "ValueError: bad routing"}
 
 
+def test_the_moe_benchmarks_ag_table_gives_the_staged_gather_and_its_copy(monkeypatch):
+    """``bench moe`` (ag): a staged row prints its row gather, its GEMM and a copy of the gather's
+    bytes (the gather's bound) one by one; a row gathered in the GEMM leaves those cells empty.
+    Every row has the header's cells."""
+    import contextlib
+    import io
+    from tldsl.bench import moe
+
+    def fake_row(row, iters, *args, run=0, **kw):
+        parts = [0.1, 0.9, 0.08] if row.model == "mixtral" else []
+        return dict(ms=1.0, gmm_ms=1.0, seq_ms=1.2, flops=1e9, tflops=1.0, gmm_tflops=1.0, err=1e-3,
+                    padded=4352, routed=4096, parts_ms=parts)
+    monkeypatch.setattr(moe, "bench_row", fake_row)
+    monkeypatch.setattr(moe, "fresh_placement", lambda run: contextlib.nullcontext())
+    out = io.StringIO()
+    assert moe.main(["--rows", "mixtral:2048:random,qwen3:2048:random"], out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[1].endswith("| rows gathered | row gather alone ms | GEMM alone ms | copy of the gather's bytes ms |")
+    staged = next(x for x in lines if x.startswith("| mixtral 2048 random |"))
+    inside = next(x for x in lines if x.startswith("| qwen3 2048 random |"))
+    assert staged.endswith("| staged | 0.100 | 0.900 | 0.080 |") and inside.endswith("| in the GEMM | | | |")
+    assert staged.count("|") == inside.count("|") == lines[1].count("|") == lines[2].count("|")
+
+
 def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
     """``bench moe --processes 3``: the whole benchmark run in three child processes (each
     ``python -m tldsl.bench moe`` with the same options but ``--processes`` and ``--json``, writing its
@@ -338,11 +363,12 @@ def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
         i = len(cmds)
         t = next(ms)
         rows = [dict(row="qwen3:2048:random", ms=t, gmm_ms=1.2, seq_ms=5.0, flops=2e9, tflops=2e9 / t / 1e9,
-                     gmm_tflops=1.67, err=1e-3 * i, padded=640, routed=600, parts_ms=[0.9 * t, 0.1 * t, t],
+                     gmm_tflops=1.67, err=1e-3 * i, padded=640, routed=600,
+                     parts_ms=[0.9 * t, 0.1 * t, t, 0.08 * t],
                      speeds=[1.2 / t]),
                 dict(row="deepseek:2048:zipf", error="RuntimeError: relative L2 0.5") if i == 2 else
                 dict(row="deepseek:2048:zipf", ms=1.0, gmm_ms=1.0, seq_ms=2.0, flops=1e9, tflops=1.0, gmm_tflops=1.0,
-                     err=0.0, padded=64, routed=64, parts_ms=[0.5, 0.5, 0.5], speeds=[1.0])]
+                     err=0.0, padded=64, routed=64, parts_ms=[0.5, 0.5, 0.5, 0.5], speeds=[1.0])]
         with open(path, "w") as f:
             json.dump({"benchmark": "moe", "rows": rows}, f)
         return type("Done", (), dict(returncode=1 if i == 2 else 0, stdout="| a child's table |\n", stderr=""))()
@@ -362,7 +388,7 @@ def test_the_moe_benchmark_across_fresh_processes(monkeypatch, tmp_path):
     assert lines[1].endswith("| speed per process (min-max) |") and lines[1].count("|") == lines[2].count("|")
     qwen = [c.strip() for c in next(x for x in lines if x.startswith("| qwen3 2048 random |")).strip("|").split("|")]
     assert qwen[1] == "1.200" and qwen[5] == "1.00" and qwen[-1] == "0.60-1.20"      # median; 1.2/2.0 .. 1.2/1.0
-    assert qwen[-4:-1] == ["1.080", "0.120", "1.200"]                                 # each part's median
+    assert qwen[-5:-1] == ["1.080", "0.120", "1.200", "0.096"]                        # each part's median
     deep = next(x for x in lines if x.startswith("| deepseek 2048 zipf |"))
     assert "failed: RuntimeError: in process 2: RuntimeError: relative L2 0.5" in deep
     assert deep.count("|") == lines[1].count("|")

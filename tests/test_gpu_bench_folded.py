@@ -18,9 +18,9 @@ def test_bench_moe_checks_and_times_the_folded_kernel(layer):
     row = moe._parse_row("mixtral:2048:random")
     if layer == "ag":
         r = moe.bench_row(row, 2, stage_rows="on", fold=True)
-        assert len(r["parts_ms"]) == 3          # the pair one after the other, then each kernel alone
+        assert len(r["parts_ms"]) == 4          # the pair one after the other, each kernel alone, the copy
     else:
         r = moe.bench_rs_row(row, 2, fold=True)
-        assert len(r["parts_ms"]) == 4          # the pair, the GEMM, the combine, the notifying GEMM
+        assert len(r["parts_ms"]) == 5          # the pair, the GEMM, the combine, the notifying GEMM, the copy
     assert r["ms"] > 0 and all(t > 0 for t in r["parts_ms"])
     assert r["err"] <= fused_layers.REL_TOL     # (bench_row raises beyond it: checked before timing)

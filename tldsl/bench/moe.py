@@ -11,7 +11,8 @@ layer 0 (gate and up fused: ``N = 2 * ffn / 2``, ``K = hidden``) on every token,
 already satisfied — the kernel alone, as it runs once the all-gather has delivered every token.
 It gathers its rows itself (``sorted_token_ids``) — inside the grouped GEMM, or, where the slice
 is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_pays`), in a pass of
-their own before the GEMM reads them by TMA (the two kernels then also timed one by one; with
+their own before the GEMM reads them by TMA (the two kernels then also timed one by one, and a
+device-to-device copy of the bytes the gather moves, its bound; with
 ``--fold on``, that pass runs inside the GEMM's kernel, on its producer's spare warps, ahead of the
 GEMM tiles waiting for its rows: one launch, its waits real) — so it
 is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
@@ -35,7 +36,8 @@ op lower them: the combine runs after the GEMM on its stream, so the signal betw
 dropped (the GEMM notifies nothing, the combine waits for nothing). Three more columns time our
 kernels one by one (the GEMM alone, the combine alone: where the layer's time goes) and the GEMM
 as written, notifying each tile (its rows checked equal: what releasing each tile to a combine
-beside it costs). ``--fold on``: the combine folded
+beside it costs); a last one times a device-to-device copy of the bytes the combine moves (the
+routed rows of ``y_sorted`` read, the partial written): its bound. ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
@@ -264,6 +266,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
 
     def notifying_alone():
         with_notifies.launch(torch.cuda.current_stream().cuda_stream, 1)
+    # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the fp32 partial written)
+    combine_copy = copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size())
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = sequence()
     pair()
@@ -274,7 +278,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(rt, lg.config), T * topk,
-                                parts=[gemm_alone, combine_alone, notifying_alone], run=run)
+                                parts=[gemm_alone, combine_alone, notifying_alone, combine_copy], run=run)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
@@ -287,7 +291,16 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
-                            parts=[pair, gemm_alone, combine_alone, notifying_alone], run=run)
+                            parts=[pair, gemm_alone, combine_alone, notifying_alone, combine_copy], run=run)
+
+
+def copy_of(nbytes: int):
+    """A device-to-device copy moving ``nbytes`` in all, half read and half written: what a pass
+    that must move those bytes is bound by (the combine, the row gather), timed beside it."""
+    import torch
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def _check_close(what: str, got, want) -> float:
@@ -372,7 +385,8 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     want = gmm()
     dest = laid_out(order, rt)
     what = f"{row}: the grouped GEMM differs from _grouped_mm"
-    parts = [one(k) for k in kernels] if len(kernels) > 1 else []
+    # staged: each kernel alone, and the row gather's bound: a copy of its bytes (the routed rows read, written)
+    parts = [one(k) for k in kernels] + [copy_of(2 * T * topk * K * x.element_size())] if len(kernels) > 1 else []
     if fold:
         _check_close(what + " (one after the other)", h[dest], want)
         from tldsl.codegen import lower
@@ -520,13 +534,14 @@ def main(argv, out=sys.stdout) -> int:
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
     fold = args.fold == "on"
-    split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms |" if rs else
-             " rows gathered | row gather alone ms | GEMM alone ms |")
+    split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms | copy of the combine's bytes ms |" if rs else
+             " rows gathered | row gather alone ms | GEMM alone ms | copy of the gather's bytes ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
     elif fold:
         ours = "tldsl gather + GEMM folded ms"
-        split = " rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms |"
+        split = (" rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms "
+                 "| copy of the gather's bytes ms |")
     if args.processes > 1:
         split += " speed per process (min-max) |"
     elif args.repeat > 1:
@@ -565,7 +580,7 @@ def main(argv, out=sys.stdout) -> int:
             continue
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:
-            parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | |"
+            parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | | |"
         if args.repeat > 1 or args.processes > 1:
             parts += f" {min(r['speeds']):.2f}-{max(r['speeds']):.2f} |"
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "

@@ -20,11 +20,20 @@ def test_schedules_parse_with_cluster_two_unless_given():
     assert str(Schedule((128, 128, 64), 6, 1)) == "128x128x64:6:1"
 
 
+def test_a_schedule_may_give_its_group_m_after_its_cluster():
+    got = parse_schedules("128x256x64:4:2:16,128x256x64:4:1:4,128x256x64:4")
+    assert got == [Schedule((128, 256, 64), 4, 2, 16), Schedule((128, 256, 64), 4, 1, 4), Schedule((128, 256, 64), 4)]
+    assert [str(s) for s in got] == ["128x256x64:4:2:16", "128x256x64:4:1:4", "128x256x64:4"]
+    assert parse_schedules(",".join(map(str, got))) == got
+
+
 @pytest.mark.parametrize("text, names", [
     ("128x256:4", "'128x256:4'"),                       # two dimensions
     ("128x256x64", "'128x256x64'"),                     # no stages
     ("128x256x64:four", "'128x256x64:four'"),
     ("128x256x64:4:3", "a cluster of 1 or 2"),
+    ("128x256x64:4:2:0", "a group of at least 1 tile row"),
+    ("128x256x64:4:2:8:1", "'128x256x64:4:2:8:1'"),    # a fifth field
     ("128x256x64:4,128x256x64:4", "given twice"),
 ])
 def test_bad_schedules_are_refused_naming_the_item(text, names):
@@ -35,7 +44,7 @@ def test_bad_schedules_are_refused_naming_the_item(text, names):
 def test_the_cli_refuses_a_bad_schedule_before_anything_runs(capsys):
     with pytest.raises(SystemExit):
         probes.main(["moe_schedules", "--schedules", "128x256x64:4,64x64"])
-    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER]" in capsys.readouterr().err
+    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("layer, entry", [("ag", "allgather_moe"), ("rs", "moe_reduce_scatter")])
@@ -53,6 +62,16 @@ def test_each_schedule_lowers_its_own_grouped_gemm(layer, entry):
         # ag: the rows gathered inside the grouped GEMM (what the probe measures), never staged first
         assert ("kGather = true" in lg.source) == (layer == "ag")
     assert got == [((128, 256, 64), 4, 2), ((128, 256, 64), 3, 1), ((128, 128, 64), 6, 2)]
+
+
+@pytest.mark.parametrize("layer", ["ag", "rs"])
+def test_each_schedules_group_m_reaches_its_kernel(layer):
+    """The tile order's group (tile rows a group of the swizzled order) is the schedule's, or the
+    default's 8 where it gives none."""
+    row = _parse_row("qwen15:2048:random")
+    kernels = schedule_kernels(row, parse_schedules("128x256x64:4:2:16,128x256x64:4:1:2,128x256x64:4"), layer)
+    assert [lg.config.group_m for *_, lg in kernels] == [16, 2, 8]
+    assert [int(re.search(r"kGroupM = (\d+)", lg.source).group(1)) for *_, lg in kernels] == [16, 2, 8]
 
 
 @pytest.mark.parametrize("layer", ["ag", "rs"])
@@ -79,7 +98,7 @@ def test_the_cli_refuses_a_schedule_the_recipe_refuses_before_anything_runs(caps
 def test_an_empty_schedule_list_is_refused_not_defaulted(capsys):
     with pytest.raises(SystemExit):
         probes.main(["moe_schedules", "--schedules", ""])
-    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER]" in capsys.readouterr().err
+    assert "--schedules: BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]]" in capsys.readouterr().err
 
 
 def test_the_one_gpu_probes_are_exactly_those_gated_as_one():

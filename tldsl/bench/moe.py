@@ -96,8 +96,9 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
 
 
 def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-               stage_rows: str = "auto", interleave: int | None = None):
-    """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1)."""
+               stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None):
+    """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1);
+    ``group_m``: tile rows a group of the swizzled order (the schedule's default unless given)."""
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
@@ -106,7 +107,8 @@ def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0], interleave=interleave)
     k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
-                                                          cluster=(cluster, 1)),
+                                                          cluster=(cluster, 1),
+                                                          **({"group_m": group_m} if group_m else {})),
                                comm=tl.CommSchedule(tile_m=128, mode="pull"),
                                stage_rows=stage_rows_for(row, stage_rows))
     return ids, rt, k

@@ -9,7 +9,8 @@
   by design (nothing waits on them here).
 * ``moe_schedules``: one layer's grouped GEMM (``--layer ag``: AllGather+MoE's, its rows gathered
   inside it; ``rs``: MoE+ReduceScatter's, without its combine, which no GEMM schedule changes) under
-  several compute schedules (``BMxBNxBK:STAGES[:CLUSTER]``), each checked against ``_grouped_mm``
+  several compute schedules (``BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]]``: the tile, its stages, CTAs a
+  cluster, tile rows a group of the swizzled order), each checked against ``_grouped_mm``
   first, then all timed interleaved with it in one process. ``_grouped_mm`` runs in a faster or a
   slower state from one process to the next (BENCHMARKS.md, thirtieth session), so schedules are
   compared in one process, never across runs of ``bench moe``.
@@ -85,17 +86,22 @@ DEFAULT_SCHEDULES = "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6"
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A compute schedule of ``probe moe_schedules``: the tile, the pipeline stages, CTAs a cluster."""
+    """A compute schedule of ``probe moe_schedules``: the tile, the pipeline stages, CTAs a cluster,
+    and tile rows a group of the swizzled order (``None``: the schedule's default)."""
     tile: tuple[int, int, int]
     stages: int
     cluster: int = 2
+    group_m: int | None = None
 
     def __str__(self) -> str:
-        return "x".join(map(str, self.tile)) + f":{self.stages}" + (f":{self.cluster}" if self.cluster != 2 else "")
+        tail = f":{self.cluster}:{self.group_m}" if self.group_m is not None else (
+            f":{self.cluster}" if self.cluster != 2 else "")
+        return "x".join(map(str, self.tile)) + f":{self.stages}" + tail
 
 
 def parse_schedules(text: str) -> list[Schedule]:
-    """``BMxBNxBK:STAGES[:CLUSTER],...`` as :class:`Schedule` s (cluster 2 unless given); an
+    """``BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]],...`` as :class:`Schedule` s (cluster 2, the
+    schedule's group_m unless given); an
     ``argparse.ArgumentTypeError`` naming the bad item otherwise. The schedule's own checks (powers
     of two, stage counts, what fits shared memory) run when each is lowered (:func:`schedule_kernels`)."""
     import argparse
@@ -103,13 +109,16 @@ def parse_schedules(text: str) -> list[Schedule]:
     for item in text.split(","):
         parts = item.strip().split(":")
         dims = parts[0].split("x")
-        if not (2 <= len(parts) <= 3 and len(dims) == 3 and all(v.isdigit() for v in dims + parts[1:])):
-            raise argparse.ArgumentTypeError(f"--schedules: BMxBNxBK:STAGES[:CLUSTER],... "
-                                             f"(e.g. 128x256x64:4,128x128x64:6:1), got {item!r}")
-        cluster = int(parts[2]) if len(parts) == 3 else 2
+        if not (2 <= len(parts) <= 4 and len(dims) == 3 and all(v.isdigit() for v in dims + parts[1:])):
+            raise argparse.ArgumentTypeError(f"--schedules: BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]],... "
+                                             f"(e.g. 128x256x64:4,128x128x64:6:1,128x256x64:4:2:16), got {item!r}")
+        cluster = int(parts[2]) if len(parts) >= 3 else 2
         if cluster not in (1, 2):
             raise argparse.ArgumentTypeError(f"--schedules: a cluster of 1 or 2 CTAs, got {item!r}")
-        out.append(Schedule(tuple(int(v) for v in dims), int(parts[1]), cluster))
+        group_m = int(parts[3]) if len(parts) == 4 else None
+        if group_m is not None and group_m < 1:
+            raise argparse.ArgumentTypeError(f"--schedules: a group of at least 1 tile row, got {item!r}")
+        out.append(Schedule(tuple(int(v) for v in dims), int(parts[1]), cluster, group_m))
     if len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"--schedules: a schedule given twice in {text!r}")
     return out
@@ -129,9 +138,10 @@ def schedule_kernels(row, schedules, layer: str = "ag") -> list:
     for sc in schedules:
         try:
             if layer == "ag":
-                ids, rt, k = ag_program(row, sc.tile, sc.stages, cluster=sc.cluster, stage_rows="off")
+                ids, rt, k = ag_program(row, sc.tile, sc.stages, cluster=sc.cluster, stage_rows="off",
+                                        group_m=sc.group_m)
             else:
-                ids, _, rt, k = rs_program(row, sc.tile, sc.stages)
+                ids, _, rt, k = rs_program(row, sc.tile, sc.stages, group_m=sc.group_m)
             lg = lower_grouped_gemm(stream_ordered(k), "grouped_gemm", cluster=(sc.cluster, 1))
         except Exception as e:      # noqa: BLE001 - every refusal, named by its schedule
             raise ValueError(f"schedule {sc} ({layer}, {row.model}:{row.tokens}:{row.routing}): "

@@ -528,7 +528,7 @@ def main(argv) -> int:
     ap.add_argument("--layer", choices=("ag", "rs"), default="ag",
                     help="moe_schedules: AllGather+MoE's grouped GEMM (ag) or MoE+ReduceScatter's (rs)")
     ap.add_argument("--schedules", default=None,
-                    help="moe_schedules: BMxBNxBK:STAGES[:CLUSTER],... (default: "
+                    help="moe_schedules: BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]],... (default: "
                          "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "

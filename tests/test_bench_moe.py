@@ -451,3 +451,28 @@ def test_sorted_rows_land_where_the_routing_lays_them_out():
     padding = torch.ones(rt.num_rows, dtype=torch.bool)
     padding[pos] = False
     assert int(padding.sum()) == rt.num_rows - T * topk and not out[padding].any()
+
+
+def test_group_m_reaches_the_ag_layers_kernels_and_rows(monkeypatch):
+    """``bench moe --layer ag --group-m N``: the tile order's group of both kernels of a staged row
+    (it used to be the rs layer's only, and silently ignored for ag)."""
+    import contextlib
+    import io
+    from tldsl.bench import moe
+    from tldsl.bench.baselines import _parse_row
+    _, _, _, lowered = moe.lowered_row(_parse_row("mixtral:2048:random"), stage_rows="on", group_m=4)
+    assert lowered["grouped_gemm"].config.group_m == 4
+    assert "kGroupM = 4" in lowered["gather_rows"].source
+    _, _, _, default = moe.lowered_row(_parse_row("mixtral:2048:random"), stage_rows="on")
+    assert default["grouped_gemm"].config.group_m == 8
+    seen = []
+
+    def fake_row(row, iters, *args, run=0, group_m=None, **kw):
+        seen.append(group_m)
+        return dict(ms=1.0, gmm_ms=1.0, seq_ms=1.2, flops=1e9, tflops=1.0, gmm_tflops=1.0, err=1e-3,
+                    padded=4352, routed=4096, parts_ms=[])
+    monkeypatch.setattr(moe, "bench_row", fake_row)
+    monkeypatch.setattr(moe, "fresh_placement", lambda run: contextlib.nullcontext())
+    assert moe.main(["--rows", "mixtral:2048:random", "--group-m", "4"], out=io.StringIO()) == 0
+    assert moe.main(["--rows", "mixtral:2048:random"], out=io.StringIO()) == 0
+    assert seen == [4, None]

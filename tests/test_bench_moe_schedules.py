@@ -32,7 +32,8 @@ def test_a_schedule_may_give_its_group_m_after_its_cluster():
     ("128x256x64", "'128x256x64'"),                     # no stages
     ("128x256x64:four", "'128x256x64:four'"),
     ("128x256x64:4:3", "a cluster of 1 or 2"),
-    ("128x256x64:4:2:0", "a group of at least 1 tile row"),
+    ("128x256x64:4:2:0", "a group of 1 to 65536 cluster tiles"),
+    ("128x256x64:4:2:99999999999", "a group of 1 to 65536 cluster tiles"),
     ("128x256x64:4:2:8:1", "'128x256x64:4:2:8:1'"),    # a fifth field
     ("128x256x64:4,128x256x64:4", "given twice"),
 ])
@@ -66,8 +67,8 @@ def test_each_schedule_lowers_its_own_grouped_gemm(layer, entry):
 
 @pytest.mark.parametrize("layer", ["ag", "rs"])
 def test_each_schedules_group_m_reaches_its_kernel(layer):
-    """The tile order's group (tile rows a group of the swizzled order) is the schedule's, or the
-    default's 8 where it gives none."""
+    """The tile order's group (a group's rows of the swizzled order, in cluster tiles) is the
+    schedule's, or the default's 8 where it gives none."""
     row = _parse_row("qwen15:2048:random")
     kernels = schedule_kernels(row, parse_schedules("128x256x64:4:2:16,128x256x64:4:1:2,128x256x64:4"), layer)
     assert [lg.config.group_m for *_, lg in kernels] == [16, 2, 8]

@@ -80,14 +80,14 @@ def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
 
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                stage_rows: str = "auto", interleave: int | None = None):
+                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None):
     """``(topk_ids, host routing, traced program, {part: lowered kernel})`` of one row (one rank's
     slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
     row gather where the rows are staged (``gather_rows``); ``interleave``: the routing's tiles in
-    rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
+    rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``group_m``: :func:`ag_program`'s."""
     from tldsl.codegen import lower, lower_grouped_gemm
     from tldsl.runtime.gpu.run_plan import stream_ordered
-    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave)
+    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m)
     parts = [p.name for p in k.parts if p.role == "compute"]
     as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
     # the grouped GEMM by its own recipe, which names what it refuses (``lower`` would fall back to the general
@@ -98,7 +98,8 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
 def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None):
     """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1);
-    ``group_m``: tile rows a group of the swizzled order (the schedule's default unless given)."""
+    ``group_m``: a group's rows of the swizzled order, counted in cluster tiles (``cluster`` tile rows
+    each; the schedule's default unless given)."""
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
@@ -148,7 +149,7 @@ def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
                group_m: int | None = None, interleave: int | None = None):
     """``(topk_ids, topk_weights, host routing, traced program)`` of one row's layer 1 (one rank's
     slice, W = 1: the combine's partial holds every token). ``fold``: the tiles column by column
-    (for a combine folded in) unless ``group_m`` (tile rows of a group of the swizzled order) says
+    (for a combine folded in) unless ``group_m`` (a group's rows of the swizzled order, in cluster tiles) says
     otherwise; unfolded, the schedule's ``group_m`` unless given; ``interleave``: the routing's
     tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
     import tldsl as tl
@@ -213,8 +214,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                  interleave: int | None = None, run: int = 0) -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
-    the other; ``parts_ms``: the two unfolded kernels one by one, and with ``fold`` the pair one
-    after the other first)."""
+    the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
+    with ``fold`` the pair one after the other first, and last a copy of the combine's bytes)."""
     import numpy as np
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
@@ -280,7 +281,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(rt, lg.config), T * topk,
-                                parts=[gemm_alone, combine_alone, notifying_alone, combine_copy], run=run)
+                                parts=[gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
@@ -293,7 +294,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
-                            parts=[pair, gemm_alone, combine_alone, notifying_alone, combine_copy], run=run)
+                            parts=[pair, gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
 
 
 def copy_of(nbytes: int):
@@ -316,30 +317,35 @@ def _check_close(what: str, got, want) -> float:
 
 
 def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int,
-                     parts=(), run: int = 0) -> dict:
+                     parts=(), run: int = 0, bound=None) -> dict:
     """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
     timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — and ``parts`` (ours kernel by
-    kernel: ``parts_ms``) timed interleaved, in :func:`.timing.launch_order` for ``run``."""
+    kernel: ``parts_ms``) timed interleaved, in :func:`.timing.launch_order` for ``run``; then
+    ``bound`` (a copy of a pass's bytes, :func:`copy_of`) on its own, its time last in ``parts_ms``
+    (apart, so that the columns above keep the rotation they had without it)."""
     from .timing import interleaved_ms
     l2 = _check_close(what, got, want)
     ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters, run=run)
+    if bound is not None:
+        parts_ms.append(interleaved_ms([bound], iters=iters, run=run)[0])
     return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, flops=flops, tflops=flops / ms / 1e9,
                 gmm_tflops=flops / gmm_ms / 1e9, err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
               cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None,
-              run: int = 0) -> dict:
+              run: int = 0, group_m: int | None = None) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
-    where the rows are staged, which ``parts_ms`` then times one by one). ``fold`` (rows staged):
-    ``ms`` is the grouped GEMM with the row gather folded into its kernel (one launch, its waits
-    real), ``parts_ms`` the two kernels one after the other first."""
+    where the rows are staged, which ``parts_ms`` then times one by one, and last a copy of the
+    gather's bytes). ``fold`` (rows staged): ``ms`` is the grouped GEMM with the row gather folded
+    into its kernel (one launch, its waits real), ``parts_ms`` the two kernels one after the other
+    first; ``group_m``: :func:`ag_program`'s."""
     import numpy as np
     import torch
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave)
+    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m)
     tabs = rt.allgather_tables()
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E)
@@ -387,8 +393,10 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     want = gmm()
     dest = laid_out(order, rt)
     what = f"{row}: the grouped GEMM differs from _grouped_mm"
-    # staged: each kernel alone, and the row gather's bound: a copy of its bytes (the routed rows read, written)
-    parts = [one(k) for k in kernels] + [copy_of(2 * T * topk * K * x.element_size())] if len(kernels) > 1 else []
+    parts = [one(k) for k in kernels] if len(kernels) > 1 else []
+    # staged: the row gather's bound, a copy of its bytes (the routed rows read; every row of the layout written,
+    # padding included, as gather_rows stores them)
+    gather_copy = copy_of((T * topk + rt.num_rows) * K * x.element_size()) if len(kernels) > 1 else None
     if fold:
         _check_close(what + " (one after the other)", h[dest], want)
         from tldsl.codegen import lower
@@ -406,7 +414,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
                             _computed_rows(rt, lowered["grouped_gemm"].config), T * topk, parts=parts,
-                            run=run)
+                            run=run, bound=gather_copy)
 
 
 def laid_out(order, rt):
@@ -461,9 +469,9 @@ def parse_args(argv):
                          "gather folded into the grouped GEMM's kernel, ahead of the tiles that read its rows (on; "
                          "the rows staged), or launched before it (off)")
     ap.add_argument("--group-m", type=int, default=None,
-                    help="rs: tile rows of a group of the swizzled order, for both kernels (default: the "
-                         "schedule's 8, and with --fold on all of them: column by column, so that a column's "
-                         "combine tiles can start once its GEMM tiles are done)")
+                    help="a group's rows of the swizzled order, in cluster tiles (default: the schedule's 8; "
+                         "rs: for both kernels, and with --fold on all of them: column by column, so that a "
+                         "column's combine tiles can start once its GEMM tiles are done)")
     ap.add_argument("--interleave", type=int, default=None,
                     help="the routing's tiles in rounds of this many per expert rather than expert after expert "
                          "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
@@ -544,6 +552,7 @@ def main(argv, out=sys.stdout) -> int:
         ours = "tldsl gather + GEMM folded ms"
         split = (" rows gathered | gather, then GEMM ms | row gather alone ms | GEMM alone ms "
                  "| copy of the gather's bytes ms |")
+    staged_cells = split.count("|")          # ag: the cells of a row's staged gather, "rows gathered" first
     if args.processes > 1:
         split += " speed per process (min-max) |"
     elif args.repeat > 1:
@@ -572,7 +581,7 @@ def main(argv, out=sys.stdout) -> int:
                                                  fold, args.group_m, args.interleave, run=i)
                                     if rs else
                                     bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
-                                              args.stage_rows, fold, args.interleave, run=i))
+                                              args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m))
                 r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
@@ -582,7 +591,7 @@ def main(argv, out=sys.stdout) -> int:
             continue
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:
-            parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM | | | |"
+            parts = (" staged |" + parts) if r["parts_ms"] else " in the GEMM |" + " |" * (staged_cells - 1)
         if args.repeat > 1 or args.processes > 1:
             parts += f" {min(r['speeds']):.2f}-{max(r['speeds']):.2f} |"
         print(f"| {row.model} {row.tokens} {row.routing} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gmm_ms']:.3f} | "

@@ -10,7 +10,7 @@
 * ``moe_schedules``: one layer's grouped GEMM (``--layer ag``: AllGather+MoE's, its rows gathered
   inside it; ``rs``: MoE+ReduceScatter's, without its combine, which no GEMM schedule changes) under
   several compute schedules (``BMxBNxBK:STAGES[:CLUSTER[:GROUP_M]]``: the tile, its stages, CTAs a
-  cluster, tile rows a group of the swizzled order), each checked against ``_grouped_mm``
+  cluster, a group's rows of the swizzled order in cluster tiles), each checked against ``_grouped_mm``
   first, then all timed interleaved with it in one process. ``_grouped_mm`` runs in a faster or a
   slower state from one process to the next (BENCHMARKS.md, thirtieth session), so schedules are
   compared in one process, never across runs of ``bench moe``.
@@ -82,12 +82,16 @@ def probe_moe_notifies(rows, iters=20, out=sys.stdout):
 #: ``probe moe_schedules``' default schedules: the grouped GEMM's default, one stage fewer, half the
 #: K step with twice the stages (about the same shared memory), 128 x 128 tiles
 DEFAULT_SCHEDULES = "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6"
+#: the largest group ``--schedules`` takes (cluster tiles; a group past the grid's rows orders it
+#: column by column already)
+MAX_GROUP_M = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A compute schedule of ``probe moe_schedules``: the tile, the pipeline stages, CTAs a cluster,
-    and tile rows a group of the swizzled order (``None``: the schedule's default)."""
+    and a group's rows of the swizzled order, counted in cluster tiles of ``cluster`` tile rows
+    (``None``: the schedule's default)."""
     tile: tuple[int, int, int]
     stages: int
     cluster: int = 2
@@ -116,8 +120,8 @@ def parse_schedules(text: str) -> list[Schedule]:
         if cluster not in (1, 2):
             raise argparse.ArgumentTypeError(f"--schedules: a cluster of 1 or 2 CTAs, got {item!r}")
         group_m = int(parts[3]) if len(parts) == 4 else None
-        if group_m is not None and group_m < 1:
-            raise argparse.ArgumentTypeError(f"--schedules: a group of at least 1 tile row, got {item!r}")
+        if group_m is not None and not 1 <= group_m <= MAX_GROUP_M:
+            raise argparse.ArgumentTypeError(f"--schedules: a group of 1 to {MAX_GROUP_M} cluster tiles, got {item!r}")
         out.append(Schedule(tuple(int(v) for v in dims), int(parts[1]), cluster, group_m))
     if len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"--schedules: a schedule given twice in {text!r}")

@@ -1,0 +1,29 @@
+"""``bench moe`` on the GPU, one small row in each mode: each row checked against torch, then timed,
+with the columns the table prints — our kernels one by one and, last, a copy of the bytes the
+combine or the staged row gather moves. The folded AllGather+MoE row hung before the thirty-second
+session (its first launch waited for an epoch the stream-ordered kernels timed beside it never
+notify); the folded kernels now wait with a timeout, so such a slip fails here instead of hanging."""
+from __future__ import annotations
+
+import pytest
+
+from tldsl.runtime.gpu import gpu_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="needs an sm_90 GPU with torch and cuda-python")]
+
+
+@pytest.mark.parametrize("layer, spec, kw, parts", [
+    ("ag", "mixtral:2048:random", dict(stage_rows="on"), 3),          # the gather, the GEMM, the copy
+    ("ag", "qwen3:2048:random", dict(stage_rows="off"), 0),           # gathered in the GEMM: nothing apart
+    ("ag", "mixtral:2048:random", dict(stage_rows="on", fold=True), 4),   # + the pair one after the other
+    ("rs", "mixtral:2048:random", dict(), 4),                         # the GEMM, the combine, notifying, the copy
+    ("rs", "mixtral:2048:random", dict(fold=True), 5),                # + the pair one after the other
+])
+def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):
+    from tldsl.bench import fused_layers, moe
+    row = moe._parse_row(spec)
+    r = (moe.bench_row if layer == "ag" else moe.bench_rs_row)(row, 2, **kw)
+    assert len(r["parts_ms"]) == parts
+    assert r["ms"] > 0 and all(t > 0 for t in r["parts_ms"])
+    assert r["err"] <= fused_layers.REL_TOL     # (the row raises beyond it: checked before timing)

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .timing import interleaved_ms
+from .timing import copy_of, interleaved_ms
 
 
 @dataclass
@@ -141,9 +141,7 @@ def bench_case(torch, case, rounds: int, iters: int, compile_torch: bool = True)
         except Exception as e:            # noqa: BLE001 - a missing compiler is a row note, not a crash
             row["torch.compile"] = f"n/a ({type(e).__name__})"
     if case.moved_bytes:
-        src = torch.empty(case.moved_bytes // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        peers["copy"] = lambda: dst.copy_(src)
+        peers["copy"] = copy_of(case.moved_bytes)
     ours, theirs = [], {k: [] for k in peers}
     for _ in range(rounds):
         ours += tl.run(case.kernel, 1, [case.args], compute=case.compute, options={"launches": iters + 1},

@@ -60,7 +60,7 @@ import sys
 
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
 from .folded import SATISFIED, comm_notified, folded_launches
-from .timing import fresh_placement
+from .timing import copy_of, fresh_placement
 
 #: TP ranks the rows' weight slices are for (tokens are the total across them)
 TP = 2
@@ -295,15 +295,6 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
                             2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
                             parts=[pair, gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
-
-
-def copy_of(nbytes: int):
-    """A device-to-device copy moving ``nbytes`` in all, half read and half written: what a pass
-    that must move those bytes is bound by (the combine, the row gather), timed beside it."""
-    import torch
-    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
 
 
 def _check_close(what: str, got, want) -> float:

@@ -24,6 +24,16 @@ def median_ms(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def copy_of(nbytes: int):
+    """A device-to-device copy moving ``nbytes`` in all, half read and half written: what a pass
+    that must move those bytes is bound by (a memory-bound program, the MoE combine or row gather),
+    timed beside it."""
+    import torch
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def launch_order(n: int, run: int = 0) -> list[int]:
     """The order ``interleaved_ms`` launches ``n`` functions in, every round of a timing: as given
     for ``run`` 0, else a permutation drawn with ``run`` as the seed. Rounds repeat back to back,

@@ -11,6 +11,7 @@ import numbers
 import re
 from dataclasses import dataclass
 
+from .. import env
 from ..ir import core
 from ..ir.display import html_card, one_line
 from .errors import LoweringError
@@ -185,14 +186,22 @@ SCRATCH_PARAM = KernelParam("scratch", "unsigned char*", "ptr", "scratch")
 
 
 def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:
-    """The NVRTC options of a debug build whose waits trap after ``wait_timeout_ns``
-    (``signals.hpp``); none without a timeout."""
+    """The NVRTC options of a build whose waits trap after ``wait_timeout_ns`` (``signals.hpp``);
+    none without a timeout. While ``TLDSL_WAIT_TIMEOUT_NS`` is set (debugging a hang) the waits
+    also print their slot before they trap; otherwise they only trap, because the printf alone
+    costs a kernel speed (18 % on a folded grouped GEMM, BENCHMARKS.md, thirty-third session)."""
     if wait_timeout_ns is None:
         return ()
     if not isinstance(wait_timeout_ns, numbers.Integral) or isinstance(wait_timeout_ns, bool) or wait_timeout_ns <= 0:
         raise LoweringError(f"wait_timeout_ns={wait_timeout_ns!r}: a positive int of nanoseconds (None: waits never "
                             "time out)")
-    return (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",)
+    return (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",) + wait_report_options()
+
+
+def wait_report_options() -> tuple[str, ...]:
+    """``-DTLDSL_WAIT_TIMEOUT_REPORT`` while ``TLDSL_WAIT_TIMEOUT_NS`` is set: a timed-out wait
+    prints its slot, the value it held and the one it needed before it traps."""
+    return ("-DTLDSL_WAIT_TIMEOUT_REPORT",) if env.get("TLDSL_WAIT_TIMEOUT_NS") else ()
 
 
 def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:

@@ -8,7 +8,9 @@ loads and stores (``UTMALDG``, ``UTMASTG``), mbarriers (``SYNCS``), no trap (``B
 the spill budget below. A GEMM whose tile program waits also has the acquire loads of its
 signals (``LDG.E.64.STRONG.SYS`` / ``.GPU``) and the async-proxy fence (``FENCE.VIEW.ASYNC.G``).
 """
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -322,3 +324,32 @@ def test_allgather_publishing_staging_kernel(cache):
     dbg = compile_cuda(staging.PUBLISH_SOURCE, staging.PUBLISH_ENTRY, options=("-DTLDSL_WAIT_TIMEOUT_NS=1000000ull",),
                        cache=cache)
     assert dbg.sass()[dbg.name].count("BPT.TRAP") == 1
+
+
+@needs_cuobjdump
+def test_a_timed_out_wait_prints_its_slot_only_in_debug_builds(cache, monkeypatch):
+    """A wait timeout alone compiles a trap and nothing else (no printf: its call slows a whole
+    kernel, 18 % on a folded grouped GEMM); while TLDSL_WAIT_TIMEOUT_NS is set (debugging) the
+    wait prints its slot before it traps, in the line dist_check parses."""
+    from tldsl.codegen.abi import wait_timeout_options
+    from tldsl.runtime.dist import staging
+    monkeypatch.delenv("TLDSL_WAIT_TIMEOUT_NS", raising=False)
+    assert wait_timeout_options(10 ** 6) == ("-DTLDSL_WAIT_TIMEOUT_NS=1000000ull",)
+    quiet = compile_cuda(staging.PUBLISH_SOURCE, staging.PUBLISH_ENTRY, options=wait_timeout_options(10 ** 6),
+                         cache=cache)
+    monkeypatch.setenv("TLDSL_WAIT_TIMEOUT_NS", "5000000000")
+    assert wait_timeout_options(10 ** 6) == ("-DTLDSL_WAIT_TIMEOUT_NS=1000000ull", "-DTLDSL_WAIT_TIMEOUT_REPORT")
+    loud = compile_cuda(staging.PUBLISH_SOURCE, staging.PUBLISH_ENTRY, options=wait_timeout_options(10 ** 6),
+                        cache=cache)
+    for ck, prints in ((quiet, False), (loud, True)):
+        sass = ck.sass()
+        assert sum(k.count("BPT.TRAP") for k in sass.kernels.values()) == 1
+        # printf is the one absolute call (vprintf) and the kernel's one stack frame (its arguments)
+        assert ("CALL.ABS" in sass.sass_text) == prints, ck.options
+        assert (ck.ptxas_info()[staging.PUBLISH_ENTRY]["stack_bytes"] > 0) == prints, ck.ptxas_info()
+    # the printed line is the one dist_check reads back
+    from tldsl.checks.dist_check import _TIMEOUT_RE
+    header = (Path(__file__).parents[1] / "codegen/include/tldsl/signals.hpp").read_text()
+    fmt = re.search(r'printf\("(tldsl: wait timed out[^"]*?)\\n"', header).group(1)
+    line = fmt.replace("%p", "0x1008", 1).replace("%llu", "0", 1).replace("%llu", "2", 1).replace("%d", "7", 1)
+    assert _TIMEOUT_RE.search(line.replace("%d", "0", 1)), fmt

@@ -176,10 +176,12 @@ def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):
                if x.part == "grouped_gemm")
 
 
-def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
+@pytest.mark.parametrize("debugging", [False, True])
+def test_a_wait_nothing_satisfies_is_reported_as_a_hang(debugging):
     """In a process of its own: the wait traps, and a trap leaves that process's CUDA context
     unusable (its teardown may then abort the process, so the script flushes what it says and
-    leaves at once)."""
+    leaves at once). Debugging (TLDSL_WAIT_TIMEOUT_NS set) the kernel prints the stuck slot
+    first; otherwise it only traps, and the error says how to get that line."""
     code = textwrap.dedent('''
         import os, sys
         import numpy as np, tldsl as tl
@@ -207,17 +209,22 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang():
             print("RETURNED: no hang was reported", flush=True)
         except GpuHangError as e:
             print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
+            print("HOW TO SEE THE SLOT:", "set TLDSL_WAIT_TIMEOUT_NS" in str(e), flush=True)
         except BaseException as e:
             print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
         sys.stderr.flush()
         os._exit(0)
     ''')
-    out = _run_alone(code, 120)
-    assert "HANG REPORTED: launch 1" in out.stdout, (f"exit status {out.returncode}\n" + out.stdout[-3000:]
-                                                     + out.stderr[-3000:])
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TLDSL_WAIT_TIMEOUT_NS"}
+    out = _run_alone(code, 120, env=dict(env, TLDSL_WAIT_TIMEOUT_NS="2000000000") if debugging else env)
+    said = f"exit status {out.returncode}\n" + out.stdout[-3000:] + out.stderr[-3000:]
+    assert "HANG REPORTED: launch 1" in out.stdout, said
+    assert f"HOW TO SEE THE SLOT: {not debugging}" in out.stdout, said
+    assert ("tldsl: wait timed out: slot" in out.stdout + out.stderr) == debugging, said
 
 
-def _run_alone(code: str, timeout: float) -> subprocess.CompletedProcess:
+def _run_alone(code: str, timeout: float, env=None) -> subprocess.CompletedProcess:
     """Run ``code`` in a Python process of its own session, its output in files: waiting for the
     process, not for its pipes — the NVRTC compile pool's workers (and multiprocessing's resource
     tracker) outlive an ``os._exit`` and held captured pipes open until the test's timeout — then
@@ -226,7 +233,8 @@ def _run_alone(code: str, timeout: float) -> subprocess.CompletedProcess:
     import signal
     import tempfile
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=so, stderr=se, text=True, start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=so, stderr=se, text=True, start_new_session=True,
+                             env=env)
         try:
             rc = p.wait(timeout=timeout)
         finally:

@@ -59,12 +59,15 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`0` or `1`: whether every GPU op not told by `spare_outputs=` keeps the next call's outputs "
            "allocated (the torch ops too).",
            ("runtime/dist/spare_outputs.py",)),
-    EnvVar("TLDSL_WAIT_TIMEOUT_NS", "waits spin without a limit",
-           "Debugging a hang: the GPU ops compile every wait with this timeout; a wait that runs out prints "
-           "its slot and traps, and the schedules on the fused-op runtime give up waiting on the host after as "
-           "long (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it).",
+    EnvVar("TLDSL_WAIT_TIMEOUT_NS", "the GPU ops' waits spin without a limit; `tl.run`'s kernels trap after its "
+           "`timeout_s` without saying where",
+           "Debugging a hang: the GPU ops compile every wait with this timeout, and the schedules on the "
+           "fused-op runtime give up waiting on the host after as long; every kernel compiled while it is set "
+           "(`tl.run`'s too, with their own timeout) prints a timed-out wait's slot, the value it held and the "
+           "one it needed before it traps. That report slows a kernel (a folded grouped GEMM by 18 %), so "
+           "only debug builds carry it (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it).",
            ("runtime/dist/ag_gemm.py", "runtime/dist/gemm_rs.py", "runtime/dist/program_engine.py",
-            "tldsl/checks/dist_check.py")),
+            "tldsl/checks/dist_check.py", "codegen/abi.py")),
     EnvVar("TLDSL_DEBUG", "off",
            "Any value: the AllGather+GEMM and GEMM+ReduceScatter ops synchronise after every call and print each "
            "rank's signal counters (slow; for hunting a hang or a wrong count).",

@@ -87,6 +87,7 @@ class ShardStager:
     first): the publishing variant (module docstring)."""
 
     def __init__(self, sm_count: int, progress=None, publish=None):
+        from ...codegen.abi import wait_timeout_options
         from ...codegen.toolchain import compiler
         from ..gpu import module
         self.publish = publish
@@ -95,7 +96,7 @@ class ShardStager:
             self.kernel = module.load_kernel(self.compiled.cubin, ENTRY)
         else:
             timeout = publish[5]
-            opts = (f"-DTLDSL_WAIT_TIMEOUT_NS={int(timeout)}ull",) if timeout else ()
+            opts = wait_timeout_options(int(timeout)) if timeout else ()
             self.compiled = compiler.compile_cuda(PUBLISH_SOURCE, PUBLISH_ENTRY, options=opts, progress=progress)
             self.kernel = module.load_kernel(self.compiled.cubin, PUBLISH_ENTRY)
         self.sm_count = int(sm_count)

@@ -156,6 +156,15 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
     return start, end
 
 
+def trap_report() -> str:
+    """Where a trapped wait's report is: printed by the kernel in debug builds, else how to get one."""
+    from ...codegen.abi import wait_report_options
+    if wait_report_options():
+        return "the kernel printed the slot, the value it held and the one it needed"
+    return ("set TLDSL_WAIT_TIMEOUT_NS (any positive value) and run again to have the kernel print the slot, the "
+            "value it held and the one it needed")
+
+
 def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout_s: float | None) -> None:
     """Block until event ``end`` completes; past ``timeout_s`` (plus :data:`HOST_SLACK_S`) a
     :class:`GpuHangError` with what was launched and every signal's counters."""
@@ -171,10 +180,9 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
                 (timeout_s is not None and time.monotonic() - began >= timeout_s)
             if timeout_s is not None and trapped:
                 raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after "
-                                   f"{timeout_s} s in a kernel and trapped (the kernel printed the slot, the value "
-                                   f"it held and the one it needed): a wait nothing satisfies — check the program "
-                                   f"with tl.simulate. The CUDA context of this process is unusable now. What "
-                                   f"ran:\n{plan.describe()}")
+                                   f"{timeout_s} s in a kernel and trapped ({trap_report()}): a wait nothing "
+                                   f"satisfies — check the program with tl.simulate. The CUDA context of this "
+                                   f"process is unusable now. What ran:\n{plan.describe()}")
             raise GpuRunError(f"launch {launch} failed on the GPU ({state}); the CUDA context of this process is "
                               f"unusable now. What ran:\n{plan.describe()}")
         if deadline is not None and time.monotonic() > deadline:

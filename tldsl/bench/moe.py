@@ -193,8 +193,9 @@ def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str
 
 
 #: the folded kernels' wait timeout, tl.run's default: a wait no launch satisfies traps (an error
-#: naming the row) rather than hanging the GPU. (The fused ops' engine compiles none unless
-#: TLDSL_WAIT_TIMEOUT_NS is set; what the timer reads in the spin loops cost is unmeasured.)
+#: naming the row) rather than hanging the GPU. Trapping costs nothing measurable (Mixtral 8192 and
+#: 32768 folded: the same times with and without it; the report printed in debug builds costs 18 %:
+#: BENCHMARKS.md, thirty-third session).
 FOLDED_WAIT_TIMEOUT_NS = 60 * 10**9
 
 

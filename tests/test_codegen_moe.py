@@ -216,6 +216,8 @@ def test_combine_folded_into_the_grouped_gemm_contract():
     assert {p.name: p.ctype for p in lf.params}["ptr_y_sorted"] == "const __half*"      # never __restrict__
     assert {p.name: p.ctype for p in lf.params}["out_partial"] == "float*"      # stores released mid-kernel
     assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
+    # no half tiles with a part folded in (the GEMM alone has them): measured slower folded
+    assert lg.config.half_tiles and not lf.config.half_tiles and "kHalfTiles = false" in lf.source
     assert lf.waits == 1 and lf.notifies == 2 and lf.wait_scopes == ("gpu",)
     assert lf.signal_slots == {**lg.signal_slots, **lc.signal_slots}
     assert lf.buffers == {**lg.buffers, **lc.buffers} and lf.grid(132) == lg.grid(132)
@@ -331,6 +333,7 @@ def test_row_gather_folded_into_the_grouped_gemm_contract():
     assert ctypes["ptr_x_gathered"] == "const __half*" and ctypes["out_x_sorted"] == "__half*"   # never restrict
     assert "tma_a" in ctypes and "ptr_x_sorted" not in ctypes                 # the GEMM's A: by TMA
     assert (lf.config.producer_regs, lf.config.consumer_regs) == (104, 200)
+    assert lg.config.half_tiles and not lf.config.half_tiles and "kHalfTiles = false" in lf.source
     assert lf.waits == lg.waits + lr.waits and lf.notifies == lg.notifies + lr.notifies
     assert lf.signal_slots == {**lg.signal_slots, **lr.signal_slots}
     assert lf.buffers == {**lg.buffers, **lr.buffers} and lf.grid(132) == lg.grid(132)

@@ -103,7 +103,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                             notify_slots=ring, pingpong=not m.gather)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
-    if m.row_limit is not None and half_tiles_fit(cfg):
+    # half tiles, but not with a part folded in: there every tile computes its 128 rows (measured on one
+    # H200, the stress row's folded row gather 5.42 ms without half tiles against 6.32 with them, its folded
+    # combine 3.14 against 3.67, the Mixtral rows as fast or faster; BENCHMARKS.md, thirty-third session)
+    if m.row_limit is not None and half_tiles_fit(cfg) and side is None:
         cfg = replace(cfg, half_tiles=True)
     side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None
     if side_plan is not None and cfg.consumer_wgs == 2:

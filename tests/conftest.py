@@ -78,6 +78,14 @@ def pytest_runtest_protocol(item, nextitem):
     freeze_survivors()
 
 
+@pytest.fixture(autouse=True)
+def _no_ambient_wait_report(request, monkeypatch):
+    """The CPU tests see the options a plain build gets: TLDSL_WAIT_TIMEOUT_NS (debugging a hang)
+    adds the report flag to every timed build. The GPU tests keep it, for whoever debugs one."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.delenv("TLDSL_WAIT_TIMEOUT_NS", raising=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _host_builds_shared_by_the_workers(tmp_path_factory):
     """One folder of g++ builds (tests/host_build.py) for every xdist worker of the run: the

@@ -85,6 +85,15 @@ def test_a_schedule_the_recipe_refuses_names_itself(layer, text, why):
         schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules(text), layer)
 
 
+@pytest.mark.parametrize("layer", ["ag", "rs"])
+def test_two_spellings_of_one_kernel_are_refused(layer):
+    """The default group (8 cluster tiles) and cluster (2) spelled out: the same kernel as without
+    them, which the probe would otherwise time twice under two names."""
+    with pytest.raises(ValueError, match=rf"^schedules 128x256x64:4 and 128x256x64:4:2:8 \({layer}, "
+                                         r"qwen15:2048:random\) are the same kernel \(group 8, cluster 2\)"):
+        schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x256x64:4,128x256x64:4:2:8"), layer)
+
+
 def test_a_bad_layer_is_refused():
     with pytest.raises(ValueError, match="layer: 'ag' or 'rs', got 'mlp'"):
         schedule_kernels(_parse_row("qwen15:2048:random"), parse_schedules("128x256x64:4"), "mlp")

@@ -27,3 +27,18 @@ def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):
     assert len(r["parts_ms"]) == parts
     assert r["ms"] > 0 and all(t > 0 for t in r["parts_ms"])
     assert r["err"] <= fused_layers.REL_TOL     # (the row raises beyond it: checked before timing)
+    if kw.get("fold"):      # the rows the folded kernel computes (no half tiles folded), not the unfolded GEMM's
+        assert r["padded"] == folded_rows(layer, row), (r["padded"], folded_rows(layer, row))
+
+
+def folded_rows(layer, row) -> int:
+    """Rows ``bench moe``'s folded kernel of ``layer`` computes for ``row``: every used tile whole."""
+    from tldsl.bench import moe
+    from tldsl.codegen import lower
+    if layer == "ag":
+        _, rt, ir, lowered = moe.lowered_row(row, stage_rows="on")
+        lf = moe.folded_as_run_folds(ir, {p: lower(ir, p) for p in lowered})
+    else:
+        _, _, rt, lf, _ = moe.lowered_rs_row(row, fold=True)
+    assert not lf.config.half_tiles
+    return int((rt.tile_expert >= 0).sum()) * rt.block_m

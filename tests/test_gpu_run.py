@@ -209,7 +209,7 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang(debugging):
             print("RETURNED: no hang was reported", flush=True)
         except GpuHangError as e:
             print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
-            print("HOW TO SEE THE SLOT:", "set TLDSL_WAIT_TIMEOUT_NS" in str(e), flush=True)
+            print("HOW TO SEE THE SLOT:", "with TLDSL_WAIT_TIMEOUT_NS=2000000000 set" in str(e), flush=True)
         except BaseException as e:
             print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
         sys.stderr.flush()

@@ -402,6 +402,26 @@ def test_a_kernel_that_traps_or_faults_is_a_typed_error(error, raised):
     assert type(e.value) is raised and "unusable now" in str(e.value)
 
 
+@pytest.mark.parametrize("debugging", [False, True])
+def test_a_trapped_wait_says_where_its_report_is(debugging, monkeypatch):
+    """The kernels print a timed-out wait's slot only where they were built while
+    TLDSL_WAIT_TIMEOUT_NS was set; otherwise the error says how to have them print it (a value no
+    shorter than the run's timeout: the variable is also the fused ops' wait timeout)."""
+    from tldsl.run import trace_for_run
+    if debugging:
+        monkeypatch.setenv("TLDSL_WAIT_TIMEOUT_NS", "5000000000")
+    else:
+        monkeypatch.delenv("TLDSL_WAIT_TIMEOUT_NS", raising=False)
+    x = np.ones((32, 32), np.float32)
+    ir, per_rank, _ = trace_for_run(scale_rows, 1, [{"x": x, "y": x}], 0, None,
+                                    {"compute": tl.ComputeSchedule(tile=(16, 16, 16))})
+    with pytest.raises(GpuHangError) as e:
+        rp.run_program(ir, per_rank, timeout_s=1.5, device=_FaultingDevice("CUDA_ERROR_LAUNCH_FAILED"))
+    said = str(e.value)
+    assert ("the kernel printed the slot" in said) == debugging, said
+    assert ("run again with TLDSL_WAIT_TIMEOUT_NS=1500000000 set" in said) == (not debugging), said
+
+
 def library_case(name: str):
     """(kernel, W, inputs, keyword values) of a library op or a general-recipe program at W >= 2:
     attention, MoE grouped GEMM and combine, compute parts moving data (peer tables in the

@@ -97,3 +97,15 @@ def test_sim_benchmark_prints_its_phases(op, capsys):
     for phase in ("trace ", "static checks ", "simulate ", "  without detectors ", "total ", "profile (cProfile"):
         assert any(line.startswith(phase) for line in out.splitlines()), (phase, out)
     assert "median of 2:" in out and "scheduler steps (estimated" in out and "runtime/sim/" in out
+
+
+@pytest.mark.parametrize("debugging", [False, True])
+def test_a_benchmark_run_while_debugging_hangs_says_its_times_do_not_compare(debugging, capsys, monkeypatch):
+    """TLDSL_WAIT_TIMEOUT_NS builds every timed kernel with the slot report, which slows it: any
+    benchmark run with it set says so on stderr."""
+    from tldsl.bench import main
+    if debugging:
+        monkeypatch.setenv("TLDSL_WAIT_TIMEOUT_NS", "1000000000")
+    assert main(["sim", "--op", "allgather_gemm", "-W", "2", "-M", "64", "-N", "32", "-K", "64", "--tile", "16",
+                 "--repeats", "1"]) == 0
+    assert ("this run's times are not comparable" in capsys.readouterr().err) == debugging

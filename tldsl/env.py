@@ -65,9 +65,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "fused-op runtime give up waiting on the host after as long; every kernel compiled while it is set "
            "(`tl.run`'s too, with their own timeout) prints a timed-out wait's slot, the value it held and the "
            "one it needed before it traps. That report slows a kernel (a folded grouped GEMM by 18 %), so "
-           "only debug builds carry it (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it).",
+           "only debug builds carry it (`python -m tldsl.checks.dist_check --debug-timeout-ns` sets it), and "
+           "`python -m tldsl.bench` warns while it is set that its times are not comparable.",
            ("runtime/dist/ag_gemm.py", "runtime/dist/gemm_rs.py", "runtime/dist/program_engine.py",
-            "tldsl/checks/dist_check.py", "codegen/abi.py")),
+            "tldsl/checks/dist_check.py", "codegen/abi.py", "tldsl/bench/cli.py")),
     EnvVar("TLDSL_DEBUG", "off",
            "Any value: the AllGather+GEMM and GEMM+ReduceScatter ops synchronise after every call and print each "
            "rank's signal counters (slow; for hunting a hang or a wrong count).",

@@ -156,13 +156,14 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
     return start, end
 
 
-def trap_report() -> str:
-    """Where a trapped wait's report is: printed by the kernel in debug builds, else how to get one."""
-    from ...codegen.abi import wait_report_options
-    if wait_report_options():
+def trap_report(plan: RunPlan, timeout_s: float) -> str:
+    """Where a trapped wait's report is: printed by the kernels if they were built to (while
+    TLDSL_WAIT_TIMEOUT_NS was set), else how to have them print it."""
+    if any("-DTLDSL_WAIT_TIMEOUT_REPORT" in getattr(k.lowered, "options", ()) for k in plan.kernels):
         return "the kernel printed the slot, the value it held and the one it needed"
-    return ("set TLDSL_WAIT_TIMEOUT_NS (any positive value) and run again to have the kernel print the slot, the "
-            "value it held and the one it needed")
+    # (the variable is also the fused ops' wait timeout: no shorter than this run's)
+    return (f"run again with TLDSL_WAIT_TIMEOUT_NS={int(timeout_s * 1e9)} set to have the kernel print the slot, "
+            f"the value it held and the one it needed")
 
 
 def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout_s: float | None) -> None:
@@ -180,7 +181,7 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
                 (timeout_s is not None and time.monotonic() - began >= timeout_s)
             if timeout_s is not None and trapped:
                 raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after "
-                                   f"{timeout_s} s in a kernel and trapped ({trap_report()}): a wait nothing "
+                                   f"{timeout_s} s in a kernel and trapped ({trap_report(plan, timeout_s)}): a wait nothing "
                                    f"satisfies — check the program with tl.simulate. The CUDA context of this "
                                    f"process is unusable now. What ran:\n{plan.describe()}")
             raise GpuRunError(f"launch {launch} failed on the GPU ({state}); the CUDA context of this process is "

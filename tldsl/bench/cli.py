@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import env
 from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
 from . import attention, baselines, dist, gemm, general, host, launch, moe, probes, sim
@@ -33,6 +34,10 @@ def main(argv=None) -> int:
     except Unavailable as e:
         print(f"python -m tldsl.bench: {e}", file=sys.stderr)
         return 1
+    if env.get("TLDSL_WAIT_TIMEOUT_NS"):
+        print("python -m tldsl.bench: TLDSL_WAIT_TIMEOUT_NS is set (debugging a hang): the kernels built with a "
+              "wait timeout also print a timed-out wait's slot, which slows them (a folded grouped GEMM by "
+              "18 %): this run's times are not comparable with others'", file=sys.stderr)
     if argv and argv[0] in ("ag_gemm", "gemm_rs"):
         return dist.main(argv[0], argv[1:])
     if argv and argv[0] == "compile":

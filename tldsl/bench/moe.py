@@ -389,10 +389,12 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     # staged: the row gather's bound, a copy of its bytes (the routed rows read; every row of the layout written,
     # padding included, as gather_rows stores them)
     gather_copy = copy_of((T * topk + rt.num_rows) * K * x.element_size()) if len(kernels) > 1 else None
+    timed_config = lowered["grouped_gemm"].config       # the config of the GEMM the first column times
     if fold:
         _check_close(what + " (one after the other)", h[dest], want)
         from tldsl.codegen import lower
         lf = folded_as_run_folds(ir, {p: lower(ir, p) for p in lowered})    # folded: its signals kept, waits real
+        timed_config = lf.config                    # (no half tiles folded: it computes more rows)
         # counters of its own: the kernels one after the other (stream-ordered) notify nothing
         folded = folded_launches(ir, lf,
                                  lambda sig: prepared_parts(ir, {"grouped_gemm": lf}, bufs, sig)["grouped_gemm"])
@@ -405,7 +407,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         ours()
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
-                            _computed_rows(rt, lowered["grouped_gemm"].config), T * topk, parts=parts,
+                            _computed_rows(rt, timed_config), T * topk, parts=parts,
                             run=run, bound=gather_copy)
 
 
@@ -577,9 +579,11 @@ def main(argv, out=sys.stdout) -> int:
                 r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
-            records.append(dict(row=f"{row.model}:{row.tokens}:{row.routing}", error=f"{type(e).__name__}: {e}"))
-            print(f"| {row.model} {row.tokens} {row.routing} | failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]} | | | | | | | |{blank}", file=out, flush=True)
+            # (a row that failed in a child process: its message names the child's error, not this one's)
+            what = str(e) if isinstance(e, RowFailedInProcess) else f"{type(e).__name__}: {e}"
+            records.append(dict(row=f"{row.model}:{row.tokens}:{row.routing}", error=what))
+            print(f"| {row.model} {row.tokens} {row.routing} | failed: {what.splitlines()[0][:180]} "
+                  f"| | | | | | | |{blank}", file=out, flush=True)
             continue
         parts = "".join(f" {t:.3f} |" for t in r["parts_ms"])
         if not rs:
@@ -595,19 +599,24 @@ def main(argv, out=sys.stdout) -> int:
     return 1 if failed else 0
 
 
+class RowFailedInProcess(RuntimeError):
+    """A row one of the ``--processes`` children did not measure; the message says which and why."""
+
+
 def _row_of_each_process(per_process: list, n: int, row: MoERow) -> list[dict]:
     """Row ``n`` (``row``) as each process measured it (:func:`.processes.rows_per_process`); a
-    RuntimeError naming the first process that did not (it crashed, or the row failed in it)."""
+    :class:`RowFailedInProcess` naming the first process that did not (it crashed, or the row
+    failed in it: its error as that process named it)."""
     name = f"{row.model}:{row.tokens}:{row.routing}"
     runs = []
     for i, rows in enumerate(per_process):
         if isinstance(rows, str):
-            raise RuntimeError(rows)
+            raise RowFailedInProcess(rows)
         got = rows[n] if n < len(rows) else {}
         if got.get("row") != name:
-            raise RuntimeError(f"process {i + 1} has no row {name}")
+            raise RowFailedInProcess(f"process {i + 1} has no row {name}")
         if "error" in got:
-            raise RuntimeError(f"in process {i + 1}: {got['error']}")
+            raise RowFailedInProcess(f"in process {i + 1}: {got['error']}")
         runs.append({k: v for k, v in got.items() if k != "row"})
     return runs
 

@@ -132,7 +132,8 @@ def schedule_kernels(row, schedules, layer: str = "ag") -> list:
     """``[(schedule, topk_ids, host routing, lowered grouped GEMM)]`` of one row's layer under each
     schedule, each by the grouped GEMM's recipe (``ag``: rows gathered in the GEMM; ``rs``: the GEMM
     as tl.run runs it before its combine); a schedule the recipe or the schedule's own checks refuse
-    (shape, stages, shared memory) is a ValueError naming it and saying why — no GPU needed."""
+    (shape, stages, shared memory) is a ValueError naming it and saying why, and so are two schedules
+    that give the same kernel (one spelling the defaults the other leaves out) — no GPU needed."""
     from tldsl.codegen import lower_grouped_gemm
     from tldsl.runtime.gpu.run_plan import stream_ordered
     from .moe import ag_program, rs_program
@@ -150,6 +151,10 @@ def schedule_kernels(row, schedules, layer: str = "ag") -> list:
         except Exception as e:      # noqa: BLE001 - every refusal, named by its schedule
             raise ValueError(f"schedule {sc} ({layer}, {row.model}:{row.tokens}:{row.routing}): "
                              f"{type(e).__name__}: {str(e).strip()}") from e
+        same = next((other for other, *_, lo in out if lo.source == lg.source), None)
+        if same is not None:
+            raise ValueError(f"schedules {same} and {sc} ({layer}, {row.model}:{row.tokens}:{row.routing}) are the "
+                             f"same kernel (group {lg.config.group_m}, cluster {sc.cluster}): give one of them")
         out.append((sc, ids, rt, lg))
     return out
 

@@ -262,7 +262,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
     ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order, its padding
     rows zeros: a row tile's rows past its ``tile_valid_rows`` are stored as zeros whatever the
     weights hold, so a GPU may skip computing them (a tile of at most ``BM / 2`` routed rows runs
-    as a half tile).
+    as a half tile, except in a kernel with another part folded in).
 
     ``stage_rows``: where the routed rows are gathered. False: by the grouped GEMM itself, each
     tile's rows read by row id at every K step (every column tile of a row tile gathers them

@@ -181,9 +181,9 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
                 (timeout_s is not None and time.monotonic() - began >= timeout_s)
             if timeout_s is not None and trapped:
                 raise GpuHangError(f"launch {launch} failed ({state}): most likely a wait timed out after "
-                                   f"{timeout_s} s in a kernel and trapped ({trap_report(plan, timeout_s)}): a wait nothing "
-                                   f"satisfies — check the program with tl.simulate. The CUDA context of this "
-                                   f"process is unusable now. What ran:\n{plan.describe()}")
+                                   f"{timeout_s} s in a kernel and trapped ({trap_report(plan, timeout_s)}): a "
+                                   f"wait nothing satisfies — check the program with tl.simulate. The CUDA "
+                                   f"context of this process is unusable now. What ran:\n{plan.describe()}")
             raise GpuRunError(f"launch {launch} failed on the GPU ({state}); the CUDA context of this process is "
                               f"unusable now. What ran:\n{plan.describe()}")
         if deadline is not None and time.monotonic() > deadline:

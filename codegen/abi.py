@@ -198,10 +198,14 @@ def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:
     return (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",) + wait_report_options()
 
 
+#: the NVRTC option of a debug build whose timed-out waits print their slot before they trap
+WAIT_REPORT_OPTION = "-DTLDSL_WAIT_TIMEOUT_REPORT"
+
+
 def wait_report_options() -> tuple[str, ...]:
-    """``-DTLDSL_WAIT_TIMEOUT_REPORT`` while ``TLDSL_WAIT_TIMEOUT_NS`` is set: a timed-out wait
-    prints its slot, the value it held and the one it needed before it traps."""
-    return ("-DTLDSL_WAIT_TIMEOUT_REPORT",) if env.get("TLDSL_WAIT_TIMEOUT_NS") else ()
+    """:data:`WAIT_REPORT_OPTION` while ``TLDSL_WAIT_TIMEOUT_NS`` is set: a timed-out wait prints
+    its slot, the value it held and the one it needed before it traps."""
+    return (WAIT_REPORT_OPTION,) if env.get("TLDSL_WAIT_TIMEOUT_NS") else ()
 
 
 def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:

@@ -159,7 +159,8 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
 def trap_report(plan: RunPlan, timeout_s: float) -> str:
     """Where a trapped wait's report is: printed by the kernels if they were built to (while
     TLDSL_WAIT_TIMEOUT_NS was set), else how to have them print it."""
-    if any("-DTLDSL_WAIT_TIMEOUT_REPORT" in getattr(k.lowered, "options", ()) for k in plan.kernels):
+    from ...codegen.abi import WAIT_REPORT_OPTION
+    if any(WAIT_REPORT_OPTION in getattr(k.lowered, "options", ()) for k in plan.kernels):
         return "the kernel printed the slot, the value it held and the one it needed"
     # (the variable is also the fused ops' wait timeout: no shorter than this run's)
     return (f"run again with TLDSL_WAIT_TIMEOUT_NS={int(timeout_s * 1e9)} set to have the kernel print the slot, "

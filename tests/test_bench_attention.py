@@ -29,7 +29,10 @@ def test_pairs_are_those_of_the_lower_right_causal_mask(seq, ranks):
 
 @pytest.mark.parametrize("args,says", [(["--heads", "32/5"], "must divide"), (["--heads", "x"], "Q/KV pairs"),
                                        (["--seqs", "4k"], "integers"), (["--masks", "diag"], "choose from"),
-                                       (["--tile", "128,128"], "three integers")])
+                                       (["--tile", "128,128"], "three integers"),
+                                       (["--order", "column_major"], "row_major or swizzled"),
+                                       (["--order", "swizzled:0"], "row_major or swizzled"),
+                                       (["--order", "row_major:4"], "row_major or swizzled")])
 def test_bad_arguments_are_refused_by_the_parser(args, says, capsys):
     with pytest.raises(SystemExit):
         ba.parse_args(args)
@@ -56,3 +59,22 @@ def test_every_rows_kernel_is_compiled_in_one_batch_before_timing(monkeypatch):
         raise CompilationError("nvrtc said no")
     monkeypatch.setattr(compiler, "compile_many", broken)
     assert ba.compile_rows(todo, (128, 128, 64), 3) == {}
+
+
+def test_tile_orders_are_variants_compiled_and_timed_beside_each_other(monkeypatch):
+    """``--order`` entries are the compute schedule's tile order (and group size): each a kernel
+    of its own, compiled in the same batch, keyed ``(row, (softmax, order))``."""
+    from tldsl.codegen.toolchain import compiler
+    a = ba.parse_args(["--order", "row_major,swizzled:64"])
+    assert a.order == ["row_major", "swizzled:64"]
+    assert ba.schedule_order("swizzled:64") == {"order": "swizzled", "group_m": 64}
+    assert ba.schedule_order("swizzled") == {"order": "swizzled"} and ba.schedule_order(None) == {}
+    row = ba.rows([256], [2], ["bfloat16"], ["full"], [(4, 4)])[0]
+    _, lowered = ba._lowered(row, (128, 128, 64), 3, None, "swizzled:64")
+    assert (lowered.config.order, lowered.config.group_m) == ("swizzled", 64)
+    assert ba._lowered(row, (128, 128, 64), 3)[1].config.order == "row_major"
+    monkeypatch.setattr(compiler, "compile_many", lambda jobs, **kw: [j.source for j in jobs])
+    variants = [(None, "row_major"), (None, "swizzled:64")]
+    got = ba.compile_rows([row], (128, 128, 64), 3, variants)
+    assert list(got) == [(row, v) for v in variants] and got[(row, variants[0])] != got[(row, variants[1])]
+    assert ba.variant_label((None, "swizzled:64")) == "default, swizzled:64"

@@ -172,6 +172,7 @@ def _specs(sl, width, dtype=F16):
 
 
 def _wait_channels(kernel, rank, task, signal):
+    # task: (head, query block), the attention part's grid
     return [ch for op, r, t, ch, _ in collect(kernel).waits_at(rank, task) if op.operands[0].hint == signal]
 
 
@@ -183,12 +184,12 @@ def test_waits_per_key_block_own_shard_first():
     compute = tl.ComputeSchedule(tile=(8, 8, 8))            # key blocks of 8 rows: rows 0-7, 8-11
     full = sp_attention.trace(W, *_specs(sl, 8), heads=1, compute=compute, comm=comm)
     assert _wait_channels(full, 1, (0, 0), "gather_k_ready") == [2, 3, 4, 5, 0, 1]
-    assert _wait_channels(full, 2, (1, 0), "gather_v_ready") == [4, 5, 0, 1, 2, 3]
+    assert _wait_channels(full, 2, (0, 1), "gather_v_ready") == [4, 5, 0, 1, 2, 3]
     causal = sp_attention.trace(W, *_specs(sl, 8), heads=1, causal=True, compute=compute, comm=comm)
     # rank 1, query rows 0-7 (global 12-19): own block 0 only, rank 2 skipped, rank 0 whole
     assert _wait_channels(causal, 1, (0, 0), "gather_k_ready") == [2, 0, 1]
     # rank 0, query rows 8-11 (global 8-11): its own shard only
-    assert _wait_channels(causal, 0, (1, 0), "gather_k_ready") == [0, 1]
+    assert _wait_channels(causal, 0, (0, 1), "gather_k_ready") == [0, 1]
     # a key block of 8 rows over communication tiles of 4 rows waits on both tiles
     small = sp_attention.trace(W, *_specs(sl, 8), heads=1, compute=compute,
                                comm=tl.CommSchedule(tile_m=4, mode="push"))
@@ -204,9 +205,9 @@ def test_zigzag_waits_per_key_block_of_both_chunks():
     k = sp_attention.trace(W, *_specs(sl, 8), heads=1, causal=True, layout="zigzag",
                            compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)
     assert _wait_channels(k, 0, (0, 0), "gather_k_ready") == [0]              # positions 0-7
-    assert _wait_channels(k, 0, (1, 0), "gather_k_ready") == [0, 1, 2, 3]     # 24-31: everything
+    assert _wait_channels(k, 0, (0, 1), "gather_k_ready") == [0, 1, 2, 3]     # 24-31: everything
     assert _wait_channels(k, 1, (0, 0), "gather_k_ready") == [2, 0]           # 8-15: chunks 1, 0
-    assert _wait_channels(k, 1, (1, 0), "gather_v_ready") == [2, 3, 0]        # 16-23: chunks 1, 2, 0
+    assert _wait_channels(k, 1, (0, 1), "gather_v_ready") == [2, 3, 0]        # 16-23: chunks 1, 2, 0
 
 
 def _key_blocks_per_rank(W, sl, layout):

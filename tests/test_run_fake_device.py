@@ -337,13 +337,23 @@ def short_of_notifies(x, y):
         tl.store(x, (t * 8,), tl.load(y, (t * 8,), (8,)) * 2.0)
 
 
-def test_a_launch_that_never_finishes_is_reported_with_the_counters(monkeypatch):
+@pytest.mark.parametrize("debugging", [False, True])
+def test_a_launch_that_never_finishes_is_reported_with_the_counters(debugging, monkeypatch):
+    """Past the host's deadline (the kernel did not trap in time: it may not have started, another
+    process holding the GPU) the error still says where a trapped wait's report goes."""
     monkeypatch.setattr(rp, "HOST_SLACK_S", 0.0)
+    if debugging:
+        monkeypatch.setenv("TLDSL_WAIT_TIMEOUT_NS", "5000000000")
+    else:
+        monkeypatch.delenv("TLDSL_WAIT_TIMEOUT_NS", raising=False)
     inputs = [{"x": np.ones(32, np.float32), "y": np.zeros(32, np.float32)}]
     # lowered with its signal kept ("beside"): lowered for "after", 'consume' runs after 'produce' with the
     # signal between them dropped, and nothing is left to wait for
-    with pytest.raises(GpuHangError, match=r"launch 1 did not finish(.|\n)*rank 0 ready=\[1, 1, 1, 1\]"):
+    with pytest.raises(GpuHangError, match=r"launch 1 did not finish(.|\n)*rank 0 ready=\[1, 1, 1, 1\]") as e:
         run_fake(short_of_notifies, 1, inputs, lowering={"chain": "beside"}, options={"static_checks": False})
+    said = str(e.value)
+    assert ("the kernel printed the slot" in said) == debugging, said
+    assert ("set to have the kernel print the slot" in said) == (not debugging), said
 
 
 @tl.kernel

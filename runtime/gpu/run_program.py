@@ -190,7 +190,8 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
         if deadline is not None and time.monotonic() > deadline:
             raise GpuHangError(f"launch {launch} did not finish in {timeout_s + HOST_SLACK_S:.0f} s: a wait nothing "
                                f"satisfies (check the program with tl.simulate), or the kernels could not all run at "
-                               f"once. The GPU is still busy with it. What ran:\n{plan.describe()}\n"
+                               f"once. The GPU is still busy with it; a wait stuck {timeout_s} s traps "
+                               f"({trap_report(plan, timeout_s)}). What ran:\n{plan.describe()}\n"
                                f"signal counters: {device.read_counters(mem.signals)}")
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)

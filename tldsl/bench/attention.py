@@ -1,7 +1,8 @@
 """The generated attention kernel beside torch's default attention on one GPU (issue 20's rows).
 
     python -m tldsl.bench attention [--seqs 4096,8192,16384,32768] [--ranks 2,4] [--dtypes bfloat16,float16]
-                                    [--masks full,causal] [--heads 32/32,32/8] [--softmax fold,plain] [--iters 10]
+                                    [--masks full,causal] [--heads 32/32,32/8] [--softmax fold,plain]
+                                    [--order row_major,swizzled:8] [--iters 10]
 
 One row per (dtype, S per rank, W, mask, heads): this GPU plays the last rank of ``W``, its
 ``S`` queries against the ``W * S`` gathered keys (d = 128), every signal the kernel waits on
@@ -11,8 +12,10 @@ Hopper) on the same tensors; causal rows use torch's lower-right mask (``causal_
 the last rank's queries see every earlier key, and their own causally — the global causal mask).
 Each row is checked against SDPA first (max error over the RMS), then both are timed
 interleaved (CUDA events, median). TFLOP/s count the attended (query, key) pairs only. With several
-``--softmax`` variants (the kernel's ``softmax`` option) each row times every variant and SDPA in
-the same interleaved rounds, one table line per variant.
+``--softmax`` variants (the kernel's ``softmax`` option) or ``--order`` tile orders (the compute
+schedule's: ``row_major``, query block by query block with every head; ``swizzled:G``, groups of G
+query blocks walked head by head) each row times every variant and SDPA in the same interleaved
+rounds, one table line per variant.
 """
 from __future__ import annotations
 
@@ -59,8 +62,26 @@ def rows(seqs, ranks, dtypes, masks, heads) -> list[Row]:
             for hq, hkv in heads]
 
 
+#: a kernel variant: ``(softmax, order)``, each None for the lowering's / schedule's default
+DEFAULT_VARIANT = (None, None)
+
+
+def schedule_order(order: str | None) -> dict:
+    """``ComputeSchedule`` keywords of a ``--order`` entry: ``row_major`` or ``swizzled:G`` (groups
+    of ``G`` query blocks, head by head inside a group); None: the schedule's default."""
+    if order is None:
+        return {}
+    name, _, group = order.partition(":")
+    return {"order": name, **({"group_m": int(group)} if group else {})}
+
+
+def variant_label(variant) -> str:
+    sm, order = variant
+    return f"{sm or 'default'}, {order or 'row_major'}"
+
+
 @functools.lru_cache(maxsize=None)
-def _lowered(row: Row, tile, stages, softmax=None):
+def _lowered(row: Row, tile, stages, softmax=None, order=None):
     """The traced ``sp_attention`` for ``row`` and its lowered attention part (once per row and
     variant: the compile batch and the timed row share it)."""
     import tldsl as tl
@@ -70,45 +91,46 @@ def _lowered(row: Row, tile, stages, softmax=None):
     q, kv = tl.TensorSpec((row.seq, row.heads * D), dt), tl.TensorSpec((row.seq, row.kv_heads * D), dt)
     k = sp_attention.trace(row.ranks, q, kv, kv, q, heads=row.heads,
                            kv_heads=row.kv_heads if row.kv_heads != row.heads else None, causal=row.causal,
-                           compute=tl.ComputeSchedule(tile=tile, stages=stages),
+                           compute=tl.ComputeSchedule(tile=tile, stages=stages, **schedule_order(order)),
                            comm=tl.CommSchedule(tile_m=128, mode="pull"))
     return k, lower_attention(k, softmax=softmax)
 
 
-def _kernel(row: Row, tile, stages, compiled=None, softmax=None):
+def _kernel(row: Row, tile, stages, compiled=None, variant=DEFAULT_VARIANT):
     """The lowered attention part of ``sp_attention`` for ``row`` and its launcher."""
     from tldsl.runtime.gpu.attention import AttentionKernel
-    k, lowered = _lowered(row, tile, stages, softmax)
+    k, lowered = _lowered(row, tile, stages, *variant)
     return k, lowered, AttentionKernel(lowered, compiled=compiled)
 
 
-def compile_rows(todo: list[Row], tile, stages, softmaxes=(None,)) -> dict:
-    """Every row's kernel (one per softmax variant; keys ``row`` for the default variant ``None``,
-    else ``(row, variant)``) compiled at once (one NVRTC process per core): each row's shapes are
-    compile-time constants, so the grid's 64 rows are 64 kernels, minutes one after another."""
+def compile_rows(todo: list[Row], tile, stages, variants=(DEFAULT_VARIANT,)) -> dict:
+    """Every row's kernel (one per variant ``(softmax, order)``; keys ``row`` for the default
+    variant, else ``(row, variant)``) compiled at once (one NVRTC process per core): each row's
+    shapes are compile-time constants, so the grid's 64 rows are 64 kernels, minutes one after another."""
     from tldsl.codegen.toolchain.compiler import compile_many
     from tldsl.errors import CompilationError
-    keys = [row if sm is None else (row, sm) for row in todo for sm in softmaxes]
-    jobs = [_lowered(row, tile, stages, sm)[1].job() for row in todo for sm in softmaxes]
+    keys = [row if v == DEFAULT_VARIANT else (row, v) for row in todo for v in variants]
+    jobs = [_lowered(row, tile, stages, *v)[1].job() for row in todo for v in variants]
     try:
         return dict(zip(keys, compile_many(jobs, progress=False)))
     except CompilationError:        # each row compiles on its own, so the failing one is reported in its row
         return {}
 
 
-def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compiled=None, softmax=None) -> dict:
+def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compiled=None, softmax=None,
+              order=None) -> dict:
     """Check, then time, one row: ``{ms, torch_ms, tflops, torch_tflops, ratio, err}``."""
-    return bench_variants(row, iters, tile, stages, {softmax: compiled})[softmax]
+    return bench_variants(row, iters, tile, stages, {(softmax, order): compiled})[(softmax, order)]
 
 
 def bench_variants(row: Row, iters: int, tile, stages, compiled: dict) -> dict:
-    """Check each softmax variant of ``row``'s kernel (``compiled``: variant -> cubin or None),
-    then time them all and SDPA in the same interleaved rounds: variant -> the row's figures."""
+    """Check each variant ``(softmax, order)`` of ``row``'s kernel (``compiled``: variant -> cubin
+    or None), then time them all and SDPA in the same interleaved rounds: variant -> the row's figures."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
     from .timing import interleaved_ms
-    kerns = {sm: _kernel(row, tile, stages, cub, sm) for sm, cub in compiled.items()}
+    kerns = {v: _kernel(row, tile, stages, cub, v) for v, cub in compiled.items()}
     k, lowered, _ = next(iter(kerns.values()))
     t = getattr(torch, row.dtype)
     g = torch.Generator(device="cuda").manual_seed(row.seq + row.ranks)
@@ -134,19 +156,19 @@ def bench_variants(row: Row, iters: int, tile, stages, compiled: dict) -> dict:
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     want = theirs()[0].transpose(0, 1).reshape(row.seq, row.heads * D).float()
     errs = {}
-    for sm, (_, _, kern) in kerns.items():
+    for v, (_, _, kern) in kerns.items():
         o.fill_(float("nan"))
         ours(kern)()
         torch.cuda.synchronize()
         err = float((o.float() - want).abs().max()) / (float(want.pow(2).mean().sqrt()) or 1.0)
         if not err <= CHECK_TOL:
-            raise RuntimeError(f"{row.label()}: the generated kernel (softmax {sm or 'default'}) differs from SDPA "
-                               f"by {err:.3g} x RMS (tolerance {CHECK_TOL}); not timed")
-        errs[sm] = err
+            raise RuntimeError(f"{row.label()}: the generated kernel (softmax, order: {variant_label(v)}) differs "
+                               f"from SDPA by {err:.3g} x RMS (tolerance {CHECK_TOL}); not timed")
+        errs[v] = err
     *mss, torch_ms = interleaved_ms([ours(kern) for _, _, kern in kerns.values()] + [theirs], iters=iters)
     f = row.flops()
-    return {sm: dict(ms=ms, torch_ms=torch_ms, tflops=f / ms / 1e9, torch_tflops=f / torch_ms / 1e9,
-                     ratio=torch_ms / ms, err=errs[sm]) for sm, ms in zip(kerns, mss)}
+    return {v: dict(ms=ms, torch_ms=torch_ms, tflops=f / ms / 1e9, torch_tflops=f / torch_ms / 1e9,
+                    ratio=torch_ms / ms, err=errs[v]) for v, ms in zip(kerns, mss)}
 
 
 def _ints(text: str) -> list[int]:
@@ -179,6 +201,18 @@ def _names(allowed):
     return parse
 
 
+def _orders(text: str) -> list[str]:
+    got = [x for x in text.split(",") if x]
+    for o in got:
+        name, colon, group = o.partition(":")
+        if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdigit()
+                                                                 or int(group) < 1)):
+            raise argparse.ArgumentTypeError(f"--order: row_major or swizzled[:G] (G query blocks a group), got {o!r}")
+    if not got:
+        raise argparse.ArgumentTypeError("--order: at least one tile order")
+    return got
+
+
 def parse_args(argv):
     from tldsl.codegen.plan.attention import SOFTMAX
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench attention", description=__doc__,
@@ -192,6 +226,9 @@ def parse_args(argv):
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--softmax", type=_names(SOFTMAX), default=None,
                     help="the kernel's softmax variants, timed side by side (default: the lowering's default)")
+    ap.add_argument("--order", type=_orders, default=None,
+                    help="tile orders of the compute schedule (row_major, swizzled:G), timed side by side "
+                         "(default: the schedule's default)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     if len(args.tile) != 3:
@@ -204,23 +241,23 @@ def main(argv, out=sys.stdout) -> int:
     todo = rows(args.seqs, args.ranks, args.dtypes, args.masks, args.heads)
     print(f"# attention forward, d={D}, this GPU as the last of W ranks; ms (median of {args.iters}, interleaved)",
           file=out)
-    sms = args.softmax or [None]
-    many = args.softmax is not None
-    print(f"| row |{' softmax |' if many else ''} tldsl ms | TFLOP/s | SDPA ms | TFLOP/s | tldsl / SDPA speed | "
+    variants = [(sm, od) for sm in args.softmax or [None] for od in args.order or [None]]
+    many = variants != [DEFAULT_VARIANT]
+    print(f"| row |{' softmax, order |' if many else ''} tldsl ms | TFLOP/s | SDPA ms | TFLOP/s | tldsl / SDPA speed | "
           f"max err / RMS |\n|---|{'---|' if many else ''}---|---|---|---|---|---|", file=out, flush=True)
-    compiled = compile_rows(todo, tuple(args.tile), args.stages, sms)
+    compiled = compile_rows(todo, tuple(args.tile), args.stages, variants)
     failed = 0
     for row in todo:
         try:
             got = bench_variants(row, args.iters, tuple(args.tile), args.stages,
-                                 {sm: compiled.get(row if sm is None else (row, sm)) for sm in sms})
+                                 {v: compiled.get(row if v == DEFAULT_VARIANT else (row, v)) for v in variants})
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
             print(f"| {row.label()} |{' |' if many else ''} failed: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:160]} | | | | | |", file=out, flush=True)
             continue
-        for sm, r in got.items():
-            print(f"| {row.label()} |{f' {sm} |' if many else ''} {r['ms']:.3f} | {r['tflops']:.0f} | "
+        for v, r in got.items():
+            print(f"| {row.label()} |{f' {variant_label(v)} |' if many else ''} {r['ms']:.3f} | {r['tflops']:.0f} | "
                   f"{r['torch_ms']:.3f} | {r['torch_tflops']:.0f} | {r['ratio']:.2f} | {r['err']:.1e} |",
                   file=out, flush=True)
     return 1 if failed else 0

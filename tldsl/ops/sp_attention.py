@@ -132,8 +132,12 @@ def sp_attention(q, k: tl.Symmetric, v: tl.Symmetric, o, *, heads: tl.constexpr,
         acc[...] = acc[...] * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m[...] = m_new
 
-    @tl.compute_part(grid=(tl.cdiv(Sl, BM), heads))
-    def attention(pm, h):
+    # heads outermost: the default (row-major) tile order then walks one head's query blocks before
+    # the next head's, so the CTAs running at once share a head's keys in L2 instead of each head's
+    # keys streaming from HBM once every few tiles (at 131072 keys, 64 MB a head, query block by
+    # query block with every head ran at 0.81-0.82x cuDNN, head by head 1.02-1.03x)
+    @tl.compute_part(grid=(heads, tl.cdiv(Sl, BM)))
+    def attention(h, pm):
         me = tl.rank()
         q0, c0 = pm * BM, h * D
         kc0 = c0 if group == 1 else (h // group) * D               # the key/value head's columns

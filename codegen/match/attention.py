@@ -3,8 +3,8 @@ anything the fixed kernel would not compute is an error at the user's line, not 
 
 Recognised shape (grid axes, names and the loop nest around the key blocks are free)::
 
-    @tl.compute_part(grid=(cdiv(Sq, BM), heads))
-    def attention(pm, h):
+    @tl.compute_part(grid=(heads, cdiv(Sq, BM)))      # heads outermost, as the op has it (either works)
+    def attention(h, pm):
         <scalar code>
         q_pos = tl.iota(BM) + Y                            # query positions (causal only), or two runs:
         #   tl.where(tl.iota(BM) < SPLIT, tl.iota(BM) + Y, tl.iota(BM) + Y1)

@@ -4,7 +4,7 @@
 // same building blocks, descriptor arithmetic and conventions as sm90_gemm.hpp.
 //
 // What it computes, per task (pid0, pid1) of the tile program's grid (one query block of BM
-// rows, one head of D columns):
+// rows, one head of D columns; sp_attention's grid is (heads, query blocks)):
 //
 //   Q = q[q_row : q_row+BM, q_col : q_col+D]                      (TMA, zero outside q)
 //   for every key block b the control code yields, in the tile program's order:

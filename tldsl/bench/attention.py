@@ -13,9 +13,10 @@ the last rank's queries see every earlier key, and their own causally — the gl
 Each row is checked against SDPA first (max error over the RMS), then both are timed
 interleaved (CUDA events, median). TFLOP/s count the attended (query, key) pairs only. With several
 ``--softmax`` variants (the kernel's ``softmax`` option) or ``--order`` tile orders (the compute
-schedule's: ``row_major``, query block by query block with every head; ``swizzled:G``, groups of G
-query blocks walked head by head) each row times every variant and SDPA in the same interleaved
-rounds, one table line per variant.
+schedule's over the attention part's grid of (heads, query blocks): ``row_major``, the default, one
+head's query blocks after another's; ``swizzled:G``, groups of G heads walked query block by query
+block) each row times every variant and SDPA in the same interleaved rounds, one table line per
+variant.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ DEFAULT_VARIANT = (None, None)
 
 def schedule_order(order: str | None) -> dict:
     """``ComputeSchedule`` keywords of a ``--order`` entry: ``row_major`` or ``swizzled:G`` (groups
-    of ``G`` query blocks, head by head inside a group); None: the schedule's default."""
+    of ``G`` heads, query block by query block inside a group); None: the schedule's default."""
     if order is None:
         return {}
     name, _, group = order.partition(":")
@@ -207,7 +208,7 @@ def _orders(text: str) -> list[str]:
         name, colon, group = o.partition(":")
         if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdigit()
                                                                  or int(group) < 1)):
-            raise argparse.ArgumentTypeError(f"--order: row_major or swizzled[:G] (G query blocks a group), got {o!r}")
+            raise argparse.ArgumentTypeError(f"--order: row_major or swizzled[:G] (G heads a group), got {o!r}")
     if not got:
         raise argparse.ArgumentTypeError("--order: at least one tile order")
     return got

@@ -32,7 +32,9 @@ def test_pairs_are_those_of_the_lower_right_causal_mask(seq, ranks):
                                        (["--tile", "128,128"], "three integers"),
                                        (["--order", "column_major"], "row_major or swizzled"),
                                        (["--order", "swizzled:0"], "row_major or swizzled"),
-                                       (["--order", "row_major:4"], "row_major or swizzled")])
+                                       (["--order", "row_major:4"], "row_major or swizzled"),
+                                       (["--order", "swizzled:\u00b2"], "row_major or swizzled"),
+                                       (["--order", "row_major,row_major"], "each tile order once")])
 def test_bad_arguments_are_refused_by_the_parser(args, says, capsys):
     with pytest.raises(SystemExit):
         ba.parse_args(args)

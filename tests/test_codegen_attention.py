@@ -550,7 +550,8 @@ NVRTC_CASES = [
     ("D64-full-copyengine-BM64-2stages", dict(D=64, tile=(64, 128, 64), causal=False, stages=2,
                                               comm=tl.CommSchedule(engine="copy_engine")), {}, "SYS"),
     ("D128-causal-BM64-no-overlap", dict(D=128, tile=(64, 128, 64), causal=True), dict(overlap=False), "GPU"),
-    ("D64-causal-BN64-swizzled", dict(D=64, tile=(128, 64, 64), causal=True, order="swizzled", group_m=4,
+    # 8 heads (the grid's rows) in two whole groups of 4
+    ("D64-causal-BN64-swizzled", dict(D=64, H=8, tile=(128, 64, 64), causal=True, order="swizzled", group_m=4,
                                       stages=4), {}, "GPU"),
 ]
 

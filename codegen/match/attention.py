@@ -173,7 +173,7 @@ def match_attention(kernel: core.Kernel, part: core.Part) -> AttentionMatch:
     if part.role != "compute":
         raise fail(WHAT, f"part '{part.name}' is a {part.role} part; the attention lowering lowers compute parts", part)
     if len(part.grid) not in (1, 2):
-        raise fail(WHAT, f"the grid {part.grid} must be 1-d or 2-d (query blocks, heads)", part)
+        raise fail(WHAT, f"the grid {part.grid} must be 1-d or 2-d (e.g. heads, query blocks)", part)
     parent: dict[int, tuple[core.Block, int, core.Op | None]] = {}
 
     def index(block, owner):

@@ -156,15 +156,29 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
     return start, end
 
 
-def trap_report(plan: RunPlan, timeout_s: float) -> str:
-    """Where a trapped wait's report is: printed by the kernels if they were built to (while
-    TLDSL_WAIT_TIMEOUT_NS was set), else how to have them print it."""
+def reports_slot(plan: RunPlan) -> bool:
+    """Whether the kernels were built to print a timed-out wait's slot (while TLDSL_WAIT_TIMEOUT_NS
+    was set)."""
     from ...codegen.abi import WAIT_REPORT_OPTION
-    if any(WAIT_REPORT_OPTION in getattr(k.lowered, "options", ()) for k in plan.kernels):
+    return any(WAIT_REPORT_OPTION in getattr(k.lowered, "options", ()) for k in plan.kernels)
+
+
+def trap_report(plan: RunPlan, timeout_s: float) -> str:
+    """Where a trapped wait's report is: printed by the kernels if they were built to, else how to
+    have them print it."""
+    if reports_slot(plan):
         return "the kernel printed the slot, the value it held and the one it needed"
     # (the variable is also the fused ops' wait timeout: no shorter than this run's)
     return (f"run again with TLDSL_WAIT_TIMEOUT_NS={int(timeout_s * 1e9)} set to have the kernel print the slot, "
             f"the value it held and the one it needed")
+
+
+def _stuck_report(plan: RunPlan, timeout_s: float) -> str:
+    """The host's deadline passed before any trap: what a stuck wait's trap will print, or how to
+    have it print that."""
+    if reports_slot(plan):
+        return "and prints the slot, the value it held and the one it needed"
+    return trap_report(plan, timeout_s)
 
 
 def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout_s: float | None) -> None:
@@ -191,7 +205,7 @@ def wait_for(device, end, launch: int, plan: RunPlan, mem: DeviceMemory, timeout
             raise GpuHangError(f"launch {launch} did not finish in {timeout_s + HOST_SLACK_S:.0f} s: a wait nothing "
                                f"satisfies (check the program with tl.simulate), or the kernels could not all run at "
                                f"once. The GPU is still busy with it; a wait stuck {timeout_s} s traps "
-                               f"({trap_report(plan, timeout_s)}). What ran:\n{plan.describe()}\n"
+                               f"({_stuck_report(plan, timeout_s)}). What ran:\n{plan.describe()}\n"
                                f"signal counters: {device.read_counters(mem.signals)}")
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)

@@ -120,7 +120,8 @@ def compile_rows(todo: list[Row], tile, stages, variants=(DEFAULT_VARIANT,)) -> 
 
 def bench_row(row: Row, iters: int, tile=(128, 128, 64), stages: int = 3, compiled=None, softmax=None,
               order=None) -> dict:
-    """Check, then time, one row: ``{ms, torch_ms, tflops, torch_tflops, ratio, err}``."""
+    """Check, then time, one row (``softmax``, ``order``: the variant, None for the defaults):
+    ``{ms, torch_ms, tflops, torch_tflops, ratio, err}``."""
     return bench_variants(row, iters, tile, stages, {(softmax, order): compiled})[(softmax, order)]
 
 
@@ -185,9 +186,9 @@ def _heads(text: str) -> list[tuple[int, int]]:
         try:
             hq, hkv = (int(x) for x in part.split("/"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--heads: Q/KV pairs such as 32/32,32/8, got {part!r}") from None
+            raise argparse.ArgumentTypeError(f"Q/KV pairs such as 32/32,32/8, got {part!r}") from None
         if hq < 1 or hkv < 1 or hq % hkv:
-            raise argparse.ArgumentTypeError(f"--heads {part}: KV heads must divide the query heads")
+            raise argparse.ArgumentTypeError(f"{part}: KV heads must divide the query heads")
         out.append((hq, hkv))
     return out
 
@@ -206,11 +207,13 @@ def _orders(text: str) -> list[str]:
     got = [x for x in text.split(",") if x]
     for o in got:
         name, colon, group = o.partition(":")
-        if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdigit()
+        if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdecimal()
                                                                  or int(group) < 1)):
-            raise argparse.ArgumentTypeError(f"--order: row_major or swizzled[:G] (G heads a group), got {o!r}")
+            raise argparse.ArgumentTypeError(f"row_major or swizzled[:G] (G heads a group), got {o!r}")
     if not got:
-        raise argparse.ArgumentTypeError("--order: at least one tile order")
+        raise argparse.ArgumentTypeError("at least one tile order")
+    if len(set(got)) < len(got):
+        raise argparse.ArgumentTypeError(f"each tile order once, got {text!r}")
     return got
 
 

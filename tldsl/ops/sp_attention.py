@@ -27,7 +27,7 @@ Communication: two ``all_gather`` collectives (K and V) into symmetric workspace
 ``[W*Sl, H_kv*D]``; push/pull, ring/full-mesh, SMs/copy engine and the communication tile
 size are all choices of the communication schedule.
 
-Compute: one task per (query block of ``BM`` rows, head). It walks the key blocks of ``BN``
+Compute: one task per (head, query block of ``BM`` rows). It walks the key blocks of ``BN``
 rows piece by piece — the shards (contiguous layout) or the two chunks of each shard (zig-zag)
 — starting with its own rank's and then ``rank+1, rank+2, ...`` (the order in which ring
 communication delivers them), and waits *per key block* for just the K/V rows that block reads,

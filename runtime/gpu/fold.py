@@ -31,7 +31,12 @@ session): the kernel pair gains where the GEMM is long and the gather large (Mix
 on 96 threads' gather), and the fused AllGatherMoE at one rank did not gain from it (Mixtral 32768
 26.20 ms against 25.95, the stress row 12.28 against 12.24). The folded kernel runs no half tiles
 (every tile its 128 rows): with them, the stress row's folded gather took 6.32 ms against 5.42
-without (thirty-third session; the fused op at one rank not re-measured since).
+without (thirty-third session). Re-measured without them (thirty-fourth session), the fused
+AllGatherMoE at one rank (every expert's whole N) gains folded on the stress row (11.47 ms against
+12.01) and Mixtral 8192 (6.16 against 6.29) and loses on Mixtral 32768 (25.82 against 25.04: the
+folded kernel's missing clusters cost the 28672-column GEMM more than the gather it hides), while
+the kernels at the TP = 2 slice reach ``_grouped_mm`` folded on all three (1.00-1.04x): mixed, so the
+op's default stays two kernels until two ranks can be measured.
 """
 from __future__ import annotations
 

@@ -156,6 +156,10 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
     return start, end
 
 
+#: what a timed-out wait's report (the kernels built to print it) says
+_SLOT_REPORT = "the slot, the value it held and the one it needed"
+
+
 def reports_slot(plan: RunPlan) -> bool:
     """Whether the kernels were built to print a timed-out wait's slot (while TLDSL_WAIT_TIMEOUT_NS
     was set)."""
@@ -167,17 +171,16 @@ def trap_report(plan: RunPlan, timeout_s: float) -> str:
     """Where a trapped wait's report is: printed by the kernels if they were built to, else how to
     have them print it."""
     if reports_slot(plan):
-        return "the kernel printed the slot, the value it held and the one it needed"
+        return f"the kernel printed {_SLOT_REPORT}"
     # (the variable is also the fused ops' wait timeout: no shorter than this run's)
-    return (f"run again with TLDSL_WAIT_TIMEOUT_NS={int(timeout_s * 1e9)} set to have the kernel print the slot, "
-            f"the value it held and the one it needed")
+    return f"run again with TLDSL_WAIT_TIMEOUT_NS={int(timeout_s * 1e9)} set to have the kernel print {_SLOT_REPORT}"
 
 
 def _stuck_report(plan: RunPlan, timeout_s: float) -> str:
     """The host's deadline passed before any trap: what a stuck wait's trap will print, or how to
     have it print that."""
     if reports_slot(plan):
-        return "and prints the slot, the value it held and the one it needed"
+        return f"and prints {_SLOT_REPORT}"
     return trap_report(plan, timeout_s)
 
 

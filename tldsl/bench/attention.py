@@ -69,10 +69,14 @@ DEFAULT_VARIANT = (None, None)
 
 def schedule_order(order: str | None) -> dict:
     """``ComputeSchedule`` keywords of a ``--order`` entry: ``row_major`` or ``swizzled:G`` (groups
-    of ``G`` heads, query block by query block inside a group); None: the schedule's default."""
+    of ``G`` heads, query block by query block inside a group); None: the schedule's default.
+    Raises ValueError on anything else."""
     if order is None:
         return {}
-    name, _, group = order.partition(":")
+    name, colon, group = order.partition(":")
+    if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdecimal()
+                                                             or int(group) < 1)):
+        raise ValueError(f"row_major or swizzled[:G] (G heads a group), got {order!r}")
     return {"order": name, **({"group_m": int(group)} if group else {})}
 
 
@@ -206,10 +210,10 @@ def _names(allowed):
 def _orders(text: str) -> list[str]:
     got = [x for x in text.split(",") if x]
     for o in got:
-        name, colon, group = o.partition(":")
-        if name not in ("row_major", "swizzled") or (colon and (name != "swizzled" or not group.isdecimal()
-                                                                 or int(group) < 1)):
-            raise argparse.ArgumentTypeError(f"row_major or swizzled[:G] (G heads a group), got {o!r}")
+        try:
+            schedule_order(o)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     if not got:
         raise argparse.ArgumentTypeError("at least one tile order")
     if len(set(got)) < len(got):

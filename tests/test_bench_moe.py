@@ -5,6 +5,7 @@ timings faked."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 from hypothesis import given
@@ -126,24 +127,29 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
 
 def test_the_moe_benchmarks_layer_1_rows_lower_and_compile(tmp_path):
     """``python -m tldsl.bench moe --layer rs``: each row's grouped GEMM (the routed rows of
-    layer 1 into ``y_sorted``) and top-k combine (the fp32 partial of every token) lower at the
-    row's shapes — one rank's slice of ``ffn`` as K, ``hidden`` as N — and compile for sm_90a."""
+    layer 1 into ``y_sorted``) and top-k combine (the partial of every token: bf16 as
+    MoEReduceScatter keeps it by default, fp32 with ``--partial f32``) lower at the row's shapes —
+    one rank's slice of ``ffn`` as K, ``hidden`` as N — and compile for sm_90a."""
     from tldsl.bench import moe
     from tldsl.codegen import toolchain as tcm
     from tldsl.codegen.toolchain.cache import KernelCache
     from tldsl.codegen.toolchain.compiler import compile_many
+    from tldsl.runtime.dist.moe_ops import MoEReduceScatter
     args = moe.parse_args(["--layer", "rs", "--rows", "qwen3:2048:zipf,mixtral:2048:one"])
     assert args.layer == "rs" and moe.parse_args([]).layer == "ag"
+    default = inspect.signature(MoEReduceScatter).parameters["partial_dtype"].default
+    assert args.partial == default == "out" and moe.parse_args(["--partial", "f32"]).partial == "f32"
     jobs = []
-    for row in args.row_list:
+    for row, partial in zip(args.row_list, ("out", "f32")):
         hidden, ffn, E, topk = moe.MOE_MODELS[row.model]
-        ids, wts, rt, lg, lc = moe.lowered_rs_row(row, args.tile_t, args.stages, cluster=args.cluster)
+        ids, wts, rt, lg, lc = moe.lowered_rs_row(row, args.tile_t, args.stages, cluster=args.cluster,
+                                                  partial_dtype=partial)
         assert type(lg).__name__ == "LoweredGroupedGemm" and lg.cluster_dims == (args.cluster, 1, 1)
         assert ids.shape == wts.shape == (row.tokens, topk) and rt.num_rows % args.tile_t[0] == 0
         dims = {t.buffer: t.global_dims for t in lg.tma}          # TMA's dims: innermost first
         assert dims["h"] == (ffn // moe.TP, rt.num_rows) and dims["w2"] == (hidden, ffn // moe.TP, E)
         assert lc.buffers["y_sorted"] == ((rt.num_rows, hidden), "bf16")      # rounded as _grouped_mm's
-        assert lc.buffers["partial"] == ((row.tokens, hidden), "f32")
+        assert lc.buffers["partial"] == ((row.tokens, hidden), "bf16" if partial == "out" else "f32")
         jobs += [lg.job(), lc.job()]
     ok, why = tcm.toolchain_available()
     if not ok:

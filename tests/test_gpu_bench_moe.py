@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu,
     ("ag", "qwen3:2048:random", dict(stage_rows="off"), 0),           # gathered in the GEMM: nothing apart
     ("ag", "mixtral:2048:random", dict(stage_rows="on", fold=True), 4),   # + the pair one after the other
     ("rs", "mixtral:2048:random", dict(), 4),                         # the GEMM, the combine, notifying, the copy
+    ("rs", "mixtral:2048:random", dict(partial_dtype="f32"), 4),      # ... the partial in fp32 (bf16 by default)
     ("rs", "mixtral:2048:random", dict(fold=True), 5),                # + the pair one after the other
 ])
 def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):

@@ -251,14 +251,16 @@ def test_allgather_moe_row_gather_folded_into_the_grouped_gemm(W, Ms, K, Nr, E, 
 
 # -- MoE+ReduceScatter ---------------------------------------------------------------------------------
 
-def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1), fold=False):
+def _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, comm=None, cluster=(1, 1), fold=False,
+              partial_dtype="f32"):
     """(program, grouped GEMM, combine); ``fold``: the combine folded into the grouped GEMM's
     kernel (the same lowered kernel twice)."""
     import tldsl as tl
     from tldsl.codegen import lower_combine, lower_grouped_gemm
     k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, _dt(dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, order=order),
-                                    comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"))
+                                    comm=comm or tl.CommSchedule(tile_m=64, order="ring", mode="push"),
+                                    partial_dtype=partial_dtype)
     if fold:
         lf = lower_grouped_gemm(k, "grouped_gemm", cluster=cluster, side="combine")
         return k, lf, lf
@@ -303,19 +305,22 @@ RS_CASES = [  # W, Ms, K, Nr, E, topk, routing, tile, stages, order, dtype, clus
 ]
 
 
+@pytest.mark.parametrize("partial_dtype", ["f32", "out"])
 @pytest.mark.parametrize("fold", [False, True], ids=["two_kernels", "folded"])
 @pytest.mark.parametrize("W,Ms,K,Nr,E,topk,kind,tile,stages,order,dtype,cluster", RS_CASES,
                          ids=[_case_id(c) for c in RS_CASES])
 def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, topk, kind, tile, stages, order,
-                                                             dtype, cluster, fold):
+                                                             dtype, cluster, fold, partial_dtype):
     """The grouped GEMM then the combine, or (``fold``) one kernel whose spare producer warps
-    run the combine's tiles as their waits hold: the same results and counters."""
+    run the combine's tiles as their waits hold: the same results and counters; the partial in
+    fp32 or (``partial_dtype='out'``, MoEReduceScatter's default) in the operands' dtype."""
     import torch
     from tldsl.ops.moe import reference_moe_reduce_scatter
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     rt, wts = _routing(W, Ms, E, topk, tile[0], kind, seed=W * 7 + Ms)
     rank = 1
-    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster, fold=fold)
+    k, lg, lc = _lower_rs(rt, wts, W, Ms, K, Nr, E, tile, stages, order, dtype, cluster=cluster, fold=fold,
+                          partial_dtype=partial_dtype)
     assert lg.cluster_dims == (cluster[0], 1, 1)
     assert (lg.side == "combine") == fold
     assert lg.config.pingpong == (tile[:2] == (128, 128))     # A by TMA: 128 x 128 tiles run ping-pong
@@ -328,7 +333,8 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
     bufs = {"h": _randn((R, Nr), dtype, g), "w2": _randn((E, Nr, K), dtype, g, 1.0 / np.sqrt(Nr)),
             "topk_weights": _cuda(wts), **{n: _cuda(a) for n, a in tabs.items()},
             "y_sorted": torch.empty((R, K), device="cuda", dtype=getattr(torch, dtype)),
-            "partial": torch.empty((T, K), device="cuda", dtype=torch.float32)}
+            "partial": torch.empty((T, K), device="cuda",
+                                   dtype=torch.float32 if partial_dtype == "f32" else getattr(torch, dtype))}
     slots = {**lg.signal_slots, **lc.signal_slots}
     sigs = {n: torch.zeros(s, device="cuda", dtype=torch.int64) for n, s in slots.items()}
     exp_y = _expected_counts(k, "grouped_gemm", tabs, W, rank, {"y_ready": slots["y_ready"]})["y_ready"]
@@ -359,7 +365,7 @@ def test_moe_reduce_scatter_gemm_and_combine_match_reference(W, Ms, K, Nr, E, to
         y = bufs["y_sorted"].float().cpu().numpy()
         assert not np.isnan(y[used]).any() and np.isnan(y[~used]).all()    # unused tiles: not stored
         _close(y[used], y_ref[used], f"y_sorted launch {launch}", 1e-2)
-        p = bufs["partial"].cpu().numpy()
+        p = bufs["partial"].float().cpu().numpy()
         assert not np.isnan(p).any()
         _close(p, p_ref, f"partial launch {launch}", 1e-2)
         assert (sigs["y_ready"].cpu().numpy() == launch * exp_y).all()

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from test_program_op import Group, host  # noqa: E402
 
 from tldsl.errors import InputError  # noqa: E402
-from tldsl.ops.moe import moe_routing, random_routing, reference_moe  # noqa: E402
+from tldsl.ops.moe import moe_routing, random_routing, reference_moe, reference_moe_reduce_scatter  # noqa: E402
 from tldsl.runtime.dist.moe_ops import AllGatherMoE, MoEReduceScatter  # noqa: E402
 
 C32 = tl.ComputeSchedule(tile=(32, 32, 32))
@@ -109,6 +109,8 @@ def test_a_moe_layer_on_the_ops_default_schedules_agrees_with_numpy(monkeypatch,
     assert (rs[0].comm.tile_m, rs[0].comm.sms) == (128, 32) and ag[0].comm.engine == "copy_engine"
     assert DEFAULT_AG_COMPUTE.order == DEFAULT_RS_COMPUTE.order == "swizzled"
     assert DEFAULT_AG_COMPUTE.cluster == (2, 1) and DEFAULT_RS_COMPUTE.cluster == (1, 1)
+    # the partials in h's dtype by default, as MatmulReduceScatter's (NCCL's numerics)
+    assert rs[0].partial_dtype == "out" and rs[0].kernel.buffer("partial").type.dtype.name == "f16"
     rng = np.random.default_rng(10 + W)
     xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
     w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
@@ -225,6 +227,35 @@ def test_a_tensor_overlapping_a_symmetric_buffer_without_being_it_is_found():
     base = torch.zeros(64)
     assert _overlaps_other(base[:32], base[16:48]) and _overlaps_other(base[16:48], base[:32])
     assert not _overlaps_other(base[:32], base[:32]) and not _overlaps_other(base[:32], base[32:])
+
+
+def test_moe_reduce_scatter_with_fp32_partials_agrees_and_refuses_other_dtypes(monkeypatch):
+    """``partial_dtype='f32'``: the partial (and the reduce-scatter's traffic) in fp32, the
+    result within the same tolerance; any other value is an InputError before anything is built."""
+    W = 2
+    g = Group(monkeypatch, W, 3)
+    w2s = tl.TensorSpec((E, NR, K), tl.float16)
+    rs = g.build(lambda r, dev: MoEReduceScatter(w2s, MS, TOPK, compute=C32, comm=tl.CommSchedule(tile_m=16),
+                                                 router=HostRouter(W, 32), device=dev, timeout_s=2.0,
+                                                 partial_dtype="f32"))
+    assert rs[0].partial_dtype == "f32" and rs[0].kernel.buffer("partial").type.dtype.name == "f32"
+    rng = np.random.default_rng(5)
+    ids, wts = random_routing(rng, W * MS, E, TOPK, "random")
+    rt = moe_routing(ids, E, W, MS, 32)
+    hs = [(rng.standard_normal((rt.num_rows, NR)) / 4).astype(np.float16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]
+    tables = HostRouter(W, 32)(torch.from_numpy(ids))
+    args = {r: (torch.from_numpy(hs[r]), torch.from_numpy(ids), torch.from_numpy(wts), torch.from_numpy(w2[r]), tables)
+            for r in range(W)}           # alive until the fake GPU runs, at synchronize()
+    outs = {r: rs[r](*args[r]) for r in g.fake.rng.sample(range(W), W)}
+    for r in range(W):
+        rs[r].synchronize()
+    want = reference_moe_reduce_scatter(hs, w2, wts, rt)
+    for r in range(W):
+        np.testing.assert_allclose(host(outs[r]), want[r * MS:(r + 1) * MS], rtol=2e-2, atol=3e-2)
+        rs[r].close()
+    with pytest.raises(InputError, match="partial_dtype='bf16': choose 'out'"):
+        g.build(lambda r, dev: MoEReduceScatter(w2s, MS, TOPK, compute=C32, device=dev, partial_dtype="bf16"))
 
 
 def test_moe_reduce_scatter_runs_its_combine_after_the_grouped_gemm_unless_told_otherwise(monkeypatch):

@@ -305,6 +305,40 @@ def test_moe_reduce_scatter_matches_numpy(W, Ms, K, Nr, E, topk, kind, comm):
     _check_out(res, rt, hs, w2, wts, W, Ms)
 
 
+def test_moe_reduce_scatter_partials_in_the_output_dtype():
+    """partial_dtype='out': each rank's combined rows are rounded to out's dtype when stored (the
+    workspace and the reduce-scatter's traffic in fp16), so the result differs from fp32 partials
+    by rounding only — at most one fp16 rounding of each of the W partials."""
+    W, Ms, K, Nr, E = 3, 8, 24, 16, 5
+    rng = np.random.default_rng(11)
+    ids, wts = random_routing(rng, W * Ms, E, 2, "random")
+    compute = _compute(8, 8, 8, order="comm_aligned")
+    rt, hs, w2, inputs = _rs_inputs(rng, W, Ms, K, Nr, E, ids, wts, compute.BM)
+    comm = tl.CommSchedule(tile_m=8, order="full_mesh", mode="push")
+    outs = {}
+    for pd, dt in (("f32", "f32"), ("out", "f16")):
+        k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, tl.float16, compute=compute, comm=comm, partial_dtype=pd)
+        assert k.buffer("partial").type.dtype.name == dt
+        res = tl.simulate(moe_reduce_scatter, W, inputs, seed=1, compute=compute, comm=comm, partial_dtype=pd)
+        _check_out(res, rt, hs, w2, wts, W, Ms)
+        outs[pd] = np.concatenate([res[r]["out"].astype(np.float32) for r in range(W)])
+    diff = np.abs(outs["out"] - outs["f32"])
+    assert diff.max() > 0                                       # the partials were rounded ...
+
+    def ulp(x):
+        return np.spacing(np.abs(x).astype(F16)).astype(np.float32)
+    rank_partials = [reference_moe_reduce_scatter([hs[r]], [w2[r]], wts, rt) for r in range(W)]
+    bound = sum(ulp(p) for p in rank_partials) + ulp(outs["f32"])
+    assert (diff <= bound).all()                                # ... by one rounding each, no more
+
+
+def test_moe_reduce_scatter_refuses_an_unknown_partial_dtype():
+    rt, hs, w2, inputs = _rs_case()
+    with pytest.raises(tl.CompilationError, match="partial_dtype='bf16': choose 'f32' or 'out'"):
+        tl.simulate(moe_reduce_scatter, 2, inputs, compute=_compute(), comm=tl.CommSchedule(tile_m=8),
+                    partial_dtype="bf16")
+
+
 def test_moe_reduce_scatter_all_tokens_to_one_expert():
     W, Ms, K, Nr, E = 3, 5, 12, 10, 5
     rng = np.random.default_rng(8)

@@ -242,16 +242,23 @@ class MoEReduceScatter(_Routed, FusedProgram):
     ``out [Ms, K]``: this rank's tokens, summed over the ranks. ``tables``: the routing
     :class:`AllGatherMoE` returned for the same ``topk_ids`` (else built here). Schedules not
     given: :data:`DEFAULT_RS_COMPUTE` and :data:`DEFAULT_RS_COMM` (the reduce-scatter in 128-row
-    tiles on 32 SMs)."""
+    tiles on 32 SMs). ``partial_dtype``: ``"out"`` (default: each rank's combined rows rounded to
+    ``h``'s dtype before the reduce-scatter sums them, the numerics of NCCL's reduce-scatter of a
+    bf16 layer and of :class:`~tldsl.runtime.dist.gemm_rs.MatmulReduceScatter`; fewer bytes for
+    the combine and half the reduce-scatter's) or ``"f32"`` (fp32 partials)."""
 
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
-                 validate_ids: bool = True, weights_dtype=None, **program_kw):
+                 validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", **program_kw):
         w_shape, dt = _shape_dtype("w2", w2)
         if len(w_shape) != 3:
             raise InputError(f"w2 must be [E, Nr, K], got {list(w_shape)}")
         E, Nr, K = w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
             raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")
+        if partial_dtype not in ("out", "f32"):
+            raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in h's dtype, as NCCL's "
+                             f"reduce-scatter of a bf16 layer) or 'f32' (fp32 partials, more traffic)")
+        self.partial_dtype = partial_dtype
         compute, topk = _schedule(compute, DEFAULT_RS_COMPUTE), _topk(topk)
         comm = DEFAULT_RS_COMM if comm is None else comm
         W = program_op.dist_context(group).world_size
@@ -262,7 +269,8 @@ class MoEReduceScatter(_Routed, FusedProgram):
         specs = {"h": tl.TensorSpec((R, Nr), dt), "w2": tl.TensorSpec(w_shape, dt),
                  "topk_weights": tl.TensorSpec((W * Ms, topk), wts), **self._table_specs(RS_TABLES),
                  "out": tl.TensorSpec((Ms, K), dt)}
-        FusedProgram.__init__(self, moe_reduce_scatter, group, specs, compute=compute, comm=comm, **program_kw)
+        FusedProgram.__init__(self, moe_reduce_scatter, group, specs, compute=compute, comm=comm,
+                              partial_dtype=partial_dtype, **program_kw)
 
     def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
         import torch

@@ -2,7 +2,8 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
-                              [--group-m N] [--iters 10] [--repeat 1] [--processes 1] [--json PATH]
+                              [--group-m N] [--partial out|f32] [--iters 10] [--repeat 1] [--processes 1]
+                              [--json PATH]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 
@@ -27,7 +28,9 @@ logits, Zipf-skewed, every token on the same experts).
 
 ``--layer rs``, MoE+ReduceScatter's grouped GEMM and top-k combine: one rank's slice of layer 1
 (``h [rows, ffn / 2] @ w2[expert] [ffn / 2, hidden]``) on every routed row, then the weighted
-top-k sum per token into the fp32 partial the reduce-scatter would read — our two kernels (the
+top-k sum per token (in fp32) into the partial the reduce-scatter would read — in bf16 (``--partial
+out``, MoEReduceScatter's default, as NCCL's reduce-scatter of a bf16 layer reads it) or fp32
+(``--partial f32``) — our two kernels (the
 grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
 (``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
@@ -146,12 +149,13 @@ FOLD = ("on", "off")
 
 
 def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", fold: bool = False,
-               group_m: int | None = None, interleave: int | None = None):
+               group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out"):
     """``(topk_ids, topk_weights, host routing, traced program)`` of one row's layer 1 (one rank's
     slice, W = 1: the combine's partial holds every token). ``fold``: the tiles column by column
     (for a combine folded in) unless ``group_m`` (a group's rows of the swizzled order, in cluster tiles) says
     otherwise; unfolded, the schedule's ``group_m`` unless given; ``interleave``: the routing's
-    tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`)."""
+    tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``partial_dtype``
+    as :class:`~tldsl.runtime.dist.moe_ops.MoEReduceScatter` takes it (its default)."""
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
@@ -163,7 +167,8 @@ def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
         order["group_m"] = group_m or max(rt.num_tiles, -(-T // tile[0]))
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
-                                    comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"))
+                                    comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"),
+                                    partial_dtype=partial_dtype)
     return ids, wts, rt, k
 
 
@@ -181,11 +186,11 @@ def lowered_rs(k, cluster: int = 2, notifies: bool = False) -> dict:
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
                    fold: bool = False, group_m: int | None = None, notifies: bool = False,
-                   interleave: int | None = None):
+                   interleave: int | None = None, partial_dtype: str = "out"):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
     row's layer 1 (:func:`rs_program`, :func:`lowered_rs`); ``fold``: the combine folded into the
     grouped GEMM's kernel (then None in its place)."""
-    ids, wts, rt, k = rs_program(row, tile, stages, dtype, fold, group_m, interleave)
+    ids, wts, rt, k = rs_program(row, tile, stages, dtype, fold, group_m, interleave, partial_dtype)
     lowered = lowered_rs(k, cluster, notifies=notifies or fold)
     if fold:
         return ids, wts, rt, folded_as_run_folds(k, lowered), None
@@ -212,7 +217,7 @@ def folded_as_run_folds(ir, lowered: dict):
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None,
-                 interleave: int | None = None, run: int = 0) -> dict:
+                 interleave: int | None = None, run: int = 0, partial_dtype: str = "out") -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
     the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
@@ -222,7 +227,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
-    ids, wts, rt, k = rs_program(row, tile, stages, dtype, group_m=group_m, interleave=interleave)
+    ids, wts, rt, k = rs_program(row, tile, stages, dtype, group_m=group_m, interleave=interleave,
+                                 partial_dtype=partial_dtype)
     as_run = lowered_rs(k, cluster)
     lg, lc = as_run["grouped_gemm"], as_run["combine"]
     notifying = lowered_rs(k, cluster, notifies=True)["grouped_gemm"]
@@ -238,7 +244,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()},
             "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt),
-            "partial": torch.full((T, N), float("nan"), device="cuda", dtype=torch.float32)}
+            "partial": torch.full((T, N), float("nan"), device="cuda",
+                                  dtype=torch.float32 if partial_dtype == "f32" else tdt)}
     # unfolded: the kernels one after the other on one stream, the signal between them dropped (as tl.run
     # and the op lower them); the GEMM as written, notifying each tile, timed beside them
     slots = {**notifying.signal_slots, **lc.signal_slots}
@@ -270,7 +277,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
 
     def notifying_alone():
         with_notifies.launch(torch.cuda.current_stream().cuda_stream, 1)
-    # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the fp32 partial written)
+    # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written)
     combine_copy = copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size())
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = sequence()
@@ -284,7 +291,8 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                                 _computed_rows(rt, lg.config), T * topk,
                                 parts=[gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
     _check_close(what + " (one after the other)", bufs["partial"], want)
-    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave)
+    *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave,
+                               partial_dtype=partial_dtype)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
     fused = folded_launches(k, lf, lambda sig: GroupedKernel(lf).prepare(bufs, sig))
 
@@ -469,6 +477,9 @@ def parse_args(argv):
     ap.add_argument("--interleave", type=int, default=None,
                     help="the routing's tiles in rounds of this many per expert rather than expert after expert "
                          "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
+    ap.add_argument("--partial", choices=("out", "f32"), default="out",
+                    help="rs: the combine's partial (what the reduce-scatter reads) in the operands' dtype (out: "
+                         "MoEReduceScatter's default, as NCCL's reduce-scatter of a bf16 layer) or in fp32")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1,
@@ -572,7 +583,8 @@ def main(argv, out=sys.stdout) -> int:
                 for i in range(args.repeat):
                     with fresh_placement(i):
                         runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
-                                                 fold, args.group_m, args.interleave, run=i)
+                                                 fold, args.group_m, args.interleave, run=i,
+                                                 partial_dtype=args.partial)
                                     if rs else
                                     bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
                                               args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m))
@@ -627,7 +639,7 @@ def _write_json(args, records: list[dict]) -> None:
     process's speed (``speeds``) and its repeats' (``speeds_per_process``)."""
     import json
     options = {k: getattr(args, k) for k in ("layer", "tile", "stages", "cluster", "stage_rows", "fold", "group_m",
-                                              "interleave", "dtype", "iters", "repeat", "processes")}
+                                              "interleave", "partial", "dtype", "iters", "repeat", "processes")}
     with open(args.json, "w") as f:
         json.dump({"benchmark": "moe", "options": options, "rows": records}, f, indent=1)
 

@@ -136,7 +136,7 @@ class MoERouting:
         """:func:`moe_reduce_scatter` traced for this routing: ``[num_rows, k]`` expert-sorted rows,
         ``[num_experts, k, n]`` weights, the ``topk_weights`` (an array, or a spec), this
         routing's tables and each rank's ``[rows_per_rank, n]`` output, all ``dtype`` but the
-        tables and weights; ``schedules``: ``compute=``, ``comm=``."""
+        tables and weights; ``schedules``: ``compute=``, ``comm=``, ``partial_dtype=``."""
         S, tabs = tl.TensorSpec, self.reduce_scatter_tables()
         wts = topk_weights if isinstance(topk_weights, tl.TensorSpec) else S.of(topk_weights)
         return moe_reduce_scatter.trace(
@@ -354,7 +354,7 @@ STAGE_ROWS_MIN_N = 4096
 @tl.kernel
 def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_pos, tile_token_tiles,
                        tile_num_token_tiles, token_tile_producers, out, *, compute: tl.ComputeSchedule = None,
-                       comm: tl.CommSchedule = None):
+                       comm: tl.CommSchedule = None, partial_dtype: str = "f32"):
     """h: [R_pad, Nr] expert-sorted rows (this rank's slice of the intermediate activations);
     w2: [E, Nr, K] (this rank's slice); topk_weights: [T, topk] (float, global); tables from
     :func:`moe_routing` (``reduce_scatter_tables()``); out: [Ms, K] = for this rank's tokens,
@@ -366,8 +366,14 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
     combine task of token tile ``j`` (``BM`` tokens) and column tile ``pn`` waits on channel
     ``(j, pn)`` for exactly the GEMM tiles holding its tokens (their number is a table
     entry, each of them notifies the channels of the token tiles it touches), gathers every
-    token's ``topk`` rows, weights and sums them into the fp32 ``partial [T, K]``, and hands
-    its rows to the reduce-scatter (an SM ring or a direct full mesh)."""
+    token's ``topk`` rows, weights and sums them in fp32 into ``partial [T, K]``, and hands
+    its rows to the reduce-scatter (an SM ring or a direct full mesh).
+
+    ``partial_dtype``: ``"f32"`` (the partial stays fp32 in the workspace and on the wire: the
+    sum over ranks is rounded once, at ``out``) or ``"out"`` (each rank's combined rows rounded
+    to ``out``'s dtype when stored: a quarter fewer bytes for the combine to move at top-2 and
+    half the reduce-scatter's traffic, the numerics of NCCL's reduce-scatter of a bf16 layer —
+    as :func:`~tldsl.ops.gemm_reduce_scatter.gemm_reduce_scatter`'s)."""
     W = tl.world_size()
     BM, BN, BK = compute.tile
     tl.static_assert(len(h.shape) == 2, f"moe_reduce_scatter: h must be [R_pad, Nr], got {list(h.shape)}")
@@ -402,11 +408,13 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
                  f" ({NT} tiles x min(BM={BM}, {TT} token tiles))")
     _check_table(tile_num_token_tiles, (NT,), "moe_reduce_scatter")
     _check_table(token_tile_producers, (TT,), "moe_reduce_scatter", f" ({T} tokens in tiles of BM={BM})")
+    if partial_dtype not in ("f32", "out"):
+        tl.static_assert(False, f"moe_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
 
     # the GEMM's rows rounded to the operands' dtype, as torch's _grouped_mm returns them: half the
     # bytes of fp32 written and read back by the combine, which weights and sums them in fp32
     y = tl.local_buffer((R, K), h.dtype, "y_sorted")
-    partial = tl.local_buffer((T, K), tl.float32, "partial")
+    partial = tl.local_buffer((T, K), tl.float32 if partial_dtype == "f32" else out.dtype, "partial")
     y_ready = tl.signal("y_ready", TT * NC, scope="local")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter", producer_rows=BM, producers_per_row=NC)
     gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows,
@@ -527,10 +535,10 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
 
 
 def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoERouting, *, compute=None,
-                                comm=None, seed: int = 0, options=None):
+                                comm=None, seed: int = 0, options=None, partial_dtype: str = "f32"):
     """MoE+ReduceScatter on the simulator: run :func:`moe_reduce_scatter` with the tables of
     ``routing`` and return every rank's ``out [Ms, K]``. ``compute.BM`` must be the block
-    the routing was built for."""
+    the routing was built for; ``partial_dtype`` as :func:`moe_reduce_scatter` takes it."""
     if not isinstance(routing, MoERouting):
         raise InputError(f"simulate_moe_reduce_scatter: routing must come from moe_routing, got "
                          f"{type(routing).__name__}")
@@ -555,7 +563,10 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts,
                    out=np.full((routing.rows_per_rank, K), np.nan, hs[r].dtype), **routing.reduce_scatter_tables())
               for r in range(W)]
-    res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm)
+    if partial_dtype not in ("f32", "out"):
+        raise InputError(f"simulate_moe_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
+    res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
+                      partial_dtype=partial_dtype)
     return [res[r]["out"] for r in range(W)]
 
 
@@ -603,7 +614,7 @@ def make_allgather_case(rng, world_size, *, rows_per_rank, k, n, num_experts, to
 
 
 def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_experts, topk, compute, comm,
-                             routing="random", dtype="float16"):
+                             routing="random", dtype="float16", partial_dtype="f32"):
     W, Ms, E = world_size, rows_per_rank, num_experts
     ids, wts = random_routing(rng, W * Ms, E, topk, routing)
     rt = moe_routing(ids, E, W, Ms, compute.BM)
@@ -613,14 +624,14 @@ def make_reduce_scatter_case(rng, world_size, *, rows_per_rank, k, n, num_expert
                    **rt.reduce_scatter_tables()) for r in range(W)]
     ref = reference_moe_reduce_scatter(hs, w2, wts, rt)
     expected = [{"out": ref[r * Ms:(r + 1) * Ms]} for r in range(W)]
-    return OpCase(inputs, expected, {"compute": compute, "comm": comm},
+    return OpCase(inputs, expected, {"compute": compute, "comm": comm, "partial_dtype": partial_dtype},
                   rtol=2e-2, atol=2e-2 * max(1.0, np.sqrt(W * n) / 4),
                   description=f"moe_reduce_scatter W={W} h=[{rt.num_rows}, {n}] w2=[{E}, {n}, {k}] "
                               f"out=[{Ms}, {k}] topk={topk} {routing} routing "
-                              f"(experts {rt.expert_counts.tolist()}) {compute} {comm}")
+                              f"(experts {rt.expert_counts.tolist()}) {compute} {comm} partial {partial_dtype}")
 
 
-def _params(engines, staged=False):
+def _params(engines, staged=False, partials=False):
     def params_for(world_size):
         from hypothesis import strategies as st
         from tldsl.testing import strategies as tst
@@ -637,7 +648,8 @@ def _params(engines, staged=False):
                         num_experts=E, topk=draw(st.integers(1, min(3, E))),
                         routing=draw(st.sampled_from(ROUTINGS)), compute=compute,
                         comm=draw(tst.comm_schedules(engines=engines, compute=compute)),
-                        **({"stage_rows": draw(st.booleans())} if staged else {}))
+                        **({"stage_rows": draw(st.booleans())} if staged else {}),
+                        **({"partial_dtype": draw(st.sampled_from(("f32", "out")))} if partials else {}))
         return params()
     return params_for
 
@@ -667,6 +679,6 @@ def _reduce_scatter_mutant_params():
 AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine"), True),
                           _allgather_mutant_params(),
                           doc="h = grouped GEMM of all_gather(x) rows sorted by expert, with w1[expert]"))
-RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case, _params(("sm",)),
+RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case, _params(("sm",), partials=True),
                           _reduce_scatter_mutant_params(),
                           doc="out = reduce_scatter(top-k combine(grouped GEMM of h with w2[expert]))"))

@@ -142,3 +142,20 @@ def test_the_sm_splits_to_time_are_parsed_and_checked():
     for bad in ("fair", "work,", "", "work/overlap"):
         with pytest.raises(SystemExit):
             baselines.parse_args(["moe_rs", "--fused", "--sm-split", bad])
+
+
+def test_the_partials_to_time_are_parsed_and_checked(capsys):
+    """``--partial``: MoEReduceScatter's partial dtypes, one op each (the op's default, ``out``, alone
+    unless asked); refused where the layer has no partial."""
+    import inspect
+    from tldsl.runtime.dist.moe_ops import MoEReduceScatter
+    default = inspect.signature(MoEReduceScatter).parameters["partial_dtype"].default
+    assert baselines.parse_args(["moe_rs", "--fused"]).partials == (default,) == ("out",)
+    assert baselines.parse_args(["moe_rs", "--fused", "--partial", "out,f32,out"]).partials == ("out", "f32")
+    assert baselines.parse_args(["ag_moe", "--fused"]).partials == ("out",)
+    for argv, why in ((["moe_rs", "--partial", "bf16"], "--partial: out, f32 or both"),
+                      (["moe_rs", "--partial", ""], "--partial: out, f32 or both"),
+                      (["ag_moe", "--partial", "f32"], "ag_moe has none")):
+        with pytest.raises(SystemExit):
+            baselines.parse_args(argv)
+        assert why in capsys.readouterr().err

@@ -21,7 +21,9 @@ row: its output is checked against the sequential layer's on the same inputs fir
 (:mod:`.fused_layers`), then it is timed in the same interleaved rounds — so one command checks
 and times each op. ``--sm-split work,even`` builds the fused MoE op once per way its compute
 kernels share the SMs (by estimated work, the default, or evenly: ``FusedProgram``'s
-``sm_split``), each checked, all timed in the same rounds, one table row each.
+``sm_split``), each checked, all timed in the same rounds, one table row each; for ``moe_rs``,
+``--partial out,f32`` likewise builds it with its partials in the operands' dtype (the op's
+default) and in fp32.
 
 Each row: the sequential layer, its communication alone, its compute alone, ideal =
 max(comm, compute), and sequential / ideal — every column timed interleaved in one run
@@ -221,15 +223,20 @@ def _moe_inputs(row: MoERow, W: int, rank: int, what: str, dtype):
 
 
 def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16",
-              fused: bool = False, sm_splits=("work",)) -> list[dict]:
+              fused: bool = False, sm_splits=("work",), partials=("out",)) -> list[dict]:
     """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone; with
     ``fused``, the fused op too (:mod:`.fused_layers`: checked against the baseline first), once
-    per SM split of ``sm_splits`` (timed as ``tldsl/<split>``)."""
+    per SM split of ``sm_splits`` (timed as ``tldsl/<split>``) and (``moe_rs``) per partial dtype of
+    ``partials`` (past one: timed as ``tldsl/<split>, partial <dtype>``)."""
     import torch
     import torch.distributed as dist
     from . import fused_layers
     from .dist import bench_interleaved
     W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
+    if what != "moe_rs":
+        partials = ("out",)            # (AllGather+MoE has no partial: one variant per split)
+    variants = [(split, p, f"tldsl/{split}" + (f", partial {p}" if len(partials) > 1 else ""))
+                for split in sm_splits for p in partials]
     results = []
     for row in rows:
         a, ids, wts, w = _moe_inputs(row, W, rank, what, dtype)
@@ -242,9 +249,8 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                    "comm": lambda: _all_gather(a, None),
                    # compute alone: the row gather and the grouped GEMM on already gathered tokens
                    "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
-            for split in sm_splits if fused else ():
-                ops[split], fns[f"tldsl/{split}"] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w),
-                                                                           **_layout_kw(split))
+            for split, _, key in variants if fused else ():
+                ops[key], fns[key] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w), **_layout_kw(split))
         else:
             flat_w = wts.reshape(-1).index_select(0, order)[:, None]
             partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
@@ -255,9 +261,9 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
             fns = {"sequential": lambda: moe_rs(a, ids, wts, w),
                    "comm": lambda: _reduce_scatter(partial, None),
                    "compute": combine}           # the grouped GEMM and the weighted top-k sum
-            for split in sm_splits if fused else ():
-                ops[split], fns[f"tldsl/{split}"] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
-                                                                           **_layout_kw(split))
+            for split, p, key in variants if fused else ():
+                ops[key], fns[key] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
+                                                            partial_dtype=p, **_layout_kw(split))
         flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
         try:
             t = bench_interleaved(fns, iters=iters)
@@ -269,9 +275,10 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                    ideal=ideal, seq_over_ideal=t["sequential"] / ideal,
                    compute_tflops=flops / t["compute"] / 1e9)
         results.append(res)
-        for split in (sm_splits if fused else (None,)) if rank == 0 else ():
-            label = row.routing + (f", SMs by {split}" if split is not None and len(sm_splits) > 1 else "")
-            cells = _fused_cells({**t, "tldsl": t[f"tldsl/{split}"]}, ideal, fused) if split is not None else ""
+        for split, p, key in (variants if fused else [(None, None, None)]) if rank == 0 else ():
+            label = row.routing + (f", SMs by {split}" if split is not None and len(sm_splits) > 1 else "") + \
+                (f", partial {p}" if p is not None and len(partials) > 1 else "")
+            cells = _fused_cells({**t, "tldsl": t[key]}, ideal, fused) if key is not None else ""
             print(f"| {what} | {row.model} | {row.tokens} | {label} | {t['sequential']:.3f} | {t['comm']:.3f} | "
                   f"{t['compute']:.3f} ({res['compute_tflops']:.0f} TFLOP/s) | {ideal:.3f} | "
                   f"{res['seq_over_ideal']:.2f} |" + cells, file=out, flush=True)
@@ -355,10 +362,18 @@ def parse_args(argv):
                          "after the grouped GEMM, the staged GEMM after its row gather), /beside (beside it) or "
                          "/folded (the two in the grouped GEMM's kernel), several comma-separated (one op each, "
                          "timed in the same rounds)")
+    ap.add_argument("--partial", default="out",
+                    help="with --fused (moe_rs): the op's partials in the operands' dtype (out, its default) or in "
+                         "fp32 (f32), or both comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
     args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))
     if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):
         ap.error(f"--sm-split: a comma-separated list of {', '.join(SM_SPLITS)}, got {args.sm_split!r}")
+    args.partials = tuple(dict.fromkeys(s.strip() for s in args.partial.split(",")))
+    if not args.partials or any(p not in ("out", "f32") for p in args.partials):
+        ap.error(f"--partial: out, f32 or both comma-separated, got {args.partial!r}")
+    if args.partials != ("out",) and args.what != "moe_rs":
+        ap.error(f"--partial: MoE+ReduceScatter's (moe_rs) partials; {args.what} has none")
     try:
         args.rows = ([MoERow(*r) for r in MOE_ROWS] if not args.models
                      else [_parse_row(s) for s in args.models.split(",")])
@@ -393,7 +408,7 @@ def main(argv) -> int:
                             dtype_name=args.dtype, fused=args.fused)
         else:
             bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused,
-                      sm_splits=args.sm_splits)
+                      sm_splits=args.sm_splits, partials=args.partials)
     finally:
         dist.destroy_process_group()
     return 0

@@ -138,7 +138,10 @@ def test_the_moe_benchmarks_layer_1_rows_lower_and_compile(tmp_path):
     args = moe.parse_args(["--layer", "rs", "--rows", "qwen3:2048:zipf,mixtral:2048:one"])
     assert args.layer == "rs" and moe.parse_args([]).layer == "ag"
     default = inspect.signature(MoEReduceScatter).parameters["partial_dtype"].default
-    assert args.partial == default == "out" and moe.parse_args(["--partial", "f32"]).partial == "f32"
+    assert args.partial == default == "out" and moe.parse_args(["--layer", "rs", "--partial", "f32"]).partial == "f32"
+    assert moe.parse_args([]).partial == "out"            # (unused by the ag layer, which refuses the option)
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--partial", "f32"])
     jobs = []
     for row, partial in zip(args.row_list, ("out", "f32")):
         hidden, ffn, E, topk = moe.MOE_MODELS[row.model]
@@ -218,6 +221,7 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
     times = iter([1.0, 1.3, 0.8, 0.9, 1.4, 1.0])      # medians 1.0 (means 1.03, 1.1)
 
     def fake_rs_row(row, iters, *args, run=0, **kw):
+        assert kw["partial_dtype"] == "f32"                       # --partial reaches each row
         calls.append((row.model, run, placements[-1]))
         if row.model == "mixtral":
             raise RuntimeError("no such luck\nsecond line")
@@ -232,13 +236,13 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
     monkeypatch.setattr(moe, "bench_rs_row", fake_rs_row)
     monkeypatch.setattr(moe, "fresh_placement", fake_placement)
     out = io.StringIO()
-    rc = moe.main(["--layer", "rs", "--repeat", "3", "--rows", "qwen3:2048:random,mixtral:2048:one,deepseek:2048:zipf"],
-                  out=out)
+    rc = moe.main(["--layer", "rs", "--repeat", "3", "--partial", "f32",
+                   "--rows", "qwen3:2048:random,mixtral:2048:one,deepseek:2048:zipf"], out=out)
     assert rc == 1                                                # the failed row counts
     assert calls == [("qwen3", 0, 0), ("qwen3", 1, 1), ("qwen3", 2, 2), ("mixtral", 0, 0),
                      ("deepseek", 0, 0), ("deepseek", 1, 1), ("deepseek", 2, 2)]
     lines = out.getvalue().splitlines()
-    assert "the median of 3 such timings" in lines[0]
+    assert "the median of 3 such timings" in lines[0] and "the partial in fp32 (--partial f32)" in lines[0]
     assert lines[1].endswith("| speed per repeat (min-max) |") and lines[1].count("|") == lines[2].count("|")
     qwen = next(line for line in lines if line.startswith("| qwen3 2048 random |"))
     cells = [c.strip() for c in qwen.strip("|").split("|")]

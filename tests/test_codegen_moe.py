@@ -882,6 +882,13 @@ def _bf16_bits(a) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def _rounded(a, dt) -> np.ndarray:
+    """float32 ``a`` rounded to ``dt`` (f16 or bf16, nearest even), as float32."""
+    if dt == tl.bfloat16:
+        return (_bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
 def _prog_struct(source: str) -> str:
     return "struct Prog {" + source.split("struct Prog {")[1].split("\n};\n")[0] + "\n};\n"
 
@@ -1050,12 +1057,13 @@ def test_allgather_moe_generated_prog_runs_like_the_ir(tmp_path, comm):
 
 
 @needs_gxx
-@pytest.mark.parametrize("partial_dtype", ["f32", "out"])
-def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path, partial_dtype):
+@pytest.mark.parametrize("partial_dtype,dt", [("f32", tl.float16), ("out", tl.float16), ("out", tl.bfloat16)],
+                         ids=["f32", "out-f16", "out-bf16"])
+def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path, partial_dtype, dt):
     """The grouped GEMM's guard, expert and notifies, and the whole combine (waits, the
     gather-weight-sum body on every thread, the store's clipping, the reduce-scatter notifies)
     run on the host against the IR and numpy; T = 120 tokens is not a multiple of BM = 64.
-    ``partial_dtype='out'``: the combine sums in fp32 and stores f16, rounded once."""
+    ``partial_dtype='out'``: the combine sums in fp32 and stores f16 or bf16 (h's dtype), rounded once."""
     W, Ms, K, Nr, E, topk, BM, launch = 3, 40, 40, 48, 5, 2, 64, 1
     compute = tl.ComputeSchedule(tile=(BM, 32, 16), order="comm_aligned")
     comm = tl.CommSchedule(tile_m=8, order="ring", mode="push")
@@ -1064,7 +1072,7 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path, partial_dt
     rt = moe_routing(ids, E, W, Ms, BM)
     T, R = W * Ms, rt.num_rows
     tables = rt.reduce_scatter_tables()
-    k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, tl.float16, compute=compute, comm=comm,
+    k = rt.trace_moe_reduce_scatter(W, Ms, Nr, K, E, wts, dt, compute=compute, comm=comm,
                                     partial_dtype=partial_dtype)
     # grouped GEMM: guard, expert, notifies
     lg = lower_grouped_gemm(k, "grouped_gemm")
@@ -1080,17 +1088,17 @@ def test_moe_reduce_scatter_generated_code_runs_like_the_ir(tmp_path, partial_dt
         assert len(notifies) == int(rt.tile_num_token_tiles[i])
     assert lg.config.notify_slots == 2
     # combine: waits, body, notifies, on every tile
-    y = rng.standard_normal((R, K)).astype(np.float16).astype(np.float32)    # y_sorted is f16 (h's dtype)
+    y = _rounded(rng.standard_normal((R, K)).astype(np.float32), dt)        # y_sorted is h's dtype
     partial = np.full((T, K), np.nan, np.float32)
     arrays = dict(tables, y_sorted=y, partial=partial, topk_weights=wts)
     lc = lower_combine(k, "combine")
-    assert lc.buffers["partial"][1] == ("f32" if partial_dtype == "f32" else "f16")
+    assert lc.buffers["partial"][1] == ("f32" if partial_dtype == "f32" else dt.name)
     (tmp_path / "c").mkdir()
     lines, out = _run_host(tmp_path / "c", lc, arrays, launch=launch, rank=2, gemm=False)
     ref = np.einsum("tk,tkn->tn", wts, y[rt.row_of])
-    if partial_dtype == "out":               # the fp32 sum, rounded once to f16
-        ref = ref.astype(np.float16).astype(np.float32)
-    tol = 1e-5 if partial_dtype == "f32" else 1e-3
+    if partial_dtype == "out":               # the fp32 sum, rounded once to h's dtype
+        ref = _rounded(ref, dt)
+    tol = 1e-5 if partial_dtype == "f32" else (1e-3 if dt == tl.float16 else 8e-3)   # (an ulp of the stores)
     np.testing.assert_allclose(out.reshape(T, K), ref, rtol=tol, atol=tol)
     # the same body as the producer's spare warps run it, folded into the grouped GEMM: 96 threads
     # (a 64x32 tile of 4-wide items is not a whole number of their strides)

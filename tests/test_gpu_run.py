@@ -132,8 +132,8 @@ def test_gemm_reduce_scatter_at_two_ranks():
 
 
 @pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "allgather_moe_staged", "moe_reduce_scatter",
-                                  "moe_reduce_scatter_pingpong", "moe_reduce_scatter_pingpong_many", "ring_exchange",
-                                  "normed_gather"])
+                                  "moe_reduce_scatter_out", "moe_reduce_scatter_pingpong",
+                                  "moe_reduce_scatter_pingpong_many", "ring_exchange", "normed_gather"])
 def test_library_ops_and_general_programs_at_several_ranks(name):
     """Attention, the MoE grouped GEMM and combine, compute parts of the general recipe moving
     data through peer tables, a communication part of the general recipe."""
@@ -159,7 +159,8 @@ def test_a_chained_part_beside_its_producer_waits_for_real(name):
         assert waiting and all(lk.waits > 0 or lk.notifies > 0 for lk in waiting)
 
 
-@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_pingpong", "combine"),
+@pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_out", "combine"),
+                                       ("moe_reduce_scatter_pingpong", "combine"),
                                        ("moe_reduce_scatter_pingpong_many", "combine"),
                                        ("allgather_moe_staged", "gather_rows")])
 def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):

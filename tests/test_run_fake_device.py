@@ -455,9 +455,10 @@ def library_case(name: str):
         c = make_allgather_case(rng, 2, rows_per_rank=40, k=200, n=48, num_experts=5, topk=2, compute=c64,
                                 comm=tl.CommSchedule(tile_m=16, mode="pull"), stage_rows=True)
         return allgather_moe, 2, c.inputs, c.kwargs
-    if name == "moe_reduce_scatter":
+    if name in ("moe_reduce_scatter", "moe_reduce_scatter_out"):     # (_out: the partial in fp16, as the op's)
         c = make_reduce_scatter_case(rng, 2, rows_per_rank=40, k=40, n=48, num_experts=5, topk=2, compute=c64,
-                                     comm=tl.CommSchedule(tile_m=16, mode="push"))
+                                     comm=tl.CommSchedule(tile_m=16, mode="push"),
+                                     partial_dtype="out" if name.endswith("_out") else "f32")
         return moe_reduce_scatter, 2, c.inputs, c.kwargs
     if name.startswith("moe_reduce_scatter_pingpong"):
         # 128 x 128 tiles: the GEMM's consumer warpgroups take tiles in turns. Small: fewer tiles than a
@@ -480,6 +481,7 @@ def library_case(name: str):
 LIBRARY = {"sp_attention": ["LoweredComm", "LoweredAttention"], "allgather_moe": ["LoweredComm", "LoweredGroupedGemm"],
            "allgather_moe_staged": ["LoweredComm", "LoweredCombine", "LoweredGroupedGemm"],
            "moe_reduce_scatter": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
+           "moe_reduce_scatter_out": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "moe_reduce_scatter_pingpong": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"]}
 

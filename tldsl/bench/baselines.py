@@ -249,8 +249,6 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                    "comm": lambda: _all_gather(a, None),
                    # compute alone: the row gather and the grouped GEMM on already gathered tokens
                    "compute": lambda: torch._grouped_mm(gathered.index_select(0, order // k), w, offs=offs)}
-            for split, _, key in variants if fused else ():
-                ops[key], fns[key] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w), **_layout_kw(split))
         else:
             flat_w = wts.reshape(-1).index_select(0, order)[:, None]
             partial = torch.empty(row.tokens, w.shape[2], dtype=dtype, device="cuda")
@@ -261,11 +259,14 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
             fns = {"sequential": lambda: moe_rs(a, ids, wts, w),
                    "comm": lambda: _reduce_scatter(partial, None),
                    "compute": combine}           # the grouped GEMM and the weighted top-k sum
-            for split, p, key in variants if fused else ():
-                ops[key], fns[key] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
-                                                            partial_dtype=p, **_layout_kw(split))
         flops = 2 * ids.numel() * w.shape[1] * w.shape[2]          # the routed rows only
-        try:
+        try:                        # (the ops built so far are closed whatever fails, a later one's check too)
+            for split, p, key in variants if fused else ():
+                if what == "ag_moe":
+                    ops[key], fns[key] = fused_layers.ag_moe_op(a, ids, w, ag_moe(a, ids, w), **_layout_kw(split))
+                else:
+                    ops[key], fns[key] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
+                                                                partial_dtype=p, **_layout_kw(split))
             t = bench_interleaved(fns, iters=iters)
         finally:
             for op in ops.values():

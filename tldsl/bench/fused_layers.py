@@ -16,9 +16,10 @@ from __future__ import annotations
 
 #: the largest error a fused op's output may have: relative L2 (``||got - want|| / ||want||``) and
 #: the largest element's, over the reference's RMS. Both sides are bf16 / fp16 outputs of fp32
-#: accumulations rounded at different points (the sequential MoE+RS rounds the grouped GEMM's rows
-#: to bf16 before its weighted sum; the fused op does not), so single elements differ by a few
-#: output ulps of the largest values; a misplaced row or tile moves the L2 error to order 1.
+#: accumulations rounded at different points (both MoE+RS layers round the grouped GEMM's rows to
+#: the operands' dtype before the weighted sum; the fused op sums them in fp32 and, with its default
+#: partial, rounds each rank's sum before the reduce-scatter adds them), so single elements differ by
+#: a few output ulps of the largest values; a misplaced row or tile moves the L2 error to order 1.
 REL_TOL = 1e-2
 MAX_TOL = 0.25
 

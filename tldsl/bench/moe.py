@@ -28,12 +28,13 @@ logits, Zipf-skewed, every token on the same experts).
 
 ``--layer rs``, MoE+ReduceScatter's grouped GEMM and top-k combine: one rank's slice of layer 1
 (``h [rows, ffn / 2] @ w2[expert] [ffn / 2, hidden]``) on every routed row, then the weighted
-top-k sum per token (in fp32) into the partial the reduce-scatter would read — in bf16 (``--partial
-out``, MoEReduceScatter's default, as NCCL's reduce-scatter of a bf16 layer reads it) or fp32
+top-k sum per token (in fp32) into the partial the reduce-scatter would read — in the operands' dtype
+(``--partial out``, MoEReduceScatter's default, as NCCL's reduce-scatter of the layer reads it) or fp32
 (``--partial f32``) — our two kernels (the
 grouped GEMM into ``y_sorted``, the combine), each launch one driver call, beside
 ``torch._grouped_mm`` on the same expert-sorted rows (the GEMM alone) and torch's sequence
-(``_grouped_mm`` + the weighted sum by ``index_add_``, as the layer benchmark computes it). The
+(``_grouped_mm`` + the weighted sum by ``index_add_`` into fp32 whichever partial ours stores, as the
+layer benchmark computes it). The
 partial is checked against torch's sequence first. Our two kernels are lowered as tl.run and the
 op lower them: the combine runs after the GEMM on its stream, so the signal between them is
 dropped (the GEMM notifies nothing, the combine waits for nothing). Three more columns time our
@@ -477,9 +478,9 @@ def parse_args(argv):
     ap.add_argument("--interleave", type=int, default=None,
                     help="the routing's tiles in rounds of this many per expert rather than expert after expert "
                          "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
-    ap.add_argument("--partial", choices=("out", "f32"), default="out",
+    ap.add_argument("--partial", choices=("out", "f32"), default=None,
                     help="rs: the combine's partial (what the reduce-scatter reads) in the operands' dtype (out: "
-                         "MoEReduceScatter's default, as NCCL's reduce-scatter of a bf16 layer) or in fp32")
+                         "MoEReduceScatter's default, the numerics of NCCL's reduce-scatter of the layer) or in fp32")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1,
@@ -506,6 +507,9 @@ def parse_args(argv):
         args.tile_t = ()
     if len(args.tile_t) != 3:
         ap.error(f"--tile: three integers BM,BN,BK, got {args.tile!r}")
+    if args.partial is not None and args.layer != "rs":
+        ap.error("--partial: MoE+ReduceScatter's partial (--layer rs); AllGather+MoE has none")
+    args.partial = args.partial or "out"
     if args.layer == "ag" and args.fold == "on":
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
@@ -542,8 +546,10 @@ def main(argv, out=sys.stdout) -> int:
                if args.repeat > 1 else "")
     if args.processes > 1:
         repeats += f"; the median over {args.processes} processes, each a fresh one"
-    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}; ms "
-          f"(median of {args.iters}, interleaved{repeats})", file=out)
+    partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
+               if rs else "")
+    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}{partial}; "
+          f"ms (median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")

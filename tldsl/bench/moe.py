@@ -548,8 +548,8 @@ def main(argv, out=sys.stdout) -> int:
         repeats += f"; the median over {args.processes} processes, each a fresh one"
     partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
                if rs else "")
-    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1){folded}{partial}; "
-          f"ms (median of {args.iters}, interleaved{repeats})", file=out)
+    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1)"
+          f"{folded}{partial}; ms (median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")

@@ -679,6 +679,7 @@ def _reduce_scatter_mutant_params():
 AG_SPEC = register(OpSpec("allgather_moe", allgather_moe, make_allgather_case, _params(("sm", "copy_engine"), True),
                           _allgather_mutant_params(),
                           doc="h = grouped GEMM of all_gather(x) rows sorted by expert, with w1[expert]"))
-RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case, _params(("sm",), partials=True),
+RS_SPEC = register(OpSpec("moe_reduce_scatter", moe_reduce_scatter, make_reduce_scatter_case,
+                          _params(("sm",), partials=True),
                           _reduce_scatter_mutant_params(),
                           doc="out = reduce_scatter(top-k combine(grouped GEMM of h with w2[expert]))"))

@@ -204,27 +204,6 @@ def test_combine_contract():
     assert lw.grid(132) == (32, 1, 1) and lw.grid(4, ctas_per_sm=2) == (8, 1, 1)
 
 
-def test_combine_notifies_come_fenced_and_unfenced():
-    """``notifies`` is a release fence, then the tile's adds; ``notifies_unfenced`` the same adds
-    alone — what a combine that never waits runs for the later tiles of a batch it releases after
-    one barrier and one fence (``combine_tiles``, kCombineReleaseBatch)."""
-    from tldsl.runtime.gpu.run_plan import stream_ordered
-    k = stream_ordered(trace_rs(comm=tl.CommSchedule(tile_m=64, order="ring", mode="push")))
-    lw = lower_combine(k, "combine")
-    assert lw.waits == 0 and lw.notifies == 1 and "kHasWaits = false" in lw.source
-
-    def hook(name):
-        return lw.source.split(f"void {name}(int pid0, int pid1) const {{")[1].split("\n  }\n")[0]
-    fenced, unfenced = hook("notifies"), hook("notifies_unfenced")
-    first, rest = fenced.split("\n", 2)[1:]                # (the pid casts' line, then the fence)
-    assert "fence_acq_rel<tldsl::kScopeGpu>()" in rest.split("\n")[0] and "fence_acq_rel" not in unfenced
-    assert unfenced.strip("\n") == (first + "\n" + rest.split("\n", 1)[1]).replace("released by the fence above",
-                                                                       "released by the caller's fence")
-    assert unfenced.count("red_relaxed_add") == fenced.count("red_relaxed_add") == 1
-    header = (Path(tl.__file__).parent.parent / "codegen/include/tldsl/sm90_grouped_gemm.hpp").read_text()
-    assert "constexpr int kCombineReleaseBatch = 4;" in header and "prog.notifies_unfenced(" in header
-
-
 def test_combine_folded_into_the_grouped_gemm_contract():
     """``side="combine"``: one kernel whose parameters are the GEMM's then the combine's others,
     the combine's Cfg and Prog beside the GEMM's (96 threads: the producer's spare warps), more

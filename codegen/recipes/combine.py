@@ -112,13 +112,10 @@ def render_combine(plan: CombinePlan) -> LoweredCombine:
 
 
 def combine_hooks(plan: CombinePlan) -> list[str]:
-    """The ``Prog`` hooks of a combine: ``waits``, ``body``, ``notifies`` and ``notifies_unfenced``
-    (the same adds without their release fence: a part that never waits releases several tiles
-    after one barrier and one fence, ``combine_tiles`` in the header)."""
+    """The ``Prog`` hooks of a combine: ``waits``, ``body``, ``notifies``."""
     fns = HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
     fns += hook_fn("void body(int pid0, int pid1, int tid)", _body(plan))
-    fns += HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
-    return fns + HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies_unfenced", fenced=False)
+    return fns + HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
 
 
 #: gathers kept in flight per thread: a loop over at most this many rows (constant bounds) is

@@ -53,7 +53,6 @@ class HookEmitter(SignalEmitter):
         self.rows = rows                      # tile rows of a per-row value
         self.row: str | None = None           # the C++ row index while rendering per-row values
         self.lanes = lanes                    # > 0: the hook is run by this many lanes (:meth:`signal_fn`)
-        self.fenced = True                    # False: the caller runs the release fence (:meth:`signal_fn`)
         self.notifies = 0
         self.notify_scopes: list[str] = []
 
@@ -79,20 +78,18 @@ class HookEmitter(SignalEmitter):
         self.emit_values([v], self.ops, ind, lines)
         return self.name(v)
 
-    def signal_fn(self, name: str, fenced: bool = True) -> list[str]:
+    def signal_fn(self, name: str) -> list[str]:
         """The ``waits`` / ``notifies`` member (nothing when the part has none): the roots with
-        their loops and guards; notifies after one release fence at their widest scope (not
-        ``fenced``: the adds alone, for a caller that has just run that fence itself).
+        their loops and guards; notifies after one release fence at their widest scope.
 
         With ``lanes`` (notifies only), ``name(pid0, pid1, lane)`` is run by that many lanes of a
         warp at once: each fences for itself, then takes every ``lanes``-th iteration of the
         outermost loops, and lane 0 the notifies outside any loop — the same adds, all of them
         relaxed and commutative, in a fraction of one thread's dependent table reads."""
-        self.fenced = fenced
         body = self.emit()
         if not body:
             return []
-        if self.notifies and fenced:
+        if self.notifies:
             body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
                                                   "the tile's stores before its notifies"))
         if self.lanes:
@@ -110,8 +107,7 @@ class HookEmitter(SignalEmitter):
         if op.name in WAIT_OPS:
             lines.append(ind + self.wait_statement(op))
         elif op.name in NOTIFY_OPS:
-            scope, stmt = self.notify_statement(op, note=", released by the fence above" if self.fenced
-                                                else ", released by the caller's fence")
+            scope, stmt = self.notify_statement(op, note=", released by the fence above")
             self.notify_scopes.append(scope)
             lines.append(ind + (f"if (lane == 0) {stmt}" if self.lanes and self.loop_depth == 0 else stmt))
             self.notifies += 1

@@ -822,26 +822,15 @@ __device__ __forceinline__ void combine_sync() {
     cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
 }
 
-// A combine that never waits releases its tiles this many at a time: one barrier and one fence
-// for all of them, then each tile's adds. (Per tile, the fence held up the barrier after the next
-// tile's body: 8-11 % of the bf16 combine on one H200, which runs at a copy's speed without its
-// notifies; BENCHMARKS.md, thirty-fifth session.) A waiting part releases each tile at once: its
-// next tile may wait on what this one releases.
-constexpr int kCombineReleaseBatch = 4;
-
 // Cfg: kThreads, kGridM, kGridN, kOrder, kGroupM, kWorldSize, kAlignShift.
-// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1) (a release fence, then the
-// adds), notifies_unfenced(pid0, pid1) (the adds alone), body(pid0, pid1, tid).
+// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1), body(pid0, pid1, tid).
 // The tiles first, first + step, ... of the combine's order, by kThreads threads (tid 0..) that
 // meet at named barrier kBarrier (0: the whole CTA, __syncthreads).
 template <class Cfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step) {
   constexpr int gm = Cfg::kGridM, gn = Cfg::kGridN;
   static_assert(Cfg::kThreads == kThreads, "the combine's body strides by its Cfg::kThreads");
-  constexpr bool kBatched = Prog::kHasNotifies && !Prog::kHasWaits;
   const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
-  int pend_m[kCombineReleaseBatch], pend_n[kCombineReleaseBatch];   // (kBatched) stored, not yet released
-  int pending = 0;
   for (int t = first; t < gm * gn; t += step) {
     const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
     if constexpr (Prog::kHasWaits) {
@@ -849,19 +838,7 @@ __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int ti
       combine_sync<kThreads, kBarrier>();      // ... for every thread's loads of this tile
     }
     prog.body(tc.m, tc.n, tid);
-    if constexpr (kBatched) {
-      pend_m[pending] = tc.m;
-      pend_n[pending] = tc.n;
-      if (++pending == kCombineReleaseBatch || t + step >= gm * gn) {
-        combine_sync<kThreads, kBarrier>();    // every thread's stores of these tiles ...
-        if (tid == 0) {                        // ... before one release fence, then each tile's adds
-          prog.notifies(pend_m[0], pend_n[0]);
-#pragma unroll 1
-          for (int i = 1; i < pending; ++i) prog.notifies_unfenced(pend_m[i], pend_n[i]);
-        }
-        pending = 0;
-      }
-    } else if constexpr (Prog::kHasNotifies) {
+    if constexpr (Prog::kHasNotifies) {
       combine_sync<kThreads, kBarrier>();      // every thread's stores of this tile ...
       if (tid == 0) prog.notifies(tc.m, tc.n); // ... before the release
     }

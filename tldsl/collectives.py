@@ -271,6 +271,18 @@ class ReduceScatter:
             tl.store(self.out, (row - lo, col), own if total is None else own + total)
 
 
+#: what a reduce-scatter's partial may hold: fp32, or the output's dtype (rounded once per rank)
+PARTIAL_DTYPES = ("f32", "out")
+
+
+def partial_buffer(shape, out, partial_dtype: str, who: str):
+    """The local ``partial`` workspace a reduce-scatter into ``out`` sums: fp32 (``"f32"``) or
+    ``out``'s dtype (``"out"``); any other choice refused when traced, naming ``who``."""
+    if partial_dtype not in PARTIAL_DTYPES:
+        tl.static_assert(False, f"{who}: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
+    return tl.local_buffer(shape, tl.float32 if partial_dtype == "f32" else out.dtype, "partial")
+
+
 def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter", *,
                    producer_rows: int, producers_per_row: int = 1) -> ReduceScatter:
     """Sum every rank's ``partial`` ([M, N], written by this kernel's producer tiles) and give

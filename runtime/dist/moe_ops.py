@@ -30,6 +30,7 @@ import numpy as np
 
 import tldsl as tl
 
+from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
 from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
@@ -255,7 +256,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
         E, Nr, K = w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
             raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")
-        if partial_dtype not in ("out", "f32"):
+        if partial_dtype not in PARTIAL_DTYPES:
             raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in h's dtype, as NCCL's "
                              f"reduce-scatter of a bf16 layer) or 'f32' (fp32 partials, more traffic)")
         self.partial_dtype = partial_dtype

@@ -38,6 +38,8 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from ..collectives import PARTIAL_DTYPES
+
 #: MoE models of the benchmark: hidden size, expert FFN size, experts, top-k
 MOE_MODELS = {
     "mixtral": (4096, 14336, 8, 2),
@@ -371,7 +373,7 @@ def parse_args(argv):
     if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):
         ap.error(f"--sm-split: a comma-separated list of {', '.join(SM_SPLITS)}, got {args.sm_split!r}")
     args.partials = tuple(dict.fromkeys(s.strip() for s in args.partial.split(",")))
-    if not args.partials or any(p not in ("out", "f32") for p in args.partials):
+    if not args.partials or any(p not in PARTIAL_DTYPES for p in args.partials):
         ap.error(f"--partial: out, f32 or both comma-separated, got {args.partial!r}")
     if args.partials != ("out",) and args.what != "moe_rs":
         ap.error(f"--partial: MoE+ReduceScatter's (moe_rs) partials; {args.what} has none")

@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..collectives import PARTIAL_DTYPES
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
 from .folded import SATISFIED, comm_notified, folded_launches
 from .timing import copy_of, fresh_placement
@@ -478,7 +479,7 @@ def parse_args(argv):
     ap.add_argument("--interleave", type=int, default=None,
                     help="the routing's tiles in rounds of this many per expert rather than expert after expert "
                          "(the token tiles then complete as the GEMM goes: for a combine folded in, --fold on)")
-    ap.add_argument("--partial", choices=("out", "f32"), default=None,
+    ap.add_argument("--partial", choices=PARTIAL_DTYPES, default=None,
                     help="rs: the combine's partial (what the reduce-scatter reads) in the operands' dtype (out: "
                          "MoEReduceScatter's default, the numerics of NCCL's reduce-scatter of the layer) or in fp32")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 import tldsl as tl
-from tldsl.collectives import reduce_scatter
+from tldsl.collectives import PARTIAL_DTYPES, partial_buffer, reduce_scatter
 from tldsl.ops.registry import register
 from tldsl.testing import OpCase, OpSpec
 
@@ -37,9 +37,7 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
 
-    if partial_dtype not in ("f32", "out"):
-        tl.static_assert(False, f"gemm_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
-    partial = tl.local_buffer((M, N), tl.float32 if partial_dtype == "f32" else out.dtype, "partial")
+    partial = partial_buffer((M, N), out, partial_dtype, "gemm_reduce_scatter")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
                         producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
 
@@ -97,7 +95,7 @@ def _params(world_size):
             rows = draw(tst.dims(1, max_rows))
         return dict(rows_per_rank=rows, n=draw(tst.dims(1, max_nk)),
                     k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm,
-                    partial_dtype=draw(st.sampled_from(("f32", "out"))))
+                    partial_dtype=draw(st.sampled_from(PARTIAL_DTYPES)))
     return params()
 
 

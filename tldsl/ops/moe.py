@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import tldsl as tl
-from tldsl.collectives import all_gather, reduce_scatter
+from tldsl.collectives import PARTIAL_DTYPES, all_gather, partial_buffer, reduce_scatter
 from tldsl.errors import InputError
 from tldsl.ops.registry import register
 from tldsl.testing import OpCase, OpSpec
@@ -408,13 +408,11 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
                  f" ({NT} tiles x min(BM={BM}, {TT} token tiles))")
     _check_table(tile_num_token_tiles, (NT,), "moe_reduce_scatter")
     _check_table(token_tile_producers, (TT,), "moe_reduce_scatter", f" ({T} tokens in tiles of BM={BM})")
-    if partial_dtype not in ("f32", "out"):
-        tl.static_assert(False, f"moe_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
 
     # the GEMM's rows rounded to the operands' dtype, as torch's _grouped_mm returns them: half the
     # bytes of fp32 written and read back by the combine, which weights and sums them in fp32
     y = tl.local_buffer((R, K), h.dtype, "y_sorted")
-    partial = tl.local_buffer((T, K), tl.float32 if partial_dtype == "f32" else out.dtype, "partial")
+    partial = partial_buffer((T, K), out, partial_dtype, "moe_reduce_scatter")
     y_ready = tl.signal("y_ready", TT * NC, scope="local")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter", producer_rows=BM, producers_per_row=NC)
     gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows,
@@ -563,8 +561,6 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts,
                    out=np.full((routing.rows_per_rank, K), np.nan, hs[r].dtype), **routing.reduce_scatter_tables())
               for r in range(W)]
-    if partial_dtype not in ("f32", "out"):
-        raise InputError(f"simulate_moe_reduce_scatter: partial_dtype={partial_dtype!r}: choose 'f32' or 'out'")
     res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
                       partial_dtype=partial_dtype)
     return [res[r]["out"] for r in range(W)]
@@ -649,7 +645,7 @@ def _params(engines, staged=False, partials=False):
                         routing=draw(st.sampled_from(ROUTINGS)), compute=compute,
                         comm=draw(tst.comm_schedules(engines=engines, compute=compute)),
                         **({"stage_rows": draw(st.booleans())} if staged else {}),
-                        **({"partial_dtype": draw(st.sampled_from(("f32", "out")))} if partials else {}))
+                        **({"partial_dtype": draw(st.sampled_from(PARTIAL_DTYPES))} if partials else {}))
         return params()
     return params_for
 

@@ -15,7 +15,7 @@ from test_program_op import Group, host  # noqa: E402
 
 from tldsl.errors import InputError  # noqa: E402
 from tldsl.ops.sp_attention import reference  # noqa: E402
-from tldsl.runtime.dist.attention_op import SequenceParallelAttention  # noqa: E402
+from tldsl.runtime.dist.attention_op import DEFAULT_COMM, SequenceParallelAttention  # noqa: E402
 
 COMPUTE = tl.ComputeSchedule(tile=(32, 32, 16))
 
@@ -24,6 +24,7 @@ COMPUTE = tl.ComputeSchedule(tile=(32, 32, 16))
     (2, 38, 2, 1, True, "zigzag", tl.CommSchedule(tile_m=16, mode="pull")),
     (3, 40, 2, 2, True, "contiguous", tl.CommSchedule(tile_m=16, mode="push", order="full_mesh")),
     (2, 24, 4, 2, False, "contiguous", tl.CommSchedule(engine="copy_engine")),
+    (2, 20, 2, 2, True, "contiguous", None),              # the op's default: the copy engines push
 ])
 def test_attention_on_the_fused_op_runtime_agrees_with_numpy(monkeypatch, W, S, heads, kv_heads, causal, layout,
                                                              comm):
@@ -34,6 +35,9 @@ def test_attention_on_the_fused_op_runtime_agrees_with_numpy(monkeypatch, W, S, 
     ops = g.build(lambda r, dev: SequenceParallelAttention(q, k, heads, kv_heads=kv_heads, causal=causal,
                                                            layout=layout, compute=COMPUTE, comm=comm, device=dev,
                                                            timeout_s=2.0))
+    assert ops[0].kernel.comm_schedule == (DEFAULT_COMM if comm is None else comm)
+    # the copy engines' own-shard copies run before attention is forked: no SM left free for them
+    assert ops[0].plan.reserved_sms == 0
     rng = np.random.default_rng(S)
     launches = []
     for _ in range(2):                                    # fresh inputs every launch

@@ -406,6 +406,62 @@ def test_plan_executor_local_segments_go_to_the_local_stream():
         pull, 3, np.random.default_rng(0), {}))[0], driver=FakeDriver()).segments] == [True, False, False]
 
 
+def _waited_local_plan():
+    """Rank 0 waits for a flag, then copies within its GPU; rank 1 copies its own rows first: a
+    local segment behind a wait must stay behind it."""
+    import dataclasses
+    from tldsl.codegen.plan.copy_engine import CopyEnginePlan
+    ag = PLANS["ag-pull-f16"]()
+    own = [ag.actions[r][0] for r in range(2)]                # rank r's copy of its own shard
+    own = [dataclasses.replace(c, src_rank=r, dst_rank=r) for r, c in enumerate(own)]
+    write = ag.actions[0][1]
+    wait = CeWait(write.signal, 0, 1, True, (0,))
+    return CopyEnginePlan("k", "p", 2, ((wait, own[0], write), (own[1], write)), ag.buffers, ag.signals)
+
+
+def test_plan_executor_hoists_the_local_segments_no_wait_precedes():
+    """The fused-op runtime enqueues an all-gather's own-shard copy before forking any part
+    (``only="hoisted"``), the rest after (``only="rest"``): together every action once, in the
+    plan's order within each; a same-GPU copy behind a wait is never hoisted, and only then are
+    SMs left free for it (``local_copies_left``)."""
+    from tldsl.runtime.gpu.plan_exec import local_copies_left
+    for name in ("ag-pull-f16", "ag-push-f16", "ag-push-f32-W4", "nd-clipped"):
+        plan = PLANS[name]()
+        W = plan.world_size
+        rng = np.random.default_rng(1)
+        mem, sigs = _device_memory(plan, W, rng, {"f16": np.float16, "f32": np.float32})
+        want_mem = [{k: v.copy() for k, v in m.items()} for m in mem]
+        want_sig = [{k: v.copy() for k, v in s.items()} for s in sigs]
+        drv = FakeDriver()
+        tables = _map_everything(drv, plan, mem, sigs)
+        execs = [PlanExecutor(plan, r, tables[r], driver=drv) for r in range(W)]
+        for r in range(W):
+            assert execs[r].hoisted == (True,) + (False,) * (len(execs[r].segments) - 1)
+            assert not local_copies_left(plan, r)
+            early = execs[r].enqueue(300 + r, 1, only="hoisted")
+            rest = execs[r].enqueue(100 + r, 1, only="rest")
+            assert [c[0] for c in early][-1] == "cuStreamWriteValue64" and all(c[1] == 300 + r for c in early)
+            assert len(early) + len(rest) == len(plan.actions[r])
+            assert not any(c[1] == 300 + r for c in rest)
+        drv.run()
+        plan.run_numpy(want_mem, want_sig, launch=1)
+        for r in range(W):
+            for b in plan.buffers:
+                assert mem[r][b].tobytes() == want_mem[r][b].tobytes(), (name, r, b)
+    relay = PLANS["relay-waits"]()
+    assert not any(local_copies_left(relay, r) for r in range(4))      # its copies cross GPUs
+    waited = _waited_local_plan()
+    assert local_copies_left(waited, 0) and not local_copies_left(waited, 1)
+    drv = FakeDriver()
+    mem, sigs = _device_memory(waited, 2, np.random.default_rng(2), {"f16": np.float16})
+    t = _map_everything(drv, waited, mem, sigs)
+    ex = [PlanExecutor(waited, r, t[r], driver=drv) for r in range(2)]
+    assert ex[0].hoisted == (False, False) and ex[1].hoisted == (True,)
+    assert ex[0].enqueue(300, 1, only="hoisted") == [] and len(ex[0].enqueue(100, 1, only="rest")) == 3
+    with pytest.raises(tl.InputError, match="only='some'"):
+        ex[1].enqueue(101, 1, only="some")
+
+
 def test_plan_executor_per_call_tensor():
     """A local tensor given per call (a fresh output each launch): its address comes with enqueue."""
     plan = PLANS["ag-pull-f16"]()

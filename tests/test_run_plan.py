@@ -20,7 +20,7 @@ from tldsl.ops.gemm import gemm
 from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
 from tldsl.runtime.gpu.bind import BINDERS, DeviceMemory, bind, check_bindings, nominal_memory, pack
 from tldsl.runtime.gpu.run_errors import ResidencyError, UnboundParameterError
-from tldsl.runtime.gpu.run_plan import (RESERVED_FOR_COPIES, PlannedKernel, lower_for_run,
+from tldsl.runtime.gpu.run_plan import (RESERVED_FOR_COPIES, PlannedKernel, lower_for_run, needs_free_sms,
                                         plan_run)
 from tldsl.runtime.gpu.plan_exec import DeviceArray
 
@@ -235,6 +235,19 @@ def test_plan_of_allgather_gemm_on_the_copy_engine_leaves_sms_to_its_copies():
     assert sum(x.ctas for x in plan.kernels) <= H200_SMS - RESERVED_FOR_COPIES
     assert all(c.plan.actions[c.rank] for c in plan.copies)
     assert "copy engine" in plan.describe()
+
+
+def test_plan_that_hoists_the_own_shard_copies_leaves_no_sm_free():
+    """Where the launch runs the copy engine's same-GPU copies before forking any part (the
+    fused-op runtime: ``hoist_local_copies``), an all-gather's copies need no free SM beside the
+    persistent kernels; on one GPU (``tl.run``), where every rank's copies are same-GPU, they do."""
+    k = ag_gemm(engine="copy_engine", mode="push")
+    plan = planned(k, hoist_local_copies=True)
+    assert plan.reserved_sms == 0 and "left to the copy engine" not in plan.describe()
+    assert planned(k).reserved_sms == RESERVED_FOR_COPIES
+    lowered = lower_for_run(k, wait_timeout_ns=10 ** 9)
+    assert needs_free_sms(lowered, 2, False) and not needs_free_sms(lowered, 2, True)
+    assert not needs_free_sms(lower_for_run(ag_gemm(), wait_timeout_ns=10 ** 9), 2, False)    # no copy engine
 
 
 def test_plan_of_gemm_reduce_scatter_at_two_ranks():

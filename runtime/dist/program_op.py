@@ -81,9 +81,8 @@ from ...ir import core
 from ...ir.display import one_line
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
-from ..gpu.fold import is_folded
-from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, plan_run,
-                            stream_ordered)
+from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, needs_free_sms,
+                            plan_run, stream_ordered)
 from ..gpu.sm_split import check_split
 from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
 from ..gpu.run_result import RunResult
@@ -188,14 +187,15 @@ class FusedProgram(FusedOp):
         self._drv = device.ce_driver if device.ce_driver is not None else load_driver()
         self._loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
         # planned as every rank on one GPU of W GPUs' SMs and queues (each rank's share: one GPU's, less the SMs
-        # left to same-GPU copies where copy-engine parts run, as tl.run leaves them, and less the hardware queue
-        # of the caller's stream, whose handshakes wait too)
+        # left to same-GPU copies where copy-engine parts keep some past those hoisted ahead of the parts, as
+        # tl.run leaves them, and less the hardware queue of the caller's stream, whose handshakes wait too)
         W = ir.world_size
-        copies = any(not is_kernel(lk) and not is_folded(lk) for p, lk in lowered.items() if not ir.part(p).fused)
-        pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if copies else 0)
+        kept = {p: lk for p, lk in lowered.items() if not ir.part(p).fused}
+        reserve = needs_free_sms(kept, W, hoist_local_copies=True)
+        pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if reserve else 0)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split,
-                        chain=self.chain)
+                        chain=self.chain, hoist_local_copies=True)
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
         # (the waits the kernels keep: chained "after", a combine's data-dependent wait is dropped)
@@ -399,7 +399,7 @@ class FusedProgram(FusedOp):
         gc.disable()
         try:
             start, end = enqueue_launch(dev, list(self.plan.items), epoch, self._loaded, kernels, copies, origin,
-                                        streams, watch=watch)
+                                        streams, watch=watch, hoist=True)
         finally:
             if gc_was_on:
                 gc.enable()

@@ -26,7 +26,10 @@ local_stream=s)`` moves each *local segment* of the plan (a run of same-GPU copi
 signal writes that follow them, no waits) to stream ``s`` — the compute stream, before the
 persistent kernel is enqueued. That keeps the plan's meaning when every signal write
 publishes only the copies of its own segment (true of ``all_gather``: one flag per shard);
-:attr:`PlanExecutor.segments` shows the split.
+:attr:`PlanExecutor.segments` shows the split. The fused-op runtime goes further where it can:
+the local segments no wait precedes (:func:`hoistable`: an all-gather's own shard) are enqueued
+before any part is forked (``enqueue(..., only="hoisted")``, the rest with ``only="rest"``), so
+no persistent kernel is resident while they run and none has to leave SMs free for them.
 
 The driver module is ``cuda.bindings.driver`` unless one is passed (the host tests pass a
 fake that executes the calls on numpy memory).
@@ -98,6 +101,50 @@ def stream_await(drv, stream: int, arrive: Sequence[int], rank: int, launch: int
     for p in ((rank + s) % W for s in range(1, W)):
         checked(drv, drv.cuStreamWaitValue64(stream, arrive[rank] + 8 * p, launch, geq),
                 f"cuStreamWaitValue64(arrival of rank {p})")
+
+
+def segments_of(actions, rank: int, kinds) -> tuple[tuple[bool, tuple], ...]:
+    """``actions`` cut into segments (a run of copies, then the writes / waits that follow them);
+    each flagged local when all its copies stay on ``rank``'s GPU and it has no wait. ``kinds``:
+    the (CeCopy, CeSignalWrite, CeWait) classes."""
+    CeCopy, _, CeWait = kinds
+    segs: list[list] = []
+    for a in actions:
+        if isinstance(a, CeCopy) and (not segs or not isinstance(segs[-1][-1], CeCopy)):
+            segs.append([a])
+        elif not segs:
+            segs.append([a])
+        else:
+            segs[-1].append(a)
+    out = []
+    for s in segs:
+        copies = [a for a in s if isinstance(a, CeCopy)]
+        local = bool(copies) and all(c.src_rank == rank and c.dst_rank == rank for c in copies) and \
+            not any(isinstance(a, CeWait) for a in s)
+        out.append((local, tuple(s)))
+    return tuple(out)
+
+
+def hoistable(segments, kinds) -> tuple[bool, ...]:
+    """Per segment of :func:`segments_of`: whether it may run before the launch's parts are forked
+    — a local segment that no wait precedes (it depends on nothing the launch produces; moved
+    ahead, its copies still come before the writes that publish them)."""
+    CeWait = kinds[2]
+    out, waited = [], False
+    for local, seg in segments:
+        out.append(local and not waited)
+        waited = waited or any(isinstance(a, CeWait) for a in seg)
+    return tuple(out)
+
+
+def local_copies_left(plan, rank: int) -> bool:
+    """Whether rank ``rank``'s actions of ``plan`` keep a same-GPU copy once the hoistable
+    segments are taken out: only then must SMs stay free beside the persistent kernels."""
+    from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
+    kinds = (CeCopy, CeSignalWrite, CeWait)
+    segs = segments_of(plan.actions[rank], rank, kinds)
+    return any(not early and any(isinstance(a, CeCopy) and a.src_rank == rank and a.dst_rank == rank for a in seg)
+               for (_, seg), early in zip(segs, hoistable(segs, kinds)))
 
 
 def checked(drv, result, what: str):
@@ -317,6 +364,7 @@ class PlanExecutor:
         # validate (and for fixed tensors, resolve) every action now
         self._check_all()
         self.segments = self._segments()
+        self.hoisted = hoistable(self.segments, self._kinds)
 
     # -- validation --------------------------------------------------------------------------
     def _need_bytes(self, name: str) -> int | None:
@@ -366,24 +414,8 @@ class PlanExecutor:
             raise InputError(f"rank {self.rank} outside the plan's world of {W}")
 
     def _segments(self) -> tuple[tuple[bool, tuple], ...]:
-        """The action list cut into segments (a run of copies, then the writes / waits that follow
-        them); each flagged local when all its copies stay on this GPU and it has no wait."""
-        CeCopy, _, CeWait = self._kinds
-        segs: list[list] = []
-        for a in self.actions:
-            if isinstance(a, CeCopy) and (not segs or not isinstance(segs[-1][-1], CeCopy)):
-                segs.append([a])
-            elif not segs:
-                segs.append([a])
-            else:
-                segs[-1].append(a)
-        out = []
-        for s in segs:
-            copies = [a for a in s if isinstance(a, CeCopy)]
-            local = bool(copies) and all(c.src_rank == self.rank and c.dst_rank == self.rank for c in copies) and \
-                not any(isinstance(a, CeWait) for a in s)
-            out.append((local, tuple(s)))
-        return tuple(out)
+        """The action list cut into segments (:func:`segments_of`)."""
+        return segments_of(self.actions, self.rank, self._kinds)
 
     # -- resolution ----------------------------------------------------------------------------
     def _addr(self, name: str, rank: int, per_call: Mapping[str, int]) -> int:
@@ -428,16 +460,22 @@ class PlanExecutor:
         return self._drv
 
     def enqueue(self, stream: int, launch: int, *, local_stream: int | None = None,
-                per_call: Mapping[str, int | DeviceArray] | None = None) -> list[tuple]:
+                per_call: Mapping[str, int | DeviceArray] | None = None, only: str = "all") -> list[tuple]:
         """Enqueue this rank's actions for launch ``launch`` (1-based) on ``stream`` (a CUstream
         handle, e.g. ``torch.cuda.Stream().cuda_stream``); local segments on ``local_stream``
-        when given. Returns the calls issued, ``(function, stream, arguments...)``, in order."""
+        when given. ``only``: ``"all"`` the segments, ``"hoisted"`` just the :attr:`hoisted` ones,
+        ``"rest"`` all but those. Returns the calls issued, ``(function, stream, arguments...)``,
+        in order."""
         if not isinstance(launch, int) or launch < 1:
             raise InputError(f"launch index {launch!r}: launches count from 1")
+        if only not in ("all", "hoisted", "rest"):
+            raise InputError(f"only={only!r}: 'all', 'hoisted' or 'rest'")
         resolved = self.resolve(per_call)
         by_action = {id(x.action): x for x in resolved}
         issued = []
-        for local, seg in self.segments:
+        for (local, seg), early in zip(self.segments, self.hoisted):
+            if (only == "hoisted" and not early) or (only == "rest" and early):
+                continue
             s = local_stream if (local and local_stream is not None) else stream
             for a in seg:
                 issued.append(self._issue(by_action[id(a)], s, launch))

@@ -52,6 +52,7 @@ from .bind import bind, is_kernel
 from ...ir.drop_signals import without_signals
 from .chains import self_signals, at_once_needed, chained_parts, stream_ordered_signals
 from .fold import fold_chained, is_folded
+from .plan_exec import local_copies_left
 from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
 from .sm_split import check_split, share
@@ -217,13 +218,16 @@ CHAINS = ("after", "beside", "folded")
 
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
-             queues: int | None = None, split: str = "work", chain: str = "after") -> RunPlan:
+             queues: int | None = None, split: str = "work", chain: str = "after",
+             hoist_local_copies: bool = False) -> RunPlan:
     """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
     on a GPU of ``sm_count`` SMs. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
     (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
     :func:`hardware_queues`). ``split``: how the compute kernels share the SMs (``"work"`` or
     ``"even"``: :mod:`.sm_split`). ``chain``: where the chained parts run (:data:`CHAINS`,
-    :func:`~.chains.chained_parts`)."""
+    :func:`~.chains.chained_parts`). ``hoist_local_copies``: the launch runs the copy-engine
+    parts' hoistable same-GPU copies before forking any part (:func:`~.plan_exec.hoistable`; the
+    fused-op runtime, one rank a GPU): SMs are left free only where same-GPU copies remain."""
     check_split(split)
     check_chain(chain)
     W = kernel.world_size
@@ -244,7 +248,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
                                  f"{lk.block[0]} threads and {lk.smem_bytes} B of shared memory per CTA are more than "
                                  "an SM has; use smaller tiles (the compute schedule's tile) or fewer threads")
     has_copies = any(not is_kernel(lk) for _, lk in parts)
-    reserved = RESERVED_FOR_COPIES if has_copies else 0
+    reserved = RESERVED_FOR_COPIES if needs_free_sms(lowered, W, hoist_local_copies, parts) else 0
     available = sm_count - reserved
     slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk) and name not in chained]
     # a producer's share is its chained parts' too (they run on its SMs after it): as many SMs as
@@ -310,6 +314,20 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
     return RunPlan(kernel, tuple(items), sm_count, reserved, split)
+
+
+def needs_free_sms(lowered: dict, world_size: int, hoist_local_copies: bool, parts=None) -> bool:
+    """Whether SMs must stay free of persistent kernels for same-GPU copies (:data:`RESERVED_FOR_COPIES`):
+    where a copy-engine part runs — on one GPU every rank's copies are same-GPU copies — unless the
+    launch hoists them (``hoist_local_copies``) and no rank keeps one past its hoisted segments
+    (:func:`~.plan_exec.local_copies_left`)."""
+    plans = [lk for _, lk in (parts if parts is not None else lowered.items())
+             if not is_kernel(lk) and not is_folded(lk) and hasattr(lk, "actions")]
+    if not plans:
+        return False
+    if not hoist_local_copies:
+        return True
+    return any(local_copies_left(p, r) for p in plans for r in range(world_size))
 
 
 def _check_stream_order(kernel: core.Kernel, lowered: dict, chained: dict[str, str]) -> None:

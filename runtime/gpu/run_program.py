@@ -122,16 +122,28 @@ def to_device(arr, dtype, at):
 
 
 def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies: dict, origin: int,
-                   streams: list[int], watch=None):
+                   streams: list[int], watch=None, hoist: bool = False):
     """Launch ``launch`` of every planned item, in ``order``, each on its stream, after the
     caller's stream's work; the caller's stream waits for all of them. Returns the (timing)
     events recorded on the caller's stream before and after. ``watch(item, stream, when)``, if
-    given, runs on the host before (``when="before"``) and after (``"after"``) each item's enqueue."""
+    given, runs on the host before (``when="before"``) and after (``"after"``) each item's enqueue.
+    ``hoist``: the copy-engine parts' hoistable same-GPU copies first, on the caller's stream,
+    before anything is forked (:func:`~.plan_exec.hoistable`; planned with ``hoist_local_copies``)."""
     start, end = device.event(timing=True), device.event(timing=True)
     device.record(start, origin)
+    fork, made = start, []
+    if hoist:
+        early = [item for item in order if not is_kernel(getattr(item, "lowered", None))
+                 and any(copies[(item.rank, item.part)].hoisted)]
+        for item in early:
+            copies[(item.rank, item.part)].enqueue(origin, launch, only="hoisted")
+        if early:
+            fork = device.event()
+            made.append(fork)
+            device.record(fork, origin)
     forked = [s for s in streams if s != origin]
     for s in forked:
-        device.wait_event(s, start)
+        device.wait_event(s, fork)
     for item in order:
         s = streams[item.stream]
         if watch is not None:
@@ -142,10 +154,10 @@ def enqueue_launch(device, order, launch: int, loaded: dict, args: dict, copies:
                 argpack.set(slot, launch)       # the driver copies the arguments at the launch call
             device.launch(loaded[item.lowered.entry], item, argpack, s)
         else:
-            copies[(item.rank, item.part)].enqueue(s, launch)
+            copies[(item.rank, item.part)].enqueue(s, launch, only="rest" if hoist else "all")
         if watch is not None:
             watch(item, s, "after")
-    joins = []
+    joins = made
     for s in forked:
         done = device.event()
         joins.append(done)

@@ -159,3 +159,53 @@ def test_the_partials_to_time_are_parsed_and_checked(capsys):
         with pytest.raises(SystemExit):
             baselines.parse_args(argv)
         assert why in capsys.readouterr().err
+
+
+def test_the_comm_schedules_to_time_are_parsed_and_checked(capsys):
+    """``--comm`` (sp_attention): one SequenceParallelAttention per way of gathering K and V —
+    ``default`` is the op's own (None: its DEFAULT_COMM), the others named schedules; refused
+    in one line where malformed or where the layer is an MoE one."""
+    import tldsl as tl
+    assert baselines.parse_args(["sp_attention", "--fused"]).comms == ("default",)
+    args = baselines.parse_args(["sp_attention", "--fused", "--comm", "default,copy_engine/pull,sm/128x8,default"])
+    assert args.comms == ("default", "copy_engine/pull", "sm/128x8")
+    assert baselines.comm_schedule("default") is None
+    assert baselines.comm_schedule("copy_engine/push") == tl.CommSchedule(engine="copy_engine", mode="push")
+    assert baselines.comm_schedule("copy_engine/pull") == tl.CommSchedule(engine="copy_engine", mode="pull")
+    assert baselines.comm_schedule("sm/128x8") == tl.CommSchedule(tile_m=128, sms=8)
+    assert baselines.comm_schedule("sm/shardx2/push") == tl.CommSchedule(sms=2, mode="push")
+    for bad in ("sm/128", "sm/ax8", "sm/128x0", "copy_engine", "copy_engine/ring", "nccl", "sm/128x8/mesh"):
+        with pytest.raises(ValueError, match="--comm"):
+            baselines.comm_schedule(bad)
+        with pytest.raises(SystemExit):
+            baselines.parse_args(["sp_attention", "--fused", "--comm", bad])
+        assert "--comm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        baselines.parse_args(["ag_moe", "--fused", "--comm", "sm/128x8"])
+    assert "not taken by ag_moe" in capsys.readouterr().err
+
+
+def test_the_attention_op_is_built_with_the_comm_schedule_asked_for(monkeypatch):
+    """fused_layers.sp_attention_op passes a ``--comm`` schedule to the op, and nothing (the op's
+    default) for ``default``."""
+    import tldsl as tl
+    from tldsl.bench import fused_layers
+    import tldsl.runtime.dist as dist_pkg
+    built = []
+
+    class Op:
+        def __init__(self, q, k, heads, **kw):
+            built.append(kw)
+
+        def __call__(self, q, k, v):
+            return q
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(dist_pkg, "SequenceParallelAttention", Op)
+    q = torch.ones(4, 2, 8)
+    for spec in ("default", "sm/64x4"):
+        fused_layers.sp_attention_op(q, q, q, causal=False, layout="contiguous", reference=q,
+                                     comm=baselines.comm_schedule(spec))
+    assert "comm" not in built[0] and built[1]["comm"] == tl.CommSchedule(tile_m=64, sms=4)

@@ -23,7 +23,8 @@ and times each op. ``--sm-split work,even`` builds the fused MoE op once per way
 kernels share the SMs (by estimated work, the default, or evenly: ``FusedProgram``'s
 ``sm_split``), each checked, all timed in the same rounds, one table row each; for ``moe_rs``,
 ``--partial out,f32`` likewise builds it with its partials in the operands' dtype (the op's
-default) and in fp32.
+default) and in fp32; for ``sp_attention``, ``--comm default,copy_engine/pull,sm/128x8`` builds
+SequenceParallelAttention once per way of gathering K and V (:func:`comm_schedule`).
 
 Each row: the sequential layer, its communication alone, its compute alone, ideal =
 max(comm, compute), and sequential / ideal — every column timed interleaved in one run
@@ -60,6 +61,31 @@ LAYOUTS = ("contiguous", "zigzag")
 #: behind its grouped GEMM, AllGatherMoE's staged GEMM behind its row gather), beside it
 #: (``/beside``) or folded into one kernel (``/folded``)
 SM_SPLITS = ("work", "even", "work/after", "even/after", "work/beside", "even/beside", "work/folded", "even/folded")
+
+
+#: ``--comm`` (sp_attention): how the fused op gathers K and V — its own default, the copy engines
+#: pushing or pulling whole shards, or SM kernels: ``sm/ROWSxLANES`` (rows a communication tile,
+#: ``shard`` for a whole shard; lanes = SMs), optionally ``/push``
+COMM_HELP = "default, copy_engine/push, copy_engine/pull, sm/ROWSxLANES[/push] (ROWS an int or 'shard')"
+
+
+def comm_schedule(spec: str):
+    """The ``tl.CommSchedule`` of a ``--comm`` spec (:data:`COMM_HELP`); None for ``default`` (the
+    op's own). Raises ValueError naming the spec."""
+    import tldsl as tl
+    parts = spec.split("/")
+    try:
+        if parts == ["default"]:
+            return None
+        if parts[0] == "copy_engine" and len(parts) == 2 and parts[1] in ("push", "pull"):
+            return tl.CommSchedule(engine="copy_engine", mode=parts[1])
+        if parts[0] == "sm" and len(parts) in (2, 3) and parts[2:] in ([], ["push"], ["pull"]):
+            rows, lanes = parts[1].split("x")
+            return tl.CommSchedule(tile_m=None if rows == "shard" else int(rows), sms=int(lanes),
+                                   mode=parts[2] if len(parts) == 3 else "pull")
+    except (ValueError, tl.ScheduleError) as e:
+        raise ValueError(f"--comm {spec!r}: {e}") from None
+    raise ValueError(f"--comm {spec!r}: one of {COMM_HELP}")
 
 
 def _layout_kw(variant: str) -> dict:
@@ -296,9 +322,11 @@ def _fused_cells(t: dict, ideal: float, fused: bool) -> str:
 
 
 def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, out=sys.stdout,
-                    heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16", fused: bool = False) -> list[dict]:
+                    heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16", fused: bool = False,
+                    comms=("default",)) -> list[dict]:
     """Time the sequence-parallel attention baseline per sequence length per rank (``fused``:
-    and the fused op, checked against it first)."""
+    and the fused op, checked against it first, once per ``--comm`` spec of ``comms``, timed as
+    ``tldsl/<spec>`` past one, a table row each)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -319,23 +347,28 @@ def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, o
                # compute alone: the last rank's queries over every key (with causal masks, the
                # contiguous layout's busiest rank)
                "compute": lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa)}
-        op = None
-        if fused:
-            op, fns["tldsl"] = fused_layers.sp_attention_op(q, k, v, causal=causal, layout=layout,
-                                                            reference=sp_attention(q, k, v, causal=causal, layout=layout))
-        try:
+        keys = {spec: "tldsl" if len(comms) == 1 else f"tldsl/{spec}" for spec in comms}
+        ops = []
+        try:                        # (the ops built so far are closed whatever fails)
+            for spec in comms if fused else ():
+                op, fns[keys[spec]] = fused_layers.sp_attention_op(
+                    q, k, v, causal=causal, layout=layout, comm=comm_schedule(spec),
+                    reference=sp_attention(q, k, v, causal=causal, layout=layout))
+                ops.append(op)
             t = bench_interleaved(fns, iters=iters)
         finally:
-            if op is not None:
+            for op in ops:
                 op.close()
         ideal = max(t["comm"], t["compute"])
         res = dict(what="sp_attention", seq_per_rank=S, world_size=W, causal=causal, gqa=gqa, layout=layout,
                    **t, ideal=ideal, seq_over_ideal=t["sequential"] / ideal)
         results.append(res)
-        if rank == 0:
-            print(f"| sp_attention | S={S} W={W} {'causal' if causal else 'full'} {'GQA 32/8' if gqa else 'MHA'} "
-                  f"{layout} | {t['sequential']:.3f} | {t['comm']:.3f} | {t['compute']:.3f} | {ideal:.3f} | "
-                  f"{res['seq_over_ideal']:.2f} |" + _fused_cells(t, ideal, fused), file=out, flush=True)
+        for spec in (comms if fused else [None]) if rank == 0 else ():
+            label = (f"S={S} W={W} {'causal' if causal else 'full'} {'GQA 32/8' if gqa else 'MHA'} {layout}"
+                     + (f", comm {spec}" if spec is not None and len(comms) > 1 else ""))
+            cells = _fused_cells({**t, "tldsl": t[keys[spec]]}, ideal, fused) if spec is not None else ""
+            print(f"| sp_attention | {label} | {t['sequential']:.3f} | {t['comm']:.3f} | {t['compute']:.3f} | "
+                  f"{ideal:.3f} | {res['seq_over_ideal']:.2f} |" + cells, file=out, flush=True)
     return results
 
 
@@ -368,7 +401,18 @@ def parse_args(argv):
     ap.add_argument("--partial", default="out",
                     help="with --fused (moe_rs): the op's partials in the operands' dtype (out, its default) or in "
                          "fp32 (f32), or both comma-separated (one op each, timed in the same rounds)")
+    ap.add_argument("--comm", default="default",
+                    help=f"with --fused (sp_attention): how the op gathers K and V — {COMM_HELP} — or several "
+                         "comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
+    args.comms = tuple(dict.fromkeys(s.strip() for s in args.comm.split(",")))
+    if args.comms != ("default",) and args.what != "sp_attention":
+        ap.error(f"--comm: SequenceParallelAttention's (sp_attention) K/V gather; not taken by {args.what}")
+    for spec in args.comms:
+        try:
+            comm_schedule(spec)
+        except ValueError as e:
+            ap.error(str(e))
     args.sm_splits = tuple(dict.fromkeys(s.strip() for s in args.sm_split.split(",")))
     if not args.sm_splits or any(s not in SM_SPLITS for s in args.sm_splits):
         ap.error(f"--sm-split: a comma-separated list of {', '.join(SM_SPLITS)}, got {args.sm_split!r}")
@@ -408,7 +452,7 @@ def main(argv) -> int:
                   "\n|---|" + "---|" * (row.count("|") + 1) + "---|---|---|---|---|" + extra[1])
         if args.what == "sp_attention":
             bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
-                            dtype_name=args.dtype, fused=args.fused)
+                            dtype_name=args.dtype, fused=args.fused, comms=args.comms)
         else:
             bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused,
                       sm_splits=args.sm_splits, partials=args.partials)

@@ -110,10 +110,11 @@ def moe_rs_op(h, topk_ids, topk_weights, w2, reference, **op_kw):
     return op, lambda: op(padded, topk_ids, topk_weights, w2)
 
 
-def sp_attention_op(q, k, v, *, causal: bool, layout: str, reference):
-    """SequenceParallelAttention for ``q [S, Hq, D]``, ``k``/``v [S, Hkv, D]``, checked against
-    ``reference``."""
+def sp_attention_op(q, k, v, *, causal: bool, layout: str, reference, comm=None):
+    """SequenceParallelAttention for ``q [S, Hq, D]``, ``k``/``v [S, Hkv, D]`` (``comm``: its
+    communication schedule, None for the op's default), checked against ``reference``."""
     from ..runtime.dist import SequenceParallelAttention
-    op = SequenceParallelAttention(q, k, q.shape[1], kv_heads=k.shape[1], causal=causal, layout=layout)
+    op = SequenceParallelAttention(q, k, q.shape[1], kv_heads=k.shape[1], causal=causal, layout=layout,
+                                   **({"comm": comm} if comm is not None else {}))
     _checked(op, "SequenceParallelAttention", op(q, k, v), reference)
     return op, lambda: op(q, k, v)

@@ -209,3 +209,41 @@ def test_the_attention_op_is_built_with_the_comm_schedule_asked_for(monkeypatch)
         fused_layers.sp_attention_op(q, q, q, causal=False, layout="contiguous", reference=q,
                                      comm=baselines.comm_schedule(spec))
     assert "comm" not in built[0] and built[1]["comm"] == tl.CommSchedule(tile_m=64, sms=4)
+
+
+def test_the_timeline_needs_the_fused_op_and_prints_host_times(monkeypatch, capsys):
+    """``--timeline`` is refused without ``--fused`` (there is no fused op to mark); with it, each
+    op's one extra call is marked and every rank prints its phases with the host's enqueue times."""
+    import io
+    import torch.distributed as dist
+    import tldsl.runtime.dist.timeline as timeline
+    from tldsl.bench import dist as bench_dist
+    with pytest.raises(SystemExit):
+        baselines.parse_args(["ag_moe", "--timeline"])
+    assert "add --fused" in capsys.readouterr().err
+    assert baselines.parse_args(["sp_attention", "--fused", "--timeline"]).timeline
+
+    class Marks:
+        def __init__(self):
+            self.marks = []
+
+        def phases(self):
+            return list(self.marks)
+
+        def format(self, prefix, host=False):
+            return prefix + ", ".join(f"{m} (host {host})" for m in self.marks)
+
+    class Op:
+        timeline = None
+
+    op = Op()
+    monkeypatch.setattr(timeline, "PhaseTimeline", Marks)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda dst, obj: dst.__setitem__(slice(None), [obj, obj]))
+    out = io.StringIO()
+    every = bench_dist.mark_phases(op, lambda: op.timeline.marks.append("gemm done"), "row", out=out, host=True)
+    assert out.getvalue() == "# [rank 1] row phases: gemm done (host True)\n"
+    assert every == [["gemm done"], ["gemm done"]] and op.timeline is None

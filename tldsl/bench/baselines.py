@@ -16,6 +16,11 @@ What a user without tldsl runs for the same layer, one step after the other on o
     torchrun --nproc_per_node=2 -m tldsl.bench baselines moe_rs
     torchrun --nproc_per_node=2 -m tldsl.bench baselines sp_attention [--seqs 4096,8192] [--causal] [--gqa]
 
+``--timeline`` (with ``--fused``): after each row's timing, one more call of every fused op with its
+phases marked, every rank printing on stderr when each part started and ended on its stream and
+when the host had enqueued it (:class:`~tldsl.runtime.dist.timeline.PhaseTimeline`): where the
+device time equals the host time the GPU waited for the host.
+
 ``--fused`` adds the fused op (AllGatherMoE, MoEReduceScatter, SequenceParallelAttention) to each
 row: its output is checked against the sequential layer's on the same inputs first
 (:mod:`.fused_layers`), then it is timed in the same interleaved rounds — so one command checks
@@ -251,7 +256,7 @@ def _moe_inputs(row: MoERow, W: int, rank: int, what: str, dtype):
 
 
 def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bfloat16",
-              fused: bool = False, sm_splits=("work",), partials=("out",)) -> list[dict]:
+              fused: bool = False, sm_splits=("work",), partials=("out",), timeline: bool = False) -> list[dict]:
     """Time one MoE baseline (``ag_moe`` or ``moe_rs``) per row, with its parts alone; with
     ``fused``, the fused op too (:mod:`.fused_layers`: checked against the baseline first), once
     per SM split of ``sm_splits`` (timed as ``tldsl/<split>``) and (``moe_rs``) per partial dtype of
@@ -259,7 +264,7 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
     import torch
     import torch.distributed as dist
     from . import fused_layers
-    from .dist import bench_interleaved
+    from .dist import bench_interleaved, mark_phases
     W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
     if what != "moe_rs":
         partials = ("out",)            # (AllGather+MoE has no partial: one variant per split)
@@ -296,6 +301,10 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
                     ops[key], fns[key] = fused_layers.moe_rs_op(a, ids, wts, w, moe_rs(a, ids, wts, w),
                                                                 partial_dtype=p, **_layout_kw(split))
             t = bench_interleaved(fns, iters=iters)
+            if timeline:
+                for key, op in ops.items():
+                    mark_phases(op, fns[key], f"{what} {row.model} {row.tokens} {row.routing} {key}", out=sys.stderr,
+                            host=True)
         finally:
             for op in ops.values():
                 op.close()
@@ -323,7 +332,7 @@ def _fused_cells(t: dict, ideal: float, fused: bool) -> str:
 
 def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, out=sys.stdout,
                     heads: int = 32, head_dim: int = 128, dtype_name: str = "bfloat16", fused: bool = False,
-                    comms=("default",)) -> list[dict]:
+                    comms=("default",), timeline: bool = False) -> list[dict]:
     """Time the sequence-parallel attention baseline per sequence length per rank (``fused``:
     and the fused op, checked against it first, once per ``--comm`` spec of ``comms``, timed as
     ``tldsl/<spec>`` past one, a table row each)."""
@@ -331,7 +340,7 @@ def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, o
     import torch.distributed as dist
     import torch.nn.functional as F
     from . import fused_layers
-    from .dist import bench_interleaved
+    from .dist import bench_interleaved, mark_phases
     W, rank, dtype = dist.get_world_size(), dist.get_rank(), getattr(torch, dtype_name)
     hkv = heads // 4 if gqa else heads
     results = []
@@ -354,10 +363,12 @@ def bench_attention(seqs, iters: int, *, causal: bool, gqa: bool, layout: str, o
                 op, fns[keys[spec]] = fused_layers.sp_attention_op(
                     q, k, v, causal=causal, layout=layout, comm=comm_schedule(spec),
                     reference=sp_attention(q, k, v, causal=causal, layout=layout))
-                ops.append(op)
+                ops.append((keys[spec], op))
             t = bench_interleaved(fns, iters=iters)
+            for key, op in ops if timeline else ():
+                mark_phases(op, fns[key], f"sp_attention S={S} {key}", out=sys.stderr, host=True)
         finally:
-            for op in ops:
+            for _, op in ops:
                 op.close()
         ideal = max(t["comm"], t["compute"])
         res = dict(what="sp_attention", seq_per_rank=S, world_size=W, causal=causal, gqa=gqa, layout=layout,
@@ -401,11 +412,16 @@ def parse_args(argv):
     ap.add_argument("--partial", default="out",
                     help="with --fused (moe_rs): the op's partials in the operands' dtype (out, its default) or in "
                          "fp32 (f32), or both comma-separated (one op each, timed in the same rounds)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --fused: one more call of each fused op per row with its phases marked, printed on "
+                         "stderr by every rank (device and host times)")
     ap.add_argument("--comm", default="default",
                     help=f"with --fused (sp_attention): how the op gathers K and V — {COMM_HELP} — or several "
                          "comma-separated (one op each, timed in the same rounds)")
     args = ap.parse_args(argv)
     args.comms = tuple(dict.fromkeys(s.strip() for s in args.comm.split(",")))
+    if args.timeline and not args.fused:
+        ap.error("--timeline marks the fused op's phases: add --fused")
     if args.comms != ("default",) and args.what != "sp_attention":
         ap.error(f"--comm: SequenceParallelAttention's (sp_attention) K/V gather; not taken by {args.what}")
     for spec in args.comms:
@@ -452,10 +468,10 @@ def main(argv) -> int:
                   "\n|---|" + "---|" * (row.count("|") + 1) + "---|---|---|---|---|" + extra[1])
         if args.what == "sp_attention":
             bench_attention(args.seq_list, args.iters, causal=args.causal, gqa=args.gqa, layout=args.layout,
-                            dtype_name=args.dtype, fused=args.fused, comms=args.comms)
+                            dtype_name=args.dtype, fused=args.fused, comms=args.comms, timeline=args.timeline)
         else:
             bench_moe(args.what, args.rows, args.iters, dtype_name=args.dtype, fused=args.fused,
-                      sm_splits=args.sm_splits, partials=args.partials)
+                      sm_splits=args.sm_splits, partials=args.partials, timeline=args.timeline)
     finally:
         dist.destroy_process_group()
     return 0

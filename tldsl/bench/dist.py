@@ -129,7 +129,7 @@ def bench_ag_gemm(shapes, iters, out=sys.stdout, schedule=None, handshake=None, 
             "asynctp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=gname),
             "ours": lambda: op(a, b),
             "own": lambda: op.compute_only(ag, b)}, iters)
-        rows.append(_row(M, N, K, W, t, _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, err,
+        rows.append(_row(M, N, K, W, t, mark_phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, err,
                          f"{op.compute}, {op.comm}" if schedule else None, out, r))
         op.close()                      # collective: frees the op's symmetric memory
         del op
@@ -150,9 +150,10 @@ def _row(M, N, K, W, times: dict, phases, ok: bool, max_err: float, schedule, ou
     return row
 
 
-def _phases(op, fn, label, out=sys.stdout):
+def mark_phases(op, fn, label, out=sys.stdout, host: bool = False):
     """One more launch with its phases marked (:class:`~tldsl.runtime.dist.timeline.PhaseTimeline`);
-    every rank prints where its time went; returns every rank's ``[(label, stream, ms), ...]``."""
+    every rank prints where its time went (``host``: with when the host had enqueued each phase);
+    returns every rank's ``[(label, stream, ms), ...]``."""
     import torch
     import torch.distributed as dist
     from tldsl.runtime.dist.timeline import PhaseTimeline
@@ -162,7 +163,7 @@ def _phases(op, fn, label, out=sys.stdout):
     fn()
     torch.cuda.synchronize()
     mine = op.timeline.phases()
-    line = op.timeline.format(f"# [rank {dist.get_rank()}] {label} phases: ")
+    line = op.timeline.format(f"# [rank {dist.get_rank()}] {label} phases: ", host=host)
     op.timeline = None
     print(line, file=out, flush=True)
     every = [None] * dist.get_world_size()
@@ -249,7 +250,7 @@ def bench_gemm_rs(shapes, iters, out=sys.stdout, schedule=None, dtype="bfloat16"
                                                                              group_name=gname),
             "ours": lambda: op(a, b),
             "own": lambda: op.compute_only(a, b)}, iters)
-        rows.append(_row(M, N, K, W, t, _phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, res["max_err"],
+        rows.append(_row(M, N, K, W, t, mark_phases(op, lambda: op(a, b), f"{M}x{N}x{K}", out), ok, res["max_err"],
                          f"{op.compute}, {op.comm}", out, r))     # always: the RS defaults depend on the shape
         op.close()
         del op, c

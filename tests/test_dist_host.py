@@ -450,6 +450,22 @@ def test_plan_executor_hoists_the_local_segments_no_wait_precedes():
                 assert mem[r][b].tobytes() == want_mem[r][b].tobytes(), (name, r, b)
     relay = PLANS["relay-waits"]()
     assert not any(local_copies_left(relay, r) for r in range(4))      # its copies cross GPUs
+    # a local segment behind a cross-GPU one stays behind it: signal writes are absolute values, so
+    # run first its write could publish copies not yet made (and be overwritten by the earlier one)
+    import dataclasses
+    from tldsl.codegen.plan.copy_engine import CopyEnginePlan
+    pull = PLANS["ag-pull-f16"]()
+    own_last = tuple(tuple(a[2:] + a[:2]) for a in pull.actions)         # the peers' shards, then its own
+    late = CopyEnginePlan("k", "p", 3, own_last, pull.buffers, pull.signals)
+    ex = PlanExecutor(late, 0, _map_everything(FakeDriver(), late, *_device_memory(
+        late, 3, np.random.default_rng(0), {}))[0], driver=FakeDriver())
+    assert [loc for loc, _ in ex.segments] == [False, False, True] and ex.hoisted == (False, False, False)
+    assert local_copies_left(late, 0)
+    # a copy within a peer's GPU (its buffer into its own) keeps SMs free too: it runs there as a kernel
+    peer_local = [list(a) for a in pull.actions]
+    peer_local[0][2] = dataclasses.replace(peer_local[0][2], dst_rank=peer_local[0][2].src_rank)
+    assert local_copies_left(CopyEnginePlan("k", "p", 3, tuple(map(tuple, peer_local)), pull.buffers,
+                                            pull.signals), 0)
     waited = _waited_local_plan()
     assert local_copies_left(waited, 0) and not local_copies_left(waited, 1)
     drv = FakeDriver()
@@ -2580,3 +2596,58 @@ def test_each_engine_is_named_and_a_schedule_without_one_is_refused(proto, monke
         AllGatherMatmul(4096, 1032, 3000, torch.bfloat16, comm=tl.CommSchedule(engine="compute", mode="push", own_rows="compute"))
     for op in (pull, push, rs):
         op.close()
+
+
+def test_a_launch_runs_the_hoisted_copies_before_it_forks_any_part():
+    """enqueue_launch(hoist=True): every copy-engine part's hoisted segments go on the caller's
+    stream after the launch's start, then a fork event the other streams wait on (not the start),
+    then each part on its own stream — a copy-engine part with only the rest of its actions; with
+    nothing to hoist, the streams wait on the start as before."""
+    from tldsl.runtime.gpu.run_program import enqueue_launch
+    calls = []
+
+    class Dev:
+        def __init__(self):
+            self.n = 0
+
+        def event(self, timing=False):
+            self.n += 1
+            return f"ev{self.n}"
+
+        def record(self, ev, s):
+            calls.append(("record", ev, s))
+
+        def wait_event(self, s, ev):
+            calls.append(("wait", s, ev))
+
+        def launch(self, fn, item, args, s):
+            calls.append(("launch", item.part, s))
+
+        def destroy(self, evs):
+            calls.append(("destroy", tuple(evs)))
+
+    class Copies:
+        def __init__(self, hoisted):
+            self.hoisted = hoisted
+
+        def enqueue(self, s, launch, only="all"):
+            calls.append(("copies", only, s, launch))
+
+    kernel = SimpleNamespace(source="", entry="k")
+    items = [SimpleNamespace(rank=0, part="gather", stream=0, lowered=object()),
+             SimpleNamespace(rank=0, part="gemm", stream=1, lowered=kernel)]
+    args = {(0, "gemm"): (SimpleNamespace(set=lambda slot, v: None), None)}
+    for hoisted in ((True, False), (False, False)):
+        calls.clear()
+        enqueue_launch(Dev(), items, 3, {"k": "fn"}, args, {(0, "gather"): Copies(hoisted)}, 100, [10, 11],
+                       hoist=True)
+        fork = "ev3" if any(hoisted) else "ev1"
+        head = [("record", "ev1", 100)] + ([("copies", "hoisted", 100, 3), ("record", "ev3", 100)] if any(hoisted)
+                                           else [])
+        assert calls[:len(head)] == head
+        assert calls[len(head):len(head) + 4] == [("wait", 10, fork), ("wait", 11, fork),
+                                                  ("copies", "rest", 10, 3), ("launch", "gemm", 11)]
+        assert calls[-1][0] == "destroy" and (fork in calls[-1][1]) == any(hoisted)
+    calls.clear()                                   # tl.run's launches: nothing hoisted, every action in place
+    enqueue_launch(Dev(), items, 1, {"k": "fn"}, args, {(0, "gather"): Copies((True, False))}, 100, [10, 11])
+    assert ("copies", "all", 10, 1) in calls and not any(c[0] == "copies" and c[1] != "all" for c in calls)

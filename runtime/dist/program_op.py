@@ -33,8 +33,12 @@ nothing waits on the host:
    peer's slot here holds it. After it, every peer has finished launch ``L - 1`` (including its
    read-back) and copied launch ``L``'s inputs in — as the simulator, where each launch starts
    with every rank's inputs in place;
-3. every part of this rank (:func:`~..gpu.run_program.enqueue_launch`): each kernel or
-   copy-engine plan on a stream of its own forked from the caller's, with the **epoch** ``L`` —
+3. every part of this rank (:func:`~..gpu.run_program.enqueue_launch`): first, on the caller's
+   stream, each copy-engine plan's leading same-GPU copies and their flags
+   (:func:`~..gpu.plan_exec.hoistable`: an all-gather's own shard) — so the persistent kernels
+   need no SMs left free for them, and the ``before_comm`` hooks and the timeline's part marks
+   come after them — then each kernel or copy-engine plan (the rest of it) on a stream of its own
+   forked from the caller's, with the **epoch** ``L`` —
    the kernels' ``launch`` parameter and the copy-engine waits' targets. Signal counters are
    never reset and only grow, so a wait of launch ``L`` needs ``per_launch * (L - 1) + count``
    (:func:`tldsl.ir.semantics.wait_target`): notifies from launch ``L - 1`` never satisfy it;

@@ -27,7 +27,7 @@ signal writes that follow them, no waits) to stream ``s`` — the compute stream
 persistent kernel is enqueued. That keeps the plan's meaning when every signal write
 publishes only the copies of its own segment (true of ``all_gather``: one flag per shard);
 :attr:`PlanExecutor.segments` shows the split. The fused-op runtime goes further where it can:
-the local segments no wait precedes (:func:`hoistable`: an all-gather's own shard) are enqueued
+the leading local segments (:func:`hoistable`: an all-gather's own shard) are enqueued
 before any part is forked (``enqueue(..., only="hoisted")``, the rest with ``only="rest"``), so
 no persistent kernel is resident while they run and none has to leave SMs free for them.
 
@@ -127,23 +127,25 @@ def segments_of(actions, rank: int, kinds) -> tuple[tuple[bool, tuple], ...]:
 
 def hoistable(segments, kinds) -> tuple[bool, ...]:
     """Per segment of :func:`segments_of`: whether it may run before the launch's parts are forked
-    — a local segment that no wait precedes (it depends on nothing the launch produces; moved
-    ahead, its copies still come before the writes that publish them)."""
-    CeWait = kinds[2]
-    out, waited = [], False
-    for local, seg in segments:
-        out.append(local and not waited)
-        waited = waited or any(isinstance(a, CeWait) for a in seg)
+    — the leading run of local segments only. A local segment has no wait, and none precedes it;
+    nor does any cross-GPU copy or signal write, so moved ahead it keeps the plan's order of writes
+    (signal writes are absolute values: a later segment's write run first could publish copies not
+    yet made, and then be overwritten)."""
+    out, leading = [], True
+    for local, _ in segments:
+        leading = leading and local
+        out.append(leading)
     return tuple(out)
 
 
 def local_copies_left(plan, rank: int) -> bool:
     """Whether rank ``rank``'s actions of ``plan`` keep a same-GPU copy once the hoistable
-    segments are taken out: only then must SMs stay free beside the persistent kernels."""
+    segments are taken out — within this rank's GPU or within a peer's (a copy from a peer's
+    buffer into the same peer's) — : only then must SMs stay free beside the persistent kernels."""
     from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
     kinds = (CeCopy, CeSignalWrite, CeWait)
     segs = segments_of(plan.actions[rank], rank, kinds)
-    return any(not early and any(isinstance(a, CeCopy) and a.src_rank == rank and a.dst_rank == rank for a in seg)
+    return any(not early and any(isinstance(a, CeCopy) and a.src_rank == a.dst_rank for a in seg)
                for (_, seg), early in zip(segs, hoistable(segs, kinds)))
 
 

@@ -246,8 +246,8 @@ def test_plan_that_hoists_the_own_shard_copies_leaves_no_sm_free():
     assert plan.reserved_sms == 0 and "left to the copy engine" not in plan.describe()
     assert planned(k).reserved_sms == RESERVED_FOR_COPIES
     lowered = lower_for_run(k, wait_timeout_ns=10 ** 9)
-    assert needs_free_sms(lowered, 2, False) and not needs_free_sms(lowered, 2, True)
-    assert not needs_free_sms(lower_for_run(ag_gemm(), wait_timeout_ns=10 ** 9), 2, False)    # no copy engine
+    assert needs_free_sms(lowered.values(), 2, False) and not needs_free_sms(lowered.values(), 2, True)
+    assert not needs_free_sms(lower_for_run(ag_gemm(), wait_timeout_ns=10 ** 9).values(), 2, False)   # no copy engine
 
 
 def test_plan_of_gemm_reduce_scatter_at_two_ranks():

@@ -194,7 +194,7 @@ class FusedProgram(FusedOp):
         # left to same-GPU copies where copy-engine parts keep some past those hoisted ahead of the parts, as
         # tl.run leaves them, and less the hardware queue of the caller's stream, whose handshakes wait too)
         W = ir.world_size
-        kept = {p: lk for p, lk in lowered.items() if not ir.part(p).fused}
+        kept = [lk for p, lk in lowered.items() if not ir.part(p).fused]
         reserve = needs_free_sms(kept, W, hoist_local_copies=True)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if reserve else 0)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,

@@ -125,7 +125,7 @@ def segments_of(actions, rank: int, kinds) -> tuple[tuple[bool, tuple], ...]:
     return tuple(out)
 
 
-def hoistable(segments, kinds) -> tuple[bool, ...]:
+def hoistable(segments) -> tuple[bool, ...]:
     """Per segment of :func:`segments_of`: whether it may run before the launch's parts are forked
     — the leading run of local segments only. A local segment has no wait, and none precedes it;
     nor does any cross-GPU copy or signal write, so moved ahead it keeps the plan's order of writes
@@ -146,7 +146,7 @@ def local_copies_left(plan, rank: int) -> bool:
     kinds = (CeCopy, CeSignalWrite, CeWait)
     segs = segments_of(plan.actions[rank], rank, kinds)
     return any(not early and any(isinstance(a, CeCopy) and a.src_rank == a.dst_rank for a in seg)
-               for (_, seg), early in zip(segs, hoistable(segs, kinds)))
+               for (_, seg), early in zip(segs, hoistable(segs)))
 
 
 def checked(drv, result, what: str):
@@ -366,7 +366,7 @@ class PlanExecutor:
         # validate (and for fixed tensors, resolve) every action now
         self._check_all()
         self.segments = self._segments()
-        self.hoisted = hoistable(self.segments, self._kinds)
+        self.hoisted = hoistable(self.segments)
 
     # -- validation --------------------------------------------------------------------------
     def _need_bytes(self, name: str) -> int | None:

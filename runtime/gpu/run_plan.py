@@ -248,7 +248,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
                                  f"{lk.block[0]} threads and {lk.smem_bytes} B of shared memory per CTA are more than "
                                  "an SM has; use smaller tiles (the compute schedule's tile) or fewer threads")
     has_copies = any(not is_kernel(lk) for _, lk in parts)
-    reserved = RESERVED_FOR_COPIES if needs_free_sms(lowered, W, hoist_local_copies, parts) else 0
+    reserved = RESERVED_FOR_COPIES if needs_free_sms([lk for _, lk in parts], W, hoist_local_copies) else 0
     available = sm_count - reserved
     slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk) and name not in chained]
     # a producer's share is its chained parts' too (they run on its SMs after it): as many SMs as
@@ -316,13 +316,12 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     return RunPlan(kernel, tuple(items), sm_count, reserved, split)
 
 
-def needs_free_sms(lowered: dict, world_size: int, hoist_local_copies: bool, parts=None) -> bool:
+def needs_free_sms(lowered, world_size: int, hoist_local_copies: bool) -> bool:
     """Whether SMs must stay free of persistent kernels for same-GPU copies (:data:`RESERVED_FOR_COPIES`):
     where a copy-engine part runs — on one GPU every rank's copies are same-GPU copies — unless the
     launch hoists them (``hoist_local_copies``) and no rank keeps one past its hoisted segments
-    (:func:`~.plan_exec.local_copies_left`)."""
-    plans = [lk for _, lk in (parts if parts is not None else lowered.items())
-             if not is_kernel(lk) and not is_folded(lk) and hasattr(lk, "actions")]
+    (:func:`~.plan_exec.local_copies_left`). ``lowered``: the parts' lowered forms (an iterable)."""
+    plans = [lk for lk in lowered if not is_kernel(lk) and not is_folded(lk) and hasattr(lk, "actions")]
     if not plans:
         return False
     if not hoist_local_copies:

@@ -303,8 +303,8 @@ def bench_moe(what: str, rows, iters: int, out=sys.stdout, dtype_name: str = "bf
             t = bench_interleaved(fns, iters=iters)
             if timeline:
                 for key, op in ops.items():
-                    mark_phases(op, fns[key], f"{what} {row.model} {row.tokens} {row.routing} {key}", out=sys.stderr,
-                            host=True)
+                    mark_phases(op, fns[key], f"{what} {row.model} {row.tokens} {row.routing} {key}",
+                                out=sys.stderr, host=True)
         finally:
             for op in ops.values():
                 op.close()

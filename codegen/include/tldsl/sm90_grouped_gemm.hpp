@@ -325,6 +325,10 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static constexpr int kProducerThreads = 128;
   static constexpr int kRowStep = kProducerThreads / kUnitsA;           // rows one cp.async pass covers
   static constexpr int kRowsPerThread = Base::BM / kRowStep;            // gathered rows per producer thread
+  static_assert(kRowsPerThread <= 32, "a thread's gathered rows: one bit each of a 32-bit mask");
+  // a gathered element's offset in A: 32 bits where every one of A's fits (and a K step past its last)
+  static constexpr bool kOffsets32 = (long long)Cfg::kM * Cfg::kK + Cfg::kK < (1ll << 31);
+  using GatherOffset = cuda::std::conditional_t<kOffsets32, int, long long>;
   static constexpr int kTxBytes = (Cfg::kGather ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
   static constexpr int kFullArrivals = Cfg::kGather ? 1 + kProducerThreads : 1;
   static constexpr uint32_t kProducerBarrier = 3, kConsumersBarrier = 4;  // named barriers (1, 2: epilogues)
@@ -543,7 +547,12 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
           }
         }
-        int rows[Tr::kRowsPerThread];
+        // each row's element offset in A, this thread's 16 bytes included, and (bit i of `gathered`)
+        // whether it is read at all (a row past the tile's valid ones or past A is zero-filled):
+        // computed once a tile, so that a stage's copy costs an add (Tr::GatherOffset: 32 bits where
+        // A's offsets fit), not a multiply, compare and select a row
+        typename Tr::GatherOffset rows[Tr::kRowsPerThread];
+        uint32_t gathered = 0;
 #pragma unroll
         for (int i = 0; i < Tr::kRowsPerThread; ++i) {
           const int ri = row0 + i * Tr::kRowStep;
@@ -554,7 +563,9 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             else
               r = prog.row(p.m, p.n, ri);
           }
-          rows[i] = (r >= 0 && r < Cfg::kM) ? r : -1;
+          const bool in_a = r >= 0 && r < Cfg::kM;
+          rows[i] = in_a ? typename Tr::GatherOffset(r) * Cfg::kK + unit * (16 / Tr::kElemBytes) : 0;
+          gathered |= uint32_t(in_a) << i;
         }
         const int n0 = p.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -572,14 +583,14 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             load_b<Cfg, Tr>(tma_b, &full_bar[s], smem + Tr::kOffB + s * Tr::kStageBytesB, n0, k0, p.e, p.shared,
                             cl_rank);
           }
-          const int col = k0 + unit * (16 / Tr::kElemBytes);
-          const bool col_ok = col < Cfg::kK;
+          // (K a multiple of BK: every column of a stage lies in A)
+          const bool col_ok = Cfg::kK % Tr::BK == 0 || k0 + unit * (16 / Tr::kElemBytes) < Cfg::kK;
           const uint32_t sa = smem_u32 + Tr::kOffA + s * Tr::kStageBytesA + chunk * Tr::kChunkBytesA;
 #pragma unroll
           for (int i = 0; i < Tr::kRowsPerThread; ++i) {
             const int r = row0 + i * Tr::kRowStep;
-            const bool ok = col_ok && rows[i] >= 0;
-            const typename Cfg::ElemAB* src = a + (ok ? (long long)rows[i] * Cfg::kK + col : 0ll);
+            const bool ok = col_ok && ((gathered >> i) & 1u);
+            const typename Cfg::ElemAB* src = a + (rows[i] + k0);   // (read only where ok)
             cp_async_16_zfill(sa + sm90::swizzle(uint32_t(r * Tr::SA + unit_in_chunk * 16), Tr::SA), src, ok);
           }
           cp_async_arrive_noinc(&full_bar[s]);

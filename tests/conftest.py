@@ -17,7 +17,8 @@ The g++ builds of the host programs tests run (generated kernels on CPU threads)
 per run that every worker shares, each distinct program built once (tests/host_build.py). After
 collection and after every test, the objects still alive are frozen out of the garbage
 collector's scans (:func:`freeze_survivors`). Each worker compiles CUDA on one NVRTC process
-(``TLDSL_COMPILE_WORKERS=1`` unless set).
+(``TLDSL_COMPILE_WORKERS=1`` unless set) and runs its BLAS on one thread
+(:func:`one_blas_thread_per_worker`).
 """
 import gc
 import os
@@ -34,6 +35,7 @@ def pytest_configure(config):
         # the workers already fill the cores: one NVRTC process each, so that an include family's
         # precompiled header (3-10 s to make) is made once per worker, not once per pool process
         os.environ.setdefault("TLDSL_COMPILE_WORKERS", "1")
+        one_blas_thread_per_worker()
     if os.environ.get("TLDSL_REQUIRE_GPU") == "1":      # make gpu-test: no GPU is an error, not 70 skips
         why = _no_gpu_reason()
         if why:
@@ -42,6 +44,19 @@ def pytest_configure(config):
         "markers",
         "nvrtc: compiles CUDA with NVRTC from the pip wheels (no GPU needed); skipped, with the reason, "
         "only where those wheels are missing (a failure under TLDSL_STRICT_SKIPS=1)")
+
+
+def one_blas_thread_per_worker() -> None:
+    """Each worker's BLAS on one thread: the workers already fill the cores, and numpy's OpenBLAS
+    starts a thread per core in every one of them. The GPU tests' numpy references (MoE products of
+    a few GFLOP, seconds on one thread) took 150-195 s each under 14 workers on a 16-core host, their
+    stacks in those products (BENCHMARKS.md, thirty-seventh session, call 7). A threaded product
+    splits its output among threads, never a sum: no result changes. The variables cover a BLAS
+    loaded later, threadpoolctl one already loaded."""
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(limits=1, user_api="blas")
 
 
 def _no_gpu_reason() -> str | None:

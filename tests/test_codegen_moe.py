@@ -1346,11 +1346,11 @@ def test_moe_kernels_compile_for_sm90a(tmp_path, sched):
 @needs_nvrtc
 def test_gathered_row_offsets_widen_past_32_bits(tmp_path):
     """The gathering producer keeps each row's element offset in A (computed once a tile): 32 bits
-    where every offset of A fits, with a K step to spare, else 64 — the host's choice and the
+    where every offset it forms fits (below M * K + BK), else 64 — the host's choice and the
     template's agree (a static_assert), and both widths compile without spills."""
     small = lower_grouped_gemm(trace_ag(tile=(128, 256, 64)), "grouped_gemm")
     big = lower_grouped_gemm(trace_ag(tile=(128, 256, 64), W=2, Ms=1 << 18, K=4096), "grouped_gemm")
-    assert small.gather and small.M * small.K + small.K < 1 << 31
+    assert small.gather and small.M * small.K + small.config.BK < 1 << 31
     assert big.gather and big.M * big.K >= 1 << 31
     assert "Tr::kOffsets32 == true" in small.source and "Tr::kOffsets32 == false" in big.source
     cks = compile_many([CompileJob(l.source, l.entry, l.options) for l in (small, big)], cache=KernelCache(tmp_path),

@@ -283,7 +283,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"static_assert(Tr::kThreads == {cfg.threads}, \"host/device block size mismatch\");",
         f"static_assert(Tr::kUnitsA == {units} && Tr::kRowStep == {row_step} && Tr::kFullArrivals == "
         f"{129 if m.gather else 1}, \"host/device gather mapping mismatch\");",
-        *([f"static_assert(Tr::kOffsets32 == {'true' if M * K + K < 1 << 31 else 'false'}, "
+        *([f"static_assert(Tr::kOffsets32 == {'true' if M * K + cfg.BK < 1 << 31 else 'false'}, "
            "\"host/device width of the gathered rows' offsets\");"] if m.gather else []),
         "",
         "// What the tile program adds around the GEMM: guard, expert, gathered rows, waits, notifies.",

@@ -325,9 +325,10 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   static constexpr int kProducerThreads = 128;
   static constexpr int kRowStep = kProducerThreads / kUnitsA;           // rows one cp.async pass covers
   static constexpr int kRowsPerThread = Base::BM / kRowStep;            // gathered rows per producer thread
-  static_assert(kRowsPerThread <= 32, "a thread's gathered rows: one bit each of a 32-bit mask");
-  // a gathered element's offset in A: 32 bits where every one of A's fits (and a K step past its last)
-  static constexpr bool kOffsets32 = (long long)Cfg::kM * Cfg::kK + Cfg::kK < (1ll << 31);
+  static_assert(!Cfg::kGather || kRowsPerThread <= 32, "a thread's gathered rows: one bit each of a 32-bit mask");
+  // a gathered element's offset in A: 32 bits where every one formed fits — the largest, a last row's
+  // 16 bytes of the last K step, is below kM * kK + BK
+  static constexpr bool kOffsets32 = (long long)Cfg::kM * Cfg::kK + Base::BK < (1ll << 31);
   using GatherOffset = cuda::std::conditional_t<kOffsets32, int, long long>;
   static constexpr int kTxBytes = (Cfg::kGather ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
   static constexpr int kFullArrivals = Cfg::kGather ? 1 + kProducerThreads : 1;
@@ -590,7 +591,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           for (int i = 0; i < Tr::kRowsPerThread; ++i) {
             const int r = row0 + i * Tr::kRowStep;
             const bool ok = col_ok && ((gathered >> i) & 1u);
-            const typename Cfg::ElemAB* src = a + (rows[i] + k0);   // (read only where ok)
+            // (past K's end, a row's offset is not formed: every pointer lies in A)
+            const typename Cfg::ElemAB* src = a + (col_ok ? rows[i] + k0 : 0);
             cp_async_16_zfill(sa + sm90::swizzle(uint32_t(r * Tr::SA + unit_in_chunk * 16), Tr::SA), src, ok);
           }
           cp_async_arrive_noinc(&full_bar[s]);

@@ -30,9 +30,12 @@ demo: $(VENV)/.installed
 # together): a worker spends much of its time waiting on the NVRTC, g++, cuobjdump and Python
 # processes it starts, so one worker per core left a third of the cores idle (2-core machine, cold
 # kernel cache: 382 s with 2 workers, 357 s with 3, 322 s with 4; the same CPU seconds each time).
+# The tests that bound their own CPU seconds (marker `timed`) run after the rest, alone: beside
+# three other workers on two cores a simulation's CPU seconds grow (they share caches and memory).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(2 * len(os.sched_getaffinity(0)))")
 test: $(VENV)/.installed
-	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not timed"
+	TLDSL_STRICT_SKIPS=1 $(PY) -m pytest -q -m timed
 	$(PY) -m tldsl.testing.mutants
 
 mutants: $(VENV)/.installed

@@ -339,6 +339,7 @@ def test_channel_analysis_finds_the_same_sites_in_its_spread_order(causal, layou
     assert spread.notifies == plain.notifies
 
 
+@pytest.mark.timed
 def test_tracing_a_long_sequence_skips_the_channel_analysis_at_once():
     """A flash-attention part over 128k gathered keys (W = 4, 32k queries) would take ~1M block
     evaluations (its 32 heads share one: no index of its waits reads the head), twice the budget:

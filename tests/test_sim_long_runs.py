@@ -34,6 +34,7 @@ class _Stop(Exception):
     """Raised by a test's progress callback to end a long run early."""
 
 
+@pytest.mark.timed
 def test_large_world_warns_before_anything_runs():
     W = 128
     kernel, case = _allgather_gemm(W)

@@ -1,13 +1,15 @@
 """The simulator at notebook speed, race detection on: the library's AllGather+GEMM at the sizes
 people try first, and every library op at W = 64, each within a stated time.
 
-Times are the CPU time of this process (``time.process_time``): what the simulator costs,
-however many other jobs share the machine — on a busy 2-core CI box wall time is a multiple
-of it, CPU time barely moves. The bounds are generous (several times what a quiet 2-core
-machine takes, see ``python -m tldsl.bench sim``) and still below what the simulator takes
-without the loops run in bulk, the indexed race log or BLAS kept on one thread, so a lost
-speed-up fails here. Every run also checks its result against numpy and that nothing was
-reported: fast and wrong would not pass.
+Times are the CPU time of this process (``time.process_time``). That is not immune to a busy
+machine: two cores shared with three other pytest workers, or with a neighbour on the same host,
+cost the same run 1.3 s on one 2-core machine and 4.2-5.1 s on another (its BLAS products wait on
+memory that the other jobs also use). So these tests are marked ``timed``: ``make test`` runs them
+alone, after the rest of the suite, and a case counts its best of up to three runs (noise only
+adds time; a lost speed-up is slow in every run). The bounds are what the issue asked for and
+still below what the simulator takes without the loops run in bulk, the indexed race log or BLAS
+kept on one thread, so a lost speed-up fails here. Every run also checks its result against numpy
+and that nothing was reported: fast and wrong would not pass.
 """
 from __future__ import annotations
 
@@ -30,7 +32,20 @@ def _cpu_seconds(fn):
     return out, time.process_time() - c0, time.perf_counter() - t0
 
 
+def _best_of(fn, bound_s, tries=3):
+    """(result, CPU seconds, wall seconds) of the first of up to ``tries`` runs of ``fn()`` within
+    ``bound_s`` of CPU, else of the fastest; with every run's CPU seconds, for the message."""
+    runs = []
+    for _ in range(tries):
+        runs.append(_cpu_seconds(fn))
+        if runs[-1][1] <= bound_s:
+            break
+    res, cpu, wall = min(runs, key=lambda r: r[1])
+    return res, cpu, wall, [round(r[1], 1) for r in runs]
+
+
 @pytest.mark.slow
+@pytest.mark.timed
 @pytest.mark.parametrize("M, tile, bound_s", [
     # the issue's bound; an idle 2-core machine takes ~1.3 s of CPU (2026-12-02); before, ~40 s;
     # with loops run op by op, ~10.5 s
@@ -44,10 +59,10 @@ def test_allgather_gemm_w8_at_notebook_speed(M, tile, bound_s):
     kernel, inputs = make_inputs("allgather_gemm", W, M, N, K)
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # no LongSimulationWarning at this size
-        res, cpu, wall = _cpu_seconds(lambda: tl.simulate(
-            kernel, W, inputs, compute=tl.ComputeSchedule(tile=(tile, tile, tile))))
-    assert cpu <= bound_s, (f"AllGather+GEMM W={W} M={M} N=K={K} tile {tile}: {cpu:.1f} s of CPU ({wall:.1f} s wall), "
-                            f"bound {bound_s} s: the simulator lost its speed-up")
+        res, cpu, wall, runs = _best_of(lambda: tl.simulate(
+            kernel, W, inputs, compute=tl.ComputeSchedule(tile=(tile, tile, tile))), bound_s)
+    assert cpu <= bound_s, (f"AllGather+GEMM W={W} M={M} N=K={K} tile {tile}: {cpu:.1f} s of CPU ({wall:.1f} s wall; "
+                            f"runs {runs}), bound {bound_s} s: the simulator lost its speed-up")
     a = np.concatenate([x["a"].astype(np.float32) for x in inputs])
     want = a @ inputs[0]["b"].astype(np.float32)
     for r in (0, W - 1):
@@ -72,6 +87,7 @@ def test_every_library_op_has_a_w64_case():
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 @pytest.mark.parametrize("name", sorted(W64_CASES))
 def test_library_op_at_w64(name):
     W = 64
@@ -80,8 +96,8 @@ def test_library_op_at_w64(name):
     case = spec.make_case(np.random.default_rng(0), W, compute=tl.ComputeSchedule(tile=(16, 16, 16)), **params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # W = 64 is below the long-run warning
-        res, cpu, wall = _cpu_seconds(lambda: check_case(spec, case, W, seed=0, label=f"{name} W={W}"))
-    assert cpu <= bound_s, f"{name} at W={W}: {cpu:.1f} s of CPU ({wall:.1f} s wall), bound {bound_s} s"
+        res, cpu, wall, runs = _best_of(lambda: check_case(spec, case, W, seed=0, label=f"{name} W={W}"), bound_s)
+    assert cpu <= bound_s, f"{name} at W={W}: {cpu:.1f} s of CPU ({wall:.1f} s wall; runs {runs}), bound {bound_s} s"
     assert res.steps > 8 * W * W             # the run really is the W^2 one
 
 

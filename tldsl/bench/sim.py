@@ -9,7 +9,10 @@ reduce-scatters the [M, N] sum. Inputs are float16. Printed, with the load avera
 figures (the machine is often shared): the phases — tracing, the static channel analysis,
 the simulation (median of ``--repeats``, every repeat listed) with its scheduler steps — and
 what the simulation costs without the race and uninitialised-read detectors, so their share
-shows. ``--profile`` adds where the simulation's time went, by module (cProfile, one run).
+shows, and beside them the bare tile products (:func:`tile_products_seconds`): the numpy math
+no simulation of the case can skip, so the simulator's own cost is the rest, a ratio that
+holds on a slow machine as on a fast one. ``--profile`` adds where the simulation's time went,
+by module (cProfile, one run).
 """
 from __future__ import annotations
 
@@ -39,6 +42,37 @@ def make_inputs(op: str, W: int, M: int, N: int, K: int, seed: int = 0):
         inputs = [{"a": rng.standard_normal((M, K // W)).astype(f16), "b": rng.standard_normal((K // W, N)).astype(f16),
                    "out": np.full((M // W, N), np.nan, f16)} for _ in range(W)]
     return kernel, inputs
+
+
+def tile_products_seconds(op: str, W: int, M: int, N: int, K: int, tile: int, launches: int = 2,
+                          seed: int = 0, clock=time.process_time) -> float:
+    """Seconds (of ``clock``: CPU by default) of the float32 tile products that simulating the op at these sizes computes,
+    done straight in numpy: each rank's operands as float32 stacks of ``tile``-square tiles
+    (made again every launch), then for every C tile, rank by rank, one batched product over
+    the K tiles summed in float32 — what the simulator's bulk loops compute, on one BLAS thread,
+    without the scheduler, the memory model or the detectors around it."""
+    from tldsl.runtime.sim.blas_threads import one_blas_thread
+    rng = np.random.default_rng(seed)
+    k_rank = K if op == "allgather_gemm" else K // W
+    kt = -(-k_rank // tile)
+    a = [rng.standard_normal((M, kt * tile)).astype(np.float16) for _ in range(W)]
+    b = [rng.standard_normal((kt * tile, N)).astype(np.float16) for _ in range(W)]
+    mt, nt = -(-M // tile), -(-N // tile)
+    c0 = clock()
+    with one_blas_thread():
+        for _ in range(launches):
+            a_stacks = [[np.ascontiguousarray(x[i * tile:(i + 1) * tile].reshape(-1, kt, tile).swapaxes(0, 1),
+                                              np.float32) for i in range(mt)] for x in a]
+            b_stacks = [[np.ascontiguousarray(x[:, j * tile:(j + 1) * tile].reshape(kt, tile, -1), np.float32)
+                         for j in range(nt)] for x in b]
+            for i in range(mt):
+                for j in range(nt):
+                    for r in range(W):
+                        products = np.matmul(a_stacks[r][i], b_stacks[r][j])
+                        acc = np.zeros(products.shape[1:], np.float32)
+                        for q in range(kt):
+                            np.add(acc, products[q], out=acc)
+    return clock() - c0
 
 
 def _load() -> str:
@@ -75,6 +109,7 @@ def bench_sim(op, W, M, N, K, tile, comm, repeats, launches, profile=False, out=
         runs.append(time.perf_counter() - t0)
         bare_runs.append(_seconds(lambda: tl.simulate(ir, W, inputs, options=bare)))
     sim, sim_bare = statistics.median(runs), statistics.median(bare_runs)
+    products = tile_products_seconds(op, W, M, N, K, tile, launches, clock=time.perf_counter)
     tasks = sum(p.num_tasks for p in ir.parts) * W
     print(f"trace              {t_trace:7.3f} s", file=out)
     print(f"static checks      {t_checks:7.3f} s   (channel analysis, once per traced kernel)", file=out)
@@ -83,11 +118,13 @@ def bench_sim(op, W, M, N, K, tile, comm, repeats, launches, profile=False, out=
           file=out)
     print(f"  without detectors {sim_bare:6.2f} s   median of {repeats}: {' '.join(f'{t:.2f}' for t in bare_runs)} "
           f"-> races + uninitialised reads cost {sim - sim_bare:.2f} s", file=out)
+    print(f"  tile products     {products:6.2f} s   (the float32 tile math alone, in numpy) "
+          f"-> the simulation takes {sim / products:.1f}x that", file=out)
     print(f"total              {t_trace + t_checks + sim:7.2f} s   (trace + checks + simulate); {_load()}",
           file=out, flush=True)
     row = {"op": op, "W": W, "M": M, "N": N, "K": K, "tile": tile, "trace_s": t_trace, "checks_s": t_checks,
            "simulate_s": sim, "simulate_runs_s": runs, "without_detectors_s": sim_bare, "steps": result.steps,
-           "expected_steps": result.expected_steps}
+           "expected_steps": result.expected_steps, "tile_products_s": products}
     if profile:
         _profile(ir, W, inputs, full, out)
     return row

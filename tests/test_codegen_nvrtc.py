@@ -230,9 +230,9 @@ def test_cache_hit_is_fast_and_keyed_on_options(cache):
     lg = lower_gemm(trace_plain(tile=(128, 64, 64), stages=3))
     first = lg.compile(cache=cache, progress=False)
     assert not first.cached
-    t0 = time.perf_counter()
+    t0 = time.process_time()          # CPU (a hit compiles nothing); wall time under a loaded machine waits its turn
     hit = lg.compile(cache=cache, progress=False)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert hit.cached and hit.cubin == first.cubin and hit.key == first.key
     assert elapsed < 0.05, f"cache hit took {elapsed * 1000:.1f} ms"
     assert hit.compile_seconds == pytest.approx(first.compile_seconds)

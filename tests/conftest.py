@@ -11,7 +11,9 @@ instead of a run where every GPU test skips.
 the workers wait on the compilers and subprocesses they start much of the time): tests go
 to the workers one at a time, except that the tests of a module sharing a module- or class-scoped
 fixture go to one worker together (:func:`pytest_collection_modifyitems`), so the fixture is
-built once. Without a GPU, the GPU tests' skips are summarised in one line.
+built once. Without a GPU, the GPU tests' skips are summarised in one line. The tests that bound
+their own CPU seconds (marker ``timed``) are left out of that run and run after it, alone
+(``-m timed``): beside other workers, a process's CPU seconds grow with theirs.
 
 The g++ builds of the host programs tests run (generated kernels on CPU threads) go to one folder
 per run that every worker shares, each distinct program built once (tests/host_build.py). After

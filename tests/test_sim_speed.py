@@ -10,8 +10,8 @@ adds time; a lost speed-up is slow in every run). The bounds are what the issue 
 still below what the simulator takes without the loops run in bulk, the indexed race log or BLAS
 kept on one thread, so a lost speed-up fails here. Where a machine is too slow for the issue's
 seconds at all, the AllGather+GEMM cases hold the simulator to a multiple of the bare float32
-tile products of the same case, timed on the same machine. Every run also checks its result against numpy
-and that nothing was reported: fast and wrong would not pass.
+tile products of the same case, timed on the same machine. Every run also checks its result
+against numpy and that nothing was reported: fast and wrong would not pass.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _best_of(fn, bound_s, tries=3):
 @pytest.mark.slow
 @pytest.mark.timed
 @pytest.mark.parametrize("M, tile, bound_s, ratio", [
-    # the issue's bound; an idle 2-core machine took ~1.3 s of CPU (2026-12-02), a slower one 3.7-6.9 s
+    # the issue's bound; an idle 2-core machine took ~1.3 s of CPU (2026-12-02), a slower one 3.7-6.4 s
     # (2026-12-04) with its bare tile products 2.5-2.7 s (1.8-2.4x); before the bulk loops, ~40 s;
     # with loops run op by op, ~10.5 s on the first machine, 15.4 s (6x its products) on the second
     (1024, 64, 4.0, 3.5),

@@ -46,11 +46,11 @@ def make_inputs(op: str, W: int, M: int, N: int, K: int, seed: int = 0):
 
 def tile_products_seconds(op: str, W: int, M: int, N: int, K: int, tile: int, launches: int = 2,
                           seed: int = 0, clock=time.process_time) -> float:
-    """Seconds (of ``clock``: CPU by default) of the float32 tile products that simulating the op at these sizes computes,
-    done straight in numpy: each rank's operands as float32 stacks of ``tile``-square tiles
-    (made again every launch), then for every C tile, rank by rank, one batched product over
-    the K tiles summed in float32 — what the simulator's bulk loops compute, on one BLAS thread,
-    without the scheduler, the memory model or the detectors around it."""
+    """Seconds (of ``clock``: CPU by default) of the float32 tile products that simulating the op
+    at these sizes computes, done straight in numpy: each rank's operands as float32 stacks of
+    ``tile``-square tiles (made again every launch), then for every C tile, rank by rank, one
+    batched product over the K tiles summed in float32 — what the simulator's bulk loops compute,
+    on one BLAS thread, without the scheduler, the memory model or the detectors around it."""
     from tldsl.runtime.sim.blas_threads import one_blas_thread
     rng = np.random.default_rng(seed)
     k_rank = K if op == "allgather_gemm" else K // W

@@ -402,6 +402,6 @@ def test_a_long_chain_of_element_ops_lowers_quickly():
                 t = t * t
             tl.store(y, (pm * BM, 0), t + tl.expand_dims(tl.sum(t, 1), 1))
     k = squares.trace(1, S((64, 256), tl.float32), S((64, 256), tl.float32), compute=ROWS)
-    t0 = time.perf_counter()
+    t0 = time.process_time()          # CPU: lowering is this process's work, whatever else runs beside it
     lower(k, "part")
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0

@@ -62,8 +62,8 @@ def test_allgather_gemm_w8_at_notebook_speed(M, tile, bound_s, ratio):
     """Within the issue's bound, or, on a machine too slow for it, within ``ratio`` times the bare
     tile products of the same case on the same machine (``tile_products_seconds``: the float32
     math no simulation can skip, timed right after the run). The same machine's speed swung by
-    2-3x from minute to minute (BENCHMARKS.md, thirty-eighth session); the ratio does not, and a
-    lost speed-up moves it as much as it moves the seconds."""
+    2-3x from minute to minute (BENCHMARKS.md, thirty-eighth session); the ratio moved far less
+    (1.8-2.4x), and a lost speed-up moves it as much as it moves the seconds."""
     W, N, K = 8, 1024, 1024
     kernel, inputs = make_inputs("allgather_gemm", W, M, N, K)
     tries = []

@@ -1359,6 +1359,49 @@ def test_gathered_row_offsets_widen_past_32_bits(tmp_path):
         check_grouped_gemm_sass(ck, lw)
 
 
+def _copy_bodies(sass_text: str, name: str) -> list[str]:
+    """``name``'s SASS instructions (operands included, predicate guard kept) in order."""
+    out, cur = [], None
+    for line in sass_text.splitlines():
+        m = re.match(r"^\s*Function\s*:\s*(\S+)", line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-fA-F]{4,}\*/\s+([^;]*);", line)
+        if m and cur == name:
+            out.append(m.group(1).strip())
+    return out
+
+
+@pytest.mark.parametrize("tile", [(128, 256, 64), (128, 128, 64), (128, 256, 32)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.nvrtc
+@needs_nvrtc
+def test_gathering_producer_copies_a_row_in_three_instructions(tmp_path, tile):
+    """A stage whose rows all lie in A takes the producer's fast path: each 16-byte copy is a
+    64-bit add of the row's offset (computed once a tile) onto the stage's base (LEA, LEA.HI.X) and an
+    unpredicated cp.async at an immediate shared offset (the rows share one swizzled column) — three
+    instructions a row, against five (an offset add, a widening multiply-add, a predicate, a shared
+    address add, the copy) before. Rows past the tile's valid ones keep the zero-filling copy."""
+    lw = lower_grouped_gemm(trace_ag(tile=tile, stages=4, order="swizzled", dt=tl.bfloat16, cluster=(2, 1)),
+                            "grouped_gemm")
+    ck, = compile_many([CompileJob(lw.source, lw.entry, lw.options)], cache=KernelCache(tmp_path), progress=False)
+    assert lw.gather
+    check_grouped_gemm_sass(ck, lw)
+    body = _copy_bodies(ck.sass().sass_text, ck.name)
+    copies = [i for i, b in enumerate(body) if b.startswith("LDGSTS")]
+    # whole copies: no source-size predicate after the two addresses
+    whole = [i for i in copies if not re.search(r"\]\s*,\s*!?P\d\s*$", body[i])]
+    rows_per_thread = tile[0] // (128 // (tile[2] * 2 // 16))
+    assert len(whole) == rows_per_thread, (len(whole), [body[i] for i in copies])
+    assert len(copies) > len(whole)                                    # ... and the zero-filling path
+    # shared addresses: one register + an immediate a row
+    bases = {re.match(r"LDGSTS\S*\s+\[(R\d+)", body[i]).group(1) for i in whole}
+    assert len(bases) == 1, [body[i] for i in whole]
+    span = [b for b in body[whole[0]:whole[-1] + 1]
+            if not b.startswith("@!PT LDS") and not re.match(r"(@!?U?P\d+\s+)?BRA\b", b)]
+    assert len(span) <= 3 * rows_per_thread, span
+
+
 @pytest.mark.nvrtc
 @needs_nvrtc
 def test_moe_reduce_scatter_with_partials_in_the_output_dtype_compiles(tmp_path):

@@ -15,7 +15,11 @@
 //    row r is row prog.row(pid0, pid1, r) of A (negative or >= kM: zeros), copied by the
 //    producer warpgroup's 128 threads with 16-byte cp.async (zero-fill for invalid rows and
 //    columns >= K) into the same 128/64/32-byte swizzled K-major layout a TMA load produces,
-//    so the consumers' GMMA descriptors are the GEMM's. Hopper has no TMA gather.
+//    so the consumers' GMMA descriptors are the GEMM's. Hopper has no TMA gather. The producer
+//    threads' instruction stream bounds the gather (BENCHMARKS.md, thirty-seventh session), so a
+//    copy is kept to three instructions where a stage's rows all lie in A: a row's offset
+//    (computed once a tile) added onto the stage's base (LEA, LEA.HI.X) and an unpredicated
+//    cp.async at an immediate shared offset; a half tile's producer copies its 64 rows only.
 //    B is [K, N] (TMA 2-D) or [E, K, N] (Cfg::kBatched, TMA 3-D with a box of 1 along E: the
 //    expert's weights, out-of-range experts/rows/cols read zero).
 //    Consumers: warpgroup w owns rows [w*BM/2, (w+1)*BM/2) of the tile, or, with Cfg::kSplitN
@@ -99,6 +103,21 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void
   const uint32_t src_bytes = valid ? 16u : 0u;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(src_bytes)
                : "memory");
+}
+
+// The same copy, always whole: no source-size operand, nothing to predicate (a stage whose rows
+// are all read takes this one).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem) : "memory");
+}
+
+// A pointer the optimizer cannot see through: a stage's base, so that each row's address is formed
+// from it (one 64-bit add) where it is used, not hoisted out of the K loop as one 64-bit pointer a row.
+template <class T>
+__device__ __forceinline__ const T* opaque_ptr(const T* p) {
+  const T* q;
+  asm volatile("mov.b64 %0, %1;" : "=l"(q) : "l"(p));
+  return q;
 }
 
 // Arrive on `bar` once this thread's earlier cp.asyncs completed (no pending-count increment:
@@ -329,7 +348,13 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
   // a gathered element's offset in A: 32 bits where every one formed fits — the largest, a last row's
   // 16 bytes of the last K step, is below kM * kK + BK
   static constexpr bool kOffsets32 = (long long)Cfg::kM * Cfg::kK + Base::BK < (1ll << 31);
-  using GatherOffset = cuda::std::conditional_t<kOffsets32, int, long long>;
+  using GatherOffset = cuda::std::conditional_t<kOffsets32, unsigned, long long>;   // (unsigned: a zero-extending add)
+  // the rows one thread copies lie kRowStep apart: where that is a multiple of the swizzle's 8-row
+  // period, they share one swizzled column, so row i's shared address is the first's + a constant
+  static constexpr bool kRowsShareSwizzle = kRowStep % 8 == 0;
+  // a thread's rows a half tile reads (its first 64): row i is row0 + i * kRowStep with row0 < kRowStep,
+  // so where kRowStep divides 64 they are the first 64 / kRowStep; else none is skipped
+  static constexpr int kHalfRowsPerThread = 64 % kRowStep == 0 ? 64 / kRowStep : kRowsPerThread;
   static constexpr int kTxBytes = (Cfg::kGather ? 0 : Base::kStageBytesA) + Base::kStageBytesB;
   static constexpr int kFullArrivals = Cfg::kGather ? 1 + kProducerThreads : 1;
   static constexpr uint32_t kProducerBarrier = 3, kConsumersBarrier = 4;  // named barriers (1, 2: epilogues)
@@ -548,10 +573,9 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
           }
         }
-        // each row's element offset in A, this thread's 16 bytes included, and (bit i of `gathered`)
-        // whether it is read at all (a row past the tile's valid ones or past A is zero-filled):
-        // computed once a tile, so that a stage's copy costs an add (Tr::GatherOffset: 32 bits where
-        // A's offsets fit), not a multiply, compare and select a row
+        // each row's element offset in A and (bit i of `gathered`) whether it is read at all (a row past
+        // the tile's valid ones or past A is zero-filled): computed once a tile (Tr::GatherOffset: 32
+        // bits where A's offsets fit), so that a stage's copy costs a 64-bit add onto the stage's base
         typename Tr::GatherOffset rows[Tr::kRowsPerThread];
         uint32_t gathered = 0;
 #pragma unroll
@@ -565,9 +589,19 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
               r = prog.row(p.m, p.n, ri);
           }
           const bool in_a = r >= 0 && r < Cfg::kM;
-          rows[i] = in_a ? typename Tr::GatherOffset(r) * Cfg::kK + unit * (16 / Tr::kElemBytes) : 0;
+          rows[i] = in_a ? typename Tr::GatherOffset(r) * Cfg::kK : 0;
           gathered |= uint32_t(in_a) << i;
         }
+        // a half tile (as its consumers decide it) reads its first 64 rows only: the others are not
+        // copied; the stage's copies are all whole where every row read lies in A
+        bool half = false;
+        if constexpr (kHalf) {
+          if constexpr (Cfg::kPairRows) half = !p.two;
+          else half = p.active && prog.valid_rows(p.m, p.n) <= 64;
+        }
+        const int nrows = half ? Tr::kHalfRowsPerThread : Tr::kRowsPerThread;
+        const uint32_t needed = nrows >= 32 ? ~0u : (1u << nrows) - 1u;
+        const bool all_rows = (gathered & needed) == needed;
         const int n0 = p.n * Tr::BN;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % Tr::kStages;
@@ -585,15 +619,27 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                             cl_rank);
           }
           // (K a multiple of BK: every column of a stage lies in A)
-          const bool col_ok = Cfg::kK % Tr::BK == 0 || k0 + unit * (16 / Tr::kElemBytes) < Cfg::kK;
+          const int col = k0 + unit * (16 / Tr::kElemBytes);
+          const bool col_ok = Cfg::kK % Tr::BK == 0 || col < Cfg::kK;
+          // this thread's 16 bytes of the stage's first row of A (past K's end, A's first element: every
+          // pointer formed lies in A), and of its row 0 in shared memory
+          const typename Cfg::ElemAB* ak = opaque_ptr(a + (col_ok ? col : 0));
           const uint32_t sa = smem_u32 + Tr::kOffA + s * Tr::kStageBytesA + chunk * Tr::kChunkBytesA;
+          const uint32_t sa_row0 = sa + sm90::swizzle(uint32_t(row0 * Tr::SA + unit_in_chunk * 16), Tr::SA);
+          auto dst = [&](int i) {
+            if constexpr (Tr::kRowsShareSwizzle)
+              return sa_row0 + uint32_t(i * Tr::kRowStep * Tr::SA);
+            else
+              return sa + sm90::swizzle(uint32_t((row0 + i * Tr::kRowStep) * Tr::SA + unit_in_chunk * 16), Tr::SA);
+          };
+          if (col_ok && all_rows) {
 #pragma unroll
-          for (int i = 0; i < Tr::kRowsPerThread; ++i) {
-            const int r = row0 + i * Tr::kRowStep;
-            const bool ok = col_ok && ((gathered >> i) & 1u);
-            // (past K's end, a row's offset is not formed: every pointer lies in A)
-            const typename Cfg::ElemAB* src = a + (col_ok ? rows[i] + k0 : 0);
-            cp_async_16_zfill(sa + sm90::swizzle(uint32_t(r * Tr::SA + unit_in_chunk * 16), Tr::SA), src, ok);
+            for (int i = 0; i < Tr::kRowsPerThread; ++i)
+              if (i < nrows) cp_async_16(dst(i), ak + rows[i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < Tr::kRowsPerThread; ++i)
+              if (i < nrows) cp_async_16_zfill(dst(i), ak + rows[i], col_ok && ((gathered >> i) & 1u));
           }
           cp_async_arrive_noinc(&full_bar[s]);
         }

@@ -15,7 +15,7 @@ import tldsl as tl
 from tldsl.codegen.toolchain import cache as kc
 from tldsl.codegen.toolchain.compiler import CudaCompileError, dsl_location, parse_diagnostics, source_excerpt
 from tldsl.codegen import LoweringError, lower_gemm
-from tldsl.codegen.toolchain.sass import parse_ptxas_log, parse_resource_usage, parse_sass, KernelSass
+from tldsl.codegen.toolchain.sass import parse_ptxas_log, parse_resource_usage, parse_sass, parse_sass_lines, KernelSass
 from tldsl.kernel import TensorSpec as S
 from tldsl.ops.allgather_gemm import allgather_gemm
 
@@ -143,6 +143,10 @@ def test_parse_sass_and_resources():
     assert k.count("HGMMA") == 1 and k.count("UTMALDG") == 1 and k.count("SYNCS") == 2
     assert k.count("BPT.TRAP") == 1 and k.spill_instructions == 1
     assert k.mnemonics["SYNCS.PHASECHK"] == 1 and k.opcodes["HGMMA.64x128x16.F32"] == 1
+    lines = parse_sass_lines(SASS)["tldsl_k"]                 # whole instructions, guard and operands kept
+    assert len(lines) == len(ins)
+    assert lines[2] == "@!P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R2"
+    assert lines[4] == "HGMMA.64x128x16.F32 R24, gdesc[UR16].tnspB, R24, gsb0"
     r = parse_resource_usage(RES)["tldsl_k"]
     assert r == {"REG": 154, "STACK": 16, "SHARED": 1024, "LOCAL": 16, "CONSTANT[0]": 852}
 

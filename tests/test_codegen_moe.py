@@ -1359,20 +1359,6 @@ def test_gathered_row_offsets_widen_past_32_bits(tmp_path):
         check_grouped_gemm_sass(ck, lw)
 
 
-def _copy_bodies(sass_text: str, name: str) -> list[str]:
-    """``name``'s SASS instructions (operands included, predicate guard kept) in order."""
-    out, cur = [], None
-    for line in sass_text.splitlines():
-        m = re.match(r"^\s*Function\s*:\s*(\S+)", line)
-        if m:
-            cur = m.group(1)
-            continue
-        m = re.match(r"^\s*/\*[0-9a-fA-F]{4,}\*/\s+([^;]*);", line)
-        if m and cur == name:
-            out.append(m.group(1).strip())
-    return out
-
-
 @pytest.mark.parametrize("tile", [(128, 256, 64), (128, 128, 64), (128, 256, 32)], ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.nvrtc
 @needs_nvrtc
@@ -1387,7 +1373,7 @@ def test_gathering_producer_copies_a_row_in_three_instructions(tmp_path, tile):
     ck, = compile_many([CompileJob(lw.source, lw.entry, lw.options)], cache=KernelCache(tmp_path), progress=False)
     assert lw.gather
     check_grouped_gemm_sass(ck, lw)
-    body = _copy_bodies(ck.sass().sass_text, ck.name)
+    body = ck.sass()[ck.name].lines
     copies = [i for i, b in enumerate(body) if b.startswith("LDGSTS")]
     # whole copies: no source-size predicate after the two addresses
     whole = [i for i in copies if not re.search(r"\]\s*,\s*!?P\d\s*$", body[i])]

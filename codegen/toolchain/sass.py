@@ -29,6 +29,7 @@ from .locate import ToolchainError, find_toolchain
 class KernelSass:
     name: str
     instructions: list[str] = field(default_factory=list)   # full opcodes with modifiers, in order
+    lines: list[str] = field(default_factory=list)          # ... the whole instructions, operands included
     registers: int | None = None
     shared_bytes: int | None = None       # static shared memory (dynamic smem is set at launch)
     local_bytes: int | None = None        # per-thread local memory (spills, stack arrays)
@@ -115,8 +116,9 @@ _RES_FUNC_RE = re.compile(r"^\s*Function\s+(\S+?):\s*$")
 _RES_KV_RE = re.compile(r"(REG|STACK|SHARED|LOCAL|CONSTANT\[0\]):(\d+)")
 
 
-def parse_sass(text: str) -> dict[str, list[str]]:
-    """``Function : name`` sections of ``cuobjdump --dump-sass`` -> opcode lists."""
+def parse_sass_lines(text: str) -> dict[str, list[str]]:
+    """``Function : name`` sections of ``cuobjdump --dump-sass`` -> whole instructions, in order
+    (predicate guard and operands kept, e.g. ``@P0 LDGSTS.E.BYPASS.128 [R35+0x800], desc[UR30][R6.64]``)."""
     out: dict[str, list[str]] = {}
     cur = None
     for line in text.splitlines():
@@ -128,16 +130,22 @@ def parse_sass(text: str) -> dict[str, list[str]]:
         if cur is None:
             continue
         m = _INS_RE.match(line)
-        if not m:
-            continue
-        toks = m.group("body").split()
-        if not toks:
-            continue
-        if toks[0].startswith("@"):          # predicate guard: @P0, @!PT, @UP1 ...
-            toks = toks[1:]
-        if toks:
-            out[cur].append(toks[0])
+        if m and m.group("body").strip():
+            out[cur].append(" ".join(m.group("body").split()))
     return out
+
+
+def opcode_of(line: str) -> str | None:
+    """The full opcode of one instruction of :func:`parse_sass_lines` (its predicate guard skipped)."""
+    toks = line.split()
+    if toks and toks[0].startswith("@"):     # predicate guard: @P0, @!PT, @UP1 ...
+        toks = toks[1:]
+    return toks[0] if toks else None
+
+
+def parse_sass(text: str) -> dict[str, list[str]]:
+    """``Function : name`` sections of ``cuobjdump --dump-sass`` -> opcode lists."""
+    return {name: [op for op in map(opcode_of, lines) if op] for name, lines in parse_sass_lines(text).items()}
 
 
 def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
@@ -177,8 +185,8 @@ def analyze_cubin(cubin: bytes, cuobjdump: str | None = None) -> SassReport:
     finally:
         os.unlink(path)
     kernels: dict[str, KernelSass] = {}
-    for name, ins in parse_sass(sass).items():
-        kernels[name] = KernelSass(name, ins)
+    for name, lines in parse_sass_lines(sass).items():
+        kernels[name] = KernelSass(name, [op for op in map(opcode_of, lines) if op], lines)
     for name, r in parse_resource_usage(res).items():
         k = kernels.setdefault(name, KernelSass(name))
         k.registers, k.shared_bytes = r.get("REG"), r.get("SHARED")

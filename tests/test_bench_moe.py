@@ -486,3 +486,26 @@ def test_group_m_reaches_the_ag_layers_kernels_and_rows(monkeypatch):
     assert moe.main(["--rows", "mixtral:2048:random", "--group-m", "4"], out=io.StringIO()) == 0
     assert moe.main(["--rows", "mixtral:2048:random"], out=io.StringIO()) == 0
     assert seen == [4, None]
+
+
+def test_the_moe_benchmarks_header_names_the_clusters_the_folded_kernel_runs_with(monkeypatch):
+    """``bench moe --fold on``: the header gives the folded kernel's clusters as the runtime folds
+    (``runtime/gpu/fold.py``'s ``FOLDED_CLUSTER``), not a copy of them that could drift."""
+    import contextlib
+    import io
+    from tldsl.bench import moe
+    from tldsl.runtime.gpu import fold
+
+    def fake_row(row, iters, *args, run=0, **kw):
+        return dict(ms=1.0, gmm_ms=1.0, seq_ms=1.2, flops=1e9, tflops=1.0, gmm_tflops=1.0, err=1e-3,
+                    padded=4608, routed=4096, parts_ms=[0.95, 0.1, 0.9, 0.08])
+    monkeypatch.setattr(moe, "bench_row", fake_row)
+    monkeypatch.setattr(moe, "fresh_placement", lambda run: contextlib.nullcontext())
+    for clusters in [(1, 1), (2, 1)]:
+        monkeypatch.setattr(fold, "FOLDED_CLUSTER", clusters)
+        out = io.StringIO()
+        assert moe.main(["--fold", "on", "--rows", "mixtral:2048:random"], out=out) == 0
+        assert f"(the folded kernel: {clusters}, as tl.run folds)" in out.getvalue().splitlines()[0]
+    out = io.StringIO()
+    assert moe.main(["--rows", "mixtral:2048:random"], out=out) == 0
+    assert "the folded kernel" not in out.getvalue().splitlines()[0]

@@ -542,7 +542,10 @@ def main(argv, out=sys.stdout) -> int:
     rs = args.layer == "rs"
     what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)" if rs
             else f"AllGather+MoE grouped GEMM (TP={TP} slice of layer 0)")
-    folded = " (the folded kernel: (1, 1), as tl.run folds)" if args.fold == "on" else ""
+    folded = ""
+    if args.fold == "on":
+        from tldsl.runtime.gpu.fold import FOLDED_CLUSTER      # what the folded kernel runs with, not the schedule's
+        folded = f" (the folded kernel: {tuple(FOLDED_CLUSTER)}, as tl.run folds)"
     repeats = (f"; the median of {args.repeat} such timings, each on tensors allocated anew, its launches reordered"
                if args.repeat > 1 else "")
     if args.processes > 1:

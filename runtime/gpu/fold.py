@@ -67,7 +67,8 @@ def is_folded(lowered) -> bool:
 #: unfolded GEMM only runs later). Single CTAs fit wherever the plan counted an SM. Nor would
 #: pairs pay: MoE+ReduceScatter's folded kernel with clusters of 2 (all 66 pairs resident, the
 #: whole H200 its own) ran at the speed of the one without (Mixtral 32768 tokens 6.098 against
-#: 6.103 ms; BENCHMARKS.md, thirty-second session).
+#: 6.103 ms; BENCHMARKS.md, thirty-second session), and so did AllGather+MoE's GEMM with its staged
+#: gather folded (Mixtral 32768 tokens 1.00x ``_grouped_mm`` either way; fortieth session, call 3).
 FOLDED_CLUSTER = (1, 1)
 
 

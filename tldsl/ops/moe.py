@@ -342,7 +342,10 @@ def stage_rows_pays(Nr: int, world_size: int = 1) -> bool:
     shape: BENCHMARKS.md, fifteenth session). Both grow with K; the GEMM's time grows with ``Nr``
     (the rank's slice of the output columns), the pass's does not: on one H200 (twenty-third
     session) staging lost at ``Nr`` 768 and 1408 (Qwen3-30B, Qwen1.5-MoE, DeepSeek-MoE:
-    0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.90-0.93x)."""
+    0.60-0.86x ``_grouped_mm`` against 0.96-1.02x gathering in the GEMM) and won at 8192 and 14336 (the stress row, Mixtral: 0.99-1.05x against 0.90-0.93x).
+    Since the gathering producer's copies became three instructions (d9e90b5) the two are level on
+    the wide rows (fortieth session: Mixtral 8192 1.01x staged against 1.00x, 32768 0.99x against
+    0.98x, the stress row 1.02x both): staging stays, as neither wins there."""
     return world_size == 1 and Nr >= STAGE_ROWS_MIN_N
 
 

@@ -143,9 +143,14 @@ def opcode_of(line: str) -> str | None:
     return toks[0] if toks else None
 
 
+def opcodes_of(lines: list[str]) -> list[str]:
+    """The full opcodes of :func:`parse_sass_lines`' instructions, in order."""
+    return [op for op in map(opcode_of, lines) if op]
+
+
 def parse_sass(text: str) -> dict[str, list[str]]:
     """``Function : name`` sections of ``cuobjdump --dump-sass`` -> opcode lists."""
-    return {name: [op for op in map(opcode_of, lines) if op] for name, lines in parse_sass_lines(text).items()}
+    return {name: opcodes_of(lines) for name, lines in parse_sass_lines(text).items()}
 
 
 def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
@@ -186,7 +191,7 @@ def analyze_cubin(cubin: bytes, cuobjdump: str | None = None) -> SassReport:
         os.unlink(path)
     kernels: dict[str, KernelSass] = {}
     for name, lines in parse_sass_lines(sass).items():
-        kernels[name] = KernelSass(name, [op for op in map(opcode_of, lines) if op], lines)
+        kernels[name] = KernelSass(name, opcodes_of(lines), lines)
     for name, r in parse_resource_usage(res).items():
         k = kernels.setdefault(name, KernelSass(name))
         k.registers, k.shared_bytes = r.get("REG"), r.get("SHARED")

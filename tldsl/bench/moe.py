@@ -545,7 +545,7 @@ def main(argv, out=sys.stdout) -> int:
     folded = ""
     if args.fold == "on":
         from tldsl.runtime.gpu.fold import FOLDED_CLUSTER      # what the folded kernel runs with, not the schedule's
-        folded = f" (the folded kernel: {tuple(FOLDED_CLUSTER)}, as tl.run folds)"
+        folded = f" (the folded kernel: {FOLDED_CLUSTER}, as tl.run folds)"
     repeats = (f"; the median of {args.repeat} such timings, each on tensors allocated anew, its launches reordered"
                if args.repeat > 1 else "")
     if args.processes > 1:

@@ -12,6 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tldsl as tl
+# imported once here, not in the property test's first example (whose deadline it would spend)
+from tldsl.bench.timing import launch_order
 
 
 def plain_rs_gemm(rt, T: int, K: int, N: int, E: int, tile, stages: int, dtype: str, cluster: int,
@@ -191,7 +193,6 @@ def test_the_moe_benchmarks_repeats_take_medians_and_keep_each_speed():
 def test_interleaved_launch_order_is_a_permutation_fixed_by_the_run(n, run):
     """Each round launches every function once: run 0 in the given order, later runs in a
     permutation their number fixes (the same on every call)."""
-    from tldsl.bench.timing import launch_order
     order = launch_order(n, run)
     assert sorted(order) == list(range(n)) and order == launch_order(n, run)
     if run == 0:
@@ -202,7 +203,6 @@ def test_repeats_put_other_kernels_before_ours():
     """``bench moe --repeat 4``'s runs (six functions a round, layer rs): our pair is launched after
     at least three different functions (the rounds repeat back to back, so the one before it in the
     cycle)."""
-    from tldsl.bench.timing import launch_order
     before = set()
     for run in range(4):
         order = launch_order(6, run)

@@ -14,6 +14,9 @@
   first, then all timed interleaved with it in one process. ``_grouped_mm`` runs in a faster or a
   slower state from one process to the next (BENCHMARKS.md, thirtieth session), so schedules are
   compared in one process, never across runs of ``bench moe``.
+* ``moe_row_copies``: AllGather+MoE's routed rows gathered by batched copies (``cuMemcpyBatchAsync``,
+  one copy a row) against the SMs' gather, alone and beside ``_grouped_mm``: whether the rows could
+  be gathered without an SM while the GEMM computes (:func:`probe_moe_row_copies`).
 """
 from __future__ import annotations
 
@@ -210,3 +213,132 @@ def probe_moe_schedules(rows, schedules, layer: str = "ag", iters: int = 20, out
         best = min(range(len(names)), key=lambda i: t[i])
         print(f"| {row.model} {row.tokens} {row.routing} | " + " | ".join(f"{v:.3f}" for v in t) +
               f" | {names[best]} | {t[-1] / t[best]:.2f} |", file=out, flush=True)
+
+
+# -- AllGather+MoE's routed rows by batched copies -------------------------------------------------
+
+def row_copy_lists(dst_ptr: int, src_ptr: int, token_rows, row_bytes: int):
+    """``(dsts, srcs, sizes)`` of a row gather as one copy a row: row ``r`` of the destination
+    from row ``token_rows[r]`` of the source (both dense, ``row_bytes`` a row) — the lists
+    ``cuMemcpyBatchAsync`` takes, as plain addresses."""
+    rows = [int(t) for t in token_rows]
+    if any(t < 0 for t in rows):
+        raise ValueError("row_copy_lists: a row id < 0 (a padding row) has nothing to copy")
+    return ([dst_ptr + r * row_bytes for r in range(len(rows))], [src_ptr + t * row_bytes for t in rows],
+            [row_bytes] * len(rows))
+
+
+def _behind_sleep_ms(fn, iters: int, cycles: int) -> float:
+    """Median ms of ``fn`` between two events, each call queued behind a ``cycles`` sleep so that
+    a slow host enqueue (tens of thousands of copies) is not timed as device time."""
+    import statistics
+    import torch
+    times = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize()
+        if cycles:
+            torch.cuda._sleep(cycles)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i >= 2:                      # two warm-up calls
+            times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+#: ``probe moe_row_copies``' columns
+ROW_COPY_VARIANTS = ("_grouped_mm alone", "SM gather (index_select)", "copy of the gather's bytes",
+                     "batched copies, one batch", "batched copies, a batch per 128 rows",
+                     "SM gather, then _grouped_mm", "_grouped_mm beside an SM gather",
+                     "_grouped_mm beside batched copies, one batch",
+                     "_grouped_mm beside batched copies, a batch per 128 rows")
+
+
+def probe_moe_row_copies(rows, iters: int = 7, out=sys.stdout):
+    """AllGather+MoE's routed rows (``bench moe``'s rows, TP = 2 slice) gathered by
+    ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``, one copy a row, in
+    one batch and a batch per 128 rows, against the SMs' gather (``index_select``), a copy of the
+    same bytes and ``_grouped_mm``; and ``_grouped_mm`` with each gather on a second stream beside it
+    (into another buffer): whether copies could gather the rows while the GEMM computes. Every
+    gather checked against ``index_select`` first."""
+    import time
+    import torch
+    from cuda.bindings import driver as cu
+    from tldsl.runtime.gpu import require_gpu
+    from .baselines import MOE_MODELS, random_topk, route
+    from .moe import TP
+    require_gpu()
+    attr = cu.CUmemcpyAttributes()
+    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attr.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+
+    def batch(lists, lo, hi, stream):
+        dsts, srcs, sizes = (v[lo:hi] for v in lists)
+        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dsts], [cu.CUdeviceptr(p) for p in srcs], sizes,
+                                    hi - lo, [attr], [0], 1, stream)
+        err = res[0] if isinstance(res, tuple) else res
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+
+    print("| row | routed rows | gather MB | host enqueue ms: one batch, batches of 128 | "
+          + " | ".join(f"{v} ms" for v in ROW_COPY_VARIANTS) + " |", file=out)
+    print("|---" * (len(ROW_COPY_VARIANTS) + 4) + "|", file=out, flush=True)
+    main, side = torch.cuda.Stream(), torch.cuda.Stream()       # batch copies refuse the legacy default stream
+    with torch.cuda.stream(main):
+        for row in rows:
+            hidden, ffn, E, topk = MOE_MODELS[row.model]
+            T, K, N = row.tokens, hidden, 2 * ffn // TP
+            g = torch.Generator(device="cuda").manual_seed(T + E)
+            ids, _ = random_topk(T, E, topk, row.routing, device="cuda")
+            order, offs = route(ids, E)
+            tok = (order // topk).contiguous()
+            R, row_bytes = tok.numel(), 2 * K
+            x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
+            w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
+            xs, xs2 = (torch.full((R, K), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            want = x.index_select(0, tok)
+            token_rows = tok.cpu().tolist()
+            lists = {id(b): row_copy_lists(b.data_ptr(), x.data_ptr(), token_rows, row_bytes) for b in (xs, xs2)}
+
+            def one_batch(buf=xs, stream=main):
+                batch(lists[id(buf)], 0, R, stream.cuda_stream)
+
+            def batches_of_128(buf=xs, stream=main):
+                for lo in range(0, R, 128):
+                    batch(lists[id(buf)], lo, min(R, lo + 128), stream.cuda_stream)
+            for gather in (one_batch, batches_of_128):
+                xs.fill_(float("nan"))
+                gather()
+                torch.cuda.synchronize()
+                if not torch.equal(xs, want):
+                    raise RuntimeError(f"{row}: the batched copies ({gather.__name__}) gathered wrong rows")
+            t0 = time.perf_counter()
+            one_batch()
+            t1 = time.perf_counter()
+            batches_of_128()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            host = ((t1 - t0) * 1e3, (t2 - t1) * 1e3)
+            cycles = int(2.0e6 * max(host) * 1.5) + 1000        # a sleep longer than the enqueue (~2e6 cycles a ms)
+            gmm = lambda: torch._grouped_mm(xs, w, offs=offs)                     # noqa: E731
+            sm_gather = lambda: torch.index_select(x, 0, tok, out=xs)             # noqa: E731
+            src = torch.empty(R * row_bytes, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+
+            def beside(gather):
+                def run():
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        gather()
+                    gmm()
+                    main.wait_stream(side)
+                return run
+            fns = [(gmm, 0), (sm_gather, 0), (lambda: dst.copy_(src), 0), (one_batch, cycles),
+                   (batches_of_128, cycles), (lambda: (sm_gather(), gmm()), 0),
+                   (beside(lambda: torch.index_select(x, 0, tok, out=xs2)), 0),
+                   (beside(lambda: one_batch(xs2, side)), cycles), (beside(lambda: batches_of_128(xs2, side)), cycles)]
+            t = [_behind_sleep_ms(fn, iters, cyc) for fn, cyc in fns]
+            print(f"| {row.model} {row.tokens} {row.routing} | {R} | {R * row_bytes / 1e6:.0f} | "
+                  f"{host[0]:.1f}, {host[1]:.1f} | " + " | ".join(f"{v:.3f}" for v in t) + " |", file=out, flush=True)

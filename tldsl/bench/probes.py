@@ -6,6 +6,7 @@
     python -m tldsl.bench probe ag_gather [--shapes MxNxK,...]  # one GPU
     python -m tldsl.bench probe moe_notifies [--rows qwen3:8192:random,...]  # one GPU
     python -m tldsl.bench probe moe_schedules [--rows ...] [--layer ag|rs] [--schedules 128x256x64:4,...]  # one GPU
+    python -m tldsl.bench probe moe_row_copies [--rows mixtral:32768:random,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -40,6 +41,8 @@
   (:mod:`.moe_probes`).
 * ``moe_schedules``: one MoE layer's grouped GEMM under several compute schedules, timed
   interleaved with ``_grouped_mm`` in one process (:mod:`.moe_probes`).
+* ``moe_row_copies``: AllGather+MoE's routed rows gathered by batched copies, one a row, against the
+  SMs' gather, alone and beside ``_grouped_mm`` (:mod:`.moe_probes`).
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -513,9 +516,14 @@ class _Bound:
 
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
-NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "rs_reduce_in",
-         "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew",
+NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "moe_row_copies",
+         "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew",
          "rs_order")
+
+
+#: ``--rows``' defaults: the rows that gather in the GEMM, and those whose rows are staged first
+SMALL_EXPERT_ROWS = "qwen3:8192:random,deepseek:8192:random,qwen15:8192:random"
+STAGED_ROWS = "mixtral:32768:random,stress:8192:random"
 
 
 def main(argv) -> int:
@@ -523,8 +531,9 @@ def main(argv) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
-    ap.add_argument("--rows", default="qwen3:8192:random,deepseek:8192:random,qwen15:8192:random",
-                    help="moe_notifies, moe_schedules: MODEL:TOKENS:ROUTING,... (bench moe's rows)")
+    ap.add_argument("--rows", default=None,
+                    help="moe_notifies, moe_schedules, moe_row_copies: MODEL:TOKENS:ROUTING,... (bench moe's rows; "
+                         f"default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies)")
     ap.add_argument("--layer", choices=("ag", "rs"), default="ag",
                     help="moe_schedules: AllGather+MoE's grouped GEMM (ag) or MoE+ReduceScatter's (rs)")
     ap.add_argument("--schedules", default=None,
@@ -532,8 +541,11 @@ def main(argv) -> int:
                          "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
-                         "probes but moe_notifies and moe_schedules (20), 80 for ag_skew, 20 for the others)")
+                         "probes but moe_notifies and moe_schedules (20) and moe_row_copies (7), 80 for ag_skew, "
+                         "20 for the others)")
     args = ap.parse_args(argv)
+    if args.rows is None:
+        args.rows = STAGED_ROWS if args.what == "moe_row_copies" else SMALL_EXPERT_ROWS
     its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
         probe_copy_engine()
@@ -557,6 +569,14 @@ def main(argv) -> int:
         except (argparse.ArgumentTypeError, ValueError) as e:
             ap.error(str(e))
         probe_moe_schedules(rows, schedules, args.layer, kernels=kernels, **its)
+    elif args.what == "moe_row_copies":
+        from .baselines import _parse_row
+        from .moe_probes import probe_moe_row_copies
+        try:
+            rows = [_parse_row(r) for r in args.rows.split(",")]
+        except argparse.ArgumentTypeError as e:
+            ap.error(str(e))
+        probe_moe_row_copies(rows, **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

@@ -517,8 +517,8 @@ class _Bound:
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
 NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "moe_row_copies",
-         "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares", "ag_slices", "ag_skew",
-         "rs_order")
+         "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares",
+         "ag_slices", "ag_skew", "rs_order")
 
 
 #: ``--rows``' defaults: the rows that gather in the GEMM, and those whose rows are staged first

@@ -63,11 +63,14 @@ def test_the_notify_probe_keeps_the_small_expert_rows(monkeypatch):
     assert [r.model for r in got["rows"]] == ["qwen3", "deepseek", "qwen15"]
 
 
-def test_a_bad_row_is_refused_in_one_line_before_anything_runs(monkeypatch, capsys):
-    got = _captured(monkeypatch, "probe_moe_row_copies")
+@pytest.mark.parametrize("probe, runs", [("moe_row_copies", "probe_moe_row_copies"),
+                                         ("moe_notifies", "probe_moe_notifies")])
+def test_a_bad_row_is_refused_in_one_line_before_anything_runs(monkeypatch, capsys, probe, runs):
+    got = _captured(monkeypatch, runs)
     with pytest.raises(SystemExit):
-        probes.main(["moe_row_copies", "--rows", "mixtral:lots:random"])
-    assert "a row is MODEL:TOKENS:ROUTING" in capsys.readouterr().err
+        probes.main([probe, "--rows", "mixtral:8192:random,mixtral:lots:random"])
+    err = capsys.readouterr().err
+    assert "a row is MODEL:TOKENS:ROUTING" in err and "'mixtral:lots:random'" in err and "Traceback" not in err
     assert got == {}
 
 

@@ -526,6 +526,15 @@ SMALL_EXPERT_ROWS = "qwen3:8192:random,deepseek:8192:random,qwen15:8192:random"
 STAGED_ROWS = "mixtral:32768:random,stress:8192:random"
 
 
+def _parsed_rows(ap, text: str) -> list:
+    """``--rows`` as ``bench moe``'s rows, or the parser's one-line error naming the bad one."""
+    from .baselines import _parse_row
+    try:
+        return [_parse_row(r) for r in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+
+
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -556,9 +565,8 @@ def main(argv) -> int:
         probe_ag_gather(args.shapes or [(2048, 4096, 8192), (8192, 4096, 8192), (16384, 4096, 8192),
                                         (2048, 14336, 8192), (8192, 14336, 8192)], **its)
     elif args.what == "moe_notifies":
-        from .baselines import _parse_row
         from .moe_probes import probe_moe_notifies
-        probe_moe_notifies([_parse_row(r) for r in args.rows.split(",")], **its)
+        probe_moe_notifies(_parsed_rows(ap, args.rows), **its)
     elif args.what == "moe_schedules":
         from .baselines import _parse_row
         from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules, schedule_kernels
@@ -570,13 +578,8 @@ def main(argv) -> int:
             ap.error(str(e))
         probe_moe_schedules(rows, schedules, args.layer, kernels=kernels, **its)
     elif args.what == "moe_row_copies":
-        from .baselines import _parse_row
         from .moe_probes import probe_moe_row_copies
-        try:
-            rows = [_parse_row(r) for r in args.rows.split(",")]
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
-        probe_moe_row_copies(rows, **its)
+        probe_moe_row_copies(_parsed_rows(ap, args.rows), **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

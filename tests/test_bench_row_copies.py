@@ -64,7 +64,8 @@ def test_the_notify_probe_keeps_the_small_expert_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("probe, runs", [("moe_row_copies", "probe_moe_row_copies"),
-                                         ("moe_notifies", "probe_moe_notifies")])
+                                         ("moe_notifies", "probe_moe_notifies"),
+                                         ("moe_schedules", "probe_moe_schedules")])
 def test_a_bad_row_is_refused_in_one_line_before_anything_runs(monkeypatch, capsys, probe, runs):
     got = _captured(monkeypatch, runs)
     with pytest.raises(SystemExit):

@@ -228,26 +228,6 @@ def row_copy_lists(dst_ptr: int, src_ptr: int, token_rows, row_bytes: int):
             [row_bytes] * len(rows))
 
 
-def _behind_sleep_ms(fn, iters: int, cycles: int) -> float:
-    """Median ms of ``fn`` between two events, each call queued behind a ``cycles`` sleep so that
-    a slow host enqueue (tens of thousands of copies) is not timed as device time."""
-    import statistics
-    import torch
-    times = []
-    for i in range(iters + 2):
-        torch.cuda.synchronize()
-        if cycles:
-            torch.cuda._sleep(cycles)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        if i >= 2:                      # two warm-up calls
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 #: ``probe moe_row_copies``' columns
 ROW_COPY_VARIANTS = ("_grouped_mm alone", "SM gather (index_select)", "copy of the gather's bytes",
                      "batched copies, one batch", "batched copies, a batch per 128 rows",
@@ -269,18 +249,13 @@ def probe_moe_row_copies(rows, iters: int = 7, out=sys.stdout):
     from tldsl.runtime.gpu import require_gpu
     from .baselines import MOE_MODELS, random_topk, route
     from .moe import TP
+    from .copies import batch_copies
+    from .timing import median_ms
     require_gpu()
-    attr = cu.CUmemcpyAttributes()
-    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    attr.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    overlap = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 
     def batch(lists, lo, hi, stream):
-        dsts, srcs, sizes = (v[lo:hi] for v in lists)
-        res = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(p) for p in dsts], [cu.CUdeviceptr(p) for p in srcs], sizes,
-                                    hi - lo, [attr], [0], 1, stream)
-        err = res[0] if isinstance(res, tuple) else res
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+        batch_copies(cu, *(v[lo:hi] for v in lists), stream, overlap)
 
     print("| row | routed rows | gather MB | host enqueue ms: one batch, batches of 128 | "
           + " | ".join(f"{v} ms" for v in ROW_COPY_VARIANTS) + " |", file=out)
@@ -339,6 +314,6 @@ def probe_moe_row_copies(rows, iters: int = 7, out=sys.stdout):
                    (batches_of_128, cycles), (lambda: (sm_gather(), gmm()), 0),
                    (beside(lambda: torch.index_select(x, 0, tok, out=xs2)), 0),
                    (beside(lambda: one_batch(xs2, side)), cycles), (beside(lambda: batches_of_128(xs2, side)), cycles)]
-            t = [_behind_sleep_ms(fn, iters, cyc) for fn, cyc in fns]
+            t = [median_ms(fn, iters, warmup=2, sleep_cycles=cyc) for fn, cyc in fns]
             print(f"| {row.model} {row.tokens} {row.routing} | {R} | {R * row_bytes / 1e6:.0f} | "
                   f"{host[0]:.1f}, {host[1]:.1f} | " + " | ".join(f"{v:.3f}" for v in t) + " |", file=out, flush=True)

@@ -88,6 +88,7 @@ import re
 import statistics
 import sys
 
+from .copies import batch_copies
 from .dist import bench_interleaved
 from .gemm import lower_with_waits, parse_shapes
 from .timing import interleaved_ms, median_ms
@@ -160,19 +161,6 @@ def probe_ag_gather(shapes, iters=30, out=sys.stdout):
 
 # -- copy engine ------------------------------------------------------------------------------------
 
-def _batch_copy(cu, dst, src, nbytes, stream, flags):
-    attr = cu.CUmemcpyAttributes()
-    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    attr.flags = flags
-    loc = cu.CUmemLocation()
-    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    loc.id = 0
-    attr.srcLocHint = attr.dstLocHint = loc
-    (err,) = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(dst)], [cu.CUdeviceptr(src)], [nbytes], 1, [attr], [0], 1, stream)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
-
-
 def probe_copy_engine(out=sys.stdout):
     import torch
     from cuda.bindings import driver as cu
@@ -189,8 +177,8 @@ def probe_copy_engine(out=sys.stdout):
             a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             d = torch.empty_like(a)
             copies = {"cuMemcpyAsync": lambda h: cu.cuMemcpyAsync(d.data_ptr(), a.data_ptr(), 2 * n, h),
-                      "cuMemcpyBatchAsync + PREFER_OVERLAP": lambda h: _batch_copy(cu, d.data_ptr(), a.data_ptr(), 2 * n,
-                                                                                   h, overlap)}
+                      "cuMemcpyBatchAsync + PREFER_OVERLAP": lambda h: batch_copies(cu, [d.data_ptr()], [a.data_ptr()], [2 * n],
+                                                                                    h, overlap)}
             for name, copy in copies.items():
                 d.zero_()
                 copy(main.cuda_stream)
@@ -568,11 +556,10 @@ def main(argv) -> int:
         from .moe_probes import probe_moe_notifies
         probe_moe_notifies(_parsed_rows(ap, args.rows), **its)
     elif args.what == "moe_schedules":
-        from .baselines import _parse_row
         from .moe_probes import DEFAULT_SCHEDULES, parse_schedules, probe_moe_schedules, schedule_kernels
+        rows = _parsed_rows(ap, args.rows)
         try:
             schedules = parse_schedules(DEFAULT_SCHEDULES if args.schedules is None else args.schedules)
-            rows = [_parse_row(r) for r in args.rows.split(",")]
             kernels = [schedule_kernels(r, schedules, args.layer) for r in rows]   # refusals before any launch
         except (argparse.ArgumentTypeError, ValueError) as e:
             ap.error(str(e))

@@ -7,14 +7,19 @@ import random
 import statistics
 
 
-def median_ms(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` launches, timed with CUDA events."""
+def median_ms(fn, iters: int, warmup: int = 5, sleep_cycles: int = 0) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` launches, timed with CUDA events.
+    ``sleep_cycles``: each timed launch queued behind a GPU sleep that long, so that a host
+    enqueue slower than the device (tens of thousands of copies) is not timed as device time."""
     import torch
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if sleep_cycles:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

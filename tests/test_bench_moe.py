@@ -509,3 +509,40 @@ def test_the_moe_benchmarks_header_names_the_clusters_the_folded_kernel_runs_wit
     out = io.StringIO()
     assert moe.main(["--rows", "mixtral:2048:random"], out=out) == 0
     assert "the folded kernel" not in out.getvalue().splitlines()[0]
+
+
+def test_gather_order_reaches_the_ag_layers_routing_and_rows(monkeypatch):
+    """``bench moe --gather-order layout``: the staged row gather visits the row tiles in their
+    layout order (the routing's ``tile_visit`` replaced), for the same-run comparison with the
+    op's order by tokens (the default); the header says which; the rs layer refuses it."""
+    import contextlib
+    import io
+
+    import numpy as np
+    from tldsl.bench import moe
+    from tldsl.bench.baselines import _parse_row
+    row = _parse_row("mixtral:2048:random")
+    _, rt, _ = moe.ag_program(row, stage_rows="on")
+    _, layout, _ = moe.ag_program(row, stage_rows="on", gather_order="layout")
+    assert layout.tile_visit.tolist() == list(range(rt.num_tiles)) != rt.tile_visit.tolist()
+    assert np.array_equal(layout.sorted_token_ids, rt.sorted_token_ids)      # the same layout: only the visit
+    with pytest.raises(ValueError, match="gather_order must be one of"):
+        moe.ag_program(row, gather_order="experts")
+    assert moe.parse_args([]).gather_order == "tokens"
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--gather-order", "random"])
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--layer", "rs", "--gather-order", "layout"])
+    seen = []
+
+    def fake_row(row, iters, *args, run=0, gather_order="tokens", **kw):
+        seen.append(gather_order)
+        return dict(ms=1.0, gmm_ms=1.0, seq_ms=1.2, flops=1e9, tflops=1.0, gmm_tflops=1.0, err=1e-3,
+                    padded=4352, routed=4096, parts_ms=[])
+    monkeypatch.setattr(moe, "bench_row", fake_row)
+    monkeypatch.setattr(moe, "fresh_placement", lambda run: contextlib.nullcontext())
+    out = io.StringIO()
+    assert moe.main(["--rows", "mixtral:2048:random", "--gather-order", "layout"], out=out) == 0
+    assert "staged rows gathered in layout order" in out.getvalue().splitlines()[0]
+    assert moe.main(["--rows", "mixtral:2048:random"], out=io.StringIO()) == 0
+    assert seen == ["layout", "tokens"]

@@ -78,7 +78,8 @@ def rs_kernel(W=4, comm=None, Ms=250, N=768, K=512, dt=tl.float16, tile=(128, 12
 def moe_kernel(W=4, comm=None, Ms=64, K=256, E=8, topk=2, BM=64):
     NT = moe_num_tiles(W * Ms * topk, E, BM)
     return allgather_moe.trace(W, S((Ms, K), tl.bfloat16), S((E, K, 128), tl.bfloat16), S((NT,), tl.int32),
-                               S((NT,), tl.int32), S((NT, 2), tl.int32), S((NT * BM,), tl.int32), S((NT * BM, 128), tl.bfloat16),
+                               S((NT,), tl.int32), S((NT, 2), tl.int32), S((NT,), tl.int32), S((NT * BM,), tl.int32),
+                               S((NT * BM, 128), tl.bfloat16),
                                compute=tl.ComputeSchedule(tile=(BM, 128, 64)), comm=comm)
 
 
@@ -434,7 +435,8 @@ def test_clusters_lower_for_the_grouped_gemm_and_are_rejected_by_attention():
     from tldsl.codegen import lower_attention, lower_grouped_gemm
     NT = moe_num_tiles(4 * 64 * 2, 8, 64)
     moe = allgather_moe.trace(4, S((64, 256), tl.bfloat16), S((8, 256, 128), tl.bfloat16), S((NT,), tl.int32),
-                              S((NT,), tl.int32), S((NT, 2), tl.int32), S((NT * 64,), tl.int32), S((NT * 64, 128), tl.bfloat16),
+                              S((NT,), tl.int32), S((NT, 2), tl.int32), S((NT,), tl.int32), S((NT * 64,), tl.int32),
+                              S((NT * 64, 128), tl.bfloat16),
                               compute=tl.ComputeSchedule(tile=(64, 128, 64), cluster=(2, 1)), comm=AG_SM[0])
     assert lower_grouped_gemm(moe).cluster_dims == (2, 1, 1)
     spa = sp_attention.trace(4, *(S((512, 256), tl.bfloat16),) * 4, heads=4,

@@ -64,7 +64,7 @@ def trace_ag(tile=(128, 128, 64), stages=4, order="row_major", dt=tl.float16, W=
     NT = moe_num_tiles(T * topk, E, BM)
     c = tl.ComputeSchedule(tile=tile, stages=stages, order=order, group_m=group_m, cluster=cluster)
     return allgather_moe.trace(W, S((Ms, K), dt), S((E, K, Nr), dt), S((NT,), tl.int32), S((NT,), tl.int32),
-                               S((NT, 2), tl.int32),
+                               S((NT, 2), tl.int32), S((NT,), tl.int32),
                                S((NT * BM,), tl.int32), S((NT * BM, Nr), dt), compute=c,
                                comm=comm or tl.CommSchedule(tile_m=64, mode="pull"), stage_rows=stage_rows)
 

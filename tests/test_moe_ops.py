@@ -32,8 +32,8 @@ class HostRouter:
     def __call__(self, topk_ids):
         self.calls += 1
         rt = moe_routing(topk_ids.numpy(), E, self.W, MS, self.BM)
-        names = ("tile_expert", "tile_valid_rows", "tile_tokens", "sorted_token_ids", "token_pos", "tile_token_tiles",
-                 "tile_num_token_tiles", "token_tile_producers")
+        names = ("tile_expert", "tile_valid_rows", "tile_tokens", "tile_visit", "sorted_token_ids", "token_pos",
+                 "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
         return {n: torch.from_numpy(np.ascontiguousarray(getattr(rt, n))) for n in names}
 
 
@@ -169,7 +169,7 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     with monkeypatch.context() as mp:               # a router of the caller's that leaves a table out
         mp.setattr(op, "_router", lambda topk_ids: {"tile_expert": torch.zeros(1)})
         with pytest.raises(InputError, match=r"the router returned no \['tile_valid_rows', 'tile_tokens', "
-                                             r"'sorted_token_ids'\]"):
+                                             r"'tile_visit', 'sorted_token_ids'\]"):
             op(x, ids, w1)
     assert op.launches == 0
     with pytest.raises(InputError, match="tables: missing"):

@@ -3,6 +3,8 @@ the routing tables, both kernels against numpy for fixed cases, the whole layer 
 and bad inputs rejected before anything is simulated."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -25,9 +27,10 @@ def _check_tables(rt, ids):
     T, topk = ids.shape
     BM, E = rt.block_m, rt.num_experts
     assert rt.num_tiles == moe_num_tiles(T * topk, E, BM)
-    for name in ("sorted_token_ids", "tile_expert", "tile_valid_rows", "tile_tokens", "tile_ranks",
+    for name in ("sorted_token_ids", "tile_expert", "tile_valid_rows", "tile_tokens", "tile_ranks", "tile_visit",
                  "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers"):
         assert getattr(rt, name).dtype == np.int32, name
+    assert rt.tile_visit.tolist() == _visit_from_scratch(rt)
     # every routed (t, k) has one sorted row, in a tile of its expert
     row_of = rt.row_of
     assert sorted(row_of.ravel().tolist()) == sorted(set(row_of.ravel().tolist()))
@@ -67,6 +70,38 @@ def _check_tables(rt, ids):
     assert np.all(rt.token_tile_producers >= 1)
 
 
+def _visit_from_scratch(rt):
+    """tile_visit by its definition: the used tiles sorted by ((2l + 1) / n_e, e) — tile l of the n_e
+    tiles of expert e, in layout order — then the unused ones in place."""
+    te = rt.tile_expert.tolist()
+    n = {e: te.count(e) for e in set(te) if e >= 0}
+    local, key = {}, {}
+    for i, e in enumerate(te):
+        if e >= 0:
+            key[i] = (Fraction(2 * local.get(e, 0) + 1, n[e]), e)
+            local[e] = local.get(e, 0) + 1
+    return sorted(key, key=key.get) + [i for i, e in enumerate(te) if e < 0]
+
+
+@pytest.mark.parametrize("interleave", [None, 1, 2, 3])
+@pytest.mark.parametrize("E,topk,BM,kind", [(8, 2, 8, "random"), (5, 3, 4, "random"), (6, 2, 8, "concentrated"),
+                                            (1, 1, 8, "random"), (64, 6, 4, "random")])
+def test_tile_visit_orders_the_tiles_by_where_their_tokens_lie(E, topk, BM, kind, interleave):
+    """``tile_visit`` is a permutation of the row tiles: the used ones by their place in their expert
+    (tiles over the same tokens together, whatever the layout), the unused ones last."""
+    rng = np.random.default_rng(E * 10 + topk)
+    T = 96
+    ids, _ = random_routing(rng, T, E, topk, kind)
+    rt = moe_routing(ids, E, 1, T, BM, interleave=interleave)
+    assert rt.tile_visit.dtype == np.int32
+    assert rt.tile_visit.tolist() == _visit_from_scratch(rt)
+    used = int((rt.tile_expert >= 0).sum())
+    first = rt.tile_tokens[rt.tile_visit[:used], 0]
+    if kind == "random" and E > 1 and interleave is None:
+        # the first tokens of the tiles visited in turn rise with the visit, all but locally
+        assert np.corrcoef(np.arange(used), first)[0, 1] > 0.9
+
+
 @pytest.mark.parametrize("W,Ms,E,topk,BM,kind", [
     (1, 5, 3, 1, 8, "random"), (3, 7, 5, 2, 8, "random"), (4, 12, 6, 3, 16, "random"),
     (8, 12, 6, 3, 8, "random"), (2, 9, 4, 1, 8, "concentrated"), (5, 3, 6, 3, 32, "concentrated"),
@@ -96,6 +131,9 @@ def test_routing_tables_by_hand():
     assert rt.tile_token_tiles.tolist() == [[0, -1], [1, -1], [2, -1], [0, 1], [2, -1], [0, 1], [2, -1],
                                             [-1, -1]]
     assert rt.token_tile_producers.tolist() == [3, 3, 3]      # e.g. tokens {4, 5}: tiles 2, 4 and 6
+    # by (2l + 1) / n_e, ties by expert: 1/6 (tile 0), 1/4 (tiles 3, 5), 3/6 (1), 3/4 (4, 6), 5/6 (2); unused 7
+    assert rt.tile_visit.tolist() == [0, 3, 5, 1, 4, 6, 2, 7]
+    assert rt.tile_tokens[rt.tile_visit[:7], 0].tolist() == [0, 0, 1, 2, 4, 4, 5]
     assert rt.num_rows == 16
     _check_tables(rt, ids)
 
@@ -267,6 +305,23 @@ def test_allgather_moe_waits_only_for_the_rows_in_the_tables():
             tl.simulate(allgather_moe, W, inputs, compute=compute, comm=comm)
         for r in range(W):
             inputs[r]["tile_tokens"] = rt.tile_tokens
+
+
+def test_a_visit_order_that_is_no_permutation_is_a_race_the_simulator_names():
+    """The staged row gather finds its row tile in ``tile_visit``: a table visiting one tile twice
+    (and another never) has two tasks write the same rows of ``x_sorted`` unordered."""
+    W, Ms, K, Nr, E = 2, 8, 16, 8, 4
+    rng = np.random.default_rng(3)
+    ids, _ = random_routing(rng, W * Ms, E, 2)
+    rt, xs, w1, inputs = _allgather_inputs(rng, W, Ms, K, Nr, E, ids, 8)
+    compute, comm = _compute(8, 8, 8), tl.CommSchedule(tile_m=8, mode="pull")
+    _check_h(tl.simulate(allgather_moe, W, inputs, compute=compute, comm=comm, stage_rows=True), rt, xs, w1, W)
+    bad = rt.tile_visit.copy()
+    bad[1] = bad[0]
+    for r in range(W):
+        inputs[r]["tile_visit"] = bad
+    with pytest.raises(tl.RaceError, match=r"x_sorted.*gather_rows\(0,0\)"):
+        tl.simulate(allgather_moe, W, inputs, compute=compute, comm=comm, stage_rows=True)
 
 
 # -- MoE + ReduceScatter ---------------------------------------------------------------------------

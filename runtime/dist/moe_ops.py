@@ -37,7 +37,7 @@ from . import program_op
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
-AG_TABLES = ("tile_expert", "tile_valid_rows", "tile_tokens", "sorted_token_ids")
+AG_TABLES = ("tile_expert", "tile_valid_rows", "tile_tokens", "tile_visit", "sorted_token_ids")
 RS_TABLES = ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
 
 

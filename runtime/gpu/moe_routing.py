@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...errors import InputError
-from ...ops.moe import MoERouting, moe_num_tiles
+from ...ops.moe import MoERouting, moe_num_tiles, visit_order
 
 #: threads of the fused, count and scatter kernels, routed rows per thread, rows per chunk (8 rows per
 #: thread: 64 chunks at 32768 x top-8, so the sums over every chunk's counts stay small; BENCHMARKS.md,
@@ -55,7 +55,7 @@ NAME = "tldsl_moe_routing"
 
 #: the tables, in :class:`~tldsl.ops.moe.MoERouting`'s names, then the info words and the workspace
 TABLES = ("expert_counts", "sorted_token_ids", "tile_expert", "tile_valid_rows", "tile_tokens", "tile_ranks",
-          "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
+          "tile_visit", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
 
 
 def entry(kernel: str, id_dtype: str | None = None) -> str:
@@ -74,11 +74,12 @@ def routing_source(items: int = ITEMS) -> str:
               f"    const {ct}* ids, int R, int T, int topk, int E, int BM, int NT, int Ms, int width, int TT, int nc,",
               "    int* block_counts, int* block_bad, int* sorted_token_ids, int* token_pos, int* tile_expert,",
               "    int* tile_valid_rows, int* expert_counts, int* info, int* tile_tokens, int* tile_ranks,",
-              "    int* tile_token_tiles, int* tile_num_token_tiles, int* producers, unsigned* barrier) {",
+              "    int* tile_token_tiles, int* tile_num_token_tiles, int* producers, int* tile_visit,",
+              "    unsigned* barrier) {",
               f"  {ns}::fused_kernel<{ct}, {THREADS}, {items}>(ids, R, T, topk, E, BM, NT, Ms, width, TT, nc,",
               "      block_counts, block_bad, sorted_token_ids, token_pos, tile_expert, tile_valid_rows,",
               "      expert_counts, info, tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers,",
-              "      barrier);",
+              "      tile_visit, barrier);",
               "}", "",
               f'extern "C" __global__ void __launch_bounds__({THREADS}) {entry("count", dt)}(',
               f"    const {ct}* ids, int R, int E, int* block_counts, int* block_bad, int* producers, int TT) {{",
@@ -93,9 +94,11 @@ def routing_source(items: int = ITEMS) -> str:
               "}", ""]
     L += [f'extern "C" __global__ void __launch_bounds__({TILE_THREADS}) {entry("tiles")}(',
           "    int* sorted_token_ids, const int* tile_valid_rows, int NT, int BM, int Ms, int width, int* tile_tokens,",
-          "    int* tile_ranks, int* tile_token_tiles, int* tile_num_token_tiles, int* producers) {",
+          "    int* tile_ranks, int* tile_token_tiles, int* tile_num_token_tiles, int* producers,",
+          "    const int* tile_expert, const int* expert_counts, int E, int* tile_visit) {",
           f"  {ns}::tiles_kernel<{TILE_THREADS}>(sorted_token_ids, tile_valid_rows, NT, BM, Ms, width, tile_tokens,",
-          "      tile_ranks, tile_token_tiles, tile_num_token_tiles, producers);",
+          "      tile_ranks, tile_token_tiles, tile_num_token_tiles, producers, tile_expert, expert_counts, E,",
+          "      tile_visit);",
           "}", ""]
     return "\n".join(L)
 
@@ -169,6 +172,7 @@ class RoutingSizes:
         NT, T = self.num_tiles, self.num_tokens
         return {"expert_counts": (self.num_experts,), "sorted_token_ids": (NT * self.block_m,),
                 "tile_expert": (NT,), "tile_valid_rows": (NT,), "tile_tokens": (NT, 2), "tile_ranks": (NT, 2),
+                "tile_visit": (NT,),
                 "token_pos": (self.topk * T,), "tile_token_tiles": (NT, self.width), "tile_num_token_tiles": (NT,),
                 "token_tile_producers": (self.token_tiles,), "info": (3,),
                 "block_counts": (self.blocks, self.num_experts), "block_bad": (self.blocks,), "barrier": (1,)}
@@ -277,6 +281,8 @@ def model_tables(topk_ids, num_experts: int, world_size: int, rows_per_rank: int
             out["tile_ranks"][i] = (toks[0] // rows_per_rank, toks[-1] // rows_per_rank + 1)
         else:
             out["tile_tokens"][i] = out["tile_ranks"][i] = (0, 0)
+    # and each tile's place in the visit order: by its local index among its expert's tiles
+    out["tile_visit"][:] = visit_order(te, np.where(te >= 0, tiles - tstart[np.maximum(te, 0)], 0), ntiles)
     return out
 
 
@@ -443,7 +449,7 @@ class MoERoutingBuilder:
                             tb["block_counts"], tb["block_bad"], tb["sorted_token_ids"], tb["token_pos"],
                             tb["tile_expert"], tb["tile_valid_rows"], tb["expert_counts"], tb["info"],
                             tb["tile_tokens"], tb["tile_ranks"], tb["tile_token_tiles"], tb["tile_num_token_tiles"],
-                            tb["token_tile_producers"], tb["barrier"]),
+                            tb["token_tile_producers"], tb["tile_visit"], tb["barrier"]),
                        _launch_config(fk, grid, block, cooperative=True), cooperative=True)
         split = [
             (self._kernels[("count", dt)], (NB, 1, 1), (THREADS, 1, 1),
@@ -455,7 +461,7 @@ class MoERoutingBuilder:
             (self._kernels[("tiles", None)], (-(-NT // (TILE_THREADS // 32)), 1, 1), (TILE_THREADS, 1, 1),
              pack(tb["sorted_token_ids"], tb["tile_valid_rows"], NT, BM, Ms, s.width,
                   tb["tile_tokens"], tb["tile_ranks"], tb["tile_token_tiles"], tb["tile_num_token_tiles"],
-                  tb["token_tile_producers"]))]
+                  tb["token_tile_producers"], tb["tile_expert"], tb["expert_counts"], E, tb["tile_visit"]))]
         # the first kernel waits for whatever came before it on the stream; the next two may start early
         split = [Launch(kern, g, b, p, None if i == 0 else _launch_config(kern, g, b, pdl=True))
                  for i, (kern, g, b, p) in enumerate(split)]

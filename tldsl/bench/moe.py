@@ -2,6 +2,7 @@
 
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
+                              [--gather-order tokens|layout]
                               [--group-m N] [--partial out|f32] [--iters 10] [--repeat 1] [--processes 1]
                               [--json PATH]
 
@@ -15,7 +16,9 @@ is wide enough to pay for it (``--stage-rows``, :func:`tldsl.ops.moe.stage_rows_
 their own before the GEMM reads them by TMA (the two kernels then also timed one by one, and a
 device-to-device copy of the bytes the gather moves, its bound; with
 ``--fold on``, that pass runs inside the GEMM's kernel, on its producer's spare warps, ahead of the
-GEMM tiles waiting for its rows: one launch, its waits real) — so it
+GEMM tiles waiting for its rows: one launch, its waits real; ``--gather-order``: that pass visits the
+row tiles by the tokens they hold, as the routing's ``tile_visit`` orders them (``tokens``, the
+op's), or in their layout order, expert after expert (``layout``, as before that table)) — so it
 is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
 kernel alone) and with torch's whole sequence (the row gather ``index_select`` +
 ``_grouped_mm``). Each row is checked against ``_grouped_mm`` first; TFLOP/s count the routed
@@ -75,6 +78,9 @@ TP = 2
 #: AllGatherMoE does), ``on`` / ``off`` force the routed rows' gather into a pass of its own / into
 #: the grouped GEMM
 STAGE_ROWS = ("auto", "on", "off")
+#: ``--gather-order`` choices: the staged row gather's visit of the row tiles, by the routing's
+#: ``tile_visit`` (by the tokens the tiles hold) or in layout order (each expert's tiles in turn)
+GATHER_ORDERS = ("tokens", "layout")
 
 
 def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
@@ -85,14 +91,16 @@ def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
 
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None):
+                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None,
+                gather_order: str = "tokens"):
     """``(topk_ids, host routing, traced program, {part: lowered kernel})`` of one row (one rank's
     slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
     row gather where the rows are staged (``gather_rows``); ``interleave``: the routing's tiles in
-    rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``group_m``: :func:`ag_program`'s."""
+    rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``group_m``, ``gather_order``:
+    :func:`ag_program`'s."""
     from tldsl.codegen import lower, lower_grouped_gemm
     from tldsl.runtime.gpu.run_plan import stream_ordered
-    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m)
+    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m, gather_order)
     parts = [p.name for p in k.parts if p.role == "compute"]
     as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
     # the grouped GEMM by its own recipe, which names what it refuses (``lower`` would fall back to the general
@@ -101,16 +109,26 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
 
 
 def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-               stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None):
+               stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None,
+               gather_order: str = "tokens"):
     """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1);
     ``group_m``: a group's rows of the swizzled order, counted in cluster tiles (``cluster`` tile rows
-    each; the schedule's default unless given)."""
+    each; the schedule's default unless given); ``gather_order``: one of :data:`GATHER_ORDERS` (``layout``:
+    the routing's ``tile_visit`` replaced by the tiles' layout order)."""
+    import dataclasses
+
+    import numpy as np
+
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
+    if gather_order not in GATHER_ORDERS:
+        raise ValueError(f"gather_order must be one of {GATHER_ORDERS}, got {gather_order!r}")
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     ids, _ = random_topk(T, E, topk, row.routing, device="cpu", seed=7)
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0], interleave=interleave)
+    if gather_order == "layout":
+        rt = dataclasses.replace(rt, tile_visit=np.arange(rt.num_tiles, dtype=np.int32))
     k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
                                                           cluster=(cluster, 1),
@@ -336,18 +354,19 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
               cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None,
-              run: int = 0, group_m: int | None = None) -> dict:
+              run: int = 0, group_m: int | None = None, gather_order: str = "tokens") -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
     where the rows are staged, which ``parts_ms`` then times one by one, and last a copy of the
     gather's bytes). ``fold`` (rows staged): ``ms`` is the grouped GEMM with the row gather folded
     into its kernel (one launch, its waits real), ``parts_ms`` the two kernels one after the other
-    first; ``group_m``: :func:`ag_program`'s."""
+    first; ``group_m``, ``gather_order``: :func:`ag_program`'s."""
     import numpy as np
     import torch
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m)
+    ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m,
+                                       gather_order)
     tabs = rt.allgather_tables()
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E)
@@ -472,6 +491,9 @@ def parse_args(argv):
                          "spare warps as the GEMM's columns complete (on), or launched after it (off); ag: the row "
                          "gather folded into the grouped GEMM's kernel, ahead of the tiles that read its rows (on; "
                          "the rows staged), or launched before it (off)")
+    ap.add_argument("--gather-order", choices=GATHER_ORDERS, default="tokens",
+                    help="ag, rows staged: the row gather visits the row tiles by the tokens they hold (tokens: the "
+                         "routing's tile_visit, the op's order) or expert after expert, in layout order (layout)")
     ap.add_argument("--group-m", type=int, default=None,
                     help="a group's rows of the swizzled order, in cluster tiles (default: the schedule's 8; "
                          "rs: for both kernels, and with --fold on all of them: column by column, so that a "
@@ -511,6 +533,8 @@ def parse_args(argv):
     if args.partial is not None and args.layer != "rs":
         ap.error("--partial: MoE+ReduceScatter's partial (--layer rs); AllGather+MoE has none")
     args.partial = args.partial or "out"
+    if args.gather_order != "tokens" and args.layer != "ag":
+        ap.error("--gather-order: AllGather+MoE's row gather (--layer ag); MoE+ReduceScatter has none")
     if args.layer == "ag" and args.fold == "on":
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
@@ -552,8 +576,9 @@ def main(argv, out=sys.stdout) -> int:
         repeats += f"; the median over {args.processes} processes, each a fresh one"
     partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
                if rs else "")
+    order = "" if rs else f", staged rows gathered in {args.gather_order} order"
     print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1)"
-          f"{folded}{partial}; ms (median of {args.iters}, interleaved{repeats})", file=out)
+          f"{folded}{partial}{order}; ms (median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
@@ -597,7 +622,8 @@ def main(argv, out=sys.stdout) -> int:
                                                  partial_dtype=args.partial)
                                     if rs else
                                     bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
-                                              args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m))
+                                              args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m,
+                                              gather_order=args.gather_order))
                 r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1
@@ -649,7 +675,8 @@ def _write_json(args, records: list[dict]) -> None:
     process's speed (``speeds``) and its repeats' (``speeds_per_process``)."""
     import json
     options = {k: getattr(args, k) for k in ("layer", "tile", "stages", "cluster", "stage_rows", "fold", "group_m",
-                                              "interleave", "partial", "dtype", "iters", "repeat", "processes")}
+                                              "gather_order", "interleave", "partial", "dtype", "iters", "repeat",
+                                              "processes")}
     with open(args.json, "w") as f:
         json.dump({"benchmark": "moe", "options": options, "rows": records}, f, indent=1)
 

@@ -21,7 +21,8 @@
 //              most of this phase's time); token_pos is stored per row.
 //  3. tiles:   one warp per row tile reads its tile's tokens (ascending), writes the padding
 //              rows (-1), tile_tokens and tile_ranks (first and last token), the distinct token
-//              tiles (token // BM) it holds and adds one to each one's producer count.
+//              tiles (token // BM) it holds and adds one to each one's producer count; then the
+//              tile's place in tile_visit (visit_from: arithmetic on the experts' tile counts).
 //
 // Two ways to run them. Three kernels on one stream (count, scatter, tiles), launched with
 // programmatic dependent launch where allowed (the next kernel's blocks start early and wait in
@@ -450,6 +451,46 @@ __device__ __forceinline__ void tiles_from(int i, int stride, int NT, const int*
   }
 }
 
+// The sum of v over the warp's lanes, in every lane.
+__device__ __forceinline__ long long warp_sum(long long v) {
+  for (int d = kWarp / 2; d > 0; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
+  return v;
+}
+
+// Phase 3's tile_visit for tiles i, i + stride, ... by one warp (tldsl.ops.moe.visit_order): the used
+// tiles ordered by (2l + 1) / n_e (tile l of the n_e tiles of expert e), ties by expert, so row tile i
+// goes to position l + the count, over every other expert e', of its tiles l' with
+// (2l' + 1) n_e < (2l + 1) n_e' (<= where e' < e): no sort, the lanes take the experts. Unused tiles
+// keep their place. Reads what phase 2 wrote (tile_expert, expert_counts) past L1.
+__device__ __forceinline__ void visit_from(int i, int stride, int NT, int E, int BM, const int* tile_expert,
+                                           const int* expert_counts, int* tile_visit) {
+  const int lane = threadIdx.x % kWarp;
+  for (; i < NT; i += stride) {
+    const int e = __ldcg(tile_expert + i);
+    if (e < 0) {
+      if (lane == 0) tile_visit[i] = i;
+      continue;
+    }
+    long long start = 0;                             // the expert's first tile: its local index l
+    for (int q = lane; q < e; q += kWarp) start += (__ldcg(expert_counts + q) + BM - 1) / BM;
+    const long long l = i - warp_sum(start);
+    const long long ne = (__ldcg(expert_counts + e) + BM - 1) / BM;
+    long long before = 0;
+    for (int q = lane; q < E; q += kWarp) {
+      const long long nq = (__ldcg(expert_counts + q) + BM - 1) / BM;
+      if (q == e) {
+        before += l;
+        continue;
+      }
+      const long long a = (2 * l + 1) * nq, d = a / ne;
+      const long long c = q < e ? (d + 1) / 2 : (d + (a % ne != 0 ? 1 : 0)) / 2;
+      before += c < nq ? c : nq;
+    }
+    before = warp_sum(before);
+    if (lane == 0) tile_visit[before] = i;
+  }
+}
+
 // The first bad routed row over all chunks (block 0 only needs it): a min over block_bad.
 template <int kThreads>
 __device__ void reduce_bad(const int* block_bad, int nc, int* bad_s) {
@@ -552,12 +593,14 @@ template <int kThreads>
 __device__ void tiles_kernel(int* sorted_token_ids, const int* tile_valid_rows, int NT, int BM, int Ms, int width,
                              int* __restrict__ tile_tokens, int* __restrict__ tile_ranks,
                              int* __restrict__ tile_token_tiles, int* __restrict__ tile_num_token_tiles,
-                             int* __restrict__ producers) {
+                             int* __restrict__ producers, const int* tile_expert, const int* expert_counts, int E,
+                             int* __restrict__ tile_visit) {
   constexpr int kWarps = kThreads / kWarp;
   const int i = blockIdx.x * kWarps + threadIdx.x / kWarp;
   griddep_wait();                                  // the scatter kernel's rows and tile tables
   tiles_from(i, NT, NT, tile_valid_rows, sorted_token_ids, BM, Ms, width, tile_tokens, tile_ranks,
              tile_token_tiles, tile_num_token_tiles, producers);
+  visit_from(i, NT, NT, E, BM, tile_expert, expert_counts, tile_visit);
 }
 
 // -- the fused kernel ----------------------------------------------------------------------------
@@ -572,7 +615,7 @@ __device__ void fused_kernel(const IdT* __restrict__ ids, int R, int T, int topk
                              int width, int TT, int nc, int* block_counts, int* block_bad, int* sorted_token_ids,
                              int* token_pos, int* tile_expert, int* tile_valid_rows, int* expert_counts, int* info,
                              int* tile_tokens, int* tile_ranks, int* tile_token_tiles, int* tile_num_token_tiles,
-                             int* producers, unsigned* barrier) {
+                             int* producers, int* tile_visit, unsigned* barrier) {
   constexpr int kWarps = kThreads / kWarp;
   extern __shared__ int smem[];
   const Shared<kThreads, kItems> sh(smem, E);
@@ -600,6 +643,7 @@ __device__ void fused_kernel(const IdT* __restrict__ ids, int R, int T, int topk
   grid_sync(barrier);
   tiles_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, tile_valid_rows, sorted_token_ids, BM, Ms, width,
              tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers);
+  visit_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, E, BM, tile_expert, expert_counts, tile_visit);
 }
 
 }  // namespace moe_routing

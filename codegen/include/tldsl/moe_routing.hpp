@@ -451,42 +451,50 @@ __device__ __forceinline__ void tiles_from(int i, int stride, int NT, const int*
   }
 }
 
-// The sum of v over the warp's lanes, in every lane.
-__device__ __forceinline__ long long warp_sum(long long v) {
-  for (int d = kWarp / 2; d > 0; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
-  return v;
+// Every expert's tile count ceil(count / BM) into n[0, E) and its first tile into first[0, E) (shared
+// memory), by the whole block (warp_sums: kThreads / 32 ints): what visit_from reads for each tile.
+template <int kThreads>
+__device__ void expert_tiles(int E, int BM, const int* expert_counts, int* n, int* first, int* warp_sums) {
+  for (int e = threadIdx.x; e < E; e += kThreads) first[e] = n[e] = (__ldcg(expert_counts + e) + BM - 1) / BM;
+  __syncthreads();
+  block_exclusive_scan<kThreads>(first, E, warp_sums);
+}
+
+// How many of the n_q tiles l' of expert q sort before tile l of the n_e tiles of expert e, by
+// (2l' + 1) / n_q against (2l + 1) / n_e, ties first where q < e (T: 32-bit where the products fit).
+template <class T>
+__device__ __forceinline__ int tiles_before(T l, T ne, T nq, bool tie_first) {
+  const T a = (2 * l + 1) * nq, d = a / ne;
+  const T c = tie_first ? (d + 1) / 2 : (d + (a - d * ne != 0 ? 1 : 0)) / 2;
+  return int(c < nq ? c : nq);
 }
 
 // Phase 3's tile_visit for tiles i, i + stride, ... by one warp (tldsl.ops.moe.visit_order): the used
 // tiles ordered by (2l + 1) / n_e (tile l of the n_e tiles of expert e), ties by expert, so row tile i
-// goes to position l + the count, over every other expert e', of its tiles l' with
-// (2l' + 1) n_e < (2l + 1) n_e' (<= where e' < e): no sort, the lanes take the experts. Unused tiles
-// keep their place. Reads what phase 2 wrote (tile_expert, expert_counts) past L1.
-__device__ __forceinline__ void visit_from(int i, int stride, int NT, int E, int BM, const int* tile_expert,
-                                           const int* expert_counts, int* tile_visit) {
+// goes to position l + the count, over every other expert q, of its tiles that sort before (no sort:
+// the lanes take the experts). Unused tiles keep their place. n, first: expert_tiles'.
+__device__ __forceinline__ void visit_from(int i, int stride, int NT, int E, const int* tile_expert, const int* n,
+                                           const int* first, int* tile_visit) {
   const int lane = threadIdx.x % kWarp;
+  const bool narrow = NT < 46000;                  // (2l + 1) n_q < 2^32
   for (; i < NT; i += stride) {
-    const int e = __ldcg(tile_expert + i);
+    const int e = __ldcg(tile_expert + i);         // phase 2 wrote it
     if (e < 0) {
       if (lane == 0) tile_visit[i] = i;
       continue;
     }
-    long long start = 0;                             // the expert's first tile: its local index l
-    for (int q = lane; q < e; q += kWarp) start += (__ldcg(expert_counts + q) + BM - 1) / BM;
-    const long long l = i - warp_sum(start);
-    const long long ne = (__ldcg(expert_counts + e) + BM - 1) / BM;
-    long long before = 0;
+    const int l = i - first[e], ne = n[e];
+    int before = 0;
     for (int q = lane; q < E; q += kWarp) {
-      const long long nq = (__ldcg(expert_counts + q) + BM - 1) / BM;
-      if (q == e) {
+      if (q == e)
         before += l;
-        continue;
-      }
-      const long long a = (2 * l + 1) * nq, d = a / ne;
-      const long long c = q < e ? (d + 1) / 2 : (d + (a % ne != 0 ? 1 : 0)) / 2;
-      before += c < nq ? c : nq;
+      else if (narrow)
+        before += tiles_before<unsigned>(l, ne, n[q], q < e);
+      else
+        before += tiles_before<unsigned long long>(l, ne, n[q], q < e);
     }
-    before = warp_sum(before);
+#pragma unroll
+    for (int d = kWarp / 2; d > 0; d /= 2) before += __shfl_xor_sync(0xffffffffu, before, d);
     if (lane == 0) tile_visit[before] = i;
   }
 }
@@ -589,18 +597,20 @@ __device__ void scatter_kernel(const IdT* __restrict__ ids, int R, int T, int to
 }
 
 // Kernel 3: phase 3, one warp per row tile.
-template <int kThreads>
+template <int kThreads, int kMaxExperts>
 __device__ void tiles_kernel(int* sorted_token_ids, const int* tile_valid_rows, int NT, int BM, int Ms, int width,
                              int* __restrict__ tile_tokens, int* __restrict__ tile_ranks,
                              int* __restrict__ tile_token_tiles, int* __restrict__ tile_num_token_tiles,
                              int* __restrict__ producers, const int* tile_expert, const int* expert_counts, int E,
                              int* __restrict__ tile_visit) {
   constexpr int kWarps = kThreads / kWarp;
+  __shared__ int n[kMaxExperts], first[kMaxExperts], warp_sums[kWarps];
   const int i = blockIdx.x * kWarps + threadIdx.x / kWarp;
   griddep_wait();                                  // the scatter kernel's rows and tile tables
   tiles_from(i, NT, NT, tile_valid_rows, sorted_token_ids, BM, Ms, width, tile_tokens, tile_ranks,
              tile_token_tiles, tile_num_token_tiles, producers);
-  visit_from(i, NT, NT, E, BM, tile_expert, expert_counts, tile_visit);
+  expert_tiles<kThreads>(E, BM, expert_counts, n, first, warp_sums);
+  visit_from(i, NT, NT, E, tile_expert, n, first, tile_visit);
 }
 
 // -- the fused kernel ----------------------------------------------------------------------------
@@ -643,7 +653,9 @@ __device__ void fused_kernel(const IdT* __restrict__ ids, int R, int T, int topk
   grid_sync(barrier);
   tiles_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, tile_valid_rows, sorted_token_ids, BM, Ms, width,
              tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers);
-  visit_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, E, BM, tile_expert, expert_counts, tile_visit);
+  int* n = sh.wcnt;                                // phase 2's per-warp counts are done with: 2E of kWarps * E
+  expert_tiles<kThreads>(E, BM, expert_counts, n, n + E, warp_sums);
+  visit_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, E, tile_expert, n, n + E, tile_visit);
 }
 
 }  // namespace moe_routing

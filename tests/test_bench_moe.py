@@ -529,6 +529,10 @@ def test_gather_order_reaches_the_ag_layers_routing_and_rows(monkeypatch):
     with pytest.raises(ValueError, match="gather_order must be one of"):
         moe.ag_program(row, gather_order="experts")
     assert moe.parse_args([]).gather_order == "tokens"
+    # folded into the GEMM, which takes its tiles as they complete: layout order, as AllGatherMoE chooses
+    assert moe.parse_args(["--fold", "on"]).gather_order == "layout"
+    assert moe.parse_args(["--fold", "on", "--gather-order", "tokens"]).gather_order == "tokens"
+    assert moe.parse_args(["--layer", "rs"]).gather_order == "tokens"        # (unused there)
     with pytest.raises(SystemExit):
         moe.parse_args(["--gather-order", "random"])
     with pytest.raises(SystemExit):

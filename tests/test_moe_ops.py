@@ -312,3 +312,37 @@ def test_the_op_stages_by_default_at_one_rank_only(monkeypatch, W):
     assert all(op.stage_rows is True for op in forced) and "gather_rows" in [p.name for p in forced[0].kernel.parts]
     for op in ag + forced:
         op.close()
+
+
+@pytest.mark.parametrize("chain", ["after", "beside", "folded"])
+def test_a_staged_gather_the_gemm_overlaps_visits_the_tiles_in_layout_order(monkeypatch, chain):
+    """AllGatherMoE with its rows staged: run before the grouped GEMM (``chain="after"``, the
+    default) the gather visits the row tiles by tokens (the routing's ``tile_visit``); where the
+    GEMM overlaps it and takes tiles as they complete ("beside", "folded"), in layout order. The
+    same ``h`` either way."""
+    from tldsl.ops.moe import reference_allgather_moe
+    from tldsl.runtime.dist import program_op
+    g = Group(monkeypatch, 1, 0)
+    c8 = tl.ComputeSchedule(tile=(8, 32, 32))           # 8-row tiles: two or more an expert, so the orders differ
+    ag = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16),
+                                             TOPK, compute=c8, router=HostRouter(1, 8), device=dev, timeout_s=2.0,
+                                             stage_rows=True, chain=chain))
+    seen = []
+    real = program_op.FusedProgram.__call__
+
+    def spy(self, *args, **kw):
+        seen.append(kw["tile_visit"].clone())
+        return real(self, *args, **kw)
+    monkeypatch.setattr(program_op.FusedProgram, "__call__", spy)
+    rng = np.random.default_rng(5)
+    ids, _ = random_routing(rng, MS, E, TOPK)
+    x = rng.standard_normal((MS, K)).astype(np.float16)
+    w1 = (rng.standard_normal((E, K, NR)) / 4).astype(np.float16)
+    h, tables = ag[0](torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w1))
+    ag[0].synchronize()
+    rt = moe_routing(ids, E, 1, MS, 8)
+    np.testing.assert_allclose(host(h), reference_allgather_moe([x], w1, rt), rtol=2e-2, atol=3e-2)
+    layout = list(range(rt.num_tiles))
+    assert host(tables["tile_visit"]).tolist() == rt.tile_visit.tolist() != layout      # what the router built
+    assert host(seen[0]).tolist() == (rt.tile_visit.tolist() if chain == "after" else layout)
+    ag[0].close()

@@ -224,8 +224,24 @@ class AllGatherMoE(_Routed, FusedProgram):
         if h is None:
             b = self.kernel.buffer("h")
             h = torch.empty(tuple(b.type.shape), dtype=x.dtype, device=x.device)
-        FusedProgram.__call__(self, x=x, w1=w1, h=h, **{n: tables[n] for n in AG_TABLES})
+        args = {n: tables[n] for n in AG_TABLES}
+        if self.stage_rows and self.chain != "after":
+            args["tile_visit"] = self._layout_visit(args["tile_visit"])
+        FusedProgram.__call__(self, x=x, w1=w1, h=h, **args)
         return h, tables
+
+    def _layout_visit(self, visit):
+        """The row tiles in layout order, for a staged gather the grouped GEMM overlaps (``chain``
+        "beside" or "folded"): that GEMM takes its tiles as the gather completes them, expert after
+        expert, and a visit by tokens (the routing's ``tile_visit``, what a gather run before the
+        GEMM wants) would hold its first tiles back until every expert's tiles over the same tokens
+        were in (measured on one H100, the gather folded into the GEMM: Mixtral 8192 tokens 0.55x
+        ``_grouped_mm`` by tokens, 1.00x in layout order; BENCHMARKS.md, forty-second session)."""
+        import torch
+        cached = getattr(self, "_layout_visit_cache", None)
+        if cached is None or cached.shape != visit.shape or cached.device != visit.device:
+            cached = self._layout_visit_cache = torch.arange(visit.shape[0], dtype=torch.int32, device=visit.device)
+        return cached
 
     def _problem(self) -> str:
         return (f"AllGather+MoE: {self.world_size} x {self.rows_per_rank} tokens, top-{self.topk} of "

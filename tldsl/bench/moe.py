@@ -17,8 +17,9 @@ their own before the GEMM reads them by TMA (the two kernels then also timed one
 device-to-device copy of the bytes the gather moves, its bound; with
 ``--fold on``, that pass runs inside the GEMM's kernel, on its producer's spare warps, ahead of the
 GEMM tiles waiting for its rows: one launch, its waits real; ``--gather-order``: that pass visits the
-row tiles by the tokens they hold, as the routing's ``tile_visit`` orders them (``tokens``, the
-op's), or in their layout order, expert after expert (``layout``, as before that table)) — so it
+row tiles by the tokens they hold, as the routing's ``tile_visit`` orders them (``tokens``), or in
+their layout order, expert after expert (``layout``); by default as AllGatherMoE does: by tokens
+before the GEMM, in layout order folded into it) — so it
 is compared with ``torch._grouped_mm`` on the same expert-sorted rows already gathered (the
 kernel alone) and with torch's whole sequence (the row gather ``index_select`` +
 ``_grouped_mm``). Each row is checked against ``_grouped_mm`` first; TFLOP/s count the routed
@@ -354,17 +355,19 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
               cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None,
-              run: int = 0, group_m: int | None = None, gather_order: str = "tokens") -> dict:
+              run: int = 0, group_m: int | None = None, gather_order: str | None = None) -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
     where the rows are staged, which ``parts_ms`` then times one by one, and last a copy of the
     gather's bytes). ``fold`` (rows staged): ``ms`` is the grouped GEMM with the row gather folded
     into its kernel (one launch, its waits real), ``parts_ms`` the two kernels one after the other
-    first; ``group_m``, ``gather_order``: :func:`ag_program`'s."""
+    first; ``group_m``, ``gather_order``: :func:`ag_program`'s (None: ``layout`` folded, else ``tokens``,
+    as AllGatherMoE chooses)."""
     import numpy as np
     import torch
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
+    gather_order = gather_order or ("layout" if fold else "tokens")
     ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m,
                                        gather_order)
     tabs = rt.allgather_tables()
@@ -491,9 +494,10 @@ def parse_args(argv):
                          "spare warps as the GEMM's columns complete (on), or launched after it (off); ag: the row "
                          "gather folded into the grouped GEMM's kernel, ahead of the tiles that read its rows (on; "
                          "the rows staged), or launched before it (off)")
-    ap.add_argument("--gather-order", choices=GATHER_ORDERS, default="tokens",
+    ap.add_argument("--gather-order", choices=GATHER_ORDERS, default=None,
                     help="ag, rows staged: the row gather visits the row tiles by the tokens they hold (tokens: the "
-                         "routing's tile_visit, the op's order) or expert after expert, in layout order (layout)")
+                         "routing's tile_visit) or expert after expert, in layout order (layout); default: as "
+                         "AllGatherMoE does, tokens for a gather before the GEMM, layout for one folded into it")
     ap.add_argument("--group-m", type=int, default=None,
                     help="a group's rows of the swizzled order, in cluster tiles (default: the schedule's 8; "
                          "rs: for both kernels, and with --fold on all of them: column by column, so that a "
@@ -533,12 +537,14 @@ def parse_args(argv):
     if args.partial is not None and args.layer != "rs":
         ap.error("--partial: MoE+ReduceScatter's partial (--layer rs); AllGather+MoE has none")
     args.partial = args.partial or "out"
-    if args.gather_order != "tokens" and args.layer != "ag":
+    if args.gather_order is not None and args.layer != "ag":
         ap.error("--gather-order: AllGather+MoE's row gather (--layer ag); MoE+ReduceScatter has none")
     if args.layer == "ag" and args.fold == "on":
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
         args.stage_rows = "on"
+    if args.gather_order is None:       # (the fused op's choice: a GEMM overlapping the gather wants layout order)
+        args.gather_order = "layout" if args.layer == "ag" and args.fold == "on" else "tokens"
     for opt, what in (("interleave", "tiles"), ("group_m", "tile rows"), ("repeat", "timings"), ("iters", "launches"),
                       ("processes", "processes")):
         value = getattr(args, opt)

@@ -307,7 +307,9 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
     back where ``Nr`` is wide (:func:`stage_rows_pays`). That pass visits the row tiles in
     ``tile_visit``'s order: the tiles over the same tokens together, so a token's ``topk`` copies
     are read about at once and all but the first come from L2 (Mixtral's 32768 tokens: 0.353 ->
-    0.308 ms on one H200, 0.481 -> 0.346 on one H100; BENCHMARKS.md, forty-second session)."""
+    0.308 ms on one H200, 0.481 -> 0.346 on one H100; BENCHMARKS.md, forty-second session). That
+    suits a pass run before the GEMM; a GEMM that overlaps it and takes tiles as they complete
+    wants them in layout order (``tile_visit = arange``: what AllGatherMoE passes then)."""
     W = tl.world_size()
     Ms, K = x.shape
     BM, BN, BK = compute.tile

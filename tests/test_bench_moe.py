@@ -537,6 +537,9 @@ def test_gather_order_reaches_the_ag_layers_routing_and_rows(monkeypatch):
         moe.parse_args(["--gather-order", "random"])
     with pytest.raises(SystemExit):
         moe.parse_args(["--layer", "rs", "--gather-order", "layout"])
+    with pytest.raises(SystemExit):                 # no staged gather to order
+        moe.parse_args(["--stage-rows", "off", "--gather-order", "layout"])
+    assert moe.parse_args(["--stage-rows", "off"]).gather_order == "tokens"
     seen = []
 
     def fake_row(row, iters, *args, run=0, gather_order="tokens", **kw):
@@ -549,4 +552,7 @@ def test_gather_order_reaches_the_ag_layers_routing_and_rows(monkeypatch):
     assert moe.main(["--rows", "mixtral:2048:random", "--gather-order", "layout"], out=out) == 0
     assert "staged rows gathered in layout order" in out.getvalue().splitlines()[0]
     assert moe.main(["--rows", "mixtral:2048:random"], out=io.StringIO()) == 0
-    assert seen == ["layout", "tokens"]
+    out = io.StringIO()
+    assert moe.main(["--rows", "mixtral:2048:random", "--stage-rows", "off"], out=out) == 0
+    assert "gathered in" not in out.getvalue().splitlines()[0]
+    assert seen == ["layout", "tokens", "tokens"]

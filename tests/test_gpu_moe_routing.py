@@ -62,6 +62,7 @@ CASES = [  # W, Ms, topk, E, BM, kind, dtype
     (1, 1, 1, 1, 128, "one", "int32"),
     (3, 5, 4, 16, 64, "uniform", "int32"),
     (1, 5000, 1, 3, 1, "zipf", "int32"),
+    (1, 50000, 1, 4, 1, "zipf", "int32"),    # 50000 row tiles: tile_visit's 64-bit sums (NARROW_TILES)
 ]
 
 #: the ways one call can run: the fused kernel (its grid as chosen, or capped so that every

@@ -188,3 +188,20 @@ def test_an_interleaved_layout_computes_the_same_layer_in_the_simulator():
                                       comm=tl.CommSchedule(tile_m=8, mode="push"))
     want = reference_moe_reduce_scatter(hs, w2, wts, rt)
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("counts", [[5, 3, 0, 2], [1], [4, 4, 4, 4], [7, 1, 3], [30000, 17000, 1]])
+def test_the_devices_visit_sums_are_the_sort_by_place_in_the_expert(counts):
+    """``model_visit`` (the tiles kernel's per-tile sums, uint32 below ``NARROW_TILES`` tiles and
+    64-bit past them, as the device takes them) against a sort of the used tiles by
+    ``((2l + 1) / n_e, e)`` in exact fractions; unused tiles keep their place."""
+    from fractions import Fraction
+    from tldsl.runtime.gpu.moe_routing import NARROW_TILES, model_visit
+    n = np.array(counts)
+    te = np.concatenate([np.full(c, e) for e, c in enumerate(counts)] + [np.full(3, -1)]).astype(np.int32)
+    first = np.cumsum(n) - n
+    key = {i: (Fraction(2 * (i - first[e]) + 1, n[e]), e) for i, e in enumerate(te.tolist()) if e >= 0}
+    want = sorted(key, key=key.get) + list(range(len(key), te.size))
+    got = model_visit(te, first, n)
+    assert got.dtype == np.int32 and got.tolist() == want
+    assert (te.size >= NARROW_TILES) == (sum(counts) > 46000)        # the last case takes the 64-bit sums

@@ -221,6 +221,8 @@ class AllGatherMoE(_Routed, FusedProgram):
         if missing:
             raise InputError(f"the router returned no {missing} (a router returns every table of "
                              "tldsl.ops.moe.MoERouting by name)")
+        # (a router's tile_visit must be a permutation of the row tiles, as moe_routing's: a tile visited
+        # twice leaves another's rows never staged, and the GEMM's wait for them traps at timeout_s)
         if h is None:
             b = self.kernel.buffer("h")
             h = torch.empty(tuple(b.type.shape), dtype=x.dtype, device=x.device)

@@ -24,7 +24,10 @@ routed row ``t * topk + k`` (else -1). The host checks everything it can see wit
 the device — shapes, dtypes, sizes — and raises :class:`~tldsl.InputError` before a launch.
 
 :func:`model_tables` is the device algorithm written in numpy (chunks of ``CHUNK`` routed rows,
-warps of consecutive rows, rounds of 32 lanes), for the tests without a GPU.
+warps of consecutive rows, rounds of 32 lanes; ``tile_visit`` by counting, per tile, each other
+expert's tiles that sort before it, in 32-bit arithmetic where the device uses it), for the tests
+without a GPU: the tests hold it to :func:`~tldsl.ops.moe.moe_routing`'s tables, ``tile_visit``
+to :func:`~tldsl.ops.moe.visit_order`'s sort.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...errors import InputError
-from ...ops.moe import MoERouting, moe_num_tiles, visit_order
+from ...ops.moe import MoERouting, moe_num_tiles
 
 #: threads of the fused, count and scatter kernels, routed rows per thread, rows per chunk (8 rows per
 #: thread: 64 chunks at 32768 x top-8, so the sums over every chunk's counts stay small; BENCHMARKS.md,
@@ -46,8 +49,11 @@ CHUNK = THREADS * ITEMS
 WARPS = THREADS // 32
 #: threads of the per-tile kernel (one warp per row tile)
 TILE_THREADS = 256
-#: the scatter and fused kernels keep (4 + WARPS) * E + 1 + 2 * CHUNK ints in shared memory
+#: the scatter and fused kernels keep (4 + WARPS) * E + 1 + 2 * CHUNK ints in shared memory, and the
+#: tiles kernel 2 * MAX_EXPERTS (static: 16 KB a block; past about 6000 experts, more than 48 KB)
 MAX_EXPERTS = 2048
+#: below this many row tiles the tiles kernel's ``tile_visit`` sums are 32-bit: (2l + 1) n_q < 2^32
+NARROW_TILES = 46000
 #: the most dynamic shared memory one block may take on sm_90
 MAX_SMEM = 227 * 1024
 ID_DTYPES = {"int32": "int", "int64": "long long"}
@@ -283,9 +289,37 @@ def model_tables(topk_ids, num_experts: int, world_size: int, rows_per_rank: int
             out["tile_ranks"][i] = (toks[0] // rows_per_rank, toks[-1] // rows_per_rank + 1)
         else:
             out["tile_tokens"][i] = out["tile_ranks"][i] = (0, 0)
-    # and each tile's place in the visit order: by its local index among its expert's tiles
-    out["tile_visit"][:] = visit_order(te, np.where(te >= 0, tiles - tstart[np.maximum(te, 0)], 0), ntiles)
+    out["tile_visit"][:] = model_visit(te, tstart, ntiles)
     return out
+
+
+def model_visit(tile_expert, first, n) -> np.ndarray:
+    """``visit_from`` of ``moe_routing.hpp`` in numpy: each used tile's place is its index ``l``
+    among its expert's tiles plus, for every other expert ``q``, how many of ``q``'s tiles sort
+    before it (``tiles_before``: ``a = (2l + 1) n_q``, ``d = a // n_e``; ``(d + 1) // 2`` where
+    ``q < e``, else ``(d + (a % n_e > 0)) // 2``; at most ``n_q``), in uint32 below
+    :data:`NARROW_TILES` tiles as the device computes it; unused tiles keep their place.
+    ``first``, ``n``: each expert's first tile and tile count."""
+    te = np.asarray(tile_expert, np.int64)
+    NT = te.shape[0]
+    n = np.asarray(n, np.int64)
+    visit = np.arange(NT, dtype=np.int32)
+    used = np.flatnonzero(te >= 0)
+    if not used.size:
+        return visit
+    dt = np.uint32 if NT < NARROW_TILES else np.uint64
+    e = te[used]
+    loc = (used - np.asarray(first, np.int64)[e]).astype(dt)
+    ne = n[e].astype(dt)[:, None]
+    nq = n.astype(dt)[None, :]
+    a = (dt(2) * loc[:, None] + dt(1)) * nq
+    d = a // ne
+    q = np.arange(n.size)[None, :]
+    c = np.where(q < e[:, None], (d + dt(1)) // dt(2), (d + (a - d * ne != 0).astype(dt)) // dt(2))
+    c = np.minimum(c, nq).astype(np.int64)
+    c[np.arange(used.size), e] = loc.astype(np.int64)
+    visit[c.sum(axis=1)] = used
+    return visit
 
 
 # -- the GPU builder ---------------------------------------------------------------------------------

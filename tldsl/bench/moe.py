@@ -539,6 +539,9 @@ def parse_args(argv):
     args.partial = args.partial or "out"
     if args.gather_order is not None and args.layer != "ag":
         ap.error("--gather-order: AllGather+MoE's row gather (--layer ag); MoE+ReduceScatter has none")
+    if args.gather_order is not None and args.stage_rows == "off":
+        ap.error("--gather-order: the order of the staged row gather; with --stage-rows off the GEMM gathers "
+                 "its rows")
     if args.layer == "ag" and args.fold == "on":
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
@@ -582,7 +585,7 @@ def main(argv, out=sys.stdout) -> int:
         repeats += f"; the median over {args.processes} processes, each a fresh one"
     partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
                if rs else "")
-    order = "" if rs else f", staged rows gathered in {args.gather_order} order"
+    order = "" if rs or args.stage_rows == "off" else f", staged rows gathered in {args.gather_order} order"
     print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1)"
           f"{folded}{partial}{order}; ms (median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)

@@ -159,8 +159,9 @@ def visit_order(tile_expert, tile_local, expert_tiles) -> np.ndarray:
     inside an expert, is about where its tokens lie among all tokens — ties by expert; the
     unused tiles (expert -1) after them, in place. ``tile_local [NT]``: ``l`` of each tile;
     ``expert_tiles [E]``: ``n_e``. Integer arithmetic only, so the GPU's routing
-    (``moe_routing.hpp``, ``visit_rank``) computes the same permutation without sorting: a tile's
-    position is ``l`` plus, for every other expert, how many of its tiles sort before."""
+    (``moe_routing.hpp``: ``visit_from``, ``tiles_before``) computes the same permutation without
+    sorting: a tile's position is ``l`` plus, for every other expert, how many of its tiles sort
+    before."""
     te = np.asarray(tile_expert, np.int64)
     n = np.asarray(expert_tiles, np.int64)
     used = np.flatnonzero(te >= 0)

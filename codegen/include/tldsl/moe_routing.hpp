@@ -148,7 +148,8 @@ __device__ int block_exclusive_scan(int* x, int n, int* warp_sums) {
   return total;
 }
 
-// The shared memory of phases 1 and 2 (dynamic, ints): see smem_ints.
+// The shared memory of phases 1 and 2 (dynamic, ints): see smem_ints. Phase 3 of the fused kernel
+// reuses wcnt (done with by then) for expert_tiles' two ints per expert.
 template <int kThreads, int kItems>
 struct Shared {
   static constexpr int kWarps = kThreads / kWarp, kChunk = kThreads * kItems;
@@ -476,7 +477,7 @@ __device__ __forceinline__ int tiles_before(T l, T ne, T nq, bool tie_first) {
 __device__ __forceinline__ void visit_from(int i, int stride, int NT, int E, const int* tile_expert, const int* n,
                                            const int* first, int* tile_visit) {
   const int lane = threadIdx.x % kWarp;
-  const bool narrow = NT < 46000;                  // (2l + 1) n_q < 2^32
+  const bool narrow = NT < 46000;                  // (2l + 1) n_q < 2^32 (moe_routing.py's NARROW_TILES)
   for (; i < NT; i += stride) {
     const int e = __ldcg(tile_expert + i);         // phase 2 wrote it
     if (e < 0) {

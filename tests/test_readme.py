@@ -98,3 +98,12 @@ def test_the_sh_blocks_run_as_printed():
         tldsl_frames = [line for line in out.splitlines()
                         if re.match(rf'\s*File "{re.escape(str(ROOT))}/(tldsl|ir|codegen|runtime)/', line)]
         assert not tldsl_frames, f"{command!r} refused with a traceback:\n{out[-3000:]}"
+
+
+def test_the_readme_names_every_probe():
+    """``python -m tldsl.bench probe NAME``: the README's list of probes is every name the command
+    takes (a probe added without it was missing there)."""
+    from tldsl.bench.probes import NAMES
+    text = " ".join(README.read_text().split())
+    missing = [n for n in NAMES if re.search(rf"\b{n}\b", text) is None]
+    assert not missing, f"README.md does not name the probes {missing}"

@@ -308,17 +308,20 @@ def model_visit(tile_expert, first, n) -> np.ndarray:
     if not used.size:
         return visit
     dt = np.uint32 if NT < NARROW_TILES else np.uint64
-    e = te[used]
-    loc = (used - np.asarray(first, np.int64)[e]).astype(dt)
-    ne = n[e].astype(dt)[:, None]
     nq = n.astype(dt)[None, :]
-    a = (dt(2) * loc[:, None] + dt(1)) * nq
-    d = a // ne
     q = np.arange(n.size)[None, :]
-    c = np.where(q < e[:, None], (d + dt(1)) // dt(2), (d + (a - d * ne != 0).astype(dt)) // dt(2))
-    c = np.minimum(c, nq).astype(np.int64)
-    c[np.arange(used.size), e] = loc.astype(np.int64)
-    visit[c.sum(axis=1)] = used
+    step = max(1, (1 << 22) // n.size)           # tiles at a time: each [tiles, E] temporary at most 4M entries
+    for s0 in range(0, used.size, step):
+        tiles = used[s0:s0 + step]
+        e = te[tiles]
+        loc = (tiles - np.asarray(first, np.int64)[e]).astype(dt)
+        ne = n[e].astype(dt)[:, None]
+        a = (dt(2) * loc[:, None] + dt(1)) * nq
+        d = a // ne
+        c = np.where(q < e[:, None], (d + dt(1)) // dt(2), (d + (a - d * ne != 0).astype(dt)) // dt(2))
+        c = np.minimum(c, nq).astype(np.int64)
+        c[np.arange(tiles.size), e] = loc.astype(np.int64)
+        visit[c.sum(axis=1)] = tiles
     return visit
 
 

@@ -158,24 +158,19 @@ def visit_order(tile_expert, tile_local, expert_tiles) -> np.ndarray:
     tiles of expert ``e`` at the middle of its share of the expert's rows, which, tokens increasing
     inside an expert, is about where its tokens lie among all tokens — ties by expert; the
     unused tiles (expert -1) after them, in place. ``tile_local [NT]``: ``l`` of each tile;
-    ``expert_tiles [E]``: ``n_e``. Integer arithmetic only, so the GPU's routing
-    (``moe_routing.hpp``: ``visit_from``, ``tiles_before``) computes the same permutation without
-    sorting: a tile's position is ``l`` plus, for every other expert, how many of its tiles sort
-    before."""
+    ``expert_tiles [E]``: ``n_e``. Sorted here (the keys as doubles: division rounds correctly, so
+    equal fractions give equal keys, and two different ones with denominators this small differ
+    by far more than a rounding); the GPU's routing (``moe_routing.hpp``: ``visit_from``,
+    ``tiles_before``) computes the same permutation without sorting, by counting for each tile
+    every other expert's tiles that sort before it."""
     te = np.asarray(tile_expert, np.int64)
     n = np.asarray(expert_tiles, np.int64)
     used = np.flatnonzero(te >= 0)
     visit = np.arange(te.shape[0], dtype=np.int32)
     if used.size:
-        e, loc = te[used], np.asarray(tile_local, np.int64)[used]
-        a = (2 * loc[:, None] + 1) * n[None, :]                 # (2l + 1) n_e' against (2l' + 1) n_e
-        q = a // n[e][:, None]
-        before = np.where(np.arange(n.size)[None, :] < e[:, None],
-                          (q + 1) // 2,                        # ties included: e' < e first
-                          (q + (a % n[e][:, None] > 0)) // 2)     # strictly before
-        before = np.minimum(before, n[None, :])
-        before[np.arange(used.size), e] = loc
-        visit[before.sum(axis=1)] = used
+        e = te[used]
+        key = (2 * np.asarray(tile_local, np.int64)[used] + 1) / n[e]
+        visit[:used.size] = used[np.lexsort((e, key))]
     return visit
 
 

@@ -53,6 +53,7 @@ TILE_THREADS = 256
 #: tiles kernel 2 * MAX_EXPERTS (static: 16 KB a block; past about 6000 experts, more than 48 KB)
 MAX_EXPERTS = 2048
 #: below this many row tiles the tiles kernel's ``tile_visit`` sums are 32-bit: (2l + 1) n_q < 2^32
+#: (the kernels' kNarrowTiles, passed from here; model_visit takes the same widths)
 NARROW_TILES = 46000
 #: the most dynamic shared memory one block may take on sm_90
 MAX_SMEM = 227 * 1024
@@ -83,7 +84,8 @@ def routing_source(items: int = ITEMS) -> str:
               "    int* tile_valid_rows, int* expert_counts, int* info, int* tile_tokens, int* tile_ranks,",
               "    int* tile_token_tiles, int* tile_num_token_tiles, int* producers, int* tile_visit,",
               "    unsigned* barrier) {",
-              f"  {ns}::fused_kernel<{ct}, {THREADS}, {items}>(ids, R, T, topk, E, BM, NT, Ms, width, TT, nc,",
+              f"  {ns}::fused_kernel<{ct}, {THREADS}, {items}, {NARROW_TILES}>(ids, R, T, topk, E, BM, NT, Ms,",
+              "      width, TT, nc,",
               "      block_counts, block_bad, sorted_token_ids, token_pos, tile_expert, tile_valid_rows,",
               "      expert_counts, info, tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers,",
               "      tile_visit, barrier);",
@@ -103,10 +105,9 @@ def routing_source(items: int = ITEMS) -> str:
           "    int* sorted_token_ids, const int* tile_valid_rows, int NT, int BM, int Ms, int width, int* tile_tokens,",
           "    int* tile_ranks, int* tile_token_tiles, int* tile_num_token_tiles, int* producers,",
           "    const int* tile_expert, const int* expert_counts, int E, int* tile_visit) {",
-          f"  {ns}::tiles_kernel<{TILE_THREADS}, {MAX_EXPERTS}>(sorted_token_ids, tile_valid_rows, NT, BM, Ms, width,",
-          "      tile_tokens,",
-          "      tile_ranks, tile_token_tiles, tile_num_token_tiles, producers, tile_expert, expert_counts, E,",
-          "      tile_visit);",
+          f"  {ns}::tiles_kernel<{TILE_THREADS}, {MAX_EXPERTS}, {NARROW_TILES}>(sorted_token_ids, tile_valid_rows,",
+          "      NT, BM, Ms, width, tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers,",
+          "      tile_expert, expert_counts, E, tile_visit);",
           "}", ""]
     return "\n".join(L)
 

@@ -84,6 +84,12 @@ STAGE_ROWS = ("auto", "on", "off")
 GATHER_ORDERS = ("tokens", "layout")
 
 
+def default_gather_order(fold: bool) -> str:
+    """The staged gather's order AllGatherMoE takes: by tokens where the gather runs before the
+    GEMM, in layout order where the GEMM overlaps it (folded into its kernel)."""
+    return "layout" if fold else "tokens"
+
+
 def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
     """Whether the row's AllGather+MoE program gathers its routed rows in a pass of their own."""
     from tldsl.ops.moe import stage_rows_pays
@@ -367,7 +373,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     import torch
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, hidden, 2 * ffn // TP
-    gather_order = gather_order or ("layout" if fold else "tokens")
+    gather_order = gather_order or default_gather_order(fold)
     ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m,
                                        gather_order)
     tabs = rt.allgather_tables()
@@ -546,8 +552,8 @@ def parse_args(argv):
         if args.stage_rows == "off":
             ap.error("--fold on (ag) folds the row gather that stages the rows: not with --stage-rows off")
         args.stage_rows = "on"
-    if args.gather_order is None:       # (the fused op's choice: a GEMM overlapping the gather wants layout order)
-        args.gather_order = "layout" if args.layer == "ag" and args.fold == "on" else "tokens"
+    if args.gather_order is None:
+        args.gather_order = default_gather_order(args.layer == "ag" and args.fold == "on")
     for opt, what in (("interleave", "tiles"), ("group_m", "tile rows"), ("repeat", "timings"), ("iters", "launches"),
                       ("processes", "processes")):
         value = getattr(args, opt)

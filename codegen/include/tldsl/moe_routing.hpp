@@ -473,11 +473,13 @@ __device__ __forceinline__ int tiles_before(T l, T ne, T nq, bool tie_first) {
 // Phase 3's tile_visit for tiles i, i + stride, ... by one warp (tldsl.ops.moe.visit_order): the used
 // tiles ordered by (2l + 1) / n_e (tile l of the n_e tiles of expert e), ties by expert, so row tile i
 // goes to position l + the count, over every other expert q, of its tiles that sort before (no sort:
-// the lanes take the experts). Unused tiles keep their place. n, first: expert_tiles'.
+// the lanes take the experts). Unused tiles keep their place. n, first: expert_tiles'. Below
+// kNarrowTiles row tiles (moe_routing.py's NARROW_TILES) every (2l + 1) n_q fits 32 bits.
+template <int kNarrowTiles>
 __device__ __forceinline__ void visit_from(int i, int stride, int NT, int E, const int* tile_expert, const int* n,
                                            const int* first, int* tile_visit) {
   const int lane = threadIdx.x % kWarp;
-  const bool narrow = NT < 46000;                  // (2l + 1) n_q < 2^32 (moe_routing.py's NARROW_TILES)
+  const bool narrow = NT < kNarrowTiles;
   for (; i < NT; i += stride) {
     const int e = __ldcg(tile_expert + i);         // phase 2 wrote it
     if (e < 0) {
@@ -598,7 +600,7 @@ __device__ void scatter_kernel(const IdT* __restrict__ ids, int R, int T, int to
 }
 
 // Kernel 3: phase 3, one warp per row tile.
-template <int kThreads, int kMaxExperts>
+template <int kThreads, int kMaxExperts, int kNarrowTiles>
 __device__ void tiles_kernel(int* sorted_token_ids, const int* tile_valid_rows, int NT, int BM, int Ms, int width,
                              int* __restrict__ tile_tokens, int* __restrict__ tile_ranks,
                              int* __restrict__ tile_token_tiles, int* __restrict__ tile_num_token_tiles,
@@ -611,7 +613,7 @@ __device__ void tiles_kernel(int* sorted_token_ids, const int* tile_valid_rows, 
   tiles_from(i, NT, NT, tile_valid_rows, sorted_token_ids, BM, Ms, width, tile_tokens, tile_ranks,
              tile_token_tiles, tile_num_token_tiles, producers);
   expert_tiles<kThreads>(E, BM, expert_counts, n, first, warp_sums);
-  visit_from(i, NT, NT, E, tile_expert, n, first, tile_visit);
+  visit_from<kNarrowTiles>(i, NT, NT, E, tile_expert, n, first, tile_visit);
 }
 
 // -- the fused kernel ----------------------------------------------------------------------------
@@ -621,7 +623,7 @@ __device__ void tiles_kernel(int* sorted_token_ids, const int* tile_valid_rows, 
 // ranks stay in registers and shared memory across the first barrier, else phase 2 ranks each
 // chunk again. Blocks beyond the chunks join in phase 3 only. Dynamic shared memory:
 // Shared::smem_ints(E) ints.
-template <class IdT, int kThreads, int kItems>
+template <class IdT, int kThreads, int kItems, int kNarrowTiles>
 __device__ void fused_kernel(const IdT* __restrict__ ids, int R, int T, int topk, int E, int BM, int NT, int Ms,
                              int width, int TT, int nc, int* block_counts, int* block_bad, int* sorted_token_ids,
                              int* token_pos, int* tile_expert, int* tile_valid_rows, int* expert_counts, int* info,
@@ -656,7 +658,7 @@ __device__ void fused_kernel(const IdT* __restrict__ ids, int R, int T, int topk
              tile_tokens, tile_ranks, tile_token_tiles, tile_num_token_tiles, producers);
   int* n = sh.wcnt;                                // phase 2's per-warp counts are done with: 2E of kWarps * E
   expert_tiles<kThreads>(E, BM, expert_counts, n, n + E, warp_sums);
-  visit_from(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, E, tile_expert, n, n + E, tile_visit);
+  visit_from<kNarrowTiles>(g * kWarps + threadIdx.x / kWarp, G * kWarps, NT, E, tile_expert, n, n + E, tile_visit);
 }
 
 }  // namespace moe_routing

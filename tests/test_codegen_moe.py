@@ -935,7 +935,11 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
             loop.append(f"    if (act) {{ printf(\"rows\"); for (int r = 0; r < {bm}; ++r) "
                         "printf(\" %d\", prog.row(pid0, pid1, r)); printf(\"\\n\"); }")
     if lw.waits:
-        loop.append("    prog.waits(pid0, pid1);")
+        # one thread (the order the IR says), then a warp's 32 lanes one after another: each takes its share
+        # of the waiting loops' iterations, together every wait once (checked below)
+        loop.append("    prog.waits(pid0, pid1, 0, 1);")
+        loop.append("    printf(\"lanes\\n\"); for (int lane = 0; lane < 32; ++lane) prog.waits(pid0, pid1, lane, 32); "
+                    "printf(\"end lanes\\n\");")
     if not gemm:
         loop.append(f"    for (int tid = 0; tid < {lw.threads}; ++tid) prog.body(pid0, pid1, tid);")
     if gemm and lw.notifies and not lw.waits and not lw.gather and lw.side is None:
@@ -967,7 +971,28 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
             out = (np.fromfile(tmp_path / "out.bin", np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             out = np.fromfile(tmp_path / "out.bin", np.float32)
-    return run.stdout.splitlines(), out
+    return _lanes_checked(run.stdout.splitlines()), out
+
+
+def _lanes_checked(lines):
+    """The harness's output without the waits a warp's lanes ran, after checking that they are
+    the tile's waits as one thread ran them, each once (in whatever order the lanes took them)."""
+    kept, tile_waits, lanes = [], [], None
+    for line in lines:
+        if line.startswith("tile "):
+            tile_waits = []
+        if line == "lanes":
+            lanes = []
+        elif line == "end lanes":
+            assert sorted(lanes) == sorted(tile_waits), (lanes, tile_waits)
+            lanes = None
+        elif lanes is not None:
+            lanes.append(line)
+        else:
+            kept.append(line)
+            if line.startswith("wait "):
+                tile_waits.append(line)
+    return kept
 
 
 def _ir_signal_events(part: core.Part, tables: dict, pid, rank: int, launch: int):

@@ -17,7 +17,7 @@ No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 or 8 consecu
 a tile row (vector loads and stores, fp32 math; 8 — 16-byte loads — where the gathered rows are
 16-bit and the columns allow: :func:`..plan.combine.vector_width`), tiles visited persistently in the schedule's
 order (with the part's ``align_shift``). The generated ``Prog`` (:mod:`.prog_hooks`) holds
-the waits (one thread spins, then the CTA meets), the body (the per-row index and scale
+the waits (a warp's lanes spin, each on its share of the wait loops' iterations, then the CTA meets), the body (the per-row index and scale
 expressions, element by element) and the notifies (the CTA meets, then one thread releases).
 Rows < 0 of the gather read zero and out-of-bounds stores are dropped, as in the simulator.
 
@@ -113,7 +113,7 @@ def render_combine(plan: CombinePlan) -> LoweredCombine:
 
 def combine_hooks(plan: CombinePlan) -> list[str]:
     """The ``Prog`` hooks of a combine: ``waits``, ``body``, ``notifies``."""
-    fns = HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
+    fns = HookEmitter(plan, WHAT, WAIT_OPS, lanes=32).signal_fn("waits")
     fns += hook_fn("void body(int pid0, int pid1, int tid)", _body(plan))
     return fns + HookEmitter(plan, WHAT, NOTIFY_OPS).signal_fn("notifies")
 

@@ -178,7 +178,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
         n = HookEmitter(plan, WHAT).value(m.row_limit, "    ", L)
         fns += hook_fn("int valid_rows(int pid0, int pid1)", L + [f"    return {n};"])
     # waits() and notifies(), with their guards and loops
-    fns += HookEmitter(plan, WHAT, WAIT_OPS).signal_fn("waits")
+    fns += HookEmitter(plan, WHAT, WAIT_OPS, lanes=32).signal_fn("waits")
     # ... the notifies as one consumer thread runs them, or spread over the notifier warp's lanes
     # (sm90_grouped_gemm.hpp): only the one the template calls
     if plan.notifier_warp:

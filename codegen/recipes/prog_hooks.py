@@ -39,6 +39,17 @@ def prog_members(plan, first: list[tuple[str, str]] = ()) -> tuple[list[str], li
     return [f"  {t} {n};" for t, n in members], [n for _, n in members]
 
 
+def _holds_wait(op: core.Op) -> bool:
+    return op.name in WAIT_OPS or any(_holds_wait(o) for r in op.regions for o in r.ops)
+
+
+def _innermost_wait_loop(loop: core.Op) -> bool:
+    """Whether ``loop`` waits and no loop inside it does: the loop whose iterations lanes share."""
+    def inner_wait_loop(op):
+        return any((o.name == "for" and _holds_wait(o)) or inner_wait_loop(o) for r in op.regions for o in r.ops)
+    return _holds_wait(loop) and not inner_wait_loop(loop)
+
+
 class HookEmitter(SignalEmitter):
     """Renders one ``Prog`` hook of a plan: the ops of ``roots`` (waits or notifies) with the
     index code, loops and guards around them (:meth:`emit`), or values the tile program
@@ -52,9 +63,11 @@ class HookEmitter(SignalEmitter):
         self.plan = plan
         self.rows = rows                      # tile rows of a per-row value
         self.row: str | None = None           # the C++ row index while rendering per-row values
-        self.lanes = lanes                    # > 0: the hook is run by this many lanes (:meth:`signal_fn`)
+        self.lanes = lanes                    # > 0: lanes of a warp run the hook (:meth:`signal_fn`)
         self.notifies = 0
         self.notify_scopes: list[str] = []
+        self._spread_next = False             # waits over lanes: the loop being opened is spread
+        self._spread_depth = 0                # waits over lanes: spread loops around the op being emitted
 
     # -- the plan's parameters -----------------------------------------------------------------
     def table_expr(self, buf: core.Buffer) -> str:
@@ -82,30 +95,57 @@ class HookEmitter(SignalEmitter):
         """The ``waits`` / ``notifies`` member (nothing when the part has none): the roots with
         their loops and guards; notifies after one release fence at their widest scope.
 
-        With ``lanes`` (notifies only), ``name(pid0, pid1, lane)`` is run by that many lanes of a
-        warp at once: each fences for itself, then takes every ``lanes``-th iteration of the
-        outermost loops, and lane 0 the notifies outside any loop — the same adds, all of them
-        relaxed and commutative, in a fraction of one thread's dependent table reads."""
+        With ``lanes``, the member is run by several lanes of a warp at once, each with its
+        ``lane`` number. Notifies, ``name(pid0, pid1, lane)`` by ``lanes`` lanes: each fences
+        for itself, then takes every ``lanes``-th iteration of the outermost loops, and lane 0
+        the notifies outside any loop — the same adds, all of them relaxed and commutative, in a
+        fraction of one thread's dependent table reads. Waits, ``name(pid0, pid1, lane, lanes)``
+        by the ``lanes`` lanes the caller runs it on (1: one thread): each takes every
+        ``lanes``-th iteration of the innermost loops that wait, and lane 0 the waits outside
+        them — independent acquires in flight together rather than one after another (the
+        caller's barrier after them then orders every lane's acquire before the tile's reads)."""
         body = self.emit()
         if not body:
             return []
         if self.notifies:
             body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
                                                   "the tile's stores before its notifies"))
+        if self.lanes and self._waits_over_lanes:
+            return hook_fn(f"void {name}(int pid0, int pid1, int lane, int lanes)", body)
         if self.lanes:
-            assert not self.roots & WAIT_OPS, "only notifies are spread over lanes"
             return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)
         return hook_fn(f"void {name}(int pid0, int pid1)", body)
 
+    @property
+    def _waits_over_lanes(self) -> bool:
+        return bool(self.roots & WAIT_OPS)
+
+    def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        if not (self.lanes and self._waits_over_lanes and op.name == "for"):
+            return super().emit_op(op, ind, lines)
+        spread = self._spread_depth == 0 and _innermost_wait_loop(op)
+        self._spread_next = spread
+        self._spread_depth += spread
+        try:
+            super().emit_op(op, ind, lines)
+        finally:
+            self._spread_depth -= spread
+
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        if self.lanes and self.loop_depth == 0:     # (the step never carries iv past INT_MAX)
+        if self.lanes and self._waits_over_lanes:
+            spread, self._spread_next = self._spread_next, False
+            if spread:                                # (the step never carries iv past INT_MAX)
+                return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
+                        f"{iv} = {hi} - {iv} > lanes * {st} ? {iv} + lanes * {st} : {hi})")
+        elif self.lanes and self.loop_depth == 0:     # (the step never carries iv past INT_MAX)
             return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
                     f"{iv} = {hi} - {iv} > {self.lanes} * {st} ? {iv} + {self.lanes} * {st} : {hi})")
         return super().loop_header(iv, lo, hi, st)
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if op.name in WAIT_OPS:
-            lines.append(ind + self.wait_statement(op))
+            stmt = self.wait_statement(op)
+            lines.append(ind + (f"if (lane == 0) {stmt}" if self.lanes and not self._spread_depth else stmt))
         elif op.name in NOTIFY_OPS:
             scope, stmt = self.notify_statement(op, note=", released by the fence above")
             self.notify_scopes.append(scope)

@@ -7,7 +7,8 @@
 // 1. grouped_gemm_kernel — per output tile (pid0, pid1) of a 2-D grid, visited persistently
 //    in the schedule's order:
 //      if (!prog.active(pid0, pid1))  ->  skip, or store zeros (Cfg::kStoreInactive)
-//      prog.waits(pid0, pid1)             acquire spins (the tile program's prologue)
+//      prog.waits(pid0, pid1, lane, n)    acquire spins (the tile program's prologue), the
+//                                         iterations of its waiting loops shared by n lanes
 //      acc = sum_k A_tile(k) @ B[prog.batch(pid0, pid1)](k, pid1)
 //      C[pid0*BM.., pid1*BN..] = acc      TMA store, converted to C's type
 //      prog.notifies(pid0, pid1)          release adds, after the stores completed
@@ -565,9 +566,9 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
-            if (ptid == 0) {
-              prog.waits(p.m, p.n);                    // acquire: the rows this tile gathers
-              if (p.two) prog.waits(p.m + 1, p.n);
+            if (ptid < 32) {                           // acquire: the rows this tile gathers,
+              prog.waits(p.m, p.n, ptid, 32);          // a warp's acquires in flight together
+              if (p.two) prog.waits(p.m + 1, p.n, ptid, 32);
             }
             cutlass::arch::NamedBarrier::sync(Tr::kProducerThreads, Tr::kProducerBarrier);
             if (ptid == 0) fence_proxy_async_global();  // ... also before this thread's TMA loads
@@ -679,8 +680,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         if (!p.run) continue;
         if constexpr (Prog::kHasWaits) {
           if (p.active) {
-            prog.waits(p.m, p.n);              // acquire: every signal this tile's data depends on
-            if (p.two) prog.waits(p.m + 1, p.n);
+            prog.waits(p.m, p.n, 0, 1);        // acquire: every signal this tile's data depends on
+            if (p.two) prog.waits(p.m + 1, p.n, 0, 1);
             fence_proxy_async_global();        // ... before the async proxy (TMA) reads that data
           }
         }
@@ -882,18 +883,19 @@ __device__ __forceinline__ void combine_sync() {
 }
 
 // Cfg: kThreads, kGridM, kGridN, kOrder, kGroupM, kWorldSize, kAlignShift.
-// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1), notifies(pid0, pid1), body(pid0, pid1, tid).
+// Prog: kHasWaits, kHasNotifies, waits(pid0, pid1, lane, lanes), notifies(pid0, pid1), body(pid0, pid1, tid).
 // The tiles first, first + step, ... of the combine's order, by kThreads threads (tid 0..) that
 // meet at named barrier kBarrier (0: the whole CTA, __syncthreads).
 template <class Cfg, int kThreads, int kBarrier, class Prog>
 __device__ __forceinline__ void combine_tiles(int rank, const Prog& prog, int tid, int first, int step) {
   constexpr int gm = Cfg::kGridM, gn = Cfg::kGridN;
   static_assert(Cfg::kThreads == kThreads, "the combine's body strides by its Cfg::kThreads");
+  static_assert(kThreads >= 32, "a warp of the combine's threads runs its waits");
   const int start_row = comm_aligned_start(gm, rank, Cfg::kWorldSize, Cfg::kAlignShift);
   for (int t = first; t < gm * gn; t += step) {
     const TileCoord tc = tile_at(Cfg::kOrder, t, gm, gn, Cfg::kGroupM, start_row);
     if constexpr (Prog::kHasWaits) {
-      if (tid == 0) prog.waits(tc.m, tc.n);   // acquire ...
+      if (tid < 32) prog.waits(tc.m, tc.n, tid, 32);   // acquire, a warp's in flight together ...
       combine_sync<kThreads, kBarrier>();      // ... for every thread's loads of this tile
     }
     prog.body(tc.m, tc.n, tid);

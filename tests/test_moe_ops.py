@@ -5,6 +5,8 @@ routing every launch, routings with empty experts and with every token on the sa
 against numpy's layer written from scratch; bad input refused before anything is enqueued."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from test_program_op import Group, host  # noqa: E402
 
 from tldsl.errors import InputError  # noqa: E402
 from tldsl.ops.moe import moe_routing, random_routing, reference_moe, reference_moe_reduce_scatter  # noqa: E402
-from tldsl.runtime.dist.moe_ops import AllGatherMoE, MoEReduceScatter  # noqa: E402
+from tldsl.runtime.dist.moe_ops import AG_TABLES, RS_TABLES, AllGatherMoE, MoEReduceScatter  # noqa: E402
 
 C32 = tl.ComputeSchedule(tile=(32, 32, 32))
 MS, K, NR, E, TOPK = 24, 32, 32, 4, 2
@@ -180,6 +182,70 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     assert rs[0].launches == 0 and rs[0]._router.calls == 0
     for op in ag + rs:
         op.close()
+
+
+def _one_notify_less(d):
+    """Row tile 0 notifies one token tile less, and that tile counts one producer less: consistent
+    counts, but a row the combine reads is then never waited for."""
+    n = int(d["tile_num_token_tiles"][0])
+    d["token_tile_producers"][int(d["tile_token_tiles"][0, n - 1])] -= 1
+    d["tile_num_token_tiles"][0] = n - 1
+
+
+def _set(name, index, value):
+    """A mutation of one entry of one table (``value``: of the table)."""
+    return name, lambda d: d[name].__setitem__(index, value(d[name]))
+
+
+#: (table, a mutation of a correct routing, what the error says): each a way the kernels would hang,
+#: race or store a routed row as zero, so each must be refused before anything is enqueued
+BROKEN_TABLES = [
+    (*_set("tile_visit", 1, lambda t: t[0]), "'tile_visit' is not a permutation"),
+    (*_set("tile_expert", 0, lambda t: E), "'tile_expert' holds values outside"),
+    (*_set("tile_expert", 0, lambda t: (t[0] + 1) % E), "in a tile of another expert"),
+    (*_set("tile_valid_rows", 0, lambda t: 33), "'tile_valid_rows' holds values outside"),
+    (*_set("tile_valid_rows", 0, lambda t: 0), "past its tile's valid rows"),
+    (*_set("sorted_token_ids", 0, lambda t: 2 * MS), "'sorted_token_ids' holds values outside"),
+    (*_set("sorted_token_ids", 0, lambda t: t[1]), "disagrees with 'token_pos'"),
+    (*_set("tile_tokens", (0, 1), lambda t: 2 * MS + 1), "'tile_tokens' holds a range"),
+    (*_set("tile_tokens", (0, 1), lambda t: t[0, 0]), "outside its 'tile_tokens' range"),
+    (*_set("token_pos", 0, lambda t: -1), "'token_pos' holds values outside"),
+    (*_set("token_pos", 1, lambda t: t[0]), "sends two routed rows to one row"),
+    (*_set("token_tile_producers", 0, lambda t: t[0] + 1), "'token_tile_producers' is not the number"),
+    (*_set("tile_num_token_tiles", 0, lambda t: 99), "'tile_num_token_tiles' holds values outside"),
+    (*_set("tile_token_tiles", (0, 0), lambda t: 5), "names a token tile outside"),
+    ("tile_num_token_tiles", _one_notify_less, "does not notify the token tile"),
+]
+
+
+@pytest.mark.parametrize("table,breaks,match", BROKEN_TABLES, ids=[f"{b[0]}:{b[2][:24]}" for b in BROKEN_TABLES])
+def test_a_routing_the_library_did_not_build_is_checked_before_anything_is_enqueued(monkeypatch, table, breaks,
+                                                                                     match):
+    """A caller's router, or the tables handed to MoEReduceScatter: checked against the ids on the
+    ids' device (one read back, as the ids' own check) before the op enqueues anything."""
+    g, ag, rs = _layers(monkeypatch, 2, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
+    x, w1 = torch.zeros(MS, K, dtype=torch.float16), torch.zeros(E, K, NR, dtype=torch.float16)
+    h, w2 = torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16), torch.zeros(E, NR, K,
+                                                                                                dtype=torch.float16)
+    ids = torch.from_numpy(random_routing(np.random.default_rng(3), 2 * MS, E, TOPK)[0])
+    good = HostRouter(2, 32)(ids)
+    broken = {n: t.clone() for n, t in good.items()}
+    breaks(broken)
+    assert not torch.equal(broken[table], good[table])
+    op = rs[0] if table in RS_TABLES and table not in AG_TABLES else ag[0]
+    if op is ag[0]:
+        monkeypatch.setattr(op, "_router", lambda topk_ids: broken)
+        call = lambda: op(x, ids, w1)                                                # noqa: E731
+    else:
+        call = lambda: op(h, ids, torch.ones(2 * MS, TOPK), w2, broken)              # noqa: E731
+    with pytest.raises(InputError, match=re.escape(match)):
+        call()
+    assert op.launches == 0 and not any(g.fake.queues.values())                     # nothing enqueued
+    from tldsl.runtime.dist.moe_tables import check_routing_tables
+    names = AG_TABLES if op is ag[0] else RS_TABLES
+    check_routing_tables(good, names, ids, num_experts=E, block_m=32, num_tiles=op.num_tiles)   # the correct ones pass
+    for o in ag + rs:
+        o.close()
 
 
 def test_a_shard_written_into_the_ops_buffer_is_bound_in_place(monkeypatch):

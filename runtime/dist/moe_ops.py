@@ -21,6 +21,11 @@ kernels set an error word on the device instead (a bad routed row joins no exper
 memory is touched out of bounds) and :meth:`check_routing` reads it when the caller chooses.
 A call captured in a CUDA graph with ``validate_ids=True`` is refused with an InputError that
 says so (the check would read the device while the stream captures).
+
+**Tables the library did not build** — a caller's ``router``, or ``tables`` handed to
+``MoEReduceScatter`` — are checked in the same read with ``validate_ids=True``, against the ids
+(:mod:`.moe_tables`): the kernels trust their tables, and a wrong one would leave a wait
+unsatisfied until its timeout, or a row read before it is written.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
 from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
+from .moe_tables import RoutingTables, check_routing_tables
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
@@ -159,6 +165,13 @@ class _Routed:
             self._routing_buffers = self._router.empty_tables()
         return self._router(topk_ids, self._routing_buffers) if self._routing_buffers is not None else self._router(topk_ids)
 
+    def _check_foreign(self, tables: dict, names, topk_ids) -> None:
+        """With ``validate_ids``: tables the library's builder did not write (a caller's router, or
+        tables passed in) checked on the device before anything is enqueued (:mod:`.moe_tables`)."""
+        if self.validate_ids and not isinstance(tables, RoutingTables):
+            check_routing_tables(tables, names, topk_ids, num_experts=self.num_experts, block_m=self.block_m,
+                                 num_tiles=self.num_tiles)
+
     def check_routing(self, tables: dict) -> None:
         """Raise :class:`InputError` if the routing kernels flagged an id outside ``[0, E)`` (reads
         the device's error word: a synchronisation, at a point the caller chooses)."""
@@ -221,8 +234,7 @@ class AllGatherMoE(_Routed, FusedProgram):
         if missing:
             raise InputError(f"the router returned no {missing} (a router returns every table of "
                              "tldsl.ops.moe.MoERouting by name)")
-        # (a router's tile_visit must be a permutation of the row tiles, as moe_routing's: a tile visited
-        # twice leaves another's rows never staged, and the GEMM's wait for them traps at timeout_s)
+        self._check_foreign(tables, AG_TABLES, topk_ids)
         if h is None:
             b = self.kernel.buffer("h")
             h = torch.empty(tuple(b.type.shape), dtype=x.dtype, device=x.device)
@@ -298,6 +310,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
         missing = [n for n in RS_TABLES if n not in tables]
         if missing:
             raise InputError(f"tables: missing {missing} (pass what AllGatherMoE returned, or None)")
+        self._check_foreign(tables, RS_TABLES, topk_ids)
         if out is None:
             b = self.kernel.buffer("out")
             out = torch.empty(tuple(b.type.shape), dtype=h.dtype, device=h.device)

@@ -41,6 +41,11 @@ import numpy as np
 from ...errors import InputError
 from ...ops.moe import MoERouting, moe_num_tiles
 
+class RoutingTables(dict):
+    """The tables :class:`MoERoutingBuilder` writes (a ``dict`` by name, as any router's): the MoE
+    ops do not check them again (:mod:`tldsl.runtime.dist.moe_tables` checks a caller's)."""
+
+
 #: threads of the fused, count and scatter kernels, routed rows per thread, rows per chunk (8 rows per
 #: thread: 64 chunks at 32768 x top-8, so the sums over every chunk's counts stay small; BENCHMARKS.md,
 #: "MoE routing tables on the GPU", has the other choices measured)
@@ -378,7 +383,8 @@ class MoERoutingBuilder:
         ("barrier") must start at zero and every call leaves it there: it is zeroed here, and on
         the stream the first time a set of buffers is used; write nothing into it."""
         import torch
-        tables = {n: torch.empty(shape, dtype=torch.int32, device="cuda") for n, shape in self.sizes.shapes().items()}
+        tables = RoutingTables((n, torch.empty(shape, dtype=torch.int32, device="cuda"))
+                               for n, shape in self.sizes.shapes().items())
         tables["barrier"].zero_()
         return tables
 

@@ -1,0 +1,105 @@
+"""Routing tables the library did not build — a caller's ``router``, or ``tables`` handed to
+:class:`~.moe_ops.MoEReduceScatter` — checked before anything is enqueued.
+
+The MoE kernels trust their tables: a row tile the staged gather never visits leaves the grouped
+GEMM waiting until its timeout, a combine counting more producers than notify it waits as long,
+one counting fewer reads rows before they are written, and a routed row past its tile's valid
+rows is stored as zero. So where the op checks ``topk_ids`` on the device (``validate_ids=True``,
+one read back), it checks a foreign routing's tables in the same way: every table the op reads,
+against ``topk_ids`` where the tables say where each routed row went, all conditions reduced on
+the device and read back at once. The tables :class:`~..gpu.moe_routing.MoERoutingBuilder`
+builds (:class:`RoutingTables`) are the library's own and are not checked again."""
+from __future__ import annotations
+
+from ...errors import InputError
+from ..gpu.moe_routing import RoutingTables
+
+__all__ = ["RoutingTables", "check_routing_tables"]
+
+
+def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, block_m: int, num_tiles: int) -> None:
+    """Raise :class:`InputError` naming the first table of ``names`` (plus ``token_pos`` and
+    ``sorted_token_ids`` where present) that a kernel could not run safely and correctly on for
+    ``topk_ids [T, topk]``: shapes and dtypes on the host, then values on the device (one read)."""
+    import torch
+    T, topk = (int(s) for s in topk_ids.shape)
+    E, BM, NT = int(num_experts), int(block_m), int(num_tiles)
+    R, TT = NT * BM, -(-T // BM)
+    shapes = {"tile_expert": (NT,), "tile_valid_rows": (NT,), "tile_tokens": (NT, 2), "tile_visit": (NT,),
+              "sorted_token_ids": (R,), "token_pos": (topk * T,), "tile_token_tiles": (NT, min(BM, TT)),
+              "tile_num_token_tiles": (NT,), "token_tile_producers": (TT,)}
+    names = [n for n in shapes if n in set(names) | ({"token_pos", "sorted_token_ids"} & set(tables))]
+    t = {}
+    for n in names:
+        v = tables[n]
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.int32 or tuple(v.shape) != shapes[n] \
+                or v.device != topk_ids.device:
+            got = (f"{type(v).__name__}" if not isinstance(v, torch.Tensor)
+                   else f"{v.dtype} {list(v.shape)} on {v.device}")
+            raise InputError(f"routing table '{n}': an int32 tensor {list(shapes[n])} on {topk_ids.device}, got {got}")
+        t[n] = v.long()
+    bad: list[tuple[str, object]] = []      # (what is wrong, a device bool: whether it is)
+
+    def outside(n, lo, hi, what):
+        bad.append((f"'{n}' holds values outside [{lo}, {hi}) ({what})", ((t[n] < lo) | (t[n] >= hi)).any()))
+
+    if "tile_expert" in t:
+        outside("tile_expert", -1, E, f"an expert of {E}, or -1 for an unused tile")
+    if "tile_valid_rows" in t:
+        outside("tile_valid_rows", 0, BM + 1, f"rows of a tile of {BM}")
+    if "sorted_token_ids" in t:
+        outside("sorted_token_ids", -1, T, f"a token of {T}, or -1 for padding")
+    if "tile_visit" in t:
+        bad.append(("'tile_visit' is not a permutation of the row tiles (a tile left out is never staged, and the "
+                    "grouped GEMM would wait for it until its timeout)",
+                    (torch.sort(t["tile_visit"]).values != torch.arange(NT, device=topk_ids.device)).any()))
+    if "tile_tokens" in t:
+        lo, hi = t["tile_tokens"][:, 0], t["tile_tokens"][:, 1]
+        bad.append((f"'tile_tokens' holds a range not within [0, {T}]", ((lo < 0) | (lo > hi) | (hi > T)).any()))
+        if "sorted_token_ids" in t:
+            ids = t["sorted_token_ids"].view(NT, BM)
+            out = (ids >= 0) & ((ids < lo[:, None]) | (ids >= hi[:, None]))
+            bad.append(("a tile's rows hold tokens outside its 'tile_tokens' range (read before they are gathered)",
+                        out.any()))
+    if "token_pos" in t:
+        pos = t["token_pos"]
+        outside("token_pos", 0, R, f"a row of the {R} expert-sorted rows")
+        p = pos.clamp(0, R - 1)
+        bad.append(("'token_pos' sends two routed rows to one row", (torch.sort(p).values.diff() == 0).any()))
+        token = torch.arange(T, device=pos.device).repeat(topk)            # k-major: entry k * T + t
+        if "tile_expert" in t:
+            want = topk_ids.t().reshape(-1).long()
+            bad.append(("'token_pos' puts a token's routed row in a tile of another expert than topk_ids gives it",
+                        (t["tile_expert"][p // BM] != want).any()))
+        if "tile_valid_rows" in t:
+            bad.append(("'token_pos' points past its tile's valid rows (stored as zeros)",
+                        (p % BM >= t["tile_valid_rows"][p // BM]).any()))
+        if "sorted_token_ids" in t:
+            bad.append(("'sorted_token_ids' disagrees with 'token_pos' on which token a row holds",
+                        (t["sorted_token_ids"][p] != token).any()))
+    if "tile_num_token_tiles" in t:
+        outside("tile_num_token_tiles", 0, min(BM, TT) + 1, "token tiles a row tile notifies")
+    if {"tile_token_tiles", "tile_num_token_tiles", "tile_expert"} <= set(t):
+        num = t["tile_num_token_tiles"].clamp(0, min(BM, TT))
+        s = torch.arange(min(BM, TT), device=num.device)
+        used = (s[None, :] < num[:, None]) & (t["tile_expert"][:, None] >= 0)
+        j = t["tile_token_tiles"]
+        bad.append((f"'tile_token_tiles' names a token tile outside [0, {TT})", (used & ((j < 0) | (j >= TT))).any()))
+        notified = torch.where(used, j.clamp(0, TT - 1), TT)
+        if "token_tile_producers" in t:
+            count = torch.bincount(notified.reshape(-1), minlength=TT + 1)[:TT]
+            bad.append(("'token_tile_producers' is not the number of row tiles notifying each token tile (the "
+                        "combine would wait for notifies that never come, or read rows not yet written)",
+                        (count != t["token_tile_producers"]).any()))
+        if "token_pos" in t:
+            tile_ids = torch.arange(NT, device=num.device)[:, None].expand_as(notified)
+            notifies = (tile_ids * (TT + 1) + notified).reshape(-1)
+            reads = (p // BM) * (TT + 1) + token // BM
+            bad.append(("a routed row's tile does not notify the token tile that reads it ('tile_token_tiles')",
+                        (~torch.isin(reads, notifies)).any()))
+    if not bad:
+        return
+    found = torch.stack([b for _, b in bad]).tolist()
+    for (what, _), is_bad in zip(bad, found):
+        if is_bad:
+            raise InputError(f"the routing tables cannot be run: {what}")

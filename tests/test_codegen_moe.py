@@ -1509,3 +1509,67 @@ def test_moe_compile_error_points_at_the_tile_program(tmp_path):
         compile_cuda(bad, lw.entry, cache=KernelCache(tmp_path), progress=False)
     e = ei.value
     assert e.loc is not None and e.loc.filename.endswith("moe.py") and "consumer_tile_wait" in e.loc.source
+
+
+@tl.kernel
+def _dealt_waits(y, cnt, ids, wts, out, *, compute: tl.ComputeSchedule = None, written: tl.constexpr = False):
+    """A combine whose waits nest loops, guards and bounds that depend on outer loops (or, with
+    ``written``, read a table another part writes, after a wait): how a warp's lanes share them."""
+    T, topk = wts.shape
+    BM, BN, _ = compute.tile
+    NTT = tl.cdiv(T, BM)
+    ready, more = tl.signal("ready", NTT), tl.signal("more", 64)
+
+    @tl.compute_part(grid=(NTT,))
+    def writer(j):
+        tl.store(cnt, (j * 8,), tl.full((8,), 3, tl.int32))
+        tl.producer_tile_notify(ready, j)
+        for s in tl.range(0, 64):
+            tl.producer_tile_notify(more, s)
+
+    @tl.compute_part(grid=(NTT, tl.cdiv(y.shape[1], BN)))
+    def combine(j, pn):
+        m0, c0 = j * BM, pn * BN
+        tl.consumer_tile_wait(ready, j)
+        if written:                        # the count another part stores, read after the wait above
+            for s in tl.range(0, tl.load_scalar(cnt, (j * 8,))):
+                tl.consumer_tile_wait(more, tl.load_scalar(ids, (j * 8 + s,)))
+        else:
+            for a in tl.range(0, 3):
+                tl.consumer_tile_wait(more, a)
+                with tl.when(a > 0):
+                    for b in tl.range(a, a * 5 + 1, 2):
+                        for c in tl.range(0, 2):
+                            tl.consumer_tile_wait(more, (b * 2 + c) % 64)
+                        tl.consumer_tile_wait(more, 40 + b % 8)
+            tl.consumer_tile_wait(more, 63)
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, topk):
+            rows = tl.load(ids, (k * T + m0,), (BM,))
+            acc += tl.load_rows(y, rows, c0, BN) * tl.load(wts, (m0, k), (BM, 1))
+        tl.store(out, (m0, c0), acc)
+
+
+@needs_gxx
+@pytest.mark.parametrize("written", [False, True])
+def test_a_warps_lanes_share_a_tiles_waits_each_once(tmp_path, written):
+    """The waits hook run by 32 lanes: every wait of the tile once (the host harness checks the
+    lanes' waits against one thread's, which run in the IR's order), dealt round the lanes in the
+    order one thread meets them whatever the nesting — or, where the waits' index code reads a
+    table written during the launch after a wait, all on lane 0, in order."""
+    specs = (S((512, 256), tl.float32), S((64,), tl.int32), S((600,), tl.int32), S((300, 2), tl.float32),
+             S((300, 256), tl.float32))
+    k = _dealt_waits.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16)), written=written),
+                                   channels=False)
+    lw = lower_combine(k, "combine")
+    waits_fn = lw.source.split("void waits(int pid0, int pid1, int lane, int lanes) const {")[1].split("\n  }\n")[0]
+    assert ("if (lane != 0) return;" in waits_fn) is written and ("turn_" in waits_fn) is not written
+    rng = np.random.default_rng(0)
+    arrays = {"y": rng.standard_normal((512, 256)).astype(np.float32), "cnt": rng.integers(1, 9, 64).astype(np.int32),
+              "ids": rng.integers(0, 64, 600).astype(np.int32), "wts": rng.standard_normal((300, 2)).astype(np.float32),
+              "out": np.zeros((300, 256), np.float32)}
+    lines, _ = _run_host(tmp_path, lw, arrays, gemm=False, launch=2)
+    part = k.part("combine")
+    for (j, pn), ev in _split_tiles(lines).items():
+        waits, _ = _ir_signal_events(part, arrays, (j, pn), 0, 2)
+        assert [e for e in ev if e.startswith("wait ")] == waits and len(waits) > (1 if written else 20)

@@ -248,6 +248,41 @@ def test_a_routing_the_library_did_not_build_is_checked_before_anything_is_enque
         o.close()
 
 
+def test_a_routers_tables_are_held_to_the_ids_without_token_pos_and_tables_passed_check_the_ids(monkeypatch):
+    """A router that returns AllGatherMoE's tables only (no ``token_pos``) is still held to the ids:
+    every (token, expert) once among the valid rows. Tables handed to MoEReduceScatter check the ids
+    they are checked against first (a CUDA graph capturing is refused, as for the ids alone)."""
+    g, ag, rs = _layers(monkeypatch, 2, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
+    x, w1 = torch.zeros(MS, K, dtype=torch.float16), torch.zeros(E, K, NR, dtype=torch.float16)
+    ids = torch.from_numpy(random_routing(np.random.default_rng(3), 2 * MS, E, TOPK)[0])
+    good = HostRouter(2, 32)(ids)
+    for broken in ({"tile_expert": lambda t: t.__setitem__(0, (t[0] + 1) % E)},
+                   {"sorted_token_ids": lambda t: t.__setitem__(0, (t[0] + 1) % (2 * MS)),
+                    "tile_tokens": lambda t: t.__setitem__((0, 1), 2 * MS)},
+                   {"tile_valid_rows": lambda t: t.__setitem__(0, t[0] - 1)}):
+        tables = {n: good[n].clone() for n in AG_TABLES}
+        for n, fn in broken.items():
+            fn(tables[n])
+        monkeypatch.setattr(ag[0], "_router", lambda topk_ids, tables=tables: tables)
+        with pytest.raises(InputError, match=r"do not hold each \(token, expert\) of topk_ids once"):
+            ag[0](x, ids, w1)
+    h, w2 = torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16), torch.zeros(E, NR, K,
+                                                                                                dtype=torch.float16)
+    plain = dict(good)
+    with pytest.raises(InputError, match="topk_ids: a torch tensor"):
+        rs[0](h, ids.tolist(), torch.ones(2 * MS, TOPK), w2, plain)
+    with pytest.raises(InputError, match=r"topk_ids must be \[48, 2\]"):
+        rs[0](h, ids[:-1], torch.ones(2 * MS, TOPK), w2, plain)
+    with monkeypatch.context() as mp:
+        from tldsl.runtime.dist import call_order
+        mp.setattr(call_order, "capturing", lambda: True)
+        with pytest.raises(InputError, match="validate_ids=False to capture it"):
+            rs[0](h, ids, torch.ones(2 * MS, TOPK), w2, plain)
+    assert ag[0].launches == 0 and rs[0].launches == 0 and not any(g.fake.queues.values())
+    for o in ag + rs:
+        o.close()
+
+
 def test_a_shard_written_into_the_ops_buffer_is_bound_in_place(monkeypatch):
     """``symmetric_buffer('x')``: the caller writes its shard into the op's own symmetric buffer
     and passes it — no copy into it before the launch nor back out after it — and the layer

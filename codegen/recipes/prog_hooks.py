@@ -39,17 +39,6 @@ def prog_members(plan, first: list[tuple[str, str]] = ()) -> tuple[list[str], li
     return [f"  {t} {n};" for t, n in members], [n for _, n in members]
 
 
-def _holds_wait(op: core.Op) -> bool:
-    return op.name in WAIT_OPS or any(_holds_wait(o) for r in op.regions for o in r.ops)
-
-
-def _innermost_wait_loop(loop: core.Op) -> bool:
-    """Whether ``loop`` waits and no loop inside it does: the loop whose iterations lanes share."""
-    def inner_wait_loop(op):
-        return any((o.name == "for" and _holds_wait(o)) or inner_wait_loop(o) for r in op.regions for o in r.ops)
-    return _holds_wait(loop) and not inner_wait_loop(loop)
-
-
 class HookEmitter(SignalEmitter):
     """Renders one ``Prog`` hook of a plan: the ops of ``roots`` (waits or notifies) with the
     index code, loops and guards around them (:meth:`emit`), or values the tile program
@@ -66,8 +55,7 @@ class HookEmitter(SignalEmitter):
         self.lanes = lanes                    # > 0: lanes of a warp run the hook (:meth:`signal_fn`)
         self.notifies = 0
         self.notify_scopes: list[str] = []
-        self._spread_next = False             # waits over lanes: the loop being opened is spread
-        self._spread_depth = 0                # waits over lanes: spread loops around the op being emitted
+        self.reads_written = False            # a table another part writes during the launch is read
 
     # -- the plan's parameters -----------------------------------------------------------------
     def table_expr(self, buf: core.Buffer) -> str:
@@ -77,7 +65,10 @@ class HookEmitter(SignalEmitter):
 
     def table_read(self, buf: core.Buffer, index: str) -> str:
         p = self.table_expr(buf)
-        return f"tldsl::grouped::ld_coherent({p} + {index})" if buf.name in self.plan.written else f"{p}[{index}]"
+        if buf.name in self.plan.written:
+            self.reads_written = True
+            return f"tldsl::grouped::ld_coherent({p} + {index})"
+        return f"{p}[{index}]"
 
     def use(self, sig: core.Signal, peers: bool = False) -> None:
         if peers or sig not in self.plan.signals:
@@ -100,10 +91,13 @@ class HookEmitter(SignalEmitter):
         for itself, then takes every ``lanes``-th iteration of the outermost loops, and lane 0
         the notifies outside any loop — the same adds, all of them relaxed and commutative, in a
         fraction of one thread's dependent table reads. Waits, ``name(pid0, pid1, lane, lanes)``
-        by the ``lanes`` lanes the caller runs it on (1: one thread): each takes every
-        ``lanes``-th iteration of the innermost loops that wait, and lane 0 the waits outside
-        them — independent acquires in flight together rather than one after another (the
-        caller's barrier after them then orders every lane's acquire before the tile's reads)."""
+        by the ``lanes`` lanes the caller runs it on (1: one thread): every lane walks all of the
+        loops and guards, and the waits are dealt round the lanes in the order one thread meets
+        them (the ``i``-th to lane ``i % lanes``), whatever their nesting — independent acquires
+        in flight together rather than one after another; the caller's barrier after them orders
+        every lane's acquire before the tile's reads. Where the waits' own index code reads a
+        table another part writes during the launch, a read after a wait must follow that wait,
+        which another lane does not: lane 0 then runs them all, in order."""
         body = self.emit()
         if not body:
             return []
@@ -111,6 +105,11 @@ class HookEmitter(SignalEmitter):
             body.insert(0, "    " + release_fence(widest_scope(self.notify_scopes),
                                                   "the tile's stores before its notifies"))
         if self.lanes and self._waits_over_lanes:
+            if self.reads_written:      # one thread, in order: the hook as a single thread's
+                body = ["    if (lane != 0) return;  // (a table written during the launch is read after a wait)",
+                        *HookEmitter(self.plan, self.what, self.roots, self.rows).emit()]
+            else:
+                body = ["    int turn_ = 0;  // the lane whose turn the next wait is", *body]
             return hook_fn(f"void {name}(int pid0, int pid1, int lane, int lanes)", body)
         if self.lanes:
             return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)
@@ -120,24 +119,8 @@ class HookEmitter(SignalEmitter):
     def _waits_over_lanes(self) -> bool:
         return bool(self.roots & WAIT_OPS)
 
-    def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
-        if not (self.lanes and self._waits_over_lanes and op.name == "for"):
-            return super().emit_op(op, ind, lines)
-        spread = self._spread_depth == 0 and _innermost_wait_loop(op)
-        self._spread_next = spread
-        self._spread_depth += spread
-        try:
-            super().emit_op(op, ind, lines)
-        finally:
-            self._spread_depth -= spread
-
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        if self.lanes and self._waits_over_lanes:
-            spread, self._spread_next = self._spread_next, False
-            if spread:                                # (the step never carries iv past INT_MAX)
-                return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
-                        f"{iv} = {hi} - {iv} > lanes * {st} ? {iv} + lanes * {st} : {hi})")
-        elif self.lanes and self.loop_depth == 0:     # (the step never carries iv past INT_MAX)
+        if self.lanes and not self._waits_over_lanes and self.loop_depth == 0:   # (iv never steps past INT_MAX)
             return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
                     f"{iv} = {hi} - {iv} > {self.lanes} * {st} ? {iv} + {self.lanes} * {st} : {hi})")
         return super().loop_header(iv, lo, hi, st)
@@ -145,7 +128,12 @@ class HookEmitter(SignalEmitter):
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if op.name in WAIT_OPS:
             stmt = self.wait_statement(op)
-            lines.append(ind + (f"if (lane == 0) {stmt}" if self.lanes and not self._spread_depth else stmt))
+            if self.lanes:      # dealt round the lanes: this wait is lane turn_'s
+                mk = marker(op.loc)
+                lines += [ind + "{", f"{ind}  const bool mine_ = turn_ == lane;{mk}",
+                          f"{ind}  if (++turn_ == lanes) turn_ = 0;{mk}", ind + "  if (mine_) " + stmt, ind + "}"]
+            else:
+                lines.append(ind + stmt)
         elif op.name in NOTIFY_OPS:
             scope, stmt = self.notify_statement(op, note=", released by the fence above")
             self.notify_scopes.append(scope)
@@ -233,6 +221,7 @@ class HookEmitter(SignalEmitter):
         dims = buf.type.shape
         p = self.table_expr(buf)
         coherent = buf.name in self.plan.written
+        self.reads_written |= coherent
         coh = "<true>" if coherent else ""
         if len(dims) == 1:
             expr = f"tldsl::grouped::ld1{coh}({p}, {idx[0]}, {dims[0]})"

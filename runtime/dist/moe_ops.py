@@ -23,9 +23,9 @@ A call captured in a CUDA graph with ``validate_ids=True`` is refused with an In
 says so (the check would read the device while the stream captures).
 
 **Tables the library did not build** — a caller's ``router``, or ``tables`` handed to
-``MoEReduceScatter`` — are checked in the same read with ``validate_ids=True``, against the ids
-(:mod:`.moe_tables`): the kernels trust their tables, and a wrong one would leave a wait
-unsatisfied until its timeout, or a row read before it is written.
+``MoEReduceScatter`` — are checked on the device too with ``validate_ids=True`` (one more read),
+against the ids (:mod:`.moe_tables`): the kernels trust their tables, and a wrong one would leave
+a wait unsatisfied until its timeout, a row read before it is written, or a routed row lost.
 """
 from __future__ import annotations
 
@@ -165,10 +165,13 @@ class _Routed:
             self._routing_buffers = self._router.empty_tables()
         return self._router(topk_ids, self._routing_buffers) if self._routing_buffers is not None else self._router(topk_ids)
 
-    def _check_foreign(self, tables: dict, names, topk_ids) -> None:
+    def _check_foreign(self, tables: dict, names, topk_ids, ids_checked: bool = True) -> None:
         """With ``validate_ids``: tables the library's builder did not write (a caller's router, or
-        tables passed in) checked on the device before anything is enqueued (:mod:`.moe_tables`)."""
+        tables passed in) checked on the device before anything is enqueued (:mod:`.moe_tables`),
+        against ``topk_ids`` (checked first where no routing was built from them)."""
         if self.validate_ids and not isinstance(tables, RoutingTables):
+            if not ids_checked:
+                self._check_ids(topk_ids)
             check_routing_tables(tables, names, topk_ids, num_experts=self.num_experts, block_m=self.block_m,
                                  num_tiles=self.num_tiles)
 
@@ -306,11 +309,12 @@ class MoEReduceScatter(_Routed, FusedProgram):
     def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
         import torch
         _tensors(self, h=h, topk_weights=topk_weights, w2=w2)
+        passed = tables is not None
         tables = self.routing(topk_ids) if tables is None else tables
         missing = [n for n in RS_TABLES if n not in tables]
         if missing:
             raise InputError(f"tables: missing {missing} (pass what AllGatherMoE returned, or None)")
-        self._check_foreign(tables, RS_TABLES, topk_ids)
+        self._check_foreign(tables, RS_TABLES, topk_ids, ids_checked=not passed)
         if out is None:
             b = self.kernel.buffer("out")
             out = torch.empty(tuple(b.type.shape), dtype=h.dtype, device=h.device)

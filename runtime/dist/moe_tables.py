@@ -5,9 +5,10 @@ The MoE kernels trust their tables: a row tile the staged gather never visits le
 GEMM waiting until its timeout, a combine counting more producers than notify it waits as long,
 one counting fewer reads rows before they are written, and a routed row past its tile's valid
 rows is stored as zero. So where the op checks ``topk_ids`` on the device (``validate_ids=True``,
-one read back), it checks a foreign routing's tables in the same way: every table the op reads,
-against ``topk_ids`` where the tables say where each routed row went, all conditions reduced on
-the device and read back at once. The tables :class:`~..gpu.moe_routing.MoERoutingBuilder`
+one read back), it checks a foreign routing's tables too: every table the op reads, against
+``topk_ids`` where the tables say where each routed row went, all conditions reduced on the
+device and read back at once (one more read). A :class:`RoutingTables` is trusted by its type:
+a caller who edits one takes that on. The tables :class:`~..gpu.moe_routing.MoERoutingBuilder`
 builds (:class:`RoutingTables`) are the library's own and are not checked again."""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ __all__ = ["RoutingTables", "check_routing_tables"]
 def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, block_m: int, num_tiles: int) -> None:
     """Raise :class:`InputError` naming the first table of ``names`` (plus ``token_pos`` and
     ``sorted_token_ids`` where present) that a kernel could not run safely and correctly on for
-    ``topk_ids [T, topk]``: shapes and dtypes on the host, then values on the device (one read)."""
+    ``topk_ids [T, topk]``: shapes and dtypes on the host, then values on the device, every
+    condition reduced there and read back at once."""
     import torch
     T, topk = (int(s) for s in topk_ids.shape)
     E, BM, NT = int(num_experts), int(block_m), int(num_tiles)
@@ -77,6 +79,20 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         if "sorted_token_ids" in t:
             bad.append(("'sorted_token_ids' disagrees with 'token_pos' on which token a row holds",
                         (t["sorted_token_ids"][p] != token).any()))
+    if {"sorted_token_ids", "tile_expert", "tile_valid_rows"} <= set(t):
+        # every (token, expert) of topk_ids once among the valid rows of the used tiles, nothing else there
+        # (both sides sorted, fixed lengths: the rows beyond topk * T must then be none)
+        rows = torch.arange(R, device=topk_ids.device)
+        e = t["tile_expert"][rows // BM]
+        valid = (e >= 0) & (rows % BM < t["tile_valid_rows"][rows // BM]) & (t["sorted_token_ids"] >= 0)
+        none = T * max(E, 1)
+        have = torch.sort(torch.where(valid, t["sorted_token_ids"] * E + e, none)).values
+        want = torch.sort(torch.arange(T, device=rows.device).repeat_interleave(topk) * E
+                          + topk_ids.reshape(-1).long()).values
+        n = min(R, T * topk)
+        short = (have[:n] != want[:n]).any() | torch.tensor(R < T * topk, device=rows.device)
+        bad.append(("the valid rows of the used tiles ('sorted_token_ids', 'tile_expert', 'tile_valid_rows') do "
+                    "not hold each (token, expert) of topk_ids once", short | (have[n:] != none).any()))
     if "tile_num_token_tiles" in t:
         outside("tile_num_token_tiles", 0, min(BM, TT) + 1, "token tiles a row tile notifies")
     if {"tile_token_tiles", "tile_num_token_tiles", "tile_expert"} <= set(t):
@@ -86,17 +102,19 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         j = t["tile_token_tiles"]
         bad.append((f"'tile_token_tiles' names a token tile outside [0, {TT})", (used & ((j < 0) | (j >= TT))).any()))
         notified = torch.where(used, j.clamp(0, TT - 1), TT)
-        if "token_tile_producers" in t:
-            count = torch.bincount(notified.reshape(-1), minlength=TT + 1)[:TT]
+        if "token_tile_producers" in t:          # (scatter_add, not bincount: no read back of its bounds)
+            count = torch.zeros(TT + 1, dtype=torch.long, device=num.device).scatter_add_(
+                0, notified.reshape(-1), torch.ones(notified.numel(), dtype=torch.long, device=num.device))[:TT]
             bad.append(("'token_tile_producers' is not the number of row tiles notifying each token tile (the "
                         "combine would wait for notifies that never come, or read rows not yet written)",
                         (count != t["token_tile_producers"]).any()))
-        if "token_pos" in t:
+        if "token_pos" in t:                     # (a sorted search, not isin: no read back)
             tile_ids = torch.arange(NT, device=num.device)[:, None].expand_as(notified)
-            notifies = (tile_ids * (TT + 1) + notified).reshape(-1)
+            notifies = torch.sort((tile_ids * (TT + 1) + notified).reshape(-1)).values
             reads = (p // BM) * (TT + 1) + token // BM
+            found = notifies[torch.searchsorted(notifies, reads).clamp(max=notifies.numel() - 1)]
             bad.append(("a routed row's tile does not notify the token tile that reads it ('tile_token_tiles')",
-                        (~torch.isin(reads, notifies)).any()))
+                        (found != reads).any()))
     if not bad:
         return
     found = torch.stack([b for _, b in bad]).tolist()

@@ -1554,16 +1554,16 @@ def _dealt_waits(y, cnt, ids, wts, out, *, compute: tl.ComputeSchedule = None, w
 @pytest.mark.parametrize("written", [False, True])
 def test_a_warps_lanes_share_a_tiles_waits_each_once(tmp_path, written):
     """The waits hook run by 32 lanes: every wait of the tile once (the host harness checks the
-    lanes' waits against one thread's, which run in the IR's order), dealt round the lanes in the
-    order one thread meets them whatever the nesting — or, where the waits' index code reads a
-    table written during the launch after a wait, all on lane 0, in order."""
+    lanes' waits against one thread's, which run in the IR's order), the innermost waiting loops'
+    iterations shared whatever the nesting — or, where the waits' index code reads a table written
+    during the launch after a wait, all on lane 0, in order."""
     specs = (S((512, 256), tl.float32), S((64,), tl.int32), S((600,), tl.int32), S((300, 2), tl.float32),
              S((300, 256), tl.float32))
     k = _dealt_waits.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16)), written=written),
                                    channels=False)
     lw = lower_combine(k, "combine")
     waits_fn = lw.source.split("void waits(int pid0, int pid1, int lane, int lanes) const {")[1].split("\n  }\n")[0]
-    assert ("if (lane != 0) return;" in waits_fn) is written and ("turn_" in waits_fn) is not written
+    assert ("if (lane != 0) return;" in waits_fn) is written and ("+ lane * " in waits_fn) is not written
     rng = np.random.default_rng(0)
     arrays = {"y": rng.standard_normal((512, 256)).astype(np.float32), "cnt": rng.integers(1, 9, 64).astype(np.int32),
               "ids": rng.integers(0, 64, 600).astype(np.int32), "wts": rng.standard_normal((300, 2)).astype(np.float32),

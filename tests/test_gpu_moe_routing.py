@@ -305,3 +305,26 @@ def test_routing_time_at_32k_tokens_top8_128_experts(compiled):
     slow = [f"{r['kind']} {r['call']:.2f} µs" for r in rows if r["call"] > BOUND_US]
     if slow:
         pytest.xfail(f"above the {BOUND_US} µs target: {', '.join(slow)}")
+
+
+@pytest.mark.parametrize("kind", ["uniform", "one", "half_empty"])
+def test_the_builders_tables_are_its_own_and_pass_the_check_a_foreign_routing_gets(compiled, kind):
+    """What the builder writes is a RoutingTables (the MoE ops trust it); the same tables in a plain
+    dict, as a caller's router would return them, pass :func:`check_routing_tables` on the GPU, and
+    one entry changed fails it with an InputError."""
+    import torch
+
+    from tldsl.errors import InputError
+    from tldsl.runtime.dist.moe_ops import AG_TABLES, RS_TABLES
+    from tldsl.runtime.dist.moe_tables import RoutingTables, check_routing_tables
+    W, Ms, topk, E, BM = 2, 3000, 4, 16, 128
+    b, ids = _build(compiled, _ids(np.random.default_rng(5), W * Ms, E, topk, kind), E, W, Ms, BM)
+    tables = b(ids)
+    torch.cuda.synchronize()
+    assert isinstance(tables, RoutingTables)
+    plain = {n: t.clone() for n, t in tables.items()}
+    kw = dict(num_experts=E, block_m=BM, num_tiles=b.sizes.num_tiles)
+    check_routing_tables(plain, AG_TABLES + RS_TABLES, ids, **kw)
+    plain["token_tile_producers"][0] += 1
+    with pytest.raises(InputError, match="'token_tile_producers' is not the number"):
+        check_routing_tables(plain, RS_TABLES, ids, **kw)

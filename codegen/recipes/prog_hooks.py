@@ -39,6 +39,17 @@ def prog_members(plan, first: list[tuple[str, str]] = ()) -> tuple[list[str], li
     return [f"  {t} {n};" for t, n in members], [n for _, n in members]
 
 
+def _holds_wait(op: core.Op) -> bool:
+    return op.name in WAIT_OPS or any(_holds_wait(o) for r in op.regions for o in r.ops)
+
+
+def _innermost_wait_loop(loop: core.Op) -> bool:
+    """Whether ``loop`` waits and no loop inside it does: the loop whose iterations lanes share."""
+    def inner_wait_loop(op):
+        return any((o.name == "for" and _holds_wait(o)) or inner_wait_loop(o) for r in op.regions for o in r.ops)
+    return _holds_wait(loop) and not inner_wait_loop(loop)
+
+
 class HookEmitter(SignalEmitter):
     """Renders one ``Prog`` hook of a plan: the ops of ``roots`` (waits or notifies) with the
     index code, loops and guards around them (:meth:`emit`), or values the tile program
@@ -56,6 +67,8 @@ class HookEmitter(SignalEmitter):
         self.notifies = 0
         self.notify_scopes: list[str] = []
         self.reads_written = False            # a table another part writes during the launch is read
+        self._spread_next = False             # waits over lanes: the loop being opened is spread
+        self._spread_depth = 0                # waits over lanes: spread loops around the op being emitted
 
     # -- the plan's parameters -----------------------------------------------------------------
     def table_expr(self, buf: core.Buffer) -> str:
@@ -91,13 +104,15 @@ class HookEmitter(SignalEmitter):
         for itself, then takes every ``lanes``-th iteration of the outermost loops, and lane 0
         the notifies outside any loop — the same adds, all of them relaxed and commutative, in a
         fraction of one thread's dependent table reads. Waits, ``name(pid0, pid1, lane, lanes)``
-        by the ``lanes`` lanes the caller runs it on (1: one thread): every lane walks all of the
-        loops and guards, and the waits are dealt round the lanes in the order one thread meets
-        them (the ``i``-th to lane ``i % lanes``), whatever their nesting — independent acquires
-        in flight together rather than one after another; the caller's barrier after them orders
-        every lane's acquire before the tile's reads. Where the waits' own index code reads a
-        table another part writes during the launch, a read after a wait must follow that wait,
-        which another lane does not: lane 0 then runs them all, in order."""
+        by the ``lanes`` lanes the caller runs it on (1: one thread): each takes every ``lanes``-th
+        iteration of the innermost loops that wait, and lane 0 the waits outside them — a warp's
+        acquires issued together, one instruction, rather than one after another (the caller's
+        barrier after them orders every lane's acquire before the tile's reads). Waits dealt round
+        the lanes one at a time, each lane walking the whole nest, were measured no faster than one
+        thread (a divergent spin runs one lane at a time: BENCHMARKS.md, forty-third session).
+        Where the waits' own index code reads a table another part writes during the launch, a
+        read after a wait must follow that wait, which another lane does not: lane 0 then runs
+        them all, in order."""
         body = self.emit()
         if not body:
             return []
@@ -108,8 +123,6 @@ class HookEmitter(SignalEmitter):
             if self.reads_written:      # one thread, in order: the hook as a single thread's
                 body = ["    if (lane != 0) return;  // (a table written during the launch is read after a wait)",
                         *HookEmitter(self.plan, self.what, self.roots, self.rows).emit()]
-            else:
-                body = ["    int turn_ = 0;  // the lane whose turn the next wait is", *body]
             return hook_fn(f"void {name}(int pid0, int pid1, int lane, int lanes)", body)
         if self.lanes:
             return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)
@@ -119,8 +132,25 @@ class HookEmitter(SignalEmitter):
     def _waits_over_lanes(self) -> bool:
         return bool(self.roots & WAIT_OPS)
 
+    def emit_op(self, op: core.Op, ind: str, lines: list[str]) -> None:
+        if not (self.lanes and self._waits_over_lanes and op.name == "for"):
+            return super().emit_op(op, ind, lines)
+        spread = self._spread_depth == 0 and _innermost_wait_loop(op)
+        self._spread_next = spread
+        self._spread_depth += spread
+        try:
+            super().emit_op(op, ind, lines)
+        finally:
+            self._spread_depth -= spread
+
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        if self.lanes and not self._waits_over_lanes and self.loop_depth == 0:   # (iv never steps past INT_MAX)
+        # (the step never carries iv past INT_MAX)
+        if self.lanes and self._waits_over_lanes:
+            spread, self._spread_next = self._spread_next, False
+            if spread:
+                return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
+                        f"{iv} = {hi} - {iv} > lanes * {st} ? {iv} + lanes * {st} : {hi})")
+        elif self.lanes and self.loop_depth == 0:
             return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
                     f"{iv} = {hi} - {iv} > {self.lanes} * {st} ? {iv} + {self.lanes} * {st} : {hi})")
         return super().loop_header(iv, lo, hi, st)
@@ -128,12 +158,7 @@ class HookEmitter(SignalEmitter):
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if op.name in WAIT_OPS:
             stmt = self.wait_statement(op)
-            if self.lanes:      # dealt round the lanes: this wait is lane turn_'s
-                mk = marker(op.loc)
-                lines += [ind + "{", f"{ind}  const bool mine_ = turn_ == lane;{mk}",
-                          f"{ind}  if (++turn_ == lanes) turn_ = 0;{mk}", ind + "  if (mine_) " + stmt, ind + "}"]
-            else:
-                lines.append(ind + stmt)
+            lines.append(ind + (f"if (lane == 0) {stmt}" if self.lanes and not self._spread_depth else stmt))
         elif op.name in NOTIFY_OPS:
             scope, stmt = self.notify_statement(op, note=", released by the fence above")
             self.notify_scopes.append(scope)

@@ -40,10 +40,18 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
                    else f"{v.dtype} {list(v.shape)} on {v.device}")
             raise InputError(f"routing table '{n}': an int32 tensor {list(shapes[n])} on {topk_ids.device}, got {got}")
         t[n] = v.long()
-    bad: list[tuple[str, object]] = []      # (what is wrong, a device bool: whether it is)
+    bad: list[tuple] = []    # (what is wrong, a device bool tensor: where it is, naming an index of it or None)
+
+    def entry(n):
+        """Names index ``i`` of the mask as table ``n``'s entry, with its value."""
+        return lambda i: f"{n}{list(i)} = {int(t[n][i])}"
+
+    def routed(i):
+        k, tok = divmod(i[0], T)
+        return f"token {tok}'s routed row {k}: token_pos[{i[0]}] = {int(t['token_pos'][i])}"
 
     def outside(n, lo, hi, what):
-        bad.append((f"'{n}' holds values outside [{lo}, {hi}) ({what})", ((t[n] < lo) | (t[n] >= hi)).any()))
+        bad.append((f"'{n}' holds values outside [{lo}, {hi}) ({what})", (t[n] < lo) | (t[n] >= hi), entry(n)))
 
     if "tile_expert" in t:
         outside("tile_expert", -1, E, f"an expert of {E}, or -1 for an unused tile")
@@ -52,33 +60,39 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
     if "sorted_token_ids" in t:
         outside("sorted_token_ids", -1, T, f"a token of {T}, or -1 for padding")
     if "tile_visit" in t:
+        visits = torch.sort(t["tile_visit"]).values
         bad.append(("'tile_visit' is not a permutation of the row tiles (a tile left out is never staged, and the "
-                    "grouped GEMM would wait for it until its timeout)",
-                    (torch.sort(t["tile_visit"]).values != torch.arange(NT, device=topk_ids.device)).any()))
+                    "grouped GEMM would wait for it until its timeout)", visits != torch.arange(NT, device=visits.device),
+                    lambda i: f"sorted, it has {int(visits[i])} where row tile {i[0]} belongs"))
     if "tile_tokens" in t:
         lo, hi = t["tile_tokens"][:, 0], t["tile_tokens"][:, 1]
-        bad.append((f"'tile_tokens' holds a range not within [0, {T}]", ((lo < 0) | (lo > hi) | (hi > T)).any()))
+        bad.append((f"'tile_tokens' holds a range not within [0, {T}]", (lo < 0) | (lo > hi) | (hi > T),
+                    lambda i: f"tile_tokens[{i[0]}] = {t['tile_tokens'][i[0]].tolist()}"))
         if "sorted_token_ids" in t:
             ids = t["sorted_token_ids"].view(NT, BM)
-            out = (ids >= 0) & ((ids < lo[:, None]) | (ids >= hi[:, None]))
             bad.append(("a tile's rows hold tokens outside its 'tile_tokens' range (read before they are gathered)",
-                        out.any()))
+                        (ids >= 0) & ((ids < lo[:, None]) | (ids >= hi[:, None])),
+                        lambda i: f"row {i[1]} of tile {i[0]} holds token {int(ids[i])}, its range is "
+                                  f"{t['tile_tokens'][i[0]].tolist()}"))
     if "token_pos" in t:
         pos = t["token_pos"]
         outside("token_pos", 0, R, f"a row of the {R} expert-sorted rows")
         p = pos.clamp(0, R - 1)
-        bad.append(("'token_pos' sends two routed rows to one row", (torch.sort(p).values.diff() == 0).any()))
+        order = torch.sort(p)
+        twice = torch.zeros_like(p, dtype=torch.bool)
+        twice[order.indices[1:]] = order.values.diff() == 0
+        bad.append(("'token_pos' sends two routed rows to one row", twice, routed))
         token = torch.arange(T, device=pos.device).repeat(topk)            # k-major: entry k * T + t
         if "tile_expert" in t:
             want = topk_ids.t().reshape(-1).long()
             bad.append(("'token_pos' puts a token's routed row in a tile of another expert than topk_ids gives it",
-                        (t["tile_expert"][p // BM] != want).any()))
+                        t["tile_expert"][p // BM] != want, routed))
         if "tile_valid_rows" in t:
             bad.append(("'token_pos' points past its tile's valid rows (stored as zeros)",
-                        (p % BM >= t["tile_valid_rows"][p // BM]).any()))
+                        p % BM >= t["tile_valid_rows"][p // BM], routed))
         if "sorted_token_ids" in t:
             bad.append(("'sorted_token_ids' disagrees with 'token_pos' on which token a row holds",
-                        (t["sorted_token_ids"][p] != token).any()))
+                        t["sorted_token_ids"][p] != token, routed))
     if {"sorted_token_ids", "tile_expert", "tile_valid_rows"} <= set(t):
         # every (token, expert) of topk_ids once among the valid rows of the used tiles, nothing else there
         # (both sides sorted, fixed lengths: the rows beyond topk * T must then be none)
@@ -90,9 +104,10 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         want = torch.sort(torch.arange(T, device=rows.device).repeat_interleave(topk) * E
                           + topk_ids.reshape(-1).long()).values
         n = min(R, T * topk)
-        short = (have[:n] != want[:n]).any() | torch.tensor(R < T * topk, device=rows.device)
+        short = torch.tensor([R < T * topk], device=rows.device)
         bad.append(("the valid rows of the used tiles ('sorted_token_ids', 'tile_expert', 'tile_valid_rows') do "
-                    "not hold each (token, expert) of topk_ids once", short | (have[n:] != none).any()))
+                    "not hold each (token, expert) of topk_ids once",
+                    torch.cat([have[:n] != want[:n], have[n:] != none, short]), None))
     if "tile_num_token_tiles" in t:
         outside("tile_num_token_tiles", 0, min(BM, TT) + 1, "token tiles a row tile notifies")
     if {"tile_token_tiles", "tile_num_token_tiles", "tile_expert"} <= set(t):
@@ -100,24 +115,28 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         s = torch.arange(min(BM, TT), device=num.device)
         used = (s[None, :] < num[:, None]) & (t["tile_expert"][:, None] >= 0)
         j = t["tile_token_tiles"]
-        bad.append((f"'tile_token_tiles' names a token tile outside [0, {TT})", (used & ((j < 0) | (j >= TT))).any()))
+        bad.append((f"'tile_token_tiles' names a token tile outside [0, {TT})", used & ((j < 0) | (j >= TT)),
+                    entry("tile_token_tiles")))
         notified = torch.where(used, j.clamp(0, TT - 1), TT)
         if "token_tile_producers" in t:          # (scatter_add, not bincount: no read back of its bounds)
             count = torch.zeros(TT + 1, dtype=torch.long, device=num.device).scatter_add_(
                 0, notified.reshape(-1), torch.ones(notified.numel(), dtype=torch.long, device=num.device))[:TT]
             bad.append(("'token_tile_producers' is not the number of row tiles notifying each token tile (the "
                         "combine would wait for notifies that never come, or read rows not yet written)",
-                        (count != t["token_tile_producers"]).any()))
+                        count != t["token_tile_producers"],
+                        lambda i: f"token tile {i[0]}: {int(t['token_tile_producers'][i])}, notified by "
+                                  f"{int(count[i])}"))
         if "token_pos" in t:                     # (a sorted search, not isin: no read back)
             tile_ids = torch.arange(NT, device=num.device)[:, None].expand_as(notified)
             notifies = torch.sort((tile_ids * (TT + 1) + notified).reshape(-1)).values
             reads = (p // BM) * (TT + 1) + token // BM
             found = notifies[torch.searchsorted(notifies, reads).clamp(max=notifies.numel() - 1)]
             bad.append(("a routed row's tile does not notify the token tile that reads it ('tile_token_tiles')",
-                        (found != reads).any()))
+                        found != reads, routed))
     if not bad:
         return
-    found = torch.stack([b for _, b in bad]).tolist()
-    for (what, _), is_bad in zip(bad, found):
+    found = torch.stack([m.any() for _, m, _ in bad]).tolist()       # the one read back
+    for (what, mask, where), is_bad in zip(bad, found):
         if is_bad:
-            raise InputError(f"the routing tables cannot be run: {what}")
+            at = f" (first: {where(tuple(int(x) for x in mask.nonzero()[0].tolist()))})" if where else ""
+            raise InputError(f"the routing tables cannot be run: {what}{at}")

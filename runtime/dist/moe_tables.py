@@ -104,7 +104,7 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         want = torch.sort(torch.arange(T, device=rows.device).repeat_interleave(topk) * E
                           + topk_ids.reshape(-1).long()).values
         n = min(R, T * topk)
-        short = torch.tensor([R < T * topk], device=rows.device)
+        short = torch.full((1,), R < T * topk, dtype=torch.bool, device=rows.device)   # (a fill, not a copy)
         bad.append(("the valid rows of the used tiles ('sorted_token_ids', 'tile_expert', 'tile_valid_rows') do "
                     "not hold each (token, expert) of topk_ids once",
                     torch.cat([have[:n] != want[:n], have[n:] != none, short]), None))

@@ -17,8 +17,9 @@ No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 or 8 consecu
 a tile row (vector loads and stores, fp32 math; 8 — 16-byte loads — where the gathered rows are
 16-bit and the columns allow: :func:`..plan.combine.vector_width`), tiles visited persistently in the schedule's
 order (with the part's ``align_shift``). The generated ``Prog`` (:mod:`.prog_hooks`) holds
-the waits (a warp's lanes spin, each on its share of the wait loops' iterations, then the CTA meets), the body (the per-row index and scale
-expressions, element by element) and the notifies (the CTA meets, then one thread releases).
+the waits (a warp's lanes spin, each on its share of the innermost waiting loops' iterations,
+then the CTA meets), the body (the per-row index and scale expressions, element by element)
+and the notifies (the CTA meets, then one thread releases).
 Rows < 0 of the gather read zero and out-of-bounds stores are dropped, as in the simulator.
 
 **Kernel parameters** (:attr:`LoweredCombine.params`, in order): ``ptr_<y>`` (the gathered

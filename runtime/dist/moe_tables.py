@@ -62,8 +62,8 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
     if "tile_visit" in t:
         visits = torch.sort(t["tile_visit"]).values
         bad.append(("'tile_visit' is not a permutation of the row tiles (a tile left out is never staged, and the "
-                    "grouped GEMM would wait for it until its timeout)", visits != torch.arange(NT, device=visits.device),
-                    lambda i: f"sorted, it has {int(visits[i])} where row tile {i[0]} belongs"))
+                    "grouped GEMM would wait for it until its timeout)",
+                    visits != torch.arange(NT, device=visits.device), lambda i: f"sorted, it has {int(visits[i])} where row tile {i[0]} belongs"))
     if "tile_tokens" in t:
         lo, hi = t["tile_tokens"][:, 0], t["tile_tokens"][:, 1]
         bad.append((f"'tile_tokens' holds a range not within [0, {T}]", (lo < 0) | (lo > hi) | (hi > T),

@@ -556,3 +556,22 @@ def test_gather_order_reaches_the_ag_layers_routing_and_rows(monkeypatch):
     assert moe.main(["--rows", "mixtral:2048:random", "--stage-rows", "off"], out=out) == 0
     assert "gathered in" not in out.getvalue().splitlines()[0]
     assert seen == ["layout", "tokens", "tokens"]
+
+
+def test_the_moe_and_attention_benchmarks_headers_name_the_card(monkeypatch):
+    """A table's figures compare only with figures from the same kind of card: the header says
+    which one ran them (nothing where torch sees no GPU)."""
+    import io
+
+    from tldsl.bench import attention, moe, timing
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(moe, "bench_row", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no GPU here")))
+    monkeypatch.setattr(attention, "rows", lambda *a: [])
+    for main, argv in ((moe.main, ["--rows", "mixtral:2048:random"]), (attention.main, [])):
+        out = io.StringIO()
+        main(argv, out=out)
+        assert " on NVIDIA H100 80GB HBM3" in out.getvalue().splitlines()[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert timing.on_device() == ""

@@ -25,6 +25,8 @@ import functools
 import sys
 from dataclasses import dataclass
 
+from . import timing
+
 D = 128
 #: max |ours - SDPA| over SDPA's RMS allowed before a row is timed (bf16 / fp16 outputs)
 CHECK_TOL = 0.05
@@ -247,8 +249,8 @@ def parse_args(argv):
 def main(argv, out=sys.stdout) -> int:
     args = parse_args(argv)
     todo = rows(args.seqs, args.ranks, args.dtypes, args.masks, args.heads)
-    print(f"# attention forward, d={D}, this GPU as the last of W ranks; ms (median of {args.iters}, interleaved)",
-          file=out)
+    print(f"# attention forward, d={D}, this GPU{timing.on_device()} as the last of W ranks; ms (median of "
+          f"{args.iters}, interleaved)", file=out)
     variants = [(sm, od) for sm in args.softmax or [None] for od in args.order or [None]]
     many = variants != [DEFAULT_VARIANT]
     print(f"| row |{' softmax, order |' if many else ''} tldsl ms | TFLOP/s | SDPA ms | TFLOP/s | tldsl / SDPA speed | "

@@ -69,6 +69,7 @@ import sys
 from ..collectives import PARTIAL_DTYPES
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
 from .folded import SATISFIED, comm_notified, folded_launches
+from . import timing
 from .timing import copy_of, fresh_placement
 
 #: TP ranks the rows' weight slices are for (tokens are the total across them)
@@ -592,8 +593,8 @@ def main(argv, out=sys.stdout) -> int:
     partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
                if rs else "")
     order = "" if rs or args.stage_rows == "off" else f", staged rows gathered in {args.gather_order} order"
-    print(f"# {what}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster ({args.cluster}, 1)"
-          f"{folded}{partial}{order}; ms (median of {args.iters}, interleaved{repeats})", file=out)
+    print(f"# {what}{timing.on_device()}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster "
+          f"({args.cluster}, 1){folded}{partial}{order}; ms (median of {args.iters}, interleaved{repeats})", file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")

@@ -7,6 +7,16 @@ import random
 import statistics
 
 
+def on_device() -> str:
+    """`` on <the GPU's name>`` for a benchmark's header (a table's figures compare only with figures
+    from the same kind of card), or nothing where torch sees no GPU."""
+    try:
+        import torch
+        return f" on {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    except ImportError:
+        return ""
+
+
 def median_ms(fn, iters: int, warmup: int = 5, sleep_cycles: int = 0) -> float:
     """Median milliseconds of ``fn`` over ``iters`` launches, timed with CUDA events.
     ``sleep_cycles``: each timed launch queued behind a GPU sleep that long, so that a host

@@ -205,7 +205,11 @@ class AllGatherMoE(_Routed, FusedProgram):
     rows (``x_sorted``: 0.5 GB at Mixtral's 32768 tokens in bf16). A layer that
     writes its output (the next call's shard) into ``op.symmetric_buffer("x")`` and passes that
     as ``x`` saves the copy of the shard into the op's buffer every call (64 MB at 8192 tokens of
-    4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`)."""
+    4096 bf16 values: :meth:`~.program_op.FusedProgram.symmetric_buffer`). ``router``: a callable
+    ``router(topk_ids) -> {name: int32 tensor}`` returning the tables of
+    :class:`~tldsl.ops.moe.MoERouting` by name, on the ids' device (default: the routing built on
+    the GPU); with ``validate_ids`` they are checked against the ids before anything is enqueued
+    (:mod:`.moe_tables`)."""
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, stage_rows: bool | None = None, **program_kw):

@@ -278,7 +278,8 @@ class MoEReduceScatter(_Routed, FusedProgram):
     per rank ``Ms``; ``topk``. ``h`` is ``[R_pad, Nr]`` in expert-sorted order (what
     :class:`AllGatherMoE` returns for the same tokens and ``BM``). Calling ``op(h, topk_ids, topk_weights, w2, tables=None)`` returns
     ``out [Ms, K]``: this rank's tokens, summed over the ranks. ``tables``: the routing
-    :class:`AllGatherMoE` returned for the same ``topk_ids`` (else built here). Schedules not
+    :class:`AllGatherMoE` returned for the same ``topk_ids`` (else built here; tables the library did
+    not build are checked against the ids first, with ``validate_ids``). Schedules not
     given: :data:`DEFAULT_RS_COMPUTE` and :data:`DEFAULT_RS_COMM` (the reduce-scatter in 128-row
     tiles on 32 SMs). ``partial_dtype``: ``"out"`` (default: each rank's combined rows rounded to
     ``h``'s dtype before the reduce-scatter sums them, the numerics of NCCL's reduce-scatter of a

@@ -205,3 +205,22 @@ def test_the_devices_visit_sums_are_the_sort_by_place_in_the_expert(counts):
     got = model_visit(te, first, n)
     assert got.dtype == np.int32 and got.tolist() == want
     assert (te.size >= NARROW_TILES) == (sum(counts) > 46000)        # the last case takes the 64-bit sums
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routings())
+def test_every_routing_the_library_builds_passes_the_check_a_callers_tables_get(case):
+    """The check of tables the library did not build (:mod:`tldsl.runtime.dist.moe_tables`)
+    rejects no routing the library builds: the host's and the GPU kernels' (their numpy mirror),
+    over expert counts, world sizes, tile heights and skews — duplicates within a token's top-k,
+    every row on one expert, most experts empty — all of its tables at once."""
+    torch = pytest.importorskip("torch")
+    from tldsl.runtime.dist.moe_ops import AG_TABLES, RS_TABLES
+    from tldsl.runtime.dist.moe_tables import check_routing_tables
+    E, topk, W, Ms, BM, skew, seed = case
+    ids = routing_ids(np.random.default_rng(seed), W * Ms, E, topk, skew)
+    host = moe_routing(ids, E, W, Ms, BM)
+    for tables in ({n: getattr(host, n) for n in AG_TABLES + RS_TABLES}, model_tables(ids, E, W, Ms, BM)):
+        check_routing_tables({n: torch.from_numpy(np.ascontiguousarray(tables[n])) for n in AG_TABLES + RS_TABLES},
+                             AG_TABLES + RS_TABLES, torch.from_numpy(np.ascontiguousarray(ids)), num_experts=E,
+                             block_m=BM, num_tiles=host.num_tiles)

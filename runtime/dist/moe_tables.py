@@ -7,9 +7,9 @@ one counting fewer reads rows before they are written, and a routed row past its
 rows is stored as zero. So where the op checks ``topk_ids`` on the device (``validate_ids=True``,
 one read back), it checks a foreign routing's tables too: every table the op reads, against
 ``topk_ids`` where the tables say where each routed row went, all conditions reduced on the
-device and read back at once (one more read). A :class:`RoutingTables` is trusted by its type:
-a caller who edits one takes that on. The tables :class:`~..gpu.moe_routing.MoERoutingBuilder`
-builds (:class:`RoutingTables`) are the library's own and are not checked again."""
+device and read back at once (one more read). The tables
+:class:`~..gpu.moe_routing.MoERoutingBuilder` builds are a :class:`RoutingTables`, the library's
+own, and are not checked again: trusted by their type (a caller who edits them takes that on)."""
 from __future__ import annotations
 
 from ...errors import InputError

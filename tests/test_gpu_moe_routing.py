@@ -316,7 +316,8 @@ def test_the_builders_tables_are_its_own_and_pass_the_check_a_foreign_routing_ge
 
     from tldsl.errors import InputError
     from tldsl.runtime.dist.moe_ops import AG_TABLES, RS_TABLES
-    from tldsl.runtime.dist.moe_tables import RoutingTables, check_routing_tables
+    from tldsl.runtime.dist.moe_tables import check_routing_tables
+    from tldsl.runtime.gpu.moe_routing import RoutingTables
     W, Ms, topk, E, BM = 2, 3000, 4, 16, 128
     b, ids = _build(compiled, _ids(np.random.default_rng(5), W * Ms, E, topk, kind), E, W, Ms, BM)
     tables = b(ids)

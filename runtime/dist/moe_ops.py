@@ -39,7 +39,8 @@ from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
 from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
-from .moe_tables import RoutingTables, check_routing_tables
+from ..gpu.moe_routing import RoutingTables
+from .moe_tables import check_routing_tables
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names

@@ -8,14 +8,12 @@ rows is stored as zero. So where the op checks ``topk_ids`` on the device (``val
 one read back), it checks a foreign routing's tables too: every table the op reads, against
 ``topk_ids`` where the tables say where each routed row went, all conditions reduced on the
 device and read back at once (one more read). The tables
-:class:`~..gpu.moe_routing.MoERoutingBuilder` builds are a :class:`RoutingTables`, the library's
-own, and are not checked again: trusted by their type (a caller who edits them takes that on)."""
+:class:`~..gpu.moe_routing.MoERoutingBuilder` builds (a :class:`~..gpu.moe_routing.RoutingTables`)
+are the library's own and are not checked again: trusted by their type (a caller who edits them
+takes that on)."""
 from __future__ import annotations
 
 from ...errors import InputError
-from ..gpu.moe_routing import RoutingTables
-
-__all__ = ["RoutingTables", "check_routing_tables"]
 
 
 def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, block_m: int, num_tiles: int) -> None:
@@ -63,7 +61,8 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
         visits = torch.sort(t["tile_visit"]).values
         bad.append(("'tile_visit' is not a permutation of the row tiles (a tile left out is never staged, and the "
                     "grouped GEMM would wait for it until its timeout)",
-                    visits != torch.arange(NT, device=visits.device), lambda i: f"sorted, it has {int(visits[i])} where row tile {i[0]} belongs"))
+                    visits != torch.arange(NT, device=visits.device),
+                    lambda i: f"sorted, it has {int(visits[i])} where row tile {i[0]} belongs"))
     if "tile_tokens" in t:
         lo, hi = t["tile_tokens"][:, 0], t["tile_tokens"][:, 1]
         bad.append((f"'tile_tokens' holds a range not within [0, {T}]", (lo < 0) | (lo > hi) | (hi > T),

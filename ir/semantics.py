@@ -63,7 +63,8 @@ EWISE = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
     "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal,
     "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
-    "and": np.logical_and, "or": np.logical_or, "floordiv": np.floor_divide, "mod": np.mod,
+    # numpy's & and |: logical on bools, bitwise on integers (tracing refuses floats)
+    "and": np.bitwise_and, "or": np.bitwise_or, "floordiv": np.floor_divide, "mod": np.mod,
     "where": np.where,
 }
 

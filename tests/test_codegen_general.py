@@ -232,7 +232,7 @@ def edge_semantics(sx, sn, o1, o2, o3, o4, o5, o6, o7, q1, q2, q3, *, compute: t
     """numpy's edge cases, which the simulator runs: NaN and infinities through max / min /
     where / reductions, floor division and modulo of floats (negative, by zero) and of ints (by
     zero, INT_MIN // -1), i32 wrapping, casts of NaN and out-of-range floats to i32, f16
-    overflow, logical and / or."""
+    overflow, & and | (logical on bools, bitwise on ints and on an int with a bool)."""
     M, N = sx.shape
 
     @tl.compute_part(grid=(1,))
@@ -247,7 +247,7 @@ def edge_semantics(sx, sn, o1, o2, o3, o4, o5, o6, o7, q1, q2, q3, *, compute: t
         tl.store(o5, (0, 0), tl.where(t > 0.0, t, -t) + tl.cast(tl.cast(t * 1e5, tl.float16), tl.float32))
         tl.store(o6, (0, 0), tl.max(f, 1)[:, None] - tl.min(f, 1)[:, None] + tl.sum(f, 1)[:, None] + f)
         tl.store(o7, (0, 0), tl.max(t, 1)[:, None] + tl.min(t, 0)[None, :] + t % (t - t))
-        tl.store(q1, (0, 0), u // (u % 5 - 2) + u % (u % 3 - 1) + u // -1)
+        tl.store(q1, (0, 0), u // (u % 5 - 2) + u % (u % 3 - 1) + u // -1 + (u & 6) - ((u | -8) & (u > 0)))
         tl.store(q2, (0, 0), u * 65537 - u * u + tl.cast(t * 1e10, tl.int32) // 7)
         flags = tl.where((u > 0) & (t > 0.0) | (u == 0), u * 0 + 1, tl.where(t != t, u * 0 + 2, u * 0))
         tl.store(q3, (0, 0), flags + tl.cast(t, tl.int32))

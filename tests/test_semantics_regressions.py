@@ -1,6 +1,6 @@
 """Where the simulator and the generated code once meant different things (found by review):
 a negative ``tl.expand_dims`` axis (numpy's: counted from the end of the result) and ``&`` /
-``|`` on integer scalars (Python's: bitwise, an integer). Each is checked in the simulator
+``|`` on integer scalars and tiles (Python's and numpy's: bitwise, an integer). Each is checked in the simulator
 against numpy / Python, and in the general recipe's generated code run on CPU threads."""
 from __future__ import annotations
 
@@ -94,3 +94,38 @@ def test_the_generated_code_rounds_a_16_bit_result_once(tmp_path):
     got = emulate(ir, lower(ir, "part"), _mixed_inputs(), tmp_path)
     want = (np.float64(2.0 ** -14) + _mixed_inputs()["n"]).astype(np.float16)
     assert np.array_equal(got["y"], want), got["y"]
+
+
+@tl.kernel
+def tile_bits(x, y, *, compute: tl.ComputeSchedule = None):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        v = tl.load(x, (0,), (16,))
+        bits = (v & 6) + (5 | v) * 100 - (v & (v > 2)) * 10000        # int & int, int | int, int & bool
+        mask = ~((v > 3) & (v < 12)) | (v == 7)                        # bool: logical
+        tl.store(y, (0,), bits + mask)
+
+
+def _bits_inputs():
+    return {"x": np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, -1, -6, 255, 2 ** 30 + 5], np.int32),
+            "y": np.full(16, -999, np.int32)}
+
+
+def _bits_want(v):
+    return ((v & 6) + (5 | v) * 100 - (v & (v > 2)) * 10000 + (~((v > 3) & (v < 12)) | (v == 7))).astype(np.int32)
+
+
+def test_tile_ands_and_ors_are_numpys():
+    """``&`` / ``|`` on tiles as numpy's: bitwise on integers (with a bool as 0 / 1), logical on
+    bools; ``~`` on a bool mask (once ``&`` on int tiles was a truth test, unlike numpy and the
+    scalars' ``&``)."""
+    v = _bits_inputs()["x"]
+    res = tl.simulate(tile_bits, 1, [_bits_inputs()])
+    assert np.array_equal(res[0]["y"], _bits_want(v)), res[0]["y"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads through g++")
+def test_the_generated_code_ands_tiles_as_numpy(tmp_path):
+    ir = tile_bits.trace(1, tl.TensorSpec((16,), tl.int32), tl.TensorSpec((16,), tl.int32))
+    got = emulate(ir, lower(ir, "part"), _bits_inputs(), tmp_path)
+    assert np.array_equal(got["y"], _bits_want(_bits_inputs()["x"])), got["y"]

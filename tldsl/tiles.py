@@ -56,7 +56,15 @@ class Tile:
     def __eq__(self, o): return self._e("eq", o)  # noqa: PLE0302
     def __ne__(self, o): return self._e("ne", o)
     def __and__(self, o): return self._e("and", o)
+    def __rand__(self, o): return self._e("and", o, True)
     def __or__(self, o): return self._e("or", o)
+    def __ror__(self, o): return self._e("or", o, True)
+
+    def __invert__(self):
+        if self.dtype != T.bool_:
+            fail(f"'~' of a {self.dtype} tile: tiles take '~' on bool masks only (tl.ewise('not', mask)); "
+                 "for integers write -x - 1")
+        return ewise("not", self)
     def __neg__(self):
         return ewise("neg", self)
     __hash__ = object.__hash__
@@ -174,6 +182,9 @@ def as_tile(x, like=None) -> Tile:
     fail(f"expected a tile, got {type(x).__name__}")
 
 
+_INFIX = {"and": "&", "or": "|"}
+
+
 def _promote(dtypes):
     floats = [d for d in dtypes if d.is_float]
     if not floats:
@@ -215,7 +226,14 @@ def ewise(op: str, *args) -> Tile:
             vals.append(const(a, cd if cd.kind != "bool" else T.bool_).value)
         else:
             fail(f"'{op}': unsupported operand {type(a).__name__}")
-    if op in ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"):
+    if op in ("and", "or"):
+        # numpy's & and |: logical on bool tiles, bitwise on integers (a bool operand counts as 0 / 1)
+        if dtype.is_float:
+            kinds = ", ".join(d.name for d in tile_dtypes + scal_dtypes) + (", a float" if len(args) > len(tiles) + len(scal_dtypes) else "")
+            fail(f"'{_INFIX[op]}' of {kinds}: '&' and '|' take bool or integer tiles, as in numpy "
+                 f"(logical on bool, bitwise on integers); compare floats first, e.g. (x > 0) {_INFIX[op]} (y < 1)")
+        rdt = dtype
+    elif op in ("lt", "le", "gt", "ge", "eq", "ne", "not"):
         rdt = T.bool_
     else:
         rdt = dtype

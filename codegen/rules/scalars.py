@@ -56,9 +56,10 @@ ELEMENT_MATH = {
     "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
     "eq": "({0} == {1})", "ne": "({0} != {1})", "not": "(!{0})", "where": "({0} ? {1} : {2})",
 }
-#: bool operands of these ops combine logically; other operands bitwise (numpy's logical_and on
-#: ints is a truth test as well, so ints are tested against 0 first)
+#: numpy's ``&`` and ``|`` (the simulator's ``bitwise_and`` / ``bitwise_or``): logical where the
+#: op computes in bool, bitwise where in int (a bool operand already converted to 0 / 1)
 _LOGICAL = {"and": "&&", "or": "||"}
+_BITWISE = {"and": "&", "or": "|"}
 
 
 def element_expr(kind: str, args: list[str], compute: str) -> str:
@@ -66,7 +67,11 @@ def element_expr(kind: str, args: list[str], compute: str) -> str:
     functions) on ``args``, already converted to ``compute`` ("float", "double", "int" or
     "bool"; ``where``'s condition is a bool). numpy's meaning, which the simulator runs."""
     if kind in _LOGICAL:
-        return f"(({args[0]}) != 0 {_LOGICAL[kind]} ({args[1]}) != 0)"
+        if compute == "bool":
+            return f"({args[0]} {_LOGICAL[kind]} {args[1]})"
+        if compute == "int":
+            return f"({args[0]} {_BITWISE[kind]} {args[1]})"
+        raise LoweringError(f"internal: '{kind}' computing in {compute} (tracing takes bool or integer operands only)")
     if compute == "bool" and kind in ("add", "mul", "max", "min"):
         # numpy on booleans: add / max are `or`, mul / min are `and`
         return f"({args[0]} {'||' if kind in ('add', 'max') else '&&'} {args[1]})"

@@ -247,7 +247,8 @@ class LoweredKernel:
     def _repr_html_(self) -> str:
         facts = [("part", f"{self.kernel_name}.{self.part}"), ("entry", self.entry),
                  ("world size", self._world()), ("NVRTC options", " ".join(self.options) or "none"),
-                 ("parameters", ", ".join(p.name for p in self.params))]
+                 ("parameters", ", ".join(p.name for p in self.params)),
+                 *((f"{name} recipe refused", reason) for name, reason in self.declined)]
         return html_card(f"{type(self).__name__} (compile() builds the cubin)", facts,
                          [("describe()", self.describe()), (f"CUDA source ({self.source.count(chr(10)) + 1} lines)",
                                                             self.source)], open_first=True)
@@ -256,6 +257,9 @@ class LoweredKernel:
     #: a host protocol test runs in the simulator's rules (``runtime/sim/bound_launch.py``) in
     #: place of the kernel, rather than a model of it
     program = None
+    #: ``(recipe, reason)`` of each recipe whose planner refused the part before this one took it
+    #: (set by the pipeline; empty when the recipe made for the part lowered it)
+    declined: tuple = ()
 
     def job(self):
         """This kernel as a :class:`.toolchain.compiler.CompileJob` (for ``compile_many``)."""

@@ -10,16 +10,19 @@ Stages, in order (each a function below; data flows one way):
 3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
    and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes).
    When the planner refuses (a tile its template cannot run, say), :func:`fall_back` gives the
-   part to the role's last recipe, the general lowering, when its matcher accepts it;
+   part to the role's last recipe, the general lowering, when its matcher accepts it (the
+   refusal stays on the lowered kernel, ``declined``, and is a ``FallbackWarning`` at the part's line);
 4. :func:`render` — the recipe fills its template, every IR op inside it rendered by the
    rules (``rules.scalars``, ``rules.primitives``);
 5. compile (``LoweredKernel.compile`` → ``toolchain``): NVRTC, content-addressed cache.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import FallbackWarning
 from ..ir import core
 from .errors import LoweringError, NotApplicable
 from .recipes import RECIPES, Recipe
@@ -108,15 +111,38 @@ def _lower(kernel, part, options: dict, strict: bool):
     if strict and ignored:
         raise LoweringError(f"the {sel.recipe.name} recipe lowers part '{p.name}' and takes no option "
                             f"{', '.join(ignored)}; it takes: {', '.join(sorted(sel.recipe.options)) or 'none'}", p.loc)
+    refused: list[tuple[str, LoweringError]] = []
     while True:
         try:
-            return render(sel, plan(sel, options))
+            lowered = render(sel, plan(sel, options))
         except LoweringError as e:
             # the chosen recipe's planner refused (its tiles, say): the general lowering takes the
             # part when it can; else the planner's error
+            refused.append((sel.recipe.name, e))
             sel = fall_back(sel, e, options if strict else {})
             if sel is None:
                 raise
+            continue
+        if refused:
+            _record_fallback(lowered, p, sel.recipe.name, refused)
+        return lowered
+
+
+def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[str, LoweringError]]) -> None:
+    """A part the recipe made for it refused to plan, lowered by ``recipe`` instead: the refusals
+    go on the lowered kernel (``declined``: its ``describe()`` and HTML show them) and into a
+    :class:`~tldsl.errors.FallbackWarning` at the part's line, so a schedule the fast template
+    cannot run (too many stages, say) is never silently a slower kernel."""
+    reasons = tuple((name, getattr(e, "raw_message", str(e))) for name, e in refused)
+    object.__setattr__(lowered, "declined", reasons)
+    why = "; ".join(f"the {name} recipe refused: {msg}" for name, msg in reasons)
+    message = (f"part '{part.name}' of kernel '{lowered.kernel_name}' is lowered by the {recipe} recipe: {why}. "
+               f"It computes the same, without that recipe's template (change the schedule to get it back)")
+    loc = part.loc
+    if loc is None:
+        warnings.warn(message, FallbackWarning, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, FallbackWarning, loc.filename, loc.lineno)
 
 
 def fall_back(sel: Selected, error: LoweringError, options: dict) -> Selected | None:

@@ -999,8 +999,14 @@ def test_a_part_the_gemm_planner_refuses_falls_back_to_the_general_recipe():
     with pytest.raises(LoweringError, match="do not match the compute schedule's tile"):
         lower_gemm(k)
     assert pipeline.match(k, k.parts[0]).recipe.name == "gemm"
-    lk = lower(k, "mm")
+    with pytest.warns(tl.FallbackWarning, match="part 'mm' .* general recipe: the gemm recipe refused: .*do not match") as w:
+        lk = lower(k, "mm")
     assert type(lk).__name__ == "LoweredGeneral" and lk.dots == 1
+    assert w[0].filename == k.parts[0].loc.filename and w[0].lineno == k.parts[0].loc.lineno     # the part's line
+    assert [name for name, _ in lk.declined] == ["gemm"] and "do not match" in lk.describe()
+    assert "gemm recipe refused" in lk._repr_html_()
+    plain = lower(_fixed_tile_gemm.trace(1, spec, spec, spec, compute=tl.ComputeSchedule(tile=(128, 128, 64))), "mm")
+    assert plain.declined == ()                                 # the recipe made for it took it: nothing to say
     with pytest.raises(LoweringError, match="do not match the compute schedule's tile"):
         lower(k, "mm", cluster=(2, 1))          # an option only the GEMM takes: its planner's error
 

@@ -65,3 +65,9 @@ class UninitializedReadError(SimulationError):
 
 class OutOfBoundsError(SimulationError):
     """An access outside a buffer (tables, explicit ranks, channels)."""
+
+
+class FallbackWarning(UserWarning):
+    """A part went to the general lowering because the recipe made for it refused its plan (a
+    schedule its template cannot run, say): the kernel computes the same, without that
+    template's speed. The warning points at the part's line and gives the refusal."""

@@ -120,6 +120,7 @@ class LoweredGeneral(LoweredKernel):
                           *(f"  {s}" for s in self.slots),
                           *(f"  {s}" for s in self.held),
                           *(f"  {s}" for s in self.replicated),
+                          *(f"  taken from the {name} recipe, which refused: {why}" for name, why in self.declined),
                           "  params: " + ", ".join(f"{p.ctype} {p.name} <- {p.source}" for p in self.params)])
 
 

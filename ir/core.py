@@ -45,6 +45,9 @@ class Block:
             for region in op.regions:
                 yield from region.walk()
 
+    def __repr__(self) -> str:
+        return f"Block({len(self.ops)} ops, {len(list(self.walk()))} with nested regions, {len(self.args)} args)"
+
 
 @dataclass(eq=False)
 class Op:
@@ -81,6 +84,9 @@ class Buffer:
     def symmetric(self) -> bool:
         return self.type.space.value == "symmetric"
 
+    def __repr__(self) -> str:
+        return f"Buffer({self.name}: {self.type}, {self.kind}{', ' + self.loc.short() if self.loc else ''})"
+
 
 @dataclass(eq=False)
 class Signal:
@@ -93,6 +99,9 @@ class Signal:
     def __post_init__(self):
         if self.value is None:
             self.value = Value(self.type, self.name, owner=self)
+
+    def __repr__(self) -> str:
+        return f"Signal({self.name}: {self.type}{', ' + self.loc.short() if self.loc else ''})"
 
 
 @dataclass(eq=False)

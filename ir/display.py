@@ -35,6 +35,19 @@ def html_card(title: str, facts: list[tuple[str, object]], folded: list[tuple[st
     return "".join(parts)
 
 
+#: the most lines of a long text (a SASS listing) a card embeds
+CARD_LINES = 400
+
+
+def clipped(text: str, lines: int = CARD_LINES, where: str = "") -> str:
+    """``text`` cut to its first ``lines`` lines, saying how many more there are and ``where``
+    the whole text is: a notebook keeps what a card holds, so a card holds no megabyte listing."""
+    rows = text.splitlines()
+    if len(rows) <= lines:
+        return text
+    return "\n".join(rows[:lines] + [f"… {len(rows) - lines} more lines" + (f" ({where})" if where else "")])
+
+
 def size(nbytes: int) -> str:
     """``nbytes`` as B / KiB / MiB, for the facts of a card."""
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -43,6 +43,16 @@ def test_help_lists_every_command_benchmark_check_and_cache_action():
         assert name in proc.stdout, name
 
 
+def test_the_readme_lists_every_command():
+    """README's "lists every command" sentence names what --help lists (it once left out fuzz)."""
+    import argparse
+    from tldsl.cli.main import _parser
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sentence = re.search(r"lists every command: (.*?); where one", (ROOT / "README.md").read_text(), re.S).group(1)
+    listed = {name.split()[0] for name in re.findall(r"`([^`]+)`", sentence)}
+    assert listed == set(sub.choices), (listed, set(sub.choices))
+
+
 def test_the_tables_name_every_benchmark_and_check_there_is():
     from tldsl.bench import cli as bench_cli
     benchmarks = {name for names in re.findall(r"-m tldsl\.bench ([\w|]+)", bench_cli.__doc__)

@@ -117,3 +117,47 @@ def test_compiled_kernel_never_shows_the_cubin():
     report = SassReport({"tldsl_gemm": sass}, sass_text="x" * 100_000)
     assert_notebook_native(report, "SassReport", "tldsl_gemm")
 
+    listing = "\n".join(f"        /*{i:04x}*/   HGMMA.64x128x16.F32 ;" for i in range(5000))
+    html = SassReport({"tldsl_gemm": sass}, sass_text=listing)._repr_html_()
+    assert len(html) < 40_000 and "4600 more lines (the whole listing: .sass_text)" in html   # a card, not the listing
+
+
+def test_the_ir_and_codegen_pieces_a_notebook_shows(sim_result):
+    """Objects reached from a traced kernel, a lowering or the toolchain: one short line each,
+    never a dataclass dump of their fields (a buffer's value, a block's ops, a CUDA source)."""
+    from tldsl.codegen import CompileJob, lower, find_toolchain
+    from tldsl.ops.registry import OPS
+    k = sim_result.kernel
+    for obj, words in [(k.buffers[0], ("Buffer(a:", "arg")), (k.signals[0], ("Signal(",)),
+                       (k.parts[0].body, ("Block(", "ops")), (tl.SimOptions(), ("SimOptions()",)),
+                       (tl.SimOptions(launches=3), ("launches=3",)),
+                       (CompileJob("x\n" * 5000, "tldsl_k", ("-DX=1",)), ("tldsl_k", "5001 lines", "-DX=1")),
+                       (find_toolchain(), ("NVRTC", "CUTLASS")), (OPS["allgather_gemm"], ("OpSpec(allgather_gemm",))]:
+        text = repr(obj)
+        assert "\n" not in text and len(text) <= REPR_LIMIT and " at 0x" not in text, text
+        for word in words:
+            assert word in text, (word, text)
+    W = 8
+    ce = allgather_gemm.trace(W, S((64, 64), tl.float16), S((64, 48), tl.float16), S((W * 64, 48), tl.float16),
+                              compute=tl.ComputeSchedule(tile=(16, 16, 16)),
+                              comm=tl.CommSchedule(engine="copy_engine", mode="pull", tile_m=None))
+    plan = lower(ce, next(p.name for p in ce.parts if p.role == "comm"))
+    html = assert_notebook_native(plan, "CopyEnginePlan", f"W={W}", "copies")
+    assert "describe()" in html
+
+
+def test_mappings_show_what_they_map():
+    shown = {}
+
+    @tl.kernel
+    def mapped(x, table, y):
+        shown["static"] = repr(tl.StaticMapping("rows", x, rows_per_rank=x.shape[0] // tl.world_size(), tile=16))
+        shown["dynamic"] = repr(tl.DynamicMapping("route", 4, expert=table))
+
+        @tl.compute_part(grid=(1,))
+        def p(i):
+            tl.store(y, (0, 0), tl.load(x, (0, 0), (16, 16)))
+
+    mapped.trace(2, S((64, 16), tl.float32), S((4,), tl.int32), S((64, 16), tl.float32))
+    assert shown["static"].startswith("<StaticMapping rows: rows of 'x', 2 shards x 32 rows, tile 16 rows -> 4 tiles")
+    assert shown["dynamic"].startswith("<DynamicMapping route: dynamic over 4 tiles") and "expert=" in shown["dynamic"]

@@ -320,8 +320,13 @@ def test_dynamic_rank_outside_the_group():
         tl.simulate(pull_from_next, 3, inputs, wrap=False)
     msg = str(info.value)
     line = _line(pull_from_next, "tl.load(a.at(peer)")
-    assert msg == (f"rank 2 compute task use(0) (tile_pull_data at test_simulator.py:{line}): "
-                   "rank 3 is outside the group of 3 ranks")
+    assert msg.splitlines()[0] == (f"rank 2 compute task use(0) (tile_pull_data at test_simulator.py:{line}): "
+                                   "rank 3 is outside the group of 3 ranks")
+    # then the line itself, with its path and a caret, as a compilation error shows it
+    where, source, caret = msg.splitlines()[1:]
+    assert where == f"  {__file__}:{line}:" and source.strip() == "tl.store(c, (0,), tl.load(a.at(peer), (0,), (n,)))"
+    assert caret.strip() == "^" and source[len(caret) - 1:].startswith("tl.load")       # under the load
+    assert [loc.lineno for loc in info.value.locs] == [line]
 
 
 @tl.kernel

@@ -40,11 +40,17 @@ class InputError(TldslError):
 
 
 class SimulationError(TldslError):
-    """Base class of what the simulator finds while running a kernel."""
+    """Base class of what the simulator finds while running a kernel.
 
-    def __init__(self, message: str, **details):
+    ``at``: the tile program's lines involved (the ops' locations); the message ends with each
+    one's path and source line under a caret, as a compilation error's does — a notebook cell's
+    file name alone does not say which line of which cell."""
+
+    def __init__(self, message: str, *, at=(), **details):
         self.details = details
-        super().__init__(message)
+        self.locs = tuple(dict.fromkeys(loc for loc in at if loc is not None))[:3]
+        excerpts = [f"  {loc}:\n{loc.excerpt()}" if loc.excerpt() else f"  {loc}" for loc in self.locs]
+        super().__init__("\n".join([message, *excerpts]))
 
 
 class RaceError(SimulationError):

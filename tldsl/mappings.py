@@ -15,6 +15,7 @@ import numbers
 
 from .language import load_scalar, range as tl_range
 from .primitives import consumer_tile_wait, producer_tile_notify
+from .ir.display import one_line
 from .tiles import maximum, minimum
 from .tracing import TensorRef, cdiv, current, fail
 
@@ -100,6 +101,10 @@ class StaticMapping:
                 f"{self.rows_per_rank} rows, tile {self.tile} rows -> {self.num_tiles} tiles; "
                 f"rank(t) = t // {self.tiles_per_rank}, channel(t) = t")
 
+    def __repr__(self):
+        return one_line(f"<StaticMapping {self.name}: rows of '{self.tensor.name}', {self.world_size} shards x "
+                        f"{self.rows_per_rank} rows, tile {self.tile} rows -> {self.num_tiles} tiles>")
+
 
 class DynamicMapping:
     """Named i32 tables (kernel arguments) indexed by tile id, filled at run time.
@@ -132,3 +137,6 @@ class DynamicMapping:
     def __str__(self):
         tabs = ", ".join(f"{k}={v.name}{list(v.shape)}" for k, v in self.tables.items())
         return f"{self.name}: dynamic over {self.num_tiles} tiles, run-time tables {tabs}"
+
+    def __repr__(self):
+        return one_line(f"<DynamicMapping {self}>")

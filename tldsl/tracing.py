@@ -36,6 +36,8 @@ class Builder:
         self.part_engine: str | None = None
         self.compute_schedule = None
         self.comm_schedule = None
+        self.home: dict[int, core.Block] = {}         # value id -> the block that made it
+        self.opened_by: dict[int, core.Op | None] = {}  # block id -> its `for` / `if` op (None: a part's body)
 
     # -- op emission ---------------------------------------------------------------
     def emit(self, name: str, operands, result_types=(), attrs=None, regions=(), hints=()):
@@ -44,19 +46,53 @@ class Builder:
                                    "only be used inside a compute or comm part (a function decorated with "
                                    "tl.compute_part / tl.comm_part)",
                                    user_location())
+        for v in operands:
+            self._check_in_scope(v)
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
         for i, t in enumerate(result_types):
             op.results.append(core.Value(t, hints[i] if i < len(hints) else None, owner=op))
+            self.home[op.results[-1].id] = self.blocks[-1]
         self.blocks[-1].ops.append(op)
         return op
 
     @contextmanager
     def region(self, block: core.Block):
+        parent = self.blocks[-1].ops if self.blocks else []
+        self.opened_by[id(block)] = next((op for op in reversed(parent) if any(r is block for r in op.regions)), None)
+        for a in block.args:
+            self.home[a.id] = block
         self.blocks.append(block)
         try:
             yield block
         finally:
             self.blocks.pop()
+
+    def _check_in_scope(self, v) -> None:
+        """A value used where it exists: made in a block still open (this one or one around it).
+        Python names outlive the loop or ``tl.when`` body that bound them, so an accumulator kept
+        in a tile (``acc = tl.zeros(...)``; ``acc += ...`` in a ``tl.range``) would otherwise
+        surface later as an IR verifier error about an op the user never wrote."""
+        if not isinstance(v, core.Value) or not isinstance(v.owner, (core.Op, core.Block)):
+            return                                   # a tensor's or signal's handle: kernel-wide
+        home = self.home.get(v.id)
+        if home is not None and any(home is b for b in self.blocks):
+            return
+        made = f" (made at {v.owner.loc.short()})" if isinstance(v.owner, core.Op) and v.owner.loc else ""
+        if home is None:
+            fail(f"this uses a value{made} of another trace or kernel: keep tiles and traced scalars inside "
+                 f"the kernel function that made them (pass tensors between kernels instead)")
+        opener = self.opened_by.get(id(home))
+        if opener is not None and opener.name == "for":
+            fail(f"this uses a value{made} from inside the tl.range loop at {opener.loc.short()}, after the loop: "
+                 "a value made in a loop's body exists only inside it. For an accumulator a loop updates, make "
+                 "a fragment before the loop (acc = tl.fragment(shape, dtype); acc += ... in the loop; "
+                 "acc.read() after it)")
+        if opener is not None:
+            fail(f"this uses a value{made} from inside the tl.when block at {opener.loc.short()}, after the block: "
+                 "a value made under tl.when exists only inside it; store it there, write a fragment there, "
+                 "or choose between tiles with tl.where")
+        fail(f"this uses a value{made} of another part: parts share data only through tensors (store in one, "
+             "load in the other, ordered by a notify and a wait)")
 
     def unique(self, name: str, taken) -> str:
         names = {x.name for x in taken}

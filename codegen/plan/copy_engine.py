@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...ir import core
+from ...ir.display import clipped, html_card, one_line
 from ...ir.opdefs import NOTIFY_OPS, data_operands
 from ...ir.semantics import ARITH, wait_target, wrap_i32
 from ..dtypes import elem_bytes
@@ -109,6 +110,20 @@ class CopyEnginePlan:
 
     def copies(self, rank: int) -> list[CeCopy]:
         return [a for a in self.actions[rank] if isinstance(a, CeCopy)]
+
+    def __repr__(self) -> str:
+        """One line: what each rank enqueues, counted (``describe()``: every action)."""
+        acts = [a for per_rank in self.actions for a in per_rank]
+        kinds = [(CeCopy, "copies"), (CeSignalWrite, "signal writes"), (CeWait, "waits")]
+        counts = ", ".join(f"{sum(isinstance(a, k) for a in acts)} {what}" for k, what in kinds)
+        return one_line(f"<CopyEnginePlan {self.kernel_name}.{self.part}: W={self.world_size}, {counts} "
+                        f"over all ranks>")
+
+    def _repr_html_(self) -> str:
+        facts = [("part", f"{self.kernel_name}.{self.part}"), ("world size", self.world_size),
+                 *((f"rank {r}", f"{len(a)} actions") for r, a in enumerate(self.actions))]
+        return html_card("CopyEnginePlan (host actions on the copy engines)", facts,
+                         [("describe()", clipped(self.describe(), where="the whole plan: describe()"))])
 
     def describe(self) -> str:
         out = [f"{self.kernel_name}.{self.part}: copy-engine plan, {self.world_size} rank(s)"]

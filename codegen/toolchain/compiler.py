@@ -361,6 +361,11 @@ class CompileJob:
     def program(self) -> str:
         return f"{self.name}.cu"
 
+    def __repr__(self) -> str:
+        """One line: the entry, the source's size and the extra options (not the source itself)."""
+        return one_line(f"CompileJob({self.name}: {self.source.count(chr(10)) + 1} lines of CUDA"
+                        + (f", options {' '.join(self.options)}" if self.options else "") + ")")
+
 
 def nvrtc_options(toolchain: Toolchain | None = None, extra: Iterable[str] = ()) -> list[str]:
     """The full NVRTC option list: :data:`BASE_OPTIONS`, ``extra``, then the include dirs."""

@@ -156,6 +156,11 @@ class Toolchain:
         """The ``cuda.bindings.nvrtc`` module, after checking the loaded library is NVRTC 13.0."""
         return load_nvrtc()
 
+    def __repr__(self) -> str:
+        """One line of versions (``str()``: the paths as well)."""
+        return (f"Toolchain(NVRTC {self.nvrtc_version}, CUTLASS {self.cutlass_version}, CCCL {self.cccl_version}, "
+                f"NVSHMEM {self.nvshmem_version or 'absent'}, cuobjdump {'found' if self.cuobjdump else 'absent'})")
+
     def __str__(self) -> str:
         lines = [f"NVRTC {self.nvrtc_version} (arch {ARCH})",
                  f"CUTLASS/CuTe {self.cutlass_version}: {self.cutlass_include}",

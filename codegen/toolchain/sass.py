@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ...ir.display import html_card, one_line
+from ...ir.display import clipped, html_card, one_line
 from .locate import ToolchainError, find_toolchain
 
 
@@ -88,7 +88,8 @@ class SassReport:
 
     def _repr_html_(self) -> str:
         facts = [(name, ", ".join(f"{k} {v}" for k, v in k.summary().items())) for name, k in self.kernels.items()]
-        return html_card("SASS (cuobjdump)", facts, [("listing", self.sass_text)] if self.sass_text else [])
+        listing = clipped(self.sass_text, where="the whole listing: .sass_text")
+        return html_card("SASS (cuobjdump)", facts, [("listing", listing)] if self.sass_text else [])
 
     def only(self) -> KernelSass:
         """The one kernel of a single-kernel cubin."""

@@ -70,12 +70,12 @@ class Engine:
     def _slot(self, task, op, rank, name, ch):
         if not 0 <= rank < self.kernel.world_size:
             raise OutOfBoundsError(f"{task} ({op.name} at {op.loc.short()}): rank {rank} is outside the "
-                                   f"group of {self.kernel.world_size}", rank=task.rank, tile=task.coords,
+                                   f"group of {self.kernel.world_size}", at=(op.loc,), rank=task.rank, tile=task.coords,
                                    primitive=op.name)
         sig = self.signals[rank][name]
         if not 0 <= ch < sig.values.shape[0]:
             raise OutOfBoundsError(f"{task} ({op.name} at {op.loc.short()}): channel {ch} is outside signal "
-                                   f"'{name}' ({sig.values.shape[0]} slots)", rank=task.rank,
+                                   f"'{name}' ({sig.values.shape[0]} slots)", at=(op.loc,), rank=task.rank,
                                    tile=task.coords, primitive=op.name, signal=name)
         return sig
 
@@ -104,10 +104,12 @@ class Engine:
     def wait(self, task: Task, op, name, ch, count, epoch, per_launch=None, lag=0):
         sig = self._slot(task, op, task.rank, name, ch)
         if count <= 0:
-            raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} must be positive")
+            raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} must be positive",
+                                  at=(op.loc,))
         if per_launch is not None and count > per_launch:
             raise SimulationError(f"{task} ({op.name} at {op.loc.short()}): wait count {count} exceeds the slot's "
-                                  f"{per_launch} notifies per launch (per_launch): it would wait into the next launch")
+                                  f"{per_launch} notifies per launch (per_launch): it would wait into the next launch",
+                                  at=(op.loc,))
         target = wait_target(count, self.launch, epoch, per_launch, lag)
         if sig.values[ch] < target:
             task.wait_info = (op, name, ch, count, target)
@@ -119,7 +121,7 @@ class Engine:
                 f"'{name}'[{ch}] already held {int(sig.start[ch])} when launch {self.launch} began, and the "
                 f"wait needs {target}; notifies of an earlier launch let it through. Count per launch "
                 f"(epoch=True) and notify exactly `count` times per launch, or reset the signal",
-                rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
+                at=(op.loc,), rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
         cur = sig.sys.get(ch)
         if cur is not None:
             join_into(task.vc, cur)
@@ -249,4 +251,4 @@ class Engine:
             details = dict(rank=first.rank, tile=first.coords, signal=name, channel=ch, primitive=op.name)
         return DeadlockError(f"deadlock in launch {self.launch}: every unfinished task waits on a signal "
                              f"nothing left will notify\n" + "\n".join(lines),
-                             blocked=[str(t) for t in blocked], **details)
+                             at=[t.wait_info[0].loc for t in blocked], blocked=[str(t) for t in blocked], **details)

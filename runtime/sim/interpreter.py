@@ -75,7 +75,7 @@ class Interpreter:
         try:
             env[op.result.id] = wrap_i32(ARITH[op.attrs["op"]](a, b))
         except ZeroDivisionError as e:
-            raise SimulationError(f"{task} at {op.loc.short() if op.loc else '?'}: {e}") from None
+            raise SimulationError(f"{task} at {op.loc.short() if op.loc else '?'}: {e}", at=(op.loc,)) from None
 
     def op_select(self, op, env, task):
         c, a, b = (env[v.id] for v in op.operands)
@@ -85,7 +85,7 @@ class Interpreter:
     def op_for(self, op, env, task):
         lo, hi, st = (env[v.id] for v in op.operands)
         if st <= 0:
-            raise SimulationError(f"{task}: loop step {st} at {op.loc.short()} must be positive")
+            raise SimulationError(f"{task}: loop step {st} at {op.loc.short()} must be positive", at=(op.loc,))
         plan = self.bulk.plan(op) if self.bulk is not None else None
         if plan is not None and self.bulk.run(plan, env, task, lo, hi, st):
             return None
@@ -139,7 +139,7 @@ class Interpreter:
         index = [env[i.id] for i in idx]
         if any(not 0 <= i < d for i, d in zip(index, buf.data.shape)):
             raise OutOfBoundsError(f"{task} at {op.loc.short()}: index {tuple(index)} is outside "
-                                   f"table '{buf.name}' of shape {buf.data.shape}",
+                                   f"table '{buf.name}' of shape {buf.data.shape}", at=(op.loc,),
                                    rank=task.rank, tile=task.coords, buffer=buf.name, primitive=op.name)
         lo = np.array(index, np.int64)
         self.mem.access(task.rank, buf, lo, lo + 1, READ, task, op)
@@ -156,7 +156,7 @@ class Interpreter:
         if (rows >= nrows).any():
             bad = int(rows[rows >= nrows][0])
             raise OutOfBoundsError(f"{task} at {op.loc.short()}: gathers row {bad} of '{buf.name}', "
-                                   f"which has {nrows} rows", rank=task.rank, tile=task.coords,
+                                   f"which has {nrows} rows", at=(op.loc,), rank=task.rank, tile=task.coords,
                                    buffer=buf.name, primitive=op.name)
         c0, c1 = max(col, 0), min(col + shape[1], ncols)
         if c1 <= c0:

@@ -82,7 +82,7 @@ class Memory:
         if not 0 <= rank < self.world_size:
             raise OutOfBoundsError(
                 f"{_who(task, op)}: rank {rank} is outside the group of {self.world_size} ranks",
-                rank=task.rank if task is not None else None, target_rank=rank,
+                at=(getattr(op, "loc", None),), rank=task.rank if task is not None else None, target_rank=rank,
                 tile=task.coords if task is not None else None, primitive=op.name if op is not None else None)
         return self.ranks[rank][name]
 
@@ -143,7 +143,7 @@ class Memory:
                 f"{_who(task, op)} reads {buf.name}{_box(lo, hi)} on rank {rank}, but element "
                 f"{first} was not written before it in this launch, and no unordered write "
                 f"followed (missing data movement, or a read ordered before its write?)",
-                rank=task.rank, tile=task.coords, buffer=buf.name, region=(lo, hi), primitive=op.name))
+                at=(op.loc,), rank=task.rank, tile=task.coords, buffer=buf.name, region=(lo, hi), primitive=op.name))
 
     # -- the reads of a loop run in bulk (see .bulk_loop) -------------------------------------------
     def bulk_read_is_clean(self, buf: Buffer, lo, hi, task) -> bool:
@@ -177,7 +177,7 @@ def _race(rank, buf, lo, hi, kind, task, op, prev) -> RaceError:
         f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
         f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
         f"release at too narrow a scope)" + _hints(task),
-        rank=rank, buffer=buf.name, region=(lo, hi), tile=task.coords,
+        at=(op.loc, pop.loc), rank=rank, buffer=buf.name, region=(lo, hi), tile=task.coords,
         task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
 
 

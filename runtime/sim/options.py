@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ...ir.display import compact, one_line
 from ...ir.field_types import check_field_types
 
 
@@ -46,6 +47,10 @@ class SimOptions:
     progress: bool | Callable | None = None
     progress_interval_s: float = 5.0
     bulk_loops: bool = True
+
+    def __repr__(self) -> str:
+        """The fields that differ from their defaults: ``SimOptions(launches=3)``."""
+        return one_line(compact(self))
 
     def __post_init__(self):
         check_field_types(self, ValueError)

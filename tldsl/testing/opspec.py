@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..ir.display import one_line
+
 
 @dataclass
 class OpCase:
@@ -32,6 +34,11 @@ class OpSpec:
     params: Callable[[int], Any]                 # params(world_size) -> hypothesis strategy of dicts
     mutant_params: list[dict] = field(default_factory=list)   # fixed params (each with world_size)
     doc: str = ""
+
+    def __repr__(self) -> str:
+        kernel = getattr(self.kernel, "name", None) or getattr(self.kernel, "__name__", type(self.kernel).__name__)
+        return one_line(f"OpSpec({self.name}: kernel {kernel}, {len(self.mutant_params)} mutant case(s)"
+                        + (f"; {self.doc}" if self.doc else "") + ")")
 
 
 def describe(spec: OpSpec, world_size: int, params: dict, seed: int) -> str:

@@ -56,10 +56,17 @@ def _rsqrt(x):
     return 1.0 / np.sqrt(x)
 
 
+def _in_float(fn):
+    """``fn`` on its operand as :func:`_float_of` gives it: math of a bool or integer tile is in
+    float64, as the generated code computes it (numpy alone takes a bool array's exp in float16
+    and an integer's reciprocal in integers)."""
+    return lambda x: fn(_float_of(x))
+
+
 EWISE = {
-    "sigmoid": _sigmoid, "tanh": np.tanh, "erf": _erf, "rsqrt": _rsqrt,
-    "neg": np.negative, "exp": np.exp, "exp2": np.exp2, "log": np.log, "abs": np.abs,
-    "sqrt": np.sqrt, "recip": np.reciprocal, "not": np.logical_not,
+    "sigmoid": _sigmoid, "tanh": _in_float(np.tanh), "erf": _erf, "rsqrt": _rsqrt,
+    "neg": np.negative, "exp": _in_float(np.exp), "exp2": _in_float(np.exp2), "log": _in_float(np.log),
+    "abs": np.abs, "sqrt": _in_float(np.sqrt), "recip": _in_float(np.reciprocal), "not": np.logical_not,
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
     "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal,
     "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,

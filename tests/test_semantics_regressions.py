@@ -4,6 +4,7 @@ a negative ``tl.expand_dims`` axis (numpy's: counted from the end of the result)
 against numpy / Python, and in the general recipe's generated code run on CPU threads."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -129,3 +130,76 @@ def test_the_generated_code_ands_tiles_as_numpy(tmp_path):
     ir = tile_bits.trace(1, tl.TensorSpec((16,), tl.int32), tl.TensorSpec((16,), tl.int32))
     got = emulate(ir, lower(ir, "part"), _bits_inputs(), tmp_path)
     assert np.array_equal(got["y"], _bits_want(_bits_inputs()["x"])), got["y"]
+
+
+@tl.kernel
+def math_of_masks(x, y, *, compute: tl.ComputeSchedule = None):
+    @tl.compute_part(grid=(2,))
+    def part(p):
+        v = tl.load(x, (0,), (8,))
+        acc = tl.fragment((8,), tl.float32, fill=p * 10)                     # a run-time fill
+        acc += tl.exp(v > 2) + tl.tanh(v > 4) + tl.ewise("recip", v + 1) + abs(v - 5)  # bool and int math: in float64
+        acc += tl.full((8,), p + 1, tl.float32) + tl.sqrt(v)                 # a run-time tl.full
+        tl.store(y, (p, 0), tl.expand_dims(acc.read(), 0))
+
+
+def _masks_inputs():
+    return {"x": np.array([0, 1, 2, 3, 4, 5, 6, 9], np.int32), "y": np.full((2, 8), np.nan, np.float32)}
+
+
+def _masks_want():
+    v = _masks_inputs()["x"].astype(np.float64)
+    rows = [p * 10 + np.exp((v > 2) * 1.0) + np.tanh((v > 4) * 1.0) + 1 / (v + 1) + np.abs(v - 5) + (p + 1) + np.sqrt(v)
+            for p in range(2)]
+    return np.array(rows).astype(np.float32)
+
+
+def test_float_math_of_bool_and_int_tiles_is_in_float64():
+    """numpy takes a bool array's exp / tanh in float16 and an int array's reciprocal in ints;
+    the generated code (and now the simulator) computes them in float64, as numpy on the floats
+    they stand for. Also: tl.full / tl.fragment filled with a traced scalar, abs() on a tile."""
+    res = tl.simulate(math_of_masks, 1, [_masks_inputs()])
+    np.testing.assert_allclose(res[0]["y"], _masks_want(), rtol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads through g++")
+def test_the_generated_code_takes_the_math_of_masks_as_the_simulator(tmp_path):
+    ir = math_of_masks.trace(1, tl.TensorSpec((8,), tl.int32), tl.TensorSpec((2, 8), tl.float32))
+    got = emulate(ir, lower(ir, "part"), _masks_inputs(), tmp_path)
+    np.testing.assert_allclose(got["y"], _masks_want(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("tl.store(y, (0,), tl.load(x, (0.5,), (8,)))", "offset 0.5 into 'x' must be an int or a traced i32 scalar"),
+    ("tl.store(y, (0,), tl.cast((tl.load(x, (0,), (8,)) > 0) - (tl.load(x, (0,), (8,)) > 1), tl.float32))",
+     "'-' of bool tiles"),
+    ("tl.store(y, (0,), tl.full((8,), tl.load(x, (0,), (8,))))", "tl.full: the value must be a Python number or a traced"),
+    ("tl.store(y, (0,), tl.full((8,), np.arange(8)))", "got ndarray"),
+    ("tl.store(y, (0,), tl.cast(tl.iota(p + 8), tl.float32))", "tile shapes are static"),
+    ("tl.store(y, (0,), tl.load(x, (0,), (8,)) ** 2)", "'**' on tiles"),
+])
+def test_operands_a_tile_program_cannot_mean_are_refused_at_their_line(body, message):
+    """Each once traced and then failed later (a float offset ran differently in the simulator and
+    the generated code; the rest failed in the simulator or the code generator, away from the line)."""
+    src = ("def prog(x, y):\n"
+           "    @tl.compute_part(grid=(1,))\n"
+           "    def part(p):\n"
+           f"        {body}\n")
+    scope = {"tl": tl, "np": np}
+    exec(compile(src, "<prog>", "exec"), scope)
+    kernel = tl.kernel(scope["prog"])
+    with pytest.raises(tl.CompilationError, match=re.escape(message)) as info:
+        kernel.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32))
+    assert info.value.loc.lineno == 4
+
+
+def test_matmul_operator_is_a_dot():
+    @tl.kernel
+    def mm(a, b, c):
+        @tl.compute_part(grid=(1,))
+        def part(p):
+            tl.store(c, (0, 0), tl.load(a, (0, 0), (16, 16)) @ tl.load(b, (0, 0), (16, 16)))
+    a = np.arange(256, dtype=np.float16).reshape(16, 16) % 7
+    b = np.eye(16, dtype=np.float16) * 2
+    res = tl.simulate(mm, 1, [{"a": a, "b": b, "c": np.full((16, 16), np.nan, np.float32)}])
+    np.testing.assert_array_equal(res[0]["c"], a.astype(np.float32) * 2)

@@ -17,8 +17,8 @@ from .ir import core, types as T
 from .ir.location import user_location
 from .operands import check_tile_shape, offset_values
 from .primitives import tile_pull_data, tile_push_data
-from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, ewise, expand_dims, full, tile_for_store, trans,
-                    zeros)
+from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
+                    trans, zeros)
 from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, fail, rank, world_size
 
 float16, bfloat16, float32, int32 = T.float16, T.bfloat16, T.float32, T.int32
@@ -146,12 +146,18 @@ def store(ref, offsets, tile) -> None:
 # -- tile construction and math ---------------------------------------------------------
 
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
-    """A mutable register fragment (e.g. an accumulator), initialised to ``fill``."""
+    """A mutable register fragment (e.g. an accumulator), initialised to ``fill`` (a Python
+    number, or a traced scalar: then written once after its allocation)."""
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.fragment")
     dtype = T.dtype_of(dtype)
+    if not isinstance(fill, Scalar):
+        check_fill(fill, "tl.fragment")
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
-                        {"shape": shape, "dtype": dtype, "value": fill})
-    return Fragment(op.result)
+                        {"shape": shape, "dtype": dtype, "value": 0 if isinstance(fill, Scalar) else fill})
+    frag = Fragment(op.result)
+    if isinstance(fill, Scalar):
+        frag.write(full(shape, fill, dtype))
+    return frag
 
 
 def iota(n: int) -> Tile:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 
 from .ir import core, types as T
-from .tracing import RemoteRef, as_scalar, fail, world_size
+from .tracing import RemoteRef, Scalar, as_scalar, fail, world_size
 
 
 def offset_values(ref, offsets, what: str):
@@ -15,6 +15,10 @@ def offset_values(ref, offsets, what: str):
         offsets = (offsets,)
     if len(offsets) != len(ref.shape):
         fail(f"{what}: {len(offsets)} offsets for a {len(ref.shape)}-d tensor '{tensor_name(ref)}'")
+    for o in offsets:
+        if not isinstance(o, numbers.Integral) and not (isinstance(o, Scalar) and o.dtype.kind == "int"):
+            fail(f"{what}: offset {o!r} into '{tensor_name(ref)}' must be an int or a traced i32 scalar "
+                 f"(tl.cast a float, or // to round it)")
     return [as_scalar(o).value for o in offsets]
 
 
@@ -25,11 +29,16 @@ def tensor_name(ref):
 
 def check_tile_shape(shape, ndim, what):
     """``shape`` as ``ndim`` positive Python ints (one int for a 1-d tile)."""
-    if isinstance(shape, numbers.Integral):
+    if isinstance(shape, (numbers.Integral, Scalar)):
         shape = (shape,)
-    shape = tuple(shape)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        fail(f"{what}: tile shape must be {ndim} positive Python ints, got {type(shape).__name__} {shape!r}")
     if len(shape) != ndim or not all(isinstance(s, numbers.Integral) and s > 0 for s in shape):
-        fail(f"{what}: tile shape must be {ndim} positive Python ints, got {shape}")
+        static = " (tile shapes are static: a traced scalar cannot be one; take a larger tile and mask it)" \
+            if any(isinstance(s, Scalar) for s in shape) else ""
+        fail(f"{what}: tile shape must be {ndim} positive Python ints, got {shape}{static}")
     return tuple(int(s) for s in shape)
 
 

@@ -67,6 +67,16 @@ class Tile:
         return ewise("not", self)
     def __neg__(self):
         return ewise("neg", self)
+
+    def __abs__(self):
+        return ewise("abs", self)
+
+    def __matmul__(self, o):
+        from .language import dot             # the language builds on tiles, not the other way
+        return dot(self, o)
+
+    def __pow__(self, o):
+        fail("'**' on tiles: write the product (x * x), or tl.exp2(y * tl.log(x) / log(2)) for a real power")
     __hash__ = object.__hash__
 
     @property
@@ -155,11 +165,24 @@ class Fragment:
 # ----------------------------------------------------------------------------------
 
 def full(shape, value, dtype=T.float32) -> Tile:
-    """A tile of ``shape`` holding ``value`` everywhere (``dtype`` defaults to float32)."""
+    """A tile of ``shape`` holding ``value`` everywhere (``dtype`` defaults to float32); ``value``
+    a Python number or a traced scalar (a program id, a table entry)."""
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.full")
     dtype = T.dtype_of(dtype)
+    if isinstance(value, Scalar):              # a run-time value: zeros plus the scalar, in dtype
+        return cast(ewise("add", full(shape, 0, dtype), value), dtype)
+    check_fill(value, "tl.full")
     op = current().emit("full", [], [T.TileType(shape, dtype)], {"shape": shape, "value": value, "dtype": dtype})
     return Tile(op.result)
+
+
+def check_fill(value, what: str) -> None:
+    """A constant fill is one Python number (not a tile, an array or a string)."""
+    if isinstance(value, (numbers.Number, np.number)) and not isinstance(value, complex):
+        return
+    kind = "a tile" if isinstance(value, (Tile, Fragment)) else type(value).__name__
+    fail(f"{what}: the value must be a Python number or a traced scalar, got {kind} "
+         f"(for a tile of varying values, build it with tile math: tl.iota, tl.where, ...)")
 
 
 def zeros(shape, dtype=T.float32) -> Tile:
@@ -226,6 +249,9 @@ def ewise(op: str, *args) -> Tile:
             vals.append(const(a, cd if cd.kind != "bool" else T.bool_).value)
         else:
             fail(f"'{op}': unsupported operand {type(a).__name__}")
+    if op in ("sub", "neg") and dtype == T.bool_:
+        fail(f"'-' of bool tiles: numpy refuses it too; for masks use ~m, m & ~n or m != n "
+             f"(or tl.cast to an integer first)")
     if op in ("and", "or"):
         # numpy's & and |: logical on bool tiles, bitwise on integers (a bool operand counts as 0 / 1)
         if dtype.is_float:

@@ -203,3 +203,22 @@ def test_matmul_operator_is_a_dot():
     b = np.eye(16, dtype=np.float16) * 2
     res = tl.simulate(mm, 1, [{"a": a, "b": b, "c": np.full((16, 16), np.nan, np.float32)}])
     np.testing.assert_array_equal(res[0]["c"], a.astype(np.float32) * 2)
+
+
+@pytest.mark.parametrize("decorate, message", [
+    (lambda: tl.comm_part(grid=(1,), lanes=-3), "lanes is a positive int"),
+    (lambda: tl.comm_part(grid=(1,), lanes=True), "lanes is a positive int"),
+    (lambda: tl.comm_part(grid=(1,), lanes=2.5), "lanes is a positive int"),
+    (lambda: tl.comm_part(grid=(1,), name=123), "a part's name is a Python identifier"),
+    (lambda: tl.compute_part(grid=(1,), align_shift="x"), "align_shift='x'"),
+])
+def test_part_options_are_checked_where_written(decorate, message):
+    """lanes=-3 once deadlocked the simulator while the GPU's plan ran one CTA; 0, 2.5 and True
+    were taken; a name or align_shift of the wrong type reached the code generator."""
+    @tl.kernel
+    def k(x):
+        decorate()
+    with pytest.raises(tl.CompilationError, match=re.escape(message)):
+        k.trace(1, tl.TensorSpec((8,), tl.float32))
+    with pytest.raises(tl.CompilationError, match="a kernel's name is a Python identifier"):
+        tl.kernel(name=123)(lambda x: None)

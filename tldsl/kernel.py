@@ -74,6 +74,9 @@ class KernelFunction:
     ``compute`` and ``comm`` receive the schedules."""
 
     def __init__(self, fn, name: str | None = None):
+        if name is not None and not (isinstance(name, str) and name.isidentifier()):
+            raise CompilationError(f"tl.kernel(name={name!r}): a kernel's name is a Python identifier (it names "
+                                   f"the generated CUDA entry points)", user_location())
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = name or fn.__name__
@@ -258,6 +261,7 @@ def compute_part(grid, *, name: str | None = None, align_shift: int = 0):
     program ids as arguments, in the order the compute schedule chooses. ``align_shift``
     tells the ``comm_aligned`` order which rank's rows to start on (rank + shift)."""
     _grid_given(grid, "compute_part")
+    _part_options("compute_part", name, None, align_shift)
 
     def deco(fn):
         return _part(fn, grid, "compute", name, "sm", None, align_shift)
@@ -273,6 +277,7 @@ def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes
     the simulator runs the part as written, every task at once; codegen lowers it inside the
     compute part's kernel (``engine='compute'``)."""
     _grid_given(grid, "comm_part")
+    _part_options("comm_part", name, lanes, 0)
 
     def deco(fn):
         sched = current().comm_schedule
@@ -289,6 +294,18 @@ def comm_part(grid, *, name: str | None = None, engine: str | None = None, lanes
         ln = lanes or (sched.lanes if sched else (1 if eng == "copy_engine" else 2))
         return _part(fn, grid, "comm", name, eng, ln, 0)
     return deco
+
+
+def _part_options(what: str, name, lanes, align_shift) -> None:
+    """A part's name is an identifier, its lanes a positive int (the GPU runs that many CTAs: a
+    negative count once deadlocked the simulator while the GPU ran one), align_shift an int."""
+    if name is not None and not (isinstance(name, str) and name.isidentifier()):
+        fail(f"@tl.{what}(name={name!r}): a part's name is a Python identifier")
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, numbers.Integral) or lanes < 1):
+        fail(f"@tl.{what}(lanes={lanes!r}): lanes is a positive int (how many CTAs run the part), or None for "
+             f"the communication schedule's")
+    if isinstance(align_shift, bool) or not isinstance(align_shift, numbers.Integral):
+        fail(f"@tl.{what}(align_shift={align_shift!r}): an int (which rank's rows the comm_aligned order starts on)")
 
 
 def _tasks(grid) -> int:

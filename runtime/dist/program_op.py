@@ -93,6 +93,7 @@ from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
 from .group import agreement_entry, check_agreement, dist_context, enable_symmetric_memory
+from .operands import overlaps
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -342,6 +343,7 @@ class FusedProgram(FusedOp):
             if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
+        _check_written_apart(self.kernel.args, tensors, self._written)
         return list(tensors)
 
     def _packs(self, args):
@@ -597,6 +599,19 @@ def _overlaps_other(t, buf) -> bool:
     a, n = t.data_ptr(), t.numel() * t.element_size()
     b, m = buf.data_ptr(), buf.numel() * buf.element_size()
     return a < b + m and b < a + n and (a, n) != (b, m)
+
+
+def _check_written_apart(args, tensors, written: set[str] | None) -> None:
+    """No argument the program writes (every one where ``written`` is None: not known) shares a
+    byte with another argument: its kernels would write it while they still read the other — a
+    wrong answer, not an error. The same tensor passed for one read-write argument is fine."""
+    for i, (b, t) in enumerate(zip(args, tensors)):
+        if written is not None and b.name not in written:
+            continue
+        for j, (other, u) in enumerate(zip(args, tensors)):
+            if j != i and overlaps(t, u):
+                raise InputError(f"argument '{b.name}' overlaps argument '{other.name}' in memory, and the program "
+                                 f"writes '{b.name}' while it may still read '{other.name}': pass a separate tensor")
 
 
 def _specs_in_order(names: list[str], specs) -> tuple:

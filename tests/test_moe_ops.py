@@ -145,6 +145,9 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         (lambda: op(x.float(), ids, w1), "argument 'x'"),
         (lambda: op(x.t(), ids, w1), "argument 'x'"),
         (lambda: op([1, 2], ids, w1), "argument 'x'"),
+        (lambda: op(x.to("meta"), ids, w1), "argument 'x' is on meta"),
+        (lambda: op(x, ids, w1.to("meta")), "argument 'w1' is on meta"),
+        (lambda: op(x, ids, w1, h=torch.zeros(3, 3)), "argument 'h'"),
     ]
     for call, match in cases:
         with pytest.raises(InputError, match=match):
@@ -179,9 +182,16 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
               torch.zeros(2 * MS, TOPK), torch.zeros(E, NR, K, dtype=torch.float16), {"tile_expert": None})
     with pytest.raises(InputError, match="argument 'h'"):
         rs[0](torch.zeros(1), ids, torch.zeros(2 * MS, TOPK), torch.zeros(1), None)
+    h = torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16)
+    with pytest.raises(InputError, match="argument 'out'"):
+        rs[0](h, ids, torch.zeros(2 * MS, TOPK), torch.zeros(E, NR, K, dtype=torch.float16), out=torch.zeros(1))
     assert rs[0].launches == 0 and rs[0]._router.calls == 0
     for op in ag + rs:
         op.close()
+    for after_close in (lambda: ag[0].routing(ids), lambda: ag[0](x, ids, w1), ag[0].signal_counters):
+        with pytest.raises(InputError, match="AllGatherMoE was closed"):
+            after_close()
+    assert ag[0]._router.calls == 0
 
 
 def _one_notify_less(d):

@@ -98,23 +98,6 @@ def _topk(v) -> int:
     return int(v)
 
 
-def _tensors(op, **named) -> None:
-    """The caller's tensors as the traced program takes them — checked before the routing is
-    enqueued (FusedProgram checks them again, with the tables, before its launch)."""
-    import torch
-    from ..gpu.run_program import _TORCH
-    for name, t in named.items():
-        b = op.kernel.buffer(name).type
-        want = getattr(torch, _TORCH[b.dtype.name])
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"argument '{name}': a torch tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(b.shape) or t.dtype != want:
-            raise InputError(f"argument '{name}': {tuple(t.shape)} {t.dtype}, the op was built for "
-                             f"{tuple(b.shape)} {want}")
-        if not t.is_contiguous():
-            raise InputError(f"argument '{name}' is not contiguous (pass .contiguous())")
-
-
 class _Routed:
     """What both MoE ops share: the routing sizes, the table builder, the ids' checks."""
 
@@ -157,6 +140,7 @@ class _Routed:
     def routing(self, topk_ids) -> dict:
         """The routing tables of ``topk_ids`` (device int32 tensors by name), built on the caller's
         stream into buffers reused every call."""
+        self._check_open()
         self._check_ids(topk_ids)
         if self._router is None:
             from ..gpu.moe_routing import MoERoutingBuilder
@@ -236,7 +220,8 @@ class AllGatherMoE(_Routed, FusedProgram):
 
     def __call__(self, x, topk_ids, w1, h=None):
         import torch
-        _tensors(self, x=x, w1=w1)
+        self._check_open()
+        self.check_arguments({"x": x, "w1": w1, **({} if h is None else {"h": h})})    # before the routing
         tables = self.routing(topk_ids)
         missing = [n for n in AG_TABLES if n not in tables]
         if missing:
@@ -314,7 +299,9 @@ class MoEReduceScatter(_Routed, FusedProgram):
 
     def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
         import torch
-        _tensors(self, h=h, topk_weights=topk_weights, w2=w2)
+        self._check_open()
+        self.check_arguments({"h": h, "topk_weights": topk_weights, "w2": w2,              # before the routing
+                              **({} if out is None else {"out": out})})
         passed = tables is not None
         tables = self.routing(topk_ids) if tables is None else tables
         missing = [n for n in RS_TABLES if n not in tables]

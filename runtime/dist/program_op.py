@@ -316,7 +316,6 @@ class FusedProgram(FusedOp):
 
     def _arguments(self, tensors, named) -> list:
         """The caller's tensors in argument order, each checked (before anything is enqueued)."""
-        import torch
         names = [b.name for b in self.kernel.args]
         if tensors and named:
             raise InputError(f"{self.kernel.name}: pass the arguments in order or by name, not both")
@@ -328,8 +327,17 @@ class FusedProgram(FusedOp):
             tensors = tuple(named[n] for n in names)
         if len(tensors) != len(names):
             raise InputError(f"{self.kernel.name} takes {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
+        self.check_arguments(dict(zip(names, tensors)))
+        return list(tensors)
+
+    def check_arguments(self, named: dict) -> None:
+        """The caller's tensors of some of the arguments, by name, each as the traced program
+        takes it and none it writes sharing memory with another — what a call checks before
+        anything is enqueued (the MoE ops check theirs before the routing too)."""
+        import torch
         at = self.device.torch_device
-        for b, t in zip(self.kernel.args, tensors):
+        buffers = [self.kernel.buffer(n) for n in named]
+        for b, t in zip(buffers, named.values()):
             want = getattr(torch, _TORCH[b.type.dtype.name])
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"argument '{b.name}': a torch tensor on {at}, got {type(t).__name__}")
@@ -343,8 +351,7 @@ class FusedProgram(FusedOp):
             if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
-        _check_written_apart(self.kernel.args, tensors, self._written)
-        return list(tensors)
+        _check_written_apart(buffers, list(named.values()), self._written)
 
     def _packs(self, args):
         """The kernels' packed arguments and the copy-engine executors for these argument
@@ -465,6 +472,7 @@ class FusedProgram(FusedOp):
 
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:
+        self._check_open()                              # (its views went with close())
         return dict(self._signals)
 
     def signal_map(self) -> list[tuple[str, int, int, str]]:

@@ -61,6 +61,24 @@ def test_operands_alignment_contiguity_and_the_copied_shard():
                        torch.bfloat16, 0, strided_ok=("A shard",))
 
 
+def test_operands_that_require_grad_are_refused_while_autograd_records():
+    """The fused ops have no backward: a grad-requiring operand is refused before anything is
+    enqueued (the GEMM ops' fast paths included), unless autograd is off."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    a, _ = _aligned((4, 8))
+    grad = gpu(a.clone().requires_grad_())
+    with pytest.raises(InputError, match=r"Op: B requires grad, but the op has no backward .*torch.no_grad\(\)"):
+        ops.check_operands("Op", (("B", grad, (4, 8)),), torch.bfloat16, 0)
+    with torch.no_grad():
+        ops.check_operands("Op", (("B", grad, (4, 8)),), torch.bfloat16, 0)
+    b = gpu(_aligned((8, 8))[0])
+    op = SimpleNamespace(_closed=False, ctx=SimpleNamespace(device=0), dtype=torch.bfloat16, _tensor_type=OnGpu0,
+                         _a_size=torch.Size((4, 8)), _b_size=torch.Size((8, 8)), M=4, K=8, N=8,
+                         _engine=lambda *a: pytest.fail("launched"))
+    with pytest.raises(InputError, match="MatmulReduceScatter: A requires grad"):
+        MatmulReduceScatter.__call__(op, gpu(a.clone().requires_grad_()), b)
+
+
 def test_output_checks_and_overlap_with_the_inputs():
     big, _ = _aligned((16, 8))
     a, b = big[:4], big[8:16]                   # one allocation, disjoint rows

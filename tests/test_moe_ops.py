@@ -148,6 +148,7 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         (lambda: op(x.to("meta"), ids, w1), "argument 'x' is on meta"),
         (lambda: op(x, ids, w1.to("meta")), "argument 'w1' is on meta"),
         (lambda: op(x, ids, w1, h=torch.zeros(3, 3)), "argument 'h'"),
+        (lambda: op(x.clone().requires_grad_(), ids, w1), "argument 'x' requires grad, but the op has no backward"),
     ]
     for call, match in cases:
         with pytest.raises(InputError, match=match):

@@ -24,7 +24,8 @@ import torch
 
 from .errors import InputError
 from .ops.moe import moe_num_tiles
-from .torch_ops import _build, _check_devices, _group, _world_size, built_ops, close_all  # noqa: F401  (one op cache for all)
+from .torch_ops import _build, _check_devices, _group, _world_size, refuse_autograd
+from .torch_ops import built_ops, close_all  # noqa: F401  (one op cache for all)
 
 AG_MOE_SCHEMA = "(Tensor x, Tensor topk_ids, Tensor w1, str group_name, int block_m=128) -> Tensor"
 MOE_RS_SCHEMA = ("(Tensor h, Tensor topk_ids, Tensor topk_weights, Tensor w2, str group_name, int block_m=128) "
@@ -169,3 +170,7 @@ def sp_attention(q, k, v, group_name, is_causal=False, layout="contiguous", scal
 def _(q, k, v, group_name, is_causal=False, layout="contiguous", scale=None):
     _check_attention(q, k, v, layout, scale)
     return torch.empty_like(q)
+
+
+for _name in ("all_gather_moe", "moe_reduce_scatter", "sp_attention"):
+    refuse_autograd(_name)

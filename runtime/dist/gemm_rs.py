@@ -236,7 +236,8 @@ class MatmulReduceScatter(EngineOp):
             check_open("MatmulReduceScatter", True)
         if (type(a) is not tensor or type(b) is not tensor or a.shape != self._a_size or b.shape != self._b_size
                 or a.dtype != dt or b.dtype != dt or a.get_device() != dev or b.get_device() != dev
-                or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16):
+                or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16
+                or a.requires_grad or b.requires_grad):
             # the common case above in a few compares (the host's time before the GEMM is the op's);
             # anything else (a subclass, a view, a wrong operand) gets the full check and its error
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)

@@ -34,10 +34,26 @@ def _meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
+def check_no_grad(op: str, named) -> None:
+    """``named``: ``(name, tensor)``; none requires grad while autograd records. The fused ops
+    have no backward: such a call would launch, then drop the gradient or fail in
+    ``backward()`` — refused before anything runs instead."""
+    import torch
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if getattr(t, "requires_grad", False):
+            raise InputError(f"{op}: {name} requires grad, but the op has no backward (autograd cannot differentiate "
+                             f"it): call it under torch.no_grad() or torch.inference_mode(), or pass "
+                             f"{name}.detach()")
+
+
 def check_operands(op: str, operands, dtype, device: int | None, *, strided_ok: tuple[str, ...] = ()) -> None:
     """``operands``: ``(name, tensor, shape)``; each a CUDA tensor on ``device`` of that shape and
     dtype, contiguous and 16-byte aligned (TMA and the copy engines read it) — unless its name is
-    in ``strided_ok`` (the op copies such an operand first)."""
+    in ``strided_ok`` (the op copies such an operand first) — and none requiring grad
+    (:func:`check_no_grad`)."""
+    check_no_grad(op, [(name, t) for name, t, _ in operands])
     problems = []
     for name, t, shape in operands:
         if not (hasattr(t, "shape") and hasattr(t, "dtype") and hasattr(t, "is_contiguous")):

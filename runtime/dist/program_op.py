@@ -93,7 +93,7 @@ from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
 from .group import agreement_entry, check_agreement, dist_context, enable_symmetric_memory
-from .operands import overlaps
+from .operands import check_no_grad, overlaps
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -352,6 +352,7 @@ class FusedProgram(FusedOp):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
         _check_written_apart(buffers, list(named.values()), self._written)
+        check_no_grad(type(self).__name__, [(f"argument '{n}'", t) for n, t in named.items()])
 
     def _packs(self, args):
         """The kernels' packed arguments and the copy-engine executors for these argument

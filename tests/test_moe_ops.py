@@ -168,6 +168,12 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         with pytest.raises(InputError, match="stage_rows must be True, False or None"):
             AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK,
                          stage_rows=bad)
+    for kw, match in ((dict(compute="fast"), "compute must be a tl.ComputeSchedule"),
+                      (dict(comm=tl.ComputeSchedule()), "comm must be a tl.CommSchedule")):
+        with pytest.raises(InputError, match="AllGatherMoE: " + match):
+            AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, **kw)
+        with pytest.raises(InputError, match="MoEReduceScatter: " + match):
+            MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, **kw)
     with pytest.raises(InputError, match="rows_per_rank must be a positive int"):
         MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), 0, TOPK)
     with pytest.raises(InputError, match="a torch tensor, numpy array or tl.TensorSpec"):

@@ -41,6 +41,7 @@ from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_r
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables
+from .operands import check_schedules
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
@@ -85,11 +86,10 @@ DEFAULT_RS_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="sw
 DEFAULT_RS_COMM = tl.CommSchedule(tile_m=128, sms=32)
 
 
-def _schedule(compute, default=None):
-    compute = (default or tl.ComputeSchedule()) if compute is None else compute
-    if not isinstance(compute, tl.ComputeSchedule):
-        raise InputError(f"compute must be a tl.ComputeSchedule, got {type(compute).__name__}")
-    return compute
+def _schedules(op: str, compute, comm, defaults: tuple) -> tuple:
+    """``(compute, comm)``, each checked (:func:`~.operands.check_schedules`) or the op's default."""
+    check_schedules(op, compute, comm)
+    return defaults[0] if compute is None else compute, defaults[1] if comm is None else comm
 
 
 def _topk(v) -> int:
@@ -207,8 +207,8 @@ class AllGatherMoE(_Routed, FusedProgram):
         E, _, Nr = w_shape
         if not (stage_rows is None or isinstance(stage_rows, (bool, np.bool_))):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
-        compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
-        comm = DEFAULT_AG_COMM if comm is None else comm
+        compute, comm = _schedules("AllGatherMoE", compute, comm, (DEFAULT_AG_COMPUTE, DEFAULT_AG_COMM))
+        topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         self.stage_rows = stage_rows_pays(Nr, W) if stage_rows is None else bool(stage_rows)
         stage_rows = self.stage_rows
@@ -284,8 +284,8 @@ class MoEReduceScatter(_Routed, FusedProgram):
             raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in h's dtype, as NCCL's "
                              f"reduce-scatter of a bf16 layer) or 'f32' (fp32 partials, more traffic)")
         self.partial_dtype = partial_dtype
-        compute, topk = _schedule(compute, DEFAULT_RS_COMPUTE), _topk(topk)
-        comm = DEFAULT_RS_COMM if comm is None else comm
+        compute, comm = _schedules("MoEReduceScatter", compute, comm, (DEFAULT_RS_COMPUTE, DEFAULT_RS_COMM))
+        topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         Ms = int(rows_per_rank)
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)

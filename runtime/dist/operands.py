@@ -15,6 +15,16 @@ def check_sizes(op: str, **sizes) -> None:
             raise InputError(f"{op}: {name}={v!r} must be a positive int")
 
 
+def check_schedules(op: str, compute, comm) -> None:
+    """``compute`` a ``tl.ComputeSchedule`` and ``comm`` a ``tl.CommSchedule``, each or None (the
+    op's default): a string, a tuple or the two swapped would otherwise fail deep in the build."""
+    from ...ir.schedule import CommSchedule, ComputeSchedule
+    for name, v, cls in (("compute", compute, ComputeSchedule), ("comm", comm, CommSchedule)):
+        if v is not None and not isinstance(v, cls):
+            raise InputError(f"{op}: {name} must be a tl.{cls.__name__} (or None: the op's default), got "
+                             f"{type(v).__name__} {v!r}")
+
+
 def byte_span(t) -> tuple[int, int]:
     """``[first, last)`` bytes a tensor's elements occupy (for any strides >= 0)."""
     p = t.data_ptr()

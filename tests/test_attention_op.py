@@ -74,6 +74,7 @@ def test_bad_arguments_are_refused_before_anything_is_built():
               kv_heads=2, causal=True, layout="zigzag"), "S=31 must be even"),
         (dict(q=q, k=k, heads=0), "heads must be a positive int"),
         (dict(q="q", k=k, heads=4), "a torch tensor, numpy array or tl.TensorSpec"),
+        (dict(q=np.zeros((S, 4 * D)), k=k, heads=4), "q: unsupported dtype float64"),
         (dict(q=q, k=k, heads=4, kv_heads=2, causal="yes"), "causal must be a bool"),
         (dict(q=tl.TensorSpec((S, 0), tl.float16), k=k, heads=4), r"no dimension 0\), got \[32, 0\]"),
         (dict(q=q, k=tl.TensorSpec((S, 0, D), tl.float16), heads=4), r"k must be .*no dimension 0"),

@@ -162,6 +162,13 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     assert op.launches == 0 and op._router.calls == 0 and not any(g.fake.queues.values())
     with pytest.raises(InputError, match="w1 must be"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K + 1, NR), tl.float16), TOPK)
+    for bad_x in (tl.TensorSpec((MS,), tl.float16), tl.TensorSpec((1, MS, K), tl.float16)):
+        with pytest.raises(InputError, match=r"x must be \[Ms, K\] \(2-d\), got \["):
+            AllGatherMoE(bad_x, tl.TensorSpec((E, K, NR), tl.float16), TOPK)
+    with pytest.raises(InputError, match="w1: unsupported dtype float64"):          # the dtype, not the type
+        AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), np.zeros((E, K, NR)), TOPK)
+    with pytest.raises(InputError, match=r"w2 must be \[E, Nr, K\] \(3-d\)"):
+        MoEReduceScatter(tl.TensorSpec((NR, K), tl.float16), MS, TOPK)
     with pytest.raises(InputError, match="topk must be a positive int"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), 0)
     for bad in ("yes", 1, 0.5):

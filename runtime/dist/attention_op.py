@@ -14,6 +14,7 @@ import tldsl as tl
 
 from ...errors import InputError
 from ...ops.sp_attention import LAYOUTS, check_scale, sp_attention
+from .operands import shape_and_dtype
 from .program_op import FusedProgram
 
 #: The communication schedule where none is given: the copy engines gather K and V (whole shards,
@@ -32,14 +33,7 @@ def _positive(name, v) -> int:
 
 def _spec(name, x):
     """(rows, columns, tl dtype) of ``[S, H*D]`` or ``[S, H, D]`` (a tensor, array or TensorSpec)."""
-    if isinstance(x, tl.TensorSpec):
-        shape, dt = tuple(x.shape), x.dtype
-    else:
-        try:
-            from ...ir.types import dtype_of
-            shape, dt = tuple(x.shape), dtype_of(x.dtype)
-        except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
-            raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
+    shape, dt = shape_and_dtype(name, x)
     if len(shape) not in (2, 3) or 0 in shape:
         raise InputError(f"{name} must be [S, heads*D] or [S, heads, D] (no dimension 0), got {list(shape)}")
     if dt.name not in ("f16", "bf16"):

@@ -41,7 +41,7 @@ from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_r
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables
-from .operands import check_schedules
+from .operands import check_schedules, shape_and_dtype
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
@@ -49,15 +49,13 @@ AG_TABLES = ("tile_expert", "tile_valid_rows", "tile_tokens", "tile_visit", "sor
 RS_TABLES = ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
 
 
-def _shape_dtype(name, x):
-    """(shape, tl dtype) of a tensor, array or ``tl.TensorSpec``."""
-    if isinstance(x, tl.TensorSpec):
-        return tuple(x.shape), x.dtype
-    try:
-        from ...ir.types import dtype_of
-        return tuple(x.shape), dtype_of(x.dtype)
-    except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
-        raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
+def _shape_dtype(name: str, x, dims: str) -> tuple:
+    """(shape, tl dtype) of a tensor, array or ``tl.TensorSpec`` of the dims named ``dims``
+    (``"[Ms, K]"``)."""
+    shape, dt = shape_and_dtype(name, x)
+    if len(shape) != dims.count(",") + 1:
+        raise InputError(f"{name} must be {dims} ({dims.count(',') + 1}-d), got {list(shape)}")
+    return shape, dt
 
 
 #: AllGatherMoE's schedules where none is given, measured (BENCHMARKS.md, fourteenth session: one
@@ -198,9 +196,9 @@ class AllGatherMoE(_Routed, FusedProgram):
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, stage_rows: bool | None = None, **program_kw):
-        (Ms, K), dt = _shape_dtype("x", x)
-        w_shape, wdt = _shape_dtype("w1", w1)
-        if len(w_shape) != 3 or w_shape[1] != K:
+        (Ms, K), dt = _shape_dtype("x", x, "[Ms, K]")
+        w_shape, wdt = _shape_dtype("w1", w1, "[E, K, Nr]")
+        if w_shape[1] != K:
             raise InputError(f"w1 must be [E, K={K}, Nr], got {list(w_shape)}")
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
@@ -274,9 +272,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
 
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", **program_kw):
-        w_shape, dt = _shape_dtype("w2", w2)
-        if len(w_shape) != 3:
-            raise InputError(f"w2 must be [E, Nr, K], got {list(w_shape)}")
+        w_shape, dt = _shape_dtype("w2", w2, "[E, Nr, K]")
         E, Nr, K = w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
             raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")

@@ -15,6 +15,22 @@ def check_sizes(op: str, **sizes) -> None:
             raise InputError(f"{op}: {name}={v!r} must be a positive int")
 
 
+def shape_and_dtype(name: str, x) -> tuple:
+    """``(shape, tl dtype)`` of a torch tensor, numpy array or ``tl.TensorSpec`` given for argument
+    ``name`` (what the ops built from specs take); an InputError naming it for anything else, or
+    for a dtype tldsl does not take."""
+    from ...ir.types import dtype_of
+    from ...kernel import TensorSpec
+    if isinstance(x, TensorSpec):
+        return tuple(x.shape), x.dtype
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}")
+    try:
+        return tuple(x.shape), dtype_of(x.dtype)
+    except TypeError as e:
+        raise InputError(f"{name}: {e}") from e
+
+
 def check_schedules(op: str, compute, comm) -> None:
     """``compute`` a ``tl.ComputeSchedule`` and ``comm`` a ``tl.CommSchedule``, each or None (the
     op's default): a string, a tuple or the two swapped would otherwise fail deep in the build."""

@@ -148,6 +148,13 @@ def test_gemm_ops_refuse_wrong_typed_options_before_touching_the_process_group()
     assert traced_comm(tl.CommSchedule(engine="copy_engine", mode="push"), 256, c, ce_chunks=2).tile_m == 128
 
 
+def test_a_group_that_is_not_a_process_group_is_refused():
+    """0, "" or "tp" are not WORLD (a falsy one used to become it): refused before anything else."""
+    for bad in (0, "", "tp", object()):
+        with pytest.raises(InputError, match="group must be a torch.distributed process group .*None: WORLD"):
+            grp.dist_context(bad)
+
+
 def test_ops_refuse_calls_after_close():
     from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
     from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter

@@ -181,6 +181,13 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
             AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, **kw)
         with pytest.raises(InputError, match="MoEReduceScatter: " + match):
             MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, **kw)
+    for kw, match in ((dict(validate_ids="no"), "validate_ids must be True or False, got 'no'"),
+                      (dict(validate_ids=1), "validate_ids must be True or False"),
+                      (dict(router=42), "router must be a callable .*got int")):
+        with pytest.raises(InputError, match=match):
+            AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, **kw)
+    with pytest.raises(InputError, match="check_routing takes the routing tables by name .*got NoneType"):
+        op.check_routing(None)
     with pytest.raises(InputError, match="rows_per_rank must be a positive int"):
         MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), 0, TOPK)
     with pytest.raises(InputError, match="a torch tensor, numpy array or tl.TensorSpec"):

@@ -519,6 +519,11 @@ def test_a_rank_that_cannot_build_it_is_named_by_its_peers(monkeypatch):
     assert "rank 1 could not build it" not in str(g.errors[1])        # its own error
     with pytest.raises(InputError, match="needs a @tl.kernel function"):
         Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(object(), None, {}, device=dev))
+    for bad, match in ((dict(static_checks="no"), "static_checks must be True or False, got 'no'"),
+                       (dict(specs=42), r"specs: the arguments' specs \(x, g, y\) in order .*got int")):
+        with pytest.raises(InputError, match=match):
+            Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(
+                fn, None, **{"specs": inputs[0], **bad}, device=dev, **kw))
     with pytest.raises(InputError, match="timeout_s must be a finite positive number"):
         Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[0], device=dev,
                                                                            timeout_s=float("inf"), **kw))

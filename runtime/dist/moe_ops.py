@@ -96,13 +96,23 @@ def _topk(v) -> int:
     return int(v)
 
 
+def _check_routing_options(router, validate_ids) -> None:
+    """Before anything is built: ``validate_ids`` a real bool ('no' is truthy: it would check), and
+    ``router`` None or callable (else the first call fails, after the collective build)."""
+    if not isinstance(validate_ids, bool):
+        raise InputError(f"validate_ids must be True or False, got {validate_ids!r}")
+    if router is not None and not callable(router):
+        raise InputError(f"router must be a callable router(topk_ids) -> {{name: int32 tensor}} (None: the "
+                         f"routing built on the GPU), got {type(router).__name__}")
+
+
 class _Routed:
     """What both MoE ops share: the routing sizes, the table builder, the ids' checks."""
 
     def _init_routing(self, W: int, Ms: int, topk: int, E: int, BM: int, router, validate_ids: bool):
         self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m = W, Ms, topk, E, BM
         self.num_tiles = moe_num_tiles(W * Ms * topk, E, BM)
-        self.validate_ids = bool(validate_ids)
+        self.validate_ids = validate_ids
         self._router = router
         self._routing_buffers = None
 
@@ -161,6 +171,9 @@ class _Routed:
     def check_routing(self, tables: dict) -> None:
         """Raise :class:`InputError` if the routing kernels flagged an id outside ``[0, E)`` (reads
         the device's error word: a synchronisation, at a point the caller chooses)."""
+        if not isinstance(tables, dict):
+            raise InputError(f"check_routing takes the routing tables by name (what the op's call or routing() "
+                             f"returned), got {type(tables).__name__}")
         info = tables.get("info")
         if info is None:
             return
@@ -206,6 +219,7 @@ class AllGatherMoE(_Routed, FusedProgram):
         if not (stage_rows is None or isinstance(stage_rows, (bool, np.bool_))):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
         compute, comm = _schedules("AllGatherMoE", compute, comm, (DEFAULT_AG_COMPUTE, DEFAULT_AG_COMM))
+        _check_routing_options(router, validate_ids)
         topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         self.stage_rows = stage_rows_pays(Nr, W) if stage_rows is None else bool(stage_rows)
@@ -281,6 +295,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
                              f"reduce-scatter of a bf16 layer) or 'f32' (fp32 partials, more traffic)")
         self.partial_dtype = partial_dtype
         compute, comm = _schedules("MoEReduceScatter", compute, comm, (DEFAULT_RS_COMPUTE, DEFAULT_RS_COMM))
+        _check_routing_options(router, validate_ids)
         topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         Ms = int(rows_per_rank)

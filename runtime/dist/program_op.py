@@ -176,6 +176,8 @@ class FusedProgram(FusedOp):
             raise InputError(f"FusedProgram needs a @tl.kernel function, got {type(kernel).__name__}")
         self.kernel_fn = kernel
         check_run_options(timeout_s, lowering, "FusedProgram")
+        if not isinstance(static_checks, bool):          # ('no' is truthy: it would check)
+            raise InputError(f"static_checks must be True or False, got {static_checks!r}")
         self.timeout_s = timeout_s
         specs = _specs_in_order(kernel.arg_names, specs)
         ir = kernel.trace_checked(self.ctx.world_size, specs, kwargs, channels=static_checks)
@@ -633,6 +635,9 @@ def _specs_in_order(names: list[str], specs) -> tuple:
         if missing or extra:
             raise InputError(f"specs: the kernel takes {names}; missing {missing}, unknown {extra}")
         return tuple(specs[n] for n in names)
+    if not isinstance(specs, (list, tuple)):
+        raise InputError(f"specs: the arguments' specs ({', '.join(names)}) in order (a list or tuple) or by name "
+                         f"(a dict), got {type(specs).__name__}")
     return tuple(specs)
 
 

@@ -237,6 +237,10 @@ def shard_sequence(x, world_size: int, layout: str = "contiguous") -> list:
     ``world_size`` shards of ``layout`` (new arrays / tensors of ``N / world_size`` rows each):
     rank ``r``'s ``q``, ``k`` or ``v``. For ``"zigzag"``, ``N`` must be a multiple of
     ``2 * world_size``."""
+    if not hasattr(x, "shape") or len(x.shape) < 1:
+        got = f"a 0-d {type(x).__name__}" if hasattr(x, "shape") else type(x).__name__
+        raise InputError(f"sp_attention.shard_sequence: x must be a numpy array or torch tensor [N, ...] (rows "
+                         f"first), got {got}")
     n = int(x.shape[0])
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0 or n % world_size:
         raise InputError(f"sp_attention.shard_sequence: a sequence of {n} rows does not split into "

@@ -70,8 +70,8 @@ def check_no_grad(op: str, named) -> None:
     for name, t in named:
         if getattr(t, "requires_grad", False):
             raise InputError(f"{op}: {name} requires grad, but the op has no backward (autograd cannot differentiate "
-                             f"it): call it under torch.no_grad() or torch.inference_mode(), or pass "
-                             f"{name}.detach()")
+                             f"it): call it under torch.no_grad() or torch.inference_mode(), or pass a detached "
+                             f"tensor (.detach())")
 
 
 def check_operands(op: str, operands, dtype, device: int | None, *, strided_ok: tuple[str, ...] = ()) -> None:

@@ -74,8 +74,40 @@ def test_bad_arguments_are_refused_before_anything_is_built():
               kv_heads=2, causal=True, layout="zigzag"), "S=31 must be even"),
         (dict(q=q, k=k, heads=0), "heads must be a positive int"),
         (dict(q="q", k=k, heads=4), "a torch tensor, numpy array or tl.TensorSpec"),
+        (dict(q=np.zeros((S, 4 * D)), k=k, heads=4), "q: unsupported dtype float64"),
         (dict(q=q, k=k, heads=4, kv_heads=2, causal="yes"), "causal must be a bool"),
-    ]
+        (dict(q=tl.TensorSpec((S, 0), tl.float16), k=k, heads=4), r"no dimension 0\), got \[32, 0\]"),
+        (dict(q=q, k=tl.TensorSpec((S, 0, D), tl.float16), heads=4), r"k must be .*no dimension 0"),
+    ] + [(dict(q=q, k=k, heads=4, kv_heads=2, scale=bad), "scale must be a finite number")
+         for bad in (float("nan"), float("inf"), -float("inf"), "big", True)]
     for kw, match in cases:
         with pytest.raises(InputError, match=match):
             SequenceParallelAttention(**kw)
+
+
+def test_the_tile_program_refuses_an_empty_head_dim_and_a_scale_that_is_not_finite():
+    from tldsl.errors import CompilationError
+    from tldsl.ops.sp_attention import sp_attention
+    S = 32
+    specs = [tl.TensorSpec((S, 32), tl.float16)] * 4
+    compute, comm = tl.ComputeSchedule(tile=(32, 32, 16)), tl.CommSchedule(tile_m=16)
+    with pytest.raises(CompilationError, match="scale must be a finite number"):
+        sp_attention.trace(2, *specs, heads=2, scale=float("nan"), compute=compute, comm=comm)
+    with pytest.raises(CompilationError, match="the head dim must be positive"):
+        sp_attention.trace(2, *[tl.TensorSpec((S, 0), tl.float16)] * 4, heads=2, compute=compute, comm=comm)
+
+
+def test_a_call_with_a_strided_operand_says_so(monkeypatch):
+    S, D = 32, 16
+    g = Group(monkeypatch, 1)
+    (op,) = g.build(lambda r, dev: SequenceParallelAttention(tl.TensorSpec((S, 4, D), tl.float16),
+                                                             tl.TensorSpec((S, 2, D), tl.float16), 4, kv_heads=2,
+                                                             compute=COMPUTE, device=dev, timeout_s=2.0))
+    q, kv = torch.zeros(S, 4, D, dtype=torch.float16), torch.zeros(S, 2, D, dtype=torch.float16)
+    strided = torch.zeros(S, D, 2, dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(InputError, match="argument 'k' is not contiguous"):
+        op(q, strided, kv)
+    with pytest.raises(InputError, match=r"argument 'v' must be \[S, heads\*D\] or \[S, heads, D\], got \[\]"):
+        op(q, kv, torch.tensor(1.0))
+    assert op.launches == 0 and not any(g.fake.queues.values())
+    op.close()

@@ -61,6 +61,24 @@ def test_operands_alignment_contiguity_and_the_copied_shard():
                        torch.bfloat16, 0, strided_ok=("A shard",))
 
 
+def test_operands_that_require_grad_are_refused_while_autograd_records():
+    """The fused ops have no backward: a grad-requiring operand is refused before anything is
+    enqueued (the GEMM ops' fast paths included), unless autograd is off."""
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter
+    a, _ = _aligned((4, 8))
+    grad = gpu(a.clone().requires_grad_())
+    with pytest.raises(InputError, match=r"Op: B requires grad, but the op has no backward .*torch.no_grad\(\)"):
+        ops.check_operands("Op", (("B", grad, (4, 8)),), torch.bfloat16, 0)
+    with torch.no_grad():
+        ops.check_operands("Op", (("B", grad, (4, 8)),), torch.bfloat16, 0)
+    b = gpu(_aligned((8, 8))[0])
+    op = SimpleNamespace(_closed=False, ctx=SimpleNamespace(device=0), dtype=torch.bfloat16, _tensor_type=OnGpu0,
+                         _a_size=torch.Size((4, 8)), _b_size=torch.Size((8, 8)), M=4, K=8, N=8,
+                         _engine=lambda *a: pytest.fail("launched"))
+    with pytest.raises(InputError, match="MatmulReduceScatter: A requires grad"):
+        MatmulReduceScatter.__call__(op, gpu(a.clone().requires_grad_()), b)
+
+
 def test_output_checks_and_overlap_with_the_inputs():
     big, _ = _aligned((16, 8))
     a, b = big[:4], big[8:16]                   # one allocation, disjoint rows
@@ -97,6 +115,44 @@ def test_allgather_matmul_refuses_its_sizes_before_touching_the_process_group():
         AllGatherMatmul(1024.9, 64, 64, torch.bfloat16)
     with pytest.raises(InputError, match="K=60 and N=64 must be multiples of 8"):
         AllGatherMatmul(1024, 60, 64, torch.bfloat16)
+
+
+def test_gemm_ops_refuse_wrong_typed_options_before_touching_the_process_group():
+    """Schedules of the wrong type (a string, a tuple, the two swapped) and ints that are not
+    positive ints (0 SMs is not the default 8; True is not 1 wave) refused at construction."""
+    import tldsl as tl
+    from tldsl.runtime.dist.ag_gemm import AllGatherMatmul
+    from tldsl.runtime.dist.gemm_rs import MatmulReduceScatter, traced_comm
+    for op in (lambda **kw: AllGatherMatmul(256, 64, 64, torch.bfloat16, **kw),
+               lambda **kw: MatmulReduceScatter(512, 64, 64, torch.bfloat16, **kw)):
+        for kw, match in ((dict(compute="fast"), "compute must be a tl.ComputeSchedule .*got str 'fast'"),
+                          (dict(compute=(128, 128, 64)), "compute must be a tl.ComputeSchedule"),
+                          (dict(compute=tl.CommSchedule()), "compute must be a tl.ComputeSchedule .*got CommSchedule"),
+                          (dict(comm="push"), "comm must be a tl.CommSchedule"),
+                          (dict(comm=tl.ComputeSchedule()), "comm must be a tl.CommSchedule .*got ComputeSchedule")):
+            with pytest.raises(InputError, match=match):
+                op(**kw)
+    for kw, match in ((dict(engine="sm", sms=0), "sms=0 must be a positive int"),
+                      (dict(engine="sm", sms="8"), "sms='8' must be a positive int"),
+                      (dict(staging="gemm", stage_waves=True), "stage_waves=True must be a positive int"),
+                      (dict(pusher="bogus"), "pusher='bogus': choose 'copy_engine' or 'gemm'")):
+        with pytest.raises(InputError, match=match):
+            AllGatherMatmul(256, 64, 64, torch.bfloat16, **kw)
+    for bad in ("4", 0, True, 2.0):
+        with pytest.raises(InputError, match=f"ce_chunks={bad!r} must be a positive int"):
+            MatmulReduceScatter(512, 64, 64, torch.bfloat16, ce_chunks=bad)
+    c = tl.ComputeSchedule(tile=(64, 64, 64))
+    for comm in (tl.CommSchedule(engine="sm", mode="push"), tl.CommSchedule(engine="copy_engine", tile_m=64)):
+        with pytest.raises(InputError, match="ce_chunks=2 sets the copies per peer"):     # (given, it would be ignored)
+            traced_comm(comm, 256, c, ce_chunks=2)
+    assert traced_comm(tl.CommSchedule(engine="copy_engine", mode="push"), 256, c, ce_chunks=2).tile_m == 128
+
+
+def test_a_group_that_is_not_a_process_group_is_refused():
+    """0, "" or "tp" are not WORLD (a falsy one used to become it): refused before anything else."""
+    for bad in (0, "", "tp", object()):
+        with pytest.raises(InputError, match="group must be a torch.distributed process group .*None: WORLD"):
+            grp.dist_context(bad)
 
 
 def test_ops_refuse_calls_after_close():

@@ -145,6 +145,10 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
         (lambda: op(x.float(), ids, w1), "argument 'x'"),
         (lambda: op(x.t(), ids, w1), "argument 'x'"),
         (lambda: op([1, 2], ids, w1), "argument 'x'"),
+        (lambda: op(x.to("meta"), ids, w1), "argument 'x' is on meta"),
+        (lambda: op(x, ids, w1.to("meta")), "argument 'w1' is on meta"),
+        (lambda: op(x, ids, w1, h=torch.zeros(3, 3)), "argument 'h'"),
+        (lambda: op(x.clone().requires_grad_(), ids, w1), "argument 'x' requires grad, but the op has no backward"),
     ]
     for call, match in cases:
         with pytest.raises(InputError, match=match):
@@ -158,12 +162,32 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
     assert op.launches == 0 and op._router.calls == 0 and not any(g.fake.queues.values())
     with pytest.raises(InputError, match="w1 must be"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K + 1, NR), tl.float16), TOPK)
+    for bad_x in (tl.TensorSpec((MS,), tl.float16), tl.TensorSpec((1, MS, K), tl.float16)):
+        with pytest.raises(InputError, match=r"x must be \[Ms, K\] \(2-d\), got \["):
+            AllGatherMoE(bad_x, tl.TensorSpec((E, K, NR), tl.float16), TOPK)
+    with pytest.raises(InputError, match="w1: unsupported dtype float64"):          # the dtype, not the type
+        AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), np.zeros((E, K, NR)), TOPK)
+    with pytest.raises(InputError, match=r"w2 must be \[E, Nr, K\] \(3-d\)"):
+        MoEReduceScatter(tl.TensorSpec((NR, K), tl.float16), MS, TOPK)
     with pytest.raises(InputError, match="topk must be a positive int"):
         AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), 0)
     for bad in ("yes", 1, 0.5):
         with pytest.raises(InputError, match="stage_rows must be True, False or None"):
             AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK,
                          stage_rows=bad)
+    for kw, match in ((dict(compute="fast"), "compute must be a tl.ComputeSchedule"),
+                      (dict(comm=tl.ComputeSchedule()), "comm must be a tl.CommSchedule")):
+        with pytest.raises(InputError, match="AllGatherMoE: " + match):
+            AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, **kw)
+        with pytest.raises(InputError, match="MoEReduceScatter: " + match):
+            MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, **kw)
+    for kw, match in ((dict(validate_ids="no"), "validate_ids must be True or False, got 'no'"),
+                      (dict(validate_ids=1), "validate_ids must be True or False"),
+                      (dict(router=42), "router must be a callable .*got int")):
+        with pytest.raises(InputError, match=match):
+            AllGatherMoE(tl.TensorSpec((MS, K), tl.float16), tl.TensorSpec((E, K, NR), tl.float16), TOPK, **kw)
+    with pytest.raises(InputError, match="check_routing takes the routing tables by name .*got NoneType"):
+        op.check_routing(None)
     with pytest.raises(InputError, match="rows_per_rank must be a positive int"):
         MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), 0, TOPK)
     with pytest.raises(InputError, match="a torch tensor, numpy array or tl.TensorSpec"):
@@ -179,9 +203,16 @@ def test_bad_input_is_refused_before_anything_is_enqueued(monkeypatch):
               torch.zeros(2 * MS, TOPK), torch.zeros(E, NR, K, dtype=torch.float16), {"tile_expert": None})
     with pytest.raises(InputError, match="argument 'h'"):
         rs[0](torch.zeros(1), ids, torch.zeros(2 * MS, TOPK), torch.zeros(1), None)
+    h = torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16)
+    with pytest.raises(InputError, match="argument 'out'"):
+        rs[0](h, ids, torch.zeros(2 * MS, TOPK), torch.zeros(E, NR, K, dtype=torch.float16), out=torch.zeros(1))
     assert rs[0].launches == 0 and rs[0]._router.calls == 0
     for op in ag + rs:
         op.close()
+    for after_close in (lambda: ag[0].routing(ids), lambda: ag[0](x, ids, w1), ag[0].signal_counters):
+        with pytest.raises(InputError, match="AllGatherMoE was closed"):
+            after_close()
+    assert ag[0]._router.calls == 0
 
 
 def _one_notify_less(d):

@@ -471,6 +471,8 @@ def test_routing_rejects_bad_ids_and_shapes():
         moe_routing(ids, 4, 1, 2, 0)
     with pytest.raises(tl.InputError, match=r"topk_ids must be \[2, topk\]"):
         moe_routing(np.zeros((2, 0), np.int32), 4, 1, 2, 8)
+    with pytest.raises(tl.InputError, match=r"topk_ids must be \[2, topk\] .*equal-length rows"):
+        moe_routing([[0, 1], [2]], 4, 1, 2, 8)
 
 
 def test_simulate_helpers_reject_out_of_range_routing_before_running():

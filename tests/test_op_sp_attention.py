@@ -137,6 +137,10 @@ def test_zigzag_layout_and_host_helpers():
         shard_sequence(np.zeros((9, 2)), 4)
     with pytest.raises(InputError, match="layout must be one of"):
         shard_sequence(np.zeros((8, 2)), 2, "striped")
+    with pytest.raises(InputError, match="x must be a numpy array or torch tensor .*got list"):
+        shard_sequence([[1, 2], [3, 4]], 2)
+    with pytest.raises(InputError, match="got a 0-d Tensor"):
+        shard_sequence(torch.tensor(1.0), 1)
     with pytest.raises(InputError, match="same shape"):
         unshard_sequence([np.zeros((4, 2)), np.zeros((6, 2))], "zigzag")
 

@@ -476,6 +476,24 @@ def test_bad_arguments_are_refused_before_anything_is_enqueued(monkeypatch):
     assert "closed" in repr(ops[0])
 
 
+def test_an_argument_the_program_writes_may_not_share_memory_with_another(monkeypatch):
+    """normed_gather writes g and y and reads x: a written argument aliasing another one (the same
+    tensor, or views of one) is refused before anything is enqueued — the kernels would write it
+    while still reading the other."""
+    fn, inputs, kw = library_case("normed_gather", 2)
+    g, ops = _built(monkeypatch, fn, 2, inputs, **kw)
+    good = tensors(inputs[0])
+    both = torch.zeros(2, 16, 16)
+    for args, msg in (({**good, "g": good["y"]}, "argument 'g' overlaps argument 'y'"),
+                      ({**good, "g": both[0], "y": both[0]}, "argument 'g' overlaps argument 'y'"),
+                      ({**good, "x": good["y"][:8]}, "argument 'y' overlaps argument 'x'")):
+        with pytest.raises(InputError, match=msg):
+            ops[0](**args)
+    assert not any(g.fake.queues.values()) and ops[0].launches == 0
+    for op in ops:
+        op.close()
+
+
 def test_ranks_that_trace_different_programs_all_refuse(monkeypatch):
     """The agreement check: every rank raises an InputError naming the difference — none goes on
     to allocate and wait for the others."""
@@ -501,6 +519,14 @@ def test_a_rank_that_cannot_build_it_is_named_by_its_peers(monkeypatch):
     assert "rank 1 could not build it" not in str(g.errors[1])        # its own error
     with pytest.raises(InputError, match="needs a @tl.kernel function"):
         Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(object(), None, {}, device=dev))
+    for bad, match in ((dict(static_checks="no"), "static_checks must be True or False, got 'no'"),
+                       (dict(specs=42), r"specs: the arguments' specs \(x, g, y\) in order .*got int")):
+        with pytest.raises(InputError, match=match):
+            Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(
+                fn, None, **{"specs": inputs[0], **bad}, device=dev, **kw))
+    with pytest.raises(InputError, match="timeout_s must be a finite positive number"):
+        Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(fn, None, inputs[0], device=dev,
+                                                                           timeout_s=float("inf"), **kw))
 
 
 # =================================================================================================

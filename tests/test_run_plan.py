@@ -366,6 +366,8 @@ def test_bad_calls_get_the_simulators_errors(case):
 
 
 @pytest.mark.parametrize("kw,error", [(dict(timeout_s=0), "timeout_s"), (dict(timeout_s="1"), "timeout_s"),
+                                      (dict(timeout_s=float("inf")), r"finite .*\(None: no timeout"),
+                                      (dict(timeout_s=float("nan")), "timeout_s"),
                                       (dict(lowering=[("threads", 64)]), "lowering"),
                                       (dict(lowering={"wait_timeout_ns": 10}), "pass timeout_s instead")])
 def test_the_run_options_are_checked(kw, error):

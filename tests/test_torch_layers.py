@@ -40,6 +40,25 @@ def test_fake_shapes_for_torch_compile():
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", layout="ring"), "layout must be one of"),
     (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(x, ids, ids.float(), w.transpose(1, 2), "0"),
      r"h must be \[384, 32\]"),
+    (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(torch.zeros(384, 32, dtype=torch.float16), ids, ids.double(),
+                                                          w.transpose(1, 2), "0"),
+     "topk_weights must be float32, bfloat16 or float16 .* got torch.float64"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w[:, :0], w[:, :0], "0"), "no dimension 0"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w[..., :0], w[..., :0], w[..., :0], "0"), "no dimension 0"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", scale=float("nan")), "scale must be a finite"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", scale=float("-inf")), "scale must be a finite"),
+    # every operand valid but on the CPU: refused before the build (which compiles for the GPU)
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w, "0"), "all_gather_moe: x must be a CUDA tensor"),
+    (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(torch.zeros(384, 32, dtype=torch.float16), ids, ids.float(),
+                                                          w.transpose(1, 2), "0"),
+     "moe_reduce_scatter: h must be a CUDA tensor"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0"), "sp_attention: q must be a CUDA tensor"),
+    # no backward: an operand that requires grad is refused while autograd records
+    (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x.clone().requires_grad_(), ids, w, "0"), "x requires grad"),
+    (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(torch.zeros(384, 32, dtype=torch.float16), ids,
+                                                          ids.float().requires_grad_(), w.transpose(1, 2), "0"),
+     "topk_weights requires grad"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w.clone().requires_grad_(), "0"), "v requires grad"),
 ])
 def test_bad_operands_are_refused_before_an_op_is_built(monkeypatch, call, match):
     built = []

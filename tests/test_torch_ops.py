@@ -196,6 +196,30 @@ def test_building_an_op_is_never_captured(ranks, monkeypatch):
     assert torch.equal(c, torch.full((16, 4), 16.0, dtype=torch.bfloat16))
 
 
+def test_operands_that_require_grad_are_refused_before_anything_runs(ranks):
+    """The ops have no backward: while autograd records, an operand that requires grad is refused
+    before an op is built or run (torch's generated autograd would run it and fail in backward());
+    under torch.no_grad() the same call runs."""
+    a = torch.randn(2, 8, 16).to(torch.bfloat16)
+    b = torch.randn(16, 8).to(torch.bfloat16)
+    ranks.operands, ranks.dim, ranks.b = [a, a], 0, b
+    for call, name in ((lambda x, y: torch.ops.tldsl.fused_all_gather_matmul(x, [b, y], 0, "tp"), "Bs\\[1\\]"),
+                       (lambda x, y: torch.ops.tldsl.fused_matmul_reduce_scatter(a, y, "sum", 0, "tp"), "B")):
+        with pytest.raises(tldsl.InputError, match=f": {name} requires grad, but the op has no backward"):
+            call(a, b.clone().requires_grad_())
+    with pytest.raises(tldsl.InputError, match="fused_all_gather_matmul: A requires grad"):
+        torch.ops.tldsl.fused_all_gather_matmul(a.clone().requires_grad_(), [b], 0, "tp")
+    assert ranks.asked == [] and torch_ops_built() == []
+    with torch.no_grad():
+        _, [c] = torch.ops.tldsl.fused_all_gather_matmul(a.clone().requires_grad_(), [b], 0, "tp")
+    assert not c.requires_grad and ranks.asked == [True]
+
+
+def torch_ops_built():
+    from tldsl import torch_ops
+    return torch_ops.built_ops()
+
+
 def test_dims_that_do_not_split_are_refused_before_anything_runs(ranks):
     ranks.W = 4
     a = torch.randn(2, 6, 16).to(torch.bfloat16)

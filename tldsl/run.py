@@ -12,6 +12,7 @@ generator and the CUDA driver are imported by the call.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 from .errors import InputError
@@ -34,8 +35,9 @@ def check_run_options(timeout_s, lowering, who: str) -> None:
     """``timeout_s`` and ``lowering`` as tl.run and the fused-op runtime take them (checked before
     anything is traced, compiled or launched)."""
     if timeout_s is not None and (not isinstance(timeout_s, numbers.Real) or isinstance(timeout_s, bool)
-                                  or not timeout_s > 0):
-        raise InputError(f"timeout_s must be a positive number of seconds (None: no timeout), got {timeout_s!r}")
+                                  or not timeout_s > 0 or not math.isfinite(timeout_s)):
+        raise InputError(f"timeout_s must be a finite positive number of seconds (None: no timeout, wait forever), "
+                         f"got {timeout_s!r}")
     if lowering is not None and not isinstance(lowering, dict):
         raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
     if lowering and "wait_timeout_ns" in lowering:

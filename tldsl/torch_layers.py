@@ -24,7 +24,8 @@ import torch
 
 from .errors import InputError
 from .ops.moe import moe_num_tiles
-from .torch_ops import _build, _group, _world_size, built_ops, close_all  # noqa: F401  (one op cache for all)
+from .torch_ops import _build, _check_devices, _group, _world_size, refuse_autograd
+from .torch_ops import built_ops, close_all  # noqa: F401  (one op cache for all)
 
 AG_MOE_SCHEMA = "(Tensor x, Tensor topk_ids, Tensor w1, str group_name, int block_m=128) -> Tensor"
 MOE_RS_SCHEMA = ("(Tensor h, Tensor topk_ids, Tensor topk_weights, Tensor w2, str group_name, int block_m=128) "
@@ -75,6 +76,7 @@ def all_gather_moe(x, topk_ids, w1, group_name, block_m=128):
     from .runtime.dist.moe_ops import DEFAULT_AG_COMPUTE, AllGatherMoE
     W = _world_size(group_name)
     Ms, topk, E = _check_moe("all_gather_moe", x, topk_ids, w1, W, block_m, layer0=True)
+    _check_devices("all_gather_moe", [("x", x), ("topk_ids", topk_ids), ("w1", w1)])
     key = ("ag_moe", tuple(x.shape), tuple(w1.shape), x.dtype, topk, group_name, block_m)
     # the op's measured default where its BM is the one asked for; else that BM on 128-column tiles
     compute = None if block_m == DEFAULT_AG_COMPUTE.tile[0] else tl.ComputeSchedule(tile=(block_m, 128, 64))
@@ -90,6 +92,15 @@ def _(x, topk_ids, w1, group_name, block_m=128):
     return x.new_empty((moe_num_tiles(W * Ms * topk, E, block_m) * block_m, w1.shape[2]))
 
 
+def _check_topk_weights(topk_weights, topk_ids) -> None:
+    """``topk_weights`` shaped like ``topk_ids``, in a float dtype the tile program reads."""
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or \
+            topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"moe_reduce_scatter: topk_weights must be float32, bfloat16 or float16 "
+                         f"{tuple(topk_ids.shape)} (topk_ids' shape), got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+
+
 @torch.library.custom_op("tldsl::moe_reduce_scatter", mutates_args=(), schema=MOE_RS_SCHEMA)
 def moe_reduce_scatter(h, topk_ids, topk_weights, w2, group_name, block_m=128):
     """Layer 1: ``h @ w2[expert]``, the top-k weighted sum per token and the reduce-scatter of the
@@ -99,9 +110,9 @@ def moe_reduce_scatter(h, topk_ids, topk_weights, w2, group_name, block_m=128):
     from .runtime.dist.moe_ops import DEFAULT_RS_COMPUTE, MoEReduceScatter
     W = _world_size(group_name)
     Ms, topk, E = _check_moe("moe_reduce_scatter", h, topk_ids, w2, W, block_m, layer0=False)
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
-        raise InputError(f"moe_reduce_scatter: topk_weights must be floating point {tuple(topk_ids.shape)}, got "
-                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    _check_topk_weights(topk_weights, topk_ids)
+    _check_devices("moe_reduce_scatter", [("h", h), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                                          ("w2", w2)])
     key = ("moe_rs", tuple(h.shape), tuple(w2.shape), h.dtype, topk, topk_weights.dtype, group_name, block_m)
     # the op's measured default where its BM is the one asked for; else that BM on 128-column tiles
     compute = None if block_m == DEFAULT_RS_COMPUTE.tile[0] else tl.ComputeSchedule(tile=(block_m, 128, 64))
@@ -114,6 +125,7 @@ def moe_reduce_scatter(h, topk_ids, topk_weights, w2, group_name, block_m=128):
 def _(h, topk_ids, topk_weights, w2, group_name, block_m=128):
     W = _world_size(group_name)
     Ms, topk, E = _check_moe("moe_reduce_scatter", h, topk_ids, w2, W, block_m, layer0=False)
+    _check_topk_weights(topk_weights, topk_ids)
     return h.new_empty((Ms, w2.shape[2]))
 
 
@@ -121,10 +133,13 @@ SP_ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool is_c
                        "str layout='contiguous', float? scale=None) -> Tensor")
 
 
-def _check_attention(q, k, v, layout):
+def _check_attention(q, k, v, layout, scale) -> float | None:
+    """``scale`` as the op takes it (None or a finite float), after checking the operands as the
+    op will (before it is built)."""
+    from .ops.sp_attention import LAYOUTS, check_scale
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise InputError(f"sp_attention: {name} must be a 3-d tensor [S, heads, D], got "
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or 0 in t.shape:
+            raise InputError(f"sp_attention: {name} must be a 3-d tensor [S, heads, D] (no dimension 0), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise InputError(f"sp_attention: k and v must be [S={q.shape[0]}, kv_heads, D={q.shape[2]}], got "
@@ -133,9 +148,9 @@ def _check_attention(q, k, v, layout):
         raise InputError(f"sp_attention: bf16 or fp16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] % k.shape[1]:
         raise InputError(f"sp_attention: {k.shape[1]} K/V heads must divide {q.shape[1]} query heads")
-    from .ops.sp_attention import LAYOUTS
     if layout not in LAYOUTS:
         raise InputError(f"sp_attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    return check_scale(scale, "sp_attention: ")
 
 
 @torch.library.custom_op("tldsl::sp_attention", mutates_args=(), schema=SP_ATTENTION_SCHEMA)
@@ -143,7 +158,8 @@ def sp_attention(q, k, v, group_name, is_causal=False, layout="contiguous", scal
     """This rank's queries attending to every rank's keys and values (gathered tile by tile while
     attention runs), with the causal mask on the global positions of ``layout``."""
     from .runtime.dist.attention_op import SequenceParallelAttention
-    _check_attention(q, k, v, layout)
+    scale = _check_attention(q, k, v, layout, scale)
+    _check_devices("sp_attention", [("q", q), ("k", k), ("v", v)])
     key = ("sp_attention", tuple(q.shape), tuple(k.shape), q.dtype, is_causal, layout, scale, group_name)
     op = _build(key, lambda: SequenceParallelAttention(q, k, q.shape[1], _group(group_name), kv_heads=k.shape[1],
                                                        causal=is_causal, layout=layout, scale=scale))
@@ -152,5 +168,9 @@ def sp_attention(q, k, v, group_name, is_causal=False, layout="contiguous", scal
 
 @sp_attention.register_fake
 def _(q, k, v, group_name, is_causal=False, layout="contiguous", scale=None):
-    _check_attention(q, k, v, layout)
+    _check_attention(q, k, v, layout, scale)
     return torch.empty_like(q)
+
+
+for _name in ("all_gather_moe", "moe_reduce_scatter", "sp_attention"):
+    refuse_autograd(_name)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
-from .runtime.dist.operands import dense
+from .runtime.dist.operands import check_no_grad, dense
 from .torch_layouts import as_row_blocks, check_scatter_divides, gathered, normalize_dim, scattered
 
 _OPS: dict = {}
@@ -126,6 +126,32 @@ def _check_devices(what: str, tensors) -> None:
         if t.device.index != here:
             raise InputError(f"{what}: {name} is on {t.device}, but this rank's current device is cuda:{here} "
                              f"(torch.cuda.set_device(local_rank) before the call)")
+
+
+#: the autograd kernels of :func:`refuse_autograd` (registrations live as long as their Library)
+_AUTOGRAD = torch.library.Library("tldsl", "IMPL")
+
+
+def refuse_autograd(name: str) -> None:
+    """Make ``torch.ops.tldsl.<name>`` refuse operands that require grad while autograd records
+    (:func:`~tldsl.runtime.dist.operands.check_no_grad`), before anything is built or launched:
+    the ops have no backward, and torch's generated autograd kernel would run the op and fail only
+    in ``backward()``. Registered per device's autograd key (a key's own kernel takes precedence
+    over the ``Autograd`` alias custom_op registers); otherwise the op runs below autograd, as
+    custom_op's kernel runs it where nothing requires grad."""
+    from torch._C import _after_autograd_keyset, _AutoDispatchBelowAutograd
+    op = getattr(torch.ops.tldsl, name).default
+    params = [a.name for a in op._schema.arguments]
+
+    def no_grad_kernel(keyset, *args, **kwargs):
+        named = []
+        for p, v in zip(params, args):
+            named += [(f"{p}[{i}]", t) for i, t in enumerate(v)] if isinstance(v, (list, tuple)) else [(p, v)]
+        check_no_grad(f"torch.ops.tldsl.{name}", named)
+        with _AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & _after_autograd_keyset, *args, **kwargs)
+    for key in ("AutogradCPU", "AutogradCUDA", "AutogradMeta"):
+        _AUTOGRAD.impl(name, no_grad_kernel, key, with_keyset=True)
 
 
 #: torch's own schemas (torch.ops.symm_mem.*), names included: a call written for theirs runs on ours
@@ -226,3 +252,7 @@ def _(A, B, reduce_op, scatter_dim, group_name):
     shape = [*a.shape[:-1], b.shape[1]]
     shape[d] //= W
     return a.new_empty(shape)
+
+
+refuse_autograd("fused_all_gather_matmul")
+refuse_autograd("fused_matmul_reduce_scatter")

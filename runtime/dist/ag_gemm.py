@@ -33,7 +33,7 @@ from .call_order import CallOrder
 from .recipes import choose
 from .spare_outputs import keep_spares
 from .group import built_alike, dist_context, dtype_name
-from .operands import check_open, check_operands, check_output, check_sizes, dense
+from .operands import check_open, check_operands, check_output, check_schedules, check_sizes, dense
 from .engine import EngineOp
 from .program_engine import ProgramEngine
 from .symmetric import Lease
@@ -89,6 +89,11 @@ class AllGatherMatmul(EngineOp):
 
         with built_alike("AllGatherMatmul", group) as build:      # every rank leaves it alike (group.py)
             check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
+            check_schedules("AllGatherMatmul", compute, comm)
+            check_sizes("AllGatherMatmul", **{name: v for name, v in (("sms", sms), ("stage_waves", stage_waves))
+                                              if v is not None})          # (None: the default)
+            if pusher not in (None, "copy_engine", "gemm"):
+                raise InputError(f"AllGatherMatmul: pusher={pusher!r}: choose 'copy_engine' or 'gemm'")
             if k % 8 or n % 8:
                 raise InputError(f"AllGatherMatmul: K={k} and N={n} must be multiples of 8 (A's, B's and C's rows "
                                  f"whole 16-byte units for TMA)")
@@ -130,7 +135,7 @@ class AllGatherMatmul(EngineOp):
                 raise InputError(f"enqueue={enqueue!r}: choose 'gemm_first' or 'comm_first'")
             if staging not in ("kernel", "copies", "gemm"):
                 raise InputError(f"staging={staging!r}: choose 'kernel', 'copies' or 'gemm'")
-            if stage_waves is not None and (staging != "gemm" or not isinstance(stage_waves, int) or stage_waves < 1):
+            if stage_waves is not None and staging != "gemm":
                 raise InputError(f"stage_waves={stage_waves!r}: a positive int, with staging='gemm' (got {staging!r})")
             if staging == "gemm":
                 if handshake not in (None, "device"):
@@ -361,7 +366,8 @@ def resolve_comm(comm: CommSchedule | None, engine: str | None, sms: int | None,
             raise InputError(f"sms={sms} contradicts the communication schedule {comm}")
         return comm
     if engine == "sm":
-        return CommSchedule(engine="sm", mode="pull", order="ring", tile_m=compute.BM, sms=sms or DEFAULT_SM_LANES)
+        return CommSchedule(engine="sm", mode="pull", order="ring", tile_m=compute.BM,
+                            sms=DEFAULT_SM_LANES if sms is None else sms)
     if sms is not None:
         raise InputError(f"sms={sms}: the copy engine uses no SMs (pass engine='sm')")
     return CommSchedule(engine="copy_engine", mode="pull", order="ring")

@@ -247,7 +247,8 @@ class PushAllGather(Engine):
         if (type(a_shard) is not tensor or type(b) is not tensor
                 or a_shard.shape != self._a_shape or b.shape != self._b_shape or a_shard.dtype != dt or b.dtype != dt
                 or a_shard.get_device() != self._dev_index or b.get_device() != self._dev_index
-                or not b.is_contiguous() or b.data_ptr() % 16 or op._closed):
+                or not b.is_contiguous() or b.data_ptr() % 16 or op._closed or a_shard.requires_grad
+                or b.requires_grad):
             op._check(a_shard, b)            # the precise error
         if out is not None:
             op._check_out(out, a_shard, b)

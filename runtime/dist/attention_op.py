@@ -13,7 +13,8 @@ import numbers
 import tldsl as tl
 
 from ...errors import InputError
-from ...ops.sp_attention import LAYOUTS, sp_attention
+from ...ops.sp_attention import LAYOUTS, check_scale, sp_attention
+from .operands import shape_and_dtype
 from .program_op import FusedProgram
 
 #: The communication schedule where none is given: the copy engines gather K and V (whole shards,
@@ -32,16 +33,9 @@ def _positive(name, v) -> int:
 
 def _spec(name, x):
     """(rows, columns, tl dtype) of ``[S, H*D]`` or ``[S, H, D]`` (a tensor, array or TensorSpec)."""
-    if isinstance(x, tl.TensorSpec):
-        shape, dt = tuple(x.shape), x.dtype
-    else:
-        try:
-            from ...ir.types import dtype_of
-            shape, dt = tuple(x.shape), dtype_of(x.dtype)
-        except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
-            raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
-    if len(shape) not in (2, 3):
-        raise InputError(f"{name} must be [S, heads*D] or [S, heads, D], got {list(shape)}")
+    shape, dt = shape_and_dtype(name, x)
+    if len(shape) not in (2, 3) or 0 in shape:
+        raise InputError(f"{name} must be [S, heads*D] or [S, heads, D] (no dimension 0), got {list(shape)}")
     if dt.name not in ("f16", "bf16"):
         raise InputError(f"{name} must be fp16 or bf16, got {dt.name}")
     return shape[0], shape[1] * (shape[2] if len(shape) == 3 else 1), dt
@@ -63,6 +57,7 @@ class SequenceParallelAttention(FusedProgram):
         S, width, dt = _spec("q", q)
         Sk, kv_width, kdt = _spec("k", k)
         heads = _positive("heads", heads)
+        scale = check_scale(scale)
         kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
         if width % heads:
             raise InputError(f"q's {width} columns are not heads x D: {heads} heads do not divide them")
@@ -87,7 +82,7 @@ class SequenceParallelAttention(FusedProgram):
         if kv_heads != heads:
             kw["kv_heads"] = kv_heads
         if scale is not None:
-            kw["scale"] = float(scale)
+            kw["scale"] = scale
         kw["comm"] = DEFAULT_COMM if comm is None else comm
         if compute is not None:
             kw["compute"] = compute
@@ -95,14 +90,19 @@ class SequenceParallelAttention(FusedProgram):
 
     def __call__(self, q, k, v, o=None):
         import torch
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        named = {"q": q, "k": k, "v": v, **({} if o is None else {"o": o})}
+        for name, t in named.items():
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"argument '{name}': a torch tensor, got {type(t).__name__}")
+            if t.dim() not in (2, 3):
+                raise InputError(f"argument '{name}' must be [S, heads*D] or [S, heads, D], got {list(t.shape)}")
+            if not t.is_contiguous():         # (flattened to [S, heads*D] below: a view only where contiguous)
+                raise InputError(f"argument '{name}' is not contiguous (pass .contiguous())")
         if tuple(q.shape) != self.q_shape:
             raise InputError(f"argument 'q': {tuple(q.shape)}, the op was built for {self.q_shape}")
         if o is None:
             o = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
-        flat = [t.reshape(t.shape[0], -1) if t.is_contiguous() else t for t in (q, k, v, o)]
+        flat = [t.reshape(t.shape[0], -1) for t in (q, k, v, o)]
         FusedProgram.__call__(self, q=flat[0], k=flat[1], v=flat[2], o=flat[3])
         return o
 

@@ -67,7 +67,7 @@ from .symmetric import Lease
 from .engine import EngineOp
 from .program_engine import ProgramEngine
 from .recipes import choose
-from .operands import check_open, check_operands, check_output, check_sizes
+from .operands import check_open, check_operands, check_output, check_schedules, check_sizes
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 DEFAULT_SMS = 16
@@ -107,6 +107,10 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
     """The communication schedule the tile program is traced with: for the copy engine
     (:mod:`.gemm_rs_copy`) without ``tile_m``, ``ce_chunks`` copies per peer, each a whole
     number of GEMM tile rows (``None``: :func:`~.gemm_rs_copy.default_chunk_rows`)."""
+    if comm.engine != "copy_engine" or comm.tile_m is not None:
+        if ce_chunks is not None:       # (given, it would be ignored)
+            raise InputError(f"ce_chunks={ce_chunks!r} sets the copies per peer of the copy-engine reduce-scatter "
+                             f"without its own tile_m; this schedule is {comm}")
     if comm.engine != "copy_engine":
         return comm
     from .gemm_rs_copy import chunk_rows, default_chunk_rows
@@ -172,6 +176,9 @@ class MatmulReduceScatter(EngineOp):
                 raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
             if scatter_dim != 0:
                 raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
+            check_schedules("MatmulReduceScatter", compute, comm)
+            if ce_chunks is not None:
+                check_sizes("MatmulReduceScatter", ce_chunks=ce_chunks)
             self._closed = False
             self.ctx = dist_context(group)
             W = self.ctx.world_size
@@ -236,7 +243,8 @@ class MatmulReduceScatter(EngineOp):
             check_open("MatmulReduceScatter", True)
         if (type(a) is not tensor or type(b) is not tensor or a.shape != self._a_size or b.shape != self._b_size
                 or a.dtype != dt or b.dtype != dt or a.get_device() != dev or b.get_device() != dev
-                or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16):
+                or not a.is_contiguous() or not b.is_contiguous() or a.data_ptr() % 16 or b.data_ptr() % 16
+                or a.requires_grad or b.requires_grad):
             # the common case above in a few compares (the host's time before the GEMM is the op's);
             # anything else (a subclass, a view, a wrong operand) gets the full check and its error
             validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)

@@ -44,6 +44,9 @@ def dist_context(group=None) -> DistContext:
     initialised (torchrun + ``dist.init_process_group('nccl')``)."""
     import torch
     import torch.distributed as dist
+    if group is not None and not isinstance(group, dist.ProcessGroup):    # (a falsy 0 or "" is no WORLD)
+        raise InputError(f"group must be a torch.distributed process group (None: WORLD), got "
+                         f"{type(group).__name__} {group!r}")
     for k, v in _SAFE_ENV.items():
         if os.environ.get(k, v) != v:
             raise InputError(f"{k}={os.environ[k]}: tldsl needs {k}={v} (NVLink multicast must stay off)")
@@ -52,7 +55,7 @@ def dist_context(group=None) -> DistContext:
     if not dist.is_initialized():
         raise InputError("torch.distributed is not initialised: run under torchrun and call "
                          "torch.distributed.init_process_group('nccl') first")
-    group = group or dist.group.WORLD
+    group = dist.group.WORLD if group is None else group
     return DistContext(dist.get_rank(group), dist.get_world_size(group), torch.cuda.current_device(), group,
                        group.group_name, _choose_backend())
 
@@ -135,7 +138,7 @@ def _exchange(op: str, group, config: dict | None, error: Exception | None) -> N
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         return
-    group = group or dist.group.WORLD
+    group = dist.group.WORLD if group is None else group
     W = dist.get_world_size(group)
     if W == 1:
         return

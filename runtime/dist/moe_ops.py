@@ -41,6 +41,7 @@ from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_r
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables
+from .operands import check_schedules, shape_and_dtype
 from .program_op import FusedProgram
 
 #: the routing tables each kernel reads, in its argument names
@@ -48,15 +49,13 @@ AG_TABLES = ("tile_expert", "tile_valid_rows", "tile_tokens", "tile_visit", "sor
 RS_TABLES = ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles", "tile_num_token_tiles", "token_tile_producers")
 
 
-def _shape_dtype(name, x):
-    """(shape, tl dtype) of a tensor, array or ``tl.TensorSpec``."""
-    if isinstance(x, tl.TensorSpec):
-        return tuple(x.shape), x.dtype
-    try:
-        from ...ir.types import dtype_of
-        return tuple(x.shape), dtype_of(x.dtype)
-    except Exception as e:   # noqa: BLE001 - one typed error for anything that is not a tensor
-        raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}") from e
+def _shape_dtype(name: str, x, dims: str) -> tuple:
+    """(shape, tl dtype) of a tensor, array or ``tl.TensorSpec`` of the dims named ``dims``
+    (``"[Ms, K]"``)."""
+    shape, dt = shape_and_dtype(name, x)
+    if len(shape) != dims.count(",") + 1:
+        raise InputError(f"{name} must be {dims} ({dims.count(',') + 1}-d), got {list(shape)}")
+    return shape, dt
 
 
 #: AllGatherMoE's schedules where none is given, measured (BENCHMARKS.md, fourteenth session: one
@@ -85,11 +84,10 @@ DEFAULT_RS_COMPUTE = tl.ComputeSchedule(tile=(128, 256, 64), stages=4, order="sw
 DEFAULT_RS_COMM = tl.CommSchedule(tile_m=128, sms=32)
 
 
-def _schedule(compute, default=None):
-    compute = (default or tl.ComputeSchedule()) if compute is None else compute
-    if not isinstance(compute, tl.ComputeSchedule):
-        raise InputError(f"compute must be a tl.ComputeSchedule, got {type(compute).__name__}")
-    return compute
+def _schedules(op: str, compute, comm, defaults: tuple) -> tuple:
+    """``(compute, comm)``, each checked (:func:`~.operands.check_schedules`) or the op's default."""
+    check_schedules(op, compute, comm)
+    return defaults[0] if compute is None else compute, defaults[1] if comm is None else comm
 
 
 def _topk(v) -> int:
@@ -98,21 +96,14 @@ def _topk(v) -> int:
     return int(v)
 
 
-def _tensors(op, **named) -> None:
-    """The caller's tensors as the traced program takes them — checked before the routing is
-    enqueued (FusedProgram checks them again, with the tables, before its launch)."""
-    import torch
-    from ..gpu.run_program import _TORCH
-    for name, t in named.items():
-        b = op.kernel.buffer(name).type
-        want = getattr(torch, _TORCH[b.dtype.name])
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"argument '{name}': a torch tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(b.shape) or t.dtype != want:
-            raise InputError(f"argument '{name}': {tuple(t.shape)} {t.dtype}, the op was built for "
-                             f"{tuple(b.shape)} {want}")
-        if not t.is_contiguous():
-            raise InputError(f"argument '{name}' is not contiguous (pass .contiguous())")
+def _check_routing_options(router, validate_ids) -> None:
+    """Before anything is built: ``validate_ids`` a real bool ('no' is truthy: it would check), and
+    ``router`` None or callable (else the first call fails, after the collective build)."""
+    if not isinstance(validate_ids, bool):
+        raise InputError(f"validate_ids must be True or False, got {validate_ids!r}")
+    if router is not None and not callable(router):
+        raise InputError(f"router must be a callable router(topk_ids) -> {{name: int32 tensor}} (None: the "
+                         f"routing built on the GPU), got {type(router).__name__}")
 
 
 class _Routed:
@@ -121,7 +112,7 @@ class _Routed:
     def _init_routing(self, W: int, Ms: int, topk: int, E: int, BM: int, router, validate_ids: bool):
         self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m = W, Ms, topk, E, BM
         self.num_tiles = moe_num_tiles(W * Ms * topk, E, BM)
-        self.validate_ids = bool(validate_ids)
+        self.validate_ids = validate_ids
         self._router = router
         self._routing_buffers = None
 
@@ -157,6 +148,7 @@ class _Routed:
     def routing(self, topk_ids) -> dict:
         """The routing tables of ``topk_ids`` (device int32 tensors by name), built on the caller's
         stream into buffers reused every call."""
+        self._check_open()
         self._check_ids(topk_ids)
         if self._router is None:
             from ..gpu.moe_routing import MoERoutingBuilder
@@ -179,6 +171,9 @@ class _Routed:
     def check_routing(self, tables: dict) -> None:
         """Raise :class:`InputError` if the routing kernels flagged an id outside ``[0, E)`` (reads
         the device's error word: a synchronisation, at a point the caller chooses)."""
+        if not isinstance(tables, dict):
+            raise InputError(f"check_routing takes the routing tables by name (what the op's call or routing() "
+                             f"returned), got {type(tables).__name__}")
         info = tables.get("info")
         if info is None:
             return
@@ -214,17 +209,18 @@ class AllGatherMoE(_Routed, FusedProgram):
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, stage_rows: bool | None = None, **program_kw):
-        (Ms, K), dt = _shape_dtype("x", x)
-        w_shape, wdt = _shape_dtype("w1", w1)
-        if len(w_shape) != 3 or w_shape[1] != K:
+        (Ms, K), dt = _shape_dtype("x", x, "[Ms, K]")
+        w_shape, wdt = _shape_dtype("w1", w1, "[E, K, Nr]")
+        if w_shape[1] != K:
             raise InputError(f"w1 must be [E, K={K}, Nr], got {list(w_shape)}")
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
         E, _, Nr = w_shape
         if not (stage_rows is None or isinstance(stage_rows, (bool, np.bool_))):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
-        compute, topk = _schedule(compute, DEFAULT_AG_COMPUTE), _topk(topk)
-        comm = DEFAULT_AG_COMM if comm is None else comm
+        compute, comm = _schedules("AllGatherMoE", compute, comm, (DEFAULT_AG_COMPUTE, DEFAULT_AG_COMM))
+        _check_routing_options(router, validate_ids)
+        topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         self.stage_rows = stage_rows_pays(Nr, W) if stage_rows is None else bool(stage_rows)
         stage_rows = self.stage_rows
@@ -236,7 +232,8 @@ class AllGatherMoE(_Routed, FusedProgram):
 
     def __call__(self, x, topk_ids, w1, h=None):
         import torch
-        _tensors(self, x=x, w1=w1)
+        self._check_open()
+        self.check_arguments({"x": x, "w1": w1, **({} if h is None else {"h": h})})    # before the routing
         tables = self.routing(topk_ids)
         missing = [n for n in AG_TABLES if n not in tables]
         if missing:
@@ -289,9 +286,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
 
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", **program_kw):
-        w_shape, dt = _shape_dtype("w2", w2)
-        if len(w_shape) != 3:
-            raise InputError(f"w2 must be [E, Nr, K], got {list(w_shape)}")
+        w_shape, dt = _shape_dtype("w2", w2, "[E, Nr, K]")
         E, Nr, K = w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
             raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")
@@ -299,8 +294,9 @@ class MoEReduceScatter(_Routed, FusedProgram):
             raise InputError(f"partial_dtype={partial_dtype!r}: choose 'out' (partials in h's dtype, as NCCL's "
                              f"reduce-scatter of a bf16 layer) or 'f32' (fp32 partials, more traffic)")
         self.partial_dtype = partial_dtype
-        compute, topk = _schedule(compute, DEFAULT_RS_COMPUTE), _topk(topk)
-        comm = DEFAULT_RS_COMM if comm is None else comm
+        compute, comm = _schedules("MoEReduceScatter", compute, comm, (DEFAULT_RS_COMPUTE, DEFAULT_RS_COMM))
+        _check_routing_options(router, validate_ids)
+        topk = _topk(topk)
         W = program_op.dist_context(group).world_size
         Ms = int(rows_per_rank)
         self._init_routing(W, Ms, topk, E, compute.tile[0], router, validate_ids)
@@ -314,7 +310,9 @@ class MoEReduceScatter(_Routed, FusedProgram):
 
     def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
         import torch
-        _tensors(self, h=h, topk_weights=topk_weights, w2=w2)
+        self._check_open()
+        self.check_arguments({"h": h, "topk_weights": topk_weights, "w2": w2,              # before the routing
+                              **({} if out is None else {"out": out})})
         passed = tables is not None
         tables = self.routing(topk_ids) if tables is None else tables
         missing = [n for n in RS_TABLES if n not in tables]

@@ -15,6 +15,32 @@ def check_sizes(op: str, **sizes) -> None:
             raise InputError(f"{op}: {name}={v!r} must be a positive int")
 
 
+def shape_and_dtype(name: str, x) -> tuple:
+    """``(shape, tl dtype)`` of a torch tensor, numpy array or ``tl.TensorSpec`` given for argument
+    ``name`` (what the ops built from specs take); an InputError naming it for anything else, or
+    for a dtype tldsl does not take."""
+    from ...ir.types import dtype_of
+    from ...kernel import TensorSpec
+    if isinstance(x, TensorSpec):
+        return tuple(x.shape), x.dtype
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise InputError(f"{name}: a torch tensor, numpy array or tl.TensorSpec, got {type(x).__name__}")
+    try:
+        return tuple(x.shape), dtype_of(x.dtype)
+    except TypeError as e:
+        raise InputError(f"{name}: {e}") from e
+
+
+def check_schedules(op: str, compute, comm) -> None:
+    """``compute`` a ``tl.ComputeSchedule`` and ``comm`` a ``tl.CommSchedule``, each or None (the
+    op's default): a string, a tuple or the two swapped would otherwise fail deep in the build."""
+    from ...ir.schedule import CommSchedule, ComputeSchedule
+    for name, v, cls in (("compute", compute, ComputeSchedule), ("comm", comm, CommSchedule)):
+        if v is not None and not isinstance(v, cls):
+            raise InputError(f"{op}: {name} must be a tl.{cls.__name__} (or None: the op's default), got "
+                             f"{type(v).__name__} {v!r}")
+
+
 def byte_span(t) -> tuple[int, int]:
     """``[first, last)`` bytes a tensor's elements occupy (for any strides >= 0)."""
     p = t.data_ptr()
@@ -34,10 +60,26 @@ def _meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
+def check_no_grad(op: str, named) -> None:
+    """``named``: ``(name, tensor)``; none requires grad while autograd records. The fused ops
+    have no backward: such a call would launch, then drop the gradient or fail in
+    ``backward()`` — refused before anything runs instead."""
+    import torch
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if getattr(t, "requires_grad", False):
+            raise InputError(f"{op}: {name} requires grad, but the op has no backward (autograd cannot differentiate "
+                             f"it): call it under torch.no_grad() or torch.inference_mode(), or pass a detached "
+                             f"tensor (.detach())")
+
+
 def check_operands(op: str, operands, dtype, device: int | None, *, strided_ok: tuple[str, ...] = ()) -> None:
     """``operands``: ``(name, tensor, shape)``; each a CUDA tensor on ``device`` of that shape and
     dtype, contiguous and 16-byte aligned (TMA and the copy engines read it) — unless its name is
-    in ``strided_ok`` (the op copies such an operand first)."""
+    in ``strided_ok`` (the op copies such an operand first) — and none requiring grad
+    (:func:`check_no_grad`)."""
+    check_no_grad(op, [(name, t) for name, t, _ in operands])
     problems = []
     for name, t, shape in operands:
         if not (hasattr(t, "shape") and hasattr(t, "dtype") and hasattr(t, "is_contiguous")):

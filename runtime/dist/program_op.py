@@ -93,6 +93,7 @@ from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
 from .group import agreement_entry, check_agreement, dist_context, enable_symmetric_memory
+from .operands import check_no_grad, overlaps
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -175,6 +176,8 @@ class FusedProgram(FusedOp):
             raise InputError(f"FusedProgram needs a @tl.kernel function, got {type(kernel).__name__}")
         self.kernel_fn = kernel
         check_run_options(timeout_s, lowering, "FusedProgram")
+        if not isinstance(static_checks, bool):          # ('no' is truthy: it would check)
+            raise InputError(f"static_checks must be True or False, got {static_checks!r}")
         self.timeout_s = timeout_s
         specs = _specs_in_order(kernel.arg_names, specs)
         ir = kernel.trace_checked(self.ctx.world_size, specs, kwargs, channels=static_checks)
@@ -315,7 +318,6 @@ class FusedProgram(FusedOp):
 
     def _arguments(self, tensors, named) -> list:
         """The caller's tensors in argument order, each checked (before anything is enqueued)."""
-        import torch
         names = [b.name for b in self.kernel.args]
         if tensors and named:
             raise InputError(f"{self.kernel.name}: pass the arguments in order or by name, not both")
@@ -327,8 +329,17 @@ class FusedProgram(FusedOp):
             tensors = tuple(named[n] for n in names)
         if len(tensors) != len(names):
             raise InputError(f"{self.kernel.name} takes {len(names)} tensors ({', '.join(names)}), got {len(tensors)}")
+        self.check_arguments(dict(zip(names, tensors)))
+        return list(tensors)
+
+    def check_arguments(self, named: dict) -> None:
+        """The caller's tensors of some of the arguments, by name, each as the traced program
+        takes it and none it writes sharing memory with another — what a call checks before
+        anything is enqueued (the MoE ops check theirs before the routing too)."""
+        import torch
         at = self.device.torch_device
-        for b, t in zip(self.kernel.args, tensors):
+        buffers = [self.kernel.buffer(n) for n in named]
+        for b, t in zip(buffers, named.values()):
             want = getattr(torch, _TORCH[b.type.dtype.name])
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"argument '{b.name}': a torch tensor on {at}, got {type(t).__name__}")
@@ -342,7 +353,8 @@ class FusedProgram(FusedOp):
             if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
-        return list(tensors)
+        _check_written_apart(buffers, list(named.values()), self._written)
+        check_no_grad(type(self).__name__, [(f"argument '{n}'", t) for n, t in named.items()])
 
     def _packs(self, args):
         """The kernels' packed arguments and the copy-engine executors for these argument
@@ -463,6 +475,7 @@ class FusedProgram(FusedOp):
 
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:
+        self._check_open()                              # (its views went with close())
         return dict(self._signals)
 
     def signal_map(self) -> list[tuple[str, int, int, str]]:
@@ -599,6 +612,19 @@ def _overlaps_other(t, buf) -> bool:
     return a < b + m and b < a + n and (a, n) != (b, m)
 
 
+def _check_written_apart(args, tensors, written: set[str] | None) -> None:
+    """No argument the program writes (every one where ``written`` is None: not known) shares a
+    byte with another argument: its kernels would write it while they still read the other — a
+    wrong answer, not an error. The same tensor passed for one read-write argument is fine."""
+    for i, (b, t) in enumerate(zip(args, tensors)):
+        if written is not None and b.name not in written:
+            continue
+        for j, (other, u) in enumerate(zip(args, tensors)):
+            if j != i and overlaps(t, u):
+                raise InputError(f"argument '{b.name}' overlaps argument '{other.name}' in memory, and the program "
+                                 f"writes '{b.name}' while it may still read '{other.name}': pass a separate tensor")
+
+
 def _specs_in_order(names: list[str], specs) -> tuple:
     if specs is None:
         raise InputError(f"FusedProgram needs the arguments' specs ({', '.join(names)}): tensors, arrays or "
@@ -609,6 +635,9 @@ def _specs_in_order(names: list[str], specs) -> tuple:
         if missing or extra:
             raise InputError(f"specs: the kernel takes {names}; missing {missing}, unknown {extra}")
         return tuple(specs[n] for n in names)
+    if not isinstance(specs, (list, tuple)):
+        raise InputError(f"specs: the arguments' specs ({', '.join(names)}) in order (a list or tuple) or by name "
+                         f"(a dict), got {type(specs).__name__}")
     return tuple(specs)
 
 

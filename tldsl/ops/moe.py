@@ -201,8 +201,12 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
     BM = _positive_int("BM", BM)
     if interleave is not None:
         interleave = _positive_int("interleave", interleave)
-    ids = np.asarray(topk_ids)
     T = W * Ms
+    try:
+        ids = np.asarray(topk_ids)
+    except ValueError as e:             # (ragged lists: numpy's "inhomogeneous shape")
+        raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), an array or "
+                         f"equal-length rows: {e}") from None
     if ids.ndim != 2 or ids.shape[0] != T or ids.shape[1] < 1:
         raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), "
                          f"got shape {list(ids.shape)}")

@@ -46,6 +46,7 @@ Q/K/V tile spans all ``D`` columns of its head.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -61,6 +62,19 @@ from tldsl.testing import OpCase, OpSpec
 NEG_BIG = -1.0e30
 #: The sequence layouts (``layout=``): which global positions a rank's rows hold.
 LAYOUTS = ("contiguous", "zigzag")
+
+
+def _finite_scale(scale) -> bool:
+    return scale is None or (isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale))
+
+
+def check_scale(scale, what: str = "") -> float | None:
+    """``scale`` as a float (None: ``1/sqrt(D)``): a finite real number — NaN or an infinity would
+    make every output NaN (and a NaN, never equal to itself, a new op in every cache it keys).
+    Negative and zero scales are allowed (meaningful, if unusual)."""
+    if not _finite_scale(scale):
+        raise InputError(f"{what}scale must be a finite number (None: 1/sqrt(head dim)), got {scale!r}")
+    return None if scale is None else float(scale)
 
 
 @tl.kernel
@@ -85,6 +99,9 @@ def sp_attention(q, k: tl.Symmetric, v: tl.Symmetric, o, *, heads: tl.constexpr,
                      f"sp_attention: the width {width} of q/o is not heads x head_dim: "
                      f"{heads} heads do not divide it")
     D = width // heads
+    tl.static_assert(D > 0, f"sp_attention: the head dim must be positive, got q={list(q.shape)} for {heads} heads")
+    tl.static_assert(_finite_scale(scale), f"sp_attention: scale must be a finite number (None: 1/sqrt(D)), "
+                                           f"got {scale!r}")
     n_kv = heads if kv_heads is None else kv_heads
     tl.static_assert(isinstance(n_kv, int) and not isinstance(n_kv, bool) and n_kv > 0,
                      f"sp_attention: kv_heads must be a positive int, got {kv_heads!r}")
@@ -220,6 +237,10 @@ def shard_sequence(x, world_size: int, layout: str = "contiguous") -> list:
     ``world_size`` shards of ``layout`` (new arrays / tensors of ``N / world_size`` rows each):
     rank ``r``'s ``q``, ``k`` or ``v``. For ``"zigzag"``, ``N`` must be a multiple of
     ``2 * world_size``."""
+    if not hasattr(x, "shape") or len(x.shape) < 1:
+        got = f"a 0-d {type(x).__name__}" if hasattr(x, "shape") else type(x).__name__
+        raise InputError(f"sp_attention.shard_sequence: x must be a numpy array or torch tensor [N, ...] (rows "
+                         f"first), got {got}")
     n = int(x.shape[0])
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0 or n % world_size:
         raise InputError(f"sp_attention.shard_sequence: a sequence of {n} rows does not split into "

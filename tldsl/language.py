@@ -272,6 +272,11 @@ def dot(a, b, acc=None) -> Tile:
 
 # -- kernel-level declarations ---------------------------------------------------------
 
+
+# ``a @ b`` on tiles is :func:`dot` (set here: tiles sit below the language, which builds dot on them)
+Tile.__matmul__ = lambda a, b: dot(a, b)
+
+
 def _declare(kind: str):
     b = current()
     if b.blocks:

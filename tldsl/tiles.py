@@ -71,10 +71,6 @@ class Tile:
     def __abs__(self):
         return ewise("abs", self)
 
-    def __matmul__(self, o):
-        from .language import dot             # the language builds on tiles, not the other way
-        return dot(self, o)
-
     def __pow__(self, o):
         fail("'**' on tiles: write the product (x * x), or tl.exp2(y * tl.log(x) / log(2)) for a real power")
     __hash__ = object.__hash__

@@ -44,7 +44,7 @@ from programs import outer_sums, scale_rows
 
 S = tl.TensorSpec
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
-NP = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32}
+NP = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32, "i1": np.bool_}
 
 _OK, _WHY = tcm.toolchain_available()
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ missing (CPU emulation of generated kernels)")
@@ -899,7 +899,8 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
                              "signal": f"({ct})s_{r}_{name}", "peer_signals": f"({ct})ts_{name}",
                              "rank": str(r), "launch": "1ull", "scratch": scratch,
                              "tma": "tldsl::gen::TmaDesc{}"}[kind])
-            t = lk.threads if getattr(lk, "held", ()) else threads   # held chunks: spread over the planned threads
+            # held chunks spread over the planned threads; a pipelined dot loop's warpgroups each own rows (as emulate)
+            t = lk.threads if (getattr(lk, "held", ()) or "tldsl/general_pipeline.hpp" in lk.source) else threads
             launches.append(f"  launch(pool, {t}, {g}, {smem}, [=] {{ {lk.entry}({', '.join(args)}); }});")
     src = _MULTI.format(sources="\n".join(lk.source for lk in lowered), loads="\n".join(loads),
                         saves="\n".join(saves), launches="\n".join(launches), poison=hex(SCRATCH_POISON_WORD)).replace(

@@ -222,3 +222,22 @@ def test_part_options_are_checked_where_written(decorate, message):
         k.trace(1, tl.TensorSpec((8,), tl.float32))
     with pytest.raises(tl.CompilationError, match="a kernel's name is a Python identifier"):
         tl.kernel(name=123)(lambda x: None)
+
+
+@tl.kernel
+def mask_out(x, m, *, compute: tl.ComputeSchedule = None):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        v = tl.load(x, (0,), (8,))
+        tl.store(m, (0,), ((v & 1) == 1) | (v > 5))
+
+
+def test_a_bool_output_is_the_same_from_the_simulator_and_the_generated_code(tmp_path):
+    """A bool tensor written by a tile program (the host harness reads it back as numpy bools)."""
+    x = np.array([0, 1, 2, 3, 6, 7, 8, 9], np.int32)
+    want = ((x & 1) == 1) | (x > 5)
+    inputs = {"x": x, "m": np.zeros(8, np.bool_)}
+    assert np.array_equal(tl.simulate(mask_out, 1, [dict(inputs)])[0]["m"], want)
+    if shutil.which("g++") is not None:
+        ir = mask_out.trace(1, tl.TensorSpec((8,), tl.int32), tl.TensorSpec((8,), tl.bool_))
+        assert np.array_equal(emulate(ir, lower(ir, "part"), inputs, tmp_path)["m"], want)

@@ -222,3 +222,15 @@ def test_the_benchmark_module_itself_refuses_in_one_line_and_lists_every_benchma
     assert h.returncode == 0
     for name in ("gemm", "ag_gemm", "gemm_rs", "compile", "probe", "host", "sim"):
         assert name in h.stdout.split("\n\n")[0], name
+
+
+def test_compile_progress_takes_true_and_refuses_what_it_cannot_call(capsys):
+    """progress=True (documented: lines on stderr) was handed on as the reporter itself and failed
+    at the first report; a non-callable failed there too."""
+    from tldsl.codegen.toolchain.compiler import ProgressEvent, print_progress, resolve_progress
+    from tldsl.errors import InputError
+    assert resolve_progress(True) is print_progress and resolve_progress(print) is print
+    resolve_progress(False)(None)                                   # a reporter that says nothing
+    with pytest.raises(InputError, match="progress=42: None, True, False or a function"):
+        resolve_progress(42)
+    assert ProgressEvent is not None

@@ -143,6 +143,8 @@ def test_zigzag_layout_and_host_helpers():
         shard_sequence(torch.tensor(1.0), 1)
     with pytest.raises(InputError, match="same shape"):
         unshard_sequence([np.zeros((4, 2)), np.zeros((6, 2))], "zigzag")
+    with pytest.raises(InputError, match="takes a list with one shard per rank, got ndarray"):
+        unshard_sequence(x, "contiguous")                  # its 30 rows are not 30 shards
 
 
 def test_reference_zigzag_is_the_contiguous_result_permuted_and_gqa_is_repeated_heads():

@@ -520,7 +520,8 @@ def test_a_rank_that_cannot_build_it_is_named_by_its_peers(monkeypatch):
     with pytest.raises(InputError, match="needs a @tl.kernel function"):
         Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(object(), None, {}, device=dev))
     for bad, match in ((dict(static_checks="no"), "static_checks must be True or False, got 'no'"),
-                       (dict(specs=42), r"specs: the arguments' specs \(x, g, y\) in order .*got int")):
+                       (dict(specs=42), r"specs: the arguments' specs \(x, g, y\) in order .*got int"),
+                       (dict(progress=42), r"FusedProgram: progress=42: None, True, False or a function")):
         with pytest.raises(InputError, match=match):
             Group(monkeypatch, 1).build(lambda r, dev: program_op.FusedProgram(
                 fn, None, **{"specs": inputs[0], **bad}, device=dev, **kw))

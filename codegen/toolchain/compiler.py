@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from ... import env
-from ...errors import CompilationError
+from ...errors import CompilationError, InputError
 from ...ir.display import html_card, one_line, size
 from ...ir.location import Location
 from .cache import KernelCache, cache_key
@@ -223,11 +223,19 @@ def print_progress(ev: ProgressEvent) -> None:
     print(str(ev), file=sys.stderr, flush=True)
 
 
-def _resolve_progress(progress) -> ProgressFn:
+def resolve_progress(progress) -> ProgressFn:
+    """``progress`` as a function of a :class:`ProgressEvent`: None (lines on stderr unless
+    ``TLDSL_QUIET``), True (lines on stderr), False (nothing) or a callable (``print`` in a
+    notebook); anything else is refused before anything compiles."""
     if progress is False:
         return lambda ev: None
+    if progress is True:
+        return print_progress
     if progress is None:
         return print_progress if env.get("TLDSL_QUIET", "0") == "0" else (lambda ev: None)
+    if not callable(progress):
+        raise InputError(f"progress={progress!r}: None, True, False or a function of a compile ProgressEvent "
+                         f"(print, say)")
     return progress
 
 
@@ -404,7 +412,7 @@ def compile_many(jobs: Sequence[CompileJob], *, cache: KernelCache | bool = True
     t_start = time.perf_counter()
     tc = find_toolchain()
     kc = _cache_of(cache)
-    report = _resolve_progress(progress)
+    report = resolve_progress(progress)
     results: list[CompiledKernel | None] = [None] * len(jobs)
     pending: dict[int, tuple[CompileJob, list[str], str]] = {}
 

@@ -33,7 +33,8 @@ from .call_order import CallOrder
 from .recipes import choose
 from .spare_outputs import keep_spares
 from .group import built_alike, dist_context, dtype_name
-from .operands import check_open, check_operands, check_output, check_schedules, check_sizes, dense
+from .operands import (check_open, check_operands, check_output, check_progress, check_schedules, check_sizes,
+                       dense)
 from .engine import EngineOp
 from .program_engine import ProgramEngine
 from .symmetric import Lease
@@ -90,6 +91,7 @@ class AllGatherMatmul(EngineOp):
         with built_alike("AllGatherMatmul", group) as build:      # every rank leaves it alike (group.py)
             check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
             check_schedules("AllGatherMatmul", compute, comm)
+            check_progress("AllGatherMatmul", progress)
             check_sizes("AllGatherMatmul", **{name: v for name, v in (("sms", sms), ("stage_waves", stage_waves))
                                               if v is not None})          # (None: the default)
             if pusher not in (None, "copy_engine", "gemm"):

@@ -67,7 +67,8 @@ from .symmetric import Lease
 from .engine import EngineOp
 from .program_engine import ProgramEngine
 from .recipes import choose
-from .operands import check_open, check_operands, check_output, check_schedules, check_sizes
+from .operands import (check_open, check_operands, check_output, check_progress, check_schedules,
+                       check_sizes)
 
 DEFAULT_COMPUTE = ComputeSchedule(tile=(128, 256, 64), stages=4, order="comm_aligned")
 DEFAULT_SMS = 16
@@ -177,6 +178,7 @@ class MatmulReduceScatter(EngineOp):
             if scatter_dim != 0:
                 raise InputError(f"scatter_dim={scatter_dim}: only 0 (rows) is supported")
             check_schedules("MatmulReduceScatter", compute, comm)
+            check_progress("MatmulReduceScatter", progress)
             if ce_chunks is not None:
                 check_sizes("MatmulReduceScatter", ce_chunks=ce_chunks)
             self._closed = False

@@ -41,6 +41,16 @@ def check_schedules(op: str, compute, comm) -> None:
                              f"{type(v).__name__} {v!r}")
 
 
+def check_progress(op: str, progress) -> None:
+    """``progress`` as the compiler takes it (None, a bool or a callable), checked before the build
+    that compiles: 42 would otherwise fail at the first compile's first report."""
+    from ...codegen.toolchain.compiler import resolve_progress
+    try:
+        resolve_progress(progress)
+    except InputError as e:
+        raise InputError(f"{op}: {e}") from None
+
+
 def byte_span(t) -> tuple[int, int]:
     """``[first, last)`` bytes a tensor's elements occupy (for any strides >= 0)."""
     p = t.data_ptr()

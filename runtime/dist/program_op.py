@@ -93,7 +93,7 @@ from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
 from .group import agreement_entry, check_agreement, dist_context, enable_symmetric_memory
-from .operands import check_no_grad, overlaps
+from .operands import check_no_grad, check_progress, overlaps
 from .symmetric import Lease
 
 #: sets of argument addresses whose packed kernel arguments are kept (a training loop passes a few)
@@ -178,6 +178,7 @@ class FusedProgram(FusedOp):
         check_run_options(timeout_s, lowering, "FusedProgram")
         if not isinstance(static_checks, bool):          # ('no' is truthy: it would check)
             raise InputError(f"static_checks must be True or False, got {static_checks!r}")
+        check_progress("FusedProgram", progress)
         self.timeout_s = timeout_s
         specs = _specs_in_order(kernel.arg_names, specs)
         ir = kernel.trace_checked(self.ctx.world_size, specs, kwargs, channels=static_checks)

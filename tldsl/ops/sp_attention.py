@@ -253,6 +253,9 @@ def shard_sequence(x, world_size: int, layout: str = "contiguous") -> list:
 def unshard_sequence(shards, layout: str = "contiguous"):
     """The inverse of :func:`shard_sequence`: the whole sequence ``[N, ...]`` from every rank's
     shard (each rank's ``o``, say), rows in position order."""
+    if not isinstance(shards, (list, tuple)):
+        raise InputError(f"sp_attention.unshard_sequence: takes a list with one shard per rank, got "
+                         f"{type(shards).__name__} (a single tensor's rows would be taken for shards)")
     shards = list(shards)
     if not shards or any(tuple(s.shape) != tuple(shards[0].shape) for s in shards):
         raise InputError("sp_attention.unshard_sequence: needs one shard per rank, all of the same shape, got "

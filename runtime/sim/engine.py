@@ -19,11 +19,10 @@ from .memory import Memory
 
 class Task:
     __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch",
-                 "waited", "narrow", "pos")
+                 "waited", "narrow")
 
-    def __init__(self, tid, rank, part, coords, launch, pos=0):
+    def __init__(self, tid, rank, part, coords, launch):
         self.tid, self.rank, self.part, self.coords, self.launch = tid, rank, part, coords, launch
-        self.pos = pos                  # its place in its part's task order on its rank
         self.vc = new_clock(tid)
         self.gen = None
         self.state = "queued"
@@ -60,8 +59,6 @@ class Engine:
         self.launch = 0
         self.waiters: dict[tuple, list[Task]] = {}
         self.ready: list[Task] = []
-        self.notified_by: dict[tuple, list[Task]] = {}   # (rank, signal, slot) -> this launch's notifiers
-        self.waits: list[tuple] = []                    # this launch's waits: (task, op, slot key, notifies needed)
         self.progress = None             # a ProgressReporter, asked every CHECK_EVERY steps
         self._check_at = float("inf")
 
@@ -85,7 +82,6 @@ class Engine:
     def notify(self, task: Task, op, name, rank, ch, scope):
         sig = self._slot(task, op, rank, name, ch)
         sig.values[ch] += 1
-        self.notified_by.setdefault((rank, name, ch), []).append(task)
         slots = sig.sys if scope == "sys" else sig.gpu.setdefault(ch, {})
         key = ch if scope == "sys" else task.rank
         cur = slots.get(key)
@@ -115,8 +111,6 @@ class Engine:
                                   f"{per_launch} notifies per launch (per_launch): it would wait into the next launch",
                                   at=(op.loc,))
         target = wait_target(count, self.launch, epoch, per_launch, lag)
-        if not lag and target > sig.start[ch]:
-            self.waits.append((task, op, (task.rank, name, ch), int(target - sig.start[ch])))
         if sig.values[ch] < target:
             task.wait_info = (op, name, ch, count, target)
             yield ("wait", (task.rank, name, ch), target)
@@ -165,7 +159,6 @@ class Engine:
                 s.start[:] = s.values
                 s.sys.clear()
                 s.gpu.clear()
-        self.notified_by, self.waits = {}, []
         plan = []
         for rank in range(k.world_size):
             for part in k.parts:
@@ -175,8 +168,8 @@ class Engine:
         tid = 0
         for rank, part, order in plan:
             tasks = []
-            for pos, coords in enumerate(order):
-                tasks.append(Task(tid, rank, part, tuple(coords), self.launch, pos))
+            for coords in order:
+                tasks.append(Task(tid, rank, part, tuple(coords), self.launch))
                 tid += 1
             limit = part.lanes if part.role == "comm" else opts.compute_slots
             queues.append([tasks, 0, limit or len(tasks), 0])   # tasks, next index, limit, running
@@ -222,33 +215,7 @@ class Engine:
                     self.waiters.setdefault(key, []).append(task)
             else:
                 self.ready.append(task)
-        if opts.check_task_order:
-            self._check_task_order()
         self.memory.finish_launch()
-
-    def _check_task_order(self):
-        """Every wait of the launch could be met by notifies of tasks that run before it: another
-        part's, or its own part's earlier in the task order (on any rank). On the GPU a part's tasks
-        run in order on persistent CTAs (CTA b: tasks b, b + CTAs, ...; a copy-engine part: one
-        stream), so a wait that needs a later task of its own part hangs the kernel whenever the
-        two share a CTA — which the simulator, running every task at once, would not show."""
-        for task, op, key, needed in sorted(self.waits, key=lambda w: w[0].tid):      # the first task reported
-            notifiers = self.notified_by.get(key, [])
-            later = [t for t in notifiers if t.part is task.part and t.pos > task.pos]
-            if len(notifiers) - len(later) >= needed:
-                continue
-            rank, name, ch = key
-            shown = ", ".join(str(t) for t in later[:3]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
-            raise DeadlockError(
-                f"{task} ({op.name} at {op.loc.short()}) needs {needed} notify(s) on '{name}'[{ch}] in launch "
-                f"{self.launch}, and only {len(notifiers) - len(later)} come from tasks that run before it: "
-                f"{len(later)} come from later tasks of its own part ({shown}). On the GPU a part's tasks run in "
-                f"order on persistent CTAs (each CTA its tasks b, b + CTAs, ...; a copy-engine part on one "
-                f"stream): where a CTA holds both, the waiting task blocks the one it waits for, and the kernel "
-                f"hangs. Wait only on earlier tasks of the part (turn the dependency or the part's order "
-                f"around), or on another part (SimOptions(check_task_order=False) skips this check)",
-                at=(op.loc,) + tuple(t.part.loc for t in later[:1]), rank=task.rank, tile=task.coords,
-                signal=name, channel=ch, primitive=op.name)
 
     def _admit(self, q):
         tasks, nxt, limit, running = q

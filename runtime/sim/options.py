@@ -20,10 +20,6 @@ class SimOptions:
         on a tile that can only start later is a deadlock, as on the GPU.
     check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace
         memory nothing wrote).
-    check_task_order: every wait must be satisfiable by notifies of tasks that run before it (another
-        part's, or its own part's earlier in the order): the GPU runs a part's tasks in order on
-        persistent CTAs, so a wait on a later task of the same part can hang there while the
-        simulator, running every task at once, finishes (a DeadlockError names both).
     static_checks: run the static channel analysis before simulating (a wait nothing can
         satisfy is reported at its line without running).
     repoison: refill workspaces with NaN before every launch (kernels may not rely on
@@ -43,7 +39,6 @@ class SimOptions:
     compute_slots: int | None = None
     check_races: bool = True
     check_uninitialized: bool = True
-    check_task_order: bool = True
     static_checks: bool = True
     repoison: bool = True
     record_timeline: bool = True

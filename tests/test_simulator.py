@@ -207,7 +207,7 @@ def test_deadlock_only_with_one_compute_slot(seed):
         tl.simulate(later_tile_produces, W, inputs, seed=seed, options=tl.SimOptions(compute_slots=1))
     msg = str(info.value)
     assert "compute task tiles(0): consumer_tile_wait on 'done'[0]" in msg
-    assert "2 task(s) cannot start: every slot of their part is held by a blocked task" in msg
+    assert "2 task(s) cannot start: each waits behind a blocked task of its lane" in msg
     assert "compute_slots" in msg
 
 
@@ -340,7 +340,8 @@ def notify_past_the_end(a, c):
     @tl.compute_part(grid=(2,), name="use")
     def use(t):
         tl.consumer_tile_wait(ready, t)
-        tl.store(c, (0,), tl.load(a, (0,), (8,)))
+        with tl.when(t == 0):                 # one writer of c: the run is about the channel, not a race
+            tl.store(c, (0,), tl.load(a, (0,), (8,)))
 
 
 def test_dynamic_channel_outside_the_signal():
@@ -565,3 +566,32 @@ def _trace_one_wait(**wait):
             tl.consumer_tile_wait(ready, 0, **wait)
             tl.store(c, (0,), tl.load(a, (0,), (8,)))
     return k.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32))
+
+
+@tl.kernel
+def relay_in_lanes(x, y, *, lanes: tl.constexpr = 2):
+    done = tl.signal("done", 1)
+
+    @tl.comm_part(grid=(4,), lanes=lanes, engine="sm")
+    def part(t):
+        with tl.when(t == 0):
+            tl.consumer_tile_wait(done, 0, count=1, per_launch=2)
+        tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)) + 1.0)
+        with tl.when((t == 0) | (t == 2)):
+            tl.producer_tile_notify(done, 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_a_lane_runs_its_tasks_in_order_as_the_gpus_ctas_do(seed):
+    """Two lanes over four tasks: on the GPU CTA 0 runs tasks 0 and 2, one after the other, so
+    task 0's wait, which only task 2 (or task 0 itself, later) satisfies, hangs. A lane that took
+    whichever task came next would run task 2 once task 1 finished, and the run would pass (the
+    reviewer's program); with a lane per task it does pass."""
+    x = np.arange(32, dtype=np.float32)
+    inputs = [{"x": x, "y": np.zeros(32, np.float32)}]
+    with pytest.raises(tl.DeadlockError) as info:
+        tl.simulate(relay_in_lanes, 1, inputs, seed=seed)
+    assert "comm task part(0): consumer_tile_wait on 'done'[0]" in str(info.value)
+    assert "1 task(s) cannot start: each waits behind a blocked task of its lane" in str(info.value)
+    res = tl.simulate(relay_in_lanes, 1, inputs, seed=seed, lanes=4)
+    np.testing.assert_array_equal(res[0]["y"], x + 1)

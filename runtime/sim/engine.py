@@ -172,7 +172,13 @@ class Engine:
                 tasks.append(Task(tid, rank, part, tuple(coords), self.launch))
                 tid += 1
             limit = part.lanes if part.role == "comm" else opts.compute_slots
-            queues.append([tasks, 0, limit or len(tasks), 0])   # tasks, next index, limit, running
+            if limit and limit < len(tasks):
+                # as the GPU runs them: lane b (a CTA, or the copy engine's one stream) takes tasks
+                # b, b + lanes, ... of the order, each after the last (not whichever a free lane
+                # finds next: a task waiting on a later task of its own lane hangs there)
+                queues.extend([tasks[b::limit], 0, 1, 0] for b in range(limit))
+            else:
+                queues.append([tasks, 0, len(tasks), 0])         # tasks, next index, limit, running
         self.waiters, self.ready = {}, []
         owner = {}
         for q in queues:
@@ -242,8 +248,9 @@ class Engine:
         if len(blocked) > 12:
             lines.append(f"  ... and {len(blocked) - 12} more blocked tasks")
         if queued:
-            lines.append(f"  {queued} task(s) cannot start: every slot of their part is held by a blocked task "
-                         f"(compute_slots / communication lanes)")
+            lines.append(f"  {queued} task(s) cannot start: each waits behind a blocked task of its lane (a lane "
+                         f"runs its tasks one after another, as a persistent CTA does: compute_slots / "
+                         f"communication lanes)")
         first = blocked[0] if blocked else None
         details = {}
         if first is not None:

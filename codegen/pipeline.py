@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import FallbackWarning
 from ..ir import core
+from ..ir.location import user_location
 from .errors import LoweringError, NotApplicable
 from .recipes import RECIPES, Recipe
 
@@ -138,9 +139,9 @@ def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[
     why = "; ".join(f"the {name} recipe refused: {msg}" for name, msg in reasons)
     message = (f"part '{part.name}' of kernel '{lowered.kernel_name}' is lowered by the {recipe} recipe: {why}. "
                f"It computes the same, without that recipe's template (change the schedule to get it back)")
-    loc = part.loc
+    loc = part.loc or user_location()         # the part's line, else the caller's first line outside tldsl
     if loc is None:
-        warnings.warn(message, FallbackWarning, stacklevel=4)
+        warnings.warn(message, FallbackWarning, stacklevel=2)
     else:
         warnings.warn_explicit(message, FallbackWarning, loc.filename, loc.lineno)
 

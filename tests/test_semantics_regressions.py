@@ -104,7 +104,7 @@ def tile_bits(x, y, *, compute: tl.ComputeSchedule = None):
         v = tl.load(x, (0,), (16,))
         bits = (v & 6) + (5 | v) * 100 - (v & (v > 2)) * 10000        # int & int, int | int, int & bool
         mask = ~((v > 3) & (v < 12)) | (v == 7)                        # bool: logical
-        tl.store(y, (0,), bits + mask)
+        tl.store(y, (0,), bits + mask + ((v > 4) & 6) * 1000000 + ((v < 2) | 8) * 100000)   # bool & int literal
 
 
 def _bits_inputs():
@@ -113,7 +113,8 @@ def _bits_inputs():
 
 
 def _bits_want(v):
-    return ((v & 6) + (5 | v) * 100 - (v & (v > 2)) * 10000 + (~((v > 3) & (v < 12)) | (v == 7))).astype(np.int32)
+    return ((v & 6) + (5 | v) * 100 - (v & (v > 2)) * 10000 + (~((v > 3) & (v < 12)) | (v == 7))
+            + ((v > 4) & 6) * 1000000 + ((v < 2) | 8) * 100000).astype(np.int32)
 
 
 def test_tile_ands_and_ors_are_numpys():
@@ -241,3 +242,15 @@ def test_a_bool_output_is_the_same_from_the_simulator_and_the_generated_code(tmp
     if shutil.which("g++") is not None:
         ir = mask_out.trace(1, tl.TensorSpec((8,), tl.int32), tl.TensorSpec((8,), tl.bool_))
         assert np.array_equal(emulate(ir, lower(ir, "part"), inputs, tmp_path)["m"], want)
+
+
+def test_a_float_column_offset_of_a_row_gather_is_refused_at_its_line():
+    """tl.load_rows took its column offset through as_scalar, past the offsets' check: 2.5 traced
+    and failed in the simulator with numpy's own TypeError (review)."""
+    @tl.kernel
+    def gather(x, y):
+        @tl.compute_part(grid=(1,))
+        def part(p):
+            tl.store(y, (0, 0), tl.load_rows(x, tl.iota(8), 2.5, 4))
+    with pytest.raises(tl.CompilationError, match=re.escape("tl.load_rows: offset 2.5 into 'x' must be an int")):
+        gather.trace(1, tl.TensorSpec((8, 8), tl.float32), tl.TensorSpec((8, 4), tl.float32))

@@ -15,7 +15,7 @@ import numpy as np
 
 from .ir import core, types as T
 from .ir.location import user_location
-from .operands import check_tile_shape, offset_values
+from .operands import check_tile_shape, offset_value, offset_values
 from .primitives import tile_pull_data, tile_push_data
 from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
                     trans, zeros)
@@ -113,8 +113,8 @@ def load_rows(ref, rows, col_offset, ncols: int) -> Tile:
         fail("tl.load_rows needs a local 2-d tensor")
     if not isinstance(rows, Tile) or len(rows.shape) != 1 or rows.dtype != T.int32:
         fail("tl.load_rows needs a 1-d i32 tile of row indices")
-    shape = (rows.shape[0], int(ncols))
-    op = current().emit("load_rows", [ref.value, rows.value, as_scalar(col_offset).value],
+    shape = (rows.shape[0], check_tile_shape(ncols, 1, "tl.load_rows")[0])
+    op = current().emit("load_rows", [ref.value, rows.value, offset_value(ref, col_offset, "tl.load_rows")],
                         [T.TileType(shape, ref.dtype, T.MemSpace.SHARED)], {"shape": shape})
     return Tile(op.result)
 

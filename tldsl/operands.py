@@ -15,11 +15,16 @@ def offset_values(ref, offsets, what: str):
         offsets = (offsets,)
     if len(offsets) != len(ref.shape):
         fail(f"{what}: {len(offsets)} offsets for a {len(ref.shape)}-d tensor '{tensor_name(ref)}'")
-    for o in offsets:
-        if not isinstance(o, numbers.Integral) and not (isinstance(o, Scalar) and o.dtype.kind == "int"):
-            fail(f"{what}: offset {o!r} into '{tensor_name(ref)}' must be an int or a traced i32 scalar "
-                 f"(tl.cast a float, or // to round it)")
-    return [as_scalar(o).value for o in offsets]
+    return [offset_value(ref, o, what) for o in offsets]
+
+
+def offset_value(ref, o, what: str):
+    """The IR value of one offset into ``ref``: a Python int or a traced i32 (a float would be
+    truncated by the simulator and rounded down by the generated code)."""
+    if not isinstance(o, numbers.Integral) and not (isinstance(o, Scalar) and o.dtype.kind == "int"):
+        fail(f"{what}: offset {o!r} into '{tensor_name(ref)}' must be an int or a traced i32 scalar "
+             f"(tl.cast a float, or // to round it)")
+    return as_scalar(o).value
 
 
 def tensor_name(ref):

@@ -230,6 +230,9 @@ def ewise(op: str, *args) -> Tile:
         dtype = _promote(tile_dtypes + scal_dtypes)
     if any(isinstance(a, float) for a in args) and not dtype.is_float:
         dtype = T.float32
+    if op in ("and", "or") and dtype == T.bool_ and any(
+            isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in args):
+        dtype = T.int32      # numpy's: a Python int beside a bool tile is an int (mask & 2 is 0, mask | 8 is 8 or 9)
     try:
         shape = np.broadcast_shapes(*[t.shape for t in tiles])
     except ValueError:

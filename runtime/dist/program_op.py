@@ -354,7 +354,8 @@ class FusedProgram(FusedOp):
             if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
-        _check_written_apart(buffers, list(named.values()), self._written)
+        staged = [b.symmetric and t.data_ptr() != self._symmetric[b.name].data_ptr() for b, t in zip(buffers, named.values())]
+        _check_written_apart(buffers, list(named.values()), self._written, staged)
         check_no_grad(type(self).__name__, [(f"argument '{n}'", t) for n, t in named.items()])
 
     def _packs(self, args):
@@ -613,15 +614,22 @@ def _overlaps_other(t, buf) -> bool:
     return a < b + m and b < a + n and (a, n) != (b, m)
 
 
-def _check_written_apart(args, tensors, written: set[str] | None) -> None:
+def _check_written_apart(args, tensors, written: set[str] | None, staged: list[bool]) -> None:
     """No argument the program writes (every one where ``written`` is None: not known) shares a
-    byte with another argument: its kernels would write it while they still read the other — a
-    wrong answer, not an error. The same tensor passed for one read-write argument is fine."""
+    byte with another argument its kernels read or write in place: they would write it while they
+    still read the other — a wrong answer, not an error. ``staged`` arguments (symmetric ones not
+    passed as their buffer) are copied into it before the kernels and, written, back after them:
+    one that is only read may share the bytes of an output (an in-place all-reduce, ``op(x=t,
+    out=t)``), two that are written may not. The same tensor for one read-write argument is fine."""
+    def writes(b):
+        return written is None or b.name in written
+
     for i, (b, t) in enumerate(zip(args, tensors)):
-        if written is not None and b.name not in written:
+        if not writes(b):
             continue
         for j, (other, u) in enumerate(zip(args, tensors)):
-            if j != i and overlaps(t, u):
+            in_place = not staged[i] and not staged[j]             # both touched by the kernels themselves
+            if j != i and (in_place or writes(other)) and overlaps(t, u):
                 raise InputError(f"argument '{b.name}' overlaps argument '{other.name}' in memory, and the program "
                                  f"writes '{b.name}' while it may still read '{other.name}': pass a separate tensor")
 

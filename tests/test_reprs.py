@@ -122,6 +122,13 @@ def test_compiled_kernel_never_shows_the_cubin():
     assert len(html) < 40_000 and "4600 more lines (the whole listing: .sass_text)" in html   # a card, not the listing
 
 
+def test_the_event_log_is_a_list_shown_in_one_line(sim_result):
+    events = sim_result.events
+    assert isinstance(events, list) and len(events) > 100 and events[0] == list(events)[0]
+    text = repr(events)
+    assert "\n" not in text and len(text) <= REPR_LIMIT and f"{len(events)} events of launch 2" in text   # the last launch's
+
+
 def test_the_ir_and_codegen_pieces_a_notebook_shows(sim_result):
     """Objects reached from a traced kernel, a lowering or the toolchain: one short line each,
     never a dataclass dump of their fields (a buffer's value, a block's ops, a CUDA source)."""

@@ -22,6 +22,17 @@ from .step_estimate import estimate_steps
 from .timeline import format_timeline
 
 
+class EventLog(list):
+    """The scheduler's event log: tuples ``(step, launch, rank, part, role, coords, what,
+    detail)``, a list as any other, shown in one line (a W-rank run logs thousands)."""
+
+    def __repr__(self) -> str:
+        launches = sorted({e[1] for e in self})
+        which = f"launch {launches[0]}" if len(launches) == 1 else f"{len(launches)} launches"
+        return (f"<EventLog of {len(self)} events of {which}: (step, launch, rank, part, role, coords, what, "
+                f"detail); result.timeline() draws them>")
+
+
 @dataclass
 class SimResult:
     """What a simulation produced: every rank's argument buffers after the last launch,
@@ -204,7 +215,7 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         reporter.finish(engine.steps)
     outputs = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.args} for r in range(world_size)]
     workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
-    return SimResult(ir, outputs, workspaces, list(engine.events), engine.steps, options.launches, seed,
+    return SimResult(ir, outputs, workspaces, EventLog(engine.events), engine.steps, options.launches, seed,
                      estimate.steps)
 
 

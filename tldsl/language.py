@@ -148,16 +148,16 @@ def store(ref, offsets, tile) -> None:
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
     """A mutable register fragment (e.g. an accumulator), initialised to ``fill`` (a Python
     number, or a traced scalar: then written once after its allocation)."""
+    if isinstance(fill, Scalar):                # a run-time value: allocated as zeros, then written
+        frag = fragment(shape, dtype, 0)
+        frag.write(full(frag.shape, fill, dtype))
+        return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.fragment")
     dtype = T.dtype_of(dtype)
-    if not isinstance(fill, Scalar):
-        check_fill(fill, "tl.fragment")
+    check_fill(fill, "tl.fragment")
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
-                        {"shape": shape, "dtype": dtype, "value": 0 if isinstance(fill, Scalar) else fill})
-    frag = Fragment(op.result)
-    if isinstance(fill, Scalar):
-        frag.write(full(shape, fill, dtype))
-    return frag
+                        {"shape": shape, "dtype": dtype, "value": fill})
+    return Fragment(op.result)
 
 
 def iota(n: int) -> Tile:

@@ -65,6 +65,7 @@ class Tile:
             fail(f"'~' of a {self.dtype} tile: tiles take '~' on bool masks only (tl.ewise('not', mask)); "
                  "for integers write -x - 1")
         return ewise("not", self)
+
     def __neg__(self):
         return ewise("neg", self)
 
@@ -195,8 +196,7 @@ def as_tile(x, like=None) -> Tile:
         shape = like.shape if like is not None else ()
         dtype = like.dtype if like is not None else T.float32
         if isinstance(x, Scalar):
-            return broadcast_to(ewise("add", zeros(shape or (1,), x.dtype), x), shape) if shape else fail(
-                "a scalar needs a tile shape here")
+            return full(shape, x, x.dtype) if shape else fail("a scalar needs a tile shape here")
         return full(shape, x, dtype)
     fail(f"expected a tile, got {type(x).__name__}")
 

@@ -354,9 +354,15 @@ class FusedProgram(FusedOp):
             if b.symmetric and _overlaps_other(t, self._symmetric[b.name]):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
-        staged = [b.symmetric and t.data_ptr() != self._symmetric[b.name].data_ptr() for b, t in zip(buffers, named.values())]
+        staged = [self._staged(b, t) for b, t in zip(buffers, named.values())]
         _check_written_apart(buffers, list(named.values()), self._written, staged)
         check_no_grad(type(self).__name__, [(f"argument '{n}'", t) for n, t in named.items()])
+
+    def _staged(self, b, t) -> bool:
+        """Whether argument ``b``'s tensor ``t`` is copied into its symmetric buffer before the
+        kernels (and, written, back after them): a symmetric argument that is not the buffer itself
+        (:meth:`symmetric_buffer`, bound in place)."""
+        return b.symmetric and t.data_ptr() != self._symmetric[b.name].data_ptr()
 
     def _packs(self, args):
         """The kernels' packed arguments and the copy-engine executors for these argument
@@ -391,9 +397,7 @@ class FusedProgram(FusedOp):
         captured = _capturing()
         if self._last is not None and not captured and not self._last_captured:
             dev.wait_event(origin, self._last[2])   # after the previous call, whatever stream it was made on
-        # (a caller's tensor that is the buffer itself, :meth:`symmetric_buffer`, is bound in place)
-        sym = [(b.name, t) for b, t in zip(self.kernel.args, args)
-               if b.symmetric and t.data_ptr() != self._symmetric[b.name].data_ptr()]
+        sym = [(b.name, t) for b, t in zip(self.kernel.args, args) if self._staged(b, t)]
         for name, t in sym:
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(self._symmetric[name].data_ptr(), t.data_ptr(), n, origin),

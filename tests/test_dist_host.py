@@ -1688,6 +1688,10 @@ def test_allgather_memops_handshake(proto, monkeypatch, fake_ag):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, handshake="spin")
     with pytest.raises(tl.InputError, match="applies to the direct copy-engine pull path"):
         AllGatherMatmul(Ms, K, N, torch.bfloat16, engine="sm", handshake="memops")
+    for bad in (dict(staging="kernel"), dict(staging="copies"), dict(enqueue="comm_first")):
+        for where in (dict(engine="sm"), dict(ce_executor="plan")):     # ignored there before
+            with pytest.raises(tl.InputError, match=f"{next(iter(bad))}=.* applies to the direct copy-engine paths"):
+                AllGatherMatmul(Ms, K, N, torch.bfloat16, **where, **bad)
     op = AllGatherMatmul(Ms, K, N, torch.bfloat16, staging="copies")     # memops: the default
     assert op.handshake == "memops"
     proto.events()

@@ -398,6 +398,12 @@ class _ProgramAllGather(ProgramEngine):
             raise InputError(f"handshake={options.handshake!r} applies to the direct copy-engine pull path; this "
                              f"schedule ({op.comm}, ce_executor={ce_executor!r}) runs on the fused-op runtime, whose "
                              f"handshakes are stream memory operations")
+        for what, given in (("staging", options.staging_given), ("stage_waves", options.stage_waves),
+                            ("enqueue", None if options.enqueue == "gemm_first" else options.enqueue)):
+            if given is not None:       # (the direct paths' options: silently ignored here before)
+                raise InputError(f"{what}={given!r} applies to the direct copy-engine paths; this schedule "
+                                 f"({op.comm}, ce_executor={ce_executor!r}) runs on the fused-op runtime, which "
+                                 "stages nothing and enqueues every part at once")
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         self.mode = op.comm.mode
         W = op.ctx.world_size

@@ -1397,6 +1397,9 @@ def test_gemm_rs_copy_chunks_never_split_a_group_of_tile_rows(proto):
     assert MatmulReduceScatter(2 * 1024, 1032, 3000, "bfloat16")._engine.tpr == 1
     assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16")._engine.tpr == 2
     assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16", ce_chunks=4)._engine.tpr == 4
+    assert MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16", ce_chunks=16)._engine.tpr == 16  # one a tile row
+    with pytest.raises(tl.InputError, match="ce_chunks=17: at most 16 copies per peer"):   # (capped at 16 before)
+        MatmulReduceScatter(2 * 2048, 1032, 3000, "bfloat16", ce_chunks=17)
 
 
 def test_gemm_rs_early_sum_from_32_mib_of_rows(proto):

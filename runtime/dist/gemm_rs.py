@@ -120,6 +120,10 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
                          f"CommSchedule(engine='copy_engine', mode='push'), got {comm}")
     if comm.tile_m is not None:
         return comm
+    tiles = -(-rows_per_rank // compute.BM)
+    if ce_chunks is not None and ce_chunks > tiles:     # (each copy is whole GEMM tile rows: it would be capped)
+        raise InputError(f"ce_chunks={ce_chunks}: at most {tiles} copies per peer — each copies whole "
+                         f"{compute.BM}-row tiles of the GEMM, and this rank's {rows_per_rank} rows are {tiles}")
     rows = default_chunk_rows(rows_per_rank, compute) if ce_chunks is None else \
         chunk_rows(rows_per_rank, compute.BM, ce_chunks)
     return comm.with_(tile_m=rows)

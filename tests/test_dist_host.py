@@ -1422,6 +1422,13 @@ def test_gemm_rs_copy_engine_epilogue_protocol(proto):
     assert eng.fused and op.ir.comm_schedule == comm.with_(tile_m=512)
     assert {p.name for p in op.ir.parts} == {"gemm", "reduce_scatter"}          # no sum part
     assert "summed in the GEMM epilogue" in op.describe()
+    assert op.compute.group_m == 8                                  # 16 tile rows a rank: whole groups
+    # 4 tile rows a rank: the default's groups of 8 would reach own rows before the last other
+    # rows (refused by the tile program: a GPU could hang), so groups of 4 where none is given
+    small = MatmulReduceScatter(2 * 512, K, N, "bfloat16", comm=comm)
+    assert small.compute.group_m == 4 and small.ir.compute_schedule == small.compute
+    with pytest.raises(tl.CompilationError, match="own rows last"):
+        MatmulReduceScatter(2 * 512, K, N, "bfloat16", comm=comm, compute=op.compute)
     proto.events()
     cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
     a, b = torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(K, N, dtype=torch.bfloat16)

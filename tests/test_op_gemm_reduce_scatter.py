@@ -299,7 +299,7 @@ def test_epilogue_sum_parts_and_rules():
     rows and add them. It needs whole GEMM tiles per rank and the copy-engine push schedule."""
     W, Ms, K, N = 2, 16, 16, 24
     comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=8, reduce_in="epilogue")
-    compute = tl.ComputeSchedule(tile=(8, 8, 16))
+    compute = tl.ComputeSchedule(tile=(8, 8, 16), order="comm_aligned", group_m=2)   # a rank's 2 tile rows: a group
     k = _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=compute)
     assert {p.name: p.engine for p in k.parts} == {"gemm": "sm", "reduce_scatter": "copy_engine"}
     with pytest.raises(tl.ScheduleError, match=r"M/W = 12 is not a multiple of the producer tile's 8 rows") as info:
@@ -307,6 +307,22 @@ def test_epilogue_sum_parts_and_rules():
     assert "gemm_reduce_scatter.py:" in str(info.value)
     with pytest.raises(tl.ScheduleError, match=r"reduce_in='epilogue' .* engine='copy_engine', mode='push'"):
         tl.CommSchedule(engine="sm", mode="push", reduce_in="epilogue")
+    # own rows last on every rank: an own tile taken early holds its CTA while it waits (on a GPU
+    # running the GEMM on fewer CTAs than tiles, the tiles its peers' copies need may never start)
+    for bad, row in ((compute.with_(group_m=8), "0 reaches tile row 0 (its own) before tile row 2"),  # groups straddle
+                     (compute.with_(order="row_major"), "0 reaches tile row 0 (its own) before tile row 2"),
+                     (compute.with_(order="swizzled"), "0 reaches tile row 0 (its own) before tile row 2")):
+        with pytest.raises(tl.CompilationError, match=r"reduce_in='epilogue' needs every rank to compute its own "
+                                                      r"rows last") as info:
+            _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=bad)
+        assert f"rank {row}" in str(info.value) and "gemm_reduce_scatter.py:" in str(info.value)
+        assert "reduce_in='comm'" in str(info.value)
+    W3 = 3                                 # comm_aligned: rank r starts on rank r+1's rows, ends on its own
+    _trace(W3, W3 * Ms, K, K, N, Ms, comm=comm, compute=compute.with_(group_m=1))
+    sim = tl.simulate(gemm_reduce_scatter, W3, SPEC.make_case(np.random.default_rng(0), W3, rows_per_rank=Ms, n=N,
+                      k_per_rank=K, compute=compute.with_(group_m=1), comm=comm).inputs,
+                      compute=compute.with_(group_m=1), comm=comm)       # one CTA a GEMM (the default): no deadlock
+    assert sim.steps
     with pytest.raises(tl.ScheduleError, match=r"reduce_in='sm'"):
         tl.CommSchedule(reduce_in="sm")
 

@@ -211,6 +211,56 @@ def test_deadlock_only_with_one_compute_slot(seed):
     assert "compute_slots" in msg
 
 
+@tl.kernel
+def later_tile_through_comm(a, c, *, order=(1, 0)):
+    """Compute tile ``order[0]`` reads what a comm part copies from compute tile ``order[1]``'s
+    rows: the waits go through another part, so no signal is both notified and waited on by
+    ``tiles`` (the GPU run plan does not keep it resident); ``order=(0, 1)`` waits on a later tile."""
+    n = a.shape[0]
+    ready = tl.signal("ready", 1)
+    moved = tl.signal("moved", 1)
+    first = tl.local_buffer((n,), a.dtype, "first")
+    second = tl.local_buffer((n,), a.dtype, "second")
+
+    @tl.comm_part(grid=(1,), name="move")
+    def move(i):
+        tl.consumer_tile_wait(ready, 0)
+        tl.store(second, (0,), tl.load(first, (0,), (n,)))
+        tl.producer_tile_notify(moved, 0)
+
+    @tl.compute_part(grid=(2,), name="tiles")
+    def tiles(t):
+        with tl.when(t == order[1]):
+            tl.store(first, (0,), tl.load(a, (0,), (n,)))
+            tl.producer_tile_notify(ready, 0)
+        with tl.when(t == order[0]):
+            tl.consumer_tile_wait(moved, 0)
+            tl.store(c, (0,), tl.load(second, (0,), (n,)) + 1.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_a_tile_waiting_through_another_part_for_a_later_tile_is_a_deadlock(seed):
+    """Tile 0 waits (through the comm part) for tile 1. Every tile resident, it runs; a GPU may
+    run ``tiles`` on one CTA (nothing makes its run plan keep both resident), tile 0 first, and
+    hang. The simulator runs such a part as that CTA would, so it reports the deadlock — while
+    tile 1 feeding tile 0 is fine on any number of CTAs."""
+    W = 2
+    inputs = _vec_inputs(W)
+    res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(1, 0))
+    for r in range(W):
+        np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
+    res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1),
+                      options=tl.SimOptions(compute_slots=2))       # as a GPU with both tiles resident
+    for r in range(W):
+        np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
+    with pytest.raises(tl.DeadlockError) as info:
+        tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1))
+    msg = str(info.value)
+    assert "compute task tiles(0): consumer_tile_wait on 'moved'[0]" in msg
+    assert "comm task move(0): consumer_tile_wait on 'ready'[0]" in msg
+    assert "2 task(s) cannot start" in msg and "compute part 'tiles' ran on one CTA" in msg, msg
+
+
 # -- stale signals -------------------------------------------------------------------------------------
 
 @tl.kernel

@@ -58,6 +58,8 @@ names the address. ``TLDSL_DEBUG=1`` synchronises after each call and prints the
 """
 from __future__ import annotations
 
+import math
+
 from ... import env
 from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
@@ -127,6 +129,14 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
     rows = default_chunk_rows(rows_per_rank, compute) if ce_chunks is None else \
         chunk_rows(rows_per_rank, compute.BM, ce_chunks)
     return comm.with_(tile_m=rows)
+
+
+def epilogue_compute(rows_per_rank: int) -> ComputeSchedule:
+    """:data:`DEFAULT_COMPUTE` for ``reduce_in="epilogue"``: its groups of tile rows within one
+    rank's rows (``group_m`` dividing this rank's tile rows), so that every rank reaches its own
+    rows last, as the tile program requires (an own tile waits for its peers' copies)."""
+    tiles = -(-rows_per_rank // DEFAULT_COMPUTE.BM)
+    return DEFAULT_COMPUTE.with_(group_m=math.gcd(DEFAULT_COMPUTE.group_m, tiles))
 
 
 def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
@@ -201,6 +211,8 @@ class MatmulReduceScatter(EngineOp):
                 raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
             self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
                                  else default_comm(self.compute, m=m, k=k))
+            if compute is None and self.comm.reduce_in == "epilogue":
+                self.compute = epilogue_compute(self.Ms)
             trace_comm = traced_comm(self.comm, self.Ms, self.compute, ce_chunks)
 
             ir_dt = tl.bfloat16 if dt == "bf16" else tl.float16

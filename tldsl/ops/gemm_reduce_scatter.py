@@ -36,6 +36,9 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
     tl.static_assert(tuple(out.shape) == (M // W, N),
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
+    if comm.reduce_in == "epilogue":
+        late = _own_rows_not_last(compute, M, N, W)
+        tl.static_assert(late is None, late)
 
     partial = partial_buffer((M, N), out, partial_dtype, "gemm_reduce_scatter")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
@@ -48,6 +51,33 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
         for k in tl.range(0, K, BK):
             acc += tl.dot(tl.load(a, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
         rs.store_tile(acc, r0, c0)       # store + notify (or, reducing in the epilogue, own rows summed here)
+
+
+def _own_rows_not_last(compute: tl.ComputeSchedule, M: int, N: int, W: int) -> str | None:
+    """Summing in the epilogue, a tile of this rank's rows waits for every peer's copy of those
+    rows, which each peer makes once its own tiles of them are done. Every rank must therefore
+    reach its own rows after all others: a GPU may run the GEMM on few CTAs, one after another,
+    and an own-row tile taken early would hold its CTA while the tiles it waits for (here or
+    on a peer) never start. Returns why not, or None."""
+    BM, BN = compute.BM, compute.BN
+    Ms = M // W
+    if Ms % BM:
+        return None     # (refused by the reduce-scatter, with its reason)
+    grid = (tl.cdiv(M, BM), tl.cdiv(N, BN))
+    for r in range(W):
+        rows = [t[0] for t in compute.tile_order(grid, r, W, align_shift=1)]
+        own = [r * Ms <= m * BM < (r + 1) * Ms for m in rows]
+        first = own.index(True)
+        if all(own[first:]):
+            continue
+        return (
+            f"gemm_reduce_scatter: reduce_in='epilogue' needs every rank to compute its own rows last (a tile of "
+            f"them waits for every peer's copy of them; one taken earlier could hold a CTA of a GPU that runs the "
+            f"GEMM on few of them and hang), but with {compute} rank {r} reaches tile row {rows[first]} (its own) "
+            f"before tile row {rows[first + own[first:].index(False)]}. Use order='comm_aligned' with this rank's "
+            f"{Ms // BM} tile row(s) filling whole groups of group_m={compute.group_m} (and clusters), or "
+            f"reduce_in='comm'")
+    return None
 
 
 def reference(a_slices, b_slices):
@@ -89,11 +119,16 @@ def _params(world_size):
                               st.tuples(st.sampled_from((None, 8, 16)), st.sampled_from(("comm", "epilogue"))).map(
                                   lambda t: tl.CommSchedule(engine="copy_engine", mode="push", tile_m=t[0],
                                                             reduce_in=t[1]))))
+        n = draw(tst.dims(1, max_nk))
         if comm.reduce_in == "epilogue":
             rows = compute.BM * draw(st.integers(1, max(1, max_rows // compute.BM)))
+            # own rows last (the kernel refuses other orders): comm_aligned, groups within a rank's rows
+            compute = compute.with_(order="comm_aligned")
+            if _own_rows_not_last(compute, world_size * rows, n, world_size):
+                compute = compute.with_(group_m=1, cluster=(1, 1))
         else:
             rows = draw(tst.dims(1, max_rows))
-        return dict(rows_per_rank=rows, n=draw(tst.dims(1, max_nk)),
+        return dict(rows_per_rank=rows, n=n,
                     k_per_rank=draw(tst.dims(1, max_nk)), compute=compute, comm=comm,
                     partial_dtype=draw(st.sampled_from(PARTIAL_DTYPES)))
     return params()
@@ -112,7 +147,7 @@ def _mutant_params():
             dict(base, world_size=4, rows_per_rank=24, comm=tl.CommSchedule(tile_m=16, order="full_mesh", mode="pull")),
             dict(base, world_size=3, rows_per_rank=24,
                  comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine")),
-            dict(base, world_size=3, rows_per_rank=24,
+            dict(base, world_size=3, rows_per_rank=24, compute=c.with_(group_m=3),    # (own rows last)
                  comm=tl.CommSchedule(tile_m=16, mode="push", engine="copy_engine", reduce_in="epilogue"))]
 
 

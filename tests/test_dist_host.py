@@ -2002,6 +2002,8 @@ def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
     assert AllGatherMatmul(1024, 2056, 3000, torch.bfloat16, pusher="gemm").comm.col_tile is None
     comms = [cm for _, cm in candidates("ag_gemm")]
     assert op.comm in comms and op.comm.with_(col_tile=None) in comms
+    rs = candidates("gemm_rs")          # the epilogue sum with the one order that reaches own rows last
+    assert {cp.order for cp, cm in rs if cm.reduce_in == "epilogue"} == {"comm_aligned"}
 
 
 def test_allgather_push_by_the_gemm(proto, monkeypatch, fake_ag):

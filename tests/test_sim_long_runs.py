@@ -19,7 +19,7 @@ from tldsl.runtime.sim import LongSimulationWarning, SimProgress
 def _allgather_gemm(W, n=64):
     """AllGather+GEMM with one 16-row communication tile per rank and 16x16x16 compute tiles:
     per launch, W^2 comm tasks of 3 steps (start, pull, notify) and W^2 * n/16 compute tasks
-    of 1 (start; their wait counted as not blocking: they run on one slot, one after another)."""
+    of 2 (start, one wait)."""
     spec = OPS["allgather_gemm"]
     case = spec.make_case(np.random.default_rng(0), W, rows_per_rank=16, n=n, k=64,
                           compute=tl.ComputeSchedule(tile=(16, 16, 16)), comm=tl.CommSchedule(tile_m=16))
@@ -27,7 +27,7 @@ def _allgather_gemm(W, n=64):
 
 
 def _expected_steps(W, n=64, launches=2):
-    return launches * (3 * W * W + W * W * (n // 16))
+    return launches * (3 * W * W + 2 * W * W * (n // 16))
 
 
 class _Stop(Exception):
@@ -89,10 +89,8 @@ def test_the_estimate_holds_and_smaller_runs_do_not_warn():
         warnings.simplefilter("error")
         res = tl.simulate(kernel, W, case.inputs, options=tl.SimOptions(static_checks=False), **case.kwargs)
     assert res.expected_steps == _expected_steps(W, n=16)
-    # a wait that finds its signal already set takes no step of its own: the estimate counts the
-    # GEMM's waits as never blocking (its tiles run one after another, as on one CTA), the
-    # gather's as always blocking
-    assert 0.9 * res.expected_steps <= res.steps <= 1.1 * res.expected_steps
+    # a wait that finds its signal already set takes no step of its own: the estimate is a little high
+    assert 0.95 * res.expected_steps <= res.steps <= res.expected_steps
 
 
 def test_progress_callback_sees_every_launch_and_the_end():
@@ -111,7 +109,7 @@ def test_progress_callback_sees_every_launch_and_the_end():
 
 def test_a_warned_run_prints_progress_to_stderr(capsys):
     # a small run made "long" by a low threshold: the warning, then progress lines on stderr
-    W = 16
+    W = 8
     kernel, case = _allgather_gemm(W)
     with pytest.warns(LongSimulationWarning, match=f"about {_expected_steps(W):,} scheduler steps"):
         res = tl.simulate(kernel, W, case.inputs, options=tl.SimOptions(warn_steps=100, progress_interval_s=0.0),

@@ -19,11 +19,10 @@ F16, F32 = np.float16, np.float32
 SEEDS = range(4)
 
 
-def _run(kernel, W, inputs, seed, bulk, slots=None, **kw):
+def _run(kernel, W, inputs, seed, bulk, **kw):
     """(outputs and workspaces, steps) of a clean run, or (error type, message) of a reported one."""
     try:
-        res = tl.simulate(kernel, W, inputs, seed=seed, options=tl.SimOptions(bulk_loops=bulk, compute_slots=slots),
-                          **kw)
+        res = tl.simulate(kernel, W, inputs, seed=seed, options=tl.SimOptions(bulk_loops=bulk), **kw)
     except tl.SimulationError as e:
         return type(e), str(e)
     return [dict(res[r]) | res.workspaces[r] for r in range(W)], res.steps
@@ -128,7 +127,7 @@ def test_read_partly_overlapping_a_write_races_in_either_order():
     inputs = [{"a": _rand(rng, (8, 8)), "c": _rand(rng, (16, 8)), "out": np.zeros((8, 8), F16)}]
     orders = set()
     for seed in range(12):
-        kind, msg = _same_either_way(read_while_written, 1, inputs, seed, slots=2)   # both resident: either first
+        kind, msg = _same_either_way(read_while_written, 1, inputs, seed)
         assert kind is tl.RaceError, msg
         assert "read  c[0:8, 0:8] by rank 0 compute task rw(0)" in msg, msg
         assert "write c[6:14, 0:8] by rank 0 compute task rw(1)" in msg, msg

@@ -239,26 +239,26 @@ def later_tile_through_comm(a, c, *, order=(1, 0)):
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_a_tile_waiting_through_another_part_for_a_later_tile_is_a_deadlock(seed):
-    """Tile 0 waits (through the comm part) for tile 1. Every tile resident, it runs; a GPU may
-    run ``tiles`` on one CTA (nothing makes its run plan keep both resident), tile 0 first, and
-    hang. The simulator runs such a part as that CTA would, so it reports the deadlock — while
-    tile 1 feeding tile 0 is fine on any number of CTAs."""
+def test_a_tile_waiting_through_another_part_for_a_later_tile_deadlocks_on_one_slot(seed):
+    """Tile 0 waits (through the comm part) for tile 1. Every tile resident (the default, which
+    the race detector's interleavings need), it runs; a GPU may run ``tiles`` on one CTA
+    (nothing makes its run plan keep both resident), tile 0 first, and hang there:
+    ``compute_slots=1`` checks a program against that, and reports the deadlock with the reason.
+    Tile 1 feeding tile 0 runs on one slot too."""
     W = 2
     inputs = _vec_inputs(W)
-    res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(1, 0))
-    for r in range(W):
-        np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
-    res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1),
-                      options=tl.SimOptions(compute_slots=2))       # as a GPU with both tiles resident
-    for r in range(W):
-        np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
+    one = tl.SimOptions(compute_slots=1)
+    for order, options in (((1, 0), one), ((0, 1), None)):
+        res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=order, options=options)
+        for r in range(W):
+            np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
     with pytest.raises(tl.DeadlockError) as info:
-        tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1))
+        tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1), options=one)
     msg = str(info.value)
     assert "compute task tiles(0): consumer_tile_wait on 'moved'[0]" in msg
     assert "comm task move(0): consumer_tile_wait on 'ready'[0]" in msg
-    assert "2 task(s) cannot start" in msg and "compute part 'tiles' ran on one CTA" in msg, msg
+    assert "2 task(s) cannot start" in msg and "compute part 'tiles' ran on 1 slot(s) (compute_slots)" in msg, msg
+    assert "through other parts, for a later tile of its own slot" in msg
 
 
 # -- stale signals -------------------------------------------------------------------------------------

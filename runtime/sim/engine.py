@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
-from ...ir.part_graph import self_signals
 from ...ir.semantics import wait_target
 from .clocks import join_into, new_clock
 from .interpreter import Interpreter
@@ -172,7 +171,7 @@ class Engine:
             for coords in order:
                 tasks.append(Task(tid, rank, part, tuple(coords), self.launch))
                 tid += 1
-            limit = part.lanes if part.role == "comm" else _compute_slots(part, opts.compute_slots)
+            limit = part.lanes if part.role == "comm" else opts.compute_slots
             if limit and limit < len(tasks):
                 # as the GPU runs them: lane b (a CTA, or the copy engine's one stream) takes tasks
                 # b, b + lanes, ... of the order, each after the last (not whichever a free lane
@@ -252,13 +251,14 @@ class Engine:
             lines.append(f"  {queued} task(s) cannot start: each waits behind a blocked task of its lane (a lane "
                          f"runs its tasks one after another, as a persistent CTA does: compute_slots / "
                          f"communication lanes)")
-            one_cta = sorted({q[0][0].part.name for q in queues if len(q[0]) > q[1] and q[0][0].part.role ==
-                              "compute" and self.options.compute_slots is None})
-            for name in one_cta:
-                lines.append(f"  compute part '{name}' ran on one CTA, as a GPU may run it (no signal of its own "
-                             f"makes the run plan keep its tiles resident): a tile that waits, through other parts, "
-                             f"for a later tile of '{name}' hangs there. Wait only on earlier tiles (reorder the "
-                             f"tiles or the signals), or make the part's tiles wait for each other directly")
+            slots = self.options.compute_slots
+            for name in sorted({q[0][0].part.name for q in queues if len(q[0]) > q[1] and q[0][0].part.role ==
+                                "compute"}):
+                lines.append(f"  compute part '{name}' ran on {slots} slot(s) (compute_slots), as on a GPU that "
+                             f"gives it {slots} CTA(s): a tile that waits, directly or through other parts, for a "
+                             f"later tile of its own slot hangs there. Wait only on earlier tiles (reorder the tiles "
+                             f"or the signals), or make the part's tiles wait for each other directly (the GPU run "
+                             f"plan then keeps them all resident, or refuses the launch)")
         first = blocked[0] if blocked else None
         details = {}
         if first is not None:
@@ -267,14 +267,3 @@ class Engine:
         return DeadlockError(f"deadlock in launch {self.launch}: every unfinished task waits on a signal "
                              f"nothing left will notify\n" + "\n".join(lines),
                              at=[t.wait_info[0].loc for t in blocked], blocked=[str(t) for t in blocked], **details)
-
-
-def _compute_slots(part, slots: int | None) -> int | None:
-    """How many tasks of a compute part run at once (None: all). Given, ``slots``. Else as few
-    as a GPU run plan may give the part: all of them where its tasks wait for each other (the
-    plan keeps such a part resident or refuses it), one otherwise — a persistent kernel on one
-    CTA runs its tiles one after another, so a tile that waits, through other parts, for a later
-    tile of its own part would hang there, and the simulator reports it."""
-    if slots is not None:
-        return slots
-    return None if self_signals(part) else 1

@@ -15,15 +15,11 @@ class SimOptions:
     launches: how many times the kernel is launched back to back (signals and workspaces
         persist, so stale signals of an earlier launch are caught); a group barrier
         separates launches, as the host-side stream order of the GPU runtime does.
-    compute_slots: how many tasks of a compute part may be resident at once on a rank: slot b
-        runs tasks b, b + slots, ... of the compute schedule's tile order, one after another, as
-        a persistent kernel's CTA does, so a wait on a tile that can only start later in its
-        slot is a deadlock, as on the GPU. None (default): as few as a GPU run plan may give the
-        part — all of its tasks where they wait for each other (a signal the part both notifies
-        and waits on: the plan keeps it resident or refuses it), else one. So a program the
-        simulator accepts runs on a GPU whatever grid the plan gives: a tile that waits, even
-        through other parts, for a later tile of its own part is reported here, not a hang
-        there. A communication part's lanes run its tasks the same way.
+    compute_slots: how many compute tasks of a rank may be resident at once (None = all, as the
+        GPU run plan keeps a compute part that waits on itself): slot b runs tasks b, b + slots,
+        ... of the compute schedule's tile order, one after another, as a persistent kernel's
+        CTA does, so a wait on a tile that can only start later in its slot is a deadlock, as on
+        the GPU. A communication part's lanes run its tasks the same way.
     check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace
         memory nothing wrote).
     static_checks: run the static channel analysis before simulating (a wait nothing can

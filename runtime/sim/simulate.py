@@ -192,7 +192,7 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     world_size = ir.world_size
 
     memory = _memory(ir, per_rank, options)
-    estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1, options.compute_slots)
+    estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1)
     long_run = options.warn_steps is not None and estimate.steps > options.warn_steps
     if long_run:
         warnings.warn(long_run_message(world_size, estimate.steps, estimate.tasks, options.launches,

@@ -1,10 +1,8 @@
 """How many scheduler steps a simulation will take, estimated before it runs.
 
 A task takes one step to start and one more for each signal or data primitive it reaches
-(it yields to the scheduler before each) — a wait only if it has to block. A communication
-part's waits are counted as if they always did; a compute part's as if they never did where it
-runs on one slot (the default where its tiles do not wait for each other: one after another,
-they mostly find their signals set). The library's ops at W = 64: within 15 % either way. Counting walks a task's control flow
+(it yields to the scheduler before each) — a wait only if it has to block, counted here as
+if it always did, so the estimate is a little high. Counting walks a task's control flow
 with its index arithmetic only: no tile math, no memory but the int tables a dynamic
 mapping reads (as the inputs hold them). Every task of a small launch is counted; of a large
 one, an evenly spread sample (the count grows with W^2, the time to estimate it does not).
@@ -13,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...ir.opdefs import PRIMITIVES, WAIT_OPS
-from ...ir.part_graph import self_signals
+from ...ir.opdefs import PRIMITIVES
 from .fast_scalars import compile_scalar
 
 #: tasks counted per part at most; beyond, an evenly spread sample stands for the rest
@@ -28,9 +25,8 @@ class StepEstimate:
     sampled: bool        # False: every task was counted
 
 
-def estimate_steps(kernel, memory, launches: int, limit: int, compute_slots: int | None = None) -> StepEstimate:
-    """Expected scheduler steps of ``launches`` launches; counting stops past ``limit``.
-    ``compute_slots``: the simulation's option (None: compute parts on one slot, :func:`_wait_steps`)."""
+def estimate_steps(kernel, memory, launches: int, limit: int) -> StepEstimate:
+    """Expected scheduler steps of ``launches`` launches; counting stops past ``limit``."""
     W = kernel.world_size
     counter = _Counter(memory)
     per_launch, tasks, sampled = 0, 0, False
@@ -42,18 +38,10 @@ def estimate_steps(kernel, memory, launches: int, limit: int, compute_slots: int
         sampled |= total > SAMPLE
         budget = max(1, limit // max(1, launches))
         counted = 0
-        counter.wait_steps = 1 if compute_slots is not None else _wait_steps(part)
         for k in picks:
             counted += counter.task_steps(part, k // per_rank, _coords(k % per_rank, part.grid), budget)
         per_launch += counted * total // len(picks) if picks else 0
     return StepEstimate(per_launch * launches, tasks, sampled)
-
-
-def _wait_steps(part) -> int:
-    """Steps a wait of ``part`` is counted: one (as if it blocked), but none in a compute part run
-    on one slot (the simulator's default where its tasks do not wait for each other): its tiles
-    run one after another, and by the time one reaches a wait its signal is mostly set."""
-    return 0 if part.role == "compute" and not self_signals(part) else 1
 
 
 def _coords(index: int, grid) -> tuple:
@@ -77,7 +65,6 @@ class _Counter:
         self.memory = memory
         self.scalars: dict[int, object] = {}
         self.yields: dict[int, bool] = {}        # id(block) -> whether it can reach a primitive
-        self.wait_steps = 1                       # steps a wait is counted, per part (_wait_steps)
 
     def task_steps(self, part, rank, coords, budget) -> int:
         env: dict[int, object] = {}
@@ -94,7 +81,7 @@ class _Counter:
         for op in block.ops:
             name = op.name
             if name in PRIMITIVES:
-                count[0] += self.wait_steps if name in WAIT_OPS else 1
+                count[0] += 1
                 if count[0] >= budget:
                     raise _Enough
             elif name == "for":

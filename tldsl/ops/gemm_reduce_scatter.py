@@ -36,13 +36,12 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
     tl.static_assert(tuple(out.shape) == (M // W, N),
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
-    if comm.reduce_in == "epilogue":
-        late = _own_rows_not_last(compute, M, N, W)
-        tl.static_assert(late is None, late)
-
     partial = partial_buffer((M, N), out, partial_dtype, "gemm_reduce_scatter")
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
                         producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
+    if comm.reduce_in == "epilogue":
+        late = _own_rows_not_last(compute, M, N, W, rs.align_shift)
+        tl.static_assert(late is None, late)
 
     @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift)
     def gemm(pm, pn):
@@ -53,19 +52,20 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
         rs.store_tile(acc, r0, c0)       # store + notify (or, reducing in the epilogue, own rows summed here)
 
 
-def _own_rows_not_last(compute: tl.ComputeSchedule, M: int, N: int, W: int) -> str | None:
+def _own_rows_not_last(compute: tl.ComputeSchedule, M: int, N: int, W: int, align_shift: int = 1) -> str | None:
     """Summing in the epilogue, a tile of this rank's rows waits for every peer's copy of those
     rows, which each peer makes once its own tiles of them are done. Every rank must therefore
     reach its own rows after all others: a GPU may run the GEMM on few CTAs, one after another,
     and an own-row tile taken early would hold its CTA while the tiles it waits for (here or
-    on a peer) never start. Returns why not, or None."""
+    on a peer) never start. The order is the schedule's (``tile_order``, as the GEMM recipes walk
+    it; ``align_shift``: the compute part's). Returns why not, or None."""
     BM, BN = compute.BM, compute.BN
     Ms = M // W
     if Ms % BM:
         return None     # (refused by the reduce-scatter, with its reason)
     grid = (tl.cdiv(M, BM), tl.cdiv(N, BN))
     for r in range(W):
-        rows = [t[0] for t in compute.tile_order(grid, r, W, align_shift=1)]
+        rows = [t[0] for t in compute.tile_order(grid, r, W, align_shift=align_shift)]
         own = [r * Ms <= m * BM < (r + 1) * Ms for m in rows]
         first = own.index(True)
         if all(own[first:]):

@@ -336,3 +336,19 @@ def test_a_peer_load_in_a_compute_part():
     the fake device. Last in this file: a fault leaves the process's CUDA context unusable."""
     from test_run_fake_device import peer_row_max, peer_row_max_inputs
     both(peer_row_max, 3, peer_row_max_inputs(), sums=True)
+
+
+def test_a_waiting_general_part_walks_the_schedules_tile_order():
+    """GEMM + ReduceScatter summing in the GEMM's epilogue, 16x16 tiles (the general recipe), three
+    ranks on the one GPU: each rank's 64 own-row tiles wait for both peers' copies. In the
+    comm_aligned order (own rows last, as the simulator runs them) every other tile is done first;
+    walked row by row, as the general recipe walked a waiting part before, rank 0 takes its own
+    rows first on every CTA it has (about 40 here) and the simulator, run in that order on as many
+    slots, deadlocks."""
+    from tldsl.ops.gemm_reduce_scatter import SPEC, gemm_reduce_scatter
+    W, Ms, K, N = 3, 256, 32, 64
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=16, reduce_in="epilogue")
+    compute = tl.ComputeSchedule(tile=(16, 16, 16), order="comm_aligned", group_m=16)
+    case = SPEC.make_case(np.random.default_rng(0), W, rows_per_rank=Ms, n=N, k_per_rank=K, compute=compute, comm=comm)
+    got = both(gemm_reduce_scatter, W, case.inputs, sums=True, **case.kwargs)
+    assert any(type(x.lowered).__name__ == "LoweredGeneral" and x.part == "gemm" for x in got.plan.kernels)

@@ -222,8 +222,7 @@ class GeneralPlan:
     scratch_bytes: int = 0        # one group's global-memory scratch (its spilled slots; 0: none)
     wgmma: dict = field(default_factory=dict)      # dot result id -> WgmmaDot (the dots on WGMMA)
     stagings: dict = field(default_factory=dict)   # dot result id -> its staging Slot (shared memory)
-    grouped: int = 0              # > 0: a 2-D grid walked in groups of this many rows (the schedule's
-                                  # "swizzled" order), else row-major per ``decode``
+    order: "TileOrder | None" = None   # the compute schedule's tile order, else row-major per ``decode``
     dot_loops: dict = field(default_factory=dict)  # id(for op) -> DotLoop (the pipelined loops)
     tma: tuple = ()               # TmaDescriptorSpec per "tma" parameter (the loops' TMA copies)
     rings: dict = field(default_factory=dict)      # id(for op) -> the Slot of its ring of stages
@@ -805,7 +804,7 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
     layout = _chosen_layout(prog, part, m, threads, loops)
     slots, stagings, rings, top, scratch = _place(layout.tiles)    # still over: spill slots to the scratch
     params, signals = _abi(kernel, part, scratch=scratch > 0)
-    grouped, written = _grouped(kernel, part, m), written_tensors(part)
+    order, written = _tile_order(kernel, part), written_tensors(part)
     tma = _tma_descriptors(layout_loops(layout))
     tail = [q for q in params if q in (SCRATCH_PARAM, RANK_PARAM, LAUNCH_PARAM)]
     params = tuple([q for q in params if q not in tail]
@@ -821,10 +820,10 @@ def plan_general(kernel: core.Kernel, part: core.Part, m: GeneralMatch, *, threa
                        layout.epilogues, layout.absorbed, groups * arena, decode, lanes, params, signals,
                        tuple(wait_timeout_options(wait_timeout_ns)), groups, arena,
                        scratch_bytes=(scratch + 127) // 128 * 128, wgmma=layout.wgmma, stagings=stagings,
-                       grouped=grouped, tma=tma,
+                       order=order, tma=tma,
                        dot_loops={id(lp.loop): lp for lp in layout_loops(layout)}, rings=rings,
                        held=layout.held, canon=layout.canon, replicated=layout.replicated,
-                       written=written, **_prefetch(part, m, layout, grouped, written))
+                       written=written, **_prefetch(part, m, layout, written, order))
 
 
 def _chosen_layout(prog: _Program, part: core.Part, m: GeneralMatch, threads: int, loops: list[DotLoop]) -> _Layout:
@@ -893,11 +892,11 @@ def written_tensors(part: core.Part) -> frozenset:
     return frozenset(out)
 
 
-def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int, written: frozenset) -> dict:
+def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, written: frozenset, order) -> dict:
     """The held loads prefetched a task ahead and those loaded once (:func:`.held.prefetchable`):
     only in compute parts whose tasks neither wait nor notify nor move data between ranks (a load
-    issued a task early must not overtake a wait), in row-major task order."""
-    if part.role != "compute" or m.dots or m.waits or m.notifies or grouped or not layout.held:
+    issued a task early must not overtake a wait), and every task a tile of the grid (no holes)."""
+    if part.role != "compute" or m.dots or m.waits or m.notifies or not layout.held or (order and order.holes):
         return {}
     if any(op.name in DATA_OPS for op in part.walk()):
         return {}
@@ -906,15 +905,35 @@ def _prefetch(part: core.Part, m: GeneralMatch, layout: _Layout, grouped: int, w
     return {"prefetch": ahead, "invariant": once}
 
 
-def _grouped(kernel: core.Kernel, part: core.Part, m: GeneralMatch) -> int:
-    """The rows of a group where the compute schedule asks for the "swizzled" tile order: a 2-D
-    grid walked ``group_m`` rows at a time, down each column of the group, so the tasks in
-    flight share their operands' tiles in L2 (as the GEMM recipe walks them). Only for compute
-    parts that neither wait nor notify (their protocols may rely on the row-major order)."""
+@dataclass(frozen=True)
+class TileOrder:
+    """The compute schedule's tile order (:meth:`~tldsl.ir.schedule.ComputeSchedule.tile_order`)
+    over the first two axes of a compute part's grid, as the kernel walks it: cluster rows of
+    ``cluster_m`` tile rows (rows past the grid are holes the kernel skips), in groups of
+    ``group_m`` of them down each column (0: row by row), rotated to start on the rows of rank
+    ``rank + align_shift`` of ``world_size`` (``rotated``). The simulator runs a part's tasks in
+    this order, so a persistent kernel walking them another way could wait where it did not."""
+    group_m: int            # 0: row-major
+    cluster_m: int
+    rotated: bool
+    world_size: int
+    align_shift: int
+    holes: bool             # the last cluster row is short: the kernel skips the rows past the grid
+
+
+def _tile_order(kernel: core.Kernel, part: core.Part) -> TileOrder | None:
+    """The order a compute part's tasks run in where it is not row-major: the schedule's
+    "swizzled" or "comm_aligned" order, or clusters of tile rows, on a grid of two or more axes
+    (as the GEMM recipes walk them, and as the simulator runs them); None: row-major."""
     sched = kernel.compute_schedule
-    if part.role != "compute" or len(part.grid) != 2 or m.waits or m.notifies or sched is None:
-        return 0
-    return int(sched.group_m) if getattr(sched, "order", "row_major") == "swizzled" and part.grid[0] > 1 else 0
+    if part.role != "compute" or len(part.grid) < 2 or sched is None:
+        return None
+    cm = int(sched.cluster[0])
+    order = getattr(sched, "order", "row_major")
+    if order == "row_major" and cm == 1:
+        return None
+    return TileOrder(0 if order == "row_major" else int(sched.group_m), cm, order == "comm_aligned",
+                     int(kernel.world_size), int(getattr(part, "align_shift", 0)), part.grid[0] % cm != 0)
 
 
 #: the C++ type of a TMA descriptor parameter (general_pipeline.hpp's TmaDesc)

@@ -1,0 +1,109 @@
+"""The general lowering walks a compute part's tiles in the compute schedule's tile order — the
+order the simulator runs them in (``ComputeSchedule.tile_order``) — whatever the part waits on.
+
+It walked a part that waits or notifies row by row, whatever the schedule said, while the
+simulator ran it in the schedule's order: a program whose tiles only wait on earlier tiles in
+the simulator's order could, on a GPU giving the part few CTAs, wait on a tile its CTA had not
+reached (a rank's own rows first under ``comm_aligned``, for instance). Here the generated task
+decode is evaluated for every task, on every rank, and compared with ``tile_order``; the test
+fails with the row-major walk."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.codegen.match.general import match_general
+from tldsl.codegen.plan.general import plan_general
+from tldsl.codegen.recipes.general import _decode_lines
+
+
+@tl.kernel
+def waiting_tiles(x, y, *, grid=(5, 3), compute: tl.ComputeSchedule = None):
+    """Each tile waits on a signal a comm part notifies, then copies its block: a part that
+    waits (the general lowering walked those row-major)."""
+    ready = tl.signal("ready", 1)
+
+    @tl.comm_part(grid=(1,), name="go")
+    def go(i):
+        tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=grid, name="tiles", align_shift=1)
+    def tiles(*pid):
+        tl.consumer_tile_wait(ready, 0)
+        tl.store(y, (pid[0] * 8, pid[1] * 8), tl.load(x, (pid[0] * 8, pid[1] * 8), (8, 8)))
+
+
+def _py(expr: str) -> str:
+    """One C++ int expression of the decode as Python: ``/`` on non-negative ints, ``a < b ? c : d``."""
+    m = re.fullmatch(r"(.+?) < (.+?) \? (.+?) : (.+)", expr)
+    if m:
+        return f"(({_py(m[3])}) if ({_py(m[1])}) < ({_py(m[2])}) else ({_py(m[4])}))"
+    return expr.replace("/", "//")
+
+
+def _walk(lines: list[str], tasks: int, rank: int, grid) -> list[tuple]:
+    """The program ids the decode gives each task, in task order (the rows the kernel skips left out)."""
+    out = []
+    for task in range(tasks):
+        env = {"task": task, "rank": rank}
+        skip = False
+        for ln in lines:
+            ln = ln.strip()
+            if ln.startswith("//") or ln.startswith("(void)"):
+                continue
+            if ln.startswith("if (pid0 >="):
+                skip = env["pid0"] >= int(re.search(r">= (\d+)", ln)[1])
+                continue
+            m = re.fullmatch(r"const int (\w+) = (.+);", ln)
+            assert m, ln
+            env[m[1]] = eval(_py(m[2]), {}, env)          # noqa: S307 - the generator's own int arithmetic
+        if not skip and env["pid0"] < grid[0]:      # (rows past the grid: skipped by the task loop, below)
+            out.append(tuple(env[f"pid{a}"] for a in range(len(grid))))
+    return out
+
+
+SCHEDULES = [
+    dict(order="row_major"),
+    dict(order="swizzled", group_m=2),
+    dict(order="swizzled", group_m=8),
+    dict(order="comm_aligned", group_m=1),
+    dict(order="comm_aligned", group_m=2),
+    dict(order="comm_aligned", group_m=3, cluster=(2, 1)),       # 5 tile rows: a short last cluster row
+    dict(order="row_major", cluster=(2, 1)),
+    dict(order="swizzled", group_m=2, cluster=(2, 1)),
+]
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("grid", [(5, 3), (4, 2), (6, 2, 2)])
+@pytest.mark.parametrize("sched", SCHEDULES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_the_general_lowering_walks_the_schedules_tile_order(W, grid, sched):
+    compute = tl.ComputeSchedule(tile=(8, 8, 8), **sched)
+    g0, g1 = grid[0], grid[1]
+    x = tl.TensorSpec((8 * g0, 8 * g1), tl.float32)
+    k = waiting_tiles.trace(W, x, x, compute=compute, grid=grid)
+    part = k.part("tiles")
+    plan = plan_general(k, part, match_general(k, part))
+    lines = _decode_lines(plan)
+    cm = compute.cluster[0]
+    walk = -(-g0 // cm) * cm * int(np.prod(grid[1:]))
+    for rank in range(W):
+        want = [tuple(t) for t in compute.tile_order(grid, rank, W, align_shift=1)]
+        assert _walk(lines, walk, rank, grid) == want, (rank, lines)
+    from tldsl.codegen import lower
+    lk = lower(k, "tiles")
+    assert f"task < {walk};" in lk.source
+    assert (f"if (pid0 >= {g0}) continue;" in lk.source) == bool(g0 % cm)     # a short last cluster row
+    assert all(ln in lk.source for ln in lines)
+
+
+def test_a_row_major_part_keeps_the_plain_decode():
+    x = tl.TensorSpec((40, 24), tl.float32)
+    k = waiting_tiles.trace(2, x, x, compute=tl.ComputeSchedule(tile=(8, 8, 8), order="row_major"))
+    part = k.part("tiles")
+    plan = plan_general(k, part, match_general(k, part))
+    assert plan.order is None
+    assert _decode_lines(plan)[0].strip() == "const int pid0 = task / 3;"

@@ -107,3 +107,62 @@ def test_a_row_major_part_keeps_the_plain_decode():
     plan = plan_general(k, part, match_general(k, part))
     assert plan.order is None
     assert _decode_lines(plan)[0].strip() == "const int pid0 = task / 3;"
+
+
+BM, BN, BK = 128, 128, 64
+
+
+@tl.kernel
+def row_fed_by_row(a, b, c, *, compute: tl.ComputeSchedule = None):
+    """Tile row 1 of a GEMM reads (through a comm part) what tile row 0 stored: the part waits,
+    through ``feed``, on what it notifies itself."""
+    M, K = a.shape
+    N = b.shape[1]
+    a2 = tl.local_buffer((M, K), a.dtype, "a2")
+    ready = tl.signal("ready", M // BM)
+    stored = tl.signal("stored", 1)
+
+    @tl.comm_part(grid=(M // BM,), name="feed")
+    def feed(i):
+        with tl.when(i == 0):
+            tl.store(a2, (0, 0), tl.load(a, (0, 0), (BM, K)))
+        with tl.when(i > 0):
+            tl.consumer_tile_wait(stored, 0, count=N // BN)
+            tl.store(a2, (i * BM, 0), tl.load(c, (0, 0), (BM, K)))
+        tl.producer_tile_notify(ready, i)
+
+    @tl.compute_part(grid=(M // BM, N // BN))
+    def gemm(pm, pn):
+        tl.consumer_tile_wait(ready, pm)
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a2, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        tl.store(c, (pm * BM, pn * BN), acc)
+        with tl.when(pm == 0):
+            tl.producer_tile_notify(stored, 0)
+
+
+def test_clusters_are_refused_where_a_tile_may_wait_on_its_cluster_partner():
+    """With clusters of two tile rows the two CTAs share B by multicast: neither tile finishes
+    before both have passed their waits. Row 1 waits (through ``feed``) for row 0's store, so
+    the pair would hang on any grid — while the simulator, running the tiles apart, accepts the
+    program. The GEMM recipe refuses the clusters (the lowering falls back, saying why); without
+    the cycle, clusters stay."""
+    from tldsl.codegen import lower
+    M, K, N = 256, 128, 128
+    specs = [tl.TensorSpec((M, K), tl.float16), tl.TensorSpec((K, N), tl.float16), tl.TensorSpec((M, N), tl.float16)]
+    clustered = tl.ComputeSchedule(tile=(BM, BN, BK), stages=2, cluster=(2, 1))
+    k = row_fed_by_row.trace(1, *specs, compute=clustered)
+    with pytest.warns(tl.FallbackWarning, match=r"cluster \(2, 1\): the CTAs of a cluster share B, so neither tile "
+                                                r"finishes before both have passed their waits.*Use cluster \(1, 1\)"):
+        lk = lower(k, "gemm")
+    assert type(lk).__name__ == "LoweredGeneral"
+    k1 = row_fed_by_row.trace(1, *specs, compute=clustered.with_(cluster=(1, 1)))
+    assert type(lower(k1, "gemm")).__name__ == "LoweredGemm"
+    from tldsl.ops.allgather_gemm import allgather_gemm      # waits on the gather only: clusters stay
+    x = tl.TensorSpec((256, 128), tl.float16)
+    ag = allgather_gemm.trace(2, x, tl.TensorSpec((128, 256), tl.float16), tl.TensorSpec((512, 256), tl.float16),
+                              compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=2, order="comm_aligned",
+                                                         cluster=(2, 1)),
+                              comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=2))
+    assert lower(ag, "gemm").config.cluster == (2, 1)

@@ -22,8 +22,8 @@ from ..ir_queries import SCALAR_OPS, kernel_tensor, needed_ops, scope_of, widest
 from ..match.affine import affine, fmt_all
 from ..match.gemm import WHAT, GemmMatch, is_accumulator
 from .fused_rows import FusedRows, plan_fused_rows
-from .wgmma import (STORE_DTYPES, GemmConfig, check_k_loop, check_operands, check_tiles, choose_config,
-                    epilogue_buffer_bytes)
+from .wgmma import (STORE_DTYPES, GemmConfig, check_cluster_waits, check_k_loop, check_operands, check_tiles,
+                    choose_config, epilogue_buffer_bytes)
 
 #: the elementwise ops a generated epilogue's sum may apply to the accumulator and loaded tiles
 SUM_OPS = ("add", "mul", "sub")
@@ -379,6 +379,7 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         _check_notifies_follow_a_store(m)
     cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, K=K, cluster=cluster,
                         loc=part.loc)
+    check_cluster_waits(WHAT, kernel, part, cfg.cluster)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),

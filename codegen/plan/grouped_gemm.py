@@ -20,7 +20,7 @@ from ..match.grouped_gemm import WHAT, GroupedGemmMatch
 from ..match.per_row import depends_on
 from .prog_params import (signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook,
                           written_buffers)
-from .wgmma import GemmConfig, check_k_loop, check_operands, check_tiles, choose_config
+from .wgmma import GemmConfig, check_cluster_waits, check_k_loop, check_operands, check_tiles, choose_config
 
 #: the registers a 384-thread CTA holds (ptxas gives each thread 168 under ``__launch_bounds__(384,
 #: 1)``): ``setmaxnreg`` only moves them between warpgroups — a consumer's increase waits until
@@ -116,6 +116,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     written = written_buffers(kernel)
     if cfg.cluster != (1, 1):
         _check_cluster(m, written, ops, cfg.cluster)
+        check_cluster_waits(WHAT, kernel, part, cfg.cluster)
     if m.row_limit is not None:
         _check_row_limit(m, written, ops)
     signals = signals_used(ops)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...ir import core
+from ...ir.part_graph import reaches, waits_on
 from ...ir.schedule import ComputeSchedule
 from ..dtypes import MMA_INPUTS, elem_bytes
 from ..errors import fail
@@ -188,3 +189,17 @@ def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, stor
         if pitch % 16:
             raise fail(what, f"{loaders} needs 16-byte aligned rows: {name}'s row pitch is {pitch} bytes "
                              f"(pad K and N to multiples of {16 // eb})", dot)
+
+
+def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster) -> None:
+    """Refuse thread-block clusters for a part that waits, directly or through other parts, on
+    what it notifies itself: the CTAs of a cluster share B (TMA multicast), so neither of their
+    tiles finishes before both have passed their waits — a tile whose wait needs its partner's
+    result (a row stored, then moved back by a communication part) would hang on any grid, a
+    coupling the simulator, running the tiles apart, does not model."""
+    if tuple(cluster) == (1, 1) or not reaches(waits_on(kernel), part.name, part.name):
+        return
+    raise fail(what, f"cluster {tuple(cluster)}: the CTAs of a cluster share B, so neither tile finishes before both "
+               f"have passed their waits, and part '{part.name}' waits, through other parts, on signals it "
+               "notifies itself: a tile's wait could need its cluster partner's result and hang. Use cluster "
+               "(1, 1)", part)

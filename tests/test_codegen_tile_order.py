@@ -100,6 +100,41 @@ def test_the_general_lowering_walks_the_schedules_tile_order(W, grid, sched):
     assert all(ln in lk.source for ln in lines)
 
 
+@tl.kernel
+def waiting_column(x, y, *, n=7, compute: tl.ComputeSchedule = None):
+    """A one-axis grid of waiting tiles (as attention's query tiles)."""
+    ready = tl.signal("ready", 1)
+
+    @tl.comm_part(grid=(1,), name="go")
+    def go(i):
+        tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(n,), name="tiles", align_shift=1)
+    def tiles(p):
+        tl.consumer_tile_wait(ready, 0)
+        tl.store(y, (p * 8, 0), tl.load(x, (p * 8, 0), (8, 8)))
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("order", ["row_major", "swizzled", "comm_aligned"])
+def test_a_column_of_tiles_is_rotated_by_comm_aligned_only(W, order):
+    """A one-axis grid: in order, or, with comm_aligned, starting on rank (rank + shift)'s share —
+    as the attention recipe walks its query tiles (``tile_at`` on a grid of one column)."""
+    n = 7
+    compute = tl.ComputeSchedule(tile=(8, 8, 8), order=order)
+    x = tl.TensorSpec((8 * n, 8), tl.float32)
+    k = waiting_column.trace(W, x, x, compute=compute, n=n)
+    part = k.part("tiles")
+    plan = plan_general(k, part, match_general(k, part))
+    assert (plan.order is not None) == (order == "comm_aligned")
+    for rank in range(W):
+        want = [tuple(t) for t in compute.tile_order((n,), rank, W, align_shift=1)]
+        assert sorted(want) == [(i,) for i in range(n)]
+        start = (rank + 1) % W * n // W if order == "comm_aligned" else 0
+        assert want == [((start + i) % n,) for i in range(n)]
+        assert _walk(_decode_lines(plan), n, rank, (n,)) == want
+
+
 def test_a_row_major_part_keeps_the_plain_decode():
     x = tl.TensorSpec((40, 24), tl.float32)
     k = waiting_tiles.trace(2, x, x, compute=tl.ComputeSchedule(tile=(8, 8, 8), order="row_major"))

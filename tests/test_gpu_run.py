@@ -352,3 +352,17 @@ def test_a_waiting_general_part_walks_the_schedules_tile_order():
     case = SPEC.make_case(np.random.default_rng(0), W, rows_per_rank=Ms, n=N, k_per_rank=K, compute=compute, comm=comm)
     got = both(gemm_reduce_scatter, W, case.inputs, sums=True, **case.kwargs)
     assert any(type(x.lowered).__name__ == "LoweredGeneral" and x.part == "gemm" for x in got.plan.kernels)
+
+
+@pytest.mark.parametrize("order", ["row_major", "comm_aligned"])
+def test_a_waiting_column_of_tiles_in_the_schedules_order(order):
+    """A one-axis grid of waiting tiles on the general recipe, rotated by comm_aligned to start on
+    rank (rank + 1)'s share (as the simulator runs it), two ranks: every tile written once."""
+    from test_codegen_tile_order import waiting_column
+    n, W = 7, 2
+    rng = np.random.default_rng(1)
+    inputs = [{"x": _rand(rng, (8 * n, 8), np.float32), "y": np.full((8 * n, 8), np.nan, np.float32)}
+              for _ in range(W)]
+    got = both(waiting_column, W, inputs, n=n, compute=tl.ComputeSchedule(tile=(8, 8, 8), order=order))
+    for r in range(W):
+        np.testing.assert_array_equal(got[r]["y"], inputs[r]["x"])

@@ -923,13 +923,18 @@ class TileOrder:
 
 def _tile_order(kernel: core.Kernel, part: core.Part) -> TileOrder | None:
     """The order a compute part's tasks run in where it is not row-major: the schedule's
-    "swizzled" or "comm_aligned" order, or clusters of tile rows, on a grid of two or more axes
-    (as the GEMM recipes walk them, and as the simulator runs them); None: row-major."""
+    "swizzled" or "comm_aligned" order, or clusters of tile rows, on a grid of two or more axes;
+    a one-axis grid rotated by "comm_aligned" (as the GEMM and attention recipes walk them, and
+    as the simulator runs them); None: row-major."""
     sched = kernel.compute_schedule
-    if part.role != "compute" or len(part.grid) < 2 or sched is None:
+    if part.role != "compute" or sched is None:
         return None
     cm = int(sched.cluster[0])
     order = getattr(sched, "order", "row_major")
+    if len(part.grid) == 1:         # a column of tiles: rotated by comm_aligned only
+        if order != "comm_aligned":
+            return None
+        cm = 1
     if order == "row_major" and cm == 1:
         return None
     return TileOrder(0 if order == "row_major" else int(sched.group_m), cm, order == "comm_aligned",

@@ -216,10 +216,10 @@ def _decode_lines(plan: GeneralPlan) -> list[str]:
             L.append(f"    (void)pid{axis};")
         return L
     grid = tuple(plan.part.grid)
-    g0, g1, rest = grid[0], grid[1], grid[2:]
+    g0, g1, rest = grid[0], (grid[1] if len(grid) > 1 else 1), grid[2:]
     cm, R = o.cluster_m, math.prod(rest)
     gc = -(-g0 // cm)                                   # cluster rows
-    what = ("row by row" if not o.group_m else
+    what = ("in order" if len(grid) == 1 else "row by row" if not o.group_m else
             f"groups of {o.group_m} {'cluster ' if cm > 1 else ''}rows, each walked column by column")
     L = [f"    // the compute schedule's tile order: {what}"
          + (f", clusters of {cm} tile rows" if cm > 1 else "")
@@ -230,6 +230,9 @@ def _decode_lines(plan: GeneralPlan) -> list[str]:
     L.append(f"    const int tc_ = tr_ / {R};" if R > 1 else "    const int tc_ = tr_;")
     if not o.group_m:
         L += [f"    const int mc_ = tc_ / {g1};", f"    const int pid1 = tc_ % {g1};"]
+    elif len(grid) == 1:                                # one column: only the rotation
+        L += ["    const int mg_ = tc_;"]
+        L.append(f"    const int mc_ = ((rank + {o.align_shift}) % {o.world_size} * {gc} / {o.world_size} + mg_) % {gc};")
     else:
         G = o.group_m
         L += [f"    const int first_ = tc_ / {G * g1} * {G};",
@@ -248,7 +251,7 @@ def _decode_lines(plan: GeneralPlan) -> list[str]:
                  f"    const int pid{axis} = tr_ % {grid[axis]};")
         div *= grid[axis]
     L += [f"    (void)pid{a};" for a in range(len(grid))]
-    return L
+    return [ln for ln in L if len(grid) > 1 or "pid1" not in ln]
 
 
 def _scratch_base(plan: GeneralPlan) -> list[str]:

@@ -5,11 +5,15 @@ It walked a part that waits or notifies row by row, whatever the schedule said, 
 simulator ran it in the schedule's order: a program whose tiles only wait on earlier tiles in
 the simulator's order could, on a GPU giving the part few CTAs, wait on a tile its CTA had not
 reached (a rank's own rows first under ``comm_aligned``, for instance). Here the generated task
-decode is evaluated for every task, on every rank, and compared with ``tile_order``; the test
-fails with the row-major walk."""
+decode, compiled on the host with ``tldsl/tile_order.hpp`` (the header the GEMM and attention
+templates walk their tiles with), runs every task on every rank and is compared with
+``tile_order``; the test fails with the row-major walk."""
 from __future__ import annotations
 
-import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,33 +40,32 @@ def waiting_tiles(x, y, *, grid=(5, 3), compute: tl.ComputeSchedule = None):
         tl.store(y, (pid[0] * 8, pid[1] * 8), tl.load(x, (pid[0] * 8, pid[1] * 8), (8, 8)))
 
 
-def _py(expr: str) -> str:
-    """One C++ int expression of the decode as Python: ``/`` on non-negative ints, ``a < b ? c : d``."""
-    m = re.fullmatch(r"(.+?) < (.+?) \? (.+?) : (.+)", expr)
-    if m:
-        return f"(({_py(m[3])}) if ({_py(m[1])}) < ({_py(m[2])}) else ({_py(m[4])}))"
-    return expr.replace("/", "//")
+INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host C++ compiler (g++)")
+_BUILT: dict[str, Path] = {}
+_TMP = tempfile.TemporaryDirectory(prefix="tile_order_")     # (removed when the interpreter exits)
 
 
 def _walk(lines: list[str], tasks: int, rank: int, grid) -> list[tuple]:
-    """The program ids the decode gives each task, in task order (the rows the kernel skips left out)."""
-    out = []
-    for task in range(tasks):
-        env = {"task": task, "rank": rank}
-        skip = False
-        for ln in lines:
-            ln = ln.strip()
-            if ln.startswith("//") or ln.startswith("(void)"):
-                continue
-            if ln.startswith("if (pid0 >="):
-                skip = env["pid0"] >= int(re.search(r">= (\d+)", ln)[1])
-                continue
-            m = re.fullmatch(r"const int (\w+) = (.+);", ln)
-            assert m, ln
-            env[m[1]] = eval(_py(m[2]), {}, env)          # noqa: S307 - the generator's own int arithmetic
-        if not skip and env["pid0"] < grid[0]:      # (rows past the grid: skipped by the task loop, below)
-            out.append(tuple(env[f"pid{a}"] for a in range(len(grid))))
-    return out
+    """The program ids the decode gives each task, in task order (the rows past the grid, which
+    the kernel's task loop skips, left out): the generated lines compiled on the host with
+    ``tldsl/tile_order.hpp``, as NVRTC compiles them."""
+    key = "\n".join(lines) + f"\n{tasks} {grid}"
+    if key not in _BUILT:
+        d = Path(_TMP.name) / str(len(_BUILT))
+        d.mkdir()
+        fmt = " ".join(["%d"] * len(grid))
+        args = ", ".join(f"pid{a}" for a in range(len(grid)))
+        (d / "walk.cpp").write_text("\n".join([
+            '#include "tldsl/tile_order.hpp"', "#include <cstdio>", "#include <cstdlib>",
+            "int main(int argc, char** argv) {", "  const int rank = atoi(argv[1]); (void)rank;",
+            f"  for (int task = 0; task < {tasks}; ++task) {{", *lines,
+            f"    if (pid0 >= {grid[0]}) continue;", f'    printf("{fmt}\\n", {args});', "  }", "}", ""]))
+        subprocess.run(["g++", "-std=c++17", "-O0", f"-I{INCLUDE}", str(d / "walk.cpp"), "-o", str(d / "walk")],
+                       check=True)
+        _BUILT[key] = d / "walk"
+    out = subprocess.run([str(_BUILT[key]), str(rank)], check=True, capture_output=True, text=True).stdout
+    return [tuple(map(int, ln.split())) for ln in out.splitlines()]
 
 
 SCHEDULES = [
@@ -77,6 +80,7 @@ SCHEDULES = [
 ]
 
 
+@needs_gxx
 @pytest.mark.parametrize("W", [1, 2, 3])
 @pytest.mark.parametrize("grid", [(5, 3), (4, 2), (6, 2, 2)])
 @pytest.mark.parametrize("sched", SCHEDULES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
@@ -115,6 +119,7 @@ def waiting_column(x, y, *, n=7, compute: tl.ComputeSchedule = None):
         tl.store(y, (p * 8, 0), tl.load(x, (p * 8, 0), (8, 8)))
 
 
+@needs_gxx
 @pytest.mark.parametrize("W", [1, 2, 3])
 @pytest.mark.parametrize("order", ["row_major", "swizzled", "comm_aligned"])
 def test_a_column_of_tiles_is_rotated_by_comm_aligned_only(W, order):

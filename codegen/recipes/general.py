@@ -145,6 +145,7 @@ def render_general(plan: GeneralPlan) -> LoweredGeneral:
          f"{plan.groups} group(s) of {plan.threads} threads (a task each at a time), {plan.smem_bytes} B of dynamic "
          "shared memory",
          '#include "tldsl/general.hpp"',
+         *(['#include "tldsl/tile_order.hpp"'] if plan.order is not None else []),
          *(['#include "tldsl/general_wgmma.hpp"'] if plan.wgmma else []),
          *(['#include "tldsl/general_pipeline.hpp"'] if plan.dot_loops else []),
          "",
@@ -219,39 +220,26 @@ def _decode_lines(plan: GeneralPlan) -> list[str]:
     g0, g1, rest = grid[0], (grid[1] if len(grid) > 1 else 1), grid[2:]
     cm, R = o.cluster_m, math.prod(rest)
     gc = -(-g0 // cm)                                   # cluster rows
+    kind = "tldsl::kCommAligned" if o.rotated else "tldsl::kSwizzled" if o.group_m else "tldsl::kRowMajor"
+    start = (f"tldsl::comm_aligned_start({gc}, rank, {o.world_size}, {o.align_shift})" if o.rotated else "0")
+    # task = ((walk index * rest) + rest index) * cm + row in the cluster: tile_order expands each
+    # entry of the walk over the rest axes, then over a cluster's rows (tile_order.hpp: the walk)
     what = ("in order" if len(grid) == 1 else "row by row" if not o.group_m else
             f"groups of {o.group_m} {'cluster ' if cm > 1 else ''}rows, each walked column by column")
-    L = [f"    // the compute schedule's tile order: {what}"
-         + (f", clusters of {cm} tile rows" if cm > 1 else "")
-         + (f", starting on the rows of rank (rank + {o.align_shift}) % {o.world_size}" if o.rotated else "")]
-    # task = ((cluster-row walk index * rest) + rest index) * cm + row in the cluster (as tile_order
-    # expands each entry of the walk over the rest axes and then over a cluster's rows)
-    L.append(f"    const int tr_ = task / {cm};" if cm > 1 else "    const int tr_ = task;")
-    L.append(f"    const int tc_ = tr_ / {R};" if R > 1 else "    const int tc_ = tr_;")
-    if not o.group_m:
-        L += [f"    const int mc_ = tc_ / {g1};", f"    const int pid1 = tc_ % {g1};"]
-    elif len(grid) == 1:                                # one column: only the rotation
-        L += ["    const int mg_ = tc_;"]
-        L.append(f"    const int mc_ = ((rank + {o.align_shift}) % {o.world_size} * {gc} / {o.world_size} + mg_) % {gc};")
-    else:
-        G = o.group_m
-        L += [f"    const int first_ = tc_ / {G * g1} * {G};",
-              f"    const int rows_ = {gc} - first_ < {G} ? {gc} - first_ : {G};",
-              f"    const int mg_ = first_ + (tc_ % {G * g1}) % rows_;",
-              f"    const int pid1 = (tc_ % {G * g1}) / rows_;"]
-        if o.rotated:
-            L.append(f"    const int mc_ = ((rank + {o.align_shift}) % {o.world_size} * {gc} / {o.world_size} + mg_) "
-                     f"% {gc};")
-        else:
-            L.append("    const int mc_ = mg_;")
-    L.append(f"    const int pid0 = mc_ * {cm} + task % {cm};" if cm > 1 else "    const int pid0 = mc_;")
+    L = [f"    // the compute schedule's tile order: {what}" + (f", clusters of {cm} tile rows" if cm > 1 else "")
+         + (f", starting on the rows of rank (rank + {o.align_shift}) % {o.world_size}" if o.rotated else ""),
+         f"    const int tr_ = task / {cm};" if cm > 1 else "    const int tr_ = task;",
+         f"    const tldsl::TileCoord tile_ = tldsl::tile_at({kind}, {f'tr_ / {R}' if R > 1 else 'tr_'}, {gc}, {g1}, "
+         f"{o.group_m or 1}, {start});",
+         f"    const int pid0 = tile_.m * {cm} + task % {cm};" if cm > 1 else "    const int pid0 = tile_.m;"]
+    if len(grid) > 1:
+        L.append("    const int pid1 = tile_.n;")
     div = 1
     for axis in reversed(range(2, len(grid))):
         L.append(f"    const int pid{axis} = (tr_ / {div}) % {grid[axis]};" if div > 1 else
                  f"    const int pid{axis} = tr_ % {grid[axis]};")
         div *= grid[axis]
-    L += [f"    (void)pid{a};" for a in range(len(grid))]
-    return [ln for ln in L if len(grid) > 1 or "pid1" not in ln]
+    return L + [f"    (void)pid{a};" for a in range(len(grid))]
 
 
 def _scratch_base(plan: GeneralPlan) -> list[str]:

@@ -93,6 +93,38 @@ def test_race_is_found_whichever_access_ran_first():
 
 
 @tl.kernel
+def halves_then_sum(a, c, *, count: tl.constexpr = 2):
+    """Two tasks each write half of ``staged`` and notify one slot; the reader waits ``count``
+    notifies, then reads both halves (``count=1`` is one too few)."""
+    n = a.shape[0]
+    h = n // 2
+    staged = tl.local_buffer((n,), a.dtype, "staged")
+    ready = tl.signal("ready", 1)
+
+    @tl.compute_part(grid=(2,), name="write")
+    def write(i):
+        tl.store(staged, (i * h,), tl.load(a, (i * h,), (h,)) + 1.0)
+        tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(1,), name="read")
+    def read(i):
+        tl.consumer_tile_wait(ready, 0, count=count)
+        tl.store(c, (0,), tl.load(staged, (0,), (n,)) * 2.0)
+
+
+def test_a_wait_count_too_low_is_a_race_on_every_seed():
+    # the reader's wait passes at the first notify, so it is ordered after that one writer only,
+    # whichever writer came first and however many notifies the slot held when the reader ran
+    # (before, the wait joined every release so far and the race showed on some seeds only)
+    inputs = _vec_inputs(2)
+    for seed in range(24):
+        good = tl.simulate(halves_then_sum, 2, inputs, seed=seed)
+        np.testing.assert_array_equal(good[0]["c"], 2 * (inputs[0]["a"] + 1))
+        with pytest.raises(tl.RaceError, match="race on staged"):
+            tl.simulate(halves_then_sum, 2, inputs, seed=seed, count=1)
+
+
+@tl.kernel
 def push_with_scope(a: tl.Symmetric, c, *, scope: tl.constexpr = "sys"):
     """Each rank pushes ``a`` into the next rank's ``inbox`` and notifies it at ``scope``."""
     W = tl.world_size()

@@ -1,9 +1,9 @@
 """Tasks, signals and the seeded scheduler: one launch of a kernel on W simulated ranks.
 
 Happens-before is tracked with vector clocks (:mod:`.clocks`): each task's clock has an entry
-per task of the launch it is ordered after. A notify (release) folds the notifier's clock into
-the signal slot and then advances the notifier's own entry; a wait (acquire) folds the slot's
-clock into the waiter's. A release at ``gpu`` scope is only folded into waiters on the same
+per task of the launch it is ordered after. A notify (release) records the notifier's clock
+in the signal slot and then advances the notifier's own entry; a wait (acquire) folds into the
+waiter's clock those of the notifies that brought the slot to the count it needs. A release at ``gpu`` scope is only folded into waiters on the same
 rank: a peer that acquires it gets no ordering, exactly as on the hardware.
 """
 from __future__ import annotations
@@ -37,13 +37,28 @@ class Task:
 
 
 class SignalSlotClocks:
-    """Per signal (on one rank): slot values and the clocks released into each slot."""
+    """Per signal (on one rank): slot values and the releases into each slot this launch.
+
+    A wait that needs the slot at ``target`` is ordered after the releases that brought it there,
+    the first ``target - start`` of this launch, and no later one: on the GPU its spin may read
+    the slot exactly at ``target``, before any later notify. Joining every release the slot has
+    received by the time the waiter runs would hide a wait count too low in every interleaving
+    where the missing notify happened to land early. So each release's clock is kept
+    (``releases``, in notify order), with the join of all of them (``sys``/``gpu``) for the
+    common wait that needs them all."""
 
     def __init__(self, slots: int):
         self.values = np.zeros(slots, np.int64)
         self.start = np.zeros(slots, np.int64)
-        self.sys: dict[int, dict] = {}                       # slot -> clock
+        self.sys: dict[int, dict] = {}                       # slot -> clock (every sys-scope release)
         self.gpu: dict[int, dict[int, dict]] = {}            # slot -> releasing rank -> clock
+        self.releases: dict[int, list] = {}                  # slot -> [(scope, rank, clock)], notify order
+
+    def clear(self) -> None:
+        self.start[:] = self.values
+        self.sys.clear()
+        self.gpu.clear()
+        self.releases.clear()
 
 
 class Engine:
@@ -89,6 +104,7 @@ class Engine:
             slots[key] = dict(task.vc)
         else:
             join_into(cur, task.vc)
+        sig.releases.setdefault(ch, []).append((scope, task.rank, dict(task.vc)))
         task.vc[task.tid] += 1
         self._log(task, "notify", f"{name}[{ch}]@{rank}")
         for w in self.waiters.pop((rank, name, ch), []):
@@ -122,16 +138,33 @@ class Engine:
                 f"wait needs {target}; notifies of an earlier launch let it through. Count per launch "
                 f"(epoch=True) and notify exactly `count` times per launch, or reset the signal",
                 at=(op.loc,), rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
-        cur = sig.sys.get(ch)
-        if cur is not None:
-            join_into(task.vc, cur)
-        released = sig.gpu.get(ch)
-        if released is not None:
-            cur = released.get(task.rank)
+        self._acquire(task, sig, name, ch, target)
+        task.waited.append(f"{name}[{ch}]")
+
+    @staticmethod
+    def _acquire(task: Task, sig: SignalSlotClocks, name, ch, target) -> None:
+        """Order ``task`` after the releases that brought slot ``ch`` to ``target``: this
+        launch's first ``target - start``, or all of them where the slot holds no more."""
+        releases = sig.releases.get(ch, ())
+        needed = int(target - sig.start[ch])
+        if needed >= len(releases):
+            cur = sig.sys.get(ch)
             if cur is not None:
                 join_into(task.vc, cur)
-            task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in released if r != task.rank)
-        task.waited.append(f"{name}[{ch}]")
+            released = sig.gpu.get(ch)
+            if released is not None:
+                cur = released.get(task.rank)
+                if cur is not None:
+                    join_into(task.vc, cur)
+                task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in released if r != task.rank)
+            return
+        narrow = {}
+        for scope, rank, clock in releases[:max(needed, 0)]:
+            if scope == "sys" or rank == task.rank:
+                join_into(task.vc, clock)
+            else:
+                narrow[rank] = None
+        task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in narrow)
 
     # -- scheduling -------------------------------------------------------------------------------
     def _orders(self, part, rank):
@@ -156,9 +189,7 @@ class Engine:
         self.memory.new_launch(opts.repoison)
         for rank_sigs in self.signals:
             for s in rank_sigs.values():
-                s.start[:] = s.values
-                s.sys.clear()
-                s.gpu.clear()
+                s.clear()
         plan = []
         for rank in range(k.world_size):
             for part in k.parts:

@@ -39,6 +39,7 @@ def test_distribution_over_500_programs(five_hundred):
     assert share(lambda f: f.linked_parts) >= 0.20
     assert share(lambda f: f.communicates) >= 0.20
     assert share(lambda f: f.ragged) >= 0.80                       # shapes not multiples of the tile
+    assert share(lambda f: f.ordered_waits) >= 0.08                # the tile order a lowering must walk
     for dtype in ("f16", "bf16", "f32", "i32"):
         assert share(lambda f: dtype in f.dtypes) >= 0.10, dtype
     assert all(f.communicates <= (c.world_size >= 2) for f, c in zip(feats, cases))

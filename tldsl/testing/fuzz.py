@@ -34,7 +34,8 @@ from .program_families import generate, generate_distinct
 from .program_gen import RandomChooser
 
 FEATURE_NAMES = {"dot": "a dot", "range_loop": "a tl.range loop", "linked_parts": "parts linked by signals",
-                 "communicates": "communication over W>=2", "ragged": "shapes not multiples of the tile"}
+                 "communicates": "communication over W>=2", "ragged": "shapes not multiples of the tile",
+                 "ordered_waits": "waiting compute tiles in a schedule's order"}
 
 
 @dataclass

@@ -33,6 +33,7 @@ class Features:
     ragged: bool                  # a tile that does not divide the tensor it reads or writes
     dtypes: frozenset[str] = field(default_factory=frozenset)
     parts: int = 1
+    ordered_waits: bool = False   # a waiting compute part whose tiles run in a schedule's other order
 
 
 @dataclass(repr=False)
@@ -127,7 +128,14 @@ def features(kernel) -> Features:
         communicates=kernel.world_size >= 2 and any(op.name in DATA_OPS for _, op in ops),
         ragged=any(_ragged(op) for _, op in ops),
         dtypes=frozenset(computed_dtypes(kernel) - {"tf32"}),
-        parts=len(kernel.parts))
+        parts=len(kernel.parts),
+        ordered_waits=_reordered(kernel.compute_schedule) and any(
+            part.role == "compute" and op.name in WAIT_OPS for part, op in ops))
+
+
+def _reordered(schedule) -> bool:
+    """Whether a compute schedule runs a grid's tiles in another order than row by row."""
+    return schedule is not None and (schedule.order != "row_major" or tuple(schedule.cluster) != (1, 1))
 
 
 def _ragged(op) -> bool:

@@ -24,7 +24,25 @@ def generate(ch: Chooser, families=None) -> Program:
     g = ProgramGenerator(ch)
     family = weighted(ch, table)
     {"single": single, "pipeline": pipeline, "comm": communication}[family](g)
+    g.compute = compute_schedule(g)
     return g.program()
+
+
+def compute_schedule(g: ProgramGenerator) -> str | None:
+    """Two programs in five run their compute parts' tiles in a drawn order (the simulator's
+    ``ComputeSchedule.tile_order``, which a lowered kernel must walk too where a part waits): none
+    (row by row), or a ``tl.ComputeSchedule`` of another order, swizzle group or clusters. Drawn
+    last, so a program's other choices are those it had before this draw existed."""
+    ch = g.ch
+    if not chance(ch, 40):
+        return None
+    order = ch.choice(("row_major", "swizzled", "comm_aligned"))
+    fields = [f'order="{order}"']
+    if order != "row_major":
+        fields.append(f"group_m={ch.choice((1, 2, 3, 8))}")
+    if chance(ch, 25):
+        fields.append("cluster=(2, 1)")
+    return f"tl.ComputeSchedule({', '.join(fields)})"
 
 
 # -- one stage ---------------------------------------------------------------------------------

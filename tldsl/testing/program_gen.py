@@ -92,6 +92,7 @@ class ProgramGenerator:
         self.world_size = 1
         self.keep_int = False            # integer trees stay integer (they feed an i32 tensor)
         self.comm: str | None = None     # the communication schedule the library's collectives take
+        self.compute: str | None = None  # a compute schedule: the order the compute parts' tiles run in
 
     # -- names and declarations ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -122,7 +123,8 @@ class ProgramGenerator:
                                tuple(params), tuple(body), engine))
 
     def program(self) -> Program:
-        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts), self.comm)
+        return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts), self.comm,
+                       self.compute)
 
     # -- sizes ----------------------------------------------------------------------------------
     def tile(self, options=(8, 16, 32)) -> int:

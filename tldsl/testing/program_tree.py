@@ -391,11 +391,14 @@ class Program:
     decls: tuple = ()                    # Workspace | SignalDecl | StaticMappingDecl | DynamicMappingDecl
     parts: tuple[Part, ...] = ()
     comm: str | None = None              # a tl.CommSchedule(...) for the collectives: the kernel's comm= default
+    compute: str | None = None           # a tl.ComputeSchedule(...): the kernel's compute= default (tile order)
 
     def kernel_source(self) -> str:
         params = ", ".join(a.name + (": tl.Symmetric" if a.symmetric else "") for a in self.args)
-        if self.comm is not None:
-            params += ", *, comm: tl.CommSchedule = COMM"
+        keywords = (["comm: tl.CommSchedule = COMM"] if self.comm is not None else []) + \
+                   (["compute: tl.ComputeSchedule = COMPUTE"] if self.compute is not None else [])
+        if keywords:
+            params += ", *, " + ", ".join(keywords)
         body: list[str] = []
         for d in self.decls:
             body += d.lines()
@@ -415,6 +418,7 @@ class Program:
                 "        print(f\"rank {rank}:\", {k: v for k, v in outputs.items() if k.startswith(\"y\")})\n")
         collectives = "from tldsl import collectives\n" if self.comm is not None else ""
         comm = f"COMM = {self.comm}\n" if self.comm is not None else ""
+        comm += f"COMPUTE = {self.compute}\n" if self.compute is not None else ""
         return (f"{doc}import tldsl as tl\n{collectives}from tldsl.testing.program_inputs import make_inputs\n"
                 f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n{comm}"
                 f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}{main}")

@@ -38,6 +38,8 @@ def compute_schedule(g: ProgramGenerator) -> str | None:
         return None
     order = ch.choice(("row_major", "swizzled", "comm_aligned"))
     fields = [f'order="{order}"']
+    if len(set(g.dot_tiles)) == 1:      # the dots' tile: the GEMM recipe takes a part only at the schedule's
+        fields.insert(0, f"tile={g.dot_tiles[0]}")
     if order != "row_major":
         fields.append(f"group_m={ch.choice((1, 2, 3, 8))}")
     if chance(ch, 25):

@@ -93,6 +93,7 @@ class ProgramGenerator:
         self.keep_int = False            # integer trees stay integer (they feed an i32 tensor)
         self.comm: str | None = None     # the communication schedule the library's collectives take
         self.compute: str | None = None  # a compute schedule: the order the compute parts' tiles run in
+        self.dot_tiles: list[tuple[int, int, int]] = []  # (BM, BN, BK) of each K loop of dots generated
 
     # -- names and declarations ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:

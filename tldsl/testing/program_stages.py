@@ -130,6 +130,7 @@ def gemm(g: ProgramGenerator, a: Tensor, out: Tensor | None = None, *, role="com
     mainloop = mainloop and tile is None and a.dtype in ("f16", "bf16")
     BM, BN = tile or ((64, ch.choice((64, 128))) if mainloop else (ch.choice((16, 32, 64)), ch.choice((16, 32))))
     BK = 64 if mainloop else ch.choice((16, 32))
+    g.dot_tiles.append((BM, BN, BK))
     N = out.shape[1] if out is not None else g.extent(BN)
     if mainloop and out is None and chance(ch, 60):
         N = -(-N // 8) * 8                  # rows of 16-byte multiples: TMA stages (else cp.async)

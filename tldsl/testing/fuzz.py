@@ -259,6 +259,9 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
         skipped = sum(r.compared.startswith("not compared: the CUDA context was lost") for r in reports)
         lines.append(f"GPU comparisons stopped at program #{lost[0].index:04d}: its fault left the CUDA context "
                      f"unusable, so {skipped} later program(s) were not compared (run them with a fresh process)")
+    by_recipe = Counter(_recipe_name(lk) for r in reports for lk in r.lowered.values())
+    if by_recipe:
+        lines.append("parts lowered by recipe: " + ", ".join(f"{name} {k}" for name, k in by_recipe.most_common()))
     reasons = Counter(re.sub(r"\d+", "N", why)[:100] for r in reports for why in r.not_lowered.values())
     if reasons:
         lines.append("not lowered, by reason: " + "; ".join(f"{n}x {why}" for why, n in reasons.most_common(6)))
@@ -372,6 +375,13 @@ def main(argv=None) -> int:
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
                   hang_seconds=args.hang_seconds, sass=args.sass)
     return 1 if any(r.failed for r in reports) else 0
+
+
+def _recipe_name(lowered) -> str:
+    """``LoweredGeneral`` -> ``general``: the recipe a part was lowered by, as the summary names it."""
+    name = type(lowered).__name__
+    name = name[len("Lowered"):] if name.startswith("Lowered") else name
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
 
 
 def _reason(e: BaseException) -> str:

@@ -29,22 +29,22 @@ def generate(ch: Chooser, families=None) -> Program:
 
 
 def compute_schedule(g: ProgramGenerator) -> str | None:
-    """Two programs in five run their compute parts' tiles in a drawn order (the simulator's
-    ``ComputeSchedule.tile_order``, which a lowered kernel must walk too where a part waits): none
-    (row by row), or a ``tl.ComputeSchedule`` of another order, swizzle group or clusters. Drawn
-    last, so a program's other choices are those it had before this draw existed."""
+    """The kernel's compute schedule, if any. Where the program's K loops of dots share one tile, a
+    ``tl.ComputeSchedule`` of that tile (the GEMM recipe takes a part only at its schedule's tile,
+    and the default tile matches no generated dot). Two programs in five also run their compute
+    parts' tiles in a drawn order (the simulator's ``ComputeSchedule.tile_order``, which a lowered
+    kernel must walk too where a part waits): another order, swizzle group or clusters. Drawn last,
+    so a program's other choices are those it had before these draws existed."""
     ch = g.ch
-    if not chance(ch, 40):
-        return None
-    order = ch.choice(("row_major", "swizzled", "comm_aligned"))
-    fields = [f'order="{order}"']
-    if len(set(g.dot_tiles)) == 1:      # the dots' tile: the GEMM recipe takes a part only at the schedule's
-        fields.insert(0, f"tile={g.dot_tiles[0]}")
-    if order != "row_major":
-        fields.append(f"group_m={ch.choice((1, 2, 3, 8))}")
-    if chance(ch, 25):
-        fields.append("cluster=(2, 1)")
-    return f"tl.ComputeSchedule({', '.join(fields)})"
+    fields = [f"tile={g.dot_tiles[0]}"] if len(set(g.dot_tiles)) == 1 else []
+    if chance(ch, 40):
+        order = ch.choice(("row_major", "swizzled", "comm_aligned"))
+        fields.append(f'order="{order}"')
+        if order != "row_major":
+            fields.append(f"group_m={ch.choice((1, 2, 3, 8))}")
+        if chance(ch, 25):
+            fields.append("cluster=(2, 1)")
+    return f"tl.ComputeSchedule({', '.join(fields)})" if fields else None
 
 
 # -- one stage ---------------------------------------------------------------------------------

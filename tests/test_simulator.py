@@ -117,11 +117,57 @@ def test_a_wait_count_too_low_is_a_race_on_every_seed():
     # whichever writer came first and however many notifies the slot held when the reader ran
     # (before, the wait joined every release so far and the race showed on some seeds only)
     inputs = _vec_inputs(2)
+    partial = 0
     for seed in range(24):
         good = tl.simulate(halves_then_sum, 2, inputs, seed=seed)
         np.testing.assert_array_equal(good[0]["c"], 2 * (inputs[0]["a"] + 1))
-        with pytest.raises(tl.RaceError, match="race on staged"):
+        with pytest.raises(tl.RaceError, match="race on staged") as info:
             tl.simulate(halves_then_sum, 2, inputs, seed=seed, count=1)
+        assert "a wait count too low" in str(info.value)
+        # where the reader ran after both notifies, the report says its wait took only the first
+        partial += "its wait on ready[0] (its first 1 of the 2 notifies it had) is ordered only after" \
+            in str(info.value)
+    assert partial > 0
+
+
+@tl.kernel
+def one_piece_at_a_time(a, c):
+    """One task writes ``staged`` element by element, notifying one slot after each; reader ``i``
+    waits for ``i + 1`` notifies, then reads element ``i``."""
+    n = a.shape[0]
+    staged = tl.local_buffer((n,), a.dtype, "staged")
+    ready = tl.signal("ready", 1)
+
+    @tl.compute_part(grid=(1,), name="write")
+    def write(i):
+        for k in tl.range(0, n):
+            tl.store(staged, (k,), tl.load(a, (k,), (1,)) + 1.0)
+            tl.producer_tile_notify(ready, 0)
+
+    @tl.compute_part(grid=(n,), name="read")
+    def read(i):
+        tl.consumer_tile_wait(ready, 0, count=i + 1, per_launch=n)
+        tl.store(c, (i,), tl.load(staged, (i,), (1,)) * 2.0)
+
+
+def test_waits_for_rising_counts_join_each_notifier_once(monkeypatch):
+    # reader i is ordered after the first i + 1 notifies, all by one task: the latest of them covers
+    # the others, so each wait joins one clock, not i + 1 (n readers: n joins, not n^2 / 2)
+    from tldsl.runtime.sim import engine
+    joins = []
+
+    def counting(dst, src):
+        joins.append(len(src))
+        return join_into(dst, src)
+    join_into = engine.join_into
+    monkeypatch.setattr(engine, "join_into", counting)
+    n = 300
+    inputs = [{"a": np.arange(n, dtype=F32), "c": np.full(n, np.nan, F32)}]
+    for seed in range(3):
+        joins.clear()
+        out = tl.simulate(one_piece_at_a_time, 1, inputs, seed=seed)
+        np.testing.assert_array_equal(out[0]["c"], 2 * (inputs[0]["a"] + 1))
+        assert len(joins) <= 5 * n, len(joins)        # (one clock a notify, one a wait, ...; not n^2 / 2)
 
 
 @tl.kernel

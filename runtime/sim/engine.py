@@ -19,7 +19,7 @@ from .memory import Memory
 
 class Task:
     __slots__ = ("tid", "rank", "part", "coords", "vc", "gen", "state", "wait_info", "started", "launch",
-                 "waited", "narrow")
+                 "waited", "narrow", "partial")
 
     def __init__(self, tid, rank, part, coords, launch):
         self.tid, self.rank, self.part, self.coords, self.launch = tid, rank, part, coords, launch
@@ -30,6 +30,7 @@ class Task:
         self.started = None
         self.waited: list[str] = []     # the signal slots it waited on (for race reports)
         self.narrow: list[str] = []     # ... of those, released by another rank at too narrow a scope
+        self.partial: list[str] = []    # ... of those, passed before notifies the slot had already received
 
     def __str__(self):
         c = ",".join(str(x) for x in self.coords)
@@ -104,7 +105,7 @@ class Engine:
             slots[key] = dict(task.vc)
         else:
             join_into(cur, task.vc)
-        sig.releases.setdefault(ch, []).append((scope, task.rank, dict(task.vc)))
+        sig.releases.setdefault(ch, []).append((scope, task.rank, task.tid, dict(task.vc)))
         task.vc[task.tid] += 1
         self._log(task, "notify", f"{name}[{ch}]@{rank}")
         for w in self.waiters.pop((rank, name, ch), []):
@@ -158,12 +159,18 @@ class Engine:
                     join_into(task.vc, cur)
                 task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in released if r != task.rank)
             return
-        narrow = {}
-        for scope, rank, clock in releases[:max(needed, 0)]:
-            if scope == "sys" or rank == task.rank:
-                join_into(task.vc, clock)
-            else:
+        # the latest release of each notifier covers its earlier ones (a task's clock only grows), and one
+        # the waiter already knows of (its entry for the notifier at least the release's) adds nothing
+        narrow, seen, vc = {}, set(), task.vc
+        for scope, rank, tid, clock in reversed(releases[:max(needed, 0)]):
+            if scope != "sys" and rank != task.rank:
                 narrow[rank] = None
+            elif tid not in seen:
+                seen.add(tid)
+                if vc.get(tid, 0) < clock[tid]:
+                    join_into(vc, clock)
+        if needed > 0:          # (a lagged wait counts an earlier launch's notifies: none of these)
+            task.partial.append(f"{name}[{ch}] (its first {needed} of the {len(releases)} notifies it had)")
         task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in narrow)
 
     # -- scheduling -------------------------------------------------------------------------------

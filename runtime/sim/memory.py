@@ -175,8 +175,8 @@ def _race(rank, buf, lo, hi, kind, task, op, prev) -> RaceError:
         f"race on {buf.name} of rank {rank} ({order}):\n"
         f"  {_KIND[kind]:5} {buf.name}{_box(lo, hi)} by {_who(task, op)}\n"
         f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
-        f"  and no notify -> wait chain orders them (a missing wait, a missing notify, or a "
-        f"release at too narrow a scope)" + _hints(task),
+        f"  and no notify -> wait chain orders them (a missing wait, a missing notify, a wait "
+        f"count too low, or a release at too narrow a scope)" + _hints(task),
         at=(op.loc, pop.loc), rank=rank, buffer=buf.name, region=(lo, hi), tile=task.coords,
         task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
 
@@ -190,6 +190,9 @@ def _hints(task) -> str:
     for n in dict.fromkeys(task.narrow):
         out += (f"\n  {n} was released at scope='gpu', which orders only that rank's own tasks: "
                 f"a peer's wait needs scope='sys'")
+    for p in dict.fromkeys(getattr(task, "partial", ())):
+        out += (f"\n  its wait on {p} is ordered only after the notifies that reached its count: "
+                f"a task needing a later one must wait for a higher count")
     return out
 
 

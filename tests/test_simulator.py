@@ -96,20 +96,18 @@ def test_race_is_found_whichever_access_ran_first():
 def halves_then_sum(a, c, *, count: tl.constexpr = 2):
     """Two tasks each write half of ``staged`` and notify one slot; the reader waits ``count``
     notifies, then reads both halves (``count=1`` is one too few)."""
-    n = a.shape[0]
-    h = n // 2
-    staged = tl.local_buffer((n,), a.dtype, "staged")
-    ready = tl.signal("ready", 1)
+    ready, staged = tl.signal("ready", 1), tl.local_buffer(a.shape, a.dtype, "staged")
+    half = (a.shape[0] // 2,)
 
     @tl.compute_part(grid=(2,), name="write")
     def write(i):
-        tl.store(staged, (i * h,), tl.load(a, (i * h,), (h,)) + 1.0)
+        tl.store(staged, (i * half[0],), tl.load(a, (i * half[0],), half) + 1.0)
         tl.producer_tile_notify(ready, 0)
 
     @tl.compute_part(grid=(1,), name="read")
     def read(i):
         tl.consumer_tile_wait(ready, 0, count=count)
-        tl.store(c, (0,), tl.load(staged, (0,), (n,)) * 2.0)
+        tl.store(c, (0,), tl.load(staged, (0,), a.shape) * 2.0)
 
 
 def test_a_wait_count_too_low_is_a_race_on_every_seed():
@@ -134,19 +132,17 @@ def test_a_wait_count_too_low_is_a_race_on_every_seed():
 def one_piece_at_a_time(a, c):
     """One task writes ``staged`` element by element, notifying one slot after each; reader ``i``
     waits for ``i + 1`` notifies, then reads element ``i``."""
-    n = a.shape[0]
-    staged = tl.local_buffer((n,), a.dtype, "staged")
-    ready = tl.signal("ready", 1)
+    ready, staged = tl.signal("ready", 1), tl.local_buffer(a.shape, a.dtype, "staged")
 
     @tl.compute_part(grid=(1,), name="write")
     def write(i):
-        for k in tl.range(0, n):
+        for k in tl.range(0, a.shape[0]):
             tl.store(staged, (k,), tl.load(a, (k,), (1,)) + 1.0)
             tl.producer_tile_notify(ready, 0)
 
-    @tl.compute_part(grid=(n,), name="read")
+    @tl.compute_part(grid=a.shape, name="read")
     def read(i):
-        tl.consumer_tile_wait(ready, 0, count=i + 1, per_launch=n)
+        tl.consumer_tile_wait(ready, 0, count=i + 1, per_launch=a.shape[0])
         tl.store(c, (i,), tl.load(staged, (i,), (1,)) * 2.0)
 
 

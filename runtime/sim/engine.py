@@ -53,13 +53,38 @@ class SignalSlotClocks:
         self.start = np.zeros(slots, np.int64)
         self.sys: dict[int, dict] = {}                       # slot -> clock (every sys-scope release)
         self.gpu: dict[int, dict[int, dict]] = {}            # slot -> releasing rank -> clock
-        self.releases: dict[int, list] = {}                  # slot -> [(scope, rank, clock)], notify order
+        self.releases: dict[int, list] = {}                  # slot -> [(scope, rank, tid, clock)], notify order
+        # (slot, waiter's rank) -> [(clock, narrow ranks)]: entry j joins what the first (j + 1) * CHECKPOINT
+        # releases order for a waiter on that rank, so a wait needing a long prefix joins one of these
+        # and at most CHECKPOINT - 1 releases after it (rising counts on one slot: not quadratic)
+        self.checkpoints: dict[tuple[int, int], list] = {}
 
     def clear(self) -> None:
         self.start[:] = self.values
         self.sys.clear()
         self.gpu.clear()
         self.releases.clear()
+        self.checkpoints.clear()
+
+    def prefix_checkpoint(self, ch: int, rank: int, upto: int):
+        """(clock, narrow ranks) of the first ``upto`` releases into ``ch`` (a multiple of
+        CHECKPOINT) as a waiter on ``rank`` is ordered after them; built on first use."""
+        marks = self.checkpoints.setdefault((ch, rank), [])
+        releases = self.releases[ch]
+        while len(marks) * CHECKPOINT < upto:
+            clock, narrow = (dict(marks[-1][0]), set(marks[-1][1])) if marks else ({}, set())
+            lo = len(marks) * CHECKPOINT
+            for scope, r, _, c in releases[lo:lo + CHECKPOINT]:
+                if scope == "sys" or r == rank:
+                    join_into(clock, c)
+                else:
+                    narrow.add(r)
+            marks.append((clock, frozenset(narrow)))
+        return marks[upto // CHECKPOINT - 1]
+
+
+#: releases a prefix checkpoint covers (:meth:`SignalSlotClocks.prefix_checkpoint`)
+CHECKPOINT = 32
 
 
 class Engine:
@@ -162,7 +187,12 @@ class Engine:
         # the latest release of each notifier covers its earlier ones (a task's clock only grows), and one
         # the waiter already knows of (its entry for the notifier at least the release's) adds nothing
         narrow, seen, vc = {}, set(), task.vc
-        for scope, rank, tid, clock in reversed(releases[:max(needed, 0)]):
+        base = max(needed, 0) // CHECKPOINT * CHECKPOINT
+        if base:
+            clock, far = sig.prefix_checkpoint(ch, task.rank, base)
+            join_into(vc, clock)
+            narrow.update(dict.fromkeys(sorted(far)))
+        for scope, rank, tid, clock in reversed(releases[base:max(needed, 0)]):
             if scope != "sys" and rank != task.rank:
                 narrow[rank] = None
             elif tid not in seen:

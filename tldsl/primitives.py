@@ -97,7 +97,9 @@ def producer_tile_notify(signal, channel, *, scope: str = "gpu") -> None:
 
 def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
                        lag: int = 0) -> None:
-    """Acquire: block until ``channel`` got ``count`` producer notifies in this launch."""
+    """Acquire: block until ``channel`` got ``count`` producer notifies in this launch.
+    It orders this task after the first ``count`` of them only (whichever landed first): a task
+    that reads what a later notify released must wait for a higher count."""
     _wait("consumer_tile_wait", _signal(signal, "consumer_tile_wait", "local"), channel, count, epoch, per_launch, lag)
 
 
@@ -108,7 +110,9 @@ def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
 
 def peer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
                    lag: int = 0) -> None:
-    """Acquire from peers: block until this rank's slot got ``count`` notifies in this launch."""
+    """Acquire from peers: block until this rank's slot got ``count`` notifies in this launch.
+    It orders this task after the first ``count`` of them only (whichever landed first): a task
+    that reads what a later notify released must wait for a higher count."""
     _wait("peer_tile_wait", _signal(signal, "peer_tile_wait", "symmetric"), channel, count, epoch, per_launch, lag)
 
 
@@ -121,7 +125,8 @@ def rank_notify(signal, channel, rank=None, *, scope: str = "sys") -> None:
 
 def rank_wait(signal, channel, *, count=1, epoch: bool = True, per_launch: int | None = None,
               lag: int = 0) -> None:
-    """Acquire at rank granularity."""
+    """Acquire at rank granularity.
+    Like :func:`consumer_tile_wait`, it orders this task after the first ``count`` notifies only."""
     _wait("rank_wait", _signal(signal, "rank_wait", "symmetric"), channel, count, epoch, per_launch, lag)
 
 

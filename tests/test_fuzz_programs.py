@@ -40,6 +40,10 @@ def test_distribution_over_500_programs(five_hundred):
     assert share(lambda f: f.communicates) >= 0.20
     assert share(lambda f: f.ragged) >= 0.80                       # shapes not multiples of the tile
     assert share(lambda f: f.ordered_waits) >= 0.08                # the tile order a lowering must walk
+    # a consumer of a row block's first columns waiting for fewer notifies than the block gets (the
+    # producer notifying column by column, in order): the wait orders it after those notifies only
+    rising = [c for c in cases if "count=tl.cdiv(tl.minimum(pn" in c.program.source()]
+    assert len(rising) >= 2
     for dtype in ("f16", "bf16", "f32", "i32"):
         assert share(lambda f: dtype in f.dtypes) >= 0.10, dtype
     assert all(f.communicates <= (c.world_size >= 2) for f, c in zip(feats, cases))
@@ -109,6 +113,23 @@ def test_the_signals_of_linked_programs_are_needed():
             _drop_waits(part.body)
         with pytest.raises(SimulationError):
             tl.simulate(kernel, case.world_size, case.inputs, options={"static_checks": False})
+
+
+def test_the_rising_counts_of_generated_waits_are_needed():
+    """A consumer waiting for the producer's column tiles up to its own last column: one fewer
+    (at least one) leaves a consumer of a later column tile reading what it did not wait for."""
+    rising = [(i, p) for i, p in generate_distinct(500, seed=0)           # (a producer of 2+ column tiles)
+              if "count=tl.cdiv(tl.minimum(pn" in p.source() and re.search(r"per_launch=([2-9]|\d\d)", p.source())]
+    assert len(rising) >= 2
+    for i, program in rising:
+        text = re.sub(r"count=(tl\.cdiv\(tl\.minimum\(pn[^)]*\), \d+\))", r"count=tl.maximum(\1 - 1, 1)",
+                      program.source())
+        assert text != program.source()
+        space: dict = {}
+        exec(compile(text, f"<seed 0 program {i}, one fewer>", "exec"), space)     # noqa: S102 - our own source
+        ws = space["WORLD_SIZE"]
+        with pytest.raises(tl.RaceError):
+            tl.simulate(space["tile_program"], ws, make_inputs(space["ARGS"], ws), seed=i)
 
 
 def _drop_waits(block):

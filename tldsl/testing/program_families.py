@@ -124,10 +124,14 @@ def pipeline(g: ProgramGenerator) -> None:
     slots = tiling.gm * tiling.gn if link["tiles"] else tiling.gm
     g.decls.append(SignalDecl(sig, slots))
 
-    def waits(stmts, r0, rows):
+    def waits(stmts, r0, rows, cols=None):
         if link["tiles"]:
             inner = Loop("j", "0", str(tiling.gn), "1", (Call("consumer_tile_wait", (sig, f"q * {tiling.gn} + j")),),
                          static=chance(ch, 50))
+        elif tiling.each_column and cols is not None:
+            # the producer's column tiles up to this task's last column: a rising count, one launch's share
+            count = f"tl.cdiv(tl.minimum({cols}, {tiling.gn * tiling.BN}), {tiling.BN})"
+            inner = Call("consumer_tile_wait", (sig, "q", f"count={count}", f"per_launch={per_slot}"))
         else:
             inner = Call("consumer_tile_wait", (sig, "q") + ((f"count={per_slot}",) if per_slot > 1 else ()))
         stmts.append(Loop("q", f"{r0} // {tiling.BM}", f"tl.cdiv(tl.minimum({r0} + {rows}, {R}), {tiling.BM})", "1",
@@ -231,7 +235,7 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
 
         waits = mapping_waits(g, gathered, Ms, None, sig, "rank_wait", W * Ms) if chance(ch, 40) else None
 
-        def loop_waits(stmts, r0, rows):
+        def loop_waits(stmts, r0, rows, cols=None):
             stmts.append(Loop("q", f"{r0} // {Ms}", f"tl.cdiv(tl.minimum({r0} + {rows}, {W * Ms}), {Ms})", "1",
                               (Call("rank_wait", (sig, "q")),)))
         consume(g, Tensor(gathered, (W * Ms, C), dtype), waits or loop_waits)
@@ -273,7 +277,7 @@ def all_gather(g: ProgramGenerator, engine: str) -> None:
 
     mapped = mapping_waits(g, gathered, slot, T, sig, wait, W * slot) if chance(ch, 40) else None
 
-    def waits(stmts, r0, rows):
+    def waits(stmts, r0, rows, cols=None):
         inner = Loop("j", f"tl.maximum({r0} - q * {slot}, 0) // {T}",
                      f"tl.cdiv(tl.minimum({r0} + {rows} - q * {slot}, {slot}), {T})", "1",
                      (Call(wait, (sig, f"q * {tpr} + j")),))
@@ -287,7 +291,7 @@ def mapping_waits(g: ProgramGenerator, tensor: str, rows: int, tile: int | None,
     name = g.fresh("rows")
     g.decls.append(StaticMappingDecl(name, tensor, rows, tile))
 
-    def waits(stmts, r0, n):
+    def waits(stmts, r0, n, cols=None):
         stmts.append(Invoke(f"{name}.wait_rows", (sig, r0, f"tl.minimum({r0} + {n}, {total})", f"wait=tl.{wait}")))
     return waits
 
@@ -377,7 +381,7 @@ def library_all_gather(g: ProgramGenerator) -> None:
     ag = g.fresh("ag")
     g.decls.append(Assign(ag, f"collectives.all_gather({x}, {gathered}, comm)"))
 
-    def waits(stmts, r0, rows):
+    def waits(stmts, r0, rows, cols=None):
         stmts.append(Invoke(f"{ag}.wait_rows", (r0, f"tl.minimum({r0} + {rows}, {W * Ms})")))
     consume(g, Tensor(gathered, (W * Ms, C), dtype), waits)
 

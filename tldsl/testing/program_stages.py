@@ -13,7 +13,7 @@ from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promo
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
                            Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update)
 
-Waits = Callable[[list, str, int], None]          # (stmts, r0, rows)
+Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
 
 
@@ -37,10 +37,11 @@ class Tiling:
     gm: int
     gn: int
     col_loop: bool
+    each_column: bool = False     # a looping task notifies after each column tile, in column order
 
     @property
     def notifies_per_row_block(self) -> int:
-        return 1 if self.col_loop else self.gn
+        return 1 if self.col_loop and not self.each_column else self.gn
 
 
 def fit(value: Expr, shape, dtype: str | None) -> Expr:
@@ -86,7 +87,7 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
     col_loop = chance(ch, 35)
     stmts: list = [Assign("r0", f"pm * {BM}")]
     if waits:
-        waits(stmts, "r0", BM)
+        waits(stmts, "r0", BM, None if col_loop else f"pn * {BN} + {BN}")
     body: list = [] if col_loop else [Assign("c0", f"pn * {BN}")]
     leaves = g.tile_leaves(body, {t.name: (t.shape, t.dtype, t.exact) for t in reads}, "r0", "c0", BM, BN,
                            reads[0].dtype)
@@ -106,12 +107,17 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
         g.store(body, out.name, ("r0", "c0"), value, guards, alternative)
     else:
         g.store(body, out.name, ("r0", "c0"), value)
-    tiling = Tiling(BM, BN, cdiv(R, BM), cdiv(C, BN), col_loop)
+    # a looping task that notifies after each column tile: a consumer of its first columns waits for
+    # fewer notifies than the row block gets (ordered after those only: the column order keeps it right)
+    each_column = bool(notify) and col_loop and chance(ch, 50)
+    tiling = Tiling(BM, BN, cdiv(R, BM), cdiv(C, BN), col_loop, each_column)
+    if each_column:
+        notify(body, tiling)
     if col_loop:
         stmts.append(Loop("c0", "0", str(C), str(BN), tuple(body)))
     else:
         stmts += body
-    if notify:
+    if notify and not each_column:
         notify(stmts, tiling)
     g.part(role, (tiling.gm,) if col_loop else (tiling.gm, tiling.gn), ("pm",) if col_loop else ("pm", "pn"), stmts)
     return out, tiling

@@ -78,10 +78,11 @@ class ComputeSchedule:
 
     def tile_order(self, grid: tuple[int, ...], rank: int, world_size: int, align_shift: int = 0):
         """The sequence in which a persistent kernel visits the grid's tiles on ``rank``."""
-        if len(grid) == 1:      # a column of tiles: in order, rotated by comm_aligned (as attention walks it)
-            if self.order != "comm_aligned":
+        if len(grid) == 1:      # a column of tiles: in order, rotated by comm_aligned (as attention walks it);
+            if self.order != "comm_aligned":        # no clusters (the lowerings launch none on one axis)
                 return [(i,) for i in range(grid[0])]
-            return [(m,) for m, _ in self.tile_order((grid[0], 1), rank, world_size, align_shift)]
+            return [(m,) for m, _ in replace(self, cluster=(1, 1)).tile_order((grid[0], 1), rank, world_size,
+                                                                            align_shift)]
         cm = self.cluster[0]
         if cm > 1:
             # cluster tiles of cm rows in this order; a cluster's CTAs take its rows in turn

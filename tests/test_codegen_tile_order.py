@@ -120,13 +120,15 @@ def waiting_column(x, y, *, n=7, compute: tl.ComputeSchedule = None):
 
 
 @needs_gxx
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1)])
 @pytest.mark.parametrize("W", [1, 2, 3])
 @pytest.mark.parametrize("order", ["row_major", "swizzled", "comm_aligned"])
-def test_a_column_of_tiles_is_rotated_by_comm_aligned_only(W, order):
+def test_a_column_of_tiles_is_rotated_by_comm_aligned_only(W, order, cluster):
     """A one-axis grid: in order, or, with comm_aligned, starting on rank (rank + shift)'s share —
-    as the attention recipe walks its query tiles (``tile_at`` on a grid of one column)."""
+    as the attention recipe walks its query tiles (``tile_at`` on a grid of one column); the
+    schedule's clusters change nothing there (no lowering launches clusters on one axis)."""
     n = 7
-    compute = tl.ComputeSchedule(tile=(8, 8, 8), order=order)
+    compute = tl.ComputeSchedule(tile=(8, 8, 8), order=order, cluster=cluster)
     x = tl.TensorSpec((8 * n, 8), tl.float32)
     k = waiting_column.trace(W, x, x, compute=compute, n=n)
     part = k.part("tiles")

@@ -11,6 +11,8 @@ at the same places; an i32 element is exact wherever no float error reaches it.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
@@ -129,13 +131,21 @@ def features(kernel) -> Features:
         ragged=any(_ragged(op) for _, op in ops),
         dtypes=frozenset(computed_dtypes(kernel) - {"tf32"}),
         parts=len(kernel.parts),
-        ordered_waits=_reordered(kernel.compute_schedule) and any(
-            part.role == "compute" and op.name in WAIT_OPS for part, op in ops))
+        ordered_waits=any(_reordered(kernel, part) for part in kernel.parts
+                          if part.role == "compute" and any(op.name in WAIT_OPS for op in part.walk())))
 
 
-def _reordered(schedule) -> bool:
-    """Whether a compute schedule runs a grid's tiles in another order than row by row."""
-    return schedule is not None and (schedule.order != "row_major" or tuple(schedule.cluster) != (1, 1))
+def _reordered(kernel, part) -> bool:
+    """Whether the compute schedule runs ``part``'s tiles in another order than row by row on some
+    rank (a schedule may name another order and still give row-major on this grid: one axis,
+    one group, one rank)."""
+    schedule = kernel.compute_schedule
+    if schedule is None:
+        return False
+    grid = tuple(part.grid)
+    rows = list(itertools.product(*(range(g) for g in grid)))
+    return any([tuple(t) for t in schedule.tile_order(grid, r, kernel.world_size, getattr(part, "align_shift", 0))]
+               != rows for r in range(kernel.world_size))
 
 
 def _ragged(op) -> bool:

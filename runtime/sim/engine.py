@@ -45,14 +45,11 @@ class SignalSlotClocks:
     the slot exactly at ``target``, before any later notify. Joining every release the slot has
     received by the time the waiter runs would hide a wait count too low in every interleaving
     where the missing notify happened to land early. So each release's clock is kept
-    (``releases``, in notify order), with the join of all of them (``sys``/``gpu``) for the
-    common wait that needs them all."""
+    (``releases``, in notify order), with joins of whole runs of them (``checkpoints``)."""
 
     def __init__(self, slots: int):
         self.values = np.zeros(slots, np.int64)
         self.start = np.zeros(slots, np.int64)
-        self.sys: dict[int, dict] = {}                       # slot -> clock (every sys-scope release)
-        self.gpu: dict[int, dict[int, dict]] = {}            # slot -> releasing rank -> clock
         self.releases: dict[int, list] = {}                  # slot -> [(scope, rank, tid, clock)], notify order
         # (slot, waiter's rank) -> [(clock, narrow ranks)]: entry j joins what the first (j + 1) * CHECKPOINT
         # releases order for a waiter on that rank, so a wait needing a long prefix joins one of these
@@ -61,8 +58,6 @@ class SignalSlotClocks:
 
     def clear(self) -> None:
         self.start[:] = self.values
-        self.sys.clear()
-        self.gpu.clear()
         self.releases.clear()
         self.checkpoints.clear()
 
@@ -123,13 +118,6 @@ class Engine:
     def notify(self, task: Task, op, name, rank, ch, scope):
         sig = self._slot(task, op, rank, name, ch)
         sig.values[ch] += 1
-        slots = sig.sys if scope == "sys" else sig.gpu.setdefault(ch, {})
-        key = ch if scope == "sys" else task.rank
-        cur = slots.get(key)
-        if cur is None:
-            slots[key] = dict(task.vc)
-        else:
-            join_into(cur, task.vc)
         sig.releases.setdefault(ch, []).append((scope, task.rank, task.tid, dict(task.vc)))
         task.vc[task.tid] += 1
         self._log(task, "notify", f"{name}[{ch}]@{rank}")
@@ -170,20 +158,10 @@ class Engine:
     @staticmethod
     def _acquire(task: Task, sig: SignalSlotClocks, name, ch, target) -> None:
         """Order ``task`` after the releases that brought slot ``ch`` to ``target``: this
-        launch's first ``target - start``, or all of them where the slot holds no more."""
+        launch's first ``target - start`` (none for a lagged wait, which counts an earlier launch's);
+        a release at ``gpu`` scope by another rank orders nothing (noted for the race report)."""
         releases = sig.releases.get(ch, ())
-        needed = int(target - sig.start[ch])
-        if needed >= len(releases):
-            cur = sig.sys.get(ch)
-            if cur is not None:
-                join_into(task.vc, cur)
-            released = sig.gpu.get(ch)
-            if released is not None:
-                cur = released.get(task.rank)
-                if cur is not None:
-                    join_into(task.vc, cur)
-                task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in released if r != task.rank)
-            return
+        needed = min(int(target - sig.start[ch]), len(releases))
         # the latest release of each notifier covers its earlier ones (a task's clock only grows), and one
         # the waiter already knows of (its entry for the notifier at least the release's) adds nothing
         narrow, seen, vc = {}, set(), task.vc
@@ -199,7 +177,7 @@ class Engine:
                 seen.add(tid)
                 if vc.get(tid, 0) < clock[tid]:
                     join_into(vc, clock)
-        if needed > 0:          # (a lagged wait counts an earlier launch's notifies: none of these)
+        if 0 < needed < len(releases):
             task.partial.append(f"{name}[{ch}] (its first {needed} of the {len(releases)} notifies it had)")
         task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in narrow)
 

@@ -12,7 +12,6 @@ at the same places; an i32 element is exact wherever no float error reaches it.
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
@@ -35,7 +34,7 @@ class Features:
     ragged: bool                  # a tile that does not divide the tensor it reads or writes
     dtypes: frozenset[str] = field(default_factory=frozenset)
     parts: int = 1
-    ordered_waits: bool = False   # a waiting compute part whose tiles run in a schedule's other order
+    ordered_waits: bool = False   # a waiting compute part whose tiles run out of row order on some rank
 
 
 @dataclass(repr=False)

@@ -196,7 +196,7 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
     monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
 
     def run_with(shift):
-        def fake_run(kernel, world_size, inputs, timeout_s=None):
+        def fake_run(kernel, world_size, inputs, timeout_s=None, sms=None):
             result = tl.simulate(kernel, world_size, inputs)
             for outputs in result.outputs:
                 for name in outputs:
@@ -225,7 +225,7 @@ def test_a_gpu_fault_stops_the_comparisons_instead_of_failing_every_later_progra
     from tldsl.runtime.gpu.run_errors import GpuRunError
     monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
 
-    def faulting_run(kernel, world_size, inputs, timeout_s=None):
+    def faulting_run(kernel, world_size, inputs, timeout_s=None, sms=None):
         raise GpuRunError("launch 1 failed on the GPU (CUDA_ERROR_ILLEGAL_ADDRESS)")
     monkeypatch.setattr(tl, "run", faulting_run, raising=False)
     status = fuzz.main(["--programs", "3", "--seed", "5", "--gpu", "--no-compile"])

@@ -320,14 +320,18 @@ def test_pipelined_dot_loops_agree_with_the_simulator(name):
     assert "pipelined dot loop" in lk.source and lk.dots == lk.wgmma_dots == 2, lk.describe()
 
 
-def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run():
-    """Every generated program whose parts all lower and compile agrees with the simulator."""
+@pytest.mark.parametrize("sms", [None, 3])
+def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
+    """Every generated program whose parts all lower and compile agrees with the simulator; on
+    three SMs (``--sms 3``) those whose kernels fit run there, their CTAs walking several tiles."""
     from tldsl.testing.fuzz import run
-    reports = run(8, 11, gpu=True)
+    reports = run(8, 11, gpu=True, sms=sms)
     whole = [r for r in reports if not (r.sim_error or r.not_lowered or r.compile_errors or r.lowering_crashes)]
     assert whole, [r.line() for r in reports]
     assert all(r.compared == "agrees" for r in whole), "\n".join(r.line() + "\n" + r.case.source for r in whole
                                                                if r.compared != "agrees")
+    if sms:
+        assert sum(r.sms == sms and r.multi_task_ctas for r in whole) >= 2, [r.line() for r in reports]
 
 
 def test_a_peer_load_in_a_compute_part():
@@ -366,3 +370,52 @@ def test_a_waiting_column_of_tiles_in_the_schedules_order(order):
     got = both(waiting_column, W, inputs, n=n, compute=tl.ComputeSchedule(tile=(8, 8, 8), order=order))
     for r in range(W):
         np.testing.assert_array_equal(got[r]["y"], inputs[r]["x"])
+
+
+def test_parts_waiting_on_each_other_run_on_fewer_ctas_than_tiles():
+    """Two compute parts waiting on each other, in order (tile t of each on tile t of the other),
+    1024 tiles each at two ranks: the run plan gives each part a share of the SMs, far fewer CTAs
+    than tiles, each walking its tiles in order — as the simulator checks by default, on one
+    slot per part."""
+    from test_simulator import two_parts_each_way, two_parts_expected, two_parts_inputs
+    W, n = 2, 1024
+    inputs = two_parts_inputs(W, n)
+    got = both(two_parts_each_way, W, inputs)
+    assert {k.part for k in got.plan.kernels} == {"first", "second"}
+    assert all(k.ctas < n // 4 for k in got.plan.kernels), got.plan.describe()
+    for r in range(W):
+        np.testing.assert_array_equal(got[r]["c"], two_parts_expected(inputs[r]["a"], n, False))
+
+
+def test_parts_waiting_on_each_other_in_crossed_order_hang_on_the_gpu():
+    """The crossed order the simulator refuses by default (a deadlock on one slot per part) does
+    hang on the GPU, where each part has fewer CTAs than tiles: the kernels' waits trap. In a
+    process of its own (a trap leaves its CUDA context unusable)."""
+    import os
+    code = textwrap.dedent(f'''
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import tldsl as tl
+        from tldsl.runtime.gpu.run_errors import GpuHangError
+        from test_simulator import two_parts_each_way, two_parts_inputs
+        import tldsl.runtime.gpu.run_program as rp
+        rp.HOST_SLACK_S = 90.0
+        try:
+            tl.simulate(two_parts_each_way, 1, two_parts_inputs(1, 1024), crossed=True)
+            print("SIMULATED: no deadlock", flush=True)
+        except tl.DeadlockError as e:
+            print("SIMULATOR:", str(e).splitlines()[0], flush=True)
+        try:
+            tl.run(two_parts_each_way, 1, two_parts_inputs(1, 1024), crossed=True, timeout_s=2)
+            print("RETURNED: no hang", flush=True)
+        except GpuHangError as e:
+            print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
+        except BaseException as e:
+            print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+    ''')
+    out = _run_alone(code, 180)
+    said = f"exit status {out.returncode}\n" + out.stdout[-3000:] + out.stderr[-3000:]
+    assert "SIMULATOR: deadlock in launch 1" in out.stdout, said
+    assert "HANG REPORTED: launch 1 failed (" in out.stdout, said

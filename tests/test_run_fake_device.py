@@ -249,14 +249,15 @@ class FakeDevice:
                 starved, rounds = None, 0        # only the starved stream can move: let it
 
 
-def run_fake(fn, W, inputs, seed=0, lowering=None, **kw):
+def run_fake(fn, W, inputs, seed=0, lowering=None, sms=None, **kw):
     """tl.run's own path (its checks and trace, then run_program) on the fake device."""
-    from tldsl.run import trace_for_run
+    from tldsl.run import check_sms, trace_for_run
     options = kw.pop("options", None)
+    check_sms(sms, None)
     ir, per_rank, opts = trace_for_run(fn, W, inputs, seed, options, kw)
     device = FakeDevice(seed)
     res = rp.run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=2.0, device=device,
-                         lowering=lowering)
+                         lowering=lowering, sms=sms)
     return res, device
 
 
@@ -355,6 +356,48 @@ def test_a_launch_that_never_finishes_is_reported_with_the_counters(debugging, m
     assert "the kernel printed the slot" not in said, said              # it has not trapped (yet)
     assert ("traps (and prints the slot, the value it held" in said) == debugging, said
     assert ("set to have the kernel print the slot" in said) == (not debugging), said
+
+
+def test_parts_waiting_on_each_other_on_fewer_ctas_than_tiles_on_the_fake_device(monkeypatch):
+    """``sms=2``: each of the two parts waiting on each other gets one CTA, walking its 12 tiles
+    in order. In order (as the simulator accepts by default) they agree with the simulator;
+    crossed (which it refuses: a deadlock on one slot a part) the launch never finishes. With 5
+    tiles a part, every tile resident on the 24 SMs, the crossed order runs, as in the simulator
+    with ``compute_slots=5``."""
+    from test_simulator import two_parts_each_way, two_parts_expected, two_parts_inputs
+    monkeypatch.setattr(rp, "HOST_SLACK_S", 0.0)
+    n = 12
+    inputs = two_parts_inputs(2, n)
+    res, _ = run_fake(two_parts_each_way, 2, inputs, sms=4)
+    assert sorted(k.ctas for k in res.plan.kernels) == [1, 1, 1, 1], res.plan.describe()
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["c"], two_parts_expected(inputs[r]["a"], n, False))
+    with pytest.raises(GpuHangError, match="launch 1 did not finish"):
+        run_fake(two_parts_each_way, 2, inputs, sms=4, crossed=True)
+    n = 5                       # 4 kernels of 5 tiles: every tile resident on the 24 SMs
+    inputs = two_parts_inputs(2, n)
+    res, _ = run_fake(two_parts_each_way, 2, inputs, crossed=True)
+    assert all(k.ctas == n for k in res.plan.kernels), res.plan.describe()
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["c"], two_parts_expected(inputs[r]["a"], n, True))
+
+
+def test_sms_is_checked_before_anything_runs():
+    """``sms``: a positive int, at most the GPU's SMs, and only for a run on this GPU; too few for
+    the kernels to be resident at once is the run plan's ResidencyError, before any launch."""
+    from tldsl.errors import InputError
+    from tldsl.runtime.gpu.run_errors import ResidencyError
+    inputs = [{"x": np.ones((64, 64), np.float32), "y": np.full((64, 64), np.nan, np.float32)}]
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(InputError, match="sms must be None"):
+            tl.run(scale_rows, 1, inputs, sms=bad)
+    with pytest.raises(InputError, match="sms=: a run across a process group"):
+        tl.run(scale_rows, 1, inputs, sms=4, group=object())
+    with pytest.raises(InputError, match=r"sms=25: the GPU \(fake GPU\) has 24 SMs"):
+        run_fake(scale_rows, 1, inputs, sms=25)
+    from test_simulator import two_parts_each_way, two_parts_inputs
+    with pytest.raises(ResidencyError, match="need at least 4 CTAs resident at once"):
+        run_fake(two_parts_each_way, 2, two_parts_inputs(2, 4), sms=3)
 
 
 @tl.kernel

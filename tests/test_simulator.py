@@ -335,26 +335,110 @@ def later_tile_through_comm(a, c, *, order=(1, 0)):
 
 
 @pytest.mark.parametrize("seed", SEEDS[:3])
-def test_a_tile_waiting_through_another_part_for_a_later_tile_deadlocks_on_one_slot(seed):
-    """Tile 0 waits (through the comm part) for tile 1. Every tile resident (the default, which
-    the race detector's interleavings need), it runs; a GPU may run ``tiles`` on one CTA
-    (nothing makes its run plan keep both resident), tile 0 first, and hang there:
-    ``compute_slots=1`` checks a program against that, and reports the deadlock with the reason.
-    Tile 1 feeding tile 0 runs on one slot too."""
+def test_a_tile_waiting_through_another_part_for_a_later_tile_deadlocks_by_default(seed):
+    """Tile 0 waits (through the comm part) for tile 1. A GPU may run ``tiles`` on one CTA
+    (nothing makes its run plan keep both resident: no signal is both notified and waited on by
+    ``tiles``), tile 0 first, and hang there. So by default the simulator runs a part that waits
+    on its own tiles through other parts on one slot, and reports the deadlock with the reason;
+    every tile resident (``compute_slots=2``) it runs. Tile 1 feeding tile 0 runs either way."""
     W = 2
     inputs = _vec_inputs(W)
-    one = tl.SimOptions(compute_slots=1)
-    for order, options in (((1, 0), one), ((0, 1), None)):
+    for order, options in (((1, 0), None), ((1, 0), tl.SimOptions(compute_slots=1)),
+                           ((0, 1), tl.SimOptions(compute_slots=2))):
         res = tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=order, options=options)
         for r in range(W):
             np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
+    for options, why in ((None, "by default: it waits on its own tiles through other parts, and a GPU may give it "
+                                "fewer CTAs than tiles"),
+                         (tl.SimOptions(compute_slots=1), "compute_slots")):
+        with pytest.raises(tl.DeadlockError) as info:
+            tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1), options=options)
+        msg = str(info.value)
+        assert "compute task tiles(0): consumer_tile_wait on 'moved'[0]" in msg
+        assert "comm task move(0): consumer_tile_wait on 'ready'[0]" in msg
+        assert "2 task(s) cannot start" in msg and f"compute part 'tiles' ran on 1 slot(s) ({why})" in msg, msg
+        assert "through other parts, for a later tile of its own slot" in msg
+
+
+@tl.kernel
+def two_parts_each_way(a, c, *, crossed: bool = False):
+    """Two compute parts waiting on each other: tile t of 'first' stages its rows and then waits
+    for tile t of 'second', which waits for the rows of tile t of 'first' — or, ``crossed``, of
+    tile n - 1 - t. Neither part waits on a signal it notifies itself, so the GPU run plan keeps
+    neither resident: crossed, a part on fewer CTAs than tiles hangs."""
+    n = a.shape[0] // 8
+    staged = tl.signal("staged", n)
+    copied = tl.signal("copied", n)
+    mid = tl.local_buffer(a.shape, a.dtype, "mid")
+
+    @tl.compute_part(grid=(n,), name="first")
+    def first(t):
+        tl.store(mid, (t * 8,), tl.load(a, (t * 8,), (8,)) * 2.0)
+        tl.producer_tile_notify(staged, t)
+        tl.consumer_tile_wait(copied, t)
+        tl.store(c, (t * 8,), tl.load(c, (t * 8,), (8,)) + 1.0)
+
+    @tl.compute_part(grid=(n,), name="second")
+    def second(t):
+        src = n - 1 - t if crossed else t
+        tl.consumer_tile_wait(staged, src)
+        tl.store(c, (t * 8,), tl.load(mid, (src * 8,), (8,)))
+        tl.producer_tile_notify(copied, t)
+
+
+def two_parts_inputs(W, n):
+    return [{"a": np.arange(8 * n, dtype=F32) + 1 + 100 * r, "c": np.full(8 * n, np.nan, F32)} for r in range(W)]
+
+
+def two_parts_expected(a, n, crossed):
+    src = a.reshape(n, 8)[::-1] if crossed else a.reshape(n, 8)
+    return (src * 2 + 1).reshape(-1)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_parts_waiting_on_each_other_in_crossed_order_deadlock_by_default(seed):
+    """Every tile resident, both orders run; a GPU gives each part only its share of the SMs, each
+    CTA walking its tiles in order, so by default the parts run on one slot each: in order they
+    run (on any number of CTAs, as on one), crossed they deadlock."""
+    W, n = 2, 6
+    inputs = two_parts_inputs(W, n)
+    for crossed, options in ((False, None), (True, tl.SimOptions(compute_slots=n))):
+        res = tl.simulate(two_parts_each_way, W, inputs, seed=seed, crossed=crossed, options=options)
+        for r in range(W):
+            np.testing.assert_array_equal(res[r]["c"], two_parts_expected(inputs[r]["a"], n, crossed))
     with pytest.raises(tl.DeadlockError) as info:
-        tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1), options=one)
+        tl.simulate(two_parts_each_way, W, inputs, seed=seed, crossed=True)
     msg = str(info.value)
-    assert "compute task tiles(0): consumer_tile_wait on 'moved'[0]" in msg
-    assert "comm task move(0): consumer_tile_wait on 'ready'[0]" in msg
-    assert "2 task(s) cannot start" in msg and "compute part 'tiles' ran on 1 slot(s) (compute_slots)" in msg, msg
-    assert "through other parts, for a later tile of its own slot" in msg
+    assert "compute task first(0): consumer_tile_wait on 'copied'[0]" in msg
+    assert f"compute task second(0): consumer_tile_wait on 'staged'[{n - 1}]" in msg
+    for part in ("first", "second"):
+        assert f"compute part '{part}' ran on 1 slot(s) (by default: it waits on its own tiles through other" in msg
+
+
+def test_the_parts_run_on_one_slot_by_default_are_those_waiting_on_themselves_through_others():
+    """GEMM + ReduceScatter summing in the GEMM's epilogue: the GEMM waits for the copy engine's
+    copies of its own tiles (one slot); the combine behind MoE's grouped GEMM waits on it but
+    nothing waits back (every task resident); a part whose tiles wait for each other directly is
+    kept resident by the GPU run plan (every task); ``compute_slots`` applies to every part."""
+    from tldsl.ops import OPS
+    from tldsl.run import trace_for_run
+    from tldsl.runtime.sim.engine import compute_slots
+
+    def traced(name, **params):
+        spec = OPS[name]
+        W = params.pop("world_size")
+        case = spec.make_case(np.random.default_rng(0), W, **params)
+        return trace_for_run(spec.kernel, W, case.inputs, 0, None, case.kwargs)[0]
+
+    epilogue = next(p for p in OPS["gemm_reduce_scatter"].mutant_params if p["comm"].reduce_in == "epilogue")
+    assert compute_slots(traced("gemm_reduce_scatter", **epilogue), None) == {"reduce_scatter": None, "gemm": 1}
+    moe = traced("moe_reduce_scatter", **OPS["moe_reduce_scatter"].mutant_params[0])
+    assert compute_slots(moe, None) == {"reduce_scatter": None, "grouped_gemm": None, "combine": None}
+    assert compute_slots(moe, 3) == {"reduce_scatter": 3, "grouped_gemm": 3, "combine": 3}
+    ir = two_parts_each_way.trace(1, tl.TensorSpec((48,), tl.float32), tl.TensorSpec((48,), tl.float32))
+    assert compute_slots(ir, None) == {"first": 1, "second": 1}
+    ir = later_tile_produces.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32))
+    assert compute_slots(ir, None) == {"tiles": None}
 
 
 # -- stale signals -------------------------------------------------------------------------------------

@@ -44,8 +44,20 @@ def check_run_options(timeout_s, lowering, who: str) -> None:
         raise InputError(f"lowering={{'wait_timeout_ns': ...}}: {who} sets the kernels' wait timeout from timeout_s "
                          "(seconds); pass timeout_s instead")
 
+def check_sms(sms, group) -> None:
+    """``tl.run`` 's ``sms``: None or a positive int, and only for a run on this GPU."""
+    if sms is None:
+        return
+    if not isinstance(sms, numbers.Integral) or isinstance(sms, bool) or sms < 1:
+        raise InputError(f"sms must be None (every SM of the GPU) or a positive int, got {sms!r}")
+    if group is not None:
+        raise InputError("sms=: a run across a process group plans each rank's GPU whole; sms applies to a run "
+                         "of every rank on this GPU (group=None)")
+
+
 def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, options=None, *,
-        timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, group=None, **kwargs):
+        timeout_s: float | None = 60.0, lowering: dict | None = None, progress=None, group=None,
+        sms: int | None = None, **kwargs):
     """Run ``kernel`` for ``world_size`` ranks on the current GPU and return a
     :class:`~tldsl.runtime.gpu.run_result.RunResult` (``tl.simulate`` 's interface: ``result[r]``,
     ``.outputs``, ``.workspaces``, plus ``.launch_ms``, ``.plan`` and ``.tensors``).
@@ -64,6 +76,11 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     its stream (the default; the signal between them is then dropped, the stream's order keeps
     its waits), ``"beside"`` it on a stream of its own (the waits real), or ``"folded"`` into its
     kernel where the recipe can. ``progress``: NVRTC's progress reports (``print`` in a notebook).
+    ``sms``: plan the launch on this many of the GPU's SMs (None: all of them), as on a smaller
+    GPU or beside other work: each part's kernel gets its share of them, and a persistent CTA
+    then walks several tiles, in the compute schedule's order — the case the simulator checks
+    (``tl.SimOptions.compute_slots``). Too few for the program's kernels to be resident at
+    once is refused before anything launches (``ResidencyError``).
 
     ``group``: a torch.distributed process group — this process is one rank of it, on its own
     GPU (torchrun), ``inputs`` are this rank's arguments only (one dict, or the arrays in
@@ -71,6 +88,7 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     runtime (:class:`~tldsl.runtime.dist.program_op.FusedProgram`, registered here when
     ``tldsl.runtime.dist`` is imported); the result holds this rank's arrays (``result[rank]``).
     """
+    check_sms(sms, group)
     if group is not None:
         if _ACROSS_GROUP is None:
             raise InputError("tl.run(..., group=...) runs through tldsl.runtime.dist's fused-op runtime: "
@@ -81,7 +99,7 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     check_run_options(timeout_s, lowering, "tl.run")
     from .runtime.gpu.run_program import run_program        # (torch, codegen and the driver: at the call)
     return run_program(ir, per_rank, launches=opts.launches, seed=seed, timeout_s=timeout_s, lowering=lowering,
-                       progress=progress)
+                       progress=progress, sms=sms)
 
 
 def trace_for_run(kernel, world_size, inputs, seed, options, kwargs: dict):

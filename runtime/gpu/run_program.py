@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ...errors import InputError
 from ...ir.types import bfloat16
 from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
@@ -37,8 +38,9 @@ HOST_SLACK_S = 5.0
 
 
 def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, timeout_s: float | None = 60.0,
-                lowering: dict | None = None, progress=None, device=None) -> RunResult:
-    """Run ``ir`` (traced for W ranks) with ``per_rank[r]`` the arguments of rank ``r`` in order."""
+                lowering: dict | None = None, progress=None, device=None, sms: int | None = None) -> RunResult:
+    """Run ``ir`` (traced for W ranks) with ``per_rank[r]`` the arguments of rank ``r`` in order, on
+    ``sms`` of the device's SMs (None: all)."""
     wait_ns = None if timeout_s is None else int(timeout_s * 1e9)
     lowering = dict(lowering or {})
     chain = lowering.get("chain", "after")  # where chained parts run: lowered and planned alike
@@ -47,7 +49,9 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     if device is None:
         from .cuda_device import CudaDevice
         device = CudaDevice()
-    plan, loaded = prepare(ir, lowered, device, progress, chain)
+    if sms is not None and sms > device.sm_count:
+        raise InputError(f"sms={sms}: the GPU ({device.name}) has {device.sm_count} SMs")
+    plan, loaded = prepare(ir, lowered, device, progress, chain, sms)
     tensors, mem = allocate(ir, per_rank, device)
     args = {(k.rank, k.part): pack(bind(k.lowered, k.rank, mem, ctas=k.ctas)) for k in plan.kernels}
     copies = {(c.rank, c.part): PlanExecutor(c.plan, c.rank, pointer_table(mem, c.rank, c.plan),
@@ -67,12 +71,13 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
                      launch_ms=launch_ms, tensors=tensors)
 
 
-def prepare(ir, lowered: dict, device, progress=None, chain: str = "after") -> tuple[RunPlan, dict]:
-    """Compile and load the lowered kernels, and plan the launch on ``device``'s SMs with the
-    driver's occupancy (chained parts where ``chain`` says). Returns the plan and ``{entry: loaded
+def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",
+            sms: int | None = None) -> tuple[RunPlan, dict]:
+    """Compile and load the lowered kernels, and plan the launch on ``device``'s SMs (``sms`` of
+    them, where given) with the driver's occupancy (chained parts where ``chain`` says). Returns the plan and ``{entry: loaded
     kernel}``."""
     loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
-    plan = plan_run(ir, lowered, sm_count=device.sm_count,
+    plan = plan_run(ir, lowered, sm_count=device.sm_count if sms is None else sms,
                     occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain)
     return plan, loaded
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
+from ...ir.part_graph import reaches, self_signals, waits_on
 from ...ir.semantics import wait_target
 from .clocks import join_into, new_clock
 from .interpreter import Interpreter
@@ -82,6 +83,23 @@ class SignalSlotClocks:
 CHECKPOINT = 32
 
 
+def compute_slots(kernel, asked: int | None) -> dict[str, int | None]:
+    """Slots each compute part runs on (None: every task resident at once). ``asked``
+    (:attr:`.options.SimOptions.compute_slots`) applies to every compute part. By default a part
+    runs every task at once — the GPU run plan keeps a part whose tasks wait for each other
+    resident, or refuses the launch — except a part that waits on its own tiles only *through
+    other parts*: the run plan gives it whatever CTAs its share of the SMs allows, which may be
+    fewer than its tiles, each CTA walking its tiles in order. It runs on one slot: with counters
+    that only grow, a program that finishes with each part's tiles one after another in tile
+    order finishes with its tiles spread over any number of CTAs, so one slot is the case that
+    holds for every GPU."""
+    if asked is not None:
+        return {p.name: asked for p in kernel.parts}
+    deps = waits_on(kernel)
+    return {p.name: 1 if p.role == "compute" and not self_signals(p) and reaches(deps, p.name, p.name) else None
+            for p in kernel.parts}
+
+
 class Engine:
     """Runs launches; owns memory, signals, the scheduler and the event log."""
 
@@ -97,6 +115,7 @@ class Engine:
         self.ready: list[Task] = []
         self.progress = None             # a ProgressReporter, asked every CHECK_EVERY steps
         self._check_at = float("inf")
+        self.slots = compute_slots(kernel, options.compute_slots)
 
     def report_progress(self, reporter):
         self.progress = reporter
@@ -217,7 +236,7 @@ class Engine:
             for coords in order:
                 tasks.append(Task(tid, rank, part, tuple(coords), self.launch))
                 tid += 1
-            limit = part.lanes if part.role == "comm" else opts.compute_slots
+            limit = part.lanes if part.role == "comm" else self.slots[part.name]
             if limit and limit < len(tasks):
                 # as the GPU runs them: lane b (a CTA, or the copy engine's one stream) takes tasks
                 # b, b + lanes, ... of the order, each after the last (not whichever a free lane
@@ -297,10 +316,13 @@ class Engine:
             lines.append(f"  {queued} task(s) cannot start: each waits behind a blocked task of its lane (a lane "
                          f"runs its tasks one after another, as a persistent CTA does: compute_slots / "
                          f"communication lanes)")
-            slots = self.options.compute_slots
             for name in sorted({q[0][0].part.name for q in queues if len(q[0]) > q[1] and q[0][0].part.role ==
                                 "compute"}):
-                lines.append(f"  compute part '{name}' ran on {slots} slot(s) (compute_slots), as on a GPU that "
+                slots = self.slots[name]
+                why = ("compute_slots" if self.options.compute_slots is not None else
+                       "by default: it waits on its own tiles through other parts, and a GPU may give it fewer "
+                       "CTAs than tiles")
+                lines.append(f"  compute part '{name}' ran on {slots} slot(s) ({why}), as on a GPU that "
                              f"gives it {slots} CTA(s): a tile that waits, directly or through other parts, for a "
                              f"later tile of its own slot hangs there. Wait only on earlier tiles (reorder the tiles "
                              f"or the signals), or make the part's tiles wait for each other directly (the GPU run "

@@ -15,11 +15,15 @@ class SimOptions:
     launches: how many times the kernel is launched back to back (signals and workspaces
         persist, so stale signals of an earlier launch are caught); a group barrier
         separates launches, as the host-side stream order of the GPU runtime does.
-    compute_slots: how many compute tasks of a rank may be resident at once (None = all, as the
-        GPU run plan keeps a compute part that waits on itself): slot b runs tasks b, b + slots,
-        ... of the compute schedule's tile order, one after another, as a persistent kernel's
-        CTA does, so a wait on a tile that can only start later in its slot is a deadlock, as on
-        the GPU. A communication part's lanes run its tasks the same way.
+    compute_slots: how many tasks of each compute part of a rank may be resident at once: slot
+        b runs tasks b, b + slots, ... of the compute schedule's tile order, one after another,
+        as a persistent kernel's CTA does, so a wait on a tile that can only start later in its
+        slot is a deadlock, as on the GPU. A communication part's lanes run its tasks the same
+        way. None (the default): every task at once (as the GPU run plan keeps a compute part
+        that waits on itself), except a part that waits on its own tiles only through other
+        parts, which runs on one slot — the GPU may give it fewer CTAs than tiles, and a program
+        that finishes on one slot finishes on any number (:func:`.engine.compute_slots`). A
+        number larger than every part's tile count runs every task at once.
     check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace
         memory nothing wrote).
     static_checks: run the static channel analysis before simulating (a wait nothing can

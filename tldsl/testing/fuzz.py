@@ -3,14 +3,17 @@ compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on
 compare with the simulator, each output element within its own tolerance (a bound on the
 GPU's legitimate error there: :mod:`.program_tolerance`).
 
-    python -m tldsl.testing.fuzz --programs N --seed S [--gpu] [--sass] [--show-source] [--only I]
+    python -m tldsl.testing.fuzz --programs N --seed S [--gpu [--sms N]] [--sass] [--show-source] [--only I]
 
 One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
 compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
 fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
 run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
-``--only I`` reruns program I of the seed alone. ``--sass`` (needs cuobjdump) also disassembles
+``--only I`` reruns program I of the seed alone. ``--sms N`` runs every program on N of the
+GPU's SMs (``tl.run(sms=N)``): its parts' persistent CTAs then walk several tiles each, in the
+compute schedule's order, where on a whole GPU the small generated grids give every tile a CTA
+of its own; a program whose kernels need more SMs at once runs on all of them (counted). ``--sass`` (needs cuobjdump) also disassembles
 every kernel of the general lowering with a ``dot`` and fails the program where a dot is not on
 the tensor cores (HGMMA for each the lowering put on WGMMA, HMMA for each on ``mma.sync``) or
 where the kernel can trap — except a kernel with waits under ``--gpu``, whose waits are compiled
@@ -55,6 +58,8 @@ class Report:
     sass_problems: dict = field(default_factory=dict)    # part -> what its SASS shows wrong
     spills: dict = field(default_factory=dict)           # part -> the registers its general kernel spills
     compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
+    sms: int | None = None                               # the SMs its GPU run was planned on (None: all)
+    multi_task_ctas: bool = False                        # some CTA of its GPU run walked several tiles
     reference: object = None
     context_lost: bool = False                           # its GPU fault left the CUDA context unusable
 
@@ -207,10 +212,12 @@ def gpu_unavailable() -> str | None:
     return None
 
 
-def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> None:
-    """Run the program with ``tl.run`` and compare. A GPU kernel cannot be cancelled: a run still
-    going after ``hang_seconds`` is reported as a hang, with the program, and the process ends."""
+def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: int | None = None) -> None:
+    """Run the program with ``tl.run`` (on ``sms`` SMs where its kernels fit on them, else on all)
+    and compare. A GPU kernel cannot be cancelled: a run still going after ``hang_seconds`` is
+    reported as a hang, with the program, and the process ends."""
     import tldsl as tl
+    from ..runtime.gpu.run_errors import ResidencyError
     case = report.case
     out = out or sys.stdout
 
@@ -222,7 +229,15 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> Non
     watchdog.daemon = True
     watchdog.start()
     try:
-        result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
+        try:
+            result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S, sms=sms)
+            report.sms = sms
+        except ResidencyError:
+            if sms is None:
+                raise
+            result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
+        plan = getattr(result, "plan", None)     # (a stand-in for tl.run may return the simulator's result)
+        report.multi_task_ctas = plan is not None and any(k.ctas < _tiles(k.lowered) for k in plan.kernels)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
         report.context_lost = _loses_the_context(e)
@@ -233,7 +248,14 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None) -> Non
     report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
 
 
-def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True, sass: bool = False) -> list[str]:
+def _tiles(lowered) -> int:
+    """Tiles (tasks) a lowered kernel walks: its grid with no limit on CTAs."""
+    g = lowered.grid(1 << 30)
+    return g[0] * g[1] * g[2]
+
+
+def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True, sass: bool = False,
+            sms: int | None = None) -> list[str]:
     n = len(reports)
     ok = [r for r in reports if r.features is not None and not r.sim_error]
     parts = sum(len(r.lowered) + len(r.not_lowered) + len(r.lowering_crashes) for r in reports)
@@ -254,6 +276,11 @@ def summary(reports: list[Report], seconds: float, compiled_kernels: bool = True
              + (f"{sass_checked} with dots checked in SASS, {sass_wrong} wrong; " if sass else "")
              + (f"{len(compared)} compared on the GPU, {mismatched} mismatches" if compared else "not compared on a GPU")
              + f" ({seconds:.1f} s)"]
+    if sms is not None and compared:
+        on = sum(r.sms == sms for r in compared)
+        walked = sum(r.multi_task_ctas for r in compared)
+        lines.append(f"on {sms} SMs: {on} of the {len(compared)} compared programs (the others' kernels need more at "
+                     f"once: run on every SM); {walked} with CTAs walking several tiles")
     lost = [r for r in reports if r.context_lost]
     if lost:
         skipped = sum(r.compared.startswith("not compared: the CUDA context was lost") for r in reports)
@@ -288,7 +315,8 @@ LOWERING_PATHS = (
 
 
 def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,
-        compile_kernels: bool = True, out=None, hang_seconds: float = 120.0, sass: bool = False) -> list[Report]:
+        compile_kernels: bool = True, out=None, hang_seconds: float = 120.0, sass: bool = False,
+        sms: int | None = None) -> list[Report]:
     out = out or sys.stdout
     t0 = time.perf_counter()
     print(f"seed {seed}", file=out)
@@ -316,7 +344,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         elif lost_at is not None:
             rep.compared = f"not compared: the CUDA context was lost at program #{lost_at:04d}"
         elif why_no_gpu is None:
-            compare_on_gpu(rep, hang_seconds, out)
+            compare_on_gpu(rep, hang_seconds, out, sms)
             if rep.context_lost:
                 lost_at = rep.index
         else:
@@ -324,7 +352,7 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         print(rep.line(), file=out)
         if show_source or rep.failed:
             print(rep.case.source, file=out)
-    for line in summary(reports, time.perf_counter() - t0, compile_kernels, sass and compile_kernels):
+    for line in summary(reports, time.perf_counter() - t0, compile_kernels, sass and compile_kernels, sms):
         print(line, file=out)
     return reports
 
@@ -347,6 +375,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sass", action="store_true",
                     help="check the SASS of every general-lowering kernel with a dot: each dot on the tensor "
                          "cores, no trap (needs cuobjdump)")
+    ap.add_argument("--sms", type=int, default=None, metavar="N",
+                    help="with --gpu: run each program on N of the GPU's SMs (CTAs walking several tiles); "
+                         "one whose kernels need more at once runs on all")
     ap.add_argument("--hang-seconds", type=float, default=120.0,
                     help="with --gpu: a program still running after this long is a hang (exit status 3)")
     args = ap.parse_args(argv)
@@ -366,6 +397,8 @@ def main(argv=None) -> int:
                       "more are refused (set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts)", file=sys.stderr)
         else:
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    if args.sms is not None and (args.sms < 1 or not args.gpu):
+        ap.error("--sms N: a positive number of SMs, with --gpu")
     if args.sass and args.no_compile:
         ap.error("--sass checks compiled kernels: drop --no-compile")
     if args.sass:
@@ -373,7 +406,7 @@ def main(argv=None) -> int:
         if toolchain.find_toolchain().cuobjdump is None:
             ap.error("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
-                  hang_seconds=args.hang_seconds, sass=args.sass)
+                  hang_seconds=args.hang_seconds, sass=args.sass, sms=args.sms)
     return 1 if any(r.failed for r in reports) else 0
 
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import tldsl as tl
 from tldsl.errors import SimulationError
 from tldsl.ir.opdefs import WAIT_OPS
+from tldsl.ir.part_graph import waited_signals
 from tldsl.testing import strategies as tst
 from tldsl.testing.fuzz import main as fuzz_main
 from tldsl.testing.program_case import FuzzCase, features
@@ -40,6 +41,7 @@ def test_distribution_over_500_programs(five_hundred):
     assert share(lambda f: f.communicates) >= 0.20
     assert share(lambda f: f.ragged) >= 0.80                       # shapes not multiples of the tile
     assert share(lambda f: f.ordered_waits) >= 0.03                # the tile order a lowering must walk
+    assert share(lambda f: f.waits_back) >= 0.015                  # parts waiting on each other: one slot each
     # a consumer of a row block's first columns waiting for fewer notifies than the block gets (the
     # producer notifying column by column, in order): the wait orders it after those notifies only
     rising = [c for c in cases if "count=tl.cdiv(tl.minimum(pn" in c.program.source()]
@@ -130,6 +132,43 @@ def test_the_rising_counts_of_generated_waits_are_needed():
         ws = space["WORLD_SIZE"]
         with pytest.raises(tl.RaceError):
             tl.simulate(space["tile_program"], ws, make_inputs(space["ARGS"], ws), seed=i)
+
+
+def test_parts_generated_to_wait_on_each_other_run_on_one_slot_each():
+    """A pipeline whose producer also waits for the consumer's tasks before its own row block: the
+    simulator runs its compute parts on one slot (a communication part on its lanes), tiles in order (as a GPU giving each fewer CTAs than
+    tiles), and they finish with the results of every tile resident. Waiting instead for every
+    consumer task — the last of which needs the producer's last row block — deadlocks there,
+    and runs only with every tile resident: the case a GPU run on fewer CTAs hangs in."""
+    from tldsl.runtime.sim.engine import compute_slots
+    checked = 0
+    for i, program in generate_distinct(500, seed=0):
+        case = FuzzCase(program, f"seed 0 program {i}")
+        kernel = case.trace()
+        slots = compute_slots(kernel, None)
+        if 1 not in slots.values():
+            continue
+        assert all(slots[p.name] == 1 for p in kernel.parts if p.role == "compute"), (slots, case.source)
+        producer = next(p for p in kernel.parts if any(s.name.startswith("consumed") for s in waited_signals(p)))
+        one = case.simulate(seed=i)
+        every = case.simulate(seed=i, options=tl.SimOptions(compute_slots=10**6))
+        for r in range(case.world_size):
+            for name in case.outputs:
+                np.testing.assert_array_equal(one[r][name], every[r][name])
+        if producer.grid[0] < 2 or producer.role != "compute":    # (a comm part's lanes walk in order anyway)
+            continue
+        source = program.source()
+        text = re.sub(r"tl\.minimum\(pm \* \d+ // \d+ \* \d+, 1\)", "1", source)
+        text = re.sub(r"count=pm \* \d+ // \d+ \* \d+, per_launch=(\d+)", r"count=\1, per_launch=\1", text)
+        assert text.count("count=") == source.count("count=") and text != source
+        space: dict = {}
+        exec(compile(text, f"<seed 0 program {i}, every consumer task>", "exec"), space)  # noqa: S102 - our source
+        ws, inputs = space["WORLD_SIZE"], make_inputs(space["ARGS"], space["WORLD_SIZE"])
+        with pytest.raises(tl.DeadlockError, match="ran on 1 slot"):
+            tl.simulate(space["tile_program"], ws, inputs, seed=i)
+        tl.simulate(space["tile_program"], ws, inputs, seed=i, options=tl.SimOptions(compute_slots=10**6))
+        checked += 1
+    assert checked >= 4
 
 
 def _drop_waits(block):

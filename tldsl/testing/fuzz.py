@@ -38,7 +38,8 @@ from .program_gen import RandomChooser
 
 FEATURE_NAMES = {"dot": "a dot", "range_loop": "a tl.range loop", "linked_parts": "parts linked by signals",
                  "communicates": "communication over W>=2", "ragged": "shapes not multiples of the tile",
-                 "ordered_waits": "waiting compute tiles out of row order"}
+                 "ordered_waits": "waiting compute tiles out of row order",
+                 "waits_back": "parts waiting on each other"}
 
 
 @dataclass

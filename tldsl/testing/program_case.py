@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
+from ..runtime.sim.engine import compute_slots
 from .program_inputs import make_inputs
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, TOLERANCES, compare, mismatches, reference_with_tolerances
 from .program_tree import Program
@@ -35,6 +36,7 @@ class Features:
     dtypes: frozenset[str] = field(default_factory=frozenset)
     parts: int = 1
     ordered_waits: bool = False   # a waiting compute part whose tiles run out of row order on some rank
+    waits_back: bool = False      # a compute part waiting on its own tiles through another part (one slot)
 
 
 @dataclass(repr=False)
@@ -131,7 +133,8 @@ def features(kernel) -> Features:
         dtypes=frozenset(computed_dtypes(kernel) - {"tf32"}),
         parts=len(kernel.parts),
         ordered_waits=any(_reordered(kernel, part) for part in kernel.parts
-                          if part.role == "compute" and any(op.name in WAIT_OPS for op in part.walk())))
+                          if part.role == "compute" and any(op.name in WAIT_OPS for op in part.walk())),
+        waits_back=1 in compute_slots(kernel, None).values())
 
 
 def _reordered(kernel, part) -> bool:

@@ -7,6 +7,8 @@ on SMs or on the copy engine, an all-reduce) followed by a compute stage.
 signals, >= 20% communicating over W >= 2)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import program_stages as stages
 from .program_gen import Chooser, ProgramGenerator, RandomChooser, cdiv, chance, weighted
 from .program_stages import Tensor, Tiling
@@ -25,6 +27,8 @@ def generate(ch: Chooser, families=None) -> Program:
     family = weighted(ch, table)
     {"single": single, "pipeline": pipeline, "comm": communication}[family](g)
     g.compute = compute_schedule(g)
+    if family == "pipeline":
+        wait_back(g)
     return g.program()
 
 
@@ -137,9 +141,33 @@ def pipeline(g: ProgramGenerator) -> None:
         stmts.append(Loop("q", f"{r0} // {tiling.BM}", f"tl.cdiv(tl.minimum({r0} + {rows}, {R}), {tiling.BM})", "1",
                           (inner,)))
 
+    producer = g.parts[-1].name
     consume(g, ws, waits)
+    g.pipeline = (producer, g.parts[-1].name)
 
 
+def wait_back(g: ProgramGenerator) -> None:
+    """One pipeline in five whose tiles run in row-major order: the producer's task, after its
+    notifies, also waits until the consumer has finished every task whose rows lie before its own
+    row block (the consumer notifies once a task, at its end). The two parts then wait on each
+    other, so the simulator runs each on one slot, tiles in order, as a GPU giving it fewer CTAs
+    than tiles does, and the GPU runs them side by side. Drawn after everything else (the
+    programs without it are those generated before it existed)."""
+    ch = g.ch
+    if "order=" in (g.compute or "") or not chance(ch, 20):
+        return
+    producer, consumer = g.pipeline
+    parts = {p.name: i for i, p in enumerate(g.parts)}
+    prod, cons = g.parts[parts[producer]], g.parts[parts[consumer]]
+    BMp, BMc = g.row_tiles[producer], g.row_tiles[consumer]
+    per_row = cons.grid[1] if len(cons.grid) == 2 else 1
+    sig = g.fresh("consumed")
+    g.decls.append(SignalDecl(sig, 1))
+    done = f"pm * {BMp} // {BMc} * {per_row}"          # consumer tasks whose rows end by this row block
+    wait = Call("consumer_tile_wait", (sig, "0", f"count={done}", f"per_launch={cons.grid[0] * per_row}"))
+    g.parts[parts[producer]] = replace(prod, body=prod.body + (Loop("b0", "0", f"tl.minimum({done}, 1)", "1",
+                                                                    (wait,)),))
+    g.parts[parts[consumer]] = replace(cons, body=cons.body + (Call("producer_tile_notify", (sig, "0")),))
 def consume(g: ProgramGenerator, src: Tensor, waits) -> None:
     """The consumer stage: elementwise, a GEMM with ``src`` as A, a row reduction or a softmax."""
     ch = g.ch

@@ -94,6 +94,8 @@ class ProgramGenerator:
         self.comm: str | None = None     # the communication schedule the library's collectives take
         self.compute: str | None = None  # a compute schedule: the order the compute parts' tiles run in
         self.dot_tiles: list[tuple[int, int, int]] = []  # (BM, BN, BK) of each K loop of dots generated
+        self.row_tiles: dict[str, int] = {}               # part -> rows a task covers (where a stage said)
+        self.pipeline: tuple[str, str] | None = None     # (producer, consumer) of a pipeline program
 
     # -- names and declarations ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -119,9 +121,13 @@ class ProgramGenerator:
         self.decls.append(SignalDecl(name, slots, scope))
         return name
 
-    def part(self, role, grid, params, body, engine=None) -> None:
+    def part(self, role, grid, params, body, engine=None, row_tile: int | None = None) -> None:
+        """Add a part; ``row_tile``: the rows a task of it covers (``r0 = pm * row_tile``), where
+        another part's waits count its tasks."""
         self.parts.append(Part(self.fresh("stage" if role == "compute" else "comm"), role, tuple(grid),
                                tuple(params), tuple(body), engine))
+        if row_tile is not None:
+            self.row_tiles[self.parts[-1].name] = row_tile
 
     def program(self) -> Program:
         return Program(self.world_size, tuple(self.args), tuple(self.decls), tuple(self.parts), self.comm,

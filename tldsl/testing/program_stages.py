@@ -119,7 +119,8 @@ def ewise(g: ProgramGenerator, reads: list[Tensor], out: Tensor | None = None, *
         stmts += body
     if notify and not each_column:
         notify(stmts, tiling)
-    g.part(role, (tiling.gm,) if col_loop else (tiling.gm, tiling.gn), ("pm",) if col_loop else ("pm", "pn"), stmts)
+    g.part(role, (tiling.gm,) if col_loop else (tiling.gm, tiling.gn), ("pm",) if col_loop else ("pm", "pn"), stmts,
+           row_tile=BM)
     return out, tiling
 
 
@@ -193,7 +194,7 @@ def gemm(g: ProgramGenerator, a: Tensor, out: Tensor | None = None, *, role="com
     tiling = Tiling(BM, BN, cdiv(R, BM), cdiv(N, BN), False)
     if notify:
         notify(stmts, tiling)
-    g.part(role, (tiling.gm, tiling.gn), ("pm", "pn"), stmts)
+    g.part(role, (tiling.gm, tiling.gn), ("pm", "pn"), stmts, row_tile=BM)
     return out, tiling
 
 
@@ -238,7 +239,7 @@ def row_reduce(g: ProgramGenerator, src: Tensor, *, waits: Waits | None = None) 
     value = g.tree([acc], 1) if acc_dtype == "f32" and chance(ch, 40) else acc
     out = output(g, (R,), value, None)
     g.store(stmts, out.name, ("r0",), fit(value, (BM,), out.dtype))
-    g.part("compute", (cdiv(R, BM),), ("pm",), stmts)
+    g.part("compute", (cdiv(R, BM),), ("pm",), stmts, row_tile=BM)
     return out
 
 
@@ -270,7 +271,7 @@ def softmax(g: ProgramGenerator, src: Tensor, out: Tensor | None = None, *, role
     tiling = Tiling(BM, BC, cdiv(R, BM), 1, True)
     if notify:
         notify(stmts, tiling)
-    g.part(role, (tiling.gm,), ("pm",), stmts)
+    g.part(role, (tiling.gm,), ("pm",), stmts, row_tile=BM)
     return out, tiling
 
 

@@ -349,7 +349,7 @@ def test_a_tile_waiting_through_another_part_for_a_later_tile_deadlocks_by_defau
         for r in range(W):
             np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
     for options, why in ((None, "by default: it waits on its own tiles through other parts, and a GPU may give it "
-                                "fewer CTAs than tiles"),
+                                "fewer CTAs than tiles; tl.SimOptions(compute_slots=N) checks it on N"),
                          (tl.SimOptions(compute_slots=1), "compute_slots")):
         with pytest.raises(tl.DeadlockError) as info:
             tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1), options=options)
@@ -415,14 +415,14 @@ def test_parts_waiting_on_each_other_in_crossed_order_deadlock_by_default(seed):
         assert f"compute part '{part}' ran on 1 slot(s) (by default: it waits on its own tiles through other" in msg
 
 
-def test_the_parts_run_on_one_slot_by_default_are_those_waiting_on_themselves_through_others():
+def test_the_parts_run_on_one_slot_are_those_waiting_on_themselves_through_others():
     """GEMM + ReduceScatter summing in the GEMM's epilogue: the GEMM waits for the copy engine's
-    copies of its own tiles (one slot); the combine behind MoE's grouped GEMM waits on it but
-    nothing waits back (every task resident); a part whose tiles wait for each other directly is
-    kept resident by the GPU run plan (every task); ``compute_slots`` applies to every part."""
+    copies of its own tiles (checked on one slot); the combine behind MoE's grouped GEMM waits on
+    it but nothing waits back; a part whose tiles wait for each other directly is kept resident by
+    the GPU run plan. ``compute_slots`` applies to every part."""
     from tldsl.ops import OPS
     from tldsl.run import trace_for_run
-    from tldsl.runtime.sim.engine import compute_slots
+    from tldsl.runtime.sim.engine import compute_slots, parts_waiting_through_others
 
     def traced(name, **params):
         spec = OPS[name]
@@ -431,14 +431,54 @@ def test_the_parts_run_on_one_slot_by_default_are_those_waiting_on_themselves_th
         return trace_for_run(spec.kernel, W, case.inputs, 0, None, case.kwargs)[0]
 
     epilogue = next(p for p in OPS["gemm_reduce_scatter"].mutant_params if p["comm"].reduce_in == "epilogue")
-    assert compute_slots(traced("gemm_reduce_scatter", **epilogue), None) == {"reduce_scatter": None, "gemm": 1}
+    assert parts_waiting_through_others(traced("gemm_reduce_scatter", **epilogue)) == ["gemm"]
     moe = traced("moe_reduce_scatter", **OPS["moe_reduce_scatter"].mutant_params[0])
+    assert parts_waiting_through_others(moe) == []
     assert compute_slots(moe, None) == {"reduce_scatter": None, "grouped_gemm": None, "combine": None}
-    assert compute_slots(moe, 3) == {"reduce_scatter": 3, "grouped_gemm": 3, "combine": 3}
+    assert compute_slots(moe, 3, ["combine"]) == {"reduce_scatter": 3, "grouped_gemm": 3, "combine": 3}
+    assert compute_slots(moe, None, ["combine"]) == {"reduce_scatter": None, "grouped_gemm": None, "combine": 1}
     ir = two_parts_each_way.trace(1, tl.TensorSpec((48,), tl.float32), tl.TensorSpec((48,), tl.float32))
-    assert compute_slots(ir, None) == {"first": 1, "second": 1}
+    assert parts_waiting_through_others(ir) == ["first", "second"]
     ir = later_tile_produces.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.float32))
-    assert compute_slots(ir, None) == {"tiles": None}
+    assert parts_waiting_through_others(ir) == []
+
+
+@tl.kernel
+def count_one_of_two(a, c):
+    """Tiles 0 and 1 of 'tiles' both notify 'ready'; 'move' waits for a count of one but reads
+    what tile 0 alone wrote, and feeds tile 1 (so 'tiles' waits on itself through 'move'). On one
+    slot tile 0 always notifies first; with both resident, tile 1 may: a race."""
+    n = a.shape[0]
+    ready = tl.signal("ready", 1)
+    moved = tl.signal("moved", 1)
+    first = tl.local_buffer((n,), a.dtype, "first")
+    second = tl.local_buffer((n,), a.dtype, "second")
+
+    @tl.comm_part(grid=(1,), name="move")
+    def move(i):
+        tl.consumer_tile_wait(ready, 0, count=1, per_launch=2)
+        tl.store(second, (0,), tl.load(first, (0,), (n,)))
+        tl.producer_tile_notify(moved, 0)
+
+    @tl.compute_part(grid=(2,), name="tiles")
+    def tiles(t):
+        with tl.when(t == 0):
+            tl.store(first, (0,), tl.load(a, (0,), (n,)))
+        tl.producer_tile_notify(ready, 0)
+        with tl.when(t == 1):
+            tl.consumer_tile_wait(moved, 0)
+            tl.store(c, (0,), tl.load(second, (0,), (n,)) + 1.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_part_checked_on_one_slot_still_has_its_races_found(seed):
+    """The one-slot run finds the deadlocks; the race detector needs every tile resident, so the
+    simulator runs such a kernel both ways (the race shows on every seed)."""
+    with pytest.raises(tl.RaceError, match="race on first of rank 0"):
+        tl.simulate(count_one_of_two, 1, _vec_inputs(1), seed=seed)
+    from tldsl.runtime.sim.engine import parts_waiting_through_others
+    assert parts_waiting_through_others(count_one_of_two.trace(1, tl.TensorSpec((8,), tl.float32),
+                                                               tl.TensorSpec((8,), tl.float32))) == ["tiles"]
 
 
 # -- stale signals -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from ..match.combine import WHAT, CombineMatch
 from ..match.per_row import depends_on
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook, \
     written_buffers
+from .wgmma import check_cluster_waits
 
 #: threads per CTA; each owns VEC (4 or 8, :func:`vector_width`) consecutive columns of a tile row
 #: at a time. A gather is bound by
@@ -67,6 +68,7 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     tile (a CTA of its own, or the spare warps of the grouped GEMM it is folded into)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     _check(m)
+    check_cluster_waits(WHAT, kernel, part, (1, 1), sched.cluster)    # (it walks its tiles row by row)
     iv = m.loop.regions[0].args[0]
     col = m.gather.operands[2]
     col_per_row = depends_on(col, iv)

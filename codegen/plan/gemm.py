@@ -379,7 +379,7 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         _check_notifies_follow_a_store(m)
     cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, K=K, cluster=cluster,
                         loc=part.loc)
-    check_cluster_waits(WHAT, kernel, part, cfg.cluster)
+    check_cluster_waits(WHAT, kernel, part, cfg.cluster, sched.cluster)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),

@@ -116,7 +116,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     written = written_buffers(kernel)
     if cfg.cluster != (1, 1):
         _check_cluster(m, written, ops, cfg.cluster)
-        check_cluster_waits(WHAT, kernel, part, cfg.cluster)
+    check_cluster_waits(WHAT, kernel, part, cfg.cluster, sched.cluster)
     if m.row_limit is not None:
         _check_row_limit(m, written, ops)
     signals = signals_used(ops)

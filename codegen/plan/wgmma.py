@@ -191,15 +191,24 @@ def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, stor
                              f"(pad K and N to multiples of {16 // eb})", dot)
 
 
-def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster) -> None:
+def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster, scheduled=(1, 1)) -> None:
     """Refuse thread-block clusters for a part that waits, directly or through other parts, on
     what it notifies itself: the CTAs of a cluster share B (TMA multicast), so neither of their
     tiles finishes before both have passed their waits — a tile whose wait needs its partner's
     result (a row stored, then moved back by a communication part) would hang on any grid, a
-    coupling the simulator, running the tiles apart, does not model."""
-    if tuple(cluster) == (1, 1) or not reaches(waits_on(kernel), part.name, part.name):
+    coupling the simulator, running the tiles apart, does not model. Such a part must also walk
+    its tiles in the schedule's order (``scheduled``: the schedule's clusters, which order the
+    tiles): the simulator checks it in that order on one slot, as a GPU giving it fewer CTAs than
+    tiles runs it, and a kernel walking another order could wait on a later tile of its CTA."""
+    if not reaches(waits_on(kernel), part.name, part.name):
         return
-    raise fail(what, f"cluster {tuple(cluster)}: the CTAs of a cluster share B, so neither tile finishes before both "
-               f"have passed their waits, and part '{part.name}' waits, through other parts, on signals it "
-               "notifies itself: a tile's wait could need its cluster partner's result and hang. Use cluster "
-               "(1, 1)", part)
+    if tuple(cluster) != (1, 1):
+        raise fail(what, f"cluster {tuple(cluster)}: the CTAs of a cluster share B, so neither tile finishes before "
+                   f"both have passed their waits, and part '{part.name}' waits, through other parts, on signals it "
+                   "notifies itself: a tile's wait could need its cluster partner's result and hang. Use cluster "
+                   "(1, 1)", part)
+    if tuple(scheduled) != (1, 1):
+        raise fail(what, f"cluster (1, 1) in place of the schedule's {tuple(scheduled)}: the kernel would walk its "
+                   f"tiles without the clusters, in another order than the one the simulator checks part "
+                   f"'{part.name}' in (it waits, through other parts, on signals it notifies itself, so a tile "
+                   "waiting for a later one of its CTA hangs). Use a schedule without clusters", part)

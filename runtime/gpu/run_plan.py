@@ -354,7 +354,7 @@ def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
     """A part whose tasks wait for other tasks of the same part (a signal it both notifies and
     waits on) may deadlock when its tasks do not all fit on the GPU at once: a persistent CTA
     holding a waiting task never reaches the task it waits for. The simulator runs every task of
-    a compute part at once (and a communication part's tasks ``lanes`` at a time, in the
+    such a compute part at once (and a communication part's tasks ``lanes`` at a time, in the
     schedule's order, as its kernel walks them), so a launch with fewer CTAs than that is
     refused rather than left to hang."""
     need = at_once_needed(part)

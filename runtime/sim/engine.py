@@ -83,27 +83,33 @@ class SignalSlotClocks:
 CHECKPOINT = 32
 
 
-def compute_slots(kernel, asked: int | None) -> dict[str, int | None]:
-    """Slots each compute part runs on (None: every task resident at once). ``asked``
-    (:attr:`.options.SimOptions.compute_slots`) applies to every compute part. By default a part
-    runs every task at once — the GPU run plan keeps a part whose tasks wait for each other
-    resident, or refuses the launch — except a part that waits on its own tiles only *through
-    other parts*: the run plan gives it whatever CTAs its share of the SMs allows, which may be
-    fewer than its tiles, each CTA walking its tiles in order. It runs on one slot: with counters
-    that only grow, a program that finishes with each part's tiles one after another in tile
-    order finishes with its tiles spread over any number of CTAs, so one slot is the case that
-    holds for every GPU."""
+def parts_waiting_through_others(kernel) -> list[str]:
+    """The compute parts that wait on their own tiles only *through other parts* (a cycle of the
+    part graph, no signal they both notify and wait on). The GPU run plan keeps a part whose
+    tiles wait for each other directly resident, or refuses the launch; such a part it gives
+    whatever CTAs its share of the SMs allows, which may be fewer than its tiles, each CTA
+    walking its tiles in order. With counters that only grow, a program that finishes with each
+    of these parts on one slot (its tiles one after another in tile order) finishes with its
+    tiles spread over any number of CTAs, walking that order: one slot is the case that holds
+    for every GPU (:func:`.simulate.simulate` checks it)."""
+    deps = waits_on(kernel)
+    return [p.name for p in kernel.parts
+            if p.role == "compute" and not self_signals(p) and reaches(deps, p.name, p.name)]
+
+
+def compute_slots(kernel, asked: int | None, one_slot=()) -> dict[str, int | None]:
+    """Slots each compute part runs on (None: every task resident at once): ``asked``
+    (:attr:`.options.SimOptions.compute_slots`) for every part, else one for the parts named in
+    ``one_slot`` and every task at once for the rest."""
     if asked is not None:
         return {p.name: asked for p in kernel.parts}
-    deps = waits_on(kernel)
-    return {p.name: 1 if p.role == "compute" and not self_signals(p) and reaches(deps, p.name, p.name) else None
-            for p in kernel.parts}
+    return {p.name: 1 if p.name in one_slot else None for p in kernel.parts}
 
 
 class Engine:
     """Runs launches; owns memory, signals, the scheduler and the event log."""
 
-    def __init__(self, kernel, memory: Memory, options, rng: np.random.Generator):
+    def __init__(self, kernel, memory: Memory, options, rng: np.random.Generator, one_slot=()):
         self.kernel, self.memory, self.options, self.rng = kernel, memory, options, rng
         W = kernel.world_size
         self.signals = [{s.name: SignalSlotClocks(s.type.slots) for s in kernel.signals} for _ in range(W)]
@@ -115,7 +121,7 @@ class Engine:
         self.ready: list[Task] = []
         self.progress = None             # a ProgressReporter, asked every CHECK_EVERY steps
         self._check_at = float("inf")
-        self.slots = compute_slots(kernel, options.compute_slots)
+        self.slots = compute_slots(kernel, options.compute_slots, one_slot)
 
     def report_progress(self, reporter):
         self.progress = reporter
@@ -321,7 +327,7 @@ class Engine:
                 slots = self.slots[name]
                 why = ("compute_slots" if self.options.compute_slots is not None else
                        "by default: it waits on its own tiles through other parts, and a GPU may give it fewer "
-                       "CTAs than tiles")
+                       "CTAs than tiles; tl.SimOptions(compute_slots=N) checks it on N")
                 lines.append(f"  compute part '{name}' ran on {slots} slot(s) ({why}), as on a GPU that "
                              f"gives it {slots} CTA(s): a tile that waits, directly or through other parts, for a "
                              f"later tile of its own slot hangs there. Wait only on earlier tiles (reorder the tiles "

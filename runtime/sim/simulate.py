@@ -14,7 +14,7 @@ from ...ir import core
 from ...ir.display import html_card, one_line
 from ...ir.types import dtype_of
 from .blas_threads import one_blas_thread
-from .engine import Engine
+from .engine import Engine, parts_waiting_through_others
 from .memory import Memory, poison_value, to_storage
 from .options import SimOptions
 from .progress import LongSimulationWarning, ProgressReporter, long_run_message, print_progress
@@ -203,6 +203,17 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         else:
             from ...ir.analysis import check_channels
             check_channels(ir)
+    looping = parts_waiting_through_others(ir) if options.compute_slots is None else []
+    if looping:
+        # first with those parts on one slot, their tiles in order, as a GPU giving them fewer CTAs
+        # than tiles runs them: a tile waiting for a later one is a deadlock here, not a hang there.
+        # Then every tile resident, whose interleavings the race detector needs (on one slot a
+        # part's tiles always notify in order), and whose results are returned
+        check = Engine(ir, _memory(ir, per_rank, options), dataclasses.replace(options, record_timeline=False),
+                       np.random.default_rng(seed), one_slot=looping)
+        with one_blas_thread():
+            for _ in range(options.launches):
+                check.run_launch()
     engine = Engine(ir, memory, options, np.random.default_rng(seed))
     reporter = _reporter(options, estimate.steps, long_run)
     if reporter is not None:

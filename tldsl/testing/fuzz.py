@@ -60,7 +60,7 @@ class Report:
     spills: dict = field(default_factory=dict)           # part -> the registers its general kernel spills
     compared: str = "not run"                            # "agrees" | "MISMATCH: ..." | why not run
     sms: int | None = None                               # the SMs its GPU run was planned on (None: all)
-    multi_task_ctas: bool = False                        # some CTA of its GPU run walked several tiles
+    multi_task_ctas: bool = False                        # a kernel of its GPU run got fewer CTAs than it takes
     reference: object = None
     context_lost: bool = False                           # its GPU fault left the CUDA context unusable
 
@@ -238,7 +238,7 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: i
                 raise
             result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
         plan = getattr(result, "plan", None)     # (a stand-in for tl.run may return the simulator's result)
-        report.multi_task_ctas = plan is not None and any(k.ctas < _tiles(k.lowered) for k in plan.kernels)
+        report.multi_task_ctas = plan is not None and any(k.ctas < _unlimited_ctas(k.lowered) for k in plan.kernels)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
         report.context_lost = _loses_the_context(e)
@@ -249,8 +249,9 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: i
     report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
 
 
-def _tiles(lowered) -> int:
-    """Tiles (tasks) a lowered kernel walks: its grid with no limit on CTAs."""
+def _unlimited_ctas(lowered) -> int:
+    """CTAs a lowered kernel would launch on a GPU without a limit on SMs (one a tile, a pair or a
+    cluster's tile; a communication kernel's lanes): given fewer, some CTA walks several of them."""
     g = lowered.grid(1 << 30)
     return g[0] * g[1] * g[2]
 

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
-from ..runtime.sim.engine import compute_slots
+from ..runtime.sim.engine import parts_waiting_through_others
 from .program_inputs import make_inputs
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, TOLERANCES, compare, mismatches, reference_with_tolerances
 from .program_tree import Program
@@ -134,7 +134,7 @@ def features(kernel) -> Features:
         parts=len(kernel.parts),
         ordered_waits=any(_reordered(kernel, part) for part in kernel.parts
                           if part.role == "compute" and any(op.name in WAIT_OPS for op in part.walk())),
-        waits_back=1 in compute_slots(kernel, None).values())
+        waits_back=bool(parts_waiting_through_others(kernel)))
 
 
 def _reordered(kernel, part) -> bool:

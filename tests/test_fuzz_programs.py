@@ -367,3 +367,18 @@ def test_the_programs_reach_the_general_lowerings_paths(five_hundred):
     assert counts["fetching the next task's tiles early"] >= 15, counts
     assert counts["with a pipelined dot loop"] >= 10, counts
     assert counts["with task groups"] >= 50, counts
+
+
+def test_a_kernel_whose_log_has_no_ptxas_report_is_a_failure_not_a_crash():
+    """Spills are read from ptxas -v in the NVRTC log: a log without the kernel's report fails the
+    program with what the log holds, rather than a KeyError ending the run."""
+    from types import SimpleNamespace
+    from tldsl.codegen import lower
+    from tldsl.testing.fuzz import general_spills
+    case = FuzzCase(generate_distinct(1, seed=11)[0][1], "seed 11 program 0")
+    lk = lower(case.trace(), case.trace().parts[0].name)
+    log = "ptxas info    : 0 bytes gmem\n"
+    compiled = SimpleNamespace(name=lk.entry, log=log, ptxas_info=lambda: {})
+    said = general_spills(lk, compiled)
+    assert said.startswith(f"unknown: ptxas -v reported nothing for {lk.entry} (functions in its log: none; log: "), said
+    assert "0 bytes gmem" in said

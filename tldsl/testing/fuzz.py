@@ -174,7 +174,11 @@ def general_spills(lowered, compiled) -> str | None:
     from ..codegen.recipes.general import LoweredGeneral
     if not isinstance(lowered, LoweredGeneral):
         return None
-    info = compiled.ptxas_info()[compiled.name]
+    info = compiled.ptxas_info().get(compiled.name)
+    if info is None:        # nothing to read the spills from: say so (a failure), with what the log holds
+        seen = ", ".join(compiled.ptxas_info()) or "none"
+        head = " | ".join(compiled.log.strip().splitlines()[:4])[:300]
+        return f"unknown: ptxas -v reported nothing for {compiled.name} (functions in its log: {seen}; log: {head!r})"
     stores, loads = info.get("spill_store_bytes", 0), info.get("spill_load_bytes", 0)
     return f"{stores} B spill stores, {loads} B spill loads" if stores or loads else None
 

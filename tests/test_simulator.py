@@ -308,11 +308,14 @@ def test_deadlock_only_with_one_compute_slot(seed):
 
 
 @tl.kernel
-def later_tile_through_comm(a, c, *, order=(1, 0)):
+def later_tile_through_comm(a, c, *, order=(1, 0), notifiers=None):
     """Compute tile ``order[0]`` reads what a comm part copies from compute tile ``order[1]``'s
     rows: the waits go through another part, so no signal is both notified and waited on by
-    ``tiles`` (the GPU run plan does not keep it resident); ``order=(0, 1)`` waits on a later tile."""
+    ``tiles`` (the GPU run plan does not keep it resident); ``order=(0, 1)`` waits on a later tile.
+    ``notifiers``: the tiles that notify the comm part (default: ``order[1]``), which waits for one
+    notify of them all."""
     n = a.shape[0]
+    notifying = (order[1],) if notifiers is None else notifiers
     ready = tl.signal("ready", 1)
     moved = tl.signal("moved", 1)
     first = tl.local_buffer((n,), a.dtype, "first")
@@ -320,7 +323,7 @@ def later_tile_through_comm(a, c, *, order=(1, 0)):
 
     @tl.comm_part(grid=(1,), name="move")
     def move(i):
-        tl.consumer_tile_wait(ready, 0)
+        tl.consumer_tile_wait(ready, 0, count=1, per_launch=len(notifying))
         tl.store(second, (0,), tl.load(first, (0,), (n,)))
         tl.producer_tile_notify(moved, 0)
 
@@ -328,7 +331,9 @@ def later_tile_through_comm(a, c, *, order=(1, 0)):
     def tiles(t):
         with tl.when(t == order[1]):
             tl.store(first, (0,), tl.load(a, (0,), (n,)))
-            tl.producer_tile_notify(ready, 0)
+        for k in notifying:
+            with tl.when(t == k):
+                tl.producer_tile_notify(ready, 0)
         with tl.when(t == order[0]):
             tl.consumer_tile_wait(moved, 0)
             tl.store(c, (0,), tl.load(second, (0,), (n,)) + 1.0)
@@ -443,42 +448,16 @@ def test_the_parts_run_on_one_slot_are_those_waiting_on_themselves_through_other
     assert parts_waiting_through_others(ir) == []
 
 
-@tl.kernel
-def count_one_of_two(a, c):
-    """Tiles 0 and 1 of 'tiles' both notify 'ready'; 'move' waits for a count of one but reads
-    what tile 0 alone wrote, and feeds tile 1 (so 'tiles' waits on itself through 'move'). On one
-    slot tile 0 always notifies first; with both resident, tile 1 may: a race."""
-    n = a.shape[0]
-    ready = tl.signal("ready", 1)
-    moved = tl.signal("moved", 1)
-    first = tl.local_buffer((n,), a.dtype, "first")
-    second = tl.local_buffer((n,), a.dtype, "second")
-
-    @tl.comm_part(grid=(1,), name="move")
-    def move(i):
-        tl.consumer_tile_wait(ready, 0, count=1, per_launch=2)
-        tl.store(second, (0,), tl.load(first, (0,), (n,)))
-        tl.producer_tile_notify(moved, 0)
-
-    @tl.compute_part(grid=(2,), name="tiles")
-    def tiles(t):
-        with tl.when(t == 0):
-            tl.store(first, (0,), tl.load(a, (0,), (n,)))
-        tl.producer_tile_notify(ready, 0)
-        with tl.when(t == 1):
-            tl.consumer_tile_wait(moved, 0)
-            tl.store(c, (0,), tl.load(second, (0,), (n,)) + 1.0)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_part_checked_on_one_slot_still_has_its_races_found(seed):
-    """The one-slot run finds the deadlocks; the race detector needs every tile resident, so the
-    simulator runs such a kernel both ways (the race shows on every seed)."""
+    """Tiles 0 and 1 both notify 'move', which waits for one notify but reads what tile 0 alone
+    wrote. On one slot tile 0 always notifies first; with both resident, tile 1 may: a race. The
+    one-slot run finds the deadlocks, and the race detector needs every tile resident, so the
+    simulator runs such a kernel both ways: the race shows on every seed."""
     with pytest.raises(tl.RaceError, match="race on first of rank 0"):
-        tl.simulate(count_one_of_two, 1, _vec_inputs(1), seed=seed)
-    from tldsl.runtime.sim.engine import parts_waiting_through_others
-    assert parts_waiting_through_others(count_one_of_two.trace(1, tl.TensorSpec((8,), tl.float32),
-                                                               tl.TensorSpec((8,), tl.float32))) == ["tiles"]
+        tl.simulate(later_tile_through_comm, 1, _vec_inputs(1), seed=seed, notifiers=(0, 1))
+    tl.simulate(later_tile_through_comm, 1, _vec_inputs(1), seed=seed, notifiers=(0, 1),
+                options=tl.SimOptions(compute_slots=1))          # (one slot alone hides it)
 
 
 # -- stale signals -------------------------------------------------------------------------------------

@@ -136,10 +136,11 @@ def test_the_rising_counts_of_generated_waits_are_needed():
 
 def test_parts_generated_to_wait_on_each_other_run_on_one_slot_each():
     """A pipeline whose producer also waits for the consumer's tasks before its own row block: the
-    simulator runs its compute parts on one slot (a communication part on its lanes), tiles in order (as a GPU giving each fewer CTAs than
-    tiles), and they finish with the results of every tile resident. Waiting instead for every
-    consumer task — the last of which needs the producer's last row block — deadlocks there,
-    and runs only with every tile resident: the case a GPU run on fewer CTAs hangs in."""
+    simulator checks its compute parts on one slot (a communication part on its lanes), tiles in
+    order (as a GPU giving each fewer CTAs than tiles runs them), and they finish with the results
+    of every tile resident. Waiting instead for every consumer task — the last of which needs
+    the producer's last row block — deadlocks there, and runs only with every tile resident:
+    the case a GPU run on fewer CTAs hangs in."""
     from tldsl.runtime.sim.engine import parts_waiting_through_others
     checked = 0
     for i, program in generate_distinct(500, seed=0):
@@ -380,5 +381,6 @@ def test_a_kernel_whose_log_has_no_ptxas_report_is_a_failure_not_a_crash():
     log = "ptxas info    : 0 bytes gmem\n"
     compiled = SimpleNamespace(name=lk.entry, log=log, ptxas_info=lambda: {})
     said = general_spills(lk, compiled)
-    assert said.startswith(f"unknown: ptxas -v reported nothing for {lk.entry} (functions in its log: none; log: "), said
+    assert said.startswith(f"unknown: ptxas -v reported nothing for {lk.entry} (functions in its log: none; "
+                           "log: "), said
     assert "0 bytes gmem" in said

@@ -44,6 +44,7 @@ def check_run_options(timeout_s, lowering, who: str) -> None:
         raise InputError(f"lowering={{'wait_timeout_ns': ...}}: {who} sets the kernels' wait timeout from timeout_s "
                          "(seconds); pass timeout_s instead")
 
+
 def check_sms(sms, group) -> None:
     """``tl.run`` 's ``sms``: None or a positive int, and only for a run on this GPU."""
     if sms is None:

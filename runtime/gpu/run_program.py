@@ -74,8 +74,8 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
 def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",
             sms: int | None = None) -> tuple[RunPlan, dict]:
     """Compile and load the lowered kernels, and plan the launch on ``device``'s SMs (``sms`` of
-    them, where given) with the driver's occupancy (chained parts where ``chain`` says). Returns the plan and ``{entry: loaded
-    kernel}``."""
+    them, where given) with the driver's occupancy (chained parts where ``chain`` says). Returns
+    the plan and ``{entry: loaded kernel}``."""
     loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
     plan = plan_run(ir, lowered, sm_count=device.sm_count if sms is None else sms,
                     occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain)

@@ -20,10 +20,12 @@ class SimOptions:
         as a persistent kernel's CTA does, so a wait on a tile that can only start later in its
         slot is a deadlock, as on the GPU. A communication part's lanes run its tasks the same
         way. None (the default): every task at once (as the GPU run plan keeps a compute part
-        that waits on itself), except a part that waits on its own tiles only through other
-        parts, which runs on one slot — the GPU may give it fewer CTAs than tiles, and a program
-        that finishes on one slot finishes on any number (:func:`.engine.compute_slots`). A
-        number larger than every part's tile count runs every task at once.
+        that waits on itself); a kernel with a part that waits on its own tiles only through
+        other parts is first run with that part on one slot — the GPU may give it fewer CTAs
+        than tiles, and a program that finishes on one slot finishes on any number
+        (:func:`.engine.parts_waiting_through_others`) — then with every task at once, whose
+        interleavings the race detector needs and whose results are returned. A number: every
+        compute part on that many slots, in one run.
     check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace
         memory nothing wrote).
     static_checks: run the static channel analysis before simulating (a wait nothing can

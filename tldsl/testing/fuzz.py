@@ -13,7 +13,8 @@ run hangs: the hung program is printed); parts that do not lower yet are counted
 ``--only I`` reruns program I of the seed alone. ``--sms N`` runs every program on N of the
 GPU's SMs (``tl.run(sms=N)``): its parts' persistent CTAs then walk several tiles each, in the
 compute schedule's order, where on a whole GPU the small generated grids give every tile a CTA
-of its own; a program whose kernels need more SMs at once runs on all of them (counted). ``--sass`` (needs cuobjdump) also disassembles
+of its own; a program whose kernels need more SMs at once runs on all of them (counted).
+``--sass`` (needs cuobjdump) also disassembles
 every kernel of the general lowering with a ``dot`` and fails the program where a dot is not on
 the tensor cores (HGMMA for each the lowering put on WGMMA, HMMA for each on ``mma.sync``) or
 where the kernel can trap — except a kernel with waits under ``--gpu``, whose waits are compiled
@@ -242,7 +243,8 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: i
                 raise
             result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
         plan = getattr(result, "plan", None)     # (a stand-in for tl.run may return the simulator's result)
-        report.multi_task_ctas = plan is not None and any(k.ctas < _unlimited_ctas(k.lowered) for k in plan.kernels)
+        report.multi_task_ctas = plan is not None and any(k.ctas < _unlimited_ctas(k.lowered)
+                                                          for k in plan.kernels)
     except Exception as e:
         report.compared = f"MISMATCH: tl.run raised {type(e).__name__}: {_first_line(e)}"
         report.context_lost = _loses_the_context(e)

@@ -150,8 +150,8 @@ def wait_back(g: ProgramGenerator) -> None:
     """One pipeline in five whose tiles run in row-major order: the producer's task, after its
     notifies, also waits until the consumer has finished every task whose rows lie before its own
     row block (the consumer notifies once a task, at its end). The two parts then wait on each
-    other, so the simulator runs each on one slot, tiles in order, as a GPU giving it fewer CTAs
-    than tiles does, and the GPU runs them side by side. Drawn after everything else (the
+    other, so the simulator also checks each on one slot, tiles in order, as a GPU giving it fewer
+    CTAs than tiles runs it, and the GPU runs them side by side. Drawn after everything else (the
     programs without it are those generated before it existed)."""
     ch = g.ch
     if "order=" in (g.compute or "") or not chance(ch, 20):

@@ -184,6 +184,78 @@ def row_fed_by_row(a, b, c, *, compute: tl.ComputeSchedule = None):
             tl.producer_tile_notify(stored, 0)
 
 
+def test_a_part_waiting_on_itself_through_others_is_walked_in_the_schedules_order():
+    """The simulator checks such a part on one slot in the schedule's tile order (clusters of two
+    tile rows order the tiles too), as a GPU giving it fewer CTAs than tiles walks them: a GEMM
+    lowered without the schedule's clusters would walk another order, so that override is
+    refused, and the part is lowered by the general recipe, which walks the clusters' order."""
+    from tldsl.codegen import LoweringError, lower, lower_gemm
+    M, K, N = 256, 128, 128
+    specs = [tl.TensorSpec((M, K), tl.float16), tl.TensorSpec((K, N), tl.float16), tl.TensorSpec((M, N), tl.float16)]
+    k = row_fed_by_row.trace(1, *specs, compute=tl.ComputeSchedule(tile=(BM, BN, BK), stages=2, cluster=(2, 1)))
+    with pytest.raises(LoweringError, match=r"cluster \(1, 1\) in place of the schedule's \(2, 1\): the kernel "
+                                            r"would walk its tiles without the clusters"):
+        lower_gemm(k, "gemm", cluster=(1, 1))
+    with pytest.warns(tl.FallbackWarning):
+        assert type(lower(k, "gemm")).__name__ == "LoweredGeneral"
+
+
+@tl.kernel
+def combine_fed_by_itself(y, pos, wts, out, *, compute: tl.ComputeSchedule = None):
+    """A row-gather combine whose tile (0, 1) waits, through ``relay``, for its tile (1, 0): in
+    row-major order a later tile, in the order of clusters of two tile rows an earlier one."""
+    T, topk = wts.shape
+    TM, TN, _ = compute.tile
+    gm, gn = tl.cdiv(T, TM), tl.cdiv(y.shape[1], TN)
+    done = tl.signal("done", gm * gn)
+    moved = tl.signal("moved", 1)
+
+    @tl.comm_part(grid=(1,), name="relay")
+    def relay(i):
+        tl.consumer_tile_wait(done, 1 * gn + 0)
+        tl.producer_tile_notify(moved, 0)
+
+    @tl.compute_part(grid=(gm, gn), name="comb")
+    def comb(j, pn):
+        m0, c0 = j * TM, pn * TN
+        with tl.when((j == 0) & (pn == 1)):
+            tl.consumer_tile_wait(moved, 0)
+        acc = tl.fragment((TM, TN), tl.float32)
+        for k in tl.range(0, topk):
+            rows = tl.load(pos, (k * T + m0,), (TM,))
+            acc += tl.load_rows(y, rows, c0, TN) * tl.load(wts, (m0, k), (TM, 1))
+        tl.store(out, (m0, c0), acc)
+        tl.producer_tile_notify(done, j * gn + pn)
+
+
+def test_a_combine_waiting_on_itself_through_others_keeps_the_clusters_order():
+    """The combine recipe walks its tiles in the schedule's order without clusters: for such a part
+    under clusters of two tile rows it refuses (the general recipe, walking the clusters' order,
+    lowers it). The simulator agrees on why it matters: row-major, tile (0, 1) waits for the later
+    tile (1, 0) — a deadlock on one slot; in the clusters' order it comes first."""
+    from tldsl.codegen import LoweringError, lower_all, lower_combine
+    T, topk, R, C = 128, 2, 256, 128
+    rng = np.random.default_rng(0)
+    inputs = [{"y": rng.standard_normal((R, C)).astype(np.float32),
+               "pos": rng.integers(0, R, topk * T).astype(np.int32),
+               "wts": rng.standard_normal((T, topk)).astype(np.float32),
+               "out": np.full((T, C), np.nan, np.float32)}]
+    specs = [tl.TensorSpec(v.shape, {np.dtype(np.float32): tl.float32, np.dtype(np.int32): tl.int32}[v.dtype])
+             for v in inputs[0].values()]
+    plain = tl.ComputeSchedule(tile=(64, 64, 16))
+    with pytest.raises(tl.DeadlockError, match="ran on 1 slot"):
+        tl.simulate(combine_fed_by_itself, 1, inputs, compute=plain)
+    assert type(lower_combine(combine_fed_by_itself.trace(1, *specs, compute=plain), "comb")).__name__ == \
+        "LoweredCombine"
+    clustered = plain.with_(cluster=(2, 1))
+    tl.simulate(combine_fed_by_itself, 1, inputs, compute=clustered)
+    k = combine_fed_by_itself.trace(1, *specs, compute=clustered)
+    with pytest.raises(LoweringError, match=r"cluster \(1, 1\) in place of the schedule's \(2, 1\)"):
+        lower_combine(k, "comb")
+    with pytest.warns(tl.FallbackWarning):
+        assert type(lower_all(k)["comb"]).__name__ == "LoweredGeneral"
+
+
 def test_clusters_are_refused_where_a_tile_may_wait_on_its_cluster_partner():
     """With clusters of two tile rows the two CTAs share B by multicast: neither tile finishes
     before both have passed their waits. Row 1 waits (through ``feed``) for row 0's store, so

@@ -354,7 +354,8 @@ def test_a_tile_waiting_through_another_part_for_a_later_tile_deadlocks_by_defau
         for r in range(W):
             np.testing.assert_array_equal(res[r]["c"], inputs[r]["a"] + 1)
     for options, why in ((None, "by default: it waits on its own tiles through other parts, and a GPU may give it "
-                                "fewer CTAs than tiles; tl.SimOptions(compute_slots=N) checks it on N"),
+                                "fewer CTAs than tiles; tl.SimOptions(compute_slots=N) checks every compute part on N "
+                                "instead"),
                          (tl.SimOptions(compute_slots=1), "compute_slots")):
         with pytest.raises(tl.DeadlockError) as info:
             tl.simulate(later_tile_through_comm, W, inputs, seed=seed, order=(0, 1), options=options)
@@ -453,7 +454,8 @@ def test_a_part_checked_on_one_slot_still_has_its_races_found(seed):
     """Tiles 0 and 1 both notify 'move', which waits for one notify but reads what tile 0 alone
     wrote. On one slot tile 0 always notifies first; with both resident, tile 1 may: a race. The
     one-slot run finds the deadlocks, and the race detector needs every tile resident, so the
-    simulator runs such a kernel both ways: the race shows on every seed."""
+    simulator runs such a kernel both ways: the race shows on these seeds (one whose
+    interleaving lets tile 0 notify first shows none, as on one slot)."""
     with pytest.raises(tl.RaceError, match="race on first of rank 0"):
         tl.simulate(later_tile_through_comm, 1, _vec_inputs(1), seed=seed, notifiers=(0, 1))
     tl.simulate(later_tile_through_comm, 1, _vec_inputs(1), seed=seed, notifiers=(0, 1),

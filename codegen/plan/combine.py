@@ -68,7 +68,8 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     tile (a CTA of its own, or the spare warps of the grouped GEMM it is folded into)."""
     sched = kernel.compute_schedule or ComputeSchedule()
     _check(m)
-    check_cluster_waits(WHAT, kernel, part, (1, 1), sched.cluster)    # (it walks its tiles row by row)
+    if len(part.grid) == 2:     # its walk: the schedule's order without the clusters (one axis: no clusters)
+        check_cluster_waits(WHAT, kernel, part, (1, 1), sched.cluster)
     iv = m.loop.regions[0].args[0]
     col = m.gather.operands[2]
     col_per_row = depends_on(col, iv)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...ir import core
-from ...ir.part_graph import reaches, waits_on
+from ...ir.part_graph import reaches, self_signals, waits_on
 from ...ir.schedule import ComputeSchedule
 from ..dtypes import MMA_INPUTS, elem_bytes
 from ..errors import fail
@@ -196,10 +196,12 @@ def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster
     what it notifies itself: the CTAs of a cluster share B (TMA multicast), so neither of their
     tiles finishes before both have passed their waits — a tile whose wait needs its partner's
     result (a row stored, then moved back by a communication part) would hang on any grid, a
-    coupling the simulator, running the tiles apart, does not model. Such a part must also walk
-    its tiles in the schedule's order (``scheduled``: the schedule's clusters, which order the
-    tiles): the simulator checks it in that order on one slot, as a GPU giving it fewer CTAs than
-    tiles runs it, and a kernel walking another order could wait on a later tile of its CTA."""
+    coupling the simulator, running the tiles apart, does not model. A part that waits on its
+    own tiles only through other parts must also walk them in the schedule's order
+    (``scheduled``: the schedule's clusters, which order the tiles): the simulator checks it in
+    that order on one slot, as a GPU giving it fewer CTAs than tiles runs it, and a kernel
+    walking another order could wait on a later tile of its CTA. (One whose tiles wait for each
+    other directly is kept resident by the GPU run plan, in any order.)"""
     if not reaches(waits_on(kernel), part.name, part.name):
         return
     if tuple(cluster) != (1, 1):
@@ -207,7 +209,7 @@ def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster
                    f"both have passed their waits, and part '{part.name}' waits, through other parts, on signals it "
                    "notifies itself: a tile's wait could need its cluster partner's result and hang. Use cluster "
                    "(1, 1)", part)
-    if tuple(scheduled) != (1, 1):
+    if tuple(scheduled) != (1, 1) and not self_signals(part):     # (a self-waiting part is kept resident)
         raise fail(what, f"cluster (1, 1) in place of the schedule's {tuple(scheduled)}: the kernel would walk its "
                    f"tiles without the clusters, in another order than the one the simulator checks part "
                    f"'{part.name}' in (it waits, through other parts, on signals it notifies itself, so a tile "

@@ -327,7 +327,7 @@ class Engine:
                 slots = self.slots[name]
                 why = ("compute_slots" if self.options.compute_slots is not None else
                        "by default: it waits on its own tiles through other parts, and a GPU may give it fewer "
-                       "CTAs than tiles; tl.SimOptions(compute_slots=N) checks it on N")
+                       "CTAs than tiles; tl.SimOptions(compute_slots=N) checks every compute part on N instead")
                 lines.append(f"  compute part '{name}' ran on {slots} slot(s) ({why}), as on a GPU that "
                              f"gives it {slots} CTA(s): a tile that waits, directly or through other parts, for a "
                              f"later tile of its own slot hangs there. Wait only on earlier tiles (reorder the tiles "

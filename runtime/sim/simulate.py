@@ -193,9 +193,11 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
 
     memory = _memory(ir, per_rank, options)
     estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1)
-    long_run = options.warn_steps is not None and estimate.steps > options.warn_steps
+    looping = parts_waiting_through_others(ir) if options.compute_slots is None else []
+    runs = 2 if looping else 1          # (such a kernel is also run with those parts on one slot: below)
+    long_run = options.warn_steps is not None and estimate.steps * runs > options.warn_steps
     if long_run:
-        warnings.warn(long_run_message(world_size, estimate.steps, estimate.tasks, options.launches,
+        warnings.warn(long_run_message(world_size, estimate.steps * runs, estimate.tasks, options.launches,
                                        options.max_steps, options.static_checks), LongSimulationWarning, stacklevel=2)
     if options.static_checks:
         if isinstance(kernel, KernelFunction):
@@ -203,7 +205,6 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         else:
             from ...ir.analysis import check_channels
             check_channels(ir)
-    looping = parts_waiting_through_others(ir) if options.compute_slots is None else []
     if looping:
         # first with those parts on one slot, their tiles in order, as a GPU giving them fewer CTAs
         # than tiles runs them: a tile waiting for a later one is a deadlock here, not a hang there.

@@ -97,6 +97,8 @@ class Report:
             bits.append(f"SASS {p}: {e}")
         for p, e in self.spills.items():
             bits.append(f"SPILLS {p}: {e}")
+        if self.spills_unchecked:
+            bits.append(f"spills not checked (no ptxas report): {', '.join(self.spills_unchecked)}")
         bits.append(f"gpu: {self.compared}")
         return f"{head} " + " | ".join(bits)
 

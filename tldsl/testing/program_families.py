@@ -168,6 +168,8 @@ def wait_back(g: ProgramGenerator) -> None:
     g.parts[parts[producer]] = replace(prod, body=prod.body + (Loop("b0", "0", f"tl.minimum({done}, 1)", "1",
                                                                     (wait,)),))
     g.parts[parts[consumer]] = replace(cons, body=cons.body + (Call("producer_tile_notify", (sig, "0")),))
+
+
 def consume(g: ProgramGenerator, src: Tensor, waits) -> None:
     """The consumer stage: elementwise, a GEMM with ``src`` as A, a row reduction or a softmax."""
     ch = g.ch

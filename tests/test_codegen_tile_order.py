@@ -221,9 +221,8 @@ def combine_fed_by_itself(y, pos, wts, out, *, compute: tl.ComputeSchedule = Non
         with tl.when((j == 0) & (pn == 1)):
             tl.consumer_tile_wait(moved, 0)
         acc = tl.fragment((TM, TN), tl.float32)
-        for k in tl.range(0, topk):
-            rows = tl.load(pos, (k * T + m0,), (TM,))
-            acc += tl.load_rows(y, rows, c0, TN) * tl.load(wts, (m0, k), (TM, 1))
+        for k in tl.range(0, topk):     # the weighted sum of each token's top-k rows
+            acc += tl.load_rows(y, tl.load(pos, (k * T + m0,), (TM,)), c0, TN) * tl.load(wts, (m0, k), (TM, 1))
         tl.store(out, (m0, c0), acc)
         tl.producer_tile_notify(done, j * gn + pn)
 

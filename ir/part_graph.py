@@ -2,7 +2,8 @@
 
 A part waits on another where it waits on a signal the other notifies. The runtime reads it to
 chain a part after its producer, the code generator to refuse folding two parts into one kernel
-that could then wait on each other: both need "waits, directly or through other parts".
+that could then wait on each other: both need "waits, directly or through other parts". The
+simulator and the code generator both need the parts that wait on themselves only through others.
 """
 from __future__ import annotations
 
@@ -54,3 +55,17 @@ def reaches(deps: dict[str, set[str]], a: str, b: str) -> bool:
                 seen.add(y)
                 todo.append(y)
     return False
+
+
+def parts_waiting_through_others(kernel: Kernel) -> list[str]:
+    """The compute parts that wait on their own tiles only *through other parts* (a cycle of the
+    part graph, no signal they both notify and wait on). The GPU run plan keeps a part whose
+    tiles wait for each other directly resident, or refuses the launch; such a part it gives
+    whatever CTAs its share of the SMs allows, which may be fewer than its tiles, each CTA
+    walking its tiles in order. With counters that only grow, a program that finishes with each
+    of these parts on one slot (its tiles one after another in tile order) finishes with its
+    tiles spread over any number of CTAs walking that order: the simulator checks them so, and a
+    lowering must walk them in the schedule's order."""
+    deps = waits_on(kernel)
+    return [p.name for p in kernel.parts
+            if p.role == "compute" and not self_signals(p) and reaches(deps, p.name, p.name)]

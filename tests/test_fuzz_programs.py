@@ -141,7 +141,7 @@ def test_parts_generated_to_wait_on_each_other_run_on_one_slot_each():
     of every tile resident. Waiting instead for every consumer task — the last of which needs
     the producer's last row block — deadlocks there, and runs only with every tile resident:
     the case a GPU run on fewer CTAs hangs in."""
-    from tldsl.runtime.sim.engine import parts_waiting_through_others
+    from tldsl.ir.part_graph import parts_waiting_through_others
     checked = 0
     for i, program in generate_distinct(500, seed=0):
         case = FuzzCase(program, f"seed 0 program {i}")

@@ -428,7 +428,8 @@ def test_the_parts_run_on_one_slot_are_those_waiting_on_themselves_through_other
     the GPU run plan. ``compute_slots`` applies to every part."""
     from tldsl.ops import OPS
     from tldsl.run import trace_for_run
-    from tldsl.runtime.sim.engine import compute_slots, parts_waiting_through_others
+    from tldsl.ir.part_graph import parts_waiting_through_others
+    from tldsl.runtime.sim.engine import compute_slots
 
     def traced(name, **params):
         spec = OPS[name]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...ir import core
-from ...ir.part_graph import reaches, self_signals, waits_on
+from ...ir.part_graph import parts_waiting_through_others, reaches, waits_on
 from ...ir.schedule import ComputeSchedule
 from ..dtypes import MMA_INPUTS, elem_bytes
 from ..errors import fail
@@ -209,7 +209,7 @@ def check_cluster_waits(what: str, kernel: core.Kernel, part: core.Part, cluster
                    f"both have passed their waits, and part '{part.name}' waits, through other parts, on signals it "
                    "notifies itself: a tile's wait could need its cluster partner's result and hang. Use cluster "
                    "(1, 1)", part)
-    if tuple(scheduled) != (1, 1) and not self_signals(part):     # (a self-waiting part is kept resident)
+    if tuple(scheduled) != (1, 1) and part.name in parts_waiting_through_others(kernel):
         raise fail(what, f"cluster (1, 1) in place of the schedule's {tuple(scheduled)}: the kernel would walk its "
                    f"tiles without the clusters, in another order than the one the simulator checks part "
                    f"'{part.name}' in (it waits, through other parts, on signals it notifies itself, so a tile "

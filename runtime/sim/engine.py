@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
-from ...ir.part_graph import reaches, self_signals, waits_on
 from ...ir.semantics import wait_target
 from .clocks import join_into, new_clock
 from .interpreter import Interpreter
@@ -81,20 +80,6 @@ class SignalSlotClocks:
 
 #: releases a prefix checkpoint covers (:meth:`SignalSlotClocks.prefix_checkpoint`)
 CHECKPOINT = 32
-
-
-def parts_waiting_through_others(kernel) -> list[str]:
-    """The compute parts that wait on their own tiles only *through other parts* (a cycle of the
-    part graph, no signal they both notify and wait on). The GPU run plan keeps a part whose
-    tiles wait for each other directly resident, or refuses the launch; such a part it gives
-    whatever CTAs its share of the SMs allows, which may be fewer than its tiles, each CTA
-    walking its tiles in order. With counters that only grow, a program that finishes with each
-    of these parts on one slot (its tiles one after another in tile order) finishes with its
-    tiles spread over any number of CTAs, walking that order: one slot is the case that holds
-    for every GPU (:func:`.simulate.simulate` checks it)."""
-    deps = waits_on(kernel)
-    return [p.name for p in kernel.parts
-            if p.role == "compute" and not self_signals(p) and reaches(deps, p.name, p.name)]
 
 
 def compute_slots(kernel, asked: int | None, one_slot=()) -> dict[str, int | None]:

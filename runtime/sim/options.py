@@ -23,7 +23,7 @@ class SimOptions:
         that waits on itself); a kernel with a part that waits on its own tiles only through
         other parts is first run with that part on one slot — the GPU may give it fewer CTAs
         than tiles, and a program that finishes on one slot finishes on any number
-        (:func:`.engine.parts_waiting_through_others`) — then with every task at once, whose
+        (:func:`tldsl.ir.part_graph.parts_waiting_through_others`) — then with every task at once, whose
         interleavings the race detector needs and whose results are returned. A number: every
         compute part on that many slots, in one run.
     check_races / check_uninitialized: the detectors (vector-clock races; reads of workspace

@@ -14,7 +14,8 @@ from ...ir import core
 from ...ir.display import html_card, one_line
 from ...ir.types import dtype_of
 from .blas_threads import one_blas_thread
-from .engine import Engine, parts_waiting_through_others
+from ...ir.part_graph import parts_waiting_through_others
+from .engine import Engine
 from .memory import Memory, poison_value, to_storage
 from .options import SimOptions
 from .progress import LongSimulationWarning, ProgressReporter, long_run_message, print_progress
@@ -210,25 +211,28 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         # than tiles runs them: a tile waiting for a later one is a deadlock here, not a hang there.
         # Then every tile resident, whose interleavings the race detector needs (on one slot a
         # part's tiles always notify in order), and whose results are returned
-        check = Engine(ir, _memory(ir, per_rank, options), dataclasses.replace(options, record_timeline=False),
-                       np.random.default_rng(seed), one_slot=looping)
-        with one_blas_thread():
-            for _ in range(options.launches):
-                check.run_launch()
+        quiet = dataclasses.replace(options, record_timeline=False)
+        _run_launches(Engine(ir, _memory(ir, per_rank, options), quiet, np.random.default_rng(seed), one_slot=looping),
+                      options.launches)
     engine = Engine(ir, memory, options, np.random.default_rng(seed))
     reporter = _reporter(options, estimate.steps, long_run)
     if reporter is not None:
         engine.report_progress(reporter)
-    with one_blas_thread():
-        for _ in range(options.launches):
-            engine.events.clear()
-            engine.run_launch()
+    _run_launches(engine, options.launches)
     if reporter is not None:
         reporter.finish(engine.steps)
     outputs = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.args} for r in range(world_size)]
     workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
     return SimResult(ir, outputs, workspaces, EventLog(engine.events), engine.steps, options.launches, seed,
                      estimate.steps)
+
+
+def _run_launches(engine: Engine, launches: int) -> None:
+    """``launches`` launches of ``engine``'s kernel, one after another; the event log keeps the last."""
+    with one_blas_thread():
+        for _ in range(launches):
+            engine.events.clear()
+            engine.run_launch()
 
 
 def _memory(ir, per_rank, options) -> Memory:

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
-from ..runtime.sim.engine import parts_waiting_through_others
+from ..ir.part_graph import parts_waiting_through_others
 from .program_inputs import make_inputs
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, TOLERANCES, compare, mismatches, reference_with_tolerances
 from .program_tree import Program

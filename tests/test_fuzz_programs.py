@@ -257,6 +257,24 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
     assert out.count("gpu: MISMATCH") == 2 and "2 mismatches" in out and status == 1
 
 
+def test_a_programs_line_names_the_sms_it_ran_on(monkeypatch, capsys):
+    """``--sms N``: each compared program's line says it ran on N SMs (a stand-in for tl.run that
+    returns no launch plan, so no CTA is known to walk several tiles)."""
+    import tldsl.testing.fuzz as fuzz
+    monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: None)
+    asked = []
+
+    def fake_run(kernel, world_size, inputs, timeout_s=None, sms=None):
+        asked.append(sms)
+        return tl.simulate(kernel, world_size, inputs)
+    monkeypatch.setattr(tl, "run", fake_run, raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    fuzz.main(["--programs", "2", "--seed", "5", "--gpu", "--no-compile", "--sms", "2"])
+    out = capsys.readouterr().out
+    assert asked == [2, 2] and out.count("gpu on 2 SMs: agrees") == 2, out
+    assert "CTAs walking several tiles" not in out.split("programs:")[0], out
+
+
 def test_a_gpu_fault_stops_the_comparisons_instead_of_failing_every_later_program(monkeypatch, capsys):
     """A kernel that faults leaves the process's CUDA context unusable (sticky errors): the
     programs after it are reported as not compared, with the program that lost the context,

@@ -99,7 +99,9 @@ class Report:
             bits.append(f"SPILLS {p}: {e}")
         if self.spills_unchecked:
             bits.append(f"spills not checked (no ptxas report): {', '.join(self.spills_unchecked)}")
-        bits.append(f"gpu: {self.compared}")
+        where = (f" on {self.sms} SMs" if self.sms else "") + (", CTAs walking several tiles" if self.multi_task_ctas
+                                                                else "")
+        bits.append(f"gpu{where}: {self.compared}")
         return f"{head} " + " | ".join(bits)
 
 

@@ -81,6 +81,50 @@ def test_the_strategy_draws_from_the_families_asked_for(case):
     assert len(case.trace().parts) == 1 and not features(case.trace()).linked_parts
 
 
+def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(tmp_path, monkeypatch, capsys):
+    """``--family combine``: row-gather combines (the MoE top-k combine's shape), alone or gathering
+    a producer's workspace once it has notified, simulate; most lower by the combine recipe (the
+    rest, whose columns are no multiple of 4, by the general one, with the reason) and compile."""
+    import warnings
+    from tldsl.codegen import lower, toolchain as tcm
+    from tldsl.errors import FallbackWarning
+    cases = [FuzzCase(p, f"combine {i}") for i, p in generate_distinct(24, 7, families=["combine"])]
+    kinds = []
+    for c in cases:
+        c.simulate()
+        k = c.trace()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            kinds += [type(lower(k, p.name)).__name__ for p in k.parts if p.role == "compute" and
+                      any(op.name == "load_rows" for op in p.walk())]
+    assert len(kinds) == 24 and kinds.count("LoweredCombine") >= 16, kinds
+    assert sum(len(c.trace().parts) > 1 for c in cases) >= 6          # some gather a producer's rows
+    assert any("consumer_tile_wait" in c.program.source() and "tl.bfloat16" in c.program.source() for c in cases)
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    status = fuzz_main(["--programs", "6", "--seed", "7", "--family", "combine"])
+    out = capsys.readouterr().out
+    assert status == 0 and "seed 7 (families combine)" in out, out
+    assert re.search(r"parts lowered by recipe: .*combine [1-9]", out), out
+
+
+def test_an_unknown_family_is_refused_with_the_choices():
+    from tldsl.testing.program_families import generate
+    from tldsl.testing.program_gen import RandomChooser
+    with pytest.raises(ValueError, match=r"no program family 'combines': choose among \['combine', 'comm'"):
+        generate(RandomChooser("1:1"), ["combines"])
+
+
+def test_the_default_mix_draws_a_combine_now_and_then(five_hundred):
+    """About one program in fifty of the usual mix is a row-gather combine (the gather stage's
+    other half), so every fuzzer run also compares a few on the GPU."""
+    _, cases = five_hundred
+    combines = [c for c in cases if re.search(r"acc\d* \+= .*tl\.load_rows", c.program.source())]
+    assert 4 <= len(combines) <= 25, len(combines)
+
+
 def _strip_locations(kernel) -> str:
     return re.sub(r"  // .*$", "", str(kernel), flags=re.M)
 

@@ -3,14 +3,18 @@ compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on
 compare with the simulator, each output element within its own tolerance (a bound on the
 GPU's legitimate error there: :mod:`.program_tolerance`).
 
-    python -m tldsl.testing.fuzz --programs N --seed S [--gpu [--sms N]] [--sass] [--show-source] [--only I]
+    python -m tldsl.testing.fuzz --programs N --seed S [--family F] [--gpu [--sms N]] [--sass] [--show-source]
+                                 [--only I]
 
 One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
 compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
 fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
 run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
-``--only I`` reruns program I of the seed alone. ``--sms N`` runs every program on N of the
+``--only I`` reruns program I of the seed alone (of the same ``--family``). ``--family F`` (repeatable)
+draws only programs of that family: ``single``, ``pipeline``, ``comm``, or ``combine`` — row-gather
+combines (the MoE top-k combine's shape, which its recipe lowers), alone or gathering a producer's
+rows, which the default mix draws about twice in a hundred programs. ``--sms N`` runs every program on N of the
 GPU's SMs (``tl.run(sms=N)``): its parts' persistent CTAs then walk several tiles each, in the
 compute schedule's order, where on a whole GPU the small generated grids give every tile a CTA
 of its own; a program whose kernels need more SMs at once runs on all of them (counted).
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 from .program_case import Features, FuzzCase, features
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, SAFETY, TOLERANCES
-from .program_families import generate, generate_distinct
+from .program_families import FAMILIES, FOCUSED, generate, generate_distinct
 from .program_gen import RandomChooser
 
 FEATURE_NAMES = {"dot": "a dot", "range_loop": "a tl.range loop", "linked_parts": "parts linked by signals",
@@ -343,15 +347,16 @@ LOWERING_PATHS = (
 
 def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: int | None = None,
         compile_kernels: bool = True, out=None, hang_seconds: float = 120.0, sass: bool = False,
-        sms: int | None = None) -> list[Report]:
+        sms: int | None = None, families=None) -> list[Report]:
     out = out or sys.stdout
     t0 = time.perf_counter()
-    print(f"seed {seed}", file=out)
+    of = f" (families {', '.join(families)})" if families else ""
+    print(f"seed {seed}{of}", file=out)
     if only is not None:
-        programs = [(only, generate(RandomChooser(f"{seed}:{only}")))]
+        programs = [(only, generate(RandomChooser(f"{seed}:{only}"), families))]
     else:
-        programs = generate_distinct(n, seed)
-    reports = [Report(i, FuzzCase(p, f"fuzz seed {seed} program {i}")) for i, p in programs]
+        programs = generate_distinct(n, seed, families=families)
+    reports = [Report(i, FuzzCase(p, f"fuzz seed {seed}{of} program {i}")) for i, p in programs]
     why_no_gpu = gpu_unavailable() if gpu else None
     lost_at = None                          # the program whose fault lost the CUDA context
     for rep in reports:
@@ -398,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="store_true", help="also run each program on the GPU and compare")
     ap.add_argument("--show-source", action="store_true", help="print every program's source (failing ones always)")
     ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
+    ap.add_argument("--family", action="append", default=None, choices=sorted({**FAMILIES, **FOCUSED}),
+                    help="only programs of this family (repeatable; default: the usual mix of single, pipeline "
+                         "and comm)")
     ap.add_argument("--no-compile", action="store_true", help="lower but do not compile")
     ap.add_argument("--sass", action="store_true",
                     help="check the SASS of every general-lowering kernel with a dot: each dot on the tensor "
@@ -433,7 +441,7 @@ def main(argv=None) -> int:
         if toolchain.find_toolchain().cuobjdump is None:
             ap.error("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
     reports = run(args.programs, seed, args.gpu, args.show_source, args.only, not args.no_compile,
-                  hang_seconds=args.hang_seconds, sass=args.sass, sms=args.sms)
+                  hang_seconds=args.hang_seconds, sass=args.sass, sms=args.sms, families=args.family)
     return 1 if any(r.failed for r in reports) else 0
 
 

@@ -16,16 +16,24 @@ from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop,
                            StaticMappingDecl, Store, Update)
 
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
+#: families drawn only when asked for by name (``--family``): programs of one recipe's shape, which
+#: the default mix draws rarely (a row-gather combine: about 2 in 100)
+FOCUSED = {"combine": 1}
 
 
 def generate(ch: Chooser, families=None) -> Program:
-    """One program, of a family drawn by :data:`FAMILIES`' weights (only of ``families`` when given)."""
-    table = FAMILIES if families is None else {f: FAMILIES[f] for f in families}
+    """One program, of a family drawn by :data:`FAMILIES`' weights (only of ``families`` when given,
+    which may also name :data:`FOCUSED` ones)."""
+    known = {**FAMILIES, **FOCUSED}
+    unknown = sorted(set(families or ()) - set(known))
+    if unknown:
+        raise ValueError(f"no program family {', '.join(map(repr, unknown))}: choose among {sorted(known)}")
+    table = FAMILIES if families is None else {f: known[f] for f in families}
     if not table:
-        raise ValueError(f"no family to generate from: choose among {sorted(FAMILIES)}")
+        raise ValueError(f"no family to generate from: choose among {sorted(known)}")
     g = ProgramGenerator(ch)
     family = weighted(ch, table)
-    {"single": single, "pipeline": pipeline, "comm": communication}[family](g)
+    {"single": single, "pipeline": pipeline, "comm": communication, "combine": combine}[family](g)
     g.compute = compute_schedule(g)
     if family == "pipeline":
         wait_back(g)
@@ -70,6 +78,9 @@ def single(g: ProgramGenerator) -> None:
         a = Tensor(g.arg((R, K), dtype), (R, K), dtype)
         stages.gemm(g, a, tile=(BM, ch.choice((16, 32))))
         return
+    if recipe == "gather" and dtype != "i32" and chance(ch, 50):   # (drawn here: other programs are unchanged)
+        stages.combine(g, dtype)
+        return
     R, C = g.extent(24), g.extent(24)
     x = Tensor(g.arg((R, C), dtype), (R, C), dtype)
     if recipe == "ewise":
@@ -88,9 +99,22 @@ def single(g: ProgramGenerator) -> None:
 
 # -- two parts linked by producer/consumer signals --------------------------------------------
 
-def pipeline(g: ProgramGenerator) -> None:
+def combine(g: ProgramGenerator) -> None:
+    """A row-gather combine (the combine recipe's shape, :func:`.program_stages.combine`): alone on
+    an input, or as the consumer of a pipeline, gathering rows of the producer's workspace (f32,
+    f16 or bf16) once every producer tile has notified."""
+    ch = g.ch
+    if chance(ch, 50):
+        g.world_size = weighted(ch, {1: 70, 2: 30})
+        stages.combine(g, g.float_dtype())
+        return
+    pipeline(g, consumer=lambda g, ws, waits: stages.combine(g, ws.dtype, ws, waits=waits))
+
+
+def pipeline(g: ProgramGenerator, consumer=None) -> None:
     """A producer part writes a workspace tile by tile and notifies; a consumer part waits for
-    every producer tile its rows need, then reads the workspace."""
+    every producer tile its rows need, then reads the workspace (``consumer(g, ws, waits)`` when
+    given, whose workspace is then floating point, else :func:`consume`)."""
     ch = g.ch
     g.world_size = weighted(ch, {1: 70, 2: 30})
     role = weighted(ch, {"compute": 60, "comm": 40})
@@ -100,6 +124,10 @@ def pipeline(g: ProgramGenerator) -> None:
     sig = g.fresh("ready")
     link: dict = {}
 
+    def columns(n: int) -> int:
+        """The workspace's columns: for a consumer given (a combine), mostly a multiple of 4."""
+        return -(-n // 4) * 4 if consumer is not None and chance(ch, 80) else n
+
     def notify(stmts, tiling: Tiling):
         link["tiles"] = not tiling.col_loop and tiling.gn > 1 and chance(ch, 50)
         channel = f"pm * {tiling.gn} + pn" if link["tiles"] else "pm"
@@ -107,14 +135,14 @@ def pipeline(g: ProgramGenerator) -> None:
 
     if kind == "gemm":
         BM = ch.choice((16, 32))
-        K, N, a_dtype = g.extent(24), g.extent(24), g.float_dtype()
+        K, N, a_dtype = g.extent(24), columns(g.extent(24)), g.float_dtype()
         a = Tensor(g.arg((R, K), a_dtype), (R, K), a_dtype)
         ws = Tensor(g.workspace((R, N), ws_dtype), (R, N), ws_dtype, exact=False)
         _, tiling = stages.gemm(g, a, ws, role=role,
                                 tile=(BM, ch.choice((16, 32))), notify=notify)
     else:
-        C, x_dtype = g.extent(24), g.float_dtype()
-        if kind == "ewise" and chance(ch, 25):          # integers all the way
+        C, x_dtype = columns(g.extent(24)), g.float_dtype()
+        if kind == "ewise" and consumer is None and chance(ch, 25):          # integers all the way
             x_dtype = ws_dtype = "i32"
         src = Tensor(g.arg((R, C), x_dtype), (R, C), x_dtype)
         ws = Tensor(g.workspace((R, C), ws_dtype), (R, C), ws_dtype, exact=ws_dtype == "i32")
@@ -142,7 +170,7 @@ def pipeline(g: ProgramGenerator) -> None:
                           (inner,)))
 
     producer = g.parts[-1].name
-    consume(g, ws, waits)
+    (consumer or consume)(g, ws, waits)
     g.pipeline = (producer, g.parts[-1].name)
 
 
@@ -367,16 +395,17 @@ def all_reduce(g: ProgramGenerator) -> None:
 
 
 
-def generate_distinct(n: int, seed: int, max_attempts: int | None = None) -> list[tuple[int, Program]]:
+def generate_distinct(n: int, seed: int, max_attempts: int | None = None,
+                      families=None) -> list[tuple[int, Program]]:
     """``n`` programs, no two with the same source: (attempt, program) pairs, where program
-    ``attempt`` of ``seed`` is ``generate(RandomChooser(f"{seed}:{attempt}"))`` (so one can be made
-    again alone)."""
+    ``attempt`` of ``seed`` is ``generate(RandomChooser(f"{seed}:{attempt}"), families)`` (so one
+    can be made again alone)."""
     seen: set[str] = set()
     out: list[tuple[int, Program]] = []
     attempt = 0
     limit = max_attempts if max_attempts is not None else 4 * n + 100
     while len(out) < n and attempt < limit:
-        program = generate(RandomChooser(f"{seed}:{attempt}"))
+        program = generate(RandomChooser(f"{seed}:{attempt}"), families)
         text = program.source()
         if text not in seen:
             seen.add(text)

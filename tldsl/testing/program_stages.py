@@ -284,6 +284,50 @@ def table_read(g: ProgramGenerator, table: str, tiles: int, key: str) -> str:
     return f'{name}["{key}", pm]'
 
 
+def combine(g: ProgramGenerator, dtype: str, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:
+    """A row-gather combine, the MoE top-k combine's shape (what the combine recipe lowers): for
+    each of ``S`` slots a ``tl.range`` loop gathers ``BM`` rows of a ``dtype`` tensor by an id table
+    (``tl.load_rows``; negative ids read zero rows), scales them by a per-row f32 weight, a constant
+    (f32 rows: a constant keeps the rows' dtype) or nothing, and adds them into an f32 fragment,
+    stored once. Columns mostly a multiple of 4 (the recipe's vector accesses; else the general
+    recipe takes it). ``src``: another part's output to gather from (``waits`` then waits for all
+    of its rows before the loop: any row may be gathered), else a new input."""
+    ch = g.ch
+    BM, BN = ch.choice((8, 16, 32, 64)), ch.choice((8, 16, 32, 64))
+    if src is None:
+        Rx, C = g.extent(24), g.extent(BN)
+        if chance(ch, 80):
+            C = -(-C // 4) * 4
+        src = Tensor(g.arg((Rx, C), dtype), (Rx, C), dtype)
+    Rx, C = src.shape
+    dtype = src.dtype
+    R, S = g.extent(BM), ch.integer(1, 4)
+    ids_table = g.arg((S * R,), "i32", "rows", low=-1, high=Rx)
+    scale = weighted(ch, {"row": 50, "none": 30, "constant": 20 if dtype == "f32" else 0})
+    weights = g.arg((R, S), "f32") if scale == "row" else None
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    if waits:
+        waits(stmts, "0", Rx)
+    stmts.append(Fragment("acc", (BM, BN), "f32"))
+    body: list = []
+    ids = g.bind(body, Load(shape=(BM,), dtype="i32", exact=True, tensor=ids_table, offsets=(f"s * {R} + r0",),
+                            box=(BM,)), "ids")
+    rows = LoadRows(shape=(BM, BN), dtype=dtype, exact=src.exact, tensor=src.name, rows=ids, col="c0", ncols=BN)
+    term: Expr = rows
+    if scale == "row":
+        w = Load(shape=(BM, 1), dtype="f32", exact=True, tensor=weights, offsets=("r0", "s"), box=(BM, 1))
+        term = Binary(shape=(BM, BN), dtype="f32", bound=1.0, op="mul", a=rows, b=w)
+    elif scale == "constant":
+        term = Binary(shape=(BM, BN), dtype="f32", bound=0.5, exact=True, op="mul", a=rows, b=0.5)
+    body.append(Update("acc", term))
+    stmts.append(Loop("s", "0", str(S), "1", tuple(body)))
+    acc = FragRead(shape=(BM, BN), dtype="f32", bound=float(S), name="acc")
+    out = output(g, (R, C), acc, None)
+    g.store(stmts, out.name, ("r0", "c0"), acc)
+    g.part("compute", (cdiv(R, BM), cdiv(C, BN)), ("pm", "pn"), stmts, row_tile=BM)
+    return out
+
+
 def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
     """Rows of ``src`` chosen at run time: by an index tile (``tl.load_rows``, negative ids read
     zero rows) or a row block per task from a table (``tl.load_scalar``)."""

@@ -110,6 +110,36 @@ def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(
     assert re.search(r"parts lowered by recipe: .*combine [1-9]", out), out
 
 
+def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowers(tmp_path, monkeypatch, capsys):
+    """``--family grouped_gemm``: expert GEMMs over run-time tile tables (dense or gathered A,
+    unused tiles, valid-row masks, the store inside or after the guard), alone or waiting for a
+    producer's rows, simulate; most lower by the grouped GEMM recipe (the others, rows no multiple
+    of 16 bytes, by the general one) and compile."""
+    import warnings
+    from tldsl.codegen import lower, toolchain as tcm
+    from tldsl.errors import FallbackWarning
+    cases = [FuzzCase(p, f"grouped {i}") for i, p in generate_distinct(24, 7, families=["grouped_gemm"])]
+    kinds = []
+    for c in cases:
+        c.simulate()
+        k = c.trace()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            kinds += [type(lower(k, p.name)).__name__ for p in k.parts
+                      if any(op.name == "load" and len(op.operands[0].type.shape) == 3 for op in p.walk())]
+    assert len(kinds) == 24 and kinds.count("LoweredGroupedGemm") >= 14, kinds
+    sources = [c.program.source() for c in cases]
+    assert sum("consumer_tile_wait" in s for s in sources) >= 4          # waiting for a producer's rows
+    assert any("tl.load_rows" in s for s in sources) and any("tl.iota(" in s for s in sources)
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    status = fuzz_main(["--programs", "4", "--seed", "7", "--family", "grouped_gemm"])
+    out = capsys.readouterr().out
+    assert status == 0 and re.search(r"parts lowered by recipe: .*grouped_gemm [1-9]", out), out
+
+
 def test_an_unknown_family_is_refused_with_the_choices():
     from tldsl.testing.program_families import generate
     from tldsl.testing.program_gen import RandomChooser

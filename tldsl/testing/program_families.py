@@ -18,7 +18,7 @@ from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop,
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 #: families drawn only when asked for by name (``--family``): programs of one recipe's shape, which
 #: the default mix draws rarely (a row-gather combine: about 2 in 100)
-FOCUSED = {"combine": 1}
+FOCUSED = {"combine": 1, "grouped_gemm": 1}
 
 
 def generate(ch: Chooser, families=None) -> Program:
@@ -33,7 +33,8 @@ def generate(ch: Chooser, families=None) -> Program:
         raise ValueError(f"no family to generate from: choose among {sorted(known)}")
     g = ProgramGenerator(ch)
     family = weighted(ch, table)
-    {"single": single, "pipeline": pipeline, "comm": communication, "combine": combine}[family](g)
+    {"single": single, "pipeline": pipeline, "comm": communication, "combine": combine,
+     "grouped_gemm": grouped_gemm}[family](g)
     g.compute = compute_schedule(g)
     if family == "pipeline":
         wait_back(g)
@@ -111,7 +112,21 @@ def combine(g: ProgramGenerator) -> None:
     pipeline(g, consumer=lambda g, ws, waits: stages.combine(g, ws.dtype, ws, waits=waits))
 
 
-def pipeline(g: ProgramGenerator, consumer=None) -> None:
+def grouped_gemm(g: ProgramGenerator) -> None:
+    """A grouped GEMM over run-time tile tables (the grouped GEMM recipe's shape,
+    :func:`.program_stages.grouped_gemm`): alone, or as the consumer of a pipeline whose producer
+    writes its A (f16) tile by tile, each row tile waiting for the producer's tiles over its rows."""
+    ch = g.ch
+    if chance(ch, 60):
+        g.world_size = weighted(ch, {1: 80, 2: 20})
+        stages.grouped_gemm(g)
+        return
+    pipeline(g, consumer=lambda g, ws, waits: stages.grouped_gemm(g, ws, waits=waits), ws_dtypes=("f16",),
+             column_multiple=8)
+    g.dot_tiles = g.dot_tiles[-1:]        # the schedule's tile is the grouped GEMM's (its recipe needs it)
+
+
+def pipeline(g: ProgramGenerator, consumer=None, ws_dtypes=("f32", "f16", "bf16"), column_multiple=4) -> None:
     """A producer part writes a workspace tile by tile and notifies; a consumer part waits for
     every producer tile its rows need, then reads the workspace (``consumer(g, ws, waits)`` when
     given, whose workspace is then floating point, else :func:`consume`)."""
@@ -120,13 +135,15 @@ def pipeline(g: ProgramGenerator, consumer=None) -> None:
     role = weighted(ch, {"compute": 60, "comm": 40})
     kind = weighted(ch, {"ewise": 50, "gemm": 35, "softmax": 15})
     R = g.extent(24)
-    ws_dtype = ch.choice(("f32", "f16", "bf16"))
+    ws_dtype = ch.choice(ws_dtypes)
     sig = g.fresh("ready")
     link: dict = {}
 
     def columns(n: int) -> int:
-        """The workspace's columns: for a consumer given (a combine), mostly a multiple of 4."""
-        return -(-n // 4) * 4 if consumer is not None and chance(ch, 80) else n
+        """The workspace's columns: for a consumer given, mostly a multiple of ``column_multiple``
+        (a combine's vector accesses, a grouped GEMM's 16-byte TMA rows)."""
+        m = column_multiple
+        return -(-n // m) * m if consumer is not None and chance(ch, 80) else n
 
     def notify(stmts, tiling: Tiling):
         link["tiles"] = not tiling.col_loop and tiling.gn > 1 and chance(ch, 50)

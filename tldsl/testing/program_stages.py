@@ -11,7 +11,7 @@ from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
-                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update)
+                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update, When, Where)
 
 Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -282,6 +282,76 @@ def table_read(g: ProgramGenerator, table: str, tiles: int, key: str) -> str:
     name = g.fresh("tiles")
     g.decls.append(DynamicMappingDecl(name, tiles, key, table))
     return f'{name}["{key}", pm]'
+
+
+def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:
+    """A grouped GEMM over run-time tile tables, the MoE expert GEMMs' shape (what the grouped GEMM
+    recipe lowers): row tile ``pm`` of A — dense, or gathered by per-row ids (``tl.load_rows``,
+    negative ids read zero rows) — times the weights ``w[e]`` of the expert a table names (-1: an
+    unused tile, its K loop skipped under ``tl.when``), in fp16 on an f32 fragment, stored whole or
+    with its rows past a table's valid count as zeros, inside or after the guard. WGMMA tiles
+    (BM 64 or 128); K and N mostly multiples of 8 (TMA's 16-byte rows; else the general recipe
+    takes it). ``src``: another part's f16 output as A (``waits``, inside the guard, then wait for
+    the task's rows), else a new input."""
+    ch = g.ch
+    BM, BN, BK = ch.choice((64, 128)), ch.choice((64, 128, 256)), ch.choice((32, 64))
+    g.dot_tiles.append((BM, BN, BK))
+    E = ch.integer(1, 4)
+    aligned = chance(ch, 85)
+
+    def multiple_of_8(n: int) -> int:
+        return -(-n // 8) * 8 if aligned else n
+    if src is None:
+        R, K = ch.integer(1, 3 * BM), multiple_of_8(ch.integer(1, 3 * BK))
+    else:
+        R, K = src.shape
+    N = multiple_of_8(ch.integer(1, 2 * BN))
+    NT = cdiv(R, BM)
+    w = g.arg((E, K, N), "f16")
+    experts = g.arg((NT,), "i32", "table", low=-1, high=E)
+    gather = src is None and chance(ch, 40)
+    if gather:
+        Rx = ch.integer(1, 2 * BM)
+        a = g.arg((Rx, K), "f16")
+        ids_table = g.arg((NT * BM,), "i32", "rows", low=-1, high=Rx)
+    else:
+        a = src.name if src is not None else g.arg((R, K), "f16")
+    masked = chance(ch, 60)
+    valid = g.arg((NT,), "i32", "table", low=0, high=BM + 1) if masked else None
+    store_guarded = chance(ch, 30)
+    out_dtype = g.float_dtype()
+    out = Tensor(g.arg((R, N), out_dtype, "output"), (R, N), out_dtype)
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}"),
+                   Assign("e", table_read(g, experts, NT, "expert"))]
+    guarded: list = []
+    if waits:
+        waits(guarded, "r0", BM)
+    (guarded if store_guarded else stmts).append(Fragment("acc", (BM, BN), "f32"))
+    if gather:
+        ids = g.bind(guarded, Load(shape=(BM,), dtype="i32", exact=True, tensor=ids_table, offsets=("r0",),
+                                   box=(BM,)), "ids")
+        ta: Expr = LoadRows(shape=(BM, BK), dtype="f16", exact=True, tensor=a, rows=ids, col="k", ncols=BK)
+    else:
+        ta = Load(shape=(BM, BK), dtype="f16", exact=src is None or src.exact, tensor=a, offsets=("r0", "k"),
+                  box=(BM, BK))
+    tb = Load(shape=(BK, BN), dtype="f16", exact=True, tensor=w, offsets=("e", "k", "c0"), box=(BK, BN))
+    guarded.append(Loop("k", "0", str(K), str(BK), (Update("acc", Dot(shape=(BM, BN), dtype="f32", bound=float(K),
+                                                                      a=ta, b=tb)),)))
+    value: Expr = FragRead(shape=(BM, BN), dtype="f32", bound=float(K), name="acc")
+    epilogue: list = []
+    if masked:
+        epilogue.append(Assign("n", table_read(g, valid, NT, "valid")))
+        rows = ExpandDims(shape=(BM, 1), dtype="i32", exact=True, x=Iota(shape=(BM,), dtype="i32", exact=True),
+                          axis=1, indexing=True)
+        value = Where(shape=(BM, BN), dtype="f32", bound=value.bound,
+                      cond=Binary(shape=(BM, 1), dtype="i1", exact=True, op="lt", a=rows, b="n"), a=value, b=0.0)
+    g.store(epilogue, out.name, ("r0", "c0"), value)
+    if store_guarded:                  # a skipped tile stores nothing: its rows keep what the output held
+        stmts.append(When("e >= 0", tuple(guarded + epilogue)))
+    else:                              # a skipped tile stores zeros
+        stmts += [When("e >= 0", tuple(guarded))] + epilogue
+    g.part("compute", (NT, cdiv(N, BN)), ("pm", "pn"), stmts, row_tile=BM)
+    return out
 
 
 def combine(g: ProgramGenerator, dtype: str, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:

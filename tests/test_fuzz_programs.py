@@ -81,6 +81,13 @@ def test_the_strategy_draws_from_the_families_asked_for(case):
     assert len(case.trace().parts) == 1 and not features(case.trace()).linked_parts
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tst.tile_programs(families=["grouped_gemm"]))
+def test_the_strategy_draws_grouped_gemms_the_simulator_accepts(case):
+    assert "tl.dot(" in case.program.source() and "tl.when(e >= 0)" in case.program.source()
+    case.simulate()
+
+
 def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(tmp_path, monkeypatch, capsys):
     """``--family combine``: row-gather combines (the MoE top-k combine's shape), alone or gathering
     a producer's workspace once it has notified, simulate; most lower by the combine recipe (the

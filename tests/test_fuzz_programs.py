@@ -147,6 +147,30 @@ def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowe
     assert status == 0 and re.search(r"parts lowered by recipe: .*grouped_gemm [1-9]", out), out
 
 
+def test_the_attention_family_gives_flash_attention_the_attention_recipe_lowers():
+    """``--family attention``: flash-attention parts written as a user writes them (causal or not,
+    key blocks skipped or masked, scaled or not, grouped-query heads, ragged queries and keys)
+    simulate, and the attention recipe lowers all but those whose drawn schedule asks for
+    clusters (which it refuses, and the general recipe takes)."""
+    import warnings
+    from tldsl.codegen import lower
+    from tldsl.errors import FallbackWarning
+    cases = [FuzzCase(p, f"attention {i}") for i, p in generate_distinct(16, 7, families=["attention"])]
+    kinds = []
+    for c in cases:
+        c.simulate()
+        k = c.trace()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            kinds += [type(lower(k, p.name)).__name__ for p in k.parts]
+        clustered = "cluster=(2, 1)" in c.program.source()
+        assert (kinds[-1] == "LoweredAttention") != clustered, c.program.source()
+    sources = [c.program.source() for c in cases]
+    assert any("q_pos" in s for s in sources) and any("q_pos" not in s for s in sources)
+    assert any("h // " in s for s in sources)                       # grouped-query heads
+    assert kinds.count("LoweredAttention") >= 10, kinds
+
+
 def test_an_unknown_family_is_refused_with_the_choices():
     from tldsl.testing.program_families import generate
     from tldsl.testing.program_gen import RandomChooser

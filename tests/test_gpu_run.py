@@ -335,14 +335,16 @@ def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
         assert sum(r.sms == sms and r.multi_task_ctas for r in whole) >= 2, [r.line() for r in reports]
 
 
-@pytest.mark.parametrize("family, recipe", [("combine", "combine"), ("grouped_gemm", "grouped_gemm")])
+@pytest.mark.parametrize("family, recipe", [("combine", "combine"), ("grouped_gemm", "grouped_gemm"),
+                                            ("attention", "attention")])
 @pytest.mark.parametrize("sms", [None, 2])
 def test_the_fuzzers_recipe_families_agree_with_the_simulator_on_the_gpu(sms, family, recipe):
     """``--family combine``: row-gather combines, most lowered by the combine recipe (its 1024-thread
     persistent CTAs, vector gathers, per-row scales); ``--family grouped_gemm``: expert GEMMs over
     run-time tables, most by the grouped GEMM recipe (TMA or gathered A, WGMMA, unused tiles, row
-    masks, half tiles) — alone, or after a producer of their input — on the whole GPU and on two
-    SMs, agree with the simulator."""
+    masks, half tiles) — alone, or after a producer of their input; ``--family attention``:
+    flash-attention parts, most by the attention recipe — on the whole GPU and on two SMs, agree
+    with the simulator."""
     from tldsl.testing.fuzz import _recipe_name, run
     reports = run(16, 7, gpu=True, sms=sms, families=[family])
     whole = [r for r in reports if not (r.sim_error or r.not_lowered or r.compile_errors or r.lowering_crashes)]

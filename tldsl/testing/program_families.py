@@ -18,7 +18,7 @@ from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop,
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 #: families drawn only when asked for by name (``--family``): programs of one recipe's shape, which
 #: the default mix draws rarely (a row-gather combine: about 2 in 100)
-FOCUSED = {"combine": 1, "grouped_gemm": 1}
+FOCUSED = {"combine": 1, "grouped_gemm": 1, "attention": 1}
 
 
 def generate(ch: Chooser, families=None) -> Program:
@@ -34,7 +34,7 @@ def generate(ch: Chooser, families=None) -> Program:
     g = ProgramGenerator(ch)
     family = weighted(ch, table)
     {"single": single, "pipeline": pipeline, "comm": communication, "combine": combine,
-     "grouped_gemm": grouped_gemm}[family](g)
+     "grouped_gemm": grouped_gemm, "attention": attention}[family](g)
     g.compute = compute_schedule(g)
     if family == "pipeline":
         wait_back(g)
@@ -110,6 +110,13 @@ def combine(g: ProgramGenerator) -> None:
         stages.combine(g, g.float_dtype())
         return
     pipeline(g, consumer=lambda g, ws, waits: stages.combine(g, ws.dtype, ws, waits=waits))
+
+
+def attention(g: ProgramGenerator) -> None:
+    """A flash-attention part (the attention recipe's shape, :func:`.program_stages.attention`), on
+    one rank or on each of two."""
+    g.world_size = weighted(g.ch, {1: 80, 2: 20})
+    stages.attention(g)
 
 
 def grouped_gemm(g: ProgramGenerator) -> None:

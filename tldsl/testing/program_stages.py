@@ -12,6 +12,7 @@ from typing import Callable
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
                            Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update, When, Where)
+from .program_tree import Call
 
 Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -282,6 +283,52 @@ def table_read(g: ProgramGenerator, table: str, tiles: int, key: str) -> str:
     name = g.fresh("tiles")
     g.decls.append(DynamicMappingDecl(name, tiles, key, table))
     return f'{name}["{key}", pm]'
+
+
+def attention(g: ProgramGenerator) -> Tensor:
+    """A flash-attention part, the shape the attention recipe lowers
+    (:mod:`tldsl.codegen.match.attention`): per head and query block, an online softmax over key
+    blocks of ``NS`` pieces of ``L`` key rows each (``tl.load_rows``, rows past a piece's end -1),
+    optionally causal (query positions offset into the keys; key blocks past the last query
+    skipped, or only masked), scaled or not, MHA or grouped-query heads; fp16, head dim and
+    blocks the recipe's (D 16-128, BM 64 or 128, BN 16-128). Written as a user would write it,
+    statement by statement."""
+    ch = g.ch
+    D = ch.choice((16, 32, 64, 128))
+    BM, BN = ch.choice((64, 128)), ch.choice((16, 32, 64, 128))
+    H = ch.integer(1, 3)
+    G = H if H > 1 and chance(ch, 40) else 1             # query heads per key/value head
+    Sq, L, NS = ch.integer(1, 2 * BM), ch.integer(1, 2 * BN), ch.integer(1, 2)
+    causal = chance(ch, 50)
+    skip = causal and chance(ch, 60)                     # key blocks after the block's last query skipped
+    off = ch.integer(0, NS * L) if causal else 0          # position of query row 0 among the keys
+    scale = ch.choice((None, 1.0 / D ** 0.5, 0.125))
+    q = g.arg((Sq, H * D), "f16")
+    k = g.arg((NS * L, H // G * D), "f16")
+    v = g.arg((NS * L, H // G * D), "f16")
+    o = g.arg((Sq, H * D), "f16", "output")
+    A = Assign
+    stmts: list = [A("q0", f"pm * {BM}"), A("c0", f"h * {D}"), A("kc0", f"h // {G} * {D}" if G > 1 else "c0")]
+    if causal:
+        stmts += [A("q_pos", f"tl.iota({BM}) + ({off} + q0)"), A("last_q", f"{off} + tl.minimum(q0 + {BM}, {Sq}) - 1")]
+    stmts += [A("qt", f"tl.load({q}, (q0, c0), ({BM}, {D}))"), A("j", f"tl.iota({BN})"),
+              Fragment("m", (BM,), "f32", fill=-1.0e30), Fragment("l_sum", (BM,), "f32"),
+              Fragment("acc", (BM, D), "f32")]
+    mask = "in_shard[None, :]" + (" & ((j + r0)[None, :] <= q_pos[:, None])" if causal else "")
+    scaled = "tl.dot(qt, tl.trans(kt))" + (f" * {scale!r}" if scale is not None else "")
+    block = (A("r0", f"base + kb"), A("in_shard", f"(j + kb) < {L}"), A("rows", "tl.where(in_shard, j + r0, -1)"),
+             A("kt", f"tl.load_rows({k}, rows, kc0, {D})"), A("vt", f"tl.load_rows({v}, rows, kc0, {D})"),
+             A("mask", mask), A("sc", f"tl.where(mask, {scaled}, -1.0e30)"), A("m_old", "m[...]"),
+             A("m_new", "tl.maximum(m_old, tl.max(sc, 1))"), A("alpha", "tl.exp(m_old - m_new)"),
+             A("p", "tl.where(mask, tl.exp(sc - m_new[:, None]), 0.0)"),
+             A("l_sum[...]", "l_sum[...] * alpha + tl.sum(p, 1)"),
+             A("acc[...]", "acc[...] * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)"), A("m[...]", "m_new"))
+    hi = f"tl.minimum(tl.maximum(last_q + 1 - base, 0), {L})" if skip else str(L)
+    stmts.append(Loop("s", "0", str(NS), "1", (A("base", f"s * {L}"), A("hi", hi), Loop("kb", "0", "hi", str(BN), block))))
+    stmts += [A("denom", "l_sum[...]"), A("denom", "tl.where(denom > 0.0, denom, 1.0)"),
+              Call("store", (o, "(q0, c0)", "acc[...] / denom[:, None]"))]
+    g.part("compute", (H, cdiv(Sq, BM)), ("h", "pm"), stmts)
+    return Tensor(o, (Sq, H * D), "f16", exact=False)
 
 
 def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:

@@ -96,8 +96,8 @@ def tile_programs(draw, families=None, input_seeds=st.integers(0, 2**16 - 1)) ->
     primitives, and the library's collectives). ``families``: only some kinds of program, among
     ``"single"`` (one compute part), ``"pipeline"`` (two parts linked by signals on each rank)
     and ``"comm"`` (communication over W >= 2 ranks), or only when named ``"combine"`` (row-gather
-    combines) and ``"grouped_gemm"`` (expert GEMMs over run-time tile tables): the MoE kernels'
-    shapes, which their recipes lower."""
+    combines), ``"grouped_gemm"`` (expert GEMMs over run-time tile tables) and ``"attention"``
+    (flash attention): the MoE and attention kernels' shapes, which their recipes lower."""
     program = generate(_DrawChooser(draw), families)
     digest = hashlib.sha1(program.source().encode()).hexdigest()[:10]     # one file name per program
     return FuzzCase(program, f"tile_programs() {digest}", draw(input_seeds))

@@ -43,3 +43,24 @@ def folded_rows(layer, row) -> int:
         _, _, rt, lf, _ = moe.lowered_rs_row(row, fold=True)
     assert not lf.config.half_tiles
     return int((rt.tile_expert >= 0).sum()) * rt.block_m
+
+
+def test_the_power_probe_checks_then_runs_each_kernel_back_to_back():
+    """``bench probe moe_power`` on a small row: the pair checked against torch's sequence, then a
+    table row for each of the four kernels, its time a launch; the power columns filled where
+    nvidia-smi is there."""
+    import io
+    import re
+    import shutil
+    from tldsl.bench import moe
+    from tldsl.bench.moe_power import probe_moe_power
+    out = io.StringIO()
+    probe_moe_power([moe._parse_row("mixtral:2048:random")], seconds=0.5, out=out)
+    rows = [ln for ln in out.getvalue().splitlines() if ln.startswith("| mixtral 2048 random |")]
+    assert [ln.split(" | ")[1] for ln in rows] == ["our grouped GEMM", "`_grouped_mm`", "our combine",
+                                                   "our GEMM, then combine"], out.getvalue()
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert float(cells[2]) > 0, ln
+        if shutil.which("nvidia-smi"):
+            assert re.fullmatch(r"\d+ \(\d+\)", cells[3]) and re.fullmatch(r"\d+ / \d+", cells[5]), ln

@@ -243,24 +243,67 @@ def folded_as_run_folds(ir, lowered: dict):
     return lf
 
 
-def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2, fold: bool = False, group_m: int | None = None,
-                 interleave: int | None = None, run: int = 0, partial_dtype: str = "out") -> dict:
-    """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
-    parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
-    the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
-    with ``fold`` the pair one after the other first, and last a copy of the combine's bytes)."""
+class RsRow:
+    """One row of layer 1 ready to launch, as ``bench moe --layer rs`` times it (:func:`rs_row`): our
+    two kernels bound to poisoned buffers (the grouped GEMM into ``y_sorted``, the combine into the
+    partial, the signal between them dropped), the GEMM as written (notifying each tile, into a
+    ``y_sorted`` of its own), and torch's ``_grouped_mm`` and whole sequence on the same rows. Each
+    method launches once on the current stream."""
+
+    def __init__(self, k, routing, lg, lc, notifying, bufs, h_sorted, w, offs, order, flat_w, T, N, topk):
+        from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+        import torch
+        self.k, self.routing, self.lg, self.lc, self.bufs = k, routing, lg, lc, bufs
+        self._h_sorted, self._w, self._offs, self._order, self._flat_w = h_sorted, w, offs, order, flat_w
+        self._T, self._N, self._topk = T, N, topk
+        slots = {**notifying.signal_slots, **lc.signal_slots}
+        flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
+        self._gemm = GroupedKernel(lg).prepare(bufs, {s: flags[s] for s in lg.signals})
+        self._combine = GroupedKernel(lc).prepare(bufs, {s: flags[s] for s in lc.signals})
+        self.y_notified = torch.full_like(bufs["y_sorted"], float("nan"))
+        self._notifying = GroupedKernel(notifying).prepare({**bufs, "y_sorted": self.y_notified},
+                                                           {s: flags[s] for s in notifying.signals})
+
+    @staticmethod
+    def _stream() -> int:
+        import torch
+        return torch.cuda.current_stream().cuda_stream
+
+    def gemm(self):
+        self._gemm.launch(self._stream(), 1)
+
+    def combine(self):
+        self._combine.launch(self._stream(), 1)
+
+    def pair(self):
+        self.gemm()
+        self.combine()
+
+    def notifying_gemm(self):
+        self._notifying.launch(self._stream(), 1)
+
+    def gmm(self):
+        import torch
+        return torch._grouped_mm(self._h_sorted, self._w, offs=self._offs)
+
+    def sequence(self):
+        import torch
+        out = torch.zeros((self._T, self._N), dtype=torch.float32, device="cuda")
+        return out.index_add_(0, self._order // self._topk, self.gmm().float() * self._flat_w)
+
+
+def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
+           group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out") -> RsRow:
+    """Layer 1 of ``row`` on this GPU (:class:`RsRow`): the program (:func:`rs_program`), its kernels
+    lowered as tl.run and the op lower them (:func:`lowered_rs`), inputs drawn on the device."""
     import numpy as np
     import torch
-    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts, rt, k = rs_program(row, tile, stages, dtype, group_m=group_m, interleave=interleave,
                                  partial_dtype=partial_dtype)
     as_run = lowered_rs(k, cluster)
-    lg, lc = as_run["grouped_gemm"], as_run["combine"]
     notifying = lowered_rs(k, cluster, notifies=True)["grouped_gemm"]
-    gk, ck = GroupedKernel(lg), GroupedKernel(lc)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E + 1)
     ids_dev, wts_dev = ids.cuda(), wts.cuda()
@@ -274,37 +317,27 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
             "y_sorted": torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt),
             "partial": torch.full((T, N), float("nan"), device="cuda",
                                   dtype=torch.float32 if partial_dtype == "f32" else tdt)}
-    # unfolded: the kernels one after the other on one stream, the signal between them dropped (as tl.run
-    # and the op lower them); the GEMM as written, notifying each tile, timed beside them
-    slots = {**notifying.signal_slots, **lc.signal_slots}
-    flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
-    gemm = gk.prepare(bufs, {s: flags[s] for s in lg.signals})
-    combine = ck.prepare(bufs, {s: flags[s] for s in lc.signals})
-    y_notified = torch.full_like(bufs["y_sorted"], float("nan"))
-    with_notifies = GroupedKernel(notifying).prepare({**bufs, "y_sorted": y_notified},
-                                                     {s: flags[s] for s in notifying.signals})
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
+    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted, w, offs, order,
+                 flat_w, T, N, topk)
 
-    def pair():
-        stream = torch.cuda.current_stream().cuda_stream
-        gemm.launch(stream, 1)
-        combine.launch(stream, 1)
 
-    def gmm():
-        return torch._grouped_mm(h_sorted, w, offs=offs)
-
-    def sequence():
-        out = torch.zeros((T, N), dtype=torch.float32, device="cuda")
-        return out.index_add_(0, order // topk, torch._grouped_mm(h_sorted, w, offs=offs).float() * flat_w)
-
-    def gemm_alone():
-        gemm.launch(torch.cuda.current_stream().cuda_stream, 1)
-
-    def combine_alone():
-        combine.launch(torch.cuda.current_stream().cuda_stream, 1)
-
-    def notifying_alone():
-        with_notifies.launch(torch.cuda.current_stream().cuda_stream, 1)
+def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
+                 cluster: int = 2, fold: bool = False, group_m: int | None = None,
+                 interleave: int | None = None, run: int = 0, partial_dtype: str = "out") -> dict:
+    """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
+    parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
+    the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
+    with ``fold`` the pair one after the other first, and last a copy of the combine's bytes)."""
+    import torch
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    T, K, N = row.tokens, ffn // TP, hidden
+    r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype)
+    k, rt, lg, bufs = r.k, r.routing, r.lg, r.bufs
+    pair, gmm, sequence = r.pair, r.gmm, r.sequence
+    gemm_alone, combine_alone, notifying_alone = r.gemm, r.combine, r.notifying_gemm
+    y_notified = r.y_notified
     # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written)
     combine_copy = copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size())
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"

@@ -7,6 +7,7 @@
     python -m tldsl.bench probe moe_notifies [--rows qwen3:8192:random,...]  # one GPU
     python -m tldsl.bench probe moe_schedules [--rows ...] [--layer ag|rs] [--schedules 128x256x64:4,...]  # one GPU
     python -m tldsl.bench probe moe_row_copies [--rows mixtral:32768:random,...]  # one GPU
+    python -m tldsl.bench probe moe_power [--rows deepseek:8192:random,...] [--seconds 2]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -43,6 +44,9 @@
   interleaved with ``_grouped_mm`` in one process (:mod:`.moe_probes`).
 * ``moe_row_copies``: AllGather+MoE's routed rows gathered by batched copies, one a row, against the
   SMs' gather, alone and beside ``_grouped_mm`` (:mod:`.moe_probes`).
+* ``moe_power``: MoE+ReduceScatter's grouped GEMM, combine and both, and ``_grouped_mm``, each
+  launched back to back while nvidia-smi samples the SM clock, the power and the software power
+  cap (:mod:`.moe_power`): a GEMM at the cap pays for work beside it in energy.
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -505,13 +509,15 @@ class _Bound:
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
 NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "moe_row_copies",
-         "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares",
+         "moe_power", "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares",
          "ag_slices", "ag_skew", "rs_order")
 
 
 #: ``--rows``' defaults: the rows that gather in the GEMM, and those whose rows are staged first
 SMALL_EXPERT_ROWS = "qwen3:8192:random,deepseek:8192:random,qwen15:8192:random"
 STAGED_ROWS = "mixtral:32768:random,stress:8192:random"
+#: moe_power's: the rows furthest below ``_grouped_mm`` and a long one
+POWER_ROWS = "mixtral:32768:random,deepseek:8192:random,qwen3:8192:random"
 
 
 def _parsed_rows(ap, text: str) -> list:
@@ -529,8 +535,11 @@ def main(argv) -> int:
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--rows", default=None,
-                    help="moe_notifies, moe_schedules, moe_row_copies: MODEL:TOKENS:ROUTING,... (bench moe's rows; "
-                         f"default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies)")
+                    help="moe_notifies, moe_schedules, moe_row_copies, moe_power: MODEL:TOKENS:ROUTING,... (bench moe's "
+                         f"rows; default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies, "
+                         f"{POWER_ROWS} for moe_power)")
+    ap.add_argument("--seconds", type=float, default=2.0,
+                    help="moe_power: how long each kernel runs back to back (default 2)")
     ap.add_argument("--layer", choices=("ag", "rs"), default="ag",
                     help="moe_schedules: AllGather+MoE's grouped GEMM (ag) or MoE+ReduceScatter's (rs)")
     ap.add_argument("--schedules", default=None,
@@ -542,7 +551,9 @@ def main(argv) -> int:
                          "20 for the others)")
     args = ap.parse_args(argv)
     if args.rows is None:
-        args.rows = STAGED_ROWS if args.what == "moe_row_copies" else SMALL_EXPERT_ROWS
+        args.rows = {"moe_row_copies": STAGED_ROWS, "moe_power": POWER_ROWS}.get(args.what, SMALL_EXPERT_ROWS)
+    if not args.seconds > 0:
+        ap.error(f"--seconds must be positive, got {args.seconds:g}")
     its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
         probe_copy_engine()
@@ -567,6 +578,9 @@ def main(argv) -> int:
     elif args.what == "moe_row_copies":
         from .moe_probes import probe_moe_row_copies
         probe_moe_row_copies(_parsed_rows(ap, args.rows), **its)
+    elif args.what == "moe_power":
+        from .moe_power import probe_moe_power
+        probe_moe_power(_parsed_rows(ap, args.rows), args.seconds)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

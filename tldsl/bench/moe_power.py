@@ -73,15 +73,19 @@ def summarize(samples: list[Sample]) -> PowerSummary | None:
                         statistics.median(s.watts for s in kept), sum(s.capped for s in kept))
 
 
-def smi_target() -> str:
-    """nvidia-smi's ``-i`` for torch's current device: its PCI bus id where torch gives it (CUDA's
-    device order need not be nvidia-smi's), else its index."""
+def smi_target(smi: str) -> str:
+    """nvidia-smi's ``-i`` for torch's current device: the PCI bus id nvidia-smi lists for it where
+    torch gives one (CUDA's device order need not be nvidia-smi's), else torch's index."""
     import torch
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is None:
-        return str(torch.cuda.current_device())
-    return f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    bus, dev = getattr(props, "pci_bus_id", None), getattr(props, "pci_device_id", None)
+    if bus is None or dev is None:
+        return str(index)
+    mine = f"{bus:02X}:{dev:02X}.0"
+    listed = subprocess.run([smi, "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                            text=True).stdout.split()
+    return next((b for b in listed if b.upper().endswith(mine)), str(index))
 
 
 def sustained(fn, seconds: float, smi: str | None) -> tuple[float, PowerSummary | None]:
@@ -95,7 +99,7 @@ def sustained(fn, seconds: float, smi: str | None) -> tuple[float, PowerSummary 
     sampler = None
     if smi is not None:
         sampler = subprocess.Popen([smi, f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
-                                    "-lms", str(SAMPLE_MS), "-i", smi_target()],
+                                    "-lms", str(SAMPLE_MS), "-i", smi_target(smi)],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     launches, t0 = 0, time.perf_counter()

@@ -4,6 +4,8 @@ a negative ``tl.expand_dims`` axis (numpy's: counted from the end of the result)
 against numpy / Python, and in the general recipe's generated code run on CPU threads."""
 from __future__ import annotations
 
+import functools
+
 import re
 import shutil
 
@@ -231,6 +233,17 @@ def mask_out(x, m, *, compute: tl.ComputeSchedule = None):
     def part(p):
         v = tl.load(x, (0,), (8,))
         tl.store(m, (0,), ((v & 1) == 1) | (v > 5))
+
+
+def test_tl_kernel_takes_a_python_function_once():
+    """A kernel decorated twice, or something that is no function, once failed deep inside with
+    an AttributeError ('KernelFunction' object has no attribute '__code__')."""
+    with pytest.raises(tl.CompilationError, match="'mask_out' is a tl.kernel already; decorate its function once"):
+        tl.kernel(mask_out)
+    with pytest.raises(tl.CompilationError, match=r"tl.kernel decorates a Python function \(def ...\), got int 3"):
+        tl.kernel(3)
+    with pytest.raises(tl.CompilationError, match="got partial"):
+        tl.kernel(name="k")(functools.partial(lambda x, y: None, y=1))
 
 
 def test_a_bool_output_is_the_same_from_the_simulator_and_the_generated_code(tmp_path):

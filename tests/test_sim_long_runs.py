@@ -143,3 +143,19 @@ def test_progress_asked_for_reports_at_least_the_end(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines and lines[-1].startswith(f"tl.simulate: done, {res.steps:,} scheduler steps in "), lines
     assert all(line.startswith("tl.simulate: launch ") for line in lines[:-1]), lines
+
+
+def test_a_kernel_checked_on_one_slot_first_reports_both_runs_as_one():
+    """Parts waiting on themselves through others are run twice (on one slot, then every tile
+    resident): progress covers both, launches and steps counted on, and ends once."""
+    from test_simulator import two_parts_each_way, two_parts_inputs
+    W, n = 2, 64
+    seen: list[SimProgress] = []
+    res = tl.simulate(two_parts_each_way, W, two_parts_inputs(W, n),
+                      options=tl.SimOptions(progress=seen.append, progress_interval_s=0.0, launches=2))
+    assert {p.launch for p in seen if not p.done} == {1, 2, 3, 4} and all(p.launches == 4 for p in seen)
+    steps = [p.steps for p in seen]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert [p.done for p in seen].count(True) == 1 and seen[-1].done
+    assert seen[-1].expected_steps == 2 * res.expected_steps
+    assert res.steps < seen[-1].steps <= 2.2 * res.steps         # the one-slot run's steps, then the returned run's

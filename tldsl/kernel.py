@@ -215,7 +215,13 @@ class KernelFunction:
 def kernel(fn=None, *, name: str | None = None):
     """Decorator turning a Python function into a traced tile program."""
     if fn is None:
-        return lambda f: KernelFunction(f, name)
+        return lambda f: kernel(f, name=name)
+    if isinstance(fn, KernelFunction):
+        raise CompilationError(f"tl.kernel: '{fn.name}' is a tl.kernel already; decorate its function once",
+                               user_location())
+    if not inspect.isfunction(fn):
+        raise CompilationError(f"tl.kernel decorates a Python function (def ...), got {type(fn).__name__} {fn!r}",
+                               user_location())
     return KernelFunction(fn, name)
 
 

@@ -43,7 +43,10 @@ def print_progress(p: SimProgress) -> None:
 
 class ProgressReporter:
     """Calls ``callback`` with a :class:`SimProgress` every ``interval_s`` seconds of a run
-    (the scheduler asks every ``CHECK_EVERY`` steps), and once at the end (``done``)."""
+    (the scheduler asks every ``CHECK_EVERY`` steps), and once at the end (``done``). A
+    simulation of several runs (a kernel whose parts wait on themselves through others runs
+    twice: :func:`~.simulate.simulate`) reports them as one, its launches and steps counted
+    on: :meth:`next_run` after each run but the last."""
     CHECK_EVERY = 512
 
     def __init__(self, callback, interval_s: float, expected_steps: int, launches: int):
@@ -51,15 +54,22 @@ class ProgressReporter:
         self.expected_steps, self.launches = expected_steps, launches
         self.start = time.perf_counter()
         self.last = self.start
+        self.steps_before = self.launches_before = 0      # of the runs already finished
+
+    def next_run(self, steps: int, launches: int) -> None:
+        """A run of ``launches`` launches and ``steps`` steps has finished; the next starts at 0."""
+        self.steps_before += steps
+        self.launches_before += launches
 
     def check(self, steps: int, launch: int) -> None:
         now = time.perf_counter()
         if now - self.last >= self.interval_s:
             self.last = now
-            self.callback(SimProgress(launch, self.launches, steps, self.expected_steps, now - self.start))
+            self.callback(SimProgress(self.launches_before + launch, self.launches, self.steps_before + steps,
+                                      self.expected_steps, now - self.start))
 
     def finish(self, steps: int) -> None:
-        self.callback(SimProgress(self.launches, self.launches, steps, self.expected_steps,
+        self.callback(SimProgress(self.launches, self.launches, self.steps_before + steps, self.expected_steps,
                                   time.perf_counter() - self.start, done=True))
 
 

@@ -206,16 +206,20 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         else:
             from ...ir.analysis import check_channels
             check_channels(ir)
+    reporter = _reporter(options, estimate.steps * runs, long_run, options.launches * runs)
     if looping:
         # first with those parts on one slot, their tiles in order, as a GPU giving them fewer CTAs
         # than tiles runs them: a tile waiting for a later one is a deadlock here, not a hang there.
         # Then every tile resident, whose interleavings the race detector needs (on one slot a
         # part's tiles always notify in order), and whose results are returned
         quiet = dataclasses.replace(options, record_timeline=False)
-        _run_launches(Engine(ir, _memory(ir, per_rank, options), quiet, np.random.default_rng(seed), one_slot=looping),
-                      options.launches)
+        one_slot = Engine(ir, _memory(ir, per_rank, options), quiet, np.random.default_rng(seed), one_slot=looping)
+        if reporter is not None:
+            one_slot.report_progress(reporter)
+        _run_launches(one_slot, options.launches)
+        if reporter is not None:
+            reporter.next_run(one_slot.steps, options.launches)
     engine = Engine(ir, memory, options, np.random.default_rng(seed))
-    reporter = _reporter(options, estimate.steps, long_run)
     if reporter is not None:
         engine.report_progress(reporter)
     _run_launches(engine, options.launches)
@@ -248,7 +252,7 @@ def _memory(ir, per_rank, options) -> Memory:
     return memory
 
 
-def _reporter(options: SimOptions, expected_steps: int, long_run: bool):
+def _reporter(options: SimOptions, expected_steps: int, long_run: bool, launches: int):
     """Who hears of progress: the caller's function, stderr, or nobody (see SimOptions.progress)."""
     show = options.progress
     if show is None:
@@ -256,7 +260,7 @@ def _reporter(options: SimOptions, expected_steps: int, long_run: bool):
     if show is False:
         return None
     callback = print_progress if show is True else show
-    return ProgressReporter(callback, options.progress_interval_s, expected_steps, options.launches)
+    return ProgressReporter(callback, options.progress_interval_s, expected_steps, launches)
 
 
 def _check_uniform(names, per_rank, symmetric):

@@ -37,7 +37,8 @@ class SimOptions:
         (``LongSimulationWarning``, with the estimate) and shows progress. None: never.
     progress: None (progress lines on stderr when the run was warned about), True (always),
         False (never), or a function called with a ``SimProgress`` at each interval — in a
-        notebook, to drive a progress bar.
+        notebook, to drive a progress bar. A kernel run twice (on one slot first, above) reports
+        both runs as one: twice the launches and steps of the result's.
     progress_interval_s: seconds between progress reports.
     bulk_loops: run a loop that never yields to the scheduler in bulk — its loads as regions,
         its tile math in one numpy call (runtime/sim/bulk_loop.py). False runs it op by op:

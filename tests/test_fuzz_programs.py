@@ -102,8 +102,11 @@ def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(
         k = c.trace()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)
-            kinds += [type(lower(k, p.name)).__name__ for p in k.parts if p.role == "compute" and
-                      any(op.name == "load_rows" for op in p.walk())]
+            lowered = [lower(k, p.name) for p in k.parts if p.role == "compute" and
+                       any(op.name == "load_rows" for op in p.walk())]
+        kinds += [type(lk).__name__ for lk in lowered]
+        for lk in lowered:      # the general recipe only where the columns are no multiple of 4
+            assert type(lk).__name__ == "LoweredCombine" or "vector access needs a multiple of 4" in str(lk.declined)
     assert len(kinds) == 24 and kinds.count("LoweredCombine") >= 16, kinds
     assert sum(len(c.trace().parts) > 1 for c in cases) >= 6          # some gather a producer's rows
     assert any("consumer_tile_wait" in c.program.source() and "tl.bfloat16" in c.program.source() for c in cases)
@@ -132,12 +135,17 @@ def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowe
         k = c.trace()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)
-            kinds += [type(lower(k, p.name)).__name__ for p in k.parts
-                      if any(op.name == "load" and len(op.operands[0].type.shape) == 3 for op in p.walk())]
+            lowered = [lower(k, p.name) for p in k.parts
+                       if any(op.name == "load" and len(op.operands[0].type.shape) == 3 for op in p.walk())]
+        kinds += [type(lk).__name__ for lk in lowered]
+        for lk in lowered:      # the general recipe only where rows are no multiple of 16 bytes
+            assert type(lk).__name__ == "LoweredGroupedGemm" or "16-byte aligned rows" in str(lk.declined)
     assert len(kinds) == 24 and kinds.count("LoweredGroupedGemm") >= 14, kinds
     sources = [c.program.source() for c in cases]
-    assert sum("consumer_tile_wait" in s for s in sources) >= 4          # waiting for a producer's rows
-    assert any("tl.load_rows" in s for s in sources) and any("tl.iota(" in s for s in sources)
+    waiting = [c for c in cases if "consumer_tile_wait" in c.program.source()]
+    assert len(waiting) >= 4                                              # waiting for a producer's rows
+    assert any(c.trace().parts[-1].grid[0] > 1 for c in waiting)          # ... in several row tiles
+    assert any("tl.load_rows" in s for s in sources) and any("tl.iota(" in s and "< n)" in s for s in sources)
     ok, why = tcm.toolchain_available()
     if not ok:
         pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
@@ -167,14 +175,18 @@ def test_the_attention_family_gives_flash_attention_the_attention_recipe_lowers(
         assert (kinds[-1] == "LoweredAttention") != clustered, c.program.source()
     sources = [c.program.source() for c in cases]
     assert any("q_pos" in s for s in sources) and any("q_pos" not in s for s in sources)
-    assert any("h // " in s for s in sources)                       # grouped-query heads
+    heads = [re.search(r"kc0 = h // (\d+) \* (\d+)", s) for s in sources]
+    kv_heads = [int(re.search(r"grid=\((\d+),", s).group(1)) // int(h.group(1)) for h, s in zip(heads, sources) if h]
+    assert any(n > 1 for n in kv_heads), kv_heads                    # grouped-query heads, several KV heads
     assert kinds.count("LoweredAttention") >= 10, kinds
 
 
 def test_an_unknown_family_is_refused_with_the_choices():
     from tldsl.testing.program_families import generate
     from tldsl.testing.program_gen import RandomChooser
-    with pytest.raises(ValueError, match=r"no program family 'combines': choose among \['combine', 'comm'"):
+    from tldsl.testing.program_families import FAMILIES, FOCUSED
+    with pytest.raises(ValueError, match=re.escape(f"no program family 'combines': choose among "
+                                                   f"{sorted({**FAMILIES, **FOCUSED})}")):
         generate(RandomChooser("1:1"), ["combines"])
 
 

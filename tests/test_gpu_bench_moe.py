@@ -55,7 +55,7 @@ def test_the_power_probe_checks_then_runs_each_kernel_back_to_back():
     from tldsl.bench import moe
     from tldsl.bench.moe_power import probe_moe_power
     out = io.StringIO()
-    probe_moe_power([moe._parse_row("mixtral:2048:random")], seconds=0.5, out=out)
+    probe_moe_power([moe._parse_row("mixtral:2048:random")], seconds=1.0, out=out)
     rows = [ln for ln in out.getvalue().splitlines() if ln.startswith("| mixtral 2048 random |")]
     assert [ln.split(" | ")[1] for ln in rows] == ["our grouped GEMM", "`_grouped_mm`", "our combine",
                                                    "our GEMM, then combine"], out.getvalue()

@@ -250,10 +250,10 @@ class RsRow:
     ``y_sorted`` of its own), and torch's ``_grouped_mm`` and whole sequence on the same rows. Each
     method launches once on the current stream."""
 
-    def __init__(self, k, routing, lg, lc, notifying, bufs, h_sorted, w, offs, order, flat_w, T, N, topk):
+    def __init__(self, k, rt, lg, lc, notifying, bufs, *, h_sorted, w, offs, order, flat_w, T, N, topk):
         from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
         import torch
-        self.k, self.routing, self.lg, self.lc, self.bufs = k, routing, lg, lc, bufs
+        self.k, self.rt, self.lg, self.lc, self.bufs = k, rt, lg, lc, bufs      # rt: the routing's tables
         self._h_sorted, self._w, self._offs, self._order, self._flat_w = h_sorted, w, offs, order, flat_w
         self._T, self._N, self._topk = T, N, topk
         slots = {**notifying.signal_slots, **lc.signal_slots}
@@ -318,8 +318,8 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
             "partial": torch.full((T, N), float("nan"), device="cuda",
                                   dtype=torch.float32 if partial_dtype == "f32" else tdt)}
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
-    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted, w, offs, order,
-                 flat_w, T, N, topk)
+    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w, offs=offs,
+                 order=order, flat_w=flat_w, T=T, N=N, topk=topk)
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
@@ -331,10 +331,10 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     with ``fold`` the pair one after the other first, and last a copy of the combine's bytes)."""
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
-    hidden, ffn, E, topk = MOE_MODELS[row.model]
+    hidden, ffn, _, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype)
-    k, rt, lg, bufs = r.k, r.routing, r.lg, r.bufs
+    k, rt, lg, bufs = r.k, r.rt, r.lg, r.bufs
     pair, gmm, sequence = r.pair, r.gmm, r.sequence
     gemm_alone, combine_alone, notifying_alone = r.gemm, r.combine, r.notifying_gemm
     y_notified = r.y_notified

@@ -101,20 +101,21 @@ def sustained(fn, seconds: float, smi: str | None) -> tuple[float, PowerSummary 
         sampler = subprocess.Popen([smi, f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
                                     "-lms", str(SAMPLE_MS), "-i", smi_target(smi)],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    launches, t0 = 0, time.perf_counter()
-    start.record()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(20):
-            fn()
-        launches += 20
-        torch.cuda.synchronize()
-    end.record()
-    end.synchronize()
-    summary = None
-    if sampler is not None:
-        sampler.terminate()
-        summary = summarize(parse_samples(sampler.communicate()[0]))
+    try:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        launches, t0 = 0, time.perf_counter()
+        start.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(20):
+                fn()
+            launches += 20
+            torch.cuda.synchronize()
+        end.record()
+        end.synchronize()
+    finally:                    # (a kernel that fails leaves no sampler running)
+        if sampler is not None:
+            sampler.terminate()
+    summary = summarize(parse_samples(sampler.communicate()[0])) if sampler is not None else None
     return start.elapsed_time(end) / launches, summary
 
 

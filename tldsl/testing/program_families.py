@@ -17,8 +17,9 @@ from .program_tree import (Assign, Call, FragRead, Fragment, Invoke, Load, Loop,
 
 FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 #: families drawn only when asked for by name (``--family``): programs of one recipe's shape, which
-#: the default mix draws rarely (a row-gather combine: about 2 in 100)
-FOCUSED = {"combine": 1, "grouped_gemm": 1, "attention": 1}
+#: the default mix draws rarely (a row-gather combine: about 2 in 100); weighted like the others
+#: where asked for beside them
+FOCUSED = {"combine": 30, "grouped_gemm": 30, "attention": 30}
 
 
 def generate(ch: Chooser, families=None) -> Program:
@@ -129,19 +130,21 @@ def grouped_gemm(g: ProgramGenerator) -> None:
         stages.grouped_gemm(g)
         return
     pipeline(g, consumer=lambda g, ws, waits: stages.grouped_gemm(g, ws, waits=waits), ws_dtypes=("f16",),
-             column_multiple=8)
+             column_multiple=8, rows=ch.integer(1, 320))       # up to three row tiles of 128, five of 64
     g.dot_tiles = g.dot_tiles[-1:]        # the schedule's tile is the grouped GEMM's (its recipe needs it)
 
 
-def pipeline(g: ProgramGenerator, consumer=None, ws_dtypes=("f32", "f16", "bf16"), column_multiple=4) -> None:
+def pipeline(g: ProgramGenerator, consumer=None, ws_dtypes=("f32", "f16", "bf16"), column_multiple=4,
+             rows: int | None = None) -> None:
     """A producer part writes a workspace tile by tile and notifies; a consumer part waits for
     every producer tile its rows need, then reads the workspace (``consumer(g, ws, waits)`` when
-    given, whose workspace is then floating point, else :func:`consume`)."""
+    given, whose workspace is then floating point and has ``rows`` rows where given, else
+    :func:`consume`)."""
     ch = g.ch
     g.world_size = weighted(ch, {1: 70, 2: 30})
     role = weighted(ch, {"compute": 60, "comm": 40})
     kind = weighted(ch, {"ewise": 50, "gemm": 35, "softmax": 15})
-    R = g.extent(24)
+    R = g.extent(24) if rows is None else rows
     ws_dtype = ch.choice(ws_dtypes)
     sig = g.fresh("ready")
     link: dict = {}

@@ -11,8 +11,7 @@ from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
-                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update, When, Where)
-from .program_tree import Call
+                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update, When, Where, Call)
 
 Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -296,8 +295,8 @@ def attention(g: ProgramGenerator) -> Tensor:
     ch = g.ch
     D = ch.choice((16, 32, 64, 128))
     BM, BN = ch.choice((64, 128)), ch.choice((16, 32, 64, 128))
-    H = ch.integer(1, 3)
-    G = H if H > 1 and chance(ch, 40) else 1             # query heads per key/value head
+    H = ch.integer(1, 4)
+    G = ch.choice([d for d in range(1, H + 1) if H % d == 0])     # query heads per key/value head
     Sq, L, NS = ch.integer(1, 2 * BM), ch.integer(1, 2 * BN), ch.integer(1, 2)
     causal = chance(ch, 50)
     skip = causal and chance(ch, 60)                     # key blocks after the block's last query skipped

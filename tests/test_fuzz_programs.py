@@ -436,6 +436,28 @@ def test_fifty_fresh_programs_simulate_lower_and_compile(tmp_path, monkeypatch, 
     assert not sass or (checked and int(checked.group(1)) > 0), summary
 
 
+@pytest.mark.parametrize("family", ["combine", "grouped_gemm", "attention"])
+def test_fresh_programs_of_each_recipe_family_simulate_lower_and_compile(family, tmp_path, monkeypatch, capsys):
+    """The same check on 8 fresh programs of each recipe's family a day (``TLDSL_FUZZ_SEED``
+    replays a seed): the default mix draws a combine about twice in a hundred programs and never
+    a grouped GEMM or an attention part."""
+    import datetime
+    import os
+    from tldsl.codegen import toolchain as tcm
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    seed = int(os.environ.get("TLDSL_FUZZ_SEED") or datetime.date.today().strftime("%Y%m%d"))
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    status = fuzz_main(["--programs", "8", "--seed", str(seed), "--family", family])
+    out = capsys.readouterr().out
+    summary = next(ln for ln in out.splitlines() if ln.startswith("8 programs:"))
+    assert status == 0 and "0 failed in the simulator" in summary and ", 0 not lowered yet" in summary, \
+        f"seed {seed} --family {family} (TLDSL_FUZZ_SEED={seed} replays it):\n{out[-6000:]}"
+    assert re.search(r"(\d+)/\1 kernels compiled", summary), summary
+    assert re.search(rf"parts lowered by recipe: .*{family} [1-9]", out), out
+
+
 def test_the_sass_check_names_a_dot_off_the_tensor_cores_and_a_trap():
     """``--sass``'s check on a kernel whose listing has a scalar loop where its two dots should be
     (one on WGMMA, one on mma.sync) and a trap; a trap is allowed where the waits time out."""

@@ -157,22 +157,24 @@ def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowe
 
 def test_the_attention_family_gives_flash_attention_the_attention_recipe_lowers():
     """``--family attention``: flash-attention parts written as a user writes them (causal or not,
-    key blocks skipped or masked, scaled or not, grouped-query heads, ragged queries and keys)
-    simulate, and the attention recipe lowers all but those whose drawn schedule asks for
+    key blocks skipped or masked, scaled or not, grouped-query heads, ragged queries and keys,
+    keys and values from inputs or from a producer's workspaces, each key block waiting) simulate, and the attention recipe lowers all but those whose drawn schedule asks for
     clusters (which it refuses, and the general recipe takes)."""
     import warnings
     from tldsl.codegen import lower
     from tldsl.errors import FallbackWarning
     cases = [FuzzCase(p, f"attention {i}") for i, p in generate_distinct(16, 7, families=["attention"])]
-    kinds = []
+    kinds, staged = [], 0
     for c in cases:
         c.simulate()
         k = c.trace()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)
-            kinds += [type(lower(k, p.name)).__name__ for p in k.parts]
+            kinds += [type(lower(k, p.name)).__name__ for p in k.parts]      # the attention part last
         clustered = "cluster=(2, 1)" in c.program.source()
         assert (kinds[-1] == "LoweredAttention") != clustered, c.program.source()
+        staged += len(k.parts) == 2 and kinds[-1] == "LoweredAttention"     # its key blocks waiting
+    assert staged >= 3, staged
     sources = [c.program.source() for c in cases]
     assert any("q_pos" in s for s in sources) and any("q_pos" not in s for s in sources)
     heads = [re.search(r"kc0 = h // (\d+) \* (\d+)", s) for s in sources]

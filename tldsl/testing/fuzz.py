@@ -15,7 +15,7 @@ run hangs: the hung program is printed); parts that do not lower yet are counted
 draws only programs of that family: ``single``, ``pipeline``, ``comm``, or one recipe's shape —
 ``combine`` (row-gather combines, the MoE top-k combine's; about two in a hundred programs of the
 default mix), ``grouped_gemm`` (expert GEMMs over run-time tile tables) or ``attention`` (flash
-attention), each alone or (all but attention) reading a producer's output. ``--sms N`` runs every program on N of the
+attention), each alone or reading a producer's output. ``--sms N`` runs every program on N of the
 GPU's SMs (``tl.run(sms=N)``): its parts' persistent CTAs then walk several tiles each, in the
 compute schedule's order, where on a whole GPU the small generated grids give every tile a CTA
 of its own; a program whose kernels need more SMs at once runs on all of them (counted).

@@ -115,9 +115,9 @@ def combine(g: ProgramGenerator) -> None:
 
 def attention(g: ProgramGenerator) -> None:
     """A flash-attention part (the attention recipe's shape, :func:`.program_stages.attention`), on
-    one rank or on each of two."""
+    one rank or on each of two, its keys and values inputs or, staged, a producer's workspaces."""
     g.world_size = weighted(g.ch, {1: 80, 2: 20})
-    stages.attention(g)
+    stages.attention(g, staged=chance(g.ch, 40))
 
 
 def grouped_gemm(g: ProgramGenerator) -> None:

@@ -11,7 +11,8 @@ from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
 from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
-                           Fragment, Iota, Load, LoadRows, Loop, Reduce, Trans, Unary, Update, When, Where, Call)
+                           Fragment, Iota, Load, LoadRows, Loop, Reduce, SignalDecl, Trans, Unary, Update, When,
+                           Where, Call)
 
 Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -284,14 +285,16 @@ def table_read(g: ProgramGenerator, table: str, tiles: int, key: str) -> str:
     return f'{name}["{key}", pm]'
 
 
-def attention(g: ProgramGenerator) -> Tensor:
+def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
     """A flash-attention part, the shape the attention recipe lowers
     (:mod:`tldsl.codegen.match.attention`): per head and query block, an online softmax over key
     blocks of ``NS`` pieces of ``L`` key rows each (``tl.load_rows``, rows past a piece's end -1),
     optionally causal (query positions offset into the keys; key blocks past the last query
     skipped, or only masked), scaled or not, MHA or grouped-query heads; fp16, head dim and
     blocks the recipe's (D 16-128, BM 64 or 128, BN 16-128). Written as a user would write it,
-    statement by statement."""
+    statement by statement. ``staged``: the keys and values come from workspaces a producer part
+    fills row tile by row tile, each key block waiting for the tiles over its rows (the waits of
+    sequence-parallel attention, whose keys arrive from the other ranks)."""
     ch = g.ch
     D = ch.choice((16, 32, 64, 128))
     BM, BN = ch.choice((64, 128)), ch.choice((16, 32, 64, 128))
@@ -307,6 +310,18 @@ def attention(g: ProgramGenerator) -> Tensor:
     v = g.arg((NS * L, H // G * D), "f16")
     o = g.arg((Sq, H * D), "f16", "output")
     A = Assign
+    waits: tuple = ()
+    if staged:
+        BP, cols, sig = ch.choice((8, 16, 32)), H // G * D, g.fresh("ready")
+        kw, vw = g.workspace((NS * L, cols), "f16"), g.workspace((NS * L, cols), "f16")
+        g.decls.append(SignalDecl(sig, cdiv(NS * L, BP)))
+        g.part(weighted(ch, {"compute": 60, "comm": 40}), (cdiv(NS * L, BP),), ("pm",),
+               (A("r0", f"pm * {BP}"), Call("store", (kw, "(r0, 0)", f"tl.load({k}, (r0, 0), ({BP}, {cols}))")),
+                Call("store", (vw, "(r0, 0)", f"tl.load({v}, (r0, 0), ({BP}, {cols}))")),
+                Call("producer_tile_notify", (sig, "pm"))), row_tile=BP)
+        k, v = kw, vw
+        waits = (Loop("w", f"r0 // {BP}", f"tl.cdiv(tl.minimum(r0 + {BN}, base + {L}), {BP})", "1",
+                      (Call("consumer_tile_wait", (sig, "w")),)),)
     stmts: list = [A("q0", f"pm * {BM}"), A("c0", f"h * {D}"), A("kc0", f"h // {G} * {D}" if G > 1 else "c0")]
     if causal:
         stmts += [A("q_pos", f"tl.iota({BM}) + ({off} + q0)"), A("last_q", f"{off} + tl.minimum(q0 + {BM}, {Sq}) - 1")]
@@ -315,7 +330,7 @@ def attention(g: ProgramGenerator) -> Tensor:
               Fragment("acc", (BM, D), "f32")]
     mask = "in_shard[None, :]" + (" & ((j + r0)[None, :] <= q_pos[:, None])" if causal else "")
     scaled = "tl.dot(qt, tl.trans(kt))" + (f" * {scale!r}" if scale is not None else "")
-    block = (A("r0", f"base + kb"), A("in_shard", f"(j + kb) < {L}"), A("rows", "tl.where(in_shard, j + r0, -1)"),
+    block = (A("r0", f"base + kb"), *waits, A("in_shard", f"(j + kb) < {L}"), A("rows", "tl.where(in_shard, j + r0, -1)"),
              A("kt", f"tl.load_rows({k}, rows, kc0, {D})"), A("vt", f"tl.load_rows({v}, rows, kc0, {D})"),
              A("mask", mask), A("sc", f"tl.where(mask, {scaled}, -1.0e30)"), A("m_old", "m[...]"),
              A("m_new", "tl.maximum(m_old, tl.max(sc, 1))"), A("alpha", "tl.exp(m_old - m_new)"),

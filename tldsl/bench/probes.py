@@ -509,7 +509,8 @@ class _Bound:
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
 NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "moe_row_copies",
-         "moe_power", "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares",
+         "moe_power", "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push",
+         "ag_spares",
          "ag_slices", "ag_skew", "rs_order")
 
 
@@ -535,8 +536,8 @@ def main(argv) -> int:
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--rows", default=None,
-                    help="moe_notifies, moe_schedules, moe_row_copies, moe_power: MODEL:TOKENS:ROUTING,... (bench moe's "
-                         f"rows; default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies, "
+                    help="moe_notifies, moe_schedules, moe_row_copies, moe_power: MODEL:TOKENS:ROUTING,... "
+                         f"(bench moe's rows; default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies, "
                          f"{POWER_ROWS} for moe_power)")
     ap.add_argument("--seconds", type=float, default=2.0,
                     help="moe_power: how long each kernel runs back to back (default 2)")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
-from .program_tree import (Assign, Binary, Broadcast, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims, FragRead,
-                           Fragment, Iota, Load, LoadRows, Loop, Reduce, SignalDecl, Trans, Unary, Update, When,
-                           Where, Call)
+from .program_tree import (Assign, Binary, Broadcast, Call, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims,
+                           FragRead, Fragment, Iota, Load, LoadRows, Loop, Reduce, SignalDecl, Trans, Unary, Update,
+                           When, Where)
 
 Waits = Callable[..., None]   # (stmts, r0, rows[, cols]): cols, the end of the columns a task reads (None: all)
 Notify = Callable[[list, "Tiling"], None]         # (stmts, how the producer cut its output)
@@ -330,7 +330,8 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
               Fragment("acc", (BM, D), "f32")]
     mask = "in_shard[None, :]" + (" & ((j + r0)[None, :] <= q_pos[:, None])" if causal else "")
     scaled = "tl.dot(qt, tl.trans(kt))" + (f" * {scale!r}" if scale is not None else "")
-    block = (A("r0", f"base + kb"), *waits, A("in_shard", f"(j + kb) < {L}"), A("rows", "tl.where(in_shard, j + r0, -1)"),
+    block = (A("r0", f"base + kb"), *waits, A("in_shard", f"(j + kb) < {L}"),
+             A("rows", "tl.where(in_shard, j + r0, -1)"),
              A("kt", f"tl.load_rows({k}, rows, kc0, {D})"), A("vt", f"tl.load_rows({v}, rows, kc0, {D})"),
              A("mask", mask), A("sc", f"tl.where(mask, {scaled}, -1.0e30)"), A("m_old", "m[...]"),
              A("m_new", "tl.maximum(m_old, tl.max(sc, 1))"), A("alpha", "tl.exp(m_old - m_new)"),
@@ -338,7 +339,8 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
              A("l_sum[...]", "l_sum[...] * alpha + tl.sum(p, 1)"),
              A("acc[...]", "acc[...] * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)"), A("m[...]", "m_new"))
     hi = f"tl.minimum(tl.maximum(last_q + 1 - base, 0), {L})" if skip else str(L)
-    stmts.append(Loop("s", "0", str(NS), "1", (A("base", f"s * {L}"), A("hi", hi), Loop("kb", "0", "hi", str(BN), block))))
+    stmts.append(Loop("s", "0", str(NS), "1", (A("base", f"s * {L}"), A("hi", hi),
+                                                Loop("kb", "0", "hi", str(BN), block))))
     stmts += [A("denom", "l_sum[...]"), A("denom", "tl.where(denom > 0.0, denom, 1.0)"),
               Call("store", (o, "(q0, c0)", "acc[...] / denom[:, None]"))]
     g.part("compute", (H, cdiv(Sq, BM)), ("h", "pm"), stmts)
@@ -419,10 +421,11 @@ def combine(g: ProgramGenerator, dtype: str, src: Tensor | None = None, *, waits
     """A row-gather combine, the MoE top-k combine's shape (what the combine recipe lowers): for
     each of ``S`` slots a ``tl.range`` loop gathers ``BM`` rows of a ``dtype`` tensor by an id table
     (``tl.load_rows``; negative ids read zero rows), scales them by a per-row f32 weight, a constant
-    (f32 rows: a constant keeps the rows' dtype) or nothing, and adds them into an f32 fragment,
-    stored once. Columns mostly a multiple of 4 (the recipe's vector accesses; else the general
-    recipe takes it). ``src``: another part's output to gather from (``waits`` then waits for all
-    of its rows before the loop: any row may be gathered), else a new input."""
+    (f32 rows only: 16-bit rows times a Python number stay 16-bit, and the recipe sums f32 products)
+    or nothing, and adds them into an f32 fragment, stored once. Columns mostly a multiple of 4
+    (the recipe's vector accesses; else the general recipe takes it). ``src``: another part's
+    output to gather from (``waits`` then waits for all of its rows before the loop: any row may
+    be gathered), else a new input."""
     ch = g.ch
     BM, BN = ch.choice((8, 16, 32, 64)), ch.choice((8, 16, 32, 64))
     if src is None:

@@ -357,6 +357,15 @@ def test_the_gpu_comparison_finds_a_wrong_result(monkeypatch, capsys):
     assert status == (1 if "CRASHED" in out else 0), out
     status, out = run_with(1)
     assert out.count("gpu: MISMATCH") == 2 and "2 mismatches" in out and status == 1
+    # each failing program says how to run it again alone, and that command gives the same program
+    replays = re.findall(r"^replay: python -m tldsl\.testing\.fuzz (.*)$", out, flags=re.M)
+    assert len(replays) == 2 and all(r.startswith("--seed 5 --only ") and r.endswith(" --gpu") for r in replays)
+    first = int(replays[0].split()[3])
+    fuzz.main(replays[0].split() + ["--no-compile"])             # (tl.run's stand-in still off by one)
+    again = capsys.readouterr().out
+    assert again.count("gpu: MISMATCH") == 1 and f"#{first:04d} " in again
+    assert fuzz.replay_command(7, 3, ["grouped_gemm"], gpu=True, sms=2, sass=True) == \
+        "python -m tldsl.testing.fuzz --seed 7 --family grouped_gemm --only 3 --gpu --sms 2 --sass"
 
 
 def test_a_programs_line_names_the_sms_it_ran_on(monkeypatch, capsys):

@@ -11,7 +11,8 @@ compared. A summary gives the counts and the distribution (how many contain a do
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
 fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
 run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
-``--only I`` reruns program I of the seed alone (of the same ``--family``). ``--family F`` (repeatable)
+``--only I`` reruns program I of the seed alone (of the same ``--family``; a failing program's
+report prints that command). ``--family F`` (repeatable)
 draws only programs of that family: ``single``, ``pipeline``, ``comm``, or one recipe's shape —
 ``combine`` (row-gather combines, the MoE top-k combine's; about two in a hundred programs of the
 default mix), ``grouped_gemm`` (expert GEMMs over run-time tile tables) or ``attention`` (flash
@@ -277,6 +278,14 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: i
     report.compared = "agrees" if not bad else "MISMATCH: " + "; ".join(bad[:3])
 
 
+def replay_command(seed: int, index: int, families=None, gpu: bool = False, sms: int | None = None,
+                   sass: bool = False) -> str:
+    """The command that runs program ``index`` of ``seed`` again, alone, as this run ran it."""
+    return (f"python -m tldsl.testing.fuzz --seed {seed}" + "".join(f" --family {f}" for f in families or ())
+            + f" --only {index}" + (" --gpu" if gpu else "") + (f" --sms {sms}" if gpu and sms else "")
+            + (" --sass" if sass else ""))
+
+
 def _unlimited_ctas(lowered) -> int:
     """CTAs a lowered kernel would launch on a GPU without a limit on SMs (one a tile, a pair or a
     cluster's tile; a communication kernel's lanes): given fewer, some CTA walks several of them."""
@@ -383,6 +392,8 @@ def run(n: int, seed: int, gpu: bool = False, show_source: bool = False, only: i
         else:
             rep.compared = f"not compared: {why_no_gpu}"
         print(rep.line(), file=out)
+        if rep.failed:
+            print("replay: " + replay_command(seed, rep.index, families, gpu, sms, sass), file=out)
         if show_source or rep.failed:
             print(rep.case.source, file=out)
     for line in summary(reports, time.perf_counter() - t0, compile_kernels, sass and compile_kernels, sms):

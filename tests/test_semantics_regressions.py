@@ -235,6 +235,28 @@ def mask_out(x, m, *, compute: tl.ComputeSchedule = None):
         tl.store(m, (0,), ((v & 1) == 1) | (v > 5))
 
 
+@pytest.mark.parametrize("body, message", [
+    (lambda x: [None for _ in tl.range(0, 8, 0.5)], "tl.range step must be a Python int or an i32 scalar (a program "
+                                                    "id, a table entry), got float 0.5"),
+    (lambda x: [None for _ in tl.range(True)], "tl.range stop must be a Python int or an i32 scalar"),
+    (lambda x: [None for _ in tl.range(0, tl.load_scalar(x, (0,)))], "got a f32 scalar"),
+    (lambda x: tl.fragment((8, 8), "float"), "tl.fragment: unknown dtype 'float' (tl.float16, tl.bfloat16"),
+    (lambda x: tl.full((8,), 1.0, "half precision"), "tl.full: unknown dtype 'half precision'"),
+    (lambda x: tl.load(x, (0,), (8,)).to("double"), "tl.cast: unknown dtype 'double'"),
+])
+def test_a_bad_loop_bound_or_dtype_is_an_error_at_the_users_line(body, message):
+    """tl.range(0, 8, 0.5) and tl.fragment(..., "float") once raised Python's own TypeError from
+    inside the tracer, with no line of the user's."""
+    @tl.kernel
+    def k(x):
+        @tl.compute_part(grid=(1,))
+        def p(i):
+            body(x)
+    with pytest.raises(tl.CompilationError, match=re.escape(message)) as e:
+        k.trace(1, tl.TensorSpec((8,), tl.float32))
+    assert "test_semantics_regressions.py" in str(e.value)
+
+
 def test_tl_kernel_takes_a_python_function_once():
     """A kernel decorated twice, or something that is no function, once failed deep inside with
     an AttributeError ('KernelFunction' object has no attribute '__code__')."""

@@ -19,7 +19,7 @@ from .operands import check_tile_shape, offset_value, offset_values
 from .primitives import tile_pull_data, tile_push_data
 from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
                     trans, zeros)
-from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, fail, rank, world_size
+from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, dtype_arg, fail, rank, world_size
 
 float16, bfloat16, float32, int32 = T.float16, T.bfloat16, T.float32, T.int32
 
@@ -40,6 +40,12 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
     def __init__(self, start, stop=None, step=1):
         if stop is None:
             start, stop = 0, start
+        for what, v in (("start", start), ("stop", stop), ("step", step)):
+            if isinstance(v, Scalar) and v.dtype == T.int32:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                fail(f"tl.range {what} must be a Python int or an i32 scalar (a program id, a table entry), got "
+                     + (f"a {v.dtype} scalar" if isinstance(v, Scalar) else f"{type(v).__name__} {v!r}"))
         if isinstance(step, numbers.Integral) and step <= 0:
             fail(f"tl.range step must be positive, got {step}")
         self.start, self.stop, self.step = start, stop, step
@@ -153,7 +159,7 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         frag.write(full(frag.shape, fill, dtype))
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.fragment")
-    dtype = T.dtype_of(dtype)
+    dtype = dtype_arg(dtype, "tl.fragment")
     check_fill(fill, "tl.fragment")
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})
@@ -303,7 +309,7 @@ def _workspace(shape, dtype, name, space):
     shape = tuple(int(s) for s in shape)
     if not shape or any(s <= 0 for s in shape):
         fail(f"buffer '{name}' needs a positive shape, got {shape}")
-    buf = core.Buffer(b.unique(name, b.buffers), T.TensorType(shape, T.dtype_of(dtype), space),
+    buf = core.Buffer(b.unique(name, b.buffers), T.TensorType(shape, dtype_arg(dtype, f"buffer '{name}'"), space),
                       "workspace", loc=user_location())
     b.buffers.append(buf)
     return TensorRef(buf)

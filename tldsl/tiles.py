@@ -11,7 +11,7 @@ import numpy as np
 from .ir import core, types as T
 from .ir.opdefs import BINARY_OPS, FLOAT_RESULT_OPS, UNARY_OPS
 from .operands import check_tile_shape, tensor_name
-from .tracing import Scalar, scalar_op, const, current, fail
+from .tracing import Scalar, scalar_op, const, current, dtype_arg, fail
 
 
 class Tile:
@@ -165,7 +165,7 @@ def full(shape, value, dtype=T.float32) -> Tile:
     """A tile of ``shape`` holding ``value`` everywhere (``dtype`` defaults to float32); ``value``
     a Python number or a traced scalar (a program id, a table entry)."""
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.full")
-    dtype = T.dtype_of(dtype)
+    dtype = dtype_arg(dtype, "tl.full")
     if isinstance(value, Scalar):              # a run-time value: zeros plus the scalar, in dtype
         return cast(ewise("add", full(shape, 0, dtype), value), dtype)
     check_fill(value, "tl.full")
@@ -273,10 +273,7 @@ def ewise(op: str, *args) -> Tile:
 def cast(x, dtype) -> Tile:
     """``x`` converted elementwise to ``dtype`` (the same tile when it already has that type)."""
     x = as_tile(x)
-    try:
-        dtype = T.dtype_of(dtype)
-    except TypeError as e:
-        fail(f"tl.cast: {e}")
+    dtype = dtype_arg(dtype, "tl.cast")
     if x.dtype == dtype:
         return x
     return Tile(current().emit("cast", [x.value], [T.TileType(x.shape, dtype)], {"dtype": dtype}).result)

@@ -130,6 +130,15 @@ def fail(message: str):
     raise CompilationError(message, user_location())
 
 
+def dtype_arg(dtype, what: str) -> T.DType:
+    """A dtype argument of the language (a tl, numpy or torch dtype, or a name) as a tl dtype; a
+    CompilationError at the user's line naming ``what`` took it otherwise."""
+    try:
+        return T.dtype_of(dtype)
+    except TypeError as e:
+        fail(f"{what}: {e} (tl.float16, tl.bfloat16, tl.float32, tl.int32, tl.bool_, or a numpy or torch dtype)")
+
+
 # ----------------------------------------------------------------------------------
 # Proxies
 # ----------------------------------------------------------------------------------

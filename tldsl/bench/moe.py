@@ -334,37 +334,34 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     hidden, ffn, _, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype)
-    k, rt, lg, bufs = r.k, r.rt, r.lg, r.bufs
-    pair, gmm, sequence = r.pair, r.gmm, r.sequence
-    gemm_alone, combine_alone, notifying_alone = r.gemm, r.combine, r.notifying_gemm
-    y_notified = r.y_notified
+    bufs = r.bufs
     # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written)
     combine_copy = copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size())
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
-    want = sequence()
-    pair()
-    notifying_alone()
+    want = r.sequence()
+    r.pair()
+    r.notifying_gemm()
     # (unused tiles are stored by neither: poisoned in both)
-    if not torch.allclose(y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
+    if not torch.allclose(r.y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
         raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
     if not fold:
-        return _checked_timings(what, bufs["partial"], want, [pair, gmm, sequence], iters, 2 * T * topk * K * N,
-                                _computed_rows(rt, lg.config), T * topk,
-                                parts=[gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
+        return _checked_timings(what, bufs["partial"], want, [r.pair, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
+                                _computed_rows(r.rt, r.lg.config), T * topk,
+                                parts=[r.gemm, r.combine, r.notifying_gemm], run=run, bound=combine_copy)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave,
                                partial_dtype=partial_dtype)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
-    fused = folded_launches(k, lf, lambda sig: GroupedKernel(lf).prepare(bufs, sig))
+    fused = folded_launches(r.k, lf, lambda sig: GroupedKernel(lf).prepare(bufs, sig))
 
     def folded():
         fused.launch(torch.cuda.current_stream().cuda_stream)
     bufs["partial"].fill_(float("nan"))
     bufs["y_sorted"].fill_(float("nan"))
     folded()
-    return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, gmm, sequence], iters,
-                            2 * T * topk * K * N, _computed_rows(rt, lf.config), T * topk,
-                            parts=[pair, gemm_alone, combine_alone, notifying_alone], run=run, bound=combine_copy)
+    return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, r.gmm, r.sequence], iters,
+                            2 * T * topk * K * N, _computed_rows(r.rt, lf.config), T * topk,
+                            parts=[r.pair, r.gemm, r.combine, r.notifying_gemm], run=run, bound=combine_copy)
 
 
 def _check_close(what: str, got, want) -> float:

@@ -43,14 +43,16 @@ def generate(ch: Chooser, families=None) -> Program:
 
 
 def compute_schedule(g: ProgramGenerator) -> str | None:
-    """The kernel's compute schedule, if any. Where the program's K loops of dots share one tile, a
-    ``tl.ComputeSchedule`` of that tile (the GEMM recipe takes a part only at its schedule's tile,
-    and the default tile matches no generated dot). Two programs in five also run their compute
+    """The kernel's compute schedule, if any. The tile a part's recipe asked for (a grouped GEMM's),
+    else, where the program's K loops of dots share one tile, a ``tl.ComputeSchedule`` of that tile
+    (the GEMM recipe takes a part only at its schedule's tile, and the default tile matches no
+    generated dot). Two programs in five also run their compute
     parts' tiles in a drawn order (the simulator's ``ComputeSchedule.tile_order``, which a lowered
     kernel must walk too where a part waits): another order, swizzle group or clusters. Drawn last,
     so a program's other choices are those it had before these draws existed."""
     ch = g.ch
-    fields = [f"tile={g.dot_tiles[0]}"] if len(set(g.dot_tiles)) == 1 else []
+    tile = g.recipe_tile or (g.dot_tiles[0] if len(set(g.dot_tiles)) == 1 else None)
+    fields = [f"tile={tile}"] if tile else []
     if chance(ch, 40):
         order = ch.choice(("row_major", "swizzled", "comm_aligned"))
         fields.append(f'order="{order}"')
@@ -131,7 +133,6 @@ def grouped_gemm(g: ProgramGenerator) -> None:
         return
     pipeline(g, consumer=lambda g, ws, waits: stages.grouped_gemm(g, ws, waits=waits), ws_dtypes=("f16",),
              column_multiple=8, rows=ch.integer(1, 320))       # up to three row tiles of 128, five of 64
-    g.dot_tiles = g.dot_tiles[-1:]        # the schedule's tile is the grouped GEMM's (its recipe needs it)
 
 
 def pipeline(g: ProgramGenerator, consumer=None, ws_dtypes=("f32", "f16", "bf16"), column_multiple=4,

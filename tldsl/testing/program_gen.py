@@ -94,6 +94,7 @@ class ProgramGenerator:
         self.comm: str | None = None     # the communication schedule the library's collectives take
         self.compute: str | None = None  # a compute schedule: the order the compute parts' tiles run in
         self.dot_tiles: list[tuple[int, int, int]] = []  # (BM, BN, BK) of each K loop of dots generated
+        self.recipe_tile: tuple[int, int, int] | None = None  # a part's recipe needs it as the schedule's tile
         self.row_tiles: dict[str, int] = {}               # part -> rows a task covers (where a stage said)
         self.pipeline: tuple[str, str] | None = None     # (producer, consumer) of a pipeline program
 

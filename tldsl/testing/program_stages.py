@@ -358,7 +358,7 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
     the task's rows), else a new input."""
     ch = g.ch
     BM, BN, BK = ch.choice((64, 128)), ch.choice((64, 128, 256)), ch.choice((32, 64))
-    g.dot_tiles.append((BM, BN, BK))
+    g.recipe_tile = (BM, BN, BK)        # the grouped GEMM recipe takes a part at its schedule's tile only
     E = ch.integer(1, 4)
     aligned = chance(ch, 85)
 

@@ -325,14 +325,21 @@ def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
     """Every generated program whose parts all lower and compile agrees with the simulator; on
     three SMs (``--sms 3``) those whose kernels fit run there, their CTAs walking several tiles
     (in two or more of 24 programs: on an H100, 1 of the first 8 of this seed)."""
+    assert _fuzzed_on_gpu(24 if sms else 8, 11, sms)
+
+
+def _fuzzed_on_gpu(n: int, seed: int, sms: int | None, families=None) -> list:
+    """The fuzzer's programs ``n`` of ``seed`` run with tl.run (on ``sms`` SMs where they fit):
+    those whose parts all lowered and compiled, each checked to agree with the simulator and, on
+    ``sms`` SMs, two or more with CTAs walking several tiles."""
     from tldsl.testing.fuzz import run
-    reports = run(24 if sms else 8, 11, gpu=True, sms=sms)
+    reports = run(n, seed, gpu=True, sms=sms, families=families)
     whole = [r for r in reports if not (r.sim_error or r.not_lowered or r.compile_errors or r.lowering_crashes)]
-    assert whole, [r.line() for r in reports]
     assert all(r.compared == "agrees" for r in whole), "\n".join(r.line() + "\n" + r.case.source for r in whole
                                                                if r.compared != "agrees")
     if sms:
         assert sum(r.sms == sms and r.multi_task_ctas for r in whole) >= 2, [r.line() for r in reports]
+    return whole
 
 
 @pytest.mark.parametrize("family", ["combine", "grouped_gemm", "attention"])
@@ -344,16 +351,11 @@ def test_the_fuzzers_recipe_families_agree_with_the_simulator_on_the_gpu(sms, fa
     masks, half tiles) — alone, or after a producer of their input; ``--family attention``:
     flash-attention parts, most by the attention recipe — on the whole GPU and on two SMs, agree
     with the simulator."""
-    from tldsl.testing.fuzz import _recipe_name, run
-    reports = run(16, 7, gpu=True, sms=sms, families=[family])
-    whole = [r for r in reports if not (r.sim_error or r.not_lowered or r.compile_errors or r.lowering_crashes)]
-    assert len(whole) == 16, [r.line() for r in reports]
-    assert all(r.compared == "agrees" for r in whole), "\n".join(r.line() + "\n" + r.case.source for r in whole
-                                                               if r.compared != "agrees")
+    from tldsl.testing.fuzz import _recipe_name
+    whole = _fuzzed_on_gpu(16, 7, sms, [family])
+    assert len(whole) == 16, [r.line() for r in whole]
     recipes = [_recipe_name(lk) for r in whole for lk in r.lowered.values()]
     assert recipes.count(family) >= 9, recipes          # (each family is named after its recipe)
-    if sms:
-        assert sum(r.sms == sms and r.multi_task_ctas for r in whole) >= 2, [r.line() for r in reports]
 
 
 def test_a_peer_load_in_a_compute_part():

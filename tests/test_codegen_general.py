@@ -37,6 +37,7 @@ from tldsl.codegen.toolchain.cache import KernelCache
 from tldsl.codegen.toolchain.compiler import compile_many
 from tldsl.codegen.toolchain.sass import tensor_core_problems
 from tldsl.runtime.gpu.bind import SCRATCH_POISON_WORD
+from tldsl.runtime.sim.memory import host_array, to_storage
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
 import host_build
@@ -659,16 +660,8 @@ def test_emulated_kernel_matches_the_simulator(tmp_path, fn, shapes, tile, kw):
 
 
 def _stored_inputs(k, arrays):
-    """The inputs as the simulator stores them (bf16 rounded to nearest even)."""
-    out = {}
-    for b in k.args:
-        a = np.array(arrays[b.name], copy=True)
-        if b.type.dtype.name == "bf16":
-            bits = a.astype(np.float32).view(np.uint32)
-            bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-            a = bits.view(np.float32)
-        out[b.name] = a
-    return out
+    """The inputs as the simulator stores them (numpy; bf16 rounded to nearest even)."""
+    return {b.name: to_storage(host_array(arrays[b.name]), b.type.dtype) for b in k.args}
 
 
 def test_the_plan_puts_f16_and_bf16_dots_of_64_row_multiples_on_wgmma_with_their_operands_staged():

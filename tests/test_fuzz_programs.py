@@ -15,6 +15,7 @@ import tldsl as tl
 from tldsl.errors import SimulationError
 from tldsl.ir.opdefs import WAIT_OPS
 from tldsl.ir.part_graph import waited_signals
+from tldsl.runtime.sim.memory import host_array
 from tldsl.testing import strategies as tst
 from tldsl.testing.fuzz import main as fuzz_main
 from tldsl.testing.program_case import FuzzCase, features
@@ -49,6 +50,19 @@ def test_distribution_over_500_programs(five_hundred):
     for dtype in ("f16", "bf16", "f32", "i32"):
         assert share(lambda f: dtype in f.dtypes) >= 0.10, dtype
     assert all(f.communicates <= (c.world_size >= 2) for f, c in zip(feats, cases))
+
+
+def test_bf16_arguments_are_torch_bf16_tensors_and_run_as_bf16(five_hundred):
+    """numpy has no bf16: a bf16 argument's input is a torch bf16 tensor, so ``tl.simulate`` (and
+    ``tl.run``) trace the program for bf16, as ``case.trace()`` does, not for float32."""
+    _, cases = five_hundred
+    with_bf16 = [c for c in cases if any(a.dtype == "bf16" for a in c.program.args)]
+    assert len(with_bf16) >= 100, len(with_bf16)
+    for c in with_bf16[:6]:
+        assert [b.type.dtype.name for b in c.trace().args] == [a.dtype for a in c.program.args]
+        assert all(str(c.inputs[r][a.name].dtype) == "torch.bfloat16" for r in range(c.world_size)
+                   for a in c.program.args if a.dtype == "bf16")
+        assert _strip_locations(c.simulate().kernel) == _strip_locations(c.trace())
 
 
 def test_programs_are_distinct_and_rarely_repeat(five_hundred):
@@ -111,6 +125,11 @@ def _family_lowered(family: str, n: int, part_of_interest, lowered_as: str | Non
     return out
 
 
+def _recipe_dtypes(got, lowered_as: str) -> set[str]:
+    """The argument dtypes of the programs with a part lowered as ``lowered_as``."""
+    return {a.dtype for c, lks in got if any(type(lk).__name__ == lowered_as for lk in lks) for a in c.program.args}
+
+
 def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers():
     """``--family combine``: row-gather combines (the MoE top-k combine's shape), alone or gathering
     a producer's workspace once it has notified, simulate; most lower by the combine recipe, the
@@ -124,6 +143,7 @@ def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(
     cases = [c for c, _ in got]
     assert sum(len(c.trace().parts) > 1 for c in cases) >= 6          # some gather a producer's rows
     assert any("consumer_tile_wait" in c.program.source() and "tl.bfloat16" in c.program.source() for c in cases)
+    assert {"f16", "bf16", "f32"} <= _recipe_dtypes(got, "LoweredCombine")
 
 
 def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowers():
@@ -142,6 +162,7 @@ def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowe
     assert len(waiting) >= 4                                              # waiting for a producer's rows
     assert any(c.trace().parts[-1].grid[0] > 1 for c in waiting)          # ... in several row tiles
     assert any("tl.load_rows" in s for s in sources) and any("tl.iota(" in s and "< n)" in s for s in sources)
+    assert {"f16", "bf16"} <= _recipe_dtypes(got, "LoweredGroupedGemm")                  # operands of both types
 
 
 def test_the_attention_family_gives_flash_attention_the_attention_recipe_lowers():
@@ -164,6 +185,7 @@ def test_the_attention_family_gives_flash_attention_the_attention_recipe_lowers(
     assert any("q_pos" in s for s in sources) and any("q_pos" not in s for s in sources)
     assert any(n > 1 and "kc0 = h //" in s for n, s in zip(kv_heads, sources)), kv_heads   # GQA, several KV heads
     assert sum(type(lk).__name__ == "LoweredAttention" for _, [lk] in got) >= 10
+    assert {"f16", "bf16"} <= _recipe_dtypes(got, "LoweredAttention")
 
 
 def test_an_unknown_family_is_refused_with_the_choices():
@@ -202,7 +224,8 @@ def test_the_printed_source_is_the_program(tmp_path):
         assert _strip_locations(traced) == _strip_locations(case.trace())
         for mine, theirs in zip(inputs, case.inputs):
             assert mine.keys() == theirs.keys()
-            assert all(np.array_equal(mine[k], theirs[k], equal_nan=True) for k in mine)
+            assert all(type(mine[k]) is type(theirs[k]) and np.array_equal(host_array(mine[k]), host_array(theirs[k]),
+                                                                           equal_nan=True) for k in mine)
 
 
 def test_the_signals_of_linked_programs_are_needed():

@@ -847,3 +847,29 @@ def test_a_lane_runs_its_tasks_in_order_as_the_gpus_ctas_do(seed):
     assert "1 task(s) cannot start: each waits behind a blocked task of its lane" in str(info.value)
     res = tl.simulate(relay_in_lanes, 1, inputs, seed=seed, lanes=4)
     np.testing.assert_array_equal(res[0]["y"], x + 1)
+
+
+@tl.kernel
+def _doubled(x, y):
+    @tl.compute_part(grid=(2,))
+    def rows(pm):
+        tl.store(y, (pm * 8, 0), tl.load(x, (pm * 8, 0), (8, 16)) * 2)
+
+
+def test_torch_tensors_are_inputs_as_they_are_for_tl_run_bf16_included():
+    """A bf16 kernel is simulated from torch bf16 tensors (numpy has no bf16): traced for their
+    dtypes, values read as torch holds them, outputs back as numpy float32 holding bf16 values —
+    the same as the kernel traced for bf16 and given float32 arrays."""
+    torch = pytest.importorskip("torch")
+    x = (torch.arange(16 * 16, dtype=torch.float32).reshape(16, 16) / 7 - 17).to(torch.bfloat16)
+    y = torch.full((16, 16), float("nan"), dtype=torch.bfloat16)
+    result = tl.simulate(_doubled, 1, [{"x": x, "y": y}])
+    assert [b.type.dtype for b in result.kernel.args] == [tl.bfloat16, tl.bfloat16]
+    got = result.outputs[0]["y"]
+    assert got.dtype == np.float32 and np.array_equal(got, (x.float() * 2).to(torch.bfloat16).float().numpy())
+    assert torch.isnan(y).all()                       # the caller's tensors are copied, not written
+    traced = _doubled.trace(1, tl.TensorSpec((16, 16), tl.bfloat16), tl.TensorSpec((16, 16), tl.bfloat16))
+    as_float32 = tl.simulate(traced, 1, [{"x": x.float().numpy(), "y": np.full((16, 16), np.nan, np.float32)}])
+    assert np.array_equal(as_float32.outputs[0]["y"], got)
+    half = tl.simulate(_doubled, 1, [{"x": x.to(torch.float16), "y": y.to(torch.float16)}])
+    assert half.outputs[0]["y"].dtype == np.float16 and half.kernel.args[0].type.dtype == tl.float16

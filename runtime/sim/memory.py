@@ -18,6 +18,15 @@ from .dot_stacks import DotStacks
 _KIND = {READ: "read", WRITE: "write"}
 
 
+def host_array(x) -> np.ndarray:
+    """A caller's array as a fresh numpy array: anything numpy takes, or a torch tensor on any
+    device (bf16 as float32, which numpy can hold; torch refuses to hand numpy its bf16)."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        t = x.detach().cpu()
+        return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy().copy()
+    return np.array(x, copy=True)
+
+
 def to_storage(x, dtype: DType) -> np.ndarray:
     """Convert values to how a dtype is stored, rounding to bf16 where needed."""
     arr = np.asarray(x)

@@ -16,7 +16,7 @@ from ...ir.types import dtype_of
 from .blas_threads import one_blas_thread
 from ...ir.part_graph import parts_waiting_through_others
 from .engine import Engine
-from .memory import Memory, poison_value, to_storage
+from .memory import Memory, host_array, poison_value, to_storage
 from .options import SimOptions
 from .progress import LongSimulationWarning, ProgressReporter, long_run_message, print_progress
 from .step_estimate import estimate_steps
@@ -181,8 +181,10 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
 
     ``kernel`` is a ``@tl.kernel`` function (traced here for the inputs' shapes/dtypes and the
     keyword values in ``kwargs``, e.g. schedules) or an already traced IR kernel.
-    ``inputs`` has one entry per rank: a dict name -> array, or arrays in argument order.
-    Arrays are copied; outputs come back in the result. Raises the simulator's typed errors
+    ``inputs`` has one entry per rank: a dict name -> array, or arrays in argument order; an
+    array is anything numpy takes or a torch tensor on any device (numpy has no bf16: a bf16
+    kernel takes torch bf16 tensors, or float32 arrays once traced for bf16). Arrays are
+    copied; outputs come back in the result as numpy arrays (bf16 as float32). Raises the simulator's typed errors
     (RaceError, DeadlockError, StaleSignalError, UninitializedReadError, OutOfBoundsError).
     """
     from ...kernel import KernelFunction
@@ -244,7 +246,7 @@ def _memory(ir, per_rank, options) -> Memory:
     memory = Memory(len(per_rank), options.check_races, options.check_uninitialized)
     for r, arrays in enumerate(per_rank):
         for b, arr in zip(ir.args, arrays):
-            data = to_storage(np.array(arr, copy=True), b.type.dtype).copy()
+            data = to_storage(host_array(arr), b.type.dtype).copy()
             memory.add(r, b.name, b.type.dtype, data, True, b.symmetric)
         for b in ir.workspaces:
             data = np.full(b.type.shape, poison_value(b.type.dtype), b.type.dtype.np)

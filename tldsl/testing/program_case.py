@@ -22,7 +22,7 @@ from .program_tree import Program
 
 __all__ = ["FP32_DOT_RUNS_AS_TF32", "TOLERANCES", "Features", "FuzzCase", "compare", "computed_dtypes", "features"]
 _DTYPE_NAMES = ("i32", "f32", "tf32", "f16", "bf16")
-_TL_DTYPE = {"f16": "float16", "f32": "float32", "i32": "int32"}
+_TL_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
 
 
 @dataclass

@@ -125,13 +125,13 @@ def attention(g: ProgramGenerator) -> None:
 def grouped_gemm(g: ProgramGenerator) -> None:
     """A grouped GEMM over run-time tile tables (the grouped GEMM recipe's shape,
     :func:`.program_stages.grouped_gemm`): alone, or as the consumer of a pipeline whose producer
-    writes its A (f16) tile by tile, each row tile waiting for the producer's tiles over its rows."""
+    writes its A (f16 or bf16) tile by tile, each row tile waiting for the producer's tiles over its rows."""
     ch = g.ch
     if chance(ch, 60):
         g.world_size = weighted(ch, {1: 80, 2: 20})
         stages.grouped_gemm(g)
         return
-    pipeline(g, consumer=lambda g, ws, waits: stages.grouped_gemm(g, ws, waits=waits), ws_dtypes=("f16",),
+    pipeline(g, consumer=lambda g, ws, waits: stages.grouped_gemm(g, ws, waits=waits), ws_dtypes=("f16", "bf16"),
              column_multiple=8, rows=ch.integer(1, 320))       # up to three row tiles of 128, five of 64
 
 

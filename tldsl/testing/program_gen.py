@@ -143,7 +143,12 @@ class ProgramGenerator:
         return self.ch.integer(1, tile * most_tiles)
 
     def float_dtype(self) -> str:
-        return self.ch.choice(("f32", "f16"))
+        """An argument's float type: bf16 as often as the others (the type most models run in)."""
+        return self.ch.choice(("f32", "f16", "bf16"))
+
+    def half_dtype(self) -> str:
+        """A tensor-core operand's 16-bit type."""
+        return self.ch.choice(("f16", "bf16"))
 
     # -- expressions ----------------------------------------------------------------------------
     def bind(self, stmts: list, value: Expr, prefix: str = "t") -> Var:

@@ -1,20 +1,34 @@
 """Inputs for a generated tile program, one dict per rank, from its arguments' description
 (:class:`.program_tree.Arg`): values small enough that every backend stays well-conditioned,
 outputs poisoned (NaN, or an unlikely integer) so that anything left unwritten shows up and a
-zero is never mistaken for a result."""
+zero is never mistaken for a result. numpy arrays, except bf16: numpy has none, so a bf16
+argument is a CPU torch tensor (``tl.simulate`` and ``tl.run`` trace a kernel for its dtype)."""
 from __future__ import annotations
 
 import numpy as np
 
-NUMPY_DTYPE = {"f16": np.float16, "f32": np.float32, "i32": np.int32}
+from ..ir.types import bfloat16
+from ..runtime.sim.memory import to_storage
+
+#: the numpy type of each argument dtype (bf16: float32 values, handed over as a torch bf16 tensor)
+NUMPY_DTYPE = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32}
 #: what an output holds before the program runs
-POISON = {"f16": np.nan, "f32": np.nan, "i32": -0x5A5A5A5A}
+POISON = {"f16": np.nan, "bf16": np.nan, "f32": np.nan, "i32": -0x5A5A5A5A}
 
 
-def make_inputs(args, world_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+def make_inputs(args, world_size: int, seed: int = 0) -> list[dict]:
     """Every rank's arrays, different on each rank (a collective that mixes ranks up shows)."""
     rng = np.random.default_rng(seed)
-    return [{a.name: _array(a, rng) for a in args} for _ in range(world_size)]
+    return [{a.name: _as_bf16(_array(a, rng)) if a.dtype == "bf16" else _array(a, rng) for a in args}
+            for _ in range(world_size)]
+
+
+def _as_bf16(values: np.ndarray):
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("a bf16 argument needs torch: numpy has no bf16 (pip install torch)") from None
+    return torch.from_numpy(values).to(torch.bfloat16)    # exact: the values are bf16's already
 
 
 def _array(arg, rng) -> np.ndarray:
@@ -27,6 +41,9 @@ def _array(arg, rng) -> np.ndarray:
         return rng.integers(int(arg.low), int(arg.high) + (arg.kind == "input"), arg.shape).astype(dt)
     if arg.kind != "input":
         raise ValueError(f"argument '{arg.name}': unknown kind {arg.kind!r}")
-    # multiples of 1/64: exact in every float type, so loads and exact math agree to the bit
+    # multiples of 1/64 in [-1, 1]: exact in every float type (bf16's 8 significant bits
+    # included), so loads and exact math agree to the bit
     steps = int(round((arg.high - arg.low) * 64))
-    return (arg.low + rng.integers(0, steps + 1, arg.shape) / 64.0).astype(dt)
+    values = (arg.low + rng.integers(0, steps + 1, arg.shape) / 64.0).astype(dt)
+    return to_storage(values, bfloat16) if arg.dtype == "bf16" else values
+

@@ -290,7 +290,7 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
     (:mod:`tldsl.codegen.match.attention`): per head and query block, an online softmax over key
     blocks of ``NS`` pieces of ``L`` key rows each (``tl.load_rows``, rows past a piece's end -1),
     optionally causal (query positions offset into the keys; key blocks past the last query
-    skipped, or only masked), scaled or not, MHA or grouped-query heads; fp16, head dim and
+    skipped, or only masked), scaled or not, MHA or grouped-query heads; fp16 or bf16, head dim and
     blocks the recipe's (D 16-128, BM 64 or 128, BN 16-128). Written as a user would write it,
     statement by statement. ``staged``: the keys and values come from workspaces a producer part
     fills row tile by row tile, each key block waiting for the tiles over its rows (the waits of
@@ -305,15 +305,16 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
     skip = causal and chance(ch, 60)                     # key blocks after the block's last query skipped
     off = ch.integer(0, NS * L) if causal else 0          # position of query row 0 among the keys
     scale = ch.choice((None, 1.0 / D ** 0.5, 0.125))
-    q = g.arg((Sq, H * D), "f16")
-    k = g.arg((NS * L, H // G * D), "f16")
-    v = g.arg((NS * L, H // G * D), "f16")
-    o = g.arg((Sq, H * D), "f16", "output")
+    dt = g.half_dtype()
+    q = g.arg((Sq, H * D), dt)
+    k = g.arg((NS * L, H // G * D), dt)
+    v = g.arg((NS * L, H // G * D), dt)
+    o = g.arg((Sq, H * D), dt, "output")
     A = Assign
     waits: tuple = ()
     if staged:
         BP, cols, sig = ch.choice((8, 16, 32)), H // G * D, g.fresh("ready")
-        kw, vw = g.workspace((NS * L, cols), "f16"), g.workspace((NS * L, cols), "f16")
+        kw, vw = g.workspace((NS * L, cols), dt), g.workspace((NS * L, cols), dt)
         g.decls.append(SignalDecl(sig, cdiv(NS * L, BP)))
         g.part(weighted(ch, {"compute": 60, "comm": 40}), (cdiv(NS * L, BP),), ("pm",),
                (A("r0", f"pm * {BP}"), Call("store", (kw, "(r0, 0)", f"tl.load({k}, (r0, 0), ({BP}, {cols}))")),
@@ -344,17 +345,17 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
     stmts += [A("denom", "l_sum[...]"), A("denom", "tl.where(denom > 0.0, denom, 1.0)"),
               Call("store", (o, "(q0, c0)", "acc[...] / denom[:, None]"))]
     g.part("compute", (H, cdiv(Sq, BM)), ("h", "pm"), stmts)
-    return Tensor(o, (Sq, H * D), "f16", exact=False)
+    return Tensor(o, (Sq, H * D), dt, exact=False)
 
 
 def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:
     """A grouped GEMM over run-time tile tables, the MoE expert GEMMs' shape (what the grouped GEMM
     recipe lowers): row tile ``pm`` of A — dense, or gathered by per-row ids (``tl.load_rows``,
     negative ids read zero rows) — times the weights ``w[e]`` of the expert a table names (-1: an
-    unused tile, its K loop skipped under ``tl.when``), in fp16 on an f32 fragment, stored whole or
+    unused tile, its K loop skipped under ``tl.when``), in fp16 or bf16 on an f32 fragment, stored whole or
     with its rows past a table's valid count as zeros, inside or after the guard. WGMMA tiles
     (BM 64 or 128); K and N mostly multiples of 8 (TMA's 16-byte rows; else the general recipe
-    takes it). ``src``: another part's f16 output as A (``waits``, inside the guard, then wait for
+    takes it). ``src``: another part's f16 or bf16 output as A (``waits``, inside the guard, then wait for
     the task's rows), else a new input."""
     ch = g.ch
     BM, BN, BK = ch.choice((64, 128)), ch.choice((64, 128, 256)), ch.choice((32, 64))
@@ -370,15 +371,16 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
         R, K = src.shape
     N = multiple_of_8(ch.integer(1, 2 * BN))
     NT = cdiv(R, BM)
-    w = g.arg((E, K, N), "f16")
+    dt = src.dtype if src is not None else g.half_dtype()
+    w = g.arg((E, K, N), dt)
     experts = g.arg((NT,), "i32", "table", low=-1, high=E)
     gather = src is None and chance(ch, 40)
     if gather:
         Rx = ch.integer(1, 2 * BM)
-        a = g.arg((Rx, K), "f16")
+        a = g.arg((Rx, K), dt)
         ids_table = g.arg((NT * BM,), "i32", "rows", low=-1, high=Rx)
     else:
-        a = src.name if src is not None else g.arg((R, K), "f16")
+        a = src.name if src is not None else g.arg((R, K), dt)
     masked = chance(ch, 60)
     valid = g.arg((NT,), "i32", "table", low=0, high=BM + 1) if masked else None
     store_guarded = chance(ch, 30)
@@ -393,11 +395,11 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
     if gather:
         ids = g.bind(guarded, Load(shape=(BM,), dtype="i32", exact=True, tensor=ids_table, offsets=("r0",),
                                    box=(BM,)), "ids")
-        ta: Expr = LoadRows(shape=(BM, BK), dtype="f16", exact=True, tensor=a, rows=ids, col="k", ncols=BK)
+        ta: Expr = LoadRows(shape=(BM, BK), dtype=dt, exact=True, tensor=a, rows=ids, col="k", ncols=BK)
     else:
-        ta = Load(shape=(BM, BK), dtype="f16", exact=src is None or src.exact, tensor=a, offsets=("r0", "k"),
+        ta = Load(shape=(BM, BK), dtype=dt, exact=src is None or src.exact, tensor=a, offsets=("r0", "k"),
                   box=(BM, BK))
-    tb = Load(shape=(BK, BN), dtype="f16", exact=True, tensor=w, offsets=("e", "k", "c0"), box=(BK, BN))
+    tb = Load(shape=(BK, BN), dtype=dt, exact=True, tensor=w, offsets=("e", "k", "c0"), box=(BK, BN))
     guarded.append(Loop("k", "0", str(K), str(BK), (Update("acc", Dot(shape=(BM, BN), dtype="f32", bound=float(K),
                                                                       a=ta, b=tb)),)))
     value: Expr = FragRead(shape=(BM, BN), dtype="f32", bound=float(K), name="acc")

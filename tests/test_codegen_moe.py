@@ -401,7 +401,6 @@ def test_schedule_limits_are_reported():
     _raises(lambda: lower_grouped_gemm(trace_ag(K=516), "grouped_gemm"), "16-byte aligned rows")
     _raises(lambda: lower_grouped_gemm(trace_ag(dt=tl.float32), "grouped_gemm"), "f16 or both bf16")
     _raises(lambda: lower_grouped_gemm(trace_rs(K=514), "grouped_gemm"), "16-byte aligned rows")
-    _raises(lambda: lower_combine(trace_rs(K=514), "combine"), "multiple of 4")
 
 
 # -- rejections point at the user's line -------------------------------------------------------------
@@ -695,7 +694,7 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, topk):
             rows = tl.load(pos, (k * T + m0,), (BM,))
-            col = c0 + 2 if variant == "odd_col" else c0 + 4 if variant == "col4" else c0
+            col = c0 + {"odd_col": 2, "col1": 1, "col4": 4}.get(variant, 0)
             g = tl.load_rows(y, rows, col, BN)
             if variant == "unscaled":
                 acc += g
@@ -730,11 +729,15 @@ def _trace_combine(variant, ydt=tl.float32, topk=2, tile=(64, 64, 16)):
     ("unscaled", tl.bfloat16, 1, True, 8, (128, 256, 16), 4), ("ok", tl.float32, 1, True, 4, (128, 256, 16), 8),
     ("ok", tl.float32, 2, True, 4, (128, 256, 16), 2), ("ok", tl.bfloat16, 2, True, 8, (128, 256, 16), 1),
     ("ok", tl.bfloat16, 12, False, 8, (128, 256, 16), 1),
+    # column offsets no multiple of 4: 2 or 1 columns a thread
+    ("odd_col", tl.float32, 2, True, 2, (64, 64, 16), 2), ("odd_col", tl.bfloat16, 3, True, 2, (64, 64, 16), 2),
+    ("col1", tl.float16, 3, True, 1, (64, 64, 16), 2), ("col1", tl.float32, 12, False, 1, (64, 64, 16), 1),
 ])
 def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, vec, tile, items):
     """The combine's body on the host, every thread of every tile: the gathers of one item or of
-    several issued before any is used (a short loop of constant bounds) or one by one, 4 or 8
-    columns a thread (8: 16-bit rows whose column offsets are multiples of 8), against numpy; rows
+    several issued before any is used (a short loop of constant bounds) or one by one, 1, 2, 4 or
+    8 columns a thread (8: 16-bit rows whose column offsets are multiples of 8; 1 and 2: offsets no
+    multiple of 4), against numpy; rows
     < 0 read zero, columns past the gathered tensor's read zero and the store's rows past T are
     dropped."""
     from tldsl.codegen.recipes.combine import MAX_GATHERS_IN_FLIGHT, items_at_once
@@ -757,8 +760,9 @@ def test_combine_body_sums_like_numpy(tmp_path, variant, ydt, topk, in_flight, v
     wts = rng.standard_normal((T, topk)).astype(np.float32)
     out = np.full((T, Kc), np.nan, np.float32)
     _, got = _run_host(tmp_path, lw, dict(y=y, pos=pos, wts=wts, out=out), gemm=False)
-    if variant == "col4":                 # the gather reads columns c0 + 4 ..: the last 4 past y's end
-        y = np.concatenate([y[:, 4:], np.zeros((R, 4), np.float32)], axis=1)
+    shift = {"col4": 4, "odd_col": 2, "col1": 1}.get(variant, 0)
+    if shift:                             # the gather reads columns c0 + shift ..: the last ones past y's end
+        y = np.concatenate([y[:, shift:], np.zeros((R, shift), np.float32)], axis=1)
     gathered = np.where(pos[:, None] >= 0, y[np.maximum(pos, 0)], 0).reshape(topk, T, Kc)
     scale = np.ones((T, topk), np.float32) if variant == "unscaled" else wts
     want = np.einsum("tk,ktn->tn", scale, gathered)
@@ -776,7 +780,6 @@ def test_combine_like_part_lowers():
 @pytest.mark.parametrize("variant,ydt,texts", [
     ("per_col", tl.float32, ("per row",)),
     ("f16", tl.float16, ("computed in f16", "only f32 accumulation")),
-    ("odd_col", tl.float32, ("multiples of 4",)),
     ("dot", tl.float32, ("tl.dot belongs to a GEMM",)),
 ])
 def test_combine_rejections_name_the_op_and_line(variant, ydt, texts):
@@ -847,9 +850,9 @@ template <bool C = false, class T> auto ld2(const T* p, int i, int j, int n0, in
   return ((unsigned)i < (unsigned)n0 && (unsigned)j < (unsigned)n1) ? value_of(p[(long long)i * n1 + j])
                                                                     : decltype(value_of(T()))(0);
 }
-static int g_vec_loads[9] = {0};      // loads by width: the combine's 4- or 8-wide gathers
+static int g_vec_loads[9] = {0};      // loads by width: the combine's 1-, 2-, 4- or 8-wide gathers
 template <int N, class T> inline void loadv(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
-  static_assert(N == 4 || (N == 8 && sizeof(T) == 2), "the device helper's widths");
+  static_assert(N == 1 || N == 2 || N == 4 || (N == 8 && sizeof(T) == 2), "the device helper's widths");
   ++g_vec_loads[N];
   for (int q = 0; q < N; ++q)
     x[q] = ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols)
@@ -1488,6 +1491,25 @@ def test_combine_items_in_flight_fit_the_registers(tmp_path, ydt, topk, items):
     info = ck.ptxas_info()[ck.name]
     assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info
     assert info["registers"] <= 64, info
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
+@pytest.mark.parametrize("ydt", [tl.float32, tl.float16, tl.bfloat16])
+def test_a_combine_of_columns_no_multiple_of_4_takes_narrower_accesses_and_compiles(tmp_path, ydt):
+    """Columns no multiple of 4 (tensors of 514 or 513 columns, or a column offset of 1 or 2) are
+    gathered 2 or 1 columns a thread, not refused: every width and element type compiles without
+    spills (the GPU tests run them: the fuzzer's combine family draws such columns)."""
+    lws = [lower_combine(trace_rs(K=514, dt=ydt, partial_dtype="out"), "combine"),
+           lower_combine(trace_rs(K=513, dt=ydt, partial_dtype="out"), "combine"),
+           lower_combine(_trace_combine("odd_col", ydt)), lower_combine(_trace_combine("col1", ydt))]
+    assert [lw.vec for lw in lws] == [2, 1, 2, 1]
+    assert all(f"loadv<{lw.vec}>" in lw.source and f"storev<{lw.vec}>" in lw.source for lw in lws)
+    cks = compile_many([CompileJob(lw.source, lw.entry, lw.options) for lw in lws], cache=KernelCache(tmp_path),
+                       progress=False)
+    for ck in cks:
+        info = ck.ptxas_info()[ck.name]
+        assert info["spill_store_bytes"] == info["spill_load_bytes"] == 0, info
 
 
 @pytest.mark.nvrtc

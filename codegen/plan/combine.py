@@ -1,4 +1,4 @@
-"""Planning a row-gather combine: the shapes and offsets its vector accesses need, which
+"""Planning a row-gather combine: the width of its vector accesses, which
 values the generated body computes where (once per tile, or per gathered row in the loop),
 and the kernel's parameters — the gathered and stored tensors, then what the hooks read
 (:mod:`.prog_params`)."""
@@ -21,7 +21,7 @@ from .prog_params import signal_hook, signal_params, signals_used, tensor_param,
     written_buffers
 from .wgmma import check_cluster_waits
 
-#: threads per CTA; each owns VEC (4 or 8, :func:`vector_width`) consecutive columns of a tile row
+#: threads per CTA; each owns VEC (1, 2, 4 or 8, :func:`vector_width`) consecutive columns of a tile row
 #: at a time. A gather is bound by
 #: its loads' latency: the more threads a CTA has, the more loads are in flight on its SM (in a
 #: fused launch the combine gets few CTAs beside its GEMM and finishes the last tiles after it)
@@ -106,22 +106,22 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
 
 
 def vector_width(m: CombineMatch) -> int:
-    """Columns per thread: 8 where the gathered rows are 16-bit and every column count and
-    offset is a multiple of 8 (one 16-byte load per gathered row, half the load instructions of
-    4-wide 8-byte ones), else 4."""
-    if m.src.type.dtype.name not in ("f16", "bf16") or m.BNf % 8:
-        return 4
-    if m.src.type.shape[1] % 8 or m.dst.type.shape[1] % 8:
-        return 4
+    """Columns per thread: the widest of 8, 4, 2 and 1 that divides both tensors' column counts,
+    the tile's columns and every column offset (whole vectors are in bounds or out). 8 only where
+    the gathered rows are 16-bit (one 16-byte load per gathered row, half the load instructions of
+    4-wide 8-byte ones); 1 and 2 are for columns no multiple of 4."""
+    widths = [m.src.type.shape[1], m.dst.type.shape[1], m.BNf]
     for off in (m.gather.operands[2], m.store.operands[2]):
-        f = aff.affine(off)
-        if f is None or any(c % 8 for c in f.values()):
-            return 4
-    return 8
+        widths += list(aff.affine(off).values())
+    for n in (8, 4, 2):
+        if all(w % n == 0 for w in widths) and (n != 8 or m.src.type.dtype.name in ("f16", "bf16")):
+            return n
+    return 1
 
 
 def _check(m: CombineMatch) -> None:
-    """The tensors, the tile and the column offsets fit 4-wide vector accesses."""
+    """The tensors are 2-d f32/f16/bf16, the stored tile is the accumulator and the column
+    offsets are affine (known at compile time up to the parameters' multiples)."""
     st, dt = m.src.type, m.dst.type
     if len(st.shape) != 2 or len(dt.shape) != 2:
         raise fail(WHAT, f"the gathered and stored tensors must be 2-d, got {list(st.shape)} and {list(dt.shape)}",
@@ -129,16 +129,12 @@ def _check(m: CombineMatch) -> None:
     for b, at in ((m.src, m.gather), (m.dst, m.store)):
         if b.type.dtype.name not in ("f32", "f16", "bf16"):
             raise fail(WHAT, f"'{b.name}' is {b.type.dtype}; f32, f16 and bf16 are lowered", at)
-        if b.type.shape[1] % 4:
-            raise fail(WHAT, f"'{b.name}' has {b.type.shape[1]} columns; vector access needs a multiple of 4", at)
-    if m.BNf % 4:
-        raise fail(WHAT, f"the tile has {m.BNf} columns; vector access needs a multiple of 4", m.frag)
     if tuple(m.rows.type.shape) != (m.BMf,) or m.rows.type.dtype.name != "i32":
         raise fail(WHAT, f"the row ids must be a ({m.BMf},) i32 tile, got {m.rows.type}", m.gather)
     if tuple(m.store.operands[-1].type.shape) != (m.BMf, m.BNf):
         raise fail(WHAT, "the stored tile must be the accumulator", m.store)
     for off, at in ((m.gather.operands[2], m.gather), (m.store.operands[2], m.store)):
         f = aff.affine(off)
-        if f is None or any(c % 4 for c in f.values()):
-            raise fail(WHAT, f"column offsets must be multiples of 4 known at compile time (e.g. pid1*BN), got "
-                       f"{aff.fmt_all((f,))}", at)
+        if f is None:
+            raise fail(WHAT, "column offsets must be affine in the parameters, known at compile time (e.g. "
+                       "pid1*BN)", at)

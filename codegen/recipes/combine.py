@@ -13,9 +13,10 @@ Recognised shape (``moe_reduce_scatter.combine`` of :mod:`tldsl.ops.moe`)::
         tl.store(out, (row0, col0), acc)
         <scalar code, loops and notifies>
 
-No tensor cores: it is a bandwidth-bound gather. Each thread owns 4 or 8 consecutive columns of
-a tile row (vector loads and stores, fp32 math; 8 — 16-byte loads — where the gathered rows are
-16-bit and the columns allow: :func:`..plan.combine.vector_width`), tiles visited persistently in the schedule's
+No tensor cores: it is a bandwidth-bound gather. Each thread owns 1, 2, 4 or 8 consecutive columns
+of a tile row (vector loads and stores, fp32 math; 8 — 16-byte loads — where the gathered rows are
+16-bit and the columns allow, 1 or 2 where the columns are no multiple of 4:
+:func:`..plan.combine.vector_width`), tiles visited persistently in the schedule's
 order (with the part's ``align_shift``). The generated ``Prog`` (:mod:`.prog_hooks`) holds
 the waits (a warp's lanes spin, each on its share of the innermost waiting loops' iterations,
 then the CTA meets), the body (the per-row index and scale expressions, element by element)

@@ -425,7 +425,7 @@ def combine(g: ProgramGenerator, dtype: str, src: Tensor | None = None, *, waits
     (``tl.load_rows``; negative ids read zero rows), scales them by a per-row f32 weight, a constant
     (f32 rows only: 16-bit rows times a Python number stay 16-bit, and the recipe sums f32 products)
     or nothing, and adds them into an f32 fragment, stored once. Columns mostly a multiple of 4
-    (the recipe's vector accesses; else the general recipe takes it). ``src``: another part's
+    (the recipe's 4- and 8-wide accesses; else its 1- and 2-wide ones). ``src``: another part's
     output to gather from (``waits`` then waits for all of its rows before the loop: any row may
     be gathered), else a new input."""
     ch = g.ch

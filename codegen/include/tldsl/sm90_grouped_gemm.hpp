@@ -83,7 +83,7 @@
 // 2. combine_kernel — a plain (non-tensor-core) kernel for
 //      acc = fill; for k in loop: acc += gather_rows(Y, rows(k), col) * scale(k)
 //      store(OUT, (row0, col0), acc); notifies
-//    Each thread owns 4 or 8 consecutive columns of a tile row (vector loads/stores, fp32 math);
+//    Each thread owns 1, 2, 4 or 8 consecutive columns of a tile row (vector loads/stores, fp32 math);
 //    the generated Prog::body() holds the per-row index and scale expressions. Waits: one
 //    thread spins, then __syncthreads(); notifies: __syncthreads(), then one thread releases.
 #pragma once
@@ -260,8 +260,9 @@ __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* __restrict_
   }
 }
 
-// 8 consecutive 16-bit elements as fp32 (one coherent 16-byte load), or 4 (load4), by N:
-// the combine's width (8 where the gathered rows are 16-bit and every column offset a multiple of 8).
+// N consecutive elements as fp32, N the combine's width: 8 16-bit ones (one coherent 16-byte load)
+// where the gathered rows are 16-bit and every column offset a multiple of 8, 4 (load4), or 1 or 2
+// (load_narrow) where the columns are no multiple of 4.
 __device__ __forceinline__ uint4 ld_coherent_v4b32(const void* p) {
   uint4 v;
   asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
@@ -283,9 +284,55 @@ __device__ __forceinline__ uint32_t float2_to_pair(float a, float b, __nv_bfloat
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// 1 or 2 consecutive elements as fp32 (one coherent load of 2 to 8 bytes): the width of a combine
+// whose columns are no multiple of 4. Zeros out of bounds (cols % N == 0, col % N == 0).
+template <int N, class T>
+__device__ __forceinline__ void load_narrow(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
+  static_assert(N == 1 || N == 2, "narrow gathers are 1 or 2 elements");
+  if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
+    const T* q = p + (long long)row * cols + col;
+    if constexpr (N == 1) {
+      x[0] = value_of(ld_coherent(q));
+    } else if constexpr (sizeof(T) == 4) {
+      const uint2 v = ld_coherent_v2(q);
+      x[0] = __uint_as_float(v.x);
+      x[1] = __uint_as_float(v.y);
+    } else {
+      const float2 f = pair_to_float2((uint32_t)ld_coherent(reinterpret_cast<const int*>(q)), T());
+      x[0] = f.x;
+      x[1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < N; ++q) x[q] = 0.0f;
+  }
+}
+
+// Store 1 or 2 fp32 values to row `row`, columns [col, col + N), converted; out of bounds: dropped.
+template <int N, class T>
+__device__ __forceinline__ void store_narrow(T* __restrict__ p, int row, int rows, int col, int cols,
+                                             const float (&x)[N]) {
+  static_assert(N == 1 || N == 2, "narrow stores are 1 or 2 elements");
+  if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
+    T* q = p + (long long)row * cols + col;
+    if constexpr (sizeof(T) == 4) {
+      if constexpr (N == 1) q[0] = x[0];
+      else *reinterpret_cast<float2*>(q) = make_float2(x[0], x[1]);
+    } else if constexpr (N == 2) {
+      *reinterpret_cast<uint32_t*>(q) = float2_to_pair(x[0], x[1], T());
+    } else if constexpr (cuda::std::is_same_v<T, __half>) {
+      q[0] = __float2half_rn(x[0]);
+    } else {
+      q[0] = __float2bfloat16_rn(x[0]);
+    }
+  }
+}
+
 template <int N, class T>
 __device__ __forceinline__ void loadv(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
-  if constexpr (N == 4) {
+  if constexpr (N <= 2) {
+    load_narrow<N, T>(p, row, rows, col, cols, x);
+  } else if constexpr (N == 4) {
     load4<T>(p, row, rows, col, cols, x);
   } else {
     static_assert(N == 8 && sizeof(T) == 2, "8-wide gathers are 16-byte loads of 16-bit elements");
@@ -305,13 +352,15 @@ __device__ __forceinline__ void loadv(const T* p, int row, int rows, int col, in
   }
 }
 
-// Store N (4 or 8) fp32 values to row `row`, columns [col, col + N), converted; out of bounds: dropped.
+// Store N (1, 2, 4 or 8) fp32 values to row `row`, columns [col, col + N), converted; out of bounds: dropped.
 template <int N, class T>
 __device__ __forceinline__ void storev(T* __restrict__ p, int row, int rows, int col, int cols, const float (&x)[N]) {
-  if constexpr (N == 4) {
+  if constexpr (N <= 2) {
+    store_narrow<N, T>(p, row, rows, col, cols, x);
+  } else if constexpr (N == 4) {
     store4<T>(p, row, rows, col, cols, x);
   } else {
-    static_assert(N == 8, "the combine stores 4 or 8 columns a thread");
+    static_assert(N == 8, "the combine stores 1, 2, 4 or 8 columns a thread");
     if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
       if constexpr (sizeof(T) == 4) {
         float4* q = reinterpret_cast<float4*>(p + (long long)row * cols + col);

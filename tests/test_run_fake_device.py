@@ -23,6 +23,7 @@ import tldsl as tl
 from tldsl.runtime.gpu import run_program as rp
 from tldsl.runtime.gpu.run_errors import GpuHangError
 from tldsl.runtime.sim.bound_launch import BoundLaunch
+from tldsl.runtime.sim.engine import task_order
 
 from test_gpu_run import assert_agrees
 from test_run_plan import ag_gemm, gemm_rs, row_softmax, scale_rows
@@ -40,10 +41,17 @@ def _view(address: int, shape, dtype) -> np.ndarray:
 
 
 class PersistentLaunch(BoundLaunch):
-    """A general-recipe kernel's CTAs: CTA ``b`` of ``ctas`` runs tasks ``b, b + ctas, ...`` (row
-    major) one after the other, as the generated task loop does; so a grid too small for tasks
-    that wait for one another deadlocks here as on the GPU."""
+    """A general-recipe kernel's CTAs: CTA ``b`` of ``ctas`` runs tasks ``b, b + ctas, ...`` of
+    the schedule's tile order one after the other, as the generated task loop does; so a grid too
+    small for tasks that wait for one another deadlocks here as on the GPU."""
     ctas = 1 << 30
+
+    def __init__(self, kernel, parts, rank, *args, **kwargs):
+        super().__init__(kernel, parts, rank, *args, **kwargs)
+        at = {(t.part.name, tuple(t.coords)): t for t in self.tasks}
+        self.tasks = [at[(p.name, tuple(c))] for p in dict.fromkeys(t.part for t in self.tasks)
+                      for c in task_order(kernel, p, rank)]
+        self.live = list(self.tasks)
 
     def _can_run(self, task) -> bool:
         i = self.tasks.index(task)
@@ -168,7 +176,7 @@ class FakeDevice:
                                  f"parameter binds")
         shapes = {b.name: (tuple(b.type.shape), _NP[b.type.dtype.name]) for b in kernel_ir.buffers}
         slots = {s.name: int(s.type.slots) for s in kernel_ir.signals}
-        persistent = type(lk).__name__ == "LoweredGeneral" and lk.lanes is None     # tasks in row-major order
+        persistent = type(lk).__name__ == "LoweredGeneral" and lk.lanes is None     # tasks in the schedule's order
         bl = (PersistentLaunch if persistent else BoundLaunch)(kernel_ir, parts, item.rank, launch,
                          lambda r, n: _view(address(r, n), *shapes[n]),
                          lambda r, n: _view(address(r, n), (slots[n],), np.int64), rng=random.Random(self.rng.random()))
@@ -380,6 +388,53 @@ def test_parts_waiting_on_each_other_on_fewer_ctas_than_tiles_on_the_fake_device
     assert all(k.ctas == n for k in res.plan.kernels), res.plan.describe()
     for r in range(2):
         np.testing.assert_array_equal(res[r]["c"], two_parts_expected(inputs[r]["a"], n, True))
+
+
+@tl.kernel
+def _rows_then_columns(a, c, c2, *, compute: tl.ComputeSchedule = None):
+    """'first' (one tile per row block) stages its rows, then waits for column 1 of that row block
+    of 'second' (a grid of row blocks x 2 columns), which waits for the staged rows: whether one
+    CTA each finishes depends on the order 'second' walks its grid in."""
+    n = a.shape[0] // 8
+    staged, copied = tl.signal("staged", n), tl.signal("copied", 2 * n)
+    mid = tl.local_buffer(a.shape, a.dtype, "mid")
+
+    @tl.compute_part(grid=(n,), name="first")
+    def first(t):
+        tl.store(mid, (t * 8,), tl.load(a, (t * 8,), (8,)) * 2.0)
+        tl.producer_tile_notify(staged, t)
+        tl.consumer_tile_wait(copied, t * 2 + 1)
+        tl.store(c, (t * 8,), tl.load(c2, (8 * n + t * 8,), (8,)) + 1.0)
+
+    @tl.compute_part(grid=(n, 2), name="second")
+    def second(t, j):
+        tl.consumer_tile_wait(staged, t)
+        tl.store(c2, (j * 8 * n + t * 8,), tl.load(mid, (t * 8,), (8,)))
+        tl.producer_tile_notify(copied, t * 2 + j)
+
+
+def test_persistent_ctas_take_tiles_in_the_schedules_order_on_the_fake_device(monkeypatch):
+    """On one CTA a part, 'second' walking its grid row by row lets 'first' go on; swizzled (eight
+    row blocks of column 0 before any of column 1) 'first' waits for a tile 'second' reaches only
+    after a tile that waits for 'first': the simulator reports the deadlock and the fake device,
+    walking tiles in the schedule's order as the GPU does (not row-major), hangs."""
+    from tldsl.errors import DeadlockError
+    monkeypatch.setattr(rp, "HOST_SLACK_S", 0.0)
+    n = 12
+    inputs = [{"a": np.arange(8 * n, dtype=np.float32) + 100 * r, "c": np.full(8 * n, np.nan, np.float32),
+               "c2": np.full(16 * n, np.nan, np.float32)} for r in range(2)]
+    row_major = tl.ComputeSchedule(order="row_major")
+    want = tl.simulate(_rows_then_columns, 2, inputs, compute=row_major)
+    res, _ = run_fake(_rows_then_columns, 2, inputs, sms=4, compute=row_major)
+    assert sorted(k.ctas for k in res.plan.kernels) == [1, 1, 1, 1], res.plan.describe()
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["c"], 2 * inputs[r]["a"] + 1)
+        np.testing.assert_array_equal(res[r]["c"], want[r]["c"])
+    swizzled = tl.ComputeSchedule(order="swizzled", group_m=8)
+    with pytest.raises(DeadlockError):
+        tl.simulate(_rows_then_columns, 2, inputs, compute=swizzled)
+    with pytest.raises(GpuHangError, match="launch 1 did not finish"):
+        run_fake(_rows_then_columns, 2, inputs, sms=4, compute=swizzled)
 
 
 def test_sms_is_checked_before_anything_runs():

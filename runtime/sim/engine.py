@@ -8,6 +8,8 @@ rank: a peer that acquires it gets no ordering, exactly as on the hardware.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ...errors import DeadlockError, OutOfBoundsError, SimulationError, StaleSignalError
@@ -89,6 +91,16 @@ def compute_slots(kernel, asked: int | None, one_slot=()) -> dict[str, int | Non
     if asked is not None:
         return {p.name: asked for p in kernel.parts}
     return {p.name: 1 if p.name in one_slot else None for p in kernel.parts}
+
+
+def task_order(kernel, part, rank: int) -> list[tuple]:
+    """The order ``part``'s tasks are taken on ``rank``, as the GPU's persistent CTAs take them:
+    its schedule's tile order (a compute part) or task order (a comm part), else row-major."""
+    if part.role == "compute" and kernel.compute_schedule is not None:
+        return kernel.compute_schedule.tile_order(part.grid, rank, kernel.world_size, getattr(part, "align_shift", 0))
+    if part.role == "comm" and kernel.comm_schedule is not None:
+        return kernel.comm_schedule.task_order(part.grid)
+    return list(itertools.product(*(range(g) for g in part.grid)))
 
 
 class Engine:
@@ -192,16 +204,6 @@ class Engine:
         task.narrow.extend(f"{name}[{ch}] by rank {r}" for r in narrow)
 
     # -- scheduling -------------------------------------------------------------------------------
-    def _orders(self, part, rank):
-        k = self.kernel
-        if part.role == "compute" and k.compute_schedule is not None:
-            return k.compute_schedule.tile_order(part.grid, rank, k.world_size,
-                                                 getattr(part, "align_shift", 0))
-        if part.role == "comm" and k.comm_schedule is not None:
-            return k.comm_schedule.task_order(part.grid)
-        import itertools
-        return list(itertools.product(*(range(g) for g in part.grid)))
-
     def _log(self, task, what, detail=""):
         if self.options.record_timeline:
             self.events.append((self.steps, self.launch, task.rank, task.part.name, task.part.role,
@@ -218,7 +220,7 @@ class Engine:
         plan = []
         for rank in range(k.world_size):
             for part in k.parts:
-                plan.append((rank, part, self._orders(part, rank)))
+                plan.append((rank, part, task_order(k, part, rank)))
         ntasks = sum(len(o) for _, _, o in plan)
         queues = []
         tid = 0

@@ -47,7 +47,15 @@ class SignalSlotClocks:
     the slot exactly at ``target``, before any later notify. Joining every release the slot has
     received by the time the waiter runs would hide a wait count too low in every interleaving
     where the missing notify happened to land early. So each release's clock is kept
-    (``releases``, in notify order), with joins of whole runs of them (``checkpoints``)."""
+    (``releases``, in notify order), with joins of whole runs of them (``checkpoints``).
+
+    Not modelled: a waiter already ordered after a *later* release (through another signal) must
+    read at least that far, and on the GPU its read then orders it after every release before it
+    (the atomic adds form one chain). So a race may be reported in an interleaving that would
+    not race on the GPU, but never in a program free of races: a release between the first
+    ``target - start`` and that later one is not ordered before the later one (else the waiter's
+    clock would hold it), so in another interleaving it lands after, the wait passes without it,
+    and the race is real."""
 
     def __init__(self, slots: int):
         self.values = np.zeros(slots, np.int64)

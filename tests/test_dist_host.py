@@ -1427,7 +1427,7 @@ def test_gemm_rs_copy_engine_epilogue_protocol(proto):
     # rows (refused by the tile program: a GPU could hang), so groups of 4 where none is given
     small = MatmulReduceScatter(2 * 512, K, N, "bfloat16", comm=comm)
     assert small.compute.group_m == 4 and small.ir.compute_schedule == small.compute
-    with pytest.raises(tl.CompilationError, match="own rows last"):
+    with pytest.raises(tl.CompilationError, match="can hang: a tile of a rank.s own rows waits"):
         MatmulReduceScatter(2 * 512, K, N, "bfloat16", comm=comm, compute=op.compute)
     proto.events()
     cs, cur = eng.copy_stream.cuda_stream, proto.cur.cuda_stream
@@ -2002,7 +2002,7 @@ def test_default_push_slices_and_the_autotuner_sees_them(proto, monkeypatch):
     assert AllGatherMatmul(1024, 2056, 3000, torch.bfloat16, pusher="gemm").comm.col_tile is None
     comms = [cm for _, cm in candidates("ag_gemm")]
     assert op.comm in comms and op.comm.with_(col_tile=None) in comms
-    rs = candidates("gemm_rs")          # the epilogue sum with the one order that reaches own rows last
+    rs = candidates("gemm_rs")          # the epilogue sum with comm_aligned: own rows last on every rank
     assert {cp.order for cp, cm in rs if cm.reduce_in == "epilogue"} == {"comm_aligned"}
 
 

@@ -60,7 +60,7 @@ def both(fn, W, inputs, sums=False, **kw):
     """tl.run and tl.simulate of the same call; asserts they agree and returns the run's result."""
     from tldsl.testing.program_tolerance import reference_with_tolerances
     want, tolerances = reference_with_tolerances(fn, W, inputs, **{k: v for k, v in kw.items()
-                                                                    if k not in ("lowering", "timeout_s")})
+                                                                    if k not in ("lowering", "timeout_s", "sms")})
     got = tl.run(fn, W, inputs, **kw)
     assert isinstance(got, tl.SimResult) and got.launches == want.launches
     assert_agrees(got.outputs, want.outputs, want.kernel, sums, tolerances)
@@ -380,6 +380,29 @@ def test_a_waiting_general_part_walks_the_schedules_tile_order():
     case = SPEC.make_case(np.random.default_rng(0), W, rows_per_rank=Ms, n=N, k_per_rank=K, compute=compute, comm=comm)
     got = both(gemm_reduce_scatter, W, case.inputs, sums=True, **case.kwargs)
     assert any(type(x.lowered).__name__ == "LoweredGeneral" and x.part == "gemm" for x in got.plan.kernels)
+
+
+@pytest.mark.parametrize("order,group", [("row_major", 16), ("swizzled", 8)])
+@pytest.mark.parametrize("sms", [None, 2])
+def test_the_epilogue_sum_at_two_ranks_in_an_order_walking_a_ranks_rows_at_a_time(order, group, sms):
+    """GEMM + ReduceScatter summing in the GEMM's epilogue, two ranks on the one GPU, 16x16 tiles
+    (the general recipe) in row_major order, or swizzled in groups inside a rank's rows: rank 0
+    reaches its own rows first, yet rank 1 computes rank 0's rows before its own, so nothing
+    waits in a cycle and the tile program takes the order. On every SM and on two (each rank's
+    GEMM on one CTA walking its 32 tile rows), the run agrees with the simulator."""
+    from tldsl.ops.gemm_reduce_scatter import SPEC, gemm_reduce_scatter
+    W, Ms, K, N = 2, 256, 32, 64
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=16, reduce_in="epilogue")
+    compute = tl.ComputeSchedule(tile=(16, 16, 16), order=order, group_m=group)
+    case = SPEC.make_case(np.random.default_rng(3), W, rows_per_rank=Ms, n=N, k_per_rank=K, compute=compute, comm=comm)
+    got = both(gemm_reduce_scatter, W, case.inputs, sums=True, sms=sms, **case.kwargs)
+    gemms = [x for x in got.plan.kernels if x.part == "gemm"]
+    assert gemms and all(type(x.lowered).__name__ == "LoweredGeneral" for x in gemms)
+    if sms:
+        assert all(x.ctas < (W * Ms // 16) * (N // 16) for x in gemms), got.plan.describe()
+    for r in range(W):
+        np.testing.assert_allclose(np.asarray(got[r]["out"], np.float32), case.expected[r]["out"], rtol=case.rtol,
+                                   atol=case.atol)
 
 
 @pytest.mark.parametrize("order", ["row_major", "comm_aligned"])

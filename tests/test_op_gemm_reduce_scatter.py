@@ -294,7 +294,7 @@ def test_epilogue_sum_agrees_with_every_schedule_to_the_last_bit(W):
         assert all(np.array_equal(a, b) for a, b in zip(outs[pdt, "epilogue"], outs[pdt, "ring"]))
 
 
-def test_epilogue_sum_parts_and_rules():
+def test_epilogue_sum_parts_and_rules(monkeypatch):
     """No sum part: the copy-engine part pushes, the GEMM's own-row tiles wait for every peer's
     rows and add them. It needs whole GEMM tiles per rank and the copy-engine push schedule."""
     W, Ms, K, N = 2, 16, 16, 24
@@ -307,16 +307,46 @@ def test_epilogue_sum_parts_and_rules():
     assert "gemm_reduce_scatter.py:" in str(info.value)
     with pytest.raises(tl.ScheduleError, match=r"reduce_in='epilogue' .* engine='copy_engine', mode='push'"):
         tl.CommSchedule(engine="sm", mode="push", reduce_in="epilogue")
-    # own rows last on every rank: an own tile taken early holds its CTA while it waits (on a GPU
-    # running the GEMM on fewer CTAs than tiles, the tiles its peers' copies need may never start)
-    for bad, row in ((compute.with_(group_m=8), "0 reaches tile row 0 (its own) before tile row 2"),  # groups straddle
-                     (compute.with_(order="row_major"), "0 reaches tile row 0 (its own) before tile row 2"),
-                     (compute.with_(order="swizzled"), "0 reaches tile row 0 (its own) before tile row 2")):
-        with pytest.raises(tl.CompilationError, match=r"reduce_in='epilogue' needs every rank to compute its own "
-                                                      r"rows last") as info:
-            _trace(W, W * Ms, K, K, N, Ms, comm=comm, compute=bad)
-        assert f"rank {row}" in str(info.value) and "gemm_reduce_scatter.py:" in str(info.value)
-        assert "reduce_in='comm'" in str(info.value)
+    # an own tile taken early holds its CTA while it waits (on a GPU running the GEMM on fewer CTAs
+    # than tiles, the tiles its peers' copies need may never start): refused where ranks would wait
+    # for each other in a cycle — groups straddling two ranks' rows, each rank reaching an own tile
+    # before the other's last; or, at three ranks, row by row (rank 1's copy engine pushes rank 2's
+    # rows, computed after its own, before rank 0's)
+    for bad, W_, cycle in (
+            (compute.with_(group_m=8), W, ("rank 1 reaches its own tile row 2 before tile row 1, which its copy of "
+                                           "rank 0's rows waits for", "rank 0 reaches its own tile row 0 before")),
+            (compute.with_(group_m=3), W, ("rank 1 reaches its own tile row 2 before tile row 1",)),
+            (compute.with_(order="swizzled", group_m=8), W, ("rank 1 reaches its own tile row 2",)),
+            (compute.with_(order="row_major"), 3, ("rank 1 reaches its own tile row 2 before tile row 5, which its "
+                                                   "copy of rank 0's rows waits for",))):
+        with pytest.raises(tl.CompilationError, match=r"reduce_in='epilogue' with ComputeSchedule\(.*\) and "
+                                                      r"CommSchedule\(.*\) can hang: a tile of a rank's own rows") \
+                as info:
+            _trace(W_, W_ * Ms, K, K, N, Ms, comm=comm, compute=bad)
+        assert all(c in str(info.value) for c in cycle), str(info.value)
+        assert "gemm_reduce_scatter.py:" in str(info.value) and "reduce_in='comm'" in str(info.value)
+    # at two ranks, an order walking a rank's rows at a time never hangs (each rank pushes one peer,
+    # and the rank whose rows come first waits for nobody): accepted, and the simulator, running
+    # the GEMM on one slot, finds no deadlock
+    for order, group in (("row_major", 8), ("swizzled", 2)):
+        alike = compute.with_(order=order, group_m=group)
+        case = SPEC.make_case(np.random.default_rng(1), W, rows_per_rank=Ms, n=N, k_per_rank=K, compute=alike,
+                              comm=comm)
+        for slots in (None, 1):
+            res = tl.simulate(gemm_reduce_scatter, W, case.inputs, options=tl.SimOptions(compute_slots=slots),
+                              **case.kwargs)
+            for r in range(W):
+                np.testing.assert_allclose(np.asarray(res[r]["out"], np.float32), case.expected[r]["out"],
+                                           rtol=case.rtol, atol=case.atol)
+    # ... and the refused orders do deadlock there (traced with the rule switched off)
+    import tldsl.ops.gemm_reduce_scatter as grs
+    monkeypatch.setattr(grs, "_own_rows_waiting_in_a_cycle", lambda *a, **k: None)
+    for bad, W_ in ((compute.with_(group_m=8), W), (compute.with_(order="row_major"), 3)):
+        case = SPEC.make_case(np.random.default_rng(0), W_, rows_per_rank=Ms, n=N, k_per_rank=K, compute=bad,
+                              comm=comm)
+        with pytest.raises(tl.DeadlockError):
+            tl.simulate(gemm_reduce_scatter, W_, case.inputs, options=tl.SimOptions(compute_slots=1), **case.kwargs)
+    monkeypatch.undo()
     W3 = 3                                 # comm_aligned: rank r starts on rank r+1's rows, ends on its own
     _trace(W3, W3 * Ms, K, K, N, Ms, comm=comm, compute=compute.with_(group_m=1))
     sim = tl.simulate(gemm_reduce_scatter, W3, SPEC.make_case(np.random.default_rng(0), W3, rows_per_rank=Ms, n=N,

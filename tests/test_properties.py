@@ -54,15 +54,16 @@ def _comm_schedules_the_op_takes(name, params, world_size):
         return st.one_of(sm, st.just(tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="comm")))
     if name == "gemm_reduce_scatter":
         # or the copy engine pushing; summing in the GEMM's epilogue only where no producer tile
-        # straddles two ranks' rows and the compute order reaches a rank's own rows last
-        from tldsl.ops.gemm_reduce_scatter import _own_rows_not_last
+        # straddles two ranks' rows and the compute order leaves no ranks waiting on each other in a cycle
+        from tldsl.ops.gemm_reduce_scatter import _own_rows_waiting_in_a_cycle
         rows = params["rows_per_rank"]
-        epilogue = rows % compute.BM == 0 and _own_rows_not_last(compute, world_size * rows, params["n"],
-                                                                 world_size) is None
-        places = ("comm", "epilogue") if epilogue else ("comm",)
+
+        def takes(comm):
+            return comm.reduce_in == "comm" or rows % compute.BM == 0 and _own_rows_waiting_in_a_cycle(
+                compute, comm, world_size * rows, params["n"], world_size) is None
         return st.one_of(sm, st.builds(
             lambda t, place: tl.CommSchedule(engine="copy_engine", mode="push", tile_m=t, reduce_in=place),
-            st.sampled_from((None, 8, 16)), st.sampled_from(places)))
+            st.sampled_from((None, 8, 16)), st.sampled_from(("comm", "epilogue"))).filter(takes))
     raise AssertionError(f"{name}: a new op; say here which communication schedules it takes")
 
 

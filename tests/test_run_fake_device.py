@@ -437,6 +437,23 @@ def test_persistent_ctas_take_tiles_in_the_schedules_order_on_the_fake_device(mo
         run_fake(_rows_then_columns, 2, inputs, sms=4, compute=swizzled)
 
 
+@pytest.mark.parametrize("order,group", [("row_major", 8), ("swizzled", 2)])
+def test_the_epilogue_sum_at_two_ranks_walking_a_ranks_rows_at_a_time_on_one_cta(order, group):
+    """GEMM + ReduceScatter summing in the epilogue at two ranks, row by row (or swizzled within a
+    rank's rows), each rank's GEMM on one CTA: rank 0 takes its own rows first and waits, rank 1
+    computes rank 0's rows first — the launch finishes and agrees with the simulator."""
+    from tldsl.ops.gemm_reduce_scatter import SPEC, gemm_reduce_scatter
+    W, Ms = 2, 32
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", tile_m=8, reduce_in="epilogue")
+    compute = tl.ComputeSchedule(tile=(16, 16, 16), order=order, group_m=group)
+    case = SPEC.make_case(np.random.default_rng(2), W, rows_per_rank=Ms, n=40, k_per_rank=24, compute=compute,
+                          comm=comm)
+    want = tl.simulate(gemm_reduce_scatter, W, case.inputs, **case.kwargs)
+    res, _ = run_fake(gemm_reduce_scatter, W, case.inputs, sms=2, **case.kwargs)
+    assert [k.ctas for k in res.plan.kernels if k.part == "gemm"] == [1, 1], res.plan.describe()
+    assert_agrees(res.outputs, want.outputs, want.kernel, True)
+
+
 def test_sms_is_checked_before_anything_runs():
     """``sms``: a positive int, at most the GPU's SMs, and only for a run on this GPU; too few for
     the kernels to be resident at once is the run plan's ResidencyError, before any launch."""

@@ -237,6 +237,18 @@ def test_plan_of_allgather_gemm_on_the_copy_engine_leaves_sms_to_its_copies():
     assert "copy engine" in plan.describe()
 
 
+def test_a_run_on_some_of_the_sms_leaves_the_copies_the_others():
+    """``tl.run(sms=N)``: the persistent kernels take N SMs and the GPU's other SMs stay free, so
+    the same-GPU copies need none of the N kept back (before, N <= 4 refused every copy-engine
+    program and N = 6 left its kernels 2)."""
+    k = ag_gemm(engine="copy_engine")
+    few = planned(k, sm_count=2, spare_sms=H200_SMS - 2)
+    assert few.reserved_sms == 0 and sum(x.ctas for x in few.kernels) == 2
+    assert planned(k, sm_count=H200_SMS - 1, spare_sms=1).reserved_sms == RESERVED_FOR_COPIES - 1
+    with pytest.raises(ResidencyError, match="it runs on 2 of the GPU's 3 SMs, 3 of them left to the copy engine"):
+        planned(k, sm_count=2, spare_sms=1)
+
+
 def test_plan_that_hoists_the_own_shard_copies_leaves_no_sm_free():
     """Where the launch runs the copy engine's same-GPU copies before forking any part (the
     fused-op runtime: ``hoist_local_copies``), an all-gather's copies need no free SM beside the

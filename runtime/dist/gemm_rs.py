@@ -134,7 +134,8 @@ def traced_comm(comm: CommSchedule, rows_per_rank: int, compute: ComputeSchedule
 def epilogue_compute(rows_per_rank: int) -> ComputeSchedule:
     """:data:`DEFAULT_COMPUTE` for ``reduce_in="epilogue"``: its groups of tile rows within one
     rank's rows (``group_m`` dividing this rank's tile rows), so that every rank reaches its own
-    rows last, as the tile program requires (an own tile waits for its peers' copies)."""
+    rows last: an own tile waits for its peers' copies, and the tile program refuses orders that
+    leave ranks waiting on each other in a cycle (this one never does, at any world size)."""
     tiles = -(-rows_per_rank // DEFAULT_COMPUTE.BM)
     return DEFAULT_COMPUTE.with_(group_m=math.gcd(DEFAULT_COMPUTE.group_m, tiles))
 

@@ -219,9 +219,11 @@ CHAINS = ("after", "beside", "folded")
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
              queues: int | None = None, split: str = "work", chain: str = "after",
-             hoist_local_copies: bool = False) -> RunPlan:
+             hoist_local_copies: bool = False, spare_sms: int = 0) -> RunPlan:
     """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
-    on a GPU of ``sm_count`` SMs. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
+    on ``sm_count`` SMs of a GPU that has ``spare_sms`` more, which the plan leaves alone (a run
+    on some of the SMs, ``tl.run(sms=)``): the same-GPU copies that need SMs free of persistent
+    kernels take those first. ``occupancy(lowered)``: CTAs of that kernel an empty SM holds
     (the driver's answer; None: taken as 1). ``queues``: hardware queues (default
     :func:`hardware_queues`). ``split``: how the compute kernels share the SMs (``"work"`` or
     ``"even"``: :mod:`.sm_split`). ``chain``: where the chained parts run (:data:`CHAINS`,
@@ -248,7 +250,8 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
                                  f"{lk.block[0]} threads and {lk.smem_bytes} B of shared memory per CTA are more than "
                                  "an SM has; use smaller tiles (the compute schedule's tile) or fewer threads")
     has_copies = any(not is_kernel(lk) for _, lk in parts)
-    reserved = RESERVED_FOR_COPIES if needs_free_sms([lk for _, lk in parts], W, hoist_local_copies) else 0
+    reserved = max(0, RESERVED_FOR_COPIES - spare_sms) if needs_free_sms([lk for _, lk in parts], W,
+                                                                          hoist_local_copies) else 0
     available = sm_count - reserved
     slots = [(r, name, lk) for r in range(W) for name, lk in parts if is_kernel(lk) and name not in chained]
     # a producer's share is its chained parts' too (they run on its SMs after it): as many SMs as
@@ -259,8 +262,10 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     if sum(lows) > available:
         fixed = ", ".join(f"rank {r} {name}: {lo}" for (r, name, _), lo in zip(slots, lows))
         raise ResidencyError(
-            f"the kernels of one launch need at least {sum(lows)} CTAs resident at once ({fixed}) but the GPU has "
-            f"{sm_count} SMs" + (f", {reserved} of them left to the copy engine's copies" if reserved else "")
+            f"the kernels of one launch need at least {sum(lows)} CTAs resident at once ({fixed}) but "
+            + (f"it runs on {sm_count} of the GPU's {sm_count + spare_sms} SMs" if spare_sms else
+               f"the GPU has {sm_count} SMs")
+            + (f", {reserved} of them left to the copy engine's copies" if reserved else "")
             + ": a kernel waiting for another could wait forever. Use fewer communication lanes (the communication "
               "schedule's sms), fewer ranks, or fewer parts")
     if split == "even":

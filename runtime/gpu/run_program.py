@@ -78,6 +78,7 @@ def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",
     the plan and ``{entry: loaded kernel}``."""
     loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
     plan = plan_run(ir, lowered, sm_count=device.sm_count if sms is None else sms,
+                    spare_sms=0 if sms is None else device.sm_count - sms,
                     occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain)
     return plan, loaded
 

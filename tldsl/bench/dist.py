@@ -284,7 +284,8 @@ def candidates(what):
                  CommSchedule(engine="sm", mode="push", tile_m=32, sms=24),
                  CommSchedule(engine="sm", mode="pull", tile_m=64, sms=16),
                  CommSchedule(engine="sm", mode="push", tile_m=128, sms=8)]
-    # summing in the epilogue needs every rank's own rows last: the comm_aligned order only
+    # summing in the epilogue: comm_aligned only (every rank's own rows last: no ranks waiting on each other
+    # in a cycle at any world size; row_major is accepted at two ranks only)
     return [(cp, cm) for cm in comms for cp in computes if cm.reduce_in != "epilogue" or cp.order == "comm_aligned"]
 
 

@@ -40,8 +40,8 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
                         producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
     if comm.reduce_in == "epilogue":
-        late = _own_rows_not_last(compute, M, N, W, rs.align_shift)
-        tl.static_assert(late is None, late)
+        hang = _own_rows_waiting_in_a_cycle(compute, comm, M, N, W, rs.align_shift)
+        tl.static_assert(hang is None, hang)
 
     @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift)
     def gemm(pm, pn):
@@ -52,31 +52,74 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
         rs.store_tile(acc, r0, c0)       # store + notify (or, reducing in the epilogue, own rows summed here)
 
 
-def _own_rows_not_last(compute: tl.ComputeSchedule, M: int, N: int, W: int, align_shift: int = 1) -> str | None:
+def _own_rows_waiting_in_a_cycle(compute: tl.ComputeSchedule, comm: tl.CommSchedule, M: int, N: int, W: int,
+                                 align_shift: int = 1) -> str | None:
     """Summing in the epilogue, a tile of this rank's rows waits for every peer's copy of those
-    rows, which each peer makes once its own tiles of them are done. Every rank must therefore
-    reach its own rows after all others: a GPU may run the GEMM on few CTAs, one after another,
-    and an own-row tile taken early would hold its CTA while the tiles it waits for (here or
-    on a peer) never start. The order is the schedule's (``tile_order``, as the GEMM recipes walk
-    it; ``align_shift``: the compute part's). Returns why not, or None."""
+    rows. Peer q's copy engine pushes the chunks of its peers' rows one after another, in the
+    communication schedule's task order, each once q's GEMM tiles over that chunk are done. A
+    GPU may run the GEMM on few CTAs (one, at worst), each taking its tiles one after another
+    in the compute schedule's order (``tile_order``, as the GEMM recipes walk it;
+    ``align_shift``: the compute part's). So where q reaches an own tile (which waits) before a
+    tile its push to rank r needs (those of r's rows, and of every chunk pushed before them),
+    rank r's own tiles wait for q's. A cycle of such waits hangs; without one, the ranks' own
+    tiles finish in the cycle-free order. Every rank reaching its own rows last (``comm_aligned``
+    with whole groups: the copy engine pushes to rank+1, rank+2, ... in that order) is safe, and
+    ``row_major`` is too where each rank pushes one peer; a swizzled group straddling two ranks'
+    rows walks both column by column, each rank reaching an own tile before the other's last.
+    Returns why the order can hang, or None."""
     BM, BN = compute.BM, compute.BN
     Ms = M // W
     if Ms % BM:
         return None     # (refused by the reduce-scatter, with its reason)
+    t = Ms if comm.tile_m is None else min(comm.tile_m, Ms)
+    tpr = -(-Ms // t)
+    pushes = comm.task_order((W - 1, tpr))          # the copy engine's (peer step, chunk) in turn
+    last_push = {s: i for i, (s, _) in enumerate(pushes)}
     grid = (tl.cdiv(M, BM), tl.cdiv(N, BN))
-    for r in range(W):
-        rows = [t[0] for t in compute.tile_order(grid, r, W, align_shift=align_shift)]
-        own = [r * Ms <= m * BM < (r + 1) * Ms for m in rows]
-        first = own.index(True)
-        if all(own[first:]):
-            continue
-        return (
-            f"gemm_reduce_scatter: reduce_in='epilogue' needs every rank to compute its own rows last (a tile of "
-            f"them waits for every peer's copy of them; one taken earlier could hold a CTA of a GPU that runs the "
-            f"GEMM on few of them and hang), but with {compute} rank {r} reaches tile row {rows[first]} (its own) "
-            f"before tile row {rows[first + own[first:].index(False)]}. Use order='comm_aligned' with this rank's "
-            f"{Ms // BM} tile row(s) filling whole groups of group_m={compute.group_m} (and clusters), or "
-            f"reduce_in='comm'")
+    waits_for: dict[int, dict[int, tuple[int, int]]] = {r: {} for r in range(W)}   # r -> {q: (own row, row)}
+    for q in range(W):
+        rows = [c[0] for c in compute.tile_order(grid, q, W, align_shift=align_shift)]
+        first = next(i for i, m in enumerate(rows) if m * BM // Ms == q)
+        late = {m: i for i, m in enumerate(rows) if i > first}          # tile row -> its last tile, past the first own
+        needed: set[int] = set()                                         # tile rows q's pushes so far wait for
+        for i, (s, j) in enumerate(pushes):
+            dest = (q + s + 1) % W
+            lo = dest * Ms + j * t
+            needed.update(range(lo // BM, -(-min(lo + t, (dest + 1) * Ms) // BM)))
+            if i == last_push[s]:                                        # dest's copy is complete after this one
+                blocking = [m for m in sorted(needed) if m in late]
+                if blocking:
+                    waits_for[dest][q] = (rows[first], blocking[-1])
+    cycle = _a_cycle(waits_for)
+    if cycle is None:
+        return None
+    links = "; ".join(f"rank {q} reaches its own tile row {own} before tile row {row}, which its copy of rank {r}'s "
+                      f"rows waits for" for r, q in zip(cycle, cycle[1:] + cycle[:1]) for own, row in [waits_for[r][q]])
+    return (f"gemm_reduce_scatter: reduce_in='epilogue' with {compute} and {comm} can hang: a tile of a rank's own "
+            f"rows waits for every peer's copy of them, and {links}; on a GPU running the GEMM on few CTAs these ranks "
+            f"wait for each other. Use order='comm_aligned' with this rank's {Ms // BM} tile row(s) filling whole "
+            f"groups (group_m={compute.group_m} now; and clusters), or reduce_in='comm'")
+
+
+def _a_cycle(waits_for: dict[int, dict[int, tuple]]) -> list[int] | None:
+    """A cycle r0 -> r1 -> ... -> r0 of ``waits_for`` (rank -> the ranks it waits for), or None."""
+    state: dict[int, int] = {}              # 1: on the current path, 2: done
+    path: list[int] = []
+
+    def visit(r: int) -> list[int] | None:
+        state[r] = 1
+        path.append(r)
+        for q in sorted(waits_for[r]):
+            if state.get(q) == 1:
+                return path[path.index(q):]
+            if q not in state and (found := visit(q)) is not None:
+                return found
+        path.pop()
+        state[r] = 2
+        return None
+    for r in sorted(waits_for):
+        if r not in state and (found := visit(r)) is not None:
+            return found
     return None
 
 
@@ -122,10 +165,12 @@ def _params(world_size):
         n = draw(tst.dims(1, max_nk))
         if comm.reduce_in == "epilogue":
             rows = compute.BM * draw(st.integers(1, max(1, max_rows // compute.BM)))
-            # own rows last (the kernel refuses other orders): comm_aligned, groups within a rank's rows
-            compute = compute.with_(order="comm_aligned")
-            if _own_rows_not_last(compute, world_size * rows, n, world_size):
-                compute = compute.with_(group_m=1, cluster=(1, 1))
+            # an order without ranks waiting on each other in a cycle (the kernel refuses the others): the
+            # drawn one, else comm_aligned (own rows last), with groups within a rank's rows
+            if _own_rows_waiting_in_a_cycle(compute, comm, world_size * rows, n, world_size):
+                compute = compute.with_(order="comm_aligned")
+                if _own_rows_waiting_in_a_cycle(compute, comm, world_size * rows, n, world_size):
+                    compute = compute.with_(group_m=1, cluster=(1, 1))
         else:
             rows = draw(tst.dims(1, max_rows))
         return dict(rows_per_rank=rows, n=n,

@@ -78,6 +78,12 @@ class ComputeSchedule:
 
     def tile_order(self, grid: tuple[int, ...], rank: int, world_size: int, align_shift: int = 0):
         """The sequence in which a persistent kernel visits the grid's tiles on ``rank``."""
+        return [t for t in self.tile_slots(grid, rank, world_size, align_shift) if t is not None]
+
+    def tile_slots(self, grid: tuple[int, ...], rank: int, world_size: int, align_shift: int = 0):
+        """:meth:`tile_order` as a persistent kernel numbers its tasks: with clusters of rows and a
+        short last cluster row, the rows past the grid are tasks too (None here), which the kernel
+        skips — so CTA ``b`` of ``n`` takes slots ``b, b + n, ...``, holes included."""
         if len(grid) == 1:      # a column of tiles: in order, rotated by comm_aligned (as attention walks it);
             if self.order != "comm_aligned":        # no clusters (the lowerings launch none on one axis)
                 return [(i,) for i in range(grid[0])]
@@ -89,7 +95,8 @@ class ComputeSchedule:
             # (on a GPU, rows past the grid are computed on zeros and dropped; here, skipped)
             inner = replace(self, cluster=(1, 1)).tile_order(((grid[0] + cm - 1) // cm,) + tuple(grid[1:]),
                                                              rank, world_size, align_shift)
-            return [(c[0] * cm + i,) + tuple(c[1:]) for c in inner for i in range(cm) if c[0] * cm + i < grid[0]]
+            return [(c[0] * cm + i,) + tuple(c[1:]) if c[0] * cm + i < grid[0] else None
+                    for c in inner for i in range(cm)]
         gm, gn = grid[0], grid[1]
         rest = grid[2:]
         if self.order == "row_major":

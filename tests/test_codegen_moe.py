@@ -694,7 +694,7 @@ def combine_like(y, pos, wts, out, *, compute: tl.ComputeSchedule = None, varian
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, topk):
             rows = tl.load(pos, (k * T + m0,), (BM,))
-            col = c0 + {"odd_col": 2, "col1": 1, "col4": 4}.get(variant, 0)
+            col = pn * pn * BN if variant == "sq_col" else c0 + {"odd_col": 2, "col1": 1, "col4": 4}.get(variant, 0)
             g = tl.load_rows(y, rows, col, BN)
             if variant == "unscaled":
                 acc += g
@@ -781,6 +781,7 @@ def test_combine_like_part_lowers():
     ("per_col", tl.float32, ("per row",)),
     ("f16", tl.float16, ("computed in f16", "only f32 accumulation")),
     ("dot", tl.float32, ("tl.dot belongs to a GEMM",)),
+    ("sq_col", tl.float32, ("column offsets must be affine",)),
 ])
 def test_combine_rejections_name_the_op_and_line(variant, ydt, texts):
     e = _raises(lambda: lower_combine(_trace_combine(variant, ydt)), "row-gather combine lowering", *texts)
@@ -1499,7 +1500,8 @@ def test_combine_items_in_flight_fit_the_registers(tmp_path, ydt, topk, items):
 def test_a_combine_of_columns_no_multiple_of_4_takes_narrower_accesses_and_compiles(tmp_path, ydt):
     """Columns no multiple of 4 (tensors of 514 or 513 columns, or a column offset of 1 or 2) are
     gathered 2 or 1 columns a thread, not refused: every width and element type compiles without
-    spills (the GPU tests run them: the fuzzer's combine family draws such columns)."""
+    spills. (On the GPU: test_gpu_run's combines at column offsets of 1 and 2, and the fuzzer's
+    combine family, which draws column counts no multiple of 4.)"""
     lws = [lower_combine(trace_rs(K=514, dt=ydt, partial_dtype="out"), "combine"),
            lower_combine(trace_rs(K=513, dt=ydt, partial_dtype="out"), "combine"),
            lower_combine(_trace_combine("odd_col", ydt)), lower_combine(_trace_combine("col1", ydt))]

@@ -15,12 +15,11 @@ import tldsl as tl
 from tldsl.errors import SimulationError
 from tldsl.ir.opdefs import WAIT_OPS
 from tldsl.ir.part_graph import waited_signals
-from tldsl.runtime.sim.memory import host_array
 from tldsl.testing import strategies as tst
 from tldsl.testing.fuzz import main as fuzz_main
 from tldsl.testing.program_case import FuzzCase, features
 from tldsl.testing.program_families import generate_distinct
-from tldsl.testing.program_inputs import POISON, make_inputs
+from tldsl.testing.program_inputs import POISON, make_inputs, specs
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +51,21 @@ def test_distribution_over_500_programs(five_hundred):
     assert all(f.communicates <= (c.world_size >= 2) for f, c in zip(feats, cases))
 
 
-def test_bf16_arguments_are_torch_bf16_tensors_and_run_as_bf16(five_hundred):
-    """numpy has no bf16: a bf16 argument's input is a torch bf16 tensor, so ``tl.simulate`` (and
-    ``tl.run``) trace the program for bf16, as ``case.trace()`` does, not for float32."""
+def test_bf16_arguments_are_float32_arrays_of_bf16_values_and_run_as_bf16(five_hundred):
+    """numpy has no bf16: a bf16 argument's input is float32 holding bf16 values (no torch needed),
+    and the case runs the program traced from its arguments' description — bf16, not the
+    arrays' float32 — in the simulator (as on the GPU: ``tl.run(case.trace(), ...)``)."""
     _, cases = five_hundred
     with_bf16 = [c for c in cases if any(a.dtype == "bf16" for a in c.program.args)]
     assert len(with_bf16) >= 100, len(with_bf16)
     for c in with_bf16[:6]:
         assert [b.type.dtype.name for b in c.trace().args] == [a.dtype for a in c.program.args]
-        assert all(str(c.inputs[r][a.name].dtype) == "torch.bfloat16" for r in range(c.world_size)
-                   for a in c.program.args if a.dtype == "bf16")
-        assert _strip_locations(c.simulate().kernel) == _strip_locations(c.trace())
+        for r in range(c.world_size):
+            for a in (a for a in c.program.args if a.dtype == "bf16"):
+                x = c.inputs[r][a.name]
+                assert type(x) is np.ndarray and x.dtype == np.float32
+                assert np.array_equal(x.view(np.uint32) & np.uint32(0xFFFF), np.zeros(x.shape, np.uint32))
+        assert [b.type.dtype.name for b in c.simulate().kernel.args] == [a.dtype for a in c.program.args]
 
 
 def test_programs_are_distinct_and_rarely_repeat(five_hundred):
@@ -127,8 +130,16 @@ def _family_lowered(family: str, n: int, part_of_interest, lowered_as: str | Non
 
 
 def _recipe_dtypes(got, lowered_as: str) -> set[str]:
-    """The argument dtypes of the programs with a part lowered as ``lowered_as``."""
-    return {a.dtype for c, lks in got if any(type(lk).__name__ == lowered_as for lk in lks) for a in c.program.args}
+    """The dtypes of what the parts lowered as ``lowered_as`` compute on: a dot's operands, or
+    (no dot) the rows a gather reads."""
+    out = set()
+    for c, lks in got:
+        for lk in (lk for lk in lks if type(lk).__name__ == lowered_as):
+            ops = list(c.trace().part(lk.part).walk())
+            dots = [op for op in ops if op.name == "dot"]
+            src = dots[0].operands[0] if dots else next(op for op in ops if op.name == "load_rows").operands[0]
+            out.add(src.type.dtype.name)
+    return out
 
 
 def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers():
@@ -223,12 +234,11 @@ def test_the_printed_source_is_the_program(tmp_path):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         inputs = make_inputs(module.ARGS, module.WORLD_SIZE, seed=attempt)
-        traced = module.tile_program.trace(module.WORLD_SIZE, *inputs[0].values())
+        traced = module.tile_program.trace(module.WORLD_SIZE, *specs(module.ARGS))
         assert _strip_locations(traced) == _strip_locations(case.trace())
         for mine, theirs in zip(inputs, case.inputs):
             assert mine.keys() == theirs.keys()
-            assert all(type(mine[k]) is type(theirs[k]) and np.array_equal(host_array(mine[k]), host_array(theirs[k]),
-                                                                           equal_nan=True) for k in mine)
+            assert all(np.array_equal(mine[k], theirs[k], equal_nan=True) for k in mine)
 
 
 def test_the_signals_of_linked_programs_are_needed():
@@ -259,7 +269,8 @@ def test_the_rising_counts_of_generated_waits_are_needed():
         exec(compile(text, f"<seed 0 program {i}, one fewer>", "exec"), space)     # noqa: S102 - our own source
         ws = space["WORLD_SIZE"]
         with pytest.raises(tl.RaceError):
-            tl.simulate(space["tile_program"], ws, make_inputs(space["ARGS"], ws), seed=i)
+            tl.simulate(space["tile_program"].trace(ws, *specs(space["ARGS"])), ws, make_inputs(space["ARGS"], ws),
+                        seed=i)
 
 
 def test_parts_generated_to_wait_on_each_other_run_on_one_slot_each():
@@ -293,9 +304,10 @@ def test_parts_generated_to_wait_on_each_other_run_on_one_slot_each():
         space: dict = {}
         exec(compile(text, f"<seed 0 program {i}, every consumer task>", "exec"), space)  # noqa: S102 - our source
         ws, inputs = space["WORLD_SIZE"], make_inputs(space["ARGS"], space["WORLD_SIZE"])
+        traced = space["tile_program"].trace(ws, *specs(space["ARGS"]))
         with pytest.raises(tl.DeadlockError, match="ran on 1 slot"):
-            tl.simulate(space["tile_program"], ws, inputs, seed=i)
-        tl.simulate(space["tile_program"], ws, inputs, seed=i, options=tl.SimOptions(compute_slots=10**6))
+            tl.simulate(traced, ws, inputs, seed=i)
+        tl.simulate(traced, ws, inputs, seed=i, options=tl.SimOptions(compute_slots=10**6))
         checked += 1
     assert checked >= 4
 
@@ -318,7 +330,7 @@ def test_an_fp32_dot_is_compared_as_tf32():
         if not any(op.name == "dot" and op.operands[0].type.dtype == tl.float32 for _, op in case.trace().walk()):
             continue
         ref = case.reference()[0]
-        got = simulate_like_gpu(case.kernel, case.world_size, case.inputs)
+        got = simulate_like_gpu(case.trace(), case.world_size, case.inputs)
         assert not case.mismatches(ref.outputs, got.outputs), case.source
         checked += 1
         if checked == 3:

@@ -405,6 +405,26 @@ def test_the_epilogue_sum_at_two_ranks_in_an_order_walking_a_ranks_rows_at_a_tim
                                    atol=case.atol)
 
 
+@pytest.mark.parametrize("variant,ydt,vec", [("odd_col", "float32", 2), ("odd_col", "bfloat16", 2),
+                                              ("col1", "float16", 1), ("col1", "float32", 1)])
+def test_a_combine_gathering_at_column_offsets_no_multiple_of_4(variant, ydt, vec):
+    """The combine recipe's 2- and 1-wide gathers and stores (a gather from column ``pn*BN + 2``
+    or ``+ 1``, its last columns past the rows' end): the generated kernel agrees with the
+    simulator, the inputs as torch tensors (bf16 too) for both."""
+    import torch
+    from test_codegen_moe import combine_like
+    rng = np.random.default_rng(vec)
+    T, R, C, topk = 300, 512, 256, 3
+    inputs = [{"y": torch.from_numpy(_rand(rng, (R, C), np.float32)).to(getattr(torch, ydt)),
+               "pos": torch.from_numpy(rng.integers(-1, R, topk * T).astype(np.int32)),
+               "wts": torch.from_numpy(_rand(rng, (T, topk), np.float32)),
+               "out": torch.full((T, C), float("nan"))}]
+    got = both(combine_like, 1, inputs, compute=tl.ComputeSchedule(tile=(64, 64, 16)), variant=variant)
+    [k] = got.plan.kernels
+    assert type(k.lowered).__name__ == "LoweredCombine" and k.lowered.vec == vec, got.plan.describe()
+    assert np.isfinite(got[0]["out"]).all()
+
+
 @pytest.mark.parametrize("order", ["row_major", "comm_aligned"])
 def test_a_waiting_column_of_tiles_in_the_schedules_order(order):
     """A one-axis grid of waiting tiles on the general recipe, rotated by comm_aligned to start on

@@ -41,21 +41,34 @@ def _view(address: int, shape, dtype) -> np.ndarray:
 
 
 class PersistentLaunch(BoundLaunch):
-    """A general-recipe kernel's CTAs: CTA ``b`` of ``ctas`` runs tasks ``b, b + ctas, ...`` of
-    the schedule's tile order one after the other, as the generated task loop does; so a grid too
-    small for tasks that wait for one another deadlocks here as on the GPU."""
-    ctas = 1 << 30
+    """A general-recipe kernel's task groups (``lanes``: its CTAs times the task groups a CTA
+    runs): lane ``b`` runs task slots ``b, b + lanes, ...`` of the schedule's walk one after the
+    other, as the generated task loop does — holes included (the rows past the grid in a short
+    last cluster row, which the kernel skips); so a grid too small for tasks that wait for one
+    another deadlocks here as on the GPU."""
+    lanes = 1 << 30
 
     def __init__(self, kernel, parts, rank, *args, **kwargs):
         super().__init__(kernel, parts, rank, *args, **kwargs)
         at = {(t.part.name, tuple(t.coords)): t for t in self.tasks}
-        self.tasks = [at[(p.name, tuple(c))] for p in dict.fromkeys(t.part for t in self.tasks)
-                      for c in task_order(kernel, p, rank)]
+        walk = [None if c is None else at.pop((p.name, tuple(c))) for p in dict.fromkeys(t.part for t in self.tasks)
+                for c in self._walk(kernel, p, rank)]
+        assert not at, f"tasks the walk never reaches: {sorted(at)}"
+        self.slots = walk
+        self.tasks = [t for t in walk if t is not None]
         self.live = list(self.tasks)
 
+    @staticmethod
+    def _walk(kernel, part, rank):
+        if part.role == "compute" and kernel.compute_schedule is not None:
+            return kernel.compute_schedule.tile_slots(part.grid, rank, kernel.world_size,
+                                                      getattr(part, "align_shift", 0))
+        return task_order(kernel, part, rank)
+
     def _can_run(self, task) -> bool:
-        i = self.tasks.index(task)
-        if any(self.tasks[j] in self.live for j in range(i % self.ctas, i, self.ctas)):
+        i = self.slots.index(task)
+        if any(self.slots[j] in self.live for j in range(i % self.lanes, i, self.lanes)
+               if self.slots[j] is not None):
             return False
         return super()._can_run(task)
 
@@ -182,7 +195,7 @@ class FakeDevice:
                          lambda r, n: _view(address(r, n), (slots[n],), np.int64), rng=random.Random(self.rng.random()))
 
         if persistent:
-            bl.ctas = item.grid[0]
+            bl.lanes = item.grid[0] * lk.groups
 
         def op():
             for _ in range(self.rng.randint(1, 8)):
@@ -646,7 +659,7 @@ def test_the_fuzzers_programs_agree_on_the_fake_device(seed, sms):
     for i, program in generate_distinct(40, seed):
         case = FuzzCase(program, f"seed {seed} program {i}")
         reference = case.simulate()
-        ir, per_rank, opts = trace_for_run(case.kernel, case.world_size, case.inputs, 0, None, {})
+        ir, per_rank, opts = trace_for_run(case.trace(), case.world_size, case.inputs, 0, None, {})
         device = FakeDevice(i)
         device.sm_count = sms
         try:

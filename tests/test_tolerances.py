@@ -30,7 +30,7 @@ GENERAL_CASES = [p.id for p in general.CASES]
 def _fuzz_sample():
     for i, program in generate_distinct(FUZZ_PROGRAMS, FUZZ_SEED):
         case = FuzzCase(program, f"fuzz seed {FUZZ_SEED} program {i}")
-        yield case.label, case.kernel, case.world_size, case.inputs, case.outputs, {}
+        yield case.label, case.trace(), case.world_size, case.inputs, case.outputs, {}
 
 
 def _general_sample():

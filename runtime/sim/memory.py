@@ -8,6 +8,8 @@ which elements this launch wrote, for the uninitialised-read report.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ...errors import OutOfBoundsError, RaceError, UninitializedReadError
@@ -21,7 +23,8 @@ _KIND = {READ: "read", WRITE: "write"}
 def host_array(x) -> np.ndarray:
     """A caller's array as a fresh numpy array: anything numpy takes, or a torch tensor on any
     device (bf16 as float32, which numpy can hold; torch refuses to hand numpy its bf16)."""
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+    torch = sys.modules.get("torch")           # (a caller holding a tensor has imported torch)
+    if torch is not None and isinstance(x, torch.Tensor):
         t = x.detach().cpu()
         return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy().copy()
     return np.array(x, copy=True)

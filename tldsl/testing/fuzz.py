@@ -259,12 +259,12 @@ def compare_on_gpu(report: Report, hang_seconds: float = 120.0, out=None, sms: i
     watchdog.start()
     try:
         try:
-            result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S, sms=sms)
+            result = tl.run(case.trace(), case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S, sms=sms)
             report.sms = sms
         except ResidencyError:
             if sms is None:
                 raise
-            result = tl.run(case.kernel, case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
+            result = tl.run(case.trace(), case.world_size, case.inputs, timeout_s=GPU_TIMEOUT_S)
         plan = getattr(result, "plan", None)     # (a stand-in for tl.run may return the simulator's result)
         report.multi_task_ctas = plan is not None and any(k.ctas < _unlimited_ctas(k.lowered)
                                                           for k in plan.kernels)

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 from ..ir.opdefs import DATA_OPS, NOTIFY_OPS, WAIT_OPS
 from ..ir.part_graph import parts_waiting_through_others
-from .program_inputs import make_inputs
+from .program_inputs import make_inputs, specs
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, TOLERANCES, compare, mismatches, reference_with_tolerances
 from .program_tree import Program
 
 __all__ = ["FP32_DOT_RUNS_AS_TF32", "TOLERANCES", "Features", "FuzzCase", "compare", "computed_dtypes", "features"]
 _DTYPE_NAMES = ("i32", "f32", "tf32", "f16", "bf16")
-_TL_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32"}
 
 
 @dataclass
@@ -42,8 +41,9 @@ class Features:
 @dataclass(repr=False)
 class FuzzCase:
     """One generated program with everything a run needs. ``source`` is a standalone module:
-    paste it into a test, then ``tl.simulate(tile_program, WORLD_SIZE, make_inputs(ARGS,
-    WORLD_SIZE))``."""
+    paste it into a test, then ``tl.simulate(tile_program.trace(WORLD_SIZE, *specs(ARGS)),
+    WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE))``. Runs take the traced kernel (:meth:`trace`):
+    its arguments' dtypes come from the program, bf16 included, not from the numpy inputs."""
     program: Program
     label: str
     input_seed: int = 0
@@ -70,13 +70,11 @@ class FuzzCase:
 
     def trace(self):
         """The traced IR kernel (verified; cached by the kernel function)."""
-        import tldsl as tl
-        specs = [tl.TensorSpec(a.shape, getattr(tl, _TL_DTYPE[a.dtype])) for a in self.program.args]
-        return self.kernel.trace(self.world_size, *specs)
+        return self.kernel.trace(self.world_size, *specs(self.program.args))
 
     def simulate(self, seed: int = 0, options=None):
         import tldsl as tl
-        return tl.simulate(self.kernel, self.world_size, self.inputs, seed=seed, options=options)
+        return tl.simulate(self.trace(), self.world_size, self.inputs, seed=seed, options=options)
 
     @property
     def outputs(self) -> list[str]:
@@ -86,7 +84,7 @@ class FuzzCase:
         """The simulator's result and, per rank and argument, each element's tolerance
         (:func:`.program_tolerance.reference_with_tolerances`; computed once)."""
         if getattr(self, "_reference", None) is None:
-            self._reference = reference_with_tolerances(self.kernel, self.world_size, self.inputs)
+            self._reference = reference_with_tolerances(self.trace(), self.world_size, self.inputs)
         return self._reference
 
     def tolerances(self) -> list[dict]:

@@ -1,8 +1,9 @@
 """Inputs for a generated tile program, one dict per rank, from its arguments' description
 (:class:`.program_tree.Arg`): values small enough that every backend stays well-conditioned,
 outputs poisoned (NaN, or an unlikely integer) so that anything left unwritten shows up and a
-zero is never mistaken for a result. numpy arrays, except bf16: numpy has none, so a bf16
-argument is a CPU torch tensor (``tl.simulate`` and ``tl.run`` trace a kernel for its dtype)."""
+zero is never mistaken for a result. numpy arrays in the simulator's storage types: numpy has
+no bf16, so a bf16 argument is float32 holding bf16 values, and the program is traced from its
+arguments' description (:func:`specs`), not from the arrays."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,30 +11,28 @@ import numpy as np
 from ..ir.types import bfloat16
 from ..runtime.sim.memory import to_storage
 
-#: the numpy type of each argument dtype (bf16: float32 values, handed over as a torch bf16 tensor)
+#: the numpy type of each argument dtype (bf16: float32 holding bf16 values, as the simulator stores it)
 NUMPY_DTYPE = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": np.int32}
 #: what an output holds before the program runs
 POISON = {"f16": np.nan, "bf16": np.nan, "f32": np.nan, "i32": -0x5A5A5A5A}
 
 
-def make_inputs(args, world_size: int, seed: int = 0) -> list[dict]:
+def make_inputs(args, world_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Every rank's arrays, different on each rank (a collective that mixes ranks up shows)."""
     rng = np.random.default_rng(seed)
-    return [{a.name: _as_bf16(_array(a, rng)) if a.dtype == "bf16" else _array(a, rng) for a in args}
-            for _ in range(world_size)]
+    return [{a.name: _array(a, rng) for a in args} for _ in range(world_size)]
 
 
-def _as_bf16(values: np.ndarray):
-    try:
-        import torch
-    except ImportError:
-        raise ValueError("a bf16 argument needs torch: numpy has no bf16 (pip install torch)") from None
-    return torch.from_numpy(values).to(torch.bfloat16)    # exact: the values are bf16's already
+def specs(args) -> list:
+    """The ``tl.TensorSpec`` of each argument, to trace the program for (the arrays alone would
+    trace a bf16 argument as float32)."""
+    from ..kernel import TensorSpec
+    return [TensorSpec(a.shape, a.dtype) for a in args]
 
 
 def _array(arg, rng) -> np.ndarray:
     if arg.dtype not in NUMPY_DTYPE:
-        raise ValueError(f"argument '{arg.name}': the simulator takes numpy arrays, which have no {arg.dtype}")
+        raise ValueError(f"argument '{arg.name}': no inputs are made for {arg.dtype} (f16, bf16, f32 and i32 are)")
     dt = NUMPY_DTYPE[arg.dtype]
     if arg.kind == "output":
         return np.full(arg.shape, POISON[arg.dtype], dt)

@@ -408,18 +408,19 @@ class Program:
 
     def source(self, header: str = "", input_seed: int = 0) -> str:
         """A standalone module: the kernel, its world size and its arguments' description.
-        ``tl.simulate(tile_program, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE))`` runs it (and so
-        does running the module: it prints every rank's outputs)."""
+        ``tl.simulate(tile_program.trace(WORLD_SIZE, *specs(ARGS)), WORLD_SIZE, make_inputs(ARGS,
+        WORLD_SIZE))`` runs it (and so does running the module: it prints every rank's outputs)."""
         doc = f'"""{header}"""\n' if header else ""
         args = "\n".join(f"    {a!r}," for a in self.args)
         main = ('\n\nif __name__ == "__main__":\n'
-                f"    result = tl.simulate({KERNEL_NAME}, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE, seed={input_seed}))\n"
+                f"    kernel = {KERNEL_NAME}.trace(WORLD_SIZE, *specs(ARGS))   # bf16 arguments are float32 arrays\n"
+                f"    result = tl.simulate(kernel, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE, seed={input_seed}))\n"
                 "    for rank, outputs in enumerate(result.outputs):\n"
                 "        print(f\"rank {rank}:\", {k: v for k, v in outputs.items() if k.startswith(\"y\")})\n")
         collectives = "from tldsl import collectives\n" if self.comm is not None else ""
         comm = f"COMM = {self.comm}\n" if self.comm is not None else ""
         comm += f"COMPUTE = {self.compute}\n" if self.compute is not None else ""
-        return (f"{doc}import tldsl as tl\n{collectives}from tldsl.testing.program_inputs import make_inputs\n"
+        return (f"{doc}import tldsl as tl\n{collectives}from tldsl.testing.program_inputs import make_inputs, specs\n"
                 f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n{comm}"
                 f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}{main}")
 

@@ -839,6 +839,13 @@ namespace tldsl {
 namespace grouped {
 inline float value_of(float x) { return x; }
 inline int value_of(int x) { return x; }
+}  // namespace grouped
+}  // namespace tldsl
+// CUDA's explicitly rounded float ops (the host build has no FMA contraction to avoid)
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+namespace tldsl {
+namespace grouped {
 inline float value_of(__half x) { _Float16 h; std::memcpy(&h, &x.bits, 2); return float(h); }
 inline float value_of(__nv_bfloat16 x) {
   uint32_t u = uint32_t(x.bits) << 16; float f; std::memcpy(&f, &u, 4); return f;

@@ -202,6 +202,12 @@ def _body(plan: CombinePlan) -> list[str]:
     return L
 
 
+def _sum_term(acc: str, x: str, w: str | None) -> str:
+    """``acc + x * w`` (or ``acc + x``) rounded at each op as the simulator rounds it: never
+    contracted into an FMA, whose one rounding differs from numpy's two in the last bit."""
+    return f"__fadd_rn({acc}, __fmul_rn({x}, {w}))" if w is not None else f"__fadd_rn({acc}, {x})"
+
+
 def _constant_trips(lo: str, hi: str, st: str) -> int | None:
     """The loop's trip count where its bounds are literals, else None."""
     try:
@@ -227,7 +233,7 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
             em.emit_values(plan.scale, em.ops, "        ", L)
             L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
         L += ["        #pragma unroll",
-              f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] += x[q]{' * w' if m.scale is not None else ''};"]
+              f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] = {_sum_term('acc[q]', 'x[q]', 'w' if m.scale is not None else None)};"]
     L.append("      }")
     return L
 
@@ -267,7 +273,8 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
           "      }",
           "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_)",
           "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)", "          #pragma unroll",
-          f"          for (int q = 0; q < {vec}; ++q) acc_[g_][q] += x_[g_][j_][q]{' * w_[g_][j_]' if scaled else ''};"]
+          f"          for (int q = 0; q < {vec}; ++q) acc_[g_][q] = "
+          f"{_sum_term('acc_[g_][q]', 'x_[g_][j_][q]', 'w_[g_][j_]' if scaled else None)};"]
     return L
 
 

@@ -4,6 +4,7 @@ is the program, and that the command reports what it did."""
 from __future__ import annotations
 
 import copy
+import io
 import importlib.util
 import re
 
@@ -223,17 +224,34 @@ def _strip_locations(kernel) -> str:
     return re.sub(r"  // .*$", "", str(kernel), flags=re.M)
 
 
+def test_inputs_are_multiples_of_1_64_or_any_value_and_the_fuzzer_alternates():
+    """Exact inputs (multiples of 1/64: every product and short sum exact, so rounding once or
+    twice agrees) for even-numbered programs, any value in [-1, 1] for odd ones, on which a kernel
+    that rounds otherwise than the simulator (an FMA) shows — as the combine's did."""
+    from tldsl.testing import fuzz
+    from tldsl.testing.program_tree import Arg
+    args = [Arg("x", (64, 64), dt, False, "input", -1.0, 1.0) for dt in ("f32", "f16", "bf16")]
+    for exact in (True, False):
+        for a, x in zip(args, make_inputs(args, 1, seed=3, exact=exact)[0].values()):
+            v = np.asarray(x, np.float64)
+            assert np.abs(v).max() <= 1.0 and (v * 64 == np.round(v * 64)).all() == exact, (a.dtype, exact)
+    reports = fuzz.run(4, seed=5, compile_kernels=False, out=io.StringIO())
+    assert [r.case.exact_inputs for r in reports] == [True, False, True, False]
+
+
 def test_the_printed_source_is_the_program(tmp_path):
     """A failing case is shown as ``case.source``: written to a file and imported, it traces to
     the same IR and makes the same inputs (so it can become a regression test as it is)."""
     for attempt, program in generate_distinct(8, seed=2):
-        case = FuzzCase(program, f"seed 2 program {attempt}", input_seed=attempt)
+        exact = attempt % 2 == 0
+        case = FuzzCase(program, f"seed 2 program {attempt}", input_seed=attempt, exact_inputs=exact)
+        assert case.source.count(program.inputs_call(attempt, exact)) == 2          # the header and __main__
         path = tmp_path / f"program_{attempt}.py"
         path.write_text(case.source)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        inputs = make_inputs(module.ARGS, module.WORLD_SIZE, seed=attempt)
+        inputs = make_inputs(module.ARGS, module.WORLD_SIZE, seed=attempt, exact=exact)
         traced = module.tile_program.trace(module.WORLD_SIZE, *specs(module.ARGS))
         assert _strip_locations(traced) == _strip_locations(case.trace())
         for mine, theirs in zip(inputs, case.inputs):

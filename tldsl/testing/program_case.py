@@ -47,11 +47,12 @@ class FuzzCase:
     program: Program
     label: str
     input_seed: int = 0
+    exact_inputs: bool = True       # float inputs multiples of 1/64, or any value (make_inputs' exact)
 
     def __post_init__(self):
-        self.kernel = self.program.build(f"<{self.label}>", self._header, self.input_seed)
+        self.kernel = self.program.build(f"<{self.label}>", self._header, self.input_seed, self.exact_inputs)
         self.world_size = self.program.world_size
-        self.inputs = make_inputs(self.program.args, self.world_size, self.input_seed)
+        self.inputs = make_inputs(self.program.args, self.world_size, self.input_seed, self.exact_inputs)
 
     def __repr__(self) -> str:
         return f"<FuzzCase {self.label}:\n{self.source}>"
@@ -61,12 +62,12 @@ class FuzzCase:
 
     @property
     def _header(self) -> str:
-        return f"{self.label} (inputs: make_inputs(ARGS, WORLD_SIZE, seed={self.input_seed}))"
+        return f"{self.label} (inputs: {self.program.inputs_call(self.input_seed, self.exact_inputs)})"
 
     @property
     def source(self) -> str:
         """What was traced, as a standalone module (the lines errors point at)."""
-        return self.program.source(self._header, self.input_seed)
+        return self.program.source(self._header, self.input_seed, self.exact_inputs)
 
     def trace(self):
         """The traced IR kernel (verified; cached by the kernel function)."""

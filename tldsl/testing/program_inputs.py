@@ -17,10 +17,13 @@ NUMPY_DTYPE = {"f16": np.float16, "bf16": np.float32, "f32": np.float32, "i32": 
 POISON = {"f16": np.nan, "bf16": np.nan, "f32": np.nan, "i32": -0x5A5A5A5A}
 
 
-def make_inputs(args, world_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Every rank's arrays, different on each rank (a collective that mixes ranks up shows)."""
+def make_inputs(args, world_size: int, seed: int = 0, exact: bool = True) -> list[dict[str, np.ndarray]]:
+    """Every rank's arrays, different on each rank (a collective that mixes ranks up shows).
+    ``exact``: float inputs multiples of 1/64, whose products and short sums are exact in every
+    float type, so a backend that rounds differently (an FMA where the simulator rounds twice)
+    agrees anyway; else any value of the dtype in the range, which shows such a difference."""
     rng = np.random.default_rng(seed)
-    return [{a.name: _array(a, rng) for a in args} for _ in range(world_size)]
+    return [{a.name: _array(a, rng, exact) for a in args} for _ in range(world_size)]
 
 
 def specs(args) -> list:
@@ -30,7 +33,7 @@ def specs(args) -> list:
     return [TensorSpec(a.shape, a.dtype) for a in args]
 
 
-def _array(arg, rng) -> np.ndarray:
+def _array(arg, rng, exact: bool = True) -> np.ndarray:
     if arg.dtype not in NUMPY_DTYPE:
         raise ValueError(f"argument '{arg.name}': no inputs are made for {arg.dtype} (f16, bf16, f32 and i32 are)")
     dt = NUMPY_DTYPE[arg.dtype]
@@ -40,9 +43,10 @@ def _array(arg, rng) -> np.ndarray:
         return rng.integers(int(arg.low), int(arg.high) + (arg.kind == "input"), arg.shape).astype(dt)
     if arg.kind != "input":
         raise ValueError(f"argument '{arg.name}': unknown kind {arg.kind!r}")
-    # multiples of 1/64 in [-1, 1]: exact in every float type (bf16's 8 significant bits
-    # included), so loads and exact math agree to the bit
-    steps = int(round((arg.high - arg.low) * 64))
-    values = (arg.low + rng.integers(0, steps + 1, arg.shape) / 64.0).astype(dt)
+    if exact:   # multiples of 1/64 in [-1, 1]: exact in every float type (bf16's 8 significant bits included)
+        steps = int(round((arg.high - arg.low) * 64))
+        values = (arg.low + rng.integers(0, steps + 1, arg.shape) / 64.0).astype(dt)
+    else:
+        values = rng.uniform(arg.low, arg.high, arg.shape).astype(dt)
     return to_storage(values, bfloat16) if arg.dtype == "bf16" else values
 

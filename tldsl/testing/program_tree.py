@@ -406,7 +406,12 @@ class Program:
             body += ["", *p.lines()]
         return "\n".join(["@tl.kernel", f"def {KERNEL_NAME}({params}):", *_indent_lines(body)]) + "\n"
 
-    def source(self, header: str = "", input_seed: int = 0) -> str:
+    @staticmethod
+    def inputs_call(input_seed: int = 0, exact: bool = True) -> str:
+        """The ``make_inputs`` call that makes a program's inputs."""
+        return f"make_inputs(ARGS, WORLD_SIZE, seed={input_seed}{'' if exact else ', exact=False'})"
+
+    def source(self, header: str = "", input_seed: int = 0, exact_inputs: bool = True) -> str:
         """A standalone module: the kernel, its world size and its arguments' description.
         ``tl.simulate(tile_program.trace(WORLD_SIZE, *specs(ARGS)), WORLD_SIZE, make_inputs(ARGS,
         WORLD_SIZE))`` runs it (and so does running the module: it prints every rank's outputs)."""
@@ -414,7 +419,7 @@ class Program:
         args = "\n".join(f"    {a!r}," for a in self.args)
         main = ('\n\nif __name__ == "__main__":\n'
                 f"    kernel = {KERNEL_NAME}.trace(WORLD_SIZE, *specs(ARGS))   # bf16 arguments are float32 arrays\n"
-                f"    result = tl.simulate(kernel, WORLD_SIZE, make_inputs(ARGS, WORLD_SIZE, seed={input_seed}))\n"
+                f"    result = tl.simulate(kernel, WORLD_SIZE, {self.inputs_call(input_seed, exact_inputs)})\n"
                 "    for rank, outputs in enumerate(result.outputs):\n"
                 "        print(f\"rank {rank}:\", {k: v for k, v in outputs.items() if k.startswith(\"y\")})\n")
         collectives = "from tldsl import collectives\n" if self.comm is not None else ""
@@ -424,10 +429,12 @@ class Program:
                 f"from tldsl.testing.program_tree import Arg\n\nWORLD_SIZE = {self.world_size}\n{comm}"
                 f"ARGS = [\n{args}\n]\n\n\n{self.kernel_source()}{main}")
 
-    def build(self, filename: str = "<tile program>", header: str = "", input_seed: int = 0):
-        """The ``@tl.kernel`` function of ``source(header, input_seed)`` (its lines are registered
-        with :mod:`linecache` under ``filename``, so errors and the IR point at the lines shown)."""
-        text = self.source(header, input_seed)
+    def build(self, filename: str = "<tile program>", header: str = "", input_seed: int = 0,
+              exact_inputs: bool = True):
+        """The ``@tl.kernel`` function of ``source(header, input_seed, exact_inputs)`` (its lines are
+        registered with :mod:`linecache` under ``filename``, so errors and the IR point at the lines
+        shown)."""
+        text = self.source(header, input_seed, exact_inputs)
         linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
         namespace: dict = {"__name__": "tldsl_fuzz_program"}
         exec(compile(text, filename, "exec"), namespace)      # noqa: S102 - our own generated source

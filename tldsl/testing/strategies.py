@@ -97,7 +97,9 @@ def tile_programs(draw, families=None, input_seeds=st.integers(0, 2**16 - 1)) ->
     ``"single"`` (one compute part), ``"pipeline"`` (two parts linked by signals on each rank)
     and ``"comm"`` (communication over W >= 2 ranks), or only when named ``"combine"`` (row-gather
     combines), ``"grouped_gemm"`` (expert GEMMs over run-time tile tables) and ``"attention"``
-    (flash attention): the MoE and attention kernels' shapes, which their recipes lower."""
+    (flash attention): the MoE and attention kernels' shapes, which their recipes lower. Float
+    inputs are multiples of 1/64 or, in about half the cases, any value in [-1, 1]
+    (:func:`~tldsl.testing.program_inputs.make_inputs`' ``exact``)."""
     program = generate(_DrawChooser(draw), families)
     digest = hashlib.sha1(program.source().encode()).hexdigest()[:10]     # one file name per program
-    return FuzzCase(program, f"tile_programs() {digest}", draw(input_seeds))
+    return FuzzCase(program, f"tile_programs() {digest}", draw(input_seeds), draw(st.booleans()))

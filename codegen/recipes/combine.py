@@ -233,7 +233,8 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
             em.emit_values(plan.scale, em.ops, "        ", L)
             L.append(f"        const float w = (float)({em.name(m.scale)});{marker(m.mul.loc)}")
         L += ["        #pragma unroll",
-              f"        for (int q = 0; q < {plan.vec}; ++q) acc[q] = {_sum_term('acc[q]', 'x[q]', 'w' if m.scale is not None else None)};"]
+              f"        for (int q = 0; q < {plan.vec}; ++q) "
+              f"acc[q] = {_sum_term('acc[q]', 'x[q]', 'w' if m.scale is not None else None)};"]
     L.append("      }")
     return L
 

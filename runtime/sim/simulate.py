@@ -184,8 +184,9 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     ``inputs`` has one entry per rank: a dict name -> array, or arrays in argument order; an
     array is anything numpy takes or a torch tensor on any device (numpy has no bf16: a bf16
     kernel takes torch bf16 tensors, or float32 arrays once traced for bf16). Arrays are
-    copied; outputs come back in the result as numpy arrays (bf16 as float32). Raises the simulator's typed errors
-    (RaceError, DeadlockError, StaleSignalError, UninitializedReadError, OutOfBoundsError).
+    copied; outputs come back in the result as numpy arrays (bf16 as float32). Raises the
+    simulator's typed errors (RaceError, DeadlockError, StaleSignalError, UninitializedReadError,
+    OutOfBoundsError).
     """
     from ...kernel import KernelFunction
     # traced without the static channel analysis first: at large W the analysis takes a while,

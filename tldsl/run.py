@@ -80,8 +80,9 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     ``sms``: plan the launch on this many of the GPU's SMs (None: all of them), as on a smaller
     GPU or beside other work: each part's kernel gets its share of them, and a persistent CTA
     then walks several tiles, in the compute schedule's order — the case the simulator checks
-    (``tl.SimOptions.compute_slots``). Too few for the program's kernels to be resident at
-    once is refused before anything launches (``ResidencyError``).
+    (``tl.SimOptions.compute_slots``); the same-GPU copies of a copy-engine part take SMs from
+    the GPU's others. Too few for the program's kernels to be resident at once is refused before
+    anything launches (``ResidencyError``).
 
     ``group``: a torch.distributed process group — this process is one rank of it, on its own
     GPU (torchrun), ``inputs`` are this rank's arguments only (one dict, or the arrays in

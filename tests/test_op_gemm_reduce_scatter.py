@@ -363,3 +363,11 @@ def test_all_gather_has_nothing_to_reduce():
     with pytest.raises(tl.ScheduleError, match="all_gather has nothing to reduce"):
         allgather_gemm.trace(2, tl.TensorSpec((16, 16), tl.float16), tl.TensorSpec((16, 16), tl.float16),
                              tl.TensorSpec((32, 16), tl.float16), compute=tl.ComputeSchedule(tile=(8, 8, 8)), comm=comm)
+
+
+def test_the_cycle_named_is_one_of_waiting_ranks_and_the_shortest_through_its_first_rank():
+    from tldsl.ops.gemm_reduce_scatter import _a_cycle
+    assert _a_cycle({0: {1: ()}, 1: {0: ()}}) == [0, 1]
+    assert _a_cycle({0: {1: ()}, 1: {2: (), 3: ()}, 2: {1: ()}, 3: {0: ()}}) == [0, 1, 3]
+    assert _a_cycle({0: {}, 1: {2: ()}, 2: {1: ()}}) == [1, 2]           # rank 0 waits for nobody
+    assert _a_cycle({0: {1: ()}, 1: {2: ()}, 2: {}}) is None

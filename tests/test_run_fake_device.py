@@ -23,7 +23,7 @@ import tldsl as tl
 from tldsl.runtime.gpu import run_program as rp
 from tldsl.runtime.gpu.run_errors import GpuHangError
 from tldsl.runtime.sim.bound_launch import BoundLaunch
-from tldsl.runtime.sim.engine import task_order
+from tldsl.runtime.sim.engine import task_slots
 
 from test_gpu_run import assert_agrees
 from test_run_plan import ag_gemm, gemm_rs, row_softmax, scale_rows
@@ -52,18 +52,11 @@ class PersistentLaunch(BoundLaunch):
         super().__init__(kernel, parts, rank, *args, **kwargs)
         at = {(t.part.name, tuple(t.coords)): t for t in self.tasks}
         walk = [None if c is None else at.pop((p.name, tuple(c))) for p in dict.fromkeys(t.part for t in self.tasks)
-                for c in self._walk(kernel, p, rank)]
+                for c in task_slots(kernel, p, rank)]
         assert not at, f"tasks the walk never reaches: {sorted(at)}"
         self.slots = walk
         self.tasks = [t for t in walk if t is not None]
         self.live = list(self.tasks)
-
-    @staticmethod
-    def _walk(kernel, part, rank):
-        if part.role == "compute" and kernel.compute_schedule is not None:
-            return kernel.compute_schedule.tile_slots(part.grid, rank, kernel.world_size,
-                                                      getattr(part, "align_shift", 0))
-        return task_order(kernel, part, rank)
 
     def _can_run(self, task) -> bool:
         i = self.slots.index(task)

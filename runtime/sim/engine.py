@@ -104,8 +104,15 @@ def compute_slots(kernel, asked: int | None, one_slot=()) -> dict[str, int | Non
 def task_order(kernel, part, rank: int) -> list[tuple]:
     """The order ``part``'s tasks are taken on ``rank``, as the GPU's persistent CTAs take them:
     its schedule's tile order (a compute part) or task order (a comm part), else row-major."""
+    return [t for t in task_slots(kernel, part, rank) if t is not None]
+
+
+def task_slots(kernel, part, rank: int) -> list:
+    """:func:`task_order` as a persistent kernel numbers its tasks, with None for the holes it
+    skips (:meth:`~tldsl.ir.schedule.ComputeSchedule.tile_slots`): CTA ``b`` of ``n`` takes slots
+    ``b, b + n, ...``."""
     if part.role == "compute" and kernel.compute_schedule is not None:
-        return kernel.compute_schedule.tile_order(part.grid, rank, kernel.world_size, getattr(part, "align_shift", 0))
+        return kernel.compute_schedule.tile_slots(part.grid, rank, kernel.world_size, getattr(part, "align_shift", 0))
     if part.role == "comm" and kernel.comm_schedule is not None:
         return kernel.comm_schedule.task_order(part.grid)
     return list(itertools.product(*(range(g) for g in part.grid)))

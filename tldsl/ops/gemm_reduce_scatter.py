@@ -80,16 +80,14 @@ def _own_rows_waiting_in_a_cycle(compute: tl.ComputeSchedule, comm: tl.CommSched
     for q in range(W):
         rows = [c[0] for c in compute.tile_order(grid, q, W, align_shift=align_shift)]
         first = next(i for i, m in enumerate(rows) if m * BM // Ms == q)
-        late = {m: i for i, m in enumerate(rows) if i > first}          # tile row -> its last tile, past the first own
+        late = set(rows[first + 1:])                                     # tile rows with a tile past the first own
         needed: set[int] = set()                                         # tile rows q's pushes so far wait for
         for i, (s, j) in enumerate(pushes):
             dest = (q + s + 1) % W
             lo = dest * Ms + j * t
             needed.update(range(lo // BM, -(-min(lo + t, (dest + 1) * Ms) // BM)))
-            if i == last_push[s]:                                        # dest's copy is complete after this one
-                blocking = [m for m in sorted(needed) if m in late]
-                if blocking:
-                    waits_for[dest][q] = (rows[first], blocking[-1])
+            if i == last_push[s] and needed & late:                      # dest's copy, complete after this push
+                waits_for[dest][q] = (rows[first], max(needed & late))
     cycle = _a_cycle(waits_for)
     if cycle is None:
         return None
@@ -102,24 +100,21 @@ def _own_rows_waiting_in_a_cycle(compute: tl.ComputeSchedule, comm: tl.CommSched
 
 
 def _a_cycle(waits_for: dict[int, dict[int, tuple]]) -> list[int] | None:
-    """A cycle r0 -> r1 -> ... -> r0 of ``waits_for`` (rank -> the ranks it waits for), or None."""
-    state: dict[int, int] = {}              # 1: on the current path, 2: done
-    path: list[int] = []
-
-    def visit(r: int) -> list[int] | None:
-        state[r] = 1
-        path.append(r)
-        for q in sorted(waits_for[r]):
-            if state.get(q) == 1:
-                return path[path.index(q):]
-            if q not in state and (found := visit(q)) is not None:
-                return found
-        path.pop()
-        state[r] = 2
-        return None
-    for r in sorted(waits_for):
-        if r not in state and (found := visit(r)) is not None:
-            return found
+    """A shortest cycle r0 -> r1 -> ... -> r0 of ``waits_for`` (rank -> the ranks it waits for)
+    through the first rank on one, or None."""
+    for start in sorted(waits_for):
+        parent, todo = {}, [start]
+        while todo:
+            r = todo.pop(0)
+            for q in sorted(waits_for[r]):
+                if q == start:
+                    cycle = [r]
+                    while cycle[-1] != start:
+                        cycle.append(parent[cycle[-1]])
+                    return cycle[::-1]
+                if q not in parent:
+                    parent[q] = r
+                    todo.append(q)
     return None
 
 

@@ -227,7 +227,7 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
             raise RuntimeError("no such luck\nsecond line")
         ms = next(times)
         return dict(ms=ms, gmm_ms=1.0, seq_ms=4.0, flops=2e9, tflops=2e9 / ms / 1e9, gmm_tflops=2.0, err=1e-3,
-                    padded=640, routed=600, parts_ms=[0.7, 0.2, 0.75, 0.18])
+                    padded=640, routed=600, parts_ms=[0.7, 0.2, 0.75, 0.18, 0.65])
 
     @contextlib.contextmanager
     def fake_placement(run):
@@ -251,8 +251,9 @@ def test_the_moe_benchmarks_table_with_repeats(monkeypatch):
     assert "failed: RuntimeError: no such luck |" in failed and failed.count("|") == lines[1].count("|")
     deep = next(line for line in lines if line.startswith("| deepseek 2048 zipf |"))
     assert deep.count("|") == lines[1].count("|") and deep.startswith("| deepseek 2048 zipf | 1.000 |")
-    assert deep.rstrip().endswith("| 0.750 | 0.180 | 0.71-1.11 |")     # ... the notifying GEMM, the copy
-    assert lines[1].endswith("| GEMM with notifies ms | copy of the combine's bytes ms | speed per repeat (min-max) |")
+    assert deep.rstrip().endswith("| 0.750 | 0.180 | 0.650 | 0.71-1.11 |")     # ... notifying GEMM, the copies
+    assert lines[1].endswith("| GEMM with notifies ms | copy of the combine's bytes ms "
+                             "| copy of the pair's least DRAM bytes ms | speed per repeat (min-max) |")
 
 
 def test_the_moe_benchmark_writes_its_rows_as_json(monkeypatch, tmp_path):
@@ -575,3 +576,20 @@ def test_the_moe_and_attention_benchmarks_headers_name_the_card(monkeypatch):
         assert " on NVIDIA H100 80GB HBM3" in out.getvalue().splitlines()[0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert timing.on_device() == ""
+
+
+def test_the_pairs_least_dram_bytes_count_each_tensor_once_and_the_routed_rows_twice():
+    """``pair_dram_bytes``: the weights and ``h`` read, every row of ``y_sorted`` written (padding
+    included), its routed rows read back, the partial written — in each tensor's own dtype.
+    DeepSeek-MoE's layer 1 at 8192 tokens (E 64, K 704, N 2048, top 6, 51,136 rows laid out)
+    comes to 701 MB, against 455 MB for ``_grouped_mm`` alone (BENCHMARKS.md, fiftieth session)."""
+    import torch
+    from tldsl.bench import moe
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    bufs = {"w2": torch.empty(64, 704, 2048, **meta), "h": torch.empty(51136, 704, **meta),
+            "y_sorted": torch.empty(51136, 2048, **meta), "partial": torch.empty(8192, 2048, **meta)}
+    least = moe.pair_dram_bytes(bufs, 8192 * 6)
+    assert least == 2 * (64 * 704 * 2048 + 51136 * 704 + 51136 * 2048 + 8192 * 6 * 2048 + 8192 * 2048)
+    assert round(least / 1e6) == 701
+    bufs["partial"] = torch.empty(8192, 2048, device="meta", dtype=torch.float32)    # --partial f32: 4 bytes
+    assert moe.pair_dram_bytes(bufs, 8192 * 6) - least == 2 * 8192 * 2048

@@ -1,6 +1,7 @@
 """``bench moe`` on the GPU, one small row in each mode: each row checked against torch, then timed,
 with the columns the table prints — our kernels one by one and, last, a copy of the bytes the
-combine or the staged row gather moves. The folded AllGather+MoE row hung before the thirty-second
+combine or the staged row gather moves (the combine's row: then one of the least bytes the grouped
+GEMM and combine move through DRAM together). The folded AllGather+MoE row hung before the thirty-second
 session (its first launch waited for an epoch the stream-ordered kernels timed beside it never
 notify); the folded kernels now wait with a timeout, so such a slip fails here instead of hanging."""
 from __future__ import annotations
@@ -17,9 +18,9 @@ pytestmark = [pytest.mark.gpu,
     ("ag", "mixtral:2048:random", dict(stage_rows="on"), 3),          # the gather, the GEMM, the copy
     ("ag", "qwen3:2048:random", dict(stage_rows="off"), 0),           # gathered in the GEMM: nothing apart
     ("ag", "mixtral:2048:random", dict(stage_rows="on", fold=True), 4),   # + the pair one after the other
-    ("rs", "mixtral:2048:random", dict(), 4),                         # the GEMM, the combine, notifying, the copy
-    ("rs", "mixtral:2048:random", dict(partial_dtype="f32"), 4),      # ... the partial in fp32 (bf16 by default)
-    ("rs", "mixtral:2048:random", dict(fold=True), 5),                # + the pair one after the other
+    ("rs", "mixtral:2048:random", dict(), 5),         # the GEMM, the combine, notifying, the two copies
+    ("rs", "mixtral:2048:random", dict(partial_dtype="f32"), 5),      # ... the partial in fp32 (bf16 by default)
+    ("rs", "mixtral:2048:random", dict(fold=True), 6),                # + the pair one after the other
 ])
 def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):
     from tldsl.bench import fused_layers, moe

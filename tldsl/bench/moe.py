@@ -44,8 +44,12 @@ op lower them: the combine runs after the GEMM on its stream, so the signal betw
 dropped (the GEMM notifies nothing, the combine waits for nothing). Three more columns time our
 kernels one by one (the GEMM alone, the combine alone: where the layer's time goes) and the GEMM
 as written, notifying each tile (its rows checked equal: what releasing each tile to a combine
-beside it costs); a last one times a device-to-device copy of the bytes the combine moves (the
-routed rows of ``y_sorted`` read, the partial written): its bound. ``--fold on``: the combine folded
+beside it costs); then a device-to-device copy of the bytes the combine moves (the
+routed rows of ``y_sorted`` read, the partial written): its bound; and last a copy of the least
+bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights and ``h``'s rows read,
+``y_sorted`` written and its routed rows read back, the partial written) — where that copy takes
+about as long as ``_grouped_mm``, no schedule of the two kernels reaches 1.0x on that card.
+``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
@@ -335,8 +339,10 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     T, K, N = row.tokens, ffn // TP, hidden
     r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype)
     bufs = r.bufs
-    # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written)
-    combine_copy = copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size())
+    # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written);
+    # the pair's: a copy of the least bytes both kernels move through DRAM
+    bounds = [copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size()),
+              copy_of(pair_dram_bytes(bufs, T * topk))]
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = r.sequence()
     r.pair()
@@ -347,7 +353,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [r.pair, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(r.rt, r.lg.config), T * topk,
-                                parts=[r.gemm, r.combine, r.notifying_gemm], run=run, bound=combine_copy)
+                                parts=[r.gemm, r.combine, r.notifying_gemm], run=run, bounds=bounds)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave,
                                partial_dtype=partial_dtype)
@@ -361,7 +367,19 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     folded()
     return _checked_timings(what + " (folded)", bufs["partial"], want, [folded, r.gmm, r.sequence], iters,
                             2 * T * topk * K * N, _computed_rows(r.rt, lf.config), T * topk,
-                            parts=[r.pair, r.gemm, r.combine, r.notifying_gemm], run=run, bound=combine_copy)
+                            parts=[r.pair, r.gemm, r.combine, r.notifying_gemm], run=run, bounds=bounds)
+
+
+def pair_dram_bytes(bufs, routed: int) -> int:
+    """The least bytes layer 1's grouped GEMM and combine move through DRAM together, each read or
+    written once: the weights ``w2`` and the computed rows of ``h`` read, every row of ``y_sorted``
+    written, its ``routed`` rows read back by the combine, the partial written. (The GEMM's output
+    is several times L2 on issue 20's rows, so it makes the round trip; ``_grouped_mm`` alone moves
+    all but the read-back and the partial.)"""
+    y, h = bufs["y_sorted"], bufs["h"]
+    row = y.shape[1] * y.element_size()
+    return (bufs["w2"].numel() * bufs["w2"].element_size() + h.numel() * h.element_size()
+            + y.shape[0] * row + routed * row + bufs["partial"].numel() * bufs["partial"].element_size())
 
 
 def _check_close(what: str, got, want) -> float:
@@ -375,17 +393,17 @@ def _check_close(what: str, got, want) -> float:
 
 
 def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: int, routed: int,
-                     parts=(), run: int = 0, bound=None) -> dict:
+                     parts=(), run: int = 0, bounds=()) -> dict:
     """``got`` checked against ``want`` (else a RuntimeError: ``what`` and the errors; nothing
     timed), then ``fns`` — ours, ``_grouped_mm``, torch's sequence — and ``parts`` (ours kernel by
     kernel: ``parts_ms``) timed interleaved, in :func:`.timing.launch_order` for ``run``; then
-    ``bound`` (a copy of a pass's bytes, :func:`copy_of`) on its own, its time last in ``parts_ms``
-    (apart, so that the columns above keep the rotation they had without it)."""
+    ``bounds`` (copies of the bytes a pass must move, :func:`copy_of`) interleaved on their own, their
+    times last in ``parts_ms`` (apart, so that the columns above keep the rotation they had without them)."""
     from .timing import interleaved_ms
     l2 = _check_close(what, got, want)
     ms, gmm_ms, seq_ms, *parts_ms = interleaved_ms(list(fns) + list(parts), iters=iters, run=run)
-    if bound is not None:
-        parts_ms.append(interleaved_ms([bound], iters=iters, run=run)[0])
+    if bounds:
+        parts_ms += interleaved_ms(list(bounds), iters=iters, run=run)
     return dict(ms=ms, gmm_ms=gmm_ms, seq_ms=seq_ms, flops=flops, tflops=flops / ms / 1e9,
                 gmm_tflops=flops / gmm_ms / 1e9, err=l2, padded=padded, routed=routed, parts_ms=parts_ms)
 
@@ -477,7 +495,7 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     return _checked_timings(what + (" (folded)" if fold else ""), h[dest], want, [ours, gmm, sequence], iters,
                             2 * T * topk * K * N,
                             _computed_rows(rt, timed_config), T * topk, parts=parts,
-                            run=run, bound=gather_copy)
+                            run=run, bounds=[gather_copy] if gather_copy is not None else [])
 
 
 def laid_out(order, rt):
@@ -630,7 +648,8 @@ def main(argv, out=sys.stdout) -> int:
                                                                                         "gather + _grouped_mm ms")
     # ours kernel by kernel: rs, the GEMM and the combine; ag, the row gather and the GEMM where staged
     fold = args.fold == "on"
-    split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms | copy of the combine's bytes ms |" if rs else
+    split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms | copy of the combine's bytes ms "
+             "| copy of the pair's least DRAM bytes ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms | copy of the gather's bytes ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split

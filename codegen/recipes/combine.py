@@ -125,25 +125,16 @@ def combine_hooks(plan: CombinePlan) -> list[str]:
 #: as many of the thread's items at once as fit (a loop of one row, a plain row gather: four
 #: items of a 128-row tile; the top-8 combine: one)
 MAX_GATHERS_IN_FLIGHT = 8
-#: the 32-bit registers a thread may hold for the items it gathers together: at 1024 threads a
-#: CTA, 64 registers a thread (an item of a one-row loop: its ``vec`` values, the gather folding
-#: into the sum; of a longer loop: each row's gather — ``vec / 2`` registers where packed,
-#: :func:`packed` — and the sum's ``vec``). Four items of one 8-wide row: 57 registers, no spills;
-#: two items of a top-2 combine gathered as fp32 spilled 116 bytes, packed they fit
+#: the values a thread may hold for the items it gathers together: at 1024 threads a CTA, 64
+#: registers a thread (an item of a one-row loop: its ``vec`` values, the gather folding into the
+#: sum; of a longer loop: ``vec`` per row and the sum). Four items of one 8-wide row: 57 registers,
+#: no spills; two items of a top-2 combine spilled 116 bytes
 MAX_VALUES_IN_FLIGHT = 40
-
-
-def packed(plan: CombinePlan, trips: int | None) -> bool:
-    """Whether the loop's gathers stay packed until summed: 16-byte gathers of 16-bit rows
-    (``vec`` 8) in a loop of more than one row, each gather then 4 registers rather than 8 — twice
-    the gathers in flight for the same registers (a one-row loop's gather folds into its sum
-    anyway)."""
-    return plan.vec == 8 and trips is not None and trips > 1
 
 
 def items_at_once(plan: CombinePlan, trips: int | None) -> int:
     """Items a thread gathers together: as many of its items per tile as keep ``trips`` gathers
-    each within :data:`MAX_GATHERS_IN_FLIGHT` and their registers within :data:`MAX_VALUES_IN_FLIGHT`
+    each within :data:`MAX_GATHERS_IN_FLIGHT` and their values within :data:`MAX_VALUES_IN_FLIGHT`
     — where the threads divide the tile's items, a divisor of each thread's share (no thread
     then has a partial group); else the last group is partial (:func:`ragged`: the 96 threads of
     a combine folded into a grouped GEMM and a tile's 4096 items). 1 for a loop whose bounds are
@@ -153,18 +144,11 @@ def items_at_once(plan: CombinePlan, trips: int | None) -> int:
     if trips is None or not 0 < trips <= MAX_GATHERS_IN_FLIGHT:
         return 1
     per_thread = -(-total // plan.threads)
-    values = item_registers(plan, trips)
+    values = plan.vec * (trips + (1 if trips > 1 else 0))
     g = max(1, min(per_thread, MAX_GATHERS_IN_FLIGHT // trips, MAX_VALUES_IN_FLIGHT // values))
     while total % plan.threads == 0 and per_thread % g:
         g -= 1
     return g
-
-
-def item_registers(plan: CombinePlan, trips: int) -> int:
-    """The 32-bit registers one item's ``trips`` gathers and its sum hold (the sum's only where
-    the loop has more than one row: one row's gather folds into it)."""
-    per_gather = plan.vec // 2 if packed(plan, trips) else plan.vec
-    return per_gather * trips + (plan.vec if trips > 1 else 0)
 
 
 def ragged(plan: CombinePlan, G: int) -> bool:
@@ -257,14 +241,11 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
 
 def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str, src, G: int, V: int) -> list[str]:
     """The loop's ``n`` rows of ``G`` items in three unrolled passes: indices and scales (table
-    reads), the gathers (all issued before any is used; 16-byte ones of 16-bit rows kept packed,
-    :func:`packed`), then the sums in the loop's order."""
+    reads), the gathers (all issued before any is used), then the sums in the loop's order."""
     m, L = plan.match, []
     scaled = m.scale is not None
     vec = plan.vec
-    pack = packed(plan, n)
-    gathered = f"uint32_t x_[{G}][{n}][{vec // 2}]" if pack else f"float x_[{G}][{n}][{vec}]"
-    L += [f"      int rows_[{G}][{n}], cols_[{G}][{n}];", f"      float w_[{G}][{n}];", f"      {gathered};"]
+    L += [f"      int rows_[{G}][{n}], cols_[{G}][{n}];", f"      float w_[{G}][{n}], x_[{G}][{n}][{vec}];"]
     if not scaled:
         L.append("      (void)w_;")
     L += ["      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_) {{",
@@ -288,22 +269,13 @@ def _body_in_flight(plan: CombinePlan, em: HookEmitter, n: int, lo: str, st: str
           f"        const int item = item0 + g_ * {plan.threads};", f"        const int r = item / {V};",
           f"        const int cv = (item - r * {V}) * {vec};",
           "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)",
-          (f"          tldsl::grouped::load8_packed({plan.src_param}, rows_[g_][j_], {src[0]}, cols_[g_][j_] + cv, "
-           f"{src[1]}, x_[g_][j_]);{marker(m.gather.loc)}" if pack else
-           f"          tldsl::grouped::loadv<{vec}>({plan.src_param}, rows_[g_][j_], {src[0]}, cols_[g_][j_] + cv, "
-           f"{src[1]}, x_[g_][j_]);{marker(m.gather.loc)}"),
+          f"          tldsl::grouped::loadv<{vec}>({plan.src_param}, rows_[g_][j_], {src[0]}, cols_[g_][j_] + cv, "
+          f"{src[1]}, x_[g_][j_]);{marker(m.gather.loc)}",
           "      }",
           "      #pragma unroll", f"      for (int g_ = 0; g_ < {G}; ++g_)",
-          "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_) {{"]
-    x = "x_[g_][j_][q]"
-    if pack:                                  # widened one gather at a time, as the sum takes it
-        L += [f"          float xf_[{vec}];",
-              f"          tldsl::grouped::unpack8<{c_type(m.src.type.dtype)}>(x_[g_][j_], xf_);"]
-        x = "xf_[q]"
-    L += ["          #pragma unroll",
+          "        #pragma unroll", f"        for (int j_ = 0; j_ < {n}; ++j_)", "          #pragma unroll",
           f"          for (int q = 0; q < {vec}; ++q) acc_[g_][q] = "
-          f"{_sum_term('acc_[g_][q]', x, 'w_[g_][j_]' if scaled else None)};",
-          "        }"]
+          f"{_sum_term('acc_[g_][q]', 'x_[g_][j_][q]', 'w_[g_][j_]' if scaled else None)};"]
     return L
 
 

@@ -328,33 +328,6 @@ __device__ __forceinline__ void store_narrow(T* __restrict__ p, int row, int row
   }
 }
 
-// The 16-byte gather of 8 16-bit elements, left packed (4 registers where fp32 takes 8) until
-// unpack8 widens them for the sum: a combine keeps twice the gathers in flight in the same registers.
-// Out of bounds: the bits of +0.0.
-template <class T>
-__device__ __forceinline__ void load8_packed(const T* p, int row, int rows, int col, int cols, uint32_t (&w)[4]) {
-  static_assert(sizeof(T) == 2, "8-wide gathers are 16-byte loads of 16-bit elements");
-  if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
-    const uint4 v = ld_coherent_v4b32(p + (long long)row * cols + col);
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  } else {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) w[q] = 0u;
-  }
-}
-template <class T>
-__device__ __forceinline__ void unpack8(const uint32_t (&w)[4], float (&x)[8]) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = pair_to_float2(w[q], T());
-    x[2 * q] = f.x;
-    x[2 * q + 1] = f.y;
-  }
-}
-
 template <int N, class T>
 __device__ __forceinline__ void loadv(const T* p, int row, int rows, int col, int cols, float (&x)[N]) {
   if constexpr (N <= 2) {
@@ -363,9 +336,19 @@ __device__ __forceinline__ void loadv(const T* p, int row, int rows, int col, in
     load4<T>(p, row, rows, col, cols, x);
   } else {
     static_assert(N == 8 && sizeof(T) == 2, "8-wide gathers are 16-byte loads of 16-bit elements");
-    uint32_t w[4];
-    load8_packed<T>(p, row, rows, col, cols, w);
-    unpack8<T>(w, x);
+    if ((unsigned)row < (unsigned)rows && (unsigned)col < (unsigned)cols) {
+      const uint4 v = ld_coherent_v4b32(p + (long long)row * cols + col);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = pair_to_float2(w[q], T());
+        x[2 * q] = f.x;
+        x[2 * q + 1] = f.y;
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) x[q] = 0.0f;
+    }
   }
 }
 

@@ -579,17 +579,19 @@ def test_the_moe_and_attention_benchmarks_headers_name_the_card(monkeypatch):
 
 
 def test_the_pairs_least_dram_bytes_count_each_tensor_once_and_the_routed_rows_twice():
-    """``pair_dram_bytes``: the weights and ``h`` read, every row of ``y_sorted`` written (padding
-    included), its routed rows read back, the partial written — in each tensor's own dtype.
-    DeepSeek-MoE's layer 1 at 8192 tokens (E 64, K 704, N 2048, top 6, 51,136 rows laid out)
-    comes to 701 MB, against 455 MB for ``_grouped_mm`` alone (BENCHMARKS.md, fiftieth session)."""
+    """``pair_dram_bytes``: the weights read, the routed rows of ``h`` read and of ``y_sorted``
+    written and read back (not the layout's padding rows), the partial written — in each tensor's
+    own dtype. DeepSeek-MoE's layer 1 at 8192 tokens (E 64, K 704, N 2048, top 6; 49,152 routed
+    rows in a layout of 51,136) comes to 690 MB, against 455 MB for ``_grouped_mm`` alone."""
     import torch
     from tldsl.bench import moe
     meta = dict(device="meta", dtype=torch.bfloat16)
     bufs = {"w2": torch.empty(64, 704, 2048, **meta), "h": torch.empty(51136, 704, **meta),
             "y_sorted": torch.empty(51136, 2048, **meta), "partial": torch.empty(8192, 2048, **meta)}
-    least = moe.pair_dram_bytes(bufs, 8192 * 6)
-    assert least == 2 * (64 * 704 * 2048 + 51136 * 704 + 51136 * 2048 + 8192 * 6 * 2048 + 8192 * 2048)
-    assert round(least / 1e6) == 701
+    routed = 8192 * 6
+    least = moe.pair_dram_bytes(bufs, routed)
+    assert least == 2 * (64 * 704 * 2048 + routed * 704 + 2 * routed * 2048 + 8192 * 2048)
+    assert round(least / 1e6) == 690
     bufs["partial"] = torch.empty(8192, 2048, device="meta", dtype=torch.float32)    # --partial f32: 4 bytes
-    assert moe.pair_dram_bytes(bufs, 8192 * 6) - least == 2 * 8192 * 2048
+    assert moe.pair_dram_bytes(bufs, routed) - least == 2 * 8192 * 2048
+    assert moe.pair_dram_bytes(bufs, routed - 1) == moe.pair_dram_bytes(bufs, routed) - 2 * (704 + 2 * 2048)

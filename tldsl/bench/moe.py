@@ -46,9 +46,10 @@ kernels one by one (the GEMM alone, the combine alone: where the layer's time go
 as written, notifying each tile (its rows checked equal: what releasing each tile to a combine
 beside it costs); then a device-to-device copy of the bytes the combine moves (the
 routed rows of ``y_sorted`` read, the partial written): its bound; and last a copy of the least
-bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights and ``h``'s rows read,
-``y_sorted`` written and its routed rows read back, the partial written) — where that copy takes
-about as long as ``_grouped_mm``, no schedule of the two kernels reaches 1.0x on that card.
+bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights and ``h``'s routed rows
+read, those rows of ``y_sorted`` written and read back, the partial written) — where that copy takes
+nearly as long as ``_grouped_mm``, the pair can reach 1.0x only by keeping DRAM as busy as a copy
+from start to end.
 ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
@@ -371,15 +372,17 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
 
 
 def pair_dram_bytes(bufs, routed: int) -> int:
-    """The least bytes layer 1's grouped GEMM and combine move through DRAM together, each read or
-    written once: the weights ``w2`` and the computed rows of ``h`` read, every row of ``y_sorted``
-    written, its ``routed`` rows read back by the combine, the partial written. (The GEMM's output
-    is several times L2 on issue 20's rows, so it makes the round trip; ``_grouped_mm`` alone moves
-    all but the read-back and the partial.)"""
+    """The least bytes layer 1's grouped GEMM and combine move through DRAM together, counting only
+    the ``routed`` rows (not the layout's padding): the weights ``w2`` and the routed rows of ``h``
+    read, those rows of ``y_sorted`` written and read back by the combine, the partial written.
+    ``_grouped_mm`` alone moves all but the read-back and the partial. An estimate of the pair's
+    bound, not a strict floor: ``y_sorted`` makes the round trip through DRAM only where it outgrows
+    L2 (every row of issue 20 but Mixtral 2048), and the copy timing it moves half its bytes each
+    way while the pair reads more than it writes."""
     y, h = bufs["y_sorted"], bufs["h"]
-    row = y.shape[1] * y.element_size()
-    return (bufs["w2"].numel() * bufs["w2"].element_size() + h.numel() * h.element_size()
-            + y.shape[0] * row + routed * row + bufs["partial"].numel() * bufs["partial"].element_size())
+    y_row, h_row = y.shape[1] * y.element_size(), h.shape[1] * h.element_size()
+    return (bufs["w2"].numel() * bufs["w2"].element_size() + routed * (h_row + 2 * y_row)
+            + bufs["partial"].numel() * bufs["partial"].element_size())
 
 
 def _check_close(what: str, got, want) -> float:

@@ -49,8 +49,7 @@ routed rows of ``y_sorted`` read, the partial written): its bound; and last a co
 bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights and ``h``'s routed rows
 read, those rows of ``y_sorted`` written and read back, the partial written) — where that copy takes
 nearly as long as ``_grouped_mm``, the pair can reach 1.0x only by keeping DRAM as busy as a copy
-from start to end.
-``--fold on``: the combine folded
+from start to end. ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
 (checked too), beside the two kernels one after the other.
@@ -377,8 +376,8 @@ def pair_dram_bytes(bufs, routed: int) -> int:
     read, those rows of ``y_sorted`` written and read back by the combine, the partial written.
     ``_grouped_mm`` alone moves all but the read-back and the partial. An estimate of the pair's
     bound, not a strict floor: ``y_sorted`` makes the round trip through DRAM only where it outgrows
-    L2 (every row of issue 20 but Mixtral 2048), and the copy timing it moves half its bytes each
-    way while the pair reads more than it writes."""
+    L2 (every row of issue 20 but Mixtral 2048), and the copy that times them moves half its bytes
+    each way while the pair reads more than it writes."""
     y, h = bufs["y_sorted"], bufs["h"]
     y_row, h_row = y.shape[1] * y.element_size(), h.shape[1] * h.element_size()
     return (bufs["w2"].numel() * bufs["w2"].element_size() + routed * (h_row + 2 * y_row)

@@ -114,5 +114,5 @@ def test_an_empty_schedule_list_is_refused_not_defaulted(capsys):
 def test_the_one_gpu_probes_are_exactly_those_gated_as_one():
     """The probes that run without torchrun: the gate's list is the probes' own, one by one."""
     assert gates.ONE_GPU_PROBES == ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies",
-                                    "moe_schedules", "moe_row_copies", "moe_power")
+                                    "moe_schedules", "moe_row_copies", "moe_power", "moe_dram")
     assert probes.NAMES[:len(gates.ONE_GPU_PROBES)] == gates.ONE_GPU_PROBES      # the one-GPU ones first

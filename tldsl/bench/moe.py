@@ -377,11 +377,18 @@ def pair_dram_bytes(bufs, routed: int) -> int:
     ``_grouped_mm`` alone moves all but the read-back and the partial. An estimate of the pair's
     bound, not a strict floor: ``y_sorted`` makes the round trip through DRAM only where it outgrows
     L2 (every row of issue 20 but Mixtral 2048), and the copy that times them moves half its bytes
-    each way while the pair reads more than it writes."""
+    each way while the pair reads more than it writes (``probe moe_dram`` times them in their own
+    mix: :func:`pair_dram_split`)."""
+    return sum(pair_dram_split(bufs, routed))
+
+
+def pair_dram_split(bufs, routed: int) -> tuple[int, int]:
+    """:func:`pair_dram_bytes` as (bytes read, bytes written): read, the weights, the routed rows of
+    ``h`` and those of ``y_sorted`` read back; written, those rows of ``y_sorted`` and the partial."""
     y, h = bufs["y_sorted"], bufs["h"]
     y_row, h_row = y.shape[1] * y.element_size(), h.shape[1] * h.element_size()
-    return (bufs["w2"].numel() * bufs["w2"].element_size() + routed * (h_row + 2 * y_row)
-            + bufs["partial"].numel() * bufs["partial"].element_size())
+    reads = bufs["w2"].numel() * bufs["w2"].element_size() + routed * (h_row + y_row)
+    return reads, routed * y_row + bufs["partial"].numel() * bufs["partial"].element_size()
 
 
 def _check_close(what: str, got, want) -> float:

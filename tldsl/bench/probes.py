@@ -8,6 +8,7 @@
     python -m tldsl.bench probe moe_schedules [--rows ...] [--layer ag|rs] [--schedules 128x256x64:4,...]  # one GPU
     python -m tldsl.bench probe moe_row_copies [--rows mixtral:32768:random,...]  # one GPU
     python -m tldsl.bench probe moe_power [--rows deepseek:8192:random,...] [--seconds 2]  # one GPU
+    python -m tldsl.bench probe moe_dram [--rows qwen3:8192:random,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_staging [--shapes MxNxK,...]
@@ -47,6 +48,9 @@
 * ``moe_power``: MoE+ReduceScatter's grouped GEMM, combine and both, and ``_grouped_mm``, each
   launched back to back while nvidia-smi samples the SM clock, the power and the software power
   cap (:mod:`.moe_power`): a GEMM at the cap pays for work beside it in energy.
+* ``moe_dram``: the least bytes MoE+ReduceScatter's grouped GEMM and combine move through DRAM,
+  moved as a copy, as a read pass then a write pass, and as one pass in the pair's own mix of
+  reads and writes, timed interleaved with the pair and ``_grouped_mm`` (:mod:`.moe_dram`).
 * ``rs_reduce_in``: the whole op both ways in one process, timed interleaved, with one launch's
   phases each (device times; host enqueue times in parentheses).
 * ``ag_enqueue``: AllGather+GEMM with the host enqueueing the GEMM first (the default) or the
@@ -509,7 +513,7 @@ class _Bound:
 
 #: every probe's name (the one-GPU ones first; the rest run under torchrun on 2 GPUs)
 NAMES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules", "moe_row_copies",
-         "moe_power", "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push",
+         "moe_power", "moe_dram", "rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push",
          "ag_spares",
          "ag_slices", "ag_skew", "rs_order")
 
@@ -536,8 +540,9 @@ def main(argv) -> int:
     ap.add_argument("what", choices=NAMES)
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK,... (epilogue: K per rank)")
     ap.add_argument("--rows", default=None,
-                    help="moe_notifies, moe_schedules, moe_row_copies, moe_power: MODEL:TOKENS:ROUTING,... "
-                         f"(bench moe's rows; default {SMALL_EXPERT_ROWS} for the first two, {STAGED_ROWS} for moe_row_copies, "
+                    help="moe_notifies, moe_schedules, moe_row_copies, moe_power, moe_dram: MODEL:TOKENS:ROUTING,... "
+                         f"(bench moe's rows; default {SMALL_EXPERT_ROWS} for moe_notifies, moe_schedules and "
+                         f"moe_dram, {STAGED_ROWS} for moe_row_copies, "
                          f"{POWER_ROWS} for moe_power)")
     ap.add_argument("--seconds", type=float, default=2.0,
                     help="moe_power: how long each kernel runs back to back (default 2)")
@@ -548,7 +553,7 @@ def main(argv) -> int:
                          "128x256x64:4,128x256x64:3,128x256x32:8,128x128x64:6)")
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
-                         "probes but moe_notifies and moe_schedules (20) and moe_row_copies (7), 80 for ag_skew, "
+                         "probes but moe_notifies, moe_schedules and moe_dram (20) and moe_row_copies (7), 80 for ag_skew, "
                          "20 for the others)")
     args = ap.parse_args(argv)
     if args.rows is None:
@@ -582,6 +587,9 @@ def main(argv) -> int:
     elif args.what == "moe_power":
         from .moe_power import probe_moe_power
         probe_moe_power(_parsed_rows(ap, args.rows), args.seconds)
+    elif args.what == "moe_dram":
+        from .moe_dram import probe_moe_dram
+        probe_moe_dram(_parsed_rows(ap, args.rows), **its)
     elif args.what == "epilogue":
         probe_epilogue(args.shapes or [(16384, 8192, 4096), (2048, 8192, 4096)], **its)
     else:

@@ -19,7 +19,7 @@ BENCHMARKS = {
 }
 #: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.
 ONE_GPU_PROBES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules",
-                  "moe_row_copies", "moe_power")
+                  "moe_row_copies", "moe_power", "moe_dram")
 #: The checks of ``tldsl.checks``, each a script run under torchrun on two GPUs.
 CHECKS = ("dist_check", "build_check", "lifetime_check", "torch_ops_check", "graph_check")
 

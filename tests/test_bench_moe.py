@@ -595,3 +595,9 @@ def test_the_pairs_least_dram_bytes_count_each_tensor_once_and_the_routed_rows_t
     bufs["partial"] = torch.empty(8192, 2048, device="meta", dtype=torch.float32)    # --partial f32: 4 bytes
     assert moe.pair_dram_bytes(bufs, routed) - least == 2 * 8192 * 2048
     assert moe.pair_dram_bytes(bufs, routed - 1) == moe.pair_dram_bytes(bufs, routed) - 2 * (704 + 2 * 2048)
+    # a skewed routing leaving experts without rows: only the used experts' weights are read
+    assert moe.pair_dram_bytes(bufs, routed, experts_used=40) == moe.pair_dram_bytes(bufs, routed) - 2 * 24 * 704 * 2048
+    assert moe.pair_dram_bytes(bufs, routed, experts_used=64) == moe.pair_dram_bytes(bufs, routed)
+    for bad in (0, 65, -1):
+        with pytest.raises(ValueError, match="experts_used must be in 1..64"):
+            moe.pair_dram_bytes(bufs, routed, experts_used=bad)

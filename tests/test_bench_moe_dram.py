@@ -28,9 +28,10 @@ def test_the_pairs_bytes_split_into_what_it_reads_and_what_it_writes():
     assert reads + writes == moe.pair_dram_bytes(bufs, routed)
     assert (round(reads / 1e6), round(writes / 1e6)) == (455, 235)
     assert moe_dram.mixed_fold(reads, writes) == 2
+    assert moe.pair_dram_split(bufs, routed, experts_used=2) == (reads - 2 * 62 * 704 * 2048, writes)
 
 
-@pytest.mark.parametrize("reads, writes, fold", [(519, 302, 2), (839, 201, 4), (2751, 537, 5), (10, 300, 1)])
+@pytest.mark.parametrize("reads, writes, fold", [(520, 302, 2), (839, 201, 4), (562, 50, 11), (10, 300, 1)])
 def test_the_mixed_pass_reads_the_pairs_rows_a_row_written_rounded(reads, writes, fold):
     assert moe_dram.mixed_fold(reads, writes) == fold
 
@@ -57,11 +58,11 @@ def test_the_passes_are_scaled_to_the_pairs_bytes_and_tabled():
 
 
 def test_a_mixed_pass_moving_other_bytes_than_the_pair_is_scaled_to_them():
-    """519 MB read, 302 MB written (Qwen3-30B): the mixed pass reads 2 rows a row written, 906 MB in
-    all, so its time counts for 821 / 906 of the pair's."""
-    reads, writes = 519_000_000, 302_000_000
+    """520 MB read, 302 MB written (Qwen3-30B): the mixed pass reads 2 rows a row written, 906 MB in
+    all, so its time counts for 822 / 906 of the pair's."""
+    reads, writes = 520_000_000, 302_000_000
     bound = moe_dram.pass_times(dict(copy=1.0, read=1.0, write=1.0, mixed=0.906), reads, writes)
-    assert bound["mixed"] == pytest.approx(0.821)
+    assert bound["mixed"] == pytest.approx(0.822)
 
 
 def test_the_probe_defaults_to_the_small_expert_rows(monkeypatch):
@@ -94,5 +95,6 @@ def test_the_probe_checks_and_times_one_small_row():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "mixtral 2048 random" and cells[3] == "11"        # 562 MB read, 50 MB written
     assert all(float(v) > 0 for v in cells[4:10])
-    rates = [float(v) for v in cells[10].split(",")]
-    assert all(0.5 < r < 6 for r in rates), rates        # TB/s: an H100's or H200's DRAM, not L2
+    copy, read, write, mixed = (float(v) for v in cells[10].split(","))
+    # TB/s: an H100's or H200's DRAM for the passes of 560-610 MB; the write pass's 50 MB may sit in L2
+    assert all(0.5 < r < 6 for r in (copy, read, mixed)) and write > 0.5, cells[10]

@@ -46,8 +46,8 @@ kernels one by one (the GEMM alone, the combine alone: where the layer's time go
 as written, notifying each tile (its rows checked equal: what releasing each tile to a combine
 beside it costs); then a device-to-device copy of the bytes the combine moves (the
 routed rows of ``y_sorted`` read, the partial written): its bound; and last a copy of the least
-bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights and ``h``'s routed rows
-read, those rows of ``y_sorted`` written and read back, the partial written) — where that copy takes
+bytes the pair must move through DRAM (:func:`pair_dram_bytes`: the weights of the experts with rows
+and ``h``'s routed rows read, those rows of ``y_sorted`` written and read back, the partial written) — where that copy takes
 nearly as long as ``_grouped_mm``, the pair can reach 1.0x only by keeping DRAM as busy as a copy
 from start to end. ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
@@ -290,6 +290,11 @@ class RsRow:
         import torch
         return torch._grouped_mm(self._h_sorted, self._w, offs=self._offs)
 
+    def experts_used(self) -> int:
+        """How many experts have routed rows (their weights are all the GEMMs read); one host sync."""
+        import torch
+        return int((torch.diff(self._offs, prepend=self._offs.new_zeros(1)) > 0).sum())
+
     def sequence(self):
         import torch
         out = torch.zeros((self._T, self._N), dtype=torch.float32, device="cuda")
@@ -342,7 +347,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written);
     # the pair's: a copy of the least bytes both kernels move through DRAM
     bounds = [copy_of(T * topk * N * bufs["y_sorted"].element_size() + T * N * bufs["partial"].element_size()),
-              copy_of(pair_dram_bytes(bufs, T * topk))]
+              copy_of(pair_dram_bytes(bufs, T * topk, r.experts_used()))]
     what = f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum"
     want = r.sequence()
     r.pair()
@@ -370,24 +375,30 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                             parts=[r.pair, r.gemm, r.combine, r.notifying_gemm], run=run, bounds=bounds)
 
 
-def pair_dram_bytes(bufs, routed: int) -> int:
+def pair_dram_bytes(bufs, routed: int, experts_used: int | None = None) -> int:
     """The least bytes layer 1's grouped GEMM and combine move through DRAM together, counting only
-    the ``routed`` rows (not the layout's padding): the weights ``w2`` and the routed rows of ``h``
-    read, those rows of ``y_sorted`` written and read back by the combine, the partial written.
+    the ``routed`` rows (not the layout's padding) and the weights of the ``experts_used`` experts
+    that have rows (all of them if None): those weights of ``w2`` and the routed rows of ``h`` read,
+    those rows of ``y_sorted`` written and read back by the combine, the partial written.
     ``_grouped_mm`` alone moves all but the read-back and the partial. An estimate of the pair's
     bound, not a strict floor: ``y_sorted`` makes the round trip through DRAM only where it outgrows
     L2 (every row of issue 20 but Mixtral 2048), and the copy that times them moves half its bytes
     each way while the pair reads more than it writes (``probe moe_dram`` times them in their own
     mix: :func:`pair_dram_split`)."""
-    return sum(pair_dram_split(bufs, routed))
+    return sum(pair_dram_split(bufs, routed, experts_used))
 
 
-def pair_dram_split(bufs, routed: int) -> tuple[int, int]:
-    """:func:`pair_dram_bytes` as (bytes read, bytes written): read, the weights, the routed rows of
-    ``h`` and those of ``y_sorted`` read back; written, those rows of ``y_sorted`` and the partial."""
-    y, h = bufs["y_sorted"], bufs["h"]
+def pair_dram_split(bufs, routed: int, experts_used: int | None = None) -> tuple[int, int]:
+    """:func:`pair_dram_bytes` as (bytes read, bytes written): read, the used experts' weights, the
+    routed rows of ``h`` and those of ``y_sorted`` read back; written, those rows of ``y_sorted`` and
+    the partial."""
+    w2, y, h = bufs["w2"], bufs["y_sorted"], bufs["h"]
+    E = w2.shape[0]
+    used = E if experts_used is None else experts_used
+    if not 0 < used <= E:
+        raise ValueError(f"experts_used must be in 1..{E}, got {experts_used}")
     y_row, h_row = y.shape[1] * y.element_size(), h.shape[1] * h.element_size()
-    reads = bufs["w2"].numel() * bufs["w2"].element_size() + routed * (h_row + y_row)
+    reads = w2.numel() // E * used * w2.element_size() + routed * (h_row + y_row)
     return reads, routed * y_row + bufs["partial"].numel() * bufs["partial"].element_size()
 
 

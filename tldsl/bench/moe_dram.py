@@ -4,8 +4,8 @@ mix of reads and writes beside the pair and ``_grouped_mm``.
     python -m tldsl.bench probe moe_dram [--rows qwen3:8192:random,...] [--iters 20]
 
 Why: ``bench moe --layer rs``'s last column times those bytes (:func:`.moe.pair_dram_split`) as one
-device-to-device copy, half read and half written, while the pair reads 1.7-5x what it writes
-(Qwen3-30B at 8192 tokens: 519 MB read, 302 MB written). DRAM that turns the bus around less may
+device-to-device copy, half read and half written, while the pair reads 1.7-11x what it writes
+(Qwen3-30B at 8192 tokens: 520 MB read, 302 MB written). DRAM that turns the bus around less may
 move a read-heavy stream faster than a copy, so the copy alone may put the bound too high. Here the
 same bytes are moved three ways, each checked once and then timed interleaved with our pair and
 ``_grouped_mm`` (layer 1 as ``bench moe --layer rs`` builds it, checked against torch's sequence
@@ -82,7 +82,7 @@ def bound_passes(reads: int, writes: int) -> dict:
     y = torch.full((n_w,), float("nan"), device="cuda")
     xm = torch.ones(f, n_w, device="cuda")
     ym = torch.full((n_w,), float("nan"), device="cuda")
-    passes = {"copy": copy_of(reads + writes), "read": lambda: torch.sum(x, out=s),
+    passes = {"copy": copy_of(reads + writes), "read": lambda: torch.sum(x, dim=0, out=s),
               "write": lambda: y.fill_(1.0), "mixed": lambda: torch.sum(xm, dim=0, out=ym)}
     for p in ("read", "write", "mixed"):
         passes[p]()
@@ -110,7 +110,7 @@ def probe_moe_dram(rows, iters: int = 20, out=sys.stdout) -> None:
         r.pair()
         _check_close(f"{row}: the grouped GEMM + combine differ from _grouped_mm + the weighted sum",
                      r.bufs["partial"], want)
-        reads, writes = pair_dram_split(r.bufs, row.tokens * MOE_MODELS[row.model][3])     # the routed rows
+        reads, writes = pair_dram_split(r.bufs, row.tokens * MOE_MODELS[row.model][3], r.experts_used())
         passes = bound_passes(reads, writes)
         names = ("pair", "gmm", "copy", "read", "write", "mixed")
         ms = interleaved_ms([r.pair, r.gmm] + [passes[n] for n in names[2:]], iters=iters)

@@ -6,10 +6,22 @@ import os
 import sys
 from dataclasses import dataclass
 
-# Frames inside these directories are the compiler's own and are skipped.
-_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL = tuple(os.path.join(_PKG_ROOT, d) + os.sep for d in ("tldsl", "ir", "codegen", "runtime"))
-_LIBRARY_OPS = os.path.join(_PKG_ROOT, "tldsl", "ops") + os.sep
+
+def library_dirs(ir_dir: str) -> tuple[tuple[str, ...], str]:
+    """(the directories whose frames are the compiler's own, the op library's directory) for this
+    package's ``ir`` folder at ``ir_dir``. In a source checkout (an editable install) ``tldsl/``,
+    ``ir/``, ``codegen/`` and ``runtime/`` stand side by side; installed from a wheel, ``ir/``,
+    ``codegen/`` and ``runtime/`` are folders inside the ``tldsl`` package (pyproject's
+    ``package-dir``), so the whole package is the compiler's."""
+    parent = os.path.dirname(os.path.abspath(ir_dir))
+    if os.path.exists(os.path.join(parent, "__init__.py")):        # installed: parent is the tldsl package
+        return (parent + os.sep,), os.path.join(parent, "ops") + os.sep
+    return (tuple(os.path.join(parent, d) + os.sep for d in ("tldsl", "ir", "codegen", "runtime")),
+            os.path.join(parent, "tldsl", "ops") + os.sep)
+
+
+# Frames inside these directories are the compiler's own and are skipped (but the op library's).
+_INTERNAL, _LIBRARY_OPS = library_dirs(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,11 @@ def test_torchs_nvshmem_is_read_from_its_metadata(tmp_path, monkeypatch):
     (["bench", "ag_gemm", "--iters", "3"],
      "bench ag_gemm runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 -m tldsl bench ag_gemm --iters 3"),
     (["bench", "probe", "rs_order"], "torchrun --nproc_per_node=2 -m tldsl bench probe rs_order"),
+    (["bench", "probe", "--iters", "3", "copy_engine"], "bench probe copy_engine needs a Hopper GPU"),
+    (["bench", "probe", "--iters=3", "moe_dram"], "bench probe moe_dram needs a Hopper GPU"),
+    (["bench", "probe", "--iters", "3", "rs_order"],
+     "bench probe rs_order runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 -m tldsl bench probe --iters 3 "
+     "rs_order"),
     (["check", "dist_check", "ag_gemm"], "torchrun --nproc_per_node=2 -m tldsl check dist_check ag_gemm"),
     (["check", "torch_ops_check"], "check torch_ops_check runs on 2 GPUs under torchrun"),
 ])
@@ -166,6 +171,18 @@ def test_what_cannot_run_here_says_why_in_one_line(args, says, monkeypatch, caps
     assert main(args) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_the_bench_module_finds_the_probe_among_its_flags(monkeypatch, capsys):
+    """``python -m tldsl.bench probe --iters 3 copy_engine``: the probe named after a flag is the one
+    gated (one GPU), not the flag."""
+    from tldsl.bench import cli as bench_cli
+    monkeypatch.setattr(gates, "gpu_missing", lambda: "no CUDA device here")
+    assert bench_cli.main(["probe", "--iters", "3", "copy_engine"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "python -m tldsl.bench: bench probe copy_engine needs a Hopper GPU (sm_90a): no CUDA device here"
+    assert gates.probe_name(["--rows", "a:1:random", "--iters=2", "moe_power", "--seconds", "1"]) == "moe_power"
+    assert gates.probe_name(["--iters", "3"]) is None
 
 
 def test_under_torchrun_without_a_gpu_and_without_nvrtc(monkeypatch, capsys):
@@ -200,6 +217,16 @@ def test_help_of_a_forwarded_command_needs_no_gpu(capsys):
     with pytest.raises(SystemExit) as done:
         main(["bench", "gemm", "--help"])
     assert done.value.code == 0 and "--shapes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", gates.CHECKS)
+def test_every_check_answers_help_without_a_gpu_or_running(check, capsys, monkeypatch):
+    """``python -m tldsl check NAME --help`` shows the check's usage (as the bare ``check`` says it does)."""
+    import sys
+    monkeypatch.delitem(sys.modules, f"tldsl.checks.{check}", raising=False)
+    assert main(["check", check, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and check in out.splitlines()[0]
 
 
 @pytest.mark.parametrize("args", [("bench", "gemm"), ("check", "lifetime_check")])

@@ -20,14 +20,14 @@ import argparse
 import sys
 
 from .. import env
-from ..cli.gates import Unavailable, require_for_benchmark
+from ..cli.gates import Unavailable, probe_name, require_for_benchmark
 from . import compile as compile_bench
 from . import attention, baselines, dist, gemm, general, host, launch, moe, probes, sim
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    unknown_probe = argv[:1] == ["probe"] and argv[1:2] and argv[1] not in probes.NAMES
+    unknown_probe = argv[:1] == ["probe"] and probe_name(argv[1:]) not in probes.NAMES
     try:            # where a benchmark cannot run (no GPU, no torchrun) it says so in one line
         if not unknown_probe:           # (an unknown probe: its parser says which there are)
             require_for_benchmark(argv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from .dist_check import compare
-from .verdict import report
+from .verdict import no_flags, report
 
 
 def cases(torch, r: int):
@@ -76,4 +76,5 @@ def run(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    no_flags("build_check", __doc__)
     sys.exit(run())

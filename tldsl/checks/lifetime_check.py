@@ -15,7 +15,7 @@ import gc
 import sys
 import warnings
 
-from .verdict import report
+from .verdict import no_flags, report
 
 
 def builds(torch):
@@ -128,4 +128,5 @@ def run(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    no_flags("lifetime_check", __doc__)
     sys.exit(run())

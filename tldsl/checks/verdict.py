@@ -21,3 +21,11 @@ def report(tag: str, results: list[tuple[str, bool, str]], device: str = "cuda")
         print(f"{tag}: {'all passed' if passed else 'FAILED'}", flush=True)
     dist.destroy_process_group()
     return 0 if passed else 1
+
+
+def no_flags(module: str, doc: str, argv=None) -> None:
+    """The command line of a check that takes no flags: ``--help`` prints its docstring (and exits)
+    and anything else is refused in one line, before torch.distributed starts."""
+    import argparse
+    argparse.ArgumentParser(prog=f"torchrun --nproc_per_node=2 -m tldsl.checks.{module}", description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)

@@ -68,14 +68,30 @@ def _asks_for_help(args: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
+def probe_name(args: list[str]) -> str | None:
+    """The probe ``bench probe ARGS`` names: its one positional argument, wherever it stands among the
+    flags (every flag of the probes takes a value, as ``--iters 3`` or ``--iters=3``); None if none."""
+    it = iter(args)
+    for a in it:
+        if a.startswith("-"):
+            if "=" not in a:
+                next(it, None)      # the flag's value
+            continue
+        return a
+    return None
+
+
 def require_for_benchmark(args: list[str]) -> None:
     """Raise :class:`Unavailable` unless ``python -m tldsl bench ARGS`` can run here."""
-    if not args or _asks_for_help(args) or args[0] not in BENCHMARKS or args == ["probe"]:
+    if not args or _asks_for_help(args) or args[0] not in BENCHMARKS:
         return                      # usage and unknown names: the benchmarks' own parser answers
     name, need = args[0], BENCHMARKS[args[0]]
-    if name == "probe" and args[1] not in ONE_GPU_PROBES:
+    probe = probe_name(args[1:]) if name == "probe" else None
+    if name == "probe" and probe is None:
+        return                      # no probe named: its parser lists them
+    if probe is not None and probe not in ONE_GPU_PROBES:
         need = "torchrun"
-    what = " ".join(["bench"] + args[:2 if name == "probe" else 1])
+    what = " ".join(["bench"] + ([name, probe] if probe is not None else [name]))
     _require(what, need, " ".join(["-m tldsl bench"] + args))
 
 

@@ -7,7 +7,7 @@ validates itself, and :func:`check_compatible` rejects combinations that cannot 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ..errors import ScheduleError
 from .field_types import check_field_types
@@ -26,6 +26,18 @@ REDUCE_PLACES = ("comm", "epilogue")
 def _invalid(message: str) -> ScheduleError:
     """The error for a schedule that cannot be, at the user's line that built or used it."""
     return ScheduleError(message, user_location())
+
+
+def _check_arguments(cls, args, kwargs) -> None:
+    """A schedule built with a field it does not have (``tiles=`` for ``tile=``, a CommSchedule field
+    on a ComputeSchedule) is a ScheduleError listing its fields, at the user's line — not the
+    dataclass's TypeError."""
+    names = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise _invalid(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}; its fields: {', '.join(names)}")
+    if len(args) > len(names):
+        raise _invalid(f"{cls.__name__} takes at most {len(names)} values ({', '.join(names)}), got {len(args)}")
 
 
 def _pow2(x: int) -> bool:
@@ -72,6 +84,10 @@ class ComputeSchedule:
     def BN(self): return self.tile[1]
     @property
     def BK(self): return self.tile[2]
+
+    def __new__(cls, *args, **kwargs):
+        _check_arguments(cls, args, kwargs)
+        return super().__new__(cls)
 
     def with_(self, **kw) -> "ComputeSchedule":
         return replace(self, **kw)
@@ -213,6 +229,10 @@ class CommSchedule:
         if self.engine in ("copy_engine", "compute"):
             return 1
         return self.sms if self.sms is not None else 2
+
+    def __new__(cls, *args, **kwargs):
+        _check_arguments(cls, args, kwargs)
+        return super().__new__(cls)
 
     def with_(self, **kw) -> "CommSchedule":
         return replace(self, **kw)

@@ -213,10 +213,80 @@ def test_non_array_argument(nothing_runs):
         tl.simulate(gather_scale, 2, inputs)
 
 
+def test_a_traced_kernel_refuses_arrays_of_other_dtypes_than_it_was_traced_for():
+    """Simulating a traced kernel: an int32 array where it was traced for f16 (or a float32 one for
+    i32) is an InputError naming the argument, not values converted silently (70000 -> f16's inf).
+    A float32 array may stand for bf16, which numpy cannot hold."""
+    @tl.kernel
+    def added(a, idx, out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            n = tl.load_scalar(idx, (0,))
+            tl.store(out, (0,), tl.load(a, (0,), (4,)) + tl.full((4,), n, a.dtype))
+
+    S = tl.TensorSpec
+    f16 = added.trace(1, S((4,), tl.float16), S((1,), tl.int32), S((4,), tl.float16))
+    out = np.full(4, np.nan, np.float16)
+    with pytest.raises(tl.InputError, match="argument 'a': dtype i32, the kernel was traced for f16"):
+        tl.simulate(f16, 1, [{"a": np.array([70000, 1, 2, 3], np.int32), "idx": np.array([2], np.int32), "out": out}])
+    with pytest.raises(tl.InputError, match="argument 'idx': dtype f32, the kernel was traced for i32"):
+        two = added.trace(2, S((4,), tl.float16), S((1,), tl.int32), S((4,), tl.float16))
+        bad = {"a": np.ones(4, np.float16), "idx": np.array([2.7], np.float32), "out": out}
+        tl.simulate(two, 2, [bad, bad])
+    bf16 = added.trace(1, S((4,), tl.bfloat16), S((1,), tl.int32), S((4,), tl.bfloat16))
+    got = tl.simulate(bf16, 1, [{"a": np.ones(4, np.float32), "idx": np.array([2], np.int32),
+                                 "out": np.full(4, np.nan, np.float32)}])[0]["out"]
+    assert (got == 3).all()
+    with pytest.raises(tl.InputError, match=r"traced for bf16 \(or float32 holding bf16 values\)"):
+        tl.simulate(bf16, 1, [{"a": np.ones(4, np.float16), "idx": np.array([2], np.int32), "out": out}])
+
+
+def test_minimum_and_maximum_take_fragments_and_refuse_what_is_not_a_number():
+    """The online-softmax update ``m.write(tl.maximum(m, row_max))`` on a fragment; a string is a
+    CompilationError, not Python's TypeError from ``max``."""
+    @tl.kernel
+    def clamped(x, out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            m = tl.fragment((8,), tl.float32, fill=-1.0)
+            m.write(tl.maximum(m, tl.load(x, (0,), (8,))))
+            m.write(tl.minimum(0.5, m))
+            tl.store(out, (0,), m)
+
+    x = np.array([-3, -0.5, 0, 0.25, 1, 2, -1, 0.5], np.float32)
+    got = tl.simulate(clamped, 1, [{"x": x, "out": np.full(8, np.nan, np.float32)}])[0]["out"]
+    np.testing.assert_array_equal(got, np.minimum(0.5, np.maximum(-1.0, x)))
+    with pytest.raises(tl.CompilationError, match="tl.maximum takes tiles, fragments, traced scalars or Python "
+                                                  "numbers, got str and int"):
+        tl.maximum("a", 1)
+    with pytest.raises(tl.CompilationError, match=r"cdiv\(5, 0\): dividing by zero"):
+        tl.cdiv(5, 0)
+
+
+def test_tile_shapes_may_be_lists_and_buffers_one_int():
+    """``tl.full([8], ...)``, ``tl.fragment([8])`` and ``tl.local_buffer(8, ...)`` as their tuple forms."""
+    @tl.kernel
+    def listed(out):
+        buf = tl.local_buffer(8, tl.int32, "scratch")
+
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            f = tl.fragment([8], tl.int32, fill=2)
+            f.write(f + tl.full([8], 3, tl.int32))
+            tl.store(buf, (0,), f)
+            tl.store(out, (0,), tl.load(buf, (0,), (8,)))
+
+    got = tl.simulate(listed, 1, [{"out": np.zeros(8, np.int32)}])[0]["out"]
+    assert (got == 5).all()
+
+
 def test_schedule_errors_point_at_the_users_line_through_with_():
     """A schedule derived with ``with_`` (dataclasses.replace underneath) reports the caller's
-    line, not the standard library's."""
+    line, not the standard library's — also for a field the schedule does not have."""
     base = tl.CommSchedule(engine="copy_engine", mode="push")
+    with pytest.raises(tl.ScheduleError, match="CommSchedule has no field 'tile'; its fields: tile_m,") as info:
+        base.with_(tile=(64, 64, 32))
+    assert info.value.loc is not None and info.value.loc.filename == __file__
     with pytest.raises(tl.ScheduleError) as info:
         base.with_(engine="sm", col_tile=1024)          # the line the error must name
     err = info.value

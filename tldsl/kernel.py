@@ -241,6 +241,7 @@ def _part(fn, grid, role, name, engine, lanes, align_shift):
     if b.blocks:
         fail("parts cannot be nested: define every part in the kernel body")
     grid = _grid(grid)
+    _check_arity(fn, len(grid))
     loc = user_location()
     body = core.Block()
     part = core.Part(b.unique(name or fn.__name__, b.parts), role, grid, engine, body, loc, lanes)
@@ -253,6 +254,18 @@ def _part(fn, grid, role, name, engine, lanes, align_shift):
         fn(*pids)
     b.part_role = b.part_engine = None
     return part
+
+
+def _check_arity(fn, axes: int) -> None:
+    """A part is called with one program id per grid axis: refuse one that takes another number of
+    arguments at its line, rather than as Python's TypeError from inside the tracer."""
+    try:
+        inspect.signature(fn).bind(*range(axes))
+    except TypeError:
+        fail(f"part '{getattr(fn, '__name__', fn)}' must take {axes} argument(s), one program id per axis of its "
+             f"{axes}-d grid: def {getattr(fn, '__name__', 'part')}({', '.join(f'p{a}' for a in range(axes))})")
+    except ValueError:
+        pass                        # no signature to read (a builtin): let the call say
 
 
 def _grid_given(grid, what: str) -> None:

@@ -158,9 +158,9 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         frag = fragment(shape, dtype, 0)
         frag.write(full(frag.shape, fill, dtype))
         return frag
-    shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.fragment")
+    shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
-    check_fill(fill, "tl.fragment")
+    check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})
     return Fragment(op.result)
@@ -234,6 +234,9 @@ def _reduce(op, x, axis):
     shape = x.shape[:axis] + x.shape[axis + 1:]
     if not shape:
         fail("reducing a tile to a scalar is not supported; keep one axis")
+    if op == "sum" and x.dtype == T.bool_:
+        fail("tl.sum of a bool tile: cast it first — tl.sum(tl.cast(mask, tl.int32), axis) counts the "
+             "true elements (tl.max of a bool tile is 'any', tl.min 'all')")
     return Tile(current().emit("reduce", [x.value], [T.TileType(shape, x.dtype)],
                                {"op": op, "axis": axis}).result)
 
@@ -306,9 +309,17 @@ def local_buffer(shape, dtype, name: str = "scratch") -> TensorRef:
 
 def _workspace(shape, dtype, name, space):
     b = _declare("buffers")
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        fail(f"buffer '{name}' needs a shape of positive Python ints, got {type(shape).__name__} {shape!r}")
+    shape = tuple(shape)
+    if not shape or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0 for s in shape):
+        traced = any(isinstance(s, Scalar) for s in shape)
+        fail(f"buffer '{name}' needs a shape of positive Python ints, got {shape!r}"
+             + (" (a traced scalar cannot size a buffer: shapes are static)" if traced else
+                " (use // for a whole number)" if any(isinstance(s, float) for s in shape) else ""))
     shape = tuple(int(s) for s in shape)
-    if not shape or any(s <= 0 for s in shape):
-        fail(f"buffer '{name}' needs a positive shape, got {shape}")
     buf = core.Buffer(b.unique(name, b.buffers), T.TensorType(shape, dtype_arg(dtype, f"buffer '{name}'"), space),
                       "workspace", loc=user_location())
     b.buffers.append(buf)

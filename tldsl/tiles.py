@@ -124,7 +124,11 @@ class Fragment:
     def write(self, tile) -> None:
         tile = as_tile(tile, like=self)
         if tile.shape != self.shape:
-            if np.broadcast_shapes(tile.shape, self.shape) != self.shape:
+            try:
+                fits = np.broadcast_shapes(tile.shape, self.shape) == self.shape
+            except ValueError:
+                fits = False
+            if not fits:
                 fail(f"cannot write a {tile.shape} tile into a {self.shape} fragment")
             tile = broadcast_to(tile, self.shape)
         if tile.dtype != self.dtype:
@@ -164,18 +168,21 @@ class Fragment:
 def full(shape, value, dtype=T.float32) -> Tile:
     """A tile of ``shape`` holding ``value`` everywhere (``dtype`` defaults to float32); ``value``
     a Python number or a traced scalar (a program id, a table entry)."""
-    shape = check_tile_shape(shape, len(shape) if isinstance(shape, tuple) else 1, "tl.full")
+    shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.full")
     dtype = dtype_arg(dtype, "tl.full")
     if isinstance(value, Scalar):              # a run-time value: zeros plus the scalar, in dtype
         return cast(ewise("add", full(shape, 0, dtype), value), dtype)
-    check_fill(value, "tl.full")
+    check_fill(value, "tl.full", dtype)
     op = current().emit("full", [], [T.TileType(shape, dtype)], {"shape": shape, "value": value, "dtype": dtype})
     return Tile(op.result)
 
 
-def check_fill(value, what: str) -> None:
-    """A constant fill is one Python number (not a tile, an array or a string)."""
+def check_fill(value, what: str, dtype: T.DType | None = None) -> None:
+    """A constant fill is one Python number (not a tile, an array or a string), and an integer fill
+    of an i32 tile fits in i32 (rather than wrapping around)."""
     if isinstance(value, (numbers.Number, np.number)) and not isinstance(value, complex):
+        if dtype == T.int32 and isinstance(value, (numbers.Integral, np.integer)) and not -2**31 <= int(value) < 2**31:
+            fail(f"{what}: {value} does not fit in i32")
         return
     kind = "a tile" if isinstance(value, (Tile, Fragment)) else type(value).__name__
     fail(f"{what}: the value must be a Python number or a traced scalar, got {kind} "
@@ -317,18 +324,24 @@ def trans(x) -> Tile:
 def minimum(a, b):
     """The smaller of two scalars (two Python numbers stay one), or the elementwise minimum
     when either is a tile."""
-    if isinstance(a, Tile) or isinstance(b, Tile):
+    if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
         return ewise("min", a, b)
     if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        if not all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in (a, b)):
+            fail(f"tl.minimum takes tiles, fragments, traced scalars or Python numbers, got "
+                 f"{type(a).__name__} and {type(b).__name__}")
         return min(a, b)
     return scalar_op("min", a, b)
 
 
 def maximum(a, b):
     """The larger of two scalars, or the elementwise maximum when either is a tile."""
-    if isinstance(a, Tile) or isinstance(b, Tile):
+    if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
         return ewise("max", a, b)
     if not isinstance(a, Scalar) and not isinstance(b, Scalar):
+        if not all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in (a, b)):
+            fail(f"tl.maximum takes tiles, fragments, traced scalars or Python numbers, got "
+                 f"{type(a).__name__} and {type(b).__name__}")
         return max(a, b)
     return scalar_op("max", a, b)
 

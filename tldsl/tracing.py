@@ -244,6 +244,8 @@ def cdiv(a, b):
              f"by default: pass tile_m=..., or handle None for whole chunks)")
     if isinstance(a, Scalar) or isinstance(b, Scalar):
         return (a + (b - 1)) // b
+    if b == 0:
+        fail(f"cdiv({a}, 0): dividing by zero (a zero-sized dimension or tile?)")
     return -(-a // b)
 
 

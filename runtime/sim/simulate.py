@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import InputError
 from ...ir import core
 from ...ir.display import html_card, one_line
-from ...ir.types import dtype_of
+from ...ir.types import bfloat16, dtype_of, float32
 from .blas_threads import one_blas_thread
 from ...ir.part_graph import parts_waiting_through_others
 from .engine import Engine
@@ -135,6 +135,25 @@ def sim_options(options) -> SimOptions:
     raise InputError(f"options must be a tl.SimOptions(...) or a dict of its fields, got {type(options).__name__}")
 
 
+def _check_traced_for(ir, per_rank) -> None:
+    """Every rank's arrays have the shapes and dtypes ``ir`` was traced for (a float32 array may
+    stand for bf16, which numpy cannot hold): else an InputError naming the argument — a value of
+    another dtype would otherwise be converted silently (an int array's 70000 into f16's inf)."""
+    from ...kernel import TensorSpec
+    for r, arrays in enumerate(per_rank):
+        on = f" on rank {r}" if r else ""
+        for b, arr in zip(ir.args, arrays):
+            spec = TensorSpec.of(arr, b.name)
+            if spec.shape != b.type.shape:
+                raise InputError(f"argument '{b.name}': shape {np.shape(arr)}{on}, the kernel was traced for "
+                                 f"{b.type.shape}")
+            want = b.type.dtype
+            if spec.dtype != want and not (want == bfloat16 and spec.dtype == float32):
+                also = " (or float32 holding bf16 values)" if want == bfloat16 else ""
+                raise InputError(f"argument '{b.name}': dtype {spec.dtype.name}{on}, the kernel was traced for "
+                                 f"{want.name}{also}")
+
+
 def checked_call(kernel, world_size, inputs, seed, options, kwargs: dict, who: str, seed_means: str,
                  channels: bool = True):
     """The checks of a call that runs a program (``tl.simulate``, ``tl.run``) and its trace, the
@@ -163,9 +182,7 @@ def checked_call(kernel, world_size, inputs, seed, options, kwargs: dict, who: s
     names = [b.name for b in ir.args]
     per_rank = _per_rank_inputs(names, inputs, ir.world_size)
     _check_uniform(names, per_rank, {b.name for b in ir.args if b.symmetric})
-    for b, arr in zip(ir.args, per_rank[0]):
-        if tuple(np.shape(arr)) != b.type.shape:
-            raise InputError(f"argument '{b.name}': shape {np.shape(arr)}, the kernel was traced for {b.type.shape}")
+    _check_traced_for(ir, per_rank)
     if options.static_checks:
         from ...ir.verifier import verify
         verify(ir, channels=False)

@@ -157,8 +157,33 @@ class Fragment:
         self.write(self.read() * other)
         return self
 
+    def __itruediv__(self, other):
+        self.write(self.read() / other)
+        return self
+
+    def __bool__(self):
+        fail("a fragment has no Python truth value: use tl.where for elementwise choices")
+
+    __hash__ = object.__hash__
+
     def __repr__(self):
         return f"Fragment({self.value.type})"
+
+
+def _read_then(name: str):
+    """A fragment's operator: the same operator on its current value (``acc * 0.5``, ``-acc``,
+    ``acc > 0``), a tile; the fragment is unchanged."""
+    def op(self, *args):
+        return getattr(self.read(), name)(*args)
+    op.__name__ = name
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__floordiv__", "__mod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
+              "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__"):
+    setattr(Fragment, _name, _read_then(_name))
+Fragment.T = property(lambda self: self.read().T)
 
 
 # ----------------------------------------------------------------------------------

@@ -169,7 +169,11 @@ def as_scalar(x) -> "Scalar":
 
 
 def scalar_op(op: str, a, b) -> "Scalar":
-    """The traced scalar ``a <op> b`` (arithmetic, comparison, min/max); numbers become constants."""
+    """The traced scalar ``a <op> b`` (arithmetic, comparison, min/max); numbers become constants.
+    With a tile or fragment on either side (``p * 8 + tl.iota(8)``), the elementwise op."""
+    from .tiles import Fragment, Tile, ewise
+    if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
+        return ewise(op, a, b)
     a, b = as_scalar(a), as_scalar(b)
     if a.dtype != b.dtype:
         if {a.dtype, b.dtype} <= {T.int32, T.bool_}:

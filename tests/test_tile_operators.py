@@ -1,0 +1,64 @@
+"""Python's operators on tiles, fragments and traced scalars, in either order: a fragment reads as
+its current value (``acc * 0.5``, ``acc /= l``, ``-acc``, ``acc > 0``), and a traced scalar on the
+left of a tile broadcasts (``p * 8 + tl.iota(8)``) — each checked in the simulator against numpy,
+and lowered and compiled like any tile math."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+
+@tl.kernel
+def mixed(x, out, hits):
+    @tl.compute_part(grid=(2,))
+    def v(p):
+        acc = tl.fragment((8,), tl.float32, fill=2.0)
+        t = tl.load(x, (0,), (8,))
+        acc /= t
+        y = -acc * 0.5 + (p * 8 + tl.iota(8))
+        acc.write(tl.where(acc > 0, y, 1 - acc))
+        acc -= abs(acc) // 4 + acc % 2
+        tl.store(out, (p * 8,), acc)
+        tl.store(hits, (p * 8,), tl.cast((p + tl.iota(8) == 3) | (acc >= 3), tl.int32))
+
+
+def _want(x):
+    out, hits = [], []
+    for p in range(2):
+        a = (2 / x).astype(np.float32)
+        a = np.where(a > 0, -a * 0.5 + (p * 8 + np.arange(8)), 1 - a).astype(np.float32)
+        a = a - (np.floor(np.abs(a) / 4) + np.mod(a, 2))
+        out.append(a)
+        hits.append(((p + np.arange(8)) == 3) | (a >= 3))
+    return np.concatenate(out), np.concatenate(hits).astype(np.int32)
+
+
+def test_fragments_and_scalars_take_operators_in_either_order():
+    x = np.array([1, 2, 4, -1, -2, 8, 0.5, -4], np.float32)      # every quotient exact
+    r = tl.simulate(mixed, 1, [{"x": x, "out": np.full(16, np.nan, np.float32), "hits": np.full(16, -1, np.int32)}])
+    want_out, want_hits = _want(x)
+    np.testing.assert_array_equal(r[0]["out"], want_out)
+    np.testing.assert_array_equal(r[0]["hits"], want_hits)
+
+
+def test_the_same_program_lowers_and_compiles():
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    f32 = tl.TensorSpec((16,), tl.float32)
+    k = mixed.trace(1, tl.TensorSpec((8,), tl.float32), f32, tl.TensorSpec((16,), tl.int32))
+    assert lower(k, "v").compile().cubin
+
+
+def test_a_fragment_has_no_truth_value():
+    @tl.kernel
+    def branch(out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            acc = tl.fragment((8,), tl.float32)
+            if acc:
+                tl.store(out, (0,), acc)
+
+    with pytest.raises(tl.CompilationError, match="a fragment has no Python truth value"):
+        branch.trace(1, tl.TensorSpec((8,), tl.float32))

@@ -159,3 +159,31 @@ def test_a_kernel_checked_on_one_slot_first_reports_both_runs_as_one():
     assert [p.done for p in seen].count(True) == 1 and seen[-1].done
     assert seen[-1].expected_steps == 2 * res.expected_steps
     assert res.steps < seen[-1].steps <= 2.2 * res.steps         # the one-slot run's steps, then the returned run's
+
+
+def _counting(turns: int, inner: int = 1):
+    @tl.kernel
+    def counted(out):
+        @tl.compute_part(grid=(2,))
+        def v(p):
+            acc = tl.fragment((8,), tl.float32)
+            for i in tl.range(0, turns):
+                for j in tl.range(0, inner):
+                    acc += 1.0
+            tl.store(out, (p * 8,), acc)
+    return counted
+
+
+def test_a_long_loop_without_primitives_warns_though_it_takes_few_steps():
+    """A tl.range loop that reaches no primitive runs within one scheduler step: a billion turns
+    of it are four steps, so its turns are counted apart — nested loops multiplied — and warned
+    about before anything runs; a short one is not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LongSimulationWarning)
+        with pytest.raises(LongSimulationWarning) as info:
+            tl.simulate(_counting(1 << 15, 1 << 15), 1, [{"out": np.zeros(16, np.float32)}])
+        msg = str(info.value)
+        turns = 2 * 2 * (1 << 15) * (1 + (1 << 15))          # launches x tasks x outer x (1 + inner)
+        assert "about 4 scheduler steps expected" in msg and f"turn about {turns:,} times in all" in msg, msg
+        got = tl.simulate(_counting(64, 4), 1, [{"out": np.zeros(16, np.float32)}])[0]["out"]
+    assert (got == 256).all()

@@ -74,10 +74,14 @@ class ProgressReporter:
 
 
 def long_run_message(world_size: int, expected_steps: int, tasks: int, launches: int, max_steps: int,
-                     static_checks: bool) -> str:
+                     static_checks: bool, loop_turns: int = 0) -> str:
     msg = (f"simulating W={world_size} ranks: about {expected_steps:,} scheduler steps expected "
            f"({tasks:,} tasks per launch, {launches} launch{'es' if launches != 1 else ''}; the count grows "
            f"with W^2), which may take minutes. ")
+    if loop_turns:
+        msg += (f"Its tl.range loops turn about {loop_turns:,} times in all, each turn's tile math simulated "
+                f"(a loop that reaches no primitive runs within one step, so progress may not show while it "
+                f"turns): this may take much longer; shrink the loops' trip counts to simulate it. ")
     if static_checks:
         msg += "The static channel analysis runs first (SimOptions(static_checks=False) skips it). "
     msg += ("Progress is reported while the launches run (to stderr unless SimOptions(progress=...) says "

@@ -20,6 +20,10 @@ from .memory import Memory, host_array, poison_value, to_storage
 from .options import SimOptions
 from .progress import LongSimulationWarning, ProgressReporter, long_run_message, print_progress
 from .step_estimate import estimate_steps
+
+#: loop turns that take about as long as one scheduler step (a turn of tile math in a loop with no
+#: primitive runs without the scheduler): SimOptions.warn_steps times this many turns warn too
+TURNS_PER_STEP = 25
 from .timeline import format_timeline
 
 
@@ -216,10 +220,13 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     estimate = estimate_steps(ir, memory, options.launches, options.max_steps + 1)
     looping = parts_waiting_through_others(ir) if options.compute_slots is None else []
     runs = 2 if looping else 1          # (such a kernel is also run with those parts on one slot: below)
+    long_turns = options.warn_steps is not None and estimate.loop_iterations * runs > TURNS_PER_STEP * options.warn_steps
     long_run = options.warn_steps is not None and estimate.steps * runs > options.warn_steps
-    if long_run:
+    if long_run or long_turns:
         warnings.warn(long_run_message(world_size, estimate.steps * runs, estimate.tasks, options.launches,
-                                       options.max_steps, options.static_checks), LongSimulationWarning, stacklevel=2)
+                                       options.max_steps, options.static_checks,
+                                       loop_turns=estimate.loop_iterations * runs if long_turns else 0),
+                      LongSimulationWarning, stacklevel=2)
     if options.static_checks:
         if isinstance(kernel, KernelFunction):
             ir = kernel.trace_checked(world_size, per_rank[0], kwargs, channels=True)   # cached once checked

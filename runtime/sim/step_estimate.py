@@ -6,9 +6,14 @@ if it always did, so the estimate is a little high. Counting walks a task's cont
 with its index arithmetic only: no tile math, no memory but the int tables a dynamic
 mapping reads (as the inputs hold them). Every task of a small launch is counted; of a large
 one, an evenly spread sample (the count grows with W^2, the time to estimate it does not).
+
+A ``tl.range`` loop that reaches no primitive runs inside one step, however many times it turns:
+its iterations are counted apart (their trip counts, where the bounds are known before the loop),
+so that a loop of a billion turns is warned about like a run of a billion steps.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ...ir.opdefs import PRIMITIVES
@@ -23,13 +28,14 @@ class StepEstimate:
     steps: int           # all launches
     tasks: int           # per launch (every rank)
     sampled: bool        # False: every task was counted
+    loop_iterations: int = 0     # all launches: turns of loops (those inside a single step too)
 
 
 def estimate_steps(kernel, memory, launches: int, limit: int) -> StepEstimate:
     """Expected scheduler steps of ``launches`` launches; counting stops past ``limit``."""
     W = kernel.world_size
     counter = _Counter(memory)
-    per_launch, tasks, sampled = 0, 0, False
+    per_launch, turns, tasks, sampled = 0, 0, 0, False
     for part in kernel.parts:
         per_rank = part.num_tasks
         total = W * per_rank
@@ -37,11 +43,13 @@ def estimate_steps(kernel, memory, launches: int, limit: int) -> StepEstimate:
         picks = range(total) if total <= SAMPLE else [k * total // SAMPLE for k in range(SAMPLE)]
         sampled |= total > SAMPLE
         budget = max(1, limit // max(1, launches))
-        counted = 0
+        counted = looped = 0
         for k in picks:
-            counted += counter.task_steps(part, k // per_rank, _coords(k % per_rank, part.grid), budget)
+            steps, iterations = counter.task_steps(part, k // per_rank, _coords(k % per_rank, part.grid), budget)
+            counted, looped = counted + steps, looped + iterations
         per_launch += counted * total // len(picks) if picks else 0
-    return StepEstimate(per_launch * launches, tasks, sampled)
+        turns += looped * total // len(picks) if picks else 0
+    return StepEstimate(per_launch * launches, tasks, sampled, turns * launches)
 
 
 def _coords(index: int, grid) -> tuple:
@@ -66,16 +74,17 @@ class _Counter:
         self.scalars: dict[int, object] = {}
         self.yields: dict[int, bool] = {}        # id(block) -> whether it can reach a primitive
 
-    def task_steps(self, part, rank, coords, budget) -> int:
+    def task_steps(self, part, rank, coords, budget) -> tuple[int, int]:
+        """(scheduler steps, loop turns) of one task."""
         env: dict[int, object] = {}
-        count = [1]
+        count = [1, 0]
         try:
             self._block(part.body, env, _Task(rank, coords), count, budget)
         except _Enough:
             pass
         except Exception:   # noqa: BLE001 - the run itself reports it; count what came before
             pass
-        return count[0]
+        return count[0], count[1]
 
     def _block(self, block, env, task, count, budget):
         for op in block.ops:
@@ -91,7 +100,10 @@ class _Counter:
                     iv = body.args[0].id
                     for i in range(lo, hi, max(st, 1)):
                         env[iv] = i
+                        count[1] += 1
                         self._block(body, env, task, count, budget)
+                else:
+                    count[1] += self._quiet_turns(op, env, task)
             elif name == "if":
                 if env[op.operands[0].id] and self._can_yield(op.regions[0]):
                     self._block(op.regions[0], env, task, count, budget)
@@ -103,6 +115,29 @@ class _Counter:
                 run = self._scalar(op)
                 if run is not None:
                     run(op, env, task)
+
+    def _quiet_turns(self, loop, env, task) -> int:
+        """Turns of a loop that reaches no primitive, its nested loops' included, their trip counts
+        as its first turn computes them (a bound that cannot be computed counts as one turn)."""
+        trip = _trip(loop, env)
+        if not trip:
+            return 0
+        body = loop.regions[0]
+        first = dict(env)
+        if loop.operands[0].id in env:
+            first[body.args[0].id] = env[loop.operands[0].id]
+        inner = 0
+        for op in body.ops:
+            if op.name == "for":
+                inner += self._quiet_turns(op, first, task)
+            elif not op.regions and op.name != "load_scalar":
+                run = self._scalar(op)
+                if run is not None:
+                    try:
+                        run(op, first, task)
+                    except Exception:   # noqa: BLE001 - a bound it cannot compute counts as one turn
+                        pass
+        return trip * (1 + inner)
 
     def _scalar(self, op):
         key = id(op)
@@ -116,6 +151,14 @@ class _Counter:
             self.yields[key] = any(op.name in PRIMITIVES or any(self._can_yield(r) for r in op.regions)
                                    for op in block.ops)
         return self.yields[key]
+
+
+def _trip(loop, env) -> int:
+    bounds = [env.get(v.id) for v in loop.operands]
+    if not all(isinstance(b, numbers.Integral) for b in bounds):
+        return 1
+    lo, hi, st = bounds
+    return len(range(lo, hi, max(st, 1)))
 
 
 class _Enough(Exception):

@@ -40,6 +40,23 @@ def _check_arguments(cls, args, kwargs) -> None:
         raise _invalid(f"{cls.__name__} takes at most {len(names)} values ({', '.join(names)}), got {len(args)}")
 
 
+def _python_ints(schedule) -> None:
+    """numpy integers (a size computed with numpy in a notebook) as the Python ints they stand for,
+    alone or inside a tuple, so that ``stages=np.int64(2)`` is 2 rather than refused as not 1..8."""
+    import numbers
+    def plain(v):
+        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+            return int(v)
+        if isinstance(v, (tuple, list)):
+            return type(v)(plain(x) for x in v)
+        return v
+    for f in fields(schedule):
+        v = getattr(schedule, f.name)
+        w = plain(v)
+        if w is not v:
+            object.__setattr__(schedule, f.name, w)
+
+
 def _pow2(x: int) -> bool:
     return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
 
@@ -61,6 +78,7 @@ class ComputeSchedule:
     cluster: tuple[int, int] = (1, 1)
 
     def __post_init__(self):
+        _python_ints(self)
         check_field_types(self, _invalid)
         t = tuple(self.tile)
         object.__setattr__(self, "tile", t)
@@ -174,6 +192,7 @@ class CommSchedule:
     own_rows: str = "comm"
 
     def __post_init__(self):
+        _python_ints(self)
         check_field_types(self, _invalid)
         if self.order not in COMM_ORDERS:
             raise _invalid(f"communication order {self.order!r}: choose one of {COMM_ORDERS}")

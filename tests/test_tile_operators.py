@@ -62,3 +62,27 @@ def test_a_fragment_has_no_truth_value():
 
     with pytest.raises(tl.CompilationError, match="a fragment has no Python truth value"):
         branch.trace(1, tl.TensorSpec((8,), tl.float32))
+
+
+def test_traced_scalars_negate_and_take_their_absolute_value():
+    @tl.kernel
+    def starts(out):
+        @tl.compute_part(grid=(3,))
+        def v(p):
+            lo = tl.maximum(-p * 8, 0) + abs(p - 1) + (+p)
+            tl.store(out, (p * 8,), lo + tl.iota(8))
+
+    got = tl.simulate(starts, 1, [{"out": np.full(24, -1, np.int32)}])[0]["out"]
+    want = np.concatenate([max(-p * 8, 0) + abs(p - 1) + p + np.arange(8) for p in range(3)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_schedules_take_numpy_ints_as_the_ints_they_are():
+    """Sizes computed with numpy in a notebook: ``stages=np.int64(2)`` is 2, not 'need 1..8'."""
+    i = np.int64
+    s = tl.ComputeSchedule(tile=(i(64), i(64), i(32)), stages=i(2), group_m=i(4), cluster=(i(2), i(1)))
+    assert s == tl.ComputeSchedule(tile=(64, 64, 32), stages=2, group_m=4, cluster=(2, 1))
+    assert all(type(v) is int for v in s.tile + (s.stages, s.group_m) + s.cluster)
+    assert tl.CommSchedule(tile_m=i(16)).tile_m == 16 and type(tl.CommSchedule(tile_m=i(16)).tile_m) is int
+    with pytest.raises(tl.ScheduleError, match="stages takes an int, got True"):
+        tl.ComputeSchedule(stages=True)

@@ -228,6 +228,8 @@ def kernel(fn=None, *, name: str | None = None):
 def _grid(grid) -> tuple[int, ...]:
     if isinstance(grid, numbers.Integral):
         grid = (grid,)
+    if isinstance(grid, (str, bytes)) or not hasattr(grid, "__iter__"):
+        fail(f"a part's grid must be a tuple of Python ints (static), got {grid!r}")
     grid = tuple(grid)
     if not grid or not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) for g in grid):
         fail(f"a part's grid must be Python ints (static), got {grid}")

@@ -69,6 +69,9 @@ class Tile:
     def __neg__(self):
         return ewise("neg", self)
 
+    def __pos__(self):
+        return self
+
     def __abs__(self):
         return ewise("abs", self)
 
@@ -327,7 +330,7 @@ def expand_dims(x, axis: int) -> Tile:
 def broadcast_to(x, shape) -> Tile:
     """``x`` repeated to ``shape`` by numpy's broadcasting rules; a shape they refuse is a CompilationError."""
     x = as_tile(x)
-    shape = tuple(shape)
+    shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.broadcast_to")
     try:
         if np.broadcast_shapes(x.shape, shape) != shape:
             raise ValueError

@@ -213,6 +213,9 @@ class Scalar:
     def __hash__(self):
         return id(self)
 
+    def __neg__(self): return scalar_op("sub", 0 if self.dtype.kind == "int" else 0.0, self)
+    def __pos__(self): return self
+    def __abs__(self): return scalar_op("max", self, -self)
     def __add__(self, o): return scalar_op("add", self, o)
     def __radd__(self, o): return scalar_op("add", o, self)
     def __sub__(self, o): return scalar_op("sub", self, o)

@@ -41,7 +41,9 @@ test: $(VENV)/.installed
 mutants: $(VENV)/.installed
 	$(PY) -m tldsl.testing.mutants
 
-# On a GPU host (torch + cuda-python + an H200): the GPU tests. A test still running after
-# 150 s has every thread's stack printed (pytest's faulthandler), so a stall names its place.
+# On a GPU host (torch + cuda-python + an H200): the GPU tests, with the Python tldsl[gpu] was
+# installed into (`make gpu-test PYTHON=.venv/bin/python` for this checkout's virtualenv). A test
+# still running after 150 s has every thread's stack printed (pytest's faulthandler), so a stall
+# names its place.
 gpu-test:
-	TLDSL_REQUIRE_GPU=1 python3 -m pytest -q -rs -m gpu -o faulthandler_timeout=150 tests
+	TLDSL_REQUIRE_GPU=1 $(PYTHON) -m pytest -q -rs -m gpu -o faulthandler_timeout=150 tests

@@ -261,3 +261,25 @@ def test_compile_progress_takes_true_and_refuses_what_it_cannot_call(capsys):
     with pytest.raises(InputError, match="progress=42: None, True, False or a function"):
         resolve_progress(42)
     assert ProgressEvent is not None
+
+
+@pytest.mark.parametrize("argv, says", [(["copy_engine", "--iters", "3"], "copy_engine takes no --iters"),
+                                        (["moe_power", "--iters", "3"], "moe_power takes no --iters"),
+                                        (["moe_dram", "--iters", "0"], "--iters must be positive, got 0")])
+def test_a_probe_refuses_an_iters_it_would_ignore(argv, says, capsys):
+    from tldsl.bench import probes
+    with pytest.raises(SystemExit) as done:
+        probes.main(argv)
+    assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_compile_benchmark_makes_its_cache_dir_or_says_why_not(tmp_path):
+    from tldsl.bench import compile as compile_bench
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    with pytest.raises(SystemExit, match=f"--cache-dir {taken}: cannot create it"):
+        compile_bench.main(["--cache-dir", str(taken)])
+    full = tmp_path / "full"
+    (full / "x").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="is not empty: a cold compile needs an empty cache"):
+        compile_bench.main(["--cache-dir", str(full)])

@@ -598,3 +598,16 @@ def test_a_kernel_whose_log_has_no_ptxas_report_is_counted_unchecked_not_a_crash
     assert re.search(r"0 general-lowering kernel\(s\) spilling registers \([1-9]\d* not checked: no ptxas report "
                      r"in their NVRTC log\)", out), out
     assert "spills not checked (no ptxas report): stage0" in out, out
+
+
+def test_asking_for_the_gpu_comparison_without_a_gpu_fails_in_one_line(monkeypatch, capsys):
+    """``--gpu`` where nothing can be compared is exit status 2 before any program runs — not a
+    green run with every program 'not compared'."""
+    import tldsl.testing.fuzz as fuzz
+    monkeypatch.setattr(fuzz, "gpu_unavailable", lambda: "no CUDA device")
+    with pytest.raises(SystemExit) as done:
+        fuzz.main(["--programs", "2", "--seed", "5", "--gpu", "--no-compile"])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().endswith("--gpu compares on a GPU, but no CUDA device here (drop --gpu to "
+                                              "simulate, lower and compile only)")

@@ -12,7 +12,7 @@ What a user without tldsl runs for the same layer, one step after the other on o
   holds rows ``[r*S, (r+1)*S)``; ``zigzag``: the sequence in ``2W`` chunks, rank ``r`` holds
   chunks ``r`` and ``2W-1-r``, so every rank does the same causal work).
 
-    torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe [--models mixtral,qwen15 ...] [--iters 20]
+    torchrun --nproc_per_node=2 -m tldsl.bench baselines ag_moe [--models mixtral:8192:random,qwen15:8192:random ...] [--iters 20]
     torchrun --nproc_per_node=2 -m tldsl.bench baselines moe_rs
     torchrun --nproc_per_node=2 -m tldsl.bench baselines sp_attention [--seqs 4096,8192] [--causal] [--gqa]
 

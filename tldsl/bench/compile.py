@@ -56,6 +56,12 @@ def main(argv=None) -> int:
         _hit_main(args.shape)
         return 0
     cache = args.cache_dir or tempfile.mkdtemp(prefix="tldsl-compile-bench-")
+    try:
+        os.makedirs(cache, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--cache-dir {cache}: cannot create it ({e.strerror})") from None
+    if not os.path.isdir(cache):
+        raise SystemExit(f"--cache-dir {cache} is not a directory")
     if os.listdir(cache):
         raise SystemExit(f"--cache-dir {cache} is not empty: a cold compile needs an empty cache")
     os.environ["TLDSL_CACHE_DIR"] = cache

@@ -3,8 +3,8 @@
     python -m tldsl.bench moe [--layer ag|rs] [--rows mixtral:8192:random,...] [--tile 128,256,64]
                               [--stages 4] [--cluster 2] [--stage-rows auto|on|off] [--fold on|off]
                               [--gather-order tokens|layout]
-                              [--group-m N] [--partial out|f32] [--iters 10] [--repeat 1] [--processes 1]
-                              [--json PATH]
+                              [--group-m N] [--interleave N] [--partial out|f32] [--dtype bfloat16|float16]
+                              [--iters 10] [--repeat 1] [--processes 1] [--json PATH]
 
 ``--layer ag`` (the default), AllGather+MoE's grouped GEMM:
 

@@ -2,7 +2,7 @@
 back to back for a few seconds while ``nvidia-smi`` samples the SM clock, the power drawn and
 whether the software power cap is holding the clock down.
 
-    python -m tldsl.bench probe moe_power [--rows deepseek:8192:random,...] [--seconds 2]
+    python -m tldsl.bench probe moe_power [--rows mixtral:32768:random,...] [--seconds 2]
 
 Why: a grouped GEMM that runs at the power cap is paid in energy, not in SM time. Work moved
 beside it (on its spare warps, on SMs its last wave leaves free, into its epilogue) still costs

@@ -7,7 +7,7 @@
     python -m tldsl.bench probe moe_notifies [--rows qwen3:8192:random,...]  # one GPU
     python -m tldsl.bench probe moe_schedules [--rows ...] [--layer ag|rs] [--schedules 128x256x64:4,...]  # one GPU
     python -m tldsl.bench probe moe_row_copies [--rows mixtral:32768:random,...]  # one GPU
-    python -m tldsl.bench probe moe_power [--rows deepseek:8192:random,...] [--seconds 2]  # one GPU
+    python -m tldsl.bench probe moe_power [--rows mixtral:32768:random,...] [--seconds 2]  # one GPU
     python -m tldsl.bench probe moe_dram [--rows qwen3:8192:random,...]  # one GPU
     torchrun --nproc_per_node=2 -m tldsl.bench probe rs_reduce_in [--shapes MxNxK,...]
     torchrun --nproc_per_node=2 -m tldsl.bench probe ag_enqueue [--shapes MxNxK,...]
@@ -554,12 +554,17 @@ def main(argv) -> int:
     ap.add_argument("--iters", type=int, default=None,
                     help="timed calls per variant and round (default: the probe's own — 30 for the one-GPU "
                          "probes but moe_notifies, moe_schedules and moe_dram (20) and moe_row_copies (7), 80 for ag_skew, "
-                         "20 for the others)")
+                         "20 for the others; not copy_engine, which times a fixed 30, nor moe_power, which runs "
+                         "for --seconds)")
     args = ap.parse_args(argv)
     if args.rows is None:
         args.rows = {"moe_row_copies": STAGED_ROWS, "moe_power": POWER_ROWS}.get(args.what, SMALL_EXPERT_ROWS)
     if not args.seconds > 0:
         ap.error(f"--seconds must be positive, got {args.seconds:g}")
+    if args.iters is not None and args.what in ("copy_engine", "moe_power"):
+        ap.error(f"{args.what} takes no --iters ({'it times a fixed 30 calls' if args.what == 'copy_engine' else 'its kernels run for --seconds'})")
+    if args.iters is not None and args.iters < 1:
+        ap.error(f"--iters must be positive, got {args.iters}")
     its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
         probe_copy_engine()

@@ -3,14 +3,16 @@ compile every part, and (with --gpu, where a GPU and ``tl.run`` exist) run it on
 compare with the simulator, each output element within its own tolerance (a bound on the
 GPU's legitimate error there: :mod:`.program_tolerance`).
 
-    python -m tldsl.testing.fuzz --programs N --seed S [--family F] [--gpu [--sms N]] [--sass] [--show-source]
-                                 [--only I]
+    python -m tldsl.testing.fuzz [--programs N] [--seed S] [--family F] [--gpu [--sms N] [--hang-seconds S]]
+                                 [--sass | --no-compile] [--show-source] [--only I]
 
 One line per program: simulated, parts lowered (and why the others are not), kernels compiled,
 compared. A summary gives the counts and the distribution (how many contain a dot, a tl.range
 loop, parts linked by signals, communication over W >= 2 ranks). Exit status 1 when a program
-fails in the simulator, a lowered kernel fails to compile or a GPU result differs (3 when a GPU
-run hangs: the hung program is printed); parts that do not lower yet are counted, not failed.
+fails in the simulator, its lowering crashes, a lowered kernel fails to compile, a general-lowering
+kernel spills registers, ``--sass`` finds a problem or a GPU result differs (3 when a GPU run
+hangs: the hung program is printed; 2 when ``--gpu`` finds no GPU to compare on); parts that do
+not lower yet are counted, not failed.
 ``--only I`` reruns program I of the seed alone (of the same ``--family``; a failing program's
 report prints that command). ``--family F`` (repeatable)
 draws only programs of that family: ``single``, ``pipeline``, ``comm``, or one recipe's shape —
@@ -437,6 +439,9 @@ def main(argv=None) -> int:
     if args.programs < 1:
         ap.error("--programs must be positive")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    if args.gpu and gpu_unavailable() is not None:
+        ap.exit(2, f"{called}: --gpu compares on a GPU, but {gpu_unavailable()} here (drop --gpu to simulate, "
+                   f"lower and compile only)\n")
     if args.gpu:
         # every rank's parts run at once on their own streams: up to W x parts of them, more than
         # CUDA's default 8 hardware queues (tl.run refuses a launch whose streams would share one).

@@ -350,3 +350,48 @@ def test_fused_all_gather_matmul_refuses_malformed_inputs_before_tracing(a_shard
     from tldsl.ops.allgather_gemm import fused_all_gather_matmul
     with pytest.raises(tl.InputError, match=message):
         fused_all_gather_matmul(a_shards, b)
+
+
+def test_sim_options_errors_are_input_errors_naming_the_options():
+    """Built directly, SimOptions refuses a misspelt option or a wrong value with an InputError (a
+    ValueError too, as before) — not the dataclass's TypeError."""
+    with pytest.raises(tl.InputError, match="SimOptions has no option 'launch'; its options: launches,"):
+        tl.SimOptions(launch=2)
+    with pytest.raises(ValueError, match=r"SimOptions\(launches=...\): launches takes an int, got '2'"):
+        tl.SimOptions(launches="2")
+    with pytest.raises(tl.InputError, match="launches must be a positive int, got 0"):
+        tl.SimOptions(launches=0)
+
+
+def test_a_result_is_indexed_by_rank_first():
+    r = tl.simulate(gather_scale, 2, _inputs(2))
+    assert set(r[1]) >= {"out"}
+    with pytest.raises(tl.InputError, match=r"indexed by rank first: result\[rank\]\['out'\], not result\['out'\]"):
+        r["out"]
+    with pytest.raises(tl.InputError, match=r"rank 2: this result has ranks 0..1"):
+        r[2]
+
+
+def test_a_wait_epoch_must_be_a_bool_and_a_tile_must_fit_a_cta():
+    @tl.kernel
+    def waited(out):
+        s = tl.signal("s", 1)
+
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            tl.producer_tile_notify(s, 0)
+            tl.consumer_tile_wait(s, 0, count=1, epoch="no")
+            tl.store(out, (0,), tl.zeros((8,)))
+
+    with pytest.raises(tl.CompilationError, match="epoch takes True or False, got 'no'"):
+        waited.trace(1, tl.TensorSpec((8,), tl.float32))
+
+    @tl.kernel
+    def huge(out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            tl.store(out, (0, 0), tl.fragment((1 << 18, 1 << 18), tl.float32))
+
+    with pytest.raises(tl.CompilationError, match=r"tl.fragment: a \(262144, 262144\) tile has 68,719,476,736 "
+                                                  r"elements, more than any CTA holds"):
+        huge.trace(1, tl.TensorSpec((8, 8), tl.float32))

@@ -69,6 +69,8 @@ def _notify(prim, sig, channel, rank, scope):
 
 
 def _wait(prim, sig, channel, count, epoch, per_launch=None, lag=0):
+    if not isinstance(epoch, bool) and type(epoch).__name__ != "bool_":
+        fail(f"{prim}: epoch takes True or False, got {epoch!r}")
     attrs = {"epoch": bool(epoch)}
     if not isinstance(lag, numbers.Integral) or isinstance(lag, bool) or lag < 0:
         fail(f"{prim}: lag must be an int >= 0 (how many launches back the notifies waited for were made), "

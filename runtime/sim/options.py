@@ -1,11 +1,16 @@
 """The simulator's one options object."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
+from ...errors import InputError
 from ...ir.display import compact, one_line
 from ...ir.field_types import check_field_types
+
+
+class SimOptionsError(InputError, ValueError):
+    """A SimOptions field that cannot be (an InputError; a ValueError too, as it always was)."""
 
 
 @dataclass(frozen=True)
@@ -57,15 +62,25 @@ class SimOptions:
     progress_interval_s: float = 5.0
     bulk_loops: bool = True
 
+    def __new__(cls, *args, **kwargs):
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise SimOptionsError(f"SimOptions has no option {', '.join(map(repr, unknown))}; its options: "
+                                  f"{', '.join(names)}")
+        if len(args) > len(names):
+            raise SimOptionsError(f"SimOptions takes at most {len(names)} values, got {len(args)}")
+        return super().__new__(cls)
+
     def __repr__(self) -> str:
         """The fields that differ from their defaults: ``SimOptions(launches=3)``."""
         return one_line(compact(self))
 
     def __post_init__(self):
-        check_field_types(self, ValueError)
+        check_field_types(self, SimOptionsError)
         if not isinstance(self.launches, int) or self.launches < 1:
-            raise ValueError(f"launches must be a positive int, got {self.launches}")
+            raise SimOptionsError(f"launches must be a positive int, got {self.launches}")
         if self.compute_slots is not None and (not isinstance(self.compute_slots, int) or self.compute_slots < 1):
-            raise ValueError(f"compute_slots must be None or a positive int, got {self.compute_slots}")
+            raise SimOptionsError(f"compute_slots must be None or a positive int, got {self.compute_slots}")
         if self.progress is not None and not isinstance(self.progress, bool) and not callable(self.progress):
-            raise ValueError(f"progress must be None, True, False or a function of a SimProgress, got {self.progress!r}")
+            raise SimOptionsError(f"progress must be None, True, False or a function of a SimProgress, got {self.progress!r}")

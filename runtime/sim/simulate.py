@@ -52,6 +52,11 @@ class SimResult:
     expected_steps: int = 0      # estimated before the run (SimOptions.warn_steps)
 
     def __getitem__(self, rank: int) -> dict[str, np.ndarray]:
+        """Rank ``rank``'s outputs by name (``result[0]["c"]``)."""
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+            raise InputError(f"a result is indexed by rank first: result[rank][{rank!r}], not result[{rank!r}]")
+        if not -len(self.outputs) <= rank < len(self.outputs):
+            raise InputError(f"rank {rank}: this result has ranks 0..{len(self.outputs) - 1}")
         return self.outputs[rank]
 
     def timeline(self, width: int = 64) -> str:

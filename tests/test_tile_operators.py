@@ -86,3 +86,16 @@ def test_schedules_take_numpy_ints_as_the_ints_they_are():
     assert tl.CommSchedule(tile_m=i(16)).tile_m == 16 and type(tl.CommSchedule(tile_m=i(16)).tile_m) is int
     with pytest.raises(tl.ScheduleError, match="stages takes an int, got True"):
         tl.ComputeSchedule(stages=True)
+
+
+def test_a_number_or_scalar_divides_a_tile_from_the_left():
+    @tl.kernel
+    def divided(out):
+        @tl.compute_part(grid=(2,))
+        def v(p):
+            t = tl.iota(8) + 1
+            tl.store(out, (p * 8,), (p + 7) // t + (p + 5) % t + 7 // t)
+
+    got = tl.simulate(divided, 1, [{"out": np.full(16, -1, np.int32)}])[0]["out"]
+    t = np.arange(8) + 1
+    np.testing.assert_array_equal(got, np.concatenate([(p + 7) // t + (p + 5) % t + 7 // t for p in range(2)]))

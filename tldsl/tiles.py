@@ -48,7 +48,9 @@ class Tile:
     def __truediv__(self, o): return self._e("div", o)
     def __rtruediv__(self, o): return self._e("div", o, True)
     def __floordiv__(self, o): return self._e("floordiv", o)
+    def __rfloordiv__(self, o): return self._e("floordiv", o, True)
     def __mod__(self, o): return self._e("mod", o)
+    def __rmod__(self, o): return self._e("mod", o, True)
     def __lt__(self, o): return self._e("lt", o)
     def __le__(self, o): return self._e("le", o)
     def __gt__(self, o): return self._e("gt", o)
@@ -183,7 +185,7 @@ def _read_then(name: str):
 
 
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-              "__floordiv__", "__mod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
+              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
               "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__"):
     setattr(Fragment, _name, _read_then(_name))
 Fragment.T = property(lambda self: self.read().T)

@@ -168,12 +168,17 @@ def as_scalar(x) -> "Scalar":
     fail(f"expected a scalar (int, float or traced scalar), got {type(x).__name__}")
 
 
+def _is_tile(x) -> bool:
+    """A Tile or Fragment (known by its value's type: tiles.py builds on this module)."""
+    return isinstance(getattr(getattr(x, "value", None), "type", None), (T.TileType, T.FragmentType))
+
+
 def scalar_op(op: str, a, b) -> "Scalar":
     """The traced scalar ``a <op> b`` (arithmetic, comparison, min/max); numbers become constants.
-    With a tile or fragment on either side (``p * 8 + tl.iota(8)``), the elementwise op."""
-    from .tiles import Fragment, Tile, ewise
-    if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
-        return ewise(op, a, b)
+    With a tile or fragment on either side, NotImplemented: a Scalar's operator then hands the
+    expression to the tile's reflected one (``p * 8 + tl.iota(8)`` broadcasts)."""
+    if _is_tile(a) or _is_tile(b):
+        return NotImplemented
     a, b = as_scalar(a), as_scalar(b)
     if a.dtype != b.dtype:
         if {a.dtype, b.dtype} <= {T.int32, T.bool_}:

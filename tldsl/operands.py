@@ -3,7 +3,6 @@ the call is made; shared by the language (:mod:`.language`) and the primitives
 (:mod:`.primitives`)."""
 from __future__ import annotations
 
-import math
 import numbers
 
 from .ir import core, types as T
@@ -45,16 +44,7 @@ def check_tile_shape(shape, ndim, what):
         static = " (tile shapes are static: a traced scalar cannot be one; take a larger tile and mask it)" \
             if any(isinstance(s, Scalar) for s in shape) else ""
         fail(f"{what}: tile shape must be {ndim} positive Python ints, got {shape}{static}")
-    shape = tuple(int(s) for s in shape)
-    if math.prod(shape) > MAX_TILE_ELEMENTS:
-        fail(f"{what}: a {shape} tile has {math.prod(shape):,} elements, more than any CTA holds (at most "
-             f"{MAX_TILE_ELEMENTS:,} here): tile the work over a grid or a tl.range loop")
-    return shape
-
-
-#: the most elements one tile may have: 64 MiB of f32, far past any CTA's registers and shared
-#: memory, so a bigger one is a mistake (a tensor's size passed as a tile) the simulator would try to allocate
-MAX_TILE_ELEMENTS = 1 << 24
+    return tuple(int(s) for s in shape)
 
 
 def rank_value(r):

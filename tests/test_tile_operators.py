@@ -4,6 +4,8 @@ left of a tile broadcasts (``p * 8 + tl.iota(8)``) — each checked in the simul
 and lowered and compiled like any tile math."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,35 @@ def test_a_number_or_scalar_divides_a_tile_from_the_left():
     got = tl.simulate(divided, 1, [{"out": np.full(16, -1, np.int32)}])[0]["out"]
     t = np.arange(8) + 1
     np.testing.assert_array_equal(got, np.concatenate([(p + 7) // t + (p + 5) % t + 7 // t for p in range(2)]))
+
+
+@pytest.mark.parametrize("expr, says", [
+    ("1 << p", "'<<' and '>>' on traced scalars: multiply or floor-divide"),
+    ("p ** 2", "'**' on traced scalars: write the product"),
+    ("p ^ 1", "'^' on traced scalars: for bools write a != b"),
+    ("~(p > 0)", "'~' on traced scalars: for 'not x' write x == 0"),
+    ("64 / (p + 1)", "'/' on traced index scalars is ambiguous: use '//'"),
+    ("len(tl.iota(8))", "a tile has no len(): its shape is t.shape"),
+    ("tl.iota(8) >> 1", "'<<' and '>>' on tiles"),
+    ("2.0 ** tl.zeros((8,))", "'**' on tiles: write the product"),
+    ("tl.fragment((8,), tl.int32) ^ 1", "'^' on tiles: for bool masks write a != b"),
+])
+def test_operators_tldsl_has_not_are_typed_errors_at_the_users_line(expr, says):
+    ns = {"tl": tl}
+    src = ("@tl.kernel\ndef k(out):\n    @tl.compute_part(grid=(1,))\n    def v(p):\n"
+           f"        x = {expr}\n        tl.store(out, (0,), tl.zeros((8,)))\n")
+    exec(compile(src, "<operators>", "exec"), ns)
+    with pytest.raises(tl.CompilationError, match=re.escape(says)) as info:
+        ns["k"].trace(1, tl.TensorSpec((8,), tl.float32))
+    assert info.value.loc is not None and info.value.loc.lineno == 5
+
+
+def test_a_scalar_divided_by_a_tile_is_elementwise():
+    @tl.kernel
+    def halves(out):
+        @tl.compute_part(grid=(2,))
+        def v(p):
+            tl.store(out, (p * 8,), (p + 1) / tl.full((8,), 2.0))
+
+    got = tl.simulate(halves, 1, [{"out": np.full(16, np.nan, np.float32)}])[0]["out"]
+    np.testing.assert_array_equal(got, np.repeat([0.5, 1.0], 8).astype(np.float32))

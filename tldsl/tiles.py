@@ -79,6 +79,18 @@ class Tile:
 
     def __pow__(self, o):
         fail("'**' on tiles: write the product (x * x), or tl.exp2(y * tl.log(x) / log(2)) for a real power")
+    __rpow__ = __pow__
+
+    def __lshift__(self, o):
+        fail("'<<' and '>>' on tiles: multiply or floor-divide by the power of two (t * 4, t // 4)")
+    __rlshift__ = __rshift__ = __rrshift__ = __lshift__
+
+    def __xor__(self, o):
+        fail("'^' on tiles: for bool masks write a != b")
+    __rxor__ = __xor__
+
+    def __len__(self):
+        fail("a tile has no len(): its shape is t.shape")
     __hash__ = object.__hash__
 
     @property
@@ -186,7 +198,8 @@ def _read_then(name: str):
 
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
               "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
-              "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__"):
+              "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__", "__rpow__", "__lshift__",
+              "__rlshift__", "__rshift__", "__rrshift__", "__xor__", "__rxor__"):
     setattr(Fragment, _name, _read_then(_name))
 Fragment.T = property(lambda self: self.read().T)
 

@@ -243,7 +243,29 @@ class Scalar:
     def __ror__(self, o): return scalar_op("or", o, self)
 
     def __truediv__(self, o):
+        if _is_tile(o):
+            return NotImplemented           # the tile's reflected '/': elementwise
         fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
+
+    def __rtruediv__(self, o):
+        if _is_tile(o):
+            return NotImplemented
+        fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
+
+    def __pow__(self, o):
+        fail("'**' on traced scalars: write the product (p * p)")
+    __rpow__ = __pow__
+
+    def __lshift__(self, o):
+        fail("'<<' and '>>' on traced scalars: multiply or floor-divide by the power of two (p * 4, p // 4)")
+    __rlshift__ = __rshift__ = __rrshift__ = __lshift__
+
+    def __xor__(self, o):
+        fail("'^' on traced scalars: for bools write a != b")
+    __rxor__ = __xor__
+
+    def __invert__(self):
+        fail("'~' on traced scalars: for 'not x' write x == 0, or tl.select(x, 0, 1)")
 
     def __repr__(self):
         return f"Scalar({self.value.type})"

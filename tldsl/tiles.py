@@ -11,7 +11,7 @@ import numpy as np
 from .ir import core, types as T
 from .ir.opdefs import BINARY_OPS, FLOAT_RESULT_OPS, UNARY_OPS
 from .operands import check_tile_shape, tensor_name
-from .tracing import Scalar, scalar_op, const, current, dtype_arg, fail
+from .tracing import Scalar, scalar_op, const, current, dtype_arg, fail, refusing
 
 
 class Tile:
@@ -77,20 +77,12 @@ class Tile:
     def __abs__(self):
         return ewise("abs", self)
 
-    def __pow__(self, o):
-        fail("'**' on tiles: write the product (x * x), or tl.exp2(y * tl.log(x) / log(2)) for a real power")
-    __rpow__ = __pow__
-
-    def __lshift__(self, o):
-        fail("'<<' and '>>' on tiles: multiply or floor-divide by the power of two (t * 4, t // 4)")
-    __rlshift__ = __rshift__ = __rrshift__ = __lshift__
-
-    def __xor__(self, o):
-        fail("'^' on tiles: for bool masks write a != b")
-    __rxor__ = __xor__
-
-    def __len__(self):
-        fail("a tile has no len(): its shape is t.shape")
+    __pow__ = __rpow__ = refusing(
+        "'**' on tiles: write the product (x * x), or tl.exp2(y * tl.log(x) / log(2)) for a real power")
+    __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = refusing(
+        "'<<' and '>>' on tiles: multiply or floor-divide by the power of two (t * 4, t // 4)")
+    __xor__ = __rxor__ = refusing("'^' on tiles: for bool masks write a != b")
+    __len__ = refusing("a tile has no len(): its shape is t.shape")
     __hash__ = object.__hash__
 
     @property

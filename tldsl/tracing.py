@@ -168,6 +168,14 @@ def as_scalar(x) -> "Scalar":
     fail(f"expected a scalar (int, float or traced scalar), got {type(x).__name__}")
 
 
+def refusing(message: str):
+    """An operator tldsl has not: a CompilationError at the user's line saying what to write instead
+    (rather than Python's TypeError about unsupported operands)."""
+    def refused(self, *args):
+        fail(message)
+    return refused
+
+
 def _is_tile(x) -> bool:
     """A Tile or Fragment (known by its value's type: tiles.py builds on this module)."""
     return isinstance(getattr(getattr(x, "value", None), "type", None), (T.TileType, T.FragmentType))
@@ -252,20 +260,11 @@ class Scalar:
             return NotImplemented
         fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
 
-    def __pow__(self, o):
-        fail("'**' on traced scalars: write the product (p * p)")
-    __rpow__ = __pow__
-
-    def __lshift__(self, o):
-        fail("'<<' and '>>' on traced scalars: multiply or floor-divide by the power of two (p * 4, p // 4)")
-    __rlshift__ = __rshift__ = __rrshift__ = __lshift__
-
-    def __xor__(self, o):
-        fail("'^' on traced scalars: for bools write a != b")
-    __rxor__ = __xor__
-
-    def __invert__(self):
-        fail("'~' on traced scalars: for 'not x' write x == 0, or tl.select(x, 0, 1)")
+    __pow__ = __rpow__ = refusing("'**' on traced scalars: write the product (p * p)")
+    __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = refusing(
+        "'<<' and '>>' on traced scalars: multiply or floor-divide by the power of two (p * 4, p // 4)")
+    __xor__ = __rxor__ = refusing("'^' on traced scalars: for bools write a != b")
+    __invert__ = refusing("'~' on traced scalars: for 'not x' write x == 0, or tl.select(x, 0, 1)")
 
     def __repr__(self):
         return f"Scalar({self.value.type})"

@@ -133,3 +133,23 @@ def test_a_scalar_divided_by_a_tile_is_elementwise():
 
     got = tl.simulate(halves, 1, [{"out": np.full(16, np.nan, np.float32)}])[0]["out"]
     np.testing.assert_array_equal(got, np.repeat([0.5, 1.0], 8).astype(np.float32))
+
+
+def test_expand_dims_takes_a_numpy_int_axis_and_refuses_a_traced_one():
+    @tl.kernel
+    def rows(out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            tl.store(out, (0, 0), tl.broadcast_to(tl.expand_dims(tl.iota(4), np.int64(0)), (2, 4)))
+
+    got = tl.simulate(rows, 1, [{"out": np.full((2, 4), -1, np.int32)}])[0]["out"]
+    np.testing.assert_array_equal(got, np.tile(np.arange(4), (2, 1)))
+
+    @tl.kernel
+    def traced(out):
+        @tl.compute_part(grid=(1,))
+        def v(p):
+            tl.store(out, (0, 0), tl.expand_dims(tl.iota(4), p))
+
+    with pytest.raises(tl.CompilationError, match="tl.expand_dims: axis must be a Python int, got Scalar"):
+        traced.trace(1, tl.TensorSpec((1, 4), tl.int32))

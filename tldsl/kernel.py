@@ -253,7 +253,10 @@ def _part(fn, grid, role, name, engine, lanes, align_shift):
     with b.region(body):
         pids = [Scalar(b.emit("program_id", [], [T.i32], {"axis": a}, hints=[f"pid{a}"]).result)
                 for a in range(len(grid))]
-        fn(*pids)
+        returned = fn(*pids)
+    if returned is not None:
+        fail(f"part '{part.name}' returned a {type(returned).__name__}: a part's results are what it stores "
+             f"(tl.store / tl.tile_push_data); a returned value would be dropped")
     b.part_role = b.part_engine = None
     return part
 

@@ -326,9 +326,11 @@ def expand_dims(x, axis: int) -> Tile:
     a negative ``axis`` counts from the end of the result, as in numpy)."""
     x = as_tile(x)
     shape = list(x.shape)
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -len(shape) - 1 <= axis <= len(shape):
+    if isinstance(axis, Scalar) or not isinstance(axis, numbers.Integral) or isinstance(axis, (bool, np.bool_)):
+        fail(f"tl.expand_dims: axis must be a Python int, got {type(axis).__name__} {axis!r}")
+    if not -len(shape) - 1 <= axis <= len(shape):
         fail(f"tl.expand_dims: axis {axis!r} is outside a {len(shape) + 1}-d result")
-    axis %= len(shape) + 1
+    axis = int(axis) % (len(shape) + 1)
     shape.insert(axis, 1)
     return Tile(current().emit("expand_dims", [x.value], [T.TileType(tuple(shape), x.dtype)],
                                {"axis": axis}).result)

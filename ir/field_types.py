@@ -13,6 +13,18 @@ import dataclasses
 import numbers
 
 
+def check_field_names(cls, args, kwargs, error, noun: str = "field") -> None:
+    """Raise ``error(message)`` where ``cls(*args, **kwargs)`` names a field ``cls`` has not
+    (``tiles=`` for ``tile=``) or passes more values than it has fields: its fields listed, rather
+    than the dataclass constructor's TypeError. Called from the class's ``__new__``."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise error(f"{cls.__name__} has no {noun} {', '.join(map(repr, unknown))}; its {noun}s: {', '.join(names)}")
+    if len(args) > len(names):
+        raise error(f"{cls.__name__} takes at most {len(names)} values ({', '.join(names)}), got {len(args)}")
+
+
 def field_problem(value, annotation: str) -> str | None:
     """Why ``value`` does not fit ``annotation`` (the words of an error), or None if it does."""
     kinds = [k.strip() for k in annotation.split("|")]

@@ -7,10 +7,11 @@ validates itself, and :func:`check_compatible` rejects combinations that cannot 
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields, replace
 
 from ..errors import ScheduleError
-from .field_types import check_field_types
+from .field_types import check_field_names, check_field_types
 from .location import user_location
 
 COMPUTE_ORDERS = ("row_major", "swizzled", "comm_aligned")
@@ -28,22 +29,9 @@ def _invalid(message: str) -> ScheduleError:
     return ScheduleError(message, user_location())
 
 
-def _check_arguments(cls, args, kwargs) -> None:
-    """A schedule built with a field it does not have (``tiles=`` for ``tile=``, a CommSchedule field
-    on a ComputeSchedule) is a ScheduleError listing its fields, at the user's line — not the
-    dataclass's TypeError."""
-    names = [f.name for f in fields(cls) if f.init]
-    unknown = sorted(set(kwargs) - set(names))
-    if unknown:
-        raise _invalid(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}; its fields: {', '.join(names)}")
-    if len(args) > len(names):
-        raise _invalid(f"{cls.__name__} takes at most {len(names)} values ({', '.join(names)}), got {len(args)}")
-
-
 def _python_ints(schedule) -> None:
     """numpy integers (a size computed with numpy in a notebook) as the Python ints they stand for,
     alone or inside a tuple, so that ``stages=np.int64(2)`` is 2 rather than refused as not 1..8."""
-    import numbers
     def plain(v):
         if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
             return int(v)
@@ -104,7 +92,7 @@ class ComputeSchedule:
     def BK(self): return self.tile[2]
 
     def __new__(cls, *args, **kwargs):
-        _check_arguments(cls, args, kwargs)
+        check_field_names(cls, args, kwargs, _invalid)      # a schedule field it has not: a ScheduleError
         return super().__new__(cls)
 
     def with_(self, **kw) -> "ComputeSchedule":
@@ -250,7 +238,7 @@ class CommSchedule:
         return self.sms if self.sms is not None else 2
 
     def __new__(cls, *args, **kwargs):
-        _check_arguments(cls, args, kwargs)
+        check_field_names(cls, args, kwargs, _invalid)      # a schedule field it has not: a ScheduleError
         return super().__new__(cls)
 
     def with_(self, **kw) -> "CommSchedule":

@@ -358,15 +358,20 @@ def trans(x) -> Tile:
     return Tile(current().emit("trans", [x.value], [T.TileType(x.shape[::-1], x.dtype, x.space)]).result)
 
 
+def _check_numbers(what: str, a, b) -> None:
+    """Operands of tl.minimum / tl.maximum that are neither tiles nor traced scalars must be numbers."""
+    if not all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in (a, b)):
+        fail(f"{what} takes tiles, fragments, traced scalars or Python numbers, got "
+             f"{type(a).__name__} and {type(b).__name__}")
+
+
 def minimum(a, b):
     """The smaller of two scalars (two Python numbers stay one), or the elementwise minimum
     when either is a tile."""
     if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
         return ewise("min", a, b)
     if not isinstance(a, Scalar) and not isinstance(b, Scalar):
-        if not all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in (a, b)):
-            fail(f"tl.minimum takes tiles, fragments, traced scalars or Python numbers, got "
-                 f"{type(a).__name__} and {type(b).__name__}")
+        _check_numbers("tl.minimum", a, b)
         return min(a, b)
     return scalar_op("min", a, b)
 
@@ -376,9 +381,7 @@ def maximum(a, b):
     if isinstance(a, (Tile, Fragment)) or isinstance(b, (Tile, Fragment)):
         return ewise("max", a, b)
     if not isinstance(a, Scalar) and not isinstance(b, Scalar):
-        if not all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in (a, b)):
-            fail(f"tl.maximum takes tiles, fragments, traced scalars or Python numbers, got "
-                 f"{type(a).__name__} and {type(b).__name__}")
+        _check_numbers("tl.maximum", a, b)
         return max(a, b)
     return scalar_op("max", a, b)
 

@@ -254,11 +254,7 @@ class Scalar:
         if _is_tile(o):
             return NotImplemented           # the tile's reflected '/': elementwise
         fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
-
-    def __rtruediv__(self, o):
-        if _is_tile(o):
-            return NotImplemented
-        fail("'/' on traced index scalars is ambiguous: use '//' for integer division")
+    __rtruediv__ = __truediv__
 
     __pow__ = __rpow__ = refusing("'**' on traced scalars: write the product (p * p)")
     __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = refusing(

@@ -1,12 +1,12 @@
 """The simulator's one options object."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import InputError
 from ...ir.display import compact, one_line
-from ...ir.field_types import check_field_types
+from ...ir.field_types import check_field_names, check_field_types
 
 
 class SimOptionsError(InputError, ValueError):
@@ -63,13 +63,7 @@ class SimOptions:
     bulk_loops: bool = True
 
     def __new__(cls, *args, **kwargs):
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(kwargs) - set(names))
-        if unknown:
-            raise SimOptionsError(f"SimOptions has no option {', '.join(map(repr, unknown))}; its options: "
-                                  f"{', '.join(names)}")
-        if len(args) > len(names):
-            raise SimOptionsError(f"SimOptions takes at most {len(names)} values, got {len(args)}")
+        check_field_names(cls, args, kwargs, SimOptionsError, noun="option")
         return super().__new__(cls)
 
     def __repr__(self) -> str:

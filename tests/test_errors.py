@@ -385,3 +385,23 @@ def test_a_wait_epoch_must_be_a_bool():
 
     with pytest.raises(tl.CompilationError, match="epoch takes True or False, got 'no'"):
         waited.trace(1, tl.TensorSpec((8,), tl.float32))
+
+
+def test_the_fragment_limit_is_the_general_lowerings_scratch():
+    """``tl.fragment`` refuses what no lowering can hold: the general lowering's scratch for one task
+    group is that bound (a fragment of it traces; one element more does not)."""
+    from tldsl.codegen.plan.general import SCRATCH_LIMIT
+    from tldsl.language import FRAGMENT_BYTES_LIMIT
+    assert FRAGMENT_BYTES_LIMIT == SCRATCH_LIMIT
+
+    def trace(n):
+        @tl.kernel
+        def k(c):
+            @tl.compute_part(grid=(1,))
+            def p(i):
+                tl.store(c, (0,), tl.fragment((n,), tl.float32))
+        return k.trace(1, tl.TensorSpec((n,), tl.float32))
+
+    trace(SCRATCH_LIMIT // 4)
+    with pytest.raises(tl.CompilationError, match="no kernel holds a fragment over 16 MiB"):
+        trace(SCRATCH_LIMIT // 4 + 1)

@@ -153,3 +153,27 @@ def test_expand_dims_takes_a_numpy_int_axis_and_refuses_a_traced_one():
 
     with pytest.raises(tl.CompilationError, match="tl.expand_dims: axis must be a Python int, got Scalar"):
         traced.trace(1, tl.TensorSpec((1, 4), tl.int32))
+
+
+@tl.kernel
+def signs(x, s, m):
+    @tl.compute_part(grid=(1,))
+    def v(p):
+        t = tl.load(x, (0,), (8,))
+        tl.store(s, (0,), tl.where(t > 0, 1, -1) + tl.where(t < -2, True, 5))
+        tl.store(m, (0,), tl.cast(tl.where(t == 0, True, False), tl.int32))
+
+
+def test_where_of_two_numbers_takes_numpys_type():
+    """``tl.where(mask, 1, -1)`` is an i32 tile (numpy's int, in the program's integer type), and
+    of two bools a mask; a float on either side makes it f32."""
+    x = np.array([-4, -3, -1, 0, 0.5, 2, -2.5, 7], np.float32)
+    r = tl.simulate(signs, 1, [{"x": x, "s": np.full(8, 99, np.int32), "m": np.full(8, 99, np.int32)}])[0]
+    np.testing.assert_array_equal(r["s"], np.where(x > 0, 1, -1) + np.where(x < -2, True, 5))
+    np.testing.assert_array_equal(r["m"], (x == 0).astype(np.int32))
+    k = signs.trace(1, tl.TensorSpec((8,), tl.float32), tl.TensorSpec((8,), tl.int32), tl.TensorSpec((8,), tl.int32))
+    kinds = [op.results[0].type.dtype for op in k.part("v").body.ops if op.name == "ewise" and op.attrs.get("op") == "where"]
+    assert kinds == [tl.int32, tl.int32, tl.bool_], kinds
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    assert lower(k, "v").compile().cubin

@@ -8,6 +8,7 @@ the rank and world size (:mod:`.tracing`) and the tile math (:mod:`.tiles`).
 from __future__ import annotations
 
 import builtins
+import math
 import numbers
 from contextlib import contextmanager
 
@@ -15,10 +16,12 @@ import numpy as np
 
 from .ir import core, types as T
 from .ir.location import user_location
+from .numpy_protocol import install as _install_numpy_protocols
 from .operands import check_tile_shape, offset_value, offset_values
 from .primitives import tile_pull_data, tile_push_data
 from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
                     trans, zeros)
+from .tiles import maximum as _maximum, minimum as _minimum
 from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, dtype_arg, fail, rank, world_size
 
 float16, bfloat16, float32, int32 = T.float16, T.bfloat16, T.float32, T.int32
@@ -151,6 +154,11 @@ def store(ref, offsets, tile) -> None:
 
 # -- tile construction and math ---------------------------------------------------------
 
+#: the largest fragment any lowering can hold: the general lowering's global scratch for one task
+#: group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator
+FRAGMENT_BYTES_LIMIT = 16 * 1024 * 1024
+
+
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
     """A mutable register fragment (e.g. an accumulator), initialised to ``fill`` (a Python
     number, or a traced scalar: then written once after its allocation)."""
@@ -160,6 +168,12 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
+    size = math.prod(shape) * dtype.bits // 8
+    if size > FRAGMENT_BYTES_LIMIT:
+        fail(f"tl.fragment{shape} of {dtype} is {size / 2**20:,.0f} MiB: no kernel holds a fragment over "
+             f"{FRAGMENT_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, "
+             f"and the general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**20} MiB a task group to "
+             f"global memory) — make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")
     check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})
@@ -352,3 +366,7 @@ __all__ = ["float16", "bfloat16", "float32", "int32", "constexpr", "Symmetric", 
            "static_range", "when", "load", "load_rows", "load_scalar", "store", "full", "zeros", "fragment", "iota",
            "ewise", "exp", "exp2", "log", "sqrt", "abs", "sigmoid", "tanh", "erf", "rsqrt", "where", "cast", "sum", "max", "min", "expand_dims",
            "broadcast_to", "trans", "dot", "symmetric_buffer", "local_buffer", "signal", "static_assert"]
+
+# numpy's ufuncs on tiles, fragments and traced scalars trace as these (np.exp(t) is tl.exp(t))
+_install_numpy_protocols((Tile, Fragment, Scalar), {"exp": exp, "exp2": exp2, "log": log, "sqrt": sqrt, "tanh": tanh,
+                                                    "maximum": _maximum, "minimum": _minimum})

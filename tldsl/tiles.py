@@ -11,6 +11,7 @@ import numpy as np
 from .ir import core, types as T
 from .ir.opdefs import BINARY_OPS, FLOAT_RESULT_OPS, UNARY_OPS
 from .operands import check_tile_shape, tensor_name
+from .numpy_protocol import ARRAYS
 from .tracing import Scalar, scalar_op, const, current, dtype_arg, fail, refusing
 
 
@@ -255,11 +256,29 @@ def _promote(dtypes):
     return T.float32
 
 
+def _numpy_operand(op: str, a):
+    """A 0-d numpy array is its number; a numpy array of any other shape is refused (a part reads
+    arrays through its kernel's arguments)."""
+    if isinstance(a, np.ndarray):
+        if a.ndim:
+            fail(f"'{op}' of a tile and a numpy array of shape {a.shape}: {ARRAYS}")
+        return a[()]
+    return a
+
+
+def _number_dtype(x) -> T.DType:
+    """The tile type numpy gives a Python or numpy number beside no tile: bool, i32 for integers,
+    else f32."""
+    if isinstance(x, (bool, np.bool_)):
+        return T.bool_
+    return T.int32 if isinstance(x, (numbers.Integral, np.integer)) else T.float32
+
+
 def ewise(op: str, *args) -> Tile:
     """Elementwise math with numpy broadcasting; Python numbers adopt the tile's type."""
     if op not in UNARY_OPS | BINARY_OPS | {"where"}:
         fail(f"unknown elementwise op '{op}'")
-    args = tuple(a.read() if isinstance(a, Fragment) else a for a in args)   # a fragment is read once
+    args = tuple(_numpy_operand(op, a.read() if isinstance(a, Fragment) else a) for a in args)  # a fragment is read once
     tiles = [a for a in args if isinstance(a, (Tile, Fragment))]
     if not tiles:
         fail(f"'{op}' needs at least one tile operand")
@@ -267,7 +286,11 @@ def ewise(op: str, *args) -> Tile:
     tile_dtypes = [t.dtype for t in tiles]
     scal_dtypes = [a.dtype for a in args if isinstance(a, Scalar)]
     if op == "where":
-        dtype = _promote([t.dtype for t in tiles[1:]] + scal_dtypes) if len(tiles) > 1 else _promote(scal_dtypes or [T.float32])
+        numbers_only = [a for a in args[1:] if not isinstance(a, (Tile, Scalar))]
+        if len(tiles) > 1 or scal_dtypes:
+            dtype = _promote([t.dtype for t in tiles[1:]] + scal_dtypes)
+        else:      # both branches numbers: numpy's type for them (tl.where(m, 1, -1) is i32, (m, True, False) bool)
+            dtype = _promote([_number_dtype(a) for a in numbers_only])
     else:
         dtype = _promote(tile_dtypes + scal_dtypes)
     if any(isinstance(a, float) for a in args) and not dtype.is_float:

@@ -72,8 +72,16 @@ class Builder:
         Python names outlive the loop or ``tl.when`` body that bound them, so an accumulator kept
         in a tile (``acc = tl.zeros(...)``; ``acc += ...`` in a ``tl.range``) would otherwise
         surface later as an IR verifier error about an op the user never wrote."""
-        if not isinstance(v, core.Value) or not isinstance(v.owner, (core.Op, core.Block)):
+        if isinstance(v, core.Value) and isinstance(v.owner, (core.Buffer, core.Signal)):
+            if not any(v.owner is x for x in (*self.buffers, *self.signals)):
+                kind = "signal" if isinstance(v.owner, core.Signal) else "tensor"
+                made = f" (declared at {v.owner.loc.short()})" if getattr(v.owner, "loc", None) else ""
+                fail(f"this uses the {kind} '{v.owner.name}'{made} of another trace or kernel: each trace makes "
+                     f"its own {kind}s — use the kernel function's own arguments, tl.signal and workspaces, "
+                     f"not ones kept from another trace")
             return                                   # a tensor's or signal's handle: kernel-wide
+        if not isinstance(v, core.Value) or not isinstance(v.owner, (core.Op, core.Block)):
+            return
         home = self.home.get(v.id)
         if home is not None and any(home is b for b in self.blocks):
             return

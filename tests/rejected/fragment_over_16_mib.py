@@ -1,0 +1,19 @@
+"""An accumulator the size of a whole output (8192 x 8192 f32, 256 MiB) instead of one tile: no
+kernel can hold it (the general lowering spills at most 16 MiB a task group), and the simulator
+would have allocated it per task. The error is at the allocation and names the limit."""
+import tldsl as tl
+
+ERROR = tl.CompilationError
+MESSAGE = "tl.fragment(8192, 8192) of f32 is 256 MiB: no kernel holds a fragment over 16 MiB"
+
+
+@tl.kernel
+def whole(a, c):
+    @tl.compute_part(grid=(1,))
+    def acc_all(i):
+        acc = tl.fragment((8192, 8192), tl.float32)  # <-- error
+        tl.store(c, (0, 0), acc)
+
+
+def trace():
+    return whole.trace(1, tl.TensorSpec((8192, 8192), tl.float16), tl.TensorSpec((8192, 8192), tl.float32))

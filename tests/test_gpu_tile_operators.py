@@ -1,0 +1,46 @@
+"""The language's newer spellings on the GPU against the simulator: Python's operators on
+fragments and with a traced scalar on the left (``test_tile_operators``), ``tl.where`` of two
+numbers (numpy's type), and numpy's ufuncs traced as their tile-language twins
+(``test_numpy_protocol``). Outputs poisoned first. Run with
+``python -m pytest -m gpu tests/test_gpu_tile_operators.py``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+from tldsl.runtime.gpu import gpu_available
+
+from test_gpu_run import both
+from test_tile_operators import mixed, signs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="needs an sm_90 GPU with torch and cuda-python")]
+
+
+@tl.kernel
+def numpy_spelled(x, y):
+    @tl.compute_part(grid=(4,))
+    def v(p):
+        acc = tl.fragment((8,), tl.float32, fill=0.25)
+        t = tl.load(x, (p * 8,), (8,))
+        u = np.maximum(np.exp(t) - np.float32(1.5), acc) + np.tanh(np.negative(t)) * np.sqrt(np.abs(t))
+        tl.store(y, (p * 8,), u)
+
+
+def test_operators_on_fragments_and_scalars_on_the_left():
+    x = np.array([1, 2, 4, -1, -2, 8, 0.5, -4], np.float32)
+    both(mixed, 1, [{"x": x, "out": np.full(16, np.nan, np.float32), "hits": np.full(16, -7, np.int32)}])
+
+
+def test_where_of_two_numbers():
+    x = np.array([-4, -3, -1, 0, 0.5, 2, -2.5, 7], np.float32)
+    got = both(signs, 1, [{"x": x, "s": np.full(8, 99, np.int32), "m": np.full(8, 99, np.int32)}])
+    np.testing.assert_array_equal(got[0]["s"], np.where(x > 0, 1, -1) + np.where(x < -2, True, 5))
+
+
+def test_numpy_ufuncs_traced_as_their_twins():
+    x = np.random.default_rng(3).standard_normal(32).astype(np.float32)
+    got = both(numpy_spelled, 1, [{"x": x, "y": np.full(32, np.nan, np.float32)}])
+    want = np.maximum(np.exp(x) - 1.5, 0.25) + np.tanh(-x) * np.sqrt(np.abs(x))
+    np.testing.assert_allclose(got[0]["y"], want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,91 @@
+"""numpy's functions on traced values: a ufunc with a tile-language twin traces as the twin (the
+same IR as the tl spelling, so it simulates, lowers and runs as that does); everything else numpy
+would do with a tile is a CompilationError at the user's line that says what to write — never the
+silently wrong ``np.sum(t) is t`` or numpy's TypeError about loops."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+F8 = tl.TensorSpec((8,), tl.float32)
+
+
+def _kernel(body):
+    @tl.kernel
+    def k(x, y):
+        @tl.compute_part(grid=(1,))
+        def p(t):
+            acc = tl.fragment((8,), tl.float32, fill=0.5)
+            tl.store(y, (0,), body(tl.load(x, (0,), (8,)), acc, t))
+    return k
+
+
+def _ir(body) -> str:
+    """The traced kernel's text without its source locations and name."""
+    text = str(_kernel(body).trace(1, F8, F8))
+    return re.sub(r"\s*//.*", "", text).replace("@k", "@_")
+
+
+@pytest.mark.parametrize("with_numpy,with_tl", [
+    (lambda a, f, t: np.exp(a), lambda a, f, t: tl.exp(a)),
+    (lambda a, f, t: np.exp2(np.sqrt(a)), lambda a, f, t: tl.exp2(tl.sqrt(a))),
+    (lambda a, f, t: np.log(np.abs(a) + 1), lambda a, f, t: tl.log(abs(a) + 1)),
+    (lambda a, f, t: np.tanh(-a), lambda a, f, t: tl.tanh(-a)),
+    (lambda a, f, t: np.maximum(a, 0.0) + np.minimum(f, a), lambda a, f, t: tl.maximum(a, 0.0) + tl.minimum(f, a)),
+    (lambda a, f, t: np.float32(2) * a - np.float32(1), lambda a, f, t: 2.0 * a - 1.0),
+    (lambda a, f, t: np.multiply(t, a) / np.add(a, 3), lambda a, f, t: t * a / (a + 3)),
+    (lambda a, f, t: tl.where(np.less(np.float32(1), a) | np.equal(a, f), a, f),
+     lambda a, f, t: tl.where((a > 1) | (a == f), a, f)),
+    (lambda a, f, t: np.remainder(a, 3) + np.floor_divide(a, 2) + np.exp(f), lambda a, f, t: a % 3 + a // 2 + tl.exp(f)),
+    (lambda a, f, t: np.array(2.0) * a + a * np.array(3.0), lambda a, f, t: 2.0 * a + a * 3.0),
+])
+def test_a_ufunc_with_a_twin_traces_as_the_twin(with_numpy, with_tl):
+    assert _ir(with_numpy) == _ir(with_tl)
+
+
+def test_numpy_ufuncs_simulate_to_numpys_values():
+    x = np.array([0.5, 1, 2, 3, -1, 4, 0.25, 8], np.float32)
+    r = tl.simulate(_kernel(lambda a, f, t: np.maximum(np.exp(a) - np.float32(2), f)), 1,
+                    [{"x": x, "y": np.full(8, np.nan, np.float32)}])
+    np.testing.assert_allclose(r[0]["y"], np.maximum(np.exp(x) - 2, 0.5), rtol=1e-6)
+
+
+def test_the_same_program_lowers_and_compiles():
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    k = _kernel(lambda a, f, t: np.maximum(np.exp(a), f) * np.float32(0.5)).trace(1, F8, F8)
+    assert lower(k, "p").compile().cubin
+
+
+def _refused(body, match):
+    with pytest.raises(tl.CompilationError, match=match) as e:
+        _kernel(body).trace(1, F8, F8)
+    return e.value
+
+
+@pytest.mark.parametrize("body,match", [
+    (lambda a, f, t: np.sum(a), r"np\.sum on a traced value: write tl\.sum\(x, axis\)"),
+    (lambda a, f, t: np.where(a > 0, a, f), r"np\.where on a traced value: write tl\.where\(mask, a, b\)"),
+    (lambda a, f, t: np.dot(a, a), r"np\.dot .*tl\.dot\(a, b\)"),
+    (lambda a, f, t: np.add.reduce(a), r"add\.reduce on a traced value: write tl\.sum"),
+    (lambda a, f, t: np.power(a, 2), r"numpy's power on a traced value is not in the tile language: write the product"),
+    (lambda a, f, t: np.sin(a), r"numpy's sin on a traced value is not in the tile language: the tile language's"),
+    (lambda a, f, t: np.exp(a, dtype=np.float32), r"numpy's exp\(dtype=\.\.\.\) on a traced value"),
+    (lambda a, f, t: np.ones(8, np.float32) * a, r"numpy's multiply of a traced value and a numpy array of shape \(8,\)"),
+    (lambda a, f, t: np.asarray(a), r"numpy cannot make an array or a numpy number of a Tile"),
+    (lambda a, f, t: a * np.float32(t), r"numpy cannot make an array or a numpy number of a Scalar"),
+    (lambda a, f, t: np.array([1.0]) + f, r"numpy array of shape \(1,\)"),
+    (lambda a, f, t: a + np.ones(8, np.float32), r"'add' of a tile and a numpy array of shape \(8,\)"),
+    (lambda a, f, t: a * math.exp(a), r"a Tile is not a Python number"),
+    (lambda a, f, t: a * float(f), r"a Fragment is not a Python number"),
+    (lambda a, f, t: [1, 2][a], r"a Tile is not a Python number"),
+    (lambda a, f, t: np.add(a, "x"), r"numpy's add of a traced value and a str"),
+])
+def test_what_numpy_cannot_trace_is_refused_at_the_users_line(body, match):
+    err = _refused(body, match)
+    assert err.loc is not None and err.loc.filename == __file__, err.loc

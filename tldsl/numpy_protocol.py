@@ -1,0 +1,130 @@
+"""numpy's functions meeting traced values: tiles, fragments and traced scalars are not arrays.
+
+A numpy ufunc with a tile-language twin of the same elementwise meaning traces as that twin
+(``np.exp(t)`` is ``tl.exp(t)``, ``np.maximum(t, 0.0)`` is ``tl.maximum(t, 0.0)``, ``np.float32(2) * t``
+a tile multiply). Anything else numpy would do with one — another ufunc, a ufunc's ``reduce``, a
+numpy function such as ``np.sum``, turning it into an array — is a CompilationError at the user's
+line naming what to write. Without this, ``np.sum(t)`` returned ``t`` itself (numpy summed a 0-d
+object array: a silently wrong program) and ``np.exp(t)`` was numpy's TypeError about loops.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .tracing import Scalar, fail
+
+#: binary ufuncs traced as Python's operators: (the operator on the left operand, on the right one)
+BINARY = {
+    np.add: ("__add__", "__radd__"), np.subtract: ("__sub__", "__rsub__"),
+    np.multiply: ("__mul__", "__rmul__"), np.true_divide: ("__truediv__", "__rtruediv__"),
+    np.floor_divide: ("__floordiv__", "__rfloordiv__"), np.remainder: ("__mod__", "__rmod__"),
+    np.bitwise_and: ("__and__", "__rand__"), np.bitwise_or: ("__or__", "__ror__"),
+    np.less: ("__lt__", "__gt__"), np.less_equal: ("__le__", "__ge__"),
+    np.greater: ("__gt__", "__lt__"), np.greater_equal: ("__ge__", "__le__"),
+    np.equal: ("__eq__", "__eq__"), np.not_equal: ("__ne__", "__ne__"),
+}
+
+#: unary ufuncs traced as Python's operators
+UNARY = {np.negative: "__neg__", np.positive: "__pos__", np.absolute: "__abs__", np.invert: "__invert__"}
+
+#: ufuncs traced as the tl function of the same name and meaning (NaN in max/min propagates in
+#: both), and the traced value classes: given by :func:`install` (the language builds on this module)
+TWINS: dict = {}
+TRACED: tuple = (Scalar,)
+
+#: what to write instead of a numpy function or ufunc method tldsl does not trace
+INSTEAD = {
+    "sum": "tl.sum(x, axis)", "max": "tl.max(x, axis)", "amax": "tl.max(x, axis)", "min": "tl.min(x, axis)",
+    "amin": "tl.min(x, axis)", "where": "tl.where(mask, a, b)", "dot": "tl.dot(a, b)", "matmul": "tl.dot(a, b)",
+    "transpose": "tl.trans(x) or x.T", "expand_dims": "tl.expand_dims(x, axis)",
+    "broadcast_to": "tl.broadcast_to(x, shape)", "clip": "tl.minimum(tl.maximum(x, lo), hi)",
+    "zeros_like": "tl.zeros(x.shape, x.dtype)", "full_like": "tl.full(x.shape, value, x.dtype)",
+    "add.reduce": "tl.sum(x, axis)", "maximum.reduce": "tl.max(x, axis)", "minimum.reduce": "tl.min(x, axis)",
+    "power": "the product (x * x)", "square": "x * x", "reciprocal": "1.0 / x", "rint": "tl.cast",
+    "logical_and": "a & b on bool tiles", "logical_or": "a | b on bool tiles", "logical_not": "~mask",
+}
+
+ARRAYS = ("tiles, fragments and traced scalars are traced values, not arrays: a part reads arrays through "
+           "its kernel's arguments (tl.load), and makes constant tiles with tl.full")
+
+
+def _traced(x) -> bool:
+    return isinstance(x, TRACED)
+
+
+def _hint(name: str) -> str:
+    instead = INSTEAD.get(name)
+    return f"write {instead}" if instead else "the tile language's functions are tl.* (help(tl))"
+
+
+def _operand(x, ufunc):
+    """A ufunc's operand as the tile language takes it: traced values and numbers as they are, a
+    0-d array as its number; a numpy array is refused."""
+    if isinstance(x, np.ndarray):
+        if x.ndim == 0:
+            return x[()]
+        fail(f"numpy's {ufunc.__name__} of a traced value and a numpy array of shape {x.shape}: {ARRAYS}")
+    if not (_traced(x) or isinstance(x, (numbers.Number, np.generic))):
+        fail(f"numpy's {ufunc.__name__} of a traced value and a {type(x).__name__}: it takes tiles, fragments, "
+             f"traced scalars and numbers")
+    return x
+
+
+def array_ufunc(self, ufunc, method, *inputs, **kwargs):
+    """``__array_ufunc__`` of the traced values (see the module's docstring)."""
+    if method != "__call__":
+        fail(f"numpy's {ufunc.__name__}.{method} on a traced value: {_hint(f'{ufunc.__name__}.{method}')}")
+    if kwargs:
+        fail(f"numpy's {ufunc.__name__}({', '.join(kwargs)}=...) on a traced value: out=, where=, dtype= and the "
+             f"other ufunc keywords do not apply to tiles (tl.cast changes a tile's type)")
+    args = [_operand(x, ufunc) for x in inputs]
+    if ufunc in BINARY:
+        left, right = BINARY[ufunc]
+        a, b = args
+        got = getattr(a, left)(b) if _traced(a) else NotImplemented
+        if got is NotImplemented and _traced(b):
+            got = getattr(b, right)(a)
+        if got is NotImplemented:
+            fail(f"numpy's {ufunc.__name__} of {type(a).__name__} and {type(b).__name__}: not traced")
+        return got
+    if ufunc in UNARY:
+        return getattr(args[0], UNARY[ufunc])()
+    if ufunc.__name__ in TWINS:
+        return TWINS[ufunc.__name__](*args)
+    fail(f"numpy's {ufunc.__name__} on a traced value is not in the tile language: {_hint(ufunc.__name__)}")
+
+
+def array_function(self, func, types, args, kwargs):
+    """``__array_function__`` of the traced values: numpy's functions (``np.sum``, ``np.where``,
+    ``np.dot``, ...) are refused with what to write."""
+    name = getattr(func, "__name__", str(func))
+    fail(f"numpy's np.{name} on a traced value: {_hint(name)} (numpy's functions run on arrays, "
+         f"not while tracing)")
+
+
+def refuse_array(self, dtype=None, copy=None):
+    """``__array__``: a traced value has no numbers yet."""
+    fail(f"numpy cannot make an array or a numpy number of a {type(self).__name__}: {ARRAYS} (tl.cast changes a "
+         f"tile's type)")
+
+
+def refuse_number(self):
+    """``__float__``, ``__complex__`` (math.exp(t), float(t)): a tile is not one number."""
+    fail(f"a {type(self).__name__} is not a Python number (math's functions and float() take numbers): for "
+         f"tiles use tl.exp, tl.sqrt, ... elementwise, tl.sum(x, axis) to reduce")
+
+
+def install(classes: tuple, twins: dict) -> None:
+    """Give the traced value classes numpy's protocols (and, but for traced scalars, which say
+    so themselves, the number refusals); ``twins``: {ufunc name: the tl function it traces as}."""
+    global TRACED
+    TRACED = tuple(classes)
+    TWINS.update(twins)
+    for cls in classes:
+        cls.__array_ufunc__ = array_ufunc
+        cls.__array_function__ = array_function
+        cls.__array__ = refuse_array
+        if cls is not Scalar:
+            cls.__float__ = cls.__complex__ = cls.__int__ = cls.__index__ = refuse_number

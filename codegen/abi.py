@@ -89,7 +89,27 @@ def entry_name(kernel: core.Kernel, part: core.Part, entry: str | None = None) -
     if not isinstance(entry, str) or not re.fullmatch(r"[A-Za-z_]\w*", entry):
         raise LoweringError(f"entry={entry!r}: the kernel's extern \"C\" name must be a C identifier (a str), "
                             "or None for tldsl_<kernel>_<part>")
+    if entry in CXX_KEYWORDS or entry in TAKEN_NAMES or entry.startswith("__") or re.match(r"_[A-Z]", entry):
+        why = ("a C++ keyword" if entry in CXX_KEYWORDS else
+               "a namespace the generated source uses" if entry in TAKEN_NAMES else
+               "reserved to the compiler (a name starting with __ or _ and a capital)")
+        raise LoweringError(f"entry={entry!r}: the kernel's extern \"C\" name is {why}; NVRTC would refuse the "
+                            f"source — choose another name, or None for tldsl_<kernel>_<part>")
     return entry
+
+
+#: C++20's keywords and alternative tokens, which NVRTC's C++ front end refuses as a function's name
+CXX_KEYWORDS = frozenset("""
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t class
+    compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield decltype
+    default delete do double dynamic_cast else enum explicit export extern false float for friend goto if inline
+    int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private protected public
+    register reinterpret_cast requires return short signed sizeof static static_assert static_cast struct switch
+    template this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile
+    wchar_t while xor xor_eq""".split())
+
+#: global names of the headers the kernels include (their namespaces, CUDA's built-in variables)
+TAKEN_NAMES = frozenset("tldsl cute cutlass std cuda threadIdx blockIdx blockDim gridDim warpSize".split())
 
 
 def is_this_rank(v: core.Value | None) -> bool:

@@ -214,6 +214,7 @@ def test_a_wait_nothing_satisfies_is_reported_as_a_hang(debugging):
             print("RETURNED: no hang was reported", flush=True)
         except GpuHangError as e:
             print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
+            print(str(e)[-2500:], file=sys.stderr, flush=True)     # all of it, for the assertion's message
             print("HOW TO SEE THE SLOT:", "with TLDSL_WAIT_TIMEOUT_NS=2000000000 set" in str(e), flush=True)
         except BaseException as e:
             print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
@@ -477,6 +478,7 @@ def test_parts_waiting_on_each_other_in_crossed_order_hang_on_the_gpu():
             print("RETURNED: no hang", flush=True)
         except GpuHangError as e:
             print("HANG REPORTED:", str(e).splitlines()[0], flush=True)
+            print(str(e)[-2500:], file=sys.stderr, flush=True)     # all of it, for the assertion's message
         except BaseException as e:
             print("OTHER ERROR:", type(e).__name__, str(e)[:2000], flush=True)
         sys.stderr.flush()

@@ -160,7 +160,8 @@ def test_sim_benchmark_prints_its_phases(op, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"# sim {op}: W=2 M=64 N=32 K=64, tile 16x16x16, ")
     assert "load " in out.splitlines()[0]
-    for phase in ("trace ", "static checks ", "simulate ", "  without detectors ", "total ", "profile (cProfile"):
+    for phase in ("trace ", "static checks ", "simulate ", "  without detectors ", "CPU seconds ", "total ",
+                  "profile (cProfile"):
         assert any(line.startswith(phase) for line in out.splitlines()), (phase, out)
     assert "median of 2:" in out and "scheduler steps (estimated" in out and "runtime/sim/" in out
 

@@ -85,7 +85,33 @@ def _refused(body, match):
     (lambda a, f, t: a * float(f), r"a Fragment is not a Python number"),
     (lambda a, f, t: [1, 2][a], r"a Tile is not a Python number"),
     (lambda a, f, t: np.add(a, "x"), r"numpy's add of a traced value and a str"),
+    (lambda a, f, t: a.sum(axis=0), r"a Tile has no \.sum \(it is no numpy array\): write tl\.sum\(t, axis\)"),
+    (lambda a, f, t: f.astype(np.float16), r"a Fragment has no \.astype .*: write tl\.cast\(t, dtype\)"),
+    (lambda a, f, t: a.item(), r"a Tile has no \.item .*a traced tile has no values while tracing"),
+    (lambda a, f, t: divmod(a, 2)[0], r"divmod\(\) of tiles: write a // b and a % b"),
+    (lambda a, f, t: divmod(f, 2)[0], r"divmod\(\) of tiles"),
 ])
 def test_what_numpy_cannot_trace_is_refused_at_the_users_line(body, match):
     err = _refused(body, match)
     assert err.loc is not None and err.loc.filename == __file__, err.loc
+
+
+def test_numpy_bools_and_numbers_are_operands():
+    a = _ir(lambda a, f, t: tl.cast((a > 0) & np.bool_(True), tl.float32) * np.int64(2))
+    b = _ir(lambda a, f, t: tl.cast((a > 0) & True, tl.float32) * 2)
+    assert a == b
+
+
+def test_other_missing_attributes_stay_attribute_errors():
+    """Only numpy's array methods are CompilationErrors: other names (and the dunders numpy and
+    Python probe with getattr) are the usual AttributeError."""
+    seen = {}
+
+    def probe(a, f, t):
+        seen["interface"] = hasattr(a, "__array_interface__") or hasattr(f, "__array_struct__")
+        with pytest.raises(AttributeError, match="'Tile' object has no attribute 'colour'"):
+            a.colour
+        return a
+
+    _kernel(probe).trace(1, F8, F8)
+    assert seen == {"interface": False}

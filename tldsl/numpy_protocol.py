@@ -46,6 +46,19 @@ INSTEAD = {
     "logical_and": "a & b on bool tiles", "logical_or": "a | b on bool tiles", "logical_not": "~mask",
 }
 
+#: numpy's array methods and attributes a tile lacks, and what to write instead
+METHODS = {
+    "sum": "tl.sum(t, axis)", "max": "tl.max(t, axis)", "min": "tl.min(t, axis)",
+    "mean": "tl.sum(t, axis) / t.shape[axis]", "astype": "tl.cast(t, dtype)", "transpose": "tl.trans(t) or t.T",
+    "reshape": "tl.expand_dims(t, axis) or tl.broadcast_to(t, shape) (a tile's shape is static)",
+    "dot": "tl.dot(a, b)", "clip": "tl.minimum(tl.maximum(t, lo), hi)", "ndim": "len(t.shape)",
+    "size": "math.prod(t.shape)", "any": "tl.max(tl.cast(mask, tl.int32), axis) > 0",
+    "all": "tl.min(tl.cast(mask, tl.int32), axis) > 0",
+    "item": "tl.store it and read the result: a traced tile has no values while tracing",
+    "tolist": "tl.store it and read the result: a traced tile has no values while tracing",
+    "numpy": "tl.store it and read the result: a traced tile has no values while tracing",
+}
+
 ARRAYS = ("tiles, fragments and traced scalars are traced values, not arrays: a part reads arrays through "
            "its kernel's arguments (tl.load), and makes constant tiles with tl.full")
 
@@ -57,6 +70,15 @@ def _traced(x) -> bool:
 def _hint(name: str) -> str:
     instead = INSTEAD.get(name)
     return f"write {instead}" if instead else "the tile language's functions are tl.* (help(tl))"
+
+
+def missing_attribute(self, name: str):
+    """``__getattr__`` of tiles and fragments: numpy's array methods (``t.sum(axis=1)``,
+    ``t.astype(...)``) say what to write; any other missing name is the usual AttributeError (numpy
+    and Python probe dunders this way)."""
+    if name in METHODS:
+        fail(f"a {type(self).__name__} has no .{name} (it is no numpy array): write {METHODS[name]}")
+    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
 def _operand(x, ufunc):
@@ -128,3 +150,4 @@ def install(classes: tuple, twins: dict) -> None:
         cls.__array__ = refuse_array
         if cls is not Scalar:
             cls.__float__ = cls.__complex__ = cls.__int__ = cls.__index__ = refuse_number
+            cls.__getattr__ = missing_attribute

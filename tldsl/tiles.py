@@ -84,6 +84,7 @@ class Tile:
         "'<<' and '>>' on tiles: multiply or floor-divide by the power of two (t * 4, t // 4)")
     __xor__ = __rxor__ = refusing("'^' on tiles: for bool masks write a != b")
     __len__ = refusing("a tile has no len(): its shape is t.shape")
+    __divmod__ = __rdivmod__ = refusing("divmod() of tiles: write a // b and a % b")
     __hash__ = object.__hash__
 
     @property
@@ -192,7 +193,7 @@ def _read_then(name: str):
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
               "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
               "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__", "__rpow__", "__lshift__",
-              "__rlshift__", "__rshift__", "__rrshift__", "__xor__", "__rxor__"):
+              "__rlshift__", "__rshift__", "__rrshift__", "__xor__", "__rxor__", "__divmod__", "__rdivmod__"):
     setattr(Fragment, _name, _read_then(_name))
 Fragment.T = property(lambda self: self.read().T)
 
@@ -262,8 +263,8 @@ def _numpy_operand(op: str, a):
     if isinstance(a, np.ndarray):
         if a.ndim:
             fail(f"'{op}' of a tile and a numpy array of shape {a.shape}: {ARRAYS}")
-        return a[()]
-    return a
+        a = a[()]
+    return bool(a) if isinstance(a, np.bool_) else a
 
 
 def _number_dtype(x) -> T.DType:

@@ -89,9 +89,10 @@ def entry_name(kernel: core.Kernel, part: core.Part, entry: str | None = None) -
     if not isinstance(entry, str) or not re.fullmatch(r"[A-Za-z_]\w*", entry):
         raise LoweringError(f"entry={entry!r}: the kernel's extern \"C\" name must be a C identifier (a str), "
                             "or None for tldsl_<kernel>_<part>")
-    if entry in CXX_KEYWORDS or entry in TAKEN_NAMES or entry.startswith("__") or re.match(r"_[A-Z]", entry):
+    if entry in CXX_KEYWORDS or entry in TAKEN_NAMES or entry.startswith(("__", "TLDSL_")) or re.match(r"_[A-Z]", entry):
         why = ("a C++ keyword" if entry in CXX_KEYWORDS else
-               "a namespace the generated source uses" if entry in TAKEN_NAMES else
+               "a name the generated source already uses (a namespace, a CUDA or C name)" if entry in TAKEN_NAMES else
+               "a macro prefix of the generated source" if entry.startswith("TLDSL_") else
                "reserved to the compiler (a name starting with __ or _ and a capital)")
         raise LoweringError(f"entry={entry!r}: the kernel's extern \"C\" name is {why}; NVRTC would refuse the "
                             f"source — choose another name, or None for tldsl_<kernel>_<part>")
@@ -108,8 +109,14 @@ CXX_KEYWORDS = frozenset("""
     template this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile
     wchar_t while xor xor_eq""".split())
 
-#: global names of the headers the kernels include (their namespaces, CUDA's built-in variables)
-TAKEN_NAMES = frozenset("tldsl cute cutlass std cuda threadIdx blockIdx blockDim gridDim warpSize".split())
+#: global names of the headers the kernels include: their namespaces, CUDA's built-in variables and
+#: types, C's functions and macros (names NVRTC refuses for a kernel: "main" cannot be __global__,
+#: the others are declared already or overloaded with "C" linkage)
+TAKEN_NAMES = frozenset("""
+    tldsl cute cutlass std cuda threadIdx blockIdx blockDim gridDim warpSize clusterIdx clusterDim main dim3 half
+    half2 nv_bfloat16 nv_bfloat162 NULL printf malloc free memcpy memset assert abs fabs min max fmin fmax exp exp2
+    exp10 expm1 log log2 log10 log1p sqrt rsqrt cbrt pow sin cos tan asin acos atan atan2 sinh cosh tanh erf erfc
+    floor ceil round rint trunc fma fmod remainder isnan isinf signbit lround llround""".split())
 
 
 def is_this_rank(v: core.Value | None) -> bool:

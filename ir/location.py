@@ -20,8 +20,23 @@ def library_dirs(ir_dir: str) -> tuple[tuple[str, ...], str]:
             os.path.join(parent, "tldsl", "ops") + os.sep)
 
 
-# Frames inside these directories are the compiler's own and are skipped (but the op library's).
+def pass_through_dirs() -> tuple[str, ...]:
+    """The folders of numpy and scipy (where installed; found without importing scipy): a tile
+    program that hands a tile to one of their functions reaches tldsl through their frames, and
+    the error belongs at the program's line that called them."""
+    import importlib.util
+    dirs = []
+    for name in ("numpy", "scipy"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(os.path.abspath(spec.origin)) + os.sep)
+    return tuple(dirs)
+
+
+# Frames inside these directories are the compiler's own, or numpy's and scipy's, and are skipped
+# (but the op library's).
 _INTERNAL, _LIBRARY_OPS = library_dirs(os.path.dirname(os.path.abspath(__file__)))
+_INTERNAL = _INTERNAL + pass_through_dirs()
 
 
 @dataclass(frozen=True)

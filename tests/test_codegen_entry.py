@@ -23,7 +23,9 @@ def scale(x, y):
 
 @pytest.mark.parametrize("entry,why", [
     ("int", "a C++ keyword"), ("class", "a C++ keyword"), ("xor", "a C++ keyword"),
-    ("tldsl", "a namespace the generated source uses"), ("threadIdx", "a namespace the generated source uses"),
+    ("tldsl", "a name the generated source already uses"), ("threadIdx", "a name the generated source already uses"),
+    ("main", "a name the generated source already uses"), ("printf", "a CUDA or C name"), ("min", "a CUDA or C name"),
+    ("dim3", "a CUDA or C name"), ("NULL", "a CUDA or C name"), ("TLDSL_DEV", "a macro prefix"),
     ("__kernel", "reserved to the compiler"), ("_Entry", "reserved to the compiler"),
     ("9x", "must be a C identifier"), ("a b", "must be a C identifier"), (3, "must be a C identifier"),
 ])

@@ -394,14 +394,16 @@ def test_the_fragment_limit_is_the_general_lowerings_scratch():
     from tldsl.language import FRAGMENT_BYTES_LIMIT
     assert FRAGMENT_BYTES_LIMIT == SCRATCH_LIMIT
 
-    def trace(n):
+    def trace(n, dtype=tl.float32):
         @tl.kernel
         def k(c):
             @tl.compute_part(grid=(1,))
             def p(i):
-                tl.store(c, (0,), tl.fragment((n,), tl.float32))
-        return k.trace(1, tl.TensorSpec((n,), tl.float32))
+                tl.store(c, (0,), tl.fragment((n,), dtype))
+        return k.trace(1, tl.TensorSpec((n,), dtype))
 
     trace(SCRATCH_LIMIT // 4)
-    with pytest.raises(tl.CompilationError, match="no kernel holds a fragment over 16 MiB"):
+    with pytest.raises(tl.CompilationError, match="is 16,777,220 bytes: no kernel holds a fragment over 16 MiB"):
         trace(SCRATCH_LIMIT // 4 + 1)
+    with pytest.raises(tl.CompilationError, match="of i1 is 16,777,217 bytes"):    # a bool is a byte on the GPU
+        trace(SCRATCH_LIMIT + 1, tl.bool_)

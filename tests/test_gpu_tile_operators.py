@@ -44,3 +44,9 @@ def test_numpy_ufuncs_traced_as_their_twins():
     got = both(numpy_spelled, 1, [{"x": x, "y": np.full(32, np.nan, np.float32)}])
     want = np.maximum(np.exp(x) - 1.5, 0.25) + np.tanh(-x) * np.sqrt(np.abs(x))
     np.testing.assert_allclose(got[0]["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_numbers_beside_integer_and_bool_tiles():
+    from test_numpy_protocol import promoted
+    x = np.array([-1, 2, 0, 3, -4, 5, 6, -7], np.float32)
+    both(promoted, 1, [{"x": x, "f": np.full(16, np.nan, np.float32), "i": np.full(8, -99, np.int32)}])

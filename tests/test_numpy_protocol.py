@@ -115,3 +115,62 @@ def test_other_missing_attributes_stay_attribute_errors():
 
     _kernel(probe).trace(1, F8, F8)
     assert seen == {"interface": False}
+
+
+@tl.kernel
+def promoted(x, f, i):
+    @tl.compute_part(grid=(1,))
+    def p(t):
+        a = tl.load(x, (0,), (8,))
+        ia = tl.iota(8)
+        m = a > 0
+        tl.store(f, (0,), np.float32(0.5) * ia + ia * np.float16(0.25) + m * np.float32(2.5)
+                 + np.maximum(ia, np.float32(0.5)) + tl.where(m, ia, np.float32(0.5)) + np.array(0.5, np.float32) + ia)
+        tl.store(f, (8,), tl.where(m, t, np.float32(0.5)) + a)
+        tl.store(i, (0,), (m + 1) * 10 + tl.cast(m == 2, tl.int32) + np.maximum(m, 2) + tl.where(m, True, False) * 3
+                 + tl.full((8,), np.bool_(True) & (t >= 0), tl.int32))
+
+
+def test_numbers_take_numpys_types_beside_integer_and_bool_tiles():
+    """A float number (numpy's float32 or float16 too) beside an integer or bool tile makes floats,
+    an int beside a bool tile makes ints — as numpy computes; before, ``np.float32(0.5) * iota``
+    truncated to integers and ``mask + 1`` stayed a mask."""
+    x = np.array([-1, 2, 0, 3, -4, 5, 6, -7], np.float32)
+    r = tl.simulate(promoted, 1, [{"x": x, "f": np.full(16, np.nan, np.float32), "i": np.full(8, -99, np.int32)}])[0]
+    ia, m = np.arange(8), x > 0
+    want_f = (np.float32(0.5) * ia + ia * np.float16(0.25) + m * np.float32(2.5) + np.maximum(ia, np.float32(0.5))
+              + np.where(m, ia, np.float32(0.5)) + np.float32(0.5) + ia)
+    np.testing.assert_allclose(r["f"][:8], want_f, rtol=1e-6)
+    np.testing.assert_allclose(r["f"][8:], np.where(m, 0, 0.5) + x, rtol=1e-6)
+    want_i = (m + 1) * 10 + (m == 2) + np.maximum(m, 2) + np.where(m, True, False) * 3 + (True & (0 >= 0))
+    np.testing.assert_array_equal(r["i"], want_i)
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    k = promoted.trace(1, F8, tl.TensorSpec((16,), tl.float32), tl.TensorSpec((8,), tl.int32))
+    assert lower(k, "p").compile().cubin
+
+
+def test_shape_queries_are_answered_and_probing_is_no_error():
+    seen = {}
+
+    def body(a, f, t):
+        seen.update(shape=np.shape(a), ndim=np.ndim(f), size=np.size(a), has_sum=hasattr(a, "sum"),
+                    has_numpy=hasattr(f, "numpy"))
+        return a
+
+    _kernel(body).trace(1, F8, F8)
+    assert seen == {"shape": (8,), "ndim": 1, "size": 8, "has_sum": False, "has_numpy": False}
+
+
+@pytest.mark.parametrize("body,match", [
+    (lambda a, f, t: np.testing.assert_allclose(a, a), r"numpy cannot make an array"),
+    (lambda a, f, t: np.vectorize(lambda v: v)(a), r"numpy cannot make an array"),
+    (lambda a, f, t: np.emath.sqrt(a), r"np\.emath\.sqrt on a traced value: write tl\.sqrt\(x\)"),
+    (lambda a, f, t: np.linalg.norm(a), r"np\.linalg\.norm on a traced value"),
+    (lambda a, f, t: a + 1j, r"tiles hold real numbers"),
+    (lambda a, f, t: np.complex64(1 + 2j) * a, r"tiles hold real numbers"),
+    (lambda a, f, t: a * (t + 1j), r"got the complex number"),
+])
+def test_refusals_from_inside_numpy_point_at_the_users_line(body, match):
+    err = _refused(body, match)
+    assert err.loc is not None and err.loc.filename == __file__, err.loc

@@ -168,9 +168,9 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
-    size = math.prod(shape) * dtype.bits // 8
+    size = math.prod(shape) * builtins.max(dtype.bits // 8, 1)         # a bool is a byte on the GPU
     if size > FRAGMENT_BYTES_LIMIT:
-        fail(f"tl.fragment{shape} of {dtype} is {size / 2**20:,.0f} MiB: no kernel holds a fragment over "
+        fail(f"tl.fragment{shape} of {dtype} is {size:,} bytes: no kernel holds a fragment over "
              f"{FRAGMENT_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, "
              f"and the general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**20} MiB a task group to "
              f"global memory) — make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")

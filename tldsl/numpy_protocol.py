@@ -9,10 +9,13 @@ object array: a silently wrong program) and ``np.exp(t)`` was numpy's TypeError 
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
 
+from .errors import CompilationError
+from .ir.location import user_location
 from .tracing import Scalar, fail
 
 #: binary ufuncs traced as Python's operators: (the operator on the left operand, on the right one)
@@ -43,6 +46,7 @@ INSTEAD = {
     "zeros_like": "tl.zeros(x.shape, x.dtype)", "full_like": "tl.full(x.shape, value, x.dtype)",
     "add.reduce": "tl.sum(x, axis)", "maximum.reduce": "tl.max(x, axis)", "minimum.reduce": "tl.min(x, axis)",
     "power": "the product (x * x)", "square": "x * x", "reciprocal": "1.0 / x", "rint": "tl.cast",
+    "erf": "tl.erf(x)", "expit": "tl.sigmoid(x)", "sigmoid": "tl.sigmoid(x)", "rsqrt": "tl.rsqrt(x)",
     "logical_and": "a & b on bool tiles", "logical_or": "a | b on bool tiles", "logical_not": "~mask",
 }
 
@@ -68,8 +72,14 @@ def _traced(x) -> bool:
 
 
 def _hint(name: str) -> str:
-    instead = INSTEAD.get(name)
+    instead = INSTEAD.get(name) or (f"tl.{name}(x)" if name in TWINS else None)
     return f"write {instead}" if instead else "the tile language's functions are tl.* (help(tl))"
+
+
+class NotAnArrayMethod(CompilationError, AttributeError):
+    """A numpy array method asked of a tile (``t.sum(axis=1)``): a CompilationError at the user's
+    line saying what to write, and an AttributeError, so ``hasattr(t, "sum")`` is False and
+    duck-typed code (``x.numpy() if hasattr(x, "numpy") else x``) goes on as with any object."""
 
 
 def missing_attribute(self, name: str):
@@ -77,7 +87,8 @@ def missing_attribute(self, name: str):
     ``t.astype(...)``) say what to write; any other missing name is the usual AttributeError (numpy
     and Python probe dunders this way)."""
     if name in METHODS:
-        fail(f"a {type(self).__name__} has no .{name} (it is no numpy array): write {METHODS[name]}")
+        raise NotAnArrayMethod(f"a {type(self).__name__} has no .{name} (it is no numpy array): write "
+                               f"{METHODS[name]}", user_location())
     raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
@@ -88,6 +99,8 @@ def _operand(x, ufunc):
         if x.ndim == 0:
             return x[()]
         fail(f"numpy's {ufunc.__name__} of a traced value and a numpy array of shape {x.shape}: {ARRAYS}")
+    if isinstance(x, (complex, np.complexfloating)):
+        fail(f"numpy's {ufunc.__name__} of a traced value and the complex number {x!r}: tiles hold real numbers")
     if not (_traced(x) or isinstance(x, (numbers.Number, np.generic))):
         fail(f"numpy's {ufunc.__name__} of a traced value and a {type(x).__name__}: it takes tiles, fragments, "
              f"traced scalars and numbers")
@@ -118,11 +131,30 @@ def array_ufunc(self, ufunc, method, *inputs, **kwargs):
     fail(f"numpy's {ufunc.__name__} on a traced value is not in the tile language: {_hint(ufunc.__name__)}")
 
 
+#: numpy functions that only ask a traced value's static shape: answered
+SHAPE_QUERIES = {"shape": lambda x: tuple(x.shape), "ndim": lambda x: len(x.shape),
+                 "size": lambda x: math.prod(x.shape)}
+
+
+def _numpy_name(func) -> str:
+    """``np.sum``, ``np.linalg.norm``, ``np.emath.sqrt``: a numpy function as a user writes it."""
+    module = getattr(func, "__module__", "") or ""
+    parts = [p for p in module.split(".")[1:] if not p.startswith("_")]
+    aliases = {"scimath": "emath", "fromnumeric": None, "function_base": None, "numeric": None, "multiarray": None,
+               "shape_base": None, "lib": None, "core": None, "utils": None}
+    parts = [aliases.get(p, p) for p in parts]
+    return ".".join(["np", *[p for p in parts if p], getattr(func, "__name__", str(func))])
+
+
 def array_function(self, func, types, args, kwargs):
-    """``__array_function__`` of the traced values: numpy's functions (``np.sum``, ``np.where``,
+    """``__array_function__`` of the traced values: ``np.shape``, ``np.ndim`` and ``np.size`` of one
+    are answered from its static shape; numpy's other functions (``np.sum``, ``np.where``,
     ``np.dot``, ...) are refused with what to write."""
     name = getattr(func, "__name__", str(func))
-    fail(f"numpy's np.{name} on a traced value: {_hint(name)} (numpy's functions run on arrays, "
+    if name in SHAPE_QUERIES and func is getattr(np, name, None) and len(args) == 1 and not kwargs \
+            and not isinstance(args[0], Scalar):
+        return SHAPE_QUERIES[name](args[0])
+    fail(f"numpy's {_numpy_name(func)} on a traced value: {_hint(name)} (numpy's functions run on arrays, "
          f"not while tracing)")
 
 

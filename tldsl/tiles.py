@@ -217,7 +217,7 @@ def full(shape, value, dtype=T.float32) -> Tile:
 def check_fill(value, what: str, dtype: T.DType | None = None) -> None:
     """A constant fill is one Python number (not a tile, an array or a string), and an integer fill
     of an i32 tile fits in i32 (rather than wrapping around)."""
-    if isinstance(value, (numbers.Number, np.number)) and not isinstance(value, complex):
+    if isinstance(value, (numbers.Number, np.number, np.bool_)) and not isinstance(value, (complex, np.complexfloating)):
         if dtype == T.int32 and isinstance(value, (numbers.Integral, np.integer)) and not -2**31 <= int(value) < 2**31:
             fail(f"{what}: {value} does not fit in i32")
         return
@@ -264,7 +264,19 @@ def _numpy_operand(op: str, a):
         if a.ndim:
             fail(f"'{op}' of a tile and a numpy array of shape {a.shape}: {ARRAYS}")
         a = a[()]
+    if isinstance(a, (complex, np.complexfloating)):
+        fail(f"'{op}' of a tile and the complex number {a!r}: tiles hold real numbers (f16, bf16, f32, i32, bool)")
     return bool(a) if isinstance(a, np.bool_) else a
+
+
+def _float_number(a) -> bool:
+    """A Python or numpy float (np.float32 is no Python float)."""
+    return isinstance(a, (float, np.floating))
+
+
+def _int_number(a) -> bool:
+    """A Python or numpy integer that is not a bool."""
+    return isinstance(a, (numbers.Integral, np.integer)) and not isinstance(a, (bool, np.bool_))
 
 
 def _number_dtype(x) -> T.DType:
@@ -294,11 +306,11 @@ def ewise(op: str, *args) -> Tile:
             dtype = _promote([_number_dtype(a) for a in numbers_only])
     else:
         dtype = _promote(tile_dtypes + scal_dtypes)
-    if any(isinstance(a, float) for a in args) and not dtype.is_float:
-        dtype = T.float32
-    if op in ("and", "or") and dtype == T.bool_ and any(
-            isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in args):
-        dtype = T.int32      # numpy's: a Python int beside a bool tile is an int (mask & 2 is 0, mask | 8 is 8 or 9)
+    values = args[1:] if op == "where" else args
+    if any(_float_number(a) for a in values) and not dtype.is_float:
+        dtype = T.float32    # numpy's: a float beside an integer or bool tile makes floats (0.5 * iota)
+    if dtype == T.bool_ and any(_int_number(a) for a in values):
+        dtype = T.int32      # numpy's: an int beside a bool tile is an int (mask + 1 is 1 or 2, mask & 2 is 0)
     try:
         shape = np.broadcast_shapes(*[t.shape for t in tiles])
     except ValueError:
@@ -310,7 +322,7 @@ def ewise(op: str, *args) -> Tile:
         elif isinstance(a, Scalar):
             vals.append(a.value)
         elif isinstance(a, (numbers.Number, np.number)):
-            cd = T.bool_ if isinstance(a, bool) else (dtype if dtype.is_float or isinstance(a, numbers.Integral) else T.float32)
+            cd = T.bool_ if isinstance(a, bool) else (dtype if dtype.is_float or _int_number(a) else T.float32)
             vals.append(const(a, cd if cd.kind != "bool" else T.bool_).value)
         else:
             fail(f"'{op}': unsupported operand {type(a).__name__}")

@@ -171,6 +171,10 @@ def const(x, dtype: T.DType | None = None) -> "Scalar":
 def as_scalar(x) -> "Scalar":
     if isinstance(x, Scalar):
         return x
+    if isinstance(x, np.bool_):
+        x = bool(x)
+    if isinstance(x, (complex, np.complexfloating)):
+        fail(f"expected a real scalar (int, float, bool or traced scalar), got the complex number {x!r}")
     if isinstance(x, (numbers.Number, np.number, bool)):
         return const(x)
     fail(f"expected a scalar (int, float or traced scalar), got {type(x).__name__}")

@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip check
 	touch $@
 
-.PHONY: install demo test mutants gpu-test
+.PHONY: install demo test mutants gpu-test gpu-test-parallel
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -47,3 +47,11 @@ mutants: $(VENV)/.installed
 # names its place.
 gpu-test:
 	TLDSL_REQUIRE_GPU=1 $(PYTHON) -m pytest -q -rs -m gpu -o faulthandler_timeout=150 tests
+
+# The same in GPU_WORKERS processes sharing the GPU (pytest-xdist), then the `gpu_alone` tests by
+# themselves: with other processes' kernels on the GPU, a trapped kernel's error reached the host only
+# after the hang tests' 92 s deadline in two of five such runs (BENCHMARKS.md, fifty-second session).
+GPU_WORKERS ?= 14
+gpu-test-parallel:
+	TLDSL_REQUIRE_GPU=1 $(PYTHON) -m pytest -q -rs -m "gpu and not gpu_alone" -n $(GPU_WORKERS) -o faulthandler_timeout=200 tests
+	TLDSL_REQUIRE_GPU=1 $(PYTHON) -m pytest -q -rs -m gpu_alone -o faulthandler_timeout=200 tests

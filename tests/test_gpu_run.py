@@ -177,6 +177,7 @@ def test_a_row_gather_part_folded_into_the_grouped_gemm(name, side):
                if x.part == "grouped_gemm")
 
 
+@pytest.mark.gpu_alone      # beside other processes' kernels the trap's error once took over 92 s to arrive
 @pytest.mark.parametrize("debugging", [False, True])
 def test_a_wait_nothing_satisfies_is_reported_as_a_hang(debugging):
     """In a process of its own: the wait traps, and a trap leaves that process's CUDA context
@@ -455,6 +456,7 @@ def test_parts_waiting_on_each_other_run_on_fewer_ctas_than_tiles():
         np.testing.assert_array_equal(got[r]["c"], two_parts_expected(inputs[r]["a"], n, False))
 
 
+@pytest.mark.gpu_alone
 def test_parts_waiting_on_each_other_in_crossed_order_hang_on_the_gpu():
     """The crossed order the simulator refuses by default (a deadlock on one slot per part) does
     hang on the GPU, where each part has fewer CTAs than tiles: the kernels' waits trap. In a

@@ -1,7 +1,7 @@
 """The language's newer spellings on the GPU against the simulator: Python's operators on
 fragments and with a traced scalar on the left (``test_tile_operators``), ``tl.where`` of two
-numbers (numpy's type), and numpy's ufuncs traced as their tile-language twins
-(``test_numpy_protocol``). Outputs poisoned first. Run with
+numbers (numpy's type), numbers beside integer and bool tiles, the sum of a mask (a count), and numpy's
+ufuncs traced as their tile-language twins (``test_numpy_protocol``). Outputs poisoned first. Run with
 ``python -m pytest -m gpu tests/test_gpu_tile_operators.py``."""
 from __future__ import annotations
 
@@ -50,3 +50,10 @@ def test_numbers_beside_integer_and_bool_tiles():
     from test_numpy_protocol import promoted
     x = np.array([-1, 2, 0, 3, -4, 5, 6, -7], np.float32)
     both(promoted, 1, [{"x": x, "f": np.full(16, np.nan, np.float32), "i": np.full(8, -99, np.int32)}])
+
+
+def test_the_sum_of_a_mask_counts_it():
+    from test_tile_operators import positives
+    x = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float32) * 3
+    got = both(positives, 1, [{"x": x, "counts": np.full(4, -1, np.int32), "anyall": np.full(4, -1, np.int32)}])
+    np.testing.assert_array_equal(got[0]["counts"], np.sum(x > 0, 1) + np.sum(x < -1, 1))

@@ -177,3 +177,26 @@ def test_where_of_two_numbers_takes_numpys_type():
     pytest.importorskip("cuda.bindings")
     from tldsl.codegen import lower
     assert lower(k, "v").compile().cubin
+
+
+@tl.kernel
+def positives(x, counts, anyall):
+    @tl.compute_part(grid=(1,))
+    def count(p):
+        t = tl.load(x, (0, 0), (4, 8))
+        tl.store(counts, (0,), tl.sum(t > 0, 1) + tl.sum(t < -1, 1))
+        tl.store(anyall, (0,), tl.cast(tl.max(t > 0, 1), tl.int32) * 2 + tl.cast(tl.min(t > -9, 1), tl.int32))
+
+
+def test_the_sum_of_a_mask_counts_it():
+    """``tl.sum`` of a bool tile counts its true elements as numpy does (an i32 tile; bool
+    arithmetic would have OR'ed them); ``tl.max`` of one is 'any', ``tl.min`` 'all'."""
+    x = np.array([[1, -2, 3, 0, 5, -6, 7, 8], [-1, -2, -3, -4, -5, -6, -7, -8],
+                  [0, 0, 0, 0, 0, 0, 0, 1], [9, 9, 9, 9, 9, 9, 9, -10]], np.float32)
+    r = tl.simulate(positives, 1, [{"x": x, "counts": np.full(4, -1, np.int32), "anyall": np.full(4, -1, np.int32)}])[0]
+    np.testing.assert_array_equal(r["counts"], np.sum(x > 0, 1) + np.sum(x < -1, 1))
+    np.testing.assert_array_equal(r["anyall"], np.any(x > 0, 1) * 2 + np.all(x > -9, 1))
+    k = positives.trace(1, tl.TensorSpec((4, 8), tl.float32), tl.TensorSpec((4,), tl.int32), tl.TensorSpec((4,), tl.int32))
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    assert lower(k, "count").compile().cubin

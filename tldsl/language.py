@@ -249,14 +249,14 @@ def _reduce(op, x, axis):
     if not shape:
         fail("reducing a tile to a scalar is not supported; keep one axis")
     if op == "sum" and x.dtype == T.bool_:
-        fail("tl.sum of a bool tile: cast it first — tl.sum(tl.cast(mask, tl.int32), axis) counts the "
-             "true elements (tl.max of a bool tile is 'any', tl.min 'all')")
+        x = cast(x, T.int32)        # numpy's: the sum of a mask counts its true elements (an i32 tile)
     return Tile(current().emit("reduce", [x.value], [T.TileType(shape, x.dtype)],
                                {"op": op, "axis": axis}).result)
 
 
 def sum(x, axis) -> Tile:  # noqa: A001
-    """The sum along ``axis``, which is removed; at least one axis must remain."""
+    """The sum along ``axis``, which is removed; at least one axis must remain (of a bool tile: the
+    count of true elements, i32, as numpy counts)."""
     return _reduce("sum", x, axis)
 
 

@@ -92,15 +92,22 @@ def missing_attribute(self, name: str):
     raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
-def _operand(x, ufunc):
-    """A ufunc's operand as the tile language takes it: traced values and numbers as they are, a
-    0-d array as its number; a numpy array is refused."""
+def number_operand(x, what: str):
+    """An operand beside a traced value as the tile language takes it (``what`` names the
+    operation for the errors): a 0-d array as its number, a numpy bool as Python's, anything else
+    as it is; an array of more dimensions, and a complex number, are refused."""
     if isinstance(x, np.ndarray):
-        if x.ndim == 0:
-            return x[()]
-        fail(f"numpy's {ufunc.__name__} of a traced value and a numpy array of shape {x.shape}: {ARRAYS}")
+        if x.ndim:
+            fail(f"{what} and a numpy array of shape {x.shape}: {ARRAYS}")
+        x = x[()]
     if isinstance(x, (complex, np.complexfloating)):
-        fail(f"numpy's {ufunc.__name__} of a traced value and the complex number {x!r}: tiles hold real numbers")
+        fail(f"{what} and the complex number {x!r}: tiles hold real numbers (f16, bf16, f32, i32, bool)")
+    return bool(x) if isinstance(x, np.bool_) else x
+
+
+def _operand(x, ufunc):
+    """A ufunc's operand: a traced value, or a number (:func:`number_operand`)."""
+    x = number_operand(x, f"numpy's {ufunc.__name__} of a traced value")
     if not (_traced(x) or isinstance(x, (numbers.Number, np.generic))):
         fail(f"numpy's {ufunc.__name__} of a traced value and a {type(x).__name__}: it takes tiles, fragments, "
              f"traced scalars and numbers")

@@ -11,8 +11,8 @@ import numpy as np
 from .ir import core, types as T
 from .ir.opdefs import BINARY_OPS, FLOAT_RESULT_OPS, UNARY_OPS
 from .operands import check_tile_shape, tensor_name
-from .numpy_protocol import ARRAYS
-from .tracing import Scalar, scalar_op, const, current, dtype_arg, fail, refusing
+from .numpy_protocol import number_operand
+from .tracing import Scalar, scalar_op, scalar_dtype, const, current, dtype_arg, fail, refusing
 
 
 class Tile:
@@ -257,18 +257,6 @@ def _promote(dtypes):
     return T.float32
 
 
-def _numpy_operand(op: str, a):
-    """A 0-d numpy array is its number; a numpy array of any other shape is refused (a part reads
-    arrays through its kernel's arguments)."""
-    if isinstance(a, np.ndarray):
-        if a.ndim:
-            fail(f"'{op}' of a tile and a numpy array of shape {a.shape}: {ARRAYS}")
-        a = a[()]
-    if isinstance(a, (complex, np.complexfloating)):
-        fail(f"'{op}' of a tile and the complex number {a!r}: tiles hold real numbers (f16, bf16, f32, i32, bool)")
-    return bool(a) if isinstance(a, np.bool_) else a
-
-
 def _float_number(a) -> bool:
     """A Python or numpy float (np.float32 is no Python float)."""
     return isinstance(a, (float, np.floating))
@@ -279,19 +267,11 @@ def _int_number(a) -> bool:
     return isinstance(a, (numbers.Integral, np.integer)) and not isinstance(a, (bool, np.bool_))
 
 
-def _number_dtype(x) -> T.DType:
-    """The tile type numpy gives a Python or numpy number beside no tile: bool, i32 for integers,
-    else f32."""
-    if isinstance(x, (bool, np.bool_)):
-        return T.bool_
-    return T.int32 if isinstance(x, (numbers.Integral, np.integer)) else T.float32
-
-
 def ewise(op: str, *args) -> Tile:
     """Elementwise math with numpy broadcasting; Python numbers adopt the tile's type."""
     if op not in UNARY_OPS | BINARY_OPS | {"where"}:
         fail(f"unknown elementwise op '{op}'")
-    args = tuple(_numpy_operand(op, a.read() if isinstance(a, Fragment) else a) for a in args)  # a fragment is read once
+    args = tuple(number_operand(a.read() if isinstance(a, Fragment) else a, f"'{op}' of a tile") for a in args)  # a fragment is read once
     tiles = [a for a in args if isinstance(a, (Tile, Fragment))]
     if not tiles:
         fail(f"'{op}' needs at least one tile operand")
@@ -299,11 +279,10 @@ def ewise(op: str, *args) -> Tile:
     tile_dtypes = [t.dtype for t in tiles]
     scal_dtypes = [a.dtype for a in args if isinstance(a, Scalar)]
     if op == "where":
-        numbers_only = [a for a in args[1:] if not isinstance(a, (Tile, Scalar))]
         if len(tiles) > 1 or scal_dtypes:
             dtype = _promote([t.dtype for t in tiles[1:]] + scal_dtypes)
         else:      # both branches numbers: numpy's type for them (tl.where(m, 1, -1) is i32, (m, True, False) bool)
-            dtype = _promote([_number_dtype(a) for a in numbers_only])
+            dtype = _promote([scalar_dtype(a) for a in args[1:]])
     else:
         dtype = _promote(tile_dtypes + scal_dtypes)
     values = args[1:] if op == "where" else args

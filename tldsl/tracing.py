@@ -151,7 +151,8 @@ def dtype_arg(dtype, what: str) -> T.DType:
 # Proxies
 # ----------------------------------------------------------------------------------
 
-def _scalar_dtype(x) -> T.DType:
+def scalar_dtype(x) -> T.DType:
+    """The type numpy gives a Python or numpy number on its own: bool, i32 for integers, else f32."""
     if isinstance(x, (bool, np.bool_)):
         return T.bool_
     if isinstance(x, numbers.Integral):
@@ -160,7 +161,7 @@ def _scalar_dtype(x) -> T.DType:
 
 
 def const(x, dtype: T.DType | None = None) -> "Scalar":
-    dtype = dtype or _scalar_dtype(x)
+    dtype = dtype or scalar_dtype(x)
     if dtype == T.int32 and not (-2**31 <= int(x) < 2**31):
         fail(f"integer constant {x} does not fit in i32")
     value = bool(x) if dtype == T.bool_ else (int(x) if dtype.kind == "int" else float(x))

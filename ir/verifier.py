@@ -91,14 +91,10 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
             _err(f"{name}: memory scope must be 'gpu' or 'sys'", op)
     elif name in ("tile_push_data", "tile_pull_data", "rank_copy_data"):
         src, srank, soffs, dst, drank, doffs, tile = data_operands(op)
-        remote = []
-        if name == "tile_pull_data":
-            remote.append(src)
-        if name == "tile_push_data":
-            remote.append(dst)
-        if name == "rank_copy_data":        # either side may be this rank's own (any) tensor
-            remote += [b for b, r in ((src, srank), (dst, drank))
-                       if not (isinstance(r.owner, Op) and r.owner.name == "rank")]
+        remote = [src] if name == "tile_pull_data" else [dst] if name == "tile_push_data" else []
+        # the other side (a copy's either side) may be this rank's own (any) tensor
+        remote += [b for b, r in ((src, srank), (dst, drank))
+                   if b is not None and b not in remote and not (isinstance(r.owner, Op) and r.owner.name == "rank")]
         for buf in remote:
             if not (isinstance(buf.type, TensorType) and buf.type.space == MemSpace.SYMMETRIC):
                 _err(f"{name} addresses '{buf.hint}' on another rank, but it is not a symmetric buffer", op)

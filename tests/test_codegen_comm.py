@@ -940,6 +940,42 @@ def test_emulated_general_statements_match_simulator(tmp_path):
                 assert np.array_equal(x2[s * 4 + j, :3, :5], xs[(r + s) % W][j, 3:, 5:]), (r, s, j)
 
 
+@tl.kernel
+def relay(x: tl.Symmetric, y: tl.Symmetric):
+    """A push between two other ranks' tensors: rank r copies rank r+1's x into rank r+2's y, by SMs."""
+    W = tl.world_size()
+    done = tl.signal("relay_done", 1, scope="symmetric")
+
+    @tl.comm_part(grid=(3,))
+    def move(i):
+        me = tl.rank()
+        tl.tile_push_data(y.at((me + 2) % W), (i * 4, 1), x.at((me + 1) % W), (i * 4, 0), (4, 7))
+        tl.peer_tile_notify(done, 0, (me + 2) % W)
+
+
+@needs_gxx
+def test_emulated_push_from_a_peers_tensor_matches_simulator(tmp_path):
+    """``tile_push_data``'s source may be ``tensor.at(rank)`` too (``rank_copy_data`` and
+    ``tile_pull_data``'s destination already could be either): a third rank's rows, clipped at y's edge."""
+    W = 3
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((10, 7)).astype(np.float32) for _ in range(W)]
+    inputs = [{"x": xs[r], "y": np.full((10, 7), np.nan, np.float32)} for r in range(W)]
+    k = relay.trace(W, S((10, 7), tl.float32), S((10, 7), tl.float32))
+    mem, eng = sim_state(k, inputs)
+    want_mem, want_sig = _state_from_sim(k, mem, eng)
+    for r in range(W):            # y's column 0 untouched, columns 1.. from rank r-1's x (rank r-2 pushed it)
+        y = want_mem[r]["y"]
+        assert np.isnan(y[:, 0]).all() and np.array_equal(y[:, 1:], xs[(r - 1) % W][:, :6]), r
+        assert want_sig[r]["relay_done"][0] == 3
+    memory = [{"x": xs[r].copy(), "y": inputs[r]["y"].copy()} for r in range(W)]
+    signals = [{"relay_done": np.zeros(1, np.uint64)} for _ in range(W)]
+    emulate(k, lower_comm(k), memory, signals, tmp_path)
+    for r in range(W):
+        assert _same(memory[r]["y"], want_mem[r]["y"]), r
+        assert np.array_equal(signals[r]["relay_done"], want_sig[r]["relay_done"]), r
+
+
 # =================================================================================================
 # copy-engine plans, executed in numpy
 # =================================================================================================

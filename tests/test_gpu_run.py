@@ -360,6 +360,16 @@ def test_the_fuzzers_recipe_families_agree_with_the_simulator_on_the_gpu(sms, fa
     assert recipes.count(family) >= 9, recipes          # (each family is named after its recipe)
 
 
+def test_a_push_between_two_other_ranks():
+    """``tile_push_data`` from ``x.at(rank)``: rank r's SMs copy rank r+1's rows into rank r+2's y."""
+    from test_codegen_comm import relay
+    rng = np.random.default_rng(11)
+    inputs = [{"x": _rand(rng, (10, 7), np.float32), "y": np.full((10, 7), np.nan, np.float32)} for _ in range(3)]
+    got = both(relay, 3, inputs)
+    for r in range(3):
+        assert np.array_equal(got.outputs[r]["y"][:, 1:], inputs[(r - 1) % 3]["x"][:, :6]), r
+
+
 def test_a_peer_load_in_a_compute_part():
     """The fuzzer's program 68 of seed 2026, which faulted (CUDA_ERROR_ILLEGAL_ADDRESS) on an
     H200 while its kernel matches the simulator on CPU threads and tl.run's bindings match it on

@@ -697,3 +697,15 @@ def test_a_peer_load_in_a_compute_part_binds_the_peer_table():
     res, dev = agrees(peer_row_max, 3, peer_row_max_inputs())
     assert len(res.plan.kernels) == 3 and len({x.lowered.entry for x in res.plan.kernels}) == 1
     assert [p.source for p in res.plan.kernels[0].lowered.params][:2] == ["peers:x0", "buffer:y0"]
+
+
+def test_a_push_between_two_other_ranks_binds_both_peer_tables():
+    """``tile_push_data`` from ``x.at(rank)`` into ``y.at(other rank)``: both tensors through peer tables."""
+    from test_codegen_comm import relay
+    rng = np.random.default_rng(11)
+    inputs = [{"x": rng.standard_normal((10, 7)).astype(np.float32), "y": np.full((10, 7), np.nan, np.float32)}
+              for _ in range(3)]
+    res, dev = agrees(relay, 3, inputs, sums=False)
+    assert {p.source for p in res.plan.kernels[0].lowered.params} >= {"peers:x", "peers:y"}
+    for r in range(3):
+        assert np.isnan(res[r]["y"][:, 0]).all() and np.array_equal(res[r]["y"][:, 1:], inputs[(r - 1) % 3]["x"][:, :6])

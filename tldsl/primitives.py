@@ -107,6 +107,9 @@ def consumer_tile_wait(signal, channel, *, count=1, epoch: bool = True, per_laun
 
 def peer_tile_notify(signal, channel, rank, *, scope: str = "sys") -> None:
     """Release to a peer: add one to slot ``channel`` of ``rank``'s copy of a symmetric signal."""
+    if rank is None:
+        fail("peer_tile_notify needs the rank whose copy of the signal it adds to "
+             "(tl.rank() for this rank's own; rank_notify defaults to it)")
     _notify("peer_tile_notify", _signal(signal, "peer_tile_notify", "symmetric"), channel, rank, scope)
 
 
@@ -144,14 +147,14 @@ def _local_or_remote(ref, what):
 
 
 def tile_push_data(dst, dst_offsets, src, src_offsets=None, shape=None) -> None:
-    """SMs write into a peer: ``dst`` is ``tensor.at(rank)``; ``src`` is a tile, or a local
-    tensor with ``src_offsets`` and ``shape`` (a memory-to-memory copy)."""
+    """SMs write into a peer: ``dst`` is ``tensor.at(rank)``; ``src`` is a tile, or a tensor
+    (this rank's, or ``tensor.at(rank)``) with ``src_offsets`` and ``shape`` (a memory-to-memory copy)."""
     if not isinstance(dst, RemoteRef):
         fail("tile_push_data writes to a peer: pass dst as symmetric_tensor.at(rank)")
     dref, drank = dst.tensor, rank_value(dst.rank)
     doffs = offset_values(dref, dst_offsets, "tile_push_data")
     b = current()
-    if isinstance(src, TensorRef):
+    if isinstance(src, (TensorRef, RemoteRef)):
         if src_offsets is None or shape is None:
             fail("tile_push_data from a tensor needs src_offsets and shape")
         sref, srank = _local_or_remote(src, "tile_push_data")

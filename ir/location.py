@@ -82,6 +82,14 @@ def _is_internal(filename: str, func: str = "") -> bool:
     return f.startswith(_INTERNAL) or f.startswith("<frozen")
 
 
+def user_frame(skip: int = 1):
+    """The innermost frame outside the compiler: the user's tile program, running (or None)."""
+    frame = sys._getframe(skip + 1)
+    while frame is not None and _is_internal(frame.f_code.co_filename, frame.f_code.co_name):
+        frame = frame.f_back
+    return frame
+
+
 def user_location(skip: int = 1) -> Location | None:
     """The innermost frame outside the compiler: the line of the user's tile program."""
     frame = sys._getframe(skip)

@@ -254,6 +254,7 @@ def _part(fn, grid, role, name, engine, lanes, align_shift):
         pids = [Scalar(b.emit("program_id", [], [T.i32], {"axis": a}, hints=[f"pid{a}"]).result)
                 for a in range(len(grid))]
         returned = fn(*pids)
+        b.raise_left_early()
     if returned is not None:
         fail(f"part '{part.name}' returned a {type(returned).__name__}: a part's results are what it stores "
              f"(tl.store / tl.tile_push_data); a returned value would be dropped")

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 import numpy as np
 
 from .ir import core, types as T
-from .ir.location import user_location
+from . import early_exits
+from .errors import CompilationError
+from .ir.location import Location, user_frame, user_location
 from .numpy_protocol import install as _install_numpy_protocols
 from .operands import check_tile_shape, offset_value, offset_values
 from .primitives import tile_pull_data, tile_push_data
@@ -59,9 +61,25 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
         body = core.Block(args=[core.Value(T.i32, "i")])
         op = b.emit("for", [lo.value, hi.value, st.value], [], {"unroll": False}, [body])
         body.args[0].owner = body
+        ran_to_its_end = False
         with b.region(body):
-            yield Scalar(body.args[0])
+            try:
+                yield Scalar(body.args[0])
+                ran_to_its_end = True       # the for statement asked for the next index
+            finally:
+                if not ran_to_its_end and b.left_early is None:
+                    b.left_early = _left_early(op.loc)
         del op
+
+
+def _left_early(loc) -> CompilationError:
+    """The error of a ``tl.range`` body left by a Python jump (or an exception, which wins)."""
+    jumps = early_exits.loop_body_jumps(loc.filename, loc.lineno) if loc is not None else []
+    by = f" by {early_exits.describe(jumps)}" if jumps else " (by a break or return)"
+    return CompilationError(
+        f"this tl.range loop was left early{by}: its body is traced once and the loop runs every iteration, "
+        "so a Python jump out of it would be taken for all of them. Bound the loop by tl.range's stop, or run "
+        "it whole and guard the work with tl.when", loc)
 
 
 def static_range(*args):
@@ -80,6 +98,14 @@ def when(cond):
     c = as_scalar(cond)
     if c.dtype != T.bool_:
         fail(f"tl.when needs a boolean scalar, got {c.dtype}")
+    frame = user_frame()
+    jumps = early_exits.when_body_jumps(frame)
+    if jumps:
+        word = early_exits.keyword(jumps[0])
+        raise CompilationError(
+            f"`{word}` inside `with tl.when(...)`: the body is traced once, so this {word} would be taken for "
+            "every task and iteration, not only where the condition holds. Put the code it should skip under "
+            "tl.when of the opposite condition", Location(frame.f_code.co_filename, jumps[0].lineno, jumps[0].col_offset))
     b = current()
     body = core.Block()
     b.emit("if", [c.value], [], {}, [body])

@@ -38,6 +38,7 @@ class Builder:
         self.comm_schedule = None
         self.home: dict[int, core.Block] = {}         # value id -> the block that made it
         self.opened_by: dict[int, core.Op | None] = {}  # block id -> its `for` / `if` op (None: a part's body)
+        self.left_early: CompilationError | None = None  # a tl.range body left by break / return (early_exits)
 
     # -- op emission ---------------------------------------------------------------
     def emit(self, name: str, operands, result_types=(), attrs=None, regions=(), hints=()):
@@ -46,6 +47,7 @@ class Builder:
                                    "only be used inside a compute or comm part (a function decorated with "
                                    "tl.compute_part / tl.comm_part)",
                                    user_location())
+        self.raise_left_early()
         for v in operands:
             self._check_in_scope(v)
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
@@ -54,6 +56,11 @@ class Builder:
             self.home[op.results[-1].id] = self.blocks[-1]
         self.blocks[-1].ops.append(op)
         return op
+
+    def raise_left_early(self) -> None:
+        """Raise the error of a ``tl.range`` loop left early, once anything follows it."""
+        if self.left_early is not None:
+            raise self.left_early
 
     @contextmanager
     def region(self, block: core.Block):

@@ -1,0 +1,101 @@
+"""Python jumps out of traced regions (``tldsl/early_exits.py``): a ``break`` or ``return`` in a
+``tl.range`` body and a ``return`` / ``break`` / ``continue`` in a ``tl.when`` body are refused at
+their line (``tests/rejected`` holds one program of each); every other jump keeps Python's meaning
+and must trace and simulate as numpy computes it: ``continue`` in a traced loop (the rest of every
+iteration skipped, as Python skips it), jumps in Python loops and nested functions inside traced
+regions, and ``break`` in ``tl.static_range``."""
+from __future__ import annotations
+
+import linecache
+import textwrap
+
+import numpy as np
+import pytest
+
+import tldsl as tl
+
+
+@tl.kernel
+def jumps_that_keep_their_meaning(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        acc = tl.fragment((M,), tl.float32)
+        for c in tl.range(0, N, 8):
+            with tl.when(c > 0):
+                for j in range(3):          # a Python loop's own break
+                    if j == 1:
+                        break
+
+                def scaled(t):              # a nested function's own return
+                    return t * 2.0
+                acc += tl.sum(scaled(tl.load(x, (0, c), (M, 8))), 1)
+            continue
+        for k in tl.static_range(4):        # unrolled: Python's break
+            if k == 1:
+                break
+            acc += 1.0
+        tl.store(y, (0,), acc.read())
+
+
+def test_jumps_that_keep_their_meaning_trace_and_simulate_as_python_runs_them():
+    x = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    y = tl.simulate(jumps_that_keep_their_meaning, 1, [{"x": x, "y": np.full(3, np.nan, np.float32)}],
+                    compute=tl.ComputeSchedule(tile=(8, 8, 8)))[0]["y"]
+    np.testing.assert_allclose(y, 2 * x[:, 8:].sum(1) + 1, rtol=1e-5)
+
+
+def _cell(src: str, name: str):
+    """Run ``src`` as a notebook does: its source in linecache under a cell's name."""
+    src = textwrap.dedent(src)
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    ns = {"tl": tl}
+    exec(compile(src, name, "exec"), ns)       # noqa: S102 - the test's own source
+    return ns
+
+
+LOOP_LEFT_BY_RETURN = """
+@tl.kernel
+def k(x, y):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        for c in tl.range(0, 32, 8):
+            tl.store(y, (0, c), tl.load(x, (0, c), (2, 8)))
+            if c is not None:
+                return
+"""
+
+
+def test_a_notebook_cells_loop_left_by_return_is_refused_at_the_loop_naming_the_return():
+    ns = _cell(LOOP_LEFT_BY_RETURN, "<cell-7>")
+    with pytest.raises(tl.CompilationError) as info:
+        ns["k"].trace(1, tl.TensorSpec((2, 32), tl.float32), tl.TensorSpec((2, 32), tl.float32))
+    assert str(info.value).startswith("<cell-7>:6: this tl.range loop was left early by the return at line 9:")
+
+
+def test_without_its_source_a_loop_left_early_is_still_refused():
+    ns = {"tl": tl}
+    exec(compile(textwrap.dedent(LOOP_LEFT_BY_RETURN), "<no source>", "exec"), ns)   # noqa: S102
+    with pytest.raises(tl.CompilationError, match=r"left early \(by a break or return\)"):
+        ns["k"].trace(1, tl.TensorSpec((2, 32), tl.float32), tl.TensorSpec((2, 32), tl.float32))
+
+
+def test_a_when_in_a_helper_function_is_checked_in_the_helpers_source():
+    ns = _cell("""
+        def clear_first_tile(y, pm, t):
+            with tl.when(pm == 0):
+                tl.store(y, (0, 0), t * 0.0)
+                return True
+            return False
+
+        @tl.kernel
+        def k(x, y):
+            @tl.compute_part(grid=(4,))
+            def part(pm):
+                t = tl.load(x, (pm * 8, 0), (8, 4))
+                clear_first_tile(y, pm, t)
+        """, "<cell-8>")
+    with pytest.raises(tl.CompilationError) as info:
+        ns["k"].trace(1, tl.TensorSpec((32, 4), tl.float32), tl.TensorSpec((32, 4), tl.float32))
+    assert str(info.value).startswith("<cell-8>:5: `return` inside `with tl.when(...)`")

@@ -1,0 +1,100 @@
+"""Python statements that would leave a traced region early: refused where they stand.
+
+The tracer runs a ``for i in tl.range(...)`` body once, symbolically, and the IR loop runs every
+iteration; it runs a ``with tl.when(c):`` body once, and the IR runs it where ``c`` holds. A
+``break`` or ``return`` in such a loop, or a ``return``, ``break`` or ``continue`` in such a body,
+is a Python jump taken at trace time: for every iteration and every task, where the program meant
+some of them. Left alone, the IR would silently be another program (the loop run whole, the code
+after a ``return`` never traced). A ``when`` body leaves through its context manager's ordinary
+exit whichever way it ends, so its jumps are found in the source (the statements inside it, not in
+a nested function, and ``break`` / ``continue`` not in a loop of its own); a loop's generator is
+closed unfinished when its body is left, which :class:`.language.range` notices itself, and the
+source then names the statements that could have done it.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+
+_TREES: dict[tuple[str, int], ast.Module | None] = {}
+_NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+def _tree(filename: str, globals_=None) -> ast.Module | None:
+    """The parsed source of ``filename`` (a notebook cell too: IPython keeps its cells in
+    linecache); None where the source cannot be read or parsed."""
+    text = "".join(linecache.getlines(filename, globals_))
+    key = (filename, hash(text))
+    if key not in _TREES:
+        try:
+            _TREES[key] = ast.parse(text) if text else None
+        except (SyntaxError, ValueError):
+            _TREES[key] = None
+    return _TREES[key]
+
+
+def _jumps(body, kinds, in_loop=False):
+    """The statements of ``kinds`` in ``body`` that leave it (not those of a nested function or
+    class; a ``break`` / ``continue`` only where no loop of its own is around it)."""
+    for stmt in body:
+        for node in _walk(stmt, in_loop):
+            if isinstance(node[0], kinds):
+                yield node[0]
+
+
+def _walk(node, in_loop):
+    if isinstance(node, _NESTED_SCOPES):
+        return
+    if isinstance(node, (ast.Break, ast.Continue)):
+        if not in_loop:
+            yield (node,)
+        return
+    if isinstance(node, ast.Return):
+        yield (node,)
+        return
+    if isinstance(node, _LOOPS):
+        for child in node.body:
+            yield from _walk(child, True)
+        for child in node.orelse:
+            yield from _walk(child, in_loop)
+        return
+    for child in ast.iter_child_nodes(node):     # the statements of an if / with / try / match
+        if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+            yield from _walk(child, in_loop)
+
+
+def keyword(stmt) -> str:
+    return {ast.Return: "return", ast.Break: "break", ast.Continue: "continue"}[type(stmt)]
+
+
+def when_body_jumps(frame) -> list[ast.stmt]:
+    """The ``return`` / ``break`` / ``continue`` statements leaving the ``with`` statement that
+    ``frame`` is entering (the one whose header holds its current line)."""
+    tree = _tree(frame.f_code.co_filename, frame.f_globals) if frame is not None else None
+    if tree is None:
+        return []
+    line = frame.f_lineno
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)) and node.lineno <= line <= node.items[-1].context_expr.end_lineno:
+            found += _jumps(node.body, (ast.Return, ast.Break, ast.Continue))
+    return sorted(found, key=lambda s: s.lineno)
+
+
+def loop_body_jumps(filename: str, lineno: int, globals_=None) -> list[ast.stmt]:
+    """The ``break`` / ``return`` statements that leave the ``for`` loop whose header holds line
+    ``lineno`` of ``filename``."""
+    tree = _tree(filename, globals_)
+    if tree is None:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and node.lineno <= lineno <= node.iter.end_lineno:
+            found += _jumps(node.body, (ast.Return, ast.Break))
+    return sorted(found, key=lambda s: s.lineno)
+
+
+def describe(stmts) -> str:
+    """``the return at line 12`` / ``the break at line 9 or the return at line 14``."""
+    return " or ".join(f"the {keyword(s)} at line {s.lineno}" for s in stmts)

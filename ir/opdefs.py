@@ -115,3 +115,18 @@ def data_operands(op):
     rest = o[2 + ns:]
     nd = len(rest[0].type.shape)
     return src, src_rank, src_offs, rest[0], rest[1], rest[2:2 + nd], None
+
+
+def written_buffers(kernel) -> frozenset[str]:
+    """Names of the tensors some part of ``kernel`` writes on any rank: a store's tensor, a data
+    movement's destination (the verifier admits no other op that writes memory)."""
+    out = set()
+    for part in kernel.parts:
+        for op in part.walk():
+            if op.name == "store":
+                out.add(op.operands[0].owner.name)
+            elif op.name in DATA_OPS:
+                dst = data_operands(op)[3]
+                if dst is not None:
+                    out.add(dst.owner.name)
+    return frozenset(out)

@@ -24,6 +24,7 @@ from test_gpu_run import assert_agrees  # noqa: E402
 from test_run_fake_device import FakeDevice  # noqa: E402
 
 from tldsl.errors import InputError  # noqa: E402
+from tldsl.ir.opdefs import written_buffers  # noqa: E402
 from tldsl.runtime.dist import program_op  # noqa: E402
 from tldsl.runtime.dist.program_check import rmsnorm_allgather  # noqa: E402  (tutorials/04's program)
 
@@ -608,9 +609,9 @@ def test_only_written_symmetric_arguments_are_copied_back():
     for name, written in (("allgather_gemm", {"c", "a_gathered"}), ("allgather_gemm_ce", {"c", "a_gathered"}),
                           ("rmsnorm_allgather", {"out"}), ("normed_gather", {"g", "y"})):
         fn, inputs, kw = library_case(name, 2)
-        assert program_op.written_buffers(tl.simulate(fn, 2, inputs, **kw).kernel) == written, name
+        assert written_buffers(tl.simulate(fn, 2, inputs, **kw).kernel) == written, name
     r = library_case("ring_exchange", 2)
-    assert program_op.written_buffers(tl.simulate(ring_exchange, 2, r[1], **r[2]).kernel) == {"y", "w", "z"}
+    assert written_buffers(tl.simulate(ring_exchange, 2, r[1], **r[2]).kernel) == {"y", "w", "z"}
 
 
 def _fresh_library(name: str, W: int, launches: int = 3) -> tuple:

@@ -17,8 +17,8 @@ from ..ir_queries import scope_of
 from ..match import affine as aff
 from ..match.combine import WHAT, CombineMatch
 from ..match.per_row import depends_on
-from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook, \
-    written_buffers
+from ...ir.opdefs import written_buffers
+from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook
 from .wgmma import check_cluster_waits
 
 #: threads per CTA; each owns VEC (1, 2, 4 or 8, :func:`vector_width`) consecutive columns of a tile row

@@ -18,8 +18,8 @@ from ..ir_queries import scope_of
 from ..match import affine as aff
 from ..match.grouped_gemm import WHAT, GroupedGemmMatch
 from ..match.per_row import depends_on
-from .prog_params import (signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook,
-                          written_buffers)
+from ...ir.opdefs import written_buffers
+from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook
 from .wgmma import GemmConfig, check_cluster_waits, check_k_loop, check_operands, check_tiles, choose_config
 
 #: the registers a 384-thread CTA holds (ptxas gives each thread 168 under ``__launch_bounds__(384,

@@ -48,20 +48,6 @@ def signals_used(ops) -> tuple[core.Signal, ...]:
     return tuple(out)
 
 
-def written_buffers(kernel: core.Kernel) -> frozenset[str]:
-    """Names of the tensors some part of ``kernel`` writes (stores, data primitives' targets):
-    a generated kernel reads them with coherent loads, never through the non-coherent cache."""
-    out = set()
-    for _, op in kernel.walk():
-        if op.name == "store":
-            out.add(op.operands[0].owner.name)
-        elif op.name in DATA_OPS:
-            dst = data_operands(op)[3]
-            if dst is not None:
-                out.add(dst.owner.name)
-    return frozenset(out)
-
-
 def tensor_name(b: core.Buffer) -> str:
     """The parameter (and ``Prog`` member) of a tensor the hooks read: ``tbl_<name>`` for i32
     tables, ``ptr_<name>`` for the rest."""

@@ -83,6 +83,7 @@ from ...errors import InputError
 from ...run import check_run_options, register_group_runner
 from ...ir import core
 from ...ir.display import one_line
+from ...ir.opdefs import written_buffers
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, needs_free_sms,
@@ -428,7 +429,7 @@ class FusedProgram(FusedOp):
         if W > 1:
             stream_handshake(drv, origin, self._handshake, rank, 2 * L)
         for name, t in sym:
-            if self._written is not None and name not in self._written:
+            if name not in self._written:
                 continue                            # nothing writes it: the caller's tensor holds it already
             n = t.numel() * t.element_size()
             checked(drv, drv.cuMemcpyAsync(t.data_ptr(), self._symmetric[name].data_ptr(), n, origin),
@@ -586,30 +587,6 @@ def _name(kernel) -> str:
     return getattr(kernel, "name", type(kernel).__name__)
 
 
-def written_buffers(ir: core.Kernel) -> set[str] | None:
-    """The tensors some op of ``ir`` writes (a store, the destination of a data movement) on
-    any rank; None where an op touches memory in a way not known here (then every symmetric
-    argument is copied back)."""
-    from ...ir.opdefs import DATA_OPS, OPS, data_operands
-    out: set[str] = set()
-    for part in ir.parts:
-        for op in part.walk():
-            d = OPS.get(op.name)
-            if d is None:
-                return None
-            if not d.touches_memory or op.name in ("load", "load_rows", "load_scalar"):
-                continue
-            if op.name == "store":
-                out.add(op.operands[0].owner.name)
-            elif op.name in DATA_OPS:
-                dst = data_operands(op)[3]
-                if dst is not None:
-                    out.add(dst.owner.name)
-            else:
-                return None
-    return out
-
-
 def _overlaps_other(t, buf) -> bool:
     """Whether ``t``'s bytes overlap ``buf``'s without being exactly them (a copy between the two
     would overlap)."""
@@ -618,15 +595,15 @@ def _overlaps_other(t, buf) -> bool:
     return a < b + m and b < a + n and (a, n) != (b, m)
 
 
-def _check_written_apart(args, tensors, written: set[str] | None, staged: list[bool]) -> None:
-    """No argument the program writes (every one where ``written`` is None: not known) shares a
+def _check_written_apart(args, tensors, written: frozenset[str], staged: list[bool]) -> None:
+    """No argument the program writes shares a
     byte with another argument its kernels read or write in place: they would write it while they
     still read the other — a wrong answer, not an error. ``staged`` arguments (symmetric ones not
     passed as their buffer) are copied into it before the kernels and, written, back after them:
     one that is only read may share the bytes of an output (an in-place all-reduce, ``op(x=t,
     out=t)``), two that are written may not. The same tensor for one read-write argument is fine."""
     def writes(b):
-        return written is None or b.name in written
+        return b.name in written
 
     for i, (b, t) in enumerate(zip(args, tensors)):
         if not writes(b):

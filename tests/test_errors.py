@@ -403,7 +403,27 @@ def test_the_fragment_limit_is_the_general_lowerings_scratch():
         return k.trace(1, tl.TensorSpec((n,), dtype))
 
     trace(SCRATCH_LIMIT // 4)
-    with pytest.raises(tl.CompilationError, match="is 16,777,220 bytes: no kernel holds a fragment over 16 MiB"):
+    with pytest.raises(tl.CompilationError, match="fragment is 16,777,220 bytes: no kernel holds one over 16 MiB"):
         trace(SCRATCH_LIMIT // 4 + 1)
-    with pytest.raises(tl.CompilationError, match="of i1 is 16,777,217 bytes"):    # a bool is a byte on the GPU
+    with pytest.raises(tl.CompilationError, match="i1 fragment is 16,777,217 bytes"):    # a bool is a byte on the GPU
         trace(SCRATCH_LIMIT + 1, tl.bool_)
+
+
+def test_a_tile_over_the_limit_is_refused_at_the_op_that_makes_it():
+    """Every tile, not only a loaded one (a broadcast, a dot's result), under the same bound as
+    fragments; a tile of exactly 16 MiB traces."""
+    from tldsl.tracing import TILE_BYTES_LIMIT
+
+    def trace(m, n):
+        @tl.kernel
+        def k(a, c):
+            @tl.compute_part(grid=(1,))
+            def p(i):
+                row = tl.load(a, (0, 0), (1, n))
+                tl.store(c, (0, 0), tl.broadcast_to(row, (m, n)))
+        return k.trace(1, tl.TensorSpec((m, n), tl.float32), tl.TensorSpec((m, n), tl.float32))
+
+    trace(TILE_BYTES_LIMIT // 4 // 1024, 1024)
+    with pytest.raises(tl.CompilationError, match="a 4097x1024 f32 tile is 16,781,312 bytes") as info:
+        trace(TILE_BYTES_LIMIT // 4 // 1024 + 1, 1024)
+    assert "tl.broadcast_to(row" in str(info.value)

@@ -370,6 +370,18 @@ def test_a_push_between_two_other_ranks():
         assert np.array_equal(got.outputs[r]["y"][:, 1:], inputs[(r - 1) % 3]["x"][:, :6]), r
 
 
+@pytest.mark.parametrize("launches", [1, 3])
+def test_every_launch_runs_on_the_callers_arguments(launches):
+    """An in-place ``y += x`` (and a push into a peer's argument) returns one application of itself."""
+    from test_simulator import accumulate
+    rng = np.random.default_rng(4)
+    inputs = [{"x": _rand(rng, 8, np.float32), "y": _rand(rng, 8, np.float32), "seen": _rand(rng, 8, np.float32)}
+              for _ in range(2)]
+    got = both(accumulate, 2, inputs, options=tl.SimOptions(launches=launches))
+    for r in range(2):
+        np.testing.assert_array_equal(got.outputs[r]["y"], inputs[r]["y"] + inputs[r]["x"])
+
+
 def test_a_peer_load_in_a_compute_part():
     """The fuzzer's program 68 of seed 2026, which faulted (CUDA_ERROR_ILLEGAL_ADDRESS) on an
     H200 while its kernel matches the simulator on CPU threads and tl.run's bindings match it on

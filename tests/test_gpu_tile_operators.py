@@ -57,3 +57,11 @@ def test_the_sum_of_a_mask_counts_it():
     x = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float32) * 3
     got = both(positives, 1, [{"x": x, "counts": np.full(4, -1, np.int32), "anyall": np.full(4, -1, np.int32)}])
     np.testing.assert_array_equal(got[0]["counts"], np.sum(x > 0, 1) + np.sum(x < -1, 1))
+
+
+def test_bool_scalars_in_index_math():
+    from test_tile_operators import bool_index_math
+    x = np.random.default_rng(6).standard_normal(16).astype(np.float32)
+    got = both(bool_index_math, 1, [{"x": x, "y": np.full(16, np.nan, np.float32), "flags": np.full(8, -1, np.int32)}])
+    p = np.arange(4)
+    np.testing.assert_array_equal(got[0]["y"].reshape(4, 4), x[((p > 1) + 1)[:, None] * 4 + np.arange(4)])

@@ -709,3 +709,17 @@ def test_a_push_between_two_other_ranks_binds_both_peer_tables():
     assert {p.source for p in res.plan.kernels[0].lowered.params} >= {"peers:x", "peers:y"}
     for r in range(3):
         assert np.isnan(res[r]["y"][:, 0]).all() and np.array_equal(res[r]["y"][:, 1:], inputs[(r - 1) % 3]["x"][:, :6])
+
+
+@pytest.mark.parametrize("launches", [2, 3])
+def test_every_launch_runs_on_the_callers_arguments_on_the_fake_device(launches):
+    """``tl.run`` puts back what the program writes into its arguments between launches, as the
+    simulator does: an in-place ``y += x`` returns one application of itself."""
+    from test_simulator import accumulate
+    rng = np.random.default_rng(4)
+    inputs = [{"x": rng.standard_normal(8).astype(np.float32), "y": rng.standard_normal(8).astype(np.float32),
+               "seen": rng.standard_normal(8).astype(np.float32)} for _ in range(2)]
+    res, dev = agrees(accumulate, 2, inputs, sums=False, options=tl.SimOptions(launches=launches))
+    assert res.launches == launches
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["y"], inputs[r]["y"] + inputs[r]["x"])

@@ -873,3 +873,31 @@ def test_torch_tensors_are_inputs_as_they_are_for_tl_run_bf16_included():
     assert np.array_equal(as_float32.outputs[0]["y"], got)
     half = tl.simulate(_doubled, 1, [{"x": x.to(torch.float16), "y": y.to(torch.float16)}])
     assert half.outputs[0]["y"].dtype == np.float16 and half.kernel.args[0].type.dtype == tl.float16
+
+
+@tl.kernel
+def accumulate(x, y, seen: tl.Symmetric):
+    """``y += x`` in place, and a symmetric argument pushed into by the next rank."""
+    W = tl.world_size()
+
+    @tl.compute_part(grid=(2,))
+    def part(p):
+        tl.store(y, (p * 4,), tl.load(y, (p * 4,), (4,)) + tl.load(x, (p * 4,), (4,)))
+        tl.tile_push_data(seen.at((tl.rank() + 1) % W), (p * 4,), tl.load(x, (p * 4,), (4,)) * 2.0)
+
+
+@pytest.mark.parametrize("launches", [1, 2, 3])
+def test_every_launch_runs_on_the_callers_arguments(launches):
+    """An in-place kernel returns one application of itself whatever ``launches`` is: what the
+    program writes into its arguments is put back between launches (signals and workspaces
+    carry over). It returned ``y + launches * x`` before."""
+    rng = np.random.default_rng(4)
+    inputs = [{"x": rng.standard_normal(8).astype(np.float32), "y": rng.standard_normal(8).astype(np.float32),
+               "seen": rng.standard_normal(8).astype(np.float32)} for _ in range(2)]
+    res = tl.simulate(accumulate, 2, inputs, options=tl.SimOptions(launches=launches))
+    assert res.launches == launches
+    for r in range(2):
+        np.testing.assert_array_equal(res[r]["y"], inputs[r]["y"] + inputs[r]["x"])
+        np.testing.assert_array_equal(res[r]["x"], inputs[r]["x"])
+    for r in range(2):
+        np.testing.assert_array_equal(res[(r + 1) % 2]["seen"], inputs[r]["x"] * 2)

@@ -200,3 +200,51 @@ def test_the_sum_of_a_mask_counts_it():
     pytest.importorskip("cuda.bindings")
     from tldsl.codegen import lower
     assert lower(k, "count").compile().cubin
+
+
+@tl.kernel
+def bool_index_math(x, y, flags):
+    @tl.compute_part(grid=(4,))
+    def part(p):
+        late = p > 1
+        off = (late + 1) * 4                        # a bool beside an int counts 0 / 1: 4 or 8, an i32
+        either = (p == 0) + (p == 3)                # two bools: + is `or`, * is `and` (numpy's)
+        both_ = (p >= 1) * (p <= 2)
+        tl.store(y, (p * 4,), tl.load(x, (off,), (4,)))
+        tl.store(flags, (p * 2,), tl.where(tl.iota(2) == 0, tl.full((2,), 1, tl.int32) * either,
+                                           tl.full((2,), 1, tl.int32) * both_))
+
+
+def test_bool_scalars_in_index_math_take_numpys_types():
+    """``(p > 1) + 1`` is an i32 (it was a bool: the simulator computed 2 where the generated C++
+    held ``true``, and an offset refused it); two bools add as `or` and multiply as `and`."""
+    x = np.arange(16, dtype=np.float32)
+    r = tl.simulate(bool_index_math, 1, [{"x": x, "y": np.full(16, np.nan, np.float32),
+                                          "flags": np.full(8, -1, np.int32)}])[0]
+    p = np.arange(4)
+    np.testing.assert_array_equal(r["y"].reshape(4, 4), x[((p > 1) + 1)[:, None] * 4 + np.arange(4)])
+    np.testing.assert_array_equal(r["flags"].reshape(4, 2), np.stack([(p == 0) | (p == 3), (p >= 1) & (p <= 2)], 1))
+    k = bool_index_math.trace(1, tl.TensorSpec((16,), tl.float32), tl.TensorSpec((16,), tl.float32),
+                              tl.TensorSpec((8,), tl.int32))
+    assert [o.results[0].type.dtype.name for o in k.parts[0].walk() if o.name == "arith"][1:3] == ["i32", "i32"]
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    assert lower(k, "part").compile().cubin
+
+
+@pytest.mark.parametrize("expr,says", [("(p > 0) - (p > 1)", "scalar 'sub' of two bools: numpy refuses it"),
+                                       ("p + 0.5", "a float beside one belongs in tile math")])
+def test_scalar_arithmetic_numpy_would_refuse_or_tldsl_cannot_trace_says_what_to_write(expr, says):
+    src = f"""
+@tl.kernel
+def k(y):
+    @tl.compute_part(grid=(4,))
+    def part(p):
+        q = {expr}
+        tl.store(y, (p,), tl.full((1,), 1.0))
+"""
+    ns = {"tl": tl}
+    exec(compile(src, "<scalars>", "exec"), ns)        # noqa: S102 - the test's own source
+    with pytest.raises(tl.CompilationError, match=re.escape(says)) as info:
+        ns["k"].trace(1, tl.TensorSpec((4,), tl.float32))
+    assert str(info.value).startswith("<scalars>:6:")

@@ -8,7 +8,6 @@ the rank and world size (:mod:`.tracing`) and the tile math (:mod:`.tiles`).
 from __future__ import annotations
 
 import builtins
-import math
 import numbers
 from contextlib import contextmanager
 
@@ -24,7 +23,8 @@ from .primitives import tile_pull_data, tile_push_data
 from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
                     trans, zeros)
 from .tiles import maximum as _maximum, minimum as _minimum
-from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, dtype_arg, fail, rank, world_size
+from .tracing import (TILE_BYTES_LIMIT, RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, check_tile_bytes, current,
+                      dtype_arg, fail, rank, world_size)
 
 float16, bfloat16, float32, int32 = T.float16, T.bfloat16, T.float32, T.int32
 
@@ -180,9 +180,8 @@ def store(ref, offsets, tile) -> None:
 
 # -- tile construction and math ---------------------------------------------------------
 
-#: the largest fragment any lowering can hold: the general lowering's global scratch for one task
-#: group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator
-FRAGMENT_BYTES_LIMIT = 16 * 1024 * 1024
+#: the largest fragment (or tile) any lowering can hold (:data:`.tracing.TILE_BYTES_LIMIT`)
+FRAGMENT_BYTES_LIMIT = TILE_BYTES_LIMIT
 
 
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
@@ -194,12 +193,7 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
-    size = math.prod(shape) * builtins.max(dtype.bits // 8, 1)         # a bool is a byte on the GPU
-    if size > FRAGMENT_BYTES_LIMIT:
-        fail(f"tl.fragment{shape} of {dtype} is {size:,} bytes: no kernel holds a fragment over "
-             f"{FRAGMENT_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, "
-             f"and the general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**20} MiB a task group to "
-             f"global memory) — make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")
+    check_tile_bytes(shape, dtype, "fragment")
     check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})

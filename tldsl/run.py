@@ -68,7 +68,9 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     ``comm=``, ...) are those of ``tl.simulate``: of ``options`` (a ``tl.SimOptions`` or a dict of
     its fields), ``launches`` and ``static_checks`` apply, the rest are the simulator's detectors.
     ``seed`` picks the order in which the ranks' work is enqueued. Inputs are copied; every rank
-    gets its own tensors, workspaces poisoned as the simulator poisons them.
+    gets its own tensors, workspaces poisoned as the simulator poisons them. Every launch runs on
+    the caller's arguments, as the simulator's do: what the program writes into them is put back
+    between launches (an in-place ``y += x`` returns one application of itself).
 
     ``timeout_s``: a launch that does not finish this long after it starts raises
     ``GpuHangError`` (kernels are built so that a wait longer than this traps); None: wait

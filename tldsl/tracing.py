@@ -18,6 +18,22 @@ from .errors import CompilationError
 from .ir import core, types as T
 from .ir.location import user_location
 
+#: the largest tile or fragment any lowering can hold: the general lowering's global scratch for one
+#: task group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator
+TILE_BYTES_LIMIT = 16 * 1024 * 1024
+
+
+def check_tile_bytes(shape, dtype: T.DType, what: str) -> None:
+    """Refuse a tile (or fragment) over :data:`TILE_BYTES_LIMIT` at the user's line."""
+    size = int(np.prod(shape, dtype=np.int64)) * max(dtype.bits // 8, 1)        # a bool is a byte on the GPU
+    if size > TILE_BYTES_LIMIT:
+        fail(f"a {'x'.join(map(str, shape))} {dtype} {what} is {size:,} bytes: no kernel holds one over "
+             f"{TILE_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
+             f"general lowering spills at most {TILE_BYTES_LIMIT // 2**20} MiB a task group to global memory) — "
+             "work in smaller tiles (a tl.range loop over blocks, a fragment carrying what they reduce to)"
+             + (", or keep it in a tensor (tl.local_buffer)" if what == "fragment" else ""))
+
+
 _CURRENT: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("tldsl_builder", default=None)
 
 
@@ -50,6 +66,9 @@ class Builder:
         self.raise_left_early()
         for v in operands:
             self._check_in_scope(v)
+        for t in result_types:
+            if isinstance(t, T.TileType):
+                check_tile_bytes(t.shape, t.dtype, "tile")
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
         for i, t in enumerate(result_types):
             op.results.append(core.Value(t, hints[i] if i < len(hints) else None, owner=op))
@@ -201,6 +220,10 @@ def _is_tile(x) -> bool:
     return isinstance(getattr(getattr(x, "value", None), "type", None), (T.TileType, T.FragmentType))
 
 
+#: arithmetic of two bool scalars, as numpy computes it
+_BOOL_ARITH = {"add": "or", "max": "or", "mul": "and", "min": "and"}
+
+
 def scalar_op(op: str, a, b) -> "Scalar":
     """The traced scalar ``a <op> b`` (arithmetic, comparison, min/max); numbers become constants.
     With a tile or fragment on either side, NotImplemented: a Scalar's operator then hands the
@@ -208,15 +231,20 @@ def scalar_op(op: str, a, b) -> "Scalar":
     if _is_tile(a) or _is_tile(b):
         return NotImplemented
     a, b = as_scalar(a), as_scalar(b)
-    if a.dtype != b.dtype:
-        if {a.dtype, b.dtype} <= {T.int32, T.bool_}:
-            pass
-        else:
-            fail(f"scalar '{op}' of {a.dtype} and {b.dtype}: cast one side first")
+    if a.dtype != b.dtype and not {a.dtype, b.dtype} <= {T.int32, T.bool_}:
+        fail(f"scalar '{op}' of {a.dtype} and {b.dtype}: traced scalars do index arithmetic, in i32 "
+             + ("(a float beside one belongs in tile math: scale a tile by the index, `t * q`)"
+                if T.float32 in (a.dtype, b.dtype) else "(compare or `&` / `|` the bools)"))
+    if a.dtype == b.dtype == T.bool_ and op in _BOOL_ARITH:
+        op = _BOOL_ARITH[op]       # numpy's arithmetic of two bools: + and max are `or`, * and min `and`
+    elif a.dtype == b.dtype == T.bool_ and op in ("sub", "floordiv", "mod"):
+        fail(f"scalar '{op}' of two bools: numpy refuses it; write `a != b` (xor) or `&` / `|`")
     if op in ("and", "or"):        # booleans: logical; an integer on either side: bitwise, an integer
         rdt = T.bool_ if a.dtype == b.dtype == T.bool_ else T.int32
-    else:
-        rdt = T.bool_ if op in ("lt", "le", "gt", "ge", "eq", "ne") else a.dtype
+    elif op in ("lt", "le", "gt", "ge", "eq", "ne"):
+        rdt = T.bool_
+    else:                          # a bool beside an integer counts 0 / 1 (numpy's: an integer)
+        rdt = T.int32 if T.int32 in (a.dtype, b.dtype) else a.dtype
     res = current().emit("arith", [a.value, b.value], [T.ScalarType(rdt)], {"op": op})
     return Scalar(res.result)
 

@@ -530,8 +530,9 @@ def _over_limit(placed: list[Slot], t: _Tile, top: int, limit: int):
                       for s in live[:4])
     return fail(WHAT, f"the tiles live here need {top // 1024} KB of global-memory scratch beside the "
                       f"{SMEM_LIMIT // 1024} KB of shared memory a CTA has, over the {limit // 1024} KB a task "
-                      f"group may take (largest: {names}); use smaller tiles (the compute schedule's tile) or fewer "
-                      "tiles alive at once", t.op)
+                      f"group may take (largest: {names}); use smaller tiles (the shapes the program loads and "
+                      "computes, or the compute schedule's tile where they come from it) or fewer tiles alive at once",
+                t.op)
 
 
 def _crowded(tiles: list[_Tile]) -> list[_Tile]:

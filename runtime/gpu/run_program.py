@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from ...errors import InputError
+from ...ir.opdefs import written_buffers
 from ...ir.types import bfloat16
 from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
@@ -60,7 +61,10 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     streams = device.streams(plan.streams) if plan.streams > 1 else [origin]
     rng = random.Random(seed)
     launch_ms = []
+    restore = restore_arguments(ir, tensors)
     for launch in range(1, launches + 1):
+        if launch > 1:
+            restore()
         order = plan.shuffled(rng)  # the seed picks the order the ranks' work is enqueued in
         start, end = enqueue_launch(device, order, launch, loaded, args, copies, origin, streams)
         wait_for(device, end, launch, plan, mem, timeout_s)
@@ -69,6 +73,23 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     outputs, workspaces = read_back(ir, tensors)
     return RunResult(ir, outputs, workspaces, [], 0, launches, seed, 0, device=device.name, plan=plan,
                      launch_ms=launch_ms, tensors=tensors)
+
+
+def restore_arguments(ir, tensors: list[dict]):
+    """A function putting back the caller's values of the arguments ``ir`` writes (as the
+    simulator does between launches: :func:`tldsl.runtime.sim.simulate.restore_arguments`), copied
+    now; called between launches, after the last one finished (``wait_for``) and before the next
+    is enqueued."""
+    written = written_buffers(ir)
+    saved = [(t[b.name], t[b.name].clone()) for t in tensors for b in ir.args if b.name in written]
+
+    def restore():
+        for tensor, original in saved:
+            tensor.copy_(original)
+        for device in {t.device for t, _ in saved if t.is_cuda}:
+            import torch
+            torch.cuda.synchronize(device)      # the copies land before the next launch's streams start
+    return restore
 
 
 def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",

@@ -17,9 +17,12 @@ class SimOptionsError(InputError, ValueError):
 class SimOptions:
     """How the simulator runs a kernel.
 
-    launches: how many times the kernel is launched back to back (signals and workspaces
-        persist, so stale signals of an earlier launch are caught); a group barrier
-        separates launches, as the host-side stream order of the GPU runtime does.
+    launches: how many times the kernel is launched back to back, each on the caller's
+        arguments: what the program writes into them is put back between launches, so an
+        in-place kernel (``y += x``) returns one application of itself. Signals and workspaces
+        persist, so stale signals of an earlier launch are caught; a group barrier separates
+        launches, as the host-side stream order of the GPU runtime does (``tl.run`` launches and
+        restores the same way).
     compute_slots: how many tasks of each compute part of a rank may be resident at once: slot
         b runs tasks b, b + slots, ... of the compute schedule's tile order, one after another,
         as a persistent kernel's CTA does, so a wait on a tile that can only start later in its

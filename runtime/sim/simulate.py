@@ -12,6 +12,7 @@ import numpy as np
 from ...errors import InputError
 from ...ir import core
 from ...ir.display import html_card, one_line
+from ...ir.opdefs import written_buffers
 from ...ir.types import bfloat16, dtype_of, float32
 from .blas_threads import one_blas_thread
 from ...ir.part_graph import parts_waiting_through_others
@@ -264,11 +265,30 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
 
 
 def _run_launches(engine: Engine, launches: int) -> None:
-    """``launches`` launches of ``engine``'s kernel, one after another; the event log keeps the last."""
+    """``launches`` launches of ``engine``'s kernel, one after another, each on the caller's
+    arguments (:func:`restore_arguments`); the event log keeps the last."""
+    restore = restore_arguments(engine.kernel, engine.memory)
     with one_blas_thread():
-        for _ in range(launches):
+        for launch in range(launches):
+            if launch:
+                restore()
             engine.events.clear()
             engine.run_launch()
+
+
+def restore_arguments(ir, memory: Memory):
+    """A function putting back the caller's values of the arguments ``ir`` writes, as they are in
+    ``memory`` now: between launches, so that every launch runs on the caller's arguments and an
+    in-place kernel (``y += x``) returns one application of itself, not one per launch. Signals
+    and workspaces carry over from launch to launch (stale signals, workspaces the program must
+    not trust)."""
+    written = written_buffers(ir)
+    saved = [(m[b.name], m[b.name].data.copy()) for m in memory.ranks for b in ir.args if b.name in written]
+
+    def restore():
+        for buf, original in saved:
+            buf.write((), original)
+    return restore
 
 
 def _memory(ir, per_rank, options) -> Memory:

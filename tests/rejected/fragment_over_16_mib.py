@@ -4,7 +4,7 @@ would have allocated it per task. The error is at the allocation and names the l
 import tldsl as tl
 
 ERROR = tl.CompilationError
-MESSAGE = "tl.fragment(8192, 8192) of f32 is 268,435,456 bytes: no kernel holds a fragment over 16 MiB"
+MESSAGE = "a 8192x8192 f32 fragment is 268,435,456 bytes: no kernel holds one over 16 MiB"
 
 
 @tl.kernel

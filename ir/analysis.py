@@ -52,6 +52,8 @@ class SyncSites:
         self.weight: int = 1                     # tasks the one being evaluated stands for (_task_extents)
         self.extents: tuple = ()                 # the grid extents enumerated for the part being evaluated
         self.extents_of: dict[int, tuple] = {}   # id(wait op) -> its part's enumerated extents
+        self.notified_at: dict | None = None     # (sig id, target rank, channel) -> the `position`s notifying
+        self.position: int = 0                   # of the task being evaluated (earlier_tasks_satisfy)
 
     def waits_at(self, rank: int, task: tuple) -> list:
         """The waits task ``task`` of ``rank`` makes, in program order (``waits`` lists one task
@@ -230,6 +232,8 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
                 sites.dynamic_signals.add(sig)
             else:
                 sites.notifies[(sig, target, ch)] += sites.weight
+                if sites.notified_at is not None:
+                    sites.notified_at.setdefault((sig, target, ch), []).append(sites.position)
                 if not 0 <= ch < op.operands[0].type.slots:
                     sites.stray.append((op, rank, task, ch))
         elif name in WAIT_OPS:
@@ -237,6 +241,49 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
             cnt = _val(env, op.operands[2])
             sites.waits.append((op, rank, task, ch, cnt))
             sites.extents_of[id(op)] = sites.extents
+
+
+def earlier_tasks_satisfy(kernel: Kernel, part, walk, max_iterations: int = MAX_ITERATIONS) -> bool:
+    """Whether every task of ``part`` that waits on a signal only ``part`` notifies (its tasks waiting
+    for each other: a running prefix, a look-back scan) gets every notify it needs from tasks before
+    it in ``walk(rank)`` (the order a persistent kernel's CTAs take the tasks, None for a hole). Then
+    any number of CTAs runs the part: the earliest unfinished task waits only on finished ones, and
+    its CTA has finished all it took before, so it runs. False where that is not so, or not known
+    here (a channel or count read from memory, a rank-level or symmetric signal, another part
+    notifying the same signal, a wait counted over earlier launches, or too large to enumerate)."""
+    own = {op.operands[0].owner.name for op in part.walk() if op.name in WAIT_OPS} & \
+          {op.operands[0].owner.name for op in part.walk() if op.name in NOTIFY_OPS}
+    for other in kernel.parts:
+        if other is not part and any(op.name in NOTIFY_OPS and op.operands[0].owner.name in own for op in other.walk()):
+            return False
+    for op in part.walk():
+        if op.name in WAIT_OPS and op.operands[0].owner.name in own and \
+                (op.name != "consumer_tile_wait" or op.attrs.get("lag", 0)):
+            return False
+    memo: dict = {}
+    ops_of = _sync_slice(kernel, memo)
+    budget = [max_iterations]
+    for rank in range(kernel.world_size):
+        sites = SyncSites()
+        sites.notified_at = {}
+        position = {}
+        for pos, task in enumerate(walk(rank)):
+            if task is None:
+                continue
+            position[tuple(task)] = sites.position = pos
+            _eval_block(part.body, {}, rank, tuple(task), sites, ops_of, budget)
+            if budget[0] <= 0:
+                return False
+        for op, r, task, ch, cnt in sites.waits:
+            sig = op.operands[0]
+            if sig.owner.name not in own:
+                continue
+            if sig.id in sites.dynamic_signals or UNKNOWN in (ch, cnt):
+                return False
+            before = sum(1 for p in sites.notified_at.get((sig.id, r, ch), ()) if p < position[task])
+            if before < cnt:
+                return False
+    return True
 
 
 def check_channels(kernel: Kernel) -> None:

@@ -70,7 +70,9 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
     name = op.name
     if part.engine == "copy_engine" and name not in COPY_ENGINE_OPS:
         _err(f"'{name}' cannot run on the copy engine: a copy-engine part holds only "
-             "rank_copy_data, rank_notify, rank_wait, consumer_tile_wait and index arithmetic", op)
+             "rank_copy_data, rank_notify, rank_wait, consumer_tile_wait and index arithmetic (part "
+             f"'{part.name}' runs there by its engine='copy_engine', or without engine= by the communication "
+             "schedule's; engine='sm' puts it on SMs)", op)
     if part.engine == "compute" and name not in COPY_ENGINE_OPS:
         _err(f"'{name}' in a part fused into the compute part: such a part holds only rank_copy_data, "
              "rank_notify, rank_wait, consumer_tile_wait and index arithmetic (the compute part stores what "

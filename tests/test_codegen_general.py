@@ -443,9 +443,34 @@ def test_plan_spills_the_least_touched_tiles_and_keeps_dot_operands_in_shared_me
     assert "scratch" not in [p.name for p in plan.params]
 
 
+@tl.kernel
+def whole_row_softmax(x, y):
+    M, N = x.shape
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0, 0), (M, N))
+        e = tl.exp(t - tl.expand_dims(tl.max(t, 1), 1))
+        tl.store(y, (0, 0), e / tl.expand_dims(tl.sum(e, 1), 1))
+
+
+def test_a_load_too_big_for_any_scratch_is_refused_naming_its_shape_and_line():
+    """The simulator runs a 1024 x 5000 f32 tile (20 MB); the general lowering holds at most
+    SCRATCH_LIMIT a task group and refuses it before anything compiles, naming the tile, its op
+    and line, and saying to use smaller tiles in the shapes the program loads (not only the
+    schedule's tile, which this program does not use)."""
+    f32 = S((1024, 5000), tl.float32)
+    k = whole_row_softmax.trace(1, f32, f32)
+    with pytest.raises(LoweringError) as e:
+        lower(k, "part")
+    msg = str(e.value)
+    assert "need 20000 KB of global-memory scratch" in msg and "1024x5000 f32 (load, test_codegen_general.py:" in msg
+    assert "use smaller tiles (the shapes the program loads and computes" in msg
+
+
 def test_a_scratch_over_its_limit_is_refused_at_the_users_line(monkeypatch):
-    """Only a scratch past SCRATCH_LIMIT a task group is refused (no program within the
-    simulator's tile limits comes near it: here the limit is lowered), at the user's line."""
+    """Only a scratch past SCRATCH_LIMIT a task group is refused (here the limit is lowered), at
+    the user's line."""
     from tldsl.codegen.plan import general as plan_mod
     monkeypatch.setattr(plan_mod, "SCRATCH_LIMIT", 300 * 1024)
     with pytest.raises(LoweringError) as e:

@@ -409,21 +409,27 @@ def test_the_fragment_limit_is_the_general_lowerings_scratch():
         trace(SCRATCH_LIMIT + 1, tl.bool_)
 
 
-def test_a_tile_over_the_limit_is_refused_at_the_op_that_makes_it():
-    """Every tile, not only a loaded one (a broadcast, a dot's result), under the same bound as
-    fragments; a tile of exactly 16 MiB traces."""
-    from tldsl.tracing import TILE_BYTES_LIMIT
-
-    def trace(m, n):
+def test_a_kernel_taking_star_args_is_refused_where_it_is_defined():
+    with pytest.raises(tl.CompilationError, match=r"tl.kernel 'gathered' takes \*xs and \*\*options: a kernel's "
+                                                  r"tensors are named positional parameters") as info:
         @tl.kernel
-        def k(a, c):
-            @tl.compute_part(grid=(1,))
-            def p(i):
-                row = tl.load(a, (0, 0), (1, n))
-                tl.store(c, (0, 0), tl.broadcast_to(row, (m, n)))
-        return k.trace(1, tl.TensorSpec((m, n), tl.float32), tl.TensorSpec((m, n), tl.float32))
+        def gathered(y, *xs, **options):
+            pass
+    assert info.value.loc.lineno == gathered_line() and info.value.loc.filename == __file__
 
-    trace(TILE_BYTES_LIMIT // 4 // 1024, 1024)
-    with pytest.raises(tl.CompilationError, match="a 4097x1024 f32 tile is 16,781,312 bytes") as info:
-        trace(TILE_BYTES_LIMIT // 4 // 1024 + 1, 1024)
-    assert "tl.broadcast_to(row" in str(info.value)
+
+def gathered_line():
+    import inspect
+    src = inspect.getsource(test_a_kernel_taking_star_args_is_refused_where_it_is_defined).splitlines()
+    first = test_a_kernel_taking_star_args_is_refused_where_it_is_defined.__code__.co_firstlineno
+    return first + next(i for i, line in enumerate(src) if "def gathered" in line) - 1
+
+
+def test_an_empty_grid_is_named_as_such():
+    @tl.kernel
+    def k(y):
+        @tl.compute_part(grid=())
+        def p():
+            pass
+    with pytest.raises(tl.CompilationError, match=r"a part's grid is empty: give it one Python int per axis"):
+        k.trace(1, tl.TensorSpec((4,), tl.float32))

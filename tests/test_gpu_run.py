@@ -382,6 +382,17 @@ def test_every_launch_runs_on_the_callers_arguments(launches):
         np.testing.assert_array_equal(got.outputs[r]["y"], inputs[r]["y"] + inputs[r]["x"])
 
 
+@pytest.mark.parametrize("tiles,sms", [(1000, None), (40, 3)])
+def test_a_running_sum_over_more_tiles_than_ctas(tiles, sms):
+    """Each tile waits for the one before it (a look-back scan): the kernel's persistent CTAs take
+    the tiles in order, so fewer CTAs than tiles finish it."""
+    from test_run_plan import running_sum
+    x = np.random.default_rng(9).integers(-4, 5, 8 * tiles).astype(np.float32)
+    got = both(running_sum, 1, [{"x": x, "y": np.full(8 * tiles, np.nan, np.float32)}], sms=sms)
+    assert got.plan.kernels[0].ctas < tiles
+    np.testing.assert_array_equal(got[0]["y"], np.cumsum(x.reshape(tiles, 8), 0).reshape(-1))
+
+
 def test_a_peer_load_in_a_compute_part():
     """The fuzzer's program 68 of seed 2026, which faulted (CUDA_ERROR_ILLEGAL_ADDRESS) on an
     H200 while its kernel matches the simulator on CPU threads and tl.run's bindings match it on

@@ -65,3 +65,12 @@ def test_bool_scalars_in_index_math():
     got = both(bool_index_math, 1, [{"x": x, "y": np.full(16, np.nan, np.float32), "flags": np.full(8, -1, np.int32)}])
     p = np.arange(4)
     np.testing.assert_array_equal(got[0]["y"].reshape(4, 4), x[((p > 1) + 1)[:, None] * 4 + np.arange(4)])
+
+
+def test_numpy_float_scalars_keep_their_type_beside_16_bit_tiles():
+    import torch
+    from test_numpy_protocol import typed_scalars
+    h = np.array([0.3, -1.7, 2.5, 100.1, -0.01, 7, 0, 1], np.float16)
+    b = torch.tensor([0.3, -1.7, 2.5, 100.1, -0.01, 7, 0, 1], dtype=torch.bfloat16)
+    got = both(typed_scalars, 1, [{"h": h, "b": b, "y": np.full(24, np.nan, np.float32)}])
+    np.testing.assert_array_equal(got[0]["y"][:8], np.float32(1.0009765625) * h)

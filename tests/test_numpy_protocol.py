@@ -174,3 +174,33 @@ def test_shape_queries_are_answered_and_probing_is_no_error():
 def test_refusals_from_inside_numpy_point_at_the_users_line(body, match):
     err = _refused(body, match)
     assert err.loc is not None and err.loc.filename == __file__, err.loc
+
+
+@tl.kernel
+def typed_scalars(h, b, y):
+    @tl.compute_part(grid=(1,))
+    def p(t):
+        th, tb = tl.load(h, (0,), (8,)), tl.load(b, (0,), (8,))
+        s = np.float32(1.0009765625) * th               # f32 (numpy 2: numpy scalars keep their type)
+        u = th * np.float64(1.0009765625)               # f16 (np.float64 is a Python float: it takes the tile's)
+        v = tb * np.float16(1.5)                        # f32 (f16 and bf16 meet in f32)
+        assert (s.dtype, u.dtype, v.dtype) == (tl.float32, tl.float16, tl.float32)
+        tl.store(y, (0,), s)
+        tl.store(y, (8,), u)
+        tl.store(y, (16,), v)
+
+
+def test_numpy_float_scalars_keep_their_type_beside_16_bit_tiles():
+    """``np.float32(c) * f16 tile`` is f32, as numpy 2 computes it (it was f16: c rounded to f16 and
+    the product too); an np.float64, like a Python float, takes the tile's type."""
+    torch = pytest.importorskip("torch")
+    h = np.array([0.3, -1.7, 2.5, 100.1, -0.01, 7, 0, 1], np.float16)
+    b = torch.tensor([0.3, -1.7, 2.5, 100.1, -0.01, 7, 0, 1], dtype=torch.bfloat16)
+    r = tl.simulate(typed_scalars, 1, [{"h": h, "b": b, "y": np.full(24, np.nan, np.float32)}])[0]
+    np.testing.assert_array_equal(r["y"][:8], np.float32(1.0009765625) * h)
+    np.testing.assert_array_equal(r["y"][8:16], (h * np.float16(1.0009765625)).astype(np.float32))
+    np.testing.assert_array_equal(r["y"][16:], b.float().numpy() * np.float32(1.5))
+    pytest.importorskip("cuda.bindings")
+    from tldsl.codegen import lower
+    k = typed_scalars.trace(1, tl.TensorSpec((8,), tl.float16), tl.TensorSpec((8,), tl.bfloat16), tl.TensorSpec((24,), tl.float32))
+    assert lower(k, "p").compile().cubin

@@ -723,3 +723,16 @@ def test_every_launch_runs_on_the_callers_arguments_on_the_fake_device(launches)
     assert res.launches == launches
     for r in range(2):
         np.testing.assert_array_equal(res[r]["y"], inputs[r]["y"] + inputs[r]["x"])
+
+
+def test_a_running_sum_over_tiles_runs_on_fewer_ctas_than_tiles_on_the_fake_device():
+    """Each tile waits only for the one before it in the walk: on 3 CTAs (each taking every third
+    tile, one after another) its 40 tiles finish and agree with the simulator."""
+    from test_run_plan import running_sum
+    x = np.random.default_rng(8).integers(-4, 5, 320).astype(np.float32)
+    inputs = [{"x": x, "y": np.full(320, np.nan, np.float32)}]
+    want = tl.simulate(running_sum, 1, inputs)
+    res, dev = run_fake(running_sum, 1, inputs, sms=3)
+    assert [k.ctas for k in res.plan.kernels] == [3], res.plan.describe()
+    np.testing.assert_array_equal(res[0]["y"], want[0]["y"])
+    np.testing.assert_array_equal(res[0]["y"], np.cumsum(x.reshape(40, 8), 0).reshape(-1))

@@ -5,6 +5,8 @@ nothing can pass, kernels that cannot all be resident at once). The launches the
 tests/test_gpu_run.py."""
 from __future__ import annotations
 
+import os
+
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -296,6 +298,31 @@ def test_kernels_that_cannot_all_be_resident_are_refused():
     planned(ce, queues=4)
 
 
+def test_tl_run_asks_cuda_for_a_queue_per_stream_before_cuda_starts(monkeypatch):
+    """AllGather+GEMM on the copy engine at W = 8 runs 16 streams: more than CUDA's default 8 hardware
+    queues, which plan_run refuses. tl.run sets CUDA_DEVICE_MAX_CONNECTIONS itself where CUDA has not
+    started in the process and the caller has not set it; otherwise it leaves it, and plan_run's
+    error says what to set."""
+    from tldsl.runtime.gpu.run_plan import MAX_CONNECTIONS, reserve_hardware_queues
+    ce = ag_gemm(W=8, engine="copy_engine")
+    lowered = lower_for_run(ce, wait_timeout_ns=10 ** 9)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(ResidencyError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        plan_run(ce, lowered, sm_count=H200_SMS)
+    reserve_hardware_queues(ce, lowered, cuda_started=lambda: True)          # too late: CUDA read it already
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    reserve_hardware_queues(ce, lowered, cuda_started=lambda: False)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == str(MAX_CONNECTIONS)
+    plan_run(ce, lowered, sm_count=H200_SMS)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")                  # the caller's choice stands
+    reserve_hardware_queues(ce, lowered, cuda_started=lambda: False)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    sm = ag_gemm(W=8)                                                        # kernels alone share queues: left alone
+    reserve_hardware_queues(sm, lower_for_run(sm, wait_timeout_ns=10 ** 9), cuda_started=lambda: False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+
+
 @tl.kernel
 def reverse_chain(x, y):
     """Task t waits for task t + 1 of the same part: fine with every task resident (as the
@@ -319,6 +346,40 @@ def test_a_part_waiting_for_its_own_tasks_must_fit_at_once():
                                              r"its 16 tasks"):
         planned(k, sm_count=8)
     assert planned(k, sm_count=16).kernels[0].ctas == 16
+
+
+@tl.kernel
+def running_sum(x, y):
+    """A running sum over tiles (a look-back scan): tile t adds its rows to tile t - 1's sum, so it
+    waits only for the tile before it in the order a persistent kernel's CTAs take them."""
+    n = x.shape[0] // 8
+    done = tl.signal("done", n)
+
+    @tl.compute_part(grid=(n,))
+    def part(t):
+        with tl.when(t > 0):
+            tl.consumer_tile_wait(done, t - 1)
+            tl.store(y, (t * 8,), tl.load(y, ((t - 1) * 8,), (8,)) + tl.load(x, (t * 8,), (8,)))
+        with tl.when(t == 0):
+            tl.store(y, (0,), tl.load(x, (0,), (8,)))
+        tl.producer_tile_notify(done, t)
+
+
+def test_a_part_whose_tasks_wait_only_on_earlier_ones_runs_on_any_number_of_ctas():
+    """The running sum's waits are all met by tasks earlier in the walk, so its kernel needs one
+    CTA, not one per task (before, 1000 tiles on 132 SMs were refused as the reverse chain is); a
+    wait on a later task, on a count earlier tasks cannot reach, or on a channel read from memory
+    keeps the old rule."""
+    from tldsl.ir.analysis import earlier_tasks_satisfy
+    from tldsl.runtime.sim.engine import task_slots
+    k = running_sum.trace(1, S((8000,), tl.float32), S((8000,), tl.float32))
+    plan = planned(k, sm_count=8)
+    assert plan.kernels[0].ctas == 8, plan.describe()
+    part = k.parts[0]
+    assert earlier_tasks_satisfy(k, part, lambda r: task_slots(k, part, r))
+    assert not earlier_tasks_satisfy(k, part, lambda r: list(reversed(task_slots(k, part, r))))
+    rev = reverse_chain.trace(1, S((128,), tl.float32), S((128,), tl.float32))
+    assert not earlier_tasks_satisfy(rev, rev.parts[0], lambda r: task_slots(rev, rev.parts[0], r))
 
 
 def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():

@@ -901,3 +901,31 @@ def test_every_launch_runs_on_the_callers_arguments(launches):
         np.testing.assert_array_equal(res[r]["x"], inputs[r]["x"])
     for r in range(2):
         np.testing.assert_array_equal(res[(r + 1) % 2]["seen"], inputs[r]["x"] * 2)
+
+
+@tl.kernel
+def lagged_by_mistake(x, stage: tl.Symmetric, y):
+    """``lag=1`` where ``lag=0`` was meant: the wait counts the previous launch's notify."""
+    W = tl.world_size()
+    M, N = x.shape
+    got = tl.signal("got", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,))
+    def send(s):
+        me = tl.rank()
+        p = (me + s) % W
+        tl.tile_push_data(stage.at(p), (me * M, 0), x, (0, 0), (M, N))
+        tl.peer_tile_notify(got, me, p)
+
+    @tl.compute_part(grid=(W,))
+    def use(q):
+        tl.peer_tile_wait(got, q, lag=1)
+        tl.store(y, (q * M, 0), tl.load(stage, (q * M, 0), (M, N)))
+
+
+def test_a_race_report_names_a_wait_that_counted_an_earlier_launch():
+    inputs = [{"x": np.full((8, 8), r + 1.0, np.float32), "stage": np.full((16, 8), np.nan, np.float32),
+               "y": np.full((16, 8), np.nan, np.float32)} for r in range(2)]
+    with pytest.raises(tl.RaceError, match=r"had waited on:? got\[\d\] \(lag=1: the notifies of 1 launch back, "
+                                           r"none of this launch's\)"):
+        tl.simulate(lagged_by_mistake, 2, inputs)

@@ -113,6 +113,8 @@ def test_a_number_or_scalar_divides_a_tile_from_the_left():
     ("tl.iota(8) >> 1", "'<<' and '>>' on tiles"),
     ("2.0 ** tl.zeros((8,))", "'**' on tiles: write the product"),
     ("tl.fragment((8,), tl.int32) ^ 1", "'^' on tiles: for bool masks write a != b"),
+    ("tl.sum(tl.zeros((2, 8)))", "tl.sum needs the axis to reduce along (tl.sum(t, 1) for each row's)"),
+    ("tl.max(tl.zeros((8,)), axis=None)", "reducing a tile to one scalar is not supported"),
 ])
 def test_operators_tldsl_has_not_are_typed_errors_at_the_users_line(expr, says):
     ns = {"tl": tl}

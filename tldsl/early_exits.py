@@ -16,22 +16,36 @@ from __future__ import annotations
 import ast
 import linecache
 
-_TREES: dict[tuple[str, int], ast.Module | None] = {}
+#: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
+#: `for` statements)
+_INDEX: dict[str, tuple[list, dict, dict]] = {}
 _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _tree(filename: str, globals_=None) -> ast.Module | None:
-    """The parsed source of ``filename`` (a notebook cell too: IPython keeps its cells in
-    linecache); None where the source cannot be read or parsed."""
-    text = "".join(linecache.getlines(filename, globals_))
-    key = (filename, hash(text))
-    if key not in _TREES:
+def _index(filename: str, globals_=None) -> tuple[dict, dict]:
+    """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
+    header holds it}) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
+    linecache), built once per version of the source; empty where it cannot be read or parsed."""
+    lines = linecache.getlines(filename, globals_)
+    if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
+        withs: dict[int, list] = {}
+        fors: dict[int, list] = {}
         try:
-            _TREES[key] = ast.parse(text) if text else None
+            tree = ast.parse("".join(lines)) if lines else None
         except (SyntaxError, ValueError):
-            _TREES[key] = None
-    return _TREES[key]
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                jumps = list(_jumps(node.body, (ast.Return, ast.Break, ast.Continue)))
+                for line in range(node.lineno, node.items[-1].context_expr.end_lineno + 1):
+                    withs.setdefault(line, []).extend(jumps)
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
+                for line in range(node.lineno, node.iter.end_lineno + 1):
+                    fors.setdefault(line, []).extend(jumps)
+        _INDEX[filename] = (lines, withs, fors)
+    return _INDEX[filename][1:]
 
 
 def _jumps(body, kinds, in_loop=False):
@@ -71,28 +85,17 @@ def keyword(stmt) -> str:
 def when_body_jumps(frame) -> list[ast.stmt]:
     """The ``return`` / ``break`` / ``continue`` statements leaving the ``with`` statement that
     ``frame`` is entering (the one whose header holds its current line)."""
-    tree = _tree(frame.f_code.co_filename, frame.f_globals) if frame is not None else None
-    if tree is None:
+    if frame is None:
         return []
-    line = frame.f_lineno
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.With, ast.AsyncWith)) and node.lineno <= line <= node.items[-1].context_expr.end_lineno:
-            found += _jumps(node.body, (ast.Return, ast.Break, ast.Continue))
-    return sorted(found, key=lambda s: s.lineno)
+    withs, _ = _index(frame.f_code.co_filename, frame.f_globals)
+    return sorted(withs.get(frame.f_lineno, ()), key=lambda s: s.lineno)
 
 
 def loop_body_jumps(filename: str, lineno: int, globals_=None) -> list[ast.stmt]:
     """The ``break`` / ``return`` statements that leave the ``for`` loop whose header holds line
     ``lineno`` of ``filename``."""
-    tree = _tree(filename, globals_)
-    if tree is None:
-        return []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor)) and node.lineno <= lineno <= node.iter.end_lineno:
-            found += _jumps(node.body, (ast.Return, ast.Break))
-    return sorted(found, key=lambda s: s.lineno)
+    _, fors = _index(filename, globals_)
+    return sorted(fors.get(lineno, ()), key=lambda s: s.lineno)
 
 
 def describe(stmts) -> str:

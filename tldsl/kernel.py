@@ -81,6 +81,13 @@ class KernelFunction:
         self.fn = fn
         self.name = name or fn.__name__
         sig = inspect.signature(fn)
+        varying = [("*" if p.kind == p.VAR_POSITIONAL else "**") + p.name for p in sig.parameters.values()
+                   if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if varying:
+            raise CompilationError(
+                f"tl.kernel '{fn.__name__}' takes {' and '.join(varying)}: a kernel's tensors are named positional "
+                "parameters (each one an argument the caller passes, its shape and type traced) and its compile-time "
+                "values keyword-only ones; write them out", Location(fn.__code__.co_filename, fn.__code__.co_firstlineno))
         self.tensor_params = [p for p in sig.parameters.values()
                               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.kw_params = {p.name: p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
@@ -231,7 +238,9 @@ def _grid(grid) -> tuple[int, ...]:
     if isinstance(grid, (str, bytes)) or not hasattr(grid, "__iter__"):
         fail(f"a part's grid must be a tuple of Python ints (static), got {grid!r}")
     grid = tuple(grid)
-    if not grid or not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) for g in grid):
+    if not grid:
+        fail("a part's grid is empty: give it one Python int per axis, e.g. grid=(1,) for a single task")
+    if not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) for g in grid):
         fail(f"a part's grid must be Python ints (static), got {grid}")
     if any(g <= 0 for g in grid):
         fail(f"a part's grid must be positive, got {grid} (is a tensor dimension zero?)")

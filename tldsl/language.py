@@ -8,6 +8,7 @@ the rank and world size (:mod:`.tracing`) and the tile math (:mod:`.tiles`).
 from __future__ import annotations
 
 import builtins
+import math
 import numbers
 from contextlib import contextmanager
 
@@ -23,8 +24,7 @@ from .primitives import tile_pull_data, tile_push_data
 from .tiles import (Fragment, Tile, as_tile, broadcast_to, cast, check_fill, ewise, expand_dims, full, tile_for_store,
                     trans, zeros)
 from .tiles import maximum as _maximum, minimum as _minimum
-from .tracing import (TILE_BYTES_LIMIT, RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, check_tile_bytes, current,
-                      dtype_arg, fail, rank, world_size)
+from .tracing import RemoteRef, Scalar, SignalRef, TensorRef, as_scalar, current, dtype_arg, fail, rank, world_size
 
 float16, bfloat16, float32, int32 = T.float16, T.bfloat16, T.float32, T.int32
 
@@ -180,8 +180,10 @@ def store(ref, offsets, tile) -> None:
 
 # -- tile construction and math ---------------------------------------------------------
 
-#: the largest fragment (or tile) any lowering can hold (:data:`.tracing.TILE_BYTES_LIMIT`)
-FRAGMENT_BYTES_LIMIT = TILE_BYTES_LIMIT
+#: the largest fragment any lowering can hold: the general lowering's global scratch for one task
+#: group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator. (A
+#: tile is not bounded here: a communication part streams its tiles in chunks, whatever their size.)
+FRAGMENT_BYTES_LIMIT = 16 * 1024 * 1024
 
 
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
@@ -193,7 +195,12 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
-    check_tile_bytes(shape, dtype, "fragment")
+    size = math.prod(shape) * builtins.max(dtype.bits // 8, 1)         # a bool is a byte on the GPU
+    if size > FRAGMENT_BYTES_LIMIT:
+        fail(f"a {'x'.join(map(str, shape))} {dtype} fragment is {size:,} bytes: no kernel holds one over "
+             f"{FRAGMENT_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
+             f"general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**20} MiB a task group to global memory) — "
+             "make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")
     check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})
@@ -262,6 +269,9 @@ def where(cond, a, b) -> Tile:
 def _reduce(op, x, axis):
     x = as_tile(x)
     nd = len(x.shape)
+    if axis is None:
+        fail(f"tl.{op} needs the axis to reduce along (tl.{op}(t, 1) for each row's); reducing a tile to one "
+             "scalar is not supported: keep one axis")
     if not isinstance(axis, numbers.Integral) or not -nd <= axis < nd:
         fail(f"reduction axis {axis} out of range for a {nd}-d tile")
     axis %= nd
@@ -274,18 +284,18 @@ def _reduce(op, x, axis):
                                {"op": op, "axis": axis}).result)
 
 
-def sum(x, axis) -> Tile:  # noqa: A001
+def sum(x, axis=None) -> Tile:  # noqa: A001
     """The sum along ``axis``, which is removed; at least one axis must remain (of a bool tile: the
     count of true elements, i32, as numpy counts)."""
     return _reduce("sum", x, axis)
 
 
-def max(x, axis) -> Tile:  # noqa: A001
+def max(x, axis=None) -> Tile:  # noqa: A001
     """The maximum along ``axis``, which is removed (``tl.maximum`` is the elementwise one)."""
     return _reduce("max", x, axis)
 
 
-def min(x, axis) -> Tile:  # noqa: A001
+def min(x, axis=None) -> Tile:  # noqa: A001
     """The minimum along ``axis``, which is removed (``tl.minimum`` is the elementwise one)."""
     return _reduce("min", x, axis)
 

@@ -262,6 +262,13 @@ def _float_number(a) -> bool:
     return isinstance(a, (float, np.floating))
 
 
+def _wider_numpy_float(a, dtype: T.DType) -> bool:
+    """A numpy float scalar that keeps its own type beside a 16-bit float tile of type ``dtype``
+    (numpy 2 treats numpy scalars as typed, Python's numbers, np.float64 among them, as taking the
+    array's type): an np.float32, or an np.float16 beside bf16 (the two meet in f32)."""
+    return isinstance(a, np.float32) or (isinstance(a, np.float16) and dtype == T.bfloat16)
+
+
 def _int_number(a) -> bool:
     """A Python or numpy integer that is not a bool."""
     return isinstance(a, (numbers.Integral, np.integer)) and not isinstance(a, (bool, np.bool_))
@@ -288,6 +295,8 @@ def ewise(op: str, *args) -> Tile:
     values = args[1:] if op == "where" else args
     if any(_float_number(a) for a in values) and not dtype.is_float:
         dtype = T.float32    # numpy's: a float beside an integer or bool tile makes floats (0.5 * iota)
+    if dtype.bits == 16 and any(_wider_numpy_float(a, dtype) for a in values):
+        dtype = T.float32    # numpy's: np.float32 is typed (NEP 50), np.float32(0.1) * f16 tile is f32
     if dtype == T.bool_ and any(_int_number(a) for a in values):
         dtype = T.int32      # numpy's: an int beside a bool tile is an int (mask + 1 is 1 or 2, mask & 2 is 0)
     try:

@@ -18,22 +18,6 @@ from .errors import CompilationError
 from .ir import core, types as T
 from .ir.location import user_location
 
-#: the largest tile or fragment any lowering can hold: the general lowering's global scratch for one
-#: task group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator
-TILE_BYTES_LIMIT = 16 * 1024 * 1024
-
-
-def check_tile_bytes(shape, dtype: T.DType, what: str) -> None:
-    """Refuse a tile (or fragment) over :data:`TILE_BYTES_LIMIT` at the user's line."""
-    size = int(np.prod(shape, dtype=np.int64)) * max(dtype.bits // 8, 1)        # a bool is a byte on the GPU
-    if size > TILE_BYTES_LIMIT:
-        fail(f"a {'x'.join(map(str, shape))} {dtype} {what} is {size:,} bytes: no kernel holds one over "
-             f"{TILE_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
-             f"general lowering spills at most {TILE_BYTES_LIMIT // 2**20} MiB a task group to global memory) — "
-             "work in smaller tiles (a tl.range loop over blocks, a fragment carrying what they reduce to)"
-             + (", or keep it in a tensor (tl.local_buffer)" if what == "fragment" else ""))
-
-
 _CURRENT: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("tldsl_builder", default=None)
 
 
@@ -66,9 +50,6 @@ class Builder:
         self.raise_left_early()
         for v in operands:
             self._check_in_scope(v)
-        for t in result_types:
-            if isinstance(t, T.TileType):
-                check_tile_bytes(t.shape, t.dtype, "tile")
         op = core.Op(name, list(operands), [], dict(attrs or {}), list(regions), user_location())
         for i, t in enumerate(result_types):
             op.results.append(core.Value(t, hints[i] if i < len(hints) else None, owner=op))

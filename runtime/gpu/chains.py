@@ -7,6 +7,8 @@ its producer's, or its producer into the part's).
 """
 from __future__ import annotations
 
+import weakref
+
 from ...ir import core
 from ...ir.part_graph import notifiers, reaches, self_signals, waited_signals, waits_on
 
@@ -27,7 +29,7 @@ def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
     out = {}
     for p in kernel.parts:
         sigs = waited_signals(p)
-        if p.role != "compute" or p.fused or p.name not in kernels or not sigs or at_once_needed(p):
+        if p.role != "compute" or p.fused or p.name not in kernels or not sigs or self_signals(p):
             continue
         producers = {q for s in sigs for q in by_signal.get(s.name, ())}
         if any(getattr(s.type, "scope", "local") != "local" for s in sigs) or len(producers) != 1:
@@ -38,13 +40,35 @@ def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
     return {p: q for p, q in out.items() if q not in out}     # never after a part that is itself after one
 
 
-def at_once_needed(part: core.Part) -> int:
+def at_once_needed(part: core.Part, kernel: core.Kernel | None = None) -> int:
     """CTAs ``part`` needs resident at once: where its tasks wait for tasks of the same part (a
     signal it both notifies and waits on), as many as the simulator runs at once (every task
-    of a compute part; a communication part's ``lanes``); else 0."""
+    of a compute part; a communication part's ``lanes``) — but one for a compute part of
+    ``kernel`` whose every such wait is met by tasks before it in the schedule's walk, which any
+    number of CTAs runs (:func:`~tldsl.ir.analysis.earlier_tasks_satisfy`); else 0."""
     if not self_signals(part):
         return 0
-    return part.num_tasks if part.role == "compute" else min(part.num_tasks, part.lanes or part.num_tasks)
+    if part.role != "compute":
+        return min(part.num_tasks, part.lanes or part.num_tasks)
+    if kernel is not None and _walks_forward(kernel, part):
+        return 1
+    return part.num_tasks
+
+
+#: per traced kernel: {part name: whether its self-waits walk forward}
+_WALKS_FORWARD: "weakref.WeakKeyDictionary[core.Kernel, dict]" = weakref.WeakKeyDictionary()
+
+
+def _walks_forward(kernel: core.Kernel, part: core.Part) -> bool:
+    """:func:`~tldsl.ir.analysis.earlier_tasks_satisfy` in the order the part's kernel takes its tasks
+    (once per kernel and part: the plan asks more than once)."""
+    cache = _WALKS_FORWARD.setdefault(kernel, {})
+    key = part.name
+    if key not in cache:
+        from ...ir.analysis import earlier_tasks_satisfy
+        from ..sim.engine import task_slots
+        cache[key] = earlier_tasks_satisfy(kernel, part, lambda rank: task_slots(kernel, part, rank))
+    return cache[key]
 
 
 def stream_ordered_signals(kernel: core.Kernel, chained: dict[str, str]) -> frozenset:

@@ -73,6 +73,26 @@ def hardware_queues() -> int:
         return DEFAULT_CONNECTIONS
 
 
+#: the most hardware queues CUDA gives a process (CUDA_DEVICE_MAX_CONNECTIONS's ceiling)
+MAX_CONNECTIONS = 32
+
+
+def reserve_hardware_queues(kernel: core.Kernel, lowered: dict, cuda_started: Callable[[], bool]) -> None:
+    """Ask CUDA for a hardware queue per stream of ``kernel``'s launch where it has copy-engine
+    parts (:func:`plan_run` refuses fewer: a copy engine's stream wait would block the streams
+    sharing its queue): sets ``CUDA_DEVICE_MAX_CONNECTIONS`` where the caller has not and CUDA
+    has not started in this process (``cuda_started()``; it is read once, when CUDA makes its
+    context), up to :data:`MAX_CONNECTIONS`. A launch that needs more, or a process whose CUDA
+    started first, meets plan_run's error, which says what to set."""
+    parts = [lowered[p.name] for p in kernel.parts if not p.fused and not is_folded(lowered[p.name])]
+    need = kernel.world_size * len(parts)
+    if all(is_kernel(lk) for lk in parts) or need <= hardware_queues():
+        return
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ or cuda_started():
+        return
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(MAX_CONNECTIONS)
+
+
 def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, transports=("ptr",),
                   chain: str = "after", **options) -> dict:
     """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
@@ -274,7 +294,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         part_of = {p.name: p for p in kernel.parts}
         works = {name: part_work(part_of[name]) + sum(part_work(part_of[c]) for c, p in chained.items() if p == name)
                  for name in {n for _, n, _ in slots}}
-        needs = {name: at_once_needed(part_of[name]) for name in works}
+        needs = {name: at_once_needed(part_of[name], kernel) for name in works}
         grants = share(lows, highs, available, [works[n] for _, n, _ in slots], [needs[n] for _, n, _ in slots])
     n_items = len(slots) + sum(W for _, lk in parts if not is_kernel(lk))     # streams (chained parts share)
     q = hardware_queues() if queues is None else queues
@@ -283,7 +303,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             f"one launch runs {n_items} streams at once ({W} rank(s) x {len(parts)} part(s)), copy-engine parts "
             f"among them, but CUDA gives this process {q} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): a copy "
             f"engine's stream wait would block the streams sharing its queue. Set CUDA_DEVICE_MAX_CONNECTIONS=32 in "
-            f"the environment before CUDA starts, or run fewer ranks")
+            f"the environment before CUDA starts (tl.run sets it where CUDA had not started), or run fewer ranks")
     items, grant, streams = [], iter(grants), 0
     for r in range(W):
         mine: dict[str, PlannedKernel] = {}
@@ -309,7 +329,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             streams += 1
     for k in items:
         if isinstance(k, PlannedKernel):
-            _check_self_waits(kernel.part(k.part), k)
+            _check_self_waits(kernel, kernel.part(k.part), k)
     used = sum(k.ctas for k in items if isinstance(k, PlannedKernel) and k.after is None)
     for k in items:
         if isinstance(k, PlannedKernel) and k.after is not None:
@@ -355,17 +375,20 @@ def check_chain(chain) -> None:
                          "'beside' it, or 'folded' into its kernel")
 
 
-def _check_self_waits(part: core.Part, planned: PlannedKernel) -> None:
+def _check_self_waits(kernel: core.Kernel, part: core.Part, planned: PlannedKernel) -> None:
     """A part whose tasks wait for other tasks of the same part (a signal it both notifies and
     waits on) may deadlock when its tasks do not all fit on the GPU at once: a persistent CTA
     holding a waiting task never reaches the task it waits for. The simulator runs every task of
     such a compute part at once (and a communication part's tasks ``lanes`` at a time, in the
     schedule's order, as its kernel walks them), so a launch with fewer CTAs than that is
     refused rather than left to hang."""
-    need = at_once_needed(part)
+    need = at_once_needed(part, kernel)
     if need and planned.ctas < need:
         raise ResidencyError(
             f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(self_signals(part))}) but only "
             f"{planned.ctas} of its "
             f"{part.num_tasks} tasks can be resident at once on this GPU: a task holding a CTA could wait for one "
-            "that never starts. Give the part fewer tasks (bigger tiles) or move the waiting into another part")
+            "that never starts (some task waits for one after it in the order the part's CTAs take them, or on "
+            "a channel or count read from memory; waits on earlier tasks only would run on any number). Give "
+            "the part fewer tasks (bigger tiles) or move the waiting into another part; "
+            f"tl.SimOptions(compute_slots={planned.ctas}) simulates it on as many CTAs")

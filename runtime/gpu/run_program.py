@@ -30,7 +30,7 @@ from ..sim.memory import poison_value, to_storage
 from .bind import (SCRATCH_POISON_WORD, DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack,
                    pointer_table)
 from .run_errors import GpuHangError, GpuRunError
-from .run_plan import RunPlan, lower_for_run, plan_run
+from .run_plan import RunPlan, lower_for_run, plan_run, reserve_hardware_queues
 from .run_result import RunResult
 
 _TORCH = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32", "i1": "bool"}
@@ -48,7 +48,9 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     lowered = lower_for_run(ir, wait_timeout_ns=wait_ns, **lowering)
     check_bindings(ir, lowered)             # a parameter nothing can pass: refused here, GPU or not
     if device is None:
+        import torch
         from .cuda_device import CudaDevice
+        reserve_hardware_queues(ir, lowered, torch.cuda.is_initialized)
         device = CudaDevice()
     if sms is not None and sms > device.sm_count:
         raise InputError(f"sms={sms}: the GPU ({device.name}) has {device.sm_count} SMs")

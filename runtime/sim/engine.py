@@ -190,7 +190,8 @@ class Engine:
                 f"(epoch=True) and notify exactly `count` times per launch, or reset the signal",
                 at=(op.loc,), rank=task.rank, tile=task.coords, signal=name, channel=ch, primitive=op.name)
         self._acquire(task, sig, name, ch, target)
-        task.waited.append(f"{name}[{ch}]")
+        task.waited.append(f"{name}[{ch}] (lag={lag}: the notifies of {lag} launch{'es' if lag > 1 else ''} back, "
+                           "none of this launch's)" if lag else f"{name}[{ch}]")
 
     @staticmethod
     def _acquire(task: Task, sig: SignalSlotClocks, name, ch, target) -> None:

@@ -188,7 +188,7 @@ def _race(rank, buf, lo, hi, kind, task, op, prev) -> RaceError:
         f"  {_KIND[kind]:5} {buf.name}{_box(lo, hi)} by {_who(task, op)}\n"
         f"  {_KIND[pkind]:5} {buf.name}{_box(plo, phi)} by {_who(ptask, pop)}\n"
         f"  and no notify -> wait chain orders them (a missing wait, a missing notify, a wait "
-        f"count too low, or a release at too narrow a scope)" + _hints(task),
+        f"count too low, or a release at too narrow a scope)" + _hints(task) + _lagged(ptask),
         at=(op.loc, pop.loc), rank=rank, buffer=buf.name, region=(lo, hi), tile=task.coords,
         task=str(task), other=str(ptask), primitive=op.name, other_primitive=pop.name)
 
@@ -206,6 +206,13 @@ def _hints(task) -> str:
         out += (f"\n  its wait on {p} is ordered only after the notifies that reached its count: "
                 f"a task needing a later one must wait for a higher count")
     return out
+
+
+def _lagged(task) -> str:
+    """The other task's waits that counted an earlier launch's notifies (``lag``): they order it
+    after nothing of this launch, a likely cause where ``lag=0`` was meant."""
+    lagged = [w for w in dict.fromkeys(getattr(task, "waited", None) or ()) if "(lag=" in w]
+    return "".join(f"\n  {task} had waited on {w}" for w in lagged)
 
 
 def _box(lo, hi) -> str:

@@ -28,7 +28,8 @@ class SimOptions:
         as a persistent kernel's CTA does, so a wait on a tile that can only start later in its
         slot is a deadlock, as on the GPU. A communication part's lanes run its tasks the same
         way. None (the default): every task at once (as the GPU run plan keeps a compute part
-        that waits on itself); a kernel with a part that waits on its own tiles only through
+        that waits on itself, unless every such wait is on a task before it in that order: a
+        running sum over tiles runs on any number of CTAs); a kernel with a part that waits on its own tiles only through
         other parts is first run with that part on one slot — the GPU may give it fewer CTAs
         than tiles, and a program that finishes on one slot finishes on any number
         (:func:`tldsl.ir.part_graph.parts_waiting_through_others`) — then with every task at once, whose

@@ -567,6 +567,21 @@ def test_tl_run_with_a_group_runs_through_the_fused_program_runtime(monkeypatch)
         tl.run(fn, inputs=inputs[0], group=object(), **kw)
 
 
+def test_tl_run_with_a_group_runs_every_launch_on_the_callers_arguments(monkeypatch):
+    """As tl.simulate and tl.run on one GPU: an in-place ``y += x`` (and a push into a peer's
+    symmetric argument) returns one application of itself over three launches."""
+    from test_simulator import accumulate
+    rng = np.random.default_rng(4)
+    inputs = [{"x": rng.standard_normal(8).astype(np.float32), "y": rng.standard_normal(8).astype(np.float32),
+               "seen": rng.standard_normal(8).astype(np.float32)} for _ in range(2)]
+    results = Group(monkeypatch, 2).build(lambda r, dev: tl.run(accumulate, inputs=inputs[r], group=object(),
+                                                                options={"launches": 3}, timeout_s=5.0))
+    for r, res in enumerate(results):
+        assert res.launches == 3
+        np.testing.assert_array_equal(res[r]["y"], inputs[r]["y"] + inputs[r]["x"])
+        np.testing.assert_array_equal(res[r]["seen"], inputs[1 - r]["x"] * 2)
+
+
 def test_describe_repr_and_counters(monkeypatch):
     fn, inputs, kw = library_case("allgather_gemm", 2)
     ops, _, _ = run_program(monkeypatch, fn, 2, inputs, launches=3, **kw)

@@ -709,7 +709,11 @@ def run_across(kernel, world_size, inputs, seed, options, kwargs: dict, *, group
                       static_checks=opts.static_checks, device=device, progress=progress, **kwargs)
     at = op.device.torch_device
     tensors = [to_device(arr, b.type.dtype, at) for b, arr in zip(op.kernel.args, per_rank[0])]
-    for _ in range(opts.launches):
+    written = written_buffers(op.kernel)
+    saved = [(t, t.clone()) for b, t in zip(op.kernel.args, tensors) if b.name in written]
+    for launch in range(opts.launches):
+        for t, original in saved if launch else ():
+            t.copy_(original)          # every launch on the caller's arguments, as tl.simulate's (on the op's stream)
         op(*tensors)
         op.synchronize()
     W, rank = ctx.world_size, ctx.rank

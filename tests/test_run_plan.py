@@ -328,11 +328,12 @@ def reverse_chain(x, y):
     """Task t waits for task t + 1 of the same part: fine with every task resident (as the
     simulator runs a compute part), a deadlock for a persistent CTA that holds task t while
     task t + 1 waits for a CTA."""
-    done = tl.signal("done", 16)
+    n = x.shape[0] // 8
+    done = tl.signal("done", n)
 
-    @tl.compute_part(grid=(16,))
+    @tl.compute_part(grid=(n,))
     def part(t):
-        with tl.when(t < 15):
+        with tl.when(t < n - 1):
             tl.consumer_tile_wait(done, t + 1)
         tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)) + 1.0)
         tl.producer_tile_notify(done, t)

@@ -929,3 +929,23 @@ def test_a_race_report_names_a_wait_that_counted_an_earlier_launch():
     with pytest.raises(tl.RaceError, match=r"had waited on:? got\[\d\] \(lag=1: the notifies of 1 launch back, "
                                            r"none of this launch's\)"):
         tl.simulate(lagged_by_mistake, 2, inputs)
+
+
+def test_a_part_waiting_on_later_tasks_of_its_own_is_warned_of_where_a_gpu_could_not_hold_it():
+    """The reverse chain (tile t waits for tile t + 1) simulates with every tile at once, but tl.run
+    refuses it past 132 tiles on an H100 / H200: the simulation says so (ResidencyWarning); the
+    running sum (each tile waits for the one before it) and a chain a GPU holds whole are not warned of."""
+    import warnings
+    from test_run_plan import reverse_chain, running_sum
+
+    def warned(fn, n):
+        x = np.arange(8 * n, dtype=np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tl.simulate(fn, 1, [{"x": x, "y": np.full(8 * n, np.nan, np.float32)}])
+        return [w for w in caught if issubclass(w.category, tl.ResidencyWarning)]
+
+    (w,) = warned(reverse_chain, 200)
+    assert "part 'part' waits for its own tasks (signal(s) done)" in str(w.message) and w.filename == __file__
+    assert "SimOptions(compute_slots=132)" in str(w.message)
+    assert not warned(running_sum, 200) and not warned(reverse_chain, 16)

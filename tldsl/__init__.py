@@ -35,7 +35,7 @@ _source_tree_fallback()
 
 from .errors import (TldslError, CompilationError, VerificationError, ScheduleError, InputError,  # noqa: E402
                      SimulationError, RaceError, DeadlockError, StaleSignalError,
-                     UninitializedReadError, OutOfBoundsError, FallbackWarning)
+                     UninitializedReadError, OutOfBoundsError, FallbackWarning, ResidencyWarning)
 from .ir.types import float16, bfloat16, float32, int32, bool_  # noqa: E402
 from .ir.schedule import ComputeSchedule, CommSchedule  # noqa: E402
 from .tracing import cdiv, select  # noqa: E402
@@ -74,4 +74,5 @@ __all__ = [
     # errors
     "TldslError", "CompilationError", "VerificationError", "ScheduleError", "InputError", "SimulationError",
     "RaceError", "DeadlockError", "StaleSignalError", "UninitializedReadError", "OutOfBoundsError", "FallbackWarning",
+    "ResidencyWarning",
 ]

@@ -77,3 +77,10 @@ class FallbackWarning(UserWarning):
     """A part went to the general lowering because the recipe made for it refused its plan (a
     schedule its template cannot run, say): the kernel computes the same, without that
     template's speed. The warning points at the part's line and gives the refusal."""
+
+
+class ResidencyWarning(UserWarning):
+    """``tl.simulate`` ran a compute part whose tasks wait for later tasks of their own with every
+    task at once, as its default does; a GPU runs it only with as many CTAs resident as it has tasks,
+    so ``tl.run`` refuses it on a GPU with fewer SMs (``ResidencyError``, before anything launches)."""
+

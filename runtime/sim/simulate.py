@@ -239,6 +239,8 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
         else:
             from ...ir.analysis import check_channels
             check_channels(ir)
+    if options.compute_slots is None:
+        _warn_of_parts_waiting_on_later_tasks(ir)
     reporter = _reporter(options, estimate.steps * runs, long_run, options.launches * runs)
     if looping:
         # first with those parts on one slot, their tiles in order, as a GPU giving them fewer CTAs
@@ -262,6 +264,32 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     workspaces = [{b.name: memory.ranks[r][b.name].data.copy() for b in ir.workspaces} for r in range(world_size)]
     return SimResult(ir, outputs, workspaces, EventLog(engine.events), engine.steps, options.launches, seed,
                      estimate.steps)
+
+
+#: the SMs of an H100 or H200: the most CTAs a launch keeps resident at once (tl.run's plan: one an SM)
+HOPPER_SMS = 132
+
+
+def _warn_of_parts_waiting_on_later_tasks(ir) -> None:
+    """A ``ResidencyWarning`` for each compute part this run holds with every task at once although
+    a task waits for a later one of its own (not every such wait is met by tasks before it in the
+    walk: :func:`~tldsl.ir.analysis.earlier_tasks_satisfy`) and it has more tasks than a Hopper GPU
+    has SMs: ``tl.run`` would refuse it there."""
+    from ...errors import ResidencyWarning
+    from ...ir.analysis import earlier_tasks_satisfy
+    from ...ir.part_graph import self_signals
+    from .engine import task_slots
+    for part in ir.parts:
+        if part.role != "compute" or part.num_tasks <= HOPPER_SMS or not self_signals(part):
+            continue
+        if not earlier_tasks_satisfy(ir, part, lambda rank: task_slots(ir, part, rank)):
+            warnings.warn(
+                f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(self_signals(part))}), some for "
+                f"one after it in the order a GPU's CTAs take them (or where that is not known here): simulated with "
+                f"all {part.num_tasks} tasks at once, it runs on a GPU only with as many CTAs resident, and tl.run "
+                f"refuses it on one of {HOPPER_SMS} SMs (an H100's, an H200's). SimOptions(compute_slots={HOPPER_SMS}) "
+                "simulates it as such a GPU runs it; waits on earlier tasks only run on any number",
+                ResidencyWarning, stacklevel=3)
 
 
 def _run_launches(engine: Engine, launches: int) -> None:

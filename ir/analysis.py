@@ -54,6 +54,8 @@ class SyncSites:
         self.extents_of: dict[int, tuple] = {}   # id(wait op) -> its part's enumerated extents
         self.notified_at: dict | None = None     # (sig id, target rank, channel) -> the `position`s notifying
         self.position: int = 0                   # of the task being evaluated (earlier_tasks_satisfy)
+        self.guessing: int = 0                   # depth of regions entered on an unknown condition / bounds
+        self.guessed_notify: bool = False        # a notify reached only so: it may not happen
 
     def waits_at(self, rank: int, task: tuple) -> list:
         """The waits task ``task`` of ``rank`` makes, in program order (``waits`` lists one task
@@ -213,7 +215,9 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
             body = op.regions[0]
             if UNKNOWN in (lo, hi, st) or st <= 0:
                 env[body.args[0].id] = UNKNOWN
+                sites.guessing += 1
                 _eval_block(body, env, rank, task, sites, ops_of, budget)   # sites inside become dynamic
+                sites.guessing -= 1
                 continue
             for i in range(lo, hi, st):
                 env[body.args[0].id] = i
@@ -223,7 +227,9 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
         elif name == "if":
             c = _val(env, op.operands[0])
             if c is UNKNOWN or c:
+                sites.guessing += c is UNKNOWN
                 _eval_block(op.regions[0], env, rank, task, sites, ops_of, budget)
+                sites.guessing -= c is UNKNOWN
         elif name in NOTIFY_OPS:
             sig = op.operands[0].id
             ch = _val(env, op.operands[1])
@@ -232,6 +238,7 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
                 sites.dynamic_signals.add(sig)
             else:
                 sites.notifies[(sig, target, ch)] += sites.weight
+                sites.guessed_notify = sites.guessed_notify or sites.guessing > 0
                 if sites.notified_at is not None:
                     sites.notified_at.setdefault((sig, target, ch), []).append(sites.position)
                 if not 0 <= ch < op.operands[0].type.slots:
@@ -249,8 +256,14 @@ def earlier_tasks_satisfy(kernel: Kernel, part, walk, max_iterations: int = MAX_
     it in ``walk(rank)`` (the order a persistent kernel's CTAs take the tasks, None for a hole). Then
     any number of CTAs runs the part: the earliest unfinished task waits only on finished ones, and
     its CTA has finished all it took before, so it runs. False where that is not so, or not known
-    here (a channel or count read from memory, a rank-level or symmetric signal, another part
-    notifying the same signal, a wait counted over earlier launches, or too large to enumerate)."""
+    here (a channel or count read from memory, a notify under a condition or loop bound read from
+    memory — counted by :func:`check_channels` as if it happened, here it may not —, a rank-level or
+    symmetric signal, another part notifying the same signal, the part waiting on itself through
+    other parts too, a wait counted over earlier launches, or too large to enumerate)."""
+    from .part_graph import reaches, waits_on
+    deps = {p: others - {p} for p, others in waits_on(kernel).items()}
+    if reaches(deps, part.name, part.name):
+        return False
     own = {op.operands[0].owner.name for op in part.walk() if op.name in WAIT_OPS} & \
           {op.operands[0].owner.name for op in part.walk() if op.name in NOTIFY_OPS}
     for other in kernel.parts:
@@ -274,6 +287,8 @@ def earlier_tasks_satisfy(kernel: Kernel, part, walk, max_iterations: int = MAX_
             _eval_block(part.body, {}, rank, tuple(task), sites, ops_of, budget)
             if budget[0] <= 0:
                 return False
+        if sites.guessed_notify:
+            return False
         for op, r, task, ch, cnt in sites.waits:
             sig = op.operands[0]
             if sig.owner.name not in own:

@@ -99,3 +99,48 @@ def test_a_when_in_a_helper_function_is_checked_in_the_helpers_source():
     with pytest.raises(tl.CompilationError) as info:
         ns["k"].trace(1, tl.TensorSpec((32, 4), tl.float32), tl.TensorSpec((32, 4), tl.float32))
     assert str(info.value).startswith("<cell-8>:5: `return` inside `with tl.when(...)`")
+
+
+CAUGHT = """
+@tl.kernel
+def k(x, y):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        try:
+            for c in tl.range(0, 32, 8):
+                tl.store(y, (0, c), tl.load(x, (0, c), (8, 8)) + tl.load(x, (0, 0), (8, 16)))
+        except tl.CompilationError:
+            pass
+        tl.store(y, (0, 0), tl.load(x, (0, 0), (8, 8)))
+"""
+
+
+def test_an_exception_leaving_a_loop_is_not_taken_for_a_jump():
+    """The loop's generator is closed unfinished by an exception too: where the source shows no
+    break or return in the body, nothing is reported (here the program catches the error itself;
+    found by review)."""
+    ns = _cell(CAUGHT, "<cell-9>")
+    ns["k"].trace(1, tl.TensorSpec((8, 32), tl.float32), tl.TensorSpec((8, 32), tl.float32))
+
+
+def test_an_edited_and_reloaded_module_is_checked_against_its_new_source(tmp_path, monkeypatch):
+    """Found by review: linecache kept the first version of a module, so a return removed (and the
+    module reloaded, as %autoreload does) was still refused."""
+    import importlib
+    import os
+    import sys
+    body = ("import tldsl as tl\n\n@tl.kernel\ndef k(x, y):\n    @tl.compute_part(grid=(2,))\n"
+            "    def part(p):\n        with tl.when(p == 0):\n            tl.store(y, (0,), tl.load(x, (0,), (4,)))\n"
+            "{}")
+    path = tmp_path / "edited_kernel.py"
+    path.write_text(body.format("            return\n"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("edited_kernel")
+    specs = (tl.TensorSpec((4,), tl.float32), tl.TensorSpec((4,), tl.float32))
+    with pytest.raises(tl.CompilationError, match="`return` inside `with tl.when"):
+        module.k.trace(1, *specs)
+    path.write_text(body.format("        tl.store(y, (1,), tl.load(x, (1,), (1,)))  # the return, gone\n"))
+    os.utime(path, (os.stat(path).st_atime, os.stat(path).st_mtime + 5))
+    module = importlib.reload(module)
+    module.k.trace(1, *specs)
+    sys.modules.pop("edited_kernel", None)

@@ -383,6 +383,67 @@ def test_a_part_whose_tasks_wait_only_on_earlier_ones_runs_on_any_number_of_ctas
     assert not earlier_tasks_satisfy(rev, rev.parts[0], lambda r: task_slots(rev, rev.parts[0], r))
 
 
+@tl.kernel
+def notify_read_from_memory(x, flags, y):
+    """Task 0 notifies where flags[0] > 0, the last task where not: which one does is known only
+    at run time, and every other task waits for it (found by review)."""
+    n = x.shape[0] // 8
+    done = tl.signal("done", 1)
+
+    @tl.compute_part(grid=(n,))
+    def part(t):
+        f = tl.load_scalar(flags, 0)
+        with tl.when(t == 0):
+            with tl.when(f > 0):
+                tl.producer_tile_notify(done, 0)
+        with tl.when(t == n - 1):
+            with tl.when(f <= 0):
+                tl.producer_tile_notify(done, 0)
+        with tl.when(t > 0):
+            tl.consumer_tile_wait(done, 0)
+            tl.store(y, (t * 8,), tl.load(x, (t * 8,), (8,)))
+
+
+@tl.kernel
+def running_sum_in_a_cycle(x, y, z):
+    """A running sum whose first task also waits for part b, which waits for the last task's
+    first notify: a cycle through another part (found by review)."""
+    n = x.shape[0] // 8
+    done, from_a, from_b = tl.signal("done", n), tl.signal("from_a", 1), tl.signal("from_b", 1)
+
+    @tl.compute_part(grid=(n,))
+    def a(t):
+        with tl.when(t == n - 1):
+            tl.producer_tile_notify(from_a, 0)
+        with tl.when(t == 0):
+            tl.consumer_tile_wait(from_b, 0)
+            tl.store(y, (0,), tl.load(x, (0,), (8,)))
+        with tl.when(t > 0):
+            tl.consumer_tile_wait(done, t - 1)
+            tl.store(y, (t * 8,), tl.load(y, ((t - 1) * 8,), (8,)) + tl.load(x, (t * 8,), (8,)))
+        tl.producer_tile_notify(done, t)
+
+    @tl.compute_part(grid=(1,))
+    def b(p):
+        tl.consumer_tile_wait(from_a, 0)
+        tl.store(z, (0,), tl.load(x, (0,), (8,)) * 2.0)
+        tl.producer_tile_notify(from_b, 0)
+
+
+def test_self_waits_the_analysis_cannot_order_keep_every_task_resident():
+    """A notify under a condition read from memory may not happen (the channel analysis counts it,
+    as an upper bound; ordering needs a lower one), and a part waiting on itself through another
+    part too may deadlock however its own waits look: both keep the old rule, every task resident
+    (a launch with fewer CTAs is refused, not left to hang as the fake device showed)."""
+    f32, i32 = tl.float32, tl.int32
+    k = notify_read_from_memory.trace(1, S((512,), f32), S((1,), i32), S((512,), f32))
+    with pytest.raises(ResidencyError, match="only 8 of its 64 tasks"):
+        planned(k, sm_count=8)
+    k = running_sum_in_a_cycle.trace(1, S((512,), f32), S((512,), f32), S((8,), f32))
+    with pytest.raises(ResidencyError, match="part 'a' waits for its own tasks"):
+        planned(k, sm_count=16)
+
+
 def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():
     k = ag_gemm(engine="copy_engine", own_rows="compute")
     with pytest.raises(UnboundParameterError, match="own_rows='comm'"):
@@ -549,3 +610,26 @@ def test_the_kernels_tl_run_builds_compile_with_their_wait_timeouts():
     assert all("-DTLDSL_WAIT_TIMEOUT_NS=60000000000ull" in lk.options for lk in kernels)
     compiled = compile_many([lk.job() for lk in kernels], progress=False)
     assert all(c.cubin for c in compiled)
+
+
+def test_whether_cuda_has_started_asks_torch_then_every_primary_context_then_the_current_one():
+    """reserve_hardware_queues sets CUDA_DEVICE_MAX_CONNECTIONS only where no context exists yet:
+    CUDA reads it when it makes one (found by review: torch's view alone misses another library's
+    context, and the setting would then be believed, not applied)."""
+    from types import SimpleNamespace
+    from tldsl.runtime.gpu.device import cuda_context_exists
+    R = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_NOT_INITIALIZED=3, CUDA_ERROR_NO_DEVICE=100)
+
+    def driver(count_err=0, active=(0, 0), current=0):
+        return SimpleNamespace(CUresult=R, cuDeviceGetCount=lambda: (count_err, len(active)),
+                               cuDeviceGet=lambda i: (0, i), cuDevicePrimaryCtxGetState=lambda d: (0, 0, active[d]),
+                               cuCtxGetCurrent=lambda: (0, current))
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_initialized():
+        pytest.skip("torch's CUDA has started in this process: the answer is True before the driver is asked")
+    assert cuda_context_exists(driver(count_err=R.CUDA_ERROR_NOT_INITIALIZED)) is False
+    assert cuda_context_exists(driver()) is False
+    assert cuda_context_exists(driver(active=(0, 1))) is True           # CuPy's or Numba's primary context
+    assert cuda_context_exists(driver(current=0x7F00)) is True          # a context of its own, current
+    assert cuda_context_exists(driver(count_err=R.CUDA_ERROR_NO_DEVICE)) is True   # unknown: leave it
+    assert cuda_context_exists(SimpleNamespace()) is True               # a driver that cannot answer

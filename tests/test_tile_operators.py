@@ -235,6 +235,7 @@ def test_bool_scalars_in_index_math_take_numpys_types():
 
 
 @pytest.mark.parametrize("expr,says", [("(p > 0) - (p > 1)", "scalar 'sub' of two bools: numpy refuses it"),
+                                       ("-(p > 0)", "'-' of a bool scalar: numpy refuses it too"),
                                        ("p + 0.5", "a float beside one belongs in tile math")])
 def test_scalar_arithmetic_numpy_would_refuse_or_tldsl_cannot_trace_says_what_to_write(expr, says):
     src = f"""

@@ -17,16 +17,17 @@ import ast
 import linecache
 
 #: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
-#: `for` statements)
-_INDEX: dict[str, tuple[list, dict, dict]] = {}
+#: `for` statements, whether it parsed)
+_INDEX: dict[str, tuple[list, dict, dict, bool]] = {}
 _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _index(filename: str, globals_=None) -> tuple[dict, dict]:
+def _index(filename: str, globals_=None) -> tuple[dict, dict, bool]:
     """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
-    header holds it}) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
+    header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
+    linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
     if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
         withs: dict[int, list] = {}
@@ -44,7 +45,7 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict]:
                 jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
                 for line in range(node.lineno, node.iter.end_lineno + 1):
                     fors.setdefault(line, []).extend(jumps)
-        _INDEX[filename] = (lines, withs, fors)
+        _INDEX[filename] = (lines, withs, fors, tree is not None)
     return _INDEX[filename][1:]
 
 
@@ -87,15 +88,20 @@ def when_body_jumps(frame) -> list[ast.stmt]:
     ``frame`` is entering (the one whose header holds its current line)."""
     if frame is None:
         return []
-    withs, _ = _index(frame.f_code.co_filename, frame.f_globals)
+    withs, _, _ = _index(frame.f_code.co_filename, frame.f_globals)
     return sorted(withs.get(frame.f_lineno, ()), key=lambda s: s.lineno)
 
 
 def loop_body_jumps(filename: str, lineno: int, globals_=None) -> list[ast.stmt]:
     """The ``break`` / ``return`` statements that leave the ``for`` loop whose header holds line
     ``lineno`` of ``filename``."""
-    _, fors = _index(filename, globals_)
+    _, fors, _ = _index(filename, globals_)
     return sorted(fors.get(lineno, ()), key=lambda s: s.lineno)
+
+
+def has_source(filename: str, globals_=None) -> bool:
+    """Whether ``filename``'s source can be read and parsed here (then what it lacks, it lacks)."""
+    return _index(filename, globals_)[2]
 
 
 def describe(stmts) -> str:

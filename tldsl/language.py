@@ -72,9 +72,12 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
         del op
 
 
-def _left_early(loc) -> CompilationError:
-    """The error of a ``tl.range`` body left by a Python jump (or an exception, which wins)."""
+def _left_early(loc) -> CompilationError | None:
+    """The error of a ``tl.range`` body left by a Python jump: None where its source shows no
+    ``break`` or ``return`` (an exception left it, which propagates — or which the program caught)."""
     jumps = early_exits.loop_body_jumps(loc.filename, loc.lineno) if loc is not None else []
+    if not jumps and loc is not None and early_exits.has_source(loc.filename):
+        return None
     by = f" by {early_exits.describe(jumps)}" if jumps else " (by a break or return)"
     return CompilationError(
         f"this tl.range loop was left early{by}: its body is traced once and the loop runs every iteration, "

@@ -255,9 +255,13 @@ class Scalar:
     def __hash__(self):
         return id(self)
 
-    def __neg__(self): return scalar_op("sub", 0 if self.dtype.kind == "int" else 0.0, self)
+    def __neg__(self):
+        if self.dtype == T.bool_:
+            fail("'-' of a bool scalar: numpy refuses it too; for 'not x' write x == 0 (or -1 * x for an i32)")
+        return scalar_op("sub", 0 if self.dtype.kind == "int" else 0.0, self)
+
     def __pos__(self): return self
-    def __abs__(self): return scalar_op("max", self, -self)
+    def __abs__(self): return self if self.dtype == T.bool_ else scalar_op("max", self, -self)   # numpy's abs(True)
     def __add__(self, o): return scalar_op("add", self, o)
     def __radd__(self, o): return scalar_op("add", o, self)
     def __sub__(self, o): return scalar_op("sub", self, o)

@@ -74,3 +74,36 @@ def current_context():
 def sm_count() -> int:
     import torch
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def cuda_context_exists(driver=None) -> bool:
+    """Whether CUDA has a context in this process already: torch's, another library's primary
+    context (CuPy, Numba) or one of its own made current. CUDA reads CUDA_DEVICE_MAX_CONNECTIONS
+    when it makes a context, so a later setting would not count. Where that cannot be told, True
+    (the caller then leaves the environment as it is). ``driver``: ``cuda.bindings.driver`` (a
+    stand-in in tests)."""
+    try:
+        import torch
+        if torch.cuda.is_initialized():
+            return True
+        cu = driver
+        if cu is None:
+            from cuda.bindings import driver as cu
+        ok = cu.CUresult.CUDA_SUCCESS
+        err, count = cu.cuDeviceGetCount()
+        if err == cu.CUresult.CUDA_ERROR_NOT_INITIALIZED:
+            return False                    # cuInit not called yet: no context can exist
+        if err != ok:
+            return True
+        for i in range(count):
+            err, dev = cu.cuDeviceGet(i)
+            if err != ok:
+                return True
+            err, _flags, active = cu.cuDevicePrimaryCtxGetState(dev)
+            if err != ok or active:
+                return True
+        err, ctx = cu.cuCtxGetCurrent()
+        return err != ok or bool(int(ctx))
+    except Exception:                       # no driver library to ask, or an unexpected answer
+        return True
+

@@ -48,9 +48,9 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     lowered = lower_for_run(ir, wait_timeout_ns=wait_ns, **lowering)
     check_bindings(ir, lowered)             # a parameter nothing can pass: refused here, GPU or not
     if device is None:
-        import torch
         from .cuda_device import CudaDevice
-        reserve_hardware_queues(ir, lowered, torch.cuda.is_initialized)
+        from .device import cuda_context_exists
+        reserve_hardware_queues(ir, lowered, cuda_context_exists)
         device = CudaDevice()
     if sms is not None and sms > device.sm_count:
         raise InputError(f"sms={sms}: the GPU ({device.name}) has {device.sm_count} SMs")

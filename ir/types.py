@@ -54,7 +54,8 @@ def dtype_of(x) -> DType:
             return _BY_NAME[x]
         if x in _NP_ALIASES:
             return _NP_ALIASES[x]
-        raise TypeError(f"unknown dtype {x!r}")
+        raise TypeError(f"unknown dtype {x!r}: tldsl supports f16, bf16, f32, i32, i1 (float16, bfloat16, float32, "
+                        "int32, bool)")
     if hasattr(x, "dtype") and not isinstance(x, (np.dtype, type)):     # an array or tensor (not np.float64)
         return dtype_of(x.dtype)
     name = str(x).replace("torch.", "")

@@ -116,3 +116,4 @@ def test_the_one_gpu_probes_are_exactly_those_gated_as_one():
     assert gates.ONE_GPU_PROBES == ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies",
                                     "moe_schedules", "moe_row_copies", "moe_power", "moe_dram")
     assert probes.NAMES[:len(gates.ONE_GPU_PROBES)] == gates.ONE_GPU_PROBES      # the one-GPU ones first
+    assert probes.NAMES == gates.ONE_GPU_PROBES + gates.TWO_GPU_PROBES             # and every other one gated too

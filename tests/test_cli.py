@@ -283,3 +283,35 @@ def test_the_compile_benchmark_makes_its_cache_dir_or_says_why_not(tmp_path):
     (full / "x").mkdir(parents=True)
     with pytest.raises(SystemExit, match="is not empty: a cold compile needs an empty cache"):
         compile_bench.main(["--cache-dir", str(full)])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["mutants", "--seeds", "0"], "argument --seeds: must be a positive int, got 0"),
+    (["mutants", "--op", "nosuch"], "--op: no op 'nosuch' (choose from allgather_gemm,"),
+    (["demo", "--world-size", "0"], "argument --world-size: must be a positive int, got 0"),
+    (["demo", "--seed", "-5"], "argument --seed: must be an int of 0 or more, got -5"),
+    (["demo", "-k", "x"], "argument -k: must be an int, got 'x'"),
+    (["bench", "sim", "-W", "0"], "argument -W/--world-size: must be a positive int, got 0"),
+    (["bench", "sim", "--repeats", "0"], "argument --repeats: must be a positive int, got 0"),
+    (["bench", "compile", "--shape", "8x8"], "argument --shape: MxNxK of three positive ints, got '8x8'"),
+    (["bench", "probe", "nosuch"], "argument what: invalid choice: 'nosuch'"),
+    (["fuzz", "--only", "-1"], "argument --only: must be an int of 0 or more, got -1"),
+])
+def test_a_number_a_command_cannot_take_is_a_usage_error_in_one_line(argv, says, capsys):
+    """Found by a user's round of the commands: each of these was a traceback from deep inside (an
+    IndexError, a ZeroDivisionError, numpy's ValueError), or a misleading answer (no such op
+    caught 0/0 mutants; an unknown probe was sent to torchrun)."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_what_a_command_is_given_and_tldsl_refuses_is_one_line_without_a_source_line(capsys):
+    """A schedule or shape the command passes on and tldsl refuses: its typed error's message, once
+    (the command line is the user's program: no tldsl or runpy source line)."""
+    assert main(["bench", "sim", "--tile", "48", "-M", "64", "-N", "64", "-K", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m tldsl bench: ScheduleError: compute tile (48, 48, 48): need three powers of two "
+                   "between 8 and 256 (BM, BN, BK)"]

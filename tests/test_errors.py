@@ -168,6 +168,16 @@ def test_unknown_argument(nothing_runs):
         tl.simulate(gather_scale, 2, inputs)
 
 
+def test_a_misspelt_argument_is_named_both_ways(nothing_runs):
+    """A misspelt name is a missing argument and an unknown one: both are said (the unknown one,
+    the misspelling, was left out while anything was missing)."""
+    inputs = _inputs(2)
+    inputs[0]["scael"] = inputs[0].pop("scale")
+    with pytest.raises(tl.InputError, match=r"rank 0: missing argument\(s\) \['scale'\] and unknown argument\(s\) "
+                                            r"\['scael'\]"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
 def test_wrong_number_of_positional_arrays(nothing_runs):
     inputs = [[x["a"], x["out"]] for x in _inputs(2)]
     with pytest.raises(tl.InputError, match=r"rank 0: 2 arrays for arguments \['a', 'scale', 'out'\]"):

@@ -75,6 +75,8 @@ def test_plot_timeline_names_a_tile_that_did_not_run(result):
         result.plot_timeline(tile=(0, "gemm", (99, 99)))
     with pytest.raises(ValueError, match="tile must be"):
         result.plot_timeline(tile="gemm")
+    with pytest.raises(ValueError, match=r"with coords a tuple, e.g. \(0, 'gemm', \(0, 0\)\)"):
+        result.plot_timeline(tile=(0, "gemm", 0))           # coords an int: was a TypeError from inside
 
 
 def test_plot_phases_of_a_recorded_gpu_launch(tmp_path):

@@ -8,15 +8,16 @@ import numpy as np
 
 import tldsl as tl
 from tldsl.ops.allgather_gemm import allgather_gemm, reference
+from .cli.arg_types import nonnegative_int, positive_int
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--rows-per-rank", type=int, default=40, help="M per rank (need not divide the tile)")
-    ap.add_argument("-n", type=int, default=48)
-    ap.add_argument("-k", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--world-size", type=positive_int, default=4)
+    ap.add_argument("--rows-per-rank", type=positive_int, default=40, help="M per rank (need not divide the tile)")
+    ap.add_argument("-n", type=positive_int, default=48)
+    ap.add_argument("-k", type=positive_int, default=64)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--engine", choices=("sm", "copy_engine"), default="sm")
     args = ap.parse_args(argv)

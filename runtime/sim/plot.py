@@ -141,9 +141,10 @@ def plot_timeline(result, tile=None, save=None, figsize=None):
 def _key(tile, lives):
     try:
         rank, part, coords = tile
+        key = (rank, part, tuple(coords))      # coords a tuple of program ids: (0,), not 0
     except (TypeError, ValueError):
-        raise ValueError(f"tile must be (rank, part name, coords), got {tile!r}") from None
-    key = (rank, part, tuple(coords))
+        raise ValueError(f"tile must be (rank, part name, coords) with coords a tuple, e.g. (0, 'gemm', (0, 0)), "
+                         f"got {tile!r}") from None
     if key not in lives:
         raise ValueError(f"tile {key} did not run in the last launch; tiles are (rank, part name, coords), "
                          f"e.g. {next(iter(lives), None)}")

@@ -110,10 +110,9 @@ def _per_rank_inputs(kernel_args: list[str], inputs, world_size: int):
         if isinstance(inp, dict):
             missing = [a for a in kernel_args if a not in inp]
             extra = [a for a in inp if a not in kernel_args]
-            if missing:
-                raise InputError(f"rank {r}: missing argument(s) {missing} (the kernel takes {kernel_args})")
-            if extra:
-                raise InputError(f"rank {r}: unknown argument(s) {extra} (the kernel takes {kernel_args})")
+            if missing or extra:           # both at once: a misspelt name is one of each
+                said = [f"missing argument(s) {missing}"] * bool(missing) + [f"unknown argument(s) {extra}"] * bool(extra)
+                raise InputError(f"rank {r}: {' and '.join(said)} (the kernel takes {kernel_args})")
             per_rank.append([inp[a] for a in kernel_args])
         elif isinstance(inp, (list, tuple)):
             inp = list(inp)
@@ -209,7 +208,8 @@ def simulate(kernel, world_size: int | None = None, inputs=None, seed: int = 0,
     ``kernel`` is a ``@tl.kernel`` function (traced here for the inputs' shapes/dtypes and the
     keyword values in ``kwargs``, e.g. schedules) or an already traced IR kernel.
     ``inputs`` has one entry per rank: a dict name -> array, or arrays in argument order; an
-    array is anything numpy takes or a torch tensor on any device (numpy has no bf16: a bf16
+    array is a numpy array (of any strides; a Python list is refused: np.asarray it) or a torch
+    tensor on any device (numpy has no bf16: a bf16
     kernel takes torch bf16 tensors, or float32 arrays once traced for bf16). Arrays are
     copied; outputs come back in the result as numpy arrays (bf16 as float32). Raises the
     simulator's typed errors (RaceError, DeadlockError, StaleSignalError, UninitializedReadError,

@@ -35,20 +35,27 @@ def _trace_lower_compile(M: int, N: int, K: int) -> dict:
             "nvrtc_s": compiled.compile_seconds, "cubin_bytes": len(compiled.cubin), "cached": compiled.cached}
 
 
-def _hit_main(shape: str) -> None:
+def _hit_main(shape: tuple[int, int, int]) -> None:
     """The second process: trace + lower + cache lookup, after importing the modules they use
     (a once-per-process cost, like importing tldsl, printed apart by the caller)."""
     import importlib
     for mod in ("tldsl.ops.gemm", "tldsl.codegen.recipes.gemm", "tldsl.codegen.toolchain.compiler", "tldsl.codegen.toolchain.cache"):
         importlib.import_module(mod)
-    M, N, K = (int(x) for x in shape.split("x"))
-    print(json.dumps(_trace_lower_compile(M, N, K)))
+    print(json.dumps(_trace_lower_compile(*shape)))
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """``MxNxK`` as three positive ints (a usage error otherwise)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"MxNxK of three positive ints, got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="8192x8192x8192", help="MxNxK")
+    ap.add_argument("--shape", type=_shape, default="8192x8192x8192", help="MxNxK")
     ap.add_argument("--cache-dir", default=None, help="an empty directory for the cache (default: a new temporary one)")
     ap.add_argument("--hit", action="store_true", help=argparse.SUPPRESS)      # the second process
     args = ap.parse_args(argv)
@@ -65,18 +72,19 @@ def main(argv=None) -> int:
     if os.listdir(cache):
         raise SystemExit(f"--cache-dir {cache} is not empty: a cold compile needs an empty cache")
     os.environ["TLDSL_CACHE_DIR"] = cache
-    M, N, K = (int(x) for x in args.shape.split("x"))
+    M, N, K = args.shape
     from ..codegen.toolchain import find_toolchain
     from ..codegen.toolchain.compiler import shutdown_pool
     tc = find_toolchain()
     shutdown_pool()      # cold: a new compile worker, without the precompiled headers of an earlier compile
     cold = _trace_lower_compile(M, N, K)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tldsl.bench", "compile", "--hit", "--shape", args.shape],
+    shape = "x".join(map(str, args.shape))
+    proc = subprocess.run([sys.executable, "-m", "tldsl.bench", "compile", "--hit", "--shape", shape],
                           capture_output=True, text=True, env=dict(os.environ), check=True)
     wall = time.perf_counter() - t0
     hit = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"# {args.shape} GEMM, schedule {SCHEDULE}; NVRTC {tc.nvrtc_version}, {os.cpu_count()} CPU(s); cache {cache}")
+    print(f"# {shape} GEMM, schedule {SCHEDULE}; NVRTC {tc.nvrtc_version}, {os.cpu_count()} CPU(s); cache {cache}")
     print(f"cold:      trace+lower {1e3 * cold['trace_lower_s']:.1f} ms, compile {cold['compile_s']:.2f} s "
           f"(NVRTC {cold['nvrtc_s']:.2f} s), cubin {cold['cubin_bytes'] // 1024} KiB")
     print(f"cache {'hit' if hit['cached'] else 'MISS'}: trace+lower {1e3 * hit['trace_lower_s']:.1f} ms, "

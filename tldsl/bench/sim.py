@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from ..cli.arg_types import positive_int
+
 OPS = ("allgather_gemm", "gemm_reduce_scatter")
 
 
@@ -173,16 +175,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", choices=OPS, default="allgather_gemm")
-    ap.add_argument("-W", "--world-size", type=int, default=8)
-    ap.add_argument("-M", type=int, default=1024, help="global rows")
-    ap.add_argument("-N", type=int, default=1024)
-    ap.add_argument("-K", type=int, default=1024)
-    ap.add_argument("--tile", type=int, default=64, help="the compute tile, BM = BN = BK")
+    ap.add_argument("-W", "--world-size", type=positive_int, default=8)
+    ap.add_argument("-M", type=positive_int, default=1024, help="global rows")
+    ap.add_argument("-N", type=positive_int, default=1024)
+    ap.add_argument("-K", type=positive_int, default=1024)
+    ap.add_argument("--tile", type=positive_int, default=64, help="the compute tile, BM = BN = BK")
     ap.add_argument("--mode", choices=("pull", "push"), default="pull", help="communication mode")
     ap.add_argument("--engine", choices=("sm", "copy_engine"), default="sm", help="communication engine")
-    ap.add_argument("--comm-tile-m", type=int, default=None, help="rows per communication tile (default: whole shards)")
-    ap.add_argument("--launches", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--comm-tile-m", type=positive_int, default=None, help="rows per communication tile (default: whole shards)")
+    ap.add_argument("--launches", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--profile", action="store_true", help="also profile one simulation (cProfile)")
     args = ap.parse_args(argv)
     comm = tl.CommSchedule(tile_m=args.comm_tile_m, mode=args.mode, engine=args.engine)

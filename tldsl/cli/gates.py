@@ -20,6 +20,9 @@ BENCHMARKS = {
 #: The probes that run on one GPU without torchrun (``tldsl/bench/probes.py``); the rest need it.
 ONE_GPU_PROBES = ("copy_engine", "epilogue", "ag_group", "ag_gather", "moe_notifies", "moe_schedules",
                   "moe_row_copies", "moe_power", "moe_dram")
+#: The probes that run on two GPUs under torchrun (``tldsl/bench/probes.py``: NAMES is both, one-GPU first).
+TWO_GPU_PROBES = ("rs_reduce_in", "rs_early_sum", "ag_enqueue", "ag_staging", "ag_handshake", "ag_push", "ag_spares",
+                  "ag_slices", "ag_skew", "rs_order")
 #: The checks of ``tldsl.checks``, each a script run under torchrun on two GPUs.
 CHECKS = ("dist_check", "build_check", "lifetime_check", "torch_ops_check", "graph_check")
 
@@ -87,8 +90,8 @@ def require_for_benchmark(args: list[str]) -> None:
         return                      # usage and unknown names: the benchmarks' own parser answers
     name, need = args[0], BENCHMARKS[args[0]]
     probe = probe_name(args[1:]) if name == "probe" else None
-    if name == "probe" and probe is None:
-        return                      # no probe named: its parser lists them
+    if name == "probe" and (probe is None or probe not in ONE_GPU_PROBES + TWO_GPU_PROBES):
+        return                      # no probe named, or one there is not: its parser lists them
     if probe is not None and probe not in ONE_GPU_PROBES:
         need = "torchrun"
     what = " ".join(["bench"] + ([name, probe] if probe is not None else [name]))

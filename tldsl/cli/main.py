@@ -131,11 +131,16 @@ def _forward(command: str, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("demo", "bench", "check", "mutants", "fuzz"):
+        from ..errors import TldslError
         try:
             return _forwarded(argv[0], argv[1:])
         except Unavailable as why:
             print(f"{PROG} {why}", file=sys.stderr)
             return 1
+        except TldslError as e:            # what the command was given cannot be (a shape, a schedule): no traceback,
+            why = getattr(e, "raw_message", None) or str(e)    # and no source line (the command line is the program)
+            print(f"{PROG} {argv[0]}: {type(e).__name__}: {why}", file=sys.stderr)
+            return 2
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()

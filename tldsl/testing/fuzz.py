@@ -47,6 +47,7 @@ from .program_case import Features, FuzzCase, features
 from .program_tolerance import FP32_DOT_RUNS_AS_TF32, SAFETY, TOLERANCES
 from .program_families import FAMILIES, FOCUSED, generate, generate_distinct
 from .program_gen import RandomChooser
+from ..cli.arg_types import nonnegative_int
 
 FEATURE_NAMES = {"dot": "a dot", "range_loop": "a tl.range loop", "linked_parts": "parts linked by signals",
                  "communicates": "communication over W>=2", "ragged": "shapes not multiples of the tile",
@@ -422,7 +423,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="the generator's seed (default: a fresh one, printed)")
     ap.add_argument("--gpu", action="store_true", help="also run each program on the GPU and compare")
     ap.add_argument("--show-source", action="store_true", help="print every program's source (failing ones always)")
-    ap.add_argument("--only", type=int, default=None, metavar="I", help="only program I of this seed")
+    ap.add_argument("--only", type=nonnegative_int, default=None, metavar="I", help="only program I of this seed")
     ap.add_argument("--family", action="append", default=None, choices=sorted({**FAMILIES, **FOCUSED}),
                     help="only programs of this family (repeatable; default: the usual mix of single, pipeline "
                          "and comm)")

@@ -21,6 +21,7 @@ from ..ir.core import Block, Kernel
 from ..ir.opdefs import SYNC_OPS
 from ..ops import OPS
 from ..runtime.sim import SimOptions, simulate
+from ..cli.arg_types import positive_int
 
 CAUGHT = (RaceError, DeadlockError, StaleSignalError)
 
@@ -121,9 +122,12 @@ _KIND_WORDS = {"DeadlockError": "deadlocks", "RaceError": "races", "StaleSignalE
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", action="append", help="only this op (repeatable)")
-    ap.add_argument("--seeds", type=int, default=2, help="scheduler seeds tried per mutant")
+    ap.add_argument("--seeds", type=positive_int, default=2, help="scheduler seeds tried per mutant")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every mutant, not only missed ones")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.op or ()) - set(OPS))
+    if unknown:
+        ap.error(f"--op: no op {', '.join(map(repr, unknown))} (choose from {', '.join(sorted(OPS))})")
     t0 = time.perf_counter()
     caught, total, mutants = run(args.op, args.seeds, args.verbose)
     by_kind: dict[str, int] = {}

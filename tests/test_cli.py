@@ -101,6 +101,15 @@ def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
     assert "nothing to remove" in capsys.readouterr().out
 
 
+def test_cache_info_says_when_the_cache_is_a_file(tmp_path, monkeypatch, capsys):
+    """Found by a user's round: TLDSL_CACHE_DIR naming a file was reported as an empty cache."""
+    not_a_folder = tmp_path / "cache.txt"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(not_a_folder))
+    assert main(["cache", "info"]) == 1
+    assert f"{not_a_folder} is not a folder" in capsys.readouterr().out
+
+
 def test_doctor_reports_every_piece_one_line_each():
     proc = _run("doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -178,6 +178,15 @@ def test_a_misspelt_argument_is_named_both_ways(nothing_runs):
         tl.simulate(gather_scale, 2, inputs)
 
 
+def test_a_meta_tensor_is_named_as_having_no_values(nothing_runs):
+    """Found by a user's round: torch's own NotImplementedError, from deep inside the copy, before."""
+    torch = pytest.importorskip("torch")
+    inputs = _inputs(2)
+    inputs[1]["scale"] = torch.empty(inputs[1]["scale"].shape, dtype=torch.float32, device="meta")
+    with pytest.raises(tl.InputError, match="argument 'scale' on rank 1 is a tensor on torch's meta device"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
 def test_wrong_number_of_positional_arrays(nothing_runs):
     inputs = [[x["a"], x["out"]] for x in _inputs(2)]
     with pytest.raises(tl.InputError, match=r"rank 0: 2 arrays for arguments \['a', 'scale', 'out'\]"):

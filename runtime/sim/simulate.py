@@ -353,6 +353,10 @@ def _check_uniform(names, per_rank, symmetric):
             dtype_of(ref.dtype)
         except TypeError as e:
             raise InputError(f"argument '{name}': {e}") from None
+        for r, arrs in enumerate(per_rank):
+            if getattr(getattr(arrs[i], "device", None), "type", None) == "meta":
+                raise InputError(f"argument '{name}' on rank {r} is a tensor on torch's meta device: it has a shape "
+                                 "and a dtype but no values to run on (trace it with its TensorSpec instead)")
         for r, arrs in enumerate(per_rank[1:], 1):
             a = arrs[i]
             if not hasattr(a, "shape") or tuple(a.shape) != tuple(ref.shape):

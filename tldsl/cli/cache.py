@@ -56,6 +56,10 @@ def info() -> int:
     root = cache_dir()
     found = contents(root)
     print(f"cache: {root} ({_chosen_by()})")
+    if root.exists() and not root.is_dir():
+        print(f"holds: nothing — {root} is not a folder, so nothing compiled can be kept there (set TLDSL_CACHE_DIR "
+              "to a folder)")
+        return 1
     print(f"holds: {found}" if found.files else "holds: nothing (nothing compiled yet)")
     return 0
 

@@ -130,3 +130,11 @@ def written_buffers(kernel) -> frozenset[str]:
                 if dst is not None:
                     out.add(dst.owner.name)
     return frozenset(out)
+
+
+def written_arguments(kernel) -> list:
+    """The arguments of ``kernel`` some part writes, in argument order: what the runtimes put back
+    between launches so that every launch runs on the caller's values."""
+    written = written_buffers(kernel)
+    return [b for b in kernel.args if b.name in written]
+

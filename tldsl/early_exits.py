@@ -52,31 +52,18 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict, bool]:
 def _jumps(body, kinds, in_loop=False):
     """The statements of ``kinds`` in ``body`` that leave it (not those of a nested function or
     class; a ``break`` / ``continue`` only where no loop of its own is around it)."""
-    for stmt in body:
-        for node in _walk(stmt, in_loop):
-            if isinstance(node[0], kinds):
-                yield node[0]
-
-
-def _walk(node, in_loop):
-    if isinstance(node, _NESTED_SCOPES):
-        return
-    if isinstance(node, (ast.Break, ast.Continue)):
-        if not in_loop:
-            yield (node,)
-        return
-    if isinstance(node, ast.Return):
-        yield (node,)
-        return
-    if isinstance(node, _LOOPS):
-        for child in node.body:
-            yield from _walk(child, True)
-        for child in node.orelse:
-            yield from _walk(child, in_loop)
-        return
-    for child in ast.iter_child_nodes(node):     # the statements of an if / with / try / match
-        if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
-            yield from _walk(child, in_loop)
+    for node in body:
+        if isinstance(node, _NESTED_SCOPES):
+            continue
+        if isinstance(node, (ast.Return, ast.Break, ast.Continue)):
+            if isinstance(node, kinds) and (isinstance(node, ast.Return) or not in_loop):
+                yield node
+        elif isinstance(node, _LOOPS):
+            yield from _jumps(node.body, kinds, True)
+            yield from _jumps(node.orelse, kinds, in_loop)
+        else:                   # the statements of an if / with / try / match
+            yield from _jumps([c for c in ast.iter_child_nodes(node)
+                               if isinstance(c, (ast.stmt, ast.excepthandler, ast.match_case))], kinds, in_loop)
 
 
 def keyword(stmt) -> str:

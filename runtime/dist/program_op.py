@@ -83,7 +83,7 @@ from ...errors import InputError
 from ...run import check_run_options, register_group_runner
 from ...ir import core
 from ...ir.display import one_line
-from ...ir.opdefs import written_buffers
+from ...ir.opdefs import written_arguments, written_buffers
 from ..gpu.bind import DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack
 from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, load_driver, stream_handshake
 from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, needs_free_sms,
@@ -709,8 +709,8 @@ def run_across(kernel, world_size, inputs, seed, options, kwargs: dict, *, group
                       static_checks=opts.static_checks, device=device, progress=progress, **kwargs)
     at = op.device.torch_device
     tensors = [to_device(arr, b.type.dtype, at) for b, arr in zip(op.kernel.args, per_rank[0])]
-    written = written_buffers(op.kernel)
-    saved = [(t, t.clone()) for b, t in zip(op.kernel.args, tensors) if b.name in written]
+    written = written_arguments(op.kernel)
+    saved = [(t, t.clone()) for b, t in zip(op.kernel.args, tensors) if b in written]
     for launch in range(opts.launches):
         for t, original in saved if launch else ():
             t.copy_(original)          # every launch on the caller's arguments, as tl.simulate's (on the op's stream)

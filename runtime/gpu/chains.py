@@ -7,10 +7,9 @@ its producer's, or its producer into the part's).
 """
 from __future__ import annotations
 
-import weakref
-
 from ...ir import core
 from ...ir.part_graph import notifiers, reaches, self_signals, waited_signals, waits_on
+from ..sim.engine import walks_forward
 
 
 def chained_parts(kernel: core.Kernel, kernels: set[str]) -> dict[str, str]:
@@ -50,25 +49,9 @@ def at_once_needed(part: core.Part, kernel: core.Kernel | None = None) -> int:
         return 0
     if part.role != "compute":
         return min(part.num_tasks, part.lanes or part.num_tasks)
-    if kernel is not None and _walks_forward(kernel, part):
+    if kernel is not None and walks_forward(kernel, part):
         return 1
     return part.num_tasks
-
-
-#: per traced kernel: {part name: whether its self-waits walk forward}
-_WALKS_FORWARD: "weakref.WeakKeyDictionary[core.Kernel, dict]" = weakref.WeakKeyDictionary()
-
-
-def _walks_forward(kernel: core.Kernel, part: core.Part) -> bool:
-    """:func:`~tldsl.ir.analysis.earlier_tasks_satisfy` in the order the part's kernel takes its tasks
-    (once per kernel and part: the plan asks more than once)."""
-    cache = _WALKS_FORWARD.setdefault(kernel, {})
-    key = part.name
-    if key not in cache:
-        from ...ir.analysis import earlier_tasks_satisfy
-        from ..sim.engine import task_slots
-        cache[key] = earlier_tasks_satisfy(kernel, part, lambda rank: task_slots(kernel, part, rank))
-    return cache[key]
 
 
 def stream_ordered_signals(kernel: core.Kernel, chained: dict[str, str]) -> frozenset:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ...errors import InputError
-from ...ir.opdefs import written_buffers
+from ...ir.opdefs import written_arguments
 from ...ir.types import bfloat16
 from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
@@ -82,14 +82,14 @@ def restore_arguments(ir, tensors: list[dict]):
     simulator does between launches: :func:`tldsl.runtime.sim.simulate.restore_arguments`), copied
     now; called between launches, after the last one finished (``wait_for``) and before the next
     is enqueued."""
-    written = written_buffers(ir)
-    saved = [(t[b.name], t[b.name].clone()) for t in tensors for b in ir.args if b.name in written]
+    import torch
+    args = written_arguments(ir)
+    saved = [(t[b.name], t[b.name].clone()) for t in tensors for b in args]
 
     def restore():
         for tensor, original in saved:
             tensor.copy_(original)
         for device in {t.device for t, _ in saved if t.is_cuda}:
-            import torch
             torch.cuda.synchronize(device)      # the copies land before the next launch's streams start
     return restore
 

@@ -9,6 +9,7 @@ rank: a peer that acquires it gets no ordering, exactly as on the hardware.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import numpy as np
 
@@ -116,6 +117,21 @@ def task_slots(kernel, part, rank: int) -> list:
     if part.role == "comm" and kernel.comm_schedule is not None:
         return kernel.comm_schedule.task_order(part.grid)
     return list(itertools.product(*(range(g) for g in part.grid)))
+
+
+#: per traced kernel: {part name: walks_forward's answer} (the run plan asks more than once)
+_WALKS_FORWARD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def walks_forward(kernel, part) -> bool:
+    """Whether every wait of ``part`` on its own tasks is met by tasks before it in the order a
+    persistent kernel's CTAs take them (:func:`task_slots`): then any number of CTAs runs it
+    (:func:`~tldsl.ir.analysis.earlier_tasks_satisfy`). Once per kernel and part."""
+    cache = _WALKS_FORWARD.setdefault(kernel, {})
+    if part.name not in cache:
+        from ...ir.analysis import earlier_tasks_satisfy
+        cache[part.name] = earlier_tasks_satisfy(kernel, part, lambda rank: task_slots(kernel, part, rank))
+    return cache[part.name]
 
 
 class Engine:

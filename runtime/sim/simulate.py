@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import InputError
 from ...ir import core
 from ...ir.display import html_card, one_line
-from ...ir.opdefs import written_buffers
+from ...ir.opdefs import written_arguments
 from ...ir.types import bfloat16, dtype_of, float32
 from .blas_threads import one_blas_thread
 from ...ir.part_graph import parts_waiting_through_others
@@ -273,16 +273,15 @@ HOPPER_SMS = 132
 def _warn_of_parts_waiting_on_later_tasks(ir) -> None:
     """A ``ResidencyWarning`` for each compute part this run holds with every task at once although
     a task waits for a later one of its own (not every such wait is met by tasks before it in the
-    walk: :func:`~tldsl.ir.analysis.earlier_tasks_satisfy`) and it has more tasks than a Hopper GPU
+    walk: :func:`.engine.walks_forward`) and it has more tasks than a Hopper GPU
     has SMs: ``tl.run`` would refuse it there."""
     from ...errors import ResidencyWarning
-    from ...ir.analysis import earlier_tasks_satisfy
     from ...ir.part_graph import self_signals
-    from .engine import task_slots
+    from .engine import walks_forward
     for part in ir.parts:
         if part.role != "compute" or part.num_tasks <= HOPPER_SMS or not self_signals(part):
             continue
-        if not earlier_tasks_satisfy(ir, part, lambda rank: task_slots(ir, part, rank)):
+        if not walks_forward(ir, part):
             warnings.warn(
                 f"part '{part.name}' waits for its own tasks (signal(s) {', '.join(self_signals(part))}), some for "
                 f"one after it in the order a GPU's CTAs take them (or where that is not known here): simulated with "
@@ -310,8 +309,8 @@ def restore_arguments(ir, memory: Memory):
     in-place kernel (``y += x``) returns one application of itself, not one per launch. Signals
     and workspaces carry over from launch to launch (stale signals, workspaces the program must
     not trust)."""
-    written = written_buffers(ir)
-    saved = [(m[b.name], m[b.name].data.copy()) for m in memory.ranks for b in ir.args if b.name in written]
+    args = written_arguments(ir)
+    saved = [(m[b.name], m[b.name].data.copy()) for m in memory.ranks for b in args]
 
     def restore():
         for buf, original in saved:

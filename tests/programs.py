@@ -33,3 +33,17 @@ def outer_sums(u, v, y, *, compute: tl.ComputeSchedule = None):
             b = tl.load(v, (k, pn * BN), (1, BN)).to(tl.float32)
             acc += tl.trans(a) * b
         tl.store(y, (pm * BM, pn * BN), acc.read())
+
+
+@tl.kernel
+def whole_row_softmax(x, y, *, compute: tl.ComputeSchedule = None):
+    """A softmax over whole rows in one task holding the whole tensor: over a CTA's shared memory
+    at any useful size (a 1024 x 5000 f32 tile is 20 MB), so its tiles live in the global scratch
+    (the schedule's tile is not used)."""
+    M, N = x.shape
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0, 0), (M, N))
+        e = tl.exp(t - tl.expand_dims(tl.max(t, 1), 1))
+        tl.store(y, (0, 0), e / tl.expand_dims(tl.sum(e, 1), 1))

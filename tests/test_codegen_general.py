@@ -41,7 +41,7 @@ from tldsl.runtime.sim.memory import host_array, to_storage
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
 import host_build
-from programs import outer_sums, scale_rows
+from programs import outer_sums, scale_rows, whole_row_softmax
 
 S = tl.TensorSpec
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
@@ -320,6 +320,8 @@ CASES = [
     # scratch, the staging of the operands never does
     case("gated_gemm-f16-256-wgmma-spilled", gated_gemm, [((300, 70), F16), ((70, 270), F16), ((70, 270), F16),
                                                           ((270,), F16), ((300, 270), F16)], (256, 256, 64)),
+    # one task holding the whole tensor (its load and exponentials: 2 x 250 KB)
+    case("whole_row_softmax-f32-spilled", whole_row_softmax, [((50, 1250), F32)] * 2, (8, 8, 8)),
 ]
 
 
@@ -443,28 +445,26 @@ def test_plan_spills_the_least_touched_tiles_and_keeps_dot_operands_in_shared_me
     assert "scratch" not in [p.name for p in plan.params]
 
 
-@tl.kernel
-def whole_row_softmax(x, y):
-    M, N = x.shape
-
-    @tl.compute_part(grid=(1,))
-    def part(p):
-        t = tl.load(x, (0, 0), (M, N))
-        e = tl.exp(t - tl.expand_dims(tl.max(t, 1), 1))
-        tl.store(y, (0, 0), e / tl.expand_dims(tl.sum(e, 1), 1))
+def test_a_whole_tensor_tile_lowers_with_its_tiles_in_the_global_scratch():
+    """A 1024 x 5000 f32 softmax in one task (a 20 MB tile the simulator runs): the general
+    lowering keeps its load and its exponentials in the task group's global scratch, the row
+    maxima and sums in shared memory."""
+    f32 = S((1024, 5000), tl.float32)
+    lk = lower(whole_row_softmax.trace(1, f32, f32), "part")
+    assert lk.scratch_bytes_per_cta == 2 * 1024 * 5000 * 4 and lk.smem_bytes <= 16 * 1024, lk.describe()
+    assert [s.split()[0] for s in lk.slots].count("scratch") == 2
 
 
 def test_a_load_too_big_for_any_scratch_is_refused_naming_its_shape_and_line():
-    """The simulator runs a 1024 x 5000 f32 tile (20 MB); the general lowering holds at most
-    SCRATCH_LIMIT a task group and refuses it before anything compiles, naming the tile, its op
-    and line, and saying to use smaller tiles in the shapes the program loads (not only the
-    schedule's tile, which this program does not use)."""
-    f32 = S((1024, 5000), tl.float32)
+    """A tile past SCRATCH_LIMIT (1 GiB a task group: the kernel's 32-bit indices) is refused
+    before anything compiles, naming the tile, its op and line, and saying to use smaller tiles in
+    the shapes the program loads (not only the schedule's tile, which this program does not use)."""
+    f32 = S((1024, 300_000), tl.float32)
     k = whole_row_softmax.trace(1, f32, f32)
     with pytest.raises(LoweringError) as e:
         lower(k, "part")
     msg = str(e.value)
-    assert "need 20000 KB of global-memory scratch" in msg and "1024x5000 f32 (load, test_codegen_general.py:" in msg
+    assert "over the 1048576 KB a task group may take" in msg and "1024x300000 f32 (load, programs.py:" in msg
     assert "use smaller tiles (the shapes the program loads and computes" in msg
 
 

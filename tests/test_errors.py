@@ -422,9 +422,9 @@ def test_the_fragment_limit_is_the_general_lowerings_scratch():
         return k.trace(1, tl.TensorSpec((n,), dtype))
 
     trace(SCRATCH_LIMIT // 4)
-    with pytest.raises(tl.CompilationError, match="fragment is 16,777,220 bytes: no kernel holds one over 16 MiB"):
+    with pytest.raises(tl.CompilationError, match="fragment is 1,073,741,828 bytes: no kernel holds one over 1 GiB"):
         trace(SCRATCH_LIMIT // 4 + 1)
-    with pytest.raises(tl.CompilationError, match="i1 fragment is 16,777,217 bytes"):    # a bool is a byte on the GPU
+    with pytest.raises(tl.CompilationError, match="i1 fragment is 1,073,741,825 bytes"):    # a bool is a byte on the GPU
         trace(SCRATCH_LIMIT + 1, tl.bool_)
 
 

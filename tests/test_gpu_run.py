@@ -275,6 +275,33 @@ def test_tiles_over_shared_memory_run_from_the_global_scratch():
     assert item.lowered.groups > 1 and item.lowered.scratch_bytes > 0 and item.ctas < item.lowered.num_tasks
 
 
+def test_a_whole_tensor_tile_runs_from_the_global_scratch():
+    """A softmax over whole rows in one task holding the 1024 x 5000 f32 tensor (20 MB tiles, as
+    the simulator runs them): its load and exponentials live in the global scratch."""
+    from programs import whole_row_softmax
+    x = _rand(np.random.default_rng(13), (1024, 5000), np.float32) * 3
+    res = both(whole_row_softmax, 1, [{"x": x, "y": np.full(x.shape, np.nan, np.float32)}], sums=True)
+    [item] = res.plan.kernels
+    assert item.ctas == 1 and item.lowered.scratch_bytes_per_cta == 2 * x.nbytes
+
+
+def test_kernels_whose_scratch_would_not_fit_the_free_memory_run_on_fewer_ctas(monkeypatch):
+    """With the device's free memory said to be short (the program's tensors, the headroom and
+    five CTAs' scratch), the kernel taking scratch runs on five CTAs, not one an SM: same results."""
+    from programs import outer_sums
+    from tldsl.runtime.gpu.cuda_device import CudaDevice
+    from tldsl.runtime.gpu.scratch_fit import HEADROOM_BYTES
+    rng = np.random.default_rng(14)
+    u, v = _rand(rng, (5, 4000), np.float16), _rand(rng, (5, 4100), np.float16)
+    per_cta = 4 * 256 * 256 * 4                         # four task groups, a 256 x 256 f32 fragment each
+    tensors = u.nbytes + v.nbytes + 4000 * 4100 * 4
+    monkeypatch.setattr(CudaDevice, "free_memory", lambda self: tensors + HEADROOM_BYTES + 5 * per_cta)
+    res = both(outer_sums, 1, [{"u": u, "v": v, "y": np.full((4000, 4100), np.nan, np.float32)}], sums=True,
+               compute=tl.ComputeSchedule(tile=(256, 256, 16)))
+    [item] = res.plan.kernels
+    assert item.lowered.scratch_bytes_per_cta == per_cta and item.ctas == 5
+
+
 @pytest.mark.parametrize("name,threads", [
     ("gated_gemm-f16-wgmma", None),                 # acc += dot: two accumulators over a K loop
     ("attention_like-f16-wgmma", None),             # a transposed operand; a chain of two dots, the second's

@@ -177,6 +177,23 @@ def test_a_kernels_scratch_is_sized_by_its_grid_poisoned_and_kept_per_rank():
     assert len(bind(lk, 0, nominal_memory(k))) == len(lk.params)      # unplanned: the kernel's largest grid
 
 
+def test_a_scratch_budget_shrinks_the_grids_of_the_kernels_taking_scratch_alike():
+    """Under a budget for the scratch, every kernel taking it gets fewer CTAs by one factor (here
+    from 4 to 2 each: 5 CTAs' worth fit, not 6 for [3, 3]); no budget, or one that fits, leaves
+    the plan as it was."""
+    from programs import outer_sums
+    k = outer_sums.trace(2, S((5, 1000), F16), S((5, 1000), F16), S((1000, 1000), F32),
+                         compute=tl.ComputeSchedule(tile=(256, 256, 16)))
+    free = planned(k, sm_count=8)
+    per_cta = free.kernels[0].lowered.scratch_bytes_per_cta
+    assert [x.ctas for x in free.kernels] == [4, 4] and per_cta > 0
+    assert planned(k, sm_count=8, scratch_budget=8 * per_cta) == free
+    assert [x.ctas for x in planned(k, sm_count=8, scratch_budget=5 * per_cta).kernels] == [2, 2]
+    assert [x.ctas for x in planned(k, sm_count=8, scratch_budget=2 * per_cta).kernels] == [1, 1]
+    with pytest.raises(ResidencyError, match="over the 0 B free on the GPU"):
+        planned(k, sm_count=8, scratch_budget=-5)
+
+
 # =================================================================================================
 # plans: what each rank launches
 # =================================================================================================

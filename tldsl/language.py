@@ -186,7 +186,7 @@ def store(ref, offsets, tile) -> None:
 #: the largest fragment any lowering can hold: the general lowering's global scratch for one task
 #: group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator. (A
 #: tile is not bounded here: a communication part streams its tiles in chunks, whatever their size.)
-FRAGMENT_BYTES_LIMIT = 16 * 1024 * 1024
+FRAGMENT_BYTES_LIMIT = 1024 * 1024 * 1024
 
 
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
@@ -201,8 +201,8 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
     size = math.prod(shape) * builtins.max(dtype.bits // 8, 1)         # a bool is a byte on the GPU
     if size > FRAGMENT_BYTES_LIMIT:
         fail(f"a {'x'.join(map(str, shape))} {dtype} fragment is {size:,} bytes: no kernel holds one over "
-             f"{FRAGMENT_BYTES_LIMIT // 2**20} MiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
-             f"general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**20} MiB a task group to global memory) — "
+             f"{FRAGMENT_BYTES_LIMIT // 2**30} GiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
+             f"general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**30} GiB a task group to global memory) — "
              "make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")
     check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],

@@ -77,8 +77,10 @@ MAX_GROUPS = 8
 #: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
 SMEM_LIMIT = 227 * 1024
 #: the global-memory scratch one task group may take for the slots that do not fit its shared
-#: memory (the runtime allocates it for every group of every CTA it launches)
-SCRATCH_LIMIT = 16 * 1024 * 1024
+#: memory (the runtime allocates it for every group of every CTA it launches, with fewer CTAs where
+#: that would not fit the GPU: ``runtime/gpu/scratch_fit.py``). 1 GiB keeps every element index
+#: and byte offset the kernel computes in 32-bit ints (a bool tile of it: 2**30 elements).
+SCRATCH_LIMIT = 1024 * 1024 * 1024
 #: how much more often a statement inside a loop runs than one outside it, when choosing the slots
 #: to spill (trip counts may be known only at run time)
 LOOP_WEIGHT = 8

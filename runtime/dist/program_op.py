@@ -89,7 +89,8 @@ from ..gpu.plan_exec import DeviceArray, PlanExecutor, PointerTable, checked, lo
 from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_queues, lower_for_run, needs_free_sms,
                             plan_run, stream_ordered)
 from ..gpu.sm_split import check_split
-from ..gpu.run_program import _TORCH, enqueue_launch, read_back, scratch_allocator, to_device, wait_for
+from ..gpu.run_program import (_TORCH, enqueue_launch, read_back, scratch_allocator, scratch_budget, to_device,
+                               wait_for)
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
@@ -202,9 +203,10 @@ class FusedProgram(FusedOp):
         kept = [lk for p, lk in lowered.items() if not ir.part(p).fused]
         reserve = needs_free_sms(kept, W, hoist_local_copies=True)
         pooled = device.sm_count * W - (RESERVED_FOR_COPIES * (W - 1) if reserve else 0)
+        mine = scratch_budget(ir, device, ranks=1)            # (each GPU holds one rank's scratch and tensors)
         full = plan_run(ir, lowered, sm_count=pooled, queues=max(1, hardware_queues() - 1) * W,
                         occupancy=lambda lk: device.occupancy(self._loaded[lk.entry], lk), split=self.sm_split,
-                        chain=self.chain, hoist_local_copies=True)
+                        chain=self.chain, hoist_local_copies=True, scratch_budget=None if mine is None else W * mine)
         self.plan = _rank_plan(full, self.ctx.rank)
         self.lowered = lowered
         # (the waits the kernels keep: chained "after", a combine's data-dependent wait is dropped)

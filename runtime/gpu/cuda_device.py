@@ -54,6 +54,13 @@ class CudaDevice:
         launch(kernel, item.grid, item.block, args, stream, item.cluster)
 
     # -- memory -----------------------------------------------------------------------------------
+    def free_memory(self) -> int:
+        """Bytes this process could still allocate on the device: the driver's free memory and
+        what torch's allocator holds unused."""
+        import torch
+        free, _ = torch.cuda.mem_get_info(self.torch_device)
+        return int(free + torch.cuda.memory_reserved(self.torch_device) - torch.cuda.memory_allocated(self.torch_device))
+
     def upload(self, values):
         from .plan_exec import torch_uploader
         return torch_uploader(values)

@@ -39,6 +39,10 @@ waiting kernel holding the SMs would starve the one it waits for. The plan makes
   enqueues every stream's kernel before any stream's closing event (breadth first), so nothing
   that blocks stands between two kernels in a queue.
 
+* kernels whose tiles overflow shared memory take a global-memory scratch for every CTA: where
+  all of it would not fit the memory the launch may take, those kernels get fewer CTAs
+  (:mod:`.scratch_fit`; their CTAs walk the tasks in a loop, so the result is the same).
+
 Anything that does not fit is a :class:`~.run_errors.ResidencyError` naming what to shrink.
 """
 from __future__ import annotations
@@ -53,6 +57,7 @@ from ...ir.drop_signals import without_signals
 from .chains import self_signals, at_once_needed, chained_parts, stream_ordered_signals
 from .fold import fold_chained, is_folded
 from .plan_exec import local_copies_left
+from .scratch_fit import fit_scratch
 from ...errors import InputError
 from .run_errors import ResidencyError, UnboundParameterError
 from .sm_split import check_split, share
@@ -239,7 +244,7 @@ CHAINS = ("after", "beside", "folded")
 
 def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Callable[[object], int] | None = None,
              queues: int | None = None, split: str = "work", chain: str = "after",
-             hoist_local_copies: bool = False, spare_sms: int = 0) -> RunPlan:
+             hoist_local_copies: bool = False, spare_sms: int = 0, scratch_budget: int | None = None) -> RunPlan:
     """The launch plan of ``kernel``'s lowered parts (``{part: lowered}``, :func:`lower_for_run`)
     on ``sm_count`` SMs of a GPU that has ``spare_sms`` more, which the plan leaves alone (a run
     on some of the SMs, ``tl.run(sms=)``): the same-GPU copies that need SMs free of persistent
@@ -249,7 +254,9 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     ``"even"``: :mod:`.sm_split`). ``chain``: where the chained parts run (:data:`CHAINS`,
     :func:`~.chains.chained_parts`). ``hoist_local_copies``: the launch runs the copy-engine
     parts' hoistable same-GPU copies before forking any part (:func:`~.plan_exec.hoistable`; the
-    fused-op runtime, one rank a GPU): SMs are left free only where same-GPU copies remain."""
+    fused-op runtime, one rank a GPU): SMs are left free only where same-GPU copies remain.
+    ``scratch_budget``: the bytes the kernels' global-memory scratch may take together (None: any;
+    :mod:`.scratch_fit` gives the kernels that take it fewer CTAs where it would not fit)."""
     check_split(split)
     check_chain(chain)
     W = kernel.world_size
@@ -327,6 +334,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             else:
                 items.append(PlannedCopies(r, name, lk, streams))
             streams += 1
+    items = fit_scratch(kernel, items, scratch_budget, "free on the GPU beside the program's tensors")
     for k in items:
         if isinstance(k, PlannedKernel):
             _check_self_waits(kernel, kernel.part(k.part), k)

@@ -17,6 +17,7 @@ allocator and stream) is :class:`.cuda_device.CudaDevice` unless one is passed.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -32,6 +33,7 @@ from .bind import (SCRATCH_POISON_WORD, DeviceMemory, array_dtype, bind, check_b
 from .run_errors import GpuHangError, GpuRunError
 from .run_plan import RunPlan, lower_for_run, plan_run, reserve_hardware_queues
 from .run_result import RunResult
+from .scratch_fit import HEADROOM_BYTES
 
 _TORCH = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32", "i1": "bool"}
 #: seconds the host waits past the kernels' own wait timeout before it calls a launch hung
@@ -102,8 +104,21 @@ def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",
     loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
     plan = plan_run(ir, lowered, sm_count=device.sm_count if sms is None else sms,
                     spare_sms=0 if sms is None else device.sm_count - sms,
-                    occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain)
+                    occupancy=lambda lk: device.occupancy(loaded[lk.entry], lk), chain=chain,
+                    scratch_budget=scratch_budget(ir, device))
     return plan, loaded
+
+
+def scratch_budget(ir, device, ranks: int | None = None) -> int | None:
+    """The bytes the kernels' global-memory scratch may take on ``device``: its free memory less
+    the tensors and signals of the ``ranks`` it holds (None: every rank, as ``tl.run`` does),
+    which are allocated next, and some headroom (None: the device does not say)."""
+    free = getattr(device, "free_memory", None)
+    if free is None:
+        return None
+    tensors = sum(math.prod(b.type.shape) * max(1, b.type.dtype.bits // 8) for b in (*ir.args, *ir.workspaces))
+    signals = sum(int(s.type.slots) * 8 for s in ir.signals)
+    return free() - (ir.world_size if ranks is None else ranks) * (tensors + signals) - HEADROOM_BYTES
 
 
 def allocate(ir, per_rank: list[list], device) -> tuple[list[dict], DeviceMemory]:

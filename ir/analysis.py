@@ -250,6 +250,28 @@ def _eval_block(block, env, rank, task, sites, ops_of, budget):
             sites.extents_of[id(op)] = sites.extents
 
 
+def notified_slots(kernel: Kernel, part, max_iterations: int = MAX_ITERATIONS) -> set | None:
+    """Every (signal name, target rank, channel) ``part`` may notify, on any rank and task (those
+    under a condition the index code cannot decide included); None where some notify's channel or
+    rank is read from memory, or the evaluation would take more than ``max_iterations`` blocks."""
+    memo: dict = {}
+    ops_of = _sync_slice(kernel, memo)
+    if not _has_sync(part.body, memo):
+        return set()
+    sites, budget = SyncSites(), [max_iterations]
+    extents, _ = _task_extents(part, ops_of)
+    shape = (kernel.world_size,) + extents
+    for i in range(math.prod(shape)):
+        rank, *task = _unravel(i, shape)
+        _eval_block(part.body, {}, rank, tuple(task), sites, ops_of, budget)
+        if budget[0] <= 0:
+            return None
+    if sites.dynamic_signals:
+        return None
+    names = {op.operands[0].id: op.operands[0].owner.name for op in part.walk() if op.name in NOTIFY_OPS}
+    return {(names[sig], target, ch) for sig, target, ch in sites.notifies}
+
+
 def earlier_tasks_satisfy(kernel: Kernel, part, walk, max_iterations: int = MAX_ITERATIONS) -> bool:
     """Whether every task of ``part`` that waits on a signal only ``part`` notifies (its tasks waiting
     for each other: a running prefix, a look-back scan) gets every notify it needs from tasks before

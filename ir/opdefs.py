@@ -88,7 +88,7 @@ COPY_ENGINE_OPS = frozenset({"const", "program_id", "rank", "arith", "select", "
                              "rank_copy_data", "rank_notify", "rank_wait", "consumer_tile_wait"})
 
 ARITH_OPS = {"add", "sub", "mul", "floordiv", "mod", "min", "max",
-             "lt", "le", "gt", "ge", "eq", "ne", "and", "or"}
+             "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor"}
 UNARY_OPS = {"neg", "exp", "exp2", "log", "abs", "sqrt", "recip", "not", "sigmoid", "tanh", "erf", "rsqrt"}
 #: the elementwise ops whose result is a float whatever the operands (division, transcendental math)
 FLOAT_RESULT_OPS = frozenset({"exp", "exp2", "log", "sqrt", "recip", "div", "sigmoid", "tanh", "erf", "rsqrt"})

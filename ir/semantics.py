@@ -26,7 +26,7 @@ ARITH = {
     "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
     "eq": operator.eq, "ne": operator.ne,
     # Python's: logical on booleans, bitwise on integers (``pid & 1``), as the generated C++
-    "and": operator.and_, "or": operator.or_,
+    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
 }
 
 def _float_of(x):

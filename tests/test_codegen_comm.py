@@ -1096,6 +1096,58 @@ def test_copy_engine_plan_rejects_a_slot_written_by_several_ranks():
     assert w.actions[0][0].target(3) == 6 and w.actions[1] == ()
 
 
+@tl.kernel
+def ce_beside_sm(x: tl.Symmetric, a: tl.Symmetric, c: tl.Symmetric, y, table, *, sm_slot: tl.constexpr = 0,
+                 comm: tl.CommSchedule = None):
+    """One signal shared by an SM part (slot ``sm_slot``; -1: a slot read from ``table``) and a
+    copy-engine part (slot 1), each passing x to the next rank."""
+    W = tl.world_size()
+    (N,) = x.shape
+    s = tl.signal("s", 2, scope="symmetric")
+
+    @tl.comm_part(grid=(1,), engine="sm")
+    def sm(i):
+        right = (tl.rank() + 1) % W
+        tl.tile_push_data(a.at(right), (0,), x, (0,), (N,))
+        tl.peer_tile_notify(s, tl.load_scalar(table, 0) if sm_slot < 0 else sm_slot, right)
+
+    @tl.comm_part(grid=(1,), engine="copy_engine")
+    def ce(i):
+        right = (tl.rank() + 1) % W
+        tl.rank_copy_data(c.at(right), (0,), x, (0,), (N,))
+        tl.rank_notify(s, 1, right)
+
+    @tl.compute_part(grid=(1,))
+    def fin(i):
+        if sm_slot == 1:
+            tl.rank_wait(s, 1, count=2)                      # both parts' notifies on one slot
+        else:
+            tl.peer_tile_wait(s, tl.load_scalar(table, 0) if sm_slot < 0 else sm_slot)
+            tl.rank_wait(s, 1)
+        tl.store(y, (0,), tl.load(a, (0,), (N,)) + tl.load(c, (0,), (N,)))
+
+
+def _ce_beside_sm(sm_slot, W=3):
+    f32 = S((16,), tl.float32)
+    return ce_beside_sm.trace(W, f32, f32, f32, f32, S((1,), tl.int32), sm_slot=sm_slot,
+                              comm=tl.CommSchedule(engine="copy_engine"))
+
+
+def test_a_signal_whose_slots_the_copy_engine_and_an_sm_part_share_lowers_where_no_slot_is_both():
+    """The copy engine writes its slot's value, an SM part adds to its own: one signal may hold
+    both where the index code shows no slot notified by both (it was refused for the whole signal);
+    the same slot, or a slot read from memory, is still refused at the SM part's notify."""
+    from tldsl.runtime.gpu.run_plan import lower_for_run
+    lowered = lower_for_run(_ce_beside_sm(0))
+    assert isinstance(lowered["ce"], CopyEnginePlan) and isinstance(lowered["sm"], LoweredComm)
+    e = _raises_here(lambda: lower_for_run(_ce_beside_sm(1)), "slot 1 of 's' on rank 0 is notified by the copy "
+                     "engine (absolute writes) and by part 'sm' (atomic adds); give each its own slot or signal")
+    assert "peer_tile_notify" in e.loc.source
+    _raises_here(lambda: lower_for_run(_ce_beside_sm(-1)), "signal 's' is notified by the copy engine (absolute "
+                 "writes) and by part 'sm' (atomic adds) (part 'sm' notifies it at slots its index code does not "
+                 "settle: read from memory)")
+
+
 def test_copy_engine_plans_of_sp_attention_and_moe():
     for k, parts in ((spa_kernel(W=4, comm=CE[1], Sl=64, H=2, D=16), {"gather_k": "k_gathered",
                                                                        "gather_v": "v_gathered"}),

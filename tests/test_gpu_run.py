@@ -302,6 +302,15 @@ def test_kernels_whose_scratch_would_not_fit_the_free_memory_run_on_fewer_ctas(m
     assert item.lowered.scratch_bytes_per_cta == per_cta and item.ctas == 5
 
 
+def test_a_signal_the_copy_engine_and_an_sm_part_share_at_other_slots():
+    from test_codegen_comm import ce_beside_sm
+    from test_run_fake_device import ce_beside_sm_inputs
+    ins = ce_beside_sm_inputs(2, N=4000, seed=11)
+    got = both(ce_beside_sm, 2, ins, sm_slot=0, comm=tl.CommSchedule(engine="copy_engine"))
+    for r in range(2):
+        np.testing.assert_array_equal(got[r]["y"], 2 * ins[1 - r]["x"])
+
+
 @pytest.mark.parametrize("name,threads", [
     ("gated_gemm-f16-wgmma", None),                 # acc += dot: two accumulators over a K loop
     ("attention_like-f16-wgmma", None),             # a transposed operand; a chain of two dots, the second's

@@ -67,6 +67,16 @@ def test_bool_scalars_in_index_math():
     np.testing.assert_array_equal(got[0]["y"].reshape(4, 4), x[((p > 1) + 1)[:, None] * 4 + np.arange(4)])
 
 
+@pytest.mark.parametrize("W", [2, 4])
+def test_xor_of_traced_scalars_pairs_ranks_for_recursive_doubling(W):
+    from test_tile_operators import _doubling_inputs, doubling_allreduce
+    ins = _doubling_inputs(W, N=1000, seed=9)
+    got = both(doubling_allreduce, W, ins, sums=True)
+    for r in range(W):
+        np.testing.assert_array_equal(got[r]["y"], got[0]["y"])
+        np.testing.assert_array_equal(got[r]["flags"], [r ^ -3, ((r == 1) ^ (r == 2)) ^ 5])
+
+
 def test_numpy_float_scalars_keep_their_type_beside_16_bit_tiles():
     import torch
     from test_numpy_protocol import typed_scalars

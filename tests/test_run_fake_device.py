@@ -330,6 +330,23 @@ def test_kernels_whose_scratch_would_not_fit_run_on_fewer_ctas_on_the_fake_devic
         run_fake(outer_sums, 2, inputs, compute=sched)
 
 
+def ce_beside_sm_inputs(W, N=16, seed=10):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal(N).astype(np.float32), "a": np.full(N, np.nan, np.float32),
+             "c": np.full(N, np.nan, np.float32), "y": np.full(N, np.nan, np.float32),
+             "table": np.zeros(1, np.int32)} for _ in range(W)]
+
+
+def test_a_signal_the_copy_engine_and_an_sm_part_share_at_other_slots_on_the_fake_device():
+    """Slot 0 added to by an SM part's kernel, slot 1 written by the copy engine's stream, one
+    signal: each rank gets the other's x twice."""
+    from test_codegen_comm import ce_beside_sm
+    ins = ce_beside_sm_inputs(2)
+    res, _ = agrees(ce_beside_sm, 2, ins, sm_slot=0, comm=tl.CommSchedule(engine="copy_engine"))
+    for r in range(2):
+        np.testing.assert_array_equal(res.outputs[r]["y"], 2 * ins[1 - r]["x"])
+
+
 def _ag_inputs(k, seed):
     rng = np.random.default_rng(seed)
     b = rng.standard_normal(k.args[1].type.shape).astype(np.float16)

@@ -264,6 +264,10 @@ def rsqrt(x):
 
 def where(cond, a, b) -> Tile:
     """Elementwise ``cond ? a : b``."""
+    if isinstance(cond, Scalar):
+        fail("tl.where takes a boolean tile as its condition, got a traced scalar: for a choice between "
+             "two values write tl.select(cond, a, b) (tl.where(tl.full(shape, cond, tl.bool_), a, b) for tiles), "
+             "for a guarded region `with tl.when(cond):`")
     if not isinstance(cond, Tile) or cond.dtype != T.bool_:
         fail("tl.where needs a boolean tile as its condition")
     return ewise("where", cond, a, b)

@@ -165,6 +165,9 @@ def tile_push_data(dst, dst_offsets, src, src_offsets=None, shape=None) -> None:
         b.emit("tile_push_data", [sref.value, srank, *soffs, dref.value, drank, *doffs], [],
                {"form": "copy", "shape": shape})
     else:
+        if src_offsets is not None or shape is not None:
+            fail("tile_push_data pushes a tile whole: src_offsets and shape are for a tensor source (slice the "
+                 "tile by loading only what to push, or pass the tensor with src_offsets and shape)")
         tile = tile_for_store(dref, as_tile(src), "tile_push_data")
         b.emit("tile_push_data", [tile.value, dref.value, drank, *doffs], [],
                {"form": "tile", "shape": tile.shape})

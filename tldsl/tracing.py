@@ -220,7 +220,7 @@ def scalar_op(op: str, a, b) -> "Scalar":
         op = _BOOL_ARITH[op]       # numpy's arithmetic of two bools: + and max are `or`, * and min `and`
     elif a.dtype == b.dtype == T.bool_ and op in ("sub", "floordiv", "mod"):
         fail(f"scalar '{op}' of two bools: numpy refuses it; write `a != b` (xor) or `&` / `|`")
-    if op in ("and", "or"):        # booleans: logical; an integer on either side: bitwise, an integer
+    if op in ("and", "or", "xor"):     # booleans: logical; an integer on either side: bitwise, an integer
         rdt = T.bool_ if a.dtype == b.dtype == T.bool_ else T.int32
     elif op in ("lt", "le", "gt", "ge", "eq", "ne"):
         rdt = T.bool_
@@ -292,7 +292,8 @@ class Scalar:
     __pow__ = __rpow__ = refusing("'**' on traced scalars: write the product (p * p)")
     __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = refusing(
         "'<<' and '>>' on traced scalars: multiply or floor-divide by the power of two (p * 4, p // 4)")
-    __xor__ = __rxor__ = refusing("'^' on traced scalars: for bools write a != b")
+    def __xor__(self, o): return scalar_op("xor", self, o)
+    def __rxor__(self, o): return scalar_op("xor", o, self)
     __invert__ = refusing("'~' on traced scalars: for 'not x' write x == 0, or tl.select(x, 0, 1)")
 
     def __repr__(self):
@@ -390,6 +391,10 @@ class RemoteRef:
     @property
     def dtype(self):
         return self.tensor.dtype
+
+    def at(self, rank):
+        fail(f"{self.tensor.name}.at(...) is already the copy on one rank: call .at(rank) once, on the tensor "
+             f"itself ({self.tensor.name}.at(rank))")
 
     def __repr__(self):
         return f"{self.tensor.name}.at({self.rank})"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...ir import core
+from ...ir.analysis import notified_slots
 from ...ir.display import clipped, html_card, one_line
 from ...ir.opdefs import NOTIFY_OPS, data_operands
 from ...ir.semantics import ARITH, wait_target, wrap_i32
@@ -308,10 +309,18 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
                         raise fail(WHAT, f"slot {e[3]} of '{e[2].name}' on rank {e[4]} is written by the copy engine "
                                    f"(absolute values) and added to by fused part '{other.name}'", e[1])
             continue
+        slots = notified_slots(kernel, other)     # the slots it adds to, where its index code says
+        shared = None if slots is None else sorted(k for k in owners if k in slots)
+        if shared == []:                          # other slots of the same signal: nothing written twice
+            continue
         for op in other.walk():
-            if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners):
-                raise fail(WHAT, f"signal '{op.operands[0].owner.name}' is notified by the copy engine (absolute "
-                           f"writes) and by part '{other.name}' (atomic adds); give each its own signal", op)
+            if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in (shared or owners)):
+                where_ = (f"slot {shared[0][2]} of '{shared[0][0]}' on rank {shared[0][1]} is" if shared else
+                          f"signal '{op.operands[0].owner.name}' is")
+                why = "" if shared else (f" (part '{other.name}' notifies it at slots its index code does not "
+                                         "settle: read from memory)")
+                raise fail(WHAT, f"{where_} notified by the copy engine (absolute writes) and by part '{other.name}' "
+                           f"(atomic adds){why}; give each its own slot or signal", op)
     seen: dict = {}
     actions = []
     for r, ev in enumerate(events):

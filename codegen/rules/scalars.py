@@ -261,8 +261,8 @@ class ScalarEmitter:
             return f"fminf({a}, {b})" if is_float else f"tldsl::imin({a}, {b})"
         if kind == "max":
             return f"fmaxf({a}, {b})" if is_float else f"tldsl::imax({a}, {b})"
-        if kind in ("and", "or"):
+        if kind in ("and", "or", "xor"):
             both_bool = all(v.type.dtype.name == "i1" for v in op.operands)
-            sym = {"and": "&&", "or": "||"}[kind] if both_bool else {"and": "&", "or": "|"}[kind]
+            sym = {"and": "&&", "or": "||", "xor": "!="}[kind] if both_bool else {"and": "&", "or": "|", "xor": "^"}[kind]
             return f"({a} {sym} {b})"
         raise self.fail(f"scalar op '{kind}' is not supported by {self.what}", op)

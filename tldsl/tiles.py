@@ -4,6 +4,7 @@ are one thing, so they live in one module; :mod:`.language` exports them to tile
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -84,6 +85,11 @@ class Tile:
         "'<<' and '>>' on tiles: multiply or floor-divide by the power of two (t * 4, t // 4)")
     __xor__ = __rxor__ = refusing("'^' on tiles: for bool masks write a != b")
     __len__ = refusing("a tile has no len(): its shape is t.shape")
+    __iter__ = refusing("a tile is not iterable (sum(t), list(t), for x in t): reduce it with tl.sum(t, axis), "
+                        "tl.max(t, axis), tl.min(t, axis)")
+    __round__ = __floor__ = __ceil__ = __trunc__ = refusing(
+        "round() / math.floor() of a tile: floor-divide by 1 (t // 1.0 floors, (t + 0.5) // 1.0 rounds halves up), "
+        "or cast to tl.int32 (truncates toward zero)")
     __divmod__ = __rdivmod__ = refusing("divmod() of tiles: write a // b and a % b")
     __hash__ = object.__hash__
 
@@ -220,6 +226,8 @@ def check_fill(value, what: str, dtype: T.DType | None = None) -> None:
     if isinstance(value, (numbers.Number, np.number, np.bool_)) and not isinstance(value, (complex, np.complexfloating)):
         if dtype == T.int32 and isinstance(value, (numbers.Integral, np.integer)) and not -2**31 <= int(value) < 2**31:
             fail(f"{what}: {value} does not fit in i32")
+        if dtype == T.int32 and not math.isfinite(float(value)):
+            fail(f"{what}: {value} has no {dtype} value (numpy refuses it too); fill a float tile, or give a number")
         return
     kind = "a tile" if isinstance(value, (Tile, Fragment)) else type(value).__name__
     fail(f"{what}: the value must be a Python number or a traced scalar, got {kind} "
@@ -410,6 +418,10 @@ def maximum(a, b):
     return scalar_op("max", a, b)
 
 
+#: how a program spells each dtype (for messages)
+_SPELLED = {"f16": "tl.float16", "bf16": "tl.bfloat16", "f32": "tl.float32", "i32": "tl.int32", "i1": "tl.bool_"}
+
+
 def tile_for_store(ref, tile, what) -> Tile:
     """``tile`` as a store into ``ref`` takes it: as many axes, floats converted to its type."""
     tile = as_tile(tile)
@@ -419,5 +431,6 @@ def tile_for_store(ref, tile, what) -> Tile:
         if tile.dtype.is_float and ref.dtype.is_float:
             tile = cast(tile, ref.dtype)
         else:
-            fail(f"{what}: cannot store a {tile.dtype} tile into '{tensor_name(ref)}' of {ref.dtype}")
+            fail(f"{what}: cannot store {'a' if tile.dtype.name == 'bf16' else 'an'} {tile.dtype} tile into '{tensor_name(ref)}' of {ref.dtype} (floats convert "
+                 f"on a store, integers and bools do not: convert it first, t.to({_SPELLED[ref.dtype.name]}))")
     return tile

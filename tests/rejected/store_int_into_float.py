@@ -2,7 +2,7 @@
 import tldsl as tl
 
 ERROR = tl.CompilationError
-MESSAGE = "tl.store: cannot store a i32 tile into 'out' of f32"
+MESSAGE = "tl.store: cannot store an i32 tile into 'out' of f32 (floats convert on a store, integers and bools do not: convert it first, t.to(tl.float32))"
 
 
 @tl.kernel

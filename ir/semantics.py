@@ -78,6 +78,20 @@ EWISE = {
 REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
+def float_of(value, dtype_name: str) -> float:
+    """The float ``value`` as a ``dtype_name`` float holds it: f16 and bf16 rounded to nearest even
+    (numpy rounds a Python float to an f16 array's type before the math, NEP 50), f32 rounded."""
+    with np.errstate(over="ignore"):         # past the type's range: inf, as numpy rounds it
+        f = np.float32(value)
+        if dtype_name == "f16":
+            f = np.float32(np.float16(value))
+    if dtype_name == "bf16" and not np.isnan(f):
+        bits = np.array([f], np.float32).view(np.uint32)
+        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        f = bits.view(np.float32)[0]
+    return float(f)
+
+
 def wrap_i32(x):
     """Index arithmetic is 32-bit on the GPU: wrap like it does."""
     if isinstance(x, (bool, np.bool_)):

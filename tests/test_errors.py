@@ -406,26 +406,36 @@ def test_a_wait_epoch_must_be_a_bool():
         waited.trace(1, tl.TensorSpec((8,), tl.float32))
 
 
-def test_the_fragment_limit_is_the_general_lowerings_scratch():
-    """``tl.fragment`` refuses what no lowering can hold: the general lowering's scratch for one task
-    group is that bound (a fragment of it traces; one element more does not)."""
-    from tldsl.codegen.plan.general import SCRATCH_LIMIT
-    from tldsl.language import FRAGMENT_BYTES_LIMIT
-    assert FRAGMENT_BYTES_LIMIT == SCRATCH_LIMIT
+def test_a_tile_or_fragment_past_the_element_bound_is_refused_as_it_is_traced():
+    """Every lowering indexes a tile's elements with 32-bit ints: a tile or fragment of more than
+    2**30 elements is refused where the trace makes it (so the simulator refuses what no kernel could
+    hold); one of 2**30 traces (the trace allocates nothing)."""
+    from tldsl.tracing import MAX_TILE_ELEMENTS
+    assert MAX_TILE_ELEMENTS == 2 ** 30
 
-    def trace(n, dtype=tl.float32):
+    def trace(n, dtype=tl.float32, make=lambda n, dt: tl.fragment((n,), dt)):
         @tl.kernel
         def k(c):
             @tl.compute_part(grid=(1,))
             def p(i):
-                tl.store(c, (0,), tl.fragment((n,), dtype))
+                tl.store(c, (0,), make(n, dtype))
         return k.trace(1, tl.TensorSpec((n,), dtype))
 
-    trace(SCRATCH_LIMIT // 4)
-    with pytest.raises(tl.CompilationError, match="fragment is 1,073,741,828 bytes: no kernel holds one over 1 GiB"):
-        trace(SCRATCH_LIMIT // 4 + 1)
-    with pytest.raises(tl.CompilationError, match="i1 fragment is 1,073,741,825 bytes"):    # a bool is a byte on the GPU
-        trace(SCRATCH_LIMIT + 1, tl.bool_)
+    trace(MAX_TILE_ELEMENTS)
+    with pytest.raises(tl.CompilationError, match=r"a 1073741825 f32 fragment has 1,073,741,825 elements: no kernel "
+                                                  r"indexes one past 2\*\*30"):
+        trace(MAX_TILE_ELEMENTS + 1)
+    with pytest.raises(tl.CompilationError, match="a 1073741825 i1 tile has 1,073,741,825 elements"):
+        trace(MAX_TILE_ELEMENTS + 1, tl.bool_, lambda n, dt: tl.full((n,), True, dt))
+    with pytest.raises(tl.CompilationError, match="a 32768x32769 f32 tile has") as info:    # made by broadcasting
+        @tl.kernel
+        def outer(a, b, c):
+            @tl.compute_part(grid=(1,))
+            def p(i):
+                tl.store(c, (0, 0), tl.load(a, (0, 0), (32768, 1)) * tl.load(b, (0, 0), (1, 32769)))
+        outer.trace(1, tl.TensorSpec((32768, 1), tl.float32), tl.TensorSpec((1, 32769), tl.float32),
+                    tl.TensorSpec((32768, 32769), tl.float32))
+    assert info.value.loc is not None and info.value.loc.filename == __file__
 
 
 def test_a_kernel_taking_star_args_is_refused_where_it_is_defined():

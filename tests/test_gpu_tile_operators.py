@@ -84,3 +84,15 @@ def test_numpy_float_scalars_keep_their_type_beside_16_bit_tiles():
     b = torch.tensor([0.3, -1.7, 2.5, 100.1, -0.01, 7, 0, 1], dtype=torch.bfloat16)
     got = both(typed_scalars, 1, [{"h": h, "b": b, "y": np.full(24, np.nan, np.float32)}])
     np.testing.assert_array_equal(got[0]["y"][:8], np.float32(1.0009765625) * h)
+
+
+def test_python_floats_beside_16_bit_tiles_are_rounded_to_the_tiles_type_first():
+    import torch
+    from test_numpy_protocol import _bf16, python_floats
+    h = (1.0 + np.arange(64) / 64).astype(np.float16)
+    b = torch.tensor(_bf16(1.0 + np.arange(64) / 37), dtype=torch.bfloat16)
+    got = both(python_floats, 1, [{"h": h, "b": b, "y": np.full(256, np.nan, np.float32)}])[0]["y"]
+    np.testing.assert_array_equal(got[:64], (h * 0.1).astype(np.float32))
+    np.testing.assert_array_equal(got[64:128], _bf16(b.float().numpy() * _bf16(0.1)))
+    np.testing.assert_array_equal(got[128:192], (h + 1e-4).astype(np.float32))
+

@@ -204,3 +204,40 @@ def test_numpy_float_scalars_keep_their_type_beside_16_bit_tiles():
     from tldsl.codegen import lower
     k = typed_scalars.trace(1, tl.TensorSpec((8,), tl.float16), tl.TensorSpec((8,), tl.bfloat16), tl.TensorSpec((24,), tl.float32))
     assert lower(k, "p").compile().cubin
+
+
+@tl.kernel
+def python_floats(h, b, y):
+    @tl.compute_part(grid=(1,))
+    def p(t):
+        th, tb = tl.load(h, (0,), (64,)), tl.load(b, (0,), (64,))
+        tl.store(y, (0,), (th * 0.1).to(tl.float32))           # 0.1 rounded to f16 first, as numpy does
+        tl.store(y, (64,), (tb * 0.1).to(tl.float32))          # ... to bf16 (ml_dtypes' numpy arrays do)
+        tl.store(y, (128,), (th + 1e-4).to(tl.float32))        # 1e-4 is an f16 subnormal neighbour away
+        tl.store(y, (192,), tl.where(th > 1.5, th, 70000.0).to(tl.float32))     # past f16's range: inf
+
+
+def _bf16(a):
+    """``a`` rounded to bf16 (nearest even), as float32."""
+    from tldsl.runtime.sim.memory import to_storage
+    return to_storage(np.asarray(a, np.float32), tl.bfloat16)
+
+
+def test_python_floats_beside_16_bit_tiles_are_rounded_to_the_tiles_type_first():
+    """numpy rounds a Python float to an f16 array's type before the math (NEP 50): ``f16 * 0.1`` is
+    ``f16 * f16(0.1)``, not ``f16(f16 * f32(0.1))`` (23 of these 64 elements differed by an ulp).
+    The trace rounds the constant, so the simulator and every lowering compute with it."""
+    torch = pytest.importorskip("torch")
+    h = (1.0 + np.arange(64) / 64).astype(np.float16)
+    b = torch.tensor(_bf16(1.0 + np.arange(64) / 37), dtype=torch.bfloat16)
+    r = tl.simulate(python_floats, 1, [{"h": h, "b": b, "y": np.full(256, np.nan, np.float32)}])[0]["y"]
+    np.testing.assert_array_equal(r[:64], (h * 0.1).astype(np.float32))
+    np.testing.assert_array_equal(r[64:128], _bf16(b.float().numpy() * _bf16(0.1)))
+    np.testing.assert_array_equal(r[128:192], (h + 1e-4).astype(np.float32))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(r[192:], np.where(h > 1.5, h, np.float16(70000.0)).astype(np.float32))
+    k = python_floats.trace(1, tl.TensorSpec((64,), tl.float16), tl.TensorSpec((64,), tl.bfloat16),
+                            tl.TensorSpec((256,), tl.float32))
+    consts = sorted(o.attrs["value"] for o in k.parts[0].walk() if o.name == "const" and o.attrs["dtype"].bits == 16)
+    assert float(np.float16(0.1)) in consts and float(_bf16(0.1)) in consts and np.inf in consts
+

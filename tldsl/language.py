@@ -8,7 +8,6 @@ the rank and world size (:mod:`.tracing`) and the tile math (:mod:`.tiles`).
 from __future__ import annotations
 
 import builtins
-import math
 import numbers
 from contextlib import contextmanager
 
@@ -183,12 +182,6 @@ def store(ref, offsets, tile) -> None:
 
 # -- tile construction and math ---------------------------------------------------------
 
-#: the largest fragment any lowering can hold: the general lowering's global scratch for one task
-#: group (``codegen.plan.general.SCRATCH_LIMIT``); a bigger one would run only in the simulator. (A
-#: tile is not bounded here: a communication part streams its tiles in chunks, whatever their size.)
-FRAGMENT_BYTES_LIMIT = 1024 * 1024 * 1024
-
-
 def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
     """A mutable register fragment (e.g. an accumulator), initialised to ``fill`` (a Python
     number, or a traced scalar: then written once after its allocation)."""
@@ -198,12 +191,6 @@ def fragment(shape, dtype=float32, fill=0.0) -> Fragment:
         return frag
     shape = check_tile_shape(shape, len(shape) if isinstance(shape, (tuple, list)) else 1, "tl.fragment")
     dtype = dtype_arg(dtype, "tl.fragment")
-    size = math.prod(shape) * builtins.max(dtype.bits // 8, 1)         # a bool is a byte on the GPU
-    if size > FRAGMENT_BYTES_LIMIT:
-        fail(f"a {'x'.join(map(str, shape))} {dtype} fragment is {size:,} bytes: no kernel holds one over "
-             f"{FRAGMENT_BYTES_LIMIT // 2**30} GiB (a CTA's registers are 256 KB, its shared memory 227 KB, and the "
-             f"general lowering spills at most {FRAGMENT_BYTES_LIMIT // 2**30} GiB a task group to global memory) — "
-             "make it a tile of the compute schedule's size, or a tensor (tl.local_buffer)")
     check_fill(fill, "tl.fragment", dtype)
     op = current().emit("frag_alloc", [], [T.FragmentType(shape, dtype)],
                         {"shape": shape, "dtype": dtype, "value": fill})

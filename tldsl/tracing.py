@@ -9,6 +9,7 @@ it in :mod:`.tiles`.
 from __future__ import annotations
 
 import contextvars
+import math
 import numbers
 from contextlib import contextmanager
 
@@ -17,6 +18,7 @@ import numpy as np
 from .errors import CompilationError
 from .ir import core, types as T
 from .ir.location import user_location
+from .ir.semantics import float_of
 
 _CURRENT: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("tldsl_builder", default=None)
 
@@ -42,6 +44,13 @@ class Builder:
 
     # -- op emission ---------------------------------------------------------------
     def emit(self, name: str, operands, result_types=(), attrs=None, regions=(), hints=()):
+        for t in result_types:
+            if isinstance(t, (T.TileType, T.FragmentType)) and math.prod(t.shape) > MAX_TILE_ELEMENTS:
+                raise CompilationError(
+                    f"a {'x'.join(map(str, t.shape))} {t.dtype} {'fragment' if isinstance(t, T.FragmentType) else 'tile'}"
+                    f" has {math.prod(t.shape):,} elements: no kernel indexes one past 2**30 (its element indices are "
+                    "32-bit ints) — use smaller tiles (the shapes the program loads and computes, or the compute "
+                    "schedule's tile), or a tensor (tl.local_buffer)", user_location())
         if not self.blocks:
             raise CompilationError("tile operations (loads, stores, math, traced scalars, primitives) can "
                                    "only be used inside a compute or comm part (a function decorated with "
@@ -141,6 +150,12 @@ def tracing(builder: Builder):
         _CURRENT.reset(token)
 
 
+#: the most elements a tile or fragment may hold: every lowering indexes a tile's elements with
+#: 32-bit ints (and steps past the last by a few threads' worth). Checked as the trace makes it, so
+#: the simulator refuses what no kernel could hold.
+MAX_TILE_ELEMENTS = 2 ** 30
+
+
 def fail(message: str):
     raise CompilationError(message, user_location())
 
@@ -172,6 +187,8 @@ def const(x, dtype: T.DType | None = None) -> "Scalar":
     if dtype == T.int32 and not (-2**31 <= int(x) < 2**31):
         fail(f"integer constant {x} does not fit in i32")
     value = bool(x) if dtype == T.bool_ else (int(x) if dtype.kind == "int" else float(x))
+    if dtype.is_float and dtype.bits == 16:     # numpy's: a number beside an f16 array is an f16 (NEP 50)
+        value = float_of(value, dtype.name)
     op = current().emit("const", [], [T.ScalarType(dtype)], {"value": value, "dtype": dtype})
     return Scalar(op.result)
 

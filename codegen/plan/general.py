@@ -29,8 +29,10 @@ consumed, and the kernel's ABI.
   :data:`LOOP_WEIGHT` times one outside it), dot operands last (every warp tile of a dot reads its
   operand fragments again: cheapest from shared memory); then any spilled slot that fits again
   comes back. Element loops
-  read and write a slot through a pointer into either space; only a scratch over
-  :data:`SCRATCH_LIMIT` a group is refused.
+  read and write a slot through a pointer into either space. The scratch has no bound here (a
+  tile's elements do, at trace: ``tldsl.tracing.MAX_TILE_ELEMENTS``, for 32-bit element indices);
+  the runtime gives a kernel fewer CTAs where every CTA's would not fit the GPU's free memory
+  (``runtime/gpu/scratch_fit.py``).
 * **Dots on WGMMA** (:func:`wgmma_dot`): a dot of f16 / bf16 tiles with a multiple of 64 rows,
   in a CTA of whole warpgroups, runs on WGMMA (``include/tldsl/general_wgmma.hpp``): its
   operands are staged, K-major, in a staging slot of the arena live at the dot only (never
@@ -76,11 +78,6 @@ MAX_CTA_THREADS = 512
 MAX_GROUPS = 8
 #: the shared memory a CTA may use on sm_90 (227 KB of the SM's 228)
 SMEM_LIMIT = 227 * 1024
-#: the global-memory scratch one task group may take for the slots that do not fit its shared
-#: memory (the runtime allocates it for every group of every CTA it launches, with fewer CTAs where
-#: that would not fit the GPU: ``runtime/gpu/scratch_fit.py``). 1 GiB keeps every element index
-#: and byte offset the kernel computes in 32-bit ints (a bool tile of it: 2**30 elements).
-SCRATCH_LIMIT = 1024 * 1024 * 1024
 #: how much more often a statement inside a loop runs than one outside it, when choosing the slots
 #: to spill (trip counts may be known only at run time)
 LOOP_WEIGHT = 8
@@ -506,9 +503,8 @@ class _Tile:
         return not (self.end < start or end < self.start)
 
 
-def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None = None) -> tuple[dict, int]:
-    """First-fit offsets for ``tiles``, in order of start: ({tile key: Slot}, bytes used). Over
-    ``limit``: a LoweringError at the tile that crossed it, naming the largest tiles live there."""
+def _first_fit(tiles: list[_Tile], *, spilled: bool = False) -> tuple[dict, int]:
+    """First-fit offsets for ``tiles``, in order of start: ({tile key: Slot}, bytes used)."""
     placed: list[Slot] = []
     top = 0
     for t in sorted(tiles, key=lambda t: (t.start, t.end)):
@@ -520,21 +516,7 @@ def _first_fit(tiles: list[_Tile], *, spilled: bool = False, limit: int | None =
             off = max(off, (hi + ALIGN - 1) // ALIGN * ALIGN)
         placed.append(Slot(t.value, t.op, off, t.nbytes, t.start, t.end, spilled, t.staging))
         top = max(top, off + t.nbytes)
-        if limit is not None and top > limit:
-            raise _over_limit(placed, t, top, limit)
     return {(s.value.id, s.staging): s for s in placed}, top
-
-
-def _over_limit(placed: list[Slot], t: _Tile, top: int, limit: int):
-    """The refusal of a scratch over ``limit``, at the op of the tile that crossed it."""
-    live = sorted((s for s in placed if t.overlaps(s.start, s.end)), key=lambda s: -s.nbytes)
-    names = ", ".join(f"{'x'.join(map(str, s.shape))} {s.dtype} ({s.op.name}, {s.op.loc.short() if s.op.loc else '?'})"
-                      for s in live[:4])
-    return fail(WHAT, f"the tiles live here need {top // 1024} KB of global-memory scratch beside the "
-                      f"{SMEM_LIMIT // 1024} KB of shared memory a CTA has, over the {limit // 1024} KB a task "
-                      f"group may take (largest: {names}); use smaller tiles (the shapes the program loads and "
-                      "computes, or the compute schedule's tile where they come from it) or fewer tiles alive at once",
-                t.op)
 
 
 def _crowded(tiles: list[_Tile]) -> list[_Tile]:
@@ -570,7 +552,7 @@ def _place(tiles: list[_Tile]) -> tuple[dict, dict, dict, int, int]:
     ring's Slot}, shared-memory arena bytes, scratch bytes)."""
     spilled = _spills(tiles)
     shared, top = _first_fit([t for t in tiles if t.key not in spilled])
-    scratch, scratch_top = _first_fit([t for t in tiles if t.key in spilled], spilled=True, limit=SCRATCH_LIMIT)
+    scratch, scratch_top = _first_fit([t for t in tiles if t.key in spilled], spilled=True)
     placed = {**shared, **scratch}
     slots = {vid: s for (vid, staging), s in placed.items() if not staging}
     stagings = {vid: s for (vid, staging), s in placed.items() if staging and s.op.name != "for"}

@@ -26,6 +26,7 @@ import numpy as np
 from ...ir import core
 from ...ir import types as T
 from ...ir.opdefs import DATA_OPS, FLOAT_RESULT_OPS, NOTIFY_OPS, WAIT_OPS, data_operands
+from ...ir.semantics import float_of
 from ..abi import buffer_param, is_this_rank, marker, peer_buffer_param
 from ..dtypes import elem_bytes, scalar_ctype
 from ..match.general import WHAT
@@ -70,14 +71,7 @@ def literal(value, dtype: T.DType) -> str:
         return c_literal(bool(value))
     if dtype.kind == "int":
         return c_literal(int(np.asarray(value).astype(np.int32)))
-    f = np.float32(value)
-    if dtype.name == "f16":
-        f = np.float32(np.float16(value))
-    elif dtype.name == "bf16" and not np.isnan(f):
-        bits = np.array([f], np.float32).view(np.uint32)
-        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        f = bits.view(np.float32)[0]
-    return c_literal(float(f))
+    return c_literal(float_of(value, dtype.name))
 
 
 #: the functions rounding a float to a 16-bit type's precision (the result still a float)

@@ -1,8 +1,8 @@
 """Fewer CTAs where the kernels' global-memory scratch would not fit the GPU's free memory.
 
 A general kernel whose tiles overflow shared memory keeps them in a scratch private to each
-task group of each CTA it launches (``scratch_bytes_per_cta``, up to
-:data:`~tldsl.codegen.plan.general.SCRATCH_LIMIT` a group). One CTA per SM is what the plan
+task group of each CTA it launches (``scratch_bytes_per_cta``: whatever the tiles it holds at
+once take, unbounded by the lowering). One CTA per SM is what the plan
 grants for speed, but its CTAs walk the part's tasks in a loop, so fewer CTAs compute the same
 result — and a whole-row tile of tens of megabytes on 132 CTAs would otherwise ask for gigabytes.
 :func:`fit_scratch` shrinks the grids of the kernels that take scratch, all by the same factor,

@@ -368,6 +368,9 @@ def signal(name: str, slots: int, scope: str = "local") -> SignalRef:
     """An array of ``slots`` counters. ``scope='local'`` links parts of one rank
     (producer/consumer); ``'symmetric'`` gives every rank a copy that peers notify."""
     b = _declare("signals")
+    if not isinstance(name, str) or not name:
+        fail(f"tl.signal's first argument is its name (a non-empty string, e.g. tl.signal(\"ready\", {slots})), "
+             f"got {name!r}")
     if scope not in ("local", "symmetric"):
         fail(f"signal scope must be 'local' or 'symmetric', got {scope!r}")
     if not isinstance(slots, numbers.Integral) or slots <= 0:

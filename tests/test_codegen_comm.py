@@ -563,6 +563,19 @@ def test_every_comm_variant_compiles_with_release_and_acquire_sass(tmp_path):
 
 @pytest.mark.nvrtc
 @needs_cuobjdump
+def test_the_copy_engines_signal_add_kernel_compiles_to_a_fenced_system_atomic(tmp_path):
+    """The one-thread kernel a copy-engine plan's shared-slot notify runs: a system fence, then a
+    system-scope 64-bit atomic add."""
+    from tldsl.runtime.gpu.signal_add import ENTRY, SOURCE
+    ck = tcm.compiler.compile_cuda(SOURCE, ENTRY, cache=KernelCache(tmp_path), progress=False)
+    ops = ck.sass()[ENTRY].instructions
+    fence = next(i for i, o in enumerate(ops) if o.startswith("MEMBAR") and o.endswith(".SYS"))
+    add = next(i for i, o in enumerate(ops) if o.startswith(("ATOMG.E.ADD.64", "REDG.E.ADD.64")) and o.endswith(".SYS"))
+    assert fence < add, ops
+
+
+@pytest.mark.nvrtc
+@needs_cuobjdump
 def test_comm_kernel_debug_build_with_wait_timeout(tmp_path):
     lc = lower_comm(rs_kernel(W=4, comm=RS_SM[1]), wait_timeout_ns=2 * 10**9)
     ck = lc.compile(cache=KernelCache(tmp_path), progress=False)
@@ -1088,12 +1101,28 @@ def ce_shared_slot(x: tl.Symmetric, y: tl.Symmetric, *, comm: tl.CommSchedule = 
             tl.rank_wait(got, 0, count=W)
 
 
-def test_copy_engine_plan_rejects_a_slot_written_by_several_ranks():
-    k = ce_shared_slot.trace(2, S((2, 4), tl.float32), S((4, 4), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
-    e = _raises_here(lambda: plan_copy_engine(k, "send"), "one rank must own each slot")
-    assert "tl.rank_notify(got, 0, 0)" in e.loc.source
+def test_a_slot_several_ranks_copy_engines_notify_is_added_to():
+    """Every rank's copy engine notifies rank 0's slot 0 (a gather counting arrivals): an absolute
+    value would lose the others' counts, so each notify adds 1 (a one-thread kernel on the stream);
+    the plan run on numpy memory counts every rank's, launch after launch."""
+    k = ce_shared_slot.trace(3, S((2, 4), tl.float32), S((6, 4), tl.float32), comm=tl.CommSchedule(engine="copy_engine"))
+    plan = plan_copy_engine(k, "send")
+    writes = [a for acts in plan.actions for a in acts if isinstance(a, CeSignalWrite)]
+    assert len(writes) == 3 and all(w.add and w.rank == 0 and w.slot == 0 for w in writes)
+    assert "add got[0]@0 += 1" in plan.describe()
     w = plan_copy_engine(k, "wait")                            # a wait alone is fine: GEQ on the counter
-    assert w.actions[0][0].target(3) == 6 and w.actions[1] == ()
+    assert w.actions[0][0].target(3) == 9 and w.actions[1] == ()
+    xs = [np.full((2, 4), r + 1, np.float32) for r in range(3)]
+    mem = [{"x": xs[r], "y": np.zeros((6, 4), np.float32)} for r in range(3)]
+    sig = [{"got": np.zeros(1, np.uint64)} for _ in range(3)]
+    for launch in (1, 2):
+        plan.run_numpy(mem, sig, launch)
+        w.run_numpy(mem, sig, launch)                          # would deadlock short of 3 counts a launch
+    assert int(sig[0]["got"][0]) == 6 and np.array_equal(mem[0]["y"], np.repeat(np.arange(1.0, 4.0), 8).reshape(6, 4))
+    single = ce_shared_slot.trace(1, S((2, 4), tl.float32), S((2, 4), tl.float32),
+                                  comm=tl.CommSchedule(engine="copy_engine"))
+    [write] = [a for a in plan_copy_engine(single, "send").actions[0] if isinstance(a, CeSignalWrite)]
+    assert not write.add                                       # one writer: the stream writes the value
 
 
 @tl.kernel
@@ -1133,19 +1162,17 @@ def _ce_beside_sm(sm_slot, W=3):
                               comm=tl.CommSchedule(engine="copy_engine"))
 
 
-def test_a_signal_whose_slots_the_copy_engine_and_an_sm_part_share_lowers_where_no_slot_is_both():
-    """The copy engine writes its slot's value, an SM part adds to its own: one signal may hold
-    both where the index code shows no slot notified by both (it was refused for the whole signal);
-    the same slot, or a slot read from memory, is still refused at the SM part's notify."""
+def test_a_slot_the_copy_engine_shares_with_an_sm_parts_atomic_adds_is_added_to():
+    """One signal, slot 0 added to by an SM part's kernel, slot 1 notified by the copy engine:
+    where the index code shows no slot notified by both, the copy engine writes its values; where
+    one is (slot 1 both), or the SM part's slot is read from memory, the copy engine's notifies of
+    that signal add 1 instead (a write would lose the kernel's adds)."""
     from tldsl.runtime.gpu.run_plan import lower_for_run
-    lowered = lower_for_run(_ce_beside_sm(0))
-    assert isinstance(lowered["ce"], CopyEnginePlan) and isinstance(lowered["sm"], LoweredComm)
-    e = _raises_here(lambda: lower_for_run(_ce_beside_sm(1)), "slot 1 of 's' on rank 0 is notified by the copy "
-                     "engine (absolute writes) and by part 'sm' (atomic adds); give each its own slot or signal")
-    assert "peer_tile_notify" in e.loc.source
-    _raises_here(lambda: lower_for_run(_ce_beside_sm(-1)), "signal 's' is notified by the copy engine (absolute "
-                 "writes) and by part 'sm' (atomic adds) (part 'sm' notifies it at slots its index code does not "
-                 "settle: read from memory)")
+    for sm_slot, add in ((0, False), (1, True), (-1, True)):
+        lowered = lower_for_run(_ce_beside_sm(sm_slot))
+        assert isinstance(lowered["ce"], CopyEnginePlan) and isinstance(lowered["sm"], LoweredComm)
+        writes = [a for acts in lowered["ce"].actions for a in acts if isinstance(a, CeSignalWrite)]
+        assert writes and all(w.add == add for w in writes), sm_slot
 
 
 def test_copy_engine_plans_of_sp_attention_and_moe():

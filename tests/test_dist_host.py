@@ -149,6 +149,13 @@ class FakeDriver:
             self.bytes(addr, 8).view(np.uint64)[0] = value
         return self._call("cuStreamWriteValue64", stream, op, (addr, value))
 
+    def tldsl_signal_add(self, stream, addr):
+        addr = int(addr)
+
+        def op():
+            self.bytes(addr, 8).view(np.uint64)[0] += np.uint64(1)
+        return self._call("tldsl_signal_add", stream, op, (addr,))
+
     def cuStreamWaitValue64(self, stream, addr, value, flags):
         addr, value = int(addr), int(value)
         assert flags == self.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ

@@ -223,6 +223,12 @@ class Device:
         return self._enqueue(stream, "wait value", lambda: int(self.u64(addr)[0]) >= int(value),
                              lambda s: self.cuStreamWaitValue64(s, addr, value, flags))
 
+    def tldsl_signal_add(self, stream, addr):
+        def op():
+            self.u64(addr)[0] += 1
+            return True
+        return self._enqueue(stream, "signal add", op, lambda s: self.tldsl_signal_add(s, addr))
+
     def cuStreamWriteValue64(self, stream, addr, value, flags):
         def op():
             self.u64(addr)[0] = int(value)

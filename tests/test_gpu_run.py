@@ -305,13 +305,27 @@ def test_kernels_whose_scratch_would_not_fit_the_free_memory_run_on_fewer_ctas(m
     assert item.lowered.scratch_bytes_per_cta == per_cta > 0 and item.ctas == 5
 
 
-def test_a_signal_the_copy_engine_and_an_sm_part_share_at_other_slots():
+@pytest.mark.parametrize("sm_slot", [0, 1, -1])
+def test_a_signal_the_copy_engine_and_an_sm_part_share(sm_slot):
+    """Other slots (the copy engine writes values), the same slot or one read from memory (it adds
+    from a one-thread kernel beside the SM part's atomic adds)."""
     from test_codegen_comm import ce_beside_sm
     from test_run_fake_device import ce_beside_sm_inputs
     ins = ce_beside_sm_inputs(2, N=4000, seed=11)
-    got = both(ce_beside_sm, 2, ins, sm_slot=0, comm=tl.CommSchedule(engine="copy_engine"))
+    got = both(ce_beside_sm, 2, ins, sm_slot=sm_slot, comm=tl.CommSchedule(engine="copy_engine"))
     for r in range(2):
         np.testing.assert_array_equal(got[r]["y"], 2 * ins[1 - r]["x"])
+
+
+@pytest.mark.parametrize("launches", [1, 3])
+def test_a_gather_counting_every_ranks_arrival_on_one_slot(launches):
+    """Three ranks' copy engines each add 1 to rank 0's one slot after their copy; rank 0 waits
+    for all three (then six, nine) before it reads the gathered rows."""
+    from test_run_fake_device import gather_arrivals, gather_inputs
+    ins = gather_inputs(3, N=100_000, seed=13)
+    got = both(gather_arrivals, 3, ins, comm=tl.CommSchedule(engine="copy_engine"),
+               options=tl.SimOptions(launches=launches))
+    np.testing.assert_array_equal(got[0]["y"], 2 * np.concatenate([i["x"] for i in ins]))
 
 
 @pytest.mark.parametrize("name,threads", [

@@ -87,6 +87,7 @@ class FakeDevice:
         self.kept = []
         self.launched = []                               # (rank, part, launch, stream)
         self.heaps = []                                  # NVSHMEM's heap: (rank, base, bytes, every rank's base)
+        self.signal_adds = 0                             # notifies added by a kernel (runtime/gpu/signal_add.py)
 
     # -- run_program's device interface ---------------------------------------------------------
     def load(self, kernels, progress=None):
@@ -225,6 +226,15 @@ class FakeDevice:
         self._enqueue(stream, lambda: int(_view(addr, (1,), np.uint64)[0]) >= value)
         return (0,)
 
+    def tldsl_signal_add(self, stream, addr):
+        """The one-thread kernel of runtime/gpu/signal_add.py: +1 once the stream gets there."""
+        self.signal_adds += 1
+
+        def op():
+            _view(addr, (1,), np.uint64)[0] += np.uint64(1)
+            return True
+        self._enqueue(stream, op)
+
     def cuGetErrorName(self, err):
         return (0, b"fake error")
 
@@ -337,14 +347,54 @@ def ce_beside_sm_inputs(W, N=16, seed=10):
              "table": np.zeros(1, np.int32)} for _ in range(W)]
 
 
-def test_a_signal_the_copy_engine_and_an_sm_part_share_at_other_slots_on_the_fake_device():
-    """Slot 0 added to by an SM part's kernel, slot 1 written by the copy engine's stream, one
-    signal: each rank gets the other's x twice."""
+@pytest.mark.parametrize("sm_slot", [0, 1, -1])
+def test_a_signal_the_copy_engine_and_an_sm_part_share_on_the_fake_device(sm_slot):
+    """One signal notified by an SM part's kernel (atomic adds) and by the copy engine's stream:
+    at another slot (0: the stream writes its values), at the same slot (1) or at a slot read
+    from memory (-1: table holds 0), where the stream adds. Each rank gets the other's x twice."""
     from test_codegen_comm import ce_beside_sm
     ins = ce_beside_sm_inputs(2)
-    res, _ = agrees(ce_beside_sm, 2, ins, sm_slot=0, comm=tl.CommSchedule(engine="copy_engine"))
+    res, _ = agrees(ce_beside_sm, 2, ins, sm_slot=sm_slot, comm=tl.CommSchedule(engine="copy_engine"))
     for r in range(2):
         np.testing.assert_array_equal(res.outputs[r]["y"], 2 * ins[1 - r]["x"])
+
+
+@tl.kernel
+def gather_arrivals(x, g: tl.Symmetric, y, *, comm: tl.CommSchedule = None):
+    """Every rank's copy engine copies its x into rank 0's g and counts its arrival on rank 0's
+    one slot; rank 0 waits for all W, then doubles the gathered rows."""
+    W = tl.world_size()
+    (N,) = x.shape
+    s = tl.signal("arrived", 1, scope="symmetric")
+
+    @tl.comm_part(grid=(1,), engine="copy_engine")
+    def send(i):
+        tl.rank_copy_data(g.at(0), (tl.rank() * N,), x, (0,), (N,))
+        tl.rank_notify(s, 0, 0)
+
+    @tl.compute_part(grid=(1,))
+    def fin(i):
+        with tl.when(tl.rank() == 0):
+            tl.rank_wait(s, 0, count=W)
+            tl.store(y, (0,), tl.load(g, (0,), (W * N,)) * 2.0)
+
+
+def gather_inputs(W, N=8, seed=12):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal(N).astype(np.float32), "g": np.full(W * N, np.nan, np.float32),
+             "y": np.full(W * N, np.nan, np.float32)} for _ in range(W)]
+
+
+@pytest.mark.parametrize("launches", [1, 3])
+def test_a_gather_counting_every_ranks_arrival_on_one_slot_on_the_fake_device(launches):
+    """Three ranks' copy engines notify one slot of rank 0 (it was refused: the stream writes
+    values); each now adds 1, so rank 0's wait for 3 (6, 9 in later launches) is met only when
+    every copy has landed."""
+    ins = gather_inputs(3)
+    res, dev = agrees(gather_arrivals, 3, ins, comm=tl.CommSchedule(engine="copy_engine"),
+                      options=tl.SimOptions(launches=launches))
+    np.testing.assert_array_equal(res.outputs[0]["y"], 2 * np.concatenate([i["x"] for i in ins]))
+    assert dev.signal_adds == 3 * launches
 
 
 def _ag_inputs(k, seed):

@@ -58,7 +58,12 @@ class CeSignalWrite:
     CU_STREAM_WRITE_VALUE_DEFAULT)``: ordered after every earlier action of the stream (the
     default flags include the memory barrier). Counters only grow: the ``index``-th of the
     ``per_launch`` notifies of this slot in a launch writes ``(launch - 1) * per_launch + index``,
-    what ``index`` atomic adds would have left (one rank owns each slot, so no add is lost)."""
+    what ``index`` atomic adds would have left (one rank owns each slot, so no add is lost).
+
+    ``add``: the slot has other writers (several ranks' copy engines, or a kernel's atomic adds
+    too), so an absolute value would lose their counts: the notify adds 1 instead, by a one-thread
+    kernel on the stream (``runtime/gpu/signal_add.py``: ordered after the stream's copies, like a
+    write, and needing an SM free to run)."""
     signal: str
     rank: int
     slot: int
@@ -66,6 +71,7 @@ class CeSignalWrite:
     index: int
     task: tuple[int, ...]
     loc: str = ""
+    add: bool = False
 
     def value(self, launch: int) -> int:
         return (launch - 1) * self.per_launch + self.index
@@ -135,6 +141,8 @@ class CopyEnginePlan:
                     out.append(f"    copy {a.src}@{a.src_rank}{list(a.src_offsets)} -> {a.dst}@{a.dst_rank}"
                                f"{list(a.dst_offsets)} {'x'.join(map(str, a.shape))}: {a.height} x {a.width_bytes} B "
                                f"(+{a.src_byte_offset} pitch {a.src_pitch} -> +{a.dst_byte_offset} pitch {a.dst_pitch})")
+                elif isinstance(a, CeSignalWrite) and a.add:
+                    out.append(f"    add {a.signal}[{a.slot}]@{a.rank} += 1 (a one-thread kernel: other writers)")
                 elif isinstance(a, CeSignalWrite):
                     out.append(f"    write {a.signal}[{a.slot}]@{a.rank} = (launch-1)*{a.per_launch}+{a.index}")
                 else:
@@ -155,6 +163,8 @@ class CopyEnginePlan:
                     if isinstance(a, CeWait):
                         if int(signals[r][a.signal][a.slot]) < a.target(launch):
                             break
+                    elif isinstance(a, CeSignalWrite) and a.add:
+                        signals[a.rank][a.signal][a.slot] += 1
                     elif isinstance(a, CeSignalWrite):
                         signals[a.rank][a.signal][a.slot] = a.value(launch)
                     else:
@@ -265,6 +275,16 @@ def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> li
     return out
 
 
+def _notified_by(kernel: core.Kernel, part: core.Part) -> set | None:
+    """The (signal, target rank, slot) ``part`` notifies: evaluated for a part the copy engine
+    runs or one fused into a compute part (their index code is all host-evaluable), else by the
+    static channel analysis (None: some slot is read from memory)."""
+    if part.fused or part.engine == "copy_engine":
+        return {(e[2].name, e[4], e[3]) for r in range(kernel.world_size)
+                for e in part_events(kernel, part, r) if e[0] == "notify"}
+    return notified_slots(kernel, part)
+
+
 def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMatch) -> CopyEnginePlan:
     """Evaluate a matched copy-engine part for every rank into a :class:`CopyEnginePlan` (the
     pipeline's planning stage; :func:`..recipes.copy_engine.plan_copy_engine` is the entry that
@@ -279,7 +299,8 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
         for task in order:
             _ce_eval(p.body, {}, r, tuple(task), ev, kernel)
         events.append(ev)
-    # each (signal, target rank, slot) must be notified by one rank only: its stream writes absolute values
+    # a (signal, target rank, slot) written by one rank's copy engine alone gets absolute values; one
+    # with other writers (other ranks, other parts' atomic adds) gets adds
     owners: dict = {}
     for r, ev in enumerate(events):
         for e in ev:
@@ -293,34 +314,14 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
                                f"({sig.type.slots} slots)", op)
                 key = (sig.name, target, ch)
                 owners.setdefault(key, []).append((r, op))
-    for key, lst in owners.items():
-        ranks = sorted({r for r, _ in lst})
-        if len(ranks) > 1:
-            raise fail(WHAT, f"ranks {ranks} all notify slot {key[2]} of '{key[0]}' on rank {key[1]}; the copy engine "
-                       "writes signal values (cuStreamWriteValue64) instead of adding, so one rank must own each slot",
-                       lst[0][1])
+    shared = {key for key, lst in owners.items() if len({r for r, _ in lst}) > 1}
     for other in kernel.parts:
-        if other is p:
+        if other is p or not any(op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners)
+                                 for op in other.walk()):
             continue
-        if other.fused:      # evaluated: only the same slot notified by both is a conflict
-            for r in range(W):
-                for e in part_events(kernel, other, r):
-                    if e[0] == "notify" and (e[2].name, e[4], e[3]) in owners:
-                        raise fail(WHAT, f"slot {e[3]} of '{e[2].name}' on rank {e[4]} is written by the copy engine "
-                                   f"(absolute values) and added to by fused part '{other.name}'", e[1])
-            continue
-        slots = notified_slots(kernel, other)     # the slots it adds to, where its index code says
-        shared = None if slots is None else sorted(k for k in owners if k in slots)
-        if shared == []:                          # other slots of the same signal: nothing written twice
-            continue
-        for op in other.walk():
-            if op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in (shared or owners)):
-                where_ = (f"slot {shared[0][2]} of '{shared[0][0]}' on rank {shared[0][1]} is" if shared else
-                          f"signal '{op.operands[0].owner.name}' is")
-                why = "" if shared else (f" (part '{other.name}' notifies it at slots its index code does not "
-                                         "settle: read from memory)")
-                raise fail(WHAT, f"{where_} notified by the copy engine (absolute writes) and by part '{other.name}' "
-                           f"(atomic adds){why}; give each its own slot or signal", op)
+        slots = _notified_by(kernel, other)       # where its index code says; None: any slot of its signals
+        signals = {op.operands[0].owner.name for op in other.walk() if op.name in NOTIFY_OPS}
+        shared |= {k for k in owners if (k in slots if slots is not None else k[0] in signals)}
     seen: dict = {}
     actions = []
     for r, ev in enumerate(events):
@@ -333,7 +334,8 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
                 _, op, sig, ch, target, task = e
                 key = (sig.name, target, ch)
                 seen[key] = seen.get(key, 0) + 1
-                acts.append(CeSignalWrite(sig.name, target, ch, len(owners[key]), seen[key], tuple(task), where(op)))
+                acts.append(CeSignalWrite(sig.name, target, ch, len(owners[key]), seen[key], tuple(task), where(op),
+                                          add=key in shared))
             else:
                 _, op, sig, ch, count, epoch, per_launch, task, lag = e
                 if not 0 <= ch < sig.type.slots:

@@ -9,7 +9,8 @@ copies (:class:`CeCopy`), signal writes (:class:`CeSignalWrite`) and stream wait
   :meth:`CopyEnginePlan.run_numpy` moves;
 * a signal write becomes ``cuStreamWriteValue64(stream, addr, value(launch),
   CU_STREAM_WRITE_VALUE_DEFAULT)`` (the default flags order it after the stream's earlier
-  copies);
+  copies) — or, for a slot with other writers (``add``), a one-thread kernel adding 1
+  (:mod:`.signal_add`; a driver that executes the calls itself provides ``tldsl_signal_add``);
 * a wait becomes ``cuStreamWaitValue64(stream, addr, target(launch), CU_STREAM_WAIT_VALUE_GEQ)``.
 
 Every driver call is checked (:class:`CudaDriverError` naming the call, the action and its
@@ -139,13 +140,15 @@ def hoistable(segments) -> tuple[bool, ...]:
 
 
 def local_copies_left(plan, rank: int) -> bool:
-    """Whether rank ``rank``'s actions of ``plan`` keep a same-GPU copy once the hoistable
-    segments are taken out — within this rank's GPU or within a peer's (a copy from a peer's
-    buffer into the same peer's) — : only then must SMs stay free beside the persistent kernels."""
+    """Whether rank ``rank``'s actions of ``plan`` keep work that runs on SMs once the hoistable
+    segments are taken out — a same-GPU copy (within this rank's GPU or within a peer's: a copy
+    from a peer's buffer into the same peer's), or a notify adding from a kernel
+    (:mod:`.signal_add`) — : only then must SMs stay free beside the persistent kernels."""
     from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
     kinds = (CeCopy, CeSignalWrite, CeWait)
     segs = segments_of(plan.actions[rank], rank, kinds)
-    return any(not early and any(isinstance(a, CeCopy) and a.src_rank == a.dst_rank for a in seg)
+    return any(not early and any((isinstance(a, CeCopy) and a.src_rank == a.dst_rank) or
+                                 (isinstance(a, CeSignalWrite) and a.add) for a in seg)
                for (_, seg), early in zip(segs, hoistable(segs)))
 
 
@@ -508,6 +511,16 @@ class PlanExecutor:
             p.Height = x.height
             checked(drv, drv.cuMemcpy2DAsync(p, stream), f"cuMemcpy2DAsync: {what}")
             return ("cuMemcpy2DAsync", stream, x.dst, x.dst_pitch, x.src, x.src_pitch, x.width, x.height)
+        if isinstance(x, ResolvedWrite) and a.add:
+            add = getattr(drv, "tldsl_signal_add", None)
+            if add is None:
+                from .signal_add import enqueue_signal_add as add
+            try:
+                add(stream, x.addr)
+            except CudaDriverError as e:
+                raise CudaDriverError(f"tldsl_signal_add: rank {self.rank}: {a.signal}[{a.slot}]@{a.rank} += 1"
+                                      f"{_where(a)}: {e}") from e
+            return ("tldsl_signal_add", stream, x.addr)
         if isinstance(x, ResolvedWrite):
             v = a.value(launch)
             checked(drv, drv.cuStreamWriteValue64(stream, x.addr, v,

@@ -47,3 +47,18 @@ def whole_row_softmax(x, y, *, compute: tl.ComputeSchedule = None):
         t = tl.load(x, (0, 0), (M, N))
         e = tl.exp(t - tl.expand_dims(tl.max(t, 1), 1))
         tl.store(y, (0, 0), e / tl.expand_dims(tl.sum(e, 1), 1))
+
+
+@tl.kernel
+def one_task_outer_product(a, b, y):
+    """``y += a @ b`` for the whole of y in one task: a 4096 x 4096 accumulator (64 MB, in the
+    global scratch) and a dot whose WGMMA staging would not fit shared memory even 16 deep in K."""
+    M, K = a.shape
+    N = b.shape[1]
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        acc = tl.fragment((M, N), tl.float32)
+        acc += tl.dot(tl.load(a, (0, 0), (M, K)), tl.load(b, (0, 0), (K, N)))
+        tl.store(y, (0, 0), acc)
+

@@ -466,6 +466,19 @@ def test_the_scratch_has_no_bound_of_its_own():
     # decimal literal too big for an int is a long in C++
 
 
+def test_a_dot_whose_wgmma_staging_cannot_fit_runs_on_mma_sync():
+    """A 4096 x 16 by 16 x 4096 f16 dot: WGMMA would stage A's rows and B's columns, 16 deep in K
+    at least, 256 KB, over a CTA's shared memory; it runs on mma.sync from where its operands are
+    (it was an internal error of the planner)."""
+    from programs import one_task_outer_product
+    f16 = tl.float16
+    k = one_task_outer_product.trace(1, S((4096, 16), f16), S((16, 4096), f16), S((4096, 4096), tl.float32))
+    lk = lower(k, "part")
+    assert lk.dots == 1 and lk.wgmma_dots == 0 and lk.scratch_bytes > 4096 * 4096 * 4
+    small = one_task_outer_product.trace(1, S((128, 16), f16), S((16, 128), f16), S((128, 128), tl.float32))
+    assert lower(small, "part").wgmma_dots == 1
+
+
 def test_slots_are_reused_by_liveness():
     """Loads of the K loop and the dots' results share slots with the epilogue's temporaries:
     the arena is smaller than the sum of the stored tiles."""

@@ -2674,3 +2674,21 @@ def test_a_launch_runs_the_hoisted_copies_before_it_forks_any_part():
     calls.clear()                                   # tl.run's launches: nothing hoisted, every action in place
     enqueue_launch(Dev(), items, 1, {"k": "fn"}, args, {(0, "gather"): Copies((True, False))}, 100, [10, 11])
     assert ("copies", "all", 10, 1) in calls and not any(c[0] == "copies" and c[1] != "all" for c in calls)
+
+
+def test_a_notify_adding_from_a_kernel_keeps_sms_free_unless_it_is_hoisted():
+    """A copy-engine notify of a slot with other writers adds from a one-thread kernel, which needs
+    an SM: SMs stay free beside the persistent kernels for every rank whose add runs after the
+    fork (ranks 1 and 2: their copies cross GPUs, so nothing of theirs is hoisted); rank 0's copy
+    into its own g and its add are hoisted ahead of the parts."""
+    from test_run_fake_device import gather_arrivals
+    from tldsl.runtime.gpu.plan_exec import local_copies_left
+    from tldsl.runtime.gpu.run_plan import lower_for_run, needs_free_sms
+    k = gather_arrivals.trace(3, S((8,), tl.float32), S((24,), tl.float32), S((24,), tl.float32),
+                              comm=tl.CommSchedule(engine="copy_engine"))
+    lowered = lower_for_run(k)
+    plan = lowered["send"]
+    assert all(a.add for acts in plan.actions for a in acts if isinstance(a, CeSignalWrite))
+    assert [local_copies_left(plan, r) for r in range(3)] == [False, True, True]
+    assert needs_free_sms(lowered.values(), 3, hoist_local_copies=True)
+

@@ -285,12 +285,23 @@ def test_a_whole_tensor_tile_runs_from_the_global_scratch():
     assert item.ctas == 1 and item.lowered.scratch_bytes_per_cta == 2 * x.nbytes
 
 
+def test_a_whole_output_accumulator_and_a_dot_too_wide_for_wgmma():
+    """A 4096 x 4096 f32 accumulator in one task (the global scratch) and a dot whose operands
+    WGMMA could not stage (mma.sync instead)."""
+    from programs import one_task_outer_product
+    rng = np.random.default_rng(15)
+    a, b = _rand(rng, (4096, 16), np.float16), _rand(rng, (16, 4096), np.float16)
+    res = both(one_task_outer_product, 1, [{"a": a, "b": b, "y": np.full((4096, 4096), np.nan, np.float32)}],
+               sums=True)
+    assert res.plan.kernels[0].lowered.wgmma_dots == 0
+
+
 def test_kernels_whose_scratch_would_not_fit_the_free_memory_run_on_fewer_ctas(monkeypatch):
     """With the device's free memory said to be short (the program's tensors, the headroom and
-    five CTAs' scratch), the kernel taking scratch runs on five CTAs, not one an SM: same results."""
+    the scratch of 40/7 CTAs, 7/8 of which the headroom leaves), the kernel taking scratch runs on five
+    CTAs, not one an SM: same results."""
     from programs import outer_sums
     from tldsl.runtime.gpu.cuda_device import CudaDevice
-    from tldsl.runtime.gpu.scratch_fit import HEADROOM_BYTES
     from tldsl.runtime.gpu.run_plan import lower_for_run
     rng = np.random.default_rng(14)
     u, v = _rand(rng, (5, 4000), np.float16), _rand(rng, (5, 4100), np.float16)
@@ -298,7 +309,7 @@ def test_kernels_whose_scratch_would_not_fit_the_free_memory_run_on_fewer_ctas(m
     k = outer_sums.trace(1, S(u.shape, F16), S(v.shape, F16), S((4000, 4100), tl.float32), compute=sched)
     per_cta = lower_for_run(k)["part"].scratch_bytes_per_cta     # its task groups' 256 x 256 f32 fragments
     tensors = u.nbytes + v.nbytes + 4000 * 4100 * 4
-    monkeypatch.setattr(CudaDevice, "free_memory", lambda self: tensors + HEADROOM_BYTES + 5 * per_cta)
+    monkeypatch.setattr(CudaDevice, "free_memory", lambda self: tensors + 40 * per_cta // 7)
     res = both(outer_sums, 1, [{"u": u, "v": v, "y": np.full((4000, 4100), np.nan, np.float32)}], sums=True,
                compute=sched)
     [item] = res.plan.kernels

@@ -675,3 +675,35 @@ def test_the_new_ops_protocol_holds_replays_and_fails_without_its_waits(monkeypa
     assert not _failing_seeds(monkeypatch, *case, lambda mp: None, range(2))
     assert not _failing_seeds(monkeypatch, *case, _fresh_counters_every_launch, range(2))
     assert _failing_seeds(monkeypatch, *case, _without_a_wait(role), range(3))
+
+
+@pytest.mark.parametrize("fresh_counters", [False, True])
+def test_a_gather_counting_every_ranks_arrival_on_one_slot_through_the_fused_op_runtime(monkeypatch, fresh_counters):
+    """FusedProgram (one rank a GPU, fake ranks in threads): three ranks' copy engines each add 1
+    to rank 0's one slot (the fakes' tldsl_signal_add), three launches, with the counters kept or
+    zeroed every launch (the graph mode); rank 0's result is the simulator's."""
+    from test_run_fake_device import gather_arrivals, gather_inputs
+    if fresh_counters:
+        _fresh_counters_every_launch(monkeypatch)
+    ins = gather_inputs(3)
+    kw = dict(comm=tl.CommSchedule(engine="copy_engine"))
+    want = simulated(gather_arrivals, 3, ins, 3, **kw)
+    ops, outs, _ = run_program(monkeypatch, gather_arrivals, 3, ins, launches=3, **kw)
+    np.testing.assert_array_equal(outs[-1][0]["y"], want.outputs[0]["y"])
+    for op in ops:
+        op.close()
+
+
+@pytest.mark.parametrize("sm_slot", [0, 1, -1])
+def test_a_signal_the_copy_engine_and_an_sm_part_share_through_the_fused_op_runtime(monkeypatch, sm_slot):
+    from test_codegen_comm import ce_beside_sm
+    from test_run_fake_device import ce_beside_sm_inputs
+    ins = ce_beside_sm_inputs(2)
+    kw = dict(sm_slot=sm_slot, comm=tl.CommSchedule(engine="copy_engine"))
+    want = simulated(ce_beside_sm, 2, ins, 2, **kw)
+    ops, outs, _ = run_program(monkeypatch, ce_beside_sm, 2, ins, launches=2, **kw)
+    for r in range(2):
+        np.testing.assert_array_equal(outs[-1][r]["y"], want.outputs[r]["y"])
+    for op in ops:
+        op.close()
+

@@ -115,6 +115,8 @@ def test_a_number_or_scalar_divides_a_tile_from_the_left():
     ("tl.sum(tl.zeros((2, 8)))", "tl.sum needs the axis to reduce along (tl.sum(t, 1) for each row's)"),
     ("round(tl.zeros((8,)) * 4.0)", "round() / math.floor() of a tile: floor-divide by 1"),
     ("sum(tl.zeros((2, 8)))", "a tile is not iterable (sum(t), list(t), for x in t): reduce it with tl.sum(t, axis)"),
+    ("round(tl.fragment((8,)))", "round() / math.floor() of a tile: floor-divide by 1"),
+    ("list(tl.fragment((2, 8)))", "a tile is not iterable"),
     ("tl.full((8,), float('nan'), tl.int32)", "tl.full: nan has no i32 value (numpy refuses it too)"),
     ("tl.fragment((8,), tl.int32, fill=float('-inf'))", "tl.fragment: -inf has no i32 value"),
     ("tl.max(tl.zeros((8,)), axis=None)", "reducing a tile to one scalar is not supported"),

@@ -199,7 +199,8 @@ def _read_then(name: str):
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
               "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__",
               "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__abs__", "__pow__", "__rpow__", "__lshift__",
-              "__rlshift__", "__rshift__", "__rrshift__", "__xor__", "__rxor__", "__divmod__", "__rdivmod__"):
+              "__rlshift__", "__rshift__", "__rrshift__", "__xor__", "__rxor__", "__divmod__", "__rdivmod__",
+              "__round__", "__floor__", "__ceil__", "__trunc__", "__iter__"):
     setattr(Fragment, _name, _read_then(_name))
 Fragment.T = property(lambda self: self.read().T)
 

@@ -2,7 +2,8 @@
 ``rank_wait``): it is not a kernel. Its index code is evaluated on the host for every rank,
 giving a :class:`CopyEnginePlan` — per rank, the ordered actions for one communication stream:
 :class:`CeCopy` (``cuMemcpy2DAsync``), :class:`CeSignalWrite` (``cuStreamWriteValue64``,
-ordered after the copies before it), :class:`CeWait` (``cuStreamWaitValue64`` GEQ).
+ordered after the copies before it; where the slot has other writers, a one-thread kernel
+adding 1), :class:`CeWait` (``cuStreamWaitValue64`` GEQ).
 :meth:`CopyEnginePlan.run_numpy` executes a plan on numpy arrays (the reference the runtime,
 ``tldsl.runtime.gpu.plan_exec``, must match). For this recipe the plan is the output."""
 from __future__ import annotations

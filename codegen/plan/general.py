@@ -159,7 +159,8 @@ def wgmma_dot(op: core.Op, threads: int) -> WgmmaDot | None:
     (WGMMA's M), or threads not whole warpgroups. Output tiles: the fewest that cover N, each of
     the narrowest :data:`WGMMA_N` that does, whose accumulators take at most a quarter of the
     registers a thread has (128 columns up to 256 threads, fewer in larger CTAs); K staged whole
-    where the operands fit :data:`STAGING_LIMIT`, else in equal chunks."""
+    where the operands fit :data:`STAGING_LIMIT`, else in equal chunks — but on ``mma.sync`` where
+    even a chunk of 16 would not fit a CTA's shared memory (the staging is never spilled)."""
     a, b = op.operands
     (M, K), N = a.type.shape, b.type.shape[1]
     if a.type.dtype.name not in MMA_INPUTS or M % 64 or threads % 128:
@@ -168,6 +169,8 @@ def wgmma_dot(op: core.Op, threads: int) -> WgmmaDot | None:
     tiles_n = -(-N // widths[-1])
     nt = next(w for w in widths if w * tiles_n >= N)
     rows = M + tiles_n * nt                  # A's rows and B's columns, staged as rows of K
+    if rows * 16 * 2 > SMEM_LIMIT:
+        return None
     kp = -(-K // 16) * 16
     chunks = -(-kp // max(16, STAGING_LIMIT // (rows * 2) // 16 * 16))
     kc = (-(-kp // chunks) + 15) // 16 * 16

@@ -169,7 +169,7 @@ class CopyEngineReduceScatter(Engine):
                     raise InputError(f"copy-engine reduce-scatter: unexpected copy {a}")
                 self.steps.append(("copy", a.dst_rank, a.src_byte_offset, a.dst_byte_offset, a.nbytes))
             elif isinstance(a, CeSignalWrite):
-                if a.signal != done:
+                if a.signal != done or a.add:         # (its notifies are absolute values: one writer a slot)
                     raise InputError(f"copy-engine reduce-scatter: unexpected notify {a}")
                 if a.index == a.per_launch:
                     self.steps.append(("notify", a.rank, a.slot, a.per_launch))

@@ -261,4 +261,4 @@ def check_bindings(kernel_ir, lowered: dict) -> None:
             if is_kernel(lk):
                 bind(lk, r, mem)
             else:
-                PlanExecutor(lk, r, pointer_table(mem, r, lk))
+                PlanExecutor(lk, r, pointer_table(mem, r, lk), checks_only=True)

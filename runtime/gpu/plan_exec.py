@@ -130,8 +130,8 @@ def hoistable(segments) -> tuple[bool, ...]:
     """Per segment of :func:`segments_of`: whether it may run before the launch's parts are forked
     — the leading run of local segments only. A local segment has no wait, and none precedes it;
     nor does any cross-GPU copy or signal write, so moved ahead it keeps the plan's order of writes
-    (signal writes are absolute values: a later segment's write run first could publish copies not
-    yet made, and then be overwritten)."""
+    (most signal writes are absolute values: a later segment's write run first could publish copies
+    not yet made, and then be overwritten; an add run early would count copies not yet made)."""
     out, leading = [], True
     for local, _ in segments:
         leading = leading and local
@@ -351,9 +351,11 @@ class PlanExecutor:
     ``pointers``: a :class:`PointerTable` with every buffer and signal the plan touches.
     Names listed in ``per_call`` are this rank's tensors that change from call to call (e.g. a
     freshly allocated output): their addresses are given to :meth:`enqueue`, checked against
-    the size recorded in the table for them."""
+    the size recorded in the table for them. ``checks_only``: built for its checks alone (no GPU:
+    nothing is loaded, nothing can be enqueued)."""
 
-    def __init__(self, plan, rank: int, pointers: PointerTable, *, per_call: Sequence[str] = (), driver=None):
+    def __init__(self, plan, rank: int, pointers: PointerTable, *, per_call: Sequence[str] = (), driver=None,
+                 checks_only: bool = False):
         from ...codegen.plan.copy_engine import CeCopy, CeSignalWrite, CeWait
         self._kinds = (CeCopy, CeSignalWrite, CeWait)
         if pointers.world_size != plan.world_size or pointers.rank != rank:
@@ -368,6 +370,12 @@ class PlanExecutor:
                 raise InputError(f"per-call tensor '{name}' needs its size in the pointer table")
         # validate (and for fixed tensors, resolve) every action now
         self._check_all()
+        # a notify adding from a kernel: the kernel compiled and loaded now, not mid-launch (a driver
+        # that executes the calls itself provides the add)
+        self._add = getattr(driver, "tldsl_signal_add", None)
+        if self._add is None and not checks_only and any(isinstance(a, CeSignalWrite) and a.add for a in self.actions):
+            from .signal_add import SignalAdder
+            self._add = SignalAdder()
         self.segments = self._segments()
         self.hoisted = hoistable(self.segments)
 
@@ -512,11 +520,8 @@ class PlanExecutor:
             checked(drv, drv.cuMemcpy2DAsync(p, stream), f"cuMemcpy2DAsync: {what}")
             return ("cuMemcpy2DAsync", stream, x.dst, x.dst_pitch, x.src, x.src_pitch, x.width, x.height)
         if isinstance(x, ResolvedWrite) and a.add:
-            add = getattr(drv, "tldsl_signal_add", None)
-            if add is None:
-                from .signal_add import enqueue_signal_add as add
             try:
-                add(stream, x.addr)
+                self._add(stream, x.addr)
             except CudaDriverError as e:
                 raise CudaDriverError(f"tldsl_signal_add: rank {self.rank}: {a.signal}[{a.slot}]@{a.rank} += 1"
                                       f"{_where(a)}: {e}") from e

@@ -112,13 +112,15 @@ def prepare(ir, lowered: dict, device, progress=None, chain: str = "after",
 def scratch_budget(ir, device, ranks: int | None = None) -> int | None:
     """The bytes the kernels' global-memory scratch may take on ``device``: its free memory less
     the tensors and signals of the ``ranks`` it holds (None: every rank, as ``tl.run`` does),
-    which are allocated next, and some headroom (None: the device does not say)."""
+    which are allocated next, and a headroom (:data:`~.scratch_fit.HEADROOM_BYTES`, or an eighth
+    of what is left where less; None: the device does not say)."""
     free = getattr(device, "free_memory", None)
     if free is None:
         return None
     tensors = sum(math.prod(b.type.shape) * max(1, b.type.dtype.bits // 8) for b in (*ir.args, *ir.workspaces))
     signals = sum(int(s.type.slots) * 8 for s in ir.signals)
-    return free() - (ir.world_size if ranks is None else ranks) * (tensors + signals) - HEADROOM_BYTES
+    left = free() - (ir.world_size if ranks is None else ranks) * (tensors + signals)
+    return left - min(HEADROOM_BYTES, max(left, 0) // 8)
 
 
 def allocate(ir, per_rank: list[list], device) -> tuple[list[dict], DeviceMemory]:

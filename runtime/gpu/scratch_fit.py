@@ -19,7 +19,8 @@ from .chains import at_once_needed
 from .run_errors import ResidencyError
 
 #: memory left to everything else (torch's allocator, the driver, the copies' staging) when the
-#: budget is taken from the device's free memory
+#: budget is taken from the device's free memory: this much, or an eighth of what is free beside the
+#: program's tensors where that is less (a small scratch still fits a nearly full GPU)
 HEADROOM_BYTES = 512 * 1024 * 1024
 
 
@@ -63,8 +64,8 @@ def fit_scratch(kernel: core.Kernel, items: list, budget: int | None, describe=N
         raise ResidencyError(
             f"the kernels' global-memory scratch (the tiles that do not fit in shared memory) takes {least:,} B even "
             f"at their fewest CTAs ({parts}), over the {max(budget, 0):,} B "
-            f"{describe or 'the launch may take'}; use smaller tiles (the shapes the program loads and computes) or "
-            "fewer ranks on this GPU")
+            f"{describe or 'the launch may take'}; use smaller tiles (the shapes the program loads and computes), "
+            "fewer ranks on this GPU, or free memory")
     lo, hi = 0.0, 1.0                # the largest factor that fits: the scratch only grows with it
     for _ in range(40):
         mid = (lo + hi) / 2

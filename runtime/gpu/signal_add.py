@@ -19,26 +19,19 @@ extern "C" __global__ void tldsl_signal_add(unsigned long long* counter) {
 }
 """
 
-_KERNELS: dict = {}      # (device, context) -> the loaded kernel: compiled once (cached on disk), loaded per context
 
+class SignalAdder:
+    """The kernel compiled (NVRTC, cached on disk) and loaded into the current context once, when
+    an executor whose plan adds is built; calling it enqueues one add."""
 
-def signal_add_kernel(progress=None):
-    """The loaded kernel for the current CUDA context."""
-    from ...codegen.toolchain import compiler
-    from .device import current_context
-    from .module import load_kernel
-    import torch
-    ctx = current_context()
-    key = (torch.cuda.current_device(), int(ctx) if ctx is not None else 0)
-    if key not in _KERNELS:
-        compiled = compiler.compile_cuda(SOURCE, ENTRY, progress=progress)
-        _KERNELS[key] = load_kernel(compiled.cubin, ENTRY)
-    return _KERNELS[key]
+    def __init__(self, progress=None):
+        from ...codegen.toolchain import compiler
+        from .module import load_kernel
+        self.kernel = load_kernel(compiler.compile_cuda(SOURCE, ENTRY, progress=progress).cubin, ENTRY)
 
-
-def enqueue_signal_add(stream: int, address: int) -> None:
-    """Add 1 to the u64 counter at ``address`` once ``stream``'s earlier work is done."""
-    from .launch import ArgPack, launch
-    args = ArgPack()
-    args.add("ptr", address)
-    launch(signal_add_kernel(), (1, 1, 1), (1, 1, 1), args, stream)
+    def __call__(self, stream: int, address: int) -> None:
+        """Add 1 to the u64 counter at ``address`` once ``stream``'s earlier work is done."""
+        from .launch import ArgPack, launch
+        args = ArgPack()
+        args.add("ptr", address)
+        launch(self.kernel, (1, 1, 1), (1, 1, 1), args, stream)

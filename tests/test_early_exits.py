@@ -144,3 +144,20 @@ def test_an_edited_and_reloaded_module_is_checked_against_its_new_source(tmp_pat
     module = importlib.reload(module)
     module.k.trace(1, *specs)
     sys.modules.pop("edited_kernel", None)
+
+
+def test_the_source_index_is_parsed_under_a_lock(monkeypatch):
+    """The fused-op runtime traces every rank's program in its own thread; CPython 3.11's parser,
+    run in several threads at once, failed with "AST constructor recursion depth mismatch" in one
+    CI run (rarely: not reproducible on demand). Every parse of the tl.when index holds the lock."""
+    import ast
+    from tldsl import early_exits
+    held = []
+    parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: held.append(early_exits._LOCK.locked()) or parse(*a, **k))
+    monkeypatch.setattr(early_exits, "_INDEX", {})
+    shape = (5, 24)                        # traced nowhere else: not in the kernel's trace cache
+    jumps_that_keep_their_meaning.trace(1, tl.TensorSpec(shape, tl.float32), tl.TensorSpec(shape[:1], tl.float32),
+                                        compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    assert held and all(held)
+    assert not early_exits._LOCK.locked()

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import ast
 import linecache
+import threading
 
 #: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
 #: `for` statements, whether it parsed)
 _INDEX: dict[str, tuple[list, dict, dict, bool]] = {}
+#: one index built at a time: ranks traced in threads (the fused-op runtime's) would otherwise parse
+#: at once, which CPython 3.11's parser does not survive ("AST constructor recursion depth mismatch")
+_LOCK = threading.Lock()
 _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
@@ -27,6 +31,11 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict, bool]:
     """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
     header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
+    with _LOCK:
+        return _index_locked(filename, globals_)
+
+
+def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool]:
     linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
     if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)

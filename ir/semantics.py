@@ -63,19 +63,58 @@ def _in_float(fn):
     return lambda x: fn(_float_of(x))
 
 
+# max and min: numpy's (NaN wins), with -0 below +0 (IEEE 754-2019 maximum / minimum, which the GPU's
+# max.NaN / min.NaN compute): numpy returns the second operand of a tie, so the sign of a zero result
+# depended on the operands' order, and a reduction's on numpy's internal order; this way neither does.
+def _maximum(a, b):
+    r = np.maximum(a, b)
+    if r.dtype.kind == "f":
+        zeros = (np.asarray(a) == 0) & (np.asarray(b) == 0)
+        if np.any(zeros):                       # +0 + -0 is +0, -0 + -0 is -0: the larger zero
+            r = np.where(zeros, np.add(a, b, dtype=r.dtype), r)
+    return r
+
+
+def _minimum(a, b):
+    r = np.minimum(a, b)
+    if r.dtype.kind == "f":
+        zeros = (np.asarray(a) == 0) & (np.asarray(b) == 0)
+        if np.any(zeros):                       # -(-a + -b): the smaller zero
+            r = np.where(zeros, np.negative(np.add(np.negative(a), np.negative(b), dtype=r.dtype)), r)
+    return r
+
+
+def _zero_signed(r, x, axis, negative: bool):
+    """``r`` (a max or min of ``x`` along ``axis``) with its zeros signed as IEEE 754-2019 orders
+    them: -0 where (``negative``: any, else every) zero of ``x`` there is -0."""
+    if r.dtype.kind != "f" or not np.any(r == 0):
+        return r
+    zero = x == 0
+    neg = np.any(zero & np.signbit(x), axis=axis) if negative else ~np.any(zero & ~np.signbit(x), axis=axis)
+    return np.where(r == 0, np.where(neg, r.dtype.type(-0.0), r.dtype.type(0.0)), r)
+
+
+def _max_reduce(x, axis):
+    return _zero_signed(np.max(x, axis=axis), x, axis, negative=False)
+
+
+def _min_reduce(x, axis):
+    return _zero_signed(np.min(x, axis=axis), x, axis, negative=True)
+
+
 EWISE = {
     "sigmoid": _sigmoid, "tanh": _in_float(np.tanh), "erf": _erf, "rsqrt": _rsqrt,
     "neg": np.negative, "exp": _in_float(np.exp), "exp2": _in_float(np.exp2), "log": _in_float(np.log),
     "abs": np.abs, "sqrt": _in_float(np.sqrt), "recip": _in_float(np.reciprocal), "not": np.logical_not,
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-    "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal,
+    "max": _maximum, "min": _minimum, "lt": np.less, "le": np.less_equal,
     "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
     # numpy's & and |: logical on bools, bitwise on integers (tracing refuses floats)
     "and": np.bitwise_and, "or": np.bitwise_or, "floordiv": np.floor_divide, "mod": np.mod,
     "where": np.where,
 }
 
-REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+REDUCE = {"sum": np.sum, "max": _max_reduce, "min": _min_reduce}
 
 
 def float_of(value, dtype_name: str) -> float:

@@ -684,6 +684,17 @@ def test_emulated_kernel_matches_the_simulator(tmp_path, fn, shapes, tile, kw):
     assert_agrees([got], want, tolerances)
 
 
+@needs_gxx
+def test_emulated_max_and_min_order_negative_zero_below_positive_zero(tmp_path):
+    """The generated code's max / min (PTX max.NaN / min.NaN on the GPU, their host twins here)
+    and the simulator agree on the sign of a zero result: 1 / max(+0, -0) is +inf either way round,
+    and a row's max or min of mixed zeros does not depend on the order it is reduced in."""
+    from test_tile_operators import SIGNED_ZEROS_X, signed_zeros, signed_zeros_want
+    k = signed_zeros.trace(1, S((4, 4), F32), S((24, 4), F32), compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    got = emulate(k, lower(k, "part"), {"x": SIGNED_ZEROS_X, "y": np.full((24, 4), np.nan, np.float32)}, tmp_path)
+    np.testing.assert_array_equal(got["y"], signed_zeros_want())
+
+
 def _stored_inputs(k, arrays):
     """The inputs as the simulator stores them (numpy; bf16 rounded to nearest even)."""
     return {b.name: to_storage(host_array(arrays[b.name]), b.type.dtype) for b in k.args}

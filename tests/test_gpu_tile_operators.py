@@ -96,3 +96,10 @@ def test_python_floats_beside_16_bit_tiles_are_rounded_to_the_tiles_type_first()
     np.testing.assert_array_equal(got[64:128], _bf16(b.float().numpy() * _bf16(0.1)))
     np.testing.assert_array_equal(got[128:192], (h + 1e-4).astype(np.float32))
 
+
+def test_max_and_min_order_negative_zero_below_positive_zero():
+    from test_tile_operators import SIGNED_ZEROS_X, signed_zeros, signed_zeros_want
+    got = both(signed_zeros, 1, [{"x": SIGNED_ZEROS_X, "y": np.full((24, 4), np.nan, np.float32)}],
+               compute=tl.ComputeSchedule(tile=(8, 8, 8)))[0]["y"]
+    np.testing.assert_array_equal(got, signed_zeros_want())
+

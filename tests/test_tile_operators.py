@@ -4,6 +4,8 @@ left of a tile broadcasts (``p * 8 + tl.iota(8)``) — each checked in the simul
 and lowered and compiled like any tile math."""
 from __future__ import annotations
 
+import functools
+import math
 import re
 
 import numpy as np
@@ -288,6 +290,63 @@ def test_xor_of_traced_scalars_pairs_ranks_for_recursive_doubling(W):
     lk = lower(res.kernel, "swap")
     assert " ^ 1);" in lk.source                    # the first step's partner, C++'s xor of ints
     assert lk.compile().cubin
+
+
+@tl.kernel
+def signed_zeros(x, y, *, compute: tl.ComputeSchedule = None):
+    """max / min of zeros of both signs, seen through 1 / result (+inf or -inf): elementwise both
+    ways round, and reduced along rows."""
+    M, N = x.shape
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0, 0), (M, N))
+        z = -tl.zeros((M, N))                                   # -0.0 everywhere
+        tl.store(y, (0, 0), 1.0 / tl.maximum(t, z))
+        tl.store(y, (M, 0), 1.0 / tl.maximum(z, t))
+        tl.store(y, (2 * M, 0), 1.0 / tl.minimum(t, -z))
+        tl.store(y, (3 * M, 0), 1.0 / tl.minimum(-z, t))
+        tl.store(y, (4 * M, 0), tl.expand_dims(1.0 / tl.max(t, 1), 1) + tl.zeros((M, N)))
+        tl.store(y, (5 * M, 0), tl.expand_dims(1.0 / tl.min(t, 1), 1) + tl.zeros((M, N)))
+
+
+SIGNED_ZEROS_X = np.array([[0.0, -0.0, 0.0, -0.0], [-0.0, -0.0, -0.0, -0.0], [0.0, 0.0, 0.0, 0.0],
+                           [-0.0, 0.0, -1.0, -2.0]], np.float32)
+
+
+def _ieee_max(a: float, b: float) -> float:
+    """IEEE 754-2019 maximum of two non-NaN floats: -0 below +0."""
+    if a == b == 0:
+        return b if math.copysign(1, a) < 0 else a
+    return max(a, b)
+
+
+def _ieee_min(a: float, b: float) -> float:
+    if a == b == 0:
+        return a if math.copysign(1, a) < 0 else b
+    return min(a, b)
+
+
+def signed_zeros_want():
+    """``signed_zeros``' y as IEEE 754-2019 maximum / minimum give it (the GPU's max.NaN / min.NaN)."""
+    x = SIGNED_ZEROS_X.tolist()
+    el = lambda f, a, b: [[f(u, v) for u, v in zip(ra, rb)] for ra, rb in zip(a, b)]   # noqa: E731
+    z, pz = [[-0.0] * 4] * 4, [[0.0] * 4] * 4
+    rows = lambda f: [[functools.reduce(f, r)] * 4 for r in x]                         # noqa: E731
+    blocks = [el(_ieee_max, x, z), el(_ieee_max, z, x), el(_ieee_min, x, pz), el(_ieee_min, pz, x),
+              rows(_ieee_max), rows(_ieee_min)]
+    with np.errstate(divide="ignore"):
+        return (1 / np.array([r for b in blocks for r in b], np.float64)).astype(np.float32)
+
+
+def test_max_and_min_order_negative_zero_below_positive_zero():
+    """numpy's maximum returns the second operand of a tie, so max(0, -0) and max(-0, 0) differed
+    in sign, as did a row's max with numpy's internal order; the GPU's max.NaN orders -0 below +0
+    (IEEE 754-2019) and so now does the simulator: 1 / max(+0, -0) is +inf either way round."""
+    got = tl.simulate(signed_zeros, 1, [{"x": SIGNED_ZEROS_X, "y": np.full((24, 4), np.nan, np.float32)}],
+                      compute=tl.ComputeSchedule(tile=(8, 8, 8)))[0]["y"]
+    np.testing.assert_array_equal(got, signed_zeros_want())
+    assert got[0, 0] == got[4, 0] == np.inf and got[8, 1] == got[12, 1] == -np.inf   # max(+0, -0), min(-0, +0)
 
 
 @pytest.mark.parametrize("expr,says", [("(p > 0) - (p > 1)", "scalar 'sub' of two bools: numpy refuses it"),

@@ -155,9 +155,13 @@ inline float fadd(float a, float b) { return a + b; }
 inline float fsub(float a, float b) { return a - b; }
 inline float fmul(float a, float b) { return a * b; }
 inline float fdiv(float a, float b) { return a / b; }
-// numpy's maximum / minimum: NaN wins
-inline float fmax_nan(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
-inline float fmin_nan(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+// PTX's max.NaN / min.NaN: NaN wins, -0 below +0 (IEEE 754-2019; the simulator's too)
+inline float fmax_nan(float a, float b) {
+  return a != a ? a : (b != b ? b : (a == 0.0f && b == 0.0f ? (signbit(a) ? b : a) : (a > b ? a : b)));
+}
+inline float fmin_nan(float a, float b) {
+  return a != a ? a : (b != b ? b : (a == 0.0f && b == 0.0f ? (signbit(a) ? a : b) : (a < b ? a : b)));
+}
 #else
 // one PTX instruction each: NAME(a, b) is INSTR a, b
 #define TLDSL_F32_BINARY(NAME, INSTR)                                  \

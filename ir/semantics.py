@@ -117,6 +117,17 @@ EWISE = {
 REDUCE = {"sum": np.sum, "max": _max_reduce, "min": _min_reduce}
 
 
+def bf16_rounded(x) -> np.ndarray:
+    """``x`` rounded to bf16 (nearest even on the 16 dropped bits), still float32; NaN stays NaN."""
+    f = np.array(x, np.float32)
+    bits = f.view(np.uint32)
+    nan = np.isnan(f)
+    bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    bits &= np.uint32(0xFFFF0000)
+    f[nan] = np.nan
+    return f
+
+
 def float_of(value, dtype_name: str) -> float:
     """The float ``value`` as a ``dtype_name`` float holds it: f16 and bf16 rounded to nearest even
     (numpy rounds a Python float to an f16 array's type before the math, NEP 50), f32 rounded."""
@@ -124,10 +135,8 @@ def float_of(value, dtype_name: str) -> float:
         f = np.float32(value)
         if dtype_name == "f16":
             f = np.float32(np.float16(value))
-    if dtype_name == "bf16" and not np.isnan(f):
-        bits = np.array([f], np.float32).view(np.uint32)
-        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        f = bits.view(np.float32)[0]
+    if dtype_name == "bf16":
+        f = bf16_rounded(f)
     return float(f)
 
 

@@ -276,16 +276,6 @@ def _ce_copies(op, sbuf, srank, soffs, dbuf, drank, doffs, shape, task, W) -> li
     return out
 
 
-def _notified_by(kernel: core.Kernel, part: core.Part) -> set | None:
-    """The (signal, target rank, slot) ``part`` notifies: evaluated for a part the copy engine
-    runs or one fused into a compute part (their index code is all host-evaluable), else by the
-    static channel analysis (None: some slot is read from memory)."""
-    if part.fused or part.engine == "copy_engine":
-        return {(e[2].name, e[4], e[3]) for r in range(kernel.world_size)
-                for e in part_events(kernel, part, r) if e[0] == "notify"}
-    return notified_slots(kernel, part)
-
-
 def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMatch) -> CopyEnginePlan:
     """Evaluate a matched copy-engine part for every rank into a :class:`CopyEnginePlan` (the
     pipeline's planning stage; :func:`..recipes.copy_engine.plan_copy_engine` is the entry that
@@ -317,12 +307,11 @@ def plan_copy_engine_part(kernel: core.Kernel, p: core.Part, match: CopyEngineMa
                 owners.setdefault(key, []).append((r, op))
     shared = {key for key, lst in owners.items() if len({r for r, _ in lst}) > 1}
     for other in kernel.parts:
-        if other is p or not any(op.name in NOTIFY_OPS and any(op.operands[0].owner.name == k[0] for k in owners)
-                                 for op in other.walk()):
+        theirs = {op.operands[0].owner.name for op in other.walk() if op.name in NOTIFY_OPS}
+        if other is p or not theirs & {k[0] for k in owners}:
             continue
-        slots = _notified_by(kernel, other)       # where its index code says; None: any slot of its signals
-        signals = {op.operands[0].owner.name for op in other.walk() if op.name in NOTIFY_OPS}
-        shared |= {k for k in owners if (k in slots if slots is not None else k[0] in signals)}
+        slots = notified_slots(kernel, other)     # where its index code says; None: any slot of its signals
+        shared |= {k for k in owners if (k in slots if slots is not None else k[0] in theirs)}
     seen: dict = {}
     actions = []
     for r, ev in enumerate(events):

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from ...codegen.dtypes import elem_bytes
 from ...errors import InputError
 from ...ir.opdefs import written_arguments
 from ...ir.types import bfloat16
@@ -117,7 +118,7 @@ def scratch_budget(ir, device, ranks: int | None = None) -> int | None:
     free = getattr(device, "free_memory", None)
     if free is None:
         return None
-    tensors = sum(math.prod(b.type.shape) * max(1, b.type.dtype.bits // 8) for b in (*ir.args, *ir.workspaces))
+    tensors = sum(math.prod(b.type.shape) * elem_bytes(b.type.dtype) for b in (*ir.args, *ir.workspaces))
     signals = sum(int(s.type.slots) * 8 for s in ir.signals)
     left = free() - (ir.world_size if ranks is None else ranks) * (tensors + signals)
     return left - min(HEADROOM_BYTES, max(left, 0) // 8)

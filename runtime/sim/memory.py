@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from ...errors import OutOfBoundsError, RaceError, UninitializedReadError
+from ...ir.semantics import bf16_rounded
 from ...ir.types import DType, bfloat16
 from .access_log import READ, WRITE, Access, AccessLog
 from .dot_stacks import DotStacks
@@ -34,14 +35,7 @@ def to_storage(x, dtype: DType) -> np.ndarray:
     """Convert values to how a dtype is stored, rounding to bf16 where needed."""
     arr = np.asarray(x)
     if dtype.name == bfloat16.name:
-        f = arr.astype(np.float32, copy=True)
-        bits = f.view(np.uint32)
-        nan = np.isnan(f)
-        # round to nearest even on the 16 dropped bits
-        bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-        bits &= np.uint32(0xFFFF0000)
-        f[nan] = np.nan
-        return f
+        return bf16_rounded(arr)
     target = dtype.np
     if arr.dtype == target:
         return arr

@@ -18,8 +18,8 @@ import linecache
 import threading
 
 #: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
-#: `for` statements, whether it parsed)
-_INDEX: dict[str, tuple[list, dict, dict, bool]] = {}
+#: `for` statements, whether it parsed, {header line: the call wrapping a `range(...)` call} of its `for` statements)
+_INDEX: dict[str, tuple[list, dict, dict, bool, dict]] = {}
 #: one index built at a time: ranks traced in threads (the fused-op runtime's) would otherwise parse
 #: at once, which CPython 3.11's parser does not survive ("AST constructor recursion depth mismatch")
 _LOCK = threading.Lock()
@@ -27,7 +27,7 @@ _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDe
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _index(filename: str, globals_=None) -> tuple[dict, dict, bool]:
+def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict]:
     """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
     header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
@@ -35,12 +35,13 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict, bool]:
         return _index_locked(filename, globals_)
 
 
-def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool]:
+def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict]:
     linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
     if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
         withs: dict[int, list] = {}
         fors: dict[int, list] = {}
+        wrapped: dict[int, str] = {}
         try:
             tree = ast.parse("".join(lines)) if lines else None
         except (SyntaxError, ValueError):
@@ -52,10 +53,31 @@ def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool]:
                     withs.setdefault(line, []).extend(jumps)
             elif isinstance(node, (ast.For, ast.AsyncFor)):
                 jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
+                wrapper = _range_wrapper(node.iter)
                 for line in range(node.lineno, node.iter.end_lineno + 1):
                     fors.setdefault(line, []).extend(jumps)
-        _INDEX[filename] = (lines, withs, fors, tree is not None)
+                    if wrapper is not None:
+                        wrapped[line] = wrapper
+        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped)
     return _INDEX[filename][1:]
+
+
+def _call_name(node) -> str | None:
+    """``zip`` of ``zip(...)``, ``range`` of ``tl.range(...)``; None where ``node`` is no call of a name."""
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _range_wrapper(iter_node) -> str | None:
+    """The call (``zip``, ``enumerate``...) a ``for`` statement iterates that holds a ``range(...)`` call
+    among its arguments; None where the iterable is itself the ``range`` call, or holds none."""
+    name = _call_name(iter_node)
+    if name is None or name == "range":
+        return None
+    inner = [n for a in (*iter_node.args, *(k.value for k in iter_node.keywords)) for n in ast.walk(a)]
+    return name if any(_call_name(n) == "range" for n in inner) else None
 
 
 def _jumps(body, kinds, in_loop=False):
@@ -84,15 +106,21 @@ def when_body_jumps(frame) -> list[ast.stmt]:
     ``frame`` is entering (the one whose header holds its current line)."""
     if frame is None:
         return []
-    withs, _, _ = _index(frame.f_code.co_filename, frame.f_globals)
+    withs = _index(frame.f_code.co_filename, frame.f_globals)[0]
     return sorted(withs.get(frame.f_lineno, ()), key=lambda s: s.lineno)
 
 
 def loop_body_jumps(filename: str, lineno: int, globals_=None) -> list[ast.stmt]:
     """The ``break`` / ``return`` statements that leave the ``for`` loop whose header holds line
     ``lineno`` of ``filename``."""
-    _, fors, _ = _index(filename, globals_)
+    fors = _index(filename, globals_)[1]
     return sorted(fors.get(lineno, ()), key=lambda s: s.lineno)
+
+
+def loop_iterable_wrapper(filename: str, lineno: int, globals_=None) -> str | None:
+    """The call (``zip``, ``enumerate``, ``map``...) around a ``range(...)`` call that the ``for``
+    statement whose header holds line ``lineno`` iterates; None where it iterates the call itself."""
+    return _index(filename, globals_)[3].get(lineno)
 
 
 def has_source(filename: str, globals_=None) -> bool:

@@ -56,6 +56,7 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
 
     def __iter__(self):
         b = current()
+        _refuse_wrapped(user_location())
         lo, hi, st = as_scalar(self.start), as_scalar(self.stop), as_scalar(self.step)
         body = core.Block(args=[core.Value(T.i32, "i")])
         op = b.emit("for", [lo.value, hi.value, st.value], [], {"unroll": False}, [body])
@@ -65,10 +66,29 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
             try:
                 yield Scalar(body.args[0])
                 ran_to_its_end = True       # the for statement asked for the next index
+                if b.blocks[-1] is not body:     # another loop's body opened inside ours is still open
+                    raise CompilationError(
+                        "two tl.range loops were advanced together (zip of two tl.range, or an iterator of one "
+                        "stepped inside the other's body): each body is traced once, so the second would run "
+                        "nested inside the first, not beside it. Write one tl.range and compute the other "
+                        "index from it", user_location())
             finally:
                 if not ran_to_its_end and b.left_early is None:
                     b.left_early = _left_early(op.loc)
         del op
+
+
+def _refuse_wrapped(loc) -> None:
+    """A ``tl.range`` iterated by ``zip`` / ``enumerate`` / ``map``... is refused: its body is traced
+    once, so the wrapper would see one element of its other iterables (``enumerate`` counts 0 for every
+    iteration; ``zip(range(1), tl.range(4))`` would run the IR loop 4 times)."""
+    wrapper = early_exits.loop_iterable_wrapper(loc.filename, loc.lineno) if loc is not None else None
+    if wrapper is not None:
+        raise CompilationError(
+            f"tl.range iterated through {wrapper}(...): the loop body is traced once and the IR loop runs "
+            f"every iteration, so {wrapper} would see only the first element of its other arguments (and "
+            "stop the trace where they are shorter). Iterate tl.range itself (`for i in tl.range(...)`) and "
+            "compute other per-iteration values from its index", loc)
 
 
 def _left_early(loc) -> CompilationError | None:

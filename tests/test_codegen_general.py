@@ -695,6 +695,35 @@ def test_emulated_max_and_min_order_negative_zero_below_positive_zero(tmp_path):
     np.testing.assert_array_equal(got["y"], signed_zeros_want())
 
 
+@tl.kernel
+def index_arithmetic_at_int_bounds(tab, y, *, compute: tl.ComputeSchedule = None):
+    """Index arithmetic on table entries at i32's edges: INT_MIN // -1 and % -1, and a loop whose
+    last step would carry its index past INT_MAX."""
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        a, b = tl.load_scalar(tab, (0,)), tl.load_scalar(tab, (1,))
+        n = tl.fragment((1,), tl.int32)
+        for i in tl.range(tl.load_scalar(tab, (2,)), tl.load_scalar(tab, (3,)), tl.load_scalar(tab, (4,))):
+            n += 1
+        tl.store(y, (0,), tl.where(tl.iota(3) == 0, a // b, tl.where(tl.iota(3) == 1, a % b, n.read())))
+
+
+@needs_gxx
+def test_emulated_index_arithmetic_at_int_bounds_matches_the_simulator(tmp_path):
+    """numpy's (the simulator's) INT_MIN // -1 wraps to INT_MIN and INT_MIN % -1 is 0, where C's
+    division traps; a tl.range from INT_MAX - 9 below INT_MAX by 4 runs 3 iterations, where
+    ``i += 4`` wrapped below the bound and ran 2**30 more (found by a helper's programs)."""
+    tab = np.array([-2**31, -1, 2**31 - 10, 2**31 - 1, 4], np.int32)
+    y = np.full(3, 7, np.int32)
+    k = index_arithmetic_at_int_bounds.trace(1, S((5,), tl.int32), S((3,), tl.int32),
+                                             compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    want = tl.simulate(index_arithmetic_at_int_bounds, 1, [{"tab": tab, "y": y}],
+                       compute=tl.ComputeSchedule(tile=(8, 8, 8)))[0]["y"]
+    np.testing.assert_array_equal(want, [-2**31, 0, 3])
+    got = emulate(k, lower(k, "part"), {"tab": tab, "y": y}, tmp_path)
+    np.testing.assert_array_equal(got["y"], want)
+
+
 def _stored_inputs(k, arrays):
     """The inputs as the simulator stores them (numpy; bf16 rounded to nearest even)."""
     return {b.name: to_storage(host_array(arrays[b.name]), b.type.dtype) for b in k.args}

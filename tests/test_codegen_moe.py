@@ -177,7 +177,7 @@ def test_moe_reduce_scatter_gemm_contract():
     lanes = src.split("void notifies_lanes(int pid0, int pid1, int lane) const {")[1].split("\n  }\n")[0]
     assert "#pragma unroll 1" in lanes                                     # table-driven loop stays a loop
     assert lanes.index("tldsl::fence_acq_rel<tldsl::kScopeGpu>") < lanes.index("tldsl::red_relaxed_add")
-    assert re.search(r"for \(int (i_\d+) = 0 \+ lane \* 1; \1 < (t_\d+); \1 = \2 - \1 > 32 \* 1 \? \1 \+ 32 \* 1 : \2\)",
+    assert re.search(r"for \(int (i_\d+) = 0 \+ lane \* 1; \1 < (t_\d+); \1 = unsigned\(\2\) - unsigned\(\1\) > unsigned\(32 \* 1\) \? \1 \+ 32 \* 1 : \2\)",
                      lanes)
     assert "kNotifiesGuarded = true" in src                                # unused tiles are not handed over
     assert "if (lane == 0)" not in lanes                                   # every add is in the loop

@@ -161,3 +161,71 @@ def test_the_source_index_is_parsed_under_a_lock(monkeypatch):
                                         compute=tl.ComputeSchedule(tile=(8, 8, 8)))
     assert held and all(held)
     assert not early_exits._LOCK.locked()
+
+
+PREVIOUS_TILE = """
+@tl.kernel
+def k(x, y):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        acc = tl.fragment((1, 8), tl.float32)
+        prev = tl.zeros((1, 8))
+        for j in tl.range(0, 4):
+            t = tl.load(x, (0, j * 8), (1, 8))
+            acc += prev
+            prev = t
+        tl.store(y, (0, 0), acc.read())
+"""
+
+
+def test_a_name_the_loop_body_reads_then_rebinds_is_refused_at_the_rebinding():
+    """Python would carry ``prev`` into the next iteration; the body is traced once, so every
+    iteration of the IR loop read the tile made before the loop (silently, before this was
+    refused; found by a helper's programs)."""
+    ns = _cell(PREVIOUS_TILE, "<cell-10>")
+    with pytest.raises(tl.CompilationError) as info:
+        ns["k"].trace(1, tl.TensorSpec((1, 32), tl.float32), tl.TensorSpec((1, 8), tl.float32))
+    assert str(info.value).startswith("<cell-10>:11: `prev` is read in this tl.range body (line 10) and bound "
+                                      "again at line 11: the body is traced once")
+    assert "in a fragment made before the loop" in str(info.value)
+
+
+def test_a_fragment_rebound_to_a_tile_in_a_loop_names_the_in_place_update():
+    ns = _cell(PREVIOUS_TILE.replace("acc += prev", "acc = acc + prev").replace("prev = t\n", "pass\n"), "<cell-11>")
+    with pytest.raises(tl.CompilationError, match=r"`acc` is read in this tl\.range body \(line 10\) and bound "
+                                                  r"again at line 10"):
+        ns["k"].trace(1, tl.TensorSpec((1, 32), tl.float32), tl.TensorSpec((1, 8), tl.float32))
+
+
+NOT_CARRIED = """
+@tl.kernel
+def k(x, y):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        acc = tl.fragment((1, 8), tl.float32)
+        t = tl.zeros((1, 8))
+        scale = 1.0
+        for j in tl.range(0, 4):
+            t = tl.load(x, (0, j * 8), (1, 8))      # bound before it is read: not carried
+            acc += t * scale                        # a fragment: updated in place
+            scale = scale * 1                       # rebound to an equal number: the same program
+            s = 0
+            for i in range(2):                      # a Python loop's own carried name
+                s += i
+            acc += s
+        tl.store(y, (0, 0), acc.read())
+"""
+
+
+def test_names_bound_before_read_fragments_and_equal_numbers_are_not_refused():
+    ns = _cell(NOT_CARRIED, "<cell-12>")
+    x = np.arange(32, dtype=np.float32).reshape(1, 32)
+    got = tl.simulate(ns["k"], 1, [{"x": x, "y": np.full((1, 8), np.nan, np.float32)}])[0]["y"]
+    np.testing.assert_array_equal(got, x.reshape(4, 8).sum(0, keepdims=True) + 4)
+
+
+def test_without_its_source_a_rebinding_is_not_judged():
+    """No source, no evaluation order: the loop traces as before (nothing is guessed)."""
+    ns = {"tl": tl}
+    exec(compile(textwrap.dedent(PREVIOUS_TILE), "<no source 2>", "exec"), ns)   # noqa: S102
+    ns["k"].trace(1, tl.TensorSpec((1, 32), tl.float32), tl.TensorSpec((1, 8), tl.float32))

@@ -81,6 +81,30 @@ def test_traced_scalars_negate_and_take_their_absolute_value():
     np.testing.assert_array_equal(got, want)
 
 
+def test_divmod_and_cdiv_of_traced_scalars_follow_pythons_floor_and_ceiling_for_either_sign():
+    """``pm, pn = divmod(pid, n)`` works on traced scalars (it was a bare TypeError), and
+    ``tl.cdiv`` of a traced value by a negative divisor is the ceiling, as for Python ints (it
+    computed ``(a + b - 1) // b``: cdiv(5, -2) was -1)."""
+    @tl.kernel
+    def splits(tab, out):
+        @tl.compute_part(grid=(4,))
+        def v(p):
+            a, b = tl.load_scalar(tab, (p * 2,)), tl.load_scalar(tab, (p * 2 + 1,))
+            q, r = divmod(a, b)
+            q2, r2 = divmod(7, b)
+            vals = (q, r, q2, r2, tl.cdiv(a, b), tl.cdiv(a, 3))
+            t = tl.full((6,), 0, tl.int32)
+            for i, x in enumerate(vals):
+                t = tl.where(tl.iota(6) == i, x, t)
+            tl.store(out, (p * 6,), t)
+
+    pairs = [(5, -2), (-5, 2), (-7, -3), (9, 4)]
+    tab = np.array(pairs, np.int32).ravel()
+    got = tl.simulate(splits, 1, [{"tab": tab, "out": np.full(24, -99, np.int32)}])[0]["out"].reshape(4, 6)
+    want = [[a // b, a % b, 7 // b, 7 % b, -(-a // b), -(-a // 3)] for a, b in pairs]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_schedules_take_numpy_ints_as_the_ints_they_are():
     """Sizes computed with numpy in a notebook: ``stages=np.int64(2)`` is 2, not 'need 1..8'."""
     i = np.int64

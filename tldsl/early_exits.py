@@ -17,9 +17,12 @@ import ast
 import linecache
 import threading
 
+from . import loop_carried
+
 #: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
-#: `for` statements, whether it parsed, {header line: the call wrapping a `range(...)` call} of its `for` statements)
-_INDEX: dict[str, tuple[list, dict, dict, bool, dict]] = {}
+#: `for` statements, whether it parsed, {header line: the call wrapping a `range(...)` call} of its `for` statements,
+#: {header line: the names its `for` statement's body carries into the next iteration})
+_INDEX: dict[str, tuple[list, dict, dict, bool, dict, dict]] = {}
 #: one index built at a time: ranks traced in threads (the fused-op runtime's) would otherwise parse
 #: at once, which CPython 3.11's parser does not survive ("AST constructor recursion depth mismatch")
 _LOCK = threading.Lock()
@@ -27,7 +30,7 @@ _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDe
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict]:
+def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict, dict]:
     """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
     header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
@@ -35,13 +38,14 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict]:
         return _index_locked(filename, globals_)
 
 
-def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict]:
+def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict, dict]:
     linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
     if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
         withs: dict[int, list] = {}
         fors: dict[int, list] = {}
         wrapped: dict[int, str] = {}
+        carried: dict[int, dict] = {}
         try:
             tree = ast.parse("".join(lines)) if lines else None
         except (SyntaxError, ValueError):
@@ -54,11 +58,14 @@ def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict]:
             elif isinstance(node, (ast.For, ast.AsyncFor)):
                 jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
                 wrapper = _range_wrapper(node.iter)
+                names = loop_carried.carried_names(node)
                 for line in range(node.lineno, node.iter.end_lineno + 1):
                     fors.setdefault(line, []).extend(jumps)
                     if wrapper is not None:
                         wrapped[line] = wrapper
-        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped)
+                    if names:
+                        carried.setdefault(line, {}).update(names)
+        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped, carried)
     return _INDEX[filename][1:]
 
 
@@ -121,6 +128,12 @@ def loop_iterable_wrapper(filename: str, lineno: int, globals_=None) -> str | No
     """The call (``zip``, ``enumerate``, ``map``...) around a ``range(...)`` call that the ``for``
     statement whose header holds line ``lineno`` iterates; None where it iterates the call itself."""
     return _index(filename, globals_)[3].get(lineno)
+
+
+def loop_carried_names(filename: str, lineno: int, globals_=None) -> dict:
+    """{name: (its first read, its first binding)} of the names that the body of the ``for`` loop whose
+    header holds line ``lineno`` reads before binding them (:func:`.loop_carried.carried_names`)."""
+    return _index(filename, globals_)[4].get(lineno, {})
 
 
 def has_source(filename: str, globals_=None) -> bool:

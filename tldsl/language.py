@@ -7,6 +7,7 @@ the rank and world size (:mod:`.tracing`) and the tile math (:mod:`.tiles`).
 """
 from __future__ import annotations
 
+import ast
 import builtins
 import numbers
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .ir import core, types as T
-from . import early_exits
+from . import early_exits, loop_carried
 from .errors import CompilationError
 from .ir.location import Location, user_frame, user_location
 from .numpy_protocol import install as _install_numpy_protocols
@@ -56,7 +57,9 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
 
     def __iter__(self):
         b = current()
-        _refuse_wrapped(user_location())
+        loc, frame = user_location(), user_frame()
+        _refuse_wrapped(loc)
+        carried = _carried_before(loc, frame)
         lo, hi, st = as_scalar(self.start), as_scalar(self.stop), as_scalar(self.step)
         body = core.Block(args=[core.Value(T.i32, "i")])
         op = b.emit("for", [lo.value, hi.value, st.value], [], {"unroll": False}, [body])
@@ -72,10 +75,47 @@ class range:  # noqa: A001  (mirrors Python's name on purpose)
                         "stepped inside the other's body): each body is traced once, so the second would run "
                         "nested inside the first, not beside it. Write one tl.range and compute the other "
                         "index from it", user_location())
+                _refuse_rebound(carried, frame, loc)
             finally:
                 if not ran_to_its_end and b.left_early is None:
                     b.left_early = _left_early(op.loc)
         del op
+
+
+def _carried_before(loc, frame) -> dict:
+    """{name: (read, binding, its object now)} of the names the loop's body reads before it rebinds them
+    (:mod:`.loop_carried`), as they stand before the body's trace; empty without the loop's source."""
+    if loc is None or frame is None:
+        return {}
+    names = early_exits.loop_carried_names(loc.filename, loc.lineno, frame.f_globals)
+    if not names:
+        return {}
+    now = frame.f_locals
+    return {n: (*nodes, now[n]) for n, nodes in names.items() if n in now}
+
+
+def _refuse_rebound(carried: dict, frame, loc) -> None:
+    """Refuse a name the body read and then bound to another value: Python would carry it into the
+    next iteration, the traced loop reads the value it had before the loop in every iteration."""
+    if not carried:
+        return
+    now = frame.f_locals
+    for name, (read, binding, before) in carried.items():
+        if name in now and not loop_carried.same_value(before, now[name]):
+            what = (f"`{name} {loop_carried.operator_symbol(binding.op)}= ...` at line {binding.lineno} binds `{name}` "
+                    f"to a new {type(now[name]).__name__} (only a fragment is updated in place)"
+                    if isinstance(binding, ast.AugAssign) else
+                    f"`{name}` is read in this tl.range body (line {read.lineno}) and bound again at line "
+                    f"{binding.lineno}")
+            advice = (f"carry a tile across iterations in a fragment made before the loop ({name} = "
+                      f"tl.fragment(shape, dtype); {name} += ..., or {name}.write(...); {name}.read())"
+                      if isinstance(now[name], (Tile, Fragment)) else
+                      "compute what changes from the loop index (an offset `start + i * step`), or carry it in a "
+                      "fragment made before the loop")
+            raise CompilationError(
+                f"{what}: the body is traced once, so every iteration reads the value `{name}` had "
+                f"before the loop, not the one the previous iteration left. Instead, {advice}",
+                Location(loc.filename, binding.lineno, binding.col_offset))
 
 
 def _refuse_wrapped(loc) -> None:

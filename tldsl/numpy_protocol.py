@@ -89,6 +89,11 @@ def missing_attribute(self, name: str):
     if name in METHODS:
         raise NotAnArrayMethod(f"a {type(self).__name__} has no .{name} (it is no numpy array): write "
                                f"{METHODS[name]}", user_location())
+    if name in ("read", "write"):           # (an AttributeError too: hasattr(t, "read") stays False)
+        raise NotAnArrayMethod(
+            f"a tile has no .{name}(): only a fragment (tl.fragment) is read and written; a tile is a value, used "
+            "as it is. Was it a fragment once? `acc = acc + t` binds `acc` to a new tile: update a fragment in "
+            "place with `acc += t` or `acc.write(t)`", user_location())
     raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 

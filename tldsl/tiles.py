@@ -36,7 +36,9 @@ class Tile:
         return self.value.type.space
 
     def __bool__(self):
-        fail("a tile has no Python truth value: use tl.where for elementwise choices")
+        fail("a tile has no Python truth value: use tl.where for elementwise choices. (Python asks for one "
+             "in `if`, `and` / `or` / `not`, a chained comparison `lo < t < hi` and builtin min / max: combine masks "
+             "with & and | ((lo < t) & (t < hi)), and write tl.minimum / tl.maximum)")
 
     def _e(self, op, other, swap=False):
         return ewise(op, other, self) if swap else ewise(op, self, other)
@@ -179,7 +181,9 @@ class Fragment:
         return self
 
     def __bool__(self):
-        fail("a fragment has no Python truth value: use tl.where for elementwise choices")
+        fail("a fragment has no Python truth value: use tl.where for elementwise choices. (Python asks for one "
+             "in `if`, `and` / `or` / `not`, a chained comparison `lo < t < hi` and builtin min / max: combine masks "
+             "with & and | ((lo < t) & (t < hi)), and write tl.minimum / tl.maximum)")
 
     __hash__ = object.__hash__
 

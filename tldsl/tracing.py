@@ -260,7 +260,9 @@ class Scalar:
 
     def __bool__(self):
         fail("a traced scalar has no Python truth value while tracing: use tl.when(cond) for a "
-             "guarded region, tl.where for a select, or a constexpr for a static choice")
+             "guarded region, tl.select for a choice of values, or a constexpr for a static choice. (Python "
+             "asks for one in `if`, `and` / `or` / `not`, a chained comparison `0 < p < n` and builtin min / max: "
+             "combine conditions with & and | ((0 < p) & (p < n)), and write tl.minimum / tl.maximum)")
 
     def __index__(self):
         fail("a traced scalar cannot be used as a Python int (e.g. in range() or a shape): "
@@ -289,6 +291,9 @@ class Scalar:
     def __rfloordiv__(self, o): return scalar_op("floordiv", o, self)
     def __mod__(self, o): return scalar_op("mod", self, o)
     def __rmod__(self, o): return scalar_op("mod", o, self)
+    # `pm, pn = divmod(pid, n)`: index arithmetic's common spelling (numpy's floor semantics, as // and %)
+    def __divmod__(self, o): return self // o, self % o
+    def __rdivmod__(self, o): return o // self, o % self
     def __lt__(self, o): return scalar_op("lt", self, o)
     def __le__(self, o): return scalar_op("le", self, o)
     def __gt__(self, o): return scalar_op("gt", self, o)
@@ -323,7 +328,10 @@ def cdiv(a, b):
         fail(f"cdiv({a}, {b}): a size is None — a schedule field left unset? (CommSchedule.tile_m is None "
              f"by default: pass tile_m=..., or handle None for whole chunks)")
     if isinstance(a, Scalar) or isinstance(b, Scalar):
-        return (a + (b - 1)) // b
+        if isinstance(b, numbers.Integral) and b > 0:
+            return (a + (b - 1)) // b            # (the form the recipes' wait patterns know)
+        q = a // b                               # a divisor of either sign: the floor, up where inexact
+        return select(a % b != 0, q + 1, q)
     if b == 0:
         fail(f"cdiv({a}, 0): dividing by zero (a zero-sized dimension or tile?)")
     return -(-a // b)

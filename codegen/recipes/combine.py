@@ -221,7 +221,7 @@ def _body_one_by_one(plan: CombinePlan, em: HookEmitter, lo: str, hi: str, st: s
     """The loop as written: per row its index, its gather, its scale, its sum."""
     m, L = plan.match, []
     k = em.define(m.loop.regions[0].args[0])
-    L.append(f"      for (int {k} = {lo}; {k} < {hi}; {k} += {st}) {{{marker(m.loop.loc)}")
+    L.append(f"      {em.loop_header(k, lo, hi, st)} {{{marker(m.loop.loc)}")
     with em.scope():
         em.row = "r"
         em.emit_values(plan.per_row, em.ops, "        ", L)    # per gathered row: its id (and column)

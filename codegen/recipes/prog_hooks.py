@@ -50,6 +50,14 @@ def _innermost_wait_loop(loop: core.Op) -> bool:
     return _holds_wait(loop) and not inner_wait_loop(loop)
 
 
+def _small_literals(lo: str, st: str) -> bool:
+    """Whether ``lo + lane * st`` is known to stay within i32 for any lane (both literals, small)."""
+    try:
+        return abs(int(lo)) + 1024 * abs(int(st)) < 2**31
+    except ValueError:
+        return False
+
+
 class HookEmitter(SignalEmitter):
     """Renders one ``Prog`` hook of a plan: the ops of ``roots`` (waits or notifies) with the
     index code, loops and guards around them (:meth:`emit`), or values the tile program
@@ -144,16 +152,20 @@ class HookEmitter(SignalEmitter):
             self._spread_depth -= spread
 
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        # (the step never carries iv past INT_MAX)
+        # (the start compared in 64 bits, each step by the unsigned distance to hi: the index never wraps
+        # past INT_MAX)
+        lanes = None
         if self.lanes and self._waits_over_lanes:
             spread, self._spread_next = self._spread_next, False
-            if spread:
-                return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
-                        f"{iv} = {hi} - {iv} > lanes * {st} ? {iv} + lanes * {st} : {hi})")
+            lanes = "lanes" if spread else None
         elif self.lanes and self.loop_depth == 0:
-            return (f"for (int {iv} = {lo} + lane * {st}; {iv} < {hi}; "
-                    f"{iv} = {hi} - {iv} > {self.lanes} * {st} ? {iv} + {self.lanes} * {st} : {hi})")
-        return super().loop_header(iv, lo, hi, st)
+            lanes = str(self.lanes)
+        if lanes is None:
+            return super().loop_header(iv, lo, hi, st)
+        start = (f"{lo} + lane * {st}" if _small_literals(lo, st) else
+                 f"(long long){lo} + (long long)lane * {st} < {hi} ? {lo} + lane * {st} : {hi}")
+        return (f"for (int {iv} = {start}; {iv} < {hi}; "
+                f"{iv} = unsigned({hi}) - unsigned({iv}) > unsigned({lanes} * {st}) ? {iv} + {lanes} * {st} : {hi})")
 
     def emit_other(self, op: core.Op, ind: str, lines: list[str]) -> None:
         if op.name in WAIT_OPS:

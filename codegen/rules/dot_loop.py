@@ -28,7 +28,7 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     L = [f"{ind}{{  // pipelined dot loop: {S} stages of {B} B ({names}) by {copies}, {len(lp.dots)} dot(s) on "
          f"WGMMA, accumulators in registers{marker(loop.loc)}",
          f"{i1}const int {nit}l = {lo}, {nit}h = {hi}, {nit}s = {st};",
-         f"{i1}const int {nit} = ({nit}s > 0 && {nit}l < {nit}h) ? ({nit}h - {nit}l + {nit}s - 1) / {nit}s : 0;",
+         f"{i1}const int {nit} = ({nit}s > 0 && {nit}l < {nit}h) ? (int)(((long long){nit}h - {nit}l + {nit}s - 1) / {nit}s) : 0;",
          f"{i1}unsigned char* const {ring} = reinterpret_cast<unsigned char*>((reinterpret_cast<unsigned long long>("
          f"{em.ring(loop)}) + 1023ull) & ~1023ull);",
          f"{i1}const int {wg} = tid / 128;"]

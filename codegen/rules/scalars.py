@@ -80,6 +80,21 @@ def element_expr(kind: str, args: list[str], compute: str) -> str:
     return ELEMENT_MATH[kind].format(*args)
 
 
+def step_cannot_wrap(hi: str, st: str) -> bool:
+    """Whether ``iv += st`` stays within i32 for every ``iv < hi`` (C++ expressions; literals known):
+    a step of 1 always does, a literal step below a literal bound where ``hi + st - 1 <= INT_MAX``."""
+    try:
+        step = int(st)
+    except ValueError:
+        return False
+    if step == 1:
+        return True
+    try:
+        return int(hi) + step - 1 <= 2**31 - 1
+    except ValueError:
+        return False
+
+
 class ScalarEmitter:
     """Emit the scalar ops of a list of IR ops as C++ statements.
 
@@ -113,8 +128,14 @@ class ScalarEmitter:
         return "rank"
 
     def loop_header(self, iv: str, lo: str, hi: str, st: str) -> str:
-        """The ``for (...)`` of a ``tl.range`` loop (a subclass may spread its iterations over threads)."""
-        return f"for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st})"
+        """The ``for (...)`` of a ``tl.range`` loop (a subclass may spread its iterations over threads). Its
+        step is taken only where it stays below ``hi`` (their distance compared unsigned, exact for any
+        ``iv < hi``): ``iv += st`` past INT_MAX would wrap below ``hi`` and never end (the simulator runs
+        ``range(lo, hi, st)`` exactly, whatever its bounds)."""
+        if step_cannot_wrap(hi, st):             # the plain form, which the compiler unrolls and counts
+            return f"for (int {iv} = {lo}; {iv} < {hi}; {iv} += {st})"
+        return (f"for (int {iv} = {lo}; {iv} < {hi}; "
+                f"{iv} = unsigned({hi}) - unsigned({iv}) > unsigned({st}) ? {iv} + {st} : {hi})")
 
     def table_expr(self, buf: core.Buffer) -> str:
         return table_param(buf)

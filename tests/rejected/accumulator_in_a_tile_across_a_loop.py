@@ -1,10 +1,11 @@
-"""An accumulator kept in a tile: `acc += ...` inside a tl.range binds the Python name to a value
-of the loop's body, which does not exist after the loop. The error is at the use, naming the
-loop and how to write an accumulator (a fragment)."""
+"""An accumulator kept in a tile: `acc += ...` inside a tl.range binds the Python name to a new tile
+made in the loop's body, so every iteration would read the tile made before the loop (and the new
+one does not exist after the loop). The error is at the update, saying how to write an accumulator
+(a fragment)."""
 import tldsl as tl
 
 ERROR = tl.CompilationError
-MESSAGE = "(made at accumulator_in_a_tile_across_a_loop.py:18) from inside the tl.range loop at accumulator_in_a_tile_across_a_loop.py:17, after the loop"
+MESSAGE = "`acc += ...` at line 19 binds `acc` to a new Tile (only a fragment is updated in place): the body is traced once"
 
 
 @tl.kernel
@@ -15,8 +16,8 @@ def summed(a, b, c):
     def mm(i):
         acc = tl.zeros((16, 16))
         for k in tl.range(0, K, 16):
-            acc += tl.dot(tl.load(a, (0, k), (16, 16)), tl.load(b, (k, 0), (16, 16)))
-        tl.store(c, (0, 0), acc)  # <-- error
+            acc += tl.dot(tl.load(a, (0, k), (16, 16)), tl.load(b, (k, 0), (16, 16)))  # <-- error
+        tl.store(c, (0, 0), acc)
 
 
 def trace():

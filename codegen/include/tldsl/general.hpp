@@ -143,15 +143,8 @@ TLDSL_DEV float max_(float a, float b) { return comm::fmax_nan(a, b); }
 TLDSL_DEV float min_(float a, float b) { return comm::fmin_nan(a, b); }
 
 // numpy's integer floor division and modulo: 0 for a zero divisor, INT_MIN // -1 wraps
-TLDSL_DEV int floordiv(int a, int b) {
-  if (b == 0) return 0;
-  if (b == -1) return neg(a);
-  return tldsl::floordiv(a, b);
-}
-TLDSL_DEV int mod(int a, int b) {
-  if (b == 0 || b == -1) return 0;
-  return tldsl::floormod(a, b);
-}
+TLDSL_DEV int floordiv(int a, int b) { return tldsl::floordiv(a, b); }
+TLDSL_DEV int mod(int a, int b) { return tldsl::floormod(a, b); }
 
 // numpy's float divmod: the remainder takes the divisor's sign, the quotient is snapped to the
 // nearest integer of (a - remainder) / b; a zero divisor gives a / b and fmod(a, b).

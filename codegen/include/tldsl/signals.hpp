@@ -161,12 +161,15 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 #define TLDSL_SIG_HD __host__ __device__ __forceinline__
 #endif
 
-// Python's floor division and modulo on ints (the IR's `floordiv` / `mod`).
+// numpy's floor division and modulo on i32 (the IR's `floordiv` / `mod`): 0 for a zero divisor, and
+// INT_MIN // -1 wraps to INT_MIN (C's a / b is undefined for both: a trap on x86, any value on a GPU).
 TLDSL_SIG_HD constexpr int floordiv(int a, int b) {
-  return (a / b) - (((a % b) != 0) && ((a < 0) != (b < 0)) ? 1 : 0);
+  return b == 0 ? 0
+       : b == -1 ? int(0u - unsigned(a))
+       : (a / b) - (((a % b) != 0) && ((a < 0) != (b < 0)) ? 1 : 0);
 }
 TLDSL_SIG_HD constexpr int floormod(int a, int b) {
-  return a - floordiv(a, b) * b;
+  return (b == 0 || b == -1) ? 0 : int(unsigned(a) - unsigned(floordiv(a, b)) * unsigned(b));
 }
 TLDSL_SIG_HD constexpr int imin(int a, int b) { return a < b ? a : b; }
 TLDSL_SIG_HD constexpr int imax(int a, int b) { return a > b ? a : b; }

@@ -462,3 +462,52 @@ def test_an_empty_grid_is_named_as_such():
             pass
     with pytest.raises(tl.CompilationError, match=r"a part's grid is empty: give it one Python int per axis"):
         k.trace(1, tl.TensorSpec((4,), tl.float32))
+
+
+def test_a_kernel_keyword_named_like_a_calls_own_parameter_is_refused_where_it_is_defined():
+    """``seed=3`` went to the simulator's scheduler, ``sms=5`` to tl.run only (the simulator traced
+    the kernel with 5, the GPU with the default): each is refused when the kernel is defined."""
+    with pytest.raises(tl.CompilationError, match=r"keyword parameter\(s\) \['seed', 'sms'\], which tl.simulate "
+                                                  r"/ tl.run / FusedProgram take as their own"):
+        @tl.kernel
+        def scaled(x, y, *, seed: tl.constexpr = 1, sms: tl.constexpr = 1):
+            pass
+
+
+@pytest.mark.parametrize("param", ["compute", "scale: tl.constexpr", "comm: tl.CommSchedule"])
+def test_a_compile_time_parameter_before_the_star_is_refused(param):
+    ns = {"tl": tl}
+    exec(f"def k(x, {param}, y):\n    pass", ns)                  # noqa: S102 - the test's own source
+    name = param.split(":")[0]
+    with pytest.raises(tl.CompilationError, match=rf"parameter '{name}' is compile-time but comes before the `\*`"):
+        tl.kernel(ns["k"])
+
+
+@tl.kernel
+def scaled_by(x, y, *, s: tl.constexpr = 1.0):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        tl.store(y, (0,), tl.load(x, (0,), (8,)) * s * GLOBAL_SCALE)
+
+
+GLOBAL_SCALE = 2.0
+
+
+def test_equal_keyword_values_of_other_types_or_signs_and_changed_globals_trace_again():
+    """The trace cache told keyword values apart by ``==``: ``s=-0.0`` after ``s=0.0`` kept +0's
+    sign, ``s=2.0`` after ``s=np.float32(2)`` kept f32 math on an f16 tile; and a global the kernel
+    reads kept its value of the first trace (a notebook setting ``GLOBAL_SCALE = 3.0`` saw 2.0)."""
+    global GLOBAL_SCALE
+    x = {"x": np.full(8, 1.0, np.float32), "y": np.full(8, np.nan, np.float32)}
+    one = lambda **kw: tl.simulate(scaled_by, 1, [x], **kw)[0]["y"]          # noqa: E731
+    assert not np.signbit(one(s=0.0)).any() and np.signbit(one(s=-0.0)).all()
+    xh = {"x": np.full(8, 60000, np.float16), "y": np.full(8, np.nan, np.float16)}
+    assert np.isinf(tl.simulate(scaled_by, 1, [xh], s=2.0)[0]["y"]).all()          # f16 math: overflows
+    assert np.isinf(tl.simulate(scaled_by, 1, [xh], s=np.float32(2.0))[0]["y"]).all()
+    assert (one(s=1.0) == 2.0).all()
+    try:
+        GLOBAL_SCALE = 3.0
+        assert (one(s=1.0) == 3.0).all()
+    finally:
+        GLOBAL_SCALE = 2.0
+    assert (one(s=1.0) == 2.0).all()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ from .ir import core, types as T
 from .ir.location import Location, user_location
 from .ir.schedule import CommSchedule, ComputeSchedule, check_compatible
 from .ir.verifier import verify
-from .language import Symmetric
+from .language import Symmetric, constexpr
 from .tracing import Builder, Scalar, TensorRef, current, fail, tracing
 
 
@@ -53,6 +54,14 @@ def spec_shape(shape, what: str = "tl.TensorSpec") -> tuple[int, ...]:
     if bad:
         raise InputError(f"{what}: shape {dims!r}: every dimension must be an int >= 0 "
                          f"(got {bad[0]!r} of type {type(bad[0]).__name__})")
+    if not dims:        # (the GPU's lowering has no index for it: tbl_s[], and tl.run's copy is 1-d)
+        raise InputError(f"{what}: shape () is a 0-d tensor, which a tile program cannot index: pass shape (1,) "
+                         "instead (np.reshape(x, 1), t.reshape(1)) and read its element at (0,)")
+    big = [i for i, d in enumerate(dims) if d >= 2 ** 31]
+    if big:
+        raise InputError(f"{what}: shape {dims!r}: dimension {big[0]} is {dims[big[0]]:,}, but kernels index each "
+                         "dimension with 32-bit ints (offsets are i32): every dimension must be below 2**31; split "
+                         "the tensor (a long 1-d one into rows of a 2-d one)")
     return tuple(int(d) for d in dims)
 
 
@@ -66,6 +75,88 @@ def spec_dtype(dtype, what: str = "tl.TensorSpec") -> T.DType:
         return T.dtype_of(dtype)
     except TypeError as e:
         raise InputError(f"{what}: dtype {dtype!r}: {e}") from None
+
+
+#: the parameters of tl.simulate, tl.run and FusedProgram besides the kernel's own keywords: a kernel
+#: keyword of one of these names would be taken by the call (seed=3 as the scheduler's seed, sms=5 by
+#: tl.run only, so the simulator and the GPU would compute different programs)
+CALL_PARAMETERS = frozenset({"kernel", "world_size", "inputs", "seed", "options", "timeout_s", "lowering",
+                             "progress", "group", "sms", "specs", "static_checks", "device", "sm_split", "chain"})
+
+
+def _check_parameter_kinds(fn, tensor_params, kw_params) -> None:
+    """Refuse, where the kernel is defined, keyword names the calls take themselves, and compile-time
+    parameters written before the ``*`` (they would be taken for tensors)."""
+    loc = Location(fn.__code__.co_filename, fn.__code__.co_firstlineno)
+    taken = sorted(set(kw_params) & CALL_PARAMETERS)
+    if taken:
+        raise CompilationError(
+            f"tl.kernel '{fn.__name__}' has keyword parameter(s) {taken}, which tl.simulate / tl.run / FusedProgram "
+            "take as their own (seed=3 would seed the simulator's schedule, not reach the kernel): rename them",
+            loc)
+    for p in tensor_params:
+        if p.annotation in (constexpr, "tl.constexpr", "constexpr", ComputeSchedule, CommSchedule,
+                            "tl.ComputeSchedule", "tl.CommSchedule") or p.name in ("compute", "comm"):
+            raise CompilationError(
+                f"tl.kernel '{fn.__name__}': parameter '{p.name}' is compile-time but comes before the `*`, so it "
+                "would be taken for a tensor: write the tensors first, then `*,`, then the compile-time parameters "
+                f"(def {fn.__name__}(x, y, *, {p.name}...))", loc)
+
+
+def specialisation_key(v):
+    """A keyword value as the trace cache tells values apart: by type and, for floats, by bits, so
+    ``-0.0`` after ``0.0``, ``2.0`` after ``np.float32(2)`` or ``2.0`` after ``2`` trace again (equal
+    under ``==``, they are different programs)."""
+    if isinstance(v, (float, np.floating)):
+        return (type(v), np.asarray(v).tobytes())
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(specialisation_key(x) for x in v))
+    if isinstance(v, frozenset):
+        return (type(v), frozenset(specialisation_key(x) for x in v))
+    return (type(v), v)
+
+
+class ReadGlobals:
+    """The module globals and closure cells a kernel's code reads by name (its nested part functions'
+    too), as part of the trace cache's key: a notebook cell that sets ``SCALE = 3.0`` after a run must
+    not get the program traced with ``SCALE = 2.0``. Modules are left out (they are not values), other
+    unhashable objects count by identity."""
+
+    def __init__(self, fn):
+        names, code_objects = set(), [fn.__code__]
+        while code_objects:
+            code = code_objects.pop()
+            names.update(code.co_names)
+            code_objects.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        self.fn = fn
+        self.names = sorted(names)         # (looked up at each call: a global may be defined after the kernel)
+        self.cells = [(n, c) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+
+    def key(self) -> tuple:
+        g = self.fn.__globals__
+        out = []
+        for name, value in [(n, g[n]) for n in self.names if n in g] + [(n, _cell(c)) for n, c in self.cells]:
+            if isinstance(value, types.ModuleType):
+                continue
+            try:
+                if not isinstance(value, _VALUES):
+                    raise TypeError
+                out.append((name, specialisation_key(value), hash(value)))
+            except TypeError:                       # (a tensor, a list...: by identity, never compared)
+                out.append((name, type(value), id(value)))
+        return tuple(out)
+
+
+#: globals that count by value (equal values, one program); anything else counts by identity
+_VALUES = (numbers.Number, str, bytes, type(None), tuple, frozenset, np.generic, np.dtype, T.DType, type,
+           types.FunctionType, types.BuiltinFunctionType, functools.partial, ComputeSchedule, CommSchedule)
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:                      # a cell not yet bound
+        return None
 
 
 class KernelFunction:
@@ -91,9 +182,11 @@ class KernelFunction:
         self.tensor_params = [p for p in sig.parameters.values()
                               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.kw_params = {p.name: p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        _check_parameter_kinds(fn, self.tensor_params, self.kw_params)
         self.symmetric = {p.name for p in self.tensor_params if p.annotation is Symmetric
                           or p.annotation == "tl.Symmetric" or p.annotation == "Symmetric"}
         self._cache: dict = {}
+        self._globals = ReadGlobals(fn)
         code = fn.__code__
         self.loc = Location(code.co_filename, code.co_firstlineno)
 
@@ -151,7 +244,9 @@ class KernelFunction:
             except TypeError:
                 raise InputError(f"keyword '{k}' of kernel '{self.name}' is compile-time and must be "
                                  f"hashable (got {type(v).__name__})") from None
-        key = (world_size, specs, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), channels)
+        key = (world_size, specs, tuple(sorted(((k, specialisation_key(v)) for k, v in kwargs.items()),
+                                               key=lambda kv: kv[0])),
+               channels, self._globals.key())
         if key not in self._cache:
             self._cache[key] = self._trace(world_size, specs, kwargs, compute, comm, channels)
         return self._cache[key]
@@ -244,6 +339,11 @@ def _grid(grid) -> tuple[int, ...]:
         fail(f"a part's grid must be Python ints (static), got {grid}")
     if any(g <= 0 for g in grid):
         fail(f"a part's grid must be positive, got {grid} (is a tensor dimension zero?)")
+    tasks = functools.reduce(lambda n, g: n * int(g), grid, 1)
+    if tasks >= 2 ** 30:    # (a GPU's task loop steps past the last task in an int: 2**31 - 1 would wrap)
+        fail(f"a part's grid {tuple(int(g) for g in grid)} has {tasks:,} tasks, but program ids and task counters "
+             "are 32-bit ints: a part has fewer than 2**30 tasks; use bigger tiles, or loop over several tiles in "
+             "a task (tl.range)")
     return tuple(int(g) for g in grid)
 
 

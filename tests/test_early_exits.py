@@ -229,3 +229,27 @@ def test_without_its_source_a_rebinding_is_not_judged():
     ns = {"tl": tl}
     exec(compile(textwrap.dedent(PREVIOUS_TILE), "<no source 2>", "exec"), ns)   # noqa: S102
     ns["k"].trace(1, tl.TensorSpec((1, 32), tl.float32), tl.TensorSpec((1, 8), tl.float32))
+
+
+WHEN_VALUES_KEPT_INSIDE = """
+@tl.kernel
+def k(x, y):
+    @tl.compute_part(grid=(4,))
+    def part(p):
+        t = tl.load(x, (p * 8,), (8,))
+        off = 8
+        with tl.when(p == 0):
+            off = 16                    # read only inside the block
+            tl.store(y, (p * 8,), t * off)
+        with tl.when(p > 0):
+            scale = 1.0                 # the same value after the block as before it
+            scale = 1.0
+            tl.store(y, (p * 8,), t * scale)
+"""
+
+
+def test_values_a_when_body_binds_and_uses_only_inside_it_are_not_refused():
+    ns = _cell(WHEN_VALUES_KEPT_INSIDE, "<cell-13>")
+    x = np.arange(32, dtype=np.float32)
+    got = tl.simulate(ns["k"], 1, [{"x": x, "y": np.full(32, np.nan, np.float32)}])[0]["y"]
+    np.testing.assert_array_equal(got, np.where(np.arange(32) < 8, 16 * x, x))

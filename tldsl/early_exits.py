@@ -21,8 +21,9 @@ from . import loop_carried
 
 #: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
 #: `for` statements, whether it parsed, {header line: the call wrapping a `range(...)` call} of its `for` statements,
-#: {header line: the names its `for` statement's body carries into the next iteration})
-_INDEX: dict[str, tuple[list, dict, dict, bool, dict, dict]] = {}
+#: {header line: the names its `for` statement's body carries into the next iteration}, {header line: the names
+#: its `with` statement's body binds that are read after it})
+_INDEX: dict[str, tuple[list, dict, dict, bool, dict, dict, dict]] = {}
 #: one index built at a time: ranks traced in threads (the fused-op runtime's) would otherwise parse
 #: at once, which CPython 3.11's parser does not survive ("AST constructor recursion depth mismatch")
 _LOCK = threading.Lock()
@@ -30,7 +31,7 @@ _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDe
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict, dict]:
+def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict, dict, dict]:
     """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
     header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
@@ -38,7 +39,7 @@ def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict, dict]:
         return _index_locked(filename, globals_)
 
 
-def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict, dict]:
+def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict, dict, dict]:
     linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
     if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
@@ -65,7 +66,8 @@ def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict, dict
                         wrapped[line] = wrapper
                     if names:
                         carried.setdefault(line, {}).update(names)
-        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped, carried)
+        escaping = loop_carried.when_escaping_names(tree) if tree is not None else {}
+        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped, carried, escaping)
     return _INDEX[filename][1:]
 
 
@@ -134,6 +136,14 @@ def loop_carried_names(filename: str, lineno: int, globals_=None) -> dict:
     """{name: (its first read, its first binding)} of the names that the body of the ``for`` loop whose
     header holds line ``lineno`` reads before binding them (:func:`.loop_carried.carried_names`)."""
     return _index(filename, globals_)[4].get(lineno, {})
+
+
+def when_escaping_names(frame) -> dict:
+    """{name: its binding} of the names the ``with`` statement ``frame`` is entering binds in its body
+    and reads after it (:func:`.loop_carried.when_escaping_names`)."""
+    if frame is None:
+        return {}
+    return _index(frame.f_code.co_filename, frame.f_globals)[5].get(frame.f_lineno, {})
 
 
 def has_source(filename: str, globals_=None) -> bool:

@@ -169,10 +169,39 @@ def when(cond):
             "every task and iteration, not only where the condition holds. Put the code it should skip under "
             "tl.when of the opposite condition", Location(frame.f_code.co_filename, jumps[0].lineno, jumps[0].col_offset))
     b = current()
+    escaping = early_exits.when_escaping_names(frame)
+    before = {n: frame.f_locals.get(n, _UNBOUND) for n in escaping} if escaping else {}
+    open_before = list(b.blocks)
     body = core.Block()
     b.emit("if", [c.value], [], {}, [body])
     with b.region(body):
         yield
+    if escaping:
+        _refuse_escaping(escaping, before, frame, open_before, b)
+
+
+_UNBOUND = object()
+
+
+def _refuse_escaping(escaping: dict, before: dict, frame, open_before: list, b) -> None:
+    """Refuse a name a ``tl.when`` body bound to another plain value and the program reads after it: the
+    body is traced for every task, so after the block the name holds the body's value whether or not the
+    condition held. (A tile or scalar made in the body is refused where it is used after the block.)"""
+    now = frame.f_locals
+    for name, binding in escaping.items():
+        value = now.get(name, _UNBOUND)
+        if value is _UNBOUND or loop_carried.same_value(before[name], value):
+            continue
+        traced = getattr(value, "value", None)
+        home = b.home.get(traced.id) if isinstance(traced, core.Value) else None
+        if home is not None and not any(home is blk for blk in open_before):
+            continue                                # made in the body: refused at its use after it
+        raise CompilationError(
+            f"`{name}` is bound inside this tl.when body (line {binding.lineno}) and read after it: the body is "
+            f"traced once for every task, so after the block `{name}` holds the body's value whether or not the "
+            f"condition held. Choose the value instead ({name} = tl.select(cond, new, {name}) for a scalar, "
+            "tl.where for a tile), or use it only inside the block",
+            Location(frame.f_code.co_filename, binding.lineno, binding.col_offset))
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -418,6 +447,9 @@ def _workspace(shape, dtype, name, space):
              + (" (a traced scalar cannot size a buffer: shapes are static)" if traced else
                 " (use // for a whole number)" if any(isinstance(s, float) for s in shape) else ""))
     shape = tuple(int(s) for s in shape)
+    if any(s >= 2 ** 31 for s in shape):
+        fail(f"buffer '{name}' of shape {shape}: kernels index each dimension with 32-bit ints, so every dimension "
+             "must be below 2**31; split it (a long 1-d buffer into rows of a 2-d one)")
     buf = core.Buffer(b.unique(name, b.buffers), T.TensorType(shape, dtype_arg(dtype, f"buffer '{name}'"), space),
                       "workspace", loc=user_location())
     b.buffers.append(buf)

@@ -1,5 +1,6 @@
 """Python names a ``tl.range`` body reads before it rebinds them: values Python would carry from one
-iteration to the next, which the trace cannot.
+iteration to the next, which the trace cannot; and names a ``tl.when`` body binds that are read after
+it, which hold the body's value whether or not its condition held.
 
 The tracer runs a loop's body once, so ``off += 8`` or ``prev = t`` in the body leaves every
 iteration of the IR loop reading the value the name had before the loop — another program than the
@@ -100,6 +101,44 @@ def carried_names(loop: ast.For) -> dict[str, tuple[ast.AST, ast.AST]]:
         order.visit(stmt)
     return {name: (read, order.first_binding[name]) for name, read in order.first_read.items()
             if name in order.first_binding and name not in targets}
+
+
+def _scope_nodes(scope):
+    """The nodes of a function's (or module's) own body, not those of functions or classes in it."""
+    todo = list(scope.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (*_SCOPES, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def when_escaping_names(tree) -> dict[int, dict[str, ast.AST]]:
+    """{line of a ``with`` header: {name: its first binding in the body}} of the names a ``with`` body
+    binds and its function reads after the statement ends (by line): a ``tl.when`` body is traced for
+    every task, so after it such a name holds the body's value, taken or not."""
+    out: dict[int, dict[str, ast.AST]] = {}
+    for scope in ast.walk(tree):
+        if not isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        nodes = list(_scope_nodes(scope))
+        for w in nodes:
+            if not isinstance(w, (ast.With, ast.AsyncWith)):
+                continue
+            bound: dict[str, ast.AST] = {}
+            for stmt in w.body:
+                for n in _scope_nodes(ast.Module(body=[stmt], type_ignores=[])):
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        bound.setdefault(n.id, n)
+            if not bound:
+                continue
+            read_after = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                          and n.lineno > w.end_lineno}
+            escaping = {k: v for k, v in bound.items() if k in read_after}
+            if escaping:
+                for line in range(w.lineno, w.items[-1].context_expr.end_lineno + 1):
+                    out.setdefault(line, {}).update(escaping)
+    return out
 
 
 def same_value(before, after) -> bool:

@@ -49,6 +49,8 @@ def dtype_of(x) -> DType:
     """The tldsl dtype of a DType, a numpy dtype/array, a name, or a torch dtype."""
     if isinstance(x, DType):
         return x
+    if x is None:           # (np.dtype(None) is float64, which the caller never wrote)
+        raise TypeError("a dtype is required, got None: tldsl supports f16, bf16, f32, i32, i1")
     if isinstance(x, str):
         if x in _BY_NAME:
             return _BY_NAME[x]

@@ -257,6 +257,8 @@ def test_tensor_spec_maps_torch_dtypes():
     ((8, 16), np.float64, r"dtype .*float64.*: unsupported dtype float64"),
     ((8, 16), "half", r"dtype 'half': unknown dtype"),
     ((8, 16), None, r"dtype is required"),
+    ((), tl.float16, r"shape \(\) is a 0-d tensor, which a tile program cannot index: pass shape \(1,\)"),
+    ((8, 2 ** 31), tl.float16, r"shape \(8, 2147483648\): dimension 1 is 2,147,483,648, .*below 2\*\*31"),
 ])
 def test_tensor_spec_refuses_what_the_language_does_not_take(shape, dtype, message):
     with pytest.raises(tl.InputError, match=r"^tl\.TensorSpec: " + message):

@@ -232,6 +232,86 @@ def test_non_array_argument(nothing_runs):
         tl.simulate(gather_scale, 2, inputs)
 
 
+def test_every_ranks_argument_is_checked_naming_the_rank(nothing_runs):
+    """A list, an unsupported dtype or a tl.TensorSpec on a rank other than 0 was a misleading
+    'non-uniform argument ... () on rank 1', a bare TypeError, or a TypeError from the copy."""
+    cases = [([0.5] * 4, "argument 'scale' on rank 1 is a list, not an array"),
+             (np.zeros(4), r"argument 'scale' on rank 1: unsupported dtype float64"),
+             (tl.TensorSpec((4,), tl.float32), r"argument 'scale' on rank 1 is a tl.TensorSpec: it has a shape and "
+                                               r"a dtype but no values to run on")]
+    for bad, message in cases:
+        inputs = _inputs(2)
+        inputs[1]["scale"] = bad
+        with pytest.raises(tl.InputError, match=message):
+            tl.simulate(gather_scale, 2, inputs)
+    inputs = _inputs(2)
+    inputs[0]["a"] = tl.TensorSpec(inputs[0]["a"].shape, tl.float32)
+    with pytest.raises(tl.InputError, match=r"argument 'a' on rank 0 is a tl.TensorSpec.*pass an array"):
+        tl.simulate(gather_scale, 2, inputs)
+
+
+def test_a_sparse_tensor_is_refused_as_not_dense(nothing_runs):
+    """A torch sparse tensor was a TypeError from numpy's copy (tl.simulate) or a RuntimeError
+    from torch's (tl.run)."""
+    torch = pytest.importorskip("torch")
+    inputs = _inputs(2)
+    inputs[1]["a"] = torch.from_numpy(inputs[1]["a"]).to_sparse()
+    with pytest.raises(tl.InputError, match=r"argument 'a' on rank 1 is a torch tensor of layout torch.sparse_coo: "
+                                            r"tldsl runs on dense \(strided\) tensors; pass .to_dense\(\) of it"):
+        tl.simulate(gather_scale, 2, inputs)
+    with pytest.raises(tl.InputError, match="layout torch.sparse_coo"):
+        tl.run(gather_scale, 2, inputs)
+
+
+@tl.kernel
+def broadcast_scalar(s, y, *, compute: tl.ComputeSchedule = None):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        tl.store(y, (0,), tl.full((8,), tl.load_scalar(s, ()), tl.int32))
+
+
+def test_a_zero_dimensional_tensor_is_refused_by_the_simulator_and_tl_run_alike():
+    """A 0-d argument simulated, but the GPU's lowering emitted ``tbl_s[]`` (a CudaCompileError)
+    and tl.run returned it with shape (1,)."""
+    ins = [{"s": np.array(7, np.int32), "y": np.zeros(8, np.int32)}]
+    message = r"argument 's': shape \(\) is a 0-d tensor, which a tile program cannot index: pass shape \(1,\)"
+    for call in (tl.simulate, tl.run):
+        with pytest.raises(tl.InputError, match=message):
+            call(broadcast_scalar, 1, ins)
+    with pytest.raises(tl.InputError, match=r"^tl.TensorSpec: shape \(\) is a 0-d tensor"):
+        broadcast_scalar.trace(1, tl.TensorSpec((), tl.int32), tl.TensorSpec((8,), tl.int32))
+
+
+def test_dimensions_and_grids_past_32_bit_indices_are_refused():
+    """Offsets are i32 and the GPU passes a row's length as an int: a 3e9-long vector read zeros on
+    the GPU (its length wrapped negative) while the simulator computed it; a grid of 2**32 tasks
+    lowered to ``task < 4294967296``. Refused where they are made (nothing is allocated here)."""
+    with pytest.raises(tl.InputError, match=r"^tl.TensorSpec: shape \(3000000000,\): dimension 0 is 3,000,000,000, "
+                                            r"but kernels index each dimension with 32-bit ints"):
+        tl.TensorSpec((3_000_000_000,), tl.float16)
+    with pytest.raises(tl.InputError, match=r"shape \(4, 2147483648\): dimension 1"):
+        tl.TensorSpec((4, 2 ** 31), tl.float16)
+    tl.TensorSpec((70_000, 40_000), tl.float16)    # 2.8e9 elements: rows are offset in 64 bits
+    tl.TensorSpec((2 ** 31 - 1,), tl.float16)
+
+    @tl.kernel
+    def tiled(y, *, n: tl.constexpr = 1):
+        @tl.compute_part(grid=(n, n))
+        def part(i, j):
+            pass
+    with pytest.raises(tl.CompilationError, match=r"a part's grid \(65536, 65536\) has 4,294,967,296 tasks, but "
+                                                  r"program ids and task counters are 32-bit ints") as info:
+        tiled.trace(1, tl.TensorSpec((4,), tl.float32), n=2 ** 16)
+    assert info.value.loc.filename == __file__
+    tiled.trace(1, tl.TensorSpec((4,), tl.float32), n=2 ** 14)
+
+    @tl.kernel
+    def big_scratch(y):
+        tl.local_buffer((2 ** 31,), tl.float16)
+    with pytest.raises(tl.CompilationError, match=r"buffer 'scratch' of shape \(2147483648,\): .* below 2\*\*31"):
+        big_scratch.trace(1, tl.TensorSpec((4,), tl.float32))
+
+
 def test_a_traced_kernel_refuses_arrays_of_other_dtypes_than_it_was_traced_for():
     """Simulating a traced kernel: an int32 array where it was traced for f16 (or a float32 one for
     i32) is an InputError naming the argument, not values converted silently (70000 -> f16's inf).

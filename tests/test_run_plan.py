@@ -502,6 +502,10 @@ BAD_CALLS = {
     "non-uniform shard": dict(inputs=[dict(x, a=x["a"][: 8 * (r + 1)]) for r, x in enumerate(_inputs())]),
     "float64 input": dict(inputs=[dict(x, b=x["b"].astype(np.float64)) for x in _inputs()]),
     "not a kernel": dict(kernel=print),
+    "a TensorSpec input": dict(inputs=[dict(x, b=tl.TensorSpec(x["b"].shape, tl.float16)) for x in _inputs()]),
+    "a list on rank 1": dict(inputs=[dict(x, b=x["b"].tolist() if r else x["b"]) for r, x in enumerate(_inputs())]),
+    "float64 on rank 1": dict(inputs=[dict(x, b=x["b"].astype(np.float64) if r else x["b"])
+                                      for r, x in enumerate(_inputs())]),
 }
 
 
@@ -520,6 +524,9 @@ def test_bad_calls_get_the_simulators_errors(case):
 @pytest.mark.parametrize("kw,error", [(dict(timeout_s=0), "timeout_s"), (dict(timeout_s="1"), "timeout_s"),
                                       (dict(timeout_s=float("inf")), r"finite .*\(None: no timeout"),
                                       (dict(timeout_s=float("nan")), "timeout_s"),
+                                      # below 1 ns was a LoweringError about wait_timeout_ns; 2**64 ns wrapped
+                                      (dict(timeout_s=1e-10), r"timeout_s=1e-10: .*whole nanoseconds"),
+                                      (dict(timeout_s=18446744073.8), r"below 18446744073.7 s \(2\*\*64 ns"),
                                       (dict(lowering=[("threads", 64)]), "lowering"),
                                       (dict(lowering={"wait_timeout_ns": 10}), "pass timeout_s instead")])
 def test_the_run_options_are_checked(kw, error):

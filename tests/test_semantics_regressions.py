@@ -243,6 +243,12 @@ def mask_out(x, m, *, compute: tl.ComputeSchedule = None):
     (lambda x: tl.fragment((8, 8), "float"), "tl.fragment: unknown dtype 'float' (tl.float16, tl.bfloat16"),
     (lambda x: tl.full((8,), 1.0, "half precision"), "tl.full: unknown dtype 'half precision'"),
     (lambda x: tl.load(x, (0,), (8,)).to("double"), "tl.cast: unknown dtype 'double'"),
+    # dtype=None (a constexpr's default) was "unsupported dtype float64": np.dtype(None) is float64
+    (lambda x: tl.cast(tl.load(x, (0,), (8,)), None), "tl.cast: a dtype is required, got None: pass one of tl.float16"),
+    (lambda x: tl.full((8,), 1.0, None), "tl.full: a dtype is required, got None"),
+    (lambda x: tl.zeros((8,), None), "tl.full: a dtype is required, got None"),
+    (lambda x: tl.fragment((8, 8), None), "tl.fragment: a dtype is required, got None"),
+    (lambda x: tl.local_buffer((8,), None), "buffer 'scratch': a dtype is required, got None"),
 ])
 def test_a_bad_loop_bound_or_dtype_is_an_error_at_the_users_line(body, message):
     """tl.range(0, 8, 0.5) and tl.fragment(..., "float") once raised Python's own TypeError from

@@ -26,7 +26,8 @@ class TensorSpec:
     """What a kernel is specialised on for one tensor argument: its shape (Python or numpy ints
     >= 0) and its dtype — a tl dtype, its name (``"bf16"``, ``"float16"``), or a numpy or torch
     dtype, mapped to the tl one. Anything else is refused here, naming the argument, rather than
-    surfacing later as a strange shape or a dtype mismatch inside the kernel."""
+    surfacing later as a strange shape or a dtype mismatch inside the kernel — so is a 0-d shape
+    (pass ``(1,)``) and a dimension of 2**31 or more (kernels index each dimension in 32-bit ints)."""
     shape: tuple[int, ...]
     dtype: T.DType
 

@@ -30,6 +30,9 @@ def register_group_runner(runner) -> None:
     _ACROSS_GROUP = runner
 
 
+#: the kernels' wait timeout is an unsigned 64-bit count of nanoseconds (-DTLDSL_WAIT_TIMEOUT_NS=...ull)
+MAX_WAIT_TIMEOUT_NS = 2 ** 64
+
 
 def check_run_options(timeout_s, lowering, who: str) -> None:
     """``timeout_s`` and ``lowering`` as tl.run and the fused-op runtime take them (checked before
@@ -38,6 +41,10 @@ def check_run_options(timeout_s, lowering, who: str) -> None:
                                   or not timeout_s > 0 or not math.isfinite(timeout_s)):
         raise InputError(f"timeout_s must be a finite positive number of seconds (None: no timeout, wait forever), "
                          f"got {timeout_s!r}")
+    if timeout_s is not None and not 1 <= int(timeout_s * 1e9) < MAX_WAIT_TIMEOUT_NS:
+        raise InputError(f"timeout_s={timeout_s!r}: the kernels count a wait's timeout in whole nanoseconds, in a 64-bit "
+                         f"counter, so timeout_s is from 1e-9 s up to below {MAX_WAIT_TIMEOUT_NS / 1e9:.1f} s (2**64 ns, "
+                         "about 584 years); pass timeout_s=None to wait forever")
     if lowering is not None and not isinstance(lowering, dict):
         raise InputError(f"lowering must be a dict of lower_all options, got {type(lowering).__name__}")
     if lowering and "wait_timeout_ns" in lowering:

@@ -163,6 +163,9 @@ def fail(message: str):
 def dtype_arg(dtype, what: str) -> T.DType:
     """A dtype argument of the language (a tl, numpy or torch dtype, or a name) as a tl dtype; a
     CompilationError at the user's line naming ``what`` took it otherwise."""
+    if dtype is None:       # np.dtype(None) is float64: say what is missing, not "unsupported dtype float64"
+        fail(f"{what}: a dtype is required, got None: pass one of tl.float16, tl.bfloat16, tl.float32, tl.int32, "
+             "tl.bool_ (or a numpy or torch dtype)")
     try:
         return T.dtype_of(dtype)
     except TypeError as e:

@@ -343,26 +343,44 @@ def _reporter(options: SimOptions, expected_steps: int, long_run: bool, launches
 
 
 def _check_uniform(names, per_rank, symmetric):
-    """One compiled kernel serves every rank: shapes and dtypes must agree across ranks."""
+    """One compiled kernel serves every rank: each rank's argument is an array of a supported
+    dtype (:func:`_check_array`), and shapes and dtypes agree across ranks."""
     for i, name in enumerate(names):
-        ref = per_rank[0][i]
-        if not hasattr(ref, "shape") or not hasattr(ref, "dtype"):
-            raise InputError(f"argument '{name}' on rank 0 is a {type(ref).__name__}, not an array")
-        try:
-            dtype_of(ref.dtype)
-        except TypeError as e:
-            raise InputError(f"argument '{name}': {e}") from None
         for r, arrs in enumerate(per_rank):
-            if getattr(getattr(arrs[i], "device", None), "type", None) == "meta":
-                raise InputError(f"argument '{name}' on rank {r} is a tensor on torch's meta device: it has a shape "
-                                 "and a dtype but no values to run on (trace it with its TensorSpec instead)")
+            _check_array(name, r, arrs[i])
+        ref = per_rank[0][i]
         for r, arrs in enumerate(per_rank[1:], 1):
             a = arrs[i]
-            if not hasattr(a, "shape") or tuple(a.shape) != tuple(ref.shape):
+            if tuple(a.shape) != tuple(ref.shape):
                 kind = "symmetric buffer" if name in symmetric else "argument"
                 raise InputError(f"non-uniform {kind} '{name}': shape {tuple(ref.shape)} on rank 0 but "
-                                 f"{tuple(getattr(a, 'shape', ()))} on rank {r}"
+                                 f"{tuple(a.shape)} on rank {r}"
                                  + (" (symmetric buffers must have the same shape on every rank)"
                                     if name in symmetric else " (one kernel is compiled for every rank)"))
             if dtype_of(a.dtype) != dtype_of(ref.dtype):
                 raise InputError(f"argument '{name}': dtype {ref.dtype} on rank 0 but {a.dtype} on rank {r}")
+
+
+def _check_array(name: str, r: int, a) -> None:
+    """Rank ``r``'s argument ``name`` is values to run on: an array or a dense torch tensor (not a
+    TensorSpec, a list, a meta or sparse tensor) of a dtype tldsl supports."""
+    from ...kernel import TensorSpec
+    if isinstance(a, TensorSpec):
+        raise InputError(f"argument '{name}' on rank {r} is a tl.TensorSpec: it has a shape and a dtype but no values "
+                         "to run on (a TensorSpec traces a kernel, kernel.trace(world_size, spec, ...); pass an array "
+                         "or a tensor here)")
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise InputError(f"argument '{name}' on rank {r} is a {type(a).__name__}, not an array (pass np.asarray(...) "
+                         "of it)")
+    try:
+        dtype_of(a.dtype)
+    except TypeError as e:
+        on = f" on rank {r}" if r else ""
+        raise InputError(f"argument '{name}'{on}: {e}") from None
+    if getattr(getattr(a, "device", None), "type", None) == "meta":
+        raise InputError(f"argument '{name}' on rank {r} is a tensor on torch's meta device: it has a shape "
+                         "and a dtype but no values to run on (trace it with its TensorSpec instead)")
+    layout = getattr(a, "layout", None)
+    if layout is not None and str(layout) != "torch.strided":
+        raise InputError(f"argument '{name}' on rank {r} is a torch tensor of layout {layout}: tldsl runs on dense "
+                         "(strided) tensors; pass .to_dense() of it")

@@ -144,6 +144,14 @@ class TmaDescriptorSpec:
     l2_promotion: str = "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"
     oob_fill: str = "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"   # out-of-bounds elements read as zero
 
+    def __post_init__(self):
+        # cuTensorMapEncodeTiled takes no zero (or negative) extent: a recipe whose plan would
+        # describe such a tensor refuses it here, at plan time (the part falls back to the general
+        # lowering, which needs no descriptor), rather than at the launch
+        if any(int(d) <= 0 for d in self.global_dims):
+            raise LoweringError(f"TMA cannot describe tensor '{self.buffer}' (descriptor {self.param}): it has a zero "
+                                f"extent, shape {list(reversed(self.global_dims))}")
+
     @property
     def rank(self) -> int:
         return len(self.global_dims)
@@ -160,7 +168,12 @@ class TmaDescriptorSpec:
             getattr(cu.CUtensorMapInterleave, self.interleave), getattr(cu.CUtensorMapSwizzle, self.swizzle),
             getattr(cu.CUtensorMapL2promotion, self.l2_promotion), getattr(cu.CUtensorMapFloatOOBfill, self.oob_fill))
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuTensorMapEncodeTiled({self.param}) failed: {err}")
+            from ..errors import InputError
+            raise InputError(f"the TMA descriptor {self.param} of tensor '{self.buffer}' cannot be built: "
+                             f"cuTensorMapEncodeTiled refused it ({getattr(err, 'name', err)}): shape "
+                             f"{list(reversed(self.global_dims))} ({self.dtype}), byte strides "
+                             f"{list(reversed(self.global_strides))}, box {list(reversed(self.box_dims))}, address "
+                             f"{address:#x}{'' if address % 16 == 0 else ' (not 16-byte aligned)'}")
         return ctypes.string_at(tmap.getPtr(), 128)
 
 

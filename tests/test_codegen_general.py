@@ -1070,6 +1070,75 @@ def test_a_part_the_gemm_planner_refuses_falls_back_to_the_general_recipe():
         lower(k, "mm", cluster=(2, 1))          # an option only the GEMM takes: its planner's error
 
 
+@tl.kernel
+def gemm_any_k(a, b, c, *, compute: tl.ComputeSchedule = None):
+    M, K = a.shape
+    _, N = b.shape
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        tl.store(c, (pm * BM, pn * BN), acc.read())
+
+
+@needs_gxx
+def test_a_gemm_with_k_0_falls_back_to_the_general_recipe_and_stores_zeros(tmp_path):
+    """TMA takes no zero extent (cuTensorMapEncodeTiled refuses a 0 dimension): the GEMM recipe
+    refuses K = 0 at plan time, the general lowering takes the part without TMA descriptors (its
+    pipelined K loop by cp.async), and stores C = 0 as the simulator does, over a poisoned C."""
+    from tldsl.codegen import lower_gemm, pipeline
+    from tldsl.codegen.abi import TmaDescriptorSpec
+    sch = tl.ComputeSchedule(tile=(128, 128, 64))
+    a, b, c = np.zeros((128, 0), np.float16), np.zeros((0, 128), np.float16), np.full((128, 128), np.nan, np.float32)
+    k = gemm_any_k.trace(1, S(a.shape, F16), S(b.shape, F16), S(c.shape, F32), compute=sch)
+    assert pipeline.match(k, k.parts[0]).recipe.name == "gemm"
+    with pytest.raises(LoweringError, match="TMA cannot describe tensor 'a' .*zero extent, shape \\[128, 0\\]"):
+        lower_gemm(k)
+    with pytest.warns(tl.FallbackWarning, match="general recipe: the gemm recipe refused: TMA cannot describe"):
+        lk = lower(k, "part")
+    assert type(lk).__name__ == "LoweredGeneral" and lk.tma == () and [n for n, _ in lk.declined] == ["gemm"]
+    assert not any(p.kind == "tma" for p in lk.params)
+    with pytest.raises(LoweringError, match="zero extent"):
+        TmaDescriptorSpec("tma_x", "x", "A", "f16", "F16", (0, 4), (0,), (8, 4), (1, 1), "NONE")
+    want = tl.simulate(gemm_any_k, 1, [{"a": a, "b": b, "c": c}], compute=sch)[0]["c"]
+    np.testing.assert_array_equal(want, 0)
+    got = emulate(k, lk, {"a": a, "b": b, "c": c}, tmp_path)
+    np.testing.assert_array_equal(got["c"], want)
+
+
+def test_a_tma_descriptor_the_driver_refuses_is_an_input_error_naming_the_tensor(monkeypatch):
+    """cuTensorMapEncodeTiled's refusal (faked here: no driver on the CPU) is a typed tldsl error
+    naming the descriptor, the tensor and what was asked, not a bare RuntimeError."""
+    from types import SimpleNamespace
+    driver = pytest.importorskip("cuda.bindings.driver")
+    import cuda.bindings
+    from tldsl.codegen.abi import TmaDescriptorSpec
+
+    class _Refused:
+        name = "CUDA_ERROR_INVALID_VALUE"
+
+    class _Fake:
+        cuuint64_t = cuuint32_t = int
+
+        def __getattr__(self, name):      # the enums and their members
+            return SimpleNamespace(CUDA_SUCCESS="ok") if name == "CUresult" else self
+
+        @staticmethod
+        def cuTensorMapEncodeTiled(*args):
+            return _Refused(), None
+
+    assert driver is not None
+    monkeypatch.setattr(cuda.bindings, "driver", _Fake())
+    spec = TmaDescriptorSpec("tma_x", "x", "A", "f16", "F16", (64, 4), (128,), (64, 4), (1, 1), "NONE")
+    with pytest.raises(tl.InputError, match="TMA descriptor tma_x of tensor 'x' cannot be built: "
+                                            "cuTensorMapEncodeTiled refused it \\(CUDA_ERROR_INVALID_VALUE\\): "
+                                            "shape \\[4, 64\\] \\(f16\\).*not 16-byte aligned"):
+        spec.encode(0x1008)
+
+
 def test_a_compute_part_with_fused_communication_parts_is_refused():
     """own_rows='compute' fuses the all-gather's own-rows parts into the GEMM's kernel; the
     general lowering does not run them, so it refuses rather than drop their work."""

@@ -777,6 +777,103 @@ def test_combine_like_part_lowers():
     assert lw.params[0].ctype == "const float*"             # gathered rows: coherent loads, never .nc
 
 
+@tl.kernel
+def combine_exact_rows(y, pos, fr, wa, wb, sel, out, *, compute: tl.ComputeSchedule = None):
+    """A combine whose per-row index and scale are float expressions: an f32 -> i32 cast (NaN and
+    3e9 give INT_MIN: the row from ``pos`` then), and per ``sel`` 1 / max, 1 / min, //, % or a
+    product plus a sum of the two scales."""
+    R, Kc = y.shape
+    T, topk = wa.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(T, BM), tl.cdiv(Kc, BN)))
+    def comb(j, pn):
+        m0, c0 = j * BM, pn * BN
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, topk):
+            ci = tl.cast(tl.load(fr, (k * T + m0,), (BM,)), tl.int32)
+            rows = tl.where(ci == -2147483648, tl.load(pos, (k * T + m0,), (BM,)), ci)
+            a, b = tl.load(wa, (m0, k), (BM, 1)), tl.load(wb, (m0, k), (BM, 1))
+            c = tl.load(sel, (m0, k), (BM, 1))
+            s = tl.where(c == 0, 1.0 / tl.maximum(a, b), tl.where(c == 1, 1.0 / tl.minimum(a, b), tl.where(
+                c == 2, a // b, tl.where(c == 3, a % b, a * b + a * 0.75))))
+            acc += tl.load_rows(y, rows, c0, BN) * s
+        tl.store(out, (m0, c0), acc)
+
+
+def _combine_exact_case(T=100, R=64, Kc=64):
+    rng = np.random.default_rng(5)
+    nan, z = np.float32(np.nan), np.float32(0.0)
+    fr = rng.uniform(-2, R, T).astype(np.float32)           # (rows past y are an error; below 0 read zero)
+    fr[:6] = [nan, 3e9, -3e9, np.inf, -0.5, 63.9]
+    probes = [(nan, 1, 0), (1, nan, 0), (-z, z, 0), (z, -z, 0), (nan, 1, 1), (1, nan, 1), (-z, z, 1), (z, -z, 1),
+              (1, 0.1, 2), (-1, 0.1, 2), (1, 0.1, 3), (-1, 0.1, 3), (-7.5, 2, 2), (-7.5, 2, 3), (5, -z, 2), (5, -z, 3),
+              (nan, 2, 2), (nan, 2, 3), (1.1, 3.3, 4), (nan, 1, 4)]
+    wa = rng.standard_normal((T, 1)).astype(np.float32)
+    wb = rng.standard_normal((T, 1)).astype(np.float32)
+    sel = rng.integers(0, 5, (T, 1)).astype(np.float32)
+    for i, (x, w, c) in enumerate(probes):
+        wa[i, 0], wb[i, 0], sel[i, 0] = x, w, c
+    return dict(y=rng.standard_normal((R, Kc)).astype(np.float32), pos=rng.integers(0, R, T).astype(np.int32),
+                fr=fr, wa=wa, wb=wb, sel=sel, out=np.full((T, Kc), np.nan, np.float32))
+
+
+def _lower_combine_exact(inp):
+    specs = [S.of(inp[n]) for n in ("y", "pos", "fr", "wa", "wb", "sel", "out")]
+    k = combine_exact_rows.trace_checked(1, specs, dict(compute=tl.ComputeSchedule(tile=(64, 64, 16))),
+                                         channels=False)
+    return lower_combine(k)
+
+
+def test_per_row_float_expressions_use_the_exact_element_math():
+    """Per-row float math is the general lowering's (``tldsl::gen``, general.hpp included): NaN-
+    propagating max / min ordering -0 below +0, numpy's divmod, explicitly rounded products and
+    sums (never an FMA), numpy's f32 -> i32; i32 index code keeps the index rules."""
+    lw = _lower_combine_exact(_combine_exact_case())
+    prog = _prog_struct(lw.source)
+    assert '#include "tldsl/general.hpp"' in lw.source
+    for fn in ("max_(", "min_(", "floordiv(", "mod(", "mul(", "add(", "div(", "f2i("):
+        assert f"tldsl::gen::{fn}" in prog, fn
+    assert not re.search(r"fminf|fmaxf|floorf|\(int\)\(t_\d+\)\s*;", prog), prog
+    rows = [l for l in prog.splitlines() if "tldsl: " in l and "const float" in l and "grouped::ld" not in l]
+    assert rows and not [l for l in rows if re.search(r"\bt_\d+ [-+*/] ", l)], rows   # no infix float math
+    assert re.search(r"const int t_\d+ = \(i_\d+ \* 100\);", prog)                       # index code as before
+    # the MoE programs' own per-row code (i32) is unchanged, without general.hpp
+    for l in (lower_combine(trace_rs(), "combine"), lower_grouped_gemm(trace_rs(), "grouped_gemm", side="combine")):
+        assert "tldsl::gen::" not in l.source and "general.hpp" not in l.source
+
+
+@needs_gxx
+def test_per_row_float_expressions_run_like_the_simulator(tmp_path):
+    """The combine's Prog on the host, on the device headers' own element math, against the
+    simulator bit for bit: NaN in max / min, -0 against +0, float // and % (numpy's divmod: 1 // 0.1
+    is 9, not floorf's 10), a product plus a sum, casts of NaN / +-3e9 / inf to i32 (INT_MIN)."""
+    inp = _combine_exact_case()
+    lw = _lower_combine_exact(inp)
+    with np.errstate(all="ignore"):
+        want = tl.simulate(combine_exact_rows, 1, [inp], compute=tl.ComputeSchedule(tile=(64, 64, 16)))[0]["out"]
+    _, got = _run_host(tmp_path, lw, inp, gemm=False, real_math=True)
+    got = got.reshape(want.shape)
+    assert np.isnan(want[:8]).any() and np.isinf(want).any()             # the probes reach the output
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+@pytest.mark.nvrtc
+@needs_nvrtc
+def test_per_row_float_expressions_compile_for_sm90a(tmp_path):
+    """With general.hpp included, the combine compiles for sm_90a within its register budget, no
+    spills; the per-row max / min are PTX's NaN-propagating ones (SASS FMNMX.NAN)."""
+    lw = _lower_combine_exact(_combine_exact_case())
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info
+    assert info["registers"] <= MAX_REGISTERS_COMBINE, info
+    k = ck.sass()[ck.name]
+    assert k.count("FMNMX.NAN") >= 2 and k.summary()["LDL/STL"] == 0, sorted(k.opcodes)   # max.NaN / min.NaN
+
+
 @pytest.mark.parametrize("variant,ydt,texts", [
     ("per_col", tl.float32, ("per row",)),
     ("f16", tl.float16, ("computed in f16", "only f32 accumulation")),
@@ -797,7 +894,7 @@ def test_lowering_needs_a_compute_part():
 
 # -- the generated Prog members, run on the host --------------------------------------------------
 
-SHIM = r"""
+SHIM_STD = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -807,6 +904,9 @@ SHIM = r"""
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+"""
+#: the index helpers and signal ops, printing the signal events
+SHIM_SIGNALS = r"""
 namespace tldsl {
 enum Scope : int { kScopeGpu = 0, kScopeSys = 1 };
 inline int floordiv(int a, int b) { return (a / b) - (((a % b) != 0) && ((a < 0) != (b < 0)) ? 1 : 0); }
@@ -832,6 +932,9 @@ template <int S> void red_relaxed_add(unsigned long long* slot, unsigned long lo
   *slot += v;
 }
 }  // namespace tldsl
+"""
+#: the grouped templates' loads and stores
+SHIM_GROUPED = r"""
 // the 16-bit element types as their bits (the combine gathers y_sorted in the operands' dtype)
 struct __half { unsigned short bits; };
 struct __nv_bfloat16 { unsigned short bits; };
@@ -885,6 +988,10 @@ template <class T> std::vector<T> read_file(const char* path, size_t n) {
   return v;
 }
 """
+SHIM = SHIM_STD + SHIM_SIGNALS + SHIM_GROUPED
+#: a Prog without signal ops on the device headers' own element math and index helpers (their
+#: host emulation: ``tldsl::gen``, ``tldsl::floordiv``, ...), the grouped loads and stores shimmed
+SHIM_REAL_MATH = "#define TLDSL_HOST_EMULATION\n#include \"tldsl/general.hpp\"\n" + SHIM_STD + SHIM_GROUPED
 
 
 def _bf16_bits(a) -> np.ndarray:
@@ -904,9 +1011,10 @@ def _prog_struct(source: str) -> str:
     return "struct Prog {" + source.split("struct Prog {")[1].split("\n};\n")[0] + "\n};\n"
 
 
-def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=None):
+def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=None, real_math=False):
     """Compile the lowered kernel's Prog on the host and run it over every tile: returns the
-    printed events and (combine) the stored tensor."""
+    printed events and (combine) the stored tensor. ``real_math``: on the device headers' element
+    math (:data:`SHIM_REAL_MATH`; a Prog without waits or notifies)."""
     decls = []
     for p in lw.params:
         if p.kind == "tma" or (gemm and lw.gather and p.name.startswith("ptr_")):
@@ -968,9 +1076,10 @@ def _run_host(tmp_path, lw, arrays: dict, *, launch=1, rank=0, gemm=True, bm=Non
         out_dump = ["  FILE* fo = fopen(\"out.bin\", \"wb\");",
                     f"  fwrite({dst.name}, sizeof(v_{dst.name}[0]), v_{dst.name}.size(), fo);", "  fclose(fo);"]
     main = ["int main() {", *decls, f"  const Prog prog{{{init}}};", *loop, *out_dump, "  return 0;", "}"]
-    src = SHIM + _prog_struct(lw.source) + "\n".join(main) + "\n"
+    src = (SHIM_REAL_MATH if real_math else SHIM) + _prog_struct(lw.source) + "\n".join(main) + "\n"
     (tmp_path / "prog.cpp").write_text(src)
-    exe = host_build.build(src, ["-std=c++17", "-O1", "-Wno-unknown-pragmas"])
+    exe = host_build.build(src, ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w", f"-I{INCLUDE}"]
+                           if real_math else ["-std=c++17", "-O1", "-Wno-unknown-pragmas"])
     run = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     out = None

@@ -261,12 +261,12 @@ def warpgroups_for(M: int, dots, threads: int | None) -> int | None:
 
 def _descriptor(op: core.Op) -> TmaDescriptorSpec | None:
     """The TMA descriptor a staged load's copies read (64-column boxes of its rows, 128-byte
-    swizzle), or None where TMA cannot read the tensor (rows not a multiple of 16 bytes)."""
+    swizzle), or None where TMA cannot read the tensor (rows not a multiple of 16 bytes, a zero extent)."""
     buf = op.operands[0].owner
     nrows, ncols = buf.type.shape
     R = op.result.type.shape[0]
     dt = buf.type.dtype
-    if ncols % 8 or ctype(dt).tma is None:
+    if ncols % 8 or ctype(dt).tma is None or nrows == 0 or ncols == 0:   # (TMA takes no zero extent)
         return None
     return TmaDescriptorSpec(f"{tma_param(buf)}_{R}x64", buf.name, "staged", dt.name, ctype(dt).tma, (ncols, nrows),
                              (ncols * 2,), (64, R), (1, 1), SWIZZLE[128])

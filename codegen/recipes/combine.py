@@ -44,7 +44,7 @@ from ..match.combine import WHAT, match_combine
 from ..plan.combine import CombinePlan, plan_combine
 from ..plan.wgmma import ORDERS
 from ..rules.scalars import c_literal
-from .prog_hooks import HookEmitter, hook_fn, prog_members
+from .prog_hooks import HookEmitter, element_math_includes, hook_fn, prog_members
 from .recipe import Recipe
 
 
@@ -290,6 +290,7 @@ def _source(plan: CombinePlan, fns: list[str]) -> str:
         f"// {m.dst.name}[{m.BMf}x{m.BNf} tiles] = sum over the loop of gather_rows({m.src.name})"
         f"{' * scale' if m.scale is not None else ''}; order {sched.order}; config {digest}",
         '#include "tldsl/sm90_grouped_gemm.hpp"',
+        *element_math_includes(structs),
         "",
         "namespace {",
         "",

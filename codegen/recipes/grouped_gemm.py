@@ -78,7 +78,7 @@ from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
 from ..plan.wgmma import GemmConfig
 from ..errors import LoweringError
 from .combine import combine_hooks, combine_structs
-from .prog_hooks import HookEmitter, hook_fn, prog_members
+from .prog_hooks import HookEmitter, element_math_includes, hook_fn, prog_members
 from .recipe import Recipe
 from .wgmma import gemm_cfg_fields
 
@@ -305,6 +305,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         L += [f"// Folded in: compute part '{sp.part.name}' ({sp.part.loc}), run by the producer warpgroup's spare "
               "warps.", *side, ""]
     L += ["}  // namespace", ""]
+    inc = L.index('#include "tldsl/sm90_grouped_gemm.hpp"') + 1
+    L[inc:inc] = element_math_includes(L)
     call = (f"  tldsl::grouped::grouped_gemm_kernel<Cfg{', SideCfg' if side else ''}>("
             f"{'nullptr' if m.gather else '&tma_a'}, &tma_b, &tma_c, {a_param if m.gather else 'nullptr'}, rank, prog"
             f"{', side' if side else ''});{dot_mk}")

@@ -7,7 +7,9 @@ Index code comes from the shared rules (:mod:`..rules.scalars`), waits and notif
 :mod:`..rules.primitives` through :class:`..rules.sync.SignalEmitter`. What only these
 templates have is rendered here: per-row tile expressions (a ``(BM,)`` or ``(BM, 1)`` tile
 such as ``tl.where(in_range, tl.load(pos, ...), -1)``), computed element by element for the
-template's row ``r``, and coherent reads of tensors another part writes during the launch."""
+template's row ``r`` (float math by the general lowering's element rules, ``tldsl::gen`` of
+``include/tldsl/general.hpp``, which such a kernel then includes; i32 math by the index rules),
+and coherent reads of tensors another part writes during the launch."""
 from __future__ import annotations
 
 from ...ir import core
@@ -18,10 +20,20 @@ from ..ir_queries import widest_scope
 from ..match.per_row import ROW_TILE_OPS
 from ..plan.prog_params import tensor_name
 from ..rules.primitives import release_fence
-from ..rules.scalars import c_literal
+from ..rules.scalars import c_literal, element_expr
 from ..rules.sync import SignalEmitter
+from ..rules.tile_ops import compute_type, convert, round_to, value_ctype
 
-_UNARY_F = {"exp": "expf", "exp2": "exp2f", "log": "logf", "sqrt": "sqrtf"}
+#: where a generated MoE kernel's per-row expressions compute in float: the general lowering's
+#: element math (``tldsl::gen``: exactly rounded, never contracted into an FMA, NaN-propagating
+#: max / min, numpy's divmod, numpy's f32 -> i32)
+ELEMENT_MATH_INCLUDE = '#include "tldsl/general.hpp"   // per-row float math: tldsl::gen'
+
+
+def element_math_includes(source_lines) -> list[str]:
+    """The include a kernel's generated code needs for its per-row float math (none where it has
+    none: the MoE kernels' sources, and their compile, stay as they were)."""
+    return [ELEMENT_MATH_INCLUDE] if any("tldsl::gen::" in l for l in source_lines) else []
 
 
 def hook_fn(signature: str, body: list[str]) -> list[str]:
@@ -217,6 +229,8 @@ class HookEmitter(SignalEmitter):
             if dt not in SCALARS:
                 raise self.fail(f"a cast to {dt} is not lowered in a per-row expression (its rounding would be "
                                 "lost)", op)
+            if dt == "i32" and op.operands[0].type.dtype.is_float:   # numpy's: INT_MIN for NaN and out of range
+                return "int", f"tldsl::gen::f2i({a[0]})"
             return scalar_ctype(dt), {"f32": f"(float)({a[0]})", "i32": f"(int)({a[0]})", "i1": f"(({a[0]}) != 0)"}[dt]
         # ewise
         kind = op.attrs["op"]
@@ -224,6 +238,13 @@ class HookEmitter(SignalEmitter):
             raise self.fail(f"'{kind}' computes in {dt} here; only i32, bool and f32 arithmetic is lowered "
                             "exactly (cast to tl.float32 first)", op)
         ct = scalar_ctype(dt)
+        compute = compute_type(op)
+        if compute in ("float", "double"):
+            # float math as the general lowering computes it (the simulator's numpy rules)
+            args = [convert(x, value_ctype(w.type.dtype), "bool" if (kind == "where" and i == 0) else compute)
+                    for i, (x, w) in enumerate(zip(a, op.operands))]
+            return ct, round_to(v.type.dtype, element_expr(kind, args, compute), compute)
+        # i32 and bool: the index rules (tldsl::floordiv, imin, ...)
         if kind == "where":
             return ct, f"({a[0]} ? ({ct})({a[1]}) : ({ct})({a[2]}))"
         if kind == "neg":
@@ -231,13 +252,7 @@ class HookEmitter(SignalEmitter):
         if kind == "not":
             return ct, f"(!{a[0]})"
         if kind == "abs":
-            return ct, f"fabsf({a[0]})" if ct == "float" else f"abs({a[0]})"
-        if kind == "recip":
-            return ct, f"(1.0f / (float)({a[0]}))"
-        if kind in _UNARY_F:
-            return ct, f"{_UNARY_F[kind]}((float)({a[0]}))"
-        if kind == "div":
-            return ct, f"((float)({a[0]}) / (float)({a[1]}))"
+            return ct, f"abs({a[0]})"
         return ct, self.arith_expr(op)
 
     def _load(self, op: core.Op, r: str | None) -> tuple[str, str]:

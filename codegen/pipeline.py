@@ -138,7 +138,8 @@ def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[
     object.__setattr__(lowered, "declined", reasons)
     why = "; ".join(f"the {name} recipe refused: {msg}" for name, msg in reasons)
     message = (f"part '{part.name}' of kernel '{lowered.kernel_name}' is lowered by the {recipe} recipe: {why}. "
-               f"It computes the same, without that recipe's template (change the schedule to get it back)")
+               f"It computes the same, without that recipe's template (where the refusal names the schedule, "
+               f"another schedule gets the template back)")
     loc = part.loc or user_location()         # the part's line, else the caller's first line outside tldsl
     if loc is None:
         warnings.warn(message, FallbackWarning, stacklevel=2)

@@ -73,6 +73,8 @@ def compact(obj, always: tuple[str, ...] = (), only_always: bool = False) -> str
     differ from their defaults (``only_always``: an ellipsis for them) — a schedule in a one-line
     repr, its defining fields before any cut."""
     import dataclasses
+    if obj is None:                         # (a kernel without that schedule: a program with no comm part)
+        return "None"
     fields = sorted(dataclasses.fields(obj), key=lambda f: always.index(f.name) if f.name in always else len(always))
     changed = [f for f in fields if f.name not in always
                and (f.default is dataclasses.MISSING or getattr(obj, f.name) != f.default)]

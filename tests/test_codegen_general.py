@@ -724,6 +724,32 @@ def test_emulated_index_arithmetic_at_int_bounds_matches_the_simulator(tmp_path)
     np.testing.assert_array_equal(got["y"], want)
 
 
+@tl.kernel
+def long_update_chain(x, y, *, compute: tl.ComputeSchedule = None):
+    """300 unrolled updates of one tile: 600 element ops in one chain."""
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0, 0), (8, 8))
+        for _ in tl.static_range(300):
+            t = t * 1.0001 + 0.5
+        tl.store(y, (0, 0), t)
+
+
+@needs_gxx
+def test_a_chain_of_600_element_ops_lowers_and_computes_as_the_simulator(tmp_path):
+    """Fused into one expression it was rendered by recursion 600 deep (a RecursionError from
+    lowering, found by a helper); every MAX_FUSED_DEPTH ops a value is now stored."""
+    from tldsl.codegen.plan.general import MAX_FUSED_DEPTH
+    x = np.random.default_rng(3).standard_normal((8, 8)).astype(np.float32)
+    y = np.full((8, 8), np.nan, np.float32)
+    want = tl.simulate(long_update_chain, 1, [{"x": x, "y": y}], compute=tl.ComputeSchedule(tile=(8, 8, 8)))[0]["y"]
+    k = long_update_chain.trace(1, S((8, 8), F32), S((8, 8), F32), compute=tl.ComputeSchedule(tile=(8, 8, 8)))
+    lk = lower(k, "part")
+    assert lk.source.count("(") < 600 * 12 and MAX_FUSED_DEPTH < 600
+    got = emulate(k, lk, {"x": x, "y": y}, tmp_path)
+    np.testing.assert_array_equal(got["y"], want)
+
+
 def _stored_inputs(k, arrays):
     """The inputs as the simulator stores them (numpy; bf16 rounded to nearest even)."""
     return {b.name: to_storage(host_array(arrays[b.name]), b.type.dtype) for b in k.args}

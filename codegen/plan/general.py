@@ -277,6 +277,12 @@ class _Program:
 STORE_SHARED, RECOMPUTE, RECOMPUTE_CHEAP = False, True, "cheap"
 
 
+#: the deepest expression of fused element values: a chain of 500 (``t = t * a + b`` unrolled by
+#: tl.static_range) would be one C++ expression 500 deep, rendered by recursion; every so many ops
+#: a value is stored instead (programs of ordinary depth are unaffected)
+MAX_FUSED_DEPTH = 64
+
+
 def _fuse_decisions(prog: _Program, recompute) -> tuple[set[int], dict[int, int]]:
     """(ids of values computed where consumed, frag_read views) — every other tile value of an
     op in :data:`STORED_RESULTS` or an element op gets a slot. ``recompute``
@@ -285,13 +291,18 @@ def _fuse_decisions(prog: _Program, recompute) -> tuple[set[int], dict[int, int]
     fallback when storing it does not fit —, or only one that takes no costly math."""
     fused: set[int] = set()
     views: dict[int, int] = {}
+    depth: dict[int, int] = {}          # of the expression a fused value renders as
     for op in prog.order:
         if not op.results or not isinstance(op.result.type, (T.TileType, T.FragmentType)):
             continue
         v = op.result
         users = prog.users.get(v.id, [])
+        d = 1 + max((depth.get(x.id, 0) for x in op.operands), default=0)
         if op.name in COORDINATE_OPS:
             fused.add(v.id)
+            depth[v.id] = d
+        elif op.name in ELEMENT_OPS and d > MAX_FUSED_DEPTH:
+            pass                        # a long chain (an unrolled loop of updates) is stored every so often
         elif op.name in ELEMENT_OPS:
             # read (through coordinate ops, which are recomputed wherever they are read) only in
             # the iteration that computes it: a value read in a loop it is not in is stored once
@@ -303,6 +314,7 @@ def _fuse_decisions(prog: _Program, recompute) -> tuple[set[int], dict[int, int]
             same_iteration = all(prog.reach(op, u) == prog.pos[id(u)] for u in readers)
             if not users or (same_iteration and (len(users) == 1 or again) and not _expanded(prog, v)):
                 fused.add(v.id)         # read in the same iteration: computed there (unused: never)
+                depth[v.id] = d
     # a fragment read in place while no write of the fragment can change what it reads
     for op in prog.order:
         if op.name == "frag_read" and _read_in_place(prog, op, fused):
@@ -320,13 +332,23 @@ def _costly(v: core.Value, n: int, seen: dict | None = None) -> bool:
     """Whether computing ``v`` takes :data:`COSTLY_MATH` (through the element ops of ``n``
     elements it is computed from; each value looked at once)."""
     seen = {} if seen is None else seen
-    if v.id in seen:
-        return seen[v.id]
-    op = v.owner
-    seen[v.id] = False
-    if isinstance(op, core.Op) and op.name in ("ewise", "cast") and math.prod(v.type.shape) == n:
-        seen[v.id] = (op.name == "ewise" and op.attrs["op"] in COSTLY_MATH) or any(
-            _costly(x, n, seen) for x in op.operands if isinstance(x.type, T.TileType))
+    todo = [(v, False)]             # an explicit stack: a chain of 500 element ops is no Python recursion
+    while todo:
+        x, operands_done = todo.pop()
+        op = x.owner
+        if operands_done:
+            seen[x.id] = any(seen[y.id] for y in op.operands if isinstance(y.type, T.TileType))
+            continue
+        if x.id in seen:
+            continue
+        if not (isinstance(op, core.Op) and op.name in ("ewise", "cast") and math.prod(x.type.shape) == n):
+            seen[x.id] = False
+        elif op.name == "ewise" and op.attrs["op"] in COSTLY_MATH:
+            seen[x.id] = True
+        else:
+            seen[x.id] = False      # (until its operands are known)
+            todo.append((x, True))
+            todo.extend((y, False) for y in op.operands if isinstance(y.type, T.TileType) and y.id not in seen)
     return seen[v.id]
 
 

@@ -591,3 +591,26 @@ def test_equal_keyword_values_of_other_types_or_signs_and_changed_globals_trace_
     finally:
         GLOBAL_SCALE = 2.0
     assert (one(s=1.0) == 2.0).all()
+
+
+@tl.kernel
+def shifted_copy(x: tl.Symmetric, *, engine: tl.constexpr = "copy_engine"):
+    if engine == "copy_engine":
+        @tl.comm_part(grid=(1,), engine="copy_engine")
+        def move(i):
+            tl.rank_copy_data(x, (2, 0), x, (0, 0), (4, 4))
+    else:
+        @tl.comm_part(grid=(1,))
+        def push(i):
+            tl.tile_push_data(x.at(tl.rank()), (2, 0), x, (0, 0), (4, 4))
+
+
+@pytest.mark.parametrize("engine", ["copy_engine", "sm"])
+def test_a_copy_onto_an_overlapping_region_of_its_source_is_a_race(engine):
+    """The simulator moved it as one memmove; the copy engine (cuMemcpy2D, row by row) and the SMs'
+    copies move it in pieces, so rows 4-5 came out as old rows 0-1 on one and not on the other
+    (found by a helper): refused, naming both boxes."""
+    x = np.arange(48, dtype=np.float32).reshape(8, 6)
+    with pytest.raises(tl.RaceError, match=r"copies x\[0:4, 0:4\] onto x\[2:6, 0:4\] of rank 0: the regions overlap"):
+        tl.simulate(shifted_copy, 1, [{"x": x}], engine=engine)
+    np.testing.assert_array_equal(x, np.arange(48, dtype=np.float32).reshape(8, 6))

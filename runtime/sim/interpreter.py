@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import OutOfBoundsError, SimulationError
+from ...errors import OutOfBoundsError, RaceError, SimulationError
 from ...ir.opdefs import data_operands
 from ...ir.semantics import ARITH, EWISE, REDUCE, wrap_i32
 from ...ir.types import MemSpace
@@ -276,12 +276,28 @@ class Interpreter:
             s_hi = np.array([s + hi for s, (_, hi) in zip(soffs_v, ext)])
             d_lo = np.array([d + lo for d, (lo, _) in zip(doffs_v, ext)])
             d_hi = np.array([d + hi for d, (_, hi) in zip(doffs_v, ext)])
+            if sbuf is dbuf and bool(np.all(np.maximum(s_lo, d_lo) < np.minimum(s_hi, d_hi))):
+                raise _overlapping_copy(op, task, srank_v, sbuf, s_lo, s_hi, d_lo, d_hi)
             self.mem.access(srank_v, sbuf, s_lo, s_hi, READ, task, op)
             data = sbuf.data[tuple(slice(a, b) for a, b in zip(s_lo, s_hi))].copy()
             self.mem.access(drank_v, dbuf, d_lo, d_hi, WRITE, task, op)
             dbuf.write(tuple(slice(a, b) for a, b in zip(d_lo, d_hi)), to_storage(data, dbuf.dtype))
 
     op_tile_push_data = op_tile_pull_data = op_rank_copy_data = _data
+
+
+def _overlapping_copy(op, task, rank, buf, s_lo, s_hi, d_lo, d_hi) -> RaceError:
+    """A copy whose source and destination overlap in one buffer of one rank: the copy engine
+    (cuMemcpy2D) and the SMs' copies move it in pieces, in no order the program can rely on, so
+    what lands depends on the engine; the simulator would have moved it as one memmove."""
+    box = lambda lo, hi: "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi)) + "]"    # noqa: E731
+    return RaceError(
+        f"{op.name} copies {buf.name}{box(s_lo, s_hi)} onto {buf.name}{box(d_lo, d_hi)} of rank {rank}: the "
+        f"regions overlap, and a copy moves its elements in pieces in no set order (the copy engine's and "
+        f"the SMs' alike), so the result would depend on the engine. Copy through another buffer (a "
+        f"tl.local_buffer), or move the box so that it does not overlap its source",
+        at=(op.loc,), rank=rank, buffer=buf.name, region=(tuple(d_lo), tuple(d_hi)), tile=task.coords,
+        task=str(task), primitive=op.name)
 
 
 def _no_rule(op, env, task):

@@ -143,8 +143,12 @@ def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[
     loc = part.loc or user_location()         # the part's line, else the caller's first line outside tldsl
     if loc is None:
         warnings.warn(message, FallbackWarning, stacklevel=2)
-    else:
-        warnings.warn_explicit(message, FallbackWarning, loc.filename, loc.lineno)
+    else:       # (with a registry, Python's default filter shows it once per line, not at every tl.run in a loop)
+        warnings.warn_explicit(message, FallbackWarning, loc.filename, loc.lineno, registry=_FALLBACKS_SHOWN)
+
+
+#: the warning registry of the fallback warnings (shown once per part's line and message)
+_FALLBACKS_SHOWN: dict = {}
 
 
 def fall_back(sel: Selected, error: LoweringError, options: dict) -> Selected | None:

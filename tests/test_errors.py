@@ -469,6 +469,17 @@ def test_a_result_is_indexed_by_rank_first():
         r["out"]
     with pytest.raises(tl.InputError, match=r"rank 2: this result has ranks 0..1"):
         r[2]
+    # len and iteration walk the ranks (they ran into r[2]'s error); `in` says to index a rank first
+    assert len(r) == 2 and [set(outs) for outs in r] == [set(r[0]), set(r[1])]
+    with pytest.raises(tl.InputError, match=r"'out' in result\[rank\], not 'out' in result"):
+        "out" in r                                           # noqa: B015
+
+
+def test_calling_a_kernel_like_a_function_is_a_typed_error_naming_simulate():
+    with pytest.raises(tl.InputError, match=r"'gather_scale' is a tile program, not a Python function: run it with "
+                                            r"tl.simulate\(gather_scale, world_size, inputs\)") as info:
+        gather_scale(1, 2)
+    assert isinstance(info.value, TypeError)
 
 
 def test_a_wait_epoch_must_be_a_bool():

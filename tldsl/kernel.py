@@ -160,6 +160,11 @@ def _cell(cell):
         return None
 
 
+class NotCalledDirectly(InputError, TypeError):
+    """A tile program called like a Python function (``kernel(x, y)``): an InputError, and the
+    TypeError Python gives a call of what cannot be called so."""
+
+
 class KernelFunction:
     """A traced tile program. Positional parameters are tensors (annotate ``tl.Symmetric``
     for symmetric ones); keyword-only parameters are compile-time values, and the ones named
@@ -298,8 +303,9 @@ class KernelFunction:
                           f"got {shapes}")
 
     def __call__(self, *args, **kwargs):
-        raise TypeError(f"'{self.name}' is a tile program: run it with tl.simulate({self.name}, ...) "
-                        "or inspect it with .trace(world_size, *specs)")
+        raise NotCalledDirectly(f"'{self.name}' is a tile program, not a Python function: run it with "
+                                f"tl.simulate({self.name}, world_size, inputs) or tl.run(...), or inspect it with "
+                                ".trace(world_size, *specs)", user_location())
 
     def __repr__(self):
         return one_line(f"<tl.kernel {self.name}({', '.join(self.arg_names)})>")

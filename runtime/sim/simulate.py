@@ -60,6 +60,16 @@ class SimResult:
             raise InputError(f"rank {rank}: this result has ranks 0..{len(self.outputs) - 1}")
         return self.outputs[rank]
 
+    def __len__(self) -> int:
+        """The number of ranks (``for outs in result`` walks their outputs)."""
+        return len(self.outputs)
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    def __contains__(self, name) -> bool:
+        raise InputError(f"a result is indexed by rank first: {name!r} in result[rank], not {name!r} in result")
+
     def timeline(self, width: int = 64) -> str:
         """A per-rank text timeline of communication and compute tasks (last launch)."""
         return format_timeline(self, width)

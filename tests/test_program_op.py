@@ -559,6 +559,10 @@ def test_tl_run_with_a_group_runs_through_the_fused_program_runtime(monkeypatch)
     assert "rank 1 of 3" in repr(res)
     with pytest.raises(InputError, match="holds only its own arrays"):
         res[0]
+    assert results[2][-1] is results[2][2]              # the last rank, as on a one-process result
+    with pytest.raises(InputError, match=r"indexed by rank first: result\[rank\]\['y'\]"):
+        res["y"]
+    assert "output " in results[1]._repr_html_()        # this rank's own outputs (rank 0's list is empty here)
     with pytest.raises(InputError, match="the process group has 3 ranks"):
         g.build(lambda r, dev: tl.run(fn, 2, inputs=inputs[r], group=object(), **kw))
     run_module = sys.modules["tldsl.run"]       # tldsl does not import the distributed runtime: it registers itself

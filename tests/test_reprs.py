@@ -168,3 +168,24 @@ def test_mappings_show_what_they_map():
     mapped.trace(2, S((64, 16), tl.float32), S((4,), tl.int32), S((64, 16), tl.float32))
     assert shown["static"].startswith("<StaticMapping rows: rows of 'x', 2 shards x 32 rows, tile 16 rows -> 4 tiles")
     assert shown["dynamic"].startswith("<DynamicMapping route: dynamic over 4 tiles") and "expert=" in shown["dynamic"]
+
+
+@tl.kernel
+def long_chain(x, y):
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0,), (8,))
+        for _ in tl.static_range(1500):
+            t = t * 1.0001 + 0.5
+        tl.store(y, (0,), t)
+
+
+def test_a_result_card_clips_a_long_ir_and_says_where_the_rest_is():
+    """A 3,000-line IR made a 536 KB SimResult card (found by a helper): the card keeps the first
+    lines of the IR and the timeline, and names where the whole text is."""
+    from tldsl.ir.display import clipped
+    r = tl.simulate(long_chain, 1, [{"x": np.ones(8, np.float32), "y": np.full(8, np.nan, np.float32)}])
+    assert len(str(r.kernel).splitlines()) > 3000
+    html = r._repr_html_()
+    assert len(html) < 60_000 and "print(result.kernel)" in html
+    assert clipped("a\nb", 5) == "a\nb"

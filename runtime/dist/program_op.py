@@ -73,6 +73,8 @@ that runs each launched kernel's tile program); on GPUs, ``torchrun --standalone
 """
 from __future__ import annotations
 
+import numbers
+
 import dataclasses
 import gc
 import hashlib
@@ -679,6 +681,12 @@ class DistRunResult(RunResult):
     rank: int = 0
 
     def __getitem__(self, rank: int):
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+            raise InputError(f"a result is indexed by rank first: result[rank][{rank!r}], not result[{rank!r}]")
+        W = self.kernel.world_size
+        if not -W <= rank < W:
+            raise InputError(f"rank {rank}: this result has ranks 0..{W - 1}")
+        rank %= W                           # (result[-1] is the last rank, as on a one-process result)
         if rank != self.rank:
             raise InputError(f"this process is rank {self.rank} of {self.kernel.world_size}: it holds only its own "
                              f"arrays (result[{self.rank}]), not rank {rank}'s")

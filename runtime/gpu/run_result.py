@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import InputError
-from ...ir.display import html_card, one_line
+from ...ir.display import clipped, html_card, one_line
 from ..sim.simulate import SimResult
 
 _NO_EVENTS = "a GPU run records no event log: run the same call with tl.simulate to see the timeline"
@@ -38,7 +38,10 @@ class RunResult(SimResult):
         k = self.kernel
         facts = [("device", self.device), ("ranks", k.world_size), ("launches", self.launches),
                  ("GPU time per launch (ms)", ", ".join(f"{t:.3f}" for t in self.launch_ms))]
-        for name, arr in (self.outputs[0].items() if self.outputs else ()):
+        shown = next((outs for outs in self.outputs if outs), {})     # (across GPUs: this rank's own)
+        for name, arr in shown.items():
             facts.append((f"output {name}", f"{arr.shape} {arr.dtype}"))
         plan = self.plan.describe() if self.plan is not None else "-"
-        return html_card(f"RunResult of {k.name}", facts, [("launch plan", plan), ("IR", str(k))])
+        return html_card(f"RunResult of {k.name}", facts,
+                         [("launch plan", clipped(plan, where="result.plan.describe()")),
+                          ("IR", clipped(str(k), where="print(result.kernel)"))])

@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...ir import core
-from ...ir.display import html_card, one_line
+from ...ir.display import clipped, html_card, one_line
 from ...ir.opdefs import written_arguments
 from ...ir.types import bfloat16, dtype_of, float32
 from .blas_threads import one_blas_thread
@@ -97,7 +97,8 @@ class SimResult:
             facts.append((f"output {name}", f"{arr.shape} {arr.dtype}; NaN on any rank: "
                           f"{any(_has_nan(out[name]) for out in self.outputs)}"))
         return html_card(f"SimResult of {k.name}", facts,
-                         [("timeline (plot_timeline() draws it)", self.timeline()), ("IR", str(k))])
+                         [("timeline (plot_timeline() draws it)", clipped(self.timeline(), where="result.timeline()")),
+                          ("IR", clipped(str(k), where="print(result.kernel)"))])
 
 
 def _has_nan(arr) -> bool:

@@ -469,6 +469,35 @@ def test_a_schedule_fusing_parts_into_the_gemm_is_refused_before_any_gpu_work():
         tl.run(k, 2, [{b.name: np.zeros(b.type.shape, np.float16) for b in k.args}] * 2)
 
 
+@tl.kernel
+def user_fused_copy(x: tl.Symmetric, y: tl.Symmetric, z):
+    W = tl.world_size()
+    M, N = x.shape
+    sig = tl.signal("f", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,), fused=True)
+    def push(s):
+        me = tl.rank()
+        p = (me + s) % W
+        tl.rank_copy_data(y.at(p), (me * M, 0), x, (0, 0), (M, N))
+        tl.rank_notify(sig, me, p)
+
+    @tl.compute_part(grid=(W,))
+    def part(q):
+        tl.rank_wait(sig, q)
+        tl.store(z, (q * M, 0), tl.load(y, (q * M, 0), (M, N)) + 2.0)
+
+
+def test_a_part_the_program_itself_declares_fused_is_named_with_what_to_drop():
+    """Without a schedule that fuses, the message blamed one (own_rows='compute') the kernel never
+    had (found by a helper)."""
+    f32 = tl.float32
+    k = user_fused_copy.trace(2, S((16, 16), f32), S((32, 16), f32), S((32, 16), f32))
+    with pytest.raises(UnboundParameterError, match=r"part\(s\) \['push'\] of 'user_fused_copy' are declared "
+                                                    r"@tl.comm_part\(..., fused=True\).*Drop fused=True"):
+        lower_for_run(k)
+
+
 def test_the_lowering_options_are_checked():
     k = scale_rows.trace(1, S((64, 64), F16), S((64, 64), F16), compute=tl.ComputeSchedule(tile=(16, 16, 16)))
     with pytest.raises(UnboundParameterError, match="entry"):

@@ -98,6 +98,11 @@ def reserve_hardware_queues(kernel: core.Kernel, lowered: dict, cuda_started: Ca
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(MAX_CONNECTIONS)
 
 
+def _schedule_fuses(sched) -> bool:
+    """Whether a communication schedule asks for parts fused into the compute part."""
+    return getattr(sched, "own_rows", None) == "compute" or getattr(sched, "engine", None) == "compute"
+
+
 def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, transports=("ptr",),
                   chain: str = "after", **options) -> dict:
     """Every part of ``kernel`` lowered for ``tl.run`` (``lower_all``): waits that trap after
@@ -108,12 +113,17 @@ def lower_for_run(kernel: core.Kernel, *, wait_timeout_ns: int | None = None, tr
     fused-op runtime also allocates from NVSHMEM's heap)."""
     from ...codegen import lower_all
     fused = [p.name for p in kernel.parts if p.fused]
+    sched = kernel.comm_schedule
+    if fused and (sched is None or not _schedule_fuses(sched)):
+        raise UnboundParameterError(
+            f"part(s) {fused} of '{kernel.name}' are declared @tl.comm_part(..., fused=True): a part run inside the "
+            "compute part's kernel takes arguments only a fused op's own launcher chooses, so tl.run cannot run it. "
+            "Drop fused=True (tl.run runs each part as its own kernel, ordered by its notifies and waits)")
     if fused:
         raise UnboundParameterError(
             f"the communication schedule fuses parts {fused} into the compute part of '{kernel.name}' "
             f"(own_rows='compute' or engine='compute'); its kernel takes arguments only the fused op's own launcher "
             f"chooses. tl.run runs each part as its own kernel: use a schedule with own_rows='comm'")
-    sched = kernel.comm_schedule
     if sched is not None and getattr(sched, "transport", "ptr") not in transports:
         raise UnboundParameterError(f"transport={sched.transport!r}: tl.run runs every rank on one GPU with tables of "
                                     "peer pointers; use the schedule's default transport='ptr'")

@@ -16,14 +16,24 @@ from __future__ import annotations
 import ast
 import linecache
 import threading
+from dataclasses import dataclass
 
 from . import loop_carried
 
-#: per source file: (the linecache lines it was built from, {header line: jumps} of its `with` statements, of its
-#: `for` statements, whether it parsed, {header line: the call wrapping a `range(...)` call} of its `for` statements,
-#: {header line: the names its `for` statement's body carries into the next iteration}, {header line: the names
-#: its `with` statement's body binds that are read after it})
-_INDEX: dict[str, tuple[list, dict, dict, bool, dict, dict, dict]] = {}
+@dataclass(frozen=True)
+class SourceIndex:
+    """What one version of a source file says about its traced regions, by header line."""
+    lines: list                   # the linecache lines it was built from
+    parsed: bool                  # whether there was source to parse
+    with_jumps: dict              # `with` header line -> the jumps leaving its body
+    for_jumps: dict               # `for` header line -> the break / return statements leaving its body
+    for_wrappers: dict            # `for` header line -> the call wrapping a `range(...)` it iterates
+    for_carried: dict             # `for` header line -> {name: (read, binding)} its body carries over
+    with_escaping: dict           # `with` header line -> {name: binding} its body binds and the code reads after
+
+
+#: per source file: its index
+_INDEX: dict[str, SourceIndex] = {}
 #: one index built at a time: ranks traced in threads (the fused-op runtime's) would otherwise parse
 #: at once, which CPython 3.11's parser does not survive ("AST constructor recursion depth mismatch")
 _LOCK = threading.Lock()
@@ -31,44 +41,46 @@ _NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDe
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
-def _index(filename: str, globals_=None) -> tuple[dict, dict, bool, dict, dict, dict]:
-    """({line: jumps leaving the `with` whose header holds it}, {line: jumps leaving the `for` whose
-    header holds it}, whether there was source to parse) of ``filename``'s source (a notebook cell too: IPython keeps its cells in
+def _index(filename: str, globals_=None) -> SourceIndex:
+    """The :class:`SourceIndex` of ``filename``'s source (a notebook cell too: IPython keeps its cells in
     linecache), built once per version of the source; empty where it cannot be read or parsed."""
     with _LOCK:
         return _index_locked(filename, globals_)
 
 
-def _index_locked(filename: str, globals_) -> tuple[dict, dict, bool, dict, dict, dict]:
+def _index_locked(filename: str, globals_) -> SourceIndex:
     linecache.checkcache(filename)       # a module edited and reloaded: its current source (a stat)
     lines = linecache.getlines(filename, globals_)
-    if filename not in _INDEX or _INDEX[filename][0] is not lines:     # (held: its id is never reused)
-        withs: dict[int, list] = {}
-        fors: dict[int, list] = {}
-        wrapped: dict[int, str] = {}
-        carried: dict[int, dict] = {}
-        try:
-            tree = ast.parse("".join(lines)) if lines else None
-        except (SyntaxError, ValueError):
-            tree = None
-        for node in ast.walk(tree) if tree is not None else ():
-            if isinstance(node, (ast.With, ast.AsyncWith)):
-                jumps = list(_jumps(node.body, (ast.Return, ast.Break, ast.Continue)))
-                for line in range(node.lineno, node.items[-1].context_expr.end_lineno + 1):
-                    withs.setdefault(line, []).extend(jumps)
-            elif isinstance(node, (ast.For, ast.AsyncFor)):
-                jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
-                wrapper = _range_wrapper(node.iter)
-                names = loop_carried.carried_names(node)
-                for line in range(node.lineno, node.iter.end_lineno + 1):
-                    fors.setdefault(line, []).extend(jumps)
-                    if wrapper is not None:
-                        wrapped[line] = wrapper
-                    if names:
-                        carried.setdefault(line, {}).update(names)
-        escaping = loop_carried.when_escaping_names(tree) if tree is not None else {}
-        _INDEX[filename] = (lines, withs, fors, tree is not None, wrapped, carried, escaping)
-    return _INDEX[filename][1:]
+    if filename in _INDEX and _INDEX[filename].lines is lines:     # (held: its id is never reused)
+        return _INDEX[filename]
+    try:
+        tree = ast.parse("".join(lines)) if lines else None
+    except (SyntaxError, ValueError):
+        tree = None
+    if tree is None:
+        _INDEX[filename] = SourceIndex(lines, False, {}, {}, {}, {}, {})
+        return _INDEX[filename]
+    withs: dict[int, list] = {}
+    fors: dict[int, list] = {}
+    wrapped: dict[int, str] = {}
+    carried: dict[int, dict] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            jumps = list(_jumps(node.body, (ast.Return, ast.Break, ast.Continue)))
+            for line in range(node.lineno, node.items[-1].context_expr.end_lineno + 1):
+                withs.setdefault(line, []).extend(jumps)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            jumps = list(_jumps(node.body, (ast.Return, ast.Break)))
+            wrapper = _range_wrapper(node.iter)
+            names = loop_carried.carried_names(node)
+            for line in range(node.lineno, node.iter.end_lineno + 1):
+                fors.setdefault(line, []).extend(jumps)
+                if wrapper is not None:
+                    wrapped[line] = wrapper
+                if names:
+                    carried.setdefault(line, {}).update(names)
+    _INDEX[filename] = SourceIndex(lines, True, withs, fors, wrapped, carried, loop_carried.when_escaping_names(tree))
+    return _INDEX[filename]
 
 
 def _call_name(node) -> str | None:
@@ -115,27 +127,27 @@ def when_body_jumps(frame) -> list[ast.stmt]:
     ``frame`` is entering (the one whose header holds its current line)."""
     if frame is None:
         return []
-    withs = _index(frame.f_code.co_filename, frame.f_globals)[0]
+    withs = _index(frame.f_code.co_filename, frame.f_globals).with_jumps
     return sorted(withs.get(frame.f_lineno, ()), key=lambda s: s.lineno)
 
 
 def loop_body_jumps(filename: str, lineno: int, globals_=None) -> list[ast.stmt]:
     """The ``break`` / ``return`` statements that leave the ``for`` loop whose header holds line
     ``lineno`` of ``filename``."""
-    fors = _index(filename, globals_)[1]
+    fors = _index(filename, globals_).for_jumps
     return sorted(fors.get(lineno, ()), key=lambda s: s.lineno)
 
 
 def loop_iterable_wrapper(filename: str, lineno: int, globals_=None) -> str | None:
     """The call (``zip``, ``enumerate``, ``map``...) around a ``range(...)`` call that the ``for``
     statement whose header holds line ``lineno`` iterates; None where it iterates the call itself."""
-    return _index(filename, globals_)[3].get(lineno)
+    return _index(filename, globals_).for_wrappers.get(lineno)
 
 
 def loop_carried_names(filename: str, lineno: int, globals_=None) -> dict:
     """{name: (its first read, its first binding)} of the names that the body of the ``for`` loop whose
     header holds line ``lineno`` reads before binding them (:func:`.loop_carried.carried_names`)."""
-    return _index(filename, globals_)[4].get(lineno, {})
+    return _index(filename, globals_).for_carried.get(lineno, {})
 
 
 def when_escaping_names(frame) -> dict:
@@ -143,12 +155,12 @@ def when_escaping_names(frame) -> dict:
     and reads after it (:func:`.loop_carried.when_escaping_names`)."""
     if frame is None:
         return {}
-    return _index(frame.f_code.co_filename, frame.f_globals)[5].get(frame.f_lineno, {})
+    return _index(frame.f_code.co_filename, frame.f_globals).with_escaping.get(frame.f_lineno, {})
 
 
 def has_source(filename: str, globals_=None) -> bool:
     """Whether ``filename``'s source can be read and parsed here (then what it lacks, it lacks)."""
-    return _index(filename, globals_)[2]
+    return _index(filename, globals_).parsed
 
 
 def describe(stmts) -> str:

@@ -120,8 +120,9 @@ def specialisation_key(v):
 class ReadGlobals:
     """The module globals and closure cells a kernel's code reads by name (its nested part functions'
     too), as part of the trace cache's key: a notebook cell that sets ``SCALE = 3.0`` after a run must
-    not get the program traced with ``SCALE = 2.0``. Modules are left out (they are not values), other
-    unhashable objects count by identity."""
+    not get the program traced with ``SCALE = 2.0``. Modules are left out (they are not values); plain
+    values (numbers, strings, tuples, dtypes, functions, schedules) count by value, anything else (an
+    array, a list) by identity."""
 
     def __init__(self, fn):
         names, code_objects = set(), [fn.__code__]
@@ -139,18 +140,24 @@ class ReadGlobals:
         for name, value in [(n, g[n]) for n in self.names if n in g] + [(n, _cell(c)) for n, c in self.cells]:
             if isinstance(value, types.ModuleType):
                 continue
-            try:
-                if not isinstance(value, _VALUES):
-                    raise TypeError
-                out.append((name, specialisation_key(value), hash(value)))
-            except TypeError:                       # (a tensor, a list...: by identity, never compared)
-                out.append((name, type(value), id(value)))
+            out.append((name, specialisation_key(value) if _by_value(value) else (type(value), id(value))))
         return tuple(out)
 
 
 #: globals that count by value (equal values, one program); anything else counts by identity
 _VALUES = (numbers.Number, str, bytes, type(None), tuple, frozenset, np.generic, np.dtype, T.DType, type,
            types.FunctionType, types.BuiltinFunctionType, functools.partial, ComputeSchedule, CommSchedule)
+
+
+def _by_value(value) -> bool:
+    """Whether a global counts by value: one of :data:`_VALUES`, hashable (a tuple of arrays is not)."""
+    if not isinstance(value, _VALUES):
+        return False            # (a tensor, a list...: by identity, never compared)
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _cell(cell):

@@ -165,7 +165,7 @@ def test_torchs_nvshmem_is_read_from_its_metadata(tmp_path, monkeypatch):
     (["bench", "ag_gemm", "--iters", "3"],
      "bench ag_gemm runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 -m tldsl bench ag_gemm --iters 3"),
     (["bench", "probe", "rs_order"], "torchrun --nproc_per_node=2 -m tldsl bench probe rs_order"),
-    (["bench", "probe", "--iters", "3", "copy_engine"], "bench probe copy_engine needs a Hopper GPU"),
+    (["bench", "probe", "--iters", "3", "ag_group"], "bench probe ag_group needs a Hopper GPU"),
     (["bench", "probe", "--iters=3", "moe_dram"], "bench probe moe_dram needs a Hopper GPU"),
     (["bench", "probe", "--iters", "3", "rs_order"],
      "bench probe rs_order runs on 2 GPUs under torchrun: torchrun --nproc_per_node=2 -m tldsl bench probe --iters 3 "
@@ -183,13 +183,13 @@ def test_what_cannot_run_here_says_why_in_one_line(args, says, monkeypatch, caps
 
 
 def test_the_bench_module_finds_the_probe_among_its_flags(monkeypatch, capsys):
-    """``python -m tldsl.bench probe --iters 3 copy_engine``: the probe named after a flag is the one
+    """``python -m tldsl.bench probe --iters 3 ag_group``: the probe named after a flag is the one
     gated (one GPU), not the flag."""
     from tldsl.bench import cli as bench_cli
     monkeypatch.setattr(gates, "gpu_missing", lambda: "no CUDA device here")
-    assert bench_cli.main(["probe", "--iters", "3", "copy_engine"]) == 1
+    assert bench_cli.main(["probe", "--iters", "3", "ag_group"]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == "python -m tldsl.bench: bench probe copy_engine needs a Hopper GPU (sm_90a): no CUDA device here"
+    assert err.strip() == "python -m tldsl.bench: bench probe ag_group needs a Hopper GPU (sm_90a): no CUDA device here"
     assert gates.probe_name(["--rows", "a:1:random", "--iters=2", "moe_power", "--seconds", "1"]) == "moe_power"
     assert gates.probe_name(["--iters", "3"]) is None
 
@@ -304,6 +304,11 @@ def test_the_compile_benchmark_makes_its_cache_dir_or_says_why_not(tmp_path):
     (["bench", "sim", "--repeats", "0"], "argument --repeats: must be a positive int, got 0"),
     (["bench", "compile", "--shape", "8x8"], "argument --shape: MxNxK of three positive ints, got '8x8'"),
     (["bench", "probe", "nosuch"], "argument what: invalid choice: 'nosuch'"),
+    # a mistyped flag is a usage error on a machine without a GPU too (it was "needs a Hopper GPU")
+    (["bench", "moe", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "gemm", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "attention", "--tile", "1,2"], "--tile: three integers BM,BN,BK"),
+    (["bench", "probe", "--iters", "3", "copy_engine"], "copy_engine takes no --iters"),
     (["fuzz", "--only", "-1"], "argument --only: must be an int of 0 or more, got -1"),
 ])
 def test_a_number_a_command_cannot_take_is_a_usage_error_in_one_line(argv, says, capsys):

@@ -20,44 +20,37 @@ import argparse
 import sys
 
 from .. import env
-from ..cli.gates import Unavailable, probe_name, require_for_benchmark
+from ..cli.gates import Unavailable, require_for_benchmark
 from . import compile as compile_bench
 from . import attention, baselines, dist, gemm, general, host, launch, moe, probes, sim
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    unknown_probe = argv[:1] == ["probe"] and probe_name(argv[1:]) not in probes.NAMES
-    try:            # where a benchmark cannot run (no GPU, no torchrun) it says so in one line
-        if not unknown_probe:           # (an unknown probe: its parser says which there are)
-            require_for_benchmark(argv)
-    except Unavailable as e:
-        print(f"python -m tldsl.bench: {e}", file=sys.stderr)
-        return 1
-    if env.get("TLDSL_WAIT_TIMEOUT_NS"):
-        print("python -m tldsl.bench: TLDSL_WAIT_TIMEOUT_NS is set (debugging a hang): the kernels built with a "
-              "wait timeout also print a timed-out wait's slot, which slows them (a folded grouped GEMM by "
-              "18 %): this run's times are not comparable with others'", file=sys.stderr)
-    if argv and argv[0] in ("ag_gemm", "gemm_rs"):
-        return dist.main(argv[0], argv[1:])
-    if argv and argv[0] == "compile":
-        return compile_bench.main(argv[1:])
-    if argv and argv[0] == "probe":
-        return probes.main(argv[1:])
-    if argv and argv[0] == "host":
-        return host.main(argv[1:])
-    if argv and argv[0] == "sim":
-        return sim.main(argv[1:])
-    if argv and argv[0] == "general":
-        return general.main(argv[1:])
-    if argv and argv[0] == "launch":
-        return launch.main(argv[1:])
-    if argv and argv[0] == "baselines":
-        return baselines.main(argv[1:])
-    if argv and argv[0] == "attention":
-        return attention.main(argv[1:])
-    if argv and argv[0] == "moe":
-        return moe.main(argv[1:])
+#: each subcommand's argument check (argparse: a bad flag exits with its usage line), run before
+#: what the benchmark needs is: a typo says so on a machine without a GPU too
+PARSERS = {
+    "ag_gemm": lambda a: dist.parse_args("ag_gemm", a), "gemm_rs": lambda a: dist.parse_args("gemm_rs", a),
+    "compile": compile_bench.parse_args, "probe": probes.parse_args, "host": host.parse_args,
+    "sim": sim.parse_args, "general": general.parse_args, "launch": launch.parse_args,
+    "baselines": baselines.parse_args, "attention": attention.parse_args, "moe": moe.parse_args,
+}
+
+
+#: the subcommands that run from their own modules (ag_gemm and gemm_rs: dist.main takes which)
+MAINS = {"compile": compile_bench.main, "probe": probes.main, "host": host.main, "sim": sim.main,
+         "general": general.main, "launch": launch.main, "baselines": baselines.main, "attention": attention.main,
+         "moe": moe.main}
+
+
+def check_arguments(argv: list[str]) -> None:
+    """Parse ``bench ARGV``'s flags as its subcommand will (a bad one exits 2 with the usage line)."""
+    if argv[:1] and argv[0] in PARSERS:
+        PARSERS[argv[0]](argv[1:])
+    else:                               # gemm, a name there is not, or none
+        root_parser().parse_args(argv)
+
+
+def root_parser() -> argparse.ArgumentParser:
+    """The subcommands (``gemm`` parsed here; the others by their own modules)."""
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -81,7 +74,26 @@ def main(argv=None) -> int:
                        ("baselines", "the sequential MoE and attention layers the fused ops are timed against "
                                      "(torchrun)")):
         sub.add_parser(name, help=what, add_help=False)     # parsed by their own modules (dispatched above)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_arguments(argv)
+    try:            # where a benchmark cannot run (no GPU, no torchrun) it says so in one line
+        require_for_benchmark(argv)
+    except Unavailable as e:
+        print(f"python -m tldsl.bench: {e}", file=sys.stderr)
+        return 1
+    if env.get("TLDSL_WAIT_TIMEOUT_NS"):
+        print("python -m tldsl.bench: TLDSL_WAIT_TIMEOUT_NS is set (debugging a hang): the kernels built with a "
+              "wait timeout also print a timed-out wait's slot, which slows them (a folded grouped GEMM by "
+              "18 %): this run's times are not comparable with others'", file=sys.stderr)
+    if argv and argv[0] in ("ag_gemm", "gemm_rs"):
+        return dist.main(argv[0], argv[1:])
+    if argv and argv[0] in MAINS:
+        return MAINS[argv[0]](argv[1:])
+    args = root_parser().parse_args(argv)
     if args.what == "gemm":
         gemm.bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json)
     return 0

@@ -52,13 +52,17 @@ def _shape(text: str) -> tuple[int, int, int]:
     return tuple(int(p) for p in parts)
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=_shape, default="8192x8192x8192", help="MxNxK")
     ap.add_argument("--cache-dir", default=None, help="an empty directory for the cache (default: a new temporary one)")
     ap.add_argument("--hit", action="store_true", help=argparse.SUPPRESS)      # the second process
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.hit:
         _hit_main(args.shape)
         return 0

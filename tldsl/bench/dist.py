@@ -456,11 +456,8 @@ def parse_schedule(what: str, spec: str, *, pusher: str | None = None, handshake
     return schedule
 
 
-def main(what, argv):
+def parse_args(what, argv):
     import argparse
-    import torch
-    import torch.distributed as dist
-    from tldsl.runtime.dist.group import init_ranks
     ap = argparse.ArgumentParser(prog=f"torchrun ... -m tldsl.bench {what}")
     ap.add_argument("--shapes", default=None, help="MxNxK,... (global sizes) or model names "
                     f"({', '.join(MODELS)}: their MLP layer at M=8192)")
@@ -483,9 +480,16 @@ def main(what, argv):
                     help="element type of A, B and the outputs (ours and the peers alike)")
     ap.add_argument("--bind", action="store_true", help="pin each rank to the CPU cores local to its GPU "
                     "(every candidate alike; tldsl/cpu_binding.py)")
-    args = ap.parse_args(argv)
     if what not in ("ag_gemm", "gemm_rs"):
         raise SystemExit(f"unknown distributed benchmark {what!r}")
+    return ap.parse_args(argv)
+
+
+def main(what, argv):
+    import torch
+    import torch.distributed as dist
+    from tldsl.runtime.dist.group import init_ranks
+    args = parse_args(what, argv)
     init_ranks()
     local = torch.cuda.current_device()
     if args.bind:

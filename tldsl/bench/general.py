@@ -173,7 +173,7 @@ def _ratio(peer, ours) -> str:
     return f"{peer / ours:.3f}" if isinstance(peer, float) else "—"
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench general", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -189,7 +189,11 @@ def main(argv=None) -> int:
                     help="how its K loop stages operands (lowering option dot_loop_copies; default tma)")
     ap.add_argument("--gemm-inflight", type=int, default=None,
                     help="its K loop's WGMMA groups left running across iterations (lowering option wgmma_inflight)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
     from ..runtime.gpu import require_gpu
     require_gpu()

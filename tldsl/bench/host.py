@@ -29,15 +29,19 @@ def _event_ms(fn, n: int = 20) -> float:
     return s.elapsed_time(e) / n
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     import argparse
+    ap = argparse.ArgumentParser(prog="torchrun ... -m tldsl.bench host")
+    ap.add_argument("--shape", default="2048x8192x8192", help="global MxNxK")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
-    ap = argparse.ArgumentParser(prog="torchrun ... -m tldsl.bench host")
-    ap.add_argument("--shape", default="2048x8192x8192", help="global MxNxK")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     M, N, K = (int(x) for x in args.shape.lower().split("x"))
     dist.init_process_group("nccl")
     r, W = dist.get_rank(), dist.get_world_size()

@@ -251,10 +251,16 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+def parse_args(argv):
+    ap = parser()
+    args = ap.parse_args(argv)
     if args.launches < 1 or args.rounds < 1 or args.loads < 1:
-        parser().error("--launches, --rounds and --loads must be at least 1")
+        ap.error("--launches, --rounds and --loads must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     result = run(args.args, args.launches, args.rounds, args.loads)
     print(f"# {result['device']}; torch {result['torch']}; " +
           ", ".join(f"{k} {v}" for k, v in result["versions"].items() if k != "torch") +

@@ -534,7 +534,7 @@ def _parsed_rows(ap, text: str) -> list:
         ap.error(str(e))
 
 
-def main(argv) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=NAMES)
@@ -556,6 +556,12 @@ def main(argv) -> int:
                          "probes but moe_notifies, moe_schedules and moe_dram (20) and moe_row_copies (7), 80 for ag_skew, "
                          "20 for the others; not copy_engine, which times a fixed 30, nor moe_power, which runs "
                          "for --seconds)")
+    return ap
+
+
+def parse_args(argv, ap: argparse.ArgumentParser | None = None):
+    """The probe's arguments, checked (a bad one exits with argparse's usage error)."""
+    ap = ap or parser()
     args = ap.parse_args(argv)
     if args.rows is None:
         args.rows = {"moe_row_copies": STAGED_ROWS, "moe_power": POWER_ROWS}.get(args.what, SMALL_EXPERT_ROWS)
@@ -565,6 +571,12 @@ def main(argv) -> int:
         ap.error(f"{args.what} takes no --iters ({'it times a fixed 30 calls' if args.what == 'copy_engine' else 'its kernels run for --seconds'})")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters must be positive, got {args.iters}")
+    return args
+
+
+def main(argv) -> int:
+    ap = parser()
+    args = parse_args(argv, ap)
     its = {} if args.iters is None else {"iters": args.iters}
     if args.what == "copy_engine":
         probe_copy_engine()

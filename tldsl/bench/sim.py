@@ -170,8 +170,7 @@ def _module(path: str) -> str:
     return "builtins" if path == "~" else os.path.basename(path)
 
 
-def main(argv=None) -> int:
-    import tldsl as tl
+def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m tldsl.bench sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", choices=OPS, default="allgather_gemm")
@@ -186,7 +185,12 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=positive_int, default=2)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--profile", action="store_true", help="also profile one simulation (cProfile)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import tldsl as tl
+    args = parse_args(argv)
     comm = tl.CommSchedule(tile_m=args.comm_tile_m, mode=args.mode, engine=args.engine)
     bench_sim(args.op, args.world_size, args.M, args.N, args.K, args.tile, comm, args.repeats, args.launches,
               profile=args.profile)

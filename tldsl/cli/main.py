@@ -115,6 +115,8 @@ def _forward(command: str, args: list[str]) -> int:
         from ..demo import main as demo
         return demo(args)
     if command == "bench":
+        from ..bench.cli import check_arguments
+        check_arguments(args)           # a mistyped flag is a usage error, GPU or not
         require_for_benchmark(args)
         os.environ.setdefault("PYTHONUNBUFFERED", "1")     # as `-m tldsl.bench` sets it, for the processes it starts
         from ..bench.cli import main as bench

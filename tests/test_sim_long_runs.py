@@ -107,8 +107,9 @@ def test_progress_callback_sees_every_launch_and_the_end():
     assert str(last).startswith(f"tl.simulate: done, {res.steps:,} scheduler steps in ")
 
 
-def test_a_warned_run_prints_progress_to_stderr(capsys):
+def test_a_warned_run_prints_progress_to_stderr(capsys, monkeypatch):
     # a small run made "long" by a low threshold: the warning, then progress lines on stderr
+    monkeypatch.delenv("TLDSL_QUIET", raising=False)
     W = 8
     kernel, case = _allgather_gemm(W)
     with pytest.warns(LongSimulationWarning, match=f"about {_expected_steps(W):,} scheduler steps"):
@@ -118,6 +119,19 @@ def test_a_warned_run_prints_progress_to_stderr(capsys):
     assert lines and all(line.startswith("tl.simulate: ") for line in lines), lines
     assert lines[0].startswith("tl.simulate: launch 1/2, step ")
     assert lines[-1].startswith(f"tl.simulate: done, {res.steps:,} scheduler steps in ")
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_tldsl_quiet_silences_the_lines_a_warned_run_prints_unasked(capsys, monkeypatch, asked):
+    """``TLDSL_QUIET=1`` kept the compile quiet but a long simulation still printed its progress;
+    ``SimOptions(progress=True)`` still prints."""
+    monkeypatch.setenv("TLDSL_QUIET", "1")
+    kernel, case = _allgather_gemm(8)
+    opts = tl.SimOptions(warn_steps=100, progress_interval_s=0.0, progress=True if asked else None)
+    with pytest.warns(LongSimulationWarning):
+        tl.simulate(kernel, 8, case.inputs, options=opts, **case.kwargs)
+    lines = capsys.readouterr().err.splitlines()
+    assert (len(lines) > 1 and lines[-1].startswith("tl.simulate: done")) if asked else lines == [], lines
 
 
 @pytest.mark.parametrize("opts", [dict(warn_steps=100, progress=False), dict()])

@@ -30,9 +30,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Where compiled kernels (cubins) and the autotuner's winners are kept; `python -m tldsl cache "
            "info` shows it, `cache clear` empties it.",
            ("codegen/toolchain/cache.py", "tldsl/cli/cache.py", "tldsl/bench/compile.py")),
-    EnvVar("TLDSL_QUIET", "compile progress is printed to stderr",
-           "Any value but `0`: no per-kernel compile progress lines on stderr (a `progress=` argument still wins).",
-           ("codegen/toolchain/compiler.py",)),
+    EnvVar("TLDSL_QUIET", "compile progress and a long simulation's progress are printed to stderr",
+           "Any value but `0`: no per-kernel compile progress lines and no long simulation's progress lines on "
+           "stderr (a `progress=` argument or `SimOptions(progress=...)` still wins).",
+           ("codegen/toolchain/compiler.py", "runtime/sim/simulate.py")),
     EnvVar("TLDSL_COMPILE_WORKERS", "one per CPU core",
            "How many processes compile kernels with NVRTC in parallel.",
            ("codegen/toolchain/compiler.py",)),

@@ -44,7 +44,8 @@ class SimOptions:
     max_steps: scheduler steps before giving up (a livelock guard).
     warn_steps: simulate estimates the scheduler steps before it runs; above this many it warns
         (``LongSimulationWarning``, with the estimate) and shows progress. None: never.
-    progress: None (progress lines on stderr when the run was warned about), True (always),
+    progress: None (progress lines on stderr when the run was warned about, unless the
+        environment sets ``TLDSL_QUIET``), True (always),
         False (never), or a function called with a ``SimProgress`` at each interval — in a
         notebook, to drive a progress bar. A kernel run twice (on one slot first, above) reports
         both runs as one: twice the launches and steps of the result's.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ... import env
 from ...errors import InputError
 from ...ir import core
 from ...ir.display import clipped, html_card, one_line
@@ -343,10 +344,11 @@ def _memory(ir, per_rank, options) -> Memory:
 
 
 def _reporter(options: SimOptions, expected_steps: int, long_run: bool, launches: int):
-    """Who hears of progress: the caller's function, stderr, or nobody (see SimOptions.progress)."""
+    """Who hears of progress: the caller's function, stderr, or nobody (see SimOptions.progress;
+    ``TLDSL_QUIET`` silences the lines a long run would print unasked)."""
     show = options.progress
     if show is None:
-        show = long_run
+        show = long_run and env.get("TLDSL_QUIET", "0") == "0"
     if show is False:
         return None
     callback = print_progress if show is True else show

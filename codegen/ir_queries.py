@@ -39,6 +39,24 @@ def const_value(v: core.Value):
     return None
 
 
+def op_site(kernel: core.Kernel, op: core.Op) -> int:
+    """``op``'s index among ``kernel``'s ops (every part's, in walk order): how a run-time check
+    in the generated code names it, and how the host finds its source line again
+    (:func:`op_at_site`)."""
+    for i, (_, o) in enumerate(kernel.walk()):
+        if o is op:
+            return i
+    raise ValueError(f"{op.name} is not an op of kernel {kernel.name}")
+
+
+def op_at_site(kernel: core.Kernel, site: int) -> core.Op | None:
+    """The op :func:`op_site` numbered ``site`` (None if there is none)."""
+    for i, (_, o) in enumerate(kernel.walk()):
+        if i == site:
+            return o
+    return None
+
+
 def enclosing(block: core.Block) -> dict[int, core.Op]:
     """id(op) -> the op whose region holds it (top-level ops are absent)."""
     out: dict[int, core.Op] = {}

@@ -590,6 +590,8 @@ int main(int argc, char** argv) {{
   const int grid = std::atoi(argv[2]);
   unsigned char* m_scratch = poisoned_scratch((size_t)grid * {scratch});
   (void)m_scratch;
+  static unsigned long long run_check_word = 0;     // as tl.run maps it (runtime/gpu/run_checks.py)
+  tldsl_run_checks = &run_check_word;
 {loads}
   std::vector<std::thread> pool;
   for (int b = 0; b < grid; ++b) {{
@@ -608,6 +610,11 @@ int main(int argc, char** argv) {{
   }}
   for (auto& th : pool) th.join();
 {saves}
+  if (run_check_word) {{
+    std::fprintf(stderr, "run check failed: site %llu, count %d\\n", (run_check_word >> 32) - 1,
+                 (int)(unsigned)(run_check_word & 0xffffffffull));
+    return 3;
+  }}
   return 0;
 }}
 """
@@ -935,21 +942,29 @@ static void launch(std::vector<std::thread>& pool, int threads, int grid, size_t
 }}
 
 int main() {{
+  static unsigned long long run_check_word = 0;     // as tl.run maps it (runtime/gpu/run_checks.py)
+  tldsl_run_checks = &run_check_word;
 {loads}
   std::vector<std::thread> pool;
 {launches}
   for (auto& th : pool) th.join();
 {saves}
+  if (run_check_word) {{
+    std::fprintf(stderr, "run check failed: site %llu, count %d\\n", (run_check_word >> 32) - 1,
+                 (int)(unsigned)(run_check_word & 0xffffffffull));
+    return 3;
+  }}
   return 0;
 }}
 """
 
 
 def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads=32, grid=2,
-                   sanitize=False) -> list[dict]:
+                   sanitize=False, returncode: int = 0):
     """Run every lowered part of ``k`` for every rank at once on CPU threads. ``arrays[r]``: rank
     r's tensors (workspaces too) as the simulator stores them. Returns every rank's tensors.
-    ``sanitize``: built with ThreadSanitizer (as :func:`emulate`)."""
+    ``sanitize``: built with ThreadSanitizer (as :func:`emulate`). ``returncode`` 3: a run-time
+    check is expected to fail (what the harness printed is returned)."""
     W = k.world_size
     dts = {b.name: b.type.dtype.name for b in k.buffers}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -992,7 +1007,9 @@ def emulate_kernel(k, lowered: list, arrays: list[dict], tmp_path: Path, threads
     (tmp_path / "multi.cpp").write_text(src)
     exe, env = _host_program(src, sanitize)
     r = subprocess.run([str(exe)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == returncode, r.stderr[-4000:]
+    if returncode:
+        return r.stderr
     out = [dict() for _ in range(W)]
     for rank, name, f in files:
         out[rank][name] = from_device(f.read_bytes(), dts[name], arrays[rank][name].shape)
@@ -1072,6 +1089,58 @@ def test_emulated_multi_rank_kernel_with_generally_lowered_compute_matches_the_s
         out = np.asarray(res[r][k.args[-1].name], np.float64)
         assert np.isfinite(out).all() and np.abs(out).max() > 0         # the product / attention, every row
     assert_agrees(got, res, tolerances, names=[b.name for b in k.args])
+
+
+@tl.kernel
+def counted_wait(x, cnt, y, *, compute: tl.ComputeSchedule = None, per_launch: int = None):
+    """A wait whose count is a table entry: the simulator refuses one that is not positive (or
+    past ``per_launch``) when it meets it."""
+    M, N = x.shape
+    s = tl.signal("s", 1)
+    ws = tl.local_buffer((M, N), x.dtype, "ws")
+
+    @tl.compute_part(grid=(1,))
+    def produce(i):
+        tl.store(ws, (0, 0), tl.load(x, (0, 0), (M, N)) * 2.0)
+        tl.producer_tile_notify(s, 0)
+
+    @tl.compute_part(grid=(1,))
+    def consume(i):
+        tl.consumer_tile_wait(s, 0, count=tl.load_scalar(cnt, (0,)), per_launch=per_launch)
+        tl.store(y, (0, 0), tl.load(ws, (0, 0), (M, N)) + 1.0)
+
+
+@needs_gxx
+@pytest.mark.parametrize("count, per_launch", [(1, None), (0, None), (-3, None), (2, 1), (1, 1)])
+def test_emulated_wait_checks_a_run_time_count_as_the_simulator_does(tmp_path, count, per_launch):
+    """A wait's count read from a table: where the simulator refuses it (not positive, or past
+    the slot's notifies per launch) the generated wait records the failure for the host at the
+    wait's site (tl.run raises RunCheckError there) and passes; the GPU's wait used to pass
+    silently at 0 and hang at a negative count."""
+    from tldsl.codegen.ir_queries import op_at_site, op_site
+    from tldsl.runtime.gpu.run_checks import CHECK_CALL
+    x = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+    cnt = np.array([count], np.int32)
+    y = np.full((8, 8), np.nan, np.float32)
+    sched = dict(compute=tl.ComputeSchedule(tile=(8, 8, 8)), per_launch=per_launch)
+    refused = count <= 0 or (per_launch is not None and count > per_launch)
+    args = [{"x": x, "cnt": cnt, "y": y}]
+    if refused:
+        with pytest.raises(tl.SimulationError, match="wait count"):
+            tl.simulate(counted_wait, 1, args, **sched)
+    else:
+        want = tl.simulate(counted_wait, 1, args, **sched)[0]["y"]
+    k = counted_wait.trace(1, S((8, 8), F32), S((1,), tl.int32), S((8, 8), F32), **sched)
+    lowered = [lower(k, p.name) for p in k.parts]
+    assert CHECK_CALL in lowered[1].source and CHECK_CALL not in lowered[0].source
+    wait = next(op for _, op in k.walk() if op.name == "consumer_tile_wait")
+    arrays = [{"x": x, "cnt": cnt, "y": y, "ws": np.full((8, 8), np.nan, np.float32)}]
+    if refused:
+        err = emulate_kernel(k, lowered, arrays, tmp_path, returncode=3)
+        assert f"run check failed: site {op_site(k, wait)}, count {count}" in err
+        assert op_at_site(k, op_site(k, wait)) is wait
+    else:
+        np.testing.assert_array_equal(emulate_kernel(k, lowered, arrays, tmp_path)[0]["y"], want)
 
 
 def test_a_part_the_gemm_planner_refuses_falls_back_to_the_general_recipe():

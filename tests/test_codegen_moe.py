@@ -923,6 +923,10 @@ template <int S> void wait_at_least(const unsigned long long* slot, unsigned lon
   const Sig& s = sig_of(slot);
   printf("wait %s %d %llu %s\n", s.name, int(slot - s.base), target, S == kScopeSys ? "sys" : "gpu");
 }
+inline long long checked_count(long long count, unsigned site, long long most) {
+  if (count <= 0 || (most > 0 && count > most)) { fprintf(stderr, "wait count %lld at site %u\n", count, site); exit(5); }
+  return count;
+}
 static int g_fences = 0;
 template <int S> void fence_acq_rel() { ++g_fences; }
 template <int S> void red_relaxed_add(unsigned long long* slot, unsigned long long v) {

@@ -587,3 +587,24 @@ def test_parts_waiting_on_each_other_in_crossed_order_hang_on_the_gpu():
     said = f"exit status {out.returncode}\n" + out.stdout[-3000:] + out.stderr[-3000:]
     assert "SIMULATOR: deadlock in launch 1" in out.stdout, said
     assert "HANG REPORTED: launch 1 failed (" in out.stdout, said
+
+
+@pytest.mark.parametrize("count, per_launch", [(0, None), (-3, None), (2, 1)])
+def test_a_run_time_wait_count_the_simulator_refuses_is_a_run_check_error(count, per_launch):
+    """A wait's count read from a table that the simulator refuses (not positive, or past the
+    slot's notifies per launch): the kernel records it and tl.run raises RunCheckError at the
+    wait's line after the launch (the wait used to pass at 0 and hang at a negative count); the
+    GPU is fine afterwards — a valid count runs and agrees with the simulator."""
+    from test_codegen_general import counted_wait
+    from tldsl.runtime.gpu.run_errors import RunCheckError
+    x = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+    sched = dict(compute=tl.ComputeSchedule(tile=(8, 8, 8)), per_launch=per_launch)
+    bad = [{"x": x, "cnt": np.array([count], np.int32), "y": np.full((8, 8), np.nan, np.float32)}]
+    with pytest.raises(tl.SimulationError, match="wait count"):
+        tl.simulate(counted_wait, 1, bad, **sched)
+    with pytest.raises(RunCheckError, match=f"consumer_tile_wait at .*its count was {count} at run time") as info:
+        tl.run(counted_wait, 1, bad, timeout_s=5.0, **sched)
+    assert "test_codegen_general.py" in str(info.value)
+    good = [{"x": x, "cnt": np.array([1], np.int32), "y": np.full((8, 8), np.nan, np.float32)}]
+    got = tl.run(counted_wait, 1, good, timeout_s=5.0, **sched)[0]["y"]
+    np.testing.assert_array_equal(got, tl.simulate(counted_wait, 1, good, **sched)[0]["y"])

@@ -81,7 +81,9 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
 
     ``timeout_s``: a launch that does not finish this long after it starts raises
     ``GpuHangError`` (kernels are built so that a wait longer than this traps); None: wait
-    forever. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...), and
+    forever. A wait whose count, computed at run time, the simulator refuses (not positive, or
+    past its ``per_launch``) is checked in the kernel too: ``RunCheckError`` (a
+    ``SimulationError``) at the wait's line after the launch. ``lowering``: options for ``lower_all`` (``threads``, ``stages``, ...), and
     ``chain``: where a part that only waits on one other compute part runs — ``"after"`` it on
     its stream (the default; the signal between them is then dropped, the stream's order keeps
     its waits), ``"beside"`` it on a stream of its own (the waits real), or ``"folded"`` into its

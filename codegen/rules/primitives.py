@@ -49,13 +49,28 @@ def wait_target_formula(count, epoch: bool, per_launch: int | None, launch: str 
     return f"{per} * ({launch} - {one}) + {u64(count)}"
 
 
-def wait(op: core.Op, slot: str, count: str, *, cta: bool = False, launch: str = "launch") -> str:
+def wait(op: core.Op, slot: str, count: str, *, cta: bool = False, launch: str = "launch",
+         site: int | None = None) -> str:
     """``consumer_tile_wait`` / ``peer_tile_wait`` / ``rank_wait``: spin until the signal slot at
     address ``slot`` holds the target, then acquire at the op's scope. ``cta``: the whole CTA
-    waits (one thread spins, the CTA meets after it)."""
+    waits (one thread spins, the CTA meets after it). ``site`` (:func:`..ir_queries.op_site`):
+    a count computed at run time is checked there as the simulator checks it (:func:`checked_count`)."""
     assert op.name in WAIT_OPS, op.name
     fn = "tldsl::comm::cta_wait" if cta else "tldsl::wait_at_least"
+    if site is not None:
+        count = checked_count(op, count, site)
     return f"{fn}<{SCOPE[scope_of(op)]}>({slot}, {wait_target(op, count, launch)});  // {op.name}{marker(op.loc)}"
+
+
+def checked_count(op: core.Op, count: str, site: int) -> str:
+    """C++ of a wait's count, checked where it is computed at run time: positive, and no more than
+    the slot's notifies per launch (``per_launch``), as the simulator requires. A failed check is
+    recorded for the host (``signals.hpp``: ``tldsl::checked_count``) and the wait passes; a count
+    written as a literal was checked when the program was traced."""
+    if count.strip().lstrip("-").isdigit():
+        return count
+    most = int(op.attrs.get("per_launch") or 0)
+    return f"tldsl::checked_count({count}, {int(site)}u, {most})"
 
 
 def notify(op: core.Op, slot: str, *, cta: bool = False, nvshmem_rank: str | None = None,

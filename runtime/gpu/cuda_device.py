@@ -37,10 +37,22 @@ class CudaDevice:
 
     # -- kernels ----------------------------------------------------------------------------------
     def load(self, kernels: dict, progress=None) -> dict:
-        """``{entry: lowered}`` compiled together (NVRTC's pool; cached) and loaded."""
+        """``{entry: lowered}`` compiled together (NVRTC's pool; cached) and loaded; a kernel that
+        checks wait counts at run time records failures in :attr:`run_checks`."""
         from ...codegen.toolchain.compiler import compile_many
+        from .run_checks import checks_counts
         compiled = compile_many([lk.job() for lk in kernels.values()], progress=progress) if kernels else []
-        return {entry: load_kernel(c.cubin, entry, lk.smem_bytes) for (entry, lk), c in zip(kernels.items(), compiled)}
+        loaded = {entry: load_kernel(c.cubin, entry, lk.smem_bytes) for (entry, lk), c in zip(kernels.items(), compiled)}
+        for entry, lk in kernels.items():
+            if checks_counts(lk):
+                self.run_checks.attach(loaded[entry].module, entry)
+        return loaded
+
+    @property
+    def run_checks(self):
+        """The word this context's kernels record a failed run-time check in (:mod:`.run_checks`)."""
+        from .run_checks import word_for_context
+        return word_for_context()
 
     def occupancy(self, kernel, lowered) -> int:
         """CTAs of ``kernel`` one SM holds at once (the driver's answer)."""

@@ -31,6 +31,7 @@ from .plan_exec import DeviceArray, PlanExecutor
 from ..sim.memory import poison_value, to_storage
 from .bind import (SCRATCH_POISON_WORD, DeviceMemory, array_dtype, bind, check_bindings, is_kernel, pack,
                    pointer_table)
+from .run_checks import failure as run_check_failure
 from .run_errors import GpuHangError, GpuRunError
 from .run_plan import RunPlan, lower_for_run, plan_run, reserve_hardware_queues
 from .run_result import RunResult
@@ -67,12 +68,17 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
     rng = random.Random(seed)
     launch_ms = []
     restore = restore_arguments(ir, tensors)
+    checks = getattr(device, "run_checks", None)    # (the host tests' fake device checks in the simulator's rules)
     for launch in range(1, launches + 1):
         if launch > 1:
             restore()
         order = plan.shuffled(rng)  # the seed picks the order the ranks' work is enqueued in
+        if checks is not None:
+            checks.clear()
         start, end = enqueue_launch(device, order, launch, loaded, args, copies, origin, streams)
         wait_for(device, end, launch, plan, mem, timeout_s)
+        if checks is not None and (failed := run_check_failure(ir, checks.read(), launch)) is not None:
+            raise failed
         launch_ms.append(device.elapsed_ms(start, end))
         device.destroy((start, end))
     outputs, workspaces = read_back(ir, tensors)

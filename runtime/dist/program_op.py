@@ -93,6 +93,7 @@ from ..gpu.run_plan import (RESERVED_FOR_COPIES, RunPlan, check_chain, hardware_
 from ..gpu.sm_split import check_split
 from ..gpu.run_program import (_TORCH, enqueue_launch, read_back, scratch_allocator, scratch_budget, to_device,
                                wait_for)
+from ..gpu.run_checks import failure as run_check_failure
 from ..gpu.run_result import RunResult
 from ..sim.memory import poison_value
 from .fused_op import FusedOp
@@ -198,6 +199,8 @@ class FusedProgram(FusedOp):
         self.device = device
         self._drv = device.ce_driver if device.ce_driver is not None else load_driver()
         self._loaded = device.load({lk.entry: lk for lk in lowered.values() if is_kernel(lk)}, progress)
+        if getattr(device, "run_checks", None) is not None:
+            device.run_checks.clear()                   # (what an earlier program left is not this one's)
         # planned as every rank on one GPU of W GPUs' SMs and queues (each rank's share: one GPU's, less the SMs
         # left to same-GPU copies where copy-engine parts keep some past those hoisted ahead of the parts, as
         # tl.run leaves them, and less the hardware queue of the caller's stream, whose handshakes wait too)
@@ -483,6 +486,18 @@ class FusedProgram(FusedOp):
         wait_for(self.device, done, self.launches, self.plan, self._mem, self.timeout_s)
         if len(self.launch_ms) < self.launches:
             self.launch_ms.append(self.device.elapsed_ms(start, end))
+        self._raise_failed_checks()
+
+    def _raise_failed_checks(self) -> None:
+        """A wait count the kernels checked at run time and found wrong since the last synchronize
+        (:mod:`tldsl.runtime.gpu.run_checks`): a ``RunCheckError`` at the wait's line."""
+        checks = getattr(self.device, "run_checks", None)   # (the host tests' fake device has none)
+        if checks is None:
+            return
+        failed = run_check_failure(self.kernel, checks.read(), self.launches)
+        if failed is not None:
+            checks.clear()
+            raise failed
 
     # -- what FusedOp asks ----------------------------------------------------------------------------
     def signal_tensors(self) -> dict:

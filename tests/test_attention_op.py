@@ -71,7 +71,7 @@ def test_bad_arguments_are_refused_before_anything_is_built():
         (dict(q=tl.TensorSpec((S,), tl.float16), k=k, heads=4), r"\[S, heads\*D\]"),
         (dict(q=q, k=k, heads=4, kv_heads=2, layout="diagonal"), "layout must be one of"),
         (dict(q=tl.TensorSpec((31, 4, D), tl.float16), k=tl.TensorSpec((31, 2 * D), tl.float16), heads=4,
-              kv_heads=2, causal=True, layout="zigzag"), "S=31 must be even"),
+              kv_heads=2, causal=True, layout="zigzag"), "Sl=31 must be even"),
         (dict(q=q, k=k, heads=0), "heads must be a positive int"),
         (dict(q="q", k=k, heads=4), "a torch tensor, numpy array or tl.TensorSpec"),
         (dict(q=np.zeros((S, 4 * D)), k=k, heads=4), "q: unsupported dtype float64"),

@@ -89,7 +89,7 @@ def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
     KernelCache(tmp_path).put("ab" * 32, b"\0" * 1000, {"kernel": "k"})
     KernelCache(tmp_path).put("cd" * 32, b"\0" * 3000, {"kernel": "k2"})
     (tmp_path / "autotune").mkdir()
-    (tmp_path / "autotune" / "winner.json").write_text("{}")
+    (tmp_path / "autotune" / f"{'ef' * 32}.json").write_text("{}")
     assert main(["cache", "info"]) == 0
     out = capsys.readouterr().out
     assert "2 compiled kernels, 1 autotuned schedule (5 files, " in out and "KiB" in out
@@ -99,6 +99,32 @@ def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     assert main(["cache", "clear"]) == 0
     assert "nothing to remove" in capsys.readouterr().out
+
+
+def test_cache_lists_and_clears_only_its_own_files(tmp_path, monkeypatch, capsys):
+    """Found by an explorer's round: with TLDSL_CACHE_DIR naming a project folder, `cache clear`
+    deleted every *.json one folder down (.vscode/settings.json, data/results.json) and `cache info`
+    counted them. Only <2 hex>/<64 hex>.cubin|json, autotune/<64 hex>.json and a writer's .tmp-*
+    there are the cache's."""
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(tmp_path))
+    foreign = {".vscode/settings.json": "{}", "data/results.json": "{}", "data/notes.txt": "kept",
+               "ab/notes.json": "{}", f"ab/{'cd' * 32}.json": "{}", "autotune/winner.json": "{}",
+               f"cd/{'cd' * 31}c.cubin": "", "data/.tmp-abc123": "", "ab/sub/x.json": "{}"}
+    for rel, text in foreign.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert main(["cache", "info"]) == 0
+    assert "holds: nothing" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "nothing to remove" in capsys.readouterr().out
+    KernelCache(tmp_path).put("ab" * 32, b"\0" * 10, {"kernel": "k"})
+    (tmp_path / "ab" / ".tmp-x1y2z3_q").write_bytes(b"")
+    (tmp_path / "autotune" / f"{'ef' * 32}.json").write_text("{}")
+    assert main(["cache", "info"]) == 0
+    assert "1 compiled kernel, 1 autotuned schedule (4 files, " in capsys.readouterr().out
+    assert KernelCache(tmp_path).clear() == 4
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted(foreign), left
 
 
 def test_cache_info_says_when_the_cache_is_a_file(tmp_path, monkeypatch, capsys):
@@ -329,3 +355,16 @@ def test_what_a_command_is_given_and_tldsl_refuses_is_one_line_without_a_source_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m tldsl bench: ScheduleError: compute tile (48, 48, 48): need three powers of two "
                    "between 8 and 256 (BM, BN, BK)"]
+
+
+def test_the_benchmark_module_answers_what_tldsl_refuses_in_one_line_too():
+    """Found by an explorer's round: `python -m tldsl.bench sim --tile 7` (the form README shows)
+    printed a traceback whose ScheduleError pointed at runpy, where `python -m tldsl bench sim
+    --tile 7` answers in one line; both answer with the one handler now."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "tldsl.bench", "sim", "-W", "2", "-M", "16", "-N", "16", "-K", "16",
+                           "--repeats", "1", "--tile", "7"], capture_output=True, text=True, timeout=300,
+                          env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2
+    assert _one_line_refusal(proc) == ("python -m tldsl.bench: ScheduleError: compute tile (7, 7, 7): need three "
+                                       "powers of two between 8 and 256 (BM, BN, BK)")

@@ -453,6 +453,32 @@ def test_tensor_parallel_moe_layer_end_to_end(W, Ms, K, N, E, topk):
         np.testing.assert_allclose(out[r].astype(np.float32), want[r * Ms:(r + 1) * Ms], rtol=3e-2, atol=3e-2)
 
 
+def test_the_simulate_helpers_take_the_torch_tensors_tl_simulate_takes():
+    """Found by an explorer's round: simulate_allgather_moe and simulate_moe_reduce_scatter called
+    np.asarray on their operands and crashed on bf16 tensors (TypeError) and on tensors that
+    require grad (RuntimeError), which tl.simulate takes. Now they hand them on as they are: the
+    layer's result is that of the same values as numpy float32 (small integers: exact in bf16)."""
+    torch = pytest.importorskip("torch")
+    W, Ms, K, Nr, E, topk = 2, 5, 16, 8, 4, 2
+    rng = np.random.default_rng(4)
+    xs = [rng.integers(-2, 3, (Ms, K)).astype(np.float32) for _ in range(W)]
+    w1 = [rng.integers(-1, 2, (E, K, Nr)).astype(np.float32) for _ in range(W)]
+    w2 = [rng.integers(-1, 2, (E, Nr, K)).astype(np.float32) for _ in range(W)]
+    ids, _ = random_routing(rng, W * Ms, E, topk, "random")
+    wts = np.ones((W * Ms, topk), np.float32)
+    kw = dict(compute=_compute(8, 8, 8), comm=tl.CommSchedule(tile_m=8, mode="push"))
+    rt, want_h = simulate_allgather_moe(xs, w1, ids, **kw)
+    want = simulate_moe_reduce_scatter(want_h, w2, wts, rt, **kw)
+    for dtype in (torch.bfloat16, torch.float32):
+        grad = dtype == torch.float32            # float32 tensors that require grad
+        t = [[torch.tensor(a, dtype=dtype).requires_grad_(grad) for a in arrays] for arrays in (xs, w1, w2)]
+        rt2, h = simulate_allgather_moe(t[0], t[1], torch.tensor(ids), **kw)
+        assert all(np.array_equal(np.asarray(a, np.float32), b) for a, b in zip(h, want_h)), dtype
+        h_t = [torch.tensor(np.asarray(x, np.float32), dtype=dtype).requires_grad_(grad) for x in h]
+        out = simulate_moe_reduce_scatter(h_t, t[2], torch.tensor(wts, dtype=dtype), rt2, **kw)
+        assert all(np.array_equal(np.asarray(a, np.float32), b) for a, b in zip(out, want)), dtype
+
+
 # -- bad inputs ---------------------------------------------------------------------------------------
 
 def test_routing_rejects_bad_ids_and_shapes():

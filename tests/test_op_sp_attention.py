@@ -173,6 +173,38 @@ def test_reference_causal_first_position_sees_only_itself():
     np.testing.assert_allclose(out[-1][-1], full[-1][-1], rtol=1e-5)
 
 
+def test_reference_refuses_heads_the_kernel_refuses():
+    """Found by an explorer's round: heads=3 on a width of 32 returned np.empty's leftovers in the
+    last two columns (a silent wrong answer), heads=0 and kv_heads=3 raised ZeroDivisionError, and
+    unshard_sequence of 0-d shards an IndexError. Now an InputError that says what was expected,
+    by the tile program's own check."""
+    q = np.random.default_rng(0).standard_normal((16, 32)).astype(F16)
+    with pytest.raises(InputError, match=r"sp_attention.reference: the width 32 .* 3 heads do not divide it"):
+        reference([q], [q], [q], heads=3)
+    with pytest.raises(InputError, match=r"heads must be a positive int, got 0"):
+        reference([q], [q], [q], 0)
+    with pytest.raises(InputError, match=r"kv_heads=3 must divide heads=2"):
+        reference([q], [q], [q], 2, kv_heads=3)
+    with pytest.raises(InputError, match=r"causal must be a bool, got 'yes'"):
+        reference([q], [q], [q], 2, causal="yes")
+    with pytest.raises(InputError, match=r"k and v shards must be \[Sl, kv_heads\*D\] = \[16, 1\*16\]"):
+        reference([q], [q], [q], 2, kv_heads=1)
+    with pytest.raises(InputError, match=r"one q, k and v shard per rank, got 2, 1 and 1"):
+        reference([q, q], [q], [q], 2)
+    with pytest.raises(InputError, match=r"q_shards must be 2-d"):
+        reference([q[0]], [q], [q], 2)
+    with pytest.raises(InputError, match=r"each shard must be .*got \['0-d float32', '0-d float32'\]"):
+        unshard_sequence([np.float32(1), np.float32(2)])
+    assert reference([q], [q], [q], 2)[0].shape == (16, 32)
+
+
+def test_the_tile_program_refuses_a_causal_that_is_not_a_bool(no_simulation):
+    """Found by an explorer's round: tl.simulate(sp_attention, causal="yes") ran (a truthy string
+    taken as causal) where SequenceParallelAttention refuses it: both run one check now."""
+    _raises_at_user_line(lambda: tl.simulate(sp_attention, 2, _inputs(2, (16, 32), (16, 32)), heads=2,
+                                             causal="yes"), r"sp_attention: causal must be a bool, got 'yes'")
+
+
 def _specs(sl, width, dtype=F16):
     return [tl.TensorSpec((sl, width), tl.float16 if dtype == F16 else tl.float32)] * 4
 

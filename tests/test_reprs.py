@@ -189,3 +189,14 @@ def test_a_result_card_clips_a_long_ir_and_says_where_the_rest_is():
     html = r._repr_html_()
     assert len(html) < 60_000 and "print(result.kernel)" in html
     assert clipped("a\nb", 5) == "a\nb"
+
+
+def test_moe_routing_shows_its_sizes_not_its_tables():
+    """Found by an explorer's round: MoERouting (what moe_routing and simulate_allgather_moe return)
+    had the dataclass repr, every table: 2,737 characters over 72 lines for 512 tokens."""
+    from tldsl.ops.moe import moe_routing, random_routing
+    ids, _ = random_routing(np.random.default_rng(0), 512, 8, 2)
+    rt = moe_routing(ids, 8, 4, 128, 64)
+    html = assert_notebook_native(rt, "MoERouting", "512 tokens (4 ranks x 128)", "top-2 of 8 experts",
+                                  f"of {rt.num_tiles} tiles of 64 rows", f"{rt.num_rows} rows")
+    assert "rows per expert" in html and "sorted_token_ids: [1472] int32" in html and len(html) < 5_000

@@ -875,6 +875,31 @@ def test_torch_tensors_are_inputs_as_they_are_for_tl_run_bf16_included():
     assert half.outputs[0]["y"].dtype == np.float16 and half.kernel.args[0].type.dtype == tl.float16
 
 
+def test_the_op_librarys_simulate_wrappers_take_the_tensors_tl_simulate_takes():
+    """Found by an explorer's round: fused_all_gather_matmul (like the MoE wrappers, tested in
+    test_op_moe.py) called np.asarray on its operands, and crashed on bf16 tensors (TypeError) and
+    on tensors that require grad (RuntimeError), which tl.simulate takes. Now it hands them on as
+    they are: bf16 traced as bf16, the result that of the same values as float32 (small integers:
+    exact)."""
+    torch = pytest.importorskip("torch")
+    from tldsl.ops.allgather_gemm import fused_all_gather_matmul, reference
+    rng = np.random.default_rng(0)
+    a = [rng.integers(-3, 4, (16, 16)).astype(np.float32) for _ in range(2)]
+    b = rng.integers(-3, 4, (16, 8)).astype(np.float32)
+    want = reference(a, b)
+    kw = dict(compute=tl.ComputeSchedule(tile=(16, 16, 16)), options={"launches": 1})
+    for dtype in (torch.bfloat16, torch.float16):
+        got = fused_all_gather_matmul([torch.tensor(x, dtype=dtype) for x in a], torch.tensor(b, dtype=dtype), **kw)
+        for gathered, c in got:
+            assert np.array_equal(np.asarray(gathered, np.float32), np.concatenate(a))
+            assert np.array_equal(np.asarray(c, np.float32), want), dtype
+    grad = fused_all_gather_matmul([torch.tensor(x).requires_grad_() for x in a], torch.tensor(b), **kw)
+    assert all(np.array_equal(c, want) for _, c in grad)
+    with pytest.raises(tl.InputError, match=r"floating-point arrays \(float16, bfloat16 or float32\), got "
+                                            r"torch.int32"):
+        fused_all_gather_matmul([torch.zeros(16, 16, dtype=torch.int32)] * 2, torch.zeros(16, 8, dtype=torch.int32))
+
+
 @tl.kernel
 def accumulate(x, y, seen: tl.Symmetric):
     """``y += x`` in place, and a symmetric argument pushed into by the next rank."""

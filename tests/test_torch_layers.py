@@ -28,6 +28,23 @@ def test_fake_shapes_for_torch_compile():
         assert o.shape == q.shape and o.dtype == q.dtype
 
 
+def test_the_fake_kernel_refuses_what_the_op_refuses():
+    """Found by an explorer's round: the fake (meta) kernel torch.compile traces with accepted
+    layout='zigzag' with an odd S, which the op refuses only when the compiled graph runs. Both
+    now run the op's one argument check."""
+    from tldsl.runtime.dist.attention_op import SequenceParallelAttention
+    import tldsl as tl
+    with pytest.raises(InputError, match="Sl=7 must be even"):
+        SequenceParallelAttention(tl.TensorSpec((7, 2, 16), tl.bfloat16), tl.TensorSpec((7, 32), tl.bfloat16), 2,
+                                  causal=True, layout="zigzag")
+    with FakeTensorMode():
+        q = torch.empty(7, 2, 16, dtype=torch.bfloat16)
+        with pytest.raises(InputError, match="sp_attention: the zigzag layout .* Sl=7 must be even"):
+            torch.ops.tldsl.sp_attention(q, q, q, "0", is_causal=True, layout="zigzag")
+        even = torch.empty(8, 2, 16, dtype=torch.bfloat16)
+        assert torch.ops.tldsl.sp_attention(even, even, even, "0", is_causal=True, layout="zigzag").shape == (8, 2, 16)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x.float(), ids, w.float(), "0"), "bf16 or fp16"),
     (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids.float(), w, "0"), "int32 or int64"),
@@ -35,7 +52,7 @@ def test_fake_shapes_for_torch_compile():
     (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w[:, :-1], "0"), "w1 must be"),
     (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w, "0", block_m=100), "block_m must be"),
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(x, x, x, "0"), "must be a 3-d tensor"),
-    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w[:, :5], w[:, :5], "0"), "5 K/V heads must divide 16"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w[:, :5], w[:, :5], "0"), "kv_heads=5 must divide heads=16"),
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w.float(), "0"), "bf16 or fp16"),
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", layout="ring"), "layout must be one of"),
     (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(x, ids, ids.float(), w.transpose(1, 2), "0"),
@@ -47,6 +64,8 @@ def test_fake_shapes_for_torch_compile():
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w[..., :0], w[..., :0], w[..., :0], "0"), "no dimension 0"),
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", scale=float("nan")), "scale must be a finite"),
     (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", scale=float("-inf")), "scale must be a finite"),
+    (lambda x, ids, w: torch.ops.tldsl.sp_attention(w, w, w, "0", is_causal=True, layout="zigzag"),
+     "zigzag layout holds two chunks of Sl/2 rows per rank: Sl=3 must be even"),
     # every operand valid but on the CPU: refused before the build (which compiles for the GPU)
     (lambda x, ids, w: torch.ops.tldsl.all_gather_moe(x, ids, w, "0"), "all_gather_moe: x must be a CUDA tensor"),
     (lambda x, ids, w: torch.ops.tldsl.moe_reduce_scatter(torch.zeros(384, 32, dtype=torch.float16), ids, ids.float(),

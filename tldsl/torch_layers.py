@@ -133,10 +133,12 @@ SP_ATTENTION_SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool is_c
                        "str layout='contiguous', float? scale=None) -> Tensor")
 
 
-def _check_attention(q, k, v, layout, scale) -> float | None:
+def _check_attention(q, k, v, is_causal, layout, scale) -> float | None:
     """``scale`` as the op takes it (None or a finite float), after checking the operands as the
-    op will (before it is built)."""
-    from .ops.sp_attention import LAYOUTS, check_scale
+    op will (before it is built): the arguments by the op's own check
+    (:func:`tldsl.ops.sp_attention.check_arguments`), so the fake kernel torch.compile traces with
+    accepts nothing the op refuses."""
+    from .ops.sp_attention import check_arguments, check_scale
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or 0 in t.shape:
             raise InputError(f"sp_attention: {name} must be a 3-d tensor [S, heads, D] (no dimension 0), got "
@@ -146,10 +148,8 @@ def _check_attention(q, k, v, layout, scale) -> float | None:
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise InputError(f"sp_attention: bf16 or fp16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[1] % k.shape[1]:
-        raise InputError(f"sp_attention: {k.shape[1]} K/V heads must divide {q.shape[1]} query heads")
-    if layout not in LAYOUTS:
-        raise InputError(f"sp_attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    S, heads, D = q.shape
+    check_arguments(S, heads * D, heads, k.shape[1], is_causal, layout, scale)
     return check_scale(scale, "sp_attention: ")
 
 
@@ -158,7 +158,7 @@ def sp_attention(q, k, v, group_name, is_causal=False, layout="contiguous", scal
     """This rank's queries attending to every rank's keys and values (gathered tile by tile while
     attention runs), with the causal mask on the global positions of ``layout``."""
     from .runtime.dist.attention_op import SequenceParallelAttention
-    scale = _check_attention(q, k, v, layout, scale)
+    scale = _check_attention(q, k, v, is_causal, layout, scale)
     _check_devices("sp_attention", [("q", q), ("k", k), ("v", v)])
     key = ("sp_attention", tuple(q.shape), tuple(k.shape), q.dtype, is_causal, layout, scale, group_name)
     op = _build(key, lambda: SequenceParallelAttention(q, k, q.shape[1], _group(group_name), kv_heads=k.shape[1],
@@ -168,7 +168,7 @@ def sp_attention(q, k, v, group_name, is_causal=False, layout="contiguous", scal
 
 @sp_attention.register_fake
 def _(q, k, v, group_name, is_causal=False, layout="contiguous", scale=None):
-    _check_attention(q, k, v, layout, scale)
+    _check_attention(q, k, v, is_causal, layout, scale)
     return torch.empty_like(q)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import platformdirs
 
 from ... import env
+from ...errors import InputError
 
 CODEGEN_DIR = Path(__file__).resolve().parent.parent   # the whole code generator, templates included
 FORMAT = 1   # bump when the entry layout changes
@@ -96,7 +97,22 @@ class KernelCache:
     """``get(key)`` / ``put(key, cubin, meta)`` on one cache root."""
 
     def __init__(self, root: str | os.PathLike | None = None):
+        self.from_env = root is None and bool(env.get("TLDSL_CACHE_DIR"))   # (for the errors: who chose it)
         self.root = Path(root) if root is not None else cache_dir()
+
+    def check_usable(self) -> None:
+        """Make the root where it is missing; an InputError naming where the root came from
+        (``TLDSL_CACHE_DIR``, or the caller's folder) where it is not a folder or cannot be made —
+        before a compile, which would otherwise fail in :meth:`put` after NVRTC's work."""
+        what = f"TLDSL_CACHE_DIR={str(self.root)!r}" if self.from_env else f"the kernel cache folder {self.root}"
+        fix = "point TLDSL_CACHE_DIR at a folder, or unset it" if self.from_env else "pass a folder"
+        if self.root.exists() and not self.root.is_dir():
+            raise InputError(f"{what} is not a folder: compiled kernels cannot be kept there ({fix})")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"{what}: cannot create it ({e.strerror or e}), so compiled kernels cannot be kept "
+                             f"there ({fix})") from None
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         d = self.root / key[:2]
@@ -121,19 +137,55 @@ class KernelCache:
         _atomic_write(meta_path, json.dumps(meta, indent=1, sort_keys=True).encode())
         return CacheEntry(key, cubin, meta)
 
+    def entries(self) -> list[Path]:
+        """The files this cache (and the autotuner beside it) wrote under the root, sorted: see
+        :func:`entry_files`."""
+        return entry_files(self.root)
+
     def clear(self) -> int:
-        """Remove every entry; returns how many files were deleted."""
+        """Remove every entry (:meth:`entries`: nothing else under the root); returns how many files
+        were deleted."""
         n = 0
-        if not self.root.exists():
-            return 0
-        for p in self.root.glob("*/*"):
-            if p.suffix in (".cubin", ".json") or p.name.startswith(".tmp-"):
-                try:
-                    p.unlink()
-                    n += 1
-                except OSError:
-                    pass
+        for p in self.entries():
+            try:
+                p.unlink()
+                n += 1
+            except OSError:
+                pass
         return n
+
+
+_KEY = r"[0-9a-f]{64}"
+_TMP = r"\.tmp-[A-Za-z0-9_]+"     # tempfile.mkstemp(prefix=".tmp-"), left by a writer that was killed
+AUTOTUNE_DIR = "autotune"          # runtime/dist/autotune.py keeps its winners here, <key>.json
+
+
+def is_entry(root: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file of the cache's own layout under ``root``: ``<key[:2]>/<key>.cubin``
+    or ``.json`` (``key`` 64 hex digits), ``autotune/<key>.json``, or a ``.tmp-*`` file a writer
+    left in one of those folders. Anything else under the root — where ``$TLDSL_CACHE_DIR``
+    names a folder that holds other files too — is not the cache's to list or remove."""
+    rel = Path(path).relative_to(root).parts
+    if len(rel) != 2:
+        return False
+    folder, name = rel
+    if folder == AUTOTUNE_DIR:
+        return bool(re.fullmatch(f"{_KEY}\\.json|{_TMP}", name))
+    if not re.fullmatch(r"[0-9a-f]{2}", folder):
+        return False
+    if re.fullmatch(_TMP, name):
+        return True
+    m = re.fullmatch(f"({_KEY})\\.(?:cubin|json)", name)
+    return bool(m) and m.group(1)[:2] == folder
+
+
+def entry_files(root: str | os.PathLike) -> list[Path]:
+    """Every file of the cache's own layout under ``root`` (:func:`is_entry`), sorted; nothing
+    where the root is missing or not a folder."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("*/*") if is_entry(root, p) and p.is_file() and not p.is_symlink())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

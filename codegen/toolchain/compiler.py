@@ -312,9 +312,18 @@ _atexit_registered = False
 
 
 def default_workers() -> int:
+    """``TLDSL_COMPILE_WORKERS`` (a positive int; an InputError naming it otherwise), else one per
+    CPU core."""
     workers = env.get("TLDSL_COMPILE_WORKERS")
     if workers:
-        return max(1, int(workers))
+        try:
+            n = int(workers.strip())
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise InputError(f"TLDSL_COMPILE_WORKERS={workers!r}: a positive int, how many processes compile with "
+                             "NVRTC at once (unset: one per CPU core)")
+        return n
     return max(1, os.cpu_count() or 1)
 
 
@@ -410,8 +419,12 @@ def compile_many(jobs: Sequence[CompileJob], *, cache: KernelCache | bool = True
     Raises the :class:`CudaCompileError` of the first failing job (in job order) after all
     jobs finished."""
     t_start = time.perf_counter()
-    tc = find_toolchain()
     kc = _cache_of(cache)
+    if kc is not None:
+        kc.check_usable()                   # a bad TLDSL_CACHE_DIR is refused before NVRTC runs, not after
+    if workers is None and not in_process:
+        default_workers()                   # so is a bad TLDSL_COMPILE_WORKERS
+    tc = find_toolchain()
     report = resolve_progress(progress)
     results: list[CompiledKernel | None] = [None] * len(jobs)
     pending: dict[int, tuple[CompileJob, list[str], str]] = {}

@@ -13,7 +13,7 @@ import numbers
 import tldsl as tl
 
 from ...errors import InputError
-from ...ops.sp_attention import LAYOUTS, check_scale, sp_attention
+from ...ops.sp_attention import argument_problem, check_scale, sp_attention
 from .operands import shape_and_dtype
 from .program_op import FusedProgram
 
@@ -57,23 +57,15 @@ class SequenceParallelAttention(FusedProgram):
         S, width, dt = _spec("q", q)
         Sk, kv_width, kdt = _spec("k", k)
         heads = _positive("heads", heads)
-        scale = check_scale(scale)
         kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
-        if width % heads:
-            raise InputError(f"q's {width} columns are not heads x D: {heads} heads do not divide them")
-        if heads % kv_heads:
-            raise InputError(f"kv_heads={kv_heads} must divide heads={heads} (GQA: each K/V head serves "
-                             f"heads/kv_heads query heads)")
+        problem = argument_problem(S, width, heads, kv_heads, causal, layout, scale)   # as the tile program checks
+        if problem is not None:
+            raise InputError(problem)
+        scale = check_scale(scale)
         D = width // heads
         if Sk != S or kv_width != kv_heads * D or kdt != dt:
             raise InputError(f"k must be [{S}, {kv_heads}*{D}] {dt.name} (q's rows, kv_heads heads of q's head dim), "
                              f"got [{Sk}, {kv_width}] {kdt.name}")
-        if layout not in LAYOUTS:
-            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if layout == "zigzag" and S % 2:
-            raise InputError(f"layout='zigzag' holds two chunks of S/2 rows per rank: S={S} must be even")
-        if not isinstance(causal, bool):
-            raise InputError(f"causal must be a bool, got {causal!r}")
         self.q_shape = tuple(q.shape)
         self.heads, self.kv_heads, self.causal, self.layout = heads, kv_heads, causal, layout
         specs = {"q": tl.TensorSpec((S, width), dt), "k": tl.TensorSpec((S, kv_width), dt),

@@ -31,6 +31,28 @@ def host_array(x) -> np.ndarray:
     return np.array(x, copy=True)
 
 
+def _is_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def host_operand(x):
+    """A caller's array as ``tl.simulate`` takes it, for a host-side wrapper (the op library's
+    ``simulate_*``) to inspect (``np.shape``, :meth:`TensorSpec.of <tldsl.TensorSpec.of>`) and pass
+    on: a torch tensor unchanged — bf16, requires_grad or on a GPU, which ``np.asarray`` refuses
+    and :func:`host_array` copies when the simulator takes it — anything else as a numpy array."""
+    return x if _is_tensor(x) else np.asarray(x)
+
+
+def nan_like(x, shape) -> np.ndarray:
+    """A NaN-filled (poisoned) output of ``shape`` in ``x``'s dtype, for a wrapper to hand
+    ``tl.simulate``: a CPU torch tensor where ``x`` is a tensor (numpy holds no bf16), else a
+    numpy array."""
+    if _is_tensor(x):
+        return sys.modules["torch"].full(tuple(int(d) for d in shape), float("nan"), dtype=x.dtype)
+    return np.full(shape, np.nan, np.asarray(x).dtype)
+
+
 def to_storage(x, dtype: DType) -> np.ndarray:
     """Convert values to how a dtype is stored, rounding to bf16 where needed."""
     arr = np.asarray(x)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import env
-from ..codegen.toolchain.cache import KernelCache, cache_dir
+from ..codegen.toolchain.cache import AUTOTUNE_DIR, KernelCache, cache_dir, entry_files
 
 
 @dataclass
@@ -26,15 +26,19 @@ class Contents:
 
 
 def contents(root: Path) -> Contents:
-    """What is under ``root``, one folder down: the layout :class:`KernelCache` writes and clears."""
+    """The cache's own files under ``root`` (:func:`~tldsl.codegen.toolchain.cache.entry_files`:
+    the layout :class:`KernelCache` and the autotuner write, and all that :meth:`KernelCache.clear`
+    removes; other files under a shared root are neither counted nor removed)."""
     found = Contents(root)
-    for p in sorted(root.glob("*/*")) if root.is_dir() else ():
-        if not (p.suffix in (".cubin", ".json") or p.name.startswith(".tmp-")) or not p.is_file():
+    for p in entry_files(root):
+        try:
+            size = p.stat().st_size
+        except OSError:   # removed meanwhile
             continue
         found.files.append(p)
-        found.bytes += p.stat().st_size
+        found.bytes += size
         found.kernels += p.suffix == ".cubin"
-        found.autotuned += p.parent.name == "autotune" and p.suffix == ".json"
+        found.autotuned += p.parent.name == AUTOTUNE_DIR and p.suffix == ".json"
     return found
 
 

@@ -8,6 +8,7 @@ import contextlib
 import os
 import runpy
 import sys
+from typing import Callable
 
 from .gates import BENCHMARKS, CHECKS, Unavailable, require_for_benchmark, require_for_check
 
@@ -130,19 +131,28 @@ def _forward(command: str, args: list[str]) -> int:
     return mutants(args)
 
 
+def answered(prog: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit status, where what the command was given cannot be (a shape, a schedule:
+    a :class:`~tldsl.TldslError`) answered in one line on stderr, ``PROG: ErrorType: message``,
+    and 2: no traceback, and no source line (the command line is the program). ``python -m tldsl
+    COMMAND`` and ``python -m tldsl.bench`` both answer so."""
+    from ..errors import TldslError
+    try:
+        return run()
+    except TldslError as e:
+        why = getattr(e, "raw_message", None) or str(e)
+        print(f"{prog}: {type(e).__name__}: {why}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("demo", "bench", "check", "mutants", "fuzz"):
-        from ..errors import TldslError
         try:
-            return _forwarded(argv[0], argv[1:])
+            return answered(f"{PROG} {argv[0]}", lambda: _forwarded(argv[0], argv[1:]))
         except Unavailable as why:
             print(f"{PROG} {why}", file=sys.stderr)
             return 1
-        except TldslError as e:            # what the command was given cannot be (a shape, a schedule): no traceback,
-            why = getattr(e, "raw_message", None) or str(e)    # and no source line (the command line is the program)
-            print(f"{PROG} {argv[0]}: {type(e).__name__}: {why}", file=sys.stderr)
-            return 2
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()

@@ -8,6 +8,7 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import all_gather
 from tldsl.ops.registry import register
+from tldsl.runtime.sim.memory import host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
 
@@ -53,16 +54,21 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
     bs = list(b) if isinstance(b, (list, tuple)) else [b] * W
     if len(bs) != W:
         raise tl.InputError(f"got {W} A shards but {len(bs)} B matrices")
+    a_shards, bs = [host_operand(x) for x in a_shards], [host_operand(x) for x in bs]   # torch tensors kept
     for what, arrays in (("a_shards", a_shards), ("b", bs)):
         for r, x in enumerate(arrays):
             if np.ndim(x) != 2:
-                raise tl.InputError(f"{what}[{r}] must be a 2-d array, got shape {np.shape(x)}")
+                raise tl.InputError(f"{what}[{r}] must be a 2-d array, got shape {tuple(np.shape(x))}")
     Ms = np.shape(a_shards[0])[0]
     N = np.shape(bs[0])[1]
-    dtype = np.asarray(a_shards[0]).dtype
-    if dtype.kind != "f":               # (refused before the output is poisoned with NaN, which it cannot hold)
-        raise tl.InputError(f"a_shards: floating-point arrays (float16 or float32), got {dtype}")
-    inputs = [{"a": a_shards[r], "b": bs[r], "c": np.full((W * Ms, N), np.nan, dtype)} for r in range(W)]
+    try:
+        floating = tl.TensorSpec.of(a_shards[0], "a_shards[0]").dtype.is_float
+    except tl.InputError:               # a dtype no tile program holds (float64, complex, ...)
+        floating = False
+    if not floating:                    # (refused before the output is poisoned with NaN, which it cannot hold)
+        raise tl.InputError(f"a_shards: floating-point arrays (float16, bfloat16 or float32), got "
+                            f"{getattr(a_shards[0], 'dtype', None)}")
+    inputs = [{"a": a_shards[r], "b": bs[r], "c": nan_like(a_shards[0], (W * Ms, N))} for r in range(W)]
     kwargs = {k: v for k, v in (("compute", compute), ("comm", comm)) if v is not None}
     res = tl.simulate(allgather_gemm, W, inputs, seed=seed, options=options, **kwargs)
     # the gathered rows: the landing buffer, or (own_rows='compute' pushing) the output the

@@ -26,14 +26,16 @@ on the GPU from a ``topk_ids`` tensor there, with no host synchronisation.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 import tldsl as tl
 from tldsl.collectives import PARTIAL_DTYPES, all_gather, partial_buffer, reduce_scatter
 from tldsl.errors import InputError
+from tldsl.ir.display import html_card, one_line
 from tldsl.ops.registry import register
+from tldsl.runtime.sim.memory import host_array, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
 
@@ -47,7 +49,7 @@ def moe_num_tiles(num_routed_rows: int, num_experts: int, BM: int) -> int:
     return max(1, min(num_routed_rows, (num_routed_rows + num_experts * (BM - 1)) // BM))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class MoERouting:
     """The run-time tables of one routing (all int32; ``NT`` = :attr:`num_tiles`,
     ``R_pad = NT * BM``, ``TT = ceil(T / BM)`` token tiles of ``BM`` tokens).
@@ -108,6 +110,26 @@ class MoERouting:
     def num_rows(self) -> int:
         """``R_pad``: rows of ``h`` (expert-sorted, padded)."""
         return self.num_tiles * self.block_m
+
+    def __repr__(self) -> str:
+        """One line: the routing's sizes (the tables are attributes; ``_repr_html_`` lists them)."""
+        used = int((self.tile_expert >= 0).sum())
+        return one_line(f"<MoERouting: {self.num_tokens} tokens ({self.world_size} ranks x {self.rows_per_rank}), "
+                        f"top-{self.topk} of {self.num_experts} experts; {used} of {self.num_tiles} tiles of "
+                        f"{self.block_m} rows used ({self.num_tokens * self.topk} routed of {self.num_rows} rows)>")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the sizes, the rows each expert got, and the tables' shapes folded away."""
+        counts = [int(c) for c in self.expert_counts]
+        facts = [("tokens", f"{self.num_tokens} ({self.world_size} ranks x {self.rows_per_rank})"),
+                 ("experts", f"{self.num_experts}, top-{self.topk} per token"),
+                 ("tiles", f"{int((self.tile_expert >= 0).sum())} used of {self.num_tiles}, {self.block_m} rows each"),
+                 ("rows", f"{self.num_tokens * self.topk} routed of {self.num_rows} (R_pad)"),
+                 ("rows per expert", one_line(", ".join(map(str, counts)))),
+                 ("experts without a token", sum(c == 0 for c in counts))]
+        tables = "\n".join(f"{f.name}: {list(getattr(self, f.name).shape)} {getattr(self, f.name).dtype}"
+                           for f in fields(self) if isinstance(getattr(self, f.name), np.ndarray))
+        return html_card("MoERouting (run-time tables of one routing)", facts, [("tables", tables)])
 
     @property
     def row_of(self) -> np.ndarray:
@@ -203,7 +225,7 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
         interleave = _positive_int("interleave", interleave)
     T = W * Ms
     try:
-        ids = np.asarray(topk_ids)
+        ids = host_array(topk_ids)                 # (a torch tensor too, on any device)
     except ValueError as e:             # (ragged lists: numpy's "inhomogeneous shape")
         raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), an array or "
                          f"equal-length rows: {e}") from None
@@ -538,10 +560,14 @@ def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activa
 # -- host side: run a layer on the simulator ---------------------------------------------------------
 
 def _float_arrays(name, arrays) -> None:
-    """The activations an MoE layer multiplies: float16 or float32 (refused before the outputs
-    are poisoned with NaN, which another dtype cannot hold)."""
-    if arrays[0].dtype not in (np.float16, np.float32):
-        raise InputError(f"{name}: float16 or float32 arrays, got {arrays[0].dtype}")
+    """The activations an MoE layer multiplies: float16, bfloat16 (torch tensors) or float32
+    (refused before the outputs are poisoned with NaN, which another dtype cannot hold)."""
+    try:
+        ok = tl.TensorSpec.of(arrays[0], f"{name}[0]").dtype.is_float
+    except InputError:                  # a dtype no tile program holds (float64, complex, ...)
+        ok = False
+    if not ok:
+        raise InputError(f"{name}: float16, bfloat16 or float32 arrays, got {arrays[0].dtype}")
 
 
 def _per_rank(name, arrays, W):
@@ -550,7 +576,7 @@ def _per_rank(name, arrays, W):
     arrays = list(arrays)
     if len(arrays) != W:
         raise InputError(f"{name}: got {len(arrays)} arrays for {W} ranks")
-    return [np.asarray(a) for a in arrays]
+    return [host_operand(a) for a in arrays]         # torch tensors kept: tl.simulate takes them (bf16 too)
 
 
 def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=None, seed: int = 0,
@@ -564,7 +590,7 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
         raise InputError(f"simulate_allgather_moe: x_shards must be one [Ms, K] token shard per rank (a non-empty "
                          f"list), got {type(x_shards).__name__}{' (empty)' if isinstance(x_shards, (list, tuple)) else ''}")
     W = len(x_shards)
-    xs = [np.asarray(x) for x in x_shards]
+    xs = [host_operand(x) for x in x_shards]
     w1 = _per_rank("simulate_allgather_moe: w1_slices", w1_slices, W)
     if xs[0].ndim != 2 or w1[0].ndim != 3:
         raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices [E, K, Nr], got "
@@ -572,7 +598,7 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
     _float_arrays("simulate_allgather_moe: x_shards", xs)
     compute, comm = allgather_moe.default_schedules(compute=compute, comm=comm)
     rt = moe_routing(topk_ids, w1[0].shape[0], W, xs[0].shape[0], compute.BM)
-    inputs = [dict(x=xs[r], w1=w1[r], h=np.full((rt.num_rows, w1[r].shape[2]), np.nan, xs[r].dtype),
+    inputs = [dict(x=xs[r], w1=w1[r], h=nan_like(xs[r], (rt.num_rows, w1[r].shape[2])),
                    **rt.allgather_tables()) for r in range(W)]
     res = tl.simulate(allgather_moe, W, inputs, seed=seed, options=options, compute=compute, comm=comm)
     return rt, [res[r]["h"] for r in range(W)]
@@ -594,8 +620,8 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     if compute.BM != routing.block_m:
         raise InputError(f"simulate_moe_reduce_scatter: the routing was built for BM={routing.block_m}, "
                          f"the compute tile has BM={compute.BM}")
-    wts = np.asarray(topk_weights)
-    if wts.shape != (routing.num_tokens, routing.topk):
+    wts = host_operand(topk_weights)
+    if tuple(wts.shape) != (routing.num_tokens, routing.topk):
         raise InputError(f"simulate_moe_reduce_scatter: topk_weights must be [{routing.num_tokens}, "
                          f"{routing.topk}] like the routing, got {list(wts.shape)}")
     if w2[0].ndim != 3:
@@ -605,7 +631,7 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
                          f"w2 slices hold {w2[0].shape[0]}")
     K = w2[0].shape[2]
     inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts,
-                   out=np.full((routing.rows_per_rank, K), np.nan, hs[r].dtype), **routing.reduce_scatter_tables())
+                   out=nan_like(hs[r], (routing.rows_per_rank, K)), **routing.reduce_scatter_tables())
               for r in range(W)]
     res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
                       partial_dtype=partial_dtype)

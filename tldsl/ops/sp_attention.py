@@ -77,6 +77,50 @@ def check_scale(scale, what: str = "") -> float | None:
     return None if scale is None else float(scale)
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
+
+
+def argument_problem(seq_per_rank: int, width: int, heads, kv_heads=None, causal=False, layout="contiguous",
+                     scale=None) -> str | None:
+    """What is wrong with sequence-parallel attention's arguments for a rank's ``seq_per_rank``
+    rows of q of ``width`` columns (``heads`` x head dim), in words — or None. The one check
+    behind every surface of the op: the tile program (:func:`sp_attention`, a CompilationError at
+    its ``tl.static_assert``), :class:`~tldsl.runtime.dist.attention_op.SequenceParallelAttention`,
+    ``torch.ops.tldsl.sp_attention`` and its fake kernel, and :func:`reference` (InputError), so
+    none of them accepts what another refuses. The operands' shapes and dtypes each surface checks
+    in its own terms (torch tensors, specs, arrays)."""
+    if not _positive_int(heads):
+        return f"heads must be a positive int, got {heads!r}"
+    if kv_heads is not None and not _positive_int(kv_heads):
+        return f"kv_heads must be a positive int, got {kv_heads!r}"
+    n_kv = heads if kv_heads is None else kv_heads
+    if width % heads:
+        return f"the width {width} of q/o is not heads x head_dim: {heads} heads do not divide it"
+    if width // heads <= 0:
+        return f"the head dim must be positive, got a width of {width} for {heads} heads"
+    if heads % n_kv:
+        return (f"kv_heads={n_kv} must divide heads={heads} (each key/value head serves heads/kv_heads query "
+                f"heads)")
+    if not isinstance(causal, bool):
+        return f"causal must be a bool, got {causal!r}"
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        return f"layout must be one of {LAYOUTS}, got {layout!r}"
+    if layout == "zigzag" and seq_per_rank % 2:
+        return f"the zigzag layout holds two chunks of Sl/2 rows per rank: Sl={seq_per_rank} must be even"
+    if not _finite_scale(scale):
+        return f"scale must be a finite number (None: 1/sqrt(head dim)), got {scale!r}"
+    return None
+
+
+def check_arguments(seq_per_rank: int, width: int, heads, kv_heads=None, causal=False, layout="contiguous",
+                    scale=None, what: str = "sp_attention") -> None:
+    """:func:`argument_problem` as an InputError that starts with ``what``."""
+    problem = argument_problem(seq_per_rank, width, heads, kv_heads, causal, layout, scale)
+    if problem is not None:
+        raise InputError(f"{what}: {problem}")
+
+
 @tl.kernel
 def sp_attention(q, k: tl.Symmetric, v: tl.Symmetric, o, *, heads: tl.constexpr, kv_heads: tl.constexpr = None,
                  causal: tl.constexpr = False, scale: tl.constexpr = None, layout: tl.constexpr = "contiguous",
@@ -93,27 +137,14 @@ def sp_attention(q, k: tl.Symmetric, v: tl.Symmetric, o, *, heads: tl.constexpr,
     tl.static_assert(q.dtype == k.dtype == v.dtype,
                      f"sp_attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     Sl, width = q.shape
-    tl.static_assert(isinstance(heads, int) and not isinstance(heads, bool) and heads > 0,
-                     f"sp_attention: heads must be a positive int, got {heads!r}")
-    tl.static_assert(width % heads == 0,
-                     f"sp_attention: the width {width} of q/o is not heads x head_dim: "
-                     f"{heads} heads do not divide it")
+    problem = argument_problem(Sl, width, heads, kv_heads, causal, layout, scale)
+    tl.static_assert(problem is None, f"sp_attention: {problem}")
+    heads = int(heads)
     D = width // heads
-    tl.static_assert(D > 0, f"sp_attention: the head dim must be positive, got q={list(q.shape)} for {heads} heads")
-    tl.static_assert(_finite_scale(scale), f"sp_attention: scale must be a finite number (None: 1/sqrt(D)), "
-                                           f"got {scale!r}")
-    n_kv = heads if kv_heads is None else kv_heads
-    tl.static_assert(isinstance(n_kv, int) and not isinstance(n_kv, bool) and n_kv > 0,
-                     f"sp_attention: kv_heads must be a positive int, got {kv_heads!r}")
-    tl.static_assert(heads % n_kv == 0,
-                     f"sp_attention: kv_heads={n_kv} must divide heads={heads} (each key/value head serves "
-                     f"heads/kv_heads query heads)")
+    n_kv = heads if kv_heads is None else int(kv_heads)
     tl.static_assert(k.shape[1] == n_kv * D,
                      f"sp_attention: k and v must be [Sl, kv_heads*D] = [{Sl}, {n_kv}*{D}], got "
                      f"k={list(k.shape)} ({n_kv} key/value heads of the head dim {D} of q)")
-    tl.static_assert(layout in LAYOUTS, f"sp_attention: layout must be one of {LAYOUTS}, got {layout!r}")
-    tl.static_assert(layout != "zigzag" or Sl % 2 == 0,
-                     f"sp_attention: the zigzag layout holds two chunks of Sl/2 rows per rank: Sl={Sl} must be even")
     group = heads // n_kv
     zigzag = causal and layout == "zigzag"        # without a mask the positions change nothing
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -257,6 +288,10 @@ def unshard_sequence(shards, layout: str = "contiguous"):
         raise InputError(f"sp_attention.unshard_sequence: takes a list with one shard per rank, got "
                          f"{type(shards).__name__} (a single tensor's rows would be taken for shards)")
     shards = list(shards)
+    if any(not hasattr(s, "shape") or len(s.shape) < 1 for s in shards):
+        got = [f"0-d {type(s).__name__}" if hasattr(s, "shape") else type(s).__name__ for s in shards]
+        raise InputError("sp_attention.unshard_sequence: each shard must be a numpy array or torch tensor "
+                         f"[Sl, ...] (rows first), got {got}")
     if not shards or any(tuple(s.shape) != tuple(shards[0].shape) for s in shards):
         raise InputError("sp_attention.unshard_sequence: needs one shard per rank, all of the same shape, got "
                          f"{[tuple(s.shape) for s in shards]}")
@@ -276,10 +311,28 @@ def reference(q_shards, k_shards, v_shards, heads: int, causal: bool = False, sc
     """numpy (fp32): every rank's output, softmax attention per head over the gathered K/V
     (query head ``h`` on key/value head ``h // (heads / kv_heads)``) with the causal mask on the
     global positions of ``layout``."""
+    what = "sp_attention.reference"
+    shards = {}
+    for name, xs in (("q_shards", q_shards), ("k_shards", k_shards), ("v_shards", v_shards)):
+        if not isinstance(xs, (list, tuple)) or not xs:
+            raise InputError(f"{what}: {name} must be a list with one [Sl, heads*D] shard per rank, got "
+                             f"{type(xs).__name__}{' (empty)' if isinstance(xs, (list, tuple)) else ''}")
+        shapes = [tuple(np.shape(x)) for x in xs]
+        if len(shapes[0]) != 2 or any(sh != shapes[0] for sh in shapes):
+            raise InputError(f"{what}: {name} must be 2-d [Sl, heads*D] shards, all of one shape, got {shapes}")
+        shards[name] = shapes[0]
     W = len(q_shards)
-    Sl, width = np.shape(q_shards[0])
+    (Sl, width), kv_shape = shards["q_shards"], shards["k_shards"]
+    if len(k_shards) != W or len(v_shards) != W:
+        raise InputError(f"{what}: one q, k and v shard per rank, got {W}, {len(k_shards)} and {len(v_shards)}")
+    check_arguments(Sl, width, heads, kv_heads, causal, layout, scale, what)
     D = width // heads
-    group = heads // (kv_heads or heads)
+    n_kv = heads if kv_heads is None else kv_heads
+    if shards["v_shards"] != kv_shape or kv_shape != (Sl, n_kv * D):
+        raise InputError(f"{what}: k and v shards must be [Sl, kv_heads*D] = [{Sl}, {n_kv}*{D}] (q's rows, "
+                         f"{n_kv} key/value heads of q's head dim {D}), got k {list(kv_shape)} and v "
+                         f"{list(shards['v_shards'])}")
+    group = heads // n_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = positions(W, Sl, layout)
     k = np.concatenate([np.asarray(x, np.float32) for x in k_shards], axis=0)

@@ -28,14 +28,15 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TLDSL_CACHE_DIR", "platformdirs' user cache folder + `tldsl` (`$XDG_CACHE_HOME/tldsl` or "
            "`~/.cache/tldsl` on Linux)",
            "Where compiled kernels (cubins) and the autotuner's winners are kept; `python -m tldsl cache "
-           "info` shows it, `cache clear` empties it.",
+           "info` shows it, `cache clear` removes its entries (compiled kernels, the autotuner's winners) and nothing "
+           "else it finds there; a path that is not a folder is refused.",
            ("codegen/toolchain/cache.py", "tldsl/cli/cache.py", "tldsl/bench/compile.py")),
     EnvVar("TLDSL_QUIET", "compile progress and a long simulation's progress are printed to stderr",
            "Any value but `0`: no per-kernel compile progress lines and no long simulation's progress lines on "
            "stderr (a `progress=` argument or `SimOptions(progress=...)` still wins).",
            ("codegen/toolchain/compiler.py", "runtime/sim/simulate.py")),
     EnvVar("TLDSL_COMPILE_WORKERS", "one per CPU core",
-           "How many processes compile kernels with NVRTC in parallel.",
+           "How many processes compile kernels with NVRTC in parallel (a positive int).",
            ("codegen/toolchain/compiler.py",)),
     EnvVar("TLDSL_CUTLASS_INCLUDE", "found by `cuda.pathfinder` (the `nvidia-cutlass` wheel)",
            "A folder holding CUTLASS's `cute/` and `cutlass/` headers, used instead of the wheel's.",

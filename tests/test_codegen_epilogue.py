@@ -132,6 +132,25 @@ def test_epilogue_sum_compiles_without_spills(partial_dtype):
         assert info["registers"] <= 168 and info["spill_store_bytes"] <= 64, info
 
 
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+@pytest.mark.parametrize("partial_dtype", ["out", "f32"])
+@pytest.mark.parametrize("W", [3, 4, 5, 6, 7, 8])
+def test_epilogue_sum_of_any_number_of_peers_compiles(W, partial_dtype, tmp_path):
+    """The epilogue's loads go in batches of column blocks that must tile the accumulator's BN / 8:
+    a batch of as many blocks as fit 256 fetched bytes did not at W=4 (three peers' fp16 pairs, 12
+    bytes a pair: 10 blocks of a 128-column tile's 16) — NVRTC refused the kernel ("batches must
+    tile the accumulator columns") that tl.simulate ran. The batch is now the largest divisor."""
+    from tldsl.codegen.toolchain.cache import KernelCache
+    compute = tl.ComputeSchedule(tile=(64, 128, 64), order="comm_aligned", group_m=1)
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
+    k = gemm_reduce_scatter.trace(W, S((64 * W, 64), tl.float16), S((64, 128), tl.float16), S((64, 128), tl.float16),
+                                  compute=compute, comm=comm, partial_dtype=partial_dtype)
+    lg = lower_gemm(k, "gemm")
+    assert lg.source.count("epi_load2(buf_reduce_scatter_recv") == W - 1
+    lg.compile(progress=False, cache=KernelCache(tmp_path / "cache"))
+
+
 def test_epilogue_probe_cuts_what_it_names():
     """`python -m tldsl.bench probe epilogue` times the epilogue-sum GEMM with parts cut out of
     its source: each cut removes what it says and nothing else."""

@@ -339,7 +339,10 @@ def test_cpp_tile_order_matches_schedule(tmp_path):
     exe = tmp_path / "order"
     subprocess.run(["g++", "-std=c++17", "-O1", f"-I{INCLUDE}", str(src), "-o", str(exe)], check=True)
     cases = [("row_major", 5, 3, 8, 0, 1, 0), ("swizzled", 7, 4, 3, 0, 1, 0), ("swizzled", 16, 2, 8, 0, 1, 0),
-             ("comm_aligned", 9, 3, 8, 2, 4, 0), ("comm_aligned", 8, 5, 8, 3, 4, 1), ("comm_aligned", 3, 2, 8, 1, 2, 0)]
+             ("comm_aligned", 9, 3, 8, 2, 4, 0), ("comm_aligned", 8, 5, 8, 3, 4, 1), ("comm_aligned", 3, 2, 8, 1, 2, 0),
+             # a negative shift (Python's % is never negative; C++'s was), a group past int's products
+             ("comm_aligned", 9, 3, 2, 0, 4, -1), ("comm_aligned", 8, 5, 1, 1, 3, -8),
+             ("comm_aligned", 8, 2, 2**31 - 1, 2, 3, -7), ("swizzled", 7, 4, 2**31 - 1, 0, 1, 0)]
     cases = [c + (1,) for c in cases] + [c + (2,) for c in cases]        # clusters (1, 1) and (2, 1)
     for order, gm, gn, g, rank, W, shift, cm in cases:
         kind = {"row_major": 0, "swizzled": 1, "comm_aligned": 2}[order]
@@ -349,6 +352,35 @@ def test_cpp_tile_order_matches_schedule(tmp_path):
         want = tl.ComputeSchedule(order=order, group_m=g, cluster=(cm, 1)).tile_order((gm, gn), rank, W, shift)
         assert got == want, (order, gm, gn, g, rank, W, shift, cm)
         assert sorted(got) == [(m, n) for m in range(gm) for n in range(gn)]     # every tile once
+
+
+
+@tl.kernel
+def shifted_rows_gemm(a, b, c, *, shift=0, compute: tl.ComputeSchedule = None):
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=shift)
+    def mm(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        tl.store(c, (pm * BM, pn * BN), acc)
+
+
+@pytest.mark.parametrize("shift,group_m", [(-1, 2**31 - 1), (10**12, 2**40), (-(10**12), 1), (2, 8)])
+def test_the_gemm_template_reads_the_order_numbers_as_ints(shift, group_m):
+    """A part's align_shift and the schedule's group_m are any Python ints; the template's Cfg takes
+    C++ int literals. Rendered as given, 10**12 and 2**40 were narrowed to other ints (2**40 to 0).
+    The host renders the shift modulo the world size (the rank the simulator's order starts on is
+    (rank + shift) % W) and the group at most INT_MAX (tile_at bounds it by its rows)."""
+    W = 3
+    k = shifted_rows_gemm.trace(W, S((384, 128), tl.float16), S((128, 256), tl.float16), S((384, 256), tl.float16),
+                                shift=shift, compute=tl.ComputeSchedule(tile=(128, 128, 64), order="comm_aligned",
+                                                                        group_m=group_m, stages=2))
+    lg = lower_gemm(k, "mm")
+    assert f"kGroupM = {min(group_m, 2**31 - 1)}, kWorldSize = {W}, kAlignShift = {shift % W};" in lg.source
 
 
 GROUPED_WALK_MAIN = r"""

@@ -281,3 +281,103 @@ def test_clusters_are_refused_where_a_tile_may_wait_on_its_cluster_partner():
                                                          cluster=(2, 1)),
                               comm=tl.CommSchedule(engine="sm", mode="push", tile_m=128, sms=2))
     assert lower(ag, "gemm").config.cluster == (2, 1)
+
+
+# -- align_shift and group_m of any size the schedule takes: the simulator's order on the GPU ----------
+
+@tl.kernel
+def rows_shifted(a: tl.Symmetric, g: tl.Symmetric, y, *, shift=0, compute: tl.ComputeSchedule = None):
+    """Every rank pushes its rows to every peer; the compute part, in the comm_aligned order
+    rotated by ``shift``, waits for a row's owner and squares it."""
+    W = tl.world_size()
+    Ms, N = a.shape
+    BM, BN, _ = compute.tile
+    arrived = tl.signal("arr", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,))
+    def push(s):
+        me = tl.rank()
+        p = (me + s) % W
+        tl.tile_push_data(g.at(p), (me * Ms, 0), a, (0, 0), (Ms, N))
+        tl.peer_tile_notify(arrived, me, p)
+
+    @tl.compute_part(grid=(W * Ms // BM, tl.cdiv(N, BN)), align_shift=shift)
+    def part(pm, pn):
+        tl.peer_tile_wait(arrived, pm * BM // Ms)
+        t = tl.load(g, (pm * BM, pn * BN), (BM, BN))
+        tl.store(y, (pm * BM, pn * BN), t * t + 1.0)
+
+
+@needs_gxx
+@pytest.mark.parametrize("shift", [-1, -5, 10**12, -(10**12) - 1])
+def test_a_negative_or_huge_align_shift_starts_where_the_simulator_does(shift, tmp_path):
+    """``align_shift`` is any int: the simulator rotates the rows to those of rank (rank + shift)
+    % W with Python's %, never negative. The generated code used C++'s % (negative for a negative
+    rank + shift: the walk started on a negative row, and a block of tiles was never computed) on
+    the shift rendered as given (10**12 narrowed to a negative int). It is now reduced modulo W on
+    the host and the header's modulo is never negative: the kernel, emulated on every rank at
+    once, writes what the simulator does, walking the simulator's order."""
+    from tldsl.codegen import lower
+    from test_codegen_general import NP, _stored_inputs, emulate_kernel
+    W, Ms = 3, 16
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(-4, 5, (Ms, 16)).astype(np.float32) / 4 for _ in range(W)]
+    ins = [{"a": xs[r], "g": np.full((W * Ms, 16), np.nan, np.float32),
+            "y": np.full((W * Ms, 16), np.nan, np.float32)} for r in range(W)]
+    sched = tl.ComputeSchedule(tile=(8, 8, 8), order="comm_aligned", group_m=1)
+    want = tl.simulate(rows_shifted, W, ins, compute=sched, shift=shift, options={"launches": 1})
+    k = want.kernel
+    lowered = [lower(k, p.name) for p in k.parts]
+    tiles = lowered[1]
+    assert f"comm_aligned_start(6, rank, 3, {shift % W})" in tiles.source
+    part = k.part("part")
+    plan = plan_general(k, part, match_general(k, part))
+    for rank in range(W):
+        assert _walk(_decode_lines(plan), 12, rank, (6, 2)) == sched.tile_slots((6, 2), rank, W, shift)
+    stored = []
+    for r in range(W):
+        arr = _stored_inputs(k, ins[r])
+        for b in k.workspaces:
+            arr[b.name] = np.full(b.type.shape, np.nan, NP[b.type.dtype.name])
+        stored.append(arr)
+    got = emulate_kernel(k, lowered, stored, tmp_path, grid=2)
+    full = np.concatenate(xs)
+    for r in range(W):
+        np.testing.assert_array_equal(want[r]["y"], full * full + 1)
+        np.testing.assert_array_equal(got[r]["y"], want[r]["y"])
+
+
+@tl.kernel
+def tripled(x, y, *, compute: tl.ComputeSchedule = None):
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        tl.store(y, (pm * BM, pn * BN), tl.load(x, (pm * BM, pn * BN), (BM, BN)) * 3.0)
+
+
+@needs_gxx
+@pytest.mark.parametrize("order", ["swizzled", "comm_aligned"])
+@pytest.mark.parametrize("group_m", [2**31 - 1, 2**40])
+def test_a_group_of_more_rows_than_the_grid_walks_one_group(order, group_m, tmp_path):
+    """``group_m`` is any positive int; one of the grid's rows or more is one group (column-major
+    order). ``tile_at`` computed ``group_m * gn`` in 32 bits (2**31 - 1 groups of 2 columns: -2, a
+    negative first row, tiles skipped; 2**40 rendered as an int literal is 0). The header bounds
+    the group by the rows it walks and the host renders at most INT_MAX: the simulator's order,
+    every tile written."""
+    from tldsl.codegen import lower
+    from test_codegen_general import _stored_inputs, emulate
+    x = np.arange(40 * 16, dtype=np.float32).reshape(40, 16)
+    sched = tl.ComputeSchedule(tile=(8, 8, 8), order=order, group_m=group_m)
+    ins = {"x": x, "y": np.full_like(x, np.nan)}
+    sim = tl.simulate(tripled, 1, [ins], compute=sched)
+    np.testing.assert_array_equal(sim[0]["y"], 3 * x)
+    k = sim.kernel
+    lk = lower(k, "part")
+    assert ", 2147483647, " in lk.source
+    part = k.part("part")
+    plan = plan_general(k, part, match_general(k, part))
+    assert _walk(_decode_lines(plan), 10, 0, (5, 2)) == sched.tile_slots((5, 2), 0, 1)
+    got = emulate(k, lk, _stored_inputs(k, ins), tmp_path)
+    np.testing.assert_array_equal(got["y"], sim[0]["y"])

@@ -339,8 +339,8 @@ def test_epilogue_sum_parts_and_rules(monkeypatch):
                 np.testing.assert_allclose(np.asarray(res[r]["out"], np.float32), case.expected[r]["out"],
                                            rtol=case.rtol, atol=case.atol)
     # ... and the refused orders do deadlock there (traced with the rule switched off)
-    import tldsl.ops.gemm_reduce_scatter as grs
-    monkeypatch.setattr(grs, "_own_rows_waiting_in_a_cycle", lambda *a, **k: None)
+    import tldsl.collectives as coll
+    monkeypatch.setattr(coll, "own_rows_waiting_in_a_cycle", lambda *a, **k: None)
     for bad, W_ in ((compute.with_(group_m=8), W), (compute.with_(order="row_major"), 3)):
         case = SPEC.make_case(np.random.default_rng(0), W_, rows_per_rank=Ms, n=N, k_per_rank=K, compute=bad,
                               comm=comm)
@@ -357,6 +357,58 @@ def test_epilogue_sum_parts_and_rules(monkeypatch):
         tl.CommSchedule(reduce_in="sm")
 
 
+@tl.kernel
+def users_gemm_rs(a, b, out, *, shift=None, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+    """A user's GEMM + ReduceScatter written with the public collective (not the op library's)."""
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+    partial = tl.local_buffer((M, N), tl.float32, "partial")
+    rs = reduce_scatter(partial, out, comm, producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift if shift is None else shift)
+    def gemm(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        rs.store_tile(acc, pm * BM, pn * BN)
+
+
+def test_the_collective_refuses_an_epilogue_sum_whose_ranks_wait_in_a_cycle():
+    """The op library's gemm_reduce_scatter refused an order in which the ranks' own tiles wait for
+    each other in a cycle (reduce_in='epilogue'), but a user's program calling the collective got
+    the simulator's DeadlockError over the collective's internal parts. The check is now the
+    collective's (the op's too): a ScheduleError naming the schedules and the cycle, at the user's
+    store_tile line, when the kernel is traced — and the orders it takes still run."""
+    W, M, K, N = 4, 128, 24, 24
+    rng = np.random.default_rng(0)
+    ins = [{"a": rng.standard_normal((M, K)).astype(np.float32), "b": rng.standard_normal((K, N)).astype(np.float32),
+            "out": np.full((M // W, N), np.nan, np.float32)} for _ in range(W)]
+    comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
+    row_major = tl.ComputeSchedule(tile=(16, 16, 8))
+    specs = [tl.TensorSpec(v.shape, tl.float32) for v in ins[0].values()]
+    for run in (lambda: tl.simulate(users_gemm_rs, W, ins, compute=row_major, comm=comm),
+                lambda: users_gemm_rs.trace(W, *specs, compute=row_major, comm=comm)):
+        with pytest.raises(tl.ScheduleError, match=r"reduce_in='epilogue' with ComputeSchedule\(.*order='row_major'.*\) "
+                                                   r"and CommSchedule\(.*\) can hang") as info:
+            run()
+        assert info.value.loc.filename == __file__ and "rs.store_tile(acc" in info.value.loc.source
+        assert "rank 1 reaches its own tile row 2 before tile row 7" in str(info.value)
+    # the op refuses it with the same check, at its own store_tile line
+    with pytest.raises(tl.ScheduleError, match=r"row_major.* can hang") as info:
+        gemm_reduce_scatter.trace(W, *specs, compute=row_major, comm=comm)
+    assert info.value.loc.filename.endswith("gemm_reduce_scatter.py")
+    # the order checked is the part's: comm_aligned with the handle's shift runs; another shift
+    # (every rank reaching its own rows first) is refused
+    aligned = row_major.with_(order="comm_aligned", group_m=1)
+    res = tl.simulate(users_gemm_rs, W, ins, compute=aligned, comm=comm)
+    want = sum(i["a"] @ i["b"] for i in ins)
+    for r in range(W):
+        np.testing.assert_allclose(res[r]["out"], want[r * M // W:(r + 1) * M // W], rtol=1e-4, atol=1e-4)
+    with pytest.raises(tl.ScheduleError, match="can hang"):
+        users_gemm_rs.trace(W, *specs, compute=aligned, comm=comm, shift=0)
+
+
 def test_all_gather_has_nothing_to_reduce():
     from tldsl.ops.allgather_gemm import allgather_gemm
     comm = tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue")
@@ -366,7 +418,7 @@ def test_all_gather_has_nothing_to_reduce():
 
 
 def test_the_cycle_named_is_one_of_waiting_ranks_and_the_shortest_through_its_first_rank():
-    from tldsl.ops.gemm_reduce_scatter import _a_cycle
+    from tldsl.collectives import _a_cycle
     assert _a_cycle({0: {1: ()}, 1: {0: ()}}) == [0, 1]
     assert _a_cycle({0: {1: ()}, 1: {2: (), 3: ()}, 2: {1: ()}, 3: {0: ()}}) == [0, 1, 3]
     assert _a_cycle({0: {}, 1: {2: ()}, 2: {1: ()}}) == [1, 2]           # rank 0 waits for nobody

@@ -217,10 +217,12 @@ class ReduceScatter:
     align_shift = 1
 
     def __init__(self, mapping: StaticMapping, ready, tile_rows: int, *, partial=None, out=None,
-                 producer_rows: int = 0, epilogue=None):
+                 producer_rows: int = 0, epilogue=None, comm: CommSchedule | None = None, name: str = ""):
         self.mapping, self.ready, self.tile_rows = mapping, ready, tile_rows
         self.partial, self.out, self.producer_rows = partial, out, producer_rows
         self._epilogue = epilogue       # (recv, done, chunks per peer) where reduce_in='epilogue'
+        self._comm, self._name = comm, name
+        self._orders_checked: set = set()   # the compute parts whose order was checked (_check_order)
 
     def notify_rows(self, row_lo, row_hi):
         """Rows ``[row_lo, row_hi)`` of ``partial`` are stored. Refused where the epilogue sums
@@ -253,6 +255,7 @@ class ReduceScatter:
         if self._epilogue is None:
             store_partial()
             return
+        self._check_order()
         recv, done, tpr = self._epilogue
         W = world_size()
         Ms = M // W
@@ -269,6 +272,95 @@ class ReduceScatter:
                 total = got if total is None else got + total
             own = acc if self.partial.dtype == tl.float32 else acc.read().to(self.partial.dtype)
             tl.store(self.out, (row - lo, col), own if total is None else own + total)
+
+
+    def _check_order(self) -> None:
+        """Summing in the epilogue, refuse a compute order in which the ranks' own tiles would wait
+        for each other in a cycle (:func:`own_rows_waiting_in_a_cycle`): the compute part handing
+        tiles over here (its grid and ``align_shift``) under the kernel's compute schedule — at the
+        line that hands them over, before anything runs, where the simulator would deadlock and a
+        GPU hang."""
+        b = current()
+        part = b.parts[-1] if b.part_role == "compute" and b.parts else None
+        compute, W = b.compute_schedule, world_size()
+        if part is None or compute is None or self._comm is None or W == 1 or id(part) in self._orders_checked:
+            return
+        self._orders_checked.add(id(part))
+        why = own_rows_waiting_in_a_cycle(compute, self._comm, self.partial.shape[0], W, tuple(part.grid),
+                                          self.producer_rows, getattr(part, "align_shift", 0), who=self._name)
+        if why is not None:
+            raise ScheduleError(why, user_location())
+
+
+def own_rows_waiting_in_a_cycle(compute, comm: CommSchedule, M: int, W: int, grid: tuple[int, ...], BM: int,
+                                align_shift: int = ReduceScatter.align_shift, who: str = "reduce_scatter") -> str | None:
+    """Why a reduce-scatter summing in the epilogue (``reduce_in='epilogue'``) can hang under the
+    compute schedule ``compute``, or None: the producers, a compute part of ``grid`` (its first
+    axis: tiles of ``BM`` rows of the ``M`` rows of ``partial``) and ``align_shift``.
+
+    A tile of this rank's rows waits for every peer's copy of those rows. Peer q's copy engine
+    pushes the chunks of its peers' rows one after another, in the communication schedule's task
+    order, each once q's producer tiles over that chunk are done. A GPU may run the producers on
+    few CTAs (one, at worst), each taking its tiles one after another in the compute schedule's
+    order (``tile_order``, as the GEMM recipes walk it). So where q reaches an own tile (which
+    waits) before a tile its push to rank r needs (those of r's rows, and of every chunk pushed
+    before them), rank r's own tiles wait for q's. A cycle of such waits hangs; without one, the
+    ranks' own tiles finish in the cycle-free order. Every rank reaching its own rows last
+    (``comm_aligned`` with whole groups: the copy engine pushes to rank+1, rank+2, ... in that
+    order) is safe, and ``row_major`` is too where each rank pushes one peer; a swizzled group
+    straddling two ranks' rows walks both column by column, each rank reaching an own tile before
+    the other's last. The one check of both the collective (:meth:`ReduceScatter.store_tile`) and
+    the op library's ``gemm_reduce_scatter``."""
+    Ms = M // W
+    if W < 2 or Ms % BM:
+        return None     # (refused by the reduce-scatter, with its reason)
+    t = Ms if comm.tile_m is None else min(comm.tile_m, Ms)
+    tpr = -(-Ms // t)
+    pushes = comm.task_order((W - 1, tpr))          # the copy engine's (peer step, chunk) in turn
+    last_push = {s: i for i, (s, _) in enumerate(pushes)}
+    waits_for: dict[int, dict[int, tuple[int, int]]] = {r: {} for r in range(W)}   # r -> {q: (own row, row)}
+    for q in range(W):
+        rows = [c[0] for c in compute.tile_order(grid, q, W, align_shift=align_shift)]
+        first = next((i for i, m in enumerate(rows) if m * BM // Ms == q), None)
+        if first is None:
+            continue                                                     # no own tile: q waits for nobody
+        late = set(rows[first + 1:])                                     # tile rows with a tile past the first own
+        needed: set[int] = set()                                         # tile rows q's pushes so far wait for
+        for i, (s, j) in enumerate(pushes):
+            dest = (q + s + 1) % W
+            lo = dest * Ms + j * t
+            needed.update(range(lo // BM, -(-min(lo + t, (dest + 1) * Ms) // BM)))
+            if i == last_push[s] and needed & late:                      # dest's copy, complete after this push
+                waits_for[dest][q] = (rows[first], max(needed & late))
+    cycle = _a_cycle(waits_for)
+    if cycle is None:
+        return None
+    links = "; ".join(f"rank {q} reaches its own tile row {own} before tile row {row}, which its copy of rank {r}'s "
+                      f"rows waits for" for r, q in zip(cycle, cycle[1:] + cycle[:1]) for own, row in [waits_for[r][q]])
+    return (f"{who}: reduce_in='epilogue' with {compute} and {comm} can hang: a tile of a rank's own "
+            f"rows waits for every peer's copy of them, and {links}; on a GPU running the producer tiles on few CTAs "
+            f"these ranks wait for each other. Use order='comm_aligned' with this rank's {Ms // BM} tile row(s) filling "
+            f"whole groups (group_m={compute.group_m} now; and clusters) and align_shift={ReduceScatter.align_shift} "
+            f"(the handle's align_shift), or reduce_in='comm'")
+
+
+def _a_cycle(waits_for: dict[int, dict[int, tuple]]) -> list[int] | None:
+    """A shortest cycle r0 -> r1 -> ... -> r0 of ``waits_for`` (rank -> the ranks it waits for)
+    through the first rank on one, or None."""
+    for start in sorted(waits_for):
+        parent, todo = {}, [start]
+        while todo:
+            r = todo.pop(0)
+            for q in sorted(waits_for[r]):
+                if q == start:
+                    cycle = [r]
+                    while cycle[-1] != start:
+                        cycle.append(parent[cycle[-1]])
+                    return cycle[::-1]
+                if q not in parent:
+                    parent[q] = r
+                    todo.append(q)
+    return None
 
 
 #: what a reduce-scatter's partial may hold: fp32, or the output's dtype (rounded once per rank)
@@ -363,7 +455,7 @@ def reduce_scatter(partial, out, comm: CommSchedule, name: str = "reduce_scatter
     def load_partial(seg, j):
         return load_segment_tile(partial, seg, j)
 
-    handle = dict(partial=partial, out=out, producer_rows=BM)
+    handle = dict(partial=partial, out=out, producer_rows=BM, comm=comm, name=name)
     if comm.engine == "copy_engine":
         if comm.reduce_in == "epilogue" and Ms % BM:
             raise ScheduleError(f"{name}: reduce_in='epilogue' adds peers' rows into this rank's own producer "

@@ -15,6 +15,7 @@ from ..dtypes import MMA_INPUTS, SWIZZLE, ctype
 from ..errors import fail
 from ..ir_queries import CONTROL_OPS, SCALAR_OPS, needed_ops
 from ..match.attention import WHAT, AttentionMatch
+from .tile_order import order_align_shift
 from .wgmma import SMEM_LIMIT
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -230,7 +231,7 @@ def plan_attention(kernel: core.Kernel, part: core.Part, m: AttentionMatch, *, s
     notes = (f"stages {stages} instead of the schedule's {sched.stages}",) \
         if stages is not None and stages != sched.stages else ()
     return AttentionPlan(kernel, part, m, cfg, ctl, entry_name(kernel, part, entry),
-                         int(getattr(part, "align_shift", 0)), tuple(params),
+                         order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), tuple(params),
                          _tma_specs(cfg, m, qbuf, kbuf, vbuf, obuf),
                          {b.name: (tuple(b.type.shape), b.type.dtype.name) for b in (qbuf, kbuf, vbuf, obuf)},
                          wait_timeout_options(wait_timeout_ns), notes)

@@ -18,6 +18,7 @@ from ..match import affine as aff
 from ..match.combine import WHAT, CombineMatch
 from ..match.per_row import depends_on
 from ...ir.opdefs import written_buffers
+from .tile_order import order_align_shift
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook
 from .wgmma import check_cluster_waits
 
@@ -99,7 +100,8 @@ def plan_combine(kernel: core.Kernel, part: core.Part, m: CombineMatch, *, wait_
     waits = [op for op in walk if op.name in WAIT_OPS]
     grid = (part.grid[0], part.grid[1] if len(part.grid) == 2 else 1)
     return CombinePlan(kernel, part, m, sched, entry_name(kernel, part, entry),
-                       int(getattr(part, "align_shift", 0)), grid, tuple(params), buffers, signals, tensors, written,
+                       order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), grid, tuple(params),
+                       buffers, signals, tensors, written,
                        per_tile, per_row, scale, len(waits), sum(op.name in NOTIFY_OPS for op in walk),
                        tuple(sorted({scope_of(op) for op in waits})), wait_timeout_options(wait_timeout_ns),
                        vector_width(m), threads)

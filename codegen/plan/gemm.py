@@ -21,6 +21,7 @@ from ..errors import fail
 from ..ir_queries import SCALAR_OPS, kernel_tensor, needed_ops, scope_of, widest_scope
 from ..match.affine import affine, fmt_all
 from ..match.gemm import WHAT, GemmMatch, is_accumulator
+from .tile_order import order_align_shift
 from .fused_rows import FusedRows, plan_fused_rows
 from .wgmma import (STORE_DTYPES, GemmConfig, check_cluster_waits, check_k_loop, check_operands, check_tiles,
                     choose_config, epilogue_buffer_bytes)
@@ -417,7 +418,8 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
             _check_push_order(kernel, part, sched, M, cfg)
             tma += _push_rows(kernel, cfg, M, K, params, rows)
     return GemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
-                    int(getattr(part, "align_shift", 0)), tuple(params), tma, wait_timeout_options(wait_timeout_ns),
+                    order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), tuple(params), tma,
+                    wait_timeout_options(wait_timeout_ns),
                     waits, stage, epi, notified, rows)
 
 

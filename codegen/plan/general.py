@@ -67,6 +67,7 @@ from ..match.general import ELEMENT_OPS, WHAT, GeneralMatch
 from .comm import task_decode
 from .dot_loop import MIN_STAGES as MIN_RING_STAGES, DotLoop, find_dot_loops, with_stages
 from .held import ChunkOrder, plan_held, prefetchable
+from .tile_order import order_align_shift, order_group_m
 
 DEFAULT_THREADS = 128
 #: threads of a task group where a CTA runs several tasks at once (unless ``threads`` is given):
@@ -947,8 +948,9 @@ def _tile_order(kernel: core.Kernel, part: core.Part) -> TileOrder | None:
         cm = 1
     if order == "row_major" and cm == 1:
         return None
-    return TileOrder(0 if order == "row_major" else int(sched.group_m), cm, order == "comm_aligned",
-                     int(kernel.world_size), int(getattr(part, "align_shift", 0)), part.grid[0] % cm != 0)
+    return TileOrder(0 if order == "row_major" else order_group_m(sched.group_m), cm, order == "comm_aligned",
+                     int(kernel.world_size), order_align_shift(getattr(part, "align_shift", 0), kernel.world_size),
+                     part.grid[0] % cm != 0)
 
 
 #: the C++ type of a TMA descriptor parameter (general_pipeline.hpp's TmaDesc)

@@ -19,6 +19,7 @@ from ..match import affine as aff
 from ..match.grouped_gemm import WHAT, GroupedGemmMatch
 from ..match.per_row import depends_on
 from ...ir.opdefs import written_buffers
+from .tile_order import order_align_shift
 from .prog_params import signal_hook, signal_params, signals_used, tensor_param, tensors_read, value_hook
 from .wgmma import GemmConfig, check_cluster_waits, check_k_loop, check_operands, check_tiles, choose_config
 
@@ -139,7 +140,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
         params.append(tensor_param(b, written))
         buffers[b.name] = (tuple(b.type.shape), b.type.dtype.name)
     return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
-                           int(getattr(part, "align_shift", 0)), tuple(params), _tma_specs(cfg, m, M, N, K),
+                           order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), tuple(params),
+                           _tma_specs(cfg, m, M, N, K),
                            buffers, signals, tensors, written, len(waits),
                            notifies, tuple(sorted({scope_of(op) for op in waits})),
                            wait_timeout_options(wait_timeout_ns), side_plan)

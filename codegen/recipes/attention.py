@@ -61,6 +61,7 @@ from ..errors import fail
 from ..ir_queries import CONTROL_OPS, only_part
 from ..match.attention import LOG2E, WHAT, AttentionMatch, describe as describe_op, match_attention
 from ..plan.attention import AttentionConfig, AttentionPlan, ControlCode, plan_attention
+from ..plan.tile_order import order_group_m
 from ..plan.wgmma import ORDERS
 from ..rules.sync import SignalEmitter
 from .recipe import Recipe
@@ -243,7 +244,7 @@ def _emit_source(plan: AttentionPlan, control: str) -> str:
         f"  using GmmaO = {gmma_o};",
         f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, D = {cfg.D};{marker(part.loc)}",
         f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs};",
-        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, kGridM = {cfg.grid[0]}, "
+        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {order_group_m(cfg.group_m)}, kGridM = {cfg.grid[0]}, "
         f"kGridN = {cfg.grid[1]};",
         f"  static constexpr int kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",

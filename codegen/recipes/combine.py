@@ -42,6 +42,7 @@ from ..dtypes import c_type
 from ..ir_queries import only_part
 from ..match.combine import WHAT, match_combine
 from ..plan.combine import CombinePlan, plan_combine
+from ..plan.tile_order import order_group_m
 from ..plan.wgmma import ORDERS
 from ..rules.scalars import c_literal
 from .prog_hooks import HookEmitter, element_math_includes, hook_fn, prog_members
@@ -320,7 +321,7 @@ def combine_structs(plan: CombinePlan, fns: list[str], cfg: str = "Cfg", prog: s
         f"struct {cfg} {{",
         f"  static constexpr int kThreads = {plan.threads}, BM = {m.BMf}, BN = {m.BNf};{marker(part.loc)}",
         f"  static constexpr int kGridM = {gm}, kGridN = {gn};",
-        f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {sched.group_m}, "
+        f"  static constexpr int kOrder = {ORDERS[sched.order]}, kGroupM = {order_group_m(sched.group_m)}, "
         f"kWorldSize = {kernel.world_size}, kAlignShift = {plan.align_shift};",
         "};",
         f"// kThreads threads share a tile; the generated body strides over BM x BN/{plan.vec} items by it.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..dtypes import c_type
+from ..plan.tile_order import order_group_m
 from ..plan.wgmma import ORDERS, GemmConfig
 
 
@@ -18,7 +19,7 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
         f"  static constexpr int BM = {cfg.BM}, BN = {cfg.BN}, BK = {cfg.BK};{part_mk}",
         f"  static constexpr int kStages = {cfg.stages}, kConsumerWGs = {cfg.consumer_wgs}, "
         f"kEpiBuffers = {cfg.epi_buffers};",
-        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {cfg.group_m}, "
+        f"  static constexpr int kOrder = {ORDERS[cfg.order]}, kGroupM = {order_group_m(cfg.group_m)}, "
         f"kWorldSize = {world_size}, kAlignShift = {align_shift};",
         f"  static constexpr int kProducerRegs = {cfg.producer_regs}, kConsumerRegs = {cfg.consumer_regs};",
         f"  static constexpr int kClusterM = {cfg.cluster[0]};",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 import tldsl as tl
-from tldsl.collectives import PARTIAL_DTYPES, partial_buffer, reduce_scatter
+from tldsl.collectives import PARTIAL_DTYPES, own_rows_waiting_in_a_cycle, partial_buffer, reduce_scatter
 from tldsl.ops.registry import register
 from tldsl.testing import OpCase, OpSpec
 
@@ -37,11 +37,11 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
     partial = partial_buffer((M, N), out, partial_dtype, "gemm_reduce_scatter")
+    # summing in the epilogue, the collective refuses a compute order in which the ranks' own tiles
+    # wait for each other in a cycle (tldsl.collectives.own_rows_waiting_in_a_cycle), where the GEMM
+    # hands its tiles over (rs.store_tile): a ScheduleError at that line
     rs = reduce_scatter(partial, out, comm, name="reduce_scatter",
                         producer_rows=BM, producers_per_row=tl.cdiv(N, BN))
-    if comm.reduce_in == "epilogue":
-        hang = _own_rows_waiting_in_a_cycle(compute, comm, M, N, W, rs.align_shift)
-        tl.static_assert(hang is None, hang)
 
     @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=rs.align_shift)
     def gemm(pm, pn):
@@ -54,68 +54,11 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
 
 def _own_rows_waiting_in_a_cycle(compute: tl.ComputeSchedule, comm: tl.CommSchedule, M: int, N: int, W: int,
                                  align_shift: int = 1) -> str | None:
-    """Summing in the epilogue, a tile of this rank's rows waits for every peer's copy of those
-    rows. Peer q's copy engine pushes the chunks of its peers' rows one after another, in the
-    communication schedule's task order, each once q's GEMM tiles over that chunk are done. A
-    GPU may run the GEMM on few CTAs (one, at worst), each taking its tiles one after another
-    in the compute schedule's order (``tile_order``, as the GEMM recipes walk it;
-    ``align_shift``: the compute part's). So where q reaches an own tile (which waits) before a
-    tile its push to rank r needs (those of r's rows, and of every chunk pushed before them),
-    rank r's own tiles wait for q's. A cycle of such waits hangs; without one, the ranks' own
-    tiles finish in the cycle-free order. Every rank reaching its own rows last (``comm_aligned``
-    with whole groups: the copy engine pushes to rank+1, rank+2, ... in that order) is safe, and
-    ``row_major`` is too where each rank pushes one peer; a swizzled group straddling two ranks'
-    rows walks both column by column, each rank reaching an own tile before the other's last.
-    Returns why the order can hang, or None."""
-    BM, BN = compute.BM, compute.BN
-    Ms = M // W
-    if Ms % BM:
-        return None     # (refused by the reduce-scatter, with its reason)
-    t = Ms if comm.tile_m is None else min(comm.tile_m, Ms)
-    tpr = -(-Ms // t)
-    pushes = comm.task_order((W - 1, tpr))          # the copy engine's (peer step, chunk) in turn
-    last_push = {s: i for i, (s, _) in enumerate(pushes)}
-    grid = (tl.cdiv(M, BM), tl.cdiv(N, BN))
-    waits_for: dict[int, dict[int, tuple[int, int]]] = {r: {} for r in range(W)}   # r -> {q: (own row, row)}
-    for q in range(W):
-        rows = [c[0] for c in compute.tile_order(grid, q, W, align_shift=align_shift)]
-        first = next(i for i, m in enumerate(rows) if m * BM // Ms == q)
-        late = set(rows[first + 1:])                                     # tile rows with a tile past the first own
-        needed: set[int] = set()                                         # tile rows q's pushes so far wait for
-        for i, (s, j) in enumerate(pushes):
-            dest = (q + s + 1) % W
-            lo = dest * Ms + j * t
-            needed.update(range(lo // BM, -(-min(lo + t, (dest + 1) * Ms) // BM)))
-            if i == last_push[s] and needed & late:                      # dest's copy, complete after this push
-                waits_for[dest][q] = (rows[first], max(needed & late))
-    cycle = _a_cycle(waits_for)
-    if cycle is None:
-        return None
-    links = "; ".join(f"rank {q} reaches its own tile row {own} before tile row {row}, which its copy of rank {r}'s "
-                      f"rows waits for" for r, q in zip(cycle, cycle[1:] + cycle[:1]) for own, row in [waits_for[r][q]])
-    return (f"gemm_reduce_scatter: reduce_in='epilogue' with {compute} and {comm} can hang: a tile of a rank's own "
-            f"rows waits for every peer's copy of them, and {links}; on a GPU running the GEMM on few CTAs these ranks "
-            f"wait for each other. Use order='comm_aligned' with this rank's {Ms // BM} tile row(s) filling whole "
-            f"groups (group_m={compute.group_m} now; and clusters), or reduce_in='comm'")
-
-
-def _a_cycle(waits_for: dict[int, dict[int, tuple]]) -> list[int] | None:
-    """A shortest cycle r0 -> r1 -> ... -> r0 of ``waits_for`` (rank -> the ranks it waits for)
-    through the first rank on one, or None."""
-    for start in sorted(waits_for):
-        parent, todo = {}, [start]
-        while todo:
-            r = todo.pop(0)
-            for q in sorted(waits_for[r]):
-                if q == start:
-                    cycle = [r]
-                    while cycle[-1] != start:
-                        cycle.append(parent[cycle[-1]])
-                    return cycle[::-1]
-                if q not in parent:
-                    parent[q] = r
-                    todo.append(q)
-    return None
+    """Why this op's GEMM (``compute``'s tiles over [M, N]) with ``reduce_in='epilogue'`` can hang,
+    or None: :func:`tldsl.collectives.own_rows_waiting_in_a_cycle`, which the collective checks
+    when the GEMM hands its tiles over (here for the tests' schedule strategies)."""
+    return own_rows_waiting_in_a_cycle(compute, comm, M, W, (tl.cdiv(M, compute.BM), tl.cdiv(N, compute.BN)),
+                                       compute.BM, align_shift)
 
 
 def reference(a_slices, b_slices):

@@ -65,6 +65,12 @@ __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+// The largest divisor of n (> 0) that is at most bound (at least 1).
+__host__ __device__ constexpr int divisor_at_most(int n, int bound) {
+  int d = cmax(1, cmin(n, bound));
+  while (n % d != 0) --d;
+  return d;
+}
 
 // Everything derived from the generated configuration `Cfg`:
 //   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64x{kWgN}x16_F32xx_SS<K, MN>),
@@ -337,12 +343,14 @@ struct EpilogueCtx {
   // For each of this thread's accumulator pairs (tile row `row`, columns col and col + 1):
   // v = fetch(row, col) (the loads), then combine(x0, x1, v) (the arithmetic). The loads of a
   // batch of pairs are issued before any of their arithmetic, so their latencies overlap (at most
-  // 256 bytes of fetched values per thread in flight: a few dozen registers).
+  // 256 bytes of fetched values per thread in flight: a few dozen registers). A batch is the most
+  // column blocks within those bytes that divides the tile's BN / 8 (a reduce-scatter summing three
+  // peers' fp16 pairs, a 12-byte V: 256 / 24 = 10 blocks, which do not tile 16 of them; 8 do).
   template <class Fetch, class Combine>
   __device__ __forceinline__ void apply(Fetch&& fetch, Combine&& combine) {
     using V = decltype(fetch(0, 0));
     constexpr int kPerJ = 2 * int(sizeof(V));                      // bytes fetched per column block j
-    constexpr int kBatch = cmin(Tr::BN / 8, cmax(1, 256 / kPerJ));  // column blocks per batch
+    constexpr int kBatch = divisor_at_most(Tr::BN / 8, 256 / kPerJ);  // column blocks per batch
     static_assert((Tr::BN / 8) % kBatch == 0, "batches must tile the accumulator columns");
 #pragma unroll
     for (int mb = 0; mb < Tr::MB; ++mb) {

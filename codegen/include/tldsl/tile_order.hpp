@@ -25,16 +25,22 @@ struct TileCoord {
   int n;
 };
 
-// First tile row of the comm_aligned order on `rank`.
+// First tile row of the comm_aligned order on `rank`: the rows of rank (rank + align_shift) mod
+// world_size, a modulo that is never negative, as Python's % (the host renders align_shift reduced
+// to [0, world_size): codegen/plan/tile_order.py; C++'s % keeps the dividend's sign).
 TLDSL_HD constexpr int comm_aligned_start(int gm, int rank, int world_size, int align_shift) {
-  return (((rank + align_shift) % world_size) * gm) / world_size;
+  const int s = (rank + align_shift) % world_size;
+  return ((s < 0 ? s + world_size : s) * gm) / world_size;
 }
 
 // The t-th tile (0 <= t < gm * gn) of the order `kind`.
+// A group of gm rows or more is the whole grid: group_m is bounded by gm first, so that
+// g * gn (<= gm * gn) cannot overflow (the schedule takes any positive group_m).
 TLDSL_HD constexpr TileCoord tile_at(int kind, int t, int gm, int gn, int group_m, int start_row) {
   if (kind == kSwizzled || kind == kCommAligned) {
-    const int first = (t / (group_m * gn)) * group_m;       // first row of t's group
-    const int rows = (gm - first) < group_m ? (gm - first) : group_m;
+    const int g = group_m < gm ? group_m : gm;
+    const int first = (t / (g * gn)) * g;                   // first row of t's group
+    const int rows = (gm - first) < g ? (gm - first) : g;
     const int r = t - first * gn;                             // index inside the group
     const int m = first + r % rows;
     return TileCoord{kind == kSwizzled ? m : (start_row + m) % gm, r / rows};

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .. import env
 from ..ir import core
+from ..ir.names import c_identifier
 from ..ir.display import html_card, one_line
 from .errors import LoweringError
 from .toolchain.compiler import CompileJob, compile_cuda
@@ -21,9 +22,15 @@ from .toolchain.compiler import CompileJob, compile_cuda
 # -- names in generated code ----------------------------------------------------------------------
 
 def cident(s: str) -> str:
-    """A C identifier made from an IR name."""
-    s = re.sub(r"[^0-9A-Za-z_]", "_", s)
-    return s if s and not s[0].isdigit() else "_" + s
+    """A C identifier made from an IR name (for tensors and signals: :func:`cname`)."""
+    return c_identifier(s)
+
+
+def cname(obj: core.Buffer | core.Signal) -> str:
+    """How generated code spells a tensor or signal: the C name the tracer gave it, unique among
+    the kernel's tensors (signals) even where two IR names differ only in characters a C
+    identifier cannot hold (``"x-y"``, ``"x_y"``: :mod:`..ir.names`); else made from its name."""
+    return obj.cname or c_identifier(obj.name)
 
 
 def marker(loc) -> str:
@@ -33,12 +40,12 @@ def marker(loc) -> str:
 
 def signal_param(sig: core.Signal) -> str:
     """Kernel parameter holding this rank's copy of a signal."""
-    return f"sig_{cident(sig.name)}"
+    return f"sig_{cname(sig)}"
 
 
 def peer_signal_param(sig: core.Signal) -> str:
     """Kernel parameter holding the table of every rank's copy of a signal."""
-    return f"sig_{cident(sig.name)}_peers"
+    return f"sig_{cname(sig)}_peers"
 
 
 def signal_slot(sig: core.Signal, channel: str, rank: str | None = None) -> str:
@@ -51,34 +58,42 @@ def signal_slot(sig: core.Signal, channel: str, rank: str | None = None) -> str:
 
 def buffer_param(buf: core.Buffer) -> str:
     """Kernel parameter holding this rank's pointer to a tensor."""
-    return f"buf_{cident(buf.name)}"
+    return f"buf_{cname(buf)}"
 
 
 def peer_buffer_param(buf: core.Buffer) -> str:
     """Kernel parameter holding the table of every rank's pointer to a symmetric tensor."""
-    return f"buf_{cident(buf.name)}_peers"
+    return f"buf_{cname(buf)}_peers"
 
 
 def table_param(buf: core.Buffer) -> str:
     """Kernel parameter holding an i32 table that index code reads (``load_scalar``)."""
-    return f"tbl_{cident(buf.name)}"
+    return f"tbl_{cname(buf)}"
 
 
 def pointer_param(buf: core.Buffer) -> str:
     """Kernel parameter holding the base pointer of a tensor a template reads by pointer (a
     gathered A, per-row operands, the combine's gathered tensor)."""
-    return f"ptr_{cident(buf.name)}"
+    return f"ptr_{cname(buf)}"
 
 
 def output_param(buf: core.Buffer) -> str:
     """Kernel parameter holding the base pointer of a tensor a template stores by pointer."""
-    return f"out_{cident(buf.name)}"
+    return f"out_{cname(buf)}"
+
+
+#: the TMA descriptor parameters the recipes name by role (``tma_<role>``), not by a tensor
+FIXED_TMA = frozenset({"a", "b", "c", "q", "k", "v", "o", "a_own", "a_copy", "a_slot"})
 
 
 def tma_param(buf: core.Buffer) -> str:
-    """Kernel parameter holding the TMA descriptor of a tensor named by its IR name (a
-    generated epilogue's stores; the fixed operands are ``tma_a``, ``tma_b``, ...)."""
-    return f"tma_{cident(buf.name)}"
+    """Kernel parameter holding the TMA descriptor of a tensor named by its C name (a generated
+    epilogue's stores; the fixed operands are ``tma_a``, ``tma_b``, ...: a tensor whose C name is
+    one of those roles, an output called ``a`` say, gets ``tma_<name>_tensor``)."""
+    name = cname(buf)
+    if name in FIXED_TMA or re.fullmatch(r"push_\d+", name):
+        name += "_tensor"
+    return f"tma_{name}"
 
 
 def entry_name(kernel: core.Kernel, part: core.Part, entry: str | None = None) -> str:

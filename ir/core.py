@@ -75,6 +75,9 @@ class Buffer:
     kind: str          # "arg" (the caller passes it) | "workspace" (the kernel owns it, persists across launches)
     value: Value = None
     loc: Location | None = None
+    #: how generated code spells it (``buf_<cname>``): unique among the kernel's tensors, set by the
+    #: tracer (:mod:`.names`); None: made from ``name``
+    cname: str | None = None
 
     def __post_init__(self):
         if self.value is None:
@@ -95,6 +98,9 @@ class Signal:
     type: SignalType
     value: Value = None
     loc: Location | None = None
+    #: how generated code spells it (``sig_<cname>``): unique among the kernel's signals, set by the
+    #: tracer (:mod:`.names`); None: made from ``name``
+    cname: str | None = None
 
     def __post_init__(self):
         if self.value is None:

@@ -102,6 +102,16 @@ def _min_reduce(x, axis):
     return _zero_signed(np.min(x, axis=axis), x, axis, negative=True)
 
 
+def _sum_reduce(x, axis):
+    """numpy's sum, whose reductions start from add's identity +0 (numpy 2): a sum of -0s is +0, not
+    the -0 IEEE addition of the elements alone gives; pinned here (the generated code adds +0 to
+    its sums), so that it depends neither on numpy's version nor on the order a reduction runs in."""
+    r = np.sum(x, axis=axis)
+    if r.dtype.kind == "f":
+        r = np.add(r, r.dtype.type(0.0))        # -0 + +0 is +0; every other value stays as it is
+    return r
+
+
 EWISE = {
     "sigmoid": _sigmoid, "tanh": _in_float(np.tanh), "erf": _erf, "rsqrt": _rsqrt,
     "neg": np.negative, "exp": _in_float(np.exp), "exp2": _in_float(np.exp2), "log": _in_float(np.log),
@@ -114,7 +124,7 @@ EWISE = {
     "where": np.where,
 }
 
-REDUCE = {"sum": np.sum, "max": _max_reduce, "min": _min_reduce}
+REDUCE = {"sum": _sum_reduce, "max": _max_reduce, "min": _min_reduce}
 
 
 def bf16_rounded(x) -> np.ndarray:

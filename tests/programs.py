@@ -62,3 +62,44 @@ def one_task_outer_product(a, b, y):
         acc += tl.dot(tl.load(a, (0, 0), (M, K)), tl.load(b, (0, 0), (K, N)))
         tl.store(y, (0, 0), acc)
 
+
+
+@tl.kernel
+def c_name_clashes(x, y):
+    """Tensors and signals whose names differ only in characters a C identifier cannot hold
+    ("x-y", "x_y"; "s-1", "s_1"), or that read as another's table of peers' pointers ("g_peers"
+    beside symmetric g, "r_peers" beside symmetric r): each needs a kernel parameter of its own.
+    ``y[p] = g[p] + g_peers[p] + 3 x`` (rank p's x, pushed twice) plus this rank's 3 x."""
+    W = tl.world_size()
+    (N,) = x.shape
+    w1 = tl.local_buffer((N,), tl.float32, "x-y")
+    w2 = tl.local_buffer((N,), tl.float32, "x_y")
+    g = tl.symmetric_buffer((W * N,), tl.float32, "g")
+    gp = tl.symmetric_buffer((W * N,), tl.float32, "g_peers")
+    s1, s2 = tl.signal("s-1", 1), tl.signal("s_1", 1)
+    r = tl.signal("r", W, scope="symmetric")
+    rp = tl.signal("r_peers", W, scope="symmetric")
+
+    @tl.comm_part(grid=(W,))
+    def send(p):
+        tl.tile_push_data(g.at(p), (tl.rank() * N,), x, (0,), (N,))
+        tl.peer_tile_notify(r, tl.rank(), p)
+        tl.tile_push_data(gp.at(p), (tl.rank() * N,), x, (0,), (N,))
+        tl.peer_tile_notify(rp, tl.rank(), p)
+
+    @tl.compute_part(grid=(1,))
+    def produce(i):
+        t = tl.load(x, (0,), (N,))
+        tl.store(w1, (0,), t)
+        tl.producer_tile_notify(s1, 0)
+        tl.store(w2, (0,), t * 2.0)
+        tl.producer_tile_notify(s2, 0)
+
+    @tl.compute_part(grid=(W,))
+    def consume(p):
+        tl.consumer_tile_wait(s1, 0)
+        tl.consumer_tile_wait(s2, 0)
+        tl.peer_tile_wait(r, p)
+        tl.peer_tile_wait(rp, p)
+        got = tl.load(g, (p * N,), (N,)) + tl.load(gp, (p * N,), (N,))
+        tl.store(y, (p * N,), got + tl.load(w1, (0,), (N,)) + tl.load(w2, (0,), (N,)))

@@ -310,6 +310,47 @@ def test_allgather_staging_kernel_moves_16_byte_vectors(cache):
     assert k.local_bytes == 0 and k.count("BPT.TRAP") == 0
 
 
+def test_names_equal_only_as_c_identifiers_get_parameters_of_their_own(cache):
+    """Workspaces "x-y" and "x_y", signals "s-1" and "s_1", a symmetric workspace "g_peers" beside
+    g's table of peers' pointers: the simulator runs them, so every part's kernel must compile —
+    it declared two parameters buf_x_y (NVRTC: duplicate parameter name). The tensors keep their
+    IR names (the runtime binds by them); only the C names differ."""
+    from programs import c_name_clashes
+    from tldsl.codegen import lower_all
+    k = c_name_clashes.trace(2, S((8,), tl.float32), S((16,), tl.float32))
+    assert [b.name for b in k.workspaces] == ["x-y", "x_y", "g", "g_peers"]
+    lowered = lower_all(k)
+    for part, lk in lowered.items():
+        names = [p.name for p in lk.params]
+        assert len(names) == len(set(names)), (part, names)
+        lk.compile(cache=cache, progress=False)
+    by_source = {p.source: p.name for p in lowered["consume"].params}
+    assert by_source["buffer:x-y"] == "buf_x_y" and by_source["buffer:x_y"] == "buf_x_y_1"
+    assert by_source["signal:s-1"] == "sig_s_1" and by_source["signal:s_1"] == "sig_s_1_1"
+    assert by_source["buffer:g_peers"] == "buf_g_peers_1"
+
+
+def test_an_epilogue_storing_into_a_tensor_called_a_gets_a_descriptor_of_its_own(cache):
+    """GEMM+ReduceScatter summing in the epilogue, its output called ``a``: the epilogue's store
+    descriptor was tma_a, the name of operand A's (two parameters tma_a, and two descriptors
+    the runtime binds by that name)."""
+    from tldsl.codegen import lower
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+
+    @tl.kernel
+    def out_called_a(x, b, a, *, compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None):
+        gemm_reduce_scatter.fn(x, b, a, compute=compute, comm=comm)
+
+    k = out_called_a.trace(2, S((512, 256), tl.bfloat16), S((256, 512), tl.bfloat16), S((256, 512), tl.bfloat16),
+                           compute=tl.ComputeSchedule(tile=(128, 128, 64)),
+                           comm=tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"))
+    lg = lower(k, "gemm")
+    names = [p.name for p in lg.params]
+    assert len(names) == len(set(names)) and "tma_a_tensor" in names, names
+    assert [t.buffer for t in lg.tma if t.param in ("tma_a", "tma_a_tensor")] == ["x", "a"]
+    lg.compile(cache=cache, progress=False)
+
+
 @needs_cuobjdump
 def test_allgather_publishing_staging_kernel(cache):
     """handshake='device': the staging kernel that is also the launch's handshake keeps the

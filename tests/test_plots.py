@@ -4,6 +4,7 @@ per rank and stream); each returns a Figure and saves it with ``save=`` in the s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from matplotlib.text import Annotation  # noqa: E402
 
 import tldsl as tl  # noqa: E402
 from tldsl.ops.allgather_gemm import allgather_gemm  # noqa: E402
-from tldsl.plots import plot_phases  # noqa: E402
+from tldsl.plots import PlotInputError, plot_phases  # noqa: E402
 from tldsl.runtime.sim.plot import longest_blocked, task_lives  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "tutorials" / "data"
@@ -71,12 +72,45 @@ def test_plot_timeline_lanes_colours_and_arrows(result, tmp_path):
 
 
 def test_plot_timeline_names_a_tile_that_did_not_run(result):
-    with pytest.raises(ValueError, match="did not run in the last launch"):
+    """A typed tl.InputError (it was a bare ValueError; still one, for code that caught that)."""
+    with pytest.raises(tl.InputError, match="did not run in the last launch") as ei:
         result.plot_timeline(tile=(0, "gemm", (99, 99)))
-    with pytest.raises(ValueError, match="tile must be"):
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, PlotInputError)
+    with pytest.raises(tl.InputError, match="tile must be"):
         result.plot_timeline(tile="gemm")
-    with pytest.raises(ValueError, match=r"with coords a tuple, e.g. \(0, 'gemm', \(0, 0\)\)"):
+    with pytest.raises(tl.InputError, match=r"with coords a tuple, e.g. \(0, 'gemm', \(0, 0\)\)"):
         result.plot_timeline(tile=(0, "gemm", 0))           # coords an int: was a TypeError from inside
+
+
+def test_plot_timeline_of_something_other_than_a_simulation_says_what_it_draws(result):
+    from tldsl.plots import plot_timeline
+    with pytest.raises(tl.InputError, match=r"draws a tl.simulate result \(its event log\), got str 'not a result'"):
+        plot_timeline("not a result")                       # was AttributeError: 'str' object has no attribute
+    from tldsl.runtime.gpu.run_result import RunResult
+    gpu = RunResult(result.kernel, result.outputs, [{}], [], 0, 1, 0, 0, device="H200", launch_ms=[0.5])
+    with pytest.raises(tl.InputError, match="no event log"):
+        plot_timeline(gpu)
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda row: row, r"got a dict with keys \['M', .*a whole row of bench --json: pass row\[\"phases\"\]"),
+    (lambda row: {"phases": []}, r"got a dict with keys \['phases'\]"),
+    (lambda row: "phases", r"got str 'phases'"),
+    (lambda row: None, r"got NoneType None"),
+    (lambda row: row["phases"][0], r"item 0 is a mark .*one rank's phases go in a list: plot_phases\(\[phases\]\)"),
+    (lambda row: [[("start", "s0", "0"), ("gemm done", "s0", "1.0")]], r"\(ms is a str, not a number\)"),
+    (lambda row: [[("start", 0.0)]], r"rank 0 has the mark \('start', 0.0\)"),
+    (lambda row: [row["phases"][0], 7], r"rank 1's phases are int 7"),
+])
+def test_plot_phases_says_what_it_takes(make, says):
+    """Anything but [[(label, stream, ms), ...] per rank] — the whole JSON row is an easy slip —
+    was a ValueError or TypeError from deep inside the drawing; now a typed error naming the
+    argument's form and what it got."""
+    row = json.loads((DATA / "ag_gemm_2xH200.json").read_text())["rows"][0]
+    with pytest.raises(tl.InputError, match=r"plot_phases takes one launch's phases, \[\[\(label, stream, ms\)") as ei:
+        plot_phases(make(row))
+    assert isinstance(ei.value, PlotInputError)
+    assert re.search(says, str(ei.value)), str(ei.value)
 
 
 def test_plot_phases_of_a_recorded_gpu_launch(tmp_path):

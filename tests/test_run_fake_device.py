@@ -429,6 +429,21 @@ def test_gemm_reduce_scatter_at_two_ranks_on_the_fake_device():
         agrees(k, 2, inputs, seed=seed)
 
 
+def test_tensors_and_signals_named_alike_in_c_run_on_the_fake_device():
+    """Names that are one C identifier ("x-y", "x_y"; "s-1", "s_1"; "g_peers" beside symmetric g)
+    get parameters of their own, each bound to its own tensor or signal: results as simulated."""
+    from programs import c_name_clashes
+    rng = np.random.default_rng(3)
+    ins = [{"x": rng.standard_normal(8).astype(np.float32), "y": np.full(16, np.nan, np.float32)} for _ in range(2)]
+    res, _ = agrees(c_name_clashes, 2, ins)
+    for r in range(2):
+        want = np.concatenate([2 * i["x"] for i in ins]) + np.tile(3 * ins[r]["x"], 2)
+        np.testing.assert_allclose(res.outputs[r]["y"], want, rtol=1e-6)
+    for item in res.plan.kernels:
+        names = [p.name for p in item.lowered.params]
+        assert len(names) == len(set(names)), (item.part, names)
+
+
 @tl.kernel
 def short_of_notifies(x, y):
     ready = tl.signal("ready", 4)

@@ -645,6 +645,23 @@ _TOOLCHAIN, _NO_TOOLCHAIN = toolchain_available()
 
 @pytest.mark.nvrtc
 @pytest.mark.skipif(not _TOOLCHAIN, reason=f"NVRTC toolchain: {_NO_TOOLCHAIN}")
+@pytest.mark.parametrize("W,engine", [(8, "sm"), (2, "copy_engine")])
+def test_a_plan_shows_itself_in_one_line_and_a_card(W, engine):
+    """``result.plan`` in a notebook: a line naming its kernels, CTAs and streams (it was the
+    dataclass dump, 4.4 KB for W = 8, every PlannedKernel's lowered kernel in it) and a card
+    with the launch shape of each part and ``describe()``, which stays the long form."""
+    from test_reprs import assert_notebook_native
+    plan = planned(ag_gemm(W=W, engine=engine))
+    html = assert_notebook_native(plan, "RunPlan allgather_gemm", f"{W} rank(s)", f"{len(plan.kernels)} kernel(s)",
+                                  f"{plan.resident_ctas} CTAs of {H200_SMS} SMs", f"{plan.streams} stream(s)")
+    assert "RunPlan of allgather_gemm" in html and "part gemm" in html and "tldsl_allgather_gemm_gemm" in html
+    assert "describe()" in html and plan.describe().splitlines()[1].strip().replace("'", "&#x27;") in html
+    for x in plan.items:
+        text = repr(x)
+        assert "\n" not in text and len(text) <= 100 and f"rank {x.rank} {x.part}" in text, text
+    assert ("copy engine" in repr(plan.items[0])) == (engine == "copy_engine")
+
+
 def test_the_kernels_tl_run_builds_compile_with_their_wait_timeouts():
     """Every recipe's kernel as tl.run lowers it (waits that trap after the timeout), compiled
     for sm_90a: a general-recipe compute part and communication part, the SM communication

@@ -5,6 +5,8 @@ against numpy / Python, and in the general recipe's generated code run on CPU th
 from __future__ import annotations
 
 import functools
+import math
+import sys
 
 import re
 import shutil
@@ -295,3 +297,205 @@ def test_a_float_column_offset_of_a_row_gather_is_refused_at_its_line():
             tl.store(y, (0, 0), tl.load_rows(x, tl.iota(8), 2.5, 4))
     with pytest.raises(tl.CompilationError, match=re.escape("tl.load_rows: offset 2.5 into 'x' must be an int")):
         gather.trace(1, tl.TensorSpec((8, 8), tl.float32), tl.TensorSpec((8, 4), tl.float32))
+
+
+# -- Python float constants: numpy's value in the generated code (found by a helper's numerics programs) --
+
+@tl.kernel
+def python_float_constants(i, x, y, m, *, compute: tl.ComputeSchedule = None):
+    """Python floats beside an i32 tile (numpy: float64 math with the double itself) and beside an
+    f32 tile (numpy: the float nearest it), some of them outside f32's range."""
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        v = tl.load(i, (0, 0), (8, 16))
+        t = tl.load(x, (0, 0), (8, 16))
+        tl.store(y, (0, 0), v * 0.1)                                        # was (double)(0.1f)
+        tl.store(y, (8, 0), v * (-math.log(10000.0) / 16))                  # rotary frequencies' exponents
+        tl.store(y, (16, 0), v * 1e39 + tl.where(v > 0, 1e-50, 0.0))        # 1e+39f: NVRTC's "out of range"
+        tl.store(y, (24, 0), tl.where(v > 2, t, -1e100) + tl.where(v > 9, -sys.float_info.max, 0.0))
+        tl.store(y, (32, 0), t * (1 + 2 ** -24))      # an f32 tie: 1.0 (its decimal read as a float is not)
+        tl.store(y, (40, 0), tl.where(v > 5, 1e-40, t))                     # an f32 subnormal
+        tl.store(m, (0, 0), v < 16777216.5)
+
+
+def _constants_inputs():
+    rng = np.random.default_rng(5)
+    i = rng.integers(-2 ** 30, 2 ** 30, (8, 16)).astype(np.int32)
+    i[0, :8] = [16777216, 16777217, 16777215, 0, 1, -1, 7, 2 ** 31 - 1]
+    i[1] = np.arange(16)
+    return {"i": i, "x": rng.standard_normal((8, 16)).astype(np.float32),
+            "y": np.full((48, 16), np.nan, np.float32), "m": np.zeros((8, 16), np.bool_)}
+
+
+def _constants_want():
+    inp = _constants_inputs()
+    v, t = inp["i"], inp["x"]
+    d = v.astype(np.float64)
+    with np.errstate(all="ignore"):
+        y = np.concatenate([d * 0.1, d * (-math.log(10000.0) / 16), d * 1e39 + np.where(v > 0, 1e-50, 0.0),
+                            np.where(v > 2, t, np.float32(-np.inf)) + np.where(v > 9, np.float32(-np.inf), 0),
+                            t, np.where(v > 5, np.float32(1e-40), t)]).astype(np.float32)
+    return y, v < 16777216.5
+
+
+def test_python_float_constants_mean_numpys_values():
+    res = tl.simulate(python_float_constants, 1, [_constants_inputs()])[0]
+    y, m = _constants_want()
+    np.testing.assert_array_equal(res["y"], y)
+    np.testing.assert_array_equal(res["m"], m)
+    assert m[0, 0] and y[16, 3] == 0            # 0 * 1e39 is 0, not the NaN of 0 * inf
+
+
+def _constants_ir():
+    S = tl.TensorSpec
+    return python_float_constants.trace(1, S((8, 16), tl.int32), S((8, 16), tl.float32), S((48, 16), tl.float32),
+                                        S((8, 16), tl.bool_))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads through g++")
+def test_the_generated_code_computes_with_the_constants_numpy_uses(tmp_path):
+    """The generated code wrote every Python float as an f32 decimal: ``(double)(0.1f)`` beside an
+    i32 tile (~17% of ``i * 0.1`` one ulp off, ``i < 16777216.5`` false at 16777216, ``0 * 1e+39f``
+    NaN), and the decimal of an f32 tie, which the compiler rounds the other way."""
+    ir = _constants_ir()
+    got = emulate(ir, lower(ir, "part"), _constants_inputs(), tmp_path)
+    want = tl.simulate(python_float_constants, 1, [_constants_inputs()])[0]
+    np.testing.assert_array_equal(got["y"], want["y"])
+    np.testing.assert_array_equal(got["m"], want["m"])
+
+
+@pytest.mark.nvrtc
+def test_float_constants_outside_f32s_range_compile(tmp_path):
+    """``-1e+100f`` (a softmax's mask), ``1e+39f`` and ``1e-50f`` were NVRTC errors ("floating
+    constant is out of range") from a program tl.simulate ran."""
+    from tldsl.codegen import toolchain as tcm
+    from tldsl.codegen.toolchain.cache import KernelCache
+    from tldsl.codegen.toolchain.compiler import compile_many
+    ok, why = tcm.toolchain_available()
+    if not ok:
+        pytest.skip(f"CUDA wheels missing (NVRTC compile tests): {why}")
+    lk = lower(_constants_ir(), "part")
+    compile_many([lk.job()], cache=KernelCache(tmp_path), progress=False)
+    assert "e+100" not in lk.source and "e+39f" not in lk.source and "e-50f" not in lk.source
+
+
+def _f32_nearest(d) -> np.float32:
+    """The float nearest the exact rational ``d`` (ties to even), as a compiler reads a decimal."""
+    from fractions import Fraction
+    c = np.float32(float(d))
+    with np.errstate(over="ignore"):
+        cands = [c, np.nextafter(c, np.float32(-np.inf)), np.nextafter(c, np.float32(np.inf))]
+    cands = [f for f in cands if np.isfinite(f)]
+    return min(cands, key=lambda f: (abs(Fraction(float(f)) - d), int(f.view(np.uint32)) & 1))
+
+
+def test_float_literals_are_exact():
+    """c_literal: the float nearest a Python float, however a compiler reads it (directly, or through
+    the nearest double); c_double_literal: the double itself."""
+    from fractions import Fraction
+    from tldsl.codegen.rules.scalars import c_double_literal, c_literal
+    assert c_literal(-1e100) == "__int_as_float(0xff800000)" and c_literal(1e39) == "__int_as_float(0x7f800000)"
+    assert (c_literal(1e-50), c_literal(-1e-50), c_literal(0.1), c_literal(1 + 2 ** -24)) == \
+        ("0.0f", "-0.0f", "0.1f", "1.0f")
+    assert c_literal(float(np.float32(1 / 3))) == "0.3333333432674408f"      # an f32 value: as it always was
+    assert c_literal(-1e-40) == "-0x1.16c2p-133f" and c_literal(2.0 ** -149) == "0x1p-149f"
+    assert (c_double_literal(0.1), c_double_literal(-1e100), c_double_literal(5e-324)) == ("0.1", "-1e+100", "0x1p-1074")
+    assert c_double_literal(float("-inf")) == "(double)(__int_as_float(0xff800000))"
+    rng = np.random.default_rng(0)
+    vals = list(rng.standard_normal(300) * 10.0 ** rng.integers(-50, 50, 300))
+    vals += [float(np.float32(v)) + s * 2.0 ** (np.frexp(np.float32(v))[1] - 25)       # f32 ties, and beside them
+             for v in rng.standard_normal(200) for s in (1, 1 + 2 ** -30, 1 - 2 ** -30)]
+    vals += [3.4028235677973366e38, 3.4028235e38, 1.1754942e-38, 1.1754943e-38, 7e-46, 8e-46]
+    for v in vals:
+        with np.errstate(over="ignore"):
+            want = np.float32(v)
+        lit = c_literal(v)
+        if not np.isfinite(want):
+            assert lit == ("__int_as_float(0x7f800000)" if want > 0 else "__int_as_float(0xff800000)"), (v, lit)
+            continue
+        s = lit[:-1]
+        exact = Fraction(float.fromhex(s)) if "0x" in s else Fraction(s)
+        assert _f32_nearest(exact) == want and np.float32(float.fromhex(s) if "0x" in s else float(s)) == want, (v, lit)
+        assert lit.startswith("-") == bool(np.signbit(want)), (v, lit)                # -0.0f where it underflows
+        d = c_double_literal(v)
+        assert (float.fromhex(d) if "0x" in d else float(d)) == v, (v, d)
+
+
+# -- tl.sum of -0s (numpy's starts from +0) --------------------------------------------------------------
+
+@tl.kernel
+def signed_zero_sums(x, h, w, r, y, *, compute: tl.ComputeSchedule = None):
+    """1 / tl.sum of rows and columns of -0s (and of rows with some +0, a NaN, cancelling terms): by
+    lanes of a warp an output (x's rows and columns, an f16 tile's rows), by warps an output (w's long
+    rows), a row held in registers (r, plus its sum: -0 + +0 is +0)."""
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        t = tl.load(x, (0, 0), (8, 16))
+        tl.store(y, (0, 0), tl.expand_dims(1.0 / tl.sum(t, 1), 0))
+        tl.store(y, (1, 0), tl.expand_dims(1.0 / tl.sum(t, 0), 0))
+        tl.store(y, (2, 0), tl.expand_dims(1.0 / tl.cast(tl.sum(tl.load(h, (0, 0), (8, 16)), 1), tl.float32), 0))
+        tl.store(y, (3, 0), tl.expand_dims(1.0 / tl.sum(tl.load(w, (0, 0), (2, 2048)), 1), 0))
+        v = tl.load(r, (0, 0), (1, 1024))
+        tl.store(r, (0, 0), v + tl.expand_dims(tl.sum(v, 1), 1))
+
+
+def _zero_sums_inputs():
+    x = np.full((8, 16), -0.0, np.float32)
+    x[1, 3], x[2, :8], x[3, :2], x[4, 9] = 0.0, 1.0, (-1.0, 1.0), np.nan
+    return {"x": x, "h": x.astype(np.float16), "w": np.full((2, 2048), -0.0, np.float32),
+            "r": np.full((1, 1024), -0.0, np.float32), "y": np.full((4, 16), np.nan, np.float32)}
+
+
+def _zero_sums_want():
+    """numpy's sums (their zeros +0, as numpy 2's add.reduce gives them), reciprocated."""
+    x = _zero_sums_inputs()["x"]
+    y = np.full((4, 16), np.nan, np.float32)
+    with np.errstate(divide="ignore"):
+        y[0, :8] = y[2, :8] = 1 / (x.sum(1) + np.float32(0))
+        y[1] = 1 / (x.sum(0) + np.float32(0))
+    y[3, :2] = np.inf
+    assert list(y[0, :4]) == [np.inf, np.inf, 1 / 8, np.inf] and y[1, 0] == np.inf and y[1, 1] == 0.5
+    return y, np.zeros((1, 1024), np.float32)
+
+
+def test_a_sum_of_negative_zeros_is_positive_zero_as_numpys():
+    y, r = _zero_sums_want()
+    res = tl.simulate(signed_zero_sums, 1, [_zero_sums_inputs()])[0]
+    np.testing.assert_array_equal(res["y"], y)
+    assert not np.signbit(res["r"]).any() and not res["r"].any()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the generated code runs on CPU threads through g++")
+def test_the_generated_code_sums_negative_zeros_to_positive_zero(tmp_path):
+    """The generated sums started from the first element (or -0.0f) and gave -0 (IEEE: -0 + -0 is
+    -0), so 1 / tl.sum(...) was -inf where the simulator's (numpy's) is +inf."""
+    S = tl.TensorSpec
+    inp = _zero_sums_inputs()
+    ir = signed_zero_sums.trace(1, S((8, 16), tl.float32), S((8, 16), tl.float16), S((2, 2048), tl.float32),
+                                S((1, 1024), tl.float32), S((4, 16), tl.float32))
+    lk = lower(ir, "part")
+    for path in ("lanes an output", "warps an output", "over the row in registers", "over the rows' chunks"):
+        assert path in lk.source, path              # every way a reduction is lowered
+    got = emulate(ir, lk, inp, tmp_path)
+    y, r = _zero_sums_want()
+    np.testing.assert_array_equal(got["y"], y)
+    assert not np.signbit(got["r"]).any() and not got["r"].any()
+
+
+@pytest.mark.parametrize("axis, message", [
+    (1.0, "tl.sum's axis must be an int (the axis of the 2-d tile to reduce along), got float 1.0: write tl.sum(t, 1)"),
+    (True, "tl.sum's axis must be an int (the axis of the 2-d tile to reduce along), got bool True"),
+    (np.float64(0), "got float64 np.float64(0.0): write tl.sum(t, 0)"),
+    ((0, 1), "got tuple"),
+])
+def test_a_reduction_axis_that_is_no_int_is_refused_at_its_line(axis, message):
+    """tl.sum(t, 1.0) said 'axis 1.0 out of range' (it is in range: it is no int); tl.sum(t, True)
+    reduced along axis 1."""
+    @tl.kernel
+    def k(x, y):
+        @tl.compute_part(grid=(1,))
+        def part(p):
+            tl.store(y, (0,), tl.sum(tl.load(x, (0, 0), (8, 8)), axis))
+    with pytest.raises(tl.CompilationError, match=re.escape(message)) as e:
+        k.trace(1, tl.TensorSpec((8, 8), tl.float32), tl.TensorSpec((8,), tl.float32))
+    assert "test_semantics_regressions.py" in str(e.value)

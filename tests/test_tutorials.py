@@ -78,6 +78,57 @@ def test_markdown_shows_no_code_that_does_not_run(path: Path):
                         "put it in a code cell")
 
 
+def _shown_programs(path: Path) -> list[tuple[str, str]]:
+    """Each code cell of a notebook that calls its ``show_program`` helper, with what it prints:
+    the helper cell and the calling cell run here, without a kernel (they only read source)."""
+    import contextlib
+    import io
+    nb = nbformat.read(path, as_version=4)
+    [helper] = [c.source for c in nb.cells if c.cell_type == "code" and "def show_program(" in c.source]
+    ns: dict = {}
+    exec("import inspect, os\nfrom pathlib import Path\nimport tldsl as tl\n" + helper, ns)
+    out = []
+    for c in nb.cells:
+        if c.cell_type == "code" and "show_program(" in c.source and "def show_program(" not in c.source:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(c.source, ns)
+            out.append((c.source, printed.getvalue()))
+    return out
+
+
+def test_the_program_excerpts_of_tutorial_02_show_what_the_prose_and_the_generated_code_cite():
+    """Section 4 printed lines 33-45 of gemm_reduce_scatter (its static_asserts) once the op had
+    grown: neither the compute part nor the rs.store_tile call the prose and the generated
+    TileNotifies' markers (gemm_reduce_scatter.py:46-52) talk about. Each excerpt now shows every
+    line of its op's file that the traced IR cites (the lines generated code marks)."""
+    import tldsl as tl
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.ops.gemm import gemm
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+    S, bf16, W = tl.TensorSpec, tl.bfloat16, 2
+    compute = tl.ComputeSchedule(tile=(128, 256, 64))
+    traced = {
+        "gemm": gemm.trace(1, S((512, 256), bf16), S((256, 512), bf16), S((512, 512), bf16), compute=compute),
+        "allgather_gemm": allgather_gemm.trace(W, S((256, 256), bf16), S((256, 512), bf16), S((512, 512), bf16),
+                                               compute=compute, comm=tl.CommSchedule(tile_m=128, mode="pull")),
+        "gemm_reduce_scatter": gemm_reduce_scatter.trace(
+            W, S((512, 128), bf16), S((128, 512), bf16), S((256, 512), bf16), compute=compute,
+            comm=tl.CommSchedule(tile_m=128, mode="push", order="ring", sms=8)),
+    }
+    shown = _shown_programs(TUTORIALS / "02_from_tile_program_to_cuda.ipynb")
+    names = [re.search(r"show_program\((\w+)", call).group(1) for call, _ in shown]
+    assert sorted(names) == sorted(traced), names
+    for name, (call, printed) in zip(names, shown):
+        lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^ *(\d+) \| (.*)$", printed, flags=re.M)}
+        cited = {op.loc.lineno for _, op in traced[name].walk()
+                 if op.loc is not None and op.loc.filename.endswith(f"{name}.py")}
+        assert cited and cited <= set(lines), (name, sorted(cited - set(lines)), printed)
+        if name == "gemm_reduce_scatter":       # what section 4's prose names
+            text = "\n".join(lines.values())
+            assert "rs.store_tile(acc, r0, c0)" in text and "rs = reduce_scatter(" in text and "@tl.compute_part" in text
+
+
 def _missing_requirement(nb) -> str | None:
     """Why a notebook's declared requirements (``metadata.tldsl.requires``) are not met here."""
     requires = set(nb.metadata.get("tldsl", {}).get("requires", []))

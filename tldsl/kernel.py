@@ -280,7 +280,8 @@ class KernelFunction:
         refs = []
         for p, s in zip(self.tensor_params, specs):
             space = T.MemSpace.SYMMETRIC if p.name in self.symmetric else T.MemSpace.GLOBAL
-            buf = core.Buffer(p.name, T.TensorType(s.shape, s.dtype, space), "arg", loc=self.loc)
+            buf = core.Buffer(p.name, T.TensorType(s.shape, s.dtype, space), "arg", loc=self.loc,
+                              cname=b.c_name(p.name, b.buffers))
             b.buffers.append(buf)
             refs.append(TensorRef(buf))
         try:

@@ -355,7 +355,13 @@ def _reduce(op, x, axis):
     if axis is None:
         fail(f"tl.{op} needs the axis to reduce along (tl.{op}(t, 1) for each row's); reducing a tile to one "
              "scalar is not supported: keep one axis")
-    if not isinstance(axis, numbers.Integral) or not -nd <= axis < nd:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
+        # a bool is an int to Python: tl.sum(t, True) would reduce along axis 1
+        got = f"{type(axis).__name__} {axis!r}" if isinstance(axis, (numbers.Number, np.bool_)) else type(axis).__name__
+        hint = (f": write tl.{op}(t, {int(axis)})" if isinstance(axis, (float, np.floating)) and float(axis).is_integer()
+                else "")
+        fail(f"tl.{op}'s axis must be an int (the axis of the {nd}-d tile to reduce along), got {got}{hint}")
+    if not -nd <= axis < nd:
         fail(f"reduction axis {axis} out of range for a {nd}-d tile")
     axis %= nd
     shape = x.shape[:axis] + x.shape[axis + 1:]
@@ -450,8 +456,9 @@ def _workspace(shape, dtype, name, space):
     if any(s >= 2 ** 31 for s in shape):
         fail(f"buffer '{name}' of shape {shape}: kernels index each dimension with 32-bit ints, so every dimension "
              "must be below 2**31; split it (a long 1-d buffer into rows of a 2-d one)")
-    buf = core.Buffer(b.unique(name, b.buffers), T.TensorType(shape, dtype_arg(dtype, f"buffer '{name}'"), space),
-                      "workspace", loc=user_location())
+    unique = b.unique(name, b.buffers)
+    buf = core.Buffer(unique, T.TensorType(shape, dtype_arg(dtype, f"buffer '{name}'"), space),
+                      "workspace", loc=user_location(), cname=b.c_name(unique, b.buffers))
     b.buffers.append(buf)
     return TensorRef(buf)
 
@@ -467,8 +474,9 @@ def signal(name: str, slots: int, scope: str = "local") -> SignalRef:
         fail(f"signal scope must be 'local' or 'symmetric', got {scope!r}")
     if not isinstance(slots, numbers.Integral) or slots <= 0:
         fail(f"signal '{name}' needs a positive number of slots, got {slots}")
-    sig = core.Signal(b.unique(name, b.signals), T.SignalType(int(slots), T.SignalScope(scope)),
-                      loc=user_location())
+    unique = b.unique(name, b.signals)
+    sig = core.Signal(unique, T.SignalType(int(slots), T.SignalScope(scope)),
+                      loc=user_location(), cname=b.c_name(unique, b.signals))
     b.signals.append(sig)
     return SignalRef(sig)
 

@@ -18,6 +18,7 @@ import numpy as np
 from .errors import CompilationError
 from .ir import core, types as T
 from .ir.location import user_location
+from .ir.names import unique_c_name
 from .ir.semantics import float_of
 
 _CURRENT: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("tldsl_builder", default=None)
@@ -117,6 +118,13 @@ class Builder:
                  "or choose between tiles with tl.where")
         fail(f"this uses a value{made} of another part: parts share data only through tensors (store in one, "
              "load in the other, ordered by a notify and a wait)")
+
+    @staticmethod
+    def c_name(name: str, taken) -> str:
+        """The C name generated code gives a tensor (signal) ``name`` beside the kernel's other
+        tensors (signals) ``taken``: unique even where IR names differ only in characters a C
+        identifier cannot hold ("x-y", "x_y": :mod:`tldsl.ir.names`)."""
+        return unique_c_name(name, (x.cname for x in taken))
 
     def unique(self, name: str, taken) -> str:
         names = {x.name for x in taken}

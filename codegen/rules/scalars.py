@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from fractions import Fraction
+
+import numpy as np
 
 from ...ir import core
 from ..abi import cident, marker, table_param
@@ -28,7 +31,10 @@ from ..ir_queries import const_value, producers
 
 
 def c_literal(val) -> str:
-    """A C++ literal for a Python scalar (bool, int, float: ``float`` precision)."""
+    """A C++ literal for a Python scalar (bool, int, float). A float is written as the ``float``
+    nearest it (round to nearest even, as numpy rounds a Python float beside a float32 array),
+    exactly: past f32's range an infinity, below it a subnormal (hex) or a signed zero — never a
+    decimal NVRTC refuses as out of range (``1e+100f``), nor one it could round otherwise."""
     if isinstance(val, bool):
         return "true" if val else "false"
     if isinstance(val, int):
@@ -36,9 +42,72 @@ def c_literal(val) -> str:
     f = float(val)
     if math.isnan(f):
         return "__int_as_float(0x7fc00000)"
-    if math.isinf(f):
-        return "__int_as_float(0x7f800000)" if f > 0 else "__int_as_float(0xff800000)"
-    return repr(f) + "f" if ("e" in repr(f) or "." in repr(f)) else repr(f) + ".0f"
+    with np.errstate(over="ignore"):
+        f32 = np.float32(f)
+    if math.isinf(f32):
+        return "__int_as_float(0x7f800000)" if f32 > 0 else "__int_as_float(0xff800000)"
+    x = float(f32)
+    if x == 0 or abs(x) < _F32_MIN_NORMAL:     # a signed zero, or a subnormal written exactly in hex
+        return _shortest(x) + "f" if x == 0 else _hex(x) + "f"
+    if x == f:                                 # already a float: its decimal (as it always was written)
+        return _shortest(x) + "f"
+    short = str(f32)                           # the shortest decimal that rounds to the float ...
+    return (short if _rounds_only_to(short, f32) else _shortest(x)) + "f"   # ... else the float itself
+
+
+#: the smallest normal float: below it a float constant is a subnormal, written in hex
+_F32_MIN_NORMAL = 2.0 ** -126
+
+
+def _shortest(x: float) -> str:
+    """Python's shortest decimal of ``x`` that reads back as ``x``, with a point or an exponent."""
+    r = repr(x)
+    return r if ("e" in r or "." in r) else r + ".0"
+
+
+def _hex(x: float) -> str:
+    """``x`` as a C++17 hexadecimal floating literal, exact (``0x1.8p-140``)."""
+    m, e = math.frexp(x)                       # x = m * 2**e, 0.5 <= |m| < 1 (a subnormal double too)
+    mant = float.hex(2 * m).split("p")[0]
+    return f"{mant.rstrip('0').rstrip('.')}p{e - 1}"
+
+
+def _rounds_only_to(s: str, f32) -> bool:
+    """Whether the decimal ``s`` becomes ``f32`` however a compiler rounds it to ``float``: directly,
+    or first to the nearest double (lying within half a double's ulp of ``s``) — both inside the
+    interval of reals that round to ``f32``."""
+    with np.errstate(over="ignore"):           # FLT_MAX's neighbour: inf
+        lo_n = np.nextafter(f32, np.float32(-np.inf))
+        hi_n = np.nextafter(f32, np.float32(np.inf))
+    if not (np.isfinite(lo_n) and np.isfinite(hi_n)):
+        return False
+    d, x = Fraction(s), Fraction(float(f32))
+    slack = Fraction(math.ulp(float(s)))
+    return (x + Fraction(float(lo_n))) / 2 < d - slack and d + slack < (x + Fraction(float(hi_n))) / 2
+
+
+def c_double_literal(val: float) -> str:
+    """A C++ ``double`` of exactly the Python float ``val``: the constant of math the simulator
+    (numpy) does in float64 with it, beside an integer tile (``i * 0.1``, ``i < 16777216.5``)."""
+    f = float(val)
+    if math.isnan(f) or math.isinf(f):
+        return f"(double)({c_literal(f)})"
+    if f != 0 and abs(f) < 2.0 ** -1022:       # a double subnormal: hex, exact
+        return _hex(f)
+    return _shortest(f)
+
+
+class FloatConstant(str):
+    """The C++ of a float constant (:func:`c_literal`: at ``float`` precision) that keeps its value,
+    so that math computing in double writes it as the exact double (:func:`c_double_literal`) —
+    as numpy computes an integer tile with a Python float — not as the float widened
+    (:func:`.tile_ops.convert`)."""
+    value: float
+
+    def __new__(cls, value: float):
+        s = super().__new__(cls, c_literal(float(value)))
+        s.value = float(value)
+        return s
 
 
 #: the elementwise ops of tile math on one element (``include/tldsl/general.hpp``), by IR op;
@@ -151,7 +220,7 @@ class ScalarEmitter:
     def name(self, v: core.Value, op: core.Op | None = None) -> str:
         val = const_value(v)
         if val is not None:
-            return c_literal(val)
+            return FloatConstant(val) if isinstance(val, float) else c_literal(val)
         if v.id not in self.names:
             raise self.fail(f"a scalar value ({v.hint or 'unnamed'}) is used outside the region that defines it; "
                             f"{self.what} needs values defined where they are used", op)

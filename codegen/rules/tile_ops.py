@@ -13,7 +13,8 @@ come from :mod:`.scalars`; waits, notifies and the data primitives' element move
 Every element follows the simulator's rules (numpy's): loads outside a tensor read 0, stores
 outside it are dropped, 16-bit floats compute in float and round at every op, i32 and float
 operands together compute in double, casts to i32 truncate (NaN and out-of-range values give
-INT_MIN, as numpy does on x86), reductions start from their first element.
+INT_MIN, as numpy does on x86), reductions start from their first element (a float sum then adds
++0: numpy's starts from it).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from . import primitives
 from .dot_loop import emit_dot_loop, is_pipelined
 from . import held as held_rules
 from .chunks import Elements, chunk_coords, row_pointer, storage_ctype, vec_ok
-from .scalars import c_literal, element_expr
+from .scalars import FloatConstant, c_double_literal, c_literal, element_expr
 from .sync import SignalEmitter
 from .barriers import BarrierTracker, slot_access, tensor_access
 
@@ -90,9 +91,12 @@ def round_to(dtype: T.DType, expr: str, compute: str) -> str:
 
 
 def convert(expr: str, src: str, dst: str) -> str:
-    """A value held in C type ``src`` as compute type ``dst``."""
+    """A value held in C type ``src`` as compute type ``dst`` (a float constant as a double: the
+    exact double of its Python value, which the simulator's float64 math uses)."""
     if src == dst:
         return expr
+    if dst == "double" and isinstance(expr, FloatConstant):
+        return c_double_literal(expr.value)
     if dst == "bool":
         return f"(({expr}) != 0)"
     return f"({dst})({expr})"
@@ -368,8 +372,9 @@ def _chunked_store(em, op, t, offs, tile, shape, st, ind, lines):
 _REDUCE = {"sum": "tldsl::gen::add({0}, {1})", "max": "tldsl::gen::max_({0}, {1})",
            "min": "tldsl::gen::min_({0}, {1})"}
 _REDUCE_BOOL = {"sum": "({0} || {1})", "max": "({0} || {1})", "min": "({0} && {1})"}
-#: what a float reduction starts from (combining it with x gives x: -0 + x is x for either zero)
-_IDENTITY = {"sum": "-0.0f", "max": "__uint_as_float(0xff800000u)", "min": "__uint_as_float(0x7f800000u)"}
+#: what a float reduction starts from: combining it with x gives x, except that a sum starts from +0
+#: as numpy's does (its identity): a sum of -0s is +0 (ir/semantics.py's ``_sum_reduce``)
+_IDENTITY = {"sum": "0.0f", "max": "__uint_as_float(0xff800000u)", "min": "__uint_as_float(0x7f800000u)"}
 
 
 @dataclass(frozen=True)
@@ -415,6 +420,13 @@ class _Reduction:
     @property
     def comb(self) -> str:
         return (_REDUCE_BOOL if self.dt.kind == "bool" else _REDUCE)[self.kind]
+
+    def result(self, acc: str) -> str:
+        """The reduction's value from its combined ``acc``: a float sum plus +0, as numpy's sum starts
+        from +0 (a sum of -0s is +0, where the elements alone add to -0; every other value stays)."""
+        if self.kind == "sum" and self.dt.is_float:
+            return f"tldsl::gen::add({acc}, 0.0f)"
+        return acc
 
     def element_at(self, r: str, coords: list[str]) -> tuple[list[str], str]:
         """(lines, C++ value) of element ``r`` of the reduced axis at output ``coords`` (its own
@@ -505,7 +517,7 @@ def _reduce_rows(red: _Reduction, ind, lines):
           f"{i2}  {acc} = {comb.format(acc, v)};", f"{i2}}}",
           *red.shuffle(acc, off, kl, i2),
           f"{i2}if ({e} < {nout} * {kl} && {lane} == 0) {slot}[{flat_index(coords, shape)}] = "
-          f"tldsl::gen::put<{storage_ctype(red.dt)}>({acc});",
+          f"tldsl::gen::put<{storage_ctype(red.dt)}>({red.result(acc)});",
           f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
     lines += L_
 
@@ -546,7 +558,7 @@ def _reduce_by_warps(red: _Reduction, P: int, ind: str, lines: list[str]) -> Non
         f"{i2}for (int {q} = 1; {q} < {P}; ++{q}) {{",
         f"{i3}const {ct} {acc}o = {part}[{q} * {nout} + {o}];",
         f"{i3}{acc} = {comb.format(acc, acc + 'o')};", f"{i2}}}",
-        f"{i2}{slot}[{o}] = tldsl::gen::put<{storage_ctype(red.dt)}>({acc});",
+        f"{i2}{slot}[{o}] = tldsl::gen::put<{storage_ctype(red.dt)}>({red.result(acc)});",
         f"{i1}}}", f"{ind}}}", f"{ind}{BARRIER}"]
 
 

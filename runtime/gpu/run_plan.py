@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...ir import core
+from ...ir.display import clipped, html_card, one_line
 from .bind import bind, is_kernel
 from ...ir.drop_signals import without_signals
 from .chains import self_signals, at_once_needed, chained_parts, stream_ordered_signals
@@ -171,6 +172,11 @@ class PlannedKernel:
     def ctas(self) -> int:
         return self.grid[0] * self.grid[1] * self.grid[2]
 
+    def __repr__(self) -> str:
+        """One line (``describe()``: the launch shape in full; ``lowered``: the kernel)."""
+        return one_line(f"<PlannedKernel rank {self.rank} {self.part}: {getattr(self.lowered, 'entry', '?')}, "
+                        f"{self.ctas} CTAs, stream {self.stream}" + (f" after {self.after}" if self.after else "") + ">")
+
     def describe(self) -> str:
         lk = self.lowered
         return (f"rank {self.rank} {self.part}: kernel {lk.entry} ({type(lk).__name__}) grid {self.grid} block "
@@ -186,6 +192,10 @@ class PlannedCopies:
     part: str
     plan: object
     stream: int
+
+    def __repr__(self) -> str:
+        """One line (``describe()``; ``plan``: the copy-engine plan of every rank)."""
+        return one_line(f"<PlannedCopies rank {self.rank} {self.part}: copy engine, stream {self.stream}>")
 
     def describe(self) -> str:
         acts = self.plan.actions[self.rank]
@@ -232,6 +242,30 @@ class RunPlan:
                 order.insert(at + 1, x)
         return order
 
+    def __repr__(self) -> str:
+        """One line: how many kernels and copy-engine parts, CTAs and streams (``describe()``:
+        every item's launch shape; in a notebook, a card)."""
+        copies = f", {len(self.copies)} copy-engine part(s)" if self.copies else ""
+        return one_line(f"<RunPlan {self.kernel.name}: {self.kernel.world_size} rank(s), {len(self.kernels)} "
+                        f"kernel(s){copies}, {self.resident_ctas} CTAs of {self.sm_count} SMs, {self.streams} "
+                        f"stream(s)>")
+
+    def _repr_html_(self) -> str:
+        k = self.kernel
+        facts = [("kernel", k.name), ("ranks", k.world_size), ("kernels launched", len(self.kernels)),
+                 ("copy-engine parts", len(self.copies)), ("streams", self.streams),
+                 ("CTAs resident at once", f"{self.resident_ctas} of {self.sm_count} SMs"),
+                 ("SMs left to the copy engine's copies", self.reserved_sms), ("SMs shared by", self.split)]
+        parts: dict[str, list] = {}
+        for x in self.items:
+            parts.setdefault(x.part, []).append(x)
+        for part, xs in parts.items():
+            shapes = {_launch_shape(x) for x in xs}
+            shape = shapes.pop() if len(shapes) == 1 else "a launch shape per rank (describe())"
+            facts.append((f"part {part}", f"{shape}; on {len(xs)} rank(s)"))
+        return html_card(f"RunPlan of {k.name} (one launch)", facts,
+                         [("describe()", clipped(self.describe(), where="plan.describe()"))], open_first=True)
+
     def describe(self) -> str:
         head = (f"{self.kernel.name} on one GPU: {self.kernel.world_size} rank(s), {self.streams} stream(s), "
                 f"{self.resident_ctas} CTAs of {self.sm_count} SMs"
@@ -242,6 +276,15 @@ class RunPlan:
     def bind(self, mem) -> dict[tuple[int, str], list]:
         """Every kernel's arguments for launch 1 against ``mem`` (:func:`.bind.bind`), by (rank, part)."""
         return {(k.rank, k.part): bind(k.lowered, k.rank, mem, ctas=k.ctas) for k in self.kernels}
+
+
+def _launch_shape(x) -> str:
+    """A planned item's launch shape, without its rank and stream (a plan card's per-part fact)."""
+    if not isinstance(x, PlannedKernel):
+        return "copy engine"
+    return (f"kernel {x.lowered.entry} ({type(x.lowered).__name__}), grid {x.grid}, block {x.block}, "
+            f"smem {x.smem_bytes} B" + (f", cluster {x.cluster}" if x.cluster != (1, 1, 1) else "")
+            + (f", after {x.after}" if x.after else ""))
 
 
 #: where a compute part waiting only on another compute part of its rank runs: "after" it, on

@@ -10,6 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...errors import InputError
+from ...ir import core
+
+
+class PlotInputError(InputError, ValueError):
+    """A figure's argument is not what it draws (a tl.InputError; a ValueError too, as a tile
+    that did not run always was): the message names the argument and the form it takes."""
+
 
 @dataclass
 class TaskLife:
@@ -96,6 +104,7 @@ def plot_timeline(result, tile=None, save=None, figsize=None):
                           "(result.timeline() is the same as text)") from None
     from matplotlib.patches import Patch
 
+    _check_result(result)
     lives = task_lives(result)
     k = result.kernel
     lanes = {(r, e): [] for r in range(k.world_size) for e in dict.fromkeys(p.engine for p in k.parts)}
@@ -138,16 +147,33 @@ def plot_timeline(result, tile=None, save=None, figsize=None):
     return fig
 
 
+def _check_result(result) -> None:
+    """``result`` is a simulation's result, whose event log the figure draws."""
+    if not isinstance(getattr(result, "kernel", None), core.Kernel) or not isinstance(getattr(result, "events", None),
+                                                                                      list):
+        raise PlotInputError(f"plot_timeline draws a tl.simulate result (its event log), got {type(result).__name__} "
+                             f"{_short(result)}: r = tl.simulate(kernel, W, inputs); plot_timeline(r), or "
+                             f"r.plot_timeline()")
+    if not result.events:
+        raise PlotInputError("plot_timeline: this result has no event log (a GPU run records none): run the same "
+                             "call with tl.simulate to see the timeline")
+
+
+def _short(value, limit: int = 60) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _key(tile, lives):
     try:
         rank, part, coords = tile
         key = (rank, part, tuple(coords))      # coords a tuple of program ids: (0,), not 0
     except (TypeError, ValueError):
-        raise ValueError(f"tile must be (rank, part name, coords) with coords a tuple, e.g. (0, 'gemm', (0, 0)), "
-                         f"got {tile!r}") from None
+        raise PlotInputError(f"tile must be (rank, part name, coords) with coords a tuple, e.g. (0, 'gemm', (0, 0)), "
+                             f"got {tile!r}") from None
     if key not in lives:
-        raise ValueError(f"tile {key} did not run in the last launch; tiles are (rank, part name, coords), "
-                         f"e.g. {next(iter(lives), None)}")
+        raise PlotInputError(f"tile {key} did not run in the last launch; tiles are (rank, part name, coords), "
+                             f"e.g. {next(iter(lives), None)}")
     return key
 
 

@@ -585,6 +585,19 @@ def test_sms_is_checked_before_anything_runs():
         run_fake(two_parts_each_way, 2, two_parts_inputs(2, 4), sms=3)
 
 
+def test_ranks_that_wait_for_nothing_run_on_fewer_sms_than_kernels():
+    """Where nothing in the program waits, no kernel has to be resident beside another: two ranks'
+    kernels on one SM run one after the other (they were refused: "a kernel waiting for another
+    could wait forever", found by a helper); a program that waits is still refused."""
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    inputs = [{"x": x, "y": np.full((64, 64), np.nan, np.float32)} for _ in range(2)]
+    want = tl.simulate(scale_rows, 2, inputs)
+    res, _ = run_fake(scale_rows, 2, inputs, sms=1)
+    assert [k.ctas for k in res.plan.kernels] == [1, 1]
+    for r in range(2):
+        np.testing.assert_array_equal(res.outputs[r]["y"], want[r]["y"])
+
+
 @tl.kernel
 def doubled_after(x, y, z):
     ready = tl.signal("ready", 4)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...ir import core
+from ...ir.opdefs import WAIT_OPS
 from ...ir.display import clipped, html_card, one_line
 from .bind import bind, is_kernel
 from ...ir.drop_signals import without_signals
@@ -339,7 +340,10 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
     followers = {name: [lk] + [lowered[c] for c, p in chained.items() if p == name] for _, name, lk in slots}
     lows = [max(f.grid(1)[0] for f in followers[name]) for _, name, _ in slots]
     highs = [max([lo] + [f.grid(_UNBOUNDED)[0] for f in followers[name]]) for lo, (_, name, _) in zip(lows, slots)]
-    if sum(lows) > available:
+    # a launch in which nothing waits needs none of its kernels resident beside another: each then
+    # runs on what it needs at least, and the GPU runs them one after another where they do not fit
+    independent = not any(op.name in WAIT_OPS for _, op in kernel.walk())
+    if sum(lows) > available and not independent:
         fixed = ", ".join(f"rank {r} {name}: {lo}" for (r, name, _), lo in zip(slots, lows))
         raise ResidencyError(
             f"the kernels of one launch need at least {sum(lows)} CTAs resident at once ({fixed}) but "
@@ -348,7 +352,9 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
             + (f", {reserved} of them left to the copy engine's copies" if reserved else "")
             + ": a kernel waiting for another could wait forever. Use fewer communication lanes (the communication "
               "schedule's sms), fewer ranks, or fewer parts")
-    if split == "even":
+    if sum(lows) > available:
+        grants = lows
+    elif split == "even":
         grants = share(lows, highs, available)
     else:
         part_of = {p.name: p for p in kernel.parts}
@@ -396,7 +402,7 @@ def plan_run(kernel: core.Kernel, lowered: dict, *, sm_count: int, occupancy: Ca
         if isinstance(k, PlannedKernel) and k.after is not None:
             prev = next(x for x in items if isinstance(x, PlannedKernel) and x.rank == k.rank and x.part == k.after)
             used = max(used, used - prev.ctas + k.ctas)
-    if used > available:        # a recipe's grid() gave more CTAs than asked: refuse rather than hang
+    if used > available and not independent:    # a recipe's grid() gave more CTAs than asked: refuse, not hang
         raise ResidencyError(f"the kernels' grids add up to {used} CTAs, over the {available} SMs they were fitted to: "
                              + "; ".join(k.describe() for k in items if isinstance(k, PlannedKernel)))
     return RunPlan(kernel, tuple(items), sm_count, reserved, split)

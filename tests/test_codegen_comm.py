@@ -1201,3 +1201,46 @@ def test_copy_engine_reduce_scatter_keeps_the_gemm_kernel():
                                       compute=DEFAULT_COMPUTE, comm=comm, partial_dtype="out")
         srcs.append(lower_gemm(k).source)
     assert srcs[0] == srcs[1]
+
+
+@tl.kernel
+def comm_element_math(xi: tl.Symmetric, xf: tl.Symmetric, ya, yb, yc, yd):
+    """A communication part doing element math on what it moves: an i32 tile times a Python float,
+    float floor division and modulo, a float cast to i32."""
+    W = tl.world_size()
+    n = xi.shape[0]
+
+    @tl.comm_part(grid=(W,))
+    def move(s):
+        p = (tl.rank() + s) % W
+        i, f = tl.load(xi.at(p), (0,), (n,)), tl.load(xf.at(p), (0,), (n,))
+        tl.store(ya, (p * n,), i * 0.1)
+        tl.store(yb, (p * n,), f // 0.1)
+        tl.store(yc, (p * n,), f % 0.1)
+        tl.store(yd, (p * n,), tl.cast(f * 1e9, tl.int32))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ missing (CPU emulation of generated kernels)")
+def test_a_communication_parts_element_math_is_the_general_lowerings(tmp_path):
+    """The SM communication recipe rendered element math its own way: an i32 tile with a float in
+    float (16777217 * 0.1 one ulp off numpy's double), float // and % as floorf(a / b) (1.0 // 0.1
+    gave 10, numpy 9), a float cast to i32 as a plain conversion (the GPU saturates NaN and inf
+    where numpy on x86 gives INT_MIN). It now uses the general lowering's element rules (found by a
+    helper); emulated, every bit as the simulator's."""
+    from test_codegen_general import emulate_kernel
+    W, n = 2, 8
+    xi = [np.array([16777217, 123456789, -2**31, 2**31 - 1, 7, 1000000007, 99999999, 3], np.int32) + r
+          for r in range(W)]
+    xf = [np.array([1.0, -1.0, 3.3333333, 0.7, 0.35, -3.0, np.nan, np.inf], np.float32) * (r + 1) for r in range(W)]
+    outs = {"ya": np.float32, "yb": np.float32, "yc": np.float32, "yd": np.int32}
+    inputs = [{"xi": xi[r], "xf": xf[r], **{k: np.full(W * n, 7, t) for k, t in outs.items()}} for r in range(W)]
+    want = tl.simulate(comm_element_math, W, inputs)
+    np.testing.assert_array_equal(want[0]["ya"], np.concatenate([(x * 0.1).astype(np.float32) for x in xi]))
+    k = want.kernel
+    lc = lower(k, "move")
+    assert isinstance(lc, LoweredComm) and "tldsl::gen::f2i(" in lc.source and "floorf" not in lc.source
+    assert '#include "tldsl/element_math.hpp"' in lc.source and "tldsl/general.hpp" not in lc.source
+    got = emulate_kernel(k, [lc], [dict(x) for x in inputs], tmp_path)
+    for r in range(W):
+        for name in outs:
+            np.testing.assert_array_equal(got[r][name], want[r][name], err_msg=f"rank {r} {name}")

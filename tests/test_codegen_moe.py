@@ -826,12 +826,12 @@ def _lower_combine_exact(inp):
 
 
 def test_per_row_float_expressions_use_the_exact_element_math():
-    """Per-row float math is the general lowering's (``tldsl::gen``, general.hpp included): NaN-
+    """Per-row float math is the general lowering's (``tldsl::gen``, element_math.hpp included): NaN-
     propagating max / min ordering -0 below +0, numpy's divmod, explicitly rounded products and
     sums (never an FMA), numpy's f32 -> i32; i32 index code keeps the index rules."""
     lw = _lower_combine_exact(_combine_exact_case())
     prog = _prog_struct(lw.source)
-    assert '#include "tldsl/general.hpp"' in lw.source
+    assert '#include "tldsl/element_math.hpp"' in lw.source
     for fn in ("max_(", "min_(", "floordiv(", "mod(", "mul(", "add(", "div(", "f2i("):
         assert f"tldsl::gen::{fn}" in prog, fn
     assert not re.search(r"fminf|fmaxf|floorf|\(int\)\(t_\d+\)\s*;", prog), prog

@@ -45,7 +45,8 @@ from ..plan.combine import CombinePlan, plan_combine
 from ..plan.tile_order import order_group_m
 from ..plan.wgmma import ORDERS
 from ..rules.scalars import c_literal
-from .prog_hooks import HookEmitter, element_math_includes, hook_fn, prog_members
+from ..rules.scalars import element_math_includes
+from .prog_hooks import HookEmitter, hook_fn, prog_members
 from .recipe import Recipe
 
 

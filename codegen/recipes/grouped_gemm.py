@@ -78,7 +78,8 @@ from ..plan.grouped_gemm import GroupedGemmPlan, plan_grouped_gemm
 from ..plan.wgmma import GemmConfig
 from ..errors import LoweringError
 from .combine import combine_hooks, combine_structs
-from .prog_hooks import HookEmitter, element_math_includes, hook_fn, prog_members
+from ..rules.scalars import element_math_includes
+from .prog_hooks import HookEmitter, hook_fn, prog_members
 from .recipe import Recipe
 from .wgmma import gemm_cfg_fields
 

@@ -27,13 +27,6 @@ from ..rules.tile_ops import compute_type, convert, round_to, value_ctype
 #: where a generated MoE kernel's per-row expressions compute in float: the general lowering's
 #: element math (``tldsl::gen``: exactly rounded, never contracted into an FMA, NaN-propagating
 #: max / min, numpy's divmod, numpy's f32 -> i32)
-ELEMENT_MATH_INCLUDE = '#include "tldsl/general.hpp"   // per-row float math: tldsl::gen'
-
-
-def element_math_includes(source_lines) -> list[str]:
-    """The include a kernel's generated code needs for its per-row float math (none where it has
-    none: the MoE kernels' sources, and their compile, stay as they were)."""
-    return [ELEMENT_MATH_INCLUDE] if any("tldsl::gen::" in l for l in source_lines) else []
 
 
 def hook_fn(signature: str, body: list[str]) -> list[str]:

@@ -73,11 +73,12 @@ from ..abi import (KernelParam, LoweredKernel, buffer_param, is_this_rank, marke
 from ..dtypes import ctype
 from ..errors import fail
 from ..ir_queries import only_part, op_site
-from ..match.comm import (FLOAT_EWISE, FLOATS, INT_EWISE, TILE_OPS, WHAT, broadcast_coords, is_float_ewise,
+from ..match.comm import (FLOAT_EWISE, INT_EWISE, TILE_OPS, WHAT, broadcast_coords,
                           is_statement, match_sm_comm, statement_coords)
 from ..plan.comm import DEFAULT_THREADS, CommPlan, plan_sm_comm
 from ..rules import primitives
-from ..rules.scalars import ScalarEmitter, c_literal
+from ..rules.scalars import ELEMENT_MATH, ScalarEmitter, c_literal, element_expr, element_math_includes
+from ..rules.tile_ops import compute_type, convert, round_to, value_ctype
 from .. import toolchain
 from .recipe import Recipe
 
@@ -237,21 +238,7 @@ def _storage(dtype: str) -> str:
     return ctype(dtype).comm
 
 
-_FLOAT_EWISE = {"add": "tldsl::comm::fadd({0}, {1})", "sub": "tldsl::comm::fsub({0}, {1})",
-                "mul": "tldsl::comm::fmul({0}, {1})", "div": "tldsl::comm::fdiv({0}, {1})",
-                "max": "tldsl::comm::fmax_nan({0}, {1})", "min": "tldsl::comm::fmin_nan({0}, {1})",
-                "floordiv": "floorf(tldsl::comm::fdiv({0}, {1}))",
-                "mod": "tldsl::comm::fsub({0}, tldsl::comm::fmul(floorf(tldsl::comm::fdiv({0}, {1})), {1}))",
-                "neg": "(-{0})", "exp": "expf({0})", "exp2": "exp2f({0})", "log": "logf({0})",
-                "abs": "fabsf({0})", "sqrt": "sqrtf({0})", "recip": "tldsl::comm::fdiv(1.0f, {0})"}
-_INT_EWISE = {"add": "tldsl::comm::iadd({0}, {1})", "sub": "tldsl::comm::isub({0}, {1})",
-              "mul": "tldsl::comm::imul({0}, {1})", "max": "tldsl::imax({0}, {1})",
-              "min": "tldsl::imin({0}, {1})", "floordiv": "tldsl::floordiv({0}, {1})",
-              "mod": "tldsl::floormod({0}, {1})", "neg": "tldsl::comm::isub(0, {0})",
-              "abs": "tldsl::imax({0}, tldsl::comm::isub(0, {0}))",
-              "div": "tldsl::comm::fdiv((float)({0}), (float)({1}))"}
-assert set(_FLOAT_EWISE) == FLOAT_EWISE and set(_INT_EWISE) == INT_EWISE, "the matcher admits what is rendered"
-_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+assert FLOAT_EWISE | INT_EWISE <= set(ELEMENT_MATH), "the matcher admits what the element rules render"
 
 
 class _CommEmitter(ScalarEmitter):
@@ -361,7 +348,7 @@ class _CommEmitter(ScalarEmitter):
         elif n == "ewise":
             args = [self._val(a, broadcast_coords(coords, a.type.shape, shape) if isinstance(a.type, T.TileType)
                               else [], ctx) for a in op.operands]
-            out = ctx.var(ct, self._round(dt, self._ewise(op, args)))
+            out = ctx.var(ct, self._ewise(op, args))
         elif n == "cast":
             x = self._val(op.operands[0], coords, ctx)
             out = ctx.var(ct, self._convert(op.operands[0].type.dtype.name, dt, x))
@@ -430,33 +417,27 @@ class _CommEmitter(ScalarEmitter):
 
     @staticmethod
     def _convert(src: str, dst: str, x: str) -> str:
+        """A cast, as the general lowering's (a float to i32 by ``tldsl::gen::f2i``: NaN, inf and
+        values out of range as the simulator's numpy gives them, not as the GPU's conversion)."""
         s, d = _compute(src), _compute(dst)
         if d == "bool":
             return f"({x} != 0)"
         if d == "int":
-            return f"(int)({x})" if s != "int" else x
+            return x if s == "int" else (f"tldsl::gen::f2i({x})" if s == "float" else f"(int)({x})")
         val = x if s == "float" else f"(float)({x})"
         return _CommEmitter._round(dst, val)
 
     @staticmethod
     def _ewise(op: core.Op, args: list[str]) -> str:
+        """One element of an elementwise op by the general lowering's element rules: numpy's
+        compute type (f32 with i32, or an integer tile with a Python float, in double with the
+        exact constant), numpy's floor division and modulo, no contraction; rounded to the
+        result's dtype."""
         kind = op.attrs["op"]
-        dts = [a.type.dtype.name for a in op.operands]
-        if kind == "where":
-            c, a, b = args
-            return f"({c} ? {a} : {b})"
-        if kind in _COMPARE:
-            return f"({args[0]} {_COMPARE[kind]} {args[1]})"
-        if kind in ("and", "or"):
-            if all(d == "i1" for d in dts):
-                return f"({args[0]} {'&&' if kind == 'and' else '||'} {args[1]})"
-            return f"({args[0]} {'&' if kind == 'and' else '|'} {args[1]})"
-        if kind == "not":
-            return f"(!{args[0]})"
-        if is_float_ewise(op):
-            fa = [a if d in FLOATS else f"(float)({a})" for a, d in zip(args, dts)]
-            return _FLOAT_EWISE[kind].format(*fa)
-        return _INT_EWISE[kind].format(*args)
+        ct = compute_type(op)
+        conv = [convert(x, value_ctype(a.type.dtype), "bool" if (kind == "where" and i == 0) else ct)
+                for i, (x, a) in enumerate(zip(args, op.operands))]
+        return round_to(op.result.type.dtype, element_expr(kind, conv, ct), ct)
 
     # -- statements --------------------------------------------------------------------------------
     def _statement(self, op: core.Op, ind: str, lines: list[str]):
@@ -589,6 +570,7 @@ def render_sm_comm(plan: CommPlan) -> LoweredComm:
          f"// tasks: grid {tuple(p.grid)} = {ntasks}, {plan.order} order; {plan.lanes} lane(s): CTA b runs tasks b, "
          f"b + gridDim.x, ...; world size {kernel.world_size}; config {digest}",
          '#include "tldsl/comm_nvshmem.hpp"' if plan.transport == "nvshmem" else '#include "tldsl/comm.hpp"',
+         *element_math_includes(body),
          "",
          f'extern "C" __global__ void __launch_bounds__({plan.threads}, 1)',
          f"{plan.entry}(",

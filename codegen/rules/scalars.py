@@ -131,6 +131,17 @@ _LOGICAL = {"and": "&&", "or": "||"}
 _BITWISE = {"and": "&", "or": "|"}
 
 
+#: the header of the element functions (``tldsl::gen``), for kernels that are not the general
+#: lowering's (which includes it through ``general.hpp``)
+ELEMENT_MATH_INCLUDE = '#include "tldsl/element_math.hpp"   // element math: tldsl::gen'
+
+
+def element_math_includes(source_lines) -> list[str]:
+    """The include a kernel's generated code needs for its element math (none where it has none:
+    the library's MoE and communication kernels' sources, and their compiles, stay as they were)."""
+    return [ELEMENT_MATH_INCLUDE] if any("tldsl::gen::" in line for line in source_lines) else []
+
+
 def element_expr(kind: str, args: list[str], compute: str) -> str:
     """C++ of one element of the elementwise op ``kind`` (``tl.ewise``'s ops and the math
     functions) on ``args``, already converted to ``compute`` ("float", "double", "int" or

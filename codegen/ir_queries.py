@@ -39,20 +39,18 @@ def const_value(v: core.Value):
     return None
 
 
-def op_site(kernel: core.Kernel, op: core.Op) -> int:
-    """``op``'s index among ``kernel``'s ops (every part's, in walk order): how a run-time check
-    in the generated code names it, and how the host finds its source line again
-    (:func:`op_at_site`)."""
-    for i, (_, o) in enumerate(kernel.walk()):
-        if o is op:
-            return i
-    raise ValueError(f"{op.name} is not an op of kernel {kernel.name}")
+def wait_site(op: core.Op) -> int:
+    """How a run-time check of a wait's count in the generated code names the wait: its count
+    value's id (32 bits). Values survive the rewrites lowering makes (signals dropped for stream
+    order, parts folded), where op positions shift; :func:`wait_at_site` finds the wait again in
+    the kernel as traced."""
+    return op.operands[2].id & 0xFFFFFFFF
 
 
-def op_at_site(kernel: core.Kernel, site: int) -> core.Op | None:
-    """The op :func:`op_site` numbered ``site`` (None if there is none)."""
-    for i, (_, o) in enumerate(kernel.walk()):
-        if i == site:
+def wait_at_site(kernel: core.Kernel, site: int) -> core.Op | None:
+    """The (first) wait of ``kernel`` whose count :func:`wait_site` names ``site`` (None if none)."""
+    for _, o in kernel.walk():
+        if o.name in WAIT_OPS and wait_site(o) == site:
             return o
     return None
 

@@ -1117,7 +1117,7 @@ def test_emulated_wait_checks_a_run_time_count_as_the_simulator_does(tmp_path, c
     the slot's notifies per launch) the generated wait records the failure for the host at the
     wait's site (tl.run raises RunCheckError there) and passes; the GPU's wait used to pass
     silently at 0 and hang at a negative count."""
-    from tldsl.codegen.ir_queries import op_at_site, op_site
+    from tldsl.codegen.ir_queries import wait_at_site, wait_site
     from tldsl.runtime.gpu.run_checks import CHECK_CALL
     x = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
     cnt = np.array([count], np.int32)
@@ -1137,8 +1137,8 @@ def test_emulated_wait_checks_a_run_time_count_as_the_simulator_does(tmp_path, c
     arrays = [{"x": x, "cnt": cnt, "y": y, "ws": np.full((8, 8), np.nan, np.float32)}]
     if refused:
         err = emulate_kernel(k, lowered, arrays, tmp_path, returncode=3)
-        assert f"run check failed: site {op_site(k, wait)}, count {count}" in err
-        assert op_at_site(k, op_site(k, wait)) is wait
+        assert f"run check failed: site {wait_site(wait)}, count {count}" in err
+        assert wait_at_site(k, wait_site(wait)) is wait
     else:
         np.testing.assert_array_equal(emulate_kernel(k, lowered, arrays, tmp_path)[0]["y"], want)
 

@@ -730,7 +730,7 @@ def test_a_wait_count_the_kernels_found_wrong_is_raised_at_synchronize(monkeypat
     """The fused-op runtime reads the word the kernels record a failed wait-count check in (as
     tl.run does after each launch): synchronize raises RunCheckError at the wait's line, once."""
     from test_codegen_general import counted_wait
-    from tldsl.codegen.ir_queries import op_site
+    from tldsl.codegen.ir_queries import wait_site
     from tldsl.runtime.gpu.run_errors import RunCheckError
     inputs = [{"x": np.ones((8, 8), np.float32), "cnt": np.array([1], np.int32), "y": np.zeros((8, 8), np.float32)}]
     ops, outs, _ = run_program(monkeypatch, counted_wait, 1, inputs, launches=1,
@@ -738,7 +738,7 @@ def test_a_wait_count_the_kernels_found_wrong_is_raised_at_synchronize(monkeypat
     np.testing.assert_array_equal(outs[0][0]["y"], np.full((8, 8), 3.0, np.float32))
     op = ops[0]
     wait = next(o for _, o in op.kernel.walk() if o.name == "consumer_tile_wait")
-    op.device.run_checks = _RecordedFailure(((op_site(op.kernel, wait) + 1) << 32) | 0)
+    op.device.run_checks = _RecordedFailure(((wait_site(wait) + 1) << 32) | 0)
     with pytest.raises(RunCheckError, match="consumer_tile_wait at .*its count was 0 at run time"):
         op.synchronize()
     op.synchronize()                                    # reported once: the word is cleared

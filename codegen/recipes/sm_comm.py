@@ -72,7 +72,7 @@ from ..abi import (KernelParam, LoweredKernel, buffer_param, is_this_rank, marke
                    signal_slot)
 from ..dtypes import ctype
 from ..errors import fail
-from ..ir_queries import only_part, op_site
+from ..ir_queries import only_part, wait_site
 from ..match.comm import (FLOAT_EWISE, INT_EWISE, TILE_OPS, WHAT, broadcast_coords,
                           is_statement, match_sm_comm, statement_coords)
 from ..plan.comm import DEFAULT_THREADS, CommPlan, plan_sm_comm
@@ -290,7 +290,7 @@ class _CommEmitter(ScalarEmitter):
             sig = op.operands[0].owner
             slot = signal_slot(sig, self.name(op.operands[1], op))
             lines.append(ind + primitives.wait(op, slot, self.name(op.operands[2], op), cta=True,
-                                               site=op_site(self.plan.kernel, op)))
+                                               site=wait_site(op)))
             self.pending = False
         elif n in NOTIFY_OPS:
             sig = op.operands[0].owner

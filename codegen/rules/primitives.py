@@ -53,7 +53,7 @@ def wait(op: core.Op, slot: str, count: str, *, cta: bool = False, launch: str =
          site: int | None = None) -> str:
     """``consumer_tile_wait`` / ``peer_tile_wait`` / ``rank_wait``: spin until the signal slot at
     address ``slot`` holds the target, then acquire at the op's scope. ``cta``: the whole CTA
-    waits (one thread spins, the CTA meets after it). ``site`` (:func:`..ir_queries.op_site`):
+    waits (one thread spins, the CTA meets after it). ``site`` (:func:`..ir_queries.wait_site`):
     a count computed at run time is checked there as the simulator checks it (:func:`checked_count`)."""
     assert op.name in WAIT_OPS, op.name
     fn = "tldsl::comm::cta_wait" if cta else "tldsl::wait_at_least"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...ir import core
 from ..abi import is_this_rank, signal_slot
 from ..errors import fail
-from ..ir_queries import needed_ops, op_site, scope_of
+from ..ir_queries import needed_ops, scope_of, wait_site
 from . import primitives
 from .scalars import ScalarEmitter
 
@@ -61,7 +61,7 @@ class SignalEmitter(ScalarEmitter):
         sig = op.operands[0].owner
         self.use(sig)
         return primitives.wait(op, signal_slot(sig, self.name(op.operands[1], op)),
-                               self.name(op.operands[2], op), cta=cta, site=op_site(self.kernel, op))
+                               self.name(op.operands[2], op), cta=cta, site=wait_site(op))
 
     def notify_statement(self, op: core.Op, *, cta: bool = False, note: str = "") -> tuple[str, str]:
         """A notify op as (its scope, its statement): on this rank's copy of the signal, or

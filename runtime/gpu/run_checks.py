@@ -6,12 +6,13 @@ the same (``signals.hpp``: ``tldsl::checked_count``): a failed check writes one 
 host memory mapped into the kernel's module (``tldsl_run_checks``: ``(site + 1) << 32`` and the
 count) and lets the wait pass, so nothing hangs. ``tl.run`` clears the word before each launch
 and reads it after: a failed check is a :class:`~.run_errors.RunCheckError` naming the wait's
-line (``site``: the op's index in the kernel, :func:`~tldsl.codegen.ir_queries.op_site`)."""
+line (``site``: the wait's count value, :func:`~tldsl.codegen.ir_queries.wait_site`, which the
+rewrites lowering makes keep)."""
 from __future__ import annotations
 
 import ctypes
 
-from ...codegen.ir_queries import op_at_site
+from ...codegen.ir_queries import wait_at_site
 from .device import check, current_context
 from .run_errors import RunCheckError
 
@@ -83,9 +84,9 @@ def failure(ir, word: int, launch: int) -> RunCheckError | None:
     if got is None:
         return None
     site, count = got
-    op = op_at_site(ir, site)
+    op = wait_at_site(ir, site)
     if op is None:
-        return RunCheckError(f"launch {launch}: a wait's count was {count} at run time (check site {site}, no op "
+        return RunCheckError(f"launch {launch}: a wait's count was {count} at run time (check site {site}, no wait "
                              f"of kernel {ir.name}): the outputs of this launch are not to be trusted")
     most = op.attrs.get("per_launch")
     need = "positive" + (f" and at most the slot's {most} notifies per launch (per_launch)" if most else "")

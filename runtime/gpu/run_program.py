@@ -77,10 +77,10 @@ def run_program(ir, per_rank: list[list], *, launches: int = 1, seed: int = 0, t
             checks.clear()
         start, end = enqueue_launch(device, order, launch, loaded, args, copies, origin, streams)
         wait_for(device, end, launch, plan, mem, timeout_s)
-        if checks is not None and (failed := run_check_failure(ir, checks.read(), launch)) is not None:
-            raise failed
         launch_ms.append(device.elapsed_ms(start, end))
         device.destroy((start, end))
+        if checks is not None and (failed := run_check_failure(ir, checks.read(), launch)) is not None:
+            raise failed
     outputs, workspaces = read_back(ir, tensors)
     return RunResult(ir, outputs, workspaces, [], 0, launches, seed, 0, device=device.name, plan=plan,
                      launch_ms=launch_ms, tensors=tensors)

@@ -51,28 +51,28 @@ enum Scope : int { kScopeGpu = 0, kScopeSys = 1 };
 // Run-time checks of what the simulator refuses while it runs: a wait whose traced count is not
 // positive, or more than its slot's notifies per launch. Where a check fails the kernel records
 // it in one 64-bit word of host memory the runtime maps (`tldsl_run_checks`: (site + 1) << 32 | the
-// count as 32 bits; null: nothing is recorded) and the wait then passes (as count 0 would), so
-// nothing hangs; after the launch the host raises a typed error naming the wait's line. `site`
-// is the wait's index among its kernel's ops (codegen/rules/primitives.py: checked_count).
+// count as 32 bits) and the wait then passes (as count 0 would), so nothing hangs; after the
+// launch the host raises a typed error naming the wait's line. Where no runtime reads a word
+// (null: launchers of their own) the count is used as it is. `site` names the wait by its count
+// value (codegen/ir_queries.py: wait_site).
 #if defined(TLDSL_HOST_EMULATION)
 inline long long checked_count(long long count, unsigned int site, long long most) {
-  if (count > 0 && (most <= 0 || count <= most)) return count;
-  if (tldsl_run_checks != nullptr)
-    __atomic_store_n(tldsl_run_checks, ((unsigned long long)(site + 1u) << 32) | (unsigned int)count, __ATOMIC_SEQ_CST);
+  if ((count > 0 && (most <= 0 || count <= most)) || tldsl_run_checks == nullptr) return count;
+  __atomic_store_n(tldsl_run_checks, ((unsigned long long)(site + 1u) << 32) | (unsigned int)count, __ATOMIC_SEQ_CST);
   return 0;
 }
 #else
-static __device__ __noinline__ void count_check_failed(long long count, unsigned int site) {
+// false where nothing reads the word (the count is then used as it is)
+static __device__ __noinline__ bool count_check_failed(long long count, unsigned int site) {
   volatile unsigned long long* word = tldsl_run_checks;
-  if (word != nullptr) {
-    *word = ((unsigned long long)(site + 1u) << 32) | (unsigned int)count;    // one store: no torn record
-    __threadfence_system();
-  }
+  if (word == nullptr) return false;
+  *word = ((unsigned long long)(site + 1u) << 32) | (unsigned int)count;    // one store: no torn record
+  __threadfence_system();
+  return true;
 }
 __device__ __forceinline__ long long checked_count(long long count, unsigned int site, long long most) {
   if (count > 0 && (most <= 0 || count <= most)) return count;
-  count_check_failed(count, site);
-  return 0;
+  return count_check_failed(count, site) ? 0 : count;
 }
 #endif
 

@@ -478,3 +478,70 @@ def test_a_staged_gather_the_gemm_overlaps_visits_the_tiles_in_layout_order(monk
     assert host(tables["tile_visit"]).tolist() == rt.tile_visit.tolist() != layout      # what the router built
     assert host(seen[0]).tolist() == (rt.tile_visit.tolist() if chain == "after" else layout)
     ag[0].close()
+
+
+def test_tables_that_are_no_dict_are_refused_before_anything_is_enqueued(monkeypatch):
+    """Found by an explorer's round: MoEReduceScatter(...)(..., tables=<a MoERouting>) raised an
+    untyped TypeError ('argument of type MoERouting is not iterable'), and AllGatherMoE trusted its
+    router's return alike. Both now say what the tables must be (a dict by name) with InputError."""
+    g, ag, rs = _layers(monkeypatch, 2, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
+    x, w1 = torch.zeros(MS, K, dtype=torch.float16), torch.zeros(E, K, NR, dtype=torch.float16)
+    h, w2 = torch.zeros(rs[0].kernel.buffer("h").type.shape, dtype=torch.float16), torch.zeros(E, NR, K,
+                                                                                                dtype=torch.float16)
+    ids = torch.from_numpy(random_routing(np.random.default_rng(3), 2 * MS, E, TOPK)[0])
+    rt = moe_routing(ids.numpy(), E, 2, MS, 32)
+    for tables in (rt, [rt.token_pos], "tables"):
+        with pytest.raises(InputError, match=r"tables: pass what AllGatherMoE returned .*a dict.* got "
+                                             + type(tables).__name__):
+            rs[0](h, ids, torch.ones(2 * MS, TOPK), w2, tables)
+    for returned in (rt, None, [1, 2]):
+        monkeypatch.setattr(ag[0], "_router", lambda topk_ids, returned=returned: returned)
+        with pytest.raises(InputError, match=r"router\(topk_ids\) must return the routing tables by name .*got "
+                                             + type(returned).__name__):
+            ag[0](x, ids, w1)
+    assert ag[0].launches == 0 and rs[0].launches == 0 and not any(g.fake.queues.values())
+    for o in ag + rs:
+        o.close()
+
+
+def test_check_routing_refuses_a_malformed_error_word(monkeypatch):
+    """Found by an explorer's round: check_routing crashed with AttributeError / ValueError /
+    TypeError on an 'info' entry that is not the routing's error word (3 ints)."""
+    g, ag, rs = _layers(monkeypatch, 1, tl.CommSchedule(tile_m=16), tl.CommSchedule(tile_m=16, mode="push"))
+    op = ag[0]
+    for info in ([0, 1, 3], torch.tensor([0]), np.array([0, 1]), type(None), torch.zeros(3), np.zeros((1, 3), int)):
+        with pytest.raises(InputError, match=r"check_routing: tables\['info'\] must be the routing's error word"):
+            op.check_routing({"info": info})
+    op.check_routing({"info": torch.zeros(3, dtype=torch.int32)})              # no error flagged: passes
+    op.check_routing({"info": np.zeros(3, np.int64)})
+    with pytest.raises(InputError, match=r"topk_ids\[2, 1\] was not an expert id"):
+        op.check_routing({"info": torch.tensor([0, 1, 2 * TOPK + 1], dtype=torch.int32)})
+    for o in ag + rs:
+        o.close()
+
+
+def test_a_callers_router_is_not_held_to_the_gpu_builders_limits(monkeypatch):
+    """Found by an explorer's round: AllGatherMoE(..., router=<callable>) with 3000 experts was refused
+    with the GPU routing kernels' limit (at most 2048 experts: their shared memory), which a caller's
+    router never runs. The builder's limits hold where the builder is used (no router); the op's own
+    sizes still hold either way."""
+    from tldsl.runtime.dist.moe_tables import table_shapes
+    from tldsl.runtime.gpu.moe_routing import RoutingSizes
+    g = Group(monkeypatch, 1, 0)
+    many = tl.TensorSpec((3000, 16, 16), tl.float16)
+    c16 = tl.ComputeSchedule(tile=(16, 16, 16))
+    ops = g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((8, 16), tl.float16), many, 2, compute=c16, device=dev,
+                                              router=lambda ids: {}, timeout_s=2.0))
+    assert ops[0].num_experts == 3000
+    for o in ops:
+        o.close()
+    with pytest.raises(InputError, match="moe routing on the GPU: at most 2048 experts, got 3000"):
+        g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((8, 16), tl.float16), many, 2, compute=c16, device=dev))
+    with pytest.raises(InputError, match="num_experts must be a positive int"):
+        g.build(lambda r, dev: AllGatherMoE(tl.TensorSpec((8, 16), tl.float16), tl.TensorSpec((0, 16, 16), tl.float16),
+                                            2, compute=c16, device=dev, router=lambda ids: {}))
+    for W, Ms, topk, n_e, BM in ((1, 8, 2, 3000, 16), (2, 24, 2, 4, 32), (3, 100, 8, 64, 128), (1, 1, 1, 1, 16)):
+        sizes = RoutingSizes(W, Ms, topk, min(n_e, 2048), BM)
+        want = {n: s for n, s in sizes.shapes().items() if n in AG_TABLES + RS_TABLES}
+        got = table_shapes(W * Ms, topk, sizes.num_experts, BM, sizes.num_tiles)
+        assert {n: got[n] for n in want} == want              # the specs a router's tables are held to

@@ -590,3 +590,41 @@ def test_moe_reduce_scatter_rejects_the_copy_engine_pull_and_the_epilogue_sum():
     with pytest.raises(tl.ScheduleError, match="store_tile"):
         tl.simulate(moe_reduce_scatter, 2, inputs, compute=whole,
                     comm=tl.CommSchedule(engine="copy_engine", mode="push", reduce_in="epilogue"))
+
+
+def test_the_references_refuse_ids_outside_the_experts_and_take_bf16_tensors():
+    """Found by an explorer's round: reference_moe took a negative expert id as an index from the
+    end (the last expert: a silent wrong answer) and raised IndexError on an id >= E; the three
+    references crashed on bf16 torch tensors (np.asarray), which the simulate helpers take. Ids are
+    now checked as moe_routing checks them, operands converted as the simulator converts them."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    W, Ms, K, Nr, E = 2, 3, 4, 4, 3
+    xs = [rng.integers(-2, 3, (Ms, K)).astype(np.float32) for _ in range(W)]
+    w1 = [rng.integers(-1, 2, (E, K, Nr)).astype(np.float32) for _ in range(W)]
+    w2 = [rng.integers(-1, 2, (E, Nr, K)).astype(np.float32) for _ in range(W)]
+    wts = np.ones((W * Ms, 1), np.float32)
+    for bad in (-1, E):
+        with pytest.raises(tl.InputError, match=rf"reference_moe: topk_ids\[0, 0\] = {bad} is not an expert id "
+                                                rf"\(there are {E} experts"):
+            reference_moe(xs, w1, w2, np.full((W * Ms, 1), bad), wts)
+    with pytest.raises(tl.InputError, match=r"reference_moe: topk_ids must be \[6, topk\]"):
+        reference_moe(xs, w1, w2, np.zeros((W * Ms - 1, 1), np.int32), wts)
+    with pytest.raises(tl.InputError, match=r"reference_moe: topk_weights must be \[6, 1\]"):
+        reference_moe(xs, w1, w2, np.zeros((W * Ms, 1), np.int32), wts[:-1])
+    ids = rng.integers(0, E, (W * Ms, 2)).astype(np.int32)
+    wts = rng.integers(1, 3, (W * Ms, 2)).astype(np.float32)
+    rt = moe_routing(ids, E, W, Ms, 8)
+    want = reference_moe(xs, w1, w2, ids, wts)
+    want_h = [reference_allgather_moe(xs, w1[r], rt) for r in range(W)]
+    want_out = reference_moe_reduce_scatter(want_h, w2, wts, rt)
+    bf = lambda arrays: [torch.tensor(a).bfloat16() for a in arrays]              # noqa: E731  (exact in bf16)
+    np.testing.assert_array_equal(reference_moe(bf(xs), bf(w1), bf(w2), torch.tensor(ids), torch.tensor(wts)), want)
+    h = [reference_allgather_moe(bf(xs), bf(w1)[r], rt) for r in range(W)]
+    assert all(np.array_equal(a, b) for a, b in zip(h, want_h))
+    np.testing.assert_array_equal(reference_moe_reduce_scatter(bf(h), bf(w2), torch.tensor(wts).bfloat16(), rt),
+                                  want_out)
+    with pytest.raises(tl.InputError, match="routing has 3 experts but w1 holds 2"):
+        reference_allgather_moe(xs, w1[0][:2], rt)
+    with pytest.raises(tl.InputError, match="routing must come from moe_routing"):
+        reference_moe_reduce_scatter(want_h, w2, wts, rt.reduce_scatter_tables())

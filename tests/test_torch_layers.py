@@ -87,3 +87,30 @@ def test_bad_operands_are_refused_before_an_op_is_built(monkeypatch, call, match
     with pytest.raises(InputError, match=match):
         call(x, ids, w)
     assert built == []
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda T: torch.ops.tldsl.all_gather_moe(T(8, 16), T(8, 0, dt=torch.int32), T(4, 16, 32), "0"),
+     "all_gather_moe: topk must be a positive int, got 0"),
+    (lambda T: torch.ops.tldsl.all_gather_moe(T(8, 16), T(8, 2, dt=torch.int32), T(0, 16, 32), "0"),
+     "all_gather_moe: num_experts must be a positive int"),
+    (lambda T: torch.ops.tldsl.all_gather_moe(T(0, 16), T(0, 2, dt=torch.int32), T(4, 16, 32), "0"),
+     "all_gather_moe: rows_per_rank must be a positive int"),
+    (lambda T: torch.ops.tldsl.moe_reduce_scatter(T(64, 32), T(8, 0, dt=torch.int32), T(8, 0, dt=torch.float32),
+                                                  T(4, 32, 16), "0", 64),
+     "moe_reduce_scatter: topk must be a positive int, got 0"),
+    (lambda T: torch.ops.tldsl.moe_reduce_scatter(T(0, 32), T(0, 2, dt=torch.int32), T(0, 2, dt=torch.float32),
+                                                  T(4, 32, 16), "0", 64),
+     "moe_reduce_scatter: rows_per_rank must be a positive int"),
+])
+def test_the_fake_moe_kernels_refuse_the_sizes_the_ops_refuse(call, match):
+    """Found by an explorer's round: the fake (meta) kernels of all_gather_moe / moe_reduce_scatter
+    took topk = 0, no experts and no tokens, which the ops refuse: a graph traced and failed only
+    when run. The fake kernels now run the ops' own check of those sizes."""
+    def T(*shape, dt=torch.float16):
+        return torch.empty(*shape, dtype=dt, device="meta")
+    with pytest.raises(InputError, match=match):
+        call(T)
+    from tldsl.runtime.dist.moe_ops import check_moe_sizes          # the ops' check, shared
+    with pytest.raises(InputError, match="topk must be a positive int, got 0"):
+        check_moe_sizes(8, 0, 4)

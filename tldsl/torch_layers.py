@@ -48,10 +48,12 @@ def _check_moe(what: str, acts, topk_ids, w, W: int, block_m: int, *, layer0: bo
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise InputError(f"{what}: topk_ids must be int32 or int64 [tokens, topk], got {topk_ids.dtype} "
                          f"{tuple(topk_ids.shape)}")
+    from .runtime.dist.moe_ops import check_moe_sizes
     T, topk = topk_ids.shape
     E = w.shape[0]
     if layer0:
         Ms = acts.shape[0]
+        check_moe_sizes(Ms, topk, E, f"{what}: ")          # the op's own check of its sizes
         if T != W * Ms:
             raise InputError(f"{what}: topk_ids has {T} tokens; {W} ranks x {Ms} rows of x make {W * Ms}")
         if w.shape[1] != acts.shape[1]:
@@ -60,6 +62,7 @@ def _check_moe(what: str, acts, topk_ids, w, W: int, block_m: int, *, layer0: bo
         if T % W:
             raise InputError(f"{what}: {T} tokens do not divide among {W} ranks")
         Ms = T // W
+        check_moe_sizes(Ms, topk, E, f"{what}: ")          # the op's own check of its sizes
         R = moe_num_tiles(T * topk, E, block_m) * block_m
         if tuple(acts.shape) != (R, w.shape[1]):
             raise InputError(f"{what}: h must be [{R}, {w.shape[1]}] ({T} tokens x top-{topk} routed rows of {E} "

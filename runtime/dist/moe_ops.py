@@ -40,7 +40,7 @@ from ...errors import InputError
 from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
-from .moe_tables import check_routing_tables
+from .moe_tables import check_routing_tables, table_shapes
 from .operands import check_schedules, shape_and_dtype
 from .program_op import FusedProgram
 
@@ -90,10 +90,30 @@ def _schedules(op: str, compute, comm, defaults: tuple) -> tuple:
     return defaults[0] if compute is None else compute, defaults[1] if comm is None else comm
 
 
-def _topk(v) -> int:
+def _positive(what: str, name: str, v, hint: str = "") -> int:
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
-        raise InputError(f"topk must be a positive int, got {v!r}")
+        raise InputError(f"{what}{name} must be a positive int{hint}, got {v!r}")
     return int(v)
+
+
+def _topk(v) -> int:
+    return _positive("", "topk", v)
+
+
+def check_moe_sizes(rows_per_rank, topk, num_experts, what: str = "") -> tuple[int, int, int]:
+    """``(Ms, topk, E)`` as ints, each a positive int, else :class:`InputError` (``what``: a prefix of
+    the message) — the ops' check of their sizes, which the torch layers' fake kernels run too."""
+    return (_positive(what, "rows_per_rank", rows_per_rank, " (tokens per rank)"), _positive(what, "topk", topk),
+            _positive(what, "num_experts", num_experts, " (the experts' weights' first dimension)"))
+
+
+def _tables_dict(tables, what: str) -> dict:
+    """The routing tables by name, as a router returns them (a dict), else InputError."""
+    if not isinstance(tables, dict):
+        hint = (" (a MoERouting's tables go as tensors by name: {n: torch.from_numpy(t) for n, t in "
+                "routing.reduce_scatter_tables().items()})" if type(tables).__name__ == "MoERouting" else "")
+        raise InputError(f"{what}, got {type(tables).__name__}{hint}")
+    return tables
 
 
 def _check_routing_options(router, validate_ids) -> None:
@@ -110,15 +130,24 @@ class _Routed:
     """What both MoE ops share: the routing sizes, the table builder, the ids' checks."""
 
     def _init_routing(self, W: int, Ms: int, topk: int, E: int, BM: int, router, validate_ids: bool):
+        Ms, topk, E = check_moe_sizes(Ms, topk, E)
         self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m = W, Ms, topk, E, BM
+        if W * Ms * topk + E * BM >= 2 ** 31:            # (as moe_routing: rows of int32 tables)
+            raise InputError(f"{type(self).__name__}: too many routed rows for 32-bit tables")
         self.num_tiles = moe_num_tiles(W * Ms * topk, E, BM)
         self.validate_ids = validate_ids
         self._router = router
         self._routing_buffers = None
 
     def _table_specs(self, names) -> dict:
-        from ..gpu.moe_routing import RoutingSizes
-        shapes = RoutingSizes(self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m).shapes()
+        """The tables' specs by name; where the routing is built on the GPU (no router given), the
+        builder's limits checked first (:class:`~..gpu.moe_routing.RoutingSizes`: a caller's router
+        never runs its kernels, so is not held to them)."""
+        if self._router is None:
+            from ..gpu.moe_routing import RoutingSizes
+            RoutingSizes(self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m)
+        shapes = table_shapes(self.world_size * self.rows_per_rank, self.topk, self.num_experts, self.block_m,
+                              self.num_tiles)
         return {n: tl.TensorSpec(shapes[n], tl.int32) for n in names}
 
     def _check_ids(self, topk_ids):
@@ -156,7 +185,10 @@ class _Routed:
                                              self.block_m)
         if self._routing_buffers is None and hasattr(self._router, "empty_tables"):
             self._routing_buffers = self._router.empty_tables()
-        return self._router(topk_ids, self._routing_buffers) if self._routing_buffers is not None else self._router(topk_ids)
+        if self._routing_buffers is not None:
+            return self._router(topk_ids, self._routing_buffers)
+        return _tables_dict(self._router(topk_ids), "router(topk_ids) must return the routing tables by name (a dict of "
+                                                             "int32 tensors)")
 
     def _check_foreign(self, tables: dict, names, topk_ids, ids_checked: bool = True) -> None:
         """With ``validate_ids``: tables the library's builder did not write (a caller's router, or
@@ -177,6 +209,13 @@ class _Routed:
         info = tables.get("info")
         if info is None:
             return
+        import torch
+        if not isinstance(info, (torch.Tensor, np.ndarray)) or tuple(info.shape) != (3,) or \
+                str(info.dtype).replace("torch.", "") not in ("int32", "int64"):
+            got = (f"{info.dtype} {list(info.shape)}".replace("torch.", "")
+                   if isinstance(info, (torch.Tensor, np.ndarray)) else type(info).__name__)
+            raise InputError(f"check_routing: tables['info'] must be the routing's error word (an int32 tensor [3], "
+                             f"as the op's routing returns it), got {got}")
         flag, first = (int(v) for v in info[1:3].tolist())
         if flag:
             t, k = divmod(first, self.topk)
@@ -314,7 +353,9 @@ class MoEReduceScatter(_Routed, FusedProgram):
         self.check_arguments({"h": h, "topk_weights": topk_weights, "w2": w2,              # before the routing
                               **({} if out is None else {"out": out})})
         passed = tables is not None
-        tables = self.routing(topk_ids) if tables is None else tables
+        tables = self.routing(topk_ids) if tables is None else _tables_dict(
+            tables, "tables: pass what AllGatherMoE returned (its routing tables by name, a dict of int32 tensors) "
+                    "or None (the routing built here)")
         missing = [n for n in RS_TABLES if n not in tables]
         if missing:
             raise InputError(f"tables: missing {missing} (pass what AllGatherMoE returned, or None)")

@@ -16,6 +16,17 @@ from __future__ import annotations
 from ...errors import InputError
 
 
+def table_shapes(num_tokens: int, topk: int, num_experts: int, block_m: int, num_tiles: int) -> dict:
+    """The shape of every table a MoE kernel reads, by name, for ``num_tokens`` tokens routed top-``topk``
+    into row tiles of ``block_m`` (``num_tiles`` of them): what any router returns (the GPU builder's
+    :meth:`~..gpu.moe_routing.RoutingSizes.shapes` among its own buffers)."""
+    T, BM, NT = int(num_tokens), int(block_m), int(num_tiles)
+    TT = -(-T // BM)
+    return {"tile_expert": (NT,), "tile_valid_rows": (NT,), "tile_tokens": (NT, 2), "tile_visit": (NT,),
+            "sorted_token_ids": (NT * BM,), "token_pos": (int(topk) * T,), "tile_token_tiles": (NT, min(BM, TT)),
+            "tile_num_token_tiles": (NT,), "token_tile_producers": (TT,)}
+
+
 def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, block_m: int, num_tiles: int) -> None:
     """Raise :class:`InputError` naming the first table of ``names`` (plus ``token_pos`` and
     ``sorted_token_ids`` where present) that a kernel could not run safely and correctly on for
@@ -25,9 +36,7 @@ def check_routing_tables(tables: dict, names, topk_ids, *, num_experts: int, blo
     T, topk = (int(s) for s in topk_ids.shape)
     E, BM, NT = int(num_experts), int(block_m), int(num_tiles)
     R, TT = NT * BM, -(-T // BM)
-    shapes = {"tile_expert": (NT,), "tile_valid_rows": (NT,), "tile_tokens": (NT, 2), "tile_visit": (NT,),
-              "sorted_token_ids": (R,), "token_pos": (topk * T,), "tile_token_tiles": (NT, min(BM, TT)),
-              "tile_num_token_tiles": (NT,), "token_tile_producers": (TT,)}
+    shapes = table_shapes(T, topk, E, BM, NT)
     names = [n for n in shapes if n in set(names) | ({"token_pos", "sorted_token_ids"} & set(tables))]
     t = {}
     for n in names:

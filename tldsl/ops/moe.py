@@ -202,6 +202,29 @@ def _positive_int(name, v):
     return int(v)
 
 
+def expert_ids(who: str, topk_ids, num_experts: int, num_tokens: int, tokens: str) -> np.ndarray:
+    """``topk_ids`` as a host integer array ``[num_tokens, topk >= 1]`` (a torch tensor too, on any
+    device) whose every id is one of ``num_experts`` experts, else :class:`~tldsl.InputError`
+    (``who``: the function named in the message; ``tokens``: what the ``num_tokens`` rows are)."""
+    E, T = num_experts, num_tokens
+    try:
+        ids = host_array(topk_ids)                 # (a torch tensor too, on any device)
+    except ValueError as e:             # (ragged lists: numpy's "inhomogeneous shape")
+        raise InputError(f"{who}: topk_ids must be [{T}, topk] ({tokens}), an array or "
+                         f"equal-length rows: {e}") from None
+    if ids.ndim != 2 or ids.shape[0] != T or ids.shape[1] < 1:
+        raise InputError(f"{who}: topk_ids must be [{T}, topk] ({tokens}), "
+                         f"got shape {list(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{who}: topk_ids must be integers, got {ids.dtype}")
+    bad = (ids < 0) | (ids >= E)
+    if bad.any():
+        t, k = (int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"{who}: topk_ids[{t}, {k}] = {int(ids[t, k])} is not an expert id "
+                         f"(there are {E} experts: 0..{E - 1})")
+    return ids
+
+
 def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int, BM: int,
                 interleave: int | None = None) -> MoERouting:
     """Sort the routed rows by expert and fill the dynamic mapping's tables (see
@@ -224,21 +247,7 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
     if interleave is not None:
         interleave = _positive_int("interleave", interleave)
     T = W * Ms
-    try:
-        ids = host_array(topk_ids)                 # (a torch tensor too, on any device)
-    except ValueError as e:             # (ragged lists: numpy's "inhomogeneous shape")
-        raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), an array or "
-                         f"equal-length rows: {e}") from None
-    if ids.ndim != 2 or ids.shape[0] != T or ids.shape[1] < 1:
-        raise InputError(f"moe_routing: topk_ids must be [{T}, topk] ({W} ranks x {Ms} tokens), "
-                         f"got shape {list(ids.shape)}")
-    if ids.dtype.kind not in "iu":
-        raise InputError(f"moe_routing: topk_ids must be integers, got {ids.dtype}")
-    bad = (ids < 0) | (ids >= E)
-    if bad.any():
-        t, k = (int(i) for i in np.argwhere(bad)[0])
-        raise InputError(f"moe_routing: topk_ids[{t}, {k}] = {int(ids[t, k])} is not an expert id "
-                         f"(there are {E} experts: 0..{E - 1})")
+    ids = expert_ids("moe_routing", topk_ids, E, T, f"{W} ranks x {Ms} tokens")
     topk = ids.shape[1]
     if T * topk + E * BM >= 2**31:
         raise InputError("moe_routing: too many routed rows for 32-bit tables")
@@ -510,10 +519,44 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
 
 # -- numpy references ---------------------------------------------------------------------------------
 
+def _f32(name: str, a, ndim: int) -> np.ndarray:
+    """A reference's operand as a host float32 array of ``ndim`` dimensions: anything numpy takes,
+    or a torch tensor (bf16, on a GPU, requiring grad: as the simulate helpers take them)."""
+    try:
+        arr = host_array(a)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{name}: an array or tensor, got {type(a).__name__} ({e})") from None
+    if arr.dtype.kind not in "fiu" or arr.ndim != ndim:
+        raise InputError(f"{name}: a {ndim}-d array of numbers, got {arr.dtype} {list(arr.shape)}")
+    return arr.astype(np.float32)
+
+
+def _ranks(name: str, arrays, ndim: int) -> list[np.ndarray]:
+    if not isinstance(arrays, (list, tuple)) or not arrays:
+        raise InputError(f"{name}: one array per rank (a non-empty list), got {type(arrays).__name__}")
+    return [_f32(f"{name}[{i}]", a, ndim) for i, a in enumerate(arrays)]
+
+
+def _routing_of(who: str, routing) -> "MoERouting":
+    if not isinstance(routing, MoERouting):
+        raise InputError(f"{who}: routing must come from moe_routing, got {type(routing).__name__}")
+    return routing
+
+
+def _experts_held(who: str, name: str, w: np.ndarray, routing: "MoERouting") -> None:
+    if w.shape[0] != routing.num_experts:
+        raise InputError(f"{who}: the routing has {routing.num_experts} experts but {name} holds {w.shape[0]}")
+
+
 def reference_allgather_moe(x_shards, w1, routing: MoERouting):
     """numpy: one rank's ``h [R_pad, Nr]`` (fp32) for its ``w1`` slice."""
-    x = np.concatenate([np.asarray(s, np.float32) for s in x_shards], axis=0)
-    w1 = np.asarray(w1, np.float32)
+    routing = _routing_of("reference_allgather_moe", routing)
+    x = np.concatenate(_ranks("reference_allgather_moe: x_shards", x_shards, 2), axis=0)
+    w1 = _f32("reference_allgather_moe: w1", w1, 3)
+    _experts_held("reference_allgather_moe", "w1", w1, routing)
+    if x.shape[0] != routing.num_tokens or w1.shape[1] != x.shape[1]:
+        raise InputError(f"reference_allgather_moe: x shards joined must be [{routing.num_tokens}, K] (the "
+                         f"routing's tokens) and w1 [E, K, Nr], got {list(x.shape)} and {list(w1.shape)}")
     h = np.zeros((routing.num_rows, w1.shape[2]), np.float32)
     for i, e in enumerate(routing.tile_expert):
         if e < 0:
@@ -526,11 +569,20 @@ def reference_allgather_moe(x_shards, w1, routing: MoERouting):
 def reference_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoERouting):
     """numpy: the combined MoE output of every token, summed over the ranks' slices:
     ``[T, K]`` (fp32); rank ``r``'s ``out`` is rows ``[r*Ms, (r+1)*Ms)``."""
-    wts = np.asarray(topk_weights, np.float32)
+    who = "reference_moe_reduce_scatter"
+    routing = _routing_of(who, routing)
+    wts = _f32(f"{who}: topk_weights", topk_weights, 2)
+    if wts.shape != (routing.num_tokens, routing.topk):
+        raise InputError(f"{who}: topk_weights must be [{routing.num_tokens}, {routing.topk}], got {list(wts.shape)}")
+    hs, w2s = _ranks(f"{who}: h_slices", h_slices, 2), _ranks(f"{who}: w2_slices", w2_slices, 3)
+    if len(hs) != len(w2s):
+        raise InputError(f"{who}: {len(hs)} h slices but {len(w2s)} w2 slices")
     row_of = routing.row_of
     out = 0
-    for h, w2 in zip(h_slices, w2_slices):
-        h, w2 = np.asarray(h, np.float32), np.asarray(w2, np.float32)
+    for h, w2 in zip(hs, w2s):
+        _experts_held(who, "w2", w2, routing)
+        if h.shape != (routing.num_rows, w2.shape[1]):
+            raise InputError(f"{who}: h must be [{routing.num_rows}, {w2.shape[1]}], got {list(h.shape)}")
         y = np.zeros((h.shape[0], w2.shape[2]), np.float32)
         for i, e in enumerate(routing.tile_expert):
             if e >= 0:
@@ -543,12 +595,25 @@ def reference_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoE
 def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activation=None):
     """numpy: the whole tensor-parallel MoE layer from scratch (no tables): for every token,
     ``sum_k weight * act(x @ W1[e]) @ W2[e]`` with ``W1``/``W2`` the ranks' slices joined
-    along the intermediate dimension. ``[T, K]`` (fp32)."""
-    x = np.concatenate([np.asarray(s, np.float32) for s in x_shards], axis=0)
-    w1 = np.concatenate([np.asarray(w, np.float32) for w in w1_slices], axis=2)
-    w2 = np.concatenate([np.asarray(w, np.float32) for w in w2_slices], axis=1)
+    along the intermediate dimension. ``[T, K]`` (fp32). Ids outside ``[0, E)`` are refused as
+    :func:`moe_routing` refuses them."""
+    who = "reference_moe"
+    xs = _ranks(f"{who}: x_shards", x_shards, 2)
+    w1s, w2s = _ranks(f"{who}: w1_slices", w1_slices, 3), _ranks(f"{who}: w2_slices", w2_slices, 3)
+    try:
+        x, w1, w2 = (np.concatenate(xs, axis=0), np.concatenate(w1s, axis=2), np.concatenate(w2s, axis=1))
+    except ValueError as e:
+        raise InputError(f"{who}: the shards and slices do not join (x [Ms, K], w1 [E, K, Nr], w2 [E, Nr, K] "
+                         f"on every rank): {e}") from None
+    E = w1.shape[0]
+    if w1.shape[1] != x.shape[1] or w2.shape[:2] != (E, w1.shape[2]):
+        raise InputError(f"{who}: x [T, K], w1 [E, K, Nr] and w2 [E, Nr, K] joined, got {list(x.shape)}, "
+                         f"{list(w1.shape)} and {list(w2.shape)}")
     act = activation or (lambda v: v)
-    ids, wts = np.asarray(topk_ids), np.asarray(topk_weights, np.float32)
+    ids = expert_ids(who, topk_ids, E, x.shape[0], "the tokens of x_shards")
+    wts = _f32(f"{who}: topk_weights", topk_weights, 2)
+    if wts.shape != ids.shape:
+        raise InputError(f"{who}: topk_weights must be {list(ids.shape)} (topk_ids' shape), got {list(wts.shape)}")
     out = np.zeros((x.shape[0], w2.shape[2]), np.float32)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):

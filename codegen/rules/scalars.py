@@ -47,8 +47,10 @@ def c_literal(val) -> str:
     if math.isinf(f32):
         return "__int_as_float(0x7f800000)" if f32 > 0 else "__int_as_float(0xff800000)"
     x = float(f32)
-    if x == 0 or abs(x) < _F32_MIN_NORMAL:     # a signed zero, or a subnormal written exactly in hex
-        return _shortest(x) + "f" if x == 0 else _hex(x) + "f"
+    if x == 0:                                 # a signed zero
+        return _shortest(x) + "f"
+    if abs(x) < _F32_MIN_NORMAL:               # a subnormal, written exactly in hex
+        return _hex(x) + "f"
     if x == f:                                 # already a float: its decimal (as it always was written)
         return _shortest(x) + "f"
     short = str(f32)                           # the shortest decimal that rounds to the float ...

@@ -37,7 +37,7 @@ import tldsl as tl
 
 from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
-from ...ops.moe import allgather_moe, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
+from ...ops.moe import allgather_moe, check_table_rows, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables, table_shapes
@@ -132,8 +132,7 @@ class _Routed:
     def _init_routing(self, W: int, Ms: int, topk: int, E: int, BM: int, router, validate_ids: bool):
         Ms, topk, E = check_moe_sizes(Ms, topk, E)
         self.world_size, self.rows_per_rank, self.topk, self.num_experts, self.block_m = W, Ms, topk, E, BM
-        if W * Ms * topk + E * BM >= 2 ** 31:            # (as moe_routing: rows of int32 tables)
-            raise InputError(f"{type(self).__name__}: too many routed rows for 32-bit tables")
+        check_table_rows(type(self).__name__, W * Ms * topk, E, BM)      # (as moe_routing)
         self.num_tiles = moe_num_tiles(W * Ms * topk, E, BM)
         self.validate_ids = validate_ids
         self._router = router

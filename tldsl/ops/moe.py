@@ -202,6 +202,13 @@ def _positive_int(name, v):
     return int(v)
 
 
+def check_table_rows(who: str, routed_rows: int, num_experts: int, BM: int) -> None:
+    """The padded rows of a routing (at most every expert's last tile short of ``BM``) index int32
+    tables: refused past 2**31 with :class:`~tldsl.InputError`."""
+    if routed_rows + num_experts * BM >= 2**31:
+        raise InputError(f"{who}: too many routed rows for 32-bit tables")
+
+
 def expert_ids(who: str, topk_ids, num_experts: int, num_tokens: int, tokens: str) -> np.ndarray:
     """``topk_ids`` as a host integer array ``[num_tokens, topk >= 1]`` (a torch tensor too, on any
     device) whose every id is one of ``num_experts`` experts, else :class:`~tldsl.InputError`
@@ -249,8 +256,7 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
     T = W * Ms
     ids = expert_ids("moe_routing", topk_ids, E, T, f"{W} ranks x {Ms} tokens")
     topk = ids.shape[1]
-    if T * topk + E * BM >= 2**31:
-        raise InputError("moe_routing: too many routed rows for 32-bit tables")
+    check_table_rows("moe_routing", T * topk, E, BM)
     flat = ids.reshape(-1).astype(np.int64)                    # routed row p = t * topk + k
     order = np.argsort(flat, kind="stable")                    # expert-major, then token
     counts = np.bincount(flat, minlength=E)

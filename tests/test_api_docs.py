@@ -42,6 +42,17 @@ def test_api_page_is_generated_from_the_docstrings():
         assert f"- `tl.{name}" in page
 
 
+def test_run_check_error_is_public_and_imports_no_gpu_runtime():
+    """Found by a helper's round: ``tl.run`` raises RunCheckError, but ``tl.RunCheckError`` did not
+    exist (only ``tldsl.runtime.gpu.run_errors.RunCheckError``). It is one class under both names, a
+    SimulationError as ``tl.simulate`` raises for the same program, defined where importing tldsl
+    does not import the GPU runtime (test_run_plan checks that)."""
+    from tldsl.runtime.gpu.run_errors import RunCheckError
+    assert "RunCheckError" in tl.__all__ and tl.RunCheckError is RunCheckError
+    assert issubclass(tl.RunCheckError, tl.SimulationError)
+    assert "- `tl.RunCheckError` — A check the kernels make on the GPU" in (ROOT / "docs" / "api.md").read_text()
+
+
 def test_summaries_are_one_sentence():
     assert apidoc.summary("trans") == "The transpose of a 2-d tile (e.g. `tl.dot(q, tl.trans(k))`)."
     assert apidoc.summary("float16") == "element type `f16`: 16-bit float (numpy float16 in the simulator)."

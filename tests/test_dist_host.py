@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 from collections import deque
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -901,6 +903,43 @@ def test_autotune_agrees_across_ranks(tmp_path):
     t2 = FakeTimer([[1.0]] * 4)
     res = Autotuner(tmp_path, collective=coll, version="0.1.0").tune(*KEY, CANDS, t2)
     assert res.cached and res.best is CANDS[3] and t2.calls == []
+
+
+def test_autotune_refuses_a_cache_dir_it_cannot_write_before_measuring(tmp_path, monkeypatch):
+    """Found by a helper's round: TLDSL_CACHE_DIR naming a file let the tuner compile and time every
+    candidate, then fail writing its choice with NotADirectoryError. Now an InputError naming the
+    variable and the path, before any candidate is measured, as the kernel cache refuses it."""
+    not_a_folder = tmp_path / "cache.txt"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("TLDSL_CACHE_DIR", str(not_a_folder))
+    timer = FakeTimer([[1.0]] * 4)
+    with pytest.raises(tl.InputError, match=rf"TLDSL_CACHE_DIR='{not_a_folder}': {not_a_folder} is not a folder"):
+        Autotuner(version="0.1.0").tune(*KEY, CANDS, timer)
+    assert timer.calls == []
+    # a caller's folder whose autotune/ is a file: named as the caller's
+    (tmp_path / "kc").mkdir()
+    (tmp_path / "kc" / "autotune").write_text("")
+    with pytest.raises(tl.InputError, match=f"the cache folder {tmp_path / 'kc'}: .*autotune is not a folder"):
+        Autotuner(tmp_path / "kc", version="0.1.0").tune(*KEY, CANDS, timer)
+    assert timer.calls == [] and not_a_folder.read_text() == ""
+
+
+def test_autotune_refuses_a_read_only_cache_dir_before_measuring(tmp_path, monkeypatch):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        if os.access(read_only, os.W_OK):          # root writes anyway: the folder as another user sees it
+            access = os.access
+            monkeypatch.setattr(os, "access", lambda p, mode, **kw: (not (mode & os.W_OK) or Path(p) != read_only)
+                                and access(p, mode, **kw))
+        monkeypatch.setenv("TLDSL_CACHE_DIR", str(read_only))
+        timer = FakeTimer([[1.0]] * 4)
+        with pytest.raises(tl.InputError, match=rf"TLDSL_CACHE_DIR='{read_only}': {read_only} is not writable"):
+            Autotuner(version="0.1.0").tune(*KEY, CANDS, timer)
+        assert timer.calls == []
+    finally:
+        read_only.chmod(0o700)
 
 
 # =================================================================================================

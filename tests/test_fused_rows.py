@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import tldsl as tl
 from tldsl.codegen import LoweringError, lower, lower_all
+from tldsl.collectives import all_gather
 from tldsl.ir.semantics import wait_target
 from tldsl.ops.allgather_gemm import allgather_gemm, fused_all_gather_matmul, reference
 
@@ -152,3 +153,47 @@ def test_a_lagged_wait_is_for_an_earlier_launch():
             def part(_):
                 tl.rank_wait(s, 0, lag=-1)
         bad.trace(2, S((8, 8), tl.float16))
+
+
+@tl.kernel
+def shifted_allgather_gemm(a: tl.Symmetric, b, c, *, shift: tl.constexpr = 0, compute: tl.ComputeSchedule = None,
+                           comm: tl.CommSchedule = None):
+    """allgather_gemm with its compute part's ``align_shift`` given."""
+    W = tl.world_size()
+    Ms, K = a.shape
+    N = b.shape[1]
+    M = W * Ms
+    BM, BN, BK = compute.tile
+    a_full = tl.symmetric_buffer((M, K), a.dtype, "a_gathered")
+    gathered = all_gather(a, a_full, comm, name="gather_a")
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)), align_shift=shift)
+    def gemm(pm, pn):
+        r0, c0 = pm * BM, pn * BN
+        gathered.wait_rows(r0, tl.minimum(r0 + BM, M), then_cols=True)
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            gathered.wait_cols(r0, tl.minimum(r0 + BM, M), k, BK)
+            acc += tl.dot(tl.load(a_full, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
+        tl.store(c, (r0, c0), acc)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_a_pushing_gemm_takes_an_align_shift_that_is_a_multiple_of_the_world_size(W):
+    """Found by a helper's round: the pushing GEMM (push_rows) compared the raw ``align_shift`` with
+    0, so ``align_shift=W`` — the same tile order as 0 (``order_align_shift``) — was refused. Now it
+    lowers to the same source as 0; a shift that starts on a peer's rows is still refused."""
+    Ms, K, N = 256, 512, 384
+
+    def lowered(shift):
+        compute = tl.ComputeSchedule(tile=(128, 128, 64), order="comm_aligned", group_m=Ms // 128)
+        ir = shifted_allgather_gemm.trace(W, S((Ms, K), tl.bfloat16), S((K, N), tl.bfloat16),
+                                          S((W * Ms, N), tl.bfloat16), shift=shift, compute=compute, comm=GEMM_PUSH)
+        return lower(ir, "gemm")
+
+    zero = lowered(0)
+    assert zero.push_rows
+    for shift in (W, 3 * W, -W):
+        assert lowered(shift).source == zero.source, shift
+    with pytest.raises(LoweringError, match=f"starting at this rank's rows .*align_shift={W + 1}, group_m=2"):
+        lowered(W + 1)

@@ -403,3 +403,29 @@ def test_channel_analysis_evaluates_the_heads_once():
     assert four.complete and four.evaluated == one.evaluated
     assert [(r, t, ch, n) for _, r, t, ch, n in four.waits] == [(r, t, ch, n) for _, r, t, ch, n in one.waits]
     assert sorted(four.notifies.values()) == sorted(one.notifies.values())
+
+
+@pytest.mark.parametrize("kind", ["torch bf16", "torch requiring grad"])
+def test_reference_takes_bf16_shards_as_the_other_references_do(kind):
+    """Found by a helper's round: bf16 torch shards (which ``tl.simulate`` and the MoE references
+    take) raised torch's TypeError from ``np.asarray``; a tensor requiring grad a RuntimeError.
+    Now each is read as fp32 (:func:`host_array`) and the result is fp32 numpy, as for numpy
+    shards of the same values."""
+    rng = np.random.default_rng(4)
+    W, sl, h, d = 2, 6, 2, 4
+    qs, ks, vs = ([rng.standard_normal((sl, h * d)).astype(np.float32) for _ in range(W)] for _ in range(3))
+    torch = pytest.importorskip("torch")
+    if kind == "torch bf16":
+        convert = lambda x: torch.from_numpy(x).to(torch.bfloat16)             # noqa: E731
+    else:
+        convert = lambda x: torch.from_numpy(x).requires_grad_()               # noqa: E731
+    as_f32 = lambda t: t.detach().float().numpy()                              # noqa: E731
+    shards = [[convert(x) for x in xs] for xs in (qs, ks, vs)]
+    got = reference(*shards, h, True)
+    want = reference(*([as_f32(x) for x in xs] for xs in shards), h, True)
+    for r in range(W):
+        assert isinstance(got[r], np.ndarray) and got[r].dtype == np.float32 and got[r].shape == (sl, h * d)
+        np.testing.assert_array_equal(got[r], want[r])
+    for bad, name in ((np.full((sl, h * d), "x"), "<U1"), (np.zeros((sl, h * d), "V2"), "|V2")):
+        with pytest.raises(InputError, match=rf"sp_attention.reference: q_shards\[0\]: an array of numbers, got {name}"):
+            reference([bad] * W, ks, vs, h)

@@ -421,6 +421,21 @@ def test_float_literals_are_exact():
         assert (float.fromhex(d) if "0x" in d else float(d)) == v, (v, d)
 
 
+@pytest.mark.parametrize("value", [0.1, -0.0, 1e100, -1e-40, 3.0, float("nan")])
+def test_a_float_constant_survives_pickle_and_copy(value):
+    """Found by a helper's round: pickling a FloatConstant (a str subclass) rebuilt it from its C++
+    text, which ``float`` refuses ("0.1f"): a ValueError. The value and the text now round-trip."""
+    import copy
+    import pickle
+    from tldsl.codegen.rules.scalars import FloatConstant
+    const = FloatConstant(value)
+    copies = [pickle.loads(pickle.dumps(const, protocol)) for protocol in range(pickle.HIGHEST_PROTOCOL + 1)]
+    for got in copies + [copy.copy(const), copy.deepcopy(const)]:
+        assert type(got) is FloatConstant and got == const and str(got) == str(const)
+        assert got.value == value or (math.isnan(got.value) and math.isnan(value))
+        assert math.copysign(1.0, got.value) == math.copysign(1.0, value)          # -0.0 stays -0.0
+
+
 # -- tl.sum of -0s (numpy's starts from +0) --------------------------------------------------------------
 
 @tl.kernel

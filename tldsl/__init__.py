@@ -35,7 +35,7 @@ _source_tree_fallback()
 
 from .errors import (TldslError, CompilationError, VerificationError, ScheduleError, InputError,  # noqa: E402
                      SimulationError, RaceError, DeadlockError, StaleSignalError,
-                     UninitializedReadError, OutOfBoundsError, FallbackWarning, ResidencyWarning)
+                     UninitializedReadError, OutOfBoundsError, RunCheckError, FallbackWarning, ResidencyWarning)
 from .ir.types import float16, bfloat16, float32, int32, bool_  # noqa: E402
 from .ir.schedule import ComputeSchedule, CommSchedule  # noqa: E402
 from .tracing import cdiv, select  # noqa: E402
@@ -73,6 +73,6 @@ __all__ = [
     "tile_push_data", "tile_pull_data", "rank_copy_data",
     # errors
     "TldslError", "CompilationError", "VerificationError", "ScheduleError", "InputError", "SimulationError",
-    "RaceError", "DeadlockError", "StaleSignalError", "UninitializedReadError", "OutOfBoundsError", "FallbackWarning",
-    "ResidencyWarning",
+    "RaceError", "DeadlockError", "StaleSignalError", "UninitializedReadError", "OutOfBoundsError", "RunCheckError",
+    "FallbackWarning", "ResidencyWarning",
 ]

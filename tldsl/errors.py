@@ -73,6 +73,17 @@ class OutOfBoundsError(SimulationError):
     """An access outside a buffer (tables, explicit ranks, channels)."""
 
 
+class RunCheckError(SimulationError):
+    """A check the kernels make on the GPU of what the simulator refuses while it runs (a wait's
+    count computed at run time that is not positive, or past its slot's notifies per launch)
+    failed; a subclass of :class:`~tldsl.errors.SimulationError`, which ``tl.simulate`` raises for
+    the same program. The launch finished (the wait did not wait) and the GPU is fine; its
+    outputs are not to be trusted (:mod:`runtime.gpu.run_checks`).
+
+    Defined here, not beside ``tl.run``'s other errors, so that ``tl.RunCheckError`` is public
+    without ``import tldsl`` importing the GPU runtime."""
+
+
 class FallbackWarning(UserWarning):
     """A part went to the general lowering because the recipe made for it refused its plan (a
     schedule its template cannot run, say): the kernel computes the same, without that

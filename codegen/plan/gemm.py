@@ -213,10 +213,13 @@ def _check_push_order(kernel, part, sched, M: int, cfg: GemmConfig) -> None:
     those rows whole groups of ``group_m`` tile rows (a group straddling them would interleave
     this rank's tiles with a peer's in one CTA's sequence: a cross-rank deadlock)."""
     rows = M // kernel.world_size // cfg.BM
-    if sched.order != "comm_aligned" or int(getattr(part, "align_shift", 0)) != 0 or rows % sched.group_m:
+    shift = getattr(part, "align_shift", 0)
+    # a shift that is a multiple of W starts on this rank's rows too: the order reads it reduced
+    if sched.order != "comm_aligned" or order_align_shift(shift, kernel.world_size) != 0 or rows % sched.group_m:
         raise fail(WHAT, f"push_rows: each CTA must push its tiles of this rank's rows before it waits for a peer's, "
-                   f"so the order must be 'comm_aligned' starting at this rank's rows with its {rows} tile rows whole "
-                   f"groups (group_m dividing {rows}); got order={sched.order!r}, group_m={sched.group_m}", part)
+                   f"so the order must be 'comm_aligned' starting at this rank's rows (align_shift a multiple of "
+                   f"{kernel.world_size}) with its {rows} tile rows whole groups (group_m dividing {rows}); got "
+                   f"order={sched.order!r}, align_shift={shift}, group_m={sched.group_m}", part)
 
 
 def _push_rows(kernel, cfg: GemmConfig, M: int, K: int, params: list, rows_plan: FusedRows) -> tuple:

@@ -111,6 +111,11 @@ class FloatConstant(str):
         s.value = float(value)
         return s
 
+    def __getnewargs__(self):
+        """The value, not the C++ text ``str`` gives: pickle and :mod:`copy` rebuild the
+        constant through :meth:`__new__`, which takes the float (``"0.1f"`` is none)."""
+        return (self.value,)
+
 
 #: the elementwise ops of tile math on one element (``include/tldsl/general.hpp``), by IR op;
 #: the operands are already in the op's compute type (float, double, int or bool), each

@@ -12,7 +12,8 @@ fastest, remember the choice on disk.
   name, tldsl version); a cached choice is used only if it is still among the candidates (by its
   label, the candidate's ``repr``). Rank 0 reads and writes the file and broadcasts what it
   found, so ranks never diverge (one tuning while another uses a cached choice would deadlock
-  their collectives). Files are written atomically.
+  their collectives). Files are written atomically; a folder that cannot be written is an
+  InputError naming it (and ``TLDSL_CACHE_DIR`` where that chose it) before anything is measured.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ...errors import TldslError
+from ...errors import InputError, TldslError
 
 FORMAT = 1
 
@@ -57,6 +58,13 @@ def tune_key(op: str, shapes, dtype, world_size: int, gpu_name: str, version: st
     """The cache key: SHA-256 of (op, shapes, dtype, world size, GPU name, tldsl version)."""
     doc = key_fields(op, shapes, dtype, world_size, gpu_name, version)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path``, else its nearest ancestor that exists — or is a dangling link, under which nothing
+    can be made either (a file among the ancestors ends the walk the same way: ``exists`` is
+    False below it)."""
+    return next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), path)
 
 
 # -- collectives -----------------------------------------------------------------------------------
@@ -168,15 +176,38 @@ class Autotuner:
     """``tune(...)`` picks the fastest candidate (cached); see the module docstring."""
 
     def __init__(self, cache_dir: str | os.PathLike | None = None, collective=None, version: str | None = None):
+        # who chose the root, for the errors: the caller, TLDSL_CACHE_DIR, or the platform's default
+        self.chosen_by = "caller"
         if cache_dir is None:
-            from ...codegen.toolchain.cache import cache_dir as default_dir
-            cache_dir = default_dir()
+            from ...codegen.toolchain.cache import KernelCache
+            kernels = KernelCache()            # the kernel cache's root, and whether TLDSL_CACHE_DIR chose it
+            cache_dir, self.chosen_by = kernels.root, "env" if kernels.from_env else "default"
         self.root = Path(cache_dir) / "autotune"
         self.collective = collective or LocalCollective()
         self.version = version
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"
+
+    def check_writable(self) -> None:
+        """An InputError naming where the root came from (``TLDSL_CACHE_DIR``, or the caller's
+        folder) where the tuner's folder cannot be written — before any candidate is compiled or
+        launched, which :meth:`_write` would otherwise learn only after measuring them all (an
+        untyped OSError). Creates nothing: only rank 0 writes, but every rank checks (ranks of one
+        host share the folder, so they raise together, none left waiting in a collective)."""
+        where, fix = {
+            "env": (f"TLDSL_CACHE_DIR={str(self.root.parent)!r}",
+                    "point TLDSL_CACHE_DIR at a writable folder, or unset it"),
+            "caller": (f"the cache folder {self.root.parent}", "pass a writable folder"),
+            "default": (f"the user cache folder {self.root.parent}", "set TLDSL_CACHE_DIR to a writable folder"),
+        }[self.chosen_by]
+        there = _nearest_existing(self.root)
+        if not there.is_dir():
+            raise InputError(f"{where}: {there} is not a folder, so the autotuner cannot keep its choices in "
+                             f"{self.root} ({fix})")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise InputError(f"{where}: {there} is not writable, so the autotuner cannot keep its choices in "
+                             f"{self.root} ({fix})")
 
     def _read(self, key: str) -> dict | None:
         try:
@@ -215,6 +246,7 @@ class Autotuner:
                 cand, doc = hit
                 trials = [Trial(t["label"], None, t.get("median_ms"), [], t.get("error")) for t in doc.get("trials", [])]
                 return TuneResult(key, cand, candidate_label(cand), doc.get("median_ms"), True, trials, self.path(key))
+        self.check_writable()
         trials = []
         for cand, label in zip(candidates, labels):
             err, times = None, []

@@ -4,7 +4,8 @@ Everything that can be known before a launch (a parameter nothing can pass, grid
 all be resident at once) is raised before anything is enqueued: the GPU is left as it was."""
 from __future__ import annotations
 
-from ...errors import InputError, SimulationError, TldslError
+from ...errors import InputError, TldslError
+from ...errors import RunCheckError  # noqa: F401  (defined there, so that tl.RunCheckError needs no GPU runtime)
 
 
 class UnboundParameterError(InputError):
@@ -15,14 +16,6 @@ class UnboundParameterError(InputError):
 class ResidencyError(InputError):
     """The kernels of one launch cannot all be resident on the GPU at once, so a kernel waiting
     for another could wait forever. Nothing was launched; the message says what to shrink."""
-
-
-class RunCheckError(SimulationError):
-    """A check the kernels make on the GPU of what the simulator refuses while it runs (a wait's
-    count computed at run time that is not positive, or past its slot's notifies per launch)
-    failed; a subclass of :class:`~tldsl.errors.SimulationError`, which ``tl.simulate`` raises for
-    the same program. The launch finished (the wait did not wait) and the GPU is fine; its
-    outputs are not to be trusted (:mod:`runtime.gpu.run_checks`)."""
 
 
 class GpuRunError(TldslError):

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from ...errors import OutOfBoundsError, RaceError, UninitializedReadError
+from ...errors import InputError, OutOfBoundsError, RaceError, UninitializedReadError
 from ...ir.semantics import bf16_rounded
 from ...ir.types import DType, bfloat16
 from .access_log import READ, WRITE, Access, AccessLog
@@ -29,6 +29,21 @@ def host_array(x) -> np.ndarray:
         t = x.detach().cpu()
         return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy().copy()
     return np.array(x, copy=True)
+
+
+def host_float32(what: str, x, ndim: int | None = None) -> np.ndarray:
+    """A numpy reference's operand as a host float32 array (of ``ndim`` dimensions where given):
+    anything numpy takes (ml_dtypes' bf16 too), or a torch tensor (bf16, on a GPU, requiring grad),
+    as the simulator takes it. Anything else is an :class:`InputError` naming ``what``."""
+    try:
+        arr = host_array(x)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{what}: an array or tensor, got {type(x).__name__} ({e})") from None
+    numeric = arr.dtype.kind in "fiu" or arr.dtype.name == "bfloat16"     # ml_dtypes' bf16 is of kind 'V'
+    if not numeric or (ndim is not None and arr.ndim != ndim):
+        shape = f"a {ndim}-d array" if ndim is not None else "an array"
+        raise InputError(f"{what}: {shape} of numbers, got {arr.dtype} {list(arr.shape)}")
+    return arr.astype(np.float32)
 
 
 def _is_tensor(x) -> bool:

@@ -35,7 +35,7 @@ from tldsl.collectives import PARTIAL_DTYPES, all_gather, partial_buffer, reduce
 from tldsl.errors import InputError
 from tldsl.ir.display import html_card, one_line
 from tldsl.ops.registry import register
-from tldsl.runtime.sim.memory import host_array, host_operand, nan_like
+from tldsl.runtime.sim.memory import host_array, host_float32, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
 
@@ -525,22 +525,10 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
 
 # -- numpy references ---------------------------------------------------------------------------------
 
-def _f32(name: str, a, ndim: int) -> np.ndarray:
-    """A reference's operand as a host float32 array of ``ndim`` dimensions: anything numpy takes,
-    or a torch tensor (bf16, on a GPU, requiring grad: as the simulate helpers take them)."""
-    try:
-        arr = host_array(a)
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{name}: an array or tensor, got {type(a).__name__} ({e})") from None
-    if arr.dtype.kind not in "fiu" or arr.ndim != ndim:
-        raise InputError(f"{name}: a {ndim}-d array of numbers, got {arr.dtype} {list(arr.shape)}")
-    return arr.astype(np.float32)
-
-
 def _ranks(name: str, arrays, ndim: int) -> list[np.ndarray]:
     if not isinstance(arrays, (list, tuple)) or not arrays:
         raise InputError(f"{name}: one array per rank (a non-empty list), got {type(arrays).__name__}")
-    return [_f32(f"{name}[{i}]", a, ndim) for i, a in enumerate(arrays)]
+    return [host_float32(f"{name}[{i}]", a, ndim) for i, a in enumerate(arrays)]
 
 
 def _routing_of(who: str, routing) -> "MoERouting":
@@ -558,7 +546,7 @@ def reference_allgather_moe(x_shards, w1, routing: MoERouting):
     """numpy: one rank's ``h [R_pad, Nr]`` (fp32) for its ``w1`` slice."""
     routing = _routing_of("reference_allgather_moe", routing)
     x = np.concatenate(_ranks("reference_allgather_moe: x_shards", x_shards, 2), axis=0)
-    w1 = _f32("reference_allgather_moe: w1", w1, 3)
+    w1 = host_float32("reference_allgather_moe: w1", w1, 3)
     _experts_held("reference_allgather_moe", "w1", w1, routing)
     if x.shape[0] != routing.num_tokens or w1.shape[1] != x.shape[1]:
         raise InputError(f"reference_allgather_moe: x shards joined must be [{routing.num_tokens}, K] (the "
@@ -577,7 +565,7 @@ def reference_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoE
     ``[T, K]`` (fp32); rank ``r``'s ``out`` is rows ``[r*Ms, (r+1)*Ms)``."""
     who = "reference_moe_reduce_scatter"
     routing = _routing_of(who, routing)
-    wts = _f32(f"{who}: topk_weights", topk_weights, 2)
+    wts = host_float32(f"{who}: topk_weights", topk_weights, 2)
     if wts.shape != (routing.num_tokens, routing.topk):
         raise InputError(f"{who}: topk_weights must be [{routing.num_tokens}, {routing.topk}], got {list(wts.shape)}")
     hs, w2s = _ranks(f"{who}: h_slices", h_slices, 2), _ranks(f"{who}: w2_slices", w2_slices, 3)
@@ -617,7 +605,7 @@ def reference_moe(x_shards, w1_slices, w2_slices, topk_ids, topk_weights, activa
                          f"{list(w1.shape)} and {list(w2.shape)}")
     act = activation or (lambda v: v)
     ids = expert_ids(who, topk_ids, E, x.shape[0], "the tokens of x_shards")
-    wts = _f32(f"{who}: topk_weights", topk_weights, 2)
+    wts = host_float32(f"{who}: topk_weights", topk_weights, 2)
     if wts.shape != ids.shape:
         raise InputError(f"{who}: topk_weights must be {list(ids.shape)} (topk_ids' shape), got {list(wts.shape)}")
     out = np.zeros((x.shape[0], w2.shape[2]), np.float32)

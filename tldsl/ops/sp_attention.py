@@ -55,7 +55,7 @@ from tldsl.collectives import all_gather
 from tldsl.errors import InputError
 from tldsl.ir.types import dtype_of
 from tldsl.ops.registry import register
-from tldsl.runtime.sim.memory import to_storage
+from tldsl.runtime.sim.memory import host_float32, to_storage
 from tldsl.testing import OpCase, OpSpec
 
 # Masked scores: finite, so ``m_old - m_new`` and ``s - m`` never become ``-inf - -inf``.
@@ -310,7 +310,7 @@ def reference(q_shards, k_shards, v_shards, heads: int, causal: bool = False, sc
               kv_heads: int | None = None, layout: str = "contiguous"):
     """numpy (fp32): every rank's output, softmax attention per head over the gathered K/V
     (query head ``h`` on key/value head ``h // (heads / kv_heads)``) with the causal mask on the
-    global positions of ``layout``."""
+    global positions of ``layout``. The shards: numpy arrays or torch tensors (bf16 too)."""
     what = "sp_attention.reference"
     shards = {}
     for name, xs in (("q_shards", q_shards), ("k_shards", k_shards), ("v_shards", v_shards)):
@@ -335,12 +335,12 @@ def reference(q_shards, k_shards, v_shards, heads: int, causal: bool = False, sc
     group = heads // n_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = positions(W, Sl, layout)
-    k = np.concatenate([np.asarray(x, np.float32) for x in k_shards], axis=0)
-    v = np.concatenate([np.asarray(x, np.float32) for x in v_shards], axis=0)
+    k = np.concatenate([host_float32(f"{what}: k_shards[{i}]", x) for i, x in enumerate(k_shards)], axis=0)
+    v = np.concatenate([host_float32(f"{what}: v_shards[{i}]", x) for i, x in enumerate(v_shards)], axis=0)
     kpos = pos.reshape(-1)[None, :]                 # the gathered rows' positions
     outs = []
     for r in range(W):
-        qr = np.asarray(q_shards[r], np.float32)
+        qr = host_float32(f"{what}: q_shards[{r}]", q_shards[r])
         out = np.empty((Sl, width), np.float32)
         qpos = pos[r][:, None]
         for h in range(heads):

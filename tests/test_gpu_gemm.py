@@ -71,6 +71,48 @@ def test_gemm_dtypes(in_dtype, out_dtype):
     _run(520, 264, 392, (128, 128, 64), 4, "swizzled", in_dtype, out_dtype)
 
 
+LINEAR_CASES = [  # (M, N, K, tile, stages, cluster M, dtypes, SMs): B stored [N, K] (a torch Linear's weight)
+    (1000, 1016, 1032, (128, 256, 64), 4, 1, ("bfloat16", "bfloat16"), None),
+    (4091, 2056, 520, (128, 256, 64), 4, 2, ("bfloat16", "bfloat16"), None),    # odd tile rows: a partner idles
+    (77, 4104, 8200, (128, 128, 64), 5, 1, ("float16", "float32"), None),
+    (520, 264, 392, (64, 128, 32), 6, 1, ("float16", "float16"), None),           # 64-byte swizzle (BK 32)
+    (1000, 1016, 1032, (256, 128, 64), 3, 2, ("bfloat16", "float32"), 7),          # 3 clusters walk many tiles
+    (8192, 2048, 704, (128, 256, 64), 4, 1, ("bfloat16", "bfloat16"), None),      # a short K (MoE+RS's per-rank)
+]
+
+
+@pytest.mark.parametrize("M,N,K,tile,stages,cluster,dtypes,sms", LINEAR_CASES)
+def test_linear_with_weights_stored_n_by_k_matches_torch(M, N, K, tile, stages, cluster, dtypes, sms):
+    """``tldsl.ops.gemm.linear``: ``tl.dot(x_tile, tl.trans(w_tile))`` with w [N, K] lowered by the
+    GEMM recipe with B read K-major (its stages chunked along K; with clusters each CTA loads half
+    of B's rows and multicasts them): against torch's ``x @ w.T`` on poisoned outputs."""
+    import torch
+    import tldsl as tl
+    from tldsl.codegen import lower_gemm
+    from tldsl.ops.gemm import linear
+    from tldsl.runtime.gpu import GemmKernel
+    from tldsl.runtime.gpu.device import sm_count
+    tin, tout = (getattr(torch, d) for d in dtypes)
+    din, dout = (tl.ir.dtype_of(d) for d in dtypes)
+    k = linear.trace(1, tl.TensorSpec((M, K), din), tl.TensorSpec((N, K), din), tl.TensorSpec((M, N), dout),
+                     compute=tl.ComputeSchedule(tile=tile, stages=stages, cluster=(cluster, 1)))
+    lg = lower_gemm(k)
+    assert lg.config.b_k_major
+    kern = GemmKernel(lg, reserve_sms=0 if sms is None else sm_count() - sms)
+    g = torch.Generator(device="cuda").manual_seed(M + 5 * N + 11 * K)
+    x = torch.randn(M, K, device="cuda", dtype=tin, generator=g)
+    w = torch.randn(N, K, device="cuda", dtype=tin, generator=g)
+    for _ in range(2):                                   # a second launch into a re-poisoned output
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=tout)
+        kern(x=x, w=w, y=y)
+        torch.cuda.synchronize()
+        ref = x.float() @ w.float().T
+        assert not torch.isnan(y).any(), "some output tiles were never written"
+        err = (y.float() - ref).abs().max().item()
+        tol = (2e-2 if tout != torch.float32 else 2e-3) * ref.abs().max().item() + 1e-2
+        assert err <= tol, f"{M}x{N}x{K} {tile} cluster {cluster} {dtypes}: max |err| {err:.3g} > {tol:.3g}"
+
+
 def test_waits_block_until_flags_are_set():
     """The AllGather+GEMM compute part waits per tile: with its flags at 0 nothing is written;
     once the flags are raised the same launch completes and is correct."""

@@ -32,6 +32,15 @@ class GemmMatch:
     epilogue_context: list[core.Op] = field(default_factory=list)
     """The ops the epilogue hook runs among: the prologue, the index code between the loop and
     the store (the epilogue may use any of their values), then the epilogue."""
+    b_k_major: bool = False
+    """B is stored [N, K] and its tile transposed in the loop: ``tl.dot(a, tl.trans(tl.load(b, (n, k),
+    (BN, BK))))``, as a torch Linear's weight is kept."""
+
+    @property
+    def b_load(self) -> core.Op:
+        """The load of B's tile (under the ``trans`` of a K-major B)."""
+        op = self.dot.operands[1].owner
+        return op.operands[0].owner if self.b_k_major else op
 
 
 def is_accumulator(v: core.Value, frag: core.Op) -> bool:
@@ -90,10 +99,10 @@ def _match_plain(prologue, rest, frag, si) -> GemmMatch:
     store = tail[-1]
     if tail[0].operands[0] is not frag.result:
         raise fail(WHAT, "the store must write the accumulator", store)
-    la, lb, dot = _k_body(loop, frag)
+    la, lb, dot, b_k_major = _k_body(loop, frag)
     a, b = kernel_tensor(la.operands[0], "A", la, WHAT), kernel_tensor(lb.operands[0], "B", lb, WHAT)
     c = kernel_tensor(store.operands[0], "C", store, WHAT)
-    return GemmMatch(a, b, c, prologue, loop, dot, store, c.type.dtype.name, frag, epilogue)
+    return GemmMatch(a, b, c, prologue, loop, dot, store, c.type.dtype.name, frag, epilogue, b_k_major=b_k_major)
 
 
 def _k_loop(rest: list[core.Op], frag: core.Op) -> core.Op:
@@ -116,10 +125,14 @@ def is_stage_wait(op: core.Op) -> bool:
 
 
 def _k_body(loop: core.Op, frag: core.Op):
-    """The K-loop body's A load, B load and dot (checked: ``acc += tl.dot(load A, load B)``)."""
+    """The K-loop body's A load, B load, dot and whether B's tile is transposed (checked:
+    ``acc += tl.dot(load A, load B)`` or ``acc += tl.dot(load A, tl.trans(load B))``)."""
     # the K-loop body: load A, load B, dot, frag_read, add, frag_write (+ index arithmetic and
     # the stage waits before the loads)
     body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith") and not is_stage_wait(op)]
+    # B stored [N, K]: its tile transposed, `tl.dot(la, tl.trans(lb))` (the transpose is only a layout)
+    trans = [op for op in body if op.name == "trans"]
+    body = [op for op in body if op.name != "trans"]
     names = [op.name for op in body]
     # `acc += tl.dot(la, lb)`, `acc.write(tl.dot(la, lb, acc.read()))` and
     # `acc.write(acc.read() + tl.dot(la, lb))` trace to the same ops, the read placed differently
@@ -131,14 +144,20 @@ def _k_body(loop: core.Op, frag: core.Op):
     dot, fr = body[names.index("dot")], body[names.index("frag_read")]
     add, fw = body[-2], body[-1]
     la, lb = (v.owner for v in dot.operands[:2])
+    if trans:
+        if len(trans) > 1 or lb is not trans[0]:
+            raise fail(WHAT, "tl.trans in the K loop must transpose B's loaded tile, tl.dot's second operand: "
+                       "`tl.dot(tl.load(a, ...), tl.trans(tl.load(b, ...)))`", trans[-1])
+        lb = lb.operands[0].owner
     loads = [op for op in body if op.name == "load"]
     if la not in loads or lb not in loads or la is lb:
         raise fail(WHAT, "tl.dot must multiply the two tiles loaded in the loop, A first", dot)
+
     if add.attrs.get("op") != "add" or {add.operands[0].id, add.operands[1].id} != {fr.result.id, dot.result.id}:
         raise fail(WHAT, "the loop must accumulate: acc += tl.dot(...)", add)
     if fr.operands[0] is not frag.result or fw.operands[0] is not frag.result or fw.operands[1] is not add.result:
         raise fail(WHAT, "the loop must read and write the same accumulator", fw)
-    return la, lb, dot
+    return la, lb, dot, bool(trans)
 
 
 #: what a generated epilogue may contain besides index code: stores, their elementwise values
@@ -177,7 +196,8 @@ def _match_split(prologue, rest, frag) -> GemmMatch:
     if len(extras) > 1 or (extras and stores[-1] is not extras[0]):
         raise fail(WHAT, "a generated GEMM epilogue may store one elementwise sum of the accumulator, after its store "
                    "of the accumulator itself", extras[-1] if extras else main[0])
-    la, lb, dot = _k_body(loop, frag)
+    la, lb, dot, b_k_major = _k_body(loop, frag)
     a, b = kernel_tensor(la.operands[0], "A", la, WHAT), kernel_tensor(lb.operands[0], "B", lb, WHAT)
     c = kernel_tensor(main[0].operands[0], "C", main[0], WHAT)
-    return GemmMatch(a, b, c, prologue, loop, dot, main[0], c.type.dtype.name, frag, post, extras)
+    return GemmMatch(a, b, c, prologue, loop, dot, main[0], c.type.dtype.name, frag, post, extras,
+                     b_k_major=b_k_major)

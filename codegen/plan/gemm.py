@@ -8,7 +8,7 @@ The ways AllGather+GEMM stages this rank's rows in the GEMM itself (``own_rows``
 hook the renderer names."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace, dataclass
 
 from ...ir import core
 from ...ir import types as T
@@ -243,14 +243,18 @@ def _check_shapes(part: core.Part, m: GemmMatch, sched: ComputeSchedule):
     if len(a.shape) != 2 or len(b.shape) != 2 or len(c.shape) != 2:
         raise fail(WHAT, "A, B and C must be 2-d", m.dot)
     M, K = a.shape
-    K2, N = b.shape
+    N, K2 = b.shape if m.b_k_major else tuple(reversed(b.shape))
     if K2 != K or tuple(c.shape) != (M, N):
-        raise fail(WHAT, f"shapes do not form a GEMM: A {list(a.shape)}, B {list(b.shape)}, C {list(c.shape)}", m.dot)
-    la, lb = m.dot.operands[0].owner, m.dot.operands[1].owner
-    check_tiles(WHAT, la.attrs["shape"], lb.attrs["shape"], m.frag.attrs["shape"], sched.tile, m.dot)
+        b_form = " (B stored [N, K], its tiles transposed)" if m.b_k_major else ""
+        raise fail(WHAT, f"shapes do not form a GEMM: A {list(a.shape)}, B {list(b.shape)}{b_form}, C {list(c.shape)}",
+                   m.dot)
+    la, lb = m.dot.operands[0].owner, m.b_load
+    b_tile = tuple(reversed(lb.attrs["shape"])) if m.b_k_major else lb.attrs["shape"]
+    check_tiles(WHAT, la.attrs["shape"], b_tile, m.frag.attrs["shape"], sched.tile, m.dot)
     check_k_loop(WHAT, m.loop, K, BK)
     k = {m.loop.regions[0].args[0].id: "k"}
-    want = {"a": ({"pid0": BM}, {"k": 1}), "b": ({"k": 1}, {"pid1": BN}), "c": ({"pid0": BM}, {"pid1": BN})}
+    b_offs = ({"pid1": BN}, {"k": 1}) if m.b_k_major else ({"k": 1}, {"pid1": BN})
+    want = {"a": ({"pid0": BM}, {"k": 1}), "b": b_offs, "c": ({"pid0": BM}, {"pid1": BN})}
     for key, op, offs in (("a", la, la.operands[1:]), ("b", lb, lb.operands[1:]),
                           ("c", m.store, m.store.operands[1:3])):
         got = tuple(affine(v, k) for v in offs)
@@ -260,7 +264,7 @@ def _check_shapes(part: core.Part, m: GemmMatch, sched: ComputeSchedule):
     if tuple(part.grid) != (-(-M // BM), -(-N // BN)):
         raise fail(WHAT, f"the grid must be (cdiv(M, BM), cdiv(N, BN)) = {(-(-M // BM), -(-N // BN))}, "
                    f"got {part.grid}", part)
-    check_operands(WHAT, a.dtype, b.dtype, m.out_dtype, K, N, m.dot, m.store)
+    check_operands(WHAT, a.dtype, b.dtype, m.out_dtype, K, N, m.dot, m.store, b_row=K if m.b_k_major else N)
     ob = elem_bytes(m.out_dtype)
     for st in m.extras:
         _check_epilogue_store(st, m, sched, ob)
@@ -383,6 +387,8 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         _check_notifies_follow_a_store(m)
     cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, K=K, cluster=cluster,
                         loc=part.loc)
+    if m.b_k_major:      # the same shared memory, B's stages chunked along K as A's
+        cfg = replace(cfg, b_k_major=True)
     check_cluster_waits(WHAT, kernel, part, cfg.cluster, sched.cluster)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
 
@@ -444,8 +450,12 @@ def _store_spec(cfg: GemmConfig, buf: core.Buffer) -> TmaDescriptorSpec:
 def _tma_specs(cfg: GemmConfig, m: GemmMatch, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:
     eb, ob = cfg.elem_bytes, cfg.out_bytes
     a = _a_like(cfg, "tma_a", m.a.name, K, M)
-    b = TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, ctype(cfg.in_dtype).tma, (N, K), (N * eb,),
-                          (cfg.EB, cfg.BK), (1, 1), SWIZZLE[cfg.SB])
+    if cfg.b_k_major:     # [N, K]: boxes of EB columns (K) by BN rows, a cluster's CTAs loading 1/cluster each
+        b = TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, ctype(cfg.in_dtype).tma, (K, N), (K * eb,),
+                              (cfg.EB, cfg.BN // cfg.cluster[0]), (1, 1), SWIZZLE[cfg.SB])
+    else:
+        b = TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, ctype(cfg.in_dtype).tma, (N, K), (N * eb,),
+                              (cfg.EB, cfg.BK), (1, 1), SWIZZLE[cfg.SB])
     c = TmaDescriptorSpec("tma_c", m.c.name, "C", cfg.out_dtype, ctype(cfg.out_dtype).tma, (N, M), (N * ob,),
                           (cfg.EC, 64), (1, 1), SWIZZLE[cfg.SC], l2_promotion="CU_TENSOR_MAP_L2_PROMOTION_NONE")
     return (a, b, c)

@@ -38,6 +38,7 @@ class GemmConfig:
     half_tiles: bool = False        # grouped GEMM: a tile of <= 64 valid rows runs as 64 rows
     pingpong: bool = False          # grouped GEMM: each consumer warpgroup owns whole tiles, the two taking turns
     pair_rows: bool = False         # grouped GEMM: 64-row program tiles, two of one expert to a 128-row CTA tile
+    b_k_major: bool = False         # plain GEMM: B stored [N, K] (`tl.dot(a, tl.trans(b_tile))`), chunked as A
 
     @property
     def threads(self) -> int:
@@ -57,7 +58,7 @@ class GemmConfig:
     @property
     def EA(self) -> int: return self.SA // self.elem_bytes
     @property
-    def SB(self) -> int: return min(128, self.BN * self.elem_bytes)
+    def SB(self) -> int: return min(128, (self.BK if self.b_k_major else self.BN) * self.elem_bytes)
     @property
     def EB(self) -> int: return self.SB // self.elem_bytes
     @property
@@ -176,16 +177,18 @@ def check_k_loop(what: str, loop: core.Op, K: int, BK: int) -> None:
                    loop)
 
 
-def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, store, loaders: str = "TMA") -> None:
+def check_operands(what: str, a_dt, b_dt, out_dt: str, K: int, N: int, dot, store, loaders: str = "TMA",
+                   b_row: int | None = None) -> None:
     """The operands the WGMMA mainloop takes: A and B both f16 or both bf16, C f16/bf16/f32, and
-    rows 16-byte aligned (``loaders`` name what copies them: TMA, cp.async)."""
+    rows 16-byte aligned (``loaders`` name what copies them: TMA, cp.async; ``b_row``: B's row
+    length where it is not N, a B stored [N, K])."""
     in_dt = a_dt.name
     if in_dt != b_dt.name or in_dt not in MMA_INPUTS:
         raise fail(what, f"A and B must both be f16 or both bf16 for WGMMA, got {a_dt} and {b_dt}", dot)
     if out_dt not in STORE_DTYPES:
         raise fail(what, f"C must be f16, bf16 or f32, got {out_dt}", store)
     eb, ob = elem_bytes(in_dt), elem_bytes(out_dt)
-    for name, pitch in (("A", K * eb), ("B", N * eb), ("C", N * ob)):
+    for name, pitch in (("A", K * eb), ("B", (N if b_row is None else b_row) * eb), ("C", N * ob)):
         if pitch % 16:
             raise fail(what, f"{loaders} needs 16-byte aligned rows: {name}'s row pitch is {pitch} bytes "
                              f"(pad K and N to multiples of {16 // eb})", dot)

@@ -60,6 +60,9 @@ def root_parser() -> argparse.ArgumentParser:
     g.add_argument("--iters", type=int, default=30)
     g.add_argument("--tune", action="store_true", help="try every candidate schedule, keep the fastest")
     g.add_argument("--json", help="also write the rows as JSON here")
+    g.add_argument("--weights", choices=gemm.WEIGHT_LAYOUTS, default="kn",
+                   help="B stored [K, N] (kn) or [N, K] (nk: a torch Linear's weight, torch.matmul(a, w.t()) and "
+                        "tldsl.ops.gemm.linear)")
     for name, what in (("ag_gemm", "fused AllGather+GEMM vs NCCL+cuBLAS and async-TP (torchrun, 2 GPUs)"),
                        ("gemm_rs", "fused GEMM+ReduceScatter, same peers (torchrun, 2 GPUs)"),
                        ("compile", "cold NVRTC compile and a cache hit (no GPU)"),
@@ -95,5 +98,5 @@ def main(argv=None) -> int:
         return MAINS[argv[0]](argv[1:])
     args = root_parser().parse_args(argv)
     if args.what == "gemm":
-        gemm.bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json)
+        gemm.bench_gemm(args.shapes, args.iters, args.tune, json_path=args.json, weights=args.weights)
     return 0

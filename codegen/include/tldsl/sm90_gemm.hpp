@@ -7,7 +7,9 @@
 // (TMA descriptors, dynamic shared memory) — the generated code static_asserts that both agree.
 //
 //   C[M, N] = A[M, K] @ B[K, N]      A row-major (K contiguous, "K-major" for WGMMA)
-//                                    B row-major (N contiguous, "MN-major" for WGMMA)
+//                                    B row-major (N contiguous, "MN-major" for WGMMA), or, with
+//                                    Cfg::kBKMajor, stored [N, K] (K contiguous: a torch Linear's
+//                                    weight, `tl.dot(a, tl.trans(w_tile))`)
 //                                    C row-major, fp32 accumulation, converted on store
 //
 // CTA = 1 producer warpgroup + kConsumerWGs consumer warpgroups (128 threads each).
@@ -39,7 +41,8 @@
 //
 // Shared memory (from a 1024-byte aligned base): A stages | B stages | C staging | barriers.
 // A stage: BK/EA chunks, each BM rows x SA bytes (SA = min(128, 2*BK), swizzle SA bytes);
-// B stage: BN/EB chunks, each BK rows x SB bytes (SB = min(128, 2*BN), swizzle SB bytes).
+// B stage: BN/EB chunks, each BK rows x SB bytes (SB = min(128, 2*BN), swizzle SB bytes); K-major
+// B (kBKMajor): BK/EB chunks, each BN rows x SB bytes (SB = min(128, 2*BK)), laid out as A's.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -71,6 +74,12 @@ __host__ __device__ constexpr int divisor_at_most(int n, int bound) {
   while (n % d != 0) --d;
   return d;
 }
+
+// Cfg::kBKMajor where the configuration has it (only a K-major B's renders it), else false.
+template <class C, class = void>
+struct b_k_major : cuda::std::false_type {};
+template <class C>
+struct b_k_major<C, cuda::std::void_t<decltype(C::kBKMajor)>> : cuda::std::bool_constant<C::kBKMajor> {};
 
 // Everything derived from the generated configuration `Cfg`:
 //   Cfg::ElemAB, Cfg::ElemC, Cfg::Gmma (a cute::SM90::GMMA::MMA_64x{kWgN}x16_F32xx_SS<K, MN>),
@@ -109,12 +118,23 @@ struct GemmTraits {
   static constexpr int kChunksA = BK / EA;
   static constexpr int kChunkBytesA = BM * SA;
   static constexpr int kStageBytesA = BM * BK * kElemBytes;
-  // B: MN-major, chunks of EB elements (SB bytes) along N
-  static constexpr int SB = cmin(128, BN * kElemBytes);
+  // B: MN-major, chunks of EB elements (SB bytes) along N, each BK rows; or K-major (kBKMajor), chunks
+  // of EB elements along K, each BN rows (as A's)
+  static constexpr bool kBKMajor = b_k_major<Cfg>::value;
+  static constexpr int SB = cmin(128, (kBKMajor ? BK : BN) * kElemBytes);
   static constexpr int EB = SB / kElemBytes;
-  static constexpr int kChunksB = BN / EB;
-  static constexpr int kChunkBytesB = BK * SB;
+  static constexpr int kChunksB = (kBKMajor ? BK : BN) / EB;
+  static constexpr int kChunkBytesB = (kBKMajor ? BN : BK) * SB;
   static constexpr int kStageBytesB = BK * BN * kElemBytes;
+  // B's bytes in a stage: from its k16 step `kk` (the WGMMA's start) and from its tile column `col`
+  // (a warpgroup's first column: a multiple of EB, MN-major)
+  static constexpr uint32_t b_k_offset(int kk) {
+    return kBKMajor ? uint32_t((kk * 16 / EB) * kChunkBytesB + ((kk * 16) % EB) * kElemBytes)
+                    : uint32_t(kk * 16 * SB);
+  }
+  static constexpr uint32_t b_col_offset(int col) {
+    return kBKMajor ? uint32_t(col * SB) : uint32_t((col / EB) * kChunkBytesB);
+  }
   static constexpr int kTxBytes = kStageBytesA + kStageBytesB;
   // C staging: 64 rows x EC columns (SC bytes per row), swizzled SC bytes
   static constexpr int SC = cmin(128, BN * kOutBytes);
@@ -140,7 +160,8 @@ struct GemmTraits {
 
   // GMMA descriptors (start address added per stage / m64 block / k16 step)
   static constexpr uint64_t kDescA = gmma_desc_bits(SA, 16, 8 * SA);             // K-major: LBO unused (1)
-  static constexpr uint64_t kDescB = gmma_desc_bits(SB, kChunkBytesB, 8 * SB);   // MN-major: LBO = chunk stride
+  static constexpr uint64_t kDescB = kBKMajor ? gmma_desc_bits(SB, 16, 8 * SB)   // K-major: as A
+                                               : gmma_desc_bits(SB, kChunkBytesB, 8 * SB);   // MN-major: LBO = chunk stride
 };
 
 __device__ __forceinline__ uint32_t swizzle(uint32_t offset, int swizzle_bytes) {
@@ -238,7 +259,7 @@ __device__ __forceinline__ void consume_k_loop(float (&acc)[Tr::MB][Tr::kAccPerB
 #pragma unroll
     for (int kk = 0; kk < Tr::BK / 16; ++kk) {
       const uint32_t a_off = (kk * 16 / Tr::EA) * Tr::kChunkBytesA + ((kk * 16) % Tr::EA) * Tr::kElemBytes;
-      const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + kk * 16 * Tr::SB;
+      const uint32_t b_addr = stage_b0 + s * Tr::kStageBytesB + Tr::b_k_offset(kk);
       const uint64_t desc_b = Tr::kDescB | uint64_t((b_addr & 0x3FFFF) >> 4);
 #pragma unroll
       for (int mb = 0; mb < kBlocks; ++mb) {
@@ -735,7 +756,20 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           for (int c = 0; c < Tr::kChunksA; ++c)
             cute::SM90_TMA_LOAD_2D::copy(ta, &full_bar[s], kCacheHint, sa + c * Tr::kChunkBytesA,
                                          k0 + c * Tr::EA, am0);
-          if constexpr (kCl == 1) {
+          if constexpr (Tr::kBKMajor) {
+            // B [N, K]: chunk c is BN rows of EB columns at (n0, k0 + c * EB); with a cluster each CTA
+            // loads its 1/kCl of every chunk's rows (TMA box BN / kCl rows) and multicasts them
+            constexpr int kRows = Tr::BN / kCl;
+#pragma unroll
+            for (int c = 0; c < Tr::kChunksB; ++c) {
+              unsigned char* dst = sb + c * Tr::kChunkBytesB + cl_rank * kRows * Tr::SB;
+              if constexpr (kCl == 1)
+                cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, dst, k0 + c * Tr::EB, n0);
+              else
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(tma_b, &full_bar[s], uint16_t((1u << kCl) - 1u), kCacheHint,
+                                                       dst, k0 + c * Tr::EB, n0 + cl_rank * kRows);
+            }
+          } else if constexpr (kCl == 1) {
 #pragma unroll
             for (int c = 0; c < Tr::kChunksB; ++c)
               cute::SM90_TMA_LOAD_2D::copy(tma_b, &full_bar[s], kCacheHint, sb + c * Tr::kChunkBytesB,

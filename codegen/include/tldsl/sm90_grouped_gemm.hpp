@@ -523,6 +523,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                                                     const Prog& prog, const Side& side = Side{}) {
   using Tr = GroupedTraits<Cfg>;
   static_assert(!(Side::kEnabled && Cfg::kGather), "a side program runs on a TMA producer's spare warps only");
+  static_assert(!Tr::kBKMajor, "the grouped GEMM takes B as [K, N] or [E, K, N] (MN-major)");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);

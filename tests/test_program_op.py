@@ -506,6 +506,124 @@ def test_an_argument_the_program_writes_may_not_share_memory_with_another(monkey
         op.close()
 
 
+@tl.kernel
+def pull_prev(x: tl.Symmetric, z, w, *, compute: tl.ComputeSchedule = None):
+    """Reads its symmetric x, stores the local output z, then pulls the previous rank's x into w."""
+    M, N = x.shape
+    W = tl.world_size()
+    s = tl.signal("s", 1, scope="symmetric")
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        nxt, prv = (tl.rank() + 1) % W, (tl.rank() + W - 1) % W
+        tl.store(z, (0, 0), tl.load(x, (0, 0), (M, N)) + 100.0)
+        tl.peer_tile_notify(s, 0, nxt)
+        tl.peer_tile_wait(s, 0, count=1)
+        tl.store(w, (0, 0), tl.tile_pull_data(x.at(prv), (0, 0), (M, N)))
+
+
+@tl.kernel
+def double_and_pull(x, y: tl.Symmetric, w, *, compute: tl.ComputeSchedule = None):
+    """Reads the local input x, stores 2x into its symmetric y, then pulls the previous rank's y into w."""
+    M, N = x.shape
+    W = tl.world_size()
+    s = tl.signal("s", 1, scope="symmetric")
+
+    @tl.compute_part(grid=(1,))
+    def part(p):
+        nxt, prv = (tl.rank() + 1) % W, (tl.rank() + W - 1) % W
+        tl.store(y, (0, 0), tl.load(x, (0, 0), (M, N)) * 2.0)
+        tl.peer_tile_notify(s, 0, nxt)
+        tl.peer_tile_wait(s, 0, count=1)
+        tl.store(w, (0, 0), tl.tile_pull_data(y.at(prv), (0, 0), (M, N)))
+
+
+def _alias_inputs(fn, W=2, n=8):
+    """x = rank + 1 everywhere, every other argument zeros."""
+    return [{a: np.full((n, n), float(r + 1) if a == "x" else 0.0, np.float32) for a in fn.arg_names}
+            for r in range(W)]
+
+
+ALIAS_KW = {"compute": tl.ComputeSchedule(tile=(8, 8, 8))}
+
+
+@pytest.mark.parametrize("fn, name, other", [(pull_prev, "z", "x"), (double_and_pull, "x", "y")])
+def test_an_argument_within_another_arguments_symmetric_buffer_is_refused(monkeypatch, fn, name, other):
+    """The kernels and the peers touch a symmetric argument in its symmetric buffer, which a staged
+    argument is copied into before them: another argument's tensor there is refused before
+    anything is enqueued. Unchecked, pull_prev given z=symmetric_buffer('x') stored z where the
+    peer pulls x (w = [102, 101] where tl.simulate gives [2, 1]), and double_and_pull given its
+    read-only local x in symmetric_buffer('y') read y's copied-in zeros instead of x (w and y 0)."""
+    inputs = _alias_inputs(fn)
+    g, ops = _built(monkeypatch, fn, 2, inputs, **ALIAS_KW)
+    args = tensors(inputs[0])
+    buf = ops[0].symmetric_buffer(other)
+    buf.copy_(args[name])                               # (what the caller meant the argument to hold)
+    with pytest.raises(InputError, match=f"argument '{name}' overlaps the symmetric buffer of argument '{other}'"):
+        ops[0](**{**args, name: buf})
+    assert not any(g.fake.queues.values()) and ops[0].launches == 0
+    for op in ops:
+        op.close()
+
+
+def test_another_arguments_buffer_or_a_workspace_is_refused_for_any_argument(monkeypatch):
+    """ring_exchange (x, y, w symmetric; z local, written): another argument's buffer for a local
+    output or for a symmetric argument (copied in from, or back into, a buffer the other is copied
+    into) is refused; the buffer passed as its own argument too is that argument's tensor, compared
+    as any other. A workspace (allgather_gemm's gathered rows) is the program's own memory."""
+    fn, inputs, kw = library_case("ring_exchange", 2)
+    with monkeypatch.context() as mp:
+        g, ops = _built(mp, fn, 2, inputs, **kw)
+        good = tensors(inputs[0])
+        for name, other in (("z", "y"), ("z", "x"), ("x", "w"), ("w", "y")):
+            with pytest.raises(InputError, match=f"argument '{name}' overlaps the symmetric buffer of argument "
+                                                 f"'{other}'"):
+                ops[0](**{**good, name: ops[0].symmetric_buffer(other)})
+        y = ops[0].symmetric_buffer("y")
+        with pytest.raises(InputError, match="argument 'y' overlaps argument 'z'"):
+            ops[0](**{**good, "y": y, "z": y})
+        assert not any(g.fake.queues.values()) and ops[0].launches == 0
+        for op in ops:
+            op.close()
+    fn, inputs, kw = library_case("allgather_gemm", 2)
+    g, ops = _built(monkeypatch, fn, 2, inputs, **kw)
+    ws = ops[0].workspace_tensors()["a_gathered"]
+    good = tensors(inputs[0])
+    with pytest.raises(InputError, match="argument 'b' overlaps the program's workspace 'a_gathered'"):
+        ops[0](**{**good, "b": ws.view(-1)[:good["b"].numel()].view(good["b"].shape)})
+    assert not any(g.fake.queues.values()) and ops[0].launches == 0
+    for op in ops:
+        op.close()
+
+
+@pytest.mark.parametrize("fn", [pull_prev, double_and_pull])
+def test_a_symmetric_buffer_passed_as_its_own_argument_still_agrees_with_the_simulator(monkeypatch, fn):
+    """Zero-copy, the intended use of symmetric_buffer(name): the caller writes the input into the
+    buffer and passes it as that argument, launch after launch, and every launch agrees with
+    tl.simulate of its inputs."""
+    W = 2
+    sym = "x" if fn is pull_prev else "y"
+    g, ops = _built(monkeypatch, fn, W, _alias_inputs(fn, W), **ALIAS_KW)
+    bufs = [op.symmetric_buffer(sym) for op in ops]
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        inputs = _alias_inputs(fn, W)
+        for r in range(W):
+            inputs[r]["x"] = rng.standard_normal((8, 8)).astype(np.float32)
+        want = tl.simulate(fn, W, inputs, **ALIAS_KW)
+        args = [tensors(x) for x in inputs]
+        for r in range(W):      # (the fake GPU runs at synchronize: the previous launch is done)
+            bufs[r].copy_(args[r][sym])
+            args[r][sym] = bufs[r]
+        for r in g.fake.rng.sample(range(W), W):
+            ops[r](**args[r])
+        for op in ops:
+            op.synchronize()
+        assert_agrees([{n: host(t) for n, t in a.items()} for a in args], want.outputs, want.kernel, sums=True)
+    for op in ops:
+        op.close()
+
+
 def test_ranks_that_trace_different_programs_all_refuse(monkeypatch):
     """The agreement check: every rank raises an InputError naming the difference — none goes on
     to allocate and wait for the others."""

@@ -305,7 +305,9 @@ class FusedProgram(FusedOp):
         back out after it (what torch's symmetric-memory ops offer with their buffers). Write a
         call's input into it on the stream of that call, after the previous call was enqueued
         there: the peers read it until the previous launch's exit handshake, which that stream
-        follows. Valid until :meth:`close`."""
+        follows. Valid until :meth:`close`. Given for any other argument, a call refuses it
+        (:meth:`_check_apart_from_program_memory`): ``name`` is copied into it, and the kernels and
+        the peers read and write ``name`` there."""
         self._check_open()
         b = next((b for b in self.kernel.args if b.name == name), None)
         if b is None or not b.symmetric:
@@ -343,8 +345,9 @@ class FusedProgram(FusedOp):
 
     def check_arguments(self, named: dict) -> None:
         """The caller's tensors of some of the arguments, by name, each as the traced program
-        takes it and none it writes sharing memory with another — what a call checks before
-        anything is enqueued (the MoE ops check theirs before the routing too)."""
+        takes it, none it writes sharing memory with another, and none sharing memory the program
+        stages another argument through (:meth:`_check_apart_from_program_memory`) — what a call
+        checks before anything is enqueued (the MoE ops check theirs before the routing too)."""
         import torch
         at = self.device.torch_device
         buffers = [self.kernel.buffer(n) for n in named]
@@ -363,8 +366,38 @@ class FusedProgram(FusedOp):
                 raise InputError(f"argument '{b.name}' overlaps its symmetric buffer without being it: pass "
                                  f"symmetric_buffer('{b.name}') itself, or a tensor of its own")
         staged = [self._staged(b, t) for b, t in zip(buffers, named.values())]
+        self._check_apart_from_program_memory(named)
         _check_written_apart(buffers, list(named.values()), self._written, staged)
         check_no_grad(type(self).__name__, [(f"argument '{n}'", t) for n, t in named.items()])
+
+    def _check_apart_from_program_memory(self, named: dict) -> None:
+        """No argument's tensor shares a byte with memory this program stages another argument
+        through or keeps for itself. The kernels (and the peers) touch a symmetric argument in its
+        symmetric buffer, not in the caller's tensor: a staged one (:meth:`_staged`) is copied into
+        the buffer before the kernels and, written, back after them. Another argument's tensor
+        within that buffer would be overwritten by the copy-in (a local input read as the other
+        argument's values), written by the kernels while the peers read it (an output stored where
+        they pull the other argument), or copied in and back in an order the call does not say —
+        a wrong answer, not an error; so is any overlap with a workspace or the signal counters.
+        A buffer passed as its own argument (bound in place) is that argument's tensor, which
+        :func:`_check_written_apart` compares as any other. An argument not in ``named`` (a
+        partial check: the MoE ops' before the routing) is left to the call's own check."""
+        ir = self.kernel
+        staged = [b.name for b in ir.args if b.symmetric and b.name in named and self._staged(b, named[b.name])]
+        own = [(f"workspace '{n}'", w) for n, w in {**self._symmetric, **self._workspaces}.items()
+               if n not in {b.name for b in ir.args}] + [("signal counters", self._counter_block)]
+        for name, t in named.items():
+            for other in staged:    # (its own buffer: checked with its tensor; an argument not given: checked later)
+                if other != name and overlaps(t, self._symmetric[other]):
+                    raise InputError(
+                        f"argument '{name}' overlaps the symmetric buffer of argument '{other}' "
+                        f"(symmetric_buffer('{other}')): the program copies '{other}' into it, and its kernels and "
+                        f"peers read and write '{other}' there; pass a separate tensor for '{name}', or "
+                        f"symmetric_buffer('{other}') as '{other}' itself")
+            for what, w in own:
+                if overlaps(t, w):
+                    raise InputError(f"argument '{name}' overlaps the program's {what}, which its kernels write: "
+                                     f"pass a separate tensor for '{name}'")
 
     def _staged(self, b, t) -> bool:
         """Whether argument ``b``'s tensor ``t`` is copied into its symmetric buffer before the

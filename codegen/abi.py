@@ -15,6 +15,7 @@ from .. import env
 from ..ir import core
 from ..ir.names import c_identifier
 from ..ir.display import html_card, one_line
+from ..errors import InputError
 from .errors import LoweringError
 from .toolchain.compiler import CompileJob, compile_cuda
 
@@ -183,7 +184,6 @@ class TmaDescriptorSpec:
             getattr(cu.CUtensorMapInterleave, self.interleave), getattr(cu.CUtensorMapSwizzle, self.swizzle),
             getattr(cu.CUtensorMapL2promotion, self.l2_promotion), getattr(cu.CUtensorMapFloatOOBfill, self.oob_fill))
         if err != cu.CUresult.CUDA_SUCCESS:
-            from ..errors import InputError
             raise InputError(f"the TMA descriptor {self.param} of tensor '{self.buffer}' cannot be built: "
                              f"cuTensorMapEncodeTiled refused it ({getattr(err, 'name', err)}): shape "
                              f"{list(reversed(self.global_dims))} ({self.dtype}), byte strides "
@@ -247,9 +247,11 @@ def wait_timeout_options(wait_timeout_ns: int | None) -> tuple[str, ...]:
     costs a kernel speed (18 % on a folded grouped GEMM, BENCHMARKS.md, thirty-third session)."""
     if wait_timeout_ns is None:
         return ()
-    if not isinstance(wait_timeout_ns, numbers.Integral) or isinstance(wait_timeout_ns, bool) or wait_timeout_ns <= 0:
-        raise LoweringError(f"wait_timeout_ns={wait_timeout_ns!r}: a positive int of nanoseconds (None: waits never "
-                            "time out)")
+    if (not isinstance(wait_timeout_ns, numbers.Integral) or isinstance(wait_timeout_ns, bool)
+            or not 1 <= wait_timeout_ns < env.MAX_WAIT_TIMEOUT_NS):
+        # (past 2**64 - 1 the -D literal wraps: NVRTC made 2**64 a timeout of 0, trapping every wait that spins)
+        raise InputError(f"wait_timeout_ns={wait_timeout_ns!r}: a positive int of nanoseconds below 2**64, the "
+                         "kernels' unsigned 64-bit count (None: waits never time out)")
     return (f"-DTLDSL_WAIT_TIMEOUT_NS={int(wait_timeout_ns)}ull",) + wait_report_options()
 
 
@@ -260,7 +262,7 @@ WAIT_REPORT_OPTION = "-DTLDSL_WAIT_TIMEOUT_REPORT"
 def wait_report_options() -> tuple[str, ...]:
     """:data:`WAIT_REPORT_OPTION` while ``TLDSL_WAIT_TIMEOUT_NS`` is set: a timed-out wait prints
     its slot, the value it held and the one it needed before it traps."""
-    return (WAIT_REPORT_OPTION,) if env.get("TLDSL_WAIT_TIMEOUT_NS") else ()
+    return (WAIT_REPORT_OPTION,) if env.wait_timeout_ns() is not None else ()
 
 
 def kernel_entry(entry: str, threads: int, params, body: list[str]) -> list[str]:

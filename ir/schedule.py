@@ -45,6 +45,16 @@ def _python_ints(schedule) -> None:
             object.__setattr__(schedule, f.name, w)
 
 
+#: a communication tile's rows or columns (tile_m, col_tile) are below this: a tensor dimension is
+#: (the kernels index one in 32-bit ints), so a larger one can only mean "whole", which None says
+MAX_COMM_TILE = 2 ** 31
+
+
+def _comm_size(value) -> bool:
+    """Whether ``value`` is a communication tile's size: a positive int below :data:`MAX_COMM_TILE`."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < MAX_COMM_TILE
+
+
 def _pow2(x: int) -> bool:
     return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
 
@@ -188,12 +198,13 @@ class CommSchedule:
             raise _invalid(f"communication mode {self.mode!r}: choose one of {COMM_MODES}")
         if self.engine not in COMM_ENGINES:
             raise _invalid(f"communication engine {self.engine!r}: choose one of {COMM_ENGINES}")
-        if self.tile_m is not None and not (isinstance(self.tile_m, int) and not isinstance(self.tile_m, bool)
-                                            and self.tile_m > 0):
-            raise _invalid(f"communication tile_m {self.tile_m!r}: need a positive int (or None for whole chunks)")
+        if self.tile_m is not None and not _comm_size(self.tile_m):
+            raise _invalid(f"communication tile_m {self.tile_m!r}: need a positive int below 2**31 (or None for "
+                           "whole chunks)")
         if self.col_tile is not None:
-            if not (isinstance(self.col_tile, int) and not isinstance(self.col_tile, bool) and self.col_tile > 0):
-                raise _invalid(f"col_tile {self.col_tile!r}: need a positive int (or None for whole shards)")
+            if not _comm_size(self.col_tile):
+                raise _invalid(f"col_tile {self.col_tile!r}: need a positive int below 2**31 (or None for whole "
+                               "shards)")
             if self.engine != "copy_engine":
                 raise _invalid(f"col_tile={self.col_tile}: column slices are the copy-engine all-gather's; "
                                f"got engine={self.engine!r} (the SM engine's tiles are rows: tile_m)")

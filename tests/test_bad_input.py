@@ -228,6 +228,16 @@ def test_the_valid_call_the_bad_ones_are_made_from_works():
     _moe_rs("seed", 0)()
 
 
+@pytest.mark.parametrize("bad", [2 ** 64, 2 ** 70, 0, -1])
+def test_a_wait_timeout_the_kernels_cannot_count_is_refused_naming_it(bad):
+    """2**64 ns or more was accepted and became -DTLDSL_WAIT_TIMEOUT_NS=18446744073709551616ull,
+    which NVRTC makes 0: every wait that spins at all trapped at once, while the simulator ran the
+    program fine."""
+    with pytest.raises(tl.InputError, match=rf"wait_timeout_ns={bad}: a positive int of nanoseconds below 2\*\*64"):
+        lower(_IR_LOWERED, "gemm", wait_timeout_ns=bad)
+    assert f"-DTLDSL_WAIT_TIMEOUT_NS={2 ** 64 - 1}ull" in lower(_IR_LOWERED, "gemm", wait_timeout_ns=2 ** 64 - 1).options
+
+
 # -- tl.TensorSpec: numpy and torch dtypes mapped, anything else refused naming it -----------------
 
 @pytest.mark.parametrize("given_dtype, expected", [

@@ -12,6 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tldsl.cli import gates
@@ -343,6 +344,25 @@ def test_a_number_a_command_cannot_take_is_a_usage_error_in_one_line(argv, says,
     caught 0/0 mutants; an unknown probe was sent to torchrun)."""
     with pytest.raises(SystemExit) as done:
         main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--world-size", "99999999999999999999"], "argument --world-size: must be at most 64, got 9999"),
+    (["--world-size", "1000"], "argument --world-size: must be at most 64, got 1000"),
+    (["-n", "5000"], "argument -n: must be at most 1024, got 5000"),
+    (["--world-size", "64", "--rows-per-rank", "1024"], "the demo allows at most 2**24 = 16777216"),
+])
+def test_the_demo_refuses_sizes_past_its_bounds_before_it_allocates(argv, says, capsys, monkeypatch):
+    """A huge --world-size spun forever building W shards, and 1000 ran out of memory after a
+    minute: the demo's sizes are bounded, a usage error before any array is made."""
+    def allocates(*a, **k):
+        raise AssertionError("the demo started making its arrays")
+    monkeypatch.setattr(np.random, "default_rng", allocates)
+    with pytest.raises(SystemExit) as done:
+        main(["demo", *argv])
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err

@@ -143,6 +143,28 @@ def test_world_size_must_be_an_int(nothing_runs):
         tl.simulate(gather_scale, 2.0, _inputs(2))
 
 
+def test_a_numpy_world_size_is_the_int_it_stands_for():
+    """np.int64(1) passed the Integral check but stayed numpy: the estimates became numpy, the
+    progress switch np.False_ (called as a function: TypeError), and the trace cached under the
+    equal key 1 broke every later call with the plain int too."""
+    from tldsl.runtime.sim.options import SimOptions
+    from tldsl.runtime.sim.simulate import _reporter
+
+    @tl.kernel
+    def double(x, y):
+        @tl.compute_part(grid=(1,))
+        def t(i):
+            tl.store(y, (0,), tl.load(x, (0,), (4,)) * 2.0)
+    x = np.arange(4, dtype=np.float32)
+    for ws in (np.int64(1), 1, np.int32(1)):
+        res = tl.simulate(double, ws, [{"x": x, "y": np.zeros(4, np.float32)}])
+        np.testing.assert_array_equal(res[0]["y"], 2 * x)
+        assert type(res.kernel.world_size) is int
+    assert type(double.trace(np.int64(2), tl.TensorSpec((4,), tl.float32),
+                             tl.TensorSpec((4,), tl.float32)).world_size) is int
+    assert _reporter(SimOptions(), 10, np.False_, 1) is None        # a numpy "not long": no reporter
+
+
 @pytest.mark.parametrize("given", [1, 3])
 def test_one_input_per_rank(nothing_runs, given):
     with pytest.raises(tl.InputError, match=rf"got inputs for {given} ranks but world_size is 2"):
@@ -444,11 +466,36 @@ def test_simulate_takes_options_as_a_dict_and_refuses_anything_else_clearly():
     (np.ones((8, 8), np.float16), np.ones((8, 8), np.float16), "got ndarray"),
     ([np.ones(8, np.float16)], np.ones((8, 8), np.float16), r"a_shards\[0\] must be a 2-d array, got shape \(8,\)"),
     ([np.ones((8, 8), np.float16)], np.ones(8, np.float16), r"b\[0\] must be a 2-d array"),
+    # these were CompilationErrors at the op's own lines (its static_assert, tl.dot, its gathered
+    # buffer's shape), the last not saying which argument was wrong
+    ([np.ones((32, 32), np.float16)] * 2, np.ones((16, 32), np.float16),
+     re.escape("b is [16, 32] but the A shards are [32, 32]: B must be [32, N]")),
+    ([np.ones((32, 32), np.float16)] * 2, [np.ones((32, 8), np.float16), np.ones((16, 8), np.float16)],
+     re.escape("b[1] is [16, 8] but the A shards are [32, 32]")),
+    ([np.ones((32, 32), np.float16)] * 2, np.ones((32, 32), np.float32),
+     "b is f32 but the A shards are f16: A and B must share a dtype"),
+    ([np.ones((0, 32), np.float16)] * 2, np.ones((32, 32), np.float16),
+     re.escape("a_shards: each shard needs at least one row and one column, got shape [0, 32]")),
+    ([np.ones((8, 8), np.float16)], np.ones((8, 0), np.float16), re.escape("b is [8, 0] but the A shards")),
 ])
-def test_fused_all_gather_matmul_refuses_malformed_inputs_before_tracing(a_shards, b, message):
+def test_fused_all_gather_matmul_refuses_malformed_inputs_before_tracing(a_shards, b, message, nothing_runs):
     from tldsl.ops.allgather_gemm import fused_all_gather_matmul
-    with pytest.raises(tl.InputError, match=message):
+    with pytest.raises(tl.InputError, match=message) as info:
         fused_all_gather_matmul(a_shards, b)
+    assert "tldsl/ops" not in str(info.value)
+
+
+@pytest.mark.parametrize("a_shards, b, says", [
+    ([np.ones((4, 8))], np.ones((4, 4)), re.escape("b is [4, 4] but the A shards have K=8 columns: b must be [8, N]")),
+    ([np.ones((4, 8)), np.ones((4, 6))], np.ones((8, 4)), "the A shards must share K"),
+    ([], np.ones((8, 4)), "a_shards must be a non-empty list"),
+    ([np.ones((4, 8))], np.ones(8), re.escape("b: a 2-d array of numbers, got float64 [8]")),
+])
+def test_the_allgather_gemm_reference_refuses_operands_that_do_not_multiply(a_shards, b, says):
+    """numpy's gufunc ValueError came out of a K mismatch."""
+    from tldsl.ops.allgather_gemm import reference
+    with pytest.raises(tl.InputError, match="allgather_gemm.reference: " + says):
+        reference(a_shards, b)
 
 
 def test_sim_options_errors_are_input_errors_naming_the_options():
@@ -460,6 +507,34 @@ def test_sim_options_errors_are_input_errors_naming_the_options():
         tl.SimOptions(launches="2")
     with pytest.raises(tl.InputError, match="launches must be a positive int, got 0"):
         tl.SimOptions(launches=0)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(progress_interval_s=float("nan")), "progress_interval_s must be a finite number of seconds, 0 or more, got nan"),
+    (dict(progress_interval_s=float("inf")), "progress_interval_s must be a finite number of seconds, 0 or more, got inf"),
+    (dict(progress_interval_s=-1.0), "progress_interval_s must be a finite number of seconds, 0 or more, got -1.0"),
+    (dict(warn_steps=-1), "warn_steps must be None (never warn) or an int of 0 or more"),
+    (dict(max_steps=0), "max_steps must be a positive int"),
+])
+def test_sim_options_refuse_numbers_that_mean_nothing(kw, says):
+    """A NaN progress interval and a negative warn_steps were accepted (nonsense that surfaced, if
+    at all, as a report never or always made)."""
+    with pytest.raises(tl.InputError, match=re.escape(says)):
+        tl.SimOptions(**kw)
+    assert tl.SimOptions(progress_interval_s=0.0, warn_steps=0).warn_steps == 0
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(engine="copy_engine", col_tile=2 ** 70), "col_tile 1180591620717411303424: need a positive int below 2**31"),
+    (dict(engine="copy_engine", col_tile=2 ** 31), "col_tile 2147483648: need a positive int below 2**31"),
+    (dict(tile_m=2 ** 31), "communication tile_m 2147483648: need a positive int below 2**31"),
+])
+def test_a_communication_tile_past_a_tensor_dimension_is_refused(kw, says):
+    """CommSchedule(col_tile=2**70) was accepted and acted as whole rows: a slice wider than any
+    tensor dimension (below 2**31) can only mean None, which says so."""
+    with pytest.raises(tl.ScheduleError, match=re.escape(says)) as info:
+        tl.CommSchedule(**kw)
+    assert "test_errors.py" in str(info.value)          # at the user's line
 
 
 def test_a_result_is_indexed_by_rank_first():

@@ -145,6 +145,25 @@ def test_mismatched_inner_dimension():
         _trace(3, 12, 8, 9, 16, 4)
 
 
+@pytest.mark.parametrize("a, b, says", [
+    ([np.ones((4, 8))], [np.ones((4, 4))], r"a_slices\[0\] is \[4, 8\] but b_slices\[0\] is \[4, 4\]: rank 0 "
+                                            r"multiplies \[M, Kr\] @ \[Kr, N\]"),
+    ([np.ones((4, 8))] * 2, [np.ones((8, 4))] * 3, "one a and one b slice per rank, got 2 a_slices and 3 b_slices"),
+    ([np.ones((4, 8)), np.ones((6, 8))], [np.ones((8, 4))] * 2, r"every rank's product is \[M, N\] of one M and N"),
+    ([], [], "a_slices must be a non-empty list"),
+    ([np.ones(8)], [np.ones((8, 4))], r"a_slices\[0\]: a 2-d array of numbers, got float64 \[8\]"),
+])
+def test_the_reference_refuses_slices_that_do_not_multiply(a, b, says):
+    """numpy's gufunc ValueError on a K mismatch, and zip silently dropping the third b slice."""
+    with pytest.raises(tl.InputError, match="gemm_reduce_scatter.reference: " + says):
+        reference(a, b)
+
+
+def test_the_reference_sums_every_ranks_product():
+    a, b = [np.full((2, 3), r + 1.0) for r in range(2)], [np.ones((3, 2))] * 2
+    np.testing.assert_array_equal(reference(a, b), np.full((2, 2), 9.0))
+
+
 def test_wrong_output_shape():
     with pytest.raises(tl.CompilationError, match=r"out must be \[4, 16\] \(M/W rows\), got \[12, 16\]"):
         _trace(3, 12, 8, 8, 16, 12)

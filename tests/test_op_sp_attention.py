@@ -115,6 +115,14 @@ def test_sharp_softmax_with_custom_scale(causal):
         np.testing.assert_allclose(res[r]["o"].astype(np.float32), ref[r], rtol=2e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("seq", [-4, 0, 2.0, True])
+def test_positions_refuse_a_row_count_that_is_not_positive(seq):
+    """positions(2, -4) returned an empty [2, 0] array without a word."""
+    with pytest.raises(tl.InputError, match=r"sp_attention.positions: seq_per_rank must be a positive int"):
+        positions(2, seq)
+    assert positions(2, np.int64(2)).tolist() == [[0, 1], [2, 3]]
+
+
 def test_zigzag_layout_and_host_helpers():
     assert positions(3, 4, "zigzag").tolist() == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
     assert positions(2, 3).tolist() == [[0, 1, 2], [3, 4, 5]]

@@ -875,6 +875,21 @@ def test_torch_tensors_are_inputs_as_they_are_for_tl_run_bf16_included():
     assert half.outputs[0]["y"].dtype == np.float16 and half.kernel.args[0].type.dtype == tl.float16
 
 
+def test_a_torch_tensor_with_its_negative_or_conjugate_bit_set_is_read_as_its_values():
+    """A lazily negated view (``_neg_view()``, which some torch ops return) was torch's RuntimeError
+    from ``.numpy()`` ("negative bit set"); the simulator now reads the values it stands for."""
+    torch = pytest.importorskip("torch")
+    from tldsl.runtime.sim.memory import host_array, host_float32
+    base = torch.arange(16 * 16, dtype=torch.float32).reshape(16, 16)
+    x = base._neg_view()
+    assert x.is_neg()
+    result = tl.simulate(_doubled, 1, [{"x": x, "y": np.zeros((16, 16), np.float32)}])
+    np.testing.assert_array_equal(result[0]["y"], -2 * base.numpy())
+    np.testing.assert_array_equal(host_float32("x", x), -base.numpy())
+    conj = torch.tensor([1 + 2j, 3 - 1j]).conj()
+    assert conj.is_conj() and np.array_equal(host_array(conj), np.array([1 - 2j, 3 + 1j]))
+
+
 def test_the_op_librarys_simulate_wrappers_take_the_tensors_tl_simulate_takes():
     """Found by an explorer's round: fused_all_gather_matmul (like the MoE wrappers, tested in
     test_op_moe.py) called np.asarray on its operands, and crashed on bf16 tensors (TypeError) and

@@ -1,5 +1,9 @@
 """The main demo: AllGather+GEMM on 4 simulated ranks — the IR, the check against numpy,
-and a per-rank timeline. Run with ``python -m tldsl.demo``."""
+and a per-rank timeline. Run with ``python -m tldsl.demo``.
+
+Its sizes are bounded (a usage error past them): at most 64 ranks, 1024 rows per rank, N and K,
+and 2**24 elements of gathered A and of C on all ranks together (each rank holds W * rows of each),
+so that a mistyped number is refused at once rather than spinning or running out of memory."""
 from __future__ import annotations
 
 import argparse
@@ -8,21 +12,29 @@ import numpy as np
 
 import tldsl as tl
 from tldsl.ops.allgather_gemm import allgather_gemm, reference
-from .cli.arg_types import nonnegative_int, positive_int
+from .cli.arg_types import nonnegative_int, positive_int_at_most
+
+MAX_WORLD_SIZE = 64
+MAX_SIZE = 1024             # rows per rank, N, K
+MAX_ELEMENTS = 2 ** 24      # W * W * rows * max(N, K): gathered A and C on all ranks together
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world-size", type=positive_int, default=4)
-    ap.add_argument("--rows-per-rank", type=positive_int, default=40, help="M per rank (need not divide the tile)")
-    ap.add_argument("-n", type=positive_int, default=48)
-    ap.add_argument("-k", type=positive_int, default=64)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = positive_int_at_most(MAX_SIZE)
+    ap.add_argument("--world-size", type=positive_int_at_most(MAX_WORLD_SIZE), default=4,
+                    help=f"simulated ranks, 1 to {MAX_WORLD_SIZE}")
+    ap.add_argument("--rows-per-rank", type=size, default=40,
+                    help=f"M per rank, 1 to {MAX_SIZE} (need not divide the tile)")
+    ap.add_argument("-n", type=size, default=48, help=f"1 to {MAX_SIZE}")
+    ap.add_argument("-k", type=size, default=64, help=f"1 to {MAX_SIZE}")
     ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--engine", choices=("sm", "copy_engine"), default="sm")
     args = ap.parse_args(argv)
 
     W, Ms, N, K = args.world_size, args.rows_per_rank, args.n, args.k
+    _check_total(ap, W, Ms, N, K)
     rng = np.random.default_rng(args.seed)
     shards = [rng.standard_normal((Ms, K)).astype(np.float16) for _ in range(W)]
     b = rng.standard_normal((K, N)).astype(np.float16)
@@ -48,6 +60,16 @@ def main(argv=None) -> int:
     print(f"\n{'PASS' if good else 'FAIL'}: {result.launches} launches, {result.steps} scheduler steps, "
           "no races, no deadlocks, no stale signals")
     return 0 if good else 1
+
+
+def _check_total(ap: argparse.ArgumentParser, W: int, Ms: int, N: int, K: int) -> None:
+    """Each of the W ranks holds the gathered A (W*Ms x K) and C (W*Ms x N): sizes each within its
+    bound can still make W**2 times too much for a demo; a usage error says which numbers to lower."""
+    total = W * W * Ms * max(N, K)
+    if total > MAX_ELEMENTS:
+        ap.error(f"--world-size {W}, --rows-per-rank {Ms}, -n {N} and -k {K} make {total} elements of "
+                 f"gathered A or C on all ranks together (W * W * rows * max(N, K)); the demo allows at "
+                 f"most 2**24 = {MAX_ELEMENTS}: make one of them smaller")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Every ``TLDSL_*`` environment variable, in one table.
 
 Why one table: a variable read in one module and mentioned nowhere else is a setting nobody can
-find. Library code reads them through :func:`get`, which refuses a name the table lacks; the
+find. Library code reads them through :func:`get`, which refuses a name the table lacks (or through a
+checked reader of one variable, :data:`CHECKED_READERS`, which refuses a malformed value); the
 README's "Environment variables" section is :func:`markdown_table`'s output, and
 ``tests/test_env_vars.py`` fails when a file reads or sets a ``TLDSL_*`` variable that is not
 here, when an entry's readers no longer read it, or when the README's section is stale
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,32 @@ def get(name: str, default: str | None = None) -> str | None:
         raise KeyError(f"{name} is not in tldsl.env.VARIABLES: add it there (the README's table is generated "
                        "from it)")
     return os.environ.get(name) or default
+
+
+#: the checked readers of one variable each: function -> the variable it reads (tests/test_env_vars.py
+#: counts a call of one, ``env.wait_timeout_ns()``, as a read of its variable)
+CHECKED_READERS: dict[str, str] = {"wait_timeout_ns": "TLDSL_WAIT_TIMEOUT_NS"}
+
+#: a wait's timeout is an unsigned 64-bit count of nanoseconds in the kernels (``-D...ull``): a
+#: larger literal wraps (NVRTC makes 2**64 a 0, and then every wait that spins at all traps)
+MAX_WAIT_TIMEOUT_NS = 2 ** 64
+
+
+def wait_timeout_ns() -> int | None:
+    """``TLDSL_WAIT_TIMEOUT_NS`` as an int of nanoseconds, None when unset: the one reader of it,
+    so that a mistyped value is an InputError naming the variable (not int()'s ValueError, or a
+    timeout that wrapped to 0 in the kernels) before anything is compiled."""
+    text = get("TLDSL_WAIT_TIMEOUT_NS")
+    if text is None:
+        return None
+    try:
+        ns = int(text.strip())
+    except ValueError:
+        ns = 0
+    if not 1 <= ns < MAX_WAIT_TIMEOUT_NS:
+        raise InputError(f"TLDSL_WAIT_TIMEOUT_NS={text!r}: a positive int of nanoseconds below 2**64 (how long a "
+                         "wait spins before it traps; unset: no timeout)")
+    return ns
 
 
 def markdown_table() -> str:

@@ -232,6 +232,9 @@ class KernelFunction:
         kwargs = dict(kwargs)
         if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
             raise InputError(f"world size must be a positive int, got {world_size!r}")
+        # a plain int: a numpy one (equal, so one cache key) made the IR's world size and every
+        # estimate from it numpy, and the cached trace then broke later calls with the int
+        world_size = int(world_size)
         if len(specs) != len(self.tensor_params):
             raise InputError(f"kernel '{self.name}' takes {len(self.tensor_params)} tensors "
                              f"({', '.join(self.arg_names)}), got {len(specs)}")

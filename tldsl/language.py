@@ -463,6 +463,10 @@ def _workspace(shape, dtype, name, space):
     return TensorRef(buf)
 
 
+#: a signal's slots are named by 32-bit int channels (as tensor dimensions are indexed), so fewer than this
+MAX_SIGNAL_SLOTS = 2 ** 31
+
+
 def signal(name: str, slots: int, scope: str = "local") -> SignalRef:
     """An array of ``slots`` counters. ``scope='local'`` links parts of one rank
     (producer/consumer); ``'symmetric'`` gives every rank a copy that peers notify."""
@@ -472,8 +476,11 @@ def signal(name: str, slots: int, scope: str = "local") -> SignalRef:
              f"got {name!r}")
     if scope not in ("local", "symmetric"):
         fail(f"signal scope must be 'local' or 'symmetric', got {scope!r}")
-    if not isinstance(slots, numbers.Integral) or slots <= 0:
-        fail(f"signal '{name}' needs a positive number of slots, got {slots}")
+    if not isinstance(slots, numbers.Integral) or isinstance(slots, bool) or slots <= 0:
+        fail(f"signal '{name}' needs a positive number of slots, got {slots!r}")
+    if slots >= MAX_SIGNAL_SLOTS:
+        fail(f"signal '{name}' of {slots} slots: notifies and waits name a slot with a 32-bit int channel, so a "
+             "signal has fewer than 2**31 slots (one per tile or chunk it orders is the usual count)")
     unique = b.unique(name, b.signals)
     sig = core.Signal(unique, T.SignalType(int(slots), T.SignalScope(scope)),
                       loc=user_location(), cname=b.c_name(unique, b.signals))

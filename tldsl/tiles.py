@@ -93,6 +93,10 @@ class Tile:
         "round() / math.floor() of a tile: floor-divide by 1 (t // 1.0 floors, (t + 0.5) // 1.0 rounds halves up), "
         "or cast to tl.int32 (truncates toward zero)")
     __divmod__ = __rdivmod__ = refusing("divmod() of tiles: write a // b and a % b")
+    __setitem__ = __delitem__ = refusing(
+        "tiles are immutable: t[...] = value cannot change one. Make a new tile, tl.where(mask, value, t) with a "
+        "mask from tl.iota (e.g. (tl.iota(BM) == 0)[:, None]), or keep a tl.fragment and write it whole "
+        "(frag[...] = tile)")
     __hash__ = object.__hash__
 
     @property

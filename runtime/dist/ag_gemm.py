@@ -156,14 +156,14 @@ class AllGatherMatmul(EngineOp):
                 enqueue=enqueue, pusher=pusher, stage_waves=stage_waves, spare_outputs=spare_outputs)
         # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
         self._lease = Lease(self.ctx, f"AllGatherMatmul({self.Ms}, {self.K}, {self.N})", self)
-        timeout = env.get("TLDSL_WAIT_TIMEOUT_NS")   # debug: a wait that spins too long reports and traps
+        timeout = env.wait_timeout_ns()     # TLDSL_WAIT_TIMEOUT_NS (debug: a wait that spins too long reports and traps)
         self.comm, self.handshake = comm, None
         self.compute = compute or DEFAULT_COMPUTE       # (the pull / push engine may refine it: their docstrings)
         self.launches, self.debug = 0, bool(env.get("TLDSL_DEBUG"))
         options = BuildOptions(compute_given=compute is not None, handshake=handshake, staging=staging,
                                staging_given=staging_given, stage_waves=stage_waves, enqueue=enqueue,
                                spare_outputs=spare_outputs, pusher=pusher, ce_executor=ce_executor,
-                               wait_timeout_ns=int(timeout) if timeout else None)
+                               wait_timeout_ns=timeout)
         recipe = choose("AllGatherMatmul", comm, ce_executor)
         engine_cls = _ProgramAllGather if recipe is None else recipe.engine_class()
         self._engine = engine_cls(self, progress, options)

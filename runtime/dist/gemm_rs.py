@@ -226,9 +226,8 @@ class MatmulReduceScatter(EngineOp):
                                 partial_dtype=partial_dtype)
             self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
                                                 compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
-            timeout = env.get("TLDSL_WAIT_TIMEOUT_NS")
-            self.wait_timeout_ns = int(timeout) if timeout else None
-            opts = {"wait_timeout_ns": self.wait_timeout_ns} if timeout else {}
+            self.wait_timeout_ns = env.wait_timeout_ns()     # TLDSL_WAIT_TIMEOUT_NS, checked
+            opts = {"wait_timeout_ns": self.wait_timeout_ns} if self.wait_timeout_ns is not None else {}
             self.lowered_gemm = lower(self.ir, "gemm", **opts)
         # every symmetric block of the op, from here on: freed by close() only (symmetric.py)
         self._lease = Lease(self.ctx, f"MatmulReduceScatter({m}, {k}, {n})", self)

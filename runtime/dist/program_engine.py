@@ -20,8 +20,8 @@ from .program_op import FusedProgram
 def wait_timeout_s() -> float | None:
     """``TLDSL_WAIT_TIMEOUT_NS`` (debugging: a wait that spins longer traps, and the host's
     ``synchronize`` / ``close`` give up after as long) in seconds, or None."""
-    ns = env.get("TLDSL_WAIT_TIMEOUT_NS")
-    return int(ns) / 1e9 if ns else None
+    ns = env.wait_timeout_ns()          # (an InputError naming it when malformed)
+    return ns / 1e9 if ns is not None else None
 
 
 class ProgramEngine(Engine):

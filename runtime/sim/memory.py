@@ -23,10 +23,12 @@ _KIND = {READ: "read", WRITE: "write"}
 
 def host_array(x) -> np.ndarray:
     """A caller's array as a fresh numpy array: anything numpy takes, or a torch tensor on any
-    device (bf16 as float32, which numpy can hold; torch refuses to hand numpy its bf16)."""
+    device (bf16 as float32, which numpy can hold; torch refuses to hand numpy its bf16), its
+    negative or conjugate bit resolved (a lazy view some torch ops return, whose ``.numpy()`` torch
+    refuses: the values it stands for are what the caller means)."""
     torch = sys.modules.get("torch")           # (a caller holding a tensor has imported torch)
     if torch is not None and isinstance(x, torch.Tensor):
-        t = x.detach().cpu()
+        t = x.detach().cpu().resolve_conj().resolve_neg()
         return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy().copy()
     return np.array(x, copy=True)
 

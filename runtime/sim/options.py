@@ -1,6 +1,7 @@
 """The simulator's one options object."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -83,3 +84,11 @@ class SimOptions:
             raise SimOptionsError(f"compute_slots must be None or a positive int, got {self.compute_slots}")
         if self.progress is not None and not isinstance(self.progress, bool) and not callable(self.progress):
             raise SimOptionsError(f"progress must be None, True, False or a function of a SimProgress, got {self.progress!r}")
+        if self.max_steps < 1:
+            raise SimOptionsError(f"max_steps must be a positive int (scheduler steps before giving up), got {self.max_steps}")
+        if self.warn_steps is not None and self.warn_steps < 0:
+            raise SimOptionsError(f"warn_steps must be None (never warn) or an int of 0 or more (the estimated "
+                                  f"scheduler steps above which simulate warns), got {self.warn_steps}")
+        if not 0 <= self.progress_interval_s < math.inf:       # (NaN fails this too)
+            raise SimOptionsError(f"progress_interval_s must be a finite number of seconds, 0 or more, got "
+                                  f"{self.progress_interval_s!r}")

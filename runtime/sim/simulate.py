@@ -189,6 +189,7 @@ def checked_call(kernel, world_size, inputs, seed, options, kwargs: dict, who: s
             raise InputError(f"{who} needs world_size")
         if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
             raise InputError(f"world size must be a positive int, got {world_size!r}")
+        world_size = int(world_size)        # a numpy int made the estimates numpy too
         per_rank = _per_rank_inputs(kernel.arg_names, inputs, world_size)
         _check_uniform(kernel.arg_names, per_rank, kernel.symmetric)
         return kernel.trace_checked(world_size, per_rank[0], kwargs, channels=channels and options.static_checks), \
@@ -347,9 +348,9 @@ def _reporter(options: SimOptions, expected_steps: int, long_run: bool, launches
     """Who hears of progress: the caller's function, stderr, or nobody (see SimOptions.progress;
     ``TLDSL_QUIET`` silences the lines a long run would print unasked)."""
     show = options.progress
-    if show is None:
-        show = long_run and env.get("TLDSL_QUIET", "0") == "0"
-    if show is False:
+    if show is None:        # (bool(): an estimate from numpy ints is a numpy bool, never ``is False``)
+        show = bool(long_run) and env.get("TLDSL_QUIET", "0") == "0"
+    if not callable(show) and not show:
         return None
     callback = print_progress if show is True else show
     return ProgressReporter(callback, options.progress_interval_s, expected_steps, launches)

@@ -1,5 +1,6 @@
-"""argparse types of the commands' numbers: a count of zero or below, or a seed below zero, is a
-usage error in one line (exit 2), not a traceback from deep inside the command."""
+"""argparse types of the commands' numbers: a count of zero or below, a seed below zero, or a size
+past a command's bound is a usage error in one line (exit 2), not a traceback from deep inside the
+command (or a hang)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,18 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
     return value
+
+
+def positive_int_at_most(high: int):
+    """The argparse type of an int from 1 to ``high``: a size a command allocates from (a world
+    size, rows), where a huge number would spin or run out of memory before anything said why."""
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text}")
+        return value
+    parse.__name__ = f"positive int at most {high}"
+    return parse
 
 
 def nonnegative_int(text: str) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import all_gather
 from tldsl.ops.registry import register
-from tldsl.runtime.sim.memory import host_operand, nan_like
+from tldsl.runtime.sim.memory import host_float32, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
 
@@ -51,6 +51,7 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
                             + (f"an empty {type(a_shards).__name__}" if isinstance(a_shards, (list, tuple))
                                else type(a_shards).__name__))
     W = len(a_shards)
+    b_names = [f"b[{r}]" for r in range(W)] if isinstance(b, (list, tuple)) else ["b"] * W
     bs = list(b) if isinstance(b, (list, tuple)) else [b] * W
     if len(bs) != W:
         raise tl.InputError(f"got {W} A shards but {len(bs)} B matrices")
@@ -68,6 +69,7 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
     if not floating:                    # (refused before the output is poisoned with NaN, which it cannot hold)
         raise tl.InputError(f"a_shards: floating-point arrays (float16, bfloat16 or float32), got "
                             f"{getattr(a_shards[0], 'dtype', None)}")
+    _check_operands(a_shards, bs, b_names)
     inputs = [{"a": a_shards[r], "b": bs[r], "c": nan_like(a_shards[0], (W * Ms, N))} for r in range(W)]
     kwargs = {k: v for k, v in (("compute", compute), ("comm", comm)) if v is not None}
     res = tl.simulate(allgather_gemm, W, inputs, seed=seed, options=options, **kwargs)
@@ -77,10 +79,41 @@ def fused_all_gather_matmul(a_shards, b, *, compute=None, comm=None, seed: int =
             for r in range(W)]
 
 
+def _check_operands(a_shards, bs, b_names) -> None:
+    """What the kernel would refuse inside its own lines (a tl.static_assert, tl.dot, the gathered
+    buffer's shape), refused here naming the caller's argument: shards with rows and columns, and
+    every B of the shards' K rows and their dtype."""
+    spec = tl.TensorSpec.of(a_shards[0], "a_shards[0]")
+    Ms, K = spec.shape
+    if Ms == 0 or K == 0:
+        raise tl.InputError(f"a_shards: each shard needs at least one row and one column, got shape [{Ms}, {K}]")
+    for name, x in zip(b_names, bs):
+        Kb, N = np.shape(x)
+        if Kb != K or N == 0:
+            raise tl.InputError(f"{name} is [{Kb}, {N}] but the A shards are [{Ms}, {K}]: B must be [{K}, N] with "
+                                f"N >= 1 (all_gather(A) @ B)")
+        b_dtype = tl.TensorSpec.of(x, name).dtype
+        if b_dtype != spec.dtype:
+            raise tl.InputError(f"{name} is {b_dtype} but the A shards are {spec.dtype}: A and B must share a dtype "
+                                f"(cast one first)")
+
+
 def reference(a_shards, b):
-    """numpy: every rank's output of all_gather(A) @ B (fp32 accumulation)."""
-    a = np.concatenate([np.asarray(x, np.float32) for x in a_shards], axis=0)
-    return a @ np.asarray(b, np.float32)
+    """numpy: every rank's output of all_gather(A) @ B (fp32 accumulation). The operands: numpy
+    arrays or torch tensors (bf16 too); shapes that do not fit are an InputError naming them."""
+    what = "allgather_gemm.reference"
+    if not isinstance(a_shards, (list, tuple)) or not a_shards:
+        raise tl.InputError(f"{what}: a_shards must be a non-empty list of [Ms, K] shards, one per rank, got "
+                            f"{type(a_shards).__name__}")
+    shards = [host_float32(f"{what}: a_shards[{r}]", x, 2) for r, x in enumerate(a_shards)]
+    b = host_float32(f"{what}: b", b, 2)
+    K = shards[0].shape[1]
+    if any(x.shape[1] != K for x in shards):
+        raise tl.InputError(f"{what}: the A shards must share K (their columns), got shapes "
+                            f"{[list(x.shape) for x in shards]}")
+    if b.shape[0] != K:
+        raise tl.InputError(f"{what}: b is {list(b.shape)} but the A shards have K={K} columns: b must be [{K}, N]")
+    return np.concatenate(shards, axis=0) @ b
 
 
 # -- registration for the tests ------------------------------------------------------------

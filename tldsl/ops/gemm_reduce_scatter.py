@@ -19,6 +19,7 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import PARTIAL_DTYPES, own_rows_waiting_in_a_cycle, partial_buffer, reduce_scatter
 from tldsl.ops.registry import register
+from tldsl.runtime.sim.memory import host_float32
 from tldsl.testing import OpCase, OpSpec
 
 
@@ -62,8 +63,27 @@ def _own_rows_waiting_in_a_cycle(compute: tl.ComputeSchedule, comm: tl.CommSched
 
 
 def reference(a_slices, b_slices):
-    """numpy: the full reduced product sum_r a_r @ b_r (fp32); rank r's out is rows r*M/W:(r+1)*M/W."""
-    return sum(np.asarray(a, np.float32) @ np.asarray(b, np.float32) for a, b in zip(a_slices, b_slices))
+    """numpy: the full reduced product sum_r a_r @ b_r (fp32); rank r's out is rows r*M/W:(r+1)*M/W.
+    One ``a`` [M, Kr] and one ``b`` [Kr, N] slice per rank (numpy arrays or torch tensors): other
+    counts or shapes are an InputError naming them (``zip`` dropped a rank's slice silently)."""
+    what = "gemm_reduce_scatter.reference"
+    for name, xs in (("a_slices", a_slices), ("b_slices", b_slices)):
+        if not isinstance(xs, (list, tuple)) or not xs:
+            raise tl.InputError(f"{what}: {name} must be a non-empty list with one slice per rank, got "
+                                f"{type(xs).__name__}")
+    if len(a_slices) != len(b_slices):
+        raise tl.InputError(f"{what}: one a and one b slice per rank, got {len(a_slices)} a_slices and "
+                            f"{len(b_slices)} b_slices")
+    a = [host_float32(f"{what}: a_slices[{r}]", x, 2) for r, x in enumerate(a_slices)]
+    b = [host_float32(f"{what}: b_slices[{r}]", x, 2) for r, x in enumerate(b_slices)]
+    for r, (ar, br) in enumerate(zip(a, b)):
+        if ar.shape[1] != br.shape[0]:
+            raise tl.InputError(f"{what}: a_slices[{r}] is {list(ar.shape)} but b_slices[{r}] is {list(br.shape)}: "
+                                f"rank {r} multiplies [M, Kr] @ [Kr, N], so their inner dimensions must agree")
+    if len({ar.shape[0] for ar in a}) > 1 or len({br.shape[1] for br in b}) > 1:
+        raise tl.InputError(f"{what}: every rank's product is [M, N] of one M and N, got a_slices of shapes "
+                            f"{[list(x.shape) for x in a]} and b_slices of {[list(x.shape) for x in b]}")
+    return sum(ar @ br for ar, br in zip(a, b))
 
 
 # -- registration for the tests ------------------------------------------------------------

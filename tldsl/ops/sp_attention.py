@@ -250,6 +250,10 @@ def _check_layout(world_size, seq_per_rank, layout, what):
 
 def positions(world_size: int, seq_per_rank: int, layout: str = "contiguous") -> np.ndarray:
     """``[W, Sl]`` int64: the global position of every row of every rank in ``layout``."""
+    if not _positive_int(seq_per_rank):      # (a negative count made an empty array without a word)
+        raise InputError(f"sp_attention.positions: seq_per_rank must be a positive int (rows per rank), got "
+                         f"{seq_per_rank!r}")
+    seq_per_rank = int(seq_per_rank)
     _check_layout(world_size, seq_per_rank, layout, "sp_attention.positions")
     return np.array([np.concatenate([np.arange(p, p + n) for p, n in pieces])
                      for pieces in _layout_pieces(world_size, seq_per_rank, layout)], np.int64).reshape(

@@ -116,6 +116,27 @@ def gated_gemm(a, b, c, bias, out, *, compute: tl.ComputeSchedule = None, gate: 
 
 
 @tl.kernel
+def gated_linear(a, wb, c, bias, out, *, compute: tl.ComputeSchedule = None, gate: str = "relu"):
+    """``gated_gemm`` with its first weight stored [N, K], as a torch ``Linear`` keeps it, and read
+    as ``tl.trans(tile)``: one right operand staged K-major (as loaded), the other MN-major."""
+    M, K = a.shape
+    N = wb.shape[0]
+    BM, BN, BK = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        h = tl.fragment((BM, BN), tl.float32)
+        g = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            x = tl.load(a, (pm * BM, k), (BM, BK))
+            h += tl.dot(x, tl.trans(tl.load(wb, (pn * BN, k), (BN, BK))))
+            g += tl.dot(x, tl.load(c, (k, pn * BN), (BK, BN)))
+        z = h.read() + tl.load(bias, (pn * BN,), (BN,)).to(tl.float32)[None, :]
+        act = tl.maximum(z, 0.0) if gate == "relu" else z * tl.sigmoid(z)
+        tl.store(out, (pm * BM, pn * BN), act * g.read())
+
+
+@tl.kernel
 def column_sums(x, y, *, compute: tl.ComputeSchedule = None):
     """A traced loop bound (tl.range over a load_scalar'd length), a fragment updated in place, a
     guard (tl.when), tl.static_range, min over axis 0, expand_dims / broadcast_to / trans."""
@@ -316,6 +337,13 @@ CASES = [
     case("gated_gemm-bf16-silu-pipelined-unaligned", gated_gemm, [((130, 100), BF16), ((100, 66), BF16),
                                                                   ((100, 66), BF16), ((66,), BF16), ((130, 66), F32)],
          (64, 64, 64), gate="silu"),
+    # a right operand stored [N, K] and transposed in the dot (a torch Linear's weight): staged as
+    # loaded, K-major, beside an MN-major one
+    case("gated_linear-f16-pipelined", gated_linear, [((200, 200), F16), ((136, 200), F16), ((200, 136), F16),
+                                                      ((136,), F16), ((200, 136), F16)], (128, 128, 64)),
+    case("gated_linear-bf16-silu-pipelined-unaligned", gated_linear, [((130, 100), BF16), ((66, 100), BF16),
+                                                                      ((100, 66), BF16), ((66,), BF16),
+                                                                      ((130, 66), F32)], (64, 64, 64), gate="silu"),
     # WGMMA dots whose accumulators do not fit beside their operands: the accumulators go to the
     # scratch, the staging of the operands never does
     case("gated_gemm-f16-256-wgmma-spilled", gated_gemm, [((300, 70), F16), ((70, 270), F16), ((70, 270), F16),
@@ -807,7 +835,9 @@ def test_a_loop_that_only_loads_and_accumulates_dots_runs_as_a_pipelined_mainloo
     (lp,) = plan.dot_loops.values()
     assert len(lp.dots) == 2 and len(lp.loads) == 3 and lp.stages >= 3
     assert plan.threads == 128 * lp.warpgroups and lp.mb * lp.warpgroups * 64 == tile[0]
-    assert {ld.role for ld in lp.loads} == {"a", "b"} and not plan.wgmma and not plan.stagings
+    transposed = fn is gated_linear            # its first weight [N, K]: a right operand staged K-major
+    assert {ld.role for ld in lp.loads} == ({"a", "b", "bt"} if transposed else {"a", "b"})
+    assert [d.b_k_major for d in lp.dots] == [transposed, False] and not plan.wgmma and not plan.stagings
     assert all(d.fill == 0.0 for d in lp.dots)       # registers start from the fill: no slot read
     ring = plan.rings[id(lp.loop)]
     assert ring.nbytes == lp.ring_bytes == lp.stages * lp.stage_bytes + 1024 + (8 * lp.stages if lp.tma else 0)
@@ -817,6 +847,7 @@ def test_a_loop_that_only_loads_and_accumulates_dots_runs_as_a_pipelined_mainloo
         assert plan.slots[d.frag.id].start > ring.end
     lk = lower(k, "part")
     assert lk.wgmma_dots == 2 and lk.source.count("tldsl::gen::wgmma_staged<") == 2
+    assert lk.source.count(", true>(") == int(transposed)           # the K-major right operand's WGMMA
     if lp.tma:                                       # one thread's TMA copies, an mbarrier a stage
         assert "tma_stage_tile<" in lk.source and "stage_bar_wait(" in lk.source and len(lk.tma) == 3
         assert [p.source for p in lk.params if p.kind == "tma"] == [f"tma:{t.param}" for t in lk.tma]

@@ -365,12 +365,14 @@ def test_dots_on_wgmma_agree_with_the_simulator(name, threads):
 
 
 @pytest.mark.parametrize("name", ["gated_gemm-f16-pipelined", "gated_gemm-bf16-silu-pipelined-unaligned", "large",
-                                  "large-inflight0"])
+                                  "large-inflight0", "gated_linear-f16-pipelined",
+                                  "gated_linear-bf16-silu-pipelined-unaligned"])
 def test_pipelined_dot_loops_agree_with_the_simulator(name):
     """Loops that only load and accumulate dots, run as a mainloop (cp.async ring, WGMMA on the
     staged tiles, accumulators in registers): edges of M, N and K, rows that are not 16-byte
-    multiples (staged element by element), and a larger product in the schedule's swizzled order
-    with several K tiles per stage pass."""
+    multiples (staged element by element), a larger product in the schedule's swizzled order
+    with several K tiles per stage pass, and a right operand stored [N, K] and transposed in the
+    dot (staged as loaded, K-major: ``gated_linear``)."""
     from test_codegen_general import CASES, F16, _specs, gated_gemm, inputs_for, trace
     extra = {"lowering": {"wgmma_inflight": 0}} if name.endswith("inflight0") else {}
     if name.startswith("large"):

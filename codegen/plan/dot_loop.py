@@ -9,7 +9,9 @@ registers. Which loops qualify (:func:`find_dot_loops`):
   ``frag += tl.dot(x, y)`` (a ``frag_read``, an ``add``, a ``frag_write``), each fragment
   accumulated by one dot and touched by nothing else in the loop;
 * every load is a whole 2-D tile of a 2-D tensor of this rank, f16 or bf16, read only by dots of
-  the loop, always as the same operand (left operands are staged K-major, right ones MN-major);
+  the loop, always as the same operand (left operands are staged K-major, right ones MN-major —
+  or K-major, a right operand ``tl.trans(w_tile)`` of a ``[N, K]`` tensor such as a torch
+  ``Linear``'s weight: the tile is staged as it is loaded, rows of K, and the WGMMA reads it so);
 * every dot: both operands such loads of one dtype, M and K multiples of 64, N one of 64, 128,
   192, 256 (the staged layout's 128-byte chunks and the WGMMA N); all dots of the loop share M;
 * a CTA of one warpgroup per 64-row block of M (M 64 or 128), each thread holding at most
@@ -45,7 +47,7 @@ class StagedLoad:
     op: core.Op
     offset: int
     nbytes: int
-    role: str                     # "a" (K-major) or "b" (MN-major)
+    role: str                     # "a" (K-major), "b" (MN-major) or "bt" (a right operand transposed: K-major)
     tma: TmaDescriptorSpec | None = None
 
 
@@ -59,6 +61,11 @@ class StagedDot:
     ops: tuple                    # frag_read, add, frag_write
     fill: float | None            # the fragment's fill where its registers start from it (no slot
                                   # read: the frag_alloc is absorbed), else None (read the slot)
+    trans: core.Op | None = None  # the ``trans`` of a K-major right operand (replaced: only a layout)
+
+    @property
+    def b_k_major(self) -> bool:
+        return self.trans is not None
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,7 @@ class DotLoop:
         """ids of the body's tile ops the mainloop replaces."""
         out = {id(ld.op) for ld in self.loads}
         for d in self.dots:
-            out |= {id(d.op)} | {id(o) for o in d.ops}
+            out |= {id(d.op)} | {id(o) for o in d.ops} | ({id(d.trans)} if d.trans is not None else set())
         return out
 
 
@@ -186,12 +193,15 @@ def _structure(part: core.Part, loop: core.Op, users: dict) -> tuple | None:
     body = loop.regions[0].ops
     loads: dict[int, list] = {}
     dots = []
+    transposed: list[core.Op] = []
     claimed: set[int] = set()
     for op in body:
         if op.name in INDEX_OPS:
             continue
         if op.name == "load":
             loads[id(op)] = [op, None]
+        elif op.name == "trans":
+            transposed.append(op)       # a K-major right operand's (checked with the dots below)
         elif op.name == "dot":
             found = _staged_dot(op, body, users)
             if found is None:
@@ -215,28 +225,34 @@ def _structure(part: core.Part, loop: core.Op, users: dict) -> tuple | None:
     M = None
     for op, _, _ in dots:
         a, b = op.operands
+        b_role = "b"
+        if isinstance(b.owner, core.Op) and b.owner.name == "trans" and b.owner in body \
+                and [u.name for u in users.get(b.id, [])] == ["dot"]:
+            b, b_role = b.owner.operands[0], "bt"     # a right operand transposed: staged K-major, as loaded
         if not (isinstance(a.owner, core.Op) and id(a.owner) in loads and isinstance(b.owner, core.Op)
                 and id(b.owner) in loads):
             return None
-        (m, k), n = a.type.shape, b.type.shape[1]
+        (m, k), n = a.type.shape, op.operands[1].type.shape[1]
         if a.type.dtype.name not in MMA_INPUTS or a.type.dtype != b.type.dtype or m % 64 or k % 64 \
                 or n not in STAGED_N:
             return None
         if M not in (None, m):
             return None
         M = m
-        for v, role in ((a, "a"), (b, "b")):
+        for v, role in ((a, "a"), (b, b_role)):
             entry = loads[id(v.owner)]
             if entry[1] not in (None, role):
-                return None         # one load as a left and a right operand: two layouts
+                return None         # one load as two operands of different layouts
             entry[1] = role
+    if any(t not in (op.operands[1].owner for op, _, _ in dots) for t in transposed):
+        return None                 # a transpose that is not a dot's right operand
     for op, role in loads.values():
         buf = op.operands[0].owner
         shape = tuple(op.result.type.shape)
         if role is None or len(shape) != 2 or tuple(op.attrs["shape"]) != shape or len(buf.type.shape) != 2 \
                 or elem_bytes(buf.type.dtype) != 2 or shape[1] % 64 or shape[0] % 8:
             return None
-        if any(u.name != "dot" for u in users.get(op.result.id, [])):
+        if any(u.name != ("trans" if role == "bt" else "dot") for u in users.get(op.result.id, [])):
             return None
     return loads, dots, M
 
@@ -272,6 +288,18 @@ def _descriptor(op: core.Op) -> TmaDescriptorSpec | None:
                              (ncols * 2,), (64, R), (1, 1), SWIZZLE[128])
 
 
+def _trans_of(dot: core.Op) -> core.Op | None:
+    """The ``trans`` a dot's right operand goes through (staged K-major), else None."""
+    b = dot.operands[1].owner
+    return b if isinstance(b, core.Op) and b.name == "trans" else None
+
+
+def _right_load(dot: core.Op) -> core.Value:
+    """The loaded tile behind a dot's right operand (under its ``trans``, if any)."""
+    t = _trans_of(dot)
+    return t.operands[0] if t is not None else dot.operands[1]
+
+
 def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: int | None = None,
                    copies: str = "tma") -> list[DotLoop]:
     """Every loop of the part that runs as a pipelined mainloop (see the module docstring), with
@@ -298,8 +326,8 @@ def find_dot_loops(part: core.Part, threads: int | None, stages: int, inflight: 
         if not all(ld.tma is not None for ld in staged):
             staged = [replace(ld, tma=None) for ld in staged]
         by_load = {id(s.op): s for s in staged}
-        sdots = tuple(StagedDot(d, by_load[id(d.operands[0].owner)].op, by_load[id(d.operands[1].owner)].op, f, ops,
-                                _fill(part, loop, f)) for d, f, ops in dots)
+        sdots = tuple(StagedDot(d, by_load[id(d.operands[0].owner)].op, by_load[id(_right_load(d).owner)].op, f, ops,
+                                _fill(part, loop, f), _trans_of(d)) for d, f, ops in dots)
         out.append(DotLoop(loop, tuple(staged), sdots, off, max(MIN_STAGES, min(MAX_STAGES, stages)), w, inflight))
     return out
 

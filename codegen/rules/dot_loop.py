@@ -104,7 +104,8 @@ def emit_dot_loop(em, lp: DotLoop, ind: str, lines: list[str], barrier: str) -> 
     for d in lp.dots:
         (M, K), N = d.op.operands[0].type.shape, d.op.operands[1].type.shape[1]
         kind = MMA_KIND[d.op.operands[0].type.dtype.name]
-        L.append(f"{i2}tldsl::gen::wgmma_staged<{kind}, {M}, {N}, {K}, {lp.mb}>(t{k} + {offs[id(d.a)]}, "
+        b_major = ", true" if d.b_k_major else ""      # a right operand transposed: staged K-major
+        L.append(f"{i2}tldsl::gen::wgmma_staged<{kind}, {M}, {N}, {K}, {lp.mb}{b_major}>(t{k} + {offs[id(d.a)]}, "
                  f"t{k} + {offs[id(d.b)]}, {accs[d.op.result.id]}, {wg});{marker(d.op.loc)}")
     L.append(f"{i2}tldsl::gen::wgmma_commit();")
     if not lp.tma:                  # every thread's copies, while the WGMMAs run

@@ -230,17 +230,21 @@ TLDSL_DEV void wgmma_wait() {
 }
 
 // acc += A[M x K] @ B[K x N], both staged (stage_tile_sw128), warpgroup `wg` on its MB blocks.
-template <MmaKind Kind, int M, int N, int K, int MB>
+// BKMajor: B was loaded as an [N x K] tile (the dot's `tl.trans(w_tile)`) and staged so, K-major as A.
+template <MmaKind Kind, int M, int N, int K, int MB, bool BKMajor = false>
 TLDSL_DEV void wgmma_staged(const unsigned char* sa, const unsigned char* sb, DotAcc<MB, N>& acc, int wg) {
   static_assert(M % 64 == 0 && N % 64 == 0 && N <= 256 && K % 64 == 0, "staged dot shapes");
 #if !defined(TLDSL_HOST_EMULATION)
-  using Gmma = typename GmmaSS<Kind, N, cute::SM90::GMMA::Major::MN>::type;
+  using Gmma = typename GmmaSS<Kind, N, BKMajor ? cute::SM90::GMMA::Major::K : cute::SM90::GMMA::Major::MN>::type;
   constexpr uint64_t kDescA = sm90::gmma_desc_bits(128, 16, 1024);       // K-major, swizzled: LBO unused
-  constexpr uint64_t kDescB = sm90::gmma_desc_bits(128, K * 128, 1024);  // MN-major: LBO = chunk stride
+  constexpr uint64_t kDescB = BKMajor ? kDescA                             // K-major: as A
+                                      : sm90::gmma_desc_bits(128, K * 128, 1024);  // MN-major: LBO = chunk stride
   const uint32_t a0 = (uint32_t)__cvta_generic_to_shared(sa), b0 = (uint32_t)__cvta_generic_to_shared(sb);
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    const uint64_t db = kDescB | uint64_t(((b0 + kk * 16 * 128) & 0x3FFFF) >> 4);
+    // B's k16 step: a row block of K (MN-major), or 32 bytes along the rows of its K chunk (K-major)
+    const uint32_t b = BKMajor ? b0 + (kk / 4) * (N * 128) + (kk % 4) * 32 : b0 + kk * 16 * 128;
+    const uint64_t db = kDescB | uint64_t((b & 0x3FFFF) >> 4);
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
       const uint32_t a = a0 + (kk / 4) * (M * 128) + (wg * MB + m) * 64 * 128 + (kk % 4) * 32;
@@ -262,7 +266,7 @@ TLDSL_DEV void wgmma_staged(const unsigned char* sa, const unsigned char* sb, Do
       const int i = (wg * MB + m) * 64 + warp * 16 + lane / 4 + 8 * ((v / 2) % 2);
       const int j = (v / 4) * 8 + 2 * (lane % 4) + v % 2;
       float s = acc.v[m][v];
-      for (int k = 0; k < K; ++k) s += at(sa, M, i, k) * at(sb, K, k, j);
+      for (int k = 0; k < K; ++k) s += at(sa, M, i, k) * (BKMajor ? at(sb, N, j, k) : at(sb, K, k, j));
       acc.v[m][v] = s;
     }
 #endif

@@ -388,6 +388,22 @@ def test_pipelined_dot_loops_agree_with_the_simulator(name):
     assert "pipelined dot loop" in lk.source and lk.dots == lk.wgmma_dots == 2, lk.describe()
 
 
+@pytest.mark.parametrize("name", ["128x128 ping-pong", "128x256 half tiles", "128x256 clusters", "64x128 pairs",
+                                  "64x256 split columns", "128x128 gathered", "128x256x32 (64-byte swizzle)"])
+def test_grouped_gemms_of_weights_stored_n_by_k_agree_with_the_simulator(name):
+    """Experts' weights stored [E, N, K] (a stack of torch Linear weights), read as
+    ``tl.trans(tile)``: the grouped recipe stages them K-major under each of its configurations;
+    tiles full, partial (half tiles), and skipped (expert -1), outputs poisoned with NaN."""
+    from test_codegen_grouped_k_major import CONFIGS, experts_nk, inputs, trace_experts
+    cfg = dict(CONFIGS[name], dt=tl.float16)
+    k = trace_experts(**cfg)
+    kw = {key: cfg[key] for key in ("gather", "mask") if key in cfg}
+    sched = tl.ComputeSchedule(tile=cfg["tile"], stages=cfg["stages"], cluster=(cfg.get("cluster", 1), 1))
+    res = both(experts_nk, 1, [inputs(k, 3, np.float16)], compute=sched, **kw)
+    [item] = res.plan.kernels
+    assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.config.b_k_major
+
+
 @pytest.mark.parametrize("sms", [None, 3])
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
     """Every generated program whose parts all lower and compile agrees with the simulator; on

@@ -42,6 +42,7 @@ class GroupedGemmMatch:
     out_dtype: str
     row_limit: core.Value | None = None     # n of a row mask: the stored tile's rows >= n are zeros
     row_mask: tuple[core.Op, ...] = ()      # its ops (where, lt, expand_dims, iota)
+    b_k_major: bool = False                 # B stored [N, K] / [E, N, K], its tile transposed in the dot
 
 
 ROW_MASK = "tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)"
@@ -101,6 +102,11 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
 
     # the K loop: acc += tl.dot(A, B), plus index arithmetic
     body = [op for op in loop.regions[0].ops if op.name not in ("const", "arith")]
+    # B stored [N, K] ([E, N, K]: a stack of torch Linear weights): `tl.dot(a, tl.trans(b_tile))`
+    trans = [op for op in body if op.name == "trans"]
+    b_k_major = len(trans) == 1 and dot.operands[1] is trans[0].result
+    if b_k_major:
+        body.remove(trans[0])
     if sorted(op.name for op in body) != sorted(["load", "load", "dot", "frag_read", "ewise", "frag_write"]) and \
             sorted(op.name for op in body) != sorted(["load_rows", "load", "dot", "frag_read", "ewise", "frag_write"]):
         other = next((op for op in body if op.name not in ("load", "load_rows", "dot", "frag_read", "ewise",
@@ -109,6 +115,8 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                    f"{[op.name for op in body]}" + (f" ('{other.name}' is not lowered there)" if other is not loop
                                                      else ""), other)
     a_load, b_load = dot.operands[0].owner, dot.operands[1].owner
+    if b_k_major:
+        b_load = trans[0].operands[0].owner
     if not (isinstance(a_load, core.Op) and a_load in body and isinstance(b_load, core.Op) and b_load in body):
         raise fail(WHAT, "tl.dot must multiply two tiles loaded in the K loop", dot)
     if b_load.name != "load":
@@ -204,5 +212,5 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                                    kind="a grouped-GEMM compute part", hint="only index arithmetic, table reads, "
                                    "waits, the K loop, the accumulator's store and notifies are lowered")
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
-                            batched, rows, batch, c.type.dtype.name, row_limit, mask_ops)
+                            batched, rows, batch, c.type.dtype.name, row_limit, mask_ops, b_k_major)
 

@@ -102,6 +102,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     if cfg is None:
         cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
                             notify_slots=ring, pingpong=not m.gather)
+    if m.b_k_major:     # the same shared memory, B's stages chunked along K as A's
+        cfg = replace(cfg, b_k_major=True)
     if m.gather and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=GATHER_REGS[0], consumer_regs=GATHER_REGS[1])
     # half tiles, but not with a part folded in: there every tile computes its 128 rows (measured on one
@@ -182,6 +184,7 @@ def paired_config(kernel: core.Kernel, m: GroupedGemmMatch, sched: ComputeSchedu
                             notify_slots=ring, pingpong=False)
     except LoweringError:
         return None
+    cfg = replace(cfg, b_k_major=m.b_k_major)
     return replace(cfg, half_tiles=True, pair_rows=True) if half_tiles_fit(cfg) else None
 
 
@@ -194,7 +197,7 @@ def half_tiles_fit(cfg: GemmConfig) -> bool:
         return True
     half = cfg.BN // 2
     return (cfg.BM == 128 and cfg.consumer_wgs == 2 and not cfg.split_n and cfg.BN % 16 == 0
-            and half % cfg.EC == 0 and half % cfg.EB == 0)
+            and half % cfg.EC == 0 and (cfg.b_k_major or half % cfg.EB == 0))
 
 
 #: threads of a folded part: warps 1-3 of the producer warpgroup (warp 0 issues the TMA loads)
@@ -280,11 +283,14 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
         raise fail(WHAT, f"A and C must be 2-d and B 2-d or 3-d ([E, K, N]); got A {list(at.shape)}, "
                    f"B {list(bt.shape)}, C {list(ct.shape)}", m.dot)
     Ma, K = at.shape
-    Kb, N = bt.shape[-2:]
+    Kb, N = tuple(reversed(bt.shape[-2:])) if m.b_k_major else bt.shape[-2:]
     if Kb != K or ct.shape[1] != N:
-        raise fail(WHAT, f"shapes do not form a GEMM: A {list(at.shape)}, B {list(bt.shape)}, C {list(ct.shape)}",
-                   m.dot)
-    check_tiles(WHAT, m.a_load.attrs["shape"], m.b_load.result.type.shape, m.frag.attrs["shape"], sched.tile, m.dot)
+        b_form = " (B stored [N, K], its tiles transposed)" if m.b_k_major else ""
+        raise fail(WHAT, f"shapes do not form a GEMM: A {list(at.shape)}, B {list(bt.shape)}{b_form}, "
+                   f"C {list(ct.shape)}", m.dot)
+    b_tile = m.b_load.result.type.shape
+    check_tiles(WHAT, m.a_load.attrs["shape"], tuple(reversed(b_tile)) if m.b_k_major else b_tile,
+                m.frag.attrs["shape"], sched.tile, m.dot)
     check_k_loop(WHAT, m.loop, K, BK)
     iv = m.loop.regions[0].args[0]
     sym = {iv.id: "k"}
@@ -302,23 +308,26 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
         if got != ({"pid0": BM}, {"k": 1}):
             raise fail(WHAT, f"A tile offsets must be (pid0*{BM}, k), got {aff.fmt_all(got)}", m.a_load)
     b_offs = m.b_load.operands[1:]
+    box, want, names = ((BN, BK), ({"pid1": BN}, {"k": 1}), f"pid1*{BN}, k") if m.b_k_major else \
+        ((BK, BN), ({"k": 1}, {"pid1": BN}), f"k, pid1*{BN}")
     if m.batched:
-        if tuple(m.b_load.attrs["shape"]) != (1, BK, BN):
-            raise fail(WHAT, f"B must be loaded as one expert's (BK, BN) tile: box (1, {BK}, {BN}), got "
+        if tuple(m.b_load.attrs["shape"]) != (1, *box):
+            raise fail(WHAT, f"B must be loaded as one expert's {box} tile: box (1, {box[0]}, {box[1]}), got "
                        f"{m.b_load.attrs['shape']}", m.b_load)
         if depends_on(m.batch, iv):
             raise fail(WHAT, "B's expert coordinate must not depend on the K loop", m.b_load)
         b_offs = b_offs[1:]
     got = tuple(aff.affine(v, sym) for v in b_offs)
-    if got != ({"k": 1}, {"pid1": BN}):
-        raise fail(WHAT, f"B tile offsets must be ({'e, ' if m.batched else ''}k, pid1*{BN}), got {aff.fmt_all(got)}",
+    if got != want:
+        raise fail(WHAT, f"B tile offsets must be ({'e, ' if m.batched else ''}{names}), got {aff.fmt_all(got)}",
                    m.b_load)
     got = tuple(aff.affine(v, sym) for v in m.store.operands[1:3])
     if got != ({"pid0": BM}, {"pid1": BN}):
         raise fail(WHAT, f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
     if tuple(m.store.operands[-1].type.shape) != (BM, BN):
         raise fail(WHAT, f"the stored tile must be the ({BM}, {BN}) accumulator", m.store)
-    check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async")
+    check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async",
+                   b_row=K if m.b_k_major else None)
     return Ma, N, K
 
 
@@ -331,12 +340,15 @@ def _tma_specs(cfg: GemmConfig, m: GroupedGemmMatch, M: int, N: int, K: int) -> 
     if not m.gather:
         out.append(TmaDescriptorSpec("tma_a", m.a.name, "A", cfg.in_dtype, dt, (K, M), (K * eb,), (cfg.EA, cfg.BM),
                                      (1, 1), SWIZZLE[cfg.SA]))
+    # B [K, N] / [E, K, N], boxes of EB columns of N by BK rows; K-major ([N, K] / [E, N, K]): EB columns of K
+    # by BN rows (a cluster's CTAs split B's chunks, as MN-major, or each loads the whole tile)
+    inner, outer, box = (K, N, (cfg.EB, cfg.BN)) if cfg.b_k_major else (N, K, (cfg.EB, cfg.BK))
     if m.batched:
         E = m.b.type.shape[0]
-        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (N, K, E), (N * eb, K * N * eb),
-                                     (cfg.EB, cfg.BK, 1), (1, 1, 1), SWIZZLE[cfg.SB]))
+        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (inner, outer, E),
+                                     (inner * eb, K * N * eb), (*box, 1), (1, 1, 1), SWIZZLE[cfg.SB]))
     else:
-        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (N, K), (N * eb,), (cfg.EB, cfg.BK),
+        out.append(TmaDescriptorSpec("tma_b", m.b.name, "B", cfg.in_dtype, dt, (inner, outer), (inner * eb,), box,
                                      (1, 1), SWIZZLE[cfg.SB]))
     Mc = m.c.type.shape[0]
     out.append(TmaDescriptorSpec("tma_c", m.c.name, "C", cfg.out_dtype, ctype(cfg.out_dtype).tma, (N, Mc),

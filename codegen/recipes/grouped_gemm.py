@@ -138,7 +138,7 @@ class LoweredGroupedGemm(LoweredKernel):
         c = self.config
         a = "gathered rows (cp.async)" if self.gather else "dense (TMA)"
         lines = [f"{self.entry}: {self.kernel_name}.{self.part}  grouped GEMM, A {a} [{self.M}x{self.K}], "
-                 f"B {'[E, K, N] per expert' if self.batched else '[K, N]'} (TMA), C {c.out_dtype}",
+                 f"B {_b_form(self.batched, c.b_k_major)} (TMA), C {c.out_dtype}",
                  f"  tile {c.BM}x{c.BN}x{c.BK}, {c.stages} stages, order {c.order}, cluster {c.cluster}, "
                  f"{c.consumer_wgs} consumer warpgroups + 1 producer ({c.threads} threads)"
                  f"{f', each on {c.BM}x{c.wg_n} columns' if c.split_n else ''}"
@@ -235,11 +235,18 @@ def side_params(plan: GroupedGemmPlan) -> tuple[KernelParam, ...]:
     return tuple(params)
 
 
+def _b_form(batched: bool, k_major: bool) -> str:
+    """How B is stored, for ``describe``."""
+    shape = ("[E, N, K]" if batched else "[N, K]") if k_major else ("[E, K, N]" if batched else "[K, N]")
+    return shape + (" per expert" if batched else "") + (", read K-major" if k_major else "")
+
+
 def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
     kernel, part, m, cfg = plan.kernel, plan.part, plan.match, plan.config
     M, N, K = plan.M, plan.N, plan.K
+    b_major = "K" if cfg.b_k_major else "MN"       # B stored [N, K] / [E, N, K]: read K-major, as A
     gmma = (f"cute::SM90::GMMA::MMA_64x{cfg.wg_n}x16_{ctype(cfg.in_dtype).gmma}_SS<"
-            "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>")
+            f"cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::{b_major}>")
     part_mk, dot_mk, store_mk = marker(part.loc), marker(m.dot.loc), marker(m.store.loc)
     digest = hashlib.sha256(repr((kernel.name, part.name, cfg, m.gather, m.batched)).encode()).hexdigest()[:12]
     units = cfg.BK * cfg.elem_bytes // 16
@@ -252,7 +259,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"'{part.name}' ({part.loc}).",
         f"// C[{part.grid[0]}x{plan.part_rows} rows, {N}] {cfg.out_dtype} ('{m.c.name}') = "
         f"{'gather_rows' if m.gather else 'tile'}(A[{M}x{K}] {cfg.in_dtype} '{m.a.name}') @ "
-        f"{'B[e]' if m.batched else 'B'} ('{m.b.name}' {list(m.b.type.shape)})",
+        f"{'B[e]' if m.batched else 'B'}{'^T' if cfg.b_k_major else ''} ('{m.b.name}' {list(m.b.type.shape)})",
         f"// tile {cfg.BM}x{cfg.BN}x{cfg.BK}, {cfg.stages} stages, order {cfg.order}, cluster {cfg.cluster}; "
         f"config {digest}",
         '#include "tldsl/sm90_grouped_gemm.hpp"',
@@ -272,8 +279,10 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"  static constexpr bool kNotifierWarp = {'true' if plan.notifier_warp else 'false'};"
         f"{'   // the notifies run on the producer warpgroup, warp 1' if plan.notifier_warp else ''}",
         *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
-           "cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;"] if cfg.half_tiles and not cfg.pingpong
+           f"cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::{b_major}>;"] if cfg.half_tiles and not cfg.pingpong
           else []),
+        *(["  static constexpr bool kBKMajor = true;   // B stored [N, K]: its stages chunked along K, as A's"]
+          if cfg.b_k_major else []),
         "};",
         "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory, the gather's thread map); the template",

@@ -416,7 +416,8 @@ struct GroupedTraits : sm90::GemmTraits<Cfg> {
 
 // B's (BK x BN) tile of expert `e` at (k0, n0) into stage `sb`, completing on `bar`: all chunks by
 // this CTA, or (`shared`, clusters) the chunks c with c % kClusterM == cl_rank, multicast into the
-// same stage of both CTAs (the partner loads the others).
+// same stage of both CTAs (the partner loads the others). K-major B (Tr::kBKMajor, B stored [N, K] or
+// [E, N, K]): chunk c is BN rows of EB columns of K at (n0, k0 + c * EB).
 template <class Cfg, class Tr>
 __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_t* bar, unsigned char* sb, int n0,
                                        int k0, int e, bool shared, int cl_rank) {
@@ -426,18 +427,20 @@ __device__ __forceinline__ void load_b(const cute::TmaDescriptor* tma_b, uint64_
 #pragma unroll
   for (int c = 0; c < Tr::kChunksB; ++c) {
     unsigned char* dst = sb + c * Tr::kChunkBytesB;
-    const int x = n0 + c * Tr::EB;
+    // the box's coordinates, innermost first: (n, k) of an MN-major B, (k, n) of a K-major one
+    const int x = Tr::kBKMajor ? k0 + c * Tr::EB : n0 + c * Tr::EB;
+    const int y = Tr::kBKMajor ? n0 : k0;
     if (kCl > 1 && shared) {
       if (c % kCl == cl_rank) {
         if constexpr (Cfg::kBatched)
-          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(tma_b, bar, kMask, kCacheHint, dst, x, k0, e);
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(tma_b, bar, kMask, kCacheHint, dst, x, y, e);
         else
-          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(tma_b, bar, kMask, kCacheHint, dst, x, k0);
+          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(tma_b, bar, kMask, kCacheHint, dst, x, y);
       }
     } else if constexpr (Cfg::kBatched) {
-      cute::SM90_TMA_LOAD_3D::copy(tma_b, bar, kCacheHint, dst, x, k0, e);
+      cute::SM90_TMA_LOAD_3D::copy(tma_b, bar, kCacheHint, dst, x, y, e);
     } else {
-      cute::SM90_TMA_LOAD_2D::copy(tma_b, bar, kCacheHint, dst, x, k0);
+      cute::SM90_TMA_LOAD_2D::copy(tma_b, bar, kCacheHint, dst, x, y);
     }
   }
 }
@@ -523,7 +526,6 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                                                     const Prog& prog, const Side& side = Side{}) {
   using Tr = GroupedTraits<Cfg>;
   static_assert(!(Side::kEnabled && Cfg::kGather), "a side program runs on a TMA producer's spare warps only");
-  static_assert(!Tr::kBKMajor, "the grouped GEMM takes B as [K, N] or [E, K, N] (MN-major)");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr uint64_t kCacheHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -569,7 +571,8 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                 "the turn barriers must be hardware barriers");
   static_assert(!kHalf || (Prog::kRowLimit && !Tr::kSplitN && Tr::kConsumerWGs == 2 &&
                            (kPP ? Tr::MB == 2
-                                : (Tr::MB == 1 && (Tr::BN / 2) % Tr::EC == 0 && (Tr::BN / 2) % Tr::EB == 0))),
+                                : (Tr::MB == 1 && (Tr::BN / 2) % Tr::EC == 0 &&
+                                   (Tr::kBKMajor || (Tr::BN / 2) % Tr::EB == 0)))),
                 "half tiles: a row limit, 128-row tiles on two warpgroups, BN/2 whole C chunks and B chunks");
   static_assert(!kPP || (Tr::kConsumerWGs == 2 && Tr::MB * Tr::kAccPerBlock <= 128 && !Cfg::kGather),
                 "ping-pong: two consumer warpgroups, a whole tile's accumulators on each, A by TMA");
@@ -766,7 +769,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     // (ping-pong: all of a tile's)
     const int wg_row = (Tr::kSplitN || kPP) ? 0 : cw * Tr::MB * 64, wg_col = Tr::kSplitN ? cw * Tr::kWgN : 0;
     const uint32_t stage_a0 = smem_u32 + Tr::kOffA + wg_row * Tr::SA;
-    const uint32_t stage_b0 = smem_u32 + Tr::kOffB + (wg_col / Tr::EB) * Tr::kChunkBytesB;
+    const uint32_t stage_b0 = smem_u32 + Tr::kOffB + Tr::b_col_offset(wg_col);
     const uint32_t epi0 = smem_u32 + Tr::kOffC + cw * Tr::kEpiBuffers * Tr::kEpiBufBytes;
     int it = 0;
     int epi_count = 0;
@@ -852,7 +855,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
               // both warpgroups on the tile's first 64 rows, each on its half of the columns
               sm90::consume_k_loop<Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4, Cfg::kGather>(
                   acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
-                  smem_u32 + Tr::kOffB + (cw * (Tr::BN / 2) / Tr::EB) * Tr::kChunkBytesB, tid);
+                  smem_u32 + Tr::kOffB + Tr::b_col_offset(cw * (Tr::BN / 2)), tid);
             }
             whole = false;
           }

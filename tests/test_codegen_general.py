@@ -344,6 +344,9 @@ CASES = [
     case("gated_linear-bf16-silu-pipelined-unaligned", gated_linear, [((130, 100), BF16), ((66, 100), BF16),
                                                                       ((100, 66), BF16), ((66,), BF16),
                                                                       ((130, 66), F32)], (64, 64, 64), gate="silu"),
+    case("gated_linear-f16-pipelined-two-chunks", gated_linear, [((130, 300), F16), ((100, 300), F16),
+                                                                 ((300, 100), F16), ((100,), F16), ((130, 100), F16)],
+         (64, 64, 128)),
     # WGMMA dots whose accumulators do not fit beside their operands: the accumulators go to the
     # scratch, the staging of the operands never does
     case("gated_gemm-f16-256-wgmma-spilled", gated_gemm, [((300, 70), F16), ((70, 270), F16), ((70, 270), F16),

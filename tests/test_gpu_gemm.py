@@ -78,6 +78,9 @@ LINEAR_CASES = [  # (M, N, K, tile, stages, cluster M, dtypes, SMs): B stored [N
     (520, 264, 392, (64, 128, 32), 6, 1, ("float16", "float16"), None),           # 64-byte swizzle (BK 32)
     (1000, 1016, 1032, (256, 128, 64), 3, 2, ("bfloat16", "float32"), 7),          # 3 clusters walk many tiles
     (8192, 2048, 704, (128, 256, 64), 4, 1, ("bfloat16", "bfloat16"), None),      # a short K (MoE+RS's per-rank)
+    (1000, 1016, 1032, (128, 128, 128), 3, 2, ("bfloat16", "bfloat16"), None),   # two K chunks a stage, clusters
+    (520, 264, 392, (128, 64, 16), 8, 1, ("float16", "float16"), None),           # 32-byte swizzle (BK 16)
+    (1000, 1016, 1032, (64, 16, 32), 6, 2, ("bfloat16", "bfloat16"), None),       # 8 rows of B a CTA of a pair
 ]
 
 

@@ -366,7 +366,7 @@ def test_dots_on_wgmma_agree_with_the_simulator(name, threads):
 
 @pytest.mark.parametrize("name", ["gated_gemm-f16-pipelined", "gated_gemm-bf16-silu-pipelined-unaligned", "large",
                                   "large-inflight0", "gated_linear-f16-pipelined",
-                                  "gated_linear-bf16-silu-pipelined-unaligned"])
+                                  "gated_linear-bf16-silu-pipelined-unaligned", "gated_linear-f16-pipelined-two-chunks"])
 def test_pipelined_dot_loops_agree_with_the_simulator(name):
     """Loops that only load and accumulate dots, run as a mainloop (cp.async ring, WGMMA on the
     staged tiles, accumulators in registers): edges of M, N and K, rows that are not 16-byte

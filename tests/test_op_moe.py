@@ -628,3 +628,49 @@ def test_the_references_refuse_ids_outside_the_experts_and_take_bf16_tensors():
         reference_allgather_moe(xs, w1[0][:2], rt)
     with pytest.raises(tl.InputError, match="routing must come from moe_routing"):
         reference_moe_reduce_scatter(want_h, w2, wts, rt.reduce_scatter_tables())
+
+
+@pytest.mark.parametrize("W,topk", [(1, 2), (2, 3)])
+def test_experts_stored_as_linear_weights_give_the_same_layers(W, topk):
+    """``weights="nk"``: each expert's matrix stored transposed ([E, N, K], a stack of torch Linear
+    weights) and read as ``tl.trans`` of its tile — the same numbers as the [E, K, N] layout, exactly
+    (the same products, summed in the same order), for both layers."""
+    from tldsl.ops.moe import simulate_allgather_moe, simulate_moe_reduce_scatter
+    rng = np.random.default_rng(W * 10 + topk)
+    Ms, K, Nr, E = 40, 48, 32, 4
+    xs = [rng.standard_normal((Ms, K)).astype(np.float32) for _ in range(W)]
+    w1 = [rng.standard_normal((E, K, Nr)).astype(np.float32) for _ in range(W)]
+    ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(W * Ms)]).astype(np.int32)
+    compute = tl.ComputeSchedule(tile=(16, 16, 16), stages=2)
+    rt, h_kn = simulate_allgather_moe(xs, w1, ids, compute=compute)
+    _, h_nk = simulate_allgather_moe(xs, [w.transpose(0, 2, 1).copy() for w in w1], ids, compute=compute,
+                                     weights="nk")
+    for a, b in zip(h_kn, h_nk):
+        np.testing.assert_array_equal(a, b)
+    w2 = [rng.standard_normal((E, Nr, K)).astype(np.float32) for _ in range(W)]
+    wts = rng.random((W * Ms, topk)).astype(np.float32)
+    out_kn = simulate_moe_reduce_scatter(h_kn, w2, wts, rt, compute=compute)
+    out_nk = simulate_moe_reduce_scatter(h_kn, [w.transpose(0, 2, 1).copy() for w in w2], wts, rt, compute=compute,
+                                         weights="nk")
+    for a, b in zip(out_kn, out_nk):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(tl.InputError, match="weights must be one of"):
+        simulate_allgather_moe(xs, w1, ids, compute=compute, weights="kk")
+
+
+def test_the_grouped_gemms_of_linear_weights_lower_k_major():
+    """The MoE kernels with ``weights="nk"``: each grouped GEMM goes to its recipe, B read K-major."""
+    from tldsl.codegen.pipeline import lower
+    from tldsl.ops.moe import allgather_moe, moe_reduce_scatter, moe_routing
+    bf = tl.bfloat16
+    S = tl.TensorSpec
+    W, Ms, K, Nr, E, topk, BM = 1, 512, 256, 384, 4, 2, 128
+    rng = np.random.default_rng(0)
+    rt = moe_routing(np.stack([rng.choice(E, topk, replace=False) for _ in range(W * Ms)]).astype(np.int32),
+                     E, W, Ms, BM)
+    sched = tl.ComputeSchedule(tile=(BM, 128, 64), stages=4)
+    ag = allgather_moe.trace(W, S((Ms, K), bf), S((E, Nr, K), bf),
+                             *[S(t.shape, tl.int32) for t in rt.allgather_tables().values()],
+                             S((rt.num_rows, Nr), bf), compute=sched, weights="nk")
+    lg = lower(ag, "grouped_gemm")
+    assert type(lg).__name__ == "LoweredGroupedGemm" and lg.config.b_k_major

@@ -71,6 +71,7 @@ import argparse
 import sys
 
 from ..collectives import PARTIAL_DTYPES
+from ..ops.moe import WEIGHT_LAYOUTS
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
 from .folded import SATISFIED, comm_notified, folded_launches
 from . import timing
@@ -104,7 +105,7 @@ def stage_rows_for(row: MoERow, stage_rows: str = "auto") -> bool:
 
 def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
                 stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None,
-                gather_order: str = "tokens"):
+                gather_order: str = "tokens", weights: str = "kn"):
     """``(topk_ids, host routing, traced program, {part: lowered kernel})`` of one row (one rank's
     slice, W = 1: the program reads every token from ``x_gathered``): its grouped GEMM, and its
     row gather where the rows are staged (``gather_rows``); ``interleave``: the routing's tiles in
@@ -112,7 +113,8 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
     :func:`ag_program`'s."""
     from tldsl.codegen import lower, lower_grouped_gemm
     from tldsl.runtime.gpu.run_plan import stream_ordered
-    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m, gather_order)
+    ids, rt, k = ag_program(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m, gather_order,
+                            weights)
     parts = [p.name for p in k.parts if p.role == "compute"]
     as_run = stream_ordered(k)          # as tl.run and the op lower it: the GEMM after the gather, no signal between
     # the grouped GEMM by its own recipe, which names what it refuses (``lower`` would fall back to the general
@@ -122,8 +124,9 @@ def lowered_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = 
 
 def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None,
-               gather_order: str = "tokens"):
+               gather_order: str = "tokens", weights: str = "kn"):
     """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1);
+    ``weights``: how the experts' weights are stored (:data:`tldsl.ops.moe.WEIGHT_LAYOUTS`);
     ``group_m``: a group's rows of the swizzled order, counted in cluster tiles (``cluster`` tile rows
     each; the schedule's default unless given); ``gather_order``: one of :data:`GATHER_ORDERS` (``layout``:
     the routing's ``tile_visit`` replaced by the tiles' layout order)."""
@@ -141,7 +144,7 @@ def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
     rt = moe_routing(ids.numpy(), E, 1, T, tile[0], interleave=interleave)
     if gather_order == "layout":
         rt = dataclasses.replace(rt, tile_visit=np.arange(rt.num_tiles, dtype=np.int32))
-    k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype),
+    k = rt.trace_allgather_moe(1, T, K, N, E, getattr(tl, dtype), weights=weights,
                                compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
                                                           cluster=(cluster, 1),
                                                           **({"group_m": group_m} if group_m else {})),
@@ -181,13 +184,15 @@ FOLD = ("on", "off")
 
 
 def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", fold: bool = False,
-               group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out"):
+               group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out",
+               weights: str = "kn"):
     """``(topk_ids, topk_weights, host routing, traced program)`` of one row's layer 1 (one rank's
     slice, W = 1: the combine's partial holds every token). ``fold``: the tiles column by column
     (for a combine folded in) unless ``group_m`` (a group's rows of the swizzled order, in cluster tiles) says
     otherwise; unfolded, the schedule's ``group_m`` unless given; ``interleave``: the routing's
     tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``partial_dtype``
-    as :class:`~tldsl.runtime.dist.moe_ops.MoEReduceScatter` takes it (its default)."""
+    as :class:`~tldsl.runtime.dist.moe_ops.MoEReduceScatter` takes it (its default); ``weights``: how
+    the experts' weights are stored (:data:`tldsl.ops.moe.WEIGHT_LAYOUTS`)."""
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]
@@ -200,7 +205,7 @@ def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
     k = rt.trace_moe_reduce_scatter(1, T, K, N, E, tl.TensorSpec((T, topk), tl.float32), getattr(tl, dtype),
                                     compute=tl.ComputeSchedule(tile=tile, stages=stages, **order),
                                     comm=tl.CommSchedule(tile_m=128, order="ring", mode="push"),
-                                    partial_dtype=partial_dtype)
+                                    partial_dtype=partial_dtype, weights=weights)
     return ids, wts, rt, k
 
 
@@ -218,11 +223,11 @@ def lowered_rs(k, cluster: int = 2, notifies: bool = False) -> dict:
 
 def lowered_rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
                    fold: bool = False, group_m: int | None = None, notifies: bool = False,
-                   interleave: int | None = None, partial_dtype: str = "out"):
+                   interleave: int | None = None, partial_dtype: str = "out", weights: str = "kn"):
     """``(topk_ids, topk_weights, host routing, lowered grouped GEMM, lowered combine)`` of one
     row's layer 1 (:func:`rs_program`, :func:`lowered_rs`); ``fold``: the combine folded into the
     grouped GEMM's kernel (then None in its place)."""
-    ids, wts, rt, k = rs_program(row, tile, stages, dtype, fold, group_m, interleave, partial_dtype)
+    ids, wts, rt, k = rs_program(row, tile, stages, dtype, fold, group_m, interleave, partial_dtype, weights)
     lowered = lowered_rs(k, cluster, notifies=notifies or fold)
     if fold:
         return ids, wts, rt, folded_as_run_folds(k, lowered), None
@@ -301,16 +306,29 @@ class RsRow:
         return out.index_add_(0, self._order // self._topk, self.gmm().float() * self._flat_w)
 
 
+def expert_weights(E: int, K: int, N: int, dtype, generator, weights: str = "kn"):
+    """``(stored, as multiplied)``: the experts' weights as the kernels take them — ``[E, K, N]``, or
+    (``weights="nk"``) ``[E, N, K]`` as a stack of torch Linear weights — and the ``[E, K, N]``
+    operand ``_grouped_mm`` multiplies by: the same tensor, or its transposed view (no copy)."""
+    import torch
+    shape = (E, N, K) if weights == "nk" else (E, K, N)
+    w = (torch.randn(shape, device="cuda", generator=generator) / K ** 0.5).to(dtype)
+    return w, (w.transpose(1, 2) if weights == "nk" else w)
+
+
 def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", cluster: int = 2,
-           group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out") -> RsRow:
+           group_m: int | None = None, interleave: int | None = None, partial_dtype: str = "out",
+           weights: str = "kn") -> RsRow:
     """Layer 1 of ``row`` on this GPU (:class:`RsRow`): the program (:func:`rs_program`), its kernels
-    lowered as tl.run and the op lower them (:func:`lowered_rs`), inputs drawn on the device."""
+    lowered as tl.run and the op lower them (:func:`lowered_rs`), inputs drawn on the device; with
+    ``weights="nk"`` the experts' weights stored [E, N, K] and ``_grouped_mm`` handed the same memory
+    as the transposed view a torch Linear stack gives it."""
     import numpy as np
     import torch
     hidden, ffn, E, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
     ids, wts, rt, k = rs_program(row, tile, stages, dtype, group_m=group_m, interleave=interleave,
-                                 partial_dtype=partial_dtype)
+                                 partial_dtype=partial_dtype, weights=weights)
     as_run = lowered_rs(k, cluster)
     notifying = lowered_rs(k, cluster, notifies=True)["grouped_gemm"]
     tdt = getattr(torch, dtype)
@@ -318,7 +336,7 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
     ids_dev, wts_dev = ids.cuda(), wts.cuda()
     order, offs = route(ids_dev, E)
     h_sorted = torch.randn(T * topk, K, device="cuda", generator=g).to(tdt)      # route's order, as torch has it
-    w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
+    w, w_mat = expert_weights(E, K, N, tdt, g, weights)
     h = rows_laid_out(h_sorted, order, rt)
     tabs = rt.reduce_scatter_tables()
     bufs = {"h": h, "w2": w, "topk_weights": wts_dev.float().contiguous(),
@@ -327,13 +345,15 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
             "partial": torch.full((T, N), float("nan"), device="cuda",
                                   dtype=torch.float32 if partial_dtype == "f32" else tdt)}
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
-    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w, offs=offs,
+    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w_mat,
+                 offs=offs,
                  order=order, flat_w=flat_w, T=T, N=N, topk=topk)
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None,
-                 interleave: int | None = None, run: int = 0, partial_dtype: str = "out") -> dict:
+                 interleave: int | None = None, run: int = 0, partial_dtype: str = "out",
+                 weights: str = "kn") -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
     the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
@@ -342,7 +362,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     hidden, ffn, _, topk = MOE_MODELS[row.model]
     T, K, N = row.tokens, ffn // TP, hidden
-    r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype)
+    r = rs_row(row, tile, stages, dtype, cluster, group_m, interleave, partial_dtype, weights)
     bufs = r.bufs
     # the combine's bound: a copy of its bytes (the routed rows of y_sorted read, the partial written);
     # the pair's: a copy of the least bytes both kernels move through DRAM
@@ -361,7 +381,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
                                 parts=[r.gemm, r.combine, r.notifying_gemm], run=run, bounds=bounds)
     _check_close(what + " (one after the other)", bufs["partial"], want)
     *_, lf, _ = lowered_rs_row(row, tile, stages, dtype, cluster, fold=True, group_m=group_m, interleave=interleave,
-                               partial_dtype=partial_dtype)
+                               partial_dtype=partial_dtype, weights=weights)
     # folded: the combine's waits are real (its tiles wait for the GEMM's): counters of its own
     fused = folded_launches(r.k, lf, lambda sig: GroupedKernel(lf).prepare(bufs, sig))
 
@@ -430,7 +450,8 @@ def _checked_timings(what: str, got, want, fns, iters: int, flops: int, padded: 
 
 def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
               cluster: int = 2, stage_rows: str = "auto", fold: bool = False, interleave: int | None = None,
-              run: int = 0, group_m: int | None = None, gather_order: str | None = None) -> dict:
+              run: int = 0, group_m: int | None = None, gather_order: str | None = None,
+              weights: str = "kn") -> dict:
     """Check, then time, one row: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err, parts_ms}``
     (``ms``: the program's kernels one after the other — the grouped GEMM, after the row gather
     where the rows are staged, which ``parts_ms`` then times one by one, and last a copy of the
@@ -444,12 +465,12 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
     T, K, N = row.tokens, hidden, 2 * ffn // TP
     gather_order = gather_order or default_gather_order(fold)
     ids, rt, ir, lowered = lowered_row(row, tile, stages, dtype, cluster, stage_rows, interleave, group_m,
-                                       gather_order)
+                                       gather_order, weights)
     tabs = rt.allgather_tables()
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(T + E)
     x = torch.randn(T, K, device="cuda", generator=g).to(tdt)
-    w = (torch.randn(E, K, N, device="cuda", generator=g) / K ** 0.5).to(tdt)
+    w, w_mat = expert_weights(E, K, N, tdt, g, weights)
     h = torch.full((rt.num_rows, N), float("nan"), device="cuda", dtype=tdt)
     bufs = {"x_gathered": x, "w1": w, "h": h,
             **{n: torch.from_numpy(np.ascontiguousarray(a)).cuda() for n, a in tabs.items()}}
@@ -484,10 +505,10 @@ def bench_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dty
         return run
 
     def gmm():
-        return torch._grouped_mm(rows, w, offs=offs)
+        return torch._grouped_mm(rows, w_mat, offs=offs)
 
     def sequence():
-        return torch._grouped_mm(x.index_select(0, order // topk), w, offs=offs)
+        return torch._grouped_mm(x.index_select(0, order // topk), w_mat, offs=offs)
     ours()
     want = gmm()
     dest = laid_out(order, rt)
@@ -584,6 +605,9 @@ def parse_args(argv):
                     help="rs: the combine's partial (what the reduce-scatter reads) in the operands' dtype (out: "
                          "MoEReduceScatter's default, the numerics of NCCL's reduce-scatter of the layer) or in fp32")
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--weights", choices=WEIGHT_LAYOUTS, default="kn",
+                    help="how the experts' weights are stored: kn [E, K, N] (torch._grouped_mm's mat2) or nk [E, N, K] "
+                         "(a stack of torch Linear weights; _grouped_mm gets their transposed view)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each row this many times, each on tensors allocated anew (other addresses) and "
@@ -661,8 +685,10 @@ def main(argv, out=sys.stdout) -> int:
     partial = (f", the partial in {'fp32' if args.partial == 'f32' else args.dtype} (--partial {args.partial})"
                if rs else "")
     order = "" if rs or args.stage_rows == "off" else f", staged rows gathered in {args.gather_order} order"
+    stored = ", weights stored [E, N, K] (--weights nk)" if args.weights == "nk" else ""
     print(f"# {what}{timing.on_device()}, {args.dtype}, tile {args.tile_t} stages {args.stages} cluster "
-          f"({args.cluster}, 1){folded}{partial}{order}; ms (median of {args.iters}, interleaved{repeats})", file=out)
+          f"({args.cluster}, 1){folded}{partial}{order}{stored}; ms (median of {args.iters}, interleaved{repeats})",
+          file=out)
     # rs: ours is the grouped GEMM and the combine; _grouped_mm is the GEMM alone (the bound of issue 20)
     ours, seq = ("tldsl GEMM + combine ms", "_grouped_mm + weighted sum ms") if rs else ("tldsl ms",
                                                                                         "gather + _grouped_mm ms")
@@ -704,11 +730,11 @@ def main(argv, out=sys.stdout) -> int:
                     with fresh_placement(i):
                         runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
                                                  fold, args.group_m, args.interleave, run=i,
-                                                 partial_dtype=args.partial)
+                                                 partial_dtype=args.partial, weights=args.weights)
                                     if rs else
                                     bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
                                               args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m,
-                                              gather_order=args.gather_order))
+                                              gather_order=args.gather_order, weights=args.weights))
                 r = summarize_repeats(runs)
         except Exception as e:      # noqa: BLE001 - one row's failure is reported, the rest still run
             failed += 1

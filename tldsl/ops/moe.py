@@ -149,30 +149,33 @@ class MoERouting:
                 "token_tile_producers": self.token_tile_producers}
 
     def trace_allgather_moe(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int, dtype,
-                            **schedules):
+                            weights: str = "kn", **schedules):
         """:func:`allgather_moe` traced for this routing: each rank's ``[rows_per_rank, k]`` tokens,
-        ``[num_experts, k, n]`` expert weights, this routing's tables and the ``[num_rows, n]``
-        output, all ``dtype`` (a tldsl dtype) but the tables; ``schedules``: ``compute=``, ``comm=``
-        (and ``stage_rows=``)."""
+        ``[num_experts, k, n]`` expert weights (``weights="nk"``: ``[num_experts, n, k]``), this
+        routing's tables and the ``[num_rows, n]`` output, all ``dtype`` (a tldsl dtype) but the
+        tables; ``schedules``: ``compute=``, ``comm=`` (and ``stage_rows=``)."""
         S, tabs = tl.TensorSpec, self.allgather_tables()
-        return allgather_moe.trace(world_size, S((rows_per_rank, k), dtype), S((num_experts, k, n), dtype),
+        w = (num_experts, n, k) if weights == "nk" else (num_experts, k, n)
+        return allgather_moe.trace(world_size, S((rows_per_rank, k), dtype), S(w, dtype),
                                    *[S.of(tabs[t]) for t in ("tile_expert", "tile_valid_rows", "tile_tokens",
                                                              "tile_visit", "sorted_token_ids")],
-                                   S((self.num_rows, n), dtype), **schedules)
+                                   S((self.num_rows, n), dtype), weights=weights, **schedules)
 
     def trace_moe_reduce_scatter(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int,
-                                 topk_weights, dtype, **schedules):
+                                 topk_weights, dtype, weights: str = "kn", **schedules):
         """:func:`moe_reduce_scatter` traced for this routing: ``[num_rows, k]`` expert-sorted rows,
-        ``[num_experts, k, n]`` weights, the ``topk_weights`` (an array, or a spec), this
-        routing's tables and each rank's ``[rows_per_rank, n]`` output, all ``dtype`` but the
-        tables and weights; ``schedules``: ``compute=``, ``comm=``, ``partial_dtype=``."""
+        ``[num_experts, k, n]`` weights (``weights="nk"``: ``[num_experts, n, k]``), the
+        ``topk_weights`` (an array, or a spec), this routing's tables and each rank's
+        ``[rows_per_rank, n]`` output, all ``dtype`` but the tables and weights; ``schedules``:
+        ``compute=``, ``comm=``, ``partial_dtype=``."""
         S, tabs = tl.TensorSpec, self.reduce_scatter_tables()
         wts = topk_weights if isinstance(topk_weights, tl.TensorSpec) else S.of(topk_weights)
+        w = (num_experts, n, k) if weights == "nk" else (num_experts, k, n)
         return moe_reduce_scatter.trace(
-            world_size, S((self.num_rows, k), dtype), S((num_experts, k, n), dtype), wts,
+            world_size, S((self.num_rows, k), dtype), S(w, dtype), wts,
             *[S.of(tabs[t]) for t in ("tile_expert", "tile_valid_rows", "token_pos", "tile_token_tiles",
                                       "tile_num_token_tiles", "token_tile_producers")],
-            S((rows_per_rank, n), dtype), **schedules)
+            S((rows_per_rank, n), dtype), weights=weights, **schedules)
 
 
 def visit_order(tile_expert, tile_local, expert_tiles) -> np.ndarray:
@@ -302,13 +305,30 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
 
 # -- the kernels ----------------------------------------------------------------------------------
 
-def _expert_box(w, expert, r0, c0, rows: int, cols: int):
-    """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix ``w[expert]`` at
-    ``(r0, c0)`` (out of bounds reads zero): a 2-d tile of the 3-d weights."""
+#: how the MoE kernels' expert weights are stored: ``"kn"`` — ``[E, K, N]``, each expert's matrix
+#: as the GEMM multiplies it (torch._grouped_mm's ``mat2``); ``"nk"`` — ``[E, N, K]``, a stack of
+#: torch ``Linear`` weights (out x in), read K-major with no transposed copy
+WEIGHT_LAYOUTS = ("kn", "nk")
+
+
+def _expert_box(w, expert, r0, c0, rows: int, cols: int, weights: str = "kn"):
+    """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix at ``(r0, c0)`` (out of bounds
+    reads zero): a 2-d tile of the 3-d weights — stored ``"nk"``, the transpose of their
+    ``[cols, rows]`` tile at ``(c0, r0)``."""
+    if weights == "nk":
+        return tl.trans(tl.load(w, (expert, c0, r0), (cols, rows)))
     return tl.load(w, (expert, r0, c0), (rows, cols))
 
 
-def expert_rows_tile(h, w2, tiles, i, pn, tile):
+def _weight_dims(w, weights: str, what: str):
+    """``(E, rows, cols)`` of the experts' matrices as the GEMM multiplies them, whichever way
+    ``weights`` says ``w`` stores them."""
+    tl.static_assert(weights in WEIGHT_LAYOUTS, f"{what}: weights must be one of {WEIGHT_LAYOUTS}, got {weights!r}")
+    E, a, b = w.shape
+    return (E, b, a) if weights == "nk" else (E, a, b)
+
+
+def expert_rows_tile(h, w2, tiles, i, pn, tile, weights: str = "kn"):
     """Row tile ``i``, column tile ``pn`` of ``h @ w2[expert]`` (``tile`` = (BM, BN, BK); ``tiles``
     maps ``expert`` and ``valid_rows`` by row tile), its rows past the tile's valid ones zeros —
     whatever ``h`` holds there — so a GPU may leave them uncomputed."""
@@ -316,7 +336,7 @@ def expert_rows_tile(h, w2, tiles, i, pn, tile):
     r0, c0, expert = i * BM, pn * BN, tiles["expert", i]
     acc = tl.fragment((BM, BN), tl.float32)
     for k in tl.range(0, h.shape[1], BK):
-        acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN))
+        acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN, weights))
     return tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0)
 
 
@@ -328,8 +348,10 @@ def _check_table(t, shape, what, hint=""):
 
 @tl.kernel
 def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens, tile_visit, sorted_token_ids, h, *,
-                  compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None, stage_rows: bool = False):
-    """x: [Ms, K] token shard (symmetric); w1: [E, K, Nr] (this rank's slice of every expert);
+                  compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None, stage_rows: bool = False,
+                  weights: str = "kn"):
+    """x: [Ms, K] token shard (symmetric); w1: [E, K, Nr] (this rank's slice of every expert; with
+    ``weights="nk"`` stored [E, Nr, K], a stack of torch Linear weights);
     tables from :func:`moe_routing` (``allgather_tables()``); h: [R_pad, Nr] =
     ``all_gather(x)[sorted_token_ids] @ w1[expert of the row]`` in expert-sorted order, its padding
     rows zeros: a row tile's rows past its ``tile_valid_rows`` are stored as zeros whatever the
@@ -350,10 +372,12 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
     W = tl.world_size()
     Ms, K = x.shape
     BM, BN, BK = compute.tile
-    tl.static_assert(len(w1.shape) == 3, f"allgather_moe: w1 must be [E, K, Nr], got {list(w1.shape)}")
-    E, Kw, Nr = w1.shape
+    form = "[E, Nr, K]" if weights == "nk" else "[E, K, Nr]"
+    tl.static_assert(len(w1.shape) == 3, f"allgather_moe: w1 must be {form}, got {list(w1.shape)}")
+    E, Kw, Nr = _weight_dims(w1, weights, "allgather_moe")
+    stored = f" (weights={weights!r}: {form})" if weights == "nk" else ""
     tl.static_assert(Kw == K, f"allgather_moe: the token shard x is [{Ms}, {K}] but w1 is "
-                              f"[{E}, {Kw}, {Nr}]: w1's K must be {K}")
+                              f"{list(w1.shape)}{stored}: w1's K must be {K}")
     tl.static_assert(w1.dtype == x.dtype, f"allgather_moe: x is {x.dtype} but w1 is {w1.dtype}")
     tl.static_assert(len(tile_expert.shape) == 1,
                      f"allgather_moe: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
@@ -406,7 +430,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
                 rows = tl.load(sorted_token_ids, (r0,), (BM,))
             for k in tl.range(0, K, BK):
                 a = tl.load(x_sorted, (r0, k), (BM, BK)) if stage_rows else tl.load_rows(x_full, rows, k, BK)
-                acc += tl.dot(a, _expert_box(w1, expert, k, c0, BK, BN))
+                acc += tl.dot(a, _expert_box(w1, expert, k, c0, BK, BN, weights))
         # padding rows and unused tiles (no valid rows): zeros
         tl.store(h, (r0, c0), tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0))
 
@@ -437,9 +461,10 @@ STAGE_ROWS_MIN_N = 4096
 @tl.kernel
 def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_pos, tile_token_tiles,
                        tile_num_token_tiles, token_tile_producers, out, *, compute: tl.ComputeSchedule = None,
-                       comm: tl.CommSchedule = None, partial_dtype: str = "f32"):
+                       comm: tl.CommSchedule = None, partial_dtype: str = "f32", weights: str = "kn"):
     """h: [R_pad, Nr] expert-sorted rows (this rank's slice of the intermediate activations);
-    w2: [E, Nr, K] (this rank's slice); topk_weights: [T, topk] (float, global); tables from
+    w2: [E, Nr, K] (this rank's slice; with ``weights="nk"`` stored [E, K, Nr], a stack of torch
+    Linear weights); topk_weights: [T, topk] (float, global); tables from
     :func:`moe_routing` (``reduce_scatter_tables()``); out: [Ms, K] = for this rank's tokens,
     sum over ranks and k of ``topk_weights[t, k] * (h @ w2[expert])[row of (t, k)]``.
 
@@ -460,15 +485,17 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
     W = tl.world_size()
     BM, BN, BK = compute.tile
     tl.static_assert(len(h.shape) == 2, f"moe_reduce_scatter: h must be [R_pad, Nr], got {list(h.shape)}")
-    tl.static_assert(len(w2.shape) == 3, f"moe_reduce_scatter: w2 must be [E, Nr, K], got {list(w2.shape)}")
+    form = "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]"
+    tl.static_assert(len(w2.shape) == 3, f"moe_reduce_scatter: w2 must be {form}, got {list(w2.shape)}")
     tl.static_assert(len(topk_weights.shape) == 2,
                      f"moe_reduce_scatter: topk_weights must be [T, topk], got {list(topk_weights.shape)}")
     tl.static_assert(len(out.shape) == 2, f"moe_reduce_scatter: out must be [Ms, K], got {list(out.shape)}")
     R, Nr = h.shape
-    E, Nw, K = w2.shape
+    E, Nw, K = _weight_dims(w2, weights, "moe_reduce_scatter")
     T, topk = topk_weights.shape
     Ms = out.shape[0]
-    tl.static_assert(Nw == Nr, f"moe_reduce_scatter: h is [{R}, {Nr}] but w2 is [{E}, {Nw}, {K}]: "
+    stored = f" (weights={weights!r}: {form})" if weights == "nk" else ""
+    tl.static_assert(Nw == Nr, f"moe_reduce_scatter: h is [{R}, {Nr}] but w2 is {list(w2.shape)}{stored}: "
                                f"w2's Nr must be {Nr}")
     tl.static_assert(w2.dtype == h.dtype, f"moe_reduce_scatter: h is {h.dtype} but w2 is {w2.dtype}")
     tl.static_assert(topk_weights.dtype.is_float,
@@ -506,7 +533,7 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
     def grouped_gemm(i, pn):
         expert = gemm_tiles["expert", i]
         with tl.when(expert >= 0):
-            tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile))
+            tl.store(y, (i * BM, pn * BN), expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile, weights))
             for s in tl.range(0, gemm_tiles["num_token_tiles", i]):
                 tl.producer_tile_notify(y_ready, gemm_tiles["token_tiles", i, s] * NC + pn)
 
@@ -639,35 +666,42 @@ def _per_rank(name, arrays, W):
 
 
 def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=None, seed: int = 0,
-                           options=None):
+                           options=None, weights: str = "kn"):
     """AllGather+MoE on the simulator: route on the host (:func:`moe_routing`), run
     :func:`allgather_moe` on ``len(x_shards)`` ranks and return ``(routing, [h of every rank])``.
 
     ``x_shards``: one ``[Ms, K]`` token shard per rank; ``w1_slices``: one ``[E, K, Nr]`` per
-    rank; ``topk_ids``: ``[W * Ms, topk]``."""
+    rank (``weights="nk"``: ``[E, Nr, K]``, a stack of torch Linear weights); ``topk_ids``:
+    ``[W * Ms, topk]``."""
     if not isinstance(x_shards, (list, tuple)) or not x_shards:
         raise InputError(f"simulate_allgather_moe: x_shards must be one [Ms, K] token shard per rank (a non-empty "
                          f"list), got {type(x_shards).__name__}{' (empty)' if isinstance(x_shards, (list, tuple)) else ''}")
     W = len(x_shards)
     xs = [host_operand(x) for x in x_shards]
     w1 = _per_rank("simulate_allgather_moe: w1_slices", w1_slices, W)
+    _check_weight_layout("simulate_allgather_moe", weights)
+    form = "[E, Nr, K]" if weights == "nk" else "[E, K, Nr]"
     if xs[0].ndim != 2 or w1[0].ndim != 3:
-        raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices [E, K, Nr], got "
+        raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices {form}, got "
                          f"{list(xs[0].shape)} and {list(w1[0].shape)}")
     _float_arrays("simulate_allgather_moe: x_shards", xs)
     compute, comm = allgather_moe.default_schedules(compute=compute, comm=comm)
     rt = moe_routing(topk_ids, w1[0].shape[0], W, xs[0].shape[0], compute.BM)
-    inputs = [dict(x=xs[r], w1=w1[r], h=nan_like(xs[r], (rt.num_rows, w1[r].shape[2])),
-                   **rt.allgather_tables()) for r in range(W)]
-    res = tl.simulate(allgather_moe, W, inputs, seed=seed, options=options, compute=compute, comm=comm)
+    Nr = w1[0].shape[1 if weights == "nk" else 2]
+    inputs = [dict(x=xs[r], w1=w1[r], h=nan_like(xs[r], (rt.num_rows, Nr)), **rt.allgather_tables())
+              for r in range(W)]
+    res = tl.simulate(allgather_moe, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
+                      weights=weights)
     return rt, [res[r]["h"] for r in range(W)]
 
 
 def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoERouting, *, compute=None,
-                                comm=None, seed: int = 0, options=None, partial_dtype: str = "f32"):
+                                comm=None, seed: int = 0, options=None, partial_dtype: str = "f32",
+                                weights: str = "kn"):
     """MoE+ReduceScatter on the simulator: run :func:`moe_reduce_scatter` with the tables of
     ``routing`` and return every rank's ``out [Ms, K]``. ``compute.BM`` must be the block
-    the routing was built for; ``partial_dtype`` as :func:`moe_reduce_scatter` takes it."""
+    the routing was built for; ``partial_dtype`` and ``weights`` (w2 slices ``[E, Nr, K]``, or
+    ``"nk"``: ``[E, K, Nr]``) as :func:`moe_reduce_scatter` takes them."""
     if not isinstance(routing, MoERouting):
         raise InputError(f"simulate_moe_reduce_scatter: routing must come from moe_routing, got "
                          f"{type(routing).__name__}")
@@ -683,18 +717,26 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     if tuple(wts.shape) != (routing.num_tokens, routing.topk):
         raise InputError(f"simulate_moe_reduce_scatter: topk_weights must be [{routing.num_tokens}, "
                          f"{routing.topk}] like the routing, got {list(wts.shape)}")
+    _check_weight_layout("simulate_moe_reduce_scatter", weights)
     if w2[0].ndim != 3:
-        raise InputError(f"simulate_moe_reduce_scatter: w2 slices must be [E, Nr, K], got {list(w2[0].shape)}")
+        raise InputError(f"simulate_moe_reduce_scatter: w2 slices must be "
+                         f"{'[E, K, Nr]' if weights == 'nk' else '[E, Nr, K]'}, got {list(w2[0].shape)}")
     if w2[0].shape[0] != routing.num_experts:
         raise InputError(f"simulate_moe_reduce_scatter: the routing has {routing.num_experts} experts but the "
                          f"w2 slices hold {w2[0].shape[0]}")
-    K = w2[0].shape[2]
+    K = w2[0].shape[1 if weights == "nk" else 2]
     inputs = [dict(h=hs[r], w2=w2[r], topk_weights=wts,
                    out=nan_like(hs[r], (routing.rows_per_rank, K)), **routing.reduce_scatter_tables())
               for r in range(W)]
     res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
-                      partial_dtype=partial_dtype)
+                      partial_dtype=partial_dtype, weights=weights)
     return [res[r]["out"] for r in range(W)]
+
+
+def _check_weight_layout(who: str, weights) -> None:
+    if weights not in WEIGHT_LAYOUTS:
+        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': [E, K, N]; 'nk': [E, N, K], a stack "
+                         f"of torch Linear weights), got {weights!r}")
 
 
 # -- registration for the tests ----------------------------------------------------------------------

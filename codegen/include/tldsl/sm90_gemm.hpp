@@ -31,8 +31,9 @@
 //  * thread-block clusters (Cfg::kClusterM = 2, the schedule's cluster (2, 1)): the two CTAs
 //    of a cluster compute vertically adjacent tiles (rows 2*cm and 2*cm + 1 of the same tile
 //    column), walking *cluster tiles* (cm, n) of a (ceil(gm / 2), gn) grid in the schedule's
-//    order. Both need the same B tile: each CTA loads half of its chunks and multicasts them to
-//    both (TMA .multicast::cluster), so B crosses L2 -> SM once per cluster. A stage of either
+//    order. Both need the same B tile: each CTA loads half of its chunks (K-major B: half of every
+//    chunk's rows) and multicasts them to both (TMA .multicast::cluster), so B crosses L2 -> SM once
+//    per cluster. A stage of either
 //    CTA is then written by both producers, so its empty barrier counts the consumer
 //    warpgroups of both CTAs, and a consumer releases a stage on both CTAs (remote mbarrier
 //    arrive). A CTA whose row is past the last tile row (odd gm) still loads, multicasts and
@@ -126,8 +127,8 @@ struct GemmTraits {
   static constexpr int kChunksB = (kBKMajor ? BK : BN) / EB;
   static constexpr int kChunkBytesB = (kBKMajor ? BN : BK) * SB;
   static constexpr int kStageBytesB = BK * BN * kElemBytes;
-  // B's bytes in a stage: from its k16 step `kk` (the WGMMA's start) and from its tile column `col`
-  // (a warpgroup's first column: a multiple of EB, MN-major)
+  // B's bytes in a stage: from its k16 step `kk` (the WGMMA's start) and from its tile column `col` (a
+  // warpgroup's first column: a multiple of EB MN-major; K-major a multiple of 8, whole swizzle rows)
   static constexpr uint32_t b_k_offset(int kk) {
     return kBKMajor ? uint32_t((kk * 16 / EB) * kChunkBytesB + ((kk * 16) % EB) * kElemBytes)
                     : uint32_t(kk * 16 * SB);
@@ -760,6 +761,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
             // B [N, K]: chunk c is BN rows of EB columns at (n0, k0 + c * EB); with a cluster each CTA
             // loads its 1/kCl of every chunk's rows (TMA box BN / kCl rows) and multicasts them
             constexpr int kRows = Tr::BN / kCl;
+            static_assert(kRows % 8 == 0, "a CTA's rows of B keep the swizzle's 8-row period");
 #pragma unroll
             for (int c = 0; c < Tr::kChunksB; ++c) {
               unsigned char* dst = sb + c * Tr::kChunkBytesB + cl_rank * kRows * Tr::SB;

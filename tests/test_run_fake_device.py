@@ -585,6 +585,16 @@ def test_sms_is_checked_before_anything_runs():
         run_fake(two_parts_each_way, 2, two_parts_inputs(2, 4), sms=3)
 
 
+def test_progress_is_checked_before_the_gpu_is_looked_for():
+    """``tl.run(progress=42)``: NVRTC's rule for ``progress`` (None, True, False or a function),
+    applied before anything else — before the GPU check, which on this machine would answer first."""
+    from tldsl.errors import InputError
+    inputs = [{"x": np.ones((64, 64), np.float32), "y": np.full((64, 64), np.nan, np.float32)}]
+    for bad in (42, "yes", [print]):
+        with pytest.raises(InputError, match="progress=.*None, True, False or a function"):
+            tl.run(scale_rows, 1, inputs, progress=bad)
+
+
 def test_ranks_that_wait_for_nothing_run_on_fewer_sms_than_kernels():
     """Where nothing in the program waits, no kernel has to be resident beside another: two ranks'
     kernels on one SM run one after the other (they were refused: "a kernel waiting for another

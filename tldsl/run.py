@@ -102,6 +102,8 @@ def run(kernel, world_size: int | None = None, inputs=None, seed: int = 0, optio
     ``tldsl.runtime.dist`` is imported); the result holds this rank's arrays (``result[rank]``).
     """
     check_sms(sms, group)
+    from .codegen.toolchain.compiler import resolve_progress
+    resolve_progress(progress)          # (refused here, not after the GPU is found: NVRTC's rule, one place)
     if group is not None:
         if _ACROSS_GROUP is None:
             raise InputError("tl.run(..., group=...) runs through tldsl.runtime.dist's fused-op runtime: "

@@ -545,3 +545,41 @@ def test_a_callers_router_is_not_held_to_the_gpu_builders_limits(monkeypatch):
         want = {n: s for n, s in sizes.shapes().items() if n in AG_TABLES + RS_TABLES}
         got = table_shapes(W * Ms, topk, sizes.num_experts, BM, sizes.num_tiles)
         assert {n: got[n] for n in want} == want              # the specs a router's tables are held to
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_a_moe_layer_of_linear_weights_agrees_with_the_same_layer_of_transposed_ones(monkeypatch, W):
+    """``weights="nk"``: the experts' matrices stored as torch Linear weights ([E, N, K]); the same
+    layer as numpy's on the transposed weights, and shapes of the other layout refused up front."""
+    rng = np.random.default_rng(40 + W)
+    g = Group(monkeypatch, W, 5)
+    x = tl.TensorSpec((MS, K), tl.float16)
+    ag = g.build(lambda r, dev: AllGatherMoE(x, tl.TensorSpec((E, NR, K), tl.float16), TOPK, compute=C32,
+                                             comm=tl.CommSchedule(tile_m=16, mode="pull"), router=HostRouter(W, 32),
+                                             device=dev, timeout_s=2.0, weights="nk"))
+    rs = g.build(lambda r, dev: MoEReduceScatter(tl.TensorSpec((E, K, NR), tl.float16), MS, TOPK, compute=C32,
+                                                 comm=tl.CommSchedule(tile_m=16, mode="push"),
+                                                 router=HostRouter(W, 32), device=dev, timeout_s=2.0, weights="nk"))
+    xs = [rng.standard_normal((MS, K)).astype(np.float16) for _ in range(W)]
+    w1 = [(rng.standard_normal((E, K, NR)) / 4).astype(np.float16) for _ in range(W)]
+    w2 = [(rng.standard_normal((E, NR, K)) / 4).astype(np.float16) for _ in range(W)]
+    w1_nk = [np.ascontiguousarray(w.transpose(0, 2, 1)) for w in w1]      # alive until the fake GPU runs
+    w2_nk = [np.ascontiguousarray(w.transpose(0, 2, 1)) for w in w2]
+    ids, wts = random_routing(rng, W * MS, E, TOPK, "random")
+    outs, alive = {}, []
+    for r in g.fake.rng.sample(range(W), W):
+        h, tables = ag[r](torch.from_numpy(xs[r]), torch.from_numpy(ids), torch.from_numpy(w1_nk[r]))
+        outs[r] = rs[r](h, torch.from_numpy(ids), torch.from_numpy(wts), torch.from_numpy(w2_nk[r]), tables)
+        alive.append((h, tables))
+    for r in range(W):
+        ag[r].synchronize()
+        rs[r].synchronize()
+    want = reference_moe(xs, w1, w2, ids, wts)
+    for r in range(W):
+        np.testing.assert_allclose(host(outs[r]), want[r * MS:(r + 1) * MS], rtol=2e-2, atol=3e-2)
+    for op in ag + rs:
+        op.close()
+    with pytest.raises(tl.InputError, match=r"w1 must be \[E, Nr, K=32\] \(weights='nk'\)"):
+        AllGatherMoE(x, tl.TensorSpec((E, NR, K + 8), tl.float16), TOPK, weights="nk")
+    with pytest.raises(tl.InputError, match="weights must be one of"):
+        MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, weights="t")

@@ -37,7 +37,8 @@ import tldsl as tl
 
 from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
-from ...ops.moe import allgather_moe, check_table_rows, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
+from ...ops.moe import (WEIGHT_LAYOUTS, allgather_moe, check_table_rows, moe_num_tiles, moe_reduce_scatter,
+                         stage_rows_pays)
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables, table_shapes
@@ -222,12 +223,20 @@ class _Routed:
                              "its routed row joined no expert")
 
 
+def _check_weights(who: str, weights) -> None:
+    """``weights``: how the experts' matrices are stored (:data:`~tldsl.ops.moe.WEIGHT_LAYOUTS`)."""
+    if weights not in WEIGHT_LAYOUTS:
+        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': [E, K, N], each expert's matrix as "
+                         f"the GEMM multiplies it; 'nk': [E, N, K], a stack of torch Linear weights), got {weights!r}")
+
+
 class AllGatherMoE(_Routed, FusedProgram):
     """Layer 0 of a tensor-parallel MoE: all-gather the token shards and run the grouped GEMM of
     the routed rows with this rank's expert slices, overlapped tile by tile.
 
     ``x``: this rank's token shard ``[Ms, K]``; ``w1``: this rank's ``[E, K, Nr]`` (gate and up
-    fused); both as tensors or ``tl.TensorSpec`` s (shapes and dtype, fixed per op); ``topk``:
+    fused; ``weights="nk"``: ``[E, Nr, K]``, a stack of torch Linear weights, read K-major with no
+    copy); both as tensors or ``tl.TensorSpec`` s (shapes and dtype, fixed per op); ``topk``:
     experts per token. Calling ``op(x, topk_ids, w1)`` (``topk_ids [W*Ms, topk]`` from the
     caller's router, the same on every rank) returns ``(h, tables)``: ``h [R_pad, Nr]`` in
     expert-sorted order, and the routing tables for :class:`MoEReduceScatter`. Schedules not given:
@@ -246,14 +255,17 @@ class AllGatherMoE(_Routed, FusedProgram):
     (:mod:`.moe_tables`)."""
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
-                 validate_ids: bool = True, stage_rows: bool | None = None, **program_kw):
+                 validate_ids: bool = True, stage_rows: bool | None = None, weights: str = "kn", **program_kw):
+        _check_weights("AllGatherMoE", weights)
         (Ms, K), dt = _shape_dtype("x", x, "[Ms, K]")
-        w_shape, wdt = _shape_dtype("w1", w1, "[E, K, Nr]")
-        if w_shape[1] != K:
-            raise InputError(f"w1 must be [E, K={K}, Nr], got {list(w_shape)}")
+        nk = weights == "nk"
+        w_shape, wdt = _shape_dtype("w1", w1, "[E, Nr, K]" if nk else "[E, K, Nr]")
+        if w_shape[2 if nk else 1] != K:
+            raise InputError(f"w1 must be {f'[E, Nr, K={K}]' if nk else f'[E, K={K}, Nr]'} (weights={weights!r}), "
+                             f"got {list(w_shape)}")
         if wdt != dt:
             raise InputError(f"x is {dt.name} but w1 is {wdt.name}")
-        E, _, Nr = w_shape
+        E, Nr = w_shape[0], w_shape[1 if nk else 2]
         if not (stage_rows is None or isinstance(stage_rows, (bool, np.bool_))):
             raise InputError(f"stage_rows must be True, False or None (chosen by the shape), got {stage_rows!r}")
         compute, comm = _schedules("AllGatherMoE", compute, comm, (DEFAULT_AG_COMPUTE, DEFAULT_AG_COMM))
@@ -266,7 +278,7 @@ class AllGatherMoE(_Routed, FusedProgram):
         specs = {"x": tl.TensorSpec((Ms, K), dt), "w1": tl.TensorSpec(w_shape, dt),
                  **self._table_specs(AG_TABLES), "h": tl.TensorSpec((self.num_tiles * self.block_m, Nr), dt)}
         FusedProgram.__init__(self, allgather_moe, group, specs, compute=compute, comm=comm, stage_rows=stage_rows,
-                              **program_kw)
+                              weights=weights, **program_kw)
 
     def __call__(self, x, topk_ids, w1, h=None):
         import torch
@@ -310,7 +322,8 @@ class MoEReduceScatter(_Routed, FusedProgram):
     the top-k weighted combine per token and the reduce-scatter, the combine and the scatter
     overlapped with the GEMM's tiles.
 
-    ``w2``: this rank's ``[E, Nr, K]`` (a tensor or ``tl.TensorSpec``); ``rows_per_rank``: tokens
+    ``w2``: this rank's ``[E, Nr, K]`` (a tensor or ``tl.TensorSpec``; ``weights="nk"``: ``[E, K, Nr]``,
+    a stack of torch Linear weights); ``rows_per_rank``: tokens
     per rank ``Ms``; ``topk``. ``h`` is ``[R_pad, Nr]`` in expert-sorted order (what
     :class:`AllGatherMoE` returns for the same tokens and ``BM``). Calling ``op(h, topk_ids, topk_weights, w2, tables=None)`` returns
     ``out [Ms, K]``: this rank's tokens, summed over the ranks. ``tables``: the routing
@@ -323,9 +336,11 @@ class MoEReduceScatter(_Routed, FusedProgram):
     the combine and half the reduce-scatter's) or ``"f32"`` (fp32 partials)."""
 
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
-                 validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", **program_kw):
-        w_shape, dt = _shape_dtype("w2", w2, "[E, Nr, K]")
-        E, Nr, K = w_shape
+                 validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", weights: str = "kn",
+                 **program_kw):
+        _check_weights("MoEReduceScatter", weights)
+        w_shape, dt = _shape_dtype("w2", w2, "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]")
+        E, Nr, K = (w_shape[0], w_shape[2], w_shape[1]) if weights == "nk" else w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:
             raise InputError(f"rows_per_rank must be a positive int (tokens per rank), got {rows_per_rank!r}")
         if partial_dtype not in PARTIAL_DTYPES:
@@ -344,7 +359,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
                  "topk_weights": tl.TensorSpec((W * Ms, topk), wts), **self._table_specs(RS_TABLES),
                  "out": tl.TensorSpec((Ms, K), dt)}
         FusedProgram.__init__(self, moe_reduce_scatter, group, specs, compute=compute, comm=comm,
-                              partial_dtype=partial_dtype, **program_kw)
+                              partial_dtype=partial_dtype, weights=weights, **program_kw)
 
     def __call__(self, h, topk_ids, topk_weights, w2, tables: dict | None = None, out=None):
         import torch

@@ -133,15 +133,16 @@ def test_gemm_reduce_scatter_at_two_ranks():
 
 @pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "allgather_moe_staged", "moe_reduce_scatter",
                                   "moe_reduce_scatter_out", "moe_reduce_scatter_pingpong",
-                                  "moe_reduce_scatter_pingpong_many", "ring_exchange", "normed_gather"])
+                                  "moe_reduce_scatter_pingpong_many", "ring_exchange", "normed_gather",
+                                  "allgather_moe_nk", "moe_reduce_scatter_pingpong_many_nk"])
 def test_library_ops_and_general_programs_at_several_ranks(name):
     """Attention, the MoE grouped GEMM and combine, compute parts of the general recipe moving
     data through peer tables, a communication part of the general recipe."""
     from test_run_fake_device import library_case
     fn, W, inputs, kw = library_case(name)
     got = both(fn, W, inputs, sums=True, **kw)
-    assert all(x.lowered.config.pingpong == ("_pingpong" in name) for x in got.plan.kernels
-               if type(x.lowered).__name__ == "LoweredGroupedGemm")
+    assert all(x.lowered.config.pingpong == ("_pingpong" in name) and x.lowered.config.b_k_major == name.endswith("_nk")
+               for x in got.plan.kernels if type(x.lowered).__name__ == "LoweredGroupedGemm")
 
 
 @pytest.mark.parametrize("name", ["moe_reduce_scatter", "moe_reduce_scatter_pingpong_many", "allgather_moe_staged"])

@@ -687,7 +687,13 @@ def test_a_trapped_wait_says_where_its_report_is(debugging, monkeypatch):
 def library_case(name: str):
     """(kernel, W, inputs, keyword values) of a library op or a general-recipe program at W >= 2:
     attention, MoE grouped GEMM and combine, compute parts moving data (peer tables in the
-    general recipe), a communication part lowered by the general recipe."""
+    general recipe), a communication part lowered by the general recipe. A name ending ``_nk``:
+    the MoE case with its experts' weights stored as torch Linear weights (``weights="nk"``)."""
+    if name.endswith("_nk"):
+        fn, W, inputs, kw = library_case(name[:-3])
+        w = "w1" if "w1" in inputs[0] else "w2"
+        return fn, W, [dict(i, **{w: np.ascontiguousarray(i[w].transpose(0, 2, 1))}) for i in inputs], \
+            dict(kw, weights="nk")
     from tldsl.ops.moe import allgather_moe, make_allgather_case, make_reduce_scatter_case, moe_reduce_scatter
     from tldsl.ops.sp_attention import make_case as sp_case
     from tldsl.ops.sp_attention import sp_attention
@@ -734,7 +740,9 @@ LIBRARY = {"sp_attention": ["LoweredComm", "LoweredAttention"], "allgather_moe":
            "moe_reduce_scatter": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "moe_reduce_scatter_out": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
            "moe_reduce_scatter_pingpong": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"],
-           "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"]}
+           "ring_exchange": ["LoweredGeneral"], "normed_gather": ["LoweredGeneral"],
+           "allgather_moe_nk": ["LoweredComm", "LoweredGroupedGemm"],
+           "moe_reduce_scatter_pingpong_nk": ["LoweredComm", "LoweredGroupedGemm", "LoweredCombine"]}
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARY))
@@ -744,7 +752,8 @@ def test_library_ops_and_general_programs_at_several_ranks_on_the_fake_device(na
     assert sorted({type(x.lowered).__name__ for x in res.plan.kernels}) == sorted(LIBRARY[name])
     assert {r for r, _, _, _ in dev.launched} == set(range(W))
     gemms = [x.lowered for x in res.plan.kernels if type(x.lowered).__name__ == "LoweredGroupedGemm"]
-    assert all(g.config.pingpong == name.endswith("_pingpong") for g in gemms)
+    assert all(g.config.pingpong == name.removesuffix("_nk").endswith("_pingpong") for g in gemms)
+    assert all(g.config.b_k_major == name.endswith("_nk") for g in gemms)
 
 
 @pytest.mark.parametrize("name,side", [("moe_reduce_scatter", "combine"), ("moe_reduce_scatter_pingpong", "combine"),

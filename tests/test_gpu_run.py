@@ -114,6 +114,29 @@ def test_allgather_gemm_at_two_ranks(engine):
                                                           ["PlannedCopies", "PlannedKernel"] * 2)
 
 
+@pytest.mark.parametrize("engine", ["sm", "copy_engine"])
+def test_allgather_gemm_and_gemm_reduce_scatter_of_linear_weights_at_two_ranks(engine):
+    """``weights="nk"``: B stored [N, K] as a torch Linear keeps it, read K-major by the GEMM recipe
+    (N = 384: B not square, so a transposed read would show)."""
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+    S, F16 = tl.TensorSpec, tl.float16
+    comm = tl.CommSchedule(mode="pull", sms=2, engine="sm") if engine == "sm" else \
+        tl.CommSchedule(mode="pull", engine="copy_engine")
+    k = allgather_gemm.trace(2, S((256, 256), F16), S((384, 256), F16), S((512, 384), F16),
+                             compute=tl.ComputeSchedule(tile=(128, 128, 64)), comm=comm, weights="nk")
+    rng = np.random.default_rng(8)
+    b = _rand(rng, (384, 256), np.float16)
+    res = both(k, 2, [{"a": _rand(rng, (256, 256), np.float16), "b": b, "c": np.full((512, 384), np.nan, np.float16)}
+                      for _ in range(2)], sums=True)
+    assert all(x.lowered.config.b_k_major for x in res.plan.kernels if type(x.lowered).__name__ == "LoweredGemm")
+    k = gemm_reduce_scatter.trace(2, S((512, 256), F16), S((384, 256), F16), S((256, 384), F16),
+                                  compute=tl.ComputeSchedule(tile=(128, 128, 64)), comm=tl.CommSchedule(sms=2),
+                                  weights="nk")
+    both(k, 2, [{"a": _rand(rng, (512, 256), np.float16), "b": _rand(rng, (384, 256), np.float16),
+                 "out": np.full((256, 384), np.nan, np.float16)} for _ in range(2)], sums=True)
+
+
 def test_allgather_gemm_two_launches_in_every_enqueue_order():
     """Launch 2 waits for counters of launch 2 (epochs); the seed changes the order the ranks'
     kernels are enqueued in."""

@@ -442,3 +442,39 @@ def test_the_cycle_named_is_one_of_waiting_ranks_and_the_shortest_through_its_fi
     assert _a_cycle({0: {1: ()}, 1: {2: (), 3: ()}, 2: {1: ()}, 3: {0: ()}}) == [0, 1, 3]
     assert _a_cycle({0: {}, 1: {2: ()}, 2: {1: ()}}) == [1, 2]           # rank 0 waits for nobody
     assert _a_cycle({0: {1: ()}, 1: {2: ()}, 2: {}}) is None
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_weights_stored_as_a_linear_layer_give_the_same_results(W):
+    """``weights="nk"`` (B stored [N, K], a torch Linear's weight, read as ``tl.trans`` of its tile):
+    AllGather+GEMM and GEMM+ReduceScatter give exactly what they give on the transposed [K, N] copy,
+    and their tile programs go to the GEMM recipe with B K-major."""
+    from tldsl.codegen.pipeline import lower
+    from tldsl.ops.allgather_gemm import allgather_gemm
+    rng = np.random.default_rng(W)
+    compute = tl.ComputeSchedule(tile=(16, 16, 16), stages=2)
+    Ms, K, N = 24, 40, 32
+    a = [rng.standard_normal((Ms, K)).astype(np.float32) for _ in range(W)]
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c = np.full((W * Ms, N), np.nan, np.float32)
+    kn = tl.simulate(allgather_gemm, W, [dict(a=a[r], b=b, c=c) for r in range(W)], compute=compute)
+    nk = tl.simulate(allgather_gemm, W, [dict(a=a[r], b=np.ascontiguousarray(b.T), c=c) for r in range(W)],
+                     compute=compute, weights="nk")
+    for r in range(W):
+        np.testing.assert_array_equal(kn[r]["c"], nk[r]["c"])
+    x = [rng.standard_normal((W * 16, K)).astype(np.float32) for _ in range(W)]
+    bs = [rng.standard_normal((K, N)).astype(np.float32) for _ in range(W)]
+    out = np.full((16, N), np.nan, np.float32)
+    kn = tl.simulate(gemm_reduce_scatter, W, [dict(a=x[r], b=bs[r], out=out) for r in range(W)], compute=compute)
+    nk = tl.simulate(gemm_reduce_scatter, W, [dict(a=x[r], b=np.ascontiguousarray(bs[r].T), out=out)
+                                              for r in range(W)], compute=compute, weights="nk")
+    for r in range(W):
+        np.testing.assert_array_equal(kn[r]["out"], nk[r]["out"])
+    bf = tl.bfloat16
+    k = allgather_gemm.trace(W, tl.TensorSpec((256, 256), bf), tl.TensorSpec((384, 256), bf),
+                             tl.TensorSpec((W * 256, 384), bf), weights="nk")
+    lg = lower(k, "gemm")
+    assert type(lg).__name__ == "LoweredGemm" and lg.config.b_k_major
+    with pytest.raises(tl.CompilationError, match=r"B is \[384, 128\] \(weights='nk': \[N, K\]\)"):
+        allgather_gemm.trace(W, tl.TensorSpec((256, 256), bf), tl.TensorSpec((384, 128), bf),
+                             tl.TensorSpec((W * 256, 384), bf), weights="nk")

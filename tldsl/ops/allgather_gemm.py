@@ -8,18 +8,21 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import all_gather
 from tldsl.ops.registry import register
+from tldsl.ops.weights import matrix_dims, stored_form, weight_tile
 from tldsl.runtime.sim.memory import host_float32, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
 
 @tl.kernel
 def allgather_gemm(a: tl.Symmetric, b, c, *, compute: tl.ComputeSchedule = None,
-                   comm: tl.CommSchedule = None):
-    """a: [Ms, K] shard (symmetric); b: [K, N]; c: [W*Ms, N] = all_gather(a) @ b."""
+                   comm: tl.CommSchedule = None, weights: str = "kn"):
+    """a: [Ms, K] shard (symmetric); b: [K, N] (``weights="nk"``: [N, K], a torch Linear's weight);
+    c: [W*Ms, N] = all_gather(a) @ b."""
     W = tl.world_size()
     Ms, K = a.shape
-    Kb, N = b.shape
-    tl.static_assert(K == Kb, f"allgather_gemm: A shard is [{Ms}, {K}] but B is [{Kb}, {N}]")
+    Kb, N = matrix_dims(b, weights, "allgather_gemm")
+    tl.static_assert(K == Kb, f"allgather_gemm: A shard is [{Ms}, {K}] but B is {list(b.shape)}"
+                              f"{stored_form(weights, '[N, K]')}")
     tl.static_assert(tuple(c.shape) == (W * Ms, N), f"allgather_gemm: C must be [{W * Ms}, {N}], got {list(c.shape)}")
     M = W * Ms
     BM, BN, BK = compute.tile
@@ -35,7 +38,7 @@ def allgather_gemm(a: tl.Symmetric, b, c, *, compute: tl.ComputeSchedule = None,
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, K, BK):
             gathered.wait_cols(r0, r1, k, BK)          # column-sliced schedules: each slice as the loop reaches it
-            acc += tl.dot(tl.load(a_full, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
+            acc += tl.dot(tl.load(a_full, (r0, k), (BM, BK)), weight_tile(b, k, c0, BK, BN, weights))
         tl.store(c, (r0, c0), acc)
 
 

@@ -19,21 +19,24 @@ import numpy as np
 import tldsl as tl
 from tldsl.collectives import PARTIAL_DTYPES, own_rows_waiting_in_a_cycle, partial_buffer, reduce_scatter
 from tldsl.ops.registry import register
+from tldsl.ops.weights import matrix_dims, stored_form, weight_tile
 from tldsl.runtime.sim.memory import host_float32
 from tldsl.testing import OpCase, OpSpec
 
 
 @tl.kernel
 def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
-                        comm: tl.CommSchedule = None, partial_dtype: str = "f32"):
-    """a: [M, Kr] (this rank's K slice); b: [Kr, N]; out: [M/W, N] = this rank's rows of sum_r a_r @ b_r.
+                        comm: tl.CommSchedule = None, partial_dtype: str = "f32", weights: str = "kn"):
+    """a: [M, Kr] (this rank's K slice); b: [Kr, N] (``weights="nk"``: [N, Kr], a torch Linear's
+    weight); out: [M/W, N] = this rank's rows of sum_r a_r @ b_r.
     ``partial_dtype``: ``"f32"`` or ``"out"`` (the partial products in out's dtype)."""
     W = tl.world_size()
     M, K = a.shape
-    Kb, N = b.shape
+    Kb, N = matrix_dims(b, weights, "gemm_reduce_scatter")
     tl.static_assert(M % W == 0, f"gemm_reduce_scatter: A has {M} rows, which {W} ranks cannot split evenly "
                                  f"(M must be divisible by the world size)")
-    tl.static_assert(K == Kb, f"gemm_reduce_scatter: A is [{M}, {K}] but B is [{Kb}, {N}] (inner dimensions differ)")
+    tl.static_assert(K == Kb, f"gemm_reduce_scatter: A is [{M}, {K}] but B is {list(b.shape)}"
+                              f"{stored_form(weights, '[N, Kr]')} (inner dimensions differ)")
     tl.static_assert(tuple(out.shape) == (M // W, N),
                      f"gemm_reduce_scatter: out must be [{M // W}, {N}] (M/W rows), got {list(out.shape)}")
     BM, BN, BK = compute.tile
@@ -49,7 +52,7 @@ def gemm_reduce_scatter(a, b, out, *, compute: tl.ComputeSchedule = None,
         r0, c0 = pm * BM, pn * BN
         acc = tl.fragment((BM, BN), tl.float32)
         for k in tl.range(0, K, BK):
-            acc += tl.dot(tl.load(a, (r0, k), (BM, BK)), tl.load(b, (k, c0), (BK, BN)))
+            acc += tl.dot(tl.load(a, (r0, k), (BM, BK)), weight_tile(b, k, c0, BK, BN, weights))
         rs.store_tile(acc, r0, c0)       # store + notify (or, reducing in the epilogue, own rows summed here)
 
 

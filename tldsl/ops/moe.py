@@ -35,6 +35,7 @@ from tldsl.collectives import PARTIAL_DTYPES, all_gather, partial_buffer, reduce
 from tldsl.errors import InputError
 from tldsl.ir.display import html_card, one_line
 from tldsl.ops.registry import register
+from tldsl.ops.weights import WEIGHT_LAYOUTS, check_weight_layout, matrix_dims, stored_form, weight_tile  # noqa: F401
 from tldsl.runtime.sim.memory import host_array, host_float32, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
@@ -305,27 +306,10 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
 
 # -- the kernels ----------------------------------------------------------------------------------
 
-#: how the MoE kernels' expert weights are stored: ``"kn"`` — ``[E, K, N]``, each expert's matrix
-#: as the GEMM multiplies it (torch._grouped_mm's ``mat2``); ``"nk"`` — ``[E, N, K]``, a stack of
-#: torch ``Linear`` weights (out x in), read K-major with no transposed copy
-WEIGHT_LAYOUTS = ("kn", "nk")
-
-
 def _expert_box(w, expert, r0, c0, rows: int, cols: int, weights: str = "kn"):
     """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix at ``(r0, c0)`` (out of bounds
-    reads zero): a 2-d tile of the 3-d weights — stored ``"nk"``, the transpose of their
-    ``[cols, rows]`` tile at ``(c0, r0)``."""
-    if weights == "nk":
-        return tl.trans(tl.load(w, (expert, c0, r0), (cols, rows)))
-    return tl.load(w, (expert, r0, c0), (rows, cols))
-
-
-def _weight_dims(w, weights: str, what: str):
-    """``(E, rows, cols)`` of the experts' matrices as the GEMM multiplies them, whichever way
-    ``weights`` says ``w`` stores them."""
-    tl.static_assert(weights in WEIGHT_LAYOUTS, f"{what}: weights must be one of {WEIGHT_LAYOUTS}, got {weights!r}")
-    E, a, b = w.shape
-    return (E, b, a) if weights == "nk" else (E, a, b)
+    reads zero): a 2-d tile of the 3-d weights, however they are stored (:mod:`.weights`)."""
+    return weight_tile(w, r0, c0, rows, cols, weights, expert=expert)
 
 
 def expert_rows_tile(h, w2, tiles, i, pn, tile, weights: str = "kn"):
@@ -374,8 +358,8 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
     BM, BN, BK = compute.tile
     form = "[E, Nr, K]" if weights == "nk" else "[E, K, Nr]"
     tl.static_assert(len(w1.shape) == 3, f"allgather_moe: w1 must be {form}, got {list(w1.shape)}")
-    E, Kw, Nr = _weight_dims(w1, weights, "allgather_moe")
-    stored = f" (weights={weights!r}: {form})" if weights == "nk" else ""
+    E, Kw, Nr = matrix_dims(w1, weights, "allgather_moe")
+    stored = stored_form(weights, form)
     tl.static_assert(Kw == K, f"allgather_moe: the token shard x is [{Ms}, {K}] but w1 is "
                               f"{list(w1.shape)}{stored}: w1's K must be {K}")
     tl.static_assert(w1.dtype == x.dtype, f"allgather_moe: x is {x.dtype} but w1 is {w1.dtype}")
@@ -491,10 +475,10 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
                      f"moe_reduce_scatter: topk_weights must be [T, topk], got {list(topk_weights.shape)}")
     tl.static_assert(len(out.shape) == 2, f"moe_reduce_scatter: out must be [Ms, K], got {list(out.shape)}")
     R, Nr = h.shape
-    E, Nw, K = _weight_dims(w2, weights, "moe_reduce_scatter")
+    E, Nw, K = matrix_dims(w2, weights, "moe_reduce_scatter")
     T, topk = topk_weights.shape
     Ms = out.shape[0]
-    stored = f" (weights={weights!r}: {form})" if weights == "nk" else ""
+    stored = stored_form(weights, form)
     tl.static_assert(Nw == Nr, f"moe_reduce_scatter: h is [{R}, {Nr}] but w2 is {list(w2.shape)}{stored}: "
                                f"w2's Nr must be {Nr}")
     tl.static_assert(w2.dtype == h.dtype, f"moe_reduce_scatter: h is {h.dtype} but w2 is {w2.dtype}")
@@ -679,7 +663,7 @@ def simulate_allgather_moe(x_shards, w1_slices, topk_ids, *, compute=None, comm=
     W = len(x_shards)
     xs = [host_operand(x) for x in x_shards]
     w1 = _per_rank("simulate_allgather_moe: w1_slices", w1_slices, W)
-    _check_weight_layout("simulate_allgather_moe", weights)
+    check_weight_layout("simulate_allgather_moe", weights)
     form = "[E, Nr, K]" if weights == "nk" else "[E, K, Nr]"
     if xs[0].ndim != 2 or w1[0].ndim != 3:
         raise InputError(f"simulate_allgather_moe: x shards must be [Ms, K] and w1 slices {form}, got "
@@ -717,7 +701,7 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     if tuple(wts.shape) != (routing.num_tokens, routing.topk):
         raise InputError(f"simulate_moe_reduce_scatter: topk_weights must be [{routing.num_tokens}, "
                          f"{routing.topk}] like the routing, got {list(wts.shape)}")
-    _check_weight_layout("simulate_moe_reduce_scatter", weights)
+    check_weight_layout("simulate_moe_reduce_scatter", weights)
     if w2[0].ndim != 3:
         raise InputError(f"simulate_moe_reduce_scatter: w2 slices must be "
                          f"{'[E, K, Nr]' if weights == 'nk' else '[E, Nr, K]'}, got {list(w2[0].shape)}")
@@ -731,12 +715,6 @@ def simulate_moe_reduce_scatter(h_slices, w2_slices, topk_weights, routing: MoER
     res = tl.simulate(moe_reduce_scatter, W, inputs, seed=seed, options=options, compute=compute, comm=comm,
                       partial_dtype=partial_dtype, weights=weights)
     return [res[r]["out"] for r in range(W)]
-
-
-def _check_weight_layout(who: str, weights) -> None:
-    if weights not in WEIGHT_LAYOUTS:
-        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': [E, K, N]; 'nk': [E, N, K], a stack "
-                         f"of torch Linear weights), got {weights!r}")
 
 
 # -- registration for the tests ----------------------------------------------------------------------

@@ -54,9 +54,10 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a host
 SPILL_BUDGET_BYTES = 0
 #: Communication kernels: 256 threads per CTA, so ptxas may use up to 255 registers.
 COMM_MAX_REGISTERS = 255
-#: The plain GEMM's SASS size (instructions) for tile 128x256x64, 4 stages, bf16, measured before the
-#: epilogue notifies existed; NoNotifies must compile to the same code (tolerance for toolchain noise).
-PLAIN_GEMM_INSTRUCTIONS = 1328
+#: The plain GEMM's SASS size (instructions) for tile 128x256x64, 4 stages, bf16 (1328 before the
+#: epilogue notifies existed; 1216 since the 16-bit epilogue stores by stmatrix); NoNotifies must compile
+#: to the same code (tolerance for toolchain noise).
+PLAIN_GEMM_INSTRUCTIONS = 1216
 
 
 # =================================================================================================

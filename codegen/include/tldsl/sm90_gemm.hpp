@@ -194,6 +194,46 @@ __device__ __forceinline__ void store_pair<float>(uint32_t smem_addr, float x, f
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y));
 }
 
+// Two fp32 values as one 32-bit register of the 16-bit output type (the lower column in the low half).
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float x, float y) {
+  if constexpr (cuda::std::is_same_v<T, __half>) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// Four 8 x 8 matrices of 16-bit values from the accumulators of a warp into shared memory, one
+// instruction (stmatrix .x4): matrix i's row (lane % 8) at `row_addr` of lane 8 i + (lane % 8); its
+// elements are the WGMMA accumulator fragment's (thread t: row t / 4, columns 2 (t % 4) and + 1), in
+// register r_i. A quarter of the st.shared a pair at a time costs.
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(row_addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The 64 rows x 16 columns at column group pair (j, j + 1) (8 columns each) of one m64 block's
+// accumulators `acc`, converted to 16-bit T, into the swizzled chunk at `buf` (SC bytes a row): the
+// warp `wq` writes its 16 rows; `keep(h)` says whether the thread's row lane / 4 + 8 h is stored
+// (else zeros). Matrices: (rows 0-7, group j), (8-15, j), (0-7, j + 1), (8-15, j + 1).
+template <class T, int SC, class Keep>
+__device__ __forceinline__ void stmatrix_pair(const float* acc, int j, int jj, uint32_t buf, int wq, int lane,
+                                              Keep keep) {
+  const int m = lane / 8;
+  const int row = wq * 16 + lane % 8 + 8 * (m % 2);
+  const int col = 8 * (jj + m / 2);
+  const uint32_t addr = buf + swizzle(uint32_t(row * SC + col * 2), SC);
+  const bool k0 = keep(0), k1 = keep(1);
+  stmatrix_x4(addr, k0 ? pack_pair<T>(acc[4 * j + 0], acc[4 * j + 1]) : 0u,
+              k1 ? pack_pair<T>(acc[4 * j + 2], acc[4 * j + 3]) : 0u,
+              k0 ? pack_pair<T>(acc[4 * j + 4], acc[4 * j + 5]) : 0u,
+              k1 ? pack_pair<T>(acc[4 * j + 6], acc[4 * j + 7]) : 0u);
+}
+
 // A TMA store whose lines L2 evicts first: data written for later (A_gathered's copy) must not
 // push the GEMM's reused A and B tiles out of L2.
 __device__ __forceinline__ void tma_store_2d_evict_first(const cute::TmaDescriptor* desc, const void* smem, int c0,
@@ -306,15 +346,22 @@ __device__ __forceinline__ void store_acc(float (&acc)[Tr::MB][Tr::kAccPerBlock]
       const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
       if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
       cutlass::arch::NamedBarrier::sync(128, bar_id);
+      if constexpr (kBytes == 2 && (EC / 8) % 2 == 0) {
+        // 16-bit C: stmatrix, two 8-column groups of the warp's 16 rows an instruction
 #pragma unroll
-      for (int jj = 0; jj < EC / 8; ++jj) {       // constant trip counts: acc stays in registers
-        const int j = q * (EC / 8) + jj;
+        for (int jj = 0; jj < EC / 8; jj += 2)
+          stmatrix_pair<ElemOut, SC>(acc[mb], q * (EC / 8) + jj, jj, buf, wq, lane, [](int) { return true; });
+      } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = wq * 16 + lane / 4 + 8 * h;
-          const int col = 8 * j + 2 * (lane % 4) - q * EC;
-          const uint32_t off = swizzle(uint32_t(row * SC + col * kBytes), SC);
-          store_pair<ElemOut>(buf + off, acc[mb][4 * j + 2 * h], acc[mb][4 * j + 2 * h + 1]);
+        for (int jj = 0; jj < EC / 8; ++jj) {       // constant trip counts: acc stays in registers
+          const int j = q * (EC / 8) + jj;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = wq * 16 + lane / 4 + 8 * h;
+            const int col = 8 * j + 2 * (lane % 4) - q * EC;
+            const uint32_t off = swizzle(uint32_t(row * SC + col * kBytes), SC);
+            store_pair<ElemOut>(buf + off, acc[mb][4 * j + 2 * h], acc[mb][4 * j + 2 * h + 1]);
+          }
         }
       }
       cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA

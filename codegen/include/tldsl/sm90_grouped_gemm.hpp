@@ -489,17 +489,26 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
     const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
     if (tid == 0) sm90::bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` read it
     cutlass::arch::NamedBarrier::sync(128, bar_id);
+    if constexpr (Tr::kOutBytes == 2 && (Tr::EC / 8) % 2 == 0) {
+      // 16-bit C: stmatrix, two 8-column groups of the warp's 16 rows an instruction; a thread's
+      // rows lane / 4 and + 8 stored, or zeros, by the tile's valid rows
+      const auto keep = [&](int h) { return !kZero && row0 + wq * 16 + lane / 4 + 8 * h < valid; };
 #pragma unroll
-    for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
-      const int j = q * (Tr::EC / 8) + jj;
+      for (int jj = 0; jj < Tr::EC / 8; jj += 2)
+        sm90::stmatrix_pair<typename Cfg::ElemC, Tr::SC>(acc, q * (Tr::EC / 8) + jj, jj, buf, wq, lane, keep);
+    } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = wq * 16 + lane / 4 + 8 * h;
-        const int col = 8 * jj + 2 * (lane % 4);
-        const uint32_t off = sm90::swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
-        const bool keep = !kZero && row0 + row < valid;   // (no overflow: row0 + row < 256)
-        sm90::store_pair<typename Cfg::ElemC>(buf + off, keep ? acc[4 * j + 2 * h] : 0.0f,
-                                              keep ? acc[4 * j + 2 * h + 1] : 0.0f);
+      for (int jj = 0; jj < Tr::EC / 8; ++jj) {       // constant trip counts: acc stays in registers
+        const int j = q * (Tr::EC / 8) + jj;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = wq * 16 + lane / 4 + 8 * h;
+          const int col = 8 * jj + 2 * (lane % 4);
+          const uint32_t off = sm90::swizzle(uint32_t(row * Tr::SC + col * Tr::kOutBytes), Tr::SC);
+          const bool keep = !kZero && row0 + row < valid;   // (no overflow: row0 + row < 256)
+          sm90::store_pair<typename Cfg::ElemC>(buf + off, keep ? acc[4 * j + 2 * h] : 0.0f,
+                                                keep ? acc[4 * j + 2 * h + 1] : 0.0f);
+        }
       }
     }
     cute::tma_store_fence();               // generic-proxy smem writes -> visible to TMA

@@ -581,5 +581,6 @@ def test_a_moe_layer_of_linear_weights_agrees_with_the_same_layer_of_transposed_
         op.close()
     with pytest.raises(tl.InputError, match=r"w1 must be \[E, Nr, K=32\] \(weights='nk'\)"):
         AllGatherMoE(x, tl.TensorSpec((E, NR, K + 8), tl.float16), TOPK, weights="nk")
-    with pytest.raises(tl.InputError, match="weights must be one of"):
-        MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, weights="t")
+    for bad in ("t", np.array(["nk", "kn"]), None):
+        with pytest.raises(tl.InputError, match="weights must be one of"):
+            MoEReduceScatter(tl.TensorSpec((E, NR, K), tl.float16), MS, TOPK, weights=bad)

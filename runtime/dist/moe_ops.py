@@ -37,8 +37,8 @@ import tldsl as tl
 
 from ...collectives import PARTIAL_DTYPES
 from ...errors import InputError
-from ...ops.moe import (WEIGHT_LAYOUTS, allgather_moe, check_table_rows, moe_num_tiles, moe_reduce_scatter,
-                         stage_rows_pays)
+from ...ops.moe import allgather_moe, check_table_rows, moe_num_tiles, moe_reduce_scatter, stage_rows_pays
+from ...ops.weights import check_weight_layout
 from . import program_op
 from ..gpu.moe_routing import RoutingTables
 from .moe_tables import check_routing_tables, table_shapes
@@ -223,13 +223,6 @@ class _Routed:
                              "its routed row joined no expert")
 
 
-def _check_weights(who: str, weights) -> None:
-    """``weights``: how the experts' matrices are stored (:data:`~tldsl.ops.moe.WEIGHT_LAYOUTS`)."""
-    if weights not in WEIGHT_LAYOUTS:
-        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': [E, K, N], each expert's matrix as "
-                         f"the GEMM multiplies it; 'nk': [E, N, K], a stack of torch Linear weights), got {weights!r}")
-
-
 class AllGatherMoE(_Routed, FusedProgram):
     """Layer 0 of a tensor-parallel MoE: all-gather the token shards and run the grouped GEMM of
     the routed rows with this rank's expert slices, overlapped tile by tile.
@@ -256,7 +249,7 @@ class AllGatherMoE(_Routed, FusedProgram):
 
     def __init__(self, x, w1, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, stage_rows: bool | None = None, weights: str = "kn", **program_kw):
-        _check_weights("AllGatherMoE", weights)
+        check_weight_layout("AllGatherMoE", weights)
         (Ms, K), dt = _shape_dtype("x", x, "[Ms, K]")
         nk = weights == "nk"
         w_shape, wdt = _shape_dtype("w1", w1, "[E, Nr, K]" if nk else "[E, K, Nr]")
@@ -338,7 +331,7 @@ class MoEReduceScatter(_Routed, FusedProgram):
     def __init__(self, w2, rows_per_rank: int, topk: int, group=None, *, compute=None, comm=None, router=None,
                  validate_ids: bool = True, weights_dtype=None, partial_dtype: str = "out", weights: str = "kn",
                  **program_kw):
-        _check_weights("MoEReduceScatter", weights)
+        check_weight_layout("MoEReduceScatter", weights)
         w_shape, dt = _shape_dtype("w2", w2, "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]")
         E, Nr, K = (w_shape[0], w_shape[2], w_shape[1]) if weights == "nk" else w_shape
         if not isinstance(rows_per_rank, numbers.Integral) or isinstance(rows_per_rank, bool) or rows_per_rank < 1:

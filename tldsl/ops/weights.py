@@ -24,8 +24,12 @@ def weight_tile(w, r0, c0, rows: int, cols: int, weights: str = "kn", expert=Non
 
 def matrix_dims(w, weights: str, what: str) -> tuple:
     """The weights' dims with the matrices' as the GEMM multiplies them (``(..., K, N)``), whichever
-    way ``weights`` says ``w`` stores them (checked at trace time, at the caller's line)."""
-    tl.static_assert(weights in WEIGHT_LAYOUTS, f"{what}: weights must be one of {WEIGHT_LAYOUTS}, got {weights!r}")
+    way ``weights`` says ``w`` stores them; a bad ``weights`` or a ``w`` of fewer than two dims is a
+    CompilationError naming ``what`` (the op), raised while it is traced."""
+    tl.static_assert(isinstance(weights, str) and weights in WEIGHT_LAYOUTS,
+                     f"{what}: weights must be one of {WEIGHT_LAYOUTS}, got {weights!r}")
+    tl.static_assert(len(w.shape) >= 2, f"{what}: the weights '{w.name}' must hold matrices (at least 2-d), "
+                                        f"got {list(w.shape)}")
     *lead, a, b = w.shape
     return (*lead, b, a) if weights == "nk" else (*lead, a, b)
 
@@ -39,6 +43,6 @@ def stored_form(weights: str, nk_shape: str) -> str:
 def check_weight_layout(who: str, weights) -> None:
     """An InputError naming ``who`` unless ``weights`` is one of :data:`WEIGHT_LAYOUTS` (a host
     wrapper's check, before anything is traced)."""
-    if weights not in WEIGHT_LAYOUTS:
-        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': [K, N], each matrix as the GEMM "
-                         f"multiplies it; 'nk': [N, K], a torch Linear's weight), got {weights!r}")
+    if not isinstance(weights, str) or weights not in WEIGHT_LAYOUTS:
+        raise InputError(f"{who}: weights must be one of {WEIGHT_LAYOUTS} ('kn': each matrix stored [..., K, N], as "
+                         f"the GEMM multiplies it; 'nk': [..., N, K], as torch Linear weights), got {weights!r}")

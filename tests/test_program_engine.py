@@ -246,3 +246,38 @@ def test_the_timeline_names_each_part_of_a_program_launch():
                                 ("compute", "barrier", 0.2, 0.2), ("compute", "GEMM", 0.2, 1.0)]
     text = format_phases([phases], width=10)
     assert "?" not in text and "A" in text and "G" in text
+
+
+@pytest.mark.parametrize("variant", ["sm-pull", "plan-push", "default"])
+def test_allgather_matmul_of_a_linear_weight_runs_its_tile_program(monkeypatch, variant):
+    """``weights="nk"``: B given as stored by a torch Linear ([N, K]), read K-major by the GEMM with no
+    copy — the op's tile program on the fused-op runtime whatever the schedule (the direct copy-engine
+    paths take B [K, N] only); the same C as torch's ``gathered @ b.T``."""
+    W, Ms, K, N = 2, 32, 16, 48
+    g = ops_group(monkeypatch, W, seed=7)
+    kw = {} if variant == "default" else AG_SCHEDULES[variant]
+    ops = g.build(lambda r, dev: AllGatherMatmul(Ms, K, N, torch.float16, compute=C16, weights="nk", **kw))
+    assert all(isinstance(op._engine, ProgramEngine) for op in ops)
+    assert ops[0]._problem() == "A shard [32, 16] @ B [48, 16]^T torch.float16" and ops[0].b_shape == (N, K)
+    rng = np.random.default_rng(3)
+    shards = [f16(rng, Ms, K) for _ in range(W)]
+    w = f16(rng, N, K)
+    outs = [torch.full((W * Ms, N), float("nan"), dtype=torch.float16) for _ in range(W)]
+    for r in g.fake.rng.sample(range(W), W):
+        ops[r](shards[r], w, out=outs[r])
+    for op in ops:
+        op._engine.program.synchronize()
+    want = np.concatenate([host(s) for s in shards]).astype(np.float32) @ host(w).astype(np.float32).T
+    for r in range(W):
+        close_to(outs[r], want, K)
+    for op in ops:
+        op.close()
+
+
+def test_allgather_matmul_refuses_a_linear_weight_on_the_direct_path(monkeypatch):
+    from tldsl.errors import InputError
+    g = ops_group(monkeypatch, 2)
+    with pytest.raises(InputError, match="weights='nk': the direct copy-engine path takes B \\[K, N\\]"):
+        g.build(lambda r, dev: AllGatherMatmul(32, 16, 48, torch.float16, ce_executor="direct", weights="nk"))
+    with pytest.raises(InputError, match="weights must be one of"):
+        g.build(lambda r, dev: AllGatherMatmul(32, 16, 48, torch.float16, weights="t"))

@@ -30,6 +30,7 @@ from ...errors import InputError
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .call_order import CallOrder
+from ...ops.weights import check_weight_layout
 from .recipes import choose
 from .spare_outputs import keep_spares
 from .group import built_alike, dist_context, dtype_name
@@ -52,7 +53,8 @@ class AllGatherMatmul(EngineOp):
                  compute: ComputeSchedule | None = None, comm: CommSchedule | None = None, progress=None,
                  engine: str | None = None, sms: int | None = None, ce_executor: str | None = None,
                  handshake: str | None = None, enqueue: str = "gemm_first", staging: str | None = None,
-                 stage_waves: int | None = None, spare_outputs: bool | None = None, pusher: str | None = None):
+                 stage_waves: int | None = None, spare_outputs: bool | None = None, pusher: str | None = None,
+                 weights: str = "kn"):
         """``engine``: ``None`` / ``"copy_engine"`` (default: the copy engines push where this
         rank's rows are whole tiles and no pull option is given — :func:`default_push` — and pull
         elsewhere) or ``"sm"`` (the generated all-gather kernel on ``sms`` SMs, default 8, the
@@ -60,7 +62,10 @@ class AllGatherMatmul(EngineOp):
         measured copy-engine pull path) or ``"plan"`` (the codegen copy-engine plan through
         :class:`~.plan_exec.PlanExecutor`); default: direct, except copy-engine push where this
         rank's rows are not whole tiles (or with clusters), which only the plan runs — the direct
-        push is :class:`~.ag_push.PushAllGather`. ``handshake`` (the
+        push is :class:`~.ag_push.PushAllGather`. ``weights``: ``"kn"`` (B is ``[K, N]``) or ``"nk"``
+        (B is ``[N, K]``, a torch Linear's weight, read K-major by the GEMM with no copy: the op's tile
+        program on the fused-op runtime — the SM schedules or the copy-engine plan — as the direct
+        paths take B ``[K, N]`` only). ``handshake`` (the
         direct path's one barrier per launch): ``"device"`` (the default with the staging kernel:
         that kernel publishes the launch number into this rank's slot on every peer once the
         shard is staged, and the copy stream waits for each peer's slot with a stream memory
@@ -89,6 +94,8 @@ class AllGatherMatmul(EngineOp):
         import torch
 
         with built_alike("AllGatherMatmul", group) as build:      # every rank leaves it alike (group.py)
+            check_weight_layout("AllGatherMatmul", weights)
+            self.weights = weights
             check_sizes("AllGatherMatmul", rows_per_rank=rows_per_rank, k=k, n=n)
             check_schedules("AllGatherMatmul", compute, comm)
             check_progress("AllGatherMatmul", progress)
@@ -120,6 +127,9 @@ class AllGatherMatmul(EngineOp):
                 raise InputError(f"ce_executor={ce_executor!r}: choose 'direct' or 'plan'")
             c0 = compute or DEFAULT_COMPUTE
             push = comm.engine == "copy_engine" and comm.mode == "push"
+            if weights == "nk" and ce_executor == "direct":
+                raise InputError("AllGatherMatmul: weights='nk': the direct copy-engine path takes B [K, N]; B [N, K] "
+                                 "runs on the fused-op runtime (ce_executor='plan', or engine='sm')")
             if ce_executor is None:
                 ce_executor = "plan" if push and (self.Ms % c0.BM or c0.cluster != (1, 1)) else "direct"
             staging_given = staging
@@ -165,14 +175,21 @@ class AllGatherMatmul(EngineOp):
                                spare_outputs=spare_outputs, pusher=pusher, ce_executor=ce_executor,
                                wait_timeout_ns=timeout)
         recipe = choose("AllGatherMatmul", comm, ce_executor)
+        if weights == "nk":         # the direct paths take B [K, N] only: the tile program on the runtime
+            recipe = None
         engine_cls = _ProgramAllGather if recipe is None else recipe.engine_class()
         self._engine = engine_cls(self, progress, options)
+
+    @property
+    def b_shape(self) -> tuple[int, int]:
+        """B as the op takes it: ``(K, N)``, or ``(N, K)`` with ``weights="nk"``."""
+        return (self.N, self.K) if self.weights == "nk" else (self.K, self.N)
 
     def _check(self, a_shard, b):
         """Every problem with the operands, before anything is enqueued (the A shard may be a
         strided or unaligned view: the op copies it first)."""
         check_open("AllGatherMatmul", self._closed)
-        check_operands("AllGatherMatmul", (("A shard", a_shard, (self.Ms, self.K)), ("B", b, (self.K, self.N))),
+        check_operands("AllGatherMatmul", (("A shard", a_shard, (self.Ms, self.K)), ("B", b, self.b_shape)),
                        self.dtype, self.ctx.device, strided_ok=("A shard",))
 
     def __call__(self, a_shard, b, *, poison_workspace: bool = False, out=None, return_gathered: bool = True):
@@ -201,7 +218,7 @@ class AllGatherMatmul(EngineOp):
         if not isinstance(a_gathered, torch.Tensor) or a_gathered.shape != want or \
                 a_gathered.dtype != self.dtype or not a_gathered.is_contiguous():
             raise InputError(f"A_gathered must be a contiguous {want} tensor of {self.dtype}")
-        if not isinstance(b, torch.Tensor) or b.shape != (self.K, self.N) or b.dtype != self.dtype or \
+        if not isinstance(b, torch.Tensor) or b.shape != self.b_shape or b.dtype != self.dtype or \
                 b.get_device() != self.ctx.device or \
                 a_gathered.get_device() != self.ctx.device or not b.is_contiguous():
             self._check(a_gathered[:self.Ms], b)
@@ -229,10 +246,11 @@ class AllGatherMatmul(EngineOp):
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:
-        return f"A shard [{self.Ms}, {self.K}] @ B [{self.K}, {self.N}] {self.dtype}"
+        b = f"B [{self.N}, {self.K}]^T" if self.weights == "nk" else f"B [{self.K}, {self.N}]"
+        return f"A shard [{self.Ms}, {self.K}] @ {b} {self.dtype}"
 
     def _facts(self) -> list:
-        return [("A shard", [self.Ms, self.K]), ("B", [self.K, self.N]), ("dtype", self.dtype),
+        return [("A shard", [self.Ms, self.K]), ("B", list(self.b_shape)), ("dtype", self.dtype),
                 ("engine", self.engine)]
 
 
@@ -409,10 +427,10 @@ class _ProgramAllGather(ProgramEngine):
         W = op.ctx.world_size
         dt = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
-        super().__init__(op, allgather_gemm, {"a": spec((op.Ms, op.K), dt), "b": spec((op.K, op.N), dt),
+        super().__init__(op, allgather_gemm, {"a": spec((op.Ms, op.K), dt), "b": spec(op.b_shape, dt),
                                               "c": spec((W * op.Ms, op.N), dt)},
                          name="sm" if op.comm.engine == "sm" else "copy_engine-plan", progress=progress,
-                         compute=op.compute, comm=op.comm)
+                         compute=op.compute, comm=op.comm, weights=op.weights)
         op.ir, op.lowered = self.ir, self.lowered("gemm")
         (self.signal,) = op.lowered.signals
         self._gemm = None

@@ -281,3 +281,17 @@ def test_allgather_matmul_refuses_a_linear_weight_on_the_direct_path(monkeypatch
         g.build(lambda r, dev: AllGatherMatmul(32, 16, 48, torch.float16, ce_executor="direct", weights="nk"))
     with pytest.raises(InputError, match="weights must be one of"):
         g.build(lambda r, dev: AllGatherMatmul(32, 16, 48, torch.float16, weights="t"))
+
+
+def test_a_linear_weight_at_the_shapes_whose_default_stages_rows_in_the_gemm(monkeypatch):
+    """Where the direct path would stage this rank's rows in the GEMM (its default at these shapes), a
+    ``weights="nk"`` op takes the tile program, with none of the direct path's options set for it."""
+    from tldsl.runtime.dist import ag_gemm as agm
+    W, Ms, K, N = 2, 256, 512, 4096
+    g = ops_group(monkeypatch, W)
+    monkeypatch.setattr(agm, "default_staging", lambda *a, **k: ("gemm", 3))      # what the direct path would take
+    ops = g.build(lambda r, dev: AllGatherMatmul(Ms, K, N, torch.float16, weights="nk",
+                                                 comm=tl.CommSchedule(engine="copy_engine", mode="pull")))
+    assert all(isinstance(op._engine, ProgramEngine) for op in ops)
+    for op in ops:
+        op.close()

@@ -136,7 +136,7 @@ class AllGatherMatmul(EngineOp):
             if staging is None:
                 staging, planned_waves = default_staging(self.Ms, self.N, self.K, W, compute, comm, handshake, enqueue,
                                                          ce_executor)
-                if staging == "gemm" and stage_waves is None:
+                if staging == "gemm" and stage_waves is None and weights == "kn":   # (nk: no direct path)
                     stage_waves = planned_waves
             if handshake not in (None, "kernel", "memops", "device"):
                 raise InputError(f"handshake={handshake!r}: choose 'memops', 'device' or 'kernel'")

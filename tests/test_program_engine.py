@@ -295,3 +295,33 @@ def test_a_linear_weight_at_the_shapes_whose_default_stages_rows_in_the_gemm(mon
     assert all(isinstance(op._engine, ProgramEngine) for op in ops)
     for op in ops:
         op.close()
+
+
+@pytest.mark.parametrize("engine", [None, "sm"])
+def test_matmul_reduce_scatter_of_a_linear_weight_on_the_runtime(monkeypatch, engine):
+    """``weights="nk"``: each rank's B given as a torch Linear keeps it ([N, K]); the SM schedule on
+    the runtime (the default for it), the same sums as numpy's on the transposed B; the copy-engine
+    path, which takes B [K, N] only, refused by name."""
+    from tldsl.errors import InputError
+    W, Ms, K, N = 2, 16, 16, 32
+    g = ops_group(monkeypatch, W, seed=4)
+    ops = g.build(lambda r, dev: MatmulReduceScatter(W * Ms, K, N, torch.float16, compute=C16, engine=engine,
+                                                     weights="nk"))
+    assert all(isinstance(op._engine, ProgramEngine) for op in ops)
+    assert ops[0]._problem() == f"A [{W * Ms}, {K}] @ B [{N}, {K}]^T -> out [{Ms}, {N}] torch.float16"
+    rng = np.random.default_rng(9)
+    a = [f16(rng, W * Ms, K) for _ in range(W)]
+    w = [f16(rng, N, K) for _ in range(W)]
+    outs = [torch.full((Ms, N), float("nan"), dtype=torch.float16) for _ in range(W)]
+    for r in g.fake.rng.sample(range(W), W):
+        assert ops[r](a[r], w[r], out=outs[r]) is outs[r]
+    for op in ops:
+        op._engine.program.synchronize()
+    parts = [(host(a[q]).astype(np.float32) @ host(w[q]).astype(np.float32).T).astype(np.float16).astype(np.float32)
+             for q in range(W)]
+    for r in range(W):
+        close_to(outs[r], sum(parts)[r * Ms:(r + 1) * Ms], K * W)
+    for op in ops:
+        op.close()
+    with pytest.raises(InputError, match="weights='nk' runs the SM schedule"):
+        g.build(lambda r, dev: MatmulReduceScatter(W * Ms, K, N, torch.float16, engine="copy_engine", weights="nk"))

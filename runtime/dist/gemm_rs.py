@@ -62,6 +62,7 @@ import math
 
 from ... import env
 from ...errors import InputError
+from ...ops.weights import check_weight_layout
 from ...ir.schedule import CommSchedule, ComputeSchedule
 from ..gpu.launch import LaunchCache
 from .group import built_alike, dist_context, dtype_name
@@ -157,9 +158,11 @@ def check_problem(m: int, k: int, n: int, world_size: int, dtype) -> str:
     return dt
 
 
-def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None = None, op: str = "MatmulReduceScatter"):
-    """Every problem with ``A [m, k]`` and ``B [k, n]`` at once, as one InputError (nothing runs)."""
-    check_operands(op, (("A", a, (m, k)), ("B", b, (k, n))), dtype, device)
+def validate_operands(a, b, *, m: int, k: int, n: int, dtype, device: int | None = None, op: str = "MatmulReduceScatter",
+                      weights: str = "kn"):
+    """Every problem with ``A [m, k]`` and ``B [k, n]`` (``weights="nk"``: ``[n, k]``) at once, as one
+    InputError (nothing runs)."""
+    check_operands(op, (("A", a, (m, k)), ("B", b, (n, k) if weights == "nk" else (k, n))), dtype, device)
 
 
 class MatmulReduceScatter(EngineOp):
@@ -176,18 +179,27 @@ class MatmulReduceScatter(EngineOp):
     never two in one group of tile rows that the compute order finishes together).
     ``hooks``: optional callables ``hooks['before_compute'](op, launch, stream)`` /
     ``hooks['before_comm'](...)`` run on the host just before the GEMM / the communication is
-    enqueued (the distributed checks use them to inject stragglers).
+    enqueued (the distributed checks use them to inject stragglers). ``weights``: ``"kn"`` (B is
+    ``[k, n]``) or ``"nk"`` (B is ``[n, k]``, a torch Linear's weight, read K-major by the GEMM with
+    no copy: the SM schedule on the fused-op runtime, the default there; the copy-engine path takes
+    B ``[k, n]`` only).
     """
 
     def __init__(self, m: int, k: int, n: int, dtype="bfloat16", *, group=None, compute: ComputeSchedule | None = None,
                  comm: CommSchedule | None = None, reduce_op: str = "sum", scatter_dim: int = 0, progress=None,
-                 partial_dtype: str = "out", ce_chunks: int | None = None, engine: str | None = None):
+                 partial_dtype: str = "out", ce_chunks: int | None = None, engine: str | None = None,
+                 weights: str = "kn"):
         import torch
         import tldsl as tl
         from ...codegen import lower
         from ...ops.gemm_reduce_scatter import gemm_reduce_scatter
 
         with built_alike("MatmulReduceScatter", group) as build:      # every rank leaves it alike (group.py)
+            check_weight_layout("MatmulReduceScatter", weights)
+            self.weights = weights
+            if weights == "nk" and (engine == "copy_engine" or (comm is not None and comm.engine != "sm")):
+                raise InputError("MatmulReduceScatter: weights='nk' runs the SM schedule on the fused-op runtime; the "
+                                 "copy-engine path takes B [k, n] only (pass engine='sm' or leave it out)")
             if reduce_op != "sum":
                 raise InputError(f"reduce_op={reduce_op!r}: only 'sum' is supported")
             if scatter_dim != 0:
@@ -202,7 +214,8 @@ class MatmulReduceScatter(EngineOp):
             dt = check_problem(m, k, n, W, dtype)
             m, k, n = int(m), int(k), int(n)                  # (numpy integers too)
             self.M, self.K, self.N = m, k, n
-            self._tensor_type, self._a_size, self._b_size = torch.Tensor, torch.Size((m, k)), torch.Size((k, n))
+            self._tensor_type, self._a_size = torch.Tensor, torch.Size((m, k))
+            self._b_size = torch.Size((n, k) if weights == "nk" else (k, n))
             self.Ms = m // W
             self.dtype = torch.bfloat16 if dt == "bf16" else torch.float16
             self.compute = compute or DEFAULT_COMPUTE
@@ -210,7 +223,7 @@ class MatmulReduceScatter(EngineOp):
                 raise InputError(f"engine={engine!r}: choose 'copy_engine' or 'sm'")
             if comm is not None and engine is not None and comm.engine != engine:
                 raise InputError(f"engine={engine!r} contradicts the communication schedule {comm}")
-            self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm"
+            self.comm = comm or (default_sm_comm(self.compute, m=m, k=k) if engine == "sm" or weights == "nk"
                                  else default_comm(self.compute, m=m, k=k))
             if compute is None and self.comm.reduce_in == "epilogue":
                 self.compute = epilogue_compute(self.Ms)
@@ -224,8 +237,9 @@ class MatmulReduceScatter(EngineOp):
             self.partial_dtype = partial_dtype
             build.config = dict(M=m, K=k, N=n, dtype=dt, compute=self.compute, comm=trace_comm,
                                 partial_dtype=partial_dtype)
-            self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec((k, n), ir_dt), spec((self.Ms, n), ir_dt),
-                                                compute=self.compute, comm=trace_comm, partial_dtype=partial_dtype)
+            self.ir = gemm_reduce_scatter.trace(W, spec((m, k), ir_dt), spec(tuple(self._b_size), ir_dt),
+                                                spec((self.Ms, n), ir_dt), compute=self.compute, comm=trace_comm,
+                                                partial_dtype=partial_dtype, weights=weights)
             self.wait_timeout_ns = env.wait_timeout_ns()     # TLDSL_WAIT_TIMEOUT_NS, checked
             opts = {"wait_timeout_ns": self.wait_timeout_ns} if self.wait_timeout_ns is not None else {}
             self.lowered_gemm = lower(self.ir, "gemm", **opts)
@@ -246,10 +260,11 @@ class MatmulReduceScatter(EngineOp):
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:
-        return f"A [{self.M}, {self.K}] @ B [{self.K}, {self.N}] -> out [{self.Ms}, {self.N}] {self.dtype}"
+        b = f"B [{self.N}, {self.K}]^T" if self.weights == "nk" else f"B [{self.K}, {self.N}]"
+        return f"A [{self.M}, {self.K}] @ {b} -> out [{self.Ms}, {self.N}] {self.dtype}"
 
     def _facts(self) -> list:
-        return [("A", [self.M, self.K]), ("B", [self.K, self.N]), ("out", [self.Ms, self.N]), ("dtype", self.dtype)]
+        return [("A", [self.M, self.K]), ("B", list(self._b_size)), ("out", [self.Ms, self.N]), ("dtype", self.dtype)]
 
     # -- a launch --------------------------------------------------------------------------------
     def __call__(self, a, b, *, out=None):
@@ -265,7 +280,7 @@ class MatmulReduceScatter(EngineOp):
                 or a.requires_grad or b.requires_grad):
             # the common case above in a few compares (the host's time before the GEMM is the op's);
             # anything else (a subclass, a view, a wrong operand) gets the full check and its error
-            validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev)
+            validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=dt, device=dev, weights=self.weights)
         if out is not None:
             check_output("MatmulReduceScatter", out, (self.Ms, self.N), dt, dev, (("A", a), ("B", b)))
         return self._finish(self._engine(a, b, out))
@@ -284,7 +299,8 @@ class MatmulReduceScatter(EngineOp):
         For benchmarks and diagnosis; the op's own counters are not touched."""
         import torch
         check_open("MatmulReduceScatter", self._closed)
-        validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device)
+        validate_operands(a, b, m=self.M, k=self.K, n=self.N, dtype=self.dtype, device=self.ctx.device,
+                          weights=self.weights)
         if getattr(self, "_scratch", None) is None:
             # the op's buffers, its counters replaced by scratch ones: notifies land there, and
             # waits (the epilogue sum's) find their counts already reached
@@ -315,10 +331,10 @@ class _ProgramReduceScatter(ProgramEngine):
         self.op = weakref.proxy(op)         # no cycle: a dropped op goes at once (its lease warns)
         dt = tl.bfloat16 if op.dtype == torch.bfloat16 else tl.float16
         spec = tl.TensorSpec
-        super().__init__(op, gemm_reduce_scatter, {"a": spec((op.M, op.K), dt), "b": spec((op.K, op.N), dt),
+        super().__init__(op, gemm_reduce_scatter, {"a": spec((op.M, op.K), dt), "b": spec(tuple(op._b_size), dt),
                                                    "out": spec((op.Ms, op.N), dt)},
                          name="sm", progress=progress, compute=op.compute, comm=traced_comm,
-                         partial_dtype=op.partial_dtype)
+                         partial_dtype=op.partial_dtype, weights=op.weights)
         self._gemm = None
 
     def parts(self) -> tuple:

@@ -73,7 +73,7 @@ def test_operands_that_require_grad_are_refused_while_autograd_records():
         ops.check_operands("Op", (("B", grad, (4, 8)),), torch.bfloat16, 0)
     b = gpu(_aligned((8, 8))[0])
     op = SimpleNamespace(_closed=False, ctx=SimpleNamespace(device=0), dtype=torch.bfloat16, _tensor_type=OnGpu0,
-                         _a_size=torch.Size((4, 8)), _b_size=torch.Size((8, 8)), M=4, K=8, N=8,
+                         _a_size=torch.Size((4, 8)), _b_size=torch.Size((8, 8)), M=4, K=8, N=8, weights="kn",
                          _engine=lambda *a: pytest.fail("launched"))
     with pytest.raises(InputError, match="MatmulReduceScatter: A requires grad"):
         MatmulReduceScatter.__call__(op, gpu(a.clone().requires_grad_()), b)

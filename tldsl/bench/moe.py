@@ -71,7 +71,7 @@ import argparse
 import sys
 
 from ..collectives import PARTIAL_DTYPES
-from ..ops.moe import WEIGHT_LAYOUTS
+from ..ops.weights import WEIGHT_LAYOUTS
 from .baselines import MOE_MODELS, MOE_ROWS, ROUTINGS, MoERow, _parse_row, random_topk, route
 from .folded import SATISFIED, comm_notified, folded_launches
 from . import timing
@@ -126,7 +126,7 @@ def ag_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
                stage_rows: str = "auto", interleave: int | None = None, group_m: int | None = None,
                gather_order: str = "tokens", weights: str = "kn"):
     """``(topk_ids, host routing, traced program)`` of one row's layer 0 (one rank's slice, W = 1);
-    ``weights``: how the experts' weights are stored (:data:`tldsl.ops.moe.WEIGHT_LAYOUTS`);
+    ``weights``: how the experts' weights are stored (:data:`tldsl.ops.weights.WEIGHT_LAYOUTS`);
     ``group_m``: a group's rows of the swizzled order, counted in cluster tiles (``cluster`` tile rows
     each; the schedule's default unless given); ``gather_order``: one of :data:`GATHER_ORDERS` (``layout``:
     the routing's ``tile_visit`` replaced by the tiles' layout order)."""
@@ -192,7 +192,7 @@ def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "
     otherwise; unfolded, the schedule's ``group_m`` unless given; ``interleave``: the routing's
     tiles in rounds of that many per expert (:func:`tldsl.ops.moe.moe_routing`); ``partial_dtype``
     as :class:`~tldsl.runtime.dist.moe_ops.MoEReduceScatter` takes it (its default); ``weights``: how
-    the experts' weights are stored (:data:`tldsl.ops.moe.WEIGHT_LAYOUTS`)."""
+    the experts' weights are stored (:data:`tldsl.ops.weights.WEIGHT_LAYOUTS`)."""
     import tldsl as tl
     from tldsl.ops.moe import moe_routing
     hidden, ffn, E, topk = MOE_MODELS[row.model]

@@ -35,7 +35,7 @@ from tldsl.collectives import PARTIAL_DTYPES, all_gather, partial_buffer, reduce
 from tldsl.errors import InputError
 from tldsl.ir.display import html_card, one_line
 from tldsl.ops.registry import register
-from tldsl.ops.weights import WEIGHT_LAYOUTS, check_weight_layout, matrix_dims, stored_form, weight_tile  # noqa: F401
+from tldsl.ops.weights import check_weight_layout, matrix_dims, stored_form, weight_tile
 from tldsl.runtime.sim.memory import host_array, host_float32, host_operand, nan_like
 from tldsl.testing import OpCase, OpSpec
 
@@ -306,12 +306,6 @@ def moe_routing(topk_ids, num_experts: int, world_size: int, rows_per_rank: int,
 
 # -- the kernels ----------------------------------------------------------------------------------
 
-def _expert_box(w, expert, r0, c0, rows: int, cols: int, weights: str = "kn"):
-    """The ``[rows, cols]`` tile of expert ``expert``'s weight matrix at ``(r0, c0)`` (out of bounds
-    reads zero): a 2-d tile of the 3-d weights, however they are stored (:mod:`.weights`)."""
-    return weight_tile(w, r0, c0, rows, cols, weights, expert=expert)
-
-
 def expert_rows_tile(h, w2, tiles, i, pn, tile, weights: str = "kn"):
     """Row tile ``i``, column tile ``pn`` of ``h @ w2[expert]`` (``tile`` = (BM, BN, BK); ``tiles``
     maps ``expert`` and ``valid_rows`` by row tile), its rows past the tile's valid ones zeros —
@@ -320,7 +314,7 @@ def expert_rows_tile(h, w2, tiles, i, pn, tile, weights: str = "kn"):
     r0, c0, expert = i * BM, pn * BN, tiles["expert", i]
     acc = tl.fragment((BM, BN), tl.float32)
     for k in tl.range(0, h.shape[1], BK):
-        acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), _expert_box(w2, expert, k, c0, BK, BN, weights))
+        acc += tl.dot(tl.load(h, (r0, k), (BM, BK)), weight_tile(w2, k, c0, BK, BN, weights, expert=expert))
     return tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0)
 
 
@@ -414,7 +408,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
                 rows = tl.load(sorted_token_ids, (r0,), (BM,))
             for k in tl.range(0, K, BK):
                 a = tl.load(x_sorted, (r0, k), (BM, BK)) if stage_rows else tl.load_rows(x_full, rows, k, BK)
-                acc += tl.dot(a, _expert_box(w1, expert, k, c0, BK, BN, weights))
+                acc += tl.dot(a, weight_tile(w1, k, c0, BK, BN, weights, expert=expert))
         # padding rows and unused tiles (no valid rows): zeros
         tl.store(h, (r0, c0), tl.where(tl.iota(BM)[:, None] < tiles["valid_rows", i], acc, 0.0))
 

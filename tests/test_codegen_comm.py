@@ -55,9 +55,10 @@ SPILL_BUDGET_BYTES = 0
 #: Communication kernels: 256 threads per CTA, so ptxas may use up to 255 registers.
 COMM_MAX_REGISTERS = 255
 #: The plain GEMM's SASS size (instructions) for tile 128x256x64, 4 stages, bf16 (1328 before the
-#: epilogue notifies existed; 1216 since the 16-bit epilogue stores by stmatrix); NoNotifies must compile
-#: to the same code (tolerance for toolchain noise).
-PLAIN_GEMM_INSTRUCTIONS = 1216
+#: epilogue notifies existed; 1216 since the 16-bit epilogue stores by stmatrix; 1400 since a tile's C is
+#: held and stored during the next K loop: the store of each chunk is inlined once per chunk); NoNotifies
+#: must compile to the same code (tolerance for toolchain noise).
+PLAIN_GEMM_INSTRUCTIONS = 1400
 
 
 # =================================================================================================

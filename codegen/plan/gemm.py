@@ -378,6 +378,13 @@ class GemmPlan:
         return tuple(sigs + [s for s in self.epilogue.waited if s not in sigs])
 
 
+def overlaps_store(cfg: GemmConfig, m: GemmMatch, epi: Hook) -> bool:
+    """Whether each tile's C is held in registers as 16-bit pairs and stored during the next tile's K
+    loop (``HeldTile`` in sm90_gemm.hpp): a plain store of a 16-bit C (no generated epilogue, no
+    notifies, which need the tile's stores complete at once), in whole 64-column chunks."""
+    return not m.extras and not epi.notifies and cfg.out_bytes == 2 and cfg.EC % 16 == 0
+
+
 def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=None,
               wait_timeout_ns: int | None = None, entry: str | None = None) -> GemmPlan:
     """The plan of a matched GEMM (options: see :func:`..recipes.gemm.lower_gemm`)."""
@@ -391,6 +398,8 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         cfg = replace(cfg, b_k_major=True)
     check_cluster_waits(WHAT, kernel, part, cfg.cluster, sched.cluster)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
+    if overlaps_store(cfg, m, epi):
+        cfg = replace(cfg, overlap_store=True)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),
               KernelParam("tma_b", _GRID_TMA, "tma", "tma:tma_b"),

@@ -65,7 +65,7 @@ from ..plan.wgmma import GemmConfig
 from ..rules.primitives import SCOPE
 from ..rules.sync import SignalEmitter
 from .recipe import Recipe
-from .wgmma import gemm_cfg_fields
+from .wgmma import gemm_cfg_fields, gemm_cfg_options
 
 #: the C++ of a generated epilogue's elementwise sum ops (round to nearest, as the simulator)
 _FLOAT_OPS = {"add": "__fadd_rn", "sub": "__fsub_rn", "mul": "__fmul_rn"}
@@ -445,8 +445,7 @@ def _source(plan: GemmPlan, wait_lines, stage_lines, epilogue_lines) -> str:
         "namespace {",
         "",
         *gemm_cfg_fields(cfg, gmma, kernel.world_size, plan.align_shift, dot_mk, part_mk),
-        *(["  static constexpr bool kBKMajor = true;   // B stored [N, K]: its stages chunked along K, as A's"]
-          if cfg.b_k_major else []),
+        *gemm_cfg_options(cfg),
         "};",
         "using Tr = tldsl::sm90::GemmTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory); the template must agree.",

@@ -81,7 +81,7 @@ from .combine import combine_hooks, combine_structs
 from ..rules.scalars import element_math_includes
 from .prog_hooks import HookEmitter, hook_fn, prog_members
 from .recipe import Recipe
-from .wgmma import gemm_cfg_fields
+from .wgmma import gemm_cfg_fields, gemm_cfg_options
 
 
 @dataclass(frozen=True)
@@ -281,8 +281,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         *([f"  using GmmaHalf = cute::SM90::GMMA::MMA_64x{cfg.BN // 2}x16_{ctype(cfg.in_dtype).gmma}_SS<"
            f"cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::{b_major}>;"] if cfg.half_tiles and not cfg.pingpong
           else []),
-        *(["  static constexpr bool kBKMajor = true;   // B stored [N, K]: its stages chunked along K, as A's"]
-          if cfg.b_k_major else []),
+        *gemm_cfg_options(cfg),
         "};",
         "using Tr = tldsl::grouped::GroupedTraits<Cfg>;",
         "// The host computed these (TMA boxes, dynamic shared memory, the gather's thread map); the template",

@@ -29,3 +29,12 @@ def gemm_cfg_fields(cfg: GemmConfig, gmma: str, world_size: int, align_shift: in
         f"  static constexpr bool kPingPong = {'true' if cfg.pingpong else 'false'};"
         f"{'   // each consumer warpgroup owns whole tiles, in turns' if cfg.pingpong else ''}",
     ]
+
+
+def gemm_cfg_options(cfg: GemmConfig) -> list[str]:
+    """The ``struct Cfg`` lines both templates read only where set (their traits default to false):
+    B stored [N, K], a tile's C held in registers and stored during the next K loop."""
+    return ([*(["  static constexpr bool kBKMajor = true;   // B stored [N, K]: its stages chunked along K, as A's"]
+               if cfg.b_k_major else []),
+             *(["  static constexpr bool kOverlapStore = true;   // a tile's C stored during the next tile's K loop"]
+               if cfg.overlap_store else [])])

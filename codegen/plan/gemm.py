@@ -381,7 +381,8 @@ class GemmPlan:
 def overlaps_store(cfg: GemmConfig, m: GemmMatch, epi: Hook) -> bool:
     """Whether each tile's C is held in registers as 16-bit pairs and stored during the next tile's K
     loop (``HeldTile`` in sm90_gemm.hpp): a plain store of a 16-bit C (no generated epilogue, no
-    notifies, which need the tile's stores complete at once), in whole 64-column chunks."""
+    notifies, which need the tile's stores complete at once) whose staging chunks are a multiple of 16
+    columns (stmatrix stores two 8-column groups at a time)."""
     return not m.extras and not epi.notifies and cfg.out_bytes == 2 and cfg.EC % 16 == 0
 
 

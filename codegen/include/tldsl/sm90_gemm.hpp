@@ -216,6 +216,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint
                : "memory");
 }
 
+// Where lane `lane` of warp `wq` points stmatrix .x4 at, storing column groups (jj, jj + 1) of the warp's 16
+// rows into a swizzled chunk at `buf` (SC bytes a row): matrix lane / 8's row lane % 8 — matrices (rows 0-7,
+// group jj), (8-15, jj), (0-7, jj + 1), (8-15, jj + 1).
+template <int SC>
+__device__ __forceinline__ uint32_t stmatrix_row_addr(uint32_t buf, int jj, int wq, int lane) {
+  const int m = lane / 8;
+  const int row = wq * 16 + lane % 8 + 8 * (m % 2);
+  return buf + swizzle(uint32_t(row * SC + 8 * (jj + m / 2) * 2), SC);
+}
+
 // The 64 rows x 16 columns at column group pair (j, j + 1) (8 columns each) of one m64 block's
 // accumulators `acc`, converted to 16-bit T, into the swizzled chunk at `buf` (SC bytes a row): the
 // warp `wq` writes its 16 rows; `keep(h)` says whether the thread's row lane / 4 + 8 h is stored
@@ -223,10 +233,7 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint
 template <class T, int SC, class Keep>
 __device__ __forceinline__ void stmatrix_pair(const float* acc, int j, int jj, uint32_t buf, int wq, int lane,
                                               Keep keep) {
-  const int m = lane / 8;
-  const int row = wq * 16 + lane % 8 + 8 * (m % 2);
-  const int col = 8 * (jj + m / 2);
-  const uint32_t addr = buf + swizzle(uint32_t(row * SC + col * 2), SC);
+  const uint32_t addr = stmatrix_row_addr<SC>(buf, jj, wq, lane);
   const bool k0 = keep(0), k1 = keep(1);
   stmatrix_x4(addr, k0 ? pack_pair<T>(acc[4 * j + 0], acc[4 * j + 1]) : 0u,
               k1 ? pack_pair<T>(acc[4 * j + 2], acc[4 * j + 3]) : 0u,
@@ -422,13 +429,10 @@ struct HeldTile {
     const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
     if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
     cutlass::arch::NamedBarrier::sync(128, bar_id);
-    const int m = lane / 8;
-    const int row = wq * 16 + lane % 8 + 8 * (m % 2);
 #pragma unroll
     for (int jj = 0; jj < EC / 8; jj += 2) {
       const int j = q * (EC / 8) + jj;        // (a constant after unrolling: the pairs stay in registers)
-      const uint32_t addr = buf + swizzle(uint32_t(row * SC + 8 * (jj + m / 2) * 2), SC);
-      stmatrix_x4(addr, pairs[mb][2 * j], pairs[mb][2 * j + 1], pairs[mb][2 * j + 2], pairs[mb][2 * j + 3]);
+      stmatrix_x4(stmatrix_row_addr<SC>(buf, jj, wq, lane), pairs[mb][2 * j], pairs[mb][2 * j + 1], pairs[mb][2 * j + 2], pairs[mb][2 * j + 3]);
     }
     cute::tma_store_fence();                  // generic-proxy smem writes -> visible to TMA
     cutlass::arch::NamedBarrier::sync(128, bar_id);
@@ -996,16 +1000,16 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
 #pragma unroll
         for (int i = 0; i < Tr::kAccPerBlock; ++i) acc[mb][i] = 0.0f;
 
+      // (the previous tile's held chunks stored while this tile's WGMMAs run)
+      consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, false>(
+          acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, NothingIssued{}, [&] {
+            if constexpr (kOverlap) held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+          });
       if constexpr (kOverlap) {
-        consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, false>(
-            acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, NothingIssued{},
-            [&] { held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane); });
         held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);   // a K loop shorter than a tile's chunks
         held.hold(acc, tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);
         continue;
       }
-      consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, false>(acc, it, k_tiles, full_bar, empty_bar,
-                                                                               stage_a0, stage_b0, tid);
 
       if constexpr (Epilogue::kEnabled) {
         // the tile program's own epilogue (stores, waits, elementwise sums, notifies)

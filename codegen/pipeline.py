@@ -6,7 +6,8 @@ Stages, in order (each a function below; data flows one way):
 2. :func:`match` — the recipes for the part's role (``recipes.RECIPES``), highest priority
    first; the first whose matcher accepts the part wins. Each matcher runs once; when none
    accepts, the error is the refusal of the one recipe made for this kind of part (at the
-   user's line), or every recipe's reason;
+   user's line), or every recipe's reason. A recipe made for the part's kind (its refusal no
+   ``NotApplicable``) that refuses it here, the general lowering taking it, is a fallback as in 3;
 3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
    and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes).
    When the planner refuses (a tile its template cannot run, say), :func:`fall_back` gives the
@@ -112,7 +113,9 @@ def _lower(kernel, part, options: dict, strict: bool):
     if strict and ignored:
         raise LoweringError(f"the {sel.recipe.name} recipe lowers part '{p.name}' and takes no option "
                             f"{', '.join(ignored)}; it takes: {', '.join(sorted(sel.recipe.options)) or 'none'}", p.loc)
-    refused: list[tuple[str, LoweringError]] = []
+    # a recipe made for this kind of part refused it at its matcher and the general lowering took it:
+    # reported as a planner's refusal is (the part runs, slower than that recipe's template would)
+    refused = _made_for_it(sel)
     while True:
         try:
             lowered = render(sel, plan(sel, options))
@@ -127,6 +130,15 @@ def _lower(kernel, part, options: dict, strict: bool):
         if refused:
             _record_fallback(lowered, p, sel.recipe.name, refused)
         return lowered
+
+
+def _made_for_it(sel: Selected) -> list[tuple[str, LoweringError]]:
+    """The refusals of the recipes made for ``sel.part``'s kind (not :class:`NotApplicable`) when the
+    role's last recipe, the general lowering, accepted it; else none."""
+    last = min((r for r in RECIPES if r.role == sel.part.role), key=lambda r: r.priority)
+    if sel.recipe is not last:
+        return []
+    return [(name, e) for name, e in sel.declined if not isinstance(e, NotApplicable)]
 
 
 def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[str, LoweringError]]) -> None:

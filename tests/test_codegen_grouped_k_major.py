@@ -4,6 +4,9 @@ K-major, as A (``Cfg::kBKMajor``), under every configuration it has (128-row til
 64-row tiles in pairs, split columns, ping-pong, clusters, a gathered A). On the CPU: the plan,
 the source, the TMA boxes and NVRTC's SASS; on a GPU: ``tl.run`` against ``tl.simulate``
 (``tests/test_gpu_run.py``)."""
+import contextlib
+import warnings
+
 import numpy as np
 import pytest
 
@@ -18,9 +21,10 @@ S = tl.TensorSpec
 
 @tl.kernel
 def experts_nk(x, w, tile_expert, tile_rows, ids, y, *, compute: tl.ComputeSchedule = None,
-               gather: tl.constexpr = False, mask: tl.constexpr = True):
+               gather: tl.constexpr = False, mask: tl.constexpr = True, guard: tl.constexpr = True):
     """``y`` row tile ``i`` = (rows of ``x``) @ ``w[tile_expert[i]].T``, its rows past
-    ``tile_rows[i]`` zero (``mask``); ``w``: [E, N, K]. ``gather``: the tile's rows of x by ``ids``."""
+    ``tile_rows[i]`` zero (``mask``); ``w``: [E, N, K]. ``gather``: the tile's rows of x by ``ids``.
+    ``guard``: tiles of expert -1 skipped (``tl.when``); without, every tile's expert is one of w's."""
     T, K = x.shape
     E, N, _ = w.shape
     BM, BN, BK = compute.tile
@@ -31,7 +35,7 @@ def experts_nk(x, w, tile_expert, tile_rows, ids, y, *, compute: tl.ComputeSched
         e = tl.load_scalar(tile_expert, (i,))
         n = tl.load_scalar(tile_rows, (i,))
         acc = tl.fragment((BM, BN), tl.float32)
-        with tl.when(e >= 0):
+        with tl.when(e >= 0) if guard else contextlib.nullcontext():
             rows = tl.load(ids, (i * BM,), (BM,)) if gather else None
             for k in tl.range(0, K, BK):
                 a = tl.load_rows(x, rows, k, BK) if gather else tl.load(x, (i * BM, k), (BM, BK))
@@ -40,23 +44,24 @@ def experts_nk(x, w, tile_expert, tile_rows, ids, y, *, compute: tl.ComputeSched
 
 
 def trace_experts(NT=6, E=3, N=384, K=320, tile=(128, 128, 64), stages=4, cluster=1, gather=False,
-                  dt=tl.bfloat16, mask=True):
+                  dt=tl.bfloat16, mask=True, guard=True):
     BM = tile[0]
     T = NT * BM
     return experts_nk.trace(1, S((T, K), dt), S((E, N, K), dt), S((NT,), tl.int32), S((NT,), tl.int32),
-                            S((T,), tl.int32), S((T, N), dt), gather=gather, mask=mask,
+                            S((T,), tl.int32), S((T, N), dt), gather=gather, mask=mask, guard=guard,
                             compute=tl.ComputeSchedule(tile=tile, stages=stages, cluster=(cluster, 1)))
 
 
-def inputs(k, seed=0, dtype=np.float32):
-    """Inputs with experts of every fill: full tiles, partial ones (half tiles), an empty tile (-1);
-    x, w and y (NaN: poisoned) in ``dtype``."""
+def inputs(k, seed=0, dtype=np.float32, skipped=True):
+    """Inputs with experts of every fill: full tiles, partial ones (half tiles), an empty tile (-1:
+    ``skipped``, for a guarded program); x, w and y (NaN: poisoned) in ``dtype``."""
     rng = np.random.default_rng(seed)
     x, w, te, tr, ids, y = k.args
     NT, BM = te.type.shape[0], x.type.shape[0] // te.type.shape[0]
     E = w.type.shape[0]
     experts = np.array([i % E for i in range(NT)], np.int32)
-    experts[NT // 2] = -1
+    if skipped:
+        experts[NT // 2] = -1
     rows = np.array([BM, BM // 2 - 3, BM, 5, BM, BM - 1][:NT] + [BM] * max(0, NT - 6), np.int32)
     return {"x": rng.standard_normal(x.type.shape).astype(dtype),
             "w": rng.standard_normal(w.type.shape).astype(dtype),
@@ -97,6 +102,21 @@ def test_a_stack_of_linear_weights_lowers_to_the_grouped_recipe_k_major(name):
         assert c.half_tiles and not c.pingpong
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_grouped_gemm_without_a_guard_lowers_to_the_grouped_recipe(name):
+    """No ``tl.when`` (every tile's expert is one of w's): the plain GEMM recipe, made for 2-d
+    operands, steps aside at its matcher and the grouped recipe takes the part in the guarded
+    program's configuration — no fallback, nothing to warn about."""
+    from tldsl.codegen import pipeline
+    k = trace_experts(**CONFIGS[name], guard=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tl.FallbackWarning)
+        lg = lower(k, "gg")
+    assert type(lg).__name__ == "LoweredGroupedGemm" and lg.declined == ()
+    assert [n for n, _ in pipeline.match(k, k.part("gg")).declined] == ["gemm"]
+    assert lg.config == lower(trace_experts(**CONFIGS[name]), "gg").config
+
+
 def test_the_simulator_computes_each_tile_times_its_experts_weight_transposed():
     k = trace_experts(NT=4, E=2, N=96, K=64, tile=(32, 32, 16), stages=2)
     ins = inputs(k)
@@ -131,8 +151,14 @@ def test_a_transposed_expert_tile_at_the_wrong_place_is_refused_with_the_reason(
     bf = tl.bfloat16
     k = _experts_at_wrong_offsets.trace(1, S((256, 256), bf), S((2, 256, 256), bf), S((2,), tl.int32),
                                         S((256, 256), bf), compute=tl.ComputeSchedule(tile=(128, 128, 64)))
-    with pytest.raises(LoweringError, match=r"B tile offsets must be \(e, pid1\*128, k\), got \(k, 128\*pid1\)"):
+    why = r"B tile offsets must be \(e, pid1\*128, k\), got \(k, 128\*pid1\)"
+    with pytest.raises(LoweringError, match=why):
         lower_grouped_gemm(k, "gg")
+    # the pipeline runs it by the general lowering, with the grouped recipe's reason (not the plain
+    # GEMM recipe's "2-d": that one is made for other programs)
+    with pytest.warns(tl.FallbackWarning, match="general recipe: the grouped_gemm recipe refused: .*" + why):
+        lk = lower(k, "gg")
+    assert type(lk).__name__ == "LoweredGeneral" and [n for n, _ in lk.declined] == ["grouped_gemm"]
 
 
 _OK, _WHY = toolchain_available()
@@ -142,10 +168,12 @@ _OK, _WHY = toolchain_available()
 @pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
 def test_k_major_grouped_gemms_compile_for_sm90a(tmp_path):
     from test_codegen_nvrtc import MAX_REGISTERS
+    names = sorted(CONFIGS) + ["128x256 half tiles, no guard"]
     lgs = [lower(trace_experts(**CONFIGS[n]), "gg") for n in sorted(CONFIGS)]
+    lgs.append(lower(trace_experts(**CONFIGS["128x256 half tiles"], guard=False), "gg"))
     cks = compile_many([CompileJob(lg.source, lg.entry, lg.options) for lg in lgs], cache=KernelCache(tmp_path),
                        progress=False)
-    for name, lg, ck in zip(sorted(CONFIGS), lgs, cks):
+    for name, lg, ck in zip(names, lgs, cks):
         info = ck.ptxas_info()[ck.name]
         assert info["spill_store_bytes"] == 0 and info["registers"] <= MAX_REGISTERS, (name, info)
         if find_toolchain().cuobjdump is None:

@@ -428,6 +428,23 @@ def test_grouped_gemms_of_weights_stored_n_by_k_agree_with_the_simulator(name):
     assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.config.b_k_major
 
 
+@pytest.mark.parametrize("name", ["128x128 ping-pong", "128x256 half tiles", "128x256 clusters", "64x128 pairs",
+                                  "128x128 gathered"])
+def test_a_grouped_gemm_without_a_guard_runs_on_the_grouped_recipe(name):
+    """No ``tl.when``: every tile's expert is one of w's, its rows past ``tile_rows`` stored as
+    zeros (half tiles where they are few); the grouped recipe runs it, outputs poisoned with NaN."""
+    from test_codegen_grouped_k_major import CONFIGS, experts_nk, inputs, trace_experts
+    cfg = dict(CONFIGS[name], dt=tl.float16)
+    k = trace_experts(**cfg, guard=False)
+    kw = {key: cfg[key] for key in ("gather", "mask") if key in cfg}
+    sched = tl.ComputeSchedule(tile=cfg["tile"], stages=cfg["stages"], cluster=(cfg.get("cluster", 1), 1))
+    ins = inputs(k, 4, np.float16, skipped=False)
+    assert (ins["tile_expert"] >= 0).all()
+    res = both(experts_nk, 1, [ins], compute=sched, guard=False, **kw)
+    [item] = res.plan.kernels
+    assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.declined == ()
+
+
 @pytest.mark.parametrize("sms", [None, 3])
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
     """Every generated program whose parts all lower and compile agrees with the simulator; on

@@ -85,9 +85,9 @@ class RunCheckError(SimulationError):
 
 
 class FallbackWarning(UserWarning):
-    """A part went to the general lowering because the recipe made for it refused its plan (a
-    schedule its template cannot run, say): the kernel computes the same, without that
-    template's speed. The warning points at the part's line and gives the refusal."""
+    """A part went to the general lowering because the recipe made for it refused it — its plan (a
+    schedule its template cannot run, say) or its program: the kernel computes the same, without
+    that template's speed. The warning points at the part's line and gives the refusal."""
 
 
 class ResidencyWarning(UserWarning):

@@ -1251,7 +1251,8 @@ class _Proto:
                 assert set(signals) == set(self.lowered.signals + self.lowered.notify_signals)
                 log.append(("GEMM", (stream or proto.current[-1]).cuda_stream, launch_index, self.grid[0], rank))
 
-            def prepare(self, buffers, signals=None, rank=0):
+            def prepare(self, buffers, signals=None, rank=0, hold=True):
+                assert not hold, "the op caches its prepared launches by address: they must not hold its tensors"
                 for spec in self.lowered.tma:
                     assert tuple(buffers[spec.buffer].shape) == tuple(reversed(spec.global_dims)), spec.buffer
                 for name, shape, _ in getattr(self.lowered, "data_buffers", ()):

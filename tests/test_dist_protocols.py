@@ -343,7 +343,7 @@ class _CompiledGemm:
 
     def __call__(self, lowered, compiled=None, progress=None, reserve_sms=0):
         gemm = types.SimpleNamespace(lowered=lowered, grid=(132, 1, 1), reserve=reserve_sms)
-        gemm.prepare = lambda buffers, signals=None, rank=0: types.SimpleNamespace(
+        gemm.prepare = lambda buffers, signals=None, rank=0, hold=True: types.SimpleNamespace(
             launch=lambda stream, L: self.enqueue(stream, L, lowered, buffers, signals, rank))
         return gemm
 

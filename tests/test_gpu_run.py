@@ -445,6 +445,37 @@ def test_a_grouped_gemm_without_a_guard_runs_on_the_grouped_recipe(name):
     assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.declined == ()
 
 
+def test_a_prepared_launch_keeps_its_tensors_when_the_caller_drops_them():
+    """A grouped GEMM prepared once (its TMA descriptors and tables' addresses packed), its inputs'
+    last references dropped and as many tensors of 7s allocated after: the launch still reads the
+    tensors it was prepared with (it holds them), so the output is the reference's."""
+    import gc
+
+    import torch
+
+    from test_codegen_grouped_k_major import CONFIGS, inputs, trace_experts
+    from tldsl.codegen import lower
+    from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+    k = trace_experts(**dict(CONFIGS["128x128 ping-pong"], dt=tl.float16))
+    ins = inputs(k, 6, np.float16)
+    BM = k.args[0].type.shape[0] // len(ins["tile_expert"])
+    want = np.zeros(ins["y"].shape, np.float32)
+    for i, (e, n) in enumerate(zip(ins["tile_expert"], ins["tile_rows"])):
+        if e >= 0:
+            want[i * BM:i * BM + n] = ins["x"][i * BM:i * BM + n].astype(np.float32) @ ins["w"][e].astype(np.float32).T
+    bufs = {name: torch.from_numpy(v).cuda() for name, v in ins.items()}
+    prepared = GroupedKernel(lower(k, "gg")).prepare(bufs, {})
+    y = bufs["y"]
+    del bufs
+    gc.collect()
+    others = [torch.full(v.shape, 7, dtype=torch.from_numpy(v).dtype, device="cuda") for v in ins.values()]
+    prepared.launch(torch.cuda.current_stream().cuda_stream, 1)
+    torch.cuda.synchronize()
+    got = y.float().cpu().numpy()
+    assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+    assert all(bool((t == 7).all()) for t in others)
+
+
 @pytest.mark.parametrize("sms", [None, 3])
 def test_the_fuzzers_gpu_mode_runs_its_programs_with_tl_run(sms):
     """Every generated program whose parts all lower and compile agrees with the simulator; on

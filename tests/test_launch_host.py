@@ -54,3 +54,48 @@ def test_cluster_launch_builds_its_configuration_once(monkeypatch):
     plain = launch_mod.PreparedLaunch(kernel, (8, 1, 1), (384, 1, 1), pack, None)
     plain.launch(44)
     assert drv.calls[-1] == ("cuLaunchKernel", "fn", (8, 1, 1), (384, 1, 1), 2048, 44) and drv.configs == 2
+
+
+class _Tensor:
+    """A stand-in for a CUDA tensor: an address."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def test_a_prepared_launch_holds_the_tensors_it_packed(monkeypatch):
+    """A launch prepared once keeps every tensor whose address it packed (signals, tables) alive
+    while it lives: a caller that drops its tensors cannot have the kernel write into memory the
+    allocator has since given to others (a benchmark did, and read the corruption as a kernel's
+    wrong result). ``hold=False`` (the ops' caches keyed by those addresses) keeps none."""
+    import gc
+    import weakref
+
+    from tldsl.codegen.abi import KernelParam
+    from tldsl.runtime.gpu import launcher as launcher_mod
+    monkeypatch.setattr(launcher_mod, "signal_pointer", lambda entry, name, signals, slots=None: signals[name].data_ptr())
+
+    class _Launcher(launcher_mod.Launcher):
+        kernel, grid = SimpleNamespace(function="fn", name="k", smem_bytes=0), (1, 1, 1)
+        lowered = SimpleNamespace(entry="k", tma=(), block=(32, 1, 1), cluster_dims=(1, 1, 1),
+                                  params=[KernelParam("ready", "unsigned long long*", "ptr", "signal:ready"),
+                                          KernelParam("table", "const int*", "ptr", "buffer:table")])
+
+        def table_pointer(self, buffers, name):
+            return buffers[name].data_ptr()
+
+    sig, tab = _Tensor(4096), _Tensor(8192)
+    refs = [weakref.ref(sig), weakref.ref(tab)]
+    held = _Launcher().prepare({"table": tab}, {"ready": sig})
+    assert [h.value for h in held.pack.holders] == [4096, 8192]
+    del sig, tab
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    del held
+    gc.collect()
+    assert all(r() is None for r in refs)
+    loose = _Launcher().prepare({"table": _Tensor(16)}, {"ready": _Tensor(32)}, hold=False)
+    assert loose.pack.refs == [] and [h.value for h in loose.pack.holders] == [32, 16]

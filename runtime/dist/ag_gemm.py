@@ -242,7 +242,7 @@ class AllGatherMatmul(EngineOp):
         extra_buffers, extra_signals = engine.compute_only_inputs(a_gathered)
         buffers.update(extra_buffers)
         signals.update(extra_signals)
-        return engine.compute_gemm.prepare(buffers, signals=signals, rank=self.ctx.rank)
+        return engine.compute_gemm.prepare(buffers, signals=signals, rank=self.ctx.rank, hold=False)
 
     # -- what FusedOp's repr, card and describe() say of it ----------------------------------------
     def _problem(self) -> str:

@@ -212,7 +212,7 @@ class PullAllGather(Engine):
         cs = self.copy_stream.cuda_stream
         c = self._output_c(out)
         gemm = self._gemm_launches.get((a_full.data_ptr(), b.data_ptr(), c.data_ptr()), lambda: self.gemm.prepare(
-            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me))
+            {"a_gathered": a_full, "b": b, "c": c}, signals={self.signal: self.flags}, rank=me, hold=False))
         # enqueue="gemm_first" (the default): the GEMM goes first (one driver call: its arguments
         # are prepared), so the GPU computes our own rows while the host enqueues the handshake
         # and the copies; "comm_first": the handshake and copies first, so peers' shards start
@@ -338,7 +338,7 @@ class PullAllGather(Engine):
                                        lambda: self.gemm.prepare({"a_gathered": a_full, "b": b, "c": c,
                                                                   "a": a_shard, "a_slot": self.shards[slot],
                                                                   "own_cols": self.stage_cols},
-                                                                 signals=self._own_signals, rank=me))
+                                                                 signals=self._own_signals, rank=me, hold=False))
         gc_was_on = gc.isenabled()
         gc.disable()                # the GEMM spins on the copies' flags: no host stall until they are enqueued
         try:

@@ -284,7 +284,7 @@ class PushAllGather(Engine):
             (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), src, slot),
             lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, self.shard_name: a_shard,
                                        self.copy_name: a_full, "own_cols": self.cols},
-                                      signals={self.signal: self.flags}, rank=op.ctx.rank))
+                                      signals={self.signal: self.flags}, rank=op.ctx.rank, hold=False))
         gc_was_on = gc.isenabled()
         gc.disable()                # the GEMM spins on the peers' flags: no host stall until the pushes are enqueued
         try:
@@ -365,7 +365,7 @@ class PushAllGather(Engine):
             (a_full.data_ptr(), b.data_ptr(), c.data_ptr(), a_shard.data_ptr(), slot),
             lambda: self.gemm.prepare({"a_gathered": self.landing[slot], "b": b, "c": c, self.shard_name: a_shard,
                                        self.copy_name: a_full, "own_cols": self.cols, **self._push_buffers},
-                                      signals=self._push_signals, rank=op.ctx.rank))
+                                      signals=self._push_signals, rank=op.ctx.rank, hold=False))
         if op.hooks:
             op._hook("before_comm", cur)        # (the GEMM is the communication too)
         self._launch_gemm(gemm, cur, cur_h, L)

@@ -312,7 +312,7 @@ class MatmulReduceScatter(EngineOp):
         bufs, sigs = self._scratch
         bufs = dict(bufs, a=a, b=b)
         gemm = self._engine.compute_gemm
-        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: gemm.prepare(bufs, sigs, rank=self.ctx.rank)
+        self._compute_only.get((a.data_ptr(), b.data_ptr()), lambda: gemm.prepare(bufs, sigs, rank=self.ctx.rank, hold=False)
                                ).launch(torch.cuda.current_stream(self.device).cuda_stream, 1)   # like the fused op's GEMM
         return bufs["partial"]
 

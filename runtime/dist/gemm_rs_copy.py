@@ -230,7 +230,7 @@ class CopyEngineReduceScatter(Engine):
         if out is None and self.fused:
             out = self._new_out()
         gemm = self._gemm_launches.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.fused else 0),
-                                       lambda: self.gemm.prepare(*self.gemm_buffers(a, b, out), rank=self._me))
+                                       lambda: self.gemm.prepare(*self.gemm_buffers(a, b, out), rank=self._me, hold=False))
         gc_was_on = gc.isenabled()
         gc.disable()                # the copy stream waits for the GEMM's counters: no host stall in between
         try:

@@ -10,11 +10,18 @@ from .device import check
 
 
 class ArgPack:
-    """Kernel arguments as the ``void*[]`` the driver takes; keeps every value alive."""
+    """Kernel arguments as the ``void*[]`` the driver takes; keeps every value alive, and (``refs``)
+    the tensors whose addresses it packed: a launch prepared once must never write into memory
+    the allocator has since handed to another tensor."""
 
     def __init__(self):
         self.holders: list = []
+        self.refs: list = []
         self._arr = None
+
+    def hold(self, tensor) -> None:
+        """Keep ``tensor`` alive as long as this pack (its address is one of the arguments)."""
+        self.refs.append(tensor)
 
     def add(self, kind: str, value):
         if kind == "ptr":

@@ -36,9 +36,14 @@ class Launcher:
         s = stream if stream is not None else torch.cuda.current_stream()
         self.prepare(buffers, signals, rank).launch(s.cuda_stream, launch_index)
 
-    def prepare(self, buffers: dict, signals: dict | None = None, rank: int = 0) -> PreparedLaunch:
-        """Validate and pack every argument now; the result launches with only an epoch."""
+    def prepare(self, buffers: dict, signals: dict | None = None, rank: int = 0, hold: bool = True) -> PreparedLaunch:
+        """Validate and pack every argument now; the result launches with only an epoch. It holds
+        the tensors it was given (their memory stays theirs while it lives); ``hold=False`` for a
+        cache keyed by their addresses, whose owner keeps them (an entry is only hit again for
+        tensors at those addresses, so holding would only pin memory and defeat the cache)."""
         pack = self.args(buffers, signals, 1, rank)
+        if not hold:
+            pack.refs.clear()
         slot = next((i for i, p in enumerate(self.lowered.params) if p.source == "launch"), None)
         return PreparedLaunch(self.kernel, self.grid, self.lowered.block, pack, slot, self.lowered.cluster_dims)
 
@@ -53,6 +58,7 @@ class Launcher:
             if kind == "tma":
                 spec = specs[name]
                 t = self.tma_tensor(buffers, spec)
+                pack.hold(t)
                 key = (spec.param, t.data_ptr())
                 desc = self._tma_cache.get(key)
                 if desc is None:
@@ -64,10 +70,13 @@ class Launcher:
                 pack.add("u64", launch_index)
             elif kind == "signal":
                 pack.add("ptr", signal_pointer(lw.entry, name, signals, self.signal_slots(name)))
+                pack.hold(signals[name])
             elif kind == "buffer":
                 pack.add("ptr", self.table_pointer(buffers, name))
+                pack.hold(buffers[name])
             elif kind == "data":
                 pack.add("ptr", self.data_pointer(buffers, name))
+                pack.hold(buffers[name])
             elif kind == "scalar":      # a launch argument the caller gives by name
                 value = buffers.get(name)
                 if not isinstance(value, int) or isinstance(value, bool):

@@ -96,9 +96,14 @@ def test_the_moe_benchmark_lowers_each_of_its_rows_grouped_gemm(tmp_path):
     assert (lg.notifies, plain.notifies, plain.waits, as_run.notifies, combine.waits) == (1, 0, 0, 0, 0)
     assert (as_run.config, as_run.grid_tiles, as_run.cluster_dims, as_run.source.count("\n")) == (
         plain.config, plain.grid_tiles, plain.cluster_dims, plain.source.count("\n"))
-    # the same configuration but for the notify ring's barriers, which a GEMM that never notifies has none of
+    # the same configuration but for the notify ring's barriers, which a GEMM that never notifies has none of,
+    # and the register split: holding a tile besides the deferred notifies' state takes HELD_REGS
+    from tldsl.codegen.plan.grouped_gemm import HELD_REGS
     assert plain.config.notify_slots == 0 and lg.config.notify_slots > 0
-    assert (dataclasses.replace(plain.config, notify_slots=lg.config.notify_slots), plain.grid_tiles,
+    assert plain.config.overlap_store and lg.config.overlap_store
+    assert (lg.config.producer_regs, lg.config.consumer_regs) == HELD_REGS
+    assert (dataclasses.replace(plain.config, notify_slots=lg.config.notify_slots, producer_regs=HELD_REGS[0],
+                                consumer_regs=HELD_REGS[1]), plain.grid_tiles,
             plain.cluster_dims) == (lg.config, lg.grid_tiles, lg.cluster_dims)
     jobs.append(plain.job())
     # probe moe_notifies: the notifier's hook with its fence, its adds or both cut out, nothing else

@@ -236,13 +236,13 @@ def test_register_splits_stay_within_the_ctas_registers():
     """setmaxnreg moves registers between warpgroups of one CTA: a consumer increase beyond what
     the producer's decrease frees waits forever (a hang, not an error). Every split the grouped
     GEMM plans fits the 168 x 384 registers ptxas gives a 384-thread CTA."""
-    from tldsl.codegen.plan.grouped_gemm import GATHER_REGS, REGISTER_POOL, SIDE_REGS
+    from tldsl.codegen.plan.grouped_gemm import GATHER_REGS, HELD_REGS, REGISTER_POOL, SIDE_REGS
     assert REGISTER_POOL == (65536 // 384) // 8 * 8 * 384
     for k, kw in ((trace_rs(tile=(128, 256, 64)), {}), (trace_rs(tile=(128, 256, 64)), {"side": "combine"}),
                   (trace_ag(tile=(128, 256, 64)), {})):
         c = lower_grouped_gemm(k, "grouped_gemm", **kw).config
         assert c.threads == 384 and 128 * c.producer_regs + 256 * c.consumer_regs <= REGISTER_POOL, (kw, c)
-    for p, q in (GATHER_REGS, SIDE_REGS, (40, 232)):
+    for p, q in (GATHER_REGS, SIDE_REGS, HELD_REGS, (40, 232)):
         assert 128 * p + 256 * q <= REGISTER_POOL and p % 8 == 0 and q % 8 == 0
 
 

@@ -1,21 +1,23 @@
-"""Overlapped stores: where the plain GEMM recipe holds a tile's 16-bit C in registers and stores it
-during the consumer warpgroup's next K loop (``Cfg::kOverlapStore``, ``HeldTile`` in sm90_gemm.hpp),
-where it stores at once, and what NVRTC makes of it: the chunk stores sit between a stage's WGMMAs
-and the wait for them, without spills. The results on a GPU are checked by the GEMM GPU tests
-(``tests/test_gpu_gemm.py``, the GEMM cases of ``tests/test_gpu_run.py``), every one of which runs
-held tiles where this plans them."""
+"""Overlapped stores: where the plain and grouped GEMM recipes hold a tile's 16-bit C in registers
+and store it during the consumer warpgroup's next K loop (``Cfg::kOverlapStore``, ``HeldTile`` in
+sm90_gemm.hpp), where they store at once, and what NVRTC makes of it: the chunk stores sit between
+a stage's WGMMAs and the wait for them, without spills. The results on a GPU are checked by the GEMM
+and grouped-GEMM GPU tests (``tests/test_gpu_gemm.py``, ``tests/test_gpu_run.py``, ``tests/test_gpu_moe.py``),
+every one of which now runs held tiles where this plans them."""
 import pytest
 
 import tldsl as tl
 from tldsl.codegen import lower_gemm
+from tldsl.codegen.plan.grouped_gemm import HELD_REGS, REGISTER_POOL
 from tldsl.codegen.recipes.grouped_gemm import lower_grouped_gemm
 from tldsl.codegen.toolchain import toolchain_available
 from tldsl.codegen.toolchain.cache import KernelCache
 from tldsl.codegen.toolchain.compiler import CompileJob, compile_many
 
 from test_codegen_comm import rs_kernel
-from test_codegen_host import trace_ag, trace_plain
-from test_codegen_moe import trace_ag as trace_moe_ag, trace_rs
+from test_codegen_grouped_k_major import trace_experts
+from test_codegen_host import trace_plain
+from test_codegen_moe import trace_ag, trace_rs
 
 LINE = "static constexpr bool kOverlapStore = true;"
 
@@ -35,12 +37,22 @@ def test_an_f32_output_or_a_notifying_gemm_stores_at_once():
         assert not lg.config.overlap_store and "kOverlapStore" not in lg.source
 
 
-def test_grouped_gemms_store_at_once():
-    """The grouped GEMM recipe does not hold tiles: its held-tile epilogue gave MoE+ReduceScatter's
-    DeepSeek-MoE row a wrong result on the GPU (BENCHMARKS.md, fifty-eighth session)."""
-    for k in (trace_rs(tile=(128, 256, 64), dt=tl.bfloat16), trace_moe_ag(tile=(128, 256, 64), dt=tl.bfloat16)):
-        lg = lower_grouped_gemm(k, "grouped_gemm")
-        assert not lg.config.overlap_store and "kOverlapStore" not in lg.source
+def test_grouped_gemms_hold_tiles_where_notifies_can_wait_a_tile():
+    rs = lower_grouped_gemm(trace_rs(tile=(128, 256, 64), dt=tl.bfloat16), "grouped_gemm")
+    ag = lower_grouped_gemm(trace_ag(tile=(128, 256, 64), dt=tl.bfloat16), "grouped_gemm")
+    # MoE+ReduceScatter's GEMM notifies and never waits: its notifies already run a tile late; the
+    # held pairs and that state take the registers HELD_REGS moves to the consumers
+    assert rs.config.overlap_store and LINE in rs.source
+    assert (rs.config.producer_regs, rs.config.consumer_regs) == HELD_REGS
+    assert 128 * HELD_REGS[0] + 256 * HELD_REGS[1] <= REGISTER_POOL
+    # AllGather+MoE's GEMM: its producer gathers the rows and sets the pace (held tiles measured slower)
+    assert not ag.config.overlap_store and "kOverlapStore" not in ag.source
+    # a part folded in keeps its consumers at fewer registers: stores at once
+    folded = lower_grouped_gemm(trace_rs(tile=(128, 256, 64), dt=tl.bfloat16), "grouped_gemm", side="combine")
+    assert not folded.config.overlap_store and "kOverlapStore" not in folded.source
+    # ping-pong already stores one warpgroup's tile while the other computes
+    pp = lower_grouped_gemm(trace_rs(tile=(128, 128, 64), dt=tl.bfloat16), "grouped_gemm")
+    assert pp.config.pingpong and not pp.config.overlap_store
 
 
 def _stores_inside_k_loop(k) -> bool:
@@ -67,9 +79,13 @@ def test_held_tiles_are_stored_inside_the_next_k_loop_without_spills(tmp_path):
                                                     dt=tl.bfloat16, odt=tl.bfloat16)),
            "plain 256x128 cluster": lower_gemm(trace_plain(M=1000, N=776, K=520, tile=(256, 128, 64), stages=4,
                                                            dt=tl.bfloat16, odt=tl.bfloat16, cluster=(2, 1))),
-           "plain 64x256 fp16": lower_gemm(trace_plain(M=1000, N=776, K=520, tile=(64, 256, 64), stages=4,
-                                                        dt=tl.float16, odt=tl.float16)),
-           "all-gather's GEMM (waits)": lower_gemm(trace_ag(W=4, tile=(128, 256, 64), stages=4, dt=tl.bfloat16))}
+           "moe rs W=4": lower_grouped_gemm(trace_rs(tile=(128, 256, 64), stages=4, dt=tl.bfloat16,
+                                                     cluster=(2, 1)), "grouped_gemm"),
+           "experts half tiles, cluster 2": lower_grouped_gemm(trace_experts(tile=(128, 256, 64), stages=4, N=512,
+                                                                           cluster=2), "gg"),
+           "experts [E, N, K] pairs": lower_grouped_gemm(trace_experts(tile=(64, 128, 64), stages=4, NT=8), "gg"),
+           "experts split columns": lower_grouped_gemm(trace_experts(tile=(64, 256, 64), stages=4, NT=8, N=512,
+                                                                     mask=False), "gg")}
     cks = compile_many([CompileJob(lg.source, lg.entry, lg.options) for lg in lgs.values()],
                        cache=KernelCache(tmp_path), progress=False)
     for (name, lg), ck in zip(lgs.items(), cks):

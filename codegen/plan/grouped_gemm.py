@@ -35,6 +35,10 @@ GATHER_REGS = (56, 224)
 #: ... when a row-gather part is folded into the producer warpgroup's spare warps (each keeps up to eight
 #: gathered 8-wide rows and their sum in flight): 128 * 104 + 256 * 200 = the pool
 SIDE_REGS = (104, 200)
+#: ... when each consumer thread holds a tile's 16-bit pairs besides its accumulators (overlapped stores)
+#: and the deferred notifies' state, a producer that runs no waits: 128 * 24 + 256 * 240 = the pool (232
+#: spilled a few bytes at W = 4; a producer running waits spills at 24)
+HELD_REGS = (24, 240)
 #: slots of the deferred-notify ring (sm90_grouped_gemm.hpp): how many tiles' notifies the
 #: consumers may hand the notifier warp ahead of it (it runs one as fast as it is handed one)
 NOTIFY_SLOTS = 2
@@ -83,6 +87,18 @@ def uses_notifier_warp(m: GroupedGemmMatch, waits: int, notifies: int, side) -> 
     return bool(notifies) and not waits and side is None and not m.gather
 
 
+def overlaps_store(cfg: GemmConfig, waits: int, notifies: int, side, gather: bool) -> bool:
+    """Whether each tile's C is held in registers as 16-bit pairs and stored during the consumer
+    warpgroup's next K loop (``HeldTile`` in sm90_gemm.hpp): 16-bit C in whole 64-column chunks, the
+    cooperative consumers (ping-pong already stores one tile while the other warpgroup computes), no
+    part folded in (its consumers keep fewer registers), notifies, if any, deferred to the next tile
+    (a part that waits notifies each tile at once, its stores complete), and A loaded by TMA (a
+    producer gathering rows sets the pace: AllGather+MoE's GEMM measured 1 % slower holding tiles,
+    BENCHMARKS.md, fifty-eighth session)."""
+    return (cfg.out_bytes == 2 and cfg.EC % 16 == 0 and not cfg.pingpong and side is None
+            and not (notifies and waits) and not gather)
+
+
 def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch, *, cluster=None,
                       wait_timeout_ns: int | None = None, entry: str | None = None,
                       side: str | None = None) -> GroupedGemmPlan:
@@ -114,6 +130,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None
     if side_plan is not None and cfg.consumer_wgs == 2:
         cfg = replace(cfg, producer_regs=SIDE_REGS[0], consumer_regs=SIDE_REGS[1])
+    if overlaps_store(cfg, len(waits), notifies, side, m.gather):
+        cfg = replace(cfg, overlap_store=True)
+        if notifies and not m.gather and cfg.consumer_wgs == 2:
+            cfg = replace(cfg, producer_regs=HELD_REGS[0], consumer_regs=HELD_REGS[1])
 
     ops = part.body.ops
     written = written_buffers(kernel)

@@ -39,7 +39,7 @@ class GemmConfig:
     pingpong: bool = False          # grouped GEMM: each consumer warpgroup owns whole tiles, the two taking turns
     pair_rows: bool = False         # grouped GEMM: 64-row program tiles, two of one expert to a 128-row CTA tile
     b_k_major: bool = False         # plain GEMM: B stored [N, K] (`tl.dot(a, tl.trans(b_tile))`), chunked as A
-    overlap_store: bool = False     # plain GEMM: a tile's 16-bit C held in registers, stored during the next K loop
+    overlap_store: bool = False     # a tile's 16-bit C held in registers, stored during the next K loop
 
     @property
     def threads(self) -> int:

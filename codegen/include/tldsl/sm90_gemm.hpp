@@ -399,6 +399,11 @@ struct overlap_store<C, cuda::std::void_t<decltype(C::kOverlapStore)>> : cuda::s
 // then wait between two tiles for the conversion only, not for C's staging in shared memory and its
 // TMA stores (at a short K those took a third of the kernel: BENCHMARKS.md, fifty-seventh session).
 // The pairs take half the accumulators' registers again (MB * kWgN / 4 per thread).
+//
+// A held tile is MB 64-row blocks of kWgN columns (the warpgroup's rows of the tile), rows from the
+// tile's `valid` on held as zeros; or (the grouped GEMM's half tile) its first block's first half of
+// the columns only, optionally followed by as many chunks of zeros 64 rows below (the half tile's
+// other rows).
 template <class Tr, class ElemOut>
 struct HeldTile {
   static_assert(sizeof(ElemOut) == 2, "held tiles are 16-bit pairs");
@@ -407,37 +412,72 @@ struct HeldTile {
   static constexpr int kChunksPerBlock = Tr::kWgN / EC;
   static constexpr int kChunks = Tr::MB * kChunksPerBlock;
   static_assert(64 * SC <= Tr::kEpiBufBytes, "a chunk fits an epilogue buffer");
+  static constexpr int kHalfBand = kChunksPerBlock / 2 > 0 ? kChunksPerBlock / 2 : 1;
+  enum Form : int { kWhole, kHalf, kHalfAndZeros };
   uint32_t pairs[Tr::MB][Tr::kAccPerBlock / 2];
   int n0 = 0, m0 = 0;
-  int next = kChunks;          // the next chunk to store (kChunks: nothing held)
+  int next = kChunks;          // the next chunk to store, of count() held (kChunks: nothing held, any form)
+  int form = kWhole;           // kHalf*: kHalfBand chunks a 64-row band, (kHalfAndZeros) the second one zeros
 
-  // Hold the accumulators of the tile at (row m0, column n0) of C (its blocks 64 rows apart).
+  __device__ __forceinline__ int count() const {
+    return form == kWhole ? kChunks : form == kHalf ? kHalfBand : 2 * kHalfBand;
+  }
+
+  // Hold the accumulators of the tile at (row m0, column n0) of C, every row.
   __device__ __forceinline__ void hold(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m) {
+    hold_rows(acc, n, m, 0, Tr::BM, 0, 0);   // (the row test folds away: rows mb * 64 + 8 h < BM)
+  }
+
+  // ... its rows from the tile's `valid` on as zeros (the block's row r is the tile's row row0 + r; this
+  // thread's rows by its warp `wq` and `lane`).
+  __device__ __forceinline__ void hold_rows(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m, int row0,
+                                            int valid, int wq, int lane) {
 #pragma unroll
     for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
-      for (int i = 0; i < Tr::kAccPerBlock / 2; ++i) pairs[mb][i] = pack_pair<ElemOut>(acc[mb][2 * i], acc[mb][2 * i + 1]);
-    n0 = n, m0 = m, next = 0;
+      for (int i = 0; i < Tr::kAccPerBlock / 2; ++i) {
+        const bool keep = row0 + mb * 64 + wq * 16 + lane / 4 + 8 * (i % 2) < valid;   // pair i: row h = i % 2
+        pairs[mb][i] = keep ? pack_pair<ElemOut>(acc[mb][2 * i], acc[mb][2 * i + 1]) : 0u;
+      }
+    n0 = n, m0 = m, next = 0, form = kWhole;
   }
 
-  // Chunk c of the held tile: its 64 x EC pairs -> a swizzled epilogue buffer (stmatrix) -> TMA store.
+  // A half tile: the first block's first kWgN / 2 columns (rows from `valid` on as zeros), then, with
+  // `zero_rows`, the 64 rows below it as zeros.
+  __device__ __forceinline__ void hold_half(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m, int valid,
+                                            bool zero_rows, int wq, int lane) {
+    static_assert(kChunksPerBlock % 2 == 0 && 2 * kHalfBand <= kChunks, "a half tile's columns are whole chunks");
+#pragma unroll
+    for (int i = 0; i < Tr::kAccPerBlock / 4; ++i) {
+      const bool keep = wq * 16 + lane / 4 + 8 * (i % 2) < valid;
+      pairs[0][i] = keep ? pack_pair<ElemOut>(acc[0][2 * i], acc[0][2 * i + 1]) : 0u;
+    }
+    n0 = n, m0 = m, next = 0, form = zero_rows ? kHalfAndZeros : kHalf;
+  }
+
+  // Chunk c of the held tile: its 64 x EC pairs (or zeros) -> a swizzled epilogue buffer (stmatrix)
+  // -> TMA store.
   template <int c>
   __device__ __forceinline__ void store_chunk(const cute::TmaDescriptor* tma, unsigned char* smem, uint32_t smem_u32,
                                               uint32_t epi0, int& epi_count, uint32_t bar_id, int tid, int wq,
                                               int lane) {
     constexpr int mb = c / kChunksPerBlock, q = c % kChunksPerBlock;
+    const bool half = form != kWhole;
+    const int band = half ? c / kHalfBand : mb, col = half ? c % kHalfBand : q;
+    const bool zero = half && c >= kHalfBand;
     const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
     if (tid == 0) bulk_wait_read<Tr::kEpiBuffers - 1>();   // the store that last used `buf` has read it
     cutlass::arch::NamedBarrier::sync(128, bar_id);
 #pragma unroll
     for (int jj = 0; jj < EC / 8; jj += 2) {
       const int j = q * (EC / 8) + jj;        // (a constant after unrolling: the pairs stay in registers)
-      stmatrix_x4(stmatrix_row_addr<SC>(buf, jj, wq, lane), pairs[mb][2 * j], pairs[mb][2 * j + 1], pairs[mb][2 * j + 2], pairs[mb][2 * j + 3]);
+      stmatrix_x4(stmatrix_row_addr<SC>(buf, jj, wq, lane), zero ? 0u : pairs[mb][2 * j], zero ? 0u : pairs[mb][2 * j + 1],
+                  zero ? 0u : pairs[mb][2 * j + 2], zero ? 0u : pairs[mb][2 * j + 3]);
     }
     cute::tma_store_fence();                  // generic-proxy smem writes -> visible to TMA
     cutlass::arch::NamedBarrier::sync(128, bar_id);
     if (tid == 0) {
-      cute::SM90_TMA_STORE_2D::copy(tma, smem + (buf - smem_u32), n0 + q * EC, m0 + mb * 64);
+      cute::SM90_TMA_STORE_2D::copy(tma, smem + (buf - smem_u32), n0 + col * EC, m0 + band * 64);
       cute::tma_store_arrive();
     }
     ++epi_count;
@@ -453,7 +493,7 @@ struct HeldTile {
   // The next held chunk, if any is left.
   __device__ __forceinline__ void store_next(const cute::TmaDescriptor* tma, unsigned char* smem, uint32_t smem_u32,
                                              uint32_t epi0, int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
-    if (next >= kChunks) return;
+    if (next >= count()) return;
     store_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, tma, smem, smem_u32, epi0, epi_count, bar_id,
              tid, wq, lane);
     ++next;
@@ -462,7 +502,7 @@ struct HeldTile {
   // Every chunk still held.
   __device__ __forceinline__ void flush(const cute::TmaDescriptor* tma, unsigned char* smem, uint32_t smem_u32,
                                         uint32_t epi0, int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
-    while (next < kChunks) store_next(tma, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+    while (next < count()) store_next(tma, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
   }
 };
 
@@ -1007,7 +1047,7 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           });
       if constexpr (kOverlap) {
         held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);   // a K loop shorter than a tile's chunks
-        held.hold(acc, tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);
+        held.hold(acc, tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);   // (every row valid)
         continue;
       }
 

@@ -783,6 +783,20 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     int it = 0;
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
+    // Cfg::kOverlapStore: each tile's C held in registers and stored during this warpgroup's next K loop
+    // (sm90::HeldTile); its notifies, deferred, run once that loop is done and the stores complete
+    constexpr bool kOverlap = sm90::overlap_store<Cfg>::value;
+    static_assert(!kOverlap || (!kPP && !Side::kEnabled && (!Prog::kHasNotifies || kDeferNotifies)),
+                  "held tiles: cooperative consumers, nothing folded in, notifies (if any) deferred to the next tile");
+    cuda::std::conditional_t<kOverlap, sm90::HeldTile<Tr, typename Cfg::ElemC>, sm90::NoHeldTile> held;
+    const int lane = tid % 32, wq = tid / 32;
+    auto store_held = [&]() {
+      if constexpr (kOverlap) held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+    };
+    auto flush_held = [&]() {
+      if constexpr (kOverlap) held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+    };
+    (void)lane, (void)wq;
     // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
     // next tile's K loop is done), how many tiles were handed to the notifier warp (on this warpgroup's
     // ring, ping-pong), and how many tiles the consumers worked on (ping-pong: tile j is warpgroup j % 2's)
@@ -859,19 +873,20 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
             if constexpr (kPP) {
               // the tile's first 64 rows: one m64 block instead of two
               sm90::consume_k_loop<Tr, typename Cfg::Gmma, 1, Tr::kAccPerBlock, Cfg::kGather>(
-                  acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn);
+                  acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn, store_held);
             } else {
               // both warpgroups on the tile's first 64 rows, each on its half of the columns
               sm90::consume_k_loop<Tr, typename Cfg::GmmaHalf, 1, Tr::BN / 4, Cfg::kGather>(
                   acc, it, k_tiles, full_bar, empty_bar, smem_u32 + Tr::kOffA,
-                  smem_u32 + Tr::kOffB + Tr::b_col_offset(cw * (Tr::BN / 2)), tid);
+                  smem_u32 + Tr::kOffB + Tr::b_col_offset(cw * (Tr::BN / 2)), tid, sm90::NothingIssued{},
+                  store_held);
             }
             whole = false;
           }
         }
         if (whole)
           sm90::consume_k_loop<Tr, typename Cfg::Gmma, Tr::MB, Tr::kAccPerBlock, Cfg::kGather>(
-              acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn);
+              acc, it, k_tiles, full_bar, empty_bar, stage_a0, stage_b0, tid, hand_turn, store_held);
       } else if (p.run) {
         // the partner's tile runs: take each (empty) stage and release it on both CTAs
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -884,8 +899,21 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         hand_turn();
       }
 
+      flush_held();                                   // (a K loop shorter than the held chunks)
       if constexpr (kDeferNotifies) run_notifies();   // the previous tile's: its stores done by now
-      if (store) {
+      if (kOverlap && store) {
+        if constexpr (kOverlap) {
+          bool whole = true;
+          if constexpr (kHalf) {
+            if (half) {        // this warpgroup's half of the columns, then (unpaired) 64 rows of zeros
+              held.hold_half(acc, p.n * Tr::BN + cw * (Tr::BN / 2), p.m * kTileRows, valid, !Cfg::kPairRows, wq,
+                             lane);
+              whole = false;
+            }
+          }
+          if (whole) held.hold_rows(acc, p.n * Tr::BN + wg_col, p.m * kTileRows + wg_row, wg_row, valid, wq, lane);
+        }
+      } else if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----
         if (kPP && kHalf && half) {
           // the 64 computed rows, then 64 rows of zeros
@@ -922,6 +950,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
         }
       }
     }
+    flush_held();
     run_notifies();                                 // the last tile's
     if constexpr (kPP) {
       // the turn handed over after the last tile's K loop, which no tile took: take it (its barrier's

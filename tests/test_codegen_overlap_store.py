@@ -28,13 +28,29 @@ def test_a_plain_16_bit_gemm_holds_its_tiles(tile):
     assert lg.config.overlap_store and LINE in lg.source
 
 
-def test_an_f32_output_or_a_notifying_gemm_stores_at_once():
+def test_an_f32_output_or_a_gemm_that_waits_and_notifies_stores_at_once():
     f32 = lower_gemm(trace_plain(tile=(128, 128, 64), dt=tl.float16, odt=tl.float32))
-    # GEMM+ReduceScatter's compute part notifies each tile once its stores are complete
-    rs = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), Ms=256,
-                              dt=tl.bfloat16, tile=(128, 256, 64), stages=4))
-    for lg in (f32, rs):
+    rs_f32 = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"), Ms=256,
+                                  dt=tl.bfloat16, tile=(128, 256, 64), stages=4))          # an f32 partial
+    # a part whose next tile may wait on what this tile notifies (through another part): deferring
+    # the notify to after the next tile's K loop would deadlock, so it notifies each tile at once
+    from test_codegen_tile_order import row_fed_by_row
+    specs = [tl.TensorSpec(s, tl.float16) for s in ((256, 128), (128, 128), (256, 128))]
+    fed = lower_gemm(row_fed_by_row.trace(1, *specs, compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=2)),
+                     "gemm")
+    assert fed.waits == 1 and fed.notifies == 1
+    for lg in (f32, rs_f32, fed):
         assert not lg.config.overlap_store and "kOverlapStore" not in lg.source
+
+
+def test_gemm_reduce_scatter_holds_its_tiles_and_notifies_a_tile_later():
+    """GEMM+ReduceScatter's compute part (partials in the output's dtype, the op's default) never
+    waits: each tile is notified once its held chunks, stored during the next tile's K loop, are
+    complete (the last tile's after the loop)."""
+    for mode, order in (("push", "ring"), ("pull", "full_mesh")):
+        lg = lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order=order, mode=mode), Ms=256,
+                                  dt=tl.bfloat16, tile=(128, 256, 64), stages=4, partial_dtype="out"))
+        assert lg.config.overlap_store and LINE in lg.source and lg.notifies == 1 and lg.waits == 0
 
 
 def test_grouped_gemms_hold_tiles_where_notifies_can_wait_a_tile():
@@ -79,6 +95,9 @@ def test_held_tiles_are_stored_inside_the_next_k_loop_without_spills(tmp_path):
                                                     dt=tl.bfloat16, odt=tl.bfloat16)),
            "plain 256x128 cluster": lower_gemm(trace_plain(M=1000, N=776, K=520, tile=(256, 128, 64), stages=4,
                                                            dt=tl.bfloat16, odt=tl.bfloat16, cluster=(2, 1))),
+           "gemm+rs notifying": lower_gemm(rs_kernel(W=4, comm=tl.CommSchedule(tile_m=64, order="ring", mode="push"),
+                                                     Ms=256, dt=tl.bfloat16, tile=(128, 256, 64), stages=4,
+                                                     partial_dtype="out")),
            "moe rs W=4": lower_grouped_gemm(trace_rs(tile=(128, 256, 64), stages=4, dt=tl.bfloat16,
                                                      cluster=(2, 1)), "grouped_gemm"),
            "experts half tiles, cluster 2": lower_grouped_gemm(trace_experts(tile=(128, 256, 64), stages=4, N=512,

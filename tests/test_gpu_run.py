@@ -154,6 +154,24 @@ def test_gemm_reduce_scatter_at_two_ranks():
     both(k, 2, inputs, sums=True)
 
 
+@pytest.mark.parametrize("tile", [(128, 128, 64), (128, 256, 64)])
+def test_gemm_reduce_scatter_holding_its_tiles_at_two_ranks(tile):
+    """Partials in the output's dtype: the GEMM holds each tile and stores it during the next tile's K
+    loop, notifying the reduce-scatter a tile later. At 128 x 128, 256 tiles a rank: more than the
+    GPU's SMs, so CTAs walk two tiles and notify the first after the second's K loop; at 128 x 256,
+    128 tiles: mostly one a CTA, notified after the loop."""
+    from tldsl.ops.gemm_reduce_scatter import gemm_reduce_scatter
+    k = gemm_reduce_scatter.trace(2, S((4096, 256), F16), S((256, 1024), F16), S((2048, 1024), F16),
+                                  compute=tl.ComputeSchedule(tile=tile), comm=tl.CommSchedule(sms=2),
+                                  partial_dtype="out")
+    rng = np.random.default_rng(9)
+    inputs = [{"a": _rand(rng, (4096, 256), np.float16), "b": _rand(rng, (256, 1024), np.float16),
+               "out": np.full((2048, 1024), np.nan, np.float16)} for _ in range(2)]
+    res = both(k, 2, inputs, sums=True)
+    gemm = [x for x in res.plan.kernels if type(x.lowered).__name__ == "LoweredGemm"]
+    assert gemm and all(x.lowered.config.overlap_store and x.lowered.notifies == 1 for x in gemm)
+
+
 @pytest.mark.parametrize("name", ["sp_attention", "allgather_moe", "allgather_moe_staged", "moe_reduce_scatter",
                                   "moe_reduce_scatter_out", "moe_reduce_scatter_pingpong",
                                   "moe_reduce_scatter_pingpong_many", "ring_exchange", "normed_gather",

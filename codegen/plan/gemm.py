@@ -378,12 +378,14 @@ class GemmPlan:
         return tuple(sigs + [s for s in self.epilogue.waited if s not in sigs])
 
 
-def overlaps_store(cfg: GemmConfig, m: GemmMatch, epi: Hook) -> bool:
+def overlaps_store(cfg: GemmConfig, m: GemmMatch, epi: Hook, waits: int) -> bool:
     """Whether each tile's C is held in registers as 16-bit pairs and stored during the next tile's K
-    loop (``HeldTile`` in sm90_gemm.hpp): a plain store of a 16-bit C (no generated epilogue, no
-    notifies, which need the tile's stores complete at once) whose staging chunks are a multiple of 16
-    columns (stmatrix stores two 8-column groups at a time)."""
-    return not m.extras and not epi.notifies and cfg.out_bytes == 2 and cfg.EC % 16 == 0
+    loop (``HeldTile`` in sm90_gemm.hpp): a plain store of a 16-bit C (no generated epilogue) whose
+    staging chunks are a multiple of 16 columns (stmatrix stores two 8-column groups at a time). A
+    tile's notifies then run a tile later, once its stores are complete — so not in a part that also
+    waits, whose next tile may wait on what those notifies release."""
+    return (not m.extras and cfg.out_bytes == 2 and cfg.EC % 16 == 0
+            and not (epi.notifies and (waits or epi.peer_signals)))
 
 
 def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=None,
@@ -399,7 +401,7 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
         cfg = replace(cfg, b_k_major=True)
     check_cluster_waits(WHAT, kernel, part, cfg.cluster, sched.cluster)
     waits, stage, epi = wait_hook(m), stage_wait_hook(m), epilogue_hook(m)
-    if overlaps_store(cfg, m, epi):
+    if overlaps_store(cfg, m, epi, waits.waits + stage.waits):
         cfg = replace(cfg, overlap_store=True)
 
     params = [KernelParam("tma_a", _GRID_TMA, "tma", "tma:tma_a"),

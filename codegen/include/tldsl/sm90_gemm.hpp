@@ -1025,12 +1025,27 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
     int it = 0;
     int epi_count = 0;
     float acc[Tr::MB][Tr::kAccPerBlock];
-    // Cfg::kOverlapStore (16-bit C stored plainly: no generated epilogue, no notifies): each tile's
-    // stores run during the next tile's K loop
+    // Cfg::kOverlapStore (16-bit C stored plainly: no generated epilogue): each tile's stores run
+    // during the next tile's K loop, and its notifies (if any) once they are complete: after that loop
     constexpr bool kOverlap = overlap_store<Cfg>::value;
-    static_assert(!kOverlap || (!Epilogue::kEnabled && !Notifies::kEnabled),
-                  "a held tile is stored plainly: no generated epilogue, no notifies");
+    static_assert(!kOverlap || !Epilogue::kEnabled, "a held tile is stored plainly: no generated epilogue");
     cuda::std::conditional_t<kOverlap, HeldTile<Tr, typename Cfg::ElemC>, NoHeldTile> held;
+    // release a tile: its stores complete (both warpgroups' halves), then one thread notifies
+    const auto release = [&](const TileCoord& c) {
+      constexpr uint32_t kNotifyBar = 1 + Tr::kConsumerWGs;   // after the per-warpgroup barriers
+      if (tid == 0) {
+        bulk_wait_all();                       // this warpgroup's TMA stores of the tile are done
+        fence_proxy_async_global();            // async-proxy writes -> before the generic release
+      }
+      if constexpr (Tr::kConsumerWGs > 1) cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, kNotifyBar);
+      if (cw == 0 && tid == 0) {
+        fence_acq_rel<Notifies::kScope>();
+        notifies(c.m, c.n);
+      }
+    };
+    bool pending = false;                        // (held tiles with notifies) the held tile is notified ...
+    TileCoord pending_tc{0, 0};                  // ... once its stores, issued during the next K loop, are done
+    (void)pending, (void)pending_tc;
 
     for (int t = first_tile; t < num_tiles; t += tile_step) {
       const TileCoord ct = tile_at(Cfg::kOrder, t, gmc, gn, Cfg::kGroupM, start_row);
@@ -1047,6 +1062,10 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
           });
       if constexpr (kOverlap) {
         held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);   // a K loop shorter than a tile's chunks
+        if constexpr (Notifies::kEnabled) {
+          if (pending) release(pending_tc);      // the previous tile: its chunks were stored during this K loop
+          pending = tc.m < gm, pending_tc = tc;  // (a cluster partner past the last tile row notifies nothing)
+        }
         held.hold(acc, tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);   // (every row valid)
         continue;
       }
@@ -1064,20 +1083,15 @@ __device__ __forceinline__ void gemm_kernel(const cute::TmaDescriptor* tma_a, co
                                          tc.n * Tr::BN, tc.m * Tr::BM + cw * Tr::MB * 64);
       if constexpr (Notifies::kEnabled) {
         if (tc.m >= gm) continue;                // a cluster partner past the last tile row
-        // release the tile: its stores complete (both warpgroups' halves), then one thread notifies
-        constexpr uint32_t kNotifyBar = 1 + Tr::kConsumerWGs;   // after the per-warpgroup barriers
-        if (tid == 0) {
-          bulk_wait_all();                       // this warpgroup's TMA stores of the tile are done
-          fence_proxy_async_global();            // async-proxy writes -> before the generic release
-        }
-        if constexpr (Tr::kConsumerWGs > 1) cutlass::arch::NamedBarrier::sync(128 * Tr::kConsumerWGs, kNotifyBar);
-        if (cw == 0 && tid == 0) {
-          fence_acq_rel<Notifies::kScope>();
-          notifies(tc.m, tc.n);
-        }
+        release(tc);
       }
     }
-    if constexpr (kOverlap) held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);   // the last tile
+    if constexpr (kOverlap) {
+      held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);   // the last tile
+      if constexpr (Notifies::kEnabled) {
+        if (pending) release(pending_tc);
+      }
+    }
     if (tid == 0) bulk_wait_all();
   }
   if constexpr (kCl > 1) cute::cluster_sync();   // no CTA leaves while its partner may still write to it

@@ -17,9 +17,14 @@ def fail(what: str, msg: str, at=None) -> LoweringError:
 class NotApplicable(LoweringError):
     """A recipe's matcher saw a part of another kind altogether (another engine, no ``tl.dot``
     where its kernel has one, ...): the pipeline leaves its reason out when another recipe's
-    refusal says more about the user's program."""
+    refusal says more about the user's program. ``made_for``: the recipe that *is* made for
+    such a part, when the matcher knows it (a GEMM over a stack of experts' weights: the grouped
+    GEMM's) — that recipe refusing it too is then a fallback worth a warning."""
+    made_for: str | None = None
 
 
-def not_applicable(what: str, msg: str, at=None) -> NotApplicable:
+def not_applicable(what: str, msg: str, at=None, made_for: str | None = None) -> NotApplicable:
     """A :class:`NotApplicable` from recipe ``what``, located like :func:`fail`."""
-    return NotApplicable(f"{what}: {msg}", getattr(at, "loc", at))
+    e = NotApplicable(f"{what}: {msg}", getattr(at, "loc", at))
+    e.made_for = made_for
+    return e

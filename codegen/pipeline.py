@@ -6,8 +6,9 @@ Stages, in order (each a function below; data flows one way):
 2. :func:`match` — the recipes for the part's role (``recipes.RECIPES``), highest priority
    first; the first whose matcher accepts the part wins. Each matcher runs once; when none
    accepts, the error is the refusal of the one recipe made for this kind of part (at the
-   user's line), or every recipe's reason. A recipe made for the part's kind (its refusal no
-   ``NotApplicable``) that refuses it here, the general lowering taking it, is a fallback as in 3;
+   user's line), or every recipe's reason. Where a matcher names the recipe made for the part
+   (``NotApplicable.made_for``) and that recipe refuses it too, the general lowering taking it,
+   that is a fallback as in 3;
 3. :func:`plan` — the winning recipe chooses its configuration from the match, the schedules
    and the options: tiles, stages, shared memory, the kernel's ABI (parameters, TMA boxes).
    When the planner refuses (a tile its template cannot run, say), :func:`fall_back` gives the
@@ -133,12 +134,14 @@ def _lower(kernel, part, options: dict, strict: bool):
 
 
 def _made_for_it(sel: Selected) -> list[tuple[str, LoweringError]]:
-    """The refusals of the recipes made for ``sel.part``'s kind (not :class:`NotApplicable`) when the
-    role's last recipe, the general lowering, accepted it; else none."""
+    """When the role's last recipe, the general lowering, accepted ``sel.part``: the refusals of the
+    recipes another matcher named as made for it (:attr:`NotApplicable.made_for`); else none. (Most
+    matchers refuse most programs outright — "expected one tl.dot" — which is no fallback.)"""
     last = min((r for r in RECIPES if r.role == sel.part.role), key=lambda r: r.priority)
     if sel.recipe is not last:
         return []
-    return [(name, e) for name, e in sel.declined if not isinstance(e, NotApplicable)]
+    named = {e.made_for for _, e in sel.declined if isinstance(e, NotApplicable) and e.made_for}
+    return [(name, e) for name, e in sel.declined if name in named and not isinstance(e, NotApplicable)]
 
 
 def _record_fallback(lowered, part: core.Part, recipe: str, refused: list[tuple[str, LoweringError]]) -> None:

@@ -125,10 +125,48 @@ def test_an_sm_comm_part_the_streamed_kernel_refuses_takes_the_general_recipe():
     assert e.value.loc is not None and e.value.loc.lineno != k.part("push").loc.lineno
     sel = pipeline.match(k, k.part("push"))
     assert sel.recipe.name == "general_comm" and [name for name, _ in sel.declined] == ["sm_comm", "copy_engine"]
-    # the recipe made for it refused at its matcher: a fallback, reported as a planner's refusal is
-    with pytest.warns(tl.FallbackWarning, match="general_comm recipe: the sm_comm recipe refused: .*communication"):
+    # a matcher's refusal of another kind of program is no fallback: nothing to warn about
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tl.FallbackWarning)
         lk = lower(k, "push")
-    assert lk.dots == 1 and [name for name, _ in lk.declined] == ["sm_comm"]
+    assert lk.dots == 1 and lk.declined == ()
+
+
+@tl.kernel
+def _experts_on_a_1d_grid(x, w, tile_expert, y, *, compute: tl.ComputeSchedule = None):
+    T, K = x.shape
+    E, _, N = w.shape
+    BM, BN, BK = compute.tile
+    GN = N // BN
+
+    @tl.compute_part(grid=(tile_expert.shape[0] * GN,))
+    def gg(t):
+        i, pn = t // GN, t % GN
+        e = tl.load_scalar(tile_expert, (i,))
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(x, (i * BM, k), (BM, BK)), tl.load(w, (e, k, pn * BN), (BK, BN)))
+        tl.store(y, (i * BM, pn * BN), acc)
+
+
+def test_a_gemm_over_experts_the_grouped_recipe_refuses_at_its_matcher_is_a_fallback():
+    """The plain GEMM matcher steps aside for a stack of experts' weights, naming the grouped GEMM
+    recipe as the one made for it; that recipe refusing the part (here its 1-d grid) while the
+    general lowering takes it is a FallbackWarning with the grouped recipe's reason, as a
+    planner's refusal is. A program no recipe was named for (no dot) lowers without one."""
+    import warnings
+    S, bf = tl.TensorSpec, tl.bfloat16
+    k = _experts_on_a_1d_grid.trace(1, S((256, 128), bf), S((2, 128, 256), bf), S((2,), tl.int32), S((256, 256), bf),
+                                    compute=tl.ComputeSchedule(tile=(128, 128, 64), stages=2))
+    with pytest.warns(tl.FallbackWarning, match="general recipe: the grouped_gemm recipe refused: .*grid must be 2-d"):
+        lk = lower(k, "gg")
+    assert type(lk).__name__ == "LoweredGeneral" and [n for n, _ in lk.declined] == ["grouped_gemm"]
+    plain = _scale_rows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tl.FallbackWarning)
+        lp = lower(plain, "part")
+    assert type(lp).__name__ == "LoweredGeneral" and lp.declined == ()
 
 
 def test_kernel_parameter_sources_are_the_abi_the_launchers_bind():

@@ -76,7 +76,7 @@ def match_gemm(kernel: core.Kernel, part: core.Part) -> GemmMatch:
     else:
         m = _match_plain(prologue, rest, frag, si)
     if any(len(t.type.shape) != 2 for t in (m.a, m.b, m.c)):    # e.g. experts' weights [E, K, N]: a grouped GEMM
-        raise not_applicable(WHAT, "A, B and C must be 2-d", m.dot)
+        raise not_applicable(WHAT, "A, B and C must be 2-d", m.dot, made_for="grouped_gemm")
     between = [op for op in ops[len(m.prologue):] if op.name in SCALAR_OPS and op not in m.epilogue]
     m.epilogue_context = list(m.prologue) + between + list(m.epilogue)
     return m

@@ -267,3 +267,40 @@ def test_an_option_the_chosen_recipe_does_not_take_is_refused_but_lower_all_shar
     with pytest.raises(LoweringError, match="gemm recipe lowers part .* takes no option stages"):
         lower(k, k.parts[0].name, stages=2)                  # attention's option: it would change nothing
     assert set(lower_all(k, stages=2, wait_timeout_ns=10**9)) == {p.name for p in k.parts}
+
+
+@tl.kernel
+def _waits_after_its_k_loop(a, b, c, *, compute: tl.ComputeSchedule = None):
+    M, K = a.shape
+    N = b.shape[1]
+    BM, BN, BK = compute.tile
+    go, done = tl.signal("go", N // BN), tl.signal("done", N // BN)
+
+    @tl.comm_part(grid=(N // BN,), name="feed")
+    def feed(i):
+        tl.consumer_tile_wait(done, i)
+        tl.producer_tile_notify(go, i)
+
+    @tl.compute_part(grid=(M // BM, N // BN))
+    def gemm(pm, pn):
+        acc = tl.fragment((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK):
+            acc += tl.dot(tl.load(a, (pm * BM, k), (BM, BK)), tl.load(b, (k, pn * BN), (BK, BN)))
+        with tl.when(pm >= 1):
+            tl.consumer_tile_wait(go, pn)
+        with tl.when(pm >= 0):
+            tl.store(c, (pm * BM, pn * BN), acc)
+        with tl.when(pm == 0):
+            tl.producer_tile_notify(done, pn)
+
+
+def test_a_wait_after_the_k_loop_is_never_dropped():
+    """A tile program choosing per tile what to store, with C's store alone and a wait after the K
+    loop: the GEMM template runs only notifies there (no generated epilogue), so its planner refuses
+    the part rather than drop the wait; the general lowering runs it, wait included."""
+    S, bf = tl.TensorSpec, tl.bfloat16
+    k = _waits_after_its_k_loop.trace(1, S((256, 128), bf), S((128, 256), bf), S((256, 256), bf),
+                                      compute=tl.ComputeSchedule(tile=(128, 128, 64)))
+    with pytest.warns(tl.FallbackWarning, match="gemm recipe refused: GEMM lowering: a wait after the K loop"):
+        lk = lower(k, "gemm")
+    assert type(lk).__name__ == "LoweredGeneral" and re.search(r"cta_wait<[^>]*>\(sig_go", lk.source)

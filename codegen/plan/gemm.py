@@ -281,6 +281,16 @@ def _check_notifies_follow_a_store(m: GemmMatch) -> None:
             raise fail(WHAT, "a notify before the tile's store in a generated GEMM epilogue", op)
 
 
+def _check_no_wait_after_the_k_loop(m: GemmMatch) -> None:
+    """Without a generated epilogue the template runs only the notifies after the K loop
+    (``TileNotifies``): a wait there (a tile program choosing per tile what to store, its one store
+    C's) would be dropped, so the part is refused — the general lowering runs it."""
+    for op in _walk(m.epilogue):
+        if op.name in WAIT_OPS:
+            raise fail(WHAT, "a wait after the K loop runs only in a generated epilogue (one that also stores a "
+                       "sum of the accumulator and loaded tiles); with C's store alone it would be dropped", op)
+
+
 def _check_epilogue_store(st: core.Op, m: GemmMatch, sched: ComputeSchedule, c_bytes: int):
     """A generated epilogue's sum store: a 2-d TMA-storable buffer, the tile's columns, a value
     built from the accumulator and (BM, BN) tiles loaded at the tile's columns."""
@@ -395,6 +405,8 @@ def plan_gemm(kernel: core.Kernel, part: core.Part, m: GemmMatch, *, cluster=Non
     M, N, K = _check_shapes(part, m, sched)
     if m.extras:
         _check_notifies_follow_a_store(m)
+    else:
+        _check_no_wait_after_the_k_loop(m)
     cfg = choose_config(WHAT, sched, m.a.type.dtype.name, m.out_dtype, K=K, cluster=cluster,
                         loc=part.loc)
     if m.b_k_major:      # the same shared memory, B's stages chunked along K as A's

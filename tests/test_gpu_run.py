@@ -154,6 +154,17 @@ def test_gemm_reduce_scatter_at_two_ranks():
     both(k, 2, inputs, sums=True)
 
 
+def test_a_gemm_waiting_after_its_k_loop_runs_its_wait():
+    """Tile row 1 waits, after its K loop, for a comm part released by tile row 0's notifies: the
+    GEMM template would have dropped that wait, so the general lowering runs the part (with it)."""
+    from test_codegen_pipeline import _waits_after_its_k_loop
+    rng = np.random.default_rng(10)
+    inputs = [{"a": _rand(rng, (256, 128), np.float16), "b": _rand(rng, (128, 256), np.float16),
+               "c": np.full((256, 256), np.nan, np.float16)}]
+    res = both(_waits_after_its_k_loop, 1, inputs, sums=True, compute=tl.ComputeSchedule(tile=(128, 128, 64)))
+    assert any(type(x.lowered).__name__ == "LoweredGeneral" and x.part == "gemm" for x in res.plan.kernels)
+
+
 @pytest.mark.parametrize("tile", [(128, 128, 64), (128, 256, 64)])
 def test_gemm_reduce_scatter_holding_its_tiles_at_two_ranks(tile):
     """Partials in the output's dtype: the GEMM holds each tile and stores it during the next tile's K

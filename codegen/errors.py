@@ -20,11 +20,12 @@ class NotApplicable(LoweringError):
     refusal says more about the user's program. ``made_for``: the recipe that *is* made for
     such a part, when the matcher knows it (a GEMM over a stack of experts' weights: the grouped
     GEMM's) — that recipe refusing it too is then a fallback worth a warning."""
-    made_for: str | None = None
+
+    def __init__(self, message: str, loc=None, made_for: str | None = None):
+        super().__init__(message, loc)
+        self.made_for = made_for
 
 
 def not_applicable(what: str, msg: str, at=None, made_for: str | None = None) -> NotApplicable:
     """A :class:`NotApplicable` from recipe ``what``, located like :func:`fail`."""
-    e = NotApplicable(f"{what}: {msg}", getattr(at, "loc", at))
-    e.made_for = made_for
-    return e
+    return NotApplicable(f"{what}: {msg}", getattr(at, "loc", at), made_for)

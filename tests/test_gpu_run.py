@@ -441,37 +441,26 @@ def test_pipelined_dot_loops_agree_with_the_simulator(name):
     assert "pipelined dot loop" in lk.source and lk.dots == lk.wgmma_dots == 2, lk.describe()
 
 
+@pytest.mark.parametrize("guard", [True, False], ids=["guarded", "no_guard"])
 @pytest.mark.parametrize("name", ["128x128 ping-pong", "128x256 half tiles", "128x256 clusters", "64x128 pairs",
                                   "64x256 split columns", "128x128 gathered", "128x256x32 (64-byte swizzle)"])
-def test_grouped_gemms_of_weights_stored_n_by_k_agree_with_the_simulator(name):
+def test_grouped_gemms_of_weights_stored_n_by_k_agree_with_the_simulator(name, guard):
     """Experts' weights stored [E, N, K] (a stack of torch Linear weights), read as
     ``tl.trans(tile)``: the grouped recipe stages them K-major under each of its configurations;
-    tiles full, partial (half tiles), and skipped (expert -1), outputs poisoned with NaN."""
+    tiles full, partial (half tiles), and (guarded) skipped, expert -1, outputs poisoned with NaN.
+    Without the ``tl.when`` guard every tile's expert is one of w's, and the grouped recipe still
+    takes the part (no fallback)."""
     from test_codegen_grouped_k_major import CONFIGS, experts_nk, inputs, trace_experts
     cfg = dict(CONFIGS[name], dt=tl.float16)
-    k = trace_experts(**cfg)
+    k = trace_experts(**cfg, guard=guard)
     kw = {key: cfg[key] for key in ("gather", "mask") if key in cfg}
     sched = tl.ComputeSchedule(tile=cfg["tile"], stages=cfg["stages"], cluster=(cfg.get("cluster", 1), 1))
-    res = both(experts_nk, 1, [inputs(k, 3, np.float16)], compute=sched, **kw)
+    ins = inputs(k, 3 if guard else 4, np.float16, skipped=guard)
+    assert guard or (ins["tile_expert"] >= 0).all()
+    res = both(experts_nk, 1, [ins], compute=sched, guard=guard, **kw)
     [item] = res.plan.kernels
     assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.config.b_k_major
-
-
-@pytest.mark.parametrize("name", ["128x128 ping-pong", "128x256 half tiles", "128x256 clusters", "64x128 pairs",
-                                  "128x128 gathered"])
-def test_a_grouped_gemm_without_a_guard_runs_on_the_grouped_recipe(name):
-    """No ``tl.when``: every tile's expert is one of w's, its rows past ``tile_rows`` stored as
-    zeros (half tiles where they are few); the grouped recipe runs it, outputs poisoned with NaN."""
-    from test_codegen_grouped_k_major import CONFIGS, experts_nk, inputs, trace_experts
-    cfg = dict(CONFIGS[name], dt=tl.float16)
-    k = trace_experts(**cfg, guard=False)
-    kw = {key: cfg[key] for key in ("gather", "mask") if key in cfg}
-    sched = tl.ComputeSchedule(tile=cfg["tile"], stages=cfg["stages"], cluster=(cfg.get("cluster", 1), 1))
-    ins = inputs(k, 4, np.float16, skipped=False)
-    assert (ins["tile_expert"] >= 0).all()
-    res = both(experts_nk, 1, [ins], compute=sched, guard=False, **kw)
-    [item] = res.plan.kernels
-    assert type(item.lowered).__name__ == "LoweredGroupedGemm" and item.lowered.declined == ()
+    assert item.lowered.declined == ()
 
 
 def test_a_prepared_launch_keeps_its_tensors_when_the_caller_drops_them():
@@ -482,16 +471,12 @@ def test_a_prepared_launch_keeps_its_tensors_when_the_caller_drops_them():
 
     import torch
 
-    from test_codegen_grouped_k_major import CONFIGS, inputs, trace_experts
+    from test_codegen_grouped_k_major import CONFIGS, expected, inputs, trace_experts
     from tldsl.codegen import lower
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     k = trace_experts(**dict(CONFIGS["128x128 ping-pong"], dt=tl.float16))
     ins = inputs(k, 6, np.float16)
-    BM = k.args[0].type.shape[0] // len(ins["tile_expert"])
-    want = np.zeros(ins["y"].shape, np.float32)
-    for i, (e, n) in enumerate(zip(ins["tile_expert"], ins["tile_rows"])):
-        if e >= 0:
-            want[i * BM:i * BM + n] = ins["x"][i * BM:i * BM + n].astype(np.float32) @ ins["w"][e].astype(np.float32).T
+    want = expected(ins)
     bufs = {name: torch.from_numpy(v).cuda() for name, v in ins.items()}
     prepared = GroupedKernel(lower(k, "gg")).prepare(bufs, {})
     y = bufs["y"]

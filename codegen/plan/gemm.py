@@ -393,7 +393,7 @@ def overlaps_store(cfg: GemmConfig, m: GemmMatch, epi: Hook, waits: int) -> bool
     loop (``HeldTile`` in sm90_gemm.hpp): a plain store of a 16-bit C (no generated epilogue) whose
     staging chunks are a multiple of 16 columns (stmatrix stores two 8-column groups at a time). A
     tile's notifies then run a tile later, once its stores are complete — so not in a part that also
-    waits, whose next tile may wait on what those notifies release."""
+    waits, whose next tile may wait on what those notifies release, nor where it notifies peers."""
     return (not m.extras and cfg.out_bytes == 2 and cfg.EC % 16 == 0
             and not (epi.notifies and (waits or epi.peer_signals)))
 

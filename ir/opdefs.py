@@ -45,6 +45,8 @@ _DEFS = [
     OpDef("load", "memory", "global -> shared tile load; out-of-bounds elements read as 0 (TMA semantics)", True),
     OpDef("load_rows", "memory", "gather rows by an index tile into shared memory; negative rows read as 0", True),
     OpDef("store", "memory", "register tile -> global store; out-of-bounds elements are dropped", True),
+    OpDef("add_rows", "memory", "scatter-add a tile's rows into rows of a tensor by an index tile (negative "
+          "rows skipped); adds commute: atomic on the GPU, unordered adds are no race", True),
     # control flow
     OpDef("for", "control", "a counted loop that stays a loop (attr unroll for a hint)"),
     OpDef("if", "control", "a guarded region"),
@@ -123,7 +125,7 @@ def written_buffers(kernel) -> frozenset[str]:
     out = set()
     for part in kernel.parts:
         for op in part.walk():
-            if op.name == "store":
+            if op.name in ("store", "add_rows"):
                 out.add(op.operands[0].owner.name)
             elif op.name in DATA_OPS:
                 dst = data_operands(op)[3]

@@ -100,7 +100,7 @@ def _verify_op(op: Op, part: Part, kernel: Kernel):
         for buf in remote:
             if not (isinstance(buf.type, TensorType) and buf.type.space == MemSpace.SYMMETRIC):
                 _err(f"{name} addresses '{buf.hint}' on another rank, but it is not a symmetric buffer", op)
-    elif name in ("load", "store", "load_scalar", "load_rows"):
+    elif name in ("load", "store", "load_scalar", "load_rows", "add_rows"):
         t = op.operands[0].type
         if not isinstance(t, TensorType):
             _err(f"{name}: first operand must be a tensor", op)

@@ -174,6 +174,20 @@ def gather_rows(x, idx, lens, y, *, compute: tl.ComputeSchedule = None):
 
 
 @tl.kernel
+def scatter_add_rows(x, idx, w, y, *, compute: tl.ComputeSchedule = None):
+    """add_rows: each tile of x's rows, weighted per row, added into y's rows by an id tile (negative
+    ids skipped; rows repeat within a tile and across tiles: unordered adds)."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        rows = tl.where(tl.iota(BM) + pm * BM < M, tl.load(idx, (pm * BM,), (BM,)), -1)
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN)).to(tl.float32) * tl.load(w, (pm * BM,), (BM,))[:, None]
+        tl.add_rows(y, rows, pn * BN, t)
+
+
+@tl.kernel
 def attention_like(q, k, v, o, *, compute: tl.ComputeSchedule = None):
     """A dot with a transposed operand, a softmax, and a dot of a cast tile."""
     M, D = q.shape
@@ -304,6 +318,12 @@ CASES = [
          (8, 32, 16)),
     case("gather_rows-i32", gather_rows, [((20, 48), I32), ((24,), I32), ((3,), I32), ((24, 48), I32)],
          (8, 32, 16)),
+    case("scatter_add_rows-bf16", scatter_add_rows, [((40, 48), BF16), ((40,), I32), ((40,), F32), ((20, 48), BF16)],
+         (16, 32, 16)),
+    case("scatter_add_rows-f16", scatter_add_rows, [((37, 40), F16), ((37,), I32), ((37,), F32), ((20, 40), F16)],
+         (8, 16, 16)),
+    case("scatter_add_rows-f32", scatter_add_rows, [((30, 24), F32), ((30,), I32), ((30,), F32), ((20, 24), F32)],
+         (8, 16, 8)),
     case("attention_like-f16", attention_like, [((40, 32), F16), ((24, 32), F16), ((24, 32), F16), ((40, 32), F16)],
          (16, 16, 16)),
     case("flash_attention-bf16", flash_attention, [((40, 32), BF16), ((50, 32), BF16), ((50, 32), BF16),

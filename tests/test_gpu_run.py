@@ -99,6 +99,21 @@ def test_row_softmax():
          compute=tl.ComputeSchedule(tile=(16, 16, 16)))
 
 
+@pytest.mark.parametrize("dt", ["float16", "float32"])
+def test_rows_added_from_many_tiles_into_the_same_rows(dt):
+    """tl.add_rows: 3000 weighted rows added into 500 (six on average a row, from tiles of every
+    CTA, in no fixed order; ids of -1 skipped), poisoned nowhere: y holds the caller's values."""
+    from test_add_rows import weighted_scatter
+    rng = np.random.default_rng(2)
+    inputs = [dict(x=_rand(rng, (3000, 200), dt), idx=rng.integers(-1, 500, 3000).astype(np.int32),
+                   w=rng.uniform(0.1, 1.0, 3000).astype(np.float32), y=_rand(rng, (500, 200), dt))]
+    res = both(weighted_scatter, 1, inputs, sums=True, compute=tl.ComputeSchedule(tile=(64, 64, 16)))
+    x, idx, w, y = (inputs[0][n] for n in ("x", "idx", "w", "y"))
+    want = y.astype(np.float64)
+    np.add.at(want, idx[idx >= 0], (w[:, None] * x.astype(np.float64))[idx >= 0])
+    assert np.allclose(res[0]["y"], want, rtol=2e-2, atol=2e-2)
+
+
 def _ag_inputs(k, seed):
     rng = np.random.default_rng(seed)
     b = _rand(rng, k.args[1].type.shape, np.float16)

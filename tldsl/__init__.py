@@ -41,7 +41,7 @@ from .ir.schedule import ComputeSchedule, CommSchedule  # noqa: E402
 from .tracing import cdiv, select  # noqa: E402
 from .tiles import minimum, maximum  # noqa: E402
 from .language import (constexpr, Symmetric, rank, world_size, range, static_range, when,  # noqa: E402
-                       load, load_rows, load_scalar, store, full, zeros, fragment, iota, ewise,
+                       load, load_rows, add_rows, load_scalar, store, full, zeros, fragment, iota, ewise,
                        exp, exp2, log, sqrt, abs, sigmoid, tanh, erf, rsqrt, where, cast, sum, max, min, expand_dims,
                        broadcast_to, trans, dot, symmetric_buffer, local_buffer, signal, static_assert)
 from .primitives import (producer_tile_notify, consumer_tile_wait, peer_tile_notify,  # noqa: E402
@@ -65,7 +65,7 @@ __all__ = [
     "float16", "bfloat16", "float32", "int32", "bool_",
     # the tile language
     "constexpr", "Symmetric", "rank", "world_size", "range", "static_range", "when", "static_assert", "cdiv",
-    "select", "load", "load_rows", "load_scalar", "store", "full", "zeros", "fragment", "iota", "ewise", "exp",
+    "select", "load", "load_rows", "add_rows", "load_scalar", "store", "full", "zeros", "fragment", "iota", "ewise", "exp",
     "exp2", "log", "sqrt", "abs", "sigmoid", "tanh", "erf", "rsqrt", "where", "minimum", "maximum", "cast", "sum",
     "max", "min", "expand_dims", "broadcast_to", "trans", "dot", "symmetric_buffer", "local_buffer", "signal",
     # tile-centric primitives

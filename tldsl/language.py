@@ -245,6 +245,29 @@ def load_rows(ref, rows, col_offset, ncols: int) -> Tile:
     return Tile(op.result)
 
 
+def add_rows(ref, rows, col_offset, tile) -> None:
+    """Scatter-add: ``ref[rows[i], col_offset:col_offset+ncols] += tile[i]`` for every ``i`` whose row
+    id is not negative (a tile's rows ``[n, ncols]``, floats converted to the tensor's type).
+
+    The dual of :func:`load_rows`, for sums whose terms arrive from many tiles in no fixed order (the
+    MoE combine done by the expert GEMM's epilogue). Adds from different tasks to the same element
+    need no ordering between them: the GPU makes each add atomic, and the simulator checks them
+    against every read or write of those elements that no signal orders. Each add rounds to the
+    tensor's type, in whatever order the adds land: a bf16 sum is not bit-reproducible."""
+    if not isinstance(ref, TensorRef) or len(ref.shape) != 2:
+        fail("tl.add_rows needs a local 2-d tensor")
+    if not ref.dtype.is_float:
+        fail(f"tl.add_rows adds floats; '{ref.name}' is {ref.dtype}")
+    if not isinstance(rows, Tile) or len(rows.shape) != 1 or rows.dtype != T.int32:
+        fail("tl.add_rows needs a 1-d i32 tile of row indices")
+    tile = as_tile(tile) if not isinstance(tile, Tile) else tile
+    if len(tile.shape) != 2 or tile.shape[0] != rows.shape[0]:
+        fail(f"tl.add_rows adds a [{rows.shape[0]}, ncols] tile (one row per row id), got {list(tile.shape)}")
+    if not tile.dtype.is_float:
+        fail(f"tl.add_rows adds a float tile, got {tile.dtype}")
+    current().emit("add_rows", [ref.value, rows.value, offset_value(ref, col_offset, "tl.add_rows"), tile.value])
+
+
 def load_scalar(ref, index) -> Scalar:
     """Read one element of an integer table: how dynamic (run-time) mappings reach the program."""
     if not isinstance(ref, TensorRef):

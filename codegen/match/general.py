@@ -16,7 +16,7 @@ WHAT = "general lowering"
 #: tile ops whose value can be computed element by element where it is consumed
 ELEMENT_OPS = frozenset({"full", "iota", "ewise", "cast", "expand_dims", "broadcast", "trans"})
 #: ops that run as a statement of the CTA (a loop over their output elements, or a dot)
-STATEMENT_OPS = frozenset({"load", "load_rows", "store", "reduce", "dot", "frag_alloc", "frag_write"})
+STATEMENT_OPS = frozenset({"load", "load_rows", "store", "add_rows", "reduce", "dot", "frag_alloc", "frag_write"})
 #: every op the general lowering renders (the data primitives as SM copies, element by element)
 LOWERED_OPS = (SCALAR_OPS | CONTROL_OPS | ELEMENT_OPS | STATEMENT_OPS | {"frag_read"} | NOTIFY_OPS | WAIT_OPS
                | DATA_OPS)

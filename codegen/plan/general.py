@@ -603,6 +603,8 @@ def _abi(kernel: core.Kernel, part: core.Part, *,
             modes.setdefault(id(op.operands[0].owner), set()).add("r")
         elif op.name == "store":
             modes.setdefault(id(op.operands[0].owner), set()).add("w")
+        elif op.name == "add_rows":
+            modes.setdefault(id(op.operands[0].owner), set()).update("rw")
         elif op.name in DATA_OPS:
             src, srank, _, dst, drank, _, _ = data_operands(op)
             for v, rank, mode in ((src, srank, "r"), (dst, drank, "w")):
@@ -732,7 +734,7 @@ def _layout(prog: _Program, recompute, threads: int, loops: list[DotLoop] = ()) 
 
 
 #: ops that read a value only through its element rule (:meth:`..rules.tile_ops.TileEmitter.value`)
-_ELEMENT_READERS = ELEMENT_OPS | {"store", "reduce"}
+_ELEMENT_READERS = ELEMENT_OPS | {"store", "add_rows", "reduce"}
 
 
 def _replicated(prog: _Program, stored: list[core.Op], held: dict, canon: dict, fused: set[int]) -> frozenset:
@@ -892,9 +894,9 @@ def _group_threads(prog: _Program, part: core.Part, m: GeneralMatch) -> int:
 
 
 def written_tensors(part: core.Part) -> frozenset:
-    """id() of the tensors the part writes on this rank: by ``store``, or as a data primitive's
+    """id() of the tensors the part writes on this rank: by ``store`` or ``add_rows``, or as a data primitive's
     destination on this rank."""
-    out = {id(op.operands[0].owner) for op in part.walk() if op.name == "store"}
+    out = {id(op.operands[0].owner) for op in part.walk() if op.name in ("store", "add_rows")}
     for op in part.walk():
         if op.name in DATA_OPS:
             _, _, _, dst, drank, _, _ = data_operands(op)

@@ -304,6 +304,23 @@ def _load_rows_statement(em, op, ind, lines):
     em.element_loop(op, shape, body, ind, lines, f"load_rows {t.name} -> {slot}")
 
 
+def _add_rows_statement(em, op, ind, lines):
+    buf, rows, col, tile = op.operands
+    t = buf.owner
+    nrows, ncols = t.type.shape
+    shape = tuple(tile.type.shape)
+    c0 = em.name(col, op)
+
+    def body(coords, el):
+        r = em.value(rows, [coords[0]], el)
+        x = em.value(tile, coords, el)
+        c = f"{c0} + {coords[1]}"
+        cond = f"{r} >= 0 && {r} < {nrows} && (unsigned)({c}) < {ncols}u"
+        return [f"if ({cond}) tldsl::gen::add_to(&{buffer_param(t)}[(long long)({r}) * {ncols}ll + ({c})], "
+                f"(float)({x}));"]
+    em.element_loop(op, shape, body, ind, lines, f"add_rows -> {t.name}")
+
+
 def _store_statement(em, op, ind, lines):
     buf, *offs_v, tile = op.operands
     t = buf.owner
@@ -751,11 +768,13 @@ OPAQUE_OPS = frozenset({"dot"}) | DATA_OPS | WAIT_OPS | NOTIFY_OPS
 
 
 def _tensor_accesses(op: core.Op) -> set:
-    """The tensors a statement reads (``load``, ``load_rows``) or writes (``store``)."""
+    """The tensors a statement reads (``load``, ``load_rows``) or writes (``store``; ``add_rows`` both)."""
     if op.name in ("load", "load_rows"):
         return {tensor_access(id(op.operands[0].owner), "r")}
     if op.name == "store":
         return {tensor_access(id(op.operands[0].owner), "w")}
+    if op.name == "add_rows":           # (reads what it adds to)
+        return {tensor_access(id(op.operands[0].owner), "r"), tensor_access(id(op.operands[0].owner), "w")}
     return set()
 
 
@@ -773,6 +792,7 @@ RULES: dict[str, Rule] = {
     "load": Rule(_load_statement),
     "load_rows": Rule(_load_rows_statement),
     "store": Rule(_store_statement),
+    "add_rows": Rule(_add_rows_statement),
     "reduce": Rule(_reduce_statement),
     "dot": Rule(_dot_statement),
     "frag_alloc": Rule(_frag_alloc_statement),

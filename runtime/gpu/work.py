@@ -76,6 +76,8 @@ def _op_cost(op: core.Op, operands: set[int]) -> float:
         return 0.0 if id(op) in operands else _bytes(op.results[0].type) * FLOPS_PER_BYTE
     if op.name == "store":         # the value's elements, as the tensor holds them
         return math.prod(op.operands[-1].type.shape) * op.operands[0].type.dtype.bits / 8 * FLOPS_PER_BYTE
+    if op.name == "add_rows":      # read and written back (at L2, by the atomics)
+        return 2 * math.prod(op.operands[-1].type.shape) * op.operands[0].type.dtype.bits / 8 * FLOPS_PER_BYTE
     if op.name in DATA_OPS:
         src, _, _, dst, _, _, tile = data_operands(op)
         buf = src if src is not None else dst

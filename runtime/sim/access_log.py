@@ -6,6 +6,9 @@ of another task when their boxes overlap, one of them is a write, and the earlie
 ordered before it (its clock entry is not covered by the new task's vector clock); the report
 names the earliest such access, as a scan of the whole log in order would.
 
+Adds (``tl.add_rows``: a read-modify-write the hardware makes atomic) commute with each other:
+two unordered adds to the same element do not race, an add and a read or a write do.
+
 Two things keep a check cheap however long the launch: reads and writes are kept apart (a read
 only needs the writes), and each is indexed by bands along the buffer's longest axis, so a box
 is compared only with the accesses that share a band with it. Reads are indexed only once a
@@ -16,7 +19,7 @@ when a report needs the exact one.
 """
 from __future__ import annotations
 
-READ, WRITE = 0, 1
+READ, WRITE, ADD = 0, 1, 2
 _BANDS = 64          # about this many bands along the indexed axis
 
 
@@ -92,11 +95,13 @@ class AccessLog:
         self.band = band
         self.reads: dict[int, list[Access]] = {}
         self.writes: dict[int, list[Access]] = {}
+        self.adds: dict[int, list[Access]] = {}
         self.unindexed_reads: list[Access] = []
 
     def clear(self):
         self.reads.clear()
         self.writes.clear()
+        self.adds.clear()
         self.unindexed_reads.clear()
 
     def _bands(self, lo, hi):
@@ -109,7 +114,9 @@ class AccessLog:
         """Report info of the earliest access that races with this one, or None. ``vc``: the
         new access's task's vector clock (a dict task -> clock)."""
         best = self._scan(self.writes, lo, hi, task, vc, None)
-        if kind == WRITE:
+        if kind != ADD:                          # adds commute with adds only
+            best = self._scan(self.adds, lo, hi, task, vc, best)
+        if kind != READ:
             for entry in self.unindexed_reads:
                 self._index(self.reads, entry)
             self.unindexed_reads.clear()
@@ -135,6 +142,8 @@ class AccessLog:
     def add(self, entry: Access):
         if entry.kind == WRITE:
             self._index(self.writes, entry)
+        elif entry.kind == ADD:
+            self._index(self.adds, entry)
         else:
             self.unindexed_reads.append(entry)
 

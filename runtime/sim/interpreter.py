@@ -17,7 +17,7 @@ from ...ir.semantics import ARITH, EWISE, REDUCE, wrap_i32
 from ...ir.types import MemSpace
 from .bulk_loop import BulkLoops
 from .fast_scalars import compile_scalar
-from .memory import READ, WRITE, Memory, to_storage
+from .memory import ADD, READ, WRITE, Memory, to_storage
 
 STEP = ("step",)
 #: the rules the bulk path computes itself: where one is replaced (a test recording what a
@@ -25,6 +25,16 @@ STEP = ("step",)
 BULK_REPLACES = ("op_load", "op_dot", "op_ewise", "op_cast", "op_trans", "op_expand_dims", "op_broadcast")
 SCALAR_RULES = ("op_const", "op_program_id", "op_rank", "op_arith", "op_select")
 
+
+
+def _runs(rows: np.ndarray):
+    """``(start, end)`` of each run of consecutive values in sorted unique ``rows``."""
+    if not rows.size:
+        return []
+    breaks = np.nonzero(np.diff(rows) != 1)[0]
+    starts = np.concatenate([[rows[0]], rows[breaks + 1]])
+    ends = np.concatenate([rows[breaks], [rows[-1]]]) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 class Interpreter:
     def __init__(self, engine):
@@ -165,15 +175,33 @@ class Interpreter:
         valid = np.nonzero(rows >= 0)[0]
         for i in valid:
             tile[i, c0 - col:c1 - col] = buf.data[rows[i], c0:c1]
-        # record contiguous runs of rows as boxes
-        rs = np.unique(rows[valid])
-        if rs.size:
-            breaks = np.nonzero(np.diff(rs) != 1)[0]
-            starts = np.concatenate([[rs[0]], rs[breaks + 1]])
-            ends = np.concatenate([rs[breaks], [rs[-1]]]) + 1
-            for s, e in zip(starts, ends):
-                self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), READ, task, op)
+        for s, e in _runs(np.unique(rows[valid])):      # contiguous runs of rows, as boxes
+            self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), READ, task, op)
         env[op.result.id] = tile
+
+    def op_add_rows(self, op, env, task):
+        t, rows_v, col_v, v = op.operands
+        buf = self._buf(task.rank, t, task, op)
+        rows = np.asarray(env[rows_v.id], np.int64)
+        col = env[col_v.id]
+        nrows, ncols = buf.data.shape
+        if (rows >= nrows).any():
+            bad = int(rows[rows >= nrows][0])
+            raise OutOfBoundsError(f"{task} at {op.loc.short()}: adds into row {bad} of '{buf.name}', "
+                                   f"which has {nrows} rows", at=(op.loc,), rank=task.rank, tile=task.coords,
+                                   buffer=buf.name, primitive=op.name)
+        tile = np.asarray(env[v.id], np.float32)
+        c0, c1 = max(col, 0), min(col + tile.shape[1], ncols)
+        if c1 <= c0:
+            return
+        valid = np.nonzero(rows >= 0)[0]
+        for s, e in _runs(np.unique(rows[valid])):
+            self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), ADD, task, op)
+        for i in valid:            # one add an element, rounded to the tensor's type (as the GPU's atomics)
+            r = int(rows[i])
+            cur = np.asarray(buf.data[r, c0:c1], np.float32)
+            buf.write((slice(r, r + 1), slice(c0, c1)),
+                      to_storage(cur + tile[i, c0 - col:c1 - col], buf.dtype)[None])
 
     # -- tile math ----------------------------------------------------------------------------------
     def _out(self, op, arr):

@@ -15,10 +15,10 @@ import numpy as np
 from ...errors import InputError, OutOfBoundsError, RaceError, UninitializedReadError
 from ...ir.semantics import bf16_rounded
 from ...ir.types import DType, bfloat16
-from .access_log import READ, WRITE, Access, AccessLog
+from .access_log import ADD, READ, WRITE, Access, AccessLog
 from .dot_stacks import DotStacks
 
-_KIND = {READ: "read", WRITE: "write"}
+_KIND = {READ: "read", WRITE: "write", ADD: "add"}
 
 
 def host_array(x) -> np.ndarray:
@@ -164,9 +164,9 @@ class Memory:
     def access(self, rank: int, buf: Buffer, lo, hi, kind: int, task, op):
         """Record an access; raise on a race or a read of uninitialised workspace memory."""
         lo, hi = tuple(int(x) for x in lo), tuple(int(x) for x in hi)
-        if kind == READ and self.check_uninit and buf.written is not None and not self.uninit:
-            self._check_written(rank, buf, lo, hi, task, op)
-        if kind == WRITE and buf.written is not None:
+        if kind != WRITE and self.check_uninit and buf.written is not None and not self.uninit:
+            self._check_written(rank, buf, lo, hi, task, op, kind)      # (an add reads what it adds to)
+        if kind != READ and buf.written is not None:
             buf.written[tuple(slice(a, b) for a, b in zip(lo, hi))] = True
         if not self.check_races:
             return
@@ -177,7 +177,7 @@ class Memory:
         self.seq += 1
         buf.log.add(Access(self.seq, lo, hi, task.tid, clock, kind, (task, op, kind, lo, hi), 0))
 
-    def _check_written(self, rank, buf, lo, hi, task, op):
+    def _check_written(self, rank, buf, lo, hi, task, op, kind=READ):
         w = buf.written[tuple(slice(a, b) for a, b in zip(lo, hi))]
         if not w.all():
             # Not raised yet: if a write of this region follows without ordering, the race
@@ -185,7 +185,8 @@ class Memory:
             # as uninitialised, at the end of the launch.
             first = tuple(a + int(i) for a, i in zip(lo, np.argwhere(~w)[0]))
             self.uninit.append(UninitializedReadError(
-                f"{_who(task, op)} reads {buf.name}{_box(lo, hi)} on rank {rank}, but element "
+                f"{_who(task, op)} {'adds into' if kind == ADD else 'reads'} {buf.name}{_box(lo, hi)} on rank {rank}, "
+                f"but element "
                 f"{first} was not written before it in this launch, and no unordered write "
                 f"followed (missing data movement, or a read ordered before its write?)",
                 at=(op.loc,), rank=task.rank, tile=task.coords, buffer=buf.name, region=(lo, hi), primitive=op.name))

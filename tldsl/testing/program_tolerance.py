@@ -265,6 +265,25 @@ def _make_interpreter():
                     err[i, c0 - col:c1 - col] = self._mem(task.rank, buf)[rows[i], c0:c1]
             self._set(env, op.result, err)
 
+        def op_add_rows(self, op, env, task):
+            super().op_add_rows(op, env, task)
+            t, rows_v, col_v, v = op.operands
+            buf = self._buf(task.rank, t, task, op)
+            rows, col = np.asarray(env[rows_v.id], np.int64), env[col_v.id]
+            tile = np.asarray(env[v.id])
+            err = np.broadcast_to(self._e(env, v), tile.shape)
+            c0, c1 = max(col, 0), min(col + tile.shape[1], buf.data.shape[1])
+            if c1 <= c0:
+                return
+            mem = self._mem(task.rank, buf)
+            for i in np.nonzero(rows >= 0)[0]:
+                # each add rounds its sum to the tensor's type, in the GPU's order (any): one ulp of
+                # the sum's magnitude, bounded by what it had and what was added
+                after, term = buf.data[rows[i], c0:c1], tile[i, c0 - col:c1 - col]
+                mem[rows[i], c0:c1] = _clean(_rounding(mem[rows[i], c0:c1] + err[i, c0 - col:c1 - col],
+                                                       np.abs(_f64(after)) + 2 * np.abs(_f64(term)), buf.dtype,
+                                                       always=True), after)
+
         def _data(self, op, env, task):
             yield from super()._data(op, env, task)
             from ..ir.opdefs import data_operands

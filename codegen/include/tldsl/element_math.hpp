@@ -12,6 +12,8 @@
 #if defined(TLDSL_HOST_EMULATION)
 #include <math.h>
 #include <stdint.h>
+
+#include <mutex>
 #endif
 
 namespace tldsl {
@@ -201,6 +203,34 @@ template <class T>
 TLDSL_DEV T recip(T x) {
   return div(T(1), x);
 }
+
+// -- tl.add_rows: one element added into memory (atomically on the GPU), rounded to its type ----
+#if defined(TLDSL_HOST_EMULATION)
+inline std::mutex& add_lock() {   // (the emulation's threads add into the same elements too)
+  static std::mutex m;
+  return m;
+}
+inline void add_to(float* p, float v) {
+  std::lock_guard<std::mutex> g(add_lock());
+  *p = *p + v;
+}
+inline void add_to(f16* p, float v) {
+  std::lock_guard<std::mutex> g(add_lock());
+  p->bits = comm::float_to_f16(get(*p) + v);
+}
+inline void add_to(bf16* p, float v) {
+  std::lock_guard<std::mutex> g(add_lock());
+  p->bits = comm::float_to_bf16(get(*p) + v);
+}
+#else
+TLDSL_DEV void add_to(float* p, float v) { atomicAdd(p, v); }
+TLDSL_DEV void add_to(f16* p, float v) {
+  asm volatile("red.global.add.noftz.f16 [%0], %1;" ::"l"(p), "h"(put<f16>(v).bits) : "memory");
+}
+TLDSL_DEV void add_to(bf16* p, float v) {
+  asm volatile("red.global.add.noftz.bf16 [%0], %1;" ::"l"(p), "h"(put<bf16>(v).bits) : "memory");
+}
+#endif
 
 }  // namespace gen
 }  // namespace tldsl

@@ -43,6 +43,15 @@ class GroupedGemmMatch:
     row_limit: core.Value | None = None     # n of a row mask: the stored tile's rows >= n are zeros
     row_mask: tuple[core.Op, ...] = ()      # its ops (where, lt, expand_dims, iota)
     b_k_major: bool = False                 # B stored [N, K] / [E, N, K], its tile transposed in the dot
+    # tl.add_rows(c, targets, pn*BN, acc * scale): each row added into row targets[r] of C (a negative id
+    # skipped), scaled by its per-row value first (the MoE combine in the GEMM's epilogue); `store` is that op
+    targets: core.Value | None = None       # the (BM,) i32 row ids
+    scale: core.Value | None = None         # the per-row (BM, 1) f32 factor, or None
+    scale_op: core.Op | None = None         # acc * scale
+
+    @property
+    def adds_rows(self) -> bool:
+        return self.targets is not None
 
 
 ROW_MASK = "tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)"
@@ -156,9 +165,14 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
         users = [op for op in order if any(x is cast.result for x in op.operands)]
     if len(users) == 1 and users[0].name == "store" and users[0].operands[-1] is (cast.result if cast else kept):
         store = users[0]
+    targets, scale, scale_op = None, None, None
+    if store is None and cast is None:
+        store, scale, scale_op = _added_rows(users, kept, order, frag.result.type.shape[0])
+        targets = store.operands[1] if store is not None else None
     if store is None:
-        raise fail(WHAT, "after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` (or of `" + ROW_MASK + "`) and "
-                   "nothing else on the accumulator", users[0] if users else rd)
+        raise fail(WHAT, "after the K loop expected `tl.store(c, (i*BM, pn*BN), acc)` (or of `" + ROW_MASK + "`), "
+                   "or `tl.add_rows(c, rows, pn*BN, acc * scale[:, None])`, and nothing else on the accumulator",
+                   users[0] if users else rd)
     store_parent = parent.get(id(store))
     if guard is not None and store_parent is guard:
         store_inside = True
@@ -167,6 +181,7 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
     else:
         raise fail(WHAT, "the store of the accumulator must be at the top of the part or of the guard", store)
     if pos[id(store)] < pos[id(loop)] or (cast is not None and parent.get(id(cast)) is not store_parent) or \
+            (scale_op is not None and parent.get(id(scale_op)) is not store_parent) or \
             parent.get(id(rd)) is not store_parent:
         raise fail(WHAT, "the accumulator's store must follow the K loop, in the same block", store)
 
@@ -182,7 +197,14 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
     # ops of the gathered row ids
     row_ops = {id(o) for o in tile_producers(rows)} if rows is not None else set()
     known = {id(frag), id(loop), id(rd), id(store)} | ({id(cast)} if cast is not None else set()) | loop_ops
-    known |= {id(o) for o in mask_ops}
+    known |= {id(o) for o in mask_ops} | ({id(scale_op)} if scale_op is not None else set())
+    # the added rows' ids and scales: per-row expressions, rendered row by row for the epilogue
+    for v in (targets, scale):
+        for o in (tile_producers(v) if v is not None else ()):
+            if o.name not in ROW_TILE_OPS:
+                raise fail(WHAT, f"'{o.name}' cannot compute the added rows' ids or scales (only per-row loads, "
+                           "iota and elementwise math are lowered)", o)
+            known.add(id(o))
     guarded = {id(o) for o in guard.regions[0].walk()} if guard is not None else set()
     if guard is not None:
         known.add(id(guard))
@@ -212,5 +234,25 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                                    kind="a grouped-GEMM compute part", hint="only index arithmetic, table reads, "
                                    "waits, the K loop, the accumulator's store and notifies are lowered")
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
-                            batched, rows, batch, c.type.dtype.name, row_limit, mask_ops, b_k_major)
+                            batched, rows, batch, c.type.dtype.name, row_limit, mask_ops, b_k_major, targets, scale,
+                            scale_op)
+
+
+def _added_rows(users, kept: core.Value, order, BM: int):
+    """``(add_rows op, scale, mul op)`` where the accumulator (``kept``: row-masked or not) is
+    added into rows of C as ``tl.add_rows(c, rows, col, kept)`` or ``tl.add_rows(c, rows, col,
+    kept * scale)`` with ``scale`` a per-row (BM, 1) f32 tile; ``(None, None, None)`` otherwise."""
+    scale = mul = None
+    if len(users) == 1 and users[0].name == "ewise" and users[0].attrs.get("op") == "mul":
+        mul = users[0]
+        others = [x for x in mul.operands if x is not kept]
+        if len(others) != 1 or not is_tile(others[0]) or tuple(others[0].type.shape) != (BM, 1) \
+                or others[0].type.dtype.name != "f32" or tuple(mul.result.type.shape) != tuple(kept.type.shape):
+            return None, None, None
+        scale = others[0]
+        users = [op for op in order if any(x is mul.result for x in op.operands)]
+        kept = mul.result
+    if len(users) == 1 and users[0].name == "add_rows" and users[0].operands[-1] is kept:
+        return users[0], scale, mul
+    return None, None, None
 

@@ -114,10 +114,11 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
     # ping-pong consumers where A comes by TMA (with a gathered A the producer's cp.asyncs set the pace:
     # measured 3-7 % slower at 128 x 128 there; BENCHMARKS.md, twenty-eighth session)
-    cfg = paired_config(kernel, m, sched, in_dt, K, cluster, ring, side, part.loc)
+    # (rows added into C: held tiles of the cooperative consumers, each program tile a CTA tile)
+    cfg = None if m.adds_rows else paired_config(kernel, m, sched, in_dt, K, cluster, ring, side, part.loc)
     if cfg is None:
         cfg = choose_config(WHAT, sched, in_dt, m.out_dtype, K=K, cluster=cluster, loc=part.loc, split_n=True,
-                            notify_slots=ring, pingpong=not m.gather)
+                            notify_slots=ring, pingpong=not m.gather and not m.adds_rows)
     if m.b_k_major:     # the same shared memory, B's stages chunked along K as A's
         cfg = replace(cfg, b_k_major=True)
     if m.gather and cfg.consumer_wgs == 2:
@@ -134,6 +135,9 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
         cfg = replace(cfg, overlap_store=True)
         if notifies and not m.gather and cfg.consumer_wgs == 2:
             cfg = replace(cfg, producer_regs=HELD_REGS[0], consumer_regs=HELD_REGS[1])
+    elif m.adds_rows:
+        raise fail(WHAT, "rows are added into C from held tiles only: a TMA-loaded A, 16-bit C in whole 64-column "
+                   "chunks, cooperative consumers and nothing folded in", m.store)
 
     ops = part.body.ops
     written = written_buffers(kernel)
@@ -148,6 +152,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                                  value_hook(ops, [m.batch] if m.batched else []),
                                  value_hook(ops, [m.rows] if m.gather else []),
                                  value_hook(ops, [m.row_limit] if m.row_limit is not None else []),
+                                 value_hook(ops, [m.targets] if m.adds_rows else []),
+                                 value_hook(ops, [m.scale] if m.scale is not None else []),
                                  signal_hook(ops, WAIT_OPS), signal_hook(ops, NOTIFY_OPS)])
     params = [] if m.gather else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
     params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
@@ -161,6 +167,9 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     for b in tensors:
         params.append(tensor_param(b, written))
         buffers[b.name] = (tuple(b.type.shape), b.type.dtype.name)
+    if m.adds_rows:                     # C by pointer: the rows' adds address it (Prog::out)
+        params.append(KernelParam(pointer_param(m.c), f"{c_type(m.out_dtype)}*", "ptr", f"buffer:{m.c.name}"))
+        buffers[m.c.name] = (tuple(m.c.type.shape), m.out_dtype)
     return GroupedGemmPlan(kernel, part, m, cfg, M, N, K, entry_name(kernel, part, entry),
                            order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), tuple(params),
                            _tma_specs(cfg, m, M, N, K),
@@ -341,14 +350,34 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
     if got != want:
         raise fail(WHAT, f"B tile offsets must be ({'e, ' if m.batched else ''}{names}), got {aff.fmt_all(got)}",
                    m.b_load)
-    got = tuple(aff.affine(v, sym) for v in m.store.operands[1:3])
-    if got != ({"pid0": BM}, {"pid1": BN}):
-        raise fail(WHAT, f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
+    if m.adds_rows:
+        _check_added_rows(m, BM, BN, N)
+    else:
+        got = tuple(aff.affine(v, sym) for v in m.store.operands[1:3])
+        if got != ({"pid0": BM}, {"pid1": BN}):
+            raise fail(WHAT, f"C tile offsets must be (pid0*{BM}, pid1*{BN}), got {aff.fmt_all(got)}", m.store)
     if tuple(m.store.operands[-1].type.shape) != (BM, BN):
         raise fail(WHAT, f"the stored tile must be the ({BM}, {BN}) accumulator", m.store)
     check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async",
                    b_row=K if m.b_k_major else None)
     return Ma, N, K
+
+
+def _check_added_rows(m: GroupedGemmMatch, BM: int, BN: int, N: int) -> None:
+    """What the template's row adds (``HeldTile::add_chunk``: 16 bytes of a row at a time, by vector
+    reductions of 16-bit pairs) ask of ``tl.add_rows(c, rows, pn*BN, acc * scale)``."""
+    col = aff.affine(m.store.operands[2], {})
+    if col != {"pid1": BN}:
+        raise fail(WHAT, f"the added tile's column offset must be pid1*{BN}, got {aff.fmt_all((col,))}", m.store)
+    if m.out_dtype not in ("bf16", "f16"):
+        raise fail(WHAT, f"rows are added by vector reductions of 16-bit pairs: C must be bf16 or f16, got "
+                   f"{m.out_dtype}", m.store)
+    if N % 8:
+        raise fail(WHAT, f"rows are added 16 bytes at a time: C's rows must be a multiple of 8 columns, got {N}",
+                   m.store)
+    if any(op.name in NOTIFY_OPS for op in m.part.walk()):
+        raise fail(WHAT, "a part adding rows into C notifies nothing here (the adds of every thread would have to "
+                   "complete before a tile's notify)", m.store)
 
 
 def _tma_specs(cfg: GemmConfig, m: GroupedGemmMatch, M: int, N: int, K: int) -> tuple[TmaDescriptorSpec, ...]:

@@ -52,7 +52,11 @@ nearly as long as ``_grouped_mm``, the pair can reach 1.0x only by keeping DRAM 
 from start to end. ``--fold on``: the combine folded
 into the grouped GEMM's kernel — its tiles run by the producer warpgroup's three spare warps, each
 once its GEMM tiles are done, the GEMM's tiles column by column — one launch, its waits real
-(checked too), beside the two kernels one after the other.
+(checked too), beside the two kernels one after the other. ``--combine epilogue``: no combine
+pass — the output zeroed, then the grouped GEMM adding each routed row, times its top-k weight, into
+its token's row (``tl.add_rows``: :func:`~tldsl.ops.moe.moe_combined_experts`, :class:`AddedRows`),
+``y_sorted`` neither written nor read back; the parts then time the GEMM storing ``y_sorted``, the
+combine and the GEMM adding its rows, each alone.
 
 ``--repeat R``: each row timed R times in this process, each time on tensors allocated anew (the
 allocator's cache emptied and a ballast of another size held first, so most likely at other
@@ -181,6 +185,7 @@ def prepared_parts(ir, lowered: dict, tensors: dict, signals: dict) -> dict:
 #: producer warpgroup's spare warps, the GEMM's tiles column by column so that a column's combine
 #: starts once its GEMM tiles are done), ``off`` launches the two kernels one after the other
 FOLD = ("on", "off")
+COMBINES = ("pass", "epilogue")
 
 
 def rs_program(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16", fold: bool = False,
@@ -345,19 +350,56 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
             "partial": torch.full((T, N), float("nan"), device="cuda",
                                   dtype=torch.float32 if partial_dtype == "f32" else tdt)}
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
-    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w_mat,
-                 offs=offs,
-                 order=order, flat_w=flat_w, T=T, N=N, topk=topk)
+    r = RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w_mat,
+              offs=offs, order=order, flat_w=flat_w, T=T, N=N, topk=topk)
+    r.topk_weights = wts
+    return r
+
+
+class AddedRows:
+    """Layer 1 of a row as one kernel: the grouped GEMM adding each routed row, times its top-k
+    weight, into its token's row of the output (``tl.add_rows``, :func:`~tldsl.ops.moe.moe_combined_experts`:
+    the combine in the GEMM's epilogue, no ``y_sorted``), on an :class:`RsRow`'s rows, weights and
+    routing. :meth:`run` zeroes the output and launches the GEMM; :meth:`gemm` launches it alone."""
+
+    def __init__(self, row: MoERow, r: RsRow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
+                 cluster: int = 2, weights: str = "kn"):
+        import numpy as np
+        import torch
+        import tldsl as tl
+        from tldsl.codegen import lower_grouped_gemm
+        from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
+        hidden, ffn, E, topk = MOE_MODELS[row.model]
+        K, N = ffn // TP, hidden
+        k = r.rt.trace_combined_experts(K, N, E, getattr(tl, dtype), weights=weights,
+                                        compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"))
+        self.lowered = lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
+        self.out = torch.full((r.rt.num_tokens, N), float("nan"), device="cuda", dtype=r.bufs["h"].dtype)
+        bufs = {"h": r.bufs["h"], "w2": r.bufs["w2"], "tile_expert": r.bufs["tile_expert"],
+                "tile_valid_rows": r.bufs["tile_valid_rows"],
+                "sorted_token_ids": torch.from_numpy(np.ascontiguousarray(r.rt.sorted_token_ids)).cuda(),
+                "row_weights": torch.from_numpy(r.rt.row_weights(r.topk_weights.numpy())).cuda(), "out": self.out}
+        self._gemm = GroupedKernel(self.lowered).prepare(bufs, {})
+
+    def gemm(self):
+        import torch
+        self._gemm.launch(torch.cuda.current_stream().cuda_stream, 1)
+
+    def run(self):
+        self.out.zero_()
+        self.gemm()
 
 
 def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, fold: bool = False, group_m: int | None = None,
                  interleave: int | None = None, run: int = 0, partial_dtype: str = "out",
-                 weights: str = "kn") -> dict:
+                 weights: str = "kn", combine: str = "pass") -> dict:
     """Check, then time, one row of layer 1: ``{ms, gmm_ms, seq_ms, tflops, gmm_tflops, err,
     parts_ms}`` (``ms``: our grouped GEMM and combine — one kernel with ``fold``, else one after
-    the other; ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying each tile,
-    with ``fold`` the pair one after the other first, and last a copy of the combine's bytes)."""
+    the other; with ``combine="epilogue"`` the output zeroed and the GEMM adding its rows into it
+    (:class:`AddedRows`); ``parts_ms``: the two unfolded kernels one by one and the GEMM notifying
+    each tile (epilogue: the GEMM adding rows, alone, instead), with ``fold`` the pair one after the
+    other first, and last a copy of the combine's bytes)."""
     import torch
     from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
     hidden, ffn, _, topk = MOE_MODELS[row.model]
@@ -375,6 +417,13 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     # (unused tiles are stored by neither: poisoned in both)
     if not torch.allclose(r.y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
         raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
+    if combine == "epilogue":
+        added = AddedRows(row, r, tile, stages, dtype, cluster, weights)
+        added.run()
+        return _checked_timings(f"{row}: the grouped GEMM adding its rows differs from _grouped_mm + the weighted sum",
+                                added.out, want, [added.run, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
+                                _computed_rows(r.rt, added.lowered.config), T * topk,
+                                parts=[r.gemm, r.combine, added.gemm], run=run, bounds=bounds)
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [r.pair, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(r.rt, r.lg.config), T * topk,
@@ -590,6 +639,10 @@ def parse_args(argv):
                          "spare warps as the GEMM's columns complete (on), or launched after it (off); ag: the row "
                          "gather folded into the grouped GEMM's kernel, ahead of the tiles that read its rows (on; "
                          "the rows staged), or launched before it (off)")
+    ap.add_argument("--combine", choices=COMBINES, default="pass",
+                    help="rs: the top-k combine as a pass of its own after the grouped GEMM, over the expert-sorted "
+                         "rows it stored (pass), or in the GEMM's epilogue, each row added into its token's row of "
+                         "the zeroed output (epilogue: tl.add_rows, moe_combined_experts)")
     ap.add_argument("--gather-order", choices=GATHER_ORDERS, default=None,
                     help="ag, rows staged: the row gather visits the row tiles by the tokens they hold (tokens: the "
                          "routing's tile_visit) or expert after expert, in layout order (layout); default: as "
@@ -633,6 +686,8 @@ def parse_args(argv):
         args.tile_t = ()
     if len(args.tile_t) != 3:
         ap.error(f"--tile: three integers BM,BN,BK, got {args.tile!r}")
+    if args.combine != "pass" and (args.layer != "rs" or args.fold == "on"):
+        ap.error("--combine epilogue: MoE+ReduceScatter's combine (--layer rs), not folded (--fold off)")
     if args.partial is not None and args.layer != "rs":
         ap.error("--partial: MoE+ReduceScatter's partial (--layer rs); AllGather+MoE has none")
     args.partial = args.partial or "out"
@@ -672,7 +727,8 @@ def summarize_repeats(runs: list[dict]) -> dict:
 def main(argv, out=sys.stdout) -> int:
     args = parse_args(argv)
     rs = args.layer == "rs"
-    what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)" if rs
+    what = (f"MoE+ReduceScatter grouped GEMM + top-k combine (TP={TP} slice of layer 1)"
+            + (", the combine in the GEMM's epilogue (--combine epilogue)" if args.combine == "epilogue" else "") if rs
             else f"AllGather+MoE grouped GEMM (TP={TP} slice of layer 0)")
     folded = ""
     if args.fold == "on":
@@ -697,6 +753,10 @@ def main(argv, out=sys.stdout) -> int:
     split = (" GEMM alone ms | combine alone ms | GEMM with notifies ms | copy of the combine's bytes ms "
              "| copy of the pair's least DRAM bytes ms |" if rs else
              " rows gathered | row gather alone ms | GEMM alone ms | copy of the gather's bytes ms |")
+    if rs and args.combine == "epilogue":
+        ours = "tldsl zeroing + GEMM adding its rows ms"
+        split = (" GEMM storing y_sorted alone ms | combine alone ms | GEMM adding its rows alone ms "
+                 "| copy of the combine's bytes ms | copy of the pair's least DRAM bytes ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
     elif fold:
@@ -730,7 +790,8 @@ def main(argv, out=sys.stdout) -> int:
                     with fresh_placement(i):
                         runs.append(bench_rs_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
                                                  fold, args.group_m, args.interleave, run=i,
-                                                 partial_dtype=args.partial, weights=args.weights)
+                                                 partial_dtype=args.partial, weights=args.weights,
+                                                 combine=args.combine)
                                     if rs else
                                     bench_row(row, args.iters, args.tile_t, args.stages, args.dtype, args.cluster,
                                               args.stage_rows, fold, args.interleave, run=i, group_m=args.group_m,

@@ -149,6 +149,29 @@ class MoERouting:
                 "tile_token_tiles": self.tile_token_tiles, "tile_num_token_tiles": self.tile_num_token_tiles,
                 "token_tile_producers": self.token_tile_producers}
 
+    def row_weights(self, topk_weights) -> np.ndarray:
+        """``[R_pad]`` f32: each sorted row's top-k weight (0 at padding rows), what
+        :func:`moe_combined_experts` scales its rows by; ``topk_weights [T, topk]``."""
+        wts = host_float32("row_weights: topk_weights", topk_weights, 2)
+        if wts.shape != (self.num_tokens, self.topk):
+            raise InputError(f"row_weights: topk_weights must be [{self.num_tokens}, {self.topk}], got "
+                             f"{list(wts.shape)}")
+        out = np.zeros(self.num_rows, np.float32)
+        out[self.token_pos] = wts.T.reshape(-1)          # token_pos[k * T + t]: the row of (t, k)
+        return out
+
+    def trace_combined_experts(self, k: int, n: int, num_experts: int, dtype, weights: str = "kn",
+                               out_dtype=None, **schedules):
+        """:func:`moe_combined_experts` traced for this routing: ``[num_rows, k]`` expert-sorted rows,
+        ``[num_experts, k, n]`` weights (``weights="nk"``: ``[num_experts, n, k]``), the rows' weights,
+        this routing's tables and the ``[num_tokens, n]`` output (``out_dtype``, else ``dtype``)."""
+        S = tl.TensorSpec
+        w = (num_experts, n, k) if weights == "nk" else (num_experts, k, n)
+        return moe_combined_experts.trace(
+            1, S((self.num_rows, k), dtype), S(w, dtype), S((self.num_rows,), tl.float32),
+            S.of(self.sorted_token_ids), S.of(self.tile_expert), S.of(self.tile_valid_rows),
+            S((self.num_tokens, n), out_dtype or dtype), weights=weights, **schedules)
+
     def trace_allgather_moe(self, world_size: int, rows_per_rank: int, k: int, n: int, num_experts: int, dtype,
                             weights: str = "kn", **schedules):
         """:func:`allgather_moe` traced for this routing: each rank's ``[rows_per_rank, k]`` tokens,
@@ -526,6 +549,50 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
             acc += tl.load_rows(y, rows, c0, BN) * tl.load(topk_weights, (m0, k), (BM, 1))
         tl.store(partial, (m0, c0), acc)
         rs.notify_rows(m0, tl.minimum(m0 + BM, T))
+
+
+@tl.kernel
+def moe_combined_experts(h, w2, row_weights, sorted_token_ids, tile_expert, tile_valid_rows, out, *,
+                         compute: tl.ComputeSchedule = None, weights: str = "kn"):
+    """One GPU's MoE second layer with its top-k combine in the GEMM's epilogue: for every routed row
+    ``r`` (of token ``t = sorted_token_ids[r]``), ``out[t] += row_weights[r] * (h @ w2[expert])[r]``
+    by ``tl.add_rows`` — no expert-sorted ``y`` written and read back by a combine pass.
+
+    h: [R_pad, Nr] expert-sorted rows; w2: [E, Nr, K] (``weights="nk"``: [E, K, Nr]); row_weights:
+    [R_pad] f32, each routed row's top-k weight (:meth:`MoERouting.row_weights`); the tables from
+    :func:`moe_routing` (``sorted_token_ids`` -1 at padding rows); out: [T, K], added to — zeros for
+    the layer's output. The adds land in no fixed order (atomics), each rounded to ``out``'s type."""
+    BM, BN, BK = compute.tile
+    tl.static_assert(len(h.shape) == 2, f"moe_combined_experts: h must be [R_pad, Nr], got {list(h.shape)}")
+    form = "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]"
+    tl.static_assert(len(w2.shape) == 3, f"moe_combined_experts: w2 must be {form}, got {list(w2.shape)}")
+    tl.static_assert(len(out.shape) == 2, f"moe_combined_experts: out must be [T, K], got {list(out.shape)}")
+    R, Nr = h.shape
+    E, Nw, K = matrix_dims(w2, weights, "moe_combined_experts")
+    tl.static_assert(Nw == Nr, f"moe_combined_experts: h is [{R}, {Nr}] but w2 is {list(w2.shape)}"
+                               f"{stored_form(weights, form)}: w2's Nr must be {Nr}")
+    tl.static_assert(w2.dtype == h.dtype, f"moe_combined_experts: h is {h.dtype} but w2 is {w2.dtype}")
+    tl.static_assert(out.shape[1] == K, f"moe_combined_experts: out must have K = {K} columns, got {list(out.shape)}")
+    tl.static_assert(out.dtype.is_float, f"moe_combined_experts: out must be floating point, got {out.dtype}")
+    tl.static_assert(len(tile_expert.shape) == 1,
+                     f"moe_combined_experts: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
+    NT = tile_expert.shape[0]
+    tl.static_assert(R == NT * BM, f"moe_combined_experts: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
+                                   f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
+    _check_table(tile_expert, (NT,), "moe_combined_experts")
+    _check_table(tile_valid_rows, (NT,), "moe_combined_experts")
+    _check_table(sorted_token_ids, (R,), "moe_combined_experts")
+    tl.static_assert(tuple(row_weights.shape) == (R,) and row_weights.dtype == tl.float32,
+                     f"moe_combined_experts: row_weights must be f32 [{R}] (one weight a sorted row), got "
+                     f"{row_weights.dtype} {list(row_weights.shape)}")
+    gemm_tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows)
+
+    @tl.compute_part(grid=(NT, tl.cdiv(K, BN)))
+    def grouped_gemm(i, pn):
+        with tl.when(gemm_tiles["expert", i] >= 0):
+            y = expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile, weights)
+            scale = tl.load(row_weights, (i * BM,), (BM,))[:, None]
+            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, y * scale)
 
 
 # -- numpy references ---------------------------------------------------------------------------------

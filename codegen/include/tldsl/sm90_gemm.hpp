@@ -506,6 +506,114 @@ struct HeldTile {
   }
 };
 
+// A held tile whose rows are added into rows of C instead of stored there (tl.add_rows): each row times
+// its factor `scale(row)` when held; each chunk then through a swizzled epilogue buffer (stmatrix), its
+// rows' 16-byte pieces read back and added into row target(pm, pn, tile row) of `out` (ldc elements a
+// row, N columns) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose target is
+// negative adds nothing, nor do a half tile's rows of zeros.
+template <class Tr, class ElemOut>
+struct HeldAddedTile : HeldTile<Tr, ElemOut> {
+  using Base = HeldTile<Tr, ElemOut>;
+  using Base::pairs, Base::n0, Base::m0, Base::next, Base::form, Base::count;
+  static constexpr int SC = Base::SC, EC = Base::EC, kChunks = Base::kChunks;
+  static constexpr int kChunksPerBlock = Base::kChunksPerBlock, kHalfBand = Base::kHalfBand;
+  int pm = 0, pn = 0, r0 = 0;   // the program tile, and the row of it m0 is
+
+  template <class Scale>
+  __device__ __forceinline__ void hold_rows(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m, int row0, int valid,
+                                            int wq, int lane, Scale scale) {
+#pragma unroll
+    for (int mb = 0; mb < Tr::MB; ++mb) {
+      const int rr = row0 + mb * 64 + wq * 16 + lane / 4;      // this thread's rows rr and rr + 8
+      const float s[2] = {scale(rr), scale(rr + 8)};
+#pragma unroll
+      for (int i = 0; i < Tr::kAccPerBlock / 2; ++i) {
+        const bool keep = rr + 8 * (i % 2) < valid;
+        pairs[mb][i] = keep ? pack_pair<ElemOut>(acc[mb][2 * i] * s[i % 2], acc[mb][2 * i + 1] * s[i % 2]) : 0u;
+      }
+    }
+    n0 = n, m0 = m, r0 = row0, next = 0, form = Base::kWhole;
+  }
+
+  template <class Scale>
+  __device__ __forceinline__ void hold_half(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m, int valid,
+                                            bool zero_rows, int wq, int lane, Scale scale) {
+    const int rr = wq * 16 + lane / 4;
+    const float s[2] = {scale(rr), scale(rr + 8)};
+#pragma unroll
+    for (int i = 0; i < Tr::kAccPerBlock / 4; ++i) {
+      const bool keep = rr + 8 * (i % 2) < valid;
+      pairs[0][i] = keep ? pack_pair<ElemOut>(acc[0][2 * i] * s[i % 2], acc[0][2 * i + 1] * s[i % 2]) : 0u;
+    }
+    n0 = n, m0 = m, r0 = 0, next = 0, form = zero_rows ? Base::kHalfAndZeros : Base::kHalf;
+  }
+
+  template <int c, class Target>
+  __device__ __forceinline__ void add_chunk(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
+                                            int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+    constexpr int mb = c / kChunksPerBlock, q = c % kChunksPerBlock;
+    const bool half = form != Base::kWhole;
+    if (half && c >= kHalfBand) return;      // the half tile's other rows: zeros
+    const int band = half ? c / kHalfBand : mb, col = half ? c % kHalfBand : q;
+    const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
+    cutlass::arch::NamedBarrier::sync(128, bar_id);   // every thread has read what `buf` last held
+#pragma unroll
+    for (int jj = 0; jj < EC / 8; jj += 2) {
+      const int j = q * (EC / 8) + jj;
+      stmatrix_x4(stmatrix_row_addr<SC>(buf, jj, wq, lane), pairs[mb][2 * j], pairs[mb][2 * j + 1],
+                  pairs[mb][2 * j + 2], pairs[mb][2 * j + 3]);
+    }
+    cutlass::arch::NamedBarrier::sync(128, bar_id);
+    constexpr int kUnits = SC / 16;          // 16-byte pieces of a chunk's row
+    const int c0 = n0 + col * EC;
+#pragma unroll 1
+    for (int p = tid; p < 64 * kUnits; p += 128) {
+      const int r = p / kUnits, u = p % kUnits;
+      const int t = target(pm, pn, r0 + band * 64 + r);
+      const int cc = c0 + u * 8;
+      if (t < 0 || cc + 8 > N) continue;
+      uint32_t v0, v1, v2, v3;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                   : "r"(buf + swizzle(uint32_t(r * SC + u * 16), SC)));
+      ElemOut* dst = out + (long long)t * ldc + cc;
+      if constexpr (cuda::std::is_same_v<ElemOut, __half>)
+        asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v0), "r"(v1),
+                     "r"(v2), "r"(v3)
+                     : "memory");
+      else
+        asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v0), "r"(v1),
+                     "r"(v2), "r"(v3)
+                     : "memory");
+    }
+    ++epi_count;
+  }
+
+  template <class Target, int... c>
+  __device__ __forceinline__ void add_at(int i, cuda::std::integer_sequence<int, c...>, ElemOut* out, int ldc, int N,
+                                         Target target, uint32_t epi0, int& epi_count, uint32_t bar_id, int tid,
+                                         int wq, int lane) {
+    ((i == c ? add_chunk<c>(out, ldc, N, target, epi0, epi_count, bar_id, tid, wq, lane) : void()), ...);
+  }
+
+  // The next held chunk, added, if any is left.
+  template <class Target>
+  __device__ __forceinline__ void add_next(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
+                                           int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+    if (next >= count()) return;
+    add_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, out, ldc, N, target, epi0, epi_count, bar_id,
+           tid, wq, lane);
+    ++next;
+  }
+
+  // Every chunk still held, added.
+  template <class Target>
+  __device__ __forceinline__ void add_flush(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
+                                            int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+    while (next < count()) add_next(out, ldc, N, target, epi0, epi_count, bar_id, tid, wq, lane);
+  }
+};
+
 struct NoHeldTile {};   // (stores at once)
 
 // What a generated epilogue (`Epilogue::operator()(ctx, pm, pn)`) works with: this consumer

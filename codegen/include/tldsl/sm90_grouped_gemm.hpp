@@ -527,6 +527,20 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
 // GEMM's notifies: its tiles start as the GEMM's complete, not after the launch) or the row
 // gather this GEMM is chained after (the GEMM's waits are its notifies: each GEMM tile starts as
 // its rows are gathered, not after a launch of their own).
+
+// The row a tile row is added into (tl.add_rows), for a Prog that adds rows; -1 (none) otherwise.
+template <class P>
+__device__ __forceinline__ int row_target_of(const P& prog, int pm, int pn, int r) {
+  if constexpr (P::kAddRows) return prog.row_target(pm, pn, r);
+  else return -1;
+}
+// ... and the factor it is scaled by first (1 where the program scales nothing).
+template <class P>
+__device__ __forceinline__ float row_scale_of(const P& prog, int pm, int pn, int r) {
+  if constexpr (P::kRowScale) return prog.row_scale(pm, pn, r);
+  else return 1.0f;
+}
+
 template <class Cfg, class SideCfg = NoSideCfg, class Prog, class Side = NoSide>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,
@@ -788,13 +802,28 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     constexpr bool kOverlap = sm90::overlap_store<Cfg>::value;
     static_assert(!kOverlap || (!kPP && !Side::kEnabled && (!Prog::kHasNotifies || kDeferNotifies)),
                   "held tiles: cooperative consumers, nothing folded in, notifies (if any) deferred to the next tile");
-    cuda::std::conditional_t<kOverlap, sm90::HeldTile<Tr, typename Cfg::ElemC>, sm90::NoHeldTile> held;
+    cuda::std::conditional_t<kOverlap,
+                             cuda::std::conditional_t<Prog::kAddRows, sm90::HeldAddedTile<Tr, typename Cfg::ElemC>,
+                                                      sm90::HeldTile<Tr, typename Cfg::ElemC>>,
+                             sm90::NoHeldTile>
+        held;
     const int lane = tid % 32, wq = tid / 32;
+    // Prog::kAddRows (tl.add_rows): each held tile's rows added into rows of C (Prog::out) instead of stored
+    static_assert(!Prog::kAddRows || (kOverlap && !Cfg::kPairRows && !Prog::kHasNotifies),
+                  "tiles added into rows of C: held tiles, unpaired, no notifies");
     auto store_held = [&]() {
-      if constexpr (kOverlap) held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+      if constexpr (kOverlap && Prog::kAddRows)
+        held.add_next(prog.out, Prog::kLdc, Prog::kLdc, [&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); },
+                      epi0, epi_count, bar_id, tid, wq, lane);
+      else if constexpr (kOverlap)
+        held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };
     auto flush_held = [&]() {
-      if constexpr (kOverlap) held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
+      if constexpr (kOverlap && Prog::kAddRows)
+        held.add_flush(prog.out, Prog::kLdc, Prog::kLdc, [&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); },
+                       epi0, epi_count, bar_id, tid, wq, lane);
+      else if constexpr (kOverlap)
+        held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };
     (void)lane, (void)wq;
     // the tile whose stores are issued and whose notifies are not yet run (kDeferNotifies: until the
@@ -904,14 +933,25 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if (kOverlap && store) {
         if constexpr (kOverlap) {
           bool whole = true;
+          if constexpr (Prog::kAddRows) held.pm = p.m, held.pn = p.n;
           if constexpr (kHalf) {
             if (half) {        // this warpgroup's half of the columns, then (unpaired) 64 rows of zeros
-              held.hold_half(acc, p.n * Tr::BN + cw * (Tr::BN / 2), p.m * kTileRows, valid, !Cfg::kPairRows, wq,
-                             lane);
+              if constexpr (Prog::kAddRows)
+                held.hold_half(acc, p.n * Tr::BN + cw * (Tr::BN / 2), p.m * kTileRows, valid, !Cfg::kPairRows, wq,
+                               lane, [&](int r) { return row_scale_of(prog, p.m, p.n, r); });
+              else
+                held.hold_half(acc, p.n * Tr::BN + cw * (Tr::BN / 2), p.m * kTileRows, valid, !Cfg::kPairRows, wq,
+                               lane);
               whole = false;
             }
           }
-          if (whole) held.hold_rows(acc, p.n * Tr::BN + wg_col, p.m * kTileRows + wg_row, wg_row, valid, wq, lane);
+          if (whole) {
+            if constexpr (Prog::kAddRows)
+              held.hold_rows(acc, p.n * Tr::BN + wg_col, p.m * kTileRows + wg_row, wg_row, valid, wq, lane,
+                             [&](int r) { return row_scale_of(prog, p.m, p.n, r); });
+            else
+              held.hold_rows(acc, p.n * Tr::BN + wg_col, p.m * kTileRows + wg_row, wg_row, valid, wq, lane);
+          }
         }
       } else if (store) {
         // ---- epilogue: registers -> swizzled smem -> TMA store, one 64 x EC chunk at a time ----

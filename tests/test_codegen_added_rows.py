@@ -1,0 +1,116 @@
+"""The MoE combine in the grouped GEMM's epilogue: ``moe_combined_experts`` (``tl.add_rows`` of each
+weighted row into its token's row of the output) in the simulator against the numpy reference, lowered
+by the grouped-GEMM recipe (held tiles whose chunks are added by vector reductions, not stored), what
+that recipe refuses (to the general lowering, with a FallbackWarning), and its NVRTC build. On the GPU:
+``test_gpu_moe.py`` and ``test_gpu_bench_moe.py``."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tldsl as tl
+from tldsl.codegen import LoweringError, lower, lower_grouped_gemm
+from tldsl.codegen import toolchain as tcm
+from tldsl.codegen.toolchain.cache import KernelCache
+from tldsl.ops.moe import moe_routing, reference_moe_reduce_scatter
+
+_OK, _WHY = tcm.toolchain_available()
+
+
+def _routing(T, E, topk, BM, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    return moe_routing(ids, E, 1, T, BM), wts
+
+
+def _inputs(rt, wts, K, N, E, seed=1, weights="kn"):
+    rng = np.random.default_rng(seed)
+    w2 = (rng.standard_normal((E, N, K) if weights == "nk" else (E, K, N)) * 0.1).astype(np.float16)
+    return dict(h=rng.standard_normal((rt.num_rows, K)).astype(np.float16), w2=w2,
+                row_weights=rt.row_weights(wts), sorted_token_ids=rt.sorted_token_ids, tile_expert=rt.tile_expert,
+                tile_valid_rows=rt.tile_valid_rows, out=rng.standard_normal((rt.num_tokens, N)).astype(np.float16))
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 90), E=st.integers(1, 7), topk=st.integers(1, 3), K=st.sampled_from([16, 48]),
+       N=st.sampled_from([16, 40]), BM=st.sampled_from([16, 32]), weights=st.sampled_from(["kn", "nk"]),
+       seed=st.integers(0, 1000))
+def test_the_simulator_adds_each_tokens_weighted_rows_as_the_reference(T, E, topk, K, N, BM, weights, seed):
+    topk = min(topk, E)
+    rt, wts = _routing(T, E, topk, BM, seed)
+    k = rt.trace_combined_experts(K, N, E, tl.float16, weights=weights,
+                                  compute=tl.ComputeSchedule(tile=(BM, 16, 16)))
+    ins = _inputs(rt, wts, K, N, E, seed, weights)
+    got = tl.simulate(k, 1, [ins])[0]["out"].astype(np.float64)
+    w2 = np.swapaxes(ins["w2"], 1, 2) if weights == "nk" else ins["w2"]
+    want = ins["out"].astype(np.float64) + reference_moe_reduce_scatter([ins["h"]], [w2], wts, rt)
+    # each add rounds to f16 (topk adds a row, in no fixed order): a few f16 ulps of the row's magnitude
+    scale = np.abs(ins["out"]).astype(np.float64) + reference_moe_reduce_scatter(
+        [np.abs(ins["h"])], [np.abs(w2)], wts, rt)
+    assert np.all(np.abs(got - want) <= (topk + 2) * 2.0**-10 * scale + 1e-3)
+
+
+def test_row_weights_put_each_tokens_weight_at_its_sorted_row():
+    rt, wts = _routing(50, 5, 2, 16)
+    rw = rt.row_weights(wts)
+    assert rw.shape == (rt.num_rows,) and rw.dtype == np.float32
+    for t in range(50):
+        for j in range(2):
+            assert rw[rt.token_pos[j * 50 + t]] == wts[t, j]
+    assert np.all(rw[rt.sorted_token_ids < 0] == 0)
+    with pytest.raises(tl.InputError, match=r"topk_weights must be \[50, 2\], got \[50, 3\]"):
+        rt.row_weights(np.ones((50, 3), np.float32))
+
+
+def _program(dtype=tl.bfloat16, out_dtype=None, T=1000, E=8, topk=2, K=128, N=512, tile=(128, 256, 64)):
+    rt, _ = _routing(T, E, topk, tile[0])
+    return rt.trace_combined_experts(K, N, E, dtype, out_dtype=out_dtype,
+                                     compute=tl.ComputeSchedule(tile=tile, order="swizzled"))
+
+
+def test_the_grouped_gemm_recipe_adds_the_rows_from_held_tiles():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no fallback
+        lw = lower(_program(), "grouped_gemm")
+    assert type(lw).__name__ == "LoweredGroupedGemm"
+    assert lw.config.overlap_store and not lw.config.pair_rows and not lw.config.pingpong
+    assert "kAddRows = true, kRowScale = true" in lw.source
+    assert "int row_target(int pid0, int pid1, int r)" in lw.source and "float row_scale(" in lw.source
+    names = [p.name for p in lw.params]
+    assert names[-1] == "ptr_out" and "ptr_row_weights" in names and "tbl_sorted_token_ids" in names
+    assert not any(p.ctype.startswith("const") for p in lw.params if p.name == "ptr_out")
+
+
+def test_64_row_tiles_add_their_rows_with_the_columns_split_between_the_consumers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lw = lower(_program(tile=(64, 256, 64)), "grouped_gemm")
+    assert lw.config.overlap_store and lw.config.split_n and not lw.config.pair_rows and "kAddRows = true" in lw.source
+
+
+def test_an_f32_output_falls_back_to_the_general_lowering():
+    k = _program(out_dtype=tl.float32)
+    with pytest.raises(LoweringError, match="C must be bf16 or f16, got f32"):
+        lower_grouped_gemm(k, "grouped_gemm")
+    with pytest.warns(tl.FallbackWarning, match="C must be bf16 or f16, got f32"):
+        lw = lower(k, "grouped_gemm")
+    assert "tldsl::gen::add_to" in lw.source
+
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+@pytest.mark.parametrize("dtype,red,tile", [(tl.bfloat16, "REDG.E.ADD.BF16x8", (128, 256, 64)),
+                                            (tl.float16, "REDG.E.ADD.F16x8", (128, 256, 64)),
+                                            (tl.bfloat16, "REDG.E.ADD.BF16x8", (64, 256, 64))])
+def test_the_added_rows_kernel_compiles_without_spills_to_vector_reductions(tmp_path, dtype, red, tile):
+    lw = lower_grouped_gemm(_program(dtype, tile=tile), "grouped_gemm")
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info
+    sass = ck.sass()[ck.name]
+    assert any(red in ln for ln in sass.lines), sorted(sass.opcodes)
+    assert not any("UTMASTG" in ln or "UBLKCP.G.S" in ln for ln in sass.lines)    # nothing stored by TMA

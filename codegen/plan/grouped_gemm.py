@@ -36,7 +36,8 @@ GATHER_REGS = (56, 224)
 #: gathered 8-wide rows and their sum in flight): 128 * 104 + 256 * 200 = the pool
 SIDE_REGS = (104, 200)
 #: ... when each consumer thread holds a tile's 16-bit pairs besides its accumulators (overlapped stores)
-#: and the deferred notifies' state, a producer that runs no waits: 128 * 24 + 256 * 240 = the pool (232
+#: and the deferred notifies' state (or the held rows' targets, where they are added into C), a producer
+#: that runs no waits: 128 * 24 + 256 * 240 = the pool (232
 #: spilled a few bytes at W = 4; a producer running waits spills at 24)
 HELD_REGS = (24, 240)
 #: slots of the deferred-notify ring (sm90_grouped_gemm.hpp): how many tiles' notifies the
@@ -133,7 +134,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
         cfg = replace(cfg, producer_regs=SIDE_REGS[0], consumer_regs=SIDE_REGS[1])
     if overlaps_store(cfg, len(waits), notifies, side, m.gather):
         cfg = replace(cfg, overlap_store=True)
-        if notifies and not m.gather and cfg.consumer_wgs == 2:
+        if (notifies or (m.adds_rows and not waits)) and not m.gather and cfg.consumer_wgs == 2:
             cfg = replace(cfg, producer_regs=HELD_REGS[0], consumer_regs=HELD_REGS[1])
     elif m.adds_rows:
         raise fail(WHAT, "rows are added into C from held tiles only: a TMA-loaded A, 16-bit C in whole 64-column "

@@ -517,7 +517,20 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   using Base::pairs, Base::n0, Base::m0, Base::next, Base::form, Base::count;
   static constexpr int SC = Base::SC, EC = Base::EC, kChunks = Base::kChunks;
   static constexpr int kChunksPerBlock = Base::kChunksPerBlock, kHalfBand = Base::kHalfBand;
-  int pm = 0, pn = 0, r0 = 0;   // the program tile, and the row of it m0 is
+  static constexpr int kUnits = SC / 16;                 // 16-byte pieces of a chunk's row
+  static constexpr int kRowsEach = 64 * kUnits / 128;     // rows of a 64-row band a thread adds pieces of
+  // the target rows of this thread's rows of each band, read when the tile is held (not in the next K loop,
+  // whose WGMMAs the same threads issue): thread tid adds piece tid % kUnits of rows tid / kUnits + 128 / kUnits i
+  int tgt[Tr::MB][kRowsEach];
+
+  template <class Target>
+  __device__ __forceinline__ void hold_targets(Target target, int pm, int pn, int row0, int bands, int tid) {
+#pragma unroll
+    for (int mb = 0; mb < Tr::MB; ++mb)
+#pragma unroll
+      for (int i = 0; i < kRowsEach; ++i)
+        tgt[mb][i] = mb < bands ? target(pm, pn, row0 + mb * 64 + tid / kUnits + (128 / kUnits) * i) : -1;
+  }
 
   template <class Scale>
   __device__ __forceinline__ void hold_rows(float (&acc)[Tr::MB][Tr::kAccPerBlock], int n, int m, int row0, int valid,
@@ -532,7 +545,7 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
         pairs[mb][i] = keep ? pack_pair<ElemOut>(acc[mb][2 * i] * s[i % 2], acc[mb][2 * i + 1] * s[i % 2]) : 0u;
       }
     }
-    n0 = n, m0 = m, r0 = row0, next = 0, form = Base::kWhole;
+    n0 = n, m0 = m, next = 0, form = Base::kWhole;
   }
 
   template <class Scale>
@@ -545,16 +558,16 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
       const bool keep = rr + 8 * (i % 2) < valid;
       pairs[0][i] = keep ? pack_pair<ElemOut>(acc[0][2 * i] * s[i % 2], acc[0][2 * i + 1] * s[i % 2]) : 0u;
     }
-    n0 = n, m0 = m, r0 = 0, next = 0, form = zero_rows ? Base::kHalfAndZeros : Base::kHalf;
+    n0 = n, m0 = m, next = 0, form = zero_rows ? Base::kHalfAndZeros : Base::kHalf;
   }
 
-  template <int c, class Target>
-  __device__ __forceinline__ void add_chunk(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
-                                            int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+  template <int c>
+  __device__ __forceinline__ void add_chunk(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+                                            uint32_t bar_id, int tid, int wq, int lane) {
     constexpr int mb = c / kChunksPerBlock, q = c % kChunksPerBlock;
     const bool half = form != Base::kWhole;
     if (half && c >= kHalfBand) return;      // the half tile's other rows: zeros
-    const int band = half ? c / kHalfBand : mb, col = half ? c % kHalfBand : q;
+    const int col = half ? c % kHalfBand : q;
     const uint32_t buf = epi0 + (epi_count % Tr::kEpiBuffers) * Tr::kEpiBufBytes;
     cutlass::arch::NamedBarrier::sync(128, bar_id);   // every thread has read what `buf` last held
 #pragma unroll
@@ -564,13 +577,11 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
                   pairs[mb][2 * j + 2], pairs[mb][2 * j + 3]);
     }
     cutlass::arch::NamedBarrier::sync(128, bar_id);
-    constexpr int kUnits = SC / 16;          // 16-byte pieces of a chunk's row
-    const int c0 = n0 + col * EC;
-#pragma unroll 1
-    for (int p = tid; p < 64 * kUnits; p += 128) {
-      const int r = p / kUnits, u = p % kUnits;
-      const int t = target(pm, pn, r0 + band * 64 + r);
-      const int cc = c0 + u * 8;
+    const int u = tid % kUnits, cc = n0 + col * EC + u * 8;
+#pragma unroll
+    for (int i = 0; i < kRowsEach; ++i) {
+      const int r = tid / kUnits + (128 / kUnits) * i;
+      const int t = half ? tgt[0][i] : tgt[mb][i];
       if (t < 0 || cc + 8 > N) continue;
       uint32_t v0, v1, v2, v3;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
@@ -589,28 +600,25 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
     ++epi_count;
   }
 
-  template <class Target, int... c>
+  template <int... c>
   __device__ __forceinline__ void add_at(int i, cuda::std::integer_sequence<int, c...>, ElemOut* out, int ldc, int N,
-                                         Target target, uint32_t epi0, int& epi_count, uint32_t bar_id, int tid,
-                                         int wq, int lane) {
-    ((i == c ? add_chunk<c>(out, ldc, N, target, epi0, epi_count, bar_id, tid, wq, lane) : void()), ...);
+                                         uint32_t epi0, int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+    ((i == c ? add_chunk<c>(out, ldc, N, epi0, epi_count, bar_id, tid, wq, lane) : void()), ...);
   }
 
   // The next held chunk, added, if any is left.
-  template <class Target>
-  __device__ __forceinline__ void add_next(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
-                                           int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
+  __device__ __forceinline__ void add_next(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+                                           uint32_t bar_id, int tid, int wq, int lane) {
     if (next >= count()) return;
-    add_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, out, ldc, N, target, epi0, epi_count, bar_id,
-           tid, wq, lane);
+    add_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, out, ldc, N, epi0, epi_count, bar_id, tid, wq,
+           lane);
     ++next;
   }
 
   // Every chunk still held, added.
-  template <class Target>
-  __device__ __forceinline__ void add_flush(ElemOut* out, int ldc, int N, Target target, uint32_t epi0,
-                                            int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
-    while (next < count()) add_next(out, ldc, N, target, epi0, epi_count, bar_id, tid, wq, lane);
+  __device__ __forceinline__ void add_flush(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+                                            uint32_t bar_id, int tid, int wq, int lane) {
+    while (next < count()) add_next(out, ldc, N, epi0, epi_count, bar_id, tid, wq, lane);
   }
 };
 

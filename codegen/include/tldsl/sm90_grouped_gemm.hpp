@@ -813,15 +813,13 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                   "tiles added into rows of C: held tiles, unpaired, no notifies");
     auto store_held = [&]() {
       if constexpr (kOverlap && Prog::kAddRows)
-        held.add_next(prog.out, Prog::kLdc, Prog::kLdc, [&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); },
-                      epi0, epi_count, bar_id, tid, wq, lane);
+        held.add_next(prog.out, Prog::kLdc, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
       else if constexpr (kOverlap)
         held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };
     auto flush_held = [&]() {
       if constexpr (kOverlap && Prog::kAddRows)
-        held.add_flush(prog.out, Prog::kLdc, Prog::kLdc, [&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); },
-                       epi0, epi_count, bar_id, tid, wq, lane);
+        held.add_flush(prog.out, Prog::kLdc, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
       else if constexpr (kOverlap)
         held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };
@@ -933,7 +931,9 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if (kOverlap && store) {
         if constexpr (kOverlap) {
           bool whole = true;
-          if constexpr (Prog::kAddRows) held.pm = p.m, held.pn = p.n;
+          if constexpr (Prog::kAddRows)      // where this warpgroup's rows go (half tile: its first 64 rows)
+            held.hold_targets([&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); }, p.m, p.n,
+                              half ? 0 : wg_row, half ? 1 : Tr::MB, tid);
           if constexpr (kHalf) {
             if (half) {        // this warpgroup's half of the columns, then (unpaired) 64 rows of zeros
               if constexpr (Prog::kAddRows)

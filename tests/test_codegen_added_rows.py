@@ -60,7 +60,8 @@ def test_row_weights_put_each_tokens_weight_at_its_sorted_row():
     assert rw.shape == (rt.num_rows,) and rw.dtype == np.float32
     for t in range(50):
         for j in range(2):
-            assert rw[rt.token_pos[j * 50 + t]] == wts[t, j]
+            row = rt.token_pos[j * 50 + t]
+            assert rt.sorted_token_ids[row] == t and rw[row] == wts[t, j]
     assert np.all(rw[rt.sorted_token_ids < 0] == 0)
     with pytest.raises(tl.InputError, match=r"topk_weights must be \[50, 2\], got \[50, 3\]"):
         rt.row_weights(np.ones((50, 3), np.float32))
@@ -92,6 +93,33 @@ def test_64_row_tiles_add_their_rows_with_the_columns_split_between_the_consumer
     assert lw.config.overlap_store and lw.config.split_n and not lw.config.pair_rows and "kAddRows = true" in lw.source
 
 
+@tl.kernel
+def _scaled_by_out(h, w2, sorted_token_ids, tile_expert, out, *, compute: tl.ComputeSchedule = None):
+    """Rows scaled by what ``out`` holds: a hook reading the tensor the part adds into."""
+    BM, BN, BK = compute.tile
+    NT = tile_expert.shape[0]
+
+    @tl.compute_part(grid=(NT, out.shape[1] // BN))
+    def grouped_gemm(i, pn):
+        e = tl.load_scalar(tile_expert, (i,))
+        with tl.when(e >= 0):
+            acc = tl.fragment((BM, BN), tl.float32)
+            for k in tl.range(0, h.shape[1], BK):
+                acc += tl.dot(tl.load(h, (i * BM, k), (BM, BK)), tl.load(w2, (e, k, pn * BN), (BK, BN)))
+            scale = tl.load(out, (i * BM, 0), (BM, 1)).to(tl.float32)
+            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, acc * scale)
+
+
+def test_ids_or_scales_read_from_the_tensor_being_added_into_fall_back():
+    rt, _ = _routing(1000, 8, 2, 128)
+    S = tl.TensorSpec
+    k = _scaled_by_out.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
+                             S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S((rt.num_rows, 512), tl.bfloat16),
+                             compute=tl.ComputeSchedule(tile=(128, 256, 64)))
+    with pytest.raises(LoweringError, match="row ids or scales read 'out', which the part adds rows into"):
+        lower_grouped_gemm(k, "grouped_gemm")
+
+
 def test_an_f32_output_falls_back_to_the_general_lowering():
     k = _program(out_dtype=tl.float32)
     with pytest.raises(LoweringError, match="C must be bf16 or f16, got f32"):
@@ -103,11 +131,16 @@ def test_an_f32_output_falls_back_to_the_general_lowering():
 
 @pytest.mark.nvrtc
 @pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
-@pytest.mark.parametrize("dtype,red,tile", [(tl.bfloat16, "REDG.E.ADD.BF16x8", (128, 256, 64)),
-                                            (tl.float16, "REDG.E.ADD.F16x8", (128, 256, 64)),
-                                            (tl.bfloat16, "REDG.E.ADD.BF16x8", (64, 256, 64))])
-def test_the_added_rows_kernel_compiles_without_spills_to_vector_reductions(tmp_path, dtype, red, tile):
-    lw = lower_grouped_gemm(_program(dtype, tile=tile), "grouped_gemm")
+@pytest.mark.parametrize("dtype,red,tile,cluster,K", [
+    (tl.bfloat16, "REDG.E.ADD.BF16x8", (128, 256, 64), 1, 128),
+    (tl.float16, "REDG.E.ADD.F16x8", (128, 256, 64), 1, 128),
+    (tl.bfloat16, "REDG.E.ADD.BF16x8", (64, 256, 64), 1, 128),
+    # the bench's: clusters of two, the small experts' K (32-bit targets spilled 16-32 bytes here)
+    (tl.bfloat16, "REDG.E.ADD.BF16x8", (128, 256, 64), 2, 384),
+    (tl.bfloat16, "REDG.E.ADD.BF16x8", (128, 256, 64), 2, 1536),
+])
+def test_the_added_rows_kernel_compiles_without_spills_to_vector_reductions(tmp_path, dtype, red, tile, cluster, K):
+    lw = lower_grouped_gemm(_program(dtype, tile=tile, K=K), "grouped_gemm", cluster=(cluster, 1))
     ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
     info = ck.ptxas_info()[ck.name]
     assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info

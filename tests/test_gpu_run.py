@@ -114,12 +114,15 @@ def test_rows_added_from_many_tiles_into_the_same_rows(dt):
     assert np.allclose(res[0]["y"], want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tile", [(128, 256, 64), (64, 256, 64), (128, 128, 64)])
-def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile):
+@pytest.mark.parametrize("tile,cluster", [((128, 256, 64), 1), ((128, 256, 64), 2), ((64, 256, 64), 1),
+                                          ((128, 128, 64), 1), ((256, 128, 64), 1), ((128, 32, 64), 1),
+                                          ((64, 64, 64), 1)])
+def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile, cluster):
     """moe_combined_experts: the grouped GEMM's held tiles added (times each row's top-k weight) into
-    their tokens' rows of ``out`` by vector reductions (the grouped-GEMM recipe, no fallback), ``out``
-    holding values of its own; 128-row tiles (half tiles among them), 64-row tiles (the columns split
-    between the consumers) and 128 x 128."""
+    their tokens' rows of ``out`` by vector reductions (what tl.run launched: the grouped-GEMM recipe,
+    no fallback), ``out`` holding values of its own; 128-row tiles (half tiles among them) alone and in
+    clusters of two, 64-row tiles (the columns split between the consumers), 128 x 128, 256-row tiles
+    (two 64-row blocks a consumer), 32 columns (8-byte pieces four to a row) and one consumer warpgroup."""
     import warnings
     from tldsl.codegen import lower
     from tldsl.ops.moe import moe_combined_experts, moe_routing
@@ -128,7 +131,7 @@ def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile):
     ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)]).astype(np.int32)
     wts = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
     rt = moe_routing(ids, E, 1, T, tile[0])
-    compute = tl.ComputeSchedule(tile=tile, order="swizzled")
+    compute = tl.ComputeSchedule(tile=tile, order="swizzled", cluster=(cluster, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lw = lower(rt.trace_combined_experts(K, N, E, tl.float16, compute=compute), "grouped_gemm")
@@ -136,7 +139,9 @@ def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile):
     ins = dict(h=_rand(rng, (rt.num_rows, K), np.float16), w2=(_rand(rng, (E, K, N), np.float16) * 0.1).astype(np.float16),
                row_weights=rt.row_weights(wts), sorted_token_ids=rt.sorted_token_ids, tile_expert=rt.tile_expert,
                tile_valid_rows=rt.tile_valid_rows, out=_rand(rng, (T, N), np.float16))
-    both(moe_combined_experts, 1, [ins], sums=True, compute=compute)
+    res = both(moe_combined_experts, 1, [ins], sums=True, compute=compute)
+    launched = [pk.lowered for pk in res.plan.kernels]
+    assert len(launched) == 1 and "kAddRows = true" in launched[0].source, [type(x).__name__ for x in launched]
 
 
 def _ag_inputs(k, seed):

@@ -252,8 +252,9 @@ def add_rows(ref, rows, col_offset, tile) -> None:
     The dual of :func:`load_rows`, for sums whose terms arrive from many tiles in no fixed order (the
     MoE combine done by the expert GEMM's epilogue). Adds from different tasks to the same element
     need no ordering between them: the GPU makes each add atomic, and the simulator checks them
-    against every read or write of those elements that no signal orders. Each add rounds to the
-    tensor's type, in whatever order the adds land: a bf16 sum is not bit-reproducible."""
+    against every read or write of those elements that no signal orders. Each term is rounded to the
+    tensor's type, then added, and the sum rounded to it, in whatever order the adds land: a bf16 sum
+    is not bit-reproducible."""
     if not isinstance(ref, TensorRef) or len(ref.shape) != 2:
         fail("tl.add_rows needs a local 2-d tensor")
     if not ref.dtype.is_float:

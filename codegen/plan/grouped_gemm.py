@@ -156,6 +156,9 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                                  value_hook(ops, [m.targets] if m.adds_rows else []),
                                  value_hook(ops, [m.scale] if m.scale is not None else []),
                                  signal_hook(ops, WAIT_OPS), signal_hook(ops, NOTIFY_OPS)])
+    if m.adds_rows and m.c in tensors:
+        raise fail(WHAT, f"the tile's guard, expert, row ids or scales read '{m.c.name}', which the part adds rows "
+                   "into while the kernel runs", m.store)
     params = [] if m.gather else [KernelParam("tma_a", _TMA, "tma", "tma:tma_a")]
     params += [KernelParam("tma_b", _TMA, "tma", "tma:tma_b"), KernelParam("tma_c", _TMA, "tma", "tma:tma_c")]
     buffers = {}

@@ -317,7 +317,7 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         f"  static constexpr bool kAddRows = {'true' if m.adds_rows else 'false'}, "
         f"kRowScale = {'true' if m.scale is not None else 'false'};"
         f"{'   // tl.add_rows: each row added into row row_target() of out, times row_scale()' if m.adds_rows else ''}",
-        f"  static constexpr int kLdc = {N};",
+        f"  static constexpr int kLdc = {N}, kRowsC = {m.c.type.shape[0]};",
         *members,
         *fns,
         "};",

@@ -197,11 +197,11 @@ class Interpreter:
         valid = np.nonzero(rows >= 0)[0]
         for s, e in _runs(np.unique(rows[valid])):
             self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), ADD, task, op)
-        for i in valid:            # one add an element, rounded to the tensor's type (as the GPU's atomics)
+        terms = np.asarray(to_storage(tile[:, c0 - col:c1 - col], buf.dtype), np.float32)
+        for i in valid:            # each term rounded to the tensor's type, then added, the sum rounded (the GPU's)
             r = int(rows[i])
             cur = np.asarray(buf.data[r, c0:c1], np.float32)
-            buf.write((slice(r, r + 1), slice(c0, c1)),
-                      to_storage(cur + tile[i, c0 - col:c1 - col], buf.dtype)[None])
+            buf.write((slice(r, r + 1), slice(c0, c1)), to_storage(cur + terms[i], buf.dtype)[None])
 
     # -- tile math ----------------------------------------------------------------------------------
     def _out(self, op, arr):

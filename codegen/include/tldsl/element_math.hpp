@@ -204,7 +204,8 @@ TLDSL_DEV T recip(T x) {
   return div(T(1), x);
 }
 
-// -- tl.add_rows: one element added into memory (atomically on the GPU), rounded to its type ----
+// -- tl.add_rows: one element added into memory (atomically on the GPU): the term rounded to the
+// element's type, then added, the sum rounded ------------------------------------------------------
 #if defined(TLDSL_HOST_EMULATION)
 inline std::mutex& add_lock() {   // (the emulation's threads add into the same elements too)
   static std::mutex m;
@@ -214,13 +215,13 @@ inline void add_to(float* p, float v) {
   std::lock_guard<std::mutex> g(add_lock());
   *p = *p + v;
 }
-inline void add_to(f16* p, float v) {
+inline void add_to(f16* p, float v) {   // (the term rounded first, as red.global.add takes it)
   std::lock_guard<std::mutex> g(add_lock());
-  p->bits = comm::float_to_f16(get(*p) + v);
+  p->bits = comm::float_to_f16(get(*p) + get(put<f16>(v)));
 }
 inline void add_to(bf16* p, float v) {
   std::lock_guard<std::mutex> g(add_lock());
-  p->bits = comm::float_to_bf16(get(*p) + v);
+  p->bits = comm::float_to_bf16(get(*p) + get(put<bf16>(v)));
 }
 #else
 TLDSL_DEV void add_to(float* p, float v) { atomicAdd(p, v); }

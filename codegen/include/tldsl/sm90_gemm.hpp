@@ -509,9 +509,9 @@ struct HeldTile {
 // A held tile whose rows are added into rows of C instead of stored there (tl.add_rows): each row times
 // its factor `scale(row)` when held; each chunk then through a swizzled epilogue buffer (stmatrix), its
 // rows' 16-byte pieces read back and added into row target(pm, pn, tile row) of `out` (ldc elements a
-// row, N columns) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose target is
-// negative adds nothing, nor do a half tile's rows of zeros.
-template <class Tr, class ElemOut>
+// row, N columns, kRowsC rows) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose
+// target is negative (or past C) adds nothing, nor do a half tile's rows of zeros.
+template <class Tr, class ElemOut, int kRowsC>
 struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   using Base = HeldTile<Tr, ElemOut>;
   using Base::pairs, Base::n0, Base::m0, Base::next, Base::form, Base::count;
@@ -520,16 +520,32 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   static constexpr int kUnits = SC / 16;                 // 16-byte pieces of a chunk's row
   static constexpr int kRowsEach = 64 * kUnits / 128;     // rows of a 64-row band a thread adds pieces of
   // the target rows of this thread's rows of each band, read when the tile is held (not in the next K loop,
-  // whose WGMMAs the same threads issue): thread tid adds piece tid % kUnits of rows tid / kUnits + 128 / kUnits i
-  int tgt[Tr::MB][kRowsEach];
+  // whose WGMMAs the same threads issue): thread tid adds piece tid % kUnits of rows tid / kUnits + 128 / kUnits i.
+  // Where C has at most 2^15 rows, two to a register (16 bits each, -1 for none): the consumers' registers
+  // are the held tile's limit (32-bit targets spilled 16-32 bytes beside a cluster's state)
+  static constexpr bool kPacked = kRowsC <= 32768 && kRowsEach % 2 == 0;
+  uint32_t tgt[Tr::MB][kPacked ? kRowsEach / 2 : kRowsEach];
 
   template <class Target>
   __device__ __forceinline__ void hold_targets(Target target, int pm, int pn, int row0, int bands, int tid) {
 #pragma unroll
     for (int mb = 0; mb < Tr::MB; ++mb)
 #pragma unroll
-      for (int i = 0; i < kRowsEach; ++i)
-        tgt[mb][i] = mb < bands ? target(pm, pn, row0 + mb * 64 + tid / kUnits + (128 / kUnits) * i) : -1;
+      for (int i = 0; i < kRowsEach; ++i) {
+        int t = mb < bands ? target(pm, pn, row0 + mb * 64 + tid / kUnits + (128 / kUnits) * i) : -1;
+        t = t < kRowsC ? t : -1;              // (a row id past C adds nothing, as the simulator refuses it)
+        if constexpr (kPacked) {
+          if (i % 2 == 0) tgt[mb][i / 2] = uint32_t(t) & 0xffffu;
+          else tgt[mb][i / 2] |= uint32_t(t) << 16;
+        } else {
+          tgt[mb][i] = uint32_t(t);
+        }
+      }
+  }
+
+  __device__ __forceinline__ int target_of(int mb, int i) const {
+    if constexpr (kPacked) return int(int16_t(uint16_t(tgt[mb][i / 2] >> (16 * (i % 2)))));
+    else return int(tgt[mb][i]);
   }
 
   template <class Scale>
@@ -541,8 +557,9 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
       const float s[2] = {scale(rr), scale(rr + 8)};
 #pragma unroll
       for (int i = 0; i < Tr::kAccPerBlock / 2; ++i) {
-        const bool keep = rr + 8 * (i % 2) < valid;
-        pairs[mb][i] = keep ? pack_pair<ElemOut>(acc[mb][2 * i] * s[i % 2], acc[mb][2 * i + 1] * s[i % 2]) : 0u;
+        const bool keep = rr + 8 * (i % 2) < valid;    // (a row masked off: 0 * its factor, as the program's)
+        pairs[mb][i] = pack_pair<ElemOut>((keep ? acc[mb][2 * i] : 0.0f) * s[i % 2],
+                                          (keep ? acc[mb][2 * i + 1] : 0.0f) * s[i % 2]);
       }
     }
     n0 = n, m0 = m, next = 0, form = Base::kWhole;
@@ -556,7 +573,8 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
 #pragma unroll
     for (int i = 0; i < Tr::kAccPerBlock / 4; ++i) {
       const bool keep = rr + 8 * (i % 2) < valid;
-      pairs[0][i] = keep ? pack_pair<ElemOut>(acc[0][2 * i] * s[i % 2], acc[0][2 * i + 1] * s[i % 2]) : 0u;
+      pairs[0][i] = pack_pair<ElemOut>((keep ? acc[0][2 * i] : 0.0f) * s[i % 2],
+                                       (keep ? acc[0][2 * i + 1] : 0.0f) * s[i % 2]);
     }
     n0 = n, m0 = m, next = 0, form = zero_rows ? Base::kHalfAndZeros : Base::kHalf;
   }
@@ -581,7 +599,7 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
 #pragma unroll
     for (int i = 0; i < kRowsEach; ++i) {
       const int r = tid / kUnits + (128 / kUnits) * i;
-      const int t = half ? tgt[0][i] : tgt[mb][i];
+      const int t = half ? target_of(0, i) : target_of(mb, i);
       if (t < 0 || cc + 8 > N) continue;
       uint32_t v0, v1, v2, v3;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"

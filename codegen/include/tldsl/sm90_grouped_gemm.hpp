@@ -803,7 +803,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
     static_assert(!kOverlap || (!kPP && !Side::kEnabled && (!Prog::kHasNotifies || kDeferNotifies)),
                   "held tiles: cooperative consumers, nothing folded in, notifies (if any) deferred to the next tile");
     cuda::std::conditional_t<kOverlap,
-                             cuda::std::conditional_t<Prog::kAddRows, sm90::HeldAddedTile<Tr, typename Cfg::ElemC>,
+                             cuda::std::conditional_t<Prog::kAddRows, sm90::HeldAddedTile<Tr, typename Cfg::ElemC, Prog::kRowsC>,
                                                       sm90::HeldTile<Tr, typename Cfg::ElemC>>,
                              sm90::NoHeldTile>
         held;

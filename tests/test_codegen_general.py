@@ -1340,6 +1340,30 @@ def test_emulated_generated_program_matches_the_simulator(tmp_path, index):
     assert not bad, f"{bad}\n{case.source}"
 
 
+def _scatter_cases():
+    """The fuzzer's ``scatter`` family (``tl.add_rows``) without dots: the general lowering's programs."""
+    from tldsl.testing.program_case import FuzzCase
+    from tldsl.testing.program_families import generate_distinct
+    got = [FuzzCase(p, f"scatter seed 3 program {i}") for i, p in generate_distinct(16, 3, families=["scatter"])]
+    return [c for c in got if "tl.dot" not in c.program.source()][:6]
+
+
+@needs_gxx
+@pytest.mark.parametrize("index", range(6))
+def test_emulated_scatter_adds_match_the_simulator(tmp_path, index):
+    """Random programs adding rows into rows chosen at run time (repeated ids, negative ids skipped,
+    on one rank or two): the general lowering's atomic adds on CPU threads against the simulator,
+    within the fuzzer's tolerances (the adds land in another order)."""
+    case = _scatter_cases()[index]
+    k = case.trace()
+    assert "add_rows" in str(k)
+    lowered = [lower_general(k, p.name) for p in k.parts]
+    ref, _ = case.reference()
+    got = emulate_kernel(k, lowered, [_stored_inputs(k, case.inputs[r]) for r in range(k.world_size)], tmp_path)
+    bad = case.mismatches(ref.outputs, got)
+    assert not bad, f"{bad}\n{case.source}"
+
+
 @tl.kernel
 def split_k_dots(a, b, ks, out, *, compute: tl.ComputeSchedule = None):
     """Two pipelined K loops into one fragment (the second starts from what the first left in

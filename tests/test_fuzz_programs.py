@@ -161,6 +161,22 @@ def test_the_combine_family_gives_row_gather_combines_the_combine_recipe_lowers(
     assert {"f16", "bf16", "f32"} <= _recipe_dtypes(got, "LoweredCombine")
 
 
+def test_the_scatter_family_adds_rows_by_the_general_lowering_and_the_grouped_gemm_recipe():
+    """``--family scatter``: rows added into rows chosen at run time (``tl.add_rows``) simulate; the
+    plain ones lower by the general recipe (atomic adds), the expert GEMMs adding their rows by the
+    grouped GEMM recipe (held tiles added by vector reductions), never falling back."""
+    got = _family_lowered("scatter", 20, lambda q: q.role == "compute")
+    kinds = {}
+    for c, lks in got:
+        src = c.program.source()
+        assert "tl.add_rows(" in src
+        want = "LoweredGroupedGemm" if "tl.dot" in src else "LoweredGeneral"
+        assert [type(lk).__name__ for lk in lks] == [want], (lks, src)
+        kinds[want] = kinds.get(want, 0) + 1
+        assert ("kAddRows = true" if "tl.dot" in src else "tldsl::gen::add_to") in lks[0].source
+    assert kinds.get("LoweredGroupedGemm", 0) >= 4 and kinds.get("LoweredGeneral", 0) >= 4, kinds
+
+
 def test_the_grouped_gemm_family_gives_expert_gemms_the_grouped_gemm_recipe_lowers():
     """``--family grouped_gemm``: expert GEMMs over run-time tile tables (dense or gathered A,
     unused tiles, valid-row masks, the store inside or after the guard), alone or waiting for a

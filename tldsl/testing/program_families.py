@@ -19,7 +19,7 @@ FAMILIES = {"single": 40, "pipeline": 28, "comm": 32}
 #: families drawn only when asked for by name (``--family``): programs of one recipe's shape, which
 #: the default mix draws rarely (a row-gather combine: about 2 in 100); weighted like the others
 #: where asked for beside them
-FOCUSED = {"combine": 30, "grouped_gemm": 30, "attention": 30}
+FOCUSED = {"combine": 30, "grouped_gemm": 30, "attention": 30, "scatter": 30}
 
 
 def generate(ch: Chooser, families=None) -> Program:
@@ -35,7 +35,7 @@ def generate(ch: Chooser, families=None) -> Program:
     g = ProgramGenerator(ch)
     family = weighted(ch, table)
     {"single": single, "pipeline": pipeline, "comm": communication, "combine": combine,
-     "grouped_gemm": grouped_gemm, "attention": attention}[family](g)
+     "grouped_gemm": grouped_gemm, "attention": attention, "scatter": scatter}[family](g)
     g.compute = compute_schedule(g)
     if family == "pipeline":
         wait_back(g)
@@ -83,7 +83,11 @@ def single(g: ProgramGenerator) -> None:
         stages.gemm(g, a, tile=(BM, ch.choice((16, 32))))
         return
     if recipe == "gather" and dtype != "i32" and chance(ch, 50):   # (drawn here: other programs are unchanged)
-        stages.combine(g, dtype)
+        if chance(ch, 30):       # rows added into rows chosen at run time (tl.add_rows)
+            R, C = g.extent(24), g.extent(24)
+            stages.scatter(g, Tensor(g.arg((R, C), dtype), (R, C), dtype))
+        else:
+            stages.combine(g, dtype)
         return
     R, C = g.extent(24), g.extent(24)
     x = Tensor(g.arg((R, C), dtype), (R, C), dtype)
@@ -113,6 +117,20 @@ def combine(g: ProgramGenerator) -> None:
         stages.combine(g, g.float_dtype())
         return
     pipeline(g, consumer=lambda g, ws, waits: stages.combine(g, ws.dtype, ws, waits=waits))
+
+
+def scatter(g: ProgramGenerator) -> None:
+    """Rows added into rows chosen at run time (``tl.add_rows``, :func:`.program_stages.scatter`), on one
+    rank or on each of two; or an expert GEMM adding its rows into them (:func:`.program_stages.grouped_gemm`
+    with ``adds``: the MoE combine in the epilogue)."""
+    ch = g.ch
+    g.world_size = weighted(ch, {1: 80, 2: 20})
+    if chance(ch, 40):
+        stages.grouped_gemm(g, adds=True)
+        return
+    dtype = g.float_dtype()
+    R, C = g.extent(24), g.extent(24)
+    stages.scatter(g, Tensor(g.arg((R, C), dtype), (R, C), dtype))
 
 
 def attention(g: ProgramGenerator) -> None:

@@ -1,5 +1,5 @@
 """The parts a generated program is made of: one function per kind of compute stage (elementwise,
-GEMM, row reduction, softmax, gather). Each adds one part to a :class:`.program_gen.ProgramGenerator`,
+GEMM, row reduction, softmax, gather, scatter-add). Each adds one part to a :class:`.program_gen.ProgramGenerator`,
 reading 2-d tensors it is given and writing an output it is given or makes. A stage that reads
 another part's output is given ``waits`` (emits the waits for rows ``[r0, r0 + rows)``); one that
 feeds another part is given ``notify`` (emits the notifies after its stores)."""
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .program_gen import ProgramGenerator, broadcast_shape, pow2_at_least, promote, cdiv, chance, weighted
-from .program_tree import (Assign, Binary, Broadcast, Call, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims,
+from .program_tree import (AddRows, Assign, Binary, Broadcast, Call, Cast, Dot, DynamicMappingDecl, Expr, ExpandDims,
                            FragRead, Fragment, Iota, Load, LoadRows, Loop, Reduce, SignalDecl, Trans, Unary, Update,
                            When, Where)
 
@@ -348,7 +348,8 @@ def attention(g: ProgramGenerator, staged: bool = False) -> Tensor:
     return Tensor(o, (Sq, H * D), dt, exact=False)
 
 
-def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits | None = None) -> Tensor:
+def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits | None = None,
+                 adds: bool = False) -> Tensor:
     """A grouped GEMM over run-time tile tables, the MoE expert GEMMs' shape (what the grouped GEMM
     recipe lowers): row tile ``pm`` of A — dense, or gathered by per-row ids (``tl.load_rows``,
     negative ids read zero rows) — times the weights ``w[e]`` of the expert a table names (-1: an
@@ -356,12 +357,14 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
     with its rows past a table's valid count as zeros, inside or after the guard. WGMMA tiles
     (BM 64 or 128); K and N mostly multiples of 8 (TMA's 16-byte rows; else the general recipe
     takes it). ``src``: another part's f16 or bf16 output as A (``waits``, inside the guard, then wait for
-    the task's rows), else a new input."""
+    the task's rows), else a new input. ``adds``: each row, times a per-row f32 factor or not, added into
+    the row a table names of a 16-bit tensor holding values of its own (``tl.add_rows``: the MoE combine
+    in the epilogue), A dense and 16-byte rows (what the recipe adds rows for)."""
     ch = g.ch
     BM, BN, BK = ch.choice((64, 128)), ch.choice((64, 128, 256)), ch.choice((32, 64))
     g.recipe_tile = (BM, BN, BK)        # the grouped GEMM recipe takes a part at its schedule's tile only
     E = ch.integer(1, 4)
-    aligned = chance(ch, 85)
+    aligned = adds or chance(ch, 85)
 
     def multiple_of_8(n: int) -> int:
         return -(-n // 8) * 8 if aligned else n
@@ -374,7 +377,7 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
     dt = src.dtype if src is not None else g.half_dtype()
     w = g.arg((E, K, N), dt)
     experts = g.arg((NT,), "i32", "table", low=-1, high=E)
-    gather = src is None and chance(ch, 40)
+    gather = src is None and not adds and chance(ch, 40)
     if gather:
         Rx = ch.integer(1, 2 * BM)
         a = g.arg((Rx, K), dt)
@@ -384,8 +387,14 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
     masked = chance(ch, 60)
     valid = g.arg((NT,), "i32", "table", low=0, high=BM + 1) if masked else None
     store_guarded = chance(ch, 30)
-    out_dtype = g.float_dtype()
-    out = Tensor(g.arg((R, N), out_dtype, "output"), (R, N), out_dtype)
+    out_dtype = g.half_dtype() if adds else g.float_dtype()
+    if adds:
+        Ro = ch.integer(1, 2 * BM)
+        out = Tensor(g.arg((Ro, N), out_dtype), (Ro, N), out_dtype)
+        targets = g.arg((NT * BM,), "i32", "rows", low=-1, high=Ro)
+        factors = g.arg((NT * BM,), "f32") if chance(ch, 70) else None
+    else:
+        out = Tensor(g.arg((R, N), out_dtype, "output"), (R, N), out_dtype)
     stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}"),
                    Assign("e", table_read(g, experts, NT, "expert"))]
     guarded: list = []
@@ -410,7 +419,17 @@ def grouped_gemm(g: ProgramGenerator, src: Tensor | None = None, *, waits: Waits
                           axis=1, indexing=True)
         value = Where(shape=(BM, BN), dtype="f32", bound=value.bound,
                       cond=Binary(shape=(BM, 1), dtype="i1", exact=True, op="lt", a=rows, b="n"), a=value, b=0.0)
-    g.store(epilogue, out.name, ("r0", "c0"), value)
+    if adds:
+        ids = g.bind(epilogue, Load(shape=(BM,), dtype="i32", exact=True, tensor=targets, offsets=("r0",),
+                                    box=(BM,)), "targets")
+        if factors is not None:
+            value = Binary(shape=(BM, BN), dtype="f32", bound=value.bound, op="mul", a=value,
+                           b=ExpandDims(shape=(BM, 1), dtype="f32", exact=True, axis=1,
+                                        x=Load(shape=(BM,), dtype="f32", exact=True, tensor=factors,
+                                               offsets=("r0",), box=(BM,))))
+        epilogue.append(AddRows(out.name, ids, "c0", value))
+    else:
+        g.store(epilogue, out.name, ("r0", "c0"), value)
     if store_guarded:                  # a skipped tile stores nothing: its rows keep what the output held
         stmts.append(When("e >= 0", tuple(guarded + epilogue)))
     else:                              # a skipped tile stores zeros
@@ -495,3 +514,32 @@ def gather(g: ProgramGenerator, src: Tensor) -> Tensor:
     g.part("compute", (cdiv(R, BM), cdiv(C, BN)), ("pm", "pn"), stmts)
     return out
 
+
+
+def scatter(g: ProgramGenerator, src: Tensor) -> Tensor:
+    """Rows of ``src`` (or math on them) added into rows of a tensor chosen at run time
+    (``tl.add_rows``: ids from an index tile, negative ids skipped; rows repeat within a task and
+    across tasks, so adds from different tasks land on the same elements in no fixed order). The
+    tensor added into holds values of its own (an input the program also writes)."""
+    ch = g.ch
+    Rx, C = src.shape
+    BM, BN = g.tile(), g.tile()
+    Ro = g.extent(8)
+    dst_dt = g.float_dtype()
+    dst = g.arg((Ro, C), dst_dt)
+    rows = g.arg((Rx,), "i32", "rows", low=-1, high=Ro)
+    stmts: list = [Assign("r0", f"pm * {BM}"), Assign("c0", f"pn * {BN}")]
+    ids = g.bind(stmts, Load(shape=(BM,), dtype="i32", exact=True, tensor=rows, offsets=("r0",), box=(BM,)), "ids")
+    if chance(ch, 50):      # the last task's rows past src: no row (else id 0 of the zeros loaded there)
+        inside = Binary(shape=(BM,), dtype="i1", exact=True, op="lt",
+                        a=Binary(shape=(BM,), dtype="i32", exact=True, op="add",
+                                 a=Iota(shape=(BM,), dtype="i32", exact=True), b="r0"), b=Rx)
+        ids = g.bind(stmts, Where(shape=(BM,), dtype="i32", exact=True, cond=inside, a=ids, b=-1), "ids")
+    t = g.bind(stmts, Load(shape=(BM, BN), dtype=src.dtype, exact=True, tensor=src.name, offsets=("r0", "c0"),
+                           box=(BM, BN)))
+    value = using(g.tree([t], ch.integer(0, 2)), t)
+    if value.dtype not in ("f32", "f16", "bf16"):      # (a comparison or integer math: added as f32)
+        value = Cast(shape=value.shape, dtype="f32", bound=value.bound, x=value)
+    stmts.append(AddRows(dst, ids, "c0", value))
+    g.part("compute", (cdiv(Rx, BM), cdiv(C, BN)), ("pm", "pn"), stmts)
+    return Tensor(dst, (Ro, C), dst_dt)

@@ -230,6 +230,18 @@ class Store:
 
 
 @dataclass(frozen=True)
+class AddRows:
+    """``tl.add_rows(tensor, rows, col, value)``: the value's rows added into rows of ``tensor``."""
+    tensor: str
+    rows: "Node"
+    col: str
+    value: Expr
+
+    def lines(self):
+        return [f"tl.add_rows({self.tensor}, {self.rows.src()}, {self.col}, {self.value.src()})"]
+
+
+@dataclass(frozen=True)
 class Fragment:
     name: str
     shape: tuple[int, ...]

@@ -103,3 +103,17 @@ def c_name_clashes(x, y):
         tl.peer_tile_wait(rp, p)
         got = tl.load(g, (p * N,), (N,)) + tl.load(gp, (p * N,), (N,))
         tl.store(y, (p * N,), got + tl.load(w1, (0,), (N,)) + tl.load(w2, (0,), (N,)))
+
+
+@tl.kernel
+def weighted_scatter(x, idx, w, y, *, compute: tl.ComputeSchedule = None):
+    """``y[idx[r]] += w[r] * x[r]`` for every row r of x, tile by tile (``tl.add_rows``: ids below 0
+    skipped; rows repeat within a tile and across tiles, so adds land in no fixed order)."""
+    M, N = x.shape
+    BM, BN, _ = compute.tile
+
+    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
+    def part(pm, pn):
+        rows = tl.where(tl.iota(BM) + pm * BM < M, tl.load(idx, (pm * BM,), (BM,)), -1)
+        t = tl.load(x, (pm * BM, pn * BN), (BM, BN)).to(tl.float32) * tl.load(w, (pm * BM,), (BM,))[:, None]
+        tl.add_rows(y, rows, pn * BN, t)

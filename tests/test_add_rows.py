@@ -14,20 +14,9 @@ from hypothesis import given, settings, strategies as st
 import tldsl as tl
 from tldsl.runtime.sim.memory import to_storage
 
+from programs import weighted_scatter
+
 S = tl.TensorSpec
-
-
-@tl.kernel
-def weighted_scatter(x, idx, w, y, *, compute: tl.ComputeSchedule = None):
-    """y[idx[r]] += w[r] * x[r] for every row r of x (ids below 0 skipped), tile by tile."""
-    M, N = x.shape
-    BM, BN, _ = compute.tile
-
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-    def part(pm, pn):
-        rows = tl.where(tl.iota(BM) + pm * BM < M, tl.load(idx, (pm * BM,), (BM,)), -1)
-        t = tl.load(x, (pm * BM, pn * BN), (BM, BN)).to(tl.float32) * tl.load(w, (pm * BM,), (BM,))[:, None]
-        tl.add_rows(y, rows, pn * BN, t)
 
 
 def _reference(x, idx, w, y):

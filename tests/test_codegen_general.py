@@ -41,7 +41,7 @@ from tldsl.runtime.sim.memory import host_array, to_storage
 from tldsl.testing.program_tolerance import assert_agrees, reference_with_tolerances
 
 import host_build
-from programs import outer_sums, scale_rows, whole_row_softmax
+from programs import outer_sums, scale_rows, weighted_scatter, whole_row_softmax
 
 S = tl.TensorSpec
 INCLUDE = Path(__file__).resolve().parent.parent / "codegen" / "include"
@@ -171,20 +171,6 @@ def gather_rows(x, idx, lens, y, *, compute: tl.ComputeSchedule = None):
         rows = tl.where(tl.iota(BM) < n, rows, -1)
         g = tl.load_rows(x, rows, pn * BN, BN)
         tl.store(y, (pm * BM, pn * BN), (g.to(tl.float32) * 0.5).to(y.dtype))
-
-
-@tl.kernel
-def scatter_add_rows(x, idx, w, y, *, compute: tl.ComputeSchedule = None):
-    """add_rows: each tile of x's rows, weighted per row, added into y's rows by an id tile (negative
-    ids skipped; rows repeat within a tile and across tiles: unordered adds)."""
-    M, N = x.shape
-    BM, BN, _ = compute.tile
-
-    @tl.compute_part(grid=(tl.cdiv(M, BM), tl.cdiv(N, BN)))
-    def part(pm, pn):
-        rows = tl.where(tl.iota(BM) + pm * BM < M, tl.load(idx, (pm * BM,), (BM,)), -1)
-        t = tl.load(x, (pm * BM, pn * BN), (BM, BN)).to(tl.float32) * tl.load(w, (pm * BM,), (BM,))[:, None]
-        tl.add_rows(y, rows, pn * BN, t)
 
 
 @tl.kernel
@@ -318,11 +304,11 @@ CASES = [
          (8, 32, 16)),
     case("gather_rows-i32", gather_rows, [((20, 48), I32), ((24,), I32), ((3,), I32), ((24, 48), I32)],
          (8, 32, 16)),
-    case("scatter_add_rows-bf16", scatter_add_rows, [((40, 48), BF16), ((40,), I32), ((40,), F32), ((20, 48), BF16)],
+    case("scatter_add_rows-bf16", weighted_scatter, [((40, 48), BF16), ((40,), I32), ((40,), F32), ((20, 48), BF16)],
          (16, 32, 16)),
-    case("scatter_add_rows-f16", scatter_add_rows, [((37, 40), F16), ((37,), I32), ((37,), F32), ((20, 40), F16)],
+    case("scatter_add_rows-f16", weighted_scatter, [((37, 40), F16), ((37,), I32), ((37,), F32), ((20, 40), F16)],
          (8, 16, 16)),
-    case("scatter_add_rows-f32", scatter_add_rows, [((30, 24), F32), ((30,), I32), ((30,), F32), ((20, 24), F32)],
+    case("scatter_add_rows-f32", weighted_scatter, [((30, 24), F32), ((30,), I32), ((30,), F32), ((20, 24), F32)],
          (8, 16, 8)),
     case("attention_like-f16", attention_like, [((40, 32), F16), ((24, 32), F16), ((24, 32), F16), ((40, 32), F16)],
          (16, 16, 16)),

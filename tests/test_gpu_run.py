@@ -103,7 +103,7 @@ def test_row_softmax():
 def test_rows_added_from_many_tiles_into_the_same_rows(dt):
     """tl.add_rows: 3000 weighted rows added into 500 (six on average a row, from tiles of every
     CTA, in no fixed order; ids of -1 skipped), poisoned nowhere: y holds the caller's values."""
-    from test_add_rows import weighted_scatter
+    from programs import weighted_scatter
     rng = np.random.default_rng(2)
     inputs = [dict(x=_rand(rng, (3000, 200), dt), idx=rng.integers(-1, 500, 3000).astype(np.int32),
                    w=rng.uniform(0.1, 1.0, 3000).astype(np.float32), y=_rand(rng, (500, 200), dt))]

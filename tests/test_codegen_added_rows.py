@@ -79,6 +79,7 @@ def test_the_grouped_gemm_recipe_adds_the_rows_from_held_tiles():
         lw = lower(_program(), "grouped_gemm")
     assert type(lw).__name__ == "LoweredGroupedGemm"
     assert lw.config.overlap_store and not lw.config.pair_rows and not lw.config.pingpong
+    assert lw.config.half_tiles        # the tokens are -1 past a tile's valid rows: half tiles add what the program does
     assert "kAddRows = true, kRowScale = true" in lw.source
     assert "int row_target(int pid0, int pid1, int r)" in lw.source and "float row_scale(" in lw.source
     names = [p.name for p in lw.params]
@@ -108,6 +109,40 @@ def _scaled_by_out(h, w2, sorted_token_ids, tile_expert, out, *, compute: tl.Com
                 acc += tl.dot(tl.load(h, (i * BM, k), (BM, BK)), tl.load(w2, (e, k, pn * BN), (BK, BN)))
             scale = tl.load(out, (i * BM, 0), (BM, 1)).to(tl.float32)
             tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, acc * scale)
+
+
+@tl.kernel
+def _masked_rows_unmasked_ids(h, w2, sorted_token_ids, tile_expert, tile_valid_rows, out, *,
+                              compute: tl.ComputeSchedule = None):
+    """Rows past a tile's valid count zeroed, but their ids left as the table has them."""
+    BM, BN, BK = compute.tile
+    NT = tile_expert.shape[0]
+
+    @tl.compute_part(grid=(NT, out.shape[1] // BN))
+    def grouped_gemm(i, pn):
+        e = tl.load_scalar(tile_expert, (i,))
+        with tl.when(e >= 0):
+            acc = tl.fragment((BM, BN), tl.float32)
+            for k in tl.range(0, h.shape[1], BK):
+                acc += tl.dot(tl.load(h, (i * BM, k), (BM, BK)), tl.load(w2, (e, k, pn * BN), (BK, BN)))
+            y = tl.where(tl.iota(BM)[:, None] < tl.load_scalar(tile_valid_rows, (i,)), acc, 0.0)
+            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, y)
+
+
+def test_half_tiles_only_where_the_ids_past_the_valid_rows_add_nothing():
+    """A half tile computes and adds only its first 64 rows; the program adds the others too (zeros,
+    or NaN for an infinite factor, to whatever row their ids name). So half tiles only where those ids
+    are -1 by the program itself, masked by the same count (the MoE program's); else every row is held
+    and added."""
+    rt, _ = _routing(1000, 8, 2, 128)
+    S = tl.TensorSpec
+    k = _masked_rows_unmasked_ids.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
+                                        S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S.of(rt.tile_valid_rows),
+                                        S((rt.num_tokens, 512), tl.bfloat16),
+                                        compute=tl.ComputeSchedule(tile=(128, 256, 64)))
+    lw = lower_grouped_gemm(k, "grouped_gemm")
+    assert "kAddRows = true" in lw.source and lw.config.overlap_store and not lw.config.half_tiles
+    assert lower_grouped_gemm(_program(), "grouped_gemm").config.half_tiles
 
 
 def test_ids_or_scales_read_from_the_tensor_being_added_into_fall_back():

@@ -14,7 +14,7 @@ from ..abi import (LAUNCH_PARAM, RANK_PARAM, KernelParam, TmaDescriptorSpec, ent
                    wait_timeout_options)
 from ..dtypes import SWIZZLE, c_type, ctype
 from ..errors import LoweringError, fail
-from ..ir_queries import scope_of
+from ..ir_queries import const_value, scope_of
 from ..match import affine as aff
 from ..match.grouped_gemm import WHAT, GroupedGemmMatch
 from ..match.per_row import depends_on
@@ -127,7 +127,7 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     # half tiles, but not with a part folded in: there every tile computes its 128 rows (measured on one
     # H200, the stress row's folded row gather 5.42 ms without half tiles against 6.32 with them, its folded
     # combine 3.14 against 3.67, the Mixtral rows as fast or faster; BENCHMARKS.md, thirty-third session)
-    if m.row_limit is not None and half_tiles_fit(cfg) and side is None:
+    if m.row_limit is not None and half_tiles_fit(cfg) and side is None and (not m.adds_rows or targets_masked(m)):
         cfg = replace(cfg, half_tiles=True)
     side_plan = plan_side(kernel, part, m, side, wait_timeout_ns) if side is not None else None
     if side_plan is not None and cfg.consumer_wgs == 2:
@@ -365,6 +365,37 @@ def _check_shapes(m: GroupedGemmMatch, sched: ComputeSchedule) -> tuple[int, int
     check_operands(WHAT, at.dtype, bt.dtype, m.out_dtype, K, N, m.dot, m.store, loaders="TMA and cp.async",
                    b_row=K if m.b_k_major else None)
     return Ma, N, K
+
+
+def targets_masked(m: GroupedGemmMatch) -> bool:
+    """Whether the added rows' ids are themselves negative past the row mask's count,
+    ``tl.where(tl.iota(BM) < n, ids, -1)`` with ``n`` read as the mask's is: then the rows a half tile
+    does not compute add nothing in the program either. Elsewhere every row is held and added (a
+    masked row adds 0 times its factor, which matters for a NaN, an infinite factor or a -0 there)."""
+    where = m.targets.owner
+    if not (isinstance(where, core.Op) and where.name == "ewise" and where.attrs.get("op") == "where"):
+        return False
+    cond, _, fill = where.operands
+    neg = const_value(fill)
+    lt = cond.owner
+    if neg is None or neg >= 0 or not (isinstance(lt, core.Op) and lt.name == "ewise" and lt.attrs.get("op") == "lt"):
+        return False
+    iota, n = lt.operands
+    if not (isinstance(iota.owner, core.Op) and iota.owner.name == "iota"):
+        return False
+    return _same_scalar(n, m.row_limit)
+
+
+def _same_scalar(a: core.Value, b: core.Value) -> bool:
+    """``a`` and ``b`` are the same value, or reads of the same table at the same affine index."""
+    if a is b:
+        return True
+    oa, ob = a.owner, b.owner
+    if not (isinstance(oa, core.Op) and isinstance(ob, core.Op) and oa.name == ob.name == "load_scalar"
+            and oa.operands[0].owner is ob.operands[0].owner and len(oa.operands) == len(ob.operands)):
+        return False
+    return all(x is y or (aff.affine(x) is not None and aff.affine(x) == aff.affine(y))
+               for x, y in zip(oa.operands[1:], ob.operands[1:]))
 
 
 def _check_added_rows(m: GroupedGemmMatch, BM: int, BN: int, N: int) -> None:

@@ -592,7 +592,9 @@ def moe_combined_experts(h, w2, row_weights, sorted_token_ids, tile_expert, tile
         with tl.when(gemm_tiles["expert", i] >= 0):
             y = expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile, weights)
             scale = tl.load(row_weights, (i * BM,), (BM,))[:, None]
-            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, y * scale)
+            # (the rows past the tile's valid ones add nothing: a GPU may leave them uncomputed)
+            tokens = tl.where(tl.iota(BM) < gemm_tiles["valid_rows", i], tl.load(sorted_token_ids, (i * BM,), (BM,)), -1)
+            tl.add_rows(out, tokens, pn * BN, y * scale)
 
 
 # -- numpy references ---------------------------------------------------------------------------------

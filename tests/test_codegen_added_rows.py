@@ -95,8 +95,12 @@ def test_64_row_tiles_add_their_rows_with_the_columns_split_between_the_consumer
 
 
 @tl.kernel
-def _scaled_by_out(h, w2, sorted_token_ids, tile_expert, out, *, compute: tl.ComputeSchedule = None):
-    """Rows scaled by what ``out`` holds: a hook reading the tensor the part adds into."""
+def _expert_gemm_adding(h, w2, sorted_token_ids, tile_expert, tile_valid_rows, out, *,
+                        compute: tl.ComputeSchedule = None, variant: tl.constexpr = "unmasked ids"):
+    """An expert GEMM adding its rows into ``out``, written two ways the recipe must not take as the
+    MoE program: ``"unmasked ids"``, rows past a tile's valid count zeroed but their ids left as the
+    table has them; ``"scaled by out"``, rows scaled by what ``out`` holds (a hook reading the tensor
+    the part adds into)."""
     BM, BN, BK = compute.tile
     NT = tile_expert.shape[0]
 
@@ -107,26 +111,21 @@ def _scaled_by_out(h, w2, sorted_token_ids, tile_expert, out, *, compute: tl.Com
             acc = tl.fragment((BM, BN), tl.float32)
             for k in tl.range(0, h.shape[1], BK):
                 acc += tl.dot(tl.load(h, (i * BM, k), (BM, BK)), tl.load(w2, (e, k, pn * BN), (BK, BN)))
-            scale = tl.load(out, (i * BM, 0), (BM, 1)).to(tl.float32)
-            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, acc * scale)
+            ids = tl.load(sorted_token_ids, (i * BM,), (BM,))
+            if variant == "unmasked ids":
+                y = tl.where(tl.iota(BM)[:, None] < tl.load_scalar(tile_valid_rows, (i,)), acc, 0.0)
+                tl.add_rows(out, ids, pn * BN, y)
+            else:
+                tl.add_rows(out, ids, pn * BN, acc * tl.load(out, (i * BM, 0), (BM, 1)).to(tl.float32))
 
 
-@tl.kernel
-def _masked_rows_unmasked_ids(h, w2, sorted_token_ids, tile_expert, tile_valid_rows, out, *,
-                              compute: tl.ComputeSchedule = None):
-    """Rows past a tile's valid count zeroed, but their ids left as the table has them."""
-    BM, BN, BK = compute.tile
-    NT = tile_expert.shape[0]
-
-    @tl.compute_part(grid=(NT, out.shape[1] // BN))
-    def grouped_gemm(i, pn):
-        e = tl.load_scalar(tile_expert, (i,))
-        with tl.when(e >= 0):
-            acc = tl.fragment((BM, BN), tl.float32)
-            for k in tl.range(0, h.shape[1], BK):
-                acc += tl.dot(tl.load(h, (i * BM, k), (BM, BK)), tl.load(w2, (e, k, pn * BN), (BK, BN)))
-            y = tl.where(tl.iota(BM)[:, None] < tl.load_scalar(tile_valid_rows, (i,)), acc, 0.0)
-            tl.add_rows(out, tl.load(sorted_token_ids, (i * BM,), (BM,)), pn * BN, y)
+def _expert_gemm_kernel(variant: str):
+    rt, _ = _routing(1000, 8, 2, 128)
+    S = tl.TensorSpec
+    return _expert_gemm_adding.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
+                                     S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S.of(rt.tile_valid_rows),
+                                     S((rt.num_rows, 512), tl.bfloat16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
+                                     variant=variant)
 
 
 def test_half_tiles_only_where_the_ids_past_the_valid_rows_add_nothing():
@@ -134,25 +133,14 @@ def test_half_tiles_only_where_the_ids_past_the_valid_rows_add_nothing():
     or NaN for an infinite factor, to whatever row their ids name). So half tiles only where those ids
     are -1 by the program itself, masked by the same count (the MoE program's); else every row is held
     and added."""
-    rt, _ = _routing(1000, 8, 2, 128)
-    S = tl.TensorSpec
-    k = _masked_rows_unmasked_ids.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
-                                        S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S.of(rt.tile_valid_rows),
-                                        S((rt.num_tokens, 512), tl.bfloat16),
-                                        compute=tl.ComputeSchedule(tile=(128, 256, 64)))
-    lw = lower_grouped_gemm(k, "grouped_gemm")
+    lw = lower_grouped_gemm(_expert_gemm_kernel("unmasked ids"), "grouped_gemm")
     assert "kAddRows = true" in lw.source and lw.config.overlap_store and not lw.config.half_tiles
     assert lower_grouped_gemm(_program(), "grouped_gemm").config.half_tiles
 
 
 def test_ids_or_scales_read_from_the_tensor_being_added_into_fall_back():
-    rt, _ = _routing(1000, 8, 2, 128)
-    S = tl.TensorSpec
-    k = _scaled_by_out.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
-                             S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S((rt.num_rows, 512), tl.bfloat16),
-                             compute=tl.ComputeSchedule(tile=(128, 256, 64)))
     with pytest.raises(LoweringError, match="row ids or scales read 'out', which the part adds rows into"):
-        lower_grouped_gemm(k, "grouped_gemm")
+        lower_grouped_gemm(_expert_gemm_kernel("scaled by out"), "grouped_gemm")
 
 
 def test_an_f32_output_falls_back_to_the_general_lowering():

@@ -18,6 +18,12 @@ Recognised shape (``allgather_moe.grouped_gemm`` and ``moe_reduce_scatter.groupe
             [<scalar code, loops and notifies>]        # after the store
         [tl.store(c, (i*BM, pn*BN), acc)]              # here: tiles outside the guard store zeros
 
+    The store may instead add the tile's rows into rows of C chosen at run time (the MoE combine in
+    the epilogue, ``tldsl.ops.moe.moe_combined_experts``): ``tl.add_rows(c, ids, pn*BN, acc)`` or of
+    ``acc * scale`` (``ids`` and ``scale`` per-row expressions, ``scale`` (BM, 1) f32; ``acc`` possibly
+    row-masked) — held tiles whose chunks are added at L2 by vector reductions (``HeldAddedTile``), a
+    16-bit C, no notifies; half tiles only where the ids are -1 past the mask's count.
+
     A = tl.load_rows(a, rows, k, BK)       (gathered rows, by index; negative rows read 0)
       | tl.load(a, (i*BM, k), (BM, BK))    (dense)
     B = tl.load(w, (e, k, pn*BN), (BK, BN))   on w [E, K, N], e any scalar (the expert)

@@ -79,7 +79,8 @@ def test_the_grouped_gemm_recipe_adds_the_rows_from_held_tiles():
         lw = lower(_program(), "grouped_gemm")
     assert type(lw).__name__ == "LoweredGroupedGemm"
     assert lw.config.overlap_store and not lw.config.pair_rows and not lw.config.pingpong
-    assert lw.config.half_tiles        # the tokens are -1 past a tile's valid rows: half tiles add what the program does
+    # the tokens are -1 past a tile's valid rows: half tiles add what the program does
+    assert lw.config.half_tiles
     assert "kAddRows = true, kRowScale = true" in lw.source
     assert "int row_target(int pid0, int pid1, int r)" in lw.source and "float row_scale(" in lw.source
     names = [p.name for p in lw.params]
@@ -124,8 +125,8 @@ def _expert_gemm_kernel(variant: str):
     S = tl.TensorSpec
     return _expert_gemm_adding.trace(1, S((rt.num_rows, 128), tl.bfloat16), S((8, 128, 512), tl.bfloat16),
                                      S.of(rt.sorted_token_ids), S.of(rt.tile_expert), S.of(rt.tile_valid_rows),
-                                     S((rt.num_rows, 512), tl.bfloat16), compute=tl.ComputeSchedule(tile=(128, 256, 64)),
-                                     variant=variant)
+                                     S((rt.num_rows, 512), tl.bfloat16),
+                                     compute=tl.ComputeSchedule(tile=(128, 256, 64)), variant=variant)
 
 
 def test_half_tiles_only_where_the_ids_past_the_valid_rows_add_nothing():

@@ -261,7 +261,7 @@ def add_rows(ref, rows, col_offset, tile) -> None:
         fail(f"tl.add_rows adds floats; '{ref.name}' is {ref.dtype}")
     if not isinstance(rows, Tile) or len(rows.shape) != 1 or rows.dtype != T.int32:
         fail("tl.add_rows needs a 1-d i32 tile of row indices")
-    tile = as_tile(tile) if not isinstance(tile, Tile) else tile
+    tile = as_tile(tile)
     if len(tile.shape) != 2 or tile.shape[0] != rows.shape[0]:
         fail(f"tl.add_rows adds a [{rows.shape[0]}, ncols] tile (one row per row id), got {list(tile.shape)}")
     if not tile.dtype.is_float:

@@ -399,7 +399,7 @@ def _same_scalar(a: core.Value, b: core.Value) -> bool:
 
 
 def _check_added_rows(m: GroupedGemmMatch, BM: int, BN: int, N: int) -> None:
-    """What the template's row adds (``HeldTile::add_chunk``: 16 bytes of a row at a time, by vector
+    """What the template's row adds (``HeldAddedTile::add_chunk``: 16 bytes of a row at a time, by vector
     reductions of 16-bit pairs) ask of ``tl.add_rows(c, rows, pn*BN, acc * scale)``."""
     col = aff.affine(m.store.operands[2], {})
     if col != {"pid1": BN}:

@@ -287,38 +287,36 @@ def _chunked_load(em, op, buf, offs, lead, shape, slot, st, ind, lines):
 
 
 def _load_rows_statement(em, op, ind, lines):
-    buf, rows, col = op.operands
-    t = buf.owner
-    nrows, ncols = t.type.shape
+    t = op.operands[0].owner
     shape = tuple(op.result.type.shape)
     slot = em.slot(op.result)
-    c0 = em.name(col, op)
     st = storage_ctype(t.type.dtype)
 
     def body(coords, el):
-        r = em.value(rows, [coords[0]], el)
-        c = f"{c0} + {coords[1]}"
-        cond = f"{r} >= 0 && {r} < {nrows} && (unsigned)({c}) < {ncols}u"
-        return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {buffer_param(t)}[(long long)({r}) * {ncols}ll + "
-                f"({c})] : tldsl::gen::put<{st}>(0);"]
+        cond, elem = _row_element(em, op, coords, el)
+        return [f"{slot}[{flat_index(coords, shape)}] = ({cond}) ? {elem} : tldsl::gen::put<{st}>(0);"]
     em.element_loop(op, shape, body, ind, lines, f"load_rows {t.name} -> {slot}")
 
 
-def _add_rows_statement(em, op, ind, lines):
-    buf, rows, col, tile = op.operands
+def _row_element(em, op, coords, el) -> tuple[str, str]:
+    """``(condition, element)`` of ``load_rows`` / ``add_rows``: tensor element ``(rows[coords[0]],
+    col + coords[1])``, and whether that row id is not negative and both lie inside the tensor."""
+    buf, rows, col = op.operands[:3]
     t = buf.owner
     nrows, ncols = t.type.shape
-    shape = tuple(tile.type.shape)
-    c0 = em.name(col, op)
+    r = em.value(rows, [coords[0]], el)
+    c = f"{em.name(col, op)} + {coords[1]}"
+    return (f"{r} >= 0 && {r} < {nrows} && (unsigned)({c}) < {ncols}u",
+            f"{buffer_param(t)}[(long long)({r}) * {ncols}ll + ({c})]")
+
+
+def _add_rows_statement(em, op, ind, lines):
+    tile = op.operands[3]
 
     def body(coords, el):
-        r = em.value(rows, [coords[0]], el)
-        x = em.value(tile, coords, el)
-        c = f"{c0} + {coords[1]}"
-        cond = f"{r} >= 0 && {r} < {nrows} && (unsigned)({c}) < {ncols}u"
-        return [f"if ({cond}) tldsl::gen::add_to(&{buffer_param(t)}[(long long)({r}) * {ncols}ll + ({c})], "
-                f"(float)({x}));"]
-    em.element_loop(op, shape, body, ind, lines, f"add_rows -> {t.name}")
+        cond, elem = _row_element(em, op, coords, el)
+        return [f"if ({cond}) tldsl::gen::add_to(&{elem}, (float)({em.value(tile, coords, el)}));"]
+    em.element_loop(op, tuple(tile.type.shape), body, ind, lines, f"add_rows -> {op.operands[0].owner.name}")
 
 
 def _store_statement(em, op, ind, lines):

@@ -26,7 +26,6 @@ BULK_REPLACES = ("op_load", "op_dot", "op_ewise", "op_cast", "op_trans", "op_exp
 SCALAR_RULES = ("op_const", "op_program_id", "op_rank", "op_arith", "op_select")
 
 
-
 def _runs(rows: np.ndarray):
     """``(start, end)`` of each run of consecutive values in sorted unique ``rows``."""
     if not rows.size:
@@ -35,6 +34,7 @@ def _runs(rows: np.ndarray):
     starts = np.concatenate([[rows[0]], rows[breaks + 1]])
     ends = np.concatenate([rows[breaks], [rows[-1]]]) + 1
     return list(zip(starts.tolist(), ends.tolist()))
+
 
 class Interpreter:
     def __init__(self, engine):
@@ -155,48 +155,41 @@ class Interpreter:
         self.mem.access(task.rank, buf, lo, lo + 1, READ, task, op)
         env[op.result.id] = int(buf.data[tuple(index)])
 
-    def op_load_rows(self, op, env, task):
-        t, rows_v, col_v = op.operands
+    def _row_boxes(self, op, env, task, ncols_in_tile: int, kind: int, verb: str):
+        """The rows ``tl.load_rows`` / ``tl.add_rows`` touch: ``(buf, rows, col, c0, c1, valid)``
+        — an id past the tensor an OutOfBoundsError, each run of consecutive rows recorded as one
+        access of ``kind`` (none where the columns lie outside the tensor: then ``c1 <= c0``)."""
+        t, rows_v, col_v = op.operands[:3]
         buf = self._buf(task.rank, t, task, op)
         rows = np.asarray(env[rows_v.id], np.int64)
         col = env[col_v.id]
         nrows, ncols = buf.data.shape
-        shape = op.attrs["shape"]
-        tile = np.zeros(shape, buf.data.dtype)
         if (rows >= nrows).any():
             bad = int(rows[rows >= nrows][0])
-            raise OutOfBoundsError(f"{task} at {op.loc.short()}: gathers row {bad} of '{buf.name}', "
+            raise OutOfBoundsError(f"{task} at {op.loc.short()}: {verb} row {bad} of '{buf.name}', "
                                    f"which has {nrows} rows", at=(op.loc,), rank=task.rank, tile=task.coords,
                                    buffer=buf.name, primitive=op.name)
-        c0, c1 = max(col, 0), min(col + shape[1], ncols)
-        if c1 <= c0:
-            env[op.result.id] = tile
-            return
+        c0, c1 = max(col, 0), min(col + ncols_in_tile, ncols)
         valid = np.nonzero(rows >= 0)[0]
-        for i in valid:
-            tile[i, c0 - col:c1 - col] = buf.data[rows[i], c0:c1]
-        for s, e in _runs(np.unique(rows[valid])):      # contiguous runs of rows, as boxes
-            self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), READ, task, op)
+        if c1 > c0:
+            for s, e in _runs(np.unique(rows[valid])):      # contiguous runs of rows, as boxes
+                self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), kind, task, op)
+        return buf, rows, col, c0, c1, valid
+
+    def op_load_rows(self, op, env, task):
+        shape = op.attrs["shape"]
+        buf, rows, col, c0, c1, valid = self._row_boxes(op, env, task, shape[1], READ, "gathers")
+        tile = np.zeros(shape, buf.data.dtype)
+        if c1 > c0:
+            for i in valid:
+                tile[i, c0 - col:c1 - col] = buf.data[rows[i], c0:c1]
         env[op.result.id] = tile
 
     def op_add_rows(self, op, env, task):
-        t, rows_v, col_v, v = op.operands
-        buf = self._buf(task.rank, t, task, op)
-        rows = np.asarray(env[rows_v.id], np.int64)
-        col = env[col_v.id]
-        nrows, ncols = buf.data.shape
-        if (rows >= nrows).any():
-            bad = int(rows[rows >= nrows][0])
-            raise OutOfBoundsError(f"{task} at {op.loc.short()}: adds into row {bad} of '{buf.name}', "
-                                   f"which has {nrows} rows", at=(op.loc,), rank=task.rank, tile=task.coords,
-                                   buffer=buf.name, primitive=op.name)
-        tile = np.asarray(env[v.id], np.float32)
-        c0, c1 = max(col, 0), min(col + tile.shape[1], ncols)
+        tile = np.asarray(env[op.operands[3].id], np.float32)
+        buf, rows, col, c0, c1, valid = self._row_boxes(op, env, task, tile.shape[1], ADD, "adds into")
         if c1 <= c0:
             return
-        valid = np.nonzero(rows >= 0)[0]
-        for s, e in _runs(np.unique(rows[valid])):
-            self.mem.access(task.rank, buf, np.array([s, c0]), np.array([e, c1]), ADD, task, op)
         terms = np.asarray(to_storage(tile[:, c0 - col:c1 - col], buf.dtype), np.float32)
         for i in valid:            # each term rounded to the tensor's type, then added, the sum rounded (the GPU's)
             r = int(rows[i])

@@ -185,9 +185,8 @@ class Memory:
             # as uninitialised, at the end of the launch.
             first = tuple(a + int(i) for a, i in zip(lo, np.argwhere(~w)[0]))
             self.uninit.append(UninitializedReadError(
-                f"{_who(task, op)} {'adds into' if kind == ADD else 'reads'} {buf.name}{_box(lo, hi)} on rank {rank}, "
-                f"but element "
-                f"{first} was not written before it in this launch, and no unordered write "
+                f"{_who(task, op)} {'adds into' if kind == ADD else 'reads'} {buf.name}{_box(lo, hi)} on rank "
+                f"{rank}, but element {first} was not written before it in this launch, and no unordered write "
                 f"followed (missing data movement, or a read ordered before its write?)",
                 at=(op.loc,), rank=task.rank, tile=task.coords, buffer=buf.name, region=(lo, hi), primitive=op.name))
 

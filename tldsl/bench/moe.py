@@ -264,12 +264,14 @@ class RsRow:
     ``y_sorted`` of its own), and torch's ``_grouped_mm`` and whole sequence on the same rows. Each
     method launches once on the current stream."""
 
-    def __init__(self, k, rt, lg, lc, notifying, bufs, *, h_sorted, w, offs, order, flat_w, T, N, topk):
+    def __init__(self, k, rt, lg, lc, notifying, bufs, *, h_sorted, w, offs, order, flat_w, T, N, topk,
+                 topk_weights=None):
         from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
         import torch
         self.k, self.rt, self.lg, self.lc, self.bufs = k, rt, lg, lc, bufs      # rt: the routing's tables
         self._h_sorted, self._w, self._offs, self._order, self._flat_w = h_sorted, w, offs, order, flat_w
         self._T, self._N, self._topk = T, N, topk
+        self.topk_weights = topk_weights      # [T, topk] on the host: the routing's (AddedRows scales rows by them)
         slots = {**notifying.signal_slots, **lc.signal_slots}
         flags = {s: torch.full((n,), 1 << 40, device="cuda", dtype=torch.int64) for s, n in slots.items()}
         self._gemm = GroupedKernel(lg).prepare(bufs, {s: flags[s] for s in lg.signals})
@@ -350,10 +352,8 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
             "partial": torch.full((T, N), float("nan"), device="cuda",
                                   dtype=torch.float32 if partial_dtype == "f32" else tdt)}
     flat_w = wts_dev.reshape(-1).float().index_select(0, order)[:, None]
-    r = RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w_mat,
-              offs=offs, order=order, flat_w=flat_w, T=T, N=N, topk=topk)
-    r.topk_weights = wts
-    return r
+    return RsRow(k, rt, as_run["grouped_gemm"], as_run["combine"], notifying, bufs, h_sorted=h_sorted, w=w_mat,
+                 offs=offs, order=order, flat_w=flat_w, T=T, N=N, topk=topk, topk_weights=wts)
 
 
 class AddedRows:

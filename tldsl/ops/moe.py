@@ -347,6 +347,33 @@ def _check_table(t, shape, what, hint=""):
                      f"{what}: table '{t.name}' must be {list(shape)}, got {list(t.shape)}{hint}")
 
 
+def _expert_rows_and_weights(who: str, h, w2, tile_expert, weights: str, BM: int) -> tuple:
+    """``(R, Nr, E, K, NT)`` of layer 1's operands, checked at trace time: ``h [R_pad, Nr]`` of
+    ``NT`` row tiles of ``BM`` rows, ``w2 [E, Nr, K]`` (``weights="nk"``: ``[E, K, Nr]``) of
+    ``h``'s dtype, ``tile_expert [NT]`` an i32 table."""
+    tl.static_assert(len(h.shape) == 2, f"{who}: h must be [R_pad, Nr], got {list(h.shape)}")
+    form = "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]"
+    tl.static_assert(len(w2.shape) == 3, f"{who}: w2 must be {form}, got {list(w2.shape)}")
+    R, Nr = h.shape
+    E, Nw, K = matrix_dims(w2, weights, who)
+    tl.static_assert(Nw == Nr, f"{who}: h is [{R}, {Nr}] but w2 is {list(w2.shape)}{stored_form(weights, form)}: "
+                               f"w2's Nr must be {Nr}")
+    tl.static_assert(w2.dtype == h.dtype, f"{who}: h is {h.dtype} but w2 is {w2.dtype}")
+    NT = _num_tiles(who, tile_expert)
+    tl.static_assert(R == NT * BM, f"{who}: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
+                                   f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
+    return R, Nr, E, K, NT
+
+
+def _num_tiles(who: str, tile_expert) -> int:
+    """The row tiles ``NT`` of a routing, ``tile_expert [NT]`` checked as an i32 table."""
+    tl.static_assert(len(tile_expert.shape) == 1,
+                     f"{who}: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
+    NT = tile_expert.shape[0]
+    _check_table(tile_expert, (NT,), who)
+    return NT
+
+
 @tl.kernel
 def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens, tile_visit, sorted_token_ids, h, *,
                   compute: tl.ComputeSchedule = None, comm: tl.CommSchedule = None, stage_rows: bool = False,
@@ -380,10 +407,7 @@ def allgather_moe(x: tl.Symmetric, w1, tile_expert, tile_valid_rows, tile_tokens
     tl.static_assert(Kw == K, f"allgather_moe: the token shard x is [{Ms}, {K}] but w1 is "
                               f"{list(w1.shape)}{stored}: w1's K must be {K}")
     tl.static_assert(w1.dtype == x.dtype, f"allgather_moe: x is {x.dtype} but w1 is {w1.dtype}")
-    tl.static_assert(len(tile_expert.shape) == 1,
-                     f"allgather_moe: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
-    NT = tile_expert.shape[0]
-    _check_table(tile_expert, (NT,), "allgather_moe")
+    NT = _num_tiles("allgather_moe", tile_expert)
     _check_table(tile_valid_rows, (NT,), "allgather_moe")
     _check_table(tile_tokens, (NT, 2), "allgather_moe")
     _check_table(tile_visit, (NT,), "allgather_moe")
@@ -485,34 +509,20 @@ def moe_reduce_scatter(h, w2, topk_weights, tile_expert, tile_valid_rows, token_
     as :func:`~tldsl.ops.gemm_reduce_scatter.gemm_reduce_scatter`'s)."""
     W = tl.world_size()
     BM, BN, BK = compute.tile
-    tl.static_assert(len(h.shape) == 2, f"moe_reduce_scatter: h must be [R_pad, Nr], got {list(h.shape)}")
-    form = "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]"
-    tl.static_assert(len(w2.shape) == 3, f"moe_reduce_scatter: w2 must be {form}, got {list(w2.shape)}")
+    R, Nr, E, K, NT = _expert_rows_and_weights("moe_reduce_scatter", h, w2, tile_expert, weights, BM)
     tl.static_assert(len(topk_weights.shape) == 2,
                      f"moe_reduce_scatter: topk_weights must be [T, topk], got {list(topk_weights.shape)}")
     tl.static_assert(len(out.shape) == 2, f"moe_reduce_scatter: out must be [Ms, K], got {list(out.shape)}")
-    R, Nr = h.shape
-    E, Nw, K = matrix_dims(w2, weights, "moe_reduce_scatter")
     T, topk = topk_weights.shape
     Ms = out.shape[0]
-    stored = stored_form(weights, form)
-    tl.static_assert(Nw == Nr, f"moe_reduce_scatter: h is [{R}, {Nr}] but w2 is {list(w2.shape)}{stored}: "
-                               f"w2's Nr must be {Nr}")
-    tl.static_assert(w2.dtype == h.dtype, f"moe_reduce_scatter: h is {h.dtype} but w2 is {w2.dtype}")
     tl.static_assert(topk_weights.dtype.is_float,
                      f"moe_reduce_scatter: topk_weights must be floating point, got {topk_weights.dtype}")
     tl.static_assert(T == W * Ms, f"moe_reduce_scatter: topk_weights has {T} tokens but {W} ranks x "
                                   f"{Ms} rows of out make {W * Ms}")
     tl.static_assert(tuple(out.shape) == (Ms, K), f"moe_reduce_scatter: out must be [{Ms}, {K}] "
                                                   f"(K of w2), got {list(out.shape)}")
-    tl.static_assert(len(tile_expert.shape) == 1,
-                     f"moe_reduce_scatter: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
-    NT = tile_expert.shape[0]
     TT = tl.cdiv(T, BM)                      # token tiles: the combine's rows
     NC = tl.cdiv(K, BN)
-    tl.static_assert(R == NT * BM, f"moe_reduce_scatter: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
-                                   f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
-    _check_table(tile_expert, (NT,), "moe_reduce_scatter")
     _check_table(tile_valid_rows, (NT,), "moe_reduce_scatter")
     _check_table(token_pos, (topk * T,), "moe_reduce_scatter", f" (topk={topk} x {T} tokens)")
     _check_table(tile_token_tiles, (NT, min(BM, TT)), "moe_reduce_scatter",
@@ -563,23 +573,10 @@ def moe_combined_experts(h, w2, row_weights, sorted_token_ids, tile_expert, tile
     :func:`moe_routing` (``sorted_token_ids`` -1 at padding rows); out: [T, K], added to — zeros for
     the layer's output. The adds land in no fixed order (atomics), each rounded to ``out``'s type."""
     BM, BN, BK = compute.tile
-    tl.static_assert(len(h.shape) == 2, f"moe_combined_experts: h must be [R_pad, Nr], got {list(h.shape)}")
-    form = "[E, K, Nr]" if weights == "nk" else "[E, Nr, K]"
-    tl.static_assert(len(w2.shape) == 3, f"moe_combined_experts: w2 must be {form}, got {list(w2.shape)}")
+    R, Nr, E, K, NT = _expert_rows_and_weights("moe_combined_experts", h, w2, tile_expert, weights, BM)
     tl.static_assert(len(out.shape) == 2, f"moe_combined_experts: out must be [T, K], got {list(out.shape)}")
-    R, Nr = h.shape
-    E, Nw, K = matrix_dims(w2, weights, "moe_combined_experts")
-    tl.static_assert(Nw == Nr, f"moe_combined_experts: h is [{R}, {Nr}] but w2 is {list(w2.shape)}"
-                               f"{stored_form(weights, form)}: w2's Nr must be {Nr}")
-    tl.static_assert(w2.dtype == h.dtype, f"moe_combined_experts: h is {h.dtype} but w2 is {w2.dtype}")
     tl.static_assert(out.shape[1] == K, f"moe_combined_experts: out must have K = {K} columns, got {list(out.shape)}")
     tl.static_assert(out.dtype.is_float, f"moe_combined_experts: out must be floating point, got {out.dtype}")
-    tl.static_assert(len(tile_expert.shape) == 1,
-                     f"moe_combined_experts: tile_expert must be 1-d [num_tiles], got {list(tile_expert.shape)}")
-    NT = tile_expert.shape[0]
-    tl.static_assert(R == NT * BM, f"moe_combined_experts: h must have {NT * BM} rows ({NT} tiles of BM={BM} "
-                                   f"sorted rows), got {R} (were the tables built with moe_routing(..., BM={BM})?)")
-    _check_table(tile_expert, (NT,), "moe_combined_experts")
     _check_table(tile_valid_rows, (NT,), "moe_combined_experts")
     _check_table(sorted_token_ids, (R,), "moe_combined_experts")
     tl.static_assert(tuple(row_weights.shape) == (R,) and row_weights.dtype == tl.float32,
@@ -593,7 +590,8 @@ def moe_combined_experts(h, w2, row_weights, sorted_token_ids, tile_expert, tile
             y = expert_rows_tile(h, w2, gemm_tiles, i, pn, compute.tile, weights)
             scale = tl.load(row_weights, (i * BM,), (BM,))[:, None]
             # (the rows past the tile's valid ones add nothing: a GPU may leave them uncomputed)
-            tokens = tl.where(tl.iota(BM) < gemm_tiles["valid_rows", i], tl.load(sorted_token_ids, (i * BM,), (BM,)), -1)
+            tokens = tl.load(sorted_token_ids, (i * BM,), (BM,))
+            tokens = tl.where(tl.iota(BM) < gemm_tiles["valid_rows", i], tokens, -1)
             tl.add_rows(out, tokens, pn * BN, y * scale)
 
 

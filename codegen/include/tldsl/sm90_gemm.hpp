@@ -509,7 +509,7 @@ struct HeldTile {
 // A held tile whose rows are added into rows of C instead of stored there (tl.add_rows): each row times
 // its factor `scale(row)` when held; each chunk then through a swizzled epilogue buffer (stmatrix), its
 // rows' 16-byte pieces read back and added into row target(pm, pn, tile row) of `out` (ldc elements a
-// row, N columns, kRowsC rows) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose
+// row, all of them C's columns; kRowsC rows) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose
 // target is negative (or past C) adds nothing, nor do a half tile's rows of zeros.
 template <class Tr, class ElemOut, int kRowsC>
 struct HeldAddedTile : HeldTile<Tr, ElemOut> {
@@ -580,7 +580,7 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   }
 
   template <int c>
-  __device__ __forceinline__ void add_chunk(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+  __device__ __forceinline__ void add_chunk(ElemOut* out, int ldc, uint32_t epi0, int& epi_count,
                                             uint32_t bar_id, int tid, int wq, int lane) {
     constexpr int mb = c / kChunksPerBlock, q = c % kChunksPerBlock;
     const bool half = form != Base::kWhole;
@@ -600,7 +600,7 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
     for (int i = 0; i < kRowsEach; ++i) {
       const int r = tid / kUnits + (128 / kUnits) * i;
       const int t = half ? target_of(0, i) : target_of(mb, i);
-      if (t < 0 || cc + 8 > N) continue;
+      if (t < 0 || cc + 8 > ldc) continue;
       uint32_t v0, v1, v2, v3;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
@@ -619,24 +619,24 @@ struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   }
 
   template <int... c>
-  __device__ __forceinline__ void add_at(int i, cuda::std::integer_sequence<int, c...>, ElemOut* out, int ldc, int N,
+  __device__ __forceinline__ void add_at(int i, cuda::std::integer_sequence<int, c...>, ElemOut* out, int ldc,
                                          uint32_t epi0, int& epi_count, uint32_t bar_id, int tid, int wq, int lane) {
-    ((i == c ? add_chunk<c>(out, ldc, N, epi0, epi_count, bar_id, tid, wq, lane) : void()), ...);
+    ((i == c ? add_chunk<c>(out, ldc, epi0, epi_count, bar_id, tid, wq, lane) : void()), ...);
   }
 
   // The next held chunk, added, if any is left.
-  __device__ __forceinline__ void add_next(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+  __device__ __forceinline__ void add_next(ElemOut* out, int ldc, uint32_t epi0, int& epi_count,
                                            uint32_t bar_id, int tid, int wq, int lane) {
     if (next >= count()) return;
-    add_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, out, ldc, N, epi0, epi_count, bar_id, tid, wq,
+    add_at(next, cuda::std::make_integer_sequence<int, kChunks>{}, out, ldc, epi0, epi_count, bar_id, tid, wq,
            lane);
     ++next;
   }
 
   // Every chunk still held, added.
-  __device__ __forceinline__ void add_flush(ElemOut* out, int ldc, int N, uint32_t epi0, int& epi_count,
+  __device__ __forceinline__ void add_flush(ElemOut* out, int ldc, uint32_t epi0, int& epi_count,
                                             uint32_t bar_id, int tid, int wq, int lane) {
-    while (next < count()) add_next(out, ldc, N, epi0, epi_count, bar_id, tid, wq, lane);
+    while (next < count()) add_next(out, ldc, epi0, epi_count, bar_id, tid, wq, lane);
   }
 };
 

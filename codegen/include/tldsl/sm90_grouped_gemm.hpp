@@ -521,13 +521,6 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
   }
 }
 
-// The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
-// `side` (Side::kEnabled, TMA A only): a row-gather part whose tiles warps 1-3 of the producer
-// warpgroup run while the GEMM's run — a combine chained after this GEMM (its waits are this
-// GEMM's notifies: its tiles start as the GEMM's complete, not after the launch) or the row
-// gather this GEMM is chained after (the GEMM's waits are its notifies: each GEMM tile starts as
-// its rows are gathered, not after a launch of their own).
-
 // The row a tile row is added into (tl.add_rows), for a Prog that adds rows; -1 (none) otherwise.
 template <class P>
 __device__ __forceinline__ int row_target_of(const P& prog, int pm, int pn, int r) {
@@ -541,6 +534,12 @@ __device__ __forceinline__ float row_scale_of(const P& prog, int pm, int pn, int
   else return 1.0f;
 }
 
+// The kernel body. `tma_a` is unused (may be null) when A is gathered; `a` is unused when not.
+// `side` (Side::kEnabled, TMA A only): a row-gather part whose tiles warps 1-3 of the producer
+// warpgroup run while the GEMM's run — a combine chained after this GEMM (its waits are this
+// GEMM's notifies: its tiles start as the GEMM's complete, not after the launch) or the row
+// gather this GEMM is chained after (the GEMM's waits are its notifies: each GEMM tile starts as
+// its rows are gathered, not after a launch of their own).
 template <class Cfg, class SideCfg = NoSideCfg, class Prog, class Side = NoSide>
 __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* tma_a,
                                                     const cute::TmaDescriptor* tma_b,
@@ -813,13 +812,13 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
                   "tiles added into rows of C: held tiles, unpaired, no notifies");
     auto store_held = [&]() {
       if constexpr (kOverlap && Prog::kAddRows)
-        held.add_next(prog.out, Prog::kLdc, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
+        held.add_next(prog.out, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
       else if constexpr (kOverlap)
         held.store_next(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };
     auto flush_held = [&]() {
       if constexpr (kOverlap && Prog::kAddRows)
-        held.add_flush(prog.out, Prog::kLdc, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
+        held.add_flush(prog.out, Prog::kLdc, epi0, epi_count, bar_id, tid, wq, lane);
       else if constexpr (kOverlap)
         held.flush(tma_c, smem, smem_u32, epi0, epi_count, bar_id, tid, wq, lane);
     };

@@ -573,6 +573,28 @@ def test_generated_programs_compile_for_sm90a_with_tensor_core_dots(tmp_path):
     assert lks["gated_gemm-8192x8192x8192"].wgmma_dots == 2 and lks["attention_like-f16-wgmma"].wgmma_dots == 2
 
 
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+@pytest.mark.parametrize("dtype,tile,pair", [(BF16, (16, 32, 16), "REDG.E.ADD.BF16x2"),
+                                             (F16, (8, 16, 16), "REDG.E.ADD.F16x2"), (F32, (8, 16, 8), None)])
+def test_sixteen_bit_rows_are_added_two_columns_at_a_time(tmp_path, dtype, tile, pair):
+    """sm_90 runs a single 16-bit reduction as a compare-and-swap loop (SASS ATOMG.E.CAS): the general
+    lowering adds a 16-bit tile (of an even column count: every tile of a compute schedule) two columns
+    a thread, one packed REDG where the pair lies inside the tensor, 4-byte aligned (the loop stays
+    for a pair at an edge or misaligned); f32 elements each take one REDG."""
+    k = trace(weighted_scatter, [((37, 40), dtype), ((37,), I32), ((37,), F32), ((20, 40), dtype)], tile, {})
+    lk = lower(k, "part")
+    assert ("tldsl::gen::add_pair(" in lk.source) == (pair is not None)
+    ck = compile_many([lk.job()], cache=KernelCache(tmp_path), progress=False)[0]
+    ops = ck.sass()[ck.name].opcodes
+    reds = {op for op in ops if op.startswith("REDG.E.ADD")}
+    cas = any(op.startswith("ATOMG.E.CAS") for op in ops)
+    if pair is not None:
+        assert any(op.startswith(pair) for op in reds) and cas, sorted(ops)
+    else:
+        assert reds and not cas, sorted(ops)
+
+
 def _library_kernels():
     from test_codegen_attention import trace_sp
     from test_codegen_comm import rs_kernel

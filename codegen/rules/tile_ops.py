@@ -311,12 +311,36 @@ def _row_element(em, op, coords, el) -> tuple[str, str]:
 
 
 def _add_rows_statement(em, op, ind, lines):
-    tile = op.operands[3]
+    t, tile = op.operands[0].owner, op.operands[3]
+    shape = tuple(tile.type.shape)
+    if _adds_in_pairs(em, op, t, shape):
+        return _add_row_pairs(em, op, t, tile, shape, ind, lines)
 
     def body(coords, el):
         cond, elem = _row_element(em, op, coords, el)
         return [f"if ({cond}) tldsl::gen::add_to(&{elem}, (float)({em.value(tile, coords, el)}));"]
-    em.element_loop(op, tuple(tile.type.shape), body, ind, lines, f"add_rows -> {op.operands[0].owner.name}")
+    em.element_loop(op, shape, body, ind, lines, f"add_rows -> {t.name}")
+
+
+def _adds_in_pairs(em, op, t, shape) -> bool:
+    """Whether ``add_rows`` adds two adjacent columns a thread (``tldsl::gen::add_pair``): into a
+    16-bit tensor, whose single-element reductions sm_90 runs as compare-and-swap loops, from a
+    tile of an even column count whose elements the plain element loop walks (a tile held in
+    registers walks its chunk order instead)."""
+    return t.type.dtype.bits == 16 and shape[1] % 2 == 0 and id(op) not in em.plan.canon
+
+
+def _add_row_pairs(em, op, t, tile, shape, ind, lines):
+    """``add_rows`` over column pairs: a thread adds columns ``2j`` and ``2j + 1`` of a row, as one
+    packed reduction where both lie inside the tensor and their address is 4-byte aligned."""
+    def body(coords, el):
+        c0 = [coords[0], f"(2 * {coords[1]})"]
+        c1 = [coords[0], f"(2 * {coords[1]} + 1)"]
+        cond0, elem = _row_element(em, op, c0, el)
+        cond1, _ = _row_element(em, op, c1, el)
+        return [f"tldsl::gen::add_pair(&{elem}, (float)({em.value(tile, c0, el)}), "
+                f"(float)({em.value(tile, c1, el)}), {cond0}, {cond1});"]
+    em.element_loop(op, (shape[0], shape[1] // 2), body, ind, lines, f"add_rows -> {t.name}, column pairs")
 
 
 def _store_statement(em, op, ind, lines):

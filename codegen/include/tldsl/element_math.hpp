@@ -231,7 +231,30 @@ TLDSL_DEV void add_to(f16* p, float v) {
 TLDSL_DEV void add_to(bf16* p, float v) {
   asm volatile("red.global.add.noftz.bf16 [%0], %1;" ::"l"(p), "h"(put<bf16>(v).bits) : "memory");
 }
+TLDSL_DEV void red_pair(f16* p, unsigned bits) {     // (bits: p[0] low, p[1] high)
+  asm volatile("red.global.add.noftz.f16x2 [%0], %1;" ::"l"(p), "r"(bits) : "memory");
+}
+TLDSL_DEV void red_pair(bf16* p, unsigned bits) {
+  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(p), "r"(bits) : "memory");
+}
 #endif
+
+// Two adjacent elements p[0], p[1], each added where its flag says (as add_to): where both are and p
+// is 4-byte aligned, one packed 16-bit pair reduction — sm_90 has scalar 16-bit reductions only as
+// compare-and-swap loops (SASS ATOMG.E.CAS), its pairs as one REDG. Each element rounds as add_to's.
+template <class T>
+TLDSL_DEV void add_pair(T* p, float v0, float v1, bool add0, bool add1) {
+#if !defined(TLDSL_HOST_EMULATION)
+  if constexpr (sizeof(T) == 2) {
+    if (add0 && add1 && (reinterpret_cast<unsigned long long>(p) & 3ull) == 0) {
+      red_pair(p, unsigned(put<T>(v0).bits) | (unsigned(put<T>(v1).bits) << 16));
+      return;
+    }
+  }
+#endif
+  if (add0) add_to(p, v0);
+  if (add1) add_to(p + 1, v1);
+}
 
 }  // namespace gen
 }  // namespace tldsl

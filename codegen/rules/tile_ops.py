@@ -325,8 +325,8 @@ def _add_rows_statement(em, op, ind, lines):
 def _adds_in_pairs(em, op, t, shape) -> bool:
     """Whether ``add_rows`` adds two adjacent columns a thread (``tldsl::gen::add_pair``): into a
     16-bit tensor, whose single-element reductions sm_90 runs as compare-and-swap loops, from a
-    tile of an even column count whose elements the plain element loop walks (a tile held in
-    registers walks its chunk order instead)."""
+    tile of an even column count. The pairs replace the plain element loop only: ``add_rows``
+    never runs in chunk order today (``plan/held.py``), and should it, that walk stays as it is."""
     return t.type.dtype.bits == 16 and shape[1] % 2 == 0 and id(op) not in em.plan.canon
 
 

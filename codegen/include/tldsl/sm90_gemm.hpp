@@ -511,6 +511,11 @@ struct HeldTile {
 // rows' 16-byte pieces read back and added into row target(pm, pn, tile row) of `out` (ldc elements a
 // row, all of them C's columns; kRowsC rows) by vector reductions at L2 (red.global.add.v4 of 16-bit pairs). A row whose
 // target is negative (or past C) adds nothing, nor do a half tile's rows of zeros.
+// Why these reductions: their cost is the memory system's, not the consumers' instructions. Measured on
+// an H100 (BENCHMARKS.md, sixty-second session): with no global operation this GEMM is faster than the one
+// storing its rows; plain 16-byte stores to the same rows cost about half what the reductions do (small
+// experts); the TMA unit's bulk reductions (cp.reduce.async.bulk, a row at a time) six to eight times; an L2
+// evict_last policy on them changes nothing. sm_90 has no wider 16-bit reduction (.v8 is refused).
 template <class Tr, class ElemOut, int kRowsC>
 struct HeldAddedTile : HeldTile<Tr, ElemOut> {
   using Base = HeldTile<Tr, ElemOut>;

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.gpu,
     ("rs", "mixtral:2048:random", dict(), 5),         # the GEMM, the combine, notifying, the two copies
     ("rs", "mixtral:2048:random", dict(partial_dtype="f32"), 5),      # ... the partial in fp32 (bf16 by default)
     ("rs", "mixtral:2048:random", dict(fold=True), 6),                # + the pair one after the other
-    ("rs", "mixtral:2048:random", dict(combine="epilogue"), 5),       # the GEMM adding its rows: no combine
-    ("rs", "qwen3:2048:random", dict(combine="epilogue"), 5),
+    # the GEMM storing y_sorted, the combine, the GEMM adding its rows, the zeroing, the two copies
+    ("rs", "mixtral:2048:random", dict(combine="epilogue"), 6),
+    ("rs", "qwen3:2048:random", dict(combine="epilogue"), 6),
 ])
 def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):
     from tldsl.bench import fused_layers, moe

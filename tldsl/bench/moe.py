@@ -56,7 +56,7 @@ once its GEMM tiles are done, the GEMM's tiles column by column — one launch, 
 pass — the output zeroed, then the grouped GEMM adding each routed row, times its top-k weight, into
 its token's row (``tl.add_rows``: :func:`~tldsl.ops.moe.moe_combined_experts`, :class:`AddedRows`),
 ``y_sorted`` neither written nor read back; the parts then time the GEMM storing ``y_sorted``, the
-combine and the GEMM adding its rows, each alone.
+combine, the GEMM adding its rows and the zeroing of the output, each alone.
 
 ``--repeat R``: each row timed R times in this process, each time on tensors allocated anew (the
 allocator's cache emptied and a ballast of another size held first, so most likely at other
@@ -360,7 +360,7 @@ class AddedRows:
     """Layer 1 of a row as one kernel: the grouped GEMM adding each routed row, times its top-k
     weight, into its token's row of the output (``tl.add_rows``, :func:`~tldsl.ops.moe.moe_combined_experts`:
     the combine in the GEMM's epilogue, no ``y_sorted``), on an :class:`RsRow`'s rows, weights and
-    routing. :meth:`run` zeroes the output and launches the GEMM; :meth:`gemm` launches it alone."""
+    routing. :meth:`run` zeroes the output (:meth:`zero`) and launches the GEMM (:meth:`gemm`)."""
 
     def __init__(self, row: MoERow, r: RsRow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
                  cluster: int = 2, weights: str = "kn"):
@@ -385,8 +385,11 @@ class AddedRows:
         import torch
         self._gemm.launch(torch.cuda.current_stream().cuda_stream, 1)
 
-    def run(self):
+    def zero(self):
         self.out.zero_()
+
+    def run(self):
+        self.zero()
         self.gemm()
 
 
@@ -423,7 +426,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
         return _checked_timings(f"{row}: the grouped GEMM adding its rows differs from _grouped_mm + the weighted sum",
                                 added.out, want, [added.run, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(r.rt, added.lowered.config), T * topk,
-                                parts=[r.gemm, r.combine, added.gemm], run=run, bounds=bounds)
+                                parts=[r.gemm, r.combine, added.gemm, added.zero], run=run, bounds=bounds)
     if not fold:
         return _checked_timings(what, bufs["partial"], want, [r.pair, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
                                 _computed_rows(r.rt, r.lg.config), T * topk,
@@ -756,7 +759,8 @@ def main(argv, out=sys.stdout) -> int:
     if rs and args.combine == "epilogue":
         ours = "tldsl zeroing + GEMM adding its rows ms"
         split = (" GEMM storing y_sorted alone ms | combine alone ms | GEMM adding its rows alone ms "
-                 "| copy of the combine's bytes ms | copy of the pair's least DRAM bytes ms |")
+                 "| zeroing the output alone ms | copy of the combine's bytes ms "
+                 "| copy of the pair's least DRAM bytes ms |")
     if fold and rs:
         ours, split = "tldsl GEMM + combine folded ms", " GEMM, then combine ms |" + split
     elif fold:

@@ -171,3 +171,127 @@ def test_the_added_rows_kernel_compiles_without_spills_to_vector_reductions(tmp_
     sass = ck.sass()[ck.name]
     assert any(red in ln for ln in sass.lines), sorted(sass.opcodes)
     assert not any("UTMASTG" in ln or "UBLKCP.G.S" in ln for ln in sass.lines)    # nothing stored by TMA
+
+
+# -- the output cleared by another part, the adds waiting for it after the K loop ---------------------------
+
+@tl.kernel
+def clearing_combine(h, w2, row_weights, sorted_token_ids, tile_expert, tile_valid_rows, out, *,
+                     compute: tl.ComputeSchedule = None):
+    """``moe_combined_experts`` writing ``out`` rather than adding to it: a part clears ``out`` (16-row
+    tiles of zeros, each notifying ``out_cleared``), and each GEMM tile waits for every clear tile after
+    its K loop, before its ``tl.add_rows``."""
+    from tldsl.ops.moe import _expert_rows_and_weights, expert_rows_tile
+    BM, BN, BK = compute.tile
+    R, Nr, E, K, NT = _expert_rows_and_weights("clearing_combine", h, w2, tile_expert, "kn", BM)
+    ZR = 16
+    ZT = tl.cdiv(out.shape[0], ZR)
+    cleared = tl.signal("out_cleared", 1, scope="local")
+    tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows)
+
+    @tl.compute_part(grid=(ZT,))
+    def clear(z):
+        tl.store(out, (z * ZR, 0), tl.zeros((ZR, K), tl.float32))
+        tl.producer_tile_notify(cleared, 0)
+
+    @tl.compute_part(grid=(NT, tl.cdiv(K, BN)))
+    def grouped_gemm(i, pn):
+        with tl.when(tiles["expert", i] >= 0):
+            y = expert_rows_tile(h, w2, tiles, i, pn, compute.tile)
+            scale = tl.load(row_weights, (i * BM,), (BM,))[:, None]
+            tokens = tl.load(sorted_token_ids, (i * BM,), (BM,))
+            tokens = tl.where(tl.iota(BM) < tiles["valid_rows", i], tokens, -1)
+            tl.consumer_tile_wait(cleared, 0, count=ZT)
+            tl.add_rows(out, tokens, pn * BN, y * scale)
+
+
+def clearing_program(rt, K, N, E, dtype=tl.float16, tile=(64, 128, 64), cluster=1):
+    S = tl.TensorSpec
+    return clearing_combine.trace(
+        1, S((rt.num_rows, K), dtype), S((E, K, N), dtype), S((rt.num_rows,), tl.float32), S.of(rt.sorted_token_ids),
+        S.of(rt.tile_expert), S.of(rt.tile_valid_rows), S((rt.num_tokens, N), dtype),
+        compute=tl.ComputeSchedule(tile=tile, order="swizzled", cluster=(cluster, 1)))
+
+
+@pytest.mark.parametrize("T,E,topk", [(70, 5, 2), (200, 7, 3)])
+def test_an_output_cleared_by_another_part_holds_only_the_weighted_rows(T, E, topk):
+    rt, wts = _routing(T, E, topk, 64, seed=T)
+    ins = _inputs(rt, wts, 64, 128, E, seed=T)
+    ins["out"] = np.full_like(ins["out"], np.nan)          # poisoned: every element is cleared, then added to
+    got = tl.simulate(clearing_program(rt, 64, 128, E), 1, [ins])[0]["out"].astype(np.float64)
+    want = reference_moe_reduce_scatter([ins["h"]], [ins["w2"]], wts, rt)
+    scale = reference_moe_reduce_scatter([np.abs(ins["h"])], [np.abs(ins["w2"])], wts, rt)
+    assert np.all(np.abs(got - want) <= (topk + 2) * 2.0**-10 * scale + 1e-3)
+
+
+def test_without_its_wait_the_clear_races_the_adds():
+    rt, wts = _routing(70, 5, 2, 64)
+    k = clearing_program(rt, 64, 128, 5)
+    waits = [op for op in k.part("grouped_gemm").walk() if op.name == "consumer_tile_wait"]
+    assert len(waits) == 1
+    region = next(r for op in k.part("grouped_gemm").walk() for r in op.regions if waits[0] in r.ops)
+    region.ops.remove(waits[0])
+    with pytest.raises(tl.RaceError, match="race on out"):
+        tl.simulate(k, 1, [_inputs(rt, wts, 64, 128, 5)])
+
+
+def test_a_wait_after_the_k_loop_runs_on_the_consumers_before_the_rows_are_held():
+    rt, _ = _routing(300, 6, 2, 128)
+    k = clearing_program(rt, 128, 512, 6, tl.bfloat16, tile=(128, 256, 64), cluster=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # no fallback to the general lowering
+        lw = lower(k, "grouped_gemm")
+    assert type(lw).__name__ == "LoweredGroupedGemm" and lw.waits == 1
+    src = lw.source
+    assert "kHasWaits = false;" in src and "kHasLateWaits = true;" in src
+    late = src[src.index("void late_waits("):]
+    assert "wait_at_least" in late[:late.index("\n  }")]
+    # tl.run: the clear part first, the GEMM after it on its stream (its waits then hold at once)
+    from tldsl.runtime.gpu.run_plan import lower_for_run, plan_run
+    plan = plan_run(k, lower_for_run(k), sm_count=132, occupancy=lambda lk: 1)
+    assert "grouped_gemm: kernel" in plan.describe() and "stream 0 after clear" in plan.describe()
+
+
+def test_a_wait_after_the_rows_are_added_or_in_a_storing_gemm_is_refused():
+    from tldsl.ops.moe import _expert_rows_and_weights, expert_rows_tile
+
+    @tl.kernel
+    def late(h, w2, tile_expert, tile_valid_rows, out, *, compute: tl.ComputeSchedule = None, add: bool = True):
+        BM, BN, BK = compute.tile
+        R, Nr, E, K, NT = _expert_rows_and_weights("late", h, w2, tile_expert, "kn", BM)
+        done = tl.signal("done", 1, scope="local")
+        tiles = tl.DynamicMapping("expert_tiles", NT, expert=tile_expert, valid_rows=tile_valid_rows)
+
+        @tl.compute_part(grid=(1,))
+        def other(z):
+            tl.producer_tile_notify(done, 0)
+
+        @tl.compute_part(grid=(NT, tl.cdiv(K, BN)))
+        def grouped_gemm(i, pn):
+            with tl.when(tiles["expert", i] >= 0):
+                y = expert_rows_tile(h, w2, tiles, i, pn, compute.tile)
+                if add:
+                    tl.add_rows(out, tl.iota(BM), pn * BN, y)
+                else:
+                    tl.store(out, (i * BM, pn * BN), y)
+                tl.consumer_tile_wait(done, 0, count=1)
+
+    rt, _ = _routing(100, 4, 2, 64)
+    S = tl.TensorSpec
+    for add in (True, False):
+        k = late.trace(1, S((rt.num_rows, 64), tl.float16), S((4, 64, 128), tl.float16), S.of(rt.tile_expert),
+                       S.of(rt.tile_valid_rows), S((rt.num_rows, 128), tl.float16),
+                       compute=tl.ComputeSchedule(tile=(64, 128, 64)), add=add)
+        with pytest.raises(LoweringError, match="after the K loop: waits must precede the tile's loads"):
+            lower_grouped_gemm(k, "grouped_gemm")
+
+
+@pytest.mark.nvrtc
+@pytest.mark.skipif(not _OK, reason=f"CUDA wheels missing (NVRTC compile tests): {_WHY}")
+def test_the_late_waiting_kernel_compiles_without_spills(tmp_path):
+    rt, _ = _routing(1000, 8, 2, 128)
+    lw = lower_grouped_gemm(clearing_program(rt, 384, 512, 8, tl.bfloat16, tile=(128, 256, 64), cluster=2),
+                            "grouped_gemm")
+    ck = lw.compile(cache=KernelCache(tmp_path), progress=False)
+    info = ck.ptxas_info()[ck.name]
+    assert info["spill_store_bytes"] == info["spill_load_bytes"] == info["stack_bytes"] == 0, info

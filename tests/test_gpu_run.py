@@ -144,6 +144,27 @@ def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile, cluster):
     assert len(launched) == 1 and "kAddRows = true" in launched[0].source, [type(x).__name__ for x in launched]
 
 
+
+@pytest.mark.parametrize("tile,cluster", [((64, 128, 64), 1), ((128, 256, 64), 2)])
+def test_the_moe_combine_waiting_for_its_output_to_be_cleared(tile, cluster):
+    """The combine in the grouped GEMM's epilogue writing ``out`` (poisoned): a part clears it, each
+    GEMM tile waits after its K loop, before its adds (``late_waits`` on the consumers) — tl.run
+    against the simulator, the GEMM on the grouped-GEMM recipe, chained after the clear."""
+    from test_codegen_added_rows import clearing_program
+    from tldsl.ops.moe import moe_routing
+    rng = np.random.default_rng(5)
+    T, E, topk, K, N = 2000, 12, 3, 192, 512
+    ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (T, topk)).astype(np.float32)
+    rt = moe_routing(ids, E, 1, T, tile[0])
+    k = clearing_program(rt, K, N, E, tl.float16, tile=tile, cluster=cluster)
+    ins = dict(h=_rand(rng, (rt.num_rows, K), np.float16), w2=(_rand(rng, (E, K, N), np.float16) * 0.1).astype(np.float16),
+               row_weights=rt.row_weights(wts), sorted_token_ids=rt.sorted_token_ids, tile_expert=rt.tile_expert,
+               tile_valid_rows=rt.tile_valid_rows, out=np.full((T, N), np.nan, np.float16))
+    res = both(k, 1, [ins], sums=True)
+    gemm = [pk.lowered for pk in res.plan.kernels if pk.part == "grouped_gemm"]
+    assert len(gemm) == 1 and "kHasLateWaits = true" in gemm[0].source
+
 def _ag_inputs(k, seed):
     rng = np.random.default_rng(seed)
     b = _rand(rng, k.args[1].type.shape, np.float16)

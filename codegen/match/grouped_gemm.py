@@ -2,8 +2,9 @@
 ``acc += tl.dot(A, B)`` — A dense or gathered by per-row ids, B one expert's weights — inside
 an optional ``tl.when`` guard, one store of the accumulator — whole, or with its rows from a
 run-time count on zeroed (``tl.where(tl.iota(BM)[:, None] < n, acc, 0.0)``: a tile with few
-valid rows may skip computing the others) — waits before the loop and notifies after the store
-(the shape is in :mod:`..recipes.grouped_gemm`). The matcher checks
+valid rows may skip computing the others) — waits before the loop (and, where the tile's rows are
+added into C, between the loop and ``tl.add_rows``) and notifies after the store (the shape is in
+:mod:`..recipes.grouped_gemm`). The matcher checks
 the structure only; shapes, tile offsets and the schedule are the planner's
 (:mod:`..plan.grouped_gemm`)."""
 from __future__ import annotations
@@ -48,6 +49,9 @@ class GroupedGemmMatch:
     targets: core.Value | None = None       # the (BM,) i32 row ids
     scale: core.Value | None = None         # the per-row (BM, 1) f32 factor, or None
     scale_op: core.Op | None = None         # acc * scale
+    # waits after the K loop, before the rows are added (ids of their ops): the consumers run them
+    # before a tile's rows are held, so its adds follow them (an output cleared by another part first)
+    late_waits: frozenset = frozenset()
 
     @property
     def adds_rows(self) -> bool:
@@ -206,6 +210,7 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                            "iota and elementwise math are lowered)", o)
             known.add(id(o))
     guarded = {id(o) for o in guard.regions[0].walk()} if guard is not None else set()
+    late: set[int] = set()
     if guard is not None:
         known.add(id(guard))
     for op in order:
@@ -223,7 +228,10 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
             continue
         if n in WAIT_OPS:
             if pos[id(op)] > pos[id(loop)]:
-                raise fail(WHAT, f"'{n}' after the K loop: waits must precede the tile's loads", op)
+                if targets is None or pos[id(op)] > pos[id(store)]:
+                    raise fail(WHAT, f"'{n}' after the K loop: waits must precede the tile's loads (or, where the "
+                               "tile's rows are added into C, its tl.add_rows)", op)
+                late.add(id(op))
             if guard is not None and id(op) not in guarded:
                 # the producer runs waits only for the tiles the guard lets through; a tile it skips
                 # would store (zeros) or notify without having waited
@@ -235,7 +243,7 @@ def match_grouped_gemm(kernel: core.Kernel, part: core.Part) -> GroupedGemmMatch
                                    "waits, the K loop, the accumulator's store and notifies are lowered")
     return GroupedGemmMatch(part, loop, dot, a_load, b_load, frag, store, guard, store_inside, a, b, c, gather,
                             batched, rows, batch, c.type.dtype.name, row_limit, mask_ops, b_k_major, targets, scale,
-                            scale_op)
+                            scale_op, frozenset(late))
 
 
 def _added_rows(users, kept: core.Value, order, BM: int):

@@ -69,6 +69,7 @@ class GroupedGemmPlan:
     wait_scopes: tuple[str, ...]            # memory scopes of the waits' acquires ("gpu", "sys")
     options: tuple[str, ...]                # NVRTC options
     side: object = None                     # CombinePlan of a row-gather part folded into the spare producer warps
+    late_waits: int = 0                     # waits after the K loop, before the rows are added (the consumers')
 
     @property
     def part_rows(self) -> int:
@@ -109,7 +110,10 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
     M, N, K = _check_shapes(m, sched)
     in_dt = m.a.type.dtype.name
     walk = list(part.walk())
-    waits = [op for op in walk if op.name in WAIT_OPS]
+    # the waits before the tile's loads (the producer's and consumers'), and those after the K loop
+    # (the consumers', before a tile's rows are added: GroupedGemmMatch.late_waits)
+    waits = [op for op in walk if op.name in WAIT_OPS and id(op) not in m.late_waits]
+    late = [op for op in walk if op.name in WAIT_OPS and id(op) in m.late_waits]
     notifies = sum(op.name in NOTIFY_OPS for op in walk)
     # the deferred-notify ring's barriers only where the notifier warp uses them
     ring = NOTIFY_SLOTS if uses_notifier_warp(m, len(waits), notifies, side) else 0
@@ -178,8 +182,8 @@ def plan_grouped_gemm(kernel: core.Kernel, part: core.Part, m: GroupedGemmMatch,
                            order_align_shift(getattr(part, "align_shift", 0), kernel.world_size), tuple(params),
                            _tma_specs(cfg, m, M, N, K),
                            buffers, signals, tensors, written, len(waits),
-                           notifies, tuple(sorted({scope_of(op) for op in waits})),
-                           wait_timeout_options(wait_timeout_ns), side_plan)
+                           notifies, tuple(sorted({scope_of(op) for op in waits + late})),
+                           wait_timeout_options(wait_timeout_ns), side_plan, len(late))
 
 
 def paired_config(kernel: core.Kernel, m: GroupedGemmMatch, sched: ComputeSchedule, in_dt: str, K: int, cluster,

@@ -22,7 +22,10 @@ Recognised shape (``allgather_moe.grouped_gemm`` and ``moe_reduce_scatter.groupe
     the epilogue, ``tldsl.ops.moe.moe_combined_experts``): ``tl.add_rows(c, ids, pn*BN, acc)`` or of
     ``acc * scale`` (``ids`` and ``scale`` per-row expressions, ``scale`` (BM, 1) f32; ``acc`` possibly
     row-masked) — held tiles whose chunks are added at L2 by vector reductions (``HeldAddedTile``), a
-    16-bit C, no notifies; half tiles only where the ids are -1 past the mask's count.
+    16-bit C, no notifies; half tiles only where the ids are -1 past the mask's count. Waits between
+    the K loop and ``tl.add_rows`` (an output another part clears first) are the consumers'
+    (``late_waits``): a warp of each consumer warpgroup acquires before the tile is held, its
+    barrier orders the warpgroup's adds after them.
 
     A = tl.load_rows(a, rows, k, BK)       (gathered rows, by index; negative rows read 0)
       | tl.load(a, (i*BM, k), (BM, BK))    (dense)
@@ -194,7 +197,11 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
             x = em.value(v, "    ", L)
             fns += hook_fn(f"{ct} {name}(int pid0, int pid1, int r)", L + [f"    return {x};"])
     # waits() and notifies(), with their guards and loops
-    fns += HookEmitter(plan, WHAT, WAIT_OPS, lanes=32).signal_fn("waits")
+    late = m.late_waits
+    fns += HookEmitter(plan, WHAT, WAIT_OPS, lanes=32, pick=lambda op: id(op) not in late).signal_fn("waits")
+    # ... and those after the K loop, run by a consumer warp before the tile's rows are held (then added)
+    if plan.late_waits:
+        fns += HookEmitter(plan, WHAT, WAIT_OPS, lanes=32, pick=lambda op: id(op) in late).signal_fn("late_waits")
     # ... the notifies as one consumer thread runs them, or spread over the notifier warp's lanes
     # (sm90_grouped_gemm.hpp): only the one the template calls
     if plan.notifier_warp:
@@ -205,7 +212,7 @@ def render_grouped_gemm(plan: GroupedGemmPlan) -> LoweredGroupedGemm:
     params, buffers = side_params(plan), dict(plan.buffers)
     signals = {s.name: s.type.slots for s in plan.signals}
     tables = [b.name for b in plan.tensors if b.type.dtype.name == "i32"]
-    waits, notifies, scopes = plan.waits, plan.notifies, set(plan.wait_scopes)
+    waits, notifies, scopes = plan.waits + plan.late_waits, plan.notifies, set(plan.wait_scopes)
     if sp is not None:
         buffers.update(sp.buffers)
         signals.update({s.name: s.type.slots for s in sp.signals})
@@ -316,6 +323,8 @@ def _source(plan: GroupedGemmPlan, fns: list[str]) -> str:
         "// What the tile program adds around the GEMM: guard, expert, gathered rows, waits, notifies.",
         "struct Prog {",
         f"  static constexpr bool kHasWaits = {'true' if plan.waits else 'false'};",
+        f"  static constexpr bool kHasLateWaits = {'true' if plan.late_waits else 'false'};"
+        f"{'   // late_waits(): before a tile is held, its rows then added' if plan.late_waits else ''}",
         f"  static constexpr bool kHasNotifies = {'true' if plan.notifies else 'false'};",
         f"  static constexpr bool kRowLimit = {'true' if m.row_limit is not None else 'false'};",
         f"  static constexpr bool kNotifiesGuarded = {'true' if notifies_guarded(m) else 'false'};"

@@ -70,8 +70,9 @@ class HookEmitter(SignalEmitter):
 
     loop_pragma = "#pragma unroll 1"          # table-driven loops stay loops
 
-    def __init__(self, plan, what: str, roots=frozenset(), rows: int = 0, lanes: int = 0):
+    def __init__(self, plan, what: str, roots=frozenset(), rows: int = 0, lanes: int = 0, pick=None):
         self.roots = frozenset(roots)
+        self.pick = pick                      # which of the roots' ops this hook runs (None: all of them)
         super().__init__(plan.kernel, list(plan.part.body.ops), what)
         self.plan = plan
         self.rows = rows                      # tile rows of a per-row value
@@ -82,6 +83,9 @@ class HookEmitter(SignalEmitter):
         self.reads_written = False            # a table another part writes during the launch is read
         self._spread_next = False             # waits over lanes: the loop being opened is spread
         self._spread_depth = 0                # waits over lanes: spread loops around the op being emitted
+
+    def is_root(self, op: core.Op) -> bool:
+        return op.name in self.roots and (self.pick is None or self.pick(op))
 
     # -- the plan's parameters -----------------------------------------------------------------
     def table_expr(self, buf: core.Buffer) -> str:
@@ -135,7 +139,7 @@ class HookEmitter(SignalEmitter):
         if self.lanes and self._waits_over_lanes:
             if self.reads_written:      # one thread, in order: the hook as a single thread's
                 body = ["    if (lane != 0) return;  // (a table written during the launch is read after a wait)",
-                        *HookEmitter(self.plan, self.what, self.roots, self.rows).emit()]
+                        *HookEmitter(self.plan, self.what, self.roots, self.rows, pick=self.pick).emit()]
             return hook_fn(f"void {name}(int pid0, int pid1, int lane, int lanes)", body)
         if self.lanes:
             return hook_fn(f"void {name}(int pid0, int pid1, int lane)", body)

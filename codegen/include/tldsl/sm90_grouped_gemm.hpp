@@ -521,6 +521,12 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
   }
 }
 
+// Whether a Prog has waits after its K loop (Prog::kHasLateWaits; a Prog without the member has none).
+template <class P, class = void>
+struct late_waits_of : cuda::std::false_type {};
+template <class P>
+struct late_waits_of<P, cuda::std::void_t<decltype(P::kHasLateWaits)>> : cuda::std::bool_constant<P::kHasLateWaits> {};
+
 // The row a tile row is added into (tl.add_rows), for a Prog that adds rows; -1 (none) otherwise.
 template <class P>
 __device__ __forceinline__ int row_target_of(const P& prog, int pm, int pn, int r) {
@@ -930,6 +936,12 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if (kOverlap && store) {
         if constexpr (kOverlap) {
           bool whole = true;
+          if constexpr (late_waits_of<Prog>::value) {
+            // waits after the K loop (the tile program's, before its tl.add_rows): this warpgroup's warp 0
+            // acquires, its barrier orders every thread's adds of this tile after them
+            if (wq == 0) prog.late_waits(p.m, p.n, lane, 32);
+            cutlass::arch::NamedBarrier::sync(128, bar_id);
+          }
           if constexpr (Prog::kAddRows)      // where this warpgroup's rows go (half tile: its first 64 rows)
             held.hold_targets([&](int pm, int pn, int r) { return row_target_of(prog, pm, pn, r); }, p.m, p.n,
                               half ? 0 : wg_row, half ? 1 : Tr::MB, tid);

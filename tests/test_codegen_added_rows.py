@@ -246,17 +246,22 @@ def test_a_wait_after_the_k_loop_runs_on_the_consumers_before_the_rows_are_held(
     assert "kHasWaits = false;" in src and "kHasLateWaits = true;" in src
     late = src[src.index("void late_waits("):]
     assert "wait_at_least" in late[:late.index("\n  }")]
-    # tl.run: the clear part first, the GEMM after it on its stream (its waits then hold at once)
+    # tl.run: by default the GEMM runs after the clear on its stream, the wait dropped as the stream orders
+    # them; beside it (chain="beside"), on a stream of its own, the consumers run the wait
     from tldsl.runtime.gpu.run_plan import lower_for_run, plan_run
-    plan = plan_run(k, lower_for_run(k), sm_count=132, occupancy=lambda lk: 1)
-    assert "grouped_gemm: kernel" in plan.describe() and "stream 0 after clear" in plan.describe()
+    after = lower_for_run(k)
+    assert "kHasLateWaits = false;" in after["grouped_gemm"].source
+    assert "stream 0 after clear" in plan_run(k, after, sm_count=132, occupancy=lambda lk: 1).describe()
+    beside = lower_for_run(k, chain="beside")
+    assert "kHasLateWaits = true;" in beside["grouped_gemm"].source
+    assert "after clear" not in plan_run(k, beside, sm_count=132, occupancy=lambda lk: 1, chain="beside").describe()
 
 
 def test_a_wait_after_the_rows_are_added_or_in_a_storing_gemm_is_refused():
     from tldsl.ops.moe import _expert_rows_and_weights, expert_rows_tile
 
     @tl.kernel
-    def late(h, w2, tile_expert, tile_valid_rows, out, *, compute: tl.ComputeSchedule = None, add: bool = True):
+    def late(h, w2, tile_expert, tile_valid_rows, out, *, compute: tl.ComputeSchedule = None, add=True):
         BM, BN, BK = compute.tile
         R, Nr, E, K, NT = _expert_rows_and_weights("late", h, w2, tile_expert, "kn", BM)
         done = tl.signal("done", 1, scope="local")
@@ -270,15 +275,19 @@ def test_a_wait_after_the_rows_are_added_or_in_a_storing_gemm_is_refused():
         def grouped_gemm(i, pn):
             with tl.when(tiles["expert", i] >= 0):
                 y = expert_rows_tile(h, w2, tiles, i, pn, compute.tile)
-                if add:
+                if add == "before the store":
+                    tl.consumer_tile_wait(done, 0, count=1)
+                if add is True:
                     tl.add_rows(out, tl.iota(BM), pn * BN, y)
                 else:
                     tl.store(out, (i * BM, pn * BN), y)
-                tl.consumer_tile_wait(done, 0, count=1)
+                if add != "before the store":
+                    tl.consumer_tile_wait(done, 0, count=1)
 
     rt, _ = _routing(100, 4, 2, 64)
     S = tl.TensorSpec
-    for add in (True, False):
+    # after the adds; after a store; between the K loop and a store (only added rows take a late wait)
+    for add in (True, False, "before the store"):
         k = late.trace(1, S((rt.num_rows, 64), tl.float16), S((4, 64, 128), tl.float16), S.of(rt.tile_expert),
                        S.of(rt.tile_valid_rows), S((rt.num_rows, 128), tl.float16),
                        compute=tl.ComputeSchedule(tile=(64, 128, 64)), add=add)

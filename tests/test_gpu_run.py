@@ -149,7 +149,9 @@ def test_the_moe_combine_in_the_grouped_gemms_epilogue(tile, cluster):
 def test_the_moe_combine_waiting_for_its_output_to_be_cleared(tile, cluster):
     """The combine in the grouped GEMM's epilogue writing ``out`` (poisoned): a part clears it, each
     GEMM tile waits after its K loop, before its adds (``late_waits`` on the consumers) — tl.run
-    against the simulator, the GEMM on the grouped-GEMM recipe, chained after the clear."""
+    against the simulator, twice (the second launch's waits count in its own epoch), the GEMM on the
+    grouped-GEMM recipe beside the clear (chained after it, the stream would order them and the wait
+    is dropped)."""
     from test_codegen_added_rows import clearing_program
     from tldsl.ops.moe import moe_routing
     rng = np.random.default_rng(5)
@@ -161,7 +163,7 @@ def test_the_moe_combine_waiting_for_its_output_to_be_cleared(tile, cluster):
     ins = dict(h=_rand(rng, (rt.num_rows, K), np.float16), w2=(_rand(rng, (E, K, N), np.float16) * 0.1).astype(np.float16),
                row_weights=rt.row_weights(wts), sorted_token_ids=rt.sorted_token_ids, tile_expert=rt.tile_expert,
                tile_valid_rows=rt.tile_valid_rows, out=np.full((T, N), np.nan, np.float16))
-    res = both(k, 1, [ins], sums=True)
+    res = both(k, 1, [ins], sums=True, lowering={"chain": "beside"}, options={"launches": 2})
     gemm = [pk.lowered for pk in res.plan.kernels if pk.part == "grouped_gemm"]
     assert len(gemm) == 1 and "kHasLateWaits = true" in gemm[0].source
 

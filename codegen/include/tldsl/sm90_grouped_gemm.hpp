@@ -938,8 +938,12 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
           bool whole = true;
           if constexpr (late_waits_of<Prog>::value) {
             // waits after the K loop (the tile program's, before its tl.add_rows): this warpgroup's warp 0
-            // acquires, its barrier orders every thread's adds of this tile after them
-            if (wq == 0) prog.late_waits(p.m, p.n, lane, 32);
+            // acquires, its barrier orders every thread's adds of this tile after them (one program tile:
+            // added rows never pair tiles, static_assert above)
+            if (wq == 0) {
+              prog.late_waits(p.m, p.n, lane, 32);
+              __syncwarp();                      // (the lanes' spins reconverged before the barrier)
+            }
             cutlass::arch::NamedBarrier::sync(128, bar_id);
           }
           if constexpr (Prog::kAddRows)      // where this warpgroup's rows go (half tile: its first 64 rows)

@@ -10,6 +10,7 @@
 //      prog.waits(pid0, pid1, lane, n)    acquire spins (the tile program's prologue), the
 //                                         iterations of its waiting loops shared by n lanes
 //      acc = sum_k A_tile(k) @ B[prog.batch(pid0, pid1)](k, pid1)
+//      prog.late_waits(pid0, pid1, lane, n)  (Prog::kHasLateWaits, rows added into C: the consumers')
 //      C[pid0*BM.., pid1*BN..] = acc      TMA store, converted to C's type
 //      prog.notifies(pid0, pid1)          release adds, after the stores completed
 //    A is either dense (TMA 2-D, like sm90::gemm_kernel) or *gathered* (Cfg::kGather): tile
@@ -521,12 +522,6 @@ __device__ __forceinline__ void store_block(const cute::TmaDescriptor* tma_c, un
   }
 }
 
-// Whether a Prog has waits after its K loop (Prog::kHasLateWaits; a Prog without the member has none).
-template <class P, class = void>
-struct late_waits_of : cuda::std::false_type {};
-template <class P>
-struct late_waits_of<P, cuda::std::void_t<decltype(P::kHasLateWaits)>> : cuda::std::bool_constant<P::kHasLateWaits> {};
-
 // The row a tile row is added into (tl.add_rows), for a Prog that adds rows; -1 (none) otherwise.
 template <class P>
 __device__ __forceinline__ int row_target_of(const P& prog, int pm, int pn, int r) {
@@ -936,7 +931,7 @@ __device__ __forceinline__ void grouped_gemm_kernel(const cute::TmaDescriptor* t
       if (kOverlap && store) {
         if constexpr (kOverlap) {
           bool whole = true;
-          if constexpr (late_waits_of<Prog>::value) {
+          if constexpr (Prog::kHasLateWaits) {
             // waits after the K loop (the tile program's, before its tl.add_rows): this warpgroup's warp 0
             // acquires, its barrier orders every thread's adds of this tile after them (one program tile:
             // added rows never pair tiles, static_assert above)

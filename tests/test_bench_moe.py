@@ -494,6 +494,18 @@ def test_group_m_reaches_the_ag_layers_kernels_and_rows(monkeypatch):
     assert seen == [4, None]
 
 
+def test_group_m_reaches_the_grouped_gemm_that_adds_its_rows():
+    """``bench moe --layer rs --combine epilogue --group-m N``: the tile order's group of the GEMM
+    adding its rows (it reached only the pass pair's kernels, and the epilogue's GEMM silently kept 8)."""
+    from tldsl.bench import moe
+    from tldsl.bench.baselines import _parse_row
+    row = _parse_row("mixtral:2048:random")
+    _, _, rt, _ = moe.rs_program(row, group_m=4)
+    assert moe.lowered_added_rows(row, rt, group_m=4).config.group_m == 4
+    added = moe.lowered_added_rows(row, rt)
+    assert added.config.group_m == 8 and "kAddRows = true" in added.source
+
+
 def test_the_moe_benchmarks_header_names_the_clusters_the_folded_kernel_runs_with(monkeypatch):
     """``bench moe --fold on``: the header gives the folded kernel's clusters as the runtime folds
     (``runtime/gpu/fold.py``'s ``FOLDED_CLUSTER``), not a copy of them that could drift."""

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.gpu,
     # the GEMM storing y_sorted, the combine, the GEMM adding its rows, the zeroing, the two copies
     ("rs", "mixtral:2048:random", dict(combine="epilogue"), 6),
     ("rs", "qwen3:2048:random", dict(combine="epilogue"), 6),
+    ("rs", "mixtral:2048:random", dict(combine="epilogue", group_m=4, interleave=1), 6),   # another tile order
 ])
 def test_bench_moe_checks_and_times_each_mode(layer, spec, kw, parts):
     from tldsl.bench import fused_layers, moe

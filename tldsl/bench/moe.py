@@ -356,6 +356,20 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
                  offs=offs, order=order, flat_w=flat_w, T=T, N=N, topk=topk, topk_weights=wts)
 
 
+def lowered_added_rows(row: MoERow, rt, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
+                       cluster: int = 2, weights: str = "kn", group_m: int | None = None):
+    """Layer 1 of ``row`` as one grouped GEMM adding its rows into the output
+    (:func:`~tldsl.ops.moe.moe_combined_experts` traced for the routing ``rt``), lowered by the
+    grouped-GEMM recipe; ``group_m`` as ``--group-m`` gives it (default: the schedule's)."""
+    import tldsl as tl
+    from tldsl.codegen import lower_grouped_gemm
+    hidden, ffn, E, _ = MOE_MODELS[row.model]
+    k = rt.trace_combined_experts(ffn // TP, hidden, E, getattr(tl, dtype), weights=weights,
+                                  compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
+                                                             **({"group_m": group_m} if group_m else {})))
+    return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
+
+
 class AddedRows:
     """Layer 1 of a row as one kernel: the grouped GEMM adding each routed row, times its top-k
     weight, into its token's row of the output (``tl.add_rows``, :func:`~tldsl.ops.moe.moe_combined_experts`:
@@ -363,17 +377,12 @@ class AddedRows:
     routing. :meth:`run` zeroes the output (:meth:`zero`) and launches the GEMM (:meth:`gemm`)."""
 
     def __init__(self, row: MoERow, r: RsRow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2, weights: str = "kn"):
+                 cluster: int = 2, weights: str = "kn", group_m: int | None = None):
         import numpy as np
         import torch
-        import tldsl as tl
-        from tldsl.codegen import lower_grouped_gemm
         from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
-        hidden, ffn, E, topk = MOE_MODELS[row.model]
-        K, N = ffn // TP, hidden
-        k = r.rt.trace_combined_experts(K, N, E, getattr(tl, dtype), weights=weights,
-                                        compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled"))
-        self.lowered = lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
+        self.lowered = lowered_added_rows(row, r.rt, tile, stages, dtype, cluster, weights, group_m)
+        N = MOE_MODELS[row.model][0]
         self.out = torch.full((r.rt.num_tokens, N), float("nan"), device="cuda", dtype=r.bufs["h"].dtype)
         bufs = {"h": r.bufs["h"], "w2": r.bufs["w2"], "tile_expert": r.bufs["tile_expert"],
                 "tile_valid_rows": r.bufs["tile_valid_rows"],
@@ -421,7 +430,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not torch.allclose(r.y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
         raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
     if combine == "epilogue":
-        added = AddedRows(row, r, tile, stages, dtype, cluster, weights)
+        added = AddedRows(row, r, tile, stages, dtype, cluster, weights, group_m)
         added.run()
         return _checked_timings(f"{row}: the grouped GEMM adding its rows differs from _grouped_mm + the weighted sum",
                                 added.out, want, [added.run, r.gmm, r.sequence], iters, 2 * T * topk * K * N,

@@ -500,9 +500,10 @@ def test_group_m_reaches_the_grouped_gemm_that_adds_its_rows():
     from tldsl.bench import moe
     from tldsl.bench.baselines import _parse_row
     row = _parse_row("mixtral:2048:random")
-    _, _, rt, _ = moe.rs_program(row, group_m=4)
-    assert moe.lowered_added_rows(row, rt, group_m=4).config.group_m == 4
-    added = moe.lowered_added_rows(row, rt)
+    _, _, rt, k = moe.rs_program(row, group_m=4)
+    assert moe.lowered_added_rows(row, rt, k.compute_schedule).config.group_m == 4
+    _, _, rt, k = moe.rs_program(row)
+    added = moe.lowered_added_rows(row, rt, k.compute_schedule)
     assert added.config.group_m == 8 and "kAddRows = true" in added.source
 
 

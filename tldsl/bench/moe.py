@@ -356,17 +356,15 @@ def rs_row(row: MoERow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bflo
                  offs=offs, order=order, flat_w=flat_w, T=T, N=N, topk=topk, topk_weights=wts)
 
 
-def lowered_added_rows(row: MoERow, rt, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                       cluster: int = 2, weights: str = "kn", group_m: int | None = None):
+def lowered_added_rows(row: MoERow, rt, compute, dtype: str = "bfloat16", cluster: int = 2, weights: str = "kn"):
     """Layer 1 of ``row`` as one grouped GEMM adding its rows into the output
-    (:func:`~tldsl.ops.moe.moe_combined_experts` traced for the routing ``rt``), lowered by the
-    grouped-GEMM recipe; ``group_m`` as ``--group-m`` gives it (default: the schedule's)."""
+    (:func:`~tldsl.ops.moe.moe_combined_experts` traced for the routing ``rt`` under the compute
+    schedule ``compute``: the pass pair's own, so every schedule option reaches both), lowered by the
+    grouped-GEMM recipe."""
     import tldsl as tl
     from tldsl.codegen import lower_grouped_gemm
     hidden, ffn, E, _ = MOE_MODELS[row.model]
-    k = rt.trace_combined_experts(ffn // TP, hidden, E, getattr(tl, dtype), weights=weights,
-                                  compute=tl.ComputeSchedule(tile=tile, stages=stages, order="swizzled",
-                                                             **({"group_m": group_m} if group_m else {})))
+    k = rt.trace_combined_experts(ffn // TP, hidden, E, getattr(tl, dtype), weights=weights, compute=compute)
     return lower_grouped_gemm(k, "grouped_gemm", cluster=(cluster, 1))
 
 
@@ -374,14 +372,13 @@ class AddedRows:
     """Layer 1 of a row as one kernel: the grouped GEMM adding each routed row, times its top-k
     weight, into its token's row of the output (``tl.add_rows``, :func:`~tldsl.ops.moe.moe_combined_experts`:
     the combine in the GEMM's epilogue, no ``y_sorted``), on an :class:`RsRow`'s rows, weights and
-    routing. :meth:`run` zeroes the output (:meth:`zero`) and launches the GEMM (:meth:`gemm`)."""
+    routing, under its program's compute schedule. :meth:`run` zeroes the output (:meth:`zero`) and launches the GEMM (:meth:`gemm`)."""
 
-    def __init__(self, row: MoERow, r: RsRow, tile=(128, 256, 64), stages: int = 4, dtype: str = "bfloat16",
-                 cluster: int = 2, weights: str = "kn", group_m: int | None = None):
+    def __init__(self, row: MoERow, r: RsRow, dtype: str = "bfloat16", cluster: int = 2, weights: str = "kn"):
         import numpy as np
         import torch
         from tldsl.runtime.gpu.grouped_gemm import GroupedKernel
-        self.lowered = lowered_added_rows(row, r.rt, tile, stages, dtype, cluster, weights, group_m)
+        self.lowered = lowered_added_rows(row, r.rt, r.k.compute_schedule, dtype, cluster, weights)
         N = MOE_MODELS[row.model][0]
         self.out = torch.full((r.rt.num_tokens, N), float("nan"), device="cuda", dtype=r.bufs["h"].dtype)
         bufs = {"h": r.bufs["h"], "w2": r.bufs["w2"], "tile_expert": r.bufs["tile_expert"],
@@ -430,7 +427,7 @@ def bench_rs_row(row: MoERow, iters: int, tile=(128, 256, 64), stages: int = 4, 
     if not torch.allclose(r.y_notified, bufs["y_sorted"], rtol=0, atol=0, equal_nan=True):
         raise RuntimeError(f"{row}: the grouped GEMM with notifies stored other rows than without them")
     if combine == "epilogue":
-        added = AddedRows(row, r, tile, stages, dtype, cluster, weights, group_m)
+        added = AddedRows(row, r, dtype, cluster, weights)
         added.run()
         return _checked_timings(f"{row}: the grouped GEMM adding its rows differs from _grouped_mm + the weighted sum",
                                 added.out, want, [added.run, r.gmm, r.sequence], iters, 2 * T * topk * K * N,
